@@ -1,0 +1,1 @@
+"""Subcommands of the `pagedkv` CLI, one module each."""

@@ -1,0 +1,79 @@
+"""EngineArgs: every engine knob, with vLLM's names, and its validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "fp32", "bf16", "fp16")
+
+
+@dataclass
+class EngineArgs:
+    """Arguments of `LLM(...)`, `LLMEngine` and `pagedkv serve` (vLLM's names and meanings).
+
+    KV cache size: `num_gpu_blocks_override` wins; else `kv_cache_memory_bytes`; else on CUDA
+    `gpu_memory_utilization` of the device minus weights and activation peak; else on CPU a
+    default budget (`DEFAULT_CPU_KV_CACHE_BYTES`). `swap_space` is GiB of host memory for swapped
+    blocks. `max_num_batched_tokens` is the per-step token budget (chunked prefill splits longer
+    prompts).
+    """
+
+    model: str = ""
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    swap_space: float = 4.0
+    preemption_mode: str = "recompute"
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    scheduling_policy: str = "fcfs"
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def positive_int(name: str, allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        positive_int("block_size")
+        positive_int("max_num_seqs")
+        positive_int("max_num_batched_tokens", allow_none=True)
+        positive_int("max_model_len", allow_none=True)
+        positive_int("num_gpu_blocks_override", allow_none=True)
+        positive_int("kv_cache_memory_bytes", allow_none=True)
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.prefix_caching_hash_algo not in ("sha256", "xxhash"):
+            raise ValueError("prefix_caching_hash_algo must be 'sha256' or 'xxhash', "
+                             f"got {self.prefix_caching_hash_algo!r}")
+        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+            raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

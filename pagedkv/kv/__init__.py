@@ -1,0 +1,1 @@
+"""The KV-cache memory system: pure Python, no torch."""

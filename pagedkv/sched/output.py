@@ -1,0 +1,73 @@
+"""What the scheduler hands the model runner each step, and what the runner hands back.
+
+The runner applies, in this order: `blocks_to_swap_out` (device -> host), `blocks_to_swap_in`
+(host -> device), `blocks_to_copy` (device -> device, copy-on-write), then runs the forward pass
+over `scheduled` and samples for the requests whose `num_samples > 0`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedkv.sched.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    `token_ids` are the tokens whose K/V this step computes: positions `start_pos ..
+    start_pos + len(token_ids) - 1`. `block_table` is the request's full list of physical device
+    block ids (logical block i -> block_table[i]); slot of position p is
+    `block_table[p // block_size] * block_size + p % block_size`.
+    `num_samples` is 0 for a prefill chunk that does not reach the end of the prompt, 1 for a
+    normal step, and `n` for the step that finishes the prompt of a request with `n > 1`
+    (the runner samples `n` tokens from the same logits, sample i with generator seed + i).
+    `prompt_token_ids` and `output_token_ids` are the request's tokens so far (penalties use them).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sampling_params: SamplingParams
+    num_samples: int = 1
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    sample_index: int = 0
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Requests that ended since the last step; the runner drops their per-request state
+    # (sampling generators) when it sees them.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in
+                    or self.blocks_to_copy)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """`sampled_token_ids[request_id]` lists `num_samples` tokens for each sampling request.
+
+    `logprobs[request_id][i]` (only when the request asked for logprobs) maps token id ->
+    log-probability for sample i: the top-N tokens plus the sampled one.
+    """
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)

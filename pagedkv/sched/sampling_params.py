@@ -1,0 +1,91 @@
+"""SamplingParams: how one request samples and when it stops (vLLM's names and meanings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _check(cond: bool, name: str, value: object, rule: str) -> None:
+    if not cond:
+        raise ValueError(f"{name} {rule}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping parameters for one request.
+
+    `temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` disable those filters.
+    `seed` makes this request's sampling reproducible whatever else is in the batch.
+    `logprobs=N` returns the top-N log-probabilities (plus the sampled token's) per output token.
+    `stop` strings end generation and are left out of the text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Filled in from `stop` so callers can rely on a list.
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1,
+               "n", self.n, "must be an integer >= 1")
+        _check(isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0,
+               "temperature", self.temperature, "must be in [0, 100]")
+        _check(isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0,
+               "top_p", self.top_p, "must be in (0, 1]")
+        _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= -1,
+               "top_k", self.top_k, "must be an integer >= -1 (0 or -1 disables it)")
+        _check(isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0,
+               "min_p", self.min_p, "must be in [0, 1]")
+        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
+               "seed", self.seed, "must be an integer or None")
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int)
+                                           and not isinstance(self.max_tokens, bool)
+                                           and self.max_tokens >= 1),
+               "max_tokens", self.max_tokens, "must be an integer >= 1 or None")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+               "min_tokens", self.min_tokens, "must be an integer >= 0")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                   f"must be <= max_tokens ({self.max_tokens})")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+               "logprobs", self.logprobs, "must be an integer in [0, 20] or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and -2.0 <= value <= 2.0, name, value,
+                   "must be in [-2, 2]")
+        _check(isinstance(self.repetition_penalty, (int, float)) and 0.0 < self.repetition_penalty <= 10.0,
+               "repetition_penalty", self.repetition_penalty, "must be in (0, 10]")
+        if self.stop is None:
+            self.stop_strings = []
+        elif isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        elif isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop):
+            self.stop_strings = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        _check(all(s for s in self.stop_strings), "stop", self.stop, "must not contain empty strings")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        _check(isinstance(self.stop_token_ids, (list, tuple))
+               and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids", self.stop_token_ids, "must be a list of non-negative integers")
+        self.stop_token_ids = list(self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
