@@ -1,0 +1,101 @@
+"""How big the KV cache is: blocks on the device, blocks on the host, and the lengths that follow.
+
+Order of precedence for the number of device blocks (block 0, the null block, included, as in
+vLLM): `num_gpu_blocks_override`; else `kv_cache_memory_bytes // page_size_bytes`; else on CUDA
+the seed's formula (device memory x `gpu_memory_utilization` - weights - activation peak); else
+on CPU a default budget of `DEFAULT_CPU_KV_CACHE_BYTES`, never more blocks than `max_num_seqs`
+sequences of `max_model_len` can use. Host blocks (`swap_space` GiB) exist only with
+`preemption_mode="swap"`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from pagedkv.engine.args import EngineArgs
+from pagedkv.kv.plan import (
+    default_max_model_len,
+    estimate_activation_peak_bytes,
+    estimate_weights_bytes,
+    plan_num_blocks,
+)
+from pagedkv.kv.spec import (
+    KVCacheSpec,
+    SlidingWindowSpec,
+    kv_cache_spec_from_hf_config,
+    load_hf_config,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class KVCacheSetup:
+    spec: KVCacheSpec
+    num_blocks: int  # device blocks, null block included
+    num_host_blocks: int  # host blocks for swapping, null block excluded
+    max_model_len: int
+    max_num_batched_tokens: int
+    sliding_window: int | None
+
+
+def _device_is_cuda(device: str) -> bool:
+    if device == "cpu":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def plan_kv_cache(args: EngineArgs) -> KVCacheSetup:
+    """Size the KV cache for `args`. Raises ValueError when the settings cannot work."""
+    config = load_hf_config(args.model)
+    spec = kv_cache_spec_from_hf_config(config, args.block_size, args.dtype)
+    config_len = default_max_model_len(config)
+    if args.max_model_len is not None and args.max_model_len > config_len:
+        raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's "
+                         f"max_position_embeddings ({config_len})")
+    max_model_len = args.max_model_len or config_len
+    max_num_batched_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    page = spec.page_size_bytes
+
+    if args.num_gpu_blocks_override is not None:
+        num_blocks = args.num_gpu_blocks_override
+    elif args.kv_cache_memory_bytes is not None:
+        num_blocks = args.kv_cache_memory_bytes // page
+    elif _device_is_cuda(args.device):
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        plan = plan_num_blocks(
+            spec, memory_bytes=total, utilization=args.gpu_memory_utilization,
+            weights_bytes=(total - free) + estimate_weights_bytes(config, args.dtype),
+            activation_peak_bytes=estimate_activation_peak_bytes(
+                config, max_num_batched_tokens, args.dtype, args.max_num_seqs))
+        num_blocks = plan.num_blocks
+    else:
+        useful = args.max_num_seqs * spec.max_blocks_per_seq(max_model_len) + 1
+        num_blocks = min(DEFAULT_CPU_KV_CACHE_BYTES // page, useful)
+    if num_blocks < 2:
+        raise ValueError(f"the KV cache has room for {num_blocks} blocks of {page} bytes; "
+                         "at least 2 (one is the reserved null block) are needed")
+
+    capacity = (num_blocks - 1) * args.block_size
+    if capacity < max_model_len and not isinstance(spec, SlidingWindowSpec):
+        if args.max_model_len is None:
+            logger.info("max_model_len lowered from %d to the KV cache capacity %d",
+                        max_model_len, capacity)
+            max_model_len = capacity
+        else:
+            logger.warning("max_model_len=%d exceeds the KV cache capacity (%d tokens): longer "
+                           "requests will fail", max_model_len, capacity)
+    num_host_blocks = int(args.swap_space * GiB) // page if args.preemption_mode == "swap" else 0
+    window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+    return KVCacheSetup(spec=spec, num_blocks=num_blocks, num_host_blocks=num_host_blocks,
+                        max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+                        sliding_window=window)

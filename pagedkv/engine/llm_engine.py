@@ -1,0 +1,281 @@
+"""LLMEngine: tokenizer + scheduler + model runner, one `step()` at a time.
+
+    add_request -> Scheduler.schedule -> ModelRunner.execute -> Scheduler.update
+                -> incremental detokenization, stop strings -> RequestOutput
+
+Not thread-safe: one thread owns an engine (the server runs it in a background thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.detokenizer import IncrementalDetokenizer
+from pagedkv.engine.kv_setup import KVCacheSetup, plan_kv_cache
+from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.engine.stats import EngineStats
+from pagedkv.kv.manager import KVCacheManager
+from pagedkv.sched.output import ModelRunnerOutput
+from pagedkv.sched.request import Request, RequestStatus
+from pagedkv.sched.sampling_params import SamplingParams
+from pagedkv.sched.scheduler import Scheduler, SchedulerConfig, child_request_id
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict
+
+
+@dataclass
+class _Group:
+    """One user request: sample 0 is the request itself, samples 1..n-1 its forked children."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
+    completions: dict[int, CompletionOutput] = field(default_factory=dict)
+    num_cached_tokens: int = 0
+    error: str | None = None
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        # Children are forked together with the first sampled token; a request that ends with
+        # no token (error, abort) never gets them.
+        first = self.completions.get(0)
+        if first is None or first.finish_reason is None:
+            return False
+        if not first.token_ids and len(self.completions) == 1:
+            return True
+        return (len(self.completions) == self.params.n
+                and all(c.finish_reason is not None for c in self.completions.values()))
+
+    def output(self) -> RequestOutput:
+        outputs = [self.completions[i] for i in sorted(self.completions)]
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[_copy_completion(c) for c in outputs], finished=self.finished,
+            num_cached_tokens=self.num_cached_tokens, error=self.error,
+            metrics={"arrival_time": self.arrival_time,
+                     "first_token_time": self.first_token_time or 0.0},
+        )
+
+
+def _copy_completion(c: CompletionOutput) -> CompletionOutput:
+    return CompletionOutput(
+        index=c.index, text=c.text, token_ids=list(c.token_ids),
+        cumulative_logprob=c.cumulative_logprob,
+        logprobs=None if c.logprobs is None else list(c.logprobs),
+        finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+
+class LLMEngine:
+    """The engine. See module docstring; `step()` returns cumulative outputs of the requests
+    that progressed (got tokens or finished) in that step."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        # Imported here so `pagedkv.engine` stays light until an engine is really built.
+        from pagedkv.model.runner import ModelRunner
+        from pagedkv.model.tokenizer import Tokenizer
+
+        args.validate()
+        if not args.model:
+            raise ValueError("model must be a model directory, got ''")
+        self.args = args
+        self.tokenizer = Tokenizer.from_dir(args.tokenizer or args.model)
+        setup: KVCacheSetup = plan_kv_cache(args)
+        self.kv_setup = setup
+        self.max_model_len = setup.max_model_len
+        self.runner = ModelRunner(
+            args.model, block_size=args.block_size, num_blocks=setup.num_blocks,
+            num_host_blocks=setup.num_host_blocks, dtype=args.dtype, device=args.device,
+            seed=args.seed)
+        self.model_config = self.runner.model_config
+        self.vocab_size = self.model_config.vocab_size
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
+        kv = KVCacheManager(
+            num_blocks=setup.num_blocks, block_size=args.block_size,
+            num_host_blocks=setup.num_host_blocks, enable_caching=args.enable_prefix_caching,
+            sliding_window=setup.sliding_window, watermark=args.watermark,
+            hash_algo=args.prefix_caching_hash_algo)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=setup.max_num_batched_tokens,
+            max_model_len=self.max_model_len, preemption_mode=args.preemption_mode,
+            policy=args.scheduling_policy), kv)
+        self._groups: dict[str, _Group] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args)
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Return (prompt text or None, prompt token ids); raises ValueError for bad prompts."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                text = prompt["prompt"]
+                ids = None
+            else:
+                raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        elif isinstance(prompt, str):
+            text, ids = prompt, None
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, prompt
+        else:
+            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        if ids is None:
+            if not isinstance(text, str):
+                raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+            ids = self.tokenizer.encode(text)
+        ids = list(ids)
+        if not ids:
+            raise ValueError("prompt is empty: it must have at least one token")
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+                    or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is out of the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
+                             "(the prompt plus at least one generated token must fit)")
+        return text, ids
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise ValueError when this prompt with `params.n` samples can never fit in the cache."""
+        kv = self.scheduler.kv_cache_manager
+        block_size = kv.block_size
+        prompt_blocks = -(-(num_prompt_tokens + 1) // block_size)
+        # n samples share the prompt's full blocks; each needs its own partial / next block.
+        needed = prompt_blocks + (params.n - 1) * 1
+        available = kv.num_usable_blocks - kv.watermark_blocks
+        if needed > available:
+            raise ValueError(f"a prompt of {num_prompt_tokens} tokens with n={params.n} needs at least "
+                             f"{needed} KV blocks but the cache can hold only {available}")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    *, priority: int = 0, cache_salt: str | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request. Raises ValueError for a bad prompt or a duplicate id."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._groups or request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        text, ids = self.tokenize_prompt(prompt)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        request = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
+                          eos_token_ids=self.eos_token_ids, arrival_time=arrival,
+                          priority=priority, cache_salt=cache_salt)
+        self.scheduler.add_request(request)
+        self._groups[request_id] = _Group(request_id=request_id, prompt=text, prompt_token_ids=ids,
+                                          params=params, arrival_time=arrival)
+        self.prompt_tokens_total += len(ids)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests (all their samples); their blocks go back at once. Unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            group = self._groups.pop(rid, None)
+            if group is None:
+                continue
+            sample_ids = [rid] + [child_request_id(rid, i) for i in range(1, group.params.n)]
+            self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ---- the step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
+            result = ModelRunnerOutput()
+        else:  # also when only finished ids: the runner drops their sampling state
+            result = self.runner.execute(scheduler_output)
+        changed = self.scheduler.update(scheduler_output, result)
+        return self._process(changed)
+
+    def _process(self, changed: list[Request]) -> list[RequestOutput]:
+        now = time.monotonic()
+        touched: dict[str, _Group] = {}
+        for request in changed:
+            group_id = request.parent_id or request.request_id
+            group = self._groups.get(group_id)
+            if group is None:
+                continue
+            touched[group_id] = group
+            self._apply(group, request, now)
+        outputs = []
+        for group_id, group in touched.items():
+            outputs.append(group.output())
+            if group.finished:
+                del self._groups[group_id]
+        return outputs
+
+    def _apply(self, group: _Group, request: Request, now: float) -> None:
+        index = request.sample_index
+        completion = group.completions.get(index)
+        if completion is None:
+            completion = group.completions[index] = CompletionOutput(index=index)
+            params = request.sampling_params
+            group.detokenizers[index] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, params.stop_strings,
+                params.skip_special_tokens, params.include_stop_str_in_output)
+            if params.logprobs is not None:
+                completion.logprobs = []
+                completion.cumulative_logprob = 0.0
+        group.num_cached_tokens = max(request.num_cached_tokens, 0)
+        if request.status == RequestStatus.FINISHED_ERROR:
+            group.error = request.error
+        new_tokens = request.output_token_ids[len(completion.token_ids):]
+        if new_tokens and group.first_token_time is None:
+            group.first_token_time = now
+        self.generation_tokens_total += len(new_tokens)
+        completion.token_ids.extend(new_tokens)
+        if completion.logprobs is not None:
+            for i in range(len(completion.logprobs), len(request.output_logprobs)):
+                entry = request.output_logprobs[i]
+                completion.logprobs.append(entry)
+                completion.cumulative_logprob += entry.get(request.output_token_ids[i], 0.0)
+        stop = group.detokenizers[index].update(new_tokens) if new_tokens else None
+        completion.text = group.detokenizers[index].text
+        if stop is not None and not request.is_finished:
+            self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
+        if request.is_finished:
+            completion.finish_reason = request.status.value
+            completion.stop_reason = request.stop_reason
+
+    # ---- introspection ------------------------------------------------------------------
+
+    def get_stats(self) -> EngineStats:
+        sched = self.scheduler
+        kv = sched.kv_cache_manager
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_swapped=len(sched.swapped), kv_cache_usage=kv.usage,
+            num_blocks=kv.num_usable_blocks, num_free_blocks=kv.num_free_blocks,
+            prefix_cache_queries=sched.prefix_cache_queries,
+            prefix_cache_hits=sched.prefix_cache_hits, num_preemptions=sched.num_preemptions,
+            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total)
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()

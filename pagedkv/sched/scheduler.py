@@ -1,0 +1,349 @@
+"""Scheduler: continuous batching over the KV cache manager.
+
+Each `schedule()` builds one step under a token budget (`max_num_batched_tokens`) and a sequence
+budget (`max_num_seqs`):
+
+1. Running requests first, highest priority first: each gets its next tokens (a decode token or
+   the next prefill chunk). When the KV cache cannot hold them, the lowest-priority, newest
+   running request is preempted (by swap to host blocks, or by recompute: free and requeue),
+   until the request fits or is itself the victim.
+2. Swapped requests come back (swap in) before any new admission.
+3. Waiting requests are admitted in priority / arrival order while the manager answers OK;
+   LATER stops admission for this step; NEVER finishes that request with an error.
+
+`update()` applies the runner's sampled tokens: advances `num_computed_tokens`, caches blocks
+that are now computed, forks the children of `n > 1` requests, and finishes requests that hit
+eos / stop tokens / `max_tokens` / `max_model_len`. Stop *strings* need text, so the engine
+finishes those through `finish_requests()`.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+from pagedkv.kv.manager import AllocStatus, KVCacheManager
+from pagedkv.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedkv.sched.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    preemption_mode: str = "recompute"  # or "swap" (falls back to recompute without host room)
+    policy: str = "fcfs"  # or "priority": lower `priority` value is served first, as in vLLM
+
+
+def child_request_id(parent_id: str, index: int) -> str:
+    """Id of sample `index` (>= 1) of an `n > 1` request; sample 0 keeps the parent's id."""
+    return f"{parent_id}#{index}"
+
+
+class Scheduler:
+    """Owns the request queues and the per-step batch; the only caller of the KV manager."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # sorted by _order_key
+        self.running: list[Request] = []  # sorted by _order_key: the tail is preempted first
+        self.swapped: list[Request] = []  # sorted by _order_key
+        self._finished_ids: list[str] = []  # ended since the last step; passed to the runner
+        self.ended_in_schedule: list[Request] = []  # ended inside schedule(); reported by update()
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ---- queues -------------------------------------------------------------------------
+
+    def _order_key(self, request: Request) -> tuple:
+        if self.config.policy == "priority":
+            return (request.priority, request.arrival_time, request.request_id)
+        return (request.arrival_time, request.request_id)
+
+    def _enqueue(self, queue: list[Request], request: Request) -> None:
+        keys = [self._order_key(r) for r in queue]
+        queue.insert(bisect.bisect_right(keys, self._order_key(request)), request)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        self._enqueue(self.waiting, request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- finishing ----------------------------------------------------------------------
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus,
+                        reason: int | str | None = None) -> list[Request]:
+        """End these requests (unknown ids are ignored) and free their blocks at once.
+
+        Returns the requests that were ended by this call.
+        """
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        ended = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            self._finish(request, status, reason)
+            ended.append(request)
+        return ended
+
+    def _finish(self, request: Request, status: RequestStatus,
+                reason: int | str | None = None) -> None:
+        for queue in (self.running, self.waiting, self.swapped):
+            if request in queue:
+                queue.remove(request)
+                break
+        self.kv_cache_manager.free(request)
+        request.status = status
+        if status == RequestStatus.FINISHED_ERROR:
+            request.error = str(reason)
+        else:
+            request.stop_reason = reason
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    # ---- scheduling ---------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Build the next step. Mutates queues, request states and the KV manager."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            allocated, preempted_now = self._allocate_running(request, num_new, out)
+            preempted = preempted or preempted_now
+            if not allocated:
+                continue  # `request` left the running list
+            self._schedule(request, num_new, out)
+            budget -= num_new
+            index += 1
+
+        if not preempted:
+            budget = self._schedule_swapped(budget, out)
+        if not preempted and not self.swapped:
+            self._schedule_waiting(budget, out)
+
+        out.blocks_to_copy = self.kv_cache_manager.take_block_copies()
+        out.finished_request_ids = self._finished_ids
+        self._finished_ids = []
+        return out
+
+    def _allocate_running(self, request: Request, num_new: int,
+                          out: SchedulerOutput) -> tuple[bool, bool]:
+        """Allocate for a running request, preempting from the tail until it fits.
+
+        Returns (allocated, preempted_any). `allocated` is False when `request` itself was
+        preempted or finished: it is then no longer in the running list.
+        """
+        kv = self.kv_cache_manager
+        preempted = False
+        while kv.allocate_slots(request, num_new, delay_cache_blocks=True) is None:
+            # `running` is kept in priority / arrival order, so the tail is the lowest-priority,
+            # newest request, and it was not scheduled earlier in this step.
+            victim = self.running[-1]
+            if victim is request and len(self.running) == 1 and not self._can_ever_grow(request, num_new):
+                # Alone in the cache and still no room: this sequence has hit the cache's size.
+                self._finish(request, RequestStatus.FINISHED_LENGTH, None)
+                self.ended_in_schedule.append(request)
+                return False, preempted
+            self._preempt(victim, out)
+            preempted = True
+            if victim is request:
+                return False, True
+        return True, preempted
+
+    def _can_ever_grow(self, request: Request, num_new: int) -> bool:
+        needed = -(-(request.num_computed_tokens + num_new) // self.block_size)
+        return needed <= self.kv_cache_manager.num_usable_blocks
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        kv = self.kv_cache_manager
+        self.running.remove(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and kv.can_swap_out(request):
+            out.blocks_to_swap_out.extend(kv.swap_out(request))
+            request.status = RequestStatus.SWAPPED
+            self._enqueue(self.swapped, request)
+            return
+        kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self._enqueue(self.waiting, request)
+
+    def _schedule_swapped(self, budget: int, out: SchedulerOutput) -> int:
+        kv = self.kv_cache_manager
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            if not kv.can_swap_in(request):
+                break
+            self.swapped.pop(0)
+            out.blocks_to_swap_in.extend(kv.swap_in(request))
+            request.status = RequestStatus.RUNNING
+            self._enqueue(self.running, request)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new > 0 and kv.allocate_slots(request, num_new, delay_cache_blocks=True) is not None:
+                self._schedule(request, num_new, out)
+                budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        kv = self.kv_cache_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            status = kv.can_allocate(request, len(computed_blocks))
+            if status == AllocStatus.NEVER:
+                self._finish(request, RequestStatus.FINISHED_ERROR, self._never_message(request))
+                self.ended_in_schedule.append(request)
+                continue
+            if status == AllocStatus.LATER:
+                break
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            blocks = kv.allocate_slots(request, num_new, computed_blocks, num_hit_tokens,
+                                       delay_cache_blocks=True, apply_watermark=True)
+            if blocks is None:
+                break
+            self.waiting.pop(0)
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self._enqueue(self.running, request)
+            self._schedule(request, num_new, out)
+            budget -= num_new
+
+    def _never_message(self, request: Request) -> str:
+        kv = self.kv_cache_manager
+        needed = -(-request.num_tokens // self.block_size)
+        return (f"request {request.request_id!r} needs {needed} KV blocks for its "
+                f"{request.num_tokens} tokens but the cache can never give more than "
+                f"{kv.num_usable_blocks - kv.watermark_blocks} (block_size={self.block_size}); "
+                "raise the KV cache size or shorten the prompt")
+
+    def _schedule(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+        start = request.num_computed_tokens
+        reaches_end = start + num_new == request.num_tokens
+        num_samples = 0
+        if reaches_end:
+            first_sample = request.num_output_tokens == 0 and request.parent_id is None
+            num_samples = request.sampling_params.n if first_sample else 1
+        out.scheduled.append(ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:start + num_new],
+            start_pos=start,
+            block_table=self.kv_cache_manager.get_block_ids(request.request_id),
+            sampling_params=request.sampling_params,
+            num_samples=num_samples,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            sample_index=request.sample_index,
+        ))
+
+    # ---- applying results ---------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Apply a step's results. Returns the requests that got tokens or finished (children
+        of `n > 1` requests included), in schedule order."""
+        changed: list[Request] = list(self.ended_in_schedule)
+        self.ended_in_schedule = []
+        kv = self.kv_cache_manager
+        for scheduled in out.scheduled:
+            request = self.requests.get(scheduled.request_id)
+            if request is None:  # finished while the step ran
+                continue
+            request.num_computed_tokens += scheduled.num_new_tokens
+            kv.cache_blocks(request, request.num_computed_tokens)
+            if scheduled.num_samples == 0:
+                continue
+            tokens = result.sampled_token_ids[request.request_id]
+            logprobs = result.logprobs.get(request.request_id)
+            children = self._fork_children(request, tokens[1:], logprobs)
+            self._append_token(request, tokens[0], logprobs[0] if logprobs else None)
+            for req in (request, *children):
+                changed.append(req)
+                self._check_stop(req)
+        return changed
+
+    def _append_token(self, request: Request, token_id: int,
+                      logprobs: dict[int, float] | None) -> None:
+        request.append_output_token(token_id)
+        if logprobs is not None:
+            request.output_logprobs.append(logprobs)
+
+    def _fork_children(self, parent: Request, tokens: list[int],
+                       logprobs: list[dict[int, float]] | None) -> list[Request]:
+        children = []
+        for i, token_id in enumerate(tokens, start=1):
+            child = Request(
+                request_id=child_request_id(parent.request_id, i),
+                prompt_token_ids=parent.prompt_token_ids,
+                sampling_params=replace(parent.sampling_params),
+                eos_token_ids=parent.eos_token_ids,
+                arrival_time=parent.arrival_time,
+                priority=parent.priority,
+                cache_salt=parent.cache_salt,
+                lora_name=parent.lora_name,
+                parent_id=parent.request_id,
+                sample_index=i,
+            )
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.status = RequestStatus.RUNNING
+            self.kv_cache_manager.fork(parent, child)
+            self._append_token(child, token_id, logprobs[i] if logprobs else None)
+            self.requests[child.request_id] = child
+            self._enqueue(self.running, child)
+            children.append(child)
+        return children
+
+    def _check_stop(self, request: Request) -> None:
+        params = request.sampling_params
+        token_id = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                self._finish(request, RequestStatus.FINISHED_STOPPED, None)
+                return
+            if token_id in params.stop_token_ids:
+                self._finish(request, RequestStatus.FINISHED_STOPPED, token_id)
+                return
+        if ((params.max_tokens is not None and request.num_output_tokens >= params.max_tokens)
+                or request.num_tokens >= self.config.max_model_len):
+            self._finish(request, RequestStatus.FINISHED_LENGTH, None)
+
+    # ---- introspection ------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise RuntimeError if queues and KV state disagree (for tests and debugging)."""
+        queued = self.running + self.waiting + self.swapped
+        if len(queued) != len(self.requests) or {r.request_id for r in queued} != set(self.requests):
+            raise RuntimeError("scheduler queues do not match the live requests")
+        for request in self.swapped:
+            if not self.kv_cache_manager.is_swapped(request.request_id):
+                raise RuntimeError(f"{request.request_id} is in the swapped queue but holds no host blocks")
+        self.kv_cache_manager.check_invariants()
