@@ -58,6 +58,17 @@ class IncrementalDetokenizer:
             self._prefix_offset = 0
         return self._append(delta)
 
+    def flush(self) -> None:
+        """The sequence ended: emit what is held back, even an incomplete character (as U+FFFD)."""
+        if self.stopped:
+            return
+        decode = self.tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset:self._read_offset], self.skip_special_tokens)
+        full = decode(self._ids[self._prefix_offset:], self.skip_special_tokens)
+        if len(full) > len(prefix):
+            self._prefix_offset = self._read_offset = len(self._ids)
+            self._append(full[len(prefix):])
+
     def _append(self, delta: str) -> str | None:
         start = max(0, len(self.text) - self.max_stop_len + 1)
         self.text += delta

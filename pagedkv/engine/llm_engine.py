@@ -256,13 +256,15 @@ class LLMEngine:
                 entry = request.output_logprobs[i]
                 completion.logprobs.append(entry)
                 completion.cumulative_logprob += entry.get(request.output_token_ids[i], 0.0)
-        stop = group.detokenizers[index].update(new_tokens) if new_tokens else None
-        completion.text = group.detokenizers[index].text
+        detokenizer = group.detokenizers[index]
+        stop = detokenizer.update(new_tokens) if new_tokens else None
         if stop is not None and not request.is_finished:
             self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
         if request.is_finished:
+            detokenizer.flush()
             completion.finish_reason = request.status.value
             completion.stop_reason = request.stop_reason
+        completion.text = detokenizer.text
 
     # ---- introspection ------------------------------------------------------------------
 

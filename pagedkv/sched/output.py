@@ -24,6 +24,8 @@ class ScheduledRequest:
     normal step, and `n` for the step that finishes the prompt of a request with `n > 1`
     (the runner samples `n` tokens from the same logits, sample i with generator seed + i).
     `prompt_token_ids` and `output_token_ids` are the request's tokens so far (penalties use them).
+    `banned_token_ids` must not be sampled this step: eos and stop tokens while the request is
+    below `min_tokens`.
     """
 
     request_id: str
@@ -35,6 +37,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     sample_index: int = 0
+    banned_token_ids: tuple[int, ...] = ()
 
     @property
     def num_new_tokens(self) -> int:

@@ -250,9 +250,14 @@ class Scheduler:
         start = request.num_computed_tokens
         reaches_end = start + num_new == request.num_tokens
         num_samples = 0
+        banned: tuple[int, ...] = ()
         if reaches_end:
+            params = request.sampling_params
             first_sample = request.num_output_tokens == 0 and request.parent_id is None
-            num_samples = request.sampling_params.n if first_sample else 1
+            num_samples = params.n if first_sample else 1
+            if request.num_output_tokens < params.min_tokens:
+                eos = () if params.ignore_eos else request.eos_token_ids
+                banned = (*eos, *params.stop_token_ids)
         out.scheduled.append(ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:start + num_new],
@@ -263,6 +268,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             sample_index=request.sample_index,
+            banned_token_ids=banned,
         ))
 
     # ---- applying results ---------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""Benchmark clients: `pagedkv bench serve` (an OpenAI-compatible server under load)."""

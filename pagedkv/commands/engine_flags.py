@@ -1,0 +1,122 @@
+"""Every `EngineArgs` field as a command-line flag, with vLLM's names, in one place.
+
+`add_engine_flags(parser)` registers `--block-size`, `--dtype`, `--max-model-len`,
+`--enable-prefix-caching/--no-enable-prefix-caching`, ... (one flag per field of
+`EngineArgs` except `model`, which the commands take as a positional MODEL_DIR), and
+`engine_args_from_flags(args, model)` turns the parsed namespace back into `EngineArgs`.
+`pagedkv serve` and `pagedkv generate` share both, so a new engine field shows up in both
+commands without touching them. Flags left unset keep `EngineArgs`' defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any
+
+from pagedkv.engine.args import _DTYPES, EngineArgs
+from pagedkv.kv.sizes import parse_size
+
+# Fields that the commands take otherwise (the positional MODEL_DIR).
+_SKIPPED = ("model",)
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "dtype": _DTYPES,
+    "device": ("auto", "cpu", "cuda"),
+    "preemption_mode": ("recompute", "swap"),
+    "scheduling_policy": ("fcfs", "priority"),
+    "prefix_caching_hash_algo": ("sha256", "xxhash"),
+}
+
+_HELP: dict[str, str] = {
+    "tokenizer": "tokenizer directory (default: MODEL_DIR)",
+    "dtype": "weights and KV cache dtype ('auto': the config's torch_dtype)",
+    "device": "'auto' picks cuda when present, else cpu",
+    "seed": "default random seed of the engine",
+    "block_size": "tokens per KV cache block",
+    "enable_prefix_caching": "reuse the KV blocks of shared prompt prefixes",
+    "prefix_caching_hash_algo": "hash of the prefix-cache block keys",
+    "max_num_seqs": "most sequences in one step",
+    "max_num_batched_tokens": "token budget of one step (longer prompts are chunked)",
+    "max_model_len": "longest sequence, prompt plus output (default: the model's)",
+    "swap_space": "GiB of host memory for swapped-out KV blocks",
+    "preemption_mode": "how a request gives its blocks back when memory runs out",
+    "num_gpu_blocks_override": "number of device KV blocks (wins over the memory budget)",
+    "kv_cache_memory_bytes": "device memory for the KV cache: bytes or a size like 2GiB",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may use",
+    "scheduling_policy": "'fcfs' or 'priority' (lower value first)",
+    "watermark": "fraction of blocks kept free when admitting new requests",
+}
+
+
+def _size(text: str) -> int:
+    """A byte count: a plain number or a size such as '2GiB' (see pagedkv.kv.sizes)."""
+    return parse_size(text)
+
+
+# Fields whose values parse differently from their annotation.
+_TYPES: dict[str, Any] = {"kv_cache_memory_bytes": _size}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(annotation: Any) -> type:
+    """`int | None` -> int, `float` -> float, ... (the one non-None type of the annotation)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    base = args[0] if args else annotation
+    if base not in (int, float, str, bool):
+        raise TypeError(f"EngineArgs field type {annotation!r} has no command-line form")
+    return base
+
+
+def _optional_int(text: str) -> int | None:
+    """Parse an int flag value; 'none' means None (for fields whose default is None)."""
+    return None if text.lower() == "none" else int(text)
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add one flag per `EngineArgs` field (but `model`) to `parser`, in an 'engine' group.
+
+    Every flag's argparse default is None (meaning 'not given'); `engine_args_from_flags`
+    fills in `EngineArgs`' own defaults, so they live in one place.
+    """
+    group = parser.add_argument_group("engine", "EngineArgs, with vLLM's flag names")
+    hints = typing.get_type_hints(EngineArgs)
+    for field in dataclasses.fields(EngineArgs):
+        if field.name in _SKIPPED:
+            continue
+        base = _base_type(hints[field.name])
+        default = field.default
+        help_text = _HELP.get(field.name, field.name.replace("_", " "))
+        if default is not None:
+            help_text = f"{help_text} (default: {default})"
+        help_text = help_text.replace("%", "%%")
+        kwargs: dict[str, Any] = {"dest": field.name, "default": None, "help": help_text}
+        if base is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = _TYPES.get(field.name) or (
+                _optional_int if base is int and default is None else base)
+            kwargs["metavar"] = field.name.upper() if field.name not in _CHOICES else None
+            if field.name in _CHOICES:
+                kwargs["choices"] = _CHOICES[field.name]
+        group.add_argument(_flag(field.name), **kwargs)
+    return parser
+
+
+def engine_args_from_flags(args: argparse.Namespace, model: str) -> EngineArgs:
+    """`EngineArgs` for `model` from the flags given on the command line (the rest default).
+
+    Raises ValueError (naming the field) when a value is out of range.
+    """
+    given = {}
+    for name in EngineArgs.field_names():
+        if name in _SKIPPED:
+            continue
+        value = getattr(args, name, None)
+        if value is not None:
+            given[name] = value
+    return EngineArgs(model=model, **given)

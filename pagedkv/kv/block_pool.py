@@ -1,0 +1,249 @@
+"""BlockPool: the allocator of physical KV blocks, with a lazily evicted prefix cache.
+
+Every block is in exactly one of two states: in use (ref_cnt > 0, held by block tables) or
+free (ref_cnt == 0, in the free queue). A free block may still be registered in the prefix
+cache under its hash: it is evicted only when `get_new_blocks` hands its memory out again
+(lazy LRU eviction), and until then a cache hit can `touch` it back into use.
+
+Eviction order (the free queue, head reused first):
+- callers free a request's blocks tail first, so its prefix blocks (the most shareable) are
+  appended last and survive longest;
+- a freed block WITHOUT a hash (a partial block, or a duplicate of a cached one) goes to the
+  HEAD of the queue, so unhashed memory is reused before any cached block is evicted. One queue
+  keeps every operation O(1); this is the choice documented and tested here.
+
+Block 0 is the null block: a placeholder in block tables (sliding-window slots that were
+freed). It is never allocated, never freed and never in the free queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from pagedkv.kv.block import FreeBlockQueue, KVCacheBlock
+from pagedkv.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from pagedkv.kv.hashing import BlockHash
+
+
+class BlockPool:
+    """`num_blocks` physical blocks, block 0 reserved as the null block."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool,
+                 enable_kv_cache_events: bool = False) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 2:
+            raise ValueError(f"num_blocks must be an int >= 2 (block 0 is the null block), "
+                             f"got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.num_usable_blocks = num_blocks - 1
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.is_null = True
+        self.free_block_queue = FreeBlockQueue(self.blocks[1:])
+        # hash -> the one block registered under it (a block's block_hash is set iff it is here).
+        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.events: list[KVCacheEvent] = []
+
+    # ------------------------------------------------------------------ allocation
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop `num_blocks` blocks from the free-queue head, each with ref_cnt 1.
+
+        A popped block that is still cached is evicted now (hash dropped, BlockRemoved event).
+        Raises ValueError when fewer blocks are free.
+        """
+        queue = self.free_block_queue
+        if num_blocks > queue.num_free_blocks:
+            raise ValueError(f"cannot allocate {num_blocks} blocks: only "
+                             f"{queue.num_free_blocks} free")
+        blocks = queue.popleft_n(num_blocks)
+        if self.enable_caching:
+            for block in blocks:
+                if block.block_hash is not None:
+                    self._evict(block)
+                block.ref_cnt = 1
+        else:
+            for block in blocks:
+                block.ref_cnt = 1
+        return blocks
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        block_hash = block.block_hash
+        del self.cached_block_hash_to_block[block_hash]
+        block.block_hash = None
+        if self.enable_kv_cache_events:
+            self.events.append(BlockRemoved([block_hash]))
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block, in the given (eviction) order.
+
+        A block reaching ref_cnt 0 joins the free queue: at the tail if it has a hash, at the head
+        if not. Raises ValueError ("double free") for a block already at 0 or the null block;
+        blocks before the bad one have been released by then.
+        """
+        queue = self.free_block_queue
+        for block in blocks:
+            ref = block.ref_cnt
+            if ref <= 0 or block.is_null:
+                raise ValueError(f"double free of block {block.block_id} (ref_cnt {ref}"
+                                 f"{', null block' if block.is_null else ''})")
+            if ref == 1:
+                block.ref_cnt = 0
+                if block.block_hash is None:
+                    queue.appendleft(block)
+                else:
+                    queue.append(block)
+            else:
+                block.ref_cnt = ref - 1
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on each block (a cache hit or a fork); a free one leaves the queue."""
+        queue = self.free_block_queue
+        for block in blocks:
+            if block.ref_cnt == 0:
+                if block.is_null:
+                    raise ValueError("the null block cannot be touched")
+                queue.remove(block)
+            block.ref_cnt += 1
+
+    # ------------------------------------------------------------------ prefix cache
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """The block registered under `block_hash` (possibly free), or None."""
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash],
+                          num_cached_blocks: int, num_full_blocks: int, block_size: int,
+                          token_ids: Sequence[int] | None = None) -> None:
+        """Register blocks[num_cached_blocks:num_full_blocks] under block_hashes[i].
+
+        Skips null blocks and blocks that already carry a hash (prefix hits). When another block
+        is already registered under the same hash (two requests computed the same prefix), the
+        new block stays unhashed: it is reused first once freed. `token_ids` (the request's
+        tokens) are needed only for BlockStored events.
+        """
+        if not self.enable_caching or num_full_blocks <= num_cached_blocks:
+            return
+        cache = self.cached_block_hash_to_block
+        emit = self.enable_kv_cache_events
+        stored: list[int] = []
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block.block_hash is not None or block.is_null:
+                continue
+            block_hash = block_hashes[i]
+            if block_hash in cache:
+                continue
+            block.block_hash = block_hash
+            cache[block_hash] = block
+            if emit:
+                stored.append(i)
+        if stored:
+            self._emit_stored(stored, block_hashes, block_size, token_ids)
+
+    def _emit_stored(self, stored: list[int], block_hashes: Sequence[BlockHash],
+                     block_size: int, token_ids: Sequence[int] | None) -> None:
+        # One BlockStored per contiguous run, so each event is a chain off its parent.
+        run = [stored[0]]
+        for i in stored[1:] + [-1]:
+            if i == run[-1] + 1:
+                run.append(i)
+                continue
+            first, last = run[0], run[-1]
+            tokens = ([] if token_ids is None
+                      else list(token_ids[first * block_size:(last + 1) * block_size]))
+            self.events.append(BlockStored(
+                block_hashes=[block_hashes[j] for j in run],
+                parent_block_hash=block_hashes[first - 1] if first > 0 else None,
+                token_ids=tokens, block_size=block_size))
+            run = [i]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Only when no block is in use; returns whether it did."""
+        if self.free_block_queue.num_free_blocks != self.num_usable_blocks:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        if self.enable_kv_cache_events:
+            self.events.append(AllBlocksCleared())
+        return True
+
+    # ------------------------------------------------------------------ stats
+    def get_num_free_blocks(self) -> int:
+        """Free-queue length (cached blocks that no request holds count as free). O(1)."""
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of usable blocks held by block tables."""
+        return 1.0 - self.free_block_queue.num_free_blocks / self.num_usable_blocks
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Drain the events emitted since the last call (always [] with events disabled)."""
+        events, self.events = self.events, []
+        return events
+
+    # ------------------------------------------------------------------ checking
+    def check_invariants(self, block_tables: Iterable[Sequence[KVCacheBlock]] | None = None,
+                         ) -> None:
+        """Raise RuntimeError naming the first violated invariant. O(num_blocks)."""
+        def fail(msg: str) -> None:
+            raise RuntimeError(f"BlockPool invariant violated: {msg}")
+
+        null = self.null_block
+        if not null.is_null or null.ref_cnt != 0 or null.block_hash is not None:
+            fail(f"null block changed: {null!r}")
+        if null.prev_free_block is not None or null.next_free_block is not None:
+            fail("null block is linked into the free queue")
+        queue = self.free_block_queue
+        seen: set[int] = set()
+        prev = queue.fake_head
+        block = prev.next_free_block
+        while block is not queue.fake_tail:
+            if block is None:
+                fail("free queue is broken (a None link)")
+            if block.block_id in seen:
+                fail(f"block {block.block_id} is twice in the free queue (a cycle)")
+            if block.prev_free_block is not prev:
+                fail(f"block {block.block_id} has a wrong prev link")
+            if block.ref_cnt != 0:
+                fail(f"block {block.block_id} is in the free queue with ref_cnt {block.ref_cnt}")
+            if self.blocks[block.block_id] is not block:
+                fail(f"foreign block {block.block_id} in the free queue")
+            seen.add(block.block_id)
+            prev, block = block, block.next_free_block
+        if queue.fake_tail.prev_free_block is not prev:
+            fail("free queue tail link is wrong")
+        if len(seen) != queue.num_free_blocks:
+            fail(f"num_free_blocks {queue.num_free_blocks} != {len(seen)} blocks in the queue")
+        in_use = 0
+        for block in self.blocks[1:]:
+            if block.ref_cnt < 0:
+                fail(f"block {block.block_id} has ref_cnt {block.ref_cnt}")
+            if block.ref_cnt > 0:
+                in_use += 1
+                if block.prev_free_block is not None or block.next_free_block is not None:
+                    fail(f"block {block.block_id} is in use but linked into the free queue")
+            elif block.block_id not in seen:
+                fail(f"block {block.block_id} has ref_cnt 0 but is not in the free queue")
+            if block.block_hash is not None and \
+                    self.cached_block_hash_to_block.get(block.block_hash) is not block:
+                fail(f"block {block.block_id} has a hash that does not map back to it")
+        if len(seen) + in_use != self.num_usable_blocks:
+            fail(f"free {len(seen)} + in use {in_use} != usable {self.num_usable_blocks}")
+        if self.cached_block_hash_to_block and not self.enable_caching:
+            fail("blocks are cached with caching disabled")
+        for block_hash, block in self.cached_block_hash_to_block.items():
+            if block.block_hash != block_hash:
+                fail(f"hash {block_hash.hex()[:16]} maps to block {block.block_id} holding "
+                     f"{None if block.block_hash is None else block.block_hash.hex()[:16]}")
+        if block_tables is not None:
+            counts = [0] * self.num_blocks
+            for table in block_tables:
+                for block in table:
+                    if self.blocks[block.block_id] is not block:
+                        fail(f"a block table holds foreign block {block.block_id}")
+                    counts[block.block_id] += 1
+            for block in self.blocks[1:]:
+                if block.ref_cnt != counts[block.block_id]:
+                    fail(f"block {block.block_id} has ref_cnt {block.ref_cnt} but "
+                         f"{counts[block.block_id]} block-table references")

@@ -1,0 +1,35 @@
+"""KV-cache events for a cache-aware router, drained with `BlockPool.take_events()`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedkv.kv.hashing import BlockHash
+
+
+@dataclass
+class BlockStored:
+    """Blocks registered in the prefix cache: a chain hanging off `parent_block_hash`.
+
+    `token_ids` are the tokens of all `block_hashes` blocks, `block_size` per block.
+    """
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+
+
+@dataclass
+class BlockRemoved:
+    """Blocks evicted from the prefix cache (their memory was reused)."""
+
+    block_hashes: list[BlockHash]
+
+
+@dataclass
+class AllBlocksCleared:
+    """The whole prefix cache was reset."""
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared

@@ -1,0 +1,507 @@
+"""KVCacheManager: per-request block tables on top of a device and a host BlockPool.
+
+The scheduler talks to this class only. For each live request it keeps the device block table
+(list of KVCacheBlock; position p lives in table[p // block_size]), the host block table while
+the request is swapped out, the chained hashes of its full blocks (computed incrementally, once
+per block) and how many of its blocks were already offered to the prefix cache.
+
+Typical step for a request (the scheduler's side):
+    blocks, n = mgr.get_computed_blocks(req)             # waiting request: prefix-cache hit
+    new = mgr.allocate_slots(req, num_new_tokens, blocks, n)   # None: not enough memory now
+    ... runner applies mgr.take_block_copies(), runs the model ...
+    req.num_computed_tokens += n + num_new_tokens
+    mgr.free(req) when it finishes / is preempted by recompute
+
+Lists returned by `get_blocks` are the live tables: valid until the next call that changes
+that request (allocate_slots, free, swap_out, swap_in).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from pagedkv.kv.block import KVCacheBlock
+from pagedkv.kv.block_pool import BlockPool
+from pagedkv.kv.events import KVCacheEvent
+from pagedkv.kv.hashing import BlockHash, RequestBlockHasher
+
+
+class AllocStatus(enum.Enum):
+    """Admission answer (seed 000 section 3.3)."""
+
+    OK = enum.auto()  # fits now, keeping the watermark free
+    LATER = enum.auto()  # does not fit now, but would fit in an otherwise empty pool
+    NEVER = enum.auto()  # can never fit, even with the whole pool
+
+
+class KVRequest(Protocol):
+    """What the manager reads from a request (pagedkv.sched.Request satisfies it)."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    cache_salt: str | None
+    lora_name: str | None
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+@dataclass
+class PrefixCacheStats:
+    """Cumulative prefix-cache counters, in tokens as vLLM counts them."""
+
+    requests: int = 0  # get_computed_blocks calls
+    queries: int = 0  # tokens looked up (request.num_tokens per call)
+    hits: int = 0  # tokens found computed
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class _ReqState:
+    __slots__ = ("blocks", "block_hashes", "num_cached_blocks", "host_blocks")
+
+    def __init__(self) -> None:
+        self.blocks: list[KVCacheBlock] = []
+        self.block_hashes: list[BlockHash] = []
+        # Leading blocks already offered to the prefix cache (cache_full_blocks done for them).
+        self.num_cached_blocks = 0
+        self.host_blocks: list[KVCacheBlock] | None = None  # set while swapped out
+
+
+class KVCacheManager:
+    """Block tables, prefix caching, copy-on-write, sliding window and swap for all requests."""
+
+    def __init__(self, *, num_blocks: int, block_size: int, num_host_blocks: int = 0,
+                 enable_caching: bool = True, sliding_window: int | None = None,
+                 watermark: float = 0.01, hash_algo: str = "sha256",
+                 enable_kv_cache_events: bool = False) -> None:
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be an int >= 0, got {num_host_blocks!r}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
+        if sliding_window is not None and (not isinstance(sliding_window, int)
+                                           or sliding_window <= 0):
+            raise ValueError(f"sliding_window must be a positive int, got {sliding_window!r}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
+        self.pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events)
+        self.host_pool = BlockPool(num_host_blocks + 1, False) if num_host_blocks > 0 else None
+        self.num_usable_blocks = self.pool.num_usable_blocks
+        self.watermark = watermark
+        self.watermark_blocks = int(watermark * self.num_usable_blocks)
+        self.hasher = RequestBlockHasher(hash_algo, block_size)
+        self.prefix_cache_stats = PrefixCacheStats()
+        self._reqs: dict[str, _ReqState] = {}
+        self._copies: list[tuple[int, int]] = []
+
+    # ------------------------------------------------------------------ helpers
+    def _state(self, request_id: str) -> _ReqState:
+        state = self._reqs.get(request_id)
+        if state is None:
+            state = self._reqs[request_id] = _ReqState()
+        return state
+
+    def update_block_hashes(self, request: KVRequest) -> list[BlockHash]:
+        """Hash the request's newly full blocks (each block once); returns its live hash list."""
+        state = self._state(request.request_id)
+        return self.hasher(request, state.block_hashes)
+
+    # ------------------------------------------------------------------ prefix cache
+    def get_computed_blocks(self, request: KVRequest) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of full blocks and its token count; touches nothing.
+
+        At most num_tokens - 1 tokens are reported, so the last token is always computed (it
+        yields the logits). Counts one query of request.num_tokens tokens in prefix_cache_stats.
+        The returned blocks stay valid as hits until the pool next allocates or resets: pass
+        them to allocate_slots in the same scheduling step.
+        """
+        if not self.enable_caching:
+            return [], 0
+        num_tokens = request.num_tokens
+        block_hashes = self.hasher(request, self._state(request.request_id).block_hashes)
+        max_blocks = (num_tokens - 1) // self.block_size
+        get = self.pool.cached_block_hash_to_block.get
+        hits: list[KVCacheBlock] = []
+        for i in range(min(max_blocks, len(block_hashes))):
+            block = get(block_hashes[i])
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        stats = self.prefix_cache_stats
+        stats.requests += 1
+        stats.queries += num_tokens
+        stats.hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    # ------------------------------------------------------------------ admission
+    def can_allocate(self, request: KVRequest, num_computed_blocks: int = 0, *,
+                     computed_blocks: Sequence[KVCacheBlock] | None = None) -> AllocStatus:
+        """OK / LATER / NEVER for holding the request's whole current sequence.
+
+        required_total = cdiv(num_tokens, block_size). `num_computed_blocks` is the number of
+        prefix-hit blocks that need NO free memory, i.e. hits already held by other requests
+        (ref_cnt > 0). A hit on a free cached block (ref_cnt 0) still consumes a free block when
+        touched, so it must not be subtracted. Pass `computed_blocks` (the hits from
+        get_computed_blocks) instead to have that count made here exactly.
+        NEVER if usable - required_total < watermark_blocks; OK if
+        free - (required_total - num_computed_blocks) >= watermark_blocks; else LATER.
+        """
+        if computed_blocks is not None:
+            num_computed_blocks = sum(1 for b in computed_blocks if b.ref_cnt > 0)
+        required_total = -(-request.num_tokens // self.block_size)
+        if self.num_usable_blocks - required_total < self.watermark_blocks:
+            return AllocStatus.NEVER
+        required = required_total - num_computed_blocks
+        if self.pool.free_block_queue.num_free_blocks - required >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    # ------------------------------------------------------------------ allocation
+    def allocate_slots(self, request: KVRequest, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       num_new_computed_tokens: int = 0, *, delay_cache_blocks: bool = False,
+                       apply_watermark: bool = False) -> list[KVCacheBlock] | None:
+        """Make room for positions [c, c + num_new_computed_tokens + num_new_tokens), where
+        c = request.num_computed_tokens.
+
+        First frees the blocks wholly outside the sliding window (they would be freed by any
+        later call too; this happens even when the call returns None). Then, if the free blocks
+        (minus prefix hits that sit in the free queue, and minus the watermark when
+        apply_watermark) cannot cover the new blocks plus copy-on-write replacements, returns
+        None and changes nothing else. Otherwise touches and appends `new_computed_blocks`,
+        replaces shared blocks this step writes into (copies drained by take_block_copies),
+        appends new blocks, and unless delay_cache_blocks caches the blocks full after this step.
+        Returns the blocks appended at the table's end (COW replacements are not included).
+        """
+        if num_new_tokens < 0 or num_new_computed_tokens < 0:
+            raise ValueError(f"negative token count: num_new_tokens={num_new_tokens}, "
+                             f"num_new_computed_tokens={num_new_computed_tokens}")
+        state = self._state(request.request_id)
+        if state.host_blocks is not None:
+            raise ValueError(f"request {request.request_id!r} is swapped out; swap_in first")
+        blocks = state.blocks
+        bs = self.block_size
+        pool = self.pool
+        num_computed = request.num_computed_tokens
+        if self.sliding_window is not None:
+            self._remove_skipped_blocks(blocks, num_computed)
+        ncb = new_computed_blocks or ()
+        num_ncb = len(ncb)
+        start = num_computed + num_new_computed_tokens  # first position written this step
+        end = start + num_new_tokens
+        num_old = len(blocks)
+        num_required = -(-end // bs)
+        num_new_blocks = num_required - num_old - num_ncb
+        if num_new_blocks < 0:
+            num_new_blocks = 0
+        # Copy-on-write: existing shared blocks that this step writes into.
+        cow: list[int] | None = None
+        if num_new_tokens:
+            first = start // bs
+            last = min(num_old, num_required)
+            if first < last:
+                for i in range(first, last):
+                    if blocks[i].ref_cnt > 1:
+                        if cow is None:
+                            cow = []
+                        cow.append(i)
+        num_needed = num_new_blocks + (len(cow) if cow else 0)
+        if num_needed or num_ncb:
+            available = pool.free_block_queue.num_free_blocks
+            if num_ncb:
+                for b in ncb:
+                    if b.ref_cnt == 0:
+                        available -= 1
+            if apply_watermark:
+                available -= self.watermark_blocks
+            if num_needed > available:
+                return None
+        if num_ncb:
+            pool.touch(ncb)
+            if state.num_cached_blocks == num_old:
+                state.num_cached_blocks += num_ncb
+            blocks.extend(ncb)
+        if cow:
+            self._copy_on_write(blocks, cow, start)
+        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        if new_blocks:
+            blocks.extend(new_blocks)
+        if num_ncb and self.sliding_window is not None:
+            self._remove_skipped_blocks(blocks, start)
+        if self.enable_caching and not delay_cache_blocks:
+            num_tokens = request.num_tokens
+            self._cache_blocks(request, state, end if end < num_tokens else num_tokens)
+        return new_blocks
+
+    def _copy_on_write(self, blocks: list[KVCacheBlock], indices: list[int], start: int) -> None:
+        bs = self.block_size
+        fresh = self.pool.get_new_blocks(len(indices))
+        olds = []
+        for i, new in zip(indices, fresh, strict=True):
+            old = blocks[i]
+            blocks[i] = new
+            olds.append(old)
+            if i * bs < start:  # holds tokens already written: the runner must copy them
+                self._copies.append((old.block_id, new.block_id))
+        # Every old block is shared (ref_cnt > 1), so this only drops our reference.
+        self.pool.free_blocks(olds)
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """Drain the (src_block_id, dst_block_id) copies the runner must do before the next step."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def _remove_skipped_blocks(self, blocks: list[KVCacheBlock], num_computed: int) -> None:
+        """Free blocks wholly before the window of position `num_computed`; null them."""
+        num_skipped = num_computed - self.sliding_window + 1
+        if num_skipped <= 0:
+            return
+        null = self.pool.null_block
+        removed = []
+        for i in range(min(num_skipped // self.block_size, len(blocks)) - 1, -1, -1):
+            block = blocks[i]
+            if block.is_null:
+                break  # everything before it was nulled earlier
+            removed.append(block)
+            blocks[i] = null
+        if removed:
+            self.pool.free_blocks(removed)
+
+    def cache_blocks(self, request: KVRequest, num_computed_tokens: int) -> None:
+        """Register the request's blocks that are full within its first num_computed_tokens."""
+        if not self.enable_caching:
+            return
+        state = self._reqs.get(request.request_id)
+        if state is None or state.host_blocks is not None:
+            return
+        self._cache_blocks(request, state, min(num_computed_tokens, request.num_tokens))
+
+    def _cache_blocks(self, request: KVRequest, state: _ReqState, num_tokens: int) -> None:
+        num_full = num_tokens // self.block_size
+        if num_full > len(state.blocks):
+            num_full = len(state.blocks)
+        num_cached = state.num_cached_blocks
+        if num_full <= num_cached:
+            return
+        hashes = state.block_hashes
+        if len(hashes) < num_full:
+            self.hasher(request, hashes)
+        self.pool.cache_full_blocks(state.blocks, hashes, num_cached, num_full, self.block_size,
+                                    request.all_token_ids)
+        state.num_cached_blocks = num_full
+
+    # ------------------------------------------------------------------ free / fork
+    def free(self, request: KVRequest) -> None:
+        """Release the request's blocks tail first (device, or host if swapped) and forget it.
+
+        Unknown requests are ignored.
+        """
+        state = self._reqs.pop(request.request_id, None)
+        if state is None:
+            return
+        if state.host_blocks is not None:
+            self.host_pool.free_blocks([b for b in reversed(state.host_blocks) if not b.is_null])
+        blocks = state.blocks
+        if blocks:
+            if self.sliding_window is None:
+                self.pool.free_blocks(reversed(blocks))
+            else:
+                self.pool.free_blocks([b for b in reversed(blocks) if not b.is_null])
+
+    def fork(self, parent: KVRequest, child: KVRequest) -> None:
+        """Give `child` the parent's blocks (each ref up) and hashes. The child must be new and
+        its tokens must equal the parent's; a write into a shared partial block copies it."""
+        pstate = self._reqs.get(parent.request_id)
+        if pstate is None or pstate.host_blocks is not None:
+            raise ValueError(f"cannot fork {parent.request_id!r}: not resident on the device")
+        if child.request_id in self._reqs:
+            raise ValueError(f"cannot fork into {child.request_id!r}: it already has state")
+        cstate = self._reqs[child.request_id] = _ReqState()
+        cstate.blocks = list(pstate.blocks)
+        cstate.block_hashes = list(pstate.block_hashes)
+        cstate.num_cached_blocks = pstate.num_cached_blocks
+        self.pool.touch([b for b in cstate.blocks if not b.is_null])
+
+    # ------------------------------------------------------------------ swap
+    def is_swapped(self, request_id: str) -> bool:
+        state = self._reqs.get(request_id)
+        return state is not None and state.host_blocks is not None
+
+    def _resident(self, request: KVRequest) -> _ReqState:
+        state = self._reqs.get(request.request_id)
+        if state is None or state.host_blocks is not None:
+            raise ValueError(f"request {request.request_id!r} is not resident on the device")
+        return state
+
+    def _swapped(self, request: KVRequest) -> _ReqState:
+        state = self._reqs.get(request.request_id)
+        if state is None or state.host_blocks is None:
+            raise ValueError(f"request {request.request_id!r} is not swapped out")
+        return state
+
+    def can_swap_out(self, request: KVRequest) -> bool:
+        """Whether the host pool has a free block for each of the request's non-null blocks."""
+        state = self._reqs.get(request.request_id)
+        if self.host_pool is None or state is None or state.host_blocks is not None:
+            return False
+        n = sum(1 for b in state.blocks if not b.is_null)
+        return n <= self.host_pool.get_num_free_blocks()
+
+    def swap_out(self, request: KVRequest) -> list[tuple[int, int]]:
+        """Move the request to host blocks; returns (device_id, host_id) copies to do BEFORE the
+        device blocks are reused. Device blocks are freed tail first (cached ones stay cached).
+        Raises ValueError when it is not resident or the host pool is too small."""
+        state = self._resident(request)
+        if not self.can_swap_out(request):
+            raise ValueError(f"not enough host blocks to swap out {request.request_id!r}")
+        device = state.blocks
+        live = [b for b in device if not b.is_null]
+        host_new = self.host_pool.get_new_blocks(len(live))
+        host_null = self.host_pool.null_block
+        it = iter(host_new)
+        host_table = [host_null if b.is_null else next(it) for b in device]
+        mapping = [(d.block_id, h.block_id) for d, h in zip(live, host_new, strict=True)]
+        self.pool.free_blocks(reversed(live))
+        state.host_blocks = host_table
+        state.blocks = []
+        state.num_cached_blocks = 0
+        return mapping
+
+    def _swap_in_hits(self, request: KVRequest, state: _ReqState) -> dict[int, KVCacheBlock]:
+        """Table index -> device block still cached under that block's hash (no copy needed)."""
+        if not self.enable_caching:
+            return {}
+        host = state.host_blocks
+        hashes = state.block_hashes
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        get = self.pool.cached_block_hash_to_block.get
+        hits = {}
+        for i in range(min(num_full, len(hashes), len(host))):
+            if not host[i].is_null:
+                block = get(hashes[i])
+                if block is not None:
+                    hits[i] = block
+        return hits
+
+    def _swap_in_need(self, state: _ReqState, hits: dict[int, KVCacheBlock]) -> int:
+        n = sum(1 for b in state.host_blocks if not b.is_null) - len(hits)
+        return n + sum(1 for b in hits.values() if b.ref_cnt == 0)
+
+    def can_swap_in(self, request: KVRequest) -> bool:
+        """Whether the device can take the request back, keeping the watermark free.
+
+        Blocks still cached on the device are reused (a cached block nobody holds costs one free
+        block, one held by another request costs none); the others need a free block each.
+        """
+        state = self._reqs.get(request.request_id)
+        if state is None or state.host_blocks is None:
+            return False
+        need = self._swap_in_need(state, self._swap_in_hits(request, state))
+        return self.pool.get_num_free_blocks() - need >= self.watermark_blocks
+
+    def swap_in(self, request: KVRequest) -> list[tuple[int, int]]:
+        """Move the request back to the device; returns (host_id, device_id) copies to do.
+
+        Full computed blocks whose hash is still in the device prefix cache are taken from it
+        (touched, no copy); the rest get fresh blocks and are registered in the prefix cache
+        again from the kept hash list. Host blocks are freed. Raises ValueError when the request
+        is not swapped or device memory is short (see can_swap_in).
+        """
+        state = self._swapped(request)
+        hits = self._swap_in_hits(request, state)
+        need = self._swap_in_need(state, hits)
+        if self.pool.get_num_free_blocks() - need < self.watermark_blocks:
+            raise ValueError(f"not enough device blocks to swap in {request.request_id!r}")
+        host = state.host_blocks
+        if hits:
+            self.pool.touch(hits.values())
+        num_fresh = sum(1 for b in host if not b.is_null) - len(hits)
+        fresh = iter(self.pool.get_new_blocks(num_fresh))
+        null = self.pool.null_block
+        table = []
+        mapping = []
+        for i, h in enumerate(host):
+            if h.is_null:
+                table.append(null)
+            elif i in hits:
+                table.append(hits[i])
+            else:
+                d = next(fresh)
+                table.append(d)
+                mapping.append((h.block_id, d.block_id))
+        self.host_pool.free_blocks([b for b in reversed(host) if not b.is_null])
+        state.blocks = table
+        state.host_blocks = None
+        state.num_cached_blocks = 0
+        if self.enable_caching:
+            self._cache_blocks(request, state, min(request.num_computed_tokens,
+                                                   request.num_tokens))
+        return mapping
+
+    # ------------------------------------------------------------------ queries
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        """The live device block table ([] when unknown or swapped)."""
+        state = self._reqs.get(request_id)
+        return state.blocks if state is not None else []
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """Device block ids of the request's table; null blocks appear as 0."""
+        state = self._reqs.get(request_id)
+        return [b.block_id for b in state.blocks] if state is not None else []
+
+    def get_host_block_ids(self, request_id: str) -> list[int]:
+        """Host block ids while swapped ([] otherwise); null blocks appear as 0."""
+        state = self._reqs.get(request_id)
+        if state is None or state.host_blocks is None:
+            return []
+        return [b.block_id for b in state.host_blocks]
+
+    def get_block_hashes(self, request_id: str) -> list[BlockHash]:
+        """The request's computed block hashes (live list)."""
+        state = self._reqs.get(request_id)
+        return state.block_hashes if state is not None else []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.free_block_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable device blocks held by requests (unheld cached blocks are free)."""
+        return self.pool.get_usage()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop all cached hashes; only possible when no device block is in use."""
+        return self.pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.pool.take_events()
+
+    def check_invariants(self) -> None:
+        """Pool invariants with the live tables, plus per-request consistency. RuntimeError."""
+        device_tables = []
+        host_tables = []
+        for rid, state in self._reqs.items():
+            if state.host_blocks is not None:
+                host_tables.append([b for b in state.host_blocks if not b.is_null])
+                if state.blocks:
+                    raise RuntimeError(f"swapped request {rid!r} still holds device blocks")
+            else:
+                device_tables.append([b for b in state.blocks if not b.is_null])
+            if state.host_blocks is None and state.num_cached_blocks > len(state.blocks):
+                raise RuntimeError(f"request {rid!r}: num_cached_blocks "
+                                   f"{state.num_cached_blocks} > {len(state.blocks)} blocks")
+        self.pool.check_invariants(device_tables)
+        if self.host_pool is not None:
+            self.host_pool.check_invariants(host_tables)

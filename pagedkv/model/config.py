@@ -1,0 +1,210 @@
+"""ModelConfig: what the runtime needs from a Hugging Face model directory's config.json.
+
+Reads config.json (and generation_config.json for eos ids) only; never touches the network.
+Both transformers 4 (`rope_theta`, `rope_scaling`, `torch_dtype`) and transformers 5
+(`rope_parameters`, `dtype`) spellings are accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`; a ValueError naming the file when it is missing or malformed."""
+    if not path.is_file():
+        raise ValueError(f"missing file: {path}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"malformed JSON in {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
+
+
+def parse_dtype(dtype: str | torch.dtype, config_dtype: str | None = None) -> torch.dtype:
+    """torch dtype for `dtype`; "auto" takes `config_dtype` (float32 when the config has none)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in TORCH_DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+        return dtype
+    if dtype == "auto":
+        dtype = config_dtype or "float32"
+    key = str(dtype).removeprefix("torch.")
+    if key not in TORCH_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return TORCH_DTYPES[key]
+
+
+def _eos_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and options of one Llama-family model.
+
+    `layer_sliding_windows[i]` is layer i's window (a token at position p sees positions
+    p - W + 1 .. p) or None for full attention. `rope_scaling` is None or a dict with
+    "rope_type" in ("linear", "llama3") and that type's parameters.
+    """
+
+    architecture: str
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    layer_sliding_windows: tuple[int | None, ...]
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    torch_dtype: str
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of the sliding layers (None when every layer attends to everything)."""
+        windows = [w for w in self.layer_sliding_windows if w is not None]
+        return max(windows) if windows else None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        """Parse `model_dir`/config.json (+ generation_config.json when present)."""
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise ValueError(f"model directory not found: {model_dir}")
+        cfg = read_json(model_dir / "config.json")
+        gen_path = model_dir / "generation_config.json"
+        gen = read_json(gen_path) if gen_path.is_file() else {}
+        return cls.from_dict(cfg, gen)
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], gen: dict[str, Any] | None = None) -> ModelConfig:
+        """Parse an HF config dict (and a generation config dict)."""
+        gen = gen or {}
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"unknown architecture {archs!r} in config.json; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        model_type = cfg.get("model_type", arch.removesuffix("ForCausalLM").lower())
+
+        def req(key: str) -> Any:
+            if key not in cfg:
+                raise ValueError(f"config.json has no {key!r} (needed for {arch})")
+            return cfg[key]
+
+        hidden = int(req("hidden_size"))
+        heads = int(req("num_attention_heads"))
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        if heads % kv_heads != 0:
+            raise ValueError(f"num_attention_heads {heads} is not a multiple of "
+                             f"num_key_value_heads {kv_heads}")
+        head_dim = cfg.get("head_dim") or hidden // heads
+        num_layers = int(req("num_hidden_layers"))
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is supported")
+        rope_theta, rope_scaling = _parse_rope(cfg)
+        windows = _parse_windows(cfg, arch, num_layers)
+        eos = _eos_list(gen.get("eos_token_id")) + _eos_list(cfg.get("eos_token_id"))
+        eos_ids = tuple(dict.fromkeys(eos))
+        bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            model_type=model_type,
+            hidden_size=hidden,
+            intermediate_size=int(req("intermediate_size")),
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=int(head_dim),
+            vocab_size=int(req("vocab_size")),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            layer_sliding_windows=windows,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+            o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    params = dict(cfg.get("rope_parameters") or {})
+    theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling") or params
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if rope_type not in _ROPE_TYPES:
+        raise ValueError(f"unsupported RoPE scaling type {rope_type!r}; supported: {_ROPE_TYPES}")
+    if rope_type == "default":
+        return theta, None
+    out = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")}
+    out["rope_type"] = rope_type
+    if "factor" not in out:
+        raise ValueError(f"RoPE scaling {rope_type!r} needs a 'factor'")
+    return theta, out
+
+
+def _parse_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
+    window = cfg.get("sliding_window")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window"):
+        window = None
+    if window is None:
+        return (None,) * num_layers
+    window = int(window)
+    layer_types = cfg.get("layer_types")
+    if layer_types and len(layer_types) == num_layers:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        first = int(cfg.get("max_window_layers", 0))
+        return tuple(window if i >= first else None for i in range(num_layers))
+    return (window,) * num_layers

@@ -1,0 +1,68 @@
+"""The paged KV cache tensors on the device, and the host (swap) copy of the same layout.
+
+Layout: one zero-filled tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+(index 0 of dim 1 holds keys, 1 values). Layer i's caches are the views `kv[i, 0]`, `kv[i, 1]`
+of shape [num_blocks, block_size, num_kv_heads, head_dim], so a token's slot
+(`block_id * block_size + offset`) is one row of the [num_blocks * block_size, heads, dim] view
+(see attention.py). Block 0 is the null block: the KV manager never hands it out, and block
+tables are padded with it; being zero-filled, masked reads of it never make NaNs.
+The host cache has the same layout with `num_host_blocks` blocks (pinned memory with CUDA).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Device KV blocks plus host swap blocks; block moves act on every layer at once."""
+
+    def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device,
+                 num_host_blocks: int = 0) -> None:
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be an integer >= 0, got {num_host_blocks!r}")
+        self.num_blocks, self.block_size, self.num_host_blocks = num_blocks, block_size, num_host_blocks
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        host_shape = (num_layers, 2, num_host_blocks, block_size, num_kv_heads, head_dim)
+        pin = device.type == "cuda" and num_host_blocks > 0
+        self.host_kv = torch.zeros(host_shape, dtype=dtype, device="cpu", pin_memory=pin)
+        self.layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(num_layers)]
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
+    def _ids(self, ids: list[int], limit: int, what: str) -> torch.Tensor:
+        bad = [i for i in ids if not 0 <= i < limit]
+        if bad:
+            raise ValueError(f"{what} block id {bad[0]} out of range [0, {limit})")
+        return torch.tensor(ids, dtype=torch.long)
+
+    def swap_out(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks for each (device_id, host_id) (mutates host_kv)."""
+        if not mapping:
+            return
+        src = self._ids([s for s, _ in mapping], self.num_blocks, "device")
+        dst = self._ids([d for _, d in mapping], self.num_host_blocks, "host")
+        self.host_kv[:, :, dst] = self.kv[:, :, src.to(self.device)].to("cpu")
+
+    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy host blocks to device blocks for each (host_id, device_id) (mutates kv)."""
+        if not mapping:
+            return
+        src = self._ids([s for s, _ in mapping], self.num_host_blocks, "host")
+        dst = self._ids([d for _, d in mapping], self.num_blocks, "device")
+        self.kv[:, :, dst.to(self.device)] = self.host_kv[:, :, src].to(self.device)
+
+    def copy(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy device block src to dst for each (src, dst) (copy-on-write; mutates kv)."""
+        if not mapping:
+            return
+        src = self._ids([s for s, _ in mapping], self.num_blocks, "device").to(self.device)
+        dst = self._ids([d for _, d in mapping], self.num_blocks, "device").to(self.device)
+        self.kv[:, :, dst] = self.kv[:, :, src]

@@ -1,0 +1,122 @@
+"""The Llama family on paged KV: Llama, Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+The forward pass takes the flattened tokens of a whole mixed batch (no padding): input_ids [T],
+positions [T] and the step's AttentionMetadata; each layer writes its new K/V into the paged
+cache and attends through the block tables. Logits are computed only for the hidden states
+the caller selects (`compute_logits`). q/k/v and gate/up projections are fused into one matmul
+each; `checkpoint_mapping` says which Hugging Face tensors each parameter is built from.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedkv.model.attention import AttentionMetadata, paged_attention
+from pagedkv.model.config import ModelConfig
+from pagedkv.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, window: int | None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.window = window
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, window: int | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, window)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Every supported architecture: the variations are switched by ModelConfig fields."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, w) for w in cfg.layer_sliding_windows)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                      cfg.max_position_embeddings)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states [T, hidden]; writes every layer's new K/V into `kv_caches`."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] for hidden states [N, hidden]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (hidden @ weight.t()).float()
+
+    def checkpoint_mapping(self) -> dict[str, list[str]]:
+        """Parameter name -> Hugging Face tensor names it is the dim-0 concatenation of."""
+        cfg = self.config
+        m: dict[str, list[str]] = {"embed_tokens.weight": ["model.embed_tokens.weight"],
+                                   "norm.weight": ["model.norm.weight"]}
+        if self.lm_head is not None:
+            m["lm_head.weight"] = ["lm_head.weight"]
+        for i in range(cfg.num_layers):
+            p, hf = f"layers.{i}.", f"model.layers.{i}."
+            m[p + "input_layernorm.weight"] = [hf + "input_layernorm.weight"]
+            m[p + "post_attention_layernorm.weight"] = [hf + "post_attention_layernorm.weight"]
+            for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+                m[p + f"self_attn.qkv_proj.{kind}"] = [
+                    hf + f"self_attn.{n}_proj.{kind}" for n in ("q", "k", "v")]
+            for kind in ("weight", "bias") if cfg.o_bias else ("weight",):
+                m[p + f"self_attn.o_proj.{kind}"] = [hf + f"self_attn.o_proj.{kind}"]
+            if cfg.qk_norm:
+                m[p + "self_attn.q_norm.weight"] = [hf + "self_attn.q_norm.weight"]
+                m[p + "self_attn.k_norm.weight"] = [hf + "self_attn.k_norm.weight"]
+            for kind in ("weight", "bias") if cfg.mlp_bias else ("weight",):
+                m[p + f"mlp.gate_up_proj.{kind}"] = [hf + f"mlp.gate_proj.{kind}",
+                                                      hf + f"mlp.up_proj.{kind}"]
+                m[p + f"mlp.down_proj.{kind}"] = [hf + f"mlp.down_proj.{kind}"]
+        return m
+
+    def checkpoint_splits(self, param_name: str) -> list[int]:
+        """Dim-0 sizes of the tensors a fused parameter concatenates."""
+        cfg = self.config
+        if "qkv_proj" in param_name:
+            return [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+        if "gate_up_proj" in param_name:
+            return [cfg.intermediate_size] * 2
+        raise ValueError(f"{param_name} is not a fused parameter")

@@ -1,0 +1,97 @@
+"""Load safetensors weights from a Hugging Face model directory (single file or sharded).
+
+Never touches the network. Errors name the missing file, shard or tensor, or the tensor whose
+shape disagrees with the config.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pagedkv.model.config import ModelConfig
+from pagedkv.model.layers import rope_inv_freq
+from pagedkv.model.llama import LlamaForCausalLM
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of `model_dir`: the shards listed in model.safetensors.index.json,
+    else model.safetensors, else every *.safetensors file (sorted)."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"malformed shard index {index}: {e!r}") from e
+        shards = [model_dir / name for name in dict.fromkeys(weight_map.values())]
+        missing = [str(s) for s in shards if not s.is_file()]
+        if missing:
+            raise ValueError(f"missing weight shard(s) listed in {index.name}: {', '.join(missing)}")
+        return shards
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights found in {model_dir}")
+    return files
+
+
+def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, CPU tensor) for every tensor of every weight file of `model_dir`."""
+    for path in weight_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of `model_dir`'s weights, by name, on CPU in the stored dtype."""
+    return dict(iter_tensors(model_dir))
+
+
+def load_weights(module: torch.nn.Module, model_dir: str | Path) -> None:
+    """Copy `model_dir`'s weights into `module` (mutates its parameters in place).
+
+    `module.checkpoint_mapping()` maps each parameter name to the checkpoint tensor names it
+    is built from (several names are concatenated along dim 0, e.g. q/k/v into qkv). Raises
+    ValueError naming a missing tensor or one whose shape differs from the parameter's.
+    """
+    state = load_state_dict(model_dir)
+    params = dict(module.named_parameters())
+    for param_name, sources in module.checkpoint_mapping().items():
+        missing = [s for s in sources if s not in state]
+        if missing:
+            raise ValueError(f"missing tensor {missing[0]!r} in the weights of {model_dir}")
+        param = params[param_name]
+        expected = _expected_source_shapes(param.shape, sources, module, param_name)
+        for src, shape in zip(sources, expected):
+            if tuple(state[src].shape) != shape:
+                raise ValueError(f"wrong shape for tensor {src!r}: expected {shape}, "
+                                 f"got {tuple(state[src].shape)}")
+        value = torch.cat([state[s] for s in sources], dim=0) if len(sources) > 1 else state[sources[0]]
+        with torch.no_grad():
+            param.copy_(value.to(param.dtype))
+
+
+def _expected_source_shapes(shape: torch.Size, sources: list[str], module: torch.nn.Module,
+                            param_name: str) -> list[tuple[int, ...]]:
+    splits = module.checkpoint_splits(param_name) if len(sources) > 1 else [shape[0]]
+    return [(n, *shape[1:]) for n in splits]
+
+
+def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
+               device: torch.device) -> LlamaForCausalLM:
+    """Build the model for `config` on `device` in `dtype` and load `model_dir`'s weights."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype).to_empty(device=device)
+    model.rotary.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta,
+                                          config.rope_scaling).to(device)
+    load_weights(model, model_dir)
+    return model.eval()

@@ -1,0 +1,135 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass over the paged KV cache and samples.
+
+Per step, in order: swap out (device -> host), swap in (host -> device), block copies
+(copy-on-write), then the forward pass over the scheduled tokens (decodes first, batched, then
+prefill chunks), logits only at the last position of each request that samples, and sampling.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pagedkv.model.attention import AttentionMetadata, PrefillChunk
+from pagedkv.model.config import ModelConfig, parse_dtype
+from pagedkv.model.kv_cache import KVCache
+from pagedkv.model.llama import LlamaForCausalLM
+from pagedkv.model.loader import load_model
+from pagedkv.model.sampler import Sampler
+from pagedkv.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """CUDA when `device` is "auto" and CUDA is available, else CPU; otherwise `device` as given."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"invalid device {device!r}") from e
+
+
+class ModelRunner:
+    """Owns the model weights, the KV cache tensors and the sampler of one engine."""
+
+    def __init__(self, model_dir: str | Path, *, block_size: int, num_blocks: int,
+                 num_host_blocks: int = 0, dtype: str = "auto", device: str = "auto",
+                 seed: int = 0) -> None:
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.device = resolve_device(device)
+        self.dtype = parse_dtype(dtype, self.model_config.torch_dtype)
+        self.block_size = block_size
+        self.model: LlamaForCausalLM = load_model(model_dir, self.model_config, self.dtype,
+                                                  self.device)
+        cfg = self.model_config
+        self.kv_cache = KVCache(num_layers=cfg.num_layers, num_blocks=num_blocks,
+                                block_size=block_size, num_kv_heads=cfg.num_kv_heads,
+                                head_dim=cfg.head_dim, dtype=self.dtype, device=self.device,
+                                num_host_blocks=num_host_blocks)
+        self.sampler = Sampler(seed, self.device)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Apply the step's block moves, run the forward pass and sample (mutates the KV cache
+        and the per-request generators)."""
+        for rid in out.finished_request_ids:
+            self.sampler.forget(rid)
+        self.kv_cache.swap_out(out.blocks_to_swap_out)
+        self.kv_cache.swap_in(out.blocks_to_swap_in)
+        self.kv_cache.copy(out.blocks_to_copy)
+        result = ModelRunnerOutput()
+        if not out.scheduled:
+            return result
+        reqs, input_ids, positions, meta = self.prepare_inputs(out.scheduled)
+        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
+        samplers = [(i, r) for i, r in enumerate(reqs) if r.num_samples > 0]
+        if not samplers:
+            return result
+        last = torch.tensor(self._last_token_indices(reqs), device=self.device)
+        rows = torch.tensor([i for i, _ in samplers], device=self.device)
+        logits = self.model.compute_logits(hidden[last[rows]])
+        tokens, logprobs = self.sampler(logits, [r for _, r in samplers])
+        for (_, req), toks, lps in zip(samplers, tokens, logprobs):
+            result.sampled_token_ids[req.request_id] = toks
+            if lps is not None:
+                result.logprobs[req.request_id] = lps
+        return result
+
+    @staticmethod
+    def _last_token_indices(reqs: list[ScheduledRequest]) -> list[int]:
+        ends, total = [], 0
+        for r in reqs:
+            total += r.num_new_tokens
+            ends.append(total - 1)
+        return ends
+
+    def prepare_inputs(self, scheduled: list[ScheduledRequest]
+                       ) -> tuple[list[ScheduledRequest], torch.Tensor, torch.Tensor,
+                                  AttentionMetadata]:
+        """Order the requests (decodes first), flatten their tokens and build the attention
+        metadata. Raises ValueError for a request whose block table cannot hold its tokens."""
+        bs = self.block_size
+        for r in scheduled:
+            if r.num_new_tokens == 0:
+                raise ValueError(f"request {r.request_id!r} is scheduled with no tokens")
+            needed = (r.start_pos + r.num_new_tokens + bs - 1) // bs
+            if len(r.block_table) < needed:
+                raise ValueError(f"request {r.request_id!r}: block table has {len(r.block_table)} "
+                                 f"blocks, {needed} needed for {r.start_pos + r.num_new_tokens} tokens")
+        decodes = [r for r in scheduled if r.num_new_tokens == 1]
+        prefills = [r for r in scheduled if r.num_new_tokens > 1]
+        reqs = decodes + prefills
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for r in reqs:
+            ids.extend(r.token_ids)
+            for p in range(r.start_pos, r.start_pos + r.num_new_tokens):
+                pos.append(p)
+                slots.append(r.block_table[p // bs] * bs + p % bs)
+        dev = self.device
+        max_blocks = max((len(r.block_table) for r in decodes), default=0)
+        dec_tables = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
+        for i, r in enumerate(decodes):
+            dec_tables[i, : len(r.block_table)] = torch.tensor(r.block_table, dtype=torch.long)
+        chunks, start = [], len(decodes)
+        for r in prefills:
+            seq_len = r.start_pos + r.num_new_tokens
+            table = torch.tensor(r.block_table[: (seq_len + bs - 1) // bs], dtype=torch.long)
+            chunks.append(PrefillChunk(start, start + r.num_new_tokens, r.start_pos, seq_len,
+                                       table.to(dev)))
+            start += r.num_new_tokens
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decodes=len(decodes),
+            decode_seq_lens=torch.tensor([r.start_pos + 1 for r in decodes], dtype=torch.long,
+                                         device=dev),
+            decode_block_tables=dec_tables.to(dev),
+            prefills=chunks,
+            block_size=bs,
+        )
+        return (reqs, torch.tensor(ids, dtype=torch.long, device=dev),
+                torch.tensor(pos, dtype=torch.long, device=dev), meta)

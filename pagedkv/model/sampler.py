@@ -1,0 +1,166 @@
+"""Sampler: penalties, greedy / temperature / min-p / top-k / top-p sampling, top-N logprobs.
+
+One row of logits per request; a request with `num_samples = n` draws n tokens from its row,
+sample i with its own generator. Order (vLLM v1): penalties on the raw logits; greedy rows take
+the argmax; other rows divide by the temperature, drop tokens below `min_p * max_prob`, keep the
+`top_k` largest, keep the smallest set whose probability reaches `top_p`, and draw from the
+renormalised distribution with the exponential-race trick (argmax of p / Exp(1) noise), which
+uses exactly one noise vector per sample from that sample's generator.
+
+Seeds: a request with `seed` samples i = 0..n-1 with a generator seeded `seed + sample_index + i`
+(created on first use, kept until the request finishes), so its tokens do not depend on what
+else is in the batch. Unseeded requests share one generator seeded from the runner's seed, so a
+whole run is reproducible.
+
+Logprobs: log-softmax of the raw model logits, before penalties and temperature (vLLM's default
+"raw_logprobs" mode). Each sample reports the top-N tokens plus the sampled token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.sched.output import ScheduledRequest
+from pagedkv.sched.sampling_params import SamplingParams
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
+                    prompt_ids: list[list[int]], output_ids: list[list[int]]) -> torch.Tensor:
+    """Penalised copy of `logits` [R, V] (vLLM semantics): repetition over prompt + output
+    (positive logits divided, negative multiplied), frequency and presence over output counts."""
+    if all(p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+           and p.frequency_penalty == 0.0 for p in params):
+        return logits
+    r, v = logits.shape
+    dev = logits.device
+    counts = _token_counts(output_ids, v, dev)
+    seen = (_token_counts(prompt_ids, v, dev) + counts) > 0
+    rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
+    freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
+    pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    out = torch.where(seen, penalised, logits)
+    return out - freq * counts - pres * (counts > 0).to(out.dtype)
+
+
+def _token_counts(ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[R, vocab] float counts of each token id in each row of `ids`."""
+    width = max((len(x) for x in ids), default=0)
+    padded = torch.full((len(ids), width + 1), vocab, dtype=torch.long)
+    for i, x in enumerate(ids):
+        if x:
+            padded[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+    counts = torch.zeros(len(ids), vocab + 1)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+    return counts[:, :vocab].to(device)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """-inf where prob < min_p * max prob (per row; min_p [N], 0 disables)."""
+    probs = logits.softmax(-1)
+    threshold = probs.amax(-1, keepdim=True) * min_p[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's `top_k` largest logits (ties at the k-th value kept; k >= V disables),
+    then the smallest set of the largest whose probability reaches `top_p`; others -> -inf."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    k = top_k.clamp(1, vocab)
+    kth = sorted_logits.gather(1, (vocab - k)[:, None])
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    cum = sorted_logits.softmax(-1).cumsum(-1)
+    drop = cum <= (1 - top_p)[:, None]
+    drop[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+class Sampler:
+    """Samples tokens for a batch; holds per-request generators until `forget` is called."""
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._default = torch.Generator(self.device).manual_seed(seed)
+        self._generators: dict[str, list[torch.Generator]] = {}
+
+    def forget(self, request_id: str) -> None:
+        """Drop the generators of a finished request."""
+        self._generators.pop(request_id, None)
+
+    def _generator(self, req: ScheduledRequest, i: int) -> torch.Generator:
+        seed = req.sampling_params.seed
+        if seed is None:
+            return self._default
+        gens = self._generators.setdefault(req.request_id, [])
+        while len(gens) <= i:
+            g = torch.Generator(self.device)
+            g.manual_seed(seed + req.sample_index + len(gens))
+            gens.append(g)
+        return gens[i]
+
+    def __call__(self, logits: torch.Tensor, requests: list[ScheduledRequest]
+                 ) -> tuple[list[list[int]], list[list[dict[int, float]] | None]]:
+        """Tokens (and logprobs when asked) for `requests`, row r of `logits` [R, V] being
+        request r's. Returns (tokens[r] with num_samples ids, logprobs[r] or None)."""
+        params = [r.sampling_params for r in requests]
+        want_logprobs = any(p.logprobs is not None for p in params)
+        raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
+        logits = apply_penalties(logits, params, [r.prompt_token_ids for r in requests],
+                                 [r.output_token_ids for r in requests])
+        counts = [max(r.num_samples, 1) for r in requests]
+        rows = torch.repeat_interleave(torch.arange(len(requests), device=logits.device),
+                                       torch.tensor(counts, device=logits.device))
+        logits = logits[rows]
+        row_params = [p for p, c in zip(params, counts) for _ in range(c)]
+        tokens = logits.argmax(-1)
+        random_rows = [i for i, p in enumerate(row_params) if not p.greedy]
+        if random_rows:
+            idx = torch.tensor(random_rows, device=logits.device)
+            sampled = self._sample(logits[idx], [row_params[i] for i in random_rows],
+                                   [(req, i) for req, c in zip(requests, counts)
+                                    for i in range(c)], random_rows)
+            tokens[idx] = sampled
+        token_list = tokens.tolist()
+        out_tokens, out_logprobs, start = [], [], 0
+        for req, c in zip(requests, counts):
+            toks = token_list[start:start + c]
+            out_tokens.append(toks)
+            n = req.sampling_params.logprobs
+            if n is None:
+                out_logprobs.append(None)
+            else:
+                out_logprobs.append(_top_logprobs(raw_logprobs[len(out_tokens) - 1], toks, n))
+            start += c
+        return out_tokens, out_logprobs
+
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
+                row_owner: list[tuple[ScheduledRequest, int]], rows: list[int]) -> torch.Tensor:
+        dev = logits.device
+        temp = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)
+        logits = logits / temp[:, None]
+        if any(p.min_p > 0 for p in params):
+            logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=dev))
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            vocab = logits.shape[-1]
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+            top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
+            logits = apply_top_k_top_p(logits, top_k, top_p)
+        probs = logits.softmax(-1)
+        noise = torch.empty_like(probs)
+        for j, row in enumerate(rows):
+            req, i = row_owner[row]
+            noise[j].exponential_(generator=self._generator(req, i))
+        return (probs / noise).argmax(-1)
+
+
+def _top_logprobs(logprobs: torch.Tensor, sampled: list[int], n: int) -> list[dict[int, float]]:
+    top = logprobs.topk(n) if n > 0 else None
+    base = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
+    out = []
+    for tok in sampled:
+        d = dict(base)
+        d[tok] = float(logprobs[tok])
+        out.append(d)
+    return out

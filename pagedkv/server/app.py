@@ -1,0 +1,133 @@
+"""The OpenAI-compatible FastAPI app: `create_app(engine, served_model_name=...)`.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics (Prometheus text), GET /version. With `api_key`, every /v1 route needs
+`Authorization: Bearer <api_key>` (401 otherwise). Errors are OpenAI-style bodies (errors.py).
+
+The app owns an `AsyncEngine` (the engine's step loop in one background thread), started and
+stopped by the app's lifespan; everything lives on `app.state`, nothing in module globals, so
+several apps (engines) can share a process.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagedkv import __version__
+from pagedkv.server.async_engine import AsyncEngine, EngineDeadError
+from pagedkv.server.errors import APIError, error_response, install_error_handlers
+from pagedkv.server.metrics import ServerMetrics
+from pagedkv.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from pagedkv.server.serving import OpenAIServing
+from pagedkv.server.serving_chat import create_chat_completion
+from pagedkv.server.serving_completion import create_completion
+
+DEFAULT_MAX_PENDING = 4096
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
+
+
+def create_app(engine: Any, *, served_model_name: str, api_key: str | None = None,
+               max_pending: int = DEFAULT_MAX_PENDING) -> FastAPI:
+    """An app serving `engine` (an `LLMEngine`) as `served_model_name`.
+
+    The engine's loop thread starts with the app's lifespan (uvicorn, or `with TestClient(app)`)
+    and is joined when it ends; requests in flight are aborted then.
+    """
+    if not served_model_name:
+        raise ValueError(f"served_model_name must be a non-empty string, got {served_model_name!r}")
+    async_engine = AsyncEngine(engine, max_pending=max_pending)
+    metrics = ServerMetrics(served_model_name)
+    serving = OpenAIServing(async_engine, model_name=served_model_name, metrics=metrics)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.shutdown()
+
+    app = FastAPI(title="pagedkv", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible API of a paged-KV-cache LLM engine")
+    app.state.async_engine = async_engine
+    app.state.serving = serving
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    if api_key:
+        _install_api_key(app, api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_running:
+            return error_response(APIError(async_engine.error or "engine loop not running",
+                                           status_code=503, type="server_unavailable"))
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        try:
+            metrics.update(await async_engine.get_stats())
+        except EngineDeadError as exc:
+            raise APIError(str(exc), status_code=503, type="server_unavailable") from exc
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def models() -> ModelList:
+        vocab = getattr(engine, "vocab_size", None) or getattr(serving.tokenizer, "vocab_size", None)
+        card = ModelCard(id=served_model_name, root=getattr(engine.args, "model", None),
+                         max_model_len=serving.max_model_len,
+                         vocab_size=vocab if isinstance(vocab, int) else None)
+        return ModelList(data=[card])
+
+    @app.post("/v1/completions", responses=_ERRORS)
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await create_completion(serving, body, raw)
+
+    @app.post("/v1/chat/completions", responses=_ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await create_chat_completion(serving, body, raw)
+
+    return app
+
+
+def _install_api_key(app: FastAPI, api_key: str) -> None:
+    """Every /v1 route answers 401 unless `Authorization: Bearer <api_key>` is sent."""
+    app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+
+
+class _APIKeyMiddleware:
+    """A plain ASGI middleware (no response buffering, so streaming and disconnects pass)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            headers = dict(scope.get("headers") or [])
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                response = error_response(APIError(
+                    "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                    status_code=401, type="authentication_error", code="invalid_api_key"))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

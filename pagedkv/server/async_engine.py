@@ -1,0 +1,297 @@
+"""AsyncEngine: one background thread owns an `LLMEngine` and runs its step loop.
+
+The engine is not thread-safe, so nothing but the loop thread ever touches it. HTTP handlers
+(on the asyncio event loop) talk to it through a thread-safe command queue that the loop drains
+before every step: add a request, abort one, read the stats. Each request's outputs go back to
+its own `asyncio.Queue` through `loop.call_soon_threadsafe`, as the engine's cumulative
+`RequestOutput`s; turning them into deltas is the caller's business.
+
+The loop sleeps on an event while the engine has nothing to do (no busy spinning), checks the
+block pool's invariants each time the engine falls idle, and stops cleanly on `shutdown()`
+(aborting whatever is still running, so no block stays held and the thread is joined).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.stats import EngineStats
+from pagedkv.sched.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedkv.server")
+
+_ABORTED = object()  # pushed to a request's queue when it was aborted (no more outputs)
+
+
+class EngineOverloadedError(RuntimeError):
+    """More requests in flight than `max_pending` allows (the server answers 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed or was shut down; no request can be served any more."""
+
+
+def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+    """Schedule `fn(*args)` on `loop` from another thread; a closed loop drops it."""
+    with contextlib.suppress(RuntimeError):  # a closed event loop: nobody listens any more
+        loop.call_soon_threadsafe(fn, *args)
+
+
+def _resolve(fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
+    if fut.done():  # the waiter went away (cancelled)
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+class RequestStream:
+    """The outputs of one engine request, read on the event loop: `async for out in stream`.
+
+    Yields cumulative `RequestOutput`s and stops after the finished one, or without one when
+    the request was aborted. `close()` aborts the request if it has not finished and releases
+    its place among the in-flight requests; call it exactly when done (it is idempotent).
+    """
+
+    def __init__(self, request_id: str, engine: AsyncEngine) -> None:
+        self.request_id = request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self.finished = False
+        self.aborted = False  # ended by an abort, without a finished output
+        self._engine = engine
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if item is _ABORTED:
+            self.finished = self.aborted = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self.finished:
+            self._engine.abort(self.request_id)
+        self._engine._release()
+
+
+class AsyncEngine:
+    """Runs `engine` (an `LLMEngine`) in one background thread; see the module docstring.
+
+    `max_pending` bounds the requests in flight (added and not yet closed); `add_request`
+    raises EngineOverloadedError beyond it.
+    """
+
+    def __init__(self, engine: Any, *, max_pending: int = 4096) -> None:
+        if not isinstance(max_pending, int) or max_pending < 1:
+            raise ValueError(f"max_pending must be a positive integer, got {max_pending!r}")
+        self.engine = engine
+        self.max_pending = max_pending
+        self.error: str | None = None  # why the loop died or the pool went inconsistent
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, RequestStream] = {}  # owned by the loop thread
+        self._lock = threading.Lock()
+        self._num_in_flight = 0
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle (any thread) ---------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="pagedkv-engine-loop", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort every request, stop the loop and join its thread."""
+        self._stopping = True
+        self._submit(("stop",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.error("engine loop did not stop within %.0f s", timeout)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    # ---- requests (event loop) ----------------------------------------------------------
+
+    async def add_request(self, request_id: str, prompt: str | list[int] | dict,
+                          params: SamplingParams, *, priority: int = 0,
+                          cache_salt: str | None = None) -> RequestStream:
+        """Add a request; its outputs arrive on the returned stream (close it when done).
+
+        Raises EngineOverloadedError when `max_pending` requests are in flight, ValueError
+        when the engine rejects the request, EngineDeadError when the loop is not running.
+        """
+        if not self.is_running:
+            raise EngineDeadError(self.error or "the engine loop is not running")
+        with self._lock:
+            if self._num_in_flight >= self.max_pending:
+                raise EngineOverloadedError(
+                    f"server overloaded: {self._num_in_flight} requests in flight "
+                    f"(max_pending={self.max_pending}); retry later")
+            self._num_in_flight += 1
+        stream = RequestStream(request_id, self)
+        fut = stream.loop.create_future()
+        self._submit(("add", stream, prompt, params, priority, cache_salt, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:  # the client left: abort it in case the engine has it
+            stream.close()
+            raise
+        except BaseException:
+            stream.finished = True  # rejected: it never reached the engine
+            stream.close()
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort `request_id` (thread-safe, returns at once; unknown ids are ignored)."""
+        self._submit(("abort", request_id))
+
+    async def get_stats(self) -> EngineStats:
+        """The engine's stats, read by the loop thread between steps."""
+        if not self.is_running:
+            raise EngineDeadError(self.error or "the engine loop is not running")
+        fut = asyncio.get_running_loop().create_future()
+        self._submit(("stats", fut))
+        return await fut
+
+    def _release(self) -> None:
+        with self._lock:
+            self._num_in_flight -= 1
+
+    def _submit(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    # ---- the loop thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        was_busy = False
+        try:
+            while True:
+                self._wakeup.clear()
+                if not self._drain_commands():
+                    break
+                if not self.engine.has_unfinished_requests():
+                    if was_busy:
+                        self._check_invariants()
+                        was_busy = False
+                    self._wakeup.wait()
+                    continue
+                was_busy = True
+                for output in self.engine.step():
+                    self._deliver(output)
+        except BaseException as exc:  # a bug in the engine: fail every request, say why
+            logger.exception("engine loop failed")
+            self.error = f"engine loop failed: {type(exc).__name__}: {exc}"
+            self._fail_all(EngineDeadError(self.error))
+        finally:
+            self._abort_all()
+
+    def _drain_commands(self) -> bool:
+        """Apply the queued commands in order; False once asked to stop."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return not self._stopping
+            kind = command[0]
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._add(*command[1:])
+            elif kind == "abort":
+                self._abort(command[1])
+            elif kind == "stats":
+                fut = command[1]
+                _call_in_loop(fut.get_loop(), _resolve, fut, self.engine.get_stats())
+
+    def _add(self, stream: RequestStream, prompt: Any, params: SamplingParams, priority: int,
+             cache_salt: str | None, fut: asyncio.Future) -> None:
+        if fut.done():  # the handler was cancelled before we got here
+            return
+        try:
+            self.engine.add_request(stream.request_id, prompt, params, priority=priority,
+                                    cache_salt=cache_salt)
+        except ValueError as exc:
+            _call_in_loop(stream.loop, _resolve, fut, None, ValueError(str(exc)))
+            return
+        self._streams[stream.request_id] = stream
+        _call_in_loop(stream.loop, _resolve, fut, None)
+
+    def _abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:  # finished already, or never added
+            return
+        self.engine.abort_request(request_id)
+        _call_in_loop(stream.loop, stream.queue.put_nowait, _ABORTED)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return
+        if output.finished:
+            del self._streams[output.request_id]
+        _call_in_loop(stream.loop, stream.queue.put_nowait, output)
+
+    def _check_invariants(self) -> None:
+        try:
+            self.engine.check_invariants()
+        except Exception as exc:
+            logger.exception("KV cache invariants broken")
+            self.error = f"KV cache invariants broken: {exc}"
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id, stream in self._streams.items():
+            _call_in_loop(stream.loop, stream.queue.put_nowait, exc)
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # the engine is broken already; nothing more to do
+                logger.exception("abort of %s failed", request_id)
+        self._streams.clear()
+
+    def _abort_all(self) -> None:
+        """On the way out: abort what is left so every block goes back to the pool."""
+        for request_id in list(self._streams):
+            self._abort(request_id)
+        while True:  # requests added after the stop was queued never reached the engine
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] in ("add", "stats"):
+                fut = command[-1] if command[0] == "add" else command[1]
+                _call_in_loop(fut.get_loop(), _resolve, fut, None,
+                              EngineDeadError("the engine is shutting down"))

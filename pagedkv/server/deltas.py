@@ -1,0 +1,139 @@
+"""Streaming deltas and logprobs: what is new in a cumulative `CompletionOutput`, and how to
+write its log-probabilities in OpenAI's two formats (completions' parallel lists, chat's list
+of token objects).
+
+While a choice runs, the last `max(len(stop)) - 1` characters of its text are held back: they
+could be the start of a stop string that the engine will cut off, and text once sent cannot be
+taken back. The held-back text goes out with the next delta or the final one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagedkv.engine.outputs import CompletionOutput
+from pagedkv.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+
+
+@dataclass
+class Delta:
+    """New text and the range of new tokens of one choice since the last delta."""
+
+    text: str
+    token_start: int
+    token_end: int
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class DeltaTracker:
+    """Remembers, per choice index, how much text and how many tokens were already sent."""
+
+    def __init__(self, num_choices: int, stop: list[str], include_stop_str: bool) -> None:
+        self._text_sent = [0] * num_choices
+        self._tokens_sent = [0] * num_choices
+        self._finished = [False] * num_choices
+        longest = max((len(s) for s in stop), default=0)
+        self._holdback = 0 if include_stop_str else max(longest - 1, 0)
+
+    def delta(self, index: int, comp: CompletionOutput) -> Delta | None:
+        """What choice `index` gained since the last call (None when nothing, or when its
+        finish was already sent). Mutates the tracker: the returned delta counts as sent."""
+        if self._finished[index]:
+            return None
+        finished = comp.finish_reason is not None
+        sent = self._text_sent[index]
+        end = len(comp.text) if finished else len(comp.text) - self._holdback
+        text = comp.text[sent:end] if end > sent else ""
+        token_start, token_end = self._tokens_sent[index], len(comp.token_ids)
+        if not text and token_end == token_start and not finished:
+            return None
+        self._text_sent[index] = max(sent, end)
+        self._tokens_sent[index] = token_end
+        self._finished[index] = finished
+        return Delta(text, token_start, token_end, comp.finish_reason, comp.stop_reason)
+
+    @property
+    def all_finished(self) -> bool:
+        return all(self._finished)
+
+
+FLOOR = -9999.0  # what OpenAI reports for an impossible token; JSON has no -inf
+
+
+def finite(logprob: float | None) -> float:
+    """`logprob` clamped to FLOOR (-inf, NaN and None become FLOOR)."""
+    if logprob is None or logprob != logprob or logprob < FLOOR:
+        return FLOOR
+    return float(logprob)
+
+
+class LogprobsFormatter:
+    """Turns `CompletionOutput.logprobs` (per token: token id -> logprob, top-N plus the sampled
+    one) into OpenAI's formats. `top_n` is how many alternatives the client asked for;
+    `as_token_ids` writes tokens as 'token_id:<id>' (vLLM's `return_tokens_as_token_ids`)."""
+
+    def __init__(self, tokenizer: Any, top_n: int, *, as_token_ids: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.top_n = top_n
+        self.as_token_ids = as_token_ids
+        self._cache: dict[int, str] = {}
+        self._offsets: dict[int, int] = {}  # choice index -> text offset of its next token
+
+    def decoded(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._cache[token_id] = text
+        return text
+
+    def token_text(self, token_id: int) -> str:
+        """The token as text, or 'token_id:<id>' when `as_token_ids` (exact, for tests)."""
+        return f"token_id:{token_id}" if self.as_token_ids else self.decoded(token_id)
+
+    def _entries(self, comp: CompletionOutput, start: int, end: int):
+        """(token id, its logprob, top-N [(id, logprob)]) for tokens start..end-1."""
+        logprobs = comp.logprobs or []
+        for pos in range(start, min(end, len(logprobs), len(comp.token_ids))):
+            token_id, table = comp.token_ids[pos], logprobs[pos]
+            top = sorted(table.items(), key=lambda kv: -kv[1])[: self.top_n]
+            logprob = table.get(token_id)
+            yield token_id, None if logprob is None else finite(logprob), [
+                (t, finite(lp)) for t, lp in top]
+
+    def completion(self, comp: CompletionOutput, start: int, end: int,
+                   choice: int = 0) -> CompletionLogprobs | None:
+        """Completions-format logprobs of tokens start..end-1 of choice `choice`; text offsets
+        carry on from the previous call for the same choice (call in token order)."""
+        if comp.logprobs is None:
+            return None
+        out = CompletionLogprobs()
+        text_offset = self._offsets.get(choice, 0)
+        for token_id, logprob, top in self._entries(comp, start, end):
+            token = self.token_text(token_id)
+            out.tokens.append(token)
+            out.token_logprobs.append(logprob)
+            table = {self.token_text(t): lp for t, lp in top}
+            if logprob is not None:
+                table.setdefault(token, logprob)
+            out.top_logprobs.append(table)
+            out.text_offset.append(text_offset)
+            text_offset += len(self.decoded(token_id))
+        self._offsets[choice] = text_offset
+        return out
+
+    def chat(self, comp: CompletionOutput, start: int, end: int) -> ChatLogprobs | None:
+        """Chat-format logprobs of tokens start..end-1."""
+        if comp.logprobs is None:
+            return None
+        content = []
+        for token_id, logprob, top in self._entries(comp, start, end):
+            token = self.token_text(token_id)
+            content.append(ChatTokenLogprob(
+                token=token, logprob=finite(logprob),
+                bytes=list(token.encode("utf-8")),
+                top_logprobs=[TopLogprob(token=self.token_text(t), logprob=lp,
+                                         bytes=list(self.token_text(t).encode("utf-8")))
+                              for t, lp in top]))
+        return ChatLogprobs(content=content)

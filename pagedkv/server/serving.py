@@ -1,0 +1,249 @@
+"""What completions and chat completions share: checking a request, turning it into engine
+requests, and reading their outputs back (merged across prompts, with metrics and aborts).
+
+One HTTP request becomes one engine request per prompt (a completions `prompt` may be a list);
+`n > 1` stays inside one engine request (the engine forks it). Choice `i * n + k` of the answer is
+sample `k` of prompt `i`, as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.sched.sampling_params import SamplingParams
+from pagedkv.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestStream,
+)
+from pagedkv.server.errors import APIError, model_not_found
+from pagedkv.server.metrics import ServerMetrics
+from pagedkv.server.protocol import PromptTokensDetails, UsageInfo, _SamplingFields
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass
+class _Timing:
+    """Arrival, first token and finish times of one engine request (time.monotonic)."""
+
+    arrival: float
+    first_token: float | None = None
+
+
+@dataclass
+class Usage:
+    """Token counts of one HTTP request (all its prompts and samples)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    per_prompt: dict[int, RequestOutput] = field(default_factory=dict)
+
+    def record(self, prompt_index: int, output: RequestOutput) -> None:
+        self.per_prompt[prompt_index] = output
+
+    def info(self) -> UsageInfo:
+        prompt = sum(len(o.prompt_token_ids) for o in self.per_prompt.values())
+        completion = sum(len(c.token_ids) for o in self.per_prompt.values() for c in o.outputs)
+        cached = sum(max(o.num_cached_tokens, 0) for o in self.per_prompt.values())
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                         total_tokens=prompt + completion,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+class OpenAIServing:
+    """The shared machinery of the /v1 handlers, bound to one engine and one model name."""
+
+    def __init__(self, engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len: int = engine.engine.max_model_len
+        self.model_name = model_name
+        self.metrics = metrics
+
+    # ---- checks -------------------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise model_not_found(name)
+
+    def check_common(self, req: _SamplingFields) -> None:
+        self.check_model(req.model)
+        if req.stream_options is not None and not req.stream:
+            raise APIError("stream_options is only allowed when stream is true",
+                           param="stream_options")
+
+    def max_tokens_for(self, requested: int | None, prompt_len: int, default: int | None) -> int:
+        """The request's max_tokens (or `default`, or all that fits when None); 400 when the
+        prompt plus max_tokens exceeds max_model_len."""
+        if prompt_len == 0:
+            raise APIError("the prompt must not be empty", param="prompt")
+        room = self.max_model_len - prompt_len
+        max_tokens = requested if requested is not None else (default or room)
+        if max_tokens > room:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                f"{max_tokens} in the completion). Please reduce the length of the prompt or "
+                "the completion.", param="max_tokens" if prompt_len < self.max_model_len
+                else "prompt")
+        return max_tokens
+
+    def sampling_params(self, req: _SamplingFields, *, max_tokens: int,
+                        logprobs: int | None) -> SamplingParams:
+        """SamplingParams for `req` (ValueError, hence 400, on a bad combination)."""
+        return SamplingParams(
+            n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            min_p=req.min_p, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+            logprobs=logprobs, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output)
+
+    def check_fits(self, prompts: Sequence[list[int]], params: SamplingParams) -> None:
+        for ids in prompts:
+            try:
+                self.engine.engine.check_fits(len(ids), params)
+            except ValueError as exc:
+                raise APIError(str(exc), param="n" if params.n > 1 else "prompt") from exc
+
+    # ---- running ------------------------------------------------------------------------
+
+    async def open_streams(self, request_id: str, prompts: Sequence[list[int]],
+                           params: SamplingParams, *, priority: int = 0,
+                           cache_salt: str | None = None) -> list[RequestStream]:
+        """Add one engine request per prompt (ids `request_id-i`); 503 when overloaded.
+
+        On any failure the streams already opened are closed (aborted) before raising.
+        """
+        streams: list[RequestStream] = []
+        try:
+            for i, ids in enumerate(prompts):
+                streams.append(await self.engine.add_request(
+                    f"{request_id}-{i}", list(ids), params, priority=priority,
+                    cache_salt=cache_salt))
+        except EngineOverloadedError as exc:
+            close_all(streams)
+            raise APIError(str(exc), status_code=503, type="server_overloaded",
+                           code="server_overloaded") from exc
+        except EngineDeadError as exc:
+            close_all(streams)
+            raise APIError(str(exc), status_code=503, type="server_unavailable") from exc
+        except BaseException:
+            close_all(streams)
+            raise
+        return streams
+
+    async def iterate(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield `(prompt_index, output)` from all streams as outputs arrive, recording latency
+        metrics as each finishes. Raises APIError(503) when a stream ends without finishing
+        (aborted by a shutdown). Does not close the streams (the caller does, in a finally)."""
+        timings = [_Timing(time.monotonic()) for _ in streams]
+        async for index, output in _merge(streams):
+            timing = timings[index]
+            if timing.first_token is None and any(c.token_ids for c in output.outputs):
+                timing.first_token = time.monotonic()
+            if output.finished:
+                self._observe(timing, output)
+            yield index, output
+        if any(s.aborted for s in streams):  # the server is shutting down
+            raise APIError("request aborted", status_code=503, type="server_unavailable")
+
+    def _observe(self, timing: _Timing, output: RequestOutput) -> None:
+        if any(c.finish_reason in ("abort", "error") for c in output.outputs):
+            return
+        now = time.monotonic()
+        ttft = None if timing.first_token is None else timing.first_token - timing.arrival
+        longest = max((len(c.token_ids) for c in output.outputs), default=0)
+        self.metrics.observe_request(ttft=ttft, e2e=now - timing.arrival,
+                                     num_output_tokens=longest)
+
+
+def close_all(streams: Sequence[RequestStream]) -> None:
+    """Close (abort if unfinished) every stream; idempotent."""
+    for stream in streams:
+        stream.close()
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several streams' outputs in arrival order, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                await merged.put((index, output))
+        except BaseException as exc:  # handed to the reader below
+            await merged.put((index, exc))
+        finally:
+            await merged.put((index, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await merged.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Return when the client goes away (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_unless_disconnected(request: Request, coro: Any) -> Any:
+    """Await `coro`, cancelling it (its finally blocks abort its requests) if the client
+    disconnects first (then it raises APIError 499: the answer goes nowhere anyway)."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task  # let its finally blocks abort its requests now
+    if task.cancelled():
+        raise APIError("client disconnected", status_code=499, type="client_disconnected")
+    return task.result()
+
+
+def finish_fields(comp: CompletionOutput) -> dict[str, Any]:
+    return {"finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+
+
+def check_not_failed(output: RequestOutput) -> None:
+    """A request the engine finished with an error (e.g. it can never fit) is a 400."""
+    if output.error or any(c.finish_reason == "error" for c in output.outputs):
+        raise APIError(output.error or "the request failed in the engine", param="prompt")

@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny random-weight model directories, built once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import TINY_SPECS, build_tiny_hf_model
+
+
+def _tiny(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    return build_tiny_hf_model(tmp_path_factory.mktemp(f"tiny_{name}"), name)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama, hidden 64, 2 layers, 4 heads, 2 KV heads, float32, untied embeddings."""
+    return _tiny(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_mqa(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama with one KV head (MQA), tied embeddings and llama3 RoPE scaling."""
+    return _tiny(tmp_path_factory, "llama_mqa")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen2 with qkv bias and linear RoPE scaling."""
+    return _tiny(tmp_path_factory, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3 with q/k norm, head_dim 32 (explicit, != hidden / heads), 1 KV head, tied embeddings."""
+    return _tiny(tmp_path_factory, "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Mistral with a sliding window of 8 tokens."""
+    return _tiny(tmp_path_factory, "mistral")
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_SPECS))
+def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every tiny model in turn."""
+    return _tiny(tmp_path_factory, request.param)

@@ -1,0 +1,199 @@
+"""LLM / LLMEngine behaviour: errors, aborts, n > 1, stopping, logprobs, chat, detokenization."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.engine.detokenizer import IncrementalDetokenizer
+from pagedkv.model.tokenizer import Tokenizer
+from tests.engine.conftest import assert_pool_empty, make_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def token_prompts(seed=0, num=4, lengths=(5, 20)):
+    return [{"prompt_token_ids": p}
+            for p in make_prompts(seed=seed, vocab=400, num=num, shared_prefix=0, lengths=lengths)]
+
+
+def test_prompt_that_can_never_fit_errors_while_others_finish(tiny_llama, make_llm):
+    # 8 usable blocks of 4 tokens; max_model_len is explicitly larger than the cache.
+    llm = make_llm(tiny_llama, block_size=4, num_gpu_blocks_override=9, max_model_len=512)
+    prompts = token_prompts(num=3, lengths=(4, 8))
+    huge = {"prompt_token_ids": list(range(10, 110))}
+    outputs = llm.generate([prompts[0], huge, *prompts[1:]], SamplingParams(max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)
+    assert outputs[1].finished and outputs[1].outputs[0].finish_reason == "error"
+    assert "KV blocks" in outputs[1].error and "100 tokens" in outputs[1].error
+    for i in (0, 2, 3):
+        assert outputs[i].outputs[0].finish_reason == "length"
+        assert len(outputs[i].outputs[0].token_ids) == 4
+
+
+def test_bad_prompts_raise_value_error_and_leak_nothing(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama, max_model_len=64)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate({"prompt_token_ids": []}, use_tqdm=False)
+    with pytest.raises(ValueError, match="out of the vocabulary"):
+        llm.generate({"prompt_token_ids": [1, 10**6]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate({"prompt_token_ids": [5] * 64}, use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling params"):
+        llm.generate(["a", "b"], [GREEDY], use_tqdm=False)
+    with pytest.raises(TypeError, match="bogus"):
+        LLM(model=str(tiny_llama), bogus=1)
+    assert_pool_empty(llm)
+
+
+def test_parallel_sampling_is_reproducible_with_a_seed(tiny_llama, make_llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=1234, max_tokens=8, ignore_eos=True)
+    # Prompt of 10 tokens with block size 4: the children share a partly filled block.
+    prompt = {"prompt_token_ids": list(range(20, 30))}
+    runs = []
+    for _ in range(2):
+        llm = make_llm(tiny_llama, block_size=4)
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        runs.append([c.token_ids for c in out.outputs])
+    assert runs[0] == runs[1]
+    assert len({tuple(t) for t in runs[0]}) > 1  # the samples differ from each other
+    assert all(len(t) == 8 for t in runs[0])
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llama, make_llm):
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=8, ignore_eos=True)
+    llm = make_llm(tiny_llama)
+    alone = llm.generate(token_prompts(seed=1, num=1), params, use_tqdm=False)[0]
+    mixed = llm.generate(token_prompts(seed=1, num=1) + token_prompts(seed=2, num=3), params,
+                         use_tqdm=False)[0]
+    assert alone.outputs[0].token_ids == mixed.outputs[0].token_ids
+
+
+def test_abort_frees_every_block(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama, block_size=4)
+    engine = llm.llm_engine
+    for i, prompt in enumerate(token_prompts(num=4, lengths=(20, 30))):
+        engine.add_request(f"req-{i}", prompt, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.get_stats().kv_cache_usage > 0
+    engine.abort_request(["req-0", "req-1", "req-2", "req-3", "unknown"])
+    assert engine.get_stats().kv_cache_usage == 0.0
+    assert not engine.has_unfinished_requests()
+    engine.step()  # the runner is told; nothing else happens
+    assert_pool_empty(llm)
+
+
+def test_abort_of_parallel_sampling_request_frees_children(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama, block_size=4)
+    engine = llm.llm_engine
+    engine.add_request("p", {"prompt_token_ids": list(range(30, 45))},
+                       SamplingParams(n=4, max_tokens=40, ignore_eos=True, seed=1))
+    for _ in range(3):
+        engine.step()
+    assert engine.get_stats().num_running == 4
+    engine.abort_request("p")
+    assert_pool_empty(llm)
+
+
+def test_stop_string_is_cut_from_the_text(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama)
+    prompt = token_prompts(seed=4, num=1)[0]
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    text = full.text
+    assert len(text) > 6
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                              stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == text[:text.find(stop)]
+    assert len(cut.token_ids) < len(full.token_ids)
+
+
+def test_stop_token_ids_min_tokens_and_eos(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama)
+    prompt = token_prompts(seed=5, num=1)[0]
+    tokens = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    stop_id = tokens[5]
+    first = tokens.index(stop_id)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                              stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    assert out.token_ids == tokens[:first + 1]
+    # min_tokens: the stop token cannot be sampled before min_tokens outputs.
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                              stop_token_ids=[stop_id], min_tokens=first + 2),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= first + 2
+    assert stop_id not in out.token_ids[:first + 1]
+    assert out.token_ids[:first] == tokens[:first]
+    # eos from generation_config.json stops unless ignore_eos.
+    eos = llm.llm_engine.eos_token_ids
+    assert eos
+    assert 2 in eos
+
+
+def test_logprobs_hold_the_sampled_token_and_top_n(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama)
+    out = llm.generate(token_prompts(seed=6, num=1)[0],
+                       SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 5
+    total = 0.0
+    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert token in entry and 3 <= len(entry) <= 4
+        assert entry[token] == max(entry.values())  # greedy picks the most likely token
+        total += entry[token]
+    assert out.cumulative_logprob == pytest.approx(total)
+
+
+def test_chat_applies_the_template(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama)
+    messages = [{"role": "user", "content": "tell me a story"}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                   use_tqdm=False)[0]
+    tokenizer = llm.get_tokenizer()
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert out.prompt == rendered
+    assert out.prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def test_string_prompts_round_trip_through_the_tokenizer(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama)
+    out = llm.generate(["Hello world", "The block pool"], GREEDY, use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    assert out[0].prompt == "Hello world"
+    assert out[0].prompt_token_ids == tokenizer.encode("Hello world")
+    assert out[1].outputs[0].text == tokenizer.decode(out[1].outputs[0].token_ids)
+
+
+def test_incremental_detokenizer_never_splits_a_character(tiny_llama):
+    tokenizer = Tokenizer.from_dir(tiny_llama)
+    text = "héllo wörld 中文字符 😀🚀 done"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text) // 2  # multi-byte characters span several tokens
+    detok = IncrementalDetokenizer(tokenizer, [1], stop=[])
+    for token in ids:
+        detok.update([token])
+        assert "\ufffd" not in detok.text
+        assert text.startswith(detok.text)
+    assert detok.text == text
+
+
+def test_incremental_detokenizer_stop_strings():
+    class CharTokenizer:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(i) for i in ids)
+
+    detok = IncrementalDetokenizer(CharTokenizer(), [], stop=["cd", "bc"])
+    found = None
+    for ch in "abcdef":
+        found = found or detok.update([ord(ch)])
+    assert found == "bc" and detok.text == "a"  # the earliest stop string wins
+    keep = IncrementalDetokenizer(CharTokenizer(), [], stop=["cd"], include_stop_str_in_output=True)
+    for ch in "abcdef":
+        keep.update([ord(ch)])
+    assert keep.text == "abcd"

@@ -1,0 +1,79 @@
+"""A minimal stand-in for the scheduler: drives a ModelRunner with hand-built SchedulerOutputs.
+
+Blocks are handed out sequentially from 1 (0 is the null block) and never reused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.model.runner import ModelRunner
+from pagedkv.sched.output import ScheduledRequest, SchedulerOutput
+from pagedkv.sched.sampling_params import SamplingParams
+
+
+class BlockAllocator:
+    def __init__(self, block_size: int, num_blocks: int) -> None:
+        self.block_size, self.num_blocks, self.next = block_size, num_blocks, 1
+
+    def grow(self, table: list[int], num_tokens: int) -> None:
+        """Append blocks to `table` until it holds `num_tokens` tokens."""
+        while len(table) * self.block_size < num_tokens:
+            if self.next >= self.num_blocks:
+                raise RuntimeError("test allocator out of blocks")
+            table.append(self.next)
+            self.next += 1
+
+
+def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
+                    chunk_size: int | None = None,
+                    params: SamplingParams | None = None) -> list[list[int]]:
+    """Generate for every prompt at once (continuous batching, one step per token); prefills
+    are split into chunks of `chunk_size` tokens when given."""
+    params = params or SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    alloc = BlockAllocator(runner.block_size, runner.kv_cache.num_blocks)
+    tables: list[list[int]] = [[] for _ in prompts]
+    computed = [0] * len(prompts)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    while any(len(o) < max_new_tokens for o in outputs):
+        scheduled = []
+        for i, prompt in enumerate(prompts):
+            if len(outputs[i]) >= max_new_tokens:
+                continue
+            tokens = prompt + outputs[i]
+            todo = tokens[computed[i]:]
+            if chunk_size is not None:
+                todo = todo[:chunk_size]
+            end = computed[i] + len(todo)
+            alloc.grow(tables[i], end)
+            scheduled.append(ScheduledRequest(
+                request_id=f"r{i}", token_ids=todo, start_pos=computed[i],
+                block_table=list(tables[i]), sampling_params=params,
+                num_samples=1 if end == len(tokens) else 0,
+                prompt_token_ids=prompt, output_token_ids=list(outputs[i])))
+        result = runner.execute(SchedulerOutput(scheduled=scheduled))
+        for r in scheduled:
+            i = int(r.request_id[1:])
+            computed[i] = r.start_pos + r.num_new_tokens
+            if r.num_samples:
+                outputs[i].extend(result.sampled_token_ids[r.request_id])
+    return outputs
+
+
+def prefill_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tensor:
+    """Last-position logits [len(prompts), vocab] of one prefill step over all prompts."""
+    alloc = BlockAllocator(runner.block_size, runner.kv_cache.num_blocks)
+    scheduled = []
+    for i, p in enumerate(prompts):
+        table: list[int] = []
+        alloc.grow(table, len(p))
+        scheduled.append(ScheduledRequest(f"r{i}", p, 0, table, SamplingParams(temperature=0.0)))
+    reqs, ids, pos, meta = runner.prepare_inputs(scheduled)
+    with torch.inference_mode():
+        hidden = runner.model(ids, pos, runner.kv_cache.layers, meta)
+        ends = torch.tensor(runner._last_token_indices(reqs))
+        logits = runner.model.compute_logits(hidden[ends])
+    order = [int(r.request_id[1:]) for r in reqs]
+    out = torch.empty_like(logits)
+    out[torch.tensor(order)] = logits
+    return out

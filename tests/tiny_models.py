@@ -1,0 +1,74 @@
+"""Tiny random-weight Hugging Face model directories for tests, built with transformers itself.
+
+Each spec is built once per test session (see the fixtures in tests/conftest.py): the config
+dict comes from `pagedkv.model.random_model`, transformers initialises the model from it, the
+norm weights and biases are perturbed (so a loader that ignores them fails), and the result is
+saved with `save_pretrained` next to our byte-level BPE tokenizer files. Tests can then compare
+pagedkv against transformers on transformers' own checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedkv.model.random_model import build_tokenizer_files, hf_config_dict, tokenizer_vocab_size
+
+_BASE: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+    head_dim=16, max_position_embeddings=2048, sliding_window=None,
+    tie_word_embeddings=False, dtype="float32", rope_scaling=None,
+)
+
+# name -> (arch, overrides of _BASE)
+TINY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    # MQA, tied embeddings, llama3 RoPE scaling.
+    "llama_mqa": ("llama", dict(num_kv_heads=1, tie_word_embeddings=True, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})),
+    "qwen2": ("qwen2", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    # Explicit head_dim different from hidden / heads, q/k norm, tied embeddings, GQA 4.
+    "qwen3": ("qwen3", dict(head_dim=32, num_kv_heads=1, tie_word_embeddings=True)),
+    "mistral": ("mistral", dict(sliding_window=8)),
+}
+
+
+def build_tiny_hf_model(model_dir: str | Path, name: str, *, seed: int = 0) -> Path:
+    """Build the tiny model `name` (a key of TINY_SPECS) into `model_dir` with transformers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    arch, overrides = TINY_SPECS[name]
+    model_dir = build_tokenizer_files(model_dir)
+    spec = {**_BASE, **overrides}
+    cfg = hf_config_dict(arch, vocab_size=tokenizer_vocab_size(model_dir), **spec)
+    (model_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    config = AutoConfig.from_pretrained(model_dir)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn(param.shape, generator=gen))
+            elif pname.endswith(".bias"):
+                param.copy_(0.02 * torch.randn(param.shape, generator=gen))
+            elif pname.endswith(("embed_tokens.weight", "_proj.weight", "lm_head.weight")):
+                # A larger init than HF's 0.02 keeps logits far from ties.
+                param.copy_(0.08 * torch.randn(param.shape, generator=gen))
+    model.save_pretrained(model_dir, safe_serialization=True)
+    gen_cfg = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}
+    (model_dir / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
+    return model_dir
+
+
+def load_hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Any:
+    """transformers' model for `model_dir`, in eval mode (eager attention, the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                 attn_implementation="eager")
+    return model.eval()
