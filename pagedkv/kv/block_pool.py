@@ -81,30 +81,55 @@ class BlockPool:
         if not. Raises ValueError ("double free") for a block already at 0 or the null block;
         blocks before the bad one have been released by then.
         """
+        # Hot path: the queue's append/appendleft are inlined here.
         queue = self.free_block_queue
-        for block in blocks:
-            ref = block.ref_cnt
-            if ref <= 0 or block.is_null:
-                raise ValueError(f"double free of block {block.block_id} (ref_cnt {ref}"
-                                 f"{', null block' if block.is_null else ''})")
-            if ref == 1:
+        head = queue.fake_head
+        tail = queue.fake_tail
+        n = 0
+        try:
+            for block in blocks:
+                ref = block.ref_cnt
+                if ref > 1:
+                    block.ref_cnt = ref - 1
+                    continue
+                if ref != 1:  # the null block always has ref_cnt 0
+                    raise ValueError(f"double free of block {block.block_id} (ref_cnt {ref}"
+                                     f"{', null block' if block.is_null else ''})")
                 block.ref_cnt = 0
                 if block.block_hash is None:
-                    queue.appendleft(block)
+                    first = head.next_free_block
+                    head.next_free_block = block
+                    block.prev_free_block = head
+                    block.next_free_block = first
+                    first.prev_free_block = block
                 else:
-                    queue.append(block)
-            else:
-                block.ref_cnt = ref - 1
+                    last = tail.prev_free_block
+                    last.next_free_block = block
+                    block.prev_free_block = last
+                    block.next_free_block = tail
+                    tail.prev_free_block = block
+                n += 1
+        finally:
+            queue.num_free_blocks += n
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on each block (a cache hit or a fork); a free one leaves the queue."""
-        queue = self.free_block_queue
-        for block in blocks:
-            if block.ref_cnt == 0:
-                if block.is_null:
-                    raise ValueError("the null block cannot be touched")
-                queue.remove(block)
-            block.ref_cnt += 1
+        removed = 0
+        try:
+            for block in blocks:
+                if block.ref_cnt == 0:
+                    prev = block.prev_free_block
+                    if prev is None:  # only the null block has ref 0 outside the queue
+                        raise ValueError(f"block {block.block_id} cannot be touched: it is the "
+                                         f"null block or not in the free queue")
+                    nxt = block.next_free_block
+                    prev.next_free_block = nxt
+                    nxt.prev_free_block = prev
+                    block.prev_free_block = block.next_free_block = None
+                    removed += 1
+                block.ref_cnt += 1
+        finally:
+            self.free_block_queue.num_free_blocks -= removed
 
     # ------------------------------------------------------------------ prefix cache
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:

@@ -119,14 +119,14 @@ class RequestBlockHasher:
     result equals chaining `hash_block_tokens` with `request_extra_keys` (tested).
     """
 
-    __slots__ = ("hash_fn", "block_size", "_pack")
+    __slots__ = ("hash_fn", "block_size", "_len_prefix")
 
     def __init__(self, hash_fn: HashFn | str, block_size: int) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.hash_fn = get_hash_fn(hash_fn) if isinstance(hash_fn, str) else hash_fn
         self.block_size = block_size
-        self._pack = struct.Struct(f"<I{block_size}q").pack
+        self._len_prefix = _U32.pack(block_size)
 
     def __call__(self, request: HashableRequest, block_hashes: list[BlockHash]) -> list[BlockHash]:
         """Mutates and returns `block_hashes`."""
@@ -137,7 +137,6 @@ class RequestBlockHasher:
         if start >= end:
             return block_hashes
         hash_fn = self.hash_fn
-        pack = self._pack
         lora = request.lora_name
         rest = encode_extra_keys(request_extra_keys(None, lora, False))
         if start == 0:
@@ -146,11 +145,13 @@ class RequestBlockHasher:
         else:
             first = rest
             parent = block_hashes[-1]
-        try:
-            for i in range(start, end):
-                parent = hash_fn(parent + pack(bs, *tokens[i * bs:(i + 1) * bs])
-                                 + (first if i == 0 else rest))
-                block_hashes.append(parent)
-        except struct.error as e:
-            raise ValueError(f"token ids must be int64 integers: {e}") from None
+        # Serialize all new blocks' tokens at once, then hash block by block.
+        data = _encode_tokens(tokens[start * bs:end * bs])[4:]
+        prefix = self._len_prefix
+        nbytes = 8 * bs
+        append = block_hashes.append
+        for j, i in enumerate(range(start, end)):
+            parent = hash_fn(parent + prefix + data[j * nbytes:(j + 1) * nbytes]
+                             + (first if i == 0 else rest))
+            append(parent)
         return block_hashes

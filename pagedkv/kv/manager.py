@@ -12,6 +12,11 @@ Typical step for a request (the scheduler's side):
     req.num_computed_tokens += n + num_new_tokens
     mgr.free(req) when it finishes / is preempted by recompute
 
+Copies the runner must apply, in this order, before the forward pass: swap_out mappings
+(device -> host, before those device blocks are reused), swap_in mappings (host -> device),
+then take_block_copies() (copy-on-write, device -> device): a block freed by a swap-out can be
+the destination of a swap-in or of a copy in the same step.
+
 Lists returned by `get_blocks` are the live tables: valid until the next call that changes
 that request (allocate_slots, free, swap_out, swap_in).
 """
@@ -128,15 +133,23 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         num_tokens = request.num_tokens
-        block_hashes = self.hasher(request, self._state(request.request_id).block_hashes)
-        max_blocks = (num_tokens - 1) // self.block_size
+        bs = self.block_size
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            state = self._reqs[request.request_id] = _ReqState()
+        block_hashes = state.block_hashes
+        if len(block_hashes) < num_tokens // bs:
+            self.hasher(request, block_hashes)
+        max_blocks = (num_tokens - 1) // bs
         get = self.pool.cached_block_hash_to_block.get
         hits: list[KVCacheBlock] = []
-        for i in range(min(max_blocks, len(block_hashes))):
-            block = get(block_hashes[i])
+        append = hits.append
+        for block_hash in (block_hashes if len(block_hashes) <= max_blocks
+                           else block_hashes[:max_blocks]):
+            block = get(block_hash)
             if block is None:
                 break
-            hits.append(block)
+            append(block)
         num_hit_tokens = len(hits) * self.block_size
         stats = self.prefix_cache_stats
         stats.requests += 1
@@ -187,61 +200,71 @@ class KVCacheManager:
         if num_new_tokens < 0 or num_new_computed_tokens < 0:
             raise ValueError(f"negative token count: num_new_tokens={num_new_tokens}, "
                              f"num_new_computed_tokens={num_new_computed_tokens}")
-        state = self._state(request.request_id)
-        if state.host_blocks is not None:
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            state = self._reqs[request.request_id] = _ReqState()
+        elif state.host_blocks is not None:
             raise ValueError(f"request {request.request_id!r} is swapped out; swap_in first")
         blocks = state.blocks
         bs = self.block_size
-        pool = self.pool
-        num_computed = request.num_computed_tokens
-        if self.sliding_window is not None:
-            self._remove_skipped_blocks(blocks, num_computed)
-        ncb = new_computed_blocks or ()
-        num_ncb = len(ncb)
-        start = num_computed + num_new_computed_tokens  # first position written this step
+        start = request.num_computed_tokens + num_new_computed_tokens  # first position written
         end = start + num_new_tokens
         num_old = len(blocks)
-        num_required = -(-end // bs)
+        num_ncb = len(new_computed_blocks) if new_computed_blocks else 0
+        if num_ncb and (num_new_computed_tokens != num_ncb * bs
+                        or request.num_computed_tokens != num_old * bs):
+            raise ValueError(f"new_computed_blocks ({num_ncb} blocks) must cover exactly "
+                             f"num_new_computed_tokens={num_new_computed_tokens} tokens right "
+                             f"after the {num_old} full blocks the request holds")
+        if self.sliding_window is not None:
+            self._remove_skipped_blocks(blocks, request.num_computed_tokens)
+        num_required = (end + bs - 1) // bs
         num_new_blocks = num_required - num_old - num_ncb
         if num_new_blocks < 0:
             num_new_blocks = 0
         # Copy-on-write: existing shared blocks that this step writes into.
-        cow: list[int] | None = None
-        if num_new_tokens:
-            first = start // bs
-            last = min(num_old, num_required)
-            if first < last:
-                for i in range(first, last):
-                    if blocks[i].ref_cnt > 1:
-                        if cow is None:
-                            cow = []
-                        cow.append(i)
-        num_needed = num_new_blocks + (len(cow) if cow else 0)
-        if num_needed or num_ncb:
+        cow = None
+        first = start // bs
+        if num_new_tokens and first < num_old:
+            for i in range(first, num_old if num_old < num_required else num_required):
+                if blocks[i].ref_cnt > 1:
+                    if cow is None:
+                        cow = []
+                    cow.append(i)
+        pool = self.pool
+        if num_new_blocks or cow or num_ncb:
+            num_needed = (num_new_blocks + len(cow)) if cow else num_new_blocks
             available = pool.free_block_queue.num_free_blocks
             if num_ncb:
-                for b in ncb:
+                for b in new_computed_blocks:  # hits in the free queue are not free for us
                     if b.ref_cnt == 0:
                         available -= 1
             if apply_watermark:
                 available -= self.watermark_blocks
             if num_needed > available:
                 return None
-        if num_ncb:
-            pool.touch(ncb)
-            if state.num_cached_blocks == num_old:
-                state.num_cached_blocks += num_ncb
-            blocks.extend(ncb)
-        if cow:
-            self._copy_on_write(blocks, cow, start)
-        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
-        if new_blocks:
-            blocks.extend(new_blocks)
-        if num_ncb and self.sliding_window is not None:
-            self._remove_skipped_blocks(blocks, start)
+            if num_ncb:
+                pool.touch(new_computed_blocks)
+                if state.num_cached_blocks == num_old:
+                    state.num_cached_blocks += num_ncb
+                blocks.extend(new_computed_blocks)
+            if cow:
+                self._copy_on_write(blocks, cow, start)
+            if num_new_blocks:
+                new_blocks = pool.get_new_blocks(num_new_blocks)
+                blocks.extend(new_blocks)
+            else:
+                new_blocks = []
+            if num_ncb and self.sliding_window is not None:
+                self._remove_skipped_blocks(blocks, start)
+        else:
+            new_blocks = []
         if self.enable_caching and not delay_cache_blocks:
             num_tokens = request.num_tokens
-            self._cache_blocks(request, state, end if end < num_tokens else num_tokens)
+            if end > num_tokens:
+                end = num_tokens
+            if end // bs > state.num_cached_blocks:
+                self._cache_blocks(request, state, end)
         return new_blocks
 
     def _copy_on_write(self, blocks: list[KVCacheBlock], indices: list[int], start: int) -> None:

@@ -1,9 +1,15 @@
 """Paged attention in pure torch (CPU and CUDA).
 
 KV cache layout (one pair per layer, made in kv_cache.py): `k_cache`, `v_cache` are
-[num_blocks, block_size, num_kv_heads, head_dim]; the token at position p of a request lives in
-slot `block_table[p // block_size] * block_size + p % block_size`, i.e. row `slot` of the
-[num_blocks * block_size, num_kv_heads, head_dim] view.
+[num_kv_heads, num_blocks, block_size, head_dim]; the token at position p of a request lives in
+slot `block_table[p // block_size] * block_size + p % block_size`, i.e. column `slot` of the
+[num_kv_heads, num_blocks * block_size, head_dim] view. Heads outermost means that gathering a
+request's blocks (`index_select` on dim 1) yields one contiguous [context, head_dim] matrix per
+head, which SDPA reads at full speed.
+
+Speed: attention on CPU is memory-bound, so requests are processed in groups whose gathered K/V
+fit in about `GATHER_BYTES` (2 MiB, cache-resident), into a workspace reused across groups and layers:
+the only full pass over the cached K/V is SDPA's own read.
 
 One `paged_attention` call per layer serves a mixed batch laid out as the runner builds it:
 the decode tokens first (one per request, batched together), then the prefill chunks (each a
@@ -48,7 +54,18 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor
     prefills: list[PrefillChunk]
     block_size: int
+    decode_seq_lens_list: list[int] = field(default_factory=list)
     _mask_cache: dict = field(default_factory=dict, repr=False)
+    _workspace: dict = field(default_factory=dict, repr=False)
+
+    def workspace(self, numel: int, dtype: torch.dtype, device: torch.device, slot: int) -> torch.Tensor:
+        """A flat scratch tensor of at least `numel` elements, reused for this step (slot 0: K,
+        1: V); valid until the next call with the same slot and a larger size."""
+        buf = self._workspace.get(slot)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._workspace[slot] = buf
+        return buf[:numel]
 
     def decode_mask(self, window: int | None, num_keys: int) -> torch.Tensor:
         """[num_decodes, 1, 1, num_keys] bool: which gathered keys each decode token sees."""
@@ -63,20 +80,29 @@ class AttentionMetadata:
         return self._mask_cache[key]
 
 
+GATHER_BYTES = 2 << 20
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store k, v [T, kv_heads, head_dim] into their slots of k_cache / v_cache (mutated)."""
-    nb, bs, h, d = k_cache.shape
-    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    h, nb, bs, d = k_cache.shape
+    k_cache.view(h, nb * bs, d).index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(h, nb * bs, d).index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[S, kv_heads, max_blocks * block_size, head_dim] view of the blocks in `block_tables`
-    [S, max_blocks] (a fresh gathered copy; valid as long as the caller keeps it)."""
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """[S, kv_heads, max_blocks * block_size, head_dim] copy of the blocks in `block_tables`
+    [S, max_blocks], written into `out` (flat, S * max_blocks * block numel) when given."""
     s, mb = block_tables.shape
-    _, bs, h, d = cache.shape
-    return cache[block_tables].view(s, mb * bs, h, d).transpose(1, 2)
+    h, _, bs, d = cache.shape
+    flat = block_tables.reshape(-1)
+    if out is None:
+        g = cache.index_select(1, flat)
+    else:
+        g = torch.index_select(cache, 1, flat, out=out.view(h, s * mb, bs, d))
+    return g.view(h, s, mb * bs, d).transpose(0, 1)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -113,11 +139,38 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
-    """One query token per request, all requests at once: q [S, heads, head_dim]."""
-    kg = gather_kv(k_cache, meta.decode_block_tables)
-    vg = gather_kv(v_cache, meta.decode_block_tables)
-    mask = meta.decode_mask(window, kg.shape[2])
-    return _sdpa(q.unsqueeze(2), kg, vg, mask, scale).squeeze(2)
+    """One query token per request, q [S, heads, head_dim]; requests in cache-sized groups."""
+    h, _, bs, d = k_cache.shape
+    lens = meta.decode_seq_lens_list or meta.decode_seq_lens.tolist()
+    block_bytes = 2 * h * bs * d * k_cache.element_size()
+    out = torch.empty_like(q)
+    i, n = 0, len(lens)
+    while i < n:
+        width = -(-lens[i] // bs)
+        j = i + 1
+        while j < n and (j + 1 - i) * max(width, -(-lens[j] // bs)) * block_bytes <= GATHER_BYTES:
+            width = max(width, -(-lens[j] // bs))
+            j += 1
+        tables = meta.decode_block_tables[i:j, :width]
+        numel = (j - i) * width * bs * h * d
+        kg = gather_kv(k_cache, tables, meta.workspace(numel, k_cache.dtype, k_cache.device, 0))
+        vg = gather_kv(v_cache, tables, meta.workspace(numel, v_cache.dtype, v_cache.device, 1))
+        full = window is None and all(x == width * bs for x in lens[i:j])
+        mask = None if full else meta.decode_mask(window, width * bs)[i:j, 0, 0]
+        out[i:j] = _decode_group(q[i:j], kg, vg, mask, scale)
+        i = j
+    return out
+
+
+def _decode_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  scale: float) -> torch.Tensor:
+    """Attention of q [S, heads, D] over k, v [S, kv_heads, L, D] with mask [S, L] (True = visible).
+
+    SDPA reads the strided views directly (each head's [L, D] is contiguous). Measured against
+    two explicit bmm's with a float32 softmax: no faster on CPU, and less precise in bfloat16.
+    """
+    m = None if mask is None else mask[:, None, None, :]
+    return _sdpa(q.unsqueeze(2), k, v, m, scale).squeeze(2)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -129,7 +182,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     if chunk.start_pos == 0 and (window is None or window >= n):
         kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         return _sdpa(qh, kh, vh, None, scale, causal=True)[0].transpose(0, 1)
-    bs = k_cache.shape[1]
+    bs = k_cache.shape[2]
     num_blocks = (chunk.seq_len + bs - 1) // bs
     table = chunk.block_table[:num_blocks].unsqueeze(0)
     kg, vg = gather_kv(k_cache, table), gather_kv(v_cache, table)

@@ -1,10 +1,10 @@
 """The paged KV cache tensors on the device, and the host (swap) copy of the same layout.
 
-Layout: one zero-filled tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+Layout: one zero-filled tensor [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]
 (index 0 of dim 1 holds keys, 1 values). Layer i's caches are the views `kv[i, 0]`, `kv[i, 1]`
-of shape [num_blocks, block_size, num_kv_heads, head_dim], so a token's slot
-(`block_id * block_size + offset`) is one row of the [num_blocks * block_size, heads, dim] view
-(see attention.py). Block 0 is the null block: the KV manager never hands it out, and block
+of shape [num_kv_heads, num_blocks, block_size, head_dim], so a token's slot
+(`block_id * block_size + offset`) is one column of the [heads, num_blocks * block_size, dim]
+view (see attention.py for why heads come first). A block is `kv[:, :, :, block_id]`. Block 0 is the null block: the KV manager never hands it out, and block
 tables are padded with it; being zero-filled, masked reads of it never make NaNs.
 The host cache has the same layout with `num_host_blocks` blocks (pinned memory with CUDA).
 """
@@ -26,9 +26,9 @@ class KVCache:
         if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be an integer >= 0, got {num_host_blocks!r}")
         self.num_blocks, self.block_size, self.num_host_blocks = num_blocks, block_size, num_host_blocks
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
-        host_shape = (num_layers, 2, num_host_blocks, block_size, num_kv_heads, head_dim)
+        host_shape = (num_layers, 2, num_kv_heads, num_host_blocks, block_size, head_dim)
         pin = device.type == "cuda" and num_host_blocks > 0
         self.host_kv = torch.zeros(host_shape, dtype=dtype, device="cpu", pin_memory=pin)
         self.layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(num_layers)]
@@ -49,7 +49,7 @@ class KVCache:
             return
         src = self._ids([s for s, _ in mapping], self.num_blocks, "device")
         dst = self._ids([d for _, d in mapping], self.num_host_blocks, "host")
-        self.host_kv[:, :, dst] = self.kv[:, :, src.to(self.device)].to("cpu")
+        self.host_kv[:, :, :, dst] = self.kv[:, :, :, src.to(self.device)].to("cpu")
 
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
         """Copy host blocks to device blocks for each (host_id, device_id) (mutates kv)."""
@@ -57,7 +57,7 @@ class KVCache:
             return
         src = self._ids([s for s, _ in mapping], self.num_host_blocks, "host")
         dst = self._ids([d for _, d in mapping], self.num_blocks, "device")
-        self.kv[:, :, dst.to(self.device)] = self.host_kv[:, :, src].to(self.device)
+        self.kv[:, :, :, dst.to(self.device)] = self.host_kv[:, :, :, src].to(self.device)
 
     def copy(self, mapping: list[tuple[int, int]]) -> None:
         """Copy device block src to dst for each (src, dst) (copy-on-write; mutates kv)."""
@@ -65,4 +65,4 @@ class KVCache:
             return
         src = self._ids([s for s, _ in mapping], self.num_blocks, "device").to(self.device)
         dst = self._ids([d for _, d in mapping], self.num_blocks, "device").to(self.device)
-        self.kv[:, :, dst] = self.kv[:, :, src]
+        self.kv[:, :, :, dst] = self.kv[:, :, :, src]

@@ -78,7 +78,7 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states [T, hidden]; writes every layer's new K/V into `kv_caches`."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)
 

@@ -70,7 +70,7 @@ def load_weights(module: torch.nn.Module, model_dir: str | Path) -> None:
             raise ValueError(f"missing tensor {missing[0]!r} in the weights of {model_dir}")
         param = params[param_name]
         expected = _expected_source_shapes(param.shape, sources, module, param_name)
-        for src, shape in zip(sources, expected):
+        for src, shape in zip(sources, expected, strict=True):
             if tuple(state[src].shape) != shape:
                 raise ValueError(f"wrong shape for tensor {src!r}: expected {shape}, "
                                  f"got {tuple(state[src].shape)}")

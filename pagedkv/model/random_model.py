@@ -25,8 +25,11 @@ ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 SPECIAL_TOKENS = (UNK_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, *ROLE_TOKENS)
 TOKENIZER_VOCAB_SIZE = 640
 
-# Role markers, the content, then eos; the prompt ends with the assistant marker.
+# bos, then per message a role marker, the content and eos; the prompt ends with the assistant
+# marker. The template writes bos itself (as Llama 3's does): chat prompts are encoded with
+# add_special_tokens=False.
 CHAT_TEMPLATE = (
+    "{{ bos_token }}"
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
     "{% endfor %}"

@@ -72,7 +72,7 @@ class ModelRunner:
         rows = torch.tensor([i for i, _ in samplers], device=self.device)
         logits = self.model.compute_logits(hidden[last[rows]])
         tokens, logprobs = self.sampler(logits, [r for _, r in samplers])
-        for (_, req), toks, lps in zip(samplers, tokens, logprobs):
+        for (_, req), toks, lps in zip(samplers, tokens, logprobs, strict=True):
             result.sampled_token_ids[req.request_id] = toks
             if lps is not None:
                 result.logprobs[req.request_id] = lps
@@ -130,6 +130,7 @@ class ModelRunner:
             decode_block_tables=dec_tables.to(dev),
             prefills=chunks,
             block_size=bs,
+            decode_seq_lens_list=[r.start_pos + 1 for r in decodes],
         )
         return (reqs, torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(pos, dtype=torch.long, device=dev), meta)

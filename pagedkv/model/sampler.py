@@ -113,18 +113,18 @@ class Sampler:
         rows = torch.repeat_interleave(torch.arange(len(requests), device=logits.device),
                                        torch.tensor(counts, device=logits.device))
         logits = logits[rows]
-        row_params = [p for p, c in zip(params, counts) for _ in range(c)]
+        row_params = [p for p, c in zip(params, counts, strict=True) for _ in range(c)]
         tokens = logits.argmax(-1)
         random_rows = [i for i, p in enumerate(row_params) if not p.greedy]
         if random_rows:
             idx = torch.tensor(random_rows, device=logits.device)
             sampled = self._sample(logits[idx], [row_params[i] for i in random_rows],
-                                   [(req, i) for req, c in zip(requests, counts)
+                                   [(req, i) for req, c in zip(requests, counts, strict=True)
                                     for i in range(c)], random_rows)
             tokens[idx] = sampled
         token_list = tokens.tolist()
         out_tokens, out_logprobs, start = [], [], 0
-        for req, c in zip(requests, counts):
+        for req, c in zip(requests, counts, strict=True):
             toks = token_list[start:start + c]
             out_tokens.append(toks)
             n = req.sampling_params.logprobs
@@ -157,7 +157,7 @@ class Sampler:
 
 def _top_logprobs(logprobs: torch.Tensor, sampled: list[int], n: int) -> list[dict[int, float]]:
     top = logprobs.topk(n) if n > 0 else None
-    base = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
+    base = dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else {}
     out = []
     for tok in sampled:
         d = dict(base)

@@ -215,7 +215,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            status = kv.can_allocate(request, len(computed_blocks))
+            status = kv.can_allocate(request, computed_blocks=computed_blocks)
             if status == AllocStatus.NEVER:
                 self._finish(request, RequestStatus.FINISHED_ERROR, self._never_message(request))
                 self.ended_in_schedule.append(request)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from pagedkv.kv.manager import KVCacheManager
 
 
@@ -50,8 +48,3 @@ def decode(mgr: KVCacheManager, req: FakeRequest, token: int):
     if new is not None:
         req.num_computed_tokens = req.num_tokens
     return new
-
-
-@pytest.fixture
-def fake_request():
-    return make_request

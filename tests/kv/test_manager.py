@@ -382,3 +382,16 @@ def test_bad_arguments_rejected_by_name():
     with pytest.raises(ValueError, match="negative"):
         m.allocate_slots(make_request("r", range(4)), -1)
     m.check_invariants()
+
+
+def test_allocate_slots_rejects_misplaced_hits():
+    m = mgr_()
+    a = make_request("a", range(9))
+    prefill(m, a)
+    b = make_request("b", range(9))
+    hits, n = m.get_computed_blocks(b)
+    with pytest.raises(ValueError, match="new_computed_blocks"):
+        m.allocate_slots(b, 1, hits, n - 1)
+    assert hits[0].ref_cnt == 1 and m.get_block_ids("b") == []
+    m.free(b)
+    m.check_invariants()

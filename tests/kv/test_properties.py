@@ -13,16 +13,7 @@ from __future__ import annotations
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    Bundle,
-    RuleBasedStateMachine,
-    consumes,
-    initialize,
-    invariant,
-    multiple,
-    precondition,
-    rule,
-)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedkv.kv.manager import AllocStatus, KVCacheManager
 from tests.kv.conftest import FakeRequest
@@ -32,7 +23,6 @@ BASES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 7, 7, 7, 7], [5, 5, 5, 5, 5, 
 
 class KVMachine(RuleBasedStateMachine):
     sliding_window: int | None = None
-    reqs = Bundle("reqs")
 
     @initialize(block_size=st.sampled_from([2, 4]), num_blocks=st.integers(6, 24),
                 num_host=st.integers(0, 10), watermark=st.sampled_from([0.0, 0.1]),
@@ -69,7 +59,12 @@ class KVMachine(RuleBasedStateMachine):
         before = self.m.get_block_ids(req.request_id)
         new = self.m.allocate_slots(req, num_new, hits, n, delay_cache_blocks=delay)
         if new is None:
-            assert self.m.get_block_ids(req.request_id) == before
+            after = self.m.get_block_ids(req.request_id)
+            # Nothing changes, except that blocks wholly outside the sliding window of
+            # position num_computed_tokens are freed first (any call would free them).
+            skipped = 0 if self.sliding_window is None else \
+                max(0, req.num_computed_tokens - self.sliding_window + 1) // self.bs
+            assert after == [0 if i < skipped else b for i, b in enumerate(before)]
             return False
         start = req.num_computed_tokens + n
         self._write(req, start, start + num_new)
@@ -78,8 +73,16 @@ class KVMachine(RuleBasedStateMachine):
             self.m.cache_blocks(req, req.num_computed_tokens)
         return True
 
+    def _pick(self, data, swapped: bool | None = False) -> FakeRequest:
+        rids = sorted(rid for rid in self.live
+                      if swapped is None or self.m.is_swapped(rid) == swapped)
+        return self.live[data.draw(st.sampled_from(rids))]
+
+    def _has(self, swapped: bool) -> bool:
+        return hasattr(self, "m") and any(self.m.is_swapped(r) == swapped for r in self.live)
+
     # ------------------------------------------------------------------ rules
-    @rule(target=reqs, base=st.sampled_from(BASES), cut=st.integers(1, 9),
+    @rule(base=st.sampled_from(BASES), cut=st.integers(1, 9),
           suffix=st.lists(st.integers(0, 3), max_size=6), salt=st.sampled_from([None, None, "s"]),
           chunk=st.integers(1, 20), delay=st.booleans())
     def add_request(self, base, cut, suffix, salt, chunk, delay):
@@ -90,14 +93,13 @@ class KVMachine(RuleBasedStateMachine):
             assert -(-req.num_tokens // self.bs) > self.m.num_usable_blocks - self.m.watermark_blocks
         if not self._step(req, chunk, True, delay):
             self.m.free(req)  # forget the hashes of a request that stays waiting
-            return multiple()
-        self.live[req.request_id] = req
-        return req
-
-    @rule(req=reqs, token=st.integers(0, 3), chunk=st.integers(1, 20), delay=st.booleans())
-    def step(self, req, token, chunk, delay):
-        if req.request_id not in self.live or self.m.is_swapped(req.request_id):
             return
+        self.live[req.request_id] = req
+
+    @precondition(lambda self: self._has(swapped=False))
+    @rule(data=st.data(), token=st.integers(0, 3), chunk=st.integers(1, 20), delay=st.booleans())
+    def step(self, data, token, chunk, delay):
+        req = self._pick(data)
         if req.num_computed_tokens == req.num_tokens:  # decode: sample one token
             req.append(token)
             if not self._step(req, 1, False, delay):
@@ -105,10 +107,10 @@ class KVMachine(RuleBasedStateMachine):
         else:  # continue a chunked prefill
             self._step(req, chunk, False, delay)
 
-    @rule(target=reqs, parent=reqs)
-    def fork(self, parent):
-        if parent.request_id not in self.live or self.m.is_swapped(parent.request_id):
-            return multiple()
+    @precondition(lambda self: self._has(swapped=False))
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = self._pick(data)
         self.counter += 1
         child = FakeRequest(f"r{self.counter}", parent.all_token_ids,
                             cache_salt=parent.cache_salt)
@@ -116,17 +118,21 @@ class KVMachine(RuleBasedStateMachine):
         self.m.fork(parent, child)
         assert self.m.get_block_ids(child.request_id) == self.m.get_block_ids(parent.request_id)
         self.live[child.request_id] = child
-        return child
 
-    @rule(req=consumes(reqs))
-    def free(self, req):
+    @precondition(lambda self: hasattr(self, "m") and self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        req = self._pick(data, swapped=None)
         self.m.free(req)
-        self.live.pop(req.request_id, None)
+        del self.live[req.request_id]
         assert self.m.get_block_ids(req.request_id) == []
+        assert not self.m.is_swapped(req.request_id)
 
-    @rule(req=reqs)
-    def swap_out(self, req):
-        if req.request_id not in self.live or not self.m.can_swap_out(req):
+    @precondition(lambda self: self._has(swapped=False) and self.m.host_pool is not None)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        req = self._pick(data)
+        if not self.m.can_swap_out(req):
             return
         device_ids = self.m.get_block_ids(req.request_id)
         mapping = self.m.swap_out(req)
@@ -136,23 +142,28 @@ class KVMachine(RuleBasedStateMachine):
         for d, h in mapping:
             self.host[h] = list(self.dev.get(d, [None] * self.bs))
 
-    @rule(req=reqs)
-    def swap_in(self, req):
-        if req.request_id not in self.live or not self.m.can_swap_in(req):
+    @precondition(lambda self: self._has(swapped=True))
+    @rule(data=st.data())
+    def swap_in(self, data):
+        req = self._pick(data, swapped=True)
+        if not self.m.can_swap_in(req):
             return
         hashes = list(self.m.get_block_hashes(req.request_id))
         for h, d in self.m.swap_in(req):
             self.dev[d] = list(self.host[h])
         assert self.m.get_block_hashes(req.request_id) == hashes
 
+    @precondition(lambda self: hasattr(self, "m") and self.m.pool.cached_block_hash_to_block)
     @rule()
     def reset_prefix_cache(self):
         idle = self.m.num_free_blocks == self.m.num_usable_blocks
         assert self.m.reset_prefix_cache() is idle
 
-    @rule(req=reqs)
-    def lookup(self, req):
+    @precondition(lambda self: hasattr(self, "m") and self.live)
+    @rule(data=st.data())
+    def lookup(self, data):
         """A prefix hit must return blocks that hold exactly this prompt's K/V."""
+        req = self._pick(data, swapped=None)
         probe = FakeRequest("probe", req.all_token_ids, cache_salt=req.cache_salt)
         hits, n = self.m.get_computed_blocks(probe)
         for pos in range(n):

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from pagedkv.model import attention
 from pagedkv.model.attention import AttentionMetadata, PrefillChunk, paged_attention
 
 
@@ -30,7 +31,7 @@ def run_case(seed, block_size, num_heads, num_kv_heads, seqs, window, dtype=torc
     d = 16
     total_blocks = sum(math.ceil((c + n) / block_size) for c, n in seqs) + 1
     num_blocks = total_blocks + 3
-    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, d, dtype=dtype)
+    k_cache = torch.zeros(num_kv_heads, num_blocks, block_size, d, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     # Shuffled physical blocks (never block 0, the null block).
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
@@ -45,7 +46,7 @@ def run_case(seed, block_size, num_heads, num_kv_heads, seqs, window, dtype=torc
         full_kv[i] = (kf, vf)
         for p in range(cached):  # the cached prefix is already in the cache
             b, o = tables[i][p // block_size], p % block_size
-            k_cache[b, o], v_cache[b, o] = kf[p], vf[p]
+            k_cache[:, b, o], v_cache[:, b, o] = kf[p], vf[p]
     scale = d ** -0.5
     prefills, num_decodes, tok = [], 0, 0
     for i in order:
@@ -72,7 +73,8 @@ def run_case(seed, block_size, num_heads, num_kv_heads, seqs, window, dtype=torc
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots), num_decodes=num_decodes,
         decode_seq_lens=torch.tensor([seqs[i][0] + 1 for i in decodes]),
-        decode_block_tables=dec_tables, prefills=prefills, block_size=block_size)
+        decode_block_tables=dec_tables, prefills=prefills, block_size=block_size,
+        decode_seq_lens_list=[seqs[i][0] + 1 for i in decodes] if seed % 2 else [])
     out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta,
                           scale, window)
     ref = torch.empty(out.shape, dtype=torch.float64)
@@ -83,7 +85,7 @@ def run_case(seed, block_size, num_heads, num_kv_heads, seqs, window, dtype=torc
     for i, (cached, new) in enumerate(seqs):
         kf, _ = full_kv[i]
         for p in range(cached + new):
-            assert torch.equal(k_cache[tables[i][p // block_size], p % block_size], kf[p])
+            assert torch.equal(k_cache[:, tables[i][p // block_size], p % block_size], kf[p])
     return out, ref
 
 
@@ -117,3 +119,13 @@ def test_bfloat16_close_to_dense():
     seqs = [(0, 1), (20, 1), (0, 30), (45, 12), (300, 1)]
     out, ref = run_case(7, 16, 8, 2, seqs, None, dtype=torch.bfloat16)
     torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("gather_bytes", [1, 4096])
+def test_decode_groups_split_by_gather_budget(monkeypatch, gather_bytes):
+    """Decodes processed one per group (or a few) give the same result as one big group."""
+    monkeypatch.setattr(attention, "GATHER_BYTES", gather_bytes)
+    seqs = [(0, 1), (3, 1), (37, 1), (70, 1), (64, 1), (17, 1), (5, 9)]
+    for window in (None, 6):
+        out, ref = run_case(3, 4, 4, 2, seqs, window)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)

@@ -23,7 +23,7 @@ STARTUP_TIMEOUT_S = 180.0  # torch import + model load on a busy 2-core CI box
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Engine flags shared by the servers and the offline reference they are compared with.
-ENGINE_KWARGS = dict(dtype="float32", block_size=4, max_model_len=256,
+ENGINE_KWARGS = dict(dtype="float32", block_size=4, max_model_len=1024,
                      num_gpu_blocks_override=1024, seed=0)
 
 
@@ -81,20 +81,25 @@ class ServerProcess:
     def output(self) -> str:
         return Path(self.log.name).read_text(errors="replace")[-5000:]
 
-    def stop(self) -> int | None:
-        """SIGTERM, wait, SIGKILL if needed; returns the exit code."""
+    def stop(self) -> bool:
+        """SIGTERM, wait, SIGKILL if needed. True when it stopped by itself on SIGTERM (uvicorn
+        shuts down gracefully, then re-raises the signal) with no traceback in its output."""
         if self.proc is None:
-            return None
+            return False
+        clean = True
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
+                clean = False
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+        clean = clean and self.proc.returncode in (0, -signal.SIGTERM)
+        clean = clean and "Traceback" not in self.output()
         self.log.close()
         os.unlink(self.log.name)
-        return self.proc.returncode
+        return clean
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -120,9 +125,23 @@ def wait_for_idle_pool(url: str, timeout: float = 30.0) -> dict[str, float]:
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tiny_llama: Path):
-    """The main server: the tiny Llama with ENGINE_KWARGS, no API key."""
+    """The main server: the tiny Llama with ENGINE_KWARGS, no API key. Session-scoped (one per
+    xdist worker): the modules that share it leave it idle after each test.
+
+    Teardown: /health still answers 200 (the loop checks the block pool's invariants each time
+    the engine falls idle and reports a failure there), nothing runs, no block is held, and
+    SIGTERM stops it with exit code 0.
+    """
     proc = ServerProcess(tiny_llama, *engine_flags(**ENGINE_KWARGS)).start()
-    yield proc
-    assert proc.stop() == 0, "server did not shut down cleanly"
+    try:
+        yield proc
+        metrics = wait_for_idle_pool(proc.url)
+        health = httpx.get(proc.url + "/health", timeout=10)
+        assert health.status_code == 200, health.text
+        assert metrics["pagedkv:kv_cache_usage_perc"] == 0.0
+        assert metrics["pagedkv:num_requests_running"] == 0
+    finally:
+        clean = proc.stop()
+    assert clean, "server did not shut down cleanly"

@@ -179,7 +179,7 @@ def test_cached_tokens_on_repeated_prefix(client):
                                        temperature=0.0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert cached >= 40 and cached % ENGINE_KWARGS["block_size"] == 0
+    assert cached >= 16 and cached % ENGINE_KWARGS["block_size"] == 0
     assert cached < second.usage.prompt_tokens
     salted = client.completions.create(model=MODEL, prompt=prefix + "Second", max_tokens=2,
                                        temperature=0.0, extra_body={"cache_salt": "tenant-b"})
@@ -217,7 +217,7 @@ def test_64_concurrent_streams_match_offline(server, offline):
 
 def test_streaming_disconnect_aborts_and_frees_blocks(server):
     before = scrape(server.url)["pagedkv:generation_tokens_total"]
-    body = {"model": MODEL, "prompt": "Disconnect me", "max_tokens": 2000, "ignore_eos": True,
+    body = {"model": MODEL, "prompt": "Disconnect me", "max_tokens": 1000, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as resp:
         lines = resp.iter_lines()
@@ -235,7 +235,7 @@ def test_streaming_disconnect_aborts_and_frees_blocks(server):
 
 def test_non_streaming_disconnect_aborts(server):
     before = scrape(server.url)["pagedkv:generation_tokens_total"]
-    body = {"model": MODEL, "prompt": "Wait for me", "max_tokens": 2000, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "Wait for me", "max_tokens": 1000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
     metrics = wait_for_idle_pool(server.url)
@@ -243,7 +243,7 @@ def test_non_streaming_disconnect_aborts(server):
     assert metrics["pagedkv:kv_cache_usage_perc"] == 0.0
     time.sleep(0.3)
     after = scrape(server.url)["pagedkv:generation_tokens_total"]
-    assert after - before < 2000, "the request ran to completion after the client left"
+    assert after - before < 1000, "the request ran to completion after the client left"
 
 
 def test_metrics_names_and_counts(server, client):

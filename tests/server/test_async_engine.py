@@ -1,0 +1,123 @@
+"""AsyncEngine and create_app in-process, on the real engine: aborts and shutdown return every
+block, errors reach the caller, the in-flight bound holds, two apps share a process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fastapi.testclient import TestClient
+
+from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.sched.sampling_params import SamplingParams
+from pagedkv.server.app import create_app
+from pagedkv.server.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+
+
+@pytest.fixture
+def engine(tiny_llama) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=str(tiny_llama), dtype="float32", block_size=4,
+                                max_model_len=256, num_gpu_blocks_override=128))
+
+
+def assert_pool_empty(engine: LLMEngine) -> None:
+    engine.check_invariants()
+    kv = engine.scheduler.kv_cache_manager
+    assert kv.pool.get_num_free_blocks() == kv.num_usable_blocks
+    assert not engine.has_unfinished_requests()
+
+
+LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+
+def test_stream_abort_and_finish(engine):
+    async def main() -> None:
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+        try:
+            short = await async_engine.add_request(
+                "short", [1, 20, 30], SamplingParams(temperature=0.0, max_tokens=4,
+                                                      ignore_eos=True))
+            outputs = [o async for o in short]
+            short.close()
+            assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 4
+            assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 2, 3, 4]
+
+            long = await async_engine.add_request("long", [1, 20, 30], LONG)
+            first = await long.__anext__()
+            assert not first.finished
+            stats = await async_engine.get_stats()
+            assert stats.num_running == 1 and stats.kv_cache_usage > 0
+            with pytest.raises(ValueError, match="already in use"):
+                await async_engine.add_request("long", [1, 7], LONG)
+            assert async_engine.num_in_flight == 1
+            long.close()  # aborts it
+            rest = [o async for o in long]  # what was queued before the abort, then the end
+            assert long.aborted and not any(o.finished for o in rest)
+            stats = await async_engine.get_stats()
+            assert stats.num_running == 0 and stats.kv_cache_usage == 0.0
+            assert async_engine.num_in_flight == 0
+        finally:
+            async_engine.shutdown()
+
+    asyncio.run(main())
+    assert_pool_empty(engine)
+
+
+def test_errors_and_overload_release_their_slot(engine):
+    async def main() -> None:
+        async_engine = AsyncEngine(engine, max_pending=1)
+        async_engine.start()
+        try:
+            with pytest.raises(ValueError, match="vocabulary"):
+                await async_engine.add_request("bad", [10**6], LONG)
+            assert async_engine.num_in_flight == 0
+            held = await async_engine.add_request("held", [1, 5], LONG)
+            with pytest.raises(EngineOverloadedError):
+                await async_engine.add_request("more", [1, 6], LONG)
+            held.close()
+            again = await async_engine.add_request("again", [1, 7], LONG)
+            again.close()
+        finally:
+            async_engine.shutdown()
+
+    asyncio.run(main())
+    assert_pool_empty(engine)
+
+
+def test_shutdown_aborts_running_requests_and_joins(engine):
+    async def main() -> None:
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+        streams = [await async_engine.add_request(f"r{i}", [1, 9 + i], LONG) for i in range(3)]
+        await streams[0].__anext__()
+        await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
+        for stream in streams:
+            async for _ in stream:  # drains what was sent, then ends (aborted)
+                pass
+            assert stream.aborted
+            stream.close()
+        assert not async_engine.is_running
+        with pytest.raises(EngineDeadError):
+            await async_engine.add_request("late", [1, 2], LONG)
+
+    asyncio.run(main())
+    assert_pool_empty(engine)
+
+
+def test_two_apps_in_one_process_have_their_own_metrics(engine, tiny_llama):
+    other = LLMEngine(EngineArgs(model=str(tiny_llama), dtype="float32", block_size=4,
+                                 max_model_len=256, num_gpu_blocks_override=64))
+    app_a = create_app(engine, served_model_name="a")
+    app_b = create_app(other, served_model_name="b")
+    with TestClient(app_a) as a, TestClient(app_b) as b:
+        resp = a.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3,
+                                                "ignore_eos": True})
+        assert resp.status_code == 200 and resp.json()["model"] == "a"
+        assert b.post("/v1/completions", json={"model": "a", "prompt": "x"}).status_code == 404
+        metrics_a, metrics_b = a.get("/metrics").text, b.get("/metrics").text
+    assert 'pagedkv:generation_tokens_total{model_name="a"} 3.0' in metrics_a
+    assert 'pagedkv:generation_tokens_total{model_name="b"} 0.0' in metrics_b
+    assert_pool_empty(engine)
+    assert_pool_empty(other)

@@ -1,0 +1,88 @@
+"""API-key enforcement, the bounded in-flight queue (503) and a KV cache too small for `n`,
+on a server started with --api-key, --max-pending 1 and a 200-block cache."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import ServerProcess, engine_flags, wait_for_idle_pool
+
+KEY = "test-secret-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def limited(tiny_llama):
+    proc = ServerProcess(tiny_llama, "--api-key", KEY, "--max-pending", "1",
+                         *engine_flags(dtype="float32", block_size=4, max_model_len=512,
+                                       num_gpu_blocks_override=200)).start()
+    try:
+        yield proc
+        metrics = wait_for_idle_pool(proc.url)
+        assert metrics["pagedkv:kv_cache_usage_perc"] == 0.0
+        assert httpx.get(proc.url + "/health").status_code == 200
+    finally:
+        clean = proc.stop()
+    assert clean, "server did not shut down cleanly"
+
+
+def completion(url: str, headers: dict[str, str] | None = None, **body: object) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, **body},
+                      headers=headers or {}, timeout=60)
+
+
+def test_v1_routes_need_the_key(limited):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                    {"Authorization": f"Basic {KEY}"}):
+        for resp in (completion(limited.url, headers),
+                     httpx.get(limited.url + "/v1/models", headers=headers),
+                     httpx.post(limited.url + "/v1/chat/completions", headers=headers,
+                                json={"messages": [{"role": "user", "content": "x"}]})):
+            assert resp.status_code == 401, (headers, resp.text)
+            assert resp.json()["error"]["type"] == "authentication_error"
+    assert completion(limited.url, AUTH).status_code == 200
+    assert httpx.get(limited.url + "/v1/models", headers=AUTH).status_code == 200
+    # Health, version and metrics stay open (load balancers and Prometheus have no key).
+    for path in ("/health", "/version", "/metrics"):
+        assert httpx.get(limited.url + path).status_code == 200
+
+
+def test_openai_client_with_and_without_key(limited):
+    wrong = openai.OpenAI(base_url=limited.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model="tiny", prompt="x", max_tokens=2)
+    right = openai.OpenAI(base_url=limited.url + "/v1", api_key=KEY, max_retries=0)
+    resp = right.completions.create(model="tiny", prompt="x", max_tokens=3,
+                                    extra_body={"ignore_eos": True})
+    assert resp.usage.completion_tokens == 3
+
+
+def test_503_when_overloaded_then_recovers(limited):
+    body = {"model": "tiny", "prompt": "long", "max_tokens": 500, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", limited.url + "/v1/completions", json=body, headers=AUTH,
+                      timeout=60) as long_request:
+        assert long_request.status_code == 200
+        lines = long_request.iter_lines()  # kept: dropping it would close the connection
+        assert next(lines).startswith("data: ")  # it is running now
+        busy = completion(limited.url, AUTH)
+        assert busy.status_code == 503, busy.text
+        assert busy.json()["error"]["code"] == "server_overloaded"
+        chat = httpx.post(limited.url + "/v1/chat/completions", headers=AUTH, timeout=60,
+                          json={"messages": [{"role": "user", "content": "x"}]})
+        assert chat.status_code == 503
+    wait_for_idle_pool(limited.url)
+    assert completion(limited.url, AUTH).status_code == 200
+
+
+def test_n_that_can_never_fit_is_a_400(limited):
+    resp = completion(limited.url, AUTH, n=250)  # 250 sequences need > 200 blocks
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "n"
+    resp = httpx.post(limited.url + "/v1/chat/completions", headers=AUTH, timeout=60,
+                      json={"messages": [{"role": "user", "content": "x"}], "n": 250,
+                            "max_tokens": 2})
+    assert resp.status_code == 400
+    assert completion(limited.url, AUTH, n=4).status_code == 200
