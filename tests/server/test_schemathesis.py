@@ -11,7 +11,7 @@ import pytest
 schemathesis = pytest.importorskip(
     "schemathesis", reason="schemathesis is not installed (not in pyproject's dev extras)")
 
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from pagedkv.engine.args import EngineArgs  # noqa: E402
 from pagedkv.engine.llm_engine import LLMEngine  # noqa: E402
@@ -33,7 +33,7 @@ def test_no_5xx_for_any_schema_input(tiny_llama):
 
             @settings(max_examples=40, deadline=None, database=None,
                       suppress_health_check=list(HealthCheck))
-            @schemathesis.given(case=op.as_strategy())
+            @given(case=op.as_strategy())
             def check(case) -> None:
                 if isinstance(case.body, dict) and "max_tokens" in case.body:
                     case.body["max_tokens"] = min(case.body["max_tokens"] or 1, 4)
