@@ -21,7 +21,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: $(STAMP) lint
-	$(PY) -m pytest -q -n 2 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadscope $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) -m pagedkv.demo $(if $(MODEL),--model $(MODEL),)

@@ -1,14 +1,18 @@
 """Paged attention vs dense SDPA on the same K/V laid out contiguously.
 
 Decode: `--batch` requests (default 32), one query token each, every request with the same
-context length; prefill: `--prefill-batch` requests (default 8), each a chunk of
+context length (plus one "decode-mixed" row: lengths drawn from [max/16, max], dense padded to the
+longest with a mask); prefill: `--prefill-batch` requests (default 8), each a chunk of
 `--chunk` new tokens (default 128) on top of a cached prefix, so the whole context is the
 given length. 8 query heads, 2 KV heads, head size 64, block size 16, physical blocks shuffled.
 Dense baseline: torch.nn.functional.scaled_dot_product_attention on [B, heads, L, D]
 contiguous tensors (enable_gqa), with a causal bool mask for prefill.
 Prints time per call and the paged/dense ratio (target <= 1.5); `--json` prints JSON instead.
 
-    .venv/bin/python benchmarks/bench_attention.py [--json] [--contexts 128 512 2048]
+    .venv/bin/python benchmarks/bench_attention.py [--json] [--contexts 128 512 2048] [--threads 1]
+
+On a machine shared with other busy processes, `--threads 1` gives the stable figures: with
+several threads every small parallel op can wait for a descheduled thread.
 """
 
 from __future__ import annotations
@@ -64,27 +68,33 @@ def make_paged(batch: int, ctx: int, block_size: int, dtype: torch.dtype, gen: t
     return k, v, k_cache, v_cache, perm
 
 
-def bench_decode(batch: int, ctx: int, dtype: torch.dtype, block_size: int = 16) -> dict:
+def bench_decode(batch: int, ctx: int, dtype: torch.dtype, block_size: int = 16,
+                 mixed: bool = False) -> dict:
+    """`mixed`: request i has a random length in [ctx // 16, ctx]; dense pads to ctx with a mask."""
     gen = torch.Generator().manual_seed(0)
     k, v, k_cache, v_cache, tables = make_paged(batch, ctx, block_size, dtype, gen)
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(dtype)
     scale = HEAD_DIM ** -0.5
+    lens = (torch.randint(ctx // 16, ctx + 1, (batch,), generator=gen) if mixed
+            else torch.full((batch,), ctx))
+    mask = (torch.arange(ctx)[None, :] < lens[:, None])[:, None, None, :] if mixed else None
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=batch,
-                             decode_seq_lens=torch.full((batch,), ctx), decode_block_tables=tables,
+                             decode_seq_lens=lens, decode_block_tables=tables,
                              prefills=[], block_size=block_size,
-                             decode_seq_lens_list=[ctx] * batch)
+                             decode_seq_lens_list=lens.tolist())
 
     def dense():
-        return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=True)
 
     def paged():
         return decode_attention(q, k_cache, v_cache, meta, scale, None)
 
     err = (paged().float() - dense().squeeze(2).float()).abs().max().item()
     td, tp = timeit_pair(dense, paged)
-    return {"kind": "decode", "dtype": str(dtype).removeprefix("torch."), "batch": batch,
-            "context": ctx, "dense_ms": td * 1e3, "paged_ms": tp * 1e3, "ratio": tp / td,
-            "max_abs_err": err}
+    return {"kind": "decode-mixed" if mixed else "decode", "dtype": str(dtype).removeprefix("torch."),
+            "batch": batch, "context": ctx, "dense_ms": td * 1e3, "paged_ms": tp * 1e3,
+            "ratio": tp / td, "max_abs_err": err}
 
 
 def bench_prefill(batch: int, ctx: int, chunk: int, dtype: torch.dtype,
@@ -138,6 +148,9 @@ def main() -> None:
                 rows.append(bench_decode(args.batch, ctx, dtype))
                 if not args.json:
                     _print_row(rows[-1])
+            rows.append(bench_decode(args.batch, max(args.contexts), dtype, mixed=True))
+            if not args.json:
+                _print_row(rows[-1])
             for ctx in args.contexts:
                 rows.append(bench_prefill(args.prefill_batch, ctx, args.chunk, dtype))
                 if not args.json:
@@ -151,7 +164,7 @@ def main() -> None:
 
 def _print_row(r: dict) -> None:
     extra = f" chunk={r['chunk']}" if "chunk" in r else ""
-    print(f"{r['kind']:7s} {r['dtype']:8s} batch={r['batch']:<3d} ctx={r['context']:<5d}{extra:10s} "
+    print(f"{r['kind']:12s} {r['dtype']:8s} batch={r['batch']:<3d} ctx={r['context']:<5d}{extra:10s} "
           f"dense {r['dense_ms']:8.3f} ms  paged {r['paged_ms']:8.3f} ms  ratio {r['ratio']:.2f}  "
           f"err {r['max_abs_err']:.1e}", flush=True)
 

@@ -70,8 +70,11 @@ async def _serve(args: argparse.Namespace) -> int:
     if args.request_rate <= 0:
         raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
     httpx = _httpx()
-    async with httpx.AsyncClient(base_url=args.url, timeout=30.0) as client:
-        info = await get_server_info(client, args.api_key)
+    try:
+        async with httpx.AsyncClient(base_url=args.url, timeout=30.0) as client:
+            info = await get_server_info(client, args.api_key)
+    except httpx.HTTPError as exc:
+        raise ConnectionError(f"cannot query {args.url}/v1/models: {exc}") from exc
     vocab_size = args.vocab_size or info.vocab_size or DEFAULT_VOCAB_SIZE
     requests = sample_requests(
         args.dataset, num_prompts=args.num_prompts, input_len=args.input_len,

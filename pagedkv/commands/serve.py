@@ -55,12 +55,15 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"model directory {args.model!r} does not exist")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_pending is not None and args.max_pending < 1:
+        raise ValueError(f"--max-pending must be a positive integer, got {args.max_pending}")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = LLMEngine.from_engine_args(engine_args_from_flags(args, args.model))
     app = create_app(engine, served_model_name=args.served_model_name or args.model,
                      api_key=args.api_key or None,
-                     max_pending=args.max_pending or DEFAULT_MAX_PENDING)
+                     max_pending=DEFAULT_MAX_PENDING if args.max_pending is None
+                     else args.max_pending)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0

@@ -7,9 +7,11 @@ slot `block_table[p // block_size] * block_size + p % block_size`, i.e. column `
 request's blocks (`index_select` on dim 1) yields one contiguous [context, head_dim] matrix per
 head, which SDPA reads at full speed.
 
-Speed: attention on CPU is memory-bound, so requests are processed in groups whose gathered K/V
-fit in about `GATHER_BYTES` (2 MiB, cache-resident), into a workspace reused across groups and layers:
-the only full pass over the cached K/V is SDPA's own read.
+Speed (CPU): decodes are processed in groups whose gathered K/V fit in about `GATHER_BYTES`
+(2 MiB): each group's blocks are copied (`index_select`) into a workspace reused across groups,
+layers and steps, and attention then reads that copy from cache, so the K/V cross the memory bus
+once. Sliding-window layers gather only the blocks inside the window. See
+benchmarks/bench_attention.py for the cost against dense SDPA.
 
 One `paged_attention` call per layer serves a mixed batch laid out as the runner builds it:
 the decode tokens first (one per request, batched together), then the prefill chunks (each a
@@ -56,27 +58,49 @@ class AttentionMetadata:
     block_size: int
     decode_seq_lens_list: list[int] = field(default_factory=list)
     _mask_cache: dict = field(default_factory=dict, repr=False)
-    _workspace: dict = field(default_factory=dict, repr=False)
+    # Scratch buffers by slot; pass the same dict every step to reuse them (one user at a time).
+    workspace_buffers: dict = field(default_factory=dict, repr=False)
 
     def workspace(self, numel: int, dtype: torch.dtype, device: torch.device, slot: int) -> torch.Tensor:
-        """A flat scratch tensor of at least `numel` elements, reused for this step (slot 0: K,
-        1: V); valid until the next call with the same slot and a larger size."""
-        buf = self._workspace.get(slot)
-        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+        """A flat scratch tensor of `numel` elements (slot 0: K, 1: V); its contents are only
+        valid until the next call with the same slot."""
+        buf = self.workspace_buffers.get(slot)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
             buf = torch.empty(numel, dtype=dtype, device=device)
-            self._workspace[slot] = buf
+            self.workspace_buffers[slot] = buf
         return buf[:numel]
 
-    def decode_mask(self, window: int | None, num_keys: int) -> torch.Tensor:
-        """[num_decodes, 1, 1, num_keys] bool: which gathered keys each decode token sees."""
-        key = ("decode", window, num_keys)
+    def decode_view(self, window: int | None) -> tuple[torch.Tensor, list[int], list[int]]:
+        """(block tables [num_decodes, width], first key position of each row, number of
+        blocks each row needs) for the decode requests. With a window only the blocks that
+        hold the last `window` positions are listed, so long requests gather little."""
+        key = ("view", window)
         if key not in self._mask_cache:
-            j = torch.arange(num_keys, device=self.decode_seq_lens.device)
-            lens = self.decode_seq_lens[:, None]
-            mask = j[None, :] < lens
+            bs, tables = self.block_size, self.decode_block_tables
+            lens = self.decode_seq_lens_list or self.decode_seq_lens.tolist()
+            first = [0 if window is None else max(0, n - window) // bs for n in lens]
+            needed = [-(-n // bs) - f for n, f in zip(lens, first, strict=True)]
+            if any(first) and tables.shape[1]:
+                width = max(needed)
+                idx = torch.tensor(first, device=tables.device)[:, None] + torch.arange(
+                    width, device=tables.device)[None, :]
+                tables = tables.gather(1, idx.clamp(max=tables.shape[1] - 1))
+            self._mask_cache[key] = (tables, [f * bs for f in first], needed)
+        return self._mask_cache[key]
+
+    def decode_mask(self, window: int | None, start: int, end: int, num_keys: int) -> torch.Tensor:
+        """[end - start, num_keys] bool: which gathered keys decode rows start..end-1 see."""
+        key = ("mask", window, start, end, num_keys)
+        if key not in self._mask_cache:
+            _, key_start, _ = self.decode_view(window)
+            dev = self.decode_seq_lens.device
+            pos = torch.arange(num_keys, device=dev)[None, :] + torch.tensor(
+                key_start[start:end], device=dev)[:, None]
+            lens = self.decode_seq_lens[start:end, None]
+            mask = pos < lens
             if window is not None:
-                mask &= j[None, :] > lens - 1 - window
-            self._mask_cache[key] = mask[:, None, None, :]
+                mask &= pos > lens - 1 - window
+            self._mask_cache[key] = mask
         return self._mask_cache[key]
 
 
@@ -142,21 +166,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """One query token per request, q [S, heads, head_dim]; requests in cache-sized groups."""
     h, _, bs, d = k_cache.shape
     lens = meta.decode_seq_lens_list or meta.decode_seq_lens.tolist()
+    all_tables, key_start, needed = meta.decode_view(window)
     block_bytes = 2 * h * bs * d * k_cache.element_size()
     out = torch.empty_like(q)
     i, n = 0, len(lens)
     while i < n:
-        width = -(-lens[i] // bs)
-        j = i + 1
-        while j < n and (j + 1 - i) * max(width, -(-lens[j] // bs)) * block_bytes <= GATHER_BYTES:
-            width = max(width, -(-lens[j] // bs))
+        width, j = needed[i], i + 1
+        while j < n and (j + 1 - i) * max(width, needed[j]) * block_bytes <= GATHER_BYTES:
+            width = max(width, needed[j])
             j += 1
-        tables = meta.decode_block_tables[i:j, :width]
+        tables = all_tables[i:j, :width]
         numel = (j - i) * width * bs * h * d
         kg = gather_kv(k_cache, tables, meta.workspace(numel, k_cache.dtype, k_cache.device, 0))
         vg = gather_kv(v_cache, tables, meta.workspace(numel, v_cache.dtype, v_cache.device, 1))
         full = window is None and all(x == width * bs for x in lens[i:j])
-        mask = None if full else meta.decode_mask(window, width * bs)[i:j, 0, 0]
+        mask = None if full else meta.decode_mask(window, i, j, width * bs)
         out[i:j] = _decode_group(q[i:j], kg, vg, mask, scale)
         i = j
     return out
@@ -164,13 +188,28 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def _decode_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                   scale: float) -> torch.Tensor:
-    """Attention of q [S, heads, D] over k, v [S, kv_heads, L, D] with mask [S, L] (True = visible).
+    """Attention of q [S, heads, D] over k, v [S, kv_heads, L, D] (views of a [kv_heads, S, L, D]
+    buffer) with mask [S, L] (True = visible).
 
-    SDPA reads the strided views directly (each head's [L, D] is contiguous). Measured against
-    two explicit bmm's with a float32 softmax: no faster on CPU, and less precise in bfloat16.
+    float32: two batched matmuls (all heads of a KV group in one [group, D] x [D, L] product) and
+    a softmax, measured ~15% faster than CPU SDPA on these shapes; bfloat16 / float16: SDPA,
+    which reads the strided views directly and accumulates in float32.
     """
-    m = None if mask is None else mask[:, None, None, :]
-    return _sdpa(q.unsqueeze(2), k, v, m, scale).squeeze(2)
+    if q.dtype != torch.float32:
+        m = None if mask is None else mask[:, None, None, :]
+        return _sdpa(q.unsqueeze(2), k, v, m, scale).squeeze(2)
+    s, heads, d = q.shape
+    kvh, length = k.shape[1], k.shape[2]
+    g = heads // kvh
+    kb = k.transpose(0, 1).reshape(kvh * s, length, d)  # views: the buffer is [kvh, S, L, D]
+    vb = v.transpose(0, 1).reshape(kvh * s, length, d)
+    qb = q.reshape(s, kvh, g, d).transpose(0, 1).reshape(kvh * s, g, d)
+    scores = torch.bmm(qb, kb.transpose(1, 2))  # [kvh * S, g, L]
+    if mask is not None:
+        scores.view(kvh, s, g, length).masked_fill_(~mask[None, :, None, :], float("-inf"))
+    probs = torch.softmax(scores.mul_(scale), -1)
+    out = torch.bmm(probs, vb)  # [kvh * S, g, D]
+    return out.view(kvh, s, g, d).transpose(0, 1).reshape(s, heads, d)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -184,10 +223,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         return _sdpa(qh, kh, vh, None, scale, causal=True)[0].transpose(0, 1)
     bs = k_cache.shape[2]
     num_blocks = (chunk.seq_len + bs - 1) // bs
-    table = chunk.block_table[:num_blocks].unsqueeze(0)
+    # With a window, blocks wholly before the first visible position are skipped.
+    first = 0 if window is None else max(0, chunk.start_pos - window + 1) // bs
+    table = chunk.block_table[first:num_blocks].unsqueeze(0)
     kg, vg = gather_kv(k_cache, table), gather_kv(v_cache, table)
     pos = torch.arange(chunk.start_pos, chunk.seq_len, device=q.device)[:, None]
-    j = torch.arange(kg.shape[2], device=q.device)[None, :]
+    j = torch.arange(kg.shape[2], device=q.device)[None, :] + first * bs
     mask = j <= pos
     if window is not None:
         mask &= j > pos - window

@@ -64,7 +64,11 @@ def load_weights(module: torch.nn.Module, model_dir: str | Path) -> None:
     """
     state = load_state_dict(model_dir)
     params = dict(module.named_parameters())
-    for param_name, sources in module.checkpoint_mapping().items():
+    mapping = module.checkpoint_mapping()
+    unmapped = sorted(set(params) - set(mapping))
+    if unmapped:  # a model definition bug, not a checkpoint problem
+        raise RuntimeError(f"parameters with no checkpoint tensor: {unmapped}")
+    for param_name, sources in mapping.items():
         missing = [s for s in sources if s not in state]
         if missing:
             raise ValueError(f"missing tensor {missing[0]!r} in the weights of {model_dir}")

@@ -50,6 +50,7 @@ class ModelRunner:
                                 head_dim=cfg.head_dim, dtype=self.dtype, device=self.device,
                                 num_host_blocks=num_host_blocks)
         self.sampler = Sampler(seed, self.device)
+        self._attn_workspace: dict = {}  # attention scratch buffers, reused across steps
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -131,6 +132,7 @@ class ModelRunner:
             prefills=chunks,
             block_size=bs,
             decode_seq_lens_list=[r.start_pos + 1 for r in decodes],
+            workspace_buffers=self._attn_workspace,
         )
         return (reqs, torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(pos, dtype=torch.long, device=dev), meta)

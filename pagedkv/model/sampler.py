@@ -7,10 +7,15 @@ the argmax; other rows divide by the temperature, drop tokens below `min_p * max
 renormalised distribution with the exponential-race trick (argmax of p / Exp(1) noise), which
 uses exactly one noise vector per sample from that sample's generator.
 
-Seeds: a request with `seed` samples i = 0..n-1 with a generator seeded `seed + sample_index + i`
-(created on first use, kept until the request finishes), so its tokens do not depend on what
-else is in the batch. Unseeded requests share one generator seeded from the runner's seed, so a
-whole run is reproducible.
+Seeds: a request with `seed` draws sample i (i = 0..n-1) with a generator seeded `seed + i`,
+created on first use and kept until the request finishes, so its tokens do not depend on what
+else is in the batch. Sample i >= 1's generator is filed under the id the scheduler gives that
+sample's child request (`child_request_id`), so the child continues the same stream; a request
+seen without one (e.g. a child whose parent ran elsewhere) starts at `seed + sample_index`.
+Unseeded requests share one generator seeded from the runner's seed, so a whole run is
+reproducible.
+
+`banned_token_ids` (eos and stop tokens below `min_tokens`) are never sampled, greedy included.
 
 Logprobs: log-softmax of the raw model logits, before penalties and temperature (vLLM's default
 "raw_logprobs" mode). Each sample reports the top-N tokens plus the sampled token.
@@ -22,6 +27,7 @@ import torch
 
 from pagedkv.sched.output import ScheduledRequest
 from pagedkv.sched.sampling_params import SamplingParams
+from pagedkv.sched.scheduler import child_request_id
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
@@ -55,6 +61,17 @@ def _token_counts(ids: list[list[int]], vocab: int, device: torch.device) -> tor
     return counts[:, :vocab].to(device)
 
 
+def ban_tokens(logits: torch.Tensor, banned: list[tuple[int, ...]]) -> torch.Tensor:
+    """Copy of `logits` [R, V] with row r's `banned[r]` token ids at -inf (`logits` when none)."""
+    pairs = [(r, t) for r, ids in enumerate(banned) for t in ids if 0 <= t < logits.shape[-1]]
+    if not pairs:
+        return logits
+    rows, cols = zip(*pairs, strict=True)
+    out = logits.clone()
+    out[list(rows), list(cols)] = float("-inf")
+    return out
+
+
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """-inf where prob < min_p * max prob (per row; min_p [N], 0 disables)."""
     probs = logits.softmax(-1)
@@ -83,22 +100,24 @@ class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self._default = torch.Generator(self.device).manual_seed(seed)
-        self._generators: dict[str, list[torch.Generator]] = {}
+        self._generators: dict[str, torch.Generator] = {}
 
     def forget(self, request_id: str) -> None:
-        """Drop the generators of a finished request."""
+        """Drop the generator of a finished request."""
         self._generators.pop(request_id, None)
 
     def _generator(self, req: ScheduledRequest, i: int) -> torch.Generator:
+        """Sample i's generator of `req` (created on first use; mutates the registry)."""
         seed = req.sampling_params.seed
         if seed is None:
             return self._default
-        gens = self._generators.setdefault(req.request_id, [])
-        while len(gens) <= i:
-            g = torch.Generator(self.device)
-            g.manual_seed(seed + req.sample_index + len(gens))
-            gens.append(g)
-        return gens[i]
+        key = req.request_id if i == 0 else child_request_id(req.request_id, i)
+        gen = self._generators.get(key)
+        if gen is None:
+            gen = torch.Generator(self.device)
+            gen.manual_seed(seed + req.sample_index + i)
+            self._generators[key] = gen
+        return gen
 
     def __call__(self, logits: torch.Tensor, requests: list[ScheduledRequest]
                  ) -> tuple[list[list[int]], list[list[dict[int, float]] | None]]:
@@ -109,6 +128,7 @@ class Sampler:
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
         logits = apply_penalties(logits, params, [r.prompt_token_ids for r in requests],
                                  [r.output_token_ids for r in requests])
+        logits = ban_tokens(logits, [r.banned_token_ids for r in requests])
         counts = [max(r.num_samples, 1) for r in requests]
         rows = torch.repeat_interleave(torch.arange(len(requests), device=logits.device),
                                        torch.tensor(counts, device=logits.device))

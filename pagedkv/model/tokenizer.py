@@ -1,8 +1,9 @@
 """Tokenizer: a Hugging Face tokenizer.json (through `tokenizers`) plus tokenizer_config.json.
 
-Token ids equal transformers' AutoTokenizer for the same directory: the tokenizer.json
-post-processor adds the special tokens it declares, and `add_bos_token: true` in
-tokenizer_config.json adds a bos token when the post-processor did not.
+Token ids equal transformers' (v5) AutoTokenizer for the same directory: the tokenizer.json
+post-processor alone decides which special tokens (bos) `encode` adds; `add_bos_token` in
+tokenizer_config.json is informational (`Tokenizer.add_bos_token`), as transformers v5 treats
+it for tokenizer.json-based tokenizers (checked in tests/model/test_random_model.py).
 """
 
 from __future__ import annotations
@@ -80,11 +81,7 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with `add_special_tokens`, bos (etc.) as the tokenizer adds them."""
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-        if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
-                and (not ids or ids[0] != self.bos_token_id)):
-            ids = [self.bos_token_id, *ids]
-        return ids
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (special tokens left out when `skip_special_tokens`)."""

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +66,7 @@ class RequestStream:
         self.request_id = request_id
         self.queue: asyncio.Queue = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
+        self.arrival = time.monotonic()  # when the request came in (callers may set it earlier)
         self.finished = False
         self.aborted = False  # ended by an abort, without a finished output
         self._engine = engine
@@ -202,12 +204,13 @@ class AsyncEngine:
         try:
             while True:
                 self._wakeup.clear()
+                idle = not self.engine.has_unfinished_requests()
+                if idle and was_busy:  # before answering commands: a stats reply that shows
+                    self._check_invariants()  # an idle engine comes after this check
+                    was_busy = False
                 if not self._drain_commands():
                     break
                 if not self.engine.has_unfinished_requests():
-                    if was_busy:
-                        self._check_invariants()
-                        was_busy = False
                     self._wakeup.wait()
                     continue
                 was_busy = True

@@ -75,6 +75,13 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
+def _phrase(status_code: int) -> str:
+    try:
+        return HTTPStatus(status_code).phrase
+    except ValueError:
+        return f"HTTP {status_code}"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map validation errors, ValueError, APIError and HTTP errors to OpenAI-style bodies."""
 
@@ -93,8 +100,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
-        message = exc.detail if isinstance(exc.detail, str) else phrase
+        message = exc.detail if isinstance(exc.detail, str) else _phrase(exc.status_code)
         kind = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
         return error_response(APIError(message, status_code=exc.status_code, type=kind))
 

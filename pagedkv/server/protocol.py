@@ -29,7 +29,7 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+class SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = Field(None, description="the served model name (default: it)")
@@ -60,14 +60,14 @@ class _SamplingFields(_Request):
 
 
 Prompt = (
-    Annotated[str, Field()]
+    str
     | Annotated[list[TokenId], Field(min_length=1)]
     | Annotated[list[str], Field(min_length=1)]
     | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
 )
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt`: a string, a token-id list, or a list of either."""
 
     prompt: Prompt
@@ -95,7 +95,7 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]

@@ -18,7 +18,7 @@ from typing import Any
 
 from fastapi import Request
 
-from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.engine.outputs import RequestOutput
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.server.async_engine import (
     AsyncEngine,
@@ -28,7 +28,7 @@ from pagedkv.server.async_engine import (
 )
 from pagedkv.server.errors import APIError, model_not_found
 from pagedkv.server.metrics import ServerMetrics
-from pagedkv.server.protocol import PromptTokensDetails, UsageInfo, _SamplingFields
+from pagedkv.server.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 
 
 def random_id(prefix: str) -> str:
@@ -80,7 +80,7 @@ class OpenAIServing:
         if name is not None and name != self.model_name:
             raise model_not_found(name)
 
-    def check_common(self, req: _SamplingFields) -> None:
+    def check_common(self, req: SamplingFields) -> None:
         self.check_model(req.model)
         if req.stream_options is not None and not req.stream:
             raise APIError("stream_options is only allowed when stream is true",
@@ -91,6 +91,11 @@ class OpenAIServing:
         prompt plus max_tokens exceeds max_model_len."""
         if prompt_len == 0:
             raise APIError("the prompt must not be empty", param="prompt")
+        if prompt_len >= self.max_model_len:
+            raise APIError(
+                f"The prompt has {prompt_len} tokens but this model's maximum context length is "
+                f"{self.max_model_len} tokens (the prompt plus at least one generated token "
+                "must fit).", param="prompt")
         room = self.max_model_len - prompt_len
         max_tokens = requested if requested is not None else (default or room)
         if max_tokens > room:
@@ -98,11 +103,10 @@ class OpenAIServing:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
                 f"{max_tokens} in the completion). Please reduce the length of the prompt or "
-                "the completion.", param="max_tokens" if prompt_len < self.max_model_len
-                else "prompt")
+                "the completion.", param="max_tokens")
         return max_tokens
 
-    def sampling_params(self, req: _SamplingFields, *, max_tokens: int,
+    def sampling_params(self, req: SamplingFields, *, max_tokens: int,
                         logprobs: int | None) -> SamplingParams:
         """SamplingParams for `req` (ValueError, hence 400, on a bad combination)."""
         return SamplingParams(
@@ -115,6 +119,9 @@ class OpenAIServing:
             include_stop_str_in_output=req.include_stop_str_in_output)
 
     def check_fits(self, prompts: Sequence[list[int]], params: SamplingParams) -> None:
+        """400 when a prompt with its n samples could never fit in the KV cache. (The engine's
+        check_fits reads only the cache's fixed sizes, so calling it here, outside the loop
+        thread, is safe.)"""
         for ids in prompts:
             try:
                 self.engine.engine.check_fits(len(ids), params)
@@ -124,18 +131,21 @@ class OpenAIServing:
     # ---- running ------------------------------------------------------------------------
 
     async def open_streams(self, request_id: str, prompts: Sequence[list[int]],
-                           params: SamplingParams, *, priority: int = 0,
+                           params: SamplingParams, *, arrival: float, priority: int = 0,
                            cache_salt: str | None = None) -> list[RequestStream]:
         """Add one engine request per prompt (ids `request_id-i`); 503 when overloaded.
+        `arrival` (time.monotonic()) is when the HTTP request came in, for the latency metrics.
 
         On any failure the streams already opened are closed (aborted) before raising.
         """
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
-                streams.append(await self.engine.add_request(
+                stream = await self.engine.add_request(
                     f"{request_id}-{i}", list(ids), params, priority=priority,
-                    cache_salt=cache_salt))
+                    cache_salt=cache_salt)
+                stream.arrival = arrival
+                streams.append(stream)
         except EngineOverloadedError as exc:
             close_all(streams)
             raise APIError(str(exc), status_code=503, type="server_overloaded",
@@ -150,9 +160,10 @@ class OpenAIServing:
 
     async def iterate(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yield `(prompt_index, output)` from all streams as outputs arrive, recording latency
-        metrics as each finishes. Raises APIError(503) when a stream ends without finishing
-        (aborted by a shutdown). Does not close the streams (the caller does, in a finally)."""
-        timings = [_Timing(time.monotonic()) for _ in streams]
+        metrics (from each stream's `arrival`) as each finishes. Raises APIError(503) when a
+        stream ends without finishing (aborted by a shutdown). Does not close the streams (the
+        caller does, in a finally)."""
+        timings = [_Timing(s.arrival) for s in streams]
         async for index, output in _merge(streams):
             timing = timings[index]
             if timing.first_token is None and any(c.token_ids for c in output.outputs):
@@ -191,11 +202,11 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
     async def pump(index: int, stream: RequestStream) -> None:
         try:
             async for output in stream:
-                await merged.put((index, output))
-        except BaseException as exc:  # handed to the reader below
-            await merged.put((index, exc))
+                merged.put_nowait((index, output))
+        except Exception as exc:  # handed to the reader below
+            merged.put_nowait((index, exc))
         finally:
-            await merged.put((index, done))
+            merged.put_nowait((index, done))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
@@ -237,10 +248,6 @@ async def run_unless_disconnected(request: Request, coro: Any) -> Any:
     if task.cancelled():
         raise APIError("client disconnected", status_code=499, type="client_disconnected")
     return task.result()
-
-
-def finish_fields(comp: CompletionOutput) -> dict[str, Any]:
-    return {"finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
 
 
 def check_not_failed(output: RequestOutput) -> None:

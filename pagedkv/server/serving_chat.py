@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.sched.sampling_params import SamplingParams
@@ -28,7 +29,7 @@ from pagedkv.server.serving import (
     random_id,
     run_unless_disconnected,
 )
-from pagedkv.server.sse import SSE_HEADERS, sse_done, sse_event
+from pagedkv.server.sse import SSEResponse, sse_done, sse_event
 
 
 def tokenize_chat(serving: OpenAIServing, req: ChatCompletionRequest) -> list[int]:
@@ -44,7 +45,8 @@ def tokenize_chat(serving: OpenAIServing, req: ChatCompletionRequest) -> list[in
 
 
 async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequest,
-                                 raw: Request) -> JSONResponse | StreamingResponse:
+                                 raw: Request) -> JSONResponse | SSEResponse:
+    arrival = time.monotonic()
     serving.check_common(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
@@ -55,14 +57,14 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
     serving.check_fits([prompt], params)
     request_id = random_id("chatcmpl")
-    streams = await serving.open_streams(request_id, [prompt], params, priority=req.priority,
-                                         cache_salt=req.cache_salt)
+    streams = await serving.open_streams(request_id, [prompt], params, arrival=arrival,
+                                         priority=req.priority, cache_salt=req.cache_salt)
     formatter = LogprobsFormatter(serving.tokenizer, req.top_logprobs or 0,
                                   as_token_ids=req.return_tokens_as_token_ids)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = _stream(serving, request_id, streams, params, formatter, include_usage)
-        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+        return SSEResponse(body, on_close=lambda: close_all(streams))
     try:
         final = await run_unless_disconnected(raw, _collect(serving, streams))
     finally:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.server.deltas import DeltaTracker, LogprobsFormatter
@@ -23,7 +24,7 @@ from pagedkv.server.serving import (
     random_id,
     run_unless_disconnected,
 )
-from pagedkv.server.sse import SSE_HEADERS, sse_done, sse_event
+from pagedkv.server.sse import SSEResponse, sse_done, sse_event
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -41,7 +42,8 @@ def tokenize_prompts(serving: OpenAIServing, prompt: str | list) -> list[list[in
 
 
 async def create_completion(serving: OpenAIServing, req: CompletionRequest,
-                            raw: Request) -> JSONResponse | StreamingResponse:
+                            raw: Request) -> JSONResponse | SSEResponse:
+    arrival = time.monotonic()
     serving.check_common(req)
     if req.best_of is not None and req.best_of != req.n:
         raise APIError("best_of must equal n (or be left out)", param="best_of")
@@ -52,15 +54,15 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest,
     params = serving.sampling_params(req, max_tokens=max_tokens[0], logprobs=req.logprobs)
     serving.check_fits(prompts, params)
     request_id = random_id("cmpl")
-    streams = await serving.open_streams(request_id, prompts, params, priority=req.priority,
-                                         cache_salt=req.cache_salt)
+    streams = await serving.open_streams(request_id, prompts, params, arrival=arrival,
+                                         priority=req.priority, cache_salt=req.cache_salt)
     formatter = LogprobsFormatter(serving.tokenizer, req.logprobs or 0,
                                   as_token_ids=req.return_tokens_as_token_ids)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = _stream(serving, request_id, streams, params, formatter, len(prompts),
                        include_usage)
-        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+        return SSEResponse(body, on_close=lambda: close_all(streams))
     try:
         final = await run_unless_disconnected(raw, _collect(serving, streams))
     finally:

@@ -1,9 +1,13 @@
-"""Server-Sent Events framing of OpenAI's streaming answers."""
+"""Server-Sent Events framing of OpenAI's streaming answers, and the response that sends them."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -16,3 +20,19 @@ def sse_event(payload: dict[str, Any]) -> str:
 def sse_done() -> str:
     """The last event of every stream."""
     return "data: [DONE]\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that calls `on_close` however it ends: finished, client
+    gone, or cancelled before the body generator even started (whose own finally blocks would
+    then never run). `on_close` must be idempotent."""
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()

@@ -45,12 +45,17 @@ def test_last_position_logits_float32(tiny_model):
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
-def test_last_position_logits_bfloat16(tiny_llama):
-    """bfloat16 keeps ~3 significant digits; after 2 layers logits agree within 5% of their scale."""
-    runner = ModelRunner(tiny_llama, block_size=16, num_blocks=16, dtype="bfloat16")
-    ref = hf_last_logits(load_hf_model(tiny_llama, torch.bfloat16), PROMPTS)
+@pytest.mark.parametrize(("dtype", "tolerance"), [("bfloat16", 0.05), ("float16", 0.01)])
+def test_last_position_logits_half(tiny_llama, dtype, tolerance):
+    """Stated tolerances, relative to the logits' scale, against transformers in the same dtype:
+    5% in bfloat16 (8-bit mantissa), 1% in float16 (11-bit)."""
+    torch_dtype = getattr(torch, dtype)
+    runner = ModelRunner(tiny_llama, block_size=16, num_blocks=16, dtype=dtype)
+    assert runner.model.embed_tokens.weight.dtype == torch_dtype
+    assert runner.kv_cache.kv.dtype == torch_dtype
+    ref = hf_last_logits(load_hf_model(tiny_llama, torch_dtype), PROMPTS)
     ours = prefill_logits(runner, PROMPTS)
-    assert (ours - ref).abs().max() <= 0.05 * ref.abs().max()
+    assert (ours - ref).abs().max() <= tolerance * ref.abs().max()
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])

@@ -61,3 +61,31 @@ def test_random_model_bf16_and_validation(tmp_path):
         build_random_model_dir(tmp_path / "bad", num_heads=4, num_kv_heads=3)
     with pytest.raises(ValueError, match="unknown arch"):
         build_random_model_dir(tmp_path / "bad2", "gpt2")
+
+
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_tokenizer_without_bos_post_processor_matches_transformers(tmp_path, add_bos):
+    """Qwen-style tokenizers have no bos post-processor; add_bos_token then decides."""
+    transformers = pytest.importorskip("transformers")
+    d = build_tokenizer_files(tmp_path)
+    tok_json = json.loads((d / "tokenizer.json").read_text())
+    tok_json["post_processor"] = None
+    (d / "tokenizer.json").write_text(json.dumps(tok_json))
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["add_bos_token"] = add_bos
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    hf_tok = transformers.AutoTokenizer.from_pretrained(d)
+    tok = Tokenizer.from_dir(d)
+    for text in TEXTS:
+        assert tok.encode(text) == hf_tok(text)["input_ids"], (text, add_bos)
+
+
+def test_chat_template_errors(tmp_path):
+    d = build_tokenizer_files(tmp_path)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="no chat_template"):
+        Tokenizer.from_dir(d).apply_chat_template([{"role": "user", "content": "hi"}])
+    (d / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    assert Tokenizer.from_dir(d).apply_chat_template([{"role": "user", "content": "hi"}]) == "[hi]"

@@ -14,9 +14,10 @@ from pagedkv.sched.sampling_params import SamplingParams
 NEG = float("-inf")
 
 
-def req(rid, params, n=1, prompt=(), output=(), sample_index=0):
+def req(rid, params, n=1, prompt=(), output=(), sample_index=0, banned=()):
     return ScheduledRequest(rid, [0], 0, [1], params, num_samples=n, prompt_token_ids=list(prompt),
-                            output_token_ids=list(output), sample_index=sample_index)
+                            output_token_ids=list(output), sample_index=sample_index,
+                            banned_token_ids=tuple(banned))
 
 
 def kept(logits):
@@ -57,13 +58,35 @@ def test_greedy_and_seeded_reproducible_whatever_the_batch():
     assert mixed[1] == alone[0]
     assert mixed[0] == [int(logits[0].argmax())]
     assert len(set(alone[0])) > 1  # samples of one request differ (seed + i)
-    # Sample i of an n > 1 request equals a child with sample_index i and n = 1.
+    # Sample i of an n > 1 request equals a fresh child with sample_index i and n = 1.
     child, _ = Sampler(seed=5)(logits[1:2], [req("c", seeded, sample_index=2)])
     assert child[0][0] == alone[0][2]
     # Unseeded requests: reproducible from the runner's seed.
     a, _ = Sampler(seed=9)(logits, [req(str(i), SamplingParams()) for i in range(3)])
     b, _ = Sampler(seed=9)(logits, [req(str(i), SamplingParams()) for i in range(3)])
     assert a == b
+
+
+def test_children_continue_their_samples_stream():
+    """After the parent's n samples, child i (id parent#i) draws the next number of stream i."""
+    logits = torch.zeros(1, 1000)
+    params = SamplingParams(seed=11, n=3)
+    sampler = Sampler()
+    first, _ = sampler(logits, [req("p", params, n=3)])
+    second, _ = sampler(logits.repeat(3, 1), [req("p", params), req("p#1", params, sample_index=1),
+                                              req("p#2", params, sample_index=2)])
+    for i in range(3):
+        gen = torch.Generator().manual_seed(11 + i)
+        draws = [int(torch.empty(1000).exponential_(generator=gen).argmin()) for _ in range(2)]
+        assert [first[0][i], second[i][0]] == draws
+
+
+def test_banned_tokens_never_sampled():
+    logits = torch.tensor([[5.0, 1.0, 0.0, 4.0]])
+    toks, _ = Sampler()(logits, [req("g", SamplingParams(temperature=0.0), banned=[0])])
+    assert toks == [[3]]
+    toks, _ = Sampler()(logits, [req("s", SamplingParams(seed=1), n=50, banned=[0, 3])])
+    assert set(toks[0]) <= {1, 2}
 
 
 def test_generators_advance_and_are_forgotten():

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import ENGINE_KWARGS, wait_for_idle_pool
+from tests.server.helpers import ENGINE_KWARGS, wait_for_idle_pool
 
 MODEL = "tiny"
 TOO_LONG = [11] * (ENGINE_KWARGS["max_model_len"] + 1)

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import ServerProcess, engine_flags, wait_for_idle_pool
+from tests.server.helpers import ServerProcess, engine_flags, wait_for_idle_pool
 
 KEY = "test-secret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from pagedkv import LLM, SamplingParams
-from tests.server.conftest import ENGINE_KWARGS, scrape, wait_for_idle_pool
+from tests.server.helpers import ENGINE_KWARGS, scrape, wait_for_idle_pool
 
 MODEL = "tiny"
 
@@ -171,10 +171,12 @@ def test_stop_string_is_cut_and_never_streamed(client, offline):
     assert streamed == cut
 
 
-def test_cached_tokens_on_repeated_prefix(client):
+def test_cached_tokens_on_repeated_prefix(server, client):
     prefix = "A paged KV cache stores keys and values in fixed-size blocks of tokens. " * 3
     first = client.completions.create(model=MODEL, prompt=prefix + "First", max_tokens=2,
                                       temperature=0.0)
+    # Its blocks stay in the prefix cache but no request holds them: they count as free.
+    assert wait_for_idle_pool(server.url)["pagedkv:kv_cache_usage_perc"] == 0.0
     second = client.completions.create(model=MODEL, prompt=prefix + "Second", max_tokens=2,
                                        temperature=0.0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0

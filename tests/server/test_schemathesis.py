@@ -39,7 +39,7 @@ def test_no_5xx_for_any_schema_input(tiny_llama):
                     case.body["max_tokens"] = min(case.body["max_tokens"] or 1, 4)
                 response = case.call()
                 if response.status_code >= 500:
-                    failures.append((op.method, op.path, case.body, response.text))
+                    failures.append((case.method, case.path, case.body, response.text))
 
             check()
     engine.check_invariants()

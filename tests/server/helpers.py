@@ -1,0 +1,124 @@
+"""Helpers of the server tests: a real `pagedkv serve` process on a free loopback port.
+
+`ServerProcess` starts `python -m pagedkv.cli serve MODEL_DIR ...`, waits for /health, and is
+stopped (SIGTERM, then SIGKILL if it hangs) by the fixtures' teardown (conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+STARTUP_TIMEOUT_S = 180.0  # torch import + model load on a busy 2-core CI box
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# Engine flags shared by the servers and the offline reference they are compared with.
+ENGINE_KWARGS = dict(dtype="float32", block_size=4, max_model_len=1024,
+                     num_gpu_blocks_override=1024, seed=0)
+
+
+def engine_flags(**kwargs: object) -> list[str]:
+    flags = []
+    for name, value in kwargs.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """A `pagedkv serve` subprocess; `url` is its base URL once `start()` returned."""
+
+    def __init__(self, model_dir: Path, *args: str, model_name: str = "tiny") -> None:
+        self.model_dir = model_dir
+        self.model_name = model_name
+        self.args = list(args)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        fd, log_path = tempfile.mkstemp(prefix="pagedkv-serve-", suffix=".log")
+        os.close(fd)
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> ServerProcess:
+        cmd = [sys.executable, "-m", "pagedkv.cli", "serve", str(self.model_dir),
+               "--port", str(self.port), "--served-model-name", self.model_name,
+               "--log-level", "warning", *self.args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("PAGEDKV_API_KEY", None)
+        with open(self.log_path, "wb") as log:  # the child keeps its own copy of the fd
+            self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                         env=env)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def stop(self) -> bool:
+        """SIGTERM, wait, SIGKILL if needed. True when it stopped by itself on SIGTERM (uvicorn
+        shuts down gracefully, then re-raises the signal) with no traceback in its output."""
+        if self.proc is None:
+            return False
+        clean = True
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                clean = False
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        clean = clean and self.proc.returncode in (0, -signal.SIGTERM)
+        clean = clean and "Traceback" not in self.output()
+        self.log_path.unlink(missing_ok=True)
+        return clean
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's pagedkv:* samples (labels dropped, histogram buckets skipped)."""
+    values: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("pagedkv:") and "_bucket" not in line:
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0]] = float(value)
+    return values
+
+
+def wait_for_idle_pool(url: str, timeout: float = 30.0) -> dict[str, float]:
+    """Poll /metrics until no request runs or waits and no block is held; return the metrics."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = scrape(url)
+        idle = (metrics["pagedkv:num_requests_running"] == 0
+                and metrics["pagedkv:num_requests_waiting"] == 0
+                and metrics["pagedkv:kv_cache_usage_perc"] == 0)
+        if idle or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.05)
