@@ -1,0 +1,20 @@
+"""The benchmarks still run (tiny sizes); their figures are not checked here."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_kv_runs_and_reports_every_operation():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kv.py"),
+                           "--num-requests", "8", "--reps", "1", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["checks"]["failed"] == 0
+    # 8 requests share a 512-token prefix: all but the first hit its 32 blocks.
+    assert report["checks"]["hit_tokens"] == 7 * 512
+    assert set(report["pagedkv"]) == {"hash", "lookup", "prefill", "decode", "free"}
