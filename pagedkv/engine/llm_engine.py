@@ -170,11 +170,10 @@ class LLMEngine:
         """Queue a request. Raises ValueError for a bad prompt or a duplicate id."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self._groups or request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        self._check_id_free(request_id, params.n)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
         text, ids = self.tokenize_prompt(prompt)
@@ -186,6 +185,19 @@ class LLMEngine:
         self._groups[request_id] = _Group(request_id=request_id, prompt=text, prompt_token_ids=ids,
                                           params=params, arrival_time=arrival)
         self.prompt_tokens_total += len(ids)
+
+    def _check_id_free(self, request_id: str, n: int) -> None:
+        """Raise ValueError if `request_id` or the ids of its samples 1..n-1 are taken."""
+        taken = self.scheduler.requests
+        ids = [request_id] + [child_request_id(request_id, i) for i in range(1, n)]
+        clash = next((i for i in ids if i in self._groups or i in taken), None)
+        if clash is None and "#" in request_id:  # may name a sample of a live request
+            parent, _, index = request_id.rpartition("#")
+            group = self._groups.get(parent)
+            if group is not None and index.isdigit() and 0 < int(index) < group.params.n:
+                clash = request_id
+        if clash is not None:
+            raise ValueError(f"request id {clash!r} is already in use")
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort requests (all their samples); their blocks go back at once. Unknown ids are ignored."""

@@ -197,3 +197,19 @@ def test_incremental_detokenizer_stop_strings():
     for ch in "abcdef":
         keep.update([ord(ch)])
     assert keep.text == "abcd"
+
+
+def test_request_ids_cannot_clash_with_parallel_samples(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama)
+    engine = llm.llm_engine
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    engine.add_request("a", prompt, SamplingParams(n=2, max_tokens=2, ignore_eos=True))
+    with pytest.raises(ValueError, match="a#1"):
+        engine.add_request("a#1", prompt, SamplingParams(max_tokens=2))
+    engine.add_request("b#1", prompt, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="b#1"):
+        engine.add_request("b", prompt, SamplingParams(n=3, max_tokens=2))
+    with pytest.raises(ValueError, match="'a'"):
+        engine.add_request("a", prompt, SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
