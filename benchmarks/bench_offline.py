@@ -1,6 +1,6 @@
 """Offline throughput: pagedkv vs transformers' `generate`, and prefix caching on vs off.
 
-    .venv/bin/python benchmarks/bench_offline.py [--dtypes float32,bfloat16] [--json]
+    .venv/bin/python benchmarks/bench_offline.py [--dtypes float32,bfloat16] [--threads N] [--json]
 
 1. The same random-weight Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1408)
    and workload through pagedkv (continuous batching) and transformers (static batches of 16,
@@ -112,7 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-shared-prefix", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.add_argument("--model-dir", default=None, help="reuse/cache the random model here")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads for every engine in the run (default: torch's); "
+                             "1 thread is far less disturbed by other processes on a shared box")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     from pagedkv.model.random_model import build_random_model_dir
 
     report: dict = {"throughput": {}, "shared_prefix": {}}

@@ -13,6 +13,13 @@ layers and steps, and attention then reads that copy from cache, so the K/V cros
 once. Sliding-window layers gather only the blocks inside the window. See
 benchmarks/bench_attention.py for the cost against dense SDPA.
 
+Shared prefixes (cascade attention, cascade.py): decodes whose block tables start with the same
+physical blocks (prefix-cache hits) attend to those blocks once per group, all their queries
+stacked per KV head, and to their own remaining blocks in the groups above; the two partial
+results are merged exactly with their log-sum-exp. The groups are found once per step from the
+decode block tables (`AttentionMetadata.shared_prefixes`) and used by every layer without a
+sliding window narrower than the longest decode. Prefill chunks always attend on their own.
+
 One `paged_attention` call per layer serves a mixed batch laid out as the runner builds it:
 the decode tokens first (one per request, batched together), then the prefill chunks (each a
 run of consecutive tokens of one request that attend causally to the request's cached prefix
@@ -26,6 +33,14 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.nn import functional as F
+
+from pagedkv.model.cascade import (
+    SharedPrefix,
+    attention_with_lse,
+    find_shared_prefixes,
+    merge_states,
+    shared_prefix_attention,
+)
 
 
 @dataclass
@@ -70,15 +85,49 @@ class AttentionMetadata:
             self.workspace_buffers[slot] = buf
         return buf[:numel]
 
+    def shared_prefixes(self) -> list[SharedPrefix]:
+        """Groups of decodes whose block tables start with the same blocks (cascade.py),
+        computed once per step on first use and shared by every layer."""
+        if "shared" not in self._mask_cache:
+            lens = self.decode_seq_lens_list or self.decode_seq_lens.tolist()
+            self._mask_cache["shared"] = find_shared_prefixes(
+                self.decode_block_tables, lens, self.block_size)
+        return self._mask_cache["shared"]
+
+    def prefill_shared_prefixes(self) -> list[SharedPrefix]:
+        """Groups of prefill chunks (rows index `prefills`) whose block tables start with the
+        same blocks, all of them cached before each chunk's first new token; once per step."""
+        if "prefill_shared" not in self._mask_cache:
+            chunks, groups = self.prefills, []
+            if len(chunks) >= 2:
+                width = max(len(c.block_table) for c in chunks)
+                tables = torch.zeros(len(chunks), width, dtype=torch.long,
+                                     device=chunks[0].block_table.device)
+                for r, c in enumerate(chunks):
+                    tables[r, : len(c.block_table)] = c.block_table
+                # Position start_pos is the chunk's first new token: blocks wholly before it.
+                groups = find_shared_prefixes(tables, [c.start_pos + 1 for c in chunks],
+                                              self.block_size)
+            self._mask_cache["prefill_shared"] = groups
+        return self._mask_cache["prefill_shared"]
+
     def decode_view(self, window: int | None) -> tuple[torch.Tensor, list[int], list[int]]:
         """(block tables [num_decodes, width], first key position of each row, number of
         blocks each row needs) for the decode requests. With a window only the blocks that
-        hold the last `window` positions are listed, so long requests gather little."""
+        hold the last `window` positions are listed, so long requests gather little; without
+        one, the rows of a shared-prefix group list only the blocks after their shared prefix
+        (attended once for the whole group, see `shared_prefixes`)."""
         key = ("view", window)
         if key not in self._mask_cache:
             bs, tables = self.block_size, self.decode_block_tables
             lens = self.decode_seq_lens_list or self.decode_seq_lens.tolist()
-            first = [0 if window is None else max(0, n - window) // bs for n in lens]
+            if window is None:
+                first = [0] * len(lens)
+                for group in self.shared_prefixes():
+                    for r in group.rows:
+                        first[r] = group.num_blocks
+            else:
+                first = [max(0, n - window) // bs for n in lens]
             needed = [-(-n // bs) - f for n, f in zip(lens, first, strict=True)]
             if any(first) and tables.shape[1]:
                 width = max(needed)
@@ -101,6 +150,16 @@ class AttentionMetadata:
             if window is not None:
                 mask &= pos > lens - 1 - window
             self._mask_cache[key] = mask
+        return self._mask_cache[key]
+
+    def decode_bias(self, window: int | None, start: int, end: int, num_keys: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """`decode_mask` as an additive [end - start, num_keys] mask in `dtype` (0 / -inf)."""
+        key = ("bias", window, start, end, num_keys, dtype)
+        if key not in self._mask_cache:
+            mask = self.decode_mask(window, start, end, num_keys)
+            self._mask_cache[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device
+                                                ).masked_fill_(~mask, float("-inf"))
         return self._mask_cache[key]
 
 
@@ -154,21 +213,40 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     nd = meta.num_decodes
     if nd:
         out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta, scale, window)
-    for chunk in meta.prefills:
-        s, e = chunk.token_start, chunk.token_end
-        out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, chunk, scale,
-                                     window)
+    done: set[int] = set()
+    if meta.prefills and (window is None or window >= max(c.seq_len for c in meta.prefills)):
+        for group in meta.prefill_shared_prefixes():
+            shared_prefill_attention(q, k, v, k_cache, v_cache, meta, group, scale, out)
+            done.update(group.rows)
+    for idx, chunk in enumerate(meta.prefills):
+        if idx not in done:
+            s, e = chunk.token_start, chunk.token_end
+            out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, chunk, scale,
+                                         window)
     return out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
-    """One query token per request, q [S, heads, head_dim]; requests in cache-sized groups."""
+    """One query token per request, q [S, heads, head_dim]; requests in cache-sized groups.
+
+    Without a sliding window (or with one wider than every request), requests sharing leading
+    blocks attend to them once per group (cascade.py) and to their own blocks here; the two
+    partial results are merged exactly.
+    """
     h, _, bs, d = k_cache.shape
     lens = meta.decode_seq_lens_list or meta.decode_seq_lens.tolist()
+    if window is not None and window >= max(lens):
+        window = None  # the window hides nothing
+    shared = meta.shared_prefixes() if window is None else []
     all_tables, key_start, needed = meta.decode_view(window)
     block_bytes = 2 * h * bs * d * k_cache.element_size()
     out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if shared else None
+    in_shared = [False] * len(lens)
+    for group in shared:
+        for r in group.rows:
+            in_shared[r] = True
     i, n = 0, len(lens)
     while i < n:
         width, j = needed[i], i + 1
@@ -179,37 +257,57 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         numel = (j - i) * width * bs * h * d
         kg = gather_kv(k_cache, tables, meta.workspace(numel, k_cache.dtype, k_cache.device, 0))
         vg = gather_kv(v_cache, tables, meta.workspace(numel, v_cache.dtype, v_cache.device, 1))
-        full = window is None and all(x == width * bs for x in lens[i:j])
-        mask = None if full else meta.decode_mask(window, i, j, width * bs)
-        out[i:j] = _decode_group(q[i:j], kg, vg, mask, scale)
+        full = window is None and all(lens[r] - key_start[r] == width * bs for r in range(i, j))
+        bias = None if full else meta.decode_bias(window, i, j, width * bs, q.dtype)
+        want_lse = any(in_shared[i:j])
+        o, group_lse = _decode_group(q[i:j], kg, vg, bias, scale, want_lse)
+        out[i:j] = o
+        if want_lse:
+            lse[i:j] = group_lse
         i = j
+    for group in shared:
+        rows = group.row_index
+        o_p, lse_p = shared_prefix_attention(q[rows], k_cache, v_cache, group, scale)
+        out[rows] = merge_states(out[rows], lse[rows], o_p, lse_p)
     return out
 
 
-def _decode_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                  scale: float) -> torch.Tensor:
-    """Attention of q [S, heads, D] over k, v [S, kv_heads, L, D] (views of a [kv_heads, S, L, D]
-    buffer) with mask [S, L] (True = visible).
+def _decode_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  bias: torch.Tensor | None, scale: float, want_lse: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out [S, heads, D], log-sum-exp [S, heads] float32 of each row's scaled scores, or None
+    unless `want_lse`) of q [S, heads, D] over k, v [S, kv_heads, L, D] (views of a
+    [kv_heads, S, L, D] buffer) with an additive mask `bias` [S, L] (0 visible, -inf hidden).
 
-    float32: two batched matmuls (all heads of a KV group in one [group, D] x [D, L] product) and
-    a softmax, measured ~15% faster than CPU SDPA on these shapes; bfloat16 / float16: SDPA,
-    which reads the strided views directly and accumulates in float32.
+    float32: two batched matmuls (all heads of a KV group in one [group, D] x [D, L] product)
+    and a softmax, measured ~15% faster than CPU SDPA on these shapes; bfloat16 / float16:
+    SDPA, which reads the strided views directly and accumulates in float32 (with `want_lse`,
+    the flash kernel it runs, the heads of a KV group folded into its query rows).
     """
-    if q.dtype != torch.float32:
-        m = None if mask is None else mask[:, None, None, :]
-        return _sdpa(q.unsqueeze(2), k, v, m, scale).squeeze(2)
     s, heads, d = q.shape
     kvh, length = k.shape[1], k.shape[2]
     g = heads // kvh
+    if q.dtype != torch.float32:
+        b = None if bias is None else bias[:, None, None, :]
+        if want_lse:
+            out, lse = attention_with_lse(q.view(s, kvh, g, d), k, v, b, scale)
+            return out.reshape(s, heads, d), lse.reshape(s, heads)
+        return _sdpa(q.unsqueeze(2), k, v, b, scale).squeeze(2), None
     kb = k.transpose(0, 1).reshape(kvh * s, length, d)  # views: the buffer is [kvh, S, L, D]
     vb = v.transpose(0, 1).reshape(kvh * s, length, d)
     qb = q.reshape(s, kvh, g, d).transpose(0, 1).reshape(kvh * s, g, d)
-    scores = torch.bmm(qb, kb.transpose(1, 2))  # [kvh * S, g, L]
-    if mask is not None:
-        scores.view(kvh, s, g, length).masked_fill_(~mask[None, :, None, :], float("-inf"))
-    probs = torch.softmax(scores.mul_(scale), -1)
+    scores = torch.bmm(qb, kb.transpose(1, 2)).mul_(scale)  # [kvh * S, g, L]
+    if bias is not None:
+        scores.view(kvh, s, g, length).add_(bias[None, :, None, :])
+    lse = None
+    if want_lse:
+        lse = torch.logsumexp(scores, -1)
+        probs = scores.sub_(lse.unsqueeze(-1)).exp_()
+        lse = lse.view(kvh, s, g).transpose(0, 1).reshape(s, heads)
+    else:
+        probs = torch.softmax(scores, -1)
     out = torch.bmm(probs, vb)  # [kvh * S, g, D]
-    return out.view(kvh, s, g, d).transpose(0, 1).reshape(s, heads, d)
+    return out.view(kvh, s, g, d).transpose(0, 1).reshape(s, heads, d), lse
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -233,3 +331,46 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     if window is not None:
         mask &= j > pos - window
     return _sdpa(qh, kg, vg, mask, scale)[0].transpose(0, 1)
+
+
+def shared_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             meta: AttentionMetadata, group: SharedPrefix, scale: float,
+                             out: torch.Tensor) -> None:
+    """Cascade attention for the prefill chunks `group.rows` of `meta.prefills` (no window):
+    all their queries over the shared prefix blocks in one call, each chunk over its own
+    remaining keys, merged; writes the chunks' rows of `out` [T, heads, D]."""
+    chunks = [meta.prefills[r] for r in group.rows]
+    qs = torch.cat([q[c.token_start:c.token_end] for c in chunks])
+    o_p, lse_p = shared_prefix_attention(qs, k_cache, v_cache, group, scale)
+    row = 0
+    for c in chunks:
+        s, e = c.token_start, c.token_end
+        o, lse = _prefill_after(q[s:e], k[s:e], v[s:e], k_cache, v_cache, c,
+                                group.num_blocks, scale)
+        out[s:e] = merge_states(o, lse, o_p[row:row + e - s], lse_p[row:row + e - s])
+        row += e - s
+
+
+def _prefill_after(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, chunk: PrefillChunk, first_block: int, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [n, heads, D], lse [n, heads]) of a chunk's causal attention over its keys from block
+    `first_block` on (no window). When those keys are exactly the chunk's new tokens they are
+    taken from k, v [n, kv_heads, D] instead of the cache."""
+    n, heads, d = q.shape
+    bs = k_cache.shape[2]
+    start_key = first_block * bs
+    if start_key == chunk.start_pos:
+        kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    else:
+        table = chunk.block_table[first_block:(chunk.seq_len + bs - 1) // bs].unsqueeze(0)
+        kh, vh = gather_kv(k_cache, table), gather_kv(v_cache, table)
+    group = heads // kh.shape[1]
+    kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
+    pos = torch.arange(chunk.start_pos, chunk.seq_len, device=q.device)[:, None]
+    j = torch.arange(kh.shape[2], device=q.device)[None, :] + start_key
+    bias = torch.zeros(pos.shape[0], j.shape[1], dtype=q.dtype, device=q.device)
+    bias.masked_fill_(j > pos, float("-inf"))
+    o, lse = attention_with_lse(q.transpose(0, 1).unsqueeze(0), kh, vh, bias, scale)
+    return o[0].transpose(0, 1), lse[0].transpose(0, 1)

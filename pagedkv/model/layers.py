@@ -1,7 +1,8 @@
 """Building blocks of the Llama family: RMSNorm, rotary embeddings (default, linear, llama3), MLP.
 
 Numerics follow transformers' implementations (RMSNorm in float32, RoPE angles in float32 then
-cast to the activation dtype) so float32 results match to rounding.
+cast to the activation dtype) so float32 results match to rounding; the fast paths below (in-place
+steps, one RoPE call for q and k together) round exactly as transformers' op sequence does.
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        """weight * normalised x (a new tensor). Rounds as transformers' LlamaRMSNorm: the
+        statistics and scaling in float32, the weight applied in x's dtype."""
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        scale = h.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        if h is x:  # float32: h aliases the input, so scale into a new tensor
+            return (x * scale).mul_(self.weight)
+        return h.mul_(scale).to(x.dtype).mul_(self.weight)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -51,7 +55,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with a cos/sin table that grows on demand."""
+    """Rotate-half RoPE with a cos/sin table that grows on demand.
+
+    The sin table is stored "signed" (first half negated) so that `apply_rope` needs no
+    negation: x * cos + swap_halves(x) * signed_sin equals transformers'
+    x * cos + rotate_half(x) * sin bit for bit (a sign flip is exact)."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None,
                  max_positions: int) -> None:
@@ -67,22 +75,67 @@ class RotaryEmbedding(nn.Module):
             n = max(needed, self._max_positions, self._table_len)
             pos = torch.arange(n, device=self.inv_freq.device, dtype=torch.float32)
             freqs = torch.outer(pos, self.inv_freq)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._cos, self._sin, self._table_len = emb.cos().to(dtype), emb.sin().to(dtype), n
+            cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+            self._cos = torch.cat((cos, cos), dim=-1)
+            self._sin = torch.cat((-sin, sin), dim=-1)
+            self._table_len = n
         return self._cos, self._sin
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim] for `positions` [T] (valid until the next call that grows the table)."""
+        """cos, signed sin [T, 1, head_dim] for `positions` [T] (new tensors; see the class
+        docstring for the sign convention `apply_rope` expects)."""
         needed = int(positions.max()) + 1 if positions.numel() else 1
         cos, sin = self._table(needed, dtype)
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated by cos/sin [T, 1, head_dim] (returns a new tensor)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """x [T, heads, head_dim] rotated by cos / signed sin [T, 1, head_dim] from
+    `RotaryEmbedding.cos_sin` (returns a new tensor; x may be a strided view)."""
+    t, h, d = x.shape
+    swapped = x.unflatten(-1, (2, d // 2)).flip(-2).flatten(-2)  # [x2, x1], a new tensor
+    return (x * cos).add_(swapped.mul_(sin))
+
+
+def onednn_bf16_available(weight: torch.Tensor) -> bool:
+    """True when `weight` can use oneDNN's pre-packed bfloat16 linear (CPU, bfloat16, a torch
+    built with oneDNN on a CPU with native bfloat16 support, e.g. AVX512-BF16 or AMX)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return False
+    try:
+        return bool(torch.backends.mkldnn.is_available()
+                    and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight can be pre-packed once for oneDNN (CPU bfloat16 only).
+
+    `F.linear` on CPU bfloat16 re-lays the weight out for the matrix unit on every call; packing
+    once at load time makes the decode-sized products (tens of rows) ~1.6x faster, with
+    bit-identical results (measured on these shapes). The packed copy doubles this layer's
+    weight memory and is not updated if `weight` changes: call `pack()` again after.
+    """
+
+    _packed: torch.Tensor | None = None
+
+    def pack(self) -> bool:
+        """Pack the current weight when oneDNN bfloat16 is available (mutates self); returns
+        whether forward now uses the packed kernel."""
+        self._packed = None
+        if not onednn_bf16_available(self.weight):
+            return False
+        try:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64)
+        except (AttributeError, RuntimeError):
+            return False
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
 
 class GatedMLP(nn.Module):
@@ -91,9 +144,9 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))

@@ -14,7 +14,7 @@ from torch import nn
 
 from pagedkv.model.attention import AttentionMetadata, paged_attention
 from pagedkv.model.config import ModelConfig
-from pagedkv.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+from pagedkv.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope
 
 
 class Attention(nn.Module):
@@ -23,8 +23,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.window = window
@@ -33,13 +33,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+        else:  # one RoPE call for q and k together (views of one [T, heads + kv_heads, D] tensor)
+            q, k = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin).split(
+                [self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -54,8 +54,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """x with this layer's residual updates (x itself is updated in place and returned)."""
+        # .forward: skips nn.Module's hook machinery, a measurable cost per tiny op at decode.
+        x += self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, kv_cache, meta)
+        return x.add_(self.mlp.forward(self.post_attention_layernorm.forward(x)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -69,7 +71,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                       cfg.max_position_embeddings)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -79,13 +81,19 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
+            x = layer.forward(x, cos, sin, kv_cache, meta)
         return self.norm(x)
+
+    def pack_linear_weights(self) -> int:
+        """Pre-pack every layer's projection weights for the CPU matrix unit where that is
+        faster (see layers.Linear; call after loading weights). Returns how many were packed."""
+        return sum(m.pack() for m in self.modules() if isinstance(m, Linear))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for hidden states [N, hidden]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ weight.t()).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return (hidden @ self.embed_tokens.weight.t()).float()
 
     def checkpoint_mapping(self) -> dict[str, list[str]]:
         """Parameter name -> Hugging Face tensor names it is the dim-0 concatenation of."""

@@ -66,12 +66,13 @@ class ModelRunner:
             return result
         reqs, input_ids, positions, meta = self.prepare_inputs(out.scheduled)
         hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
-        samplers = [(i, r) for i, r in enumerate(reqs) if r.num_samples > 0]
+        ends = self._last_token_indices(reqs)
+        samplers = [(e, r) for e, r in zip(ends, reqs, strict=True) if r.num_samples > 0]
         if not samplers:
             return result
-        last = torch.tensor(self._last_token_indices(reqs), device=self.device)
-        rows = torch.tensor([i for i, _ in samplers], device=self.device)
-        logits = self.model.compute_logits(hidden[last[rows]])
+        if len(samplers) < hidden.shape[0]:  # else every token samples (all decodes): no gather
+            hidden = hidden[torch.tensor([e for e, _ in samplers], device=self.device)]
+        logits = self.model.compute_logits(hidden)
         tokens, logprobs = self.sampler(logits, [r for _, r in samplers])
         for (_, req), toks, lps in zip(samplers, tokens, logprobs, strict=True):
             result.sampled_token_ids[req.request_id] = toks
@@ -103,22 +104,23 @@ class ModelRunner:
         decodes = [r for r in scheduled if r.num_new_tokens == 1]
         prefills = [r for r in scheduled if r.num_new_tokens > 1]
         reqs = decodes + prefills
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        for r in reqs:
-            ids.extend(r.token_ids)
-            for p in range(r.start_pos, r.start_pos + r.num_new_tokens):
-                pos.append(p)
-                slots.append(r.block_table[p // bs] * bs + p % bs)
-        dev = self.device
+        ids: list[int] = [r.token_ids[0] for r in decodes]
+        pos: list[int] = [r.start_pos for r in decodes]
+        slots: list[int] = [r.block_table[r.start_pos // bs] * bs + r.start_pos % bs
+                            for r in decodes]
+        dec_lens = [p + 1 for p in pos]
         max_blocks = max((len(r.block_table) for r in decodes), default=0)
-        dec_tables = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
-        for i, r in enumerate(decodes):
-            dec_tables[i, : len(r.block_table)] = torch.tensor(r.block_table, dtype=torch.long)
+        dec_tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in decodes]
+        dev = self.device
         chunks, start = [], len(decodes)
         for r in prefills:
+            ids.extend(r.token_ids)
             seq_len = r.start_pos + r.num_new_tokens
+            pos.extend(range(r.start_pos, seq_len))
+            for b in range(r.start_pos // bs, (seq_len + bs - 1) // bs):  # one range per block
+                base = r.block_table[b] * bs
+                slots.extend(range(base + max(r.start_pos - b * bs, 0),
+                                   base + min(seq_len - b * bs, bs)))
             table = torch.tensor(r.block_table[: (seq_len + bs - 1) // bs], dtype=torch.long)
             chunks.append(PrefillChunk(start, start + r.num_new_tokens, r.start_pos, seq_len,
                                        table.to(dev)))
@@ -126,12 +128,12 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decodes=len(decodes),
-            decode_seq_lens=torch.tensor([r.start_pos + 1 for r in decodes], dtype=torch.long,
-                                         device=dev),
-            decode_block_tables=dec_tables.to(dev),
+            decode_seq_lens=torch.tensor(dec_lens, dtype=torch.long, device=dev),
+            decode_block_tables=torch.tensor(dec_tables, dtype=torch.long,
+                                             device=dev).view(len(decodes), max_blocks),
             prefills=chunks,
             block_size=bs,
-            decode_seq_lens_list=[r.start_pos + 1 for r in decodes],
+            decode_seq_lens_list=dec_lens,
             workspace_buffers=self._attn_workspace,
         )
         return (reqs, torch.tensor(ids, dtype=torch.long, device=dev),

@@ -123,6 +123,8 @@ class Sampler:
                  ) -> tuple[list[list[int]], list[list[dict[int, float]] | None]]:
         """Tokens (and logprobs when asked) for `requests`, row r of `logits` [R, V] being
         request r's. Returns (tokens[r] with num_samples ids, logprobs[r] or None)."""
+        if all(_plain_greedy(r) for r in requests):  # fast path: one argmax, no bookkeeping
+            return [[t] for t in logits.argmax(-1).tolist()], [None] * len(requests)
         params = [r.sampling_params for r in requests]
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
@@ -173,6 +175,15 @@ class Sampler:
             req, i = row_owner[row]
             noise[j].exponential_(generator=self._generator(req, i))
         return (probs / noise).argmax(-1)
+
+
+def _plain_greedy(req: ScheduledRequest) -> bool:
+    """True when `req` takes one argmax of its raw logits: greedy, one sample, no penalties,
+    banned tokens or logprobs (the general path gives the same token, with more work)."""
+    p = req.sampling_params
+    return (p.temperature == 0.0 and req.num_samples <= 1 and p.logprobs is None
+            and not req.banned_token_ids and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
 
 
 def _top_logprobs(logprobs: torch.Tensor, sampled: list[int], n: int) -> list[dict[int, float]]:

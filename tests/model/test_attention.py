@@ -25,8 +25,12 @@ def dense_reference(q, k, v, start_pos, window, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def run_case(seed, block_size, num_heads, num_kv_heads, seqs, window, dtype=torch.float32):
-    """seqs: list of (cached_prefix_len, num_new_tokens). Returns (paged, reference) outputs."""
+def run_case(seed, block_size, num_heads, num_kv_heads, seqs, window, dtype=torch.float32,
+             shares=None):
+    """seqs: list of (cached_prefix_len, num_new_tokens). shares: {i: (j, n)}: sequence i's
+    first n blocks are sequence j's (same physical blocks, same K/V; j < i, both cache them).
+    Returns (paged, reference) outputs."""
+    shares = shares or {}
     gen = torch.Generator().manual_seed(seed)
     d = 16
     total_blocks = sum(math.ceil((c + n) / block_size) for c, n in seqs) + 1
@@ -43,6 +47,12 @@ def run_case(seed, block_size, num_heads, num_kv_heads, seqs, window, dtype=torc
         tables[i] = [perm.pop() for _ in range(n_blocks)]
         kf = torch.randn(cached + new, num_kv_heads, d, generator=gen).to(dtype)
         vf = torch.randn(cached + new, num_kv_heads, d, generator=gen).to(dtype)
+        if i in shares:
+            j, nb = shares[i]
+            assert j < i and nb * block_size <= min(cached, seqs[j][0])
+            tables[i][:nb] = tables[j][:nb]
+            kf[: nb * block_size] = full_kv[j][0][: nb * block_size]
+            vf[: nb * block_size] = full_kv[j][1][: nb * block_size]
         full_kv[i] = (kf, vf)
         for p in range(cached):  # the cached prefix is already in the cache
             b, o = tables[i][p // block_size], p % block_size
@@ -129,3 +139,112 @@ def test_decode_groups_split_by_gather_budget(monkeypatch, gather_bytes):
     for window in (None, 6):
         out, ref = run_case(3, 4, 4, 2, seqs, window)
         torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+def _shared_seqs(num_groups, per_group, prefix_blocks, block_size, gen, extra, new=(1,)):
+    """Groups of `per_group` sequences sharing `prefix_blocks` leading blocks (the first member
+    caches nothing more, the others a random number of own tokens) with `new[g % len(new)]` new
+    tokens each in group g, then `extra` (cached, new) sequences sharing nothing.
+    Returns (seqs, shares)."""
+    seqs, shares = [], {}
+    for gi in range(num_groups):
+        leader = len(seqs)
+        for m in range(per_group):
+            own = int(torch.randint(0, 3 * block_size, (1,), generator=gen)) if m else 0
+            seqs.append((prefix_blocks * block_size + own, new[gi % len(new)]))
+            if m and prefix_blocks:
+                shares[leader + m] = (leader, prefix_blocks)
+    return seqs + extra, shares
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("prefix_blocks", [0, 1, 3, 9])
+@pytest.mark.parametrize("group", [1, 4])
+def test_shared_prefix_decodes_match_dense(monkeypatch, block_size, prefix_blocks, group):
+    """Decodes sharing leading blocks (cascade attention), mixed with unrelated decodes and
+    prefill chunks, equal the dense reference."""
+    from pagedkv.model import cascade
+
+    monkeypatch.setattr(cascade, "MIN_SHARED_TOKENS", 1)
+    calls = []
+
+    def counting(q, *args):
+        calls.append(q.shape[0])
+        return cascade.shared_prefix_attention(q, *args)
+
+    monkeypatch.setattr(attention, "shared_prefix_attention", counting)
+    gen = torch.Generator().manual_seed(block_size * 100 + prefix_blocks)
+    extra = [(0, 1), (37, 1), (5, 9), (0, 12), (70, 1)]
+    seqs, shares = _shared_seqs(2, 3, prefix_blocks, block_size, gen, extra)
+    for window in (None, 7, 1000):
+        calls.clear()
+        out, ref = run_case(prefix_blocks, block_size, 2 * group, 2, seqs, window,
+                            shares=shares)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+        # Cascade: once per group of 3 decodes, unless the window hides part of the prefix.
+        assert calls == ([] if prefix_blocks == 0 or window == 7 else [3, 3])
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("prefix_blocks", [1, 5])
+@pytest.mark.parametrize("group", [1, 4])
+def test_shared_prefix_prefills_match_dense(monkeypatch, block_size, prefix_blocks, group):
+    """Prefill chunks sharing leading blocks (one group of chunks, one of decodes) attend to the
+    prefix together and equal the dense reference, with and without a window."""
+    from pagedkv.model import cascade
+
+    monkeypatch.setattr(cascade, "MIN_SHARED_TOKENS", 1)
+    calls = []
+
+    def counting(q, *args):
+        calls.append(q.shape[0])
+        return cascade.shared_prefix_attention(q, *args)
+
+    monkeypatch.setattr(attention, "shared_prefix_attention", counting)
+    gen = torch.Generator().manual_seed(block_size * 7 + prefix_blocks)
+    seqs, shares = _shared_seqs(2, 3, prefix_blocks, block_size, gen,
+                                [(0, 5), (9, 1), (30, 6)], new=(6, 1))
+    for window in (None, 3, 1000):
+        calls.clear()
+        out, ref = run_case(block_size, block_size, 2 * group, 2, seqs, window, shares=shares)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+        # Decode group (3 rows) and prefill group (3 chunks of 6 tokens), unless windowed.
+        assert sorted(calls) == ([] if window == 3 else [3, 18])
+
+
+def test_shared_prefix_groups_found():
+    """Groups: rows sharing a first block, prefix = identical leading columns, cut before each
+    member's newest token; lone rows and short prefixes are left out."""
+    from pagedkv.model.cascade import find_shared_prefixes
+
+    tables = torch.tensor([[5, 6, 7, 8, 9],
+                           [5, 6, 7, 3, 0],
+                           [2, 4, 0, 0, 0],
+                           [5, 6, 7, 8, 10],
+                           [2, 4, 11, 0, 0],
+                           [12, 13, 0, 0, 0]])
+    lens = [17, 13, 5, 20, 9, 8]  # block size 4
+    groups = find_shared_prefixes(tables, lens, 4, min_tokens=4)
+    got = sorted((g.rows, g.num_blocks, g.block_ids.tolist()) for g in groups)
+    # rows 0, 1, 3: columns 0-2 equal; row 1 (13 tokens) keeps block 3 (its newest token's).
+    # rows 2, 4: row 2 has 5 tokens, so only block 0 is wholly before its newest token.
+    assert got == [([0, 1, 3], 3, [5, 6, 7]), ([2, 4], 1, [2])]
+    assert all(g.row_index.tolist() == g.rows for g in groups)
+    assert [g.rows for g in find_shared_prefixes(tables, lens, 4, min_tokens=8)] == [[0, 1, 3]]
+    assert find_shared_prefixes(tables[:1], lens[:1], 4, min_tokens=1) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_shared_prefix_default_threshold(dtype):
+    """The default threshold (MIN_SHARED_TOKENS) with a long shared prefix: cascade applies."""
+    gen = torch.Generator().manual_seed(5)
+    seqs, shares = _shared_seqs(1, 5, 6, 16, gen, [(40, 1), (3, 20)])
+    calls = []
+    real = attention.shared_prefix_attention
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention, "shared_prefix_attention",
+                   lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+        out, ref = run_case(11, 16, 8, 2, seqs, None, dtype=dtype, shares=shares)
+    assert calls == [5]
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
