@@ -55,6 +55,7 @@ class Scheduler:
         self.swapped: list[Request] = []  # sorted by _order_key
         self._finished_ids: list[str] = []  # ended since the last step; passed to the runner
         self.ended_in_schedule: list[Request] = []  # ended inside schedule(); reported by update()
+        self._pending_hashes: set[bytes] = set()
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -125,6 +126,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         preempted = False
+        # Hashes of the prompt blocks this step computes: a waiting request whose next block is
+        # among them waits one step and then hits them in the prefix cache instead of
+        # computing the same prefix again (a block is cached only once computed).
+        self._pending_hashes: set[bytes] = set()
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -215,6 +220,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            if self._pending_hashes and self._next_block_is_pending(request, len(computed_blocks)):
+                break
             status = kv.can_allocate(request, computed_blocks=computed_blocks)
             if status == AllocStatus.NEVER:
                 self._finish(request, RequestStatus.FINISHED_ERROR, self._never_message(request))
@@ -238,6 +245,19 @@ class Scheduler:
             self._schedule(request, num_new, out)
             budget -= num_new
 
+    def _next_block_is_pending(self, request: Request, num_hit_blocks: int) -> bool:
+        hashes = self.kv_cache_manager.get_block_hashes(request.request_id)
+        return num_hit_blocks < len(hashes) and hashes[num_hit_blocks] in self._pending_hashes
+
+    def _note_pending_prompt_blocks(self, request: Request, start: int, num_new: int) -> None:
+        """Remember the hashes of the prompt blocks that this step fills (caching only)."""
+        kv = self.kv_cache_manager
+        if not kv.enable_caching or start >= request.num_prompt_tokens:
+            return
+        hashes = kv.update_block_hashes(request)
+        end = min(start + num_new, request.num_prompt_tokens) // self.block_size
+        self._pending_hashes.update(hashes[start // self.block_size:end])
+
     def _never_message(self, request: Request) -> str:
         kv = self.kv_cache_manager
         needed = -(-request.num_tokens // self.block_size)
@@ -248,6 +268,7 @@ class Scheduler:
 
     def _schedule(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
         start = request.num_computed_tokens
+        self._note_pending_prompt_blocks(request, start, num_new)
         reaches_end = start + num_new == request.num_tokens
         num_samples = 0
         banned: tuple[int, ...] = ()

@@ -184,3 +184,20 @@ def test_running_request_that_outgrows_the_whole_cache_ends_with_length():
     # 8 blocks x 4 tokens of KV, plus the token sampled from the last of them.
     assert got.num_tokens == 33
     assert got.output_token_ids == reference_continuation(request.prompt_token_ids, 25, VOCAB)
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once():
+    # Four requests share a 32-token prefix (8 blocks of 4) and arrive at once. The first one
+    # computes it; the others wait one step and hit it instead of computing it again.
+    requests = make_requests(4, seed=12, min_len=3, max_len=6, shared_prefix=32)
+    sched, finished = run(requests, block_size=4, max_num_batched_tokens=512)
+    assert_reference(requests, finished)
+    assert sched.prefix_cache_hits == 3 * 32
+    assert [r.num_cached_tokens for r in requests] == [0, 32, 32, 32]
+
+
+def test_prefix_deferral_is_off_without_prefix_caching():
+    requests = make_requests(4, seed=12, min_len=3, max_len=6, shared_prefix=32)
+    sched, finished = run(requests, block_size=4, max_num_batched_tokens=512, enable_caching=False)
+    assert_reference(requests, finished)
+    assert all(r.num_cached_tokens == 0 for r in requests)
