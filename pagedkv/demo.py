@@ -51,8 +51,10 @@ def run_demo(model_dir: str, num_prompts: int, max_tokens: int) -> dict:
     from pagedkv.engine.args import EngineArgs
 
     engine = LLMEngine(EngineArgs(model=model_dir, block_size=16, enable_prefix_caching=True))
-    params = SamplingParams(temperature=0.8, top_p=0.95, seed=0, max_tokens=max_tokens,
-                            ignore_eos=True)
+    def params(i: int) -> SamplingParams:  # a seed per request: reproducible, and distinct
+        return SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=max_tokens,
+                              ignore_eos=True)
+
     prompts = [f"{SYSTEM_PROMPT}\nUser: {QUESTIONS[i % len(QUESTIONS)]}\nAssistant:"
                for i in range(num_prompts)]
     peak_usage = 0.0
@@ -61,7 +63,7 @@ def run_demo(model_dir: str, num_prompts: int, max_tokens: int) -> dict:
     # The first request computes the shared system prompt; the others then hit its blocks.
     for first, batch in ((0, prompts[:1]), (1, prompts[1:])):
         for i, prompt in enumerate(batch, start=first):
-            engine.add_request(str(i), prompt, params)
+            engine.add_request(str(i), prompt, params(i))
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
