@@ -68,8 +68,7 @@ class Scheduler:
         return (request.arrival_time, request.request_id)
 
     def _enqueue(self, queue: list[Request], request: Request) -> None:
-        keys = [self._order_key(r) for r in queue]
-        queue.insert(bisect.bisect_right(keys, self._order_key(request)), request)
+        bisect.insort_right(queue, request, key=self._order_key)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
