@@ -29,7 +29,7 @@ from pagedkv.server.serving import (
     random_id,
     run_unless_disconnected,
 )
-from pagedkv.server.sse import SSEResponse, sse_done, sse_event
+from pagedkv.server.sse import SSEResponse, sse_event, sse_stream
 
 
 def tokenize_chat(serving: OpenAIServing, req: ChatCompletionRequest) -> list[int]:
@@ -64,7 +64,8 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = _stream(serving, request_id, streams, params, formatter, include_usage)
-        return SSEResponse(body, on_close=lambda: close_all(streams))
+        return SSEResponse(sse_stream(body, on_exit=lambda: close_all(streams)),
+                           on_close=lambda: close_all(streams))
     try:
         final = await run_unless_disconnected(raw, _collect(serving, streams))
     finally:
@@ -106,32 +107,26 @@ async def _stream(serving: OpenAIServing, request_id: str, streams: list,
                   params: SamplingParams, formatter: LogprobsFormatter,
                   include_usage: bool) -> AsyncIterator[str]:
     """SSE chunks: a role chunk per choice, content deltas, the finish, usage, [DONE].
-    Closing the generator (client gone) aborts the request."""
+    Wrapped by `sse_stream`, which closes the streams (aborting unfinished requests)."""
     tracker = DeltaTracker(params.n, params.stop_strings, params.include_stop_str_in_output)
     usage = Usage()
-    try:
-        for index in range(params.n):
-            yield _chunk(serving, request_id, ChatStreamChoice(
-                index=index, delta=ChatDelta(role="assistant", content="")))
-        async for _, output in serving.iterate(streams):
-            usage.record(0, output)
-            if output.error:
-                yield sse_event(error_body(output.error, "invalid_request_error", "messages"))
+    for index in range(params.n):
+        yield _chunk(serving, request_id, ChatStreamChoice(
+            index=index, delta=ChatDelta(role="assistant", content="")))
+    async for _, output in serving.iterate(streams):
+        usage.record(0, output)
+        if output.error:
+            yield sse_event(error_body(output.error, "invalid_request_error", "messages"))
+            continue
+        for comp in output.outputs:
+            delta = tracker.delta(comp.index, comp)
+            if delta is None:
                 continue
-            for comp in output.outputs:
-                delta = tracker.delta(comp.index, comp)
-                if delta is None:
-                    continue
-                yield _chunk(serving, request_id, ChatStreamChoice(
-                    index=comp.index, delta=ChatDelta(content=delta.text),
-                    logprobs=formatter.chat(comp, delta.token_start, delta.token_end),
-                    finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))
-        if include_usage:
-            chunk = ChatCompletionChunk(id=request_id, model=serving.model_name, choices=[],
-                                        usage=usage.info())
-            yield sse_event(chunk.model_dump(mode="json"))
-    except APIError as exc:
-        yield sse_event(error_body(exc.message, exc.type, exc.param, exc.code))
-    finally:
-        close_all(streams)
-    yield sse_done()
+            yield _chunk(serving, request_id, ChatStreamChoice(
+                index=comp.index, delta=ChatDelta(content=delta.text),
+                logprobs=formatter.chat(comp, delta.token_start, delta.token_end),
+                finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))
+    if include_usage:
+        chunk = ChatCompletionChunk(id=request_id, model=serving.model_name, choices=[],
+                                    usage=usage.info())
+        yield sse_event(chunk.model_dump(mode="json"))

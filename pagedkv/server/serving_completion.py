@@ -24,7 +24,7 @@ from pagedkv.server.serving import (
     random_id,
     run_unless_disconnected,
 )
-from pagedkv.server.sse import SSEResponse, sse_done, sse_event
+from pagedkv.server.sse import SSEResponse, sse_event, sse_stream
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -62,7 +62,8 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest,
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = _stream(serving, request_id, streams, params, formatter, len(prompts),
                        include_usage)
-        return SSEResponse(body, on_close=lambda: close_all(streams))
+        return SSEResponse(sse_stream(body, on_exit=lambda: close_all(streams)),
+                           on_close=lambda: close_all(streams))
     try:
         final = await run_unless_disconnected(raw, _collect(serving, streams))
     finally:
@@ -100,33 +101,27 @@ async def _stream(serving: OpenAIServing, request_id: str, streams: list, params
                   formatter: LogprobsFormatter, num_prompts: int,
                   include_usage: bool) -> AsyncIterator[str]:
     """SSE chunks: one per choice per engine step that added tokens, then usage and [DONE].
-    Closing the generator (client gone) aborts every request of this call."""
+    Wrapped by `sse_stream`, which closes the streams (aborting unfinished requests)."""
     n = params.n
     tracker = DeltaTracker(num_prompts * n, params.stop_strings, params.include_stop_str_in_output)
     usage = Usage()
-    try:
-        async for index, output in serving.iterate(streams):
-            usage.record(index, output)
-            if output.error:
-                yield sse_event(error_body(output.error, "invalid_request_error", "prompt"))
+    async for index, output in serving.iterate(streams):
+        usage.record(index, output)
+        if output.error:
+            yield sse_event(error_body(output.error, "invalid_request_error", "prompt"))
+            continue
+        for comp in output.outputs:
+            choice = index * n + comp.index
+            delta = tracker.delta(choice, comp)
+            if delta is None:
                 continue
-            for comp in output.outputs:
-                choice = index * n + comp.index
-                delta = tracker.delta(choice, comp)
-                if delta is None:
-                    continue
-                logprobs = formatter.completion(comp, delta.token_start, delta.token_end, choice)
-                chunk = CompletionResponse(id=request_id, model=serving.model_name, choices=[
-                    CompletionChoice(index=choice, text=delta.text, logprobs=logprobs,
-                                     finish_reason=delta.finish_reason,
-                                     stop_reason=delta.stop_reason)])
-                yield sse_event(chunk.model_dump(mode="json", exclude={"usage"}))
-        if include_usage:
-            chunk = CompletionResponse(id=request_id, model=serving.model_name, choices=[],
-                                       usage=usage.info())
-            yield sse_event(chunk.model_dump(mode="json"))
-    except APIError as exc:
-        yield sse_event(error_body(exc.message, exc.type, exc.param, exc.code))
-    finally:
-        close_all(streams)
-    yield sse_done()
+            logprobs = formatter.completion(comp, delta.token_start, delta.token_end, choice)
+            chunk = CompletionResponse(id=request_id, model=serving.model_name, choices=[
+                CompletionChoice(index=choice, text=delta.text, logprobs=logprobs,
+                                 finish_reason=delta.finish_reason,
+                                 stop_reason=delta.stop_reason)])
+            yield sse_event(chunk.model_dump(mode="json", exclude={"usage"}))
+    if include_usage:
+        chunk = CompletionResponse(id=request_id, model=serving.model_name, choices=[],
+                                   usage=usage.info())
+        yield sse_event(chunk.model_dump(mode="json"))

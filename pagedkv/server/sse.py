@@ -9,6 +9,8 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pagedkv.server.errors import APIError, error_body
+
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -20,6 +22,20 @@ def sse_event(payload: dict[str, Any]) -> str:
 def sse_done() -> str:
     """The last event of every stream."""
     return "data: [DONE]\n\n"
+
+
+async def sse_stream(events: AsyncIterator[str], on_exit: Callable[[], None]) -> AsyncIterator[str]:
+    """Frame one streaming answer: `events`, an APIError raised by them as an error event, then
+    `data: [DONE]`. `on_exit` (idempotent) runs however the stream ends, a gone client included."""
+    try:
+        async for event in events:
+            yield event
+    except APIError as exc:
+        yield sse_event(error_body(exc.message, exc.type, exc.param, exc.code))
+    finally:
+        on_exit()
+        await events.aclose()
+    yield sse_done()
 
 
 class SSEResponse(StreamingResponse):
