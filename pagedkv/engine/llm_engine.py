@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
@@ -69,11 +69,9 @@ class _Group:
 
 
 def _copy_completion(c: CompletionOutput) -> CompletionOutput:
-    return CompletionOutput(
-        index=c.index, text=c.text, token_ids=list(c.token_ids),
-        cumulative_logprob=c.cumulative_logprob,
-        logprobs=None if c.logprobs is None else list(c.logprobs),
-        finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+    """A snapshot the caller may keep: the engine goes on appending to `c`'s lists."""
+    return replace(c, token_ids=list(c.token_ids),
+                   logprobs=None if c.logprobs is None else list(c.logprobs))
 
 
 class LLMEngine:
@@ -157,8 +155,8 @@ class LLMEngine:
         kv = self.scheduler.kv_cache_manager
         block_size = kv.block_size
         prompt_blocks = -(-(num_prompt_tokens + 1) // block_size)
-        # n samples share the prompt's full blocks; each needs its own partial / next block.
-        needed = prompt_blocks + (params.n - 1) * 1
+        # n samples share the prompt's full blocks; each other sample needs one block of its own.
+        needed = prompt_blocks + params.n - 1
         available = kv.num_usable_blocks - kv.watermark_blocks
         if needed > available:
             raise ValueError(f"a prompt of {num_prompt_tokens} tokens with n={params.n} needs at least "
