@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    from pagedkv.model.random_model import build_random_model_dir
+    from pagedkv.testing.random_model import build_random_model_dir
 
     report: dict = {"throughput": {}, "shared_prefix": {}}
     with tempfile.TemporaryDirectory() as tmp:

@@ -35,7 +35,7 @@ QUESTIONS = [
 
 def demo_model_dir(cache_dir: Path) -> Path:
     """The cached random-weight demo model, built on first use."""
-    from pagedkv.model.random_model import build_random_model_dir
+    from pagedkv.testing.random_model import build_random_model_dir
 
     model_dir = cache_dir / "random-llama-512x8"
     marker = model_dir / ".complete"

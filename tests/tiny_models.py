@@ -1,7 +1,7 @@
 """Tiny random-weight Hugging Face model directories for tests, built with transformers itself.
 
 Each spec is built once per test session (see the fixtures in tests/conftest.py): the config
-dict comes from `pagedkv.model.random_model`, transformers initialises the model from it, the
+dict comes from `pagedkv.testing.random_model`, transformers initialises the model from it, the
 norm weights and biases are perturbed (so a loader that ignores them fails), and the result is
 saved with `save_pretrained` next to our byte-level BPE tokenizer files. Tests can then compare
 pagedkv against transformers on transformers' own checkpoint.
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.model.random_model import build_tokenizer_files, hf_config_dict, tokenizer_vocab_size
+from pagedkv.testing.random_model import build_tokenizer_files, hf_config_dict, tokenizer_vocab_size
 
 _BASE: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,

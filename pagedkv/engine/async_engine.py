@@ -119,6 +119,23 @@ class AsyncEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
 
+    # ---- engine facts (any thread: they read only fixed sizes and the tokenizer) ----------
+
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's Tokenizer (immutable after start; safe to use from any thread)."""
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + output the engine accepts, in tokens (fixed at engine creation)."""
+        return self.engine.max_model_len
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise ValueError when a prompt of this length with `params.n` samples could never fit
+        in the KV cache (reads only the cache's fixed sizes, so any thread may call it)."""
+        self.engine.check_fits(num_prompt_tokens, params)
+
     # ---- lifecycle (any thread) ---------------------------------------------------------
 
     def start(self) -> None:

@@ -20,9 +20,9 @@ from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.stats import EngineStats
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.sched.output import ModelRunnerOutput
-from pagedkv.sched.request import Request, RequestStatus
+from pagedkv.sched.request import Request, RequestStatus, child_request_id
 from pagedkv.sched.sampling_params import SamplingParams
-from pagedkv.sched.scheduler import Scheduler, SchedulerConfig, child_request_id
+from pagedkv.sched.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from pagedkv.sched.output import ScheduledRequest
+from pagedkv.sched.request import child_request_id
 from pagedkv.sched.sampling_params import SamplingParams
-from pagedkv.sched.scheduler import child_request_id
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],

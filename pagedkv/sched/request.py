@@ -9,6 +9,15 @@ from dataclasses import dataclass, field
 from pagedkv.sched.sampling_params import SamplingParams
 
 
+def child_request_id(parent_id: str, index: int) -> str:
+    """Id of sample `index` (>= 1) of an `n > 1` request; sample 0 keeps the parent's id.
+
+    The engine refuses a new request whose id (or one of its children's) is already live, so
+    a child id never clashes; the sampler keys each child's random stream by this id.
+    """
+    return f"{parent_id}#{index}"
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 from pagedkv.kv.manager import AllocStatus, KVCacheManager
 from pagedkv.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from pagedkv.sched.request import Request, RequestStatus
+from pagedkv.sched.request import Request, RequestStatus, child_request_id
 
 
 @dataclass
@@ -35,11 +35,6 @@ class SchedulerConfig:
     max_model_len: int = 2048
     preemption_mode: str = "recompute"  # or "swap" (falls back to recompute without host room)
     policy: str = "fcfs"  # or "priority": lower `priority` value is served first, as in vLLM
-
-
-def child_request_id(parent_id: str, index: int) -> str:
-    """Id of sample `index` (>= 1) of an `n > 1` request; sample 0 keeps the parent's id."""
-    return f"{parent_id}#{index}"
 
 
 class Scheduler:

@@ -21,7 +21,7 @@ from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedkv import __version__
-from pagedkv.server.async_engine import AsyncEngine, EngineDeadError
+from pagedkv.engine.async_engine import AsyncEngine, EngineDeadError
 from pagedkv.server.errors import APIError, error_response, install_error_handlers
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (

@@ -18,14 +18,14 @@ from typing import Any
 
 from fastapi import Request
 
-from pagedkv.engine.outputs import RequestOutput
-from pagedkv.sched.sampling_params import SamplingParams
-from pagedkv.server.async_engine import (
+from pagedkv.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineOverloadedError,
     RequestStream,
 )
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.server.errors import APIError, model_not_found
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import PromptTokensDetails, SamplingFields, UsageInfo
@@ -69,8 +69,8 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics) -> None:
         self.engine = engine
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len: int = engine.engine.max_model_len
+        self.tokenizer = engine.tokenizer
+        self.max_model_len: int = engine.max_model_len
         self.model_name = model_name
         self.metrics = metrics
 
@@ -124,7 +124,7 @@ class OpenAIServing:
         thread, is safe.)"""
         for ids in prompts:
             try:
-                self.engine.engine.check_fits(len(ids), params)
+                self.engine.check_fits(len(ids), params)
             except ValueError as exc:
                 raise APIError(str(exc), param="n" if params.n > 1 else "prompt") from exc
 

@@ -72,7 +72,7 @@ def test_engine_greedy_tokens_same_with_cascade(tmp_path, monkeypatch):
 
     from pagedkv import LLM, SamplingParams
     from pagedkv.model import attention
-    from pagedkv.model.random_model import build_random_model_dir
+    from pagedkv.testing.random_model import build_random_model_dir
 
     model_dir = tmp_path / "tiny"
     build_random_model_dir(model_dir, seed=0)

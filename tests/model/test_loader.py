@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagedkv.model import ModelConfig, ModelRunner, build_random_model_dir
+from pagedkv.model import ModelConfig, ModelRunner
+from pagedkv.testing import build_random_model_dir
 from tests.model.driver import prefill_logits
 
 

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from pagedkv.model import ModelRunner, Tokenizer, build_random_model_dir, build_tokenizer_files
+from pagedkv.model import ModelRunner, Tokenizer
+from pagedkv.testing import build_random_model_dir, build_tokenizer_files
 from tests.model.driver import prefill_logits
 
 TEXTS = ["Hello, world!", "Le café est très bon. Élève", "中文文本测试：你好", "emoji 😀🚀 done",

@@ -8,7 +8,8 @@ import pytest
 
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.sched import Request, RequestStatus, SamplingParams
-from pagedkv.sched.scheduler import Scheduler, SchedulerConfig, child_request_id
+from pagedkv.sched.request import child_request_id
+from pagedkv.sched.scheduler import Scheduler, SchedulerConfig
 from tests.sched.fake_runner import FakeRunner, reference_continuation
 
 VOCAB = 1000

@@ -9,10 +9,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.server.app import create_app
-from pagedkv.server.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
 
 
 @pytest.fixture
