@@ -43,6 +43,12 @@ def tiny_mistral(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _tiny(tmp_path_factory, "mistral")
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen2_mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen2, 3 layers: layer 0 full attention, layers 1-2 a sliding window of 8 (max_window_layers 1)."""
+    return _tiny(tmp_path_factory, "qwen2_mixed")
+
+
 @pytest.fixture(scope="session", params=sorted(TINY_SPECS))
 def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every tiny model in turn."""

@@ -34,6 +34,8 @@ TINY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     # Explicit head_dim different from hidden / heads, q/k norm, tied embeddings, GQA 4.
     "qwen3": ("qwen3", dict(head_dim=32, num_kv_heads=1, tie_word_embeddings=True)),
     "mistral": ("mistral", dict(sliding_window=8)),
+    # Mixed layers: layer 0 attends fully, layers 1 and 2 slide over 8 tokens.
+    "qwen2_mixed": ("qwen2", dict(num_layers=3, sliding_window=8, max_window_layers=1)),
 }
 
 

@@ -16,8 +16,8 @@ import json
 import os
 from typing import Any
 
+from pagedkv.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, load_hf_config
 from pagedkv.kv.plan import (
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
     KVCachePlan,
     default_max_model_len,
     estimate_activation_peak_bytes,
@@ -29,7 +29,6 @@ from pagedkv.kv.spec import (
     bundled_config_names,
     bundled_config_path,
     kv_cache_spec_from_hf_config,
-    load_hf_config,
 )
 
 DEFAULT_SWAP_SPACE = "4GiB"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "fp32", "bf16", "fp16")
+from pagedkv.config import MODEL_DTYPE_CHOICES as _DTYPES
 
 
 @dataclass

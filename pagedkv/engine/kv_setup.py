@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from pagedkv.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, load_hf_config
 from pagedkv.engine.args import EngineArgs
 from pagedkv.kv.plan import (
     default_max_model_len,
@@ -20,17 +21,11 @@ from pagedkv.kv.plan import (
     estimate_weights_bytes,
     plan_num_blocks,
 )
-from pagedkv.kv.spec import (
-    KVCacheSpec,
-    SlidingWindowSpec,
-    kv_cache_spec_from_hf_config,
-    load_hf_config,
-)
+from pagedkv.kv.spec import KVCacheSpec, SlidingWindowSpec, kv_cache_spec_from_hf_config
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 GiB = 1 << 30
 
 

@@ -23,6 +23,7 @@ from pagedkv.sched.output import ModelRunnerOutput
 from pagedkv.sched.request import Request, RequestStatus, child_request_id
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.sched.scheduler import Scheduler, SchedulerConfig
+from pagedkv.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             args.model, block_size=args.block_size, num_blocks=setup.num_blocks,
             num_host_blocks=setup.num_host_blocks, dtype=args.dtype, device=args.device,
-            seed=args.seed)
+            seed=args.seed, kv_cache_spec=setup.spec)
         self.model_config = self.runner.model_config
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
@@ -154,7 +155,7 @@ class LLMEngine:
         """Raise ValueError when this prompt with `params.n` samples can never fit in the cache."""
         kv = self.scheduler.kv_cache_manager
         block_size = kv.block_size
-        prompt_blocks = -(-(num_prompt_tokens + 1) // block_size)
+        prompt_blocks = cdiv(num_prompt_tokens + 1, block_size)
         # n samples share the prompt's full blocks; each other sample needs one block of its own.
         needed = prompt_blocks + params.n - 1
         available = kv.num_usable_blocks - kv.watermark_blocks

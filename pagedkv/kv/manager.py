@@ -32,6 +32,7 @@ from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.block_pool import BlockPool
 from pagedkv.kv.events import KVCacheEvent
 from pagedkv.kv.hashing import BlockHash, RequestBlockHasher
+from pagedkv.utils import cdiv
 
 
 class AllocStatus(enum.Enum):
@@ -172,7 +173,7 @@ class KVCacheManager:
         """
         if computed_blocks is not None:
             num_computed_blocks = sum(1 for b in computed_blocks if b.ref_cnt > 0)
-        required_total = -(-request.num_tokens // self.block_size)
+        required_total = cdiv(request.num_tokens, self.block_size)
         if self.num_usable_blocks - required_total < self.watermark_blocks:
             return AllocStatus.NEVER
         required = required_total - num_computed_blocks
@@ -218,7 +219,7 @@ class KVCacheManager:
                              f"after the {num_old} full blocks the request holds")
         if self.sliding_window is not None:
             self._remove_skipped_blocks(blocks, request.num_computed_tokens)
-        num_required = (end + bs - 1) // bs
+        num_required = cdiv(end, bs)
         num_new_blocks = num_required - num_old - num_ncb
         if num_new_blocks < 0:
             num_new_blocks = 0

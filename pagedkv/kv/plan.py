@@ -1,4 +1,4 @@
-"""Capacity planning: how many KV blocks a memory budget holds (seed 000 section 3).
+"""Capacity planning: how many KV blocks a memory budget holds.
 
     num_blocks      = floor((memory * utilization - weights - activation_peak) / page_size_bytes)
     num_host_blocks = swap_space // page_size_bytes
@@ -14,17 +14,16 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pagedkv.kv.sizes import format_size
-from pagedkv.kv.spec import (
+from pagedkv.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
     DTYPE_BYTES,
-    KVCacheSpec,
     config_int,
     resolve_dtype,
     text_config,
 )
-
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-DEFAULT_MAX_NUM_SEQS = 256
+from pagedkv.kv.sizes import format_size
+from pagedkv.kv.spec import KVCacheSpec
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
-"""KV cache specs: how many bytes one token and one block of KV cache take (seed 000 section 2).
+"""KV cache specs: how many bytes one token and one block of KV cache take.
 
 A spec describes the KV cache of the whole model (all layers together): `bytes_per_token` is
 what one token costs across every layer, and `page_size_bytes` (one block) is
-`block_size * bytes_per_token`, i.e. seed 000's
+`block_size * bytes_per_token`, i.e.
 `block_size * num_layers * 2 * num_kv_heads * head_size * dtype_bytes`.
 
 Three kinds, built from a Hugging Face `config.json` by `kv_cache_spec_from_hf_config`:
@@ -18,77 +18,13 @@ Pure Python, no torch: dtypes are names ("bfloat16", "fp8", ...).
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import asdict, dataclass
 from importlib import resources
 from typing import Any
 
-DTYPE_BYTES: dict[str, int] = {
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "fp8": 1,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-}
-
-_DTYPE_ALIASES: dict[str, str] = {
-    "fp32": "float32",
-    "float": "float32",
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "half": "float16",
-}
-
-DEFAULT_DTYPE = "bfloat16"
-
-# Model types whose layers interleave sliding-window and full attention. Planning treats them
-# as full attention on every layer: an upper bound on memory, never an under-estimate.
-_INTERLEAVED_SLIDING_MODEL_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text", "cohere2"})
-
-
-def canonical_dtype(dtype: str) -> str:
-    """Return the canonical name of a KV cache dtype ("bf16" -> "bfloat16", "half" -> "float16").
-
-    Accepts a "torch." prefix ("torch.float16"). "auto" is not a dtype here: resolve it first
-    with `resolve_dtype`. Raises ValueError for an unknown name.
-    """
-    if not isinstance(dtype, str):
-        raise ValueError(f"dtype must be a string, got {dtype!r}")
-    name = dtype.strip().lower().removeprefix("torch.")
-    name = _DTYPE_ALIASES.get(name, name)
-    if name not in DTYPE_BYTES:
-        known = sorted(set(DTYPE_BYTES) | set(_DTYPE_ALIASES))
-        raise ValueError(f"unknown dtype {dtype!r}; expected 'auto' or one of {known}")
-    return name
-
-
-def dtype_bytes(dtype: str) -> int:
-    """Bytes per element of `dtype` (any accepted alias)."""
-    return DTYPE_BYTES[canonical_dtype(dtype)]
-
-
-def resolve_dtype(dtype: str, config: dict[str, Any] | None = None) -> str:
-    """Resolve `dtype` to a canonical name; "auto" takes the config's `torch_dtype` (or the
-    `dtype` key of newer configs), and bfloat16 when the config names neither."""
-    if isinstance(dtype, str) and dtype.strip().lower() == "auto":
-        config = config or {}
-        configured = config.get("torch_dtype") or config.get("dtype")
-        if configured is None:
-            return DEFAULT_DTYPE
-        try:
-            return canonical_dtype(configured)
-        except ValueError:
-            raise ValueError(
-                f"config key 'torch_dtype' has an unsupported dtype {configured!r}"
-            ) from None
-    return canonical_dtype(dtype)
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division of non-negative ints."""
-    return -(-a // b)
+from pagedkv.config.dtypes import DTYPE_BYTES, canonical_dtype, resolve_dtype
+from pagedkv.config.hf_config import HFModelConfig
+from pagedkv.utils import cdiv
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -216,113 +152,34 @@ class MLAAttentionSpec(KVCacheSpec):
 # ---------------------------------------------------------------- Hugging Face configs
 
 
-def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The language-model part of a config (multimodal configs nest it under text_config)."""
-    if not isinstance(config, dict):
-        raise ValueError(f"config must be a JSON object, got {type(config).__name__}")
-    text = config.get("text_config")
-    if isinstance(text, dict) and "num_hidden_layers" not in config:
-        merged = dict(text)
-        for key in ("torch_dtype", "dtype"):
-            if key not in merged and key in config:
-                merged[key] = config[key]
-        return merged
-    return config
-
-
-def config_int(config: dict[str, Any], key: str, default: int | None = None) -> int:
-    """Read a positive int from `config[key]`; missing (or null) uses `default` when given.
-
-    Raises ValueError naming the key when it is missing without default, not an int, or <= 0.
-    """
-    value = config.get(key)
-    if value is None:
-        if default is None:
-            raise ValueError(f"config is missing required key {key!r}")
-        return default
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"config key {key!r} must be a positive integer, got {value!r}")
-    return value
-
-
-def _sliding_window(config: dict[str, Any], num_layers: int) -> int | None:
-    """The window when every layer slides; None for full attention (or a mix of both)."""
-    window = config.get("sliding_window")
-    if window is None or config.get("use_sliding_window") is False:
-        return None
-    window = config_int(config, "sliding_window")
-    if config.get("model_type") in _INTERLEAVED_SLIDING_MODEL_TYPES:
-        return None
-    layer_types = config.get("layer_types")
-    if isinstance(layer_types, list) and layer_types:
-        return window if all(t == "sliding_attention" for t in layer_types) else None
-    if config.get("use_sliding_window") is True and config.get("max_window_layers") is not None:
-        # Qwen2: layers with index >= max_window_layers slide, the ones below attend fully.
-        max_window_layers = config.get("max_window_layers")
-        if not isinstance(max_window_layers, int) or max_window_layers < 0:
-            raise ValueError(
-                f"config key 'max_window_layers' must be a non-negative integer, "
-                f"got {max_window_layers!r}"
-            )
-        return window if max_window_layers == 0 else None
-    return window
-
-
 def kv_cache_spec_from_hf_config(
-    config: dict[str, Any], block_size: int = 16, dtype: str = "auto"
+    config: dict[str, Any] | HFModelConfig, block_size: int = 16, dtype: str = "auto"
 ) -> KVCacheSpec:
-    """Build the KV cache spec of a Hugging Face `config.json` (already parsed into a dict).
+    """Build the KV cache spec of a Hugging Face `config.json` (a parsed dict, or the
+    `HFModelConfig` read from it: the one reader the model uses too).
 
-    Llama / Mistral / Qwen2 / Qwen3 / Gemma: `num_key_value_heads` (default
-    `num_attention_heads`), `head_dim` (default `hidden_size // num_attention_heads`),
-    `num_hidden_layers`; a `sliding_window` gives a SlidingWindowSpec unless
-    `use_sliding_window` is false or only some layers slide (then full attention, an upper
-    bound). DeepSeek-V2/V3 (`kv_lora_rank` set): MLAAttentionSpec. `dtype="auto"` takes the
-    config's `torch_dtype`. Raises ValueError naming the missing or invalid key.
+    MLA (`kv_lora_rank` set, DeepSeek-V2/V3): MLAAttentionSpec. Every layer sliding with one
+    window: SlidingWindowSpec. Otherwise FullAttentionSpec, also when only some layers slide
+    (Qwen2 `max_window_layers`, Gemma's alternating layers): every layer keeps full-attention
+    blocks, an upper bound, while the model applies each layer's own window.
+    `dtype="auto"` takes the config's dtype. Raises ValueError naming the missing or invalid key.
     """
     _check_positive_int("block_size", block_size)
-    config = text_config(config)
-    kv_dtype = resolve_dtype(dtype, config)
-    num_layers = config_int(config, "num_hidden_layers")
-
-    if config.get("kv_lora_rank") is not None:
+    hf = config if isinstance(config, HFModelConfig) else HFModelConfig.from_dict(config)
+    kv_dtype = resolve_dtype(dtype, hf.raw)
+    if hf.is_mla:
         return MLAAttentionSpec(
             block_size=block_size,
-            kv_lora_rank=config_int(config, "kv_lora_rank"),
-            qk_rope_head_dim=config_int(config, "qk_rope_head_dim"),
+            kv_lora_rank=hf.kv_lora_rank,
+            qk_rope_head_dim=hf.qk_rope_head_dim,
             dtype=kv_dtype,
-            num_layers=num_layers,
+            num_layers=hf.num_layers,
         )
-
-    num_heads = config_int(config, "num_attention_heads")
-    num_kv_heads = config_int(config, "num_key_value_heads", default=num_heads)
-    if config.get("head_dim") is not None:
-        head_size = config_int(config, "head_dim")
-    else:
-        hidden_size = config_int(config, "hidden_size")
-        if hidden_size % num_heads:
-            raise ValueError(
-                f"config key 'hidden_size' ({hidden_size}) is not divisible by "
-                f"'num_attention_heads' ({num_heads}) and no 'head_dim' is given"
-            )
-        head_size = hidden_size // num_heads
-    window = _sliding_window(config, num_layers)
-    if window is not None:
-        return SlidingWindowSpec(
-            block_size=block_size,
-            num_kv_heads=num_kv_heads,
-            head_size=head_size,
-            dtype=kv_dtype,
-            num_layers=num_layers,
-            sliding_window=window,
-        )
-    return FullAttentionSpec(
-        block_size=block_size,
-        num_kv_heads=num_kv_heads,
-        head_size=head_size,
-        dtype=kv_dtype,
-        num_layers=num_layers,
-    )
+    shape = dict(block_size=block_size, num_kv_heads=hf.num_kv_heads, head_size=hf.head_dim,
+                 dtype=kv_dtype, num_layers=hf.num_layers)
+    if hf.sliding_window is not None:
+        return SlidingWindowSpec(**shape, sliding_window=hf.sliding_window)
+    return FullAttentionSpec(**shape)
 
 
 def bundled_config_names() -> list[str]:
@@ -337,24 +194,3 @@ def bundled_config_path(name: str) -> str:
     if name not in names:
         raise ValueError(f"no bundled config named {name!r}; bundled: {names}")
     return str(resources.files("pagedkv").joinpath("data", "configs", f"{name}.json"))
-
-
-def load_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a Hugging Face config: `path` is a config.json file or a model directory holding one.
-
-    Raises FileNotFoundError when there is no such file, ValueError when it is not a JSON object.
-    """
-    path = os.fspath(path)
-    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if not os.path.isfile(file):
-        if os.path.isdir(path):
-            raise FileNotFoundError(f"model directory {path!r} has no config.json")
-        raise FileNotFoundError(f"config file {path!r} does not exist")
-    try:
-        with open(file, encoding="utf-8") as f:
-            config = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"config file {file!r} is not valid JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"config file {file!r} must hold a JSON object, got {type(config).__name__}")
-    return config

@@ -8,11 +8,13 @@ Both transformers 4 (`rope_theta`, `rope_scaling`, `torch_dtype`) and transforme
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from pagedkv.config import HFModelConfig, canonical_dtype
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -21,16 +23,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 
-TORCH_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
-}
+# The torch side of the one dtype table (pagedkv.config.dtypes), keyed by canonical name.
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -48,18 +42,25 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def parse_dtype(dtype: str | torch.dtype, config_dtype: str | None = None) -> torch.dtype:
-    """torch dtype for `dtype`; "auto" takes `config_dtype` (float32 when the config has none)."""
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """The torch dtype the model computes in for a dtype name (any alias) or torch dtype."""
     if isinstance(dtype, torch.dtype):
-        if dtype not in TORCH_DTYPES.values():
-            raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
-        return dtype
-    if dtype == "auto":
-        dtype = config_dtype or "float32"
-    key = str(dtype).removeprefix("torch.")
-    if key not in TORCH_DTYPES:
+        dtype = str(dtype)
+    try:
+        name = canonical_dtype(dtype)
+    except ValueError:
+        name = None
+    if name not in _TORCH_DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; use auto, float32, bfloat16 or float16")
-    return TORCH_DTYPES[key]
+    return _TORCH_DTYPES[name]
+
+
+def parse_dtype(dtype: str | torch.dtype, config_dtype: str) -> torch.dtype:
+    """torch dtype for `dtype`; "auto" takes `config_dtype` (ModelConfig.torch_dtype, already
+    resolved by the shared reader, so the KV planner sizes the same dtype)."""
+    if isinstance(dtype, str) and dtype.strip().lower() == "auto":
+        dtype = config_dtype
+    return torch_dtype(dtype)
 
 
 def _eos_list(value: Any) -> list[int]:
@@ -75,8 +76,10 @@ class ModelConfig:
     """Shapes and options of one Llama-family model.
 
     `layer_sliding_windows[i]` is layer i's window (a token at position p sees positions
-    p - W + 1 .. p) or None for full attention. `rope_scaling` is None or a dict with
-    "rope_type" in ("linear", "llama3") and that type's parameters.
+    p - W + 1 .. p) or None for full attention, and `torch_dtype` the canonical dtype name the
+    config names: both come from `pagedkv.config.HFModelConfig`, the reader the KV spec uses
+    too. `rope_scaling` is None or a dict with "rope_type" in ("linear", "llama3") and that
+    type's parameters.
     """
 
     architecture: str
@@ -101,6 +104,7 @@ class ModelConfig:
     torch_dtype: str
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    hf_config: HFModelConfig | None = field(default=None, compare=False, repr=False)
 
     @property
     def sliding_window(self) -> int | None:
@@ -136,18 +140,15 @@ class ModelConfig:
             return cfg[key]
 
         hidden = int(req("hidden_size"))
-        heads = int(req("num_attention_heads"))
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        hf = HFModelConfig.from_dict(cfg)
+        heads, kv_heads = hf.num_heads, hf.num_kv_heads
         if heads % kv_heads != 0:
             raise ValueError(f"num_attention_heads {heads} is not a multiple of "
                              f"num_key_value_heads {kv_heads}")
-        head_dim = cfg.get("head_dim") or hidden // heads
-        num_layers = int(req("num_hidden_layers"))
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is supported")
         rope_theta, rope_scaling = _parse_rope(cfg)
-        windows = _parse_windows(cfg, arch, num_layers)
         eos = _eos_list(gen.get("eos_token_id")) + _eos_list(cfg.get("eos_token_id"))
         eos_ids = tuple(dict.fromkeys(eos))
         bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
@@ -157,24 +158,25 @@ class ModelConfig:
             model_type=model_type,
             hidden_size=hidden,
             intermediate_size=int(req("intermediate_size")),
-            num_layers=num_layers,
+            num_layers=hf.num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=int(head_dim),
+            head_dim=hf.head_dim,
             vocab_size=int(req("vocab_size")),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            layer_sliding_windows=windows,
+            layer_sliding_windows=hf.layer_sliding_windows,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
             o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
-            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            torch_dtype=hf.dtype,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
+            hf_config=hf,
         )
 
 
@@ -192,19 +194,3 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if "factor" not in out:
         raise ValueError(f"RoPE scaling {rope_type!r} needs a 'factor'")
     return theta, out
-
-
-def _parse_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
-    window = cfg.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window"):
-        window = None
-    if window is None:
-        return (None,) * num_layers
-    window = int(window)
-    layer_types = cfg.get("layer_types")
-    if layer_types and len(layer_types) == num_layers:
-        return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        first = int(cfg.get("max_window_layers", 0))
-        return tuple(window if i >= first else None for i in range(num_layers))
-    return (window,) * num_layers

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.kv.spec import FullAttentionSpec, KVCacheSpec
+from pagedkv.model.config import torch_dtype
+
 
 class KVCache:
     """Device KV blocks plus host swap blocks; block moves act on every layer at once."""
@@ -32,6 +35,20 @@ class KVCache:
         pin = device.type == "cuda" and num_host_blocks > 0
         self.host_kv = torch.zeros(host_shape, dtype=dtype, device="cpu", pin_memory=pin)
         self.layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(num_layers)]
+
+    @classmethod
+    def from_spec(cls, spec: KVCacheSpec, *, num_blocks: int, device: torch.device,
+                  num_host_blocks: int = 0) -> KVCache:
+        """The cache the KV spec describes: its layers, KV heads, head size, block size and
+        dtype, so `kv.nbytes == num_blocks * spec.page_size_bytes` (the bytes the planner
+        counted are the bytes allocated). Raises ValueError for a spec this layout cannot hold
+        (multi-head latent attention)."""
+        if not isinstance(spec, FullAttentionSpec):  # sliding-window specs are full-attention
+            raise ValueError(f"no paged KV layout for a {spec.kind!r} KV cache spec")
+        return cls(num_layers=spec.num_layers, num_blocks=num_blocks, block_size=spec.block_size,
+                   num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
+                   dtype=torch_dtype(spec.dtype), device=device,
+                   num_host_blocks=num_host_blocks)
 
     @property
     def device(self) -> torch.device:

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 
+from pagedkv.kv.spec import KVCacheSpec, kv_cache_spec_from_hf_config
 from pagedkv.model.attention import AttentionMetadata, PrefillChunk
-from pagedkv.model.config import ModelConfig, parse_dtype
+from pagedkv.model.config import ModelConfig, parse_dtype, torch_dtype
 from pagedkv.model.kv_cache import KVCache
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.loader import load_model
@@ -37,18 +38,23 @@ class ModelRunner:
 
     def __init__(self, model_dir: str | Path, *, block_size: int, num_blocks: int,
                  num_host_blocks: int = 0, dtype: str = "auto", device: str = "auto",
-                 seed: int = 0) -> None:
+                 seed: int = 0, kv_cache_spec: KVCacheSpec | None = None) -> None:
+        """`kv_cache_spec` (the one the engine planned with) shapes the KV tensors; without it
+        the spec is built from the same config reader, `block_size` and `dtype`."""
         self.model_config = ModelConfig.from_dir(model_dir)
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.model_config.torch_dtype)
+        spec = kv_cache_spec or kv_cache_spec_from_hf_config(
+            self.model_config.hf_config, block_size, str(self.dtype).removeprefix("torch."))
+        if spec.block_size != block_size or torch_dtype(spec.dtype) != self.dtype:
+            raise ValueError(f"KV cache spec (block_size {spec.block_size}, {spec.dtype}) does "
+                             f"not match block_size {block_size}, dtype {self.dtype}")
+        self.kv_cache_spec = spec
         self.block_size = block_size
         self.model: LlamaForCausalLM = load_model(model_dir, self.model_config, self.dtype,
                                                   self.device)
-        cfg = self.model_config
-        self.kv_cache = KVCache(num_layers=cfg.num_layers, num_blocks=num_blocks,
-                                block_size=block_size, num_kv_heads=cfg.num_kv_heads,
-                                head_dim=cfg.head_dim, dtype=self.dtype, device=self.device,
-                                num_host_blocks=num_host_blocks)
+        self.kv_cache = KVCache.from_spec(spec, num_blocks=num_blocks, device=self.device,
+                                          num_host_blocks=num_host_blocks)
         self.sampler = Sampler(seed, self.device)
         self._attn_workspace: dict = {}  # attention scratch buffers, reused across steps
 

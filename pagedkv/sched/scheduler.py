@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from pagedkv.kv.manager import AllocStatus, KVCacheManager
 from pagedkv.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedkv.sched.request import Request, RequestStatus, child_request_id
+from pagedkv.utils import cdiv
 
 
 @dataclass
@@ -175,7 +176,7 @@ class Scheduler:
         return True, preempted
 
     def _can_ever_grow(self, request: Request, num_new: int) -> bool:
-        needed = -(-(request.num_computed_tokens + num_new) // self.block_size)
+        needed = cdiv(request.num_computed_tokens + num_new, self.block_size)
         return needed <= self.kv_cache_manager.num_usable_blocks
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -254,7 +255,7 @@ class Scheduler:
 
     def _never_message(self, request: Request) -> str:
         kv = self.kv_cache_manager
-        needed = -(-request.num_tokens // self.block_size)
+        needed = cdiv(request.num_tokens, self.block_size)
         return (f"request {request.request_id!r} needs {needed} KV blocks for its "
                 f"{request.num_tokens} tokens but the cache can never give more than "
                 f"{kv.num_usable_blocks - kv.watermark_blocks} (block_size={self.block_size}); "

@@ -17,6 +17,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from pagedkv.config import MODEL_DTYPES
+from pagedkv.model.config import torch_dtype
+
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
 UNK_TOKEN = "<unk>"
@@ -154,8 +157,11 @@ def hf_config_dict(
     rope_theta: float = 10000.0,
     bos_token_id: int = 1,
     eos_token_id: int = 2,
+    max_window_layers: int | None = None,
 ) -> dict[str, Any]:
-    """The config.json dict of one of our architectures, in Hugging Face's format."""
+    """The config.json dict of one of our architectures, in Hugging Face's format.
+
+    Qwen2/3 with a `sliding_window`: layers >= `max_window_layers` slide (default 0: all)."""
     if arch not in _ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; supported: {sorted(_ARCHITECTURES)}")
     cfg: dict[str, Any] = {
@@ -190,7 +196,8 @@ def hf_config_dict(
     if arch in ("qwen2", "qwen3"):
         cfg["use_sliding_window"] = sliding_window is not None
         cfg["sliding_window"] = sliding_window
-        cfg["max_window_layers"] = 0 if sliding_window is not None else num_layers
+        cfg["max_window_layers"] = (num_layers if sliding_window is None
+                                    else max_window_layers or 0)
     if arch == "qwen3":
         cfg["attention_bias"] = False
     if sliding_window is not None and arch == "llama":
@@ -237,9 +244,6 @@ def random_state_dict(cfg: dict[str, Any], *, seed: int = 0,
     return {k: v.contiguous() for k, v in sd.items()}
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def build_random_model_dir(
     model_dir: str | Path,
     arch: str = "llama",
@@ -264,8 +268,8 @@ def build_random_model_dir(
     tokenizer_config.json into `model_dir` (created if needed; existing files are overwritten).
     `vocab_size` defaults to the tokenizer's size rounded up to a multiple of 64. Returns the path.
     """
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if dtype not in MODEL_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(MODEL_DTYPES)}, got {dtype!r}")
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     model_dir = build_tokenizer_files(model_dir)
@@ -284,7 +288,7 @@ def build_random_model_dir(
         max_position_embeddings=max_position_embeddings, sliding_window=sliding_window,
         tie_word_embeddings=tie_word_embeddings, dtype=dtype, rope_scaling=rope_scaling,
     )
-    sd = random_state_dict(cfg, seed=seed, dtype=_DTYPES[dtype])
+    sd = random_state_dict(cfg, seed=seed, dtype=torch_dtype(dtype))
     save_file(sd, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
     (model_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     gen_cfg = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}

@@ -49,10 +49,11 @@ def test_greedy_matches_transformers(tiny_llama, make_llm, config):
         assert sum(o.num_cached_tokens for o in outputs) == stats.prefix_cache_hits
 
 
-@pytest.mark.parametrize("model", ["tiny_qwen2", "tiny_qwen3", "tiny_mistral", "tiny_llama_mqa"])
+@pytest.mark.parametrize("model", ["tiny_qwen2", "tiny_qwen3", "tiny_mistral", "tiny_llama_mqa",
+                                   "tiny_qwen2_mixed"])
 def test_greedy_matches_transformers_other_architectures(request, make_llm, model):
     model_dir = request.getfixturevalue(model)
-    # Mistral's window is 8 tokens: these prompts are far longer than it.
+    # Mistral's (and qwen2_mixed's layers 1-2) window is 8 tokens: these prompts are far longer.
     prompts = make_prompts(seed=2, vocab=400, num=4, lengths=(10, 30))
     llm = make_llm(model_dir, block_size=4, max_num_batched_tokens=16)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)

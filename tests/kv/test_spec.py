@@ -6,17 +6,20 @@ import json
 
 import pytest
 
+from pagedkv.config import (
+    HFModelConfig,
+    canonical_dtype,
+    dtype_bytes,
+    load_hf_config,
+    resolve_dtype,
+)
 from pagedkv.kv.spec import (
     FullAttentionSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
     bundled_config_names,
     bundled_config_path,
-    canonical_dtype,
-    dtype_bytes,
     kv_cache_spec_from_hf_config,
-    load_hf_config,
-    resolve_dtype,
 )
 
 # Trimmed to the keys that matter, values as published on the Hugging Face hub.
@@ -107,9 +110,12 @@ def test_qwen2_use_sliding_window_true_slides_only_when_every_layer_does():
     for max_window_layers in (28, 14):
         mixed = {**all_slide, "max_window_layers": max_window_layers}
         assert type(kv_cache_spec_from_hf_config(mixed)) is FullAttentionSpec
-    # Without max_window_layers, use_sliding_window true slides every layer.
+    # Without max_window_layers, transformers' Qwen2Config default (28) applies: in this
+    # 28-layer model no layer slides; in a 40-layer one layers 28..39 do (a mix: full).
     no_mwl = {k: v for k, v in all_slide.items() if k != "max_window_layers"}
-    assert type(kv_cache_spec_from_hf_config(no_mwl)) is SlidingWindowSpec
+    assert type(kv_cache_spec_from_hf_config(no_mwl)) is FullAttentionSpec
+    assert HFModelConfig.from_dict({**no_mwl, "num_hidden_layers": 40}).layer_sliding_windows \
+        == (None,) * 28 + (4096,) * 12
 
 
 def test_layer_types_decide_sliding_when_given():
@@ -192,7 +198,7 @@ def test_auto_dtype_follows_the_config():
     assert kv_cache_spec_from_hf_config({**LLAMA_3_8B, "torch_dtype": "float32"}).dtype == "float32"
     newer = {k: v for k, v in LLAMA_3_8B.items() if k != "torch_dtype"}
     assert kv_cache_spec_from_hf_config({**newer, "dtype": "float16"}).dtype == "float16"
-    assert kv_cache_spec_from_hf_config(newer).dtype == "bfloat16"  # neither key: bfloat16
+    assert kv_cache_spec_from_hf_config(newer).dtype == "float32"  # neither key: float32
     assert resolve_dtype("auto", {"torch_dtype": "torch.float16"}) == "float16"
     with pytest.raises(ValueError, match="torch_dtype"):
         kv_cache_spec_from_hf_config({**LLAMA_3_8B, "torch_dtype": "int4"})
