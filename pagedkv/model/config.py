@@ -15,13 +15,7 @@ from typing import Any
 import torch
 
 from pagedkv.config import HFModelConfig, canonical_dtype
-
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+from pagedkv.model.registry import get_model_class, resolve_architecture
 
 # The torch side of the one dtype table (pagedkv.config.dtypes), keyed by canonical name.
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -73,7 +67,8 @@ def _eos_list(value: Any) -> list[int]:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and options of one Llama-family model.
+    """Shapes and options of one model; `qkv_bias`, `o_bias` and `qk_norm` come from the
+    architecture's config adapter (`config_overrides` of its registered class).
 
     `layer_sliding_windows[i]` is layer i's window (a token at position p sees positions
     p - W + 1 .. p) or None for full attention, and `torch_dtype` the canonical dtype name the
@@ -127,11 +122,7 @@ class ModelConfig:
     def from_dict(cls, cfg: dict[str, Any], gen: dict[str, Any] | None = None) -> ModelConfig:
         """Parse an HF config dict (and a generation config dict)."""
         gen = gen or {}
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(f"unknown architecture {archs!r} in config.json; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        arch = resolve_architecture(cfg.get("architectures") or [])
         model_type = cfg.get("model_type", arch.removesuffix("ForCausalLM").lower())
 
         def req(key: str) -> Any:
@@ -152,7 +143,6 @@ class ModelConfig:
         eos = _eos_list(gen.get("eos_token_id")) + _eos_list(cfg.get("eos_token_id"))
         eos_ids = tuple(dict.fromkeys(eos))
         bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
-        attention_bias = bool(cfg.get("attention_bias", False))
         return cls(
             architecture=arch,
             model_type=model_type,
@@ -169,10 +159,8 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             layer_sliding_windows=hf.layer_sliding_windows,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
-            o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            **get_model_class(arch).config_overrides(cfg),
             torch_dtype=hf.dtype,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,

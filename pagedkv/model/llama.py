@@ -1,4 +1,4 @@
-"""The Llama family on paged KV: Llama, Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (q/k norm).
+"""The Llama family on paged KV: Llama and Mistral here; Qwen2 and Qwen3 subclass it.
 
 The forward pass takes the flattened tokens of a whole mixed batch (no padding): input_ids [T],
 positions [T] and the step's AttentionMetadata; each layer writes its new K/V into the paged
@@ -8,6 +8,8 @@ each; `checkpoint_mapping` says which Hugging Face tensors each parameter is bui
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,7 +63,16 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Every supported architecture: the variations are switched by ModelConfig fields."""
+    """Llama and Mistral, and the base of Qwen2/Qwen3: their variations are ModelConfig fields
+    (biases, q/k norm, per-layer windows) that each class's `config_overrides` sets."""
+
+    @classmethod
+    def config_overrides(cls, hf_config: dict[str, Any]) -> dict[str, Any]:
+        """The architecture-specific ModelConfig fields read from the config.json dict (the
+        config adapter; see pagedkv.model.registry). Llama: `attention_bias` on every
+        attention projection, no q/k norm."""
+        bias = bool(hf_config.get("attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.layers import rope_inv_freq
-from pagedkv.model.llama import LlamaForCausalLM
+from pagedkv.model.registry import CausalLM, get_model_class
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:
@@ -90,11 +90,11 @@ def _expected_source_shapes(shape: torch.Size, sources: list[str], module: torch
 
 
 def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
-               device: torch.device) -> LlamaForCausalLM:
+               device: torch.device) -> CausalLM:
     """Build the model for `config` on `device` in `dtype`, load `model_dir`'s weights and pack
     the projection weights where that is faster (CPU bfloat16; see layers.Linear)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = get_model_class(config.architecture)(config)
     model = model.to(dtype).to_empty(device=device)
     model.rotary.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta,
                                           config.rope_scaling).to(device)

@@ -15,8 +15,8 @@ from pagedkv.kv.spec import KVCacheSpec, kv_cache_spec_from_hf_config
 from pagedkv.model.attention import AttentionMetadata, PrefillChunk
 from pagedkv.model.config import ModelConfig, parse_dtype, torch_dtype
 from pagedkv.model.kv_cache import KVCache
-from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.loader import load_model
+from pagedkv.model.registry import CausalLM
 from pagedkv.model.sampler import Sampler
 from pagedkv.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -51,7 +51,7 @@ class ModelRunner:
                              f"not match block_size {block_size}, dtype {self.dtype}")
         self.kv_cache_spec = spec
         self.block_size = block_size
-        self.model: LlamaForCausalLM = load_model(model_dir, self.model_config, self.dtype,
+        self.model: CausalLM = load_model(model_dir, self.model_config, self.dtype,
                                                   self.device)
         self.kv_cache = KVCache.from_spec(spec, num_blocks=num_blocks, device=self.device,
                                           num_host_blocks=num_host_blocks)

@@ -1,0 +1,74 @@
+"""The model registry: Hugging Face architecture name -> the model class that runs it.
+
+A new architecture is one model file (a class with the interface below, usually a subclass of
+`LlamaForCausalLM` that overrides `config_overrides` and a layer or two) plus one line in
+`_MODELS`. Entries are (module, class name), imported on first use, so reading a config never
+imports every model.
+
+The interface a model class provides (see `CausalLM`): it is built from a `ModelConfig`;
+`config_overrides(hf_config)` is its config adapter, the architecture-specific `ModelConfig`
+fields (biases, q/k norm) read from the config.json dict; `forward`, `compute_logits`,
+`checkpoint_mapping` / `checkpoint_splits` (how Hugging Face tensors become its parameters)
+and `pack_linear_weights`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedkv.model.attention import AttentionMetadata
+    from pagedkv.model.config import ModelConfig
+
+# architecture (config.json "architectures") -> (module, class)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("pagedkv.model.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("pagedkv.model.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("pagedkv.model.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("pagedkv.model.qwen3", "Qwen3ForCausalLM"),
+}
+
+
+class CausalLM(Protocol):
+    """What the loader and the runner use of a model class (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig) -> None: ...
+
+    @classmethod
+    def config_overrides(cls, hf_config: dict[str, Any]) -> dict[str, Any]: ...
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def checkpoint_mapping(self) -> dict[str, list[str]]: ...
+
+    def checkpoint_splits(self, param_name: str) -> list[int]: ...
+
+    def pack_linear_weights(self) -> int: ...
+
+
+def supported_architectures() -> tuple[str, ...]:
+    """Every architecture name the registry knows, in registration order."""
+    return tuple(_MODELS)
+
+
+def resolve_architecture(architectures: list[str] | tuple[str, ...]) -> str:
+    """The first of config.json's `architectures` that is registered; ValueError naming them
+    and the supported ones otherwise."""
+    arch = next((a for a in architectures if a in _MODELS), None)
+    if arch is None:
+        raise ValueError(f"unknown architecture {list(architectures)!r} in config.json; "
+                         f"supported: {', '.join(_MODELS)}")
+    return arch
+
+
+def get_model_class(architecture: str) -> type[CausalLM]:
+    """The model class registered for `architecture` (imported on first use)."""
+    module, name = _MODELS[resolve_architecture([architecture])]
+    return getattr(importlib.import_module(module), name)
