@@ -99,11 +99,10 @@ class LLMEngine:
         self.model_config = self.runner.model_config
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
-        kv = KVCacheManager(
-            num_blocks=setup.num_blocks, block_size=args.block_size,
+        kv = KVCacheManager.from_spec(
+            setup.spec, num_blocks=setup.num_blocks,
             num_host_blocks=setup.num_host_blocks, enable_caching=args.enable_prefix_caching,
-            sliding_window=setup.sliding_window, watermark=args.watermark,
-            hash_algo=args.prefix_caching_hash_algo)
+            watermark=args.watermark, hash_algo=args.prefix_caching_hash_algo)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=setup.max_num_batched_tokens,

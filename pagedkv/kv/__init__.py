@@ -1,13 +1,15 @@
 """The KV-cache memory system: pure Python, no torch.
 
-Specs and planning (`spec`, `plan`), blocks and the free queue (`block`), chained block hashes
-(`hashing`), the ref-counted block pool with prefix caching (`block_pool`), and the per-request
-manager with copy-on-write, sliding window and swap (`manager`).
+Specs and planning (`spec`, `plan`), blocks (`block`), chained block hashes (`hashing`), the
+ref-counted block pool with prefix caching (`block_pool`) and the order it reuses free blocks in
+(`eviction`: LRU), and the per-request manager with copy-on-write and swap (`manager`), whose
+per-attention-type block rules (full attention, sliding window) are `single_type`.
 """
 
-from pagedkv.kv.block import FreeBlockQueue, KVCacheBlock
+from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.block_pool import BlockPool
 from pagedkv.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from pagedkv.kv.eviction import EvictionPolicy, FreeBlockQueue, LRUEvictionPolicy
 from pagedkv.kv.hashing import NONE_HASH, get_hash_fn, hash_block_tokens
 from pagedkv.kv.manager import AllocStatus, KVCacheManager
 from pagedkv.kv.plan import KVCachePlan, plan_num_blocks
@@ -26,11 +28,13 @@ __all__ = [
     "BlockPool",
     "BlockRemoved",
     "BlockStored",
+    "EvictionPolicy",
     "FreeBlockQueue",
     "FullAttentionSpec",
     "KVCacheBlock",
     "KVCacheManager",
     "KVCachePlan",
+    "LRUEvictionPolicy",
     "KVCacheSpec",
     "MLAAttentionSpec",
     "SlidingWindowSpec",

@@ -1,16 +1,14 @@
 """BlockPool: the allocator of physical KV blocks, with a lazily evicted prefix cache.
 
 Every block is in exactly one of two states: in use (ref_cnt > 0, held by block tables) or
-free (ref_cnt == 0, in the free queue). A free block may still be registered in the prefix
-cache under its hash: it is evicted only when `get_new_blocks` hands its memory out again
-(lazy LRU eviction), and until then a cache hit can `touch` it back into use.
+free (ref_cnt == 0, held by the eviction policy). A free block may still be registered in the
+prefix cache under its hash: it is evicted only when `get_new_blocks` hands its memory out
+again (lazy eviction), and until then a cache hit can `touch` it back into use.
 
-Eviction order (the free queue, head reused first):
-- callers free a request's blocks tail first, so its prefix blocks (the most shareable) are
-  appended last and survive longest;
-- a freed block WITHOUT a hash (a partial block, or a duplicate of a cached one) goes to the
-  HEAD of the queue, so unhashed memory is reused before any cached block is evicted. One queue
-  keeps every operation O(1); this is the choice documented and tested here.
+Which free block is reused next is the eviction policy's business (`pagedkv.kv.eviction`):
+LRU by default (least recently freed cached block first, unhashed blocks before any cached
+one). Callers free a request's blocks tail first, so its prefix blocks (the most shareable)
+survive longest under LRU.
 
 Block 0 is the null block: a placeholder in block tables (sliding-window slots that were
 freed). It is never allocated, never freed and never in the free queue.
@@ -18,18 +16,25 @@ freed). It is never allocated, never freed and never in the free queue.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-from pagedkv.kv.block import FreeBlockQueue, KVCacheBlock
+from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from pagedkv.kv.eviction import EvictionPolicy, LRUEvictionPolicy
 from pagedkv.kv.hashing import BlockHash
 
 
 class BlockPool:
-    """`num_blocks` physical blocks, block 0 reserved as the null block."""
+    """`num_blocks` physical blocks, block 0 reserved as the null block.
+
+    `eviction_policy` builds the policy from the usable blocks (all free at the start, in id
+    order); LRU when None.
+    """
 
     def __init__(self, num_blocks: int, enable_caching: bool,
-                 enable_kv_cache_events: bool = False) -> None:
+                 enable_kv_cache_events: bool = False,
+                 eviction_policy: Callable[[list[KVCacheBlock]], EvictionPolicy] | None = None,
+                 ) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 2:
             raise ValueError(f"num_blocks must be an int >= 2 (block 0 is the null block), "
                              f"got {num_blocks!r}")
@@ -40,23 +45,24 @@ class BlockPool:
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
-        self.free_block_queue = FreeBlockQueue(self.blocks[1:])
+        self.eviction: EvictionPolicy = (eviction_policy or LRUEvictionPolicy)(self.blocks[1:])
+        self._records_access = (type(self.eviction).record_access
+                                is not EvictionPolicy.record_access)
         # hash -> the one block registered under it (a block's block_hash is set iff it is here).
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.events: list[KVCacheEvent] = []
 
     # ------------------------------------------------------------------ allocation
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Pop `num_blocks` blocks from the free-queue head, each with ref_cnt 1.
+        """Take the `num_blocks` blocks the eviction policy reuses next, each with ref_cnt 1.
 
-        A popped block that is still cached is evicted now (hash dropped, BlockRemoved event).
-        Raises ValueError when fewer blocks are free.
+        A taken block that is still cached is evicted now (hash dropped, BlockRemoved event).
+        Raises ValueError when fewer blocks are free. The list is the caller's.
         """
-        queue = self.free_block_queue
-        if num_blocks > queue.num_free_blocks:
-            raise ValueError(f"cannot allocate {num_blocks} blocks: only "
-                             f"{queue.num_free_blocks} free")
-        blocks = queue.popleft_n(num_blocks)
+        num_free = self.eviction.num_free_blocks
+        if num_blocks > num_free:
+            raise ValueError(f"cannot allocate {num_blocks} blocks: only {num_free} free")
+        blocks = self.eviction.pop(num_blocks)
         if self.enable_caching:
             for block in blocks:
                 if block.block_hash is not None:
@@ -75,17 +81,14 @@ class BlockPool:
             self.events.append(BlockRemoved([block_hash]))
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference from each block, in the given (eviction) order.
+        """Drop one reference from each block, in the given (eviction) order: callers pass a
+        request's blocks tail first.
 
-        A block reaching ref_cnt 0 joins the free queue: at the tail if it has a hash, at the head
-        if not. Raises ValueError ("double free") for a block already at 0 or the null block;
-        blocks before the bad one have been released by then.
+        The blocks reaching ref_cnt 0 go to the eviction policy, in that order. Raises
+        ValueError ("double free") for a block already at 0 or the null block; blocks before
+        the bad one have been released by then.
         """
-        # Hot path: the queue's append/appendleft are inlined here.
-        queue = self.free_block_queue
-        head = queue.fake_head
-        tail = queue.fake_tail
-        n = 0
+        freed = []
         try:
             for block in blocks:
                 ref = block.ref_cnt
@@ -96,40 +99,31 @@ class BlockPool:
                     raise ValueError(f"double free of block {block.block_id} (ref_cnt {ref}"
                                      f"{', null block' if block.is_null else ''})")
                 block.ref_cnt = 0
-                if block.block_hash is None:
-                    first = head.next_free_block
-                    head.next_free_block = block
-                    block.prev_free_block = head
-                    block.next_free_block = first
-                    first.prev_free_block = block
-                else:
-                    last = tail.prev_free_block
-                    last.next_free_block = block
-                    block.prev_free_block = last
-                    block.next_free_block = tail
-                    tail.prev_free_block = block
-                n += 1
+                freed.append(block)
         finally:
-            queue.num_free_blocks += n
+            if freed:
+                self.eviction.add(freed)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take a reference on each block (a cache hit or a fork); a free one leaves the queue."""
-        removed = 0
+        """Take a reference on each block (a cache hit or a fork); a free one leaves the
+        eviction policy's free set. Raises ValueError for the null block (blocks before it
+        have been taken by then)."""
+        if self._records_access and not isinstance(blocks, list):
+            blocks = list(blocks)
+        taken = []
         try:
             for block in blocks:
                 if block.ref_cnt == 0:
-                    prev = block.prev_free_block
-                    if prev is None:  # only the null block has ref 0 outside the queue
+                    if block.is_null:
                         raise ValueError(f"block {block.block_id} cannot be touched: it is the "
-                                         f"null block or not in the free queue")
-                    nxt = block.next_free_block
-                    prev.next_free_block = nxt
-                    nxt.prev_free_block = prev
-                    block.prev_free_block = block.next_free_block = None
-                    removed += 1
+                                         f"null block")
+                    taken.append(block)
                 block.ref_cnt += 1
         finally:
-            self.free_block_queue.num_free_blocks -= removed
+            if taken:
+                self.eviction.remove(taken)
+        if self._records_access:
+            self.eviction.record_access(blocks)
 
     # ------------------------------------------------------------------ prefix cache
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
@@ -184,7 +178,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only when no block is in use; returns whether it did."""
-        if self.free_block_queue.num_free_blocks != self.num_usable_blocks:
+        if self.eviction.num_free_blocks != self.num_usable_blocks:
             return False
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
@@ -195,12 +189,12 @@ class BlockPool:
 
     # ------------------------------------------------------------------ stats
     def get_num_free_blocks(self) -> int:
-        """Free-queue length (cached blocks that no request holds count as free). O(1)."""
-        return self.free_block_queue.num_free_blocks
+        """Free blocks (cached blocks that no request holds count as free). O(1)."""
+        return self.eviction.num_free_blocks
 
     def get_usage(self) -> float:
         """Fraction of usable blocks held by block tables."""
-        return 1.0 - self.free_block_queue.num_free_blocks / self.num_usable_blocks
+        return 1.0 - self.eviction.num_free_blocks / self.num_usable_blocks
 
     def take_events(self) -> list[KVCacheEvent]:
         """Drain the events emitted since the last call (always [] with events disabled)."""
@@ -219,35 +213,26 @@ class BlockPool:
             fail(f"null block changed: {null!r}")
         if null.prev_free_block is not None or null.next_free_block is not None:
             fail("null block is linked into the free queue")
-        queue = self.free_block_queue
+        self.eviction.check_invariants(fail)
         seen: set[int] = set()
-        prev = queue.fake_head
-        block = prev.next_free_block
-        while block is not queue.fake_tail:
-            if block is None:
-                fail("free queue is broken (a None link)")
+        for block in self.eviction.free_blocks():
             if block.block_id in seen:
-                fail(f"block {block.block_id} is twice in the free queue (a cycle)")
-            if block.prev_free_block is not prev:
-                fail(f"block {block.block_id} has a wrong prev link")
+                fail(f"block {block.block_id} is twice in the free set")
             if block.ref_cnt != 0:
-                fail(f"block {block.block_id} is in the free queue with ref_cnt {block.ref_cnt}")
+                fail(f"block {block.block_id} is free with ref_cnt {block.ref_cnt}")
             if self.blocks[block.block_id] is not block:
-                fail(f"foreign block {block.block_id} in the free queue")
+                fail(f"foreign block {block.block_id} in the free set")
             seen.add(block.block_id)
-            prev, block = block, block.next_free_block
-        if queue.fake_tail.prev_free_block is not prev:
-            fail("free queue tail link is wrong")
-        if len(seen) != queue.num_free_blocks:
-            fail(f"num_free_blocks {queue.num_free_blocks} != {len(seen)} blocks in the queue")
+        if len(seen) != self.eviction.num_free_blocks:
+            fail(f"num_free_blocks {self.eviction.num_free_blocks} != {len(seen)} free blocks")
         in_use = 0
         for block in self.blocks[1:]:
             if block.ref_cnt < 0:
                 fail(f"block {block.block_id} has ref_cnt {block.ref_cnt}")
             if block.ref_cnt > 0:
                 in_use += 1
-                if block.prev_free_block is not None or block.next_free_block is not None:
-                    fail(f"block {block.block_id} is in use but linked into the free queue")
+                if block.block_id in seen:
+                    fail(f"block {block.block_id} is in use but in the free set")
             elif block.block_id not in seen:
                 fail(f"block {block.block_id} has ref_cnt 0 but is not in the free queue")
             if block.block_hash is not None and \

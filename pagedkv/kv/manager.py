@@ -26,12 +26,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.block_pool import BlockPool
 from pagedkv.kv.events import KVCacheEvent
 from pagedkv.kv.hashing import BlockHash, RequestBlockHasher
+from pagedkv.kv.single_type import block_table_policy, block_table_policy_for_spec
+from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.utils import cdiv
 
 
@@ -94,11 +96,9 @@ class KVCacheManager:
             raise ValueError(f"num_host_blocks must be an int >= 0, got {num_host_blocks!r}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
-        if sliding_window is not None and (not isinstance(sliding_window, int)
-                                           or sliding_window <= 0):
-            raise ValueError(f"sliding_window must be a positive int, got {sliding_window!r}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.block_policy = block_table_policy(block_size, sliding_window)
         self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events)
         self.host_pool = BlockPool(num_host_blocks + 1, False) if num_host_blocks > 0 else None
@@ -109,6 +109,14 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         self._reqs: dict[str, _ReqState] = {}
         self._copies: list[tuple[int, int]] = []
+
+    @classmethod
+    def from_spec(cls, spec: KVCacheSpec, *, num_blocks: int, **kwargs: Any) -> KVCacheManager:
+        """A manager for `spec`: its block size, and the block-table policy it calls for
+        (sliding window only when every layer slides). `kwargs` as for the constructor."""
+        policy = block_table_policy_for_spec(spec)
+        return cls(num_blocks=num_blocks, block_size=spec.block_size,
+                   sliding_window=policy.sliding_window, **kwargs)
 
     # ------------------------------------------------------------------ helpers
     def _state(self, request_id: str) -> _ReqState:
@@ -177,7 +185,7 @@ class KVCacheManager:
         if self.num_usable_blocks - required_total < self.watermark_blocks:
             return AllocStatus.NEVER
         required = required_total - num_computed_blocks
-        if self.pool.free_block_queue.num_free_blocks - required >= self.watermark_blocks:
+        if self.pool.eviction.num_free_blocks - required >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
@@ -217,8 +225,9 @@ class KVCacheManager:
             raise ValueError(f"new_computed_blocks ({num_ncb} blocks) must cover exactly "
                              f"num_new_computed_tokens={num_new_computed_tokens} tokens right "
                              f"after the {num_old} full blocks the request holds")
-        if self.sliding_window is not None:
-            self._remove_skipped_blocks(blocks, request.num_computed_tokens)
+        policy = self.block_policy
+        if policy.frees_skipped_blocks:
+            policy.remove_skipped_blocks(self.pool, blocks, request.num_computed_tokens)
         num_required = cdiv(end, bs)
         num_new_blocks = num_required - num_old - num_ncb
         if num_new_blocks < 0:
@@ -235,7 +244,7 @@ class KVCacheManager:
         pool = self.pool
         if num_new_blocks or cow or num_ncb:
             num_needed = (num_new_blocks + len(cow)) if cow else num_new_blocks
-            available = pool.free_block_queue.num_free_blocks
+            available = pool.eviction.num_free_blocks
             if num_ncb:
                 for b in new_computed_blocks:  # hits in the free queue are not free for us
                     if b.ref_cnt == 0:
@@ -256,8 +265,8 @@ class KVCacheManager:
                 blocks.extend(new_blocks)
             else:
                 new_blocks = []
-            if num_ncb and self.sliding_window is not None:
-                self._remove_skipped_blocks(blocks, start)
+            if num_ncb and policy.frees_skipped_blocks:
+                policy.remove_skipped_blocks(pool, blocks, start)
         else:
             new_blocks = []
         if self.enable_caching and not delay_cache_blocks:
@@ -285,22 +294,6 @@ class KVCacheManager:
         """Drain the (src_block_id, dst_block_id) copies the runner must do before the next step."""
         copies, self._copies = self._copies, []
         return copies
-
-    def _remove_skipped_blocks(self, blocks: list[KVCacheBlock], num_computed: int) -> None:
-        """Free blocks wholly before the window of position `num_computed`; null them."""
-        num_skipped = num_computed - self.sliding_window + 1
-        if num_skipped <= 0:
-            return
-        null = self.pool.null_block
-        removed = []
-        for i in range(min(num_skipped // self.block_size, len(blocks)) - 1, -1, -1):
-            block = blocks[i]
-            if block.is_null:
-                break  # everything before it was nulled earlier
-            removed.append(block)
-            blocks[i] = null
-        if removed:
-            self.pool.free_blocks(removed)
 
     def cache_blocks(self, request: KVRequest, num_computed_tokens: int) -> None:
         """Register the request's blocks that are full within its first num_computed_tokens."""
@@ -336,12 +329,8 @@ class KVCacheManager:
             return
         if state.host_blocks is not None:
             self.host_pool.free_blocks([b for b in reversed(state.host_blocks) if not b.is_null])
-        blocks = state.blocks
-        if blocks:
-            if self.sliding_window is None:
-                self.pool.free_blocks(reversed(blocks))
-            else:
-                self.pool.free_blocks([b for b in reversed(blocks) if not b.is_null])
+        if state.blocks:
+            self.pool.free_blocks(self.block_policy.blocks_to_free(state.blocks))
 
     def fork(self, parent: KVRequest, child: KVRequest) -> None:
         """Give `child` the parent's blocks (each ref up) and hashes. The child must be new and
@@ -498,7 +487,7 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.free_block_queue.num_free_blocks
+        return self.pool.eviction.num_free_blocks
 
     @property
     def usage(self) -> float:

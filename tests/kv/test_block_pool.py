@@ -1,10 +1,11 @@
-"""BlockPool and FreeBlockQueue: allocation order, lazy eviction, touch, events, invariants."""
+"""BlockPool and its LRU eviction order (FreeBlockQueue): allocation order, lazy eviction, touch, events, invariants."""
 
 import pytest
 
-from pagedkv.kv.block import FreeBlockQueue, KVCacheBlock
+from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.block_pool import BlockPool
 from pagedkv.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from pagedkv.kv.eviction import EvictionPolicy, FreeBlockQueue
 
 BS = 4
 
@@ -31,19 +32,55 @@ def test_free_queue_order_remove_and_empty_pop():
     assert q.num_free_blocks == 5 and ids(q.get_all_free_blocks()) == [0, 1, 2, 3, 4]
     q.remove(blocks[2])
     assert ids(q.get_all_free_blocks()) == [0, 1, 3, 4] and len(q) == 4
-    assert q.popleft() is blocks[0]
-    assert ids(q.popleft_n(2)) == [1, 3]
-    q.append(blocks[0])
-    q.appendleft(blocks[2])
-    q.append_n([blocks[1], blocks[3]])
-    assert ids(q.get_all_free_blocks()) == [2, 4, 0, 1, 3] and q.num_free_blocks == 5
-    assert ids(q.popleft_n(5)) == [2, 4, 0, 1, 3]
-    with pytest.raises(ValueError):
-        q.popleft()
+    assert ids(q.popleft_n(3)) == [0, 1, 3]
+    q.append_n([blocks[1], blocks[3], blocks[0]])
+    assert ids(q.get_all_free_blocks()) == [4, 1, 3, 0] and q.num_free_blocks == 4
+    assert ids(q.popleft_n(4)) == [4, 1, 3, 0]
     with pytest.raises(ValueError):
         q.popleft_n(1)
     with pytest.raises(ValueError):
         q.remove(blocks[0])
+    q.append_n([])
+    assert q.get_all_free_blocks() == [] and len(q) == 0
+
+
+class _FIFO(EvictionPolicy):
+    """A toy policy (reuse in freeing order, hashed or not): only the interface is used."""
+
+    def __init__(self, blocks):
+        self.order = list(blocks)
+
+    @property
+    def num_free_blocks(self):
+        return len(self.order)
+
+    def add(self, blocks):
+        self.order.extend(blocks)
+
+    def remove(self, blocks):
+        for b in blocks:
+            self.order.remove(b)
+
+    def pop(self, num_blocks):
+        out, self.order = self.order[:num_blocks], self.order[num_blocks:]
+        return out
+
+    def free_blocks(self):
+        return list(self.order)
+
+
+def test_pool_bookkeeping_is_independent_of_the_eviction_policy():
+    pool = BlockPool(6, enable_caching=True, eviction_policy=_FIFO)
+    blocks = pool.get_new_blocks(4)  # 1 2 3 4
+    hashes = cache(pool, blocks[:2])
+    pool.free_blocks(reversed(blocks))  # FIFO: 5, then 4 3 2 1 (no head rule for unhashed)
+    assert ids(pool.eviction.free_blocks()) == [5, 4, 3, 2, 1]
+    pool.check_invariants([])
+    pool.touch([pool.get_cached_block(hashes[0])])  # a hit takes block 1 back
+    assert ids(pool.eviction.free_blocks()) == [5, 4, 3, 2] and blocks[0].ref_cnt == 1
+    got = pool.get_new_blocks(4)  # 5 4 3 2: block 2 is evicted from the cache
+    assert ids(got) == [5, 4, 3, 2] and pool.get_cached_block(hashes[1]) is None
+    pool.check_invariants([[blocks[0]], got])
 
 
 def test_null_block_never_handed_out():
@@ -76,7 +113,7 @@ def test_lru_order_and_tail_first_eviction():
     cache(pool, req2, 10)
     pool.free_blocks(reversed(req1))  # tail first: 3 2 1 -> queue 7 3 2 1
     pool.free_blocks(reversed(req2))  # later: 6 5 4
-    assert ids(pool.free_block_queue.get_all_free_blocks()) == [7, 3, 2, 1, 6, 5, 4]
+    assert ids(pool.eviction.free_blocks()) == [7, 3, 2, 1, 6, 5, 4]
     pool.check_invariants([])
     # Reuse evicts the least recently freed request first, its tail block before its prefix.
     got = pool.get_new_blocks(3)
@@ -91,7 +128,7 @@ def test_unhashed_blocks_reused_before_cached_ones():
     blocks = pool.get_new_blocks(4)  # 1 2 3 4
     cache(pool, blocks[:2])  # 1, 2 full and cached; 3, 4 partial
     pool.free_blocks(reversed(blocks))  # 4 (head), 3 (head), 2 (tail), 1 (tail)
-    assert ids(pool.free_block_queue.get_all_free_blocks()) == [3, 4, 5, 2, 1]
+    assert ids(pool.eviction.free_blocks()) == [3, 4, 5, 2, 1]
     assert ids(pool.get_new_blocks(3)) == [3, 4, 5]
     assert pool.get_cached_block(h(0)) is blocks[0]
     assert pool.get_cached_block(h(1)) is blocks[1]
@@ -109,7 +146,7 @@ def test_lazy_eviction_keeps_hash_until_reuse_and_hit_revives():
     assert hit is blocks[0]
     pool.touch([hit])  # revived: leaves the free queue
     assert hit.ref_cnt == 1 and pool.get_num_free_blocks() == 2
-    assert hit not in pool.free_block_queue.get_all_free_blocks()
+    assert hit not in pool.eviction.free_blocks()
     pool.check_invariants([[hit]])
     # The other one is evicted when its memory is reused.
     got = pool.get_new_blocks(2)
@@ -190,10 +227,10 @@ def test_check_invariants_detects_violations():
     with pytest.raises(RuntimeError, match="maps to block 2"):
         pool.check_invariants()
     del pool.cached_block_hash_to_block[h(5)]
-    pool.free_block_queue.num_free_blocks += 1
+    pool.eviction.num_free_blocks += 1
     with pytest.raises(RuntimeError, match="num_free_blocks"):
         pool.check_invariants()
-    pool.free_block_queue.num_free_blocks -= 1
+    pool.eviction.num_free_blocks -= 1
     pool.check_invariants([blocks])
 
 

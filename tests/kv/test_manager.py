@@ -80,7 +80,7 @@ def test_free_is_tail_first_so_prefix_survives():
     a = make_request("a", range(16))  # 4 full blocks, all cached
     prefill(m, a)
     m.free(a)
-    assert [b.block_id for b in m.pool.free_block_queue.get_all_free_blocks()] == [5, 4, 3, 2, 1]
+    assert [b.block_id for b in m.pool.eviction.free_blocks()] == [5, 4, 3, 2, 1]
     b = make_request("b", range(100, 108))  # takes 5, 4
     prefill(m, b)
     c = make_request("c", range(16))
@@ -157,9 +157,9 @@ def test_allocate_slots_none_changes_nothing():
     big = make_request("b", list(range(8)) + list(range(100, 113)))  # 6 blocks needed
     hits, n = m.get_computed_blocks(big)
     assert len(hits) == 2
-    free_before = [b.block_id for b in m.pool.free_block_queue.get_all_free_blocks()]
+    free_before = [b.block_id for b in m.pool.eviction.free_blocks()]
     assert m.allocate_slots(big, big.num_tokens - n, hits, n) is None
-    assert [b.block_id for b in m.pool.free_block_queue.get_all_free_blocks()] == free_before
+    assert [b.block_id for b in m.pool.eviction.free_blocks()] == free_before
     assert m.get_block_ids("b") == [] and hits[0].ref_cnt == 0 and hits[1].ref_cnt == 0
     assert m.pool.get_cached_block(hits[0].block_hash) is hits[0]
     m.check_invariants()
