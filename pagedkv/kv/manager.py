@@ -1,6 +1,7 @@
 """KVCacheManager: per-request block tables on top of a device and a host BlockPool.
 
-The scheduler talks to this class only. For each live request it keeps the device block table
+The scheduler allocates and frees through this class (the engine only reads its stats and
+events and checks its invariants). For each live request it keeps the device block table
 (list of KVCacheBlock; position p lives in table[p // block_size]), the host block table while
 the request is swapped out, the chained hashes of its full blocks (computed incrementally, once
 per block) and how many of its blocks were already offered to the prefix cache.
@@ -38,7 +39,7 @@ from pagedkv.utils import cdiv
 
 
 class AllocStatus(enum.Enum):
-    """Admission answer (seed 000 section 3.3)."""
+    """Admission answer of `can_allocate`: whether a request's whole sequence fits."""
 
     OK = enum.auto()  # fits now, keeping the watermark free
     LATER = enum.auto()  # does not fit now, but would fit in an otherwise empty pool
@@ -96,9 +97,9 @@ class KVCacheManager:
             raise ValueError(f"num_host_blocks must be an int >= 0, got {num_host_blocks!r}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
+        self.block_policy = block_table_policy(block_size, sliding_window)
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_policy = block_table_policy(block_size, sliding_window)
         self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events)
         self.host_pool = BlockPool(num_host_blocks + 1, False) if num_host_blocks > 0 else None

@@ -18,7 +18,9 @@ physical blocks (prefix-cache hits) attend to those blocks once per group, all t
 stacked per KV head, and to their own remaining blocks in the groups above; the two partial
 results are merged exactly with their log-sum-exp. The groups are found once per step from the
 decode block tables (`AttentionMetadata.shared_prefixes`) and used by every layer without a
-sliding window narrower than the longest decode. Prefill chunks always attend on their own.
+sliding window narrower than the longest decode. Prefill chunks whose tables start with the
+same cached blocks are grouped the same way (`prefill_shared_prefixes`,
+`shared_prefill_attention`).
 
 One `paged_attention` call per layer serves a mixed batch laid out as the runner builds it:
 the decode tokens first (one per request, batched together), then the prefill chunks (each a

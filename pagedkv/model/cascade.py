@@ -1,4 +1,4 @@
-"""Cascade (shared-prefix) attention for decodes: read a prefix shared by several requests once.
+"""Cascade (shared-prefix) attention, for decodes and prefill chunks: read a shared prefix once.
 
 With prefix caching, requests that start with the same prompt have block tables that begin with
 the same physical block ids. Attending each request's query to that prefix separately reads the
@@ -26,10 +26,10 @@ MIN_SHARED_TOKENS = 64
 
 @dataclass(frozen=True, eq=False)
 class SharedPrefix:
-    """Decode rows `rows` (indices into the step's decodes, ascending; `row_index` the same as a
-    long tensor on the block tables' device) whose block tables all start with the
-    `num_blocks` physical blocks `block_ids` [num_blocks], every position of which each of
-    those requests sees (all lie before its newest token)."""
+    """Rows `rows` (indices into the step's decodes, or into its prefill chunks; ascending;
+    `row_index` the same as a long tensor on the block tables' device) whose block tables all
+    start with the `num_blocks` physical blocks `block_ids` [num_blocks], every position of
+    which each of those requests sees (all lie before its newest token)."""
 
     rows: list[int]
     num_blocks: int

@@ -42,7 +42,6 @@ class Tokenizer:
         self.chat_template = chat_template
         self.all_special_ids: list[int] = sorted(
             i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
-        self._special_set = frozenset(self.all_special_ids)
         self._compiled_template: Any = None
 
     @classmethod
@@ -86,13 +85,6 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (special tokens left out when `skip_special_tokens`)."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
-        """The token string of each id (None for an id outside the vocabulary)."""
-        return [self._tok.id_to_token(i) for i in ids]
-
-    def is_special(self, token_id: int) -> bool:
-        return token_id in self._special_set
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:

@@ -55,10 +55,6 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(r.num_new_tokens for r in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in
                     or self.blocks_to_copy)

@@ -23,6 +23,7 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
+from pagedkv.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from pagedkv.kv.manager import AllocStatus, KVCacheManager
 from pagedkv.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedkv.sched.request import Request, RequestStatus, child_request_id
@@ -32,14 +33,16 @@ from pagedkv.utils import cdiv
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int = 2048
     preemption_mode: str = "recompute"  # or "swap" (falls back to recompute without host room)
     policy: str = "fcfs"  # or "priority": lower `priority` value is served first, as in vLLM
 
 
 class Scheduler:
-    """Owns the request queues and the per-step batch; the only caller of the KV manager."""
+    """Owns the request queues and the per-step batch, and allocates and frees every request's
+    KV blocks through the KV manager (the engine reads the manager's stats and checks its
+    invariants; it never allocates)."""
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
@@ -72,10 +75,6 @@ class Scheduler:
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
         self._enqueue(self.waiting, request)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -47,9 +47,6 @@ class _Timing:
 class Usage:
     """Token counts of one HTTP request (all its prompts and samples)."""
 
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
     per_prompt: dict[int, RequestOutput] = field(default_factory=dict)
 
     def record(self, prompt_index: int, output: RequestOutput) -> None:
