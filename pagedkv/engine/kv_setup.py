@@ -31,6 +31,11 @@ GiB = 1 << 30
 
 @dataclass(frozen=True)
 class KVCacheSetup:
+    """The KV cache the engine builds, as `plan_kv_cache` sized it (immutable; valid for the
+    engine's lifetime). `spec` shapes both the runner's KV tensors and the KV manager's
+    block-table policy; `max_model_len` may be lowered to the cache's capacity when the caller
+    gave none; `sliding_window` is the spec's window when every layer slides, else None."""
+
     spec: KVCacheSpec
     num_blocks: int  # device blocks, null block included
     num_host_blocks: int  # host blocks for swapping, null block excluded

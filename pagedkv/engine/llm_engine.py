@@ -216,6 +216,15 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Run one engine step: schedule, run the model (block moves, forward pass, sampling),
+        apply the sampled tokens, detokenize.
+
+        Mutates the scheduler's queues and requests, the KV manager's block tables and pool,
+        the runner's KV cache and sampling generators. Returns one cumulative `RequestOutput`
+        per request group that progressed or finished this step (a new object each step: it
+        stays valid, and never changes, after later steps); a finished group is forgotten
+        after its last output. [] when there was nothing to do.
+        """
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
             result = ModelRunnerOutput()

@@ -46,6 +46,14 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
+    """One step's work, built by `Scheduler.schedule` and consumed by `ModelRunner.execute`.
+
+    The block-move lists are (source id, destination id) pairs to apply in the order in the
+    module docstring; `scheduled` lists the requests whose tokens run, in schedule order.
+    Block ids are valid for this step only: the next `schedule()` may free and reuse them.
+    The runner reads it and mutates nothing in it.
+    """
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)

@@ -19,6 +19,11 @@ def child_request_id(parent_id: str, index: int) -> str:
 
 
 class RequestStatus(enum.Enum):
+    """Where a request is: WAITING (queued, holds no blocks unless a prefix-cache hit is being
+    admitted), RUNNING (holds device blocks), SWAPPED (holds host blocks only), PREEMPTED
+    (blocks freed for recompute, back in the waiting queue), or one of the FINISHED_* states
+    (blocks freed; the value is the OpenAI finish_reason). Set only by the scheduler."""
+
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"

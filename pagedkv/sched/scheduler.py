@@ -32,6 +32,15 @@ from pagedkv.utils import cdiv
 
 @dataclass
 class SchedulerConfig:
+    """The scheduler's budgets and policies, fixed for its lifetime.
+
+    `max_num_seqs`: requests running at once; `max_num_batched_tokens`: tokens per step (longer
+    prompts are prefilled in chunks); `max_model_len`: the longest prompt + output a request
+    may reach; `preemption_mode`: "recompute" (free the blocks, recompute later) or "swap"
+    (copy them to host blocks, recompute when the host is full); `policy`: "fcfs" or
+    "priority" (lower `priority` first, as in vLLM).
+    """
+
     max_num_seqs: int = 256
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int = 2048

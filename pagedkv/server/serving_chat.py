@@ -46,6 +46,10 @@ def tokenize_chat(serving: OpenAIServing, req: ChatCompletionRequest) -> list[in
 
 async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequest,
                                  raw: Request) -> JSONResponse | SSEResponse:
+    """POST /v1/chat/completions: the chat template applied to the messages, one engine
+    request (n samples); a JSON body, or an SSE stream when `req.stream`. Raises APIError (400;
+    404 for an unknown model) for bad input before anything is queued; a disconnect
+    aborts the request."""
     arrival = time.monotonic()
     serving.check_common(req)
     if req.top_logprobs is not None and not req.logprobs:

@@ -43,6 +43,10 @@ def tokenize_prompts(serving: OpenAIServing, prompt: str | list) -> list[list[in
 
 async def create_completion(serving: OpenAIServing, req: CompletionRequest,
                             raw: Request) -> JSONResponse | SSEResponse:
+    """POST /v1/completions: one engine request per prompt (n samples each); a JSON body, or
+    an SSE stream when `req.stream`. Raises APIError (400; 404 for an unknown model) for bad
+    input before anything is queued; a client that disconnects aborts its requests (their
+    blocks return at once)."""
     arrival = time.monotonic()
     serving.check_common(req)
     if req.best_of is not None and req.best_of != req.n:
