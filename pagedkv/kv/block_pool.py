@@ -88,7 +88,8 @@ class BlockPool:
         ValueError ("double free") for a block already at 0 or the null block; blocks before
         the bad one have been released by then.
         """
-        freed = []
+        freed: list[KVCacheBlock] = []
+        append = freed.append
         try:
             for block in blocks:
                 ref = block.ref_cnt
@@ -99,7 +100,7 @@ class BlockPool:
                     raise ValueError(f"double free of block {block.block_id} (ref_cnt {ref}"
                                      f"{', null block' if block.is_null else ''})")
                 block.ref_cnt = 0
-                freed.append(block)
+                append(block)
         finally:
             if freed:
                 self.eviction.add(freed)

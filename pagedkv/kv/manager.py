@@ -98,6 +98,10 @@ class KVCacheManager:
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
         self.block_policy = block_table_policy(block_size, sliding_window)
+        # Bound once: None when the policy never frees skipped blocks (the decode hot path then
+        # pays one attribute test, not a call).
+        self._remove_skipped_blocks = (self.block_policy.remove_skipped_blocks
+                                       if self.block_policy.frees_skipped_blocks else None)
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
@@ -226,10 +230,10 @@ class KVCacheManager:
             raise ValueError(f"new_computed_blocks ({num_ncb} blocks) must cover exactly "
                              f"num_new_computed_tokens={num_new_computed_tokens} tokens right "
                              f"after the {num_old} full blocks the request holds")
-        policy = self.block_policy
-        if policy.frees_skipped_blocks:
-            policy.remove_skipped_blocks(self.pool, blocks, request.num_computed_tokens)
-        num_required = cdiv(end, bs)
+        remove_skipped = self._remove_skipped_blocks
+        if remove_skipped is not None:
+            remove_skipped(self.pool, blocks, request.num_computed_tokens)
+        num_required = -(-end // bs)  # cdiv, inlined: this runs once per request per step
         num_new_blocks = num_required - num_old - num_ncb
         if num_new_blocks < 0:
             num_new_blocks = 0
@@ -266,8 +270,8 @@ class KVCacheManager:
                 blocks.extend(new_blocks)
             else:
                 new_blocks = []
-            if num_ncb and policy.frees_skipped_blocks:
-                policy.remove_skipped_blocks(pool, blocks, start)
+            if num_ncb and remove_skipped is not None:
+                remove_skipped(pool, blocks, start)
         else:
             new_blocks = []
         if self.enable_caching and not delay_cache_blocks:
