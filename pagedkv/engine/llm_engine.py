@@ -19,7 +19,7 @@ from pagedkv.engine.kv_setup import KVCacheSetup, plan_kv_cache
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.stats import EngineStats
 from pagedkv.kv.manager import KVCacheManager
-from pagedkv.sched.output import ModelRunnerOutput
+from pagedkv.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedkv.sched.request import Request, RequestStatus
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.sched.scheduler import Scheduler, SchedulerConfig, child_request_id
@@ -27,6 +27,10 @@ from pagedkv.sched.scheduler import Scheduler, SchedulerConfig, child_request_id
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict
+
+# The start of `RequestOutput.error` when the model step of a request failed (a server fault,
+# unlike a request the cache can never hold).
+STEP_FAILED = "internal error: the model step failed"
 
 
 @dataclass
@@ -220,9 +224,24 @@ class LLMEngine:
         if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
             result = ModelRunnerOutput()
         else:  # also when only finished ids: the runner drops their sampling state
-            result = self.runner.execute(scheduler_output)
+            try:
+                result = self.runner.execute(scheduler_output)
+            except Exception as exc:  # ends only this step's requests
+                return self._fail_step(scheduler_output, exc)
         changed = self.scheduler.update(scheduler_output, result)
         return self._process(changed)
+
+    def _fail_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """The runner raised: end the step's requests (scheduled, or swapped out or in: their
+        KV is unknown) with an error and free their blocks; every other request goes on."""
+        ids = [r.request_id for r in scheduler_output.scheduled]
+        ids += scheduler_output.swapped_request_ids
+        logger.exception("model step failed; ending its %d requests", len(set(ids)))
+        failed = self.scheduler.finish_requests(
+            list(dict.fromkeys(ids)), RequestStatus.FINISHED_ERROR,
+            f"{STEP_FAILED}: {type(exc).__name__}: {exc}")
+        changed = self.scheduler.update(scheduler_output, ModelRunnerOutput())
+        return self._process(failed + changed)
 
     def _process(self, changed: list[Request]) -> list[RequestOutput]:
         now = time.monotonic()
@@ -287,6 +306,7 @@ class LLMEngine:
             num_blocks=kv.num_usable_blocks, num_free_blocks=kv.num_free_blocks,
             prefix_cache_queries=sched.prefix_cache_queries,
             prefix_cache_hits=sched.prefix_cache_hits, num_preemptions=sched.num_preemptions,
+            num_swaps=sched.num_swaps,
             prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total)
 
     def check_invariants(self) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pagedkv.kv.block import KVCacheBlock
-from pagedkv.kv.block_pool import BlockPool
+from pagedkv.kv.block_pool import BlockPool, host_pool_num_blocks
 from pagedkv.kv.events import KVCacheEvent
 from pagedkv.kv.hashing import BlockHash, RequestBlockHasher
 
@@ -100,7 +100,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events)
-        self.host_pool = BlockPool(num_host_blocks + 1, False) if num_host_blocks > 0 else None
+        self.host_pool = (BlockPool(host_pool_num_blocks(num_host_blocks), False)
+                          if num_host_blocks > 0 else None)
         self.num_usable_blocks = self.pool.num_usable_blocks
         self.watermark = watermark
         self.watermark_blocks = int(watermark * self.num_usable_blocks)

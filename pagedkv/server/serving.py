@@ -18,12 +18,14 @@ from typing import Any
 
 from fastapi import Request
 
+from pagedkv.engine.llm_engine import STEP_FAILED
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineOverloadedError,
+    EngineStepError,
     RequestStream,
 )
 from pagedkv.server.errors import APIError, model_not_found
@@ -164,13 +166,18 @@ class OpenAIServing:
         stream ends without finishing (aborted by a shutdown). Does not close the streams (the
         caller does, in a finally)."""
         timings = [_Timing(s.arrival) for s in streams]
-        async for index, output in _merge(streams):
-            timing = timings[index]
-            if timing.first_token is None and any(c.token_ids for c in output.outputs):
-                timing.first_token = time.monotonic()
-            if output.finished:
-                self._observe(timing, output)
-            yield index, output
+        try:
+            async for index, output in _merge(streams):
+                timing = timings[index]
+                if timing.first_token is None and any(c.token_ids for c in output.outputs):
+                    timing.first_token = time.monotonic()
+                if output.finished:
+                    self._observe(timing, output)
+                yield index, output
+        except EngineDeadError as exc:  # a shutdown cut it off, or the engine died
+            raise APIError(str(exc), status_code=503, type="server_unavailable") from exc
+        except EngineStepError as exc:
+            raise APIError(str(exc), status_code=500, type="internal_server_error") from exc
         if any(s.aborted for s in streams):  # the server is shutting down
             raise APIError("request aborted", status_code=503, type="server_unavailable")
 
@@ -250,7 +257,16 @@ async def run_unless_disconnected(request: Request, coro: Any) -> Any:
     return task.result()
 
 
+def failure(output: RequestOutput, param: str = "prompt") -> APIError:
+    """The error of a request the engine finished with an error: a 400 when it can never fit,
+    a 500 when its model step failed."""
+    message = output.error or "the request failed in the engine"
+    if message.startswith(STEP_FAILED):
+        return APIError(message, status_code=500, type="internal_server_error")
+    return APIError(message, param=param)
+
+
 def check_not_failed(output: RequestOutput) -> None:
-    """A request the engine finished with an error (e.g. it can never fit) is a 400."""
+    """Raise `failure(output)` when the engine finished the request with an error."""
     if output.error or any(c.finish_reason == "error" for c in output.outputs):
-        raise APIError(output.error or "the request failed in the engine", param="prompt")
+        raise failure(output)

@@ -26,6 +26,7 @@ from pagedkv.server.serving import (
     Usage,
     check_not_failed,
     close_all,
+    failure,
     random_id,
     run_unless_disconnected,
 )
@@ -116,7 +117,8 @@ async def _stream(serving: OpenAIServing, request_id: str, streams: list,
     async for _, output in serving.iterate(streams):
         usage.record(0, output)
         if output.error:
-            yield sse_event(error_body(output.error, "invalid_request_error", "messages"))
+            err = failure(output, "messages")
+            yield sse_event(error_body(err.message, err.type, err.param, err.code))
             continue
         for comp in output.outputs:
             delta = tracker.delta(comp.index, comp)

@@ -21,6 +21,7 @@ from pagedkv.server.serving import (
     Usage,
     check_not_failed,
     close_all,
+    failure,
     random_id,
     run_unless_disconnected,
 )
@@ -108,7 +109,8 @@ async def _stream(serving: OpenAIServing, request_id: str, streams: list, params
     async for index, output in serving.iterate(streams):
         usage.record(index, output)
         if output.error:
-            yield sse_event(error_body(output.error, "invalid_request_error", "prompt"))
+            err = failure(output, "prompt")
+            yield sse_event(error_body(err.message, err.type, err.param, err.code))
             continue
         for comp in output.outputs:
             choice = index * n + comp.index
