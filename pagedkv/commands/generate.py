@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from pagedkv.commands.engine_flags import add_engine_flags, engine_args_from_flags
+from pagedkv.commands.engine_flags import HelpFormatter, add_engine_flags, engine_args_from_flags
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -24,7 +24,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "generate", help="generate a completion for one prompt",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     parser.add_argument("model", metavar="MODEL_DIR", help="Hugging Face model directory")
     parser.add_argument("--prompt", required=True, help="the prompt text")
     parser.add_argument("--max-tokens", type=int, default=64)

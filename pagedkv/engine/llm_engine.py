@@ -23,6 +23,7 @@ from pagedkv.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedkv.sched.request import Request, RequestStatus
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.sched.scheduler import Scheduler, SchedulerConfig, child_request_id
+from pagedkv.sched.validation import check_cache_salt, check_priority
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class LLMEngine:
         if ids is None:
             if not isinstance(text, str):
                 raise ValueError(f"prompt must be a string, got {type(text).__name__}")
-            ids = self.tokenizer.encode(text)
+            ids = self.tokenizer.encode_bounded(text, self.max_model_len)
         ids = list(ids)
         if not ids:
             raise ValueError("prompt is empty: it must have at least one token")
@@ -169,16 +170,18 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     *, priority: int = 0, cache_salt: str | None = None,
                     arrival_time: float | None = None) -> None:
-        """Queue a request. Raises ValueError for a bad prompt or a duplicate id."""
+        """Queue a request. Raises ValueError for a bad prompt, priority or cache_salt, a
+        duplicate id, or a prompt whose `params.n` samples can never fit in the KV cache."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         self._check_id_free(request_id, params.n)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        check_cache_salt(cache_salt)
+        check_priority(priority)
         text, ids = self.tokenize_prompt(prompt)
+        self.check_fits(len(ids), params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         request = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                           eos_token_ids=self.eos_token_ids, arrival_time=arrival,

@@ -14,6 +14,24 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from pagedkv.sched.validation import check_text
+
+# Over-long check: a text is first tokenized up to CHARS_PER_TOKEN_GUESS characters per allowed
+# token; each retry takes 4x more. A cut inside a word can shift the tokens at the cut, so a
+# prefix must exceed the limit by BOUNDARY_SLACK tokens before the whole text is called too long.
+CHARS_PER_TOKEN_GUESS = 8
+BOUNDARY_SLACK = 16
+
+
+class PromptTooLongError(ValueError):
+    """A text has more tokens than allowed; `num_tokens` is a lower bound of its count."""
+
+    def __init__(self, num_tokens: int, max_tokens: int, what: str = "prompt") -> None:
+        super().__init__(f"the {what} has at least {num_tokens} tokens, more than the "
+                         f"{max_tokens} allowed")
+        self.num_tokens = num_tokens
+        self.max_tokens = max_tokens
+
 
 def _token_str(value: Any) -> str | None:
     if isinstance(value, dict):
@@ -80,8 +98,36 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; with `add_special_tokens`, bos (etc.) as the tokenizer adds them."""
+        """Token ids of `text`; with `add_special_tokens`, bos (etc.) as the tokenizer adds them.
+        ValueError when `text` is not valid Unicode (a lone surrogate)."""
+        check_text(text, "text")
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_bounded(self, text: str, max_tokens: int, add_special_tokens: bool = True,
+                       what: str = "prompt") -> list[int]:
+        """`encode(text)`, except that a text known to have more than `max_tokens` tokens raises
+        PromptTooLongError after tokenizing only a prefix of it (about `max_tokens` tokens of
+        work, not the whole text). A text that fits is tokenized once, whole.
+
+        Characters bound tokens neither way for every tokenizer (a byte-fallback tokenizer
+        makes up to 4 tokens of one character, a BPE merge many characters into one token),
+        so only tokenizing tells: growing prefixes, cut before a space where there is one.
+        Releases the GIL while tokenizing (`encode_batch`), so call it from a worker thread.
+        """
+        check_text(text, what)
+        limit = CHARS_PER_TOKEN_GUESS * max_tokens + 64
+        while len(text) > limit:
+            cut = text.rfind(" ", limit // 2, limit)
+            prefix = text[:cut if cut > 0 else limit]
+            count = len(self._encode_batch(prefix, add_special_tokens))
+            if count > max_tokens + BOUNDARY_SLACK:
+                raise PromptTooLongError(count - BOUNDARY_SLACK, max_tokens, what)
+            limit *= 4
+        return self._encode_batch(text, add_special_tokens)
+
+    def _encode_batch(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch releases the GIL (encode does not): other threads go on meanwhile.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (special tokens left out when `skip_special_tokens`)."""

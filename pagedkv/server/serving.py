@@ -12,7 +12,8 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ from fastapi import Request
 
 from pagedkv.engine.llm_engine import STEP_FAILED
 from pagedkv.engine.outputs import RequestOutput
+from pagedkv.model.tokenizer import PromptTooLongError
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.server.async_engine import (
     AsyncEngine,
@@ -31,6 +33,8 @@ from pagedkv.server.async_engine import (
 from pagedkv.server.errors import APIError, model_not_found
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+
+TOKENIZER_THREADS = 2  # worker threads that tokenize (and render chat templates) off the loop
 
 
 def random_id(prefix: str) -> str:
@@ -75,6 +79,34 @@ class OpenAIServing:
         self.max_model_len: int = engine.engine.max_model_len
         self.model_name = model_name
         self.metrics = metrics
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS,
+                                                  thread_name_prefix="pagedkv-tokenize")
+
+    def close(self) -> None:
+        """Stop the tokenizer threads (work not started yet is dropped)."""
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- tokenizing (off the event loop) ------------------------------------------------
+
+    async def run_tokenizer(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` in a tokenizer thread: a huge prompt never stalls the event loop (the
+        tokenizer releases the GIL), so /health and other requests go on meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
+    def encode_prompt(self, text: str, *, add_special_tokens: bool,
+                      param: str = "prompt") -> list[int]:
+        """Token ids of a prompt text; 400 for invalid Unicode, and a cheap 400 for a prompt
+        longer than max_model_len (only a prefix of it is tokenized). Call it in run_tokenizer."""
+        try:
+            return self.tokenizer.encode_bounded(text, self.max_model_len - 1,
+                                                 add_special_tokens=add_special_tokens)
+        except PromptTooLongError as exc:
+            raise APIError(
+                f"The prompt has at least {exc.num_tokens} tokens but this model's maximum "
+                f"context length is {self.max_model_len} tokens (the prompt plus at least one "
+                "generated token must fit).", param=param) from exc
+        except ValueError as exc:
+            raise APIError(str(exc), param=param) from exc
 
     # ---- checks -------------------------------------------------------------------------
 
