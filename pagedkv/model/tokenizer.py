@@ -14,6 +14,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from pagedkv.model.config import read_json
 from pagedkv.sched.validation import check_text
 
 # Over-long check: a text is first tokenized up to CHARS_PER_TOKEN_GUESS characters per allowed
@@ -33,9 +34,12 @@ class PromptTooLongError(ValueError):
         self.max_tokens = max_tokens
 
 
-def _token_str(value: Any) -> str | None:
+def _token_str(value: Any, name: str = "token") -> str | None:
+    """A special token of tokenizer_config.json: a string, `{"content": str}` or null."""
     if isinstance(value, dict):
-        return value.get("content")
+        value = value.get("content")
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"tokenizer_config.json: {name} must be a string, got {value!r}")
     return value
 
 
@@ -46,9 +50,9 @@ class Tokenizer:
                  eos_token_ids: tuple[int, ...] = (), chat_template: str | None = None) -> None:
         self._tok = tokenizer
         self.config = config
-        self.bos_token = _token_str(config.get("bos_token"))
-        self.eos_token = _token_str(config.get("eos_token"))
-        self.pad_token = _token_str(config.get("pad_token"))
+        self.bos_token = _token_str(config.get("bos_token"), "bos_token")
+        self.eos_token = _token_str(config.get("eos_token"), "eos_token")
+        self.pad_token = _token_str(config.get("pad_token"), "pad_token")
         self.bos_token_id = self._id_or_none(self.bos_token)
         self.eos_token_id = self._id_or_none(self.eos_token)
         self.pad_token_id = self._id_or_none(self.pad_token)
@@ -71,14 +75,21 @@ class Tokenizer:
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise ValueError(f"missing file: {path}")
-        tok = HFTokenizer.from_file(str(path))
+        try:
+            tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception for a corrupt file
+            raise ValueError(f"cannot read tokenizer {path}: {exc}") from None
         cfg_path = model_dir / "tokenizer_config.json"
-        config = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
+        config = read_json(cfg_path) if cfg_path.is_file() else {}
         eos: list[int] = []
         for name in ("generation_config.json", "config.json"):
             p = model_dir / name
             if p.is_file():
-                value = json.loads(p.read_text(encoding="utf-8")).get("eos_token_id")
+                value = read_json(p).get("eos_token_id")
+                if value is not None and not (isinstance(value, int) or (
+                        isinstance(value, list) and all(isinstance(v, int) for v in value))):
+                    raise ValueError(f"{p}: eos_token_id must be an integer or a list of "
+                                     f"integers, got {value!r}")
                 eos += [value] if isinstance(value, int) else list(value or [])
         template = config.get("chat_template")
         if isinstance(template, list):  # [{"name": ..., "template": ...}]
