@@ -45,7 +45,7 @@ def free_port() -> int:
 class ServerProcess:
     """A `pagedkv serve` subprocess; `url` is its base URL once `start()` returned."""
 
-    def __init__(self, model_dir: Path, *args: str, model_name: str = "tiny") -> None:
+    def __init__(self, model_dir: Path, *args: str, model_name: str | None = "tiny") -> None:
         self.model_dir = model_dir
         self.model_name = model_name
         self.args = list(args)
@@ -58,8 +58,9 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         cmd = [sys.executable, "-m", "pagedkv.cli", "serve", str(self.model_dir),
-               "--port", str(self.port), "--served-model-name", self.model_name,
-               "--log-level", "warning", *self.args]
+               "--port", str(self.port), "--log-level", "warning", *self.args]
+        if self.model_name is not None:  # else the server's default: the directory's name
+            cmd += ["--served-model-name", self.model_name]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("PAGEDKV_API_KEY", None)
         with open(self.log_path, "wb") as log:  # the child keeps its own copy of the fd
@@ -82,8 +83,8 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")[-5000:]
 
     def stop(self) -> bool:
-        """SIGTERM, wait, SIGKILL if needed. True when it stopped by itself on SIGTERM (uvicorn
-        shuts down gracefully, then re-raises the signal) with no traceback in its output."""
+        """SIGTERM, wait, SIGKILL if needed. True when it stopped by itself on SIGTERM with exit
+        code 0 (a graceful drain) and no traceback in its output."""
         if self.proc is None:
             return False
         clean = True
@@ -95,7 +96,7 @@ class ServerProcess:
                 clean = False
                 self.proc.kill()
                 self.proc.wait(timeout=10)
-        clean = clean and self.proc.returncode in (0, -signal.SIGTERM)
+        clean = clean and self.proc.returncode == 0
         clean = clean and "Traceback" not in self.output()
         self.log_path.unlink(missing_ok=True)
         return clean
