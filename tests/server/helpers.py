@@ -113,13 +113,17 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def wait_for_idle_pool(url: str, timeout: float = 30.0) -> dict[str, float]:
-    """Poll /metrics until no request runs or waits and no block is held; return the metrics."""
+    """Poll /metrics until no request runs, waits or is swapped and no block is held; return
+    the metrics. Fails (AssertionError) when the pool is still busy after `timeout` s."""
     deadline = time.monotonic() + timeout
     while True:
         metrics = scrape(url)
         idle = (metrics["pagedkv:num_requests_running"] == 0
                 and metrics["pagedkv:num_requests_waiting"] == 0
+                and metrics["pagedkv:num_requests_swapped"] == 0
                 and metrics["pagedkv:kv_cache_usage_perc"] == 0)
-        if idle or time.monotonic() > deadline:
+        if idle:
             return metrics
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the server is still busy after {timeout} s: {metrics}")
         time.sleep(0.05)
