@@ -1,7 +1,7 @@
 """`pagedkv generate MODEL_DIR --prompt "..."`: one completion from the shell, streamed to stdout.
 
     pagedkv generate MODEL_DIR --prompt TEXT [--max-tokens 64] [--temperature 0] [--top-p 1]
-                     [--top-k 0] [--seed N] [--n 1] [--stop STR ...] [--ignore-eos] [--chat]
+                     [--top-k 0] [--sampling-seed N] [--n 1] [--stop STR ...] [--ignore-eos] [--chat]
                      [engine flags: --block-size, --dtype, ...]
 
 Greedy by default (temperature 0). `--chat` sends the prompt as one user message through the
