@@ -13,6 +13,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -127,3 +129,18 @@ def wait_for_idle_pool(url: str, timeout: float = 30.0) -> dict[str, float]:
         if time.monotonic() > deadline:
             raise AssertionError(f"the server is still busy after {timeout} s: {metrics}")
         time.sleep(0.05)
+
+
+@contextmanager
+def serving(proc: ServerProcess) -> Iterator[ServerProcess]:
+    """Start `proc`, yield it, then check that it ends idle (no block held) and healthy and
+    that SIGTERM stops it cleanly (exit 0, no traceback)."""
+    proc.start()
+    try:
+        yield proc
+        metrics = wait_for_idle_pool(proc.url)
+        assert metrics["pagedkv:kv_cache_usage_perc"] == 0.0
+        assert httpx.get(proc.url + "/health", timeout=10).status_code == 200
+    finally:
+        clean = proc.stop()
+    assert clean, "server did not shut down cleanly"

@@ -21,6 +21,7 @@ from tests.server.helpers import (
     ServerProcess,
     engine_flags,
     scrape,
+    serving,
     wait_for_idle_pool,
 )
 
@@ -37,16 +38,9 @@ FLAGS = engine_flags(dtype="float32", block_size=4, max_model_len=128,
 def swap_server(tiny_llama):
     """The issue's repro server (32 blocks, swap, a host pool of 6 blocks), with an API key,
     a 1 MiB body limit and no --served-model-name."""
-    proc = ServerProcess(tiny_llama, *FLAGS, "--api-key", KEY, "--max-request-bytes",
-                         str(MAX_REQUEST_BYTES), model_name=None).start()
-    try:
+    with serving(ServerProcess(tiny_llama, *FLAGS, "--api-key", KEY, "--max-request-bytes",
+                               str(MAX_REQUEST_BYTES), model_name=None)) as proc:
         yield proc
-        metrics = wait_for_idle_pool(proc.url)
-        assert metrics["pagedkv:kv_cache_usage_perc"] == 0.0
-        assert httpx.get(proc.url + "/health").status_code == 200
-    finally:
-        clean = proc.stop()
-    assert clean, "server did not shut down cleanly"
 
 
 def post(url: str, path: str, body: dict, timeout: float = 120) -> httpx.Response:
