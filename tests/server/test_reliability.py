@@ -179,7 +179,7 @@ def test_signal_drains_then_exits_zero(tiny_llama, sig):
     proc = ServerProcess(tiny_llama, *engine_flags(dtype="float32", block_size=4,
                                                    max_model_len=2048,
                                                    num_gpu_blocks_override=1024),
-                         "--shutdown-timeout", "2", "--log-level", "info").start()
+                         "--shutdown-timeout", "1.5", "--log-level", "info").start()
     long_body = {"prompt": "go on", "max_tokens": 1800, "ignore_eos": True}
     results: dict[str, object] = {}
 
@@ -194,7 +194,7 @@ def test_signal_drains_then_exits_zero(tiny_llama, sig):
 
     def short() -> None:
         results["short"] = httpx.post(proc.url + "/v1/completions", timeout=60, json={
-            "prompt": "hi", "max_tokens": 40, "ignore_eos": True})
+            "prompt": "hi", "max_tokens": 8, "ignore_eos": True})
 
     try:
         threads = [threading.Thread(target=f) for f in (stream, blocking)]
@@ -206,7 +206,9 @@ def test_signal_drains_then_exits_zero(tiny_llama, sig):
             time.sleep(0.05)
         short_thread = threading.Thread(target=short)
         short_thread.start()
-        time.sleep(0.3)
+        while "short" not in results and scrape(proc.url)["pagedkv:num_requests_running"] < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         proc.proc.send_signal(sig)
         time.sleep(0.5)
         with pytest.raises(httpx.HTTPError):  # the listening socket is closed
@@ -223,5 +225,5 @@ def test_signal_drains_then_exits_zero(tiny_llama, sig):
     assert "--shutdown-timeout" in error["message"] and error["type"] == "server_unavailable"
     assert results["blocking"].status_code == 503
     assert results["short"].status_code == 200
-    assert results["short"].json()["usage"]["completion_tokens"] == 40
+    assert results["short"].json()["usage"]["completion_tokens"] == 8
     assert "Traceback" not in proc.output()
