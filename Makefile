@@ -1,9 +1,13 @@
 # `make test` and `make demo` work from a fresh clone: they build .venv when it is missing.
-# torch is pinned to the CPU wheel (2.13.0): an unpinned torch would pull a multi-GB CUDA build.
+# torch is pinned (2.13.0). Which build pip fetches depends on its index: on a stock Linux box
+# PyPI's is the multi-GB CUDA one. TORCH_INDEX_URL picks the index for torch, e.g.
+#   make test TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Unset, pip uses its configured index (a local wheel mirror keeps working offline).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 TORCH  ?= torch==2.13.0
+TORCH_INDEX_URL ?=
 MODEL  ?=
 PYTEST_ARGS ?=
 
@@ -13,7 +17,8 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install -q --disable-pip-version-check \
+		$(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),) "$(TORCH)"
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 

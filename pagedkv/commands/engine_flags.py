@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import typing
 from typing import Any
 
@@ -48,6 +49,36 @@ _HELP: dict[str, str] = {
     "scheduling_policy": "'fcfs' or 'priority' (lower value first)",
     "watermark": "fraction of blocks kept free when admitting new requests",
 }
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults formatter, but '(default: X)' appears once: not again when the help
+    text states it, and not for None (engine flags default to None, meaning 'not given')."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default:" in text or action.default is None:
+            return text
+        return super()._get_help_string(action)
+
+
+def _finite_float(text: str) -> float:
+    """A float flag value; nan and infinities are refused (argparse names the flag)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def positive_number(text: str) -> float:
+    """A finite number > 0 (a flag value)."""
+    value = _finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
 
 
 def _size(text: str) -> int:
@@ -99,7 +130,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = _TYPES.get(field.name) or (
-                _optional_int if base is int and default is None else base)
+                _optional_int if base is int and default is None
+                else _finite_float if base is float else base)
             kwargs["metavar"] = field.name.upper() if field.name not in _CHOICES else None
             if field.name in _CHOICES:
                 kwargs["choices"] = _CHOICES[field.name]

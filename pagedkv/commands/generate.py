@@ -1,7 +1,7 @@
 """`pagedkv generate MODEL_DIR --prompt "..."`: one completion from the shell, streamed to stdout.
 
     pagedkv generate MODEL_DIR --prompt TEXT [--max-tokens 64] [--temperature 0] [--top-p 1]
-                     [--top-k 0] [--seed N] [--n 1] [--stop STR ...] [--ignore-eos] [--chat]
+                     [--top-k 0] [--sampling-seed N] [--n 1] [--stop STR ...] [--ignore-eos] [--chat]
                      [engine flags: --block-size, --dtype, ...]
 
 Greedy by default (temperature 0). `--chat` sends the prompt as one user message through the
@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from pagedkv.commands.engine_flags import add_engine_flags, engine_args_from_flags
+from pagedkv.commands.engine_flags import HelpFormatter, add_engine_flags, engine_args_from_flags
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -24,7 +24,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "generate", help="generate a completion for one prompt",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     parser.add_argument("model", metavar="MODEL_DIR", help="Hugging Face model directory")
     parser.add_argument("--prompt", required=True, help="the prompt text")
     parser.add_argument("--max-tokens", type=int, default=64)

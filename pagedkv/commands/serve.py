@@ -1,12 +1,17 @@
 """`pagedkv serve MODEL_DIR`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
     pagedkv serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
-                  [--api-key KEY] [--max-pending N] [engine flags: --block-size, --dtype, ...]
+                  [--api-key KEY] [--max-pending N] [--max-request-bytes N]
+                  [--shutdown-timeout S] [engine flags: --block-size, --dtype, ...]
 
 Every `EngineArgs` field is a flag with vLLM's name (see `pagedkv serve --help`). With
 `--api-key` (or PAGEDKV_API_KEY in the environment) every /v1 route needs
 `Authorization: Bearer KEY`. `--max-pending` bounds the requests in flight; beyond it the
-server answers 503 instead of queueing without limit.
+server answers 503 instead of queueing without limit. A body over `--max-request-bytes` is a
+413. The port is bound before the model loads (a busy port fails at once). SIGTERM / SIGINT
+drain: new requests get 503, those in flight get `--shutdown-timeout` seconds to finish, the
+rest end with an error (streams: an error event and [DONE]); then the process exits 0. When
+the engine loop dies the process exits 1, saying why.
 """
 
 from __future__ import annotations
@@ -17,9 +22,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pagedkv.commands.engine_flags import add_engine_flags, engine_args_from_flags
+from pagedkv.commands.engine_flags import (
+    HelpFormatter,
+    add_engine_flags,
+    engine_args_from_flags,
+    positive_number,
+)
 
 DEFAULT_PORT = 8000
+
+logger = logging.getLogger("pagedkv.server")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -27,18 +39,22 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     parser.add_argument("model", metavar="MODEL_DIR", help="Hugging Face model directory")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
     parser.add_argument("--served-model-name", default=None,
-                        help="model name the API answers to (default: MODEL_DIR as given)")
+                        help="model name the API answers to (default: MODEL_DIR's name)")
     parser.add_argument("--api-key", default=os.environ.get("PAGEDKV_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 routes "
                         "(default: $PAGEDKV_API_KEY, else none)")
     parser.add_argument("--max-pending", type=int, default=None, metavar="N",
                         help="most requests in flight before answering 503 (default: 4096)")
-    parser.add_argument("--log-level", default="info",
+    parser.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
+                        help="largest request body; larger ones get 413 (default: 4 MiB)")
+    parser.add_argument("--shutdown-timeout", type=positive_number, default=5.0, metavar="S",
+                        help="on SIGTERM/SIGINT, seconds the requests in flight get to finish")
+    parser.add_argument("--log-level", default="info", help="log verbosity",
                         choices=("critical", "error", "warning", "info", "debug"))
     add_engine_flags(parser)
     parser.set_defaults(run=run)
@@ -49,21 +65,47 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedkv.engine.llm_engine import LLMEngine
-    from pagedkv.server.app import DEFAULT_MAX_PENDING, create_app
+    from pagedkv.server.app import DEFAULT_MAX_PENDING, DEFAULT_MAX_REQUEST_BYTES, create_app
+    from pagedkv.server.graceful import DrainingServer, bind_socket
 
     if not Path(args.model).is_dir():
         raise FileNotFoundError(f"model directory {args.model!r} does not exist")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    if args.max_pending is not None and args.max_pending < 1:
-        raise ValueError(f"--max-pending must be a positive integer, got {args.max_pending}")
+    for flag in ("max_pending", "max_request_bytes"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine.from_engine_args(engine_args_from_flags(args, args.model))
-    app = create_app(engine, served_model_name=args.served_model_name or args.model,
-                     api_key=args.api_key or None,
-                     max_pending=DEFAULT_MAX_PENDING if args.max_pending is None
-                     else args.max_pending)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    engine_args = engine_args_from_flags(args, args.model)
+    sock = bind_socket(args.host, args.port)  # before the slow part: a busy port fails now
+    try:
+        engine = LLMEngine.from_engine_args(engine_args)
+        server: DrainingServer | None = None
+
+        def on_engine_dead(reason: str) -> None:
+            if server is not None:
+                server.stop_for_dead_engine(reason)
+
+        app = create_app(
+            engine, served_model_name=args.served_model_name or default_model_name(args.model),
+            api_key=args.api_key or None,
+            max_pending=args.max_pending or DEFAULT_MAX_PENDING,
+            max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+            on_engine_dead=on_engine_dead)
+        config = uvicorn.Config(app, log_level=args.log_level)
+        server = DrainingServer(config, app.state.async_engine, args.shutdown_timeout)
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if server.exit_reason is not None:
+        logger.critical("pagedkv serve: exiting because the engine failed: %s",
+                        server.exit_reason)
+        return 1
     return 0
+
+
+def default_model_name(model_dir: str) -> str:
+    """The served model name when none is given: the model directory's own name."""
+    return Path(model_dir).resolve().name or model_dir

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from pagedkv.config import MODEL_DTYPE_CHOICES as _DTYPES
@@ -65,7 +66,8 @@ class EngineArgs:
         if self.prefix_caching_hash_algo not in ("sha256", "xxhash"):
             raise ValueError("prefix_caching_hash_algo must be 'sha256' or 'xxhash', "
                              f"got {self.prefix_caching_hash_algo!r}")
-        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+        if (not isinstance(self.swap_space, (int, float)) or isinstance(self.swap_space, bool)
+                or not math.isfinite(self.swap_space) or self.swap_space < 0):
             raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")

@@ -9,6 +9,14 @@ its own `asyncio.Queue` through `loop.call_soon_threadsafe`, as the engine's cum
 The loop sleeps on an event while the engine has nothing to do (no busy spinning), checks the
 block pool's invariants each time the engine falls idle, and stops cleanly on `shutdown()`
 (aborting whatever is still running, so no block stays held and the thread is joined).
+
+A step that raises (the engine itself ends only the failed step's requests when the model
+runner raises; this is the net under that) fails every request in flight and the loop goes on
+when the KV cache's invariants still hold. When they do not, the loop cannot go on: it stops,
+logs why, and calls `on_fatal(reason)` (the server then exits instead of answering 503s).
+
+Draining (a graceful shutdown): `begin_drain()` refuses new requests (EngineDeadError, a 503)
+while those in flight run on; `end_remaining()` then ends each of them with EngineDeadError.
 """
 
 from __future__ import annotations
@@ -37,6 +45,10 @@ class EngineOverloadedError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop failed or was shut down; no request can be served any more."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step raised; the requests in flight were ended (the server answers 500)."""
 
 
 def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
@@ -105,12 +117,15 @@ class AsyncEngine:
     raises EngineOverloadedError beyond it.
     """
 
-    def __init__(self, engine: Any, *, max_pending: int = 4096) -> None:
+    def __init__(self, engine: Any, *, max_pending: int = 4096,
+                 on_fatal: Callable[[str], None] | None = None) -> None:
         if not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"max_pending must be a positive integer, got {max_pending!r}")
         self.engine = engine
         self.max_pending = max_pending
+        self.on_fatal = on_fatal  # called once, from the loop thread, when the loop dies
         self.error: str | None = None  # why the loop died or the pool went inconsistent
+        self.draining = False  # set by begin_drain(): new requests are refused
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # owned by the loop thread
@@ -154,6 +169,15 @@ class AsyncEngine:
                 logger.error("engine loop did not stop within %.0f s", timeout)
             self._thread = None
 
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on (EngineDeadError); those in flight run on."""
+        self.draining = True
+
+    def end_remaining(self, reason: str) -> None:
+        """End every request in flight with EngineDeadError(reason) (thread-safe, returns at
+        once): streams raise it, so the server ends them with an error (503 / error event)."""
+        self._submit(("fail_all", reason))
+
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
@@ -174,6 +198,8 @@ class AsyncEngine:
         """
         if not self.is_running:
             raise EngineDeadError(self.error or "the engine loop is not running")
+        if self.draining:
+            raise EngineDeadError("the server is shutting down")
         with self._lock:
             if self._num_in_flight >= self.max_pending:
                 raise EngineOverloadedError(
@@ -225,20 +251,37 @@ class AsyncEngine:
                 if idle and was_busy:  # before answering commands: a stats reply that shows
                     self._check_invariants()  # an idle engine comes after this check
                     was_busy = False
-                if not self._drain_commands():
+                if self.error is not None or not self._drain_commands():
                     break
                 if not self.engine.has_unfinished_requests():
                     self._wakeup.wait()
                     continue
                 was_busy = True
-                for output in self.engine.step():
-                    self._deliver(output)
-        except BaseException as exc:  # a bug in the engine: fail every request, say why
+                self._step()
+        except BaseException as exc:  # a bug in the loop itself: fail every request, say why
             logger.exception("engine loop failed")
             self.error = f"engine loop failed: {type(exc).__name__}: {exc}"
             self._fail_all(EngineDeadError(self.error))
         finally:
             self._abort_all()
+        if self.error is not None and not self._stopping:
+            logger.critical("the engine cannot go on (%s); stopping the server", self.error)
+            if self.on_fatal is not None:
+                self.on_fatal(self.error)
+
+    def _step(self) -> None:
+        """One engine step; a step that raises fails the requests in flight and, when the KV
+        cache is still consistent afterwards, the loop goes on (else `self.error` is set)."""
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; ending the %d requests in flight",
+                             len(self._streams))
+            self._fail_all(EngineStepError(f"engine step failed: {type(exc).__name__}: {exc}"))
+            self._check_invariants()
+            return
+        for output in outputs:
+            self._deliver(output)
 
     def _drain_commands(self) -> bool:
         """Apply the queued commands in order; False once asked to stop."""
@@ -254,6 +297,8 @@ class AsyncEngine:
                 self._add(*command[1:])
             elif kind == "abort":
                 self._abort(command[1])
+            elif kind == "fail_all":
+                self._fail_all(EngineDeadError(command[1]))
             elif kind == "stats":
                 fut = command[1]
                 _call_in_loop(fut.get_loop(), _resolve, fut, self.engine.get_stats())

@@ -33,8 +33,10 @@ class LLM:
 
         `prompts`: a string, a `{"prompt_token_ids": [...]}` dict, or a list of those (a flat list
         of ints is one tokenized prompt). `sampling_params`: one for all, or one per prompt.
-        A request that can never fit in the KV cache comes back finished with
-        `finish_reason == "error"` and `error` set, while the others complete.
+        A prompt (or `n`) that can never fit in the KV cache, or any other bad value, raises
+        ValueError before anything runs (nothing is left queued). A request whose model step
+        failed comes back finished with `finish_reason == "error"` and `error` set, while the
+        others complete.
         """
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):

@@ -19,15 +19,20 @@ from pagedkv.engine.kv_setup import KVCacheSetup, plan_kv_cache
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.stats import EngineStats
 from pagedkv.kv.manager import KVCacheManager
-from pagedkv.sched.output import ModelRunnerOutput
+from pagedkv.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedkv.sched.request import Request, RequestStatus, child_request_id
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.sched.scheduler import Scheduler, SchedulerConfig
+from pagedkv.sched.validation import check_cache_salt, check_priority
 from pagedkv.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict
+
+# The start of `RequestOutput.error` when the model step of a request failed (a server fault,
+# unlike a request the cache can never hold).
+STEP_FAILED = "internal error: the model step failed"
 
 
 @dataclass
@@ -137,7 +142,7 @@ class LLMEngine:
         if ids is None:
             if not isinstance(text, str):
                 raise ValueError(f"prompt must be a string, got {type(text).__name__}")
-            ids = self.tokenizer.encode(text)
+            ids = self.tokenizer.encode_bounded(text, self.max_model_len)
         ids = list(ids)
         if not ids:
             raise ValueError("prompt is empty: it must have at least one token")
@@ -165,16 +170,18 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     *, priority: int = 0, cache_salt: str | None = None,
                     arrival_time: float | None = None) -> None:
-        """Queue a request. Raises ValueError for a bad prompt or a duplicate id."""
+        """Queue a request. Raises ValueError for a bad prompt, priority or cache_salt, a
+        duplicate id, or a prompt whose `params.n` samples can never fit in the KV cache."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         self._check_id_free(request_id, params.n)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        check_cache_salt(cache_salt)
+        check_priority(priority)
         text, ids = self.tokenize_prompt(prompt)
+        self.check_fits(len(ids), params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         request = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                           eos_token_ids=self.eos_token_ids, arrival_time=arrival,
@@ -229,9 +236,24 @@ class LLMEngine:
         if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
             result = ModelRunnerOutput()
         else:  # also when only finished ids: the runner drops their sampling state
-            result = self.runner.execute(scheduler_output)
+            try:
+                result = self.runner.execute(scheduler_output)
+            except Exception as exc:  # ends only this step's requests
+                return self._fail_step(scheduler_output, exc)
         changed = self.scheduler.update(scheduler_output, result)
         return self._process(changed)
+
+    def _fail_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """The runner raised: end the step's requests (scheduled, or swapped out or in: their
+        KV is unknown) with an error and free their blocks; every other request goes on."""
+        ids = [r.request_id for r in scheduler_output.scheduled]
+        ids += scheduler_output.swapped_request_ids
+        logger.exception("model step failed; ending its %d requests", len(set(ids)))
+        failed = self.scheduler.finish_requests(
+            list(dict.fromkeys(ids)), RequestStatus.FINISHED_ERROR,
+            f"{STEP_FAILED}: {type(exc).__name__}: {exc}")
+        changed = self.scheduler.update(scheduler_output, ModelRunnerOutput())
+        return self._process(failed + changed)
 
     def _process(self, changed: list[Request]) -> list[RequestOutput]:
         now = time.monotonic()
@@ -296,6 +318,7 @@ class LLMEngine:
             num_blocks=kv.num_usable_blocks, num_free_blocks=kv.num_free_blocks,
             prefix_cache_queries=sched.prefix_cache_queries,
             prefix_cache_hits=sched.prefix_cache_hits, num_preemptions=sched.num_preemptions,
+            num_swaps=sched.num_swaps,
             prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total)
 
     def check_invariants(self) -> None:

@@ -22,6 +22,7 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    num_swaps: int = 0  # the preemptions that swapped out to host blocks (the rest recompute)
     prompt_tokens: int = 0
     generation_tokens: int = 0
 

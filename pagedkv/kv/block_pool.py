@@ -24,6 +24,13 @@ from pagedkv.kv.eviction import EvictionPolicy, LRUEvictionPolicy
 from pagedkv.kv.hashing import BlockHash
 
 
+def host_pool_num_blocks(num_host_blocks: int) -> int:
+    """Physical host blocks behind `num_host_blocks` usable swap blocks: the null block 0 plus
+    those, or none at all without swap. The one number that sizes both the host `BlockPool`
+    (which hands out ids 1..num_host_blocks) and the runner's host KV tensor."""
+    return num_host_blocks + 1 if num_host_blocks > 0 else 0
+
+
 class BlockPool:
     """`num_blocks` physical blocks, block 0 reserved as the null block.
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pagedkv.kv.block import KVCacheBlock
-from pagedkv.kv.block_pool import BlockPool
+from pagedkv.kv.block_pool import BlockPool, host_pool_num_blocks
 from pagedkv.kv.events import KVCacheEvent
 from pagedkv.kv.hashing import BlockHash, RequestBlockHasher
 from pagedkv.kv.single_type import block_table_policy, block_table_policy_for_spec
@@ -106,7 +106,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events)
-        self.host_pool = BlockPool(num_host_blocks + 1, False) if num_host_blocks > 0 else None
+        self.host_pool = (BlockPool(host_pool_num_blocks(num_host_blocks), False)
+                          if num_host_blocks > 0 else None)
         self.num_usable_blocks = self.pool.num_usable_blocks
         self.watermark = watermark
         self.watermark_blocks = int(watermark * self.num_usable_blocks)

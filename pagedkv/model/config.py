@@ -21,6 +21,10 @@ from pagedkv.model.registry import get_model_class, resolve_architecture
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _ROPE_TYPES = ("default", "linear", "llama3")
+# config.json sizes that must be positive integers (else tensors of negative or absurd shape).
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "max_position_embeddings")
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -129,6 +133,12 @@ class ModelConfig:
             if key not in cfg:
                 raise ValueError(f"config.json has no {key!r} (needed for {arch})")
             return cfg[key]
+
+        for key in _POSITIVE_INTS:
+            value = cfg.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value <= 0):
+                raise ValueError(f"config.json: {key} must be a positive integer, got {value!r}")
 
         hidden = int(req("hidden_size"))
         hf = HFModelConfig.from_dict(cfg)

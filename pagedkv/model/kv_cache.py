@@ -6,13 +6,16 @@ of shape [num_kv_heads, num_blocks, block_size, head_dim], so a token's slot
 (`block_id * block_size + offset`) is one column of the [heads, num_blocks * block_size, dim]
 view (see attention.py for why heads come first). A block is `kv[:, :, :, block_id]`. Block 0 is the null block: the KV manager never hands it out, and block
 tables are padded with it; being zero-filled, masked reads of it never make NaNs.
-The host cache has the same layout with `num_host_blocks` blocks (pinned memory with CUDA).
+The host cache has the same layout with `host_pool_num_blocks(num_host_blocks)` blocks (the
+host pool's null block 0 plus `num_host_blocks` usable ones, pinned memory with CUDA): the same
+number that sizes the KV manager's host pool, so every host id it hands out has a slot.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedkv.kv.block_pool import host_pool_num_blocks
 from pagedkv.kv.spec import FullAttentionSpec, KVCacheSpec
 from pagedkv.model.config import torch_dtype
 
@@ -29,9 +32,10 @@ class KVCache:
         if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be an integer >= 0, got {num_host_blocks!r}")
         self.num_blocks, self.block_size, self.num_host_blocks = num_blocks, block_size, num_host_blocks
+        self.num_host_slots = host_pool_num_blocks(num_host_blocks)  # host ids 0..slots-1
         shape = (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
-        host_shape = (num_layers, 2, num_kv_heads, num_host_blocks, block_size, head_dim)
+        host_shape = (num_layers, 2, num_kv_heads, self.num_host_slots, block_size, head_dim)
         pin = device.type == "cuda" and num_host_blocks > 0
         self.host_kv = torch.zeros(host_shape, dtype=dtype, device="cpu", pin_memory=pin)
         self.layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(num_layers)]
@@ -65,14 +69,14 @@ class KVCache:
         if not mapping:
             return
         src = self._ids([s for s, _ in mapping], self.num_blocks, "device")
-        dst = self._ids([d for _, d in mapping], self.num_host_blocks, "host")
+        dst = self._ids([d for _, d in mapping], self.num_host_slots, "host")
         self.host_kv[:, :, :, dst] = self.kv[:, :, :, src.to(self.device)].to("cpu")
 
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
         """Copy host blocks to device blocks for each (host_id, device_id) (mutates kv)."""
         if not mapping:
             return
-        src = self._ids([s for s, _ in mapping], self.num_host_blocks, "host")
+        src = self._ids([s for s, _ in mapping], self.num_host_slots, "host")
         dst = self._ids([d for _, d in mapping], self.num_blocks, "device")
         self.kv[:, :, :, dst.to(self.device)] = self.host_kv[:, :, :, src].to(self.device)
 

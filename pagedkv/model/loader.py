@@ -1,17 +1,22 @@
 """Load safetensors weights from a Hugging Face model directory (single file or sharded).
 
-Never touches the network. Errors name the missing file, shard or tensor, or the tensor whose
-shape disagrees with the config.
+Never touches the network. Errors name the missing file, shard or tensor, the unreadable
+(truncated, garbage) weight file, or the tensor whose shape disagrees with the config. The
+config is checked against the checkpoint's headers (layer count, embedding shape) before any
+weight memory is allocated, so a config claiming 10^9 layers fails at once.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.layers import rope_inv_freq
@@ -42,12 +47,45 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+@contextmanager
+def open_weights(path: Path) -> Iterator[Any]:
+    """`safe_open(path)`; a truncated or garbage file is a ValueError naming it."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            yield f
+    except SafetensorError as exc:
+        raise ValueError(f"cannot read weights file {path}: {exc}") from None
+
+
 def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, CPU tensor) for every tensor of every weight file of `model_dir`."""
     for path in weight_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with open_weights(path) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, f.get_tensor(name)
+
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+_EMBED = "model.embed_tokens.weight"
+
+
+def check_checkpoint_matches(model_dir: str | Path, config: ModelConfig) -> None:
+    """Compare the config with the checkpoint's headers (no tensor is read): the number of
+    layers and the embedding's [vocab_size, hidden_size]. ValueError naming the mismatch."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in weight_files(model_dir):
+        with open_weights(path) as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    layers = {int(m.group(1)) for name in shapes if (m := _LAYER_RE.match(name))}
+    if len(layers) != config.num_layers:
+        raise ValueError(f"config.json says num_hidden_layers={config.num_layers} but the "
+                         f"weights in {model_dir} hold {len(layers)} layers")
+    embed = shapes.get(_EMBED)
+    expected = (config.vocab_size, config.hidden_size)
+    if embed is not None and embed != expected:
+        raise ValueError(f"config.json says vocab_size={expected[0]}, hidden_size={expected[1]} "
+                         f"but {_EMBED} in {model_dir} has shape {list(embed)}")
 
 
 def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
@@ -93,6 +131,7 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
                device: torch.device) -> CausalLM:
     """Build the model for `config` on `device` in `dtype`, load `model_dir`'s weights and pack
     the projection weights where that is faster (CPU bfloat16; see layers.Linear)."""
+    check_checkpoint_matches(model_dir, config)  # before allocating for what config.json says
     with torch.device("meta"):
         model = get_model_class(config.architecture)(config)
     model = model.to(dtype).to_empty(device=device)

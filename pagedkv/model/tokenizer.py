@@ -14,10 +14,32 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from pagedkv.model.config import read_json
+from pagedkv.sched.validation import check_text
 
-def _token_str(value: Any) -> str | None:
+# Over-long check: a text is first tokenized up to CHARS_PER_TOKEN_GUESS characters per allowed
+# token; each retry takes 4x more. A cut inside a word can shift the tokens at the cut, so a
+# prefix must exceed the limit by BOUNDARY_SLACK tokens before the whole text is called too long.
+CHARS_PER_TOKEN_GUESS = 8
+BOUNDARY_SLACK = 16
+
+
+class PromptTooLongError(ValueError):
+    """A text has more tokens than allowed; `num_tokens` is a lower bound of its count."""
+
+    def __init__(self, num_tokens: int, max_tokens: int, what: str = "prompt") -> None:
+        super().__init__(f"the {what} has at least {num_tokens} tokens, more than the "
+                         f"{max_tokens} allowed")
+        self.num_tokens = num_tokens
+        self.max_tokens = max_tokens
+
+
+def _token_str(value: Any, name: str = "token") -> str | None:
+    """A special token of tokenizer_config.json: a string, `{"content": str}` or null."""
     if isinstance(value, dict):
-        return value.get("content")
+        value = value.get("content")
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"tokenizer_config.json: {name} must be a string, got {value!r}")
     return value
 
 
@@ -28,9 +50,9 @@ class Tokenizer:
                  eos_token_ids: tuple[int, ...] = (), chat_template: str | None = None) -> None:
         self._tok = tokenizer
         self.config = config
-        self.bos_token = _token_str(config.get("bos_token"))
-        self.eos_token = _token_str(config.get("eos_token"))
-        self.pad_token = _token_str(config.get("pad_token"))
+        self.bos_token = _token_str(config.get("bos_token"), "bos_token")
+        self.eos_token = _token_str(config.get("eos_token"), "eos_token")
+        self.pad_token = _token_str(config.get("pad_token"), "pad_token")
         self.bos_token_id = self._id_or_none(self.bos_token)
         self.eos_token_id = self._id_or_none(self.eos_token)
         self.pad_token_id = self._id_or_none(self.pad_token)
@@ -52,14 +74,21 @@ class Tokenizer:
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise ValueError(f"missing file: {path}")
-        tok = HFTokenizer.from_file(str(path))
+        try:
+            tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception for a corrupt file
+            raise ValueError(f"cannot read tokenizer {path}: {exc}") from None
         cfg_path = model_dir / "tokenizer_config.json"
-        config = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
+        config = read_json(cfg_path) if cfg_path.is_file() else {}
         eos: list[int] = []
         for name in ("generation_config.json", "config.json"):
             p = model_dir / name
             if p.is_file():
-                value = json.loads(p.read_text(encoding="utf-8")).get("eos_token_id")
+                value = read_json(p).get("eos_token_id")
+                if value is not None and not (isinstance(value, int) or (
+                        isinstance(value, list) and all(isinstance(v, int) for v in value))):
+                    raise ValueError(f"{p}: eos_token_id must be an integer or a list of "
+                                     f"integers, got {value!r}")
                 eos += [value] if isinstance(value, int) else list(value or [])
         template = config.get("chat_template")
         if isinstance(template, list):  # [{"name": ..., "template": ...}]
@@ -79,8 +108,36 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; with `add_special_tokens`, bos (etc.) as the tokenizer adds them."""
+        """Token ids of `text`; with `add_special_tokens`, bos (etc.) as the tokenizer adds them.
+        ValueError when `text` is not valid Unicode (a lone surrogate)."""
+        check_text(text, "text")
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_bounded(self, text: str, max_tokens: int, add_special_tokens: bool = True,
+                       what: str = "prompt") -> list[int]:
+        """`encode(text)`, except that a text known to have more than `max_tokens` tokens raises
+        PromptTooLongError after tokenizing only a prefix of it (about `max_tokens` tokens of
+        work, not the whole text). A text that fits is tokenized once, whole.
+
+        Characters bound tokens neither way for every tokenizer (a byte-fallback tokenizer
+        makes up to 4 tokens of one character, a BPE merge many characters into one token),
+        so only tokenizing tells: growing prefixes, cut before a space where there is one.
+        Releases the GIL while tokenizing (`encode_batch`), so call it from a worker thread.
+        """
+        check_text(text, what)
+        limit = CHARS_PER_TOKEN_GUESS * max_tokens + 64
+        while len(text) > limit:
+            cut = text.rfind(" ", limit // 2, limit)
+            prefix = text[:cut if cut > 0 else limit]
+            count = len(self._encode_batch(prefix, add_special_tokens))
+            if count > max_tokens + BOUNDARY_SLACK:
+                raise PromptTooLongError(count - BOUNDARY_SLACK, max_tokens, what)
+            limit *= 4
+        return self._encode_batch(text, add_special_tokens)
+
+    def _encode_batch(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch releases the GIL (encode does not): other threads go on meanwhile.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (special tokens left out when `skip_special_tokens`)."""

@@ -61,6 +61,9 @@ class SchedulerOutput:
     # Requests that ended since the last step; the runner drops their per-request state
     # (sampling generators) when it sees them.
     finished_request_ids: list[str] = field(default_factory=list)
+    # Requests whose blocks move between device and host this step (swap out or in): with the
+    # scheduled ones, the requests a failed step leaves with unknown KV contents.
+    swapped_request_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedkv.sched.validation import check_seed, check_text, is_int
+
+# Temperatures below this are greedy (as in vLLM): dividing logits by 1e-40 overflows to inf.
+GREEDY_TEMPERATURE_BELOW = 1e-5
+
 
 def _check(cond: bool, name: str, value: object, rule: str) -> None:
     if not cond:
@@ -14,7 +19,7 @@ def _check(cond: bool, name: str, value: object, rule: str) -> None:
 class SamplingParams:
     """Sampling and stopping parameters for one request.
 
-    `temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` disable those filters.
+    `temperature == 0` means greedy; so does any temperature below 1e-5 (it is set to 0). `top_k <= 0` and `top_p == 1` disable those filters.
     `seed` makes this request's sampling reproducible whatever else is in the batch.
     `logprobs=N` returns the top-N log-probabilities (plus the sampled token's) per output token.
     `stop` strings end generation and are left out of the text.
@@ -45,24 +50,25 @@ class SamplingParams:
                "n", self.n, "must be an integer >= 1")
         _check(isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0,
                "temperature", self.temperature, "must be in [0, 100]")
+        if self.temperature < GREEDY_TEMPERATURE_BELOW:
+            self.temperature = 0.0
         _check(isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0,
                "top_p", self.top_p, "must be in (0, 1]")
         _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= -1,
                "top_k", self.top_k, "must be an integer >= -1 (0 or -1 disables it)")
         _check(isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0,
                "min_p", self.min_p, "must be in [0, 1]")
-        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
-               "seed", self.seed, "must be an integer or None")
+        check_seed(self.seed)
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int)
                                            and not isinstance(self.max_tokens, bool)
                                            and self.max_tokens >= 1),
                "max_tokens", self.max_tokens, "must be an integer >= 1 or None")
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+        _check(is_int(self.min_tokens) and self.min_tokens >= 0,
                "min_tokens", self.min_tokens, "must be an integer >= 0")
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                    f"must be <= max_tokens ({self.max_tokens})")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+        _check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                "logprobs", self.logprobs, "must be an integer in [0, 20] or None")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -79,6 +85,8 @@ class SamplingParams:
         else:
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         _check(all(s for s in self.stop_strings), "stop", self.stop, "must not contain empty strings")
+        for stop in self.stop_strings:
+            check_text(stop, "stop")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         _check(isinstance(self.stop_token_ids, (list, tuple))

@@ -65,6 +65,7 @@ class Scheduler:
         self.ended_in_schedule: list[Request] = []  # ended inside schedule(); reported by update()
         self._pending_hashes: set[bytes] = set()
         self.num_preemptions = 0
+        self.num_swaps = 0  # preemptions that swapped out to host blocks (not recompute)
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -194,6 +195,8 @@ class Scheduler:
         self.num_preemptions += 1
         if self.config.preemption_mode == "swap" and kv.can_swap_out(request):
             out.blocks_to_swap_out.extend(kv.swap_out(request))
+            out.swapped_request_ids.append(request.request_id)
+            self.num_swaps += 1
             request.status = RequestStatus.SWAPPED
             self._enqueue(self.swapped, request)
             return
@@ -210,6 +213,7 @@ class Scheduler:
                 break
             self.swapped.pop(0)
             out.blocks_to_swap_in.extend(kv.swap_in(request))
+            out.swapped_request_ids.append(request.request_id)
             request.status = RequestStatus.RUNNING
             self._enqueue(self.running, request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /metrics (Prometheus text), GET /version. With `api_key`, every /v1 route needs
-`Authorization: Bearer <api_key>` (401 otherwise). Errors are OpenAI-style bodies (errors.py).
+`Authorization: Bearer <api_key>` (401 otherwise; the scheme is case-insensitive). A request
+body over `max_request_bytes` is a 413. Errors are OpenAI-style bodies (errors.py).
 
 The app owns an `AsyncEngine` (the engine's step loop in one background thread), started and
 stopped by the app's lifespan; everything lives on `app.state`, nothing in module globals, so
@@ -12,7 +13,7 @@ several apps (engines) can share a process.
 from __future__ import annotations
 
 import hmac
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -22,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedkv import __version__
 from pagedkv.engine.async_engine import AsyncEngine, EngineDeadError
+from pagedkv.server.body_limit import BodySizeLimitMiddleware
 from pagedkv.server.errors import APIError, error_response, install_error_handlers
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (
@@ -36,21 +38,28 @@ from pagedkv.server.serving_chat import create_chat_completion
 from pagedkv.server.serving_completion import create_completion
 
 DEFAULT_MAX_PENDING = 4096
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 4 MiB body is ~1M tokens of text, past any context
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
 
 
 def create_app(engine: Any, *, served_model_name: str, api_key: str | None = None,
-               max_pending: int = DEFAULT_MAX_PENDING) -> FastAPI:
+               max_pending: int = DEFAULT_MAX_PENDING,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               on_engine_dead: Callable[[str], None] | None = None) -> FastAPI:
     """An app serving `engine` (an `LLMEngine`) as `served_model_name`.
 
     The engine's loop thread starts with the app's lifespan (uvicorn, or `with TestClient(app)`)
-    and is joined when it ends; requests in flight are aborted then.
+    and is joined when it ends; requests in flight are aborted then. `on_engine_dead(reason)`
+    is called (from the loop thread) when the engine loop cannot go on; `pagedkv serve` stops
+    the process then. `app.state.async_engine.begin_drain()` / `end_remaining()` drain it.
     """
     if not served_model_name:
         raise ValueError(f"served_model_name must be a non-empty string, got {served_model_name!r}")
-    async_engine = AsyncEngine(engine, max_pending=max_pending)
+    if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
+    async_engine = AsyncEngine(engine, max_pending=max_pending, on_fatal=on_engine_dead)
     metrics = ServerMetrics(served_model_name)
     serving = OpenAIServing(async_engine, model_name=served_model_name, metrics=metrics)
 
@@ -61,6 +70,7 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
             yield
         finally:
             async_engine.shutdown()
+            serving.close()
 
     app = FastAPI(title="pagedkv", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API of a paged-KV-cache LLM engine")
@@ -70,11 +80,13 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
     install_error_handlers(app)
     if api_key:
         _install_api_key(app, api_key)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
 
     @app.get("/health")
     async def health() -> Response:
-        if not async_engine.is_running:
-            return error_response(APIError(async_engine.error or "engine loop not running",
+        if not async_engine.is_running or async_engine.draining:
+            reason = "the server is shutting down" if async_engine.draining else None
+            return error_response(APIError(reason or async_engine.error or "engine loop not running",
                                            status_code=503, type="server_unavailable"))
         return Response(status_code=200)
 
@@ -119,12 +131,16 @@ class _APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
+
+    def _authorized(self, header: bytes) -> bool:
+        scheme, _, key = header.partition(b" ")  # HTTP auth schemes are case-insensitive
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.expected)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             headers = dict(scope.get("headers") or [])
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+            if not self._authorized(headers.get(b"authorization", b"")):
                 response = error_response(APIError(
                     "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                     status_code=401, type="authentication_error", code="invalid_api_key"))

@@ -41,6 +41,8 @@ _COUNTERS = (
      "prefix_cache_queries"),
     ("pagedkv:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
     ("pagedkv:num_preemptions", "Cumulative number of preemptions.", "num_preemptions"),
+    ("pagedkv:num_swaps", "Cumulative number of preemptions by swap to host memory.",
+     "num_swaps"),
     ("pagedkv:prompt_tokens", "Prompt tokens processed (prefill).", "prompt_tokens"),
     ("pagedkv:generation_tokens", "Tokens generated.", "generation_tokens"),
 )

@@ -12,7 +12,8 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,13 +23,18 @@ from pagedkv.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineOverloadedError,
+    EngineStepError,
     RequestStream,
 )
+from pagedkv.engine.llm_engine import STEP_FAILED
 from pagedkv.engine.outputs import RequestOutput
+from pagedkv.model.tokenizer import PromptTooLongError
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.server.errors import APIError, model_not_found
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+
+TOKENIZER_THREADS = 2  # worker threads that tokenize (and render chat templates) off the loop
 
 
 def random_id(prefix: str) -> str:
@@ -70,6 +76,34 @@ class OpenAIServing:
         self.max_model_len: int = engine.max_model_len
         self.model_name = model_name
         self.metrics = metrics
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS,
+                                                  thread_name_prefix="pagedkv-tokenize")
+
+    def close(self) -> None:
+        """Stop the tokenizer threads (work not started yet is dropped)."""
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- tokenizing (off the event loop) ------------------------------------------------
+
+    async def run_tokenizer(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` in a tokenizer thread: a huge prompt never stalls the event loop (the
+        tokenizer releases the GIL), so /health and other requests go on meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
+    def encode_prompt(self, text: str, *, add_special_tokens: bool,
+                      param: str = "prompt") -> list[int]:
+        """Token ids of a prompt text; 400 for invalid Unicode, and a cheap 400 for a prompt
+        longer than max_model_len (only a prefix of it is tokenized). Call it in run_tokenizer."""
+        try:
+            return self.tokenizer.encode_bounded(text, self.max_model_len - 1,
+                                                 add_special_tokens=add_special_tokens)
+        except PromptTooLongError as exc:
+            raise APIError(
+                f"The prompt has at least {exc.num_tokens} tokens but this model's maximum "
+                f"context length is {self.max_model_len} tokens (the prompt plus at least one "
+                "generated token must fit).", param=param) from exc
+        except ValueError as exc:
+            raise APIError(str(exc), param=param) from exc
 
     # ---- checks -------------------------------------------------------------------------
 
@@ -161,13 +195,18 @@ class OpenAIServing:
         stream ends without finishing (aborted by a shutdown). Does not close the streams (the
         caller does, in a finally)."""
         timings = [_Timing(s.arrival) for s in streams]
-        async for index, output in _merge(streams):
-            timing = timings[index]
-            if timing.first_token is None and any(c.token_ids for c in output.outputs):
-                timing.first_token = time.monotonic()
-            if output.finished:
-                self._observe(timing, output)
-            yield index, output
+        try:
+            async for index, output in _merge(streams):
+                timing = timings[index]
+                if timing.first_token is None and any(c.token_ids for c in output.outputs):
+                    timing.first_token = time.monotonic()
+                if output.finished:
+                    self._observe(timing, output)
+                yield index, output
+        except EngineDeadError as exc:  # a shutdown cut it off, or the engine died
+            raise APIError(str(exc), status_code=503, type="server_unavailable") from exc
+        except EngineStepError as exc:
+            raise APIError(str(exc), status_code=500, type="internal_server_error") from exc
         if any(s.aborted for s in streams):  # the server is shutting down
             raise APIError("request aborted", status_code=503, type="server_unavailable")
 
@@ -247,7 +286,16 @@ async def run_unless_disconnected(request: Request, coro: Any) -> Any:
     return task.result()
 
 
+def failure(output: RequestOutput, param: str = "prompt") -> APIError:
+    """The error of a request the engine finished with an error: a 400 when it can never fit,
+    a 500 when its model step failed."""
+    message = output.error or "the request failed in the engine"
+    if message.startswith(STEP_FAILED):
+        return APIError(message, status_code=500, type="internal_server_error")
+    return APIError(message, param=param)
+
+
 def check_not_failed(output: RequestOutput) -> None:
-    """A request the engine finished with an error (e.g. it can never fit) is a 400."""
+    """Raise `failure(output)` when the engine finished the request with an error."""
     if output.error or any(c.finish_reason == "error" for c in output.outputs):
-        raise APIError(output.error or "the request failed in the engine", param="prompt")
+        raise failure(output)

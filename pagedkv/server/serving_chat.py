@@ -26,6 +26,7 @@ from pagedkv.server.serving import (
     Usage,
     check_not_failed,
     close_all,
+    failure,
     random_id,
     run_unless_disconnected,
 )
@@ -34,14 +35,15 @@ from pagedkv.server.sse import SSEResponse, sse_event, sse_stream
 
 def tokenize_chat(serving: OpenAIServing, req: ChatCompletionRequest) -> list[int]:
     """The chat template applied to the messages, tokenized without adding special tokens
-    (the template writes them), as vLLM does. 400 when the model has no chat template."""
+    (the template writes them), as vLLM does. 400 when the model has no chat template.
+    Runs in a tokenizer thread (`serving.run_tokenizer`)."""
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
         text = serving.tokenizer.apply_chat_template(
             messages, add_generation_prompt=req.add_generation_prompt)
     except ValueError as exc:
         raise APIError(f"cannot apply the chat template: {exc}", param="messages") from exc
-    return serving.tokenizer.encode(text, add_special_tokens=False)
+    return serving.encode_prompt(text, add_special_tokens=False, param="messages")
 
 
 async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequest,
@@ -54,7 +56,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     serving.check_common(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
-    prompt = tokenize_chat(serving, req)
+    prompt = await serving.run_tokenizer(tokenize_chat, serving, req)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = serving.max_tokens_for(requested, len(prompt), None)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -120,7 +122,8 @@ async def _stream(serving: OpenAIServing, request_id: str, streams: list,
     async for _, output in serving.iterate(streams):
         usage.record(0, output)
         if output.error:
-            yield sse_event(error_body(output.error, "invalid_request_error", "messages"))
+            err = failure(output, "messages")
+            yield sse_event(error_body(err.message, err.type, err.param, err.code))
             continue
         for comp in output.outputs:
             delta = tracker.delta(comp.index, comp)

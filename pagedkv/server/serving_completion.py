@@ -21,6 +21,7 @@ from pagedkv.server.serving import (
     Usage,
     check_not_failed,
     close_all,
+    failure,
     random_id,
     run_unless_disconnected,
 )
@@ -30,14 +31,14 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
 def tokenize_prompts(serving: OpenAIServing, prompt: str | list) -> list[list[int]]:
-    """The prompt(s) of a completions request as token-id lists (strings get the BOS token)."""
-    tokenizer = serving.tokenizer
+    """The prompt(s) of a completions request as token-id lists (strings get the BOS token).
+    Runs in a tokenizer thread (`serving.run_tokenizer`)."""
     if isinstance(prompt, str):
-        return [tokenizer.encode(prompt, add_special_tokens=True)]
+        return [serving.encode_prompt(prompt, add_special_tokens=True)]
     if isinstance(prompt[0], int):
         return [list(prompt)]
     if isinstance(prompt[0], str):
-        return [tokenizer.encode(p, add_special_tokens=True) for p in prompt]
+        return [serving.encode_prompt(p, add_special_tokens=True) for p in prompt]
     return [list(p) for p in prompt]
 
 
@@ -51,7 +52,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest,
     serving.check_common(req)
     if req.best_of is not None and req.best_of != req.n:
         raise APIError("best_of must equal n (or be left out)", param="best_of")
-    prompts = tokenize_prompts(serving, req.prompt)
+    prompts = await serving.run_tokenizer(tokenize_prompts, serving, req.prompt)
     max_tokens = [serving.max_tokens_for(req.max_tokens, len(p), DEFAULT_MAX_TOKENS)
                   for p in prompts]
     # The same for every prompt: the request's max_tokens or the default.
@@ -112,7 +113,8 @@ async def _stream(serving: OpenAIServing, request_id: str, streams: list, params
     async for index, output in serving.iterate(streams):
         usage.record(index, output)
         if output.error:
-            yield sse_event(error_body(output.error, "invalid_request_error", "prompt"))
+            err = failure(output, "prompt")
+            yield sse_event(error_body(err.message, err.type, err.param, err.code))
             continue
         for comp in output.outputs:
             choice = index * n + comp.index

@@ -17,18 +17,23 @@ def token_prompts(seed=0, num=4, lengths=(5, 20)):
             for p in make_prompts(seed=seed, vocab=400, num=num, shared_prefix=0, lengths=lengths)]
 
 
-def test_prompt_that_can_never_fit_errors_while_others_finish(tiny_llama, make_llm):
-    # 8 usable blocks of 4 tokens; max_model_len is explicitly larger than the cache.
+def test_prompt_that_can_never_fit_is_refused_at_add_request(tiny_llama, make_llm):
+    # 8 usable blocks of 4 tokens; max_model_len is explicitly larger than the cache. The
+    # server's "can this ever fit" check (LLMEngine.check_fits) refuses it up front, for the
+    # prompt's length or for its n samples, and the other requests are not touched.
     llm = make_llm(tiny_llama, block_size=4, num_gpu_blocks_override=9, max_model_len=512)
     prompts = token_prompts(num=3, lengths=(4, 8))
     huge = {"prompt_token_ids": list(range(10, 110))}
-    outputs = llm.generate([prompts[0], huge, *prompts[1:]], SamplingParams(max_tokens=4, ignore_eos=True),
-                           use_tqdm=False)
-    assert outputs[1].finished and outputs[1].outputs[0].finish_reason == "error"
-    assert "KV blocks" in outputs[1].error and "100 tokens" in outputs[1].error
-    for i in (0, 2, 3):
-        assert outputs[i].outputs[0].finish_reason == "length"
-        assert len(outputs[i].outputs[0].token_ids) == 4
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with pytest.raises(ValueError, match="100 tokens with n=1 needs at least 26 KV blocks"):
+        llm.generate([prompts[0], huge, *prompts[1:]], params, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"n=1000000 needs at least 1000001 KV blocks"):
+        llm.generate(prompts[0], SamplingParams(n=10**6, max_tokens=4), use_tqdm=False)
+    assert_pool_empty(llm)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for output in outputs:
+        assert output.outputs[0].finish_reason == "length"
+        assert len(output.outputs[0].token_ids) == 4
 
 
 def test_bad_prompts_raise_value_error_and_leak_nothing(tiny_llama, make_llm):

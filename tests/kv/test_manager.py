@@ -395,3 +395,68 @@ def test_allocate_slots_rejects_misplaced_hits():
     assert hits[0].ref_cnt == 1 and m.get_block_ids("b") == []
     m.free(b)
     m.check_invariants()
+
+
+def test_sliding_window_frees_a_block_exactly_when_it_leaves_the_window():
+    """Window 8, block size 4: the token at position p attends to p-7..p, so block 0 (positions
+    0..3) is needed up to p = 10 and free from p = 11 on, not a step earlier or later."""
+    m = mgr_(sliding_window=8)
+    r = make_request("r", range(10))
+    prefill(m, r)
+    assert m.get_block_ids("r") == [1, 2, 3]
+    decode(m, r, 10)  # computes position 10: window 3..10 still holds position 3
+    assert m.get_block_ids("r") == [1, 2, 3] and m.num_free_blocks == 13
+    decode(m, r, 11)  # computes position 11: window 4..11
+    assert m.get_block_ids("r") == [0, 2, 3] and m.num_free_blocks == 14
+    decode(m, r, 12)
+    decode(m, r, 13)
+    decode(m, r, 14)  # computes position 14: window 7..14 still holds position 7 (block 1)
+    assert m.get_block_ids("r")[:2] == [0, 2]
+    decode(m, r, 15)  # position 15: window 8..15
+    assert m.get_block_ids("r")[:2] == [0, 0]
+    m.check_invariants()
+
+
+def _swapped_with_cached_prefix(num_blocks: int) -> tuple[KVCacheManager, object]:
+    """A 9-token request (2 full cached blocks + 1 partial) swapped out; its 2 full device
+    blocks stay cached in the free queue (ref 0)."""
+    m = mgr_(num_blocks=num_blocks, num_host_blocks=4)
+    r = make_request("r", range(9))
+    prefill(m, r)
+    m.swap_out(r)
+    assert m.num_free_blocks == num_blocks - 1
+    return m, r
+
+
+def test_swap_in_counts_a_free_cached_hit_as_one_block():
+    """Swapping back 3 host blocks whose 2 full ones are still cached but held by nobody needs
+    3 free blocks: a hit taken from the free queue costs a free block as a fresh one does."""
+    m, r = _swapped_with_cached_prefix(num_blocks=11)  # 10 usable
+    filler = make_request("f", range(100, 128))  # 7 blocks: takes the uncached ones first
+    prefill(m, filler, use_cache=False)
+    cached = m.pool.cached_block_hash_to_block
+    assert m.num_free_blocks == 3 and all(h in cached for h in m.get_block_hashes("r")[:2])
+    assert m.can_swap_in(r)
+    decode(m, filler, 128)  # one more block for the filler: 2 free
+    assert m.num_free_blocks == 2 and all(h in cached for h in m.get_block_hashes("r")[:2])
+    assert not m.can_swap_in(r)
+    with pytest.raises(ValueError, match="swap in"):
+        m.swap_in(r)
+    m.check_invariants()
+
+
+def test_swap_in_counts_a_held_cached_hit_as_free():
+    """The same, but another request holds the 2 cached blocks: only the partial block needs
+    a free block, so swap-in fits with exactly 1 free block."""
+    m, r = _swapped_with_cached_prefix(num_blocks=11)
+    sharer = make_request("s", list(range(8)) + [50])  # hits blocks 1, 2
+    new, hit = prefill(m, sharer)
+    assert hit == 8 and len(new) == 1
+    filler = make_request("f", range(100, 124))  # 6 blocks: 1 free left
+    prefill(m, filler, use_cache=False)
+    assert m.num_free_blocks == 1
+    assert m.can_swap_in(r)
+    back = m.swap_in(r)
+    assert len(back) == 1 and m.get_block_ids("r")[:2] == m.get_block_ids("s")[:2]
+    assert m.num_free_blocks == 0
+    m.check_invariants()

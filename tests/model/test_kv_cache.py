@@ -14,7 +14,7 @@ from pagedkv.sched.sampling_params import SamplingParams
 def make_cache():
     cache = KVCache(num_layers=2, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=8,
                     dtype=torch.float32, device=torch.device("cpu"), num_host_blocks=3)
-    assert cache.kv.abs().sum() == 0 and cache.host_kv.shape[3] == 3
+    assert cache.kv.abs().sum() == 0 and cache.host_kv.shape[3] == 4  # the host null block + 3
     cache.kv.copy_(torch.randn(cache.kv.shape))
     return cache
 
@@ -38,8 +38,9 @@ def test_swap_out_in_and_copy_are_exact():
 
 def test_bad_block_ids():
     cache = make_cache()
-    with pytest.raises(ValueError, match="host block id 3"):
-        cache.swap_out([(1, 3)])
+    cache.swap_out([(1, 3)])  # the host pool hands out ids 1..num_host_blocks
+    with pytest.raises(ValueError, match="host block id 4"):
+        cache.swap_out([(1, 4)])
     with pytest.raises(ValueError, match="device block id 6"):
         cache.copy([(6, 1)])
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 
+from pagedkv.kv.block_pool import host_pool_num_blocks
 from pagedkv.sched.output import ModelRunnerOutput, SchedulerOutput
 
 EMPTY = -1
@@ -43,11 +44,15 @@ class FakeRunner:
         self.window = window
         self.vocab_size = vocab_size
         self.device = [EMPTY] * (num_blocks * block_size)
-        self.host = [EMPTY] * ((num_host_blocks + 1) * block_size)
+        # Sized as the real KVCache's host tensor is: a host id past it raises IndexError.
+        self.host = [EMPTY] * (host_pool_num_blocks(num_host_blocks) * block_size)
         self.num_steps = 0
 
     def _copy_block(self, src: list[int], src_block: int, dst: list[int], dst_block: int) -> None:
         bs = self.block_size
+        for block, pool in ((src_block, src), (dst_block, dst)):
+            if not 0 <= block < len(pool) // bs:
+                raise IndexError(f"block id {block} out of range [0, {len(pool) // bs})")
         dst[dst_block * bs:(dst_block + 1) * bs] = src[src_block * bs:(src_block + 1) * bs]
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -45,7 +47,7 @@ def free_port() -> int:
 class ServerProcess:
     """A `pagedkv serve` subprocess; `url` is its base URL once `start()` returned."""
 
-    def __init__(self, model_dir: Path, *args: str, model_name: str = "tiny") -> None:
+    def __init__(self, model_dir: Path, *args: str, model_name: str | None = "tiny") -> None:
         self.model_dir = model_dir
         self.model_name = model_name
         self.args = list(args)
@@ -58,8 +60,9 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         cmd = [sys.executable, "-m", "pagedkv.cli", "serve", str(self.model_dir),
-               "--port", str(self.port), "--served-model-name", self.model_name,
-               "--log-level", "warning", *self.args]
+               "--port", str(self.port), "--log-level", "warning", *self.args]
+        if self.model_name is not None:  # else the server's default: the directory's name
+            cmd += ["--served-model-name", self.model_name]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("PAGEDKV_API_KEY", None)
         with open(self.log_path, "wb") as log:  # the child keeps its own copy of the fd
@@ -82,8 +85,8 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")[-5000:]
 
     def stop(self) -> bool:
-        """SIGTERM, wait, SIGKILL if needed. True when it stopped by itself on SIGTERM (uvicorn
-        shuts down gracefully, then re-raises the signal) with no traceback in its output."""
+        """SIGTERM, wait, SIGKILL if needed. True when it stopped by itself on SIGTERM with exit
+        code 0 (a graceful drain) and no traceback in its output."""
         if self.proc is None:
             return False
         clean = True
@@ -95,7 +98,7 @@ class ServerProcess:
                 clean = False
                 self.proc.kill()
                 self.proc.wait(timeout=10)
-        clean = clean and self.proc.returncode in (0, -signal.SIGTERM)
+        clean = clean and self.proc.returncode == 0
         clean = clean and "Traceback" not in self.output()
         self.log_path.unlink(missing_ok=True)
         return clean
@@ -112,13 +115,32 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def wait_for_idle_pool(url: str, timeout: float = 30.0) -> dict[str, float]:
-    """Poll /metrics until no request runs or waits and no block is held; return the metrics."""
+    """Poll /metrics until no request runs, waits or is swapped and no block is held; return
+    the metrics. Fails (AssertionError) when the pool is still busy after `timeout` s."""
     deadline = time.monotonic() + timeout
     while True:
         metrics = scrape(url)
         idle = (metrics["pagedkv:num_requests_running"] == 0
                 and metrics["pagedkv:num_requests_waiting"] == 0
+                and metrics["pagedkv:num_requests_swapped"] == 0
                 and metrics["pagedkv:kv_cache_usage_perc"] == 0)
-        if idle or time.monotonic() > deadline:
+        if idle:
             return metrics
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the server is still busy after {timeout} s: {metrics}")
         time.sleep(0.05)
+
+
+@contextmanager
+def serving(proc: ServerProcess) -> Iterator[ServerProcess]:
+    """Start `proc`, yield it, then check that it ends idle (no block held) and healthy and
+    that SIGTERM stops it cleanly (exit 0, no traceback)."""
+    proc.start()
+    try:
+        yield proc
+        metrics = wait_for_idle_pool(proc.url)
+        assert metrics["pagedkv:kv_cache_usage_perc"] == 0.0
+        assert httpx.get(proc.url + "/health", timeout=10).status_code == 200
+    finally:
+        clean = proc.stop()
+    assert clean, "server did not shut down cleanly"

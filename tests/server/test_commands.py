@@ -67,3 +67,31 @@ def test_generate_prints_the_offline_greedy_text(tiny_llama, capsys):
     assert out == expected.outputs[0].text + "\n"
     assert "9 generated" in err
     llm.llm_engine.check_invariants()
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_help_prints_each_default_once(command, capsys):
+    with pytest.raises(SystemExit):
+        build_parser(command).parse_args([command, "--help"])
+    out = capsys.readouterr().out
+    flat = " ".join(out.split())
+    assert "(default: None)" not in flat
+    assert flat.count("(default: 16)") == 1  # --block-size
+    assert flat.count("(default: 4.0)") == 1  # --swap-space
+    for line in out.splitlines():
+        assert line.count("(default:") <= 1, line
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "lots"])
+def test_non_finite_float_flags_name_the_flag(value, capsys):
+    with pytest.raises(SystemExit):
+        parse("serve", "m", "--swap-space", value)
+    assert "argument --swap-space" in capsys.readouterr().err
+
+
+def test_default_served_model_name_is_the_directory_name(tmp_path):
+    from pagedkv.commands.serve import default_model_name
+
+    (tmp_path / "my-model").mkdir()
+    assert default_model_name(str(tmp_path / "my-model")) == "my-model"
+    assert default_model_name(str(tmp_path / "my-model") + "/") == "my-model"

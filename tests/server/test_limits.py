@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.helpers import ServerProcess, engine_flags, wait_for_idle_pool
+from tests.server.helpers import ServerProcess, engine_flags, serving, wait_for_idle_pool
 
 KEY = "test-secret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -15,17 +15,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def limited(tiny_llama):
-    proc = ServerProcess(tiny_llama, "--api-key", KEY, "--max-pending", "1",
-                         *engine_flags(dtype="float32", block_size=4, max_model_len=512,
-                                       num_gpu_blocks_override=200)).start()
-    try:
+    with serving(ServerProcess(tiny_llama, "--api-key", KEY, "--max-pending", "1",
+                               *engine_flags(dtype="float32", block_size=4, max_model_len=512,
+                                             num_gpu_blocks_override=200))) as proc:
         yield proc
-        metrics = wait_for_idle_pool(proc.url)
-        assert metrics["pagedkv:kv_cache_usage_perc"] == 0.0
-        assert httpx.get(proc.url + "/health").status_code == 200
-    finally:
-        clean = proc.stop()
-    assert clean, "server did not shut down cleanly"
 
 
 def completion(url: str, headers: dict[str, str] | None = None, **body: object) -> httpx.Response:

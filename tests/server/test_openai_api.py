@@ -217,8 +217,12 @@ def test_64_concurrent_streams_match_offline(server, offline):
     assert metrics["pagedkv:kv_cache_usage_perc"] == 0.0
 
 
+# Tokens the engine may still generate after the client has gone: the abort reaches the engine
+# loop within a step or two (a few ms of the tiny model), far below the 1000 asked for.
+AFTER_DISCONNECT_BOUND = 100
+
+
 def test_streaming_disconnect_aborts_and_frees_blocks(server):
-    before = scrape(server.url)["pagedkv:generation_tokens_total"]
     body = {"model": MODEL, "prompt": "Disconnect me", "max_tokens": 1000, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as resp:
@@ -226,26 +230,27 @@ def test_streaming_disconnect_aborts_and_frees_blocks(server):
         received = [line for line in (next(lines) for _ in range(6)) if line]
         assert received and received[0].startswith("data: ")
         assert scrape(server.url)["pagedkv:num_requests_running"] == 1
+    at_disconnect = scrape(server.url)["pagedkv:generation_tokens_total"]
     # The connection is closed mid-stream: the request must be aborted, its blocks returned.
     metrics = wait_for_idle_pool(server.url)
     assert metrics["pagedkv:num_requests_running"] == 0
     assert metrics["pagedkv:kv_cache_usage_perc"] == 0.0
     time.sleep(0.3)
     after = scrape(server.url)["pagedkv:generation_tokens_total"]
-    assert after - before < 1000, "the request kept generating after the disconnect"
+    assert after - at_disconnect < AFTER_DISCONNECT_BOUND, "it kept generating after the disconnect"
 
 
 def test_non_streaming_disconnect_aborts(server):
-    before = scrape(server.url)["pagedkv:generation_tokens_total"]
     body = {"model": MODEL, "prompt": "Wait for me", "max_tokens": 1000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+    at_disconnect = scrape(server.url)["pagedkv:generation_tokens_total"]
     metrics = wait_for_idle_pool(server.url)
     assert metrics["pagedkv:num_requests_running"] == 0
     assert metrics["pagedkv:kv_cache_usage_perc"] == 0.0
     time.sleep(0.3)
     after = scrape(server.url)["pagedkv:generation_tokens_total"]
-    assert after - before < 1000, "the request ran to completion after the client left"
+    assert after - at_disconnect < AFTER_DISCONNECT_BOUND, "it kept running after the client left"
 
 
 def test_metrics_names_and_counts(server, client):
