@@ -56,10 +56,14 @@ class ServerProcess:
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
 
+    def command(self) -> list[str]:
+        """The command line `start` runs (a subclass may start another subcommand)."""
+        return [sys.executable, "-m", "pagedkv.cli", "serve", str(self.model_dir),
+                "--port", str(self.port), "--served-model-name", self.model_name,
+                "--log-level", "warning", *self.args]
+
     def start(self) -> ServerProcess:
-        cmd = [sys.executable, "-m", "pagedkv.cli", "serve", str(self.model_dir),
-               "--port", str(self.port), "--served-model-name", self.model_name,
-               "--log-level", "warning", *self.args]
+        cmd = self.command()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("PAGEDKV_API_KEY", None)
         with open(self.log_path, "wb") as log:  # the child keeps its own copy of the fd

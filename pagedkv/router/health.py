@@ -1,0 +1,76 @@
+"""The health checker: every `interval_s`, each backend's /health, /kv_cache_info and /metrics.
+
+A backend that answers /health with 200 is marked up (its hashing settings fetched once per up
+period, its load gauges refreshed each round); one that refuses, times out or answers anything
+else is marked down, which drops its prefix index. Requests that fail to connect mark a backend
+down at once as well (proxy.py); this loop is what brings it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from pagedkv.router.backend import Backend, parse_load
+from pagedkv.router.router import Router
+
+logger = logging.getLogger("pagedkv.router")
+
+KV_INFO_ROUTE = "/kv_cache_info"
+
+
+class HealthChecker:
+    """Polls the router's backends with `client` (whose timeouts bound each check)."""
+
+    def __init__(self, router: Router, client: httpx.AsyncClient, *, interval_s: float = 1.0,
+                 timeout_s: float = 2.0) -> None:
+        if interval_s <= 0 or timeout_s <= 0:
+            raise ValueError(f"health interval and timeout must be positive, got "
+                             f"{interval_s!r} and {timeout_s!r}")
+        self.router = router
+        self.client = client
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+
+    async def check(self, backend: Backend) -> bool:
+        """One round for one backend; True when it is up afterwards."""
+        try:
+            health = await self.client.get(backend.url + "/health", timeout=self.timeout_s)
+            if health.status_code != 200:
+                self.router.mark_down(backend, f"/health answered {health.status_code}")
+                return False
+            if backend.kv_info is None or not backend.up:
+                self.router.set_kv_info(backend, await self._kv_info(backend))
+            metrics = await self.client.get(backend.url + "/metrics", timeout=self.timeout_s)
+            if metrics.status_code == 200:
+                backend.load = parse_load(metrics.text)
+        except (httpx.HTTPError, ValueError) as exc:
+            self.router.mark_down(backend, f"health check failed: {exc!r}")
+            return False
+        self.router.mark_up(backend)
+        return True
+
+    async def _kv_info(self, backend: Backend) -> dict | None:
+        resp = await self.client.get(backend.url + KV_INFO_ROUTE, timeout=self.timeout_s)
+        if resp.status_code == 404:
+            return None
+        resp.raise_for_status()
+        info = resp.json()
+        return info if isinstance(info, dict) else None
+
+    async def check_all(self) -> int:
+        """One round for every backend, concurrently; returns how many are up."""
+        results = await asyncio.gather(*(self.check(b) for b in self.router.backends))
+        return sum(results)
+
+    async def run(self) -> None:
+        """Check forever (cancel to stop)."""
+        while True:
+            try:
+                await self.check_all()
+                self.router.index.prune()
+            except Exception:  # never let one bad round stop the checks
+                logger.exception("health check round failed")
+            await asyncio.sleep(self.interval_s)
