@@ -34,16 +34,19 @@ CONNECT_TIMEOUT_S = 2.0
 
 def create_router_app(router: Router, *, api_key: str | None = None,
                       backend_api_key: str | None = None, health_interval_s: float = 1.0,
-                      health_timeout_s: float = 2.0) -> FastAPI:
+                      health_timeout_s: float = 2.0,
+                      transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
     """An app that forwards to `router`'s backends. Its background tasks start and stop with
-    the app's lifespan (uvicorn, or `with TestClient(app)`)."""
+    the app's lifespan (uvicorn, or `with TestClient(app)`). `transport` replaces the network
+    (tests hand in an `httpx.MockTransport`)."""
     state: dict[str, Any] = {}
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
-        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        async with httpx.AsyncClient(limits=limits, timeout=timeout,
+                                     transport=transport) as client:
             checker = HealthChecker(router, client, interval_s=health_interval_s,
                                     timeout_s=health_timeout_s)
             state["forwarder"] = Forwarder(router, client, backend_api_key=backend_api_key)
