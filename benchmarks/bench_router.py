@@ -24,13 +24,9 @@ import asyncio
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -39,8 +35,8 @@ from pagedkv.bench.datasets import FIRST_TOKEN_ID, SampleRequest  # noqa: E402
 from pagedkv.bench.metrics import compute_metrics  # noqa: E402
 from pagedkv.bench.serve_client import run_load  # noqa: E402
 from pagedkv.model.random_model import build_random_model_dir  # noqa: E402
-from tests.router.helpers import router_metric  # noqa: E402
-from tests.server.helpers import free_port  # noqa: E402
+from tests.router.helpers import RouterProcess, router_metric  # noqa: E402
+from tests.server.helpers import ServerProcess  # noqa: E402
 
 POLICIES = ("round-robin", "least-load", "kv-aware")
 BLOCK_SIZE = 16
@@ -57,49 +53,18 @@ def workload(args: argparse.Namespace, vocab: int, seed: int) -> list[SampleRequ
                           args.output_tokens) for _ in range(args.requests)]
 
 
-def start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[3]} exited:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError(f"{cmd[3]} not healthy:\n{log.read_text()[-3000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def run_policy(policy: str, model_dir: Path, backends: list[str], requests: list[SampleRequest],
-               args: argparse.Namespace, tmp: Path) -> dict:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    flags = [f for b in backends for f in ("--backend", b)]
-    router = start([sys.executable, "-m", "pagedkv.cli", "router", *flags, "--policy", policy,
-                    "--model", str(model_dir), "--port", str(port), "--log-level", "warning",
-                    "--health-interval", "0.25"], url, tmp / f"router-{policy}.log")
+def run_policy(policy: str, model_dir: Path, backends: list[str],
+               requests: list[SampleRequest], args: argparse.Namespace) -> dict:
+    router = RouterProcess(model_dir, backends, "--policy", policy,
+                           "--health-interval", "0.25").start()
     try:
         results, duration, _ = asyncio.run(run_load(
-            url, requests, model="bench", request_rate=args.rate, seed=args.seed,
+            router.url, requests, model="bench", request_rate=args.rate, seed=args.seed,
             progress=False))
-        per_backend = [int(router_metric(url, "pagedkv_router:requests_total", backend=b,
-                                         status="200")) for b in backends]
+        per_backend = [int(router_metric(router.url, "pagedkv_router:requests_total",
+                                         backend=b, status="200")) for b in backends]
     finally:
-        stop(router)
+        router.stop()
     m = compute_metrics(results, duration)
     ok = [r for r in results if r.success]
     mean = sum(per_backend) / len(per_backend)
@@ -128,30 +93,24 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    os.environ["OMP_NUM_THREADS"] = "1"  # three backends share the machine's cores
     with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp_name:
-        tmp = Path(tmp_name)
         model_dir = build_random_model_dir(
-            tmp / "model", hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+            Path(tmp_name) / "model", hidden_size=args.hidden, intermediate_size=2 * args.hidden,
             num_layers=args.layers, num_heads=4, num_kv_heads=2, max_position_embeddings=4096)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        backends, procs = [], []
+        flags = ["--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(args.blocks),
+                 "--max-model-len", "2048", "--dtype", "float32"]
+        procs = [ServerProcess(model_dir, *flags, model_name="bench") for _ in range(3)]
         try:
-            for i in range(3):
-                port = free_port()
-                url = f"http://127.0.0.1:{port}"
-                procs.append(start([
-                    sys.executable, "-m", "pagedkv.cli", "serve", str(model_dir), "--port",
-                    str(port), "--served-model-name", "bench", "--log-level", "warning",
-                    "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override",
-                    str(args.blocks), "--max-model-len", "2048", "--dtype", "float32"],
-                    url, tmp / f"backend-{i}.log"))
-                backends.append(url)
-            rows = [run_policy(policy, model_dir, backends,
-                               workload(args, vocab, seed=args.seed + 1000 * (k + 1)), args, tmp)
+            for proc in procs:
+                proc.start()
+            rows = [run_policy(policy, model_dir, [p.url for p in procs],
+                               workload(args, vocab, seed=args.seed + 1000 * (k + 1)), args)
                     for k, policy in enumerate(POLICIES)]
         finally:
             for proc in procs:
-                stop(proc)
+                proc.stop()
     base = rows[0]
     for row in rows:
         row["vs_round_robin"] = {

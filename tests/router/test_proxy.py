@@ -3,6 +3,7 @@ the error event of a stream cut after it, health marking, the API key, /v1/model
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -11,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedkv.router.app import create_router_app
 from pagedkv.router.backend import Backend
+from pagedkv.router.health import HealthChecker
 from pagedkv.router.policies import make_policy
 from pagedkv.router.router import Router
 
@@ -156,10 +158,6 @@ def test_health_load_scrape_models_and_api_key():
 
 
 def test_slow_or_failing_health_marks_down_after_the_threshold_refused_at_once():
-    import asyncio
-
-    from pagedkv.router.health import HealthChecker
-
     fake = FakeBackends()
     router = Router([Backend(A), Backend(B)], make_policy("kv-aware"))
     status = {A: 200}

@@ -194,6 +194,7 @@ def test_a_killed_backend_loses_no_request_that_had_not_started_streaming(
     while router_metric(router.url, "pagedkv_router:backend_up", backend=victim.url) != 1:
         assert time.monotonic() < deadline, "the router never marked the revived backend up"
         time.sleep(0.1)
-    retried = sum(router_metric(router.url, "pagedkv_router:retries", backend=victim.url,
-                                reason=reason) for reason in ("connect", "read"))
+    retried = sum(router_metric(router.url, "pagedkv_router:retries_total",
+                                backend=victim.url, reason=reason)
+                  for reason in ("connect", "read"))
     assert retried + cut_streams >= 1  # the kill did hit requests in flight
