@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+import pydantic
 import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -27,7 +28,7 @@ from pagedkv.router.kv_events import KVEventSubscriber
 from pagedkv.router.proxy import Forwarder
 from pagedkv.router.router import Router
 from pagedkv.server.errors import APIError, install_error_handlers
-from pagedkv.server.protocol import ModelList
+from pagedkv.server.protocol import ModelCard, ModelList
 
 CONNECT_TIMEOUT_S = 2.0
 
@@ -116,9 +117,12 @@ async def _merged_models(router: Router, client: httpx.AsyncClient,
         except (httpx.HTTPError, ValueError, AttributeError):
             return []
 
-    cards: dict[str, dict[str, Any]] = {}
+    cards: dict[str, ModelCard] = {}
     for data in await asyncio.gather(*(one(b.url) for b in router.backends if b.up)):
-        for card in data:
-            if isinstance(card, dict) and isinstance(card.get("id"), str):
-                cards.setdefault(card["id"], card)
-    return ModelList.model_validate({"data": list(cards.values())})
+        for raw in data:
+            try:
+                card = ModelCard.model_validate(raw)
+            except pydantic.ValidationError:
+                continue  # a card we cannot read is left out, not a 500
+            cards.setdefault(card.id, card)
+    return ModelList(data=list(cards.values()))

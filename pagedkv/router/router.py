@@ -117,7 +117,11 @@ class Router:
     # ---- backend state ------------------------------------------------------------------
 
     def backend(self, name: str) -> Backend:
-        return next(b for b in self.backends if b.name == name)
+        """The backend called `name` (ValueError when there is none)."""
+        for backend in self.backends:
+            if backend.name == name:
+                return backend
+        raise ValueError(f"no backend {name!r}; backends: {[b.name for b in self.backends]}")
 
     def mark_down(self, backend: Backend, reason: str) -> None:
         """Take `backend` out of rotation and drop its prefix entries (until it is healthy)."""

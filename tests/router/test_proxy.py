@@ -54,7 +54,8 @@ class FakeBackends:
             return httpx.Response(200, text=METRICS)
         if path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [
-                {"id": "tiny", "object": "model"}, {"id": f"only-{request.url.host}"}]})
+                {"id": "tiny", "object": "model"}, {"id": f"only-{request.url.host}"},
+                {"id": 3}, "junk"]})
         mode = self.completions[base]
         if mode == "refuse":
             raise httpx.ConnectError("refused")
