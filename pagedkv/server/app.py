@@ -1,7 +1,8 @@
 """The OpenAI-compatible FastAPI app: `create_app(engine, served_model_name=...)`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus text), GET /version. With `api_key`, every /v1 route needs
+GET /metrics (Prometheus text), GET /version, GET /kv_cache_info (block size, hash algorithm and
+pool size, for `pagedkv router`). With `api_key`, every /v1 route needs
 `Authorization: Bearer <api_key>` (401 otherwise; the scheme is case-insensitive). A request
 body over `max_request_bytes` is a 413. Errors are OpenAI-style bodies (errors.py).
 
@@ -93,6 +94,15 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
+
+    @app.get("/kv_cache_info")
+    async def kv_cache_info() -> dict[str, Any]:
+        """How this engine hashes prefix blocks, for a KV-aware router (read-only)."""
+        args = engine.args
+        return {"model": served_model_name, "block_size": args.block_size,
+                "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
+                "enable_prefix_caching": args.enable_prefix_caching,
+                "num_gpu_blocks": getattr(getattr(engine, "kv_setup", None), "num_blocks", None)}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

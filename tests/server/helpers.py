@@ -58,11 +58,16 @@ class ServerProcess:
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> ServerProcess:
+    def command(self) -> list[str]:
+        """The command line `start` runs (a subclass may start another subcommand)."""
         cmd = [sys.executable, "-m", "pagedkv.cli", "serve", str(self.model_dir),
                "--port", str(self.port), "--log-level", "warning", *self.args]
         if self.model_name is not None:  # else the server's default: the directory's name
             cmd += ["--served-model-name", self.model_name]
+        return cmd
+
+    def start(self) -> ServerProcess:
+        cmd = self.command()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("PAGEDKV_API_KEY", None)
         with open(self.log_path, "wb") as log:  # the child keeps its own copy of the fd

@@ -1,0 +1,119 @@
+"""`pagedkv router --backend URL [--backend URL ...]`: a KV-cache-aware OpenAI-compatible front.
+
+    pagedkv router --backend http://127.0.0.1:8001 --backend http://127.0.0.1:8002 \\
+                   [--policy kv-aware|round-robin|least-load|session] [--model MODEL_DIR] \\
+                   [--kv-events tcp://127.0.0.1:5557 ...] [--host 127.0.0.1] [--port 8080] \\
+                   [--api-key KEY] [--backend-api-key KEY] [score weights: --prefill-weight ...]
+
+Clients talk to it exactly as to `pagedkv serve`. kv-aware needs `--model` (the backends' model
+directory, for its tokenizer and chat template: the router hashes prompts as the engine does);
+the block size and hash algorithm come from the backends' /kv_cache_info unless given.
+`--kv-events` pairs, in order, each backend with its ZMQ KV-event endpoint ("-" for none);
+without events the router predicts each backend's cache from where it sent which prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from pagedkv.router.policies import POLICY_NAMES
+from pagedkv.router.policies.kv_aware import KVAwareWeights
+from pagedkv.router.router import DEFAULT_RECORD_TTL_S
+
+DEFAULT_PORT = 8080
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the `router` subcommand on an argparse subparsers object."""
+    parser = subparsers.add_parser(
+        "router", help="KV-cache-aware router in front of several `pagedkv serve` instances",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--backend", action="append", required=True, metavar="URL",
+                        help="a backend's base URL (repeat for each backend)")
+    parser.add_argument("--kv-events", action="append", default=None, metavar="ENDPOINT",
+                        help="the ZMQ KV-event endpoint of the backend in the same position "
+                        "('-' for none)")
+    parser.add_argument("--policy", default="kv-aware", choices=POLICY_NAMES)
+    parser.add_argument("--model", default=None, metavar="MODEL_DIR",
+                        help="the backends' model directory (tokenizer and chat template); "
+                        "required by kv-aware")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="the backends' block size (default: from their /kv_cache_info)")
+    parser.add_argument("--prefix-caching-hash-algo", default=None, choices=("sha256", "xxhash"),
+                        help="the backends' hash algorithm (default: from /kv_cache_info)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
+    parser.add_argument("--api-key", default=os.environ.get("PAGEDKV_ROUTER_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 routes "
+                        "(default: $PAGEDKV_ROUTER_API_KEY, else none)")
+    parser.add_argument("--backend-api-key", default=os.environ.get("PAGEDKV_API_KEY"),
+                        help="the key the backends require (default: $PAGEDKV_API_KEY)")
+    parser.add_argument("--record-ttl", type=float, default=DEFAULT_RECORD_TTL_S,
+                        metavar="SECONDS", help="how long the router's own record of a "
+                        "prompt's blocks on a backend counts as a cache hit")
+    parser.add_argument("--shared-tier", action="append", default=None, metavar="MEDIUM",
+                        help="event media every backend can load from (default: REDIS)")
+    parser.add_argument("--health-interval", type=float, default=1.0, metavar="SECONDS")
+    parser.add_argument("--health-timeout", type=float, default=2.0, metavar="SECONDS")
+    parser.add_argument("--log-level", default="info",
+                        choices=("critical", "error", "warning", "info", "debug"))
+    weights = parser.add_argument_group("kv-aware score (see pagedkv/router/policies/kv_aware.py)")
+    for f in fields(KVAwareWeights):
+        weights.add_argument("--" + f.name.replace("_", "-"), type=float, default=f.default)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def build_router(args: argparse.Namespace):
+    """The `Router` the flags describe (ValueError naming a bad flag)."""
+    from pagedkv.model.tokenizer import Tokenizer
+    from pagedkv.router.backend import Backend
+    from pagedkv.router.policies import make_policy
+    from pagedkv.router.router import Router
+
+    endpoints = args.kv_events or []
+    if endpoints and len(endpoints) != len(args.backend):
+        raise ValueError(f"--kv-events is given {len(endpoints)} times for {len(args.backend)} "
+                         "backends; give one per backend ('-' for none)")
+    backends = [Backend(url, events_endpoint=None if ep in (None, "-") else ep)
+                for url, ep in zip(args.backend, endpoints or [None] * len(args.backend),
+                                   strict=True)]
+    weights = KVAwareWeights(**{f.name: getattr(args, f.name) for f in fields(KVAwareWeights)})
+    if args.model is not None and not Path(args.model).is_dir():
+        raise FileNotFoundError(f"model directory {args.model!r} does not exist")
+    if args.policy == "kv-aware" and args.model is None:
+        raise ValueError("--policy kv-aware needs --model MODEL_DIR (the backends' tokenizer)")
+    if (args.block_size is None) != (args.prefix_caching_hash_algo is None):
+        raise ValueError("give --block-size and --prefix-caching-hash-algo together, or neither")
+    if args.block_size is not None and args.block_size <= 0:
+        raise ValueError(f"--block-size must be positive, got {args.block_size}")
+    settings = (None if args.block_size is None
+                else (args.block_size, args.prefix_caching_hash_algo))
+    tokenizer = Tokenizer.from_dir(args.model) if args.model is not None else None
+    return Router(backends, make_policy(args.policy, weights), tokenizer=tokenizer,
+                  hash_settings=settings, record_ttl_s=args.record_ttl,
+                  shared_media=tuple(args.shared_tier or ("REDIS",)), weights=weights)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagedkv.router.app import create_router_app
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_router_app(build_router(args), api_key=args.api_key or None,
+                            backend_api_key=args.backend_api_key or None,
+                            health_interval_s=args.health_interval,
+                            health_timeout_s=args.health_timeout)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,80 @@
+"""One backend (a `pagedkv serve` instance) as the router sees it.
+
+Mutated only on the router's event loop: `up` by the health checker and by failed requests,
+the scraped gauges by the health checker, `in_flight`/`queued_blocks` by `Router.begin` and the
+tickets it hands out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedkv.router.policies.base import Candidate
+from pagedkv.router.prefix_index import PrefixMatch
+
+# The backend gauges the router reads (vLLM's names with pagedkv's prefix; vLLM's own as well).
+RUNNING = ("pagedkv:num_requests_running", "vllm:num_requests_running")
+WAITING = ("pagedkv:num_requests_waiting", "vllm:num_requests_waiting")
+KV_USAGE = ("pagedkv:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+
+@dataclass
+class BackendLoad:
+    """A backend's own load gauges, from its last /metrics scrape."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+
+
+def parse_load(metrics_text: str) -> BackendLoad:
+    """The load gauges in a Prometheus text exposition (missing ones read 0; samples of the
+    same gauge, e.g. one per model, are summed; KV usage takes the largest)."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name in KV_USAGE:
+                values[sample.name] = max(values.get(sample.name, 0.0), sample.value)
+            else:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+
+    def first(names: tuple[str, ...]) -> float:
+        return next((values[n] for n in names if n in values), 0.0)
+
+    return BackendLoad(running=int(first(RUNNING)), waiting=int(first(WAITING)),
+                       kv_usage=float(first(KV_USAGE)))
+
+
+@dataclass
+class Backend:
+    """`url` is the base URL (no trailing slash); `name` labels it in metrics and policies.
+    `events_endpoint` is its ZMQ KV-event endpoint, when it publishes events. `kv_info` is its
+    /kv_cache_info answer (block size, hash algorithm, pool size), once fetched."""
+
+    url: str
+    events_endpoint: str | None = None
+    up: bool = False
+    load: BackendLoad = field(default_factory=BackendLoad)
+    in_flight: int = 0
+    queued_blocks: float = 0.0
+    kv_info: dict[str, Any] | None = None
+    hash_compatible: bool = True
+    last_error: str | None = None
+
+    def __post_init__(self) -> None:
+        self.url = self.url.rstrip("/")
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"backend URL must start with http:// or https://, got {self.url!r}")
+
+    @property
+    def name(self) -> str:
+        return self.url
+
+    def candidate(self, match: PrefixMatch) -> Candidate:
+        """A snapshot for the policies (`match`: the request's prefix on this backend)."""
+        return Candidate(name=self.name, in_flight=self.in_flight,
+                         queued_blocks=self.queued_blocks, running=self.load.running,
+                         waiting=self.load.waiting, kv_usage=self.load.kv_usage, match=match)

@@ -1,0 +1,87 @@
+"""Subscribing to a backend's KV events (ZMQ SUB) and applying them to the prefix index.
+
+Each message is three frames, `(topic, seq, payload)` (see `pagedkv.events.wire`).
+`BlockStored` adds its hashes to the backend's entries on its medium (never expiring),
+`BlockRemoved` drops them, `AllBlocksCleared` drops all of the backend's entries. A jump in the
+sequence numbers is a missed batch: counted (pagedkv_router:kv_event_gaps) and logged; the
+index stays as it is (the router's own TTL'd record and the next events repair it).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pagedkv.events.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    decode_seq,
+)
+from pagedkv.router.backend import Backend
+from pagedkv.router.prefix_index import PrefixIndex
+from pagedkv.router.router import Router
+
+logger = logging.getLogger("pagedkv.router")
+
+
+def apply_batch(index: PrefixIndex, backend: str, batch: KVEventBatch) -> int:
+    """Apply one batch's events, in order, to `backend`'s entries; returns how many."""
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            index.store(backend, event.block_hashes, event.medium, ttl_s=None)
+        elif isinstance(event, BlockRemoved):
+            index.remove(backend, event.block_hashes, event.medium)
+        elif isinstance(event, AllBlocksCleared):
+            index.clear(backend)
+    return len(batch.events)
+
+
+class KVEventSubscriber:
+    """Reads `backend.events_endpoint` into the router's index until cancelled. The socket
+    belongs to `context` (one per router, so two routers can share a process)."""
+
+    def __init__(self, router: Router, backend: Backend, context: zmq.asyncio.Context,
+                 topic: bytes = b"") -> None:
+        if not backend.events_endpoint:
+            raise ValueError(f"backend {backend.name} has no KV-event endpoint")
+        self.router = router
+        self.backend = backend
+        self.context = context
+        self.topic = topic
+        self.last_seq: int | None = None
+
+    def handle(self, frames: list[bytes]) -> None:
+        """Apply one message (a malformed one is logged and skipped)."""
+        name = self.backend.name
+        if len(frames) != 3:
+            logger.warning("KV event from %s has %d frames, expected 3", name, len(frames))
+            return
+        try:
+            seq = decode_seq(frames[1])
+            batch = decode_batch(frames[2])
+        except (ValueError, msgspec.DecodeError) as exc:
+            logger.warning("malformed KV event from %s: %s", name, exc)
+            return
+        if self.last_seq is not None and seq != self.last_seq + 1:
+            self.router.metrics.kv_event_gaps.labels(name).inc()
+            logger.warning("KV events from %s jumped from seq %d to %d", name, self.last_seq, seq)
+        self.last_seq = seq
+        applied = apply_batch(self.router.index, name, batch)
+        self.router.metrics.kv_events.labels(name).inc(applied)
+
+    async def run(self) -> None:
+        socket = self.context.socket(zmq.SUB)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SUBSCRIBE, self.topic)
+        socket.connect(self.backend.events_endpoint)
+        try:
+            while True:
+                self.handle(await socket.recv_multipart())
+        finally:
+            socket.close(linger=0)

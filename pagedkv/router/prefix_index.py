@@ -1,0 +1,124 @@
+"""Which backend holds which KV block, learned from KV events or from the router's own record.
+
+The index maps, per backend and per medium ("GPU" for the device pool, "CPU"/"DISK"/"REDIS" for
+offload tiers, as in `pagedkv.events.wire`), chained block hashes to an expiry time. Entries from
+KV events never expire (a `BlockRemoved` event removes them); entries the router records itself
+when it sends a prompt somewhere expire after a TTL, since no event will say they were evicted.
+Each backend's device entries are also capped at its pool size (when known), dropping the least
+recently stored first: the record then mirrors the engine's LRU eviction.
+
+Blocks in a *shared* medium (a Redis tier every backend can load from) are kept under
+`SHARED`, so they count for every backend. A match is a pair: the leading blocks on the
+backend's device, then the further leading blocks it could load from a tier (its own host or
+disk tier, or a shared one). Hashes chain, so only a run from the first block counts, exactly as
+the engine's longest-prefix lookup.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
+
+from pagedkv.events.wire import MEDIUM_DEVICE, MEDIUM_REDIS, ExternalBlockHash
+
+SHARED = ""  # the pseudo-backend holding blocks of shared tiers
+NEVER = math.inf
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The leading blocks of a prompt a backend holds on its device (`device_blocks`), then the
+    blocks after those it can load from an offload tier (`tier_blocks`)."""
+
+    device_blocks: int = 0
+    tier_blocks: int = 0
+
+
+class PrefixIndex:
+    """Per backend, per medium: block hash -> expiry (time.monotonic seconds, or NEVER).
+
+    Not thread-safe: the router mutates it from its event loop only.
+    """
+
+    def __init__(self, *, shared_media: Collection[str] = (MEDIUM_REDIS,),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.shared_media = frozenset(shared_media)
+        self.clock = clock
+        self._held: dict[str, dict[str, OrderedDict[ExternalBlockHash, float]]] = {}
+        self._capacity: dict[str, int] = {}
+
+    # ---- updates ------------------------------------------------------------------------
+
+    def set_capacity(self, backend: str, num_blocks: int | None) -> None:
+        """Cap `backend`'s device entries at `num_blocks` (None: no cap)."""
+        if num_blocks is None:
+            self._capacity.pop(backend, None)
+        else:
+            self._capacity[backend] = max(int(num_blocks), 0)
+
+    def store(self, backend: str, block_hashes: Iterable[ExternalBlockHash],
+              medium: str | None = MEDIUM_DEVICE, ttl_s: float | None = None) -> None:
+        """Record that `backend` holds `block_hashes` on `medium`; for `ttl_s` seconds, or until
+        removed when `ttl_s` is None. A longer-lived entry is never shortened by a shorter one."""
+        medium = medium or MEDIUM_DEVICE
+        owner = SHARED if medium in self.shared_media else backend
+        entries = self._held.setdefault(owner, {}).setdefault(medium, OrderedDict())
+        expiry = NEVER if ttl_s is None else self.clock() + ttl_s
+        for block_hash in block_hashes:
+            old = entries.pop(block_hash, 0.0)
+            entries[block_hash] = max(old, expiry)
+        cap = self._capacity.get(owner) if medium == MEDIUM_DEVICE else None
+        while cap is not None and len(entries) > cap:
+            entries.popitem(last=False)
+
+    def remove(self, backend: str, block_hashes: Iterable[ExternalBlockHash],
+               medium: str | None = MEDIUM_DEVICE) -> None:
+        """Forget that `backend` (or the shared tier, for a shared medium) holds these blocks."""
+        medium = medium or MEDIUM_DEVICE
+        owner = SHARED if medium in self.shared_media else backend
+        entries = self._held.get(owner, {}).get(medium)
+        if entries is not None:
+            for block_hash in block_hashes:
+                entries.pop(block_hash, None)
+
+    def clear(self, backend: str) -> None:
+        """Forget everything `backend` holds (its own media; shared tiers stay)."""
+        self._held.pop(backend, None)
+
+    def prune(self) -> int:
+        """Drop expired entries; returns how many."""
+        now = self.clock()
+        dropped = 0
+        for media in self._held.values():
+            for entries in media.values():
+                dead = [h for h, expiry in entries.items() if expiry <= now]
+                for block_hash in dead:
+                    del entries[block_hash]
+                dropped += len(dead)
+        return dropped
+
+    # ---- queries ------------------------------------------------------------------------
+
+    def num_blocks(self, backend: str, medium: str = MEDIUM_DEVICE) -> int:
+        """Entries (expired ones not yet pruned included) `backend` has on `medium`."""
+        return len(self._held.get(backend, {}).get(medium, ()))
+
+    def match(self, backend: str, block_hashes: Sequence[ExternalBlockHash]) -> PrefixMatch:
+        """The leading run of `block_hashes` on `backend`'s device, then the run after it held by
+        one of its tiers or a shared tier."""
+        now = self.clock()
+        media = self._held.get(backend, {})
+        device = media.get(MEDIUM_DEVICE, {})
+        tiers = [entries for medium, entries in media.items() if medium != MEDIUM_DEVICE]
+        tiers += list(self._held.get(SHARED, {}).values())
+        n = len(block_hashes)
+        on_device = 0
+        while on_device < n and device.get(block_hashes[on_device], 0.0) > now:
+            on_device += 1
+        in_tier = on_device
+        while in_tier < n and any(t.get(block_hashes[in_tier], 0.0) > now for t in tiers):
+            in_tier += 1
+        return PrefixMatch(device_blocks=on_device, tier_blocks=in_tier - on_device)

@@ -1,0 +1,86 @@
+"""A request body -> its prompt's token ids -> the chained block hashes the engine will compute.
+
+The router tokenizes exactly as `pagedkv serve` does, with the server's own functions
+(`tokenize_prompts`, `tokenize_chat`: the same tokenizer, chat template and special tokens),
+and hashes with the engine's `RequestBlockHasher` under the backends' block size and hash
+algorithm, `cache_salt` in the first block. So a prompt's hashes here equal the ones a backend
+publishes in its KV events and looks up in its prefix cache. A completions request with a list
+of prompts is placed by its first prompt. A body the server would reject gets no hashes (it is
+placed by load alone and the backend answers the 400).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import pydantic
+
+from pagedkv.kv.hashing import RequestBlockHasher
+from pagedkv.model.tokenizer import Tokenizer
+from pagedkv.router.policies.base import RouteRequest
+from pagedkv.server.errors import APIError
+from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.server.serving_chat import tokenize_chat
+from pagedkv.server.serving_completion import tokenize_prompts
+
+logger = logging.getLogger("pagedkv.router")
+
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+
+
+@dataclass
+class _TokenizerHolder:
+    """What the server's tokenize functions read of their `serving` argument."""
+
+    tokenizer: Tokenizer
+
+
+@dataclass
+class _HashedPrompt:
+    """What `RequestBlockHasher` reads of a request."""
+
+    all_token_ids: list[int]
+    cache_salt: str | None
+    lora_name: str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+
+
+class PromptHasher:
+    """Token ids and block hashes of request bodies. Thread-safe (call it off the event loop:
+    tokenizing a long prompt takes milliseconds)."""
+
+    def __init__(self, tokenizer: Tokenizer, *, block_size: int, hash_algo: str) -> None:
+        self._holder = _TokenizerHolder(tokenizer)
+        self.block_size = block_size
+        self.hash_algo = hash_algo
+        self._hasher = RequestBlockHasher(hash_algo, block_size)
+
+    def token_ids(self, path: str, body: bytes) -> tuple[list[int], str | None] | None:
+        """(prompt token ids, cache_salt) of a /v1/completions or /v1/chat/completions body;
+        None when the server would reject the body."""
+        try:
+            if path == COMPLETIONS:
+                completion = CompletionRequest.model_validate_json(body)
+                return tokenize_prompts(self._holder, completion.prompt)[0], completion.cache_salt
+            if path == CHAT_COMPLETIONS:
+                chat = ChatCompletionRequest.model_validate_json(body)
+                return tokenize_chat(self._holder, chat), chat.cache_salt
+        except (pydantic.ValidationError, APIError, ValueError) as exc:
+            logger.debug("cannot tokenize a %s body: %s", path, exc)
+        return None
+
+    def block_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[bytes]:
+        """The chained hashes of the full blocks of `token_ids`, as the engine computes them."""
+        prompt = _HashedPrompt(list(token_ids), cache_salt)
+        return self._hasher(prompt, prompt.block_hashes)
+
+    def route_request(self, path: str, body: bytes, session: str | None = None) -> RouteRequest:
+        """The `RouteRequest` of a body (no hashes when it cannot be tokenized)."""
+        parsed = self.token_ids(path, body)
+        if parsed is None:
+            return RouteRequest(session=session)
+        ids, salt = parsed
+        return RouteRequest(prompt_tokens=len(ids),
+                            block_hashes=tuple(self.block_hashes(ids, salt)), session=session)

@@ -1,0 +1,170 @@
+"""Router: the backends, the prefix index and the policy, and the books kept per request.
+
+`route` snapshots the up backends, matches the request's block hashes against the index (for
+policies that read prefixes) and asks the policy. `begin` counts the request in flight on the
+chosen backend and records its prompt blocks there (the router's own record, with a TTL: the
+engine will cache them once prefilled); the returned `Ticket` undoes the count when the request
+ends. `mark_down` drops a backend's prefix entries (a restarted instance has an empty cache).
+All of it runs on the event loop; nothing here blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Sequence
+from typing import Any
+
+from pagedkv.events.wire import MEDIUM_DEVICE
+from pagedkv.model.tokenizer import Tokenizer
+from pagedkv.router.backend import Backend
+from pagedkv.router.metrics import RouterMetrics
+from pagedkv.router.policies import Candidate, RouteRequest, RoutingPolicy
+from pagedkv.router.policies.kv_aware import KVAwareWeights, new_blocks
+from pagedkv.router.prefix_index import PrefixIndex, PrefixMatch
+from pagedkv.router.prompt import PromptHasher
+
+logger = logging.getLogger("pagedkv.router")
+
+DEFAULT_RECORD_TTL_S = 120.0
+
+
+class Ticket:
+    """One request in flight on `backend`; `end()` (idempotent) takes it off the books."""
+
+    def __init__(self, router: Router, backend: Backend, queued_blocks: float) -> None:
+        self.router = router
+        self.backend = backend
+        self.queued_blocks = queued_blocks
+        self.open = True
+
+    def end(self) -> None:
+        if not self.open:
+            return
+        self.open = False
+        self.backend.in_flight -= 1
+        self.backend.queued_blocks = max(0.0, self.backend.queued_blocks - self.queued_blocks)
+        self.router.metrics.in_flight.labels(self.backend.name).set(self.backend.in_flight)
+
+
+class Router:
+    """Places requests on backends. `hash_settings` is (block_size, hash algorithm) when given
+    by flags; otherwise the first backend's /kv_cache_info answer sets it."""
+
+    def __init__(self, backends: Sequence[Backend], policy: RoutingPolicy, *,
+                 tokenizer: Tokenizer | None = None,
+                 hash_settings: tuple[int, str] | None = None,
+                 record_ttl_s: float = DEFAULT_RECORD_TTL_S,
+                 shared_media: Collection[str] = ("REDIS",),
+                 weights: KVAwareWeights | None = None) -> None:
+        if not backends:
+            raise ValueError("the router needs at least one --backend")
+        names = [b.name for b in backends]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate backend URLs in {names}")
+        if record_ttl_s <= 0:
+            raise ValueError(f"record_ttl_s must be positive, got {record_ttl_s!r}")
+        self.backends = list(backends)
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.record_ttl_s = record_ttl_s
+        self.weights = weights or KVAwareWeights()
+        self.index = PrefixIndex(shared_media=shared_media)
+        self.metrics = RouterMetrics(policy.name)
+        self.hash_settings: tuple[int, str] | None = None
+        self.hasher: PromptHasher | None = None
+        if hash_settings is not None:
+            self._set_hash_settings(*hash_settings)
+        for backend in self.backends:
+            self.metrics.backend_up.labels(backend.name).set(0)
+            self.metrics.in_flight.labels(backend.name).set(0)
+
+    # ---- placing requests ---------------------------------------------------------------
+
+    @property
+    def needs_prompt_hashes(self) -> bool:
+        """True when requests should be tokenized and hashed before `route`."""
+        return self.policy.needs_prefix and self.hasher is not None
+
+    def route(self, request: RouteRequest,
+              exclude: Collection[str] = ()) -> tuple[Backend, Candidate] | None:
+        """The backend the policy picks among the up ones not in `exclude` (names), with the
+        snapshot it saw; None when there is none."""
+        backends = [b for b in self.backends if b.up and b.name not in exclude]
+        if not backends:
+            return None
+        use_prefix = self.policy.needs_prefix and bool(request.block_hashes)
+        candidates = [b.candidate(self.index.match(b.name, request.block_hashes)
+                                  if use_prefix and b.hash_compatible else PrefixMatch())
+                      for b in backends]
+        chosen = self.policy.choose(request, candidates)
+        self.metrics.routed.labels(backends[chosen].name, self.policy.name).inc()
+        return backends[chosen], candidates[chosen]
+
+    def begin(self, backend: Backend, request: RouteRequest, candidate: Candidate) -> Ticket:
+        """Count `request` in flight on `backend` and record its prompt blocks there."""
+        predicted = max(0.0, new_blocks(request, candidate, self.weights))
+        backend.in_flight += 1
+        backend.queued_blocks += predicted
+        self.metrics.in_flight.labels(backend.name).set(backend.in_flight)
+        if request.block_hashes and backend.hash_compatible:
+            self.metrics.prompt_blocks.labels(backend.name).inc(request.prompt_blocks)
+            self.metrics.predicted_hit_blocks.labels(backend.name).inc(
+                candidate.match.device_blocks)
+            self.index.store(backend.name, request.block_hashes, MEDIUM_DEVICE,
+                             ttl_s=self.record_ttl_s)
+        return Ticket(self, backend, predicted)
+
+    # ---- backend state ------------------------------------------------------------------
+
+    def backend(self, name: str) -> Backend:
+        """The backend called `name` (ValueError when there is none)."""
+        for backend in self.backends:
+            if backend.name == name:
+                return backend
+        raise ValueError(f"no backend {name!r}; backends: {[b.name for b in self.backends]}")
+
+    def mark_down(self, backend: Backend, reason: str) -> None:
+        """Take `backend` out of rotation and drop its prefix entries (until it is healthy)."""
+        if backend.up:
+            logger.warning("backend %s is down: %s", backend.name, reason)
+        backend.up = False
+        backend.last_error = reason
+        backend.kv_info = None
+        self.index.clear(backend.name)
+        self.metrics.backend_up.labels(backend.name).set(0)
+
+    def mark_up(self, backend: Backend) -> None:
+        if not backend.up:
+            logger.info("backend %s is up", backend.name)
+        backend.up = True
+        backend.last_error = None
+        self.metrics.backend_up.labels(backend.name).set(1)
+
+    def set_kv_info(self, backend: Backend, info: dict[str, Any] | None) -> None:
+        """Apply a backend's /kv_cache_info answer (None: it has no such route): its hashing
+        settings must equal the router's for its prefixes to count; its pool size caps the
+        router's record of it."""
+        backend.kv_info = info
+        if info is None:
+            backend.hash_compatible = self.hash_settings is not None
+            return
+        try:
+            settings = (int(info["block_size"]), str(info["prefix_caching_hash_algo"]))
+        except (KeyError, TypeError, ValueError):
+            backend.hash_compatible = False
+            return
+        if self.hash_settings is None:
+            self._set_hash_settings(*settings)
+        backend.hash_compatible = (settings == self.hash_settings
+                                   and info.get("enable_prefix_caching", True) is not False)
+        if not backend.hash_compatible:
+            logger.warning("backend %s hashes blocks with %s (router: %s, prefix caching %s); "
+                           "its prefixes are not counted", backend.name, settings,
+                           self.hash_settings, info.get("enable_prefix_caching"))
+        num_blocks = info.get("num_gpu_blocks")
+        self.index.set_capacity(backend.name, num_blocks if isinstance(num_blocks, int) else None)
+
+    def _set_hash_settings(self, block_size: int, hash_algo: str) -> None:
+        self.hash_settings = (block_size, hash_algo)
+        if self.tokenizer is not None:
+            self.hasher = PromptHasher(self.tokenizer, block_size=block_size, hash_algo=hash_algo)

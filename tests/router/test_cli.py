@@ -1,0 +1,44 @@
+"""`pagedkv router` flags: a Router built from them, and a ValueError naming each bad one."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedkv.cli import build_parser
+from pagedkv.commands.router import build_router
+from pagedkv.model.random_model import build_tokenizer_files
+
+
+def parse(*argv: str):
+    return build_parser("router").parse_args(["router", *argv])
+
+
+def test_flags_build_the_router(tmp_path):
+    model = build_tokenizer_files(tmp_path / "m")
+    router = build_router(parse(
+        "--backend", "http://127.0.0.1:1/", "--backend", "http://127.0.0.1:2",
+        "--kv-events", "tcp://127.0.0.1:5557", "--kv-events", "-", "--model", str(model),
+        "--block-size", "8", "--prefix-caching-hash-algo", "xxhash", "--tier-weight", "0.25",
+        "--imbalance-factor", "2"))
+    assert [b.url for b in router.backends] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    assert [b.events_endpoint for b in router.backends] == ["tcp://127.0.0.1:5557", None]
+    assert router.policy.name == "kv-aware" and router.hash_settings == (8, "xxhash")
+    assert router.hasher is not None and router.hasher.block_size == 8
+    assert router.weights.tier_weight == 0.25 and router.weights.imbalance_factor == 2
+    assert build_router(parse("--backend", "http://h:1", "--policy", "session")).hasher is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policy", "round-robin", "--backend", "ftp://x"], "ftp://x"),
+    (["--policy", "least-load", "--backend", "http://a", "--backend", "http://a/"], "duplicate"),
+    (["--backend", "http://a"], "--model"),
+    (["--policy", "session", "--backend", "http://a", "--block-size", "4"],
+     "--prefix-caching-hash-algo"),
+    (["--policy", "session", "--backend", "http://a", "--kv-events", "tcp://x", "--kv-events",
+      "tcp://y"], "--kv-events"),
+    (["--policy", "session", "--backend", "http://a", "--usage-weight", "-1"], "usage_weight"),
+    (["--policy", "session", "--backend", "http://a", "--record-ttl", "0"], "record_ttl"),
+])
+def test_bad_flags_are_value_errors(argv, message):
+    with pytest.raises(ValueError, match=message):
+        build_router(parse(*argv))
