@@ -47,6 +47,8 @@ _HELP: dict[str, str] = {
     "gpu_memory_utilization": "fraction of GPU memory the engine may use",
     "scheduling_policy": "'fcfs' or 'priority' (lower value first)",
     "watermark": "fraction of blocks kept free when admitting new requests",
+    "kv_events_config": "publish KV cache events, a JSON object: enable_kv_cache_events, "
+                        "publisher (zmq), endpoint, topic",
 }
 
 

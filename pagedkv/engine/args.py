@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from pagedkv.events.config import parse_kv_events_config
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "fp32", "bf16", "fp16")
 
 
@@ -36,6 +38,8 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     scheduling_policy: str = "fcfs"
     watermark: float = 0.01
+    # vLLM's kv_events_config: a dict or JSON string (see pagedkv.events.config).
+    kv_events_config: str | dict | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -71,6 +75,7 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+        parse_kv_events_config(self.kv_events_config)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

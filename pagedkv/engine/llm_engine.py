@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
@@ -18,6 +19,8 @@ from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.kv_setup import KVCacheSetup, plan_kv_cache
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.stats import EngineStats
+from pagedkv.events.config import parse_kv_events_config
+from pagedkv.events.publisher import make_event_publisher, to_wire_events
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.sched.output import ModelRunnerOutput
 from pagedkv.sched.request import Request, RequestStatus
@@ -98,11 +101,13 @@ class LLMEngine:
         self.model_config = self.runner.model_config
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
+        events_config = parse_kv_events_config(args.kv_events_config)
         kv = KVCacheManager(
             num_blocks=setup.num_blocks, block_size=args.block_size,
             num_host_blocks=setup.num_host_blocks, enable_caching=args.enable_prefix_caching,
             sliding_window=setup.sliding_window, watermark=args.watermark,
-            hash_algo=args.prefix_caching_hash_algo)
+            hash_algo=args.prefix_caching_hash_algo,
+            enable_kv_cache_events=events_config.enabled)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=setup.max_num_batched_tokens,
@@ -111,6 +116,9 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.event_publisher = make_event_publisher(events_config)
+        if self.event_publisher is not None:
+            weakref.finalize(self, self.event_publisher.close)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -222,7 +230,14 @@ class LLMEngine:
         else:  # also when only finished ids: the runner drops their sampling state
             result = self.runner.execute(scheduler_output)
         changed = self.scheduler.update(scheduler_output, result)
+        if self.event_publisher is not None:
+            self._publish_kv_events()
         return self._process(changed)
+
+    def _publish_kv_events(self) -> None:
+        """Send this step's block-pool events (one batch) to the publisher thread."""
+        kv = self.scheduler.kv_cache_manager
+        self.event_publisher.publish(to_wire_events(kv.take_events()))
 
     def _process(self, changed: list[Request]) -> list[RequestOutput]:
         now = time.monotonic()
