@@ -26,6 +26,7 @@ from pagedkv.sched.output import ModelRunnerOutput
 from pagedkv.sched.request import Request, RequestStatus
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.sched.scheduler import Scheduler, SchedulerConfig, child_request_id
+from pagedkv.store.factory import attach_kv_store
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +117,12 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.kv_store = attach_kv_store(args, setup.sliding_window, self.runner, self.scheduler,
+                                        events_config.enabled)
         self.event_publisher = make_event_publisher(events_config)
-        if self.event_publisher is not None:
-            weakref.finalize(self, self.event_publisher.close)
+        for closable in (self.kv_store, self.event_publisher):
+            if closable is not None:
+                weakref.finalize(self, closable.close)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -237,7 +241,10 @@ class LLMEngine:
     def _publish_kv_events(self) -> None:
         """Send this step's block-pool events (one batch) to the publisher thread."""
         kv = self.scheduler.kv_cache_manager
-        self.event_publisher.publish(to_wire_events(kv.take_events()))
+        events = to_wire_events(kv.take_events())
+        if self.kv_store is not None:
+            events += self.kv_store.take_events()
+        self.event_publisher.publish(events)
 
     def _process(self, changed: list[Request]) -> list[RequestOutput]:
         now = time.monotonic()

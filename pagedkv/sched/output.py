@@ -53,6 +53,8 @@ class SchedulerOutput:
     # Requests that ended since the last step; the runner drops their per-request state
     # (sampling generators) when it sees them.
     finished_request_ids: list[str] = field(default_factory=list)
+    # The KV store's work for this step (pagedkv.store.connector.StoreConnectorMetadata).
+    kv_connector_metadata: object | None = None
 
     @property
     def num_batched_tokens(self) -> int:
