@@ -309,7 +309,9 @@ class LLMEngine:
             num_blocks=kv.num_usable_blocks, num_free_blocks=kv.num_free_blocks,
             prefix_cache_queries=sched.prefix_cache_queries,
             prefix_cache_hits=sched.prefix_cache_hits, num_preemptions=sched.num_preemptions,
-            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total)
+            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
+            kv_store_tiers=() if self.kv_store is None else tuple(
+                t.to_dict() for t in self.kv_store.snapshot_stats()))
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

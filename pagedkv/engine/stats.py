@@ -24,6 +24,7 @@ class EngineStats:
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    kv_store_tiers: tuple[dict, ...] = ()  # `TierStats.to_dict()` of each KV store tier
 
     @property
     def prefix_cache_hit_rate(self) -> float:

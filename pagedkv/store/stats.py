@@ -28,6 +28,10 @@ class LatencyHistogram:
     def mean(self) -> float:
         return self.sum / self.count if self.count else 0.0
 
+    def to_dict(self) -> dict:
+        return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.sum,
+                "count": self.count}
+
 
 @dataclass
 class TierStats:
@@ -47,9 +51,11 @@ class TierStats:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "medium": self.medium, "hits": self.hits,
-                "misses": self.misses, "bytes_read": self.bytes_read,
-                "bytes_written": self.bytes_written, "blocks_written": self.blocks_written,
-                "load_seconds_mean": self.load_seconds.mean,
-                "save_seconds_mean": self.save_seconds.mean,
-                "used_bytes": self.used_bytes, "num_blocks": self.num_blocks}
+        """A plain snapshot (taken under the lock): counters, usage and both histograms."""
+        with self.lock:
+            return {"name": self.name, "medium": self.medium, "hits": self.hits,
+                    "misses": self.misses, "bytes_read": self.bytes_read,
+                    "bytes_written": self.bytes_written, "blocks_written": self.blocks_written,
+                    "used_bytes": self.used_bytes, "num_blocks": self.num_blocks,
+                    "load_seconds": self.load_seconds.to_dict(),
+                    "save_seconds": self.save_seconds.to_dict()}

@@ -121,3 +121,42 @@ def test_disabled_by_default(tiny_llama):
     llm = LLM(model=str(tiny_llama), seed=0, block_size=4)
     assert llm.llm_engine.event_publisher is None
     assert not llm.llm_engine.scheduler.kv_cache_manager.pool.enable_kv_cache_events
+
+
+def test_tier_events_carry_their_medium(tiny_llama):
+    """With a host tier too small for the workload, the subscriber's CPU index matches it."""
+    llm = LLM(model=str(tiny_llama), seed=0, block_size=4, num_gpu_blocks_override=20,
+              max_num_seqs=1, kv_offloading_size=0.00005, kv_events_config={
+                  "enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*"})
+    engine = llm.llm_engine
+    store = engine.kv_store
+    context, sub = _subscribe(engine.event_publisher.endpoint, b"")
+    try:
+        rng = random.Random(2)
+        for _ in range(4):
+            prompt = [rng.randrange(4, 200) for _ in range(45)]
+            llm.generate([{"prompt_token_ids": prompt}],
+                         SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+            store.flush()
+        engine.step()  # publishes the last saves' events
+        frames = _drain(sub)
+    finally:
+        sub.close(0)
+        context.term()
+    host = store.tiers[0]
+    cpu_index: set[bytes] = set()
+    num_removed = 0
+    for frame in frames:
+        for event in decode_batch(frame[2]).events:
+            if event.medium != "CPU":
+                continue
+            if isinstance(event, BlockStored):
+                assert len(event.token_ids) == 4 * len(event.block_hashes)
+                cpu_index.update(event.block_hashes)
+            else:
+                cpu_index.difference_update(event.block_hashes)
+                num_removed += len(event.block_hashes)
+    held = {key[len(store.identity):] for key in host._blocks}
+    assert num_removed > 0
+    assert cpu_index == held
+    engine.check_invariants()
