@@ -23,6 +23,7 @@ from pathlib import Path
 
 from pagedkv.events.wire import MEDIUM_DISK
 from pagedkv.store.codec import CorruptBlockError, decode_block, encode_block
+from pagedkv.store.sizing import disk_tier_blocks
 from pagedkv.store.tier import KVTier
 
 logger = logging.getLogger(__name__)
@@ -196,7 +197,7 @@ class DiskTier(KVTier):
         return len(self._index)
 
     def capacity_blocks(self, block_bytes: int) -> int | None:
-        return self.capacity_bytes // (block_bytes + 128)  # + header and key
+        return disk_tier_blocks(self.capacity_bytes, block_bytes)
 
 
 def _unlink(path: Path) -> None:

@@ -7,6 +7,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from pagedkv.events.wire import MEDIUM_HOST
+from pagedkv.store.sizing import host_tier_blocks
 from pagedkv.store.tier import KVTier
 
 
@@ -70,4 +71,4 @@ class HostTier(KVTier):
         return len(self._blocks)
 
     def capacity_blocks(self, block_bytes: int) -> int | None:
-        return self.capacity_bytes // block_bytes
+        return host_tier_blocks(self.capacity_bytes, block_bytes)
