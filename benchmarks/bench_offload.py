@@ -9,7 +9,9 @@ tokens, greedy): the total prefix size is at least twice the device KV capacity
 (`--device-blocks` blocks of 16 tokens), so by the time a prefix comes back the device has
 evicted it. The same workload runs with no tier, the host tier, the disk tier and the Redis tier
 (a real redis-server started here), in one run: prompt tokens computed, TTFT mean and p99, and
-output tokens/s; each tier's mean TTFT is compared with no tier's (ratio). Then a warm restart:
+output tokens/s; each tier's mean TTFT is compared with no tier's (ratio), over all requests
+(the first round computes every prefix, whatever the tier) and over the repeated prefixes only
+(rounds after the first). Then a warm restart:
 a new engine on the disk tier's directory runs one more round, compared with the disk run's
 steady state (its rounds after the first).
 
@@ -157,14 +159,18 @@ def main(argv: list[str] | None = None) -> int:
                 for name, cfg in configs.items()}
         base = runs["none"]
         reference = base["outputs"]
+        for r in runs.values():  # rounds after the first: every prefix was seen before
+            r["ttft_mean_repeats"] = statistics.fmean(r["ttfts"][args.prefixes:])
         for name, r in runs.items():
             r["ttft_ratio_vs_none"] = base["ttft_mean"] / r["ttft_mean"]
+            r["repeats_ttft_ratio_vs_none"] = base["ttft_mean_repeats"] / r["ttft_mean_repeats"]
             r["same_tokens_as_none"] = r.pop("outputs") == reference
             print(f"[{name:5}] computed {r['prompt_tokens_computed']:6d}/{r['prompt_tokens']} "
                   f"prompt tokens, TTFT mean {1e3 * r['ttft_mean']:7.1f} ms "
-                  f"p99 {1e3 * r['ttft_p99']:7.1f} ms, {r['output_tokens_per_s']:6.1f} out tok/s, "
-                  f"TTFT {r['ttft_ratio_vs_none']:.2f}x lower than none, "
-                  f"same tokens: {r['same_tokens_as_none']}", flush=True)
+                  f"p99 {1e3 * r['ttft_p99']:7.1f} ms, {r['output_tokens_per_s']:6.1f} out tok/s; "
+                  f"TTFT vs none {r['ttft_ratio_vs_none']:.2f}x lower (repeated prefixes only: "
+                  f"{r['repeats_ttft_ratio_vs_none']:.2f}x); same tokens: "
+                  f"{r['same_tokens_as_none']}", flush=True)
         # Warm restart: a new engine on the disk tier's directory, one more round.
         rng = random.Random(2)  # the same prefixes as the first run, fresh suffixes
         prefixes = [p[:args.prefix_len] for p in prompts[:args.prefixes]]
@@ -172,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                            for p in prefixes]
         warm = run(model_dir, restart_prompts, args.device_blocks, **configs["disk"])
         warm.pop("outputs")
-        steady = statistics.fmean(runs["disk"]["ttfts"][args.prefixes:])
+        steady = runs["disk"]["ttft_mean_repeats"]
         warm["ttft_ratio_vs_steady"] = warm["ttft_mean"] / steady
         print(f"[restart] disk tier after a restart: computed {warm['prompt_tokens_computed']}"
               f"/{warm['prompt_tokens']} prompt tokens, TTFT mean {1e3 * warm['ttft_mean']:.1f} "
