@@ -176,3 +176,8 @@ def test_bad_store_arguments(tiny_llama, tmp_path):
         store_llm(tiny_llama, "host", tmp_path, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="kv_offloading_remote_url"):
         store_llm(tiny_llama, "redis", tmp_path, "http://nope")
+
+
+def test_sliding_window_models_are_refused(tiny_mistral, tmp_path):
+    with pytest.raises(ValueError, match="sliding-window"):
+        store_llm(tiny_mistral, "host", tmp_path)
