@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 from pagedkv.bench.datasets import FIRST_TOKEN_ID, SampleRequest  # noqa: E402
 from pagedkv.bench.metrics import compute_metrics  # noqa: E402
 from pagedkv.bench.serve_client import run_load  # noqa: E402
-from pagedkv.model.random_model import build_random_model_dir  # noqa: E402
+from pagedkv.testing import build_random_model_dir  # noqa: E402
 from tests.router.helpers import RouterProcess, router_metric  # noqa: E402
 from tests.server.helpers import ServerProcess  # noqa: E402
 

@@ -147,3 +147,15 @@ def test_missing_required_flag_is_a_usage_error(capsys):
         main(["plan", "--config", LLAMA])
     assert info.value.code == 2
     assert "--memory" in capsys.readouterr().err
+
+
+def test_kv_store_tier_blocks(capsys):
+    rc, out, _ = _plan(capsys, "--config", LLAMA, "--memory", "80GiB", "--json",
+                       "--kv-offloading-size", "64GiB", "--kv-offloading-disk-size", "1GiB")
+    result = json.loads(out)
+    assert rc == 0
+    assert result["host_tier_blocks"] == 64 * 2**30 // 2097152  # 32768 blocks of 2 MiB
+    # A disk file holds a 24-byte header and a 48-byte key before the block's bytes.
+    assert result["disk_tier_blocks"] == 2**30 // (2097152 + 24 + 48) == 511
+    rc, out, _ = _plan(capsys, "--config", LLAMA, "--memory", "80GiB")
+    assert "store host blocks    0" in out

@@ -48,6 +48,12 @@ _HELP: dict[str, str] = {
     "gpu_memory_utilization": "fraction of GPU memory the engine may use",
     "scheduling_policy": "'fcfs' or 'priority' (lower value first)",
     "watermark": "fraction of blocks kept free when admitting new requests",
+    "kv_events_config": "publish KV cache events, a JSON object: enable_kv_cache_events, "
+                        "publisher (zmq), endpoint, topic",
+    "kv_offloading_size": "GiB of host RAM for the KV store's host tier (0: none)",
+    "kv_offloading_disk_path": "directory of the KV store's disk tier (kept across restarts)",
+    "kv_offloading_disk_size": "GiB the disk tier may use",
+    "kv_offloading_remote_url": "Redis URL of the KV store's shared tier, e.g. redis://127.0.0.1:6379",
 }
 
 

@@ -2,7 +2,8 @@
 
     pagedkv plan --config CONFIG_JSON_OR_MODEL_DIR --memory 80GiB [--utilization 0.9]
                  [--block-size 16] [--dtype bfloat16] [--max-model-len N] [--swap-space 4GiB]
-                 [--weights-bytes N] [--json]
+                 [--weights-bytes N] [--kv-offloading-size SIZE]
+                 [--kv-offloading-disk-size SIZE] [--json]
 
 Sizes take binary units (GiB, G = 2**30) or decimal ones (GB = 10**9); see pagedkv.kv.sizes.
 `--dtype` is the model's dtype, used for both the weights estimate and the KV cache ("auto":
@@ -30,6 +31,7 @@ from pagedkv.kv.spec import (
     bundled_config_path,
     kv_cache_spec_from_hf_config,
 )
+from pagedkv.store.sizing import disk_tier_blocks, host_tier_blocks
 
 DEFAULT_SWAP_SPACE = "4GiB"
 
@@ -57,6 +59,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help=f"host memory for swapped-out blocks (default {DEFAULT_SWAP_SPACE})")
     parser.add_argument("--weights-bytes", default=None, metavar="N",
                         help="model weights size (default: estimated from the config)")
+    parser.add_argument("--kv-offloading-size", default="0", metavar="SIZE",
+                        help="host RAM of the KV store's host tier (default 0: none)")
+    parser.add_argument("--kv-offloading-disk-size", default="0", metavar="SIZE",
+                        help="disk space of the KV store's disk tier (default 0: none)")
     parser.add_argument("--json", action="store_true", help="print a JSON object")
     parser.set_defaults(run=run)
     return parser
@@ -96,7 +102,11 @@ def make_plan(args: argparse.Namespace) -> tuple[KVCachePlan, dict[str, Any]]:
         swap_space_bytes=swap,
         max_model_len=max_model_len,
     )
+    host_tier = parse_size(args.kv_offloading_size, name="--kv-offloading-size")
+    disk_tier = parse_size(args.kv_offloading_disk_size, name="--kv-offloading-disk-size")
     extra = {
+        "host_tier_blocks": host_tier_blocks(host_tier, plan.bytes_per_block),
+        "disk_tier_blocks": disk_tier_blocks(disk_tier, plan.bytes_per_block),
         "config": args.config,
         "model_type": config.get("model_type"),
         "weights_source": weights_source,
@@ -135,6 +145,8 @@ def format_table(plan: KVCachePlan, extra: dict[str, Any]) -> str:
         ("max concurrent seqs", f"{plan.max_concurrent_seqs:,} at max model len"),
         ("swap space", format_size(plan.swap_space_bytes)),
         ("host (swap) blocks", f"{plan.num_host_blocks:,}"),
+        ("store host blocks", f"{extra['host_tier_blocks']:,}"),
+        ("store disk blocks", f"{extra['disk_tier_blocks']:,} (Redis: bounded by the server)"),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

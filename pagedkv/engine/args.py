@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, fields
 
 from pagedkv.config import MODEL_DTYPE_CHOICES as _DTYPES
+from pagedkv.events.config import parse_kv_events_config
 
 
 @dataclass
@@ -37,6 +38,13 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     scheduling_policy: str = "fcfs"
     watermark: float = 0.01
+    # vLLM's kv_events_config: a dict or JSON string (see pagedkv.events.config).
+    kv_events_config: str | dict | None = None
+    # Tiered KV store (pagedkv.store): host RAM GiB, a disk directory and its GiB, a Redis URL.
+    kv_offloading_size: float = 0.0
+    kv_offloading_disk_path: str | None = None
+    kv_offloading_disk_size: float = 10.0
+    kv_offloading_remote_url: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -73,8 +81,32 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+        parse_kv_events_config(self.kv_events_config)
+        self._validate_offloading()
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    def _validate_offloading(self) -> None:
+        for name in ("kv_offloading_size", "kv_offloading_disk_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} must be a non-negative number of GiB, got {value!r}")
+        for name in ("kv_offloading_disk_path", "kv_offloading_remote_url"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        if self.kv_offloading_disk_path is not None and self.kv_offloading_disk_size <= 0:
+            raise ValueError("kv_offloading_disk_size must be > 0 with kv_offloading_disk_path, "
+                             f"got {self.kv_offloading_disk_size!r}")
+        if self.uses_kv_store and not self.enable_prefix_caching:
+            raise ValueError("the KV store (kv_offloading_*) needs enable_prefix_caching=True: "
+                             "its keys are the prefix-cache block hashes")
+
+    @property
+    def uses_kv_store(self) -> bool:
+        """Whether any tier of the KV store is configured."""
+        return bool(self.kv_offloading_size > 0 or self.kv_offloading_disk_path
+                    or self.kv_offloading_remote_url)
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
@@ -18,12 +19,15 @@ from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.kv_setup import KVCacheSetup, plan_kv_cache
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.stats import EngineStats
+from pagedkv.events.config import parse_kv_events_config
+from pagedkv.events.publisher import make_event_publisher, to_wire_events
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedkv.sched.request import Request, RequestStatus, child_request_id
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.sched.scheduler import Scheduler, SchedulerConfig
 from pagedkv.sched.validation import check_cache_salt, check_priority
+from pagedkv.store.factory import attach_kv_store
 from pagedkv.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -104,10 +108,12 @@ class LLMEngine:
         self.model_config = self.runner.model_config
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
+        events_config = parse_kv_events_config(args.kv_events_config)
         kv = KVCacheManager.from_spec(
             setup.spec, num_blocks=setup.num_blocks,
             num_host_blocks=setup.num_host_blocks, enable_caching=args.enable_prefix_caching,
-            watermark=args.watermark, hash_algo=args.prefix_caching_hash_algo)
+            watermark=args.watermark, hash_algo=args.prefix_caching_hash_algo,
+            enable_kv_cache_events=events_config.enabled)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=setup.max_num_batched_tokens,
@@ -116,6 +122,12 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.kv_store = attach_kv_store(args, setup.sliding_window, self.runner, self.scheduler,
+                                        events_config.enabled)
+        self.event_publisher = make_event_publisher(events_config)
+        for closable in (self.kv_store, self.event_publisher):
+            if closable is not None:
+                weakref.finalize(self, closable.close)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -241,6 +253,8 @@ class LLMEngine:
             except Exception as exc:  # ends only this step's requests
                 return self._fail_step(scheduler_output, exc)
         changed = self.scheduler.update(scheduler_output, result)
+        if self.event_publisher is not None:
+            self._publish_kv_events()
         return self._process(changed)
 
     def _fail_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
@@ -254,6 +268,14 @@ class LLMEngine:
             f"{STEP_FAILED}: {type(exc).__name__}: {exc}")
         changed = self.scheduler.update(scheduler_output, ModelRunnerOutput())
         return self._process(failed + changed)
+
+    def _publish_kv_events(self) -> None:
+        """Send this step's block-pool events (one batch) to the publisher thread."""
+        kv = self.scheduler.kv_cache_manager
+        events = to_wire_events(kv.take_events())
+        if self.kv_store is not None:
+            events += self.kv_store.take_events()
+        self.event_publisher.publish(events)
 
     def _process(self, changed: list[Request]) -> list[RequestOutput]:
         now = time.monotonic()
@@ -319,7 +341,9 @@ class LLMEngine:
             prefix_cache_queries=sched.prefix_cache_queries,
             prefix_cache_hits=sched.prefix_cache_hits, num_preemptions=sched.num_preemptions,
             num_swaps=sched.num_swaps,
-            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total)
+            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
+            kv_store_tiers=() if self.kv_store is None else tuple(
+                t.to_dict() for t in self.kv_store.snapshot_stats()))
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

@@ -25,6 +25,7 @@ class EngineStats:
     num_swaps: int = 0  # the preemptions that swapped out to host blocks (the rest recompute)
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    kv_store_tiers: tuple[dict, ...] = ()  # `TierStats.to_dict()` of each KV store tier
 
     @property
     def prefix_cache_hit_rate(self) -> float:

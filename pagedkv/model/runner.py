@@ -57,6 +57,7 @@ class ModelRunner:
                                           num_host_blocks=num_host_blocks)
         self.sampler = Sampler(seed, self.device)
         self._attn_workspace: dict = {}  # attention scratch buffers, reused across steps
+        self.kv_connector = None  # the KV store's worker side, plugged in by the engine
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -67,11 +68,15 @@ class ModelRunner:
         self.kv_cache.swap_out(out.blocks_to_swap_out)
         self.kv_cache.swap_in(out.blocks_to_swap_in)
         self.kv_cache.copy(out.blocks_to_copy)
+        if self.kv_connector is not None:
+            self.kv_connector.start_load_kv(out.kv_connector_metadata, self.kv_cache)
         result = ModelRunnerOutput()
         if not out.scheduled:
             return result
         reqs, input_ids, positions, meta = self.prepare_inputs(out.scheduled)
         hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
+        if self.kv_connector is not None:
+            self.kv_connector.save_kv(out.kv_connector_metadata, self.kv_cache)
         ends = self._last_token_indices(reqs)
         samplers = [(e, r) for e, r in zip(ends, reqs, strict=True) if r.num_samples > 0]
         if not samplers:

@@ -64,6 +64,8 @@ class SchedulerOutput:
     # Requests whose blocks move between device and host this step (swap out or in): with the
     # scheduled ones, the requests a failed step leaves with unknown KV contents.
     swapped_request_ids: list[str] = field(default_factory=list)
+    # The KV store's work for this step (pagedkv.store.connector.StoreConnectorMetadata).
+    kv_connector_metadata: object | None = None
 
     @property
     def is_empty(self) -> bool:

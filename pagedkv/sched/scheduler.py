@@ -66,6 +66,8 @@ class Scheduler:
         self._pending_hashes: set[bytes] = set()
         self.num_preemptions = 0
         self.num_swaps = 0  # preemptions that swapped out to host blocks (not recompute)
+        # The KV store's scheduler side (pagedkv.store.connector), plugged in by the engine.
+        self.kv_connector = None
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -156,6 +158,8 @@ class Scheduler:
             self._schedule_waiting(budget, out)
 
         out.blocks_to_copy = self.kv_cache_manager.take_block_copies()
+        if self.kv_connector is not None:
+            out.kv_connector_metadata = self.kv_connector.build_connector_meta(out, self.requests)
         out.finished_request_ids = self._finished_ids
         self._finished_ids = []
         return out
@@ -227,6 +231,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_external = (0 if self.kv_connector is None else
+                            self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens))
             if self._pending_hashes and self._next_block_is_pending(request, len(computed_blocks)):
                 break
             status = kv.can_allocate(request, computed_blocks=computed_blocks)
@@ -236,15 +242,21 @@ class Scheduler:
                 continue
             if status == AllocStatus.LATER:
                 break
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
-            blocks = kv.allocate_slots(request, num_new, computed_blocks, num_hit_tokens,
-                                       delay_cache_blocks=True, apply_watermark=True)
+            num_new = min(request.num_tokens - num_hit_tokens - num_external, budget)
+            blocks = kv.allocate_slots(request, num_external + num_new, computed_blocks,
+                                       num_hit_tokens, delay_cache_blocks=True,
+                                       apply_watermark=True)
             if blocks is None:
                 break
             self.waiting.pop(0)
             request.num_computed_tokens = num_hit_tokens
+            if num_external:  # tokens the store does not deliver after all are computed
+                end = num_hit_tokens + num_external + num_new
+                request.num_computed_tokens += self.kv_connector.update_state_after_alloc(
+                    request, num_hit_tokens, num_external)
+                num_new = min(end - request.num_computed_tokens, budget)
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
+                request.num_cached_tokens = request.num_computed_tokens
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_hit_tokens
             request.status = RequestStatus.RUNNING

@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pagedkv.engine.stats import EngineStats
+from pagedkv.store.metrics import kv_store_metrics
 
 # vLLM's buckets (seconds).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -64,6 +65,7 @@ class _EngineStatsCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric([self.model_name], float(getattr(self.stats, attr)))
             yield counter
+        yield from kv_store_metrics(self.model_name, self.stats.kv_store_tiers)
 
 
 class ServerMetrics:

@@ -18,3 +18,20 @@ def test_bench_kv_runs_and_reports_every_operation():
     # 8 requests share a 512-token prefix: all but the first hit its 32 blocks.
     assert report["checks"]["hit_tokens"] == 7 * 512
     assert set(report["pagedkv"]) == {"hash", "lookup", "prefill", "decode", "free"}
+
+
+def test_bench_offload_runs_every_tier_with_the_same_tokens():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_offload.py"),
+                           "--prefixes", "3", "--prefix-len", "64", "--rounds", "2",
+                           "--device-blocks", "7", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout[proc.stdout.index("{"):])
+    runs = report["runs"]
+    assert set(runs) == {"none", "host", "disk", "redis"}
+    assert runs["none"]["prompt_tokens_computed"] == runs["none"]["prompt_tokens"] == 6 * 80
+    for name in ("host", "disk", "redis"):
+        assert runs[name]["same_tokens_as_none"]
+        # Round 2 computes only each prompt's 16-token suffix.
+        assert runs[name]["prompt_tokens_computed"] == 3 * 80 + 3 * 16
+    assert report["warm_restart"]["prompt_tokens_computed"] == 3 * 16

@@ -6,7 +6,7 @@ import pytest
 
 from pagedkv.cli import build_parser
 from pagedkv.commands.router import build_router
-from pagedkv.model.random_model import build_tokenizer_files
+from pagedkv.testing import build_tokenizer_files
 
 
 def parse(*argv: str):

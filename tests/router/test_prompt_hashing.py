@@ -7,9 +7,9 @@ import json
 import pytest
 
 from pagedkv.kv.hashing import get_hash_fn, hash_block_tokens, request_extra_keys
-from pagedkv.model.random_model import build_tokenizer_files
 from pagedkv.model.tokenizer import Tokenizer
 from pagedkv.router.prompt import CHAT_COMPLETIONS, COMPLETIONS, PromptHasher
+from pagedkv.testing import build_tokenizer_files
 
 
 @pytest.fixture(scope="module")

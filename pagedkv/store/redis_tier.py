@@ -1,0 +1,153 @@
+"""RedisTier: KV blocks in a Redis server (`kv_offloading_remote_url`), shared by instances.
+
+Each block is one Redis string under `pagedkv:kv:` + key, whose value is
+`codec.encode_block(key, payload)`: header and bytes go in one SET, which Redis applies
+atomically, so a reader sees the whole block or nothing (and verifies the checksum anyway).
+Lookups and reads of a request's blocks are one round trip each (a pipeline of EXISTS, one
+MGET). The server bounds the tier: run it with `maxmemory` and `maxmemory-policy allkeys-lru`
+(a GET refreshes a key's LRU clock: promotion on read). Every call has a short socket timeout,
+and a circuit breaker stops calling a server that failed `failure_threshold` times in a row for
+`cooldown_s`: a down or slow Redis costs hits, never a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import redis
+
+from pagedkv.events.wire import MEDIUM_REDIS
+from pagedkv.store.codec import CorruptBlockError, decode_block, encode_block
+from pagedkv.store.tier import KVTier
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX = b"pagedkv:kv:"
+
+
+class CircuitBreaker:
+    """Closed until `failure_threshold` consecutive failures; then open for `cooldown_s`,
+    after which one call is let through (half open) and its outcome decides."""
+
+    def __init__(self, failure_threshold: int = 3, cooldown_s: float = 5.0,
+                 clock=time.monotonic) -> None:
+        self.failure_threshold = failure_threshold
+        self.cooldown_s = cooldown_s
+        self._clock = clock
+        self._failures = 0
+        self._open_until = 0.0
+        self._lock = threading.Lock()
+
+    def allow(self) -> bool:
+        with self._lock:
+            return self._failures < self.failure_threshold or self._clock() >= self._open_until
+
+    def record_success(self) -> None:
+        with self._lock:
+            self._failures = 0
+
+    def record_failure(self) -> None:
+        with self._lock:
+            self._failures += 1
+            if self._failures >= self.failure_threshold:
+                self._open_until = self._clock() + self.cooldown_s
+
+    @property
+    def is_open(self) -> bool:
+        return not self.allow()
+
+
+class RedisTier(KVTier):
+    """Blocks in Redis at `url`; calls time out after `timeout_s`."""
+
+    name = "redis"
+    medium = MEDIUM_REDIS
+
+    def __init__(self, url: str, timeout_s: float = 0.5, failure_threshold: int = 3,
+                 cooldown_s: float = 5.0) -> None:
+        super().__init__()
+        try:
+            self.client = redis.Redis.from_url(url, socket_timeout=timeout_s,
+                                               socket_connect_timeout=timeout_s)
+        except ValueError as e:
+            raise ValueError(f"kv_offloading_remote_url {url!r} is not a Redis URL: {e}") from None
+        self.url = url
+        self.breaker = CircuitBreaker(failure_threshold, cooldown_s)
+        self.num_errors = 0
+        self.num_corrupt = 0
+
+    def _call(self, what: str, fn):
+        """fn() through the breaker; None when the breaker is open or the call failed."""
+        if not self.breaker.allow():
+            return None
+        try:
+            result = fn()
+        except redis.RedisError as e:  # ConnectionError and TimeoutError included
+            self.num_errors += 1
+            self.breaker.record_failure()
+            logger.warning("redis tier: %s failed (%s)", what, e)
+            return None
+        self.breaker.record_success()
+        return result
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        if not keys:
+            return []
+
+        def exists():
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(KEY_PREFIX + key)
+            return pipe.execute()
+
+        found = self._call("EXISTS", exists)
+        return [False] * len(keys) if found is None else [bool(n) for n in found]
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        if not keys:
+            return []
+        values = self._call("MGET", lambda: self.client.mget([KEY_PREFIX + k for k in keys]))
+        if values is None:
+            return [None] * len(keys)
+        out: list[bytes | None] = []
+        for key, value in zip(keys, values, strict=True):
+            if value is None:
+                out.append(None)
+                continue
+            try:
+                out.append(decode_block(key, value))
+            except CorruptBlockError as e:
+                logger.warning("redis tier: dropping a corrupt block (%s)", e)
+                self.num_corrupt += 1
+                self._call("DEL", lambda k=key: self.client.delete(KEY_PREFIX + k))
+                out.append(None)
+        return out
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bytes]:
+        if not items:
+            return []
+
+        def set_all():
+            pipe = self.client.pipeline(transaction=False)
+            for key, payload in items:
+                pipe.set(KEY_PREFIX + key, encode_block(key, payload), nx=True)
+            return pipe.execute()
+
+        done = self._call("SET", set_all)
+        if done is None:
+            return []
+        return [key for (key, _), ok in zip(items, done, strict=True) if ok]
+
+    @property
+    def used_bytes(self) -> int:
+        return 0
+
+    @property
+    def num_blocks(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.client.close()

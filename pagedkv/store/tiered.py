@@ -1,0 +1,210 @@
+"""TieredKVStore: the tiers in order (host RAM, disk, Redis), one lookup/load/save interface.
+
+- `lookup(hashes)`: how many leading blocks some tier holds (the first miss stops, as in the
+  seed's `get` loop: a chained hash is only useful after its parent).
+- `load(metas)`: the payloads of the leading blocks, each from the fastest tier that has it and
+  verifies; blocks found below the top tier are promoted into the faster ones (queued to the
+  saver). The result may be shorter than `lookup` said (a block evicted or corrupt meanwhile):
+  the caller recomputes the rest.
+- `save_async(metas, make_payloads)`: queued to a background thread, which builds the payloads
+  (off the engine's hot path) and writes them through to every tier.
+
+Tiers' stores and evictions become KV events (`take_events`) with each tier's `medium`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pagedkv.events import wire
+from pagedkv.store.identity import block_key
+from pagedkv.store.stats import TierStats
+from pagedkv.store.tier import KVTier
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+@dataclass(frozen=True)
+class BlockMeta:
+    """One block's chained hash, its parent's (None for a first block) and its tokens."""
+
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+
+
+class TieredKVStore:
+    """Owns the tiers and the saver thread. Thread-safe: the engine thread looks up and loads
+    while the saver thread writes."""
+
+    def __init__(self, tiers: Sequence[KVTier], identity: bytes, block_bytes: int,
+                 block_size: int, enable_events: bool = False, max_pending_saves: int = 256,
+                 ) -> None:
+        if not tiers:
+            raise ValueError("a TieredKVStore needs at least one tier")
+        self.tiers = list(tiers)
+        self.identity = identity
+        self.block_bytes = block_bytes
+        self.block_size = block_size
+        self.enable_events = enable_events
+        self.stats = {t.name: TierStats(t.name, t.medium) for t in self.tiers}
+        for tier in self.tiers:
+            tier.record_removals = enable_events
+        self.num_dropped_saves = 0
+        self._events: list[wire.KVCacheEvent] = []
+        self._events_lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending_saves)
+        self._saver = threading.Thread(target=self._save_loop, name="kv-store-saver", daemon=True)
+        self._saver.start()
+
+    def key(self, block_hash: bytes) -> bytes:
+        return block_key(self.identity, block_hash)
+
+    # ---- lookup and load (engine thread) -------------------------------------------------
+    def lookup(self, block_hashes: Sequence[bytes]) -> int:
+        """Leading blocks of `block_hashes` held by some tier."""
+        keys = [self.key(h) for h in block_hashes]
+        present = [False] * len(keys)
+        for tier in self.tiers:
+            missing = [i for i, p in enumerate(present) if not p]
+            if not missing:
+                break
+            for i, found in zip(missing, tier.contains_many([keys[i] for i in missing]),
+                                strict=True):
+                present[i] = found
+        n = 0
+        while n < len(present) and present[n]:
+            n += 1
+        return n
+
+    def load(self, metas: Sequence[BlockMeta]) -> list[bytes]:
+        """Payloads of the leading blocks found and verified (see module docstring)."""
+        keys = [self.key(m.block_hash) for m in metas]
+        payloads: list[bytes | None] = [None] * len(keys)
+        found_in: list[int] = [-1] * len(keys)
+        limit = len(keys)
+        for level, tier in enumerate(self.tiers):
+            missing = [i for i in range(limit) if payloads[i] is None]
+            if not missing:
+                break
+            start = time.perf_counter()
+            got = tier.get_many([keys[i] for i in missing])
+            elapsed = time.perf_counter() - start
+            hits = 0
+            nbytes = 0
+            for i, payload in zip(missing, got, strict=True):
+                if payload is not None and len(payload) == self.block_bytes:
+                    payloads[i] = payload
+                    found_in[i] = level
+                    hits += 1
+                    nbytes += len(payload)
+            stats = self.stats[tier.name]
+            with stats.lock:
+                stats.hits += hits
+                stats.misses += len(missing) - hits
+                stats.bytes_read += nbytes
+                stats.load_seconds.observe(elapsed)
+        n = 0
+        while n < limit and payloads[n] is not None:
+            n += 1
+        loaded = [p for p in payloads[:n] if p is not None]
+        for level in sorted({found_in[i] for i in range(n)} - {0}):
+            promote = [i for i in range(n) if found_in[i] == level]
+            self._enqueue([metas[i] for i in promote],
+                          lambda promote=promote: [loaded[i] for i in promote],
+                          self.tiers[:level])
+        return loaded
+
+    # ---- saves (saver thread) -------------------------------------------------------------
+    def save_async(self, metas: Sequence[BlockMeta],
+                   make_payloads: Callable[[], list[bytes]]) -> None:
+        """Queue blocks to write through to every tier; `make_payloads` runs on the saver thread
+        and must return one payload per meta. A full queue drops the save (counted)."""
+        if metas:
+            self._enqueue(list(metas), make_payloads, self.tiers)
+
+    def _enqueue(self, metas: list[BlockMeta], make_payloads: Callable[[], list[bytes]],
+                 tiers: list[KVTier]) -> None:
+        try:
+            self._queue.put_nowait((metas, make_payloads, tiers))
+        except queue.Full:
+            self.num_dropped_saves += 1
+
+    def _save_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is _STOP:
+                    return
+                self._save(*job)
+            except Exception:  # a failing save costs future hits only
+                logger.exception("kv store: a save failed")
+            finally:
+                self._queue.task_done()
+
+    def _save(self, metas: list[BlockMeta], make_payloads: Callable[[], list[bytes]],
+              tiers: list[KVTier]) -> None:
+        payloads = make_payloads()
+        items = [(self.key(m.block_hash), p) for m, p in zip(metas, payloads, strict=True)]
+        by_key = {key: meta for key, meta in zip((k for k, _ in items), metas, strict=True)}
+        for tier in tiers:
+            start = time.perf_counter()
+            new = tier.put_many(items)
+            elapsed = time.perf_counter() - start
+            stats = self.stats[tier.name]
+            with stats.lock:
+                stats.blocks_written += len(new)
+                stats.bytes_written += len(new) * self.block_bytes
+                stats.save_seconds.observe(elapsed)
+            if self.enable_events and new:
+                self._add_events([wire.BlockStored(
+                    block_hashes=[by_key[k].block_hash], parent_block_hash=by_key[k].parent_hash,
+                    token_ids=list(by_key[k].token_ids), block_size=self.block_size,
+                    medium=tier.medium) for k in new])
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until every queued save is written (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    # ---- events and stats -----------------------------------------------------------------
+    def _add_events(self, events: list[wire.KVCacheEvent]) -> None:
+        with self._events_lock:
+            self._events.extend(events)
+
+    def take_events(self) -> list[wire.KVCacheEvent]:
+        """Tier stores and evictions since the last call, as wire events."""
+        if not self.enable_events:
+            return []
+        n = len(self.identity)
+        for tier in self.tiers:
+            removed = [k[n:] for k in tier.take_removed() if k[:n] == self.identity]
+            if removed:
+                self._add_events([wire.BlockRemoved(block_hashes=removed, medium=tier.medium)])
+        with self._events_lock:
+            events, self._events = self._events, []
+        return events
+
+    def snapshot_stats(self) -> list[TierStats]:
+        """The per-tier stats with usage refreshed (the live objects; read, don't mutate)."""
+        for tier in self.tiers:
+            stats = self.stats[tier.name]
+            stats.used_bytes = tier.used_bytes
+            stats.num_blocks = tier.num_blocks
+        return [self.stats[t.name] for t in self.tiers]
+
+    def close(self) -> None:
+        """Finish queued saves, stop the saver, close the tiers. Idempotent."""
+        if self._saver.is_alive():
+            self._queue.put(_STOP)
+            self._saver.join(timeout=30)
+        for tier in self.tiers:
+            tier.close()

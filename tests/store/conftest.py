@@ -1,0 +1,61 @@
+"""Store test helpers: a real Redis server per test, and engine runs one request at a time."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.store.redis_server import RedisServer
+
+BLOCK_SIZE = 4
+PREFIX_LEN = 40  # 10 blocks
+NUM_DEVICE_BLOCKS = 20  # 19 usable: one request of 49 tokens (13 blocks) evicts the others
+
+
+@pytest.fixture
+def redis_server():
+    """A real redis-server on a free loopback port, killed after the test."""
+    with RedisServer(maxmemory="64mb") as server:
+        yield server
+
+
+def make_prefixes(seed: int, num: int, length: int = PREFIX_LEN) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 200) for _ in range(length)] for _ in range(num)]
+
+
+def with_suffix(prefix: list[int], seed: int, length: int = 5) -> list[int]:
+    rng = random.Random(seed)
+    return prefix + [rng.randrange(4, 200) for _ in range(length)]
+
+
+def run_one(llm: LLM, prompt: list[int], salt: str | None = None,
+            max_tokens: int = 4) -> tuple[list[int], int]:
+    """Greedy tokens and num_cached_tokens of one request run alone; waits for its saves."""
+    engine = llm.llm_engine
+    rid = f"r{engine.prompt_tokens_total}-{len(prompt)}"
+    engine.add_request(rid, {"prompt_token_ids": prompt},
+                       SamplingParams(max_tokens=max_tokens, temperature=0.0), cache_salt=salt)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final = out
+    engine.check_invariants()
+    if engine.kv_store is not None:
+        engine.kv_store.flush()
+    return list(final.outputs[0].token_ids), final.num_cached_tokens
+
+
+def store_llm(model_dir, tier: str, tmp_path, redis_url: str | None = None, **kwargs) -> LLM:
+    """An engine with a tiny device pool and the one tier named `tier`."""
+    tiers = {
+        "none": {},
+        "host": {"kv_offloading_size": 0.01},
+        "disk": {"kv_offloading_disk_path": str(tmp_path / "kv"), "kv_offloading_disk_size": 0.01},
+        "redis": {"kv_offloading_remote_url": redis_url},
+    }[tier]
+    return LLM(model=str(model_dir), seed=0, block_size=BLOCK_SIZE,
+               num_gpu_blocks_override=NUM_DEVICE_BLOCKS, max_num_seqs=2, **tiers, **kwargs)

@@ -1,0 +1,133 @@
+"""Each tier on its own: bounded LRU with promotion, verified reads, restart, failures."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pagedkv.store.codec import CorruptBlockError, decode_block, encode_block
+from pagedkv.store.disk import DiskTier
+from pagedkv.store.host import HostTier
+from pagedkv.store.redis_tier import CircuitBreaker, RedisTier
+
+
+def _key(i: int) -> bytes:
+    return bytes([i]) * 48
+
+
+def _payload(i: int, n: int = 100) -> bytes:
+    return bytes([i % 251]) * n
+
+
+def test_codec_round_trip_and_rejects_damage():
+    value = encode_block(_key(1), _payload(1))
+    assert decode_block(_key(1), value) == _payload(1)
+    with pytest.raises(CorruptBlockError, match="another key"):
+        decode_block(_key(2), value)
+    with pytest.raises(CorruptBlockError):
+        decode_block(_key(1), value[:-1])  # truncated
+    flipped = bytearray(value)
+    flipped[-10] ^= 0xFF
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        decode_block(_key(1), bytes(flipped))
+    with pytest.raises(CorruptBlockError):
+        decode_block(_key(1), b"PKV")
+
+
+def test_host_tier_is_lru_bounded_and_promotes_on_read():
+    tier = HostTier(capacity_bytes=300)
+    tier.record_removals = True
+    assert tier.put_many([(_key(i), _payload(i)) for i in range(3)]) == [_key(0), _key(1), _key(2)]
+    assert tier.get_many([_key(0)]) == [_payload(0)]  # 0 is now the most recently used
+    assert tier.put_many([(_key(3), _payload(3))]) == [_key(3)]
+    assert tier.contains_many([_key(i) for i in range(4)]) == [True, False, True, True]
+    assert tier.take_removed() == [_key(1)]
+    assert tier.used_bytes == 300 and tier.num_blocks == 3
+    assert tier.put_many([(_key(3), _payload(3))]) == []  # already there: refreshed only
+    assert tier.capacity_blocks(100) == 3
+
+
+def test_disk_tier_survives_restart_in_lru_order(tmp_path):
+    tier = DiskTier(tmp_path, capacity_bytes=10_000)
+    tier.put_many([(_key(i), _payload(i, 1000)) for i in range(4)])
+    os.utime(tier.path(_key(0)), (1, 1))  # oldest use
+    os.utime(tier.path(_key(1)), (2, 2))
+    assert tier.get_many([_key(0)]) == [_payload(0, 1000)]  # a read refreshes the file's time
+    again = DiskTier(tmp_path, capacity_bytes=10_000)
+    assert again.num_blocks == 4
+    assert again.contains_many([_key(i) for i in range(4)]) == [True] * 4  # no promotion
+    small = DiskTier(tmp_path, capacity_bytes=3 * again.used_bytes // 4)  # evicts one on scan
+    assert small.contains_many([_key(1)]) == [False]
+    assert not tier.path(_key(1)).exists()
+    assert small.get_many([_key(0), _key(2), _key(3)]) == [_payload(i, 1000) for i in (0, 2, 3)]
+
+
+def test_disk_tier_corrupt_and_truncated_files_are_misses(tmp_path):
+    tier = DiskTier(tmp_path, capacity_bytes=10_000)
+    tier.put_many([(_key(i), _payload(i, 500)) for i in range(3)])
+    path = tier.path(_key(0))
+    data = bytearray(path.read_bytes())
+    data[200] ^= 0x01
+    path.write_bytes(bytes(data))
+    truncated = tier.path(_key(1))
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    assert tier.get_many([_key(0), _key(1), _key(2)]) == [None, None, _payload(2, 500)]
+    assert tier.num_corrupt == 2
+    assert not path.exists() and not truncated.exists()
+    assert tier.contains_many([_key(0), _key(1)]) == [False, False]
+
+
+def test_disk_tier_leaves_no_partial_file_and_writes_atomically(tmp_path):
+    tier = DiskTier(tmp_path, capacity_bytes=10_000)
+    tier.put_many([(_key(5), _payload(5, 800))])
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert files == [tier.path(_key(5))]  # no temp file left behind
+    stale = tier.path(_key(5)).parent / ".tmpabandoned"
+    stale.write_bytes(b"half a block")
+    os.utime(stale, (1, 1))
+    DiskTier(tmp_path, capacity_bytes=10_000)  # a restart sweeps old temp files
+    assert not stale.exists()
+
+
+def test_disk_tier_bad_directory_is_a_value_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match="kv_offloading_disk_path"):
+        DiskTier(blocker / "sub", capacity_bytes=100)
+
+
+def test_redis_tier_round_trip_and_corrupt_value(redis_server):
+    tier = RedisTier(redis_server.url)
+    assert tier.put_many([(_key(i), _payload(i)) for i in range(3)]) == [_key(0), _key(1), _key(2)]
+    assert tier.put_many([(_key(0), _payload(0))]) == []  # SET NX: already stored
+    assert tier.contains_many([_key(0), _key(9)]) == [True, False]
+    tier.client.set(b"pagedkv:kv:" + _key(1), b"garbage")
+    assert tier.get_many([_key(0), _key(1), _key(2)]) == [_payload(0), None, _payload(2)]
+    assert tier.num_corrupt == 1
+    assert tier.contains_many([_key(1)]) == [False]  # the corrupt value was deleted
+    tier.close()
+
+
+def test_redis_tier_down_costs_hits_and_opens_the_breaker(redis_server):
+    tier = RedisTier(redis_server.url, timeout_s=0.2, failure_threshold=2, cooldown_s=60)
+    tier.put_many([(_key(0), _payload(0))])
+    redis_server.stop()
+    assert tier.get_many([_key(0)]) == [None]
+    assert tier.contains_many([_key(0)]) == [False]
+    assert tier.breaker.is_open
+    assert tier.put_many([(_key(1), _payload(1))]) == []  # not even attempted
+    assert tier.num_errors == 2
+
+
+def test_circuit_breaker_half_opens_after_cooldown():
+    now = [0.0]
+    breaker = CircuitBreaker(failure_threshold=2, cooldown_s=5, clock=lambda: now[0])
+    breaker.record_failure()
+    assert breaker.allow()
+    breaker.record_failure()
+    assert not breaker.allow()
+    now[0] = 5.0
+    assert breaker.allow()  # one trial call
+    breaker.record_success()
+    assert breaker.allow() and not breaker.is_open
