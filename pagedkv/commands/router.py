@@ -105,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedkv.router.app import create_router_app
+    from pagedkv.server.graceful import CleanExitServer, bind_socket
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
@@ -114,6 +115,10 @@ def run(args: argparse.Namespace) -> int:
                             backend_api_key=args.backend_api_key or None,
                             health_interval_s=args.health_interval,
                             health_timeout_s=args.health_timeout)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    sock = bind_socket(args.host, args.port)
+    try:
+        config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+        CleanExitServer(config).run(sockets=[sock])
+    finally:
+        sock.close()
     return 0

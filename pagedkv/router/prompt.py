@@ -30,11 +30,20 @@ COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 
 
+MAX_PROMPT_TOKENS = 1 << 17  # a longer prompt is not hashed (the backend will refuse it anyway)
+
+
 @dataclass
 class _TokenizerHolder:
     """What the server's tokenize functions read of their `serving` argument."""
 
     tokenizer: Tokenizer
+
+    def encode_prompt(self, text: str, *, add_special_tokens: bool,
+                      param: str = "prompt") -> list[int]:
+        """As `OpenAIServing.encode_prompt`, bounded by MAX_PROMPT_TOKENS (ValueError past it)."""
+        return self.tokenizer.encode_bounded(text, MAX_PROMPT_TOKENS,
+                                             add_special_tokens=add_special_tokens, what=param)
 
 
 @dataclass

@@ -47,7 +47,18 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-class DrainingServer(uvicorn.Server):
+class CleanExitServer(uvicorn.Server):
+    """uvicorn's `Server`, except that a SIGTERM / SIGINT ends it with exit status 0 after
+    uvicorn's graceful shutdown (uvicorn re-raises the signal). A second SIGINT stops waiting."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting
+        else:
+            self.should_exit = True
+
+
+class DrainingServer(CleanExitServer):
     """See the module docstring. `config.timeout_graceful_shutdown` is set from
     `shutdown_timeout`."""
 
@@ -58,13 +69,6 @@ class DrainingServer(uvicorn.Server):
         self.async_engine = async_engine
         self.shutdown_timeout = shutdown_timeout
         self.exit_reason: str | None = None  # set when the engine loop died
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        # Unlike uvicorn's, the signal is not re-raised after the drain: we exit 0.
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True  # a second Ctrl-C: stop waiting
-        else:
-            self.should_exit = True
 
     def stop_for_dead_engine(self, reason: str) -> None:
         """Stop serving because the engine cannot go on (any thread)."""
