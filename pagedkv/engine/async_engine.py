@@ -142,6 +142,11 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (token ids are in [0, vocab_size); fixed)."""
+        return self.engine.vocab_size
+
+    @property
     def max_model_len(self) -> int:
         """Longest prompt + output the engine accepts, in tokens (fixed at engine creation)."""
         return self.engine.max_model_len

@@ -121,3 +121,13 @@ def test_two_apps_in_one_process_have_their_own_metrics(engine, tiny_llama):
     assert 'pagedkv:generation_tokens_total{model_name="b"} 0.0' in metrics_b
     assert_pool_empty(engine)
     assert_pool_empty(other)
+
+
+def test_accessors_read_the_engine_facts(engine):
+    async_engine = AsyncEngine(engine)  # not started: the accessors need no loop
+    assert async_engine.tokenizer is engine.tokenizer
+    assert async_engine.max_model_len == engine.max_model_len == 256
+    assert async_engine.vocab_size == engine.vocab_size == engine.model_config.vocab_size
+    async_engine.check_fits(10, SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError):
+        async_engine.check_fits(10_000, SamplingParams(max_tokens=4))
