@@ -15,7 +15,7 @@ from pagedkv.model.attention import AttentionMetadata, PrefillChunk
 from pagedkv.model.config import ModelConfig, parse_dtype
 from pagedkv.model.kv_cache import KVCache
 from pagedkv.model.llama import LlamaForCausalLM
-from pagedkv.model.loader import load_model
+from pagedkv.model.loader import check_model_dir, load_model
 from pagedkv.model.sampler import Sampler
 from pagedkv.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -38,6 +38,7 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, *, block_size: int, num_blocks: int,
                  num_host_blocks: int = 0, dtype: str = "auto", device: str = "auto",
                  seed: int = 0) -> None:
+        check_model_dir(model_dir)  # a config.json claiming 10^9 layers fails before any build
         self.model_config = ModelConfig.from_dir(model_dir)
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.model_config.torch_dtype)
