@@ -90,12 +90,14 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs) -> None:
         # Imported here so `pagedkv.engine` stays light until an engine is really built.
+        from pagedkv.model.loader import check_model_dir
         from pagedkv.model.runner import ModelRunner
         from pagedkv.model.tokenizer import Tokenizer
 
         args.validate()
         if not args.model:
             raise ValueError("model must be a model directory, got ''")
+        check_model_dir(args.model)  # config.json vs the checkpoint, before sizing anything
         self.args = args
         self.tokenizer = Tokenizer.from_dir(args.tokenizer or args.model)
         setup: KVCacheSetup = plan_kv_cache(args)

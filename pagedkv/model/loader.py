@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pagedkv.model.config import ModelConfig
+from pagedkv.model.config import ModelConfig, read_json
 from pagedkv.model.layers import rope_inv_freq
 from pagedkv.model.registry import CausalLM, get_model_class
 
@@ -69,23 +69,35 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _EMBED = "model.embed_tokens.weight"
 
 
-def check_checkpoint_matches(model_dir: str | Path, config: ModelConfig) -> None:
-    """Compare the config with the checkpoint's headers (no tensor is read): the number of
-    layers and the embedding's [vocab_size, hidden_size]. ValueError naming the mismatch."""
+def check_checkpoint_matches(model_dir: str | Path, num_layers: object, vocab_size: object,
+                             hidden_size: object) -> None:
+    """Compare config.json's sizes with the checkpoint's headers (no tensor is read): the
+    number of layers and the embedding's [vocab_size, hidden_size]. ValueError naming the
+    mismatch. Call it before anything is built or allocated from those sizes."""
     shapes: dict[str, tuple[int, ...]] = {}
     for path in weight_files(model_dir):
         with open_weights(path) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 shapes[name] = tuple(f.get_slice(name).get_shape())
     layers = {int(m.group(1)) for name in shapes if (m := _LAYER_RE.match(name))}
-    if len(layers) != config.num_layers:
-        raise ValueError(f"config.json says num_hidden_layers={config.num_layers} but the "
+    if len(layers) != num_layers:
+        raise ValueError(f"config.json says num_hidden_layers={num_layers!r} but the "
                          f"weights in {model_dir} hold {len(layers)} layers")
     embed = shapes.get(_EMBED)
-    expected = (config.vocab_size, config.hidden_size)
-    if embed is not None and embed != expected:
-        raise ValueError(f"config.json says vocab_size={expected[0]}, hidden_size={expected[1]} "
-                         f"but {_EMBED} in {model_dir} has shape {list(embed)}")
+    if embed is not None and embed != (vocab_size, hidden_size):
+        raise ValueError(f"config.json says vocab_size={vocab_size!r}, hidden_size="
+                         f"{hidden_size!r} but {_EMBED} in {model_dir} has shape {list(embed)}")
+
+
+def check_model_dir(model_dir: str | Path) -> None:
+    """`check_checkpoint_matches` with the sizes config.json gives (read raw, before any
+    per-layer structure is built from them). A missing directory is left to the config reader."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        return
+    raw = read_json(model_dir / "config.json")
+    check_checkpoint_matches(model_dir, raw.get("num_hidden_layers"), raw.get("vocab_size"),
+                             raw.get("hidden_size"))
 
 
 def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
@@ -131,7 +143,8 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
                device: torch.device) -> CausalLM:
     """Build the model for `config` on `device` in `dtype`, load `model_dir`'s weights and pack
     the projection weights where that is faster (CPU bfloat16; see layers.Linear)."""
-    check_checkpoint_matches(model_dir, config)  # before allocating for what config.json says
+    # Before allocating for what config.json says.
+    check_checkpoint_matches(model_dir, config.num_layers, config.vocab_size, config.hidden_size)
     with torch.device("meta"):
         model = get_model_class(config.architecture)(config)
     model = model.to(dtype).to_empty(device=device)

@@ -15,7 +15,7 @@ from pagedkv.kv.spec import KVCacheSpec, kv_cache_spec_from_hf_config
 from pagedkv.model.attention import AttentionMetadata, PrefillChunk
 from pagedkv.model.config import ModelConfig, parse_dtype, torch_dtype
 from pagedkv.model.kv_cache import KVCache
-from pagedkv.model.loader import load_model
+from pagedkv.model.loader import check_model_dir, load_model
 from pagedkv.model.registry import CausalLM
 from pagedkv.model.sampler import Sampler
 from pagedkv.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -41,6 +41,7 @@ class ModelRunner:
                  seed: int = 0, kv_cache_spec: KVCacheSpec | None = None) -> None:
         """`kv_cache_spec` (the one the engine planned with) shapes the KV tensors; without it
         the spec is built from the same config reader, `block_size` and `dtype`."""
+        check_model_dir(model_dir)  # a config.json claiming 10^9 layers fails before any build
         self.model_config = ModelConfig.from_dir(model_dir)
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.model_config.torch_dtype)
