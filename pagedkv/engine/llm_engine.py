@@ -23,7 +23,7 @@ from pagedkv.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedkv.sched.request import Request, RequestStatus
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.sched.scheduler import Scheduler, SchedulerConfig, child_request_id
-from pagedkv.sched.validation import check_cache_salt, check_priority
+from pagedkv.sched.validation import PromptTooLongError, check_cache_salt, check_priority
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,13 @@ class LLMEngine:
         if ids is None:
             if not isinstance(text, str):
                 raise ValueError(f"prompt must be a string, got {type(text).__name__}")
-            ids = self.tokenizer.encode_bounded(text, self.max_model_len)
+            try:
+                ids = self.tokenizer.encode_bounded(text, self.max_model_len - 1)
+            except PromptTooLongError as exc:
+                raise ValueError(
+                    f"prompt has at least {exc.num_tokens} tokens but max_model_len is "
+                    f"{self.max_model_len} (the prompt plus at least one generated token must "
+                    "fit)") from None
         ids = list(ids)
         if not ids:
             raise ValueError("prompt is empty: it must have at least one token")

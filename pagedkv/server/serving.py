@@ -21,8 +21,8 @@ from fastapi import Request
 
 from pagedkv.engine.llm_engine import STEP_FAILED
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.model.tokenizer import PromptTooLongError
 from pagedkv.sched.sampling_params import SamplingParams
+from pagedkv.sched.validation import PromptTooLongError
 from pagedkv.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
