@@ -26,7 +26,7 @@ from pagedkv.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedkv.sched.request import Request, RequestStatus, child_request_id
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.sched.scheduler import Scheduler, SchedulerConfig
-from pagedkv.sched.validation import check_cache_salt, check_priority
+from pagedkv.sched.validation import PromptTooLongError, check_cache_salt, check_priority
 from pagedkv.store.factory import attach_kv_store
 from pagedkv.utils import cdiv
 
@@ -156,7 +156,13 @@ class LLMEngine:
         if ids is None:
             if not isinstance(text, str):
                 raise ValueError(f"prompt must be a string, got {type(text).__name__}")
-            ids = self.tokenizer.encode_bounded(text, self.max_model_len)
+            try:
+                ids = self.tokenizer.encode_bounded(text, self.max_model_len - 1)
+            except PromptTooLongError as exc:
+                raise ValueError(
+                    f"prompt has at least {exc.num_tokens} tokens but max_model_len is "
+                    f"{self.max_model_len} (the prompt plus at least one generated token must "
+                    "fit)") from None
         ids = list(ids)
         if not ids:
             raise ValueError("prompt is empty: it must have at least one token")

@@ -15,23 +15,13 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 
 from pagedkv.model.config import read_json
-from pagedkv.sched.validation import check_text
+from pagedkv.sched.validation import PromptTooLongError, check_text
 
 # Over-long check: a text is first tokenized up to CHARS_PER_TOKEN_GUESS characters per allowed
 # token; each retry takes 4x more. A cut inside a word can shift the tokens at the cut, so a
 # prefix must exceed the limit by BOUNDARY_SLACK tokens before the whole text is called too long.
 CHARS_PER_TOKEN_GUESS = 8
 BOUNDARY_SLACK = 16
-
-
-class PromptTooLongError(ValueError):
-    """A text has more tokens than allowed; `num_tokens` is a lower bound of its count."""
-
-    def __init__(self, num_tokens: int, max_tokens: int, what: str = "prompt") -> None:
-        super().__init__(f"the {what} has at least {num_tokens} tokens, more than the "
-                         f"{max_tokens} allowed")
-        self.num_tokens = num_tokens
-        self.max_tokens = max_tokens
 
 
 def _token_str(value: Any, name: str = "token") -> str | None:
@@ -115,9 +105,9 @@ class Tokenizer:
 
     def encode_bounded(self, text: str, max_tokens: int, add_special_tokens: bool = True,
                        what: str = "prompt") -> list[int]:
-        """`encode(text)`, except that a text known to have more than `max_tokens` tokens raises
-        PromptTooLongError after tokenizing only a prefix of it (about `max_tokens` tokens of
-        work, not the whole text). A text that fits is tokenized once, whole.
+        """`encode(text)`, or PromptTooLongError when it has more than `max_tokens` tokens: a
+        text far over is refused after tokenizing only a prefix of it (about `max_tokens`
+        tokens of work, not the whole text). A text that fits is tokenized once, whole.
 
         Characters bound tokens neither way for every tokenizer (a byte-fallback tokenizer
         makes up to 4 tokens of one character, a BPE merge many characters into one token),
@@ -133,7 +123,10 @@ class Tokenizer:
             if count > max_tokens + BOUNDARY_SLACK:
                 raise PromptTooLongError(count - BOUNDARY_SLACK, max_tokens, what)
             limit *= 4
-        return self._encode_batch(text, add_special_tokens)
+        ids = self._encode_batch(text, add_special_tokens)
+        if len(ids) > max_tokens:
+            raise PromptTooLongError(len(ids), max_tokens, what)
+        return ids
 
     def _encode_batch(self, text: str, add_special_tokens: bool) -> list[int]:
         # encode_batch releases the GIL (encode does not): other threads go on meanwhile.

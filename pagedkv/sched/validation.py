@@ -41,3 +41,14 @@ def check_cache_salt(cache_salt: object) -> None:
     if not isinstance(cache_salt, str):
         raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
     check_text(cache_salt, "cache_salt")
+
+
+class PromptTooLongError(ValueError):
+    """A text has more tokens than allowed; `num_tokens` is a lower bound of its count (the
+    exact count when the whole text was tokenized)."""
+
+    def __init__(self, num_tokens: int, max_tokens: int, what: str = "prompt") -> None:
+        super().__init__(f"the {what} has at least {num_tokens} tokens, more than the "
+                         f"{max_tokens} allowed")
+        self.num_tokens = num_tokens
+        self.max_tokens = max_tokens

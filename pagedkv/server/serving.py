@@ -28,8 +28,8 @@ from pagedkv.engine.async_engine import (
 )
 from pagedkv.engine.llm_engine import STEP_FAILED
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.model.tokenizer import PromptTooLongError
 from pagedkv.sched.sampling_params import SamplingParams
+from pagedkv.sched.validation import PromptTooLongError
 from pagedkv.server.errors import APIError, model_not_found
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import PromptTokensDetails, SamplingFields, UsageInfo
