@@ -5,7 +5,7 @@ the text has fewer characters than the limit (characters do not bound byte-level
 from __future__ import annotations
 
 import pytest
-from pagedkv.model.random_model import build_tokenizer_files
+from pagedkv.testing import build_tokenizer_files
 
 from pagedkv.model.tokenizer import Tokenizer
 from pagedkv.sched.validation import PromptTooLongError
