@@ -43,6 +43,7 @@ class _Group:
     num_cached_tokens: int = 0
     error: str | None = None
     first_token_time: float | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -65,6 +66,7 @@ class _Group:
             num_cached_tokens=self.num_cached_tokens, error=self.error,
             metrics={"arrival_time": self.arrival_time,
                      "first_token_time": self.first_token_time or 0.0},
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )
 
 
@@ -254,6 +256,9 @@ class LLMEngine:
                 completion.logprobs = []
                 completion.cumulative_logprob = 0.0
         group.num_cached_tokens = max(request.num_cached_tokens, 0)
+        if (request.wants_prompt_logprobs and index == 0 and
+                len(group.prompt_logprobs or ()) != len(request.prompt_logprobs) + 1):
+            group.prompt_logprobs = [None, *request.prompt_logprobs]
         if request.status == RequestStatus.FINISHED_ERROR:
             group.error = request.error
         new_tokens = request.output_token_ids[len(completion.token_ids):]

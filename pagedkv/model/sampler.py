@@ -195,3 +195,21 @@ def _top_logprobs(logprobs: torch.Tensor, sampled: list[int], n: int) -> list[di
         d[tok] = float(logprobs[tok])
         out.append(d)
     return out
+
+
+def prompt_logprobs(logits: torch.Tensor, target_ids: list[int], n: int) -> list[dict[int, float]]:
+    """Per row of `logits` [R, V]: the top-`n` tokens and `target_ids[row]` (the prompt's next
+    token) with their log-probabilities (log-softmax of the raw logits, as vLLM reports them)."""
+    logprobs = logits.float().log_softmax(-1)
+    out = []
+    top = logprobs.topk(n) if n > 0 else None
+    targets = logprobs.gather(1, torch.tensor(target_ids, device=logits.device)[:, None])
+    target_values = targets[:, 0].tolist()
+    top_ids = top.indices.tolist() if top is not None else [[] for _ in target_ids]
+    top_values = top.values.tolist() if top is not None else [[] for _ in target_ids]
+    for ids, values, target, value in zip(top_ids, top_values, target_ids, target_values,
+                                          strict=True):
+        entry = dict(zip(ids, values, strict=True))
+        entry[target] = value
+        out.append(entry)
+    return out

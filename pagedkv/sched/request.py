@@ -56,6 +56,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.output_logprobs: list[dict[int, float]] = []
+        # Entry i: logprobs of prompt token i + 1 (from the logits at position i).
+        self.prompt_logprobs: list[dict[int, float]] = []
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +70,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

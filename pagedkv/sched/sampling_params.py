@@ -18,6 +18,8 @@ class SamplingParams:
     `seed` makes this request's sampling reproducible whatever else is in the batch.
     `logprobs=N` returns the top-N log-probabilities (plus the sampled token's) per output token.
     `stop` strings end generation and are left out of the text.
+    `prompt_logprobs=N` returns, for every prompt token after the first, its log-probability
+    and the top-N alternatives (vLLM's `RequestOutput.prompt_logprobs`, entry 0 None).
     """
 
     n: int = 1
@@ -37,6 +39,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Log-probabilities of the prompt's tokens (top-N plus the actual token at each position
+    # after the first). Such a request computes its whole prompt: no prefix-cache hit.
+    prompt_logprobs: int | None = None
     # Filled in from `stop` so callers can rely on a list.
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -85,6 +90,10 @@ class SamplingParams:
                and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", self.stop_token_ids, "must be a list of non-negative integers")
         self.stop_token_ids = list(self.stop_token_ids)
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                                and not isinstance(self.prompt_logprobs, bool)
+                                                and 0 <= self.prompt_logprobs <= 20),
+               "prompt_logprobs", self.prompt_logprobs, "must be an integer in [0, 20] or None")
 
     @property
     def greedy(self) -> bool:

@@ -218,8 +218,9 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            if self._pending_hashes and self._next_block_is_pending(request, len(computed_blocks)):
+            computed_blocks, num_hit_tokens = self._prefix_hits(request)
+            if (self._pending_hashes and not request.wants_prompt_logprobs
+                    and self._next_block_is_pending(request, len(computed_blocks))):
                 break
             status = kv.can_allocate(request, computed_blocks=computed_blocks)
             if status == AllocStatus.NEVER:
@@ -243,6 +244,13 @@ class Scheduler:
             self._enqueue(self.running, request)
             self._schedule(request, num_new, out)
             budget -= num_new
+
+    def _prefix_hits(self, request: Request) -> tuple[list, int]:
+        """The request's prefix-cache hit; none for a request that wants prompt logprobs (it
+        must compute every prompt position, as vLLM does; its blocks are still cached)."""
+        if request.wants_prompt_logprobs:
+            return [], 0
+        return self.kv_cache_manager.get_computed_blocks(request)
 
     def _next_block_is_pending(self, request: Request, num_hit_blocks: int) -> bool:
         hashes = self.kv_cache_manager.get_block_hashes(request.request_id)
@@ -278,6 +286,9 @@ class Scheduler:
             if request.num_output_tokens < params.min_tokens:
                 eos = () if params.ignore_eos else request.eos_token_ids
                 banned = (*eos, *params.stop_token_ids)
+        prompt_logprob_rows = 0
+        if request.wants_prompt_logprobs:
+            prompt_logprob_rows = max(min(start + num_new, request.num_prompt_tokens - 1) - start, 0)
         out.scheduled.append(ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:start + num_new],
@@ -289,6 +300,7 @@ class Scheduler:
             output_token_ids=request.output_token_ids,
             sample_index=request.sample_index,
             banned_token_ids=banned,
+            num_prompt_logprob_rows=prompt_logprob_rows,
         ))
 
     # ---- applying results ---------------------------------------------------------------
@@ -305,6 +317,10 @@ class Scheduler:
                 continue
             request.num_computed_tokens += scheduled.num_new_tokens
             kv.cache_blocks(request, request.num_computed_tokens)
+            prompt_logprobs = result.prompt_logprobs.get(request.request_id)
+            if prompt_logprobs is not None:  # a recompute overwrites what it computes again
+                del request.prompt_logprobs[scheduled.start_pos:]
+                request.prompt_logprobs.extend(prompt_logprobs)
             if scheduled.num_samples == 0:
                 continue
             tokens = result.sampled_token_ids[request.request_id]

@@ -57,6 +57,10 @@ class SamplingFields(_Request):
     cache_salt: NonEmptyStr | None = None
     return_tokens_as_token_ids: bool = Field(
         False, description="write logprobs tokens as 'token_id:<id>' (vLLM's extension)")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS,
+        description="vLLM's extension: the top-N logprobs of every prompt token, returned as "
+                    "`prompt_logprobs` (the request then gets no prefix-cache hit)")
 
 
 Prompt = (
@@ -71,8 +75,10 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt`: a string, a token-id list, or a list of either."""
 
     prompt: Prompt
+    # 0 only with `echo` (score the prompt, generate nothing), as lm-evaluation-harness asks.
+    max_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Literal[False] = False
+    echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: None = None
 
@@ -132,12 +138,24 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's `Logprob` as its server writes `prompt_logprobs` entries (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -196,6 +214,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -116,7 +116,8 @@ class OpenAIServing:
             logprobs=logprobs, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
             skip_special_tokens=req.skip_special_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output)
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            prompt_logprobs=req.prompt_logprobs)
 
     def check_fits(self, prompts: Sequence[list[int]], params: SamplingParams) -> None:
         """400 when a prompt with its n samples could never fit in the KV cache. (The engine's

@@ -92,7 +92,9 @@ def _response(serving: OpenAIServing, request_id: str, final: RequestOutput,
                           finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                for c in sorted(final.outputs, key=lambda c: c.index)]
     return ChatCompletionResponse(id=request_id, model=serving.model_name, choices=choices,
-                                  usage=usage.info())
+                                  usage=usage.info(),
+                                  prompt_logprobs=formatter.vllm_prompt_logprobs(
+                                      final.prompt_logprobs))
 
 
 def _chunk(serving: OpenAIServing, request_id: str, choice: ChatStreamChoice) -> str:

@@ -55,7 +55,7 @@ BAD_COMPLETIONS: list[tuple[str, object, int, str | None]] = [
     ("stream not bool", {"prompt": "x", "stream": "yes"}, 400, "stream"),
     ("stream_options without stream", {"prompt": "x", "stream_options": {"include_usage": True}},
      400, "stream_options"),
-    ("echo unsupported", {"prompt": "x", "echo": True}, 400, "echo"),
+    ("max_tokens 0 without echo", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("best_of above n", {"prompt": "x", "best_of": 3}, 400, "best_of"),
     ("cache_salt empty", {"prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
     ("prompt too long", {"prompt": TOO_LONG}, 400, "prompt"),
