@@ -9,9 +9,11 @@ Not thread-safe: one thread owns an engine (the server runs it in a background t
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
@@ -23,6 +25,9 @@ from pagedkv.sched.output import ModelRunnerOutput
 from pagedkv.sched.request import Request, RequestStatus
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.sched.scheduler import Scheduler, SchedulerConfig, child_request_id
+
+if TYPE_CHECKING:
+    from pagedkv.structured.backend import XGrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +116,8 @@ class LLMEngine:
             max_model_len=self.max_model_len, preemption_mode=args.preemption_mode,
             policy=args.scheduling_policy), kv)
         self._groups: dict[str, _Group] = {}
+        self._structured_backend: XGrammarBackend | None = None
+        self._structured_lock = threading.Lock()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
@@ -119,6 +126,17 @@ class LLMEngine:
         return cls(args)
 
     # ---- requests -----------------------------------------------------------------------
+
+    @property
+    def structured_output_backend(self) -> XGrammarBackend:
+        """The grammar compiler of this engine's tokenizer, built on first use (importing
+        xgrammar is slow). Thread-safe; its `compile` may be called from any thread."""
+        with self._structured_lock:
+            if self._structured_backend is None:
+                from pagedkv.structured.backend import XGrammarBackend
+
+                self._structured_backend = XGrammarBackend(self.tokenizer, self.vocab_size)
+            return self._structured_backend
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Return (prompt text or None, prompt token ids); raises ValueError for bad prompts."""
@@ -181,6 +199,9 @@ class LLMEngine:
         request = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                           eos_token_ids=self.eos_token_ids, arrival_time=arrival,
                           priority=priority, cache_salt=cache_salt)
+        if params.structured_outputs is not None:
+            request.structured_output = self.structured_output_backend.grammar(
+                params.structured_outputs)
         self.scheduler.add_request(request)
         self._groups[request_id] = _Group(request_id=request_id, prompt=text, prompt_token_ids=ids,
                                           params=params, arrival_time=arrival)

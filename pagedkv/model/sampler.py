@@ -15,7 +15,8 @@ seen without one (e.g. a child whose parent ran elsewhere) starts at `seed + sam
 Unseeded requests share one generator seeded from the runner's seed, so a whole run is
 reproducible.
 
-`banned_token_ids` (eos and stop tokens below `min_tokens`) are never sampled, greedy included.
+`banned_token_ids` (eos and stop tokens below `min_tokens`) are never sampled, greedy included;
+nor are the tokens a structured-output request's grammar forbids (one bitmask for the batch).
 
 Logprobs: log-softmax of the raw model logits, before penalties and temperature (vLLM's default
 "raw_logprobs" mode). Each sample reports the top-N tokens plus the sampled token.
@@ -28,6 +29,7 @@ import torch
 from pagedkv.sched.output import ScheduledRequest
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.sched.scheduler import child_request_id
+from pagedkv.structured.bitmask import apply_grammar_bitmask
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
@@ -131,6 +133,7 @@ class Sampler:
         logits = apply_penalties(logits, params, [r.prompt_token_ids for r in requests],
                                  [r.output_token_ids for r in requests])
         logits = ban_tokens(logits, [r.banned_token_ids for r in requests])
+        logits = apply_grammar_bitmask(logits, [r.grammar for r in requests])
         counts = [max(r.num_samples, 1) for r in requests]
         rows = torch.repeat_interleave(torch.arange(len(requests), device=logits.device),
                                        torch.tensor(counts, device=logits.device))
@@ -182,7 +185,7 @@ def _plain_greedy(req: ScheduledRequest) -> bool:
     banned tokens or logprobs (the general path gives the same token, with more work)."""
     p = req.sampling_params
     return (p.temperature == 0.0 and req.num_samples <= 1 and p.logprobs is None
-            and not req.banned_token_ids and p.repetition_penalty == 1.0
+            and not req.banned_token_ids and req.grammar is None and p.repetition_penalty == 1.0
             and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
 
 

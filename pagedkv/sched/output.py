@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedkv.sched.sampling_params import SamplingParams
+from pagedkv.structured.grammar import StructuredOutputGrammar
 
 
 @dataclass
@@ -41,6 +42,9 @@ class ScheduledRequest:
     sample_index: int = 0
     banned_token_ids: tuple[int, ...] = ()
     num_prompt_logprob_rows: int = 0
+    # The request's grammar state when its output is constrained and it samples this step: the
+    # sampler only reads it (allowed next tokens); the scheduler advances it after the step.
+    grammar: StructuredOutputGrammar | None = None
 
     @property
     def num_new_tokens(self) -> int:

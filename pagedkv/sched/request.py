@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedkv.sched.sampling_params import SamplingParams
+from pagedkv.structured.grammar import StructuredOutputGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -58,6 +59,8 @@ class Request:
         self.output_logprobs: list[dict[int, float]] = []
         # Entry i: logprobs of prompt token i + 1 (from the logits at position i).
         self.prompt_logprobs: list[dict[int, float]] = []
+        # The grammar state of a structured-output request (set by the engine), else None.
+        self.structured_output: StructuredOutputGrammar | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedkv.structured.params import StructuredOutputsParams
+
 
 def _check(cond: bool, name: str, value: object, rule: str) -> None:
     if not cond:
@@ -42,6 +44,8 @@ class SamplingParams:
     # Log-probabilities of the prompt's tokens (top-N plus the actual token at each position
     # after the first). Such a request computes its whole prompt: no prefix-cache hit.
     prompt_logprobs: int | None = None
+    # A JSON schema / regex / choice / grammar the output must follow (vLLM's field).
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in from `stop` so callers can rely on a list.
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -94,6 +98,10 @@ class SamplingParams:
                                                 and not isinstance(self.prompt_logprobs, bool)
                                                 and 0 <= self.prompt_logprobs <= 20),
                "prompt_logprobs", self.prompt_logprobs, "must be an integer in [0, 20] or None")
+        _check(self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", self.structured_outputs,
+               "must be a StructuredOutputsParams or None")
 
     @property
     def greedy(self) -> bool:

@@ -301,6 +301,7 @@ class Scheduler:
             sample_index=request.sample_index,
             banned_token_ids=banned,
             num_prompt_logprob_rows=prompt_logprob_rows,
+            grammar=request.structured_output if num_samples else None,
         ))
 
     # ---- applying results ---------------------------------------------------------------
@@ -337,6 +338,11 @@ class Scheduler:
         request.append_output_token(token_id)
         if logprobs is not None:
             request.output_logprobs.append(logprobs)
+        grammar = request.structured_output
+        if grammar is not None and not grammar.accept_token(token_id):
+            # The sampler masks forbidden tokens, so this is a bug: `_check_stop` ends the request.
+            request.error = (f"token {token_id} violates the request's structured-output "
+                             "grammar")
 
     def _fork_children(self, parent: Request, tokens: list[int],
                        logprobs: list[dict[int, float]] | None) -> list[Request]:
@@ -357,6 +363,8 @@ class Scheduler:
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
             child.status = RequestStatus.RUNNING
+            if parent.structured_output is not None:  # forked before the parent's own token
+                child.structured_output = parent.structured_output.fork()
             self.kv_cache_manager.fork(parent, child)
             self._append_token(child, token_id, logprobs[i] if logprobs else None)
             self.requests[child.request_id] = child
@@ -367,6 +375,14 @@ class Scheduler:
     def _check_stop(self, request: Request) -> None:
         params = request.sampling_params
         token_id = request.output_token_ids[-1]
+        grammar = request.structured_output
+        if grammar is not None and request.error is not None:
+            self._finish(request, RequestStatus.FINISHED_ERROR, request.error)
+            return
+        if grammar is not None and grammar.is_terminated():
+            self._finish(request, RequestStatus.FINISHED_STOPPED,
+                         token_id if token_id in params.stop_token_ids else None)
+            return
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 self._finish(request, RequestStatus.FINISHED_STOPPED, None)

@@ -8,7 +8,7 @@ Unknown fields are ignored, as OpenAI and vLLM do. The bounds mirror `SamplingPa
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -27,6 +27,36 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`: text (no constraint), json_object, or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
 
 
 class SamplingFields(_Request):
@@ -61,6 +91,14 @@ class SamplingFields(_Request):
         None, ge=0, le=MAX_LOGPROBS,
         description="vLLM's extension: the top-N logprobs of every prompt token, returned as "
                     "`prompt_logprobs` (the request then gets no prefix-cache hit)")
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and vLLM's
+    # older guided_* spellings (at most one kind of constraint per request).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
 
 Prompt = (

@@ -29,6 +29,8 @@ from pagedkv.server.async_engine import (
 from pagedkv.server.errors import APIError, model_not_found
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from pagedkv.server.structured import compile_constraint, structured_outputs_of
+from pagedkv.structured.params import StructuredOutputsParams
 
 
 def random_id(prefix: str) -> str:
@@ -106,8 +108,9 @@ class OpenAIServing:
                 "the completion.", param="max_tokens")
         return max_tokens
 
-    def sampling_params(self, req: SamplingFields, *, max_tokens: int,
-                        logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, req: SamplingFields, *, max_tokens: int, logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None
+                        ) -> SamplingParams:
         """SamplingParams for `req` (ValueError, hence 400, on a bad combination)."""
         return SamplingParams(
             n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
@@ -117,7 +120,7 @@ class OpenAIServing:
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            prompt_logprobs=req.prompt_logprobs)
+            prompt_logprobs=req.prompt_logprobs, structured_outputs=structured_outputs)
 
     def check_fits(self, prompts: Sequence[list[int]], params: SamplingParams) -> None:
         """400 when a prompt with its n samples could never fit in the KV cache. (The engine's
@@ -130,6 +133,13 @@ class OpenAIServing:
                 raise APIError(str(exc), param="n" if params.n > 1 else "prompt") from exc
 
     # ---- running ------------------------------------------------------------------------
+
+    async def structured_outputs(self, req: SamplingFields) -> StructuredOutputsParams | None:
+        """The request's structured-output constraint, compiled (cached by the engine's grammar
+        backend); APIError 400 when it is malformed, ambiguous or rejected."""
+        so = structured_outputs_of(req)
+        await compile_constraint(self.engine.engine, so)
+        return so
 
     async def open_streams(self, request_id: str, prompts: Sequence[list[int]],
                            params: SamplingParams, *, arrival: float, priority: int = 0,

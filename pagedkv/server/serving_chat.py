@@ -54,7 +54,8 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = serving.max_tokens_for(requested, len(prompt), None)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
+                                     structured_outputs=await serving.structured_outputs(req))
     serving.check_fits([prompt], params)
     request_id = random_id("chatcmpl")
     streams = await serving.open_streams(request_id, [prompt], params, arrival=arrival,

@@ -102,7 +102,8 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest,
     max_tokens = [serving.max_tokens_for(requested, len(p), DEFAULT_MAX_TOKENS)
                   for p in prompts]
     # The same for every prompt: the request's max_tokens or the default.
-    params = serving.sampling_params(req, max_tokens=max_tokens[0], logprobs=req.logprobs)
+    params = serving.sampling_params(req, max_tokens=max_tokens[0], logprobs=req.logprobs,
+                                     structured_outputs=await serving.structured_outputs(req))
     if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
         params = replace(params, prompt_logprobs=req.logprobs)
     serving.check_fits(prompts, params)
