@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.commands.engine_flags import add_engine_flags, engine_args_from_flags
+from pagedkv.server.tool_parsers import TOOL_PARSERS  # plain Python: keeps --help light
 
 DEFAULT_PORT = 8000
 
@@ -38,6 +39,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "(default: $PAGEDKV_API_KEY, else none)")
     parser.add_argument("--max-pending", type=int, default=None, metavar="N",
                         help="most requests in flight before answering 503 (default: 4096)")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="parse the model's tool calls in this format, enabling "
+                        'tool_choice "auto" (vLLM\'s names)')
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="accepted for vLLM compatibility: --tool-call-parser enables "
+                        'tool_choice "auto"')
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
     add_engine_flags(parser)
@@ -63,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(engine, served_model_name=args.served_model_name or args.model,
                      api_key=args.api_key or None,
                      max_pending=DEFAULT_MAX_PENDING if args.max_pending is None
-                     else args.max_pending)
+                     else args.max_pending, tool_call_parser=args.tool_call_parser)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0

@@ -34,6 +34,7 @@ from pagedkv.server.protocol import (
 from pagedkv.server.serving import OpenAIServing
 from pagedkv.server.serving_chat import create_chat_completion
 from pagedkv.server.serving_completion import create_completion
+from pagedkv.server.tool_parsers import get_tool_parser
 
 DEFAULT_MAX_PENDING = 4096
 
@@ -42,17 +43,21 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 def create_app(engine: Any, *, served_model_name: str, api_key: str | None = None,
-               max_pending: int = DEFAULT_MAX_PENDING) -> FastAPI:
-    """An app serving `engine` (an `LLMEngine`) as `served_model_name`.
+               max_pending: int = DEFAULT_MAX_PENDING,
+               tool_call_parser: str | None = None) -> FastAPI:
+    """An app serving `engine` (an `LLMEngine`) as `served_model_name`. `tool_call_parser`
+    (a name in `pagedkv.server.tool_parsers.TOOL_PARSERS`) enables `tool_choice: "auto"`.
 
     The engine's loop thread starts with the app's lifespan (uvicorn, or `with TestClient(app)`)
     and is joined when it ends; requests in flight are aborted then.
     """
     if not served_model_name:
         raise ValueError(f"served_model_name must be a non-empty string, got {served_model_name!r}")
+    tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
     async_engine = AsyncEngine(engine, max_pending=max_pending)
     metrics = ServerMetrics(served_model_name)
-    serving = OpenAIServing(async_engine, model_name=served_model_name, metrics=metrics)
+    serving = OpenAIServing(async_engine, model_name=served_model_name, metrics=metrics,
+                            tool_parser=tool_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -30,6 +30,7 @@ from pagedkv.server.errors import APIError, model_not_found
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from pagedkv.server.structured import compile_constraint, structured_outputs_of
+from pagedkv.server.tool_parsers import ToolParser
 from pagedkv.structured.params import StructuredOutputsParams
 
 
@@ -69,8 +70,10 @@ class Usage:
 class OpenAIServing:
     """The shared machinery of the /v1 handlers, bound to one engine and one model name."""
 
-    def __init__(self, engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics,
+                 tool_parser: ToolParser | None = None) -> None:
         self.engine = engine
+        self.tool_parser = tool_parser  # for tool_choice "auto" (`--tool-call-parser`)
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len: int = engine.engine.max_model_len
         self.model_name = model_name
@@ -134,10 +137,19 @@ class OpenAIServing:
 
     # ---- running ------------------------------------------------------------------------
 
-    async def structured_outputs(self, req: SamplingFields) -> StructuredOutputsParams | None:
-        """The request's structured-output constraint, compiled (cached by the engine's grammar
-        backend); APIError 400 when it is malformed, ambiguous or rejected."""
+    async def structured_outputs(self, req: SamplingFields,
+                                 tool_constraint: StructuredOutputsParams | None = None
+                                 ) -> StructuredOutputsParams | None:
+        """The request's structured-output constraint (or the one its `tool_choice` implies),
+        compiled (cached by the engine's grammar backend); APIError 400 when it is malformed,
+        ambiguous or rejected."""
         so = structured_outputs_of(req)
+        if tool_constraint is not None:
+            if so is not None:
+                raise APIError("tool_choice required or a named function cannot be combined "
+                               "with structured outputs", param="tool_choice")
+            await compile_constraint(self.engine.engine, tool_constraint, "tools")
+            return tool_constraint
         await compile_constraint(self.engine.engine, so)
         return so
 
