@@ -48,6 +48,7 @@ class _Group:
     num_cached_tokens: int = 0
     error: str | None = None
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
@@ -70,7 +71,8 @@ class _Group:
             outputs=[_copy_completion(c) for c in outputs], finished=self.finished,
             num_cached_tokens=self.num_cached_tokens, error=self.error,
             metrics={"arrival_time": self.arrival_time,
-                     "first_token_time": self.first_token_time or 0.0},
+                     "first_token_time": self.first_token_time or 0.0,
+                     "first_scheduled_time": self.first_scheduled_time or 0.0},
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )
 
@@ -138,8 +140,18 @@ class LLMEngine:
                 self._structured_backend = XGrammarBackend(self.tokenizer, self.vocab_size)
             return self._structured_backend
 
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Return (prompt text or None, prompt token ids); raises ValueError for bad prompts."""
+    def truncate_prompt(self, ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+        """The last `truncate_prompt_tokens` ids (-1: the most that leave room for one
+        generated token; None: all), as vLLM truncates from the left."""
+        if truncate_prompt_tokens is None:
+            return ids
+        keep = self.max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        return ids[-keep:] if len(ids) > keep else ids
+
+    def tokenize_prompt(self, prompt: PromptType, truncate_prompt_tokens: int | None = None
+                        ) -> tuple[str | None, list[int]]:
+        """Return (prompt text or None, prompt token ids), keeping only the last
+        `truncate_prompt_tokens` ids when given; raises ValueError for bad prompts."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
@@ -158,7 +170,7 @@ class LLMEngine:
             if not isinstance(text, str):
                 raise ValueError(f"prompt must be a string, got {type(text).__name__}")
             ids = self.tokenizer.encode(text)
-        ids = list(ids)
+        ids = self.truncate_prompt(list(ids), truncate_prompt_tokens)
         if not ids:
             raise ValueError("prompt is empty: it must have at least one token")
         bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)
@@ -194,7 +206,8 @@ class LLMEngine:
         self._check_id_free(request_id, params.n)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
-        text, ids = self.tokenize_prompt(prompt)
+        self._check_token_ids(params)
+        text, ids = self.tokenize_prompt(prompt, params.truncate_prompt_tokens)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         request = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                           eos_token_ids=self.eos_token_ids, arrival_time=arrival,
@@ -202,10 +215,31 @@ class LLMEngine:
         if params.structured_outputs is not None:
             request.structured_output = self.structured_output_backend.grammar(
                 params.structured_outputs)
+        if params.bad_words:
+            request.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         self.scheduler.add_request(request)
         self._groups[request_id] = _Group(request_id=request_id, prompt=text, prompt_token_ids=ids,
                                           params=params, arrival_time=arrival)
         self.prompt_tokens_total += len(ids)
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """ValueError when logit_bias or allowed_token_ids name an id beyond the vocabulary."""
+        for name, ids in (("logit_bias", list(params.logit_bias or ())),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name} has token id {bad}, outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, alone and after a space (vLLM's two spellings)."""
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def _check_id_free(self, request_id: str, n: int) -> None:
         """Raise ValueError if `request_id` or the ids of its samples 1..n-1 are taken."""
@@ -277,6 +311,8 @@ class LLMEngine:
                 completion.logprobs = []
                 completion.cumulative_logprob = 0.0
         group.num_cached_tokens = max(request.num_cached_tokens, 0)
+        if group.first_scheduled_time is None:
+            group.first_scheduled_time = request.first_scheduled_time
         if (request.wants_prompt_logprobs and index == 0 and
                 len(group.prompt_logprobs or ()) != len(request.prompt_logprobs) + 1):
             group.prompt_logprobs = [None, *request.prompt_logprobs]

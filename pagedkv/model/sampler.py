@@ -74,6 +74,31 @@ def ban_tokens(logits: torch.Tensor, banned: list[tuple[int, ...]]) -> torch.Ten
     return out
 
 
+def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]) -> torch.Tensor:
+    """Copy of `logits` [R, V] with row r's `biases[r]` (token id -> bias) added; `logits`
+    itself when no row has one. Ids beyond the vocabulary are ignored."""
+    entries = [(r, t, b) for r, bias in enumerate(biases) if bias
+               for t, b in bias.items() if 0 <= t < logits.shape[-1]]
+    if not entries:
+        return logits
+    rows, cols, values = zip(*entries, strict=True)
+    out = logits.clone()
+    out[list(rows), list(cols)] += torch.tensor(values, dtype=out.dtype, device=out.device)
+    return out
+
+
+def keep_allowed_tokens(logits: torch.Tensor, allowed: list[list[int] | None]) -> torch.Tensor:
+    """Copy of `logits` [R, V] where row r keeps only `allowed[r]` (None: every token)."""
+    if all(a is None for a in allowed):
+        return logits
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    for r, ids in enumerate(allowed):
+        if ids is not None:
+            keep[r] = False
+            keep[r, [t for t in ids if 0 <= t < logits.shape[-1]]] = True
+    return logits.masked_fill(~keep, float("-inf"))
+
+
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """-inf where prob < min_p * max prob (per row; min_p [N], 0 disables)."""
     probs = logits.softmax(-1)
@@ -132,6 +157,8 @@ class Sampler:
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
         logits = apply_penalties(logits, params, [r.prompt_token_ids for r in requests],
                                  [r.output_token_ids for r in requests])
+        logits = apply_logit_bias(logits, [p.logit_bias for p in params])
+        logits = keep_allowed_tokens(logits, [p.allowed_token_ids for p in params])
         logits = ban_tokens(logits, [r.banned_token_ids for r in requests])
         logits = apply_grammar_bitmask(logits, [r.grammar for r in requests])
         counts = [max(r.num_samples, 1) for r in requests]
@@ -185,7 +212,8 @@ def _plain_greedy(req: ScheduledRequest) -> bool:
     banned tokens or logprobs (the general path gives the same token, with more work)."""
     p = req.sampling_params
     return (p.temperature == 0.0 and req.num_samples <= 1 and p.logprobs is None
-            and not req.banned_token_ids and req.grammar is None and p.repetition_penalty == 1.0
+            and not req.banned_token_ids and req.grammar is None and p.logit_bias is None
+            and p.allowed_token_ids is None and p.repetition_penalty == 1.0
             and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
 
 

@@ -61,6 +61,9 @@ class Request:
         self.prompt_logprobs: list[dict[int, float]] = []
         # The grammar state of a structured-output request (set by the engine), else None.
         self.structured_output: StructuredOutputGrammar | None = None
+        # `bad_words` as token-id sequences (set by the engine, which has the tokenizer).
+        self.bad_words_token_ids: list[list[int]] = []
+        self.first_scheduled_time: float | None = None  # time.monotonic() at first admission
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,7 @@ finishes those through `finish_requests()`.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
@@ -40,6 +41,18 @@ class SchedulerConfig:
 def child_request_id(parent_id: str, index: int) -> str:
     """Id of sample `index` (>= 1) of an `n > 1` request; sample 0 keeps the parent's id."""
     return f"{parent_id}#{index}"
+
+
+def bad_word_bans(request: Request) -> list[int]:
+    """Tokens that would complete one of the request's bad words now: the last token of each
+    bad word whose other tokens end the output so far (vLLM's rule)."""
+    out = request.output_token_ids
+    bans = []
+    for word in request.bad_words_token_ids:
+        prefix = word[:-1]
+        if len(prefix) <= len(out) and (not prefix or out[len(out) - len(prefix):] == prefix):
+            bans.append(word[-1])
+    return bans
 
 
 class Scheduler:
@@ -237,6 +250,7 @@ class Scheduler:
             self.waiting.pop(0)
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
+                request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_hit_tokens
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_hit_tokens
@@ -286,6 +300,8 @@ class Scheduler:
             if request.num_output_tokens < params.min_tokens:
                 eos = () if params.ignore_eos else request.eos_token_ids
                 banned = (*eos, *params.stop_token_ids)
+            if request.bad_words_token_ids:
+                banned = (*banned, *bad_word_bans(request))
         prompt_logprob_rows = 0
         if request.wants_prompt_logprobs:
             prompt_logprob_rows = max(min(start + num_new, request.num_prompt_tokens - 1) - start, 0)
@@ -363,6 +379,7 @@ class Scheduler:
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
             child.status = RequestStatus.RUNNING
+            child.bad_words_token_ids = parent.bad_words_token_ids
             if parent.structured_output is not None:  # forked before the parent's own token
                 child.structured_output = parent.structured_output.fork()
             self.kv_cache_manager.fork(parent, child)

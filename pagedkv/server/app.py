@@ -1,7 +1,8 @@
 """The OpenAI-compatible FastAPI app: `create_app(engine, served_model_name=...)`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus text), GET /version. With `api_key`, every /v1 route needs
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
+GET /health, GET|POST /ping, GET /metrics (Prometheus text), GET /version, and vLLM's
+POST /tokenize and POST /detokenize. With `api_key`, every /v1 route needs
 `Authorization: Bearer <api_key>` (401 otherwise). Errors are OpenAI-style bodies (errors.py).
 
 The app owns an `AsyncEngine` (the engine's step loop in one background thread), started and
@@ -27,13 +28,19 @@ from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
 )
 from pagedkv.server.serving import OpenAIServing
 from pagedkv.server.serving_chat import create_chat_completion
 from pagedkv.server.serving_completion import create_completion
+from pagedkv.server.serving_tokens import detokenize, tokenize
 from pagedkv.server.tool_parsers import get_tool_parser
 
 DEFAULT_MAX_PENDING = 4096
@@ -55,7 +62,7 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         raise ValueError(f"served_model_name must be a non-empty string, got {served_model_name!r}")
     tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
     async_engine = AsyncEngine(engine, max_pending=max_pending)
-    metrics = ServerMetrics(served_model_name)
+    metrics = ServerMetrics(served_model_name, max_model_len=engine.max_model_len)
     serving = OpenAIServing(async_engine, model_name=served_model_name, metrics=metrics,
                             tool_parser=tool_parser)
 
@@ -83,6 +90,20 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                                            status_code=503, type="server_unavailable"))
         return Response(status_code=200)
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) liveness route: the same answer as /health."""
+        return await health()
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize_route(body: TokenizeCompletionRequest | TokenizeChatRequest
+                             ) -> TokenizeResponse:
+        return tokenize(serving, body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
+        return detokenize(serving, body)
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
@@ -95,13 +116,20 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
             raise APIError(str(exc), status_code=503, type="server_unavailable") from exc
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
-    async def models() -> ModelList:
+    def model_card() -> ModelCard:
         vocab = getattr(engine, "vocab_size", None) or getattr(serving.tokenizer, "vocab_size", None)
-        card = ModelCard(id=served_model_name, root=getattr(engine.args, "model", None),
+        return ModelCard(id=served_model_name, root=getattr(engine.args, "model", None),
                          max_model_len=serving.max_model_len,
                          vocab_size=vocab if isinstance(vocab, int) else None)
-        return ModelList(data=[card])
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def model(model_id: str) -> ModelCard:
+        serving.check_model(model_id)
+        return model_card()
 
     @app.post("/v1/completions", responses=_ERRORS)
     async def completions(body: CompletionRequest, raw: Request) -> Response:

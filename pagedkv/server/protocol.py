@@ -1,16 +1,21 @@
 """OpenAI API request and response models (pydantic), with vLLM's extra sampling fields.
 
-Requests are validated strictly: a string where a number belongs, a float where an integer
-belongs, or a value out of its bounds is a 400 (see `errors.py`), never a coercion or a 500.
-Unknown fields are ignored, as OpenAI and vLLM do. The bounds mirror `SamplingParams`.
+Requests are validated strictly: a string where a number belongs, a fractional float where an
+integer belongs, or a value out of its bounds is a 400 (see `errors.py`), never a coercion or a
+500. Two leniencies, as vLLM has them: `null` means the field's default (OpenAI clients send it
+for unset fields), and an integral float is accepted as an integer (`max_tokens: 2.0`). A field
+we do not implement is a 400 naming it, never silently ignored. The bounds mirror
+`SamplingParams`.
 """
 
 from __future__ import annotations
 
 import time
+import types
+import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 256  # the KV cache check (`check_fits`) usually says no long before this
@@ -21,8 +26,37 @@ TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
+def _wants_int(annotation: Any) -> bool:
+    """True when `annotation` admits an int but no float (through Optional / Annotated)."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _wants_int(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        arms = typing.get_args(annotation)
+        return float not in arms and any(_wants_int(a) for a in arms)
+    return annotation is int
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """Drop `null` fields (so they take their defaults) and turn integral floats into
+        ints where only an int belongs; everything else is left to strict validation."""
+        if not isinstance(data, dict):
+            return data
+        out = {}
+        for key, value in data.items():
+            if value is None:
+                continue
+            field = cls.model_fields.get(key)
+            if (isinstance(value, float) and value.is_integer() and field is not None
+                    and _wants_int(field.annotation)):
+                value = int(value)
+            out[key] = value
+        return out
 
 
 class StreamOptions(_Request):
@@ -32,7 +66,7 @@ class StreamOptions(_Request):
 class JsonSchemaFormat(_Request):
     """OpenAI's `response_format.json_schema`."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
 
     name: str = "response"
     description: str | None = None
@@ -56,7 +90,7 @@ class StructuredOutputsField(_Request):
     grammar: str | None = None
     json_object: bool | None = None
 
-    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
 
 
 class SamplingFields(_Request):
@@ -99,6 +133,13 @@ class SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
+    # Token-level controls (OpenAI's logit_bias; vLLM's allowed_token_ids, bad_words,
+    # truncate_prompt_tokens: keep only the prompt's last N tokens, -1 = max_model_len).
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    bad_words: list[NonEmptyStr] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=2**31 - 1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
 
 
 Prompt = (
@@ -181,8 +222,9 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -343,3 +385,40 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+# ---- vLLM's /tokenize and /detokenize ----------------------------------------------------
+
+
+class TokenizeCompletionRequest(_Request):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Request):
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -44,6 +44,8 @@ class _Timing:
 
     arrival: float
     first_token: float | None = None
+    last_token: float | None = None
+    num_tokens: int = 0
 
 
 @dataclass
@@ -123,7 +125,13 @@ class OpenAIServing:
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            prompt_logprobs=req.prompt_logprobs, structured_outputs=structured_outputs)
+            prompt_logprobs=req.prompt_logprobs, structured_outputs=structured_outputs,
+            logit_bias=_logit_bias(req.logit_bias), allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words, truncate_prompt_tokens=req.truncate_prompt_tokens)
+
+    def truncate(self, req: SamplingFields, prompts: list[list[int]]) -> list[list[int]]:
+        """The prompts cut to their last `truncate_prompt_tokens` tokens (when asked)."""
+        return [self.engine.engine.truncate_prompt(p, req.truncate_prompt_tokens) for p in prompts]
 
     def check_fits(self, prompts: Sequence[list[int]], params: SamplingParams) -> None:
         """400 when a prompt with its n samples could never fit in the KV cache. (The engine's
@@ -189,13 +197,24 @@ class OpenAIServing:
         timings = [_Timing(s.arrival) for s in streams]
         async for index, output in _merge(streams):
             timing = timings[index]
-            if timing.first_token is None and any(c.token_ids for c in output.outputs):
-                timing.first_token = time.monotonic()
+            self._observe_tokens(timing, output)
             if output.finished:
                 self._observe(timing, output)
             yield index, output
         if any(s.aborted for s in streams):  # the server is shutting down
             raise APIError("request aborted", status_code=503, type="server_unavailable")
+
+    def _observe_tokens(self, timing: _Timing, output: RequestOutput) -> None:
+        """First-token time and inter-token gaps (of the longest sequence) as outputs come."""
+        count = max((len(c.token_ids) for c in output.outputs), default=0)
+        if count <= timing.num_tokens:
+            return
+        now = time.monotonic()
+        if timing.first_token is None:
+            timing.first_token = now
+        elif timing.last_token is not None:
+            self.metrics.observe_inter_token(now - timing.last_token, count - timing.num_tokens)
+        timing.last_token, timing.num_tokens = now, count
 
     def _observe(self, timing: _Timing, output: RequestOutput) -> None:
         if any(c.finish_reason in ("abort", "error") for c in output.outputs):
@@ -203,8 +222,29 @@ class OpenAIServing:
         now = time.monotonic()
         ttft = None if timing.first_token is None else timing.first_token - timing.arrival
         longest = max((len(c.token_ids) for c in output.outputs), default=0)
+        engine_times = output.metrics or {}
+        queue_time = None
+        if engine_times.get("first_scheduled_time"):
+            queue_time = engine_times["first_scheduled_time"] - engine_times["arrival_time"]
+        reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "stop")
         self.metrics.observe_request(ttft=ttft, e2e=now - timing.arrival,
-                                     num_output_tokens=longest)
+                                     num_output_tokens=longest,
+                                     num_prompt_tokens=len(output.prompt_token_ids),
+                                     finished_reason=reason, queue_time=queue_time)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON object keys) with int keys; 400 otherwise."""
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise APIError(f"logit_bias keys must be token ids, got {key!r}",
+                           param="logit_bias") from None
+    return out
 
 
 def close_all(streams: Sequence[RequestStream]) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from jinja2.exceptions import TemplateError
 
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.sched.sampling_params import SamplingParams
@@ -37,17 +38,49 @@ from pagedkv.server.tools import ToolChoice, template_message, tool_call_id
 
 def tokenize_chat(serving: OpenAIServing, req: ChatCompletionRequest,
                   tools: list[dict] | None = None) -> list[int]:
+    """`render_chat`, tokenized without adding special tokens (the template writes them), as
+    vLLM does."""
+    return serving.tokenizer.encode(render_chat(serving, req, tools), add_special_tokens=False)
+
+
+def render_chat(serving: OpenAIServing, req: ChatCompletionRequest,
+                tools: list[dict] | None = None) -> str:
     """The chat template applied to the messages (and `tools`, which Hugging Face templates
-    take), tokenized without adding special tokens (the template writes them), as vLLM does.
-    400 when the model has no chat template."""
+    take, and `chat_template_kwargs`). 400 when the model has no chat template."""
     messages = [template_message(m) for m in req.messages]
-    kwargs = {} if tools is None else {"tools": tools}
+    kwargs = dict(req.chat_template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_ARGS & set(kwargs))
+    if reserved:
+        raise APIError(f"chat_template_kwargs must not set {reserved}",
+                       param="chat_template_kwargs")
+    if tools is not None:
+        kwargs["tools"] = tools
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError("continue_final_message needs add_generation_prompt set to false",
+                       param="continue_final_message")
     try:
         text = serving.tokenizer.apply_chat_template(
             messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
-    except ValueError as exc:
+    except (ValueError, TypeError, TemplateError) as exc:
         raise APIError(f"cannot apply the chat template: {exc}", param="messages") from exc
-    return serving.tokenizer.encode(text, add_special_tokens=False)
+    if req.continue_final_message:
+        text = _up_to_final_message(text, messages[-1]["content"])
+    return text
+
+
+# Names the server passes to the template itself.
+RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "tools", "bos_token",
+                                    "eos_token", "pad_token"})
+
+
+def _up_to_final_message(text: str, final: str) -> str:
+    """The rendered chat cut right after the final message's content (what the template puts
+    after it, such as an end-of-turn token, goes), so the model continues that message."""
+    at = text.rfind(final) if final else -1
+    if at < 0:
+        raise APIError("continue_final_message needs a final message with content that the "
+                       "chat template renders verbatim", param="continue_final_message")
+    return text[:at + len(final)]
 
 
 async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequest,
@@ -57,7 +90,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
     tools = ToolChoice.of(req, serving.tool_parser)
-    prompt = tokenize_chat(serving, req, tools.template_tools)
+    prompt = serving.truncate(req, [tokenize_chat(serving, req, tools.template_tools)])[0]
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = serving.max_tokens_for(requested, len(prompt), None)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None

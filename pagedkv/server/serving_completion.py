@@ -94,11 +94,12 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest,
     if req.max_tokens == 0 and not req.echo:
         raise APIError("max_tokens must be at least 1 (0 is allowed only with echo)",
                        param="max_tokens")
-    prompts = tokenize_prompts(serving, req.prompt)
+    prompts = serving.truncate(req, tokenize_prompts(serving, req.prompt))
     echo = None
     if req.echo:  # max_tokens 0 generates one token, which is dropped (as vLLM does)
         echo = _Echo(prompt_texts(serving, req.prompt, prompts), prompts, req.max_tokens == 0)
-    requested = 1 if req.max_tokens == 0 else req.max_tokens
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else (
+        1 if req.max_tokens == 0 else req.max_tokens)
     max_tokens = [serving.max_tokens_for(requested, len(p), DEFAULT_MAX_TOKENS)
                   for p in prompts]
     # The same for every prompt: the request's max_tokens or the default.
