@@ -20,12 +20,6 @@ from pagedkv.server.tools import ToolChoice
 MODEL = "tiny"
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=60)
-
-
 def post(server, path: str, body: dict) -> httpx.Response:
     return httpx.post(server.url + path, json=body, timeout=60)
 

@@ -18,12 +18,6 @@ MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=60)
-
-
-@pytest.fixture(scope="module")
 def hf_logprobs(tiny_llama):
     model = load_hf_model(tiny_llama)
 

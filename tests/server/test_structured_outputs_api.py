@@ -27,12 +27,6 @@ ITEM = {
 MESSAGES = [{"role": "user", "content": "Give me an item as JSON."}]
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=120)
-
-
 def schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "item", "schema": schema,
                                                    "strict": True}}

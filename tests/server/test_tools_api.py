@@ -39,12 +39,6 @@ TOOLS_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=120)
-
-
-@pytest.fixture(scope="module")
 def hermes_server(tiny_llama, tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("tools_model") / "m"
     shutil.copytree(tiny_llama, model_dir)
