@@ -76,7 +76,8 @@ class ToolChoice:
             if req.parallel_tool_calls is False:
                 schema["maxItems"] = 1
             return cls("required", tools, constraint=StructuredOutputsParams(json=schema))
-        assert isinstance(choice, NamedToolChoice)
+        if not isinstance(choice, NamedToolChoice):  # the protocol admits nothing else
+            raise APIError(f"unsupported tool_choice {choice!r}", param="tool_choice")
         name = choice.function.name
         function = next((t.function for t in req.tools if t.function.name == name), None)
         if function is None:

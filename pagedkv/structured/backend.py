@@ -58,15 +58,18 @@ class XGrammarBackend:
             if compiled is not None:
                 self._cache.move_to_end(key)
                 return compiled
-            try:
-                compiled = self._compile(params)
-            except Exception as exc:  # xgrammar raises RuntimeError / its own errors
-                raise ValueError(f"invalid structured_outputs.{params.kind}: {exc}") from exc
+        # Compiled outside the lock, so a long compile on a server thread never stalls the
+        # engine thread's cache hits (two threads may compile the same constraint once each).
+        try:
+            compiled = self._compile(params)
+        except Exception as exc:  # xgrammar raises RuntimeError / its own errors
+            raise ValueError(f"invalid structured_outputs.{params.kind}: {exc}") from exc
+        with self._lock:
             self.num_compilations += 1
             self._cache[key] = compiled
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-            return compiled
+        return compiled
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
         compiler = self._compiler
