@@ -18,3 +18,13 @@ def test_bench_kv_runs_and_reports_every_operation():
     # 8 requests share a 512-token prefix: all but the first hit its 32 blocks.
     assert report["checks"]["hit_tokens"] == 7 * 512
     assert set(report["pagedkv"]) == {"hash", "lookup", "prefill", "decode", "free"}
+
+
+def test_bench_structured_runs_with_equal_work():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_structured.py"),
+                           "--requests", "4", "--tokens", "8", "--reps", "1", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["structured_tokens"] == report["baseline_tokens"] > 0
+    assert report["ratio_structured_over_baseline"] > 0
