@@ -90,9 +90,13 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                                            status_code=503, type="server_unavailable"))
         return Response(status_code=200)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping")
     async def ping() -> Response:
         """vLLM's (SageMaker's) liveness route: the same answer as /health."""
+        return await health()
+
+    @app.post("/ping")
+    async def ping_post() -> Response:
         return await health()
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
