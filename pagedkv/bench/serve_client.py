@@ -21,7 +21,9 @@ from pagedkv.bench.datasets import SampleRequest
 from pagedkv.bench.metrics import RequestResult
 
 _TIMEOUT_S = 6 * 3600.0
-_COUNTER_RE = re.compile(r"^(pagedkv:prefix_cache_(?:hits|queries)_total)(?:\{[^}]*\})?\s+(\S+)$")
+# Ours or vLLM's names (a pagedkv server exports both; a vLLM server only its own).
+_COUNTER_RE = re.compile(
+    r"^(pagedkv|vllm):prefix_cache_(hits|queries)_total(?:\{[^}]*\})?\s+(\S+)$")
 
 
 def _httpx() -> Any:
@@ -52,21 +54,25 @@ async def get_server_info(client: Any, api_key: str | None = None) -> ServerInfo
 
 
 async def scrape_prefix_cache(client: Any) -> tuple[float, float] | None:
-    """(hits, queries) from the server's /metrics, or None when it has no such counters."""
+    """(hits, queries) from the server's /metrics (pagedkv's counters, else vLLM's), or None
+    when it has no such counters."""
     try:
         resp = await client.get("/metrics")
     except Exception:
         return None
     if resp.status_code != 200:
         return None
-    found: dict[str, float] = {}
+    found: dict[tuple[str, str], float] = {}
     for line in resp.text.splitlines():
         match = _COUNTER_RE.match(line.strip())
         if match:
-            found[match.group(1)] = found.get(match.group(1), 0.0) + float(match.group(2))
-    hits = found.get("pagedkv:prefix_cache_hits_total")
-    queries = found.get("pagedkv:prefix_cache_queries_total")
-    return None if hits is None or queries is None else (hits, queries)
+            key = (match.group(1), match.group(2))
+            found[key] = found.get(key, 0.0) + float(match.group(3))
+    for prefix in ("pagedkv", "vllm"):
+        hits, queries = found.get((prefix, "hits")), found.get((prefix, "queries"))
+        if hits is not None and queries is not None:
+            return hits, queries
+    return None
 
 
 async def send_request(client: Any, model: str, request: SampleRequest,

@@ -28,6 +28,7 @@ from pagedkv.commands.engine_flags import (
     engine_args_from_flags,
     positive_number,
 )
+from pagedkv.server.tool_parsers import TOOL_PARSERS  # plain Python: keeps --help light
 
 DEFAULT_PORT = 8000
 
@@ -54,6 +55,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="largest request body; larger ones get 413 (default: 4 MiB)")
     parser.add_argument("--shutdown-timeout", type=positive_number, default=5.0, metavar="S",
                         help="on SIGTERM/SIGINT, seconds the requests in flight get to finish")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="parse the model's tool calls in this format, enabling "
+                        'tool_choice "auto" (vLLM\'s names)')
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="accepted for vLLM compatibility: --tool-call-parser enables "
+                        'tool_choice "auto"')
     parser.add_argument("--log-level", default="info", help="log verbosity",
                         choices=("critical", "error", "warning", "info", "debug"))
     add_engine_flags(parser)
@@ -93,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
             api_key=args.api_key or None,
             max_pending=args.max_pending or DEFAULT_MAX_PENDING,
             max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
-            on_engine_dead=on_engine_dead)
+            tool_call_parser=args.tool_call_parser, on_engine_dead=on_engine_dead)
         config = uvicorn.Config(app, log_level=args.log_level)
         server = DrainingServer(config, app.state.async_engine, args.shutdown_timeout)
         server.run(sockets=[sock])

@@ -151,6 +151,10 @@ class AsyncEngine:
         """Longest prompt + output the engine accepts, in tokens (fixed at engine creation)."""
         return self.engine.max_model_len
 
+    def truncate_prompt(self, ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+        """`LLMEngine.truncate_prompt` (reads only max_model_len: any thread may call it)."""
+        return self.engine.truncate_prompt(ids, truncate_prompt_tokens)
+
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise ValueError when a prompt of this length with `params.n` samples could never fit
         in the KV cache (reads only the cache's fixed sizes, so any thread may call it)."""

@@ -9,10 +9,12 @@ Not thread-safe: one thread owns an engine (the server runs it in a background t
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
@@ -29,6 +31,9 @@ from pagedkv.sched.scheduler import Scheduler, SchedulerConfig
 from pagedkv.sched.validation import PromptTooLongError, check_cache_salt, check_priority
 from pagedkv.store.factory import attach_kv_store
 from pagedkv.utils import cdiv
+
+if TYPE_CHECKING:
+    from pagedkv.structured.backend import XGrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +58,8 @@ class _Group:
     num_cached_tokens: int = 0
     error: str | None = None
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -74,7 +81,9 @@ class _Group:
             outputs=[_copy_completion(c) for c in outputs], finished=self.finished,
             num_cached_tokens=self.num_cached_tokens, error=self.error,
             metrics={"arrival_time": self.arrival_time,
-                     "first_token_time": self.first_token_time or 0.0},
+                     "first_token_time": self.first_token_time or 0.0,
+                     "first_scheduled_time": self.first_scheduled_time or 0.0},
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )
 
 
@@ -122,6 +131,8 @@ class LLMEngine:
             max_model_len=self.max_model_len, preemption_mode=args.preemption_mode,
             policy=args.scheduling_policy), kv)
         self._groups: dict[str, _Group] = {}
+        self._structured_backend: XGrammarBackend | None = None
+        self._structured_lock = threading.Lock()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.kv_store = attach_kv_store(args, setup.sliding_window, self.runner, self.scheduler,
@@ -137,8 +148,29 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------
 
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Return (prompt text or None, prompt token ids); raises ValueError for bad prompts."""
+    @property
+    def structured_output_backend(self) -> XGrammarBackend:
+        """The grammar compiler of this engine's tokenizer, built on first use (importing
+        xgrammar is slow). Thread-safe; its `compile` may be called from any thread."""
+        with self._structured_lock:
+            if self._structured_backend is None:
+                from pagedkv.structured.backend import XGrammarBackend
+
+                self._structured_backend = XGrammarBackend(self.tokenizer, self.vocab_size)
+            return self._structured_backend
+
+    def truncate_prompt(self, ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+        """The last `truncate_prompt_tokens` ids (-1: the most that leave room for one
+        generated token; None: all), as vLLM truncates from the left."""
+        if truncate_prompt_tokens is None:
+            return ids
+        keep = self.max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        return ids[-keep:] if len(ids) > keep else ids
+
+    def tokenize_prompt(self, prompt: PromptType, truncate_prompt_tokens: int | None = None
+                        ) -> tuple[str | None, list[int]]:
+        """Return (prompt text or None, prompt token ids), keeping only the last
+        `truncate_prompt_tokens` ids when given; raises ValueError for bad prompts."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
@@ -156,14 +188,17 @@ class LLMEngine:
         if ids is None:
             if not isinstance(text, str):
                 raise ValueError(f"prompt must be a string, got {type(text).__name__}")
-            try:
-                ids = self.tokenizer.encode_bounded(text, self.max_model_len - 1)
-            except PromptTooLongError as exc:
-                raise ValueError(
-                    f"prompt has at least {exc.num_tokens} tokens but max_model_len is "
-                    f"{self.max_model_len} (the prompt plus at least one generated token must "
-                    "fit)") from None
-        ids = list(ids)
+            if truncate_prompt_tokens is None:  # too long is an error: tokenize a prefix only
+                try:
+                    ids = self.tokenizer.encode_bounded(text, self.max_model_len - 1)
+                except PromptTooLongError as exc:
+                    raise ValueError(
+                        f"prompt has at least {exc.num_tokens} tokens but max_model_len is "
+                        f"{self.max_model_len} (the prompt plus at least one generated token "
+                        "must fit)") from None
+            else:
+                ids = self.tokenizer.encode(text)
+        ids = self.truncate_prompt(list(ids), truncate_prompt_tokens)
         if not ids:
             raise ValueError("prompt is empty: it must have at least one token")
         bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)
@@ -200,16 +235,41 @@ class LLMEngine:
         self._check_id_free(request_id, params.n)
         check_cache_salt(cache_salt)
         check_priority(priority)
-        text, ids = self.tokenize_prompt(prompt)
+        self._check_token_ids(params)
+        text, ids = self.tokenize_prompt(prompt, params.truncate_prompt_tokens)
         self.check_fits(len(ids), params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         request = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                           eos_token_ids=self.eos_token_ids, arrival_time=arrival,
                           priority=priority, cache_salt=cache_salt)
+        if params.structured_outputs is not None:
+            request.structured_output = self.structured_output_backend.grammar(
+                params.structured_outputs)
+        if params.bad_words:
+            request.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         self.scheduler.add_request(request)
         self._groups[request_id] = _Group(request_id=request_id, prompt=text, prompt_token_ids=ids,
                                           params=params, arrival_time=arrival)
         self.prompt_tokens_total += len(ids)
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """ValueError when logit_bias or allowed_token_ids name an id beyond the vocabulary."""
+        for name, ids in (("logit_bias", list(params.logit_bias or ())),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name} has token id {bad}, outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, alone and after a space (vLLM's two spellings)."""
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def _check_id_free(self, request_id: str, n: int) -> None:
         """Raise ValueError if `request_id` or the ids of its samples 1..n-1 are taken."""
@@ -315,6 +375,11 @@ class LLMEngine:
                 completion.logprobs = []
                 completion.cumulative_logprob = 0.0
         group.num_cached_tokens = max(request.num_cached_tokens, 0)
+        if group.first_scheduled_time is None:
+            group.first_scheduled_time = request.first_scheduled_time
+        if (request.wants_prompt_logprobs and index == 0 and
+                len(group.prompt_logprobs or ()) != len(request.prompt_logprobs) + 1):
+            group.prompt_logprobs = [None, *request.prompt_logprobs]
         if request.status == RequestStatus.FINISHED_ERROR:
             group.error = request.error
         new_tokens = request.output_token_ids[len(completion.token_ids):]

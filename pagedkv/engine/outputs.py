@@ -29,7 +29,9 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """A request's output so far (cumulative). `num_cached_tokens` counts prompt tokens served
-    from the prefix cache. `error` explains a `finish_reason == "error"` (e.g. can never fit)."""
+    from the prefix cache. `error` explains a `finish_reason == "error"` (e.g. can never fit).
+    `prompt_logprobs` (when asked for) has one entry per prompt token: None for the first, then
+    token id -> log-probability (the top-N and the prompt's own token)."""
 
     request_id: str
     prompt: str | None
@@ -39,3 +41,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: dict[str, float] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None

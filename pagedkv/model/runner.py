@@ -2,7 +2,8 @@
 
 Per step, in order: swap out (device -> host), swap in (host -> device), block copies
 (copy-on-write), then the forward pass over the scheduled tokens (decodes first, batched, then
-prefill chunks), logits only at the last position of each request that samples, and sampling.
+prefill chunks), logits only at the last position of each request that samples (and at the
+prompt positions whose logprobs were asked for, see logits_rows.py), and sampling.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from pagedkv.model.attention import AttentionMetadata, PrefillChunk
 from pagedkv.model.config import ModelConfig, parse_dtype, torch_dtype
 from pagedkv.model.kv_cache import KVCache
 from pagedkv.model.loader import check_model_dir, load_model
+from pagedkv.model.logits_rows import select_logits_rows
 from pagedkv.model.registry import CausalLM
-from pagedkv.model.sampler import Sampler
+from pagedkv.model.sampler import Sampler, prompt_logprobs
 from pagedkv.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 
@@ -78,27 +80,23 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
         if self.kv_connector is not None:
             self.kv_connector.save_kv(out.kv_connector_metadata, self.kv_cache)
-        ends = self._last_token_indices(reqs)
-        samplers = [(e, r) for e, r in zip(ends, reqs, strict=True) if r.num_samples > 0]
-        if not samplers:
+        selection = select_logits_rows(reqs)
+        if selection.empty:
             return result
-        if len(samplers) < hidden.shape[0]:  # else every token samples (all decodes): no gather
-            hidden = hidden[torch.tensor([e for e, _ in samplers], device=self.device)]
-        logits = self.model.compute_logits(hidden)
-        tokens, logprobs = self.sampler(logits, [r for _, r in samplers])
-        for (_, req), toks, lps in zip(samplers, tokens, logprobs, strict=True):
+        logits = self.model.compute_logits(selection.gather(hidden))
+        for rows in selection.prompt_rows:
+            req = rows.request
+            result.prompt_logprobs[req.request_id] = prompt_logprobs(
+                logits[rows.first_row:rows.first_row + rows.count], rows.target_ids,
+                req.sampling_params.prompt_logprobs or 0)
+        if not selection.samplers:
+            return result
+        tokens, logprobs = self.sampler(selection.sample_logits(logits), selection.samplers)
+        for req, toks, lps in zip(selection.samplers, tokens, logprobs, strict=True):
             result.sampled_token_ids[req.request_id] = toks
             if lps is not None:
                 result.logprobs[req.request_id] = lps
         return result
-
-    @staticmethod
-    def _last_token_indices(reqs: list[ScheduledRequest]) -> list[int]:
-        ends, total = [], 0
-        for r in reqs:
-            total += r.num_new_tokens
-            ends.append(total - 1)
-        return ends
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]
                        ) -> tuple[list[ScheduledRequest], torch.Tensor, torch.Tensor,

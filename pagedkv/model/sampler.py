@@ -15,7 +15,8 @@ seen without one (e.g. a child whose parent ran elsewhere) starts at `seed + sam
 Unseeded requests share one generator seeded from the runner's seed, so a whole run is
 reproducible.
 
-`banned_token_ids` (eos and stop tokens below `min_tokens`) are never sampled, greedy included.
+`banned_token_ids` (eos and stop tokens below `min_tokens`) are never sampled, greedy included;
+nor are the tokens a structured-output request's grammar forbids (one bitmask for the batch).
 
 Logprobs: log-softmax of the raw model logits, before penalties and temperature (vLLM's default
 "raw_logprobs" mode). Each sample reports the top-N tokens plus the sampled token.
@@ -28,6 +29,7 @@ import torch
 from pagedkv.sched.output import ScheduledRequest
 from pagedkv.sched.request import child_request_id
 from pagedkv.sched.sampling_params import SamplingParams
+from pagedkv.structured.bitmask import apply_grammar_bitmask
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
@@ -70,6 +72,31 @@ def ban_tokens(logits: torch.Tensor, banned: list[tuple[int, ...]]) -> torch.Ten
     out = logits.clone()
     out[list(rows), list(cols)] = float("-inf")
     return out
+
+
+def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]) -> torch.Tensor:
+    """Copy of `logits` [R, V] with row r's `biases[r]` (token id -> bias) added; `logits`
+    itself when no row has one. Ids beyond the vocabulary are ignored."""
+    entries = [(r, t, b) for r, bias in enumerate(biases) if bias
+               for t, b in bias.items() if 0 <= t < logits.shape[-1]]
+    if not entries:
+        return logits
+    rows, cols, values = zip(*entries, strict=True)
+    out = logits.clone()
+    out[list(rows), list(cols)] += torch.tensor(values, dtype=out.dtype, device=out.device)
+    return out
+
+
+def keep_allowed_tokens(logits: torch.Tensor, allowed: list[list[int] | None]) -> torch.Tensor:
+    """Copy of `logits` [R, V] where row r keeps only `allowed[r]` (None: every token)."""
+    if all(a is None for a in allowed):
+        return logits
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    for r, ids in enumerate(allowed):
+        if ids is not None:
+            keep[r] = False
+            keep[r, [t for t in ids if 0 <= t < logits.shape[-1]]] = True
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -130,7 +157,10 @@ class Sampler:
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
         logits = apply_penalties(logits, params, [r.prompt_token_ids for r in requests],
                                  [r.output_token_ids for r in requests])
+        logits = apply_logit_bias(logits, [p.logit_bias for p in params])
+        logits = keep_allowed_tokens(logits, [p.allowed_token_ids for p in params])
         logits = ban_tokens(logits, [r.banned_token_ids for r in requests])
+        logits = apply_grammar_bitmask(logits, [r.grammar for r in requests])
         counts = [max(r.num_samples, 1) for r in requests]
         rows = torch.repeat_interleave(torch.arange(len(requests), device=logits.device),
                                        torch.tensor(counts, device=logits.device))
@@ -182,7 +212,8 @@ def _plain_greedy(req: ScheduledRequest) -> bool:
     banned tokens or logprobs (the general path gives the same token, with more work)."""
     p = req.sampling_params
     return (p.temperature == 0.0 and req.num_samples <= 1 and p.logprobs is None
-            and not req.banned_token_ids and p.repetition_penalty == 1.0
+            and not req.banned_token_ids and req.grammar is None and p.logit_bias is None
+            and p.allowed_token_ids is None and p.repetition_penalty == 1.0
             and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
 
 
@@ -194,4 +225,22 @@ def _top_logprobs(logprobs: torch.Tensor, sampled: list[int], n: int) -> list[di
         d = dict(base)
         d[tok] = float(logprobs[tok])
         out.append(d)
+    return out
+
+
+def prompt_logprobs(logits: torch.Tensor, target_ids: list[int], n: int) -> list[dict[int, float]]:
+    """Per row of `logits` [R, V]: the top-`n` tokens and `target_ids[row]` (the prompt's next
+    token) with their log-probabilities (log-softmax of the raw logits, as vLLM reports them)."""
+    logprobs = logits.float().log_softmax(-1)
+    out = []
+    top = logprobs.topk(n) if n > 0 else None
+    targets = logprobs.gather(1, torch.tensor(target_ids, device=logits.device)[:, None])
+    target_values = targets[:, 0].tolist()
+    top_ids = top.indices.tolist() if top is not None else [[] for _ in target_ids]
+    top_values = top.values.tolist() if top is not None else [[] for _ in target_ids]
+    for ids, values, target, value in zip(top_ids, top_values, target_ids, target_values,
+                                          strict=True):
+        entry = dict(zip(ids, values, strict=True))
+        entry[target] = value
+        out.append(entry)
     return out

@@ -93,6 +93,12 @@ class Tokenizer:
         return None if token is None else self._tok.token_to_id(token)
 
     @property
+    def backend_tokenizer(self) -> HFTokenizer:
+        """The underlying `tokenizers.Tokenizer` (read-only use: grammar backends read its
+        vocabulary)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included."""
         return self._tok.get_vocab_size(with_added_tokens=True)

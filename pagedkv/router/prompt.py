@@ -40,8 +40,9 @@ class _TokenizerHolder:
     tokenizer: Tokenizer
 
     def encode_prompt(self, text: str, *, add_special_tokens: bool,
-                      param: str = "prompt") -> list[int]:
-        """As `OpenAIServing.encode_prompt`, bounded by MAX_PROMPT_TOKENS (ValueError past it)."""
+                      param: str = "prompt", bounded: bool = True) -> list[int]:
+        """As `OpenAIServing.encode_prompt`, always bounded by MAX_PROMPT_TOKENS (ValueError
+        past it: such a prompt is placed by load alone)."""
         return self.tokenizer.encode_bounded(text, MAX_PROMPT_TOKENS,
                                              add_special_tokens=add_special_tokens, what=param)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedkv.sched.sampling_params import SamplingParams
+from pagedkv.structured.grammar import StructuredOutputGrammar
 
 
 @dataclass
@@ -26,6 +27,8 @@ class ScheduledRequest:
     `prompt_token_ids` and `output_token_ids` are the request's tokens so far (penalties use them).
     `banned_token_ids` must not be sampled this step: eos and stop tokens while the request is
     below `min_tokens`.
+    `num_prompt_logprob_rows` leading positions of this chunk need logits for prompt logprobs
+    (position p gives the logprob of prompt token p + 1; 0 unless the request asked for them).
     """
 
     request_id: str
@@ -38,6 +41,10 @@ class ScheduledRequest:
     output_token_ids: list[int] = field(default_factory=list)
     sample_index: int = 0
     banned_token_ids: tuple[int, ...] = ()
+    num_prompt_logprob_rows: int = 0
+    # The request's grammar state when its output is constrained and it samples this step: the
+    # sampler only reads it (allowed next tokens); the scheduler advances it after the step.
+    grammar: StructuredOutputGrammar | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -79,7 +86,10 @@ class ModelRunnerOutput:
 
     `logprobs[request_id][i]` (only when the request asked for logprobs) maps token id ->
     log-probability for sample i: the top-N tokens plus the sampled one.
+    `prompt_logprobs[request_id][j]` is the same for prompt token `start_pos + j + 1` (only for
+    requests scheduled with `num_prompt_logprob_rows > 0`).
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedkv.sched.sampling_params import SamplingParams
+from pagedkv.structured.grammar import StructuredOutputGrammar
 
 
 def child_request_id(parent_id: str, index: int) -> str:
@@ -70,6 +71,13 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.output_logprobs: list[dict[int, float]] = []
+        # Entry i: logprobs of prompt token i + 1 (from the logits at position i).
+        self.prompt_logprobs: list[dict[int, float]] = []
+        # The grammar state of a structured-output request (set by the engine), else None.
+        self.structured_output: StructuredOutputGrammar | None = None
+        # `bad_words` as token-id sequences (set by the engine, which has the tokenizer).
+        self.bad_words_token_ids: list[list[int]] = []
+        self.first_scheduled_time: float | None = None  # time.monotonic() at first admission
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +90,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedkv.sched.validation import check_seed, check_text, is_int
+from pagedkv.structured.params import StructuredOutputsParams
 
 # Temperatures below this are greedy (as in vLLM): dividing logits by 1e-40 overflows to inf.
 GREEDY_TEMPERATURE_BELOW = 1e-5
@@ -23,6 +24,8 @@ class SamplingParams:
     `seed` makes this request's sampling reproducible whatever else is in the batch.
     `logprobs=N` returns the top-N log-probabilities (plus the sampled token's) per output token.
     `stop` strings end generation and are left out of the text.
+    `prompt_logprobs=N` returns, for every prompt token after the first, its log-probability
+    and the top-N alternatives (vLLM's `RequestOutput.prompt_logprobs`, entry 0 None).
     """
 
     n: int = 1
@@ -42,6 +45,20 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Log-probabilities of the prompt's tokens (top-N plus the actual token at each position
+    # after the first). Such a request computes its whole prompt: no prefix-cache hit.
+    prompt_logprobs: int | None = None
+    # A JSON schema / regex / choice / grammar the output must follow (vLLM's field).
+    structured_outputs: StructuredOutputsParams | None = None
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Words never generated: the last token of each is banned when the output ends with the
+    # others (tokenized by the engine, with and without a leading space, as vLLM does).
+    bad_words: list[str] | None = None
+    # Keep only the prompt's last N tokens (-1: as many as max_model_len allows).
+    truncate_prompt_tokens: int | None = None
     # Filled in from `stop` so callers can rely on a list.
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -93,6 +110,35 @@ class SamplingParams:
                and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", self.stop_token_ids, "must be a list of non-negative integers")
         self.stop_token_ids = list(self.stop_token_ids)
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                                and not isinstance(self.prompt_logprobs, bool)
+                                                and 0 <= self.prompt_logprobs <= 20),
+               "prompt_logprobs", self.prompt_logprobs, "must be an integer in [0, 20] or None")
+        self._check_token_controls()
+        _check(self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", self.structured_outputs,
+               "must be a StructuredOutputsParams or None")
+
+    def _check_token_controls(self) -> None:
+        """Validate logit_bias, allowed_token_ids, bad_words and truncate_prompt_tokens
+        (token ids against the vocabulary are checked by the engine, which knows it)."""
+        bias = self.logit_bias
+        _check(bias is None or (isinstance(bias, dict) and all(
+            is_int(k) and k >= 0 and isinstance(v, (int, float)) and -100 <= v <= 100
+            for k, v in bias.items())), "logit_bias", bias,
+            "must map token ids (ints >= 0) to biases in [-100, 100]")
+        allowed = self.allowed_token_ids
+        _check(allowed is None or (isinstance(allowed, (list, tuple)) and len(allowed) > 0
+                                   and all(is_int(t) and t >= 0 for t in allowed)),
+               "allowed_token_ids", allowed, "must be a non-empty list of token ids")
+        words = self.bad_words
+        _check(words is None or (isinstance(words, (list, tuple))
+                                 and all(isinstance(w, str) and w.strip() for w in words)),
+               "bad_words", words, "must be a list of non-blank strings")
+        truncate = self.truncate_prompt_tokens
+        _check(truncate is None or (is_int(truncate) and (truncate >= 1 or truncate == -1)),
+               "truncate_prompt_tokens", truncate, "must be an integer >= 1, or -1")
 
     @property
     def greedy(self) -> bool:

@@ -20,6 +20,7 @@ finishes those through `finish_requests()`.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
@@ -46,6 +47,18 @@ class SchedulerConfig:
     max_model_len: int = 2048
     preemption_mode: str = "recompute"  # or "swap" (falls back to recompute without host room)
     policy: str = "fcfs"  # or "priority": lower `priority` value is served first, as in vLLM
+
+
+def bad_word_bans(request: Request) -> list[int]:
+    """Tokens that would complete one of the request's bad words now: the last token of each
+    bad word whose other tokens end the output so far (vLLM's rule)."""
+    out = request.output_token_ids
+    bans = []
+    for word in request.bad_words_token_ids:
+        prefix = word[:-1]
+        if len(prefix) <= len(out) and (not prefix or out[len(out) - len(prefix):] == prefix):
+            bans.append(word[-1])
+    return bans
 
 
 class Scheduler:
@@ -230,10 +243,11 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            num_external = (0 if self.kv_connector is None else
+            computed_blocks, num_hit_tokens = self._prefix_hits(request)
+            num_external = (0 if self.kv_connector is None or request.wants_prompt_logprobs else
                             self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens))
-            if self._pending_hashes and self._next_block_is_pending(request, len(computed_blocks)):
+            if (self._pending_hashes and not request.wants_prompt_logprobs
+                    and self._next_block_is_pending(request, len(computed_blocks))):
                 break
             status = kv.can_allocate(request, computed_blocks=computed_blocks)
             if status == AllocStatus.NEVER:
@@ -256,6 +270,7 @@ class Scheduler:
                     request, num_hit_tokens, num_external)
                 num_new = min(end - request.num_computed_tokens, budget)
             if request.num_cached_tokens < 0:
+                request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = request.num_computed_tokens
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_hit_tokens
@@ -263,6 +278,13 @@ class Scheduler:
             self._enqueue(self.running, request)
             self._schedule(request, num_new, out)
             budget -= num_new
+
+    def _prefix_hits(self, request: Request) -> tuple[list, int]:
+        """The request's prefix-cache hit; none for a request that wants prompt logprobs (it
+        must compute every prompt position, as vLLM does; its blocks are still cached)."""
+        if request.wants_prompt_logprobs:
+            return [], 0
+        return self.kv_cache_manager.get_computed_blocks(request)
 
     def _next_block_is_pending(self, request: Request, num_hit_blocks: int) -> bool:
         hashes = self.kv_cache_manager.get_block_hashes(request.request_id)
@@ -298,6 +320,11 @@ class Scheduler:
             if request.num_output_tokens < params.min_tokens:
                 eos = () if params.ignore_eos else request.eos_token_ids
                 banned = (*eos, *params.stop_token_ids)
+            if request.bad_words_token_ids:
+                banned = (*banned, *bad_word_bans(request))
+        prompt_logprob_rows = 0
+        if request.wants_prompt_logprobs:
+            prompt_logprob_rows = max(min(start + num_new, request.num_prompt_tokens - 1) - start, 0)
         out.scheduled.append(ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:start + num_new],
@@ -309,6 +336,8 @@ class Scheduler:
             output_token_ids=request.output_token_ids,
             sample_index=request.sample_index,
             banned_token_ids=banned,
+            num_prompt_logprob_rows=prompt_logprob_rows,
+            grammar=request.structured_output if num_samples else None,
         ))
 
     # ---- applying results ---------------------------------------------------------------
@@ -325,6 +354,10 @@ class Scheduler:
                 continue
             request.num_computed_tokens += scheduled.num_new_tokens
             kv.cache_blocks(request, request.num_computed_tokens)
+            prompt_logprobs = result.prompt_logprobs.get(request.request_id)
+            if prompt_logprobs is not None:  # a recompute overwrites what it computes again
+                del request.prompt_logprobs[scheduled.start_pos:]
+                request.prompt_logprobs.extend(prompt_logprobs)
             if scheduled.num_samples == 0:
                 continue
             tokens = result.sampled_token_ids[request.request_id]
@@ -341,6 +374,11 @@ class Scheduler:
         request.append_output_token(token_id)
         if logprobs is not None:
             request.output_logprobs.append(logprobs)
+        grammar = request.structured_output
+        if grammar is not None and not grammar.accept_token(token_id):
+            # The sampler masks forbidden tokens, so this is a bug: `_check_stop` ends the request.
+            request.error = (f"token {token_id} violates the request's structured-output "
+                             "grammar")
 
     def _fork_children(self, parent: Request, tokens: list[int],
                        logprobs: list[dict[int, float]] | None) -> list[Request]:
@@ -361,6 +399,9 @@ class Scheduler:
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
             child.status = RequestStatus.RUNNING
+            child.bad_words_token_ids = parent.bad_words_token_ids
+            if parent.structured_output is not None:  # forked before the parent's own token
+                child.structured_output = parent.structured_output.fork()
             self.kv_cache_manager.fork(parent, child)
             self._append_token(child, token_id, logprobs[i] if logprobs else None)
             self.requests[child.request_id] = child
@@ -371,6 +412,14 @@ class Scheduler:
     def _check_stop(self, request: Request) -> None:
         params = request.sampling_params
         token_id = request.output_token_ids[-1]
+        grammar = request.structured_output
+        if grammar is not None and request.error is not None:
+            self._finish(request, RequestStatus.FINISHED_ERROR, request.error)
+            return
+        if grammar is not None and grammar.is_terminated():
+            self._finish(request, RequestStatus.FINISHED_STOPPED,
+                         token_id if token_id in params.stop_token_ids else None)
+            return
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 self._finish(request, RequestStatus.FINISHED_STOPPED, None)

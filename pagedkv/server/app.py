@@ -1,8 +1,9 @@
 """The OpenAI-compatible FastAPI app: `create_app(engine, served_model_name=...)`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus text), GET /version, GET /kv_cache_info (block size, hash algorithm and
-pool size, for `pagedkv router`). With `api_key`, every /v1 route needs
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
+GET /health, GET|POST /ping, GET /metrics (Prometheus text), GET /version, vLLM's
+POST /tokenize and POST /detokenize, and GET /kv_cache_info (block size, hash algorithm and pool
+size, for `pagedkv router`). With `api_key`, every /v1 route needs
 `Authorization: Bearer <api_key>` (401 otherwise; the scheme is case-insensitive). A request
 body over `max_request_bytes` is a 413. Errors are OpenAI-style bodies (errors.py).
 
@@ -30,13 +31,20 @@ from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
 )
 from pagedkv.server.serving import OpenAIServing
 from pagedkv.server.serving_chat import create_chat_completion
 from pagedkv.server.serving_completion import create_completion
+from pagedkv.server.serving_tokens import detokenize, tokenize
+from pagedkv.server.tool_parsers import get_tool_parser
 
 DEFAULT_MAX_PENDING = 4096
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 4 MiB body is ~1M tokens of text, past any context
@@ -48,8 +56,10 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 def create_app(engine: Any, *, served_model_name: str, api_key: str | None = None,
                max_pending: int = DEFAULT_MAX_PENDING,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               tool_call_parser: str | None = None,
                on_engine_dead: Callable[[str], None] | None = None) -> FastAPI:
-    """An app serving `engine` (an `LLMEngine`) as `served_model_name`.
+    """An app serving `engine` (an `LLMEngine`) as `served_model_name`. `tool_call_parser`
+    (a name in `pagedkv.server.tool_parsers.TOOL_PARSERS`) enables `tool_choice: "auto"`.
 
     The engine's loop thread starts with the app's lifespan (uvicorn, or `with TestClient(app)`)
     and is joined when it ends; requests in flight are aborted then. `on_engine_dead(reason)`
@@ -60,9 +70,11 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         raise ValueError(f"served_model_name must be a non-empty string, got {served_model_name!r}")
     if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
+    tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
     async_engine = AsyncEngine(engine, max_pending=max_pending, on_fatal=on_engine_dead)
-    metrics = ServerMetrics(served_model_name)
-    serving = OpenAIServing(async_engine, model_name=served_model_name, metrics=metrics)
+    metrics = ServerMetrics(served_model_name, max_model_len=engine.max_model_len)
+    serving = OpenAIServing(async_engine, model_name=served_model_name, metrics=metrics,
+                            tool_parser=tool_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -91,6 +103,24 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                                            status_code=503, type="server_unavailable"))
         return Response(status_code=200)
 
+    @app.get("/ping")
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) liveness route: the same answer as /health."""
+        return await health()
+
+    @app.post("/ping")
+    async def ping_post() -> Response:
+        return await health()
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize_route(body: TokenizeCompletionRequest | TokenizeChatRequest
+                             ) -> TokenizeResponse:
+        return tokenize(serving, body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
+        return detokenize(serving, body)
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
@@ -112,13 +142,20 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
             raise APIError(str(exc), status_code=503, type="server_unavailable") from exc
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
-    async def models() -> ModelList:
+    def model_card() -> ModelCard:
         vocab = getattr(engine, "vocab_size", None) or getattr(serving.tokenizer, "vocab_size", None)
-        card = ModelCard(id=served_model_name, root=getattr(engine.args, "model", None),
+        return ModelCard(id=served_model_name, root=getattr(engine.args, "model", None),
                          max_model_len=serving.max_model_len,
                          vocab_size=vocab if isinstance(vocab, int) else None)
-        return ModelList(data=[card])
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def model(model_id: str) -> ModelCard:
+        serving.check_model(model_id)
+        return model_card()
 
     @app.post("/v1/completions", responses=_ERRORS)
     async def completions(body: CompletionRequest, raw: Request) -> Response:

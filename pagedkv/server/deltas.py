@@ -13,7 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.engine.outputs import CompletionOutput
-from pagedkv.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from pagedkv.server.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    TopLogprob,
+)
 
 
 @dataclass
@@ -92,15 +99,18 @@ class LogprobsFormatter:
         """The token as text, or 'token_id:<id>' when `as_token_ids` (exact, for tests)."""
         return f"token_id:{token_id}" if self.as_token_ids else self.decoded(token_id)
 
+    def _entry(self, token_id: int, table: dict[int, float]):
+        """(token id, its logprob, top-N [(id, logprob)]) of one token's logprobs table."""
+        top = sorted(table.items(), key=lambda kv: -kv[1])[: self.top_n]
+        logprob = table.get(token_id)
+        return token_id, None if logprob is None else finite(logprob), [
+            (t, finite(lp)) for t, lp in top]
+
     def _entries(self, comp: CompletionOutput, start: int, end: int):
-        """(token id, its logprob, top-N [(id, logprob)]) for tokens start..end-1."""
+        """`_entry` of tokens start..end-1."""
         logprobs = comp.logprobs or []
         for pos in range(start, min(end, len(logprobs), len(comp.token_ids))):
-            token_id, table = comp.token_ids[pos], logprobs[pos]
-            top = sorted(table.items(), key=lambda kv: -kv[1])[: self.top_n]
-            logprob = table.get(token_id)
-            yield token_id, None if logprob is None else finite(logprob), [
-                (t, finite(lp)) for t, lp in top]
+            yield self._entry(comp.token_ids[pos], logprobs[pos])
 
     def completion(self, comp: CompletionOutput, start: int, end: int,
                    choice: int = 0) -> CompletionLogprobs | None:
@@ -109,19 +119,49 @@ class LogprobsFormatter:
         if comp.logprobs is None:
             return None
         out = CompletionLogprobs()
-        text_offset = self._offsets.get(choice, 0)
         for token_id, logprob, top in self._entries(comp, start, end):
-            token = self.token_text(token_id)
-            out.tokens.append(token)
-            out.token_logprobs.append(logprob)
+            self._append(out, choice, token_id, logprob, top)
+        return out
+
+    def echoed_prompt(self, prompt_ids: list[int],
+                      prompt_logprobs: list[dict[int, float] | None] | None,
+                      choice: int = 0) -> CompletionLogprobs:
+        """Completions-format logprobs of an echoed prompt (call before the choice's output
+        tokens): the first token's logprob and alternatives are null, as in OpenAI's API."""
+        out = CompletionLogprobs()
+        tables = prompt_logprobs or [None] * len(prompt_ids)
+        for token_id, table in zip(prompt_ids, tables, strict=True):
+            if table is None:
+                self._append(out, choice, token_id, None, None)
+            else:
+                self._append(out, choice, *self._entry(token_id, table))
+        return out
+
+    def _append(self, out: CompletionLogprobs, choice: int, token_id: int,
+                logprob: float | None, top: list[tuple[int, float]] | None) -> None:
+        """Add one token to `out`, at choice `choice`'s running text offset (advanced)."""
+        token = self.token_text(token_id)
+        out.tokens.append(token)
+        out.token_logprobs.append(logprob)
+        if top is None:
+            out.top_logprobs.append(None)
+        else:
             table = {self.token_text(t): lp for t, lp in top}
             if logprob is not None:
                 table.setdefault(token, logprob)
             out.top_logprobs.append(table)
-            out.text_offset.append(text_offset)
-            text_offset += len(self.decoded(token_id))
-        self._offsets[choice] = text_offset
-        return out
+        text_offset = self._offsets.get(choice, 0)
+        out.text_offset.append(text_offset)
+        self._offsets[choice] = text_offset + len(self.decoded(token_id))
+
+    def vllm_prompt_logprobs(self, prompt_logprobs: list[dict[int, float] | None] | None
+                             ) -> PromptLogprobs | None:
+        """vLLM's `prompt_logprobs` response field: per prompt token, token id -> logprob."""
+        if prompt_logprobs is None:
+            return None
+        return [None if table is None else {
+            str(t): PromptLogprob(logprob=finite(lp), decoded_token=self.token_text(t))
+            for t, lp in table.items()} for table in prompt_logprobs]
 
     def chat(self, comp: CompletionOutput, start: int, end: int) -> ChatLogprobs | None:
         """Chat-format logprobs of tokens start..end-1."""

@@ -1,16 +1,21 @@
 """OpenAI API request and response models (pydantic), with vLLM's extra sampling fields.
 
-Requests are validated strictly: a string where a number belongs, a float where an integer
-belongs, or a value out of its bounds is a 400 (see `errors.py`), never a coercion or a 500.
-Unknown fields are ignored, as OpenAI and vLLM do. The bounds mirror `SamplingParams`.
+Requests are validated strictly: a string where a number belongs, a fractional float where an
+integer belongs, or a value out of its bounds is a 400 (see `errors.py`), never a coercion or a
+500. Two leniencies, as vLLM has them: `null` means the field's default (OpenAI clients send it
+for unset fields), and an integral float is accepted as an integer (`max_tokens: 2.0`). A field
+we do not implement is a 400 naming it, never silently ignored. The bounds mirror
+`SamplingParams`.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+import types
+import typing
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 256  # the KV cache check (`check_fits`) usually says no long before this
@@ -21,12 +26,71 @@ TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
+def _wants_int(annotation: Any) -> bool:
+    """True when `annotation` admits an int but no float (through Optional / Annotated)."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _wants_int(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        arms = typing.get_args(annotation)
+        return float not in arms and any(_wants_int(a) for a in arms)
+    return annotation is int
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """Drop `null` fields (so they take their defaults) and turn integral floats into
+        ints where only an int belongs; everything else is left to strict validation."""
+        if not isinstance(data, dict):
+            return data
+        out = {}
+        for key, value in data.items():
+            if value is None:
+                continue
+            field = cls.model_fields.get(key)
+            if (isinstance(value, float) and value.is_integer() and field is not None
+                    and _wants_int(field.annotation)):
+                value = int(value)
+            out[key] = value
+        return out
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`: text (no constraint), json_object, or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
 
 
 class SamplingFields(_Request):
@@ -57,6 +121,25 @@ class SamplingFields(_Request):
     cache_salt: NonEmptyStr | None = None
     return_tokens_as_token_ids: bool = Field(
         False, description="write logprobs tokens as 'token_id:<id>' (vLLM's extension)")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS,
+        description="vLLM's extension: the top-N logprobs of every prompt token, returned as "
+                    "`prompt_logprobs` (the request then gets no prefix-cache hit)")
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and vLLM's
+    # older guided_* spellings (at most one kind of constraint per request).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    # Token-level controls (OpenAI's logit_bias; vLLM's allowed_token_ids, bad_words,
+    # truncate_prompt_tokens: keep only the prompt's last N tokens, -1 = max_model_len).
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    bad_words: list[NonEmptyStr] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=2**31 - 1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
 
 
 Prompt = (
@@ -71,8 +154,10 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt`: a string, a token-id list, or a list of either."""
 
     prompt: Prompt
+    # 0 only with `echo` (score the prompt, generate nothing), as lm-evaluation-harness asks.
+    max_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Literal[False] = False
+    echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: None = None
 
@@ -82,10 +167,25 @@ class TextContentPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Request):
+    """A tool call, as an assistant message carries it (request and response)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -95,14 +195,39 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(_Request):
+    name: NonEmptyStr
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: NonEmptyStr
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -132,12 +257,24 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's `Logprob` as its server writes `prompt_logprobs` entries (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -165,12 +302,28 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str = ""
+    content: str | None = ""
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of tool call `index`: the first carries id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -196,6 +349,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -231,3 +385,40 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+# ---- vLLM's /tokenize and /detokenize ----------------------------------------------------
+
+
+class TokenizeCompletionRequest(_Request):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Request):
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -33,6 +34,9 @@ from pagedkv.sched.validation import PromptTooLongError
 from pagedkv.server.errors import APIError, model_not_found
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from pagedkv.server.structured import compile_constraint, structured_outputs_of
+from pagedkv.server.tool_parsers import ToolParser
+from pagedkv.structured.params import StructuredOutputsParams
 
 TOKENIZER_THREADS = 2  # worker threads that tokenize (and render chat templates) off the loop
 
@@ -47,6 +51,8 @@ class _Timing:
 
     arrival: float
     first_token: float | None = None
+    last_token: float | None = None
+    num_tokens: int = 0
 
 
 @dataclass
@@ -70,8 +76,10 @@ class Usage:
 class OpenAIServing:
     """The shared machinery of the /v1 handlers, bound to one engine and one model name."""
 
-    def __init__(self, engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics,
+                 tool_parser: ToolParser | None = None) -> None:
         self.engine = engine
+        self.tool_parser = tool_parser  # for tool_choice "auto" (`--tool-call-parser`)
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
         self.model_name = model_name
@@ -91,11 +99,13 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
     def encode_prompt(self, text: str, *, add_special_tokens: bool,
-                      param: str = "prompt") -> list[int]:
-        """Token ids of a prompt text; 400 for invalid Unicode, and a cheap 400 for a prompt
-        longer than max_model_len (only a prefix of it is tokenized). Call it in run_tokenizer."""
+                      param: str = "prompt", bounded: bool = True) -> list[int]:
+        """Token ids of a prompt text; 400 for invalid Unicode, and (when `bounded`) a cheap 400
+        for a prompt longer than max_model_len (only a prefix of it is tokenized). Unbounded is
+        for a request that truncates its prompt. Call it in run_tokenizer."""
+        limit = self.max_model_len - 1 if bounded else sys.maxsize
         try:
-            return self.tokenizer.encode_bounded(text, self.max_model_len - 1,
+            return self.tokenizer.encode_bounded(text, limit,
                                                  add_special_tokens=add_special_tokens)
         except PromptTooLongError as exc:
             raise APIError(
@@ -137,8 +147,9 @@ class OpenAIServing:
                 "the completion.", param="max_tokens")
         return max_tokens
 
-    def sampling_params(self, req: SamplingFields, *, max_tokens: int,
-                        logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, req: SamplingFields, *, max_tokens: int, logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None
+                        ) -> SamplingParams:
         """SamplingParams for `req` (ValueError, hence 400, on a bad combination)."""
         return SamplingParams(
             n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
@@ -147,7 +158,14 @@ class OpenAIServing:
             logprobs=logprobs, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
             skip_special_tokens=req.skip_special_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output)
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            prompt_logprobs=req.prompt_logprobs, structured_outputs=structured_outputs,
+            logit_bias=_logit_bias(req.logit_bias), allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words, truncate_prompt_tokens=req.truncate_prompt_tokens)
+
+    def truncate(self, req: SamplingFields, prompts: list[list[int]]) -> list[list[int]]:
+        """The prompts cut to their last `truncate_prompt_tokens` tokens (when asked)."""
+        return [self.engine.truncate_prompt(p, req.truncate_prompt_tokens) for p in prompts]
 
     def check_fits(self, prompts: Sequence[list[int]], params: SamplingParams) -> None:
         """400 when a prompt with its n samples could never fit in the KV cache. (The engine's
@@ -160,6 +178,22 @@ class OpenAIServing:
                 raise APIError(str(exc), param="n" if params.n > 1 else "prompt") from exc
 
     # ---- running ------------------------------------------------------------------------
+
+    async def structured_outputs(self, req: SamplingFields,
+                                 tool_constraint: StructuredOutputsParams | None = None
+                                 ) -> StructuredOutputsParams | None:
+        """The request's structured-output constraint (or the one its `tool_choice` implies),
+        compiled (cached by the engine's grammar backend); APIError 400 when it is malformed,
+        ambiguous or rejected."""
+        so = structured_outputs_of(req)
+        if tool_constraint is not None:
+            if so is not None:
+                raise APIError("tool_choice required or a named function cannot be combined "
+                               "with structured outputs", param="tool_choice")
+            await compile_constraint(self.engine.engine, tool_constraint, "tools")
+            return tool_constraint
+        await compile_constraint(self.engine.engine, so)
+        return so
 
     async def open_streams(self, request_id: str, prompts: Sequence[list[int]],
                            params: SamplingParams, *, arrival: float, priority: int = 0,
@@ -198,8 +232,7 @@ class OpenAIServing:
         try:
             async for index, output in _merge(streams):
                 timing = timings[index]
-                if timing.first_token is None and any(c.token_ids for c in output.outputs):
-                    timing.first_token = time.monotonic()
+                self._observe_tokens(timing, output)
                 if output.finished:
                     self._observe(timing, output)
                 yield index, output
@@ -210,14 +243,47 @@ class OpenAIServing:
         if any(s.aborted for s in streams):  # the server is shutting down
             raise APIError("request aborted", status_code=503, type="server_unavailable")
 
+    def _observe_tokens(self, timing: _Timing, output: RequestOutput) -> None:
+        """First-token time and inter-token gaps (of the longest sequence) as outputs come."""
+        count = max((len(c.token_ids) for c in output.outputs), default=0)
+        if count <= timing.num_tokens:
+            return
+        now = time.monotonic()
+        if timing.first_token is None:
+            timing.first_token = now
+        elif timing.last_token is not None:
+            self.metrics.observe_inter_token(now - timing.last_token, count - timing.num_tokens)
+        timing.last_token, timing.num_tokens = now, count
+
     def _observe(self, timing: _Timing, output: RequestOutput) -> None:
         if any(c.finish_reason in ("abort", "error") for c in output.outputs):
             return
         now = time.monotonic()
         ttft = None if timing.first_token is None else timing.first_token - timing.arrival
         longest = max((len(c.token_ids) for c in output.outputs), default=0)
+        engine_times = output.metrics or {}
+        queue_time = None
+        if engine_times.get("first_scheduled_time"):
+            queue_time = engine_times["first_scheduled_time"] - engine_times["arrival_time"]
+        reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "stop")
         self.metrics.observe_request(ttft=ttft, e2e=now - timing.arrival,
-                                     num_output_tokens=longest)
+                                     num_output_tokens=longest,
+                                     num_prompt_tokens=len(output.prompt_token_ids),
+                                     finished_reason=reason, queue_time=queue_time)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON object keys) with int keys; 400 otherwise."""
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise APIError(f"logit_bias keys must be token ids, got {key!r}",
+                           param="logit_bias") from None
+    return out
 
 
 def close_all(streams: Sequence[RequestStream]) -> None:

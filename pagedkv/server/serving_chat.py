@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from jinja2.exceptions import TemplateError
 
-from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.sched.sampling_params import SamplingParams
-from pagedkv.server.deltas import DeltaTracker, LogprobsFormatter
+from pagedkv.server.deltas import Delta, DeltaTracker, LogprobsFormatter
 from pagedkv.server.errors import APIError, error_body
 from pagedkv.server.protocol import (
     ChatChoice,
@@ -18,8 +20,9 @@ from pagedkv.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
-    ChatResponseMessage,
     ChatStreamChoice,
+    DeltaFunctionCall,
+    DeltaToolCall,
 )
 from pagedkv.server.serving import (
     OpenAIServing,
@@ -31,19 +34,56 @@ from pagedkv.server.serving import (
     run_unless_disconnected,
 )
 from pagedkv.server.sse import SSEResponse, sse_event, sse_stream
+from pagedkv.server.tools import ToolChoice, template_message, tool_call_id
 
 
-def tokenize_chat(serving: OpenAIServing, req: ChatCompletionRequest) -> list[int]:
-    """The chat template applied to the messages, tokenized without adding special tokens
-    (the template writes them), as vLLM does. 400 when the model has no chat template.
-    Runs in a tokenizer thread (`serving.run_tokenizer`)."""
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+def tokenize_chat(serving: OpenAIServing, req: ChatCompletionRequest,
+                  tools: list[dict] | None = None) -> list[int]:
+    """`render_chat`, tokenized without adding special tokens (the template writes them), as
+    vLLM does; over-long is a 400 unless the request truncates its prompt. Runs in a tokenizer
+    thread (`serving.run_tokenizer`)."""
+    return serving.encode_prompt(render_chat(serving, req, tools), add_special_tokens=False,
+                                 param="messages", bounded=req.truncate_prompt_tokens is None)
+
+
+def render_chat(serving: OpenAIServing, req: ChatCompletionRequest,
+                tools: list[dict] | None = None) -> str:
+    """The chat template applied to the messages (and `tools`, which Hugging Face templates
+    take, and `chat_template_kwargs`). 400 when the model has no chat template."""
+    messages = [template_message(m) for m in req.messages]
+    kwargs = dict(req.chat_template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_ARGS & set(kwargs))
+    if reserved:
+        raise APIError(f"chat_template_kwargs must not set {reserved}",
+                       param="chat_template_kwargs")
+    if tools is not None:
+        kwargs["tools"] = tools
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError("continue_final_message needs add_generation_prompt set to false",
+                       param="continue_final_message")
     try:
         text = serving.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt)
-    except ValueError as exc:
+            messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
+    except (ValueError, TypeError, TemplateError) as exc:
         raise APIError(f"cannot apply the chat template: {exc}", param="messages") from exc
-    return serving.encode_prompt(text, add_special_tokens=False, param="messages")
+    if req.continue_final_message:
+        text = _up_to_final_message(text, messages[-1]["content"])
+    return text
+
+
+# Names the server passes to the template itself.
+RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "tools", "bos_token",
+                                    "eos_token", "pad_token"})
+
+
+def _up_to_final_message(text: str, final: str) -> str:
+    """The rendered chat cut right after the final message's content (what the template puts
+    after it, such as an end-of-turn token, goes), so the model continues that message."""
+    at = text.rfind(final) if final else -1
+    if at < 0:
+        raise APIError("continue_final_message needs a final message with content that the "
+                       "chat template renders verbatim", param="continue_final_message")
+    return text[:at + len(final)]
 
 
 async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequest,
@@ -56,11 +96,15 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     serving.check_common(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
-    prompt = await serving.run_tokenizer(tokenize_chat, serving, req)
+    tools = ToolChoice.of(req, serving.tool_parser)
+    prompt = serving.truncate(
+        req, [await serving.run_tokenizer(tokenize_chat, serving, req, tools.template_tools)])[0]
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = serving.max_tokens_for(requested, len(prompt), None)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    structured = await serving.structured_outputs(req, tools.constraint)
+    params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
+                                     structured_outputs=structured)
     serving.check_fits([prompt], params)
     request_id = random_id("chatcmpl")
     streams = await serving.open_streams(request_id, [prompt], params, arrival=arrival,
@@ -69,14 +113,15 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
                                   as_token_ids=req.return_tokens_as_token_ids)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = _stream(serving, request_id, streams, params, formatter, include_usage)
+        body = _stream(serving, request_id, streams, params, formatter, include_usage, tools)
         return SSEResponse(sse_stream(body, on_exit=lambda: close_all(streams)),
                            on_close=lambda: close_all(streams))
     try:
         final = await run_unless_disconnected(raw, _collect(serving, streams))
     finally:
         close_all(streams)
-    return JSONResponse(_response(serving, request_id, final, formatter).model_dump(mode="json"))
+    return JSONResponse(_response(serving, request_id, final, formatter, tools)
+                        .model_dump(mode="json"))
 
 
 async def _collect(serving: OpenAIServing, streams: list) -> RequestOutput:
@@ -90,49 +135,102 @@ async def _collect(serving: OpenAIServing, streams: list) -> RequestOutput:
 
 
 def _response(serving: OpenAIServing, request_id: str, final: RequestOutput,
-              formatter: LogprobsFormatter) -> ChatCompletionResponse:
+              formatter: LogprobsFormatter, tools: ToolChoice) -> ChatCompletionResponse:
     usage = Usage()
     usage.record(0, final)
-    choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                          logprobs=formatter.chat(c, 0, len(c.token_ids)),
-                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-               for c in sorted(final.outputs, key=lambda c: c.index)]
+    choices = []
+    for c in sorted(final.outputs, key=lambda c: c.index):
+        message = tools.message(c.text)
+        choices.append(ChatChoice(index=c.index, message=message,
+                                  logprobs=formatter.chat(c, 0, len(c.token_ids)),
+                                  finish_reason=tools.finish_reason(c.finish_reason, message),
+                                  stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=request_id, model=serving.model_name, choices=choices,
-                                  usage=usage.info())
+                                  usage=usage.info(),
+                                  prompt_logprobs=formatter.vllm_prompt_logprobs(
+                                      final.prompt_logprobs))
 
 
 def _chunk(serving: OpenAIServing, request_id: str, choice: ChatStreamChoice) -> str:
     chunk = ChatCompletionChunk(id=request_id, model=serving.model_name, choices=[choice])
     payload = chunk.model_dump(mode="json", exclude={"usage"})
     for item in payload["choices"]:  # OpenAI leaves unset delta fields out
-        item["delta"] = {k: v for k, v in item["delta"].items() if v is not None}
+        item["delta"] = _without_none(item["delta"])
     return sse_event(payload)
+
+
+def _without_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_none(v) for v in value]
+    return value
+
+
+def _tool_deltas(tools: ToolChoice, comp: CompletionOutput, delta: Delta,
+                 started: bool) -> ChatDelta | None:
+    """The delta of a choice whose output becomes tool calls (None: nothing to send yet).
+    A named function streams its arguments as they come; `auto` and `required` hold the
+    text until it ends, then send the content and every call at once."""
+    if tools.mode == "named":
+        call = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta.text))
+        if not started:
+            call.id, call.type, call.function.name = tool_call_id(), "function", tools.function_name
+        elif not delta.text:
+            return ChatDelta() if delta.finish_reason else None
+        return ChatDelta(tool_calls=[call])
+    if delta.finish_reason is None:
+        return None
+    message = tools.message(comp.text)
+    calls = [DeltaToolCall(index=i, id=c.id, type="function",
+                           function=DeltaFunctionCall(name=c.function.name,
+                                                      arguments=c.function.arguments))
+             for i, c in enumerate(message.tool_calls)]
+    return ChatDelta(content=message.content, tool_calls=calls or None)
 
 
 async def _stream(serving: OpenAIServing, request_id: str, streams: list,
                   params: SamplingParams, formatter: LogprobsFormatter,
-                  include_usage: bool) -> AsyncIterator[str]:
-    """SSE chunks: a role chunk per choice, content deltas, the finish, usage, [DONE].
+                  include_usage: bool, tools: ToolChoice) -> AsyncIterator[str]:
+    """SSE chunks: a role chunk per choice once the prompt is processed (with the first
+    output, as vLLM sends it, so clients measure a true time to first token), content or tool
+    call deltas, the finish, usage, [DONE].
     Wrapped by `sse_stream`, which closes the streams (aborting unfinished requests)."""
     tracker = DeltaTracker(params.n, params.stop_strings, params.include_stop_str_in_output)
     usage = Usage()
-    for index in range(params.n):
-        yield _chunk(serving, request_id, ChatStreamChoice(
-            index=index, delta=ChatDelta(role="assistant", content="")))
+    role_sent = False
+    tool_started: set[int] = set()
     async for _, output in serving.iterate(streams):
         usage.record(0, output)
         if output.error:
             err = failure(output, "messages")
             yield sse_event(error_body(err.message, err.type, err.param, err.code))
             continue
+        if not role_sent:
+            role_sent = True
+            for index in range(params.n):
+                yield _chunk(serving, request_id, ChatStreamChoice(
+                    index=index, delta=ChatDelta(role="assistant", content="")))
         for comp in output.outputs:
             delta = tracker.delta(comp.index, comp)
             if delta is None:
                 continue
+            start = delta.token_start
+            chat_delta: ChatDelta | None = ChatDelta(content=delta.text)
+            if tools.mode in ("named", "auto", "required"):
+                chat_delta = _tool_deltas(tools, comp, delta, comp.index in tool_started)
+                if chat_delta is None:
+                    continue
+                tool_started.add(comp.index)
+                if tools.buffers_stream:
+                    start = 0
+            finish = delta.finish_reason
+            if finish is not None and tools.buffers_stream:
+                finish = "tool_calls" if chat_delta.tool_calls and finish == "stop" else finish
             yield _chunk(serving, request_id, ChatStreamChoice(
-                index=comp.index, delta=ChatDelta(content=delta.text),
-                logprobs=formatter.chat(comp, delta.token_start, delta.token_end),
-                finish_reason=delta.finish_reason, stop_reason=delta.stop_reason))
+                index=comp.index, delta=chat_delta,
+                logprobs=formatter.chat(comp, start, delta.token_end),
+                finish_reason=finish, stop_reason=delta.stop_reason))
     if include_usage:
         chunk = ChatCompletionChunk(id=request_id, model=serving.model_name, choices=[],
                                     usage=usage.info())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -13,6 +14,7 @@ from pagedkv.server.deltas import DeltaTracker, LogprobsFormatter
 from pagedkv.server.errors import APIError, error_body
 from pagedkv.server.protocol import (
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
 )
@@ -30,16 +32,61 @@ from pagedkv.server.sse import SSEResponse, sse_event, sse_stream
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
-def tokenize_prompts(serving: OpenAIServing, prompt: str | list) -> list[list[int]]:
-    """The prompt(s) of a completions request as token-id lists (strings get the BOS token).
-    Runs in a tokenizer thread (`serving.run_tokenizer`)."""
+def tokenize_prompts(serving: OpenAIServing, prompt: str | list,
+                     bounded: bool = True) -> list[list[int]]:
+    """The prompt(s) of a completions request as token-id lists (strings get the BOS token);
+    `bounded` as for `OpenAIServing.encode_prompt`. Runs in a tokenizer thread
+    (`serving.run_tokenizer`)."""
     if isinstance(prompt, str):
-        return [serving.encode_prompt(prompt, add_special_tokens=True)]
+        return [serving.encode_prompt(prompt, add_special_tokens=True, bounded=bounded)]
     if isinstance(prompt[0], int):
         return [list(prompt)]
     if isinstance(prompt[0], str):
-        return [serving.encode_prompt(p, add_special_tokens=True) for p in prompt]
+        return [serving.encode_prompt(p, add_special_tokens=True, bounded=bounded)
+                for p in prompt]
     return [list(p) for p in prompt]
+
+
+def prompt_texts(serving: OpenAIServing, prompt: str | list, prompts: list[list[int]]
+                 ) -> list[str]:
+    """The text each prompt echoes: the string as sent, or the decoded token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt[0], str):
+        return list(prompt)
+    return [serving.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
+
+
+@dataclass
+class _Echo:
+    """What `echo` adds in front of each choice: the prompt's text, tokens and logprobs.
+    `only` (max_tokens 0): the prompt is the whole answer, the one generated token is dropped."""
+
+    texts: list[str]
+    prompts: list[list[int]]
+    only: bool
+
+    def output(self, output: RequestOutput) -> RequestOutput:
+        if not self.only:
+            return output
+        return replace(output, outputs=[
+            replace(c, text="", token_ids=[], cumulative_logprob=None,
+                    logprobs=None if c.logprobs is None else [])
+            for c in output.outputs])
+
+    def logprobs(self, formatter: LogprobsFormatter, index: int, output: RequestOutput,
+                 choice: int) -> CompletionLogprobs:
+        return formatter.echoed_prompt(self.prompts[index], output.prompt_logprobs, choice)
+
+
+def _join(first: CompletionLogprobs | None, second: CompletionLogprobs | None
+          ) -> CompletionLogprobs | None:
+    if first is None or second is None:
+        return first or second
+    return CompletionLogprobs(text_offset=first.text_offset + second.text_offset,
+                              token_logprobs=first.token_logprobs + second.token_logprobs,
+                              tokens=first.tokens + second.tokens,
+                              top_logprobs=first.top_logprobs + second.top_logprobs)
 
 
 async def create_completion(serving: OpenAIServing, req: CompletionRequest,
@@ -52,29 +99,42 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest,
     serving.check_common(req)
     if req.best_of is not None and req.best_of != req.n:
         raise APIError("best_of must equal n (or be left out)", param="best_of")
-    prompts = await serving.run_tokenizer(tokenize_prompts, serving, req.prompt)
-    max_tokens = [serving.max_tokens_for(req.max_tokens, len(p), DEFAULT_MAX_TOKENS)
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError("max_tokens must be at least 1 (0 is allowed only with echo)",
+                       param="max_tokens")
+    prompts = serving.truncate(req, await serving.run_tokenizer(
+        tokenize_prompts, serving, req.prompt, req.truncate_prompt_tokens is None))
+    echo = None
+    if req.echo:  # max_tokens 0 generates one token, which is dropped (as vLLM does)
+        echo = _Echo(prompt_texts(serving, req.prompt, prompts), prompts, req.max_tokens == 0)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else (
+        1 if req.max_tokens == 0 else req.max_tokens)
+    max_tokens = [serving.max_tokens_for(requested, len(p), DEFAULT_MAX_TOKENS)
                   for p in prompts]
     # The same for every prompt: the request's max_tokens or the default.
-    params = serving.sampling_params(req, max_tokens=max_tokens[0], logprobs=req.logprobs)
+    params = serving.sampling_params(req, max_tokens=max_tokens[0], logprobs=req.logprobs,
+                                     structured_outputs=await serving.structured_outputs(req))
+    if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
+        params = replace(params, prompt_logprobs=req.logprobs)
     serving.check_fits(prompts, params)
     request_id = random_id("cmpl")
     streams = await serving.open_streams(request_id, prompts, params, arrival=arrival,
                                          priority=req.priority, cache_salt=req.cache_salt)
     formatter = LogprobsFormatter(serving.tokenizer, req.logprobs or 0,
                                   as_token_ids=req.return_tokens_as_token_ids)
+    vllm_prompt_logprobs = req.prompt_logprobs is not None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = _stream(serving, request_id, streams, params, formatter, len(prompts),
-                       include_usage)
+                       include_usage, echo, vllm_prompt_logprobs)
         return SSEResponse(sse_stream(body, on_exit=lambda: close_all(streams)),
                            on_close=lambda: close_all(streams))
     try:
         final = await run_unless_disconnected(raw, _collect(serving, streams))
     finally:
         close_all(streams)
-    return JSONResponse(_response(serving, request_id, final, params.n, formatter)
-                        .model_dump(mode="json"))
+    return JSONResponse(_response(serving, request_id, final, params.n, formatter, echo,
+                                  vllm_prompt_logprobs).model_dump(mode="json"))
 
 
 async def _collect(serving: OpenAIServing, streams: list) -> dict[int, RequestOutput]:
@@ -87,30 +147,43 @@ async def _collect(serving: OpenAIServing, streams: list) -> dict[int, RequestOu
 
 
 def _response(serving: OpenAIServing, request_id: str, final: dict[int, RequestOutput], n: int,
-              formatter: LogprobsFormatter) -> CompletionResponse:
+              formatter: LogprobsFormatter, echo: _Echo | None,
+              vllm_prompt_logprobs: bool) -> CompletionResponse:
     usage, choices = Usage(), []
     for index in sorted(final):
-        output = final[index]
+        output = final[index] if echo is None else echo.output(final[index])
         usage.record(index, output)
         for comp in output.outputs:
+            choice = index * n + comp.index
+            text, logprobs = comp.text, None
+            if echo is not None:
+                text = echo.texts[index] + text
+                if comp.logprobs is not None:
+                    logprobs = echo.logprobs(formatter, index, output, choice)
+            logprobs = _join(logprobs, formatter.completion(comp, 0, len(comp.token_ids), choice))
             choices.append(CompletionChoice(
-                index=index * n + comp.index, text=comp.text,
-                logprobs=formatter.completion(comp, 0, len(comp.token_ids), index * n + comp.index),
-                finish_reason=comp.finish_reason, stop_reason=comp.stop_reason))
+                index=choice, text=text, logprobs=logprobs,
+                finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
+                prompt_logprobs=(formatter.vllm_prompt_logprobs(output.prompt_logprobs)
+                                 if vllm_prompt_logprobs else None)))
     choices.sort(key=lambda c: c.index)
     return CompletionResponse(id=request_id, model=serving.model_name, choices=choices,
                               usage=usage.info())
 
 
 async def _stream(serving: OpenAIServing, request_id: str, streams: list, params,
-                  formatter: LogprobsFormatter, num_prompts: int,
-                  include_usage: bool) -> AsyncIterator[str]:
-    """SSE chunks: one per choice per engine step that added tokens, then usage and [DONE].
+                  formatter: LogprobsFormatter, num_prompts: int, include_usage: bool,
+                  echo: _Echo | None, vllm_prompt_logprobs: bool) -> AsyncIterator[str]:
+    """SSE chunks: one per choice per engine step that added tokens, then usage and [DONE];
+    with `echo`, a choice's first chunk starts with the prompt.
     Wrapped by `sse_stream`, which closes the streams (aborting unfinished requests)."""
     n = params.n
     tracker = DeltaTracker(num_prompts * n, params.stop_strings, params.include_stop_str_in_output)
     usage = Usage()
+    started: set[int] = set()
     async for index, output in serving.iterate(streams):
+        if echo is not None:
+            output = echo.output(output)
         usage.record(index, output)
         if output.error:
             err = failure(output, "prompt")
@@ -121,11 +194,22 @@ async def _stream(serving: OpenAIServing, request_id: str, streams: list, params
             delta = tracker.delta(choice, comp)
             if delta is None:
                 continue
-            logprobs = formatter.completion(comp, delta.token_start, delta.token_end, choice)
+            text, logprobs, prompt_logprobs = delta.text, None, None
+            if choice not in started:
+                started.add(choice)
+                if echo is not None:
+                    text = echo.texts[index] + text
+                    if comp.logprobs is not None:
+                        logprobs = echo.logprobs(formatter, index, output, choice)
+                if vllm_prompt_logprobs:
+                    prompt_logprobs = formatter.vllm_prompt_logprobs(output.prompt_logprobs)
+            logprobs = _join(logprobs, formatter.completion(comp, delta.token_start,
+                                                            delta.token_end, choice))
             chunk = CompletionResponse(id=request_id, model=serving.model_name, choices=[
-                CompletionChoice(index=choice, text=delta.text, logprobs=logprobs,
+                CompletionChoice(index=choice, text=text, logprobs=logprobs,
                                  finish_reason=delta.finish_reason,
-                                 stop_reason=delta.stop_reason)])
+                                 stop_reason=delta.stop_reason,
+                                 prompt_logprobs=prompt_logprobs)])
             yield sse_event(chunk.model_dump(mode="json", exclude={"usage"}))
     if include_usage:
         chunk = CompletionResponse(id=request_id, model=serving.model_name, choices=[],

@@ -35,3 +35,13 @@ def test_bench_offload_runs_every_tier_with_the_same_tokens():
         # Round 2 computes only each prompt's 16-token suffix.
         assert runs[name]["prompt_tokens_computed"] == 3 * 80 + 3 * 16
     assert report["warm_restart"]["prompt_tokens_computed"] == 3 * 16
+
+
+def test_bench_structured_runs_with_equal_work():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_structured.py"),
+                           "--requests", "4", "--tokens", "8", "--reps", "1", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["structured_tokens"] == report["baseline_tokens"] > 0
+    assert report["ratio_structured_over_baseline"] > 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.model.logits_rows import select_logits_rows
 from pagedkv.model.runner import ModelRunner
 from pagedkv.sched.output import ScheduledRequest, SchedulerOutput
 from pagedkv.sched.sampling_params import SamplingParams
@@ -71,8 +72,7 @@ def prefill_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tenso
     reqs, ids, pos, meta = runner.prepare_inputs(scheduled)
     with torch.inference_mode():
         hidden = runner.model(ids, pos, runner.kv_cache.layers, meta)
-        ends = torch.tensor(runner._last_token_indices(reqs))
-        logits = runner.model.compute_logits(hidden[ends])
+        logits = runner.model.compute_logits(select_logits_rows(reqs).gather(hidden))
     order = [int(r.request_id[1:]) for r in reqs]
     out = torch.empty_like(logits)
     out[torch.tensor(order)] = logits

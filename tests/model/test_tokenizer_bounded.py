@@ -5,10 +5,10 @@ the text has fewer characters than the limit (characters do not bound byte-level
 from __future__ import annotations
 
 import pytest
-from pagedkv.testing import build_tokenizer_files
 
 from pagedkv.model.tokenizer import Tokenizer
 from pagedkv.sched.validation import PromptTooLongError
+from pagedkv.testing import build_tokenizer_files
 
 
 @pytest.fixture(scope="module")

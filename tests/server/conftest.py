@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from tests.server.helpers import ENGINE_KWARGS, ServerProcess, engine_flags, wait_for_idle_pool
@@ -32,3 +33,10 @@ def server(tiny_llama: Path):
     finally:
         clean = proc.stop()
     assert clean, "server did not shut down cleanly"
+
+
+@pytest.fixture(scope="session")
+def client(server) -> openai.OpenAI:
+    """The official openai client on the main server (no retries: a failure shows at once)."""
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
