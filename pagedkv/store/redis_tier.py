@@ -40,6 +40,7 @@ class CircuitBreaker:
         self._failures = 0
         self._open_until = 0.0
         self._lock = threading.Lock()
+        self.num_opened = 0  # times the breaker opened
 
     def allow(self) -> bool:
         with self._lock:
@@ -54,6 +55,7 @@ class CircuitBreaker:
             self._failures += 1
             if self._failures >= self.failure_threshold:
                 self._open_until = self._clock() + self.cooldown_s
+                self.num_opened += 1
 
     @property
     def is_open(self) -> bool:

@@ -143,7 +143,8 @@ def test_redis_killed_mid_run_costs_hits_not_requests(tiny_llama, tmp_path, redi
         assert tokens == hf_greedy(tiny_llama, prompt, 4)
         assert cached == 0
     tier = llm.llm_engine.kv_store.tiers[0]
-    assert tier.num_errors >= 1 and tier.breaker.is_open
+    # The breaker opened (it may have half-opened again since: its cooldown is 5 s).
+    assert tier.num_errors >= 3 and tier.breaker.num_opened >= 1
 
 
 @pytest.mark.parametrize("tier", TIERS)

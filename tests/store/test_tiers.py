@@ -126,7 +126,7 @@ def test_circuit_breaker_half_opens_after_cooldown():
     breaker.record_failure()
     assert breaker.allow()
     breaker.record_failure()
-    assert not breaker.allow()
+    assert not breaker.allow() and breaker.num_opened == 1
     now[0] = 5.0
     assert breaker.allow()  # one trial call
     breaker.record_success()
