@@ -14,7 +14,7 @@ import pytest
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.model.tokenizer import Tokenizer
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
-from pagedkv.server.serving_chat import _stream, tokenize_chat
+from pagedkv.server.serving_chat import _stream, render_chat
 from pagedkv.server.tools import ToolChoice
 
 MODEL = "tiny"
@@ -129,16 +129,16 @@ def test_chat_template_kwargs_and_continue_final_message(tokenizer):
     serving = _Serving(tokenizer)
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well,"}]
     req = ChatCompletionRequest(messages=messages[:1], chat_template_kwargs={"enable_thinking": True})
-    assert tokenizer.decode(tokenize_chat(serving, req), False).endswith("<think><|assistant|>\n")
+    assert render_chat(serving, req).endswith("<think><|assistant|>\n")
     req = ChatCompletionRequest(messages=messages, add_generation_prompt=False,
                                 continue_final_message=True)
-    assert tokenizer.decode(tokenize_chat(serving, req), False).endswith("<|assistant|>\nWell,")
+    assert render_chat(serving, req).endswith("<|assistant|>\nWell,")
     from pagedkv.server.errors import APIError
     with pytest.raises(APIError, match="add_generation_prompt"):
-        tokenize_chat(serving, ChatCompletionRequest(messages=messages,
+        render_chat(serving, ChatCompletionRequest(messages=messages,
                                                      continue_final_message=True))
     with pytest.raises(APIError, match="messages"):
-        tokenize_chat(serving, ChatCompletionRequest(messages=messages[:1],
+        render_chat(serving, ChatCompletionRequest(messages=messages[:1],
                                                      chat_template_kwargs={"messages": []}))
     # The completion request model accepts the same leniencies.
     assert CompletionRequest(prompt="x", max_tokens=3.0).max_tokens == 3
