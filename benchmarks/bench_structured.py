@@ -41,9 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
-    from pagedkv.model.random_model import build_random_model_dir
-
     from pagedkv import LLM, SamplingParams, StructuredOutputsParams
+    from pagedkv.testing import build_random_model_dir
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"

@@ -138,6 +138,10 @@ class Tokenizer:
         # encode_batch releases the GIL (encode does not): other threads go on meanwhile.
         return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
+        """The token string of each id (None for an id outside the vocabulary)."""
+        return [self._tok.id_to_token(i) for i in ids]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (special tokens left out when `skip_special_tokens`)."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
