@@ -84,8 +84,13 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin [T, 1, head_dim] for `positions` [T] (new tensors; see the class
         docstring for the sign convention `apply_rope` expects)."""
-        needed = int(positions.max()) + 1 if positions.numel() else 1
-        cos, sin = self._table(needed, dtype)
+        if (positions.device.type != "cpu" and self._cos is not None and self._cos.dtype == dtype
+                and self._table_len >= self._max_positions):
+            # No host sync (CUDA graphs): positions stay below max_positions (max_model_len).
+            cos, sin = self._cos, self._sin
+        else:
+            needed = int(positions.max()) + 1 if positions.numel() else 1
+            cos, sin = self._table(needed, dtype)
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
 

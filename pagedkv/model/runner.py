@@ -3,6 +3,10 @@
 Per step, in order: swap out (device -> host), swap in (host -> device), block copies
 (copy-on-write), then the forward pass over the scheduled tokens (decodes first, batched, then
 prefill chunks), logits only at the last position of each request that samples, and sampling.
+
+Attention runs through the backend registered for the device (model/backends/): the runner
+describes the step once (`StepSequences`) and the backend builds the metadata every layer reads.
+On CUDA, unless `enforce_eager`, decode-only steps replay captured CUDA graphs (cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.model.attention import AttentionMetadata, PrefillChunk
+from pagedkv.model.backends import get_attention_backend
+from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.config import ModelConfig, parse_dtype
 from pagedkv.model.kv_cache import KVCache
 from pagedkv.model.llama import LlamaForCausalLM
@@ -37,7 +42,13 @@ class ModelRunner:
 
     def __init__(self, model_dir: str | Path, *, block_size: int, num_blocks: int,
                  num_host_blocks: int = 0, dtype: str = "auto", device: str = "auto",
-                 seed: int = 0) -> None:
+                 seed: int = 0, attention_backend: str | None = None,
+                 cuda_graph_batch_sizes: list[int] | None = None,
+                 max_model_len: int | None = None) -> None:
+        """`attention_backend`: a key of backends.ATTENTION_BACKENDS (default: the device's).
+        `cuda_graph_batch_sizes`: capture decode graphs for these batch sizes (CUDA and the
+        Triton backend only; None or empty: eager), block tables up to `max_model_len` tokens
+        (default: the model's max_position_embeddings)."""
         self.model_config = ModelConfig.from_dir(model_dir)
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.model_config.torch_dtype)
@@ -50,7 +61,17 @@ class ModelRunner:
                                 head_dim=cfg.head_dim, dtype=self.dtype, device=self.device,
                                 num_host_blocks=num_host_blocks)
         self.sampler = Sampler(seed, self.device)
-        self._attn_workspace: dict = {}  # attention scratch buffers, reused across steps
+        self.attn_backend = get_attention_backend(self.device, attention_backend)
+        self.cuda_graphs = None
+        if cuda_graph_batch_sizes and self.device.type == "cuda" \
+                and self.attn_backend.name == "triton":
+            from pagedkv.model.cuda_graphs import DecodeCudaGraphs
+
+            max_len = max_model_len or cfg.max_position_embeddings
+            self.cuda_graphs = DecodeCudaGraphs(
+                self.model, self.kv_cache.layers, cuda_graph_batch_sizes,
+                -(-max_len // block_size), self.device)
+            self.cuda_graphs.capture()
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -64,8 +85,16 @@ class ModelRunner:
         result = ModelRunnerOutput()
         if not out.scheduled:
             return result
-        reqs, input_ids, positions, meta = self.prepare_inputs(out.scheduled)
-        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
+        reqs, ids, pos, step = self.describe_step(out.scheduled)
+        graphs = self.cuda_graphs
+        if graphs is not None and step.num_decodes == len(reqs) \
+                and graphs.padded_size(len(reqs)) is not None:
+            hidden = graphs.replay(ids, pos, step.slot_mapping, step.block_tables)
+        else:
+            dev = self.device
+            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
+                                torch.tensor(pos, dtype=torch.long, device=dev),
+                                self.kv_cache.layers, self.attn_backend.build_metadata(step))
         ends = self._last_token_indices(reqs)
         samplers = [(e, r) for e, r in zip(ends, reqs, strict=True) if r.num_samples > 0]
         if not samplers:
@@ -89,10 +118,20 @@ class ModelRunner:
         return ends
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]
-                       ) -> tuple[list[ScheduledRequest], torch.Tensor, torch.Tensor,
-                                  AttentionMetadata]:
-        """Order the requests (decodes first), flatten their tokens and build the attention
-        metadata. Raises ValueError for a request whose block table cannot hold its tokens."""
+                       ) -> tuple[list[ScheduledRequest], torch.Tensor, torch.Tensor, object]:
+        """(requests in batch order, input ids [T], positions [T], the attention backend's
+        metadata) for an eager forward pass; see `describe_step`."""
+        reqs, ids, pos, step = self.describe_step(scheduled)
+        dev = self.device
+        return (reqs, torch.tensor(ids, dtype=torch.long, device=dev),
+                torch.tensor(pos, dtype=torch.long, device=dev),
+                self.attn_backend.build_metadata(step))
+
+    def describe_step(self, scheduled: list[ScheduledRequest]
+                      ) -> tuple[list[ScheduledRequest], list[int], list[int], StepSequences]:
+        """Order the requests (decodes first) and flatten their tokens: (requests in batch
+        order, token ids, positions, the step's sequences). Raises ValueError for a request
+        whose block table cannot hold its tokens."""
         bs = self.block_size
         for r in scheduled:
             if r.num_new_tokens == 0:
@@ -108,11 +147,6 @@ class ModelRunner:
         pos: list[int] = [r.start_pos for r in decodes]
         slots: list[int] = [r.block_table[r.start_pos // bs] * bs + r.start_pos % bs
                             for r in decodes]
-        dec_lens = [p + 1 for p in pos]
-        max_blocks = max((len(r.block_table) for r in decodes), default=0)
-        dec_tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in decodes]
-        dev = self.device
-        chunks, start = [], len(decodes)
         for r in prefills:
             ids.extend(r.token_ids)
             seq_len = r.start_pos + r.num_new_tokens
@@ -121,20 +155,9 @@ class ModelRunner:
                 base = r.block_table[b] * bs
                 slots.extend(range(base + max(r.start_pos - b * bs, 0),
                                    base + min(seq_len - b * bs, bs)))
-            table = torch.tensor(r.block_table[: (seq_len + bs - 1) // bs], dtype=torch.long)
-            chunks.append(PrefillChunk(start, start + r.num_new_tokens, r.start_pos, seq_len,
-                                       table.to(dev)))
-            start += r.num_new_tokens
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decodes=len(decodes),
-            decode_seq_lens=torch.tensor(dec_lens, dtype=torch.long, device=dev),
-            decode_block_tables=torch.tensor(dec_tables, dtype=torch.long,
-                                             device=dev).view(len(decodes), max_blocks),
-            prefills=chunks,
-            block_size=bs,
-            decode_seq_lens_list=dec_lens,
-            workspace_buffers=self._attn_workspace,
-        )
-        return (reqs, torch.tensor(ids, dtype=torch.long, device=dev),
-                torch.tensor(pos, dtype=torch.long, device=dev), meta)
+        step = StepSequences(
+            num_new_tokens=[r.num_new_tokens for r in reqs],
+            seq_lens=[r.start_pos + r.num_new_tokens for r in reqs],
+            block_tables=[r.block_table for r in reqs], slot_mapping=slots,
+            num_decodes=len(decodes), block_size=bs)
+        return reqs, ids, pos, step
