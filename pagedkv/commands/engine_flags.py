@@ -47,6 +47,7 @@ _HELP: dict[str, str] = {
     "gpu_memory_utilization": "fraction of GPU memory the engine may use",
     "scheduling_policy": "'fcfs' or 'priority' (lower value first)",
     "watermark": "fraction of blocks kept free when admitting new requests",
+    "enforce_eager": "no CUDA graphs: run every decode step eagerly",
 }
 
 

@@ -15,7 +15,7 @@ class EngineArgs:
     `gpu_memory_utilization` of the device minus weights and activation peak; else on CPU a
     default budget (`DEFAULT_CPU_KV_CACHE_BYTES`). `swap_space` is GiB of host memory for swapped
     blocks. `max_num_batched_tokens` is the per-step token budget (chunked prefill splits longer
-    prompts).
+    prompts). `enforce_eager` turns off CUDA graphs for decode steps (CUDA only).
     """
 
     model: str = ""
@@ -36,6 +36,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     scheduling_policy: str = "fcfs"
     watermark: float = 0.01
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -71,6 +72,8 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

@@ -80,6 +80,7 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs) -> None:
         # Imported here so `pagedkv.engine` stays light until an engine is really built.
+        from pagedkv.model.cuda_graphs import decode_batch_sizes
         from pagedkv.model.runner import ModelRunner
         from pagedkv.model.tokenizer import Tokenizer
 
@@ -94,7 +95,9 @@ class LLMEngine:
         self.runner = ModelRunner(
             args.model, block_size=args.block_size, num_blocks=setup.num_blocks,
             num_host_blocks=setup.num_host_blocks, dtype=args.dtype, device=args.device,
-            seed=args.seed)
+            seed=args.seed, max_model_len=setup.max_model_len,
+            cuda_graph_batch_sizes=None if args.enforce_eager else decode_batch_sizes(
+                args.max_num_seqs))
         self.model_config = self.runner.model_config
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
@@ -111,6 +114,19 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+
+    @property
+    def is_shut_down(self) -> bool:
+        return self.runner is None
+
+    def shutdown(self) -> None:
+        """Abort every request and free the model runner's device memory (KV cache, CUDA
+        graphs, weights). Idempotent; the engine cannot step afterwards."""
+        if self.runner is None:
+            return
+        self.abort_request(list(self._groups))
+        runner, self.runner = self.runner, None
+        runner.shutdown()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -216,6 +232,8 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.runner is None:
+            raise RuntimeError("the engine was shut down")
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
             result = ModelRunnerOutput()

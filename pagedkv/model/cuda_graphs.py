@@ -18,8 +18,6 @@ import bisect
 
 import torch
 
-from pagedkv.model.backends.triton_paged import TritonAttentionMetadata
-
 
 def decode_batch_sizes(max_num_seqs: int) -> list[int]:
     """The batch sizes to capture: 1, 2, 4, 8, then every 8 up to 64, every 16 above, the last
@@ -53,7 +51,9 @@ class DecodeCudaGraphs:
         self._outputs: dict[int, torch.Tensor] = {}
         self.num_replays = 0  # decode steps served by a graph (for stats and tests)
 
-    def _metadata(self, size: int) -> TritonAttentionMetadata:
+    def _metadata(self, size: int):
+        from pagedkv.model.backends.triton_paged import TritonAttentionMetadata
+
         return TritonAttentionMetadata(
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
             seq_lens=self.seq_lens[:size], query_start_loc=self.query_start_loc[: size + 1],

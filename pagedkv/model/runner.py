@@ -11,6 +11,7 @@ On CUDA, unless `enforce_eager`, decode-only steps replay captured CUDA graphs (
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import torch
@@ -72,6 +73,17 @@ class ModelRunner:
                 self.model, self.kv_cache.layers, cuda_graph_batch_sizes,
                 -(-max_len // block_size), self.device)
             self.cuda_graphs.capture()
+
+    def shutdown(self) -> None:
+        """Drop the CUDA graphs, the KV cache and the weights, and hand freed device memory back
+        to the driver, so another engine in this process can size itself from it. The runner
+        is unusable afterwards."""
+        self.cuda_graphs = None
+        self.kv_cache = None
+        self.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
