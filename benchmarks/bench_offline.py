@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--enforce-eager", action="store_true", help="cuda: no CUDA graphs")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
                         help="cuda: the engine's per-step token budget")
+    parser.add_argument("--compare-eager", action="store_true",
+                        help="cuda: also time the decode step with enforce_eager")
     parser.add_argument("--transformers-mixed", action="store_true",
                         help="cuda: also run transformers on the mixed workload (slow)")
     parser.add_argument("--threads", type=int, default=None,

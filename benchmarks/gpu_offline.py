@@ -140,12 +140,37 @@ def decode_step(llm, vocab: int, batch: int = 128, context: int = 576, steps: in
             t = getattr(evt, "cuda_time_total", 0.0)
         if evt.device_type == torch.autograd.DeviceType.CUDA and t:
             gpu[_category(evt.key)] += t / 1e3 / prof_steps
+    host = host_phases(engine, 5)
     while engine.has_unfinished_requests():
         engine.step()
     step_ms = statistics.median(times) * 1e3
     busy = sum(gpu.values())
-    return dict(step_ms=step_ms, gpu_ms=gpu, gpu_busy_ms=busy,
+    return dict(step_ms=step_ms, gpu_ms=gpu, gpu_busy_ms=busy, host_ms=host,
                 host_idle_ms=max(step_ms - busy, 0.0), batch=batch, context=context)
+
+
+HOST_PHASES = {"schedule": "scheduler.py", "execute": "runner.py", "update": "scheduler.py",
+               "_process": "llm_engine.py", "describe_step": "runner.py",
+               "replay": "cuda_graphs.py", "compute_logits": "llama.py",
+               "__call__": "sampler.py"}
+
+
+def host_phases(engine, steps: int) -> dict:
+    """Cumulative ms per step of the engine's phases under cProfile (inflated by the profiler;
+    read as proportions). `execute` includes waiting for the GPU (the sampled tokens)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    out = {}
+    for (path, _, func), (_, _, _, cum, _) in pstats.Stats(prof).stats.items():
+        if func in HOST_PHASES and path.endswith(HOST_PHASES[func]):
+            out[func] = out.get(func, 0.0) + cum * 1e3 / steps
+    return out
 
 
 def main(args) -> int:
@@ -193,8 +218,22 @@ def main(args) -> int:
           f"{step['ratio_to_floor']:.2f}x floor; GPU per step: attention {g['attention']:.2f} ms, "
           f"linear {g['linear']:.2f} ms, other {g['other']:.2f} ms; GPU idle (host) "
           f"{step['host_idle_ms']:.2f} ms", flush=True)
+    print("    host phases (ms/step, under cProfile): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in step["host_ms"].items()), flush=True)
     llm.shutdown()
     del llm, engine
+    if args.compare_eager:  # a second engine in the same process: sizes from the freed memory
+        eager = LLM(model=str(model_dir), dtype="bfloat16", device="cuda", seed=0,
+                    max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens,
+                    enforce_eager=True, enable_prefix_caching=False)
+        report["eager_num_gpu_blocks"] = eager.llm_engine.kv_setup.num_blocks
+        eager_step = decode_step(eager, vocab, steps=10)
+        report["C_decode_step_eager"] = eager_step
+        print(f"[C decode 128 x 576, enforce_eager] step {eager_step['step_ms']:.2f} ms "
+              f"(second engine: {report['eager_num_gpu_blocks']} KV blocks, first "
+              f"{report['num_gpu_blocks']})", flush=True)
+        eager.shutdown()
+        del eager
 
     if not args.skip_transformers:
         theirs = run_transformers(model_dir, req_a)

@@ -15,7 +15,12 @@ from dataclasses import dataclass, field, replace
 
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
-from pagedkv.engine.kv_setup import KVCacheSetup, plan_kv_cache
+from pagedkv.engine.kv_setup import (
+    GpuMemoryProfile,
+    KVCacheSetup,
+    plan_kv_cache,
+    resolve_max_num_batched_tokens,
+)
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.stats import EngineStats
 from pagedkv.kv.manager import KVCacheManager
@@ -81,7 +86,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         # Imported here so `pagedkv.engine` stays light until an engine is really built.
         from pagedkv.model.cuda_graphs import decode_batch_sizes
-        from pagedkv.model.runner import ModelRunner
+        from pagedkv.model.runner import ModelRunner, resolve_device
         from pagedkv.model.tokenizer import Tokenizer
 
         args.validate()
@@ -89,15 +94,19 @@ class LLMEngine:
             raise ValueError("model must be a model directory, got ''")
         self.args = args
         self.tokenizer = Tokenizer.from_dir(args.tokenizer or args.model)
-        setup: KVCacheSetup = plan_kv_cache(args)
+        profiled = resolve_device(args.device).type == "cuda" \
+            and args.num_gpu_blocks_override is None and args.kv_cache_memory_bytes is None
+        setup: KVCacheSetup | None = None if profiled else plan_kv_cache(args)  # fails early
+        self.runner = ModelRunner(args.model, block_size=args.block_size, num_blocks=None,
+                                  dtype=args.dtype, device=args.device, seed=args.seed)
+        if setup is None:
+            setup = plan_kv_cache(args, self._profile_memory(args))
         self.kv_setup = setup
         self.max_model_len = setup.max_model_len
-        self.runner = ModelRunner(
-            args.model, block_size=args.block_size, num_blocks=setup.num_blocks,
-            num_host_blocks=setup.num_host_blocks, dtype=args.dtype, device=args.device,
-            seed=args.seed, max_model_len=setup.max_model_len,
-            cuda_graph_batch_sizes=None if args.enforce_eager else decode_batch_sizes(
-                args.max_num_seqs))
+        self.runner.allocate_kv_cache(setup.num_blocks, setup.num_host_blocks)
+        if not args.enforce_eager:
+            self.runner.capture_cuda_graphs(decode_batch_sizes(args.max_num_seqs),
+                                            setup.max_model_len)
         self.model_config = self.runner.model_config
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
@@ -114,6 +123,20 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+
+    def _profile_memory(self, args: EngineArgs) -> GpuMemoryProfile:
+        """(CUDA, no explicit KV size) This engine's weights and the peak activation of a
+        profile forward pass at max_num_batched_tokens, and the memory free afterwards."""
+        import torch
+
+        runner = self.runner
+
+        max_len = args.max_model_len or runner.model_config.max_position_embeddings
+        peak = runner.profile_activation_peak(resolve_max_num_batched_tokens(args),
+                                              args.max_num_seqs, max_len)
+        free, total = torch.cuda.mem_get_info(runner.device)
+        return GpuMemoryProfile(total_bytes=total, free_bytes=free,
+                                weights_bytes=runner.weights_bytes, activation_peak_bytes=peak)
 
     @property
     def is_shut_down(self) -> bool:

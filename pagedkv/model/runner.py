@@ -41,38 +41,97 @@ def resolve_device(device: str | torch.device) -> torch.device:
 class ModelRunner:
     """Owns the model weights, the KV cache tensors and the sampler of one engine."""
 
-    def __init__(self, model_dir: str | Path, *, block_size: int, num_blocks: int,
+    def __init__(self, model_dir: str | Path, *, block_size: int, num_blocks: int | None,
                  num_host_blocks: int = 0, dtype: str = "auto", device: str = "auto",
                  seed: int = 0, attention_backend: str | None = None,
                  cuda_graph_batch_sizes: list[int] | None = None,
                  max_model_len: int | None = None) -> None:
-        """`attention_backend`: a key of backends.ATTENTION_BACKENDS (default: the device's).
-        `cuda_graph_batch_sizes`: capture decode graphs for these batch sizes (CUDA and the
-        Triton backend only; None or empty: eager), block tables up to `max_model_len` tokens
-        (default: the model's max_position_embeddings)."""
+        """`num_blocks` None: no KV cache yet (profile memory, then `allocate_kv_cache`).
+        `attention_backend`: a key of backends.ATTENTION_BACKENDS (default: the device's).
+        `cuda_graph_batch_sizes`: capture decode graphs for these batch sizes once the KV cache
+        exists (see `capture_cuda_graphs`; None or empty: eager), block tables up to
+        `max_model_len` tokens (default: the model's max_position_embeddings)."""
         self.model_config = ModelConfig.from_dir(model_dir)
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.model_config.torch_dtype)
         self.block_size = block_size
+        allocated = self._allocated_bytes()
         self.model: LlamaForCausalLM = load_model(model_dir, self.model_config, self.dtype,
                                                   self.device)
-        cfg = self.model_config
-        self.kv_cache = KVCache(num_layers=cfg.num_layers, num_blocks=num_blocks,
-                                block_size=block_size, num_kv_heads=cfg.num_kv_heads,
-                                head_dim=cfg.head_dim, dtype=self.dtype, device=self.device,
-                                num_host_blocks=num_host_blocks)
+        self.weights_bytes = self._allocated_bytes() - allocated if self.device.type == "cuda" \
+            else sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.kv_cache: KVCache | None = None
         self.sampler = Sampler(seed, self.device)
         self.attn_backend = get_attention_backend(self.device, attention_backend)
         self.cuda_graphs = None
-        if cuda_graph_batch_sizes and self.device.type == "cuda" \
-                and self.attn_backend.name == "triton":
-            from pagedkv.model.cuda_graphs import DecodeCudaGraphs
+        if num_blocks is not None:
+            self.allocate_kv_cache(num_blocks, num_host_blocks)
+            if cuda_graph_batch_sizes:
+                self.capture_cuda_graphs(cuda_graph_batch_sizes, max_model_len)
 
-            max_len = max_model_len or cfg.max_position_embeddings
-            self.cuda_graphs = DecodeCudaGraphs(
-                self.model, self.kv_cache.layers, cuda_graph_batch_sizes,
-                -(-max_len // block_size), self.device)
-            self.cuda_graphs.capture()
+    def _allocated_bytes(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+
+    def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        """Allocate the device KV cache (and the host swap copy) of `num_blocks` blocks."""
+        cfg = self.model_config
+        self.kv_cache = KVCache(num_layers=cfg.num_layers, num_blocks=num_blocks,
+                                block_size=self.block_size, num_kv_heads=cfg.num_kv_heads,
+                                head_dim=cfg.head_dim, dtype=self.dtype, device=self.device,
+                                num_host_blocks=num_host_blocks)
+
+    def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int | None = None) -> bool:
+        """Capture decode CUDA graphs for `batch_sizes` over the allocated KV cache (CUDA and the
+        Triton backend only; returns whether graphs were captured)."""
+        if not batch_sizes or self.device.type != "cuda" or self.attn_backend.name != "triton":
+            return False
+        from pagedkv.model.cuda_graphs import DecodeCudaGraphs
+
+        max_len = max_model_len or self.model_config.max_position_embeddings
+        self.cuda_graphs = DecodeCudaGraphs(self.model, self.kv_cache.layers, batch_sizes,
+                                            -(-max_len // self.block_size), self.device)
+        self.cuda_graphs.capture()
+        return True
+
+    @torch.inference_mode()
+    def profile_activation_peak(self, num_tokens: int, max_num_seqs: int,
+                                max_model_len: int) -> int:
+        """Peak device bytes (above weights) of a forward pass over `num_tokens` prompt tokens
+        (sequences of at most `max_model_len`) plus logits and sampling of `max_num_seqs` rows,
+        as vLLM's profile run measures it; CUDA only. Uses and frees a scratch KV cache of just
+        the blocks those tokens need (counted out of the peak)."""
+        if self.device.type != "cuda":
+            raise ValueError("memory profiling needs a CUDA device")
+        bs, cfg = self.block_size, self.model_config
+        lens = [min(max_model_len, num_tokens - s) for s in range(0, num_tokens, max_model_len)]
+        scratch_blocks = sum(-(-n // bs) for n in lens) + 1
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = self._allocated_bytes()
+        scratch = KVCache(num_layers=cfg.num_layers, num_blocks=scratch_blocks, block_size=bs,
+                          num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=self.dtype,
+                          device=self.device)
+        scratch_bytes = self._allocated_bytes() - base
+        tables, next_block = [], 1
+        for n in lens:
+            tables.append(list(range(next_block, next_block + -(-n // bs))))
+            next_block += len(tables[-1])
+        slots = [t[p // bs] * bs + p % bs for t, n in zip(tables, lens, strict=True)
+                 for p in range(n)]
+        step = StepSequences(num_new_tokens=lens, seq_lens=lens, block_tables=tables,
+                             slot_mapping=slots, num_decodes=0, block_size=bs)
+        ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=self.device)
+        pos = torch.tensor([p for n in lens for p in range(n)], device=self.device)
+        hidden = self.model(ids, pos, scratch.layers, self.attn_backend.build_metadata(step))
+        rows = hidden[: max(1, min(max_num_seqs, num_tokens))]
+        self.model.compute_logits(rows).argmax(-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base - scratch_bytes
+        del scratch, hidden, rows
+        gc.collect()
+        torch.cuda.empty_cache()
+        return max(peak, 0)
 
     def shutdown(self) -> None:
         """Drop the CUDA graphs, the KV cache and the weights, and hand freed device memory back

@@ -45,4 +45,5 @@ def test_second_engine_sizes_from_freed_memory(tiny_llama):
                           use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
     second.shutdown()
-    assert torch.cuda.memory_allocated() < 64 << 20
+    # What stays is torch's cuBLAS workspaces (tens of MiB), not the GiBs of the KV cache.
+    assert torch.cuda.memory_allocated() < 256 << 20

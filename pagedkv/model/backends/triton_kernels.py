@@ -65,7 +65,10 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# Triton compiles a variant per "== 1" / "multiple of 16" value of an integer argument; these
+# change from step to step (batch size, block-table width), so they are not specialised on:
+# one compiled kernel per tile shape, none in the middle of a run.
+@triton.jit(do_not_specialize=["num_seqs", "window", "stride_bt"])
 def paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
         query_start_loc_ptr, scale, num_seqs, window,
