@@ -31,8 +31,8 @@ def test_shutdown_drops_kv_cache_and_weights(tiny_llama):
 
 @pytest.mark.cuda
 def test_second_engine_sizes_from_freed_memory(tiny_llama):
-    """On a GPU: the first engine takes most of the memory; after its shutdown a second engine
-    gets as many KV blocks as the first (its memory is really free again)."""
+    """On a GPU: the first engine takes half the memory; after its shutdown a second engine gets
+    about as many KV blocks as the first (its memory is really free again)."""
     first = LLM(model=str(tiny_llama), device="cuda", gpu_memory_utilization=0.5,
                 max_num_seqs=8)
     blocks = first.llm_engine.kv_setup.num_blocks
@@ -40,7 +40,9 @@ def test_second_engine_sizes_from_freed_memory(tiny_llama):
     del first
     second = LLM(model=str(tiny_llama), device="cuda", gpu_memory_utilization=0.5,
                  max_num_seqs=8)
-    assert second.llm_engine.kv_setup.num_blocks >= 0.95 * blocks
+    # Were the first engine's GiBs still held, the second would get next to nothing (or fail);
+    # other test processes on the same GPU may take a little of it meanwhile.
+    assert second.llm_engine.kv_setup.num_blocks >= 0.8 * blocks
     out = second.generate([[1, 5, 9]], SamplingParams(temperature=0, max_tokens=3),
                           use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3

@@ -75,7 +75,7 @@ def paged_attention_kernel(
         stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_cache_h, stride_bt,
         NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-        TILE_N: tl.constexpr):
+        TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
@@ -115,7 +115,7 @@ def paged_attention_kernel(
         kv_off = cache_head + slot[:, None] * HEAD_DIM + offs_d[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         visible = (n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
                    & (offs_n[None, :] > q_pos[:, None] - window))
         s = tl.where(visible, s, float("-inf"))
@@ -124,7 +124,7 @@ def paged_attention_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :],

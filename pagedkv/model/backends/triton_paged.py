@@ -70,7 +70,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_tables.stride(0),
         NUM_QUERIES_PER_KV=group, BLOCK_SIZE=block_size, HEAD_DIM=d,
         HEAD_DIM_PAD=max(16, triton.next_power_of_2(d)), BLOCK_Q=block_q, BLOCK_M=block_m,
-        TILE_N=TILE_N)
+        TILE_N=TILE_N,
+        # float32 caches: exact float32 products (as torch's float32 matmuls), not tf32.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     return out
 
 
