@@ -99,6 +99,8 @@ def _category(name: str) -> str:
     n = name.lower()
     if "paged_attention" in n or "store_kv" in n:
         return "attention"
+    if "argmax" in n:
+        return "sampler"
     if any(s in n for s in ("gemm", "nvjet", "cutlass", "sm90", "xmma", "matmul")):
         return "linear"
     return "other"
@@ -126,20 +128,7 @@ def decode_step(llm, vocab: int, batch: int = 128, context: int = 576, steps: in
         engine.step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    from torch.profiler import ProfilerActivity, profile
-
-    prof_steps = 3
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(prof_steps):
-            engine.step()
-        torch.cuda.synchronize()
-    gpu = {"attention": 0.0, "linear": 0.0, "other": 0.0}
-    for evt in prof.key_averages():
-        t = getattr(evt, "device_time_total", None)
-        if t is None:
-            t = getattr(evt, "cuda_time_total", 0.0)
-        if evt.device_type == torch.autograd.DeviceType.CUDA and t:
-            gpu[_category(evt.key)] += t / 1e3 / prof_steps
+    gpu = gpu_breakdown(engine, 3)
     host = host_phases(engine, 5)
     while engine.has_unfinished_requests():
         engine.step()
@@ -147,6 +136,56 @@ def decode_step(llm, vocab: int, batch: int = 128, context: int = 576, steps: in
     busy = sum(gpu.values())
     return dict(step_ms=step_ms, gpu_ms=gpu, gpu_busy_ms=busy, host_ms=host,
                 host_idle_ms=max(step_ms - busy, 0.0), batch=batch, context=context)
+
+
+def gpu_breakdown(engine, steps: int) -> dict:
+    """GPU kernel ms per step by category, from the torch profiler over `steps` engine steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    gpu = {"attention": 0.0, "linear": 0.0, "sampler": 0.0, "other": 0.0}
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None)
+        if t is None:
+            t = getattr(evt, "cuda_time_total", 0.0)
+        if evt.device_type == torch.autograd.DeviceType.CUDA and t:
+            gpu[_category(evt.key)] += t / 1e3 / steps
+    return gpu
+
+
+def prefill_step(llm, vocab: int, batch: int = 16, prompt: int = 512) -> dict:
+    """Wall time and GPU breakdown of one step prefilling `batch` prompts of `prompt` tokens
+    (one token each to generate, so the step samples too)."""
+    from pagedkv import SamplingParams
+
+    engine = llm.llm_engine
+    rng = random.Random(5)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    def add(tag):
+        for i in range(batch):
+            ids = [rng.randrange(4, vocab) for _ in range(prompt)]
+            engine.add_request(f"prefill-{tag}-{i}", {"prompt_token_ids": ids}, params)
+
+    add("warm")
+    while engine.has_unfinished_requests():
+        engine.step()
+    add("timed")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3
+    while engine.has_unfinished_requests():
+        engine.step()
+    add("profiled")
+    gpu = gpu_breakdown(engine, 1)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return dict(step_ms=wall, gpu_ms=gpu, tokens=batch * prompt)
 
 
 HOST_PHASES = {"schedule": "scheduler.py", "execute": "runner.py", "update": "scheduler.py",
@@ -218,6 +257,13 @@ def main(args) -> int:
           f"{step['ratio_to_floor']:.2f}x floor; GPU per step: attention {g['attention']:.2f} ms, "
           f"linear {g['linear']:.2f} ms, other {g['other']:.2f} ms; GPU idle (host) "
           f"{step['host_idle_ms']:.2f} ms", flush=True)
+    print("    decode GPU sampler (argmax) " + f"{g['sampler']:.2f} ms", flush=True)
+    pre = prefill_step(llm, vocab)
+    report["D_prefill_step"] = pre
+    pg = pre["gpu_ms"]
+    print(f"[D prefill 16 x 512 tokens] step {pre['step_ms']:.1f} ms; GPU: attention "
+          f"{pg['attention']:.1f} ms, linear {pg['linear']:.1f} ms, other {pg['other']:.1f} ms",
+          flush=True)
     print("    host phases (ms/step, under cProfile): "
           + ", ".join(f"{k} {v:.2f}" for k, v in step["host_ms"].items()), flush=True)
     llm.shutdown()
