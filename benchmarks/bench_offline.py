@@ -1,6 +1,7 @@
 """Offline throughput: pagedkv vs transformers' `generate`, and prefix caching on vs off.
 
     .venv/bin/python benchmarks/bench_offline.py [--dtypes float32,bfloat16] [--threads N] [--json]
+    .venv/bin/python benchmarks/bench_offline.py --device cuda [--enforce-eager]  (gpu_offline.py)
 
 1. The same random-weight Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1408)
    and workload through pagedkv (continuous batching) and transformers (static batches of 16,
@@ -112,10 +113,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-shared-prefix", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.add_argument("--model-dir", default=None, help="reuse/cache the random model here")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: the 1B-shape workloads of benchmarks/gpu_offline.py instead")
+    parser.add_argument("--enforce-eager", action="store_true", help="cuda: no CUDA graphs")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                        help="cuda: the engine's per-step token budget")
+    parser.add_argument("--compare-eager", action="store_true",
+                        help="cuda: also time the decode step with enforce_eager")
+    parser.add_argument("--transformers-mixed", action="store_true",
+                        help="cuda: also run transformers on the mixed workload (slow)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads for every engine in the run (default: torch's); "
                              "1 thread is far less disturbed by other processes on a shared box")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import gpu_offline
+
+        return gpu_offline.main(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     from pagedkv.testing.random_model import build_random_model_dir

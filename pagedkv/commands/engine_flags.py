@@ -54,6 +54,7 @@ _HELP: dict[str, str] = {
     "kv_offloading_disk_path": "directory of the KV store's disk tier (kept across restarts)",
     "kv_offloading_disk_size": "GiB the disk tier may use",
     "kv_offloading_remote_url": "Redis URL of the KV store's shared tier, e.g. redis://127.0.0.1:6379",
+    "enforce_eager": "no CUDA graphs: run every decode step eagerly",
 }
 
 

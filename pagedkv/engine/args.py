@@ -17,7 +17,7 @@ class EngineArgs:
     `gpu_memory_utilization` of the device minus weights and activation peak; else on CPU a
     default budget (`DEFAULT_CPU_KV_CACHE_BYTES`). `swap_space` is GiB of host memory for swapped
     blocks. `max_num_batched_tokens` is the per-step token budget (chunked prefill splits longer
-    prompts).
+    prompts). `enforce_eager` turns off CUDA graphs for decode steps (CUDA only).
     """
 
     model: str = ""
@@ -45,6 +45,7 @@ class EngineArgs:
     kv_offloading_disk_path: str | None = None
     kv_offloading_disk_size: float = 10.0
     kv_offloading_remote_url: str | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -83,6 +84,8 @@ class EngineArgs:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         parse_kv_events_config(self.kv_events_config)
         self._validate_offloading()
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

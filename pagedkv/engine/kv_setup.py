@@ -2,9 +2,12 @@
 
 Order of precedence for the number of device blocks (block 0, the null block, included, as in
 vLLM): `num_gpu_blocks_override`; else `kv_cache_memory_bytes // page_size_bytes`; else on CUDA
-the seed's formula (device memory x `gpu_memory_utilization` - weights - activation peak); else
-on CPU a default budget of `DEFAULT_CPU_KV_CACHE_BYTES`, never more blocks than `max_num_seqs`
-sequences of `max_model_len` can use. Host blocks (`swap_space` GiB) exist only with
+with a measured `GpuMemoryProfile` (the engine loads the weights and runs a profile forward pass
+at `max_num_batched_tokens` first, as vLLM does) `gpu_kv_cache_bytes`: device memory x
+`gpu_memory_utilization` minus this engine's weights and peak activation, and never more than
+what is really free beside them; on CUDA without a profile the estimate formula; else on CPU a
+default budget of `DEFAULT_CPU_KV_CACHE_BYTES`, never more blocks than `max_num_seqs` sequences
+of `max_model_len` can use. Host blocks (`swap_space` GiB) exist only with
 `preemption_mode="swap"`.
 """
 
@@ -44,6 +47,33 @@ class KVCacheSetup:
     sliding_window: int | None
 
 
+@dataclass(frozen=True)
+class GpuMemoryProfile:
+    """Device memory as measured by the engine before it allocates the KV cache: the device's
+    total, what is free now (weights loaded, profile run over, cache emptied), and this
+    engine's own weights and peak activation bytes."""
+
+    total_bytes: int
+    free_bytes: int
+    weights_bytes: int
+    activation_peak_bytes: int
+
+
+def gpu_kv_cache_bytes(profile: GpuMemoryProfile, utilization: float) -> int:
+    """Bytes for the KV cache: `utilization` of the device minus this engine's weights and
+    activation peak, capped by the free memory less the peak and the (1 - utilization) headroom
+    (so memory that other engines or processes hold is never counted as ours). May be < 0."""
+    own = profile.total_bytes * utilization - profile.weights_bytes \
+        - profile.activation_peak_bytes
+    free = profile.free_bytes - profile.activation_peak_bytes \
+        - profile.total_bytes * (1.0 - utilization)
+    return int(min(own, free))
+
+
+def resolve_max_num_batched_tokens(args: EngineArgs) -> int:
+    return args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+
 def _device_is_cuda(device: str) -> bool:
     if device == "cpu":
         return False
@@ -52,8 +82,9 @@ def _device_is_cuda(device: str) -> bool:
     return torch.cuda.is_available()
 
 
-def plan_kv_cache(args: EngineArgs) -> KVCacheSetup:
-    """Size the KV cache for `args`. Raises ValueError when the settings cannot work."""
+def plan_kv_cache(args: EngineArgs, profile: GpuMemoryProfile | None = None) -> KVCacheSetup:
+    """Size the KV cache for `args` (with a measured `profile` on CUDA). Raises ValueError when
+    the settings cannot work."""
     config = load_hf_config(args.model)
     spec = kv_cache_spec_from_hf_config(config, args.block_size, args.dtype)
     config_len = default_max_model_len(config)
@@ -61,13 +92,23 @@ def plan_kv_cache(args: EngineArgs) -> KVCacheSetup:
         raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's "
                          f"max_position_embeddings ({config_len})")
     max_model_len = args.max_model_len or config_len
-    max_num_batched_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_batched_tokens = resolve_max_num_batched_tokens(args)
     page = spec.page_size_bytes
 
     if args.num_gpu_blocks_override is not None:
         num_blocks = args.num_gpu_blocks_override
     elif args.kv_cache_memory_bytes is not None:
         num_blocks = args.kv_cache_memory_bytes // page
+    elif profile is not None:
+        kv_bytes = gpu_kv_cache_bytes(profile, args.gpu_memory_utilization)
+        num_blocks = max(kv_bytes, 0) // page
+        if num_blocks < 2:
+            raise ValueError(
+                f"not even one KV block fits: {args.gpu_memory_utilization} x "
+                f"{profile.total_bytes / GiB:.2f} GiB - weights {profile.weights_bytes / GiB:.2f} "
+                f"GiB - activation peak {profile.activation_peak_bytes / GiB:.2f} GiB "
+                f"({profile.free_bytes / GiB:.2f} GiB free); lower max_num_batched_tokens or "
+                "raise gpu_memory_utilization")
     elif _device_is_cuda(args.device):
         import torch
 

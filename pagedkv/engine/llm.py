@@ -23,6 +23,11 @@ class LLM:
         self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self._counter = itertools.count()
 
+    def shutdown(self) -> None:
+        """Free the engine's KV cache, CUDA graphs and weights (device memory goes back to the
+        driver); later `generate` calls raise RuntimeError. Idempotent."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
@@ -51,6 +56,8 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         engine = self.llm_engine
+        if engine.is_shut_down:
+            raise RuntimeError("this LLM was shut down")
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):

@@ -18,7 +18,12 @@ from typing import TYPE_CHECKING
 
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
-from pagedkv.engine.kv_setup import KVCacheSetup, plan_kv_cache
+from pagedkv.engine.kv_setup import (
+    GpuMemoryProfile,
+    KVCacheSetup,
+    plan_kv_cache,
+    resolve_max_num_batched_tokens,
+)
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.stats import EngineStats
 from pagedkv.events.config import parse_kv_events_config
@@ -99,8 +104,9 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs) -> None:
         # Imported here so `pagedkv.engine` stays light until an engine is really built.
+        from pagedkv.model.cuda_graphs import decode_batch_sizes
         from pagedkv.model.loader import check_model_dir
-        from pagedkv.model.runner import ModelRunner
+        from pagedkv.model.runner import ModelRunner, resolve_device
         from pagedkv.model.tokenizer import Tokenizer
 
         args.validate()
@@ -109,13 +115,20 @@ class LLMEngine:
         check_model_dir(args.model)  # config.json vs the checkpoint, before sizing anything
         self.args = args
         self.tokenizer = Tokenizer.from_dir(args.tokenizer or args.model)
-        setup: KVCacheSetup = plan_kv_cache(args)
+        profiled = resolve_device(args.device).type == "cuda" \
+            and args.num_gpu_blocks_override is None and args.kv_cache_memory_bytes is None
+        setup: KVCacheSetup | None = None if profiled else plan_kv_cache(args)  # fails early
+        self.runner = ModelRunner(args.model, block_size=args.block_size, num_blocks=None,
+                                  dtype=args.dtype, device=args.device, seed=args.seed,
+                                  kv_cache_spec=None if setup is None else setup.spec)
+        if setup is None:
+            setup = plan_kv_cache(args, self._profile_memory(args))
         self.kv_setup = setup
         self.max_model_len = setup.max_model_len
-        self.runner = ModelRunner(
-            args.model, block_size=args.block_size, num_blocks=setup.num_blocks,
-            num_host_blocks=setup.num_host_blocks, dtype=args.dtype, device=args.device,
-            seed=args.seed, kv_cache_spec=setup.spec)
+        self.runner.allocate_kv_cache(setup.num_blocks, setup.num_host_blocks)
+        if not args.enforce_eager:
+            self.runner.capture_cuda_graphs(decode_batch_sizes(args.max_num_seqs),
+                                            setup.max_model_len)
         self.model_config = self.runner.model_config
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
@@ -141,6 +154,33 @@ class LLMEngine:
         for closable in (self.kv_store, self.event_publisher):
             if closable is not None:
                 weakref.finalize(self, closable.close)
+
+    def _profile_memory(self, args: EngineArgs) -> GpuMemoryProfile:
+        """(CUDA, no explicit KV size) This engine's weights and the peak activation of a
+        profile forward pass at max_num_batched_tokens, and the memory free afterwards."""
+        import torch
+
+        runner = self.runner
+
+        max_len = args.max_model_len or runner.model_config.max_position_embeddings
+        peak = runner.profile_activation_peak(resolve_max_num_batched_tokens(args),
+                                              args.max_num_seqs, max_len)
+        free, total = torch.cuda.mem_get_info(runner.device)
+        return GpuMemoryProfile(total_bytes=total, free_bytes=free,
+                                weights_bytes=runner.weights_bytes, activation_peak_bytes=peak)
+
+    @property
+    def is_shut_down(self) -> bool:
+        return self.runner is None
+
+    def shutdown(self) -> None:
+        """Abort every request and free the model runner's device memory (KV cache, CUDA
+        graphs, weights). Idempotent; the engine cannot step afterwards."""
+        if self.runner is None:
+            return
+        self.abort_request(list(self._groups))
+        runner, self.runner = self.runner, None
+        runner.shutdown()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -312,6 +352,8 @@ class LLMEngine:
         stays valid, and never changes, after later steps); a finished group is forgotten
         after its last output. [] when there was nothing to do.
         """
+        if self.runner is None:
+            raise RuntimeError("the engine was shut down")
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
             result = ModelRunnerOutput()

@@ -78,6 +78,11 @@ class AttentionMetadata:
     # Scratch buffers by slot; pass the same dict every step to reuse them (one user at a time).
     workspace_buffers: dict = field(default_factory=dict, repr=False)
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+        """`paged_attention` with this metadata (the backend seam every layer calls)."""
+        return paged_attention(q, k, v, k_cache, v_cache, self, scale, window)
+
     def workspace(self, numel: int, dtype: torch.dtype, device: torch.device, slot: int) -> torch.Tensor:
         """A flat scratch tensor of `numel` elements (slot 0: K, 1: V); its contents are only
         valid until the next call with the same slot."""

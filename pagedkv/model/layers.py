@@ -23,7 +23,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """weight * normalised x (a new tensor). Rounds as transformers' LlamaRMSNorm: the
-        statistics and scaling in float32, the weight applied in x's dtype."""
+        statistics and scaling in float32, the weight applied in x's dtype. On CUDA, rows of a
+        2-D x: one fused kernel (fused_ops.py)."""
+        if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1:
+            from pagedkv.model.fused_ops import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         h = x.float()
         scale = h.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
         if h is x:  # float32: h aliases the input, so scale into a new tensor
@@ -84,8 +89,13 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin [T, 1, head_dim] for `positions` [T] (new tensors; see the class
         docstring for the sign convention `apply_rope` expects)."""
-        needed = int(positions.max()) + 1 if positions.numel() else 1
-        cos, sin = self._table(needed, dtype)
+        if (positions.device.type != "cpu" and self._cos is not None and self._cos.dtype == dtype
+                and self._table_len >= self._max_positions):
+            # No host sync (CUDA graphs): positions stay below max_positions (max_model_len).
+            cos, sin = self._cos, self._sin
+        else:
+            needed = int(positions.max()) + 1 if positions.numel() else 1
+            cos, sin = self._table(needed, dtype)
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
 
@@ -148,5 +158,9 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dim() == 2:  # one fused kernel (fused_ops.py)
+            from pagedkv.model.fused_ops import silu_and_mul
+
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedkv.model.attention import AttentionMetadata, paged_attention
+from pagedkv.model.attention import AttentionMetadata
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope
 
@@ -42,7 +42,7 @@ class Attention(nn.Module):
         else:  # one RoPE call for q and k together (views of one [T, heads + kv_heads, D] tensor)
             q, k = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin).split(
                 [self.num_heads, self.num_kv_heads], dim=1)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
+        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, self.window)
         return self.o_proj(out.reshape(t, self.q_size))
 
 

@@ -4,16 +4,22 @@ Per step, in order: swap out (device -> host), swap in (host -> device), block c
 (copy-on-write), then the forward pass over the scheduled tokens (decodes first, batched, then
 prefill chunks), logits only at the last position of each request that samples (and at the
 prompt positions whose logprobs were asked for, see logits_rows.py), and sampling.
+
+Attention runs through the backend registered for the device (model/backends/): the runner
+describes the step once (`StepSequences`) and the backend builds the metadata every layer reads.
+On CUDA, unless `enforce_eager`, decode-only steps replay captured CUDA graphs (cuda_graphs.py).
 """
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import torch
 
 from pagedkv.kv.spec import KVCacheSpec, kv_cache_spec_from_hf_config
-from pagedkv.model.attention import AttentionMetadata, PrefillChunk
+from pagedkv.model.backends import get_attention_backend
+from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.config import ModelConfig, parse_dtype, torch_dtype
 from pagedkv.model.kv_cache import KVCache
 from pagedkv.model.loader import check_model_dir, load_model
@@ -38,11 +44,19 @@ def resolve_device(device: str | torch.device) -> torch.device:
 class ModelRunner:
     """Owns the model weights, the KV cache tensors and the sampler of one engine."""
 
-    def __init__(self, model_dir: str | Path, *, block_size: int, num_blocks: int,
+    def __init__(self, model_dir: str | Path, *, block_size: int, num_blocks: int | None,
                  num_host_blocks: int = 0, dtype: str = "auto", device: str = "auto",
-                 seed: int = 0, kv_cache_spec: KVCacheSpec | None = None) -> None:
-        """`kv_cache_spec` (the one the engine planned with) shapes the KV tensors; without it
-        the spec is built from the same config reader, `block_size` and `dtype`."""
+                 seed: int = 0, kv_cache_spec: KVCacheSpec | None = None,
+                 attention_backend: str | None = None,
+                 cuda_graph_batch_sizes: list[int] | None = None,
+                 max_model_len: int | None = None) -> None:
+        """`num_blocks` None: no KV cache yet (profile memory, then `allocate_kv_cache`).
+        `kv_cache_spec` (the one the engine planned with) shapes the KV tensors; without it the
+        spec is built from the same config reader, `block_size` and `dtype`.
+        `attention_backend`: a key of backends.ATTENTION_BACKENDS (default: the device's).
+        `cuda_graph_batch_sizes`: capture decode graphs for these batch sizes once the KV cache
+        exists (see `capture_cuda_graphs`; None or empty: eager), block tables up to
+        `max_model_len` tokens (default: the model's max_position_embeddings)."""
         check_model_dir(model_dir)  # a config.json claiming 10^9 layers fails before any build
         self.model_config = ModelConfig.from_dir(model_dir)
         self.device = resolve_device(device)
@@ -54,13 +68,92 @@ class ModelRunner:
                              f"not match block_size {block_size}, dtype {self.dtype}")
         self.kv_cache_spec = spec
         self.block_size = block_size
+        allocated = self._allocated_bytes()
         self.model: CausalLM = load_model(model_dir, self.model_config, self.dtype,
-                                                  self.device)
-        self.kv_cache = KVCache.from_spec(spec, num_blocks=num_blocks, device=self.device,
-                                          num_host_blocks=num_host_blocks)
+                                          self.device)
+        self.weights_bytes = self._allocated_bytes() - allocated if self.device.type == "cuda" \
+            else sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.kv_cache: KVCache | None = None
         self.sampler = Sampler(seed, self.device)
-        self._attn_workspace: dict = {}  # attention scratch buffers, reused across steps
+        self.attn_backend = get_attention_backend(self.device, attention_backend)
+        self.cuda_graphs = None
         self.kv_connector = None  # the KV store's worker side, plugged in by the engine
+        if num_blocks is not None:
+            self.allocate_kv_cache(num_blocks, num_host_blocks)
+            if cuda_graph_batch_sizes:
+                self.capture_cuda_graphs(cuda_graph_batch_sizes, max_model_len)
+
+    def _allocated_bytes(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+
+    def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        """Allocate the device KV cache (and the host swap copy) of `num_blocks` blocks, shaped
+        by `kv_cache_spec` (planned bytes == allocated bytes)."""
+        self.kv_cache = KVCache.from_spec(self.kv_cache_spec, num_blocks=num_blocks,
+                                          device=self.device, num_host_blocks=num_host_blocks)
+
+    def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int | None = None) -> bool:
+        """Capture decode CUDA graphs for `batch_sizes` over the allocated KV cache (CUDA and the
+        Triton backend only; returns whether graphs were captured)."""
+        if not batch_sizes or self.device.type != "cuda" or self.attn_backend.name != "triton":
+            return False
+        from pagedkv.model.cuda_graphs import DecodeCudaGraphs
+
+        max_len = max_model_len or self.model_config.max_position_embeddings
+        self.cuda_graphs = DecodeCudaGraphs(self.model, self.kv_cache.layers, batch_sizes,
+                                            -(-max_len // self.block_size), self.device)
+        self.cuda_graphs.capture()
+        return True
+
+    @torch.inference_mode()
+    def profile_activation_peak(self, num_tokens: int, max_num_seqs: int,
+                                max_model_len: int) -> int:
+        """Peak device bytes (above weights) of a forward pass over `num_tokens` prompt tokens
+        (sequences of at most `max_model_len`) plus logits and sampling of `max_num_seqs` rows,
+        as vLLM's profile run measures it; CUDA only. Uses and frees a scratch KV cache of just
+        the blocks those tokens need (counted out of the peak)."""
+        if self.device.type != "cuda":
+            raise ValueError("memory profiling needs a CUDA device")
+        bs, cfg = self.block_size, self.model_config
+        lens = [min(max_model_len, num_tokens - s) for s in range(0, num_tokens, max_model_len)]
+        scratch_blocks = sum(-(-n // bs) for n in lens) + 1
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = self._allocated_bytes()
+        scratch = KVCache.from_spec(self.kv_cache_spec, num_blocks=scratch_blocks,
+                                    device=self.device)
+        scratch_bytes = self._allocated_bytes() - base
+        tables, next_block = [], 1
+        for n in lens:
+            tables.append(list(range(next_block, next_block + -(-n // bs))))
+            next_block += len(tables[-1])
+        slots = [t[p // bs] * bs + p % bs for t, n in zip(tables, lens, strict=True)
+                 for p in range(n)]
+        step = StepSequences(num_new_tokens=lens, seq_lens=lens, block_tables=tables,
+                             slot_mapping=slots, num_decodes=0, block_size=bs)
+        ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=self.device)
+        pos = torch.tensor([p for n in lens for p in range(n)], device=self.device)
+        hidden = self.model(ids, pos, scratch.layers, self.attn_backend.build_metadata(step))
+        rows = hidden[: max(1, min(max_num_seqs, num_tokens))]
+        self.model.compute_logits(rows).argmax(-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base - scratch_bytes
+        del scratch, hidden, rows
+        gc.collect()
+        torch.cuda.empty_cache()
+        return max(peak, 0)
+
+    def shutdown(self) -> None:
+        """Drop the CUDA graphs, the KV cache and the weights, and hand freed device memory back
+        to the driver, so another engine in this process can size itself from it. The runner
+        is unusable afterwards."""
+        self.cuda_graphs = None
+        self.kv_cache = None
+        self.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -76,8 +169,16 @@ class ModelRunner:
         result = ModelRunnerOutput()
         if not out.scheduled:
             return result
-        reqs, input_ids, positions, meta = self.prepare_inputs(out.scheduled)
-        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
+        reqs, ids, pos, step = self.describe_step(out.scheduled)
+        graphs = self.cuda_graphs
+        if graphs is not None and step.num_decodes == len(reqs) \
+                and graphs.padded_size(len(reqs)) is not None:
+            hidden = graphs.replay(ids, pos, step.slot_mapping, step.block_tables)
+        else:
+            dev = self.device
+            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
+                                torch.tensor(pos, dtype=torch.long, device=dev),
+                                self.kv_cache.layers, self.attn_backend.build_metadata(step))
         if self.kv_connector is not None:
             self.kv_connector.save_kv(out.kv_connector_metadata, self.kv_cache)
         selection = select_logits_rows(reqs)
@@ -99,10 +200,20 @@ class ModelRunner:
         return result
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]
-                       ) -> tuple[list[ScheduledRequest], torch.Tensor, torch.Tensor,
-                                  AttentionMetadata]:
-        """Order the requests (decodes first), flatten their tokens and build the attention
-        metadata. Raises ValueError for a request whose block table cannot hold its tokens."""
+                       ) -> tuple[list[ScheduledRequest], torch.Tensor, torch.Tensor, object]:
+        """(requests in batch order, input ids [T], positions [T], the attention backend's
+        metadata) for an eager forward pass; see `describe_step`."""
+        reqs, ids, pos, step = self.describe_step(scheduled)
+        dev = self.device
+        return (reqs, torch.tensor(ids, dtype=torch.long, device=dev),
+                torch.tensor(pos, dtype=torch.long, device=dev),
+                self.attn_backend.build_metadata(step))
+
+    def describe_step(self, scheduled: list[ScheduledRequest]
+                      ) -> tuple[list[ScheduledRequest], list[int], list[int], StepSequences]:
+        """Order the requests (decodes first) and flatten their tokens: (requests in batch
+        order, token ids, positions, the step's sequences). Raises ValueError for a request
+        whose block table cannot hold its tokens."""
         bs = self.block_size
         for r in scheduled:
             if r.num_new_tokens == 0:
@@ -118,11 +229,6 @@ class ModelRunner:
         pos: list[int] = [r.start_pos for r in decodes]
         slots: list[int] = [r.block_table[r.start_pos // bs] * bs + r.start_pos % bs
                             for r in decodes]
-        dec_lens = [p + 1 for p in pos]
-        max_blocks = max((len(r.block_table) for r in decodes), default=0)
-        dec_tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in decodes]
-        dev = self.device
-        chunks, start = [], len(decodes)
         for r in prefills:
             ids.extend(r.token_ids)
             seq_len = r.start_pos + r.num_new_tokens
@@ -131,20 +237,9 @@ class ModelRunner:
                 base = r.block_table[b] * bs
                 slots.extend(range(base + max(r.start_pos - b * bs, 0),
                                    base + min(seq_len - b * bs, bs)))
-            table = torch.tensor(r.block_table[: (seq_len + bs - 1) // bs], dtype=torch.long)
-            chunks.append(PrefillChunk(start, start + r.num_new_tokens, r.start_pos, seq_len,
-                                       table.to(dev)))
-            start += r.num_new_tokens
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decodes=len(decodes),
-            decode_seq_lens=torch.tensor(dec_lens, dtype=torch.long, device=dev),
-            decode_block_tables=torch.tensor(dec_tables, dtype=torch.long,
-                                             device=dev).view(len(decodes), max_blocks),
-            prefills=chunks,
-            block_size=bs,
-            decode_seq_lens_list=dec_lens,
-            workspace_buffers=self._attn_workspace,
-        )
-        return (reqs, torch.tensor(ids, dtype=torch.long, device=dev),
-                torch.tensor(pos, dtype=torch.long, device=dev), meta)
+        step = StepSequences(
+            num_new_tokens=[r.num_new_tokens for r in reqs],
+            seq_lens=[r.start_pos + r.num_new_tokens for r in reqs],
+            block_tables=[r.block_table for r in reqs], slot_mapping=slots,
+            num_decodes=len(decodes), block_size=bs)
+        return reqs, ids, pos, step

@@ -65,11 +65,15 @@ def assert_pool_empty(llm: LLM) -> None:
 
 @pytest.fixture
 def make_llm():
-    """LLM factory; every LLM built through it is checked for an empty, consistent pool at the end."""
+    """LLM factory; every LLM built through it is checked for an empty, consistent pool at the
+    end, then shut down. Without an explicit KV size it gets a small budget (64 MiB), so tests
+    behave alike on CPU and GPU and never take a whole GPU."""
     built: list[LLM] = []
 
     def factory(model_dir: Path, **kwargs) -> LLM:
         kwargs.setdefault("seed", 0)
+        if "num_gpu_blocks_override" not in kwargs:
+            kwargs.setdefault("kv_cache_memory_bytes", 64 << 20)
         llm = LLM(model=str(model_dir), **kwargs)
         built.append(llm)
         return llm
@@ -77,3 +81,4 @@ def make_llm():
     yield factory
     for llm in built:
         assert_pool_empty(llm)
+        llm.shutdown()

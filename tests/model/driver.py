@@ -75,5 +75,5 @@ def prefill_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tenso
         logits = runner.model.compute_logits(select_logits_rows(reqs).gather(hidden))
     order = [int(r.request_id[1:]) for r in reqs]
     out = torch.empty_like(logits)
-    out[torch.tensor(order)] = logits
-    return out
+    out[torch.tensor(order, device=out.device)] = logits
+    return out.cpu()  # compared with CPU references

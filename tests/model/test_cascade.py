@@ -87,8 +87,8 @@ def test_engine_greedy_tokens_same_with_cascade(tmp_path, monkeypatch):
                         lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
     results = {}
     for caching in (True, False):
-        llm = LLM(model=str(model_dir), dtype="float32", block_size=4, seed=0,
-                  enable_prefix_caching=caching)
+        llm = LLM(model=str(model_dir), dtype="float32", block_size=4, seed=0, device="cpu",
+                  enable_prefix_caching=caching, kv_cache_memory_bytes=64 << 20)
         llm.generate(prompts[:1], params, use_tqdm=False)  # caches the prefix when on
         outs = llm.generate(prompts, params, use_tqdm=False)
         results[caching] = [o.outputs[0].token_ids for o in outs]

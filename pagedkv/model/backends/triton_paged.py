@@ -1,0 +1,121 @@
+"""The CUDA attention backend: two Triton launches per layer whatever the number of requests.
+
+Per layer: `store_kv` writes the step's new K/V into their slots (one program per token), then
+`paged_attention` attends every query token of the step, decodes and prefill chunks together,
+reading K/V in place through the block tables (triton_kernels.py). The per-step metadata is a
+handful of small int32 tensors, so a decode step of a fixed batch size can be captured in a CUDA
+graph (cuda_graphs.py) by filling the same tensors in place.
+
+Why Triton kernels of our own rather than FlexAttention or FlashInfer: one kernel handles the
+mixed batch (no block mask to rebuild per step, no 17 s compile), it runs under Triton's
+interpreter on CPU so CI tests its logic, and FlashInfer is a large binary dependency tied to
+CUDA/torch versions. Triton ships with torch's CUDA wheels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from pagedkv.model.backends.step import StepSequences
+from pagedkv.model.backends.triton_kernels import paged_attention_kernel, store_kv_kernel
+
+DECODE_BLOCK_M = 16  # query rows (tokens x query heads of one KV head) per program, decode
+PREFILL_BLOCK_M = 64  # the same when some sequence has several query tokens
+TILE_N = 64  # key positions per inner-loop tile
+NO_WINDOW = 1 << 30  # "window" of a layer without a sliding window
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store k, v [T, kv_heads, head_dim] (strided views allowed, last dim contiguous) into
+    slots `slot_mapping` [T] of k_cache / v_cache [kv_heads, num_blocks, block_size, head_dim]
+    (mutated); tokens with slot -1 are skipped."""
+    t, kvh, d = k.shape
+    if t == 0:
+        return
+    store_kv_kernel[(t,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), NUM_KV_HEADS=kvh, HEAD_DIM=d,
+        KV_HEADS_PAD=triton.next_power_of_2(kvh), HEAD_DIM_PAD=triton.next_power_of_2(d))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+                    window: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention output [T, heads, head_dim] of q [T, heads, head_dim] (last dim contiguous).
+
+    Sequence i owns tokens query_start_loc[i] .. query_start_loc[i + 1] - 1 [S + 1], the last of
+    its seq_lens[i] [S] positions, whose K/V (these tokens' included) are in the cache blocks
+    block_tables[i] [S, width] (int32). `max_query_len` only picks the tile shape. Written into
+    `out` when given."""
+    t, heads, d = q.shape
+    kvh, _, block_size, _ = k_cache.shape
+    group = heads // kvh
+    out = torch.empty_like(q) if out is None else out
+    num_seqs = seq_lens.shape[0]
+    if t == 0 or num_seqs == 0:
+        return out
+    block_m = max(DECODE_BLOCK_M if max_query_len <= 1 else PREFILL_BLOCK_M,
+                  triton.next_power_of_2(group))
+    block_q = block_m // group
+    grid = (t // block_q + num_seqs, kvh)
+    paged_attention_kernel[grid](
+        out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, num_seqs,
+        NO_WINDOW if window is None else window,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+        block_tables.stride(0),
+        NUM_QUERIES_PER_KV=group, BLOCK_SIZE=block_size, HEAD_DIM=d,
+        HEAD_DIM_PAD=max(16, triton.next_power_of_2(d)), BLOCK_Q=block_q, BLOCK_M=block_m,
+        TILE_N=TILE_N,
+        # float32 caches: exact float32 products (as torch's float32 matmuls), not tf32.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    return out
+
+
+@dataclass
+class TritonAttentionMetadata:
+    """One step's inputs for every layer: slot_mapping [T] (int64, -1 = do not store),
+    block_tables [S, width], seq_lens [S], query_start_loc [S + 1] (int32, on the device).
+    The tensors may be slices of buffers a CUDA graph replays from; they stay valid for the
+    step."""
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_query_len: int
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+        """Store k, v into the caches (mutated), then attend q through the block tables."""
+        store_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens,
+                               self.query_start_loc, self.max_query_len, scale, window)
+
+
+class TritonPagedBackend:
+    """Builds `TritonAttentionMetadata` from the runner's step description."""
+
+    name = "triton"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def build_metadata(self, step: StepSequences) -> TritonAttentionMetadata:
+        """Device tensors for `step` (one host-to-device copy per field)."""
+        dev = self.device
+        width = max((len(t) for t in step.block_tables), default=0)
+        tables = [t + [0] * (width - len(t)) for t in step.block_tables]
+        starts = [0]
+        for n in step.num_new_tokens:
+            starts.append(starts[-1] + n)
+        return TritonAttentionMetadata(
+            slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev).view(len(tables), width),
+            seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            max_query_len=max(step.num_new_tokens, default=0))
