@@ -54,6 +54,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "(default: $PAGEDKV_ROUTER_API_KEY, else none)")
     parser.add_argument("--backend-api-key", default=os.environ.get("PAGEDKV_API_KEY"),
                         help="the key the backends require (default: $PAGEDKV_API_KEY)")
+    parser.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
+                        help="largest request body; larger ones get 413 (default: 4 MiB)")
     parser.add_argument("--record-ttl", type=float, default=DEFAULT_RECORD_TTL_S,
                         metavar="SECONDS", help="how long the router's own record of a "
                         "prompt's blocks on a backend counts as a cache hit")
@@ -101,6 +103,18 @@ def build_router(args: argparse.Namespace):
                   shared_media=tuple(args.shared_tier or ("REDIS",)), weights=weights)
 
 
+def max_request_bytes(args: argparse.Namespace) -> int:
+    """--max-request-bytes, or the server's default; ValueError naming the flag when < 1."""
+    from pagedkv.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
+
+    if args.max_request_bytes is None:
+        return DEFAULT_MAX_REQUEST_BYTES
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be a positive integer, "
+                         f"got {args.max_request_bytes}")
+    return args.max_request_bytes
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -114,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
     app = create_router_app(build_router(args), api_key=args.api_key or None,
                             backend_api_key=args.backend_api_key or None,
                             health_interval_s=args.health_interval,
-                            health_timeout_s=args.health_timeout)
+                            health_timeout_s=args.health_timeout,
+                            max_request_bytes=max_request_bytes(args))
     sock = bind_socket(args.host, args.port)
     try:
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)

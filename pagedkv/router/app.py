@@ -27,6 +27,7 @@ from pagedkv.router.health import HealthChecker
 from pagedkv.router.kv_events import KVEventSubscriber
 from pagedkv.router.proxy import Forwarder
 from pagedkv.router.router import Router
+from pagedkv.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
 from pagedkv.server.errors import APIError, install_error_handlers
 from pagedkv.server.protocol import ModelCard, ModelList
 
@@ -36,10 +37,12 @@ CONNECT_TIMEOUT_S = 2.0
 def create_router_app(router: Router, *, api_key: str | None = None,
                       backend_api_key: str | None = None, health_interval_s: float = 1.0,
                       health_timeout_s: float = 2.0,
+                      max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                       transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
     """An app that forwards to `router`'s backends. Its background tasks start and stop with
-    the app's lifespan (uvicorn, or `with TestClient(app)`). `transport` replaces the network
-    (tests hand in an `httpx.MockTransport`)."""
+    the app's lifespan (uvicorn, or `with TestClient(app)`). A body over `max_request_bytes`
+    is a 413, as on the server. `transport` replaces the network (tests hand in an
+    `httpx.MockTransport`)."""
     state: dict[str, Any] = {}
 
     @asynccontextmanager
@@ -71,6 +74,7 @@ def create_router_app(router: Router, *, api_key: str | None = None,
                   description="KV-cache-aware router in front of pagedkv servers")
     app.state.router = router
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
 
     def check_key(raw: Request) -> None:
         if api_key and not hmac.compare_digest(

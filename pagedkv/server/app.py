@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedkv import __version__
 from pagedkv.engine.async_engine import AsyncEngine, EngineDeadError
-from pagedkv.server.body_limit import BodySizeLimitMiddleware
+from pagedkv.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
 from pagedkv.server.errors import APIError, error_response, install_error_handlers
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (
@@ -47,7 +47,6 @@ from pagedkv.server.serving_tokens import detokenize, tokenize
 from pagedkv.server.tool_parsers import get_tool_parser
 
 DEFAULT_MAX_PENDING = 4096
-DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 4 MiB body is ~1M tokens of text, past any context
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}

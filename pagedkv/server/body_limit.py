@@ -24,6 +24,9 @@ def _too_large(max_bytes: int, received: str) -> APIError:
                     "(--max-request-bytes)", status_code=413)
 
 
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 4 MiB body is ~1M tokens of text, past any context
+
+
 class BodySizeLimitMiddleware:
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app

@@ -106,6 +106,17 @@ def test_a_5xx_is_retried_on_the_other_backend():
     assert router.backend(A).in_flight == router.backend(B).in_flight == 0
 
 
+def test_a_body_over_max_request_bytes_is_a_413_and_never_forwarded():
+    fake = FakeBackends()
+    _, app = make_app(fake, max_request_bytes=1024)
+    with TestClient(app) as client:
+        resp = client.post("/v1/completions", json={"prompt": "x" * 2000})
+        assert resp.status_code == 413
+        assert "error" in resp.json()
+        assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+    assert len(completion_posts(fake)) == 1
+
+
 def test_a_refused_connection_marks_down_and_retries():
     fake = FakeBackends(**{A: "refuse"})
     router, app = make_app(fake)
