@@ -151,9 +151,10 @@ class LLMEngine:
         self.kv_store = attach_kv_store(args, setup.sliding_window, self.runner, self.scheduler,
                                         events_config.enabled)
         self.event_publisher = make_event_publisher(events_config)
-        for closable in (self.kv_store, self.event_publisher):
-            if closable is not None:
-                weakref.finalize(self, closable.close)
+        # Closed once: by shutdown(), or when the engine is garbage-collected.
+        self._closers = [weakref.finalize(self, closable.close)
+                         for closable in (self.kv_store, self.event_publisher)
+                         if closable is not None]
 
     def _profile_memory(self, args: EngineArgs) -> GpuMemoryProfile:
         """(CUDA, no explicit KV size) This engine's weights and the peak activation of a
@@ -174,11 +175,14 @@ class LLMEngine:
         return self.runner is None
 
     def shutdown(self) -> None:
-        """Abort every request and free the model runner's device memory (KV cache, CUDA
-        graphs, weights). Idempotent; the engine cannot step afterwards."""
+        """Abort every request, stop the KV store's saver and the KV-event publisher, and free
+        the model runner's device memory (KV cache, CUDA graphs, weights). Idempotent; the
+        engine cannot step afterwards."""
         if self.runner is None:
             return
         self.abort_request(list(self._groups))
+        for close in self._closers:
+            close()
         runner, self.runner = self.runner, None
         runner.shutdown()
 

@@ -29,6 +29,20 @@ def test_shutdown_drops_kv_cache_and_weights(tiny_llama):
     llm.llm_engine.check_invariants()
 
 
+def test_shutdown_stops_the_kv_store_and_event_publisher_threads(tiny_llama):
+    llm = LLM(model=str(tiny_llama), device="cpu", num_gpu_blocks_override=32,
+              kv_offloading_size=0.01,
+              kv_events_config={"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*"})
+    llm.generate([list(range(1, 20))], SamplingParams(temperature=0, max_tokens=3),
+                 use_tqdm=False)
+    engine = llm.llm_engine
+    threads = [engine.kv_store._saver, engine.event_publisher._thread]
+    assert all(t.is_alive() for t in threads)
+    llm.shutdown()
+    assert not any(t.is_alive() for t in threads)
+    llm.shutdown()  # idempotent: the closers ran once
+
+
 @pytest.mark.cuda
 def test_second_engine_sizes_from_freed_memory(tiny_llama):
     """On a GPU: the first engine takes half the memory; after its shutdown a second engine gets
