@@ -30,8 +30,6 @@ import json
 import math
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +37,11 @@ import time
 from pathlib import Path
 
 import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.server.helpers import ServerProcess  # noqa: E402
 
 SHAPE = dict(arch="llama", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
              num_kv_heads=2, max_position_embeddings=2048)
@@ -61,12 +64,6 @@ GEN_ITEMS = [
     ("Q: What colour is grass?\nA:", "green"),
     ("Q: What do cows drink?\nA:", "water"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def write_tasks(task_dir: Path) -> list[str]:
@@ -95,34 +92,17 @@ def write_tasks(task_dir: Path) -> list[str]:
     return [mc["task"], gen["task"]]
 
 
-class Server:
-    """`pagedkv serve` on a free loopback port, info-level logs (uvicorn's access log) to a file."""
+class Server(ServerProcess):
+    """The test suite's `pagedkv serve` process (free loopback port, health wait, SIGTERM stop),
+    at info log level so uvicorn's access log lands in its log file."""
 
-    def __init__(self, model_dir: Path, log_path: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "pagedkv.cli", "serve", str(model_dir), "--port",
-               str(self.port), "--served-model-name", "tiny", "--log-level", "info", *SERVE_FLAGS]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop("PAGEDKV_API_KEY", None)
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server not healthy after 180 s:\n{self.tail()}")
+    def __init__(self, model_dir: Path) -> None:
+        super().__init__(model_dir, *SERVE_FLAGS)
 
-    def tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
+    def command(self) -> list[str]:
+        cmd = super().command()
+        cmd[cmd.index("--log-level") + 1] = "info"
+        return cmd
 
     def successes(self) -> float:
         """`pagedkv:request_success_total`, summed over its labels."""
@@ -140,16 +120,6 @@ class Server:
             key = (match.group(1), int(match.group(2)))
             counts[key] = counts.get(key, 0) + 1
         return counts
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        return self.proc.returncode
 
 
 def lm_eval_env() -> dict[str, str]:
@@ -266,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = build_random_model_dir(tmp / "model", dtype="float32", seed=0, **SHAPE)
         task_dir = tmp / "tasks"
         tasks = write_tasks(task_dir)
-        server = Server(model_dir, tmp / "serve.log")
+        server = Server(model_dir).start()
         try:
             completions_url = server.url + "/v1/completions"
             plan = [("local-completions", tasks, f"base_url={completions_url},model=tiny,"
@@ -315,14 +285,14 @@ def main(argv: list[str] | None = None) -> int:
                         logged = logged_loglikelihood(sample, 0)
             access = server.access_log()
         finally:
-            exit_code = server.stop()
-            server_tail = server.tail()
+            server_tail = server.output()
+            clean = server.stop()  # exit 0 on SIGTERM, no traceback in its output
         api = {f"{path} {status}": n for (path, status), n in sorted(access.items())
                if path.startswith("/v1/")}
         checks["every /v1 request got a 200"] = bool(api) and all(
             status == 200 for (path, status) in access if path.startswith("/v1/"))
-        checks["server stopped cleanly (exit 0)"] = exit_code == 0
-        if exit_code != 0:
+        checks["server stopped cleanly (exit 0)"] = clean
+        if not clean:
             print(server_tail, file=sys.stderr)
         cross = None
         if "logged" in locals():
