@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from pagedkv.kernels.cpu import ensure_cpu_kernels
+
 if not torch.cuda.is_available():
     # Triton kernels (the CUDA attention backend) run on CPU tensors in Triton's interpreter;
     # read when a kernel is defined, so set before any test imports one.
@@ -61,6 +63,14 @@ def tiny_qwen2_mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every tiny model in turn."""
     return _tiny(tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_kernels_built() -> None:
+    """Build (or load the cached) fused CPU kernels before any test, so every engine with the
+    default `cpu_kernels="auto"` runs them from its first step, deterministically; tests of the
+    pure-torch path pass cpu_kernels="off"."""
+    ensure_cpu_kernels("wait")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

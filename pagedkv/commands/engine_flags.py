@@ -17,6 +17,7 @@ import typing
 from typing import Any
 
 from pagedkv.engine.args import _DTYPES, EngineArgs
+from pagedkv.kernels.cpu import CPU_KERNEL_MODES
 from pagedkv.kv.sizes import parse_size
 
 # Fields that the commands take otherwise (the positional MODEL_DIR).
@@ -28,6 +29,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "preemption_mode": ("recompute", "swap"),
     "scheduling_policy": ("fcfs", "priority"),
     "prefix_caching_hash_algo": ("sha256", "xxhash"),
+    "cpu_kernels": CPU_KERNEL_MODES,
 }
 
 _HELP: dict[str, str] = {
@@ -55,6 +57,8 @@ _HELP: dict[str, str] = {
     "kv_offloading_disk_size": "GiB the disk tier may use",
     "kv_offloading_remote_url": "Redis URL of the KV store's shared tier, e.g. redis://127.0.0.1:6379",
     "enforce_eager": "no CUDA graphs: run every decode step eagerly",
+    "cpu_kernels": "CPU: fused C++ kernels; auto: build in the background on first use and "
+                   "switch once built; wait: build before starting; off: pure torch",
 }
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 from pagedkv.config import MODEL_DTYPE_CHOICES as _DTYPES
 from pagedkv.events.config import parse_kv_events_config
+from pagedkv.kernels.cpu import CPU_KERNEL_MODES
 
 
 @dataclass
@@ -17,7 +18,10 @@ class EngineArgs:
     `gpu_memory_utilization` of the device minus weights and activation peak; else on CPU a
     default budget (`DEFAULT_CPU_KV_CACHE_BYTES`). `swap_space` is GiB of host memory for swapped
     blocks. `max_num_batched_tokens` is the per-step token budget (chunked prefill splits longer
-    prompts). `enforce_eager` turns off CUDA graphs for decode steps (CUDA only).
+    prompts). `enforce_eager` turns off CUDA graphs for decode steps (CUDA only). `cpu_kernels`
+    (CPU only): "auto" builds the fused C++ kernels in the background on first use and switches
+    to them once built, "wait" builds them before the engine starts, "off" keeps the pure-torch
+    path (see pagedkv.kernels.cpu).
     """
 
     model: str = ""
@@ -46,6 +50,8 @@ class EngineArgs:
     kv_offloading_disk_size: float = 10.0
     kv_offloading_remote_url: str | None = None
     enforce_eager: bool = False
+    # CPU: the fused C++ kernels (pagedkv.kernels.cpu): "auto" | "wait" | "off".
+    cpu_kernels: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -86,6 +92,8 @@ class EngineArgs:
         self._validate_offloading()
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        if self.cpu_kernels not in CPU_KERNEL_MODES:
+            raise ValueError(f"cpu_kernels must be one of {CPU_KERNEL_MODES}, got {self.cpu_kernels!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

@@ -220,6 +220,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     nd = meta.num_decodes
     if nd:
         out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta, scale, window)
+    prefill_attention_all(q, k, v, k_cache, v_cache, meta, scale, window, out)
+    return out
+
+
+def prefill_attention_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                          scale: float, window: int | None, out: torch.Tensor) -> None:
+    """Every prefill chunk's attention (their K/V already in the cache), written into their
+    rows of `out` [T, heads, head_dim]; chunks sharing cached prefix blocks as cascades."""
     done: set[int] = set()
     if meta.prefills and (window is None or window >= max(c.seq_len for c in meta.prefills)):
         for group in meta.prefill_shared_prefixes():
@@ -230,7 +239,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             s, e = chunk.token_start, chunk.token_end
             out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, chunk, scale,
                                          window)
-    return out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pagedkv.model.ops import LayerOps, RopeInputs, apply_rope_reference, rms_norm_reference
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -22,18 +24,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """weight * normalised x (a new tensor). Rounds as transformers' LlamaRMSNorm: the
-        statistics and scaling in float32, the weight applied in x's dtype. On CUDA, rows of a
-        2-D x: one fused kernel (fused_ops.py)."""
+        """weight * normalised x (a new tensor), the reference rounding (ops.rms_norm_reference);
+        on CUDA, rows of a 2-D x: one fused kernel (fused_ops.py). Layers call LayerOps
+        instead, which also has the fused CPU kernel and the residual add."""
         if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1:
             from pagedkv.model.fused_ops import rms_norm
 
             return rms_norm(x, self.weight, self.eps)
-        h = x.float()
-        scale = h.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
-        if h is x:  # float32: h aliases the input, so scale into a new tensor
-            return (x * scale).mul_(self.weight)
-        return h.mul_(scale).to(x.dtype).mul_(self.weight)
+        return rms_norm_reference(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -86,9 +84,9 @@ class RotaryEmbedding(nn.Module):
             self._table_len = n
         return self._cos, self._sin
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin [T, 1, head_dim] for `positions` [T] (new tensors; see the class
-        docstring for the sign convention `apply_rope` expects)."""
+    def inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeInputs:
+        """The step's RoPE inputs for `positions` [T] in `dtype` (the tables grow on demand;
+        see the class docstring for the sign convention)."""
         if (positions.device.type != "cpu" and self._cos is not None and self._cos.dtype == dtype
                 and self._table_len >= self._max_positions):
             # No host sync (CUDA graphs): positions stay below max_positions (max_model_len).
@@ -96,15 +94,17 @@ class RotaryEmbedding(nn.Module):
         else:
             needed = int(positions.max()) + 1 if positions.numel() else 1
             cos, sin = self._table(needed, dtype)
-        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        return RopeInputs(positions, cos, sin)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin [T, 1, head_dim] for `positions` [T] (see `apply_rope`)."""
+        return self.inputs(positions, dtype).rows()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, head_dim] rotated by cos / signed sin [T, 1, head_dim] from
-    `RotaryEmbedding.cos_sin` (returns a new tensor; x may be a strided view)."""
-    t, h, d = x.shape
-    swapped = x.unflatten(-1, (2, d // 2)).flip(-2).flatten(-2)  # [x2, x1], a new tensor
-    return (x * cos).add_(swapped.mul_(sin))
+    `RotaryEmbedding.cos_sin` (a new tensor; the reference, ops.apply_rope_reference)."""
+    return apply_rope_reference(x, cos, sin)
 
 
 def onednn_bf16_available(weight: torch.Tensor) -> bool:
@@ -157,10 +157,5 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dim() == 2:  # one fused kernel (fused_ops.py)
-            from pagedkv.model.fused_ops import silu_and_mul
-
-            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

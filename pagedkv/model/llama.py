@@ -16,7 +16,8 @@ from torch import nn
 
 from pagedkv.model.attention import AttentionMetadata
 from pagedkv.model.config import ModelConfig
-from pagedkv.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rope
+from pagedkv.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from pagedkv.model.ops import LayerOps, RopeInputs
 
 
 class Attention(nn.Module):
@@ -32,15 +33,15 @@ class Attention(nn.Module):
         self.window = window
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeInputs, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, ops: LayerOps) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
-            q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+            q, k = ops.rope(self.q_norm(q), rope), ops.rope(self.k_norm(k), rope)
         else:  # one RoPE call for q and k together (views of one [T, heads + kv_heads, D] tensor)
-            q, k = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin).split(
+            q, k = ops.rope(qkv[:, : self.num_heads + self.num_kv_heads], rope).split(
                 [self.num_heads, self.num_kv_heads], dim=1)
         out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, self.window)
         return self.o_proj(out.reshape(t, self.q_size))
@@ -54,12 +55,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """x with this layer's residual updates (x itself is updated in place and returned)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream): the residual stream `residual`
+        (None for the first layer: it is `x`) gets the previous layer's output `x` added in
+        place before this layer's input norm, and this layer's attention output after it."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            h = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
         # .forward: skips nn.Module's hook machinery, a measurable cost per tiny op at decode.
-        x += self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, kv_cache, meta)
-        return x.add_(self.mlp.forward(self.post_attention_layernorm.forward(x)))
+        attn = self.self_attn.forward(h, rope, kv_cache, meta, ops)
+        norm = self.post_attention_layernorm
+        h = ops.add_rms_norm(attn, residual, norm.weight, norm.eps)
+        return self.mlp.forward(h, ops), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -84,16 +95,18 @@ class LlamaForCausalLM(nn.Module):
                                       cfg.max_position_embeddings)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.ops = LayerOps()  # which elementwise kernels run (the runner sets cpu_fused)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [T, hidden]; writes every layer's new K/V into `kv_caches`."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        rope = self.rotary.inputs(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer.forward(x, cos, sin, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer.forward(x, residual, rope, kv_cache, meta, self.ops)
+        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
 
     def pack_linear_weights(self) -> int:
         """Pre-pack every layer's projection weights for the CPU matrix unit where that is

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from pagedkv.model.attention import AttentionMetadata
     from pagedkv.model.config import ModelConfig
+    from pagedkv.model.ops import LayerOps
 
 # architecture (config.json "architectures") -> (module, class)
 _MODELS: dict[str, tuple[str, str]] = {
@@ -34,6 +35,9 @@ _MODELS: dict[str, tuple[str, str]] = {
 
 class CausalLM(Protocol):
     """What the loader and the runner use of a model class (see the module docstring)."""
+
+    # The elementwise kernels its layers run (the runner turns the fused CPU ones on).
+    ops: LayerOps
 
     def __init__(self, cfg: ModelConfig) -> None: ...
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from pagedkv.kernels.cpu import cpu_kernels_loaded, ensure_cpu_kernels
 from pagedkv.kv.spec import KVCacheSpec, kv_cache_spec_from_hf_config
 from pagedkv.model.backends import get_attention_backend
 from pagedkv.model.backends.step import StepSequences
@@ -49,14 +50,16 @@ class ModelRunner:
                  seed: int = 0, kv_cache_spec: KVCacheSpec | None = None,
                  attention_backend: str | None = None,
                  cuda_graph_batch_sizes: list[int] | None = None,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, cpu_kernels: str = "auto") -> None:
         """`num_blocks` None: no KV cache yet (profile memory, then `allocate_kv_cache`).
         `kv_cache_spec` (the one the engine planned with) shapes the KV tensors; without it the
         spec is built from the same config reader, `block_size` and `dtype`.
         `attention_backend`: a key of backends.ATTENTION_BACKENDS (default: the device's).
         `cuda_graph_batch_sizes`: capture decode graphs for these batch sizes once the KV cache
         exists (see `capture_cuda_graphs`; None or empty: eager), block tables up to
-        `max_model_len` tokens (default: the model's max_position_embeddings)."""
+        `max_model_len` tokens (default: the model's max_position_embeddings).
+        `cpu_kernels` (CPU only): when to use the fused C++ kernels (pagedkv.kernels.cpu);
+        with "auto" the runner switches to them, between steps, once they are built."""
         check_model_dir(model_dir)  # a config.json claiming 10^9 layers fails before any build
         self.model_config = ModelConfig.from_dir(model_dir)
         self.device = resolve_device(device)
@@ -76,12 +79,24 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None
         self.sampler = Sampler(seed, self.device)
         self.attn_backend = get_attention_backend(self.device, attention_backend)
+        self.cpu_kernels = "off" if self.device.type != "cpu" else cpu_kernels
+        ensure_cpu_kernels(self.cpu_kernels)  # "auto": a cached build, or a background one
+        self._use_cpu_kernels()
         self.cuda_graphs = None
         self.kv_connector = None  # the KV store's worker side, plugged in by the engine
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks, num_host_blocks)
             if cuda_graph_batch_sizes:
                 self.capture_cuda_graphs(cuda_graph_batch_sizes, max_model_len)
+
+    def _use_cpu_kernels(self) -> bool:
+        """Point the model's elementwise ops and the attention backend at the fused CPU kernels
+        when they are loaded and allowed (cheap; called before every step). Returns whether."""
+        fused = self.cpu_kernels != "off" and cpu_kernels_loaded()
+        self.model.ops.cpu_fused = fused
+        if hasattr(self.attn_backend, "native"):
+            self.attn_backend.native = fused
+        return fused
 
     def _allocated_bytes(self) -> int:
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
@@ -169,6 +184,8 @@ class ModelRunner:
         result = ModelRunnerOutput()
         if not out.scheduled:
             return result
+        if self.cpu_kernels == "auto":
+            self._use_cpu_kernels()
         reqs, ids, pos, step = self.describe_step(out.scheduled)
         graphs = self.cuda_graphs
         if graphs is not None and step.num_decodes == len(reqs) \

@@ -12,6 +12,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 CONFIGS = {
     "default": dict(),
+    "torch_reference_path": dict(cpu_kernels="off"),
     "no_prefix_caching": dict(enable_prefix_caching=False),
     "block_size_1": dict(block_size=1),
     "block_size_4": dict(block_size=4),
@@ -51,11 +52,13 @@ def test_greedy_matches_transformers(tiny_llama, make_llm, config):
 
 @pytest.mark.parametrize("model", ["tiny_qwen2", "tiny_qwen3", "tiny_mistral", "tiny_llama_mqa",
                                    "tiny_qwen2_mixed"])
-def test_greedy_matches_transformers_other_architectures(request, make_llm, model):
+@pytest.mark.parametrize("cpu_kernels", ["auto", "off"])
+def test_greedy_matches_transformers_other_architectures(request, make_llm, model, cpu_kernels):
     model_dir = request.getfixturevalue(model)
     # Mistral's (and qwen2_mixed's layers 1-2) window is 8 tokens: these prompts are far longer.
     prompts = make_prompts(seed=2, vocab=400, num=4, lengths=(10, 30))
-    llm = make_llm(model_dir, block_size=4, max_num_batched_tokens=16)
+    llm = make_llm(model_dir, block_size=4, max_num_batched_tokens=16, cpu_kernels=cpu_kernels)
+    assert llm.llm_engine.runner.model.ops.cpu_fused is (cpu_kernels == "auto")
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.outputs[0].token_ids == hf_greedy(model_dir, prompt, MAX_TOKENS), model

@@ -17,7 +17,8 @@ from tests.model.test_correctness import PROMPTS, hf_greedy_cached  # noqa: E402
 
 
 def test_registry_picks_the_device_backend_and_rejects_unknown_names():
-    assert get_attention_backend(torch.device("cpu")).name == "torch"
+    assert get_attention_backend(torch.device("cpu")).name == "cpu_native"
+    assert get_attention_backend(torch.device("cpu"), "cpu_torch").name == "torch"
     assert get_attention_backend(torch.device("cpu"), "cuda").name == "triton"
     with pytest.raises(ValueError, match="'nope'"):
         get_attention_backend(torch.device("cpu"), "nope")

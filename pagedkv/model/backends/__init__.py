@@ -5,7 +5,10 @@ A backend has `build_metadata(step: StepSequences)`, returning the per-step meta
 module plus one line here; modules are imported on first use, so Triton is needed only where
 its backend runs.
 
-  cpu  -> torch_paged.TorchPagedBackend   (attention.py + cascade.py: gathers sized for CPU caches)
+  cpu       -> cpu_native.CpuNativeBackend (fused C++ decode attention and KV write, once
+               pagedkv.kernels.cpu has built them; torch_paged's path until then)
+  cpu_torch -> torch_paged.TorchPagedBackend (attention.py + cascade.py: gathers sized for CPU
+               caches; the pure-torch reference)
   cuda -> triton_paged.TritonPagedBackend (two Triton launches per layer; CUDA-graph friendly)
 """
 
@@ -17,7 +20,8 @@ from typing import Any
 import torch
 
 ATTENTION_BACKENDS: dict[str, str] = {
-    "cpu": "pagedkv.model.backends.torch_paged:TorchPagedBackend",
+    "cpu": "pagedkv.model.backends.cpu_native:CpuNativeBackend",
+    "cpu_torch": "pagedkv.model.backends.torch_paged:TorchPagedBackend",
     "cuda": "pagedkv.model.backends.triton_paged:TritonPagedBackend",
 }
 

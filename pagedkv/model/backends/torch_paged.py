@@ -17,6 +17,7 @@ class TorchPagedBackend:
     """Builds `attention.AttentionMetadata` (its scratch buffers reused across steps)."""
 
     name = "torch"
+    metadata_cls: type[AttentionMetadata] = AttentionMetadata
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -34,7 +35,7 @@ class TorchPagedBackend:
             chunks.append(PrefillChunk(start, start + n, seq_len - n, seq_len,
                                        torch.tensor(used, dtype=torch.long).to(dev)))
             start += n
-        return AttentionMetadata(
+        return self.metadata_cls(
             slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.long, device=dev),
             num_decodes=nd,
             decode_seq_lens=torch.tensor(dec_lens, dtype=torch.long, device=dev),

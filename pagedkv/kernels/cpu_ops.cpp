@@ -1,0 +1,324 @@
+// pagedkv's fused CPU kernels (built on first use by pagedkv/kernels/cpu.py, see there).
+//
+// Each kernel rounds where the pure-torch reference in pagedkv/model/ rounds (statistics and
+// accumulations in float32, results cast to the activation dtype at the same points), so the
+// two paths agree to float32 summation order. Work is split across torch's own OpenMP pool
+// (at::parallel_for), so torch.set_num_threads governs these kernels too.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T> inline float to_f(T x) { return static_cast<float>(x); }
+template <typename T> inline T from_f(float x) { return static_cast<T>(x); }
+// Round a float32 value to T's precision and back (identity for float).
+template <typename T> inline float rnd(float x) { return to_f<T>(from_f<T>(x)); }
+
+template <typename T> struct Tag { using type = T; };
+
+// Calls f(Tag<T>{}) for the scalar type T of `dtype` (float, bfloat16, half).
+template <typename F> void dispatch(at::ScalarType dtype, const char* name, F&& f) {
+  switch (dtype) {
+    case at::kFloat: f(Tag<float>{}); break;
+    case at::kBFloat16: f(Tag<c10::BFloat16>{}); break;
+    case at::kHalf: f(Tag<c10::Half>{}); break;
+    default: TORCH_CHECK(false, name, ": unsupported dtype ", dtype);
+  }
+}
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, name,
+              ": expected a CPU [rows, n] tensor with a contiguous last dim");
+}
+
+// RMSNorm of one row: out = T(x * rsqrt(mean(x^2) + eps)) * w, rounded as layers.RMSNorm.
+template <typename T>
+void rms_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t j = 0; j < n; j++) { float v = to_f(x[j]); ss += v * v; }
+  const float scale = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t j = 0; j < n; j++) out[j] = from_f<T>(rnd<T>(to_f(x[j]) * scale) * to_f(w[j]));
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, "rms_norm");
+  const int64_t rows = x.size(0), n = x.size(1), sx = x.stride(0);
+  auto out = at::empty({rows, n}, x.options());
+  auto wc = w.contiguous();
+  dispatch(x.scalar_type(), "rms_norm", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = wc.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; i++) rms_row(xp + i * sx, wp, op + i * n, n, (float)eps);
+    });
+  });
+  return out;
+}
+
+// residual += x (rounded to T); returns RMSNorm(residual) * w (vLLM's fused_add_rms_norm).
+at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w,
+                         double eps) {
+  check_rows(x, "add_rms_norm_");
+  check_rows(residual, "add_rms_norm_");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "add_rms_norm_: x and residual differ in shape or dtype");
+  const int64_t rows = x.size(0), n = x.size(1), sx = x.stride(0), sr = residual.stride(0);
+  auto out = at::empty({rows, n}, x.options());
+  auto wc = w.contiguous();
+  dispatch(x.scalar_type(), "add_rms_norm_", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = wc.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; i++) {
+        scalar_t* r = rp + i * sr;
+        const scalar_t* xi = xp + i * sx;
+        for (int64_t j = 0; j < n; j++) r[j] = from_f<scalar_t>(to_f(r[j]) + to_f(xi[j]));
+        rms_row(r, wp, op + i * n, n, (float)eps);
+      }
+    });
+  });
+  return out;
+}
+
+// silu(gate) * up for gate_up [T, 2I] = [gate | up]: silu rounded to T, then the product.
+at::Tensor silu_and_mul(const at::Tensor& gu) {
+  check_rows(gu, "silu_and_mul");
+  const int64_t rows = gu.size(0), n = gu.size(1) / 2, s = gu.stride(0);
+  auto out = at::empty({rows, n}, gu.options());
+  dispatch(gu.scalar_type(), "silu_and_mul", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    const scalar_t* g = gu.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; i++) {
+        const scalar_t* gi = g + i * s;
+        scalar_t* oi = o + i * n;
+        for (int64_t j = 0; j < n; j++) {
+          const float x = to_f(gi[j]);
+          oi[j] = from_f<scalar_t>(rnd<scalar_t>(x / (1.f + std::exp(-x))) * to_f(gi[n + j]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// Rotate-half RoPE in place on x [T, heads, D] (rows may be strided; heads contiguous), with
+// cos / signed-sin tables [P, D] (layers.RotaryEmbedding) gathered at positions [T]:
+// x = T(T(x * cos) + T(swap_halves(x) * sin)), the reference's three roundings.
+void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+           const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "rope_: expected x [T, heads, D] with contiguous heads");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == x.scalar_type()
+              && sin.scalar_type() == x.scalar_type(), "rope_: tables must be contiguous, x's dtype");
+  const int64_t t = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2, sx = x.stride(0);
+  auto pos = positions.to(at::kLong).contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t table_len = cos.size(0);
+  for (int64_t i = 0; i < t; i++)
+    TORCH_CHECK(pp[i] >= 0 && pp[i] < table_len, "rope_: position ", pp[i], " outside the table");
+  dispatch(x.scalar_type(), "rope_", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    at::parallel_for(0, t, 8, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; i++) {
+        const scalar_t* c = cp + pp[i] * d;
+        const scalar_t* s = sp + pp[i] * d;
+        for (int64_t h = 0; h < heads; h++) {
+          scalar_t* v = xp + i * sx + h * d;
+          for (int64_t j = 0; j < half; j++) {
+            const float a = to_f(v[j]), bb = to_f(v[j + half]);
+            v[j] = from_f<scalar_t>(rnd<scalar_t>(a * to_f(c[j])) +
+                                    rnd<scalar_t>(bb * to_f(s[j])));
+            v[j + half] = from_f<scalar_t>(rnd<scalar_t>(bb * to_f(c[j + half])) +
+                                           rnd<scalar_t>(a * to_f(s[j + half])));
+          }
+        }
+      }
+    });
+  });
+}
+
+// cache[h, slot[t]] = x[t, h] for x [T, kv_heads, D] (strided rows) into a cache
+// [kv_heads, num_blocks, block_size, D]; slots < 0 are skipped (vLLM's padding convention).
+void write_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+               const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1 && k_cache.is_contiguous() &&
+              v_cache.is_contiguous() && k.scalar_type() == k_cache.scalar_type() &&
+              v.scalar_type() == v_cache.scalar_type(),
+              "write_kv_: expected k, v [T, kv_heads, D] and contiguous caches of their dtype");
+  const int64_t t = k.size(0), kvh = k.size(1), d = k.size(2);
+  const int64_t slots = k_cache.size(1) * k_cache.size(2);
+  auto sm = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* sp = sm.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; i++) TORCH_CHECK(sp[i] < slots, "write_kv_: slot ", sp[i], " >= ", slots);
+  dispatch(k.scalar_type(), "write_kv_", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const int64_t sk0 = k.stride(0), sk1 = k.stride(1), sv0 = v.stride(0), sv1 = v.stride(1);
+    at::parallel_for(0, t, 64, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; i++) {
+        if (sp[i] < 0) continue;
+        for (int64_t h = 0; h < kvh; h++) {
+          scalar_t* kd = kc + (h * slots + sp[i]) * d;
+          scalar_t* vd = vc + (h * slots + sp[i]) * d;
+          const scalar_t* ks = kp + i * sk0 + h * sk1;
+          const scalar_t* vs = vp + i * sv0 + h * sv1;
+          for (int64_t j = 0; j < d; j++) { kd[j] = ks[j]; vd[j] = vs[j]; }
+        }
+      }
+    });
+  });
+}
+
+// One query token per sequence attending to keys first_pos[s] .. seq_lens[s] - 1 of its
+// paged K/V (block_tables [S, W] hold the physical block of each logical block). q [S, H, D]
+// (strided rows), caches [KVH, NB, BS, D]; out [S, H, D]; lse [S, H] float32 (log-sum-exp of
+// the scaled scores) when defined. Online softmax, float32 throughout, one block at a time;
+// all H / KVH query heads of a KV head share each block's loads (GQA).
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& first_pos, const at::Tensor& seq_lens,
+                            double scale, at::Tensor& out, const c10::optional<at::Tensor>& lse) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "paged_decode_attention: q must be [S, H, D] with contiguous heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() &&
+              k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
+              out.scalar_type() == q.scalar_type(),
+              "paged_decode_attention: caches and out must be contiguous and of q's dtype");
+  const int64_t s_n = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t kvh = k_cache.size(0), nb = k_cache.size(1), bs = k_cache.size(2);
+  TORCH_CHECK(heads % kvh == 0 && k_cache.size(3) == d, "paged_decode_attention: head shapes");
+  const int64_t g = heads / kvh;
+  auto bt = block_tables.to(at::kLong).contiguous();
+  auto fp = first_pos.to(at::kLong).contiguous();
+  auto sl = seq_lens.to(at::kLong).contiguous();
+  const int64_t width = bt.size(1);
+  const int64_t* btp = bt.data_ptr<int64_t>();
+  const int64_t* fpp = fp.data_ptr<int64_t>();
+  const int64_t* slp = sl.data_ptr<int64_t>();
+  for (int64_t s = 0; s < s_n; s++) {
+    TORCH_CHECK(slp[s] >= 0 && slp[s] <= width * bs, "paged_decode_attention: seq_len ", slp[s],
+                " exceeds the block table");
+    for (int64_t b = fpp[s] / bs; b * bs < slp[s]; b++)
+      TORCH_CHECK(btp[s * width + b] >= 0 && btp[s * width + b] < nb,
+                  "paged_decode_attention: block id out of range");
+  }
+  float* lsep = nullptr;
+  if (lse.has_value()) {
+    TORCH_CHECK(lse->is_contiguous() && lse->scalar_type() == at::kFloat, "lse must be float32");
+    lsep = lse->data_ptr<float>();
+  }
+  const float sc = static_cast<float>(scale);
+  dispatch(q.scalar_type(), "paged_decode_attention", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t sq = q.stride(0);
+    at::parallel_for(0, s_n * kvh, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qf(g * d), acc(g * d), kf(bs * d), vf(bs * d), p(g * bs), m(g), l(g);
+      for (int64_t item = begin; item < end; item++) {
+        const int64_t s = item / kvh, kh = item % kvh;
+        const int64_t first = fpp[s], len = slp[s];
+        for (int64_t h = 0; h < g; h++) {
+          const scalar_t* qs = qp + s * sq + (kh * g + h) * d;
+          for (int64_t j = 0; j < d; j++) qf[h * d + j] = to_f(qs[j]) * sc;
+          m[h] = -std::numeric_limits<float>::infinity();
+          l[h] = 0.f;
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t pos = first; pos < len;) {
+          const int64_t blk = btp[s * width + pos / bs], off = pos % bs;
+          const int64_t n = std::min(bs - off, len - pos);
+          const scalar_t* kb = kc + ((kh * nb + blk) * bs + off) * d;
+          const scalar_t* vb = vc + ((kh * nb + blk) * bs + off) * d;
+          const float* kblock;
+          const float* vblock;
+          if constexpr (std::is_same_v<scalar_t, float>) {
+            kblock = kb;
+            vblock = vb;
+          } else {  // widen the block once for all g query heads
+            for (int64_t j = 0; j < n * d; j++) { kf[j] = to_f(kb[j]); vf[j] = to_f(vb[j]); }
+            kblock = kf.data();
+            vblock = vf.data();
+          }
+          for (int64_t h = 0; h < g; h++) {
+            const float* qh = qf.data() + h * d;
+            float* ph = p.data() + h * bs;
+            float mx = m[h];
+            for (int64_t t = 0; t < n; t++) {
+              const float* kt = kblock + t * d;
+              float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+              for (int64_t j = 0; j < d; j++) dot += qh[j] * kt[j];
+              ph[t] = dot;
+              mx = std::max(mx, dot);
+            }
+            const float corr = std::exp(m[h] - mx);  // 0 on the first block (m = -inf)
+            float sum = 0.f;
+            for (int64_t t = 0; t < n; t++) { ph[t] = std::exp(ph[t] - mx); sum += ph[t]; }
+            float* ah = acc.data() + h * d;
+#pragma omp simd
+            for (int64_t j = 0; j < d; j++) ah[j] *= corr;
+            for (int64_t t = 0; t < n; t++) {
+              const float w = ph[t];
+              const float* vt = vblock + t * d;
+#pragma omp simd
+              for (int64_t j = 0; j < d; j++) ah[j] += w * vt[j];
+            }
+            l[h] = l[h] * corr + sum;
+            m[h] = mx;
+          }
+          pos += n;
+        }
+        for (int64_t h = 0; h < g; h++) {
+          const int64_t hh = kh * g + h;
+          const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+          scalar_t* o = op + (s * heads + hh) * d;
+          for (int64_t j = 0; j < d; j++) o[j] = from_f<scalar_t>(acc[h * d + j] * inv);
+          if (lsep) lsep[s * heads + hh] = l[h] > 0.f ? m[h] + std::log(l[h])
+                                                      : -std::numeric_limits<float>::infinity();
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedkv_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
+  m.def("add_rms_norm_(Tensor x, Tensor(a!) residual, Tensor w, float eps) -> Tensor",
+        &add_rms_norm_);
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor", &silu_and_mul);
+  m.def("rope_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()", &rope_);
+  m.def("write_kv_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()",
+        &write_kv_);
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor first_pos, Tensor seq_lens, float scale, Tensor(a!) out, Tensor(b!)? lse) -> ()",
+        &paged_decode_attention);
+}

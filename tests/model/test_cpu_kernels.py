@@ -1,0 +1,163 @@
+"""The fused CPU kernels (pagedkv/kernels/cpu_ops.cpp) against the pure-torch reference they
+replace, op by op and through a whole attention call; and the build's fallback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from pagedkv.kernels.cpu import ensure_cpu_kernels
+from pagedkv.model.attention import AttentionMetadata, PrefillChunk, decode_attention
+from pagedkv.model.backends.cpu_native import NativeAttentionMetadata
+from pagedkv.model.layers import RotaryEmbedding
+from pagedkv.model.ops import LayerOps, apply_rope_reference, rms_norm_reference
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# float32: summation order only; bf16/fp16: the kernels round where the reference rounds.
+TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(autouse=True)
+def _kernels():
+    assert ensure_cpu_kernels("wait")
+
+
+def fused_ops() -> LayerOps:
+    ops = LayerOps()
+    ops.cpu_fused = True
+    return ops
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    scale = max(1.0, float(b.float().abs().max()))
+    assert float((a.float() - b.float()).abs().max()) <= TOL[dtype] * scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_silu_and_rope_match_the_reference(dtype):
+    torch.manual_seed(0)
+    ops = fused_ops()
+    x, w = torch.randn(37, 96, dtype=dtype), torch.randn(96, dtype=dtype)
+    close(ops.rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6), dtype)
+    residual = torch.randn(37, 96, dtype=dtype)
+    want_residual = residual + x
+    got = ops.add_rms_norm(x, residual, w, 1e-5)
+    assert torch.equal(residual, want_residual)  # the add rounds once, in the dtype: exact
+    close(got, rms_norm_reference(want_residual, w, 1e-5), dtype)
+    gate_up = torch.randn(5, 2 * 40, dtype=dtype)
+    gate, up = gate_up.chunk(2, -1)
+    close(ops.silu_and_mul(gate_up), F.silu(gate) * up, dtype)
+    rotary = RotaryEmbedding(32, 10000.0, None, 512)
+    qkv = torch.randn(11, 4 + 2 + 2, 32, dtype=dtype)
+    positions = torch.randint(0, 500, (11,))
+    rope = rotary.inputs(positions, dtype)
+    want = apply_rope_reference(qkv[:, :6], *rope.rows())
+    untouched = qkv[:, 6:].clone()
+    got = ops.rope(qkv[:, :6], rope)
+    assert got.data_ptr() == qkv.data_ptr()  # in place on the qkv projection's output
+    close(got, want, dtype)
+    assert torch.equal(qkv[:, 6:], untouched)  # v is not rotated
+
+
+def _random_cache(dtype, kvh=2, num_blocks=40, bs=4, d=16):
+    torch.manual_seed(1)
+    return (torch.randn(kvh, num_blocks, bs, d, dtype=dtype),
+            torch.randn(kvh, num_blocks, bs, d, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 5, 1000])
+def test_decode_attention_matches_the_reference(dtype, window):
+    k_cache, v_cache = _random_cache(dtype)
+    lens = [1, 4, 5, 17, 23, 9]
+    tables = torch.stack([torch.randperm(39)[:6] + 1 for _ in lens])
+    q = torch.randn(len(lens), 6, 16, dtype=dtype)  # 6 query heads over 2 KV heads (GQA)
+    fields = dict(slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lens),
+                  decode_seq_lens=torch.tensor(lens), decode_block_tables=tables, prefills=[],
+                  block_size=4, decode_seq_lens_list=lens)
+    want = decode_attention(q, k_cache, v_cache, AttentionMetadata(**fields), 0.25, window)
+    native = NativeAttentionMetadata(**fields)
+    got = torch.empty_like(q)
+    native._decode(q, k_cache, v_cache, 0.25, window, got)
+    close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_step_with_shared_prefixes_matches_the_reference(dtype):
+    """A step of decodes (three sharing 64 leading tokens: cascade) and two prefill chunks: the
+    native metadata writes the same cache and returns the same attention as the torch one."""
+    bs, d, kvh, heads = 16, 16, 2, 4
+    shared = [1, 2, 3, 4]
+    tables = [shared + [5, 6], shared + [7, 8], shared + [9, 10], [11, 12, 13]]
+    lens = [70, 75, 90, 40]  # decodes: seq_len includes the new token
+    chunk_tables = [torch.tensor([14, 15, 16]), torch.tensor([17, 18])]
+    chunks = [PrefillChunk(4, 9, 6, 11, chunk_tables[0]), PrefillChunk(9, 16, 0, 7, chunk_tables[1])]
+    slots = [tables[i][(n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(lens)]
+    slots += [int(chunk_tables[0][p // bs]) * bs + p % bs for p in range(6, 11)]
+    slots += [int(chunk_tables[1][p // bs]) * bs + p % bs for p in range(7)]
+    width = max(len(t) for t in tables)
+    fields = dict(slot_mapping=torch.tensor(slots), num_decodes=4,
+                  decode_seq_lens=torch.tensor(lens),
+                  decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                  prefills=chunks, block_size=bs, decode_seq_lens_list=lens)
+    torch.manual_seed(2)
+    q = torch.randn(16, heads, d, dtype=dtype)
+    k, v = torch.randn(16, kvh, d, dtype=dtype), torch.randn(16, kvh, d, dtype=dtype)
+    caches = _random_cache(dtype, kvh=kvh, num_blocks=20, bs=bs, d=d)
+    ref_caches = tuple(c.clone() for c in caches)
+    want = AttentionMetadata(**fields).attend(q, k, v, *ref_caches, 0.25, None)
+    native = NativeAttentionMetadata(**fields)
+    assert [g.rows for g in native.shared_prefixes()] == [[0, 1, 2]]
+    got = native.attend(q, k, v, *caches, 0.25, None)
+    assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
+    close(got, want, dtype)
+
+
+def test_decode_kernel_refuses_a_block_id_outside_the_cache():
+    k_cache, v_cache = _random_cache(torch.float32)
+    q = torch.randn(1, 2, 16)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        torch.ops.pagedkv_cpu.paged_decode_attention(
+            q, k_cache, v_cache, torch.tensor([[99]]), torch.tensor([0]), torch.tensor([3]),
+            0.25, torch.empty_like(q), None)
+
+
+def test_unknown_mode_is_a_value_error():
+    with pytest.raises(ValueError, match="'fast'"):
+        ensure_cpu_kernels("fast")
+
+
+def test_a_failed_build_falls_back_to_the_torch_path(tmp_path, tiny_llama):
+    """With no working compiler (and an empty cache), "auto" logs and keeps the pure-torch path,
+    whose tokens are still right; "wait" raises. Run in a fresh process (the library is loaded
+    in this one)."""
+    code = f"""
+import torch
+from pagedkv import LLM, SamplingParams
+from pagedkv.kernels import cpu
+llm = LLM(model={str(tiny_llama)!r}, cpu_kernels="auto")
+cpu._state["thread"].join()
+assert not cpu.cpu_kernels_loaded() and cpu._state["error"] is not None
+out = llm.generate([{{"prompt_token_ids": [5, 6, 7]}}], SamplingParams(max_tokens=3, temperature=0))
+assert llm.llm_engine.runner.model.ops.cpu_fused is False
+print("TOKENS", out[0].outputs[0].token_ids)
+try:
+    cpu.ensure_cpu_kernels("wait")
+except RuntimeError as e:
+    print("WAIT-FAILED", "could not be built" in str(e))
+"""
+    env = dict(os.environ, PAGEDKV_CACHE_DIR=str(tmp_path), CXX="false")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "WAIT-FAILED True" in proc.stdout
+    assert "fused CPU kernels unavailable" in proc.stderr
+    from tests.engine.conftest import hf_greedy
+
+    tokens = eval(proc.stdout.split("TOKENS", 1)[1].splitlines()[0])
+    assert tokens == hf_greedy(tiny_llama, [5, 6, 7], 3)
