@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_offline.py [--dtypes float32,bfloat16] [--threads N] [--json]
     .venv/bin/python benchmarks/bench_offline.py --device cuda [--enforce-eager]  (gpu_offline.py)
+    .venv/bin/python benchmarks/bench_offline.py --vs-vllm /tmp/vllm-venv/bin/python [--busy 2]
 
 1. The same random-weight Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1408)
    and workload through pagedkv (continuous batching) and transformers (static batches of 16,
@@ -11,14 +12,25 @@
 2. Shared prefix: 32 requests sharing a 1024-token prefix plus 32 unique tokens, 32 output tokens
    each, prefix caching on vs off: prompt tokens computed and wall time.
 
+3. --vs-vllm PYTHON: pagedkv and vLLM's CPU build side by side (README, "pagedkv vs vLLM on
+   CPU"): both workloads above, each dtype, each engine in its own subprocess (vLLM's in the
+   given interpreter, a throwaway venv) kept up across rounds, runs alternating; block size 32,
+   max_num_batched_tokens 2048, prefix caching on, the same 4 GiB KV budget. Prints tok/s per
+   run, the ratio of the medians, whether greedy tokens agree, and the load average at start
+   and end. --busy N spins N more processes throughout (the shared-machine case).
+
 transformers is a test dependency: install with `pip install -e '.[dev]'` (make test does).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import os
 import random
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +53,30 @@ def shared_prefix_workload(seed: int, vocab: int) -> list[tuple[list[int], int]]
     rng = random.Random(seed)
     prefix = [rng.randrange(4, vocab) for _ in range(1024)]
     return [(prefix + [rng.randrange(4, vocab) for _ in range(32)], 32) for _ in range(32)]
+
+
+# The side-by-side workloads of --vs-vllm, by name (shared with vllm_offline_worker.py).
+WORKLOADS = {
+    "mixed": lambda vocab: workload(0, vocab),
+    "shared_prefix": lambda vocab: shared_prefix_workload(1, vocab),
+    "warmup": lambda vocab: workload(2, vocab)[:4],
+}
+# Both engines of --vs-vllm: the issue's settings, and the same KV budget (GiB).
+VS_ENGINE = dict(block_size=32, max_num_batched_tokens=2048)
+VS_KV_GIB = 4
+
+
+def worker_loop(run) -> None:
+    """A --vs-vllm worker's loop (both sides): READY, then for each workload name read from
+    stdin, `run(name)` -> {seconds, tokens} printed as `RESULT {json}` with tokens/s added."""
+    print("READY", flush=True)
+    for line in sys.stdin:
+        name = line.strip()
+        if not name:
+            continue
+        result = run(name)
+        result["tokens_per_s"] = sum(map(len, result["tokens"])) / result["seconds"]
+        print("RESULT " + json.dumps(result), flush=True)
 
 
 def num_params(model_dir: Path) -> int:
@@ -106,6 +142,128 @@ def run_transformers(model_dir: Path, dtype: str, requests, batch_size: int = 16
     return dict(seconds=elapsed, output_tokens=generated, tokens_per_s=generated / elapsed)
 
 
+def pagedkv_worker(spec: dict) -> None:
+    """pagedkv's side of --vs-vllm (this file run with --worker JSON in a subprocess)."""
+    from pagedkv import LLM, SamplingParams
+
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=0, enable_prefix_caching=True,
+              block_size=spec["block_size"], max_num_batched_tokens=spec["max_num_batched_tokens"],
+              kv_cache_memory_bytes=VS_KV_GIB << 30, cpu_kernels="wait",
+              cpu_threads=spec.get("threads"))
+
+    def run(name: str) -> dict:
+        requests = WORKLOADS[name](spec["vocab"])
+        prompts = [{"prompt_token_ids": p} for p, _ in requests]
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
+        llm.llm_engine.scheduler.kv_cache_manager.reset_prefix_cache()
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        return dict(seconds=elapsed, tokens=[list(o.outputs[0].token_ids) for o in outputs])
+
+    run("warmup")
+    worker_loop(run)
+
+
+class Side:
+    """One engine's worker subprocess (kept up across rounds): `run(workload)` -> result."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict) -> None:
+        self.name = name
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed with the worker)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, env=env)
+        self._expect("READY")
+
+    def _expect(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+        self.log.seek(0)
+        raise RuntimeError(f"{self.name} worker exited:\n{self.log.read()[-3000:]}")
+
+    def run(self, workload_name: str) -> dict:
+        self.proc.stdin.write(workload_name + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._expect("RESULT "))
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def vllm_env(python: str, threads: int | None) -> dict:
+    """The environment vLLM's CPU build wants: tcmalloc and its bundled libiomp5 preloaded,
+    a KV budget, and its OpenMP threads bound to this process's CPUs (or the first N)."""
+    venv = Path(python).parent.parent  # not resolved: a venv's python links to the base one
+    preload = sorted(glob.glob("/usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4"))[:1]
+    preload += [str(p) for p in venv.glob("lib/libiomp5.so")]
+    cpus = sorted(os.sched_getaffinity(0))[: threads or None]
+    return dict(os.environ, LD_PRELOAD=":".join(preload), VLLM_CPU_KVCACHE_SPACE=str(VS_KV_GIB),
+                VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cpus)))
+
+
+def start_burners(count: int) -> list[subprocess.Popen]:
+    """`count` processes that spin on a core each (the busy-machine runs)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+
+def vs_vllm(args: argparse.Namespace, base: Path) -> dict:
+    """pagedkv and vLLM side by side, alternating, on the issue's workloads; prints the table."""
+    report: dict = {"load_start": os.getloadavg(), "busy_processes": args.busy, "rows": []}
+    print(f"load average at start: {report['load_start'][0]:.2f}; busy processes: {args.busy}",
+          flush=True)
+    burners = start_burners(args.busy)
+    here = Path(__file__).resolve()
+    try:
+        for dtype in args.dtypes.split(","):
+            model_dir = base / f"llama-512x8-{dtype}"
+            if not (model_dir / "model.safetensors").exists():
+                from pagedkv.testing.random_model import build_random_model_dir
+
+                build_random_model_dir(model_dir, dtype=dtype, seed=0, **SHAPE)
+            vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+            spec = json.dumps(dict(model=str(model_dir), dtype=dtype, vocab=vocab,
+                                   threads=args.threads, **VS_ENGINE))
+            sides = [Side("pagedkv", [sys.executable, str(here), "--worker", spec], dict(os.environ)),
+                     Side("vllm", [args.vs_vllm, str(here.with_name("vllm_offline_worker.py")),
+                                   spec], vllm_env(args.vs_vllm, args.threads))]
+            try:
+                for name in ("mixed", "shared_prefix"):
+                    results: dict[str, list] = {"pagedkv": [], "vllm": []}
+                    for r in range(args.rounds):
+                        for side in sides if r % 2 == 0 else sides[::-1]:
+                            results[side.name].append(side.run(name))
+                    report["rows"].append(_vs_row(dtype, name, results))
+            finally:
+                for side in sides:
+                    side.close()
+    finally:
+        for p in burners:
+            p.kill()
+    report["load_end"] = os.getloadavg()
+    print(f"load average at end: {report['load_end'][0]:.2f}")
+    return report
+
+
+def _vs_row(dtype: str, name: str, results: dict[str, list]) -> dict:
+    ours = [r["tokens_per_s"] for r in results["pagedkv"]]
+    theirs = [r["tokens_per_s"] for r in results["vllm"]]
+    a, b = results["pagedkv"][0]["tokens"], results["vllm"][0]["tokens"]
+    same = sum(x == y for x, y in zip(a, b, strict=True))
+    ratio = statistics.median(ours) / statistics.median(theirs)
+    print(f"[{dtype}] {name}: pagedkv {' / '.join(f'{x:,.0f}' for x in ours)} tok/s, vLLM "
+          f"{' / '.join(f'{x:,.0f}' for x in theirs)} tok/s: pagedkv / vLLM {ratio:.2f}x "
+          f"(medians); greedy tokens identical on {same}/{len(a)} prompts", flush=True)
+    return dict(dtype=dtype, workload=name, pagedkv=ours, vllm=theirs, ratio=ratio,
+                identical_prompts=same, prompts=len(a))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtypes", default="float32,bfloat16")
@@ -122,10 +280,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="cuda: also time the decode step with enforce_eager")
     parser.add_argument("--transformers-mixed", action="store_true",
                         help="cuda: also run transformers on the mixed workload (slow)")
+    parser.add_argument("--vs-vllm", metavar="PYTHON", default=None,
+                        help="side by side with vLLM in this interpreter (a venv with vLLM's CPU "
+                             "build, see the README): both workloads, alternating")
+    parser.add_argument("--rounds", type=int, default=2, help="--vs-vllm: runs per engine")
+    parser.add_argument("--busy", type=int, default=0,
+                        help="--vs-vllm: spin this many other processes during every run")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads for every engine in the run (default: torch's); "
                              "1 thread is far less disturbed by other processes on a shared box")
     args = parser.parse_args(argv)
+    if args.worker:
+        pagedkv_worker(json.loads(args.worker))
+        return 0
+    if args.vs_vllm:
+        with tempfile.TemporaryDirectory() as tmp:
+            report = vs_vllm(args, Path(args.model_dir or tmp))
+        if args.json:
+            print(json.dumps(report, indent=2))
+        return 0
     if args.device == "cuda":
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import gpu_offline

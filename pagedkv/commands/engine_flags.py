@@ -59,6 +59,8 @@ _HELP: dict[str, str] = {
     "enforce_eager": "no CUDA graphs: run every decode step eagerly",
     "cpu_kernels": "CPU: fused C++ kernels; auto: build in the background on first use and "
                    "switch once built; wait: build before starting; off: pure torch",
+    "cpu_threads": "CPU: compute threads (default: the cores other processes leave free, "
+                   "re-read every second)",
 }
 
 

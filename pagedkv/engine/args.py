@@ -52,6 +52,9 @@ class EngineArgs:
     enforce_eager: bool = False
     # CPU: the fused C++ kernels (pagedkv.kernels.cpu): "auto" | "wait" | "off".
     cpu_kernels: str = "auto"
+    # CPU: torch's thread count; None: follow the cores other processes leave free
+    # (pagedkv.model.cpu_threads), N: exactly N.
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -70,6 +73,7 @@ class EngineArgs:
         positive_int("max_model_len", allow_none=True)
         positive_int("num_gpu_blocks_override", allow_none=True)
         positive_int("kv_cache_memory_bytes", allow_none=True)
+        positive_int("cpu_threads", allow_none=True)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -13,6 +13,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <limits>
 #include <vector>
@@ -23,6 +25,25 @@ template <typename T> inline float to_f(T x) { return static_cast<float>(x); }
 template <typename T> inline T from_f(float x) { return static_cast<T>(x); }
 // Round a float32 value to T's precision and back (identity for float).
 template <typename T> inline float rnd(float x) { return to_f<T>(from_f<T>(x)); }
+
+// exp(x) in float32 to about 2 ulp (Cephes' expf: 2^n * a degree-6 polynomial of the
+// remainder), plain arithmetic so that loops of it vectorize (libm's expf does not).
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
 
 template <typename T> struct Tag { using type = T; };
 
@@ -109,9 +130,10 @@ at::Tensor silu_and_mul(const at::Tensor& gu) {
       for (int64_t i = b; i < e; i++) {
         const scalar_t* gi = g + i * s;
         scalar_t* oi = o + i * n;
+#pragma omp simd
         for (int64_t j = 0; j < n; j++) {
           const float x = to_f(gi[j]);
-          oi[j] = from_f<scalar_t>(rnd<scalar_t>(x / (1.f + std::exp(-x))) * to_f(gi[n + j]));
+          oi[j] = from_f<scalar_t>(rnd<scalar_t>(x / (1.f + fast_exp(-x))) * to_f(gi[n + j]));
         }
       }
     });
@@ -280,7 +302,8 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
             }
             const float corr = std::exp(m[h] - mx);  // 0 on the first block (m = -inf)
             float sum = 0.f;
-            for (int64_t t = 0; t < n; t++) { ph[t] = std::exp(ph[t] - mx); sum += ph[t]; }
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < n; t++) { ph[t] = fast_exp(ph[t] - mx); sum += ph[t]; }
             float* ah = acc.data() + h * d;
 #pragma omp simd
             for (int64_t j = 0; j < d; j++) ah[j] *= corr;

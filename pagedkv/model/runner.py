@@ -22,6 +22,7 @@ from pagedkv.kv.spec import KVCacheSpec, kv_cache_spec_from_hf_config
 from pagedkv.model.backends import get_attention_backend
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.config import ModelConfig, parse_dtype, torch_dtype
+from pagedkv.model.cpu_threads import CpuThreadGovernor
 from pagedkv.model.kv_cache import KVCache
 from pagedkv.model.loader import check_model_dir, load_model
 from pagedkv.model.logits_rows import select_logits_rows
@@ -50,7 +51,8 @@ class ModelRunner:
                  seed: int = 0, kv_cache_spec: KVCacheSpec | None = None,
                  attention_backend: str | None = None,
                  cuda_graph_batch_sizes: list[int] | None = None,
-                 max_model_len: int | None = None, cpu_kernels: str = "auto") -> None:
+                 max_model_len: int | None = None, cpu_kernels: str = "auto",
+                 cpu_threads: int | None = None) -> None:
         """`num_blocks` None: no KV cache yet (profile memory, then `allocate_kv_cache`).
         `kv_cache_spec` (the one the engine planned with) shapes the KV tensors; without it the
         spec is built from the same config reader, `block_size` and `dtype`.
@@ -59,7 +61,9 @@ class ModelRunner:
         exists (see `capture_cuda_graphs`; None or empty: eager), block tables up to
         `max_model_len` tokens (default: the model's max_position_embeddings).
         `cpu_kernels` (CPU only): when to use the fused C++ kernels (pagedkv.kernels.cpu);
-        with "auto" the runner switches to them, between steps, once they are built."""
+        with "auto" the runner switches to them, between steps, once they are built.
+        `cpu_threads` (CPU only): torch's thread count; None lets a CpuThreadGovernor follow
+        the cores other processes leave free (cpu_threads.py)."""
         check_model_dir(model_dir)  # a config.json claiming 10^9 layers fails before any build
         self.model_config = ModelConfig.from_dir(model_dir)
         self.device = resolve_device(device)
@@ -82,6 +86,12 @@ class ModelRunner:
         self.cpu_kernels = "off" if self.device.type != "cpu" else cpu_kernels
         ensure_cpu_kernels(self.cpu_kernels)  # "auto": a cached build, or a background one
         self._use_cpu_kernels()
+        self.thread_governor = None
+        if self.device.type == "cpu":
+            if cpu_threads is None:
+                self.thread_governor = CpuThreadGovernor()
+            else:
+                torch.set_num_threads(cpu_threads)
         self.cuda_graphs = None
         self.kv_connector = None  # the KV store's worker side, plugged in by the engine
         if num_blocks is not None:
@@ -186,6 +196,8 @@ class ModelRunner:
             return result
         if self.cpu_kernels == "auto":
             self._use_cpu_kernels()
+        if self.thread_governor is not None:
+            self.thread_governor.adjust()
         reqs, ids, pos, step = self.describe_step(out.scheduled)
         graphs = self.cuda_graphs
         if graphs is not None and step.num_decodes == len(reqs) \

@@ -1,0 +1,68 @@
+"""CpuThreadGovernor: fewer threads as other processes take cores, all of them when quiet."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from pagedkv.model import cpu_threads
+from pagedkv.model.cpu_threads import CpuThreadGovernor
+
+
+@pytest.fixture
+def fake_machine(monkeypatch):
+    """A 4-CPU machine whose busy ticks, our own ticks and clock the test drives (100 ticks/s)."""
+    state = {"now": 1000.0, "busy": 0, "own": 0}
+    monkeypatch.setattr(cpu_threads, "_allowed_cpus", lambda: [0, 1, 2, 3])
+    monkeypatch.setattr(cpu_threads, "_busy_ticks", lambda cpus: state["busy"])
+    monkeypatch.setattr(cpu_threads, "_own_ticks", lambda: state["own"])
+    monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: state["now"])
+    before = torch.get_num_threads()
+    yield state
+    torch.set_num_threads(before)
+
+
+def advance(state, seconds, own_cores, other_cores):
+    state["now"] += seconds
+    state["own"] += int(own_cores * 100 * seconds)
+    state["busy"] += int((own_cores + other_cores) * 100 * seconds)
+
+
+def test_threads_follow_the_cores_others_leave(fake_machine, monkeypatch):
+    monkeypatch.setattr(cpu_threads.os, "sysconf", lambda name: 100)
+    gov = CpuThreadGovernor()
+    assert gov.threads == 4 and torch.get_num_threads() == 4
+    gov.adjust()  # first reading: nothing to compare with yet
+    advance(fake_machine, 1.0, own_cores=4, other_cores=0)
+    assert gov.adjust() == 4
+    advance(fake_machine, 1.0, own_cores=2, other_cores=2)  # another process took two cores
+    assert gov.adjust() == 2 and torch.get_num_threads() == 2
+    assert gov.others_cores == pytest.approx(2.0)
+    advance(fake_machine, 0.5, own_cores=2, other_cores=2)
+    assert gov.adjust() == 2  # within the interval: no new reading
+    advance(fake_machine, 1.0, own_cores=1, other_cores=3.9)  # never fewer than one
+    assert gov.adjust() == 1
+    advance(fake_machine, 1.0, own_cores=1, other_cores=0.2)  # quiet again: a little noise is free
+    assert gov.adjust() == 4
+
+
+def test_max_threads_caps_the_count(fake_machine, monkeypatch):
+    monkeypatch.setattr(cpu_threads.os, "sysconf", lambda name: 100)
+    gov = CpuThreadGovernor(max_threads=2)
+    gov.adjust()
+    advance(fake_machine, 1.0, own_cores=2, other_cores=0)
+    assert gov.adjust() == 2
+
+
+def test_real_proc_readings_count_this_process():
+    cpus = cpu_threads._allowed_cpus()
+    busy, own = cpu_threads._busy_ticks(cpus), cpu_threads._own_ticks()
+    if busy is None or own is None:
+        pytest.skip("no /proc here")
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:
+        pass
+    assert cpu_threads._own_ticks() > own
+    assert cpu_threads._busy_ticks(cpus) >= busy + (cpu_threads._own_ticks() - own) // 2
