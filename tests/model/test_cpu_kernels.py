@@ -161,3 +161,24 @@ except RuntimeError as e:
 
     tokens = eval(proc.stdout.split("TOKENS", 1)[1].splitlines()[0])
     assert tokens == hf_greedy(tiny_llama, [5, 6, 7], 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_linear_is_prepared_for_the_cpu_and_matches_the_16bit_product(dtype):
+    """A 16-bit Linear on CPU is prepared (oneDNN-packed where the CPU has bfloat16 dot
+    products, else a float32 copy of the weight) and gives the 16-bit product's values."""
+    from pagedkv.model.layers import Linear, onednn_bf16_available
+
+    torch.manual_seed(3)
+    layer = Linear(64, 48, bias=True).to(dtype)
+    x = torch.randn(7, 64, dtype=dtype)
+    want = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    assert layer.pack()
+    packed = layer._packed is not None
+    assert packed == (dtype == torch.bfloat16 and onednn_bf16_available(layer.weight))
+    assert (layer._widened is not None) != packed
+    got = layer(x)
+    assert got.dtype == dtype
+    close(got, want.to(dtype), dtype)
+    f32 = Linear(64, 48, bias=False)
+    assert not f32.pack() and torch.equal(f32(x.float()), F.linear(x.float(), f32.weight))
