@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 CPU_KERNEL_MODES = ("auto", "wait", "off")
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 CXXFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++20",
-            "-fno-math-errno", "-DNDEBUG"]
+            "-fno-math-errno", "-fno-trapping-math", "-DNDEBUG"]
 
 _lock = threading.Lock()
 _state = {"loaded": False, "error": None, "thread": None}

@@ -23,6 +23,21 @@ namespace {
 
 template <typename T> inline float to_f(T x) { return static_cast<float>(x); }
 template <typename T> inline T from_f(float x) { return static_cast<T>(x); }
+// bfloat16 <-> float32 as c10's conversions (round to nearest even, NaN kept a quiet NaN), but
+// branch-free, so that loops over them vectorize.
+template <> inline float to_f(c10::BFloat16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+template <> inline c10::BFloat16 from_f(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  r = (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : r;
+  return c10::BFloat16(static_cast<uint16_t>(r), c10::BFloat16::from_bits());
+}
 // Round a float32 value to T's precision and back (identity for float).
 template <typename T> inline float rnd(float x) { return to_f<T>(from_f<T>(x)); }
 
@@ -162,18 +177,21 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
     const scalar_t* cp = cos.data_ptr<scalar_t>();
     const scalar_t* sp = sin.data_ptr<scalar_t>();
     at::parallel_for(0, t, 8, [&](int64_t b, int64_t e) {
+      std::vector<float> cf(d), sf(d), xf(d);
       for (int64_t i = b; i < e; i++) {
         const scalar_t* c = cp + pp[i] * d;
         const scalar_t* s = sp + pp[i] * d;
+        for (int64_t j = 0; j < d; j++) { cf[j] = to_f(c[j]); sf[j] = to_f(s[j]); }
         for (int64_t h = 0; h < heads; h++) {
-          scalar_t* v = xp + i * sx + h * d;
-          for (int64_t j = 0; j < half; j++) {
-            const float a = to_f(v[j]), bb = to_f(v[j + half]);
-            v[j] = from_f<scalar_t>(rnd<scalar_t>(a * to_f(c[j])) +
-                                    rnd<scalar_t>(bb * to_f(s[j])));
-            v[j + half] = from_f<scalar_t>(rnd<scalar_t>(bb * to_f(c[j + half])) +
-                                           rnd<scalar_t>(a * to_f(s[j + half])));
-          }
+          scalar_t* __restrict v = xp + i * sx + h * d;
+          float* __restrict x = xf.data();
+          for (int64_t j = 0; j < d; j++) x[j] = to_f(v[j]);
+          const float* __restrict cc = cf.data();
+          const float* __restrict ss = sf.data();
+          for (int64_t j = 0; j < half; j++)
+            v[j] = from_f<scalar_t>(rnd<scalar_t>(x[j] * cc[j]) + rnd<scalar_t>(x[j + half] * ss[j]));
+          for (int64_t j = half; j < d; j++)
+            v[j] = from_f<scalar_t>(rnd<scalar_t>(x[j] * cc[j]) + rnd<scalar_t>(x[j - half] * ss[j]));
         }
       }
     });
