@@ -17,6 +17,7 @@ import typing
 from typing import Any
 
 from pagedkv.engine.args import _DTYPES, EngineArgs
+from pagedkv.kv.eviction import EVICTION_POLICIES
 from pagedkv.kv.sizes import parse_size
 
 # Fields that the commands take otherwise (the positional MODEL_DIR).
@@ -28,6 +29,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "preemption_mode": ("recompute", "swap"),
     "scheduling_policy": ("fcfs", "priority"),
     "prefix_caching_hash_algo": ("sha256", "xxhash"),
+    "eviction_policy": tuple(EVICTION_POLICIES),
 }
 
 _HELP: dict[str, str] = {
@@ -55,6 +57,9 @@ _HELP: dict[str, str] = {
     "kv_offloading_disk_size": "GiB the disk tier may use",
     "kv_offloading_remote_url": "Redis URL of the KV store's shared tier, e.g. redis://127.0.0.1:6379",
     "enforce_eager": "no CUDA graphs: run every decode step eagerly",
+    "eviction_policy": "which free cached KV block is evicted first: lru, lfu (fewest uses) "
+                       "or arc (adaptive recency/frequency)",
+    "max_pinned_fraction": "most of the KV cache that pinned prefixes (/v1/pin) may hold",
 }
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 from pagedkv.config import MODEL_DTYPE_CHOICES as _DTYPES
 from pagedkv.events.config import parse_kv_events_config
+from pagedkv.kv.eviction import DEFAULT_EVICTION_POLICY, eviction_policy_class
 
 
 @dataclass
@@ -46,6 +47,10 @@ class EngineArgs:
     kv_offloading_disk_size: float = 10.0
     kv_offloading_remote_url: str | None = None
     enforce_eager: bool = False
+    # Which free cached block is evicted first (pagedkv.kv.eviction: lru, lfu, arc), and the
+    # most of the device cache pinned prefixes may hold (LLMEngine.pin_prefix).
+    eviction_policy: str = DEFAULT_EVICTION_POLICY
+    max_pinned_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         self.validate()
@@ -86,6 +91,11 @@ class EngineArgs:
         self._validate_offloading()
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        eviction_policy_class(self.eviction_policy)
+        if (isinstance(self.max_pinned_fraction, bool)
+                or not isinstance(self.max_pinned_fraction, (int, float))
+                or not 0.0 <= self.max_pinned_fraction < 1.0):
+            raise ValueError(f"max_pinned_fraction must be in [0, 1), got {self.max_pinned_fraction!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

@@ -137,7 +137,8 @@ class LLMEngine:
             setup.spec, num_blocks=setup.num_blocks,
             num_host_blocks=setup.num_host_blocks, enable_caching=args.enable_prefix_caching,
             watermark=args.watermark, hash_algo=args.prefix_caching_hash_algo,
-            enable_kv_cache_events=events_config.enabled)
+            enable_kv_cache_events=events_config.enabled, eviction_policy=args.eviction_policy,
+            max_pinned_fraction=args.max_pinned_fraction)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=setup.max_num_batched_tokens,
