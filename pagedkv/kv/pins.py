@@ -91,10 +91,8 @@ class PrefixPins:
                              f"{self.hasher.block_size} tokens to pin")
         return hashes
 
-    def pin(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PinInfo:
-        """Pin the leading cached run of the prompt's full blocks (replacing this prompt's
-        earlier pin). Raises ValueError for a prompt without a full block or past the bound."""
-        hashes = self._hashes(token_ids, cache_salt)
+    def _cached_run(self, hashes: list[BlockHash]) -> list[KVCacheBlock]:
+        """The blocks of the leading run of `hashes` in the prefix cache."""
         get = self.pool.get_cached_block
         blocks: list[KVCacheBlock] = []
         for block_hash in hashes:
@@ -102,6 +100,19 @@ class PrefixPins:
             if block is None:
                 break
             blocks.append(block)
+        return blocks
+
+    def is_cached(self, token_ids: Sequence[int], cache_salt: str | None = None) -> bool:
+        """Whether every full block of the prompt is in the prefix cache now (a pin would
+        take them all). ValueError for a prompt without a full block."""
+        hashes = self._hashes(token_ids, cache_salt)
+        return len(self._cached_run(hashes)) == len(hashes)
+
+    def pin(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PinInfo:
+        """Pin the leading cached run of the prompt's full blocks (replacing this prompt's
+        earlier pin). Raises ValueError for a prompt without a full block or past the bound."""
+        hashes = self._hashes(token_ids, cache_salt)
+        blocks = self._cached_run(hashes)
         key = hashes[-1]
         old = self._pins.get(key, [])
         released = {b.block_id for b in old if self._refs[b.block_id] == 1}
