@@ -71,10 +71,9 @@ class ARCEvictionPolicy(EvictionPolicy):
         return self._lists[_T2].num_free_blocks
 
     # ------------------------------------------------------------------ free set
-    def _wants_t2(self, block: KVCacheBlock) -> bool:
-        """Whether a freed cached block belongs in T2; adapts p on a ghost hit."""
+    def _ghost_hit(self, key: BlockHash) -> bool:
+        """If `key` is in a ghost list: adapt p, forget it there, and say so."""
         b1, b2 = self.ghosts[_T1], self.ghosts[_T2]
-        key = block.block_hash
         if key in b1:
             del b1[key]
             self.p = min(self.p + max(1.0, len(b2) / (len(b1) + 1)), float(self.capacity))
@@ -83,24 +82,32 @@ class ARCEvictionPolicy(EvictionPolicy):
             del b2[key]
             self.p = max(self.p - max(1.0, len(b1) / (len(b2) + 1)), 0.0)
             return True
-        return self._used_twice[block.block_id]
+        return False
 
     def add(self, blocks: Sequence[KVCacheBlock]) -> None:
         # Decide head first (the batch is tail first): T2 only if the head-ward block is T2.
-        tags = [_U] * len(blocks)
+        n = len(blocks)
+        tags = [_U] * n
         head_in_t2 = True
-        for i in range(len(blocks) - 1, -1, -1):
+        used_twice = self._used_twice
+        b1, b2 = self.ghosts[_T1], self.ghosts[_T2]
+        for i in range(n - 1, -1, -1):
             block = blocks[i]
-            if block.block_hash is None:
+            key = block.block_hash
+            if key is None:
                 continue
-            in_t2 = self._wants_t2(block) and head_in_t2
-            tags[i] = _T2 if in_t2 else _T1
-            head_in_t2 = in_t2
+            ghost_hit = (key in b1 or key in b2) and self._ghost_hit(key)
+            head_in_t2 = head_in_t2 and (ghost_hit or used_twice[block.block_id])
+            tags[i] = _T2 if head_in_t2 else _T1
         lists = self._lists
+        tag_of = self._tag
+        freed_at = self._freed_at
+        clock = self._clock
         for block, tag in zip(blocks, tags, strict=True):
-            self._tag[block.block_id] = tag
-            self._clock += 1
-            self._freed_at[block.block_id] = self._clock
+            bid = block.block_id
+            tag_of[bid] = tag
+            clock += 1
+            freed_at[bid] = clock
             queue = lists[tag]
             tail = queue.fake_tail
             last = tail.prev_free_block
@@ -109,7 +116,8 @@ class ARCEvictionPolicy(EvictionPolicy):
             block.next_free_block = tail
             tail.prev_free_block = block
             queue.num_free_blocks += 1
-        self.num_free_blocks += len(blocks)
+        self._clock = clock
+        self.num_free_blocks += n
 
     def remove(self, blocks: Sequence[KVCacheBlock]) -> None:
         tag = self._tag
@@ -122,36 +130,42 @@ class ARCEvictionPolicy(EvictionPolicy):
             tag[block.block_id] = _NOT_FREE
         self.num_free_blocks -= len(blocks)
 
-    def _victim_list(self) -> int:
-        """The list whose head is evicted next (U is handled by the caller)."""
+    def _next_run(self, need: int) -> tuple[int, int]:
+        """(list, how many) to evict next: its head, and as many after it as the same rule
+        would pick one at a time (U is handled by the caller)."""
         t1, t2 = self._lists[_T1], self._lists[_T2]
-        if not t2.num_free_blocks:
-            return _T1
-        if not t1.num_free_blocks:
-            return _T2
-        if t1.num_free_blocks > self.p:
-            return _T1
+        n1, n2 = t1.num_free_blocks, t2.num_free_blocks
+        if not n2:
+            return _T1, min(need, n1)
+        if not n1:
+            return _T2, min(need, n2)
+        if n1 > self.p:  # T1 stays above p for the next n1 - floor(p) evictions
+            return _T1, min(need, n1 - int(self.p))
         freed_at = self._freed_at
         return (_T1 if freed_at[t1.fake_head.next_free_block.block_id]
-                < freed_at[t2.fake_head.next_free_block.block_id] else _T2)
+                < freed_at[t2.fake_head.next_free_block.block_id] else _T2), 1
 
     def pop(self, num_blocks: int) -> list[KVCacheBlock]:
         if not 0 <= num_blocks <= self.num_free_blocks:
             raise ValueError(f"cannot pop {num_blocks} blocks: {self.num_free_blocks} are free")
         unhashed = self._lists[_U]
         out = unhashed.popleft_n(min(num_blocks, unhashed.num_free_blocks))
+        capacity = self.capacity
         while len(out) < num_blocks:
-            tag = self._victim_list()
-            block = self._lists[tag].popleft_n(1)[0]
-            if block.block_hash is not None:  # reset_prefix_cache may have dropped it
-                ghosts = self.ghosts[tag]
-                ghosts[block.block_hash] = None
-                if len(ghosts) > self.capacity:
-                    ghosts.popitem(last=False)
-            out.append(block)
+            tag, count = self._next_run(num_blocks - len(out))
+            victims = self._lists[tag].popleft_n(count)
+            ghosts = self.ghosts[tag]
+            for block in victims:
+                if block.block_hash is not None:  # reset_prefix_cache may have dropped it
+                    ghosts[block.block_hash] = None
+            while len(ghosts) > capacity:
+                ghosts.popitem(last=False)
+            out += victims
+        tags = self._tag
+        used_twice = self._used_twice
         for block in out:  # new contents: not used twice yet
-            self._tag[block.block_id] = _NOT_FREE
-            self._used_twice[block.block_id] = False
+            tags[block.block_id] = _NOT_FREE
+            used_twice[block.block_id] = False
         self.num_free_blocks -= num_blocks
         return out
 
