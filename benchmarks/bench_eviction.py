@@ -120,7 +120,9 @@ def run_engine(policy: str, model_dir: Path, prompts: list[list[int]],
               max_num_seqs=args.engine_concurrency, eviction_policy=policy)
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": [5] * (args.block_size + 1)}], params, use_tqdm=False)
+    warmup = [[5 + i] * (n * args.block_size + 1) for i, n in enumerate(
+        (1, args.hot_blocks + 1, args.scan_blocks, args.scan_blocks))]
+    llm.generate([{"prompt_token_ids": w} for w in warmup], params, use_tqdm=False)  # untimed
     base = engine.get_stats()
     pending = deque(enumerate(prompts))
     start = time.perf_counter()
@@ -138,6 +140,22 @@ def run_engine(policy: str, model_dir: Path, prompts: list[list[int]],
     return {"policy": policy, "hit_rate": hits / prompt_tokens, "hit_tokens": hits,
             "prompt_tokens": prompt_tokens, "seconds": elapsed,
             "prompt_tokens_per_s": prompt_tokens / elapsed}
+
+
+def best_of(repeats: int, run) -> list[dict]:
+    """`run(policy)` `repeats` times per policy, the order rotating each round (so no policy
+    always runs first on a busy machine); per policy the fastest run (hit rates are the same
+    every time: the workload and the engine are deterministic)."""
+    best: dict[str, dict] = {}
+    for round_ in range(repeats):
+        for policy in POLICIES[round_ % 3:] + POLICIES[:round_ % 3]:
+            result = run(policy)
+            old = best.get(policy)
+            if old is not None:
+                assert old["hit_tokens"] == result["hit_tokens"], "hit rates must not vary"
+            if old is None or result["seconds"] < old["seconds"]:
+                best[policy] = result
+    return [best[p] for p in POLICIES]
 
 
 def with_ratios(results: list[dict], key: str) -> list[dict]:
@@ -170,10 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine", action="store_true", help="also run through LLMEngine")
-    parser.add_argument("--engine-requests", type=int, default=64)
-    parser.add_argument("--engine-cache-blocks", type=int, default=128)
-    parser.add_argument("--engine-scan-blocks", type=int, default=12)
+    parser.add_argument("--engine-requests", type=int, default=96)
+    parser.add_argument("--engine-cache-blocks", type=int, default=64)
+    parser.add_argument("--engine-hot", type=int, default=4)
+    parser.add_argument("--engine-hot-blocks", type=int, default=4)
+    parser.add_argument("--engine-hot-fraction", type=float, default=0.5)
+    parser.add_argument("--engine-scan-blocks", type=int, default=32)
     parser.add_argument("--engine-concurrency", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs per policy, in rotating order; the fastest is kept")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     assert sorted(POLICIES) == sorted(EVICTION_POLICIES), "a policy is missing from the bench"
@@ -182,14 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"workload": {k: v for k, v in vars(args).items() if k != "json"}}
     report["workload"]["scan_blocks_between_hot_uses"] = scan_blocks_between_uses(args)
     prompts = workload(args, args.requests, vocab)
-    report["manager"] = with_ratios([run_manager(p, prompts, args) for p in POLICIES],
-                                    "requests_per_s")
+    report["manager"] = with_ratios(best_of(args.repeats, lambda p: run_manager(
+        p, prompts, args)), "requests_per_s")
     if args.engine:
         from pagedkv.testing import build_random_model_dir
 
-        engine_args = argparse.Namespace(**{**vars(args), "scan_blocks": args.engine_scan_blocks,
-                                            "cache_blocks": args.engine_cache_blocks,
-                                            "hot_blocks": max(1, args.hot_blocks // 4)})
+        engine_args = argparse.Namespace(**{
+            **vars(args), **{name: getattr(args, "engine_" + name) for name in (
+                "scan_blocks", "cache_blocks", "hot", "hot_blocks", "hot_fraction")}})
         report["workload"]["engine_scan_blocks_between_hot_uses"] = \
             scan_blocks_between_uses(engine_args)
         with tempfile.TemporaryDirectory() as tmp:
@@ -198,9 +221,8 @@ def main(argv: list[str] | None = None) -> int:
 
             engine_prompts = workload(engine_args, args.engine_requests,
                                       tokenizer_vocab_size(model_dir))
-            report["engine"] = with_ratios(
-                [run_engine(p, model_dir, engine_prompts, engine_args) for p in POLICIES],
-                "prompt_tokens_per_s")
+            report["engine"] = with_ratios(best_of(args.repeats, lambda p: run_engine(
+                p, model_dir, engine_prompts, engine_args)), "prompt_tokens_per_s")
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -213,8 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(f"block manager, {args.requests} requests", report["manager"],
                 "requests_per_s", "requests/s")
     if args.engine:
-        print(f"\nengine: cache {args.engine_cache_blocks} blocks, scan prompts "
-              f"{args.engine_scan_blocks} blocks, hot prefixes {engine_args.hot_blocks} blocks; "
+        print(f"\nengine: cache {args.engine_cache_blocks} blocks; hot set {engine_args.hot} x "
+              f"{engine_args.hot_blocks} blocks ({engine_args.hot_fraction:.0%} of requests); "
+              f"scan prompts {args.engine_scan_blocks} blocks; "
               f"~{w['engine_scan_blocks_between_hot_uses']:.0f} scan blocks "
               f"({w['engine_scan_blocks_between_hot_uses'] / args.engine_cache_blocks:.1f}x the "
               f"cache) between two uses of a hot prefix")

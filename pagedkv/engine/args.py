@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from pagedkv.config import MODEL_DTYPE_CHOICES as _DTYPES
 from pagedkv.events.config import parse_kv_events_config
 from pagedkv.kv.eviction import DEFAULT_EVICTION_POLICY, eviction_policy_class
+from pagedkv.kv.pins import check_max_pinned_fraction
 
 
 @dataclass
@@ -92,10 +93,7 @@ class EngineArgs:
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         eviction_policy_class(self.eviction_policy)
-        if (isinstance(self.max_pinned_fraction, bool)
-                or not isinstance(self.max_pinned_fraction, (int, float))
-                or not 0.0 <= self.max_pinned_fraction < 1.0):
-            raise ValueError(f"max_pinned_fraction must be in [0, 1), got {self.max_pinned_fraction!r}")
+        check_max_pinned_fraction(self.max_pinned_fraction)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

@@ -33,7 +33,7 @@ from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.block_pool import BlockPool, host_pool_num_blocks
 from pagedkv.kv.events import KVCacheEvent
 from pagedkv.kv.hashing import BlockHash, RequestBlockHasher
-from pagedkv.kv.pins import PinInfo, PrefixPins
+from pagedkv.kv.pins import PinInfo, PrefixPins, check_max_pinned_fraction, max_pinned_blocks
 from pagedkv.kv.single_type import block_table_policy, block_table_policy_for_spec
 from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.utils import cdiv
@@ -107,9 +107,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
-        if (isinstance(max_pinned_fraction, bool) or not isinstance(max_pinned_fraction, (int, float))
-                or not 0.0 <= max_pinned_fraction < 1.0):
-            raise ValueError(f"max_pinned_fraction must be in [0, 1), got {max_pinned_fraction!r}")
+        check_max_pinned_fraction(max_pinned_fraction)
         self.pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events,
                               eviction_policy=eviction_policy)
         self.host_pool = (BlockPool(host_pool_num_blocks(num_host_blocks), False)
@@ -119,7 +117,7 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * self.num_usable_blocks)
         self.hasher = RequestBlockHasher(hash_algo, block_size)
         self.pins = PrefixPins(self.pool, self.hasher,
-                               int(max_pinned_fraction * self.num_usable_blocks))
+                               max_pinned_blocks(max_pinned_fraction, self.num_usable_blocks))
         self.prefix_cache_stats = PrefixCacheStats()
         self._reqs: dict[str, _ReqState] = {}
         self._copies: list[tuple[int, int]] = []

@@ -25,6 +25,19 @@ from pagedkv.kv.block_pool import BlockPool
 from pagedkv.kv.hashing import BlockHash, RequestBlockHasher
 
 
+def check_max_pinned_fraction(value: object) -> float:
+    """`value` when it is a number in [0, 1) (the share of usable blocks pins may hold);
+    ValueError naming max_pinned_fraction otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"max_pinned_fraction must be in [0, 1), got {value!r}")
+    return float(value)
+
+
+def max_pinned_blocks(max_pinned_fraction: float, num_usable_blocks: int) -> int:
+    """How many distinct blocks pins may hold in a pool of `num_usable_blocks`."""
+    return int(check_max_pinned_fraction(max_pinned_fraction) * num_usable_blocks)
+
+
 class NotPinnedError(ValueError):
     """`unpin` of a prompt that has no pin (the server answers 404)."""
 
