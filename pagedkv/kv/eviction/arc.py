@@ -37,7 +37,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from pagedkv.kv.block import KVCacheBlock
-from pagedkv.kv.eviction.base import EvictionPolicy
+from pagedkv.kv.eviction.base import EvictionPolicy, check_all_free
 from pagedkv.kv.eviction.lru import FreeBlockQueue
 from pagedkv.kv.hashing import BlockHash
 
@@ -121,10 +121,7 @@ class ARCEvictionPolicy(EvictionPolicy):
 
     def remove(self, blocks: Sequence[KVCacheBlock]) -> None:
         tag = self._tag
-        for block in blocks:
-            if block.block_id >= len(tag) or tag[block.block_id] == _NOT_FREE:
-                raise ValueError(f"block {block.block_id} cannot be taken: it is the null "
-                                 f"block or not free")
+        check_all_free(blocks, tag, _NOT_FREE)
         for block in blocks:
             self._lists[tag[block.block_id]].remove(block)
             tag[block.block_id] = _NOT_FREE

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from pagedkv.kv.block import KVCacheBlock
-from pagedkv.kv.eviction.base import EvictionPolicy
+from pagedkv.kv.eviction.base import EvictionPolicy, check_all_free
 from pagedkv.kv.eviction.lru import FreeBlockQueue
 
 MAX_COUNT = 255
@@ -67,10 +67,7 @@ class LFUEvictionPolicy(EvictionPolicy):
 
     def remove(self, blocks: Sequence[KVCacheBlock]) -> None:
         bucket_of = self._bucket_of
-        for block in blocks:
-            if block.block_id >= len(bucket_of) or bucket_of[block.block_id] == _NOT_FREE:
-                raise ValueError(f"block {block.block_id} cannot be taken: it is the null "
-                                 f"block or not free")
+        check_all_free(blocks, bucket_of, _NOT_FREE)
         for block in blocks:
             b = bucket_of[block.block_id]
             bucket_of[block.block_id] = _NOT_FREE
