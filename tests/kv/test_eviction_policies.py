@@ -338,11 +338,14 @@ def test_scan_resistance(policy, expected_hit):
     assert hit == expected_hit
 
 
-@pytest.mark.parametrize("policy", sorted(EVICTION_POLICIES))
-def test_request_tail_evicted_first(policy):
+@pytest.mark.parametrize(("policy", "arc_p"), [("lru", 0), ("lfu", 0), ("arc", 0), ("arc", 11)])
+def test_request_tail_evicted_first(policy, arc_p):
     """A request that hit a shared prefix and computed its own tail: once everything is free,
-    evictions take its tail blocks before the prefix, last block first."""
+    evictions take its tail blocks before the prefix, last block first. Under ARC the prefix
+    is in T2 and the tail in T1, whether p protects T2 (0) or not (11: recency mode)."""
     m = KVCacheManager(num_blocks=12, block_size=2, eviction_policy=policy)
+    if policy == "arc":
+        m.pool.eviction.p = float(arc_p)
     shared = [1, 2, 3, 4]  # 2 blocks
     first = FakeRequest("a", shared + [5, 6, 7, 8, 0])
     prefill(m, first)
