@@ -348,12 +348,17 @@ class LLMEngine:
 
     # ---- pinned prefixes ----------------------------------------------------------------
 
+    def _pin_ids(self, prompt: PromptType, cache_salt: str | None) -> list[int]:
+        """The prompt's token ids, as add_request would take them; ValueError for a bad
+        prompt or cache_salt."""
+        check_cache_salt(cache_salt)
+        return self.tokenize_prompt(prompt)[1]
+
     def is_prefix_cached(self, prompt: PromptType, cache_salt: str | None = None) -> bool:
         """Whether every full block of `prompt` (salted and hashed as a request's would be) is
         in the device prefix cache now. ValueError for a bad prompt or salt, or a prompt
         shorter than one block."""
-        check_cache_salt(cache_salt)
-        _, ids = self.tokenize_prompt(prompt)
+        ids = self._pin_ids(prompt, cache_salt)
         return self.scheduler.kv_cache_manager.pins.is_cached(ids, cache_salt)
 
     def pin_prefix(self, prompt: PromptType, cache_salt: str | None = None) -> PinInfo:
@@ -363,15 +368,13 @@ class LLMEngine:
         /v1/pin run the prompt first when it is not cached. Pinning the same prompt again
         replaces its pin. ValueError for a bad prompt or salt, a prompt shorter than one block,
         or more pinned blocks than `max_pinned_fraction` of the cache."""
-        check_cache_salt(cache_salt)
-        _, ids = self.tokenize_prompt(prompt)
+        ids = self._pin_ids(prompt, cache_salt)
         return self.scheduler.kv_cache_manager.pin_prefix(ids, cache_salt)
 
     def unpin_prefix(self, prompt: PromptType, cache_salt: str | None = None) -> PinInfo:
         """Release `prompt`'s pin: its blocks stay cached and become evictable again.
         `pagedkv.kv.pins.NotPinnedError` (a ValueError) when it is not pinned."""
-        check_cache_salt(cache_salt)
-        _, ids = self.tokenize_prompt(prompt)
+        ids = self._pin_ids(prompt, cache_salt)
         return self.scheduler.kv_cache_manager.unpin_prefix(ids, cache_salt)
 
     # ---- the step -----------------------------------------------------------------------
