@@ -18,6 +18,7 @@ from typing import Any
 
 from pagedkv.engine.args import _DTYPES, EngineArgs
 from pagedkv.kernels.cpu import CPU_KERNEL_MODES
+from pagedkv.kv.eviction import EVICTION_POLICIES
 from pagedkv.kv.sizes import parse_size
 
 # Fields that the commands take otherwise (the positional MODEL_DIR).
@@ -30,6 +31,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "scheduling_policy": ("fcfs", "priority"),
     "prefix_caching_hash_algo": ("sha256", "xxhash"),
     "cpu_kernels": CPU_KERNEL_MODES,
+    "eviction_policy": tuple(EVICTION_POLICIES),
 }
 
 _HELP: dict[str, str] = {
@@ -61,6 +63,9 @@ _HELP: dict[str, str] = {
                    "switch once built; wait: build before starting; off: pure torch",
     "cpu_threads": "CPU: compute threads (default: the cores other processes leave free, "
                    "re-read every second)",
+    "eviction_policy": "which free cached KV block is evicted first: lru, lfu (fewest uses) "
+                       "or arc (adaptive recency/frequency)",
+    "max_pinned_fraction": "most of the KV cache that pinned prefixes (/v1/pin) may hold",
 }
 
 

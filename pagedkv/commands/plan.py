@@ -18,6 +18,8 @@ import os
 from typing import Any
 
 from pagedkv.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, load_hf_config
+from pagedkv.kv.eviction import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES
+from pagedkv.kv.pins import max_pinned_blocks
 from pagedkv.kv.plan import (
     KVCachePlan,
     default_max_model_len,
@@ -63,6 +65,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="host RAM of the KV store's host tier (default 0: none)")
     parser.add_argument("--kv-offloading-disk-size", default="0", metavar="SIZE",
                         help="disk space of the KV store's disk tier (default 0: none)")
+    parser.add_argument("--eviction-policy", choices=tuple(EVICTION_POLICIES),
+                        default=DEFAULT_EVICTION_POLICY,
+                        help=f"eviction order of the planned cache ({DEFAULT_EVICTION_POLICY})")
+    parser.add_argument("--max-pinned-fraction", type=float, default=0.5,
+                        help="share of the device blocks pinned prefixes may hold (0.5)")
     parser.add_argument("--json", action="store_true", help="print a JSON object")
     parser.set_defaults(run=run)
     return parser
@@ -111,6 +118,9 @@ def make_plan(args: argparse.Namespace) -> tuple[KVCachePlan, dict[str, Any]]:
         "model_type": config.get("model_type"),
         "weights_source": weights_source,
         "activation_max_num_batched_tokens": DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        "eviction_policy": args.eviction_policy,
+        "max_pinned_blocks": max_pinned_blocks(args.max_pinned_fraction,
+                                               max(plan.num_blocks - 1, 0)),
     }
     return plan, extra
 
@@ -147,6 +157,8 @@ def format_table(plan: KVCachePlan, extra: dict[str, Any]) -> str:
         ("host (swap) blocks", f"{plan.num_host_blocks:,}"),
         ("store host blocks", f"{extra['host_tier_blocks']:,}"),
         ("store disk blocks", f"{extra['disk_tier_blocks']:,} (Redis: bounded by the server)"),
+        ("eviction policy", extra["eviction_policy"]),
+        ("max pinned blocks", f"{extra['max_pinned_blocks']:,}"),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

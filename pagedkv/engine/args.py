@@ -8,6 +8,8 @@ from dataclasses import dataclass, fields
 from pagedkv.config import MODEL_DTYPE_CHOICES as _DTYPES
 from pagedkv.events.config import parse_kv_events_config
 from pagedkv.kernels.cpu import CPU_KERNEL_MODES
+from pagedkv.kv.eviction import DEFAULT_EVICTION_POLICY, eviction_policy_class
+from pagedkv.kv.pins import check_max_pinned_fraction
 
 
 @dataclass
@@ -55,6 +57,10 @@ class EngineArgs:
     # CPU: torch's thread count; None: follow the cores other processes leave free
     # (pagedkv.model.cpu_threads), N: exactly N.
     cpu_threads: int | None = None
+    # Which free cached block is evicted first (pagedkv.kv.eviction: lru, lfu, arc), and the
+    # most of the device cache pinned prefixes may hold (LLMEngine.pin_prefix).
+    eviction_policy: str = DEFAULT_EVICTION_POLICY
+    max_pinned_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         self.validate()
@@ -98,6 +104,8 @@ class EngineArgs:
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if self.cpu_kernels not in CPU_KERNEL_MODES:
             raise ValueError(f"cpu_kernels must be one of {CPU_KERNEL_MODES}, got {self.cpu_kernels!r}")
+        eviction_policy_class(self.eviction_policy)
+        check_max_pinned_fraction(self.max_pinned_fraction)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

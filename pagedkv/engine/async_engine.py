@@ -27,11 +27,13 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.stats import EngineStats
+from pagedkv.kv.pins import PinInfo
 from pagedkv.sched.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedkv.server")
@@ -129,6 +131,8 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # owned by the loop thread
+        # internal request id -> (prompt, cache_salt, future) of a pin waiting for its prefill
+        self._pins_waiting: dict[str, tuple[Any, str | None, asyncio.Future]] = {}
         self._lock = threading.Lock()
         self._num_in_flight = 0
         self._stopping = False
@@ -241,6 +245,26 @@ class AsyncEngine:
         self._submit(("stats", fut))
         return await fut
 
+    async def pin_prefix(self, prompt: str | list[int] | dict,
+                         cache_salt: str | None = None) -> PinInfo:
+        """Pin the prompt's full blocks (`LLMEngine.pin_prefix`), first running the prompt
+        (one generated token) when they are not all cached: the pin is taken in the loop
+        thread right after that request's last step, before any other step can evict them.
+        ValueError as for `LLMEngine.pin_prefix`; EngineDeadError when the loop is not running."""
+        return await self._ask("pin", prompt, cache_salt)
+
+    async def unpin_prefix(self, prompt: str | list[int] | dict,
+                           cache_salt: str | None = None) -> PinInfo:
+        """Release the prompt's pin (`LLMEngine.unpin_prefix`; NotPinnedError when none)."""
+        return await self._ask("unpin", prompt, cache_salt)
+
+    async def _ask(self, kind: str, *args: Any) -> Any:
+        if not self.is_running:
+            raise EngineDeadError(self.error or "the engine loop is not running")
+        fut = asyncio.get_running_loop().create_future()
+        self._submit((kind, *args, fut))
+        return await fut
+
     def _release(self) -> None:
         with self._lock:
             self._num_in_flight -= 1
@@ -311,6 +335,34 @@ class AsyncEngine:
             elif kind == "stats":
                 fut = command[1]
                 _call_in_loop(fut.get_loop(), _resolve, fut, self.engine.get_stats())
+            elif kind == "pin":
+                self._pin(*command[1:])
+            elif kind == "unpin":
+                self._answer(command[3], self.engine.unpin_prefix, command[1], command[2])
+
+    def _answer(self, fut: asyncio.Future, fn: Callable[..., Any], *args: Any) -> None:
+        """Resolve `fut` with fn(*args), or with the ValueError it raised."""
+        try:
+            result = fn(*args)
+        except ValueError as exc:
+            _call_in_loop(fut.get_loop(), _resolve, fut, None, exc)
+            return
+        _call_in_loop(fut.get_loop(), _resolve, fut, result)
+
+    def _pin(self, prompt: Any, cache_salt: str | None, fut: asyncio.Future) -> None:
+        """Pin now when the prompt is cached; else run it first (see `pin_prefix`)."""
+        try:
+            cached = self.engine.is_prefix_cached(prompt, cache_salt)
+            if not cached:
+                request_id = f"pin-{uuid.uuid4().hex}"
+                self.engine.add_request(request_id, prompt, SamplingParams(max_tokens=1),
+                                        cache_salt=cache_salt)
+                self._pins_waiting[request_id] = (prompt, cache_salt, fut)
+                return
+        except ValueError as exc:
+            _call_in_loop(fut.get_loop(), _resolve, fut, None, exc)
+            return
+        self._answer(fut, self.engine.pin_prefix, prompt, cache_salt)
 
     def _add(self, stream: RequestStream, prompt: Any, params: SamplingParams, priority: int,
              cache_salt: str | None, fut: asyncio.Future) -> None:
@@ -333,6 +385,11 @@ class AsyncEngine:
         _call_in_loop(stream.loop, stream.queue.put_nowait, _ABORTED)
 
     def _deliver(self, output: RequestOutput) -> None:
+        if output.request_id in self._pins_waiting:
+            if output.finished:  # its blocks were just freed, still cached: pin them now
+                prompt, cache_salt, fut = self._pins_waiting.pop(output.request_id)
+                self._answer(fut, self.engine.pin_prefix, prompt, cache_salt)
+            return
         stream = self._streams.get(output.request_id)
         if stream is None:
             return
@@ -348,6 +405,10 @@ class AsyncEngine:
             self.error = f"KV cache invariants broken: {exc}"
 
     def _fail_all(self, exc: BaseException) -> None:
+        for request_id, (_, _, fut) in self._pins_waiting.items():
+            _call_in_loop(fut.get_loop(), _resolve, fut, None, exc)
+            self.engine.abort_request(request_id)
+        self._pins_waiting.clear()
         for request_id, stream in self._streams.items():
             _call_in_loop(stream.loop, stream.queue.put_nowait, exc)
             try:
@@ -360,12 +421,17 @@ class AsyncEngine:
         """On the way out: abort what is left so every block goes back to the pool."""
         for request_id in list(self._streams):
             self._abort(request_id)
+        for request_id, (_, _, fut) in self._pins_waiting.items():
+            self.engine.abort_request(request_id)
+            _call_in_loop(fut.get_loop(), _resolve, fut, None,
+                          EngineDeadError("the engine is shutting down"))
+        self._pins_waiting.clear()
         while True:  # requests added after the stop was queued never reached the engine
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if command[0] in ("add", "stats"):
-                fut = command[-1] if command[0] == "add" else command[1]
+            if command[0] in ("add", "stats", "pin", "unpin"):
+                fut = command[1] if command[0] == "stats" else command[-1]
                 _call_in_loop(fut.get_loop(), _resolve, fut, None,
                               EngineDeadError("the engine is shutting down"))

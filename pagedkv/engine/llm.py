@@ -10,6 +10,7 @@ from typing import Any
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.llm_engine import LLMEngine, PromptType
 from pagedkv.engine.outputs import RequestOutput
+from pagedkv.kv.pins import PinInfo
 from pagedkv.sched.sampling_params import SamplingParams
 
 
@@ -69,6 +70,26 @@ class LLM:
         except BaseException:
             engine.abort_request(ids)
             raise
+
+    def pin_prefix(self, prompt: PromptType, cache_salt: str | None = None) -> PinInfo:
+        """Pin `prompt`'s full blocks in the device prefix cache (never evicted until
+        `unpin_prefix`), first running it (one generated token) when they are not all cached.
+        ValueError as for `LLMEngine.pin_prefix` (nothing stays pinned then)."""
+        engine = self.llm_engine
+        if not engine.is_prefix_cached(prompt, cache_salt):
+            request_id = f"pin-{next(self._counter)}"
+            engine.add_request(request_id, prompt, SamplingParams(max_tokens=1),
+                               cache_salt=cache_salt)
+            try:
+                self._run([request_id], use_tqdm=False)
+            except BaseException:
+                engine.abort_request(request_id)
+                raise
+        return engine.pin_prefix(prompt, cache_salt)
+
+    def unpin_prefix(self, prompt: PromptType, cache_salt: str | None = None) -> PinInfo:
+        """Release `prompt`'s pin (`LLMEngine.unpin_prefix`)."""
+        return self.llm_engine.unpin_prefix(prompt, cache_salt)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

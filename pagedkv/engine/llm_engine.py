@@ -29,6 +29,7 @@ from pagedkv.engine.stats import EngineStats
 from pagedkv.events.config import parse_kv_events_config
 from pagedkv.events.publisher import make_event_publisher, to_wire_events
 from pagedkv.kv.manager import KVCacheManager
+from pagedkv.kv.pins import PinInfo
 from pagedkv.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedkv.sched.request import Request, RequestStatus, child_request_id
 from pagedkv.sched.sampling_params import SamplingParams
@@ -138,7 +139,8 @@ class LLMEngine:
             setup.spec, num_blocks=setup.num_blocks,
             num_host_blocks=setup.num_host_blocks, enable_caching=args.enable_prefix_caching,
             watermark=args.watermark, hash_algo=args.prefix_caching_hash_algo,
-            enable_kv_cache_events=events_config.enabled)
+            enable_kv_cache_events=events_config.enabled, eviction_policy=args.eviction_policy,
+            max_pinned_fraction=args.max_pinned_fraction)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=setup.max_num_batched_tokens,
@@ -345,6 +347,37 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
 
+    # ---- pinned prefixes ----------------------------------------------------------------
+
+    def _pin_ids(self, prompt: PromptType, cache_salt: str | None) -> list[int]:
+        """The prompt's token ids, as add_request would take them; ValueError for a bad
+        prompt or cache_salt."""
+        check_cache_salt(cache_salt)
+        return self.tokenize_prompt(prompt)[1]
+
+    def is_prefix_cached(self, prompt: PromptType, cache_salt: str | None = None) -> bool:
+        """Whether every full block of `prompt` (salted and hashed as a request's would be) is
+        in the device prefix cache now. ValueError for a bad prompt or salt, or a prompt
+        shorter than one block."""
+        ids = self._pin_ids(prompt, cache_salt)
+        return self.scheduler.kv_cache_manager.pins.is_cached(ids, cache_salt)
+
+    def pin_prefix(self, prompt: PromptType, cache_salt: str | None = None) -> PinInfo:
+        """Pin the leading run of `prompt`'s full blocks that is in the device prefix cache now
+        (salted and hashed as a request's): no policy evicts them until `unpin_prefix`, and
+        `reset_prefix_cache` keeps them. Computes nothing: `LLM.pin_prefix` and the server's
+        /v1/pin run the prompt first when it is not cached. Pinning the same prompt again
+        replaces its pin. ValueError for a bad prompt or salt, a prompt shorter than one block,
+        or more pinned blocks than `max_pinned_fraction` of the cache."""
+        ids = self._pin_ids(prompt, cache_salt)
+        return self.scheduler.kv_cache_manager.pin_prefix(ids, cache_salt)
+
+    def unpin_prefix(self, prompt: PromptType, cache_salt: str | None = None) -> PinInfo:
+        """Release `prompt`'s pin: its blocks stay cached and become evictable again.
+        `pagedkv.kv.pins.NotPinnedError` (a ValueError) when it is not pinned."""
+        ids = self._pin_ids(prompt, cache_salt)
+        return self.scheduler.kv_cache_manager.unpin_prefix(ids, cache_salt)
+
     # ---- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -460,7 +493,7 @@ class LLMEngine:
             num_blocks=kv.num_usable_blocks, num_free_blocks=kv.num_free_blocks,
             prefix_cache_queries=sched.prefix_cache_queries,
             prefix_cache_hits=sched.prefix_cache_hits, num_preemptions=sched.num_preemptions,
-            num_swaps=sched.num_swaps,
+            num_swaps=sched.num_swaps, num_pinned_blocks=kv.num_pinned_blocks,
             prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
             kv_store_tiers=() if self.kv_store is None else tuple(
                 t.to_dict() for t in self.kv_store.snapshot_stats()))

@@ -25,6 +25,7 @@ class EngineStats:
     num_swaps: int = 0  # the preemptions that swapped out to host blocks (the rest recompute)
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    num_pinned_blocks: int = 0  # device blocks held by pinned prefixes
     kv_store_tiers: tuple[dict, ...] = ()  # `TierStats.to_dict()` of each KV store tier
 
     @property

@@ -16,11 +16,11 @@ freed). It is never allocated, never freed and never in the free queue.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from pagedkv.kv.eviction import EvictionPolicy, LRUEvictionPolicy
+from pagedkv.kv.eviction import EvictionPolicy, LRUEvictionPolicy, eviction_policy_class
 from pagedkv.kv.hashing import BlockHash
 
 
@@ -35,16 +35,19 @@ class BlockPool:
     """`num_blocks` physical blocks, block 0 reserved as the null block.
 
     `eviction_policy` builds the policy from the usable blocks (all free at the start, in id
-    order); LRU when None.
+    order): a name in `pagedkv.kv.eviction.EVICTION_POLICIES` (ValueError otherwise), a
+    callable, or None for LRU.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool,
                  enable_kv_cache_events: bool = False,
-                 eviction_policy: Callable[[list[KVCacheBlock]], EvictionPolicy] | None = None,
-                 ) -> None:
+                 eviction_policy: str | Callable[[list[KVCacheBlock]], EvictionPolicy] | None
+                 = None) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 2:
             raise ValueError(f"num_blocks must be an int >= 2 (block 0 is the null block), "
                              f"got {num_blocks!r}")
+        if isinstance(eviction_policy, str):
+            eviction_policy = eviction_policy_class(eviction_policy)
         self.num_blocks = num_blocks
         self.num_usable_blocks = num_blocks - 1
         self.enable_caching = enable_caching
@@ -184,10 +187,18 @@ class BlockPool:
                 token_ids=tokens, block_size=block_size))
             run = [i]
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash. Only when no block is in use; returns whether it did."""
-        if self.eviction.num_free_blocks != self.num_usable_blocks:
+    def reset_prefix_cache(self, keep: Collection[KVCacheBlock] = ()) -> bool:
+        """Forget every cached hash but those of `keep` (distinct blocks the caller holds, e.g.
+        pinned prefixes). Only when no other block is in use; returns whether it did."""
+        if self.eviction.num_free_blocks != self.num_usable_blocks - len(keep):
             return False
+        if keep:
+            dropped = [h for h, b in self.cached_block_hash_to_block.items() if b not in keep]
+            for block_hash in dropped:
+                self.cached_block_hash_to_block.pop(block_hash).block_hash = None
+            if dropped and self.enable_kv_cache_events:
+                self.events.append(BlockRemoved(dropped))
+            return True
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()

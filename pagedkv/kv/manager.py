@@ -33,6 +33,7 @@ from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.block_pool import BlockPool, host_pool_num_blocks
 from pagedkv.kv.events import KVCacheEvent
 from pagedkv.kv.hashing import BlockHash, RequestBlockHasher
+from pagedkv.kv.pins import PinInfo, PrefixPins, check_max_pinned_fraction, max_pinned_blocks
 from pagedkv.kv.single_type import block_table_policy, block_table_policy_for_spec
 from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.utils import cdiv
@@ -90,7 +91,8 @@ class KVCacheManager:
     def __init__(self, *, num_blocks: int, block_size: int, num_host_blocks: int = 0,
                  enable_caching: bool = True, sliding_window: int | None = None,
                  watermark: float = 0.01, hash_algo: str = "sha256",
-                 enable_kv_cache_events: bool = False) -> None:
+                 enable_kv_cache_events: bool = False, eviction_policy: str = "lru",
+                 max_pinned_fraction: float = 0.5) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
@@ -105,13 +107,17 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
-        self.pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events)
+        check_max_pinned_fraction(max_pinned_fraction)
+        self.pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events,
+                              eviction_policy=eviction_policy)
         self.host_pool = (BlockPool(host_pool_num_blocks(num_host_blocks), False)
                           if num_host_blocks > 0 else None)
         self.num_usable_blocks = self.pool.num_usable_blocks
         self.watermark = watermark
         self.watermark_blocks = int(watermark * self.num_usable_blocks)
         self.hasher = RequestBlockHasher(hash_algo, block_size)
+        self.pins = PrefixPins(self.pool, self.hasher,
+                               max_pinned_blocks(max_pinned_fraction, self.num_usable_blocks))
         self.prefix_cache_stats = PrefixCacheStats()
         self._reqs: dict[str, _ReqState] = {}
         self._copies: list[tuple[int, int]] = []
@@ -182,13 +188,17 @@ class KVCacheManager:
         (ref_cnt > 0). A hit on a free cached block (ref_cnt 0) still consumes a free block when
         touched, so it must not be subtracted. Pass `computed_blocks` (the hits from
         get_computed_blocks) instead to have that count made here exactly.
-        NEVER if usable - required_total < watermark_blocks; OK if
+        Pinned blocks are out of reach unless they are the request's own prefix hits:
+        NEVER if usable - pinned - (required_total - pinned hits) < watermark_blocks; OK if
         free - (required_total - num_computed_blocks) >= watermark_blocks; else LATER.
         """
+        pinned = self.pins.num_pinned_blocks
         if computed_blocks is not None:
             num_computed_blocks = sum(1 for b in computed_blocks if b.ref_cnt > 0)
+            if pinned:
+                pinned -= sum(1 for b in computed_blocks if self.pins.is_pinned(b))
         required_total = cdiv(request.num_tokens, self.block_size)
-        if self.num_usable_blocks - required_total < self.watermark_blocks:
+        if self.num_usable_blocks - pinned - required_total < self.watermark_blocks:
             return AllocStatus.NEVER
         required = required_total - num_computed_blocks
         if self.pool.eviction.num_free_blocks - required >= self.watermark_blocks:
@@ -501,8 +511,23 @@ class KVCacheManager:
         return self.pool.get_usage()
 
     def reset_prefix_cache(self) -> bool:
-        """Drop all cached hashes; only possible when no device block is in use."""
-        return self.pool.reset_prefix_cache()
+        """Drop all cached hashes but the pinned blocks'; only possible when no device block is
+        in use except by pins."""
+        return self.pool.reset_prefix_cache(self.pins.pinned_blocks())
+
+    # ------------------------------------------------------------------ pinned prefixes
+    def pin_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PinInfo:
+        """Pin the prompt's leading cached full blocks (see pagedkv.kv.pins). ValueError for a
+        prompt without a full block or when `max_pinned_fraction` would be exceeded."""
+        return self.pins.pin(token_ids, cache_salt)
+
+    def unpin_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PinInfo:
+        """Release the prompt's pin; NotPinnedError (a ValueError) when it has none."""
+        return self.pins.unpin(token_ids, cache_salt)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return self.pins.num_pinned_blocks
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.pool.take_events()
@@ -521,6 +546,11 @@ class KVCacheManager:
             if state.host_blocks is None and state.num_cached_blocks > len(state.blocks):
                 raise RuntimeError(f"request {rid!r}: num_cached_blocks "
                                    f"{state.num_cached_blocks} > {len(state.blocks)} blocks")
-        self.pool.check_invariants(device_tables)
+        self.pins.check_invariants(_raise_runtime_error)
+        self.pool.check_invariants(device_tables + self.pins.tables())
         if self.host_pool is not None:
             self.host_pool.check_invariants(host_tables)
+
+
+def _raise_runtime_error(message: str) -> None:
+    raise RuntimeError(f"KV cache manager invariant violated: {message}")

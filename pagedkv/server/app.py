@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
 GET /health, GET|POST /ping, GET /metrics (Prometheus text), GET /version, vLLM's
-POST /tokenize and POST /detokenize, and GET /kv_cache_info (block size, hash algorithm and pool
+POST /tokenize and POST /detokenize, pagedkv's POST /v1/pin and /v1/unpin (pinned prefixes),
+and GET /kv_cache_info (block size, hash algorithm and pool
 size, for `pagedkv router`). With `api_key`, every /v1 route needs
 `Authorization: Bearer <api_key>` (401 otherwise; the scheme is case-insensitive). A request
 body over `max_request_bytes` is a 413. Errors are OpenAI-style bodies (errors.py).
@@ -36,6 +37,8 @@ from pagedkv.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PinRequest,
+    PinResponse,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
@@ -43,6 +46,7 @@ from pagedkv.server.protocol import (
 from pagedkv.server.serving import OpenAIServing
 from pagedkv.server.serving_chat import create_chat_completion
 from pagedkv.server.serving_completion import create_completion
+from pagedkv.server.serving_pins import pin
 from pagedkv.server.serving_tokens import detokenize, tokenize
 from pagedkv.server.tool_parsers import get_tool_parser
 
@@ -163,6 +167,15 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
     @app.post("/v1/chat/completions", responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(serving, body, raw)
+
+    @app.post("/v1/pin", response_model=PinResponse, responses=_ERRORS)
+    async def pin_route(body: PinRequest) -> PinResponse:
+        """Keep a prompt's prefix blocks cached (never evicted) until /v1/unpin."""
+        return await pin(serving, body)
+
+    @app.post("/v1/unpin", response_model=PinResponse, responses=_ERRORS)
+    async def unpin_route(body: PinRequest) -> PinResponse:
+        return await pin(serving, body, unpin=True)
 
     return app
 

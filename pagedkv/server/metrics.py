@@ -83,6 +83,11 @@ class _EngineStatsCollector(Collector):
                 counter = CounterMetricFamily(f"{prefix}:{name}", doc, labels=["model_name"])
                 counter.add_metric([self.model_name], float(getattr(self.stats, attr)))
                 yield counter
+        pinned = GaugeMetricFamily("pagedkv:kv_pinned_blocks",  # pagedkv's own: no vllm: twin
+                                   "Device KV blocks held by pinned prefixes (/v1/pin).",
+                                   labels=["model_name"])
+        pinned.add_metric([self.model_name], float(self.stats.num_pinned_blocks))
+        yield pinned
         yield from kv_store_metrics(self.model_name, self.stats.kv_store_tiers)
 
 

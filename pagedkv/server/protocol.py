@@ -422,3 +422,23 @@ class DetokenizeRequest(_Request):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class PinRequest(_Request):
+    """pagedkv's POST /v1/pin and /v1/unpin: a prompt (text, tokenized as /v1/completions does,
+    or token ids) and the `cache_salt` its requests use."""
+
+    model: str | None = None
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+    cache_salt: NonEmptyStr | None = None
+
+
+class PinResponse(BaseModel):
+    """`pagedkv.kv.pins.PinInfo`: the pin's id, blocks and tokens it holds (0 after an unpin),
+    the prompt's full blocks, and the blocks pinned in all."""
+
+    pin_id: str
+    num_blocks: int
+    num_tokens: int
+    num_prompt_blocks: int
+    total_pinned_blocks: int

@@ -15,7 +15,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from pagedkv.kv.eviction import EVICTION_POLICIES
 from pagedkv.kv.manager import AllocStatus, KVCacheManager
+from pagedkv.kv.pins import NotPinnedError
 from tests.kv.conftest import FakeRequest
 
 BASES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 7, 7, 7, 7], [5, 5, 5, 5, 5, 5]]
@@ -26,13 +28,18 @@ class KVMachine(RuleBasedStateMachine):
 
     @initialize(block_size=st.sampled_from([2, 4]), num_blocks=st.integers(6, 24),
                 num_host=st.integers(0, 10), watermark=st.sampled_from([0.0, 0.1]),
-                algo=st.sampled_from(["sha256", "xxhash"]))
-    def setup(self, block_size, num_blocks, num_host, watermark, algo):
+                algo=st.sampled_from(["sha256", "xxhash"]),
+                policy=st.sampled_from(sorted(EVICTION_POLICIES)))
+    def setup(self, block_size, num_blocks, num_host, watermark, algo, policy):
         self.bs = block_size
         self.m = KVCacheManager(num_blocks=num_blocks, block_size=block_size,
                                 num_host_blocks=num_host, watermark=watermark, hash_algo=algo,
                                 sliding_window=self.sliding_window,
-                                enable_kv_cache_events=True)
+                                enable_kv_cache_events=True, eviction_policy=policy,
+                                max_pinned_fraction=0.5)
+        # pin_id -> (tokens, salt, blocks its pin holds); prompts with the same full blocks
+        # share one pin (a later pin replaces the earlier one)
+        self.pinned: dict[str, tuple] = {}
         self.dev: dict[int, list] = {}
         self.host: dict[int, list] = {}
         self.live: dict[str, FakeRequest] = {}
@@ -90,7 +97,10 @@ class KVMachine(RuleBasedStateMachine):
         req = FakeRequest(f"r{self.counter}", base[:cut] + suffix or [0], cache_salt=salt)
         status = self.m.can_allocate(req)
         if status is AllocStatus.NEVER:
-            assert -(-req.num_tokens // self.bs) > self.m.num_usable_blocks - self.m.watermark_blocks
+            # (pinned blocks are out of reach: no prefix hits were passed to can_allocate)
+            assert -(-req.num_tokens // self.bs) > (self.m.num_usable_blocks
+                                                    - self.m.num_pinned_blocks
+                                                    - self.m.watermark_blocks)
         if not self._step(req, chunk, True, delay):
             self.m.free(req)  # forget the hashes of a request that stays waiting
             return
@@ -156,7 +166,7 @@ class KVMachine(RuleBasedStateMachine):
     @precondition(lambda self: hasattr(self, "m") and self.m.pool.cached_block_hash_to_block)
     @rule()
     def reset_prefix_cache(self):
-        idle = self.m.num_free_blocks == self.m.num_usable_blocks
+        idle = self.m.num_free_blocks == self.m.num_usable_blocks - self.m.num_pinned_blocks
         assert self.m.reset_prefix_cache() is idle
 
     @precondition(lambda self: hasattr(self, "m") and self.live)
@@ -171,7 +181,56 @@ class KVMachine(RuleBasedStateMachine):
                 self._identity(probe, pos)
         self.m.free(probe)
 
+    @precondition(lambda self: hasattr(self, "m") and self.live)
+    @rule(data=st.data())
+    def pin(self, data):
+        """Pin a live request's computed prefix: only cached blocks, up to the bound."""
+        req = self._pick(data, swapped=None)
+        tokens = tuple(req.all_token_ids[:req.num_computed_tokens])
+        if len(tokens) < self.bs:
+            return
+        before = self.m.num_pinned_blocks
+        try:
+            info = self.m.pin_prefix(tokens, req.cache_salt)
+        except ValueError as exc:
+            assert "max_pinned_fraction" in str(exc)
+            assert self.m.num_pinned_blocks == before
+            return
+        assert info.num_prompt_blocks == len(tokens) // self.bs
+        assert info.total_pinned_blocks == self.m.num_pinned_blocks <= self.m.pins.max_blocks
+        if info.num_blocks:
+            self.pinned[info.pin_id] = (tokens, req.cache_salt, info.num_blocks)
+        else:
+            self.pinned.pop(info.pin_id, None)
+
+    @precondition(lambda self: hasattr(self, "m") and self.pinned)
+    @rule(data=st.data())
+    def unpin(self, data):
+        tokens, salt, _ = self.pinned.pop(data.draw(st.sampled_from(sorted(self.pinned))))
+        info = self.m.unpin_prefix(tokens, salt)
+        assert info.num_blocks == 0
+        try:
+            self.m.unpin_prefix(tokens, salt)
+        except NotPinnedError:
+            pass
+        else:
+            raise AssertionError("a second unpin must fail")
+
     # ------------------------------------------------------------------ checks
+    @invariant()
+    def pinned_blocks_hold_their_prompts(self):
+        """A pinned prefix is never evicted: its blocks still hold its K/V, under its hashes."""
+        if not hasattr(self, "m"):
+            return
+        for tokens, salt, n in self.pinned.values():
+            probe = FakeRequest("pin-probe", list(tokens) + [0], cache_salt=salt)
+            hits, _ = self.m.get_computed_blocks(probe)
+            assert len(hits) >= n
+            for pos in range(n * self.bs):
+                assert self.dev[hits[pos // self.bs].block_id][pos % self.bs] == \
+                    self._identity(probe, pos)
+            self.m.free(probe)
+
     @invariant()
     def manager_invariants(self):
         if not hasattr(self, "m"):
@@ -206,6 +265,9 @@ class KVMachine(RuleBasedStateMachine):
                         req.num_computed_tokens - window + 1
                     continue
                 assert mem[bid][pos % self.bs] == self._identity(req, pos), (rid, pos)
+        for table in self.m.pins.tables():
+            for b in table:
+                counts[b.block_id] = counts.get(b.block_id, 0) + 1
         pool = self.m.pool
         for b in pool.blocks[1:]:
             assert b.ref_cnt == counts.get(b.block_id, 0)

@@ -29,6 +29,15 @@ from collections.abc import Callable, Sequence
 from pagedkv.kv.block import KVCacheBlock
 
 
+def check_all_free(blocks: Sequence[KVCacheBlock], state: Sequence[int], not_free: int) -> None:
+    """For `remove`: ValueError (before anything changes) unless every block's
+    `state[block_id]` (a policy's per-block record) says it is free."""
+    for block in blocks:
+        if block.block_id >= len(state) or state[block.block_id] == not_free:
+            raise ValueError(f"block {block.block_id} cannot be taken: it is the null block or "
+                             f"not free")
+
+
 class EvictionPolicy(ABC):
     """The order in which free blocks are reused. See the module docstring for the contract."""
 

@@ -93,6 +93,25 @@ class FreeBlockQueue:
     def __len__(self) -> int:
         return self.num_free_blocks
 
+    def check_links(self, fail: Callable[[str], None], name: str = "free queue") -> None:
+        """Walk the list: links both ways, no cycle, length == num_free_blocks. O(n)."""
+        seen: set[int] = set()
+        prev = self.fake_head
+        block = prev.next_free_block
+        while block is not self.fake_tail:
+            if block is None:
+                fail(f"{name} is broken (a None link)")
+            if id(block) in seen:
+                fail(f"block {block.block_id} is twice in the {name} (a cycle)")
+            if block.prev_free_block is not prev:
+                fail(f"block {block.block_id} has a wrong prev link in the {name}")
+            seen.add(id(block))
+            prev, block = block, block.next_free_block
+        if self.fake_tail.prev_free_block is not prev:
+            fail(f"{name} tail link is wrong")
+        if len(seen) != self.num_free_blocks:
+            fail(f"{name}: num_free_blocks {self.num_free_blocks} != {len(seen)} blocks in it")
+
 
 class LRUEvictionPolicy(FreeBlockQueue, EvictionPolicy):
     """Least recently freed cached block first; unhashed blocks before any cached one.
@@ -136,19 +155,4 @@ class LRUEvictionPolicy(FreeBlockQueue, EvictionPolicy):
         return self.get_all_free_blocks()
 
     def check_invariants(self, fail: Callable[[str], None]) -> None:
-        seen: set[int] = set()
-        prev = self.fake_head
-        block = prev.next_free_block
-        while block is not self.fake_tail:
-            if block is None:
-                fail("free queue is broken (a None link)")
-            if id(block) in seen:
-                fail(f"block {block.block_id} is twice in the free queue (a cycle)")
-            if block.prev_free_block is not prev:
-                fail(f"block {block.block_id} has a wrong prev link")
-            seen.add(id(block))
-            prev, block = block, block.next_free_block
-        if self.fake_tail.prev_free_block is not prev:
-            fail("free queue tail link is wrong")
-        if len(seen) != self.num_free_blocks:
-            fail(f"num_free_blocks {self.num_free_blocks} != {len(seen)} blocks in the queue")
+        self.check_links(fail)
