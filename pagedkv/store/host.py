@@ -116,6 +116,11 @@ class HostTier(KVTier):
             self._note_removed(evicted)
         return new
 
+    def stored_keys(self) -> list[bytes]:
+        """The keys held now (a snapshot)."""
+        with self._lock:
+            return list(self._index)
+
     @property
     def used_bytes(self) -> int:
         return len(self._index) * self.block_bytes
