@@ -105,8 +105,9 @@ class KVCache:
         any device; from pinned host memory the copy is asynchronous on the current CUDA
         stream, so the forward pass that follows sees it). Mutates kv."""
         n = len(block_ids)
-        if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[0] != n:
-            raise ValueError(f"rows must be uint8 [{n}, bytes per block], got "
+        block_bytes = self.kv.nbytes // self.num_blocks
+        if rows.dtype != torch.uint8 or tuple(rows.shape) != (n, block_bytes):
+            raise ValueError(f"rows must be uint8 [{n}, {block_bytes}], got "
                              f"{rows.dtype} {tuple(rows.shape)}")
         ids = self._ids(block_ids, self.num_blocks, "device").to(self.device)
         by_block = self.kv.movedim(self.BLOCK_DIM, 0)  # a view: index_copy_ writes the cache
