@@ -10,6 +10,9 @@ budget (`max_num_seqs`):
 2. Swapped requests come back (swap in) before any new admission.
 3. Waiting requests are admitted in priority / arrival order while the manager answers OK;
    LATER stops admission for this step; NEVER finishes that request with an error.
+   With a KV store (`kv_connector`), a request whose next prompt blocks the store holds gets
+   only the blocks to load them into and waits in `loading` (WAITING_FOR_REMOTE_KVS) while the
+   store loads them in the background; a later step runs it from the last block loaded intact.
 
 `update()` applies the runner's sampled tokens: advances `num_computed_tokens`, caches blocks
 that are now computed, forks the children of `n > 1` requests, and finishes requests that hit
