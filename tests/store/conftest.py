@@ -52,6 +52,20 @@ def run_one(llm: LLM, prompt: list[int], salt: str | None = None,
     return list(final.outputs[0].token_ids), final.num_cached_tokens
 
 
+def two_rounds(llm: LLM, model_dir, prefixes: list[list[int]]) -> None:
+    """Each prefix with a fresh suffix, one request at a time, twice: round 1 computes it,
+    round 2 gets it back from the tier (`num_cached_tokens == PREFIX_LEN`); greedy tokens equal
+    transformers' every time."""
+    from tests.engine.conftest import hf_greedy
+
+    for round_ in (1, 2):
+        for i, prefix in enumerate(prefixes):
+            prompt = with_suffix(prefix, seed=10 * round_ + i)
+            tokens, cached = run_one(llm, prompt)
+            assert tokens == hf_greedy(model_dir, prompt, 4)
+            assert cached == (0 if round_ == 1 else PREFIX_LEN)
+
+
 def store_llm(model_dir, tier: str, tmp_path, redis_url: str | None = None, **kwargs) -> LLM:
     """An engine with a tiny device pool and the one tier named `tier`."""
     tiers = {

@@ -19,6 +19,7 @@ from tests.store.conftest import (
     run_one,
     slow_down,
     store_llm,
+    two_rounds,
     with_suffix,
 )
 
@@ -52,14 +53,9 @@ def test_tokens_identical_with_slow_tiers(tiny_llama, tmp_path, tier):
     llm = store_llm(tiny_llama, tier, tmp_path)
     slow = slow_down(llm, lookup_delay_s=0.01, load_delay_s=0.1)
     prefixes = make_prefixes(seed=21, num=3)
-    for round_ in (1, 2):
-        for i, prefix in enumerate(prefixes):
-            prompt = with_suffix(prefix, seed=10 * round_ + i)
-            tokens, cached = run_one(llm, prompt)
-            assert tokens == hf_greedy(tiny_llama, prompt, 4)
-            assert cached == (0 if round_ == 1 else PREFIX_LEN)
+    two_rounds(llm, tiny_llama, prefixes)
     assert slow.num_loads == 3
-    # Batched: two requests load at once while a third computes.
+    # Batched: requests load while others compute.
     prompts = [with_suffix(p, seed=99) for p in prefixes]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):
