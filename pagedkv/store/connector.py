@@ -22,7 +22,7 @@ Scheduler side (`StoreConnectorScheduler`, called by the Scheduler; no tier I/O 
 Worker side (`StoreConnectorWorker`, called by the ModelRunner at the start of a step):
   - `start_load_kv(meta, kv_cache)`: start the step's new jobs on the store's loader threads
     (each reads its blocks from the tiers into host rows, pinned on CUDA); when the step runs
-    nothing else, wait for one; then copy every finished job's rows into its device blocks and
+    nothing else, wait for one (at most IDLE_WAIT_S: the engine loop stays responsive); then copy every finished job's rows into its device blocks and
     report it. Device blocks are written only here, on the engine thread, for jobs not
     cancelled: a block freed when its request ended is never written afterwards. A job that
     raised, or ran past `load_timeout_s`, reports 0 blocks.
@@ -57,6 +57,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_LOAD_TIMEOUT_S = 10.0
+# An idle step waits at most this long for a load, so the engine loop still takes new requests
+# and aborts while a slow load runs.
+IDLE_WAIT_S = 0.05
 
 
 @dataclass
@@ -250,7 +253,7 @@ class StoreConnectorWorker:
     def _wait_for_any(self) -> None:
         first_deadline = min(deadline for _, _, deadline in self._pending.values())
         concurrent.futures.wait([f for _, f, _ in self._pending.values()],
-                                timeout=max(0.0, first_deadline - time.monotonic()),
+                                timeout=min(IDLE_WAIT_S, max(0.0, first_deadline - time.monotonic())),
                                 return_when=concurrent.futures.FIRST_COMPLETED)
 
     def _apply_finished(self, kv_cache: KVCache) -> None:

@@ -220,3 +220,30 @@ def test_a_waiting_request_is_looked_up_once(tiny_llama, tmp_path):
     assert list(finals["b"].outputs[0].token_ids) == hf_greedy(tiny_llama, b_prompt, 4)
     assert list(finals["a"].outputs[0].token_ids) == hf_greedy(tiny_llama, a_prompt, 12)
     _assert_no_leaks(llm)
+
+
+def test_an_idle_step_does_not_wait_out_a_slow_load(tiny_llama, tmp_path):
+    """With only a 2 s load in flight, a step waits briefly and returns: a request arriving
+    meanwhile is admitted and runs before the load is done."""
+    llm = store_llm(tiny_llama, "host", tmp_path)
+    engine = llm.llm_engine
+    prefix = _stored_then_evicted(llm, seed=30)
+    slow = slow_down(llm, load_delay_s=2.0)
+    b_prompt = with_suffix(prefix, seed=2)
+    engine.add_request("b", {"prompt_token_ids": b_prompt}, GREEDY)
+    engine.step()
+    engine.step()  # nothing but the load to do
+    assert slow.num_loads_done == 0 and [r.request_id for r in engine.scheduler.loading] == ["b"]
+    c_prompt = [5, 6, 7]
+    engine.add_request("c", {"prompt_token_ids": c_prompt}, GREEDY)
+    engine.step()
+    assert slow.num_loads_done == 0
+    assert [r.request_id for r in engine.scheduler.running] == ["c"]
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            finals[out.request_id] = out
+    assert list(finals["c"].outputs[0].token_ids) == hf_greedy(tiny_llama, c_prompt, 4)
+    assert list(finals["b"].outputs[0].token_ids) == hf_greedy(tiny_llama, b_prompt, 4)
+    assert finals["b"].num_cached_tokens == PREFIX_LEN
+    _assert_no_leaks(llm)
