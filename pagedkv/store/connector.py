@@ -234,7 +234,9 @@ class StoreConnectorWorker:
         if meta is None:
             return
         for job_id in meta.cancelled_job_ids:
-            self._pending.pop(job_id, None)  # a running read finishes; its rows are dropped
+            entry = self._pending.pop(job_id, None)
+            if entry is not None:  # a queued read never starts; a running one is dropped
+                entry[1].cancel()
         deadline = time.monotonic() + self.load_timeout_s
         for job in meta.loads:
             self._pending[job.job_id] = (job, self.store.load_async(job.metas, self._to_rows),
