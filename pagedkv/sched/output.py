@@ -71,13 +71,14 @@ class SchedulerOutput:
     # Requests whose blocks move between device and host this step (swap out or in): with the
     # scheduled ones, the requests a failed step leaves with unknown KV contents.
     swapped_request_ids: list[str] = field(default_factory=list)
-    # The KV store's work for this step (pagedkv.store.connector.StoreConnectorMetadata).
+    # The KV store's work for this step (pagedkv.store.connector.StoreConnectorMetadata), None
+    # when it has none: loads to start, apply or wait for make a step non-empty.
     kv_connector_metadata: object | None = None
 
     @property
     def is_empty(self) -> bool:
         return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in
-                    or self.blocks_to_copy)
+                    or self.blocks_to_copy or self.kv_connector_metadata is not None)
 
 
 @dataclass

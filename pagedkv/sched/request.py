@@ -29,6 +29,7 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     SWAPPED = "swapped"
     PREEMPTED = "preempted"  # freed for recompute, back in the waiting queue
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # holds blocks the KV store loads into
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -78,6 +79,8 @@ class Request:
         # `bad_words` as token-id sequences (set by the engine, which has the tokenizer).
         self.bad_words_token_ids: list[list[int]] = []
         self.first_scheduled_time: float | None = None  # time.monotonic() at first admission
+        # The KV store's lookup while waiting: (first block, blocks held from there), or None.
+        self.kv_store_lookup: tuple[int, int] | None = None
 
     @property
     def num_tokens(self) -> int:

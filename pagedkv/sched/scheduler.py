@@ -10,6 +10,9 @@ budget (`max_num_seqs`):
 2. Swapped requests come back (swap in) before any new admission.
 3. Waiting requests are admitted in priority / arrival order while the manager answers OK;
    LATER stops admission for this step; NEVER finishes that request with an error.
+   With a KV store (`kv_connector`), a request whose next prompt blocks the store holds gets
+   only the blocks to load them into and waits in `loading` (WAITING_FOR_REMOTE_KVS) while the
+   store loads them in the background; a later step runs it from the last block loaded intact.
 
 `update()` applies the runner's sampled tokens: advances `num_computed_tokens`, caches blocks
 that are now computed, forks the children of `n > 1` requests, and finishes requests that hit
@@ -74,6 +77,8 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by _order_key
         self.running: list[Request] = []  # sorted by _order_key: the tail is preempted first
         self.swapped: list[Request] = []  # sorted by _order_key
+        # Admitted, holding blocks, waiting for the KV store to load part of their prompt.
+        self.loading: list[Request] = []
         self._finished_ids: list[str] = []  # ended since the last step; passed to the runner
         self.ended_in_schedule: list[Request] = []  # ended inside schedule(); reported by update()
         self._pending_hashes: set[bytes] = set()
@@ -125,10 +130,12 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus,
                 reason: int | str | None = None) -> None:
-        for queue in (self.running, self.waiting, self.swapped):
+        for queue in (self.running, self.waiting, self.swapped, self.loading):
             if request in queue:
                 queue.remove(request)
                 break
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self.kv_connector.request_finished(request)  # before its blocks are freed
         self.kv_cache_manager.free(request)
         request.status = status
         if status == RequestStatus.FINISHED_ERROR:
@@ -149,6 +156,8 @@ class Scheduler:
         # among them waits one step and then hits them in the prefix cache instead of
         # computing the same prefix again (a block is cached only once computed).
         self._pending_hashes: set[bytes] = set()
+        if self.loading:
+            self._finish_loads()
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -171,7 +180,7 @@ class Scheduler:
             self._schedule_waiting(budget, out)
 
         out.blocks_to_copy = self.kv_cache_manager.take_block_copies()
-        if self.kv_connector is not None:
+        if self.kv_connector is not None:  # None when the store has nothing to do this step
             out.kv_connector_metadata = self.kv_connector.build_connector_meta(out, self.requests)
         out.finished_request_ids = self._finished_ids
         self._finished_ids = []
@@ -241,7 +250,8 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         kv = self.kv_cache_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0
+               and len(self.running) + len(self.loading) < self.config.max_num_seqs):
             request = self.waiting[0]
             computed_blocks, num_hit_tokens = self._prefix_hits(request)
             num_external = (0 if self.kv_connector is None or request.wants_prompt_logprobs else
@@ -256,28 +266,45 @@ class Scheduler:
                 continue
             if status == AllocStatus.LATER:
                 break
-            num_new = min(request.num_tokens - num_hit_tokens - num_external, budget)
-            blocks = kv.allocate_slots(request, num_external + num_new, computed_blocks,
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            # With store tokens, only their blocks now: the rest is computed once they loaded.
+            blocks = kv.allocate_slots(request, num_external or num_new, computed_blocks,
                                        num_hit_tokens, delay_cache_blocks=True,
                                        apply_watermark=True)
             if blocks is None:
                 break
             self.waiting.pop(0)
             request.num_computed_tokens = num_hit_tokens
-            if num_external:  # tokens the store does not deliver after all are computed
-                end = num_hit_tokens + num_external + num_new
-                request.num_computed_tokens += self.kv_connector.update_state_after_alloc(
-                    request, num_hit_tokens, num_external)
-                num_new = min(end - request.num_computed_tokens, budget)
-            if request.num_cached_tokens < 0:
-                request.first_scheduled_time = time.monotonic()
-                request.num_cached_tokens = request.num_computed_tokens
-                self.prefix_cache_queries += request.num_tokens
-                self.prefix_cache_hits += num_hit_tokens
-            request.status = RequestStatus.RUNNING
-            self._enqueue(self.running, request)
+            if num_external:  # loads in the background; the request waits, holding its blocks
+                self.kv_connector.update_state_after_alloc(request, num_hit_tokens, num_external)
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                self.loading.append(request)
+                continue
+            self._start_running(request, num_hit_tokens)
             self._schedule(request, num_new, out)
             budget -= num_new
+
+    def _start_running(self, request: Request, num_hit_tokens: int) -> None:
+        """An admitted request joins the running queue (first admission: its cache stats)."""
+        if request.num_cached_tokens < 0:
+            request.first_scheduled_time = time.monotonic()
+            request.num_cached_tokens = request.num_computed_tokens
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        self._enqueue(self.running, request)
+
+    def _finish_loads(self) -> None:
+        """Requests whose store load finished run now, from the last block loaded intact:
+        only those blocks enter the prefix cache; the rest are computed like any prompt."""
+        for request, num_loaded in self.kv_connector.take_finished_loads():
+            if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            self.loading.remove(request)
+            num_hit_tokens = request.num_computed_tokens
+            request.num_computed_tokens += num_loaded
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            self._start_running(request, num_hit_tokens)
 
     def _prefix_hits(self, request: Request) -> tuple[list, int]:
         """The request's prefix-cache hit; none for a request that wants prompt logprobs (it
@@ -435,7 +462,7 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Raise RuntimeError if queues and KV state disagree (for tests and debugging)."""
-        queued = self.running + self.waiting + self.swapped
+        queued = self.running + self.waiting + self.swapped + self.loading
         if len(queued) != len(self.requests) or {r.request_id for r in queued} != set(self.requests):
             raise RuntimeError("scheduler queues do not match the live requests")
         for request in self.swapped:

@@ -22,9 +22,16 @@ class CorruptBlockError(ValueError):
     """A stored value that does not decode to the expected block."""
 
 
-def encode_block(key: bytes, payload: bytes) -> bytes:
+def _checksum(key: bytes, payload: bytes | memoryview) -> int:
+    """xxh3-64 of key + payload, streamed (no concatenated copy of the payload)."""
+    digest = xxhash.xxh3_64(key)
+    digest.update(payload)
+    return digest.intdigest()
+
+
+def encode_block(key: bytes, payload: bytes | memoryview) -> bytes:
     """Header + key + payload, ready to be written in one piece."""
-    checksum = xxhash.xxh3_64_intdigest(key + payload)
+    checksum = _checksum(key, payload)
     return _HEADER.pack(MAGIC, VERSION, len(key), len(payload), checksum) + key + payload
 
 
@@ -42,6 +49,6 @@ def decode_block(key: bytes, value: bytes | memoryview) -> bytes:
     if stored_key != key:
         raise CorruptBlockError("value was stored under another key")
     payload = bytes(value[HEADER_SIZE + key_len:])
-    if xxhash.xxh3_64_intdigest(stored_key + payload) != checksum:
+    if _checksum(stored_key, payload) != checksum:
         raise CorruptBlockError("checksum mismatch")
     return payload

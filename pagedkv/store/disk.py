@@ -23,6 +23,7 @@ from pathlib import Path
 
 from pagedkv.events.wire import MEDIUM_DISK
 from pagedkv.store.codec import CorruptBlockError, decode_block, encode_block
+from pagedkv.store.payload import Payload, payload_buffer
 from pagedkv.store.sizing import disk_tier_blocks
 from pagedkv.store.tier import KVTier
 
@@ -141,14 +142,14 @@ class DiskTier(KVTier):
             if size is not None:
                 self._used -= size
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bytes]:
+    def put_many(self, items: Sequence[tuple[bytes, Payload]]) -> list[bytes]:
         new = []
         for key, payload in items:
             with self._lock:
                 if key in self._index:
                     self._index.move_to_end(key)
                     continue
-            value = encode_block(key, payload)
+            value = encode_block(key, payload_buffer(payload))
             if len(value) > self.capacity_bytes:
                 continue
             self._evict_over_capacity(len(value))

@@ -2,27 +2,31 @@
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 from pagedkv.kv.sizes import GiB
 from pagedkv.store.identity import model_identity
+from pagedkv.store.payload import pin_host_memory
 from pagedkv.store.tier import KVTier
 from pagedkv.store.tiered import TieredKVStore
 
 if TYPE_CHECKING:
     from pagedkv.engine.args import EngineArgs
-    from pagedkv.model.kv_cache import KVCache
+    from pagedkv.kv.spec import KVCacheSpec
     from pagedkv.model.runner import ModelRunner
     from pagedkv.sched.scheduler import Scheduler
 
 
-def build_tiers(args: EngineArgs) -> list[KVTier]:
-    """The configured tiers, fastest first: host RAM, local disk, Redis."""
+def build_tiers(args: EngineArgs, block_bytes: int, pin_memory: bool = False) -> list[KVTier]:
+    """The configured tiers, fastest first: host RAM (`pin_memory`: its slot pool is pinned),
+    local disk, Redis."""
     tiers: list[KVTier] = []
     if args.kv_offloading_size > 0:
         from pagedkv.store.host import HostTier
 
-        tiers.append(HostTier(int(args.kv_offloading_size * GiB)))
+        tiers.append(HostTier(int(args.kv_offloading_size * GiB), block_bytes,
+                              pin_memory=pin_memory))
     if args.kv_offloading_disk_path:
         from pagedkv.store.disk import DiskTier
 
@@ -35,18 +39,19 @@ def build_tiers(args: EngineArgs) -> list[KVTier]:
     return tiers
 
 
-def build_kv_store(args: EngineArgs, kv_cache: KVCache, weight_files: list,
-                   enable_events: bool) -> TieredKVStore | None:
-    """The store for `args` (None when no tier is configured). Raises ValueError for a
-    sliding-window model (its freed blocks are nulled, so its prefixes are not block chains)."""
+def build_kv_store(args: EngineArgs, spec: KVCacheSpec, weight_files: list,
+                   enable_events: bool, pin_memory: bool = False) -> TieredKVStore | None:
+    """The store for `args` and the KV cache `spec` describes (None when no tier is
+    configured): a block is `spec.page_size_bytes` bytes laid out as `KVCache.LAYOUT`."""
     if not args.uses_kv_store:
         return None
-    kv = kv_cache.kv
-    layout = "x".join(str(d) for i, d in enumerate(kv.shape) if i != 3)
-    identity = model_identity(args.model, weight_files, str(kv.dtype), layout, args.block_size)
-    block_bytes = kv[:, :, :, 0].numel() * kv.element_size()
-    return TieredKVStore(build_tiers(args), identity, block_bytes, args.block_size,
-                         enable_events=enable_events)
+    from pagedkv.model.kv_cache import KVCache
+
+    layout = ",".join(KVCache.LAYOUT) + ":" + json.dumps(spec.to_dict(), sort_keys=True)
+    identity = model_identity(args.model, weight_files, spec.dtype, layout, spec.block_size)
+    block_bytes = spec.page_size_bytes
+    return TieredKVStore(build_tiers(args, block_bytes, pin_memory), identity, block_bytes,
+                         spec.block_size, enable_events=enable_events)
 
 
 def attach_kv_store(args: EngineArgs, sliding_window: int | None, runner: ModelRunner,
@@ -59,9 +64,16 @@ def attach_kv_store(args: EngineArgs, sliding_window: int | None, runner: ModelR
         raise ValueError("the KV store (kv_offloading_*) does not support sliding-window models "
                          f"(sliding_window={sliding_window})")
     from pagedkv.model.loader import weight_files
-    from pagedkv.store.connector import StoreConnectorScheduler, StoreConnectorWorker
+    from pagedkv.store.connector import (
+        FinishedLoads,
+        StoreConnectorScheduler,
+        StoreConnectorWorker,
+    )
 
-    store = build_kv_store(args, runner.kv_cache, weight_files(args.model), enable_events)
-    scheduler.kv_connector = StoreConnectorScheduler(store, scheduler.kv_cache_manager)
-    runner.kv_connector = StoreConnectorWorker(store)
+    pin_memory = pin_host_memory(runner.kv_cache.device)
+    store = build_kv_store(args, runner.kv_cache_spec, weight_files(args.model), enable_events,
+                           pin_memory)
+    finished = FinishedLoads()
+    scheduler.kv_connector = StoreConnectorScheduler(store, scheduler.kv_cache_manager, finished)
+    runner.kv_connector = StoreConnectorWorker(store, finished, pin_memory=pin_memory)
     return store

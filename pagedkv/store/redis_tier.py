@@ -21,6 +21,7 @@ import redis
 
 from pagedkv.events.wire import MEDIUM_REDIS
 from pagedkv.store.codec import CorruptBlockError, decode_block, encode_block
+from pagedkv.store.payload import Payload, payload_buffer
 from pagedkv.store.tier import KVTier
 
 logger = logging.getLogger(__name__)
@@ -128,14 +129,14 @@ class RedisTier(KVTier):
                 out.append(None)
         return out
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bytes]:
+    def put_many(self, items: Sequence[tuple[bytes, Payload]]) -> list[bytes]:
         if not items:
             return []
 
         def set_all():
             pipe = self.client.pipeline(transaction=False)
             for key, payload in items:
-                pipe.set(KEY_PREFIX + key, encode_block(key, payload), nx=True)
+                pipe.set(KEY_PREFIX + key, encode_block(key, payload_buffer(payload)), nx=True)
             return pipe.execute()
 
         done = self._call("SET", set_all)

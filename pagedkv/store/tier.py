@@ -1,7 +1,7 @@
 """KVTier: the interface every store tier implements (a new tier is a new file).
 
 Keys are `model identity + chained block hash` bytes (see identity.py); values are one block's
-payload bytes. A tier is bounded and evicts least recently used blocks first; `get_many`
+payload (raw KV bytes, `bytes` or a uint8 tensor row: see payload.py). A tier is bounded and evicts least recently used blocks first; `get_many`
 counts as a use (promotes). Every method may be called from the engine thread and the store's
 saver thread at once: tiers lock their own state. A tier that fails (I/O error, server down)
 answers misses and drops writes; it never raises into the engine.
@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+
+from pagedkv.store.payload import Payload
 
 
 class KVTier(ABC):
@@ -30,11 +32,11 @@ class KVTier(ABC):
         """Whether each key is stored (no promotion)."""
 
     @abstractmethod
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[bytes]) -> list[Payload | None]:
         """Each key's verified payload, or None for a miss; hits become most recently used."""
 
     @abstractmethod
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bytes]:
+    def put_many(self, items: Sequence[tuple[bytes, Payload]]) -> list[bytes]:
         """Store (key, payload) pairs, evicting LRU blocks to stay within capacity.
 
         Returns the keys that are newly stored (a key already present is only refreshed).

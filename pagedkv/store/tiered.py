@@ -5,7 +5,8 @@
 - `load(metas)`: the payloads of the leading blocks, each from the fastest tier that has it and
   verifies; blocks found below the top tier are promoted into the faster ones (queued to the
   saver). The result may be shorter than `lookup` said (a block evicted or corrupt meanwhile):
-  the caller recomputes the rest.
+  the caller recomputes the rest. `load_async(metas, finish)` runs `finish(load(metas))` on the
+  store's loader threads and returns its Future (the engine never waits on a tier).
 - `save_async(metas, make_payloads)`: queued to a background thread, which builds the payloads
   (off the engine's hot path) and writes them through to every tier.
 
@@ -19,16 +20,20 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pagedkv.events import wire
 from pagedkv.store.identity import block_key
+from pagedkv.store.payload import Payload, payload_nbytes
 from pagedkv.store.stats import TierStats
 from pagedkv.store.tier import KVTier
 
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -41,12 +46,12 @@ class BlockMeta:
 
 
 class TieredKVStore:
-    """Owns the tiers and the saver thread. Thread-safe: the engine thread looks up and loads
-    while the saver thread writes."""
+    """Owns the tiers, the saver thread and the loader threads. Thread-safe: the engine thread
+    looks up, loader threads load and the saver thread writes, at once."""
 
     def __init__(self, tiers: Sequence[KVTier], identity: bytes, block_bytes: int,
                  block_size: int, enable_events: bool = False, max_pending_saves: int = 256,
-                 ) -> None:
+                 num_load_threads: int = 4) -> None:
         if not tiers:
             raise ValueError("a TieredKVStore needs at least one tier")
         self.tiers = list(tiers)
@@ -63,6 +68,7 @@ class TieredKVStore:
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending_saves)
         self._saver = threading.Thread(target=self._save_loop, name="kv-store-saver", daemon=True)
         self._saver.start()
+        self._loader = ThreadPoolExecutor(num_load_threads, thread_name_prefix="kv-store-load")
 
     def key(self, block_hash: bytes) -> bytes:
         return block_key(self.identity, block_hash)
@@ -84,10 +90,16 @@ class TieredKVStore:
             n += 1
         return n
 
-    def load(self, metas: Sequence[BlockMeta]) -> list[bytes]:
+    def load_async(self, metas: Sequence[BlockMeta],
+                   finish: Callable[[list[Payload]], T]) -> Future[T]:
+        """`finish(self.load(metas))` on a loader thread; its Future (an exception inside is
+        the Future's). Raises RuntimeError after `close`."""
+        return self._loader.submit(lambda: finish(self.load(metas)))
+
+    def load(self, metas: Sequence[BlockMeta]) -> list[Payload]:
         """Payloads of the leading blocks found and verified (see module docstring)."""
         keys = [self.key(m.block_hash) for m in metas]
-        payloads: list[bytes | None] = [None] * len(keys)
+        payloads: list[Payload | None] = [None] * len(keys)
         found_in: list[int] = [-1] * len(keys)
         limit = len(keys)
         for level, tier in enumerate(self.tiers):
@@ -100,11 +112,11 @@ class TieredKVStore:
             hits = 0
             nbytes = 0
             for i, payload in zip(missing, got, strict=True):
-                if payload is not None and len(payload) == self.block_bytes:
+                if payload is not None and payload_nbytes(payload) == self.block_bytes:
                     payloads[i] = payload
                     found_in[i] = level
                     hits += 1
-                    nbytes += len(payload)
+                    nbytes += self.block_bytes
             stats = self.stats[tier.name]
             with stats.lock:
                 stats.hits += hits
@@ -124,13 +136,13 @@ class TieredKVStore:
 
     # ---- saves (saver thread) -------------------------------------------------------------
     def save_async(self, metas: Sequence[BlockMeta],
-                   make_payloads: Callable[[], list[bytes]]) -> None:
+                   make_payloads: Callable[[], Sequence[Payload]]) -> None:
         """Queue blocks to write through to every tier; `make_payloads` runs on the saver thread
         and must return one payload per meta. A full queue drops the save (counted)."""
         if metas:
             self._enqueue(list(metas), make_payloads, self.tiers)
 
-    def _enqueue(self, metas: list[BlockMeta], make_payloads: Callable[[], list[bytes]],
+    def _enqueue(self, metas: list[BlockMeta], make_payloads: Callable[[], Sequence[Payload]],
                  tiers: list[KVTier]) -> None:
         try:
             self._queue.put_nowait((metas, make_payloads, tiers))
@@ -149,7 +161,7 @@ class TieredKVStore:
             finally:
                 self._queue.task_done()
 
-    def _save(self, metas: list[BlockMeta], make_payloads: Callable[[], list[bytes]],
+    def _save(self, metas: list[BlockMeta], make_payloads: Callable[[], Sequence[Payload]],
               tiers: list[KVTier]) -> None:
         payloads = make_payloads()
         items = [(self.key(m.block_hash), p) for m, p in zip(metas, payloads, strict=True)]
@@ -202,7 +214,9 @@ class TieredKVStore:
         return [self.stats[t.name] for t in self.tiers]
 
     def close(self) -> None:
-        """Finish queued saves, stop the saver, close the tiers. Idempotent."""
+        """Finish queued saves, stop the saver and the loaders (loads not yet started are
+        cancelled), close the tiers. Idempotent."""
+        self._loader.shutdown(wait=False, cancel_futures=True)
         if self._saver.is_alive():
             self._queue.put(_STOP)
             self._saver.join(timeout=30)

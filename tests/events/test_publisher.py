@@ -156,7 +156,7 @@ def test_tier_events_carry_their_medium(tiny_llama):
             else:
                 cpu_index.difference_update(event.block_hashes)
                 num_removed += len(event.block_hashes)
-    held = {key[len(store.identity):] for key in host._blocks}
+    held = {key[len(store.identity):] for key in host.stored_keys()}
     assert num_removed > 0
     assert cpu_index == held
     engine.check_invariants()

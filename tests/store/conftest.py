@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable
 
 import pytest
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.store.redis_server import RedisServer
+from pagedkv.store.tier import KVTier
 
 BLOCK_SIZE = 4
 PREFIX_LEN = 40  # 10 blocks
@@ -49,6 +52,20 @@ def run_one(llm: LLM, prompt: list[int], salt: str | None = None,
     return list(final.outputs[0].token_ids), final.num_cached_tokens
 
 
+def two_rounds(llm: LLM, model_dir, prefixes: list[list[int]]) -> None:
+    """Each prefix with a fresh suffix, one request at a time, twice: round 1 computes it,
+    round 2 gets it back from the tier (`num_cached_tokens == PREFIX_LEN`); greedy tokens equal
+    transformers' every time."""
+    from tests.engine.conftest import hf_greedy
+
+    for round_ in (1, 2):
+        for i, prefix in enumerate(prefixes):
+            prompt = with_suffix(prefix, seed=10 * round_ + i)
+            tokens, cached = run_one(llm, prompt)
+            assert tokens == hf_greedy(model_dir, prompt, 4)
+            assert cached == (0 if round_ == 1 else PREFIX_LEN)
+
+
 def store_llm(model_dir, tier: str, tmp_path, redis_url: str | None = None, **kwargs) -> LLM:
     """An engine with a tiny device pool and the one tier named `tier`."""
     tiers = {
@@ -57,5 +74,62 @@ def store_llm(model_dir, tier: str, tmp_path, redis_url: str | None = None, **kw
         "disk": {"kv_offloading_disk_path": str(tmp_path / "kv"), "kv_offloading_disk_size": 0.01},
         "redis": {"kv_offloading_remote_url": redis_url},
     }[tier]
-    return LLM(model=str(model_dir), seed=0, block_size=BLOCK_SIZE,
-               num_gpu_blocks_override=NUM_DEVICE_BLOCKS, max_num_seqs=2, **tiers, **kwargs)
+    kwargs.setdefault("num_gpu_blocks_override", NUM_DEVICE_BLOCKS)
+    return LLM(model=str(model_dir), seed=0, block_size=BLOCK_SIZE, max_num_seqs=2, **tiers,
+               **kwargs)
+
+
+class SlowTier(KVTier):
+    """A real tier behind latency: `lookup_delay_s` per lookup call, `load_delay_s` per read
+    (a slow network or disk), and an optional `before_load()` run at the start of each read
+    (to damage the store between the lookup and the load). Counts its calls."""
+
+    def __init__(self, inner: KVTier, *, lookup_delay_s: float = 0.0, load_delay_s: float = 0.0,
+                 before_load: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self.inner = inner
+        self.name, self.medium = inner.name, inner.medium
+        self.lookup_delay_s, self.load_delay_s = lookup_delay_s, load_delay_s
+        self.before_load = before_load
+        self.num_lookups = 0
+        self.num_loads = 0  # reads started
+        self.num_loads_done = 0  # reads returned
+
+    def contains_many(self, keys):
+        self.num_lookups += 1
+        time.sleep(self.lookup_delay_s)
+        return self.inner.contains_many(keys)
+
+    def get_many(self, keys):
+        self.num_loads += 1
+        if self.before_load is not None:
+            self.before_load()
+        time.sleep(self.load_delay_s)
+        try:
+            return self.inner.get_many(keys)
+        finally:
+            self.num_loads_done += 1
+
+    def put_many(self, items):
+        return self.inner.put_many(items)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.inner.used_bytes
+
+    @property
+    def num_blocks(self) -> int:
+        return self.inner.num_blocks
+
+    def take_removed(self) -> list[bytes]:
+        return self.inner.take_removed()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def slow_down(llm: LLM, **kwargs) -> SlowTier:
+    """Put the engine's first tier behind a SlowTier (see there for `kwargs`)."""
+    store = llm.llm_engine.kv_store
+    store.tiers[0] = SlowTier(store.tiers[0], **kwargs)
+    return store.tiers[0]

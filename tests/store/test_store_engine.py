@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 
 from tests.engine.conftest import hf_greedy
-from tests.store.conftest import PREFIX_LEN, make_prefixes, run_one, store_llm, with_suffix
+from tests.store.conftest import (
+    PREFIX_LEN,
+    make_prefixes,
+    run_one,
+    store_llm,
+    two_rounds,
+    with_suffix,
+)
 
 TIERS = ("host", "disk", "redis")
 
@@ -26,18 +33,9 @@ def _url(tier, request):
 def test_prefixes_come_back_from_the_tier(tiny_llama, tmp_path, tier, request):
     llm = store_llm(tiny_llama, tier, tmp_path, _url(tier, request))
     store = llm.llm_engine.kv_store
-    prefixes = make_prefixes(seed=3, num=3)
     # Round 1 computes each prefix; each request (13 blocks) evicts the previous one's blocks
     # from the 19-block device pool. Round 2 must get every prefix back from the tier.
-    for round_ in (1, 2):
-        for i, prefix in enumerate(prefixes):
-            prompt = with_suffix(prefix, seed=10 * round_ + i)
-            tokens, cached = run_one(llm, prompt)
-            assert tokens == hf_greedy(tiny_llama, prompt, 4)
-            if round_ == 1:
-                assert cached == 0
-            else:
-                assert cached == PREFIX_LEN  # ten blocks from the tier, the suffix computed
+    two_rounds(llm, tiny_llama, make_prefixes(seed=3, num=3))
     stats = store.snapshot_stats()[0]
     assert stats.hits == 3 * PREFIX_LEN // 4
     assert stats.bytes_read == stats.hits * store.block_bytes

@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
+from pagedkv.kv.eviction import LRUEvictionPolicy
 from pagedkv.store.codec import CorruptBlockError, decode_block, encode_block
 from pagedkv.store.disk import DiskTier
 from pagedkv.store.host import HostTier
+from pagedkv.store.payload import payload_buffer
 from pagedkv.store.redis_tier import CircuitBreaker, RedisTier
 
 
@@ -35,17 +38,77 @@ def test_codec_round_trip_and_rejects_damage():
         decode_block(_key(1), b"PKV")
 
 
+def _as_bytes(payloads):
+    return [None if p is None else payload_buffer(p).tobytes() if not isinstance(p, bytes) else p
+            for p in payloads]
+
+
 def test_host_tier_is_lru_bounded_and_promotes_on_read():
-    tier = HostTier(capacity_bytes=300)
+    tier = HostTier(capacity_bytes=300, block_bytes=100)
     tier.record_removals = True
+    assert tier.slots.shape == (3, 100)  # preallocated once
     assert tier.put_many([(_key(i), _payload(i)) for i in range(3)]) == [_key(0), _key(1), _key(2)]
-    assert tier.get_many([_key(0)]) == [_payload(0)]  # 0 is now the most recently used
+    assert _as_bytes(tier.get_many([_key(0)])) == [_payload(0)]  # 0 is now the most recently used
     assert tier.put_many([(_key(3), _payload(3))]) == [_key(3)]
     assert tier.contains_many([_key(i) for i in range(4)]) == [True, False, True, True]
     assert tier.take_removed() == [_key(1)]
     assert tier.used_bytes == 300 and tier.num_blocks == 3
     assert tier.put_many([(_key(3), _payload(3))]) == []  # already there: refreshed only
+    assert tier.put_many([(_key(9), _payload(9, 99))]) == []  # not one block: refused
     assert tier.capacity_blocks(100) == 3
+    # Key 1's slot was reused for key 3; the others still hold their own bytes.
+    assert _as_bytes(tier.get_many([_key(i) for i in range(4)])) == [
+        _payload(0), None, _payload(2), _payload(3)]
+    tier.check_invariants()
+
+
+def test_host_tier_copies_out_and_accepts_tensor_rows():
+    tier = HostTier(capacity_bytes=200, block_bytes=100)
+    row = torch.full((100,), 7, dtype=torch.uint8)
+    tier.put_many([(_key(1), row)])
+    row.fill_(8)  # the tier copied the row into its slot
+    (got,) = tier.get_many([_key(1)])
+    assert torch.equal(got, torch.full((100,), 7, dtype=torch.uint8))
+    tier.put_many([(_key(2), _payload(2)), (_key(3), _payload(3))])  # evicts key 1's slot
+    assert torch.equal(got, torch.full((100,), 7, dtype=torch.uint8))  # a reader's copy stays
+    tier.check_invariants()
+
+
+class _MostRecentFirst(LRUEvictionPolicy):
+    """A real (if odd) policy: empty slots first, then the most recently used block."""
+
+    def pop(self, num_blocks):
+        free = self.free_blocks()
+        empty = [b for b in free if b.block_hash is None]
+        blocks = (empty + [b for b in reversed(free) if b.block_hash is not None])[:num_blocks]
+        self.remove(blocks)
+        return blocks
+
+
+def test_host_tier_eviction_goes_through_the_policy():
+    with pytest.raises(ValueError, match="'nope'"):
+        HostTier(capacity_bytes=300, block_bytes=100, eviction_policy="nope")
+    with pytest.raises(ValueError, match="holds no block"):
+        HostTier(capacity_bytes=99, block_bytes=100)
+    made = []
+
+    def factory(blocks):
+        made.append(len(blocks))
+        return _MostRecentFirst(blocks)
+
+    tier = HostTier(capacity_bytes=300, block_bytes=100, eviction_policy=factory)
+    assert made == [3]
+    tier.put_many([(_key(i), _payload(i)) for i in range(3)])
+    tier.get_many([_key(0)])  # most recent: the policy evicts it first
+    tier.put_many([(_key(3), _payload(3))])
+    assert tier.contains_many([_key(i) for i in range(4)]) == [False, True, True, True]
+    tier.check_invariants()
+    lru = HostTier(capacity_bytes=300, block_bytes=100, eviction_policy="lru")
+    lru.put_many([(_key(i), _payload(i)) for i in range(3)])
+    lru.get_many([_key(0)])
+    lru.put_many([(_key(3), _payload(3))])
+    assert lru.contains_many([_key(i) for i in range(4)]) == [True, False, True, True]
+    lru.check_invariants()
 
 
 def test_disk_tier_survives_restart_in_lru_order(tmp_path):
