@@ -18,28 +18,17 @@ from collections.abc import Callable, Sequence
 
 from pagedkv.events.wire import MEDIUM_HOST
 from pagedkv.kv.block import KVCacheBlock
-from pagedkv.kv.eviction import EvictionPolicy, LRUEvictionPolicy
+from pagedkv.kv.eviction import EvictionPolicy, eviction_policy_class
 from pagedkv.store.payload import Payload, copy_payload_into, host_rows, payload_nbytes
 from pagedkv.store.sizing import host_tier_blocks
 from pagedkv.store.tier import KVTier
 
 EvictionPolicyFactory = Callable[[list[KVCacheBlock]], EvictionPolicy]
 
-# Policies by name. Until the pool's policy registry lands on main, LRU is the one name here;
-# a factory (any EvictionPolicy subclass, e.g. LFU or ARC) can be passed directly.
-_POLICIES: dict[str, EvictionPolicyFactory] = {"lru": LRUEvictionPolicy}
-
-
 def eviction_policy_factory(policy: str | EvictionPolicyFactory) -> EvictionPolicyFactory:
-    """The factory named `policy` (or `policy` itself when it is a factory). Raises ValueError
-    naming an unknown name."""
-    if callable(policy):
-        return policy
-    factory = _POLICIES.get(policy)
-    if factory is None:
-        raise ValueError(f"unknown host tier eviction policy {policy!r} "
-                         f"(known: {', '.join(sorted(_POLICIES))})")
-    return factory
+    """The pool's policy named `policy` (pagedkv.kv.eviction: lru, lfu, arc), or `policy`
+    itself when it is a factory. Raises ValueError naming an unknown name."""
+    return policy if callable(policy) else eviction_policy_class(policy)
 
 
 class HostTier(KVTier):

@@ -194,3 +194,20 @@ def test_circuit_breaker_half_opens_after_cooldown():
     assert breaker.allow()  # one trial call
     breaker.record_success()
     assert breaker.allow() and not breaker.is_open
+
+
+def test_host_tier_takes_the_pools_lfu_and_arc_by_name():
+    """The pool's policy registry names work for the host tier: under LFU the block read least
+    is the one a new block replaces."""
+    lfu = HostTier(capacity_bytes=300, block_bytes=100, eviction_policy="lfu")
+    lfu.put_many([(_key(i), _payload(i)) for i in range(3)])
+    lfu.get_many([_key(0)])
+    lfu.get_many([_key(0), _key(2)])
+    lfu.put_many([(_key(3), _payload(3))])
+    assert lfu.contains_many([_key(i) for i in range(4)]) == [True, False, True, True]
+    lfu.check_invariants()
+    arc = HostTier(capacity_bytes=300, block_bytes=100, eviction_policy="arc")
+    arc.put_many([(_key(i), _payload(i)) for i in range(5)])
+    assert sum(arc.contains_many([_key(i) for i in range(5)])) == 3
+    assert bytes(arc.get_many([_key(4)])[0]) == _payload(4)
+    arc.check_invariants()
