@@ -16,6 +16,7 @@ import math
 import typing
 from typing import Any
 
+from pagedkv.config.dtypes import KV_CACHE_DTYPE_CHOICES
 from pagedkv.engine.args import _DTYPES, EngineArgs
 from pagedkv.kv.sizes import parse_size
 
@@ -28,6 +29,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "preemption_mode": ("recompute", "swap"),
     "scheduling_policy": ("fcfs", "priority"),
     "prefix_caching_hash_algo": ("sha256", "xxhash"),
+    "kv_cache_dtype": KV_CACHE_DTYPE_CHOICES,
 }
 
 _HELP: dict[str, str] = {
@@ -55,6 +57,8 @@ _HELP: dict[str, str] = {
     "kv_offloading_disk_size": "GiB the disk tier may use",
     "kv_offloading_remote_url": "Redis URL of the KV store's shared tier, e.g. redis://127.0.0.1:6379",
     "enforce_eager": "no CUDA graphs: run every decode step eagerly",
+    "kv_cache_dtype": "KV cache dtype: 'auto' (the model's) or fp8 (= fp8_e4m3), fp8_e5m2: "
+                      "one byte per value, twice the blocks of bfloat16",
 }
 
 

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, fields
 
 from pagedkv.config import MODEL_DTYPE_CHOICES as _DTYPES
+from pagedkv.config.dtypes import KV_CACHE_DTYPE_CHOICES
 from pagedkv.events.config import parse_kv_events_config
 
 
@@ -17,7 +18,8 @@ class EngineArgs:
     `gpu_memory_utilization` of the device minus weights and activation peak; else on CPU a
     default budget (`DEFAULT_CPU_KV_CACHE_BYTES`). `swap_space` is GiB of host memory for swapped
     blocks. `max_num_batched_tokens` is the per-step token budget (chunked prefill splits longer
-    prompts). `enforce_eager` turns off CUDA graphs for decode steps (CUDA only).
+    prompts). `enforce_eager` turns off CUDA graphs for decode steps (CUDA only). `kv_cache_dtype`
+"fp8" / "fp8_e4m3" / "fp8_e5m2" stores K/V in one byte per value (pagedkv/model/kv_quant.py).
     """
 
     model: str = ""
@@ -46,6 +48,8 @@ class EngineArgs:
     kv_offloading_disk_size: float = 10.0
     kv_offloading_remote_url: str | None = None
     enforce_eager: bool = False
+    # KV cache storage dtype: "auto" (the model's) or fp8 ("fp8" = "fp8_e4m3", "fp8_e5m2").
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -86,6 +90,9 @@ class EngineArgs:
         self._validate_offloading()
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, "
+                             f"got {self.kv_cache_dtype!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

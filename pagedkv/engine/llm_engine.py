@@ -120,7 +120,8 @@ class LLMEngine:
         setup: KVCacheSetup | None = None if profiled else plan_kv_cache(args)  # fails early
         self.runner = ModelRunner(args.model, block_size=args.block_size, num_blocks=None,
                                   dtype=args.dtype, device=args.device, seed=args.seed,
-                                  kv_cache_spec=None if setup is None else setup.spec)
+                                  kv_cache_spec=None if setup is None else setup.spec,
+                                  kv_cache_dtype=args.kv_cache_dtype)
         if setup is None:
             setup = plan_kv_cache(args, self._profile_memory(args))
         self.kv_setup = setup

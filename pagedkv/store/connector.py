@@ -124,9 +124,12 @@ class StoreConnectorWorker:
             return
         import torch
 
+        from pagedkv.model.kv_quant import storage_view
+
         kv = kv_cache.kv
         ids = torch.tensor([b for b, _ in meta.loads], dtype=torch.long, device=kv.device)
         raw = bytearray(b"".join(p for _, p in meta.loads))
+        kv = storage_view(kv)  # fp8: copied as bytes (CPU torch has no fp8 index_copy_)
         blocks = torch.frombuffer(raw, dtype=torch.uint8).view(kv.dtype)
         shape = (len(meta.loads), *kv.shape[:BLOCK_DIM], *kv.shape[BLOCK_DIM + 1:])
         blocks = blocks.view(shape).movedim(0, BLOCK_DIM)

@@ -43,7 +43,8 @@ def build_kv_store(args: EngineArgs, kv_cache: KVCache, weight_files: list,
         return None
     kv = kv_cache.kv
     layout = "x".join(str(d) for i, d in enumerate(kv.shape) if i != 3)
-    identity = model_identity(args.model, weight_files, str(kv.dtype), layout, args.block_size)
+    identity = model_identity(args.model, weight_files, kv_cache.dtype_tag(), layout,
+                              args.block_size)
     block_bytes = kv[:, :, :, 0].numel() * kv.element_size()
     return TieredKVStore(build_tiers(args), identity, block_bytes, args.block_size,
                          enable_events=enable_events)
