@@ -83,7 +83,7 @@ class ModelRunner:
         self.sampler = Sampler(seed, self.device)
         self.attn_backend = get_attention_backend(self.device, attention_backend)
         self.kv_scales = None  # fp8 cache: each layer's KVScales, computed at allocation
-        if is_fp8_dtype(spec.dtype):
+        if is_fp8_dtype(spec.dtype) and not getattr(self.attn_backend, "reads_fp8_cache", False):
             self.attn_backend = QuantizedKVBackend(self.attn_backend)
         self.cuda_graphs = None
         self.kv_connector = None  # the KV store's worker side, plugged in by the engine
@@ -99,7 +99,7 @@ class ModelRunner:
         """Allocate the device KV cache (and the host swap copy) of `num_blocks` blocks, shaped
         by `kv_cache_spec` (planned bytes == allocated bytes). An fp8 cache's scales are
         computed first, once (kv_calibration.py), and set on the model's attention layers."""
-        if isinstance(self.attn_backend, QuantizedKVBackend) and self.kv_scales is None:
+        if is_fp8_dtype(self.kv_cache_spec.dtype) and self.kv_scales is None:
             self._calibrate_kv_scales()
         self.kv_cache = KVCache.from_spec(self.kv_cache_spec, num_blocks=num_blocks,
                                           device=self.device, num_host_blocks=num_host_blocks)
@@ -109,7 +109,7 @@ class ModelRunner:
         from pagedkv.model.kv_calibration import calibrate_kv_scales
 
         self.kv_scales = calibrate_kv_scales(
-            self.model, self.attn_backend.inner, self.kv_cache_spec,
+            self.model, getattr(self.attn_backend, "inner", self.attn_backend), self.kv_cache_spec,
             str(self.dtype).removeprefix("torch."), kv_cache_torch_dtype(self.kv_cache_spec.dtype),
             self.model_config.vocab_size, self.model_config.max_position_embeddings, self.device)
         for layer, scales in zip(self.model.layers, self.kv_scales, strict=True):
@@ -117,7 +117,8 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int | None = None) -> bool:
         """Capture decode CUDA graphs for `batch_sizes` over the allocated KV cache (CUDA and the
-        Triton backend only, not over an fp8 cache; returns whether graphs were captured)."""
+        Triton backend only, reading an fp8 cache in place if any; returns whether graphs were
+        captured)."""
         if not batch_sizes or self.device.type != "cuda" or self.attn_backend.name != "triton" \
                 or isinstance(self.attn_backend, QuantizedKVBackend):
             return False

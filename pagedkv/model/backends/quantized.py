@@ -8,10 +8,11 @@ step. Per layer, `QuantizedKVMetadata.attend` writes the new K/V as fp8 into the
 (kv_quant.quantize_into), dequantizes the step's blocks into a compact cache of the model's
 dtype and lets the inner backend attend over it; the step's own tokens are attended as the cache
 will return them (kv_quant.round_trip), so a token reads the same whether it was computed in this
-step or an earlier one. Both backends use this: the CPU one (torch_paged) and the CUDA one
-(triton_paged: its kernels then read the dequantized copy; CUDA graphs are not captured for an
-fp8 cache, see ModelRunner.capture_cuda_graphs). A backend that reads fp8 in place can replace
-this wrapper for its device by calling kv_quant.dequantize inside its own gather.
+step or an earlier one. The runner wraps a backend in this unless it reads fp8 in place itself
+(`reads_fp8_cache`): the CPU one (torch_paged) is wrapped; the CUDA one (triton_paged) converts
+inside its kernels on GPUs of compute capability 8.9+ (and under the interpreter) and is wrapped
+on older GPUs (then without CUDA graphs, see ModelRunner.capture_cuda_graphs). A backend that
+reads fp8 in place elsewhere calls kv_quant.dequantize inside its own gather.
 """
 
 from __future__ import annotations
