@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-real", action="store_true", help="no Llama-3-8B-shaped layers")
     parser.add_argument("--kv-memory", default="24MiB", help="KV budget of the throughput runs")
     parser.add_argument("--num-requests", type=int, default=48)
+    parser.add_argument("--max-output", type=int, default=None,
+                        help="cap every request's output tokens (default: the workload's)")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
@@ -130,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = build_random_model_dir(Path(tmp) / "llama-512x8", dtype="float32",
                                                seed=0, **SHAPE)
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-            requests = workload(0, vocab)[: args.num_requests]
+            requests = [(p, min(n, args.max_output or n))
+                        for p, n in workload(0, vocab)[: args.num_requests]]
             memory = parse_size(args.kv_memory, name="--kv-memory")
             runs = {d: concurrency(model_dir, requests, d, memory) for d in ("auto", "fp8")}
             ratios = {key: runs["fp8"][key] / max(runs["auto"][key], 1e-9)
