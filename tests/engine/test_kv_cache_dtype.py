@@ -112,3 +112,25 @@ def test_kv_cache_dtype_flag_reaches_the_engine_args():
         assert engine_args_from_flags(args, "m").kv_cache_dtype == "fp8_e5m2"
         with pytest.raises(SystemExit):
             build_parser(command[0]).parse_args([*command, "--kv-cache-dtype", "int8"])
+
+
+def test_fp8_cascade_attention_over_shared_prefix_blocks(tiny_llama, make_llm, monkeypatch):
+    """Requests sharing an 80-token prefix decode together: with prefix caching their fp8
+    prefix blocks are attended once per group (cascade attention over the dequantized copy);
+    the tokens equal those of the same fp8 engine without prefix caching (no shared blocks)."""
+    import pagedkv.model.attention as attention
+
+    calls = []
+    shared = attention.shared_prefix_attention
+    monkeypatch.setattr(attention, "shared_prefix_attention",
+                        lambda *a, **k: (calls.append(1), shared(*a, **k))[1])
+    prompts = make_prompts(seed=4, vocab=400, num=6, shared_prefix=80, lengths=(3, 9))
+    prompts = [p for i, p in enumerate(prompts) if i % 2 == 0]  # the three sharing the prefix
+    runs = []
+    for caching in (True, False):
+        llm = make_llm(tiny_llama, block_size=4, kv_cache_dtype="fp8",
+                       enable_prefix_caching=caching)
+        runs.append([list(o.outputs[0].token_ids) for o in _generate(llm, prompts)])
+        if caching:
+            assert calls, "no cascade attention over the shared prefix"
+    assert runs[0] == runs[1]
