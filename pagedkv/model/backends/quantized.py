@@ -69,6 +69,18 @@ class QuantizedKVBackend:
         self.name = inner.name
         self.device = inner.device
 
+    @property
+    def native(self) -> bool:
+        """The inner backend's switch to its fused kernels (issue 14's cpu_native `native`,
+        flipped by the runner between steps), False when it has none: with it on, the fused
+        kernels attend over the compact model-dtype copy."""
+        return getattr(self.inner, "native", False)
+
+    @native.setter
+    def native(self, value: bool) -> None:
+        if hasattr(self.inner, "native"):
+            self.inner.native = value
+
     def build_metadata(self, step: StepSequences) -> QuantizedKVMetadata:
         """The inner metadata of the compact step and the real blocks and slots behind it."""
         compact, used = compact_step(step)
