@@ -1,6 +1,7 @@
 """Offline throughput: pagedkv vs transformers' `generate`, and prefix caching on vs off.
 
     .venv/bin/python benchmarks/bench_offline.py [--dtypes float32,bfloat16] [--threads N] [--json]
+        [--kv-cache-dtype fp8]
     .venv/bin/python benchmarks/bench_offline.py --device cuda [--enforce-eager]  (gpu_offline.py)
     .venv/bin/python benchmarks/bench_offline.py --vs-vllm /tmp/vllm-venv/bin/python [--busy 2]
 
@@ -287,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--busy", type=int, default=0,
                         help="--vs-vllm: spin this many other processes during every run")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+                        help="the engine's KV cache dtype (fp8 vs auto at one memory budget: "
+                             "benchmarks/bench_kv_quant.py)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads for every engine in the run (default: torch's); "
                              "1 thread is far less disturbed by other processes on a shared box")
@@ -318,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                 build_random_model_dir(model_dir, dtype=dtype, seed=0, **SHAPE)
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
             requests = workload(0, vocab)
-            ours = run_pagedkv(model_dir, dtype, requests)
+            ours = run_pagedkv(model_dir, dtype, requests, kv_cache_dtype=args.kv_cache_dtype)
             peak = matmul_flops(TORCH_DTYPES[dtype])
             computed = ours["prompt_tokens_computed"] + ours["output_tokens"]
             mfu = 2 * num_params(model_dir) * computed / ours["seconds"] / peak
@@ -334,8 +339,10 @@ def main(argv: list[str] | None = None) -> int:
                   + f", MFU {100 * mfu:.1f}% of a {peak / 1e9:.0f} GFLOP/s matmul", flush=True)
             if not args.skip_shared_prefix:
                 shared = shared_prefix_workload(1, vocab)
-                on = run_pagedkv(model_dir, dtype, shared, enable_prefix_caching=True)
-                off = run_pagedkv(model_dir, dtype, shared, enable_prefix_caching=False)
+                on = run_pagedkv(model_dir, dtype, shared, enable_prefix_caching=True,
+                                 kv_cache_dtype=args.kv_cache_dtype)
+                off = run_pagedkv(model_dir, dtype, shared, enable_prefix_caching=False,
+                                  kv_cache_dtype=args.kv_cache_dtype)
                 speedup = off["seconds"] / on["seconds"]
                 report["shared_prefix"][dtype] = dict(caching_on=on, caching_off=off, speedup=speedup)
                 print(f"[{dtype}] shared prefix: caching on {on['seconds']:.2f} s "

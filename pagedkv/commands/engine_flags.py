@@ -16,6 +16,7 @@ import math
 import typing
 from typing import Any
 
+from pagedkv.config.dtypes import KV_CACHE_DTYPE_CHOICES
 from pagedkv.engine.args import _DTYPES, EngineArgs
 from pagedkv.kernels.cpu import CPU_KERNEL_MODES
 from pagedkv.kv.eviction import EVICTION_POLICIES
@@ -32,6 +33,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "prefix_caching_hash_algo": ("sha256", "xxhash"),
     "cpu_kernels": CPU_KERNEL_MODES,
     "eviction_policy": tuple(EVICTION_POLICIES),
+    "kv_cache_dtype": KV_CACHE_DTYPE_CHOICES,
 }
 
 _HELP: dict[str, str] = {
@@ -66,6 +68,8 @@ _HELP: dict[str, str] = {
     "eviction_policy": "which free cached KV block is evicted first: lru, lfu (fewest uses) "
                        "or arc (adaptive recency/frequency)",
     "max_pinned_fraction": "most of the KV cache that pinned prefixes (/v1/pin) may hold",
+    "kv_cache_dtype": "KV cache dtype: 'auto' (the model's) or fp8 (= fp8_e4m3), fp8_e5m2: "
+                      "one byte per value, twice the blocks of bfloat16",
 }
 
 

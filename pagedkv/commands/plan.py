@@ -1,13 +1,16 @@
 """`pagedkv plan`: how many KV cache blocks (and sequences) a memory budget holds for a model.
 
     pagedkv plan --config CONFIG_JSON_OR_MODEL_DIR --memory 80GiB [--utilization 0.9]
-                 [--block-size 16] [--dtype bfloat16] [--max-model-len N] [--swap-space 4GiB]
+                 [--block-size 16] [--dtype bfloat16] [--kv-cache-dtype fp8]
+                 [--max-model-len N] [--swap-space 4GiB]
                  [--weights-bytes N] [--kv-offloading-size SIZE]
                  [--kv-offloading-disk-size SIZE] [--json]
 
 Sizes take binary units (GiB, G = 2**30) or decimal ones (GB = 10**9); see pagedkv.kv.sizes.
-`--dtype` is the model's dtype, used for both the weights estimate and the KV cache ("auto":
-the config's torch_dtype). Needs no torch and no weights: only the config.json.
+`--dtype` is the model's dtype, used for the weights and activation estimates and, unless
+`--kv-cache-dtype` says otherwise, the KV cache ("auto": the config's torch_dtype);
+`--kv-cache-dtype fp8` (or fp8_e4m3, fp8_e5m2) halves the bytes per block against bfloat16, so
+the same budget holds twice the blocks. Needs no torch and no weights: only the config.json.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 from typing import Any
 
 from pagedkv.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, load_hf_config
+from pagedkv.config.dtypes import KV_CACHE_DTYPE_CHOICES
 from pagedkv.kv.eviction import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES
 from pagedkv.kv.pins import max_pinned_blocks
 from pagedkv.kv.plan import (
@@ -55,6 +59,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
     parser.add_argument("--dtype", default="auto",
                         help="float32, bfloat16, float16, fp8 or auto (the config's torch_dtype)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                        help="KV cache dtype: auto (the model's dtype) or an fp8 format "
+                        "(default auto)")
     parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
                         help="longest sequence (default: the config's max_position_embeddings)")
     parser.add_argument("--swap-space", default=DEFAULT_SWAP_SPACE, metavar="SIZE",
@@ -87,14 +94,15 @@ def make_plan(args: argparse.Namespace) -> tuple[KVCachePlan, dict[str, Any]]:
     memory = parse_size(args.memory, name="--memory")
     swap = parse_size(args.swap_space, name="--swap-space")
     config = load_hf_config(_config_path(args.config))
-    spec = kv_cache_spec_from_hf_config(config, block_size=args.block_size, dtype=args.dtype)
+    spec = kv_cache_spec_from_hf_config(config, block_size=args.block_size, dtype=args.dtype,
+                                        cache_dtype=args.kv_cache_dtype)
     if args.weights_bytes is None:
-        weights = estimate_weights_bytes(config, spec.dtype)
+        weights = estimate_weights_bytes(config, args.dtype)
         weights_source = "estimated from config"
     else:
         weights = parse_size(args.weights_bytes, name="--weights-bytes")
         weights_source = "given"
-    activation = estimate_activation_peak_bytes(config, DEFAULT_MAX_NUM_BATCHED_TOKENS, spec.dtype)
+    activation = estimate_activation_peak_bytes(config, DEFAULT_MAX_NUM_BATCHED_TOKENS, args.dtype)
     max_model_len = args.max_model_len
     if max_model_len is None:
         max_model_len = default_max_model_len(config)

@@ -32,6 +32,16 @@ MODEL_DTYPES = ("float32", "bfloat16", "float16")
 MODEL_DTYPE_CHOICES = ("auto", *MODEL_DTYPES,
                        *(alias for alias, name in _DTYPE_ALIASES.items() if name in MODEL_DTYPES))
 
+# The KV cache's storage dtype (vLLM's `kv_cache_dtype`): "auto" is the model's dtype; the fp8
+# names store K/V as 8-bit floats with per-tensor scales (pagedkv/model/kv_quant.py). "fp8" is
+# e4m3, as in vLLM. Values name torch dtypes (`getattr(torch, name)`), keeping this file torch-free.
+FP8_TORCH_DTYPE_NAMES: dict[str, str] = {
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
+KV_CACHE_DTYPE_CHOICES = ("auto", *FP8_TORCH_DTYPE_NAMES)
+
 # "auto" with a config that names no dtype: float32, as transformers loads such a checkpoint
 # (and an upper bound when planning memory: never an under-estimate).
 DEFAULT_DTYPE = "float32"
@@ -75,3 +85,18 @@ def resolve_dtype(dtype: str, config: dict[str, Any] | None = None) -> str:
     if isinstance(dtype, str) and dtype.strip().lower() == "auto":
         return config_dtype(config or {})
     return canonical_dtype(dtype)
+
+
+def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: str) -> str:
+    """The canonical dtype of the KV cache: `model_dtype` (canonicalised) for "auto", else the
+    fp8 name itself. Raises ValueError naming `cache_dtype` when it is not one of
+    KV_CACHE_DTYPE_CHOICES."""
+    if cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, "
+                         f"got {cache_dtype!r}")
+    return canonical_dtype(model_dtype) if cache_dtype == "auto" else cache_dtype
+
+
+def is_fp8_dtype(dtype: str) -> bool:
+    """Whether the canonical dtype name `dtype` is one of the fp8 KV cache dtypes."""
+    return dtype in FP8_TORCH_DTYPE_NAMES

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, fields
 
 from pagedkv.config import MODEL_DTYPE_CHOICES as _DTYPES
+from pagedkv.config.dtypes import KV_CACHE_DTYPE_CHOICES
 from pagedkv.events.config import parse_kv_events_config
 from pagedkv.kernels.cpu import CPU_KERNEL_MODES
 from pagedkv.kv.eviction import DEFAULT_EVICTION_POLICY, eviction_policy_class
@@ -23,7 +24,8 @@ class EngineArgs:
     prompts). `enforce_eager` turns off CUDA graphs for decode steps (CUDA only). `cpu_kernels`
     (CPU only): "auto" builds the fused C++ kernels in the background on first use and switches
     to them once built, "wait" builds them before the engine starts, "off" keeps the pure-torch
-    path (see pagedkv.kernels.cpu).
+    path (see pagedkv.kernels.cpu). `kv_cache_dtype`
+    "fp8" / "fp8_e4m3" / "fp8_e5m2" stores K/V in one byte per value (pagedkv/model/kv_quant.py).
     """
 
     model: str = ""
@@ -61,6 +63,8 @@ class EngineArgs:
     # most of the device cache pinned prefixes may hold (LLMEngine.pin_prefix).
     eviction_policy: str = DEFAULT_EVICTION_POLICY
     max_pinned_fraction: float = 0.5
+    # KV cache storage dtype: "auto" (the model's) or fp8 ("fp8" = "fp8_e4m3", "fp8_e5m2").
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -106,6 +110,9 @@ class EngineArgs:
             raise ValueError(f"cpu_kernels must be one of {CPU_KERNEL_MODES}, got {self.cpu_kernels!r}")
         eviction_policy_class(self.eviction_policy)
         check_max_pinned_fraction(self.max_pinned_fraction)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, "
+                             f"got {self.kv_cache_dtype!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

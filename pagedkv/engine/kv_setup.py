@@ -86,7 +86,7 @@ def plan_kv_cache(args: EngineArgs, profile: GpuMemoryProfile | None = None) -> 
     """Size the KV cache for `args` (with a measured `profile` on CUDA). Raises ValueError when
     the settings cannot work."""
     config = load_hf_config(args.model)
-    spec = kv_cache_spec_from_hf_config(config, args.block_size, args.dtype)
+    spec = kv_cache_spec_from_hf_config(config, args.block_size, args.dtype, args.kv_cache_dtype)
     config_len = default_max_model_len(config)
     if args.max_model_len is not None and args.max_model_len > config_len:
         raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's "

@@ -122,7 +122,8 @@ class LLMEngine:
         self.runner = ModelRunner(args.model, block_size=args.block_size, num_blocks=None,
                                   dtype=args.dtype, device=args.device, seed=args.seed,
                                   kv_cache_spec=None if setup is None else setup.spec,
-                                  cpu_kernels=args.cpu_kernels, cpu_threads=args.cpu_threads)
+                                  cpu_kernels=args.cpu_kernels, cpu_threads=args.cpu_threads,
+                                  kv_cache_dtype=args.kv_cache_dtype)
         if setup is None:
             setup = plan_kv_cache(args, self._profile_memory(args))
         self.kv_setup = setup

@@ -22,7 +22,12 @@ from dataclasses import asdict, dataclass
 from importlib import resources
 from typing import Any
 
-from pagedkv.config.dtypes import DTYPE_BYTES, canonical_dtype, resolve_dtype
+from pagedkv.config.dtypes import (
+    DTYPE_BYTES,
+    canonical_dtype,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 from pagedkv.config.hf_config import HFModelConfig
 from pagedkv.utils import cdiv
 
@@ -153,7 +158,8 @@ class MLAAttentionSpec(KVCacheSpec):
 
 
 def kv_cache_spec_from_hf_config(
-    config: dict[str, Any] | HFModelConfig, block_size: int = 16, dtype: str = "auto"
+    config: dict[str, Any] | HFModelConfig, block_size: int = 16, dtype: str = "auto",
+    cache_dtype: str = "auto",
 ) -> KVCacheSpec:
     """Build the KV cache spec of a Hugging Face `config.json` (a parsed dict, or the
     `HFModelConfig` read from it: the one reader the model uses too).
@@ -162,11 +168,13 @@ def kv_cache_spec_from_hf_config(
     window: SlidingWindowSpec. Otherwise FullAttentionSpec, also when only some layers slide
     (Qwen2 `max_window_layers`, Gemma's alternating layers): every layer keeps full-attention
     blocks, an upper bound, while the model applies each layer's own window.
-    `dtype="auto"` takes the config's dtype. Raises ValueError naming the missing or invalid key.
+    `dtype` is the model's dtype ("auto": the config's); `cache_dtype` the KV cache's (vLLM's
+    `kv_cache_dtype`: "auto" = the model's, or "fp8" / "fp8_e4m3" / "fp8_e5m2", one byte per
+    value), which is the spec's `dtype`. Raises ValueError naming the missing or invalid key.
     """
     _check_positive_int("block_size", block_size)
     hf = config if isinstance(config, HFModelConfig) else HFModelConfig.from_dict(config)
-    kv_dtype = resolve_dtype(dtype, hf.raw)
+    kv_dtype = resolve_kv_cache_dtype(cache_dtype, resolve_dtype(dtype, hf.raw))
     if hf.is_mla:
         return MLAAttentionSpec(
             block_size=block_size,

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from pagedkv.config import HFModelConfig, canonical_dtype
+from pagedkv.config.dtypes import FP8_TORCH_DTYPE_NAMES
 from pagedkv.model.registry import get_model_class, resolve_architecture
 
 # The torch side of the one dtype table (pagedkv.config.dtypes), keyed by canonical name.
@@ -51,6 +52,14 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if name not in _TORCH_DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; use auto, float32, bfloat16 or float16")
     return _TORCH_DTYPES[name]
+
+
+def kv_cache_torch_dtype(dtype: str) -> torch.dtype:
+    """The torch dtype of a KV cache of canonical dtype name `dtype`: a model dtype
+    (`torch_dtype`) or an fp8 name ("fp8" -> torch.float8_e4m3fn, as in vLLM)."""
+    if dtype in FP8_TORCH_DTYPE_NAMES:
+        return getattr(torch, FP8_TORCH_DTYPE_NAMES[dtype])
+    return torch_dtype(dtype)
 
 
 def parse_dtype(dtype: str | torch.dtype, config_dtype: str) -> torch.dtype:

@@ -9,6 +9,8 @@ tables are padded with it; being zero-filled, masked reads of it never make NaNs
 The host cache has the same layout with `host_pool_num_blocks(num_host_blocks)` blocks (the
 host pool's null block 0 plus `num_host_blocks` usable ones, pinned memory with CUDA): the same
 number that sizes the KV manager's host pool, so every host id it hands out has a slot.
+An fp8 cache (kv_cache_dtype) has the same layout in fp8 in both places: swapping and copying
+move its bytes as they are, and `scales` (set by the runner) says what they mean.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch
 
 from pagedkv.kv.block_pool import host_pool_num_blocks
 from pagedkv.kv.spec import FullAttentionSpec, KVCacheSpec
-from pagedkv.model.config import torch_dtype
+from pagedkv.model.config import kv_cache_torch_dtype
+from pagedkv.model.kv_quant import KVScales, storage_view
 
 
 class KVCache:
@@ -43,6 +46,8 @@ class KVCache:
         pin = device.type == "cuda" and num_host_blocks > 0
         self.host_kv = torch.zeros(host_shape, dtype=dtype, device="cpu", pin_memory=pin)
         self.layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(num_layers)]
+        # fp8 caches: each layer's scales (kv_quant), set once by the runner; None otherwise.
+        self.scales: list[KVScales] | None = None
 
     @classmethod
     def from_spec(cls, spec: KVCacheSpec, *, num_blocks: int, device: torch.device,
@@ -55,12 +60,20 @@ class KVCache:
             raise ValueError(f"no paged KV layout for a {spec.kind!r} KV cache spec")
         return cls(num_layers=spec.num_layers, num_blocks=num_blocks, block_size=spec.block_size,
                    num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
-                   dtype=torch_dtype(spec.dtype), device=device,
+                   dtype=kv_cache_torch_dtype(spec.dtype), device=device,
                    num_host_blocks=num_host_blocks)
 
     @property
     def device(self) -> torch.device:
         return self.kv.device
+
+    def dtype_tag(self) -> str:
+        """What the cache's bytes mean: its torch dtype, and for fp8 every layer's scales (part
+        of the offload tiers' keys, so a block is only ever read back with its own scales)."""
+        tag = str(self.kv.dtype)
+        if self.scales is not None:
+            tag += ":" + ",".join(f"{s.k_scale!r}/{s.v_scale!r}" for s in self.scales)
+        return tag
 
     def _ids(self, ids: list[int], limit: int, what: str) -> torch.Tensor:
         bad = [i for i in ids if not 0 <= i < limit]
@@ -110,6 +123,7 @@ class KVCache:
             raise ValueError(f"rows must be uint8 [{n}, {block_bytes}], got "
                              f"{rows.dtype} {tuple(rows.shape)}")
         ids = self._ids(block_ids, self.num_blocks, "device").to(self.device)
-        by_block = self.kv.movedim(self.BLOCK_DIM, 0)  # a view: index_copy_ writes the cache
-        src = rows.to(self.device, non_blocking=True).contiguous().view(self.kv.dtype)
+        # A view, so index_copy_ writes the cache; fp8 as its bytes (CPU has no fp8 index_copy_).
+        by_block = storage_view(self.kv).movedim(self.BLOCK_DIM, 0)
+        src = rows.to(self.device, non_blocking=True).contiguous().view(by_block.dtype)
         by_block.index_copy_(0, ids, src.view(n, *by_block.shape[1:]))

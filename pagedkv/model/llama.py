@@ -16,6 +16,7 @@ from torch import nn
 
 from pagedkv.model.attention import AttentionMetadata
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.kv_quant import KVScales
 from pagedkv.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from pagedkv.model.ops import LayerOps, RopeInputs
 
@@ -32,6 +33,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.window = window
         self.scale = cfg.head_dim ** -0.5
+        self.kv_scales: KVScales | None = None  # fp8 KV cache: set by the runner (kv_quant.py)
 
     def forward(self, x: torch.Tensor, rope: RopeInputs, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, ops: LayerOps) -> torch.Tensor:
@@ -43,7 +45,11 @@ class Attention(nn.Module):
         else:  # one RoPE call for q and k together (views of one [T, heads + kv_heads, D] tensor)
             q, k = ops.rope(qkv[:, : self.num_heads + self.num_kv_heads], rope).split(
                 [self.num_heads, self.num_kv_heads], dim=1)
-        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, self.window)
+        if self.kv_scales is None:
+            out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, self.window)
+        else:  # fp8 cache: per-tensor scales folded into the softmax scale and the output
+            out = self.kv_scales.attend(meta, q, k, v, kv_cache[0], kv_cache[1], self.scale,
+                                        self.window)
         return self.o_proj(out.reshape(t, self.q_size))
 
 

@@ -17,11 +17,13 @@ from pathlib import Path
 
 import torch
 
+from pagedkv.config.dtypes import is_fp8_dtype, resolve_kv_cache_dtype
 from pagedkv.kernels.cpu import cpu_kernels_loaded, ensure_cpu_kernels
 from pagedkv.kv.spec import KVCacheSpec, kv_cache_spec_from_hf_config
 from pagedkv.model.backends import get_attention_backend
+from pagedkv.model.backends.quantized import QuantizedKVBackend
 from pagedkv.model.backends.step import StepSequences
-from pagedkv.model.config import ModelConfig, parse_dtype, torch_dtype
+from pagedkv.model.config import ModelConfig, kv_cache_torch_dtype, parse_dtype
 from pagedkv.model.cpu_threads import CpuThreadGovernor
 from pagedkv.model.kv_cache import KVCache
 from pagedkv.model.loader import check_model_dir, load_model
@@ -52,10 +54,12 @@ class ModelRunner:
                  attention_backend: str | None = None,
                  cuda_graph_batch_sizes: list[int] | None = None,
                  max_model_len: int | None = None, cpu_kernels: str = "auto",
-                 cpu_threads: int | None = None) -> None:
+                 cpu_threads: int | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         """`num_blocks` None: no KV cache yet (profile memory, then `allocate_kv_cache`).
         `kv_cache_spec` (the one the engine planned with) shapes the KV tensors; without it the
-        spec is built from the same config reader, `block_size` and `dtype`.
+        spec is built from the same config reader, `block_size`, `dtype` and `kv_cache_dtype`
+        ("auto": the model's dtype; an fp8 name: an fp8 cache, see kv_quant.py).
         `attention_backend`: a key of backends.ATTENTION_BACKENDS (default: the device's).
         `cuda_graph_batch_sizes`: capture decode graphs for these batch sizes once the KV cache
         exists (see `capture_cuda_graphs`; None or empty: eager), block tables up to
@@ -68,11 +72,14 @@ class ModelRunner:
         self.model_config = ModelConfig.from_dir(model_dir)
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.model_config.torch_dtype)
+        model_dtype = str(self.dtype).removeprefix("torch.")
+        cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_dtype)
         spec = kv_cache_spec or kv_cache_spec_from_hf_config(
-            self.model_config.hf_config, block_size, str(self.dtype).removeprefix("torch."))
-        if spec.block_size != block_size or torch_dtype(spec.dtype) != self.dtype:
+            self.model_config.hf_config, block_size, model_dtype, kv_cache_dtype)
+        if spec.block_size != block_size or \
+                kv_cache_torch_dtype(spec.dtype) != kv_cache_torch_dtype(cache_dtype):
             raise ValueError(f"KV cache spec (block_size {spec.block_size}, {spec.dtype}) does "
-                             f"not match block_size {block_size}, dtype {self.dtype}")
+                             f"not match block_size {block_size}, KV cache dtype {cache_dtype}")
         self.kv_cache_spec = spec
         self.block_size = block_size
         allocated = self._allocated_bytes()
@@ -92,6 +99,9 @@ class ModelRunner:
                 self.thread_governor = CpuThreadGovernor()
             else:
                 torch.set_num_threads(cpu_threads)
+        self.kv_scales = None  # fp8 cache: each layer's KVScales, computed at allocation
+        if is_fp8_dtype(spec.dtype) and not getattr(self.attn_backend, "reads_fp8_cache", False):
+            self.attn_backend = QuantizedKVBackend(self.attn_backend)
         self.cuda_graphs = None
         self.kv_connector = None  # the KV store's worker side, plugged in by the engine
         if num_blocks is not None:
@@ -113,14 +123,30 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         """Allocate the device KV cache (and the host swap copy) of `num_blocks` blocks, shaped
-        by `kv_cache_spec` (planned bytes == allocated bytes)."""
+        by `kv_cache_spec` (planned bytes == allocated bytes). An fp8 cache's scales are
+        computed first, once (kv_calibration.py), and set on the model's attention layers."""
+        if is_fp8_dtype(self.kv_cache_spec.dtype) and self.kv_scales is None:
+            self._calibrate_kv_scales()
         self.kv_cache = KVCache.from_spec(self.kv_cache_spec, num_blocks=num_blocks,
                                           device=self.device, num_host_blocks=num_host_blocks)
+        self.kv_cache.scales = self.kv_scales
+
+    def _calibrate_kv_scales(self) -> None:
+        from pagedkv.model.kv_calibration import calibrate_kv_scales
+
+        self.kv_scales = calibrate_kv_scales(
+            self.model, getattr(self.attn_backend, "inner", self.attn_backend), self.kv_cache_spec,
+            str(self.dtype).removeprefix("torch."), kv_cache_torch_dtype(self.kv_cache_spec.dtype),
+            self.model_config.vocab_size, self.model_config.max_position_embeddings, self.device)
+        for layer, scales in zip(self.model.layers, self.kv_scales, strict=True):
+            layer.self_attn.kv_scales = scales
 
     def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int | None = None) -> bool:
         """Capture decode CUDA graphs for `batch_sizes` over the allocated KV cache (CUDA and the
-        Triton backend only; returns whether graphs were captured)."""
-        if not batch_sizes or self.device.type != "cuda" or self.attn_backend.name != "triton":
+        Triton backend only, reading an fp8 cache in place if any; returns whether graphs were
+        captured)."""
+        if not batch_sizes or self.device.type != "cuda" or self.attn_backend.name != "triton" \
+                or isinstance(self.attn_backend, QuantizedKVBackend):
             return False
         from pagedkv.model.cuda_graphs import DecodeCudaGraphs
 

@@ -40,15 +40,19 @@ def build_tiers(args: EngineArgs, block_bytes: int, pin_memory: bool = False) ->
 
 
 def build_kv_store(args: EngineArgs, spec: KVCacheSpec, weight_files: list,
-                   enable_events: bool, pin_memory: bool = False) -> TieredKVStore | None:
+                   enable_events: bool, pin_memory: bool = False,
+                   dtype_tag: str | None = None) -> TieredKVStore | None:
     """The store for `args` and the KV cache `spec` describes (None when no tier is
-    configured): a block is `spec.page_size_bytes` bytes laid out as `KVCache.LAYOUT`."""
+    configured): a block is `spec.page_size_bytes` bytes laid out as `KVCache.LAYOUT`.
+    `dtype_tag` says what the bytes mean (`KVCache.dtype_tag()`: the cache dtype and, for
+    fp8, every layer's scales; default the spec's dtype): part of every key."""
     if not args.uses_kv_store:
         return None
     from pagedkv.model.kv_cache import KVCache
 
     layout = ",".join(KVCache.LAYOUT) + ":" + json.dumps(spec.to_dict(), sort_keys=True)
-    identity = model_identity(args.model, weight_files, spec.dtype, layout, spec.block_size)
+    identity = model_identity(args.model, weight_files, dtype_tag or spec.dtype, layout,
+                              spec.block_size)
     block_bytes = spec.page_size_bytes
     return TieredKVStore(build_tiers(args, block_bytes, pin_memory), identity, block_bytes,
                          spec.block_size, enable_events=enable_events)
@@ -72,7 +76,7 @@ def attach_kv_store(args: EngineArgs, sliding_window: int | None, runner: ModelR
 
     pin_memory = pin_host_memory(runner.kv_cache.device)
     store = build_kv_store(args, runner.kv_cache_spec, weight_files(args.model), enable_events,
-                           pin_memory)
+                           pin_memory, runner.kv_cache.dtype_tag())
     finished = FinishedLoads()
     scheduler.kv_connector = StoreConnectorScheduler(store, scheduler.kv_cache_manager, finished)
     runner.kv_connector = StoreConnectorWorker(store, finished, pin_memory=pin_memory)

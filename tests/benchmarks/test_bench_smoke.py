@@ -45,3 +45,19 @@ def test_bench_structured_runs_with_equal_work():
     report = json.loads(proc.stdout)
     assert report["structured_tokens"] == report["baseline_tokens"] > 0
     assert report["ratio_structured_over_baseline"] > 0
+
+
+def test_bench_kv_quant_runs_and_fp8_quadruples_the_blocks():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kv_quant.py"),
+                           "--skip-real", "--prompts", "1", "--prompt-len", "16",
+                           "--decode-len", "4", "--num-requests", "2", "--max-output", "8",
+                           "--kv-memory", "10MiB",
+                           "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout[proc.stdout.index("{"):])
+    tiny = report["accuracy"]["tiny-llama-float32"]
+    assert set(tiny) == {"fp8_e4m3", "fp8_e5m2"}
+    assert all(0 < r["max_abs_logit_error"] < r["logit_range"] for r in tiny.values())
+    runs = report["throughput"]["runs"]
+    assert runs["fp8"]["num_blocks"] == 4 * runs["auto"]["num_blocks"] == 4 * 40  # float32 model
+    assert runs["fp8"]["output_tokens"] == runs["auto"]["output_tokens"]

@@ -113,8 +113,9 @@ def paged_attention_kernel(
         slot = block * BLOCK_SIZE + offs_n % BLOCK_SIZE
         kv_mask = n_ok[:, None] & d_ok[None, :]
         kv_off = cache_head + slot[:, None] * HEAD_DIM + offs_d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        # An fp8 cache is read in place and converted here (no-op for a model-dtype cache).
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         visible = (n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
                    & (offs_n[None, :] > q_pos[:, None] - window))

@@ -21,6 +21,7 @@ import triton
 
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.backends.triton_kernels import paged_attention_kernel, store_kv_kernel
+from pagedkv.model.kv_quant import is_quantized, quantize
 
 DECODE_BLOCK_M = 16  # query rows (tokens x query heads of one KV head) per program, decode
 PREFILL_BLOCK_M = 64  # the same when some sequence has several query tokens
@@ -32,10 +33,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor) -> None:
     """Store k, v [T, kv_heads, head_dim] (strided views allowed, last dim contiguous) into
     slots `slot_mapping` [T] of k_cache / v_cache [kv_heads, num_blocks, block_size, head_dim]
-    (mutated); tokens with slot -1 are skipped."""
+    (mutated); tokens with slot -1 are skipped. For an fp8 cache the values are converted first
+    (kv_quant.quantize: saturating, round to nearest even; the scales are the caller's,
+    kv_quant.KVScales): Triton's interpreter rounds values just below a power of two down to
+    half of it when it converts to fp8, so the kernel only copies bytes."""
     t, kvh, d = k.shape
     if t == 0:
         return
+    if is_quantized(k_cache.dtype):  # converted by torch: Triton's interpreter rounds fp8 wrong
+        k, v = quantize(k, k_cache.dtype), quantize(v, v_cache.dtype)
     store_kv_kernel[(t,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), NUM_KV_HEADS=kvh, HEAD_DIM=d,
@@ -104,6 +110,15 @@ class TritonPagedBackend:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+
+    @property
+    def reads_fp8_cache(self) -> bool:
+        """Whether the kernels can read an fp8 cache in place (fp8 loads converted in the
+        attention kernel; stores convert with kv_quant.quantize first): Triton's fp8 types need
+        compute capability 8.9 (Ada, Hopper) or later; the interpreter (CPU) always can."""
+        if self.device.type != "cuda":
+            return True
+        return torch.cuda.get_device_capability(self.device) >= (8, 9)
 
     def build_metadata(self, step: StepSequences) -> TritonAttentionMetadata:
         """Device tensors for `step` (one host-to-device copy per field)."""

@@ -1,0 +1,153 @@
+"""The fp8 KV cache (kv_cache_dtype): its accuracy cost, and the concurrency and throughput it buys.
+
+    PYTHONPATH=. python benchmarks/bench_kv_quant.py [--real-layers 2] [--real-dtype bfloat16]
+        [--kv-memory 24MiB] [--num-requests 48] [--skip-real] [--skip-throughput] [--json]
+
+1. Accuracy, teacher-forced (pagedkv.testing.kv_quant_accuracy): a prompt is prefilled in chunks,
+   then a fixed continuation decoded token by token through the paged cache, once with the
+   model dtype's cache (the baseline) and once per fp8 format. Reported per model and format:
+   the max |logit error|, the reference logits' spread (max - min) for scale, and the greedy
+   agreement (same argmax). Models: the tiny random Llama the tests use (hidden 64, 2 layers,
+   float32) and Llama-3-8B-shaped random layers (hidden 4096, 32 heads, 8 KV heads of 128,
+   intermediate 14336; `--real-layers` of them, in `--real-dtype`).
+2. Concurrency and throughput at one KV memory budget (`--kv-memory`): the model and mixed
+   workload of bench_offline.py (hidden 512, 8 layers; prompts 32-384, outputs 16-160 tokens)
+   with kv_cache_dtype auto and fp8: blocks, the most requests running at once, preemptions,
+   output tokens/s, and the fp8 / auto ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_offline import SHAPE, workload  # noqa: E402
+
+from pagedkv import LLM, SamplingParams  # noqa: E402
+from pagedkv.kv.sizes import parse_size  # noqa: E402
+from pagedkv.model.runner import ModelRunner  # noqa: E402
+from pagedkv.testing.kv_quant_accuracy import compare_logits, teacher_forced_logits  # noqa: E402
+from pagedkv.testing.random_model import build_random_model_dir  # noqa: E402
+
+MAX_MODEL_LEN = 576  # bench_offline's longest request: 384 prompt + 160 output tokens
+FORMATS = ("fp8_e4m3", "fp8_e5m2")  # "fp8" is fp8_e4m3
+TINY = dict(arch="llama", dtype="float32")
+LLAMA3_8B = dict(arch="llama", hidden_size=4096, intermediate_size=14336, num_heads=32,
+                 num_kv_heads=8, head_dim=128, max_position_embeddings=8192)
+
+
+def accuracy(model_dir: Path, prompts: int, prompt_len: int, decode_len: int) -> dict:
+    """Per fp8 format: the worst max |logit error| and the mean greedy agreement over `prompts`
+    teacher-forced prompts, against the model dtype's cache."""
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    blocks = -(-(prompt_len + decode_len) // 16) + 1
+    runners = {name: ModelRunner(model_dir, block_size=16, num_blocks=blocks, device="cpu",
+                                 kv_cache_dtype=name) for name in ("auto", *FORMATS)}
+    rows: dict = {name: [] for name in FORMATS}
+    for seed in range(prompts):
+        rng = random.Random(seed)
+        prompt = [rng.randrange(4, vocab) for _ in range(prompt_len)]
+        cont = [rng.randrange(4, vocab) for _ in range(decode_len)]
+        ref = teacher_forced_logits(runners["auto"], prompt, cont)
+        for name in FORMATS:
+            rows[name].append(compare_logits(ref, teacher_forced_logits(runners[name], prompt, cont)))
+    return {name: dict(max_abs_logit_error=max(c.max_abs_error for c in cs),
+                       logit_range=min(c.logit_range for c in cs),
+                       greedy_agreement=sum(c.greedy_agreement for c in cs) / len(cs),
+                       positions=sum(c.positions for c in cs),
+                       scales=[(s.k_scale, s.v_scale) for s in runners[name].kv_scales])
+            for name, cs in rows.items()}
+
+
+def concurrency(model_dir: Path, requests: list, kv_cache_dtype: str, kv_memory: int) -> dict:
+    """One engine with `kv_memory` bytes of KV cache runs every request; its blocks, the most
+    requests running at once, preemptions and output tokens/s."""
+    llm = LLM(model=str(model_dir), dtype="float32", seed=0, kv_cache_memory_bytes=kv_memory,
+              kv_cache_dtype=kv_cache_dtype, max_model_len=MAX_MODEL_LEN)
+    engine = llm.llm_engine
+    llm.generate([{"prompt_token_ids": requests[0][0]}], SamplingParams(max_tokens=2),
+                 use_tqdm=False)  # warm-up
+    engine.scheduler.kv_cache_manager.reset_prefix_cache()
+    for i, (prompt, n) in enumerate(requests):
+        engine.add_request(str(i), {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    before = engine.get_stats()
+    peak, generated = 0, 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                generated += len(out.outputs[0].token_ids)
+        peak = max(peak, engine.get_stats().num_running)
+    seconds = time.perf_counter() - start
+    stats = engine.get_stats()
+    llm.shutdown()
+    return dict(num_blocks=engine.kv_setup.num_blocks, max_running=peak,
+                preemptions=stats.num_preemptions - before.num_preemptions, seconds=seconds,
+                output_tokens=generated, tokens_per_s=generated / seconds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=3, help="accuracy prompts per model")
+    parser.add_argument("--prompt-len", type=int, default=96)
+    parser.add_argument("--decode-len", type=int, default=32)
+    parser.add_argument("--real-layers", type=int, default=2)
+    parser.add_argument("--real-dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--skip-real", action="store_true", help="no Llama-3-8B-shaped layers")
+    parser.add_argument("--kv-memory", default="24MiB", help="KV budget of the throughput runs")
+    parser.add_argument("--num-requests", type=int, default=48)
+    parser.add_argument("--max-output", type=int, default=None,
+                        help="cap every request's output tokens (default: the workload's)")
+    parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    report: dict = {"accuracy": {}, "throughput": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        models = {"tiny-llama-float32": TINY}
+        if not args.skip_real:
+            models[f"llama3-8b-shape-{args.real_layers}L-{args.real_dtype}"] = dict(
+                LLAMA3_8B, num_layers=args.real_layers, dtype=args.real_dtype)
+        for name, shape in models.items():
+            model_dir = build_random_model_dir(Path(tmp) / name, seed=0, **shape)
+            result = accuracy(model_dir, args.prompts, args.prompt_len, args.decode_len)
+            report["accuracy"][name] = result
+            for fmt, r in result.items():
+                print(f"[{name}] {fmt}: max |logit error| {r['max_abs_logit_error']:.4f} "
+                      f"(logit range {r['logit_range']:.2f}), greedy agreement "
+                      f"{100 * r['greedy_agreement']:.1f}% of {r['positions']} positions",
+                      flush=True)
+        if not args.skip_throughput:
+            model_dir = build_random_model_dir(Path(tmp) / "llama-512x8", dtype="float32",
+                                               seed=0, **SHAPE)
+            vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+            requests = [(p, min(n, args.max_output or n))
+                        for p, n in workload(0, vocab)[: args.num_requests]]
+            memory = parse_size(args.kv_memory, name="--kv-memory")
+            runs = {d: concurrency(model_dir, requests, d, memory) for d in ("auto", "fp8")}
+            ratios = {key: runs["fp8"][key] / max(runs["auto"][key], 1e-9)
+                      for key in ("num_blocks", "max_running", "tokens_per_s")}
+            report["throughput"] = dict(runs=runs, fp8_over_auto=ratios, kv_memory=memory)
+            for d, r in runs.items():
+                print(f"[{args.kv_memory} KV, {len(requests)} requests] {d}: {r['num_blocks']} "
+                      f"blocks, at most {r['max_running']} running, {r['preemptions']} "
+                      f"preemptions, {r['tokens_per_s']:.1f} output tok/s", flush=True)
+            print("fp8 / auto: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

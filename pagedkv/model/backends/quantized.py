@@ -1,0 +1,95 @@
+"""Any attention backend over an fp8 KV cache: quantize on write, dequantize the step's blocks
+before the wrapped backend attends.
+
+`QuantizedKVBackend(inner)` renumbers a step's blocks compactly (the null block 0 stays 0; the
+step's other blocks become 1..n in ascending order, so equal blocks stay equal and cascade
+attention still finds shared prefixes) and builds the inner backend's metadata for that compact
+step. Per layer, `QuantizedKVMetadata.attend` writes the new K/V as fp8 into their real slots
+(kv_quant.quantize_into), dequantizes the step's blocks into a compact cache of the model's
+dtype and lets the inner backend attend over it; the step's own tokens are attended as the cache
+will return them (kv_quant.round_trip), so a token reads the same whether it was computed in this
+step or an earlier one. The runner wraps a backend in this unless it reads fp8 in place itself
+(`reads_fp8_cache`): the CPU one (torch_paged) is wrapped; the CUDA one (triton_paged) converts
+inside its kernels on GPUs of compute capability 8.9+ (and under the interpreter) and is wrapped
+on older GPUs (then without CUDA graphs, see ModelRunner.capture_cuda_graphs). A backend that
+reads fp8 in place elsewhere calls kv_quant.dequantize inside its own gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from pagedkv.model.backends.step import StepSequences
+from pagedkv.model.kv_quant import dequantize, quantize_into, round_trip
+
+
+def compact_step(step: StepSequences) -> tuple[StepSequences, list[int]]:
+    """(the step with blocks renumbered 0..n, the original id of each compact id). Slots < 0
+    (tokens not stored) stay as they are."""
+    used = sorted({b for table in step.block_tables for b in table} | {0})
+    index = {b: i for i, b in enumerate(used)}
+    bs = step.block_size
+    tables = [[index[b] for b in table] for table in step.block_tables]
+    slots = [s if s < 0 else index[s // bs] * bs + s % bs for s in step.slot_mapping]
+    return replace(step, block_tables=tables, slot_mapping=slots), used
+
+
+@dataclass
+class QuantizedKVMetadata:
+    """The inner backend's metadata for the compact step, plus what maps it to the real cache:
+    `used_blocks` [n] (real id of each compact block), `slot_mapping` [T'] (real slots of the
+    stored tokens) and `stored_tokens` [T'] (their rows in the batch; None: every row)."""
+
+    inner: Any
+    used_blocks: torch.Tensor
+    slot_mapping: torch.Tensor
+    stored_tokens: torch.Tensor | None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+        """Store k, v [T, kv_heads, D] as fp8 into k_cache / v_cache (mutated), attend q
+        [T, heads, D] over the dequantized blocks of the step."""
+        rows = self.stored_tokens
+        quantize_into(k_cache, self.slot_mapping, k if rows is None else k[rows])
+        quantize_into(v_cache, self.slot_mapping, v if rows is None else v[rows])
+        k_blocks = dequantize(k_cache.index_select(1, self.used_blocks), q.dtype)
+        v_blocks = dequantize(v_cache.index_select(1, self.used_blocks), q.dtype)
+        return self.inner.attend(q, round_trip(k, k_cache.dtype), round_trip(v, v_cache.dtype),
+                                 k_blocks, v_blocks, scale, window)
+
+
+class QuantizedKVBackend:
+    """Wraps the device's backend (`inner`) for an fp8 KV cache (module docstring)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.device = inner.device
+
+    @property
+    def native(self) -> bool:
+        """The inner backend's switch to its fused kernels (issue 14's cpu_native `native`,
+        flipped by the runner between steps), False when it has none: with it on, the fused
+        kernels attend over the compact model-dtype copy."""
+        return getattr(self.inner, "native", False)
+
+    @native.setter
+    def native(self, value: bool) -> None:
+        if hasattr(self.inner, "native"):
+            self.inner.native = value
+
+    def build_metadata(self, step: StepSequences) -> QuantizedKVMetadata:
+        """The inner metadata of the compact step and the real blocks and slots behind it."""
+        compact, used = compact_step(step)
+        dev = self.device
+        stored = [t for t, s in enumerate(step.slot_mapping) if s >= 0]
+        rows = None if len(stored) == len(step.slot_mapping) else torch.tensor(stored, device=dev)
+        return QuantizedKVMetadata(
+            inner=self.inner.build_metadata(compact),
+            used_blocks=torch.tensor(used, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor([step.slot_mapping[t] for t in stored], dtype=torch.long,
+                                      device=dev),
+            stored_tokens=rows)

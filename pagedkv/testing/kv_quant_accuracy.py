@@ -1,0 +1,70 @@
+"""The accuracy cost of an fp8 KV cache: teacher-forced logits of two runners, compared.
+
+`teacher_forced_logits` prefills a prompt in chunks and then decodes a fixed continuation one
+token at a time (the same tokens whatever the model predicts), returning the logits at every
+decode position; the K/V of all but the newest token are read back from the paged cache, so two
+runners that differ only in `kv_cache_dtype` differ only by the cache's rounding.
+`compare_logits` gives the max absolute logit error and the greedy-token agreement (argmax equal).
+Used by tests/model/test_kv_quant.py and benchmarks/bench_kv_quant.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.model.logits_rows import select_logits_rows
+from pagedkv.model.runner import ModelRunner
+from pagedkv.sched.output import ScheduledRequest
+from pagedkv.sched.sampling_params import SamplingParams
+
+
+def _forward(runner: ModelRunner, request: ScheduledRequest) -> torch.Tensor:
+    """Logits [vocab] (float32, CPU) at the last position of `request`'s tokens."""
+    reqs, ids, pos, meta = runner.prepare_inputs([request])
+    hidden = runner.model(ids, pos, runner.kv_cache.layers, meta)
+    return runner.model.compute_logits(select_logits_rows(reqs).gather(hidden))[0].float().cpu()
+
+
+@torch.inference_mode()
+def teacher_forced_logits(runner: ModelRunner, prompt: list[int], continuation: list[int],
+                          chunk_size: int = 32) -> torch.Tensor:
+    """Logits [len(continuation) + 1, vocab]: after the prompt, then after each continuation
+    token. Uses blocks 1.. of `runner`'s KV cache (overwritten)."""
+    total = len(prompt) + len(continuation)
+    bs = runner.block_size
+    table = list(range(1, -(-total // bs) + 1))
+    if table[-1] >= runner.kv_cache.num_blocks:
+        raise ValueError(f"{total} tokens need {len(table)} blocks, the cache has "
+                         f"{runner.kv_cache.num_blocks - 1}")
+    params = SamplingParams(temperature=0.0)
+    rows = []
+    for start in range(0, len(prompt), chunk_size):
+        chunk = prompt[start:start + chunk_size]
+        logits = _forward(runner, ScheduledRequest("r", chunk, start, table, params))
+    rows.append(logits)
+    for i, token in enumerate(continuation):
+        rows.append(_forward(runner, ScheduledRequest("r", [token], len(prompt) + i, table,
+                                                      params)))
+    return torch.stack(rows)
+
+
+@dataclass(frozen=True)
+class LogitComparison:
+    """How far `logits` are from `reference` ([positions, vocab] each)."""
+
+    max_abs_error: float
+    logit_range: float  # max - min of the reference logits, for scale
+    greedy_agreement: float  # fraction of positions with the same argmax
+    positions: int
+
+
+def compare_logits(reference: torch.Tensor, logits: torch.Tensor) -> LogitComparison:
+    """Max |logits - reference|, the reference's spread and the argmax agreement."""
+    same = (reference.argmax(-1) == logits.argmax(-1)).float()
+    return LogitComparison(
+        max_abs_error=float((logits - reference).abs().max()),
+        logit_range=float(reference.max() - reference.min()),
+        greedy_agreement=float(same.mean()),
+        positions=reference.shape[0])

@@ -1,0 +1,136 @@
+"""The engine with an fp8 KV cache (kv_cache_dtype): more blocks from the same memory, greedy
+tokens the model dtype's cache rates as best (within the measured logit error), and the same
+tokens through prefix caching, copy-on-write forks, chunked prefill and both preemption modes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv import SamplingParams
+from pagedkv.model.runner import ModelRunner
+from pagedkv.testing.kv_quant_accuracy import teacher_forced_logits
+from tests.engine.conftest import make_prompts
+from tests.model.test_kv_quant import LOGIT_BOUND
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def _generate(llm, prompts, params=GREEDY):
+    # The first prompt alone, so its prefix blocks are cached before the others arrive.
+    batches = [prompts[:1], prompts[1:]]
+    return [o for batch in batches
+            for o in llm.generate([{"prompt_token_ids": p} for p in batch], params,
+                                  use_tqdm=False)]
+
+
+@pytest.mark.parametrize("cache_dtype, ratio", [("fp8", 4), ("fp8_e5m2", 4)])
+def test_the_same_memory_holds_more_blocks(tiny_llama, make_llm, cache_dtype, ratio):
+    """float32 model: an fp8 block is a quarter of the bytes, so 4x the blocks in 2 MiB."""
+    plain = make_llm(tiny_llama, kv_cache_memory_bytes=2 << 20, block_size=4)
+    fp8 = make_llm(tiny_llama, kv_cache_memory_bytes=2 << 20, block_size=4,
+                   kv_cache_dtype=cache_dtype)
+    page = plain.llm_engine.kv_setup.spec.page_size_bytes
+    assert page == 4 * 2 * 2 * 2 * 16 * 4  # block 4 x 2 layers x K,V x 2 heads x 16 x 4 bytes
+    assert fp8.llm_engine.kv_setup.spec.page_size_bytes * ratio == page
+    assert plain.llm_engine.kv_setup.num_blocks == (2 << 20) // page
+    assert fp8.llm_engine.kv_setup.num_blocks == ratio * (2 << 20) // page
+    for llm in (plain, fp8):
+        kv = llm.llm_engine.runner.kv_cache.kv
+        assert kv.nbytes == llm.llm_engine.kv_setup.num_blocks * llm.llm_engine.kv_setup.spec.page_size_bytes
+        assert llm.llm_engine.scheduler.kv_cache_manager.num_usable_blocks == \
+            llm.llm_engine.kv_setup.num_blocks - 1
+
+
+def _assert_near_best(model_dir, prompt, tokens, bound):
+    """Each token is within 2 x bound of the model dtype cache's best logit at its position
+    (if every logit is off by at most `bound`, the fp8 argmax is at most 2 x bound below)."""
+    runner = ModelRunner(model_dir, block_size=4, num_blocks=64, device="cpu")
+    ref = teacher_forced_logits(runner, prompt, tokens[:-1])
+    chosen = ref[torch.arange(len(tokens)), torch.tensor(tokens)]
+    gap = ref.max(-1).values - chosen
+    assert float(gap.max()) <= 2 * bound, gap
+    return int((gap == 0).sum())
+
+
+CONFIGS = {
+    "default": dict(),
+    "chunked_prefill": dict(max_num_batched_tokens=8),
+    "preempt_recompute": dict(num_gpu_blocks_override=40, preemption_mode="recompute"),
+    "preempt_swap": dict(num_gpu_blocks_override=40, preemption_mode="swap", swap_space=0.01),
+}
+
+
+def test_fp8_greedy_tokens_through_every_memory_path(tiny_llama, make_llm):
+    prompts = make_prompts(seed=1, vocab=400)
+    runs = {}
+    for name, config in CONFIGS.items():
+        llm = make_llm(tiny_llama, block_size=4, kv_cache_dtype="fp8", **config)
+        outputs = _generate(llm, prompts)
+        runs[name] = [list(o.outputs[0].token_ids) for o in outputs]
+        stats = llm.llm_engine.get_stats()
+        if name.startswith("preempt"):
+            assert stats.num_preemptions > 0, name
+        else:
+            assert stats.prefix_cache_hits > 0, name  # prompts 0, 2, 4 share 40 tokens
+        if name == "preempt_swap":
+            assert stats.num_swaps > 0
+            assert llm.llm_engine.runner.kv_cache.host_kv.dtype == torch.float8_e4m3fn
+    # Swapped blocks come back byte for byte, cached blocks are read as they were written, and
+    # the scales never change: every path yields the same tokens.
+    for name, tokens in runs.items():
+        assert tokens == runs["default"], name
+    exact = sum(_assert_near_best(tiny_llama, p, t, LOGIT_BOUND["fp8"])
+                for p, t in zip(prompts, runs["default"], strict=True))
+    assert exact >= 0.9 * len(prompts) * MAX_TOKENS  # the same argmax as the model dtype's cache
+
+
+def test_fp8_parallel_sampling_forks_copy_on_write(tiny_llama, make_llm):
+    """n=3 greedy samples share the prompt's blocks (the last one copied on write): with a
+    greedy sampler all three equal the single-sample output."""
+    prompts = make_prompts(seed=3, vocab=400, num=2, shared_prefix=0, lengths=(9, 9))
+    llm = make_llm(tiny_llama, block_size=4, kv_cache_dtype="fp8")
+    cache = llm.llm_engine.runner.kv_cache
+    copies, copy = [], cache.copy
+    cache.copy = lambda mapping: (copies.extend(mapping), copy(mapping))
+    single = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    forked = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                          SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS,
+                                         ignore_eos=True), use_tqdm=False)
+    for one, three in zip(single, forked, strict=True):
+        assert [list(c.token_ids) for c in three.outputs] == [list(one.outputs[0].token_ids)] * 3
+    assert copies, "no block was copied on write"
+
+
+def test_kv_cache_dtype_flag_reaches_the_engine_args():
+    from pagedkv.cli import build_parser
+    from pagedkv.commands.engine_flags import engine_args_from_flags
+
+    for command in (("serve", "m"), ("generate", "m", "--prompt", "x")):
+        args = build_parser(command[0]).parse_args([*command, "--kv-cache-dtype", "fp8_e5m2"])
+        assert engine_args_from_flags(args, "m").kv_cache_dtype == "fp8_e5m2"
+        with pytest.raises(SystemExit):
+            build_parser(command[0]).parse_args([*command, "--kv-cache-dtype", "int8"])
+
+
+def test_fp8_cascade_attention_over_shared_prefix_blocks(tiny_llama, make_llm, monkeypatch):
+    """Requests sharing an 80-token prefix decode together: with prefix caching their fp8
+    prefix blocks are attended once per group (cascade attention over the dequantized copy);
+    the tokens equal those of the same fp8 engine without prefix caching (no shared blocks)."""
+    import pagedkv.model.attention as attention
+
+    calls = []
+    shared = attention.shared_prefix_attention
+    monkeypatch.setattr(attention, "shared_prefix_attention",
+                        lambda *a, **k: (calls.append(1), shared(*a, **k))[1])
+    prompts = make_prompts(seed=4, vocab=400, num=6, shared_prefix=80, lengths=(3, 9))
+    prompts = [p for i, p in enumerate(prompts) if i % 2 == 0]  # the three sharing the prefix
+    runs = []
+    for caching in (True, False):
+        llm = make_llm(tiny_llama, block_size=4, kv_cache_dtype="fp8",
+                       enable_prefix_caching=caching)
+        runs.append([list(o.outputs[0].token_ids) for o in _generate(llm, prompts)])
+        if caching:
+            assert calls, "no cascade attention over the shared prefix"
+    assert runs[0] == runs[1]

@@ -1,0 +1,28 @@
+"""The offload tiers' keys carry the KV cache dtype and the fp8 scales: an fp8 block is never
+served to a cache of another dtype, and is served to a later fp8 engine of the same model."""
+
+from __future__ import annotations
+
+from tests.store.conftest import make_prefixes, run_one, store_llm, with_suffix
+
+
+def test_disk_blocks_are_shared_only_between_caches_of_the_same_dtype(tiny_llama, tmp_path):
+    prompt = with_suffix(make_prefixes(seed=7, num=1)[0], seed=2)
+    full_blocks = (len(prompt) - 1) // 4 * 4
+    writer = store_llm(tiny_llama, "disk", tmp_path, kv_cache_dtype="fp8")
+    fp8_tokens, cached = run_one(writer, prompt)
+    assert cached == 0 and writer.llm_engine.kv_store.snapshot_stats()[0].blocks_written > 0
+    writer.shutdown()
+
+    for other in ("auto", "fp8_e5m2"):  # same directory, another cache dtype: no hit
+        llm = store_llm(tiny_llama, "disk", tmp_path, kv_cache_dtype=other)
+        assert run_one(llm, prompt)[1] == 0, other
+        assert llm.llm_engine.kv_store.snapshot_stats()[0].hits == 0
+        llm.shutdown()
+
+    for same in ("fp8", "fp8_e4m3"):  # the same bytes and scales: every full block from disk
+        llm = store_llm(tiny_llama, "disk", tmp_path, kv_cache_dtype=same)
+        tokens, cached = run_one(llm, prompt)
+        assert cached == full_blocks, same
+        assert tokens == fp8_tokens  # the stored fp8 blocks read back exactly
+        llm.shutdown()
