@@ -50,7 +50,8 @@ def build_kv_store(args: EngineArgs, spec: KVCacheSpec, weight_files: list,
         return None
     from pagedkv.model.kv_cache import KVCache
 
-    layout = ",".join(KVCache.LAYOUT) + ":" + json.dumps(spec.to_dict(), sort_keys=True)
+    shape = {k: v for k, v in spec.to_dict().items() if k != "dtype"}  # the dtype: dtype_tag
+    layout = ",".join(KVCache.LAYOUT) + ":" + json.dumps(shape, sort_keys=True)
     identity = model_identity(args.model, weight_files, dtype_tag or spec.dtype, layout,
                               spec.block_size)
     block_bytes = spec.page_size_bytes
