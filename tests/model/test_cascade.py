@@ -72,6 +72,7 @@ def test_engine_greedy_tokens_same_with_cascade(tmp_path, monkeypatch):
 
     from pagedkv import LLM, SamplingParams
     from pagedkv.model import attention
+    from pagedkv.model.backends import cpu_native
     from pagedkv.testing.random_model import build_random_model_dir
 
     model_dir = tmp_path / "tiny"
@@ -83,8 +84,9 @@ def test_engine_greedy_tokens_same_with_cascade(tmp_path, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     calls = []
     real = attention.shared_prefix_attention
-    monkeypatch.setattr(attention, "shared_prefix_attention",
-                        lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    counted = lambda q, *a: calls.append(q.shape[0]) or real(q, *a)  # noqa: E731
+    monkeypatch.setattr(attention, "shared_prefix_attention", counted)
+    monkeypatch.setattr(cpu_native, "shared_prefix_attention", counted)  # the fused path
     results = {}
     for caching in (True, False):
         llm = LLM(model=str(model_dir), dtype="float32", block_size=4, seed=0, device="cpu",
