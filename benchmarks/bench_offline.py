@@ -160,7 +160,10 @@ def pagedkv_worker(spec: dict) -> None:
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-        return dict(seconds=elapsed, tokens=[list(o.outputs[0].token_ids) for o in outputs])
+        gov = llm.llm_engine.runner.thread_governor
+        return dict(seconds=elapsed, tokens=[list(o.outputs[0].token_ids) for o in outputs],
+                    threads=torch.get_num_threads(),
+                    others_cores=None if gov is None else round(gov.others_cores, 2))
 
     run("warmup")
     worker_loop(run)
