@@ -56,10 +56,11 @@ def _cpu_flags() -> str:
 
 
 def build_key() -> str:
-    """What a cached build is valid for: source, torch, flags, Python and CPU features."""
+    """What a cached build is valid for: source, torch (version and install: the library links
+    to its libraries), flags, Python and CPU features."""
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CXXFLAGS).encode(),
-                 sys.version.encode(), _cpu_flags().encode()):
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), str(Path(torch.__file__).parent).encode(),
+                 " ".join(CXXFLAGS).encode(), sys.version.encode(), _cpu_flags().encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:20]
