@@ -26,6 +26,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -86,11 +87,13 @@ def _compile(out: Path) -> None:
     for lib_dir in library_paths():
         cmd += [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}"]
     cmd += ["-lc10", "-ltorch_cpu"]
+    # The rename is part of the shell command: a build outliving this process (a short run that
+    # exits while its background build goes on) still installs its library for the next one.
+    script = f"{shlex.join(cmd)} && mv -f {shlex.quote(tmp)} {shlex.quote(str(out))}"
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             raise RuntimeError(f"building {SOURCE.name} failed:\n{proc.stderr[-4000:]}")
-        os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
