@@ -180,5 +180,8 @@ def test_16bit_linear_is_prepared_for_the_cpu_and_matches_the_16bit_product(dtyp
     got = layer(x)
     assert got.dtype == dtype
     close(got, want.to(dtype), dtype)
-    f32 = Linear(64, 48, bias=False)
-    assert not f32.pack() and torch.equal(f32(x.float()), F.linear(x.float(), f32.weight))
+    f32 = Linear(64, 48, bias=True)  # float32: oneDNN-packed where oneDNN is built in
+    assert f32.pack() == torch.backends.mkldnn.is_available()
+    close(f32(x.float()), F.linear(x.float(), f32.weight, f32.bias), torch.float32)
+    close(f32(x.float()[:, None, :]).squeeze(1), F.linear(x.float(), f32.weight, f32.bias),
+          torch.float32)  # 3-D input: the plain product
