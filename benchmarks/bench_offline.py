@@ -187,6 +187,7 @@ class Side:
         raise RuntimeError(f"{self.name} worker exited:\n{self.log.read()[-3000:]}")
 
     def run(self, workload_name: str) -> dict:
+        settle()
         self.proc.stdin.write(workload_name + "\n")
         self.proc.stdin.flush()
         return json.loads(self._expect("RESULT "))
@@ -199,6 +200,27 @@ class Side:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
+
+
+def _busy_ticks() -> int:
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]]
+    return sum(ticks) - ticks[3] - ticks[4]
+
+
+def settle(max_s: float = 15.0) -> None:
+    """Wait (at most `max_s`) until the machine is quiet: the side that just ran can keep its
+    threads spinning for a second or two after a run (vLLM's OpenMP threads do), which would
+    count against the side that runs next."""
+    end = time.monotonic() + max_s
+    while time.monotonic() < end:
+        try:
+            before = _busy_ticks()
+            time.sleep(0.5)
+            if (_busy_ticks() - before) / os.sysconf("SC_CLK_TCK") / 0.5 < 0.15:
+                return
+        except (OSError, ValueError):
+            return
 
 
 def vllm_env(python: str, threads: int | None) -> dict:

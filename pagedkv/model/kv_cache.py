@@ -15,12 +15,43 @@ move its bytes as they are, and `scales` (set by the runner) says what they mean
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from pagedkv.kv.block_pool import host_pool_num_blocks
 from pagedkv.kv.spec import FullAttentionSpec, KVCacheSpec
 from pagedkv.model.config import kv_cache_torch_dtype
 from pagedkv.model.kv_quant import KVScales, storage_view
+
+HUGE_PAGE_BYTES = 2 << 20
+_MADV_HUGEPAGE = 14  # Linux
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask Linux to back the untouched CPU memory of `t` with 2 MiB pages (madvise
+    MADV_HUGEPAGE on its whole 2 MiB-aligned pages; transparent huge pages in "madvise" mode
+    only serve memory asked for so). A block table scatters a request's blocks over the whole
+    cache, and with 4 KiB pages each block read then costs TLB misses. Returns whether the
+    advice was taken; elsewhere (not Linux, CUDA, too small) it does nothing."""
+    if t.device.type != "cpu" or t.nbytes < 2 * HUGE_PAGE_BYTES:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        start = -(-t.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+        end = (t.data_ptr() + t.nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+        return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                            _MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype,
+                        device: torch.device) -> torch.Tensor:
+    """torch.zeros(shape), its CPU memory advised for huge pages before it is first touched."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    advise_huge_pages(t)
+    return t.zero_()
 
 
 class KVCache:
@@ -41,7 +72,7 @@ class KVCache:
         self.num_blocks, self.block_size, self.num_host_blocks = num_blocks, block_size, num_host_blocks
         self.num_host_slots = host_pool_num_blocks(num_host_blocks)  # host ids 0..slots-1
         shape = (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = zeros_in_huge_pages(shape, dtype, device)
         host_shape = (num_layers, 2, num_kv_heads, self.num_host_slots, block_size, head_dim)
         pin = device.type == "cuda" and num_host_blocks > 0
         self.host_kv = torch.zeros(host_shape, dtype=dtype, device="cpu", pin_memory=pin)
