@@ -202,25 +202,19 @@ class Side:
         self.log.close()
 
 
-def _busy_ticks() -> int:
-    with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:9]]
-    return sum(ticks) - ticks[3] - ticks[4]
-
-
 def settle(max_s: float = 15.0) -> None:
     """Wait (at most `max_s`) until the machine is quiet: the side that just ran can keep its
     threads spinning for a second or two after a run (vLLM's OpenMP threads do), which would
     count against the side that runs next."""
-    end = time.monotonic() + max_s
+    from pagedkv.model.cpu_threads import allowed_cpus, busy_ticks
+
+    cpus, end = allowed_cpus(), time.monotonic() + max_s
     while time.monotonic() < end:
-        try:
-            before = _busy_ticks()
-            time.sleep(0.5)
-            if (_busy_ticks() - before) / os.sysconf("SC_CLK_TCK") / 0.5 < 0.15:
-                return
-        except (OSError, ValueError):
-            return
+        before = busy_ticks(cpus)
+        time.sleep(0.5)
+        after = busy_ticks(cpus)
+        if before is None or after is None or (after - before) / os.sysconf("SC_CLK_TCK") < 0.075:
+            return  # under 0.15 cores busy over the half second (or no /proc to read)
 
 
 def vllm_env(python: str, threads: int | None) -> dict:

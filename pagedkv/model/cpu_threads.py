@@ -26,14 +26,14 @@ INTERVAL_S = 1.0
 SLACK_CORES = 0.35
 
 
-def _allowed_cpus() -> list[int]:
+def allowed_cpus() -> list[int]:
     try:
         return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return list(range(os.cpu_count() or 1))
 
 
-def _busy_ticks(cpus: list[int]) -> int | None:
+def busy_ticks(cpus: list[int]) -> int | None:
     """Busy clock ticks (all but idle and iowait) summed over `cpus`, or None without /proc."""
     wanted = {f"cpu{c}" for c in cpus}
     total = 0
@@ -67,7 +67,7 @@ class CpuThreadGovernor:
     call it between steps. Mutates torch's thread count only when the choice changes."""
 
     def __init__(self, max_threads: int | None = None) -> None:
-        self.cpus = _allowed_cpus()
+        self.cpus = allowed_cpus()
         self.max_threads = max(1, min(max_threads or len(self.cpus), len(self.cpus)))
         self.ticks_per_s = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self._last: tuple[float, int, int] | None = None
@@ -85,7 +85,7 @@ class CpuThreadGovernor:
         now = time.monotonic()
         if self._last is not None and now - self._last[0] < INTERVAL_S:
             return self.threads
-        busy, own = _busy_ticks(self.cpus), _own_ticks()
+        busy, own = busy_ticks(self.cpus), _own_ticks()
         if busy is None or own is None:
             return self.threads
         if self._last is not None:

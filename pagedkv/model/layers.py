@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pagedkv.model.ops import LayerOps, RopeInputs, apply_rope_reference, rms_norm_reference
+from pagedkv.model.ops import LayerOps, RopeInputs, rms_norm_reference
 
 
 class RMSNorm(nn.Module):
@@ -60,7 +60,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with a cos/sin table that grows on demand.
 
-    The sin table is stored "signed" (first half negated) so that `apply_rope` needs no
+    The sin table is stored "signed" (first half negated) so that RoPE (ops.py) needs no
     negation: x * cos + swap_halves(x) * signed_sin equals transformers'
     x * cos + rotate_half(x) * sin bit for bit (a sign flip is exact)."""
 
@@ -95,17 +95,6 @@ class RotaryEmbedding(nn.Module):
             needed = int(positions.max()) + 1 if positions.numel() else 1
             cos, sin = self._table(needed, dtype)
         return RopeInputs(positions, cos, sin)
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin [T, 1, head_dim] for `positions` [T] (see `apply_rope`)."""
-        return self.inputs(positions, dtype).rows()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated by cos / signed sin [T, 1, head_dim] from
-    `RotaryEmbedding.cos_sin` (a new tensor; the reference, ops.apply_rope_reference)."""
-    return apply_rope_reference(x, cos, sin)
-
 
 def onednn_bf16_available(weight: torch.Tensor) -> bool:
     """True when `weight` can use oneDNN's pre-packed bfloat16 linear (CPU, bfloat16, a torch

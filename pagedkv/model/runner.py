@@ -220,8 +220,8 @@ class ModelRunner:
         result = ModelRunnerOutput()
         if not out.scheduled:
             return result
-        if self.cpu_kernels == "auto":
-            self._use_cpu_kernels()
+        if self.cpu_kernels == "auto" and not self.model.ops.cpu_fused:
+            self._use_cpu_kernels()  # until the background build is loaded
         if self.thread_governor is not None:
             self.thread_governor.adjust()
         reqs, ids, pos, step = self.describe_step(out.scheduled)

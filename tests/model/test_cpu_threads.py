@@ -15,8 +15,8 @@ from pagedkv.model.cpu_threads import CpuThreadGovernor
 def fake_machine(monkeypatch):
     """A 4-CPU machine whose busy ticks, our own ticks and clock the test drives (100 ticks/s)."""
     state = {"now": 1000.0, "busy": 0, "own": 0}
-    monkeypatch.setattr(cpu_threads, "_allowed_cpus", lambda: [0, 1, 2, 3])
-    monkeypatch.setattr(cpu_threads, "_busy_ticks", lambda cpus: state["busy"])
+    monkeypatch.setattr(cpu_threads, "allowed_cpus", lambda: [0, 1, 2, 3])
+    monkeypatch.setattr(cpu_threads, "busy_ticks", lambda cpus: state["busy"])
     monkeypatch.setattr(cpu_threads, "_own_ticks", lambda: state["own"])
     monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: state["now"])
     before = torch.get_num_threads()
@@ -57,12 +57,12 @@ def test_max_threads_caps_the_count(fake_machine, monkeypatch):
 
 
 def test_real_proc_readings_count_this_process():
-    cpus = cpu_threads._allowed_cpus()
-    busy, own = cpu_threads._busy_ticks(cpus), cpu_threads._own_ticks()
+    cpus = cpu_threads.allowed_cpus()
+    busy, own = cpu_threads.busy_ticks(cpus), cpu_threads._own_ticks()
     if busy is None or own is None:
         pytest.skip("no /proc here")
     end = time.monotonic() + 0.3
     while time.monotonic() < end:
         pass
     assert cpu_threads._own_ticks() > own
-    assert cpu_threads._busy_ticks(cpus) >= busy + (cpu_threads._own_ticks() - own) // 2
+    assert cpu_threads.busy_ticks(cpus) >= busy + (cpu_threads._own_ticks() - own) // 2

@@ -37,11 +37,12 @@ class NativeAttentionMetadata(AttentionMetadata):
 
     def _first_positions(self, window: int | None) -> tuple[torch.Tensor, list]:
         """(first key position each decode attends to here [num_decodes], the shared-prefix
-        groups attended separately), once per step per window."""
+        groups attended separately), once per step per window (a window wider than every
+        decode hides nothing and counts as none)."""
         key = ("native_first", window)
         if key not in self._mask_cache:
             lens = self.decode_seq_lens_list or self.decode_seq_lens.tolist()
-            if window is None:
+            if window is None or window >= max(lens):
                 shared = self.shared_prefixes()
                 first = [0] * len(lens)
                 for group in shared:
@@ -54,9 +55,6 @@ class NativeAttentionMetadata(AttentionMetadata):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 scale: float, window: int | None, out: torch.Tensor) -> None:
-        lens = self.decode_seq_lens_list or self.decode_seq_lens.tolist()
-        if window is not None and window >= max(lens):
-            window = None  # the window hides nothing
         first, shared = self._first_positions(window)
         lse = torch.empty(q.shape[:2], dtype=torch.float32) if shared else None
         torch.ops.pagedkv_cpu.paged_decode_attention(
