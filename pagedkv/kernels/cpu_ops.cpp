@@ -4,9 +4,11 @@
 // accumulations in float32, results cast to the activation dtype at the same points), so the
 // two paths agree to float32 summation order. Work is split across torch's own OpenMP pool
 // (at::parallel_for), so torch.set_num_threads governs these kernels too.
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -17,7 +19,11 @@
 #include <cstring>
 #include <type_traits>
 #include <limits>
+#include <optional>
 #include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -377,9 +383,171 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   });
 }
 
+
+// ---- Panel linear: y = x @ W^T (+ bias), every linear of a model on CPU ------------------
+//
+// oneDNN's and MKL's GEMMs stream a weight at half the memory bandwidth or less when x has a
+// few rows (a decode step is one pass over every weight). Here W [N, K] is packed once into
+// panels of PANEL output columns, [ceil(N/PANEL)][K][PANEL] (zero-padded), so a panel is one
+// contiguous stream; each thread takes whole panels, and for MR rows of x at a time keeps
+// MR x PANEL float32 accumulators in registers while the panel streams past (from memory for
+// the first MR rows, from cache after). 16-bit weights are widened in registers (exactly), so
+// they stream half the bytes; with more than MR rows a panel is widened once into a float32
+// scratch instead. Every product is a float32 FMA; x is widened to float32 once, and y is
+// rounded once to x's dtype at the end.
+constexpr int64_t PANEL = 16;
+constexpr int MR = 6;  // rows of x per pass: 2 x MR accumulators + 2 weight vectors <= 16 ymm
+
+inline v8f fma8(v8f a, v8f b, v8f c) {  // a * b + c
+#if defined(__FMA__)
+  return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+inline v8f widen8(const float* p) { return load8(p); }
+inline v8f widen8(const c10::BFloat16* p) {
+  typedef uint16_t v8u16 __attribute__((vector_size(16)));
+  typedef uint32_t v8u32 __attribute__((vector_size(32)));
+  v8u16 h;
+  std::memcpy(&h, p, sizeof(h));
+  return (v8f)(__builtin_convertvector(h, v8u32) << 16);
+}
+inline v8f widen8(const c10::Half* p) {
+#if defined(__F16C__)
+  return (v8f)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#endif
+  v8f v;
+  for (int i = 0; i < 8; i++) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+
+at::Tensor pack_panels(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2, "pack_panels: weight must be 2-D [N, K], got ", w.sizes());
+  const int64_t n = w.size(0), k = w.size(1), np = (n + PANEL - 1) / PANEL;
+  at::Tensor src = w.contiguous();
+  at::Tensor out = at::zeros({np, k, PANEL}, w.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, w.scalar_type(), "pack_panels", [&] {
+    const scalar_t* sp = src.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, np, 1, [&](int64_t b, int64_t e) {
+      for (int64_t p = b; p < e; p++)
+        for (int64_t c = 0; c < PANEL && p * PANEL + c < n; c++)
+          for (int64_t j = 0; j < k; j++) op[(p * k + j) * PANEL + c] = sp[(p * PANEL + c) * k + j];
+    });
+  });
+  return out;
+}
+
+inline v8f bcast8(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+
+// rows x [R][k] (row stride ldx) times one panel wp [k][PANEL] -> y [R][nc] (row stride ldy).
+// The accumulators are named values, never indexed at run time, so they stay in registers.
+template <int R, typename wt>
+inline void panel_rows(const float* x, int64_t ldx, const wt* wp, int64_t k, const float* bias,
+                       float* y, int64_t ldy, int64_t nc) {
+  v8f acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = v8f{};
+  for (int64_t j = 0; j < k; j++) {
+    const v8f w0 = widen8(wp + j * PANEL), w1 = widen8(wp + j * PANEL + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+      const v8f xb = bcast8(x[r * ldx + j]);
+      acc[r][0] = fma8(w0, xb, acc[r][0]);
+      acc[r][1] = fma8(w1, xb, acc[r][1]);
+    }
+  }
+  float tile[R][PANEL];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; r++) {
+    store8(tile[r], acc[r][0]);
+    store8(tile[r] + 8, acc[r][1]);
+  }
+  for (int r = 0; r < R; r++)
+    for (int64_t c = 0; c < nc; c++)
+      y[r * ldy + c] = tile[r][c] + (bias ? bias[c] : 0.f);
+}
+
+// All m rows of x [m][k] times one panel, MR rows at a time -> y columns [0, nc) (row stride ldy).
+template <typename wt>
+void panel_pass(const float* x, int64_t m, int64_t k, const wt* panel, const float* bias,
+                float* y, int64_t ldy, int64_t nc) {
+  int64_t r = 0;
+  for (; r + MR <= m; r += MR) panel_rows<MR>(x + r * k, k, panel, k, bias, y + r * ldy, ldy, nc);
+  const float* xr = x + r * k;
+  float* yr = y + r * ldy;
+  switch (m - r) {
+    case 5: panel_rows<5>(xr, k, panel, k, bias, yr, ldy, nc); break;
+    case 4: panel_rows<4>(xr, k, panel, k, bias, yr, ldy, nc); break;
+    case 3: panel_rows<3>(xr, k, panel, k, bias, yr, ldy, nc); break;
+    case 2: panel_rows<2>(xr, k, panel, k, bias, yr, ldy, nc); break;
+    case 1: panel_rows<1>(xr, k, panel, k, bias, yr, ldy, nc); break;
+    default: break;
+  }
+}
+
+template <typename wt>
+void panel_linear_impl(const at::Tensor& x, const at::Tensor& panels, const float* bias,
+                        at::Tensor& y, int64_t n) {
+  const int64_t m = x.size(0), k = x.size(1), np = panels.size(0);
+  const float* xp = x.data_ptr<float>();
+  const wt* wp = panels.data_ptr<wt>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, np, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> wide;  // a 16-bit panel widened once, when more than MR rows reuse it
+    for (int64_t p = b; p < e; p++) {
+      const wt* panel = wp + p * k * PANEL;
+      float* yq = yp + p * PANEL;
+      const int64_t nc = std::min(PANEL, n - p * PANEL);
+      const float* bq = bias ? bias + p * PANEL : nullptr;
+      if constexpr (std::is_same_v<wt, float>) {
+        panel_pass(xp, m, k, panel, bq, yq, n, nc);
+      } else if (m <= MR) {
+        panel_pass(xp, m, k, panel, bq, yq, n, nc);
+      } else {
+        wide.resize(k * PANEL);
+        for (int64_t j = 0; j < k * PANEL; j += 8) store8(wide.data() + j, widen8(panel + j));
+        panel_pass(xp, m, k, static_cast<const float*>(wide.data()), bq, yq, n, nc);
+      }
+    }
+  });
+}
+
+// x [M, K] (float32, or the weight's 16-bit dtype), panels from pack_panels of W [n, K],
+// bias [n] float32 or None -> y [M, n] in x's dtype (float32 accumulation, one rounding).
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
+                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == PANEL &&
+                  x.size(1) == panels.size(1) && n > (panels.size(0) - 1) * PANEL &&
+                  n <= panels.size(0) * PANEL,
+              "panel_linear: x ", x.sizes(), " does not fit panels ", panels.sizes(), " of ", n,
+              " columns");
+  TORCH_CHECK(x.scalar_type() == panels.scalar_type(),
+              "panel_linear: x is ", x.scalar_type(), ", weights ", panels.scalar_type());
+  const at::Tensor xc = x.to(at::kFloat).contiguous();  // a few rows: widened once
+  at::Tensor bc;
+  if (bias) {
+    bc = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bc.numel() == n, "panel_linear: bias has ", bc.numel(), " values, not ", n);
+  }
+  at::Tensor y = at::empty({x.size(0), n}, xc.options());  // float32, cast once at the end
+  const float* bp = bias ? bc.data_ptr<float>() : nullptr;
+  switch (panels.scalar_type()) {
+    case at::kFloat: panel_linear_impl<float>(xc, panels, bp, y, n); break;
+    case at::kBFloat16: panel_linear_impl<c10::BFloat16>(xc, panels, bp, y, n); break;
+    case at::kHalf: panel_linear_impl<c10::Half>(xc, panels, bp, y, n); break;
+    default: TORCH_CHECK(false, "panel_linear: weights of dtype ", panels.scalar_type());
+  }
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedkv_cpu, m) {
+  m.def("pack_panels(Tensor w) -> Tensor", &pack_panels);
+  m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor", &panel_linear);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm_(Tensor x, Tensor(a!) residual, Tensor w, float eps) -> Tensor",
         &add_rms_norm_);

@@ -24,6 +24,12 @@ import torch
 # others use only part of the time counts as taken.
 INTERVAL_S = 1.0
 SLACK_CORES = 0.35
+# A reading whose window spans an idle gap this long (no steps, so no adjust calls) tells what
+# other processes did while this engine was idle, not what they do now: e.g. a benchmark's
+# other engine, done before this one starts. Such a window is dropped; every core is used again
+# and a first short window (FIRST_INTERVAL_S) measures the machine as it is.
+STALE_S = 3.0
+FIRST_INTERVAL_S = 0.25
 
 
 def allowed_cpus() -> list[int]:
@@ -71,6 +77,7 @@ class CpuThreadGovernor:
         self.max_threads = max(1, min(max_threads or len(self.cpus), len(self.cpus)))
         self.ticks_per_s = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self._last: tuple[float, int, int] | None = None
+        self._interval = FIRST_INTERVAL_S
         self.others_cores = 0.0  # the last reading: cores' worth of CPU the others took
         self._set(self.max_threads)
 
@@ -83,16 +90,20 @@ class CpuThreadGovernor:
         """Re-read the machine when the interval has passed and set the thread count; returns
         the thread count in use."""
         now = time.monotonic()
-        if self._last is not None and now - self._last[0] < INTERVAL_S:
+        if self._last is not None and now - self._last[0] < self._interval:
             return self.threads
         busy, own = busy_ticks(self.cpus), _own_ticks()
         if busy is None or own is None:
             return self.threads
-        if self._last is not None:
+        if self._last is None or now - self._last[0] > STALE_S:
+            self._set(self.max_threads)  # first call, or after an idle gap: see STALE_S
+            self._interval = FIRST_INTERVAL_S
+        else:
             elapsed_ticks = (now - self._last[0]) * self.ticks_per_s
             others = (busy - self._last[1]) - (own - self._last[2])
             self.others_cores = max(0.0, others / elapsed_ticks)
             free = len(self.cpus) - self.others_cores
             self._set(max(1, min(self.max_threads, int(free + SLACK_CORES))))
+            self._interval = INTERVAL_S
         self._last = (now, busy, own)
         return self.threads

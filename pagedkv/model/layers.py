@@ -109,33 +109,41 @@ def onednn_bf16_available(weight: torch.Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose weight can be prepared once for the CPU's matrix unit (CPU only).
+    """nn.Linear whose weight can be prepared once for the CPU (CPU only; `pack`).
 
-    - float32, and bfloat16 where oneDNN has native bfloat16 (AVX512-BF16 or AMX): the weight is
-      pre-packed for oneDNN (a second copy of it). Against `F.linear` (MKL for float32; for
-      bfloat16 a re-layout on every call), decode-sized products (8-48 rows) ran 1.3-2x faster
-      with two threads on a Zen 3 in float32 (~1.6x for bfloat16 on a Zen 4, bit-identical),
-      prefill-sized ones about the same; float32 results differ from MKL's only in summation
-      order.
-    - bfloat16 / float16 on a CPU without native 16-bit dot products (AVX2, AVX-512 without
-      BF16): torch's 16-bit matmul falls back to a scalar kernel (~5 GFLOP/s here, a tenth of
-      float32), so a float32 copy of the weight is kept and the product runs in float32 on the
-      exactly widened activations, rounded once to the activation dtype at the end: the same
-      result as a 16-bit matmul with float32 accumulation, at float32 speed. It keeps the
-      16-bit weight too (3x this layer's weight memory).
+    - With the fused CPU kernels loaded (`pack(panels=True)`, the runner's call once they are):
+      the weight is re-laid in panels of 16 output columns for `pagedkv_cpu::panel_linear`
+      (kernels/cpu_ops.cpp), float32 accumulation in registers while each panel streams past
+      once. float32, and bfloat16/float16 kept at 16 bits (widened in registers, exactly), so a
+      16-bit model streams half the bytes. On a 2-core Zen 3, against oneDNN's pre-packed
+      float32 linear: 1.4-1.5x at 1-8 rows (decode steps stream every weight; this runs near
+      the memory bandwidth), 1.1-1.2x at 32-128, about 1.1x at 2,048 (prefill); bfloat16
+      weights at about float32's speed, against a tenth of it for torch's own 16-bit matmul
+      on CPUs without 16-bit dot products. Results differ from F.linear's only in float32
+      summation order (and one rounding to a 16-bit activation dtype at the end).
+      bfloat16 on a CPU with native bfloat16 dot products keeps oneDNN (below).
+    - Otherwise, float32, and bfloat16 where oneDNN has native bfloat16 (AVX512-BF16 or AMX):
+      pre-packed for oneDNN (a second copy), 1.3-2x MKL's F.linear at decode sizes.
+    - bfloat16 / float16 without native 16-bit dot products and without the kernels: a float32
+      copy of the weight, the product in float32 on the exactly widened activations, rounded
+      once at the end (the same result as a 16-bit matmul with float32 accumulation).
     The prepared copy is not updated if `weight` changes: call `pack()` again after.
     """
 
     _packed: torch.Tensor | None = None
     _widened: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    _panels: torch.Tensor | None = None
 
-    def pack(self) -> bool:
-        """Prepare the current weight as above (mutates self); returns whether forward now
-        uses a prepared copy."""
-        self._packed, self._widened = None, None
+    def pack(self, panels: bool = False) -> bool:
+        """Prepare the current weight as above (mutates self; `panels` needs the fused CPU
+        kernels loaded); returns whether forward now uses a prepared copy."""
+        self._packed, self._widened, self._panels = None, None, None
         w = self.weight.detach()
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return False
+        if panels and not onednn_bf16_available(w):
+            self._panels = torch.ops.pagedkv_cpu.pack_panels(w)
+            return True
         if onednn_bf16_available(w) or (w.dtype == torch.float32
                                          and torch.backends.mkldnn.is_available()):
             try:
@@ -150,9 +158,13 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None and x.dim() == 2:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias,
-                                                      "none", [], "")
+        if x.dim() == 2 and x.device.type == "cpu":
+            if self._panels is not None:
+                return torch.ops.pagedkv_cpu.panel_linear(x, self._panels, self.out_features,
+                                                          self.bias)
+            if self._packed is not None:
+                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed,
+                                                          self.bias, "none", [], "")
         if self._widened is not None and x.device.type == "cpu":
             return F.linear(x.float(), *self._widened).to(x.dtype)
         return F.linear(x, self.weight, self.bias)

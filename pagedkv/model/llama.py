@@ -114,10 +114,11 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer.forward(x, residual, rope, kv_cache, meta, self.ops)
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
 
-    def pack_linear_weights(self) -> int:
-        """Pre-pack every layer's projection weights for the CPU matrix unit where that is
-        faster (see layers.Linear; call after loading weights). Returns how many were packed."""
-        return sum(m.pack() for m in self.modules() if isinstance(m, Linear))
+    def pack_linear_weights(self, panels: bool = False) -> int:
+        """Pre-pack every layer's projection weights for the CPU where that is faster (see
+        layers.Linear; call after loading weights; `panels` once the fused CPU kernels are
+        loaded). Returns how many were packed."""
+        return sum(m.pack(panels) for m in self.modules() if isinstance(m, Linear))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for hidden states [N, hidden]."""

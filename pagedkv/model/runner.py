@@ -24,6 +24,7 @@ from pagedkv.model.backends import get_attention_backend
 from pagedkv.model.backends.quantized import QuantizedKVBackend
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.config import ModelConfig, kv_cache_torch_dtype, parse_dtype
+from pagedkv.model.cpu_memory import keep_freed_memory
 from pagedkv.model.cpu_threads import CpuThreadGovernor
 from pagedkv.model.kv_cache import KVCache
 from pagedkv.model.loader import check_model_dir, load_model
@@ -95,6 +96,7 @@ class ModelRunner:
         self._use_cpu_kernels()
         self.thread_governor = None
         if self.device.type == "cpu":
+            keep_freed_memory()
             if cpu_threads is None:
                 self.thread_governor = CpuThreadGovernor()
             else:
@@ -113,6 +115,8 @@ class ModelRunner:
         """Point the model's elementwise ops and the attention backend at the fused CPU kernels
         when they are loaded and allowed (cheap; called before every step). Returns whether."""
         fused = self.cpu_kernels != "off" and cpu_kernels_loaded()
+        if fused and not self.model.ops.cpu_fused:
+            self.model.pack_linear_weights(panels=True)  # panel_linear from now on
         self.model.ops.cpu_fused = fused
         if hasattr(self.attn_backend, "native"):
             self.attn_backend.native = fused

@@ -39,6 +39,40 @@ def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64])
+def test_panel_linear_matches_f_linear(dtype, rows):
+    """Every remainder of the 6-row passes, a column count that is no multiple of the 16-wide
+    panels, bias and none; 16-bit weights widened in registers (<= 6 rows) or once per panel."""
+    torch.manual_seed(rows)
+    w, b = torch.randn(37, 72, dtype=dtype), torch.randn(37, dtype=dtype)
+    x = torch.randn(rows, 72, dtype=dtype)
+    panels = torch.ops.pagedkv_cpu.pack_panels(w)
+    assert panels.shape == (3, 72, 16) and panels.dtype == dtype
+    assert torch.equal(panels[2, :, 5:], torch.zeros(72, 11, dtype=dtype))  # padding columns
+    for bias in (b, None):
+        got = torch.ops.pagedkv_cpu.panel_linear(x, panels, 37, bias)
+        want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        assert got.dtype == dtype and got.shape == (rows, 37)
+        close(got, want.to(dtype), dtype)
+
+
+def test_linear_uses_panels_once_packed_and_rejects_misfits():
+    from pagedkv.model.layers import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(40, 24, bias=True)
+    x = torch.randn(9, 40)
+    want = F.linear(x, layer.weight, layer.bias)
+    assert layer.pack(panels=True) and layer._panels is not None
+    close(layer(x), want, torch.float32)
+    close(layer(x.view(3, 3, 40)), want.view(3, 3, 24), torch.float32)  # not 2-D: F.linear
+    with pytest.raises(RuntimeError, match="does not fit panels"):
+        torch.ops.pagedkv_cpu.panel_linear(torch.randn(2, 41), layer._panels, 24, None)
+    with pytest.raises(RuntimeError, match="weights"):
+        torch.ops.pagedkv_cpu.panel_linear(x.double(), layer._panels, 24, None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_norms_silu_and_rope_match_the_reference(dtype):
     torch.manual_seed(0)
     ops = fused_ops()

@@ -48,6 +48,22 @@ def test_threads_follow_the_cores_others_leave(fake_machine, monkeypatch):
     assert gov.adjust() == 4
 
 
+def test_an_idle_gap_does_not_count_what_others_did_meanwhile(fake_machine, monkeypatch):
+    """A benchmark's other engine ran while this one was idle: the next step uses every core
+    and measures the machine afresh over a short window."""
+    monkeypatch.setattr(cpu_threads.os, "sysconf", lambda name: 100)
+    gov = CpuThreadGovernor()
+    gov.adjust()
+    advance(fake_machine, 1.0, own_cores=1, other_cores=3)
+    assert gov.adjust() == 1
+    advance(fake_machine, 10.0, own_cores=0, other_cores=4)  # idle; another process busy
+    assert gov.adjust() == 4  # the stale window is dropped
+    advance(fake_machine, cpu_threads.FIRST_INTERVAL_S / 2, own_cores=2, other_cores=2)
+    assert gov.adjust() == 4  # within the short first window: no reading yet
+    advance(fake_machine, cpu_threads.FIRST_INTERVAL_S / 2, own_cores=2, other_cores=2)
+    assert gov.adjust() == 2 and gov.others_cores == pytest.approx(2.0, abs=0.1)
+
+
 def test_max_threads_caps_the_count(fake_machine, monkeypatch):
     monkeypatch.setattr(cpu_threads.os, "sysconf", lambda name: 100)
     gov = CpuThreadGovernor(max_threads=2)
