@@ -1,7 +1,7 @@
 """Builds, caches and loads the fused CPU kernels of cpu_ops.cpp as `torch.ops.pagedkv_cpu.*`.
 
-The kernels (RMSNorm with the residual add, SiLU-and-mul, in-place RoPE, the KV write and paged
-decode attention) are C++ against torch's headers, compiled here with the system's C++ compiler
+The kernels (the panel-packed linear, RMSNorm with the residual add, SiLU-and-mul, in-place RoPE,
+the KV write and paged decode attention) are C++ against torch's headers, compiled here with the system's C++ compiler
 (`c++`, or $CXX) for the CPU it runs on (-march=native), and cached under
 `$PAGEDKV_CACHE_DIR` (default ~/.cache/pagedkv)/kernels/<key>/, where the key hashes the source,
 torch's version, the compiler flags and the CPU's feature flags: a build is reused only where it
