@@ -74,3 +74,23 @@ def test_full_prompt_hit_recomputes_last_token(tiny_llama, make_llm):
     assert second.num_cached_tokens == 28
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     assert_pool_empty(llm)
+
+
+def test_switch_to_the_kernels_between_steps_repacks_the_linears(tiny_llama, make_llm):
+    """`cpu_kernels="auto"` whose background build lands mid-run: the runner switches between
+    two steps, re-laying every linear for panel_linear; tokens still equal transformers'."""
+    from pagedkv.model.layers import Linear
+
+    llm = make_llm(tiny_llama, block_size=4)
+    runner = llm.llm_engine.runner
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m._panels is not None for m in linears)  # loaded at start: panels
+    runner.model.ops.cpu_fused = False  # as before the build lands: the torch path, oneDNN
+    runner.model.pack_linear_weights()
+    assert all(m._panels is None for m in linears)
+    prompts = make_prompts(seed=4, vocab=400, num=3)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert runner.model.ops.cpu_fused and all(m._panels is not None for m in linears)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(tiny_llama, prompt, MAX_TOKENS)
+    assert_pool_empty(llm)
