@@ -416,10 +416,11 @@ inline v8f widen8(const c10::BFloat16* p) {
 inline v8f widen8(const c10::Half* p) {
 #if defined(__F16C__)
   return (v8f)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#endif
+#else
   v8f v;
   for (int i = 0; i < 8; i++) v[i] = static_cast<float>(p[i]);
   return v;
+#endif
 }
 
 at::Tensor pack_panels(const at::Tensor& w) {
@@ -502,9 +503,7 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& panels, const floa
       float* yq = yp + p * PANEL;
       const int64_t nc = std::min(PANEL, n - p * PANEL);
       const float* bq = bias ? bias + p * PANEL : nullptr;
-      if constexpr (std::is_same_v<wt, float>) {
-        panel_pass(xp, m, k, panel, bq, yq, n, nc);
-      } else if (m <= MR) {
+      if (std::is_same_v<wt, float> || m <= MR) {
         panel_pass(xp, m, k, panel, bq, yq, n, nc);
       } else {
         wide.resize(k * PANEL);
@@ -526,7 +525,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
               " columns");
   TORCH_CHECK(x.scalar_type() == panels.scalar_type(),
               "panel_linear: x is ", x.scalar_type(), ", weights ", panels.scalar_type());
-  const at::Tensor xc = x.to(at::kFloat).contiguous();  // a few rows: widened once
+  const at::Tensor xc = x.to(at::kFloat).contiguous();  // 16-bit x: widened once, not per panel
   at::Tensor bc;
   if (bias) {
     bc = bias->to(at::kFloat).contiguous();

@@ -141,8 +141,8 @@ def _expected_source_shapes(shape: torch.Size, sources: list[str], module: torch
 
 def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
                device: torch.device) -> CausalLM:
-    """Build the model for `config` on `device` in `dtype`, load `model_dir`'s weights and pack
-    the projection weights where that is faster (CPU bfloat16; see layers.Linear)."""
+    """Build the model for `config` on `device` in `dtype` and load `model_dir`'s weights (the
+    runner then prepares the projection weights for its CPU path: layers.Linear.pack)."""
     # Before allocating for what config.json says.
     check_checkpoint_matches(model_dir, config.num_layers, config.vocab_size, config.hidden_size)
     with torch.device("meta"):
@@ -151,5 +151,4 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
     model.rotary.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta,
                                           config.rope_scaling).to(device)
     load_weights(model, model_dir)
-    model.pack_linear_weights()
     return model.eval()

@@ -93,7 +93,8 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(self.device, attention_backend)
         self.cpu_kernels = "off" if self.device.type != "cpu" else cpu_kernels
         ensure_cpu_kernels(self.cpu_kernels)  # "auto": a cached build, or a background one
-        self._use_cpu_kernels()
+        if not self._use_cpu_kernels():  # (which packs for panel_linear when loaded)
+            self.model.pack_linear_weights()  # the torch path's: oneDNN, or a float32 copy
         self.thread_governor = None
         if self.device.type == "cpu":
             keep_freed_memory()
