@@ -3,13 +3,18 @@
     pagedkv router --backend http://127.0.0.1:8001 --backend http://127.0.0.1:8002 \\
                    [--policy kv-aware|round-robin|least-load|session] [--model MODEL_DIR] \\
                    [--kv-events tcp://127.0.0.1:5557 ...] [--host 127.0.0.1] [--port 8080] \\
-                   [--api-key KEY] [--backend-api-key KEY] [score weights: --prefill-weight ...]
+                   [--api-key KEY] [--backend-api-key KEY [--allow-anonymous-clients]] \\
+                   [--first-byte-timeout 60] [--connect-timeout 2] [--eject-seconds 5] \\
+                   [score weights: --prefill-weight ...]
 
 Clients talk to it exactly as to `pagedkv serve`. kv-aware needs `--model` (the backends' model
 directory, for its tokenizer and chat template: the router hashes prompts as the engine does);
 the block size and hash algorithm come from the backends' /kv_cache_info unless given.
 `--kv-events` pairs, in order, each backend with its ZMQ KV-event endpoint ("-" for none);
 without events the router predicts each backend's cache from where it sent which prompts.
+No key is read from the server's $PAGEDKV_API_KEY: the backends' key is `--backend-api-key`
+(or $PAGEDKV_ROUTER_BACKEND_API_KEY), and a router holding one needs its own `--api-key` for
+clients unless `--allow-anonymous-clients` is given.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from pagedkv.router.app import DEFAULT_CONNECT_TIMEOUT_S
 from pagedkv.router.policies import POLICY_NAMES
 from pagedkv.router.policies.kv_aware import KVAwareWeights
-from pagedkv.router.router import DEFAULT_RECORD_TTL_S
+from pagedkv.router.proxy import DEFAULT_FIRST_BYTE_TIMEOUT_S
+from pagedkv.router.router import DEFAULT_EJECT_S, DEFAULT_RECORD_TTL_S, MAX_EJECT_S
 
 DEFAULT_PORT = 8080
 
@@ -52,8 +59,26 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=os.environ.get("PAGEDKV_ROUTER_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 routes "
                         "(default: $PAGEDKV_ROUTER_API_KEY, else none)")
-    parser.add_argument("--backend-api-key", default=os.environ.get("PAGEDKV_API_KEY"),
-                        help="the key the backends require (default: $PAGEDKV_API_KEY)")
+    parser.add_argument("--backend-api-key",
+                        default=os.environ.get("PAGEDKV_ROUTER_BACKEND_API_KEY"),
+                        help="the key the backends require (default: "
+                        "$PAGEDKV_ROUTER_BACKEND_API_KEY, else none; never the server's "
+                        "$PAGEDKV_API_KEY)")
+    parser.add_argument("--allow-anonymous-clients", action="store_true",
+                        help="with --backend-api-key but no --api-key: serve clients without "
+                        "a key (they then use the backend key through the router)")
+    parser.add_argument("--first-byte-timeout", type=float, default=DEFAULT_FIRST_BYTE_TIMEOUT_S,
+                        metavar="SECONDS", help="a backend that sends no byte of its answer "
+                        "within this long is ejected for a while and the request is tried on "
+                        "another (504 when none answers); a non-streaming answer's first byte "
+                        "is the whole answer, so this also bounds its generation time")
+    parser.add_argument("--connect-timeout", type=float, default=DEFAULT_CONNECT_TIMEOUT_S,
+                        metavar="SECONDS", help="a backend that accepts no connection within "
+                        "this long is marked down and the request tried on another")
+    parser.add_argument("--eject-seconds", type=float, default=DEFAULT_EJECT_S,
+                        metavar="SECONDS", help="how long a backend that failed a request "
+                        "(timeout, garbled answer) gets nothing new; doubled for each further "
+                        f"failure in a row, at most {MAX_EJECT_S:g} s")
     parser.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
                         help="largest request body; larger ones get 413 (default: 4 MiB)")
     parser.add_argument("--record-ttl", type=float, default=DEFAULT_RECORD_TTL_S,
@@ -74,6 +99,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def build_router(args: argparse.Namespace):
     """The `Router` the flags describe (ValueError naming a bad flag)."""
+    check_keys(args)
+    check_timeouts(args)
     from pagedkv.model.tokenizer import Tokenizer
     from pagedkv.router.backend import Backend
     from pagedkv.router.policies import make_policy
@@ -100,7 +127,25 @@ def build_router(args: argparse.Namespace):
     tokenizer = Tokenizer.from_dir(args.model) if args.model is not None else None
     return Router(backends, make_policy(args.policy, weights), tokenizer=tokenizer,
                   hash_settings=settings, record_ttl_s=args.record_ttl,
-                  shared_media=tuple(args.shared_tier or ("REDIS",)), weights=weights)
+                  shared_media=tuple(args.shared_tier or ("REDIS",)), weights=weights,
+                  eject_s=args.eject_seconds)
+
+
+def check_keys(args: argparse.Namespace) -> None:
+    """ValueError when the router would lend its backend key to anonymous clients."""
+    if args.backend_api_key and not args.api_key and not args.allow_anonymous_clients:
+        raise ValueError("--backend-api-key without --api-key would let anyone use the backend "
+                         "key through the router: give --api-key KEY for clients, or "
+                         "--allow-anonymous-clients to serve them without one")
+
+
+def check_timeouts(args: argparse.Namespace) -> None:
+    """ValueError naming a timeout flag that is not a positive number of seconds."""
+    for flag, value in (("--first-byte-timeout", args.first_byte_timeout),
+                        ("--connect-timeout", args.connect_timeout),
+                        ("--eject-seconds", args.eject_seconds)):
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"{flag} must be a positive number of seconds, got {value}")
 
 
 def max_request_bytes(args: argparse.Namespace) -> int:
@@ -129,7 +174,10 @@ def run(args: argparse.Namespace) -> int:
                             backend_api_key=args.backend_api_key or None,
                             health_interval_s=args.health_interval,
                             health_timeout_s=args.health_timeout,
-                            max_request_bytes=max_request_bytes(args))
+                            max_request_bytes=max_request_bytes(args),
+                            first_byte_timeout_s=args.first_byte_timeout,
+                            connect_timeout_s=args.connect_timeout,
+                            allow_anonymous_clients=args.allow_anonymous_clients)
     sock = bind_socket(args.host, args.port)
     try:
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)

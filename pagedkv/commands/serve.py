@@ -2,7 +2,8 @@
 
     pagedkv serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
                   [--api-key KEY] [--max-pending N] [--max-request-bytes N]
-                  [--shutdown-timeout S] [engine flags: --block-size, --dtype, ...]
+                  [--shutdown-timeout S] [--engine-stall-timeout S]
+                  [engine flags: --block-size, --dtype, ...]
 
 Every `EngineArgs` field is a flag with vLLM's name (see `pagedkv serve --help`). With
 `--api-key` (or PAGEDKV_API_KEY in the environment) every /v1 route needs
@@ -11,7 +12,8 @@ server answers 503 instead of queueing without limit. A body over `--max-request
 413. The port is bound before the model loads (a busy port fails at once). SIGTERM / SIGINT
 drain: new requests get 503, those in flight get `--shutdown-timeout` seconds to finish, the
 rest end with an error (streams: an error event and [DONE]); then the process exits 0. When
-the engine loop dies the process exits 1, saying why.
+the engine loop dies the process exits 1, saying why; while one engine step has run longer than
+`--engine-stall-timeout` seconds, /health answers 503 (a wedged engine).
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="largest request body; larger ones get 413 (default: 4 MiB)")
     parser.add_argument("--shutdown-timeout", type=positive_number, default=5.0, metavar="S",
                         help="on SIGTERM/SIGINT, seconds the requests in flight get to finish")
+    parser.add_argument("--engine-stall-timeout", type=positive_number, default=None,
+                        metavar="S", help="/health answers 503 while one engine step has run "
+                        "longer than this (a wedged engine; default: 120)")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="parse the model's tool calls in this format, enabling "
                         'tool_choice "auto" (vLLM\'s names)')
@@ -72,7 +77,12 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedkv.engine.llm_engine import LLMEngine
-    from pagedkv.server.app import DEFAULT_MAX_PENDING, DEFAULT_MAX_REQUEST_BYTES, create_app
+    from pagedkv.server.app import (
+        DEFAULT_MAX_PENDING,
+        DEFAULT_MAX_REQUEST_BYTES,
+        DEFAULT_STALL_TIMEOUT_S,
+        create_app,
+    )
     from pagedkv.server.graceful import DrainingServer, bind_socket
 
     if not Path(args.model).is_dir():
@@ -100,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
             api_key=args.api_key or None,
             max_pending=args.max_pending or DEFAULT_MAX_PENDING,
             max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
-            tool_call_parser=args.tool_call_parser, on_engine_dead=on_engine_dead)
+            tool_call_parser=args.tool_call_parser, on_engine_dead=on_engine_dead,
+            stall_timeout_s=args.engine_stall_timeout or DEFAULT_STALL_TIMEOUT_S)
         config = uvicorn.Config(app, log_level=args.log_level)
         server = DrainingServer(config, app.state.async_engine, args.shutdown_timeout)
         server.run(sockets=[sock])

@@ -15,6 +15,10 @@ runner raises; this is the net under that) fails every request in flight and the
 when the KV cache's invariants still hold. When they do not, the loop cannot go on: it stops,
 logs why, and calls `on_fatal(reason)` (the server then exits instead of answering 503s).
 
+`busy_for()` says how long the loop has been in its current round (commands, then a step) while
+it has work: a step that never returns (a wedged kernel, a deadlock) shows as a number that only
+grows, which the server's /health reports (a live thread alone proves nothing).
+
 Draining (a graceful shutdown): `begin_drain()` refuses new requests (EngineDeadError, a 503)
 while those in flight run on; `end_remaining()` then ends each of them with EngineDeadError.
 """
@@ -137,6 +141,9 @@ class AsyncEngine:
         self._num_in_flight = 0
         self._stopping = False
         self._thread: threading.Thread | None = None
+        # time.monotonic() when the loop's current round began; None while it waits for work.
+        # Written by the loop thread only; read from any (a float swap is atomic).
+        self._round_started: float | None = None
 
     # ---- engine facts (any thread: they read only fixed sizes and the tokenizer) ----------
 
@@ -198,6 +205,12 @@ class AsyncEngine:
     @property
     def num_in_flight(self) -> int:
         return self._num_in_flight
+
+    def busy_for(self) -> float:
+        """Seconds the loop has spent in its current round (its commands and one step); 0.0
+        while it waits for work. Any thread may call it."""
+        started = self._round_started
+        return 0.0 if started is None else max(0.0, time.monotonic() - started)
 
     # ---- requests (event loop) ----------------------------------------------------------
 
@@ -279,6 +292,7 @@ class AsyncEngine:
         was_busy = False
         try:
             while True:
+                self._round_started = time.monotonic()
                 self._wakeup.clear()
                 idle = not self.engine.has_unfinished_requests()
                 if idle and was_busy:  # before answering commands: a stats reply that shows
@@ -287,6 +301,7 @@ class AsyncEngine:
                 if self.error is not None or not self._drain_commands():
                     break
                 if not self.engine.has_unfinished_requests():
+                    self._round_started = None
                     self._wakeup.wait()
                     continue
                 was_busy = True
@@ -296,6 +311,7 @@ class AsyncEngine:
             self.error = f"engine loop failed: {type(exc).__name__}: {exc}"
             self._fail_all(EngineDeadError(self.error))
         finally:
+            self._round_started = None
             self._abort_all()
         if self.error is not None and not self._stopping:
             logger.critical("the engine cannot go on (%s); stopping the server", self.error)

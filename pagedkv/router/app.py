@@ -1,23 +1,24 @@
 """The router's FastAPI app: `create_router_app(router, ...)`.
 
 Routes: POST /v1/completions and /v1/chat/completions (forwarded, proxy.py), GET /v1/models
-(the union of the up backends' models), GET /health (200 while a backend is up, else 503),
-GET /metrics (the router's own, metrics.py). With `api_key`, the /v1 routes need
-`Authorization: Bearer <api_key>`. The lifespan owns the HTTP client, the health checker and
-the KV-event subscribers; one health round completes before the first request is served.
+(the union of the up backends' models, as the health checks last read them), GET /health (200
+while a backend is up, else 503), GET /metrics (the router's own, metrics.py). With `api_key`,
+the /v1 routes need `Authorization: Bearer <api_key>` (the server's own check,
+`pagedkv.server.auth`). A router holding a `backend_api_key` refuses to be built without an
+`api_key` unless `allow_anonymous_clients` says so: it would lend its key to anyone. The
+lifespan owns the HTTP client, the health checker and the KV-event subscribers; one health
+round completes before the first request is served.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
-import pydantic
 import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -25,36 +26,52 @@ from fastapi.responses import Response
 from pagedkv import __version__
 from pagedkv.router.health import HealthChecker
 from pagedkv.router.kv_events import KVEventSubscriber
-from pagedkv.router.proxy import Forwarder
+from pagedkv.router.proxy import DEFAULT_FIRST_BYTE_TIMEOUT_S, Forwarder
 from pagedkv.router.router import Router
+from pagedkv.server.auth import bearer_key_matches, invalid_api_key
 from pagedkv.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
 from pagedkv.server.errors import APIError, install_error_handlers
 from pagedkv.server.protocol import ModelCard, ModelList
 
-CONNECT_TIMEOUT_S = 2.0
+DEFAULT_CONNECT_TIMEOUT_S = 2.0
 
 
 def create_router_app(router: Router, *, api_key: str | None = None,
                       backend_api_key: str | None = None, health_interval_s: float = 1.0,
                       health_timeout_s: float = 2.0,
                       max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                      first_byte_timeout_s: float = DEFAULT_FIRST_BYTE_TIMEOUT_S,
+                      connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+                      allow_anonymous_clients: bool = False,
                       transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
     """An app that forwards to `router`'s backends. Its background tasks start and stop with
     the app's lifespan (uvicorn, or `with TestClient(app)`). A body over `max_request_bytes`
-    is a 413, as on the server. `transport` replaces the network (tests hand in an
+    is a 413, as on the server. A backend that sends no first byte within
+    `first_byte_timeout_s` (or accepts no connection within `connect_timeout_s`) fails that
+    attempt (proxy.py). ValueError when `backend_api_key` is given without `api_key` and
+    without `allow_anonymous_clients`. `transport` replaces the network (tests hand in an
     `httpx.MockTransport`)."""
+    if backend_api_key and not api_key and not allow_anonymous_clients:
+        raise ValueError("the router holds a backend API key but clients need none: give the "
+                         "router its own --api-key, or --allow-anonymous-clients to lend the "
+                         "backend key to anyone who can reach the router")
+    for name, value in (("first_byte_timeout_s", first_byte_timeout_s),
+                        ("connect_timeout_s", connect_timeout_s)):
+        if not value > 0:
+            raise ValueError(f"{name} must be positive, got {value!r}")
     state: dict[str, Any] = {}
+    backend_headers = Forwarder.auth_headers(backend_api_key)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
+        timeout = httpx.Timeout(None, connect=connect_timeout_s)
         async with httpx.AsyncClient(limits=limits, timeout=timeout,
                                      transport=transport) as client:
             checker = HealthChecker(router, client, interval_s=health_interval_s,
-                                    timeout_s=health_timeout_s)
-            state["forwarder"] = Forwarder(router, client, backend_api_key=backend_api_key)
-            state["client"] = client
+                                    timeout_s=health_timeout_s, headers=backend_headers)
+            state["forwarder"] = Forwarder(router, client, backend_api_key=backend_api_key,
+                                           first_byte_timeout_s=first_byte_timeout_s)
             zmq_context = zmq.asyncio.Context()
             await checker.check_all()
             tasks = [asyncio.create_task(checker.run())]
@@ -77,10 +94,8 @@ def create_router_app(router: Router, *, api_key: str | None = None,
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
 
     def check_key(raw: Request) -> None:
-        if api_key and not hmac.compare_digest(
-                raw.headers.get("authorization", "").encode(), f"Bearer {api_key}".encode()):
-            raise APIError("Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                           status_code=401, type="authentication_error", code="invalid_api_key")
+        if api_key and not bearer_key_matches(raw.headers.get("authorization"), api_key):
+            raise invalid_api_key()
 
     @app.get("/health")
     async def health() -> Response:
@@ -95,7 +110,7 @@ def create_router_app(router: Router, *, api_key: str | None = None,
     @app.get("/v1/models", response_model=ModelList)
     async def models(raw: Request) -> ModelList:
         check_key(raw)
-        return await _merged_models(router, state["client"], state["forwarder"].headers)
+        return merged_models(router)
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
@@ -110,23 +125,11 @@ def create_router_app(router: Router, *, api_key: str | None = None,
     return app
 
 
-async def _merged_models(router: Router, client: httpx.AsyncClient,
-                         headers: dict[str, str]) -> ModelList:
+def merged_models(router: Router) -> ModelList:
     """The models of every up backend, each id once (the first backend's card wins)."""
-    async def one(url: str) -> list[dict[str, Any]]:
-        try:
-            resp = await client.get(url + "/v1/models", headers=headers, timeout=5.0)
-            resp.raise_for_status()
-            return list(resp.json().get("data") or [])
-        except (httpx.HTTPError, ValueError, AttributeError):
-            return []
-
     cards: dict[str, ModelCard] = {}
-    for data in await asyncio.gather(*(one(b.url) for b in router.backends if b.up)):
-        for raw in data:
-            try:
-                card = ModelCard.model_validate(raw)
-            except pydantic.ValidationError:
-                continue  # a card we cannot read is left out, not a 500
-            cards.setdefault(card.id, card)
+    for backend in router.backends:
+        if backend.up:
+            for card in backend.model_cards or ():
+                cards.setdefault(card.id, card)
     return ModelList(data=list(cards.values()))

@@ -1,8 +1,10 @@
 """One backend (a `pagedkv serve` instance) as the router sees it.
 
 Mutated only on the router's event loop: `up` by the health checker and by failed requests,
-the scraped gauges by the health checker, `in_flight`/`queued_blocks` by `Router.begin` and the
-tickets it hands out.
+the scraped gauges and `model_cards` by the health checker, `in_flight`/`queued_blocks` by
+`Router.begin` and the tickets it hands out, `ejected_until`/`consecutive_failures` by
+`Router.eject` (a request it failed to answer in time, or answered with garbage) and
+`Router.record_success`.
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ class Backend:
     kv_info: dict[str, Any] | None = None
     hash_compatible: bool = True
     last_error: str | None = None
+    model_cards: list[Any] | None = None  # its /v1/models cards (ModelCard); None: not known
+    ejected_until: float = 0.0  # time.monotonic() before which no request is sent to it
+    consecutive_failures: int = 0  # requests in a row it failed (timeouts, garbage answers)
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -72,6 +77,27 @@ class Backend:
     @property
     def name(self) -> str:
         return self.url
+
+    @property
+    def models(self) -> frozenset[str] | None:
+        """The model ids it serves (from its /v1/models), None while not known."""
+        if self.model_cards is None:
+            return None
+        return frozenset(card.id for card in self.model_cards)
+
+    @property
+    def only_model(self) -> str | None:
+        """Its model when it serves exactly one (every `pagedkv serve` does), else None: the
+        model its KV events and unnamed requests are indexed under."""
+        models = self.models
+        return next(iter(models)) if models is not None and len(models) == 1 else None
+
+    def serves(self, model: str | None) -> bool:
+        """True when a request for `model` may go here (None: a request naming no model)."""
+        return model is None or (self.models is not None and model in self.models)
+
+    def ejected(self, now: float) -> bool:
+        return now < self.ejected_until
 
     def candidate(self, match: PrefixMatch) -> Candidate:
         """A snapshot for the policies (`match`: the request's prefix on this backend)."""

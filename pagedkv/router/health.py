@@ -1,7 +1,9 @@
-"""The health checker: every `interval_s`, each backend's /health, /kv_cache_info and /metrics.
+"""The health checker: every `interval_s`, each backend's /health, /kv_cache_info, /v1/models
+and /metrics.
 
 A backend that answers /health with 200 is marked up (its hashing settings fetched once per up
-period, its load gauges refreshed each round). One that refuses the connection is marked down
+period, its models and load gauges refreshed each round: the router sends a request only to
+backends serving its model). One that refuses the connection is marked down
 at once, which drops its prefix index; one that times out or answers anything but 200 is marked
 down after `failure_threshold` such rounds in a row (a busy backend answers slowly; it is not
 dead). A failed /metrics scrape keeps the last load. Requests that fail to connect mark a
@@ -14,9 +16,11 @@ import asyncio
 import logging
 
 import httpx
+import pydantic
 
 from pagedkv.router.backend import Backend, parse_load
 from pagedkv.router.router import Router
+from pagedkv.server.protocol import ModelCard
 
 logger = logging.getLogger("pagedkv.router")
 
@@ -24,10 +28,12 @@ KV_INFO_ROUTE = "/kv_cache_info"
 
 
 class HealthChecker:
-    """Polls the router's backends with `client` (whose timeouts bound each check)."""
+    """Polls the router's backends with `client` (whose timeouts bound each check); `headers`
+    go with the /v1/models request (the backends' API key)."""
 
     def __init__(self, router: Router, client: httpx.AsyncClient, *, interval_s: float = 1.0,
-                 timeout_s: float = 2.0, failure_threshold: int = 3) -> None:
+                 timeout_s: float = 2.0, failure_threshold: int = 3,
+                 headers: dict[str, str] | None = None) -> None:
         if interval_s <= 0 or timeout_s <= 0:
             raise ValueError(f"health interval and timeout must be positive, got "
                              f"{interval_s!r} and {timeout_s!r}")
@@ -38,6 +44,7 @@ class HealthChecker:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.failure_threshold = failure_threshold
+        self.headers = dict(headers or {})
         self._failures: dict[str, int] = {}
 
     async def check(self, backend: Backend) -> bool:
@@ -48,6 +55,7 @@ class HealthChecker:
                 return self._failed(backend, f"/health answered {health.status_code}")
             if backend.kv_info is None or not backend.up:
                 self.router.set_kv_info(backend, await self._kv_info(backend))
+            await self._refresh_models(backend)
         except httpx.ConnectError as exc:
             return self._failed(backend, f"connection refused: {exc!r}", at_once=True)
         except (httpx.HTTPError, ValueError) as exc:
@@ -71,6 +79,29 @@ class HealthChecker:
                 backend.load = parse_load(metrics.text)
         except (httpx.HTTPError, ValueError) as exc:
             logger.debug("cannot scrape %s/metrics: %r", backend.url, exc)
+
+    async def _refresh_models(self, backend: Backend) -> None:
+        """Its /v1/models cards (unreadable cards left out); a failed fetch keeps the last."""
+        resp = await self.client.get(backend.url + "/v1/models", headers=self.headers,
+                                     timeout=self.timeout_s)
+        if resp.status_code != 200:
+            logger.warning("%s/v1/models answered %d; its models stay %s", backend.url,
+                           resp.status_code, sorted(backend.models or ()))
+            return
+        try:
+            data = resp.json()
+        except ValueError:
+            logger.warning("%s/v1/models answered no JSON; its models stay as they were",
+                           backend.url)
+            return
+        raw_cards = data.get("data") if isinstance(data, dict) else None
+        cards = []
+        for raw in raw_cards if isinstance(raw_cards, list) else []:
+            try:
+                cards.append(ModelCard.model_validate(raw))
+            except pydantic.ValidationError:
+                continue  # a card we cannot read is left out
+        self.router.set_models(backend, cards)
 
     async def _kv_info(self, backend: Backend) -> dict | None:
         resp = await self.client.get(backend.url + KV_INFO_ROUTE, timeout=self.timeout_s)

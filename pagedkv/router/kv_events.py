@@ -1,7 +1,8 @@
 """Subscribing to a backend's KV events (ZMQ SUB) and applying them to the prefix index.
 
 Each message is three frames, `(topic, seq, payload)` (see `pagedkv.events.wire`).
-`BlockStored` adds its hashes to the backend's entries on its medium (never expiring),
+`BlockStored` adds its hashes to the backend's entries on its medium (never expiring), under
+the model the backend serves (`Backend.only_model`),
 `BlockRemoved` drops them, `AllBlocksCleared` drops all of the backend's entries. A jump in the
 sequence numbers is a missed batch: counted (pagedkv_router:kv_event_gaps) and logged; the
 index stays as it is (the router's own TTL'd record and the next events repair it).
@@ -30,13 +31,15 @@ from pagedkv.router.router import Router
 logger = logging.getLogger("pagedkv.router")
 
 
-def apply_batch(index: PrefixIndex, backend: str, batch: KVEventBatch) -> int:
-    """Apply one batch's events, in order, to `backend`'s entries; returns how many."""
+def apply_batch(index: PrefixIndex, backend: str, batch: KVEventBatch,
+                model: str | None = None) -> int:
+    """Apply one batch's events, in order, to `backend`'s entries of `model` (the model the
+    backend serves: events carry no model identity); returns how many."""
     for event in batch.events:
         if isinstance(event, BlockStored):
-            index.store(backend, event.block_hashes, event.medium, ttl_s=None)
+            index.store(backend, event.block_hashes, event.medium, ttl_s=None, model=model)
         elif isinstance(event, BlockRemoved):
-            index.remove(backend, event.block_hashes, event.medium)
+            index.remove(backend, event.block_hashes, event.medium, model=model)
         elif isinstance(event, AllBlocksCleared):
             index.clear(backend)
     return len(batch.events)
@@ -72,7 +75,7 @@ class KVEventSubscriber:
             self.router.metrics.kv_event_gaps.labels(name).inc()
             logger.warning("KV events from %s jumped from seq %d to %d", name, self.last_seq, seq)
         self.last_seq = seq
-        applied = apply_batch(self.router.index, name, batch)
+        applied = apply_batch(self.router.index, name, batch, self.backend.only_model)
         self.router.metrics.kv_events.labels(name).inc(applied)
 
     async def run(self) -> None:

@@ -32,6 +32,10 @@ class RouterMetrics:
         self.stream_errors = Counter(
             "pagedkv_router:stream_errors", "Streams cut by their backend after the first byte "
             "(ended with an error event).", ["backend"], registry=r)
+        self.ejections = Counter(
+            "pagedkv_router:backend_ejections", "Times a backend was taken out of rotation "
+            "for a while after failing a request (no first byte in time, a garbled answer).",
+            ["backend"], registry=r)
         self.backend_up = Gauge(
             "pagedkv_router:backend_up", "1 when the backend is healthy, else 0.", ["backend"],
             registry=r)

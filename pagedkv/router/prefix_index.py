@@ -7,8 +7,12 @@ when it sends a prompt somewhere expire after a TTL, since no event will say the
 Each backend's device entries are also capped at its pool size (when known), dropping the least
 recently stored first: the record then mirrors the engine's LRU eviction.
 
+Entries are keyed per model as well (`model`: the served model id, None when unknown): block
+hashes carry no model identity, so a prompt hashed for one model must never match blocks another
+model computed (on a shared tier, or on a backend serving several models).
+
 Blocks in a *shared* medium (a Redis tier every backend can load from) are kept under
-`SHARED`, so they count for every backend. A match is a pair: the leading blocks on the
+`SHARED`, so they count for every backend serving that model. A match is a pair: the leading blocks on the
 backend's device, then the further leading blocks it could load from a tier (its own host or
 disk tier, or a shared one). Hashes chain, so only a run from the first block counts, exactly as
 the engine's longest-prefix lookup.
@@ -38,7 +42,7 @@ class PrefixMatch:
 
 
 class PrefixIndex:
-    """Per backend, per medium: block hash -> expiry (time.monotonic seconds, or NEVER).
+    """Per (backend, model), per medium: block hash -> expiry (time.monotonic seconds, or NEVER).
 
     Not thread-safe: the router mutates it from its event loop only.
     """
@@ -47,7 +51,8 @@ class PrefixIndex:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.shared_media = frozenset(shared_media)
         self.clock = clock
-        self._held: dict[str, dict[str, OrderedDict[ExternalBlockHash, float]]] = {}
+        self._held: dict[tuple[str, str | None],
+                         dict[str, OrderedDict[ExternalBlockHash, float]]] = {}
         self._capacity: dict[str, int] = {}
 
     # ---- updates ------------------------------------------------------------------------
@@ -60,12 +65,14 @@ class PrefixIndex:
             self._capacity[backend] = max(int(num_blocks), 0)
 
     def store(self, backend: str, block_hashes: Iterable[ExternalBlockHash],
-              medium: str | None = MEDIUM_DEVICE, ttl_s: float | None = None) -> None:
-        """Record that `backend` holds `block_hashes` on `medium`; for `ttl_s` seconds, or until
-        removed when `ttl_s` is None. A longer-lived entry is never shortened by a shorter one."""
+              medium: str | None = MEDIUM_DEVICE, ttl_s: float | None = None,
+              model: str | None = None) -> None:
+        """Record that `backend` holds `block_hashes` of `model` on `medium`; for `ttl_s`
+        seconds, or until removed when `ttl_s` is None. A longer-lived entry is never shortened
+        by a shorter one."""
         medium = medium or MEDIUM_DEVICE
         owner = SHARED if medium in self.shared_media else backend
-        entries = self._held.setdefault(owner, {}).setdefault(medium, OrderedDict())
+        entries = self._held.setdefault((owner, model), {}).setdefault(medium, OrderedDict())
         expiry = NEVER if ttl_s is None else self.clock() + ttl_s
         for block_hash in block_hashes:
             old = entries.pop(block_hash, 0.0)
@@ -75,18 +82,21 @@ class PrefixIndex:
             entries.popitem(last=False)
 
     def remove(self, backend: str, block_hashes: Iterable[ExternalBlockHash],
-               medium: str | None = MEDIUM_DEVICE) -> None:
-        """Forget that `backend` (or the shared tier, for a shared medium) holds these blocks."""
+               medium: str | None = MEDIUM_DEVICE, model: str | None = None) -> None:
+        """Forget that `backend` (or the shared tier, for a shared medium) holds these blocks
+        of `model`."""
         medium = medium or MEDIUM_DEVICE
         owner = SHARED if medium in self.shared_media else backend
-        entries = self._held.get(owner, {}).get(medium)
+        entries = self._held.get((owner, model), {}).get(medium)
         if entries is not None:
             for block_hash in block_hashes:
                 entries.pop(block_hash, None)
 
     def clear(self, backend: str) -> None:
-        """Forget everything `backend` holds (its own media; shared tiers stay)."""
-        self._held.pop(backend, None)
+        """Forget everything `backend` holds, for every model (its own media; shared tiers
+        stay)."""
+        for key in [key for key in self._held if key[0] == backend]:
+            del self._held[key]
 
     def prune(self) -> int:
         """Drop expired entries; returns how many."""
@@ -102,18 +112,20 @@ class PrefixIndex:
 
     # ---- queries ------------------------------------------------------------------------
 
-    def num_blocks(self, backend: str, medium: str = MEDIUM_DEVICE) -> int:
-        """Entries (expired ones not yet pruned included) `backend` has on `medium`."""
-        return len(self._held.get(backend, {}).get(medium, ()))
+    def num_blocks(self, backend: str, medium: str = MEDIUM_DEVICE,
+                   model: str | None = None) -> int:
+        """Entries (expired ones not yet pruned included) `backend` has of `model` on `medium`."""
+        return len(self._held.get((backend, model), {}).get(medium, ()))
 
-    def match(self, backend: str, block_hashes: Sequence[ExternalBlockHash]) -> PrefixMatch:
-        """The leading run of `block_hashes` on `backend`'s device, then the run after it held by
-        one of its tiers or a shared tier."""
+    def match(self, backend: str, block_hashes: Sequence[ExternalBlockHash],
+              model: str | None = None) -> PrefixMatch:
+        """The leading run of `block_hashes` (of `model`) on `backend`'s device, then the run
+        after it held by one of its tiers or a shared tier (entries of that model only)."""
         now = self.clock()
-        media = self._held.get(backend, {})
+        media = self._held.get((backend, model), {})
         device = media.get(MEDIUM_DEVICE, {})
         tiers = [entries for medium, entries in media.items() if medium != MEDIUM_DEVICE]
-        tiers += list(self._held.get(SHARED, {}).values())
+        tiers += list(self._held.get((SHARED, model), {}).values())
         n = len(block_hashes)
         on_device = 0
         while on_device < n and device.get(block_hashes[on_device], 0.0) > now:

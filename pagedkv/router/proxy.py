@@ -1,104 +1,121 @@
 """Forwarding one /v1 request: pick a backend, send, retry elsewhere while nothing has reached
 the client, relay the answer.
 
-Nothing is sent to the client before the backend's first body bytes arrive, so every failure up
-to then is retried on another backend (each backend at most once per request): a refused or
-dropped connection (the backend is also marked down), a 5xx answer, or a connection cut before
-the first byte. A non-streaming answer is read whole before it is relayed, so it too is retried
-if its backend dies mid-request. A stream is relayed chunk by chunk as the bytes arrive; if its
-backend dies after the first byte, the client gets an SSE error event and `data: [DONE]`. A
-client that disconnects closes the upstream connection, so the backend aborts the request and
-frees its blocks.
+A request naming a model goes only to backends serving it (a model no backend serves is a 404,
+as on the server). Nothing is sent to the client before the backend's first body bytes arrive,
+so every failure up to then is retried on another backend (each backend at most once per
+request): a refused or dropped connection (the backend is also marked down), a 5xx answer, a
+connection cut before the first byte, no first byte within `first_byte_timeout_s` (a wedged
+backend: it is ejected for a while, and the request gets a 504 when no backend answers in
+time), or a 200 whose body is not JSON (ejected too; a 502 when nothing better comes). A
+non-streaming answer is read whole before it is relayed (its first byte is the whole answer:
+the timeout bounds its generation). A stream is relayed chunk by chunk as the bytes arrive and
+always ends with `data: [DONE]` (relay.py). A client that disconnects closes the upstream
+connection, so the backend aborts the request and frees its blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import Response
 
 from pagedkv.router.backend import Backend
 from pagedkv.router.policies import RouteRequest
+from pagedkv.router.relay import RelayResponse, relay
 from pagedkv.router.router import Router, Ticket
-from pagedkv.server.errors import APIError, error_body
+from pagedkv.server.errors import APIError, error_response, model_not_found
 from pagedkv.server.serving import run_unless_disconnected
-from pagedkv.server.sse import SSE_HEADERS, sse_done, sse_event
 
 logger = logging.getLogger("pagedkv.router")
 
 SESSION_HEADER = "x-session-id"
 BACKEND_HEADER = "x-pagedkv-backend"  # on every forwarded answer: the backend that gave it
+DEFAULT_FIRST_BYTE_TIMEOUT_S = 60.0
 
 
 @dataclass
 class _Failure:
-    """An attempt that failed before the client saw a byte; `response` is the backend's own
-    answer (a 5xx) to relay if no other backend does better."""
+    """An attempt that failed before the client saw a byte; `response` is what to answer
+    (the backend's own 5xx, a 504 or a 502) if no other backend does better."""
 
     reason: str
     response: Response | None = None
 
 
-class RelayResponse(StreamingResponse):
-    """A streaming response that awaits `on_close` however it ends (finished, client gone, or
-    cancelled before the body started)."""
-
-    def __init__(self, body: AsyncIterator[bytes], *, status_code: int, media_type: str | None,
-                 headers: dict[str, str], on_close: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(body, status_code=status_code, media_type=media_type,
-                         headers={**SSE_HEADERS, **headers})
-        self.on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.on_close()
+@dataclass(frozen=True)
+class _BodyFields:
+    stream: bool = False
+    user: str | None = None
+    model: str | None = None
 
 
-def _body_fields(body: bytes) -> tuple[bool, str | None]:
-    """(stream, user) of a JSON body; (False, None) when it is not a JSON object (the backend
-    answers the 400)."""
+def _body_fields(body: bytes) -> _BodyFields:
+    """The fields of a JSON body the router reads; the defaults when it is not a JSON object
+    (the backend answers the 400)."""
     try:
         parsed = json.loads(body)
     except ValueError:
-        return False, None
+        return _BodyFields()
     if not isinstance(parsed, dict):
-        return False, None
-    user = parsed.get("user")
-    return parsed.get("stream") is True, user if isinstance(user, str) else None
+        return _BodyFields()
+    user, model = parsed.get("user"), parsed.get("model")
+    return _BodyFields(stream=parsed.get("stream") is True,
+                       user=user if isinstance(user, str) else None,
+                       model=model if isinstance(model, str) else None)
+
+
+def _is_json(content: bytes) -> bool:
+    try:
+        json.loads(content)
+    except ValueError:
+        return False
+    return True
 
 
 class Forwarder:
-    """Sends requests to the router's backends with `client` (no read timeout of its own: a
-    long generation is not a failure)."""
+    """Sends requests to the router's backends with `client` (whose read timeout stays off: a
+    long stream is not a failure; `first_byte_timeout_s` bounds the wait for its start)."""
 
     def __init__(self, router: Router, client: httpx.AsyncClient, *,
-                 backend_api_key: str | None = None) -> None:
+                 backend_api_key: str | None = None,
+                 first_byte_timeout_s: float = DEFAULT_FIRST_BYTE_TIMEOUT_S) -> None:
+        if not first_byte_timeout_s > 0:
+            raise ValueError(f"first_byte_timeout_s must be positive, got "
+                             f"{first_byte_timeout_s!r}")
         self.router = router
         self.client = client
-        self.headers = {"content-type": "application/json"}
-        if backend_api_key:
-            self.headers["authorization"] = f"Bearer {backend_api_key}"
+        self.first_byte_timeout_s = first_byte_timeout_s
+        self.headers = {"content-type": "application/json", **self.auth_headers(backend_api_key)}
+
+    @staticmethod
+    def auth_headers(backend_api_key: str | None) -> dict[str, str]:
+        """The headers that carry the backends' key (none without one)."""
+        return {"authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
 
     async def forward(self, raw: Request, path: str) -> Response:
         """Answer `raw` (a POST to `path`) from a backend."""
         body = await raw.body()
-        stream, user = _body_fields(body)
-        session = raw.headers.get(SESSION_HEADER) or user
-        request = RouteRequest(session=session)
+        fields = _body_fields(body)
+        if self.router.knows_model(fields.model) is False:
+            self.router.metrics.requests.labels("none", "404").inc()
+            raise model_not_found(fields.model or "")
+        session = raw.headers.get(SESSION_HEADER) or fields.user
+        request = RouteRequest(session=session, model=fields.model)
         hasher = self.router.hasher
         if self.router.needs_prompt_hashes and hasher is not None:
-            request = await asyncio.to_thread(hasher.route_request, path, body, session)
-        return await run_unless_disconnected(raw, self._place(request, path, body, stream))
+            hashed = await asyncio.to_thread(hasher.route_request, path, body, session)
+            request = dataclasses.replace(hashed, model=fields.model)
+        return await run_unless_disconnected(raw, self._place(request, path, body,
+                                                              fields.stream))
 
     async def _place(self, request: RouteRequest, path: str, body: bytes,
                      stream: bool) -> Response:
@@ -113,9 +130,10 @@ class Forwarder:
                 return outcome
             failure = outcome
             self.router.metrics.retries.labels(backend.name, outcome.reason).inc()
-            logger.info("request failed on %s (%s); %s", backend.name, outcome.reason,
-                        "retrying" if len(tried) < len(self.router.backends) else "giving up")
+            logger.info("request failed on %s (%s); trying another backend if one is left",
+                        backend.name, outcome.reason)
         if failure is not None and failure.response is not None:
+            self.router.metrics.requests.labels("none", str(failure.response.status_code)).inc()
             return failure.response
         self.router.metrics.requests.labels("none", "503").inc()
         raise APIError("no backend is available to serve this request" + (
@@ -128,38 +146,41 @@ class Forwarder:
         both to the relayed stream."""
         upstream: httpx.Response | None = None
         handed_over = False
+        first: bytes | None = None
+        content = b""
         try:
             try:
-                upstream = await self.client.send(
-                    self.client.build_request("POST", backend.url + path, content=body,
-                                              headers=self.headers), stream=True)
+                async with asyncio.timeout(self.first_byte_timeout_s):
+                    upstream = await self.client.send(
+                        self.client.build_request("POST", backend.url + path, content=body,
+                                                  headers=self.headers), stream=True)
+                    if stream and upstream.status_code == 200:
+                        chunks = upstream.aiter_raw()
+                        first = await anext(chunks)
+                    else:
+                        content = await upstream.aread()
+            except TimeoutError:
+                return self._timed_out(backend)
             except httpx.TransportError as exc:
                 self.router.mark_down(backend, f"request failed: {exc!r}")
-                return _Failure("connect")
+                return _Failure("connect" if upstream is None else "read")
+            except StopAsyncIteration:
+                self.router.mark_down(backend, "stream ended before its first byte")
+                return _Failure("read")
             status = upstream.status_code
             media_type = upstream.headers.get("content-type")
-            if not stream or status != 200:
-                try:
-                    content = await upstream.aread()
-                except httpx.TransportError as exc:
-                    self.router.mark_down(backend, f"answer cut: {exc!r}")
-                    return _Failure("read")
-                answer = Response(content, status_code=status, media_type=media_type,
-                                  headers={BACKEND_HEADER: backend.name})
-                if status >= 500:
-                    return _Failure(f"status_{status}", answer)
-                self.router.metrics.requests.labels(backend.name, str(status)).inc()
-                return answer
-            chunks = upstream.aiter_raw()
-            try:
-                first = await anext(chunks)
-            except (httpx.TransportError, StopAsyncIteration) as exc:
-                self.router.mark_down(backend, f"stream cut before its first byte: {exc!r}")
-                return _Failure("read")
+            if first is None:
+                return self._whole_answer(backend, status, media_type, content, stream)
+            self.router.record_success(backend)
             handed_over = True
-            return RelayResponse(self._relay(backend, first, chunks), status_code=status,
-                                 media_type=media_type, headers={BACKEND_HEADER: backend.name},
-                                 on_close=lambda: self._close(upstream, ticket))
+            return RelayResponse(
+                relay(first, chunks,
+                      on_cut=lambda why, broken: self._stream_cut(backend, why, broken),
+                      on_done=lambda: self.router.metrics.requests.labels(
+                          backend.name, "200").inc()),
+                status_code=status, media_type=media_type,
+                headers={BACKEND_HEADER: backend.name},
+                on_close=lambda: self._close(upstream, ticket))
         finally:
             if not handed_over:
                 ticket.end()
@@ -167,28 +188,40 @@ class Forwarder:
                     with contextlib.suppress(Exception):
                         await upstream.aclose()
 
-    async def _relay(self, backend: Backend, first: bytes,
-                     chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """The stream's bytes as they arrive; an error event and [DONE] if the backend dies."""
-        last = first
-        yield first
-        try:
-            async for chunk in chunks:
-                last = chunk
-                yield chunk
-        except httpx.TransportError as exc:
-            self.router.mark_down(backend, f"stream cut: {exc!r}")
-            self.router.metrics.stream_errors.labels(backend.name).inc()
-            separator = b"" if last.endswith(b"\n\n") else b"\n\n"
-            message = f"the backend serving this stream failed: {exc!r}"
-            yield separator + sse_event(error_body(message, "server_unavailable")).encode()
-            yield sse_done().encode()
-            self.router.metrics.requests.labels(backend.name, "stream_error").inc()
-            return
-        self.router.metrics.requests.labels(backend.name, "200").inc()
+    def _whole_answer(self, backend: Backend, status: int, media_type: str | None,
+                      content: bytes, stream: bool) -> Response | _Failure:
+        """A backend's answer read whole: relayed, or a failure to retry elsewhere."""
+        answer = Response(content, status_code=status, media_type=media_type,
+                          headers={BACKEND_HEADER: backend.name})
+        if status >= 500:
+            return _Failure(f"status_{status}", answer)
+        if status == 200 and not stream and not _is_json(content):
+            reason = "answered 200 with a body that is not JSON"
+            self.router.eject(backend, reason)
+            return _Failure("bad_answer", error_response(APIError(
+                f"the backend {backend.name} {reason}", status_code=502, type="bad_gateway",
+                code="invalid_upstream_response")))
+        self.router.record_success(backend)
+        self.router.metrics.requests.labels(backend.name, str(status)).inc()
+        return answer
+
+    def _timed_out(self, backend: Backend) -> _Failure:
+        reason = f"no first byte within {self.first_byte_timeout_s:g} s"
+        self.router.eject(backend, reason)
+        return _Failure("timeout", error_response(APIError(
+            f"no backend answered within the first-byte timeout "
+            f"({self.first_byte_timeout_s:g} s)", status_code=504, type="timeout",
+            code="upstream_timeout")))
+
+    def _stream_cut(self, backend: Backend, message: str, broken: bool) -> None:
+        logger.warning("stream from %s ended early: %s", backend.name, message)
+        self.router.metrics.stream_errors.labels(backend.name).inc()
+        self.router.metrics.requests.labels(backend.name, "stream_error").inc()
+        if broken:  # the connection broke: the backend may be gone
+            self.router.mark_down(backend, message)
 
     @staticmethod
-    async def _close(upstream: httpx.Response, ticket: Ticket) -> None:
+    async def _close(upstream: Any, ticket: Ticket) -> None:
         ticket.end()
         with contextlib.suppress(Exception):
             await upstream.aclose()

@@ -1,16 +1,20 @@
 """Router: the backends, the prefix index and the policy, and the books kept per request.
 
-`route` snapshots the up backends, matches the request's block hashes against the index (for
-policies that read prefixes) and asks the policy. `begin` counts the request in flight on the
+`route` snapshots the up backends that serve the request's model and are not ejected, matches
+the request's block hashes against the index (within that model, for policies that read
+prefixes) and asks the policy. `begin` counts the request in flight on the
 chosen backend and records its prompt blocks there (the router's own record, with a TTL: the
 engine will cache them once prefilled); the returned `Ticket` undoes the count when the request
-ends. `mark_down` drops a backend's prefix entries (a restarted instance has an empty cache).
+ends. `mark_down` drops a backend's prefix entries (a restarted instance has an empty cache);
+`eject` keeps a backend that failed a request (no answer in time, a garbled answer) out of
+rotation for a while, however healthy its /health says it is: a wedged engine still answers it.
 All of it runs on the event loop; nothing here blocks.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -26,6 +30,8 @@ from pagedkv.router.prompt import PromptHasher
 logger = logging.getLogger("pagedkv.router")
 
 DEFAULT_RECORD_TTL_S = 120.0
+DEFAULT_EJECT_S = 5.0  # the first ejection; each further failure in a row doubles it
+MAX_EJECT_S = 120.0
 
 
 class Ticket:
@@ -55,7 +61,8 @@ class Router:
                  hash_settings: tuple[int, str] | None = None,
                  record_ttl_s: float = DEFAULT_RECORD_TTL_S,
                  shared_media: Collection[str] = ("REDIS",),
-                 weights: KVAwareWeights | None = None) -> None:
+                 weights: KVAwareWeights | None = None,
+                 eject_s: float = DEFAULT_EJECT_S) -> None:
         if not backends:
             raise ValueError("the router needs at least one --backend")
         names = [b.name for b in backends]
@@ -63,6 +70,9 @@ class Router:
             raise ValueError(f"duplicate backend URLs in {names}")
         if record_ttl_s <= 0:
             raise ValueError(f"record_ttl_s must be positive, got {record_ttl_s!r}")
+        if not eject_s > 0:
+            raise ValueError(f"eject_s must be positive, got {eject_s!r}")
+        self.eject_s = eject_s
         self.backends = list(backends)
         self.policy = policy
         self.tokenizer = tokenizer
@@ -85,15 +95,26 @@ class Router:
         """True when requests should be tokenized and hashed before `route`."""
         return self.policy.needs_prefix and self.hasher is not None
 
+    def knows_model(self, model: str | None) -> bool | None:
+        """Whether some backend serves `model`: True, False (every backend's models are known
+        and none has it: a 404), or None (not every backend's models are known yet)."""
+        if model is None or any(b.serves(model) for b in self.backends):
+            return True
+        return False if all(b.models is not None for b in self.backends) else None
+
     def route(self, request: RouteRequest,
               exclude: Collection[str] = ()) -> tuple[Backend, Candidate] | None:
-        """The backend the policy picks among the up ones not in `exclude` (names), with the
-        snapshot it saw; None when there is none."""
-        backends = [b for b in self.backends if b.up and b.name not in exclude]
+        """The backend the policy picks among the up, not ejected ones that serve the
+        request's model and are not in `exclude` (names), with the snapshot it saw; None when
+        there is none."""
+        now = time.monotonic()
+        backends = [b for b in self.backends if b.up and b.name not in exclude
+                    and not b.ejected(now) and b.serves(request.model)]
         if not backends:
             return None
         use_prefix = self.policy.needs_prefix and bool(request.block_hashes)
-        candidates = [b.candidate(self.index.match(b.name, request.block_hashes)
+        candidates = [b.candidate(self.index.match(b.name, request.block_hashes,
+                                                   self.index_model(b, request))
                                   if use_prefix and b.hash_compatible else PrefixMatch())
                       for b in backends]
         chosen = self.policy.choose(request, candidates)
@@ -111,8 +132,14 @@ class Router:
             self.metrics.predicted_hit_blocks.labels(backend.name).inc(
                 candidate.match.device_blocks)
             self.index.store(backend.name, request.block_hashes, MEDIUM_DEVICE,
-                             ttl_s=self.record_ttl_s)
+                             ttl_s=self.record_ttl_s, model=self.index_model(backend, request))
         return Ticket(self, backend, predicted)
+
+    @staticmethod
+    def index_model(backend: Backend, request: RouteRequest) -> str | None:
+        """The model whose prefix entries `request` reads and writes on `backend`: the one it
+        names, else the one the backend serves."""
+        return request.model if request.model is not None else backend.only_model
 
     # ---- backend state ------------------------------------------------------------------
 
@@ -132,6 +159,32 @@ class Router:
         backend.kv_info = None
         self.index.clear(backend.name)
         self.metrics.backend_up.labels(backend.name).set(0)
+
+    def eject(self, backend: Backend, reason: str) -> float:
+        """Keep `backend` out of rotation after a request it failed (no first byte in time, a
+        garbled answer): DEFAULT_EJECT_S, doubled for each further failure in a row, at most
+        MAX_EJECT_S. Its prefix entries stay (its cache is intact). Returns the seconds."""
+        backend.consecutive_failures += 1
+        seconds = min(self.eject_s * 2 ** (backend.consecutive_failures - 1), MAX_EJECT_S)
+        backend.ejected_until = time.monotonic() + seconds
+        backend.last_error = reason
+        self.metrics.ejections.labels(backend.name).inc()
+        logger.warning("backend %s ejected for %.0f s: %s", backend.name, seconds, reason)
+        return seconds
+
+    def record_success(self, backend: Backend) -> None:
+        """`backend` answered a request: its run of failures ends."""
+        backend.consecutive_failures = 0
+
+    def set_models(self, backend: Backend, cards: list[Any]) -> None:
+        """Apply a backend's /v1/models cards; when its models changed (another model behind
+        the same URL), its prefix entries are dropped."""
+        old = backend.models
+        backend.model_cards = list(cards)
+        if old is not None and old != backend.models:
+            logger.warning("backend %s now serves %s (was %s)", backend.name,
+                           sorted(backend.models or ()), sorted(old))
+            self.index.clear(backend.name)
 
     def mark_up(self, backend: Backend) -> None:
         if not backend.up:

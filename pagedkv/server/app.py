@@ -15,7 +15,6 @@ several apps (engines) can share a process.
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -26,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedkv import __version__
 from pagedkv.engine.async_engine import AsyncEngine, EngineDeadError
+from pagedkv.server.auth import bearer_key_matches, invalid_api_key
 from pagedkv.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
 from pagedkv.server.errors import APIError, error_response, install_error_handlers
 from pagedkv.server.metrics import ServerMetrics
@@ -51,6 +51,7 @@ from pagedkv.server.serving_tokens import detokenize, tokenize
 from pagedkv.server.tool_parsers import get_tool_parser
 
 DEFAULT_MAX_PENDING = 4096
+DEFAULT_STALL_TIMEOUT_S = 120.0  # a loop round (one step) longer than this: /health is 503
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
@@ -60,9 +61,12 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                max_pending: int = DEFAULT_MAX_PENDING,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                tool_call_parser: str | None = None,
-               on_engine_dead: Callable[[str], None] | None = None) -> FastAPI:
+               on_engine_dead: Callable[[str], None] | None = None,
+               stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> FastAPI:
     """An app serving `engine` (an `LLMEngine`) as `served_model_name`. `tool_call_parser`
     (a name in `pagedkv.server.tool_parsers.TOOL_PARSERS`) enables `tool_choice: "auto"`.
+    /health answers 503 while the engine loop has spent more than `stall_timeout_s` in one
+    round (one step): a wedged engine, though its thread lives (a router then stops sending).
 
     The engine's loop thread starts with the app's lifespan (uvicorn, or `with TestClient(app)`)
     and is joined when it ends; requests in flight are aborted then. `on_engine_dead(reason)`
@@ -73,6 +77,8 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         raise ValueError(f"served_model_name must be a non-empty string, got {served_model_name!r}")
     if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
+    if not stall_timeout_s > 0:
+        raise ValueError(f"stall_timeout_s must be positive, got {stall_timeout_s!r}")
     tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
     async_engine = AsyncEngine(engine, max_pending=max_pending, on_fatal=on_engine_dead)
     metrics = ServerMetrics(served_model_name, max_model_len=engine.max_model_len)
@@ -104,6 +110,12 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
             reason = "the server is shutting down" if async_engine.draining else None
             return error_response(APIError(reason or async_engine.error or "engine loop not running",
                                            status_code=503, type="server_unavailable"))
+        busy_s = async_engine.busy_for()
+        if busy_s > stall_timeout_s:
+            return error_response(APIError(
+                f"the engine loop has not finished a step for {busy_s:.0f} s (stall timeout "
+                f"{stall_timeout_s:g} s): it looks wedged", status_code=503,
+                type="server_unavailable"))
         return Response(status_code=200)
 
     @app.get("/ping")
@@ -193,16 +205,13 @@ class _APIKeyMiddleware:
         self.expected = api_key.encode()
 
     def _authorized(self, header: bytes) -> bool:
-        scheme, _, key = header.partition(b" ")  # HTTP auth schemes are case-insensitive
-        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.expected)
+        return bearer_key_matches(header, self.expected)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             headers = dict(scope.get("headers") or [])
             if not self._authorized(headers.get(b"authorization", b"")):
-                response = error_response(APIError(
-                    "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                    status_code=401, type="authentication_error", code="invalid_api_key"))
+                response = error_response(invalid_api_key())
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -19,11 +19,13 @@ from pagedkv.router.prefix_index import PrefixMatch
 @dataclass(frozen=True)
 class RouteRequest:
     """The request being placed: its prompt length, its prompt's chained block hashes (empty
-    when the router cannot tokenize it), and a session key (None when it has none)."""
+    when the router cannot tokenize it), a session key (None when it has none) and the model
+    it names (None when it names none: any backend may serve it)."""
 
     prompt_tokens: int = 0
     block_hashes: tuple[bytes, ...] = ()
     session: str | None = None
+    model: str | None = None
 
     @property
     def prompt_blocks(self) -> int:

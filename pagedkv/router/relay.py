@@ -1,0 +1,79 @@
+"""Relaying one backend stream to the client: the bytes as they arrive, and a proper end.
+
+Every relayed stream ends with `data: [DONE]`. A backend stream that ends without one (its
+connection cut mid-event, or closed early) gets an SSE error event first, after a blank line
+that closes whatever event was cut, so the client can tell a truncated answer from a whole one.
+`RelayResponse` runs its `on_close` however the stream ends (finished, client gone, cancelled).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import httpx
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pagedkv.server.errors import error_body
+from pagedkv.server.sse import SSE_HEADERS, sse_done, sse_event
+
+DONE = b"data: [DONE]"
+_TAIL = 64  # bytes of the stream kept to see how it ended
+
+
+class RelayResponse(StreamingResponse):
+    """A streaming response that awaits `on_close` however it ends (finished, client gone, or
+    cancelled before the body started)."""
+
+    def __init__(self, body: AsyncIterator[bytes], *, status_code: int, media_type: str | None,
+                 headers: dict[str, str], on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(body, status_code=status_code, media_type=media_type,
+                         headers={**SSE_HEADERS, **headers})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.on_close()
+
+
+def ends_with_done(tail: bytes) -> bool:
+    """True when the stream's last event is `data: [DONE]` (trailing blank lines aside)."""
+    return tail.rstrip(b"\r\n").replace(b"data:[DONE]", DONE).endswith(DONE)
+
+
+def error_ending(tail: bytes, message: str) -> bytes:
+    """What to send after a stream whose last bytes are `tail` and that did not finish: the
+    blank line that closes a cut event, an error event naming `message`, `data: [DONE]`."""
+    separator = b"" if tail.endswith(b"\n\n") or not tail else (
+        b"\n" if tail.endswith(b"\n") else b"\n\n")
+    return (separator + sse_event(error_body(message, "server_unavailable")).encode()
+            + sse_done().encode())
+
+
+async def relay(first: bytes, chunks: AsyncIterator[bytes], *,
+                on_cut: Callable[[str, bool], None], on_done: Callable[[], None]
+                ) -> AsyncIterator[bytes]:
+    """`first`, then `chunks` as they arrive, then an end: `on_done()` when the backend sent
+    `data: [DONE]` (its final blank line added when missing); else `on_cut(message, broken)`
+    (`broken`: the connection failed, rather than closing early) and an error event and `data: [DONE]` (`error_ending`)."""
+    tail = first[-_TAIL:]
+    yield first
+    try:
+        async for chunk in chunks:
+            tail = (tail + chunk)[-_TAIL:]
+            yield chunk
+    except httpx.TransportError as exc:
+        message = f"the backend serving this stream failed: {exc!r}"
+        on_cut(message, True)
+        yield error_ending(tail, message)
+        return
+    if not ends_with_done(tail):
+        message = "the backend's stream ended without data: [DONE] (the answer is incomplete)"
+        on_cut(message, False)
+        yield error_ending(tail, message)
+        return
+    if not tail.endswith(b"\n\n"):
+        yield b"\n" if tail.endswith(b"\n") else b"\n\n"
+    on_done()

@@ -1,0 +1,66 @@
+"""/health reports a wedged engine loop (issue 20): a step that never returns leaves the loop
+thread alive, so liveness alone says nothing. While one step has run longer than the stall
+timeout /health answers 503; once the step returns it answers 200 again."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.server.app import create_app
+
+WEDGE = 398  # a prompt starting with this token blocks the runner until released
+
+
+@pytest.mark.timeout(120, method="thread")
+def test_health_is_503_while_a_step_is_wedged_and_200_after(tiny_llama):
+    engine = LLMEngine(EngineArgs(model=str(tiny_llama), dtype="float32", block_size=4,
+                                  max_model_len=256, num_gpu_blocks_override=64))
+    release, entered = threading.Event(), threading.Event()
+    real_execute = engine.runner.execute
+
+    def execute(out):
+        if any(r.prompt_token_ids[:1] == [WEDGE] for r in out.scheduled):
+            entered.set()
+            assert release.wait(30), "the test never released the wedged step"
+        return real_execute(out)
+
+    engine.runner.execute = execute
+    app = create_app(engine, served_model_name="m", stall_timeout_s=0.5)
+    body = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200
+        answers: list = []
+        worker = threading.Thread(target=lambda: answers.append(
+            client.post("/v1/completions", json={"prompt": [WEDGE, 5, 6], **body})))
+        worker.start()
+        try:
+            assert entered.wait(30)
+            assert client.get("/health").status_code == 200  # a step may take a while
+            time.sleep(0.7)
+            wedged = client.get("/health")
+            assert wedged.status_code == 503
+            error = wedged.json()["error"]
+            assert error["type"] == "server_unavailable" and "wedged" in error["message"]
+            assert client.get("/ping").status_code == 503
+        finally:
+            release.set()
+            worker.join(30)
+        assert answers and answers[0].status_code == 200
+        assert answers[0].json()["usage"]["completion_tokens"] == 2
+        assert client.get("/health").status_code == 200
+    engine.check_invariants()
+    kv = engine.scheduler.kv_cache_manager
+    assert kv.pool.get_num_free_blocks() == kv.num_usable_blocks
+
+
+def test_stall_timeout_must_be_positive(tiny_llama):
+    engine = LLMEngine(EngineArgs(model=str(tiny_llama), dtype="float32", block_size=4,
+                                  max_model_len=256, num_gpu_blocks_override=64))
+    with pytest.raises(ValueError, match="stall_timeout_s"):
+        create_app(engine, served_model_name="m", stall_timeout_s=0)
