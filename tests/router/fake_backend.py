@@ -2,7 +2,8 @@
 tests: real sockets, real timeouts. `mode` says how it answers completions:
 
     ok         a JSON completion (a stream when asked: two events and data: [DONE])
-    wedged     accepts the request and never answers (as a stuck engine); /health stays 200
+    wedged     accepts the request and never answers (as a stuck engine) while the test
+               runs; /health stays 200
     500        a 500 with an OpenAI-style error body
     not_json   a 200 whose body is not JSON
     no_done    a stream whose connection closes cleanly mid-event, without data: [DONE]
@@ -60,7 +61,12 @@ class FakeBackend(ThreadServer):
         self.model = model
         self.kv_info = kv_info
         self.attempts = 0
+        self.closing = False
         super().__init__(self._build())
+
+    def __exit__(self, *exc: object) -> None:
+        self.closing = True
+        super().__exit__(*exc)
 
     def _build(self) -> FastAPI:
         app = FastAPI()
@@ -88,8 +94,10 @@ class FakeBackend(ThreadServer):
         async def completions(raw: Request) -> Response:
             self.attempts += 1
             body = await raw.json()
-            if self.mode == "wedged":
-                await asyncio.Event().wait()
+            if self.mode == "wedged":  # until the test ends (so shutdown is quick)
+                while not self.closing:
+                    await asyncio.sleep(0.02)
+                return Response(status_code=503)
             if self.mode == "500":
                 return JSONResponse({"error": {"message": "boom"}}, status_code=500)
             if self.mode == "not_json":
