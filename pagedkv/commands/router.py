@@ -7,9 +7,9 @@
                    [--first-byte-timeout 60] [--connect-timeout 2] [--eject-seconds 5] \\
                    [score weights: --prefill-weight ...]
 
-Clients talk to it exactly as to `pagedkv serve`. kv-aware needs `--model` (the backends' model
-directory, for its tokenizer and chat template: the router hashes prompts as the engine does);
-the block size and hash algorithm come from the backends' /kv_cache_info unless given.
+Clients talk to it exactly as to `pagedkv serve`. kv-aware hashes prompts as the engine does:
+with `--model` (the backends' model directory) it tokenizes them itself, else it asks a backend
+serving the request's model for the token ids (its /tokenize, which vLLM has too); the block size and hash algorithm come from the backends' /kv_cache_info unless given.
 `--kv-events` pairs, in order, each backend with its ZMQ KV-event endpoint ("-" for none);
 without events the router predicts each backend's cache from where it sent which prompts.
 No key is read from the server's $PAGEDKV_API_KEY: the backends' key is `--backend-api-key`
@@ -48,8 +48,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "('-' for none)")
     parser.add_argument("--policy", default="kv-aware", choices=POLICY_NAMES)
     parser.add_argument("--model", default=None, metavar="MODEL_DIR",
-                        help="the backends' model directory (tokenizer and chat template); "
-                        "required by kv-aware")
+                        help="the backends' model directory, to tokenize prompts in the router "
+                        "(tokenizer and chat template); without it kv-aware asks a backend's "
+                        "/tokenize")
     parser.add_argument("--block-size", type=int, default=None,
                         help="the backends' block size (default: from their /kv_cache_info)")
     parser.add_argument("--prefix-caching-hash-algo", default=None, choices=("sha256", "xxhash"),
@@ -116,8 +117,6 @@ def build_router(args: argparse.Namespace):
     weights = KVAwareWeights(**{f.name: getattr(args, f.name) for f in fields(KVAwareWeights)})
     if args.model is not None and not Path(args.model).is_dir():
         raise FileNotFoundError(f"model directory {args.model!r} does not exist")
-    if args.policy == "kv-aware" and args.model is None:
-        raise ValueError("--policy kv-aware needs --model MODEL_DIR (the backends' tokenizer)")
     if (args.block_size is None) != (args.prefix_caching_hash_algo is None):
         raise ValueError("give --block-size and --prefix-caching-hash-algo together, or neither")
     if args.block_size is not None and args.block_size <= 0:

@@ -4,12 +4,14 @@ backend is too busy (see `policies/kv_aware.py` for the score).
 
     prefix_index.py   which backend holds which chained block hash, on which medium
     prompt.py         a request body -> prompt token ids -> the engine's block hashes
+    remote_tokens.py  prompt token ids from a backend's /tokenize (a router without --model)
     kv_events.py      ZMQ subscriber of the backends' KV events (pagedkv.events.wire)
     backend.py        one backend's state: up/down, load scraped from its /metrics, in flight
     health.py         the health-check and load-scrape loop
     policies/         round-robin, least-load, session, kv-aware (one file each)
     router.py         Router: picks a backend, keeps the books (in flight, own record)
-    proxy.py          forwarding with retries, streaming passthrough, disconnects
+    proxy.py          forwarding: model check, timeouts, retries, ejection, disconnects
+    relay.py          a backend's stream to the client, always ending with data: [DONE]
     metrics.py        the router's own Prometheus metrics
     app.py            the FastAPI app
 """

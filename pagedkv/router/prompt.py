@@ -6,7 +6,9 @@ and hashes with the engine's `RequestBlockHasher` under the backends' block size
 algorithm, `cache_salt` in the first block. So a prompt's hashes here equal the ones a backend
 publishes in its KV events and looks up in its prefix cache. A completions request with a list
 of prompts is placed by its first prompt. A body the server would reject gets no hashes (it is
-placed by load alone and the backend answers the 400).
+placed by load alone and the backend answers the 400). Without a local tokenizer (a router
+started without --model) the token ids come from a backend's /tokenize (remote_tokens.py) and
+only the hashing happens here.
 """
 
 from __future__ import annotations
@@ -59,10 +61,12 @@ class _HashedPrompt:
 
 class PromptHasher:
     """Token ids and block hashes of request bodies. Thread-safe (call it off the event loop:
-    tokenizing a long prompt takes milliseconds)."""
+    tokenizing a long prompt takes milliseconds). With `tokenizer` None it only hashes token
+    ids (`route_request_from_ids`); `token_ids` then raises ValueError."""
 
-    def __init__(self, tokenizer: Tokenizer, *, block_size: int, hash_algo: str) -> None:
-        self._holder = _TokenizerHolder(tokenizer)
+    def __init__(self, tokenizer: Tokenizer | None, *, block_size: int, hash_algo: str) -> None:
+        self.tokenizer = tokenizer
+        self._holder = _TokenizerHolder(tokenizer) if tokenizer is not None else None
         self.block_size = block_size
         self.hash_algo = hash_algo
         self._hasher = RequestBlockHasher(hash_algo, block_size)
@@ -70,13 +74,17 @@ class PromptHasher:
     def token_ids(self, path: str, body: bytes) -> tuple[list[int], str | None] | None:
         """(prompt token ids, cache_salt) of a /v1/completions or /v1/chat/completions body;
         None when the server would reject the body."""
+        if self._holder is None:
+            raise ValueError("this PromptHasher has no tokenizer: tokenize on a backend")
         try:
             if path == COMPLETIONS:
                 completion = CompletionRequest.model_validate_json(body)
                 return tokenize_prompts(self._holder, completion.prompt)[0], completion.cache_salt
             if path == CHAT_COMPLETIONS:
                 chat = ChatCompletionRequest.model_validate_json(body)
-                return tokenize_chat(self._holder, chat), chat.cache_salt
+                tools = ([t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools
+                         else None)  # the template sees them, as on the server (tools.py)
+                return tokenize_chat(self._holder, chat, tools), chat.cache_salt
         except (pydantic.ValidationError, APIError, ValueError) as exc:
             logger.debug("cannot tokenize a %s body: %s", path, exc)
         return None
@@ -91,6 +99,11 @@ class PromptHasher:
         parsed = self.token_ids(path, body)
         if parsed is None:
             return RouteRequest(session=session)
-        ids, salt = parsed
-        return RouteRequest(prompt_tokens=len(ids),
-                            block_hashes=tuple(self.block_hashes(ids, salt)), session=session)
+        return self.route_request_from_ids(*parsed, session)
+
+    def route_request_from_ids(self, token_ids: list[int], cache_salt: str | None,
+                               session: str | None = None) -> RouteRequest:
+        """The `RouteRequest` of a prompt already tokenized."""
+        return RouteRequest(prompt_tokens=len(token_ids),
+                            block_hashes=tuple(self.block_hashes(token_ids, cache_salt)),
+                            session=session)

@@ -31,6 +31,7 @@ from fastapi.responses import Response
 from pagedkv.router.backend import Backend
 from pagedkv.router.policies import RouteRequest
 from pagedkv.router.relay import RelayResponse, relay
+from pagedkv.router.remote_tokens import BackendTokenizer, tokenize_call
 from pagedkv.router.router import Router, Ticket
 from pagedkv.server.errors import APIError, error_response, model_not_found
 from pagedkv.server.serving import run_unless_disconnected
@@ -95,6 +96,7 @@ class Forwarder:
         self.client = client
         self.first_byte_timeout_s = first_byte_timeout_s
         self.headers = {"content-type": "application/json", **self.auth_headers(backend_api_key)}
+        self.remote_tokenizer = BackendTokenizer(client, self.auth_headers(backend_api_key))
 
     @staticmethod
     def auth_headers(backend_api_key: str | None) -> dict[str, str]:
@@ -110,12 +112,31 @@ class Forwarder:
             raise model_not_found(fields.model or "")
         session = raw.headers.get(SESSION_HEADER) or fields.user
         request = RouteRequest(session=session, model=fields.model)
-        hasher = self.router.hasher
-        if self.router.needs_prompt_hashes and hasher is not None:
-            hashed = await asyncio.to_thread(hasher.route_request, path, body, session)
-            request = dataclasses.replace(hashed, model=fields.model)
+        if self.router.needs_prompt_hashes:
+            request = await self.hashed_request(path, body, session, fields.model)
         return await run_unless_disconnected(raw, self._place(request, path, body,
                                                               fields.stream))
+
+    async def hashed_request(self, path: str, body: bytes, session: str | None,
+                             model: str | None) -> RouteRequest:
+        """The request with its prompt's block hashes: tokenized here with the router's own
+        tokenizer (off the event loop), else on a backend serving `model` (its /tokenize)."""
+        hasher = self.router.hasher
+        plain = RouteRequest(session=session, model=model)
+        if hasher is None:
+            return plain
+        if hasher.tokenizer is not None:
+            hashed = await asyncio.to_thread(hasher.route_request, path, body, session)
+            return dataclasses.replace(hashed, model=model)
+        call = tokenize_call(path, body)
+        backend = self.router.tokenizer_backend(model)
+        if call is None or backend is None:
+            return plain
+        ids = await self.remote_tokenizer.token_ids(backend.url, call)
+        if ids is None:
+            return plain
+        return dataclasses.replace(
+            hasher.route_request_from_ids(ids, call.cache_salt, session), model=model)
 
     async def _place(self, request: RouteRequest, path: str, body: bytes,
                      stream: bool) -> Response:

@@ -54,7 +54,8 @@ class Ticket:
 
 class Router:
     """Places requests on backends. `hash_settings` is (block_size, hash algorithm) when given
-    by flags; otherwise the first backend's /kv_cache_info answer sets it."""
+    by flags; otherwise the first backend's /kv_cache_info answer sets it. Without `tokenizer`
+    prompts are tokenized on a backend (`tokenizer_backend`, remote_tokens.py)."""
 
     def __init__(self, backends: Sequence[Backend], policy: RoutingPolicy, *,
                  tokenizer: Tokenizer | None = None,
@@ -81,7 +82,8 @@ class Router:
         self.index = PrefixIndex(shared_media=shared_media)
         self.metrics = RouterMetrics(policy.name)
         self.hash_settings: tuple[int, str] | None = None
-        self.hasher: PromptHasher | None = None
+        self.hasher: PromptHasher | None = None  # once the hash settings are known
+        self._tokenize_turn = 0
         if hash_settings is not None:
             self._set_hash_settings(*hash_settings)
         for backend in self.backends:
@@ -219,5 +221,15 @@ class Router:
 
     def _set_hash_settings(self, block_size: int, hash_algo: str) -> None:
         self.hash_settings = (block_size, hash_algo)
-        if self.tokenizer is not None:
-            self.hasher = PromptHasher(self.tokenizer, block_size=block_size, hash_algo=hash_algo)
+        self.hasher = PromptHasher(self.tokenizer, block_size=block_size, hash_algo=hash_algo)
+
+    def tokenizer_backend(self, model: str | None) -> Backend | None:
+        """A backend to tokenize a request for `model` on (when the router has no tokenizer
+        of its own): the up, not ejected ones serving it, in turn; None when there is none."""
+        now = time.monotonic()
+        usable = [b for b in self.backends
+                  if b.up and not b.ejected(now) and b.serves(model)]
+        if not usable:
+            return None
+        self._tokenize_turn += 1
+        return usable[self._tokenize_turn % len(usable)]

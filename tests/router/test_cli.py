@@ -28,10 +28,19 @@ def test_flags_build_the_router(tmp_path):
     assert build_router(parse("--backend", "http://h:1", "--policy", "session")).hasher is None
 
 
+def test_kv_aware_starts_without_model_and_hashes_ids_from_the_backends():
+    """No --model: no local tokenizer; once the hash settings are known the hasher hashes the
+    ids a backend's /tokenize gives (remote_tokens.py; tested in test_remote_tokens.py)."""
+    router = build_router(parse("--backend", "http://h:1", "--block-size", "4",
+                                "--prefix-caching-hash-algo", "sha256"))
+    assert router.policy.name == "kv-aware" and router.tokenizer is None
+    assert router.needs_prompt_hashes and router.hasher.tokenizer is None
+    assert router.hasher.route_request_from_ids(list(range(9)), None).prompt_blocks == 2
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--policy", "round-robin", "--backend", "ftp://x"], "ftp://x"),
     (["--policy", "least-load", "--backend", "http://a", "--backend", "http://a/"], "duplicate"),
-    (["--backend", "http://a"], "--model"),
     (["--policy", "session", "--backend", "http://a", "--block-size", "4"],
      "--prefix-caching-hash-algo"),
     (["--policy", "session", "--backend", "http://a", "--kv-events", "tcp://x", "--kv-events",
