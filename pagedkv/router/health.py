@@ -1,9 +1,9 @@
 """The health checker: every `interval_s`, each backend's /health, /kv_cache_info, /v1/models
 and /metrics.
 
-A backend that answers /health with 200 is marked up (its hashing settings fetched once per up
-period, its models and load gauges refreshed each round: the router sends a request only to
-backends serving its model). One that refuses the connection is marked down
+A backend that answers /health with 200 is marked up (its hashing settings, models and load
+gauges refreshed each round: the router sends a request only to backends serving its model, and
+counts prefixes only where the settings match and prefix caching is on). One that refuses the connection is marked down
 at once, which drops its prefix index; one that times out or answers anything but 200 is marked
 down after `failure_threshold` such rounds in a row (a busy backend answers slowly; it is not
 dead). A failed /metrics scrape keeps the last load. Requests that fail to connect mark a
@@ -53,8 +53,7 @@ class HealthChecker:
             health = await self.client.get(backend.url + "/health", timeout=self.timeout_s)
             if health.status_code != 200:
                 return self._failed(backend, f"/health answered {health.status_code}")
-            if backend.kv_info is None or not backend.up:
-                self.router.set_kv_info(backend, await self._kv_info(backend))
+            self.router.set_kv_info(backend, await self._kv_info(backend))
             await self._refresh_models(backend)
         except httpx.ConnectError as exc:
             return self._failed(backend, f"connection refused: {exc!r}", at_once=True)

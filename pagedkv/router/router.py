@@ -198,8 +198,11 @@ class Router:
     def set_kv_info(self, backend: Backend, info: dict[str, Any] | None) -> None:
         """Apply a backend's /kv_cache_info answer (None: it has no such route): its hashing
         settings must equal the router's for its prefixes to count; its pool size caps the
-        router's record of it."""
-        backend.kv_info = info
+        router's record of it. Applied every health round: an answer that changed (a backend
+        restarted with other settings, prefix caching turned off) drops its prefix entries."""
+        old, backend.kv_info = backend.kv_info, info
+        if old is not None and info != old:
+            self.index.clear(backend.name)
         if info is None:
             backend.hash_compatible = self.hash_settings is not None
             return
@@ -210,9 +213,10 @@ class Router:
             return
         if self.hash_settings is None:
             self._set_hash_settings(*settings)
+        was_compatible = backend.hash_compatible if old is not None else True
         backend.hash_compatible = (settings == self.hash_settings
                                    and info.get("enable_prefix_caching", True) is not False)
-        if not backend.hash_compatible:
+        if not backend.hash_compatible and was_compatible:
             logger.warning("backend %s hashes blocks with %s (router: %s, prefix caching %s); "
                            "its prefixes are not counted", backend.name, settings,
                            self.hash_settings, info.get("enable_prefix_caching"))

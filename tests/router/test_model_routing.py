@@ -135,3 +135,32 @@ def test_a_backend_with_prefix_caching_off_gets_no_prefix_credit():
     router.index.clear(b)
     router.begin(router.backend(b), request, Candidate(name=b)).end()
     assert router.index.num_blocks(b, model="m") == 0
+
+
+def test_prefix_caching_turned_off_behind_the_same_url_is_seen_by_the_next_health_round():
+    info = dict(KV_INFO)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        if request.url.path == "/kv_cache_info":
+            return httpx.Response(200, json=info)
+        return httpx.Response(200, text="")
+
+    async def scenario() -> None:
+        router = Router([Backend("http://a.test")], RecordingPolicy())
+        backend = router.backends[0]
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            checker = HealthChecker(router, client)
+            assert await checker.check(backend) and backend.hash_compatible
+            router.index.store(backend.name, H, model="m")
+            request = RouteRequest(prompt_tokens=16, block_hashes=H, model="m")
+            router.route(request)
+            assert router.policy.seen[backend.name] == PrefixMatch(device_blocks=4)
+            info["enable_prefix_caching"] = False  # restarted without prefix caching
+            assert await checker.check(backend) and not backend.hash_compatible
+            router.route(request)
+            assert router.policy.seen[backend.name] == PrefixMatch(0, 0)
+            assert router.index.num_blocks(backend.name, model="m") == 0
+
+    asyncio.run(scenario())
