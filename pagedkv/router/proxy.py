@@ -9,8 +9,9 @@ connection cut before the first byte, no first byte within `first_byte_timeout_s
 backend: it is ejected for a while, and the request gets a 504 when no backend answers in
 time), or a 200 whose body is not JSON (ejected too; a 502 when nothing better comes). A
 non-streaming answer is read whole before it is relayed (its first byte is the whole answer:
-the timeout bounds its generation). A stream is relayed chunk by chunk as the bytes arrive and
-always ends with `data: [DONE]` (relay.py). A client that disconnects closes the upstream
+the timeout bounds its generation). A stream (an SSE answer; a stream request answered with
+plain JSON is relayed whole) is relayed chunk by chunk as the bytes arrive, a backend silent for
+`first_byte_timeout_s` mid-stream is ejected, and it always ends with `data: [DONE]` (relay.py). A client that disconnects closes the upstream
 connection, so the backend aborts the request and frees its blocks.
 """
 
@@ -30,7 +31,7 @@ from fastapi.responses import Response
 
 from pagedkv.router.backend import Backend
 from pagedkv.router.policies import RouteRequest
-from pagedkv.router.relay import RelayResponse, relay
+from pagedkv.router.relay import Cut, RelayResponse, relay
 from pagedkv.router.remote_tokens import BackendTokenizer, tokenize_call
 from pagedkv.router.router import Router, Ticket
 from pagedkv.server.errors import APIError, error_response, model_not_found
@@ -72,6 +73,10 @@ def _body_fields(body: bytes) -> _BodyFields:
     return _BodyFields(stream=parsed.get("stream") is True,
                        user=user if isinstance(user, str) else None,
                        model=model if isinstance(model, str) else None)
+
+
+def _is_event_stream(upstream: httpx.Response) -> bool:
+    return upstream.headers.get("content-type", "").startswith("text/event-stream")
 
 
 def _is_json(content: bytes) -> bool:
@@ -175,7 +180,7 @@ class Forwarder:
                     upstream = await self.client.send(
                         self.client.build_request("POST", backend.url + path, content=body,
                                                   headers=self.headers), stream=True)
-                    if stream and upstream.status_code == 200:
+                    if stream and upstream.status_code == 200 and _is_event_stream(upstream):
                         chunks = upstream.aiter_raw()
                         first = await anext(chunks)
                     else:
@@ -195,8 +200,8 @@ class Forwarder:
             self.router.record_success(backend)
             handed_over = True
             return RelayResponse(
-                relay(first, chunks,
-                      on_cut=lambda why, broken: self._stream_cut(backend, why, broken),
+                relay(first, chunks, idle_timeout_s=self.first_byte_timeout_s,
+                      on_cut=lambda why, cut: self._stream_cut(backend, why, cut),
                       on_done=lambda: self.router.metrics.requests.labels(
                           backend.name, "200").inc()),
                 status_code=status, media_type=media_type,
@@ -216,7 +221,7 @@ class Forwarder:
                           headers={BACKEND_HEADER: backend.name})
         if status >= 500:
             return _Failure(f"status_{status}", answer)
-        if status == 200 and not stream and not _is_json(content):
+        if status == 200 and not _is_json(content):  # (a stream's SSE never comes here)
             reason = "answered 200 with a body that is not JSON"
             self.router.eject(backend, reason)
             return _Failure("bad_answer", error_response(APIError(
@@ -234,12 +239,14 @@ class Forwarder:
             f"({self.first_byte_timeout_s:g} s)", status_code=504, type="timeout",
             code="upstream_timeout")))
 
-    def _stream_cut(self, backend: Backend, message: str, broken: bool) -> None:
+    def _stream_cut(self, backend: Backend, message: str, cut: Cut) -> None:
         logger.warning("stream from %s ended early: %s", backend.name, message)
         self.router.metrics.stream_errors.labels(backend.name).inc()
         self.router.metrics.requests.labels(backend.name, "stream_error").inc()
-        if broken:  # the connection broke: the backend may be gone
+        if cut is Cut.BROKEN:  # the connection broke: the backend may be gone
             self.router.mark_down(backend, message)
+        elif cut is Cut.IDLE:  # it went silent mid-stream: wedged
+            self.router.eject(backend, message)
 
     @staticmethod
     async def _close(upstream: Any, ticket: Ticket) -> None:

@@ -1,13 +1,16 @@
 """Relaying one backend stream to the client: the bytes as they arrive, and a proper end.
 
 Every relayed stream ends with `data: [DONE]`. A backend stream that ends without one (its
-connection cut mid-event, or closed early) gets an SSE error event first, after a blank line
-that closes whatever event was cut, so the client can tell a truncated answer from a whole one.
+connection cut mid-event, closed early, or silent for longer than the idle timeout) gets an
+SSE error event first, after a blank line that closes whatever event was cut, so the client can
+tell a truncated answer from a whole one.
 `RelayResponse` runs its `on_close` however the stream ends (finished, client gone, cancelled).
 """
 
 from __future__ import annotations
 
+import asyncio
+import enum
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
@@ -19,6 +22,14 @@ from pagedkv.server.sse import SSE_HEADERS, sse_done, sse_event
 
 DONE = b"data: [DONE]"
 _TAIL = 64  # bytes of the stream kept to see how it ended
+
+
+class Cut(enum.Enum):
+    """How a relayed stream ended without `data: [DONE]`."""
+
+    BROKEN = "broken"  # the connection failed
+    INCOMPLETE = "incomplete"  # it closed cleanly, early
+    IDLE = "idle"  # no byte within the idle timeout
 
 
 class RelayResponse(StreamingResponse):
@@ -52,26 +63,35 @@ def error_ending(tail: bytes, message: str) -> bytes:
             + sse_done().encode())
 
 
-async def relay(first: bytes, chunks: AsyncIterator[bytes], *,
-                on_cut: Callable[[str, bool], None], on_done: Callable[[], None]
+async def relay(first: bytes, chunks: AsyncIterator[bytes], *, idle_timeout_s: float,
+                on_cut: Callable[[str, Cut], None], on_done: Callable[[], None]
                 ) -> AsyncIterator[bytes]:
     """`first`, then `chunks` as they arrive, then an end: `on_done()` when the backend sent
-    `data: [DONE]` (its final blank line added when missing); else `on_cut(message, broken)`
-    (`broken`: the connection failed, rather than closing early) and an error event and `data: [DONE]` (`error_ending`)."""
+    `data: [DONE]` (its final blank line added when missing); else `on_cut(message, cut)` and
+    an error event and `data: [DONE]` (`error_ending`). Waits at most `idle_timeout_s` for each
+    next chunk."""
     tail = first[-_TAIL:]
     yield first
-    try:
-        async for chunk in chunks:
-            tail = (tail + chunk)[-_TAIL:]
-            yield chunk
-    except httpx.TransportError as exc:
-        message = f"the backend serving this stream failed: {exc!r}"
-        on_cut(message, True)
-        yield error_ending(tail, message)
-        return
-    if not ends_with_done(tail):
+    cut: Cut | None = None
+    while True:
+        try:
+            async with asyncio.timeout(idle_timeout_s):
+                chunk = await anext(chunks)
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            cut, message = Cut.IDLE, f"the backend sent nothing for {idle_timeout_s:g} s"
+            break
+        except httpx.TransportError as exc:
+            cut, message = Cut.BROKEN, f"the backend serving this stream failed: {exc!r}"
+            break
+        tail = (tail + chunk)[-_TAIL:]
+        yield chunk
+    if cut is None and not ends_with_done(tail):
+        cut = Cut.INCOMPLETE
         message = "the backend's stream ended without data: [DONE] (the answer is incomplete)"
-        on_cut(message, False)
+    if cut is not None:
+        on_cut(message, cut)
         yield error_ending(tail, message)
         return
     if not tail.endswith(b"\n\n"):

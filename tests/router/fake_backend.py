@@ -7,6 +7,8 @@ tests: real sockets, real timeouts. `mode` says how it answers completions:
     500        a 500 with an OpenAI-style error body
     not_json   a 200 whose body is not JSON
     no_done    a stream whose connection closes cleanly mid-event, without data: [DONE]
+    stall      a stream that sends one event, then nothing while the test runs
+    json       a JSON completion even when a stream is asked for
 
 `attempts` counts the completion requests it received. `ThreadServer` serves any ASGI app
 (the router's too) the same way.
@@ -102,7 +104,7 @@ class FakeBackend(ThreadServer):
                 return JSONResponse({"error": {"message": "boom"}}, status_code=500)
             if self.mode == "not_json":
                 return Response("<html>proxy error</html>", media_type="text/html")
-            if body.get("stream"):
+            if body.get("stream") and self.mode != "json":
                 return StreamingResponse(self._events(), media_type="text/event-stream")
             return JSONResponse({"object": "text_completion", "model": self.model,
                                  "choices": [{"index": 0, "text": f"from {self.url}"}]})
@@ -114,5 +116,7 @@ class FakeBackend(ThreadServer):
         if self.mode == "no_done":
             yield 'data: {"choices":[{"te'
             return
+        while self.mode == "stall" and not self.closing:
+            await asyncio.sleep(0.02)
         yield 'data: {"choices":[{"text":"b"}]}\n\n'
         yield "data: [DONE]\n\n"

@@ -181,3 +181,25 @@ def test_each_failing_backend_gets_exactly_one_attempt(modes):
     assert attempts == dict.fromkeys(urls, 1)
     last_mode = modes[urls.index(order[-1])]  # the answer is the last failure's
     assert status == {"500": 500, "refuse": 503, "wedged": 504}[last_mode]
+
+
+def test_a_stream_gone_silent_ends_in_bounded_time_with_an_error_and_done():
+    with FakeBackend("stall") as silent, FakeBackend("json") as plain:
+        router, server = router_server(silent, plain)
+        with server, httpx.Client(timeout=20) as client:
+            start = time.monotonic()
+            resp = client.post(server.url + "/v1/completions",
+                               json={"prompt": "x", "stream": True})
+            seconds = time.monotonic() - start
+            assert resp.headers[BACKEND_HEADER] == silent.url  # round-robin: first
+            events = sse_events(resp.text)
+            assert events[0] == 'data: {"choices":[{"text":"a"}]}'
+            assert "sent nothing" in json.loads(events[1][len("data: "):])["error"]["message"]
+            assert events[2:] == ["data: [DONE]"]
+            assert seconds < TIMEOUT_S + SLACK_S
+            assert router.backend(silent.url).ejected(time.monotonic())
+            # A stream request answered with plain JSON is relayed whole, as JSON.
+            resp = client.post(server.url + "/v1/completions",
+                               json={"prompt": "x", "stream": True})
+            assert resp.headers[BACKEND_HEADER] == plain.url
+            assert resp.json()["choices"][0]["text"] == f"from {plain.url}"
