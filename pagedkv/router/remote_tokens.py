@@ -10,6 +10,7 @@ backend that answers no ids in time) means no ids: the request is then placed by
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass
@@ -94,10 +95,11 @@ class BackendTokenizer:
         ids = call.token_ids
         if ids is None and call.payload is not None:
             try:
-                resp = await self.client.post(backend_url + TOKENIZE_ROUTE, json=call.payload,
-                                              headers=self.headers, timeout=self.timeout_s)
+                async with asyncio.timeout(self.timeout_s):  # in all, not per read
+                    resp = await self.client.post(backend_url + TOKENIZE_ROUTE,
+                                                  json=call.payload, headers=self.headers)
                 tokens = resp.json().get("tokens") if resp.status_code == 200 else None
-            except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            except (httpx.HTTPError, ValueError, AttributeError, TimeoutError) as exc:
                 logger.debug("cannot tokenize on %s: %r", backend_url, exc)
                 return None
             if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):

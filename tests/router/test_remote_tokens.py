@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -85,3 +86,25 @@ def test_tokenize_call_shapes():
                        (COMPLETIONS, b'{"prompt": [true]}'), (CHAT_COMPLETIONS, b"{}"),
                        ("/v1/other", b'{"prompt": "x"}')]:
         assert tokenize_call(path, body) is None
+
+
+def test_a_backend_that_cannot_tokenize_in_time_leaves_the_request_to_load_alone():
+    from pagedkv.router.remote_tokens import BackendTokenizer
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "slow.test":
+            await asyncio.sleep(3600)
+        if request.url.host == "junk.test":
+            return httpx.Response(200, json={"tokens": ["not", "ids"]})
+        return httpx.Response(401, json={"error": {"message": "key"}})
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            tokenizer = BackendTokenizer(client, {}, timeout_s=0.2)
+            call = tokenize_call(COMPLETIONS, b'{"prompt": "hello"}')
+            for url in ("http://slow.test", "http://junk.test", "http://denied.test"):
+                assert await asyncio.wait_for(tokenizer.token_ids(url, call), 5) is None
+
+    start = time.monotonic()
+    asyncio.run(scenario())
+    assert time.monotonic() - start < 3
