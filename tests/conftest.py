@@ -66,6 +66,12 @@ def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _weight_digest_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Tests (and the processes they start) cache weight digests in a temp dir, not ~/.cache."""
+    os.environ["PAGEDKV_CACHE_DIR"] = str(tmp_path_factory.mktemp("pagedkv-cache"))
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _cpu_kernels_built() -> None:
     """Build (or load the cached) fused CPU kernels before any test, so every engine with the
     default `cpu_kernels="auto"` runs them from its first step, deterministically; tests of the
