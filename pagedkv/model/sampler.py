@@ -159,8 +159,9 @@ class Sampler:
                                  [r.output_token_ids for r in requests])
         logits = apply_logit_bias(logits, [p.logit_bias for p in params])
         logits = keep_allowed_tokens(logits, [p.allowed_token_ids for p in params])
+        unbanned = logits
         logits = ban_tokens(logits, [r.banned_token_ids for r in requests])
-        logits = apply_grammar_bitmask(logits, [r.grammar for r in requests])
+        logits = apply_grammar_bitmask(logits, [r.grammar for r in requests], unbanned)
         counts = [max(r.num_samples, 1) for r in requests]
         rows = torch.repeat_interleave(torch.arange(len(requests), device=logits.device),
                                        torch.tensor(counts, device=logits.device))

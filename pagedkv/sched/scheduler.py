@@ -387,6 +387,11 @@ class Scheduler:
                 request.prompt_logprobs.extend(prompt_logprobs)
             if scheduled.num_samples == 0:
                 continue
+            grammar = request.structured_output
+            if grammar is not None and grammar.is_terminated():  # complete: no more tokens
+                self._finish(request, RequestStatus.FINISHED_STOPPED, None)
+                changed.append(request)
+                continue
             tokens = result.sampled_token_ids[request.request_id]
             logprobs = result.logprobs.get(request.request_id)
             children = self._fork_children(request, tokens[1:], logprobs)
@@ -403,9 +408,11 @@ class Scheduler:
             request.output_logprobs.append(logprobs)
         grammar = request.structured_output
         if grammar is not None and not grammar.accept_token(token_id):
-            # The sampler masks forbidden tokens, so this is a bug: `_check_stop` ends the request.
-            request.error = (f"token {token_id} violates the request's structured-output "
-                             "grammar")
+            # The sampler masks forbidden tokens, so the grammar engine failed (`error`) or left
+            # nothing allowed: `_check_stop` ends this request alone.
+            request.error = grammar.error or (
+                f"token {token_id} violates the request's structured-output grammar (the "
+                "grammar allowed no token: is it satisfiable, with this vocabulary?)")
 
     def _fork_children(self, parent: Request, tokens: list[int],
                        logprobs: list[dict[int, float]] | None) -> list[Request]:
