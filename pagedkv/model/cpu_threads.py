@@ -15,8 +15,10 @@ count from the same readings).
 
 from __future__ import annotations
 
+import math
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -65,23 +67,49 @@ def _own_ticks() -> int | None:
         return None
 
 
+def read_proc_ticks(cpus: list[int]) -> tuple[int | None, int | None]:
+    """(busy ticks of `cpus`, this process's own ticks) from /proc; None where unreadable."""
+    return busy_ticks(cpus), _own_ticks()
+
+
+def threads_for(num_cpus: int, others_cores: float, max_threads: int) -> int:
+    """The thread count for `num_cpus` allowed CPUs of which other processes took
+    `others_cores` cores' worth: the cores left (a core others use less than SLACK_CORES of
+    counts as free), at most `max_threads`, and never fewer than one, whatever the reading
+    (others holding every core or more, a counter that went backwards, NaN)."""
+    if not math.isfinite(others_cores):
+        others_cores = float(num_cpus) if others_cores > 0 else 0.0
+    free = num_cpus - max(0.0, others_cores)
+    return max(1, min(max_threads, math.floor(free + SLACK_CORES)))
+
+
 class CpuThreadGovernor:
     """Sets torch's thread count to the allowed cores that other processes leave free.
 
     `max_threads`: the most threads to use (default: every CPU this process may run on).
     `adjust()` is cheap (a clock read) except about once per INTERVAL_S, when it reads /proc;
-    call it between steps. Mutates torch's thread count only when the choice changes."""
+    call it between steps. Mutates torch's thread count only when the choice changes.
+    `read_ticks(cpus) -> (busy, own)` and `clock` are the seams tests drive (default: /proc
+    and `time.monotonic`)."""
 
-    def __init__(self, max_threads: int | None = None) -> None:
-        self.cpus = allowed_cpus()
+    def __init__(self, max_threads: int | None = None, *,
+                 read_ticks: Callable[[list[int]], tuple[int | None, int | None]] | None = None,
+                 clock: Callable[[], float] | None = None,
+                 cpus: list[int] | None = None, ticks_per_s: int | None = None) -> None:
+        self.cpus = cpus if cpus is not None else allowed_cpus()
         self.max_threads = max(1, min(max_threads or len(self.cpus), len(self.cpus)))
-        self.ticks_per_s = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        if ticks_per_s is None:
+            ticks_per_s = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.ticks_per_s = ticks_per_s
+        self._read_ticks = read_ticks or read_proc_ticks
+        self._clock = clock or time.monotonic
         self._last: tuple[float, int, int] | None = None
         self._interval = FIRST_INTERVAL_S
         self.others_cores = 0.0  # the last reading: cores' worth of CPU the others took
         self._set(self.max_threads)
 
     def _set(self, threads: int) -> None:
+        threads = max(1, int(threads))  # torch.set_num_threads(0) raises inside the step
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         self.threads = threads
@@ -89,21 +117,20 @@ class CpuThreadGovernor:
     def adjust(self) -> int:
         """Re-read the machine when the interval has passed and set the thread count; returns
         the thread count in use."""
-        now = time.monotonic()
+        now = self._clock()
         if self._last is not None and now - self._last[0] < self._interval:
             return self.threads
-        busy, own = busy_ticks(self.cpus), _own_ticks()
+        busy, own = self._read_ticks(self.cpus)
         if busy is None or own is None:
             return self.threads
         if self._last is None or now - self._last[0] > STALE_S:
             self._set(self.max_threads)  # first call, or after an idle gap: see STALE_S
             self._interval = FIRST_INTERVAL_S
         else:
-            elapsed_ticks = (now - self._last[0]) * self.ticks_per_s
+            elapsed_ticks = max((now - self._last[0]) * self.ticks_per_s, 1e-9)
             others = (busy - self._last[1]) - (own - self._last[2])
             self.others_cores = max(0.0, others / elapsed_ticks)
-            free = len(self.cpus) - self.others_cores
-            self._set(max(1, min(self.max_threads, int(free + SLACK_CORES))))
+            self._set(threads_for(len(self.cpus), self.others_cores, self.max_threads))
             self._interval = INTERVAL_S
         self._last = (now, busy, own)
         return self.threads

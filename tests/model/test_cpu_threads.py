@@ -82,3 +82,48 @@ def test_real_proc_readings_count_this_process():
         pass
     assert cpu_threads._own_ticks() > own
     assert cpu_threads.busy_ticks(cpus) >= busy + (cpu_threads._own_ticks() - own) // 2
+
+
+class _Machine:
+    """The governor's /proc reader seam: `others` cores' worth of other processes' CPU time and
+    `own` cores' worth of ours, over `cpus` CPUs, on a clock the test advances (100 ticks/s)."""
+
+    def __init__(self) -> None:
+        self.now, self.busy, self.own = 1000.0, 0, 0
+
+    def read(self, cpus):
+        return self.busy, self.own
+
+    def run(self, seconds, own_cores, other_cores):
+        self.now += seconds
+        self.own += round(own_cores * 100 * seconds)
+        self.busy += round((own_cores + other_cores) * 100 * seconds)
+
+
+@pytest.mark.parametrize("own_cores,other_cores", [(0, 4), (0.5, 3.5), (0, 6), (1, 5)])
+def test_never_fewer_than_one_thread_when_others_hold_every_core(own_cores, other_cores):
+    before = torch.get_num_threads()
+    machine = _Machine()
+    try:
+        gov = CpuThreadGovernor(read_ticks=machine.read, clock=lambda: machine.now,
+                                cpus=[0, 1, 2, 3], ticks_per_s=100)
+        assert gov.adjust() == 4
+        for _ in range(3):
+            machine.run(1.0, own_cores, other_cores)
+            assert gov.adjust() == 1
+            assert gov.threads == 1 and torch.get_num_threads() == 1
+            assert gov.others_cores >= 3.5
+        machine.run(1.0, own_cores=4, other_cores=0)  # the others stop: every core again
+        assert gov.adjust() == 4
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_threads_for_is_at_least_one_for_any_reading():
+    for cpus in (1, 2, 4, 64):
+        for others in (cpus - 0.5, cpus, cpus + 0.01, cpus * 3, float("inf"), float("nan"),
+                       -5.0, float("-inf")):
+            threads = cpu_threads.threads_for(cpus, others, cpus)
+            assert 1 <= threads <= cpus, (cpus, others, threads)
+    assert cpu_threads.threads_for(4, 0.0, 4) == 4
+    assert cpu_threads.threads_for(4, 3.0, 4) == 1
