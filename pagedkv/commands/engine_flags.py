@@ -70,6 +70,16 @@ _HELP: dict[str, str] = {
     "max_pinned_fraction": "most of the KV cache that pinned prefixes (/v1/pin) may hold",
     "kv_cache_dtype": "KV cache dtype: 'auto' (the model's) or fp8 (= fp8_e4m3), fp8_e5m2: "
                       "one byte per value, twice the blocks of bfloat16",
+    "structured_outputs_max_choices": "structured outputs: most alternatives of a choice list",
+    "structured_outputs_max_pattern_chars": "structured outputs: longest regex (characters)",
+    "structured_outputs_max_grammar_chars": "structured outputs: longest grammar, or total "
+                                            "characters of a choice list",
+    "structured_outputs_max_schema_chars": "structured outputs: longest JSON schema (characters "
+                                           "of compact JSON)",
+    "structured_outputs_compile_timeout_s": "structured outputs: seconds a request waits for its "
+                                            "constraint to compile (then a 400)",
+    "structured_outputs_compile_threads": "structured outputs: threads of the grammar compile "
+                                          "pool",
 }
 
 

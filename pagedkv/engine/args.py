@@ -11,6 +11,9 @@ from pagedkv.events.config import parse_kv_events_config
 from pagedkv.kernels.cpu import CPU_KERNEL_MODES
 from pagedkv.kv.eviction import DEFAULT_EVICTION_POLICY, eviction_policy_class
 from pagedkv.kv.pins import check_max_pinned_fraction
+from pagedkv.structured.limits import StructuredOutputsLimits
+
+_SO_LIMITS = StructuredOutputsLimits()
 
 
 @dataclass
@@ -65,6 +68,14 @@ class EngineArgs:
     max_pinned_fraction: float = 0.5
     # KV cache storage dtype: "auto" (the model's) or fp8 ("fp8" = "fp8_e4m3", "fp8_e5m2").
     kv_cache_dtype: str = "auto"
+    # Structured outputs (pagedkv.structured.limits): the largest constraint of each kind, how
+    # long one request waits for its compile, and the compile pool's threads.
+    structured_outputs_max_choices: int = _SO_LIMITS.max_choices
+    structured_outputs_max_pattern_chars: int = _SO_LIMITS.max_pattern_chars
+    structured_outputs_max_grammar_chars: int = _SO_LIMITS.max_grammar_chars
+    structured_outputs_max_schema_chars: int = _SO_LIMITS.max_schema_chars
+    structured_outputs_compile_timeout_s: float = _SO_LIMITS.compile_timeout_s
+    structured_outputs_compile_threads: int = _SO_LIMITS.compile_threads
 
     def __post_init__(self) -> None:
         self.validate()
@@ -115,6 +126,14 @@ class EngineArgs:
                              f"got {self.kv_cache_dtype!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        self.structured_outputs_limits()
+
+    def structured_outputs_limits(self) -> StructuredOutputsLimits:
+        """The `structured_outputs_*` fields as limits (ValueError naming a bad one)."""
+        prefix = "structured_outputs_"
+        return StructuredOutputsLimits(**{
+            name[len(prefix):]: getattr(self, name)
+            for name in self.field_names() if name.startswith(prefix)})
 
     def _validate_offloading(self) -> None:
         for name in ("kv_offloading_size", "kv_offloading_disk_size"):

@@ -204,8 +204,15 @@ class LLMEngine:
             if self._structured_backend is None:
                 from pagedkv.structured.backend import XGrammarBackend
 
-                self._structured_backend = XGrammarBackend(self.tokenizer, self.vocab_size)
+                self._structured_backend = XGrammarBackend(
+                    self.tokenizer, self.vocab_size,
+                    limits=self.args.structured_outputs_limits())
             return self._structured_backend
+
+    @property
+    def built_structured_output_backend(self) -> XGrammarBackend | None:
+        """The grammar compiler if already built, else None (never builds it)."""
+        return self._structured_backend
 
     def truncate_prompt(self, ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
         """The last `truncate_prompt_tokens` ids (-1: the most that leave room for one

@@ -102,7 +102,8 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = serving.max_tokens_for(requested, len(prompt), None)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    structured = await serving.structured_outputs(req, tools.constraint)
+    structured = await run_unless_disconnected(
+        raw, serving.structured_outputs(req, tools.constraint))
     params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
                                      structured_outputs=structured)
     serving.check_fits([prompt], params)

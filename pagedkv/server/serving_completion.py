@@ -112,8 +112,9 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest,
     max_tokens = [serving.max_tokens_for(requested, len(p), DEFAULT_MAX_TOKENS)
                   for p in prompts]
     # The same for every prompt: the request's max_tokens or the default.
+    structured = await run_unless_disconnected(raw, serving.structured_outputs(req))
     params = serving.sampling_params(req, max_tokens=max_tokens[0], logprobs=req.logprobs,
-                                     structured_outputs=await serving.structured_outputs(req))
+                                     structured_outputs=structured)
     if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
         params = replace(params, prompt_logprobs=req.logprobs)
     serving.check_fits(prompts, params)

@@ -1,8 +1,9 @@
 """A request's structured-output constraint, from any of its three spellings: OpenAI's
 `response_format`, vLLM's `structured_outputs`, and vLLM's older `guided_json` /
 `guided_regex` / `guided_choice` / `guided_grammar`. More than one is a 400; so is a schema,
-regex or grammar that the grammar engine rejects (compiled here, off the event loop, so the
-engine later finds it in its cache)."""
+regex or grammar that the grammar engine rejects, is beyond the size limits or does not compile
+in time (compiled here, in the grammar backend's own pool, so the engine later finds it in its
+cache; a client that leaves while its compile is still queued costs no compile)."""
 
 from __future__ import annotations
 
@@ -66,12 +67,15 @@ def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None
 
 async def compile_constraint(engine: Any, so: StructuredOutputsParams | None,
                              param: str = "structured_outputs") -> None:
-    """Compile `so` with the engine's grammar backend on a worker thread (cached there);
-    APIError 400 when the grammar engine rejects it."""
+    """Compile `so` with the engine's grammar backend (its own pool, cached there); APIError
+    400 when the constraint is too large, does not compile within the timeout, or the grammar
+    engine rejects it. Cancelling the caller releases its claim on the compile."""
     if so is None:
         return
     try:
-        backend = await asyncio.to_thread(lambda: engine.structured_output_backend)
-        await asyncio.to_thread(backend.compile, so)
+        backend = engine.built_structured_output_backend
+        if backend is None:  # built once, off the loop (importing xgrammar is slow)
+            backend = await asyncio.to_thread(lambda: engine.structured_output_backend)
+        await backend.compile_async(so)
     except ValueError as exc:
         raise APIError(str(exc), param=param) from exc

@@ -133,3 +133,32 @@ def test_bad_constraints_are_400(client, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="x", max_tokens=5, extra_body=extra)
     assert info.value.body["param"] == param, info.value.body
+
+
+@pytest.mark.parametrize("extra, limit", [
+    ({"structured_outputs": {"choice": [f"c{i}" for i in range(1025)]}}, "max_choices"),
+    ({"guided_choice": ["x" * 40000, "y" * 40000]}, "max_grammar_chars"),
+    ({"structured_outputs": {"regex": "a" * 20000}}, "max_pattern_chars"),
+    ({"structured_outputs": {"grammar": 'root ::= "' + "a" * 70000 + '"'}},
+     "max_grammar_chars"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(4000)}}}}},
+     "max_schema_chars"),
+])
+def test_constraints_beyond_the_limits_are_400_naming_the_limit(client, extra, limit):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=5, extra_body=extra)
+    assert f"structured_outputs_{limit}" in info.value.body["message"], info.value.body
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"structured_outputs": {"regex": "(unclosed"}}, "parenthesis"),
+    ({"guided_grammar": "root ::= nowhere"}, "not defined"),
+    ({"structured_outputs": {"regex": "[^\\x00-\\U0010FFFF]"}}, "unsatisfiable"),
+])
+def test_constraint_errors_are_clear_and_carry_no_build_paths(client, extra, says):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
+                                       extra_body=extra)
+    message = info.value.body["message"]
+    assert says in message and "/project" not in message and ".cc:" not in message, message

@@ -1,0 +1,164 @@
+"""Structured outputs under hostile constraints: size limits (ValueError naming the limit), a
+compile pool of the backend's own with a per-request timeout, queued compiles dropped when their
+client leaves, one compile per constraint, error messages without build paths, unsatisfiable
+grammars refused; and a 2-choice request's compile latency stays bounded while big compiles are
+in flight or abandoned."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from pagedkv import LLM, SamplingParams, StructuredOutputsParams
+from pagedkv.structured.backend import XGrammarBackend
+from pagedkv.structured.limits import (
+    CompileTimeoutError,
+    ConstraintTooLargeError,
+    StructuredOutputsLimits,
+)
+
+SLOW_S = 2.0  # how long a "big" compile takes (a stand-in for a 20,000-way choice list)
+TWO_CHOICES = StructuredOutputsParams(choice=["yes", "no"])
+
+
+def big(i: int) -> StructuredOutputsParams:
+    return StructuredOutputsParams(regex=f"slow-{i}" + "x" * 2000)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return LLM(str(tiny_llama), dtype="float32", seed=0, block_size=4,
+               num_gpu_blocks_override=64).llm_engine
+
+
+def slow_backend(engine, monkeypatch, **limits) -> XGrammarBackend:
+    """A backend whose compiles of regexes starting "slow" hold a pool thread for SLOW_S
+    (sleeping releases the GIL, as xgrammar's C++ compile does). `big(i)` is such a regex,
+    beyond the pool's small-constraint lane."""
+    backend = XGrammarBackend(engine.tokenizer, engine.vocab_size,
+                              limits=StructuredOutputsLimits(**limits))
+    real = backend._compile
+
+    def compile_(params):
+        if params.kind == "regex" and params.regex.startswith("slow"):
+            time.sleep(SLOW_S)
+        return real(params)
+
+    monkeypatch.setattr(backend, "_compile", compile_)
+    return backend
+
+
+def test_limits_are_value_errors_naming_the_limit(tiny_llama):
+    llm = LLM(str(tiny_llama), dtype="float32", seed=0, block_size=4, num_gpu_blocks_override=64,
+              structured_outputs_max_choices=3, structured_outputs_max_pattern_chars=10,
+              structured_outputs_max_grammar_chars=40, structured_outputs_max_schema_chars=30)
+    cases = [
+        (dict(choice=["a", "b", "c", "d"]), "max_choices"),
+        (dict(choice=["x" * 30, "y" * 30]), "max_grammar_chars"),
+        (dict(regex="[a-z]{1,20}xyz"), "max_pattern_chars"),
+        (dict(grammar='root ::= "' + "a" * 50 + '"'), "max_grammar_chars"),
+        (dict(json={"type": "object", "properties": {"name": {"type": "string"}}}),
+         "max_schema_chars"),
+    ]
+    for so, limit in cases:
+        params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(**so))
+        with pytest.raises(ConstraintTooLargeError, match=f"structured_outputs_{limit}"):
+            llm.generate(["a"], params, use_tqdm=False)
+    # Within the limits: served.
+    out = llm.generate(["a"], SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
+        choice=["a", "b"])), use_tqdm=False)[0].outputs[0]
+    assert out.text in ("a", "b") and out.finish_reason == "stop"
+    llm.llm_engine.check_invariants()
+
+
+def test_bad_limit_values_are_value_errors(tiny_llama):
+    from pagedkv.engine.args import EngineArgs
+
+    for name, value in [("structured_outputs_max_choices", 0),
+                        ("structured_outputs_compile_timeout_s", float("nan")),
+                        ("structured_outputs_compile_threads", -1)]:
+        with pytest.raises(ValueError, match=name):
+            EngineArgs(model=str(tiny_llama), **{name: value})
+
+
+def test_errors_carry_no_build_paths_and_unsatisfiable_is_said(engine):
+    backend = engine.structured_output_backend
+    for so in (dict(regex="(unclosed"), dict(grammar="root ::= undefined_rule"),
+               dict(json={"type": "string", "minLength": 5, "maxLength": 2})):
+        with pytest.raises(ValueError) as info:
+            backend.compile(StructuredOutputsParams(**so))
+        message = str(info.value)
+        assert "/project" not in message and ".cc" not in message and "[" not in message[:12]
+        assert message.startswith("invalid structured_outputs.")
+    with pytest.raises(ValueError, match="unsatisfiable"):
+        backend.compile(StructuredOutputsParams(regex="[^\\x00-\\U0010FFFF]"))
+
+
+def test_compile_timeout_and_one_compile_per_constraint(engine, monkeypatch):
+    backend = slow_backend(engine, monkeypatch, compile_timeout_s=0.3)
+    started = time.monotonic()
+    with pytest.raises(CompileTimeoutError, match="compile_timeout_s"):
+        backend.compile(StructuredOutputsParams(regex="slow-a"))
+    assert time.monotonic() - started < 0.3 + 1.0
+
+    async def three_waiters():
+        so = StructuredOutputsParams(regex="[0-9]+")
+        return await asyncio.gather(*(backend.compile_async(so) for _ in range(3)))
+
+    first, *rest = asyncio.run(three_waiters())
+    assert all(r is first for r in rest)
+    assert backend.num_compilations == 1  # the slow one is still running (abandoned)
+
+
+def test_a_queued_compile_whose_client_left_never_runs(engine, monkeypatch):
+    backend = slow_backend(engine, monkeypatch, compile_threads=1, compile_timeout_s=30)
+
+    async def scenario():
+        busy = asyncio.ensure_future(backend.compile_async(big(1)))
+        await asyncio.sleep(0.1)
+        gone = asyncio.ensure_future(backend.compile_async(big(2)))
+        await asyncio.sleep(0.1)
+        gone.cancel()  # the client disconnected while its compile was queued
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        await busy
+
+    asyncio.run(scenario())
+    assert backend.pool.num_started == 1 and backend.pool.num_dropped == 1
+    assert backend.cached(big(2)) is None
+
+
+@pytest.mark.parametrize("big_clients_leave", [True, False])
+def test_two_choice_latency_is_bounded_while_big_compiles_run(engine, monkeypatch,
+                                                               big_clients_leave):
+    """Six clients send big constraints; either they leave (disconnect) at once, or they stay
+    and time out. Meanwhile a 2-choice request compiles within the timeout plus a margin,
+    far below the big compiles' SLOW_S."""
+    timeout = 0.5
+    backend = slow_backend(engine, monkeypatch, compile_timeout_s=timeout, compile_threads=2)
+    bound = timeout + 1.0
+
+    async def scenario():
+        bigs = [asyncio.ensure_future(backend.compile_async(big(i))) for i in range(6)]
+        await asyncio.sleep(0.1)  # two big compiles running, four queued
+        if big_clients_leave:
+            for task in bigs:
+                task.cancel()
+            await asyncio.sleep(0)
+        started = time.monotonic()
+        await backend.compile_async(TWO_CHOICES)
+        latency = time.monotonic() - started
+        results = await asyncio.gather(*bigs, return_exceptions=True)
+        return latency, results
+
+    latency, results = asyncio.run(scenario())
+    assert latency < bound, latency
+    expected = asyncio.CancelledError if big_clients_leave else CompileTimeoutError
+    assert all(isinstance(r, expected) for r in results), results
+    # The queued big compiles never ran: only the two that had started when they were left.
+    assert backend.pool.num_started == 2 + 1
+    assert backend.pool.num_dropped == 4
+    assert threading.active_count() < 40
