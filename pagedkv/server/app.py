@@ -4,8 +4,9 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1
 GET /health, GET|POST /ping, GET /metrics (Prometheus text), GET /version, vLLM's
 POST /tokenize and POST /detokenize, pagedkv's POST /v1/pin and /v1/unpin (pinned prefixes),
 and GET /kv_cache_info (block size, hash algorithm and pool
-size, for `pagedkv router`). With `api_key`, every /v1 route needs
-`Authorization: Bearer <api_key>` (401 otherwise; the scheme is case-insensitive). A request
+size, for `pagedkv router`). With `api_key`, every route that does work for a client (every
+/v1 route, /tokenize, /detokenize) needs `Authorization: Bearer <api_key>` (401 otherwise; the
+scheme is case-insensitive); /health, /ping, /version, /metrics and /kv_cache_info stay open. A request
 body over `max_request_bytes` is a 413. Errors are OpenAI-style bodies (errors.py).
 
 The app owns an `AsyncEngine` (the engine's step loop in one background thread), started and
@@ -130,11 +131,11 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize_route(body: TokenizeCompletionRequest | TokenizeChatRequest
                              ) -> TokenizeResponse:
-        return tokenize(serving, body)
+        return await serving.run_tokenizer(tokenize, serving, body)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
-        return detokenize(serving, body)
+        return await serving.run_tokenizer(detokenize, serving, body)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -192,8 +193,13 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
     return app
 
 
+# Routes that do work for a client: they need the API key when the server has one.
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+
+
 def _install_api_key(app: FastAPI, api_key: str) -> None:
-    """Every /v1 route answers 401 unless `Authorization: Bearer <api_key>` is sent."""
+    """Every route under PROTECTED_PREFIXES answers 401 unless `Authorization: Bearer
+    <api_key>` is sent."""
     app.add_middleware(_APIKeyMiddleware, api_key=api_key)
 
 
@@ -208,7 +214,7 @@ class _APIKeyMiddleware:
         return bearer_key_matches(header, self.expected)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
             headers = dict(scope.get("headers") or [])
             if not self._authorized(headers.get(b"authorization", b"")):
                 response = error_response(invalid_api_key())

@@ -1,4 +1,8 @@
-"""vLLM's POST /tokenize (a prompt, or chat messages through the template) and /detokenize."""
+"""vLLM's POST /tokenize (a prompt, or chat messages through the template) and /detokenize.
+
+Both run in the server's tokenizer threads (`OpenAIServing.run_tokenizer`), never on the event
+loop, with the completion routes' bound: a prompt over `max_model_len` is refused after
+tokenizing only a prefix, and /detokenize takes at most `max_model_len` ids."""
 
 from __future__ import annotations
 
@@ -12,12 +16,13 @@ from pagedkv.server.protocol import (
     TokenizeResponse,
 )
 from pagedkv.server.serving import OpenAIServing
-from pagedkv.server.serving_chat import render_chat
+from pagedkv.server.serving_chat import render_chat, tokenize_chat
 
 
 def tokenize(serving: OpenAIServing,
              req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
-    """The token ids the completions or chat endpoint would feed the model for `req`."""
+    """The token ids the completions or chat endpoint would feed the model for `req` (400 when
+    they could not fit, as there). Call it in `serving.run_tokenizer`."""
     serving.check_model(req.model)
     if isinstance(req, TokenizeChatRequest):
         chat = ChatCompletionRequest(
@@ -25,10 +30,13 @@ def tokenize(serving: OpenAIServing,
             continue_final_message=req.continue_final_message,
             chat_template_kwargs=req.chat_template_kwargs)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        text = render_chat(serving, chat, tools)
-        ids = serving.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        if req.add_special_tokens:
+            ids = serving.encode_prompt(render_chat(serving, chat, tools),
+                                        add_special_tokens=True, param="messages")
+        else:
+            ids = tokenize_chat(serving, chat, tools)
     else:
-        ids = serving.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        ids = serving.encode_prompt(req.prompt, add_special_tokens=req.add_special_tokens)
     strs = None
     if req.return_token_strs:
         strs = [s or "" for s in serving.tokenizer.convert_ids_to_tokens(ids)]
@@ -37,8 +45,12 @@ def tokenize(serving: OpenAIServing,
 
 
 def detokenize(serving: OpenAIServing, req: DetokenizeRequest) -> DetokenizeResponse:
-    """The text of `req.tokens` (400 for an id outside the vocabulary)."""
+    """The text of `req.tokens` (400 for an id outside the vocabulary, or for more ids than
+    `max_model_len`). Call it in `serving.run_tokenizer`."""
     serving.check_model(req.model)
+    if len(req.tokens) > serving.max_model_len:
+        raise APIError(f"{len(req.tokens)} token ids are more than this model's maximum "
+                       f"context length of {serving.max_model_len}", param="tokens")
     vocab = serving.engine.vocab_size
     bad = next((t for t in req.tokens if t >= vocab), None)
     if bad is not None:

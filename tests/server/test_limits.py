@@ -3,6 +3,9 @@ on a server started with --api-key, --max-pending 1 and a 200-block cache."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import httpx
 import openai
 import pytest
@@ -32,11 +35,19 @@ def test_v1_routes_need_the_key(limited):
         for resp in (completion(limited.url, headers),
                      httpx.get(limited.url + "/v1/models", headers=headers),
                      httpx.post(limited.url + "/v1/chat/completions", headers=headers,
-                                json={"messages": [{"role": "user", "content": "x"}]})):
+                                json={"messages": [{"role": "user", "content": "x"}]}),
+                     httpx.post(limited.url + "/tokenize", headers=headers,
+                                json={"prompt": "hi"}),
+                     httpx.post(limited.url + "/detokenize", headers=headers,
+                                json={"tokens": [5, 6]})):
             assert resp.status_code == 401, (headers, resp.text)
             assert resp.json()["error"]["type"] == "authentication_error"
     assert completion(limited.url, AUTH).status_code == 200
     assert httpx.get(limited.url + "/v1/models", headers=AUTH).status_code == 200
+    assert httpx.post(limited.url + "/tokenize", headers=AUTH,
+                      json={"prompt": "hi"}).json()["count"] >= 1
+    assert httpx.post(limited.url + "/detokenize", headers=AUTH,
+                      json={"tokens": [5, 6]}).status_code == 200
     # Health, version and metrics stay open (load balancers and Prometheus have no key).
     for path in ("/health", "/version", "/metrics"):
         assert httpx.get(limited.url + path).status_code == 200
@@ -79,3 +90,35 @@ def test_n_that_can_never_fit_is_a_400(limited):
                             "max_tokens": 2})
     assert resp.status_code == 400
     assert completion(limited.url, AUTH, n=4).status_code == 200
+
+
+def test_health_answers_while_huge_tokenize_requests_run(limited):
+    """Three 4 MB /tokenize bodies (text and chat) at once: they are tokenized off the event
+    loop and refused once a prefix is over max_model_len; /health answers in well under 1 s
+    all the while."""
+    text = "hello world " * (4_000_000 // 12)
+    bodies = [{"prompt": text}, {"prompt": text},
+              {"messages": [{"role": "user", "content": text}]}]
+    answers: list[httpx.Response] = []
+
+    def send(body):
+        answers.append(httpx.post(limited.url + "/tokenize", json=body, headers=AUTH,
+                                  timeout=120))
+
+    senders = [threading.Thread(target=send, args=(b,)) for b in bodies]
+    for sender in senders:
+        sender.start()
+    worst = 0.0
+    while any(sender.is_alive() for sender in senders):
+        started = time.monotonic()
+        assert httpx.get(limited.url + "/health", timeout=10).status_code == 200
+        worst = max(worst, time.monotonic() - started)
+        time.sleep(0.02)
+    for sender in senders:
+        sender.join()
+    assert worst < 1.0, worst
+    assert sorted(a.status_code for a in answers) == [400, 400, 400], [a.text for a in answers]
+    assert {a.json()["error"]["param"] for a in answers} == {"prompt", "messages"}
+    assert "maximum context length" in answers[0].json()["error"]["message"]
+    too_many = httpx.post(limited.url + "/detokenize", headers=AUTH, json={"tokens": [5] * 513})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "tokens"
