@@ -460,3 +460,29 @@ def test_swap_in_counts_a_held_cached_hit_as_free():
     assert len(back) == 1 and m.get_block_ids("r")[:2] == m.get_block_ids("s")[:2]
     assert m.num_free_blocks == 0
     m.check_invariants()
+
+
+@pytest.mark.parametrize("held_by_a_request", [True, False])
+def test_unpin_frees_tail_first_so_the_prefix_head_survives(held_by_a_request):
+    """Unpinning hands the prefix back tail first, like a finished request: the pressure that
+    follows evicts the prefix's last blocks and its head still hits. Pinned while a request
+    still held the blocks, or after it had freed them (an unpinned, merely cached prefix)."""
+    m = mgr_(num_blocks=6, max_pinned_fraction=0.9)  # 5 usable
+    prompt = range(16)  # 4 full blocks
+    a = make_request("a", prompt)
+    prefill(m, a)
+    if held_by_a_request:
+        m.pin_prefix(prompt)
+        m.free(a)
+        assert [b.block_id for b in m.pool.eviction.free_blocks()] == [5]
+    else:
+        m.free(a)
+        m.pin_prefix(prompt)
+    m.check_invariants()
+    m.unpin_prefix(prompt)
+    assert [b.block_id for b in m.pool.eviction.free_blocks()] == [5, 4, 3, 2, 1]
+    b = make_request("b", range(100, 108))  # two new blocks: evicts the prefix's tail (4)
+    prefill(m, b)
+    hits, n = m.get_computed_blocks(make_request("c", prompt))
+    assert [x.block_id for x in hits] == [1, 2, 3] and n == 12
+    m.check_invariants()
