@@ -74,6 +74,24 @@ def test_disk_tier_is_shared_with_a_later_engine(tiny_llama, tmp_path):
     assert tokens == hf_greedy(tiny_llama, prompt, 4)
 
 
+def test_disk_tier_adopts_blocks_another_live_engine_writes(tiny_llama, tmp_path):
+    """Two engines live at once on one directory: each finds the blocks the other wrote after
+    it had scanned the directory (not a restart)."""
+    first = store_llm(tiny_llama, "disk", tmp_path)
+    second = store_llm(tiny_llama, "disk", tmp_path)  # both scanned an empty directory
+    prompts = [with_suffix(p, seed=1) for p in make_prefixes(seed=15, num=2)]
+    full = (len(prompts[0]) - 1) // 4 * 4
+    assert run_one(first, prompts[0])[1] == 0
+    tokens, cached = run_one(second, prompts[0])  # written by `first`, which is still running
+    assert cached == full and tokens == hf_greedy(tiny_llama, prompts[0], 4)
+    assert run_one(second, prompts[1])[1] == 0
+    tokens, cached = run_one(first, prompts[1])  # and the other way round
+    assert cached == full and tokens == hf_greedy(tiny_llama, prompts[1], 4)
+    for llm in (first, second):
+        llm.llm_engine.check_invariants()
+        assert llm.llm_engine.kv_store.snapshot_stats()[0].hits == full // 4
+
+
 def test_corrupt_and_truncated_disk_files_cost_hits(tiny_llama, tmp_path):
     prompt = with_suffix(make_prefixes(seed=6, num=1)[0], seed=1)
     first = store_llm(tiny_llama, "disk", tmp_path)
