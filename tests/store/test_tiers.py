@@ -211,3 +211,26 @@ def test_host_tier_takes_the_pools_lfu_and_arc_by_name():
     assert sum(arc.contains_many([_key(i) for i in range(5)])) == 3
     assert bytes(arc.get_many([_key(4)])[0]) == _payload(4)
     arc.check_invariants()
+
+
+def test_tiered_lookup_and_load_stop_at_the_first_miss(tmp_path):
+    """Blocks present past a missing one are useless (a prefix is consecutive): neither lookup
+    nor load counts them, whichever tier holds them."""
+    from pagedkv.store.tiered import BlockMeta, TieredKVStore
+
+    host = HostTier(capacity_bytes=10 * 100, block_bytes=100)
+    disk = DiskTier(tmp_path, capacity_bytes=10_000)
+    store = TieredKVStore([host, disk], identity=b"I" * 16, block_bytes=100, block_size=4)
+    try:
+        hashes = [bytes([i]) * 32 for i in range(6)]
+        where = {0: host, 1: disk, 3: host, 4: disk, 5: host}  # block 2 is nowhere
+        for i, tier in where.items():
+            tier.put_many([(store.key(hashes[i]), _payload(i))])
+        assert store.lookup(hashes) == 2
+        assert store.lookup(hashes[3:]) == 3  # the blocks past the miss are really there
+        assert store.lookup([hashes[2]] + hashes[3:]) == 0
+        metas = [BlockMeta(h, None, (i,)) for i, h in enumerate(hashes)]
+        loaded = store.load(metas)
+        assert [payload_buffer(p) for p in loaded] == [_payload(0), _payload(1)]
+    finally:
+        store.close()
