@@ -26,3 +26,31 @@ def test_disk_blocks_are_shared_only_between_caches_of_the_same_dtype(tiny_llama
         assert cached == full_blocks, same
         assert tokens == fp8_tokens  # the stored fp8 blocks read back exactly
         llm.shutdown()
+
+
+def test_fp8_blocks_saved_under_other_scales_are_refused(tiny_llama, tmp_path, monkeypatch):
+    """Same model, same fp8 dtype, other scales (as another calibration would give): the
+    blocks on disk mean other values, so none is loaded, and the tokens are the engine's own."""
+    from pagedkv.model import kv_calibration
+    from pagedkv.model.kv_quant import KVScales
+
+    prompt = with_suffix(make_prefixes(seed=8, num=1)[0], seed=3)
+    writer = store_llm(tiny_llama, "disk", tmp_path, kv_cache_dtype="fp8")
+    run_one(writer, prompt)
+    assert writer.llm_engine.kv_store.snapshot_stats()[0].blocks_written > 0
+    writer.shutdown()
+
+    real = kv_calibration.calibrate_kv_scales
+
+    def other_scales(*args, **kwargs):
+        return [KVScales(s.k_scale * 2.0, s.v_scale * 0.5) for s in real(*args, **kwargs)]
+
+    monkeypatch.setattr(kv_calibration, "calibrate_kv_scales", other_scales)
+    own = store_llm(tiny_llama, "none", tmp_path, kv_cache_dtype="fp8")
+    own_tokens, _ = run_one(own, prompt)
+    own.shutdown()
+    reader = store_llm(tiny_llama, "disk", tmp_path, kv_cache_dtype="fp8")
+    tokens, cached = run_one(reader, prompt)
+    assert cached == 0 and reader.llm_engine.kv_store.snapshot_stats()[0].hits == 0
+    assert tokens == own_tokens
+    reader.shutdown()
