@@ -409,3 +409,70 @@ def test_arc_ghost_hits_adapt_p():
     assert len(arc.ghosts[3]) == 2
     run("back", [1, 2])  # two ghost hits in B2
     assert arc.p == 0 and arc.t2_size == 2
+
+
+def test_arc_scan_resistance_fixed_case():
+    """A working set hit once more (so: used twice) survives a one-off scan twice the size of
+    the cache, step by step: the scan's blocks enter T1 and leave it for ghost list B1, the
+    working set stays whole in T2, p stays 0; LRU loses the working set to the same scan. A
+    second pass of the scan (recomputing blocks ARC evicted from T1: recency pays) grows p."""
+    def run(m, rid, prompt, keep=None):
+        req = FakeRequest(rid, prompt)
+        _, hit = prefill(m, req)
+        if keep is not None:
+            keep.extend(m.get_blocks(rid)[:3])
+        m.free(req)
+        m.check_invariants()
+        return hit
+
+    hot = [9, 8, 7, 6, 5, 4, 0]  # 3 full blocks of 2 tokens, + 1 token
+    scans = [[100 + i, i, 200 + i, i, 0] for i in range(10)]  # 2 full blocks each: 20 > 10
+    lru = KVCacheManager(num_blocks=11, block_size=2, eviction_policy="lru")
+    m = KVCacheManager(num_blocks=11, block_size=2, eviction_policy="arc")
+    arc = m.pool.eviction
+    hot_blocks: list = []
+    for manager in (lru, m):
+        assert run(manager, "hot", hot) == 0
+        assert run(manager, "hot-hit", hot, hot_blocks if manager is m else None) == 6
+    assert (arc.t1_size, arc.t2_size, arc.p) == (0, 3, 0.0)
+    for i, prompt in enumerate(scans):
+        for manager in (lru, m):
+            assert run(manager, f"scan{i}", prompt) == 0
+        assert arc.t2_size == 3 and arc.p == 0.0 and not arc.ghosts[3]  # T2 untouched
+        assert all(m.pool.get_cached_block(b.block_hash) is b for b in hot_blocks)
+        assert arc.t1_size == min(2 * (i + 1), 7 - 1)  # 7 blocks left, 1 for the partial
+    # Every evicted scan block went to B1 (14 of them; B1 keeps the newest 10).
+    assert len(arc.ghosts[2]) == 10 and not arc.ghosts[3]
+    assert run(lru, "hot-again", hot) == 0
+    assert run(m, "hot-again", hot) == 6
+    # A scan prompt again: both its blocks are in B1 (evicted from T1 too soon), so p grows
+    # and the recomputed blocks join T2.
+    assert run(m, "rescan6", scans[6]) == 0
+    assert arc.p >= 2 and arc.t2_size == 5
+
+
+def test_arc_scan_resistance_once_recency_has_paid():
+    """p > 0 (recomputing blocks evicted from T1 grew it to 2) and T2 holds only those 2 blocks:
+    ARC still evicts T1 while T1 holds more than p blocks, so a following one-off scan twice the
+    cache's size leaves the twice-used blocks cached."""
+    m = KVCacheManager(num_blocks=11, block_size=2, eviction_policy="arc")
+    arc = m.pool.eviction
+
+    def run(rid, prompt):
+        req = FakeRequest(rid, prompt)
+        _, hit = prefill(m, req)
+        m.free(req)
+        m.check_invariants()
+        return hit
+
+    warm = [1, 2, 3, 4, 0]  # 2 full blocks
+    run("warm", warm)
+    for i in range(5):  # evicts warm's blocks from T1 into B1
+        run(f"fill{i}", [50 + i, i, 60 + i, i, 0])
+    assert m.get_computed_blocks(FakeRequest("probe", warm))[1] == 0
+    assert run("warm-again", warm) == 0  # recomputed: two ghost hits in B1
+    assert arc.p == 2.0 and arc.t2_size == 2
+    for i in range(10):  # a scan of 20 blocks through a 10-block cache
+        assert run(f"scan{i}", [100 + i, i, 200 + i, i, 0]) == 0
+        assert arc.t2_size == 2 and arc.p == 2.0
+    assert run("warm-hit", warm) == 4
