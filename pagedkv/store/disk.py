@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 SUFFIX = ".kvb"
 _STALE_TMP_S = 600.0
+# A full disk (ENOSPC) fails every write: at most one warning per this many seconds, carrying
+# how many writes failed since the previous one (all are counted in `num_write_errors`).
+WRITE_WARNING_INTERVAL_S = 60.0
 
 
 class DiskTier(KVTier):
@@ -55,6 +58,10 @@ class DiskTier(KVTier):
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, oldest first
         self._used = 0
         self.num_corrupt = 0
+        self.num_write_errors = 0  # writes that failed (disk full, permissions, ...)
+        self._unwarned_write_errors = 0
+        self._last_write_warning: float | None = None
+        self._clock = time.monotonic  # a seam for tests
         self._scan()
 
     # ---- files ----------------------------------------------------------------------------
@@ -173,9 +180,24 @@ class DiskTier(KVTier):
                 _unlink(Path(tmp))
                 raise
         except OSError as e:
-            logger.warning("disk tier: cannot write %s (%s)", path, e)
+            self._note_write_error(path, e)
             return False
         return True
+
+    def _note_write_error(self, path: Path, error: OSError) -> None:
+        """Count a failed write; warn at most once per WRITE_WARNING_INTERVAL_S."""
+        with self._lock:
+            self.num_write_errors += 1
+            self._unwarned_write_errors += 1
+            now = self._clock()
+            if (self._last_write_warning is not None
+                    and now - self._last_write_warning < WRITE_WARNING_INTERVAL_S):
+                return
+            self._last_write_warning = now
+            count, self._unwarned_write_errors = self._unwarned_write_errors, 0
+        logger.warning("disk tier: cannot write %s (%s); %d block write(s) failed since the "
+                       "last warning (%d in all); blocks that are not written are recomputed "
+                       "when needed", path, error, count, self.num_write_errors)
 
     def _evict_over_capacity(self, incoming: int) -> None:
         evicted = []

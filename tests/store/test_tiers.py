@@ -234,3 +234,33 @@ def test_tiered_lookup_and_load_stop_at_the_first_miss(tmp_path):
         assert [payload_buffer(p) for p in loaded] == [_payload(0), _payload(1)]
     finally:
         store.close()
+
+
+def test_disk_tier_full_disk_warns_once_per_interval(tmp_path, monkeypatch, caplog):
+    """ENOSPC on every write: each failure is counted, but one warning per interval is logged
+    (with the count since the last one); the blocks are simply not stored."""
+    import errno
+    import logging
+
+    from pagedkv.store import disk as disk_module
+
+    tier = DiskTier(tmp_path, capacity_bytes=100_000)
+    now = [1000.0]
+    tier._clock = lambda: now[0]
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_module.tempfile, "mkstemp", full)
+    with caplog.at_level(logging.WARNING, logger="pagedkv.store.disk"):
+        for i in range(50):
+            assert tier.put_many([(_key(i), _payload(i))]) == []
+        assert len(caplog.records) == 1 and "No space left" in caplog.records[0].getMessage()
+        now[0] += disk_module.WRITE_WARNING_INTERVAL_S + 1
+        for i in range(50, 60):
+            tier.put_many([(_key(i), _payload(i))])
+    assert tier.num_write_errors == 60 and tier.num_blocks == 0
+    assert len(caplog.records) == 2
+    # The second warning counts the 49 silent failures and its own.
+    assert "50 block write(s) failed since the last warning (51 in all)" in \
+        caplog.records[1].getMessage()
