@@ -179,14 +179,16 @@ class LLMEngine:
         return self.runner is None
 
     def shutdown(self) -> None:
-        """Abort every request, stop the KV store's saver and the KV-event publisher, and free
-        the model runner's device memory (KV cache, CUDA graphs, weights). Idempotent; the
-        engine cannot step afterwards."""
+        """Abort every request, stop the KV store's saver, the KV-event publisher and the
+        grammar compile pool, and free the model runner's device memory (KV cache, CUDA
+        graphs, weights). Idempotent; the engine cannot step afterwards."""
         if self.runner is None:
             return
         self.abort_request(list(self._groups))
         for close in self._closers:
             close()
+        if self._structured_backend is not None:
+            self._structured_backend.close()
         runner, self.runner = self.runner, None
         runner.shutdown()
 

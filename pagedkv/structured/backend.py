@@ -64,6 +64,10 @@ class XGrammarBackend:
         self.num_compilations = 0  # cache misses, for tests and stats
         self._no_control_chars: Any = None  # bitmask row, built on first JSON use
 
+    def close(self) -> None:
+        """Stop the compile pool's idle threads (see CompilePool.close)."""
+        self.pool.close()
+
     def cached(self, params: StructuredOutputsParams) -> Any | None:
         """The compiled grammar of `params` when cached (marks it recently used), else None."""
         with self._lock:

@@ -77,6 +77,7 @@ class CompilePool:
         self._seq = itertools.count()
         self._live = {False: 0, True: 0}  # live workers: general, small lane
         self._abandoned_running = 0
+        self._closed = False
         self.num_started = 0  # compiles that began (for tests and stats)
         self.num_dropped = 0  # queued compiles removed because nobody waited any more
 
@@ -84,6 +85,8 @@ class CompilePool:
         """A ticket on the task compiling `key` with `fn` (joining one already queued or
         running); `cost`: the constraint's size in characters. The caller must `release` it."""
         with self._cv:
+            if self._closed:
+                raise RuntimeError("the grammar compile pool is closed")
             task = self._tasks.get(key)
             if task is None:
                 task = _Task(key, fn, cost, next(self._seq))
@@ -117,6 +120,19 @@ class CompilePool:
                 self._spawn(task.small_lane, self.threads if not task.small_lane else 1,
                             grace=True)
 
+    def close(self) -> None:
+        """Stop the idle workers; queued compiles are cancelled (running ones finish on their
+        threads). Idempotent; `submit` afterwards raises RuntimeError."""
+        with self._cv:
+            self._closed = True
+            for task in self._heap:
+                if not task.dropped:
+                    task.dropped = True
+                    task.future.cancel()
+            self._heap.clear()
+            self._tasks.clear()
+            self._cv.notify_all()
+
     def _spawn(self, small_lane: bool, limit: int, grace: bool = False) -> None:
         if self._live[small_lane] < limit:
             self._live[small_lane] += 1
@@ -136,6 +152,8 @@ class CompilePool:
         while True:
             with self._cv:
                 while (task := self._next(small_lane)) is None:
+                    if self._closed:
+                        return
                     self._cv.wait()
                 task.started = True
                 task.small_lane = small_lane

@@ -162,3 +162,18 @@ def test_two_choice_latency_is_bounded_while_big_compiles_run(engine, monkeypatc
     assert backend.pool.num_started == 2 + 1
     assert backend.pool.num_dropped == 4
     assert threading.active_count() < 40
+
+
+def test_the_compile_pool_stops_with_its_backend(engine, monkeypatch):
+    before = set(threading.enumerate())
+    backend = slow_backend(engine, monkeypatch)
+    backend.compile(TWO_CHOICES)
+    workers = [t for t in set(threading.enumerate()) - before
+               if t.name.startswith("grammar-compile")]
+    assert workers
+    backend.close()
+    for worker in workers:
+        worker.join(timeout=5)
+    assert not any(worker.is_alive() for worker in workers)
+    with pytest.raises(RuntimeError, match="closed"):
+        backend.compile(StructuredOutputsParams(regex="[a-z]"))
