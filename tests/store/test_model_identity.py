@@ -68,12 +68,15 @@ def test_one_middle_tensor_edit_changes_the_identity(base_and_edit, tmp_path):
     assert ids[0] == model_identity(base, [a], "float32", "L", 4, tmp_path / "other")
 
 
-def test_an_edited_copy_never_loads_the_originals_blocks(base_and_edit, tmp_path):
+@pytest.mark.parametrize("tier", ["disk", "redis"])
+def test_an_edited_copy_never_loads_the_originals_blocks(base_and_edit, tmp_path, tier,
+                                                          request):
     base, edit = base_and_edit
+    url = request.getfixturevalue("redis_server").url if tier == "redis" else None
     prompt = with_suffix(make_prefixes(seed=21, num=1)[0], seed=4)
     kw = dict(num_gpu_blocks_override=40)
     max_tokens = 8
-    writer = store_llm(base, "disk", tmp_path, **kw)
+    writer = store_llm(base, tier, tmp_path, url, **kw)
     base_tokens, cached = run_one(writer, prompt, max_tokens=max_tokens)
     assert cached == 0 and writer.llm_engine.kv_store.snapshot_stats()[0].blocks_written > 0
     writer.shutdown()
@@ -83,14 +86,14 @@ def test_an_edited_copy_never_loads_the_originals_blocks(base_and_edit, tmp_path
     own.shutdown()
     assert own_tokens != base_tokens  # the edit matters
 
-    reader = store_llm(edit, "disk", tmp_path, **kw)  # same directory as the writer
+    reader = store_llm(edit, tier, tmp_path, url, **kw)  # the writer's directory / server
     tokens, cached = run_one(reader, prompt, max_tokens=max_tokens)
     assert cached == 0
     assert reader.llm_engine.kv_store.snapshot_stats()[0].hits == 0
     assert tokens == own_tokens
     reader.shutdown()
 
-    again = store_llm(base, "disk", tmp_path, **kw)  # the original still finds its own blocks
+    again = store_llm(base, tier, tmp_path, url, **kw)  # the original finds its own blocks
     tokens, cached = run_one(again, prompt, max_tokens=max_tokens)
     assert cached == (len(prompt) - 1) // 4 * 4 and tokens == base_tokens
     again.shutdown()
