@@ -28,6 +28,7 @@ from pagedkv.engine.async_engine import AsyncEngine, EngineDeadError
 from pagedkv.server.auth import bearer_key_matches, invalid_api_key
 from pagedkv.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
 from pagedkv.server.errors import APIError, error_response, install_error_handlers
+from pagedkv.server.fingerprint import system_fingerprint
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (
     ChatCompletionRequest,
@@ -62,11 +63,14 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                tool_call_parser: str | None = None,
                on_engine_dead: Callable[[str], None] | None = None,
-               stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> FastAPI:
+               stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+               strict_request_fields: bool = False) -> FastAPI:
     """An app serving `engine` (an `LLMEngine`) as `served_model_name`. `tool_call_parser`
     (a name in `pagedkv.server.tool_parsers.TOOL_PARSERS`) enables `tool_choice: "auto"`.
     /health answers 503 while the engine loop has spent more than `stall_timeout_s` in one
     round (one step): a wedged engine, though its thread lives (a router then stops sending).
+    `strict_request_fields`: a request field no API of ours defines is a 400 (default: ignored
+    with a logged warning, as vLLM does).
 
     The engine's loop thread starts with the app's lifespan (uvicorn, or `with TestClient(app)`)
     and is joined when it ends; requests in flight are aborted then. `on_engine_dead(reason)`
@@ -83,7 +87,8 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
     async_engine = AsyncEngine(engine, max_pending=max_pending, on_fatal=on_engine_dead)
     metrics = ServerMetrics(served_model_name, max_model_len=engine.max_model_len)
     serving = OpenAIServing(async_engine, model_name=served_model_name, metrics=metrics,
-                            tool_parser=tool_parser)
+                            tool_parser=tool_parser, strict_request_fields=strict_request_fields,
+                            system_fingerprint=system_fingerprint(engine))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -77,8 +77,12 @@ class OpenAIServing:
     """The shared machinery of the /v1 handlers, bound to one engine and one model name."""
 
     def __init__(self, engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics,
-                 tool_parser: ToolParser | None = None) -> None:
+                 tool_parser: ToolParser | None = None, strict_request_fields: bool = False,
+                 system_fingerprint: str | None = None) -> None:
         self.engine = engine
+        # 400 (instead of a logged warning) for request fields no API of ours defines
+        self.strict_request_fields = strict_request_fields
+        self.system_fingerprint = system_fingerprint
         self.tool_parser = tool_parser  # for tool_choice "auto" (`--tool-call-parser`)
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
@@ -213,8 +217,7 @@ class OpenAIServing:
                 streams.append(stream)
         except EngineOverloadedError as exc:
             close_all(streams)
-            raise APIError(str(exc), status_code=503, type="server_overloaded",
-                           code="server_overloaded") from exc
+            raise APIError(str(exc), status_code=503, type="server_overloaded") from exc
         except EngineDeadError as exc:
             close_all(streams)
             raise APIError(str(exc), status_code=503, type="server_unavailable") from exc
