@@ -64,7 +64,7 @@ def test_return_token_ids_completion(server):
     assert choice["prompt_token_ids"] == tokens(server, prompt)
     assert len(choice["token_ids"]) == 6
     text = post(server, "/detokenize", {"tokens": choice["token_ids"]}).json()["prompt"]
-    assert text == choice["text"]
+    assert text.rstrip("\ufffd") == choice["text"]  # an unfinished last character is left out
     plain = post(server, "/v1/completions", {"prompt": prompt, **GREEDY}).json()["choices"][0]
     assert plain["token_ids"] is None and plain["prompt_token_ids"] is None
     # streaming: prompt ids in the first chunk, each chunk's new tokens, same tokens in all
@@ -189,3 +189,18 @@ def _sse(server, path: str, body: dict) -> list[dict]:
         lines = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     return [json.loads(line) for line in lines[:-1]]
+
+
+def test_no_replacement_character_when_max_tokens_cuts_a_character(server):
+    """The first byte of a 4-byte emoji, forced: vLLM's text is empty, never U+FFFD."""
+    emoji = tokens(server, "😀", add_special_tokens=False)
+    body = {"prompt": "Hi", "max_tokens": 1, "allowed_token_ids": [emoji[0]],
+            "return_token_ids": True}
+    resp = post(server, "/v1/completions", body)
+    assert resp.json()["choices"][0]["token_ids"] == [emoji[0]]
+    assert resp.json()["choices"][0]["text"] == ""
+    chunks = _sse(server, "/v1/completions", {**body, "stream": True})
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == ""
+    chat = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2,
+                                                 "allowed_token_ids": [emoji[0]]})
+    assert chat.json()["choices"][0]["message"]["content"] == ""
