@@ -50,6 +50,7 @@ from pagedkv.server.serving_completion import create_completion
 from pagedkv.server.serving_pins import pin
 from pagedkv.server.serving_tokens import detokenize, tokenize
 from pagedkv.server.tool_parsers import get_tool_parser
+from pagedkv.server.vllm_metrics import cache_config_info
 
 DEFAULT_MAX_PENDING = 4096
 DEFAULT_STALL_TIMEOUT_S = 120.0  # a loop round (one step) longer than this: /health is 503
@@ -85,7 +86,9 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         raise ValueError(f"stall_timeout_s must be positive, got {stall_timeout_s!r}")
     tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
     async_engine = AsyncEngine(engine, max_pending=max_pending, on_fatal=on_engine_dead)
-    metrics = ServerMetrics(served_model_name, max_model_len=engine.max_model_len)
+    metrics = ServerMetrics(served_model_name, max_model_len=engine.max_model_len,
+                            block_size=engine.args.block_size,
+                            cache_info=cache_config_info(engine))
     serving = OpenAIServing(async_engine, model_name=served_model_name, metrics=metrics,
                             tool_parser=tool_parser, strict_request_fields=strict_request_fields,
                             system_fingerprint=system_fingerprint(engine))
