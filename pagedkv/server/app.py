@@ -1,7 +1,7 @@
 """The OpenAI-compatible FastAPI app: `create_app(engine, served_model_name=...)`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
-GET /health, GET|POST /ping, GET /metrics (Prometheus text), GET /version, vLLM's
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models,
+GET /v1/models/{id}, GET /health, GET|POST /ping, GET /metrics (Prometheus text), GET /version, vLLM's
 POST /tokenize and POST /detokenize, pagedkv's POST /v1/pin and /v1/unpin (pinned prefixes),
 and GET /kv_cache_info (block size, hash algorithm and pool
 size, for `pagedkv router`). With `api_key`, every /v1 route needs
@@ -44,10 +44,12 @@ from pagedkv.server.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from pagedkv.server.responses_protocol import ResponsesRequest
 from pagedkv.server.serving import OpenAIServing
 from pagedkv.server.serving_chat import create_chat_completion
 from pagedkv.server.serving_completion import create_completion
 from pagedkv.server.serving_pins import pin
+from pagedkv.server.serving_responses import create_response
 from pagedkv.server.serving_tokens import detokenize, tokenize
 from pagedkv.server.tool_parsers import get_tool_parser
 from pagedkv.server.vllm_metrics import cache_config_info
@@ -187,6 +189,11 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
     @app.post("/v1/chat/completions", responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(serving, body, raw)
+
+    @app.post("/v1/responses", responses=_ERRORS)
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        """OpenAI's Responses API, text in and out (serving_responses.py)."""
+        return await create_response(serving, body, raw)
 
     @app.post("/v1/pin", response_model=PinResponse, responses=_ERRORS)
     async def pin_route(body: PinRequest) -> PinResponse:

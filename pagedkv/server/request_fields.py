@@ -35,7 +35,34 @@ logger = logging.getLogger("pagedkv.server")
 XargValue = str | int | float | list[str | int | float]
 
 
-class VllmRequestFields(BaseModel):
+class IgnoresUnknownFields(BaseModel):
+    """A request model that drops top-level fields it does not declare (vLLM's rule) and
+    remembers their names for `check_request_fields`."""
+
+    _ignored_fields: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _drop_unknown_fields(cls, data: Any, handler: Any) -> Any:
+        """Validate without the fields the model does not declare; remember their names."""
+        unknown: list[str] = []
+        if isinstance(data, dict):
+            known = set(cls.model_fields)
+            known.update(f.alias for f in cls.model_fields.values() if f.alias)
+            unknown = sorted(k for k in data if k not in known)
+            if unknown:
+                data = {k: v for k, v in data.items() if k in known}
+        result = handler(data)
+        if unknown and isinstance(result, IgnoresUnknownFields):
+            result._ignored_fields = unknown
+        return result
+
+    def ignored_fields(self) -> list[str]:
+        """The request's top-level fields that no API of ours defines (dropped)."""
+        return list(self._ignored_fields)
+
+
+class VllmRequestFields(IgnoresUnknownFields):
     """vLLM's extra request fields (see the module docstring for what each does here)."""
 
     request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
@@ -58,39 +85,12 @@ class VllmRequestFields(BaseModel):
     stream_reasoning: bool = True
     session_id: str | None = None
 
-    _ignored_fields: list[str] = PrivateAttr(default_factory=list)
 
-    @model_validator(mode="wrap")
-    @classmethod
-    def _drop_unknown_fields(cls, data: Any, handler: Any) -> Any:
-        """Validate without the fields the model does not declare; remember their names."""
-        unknown: list[str] = []
-        if isinstance(data, dict):
-            known = set(cls.model_fields)
-            known.update(f.alias for f in cls.model_fields.values() if f.alias)
-            unknown = sorted(k for k in data if k not in known)
-            if unknown:
-                data = {k: v for k, v in data.items() if k in known}
-        result = handler(data)
-        if unknown and isinstance(result, VllmRequestFields):
-            result._ignored_fields = unknown
-        return result
-
-    def ignored_fields(self) -> list[str]:
-        """The request's top-level fields that no API of ours defines (dropped)."""
-        return list(self._ignored_fields)
-
-
-def check_request_fields(req: VllmRequestFields, *, strict: bool) -> None:
+def check_request_fields(req: IgnoresUnknownFields, *, strict: bool) -> None:
     """400 for what cannot be done (beam search, hidden states, stop strings without
     detokenizing) and, when `strict`, for unknown fields; otherwise one warning naming them."""
-    if req.use_beam_search:
-        raise APIError("use_beam_search is not supported by this server", param="use_beam_search")
-    if req.return_hidden_states:
-        raise APIError("return_hidden_states is not supported by this server",
-                       param="return_hidden_states")
-    if not req.detokenize and getattr(req, "stop", None):
-        raise APIError("stop strings need detokenize set to true", param="detokenize")
+    if isinstance(req, VllmRequestFields):
+        _check_vllm_fields(req)
     unknown = req.ignored_fields()
     if not unknown:
         return
@@ -99,6 +99,16 @@ def check_request_fields(req: VllmRequestFields, *, strict: bool) -> None:
                        "--strict-request-fields)", param=unknown[0])
     logger.warning("The request's fields %s are not defined by this API and were ignored",
                    unknown)
+
+
+def _check_vllm_fields(req: VllmRequestFields) -> None:
+    if req.use_beam_search:
+        raise APIError("use_beam_search is not supported by this server", param="use_beam_search")
+    if req.return_hidden_states:
+        raise APIError("return_hidden_states is not supported by this server",
+                       param="return_hidden_states")
+    if not req.detokenize and getattr(req, "stop", None):
+        raise APIError("stop strings need detokenize set to true", param="detokenize")
 
 
 def response_id(prefix: str, req: VllmRequestFields, header_request_id: str | None,

@@ -204,3 +204,19 @@ def test_no_replacement_character_when_max_tokens_cuts_a_character(server):
     chat = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2,
                                                  "allowed_token_ids": [emoji[0]]})
     assert chat.json()["choices"][0]["message"]["content"] == ""
+
+
+def test_echo_with_logprobs_fills_choices_prompt_logprobs(server):
+    """vLLM fills choices[].prompt_logprobs whenever it computed them (echo + logprobs)."""
+    body = {"prompt": "Once upon a time", "max_tokens": 1, "temperature": 0.0}
+    echoed = post(server, "/v1/completions", {**body, "echo": True, "logprobs": 1}).json()
+    asked = post(server, "/v1/completions", {**body, "prompt_logprobs": 1}).json()
+    got = echoed["choices"][0]["prompt_logprobs"]
+    assert got is not None and got[0] is None
+    assert len(got) == len(tokens(server, body["prompt"]))
+    want = asked["choices"][0]["prompt_logprobs"]
+    assert [None if e is None else {k: round(v["logprob"], 4) for k, v in e.items()}
+            for e in got] == \
+        [None if e is None else {k: round(v["logprob"], 4) for k, v in e.items()} for e in want]
+    plain = post(server, "/v1/completions", {**body, "logprobs": 1}).json()
+    assert plain["choices"][0]["prompt_logprobs"] is None
