@@ -50,6 +50,8 @@ def parse_kv_events_config(value: str | dict | KVEventsConfig | None) -> KVEvent
             raise ValueError(f"kv_events_config is not valid JSON: {value!r} ({e})") from None
     if not isinstance(value, dict):
         raise ValueError(f"kv_events_config must be a JSON object or dict, got {value!r}")
+    if "publisher" in value and value["publisher"] is None:  # vLLM's default: zmq when enabled
+        value = {k: v for k, v in value.items() if k != "publisher"}
     known = {f.name for f in fields(KVEventsConfig)}
     unknown = sorted(set(value) - known)
     if unknown:

@@ -126,3 +126,10 @@ def test_a_busy_bind_address_is_a_value_error():
             ZmqEventPublisher(first.endpoint.replace("127.0.0.1", "*"))
     finally:
         first.close()
+
+
+def test_publisher_null_means_vllms_default():
+    config = parse_kv_events_config({"enable_kv_cache_events": True, "publisher": None})
+    assert config.publisher == "zmq" and config.enabled
+    assert config.replay_endpoint is None and config.buffer_steps == 10_000
+    assert (config.hwm, config.max_queue_size) == (100_000, 100_000)  # vLLM 0.32's defaults
