@@ -1,7 +1,7 @@
 """OpenAI-style error bodies and the exception handlers that make every bad input a 4xx.
 
-Every error answer is `{"error": {"message", "type", "param", "code"}}`, with `code` the HTTP
-status as an integer (vLLM's `ErrorInfo.code`; the kind of error is in `type`):
+Every error answer is `{"error": {"message", "type", "param", "code"}}`; the server's `code` is
+the HTTP status as an integer (vLLM's `ErrorInfo.code`; the kind of error is in `type`):
 
 | cause                                                  | status | type                   |
 | ------------------------------------------------------ | ------ | ---------------------- |
@@ -29,8 +29,8 @@ logger = logging.getLogger("pagedkv.server")
 
 
 class APIError(Exception):
-    """An error answered with `status_code` and an OpenAI-style body. `code` is accepted for
-    callers that name one, but the body's `code` is always `status_code` (as vLLM's)."""
+    """An error answered with `status_code` and an OpenAI-style body. The body's `code` is
+    `status_code` (an integer, as vLLM's) unless `code` names one (the router's own errors)."""
 
     def __init__(self, message: str, *, status_code: int = 400,
                  type: str = "invalid_request_error", param: str | None = None,
@@ -40,7 +40,7 @@ class APIError(Exception):
         self.status_code = status_code
         self.type = type
         self.param = param
-        self.code = status_code
+        self.code = status_code if code is None else code
 
 
 def error_body(message: str, type: str, param: str | None = None,
@@ -54,9 +54,10 @@ def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 
-def model_not_found(name: str) -> APIError:
+def model_not_found(name: str, code: str | None = "model_not_found") -> APIError:
+    """404 for an unknown model; `code=None` gives vLLM's integer code (the server's)."""
     return APIError(f"The model `{name}` does not exist.", status_code=404,
-                    param="model")
+                    param="model", code=code)
 
 
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:

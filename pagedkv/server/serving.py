@@ -124,7 +124,7 @@ class OpenAIServing:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
-            raise model_not_found(name)
+            raise model_not_found(name, code=None)  # vLLM's integer code
 
     def check_common(self, req: SamplingFields) -> None:
         self.check_model(req.model)
