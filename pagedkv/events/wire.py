@@ -5,9 +5,11 @@ An instance publishes one batch per engine step over a ZMQ PUB socket as three f
 sees a gap knows it missed batches, and can ask the replay endpoint for them) and `payload` is
 `encode_batch(batch)`. The structs are declared as vLLM 0.32 declares them
 (`vllm/distributed/kv_events.py`): the batch is an *array* `[ts, events, data_parallel_rank]`,
-each event a map tagged `type` with its class name; `BlockStored.lora_id`, `medium` and
-`lora_name` and `BlockRemoved.medium` have no default, so they are always on the wire. So vLLM's
-own decoder reads our batches, and ours reads vLLM's (whose block hashes may be ints).
+each event a map tagged `type` with its class name. vLLM declares `BlockStored.lora_id`,
+`medium` and `lora_name` and `BlockRemoved.medium` without defaults (required on the wire); ours
+have defaults for convenience but the two event structs are encoded with every field
+(`omit_defaults=False`), so vLLM's own decoder reads our batches, and ours reads vLLM's (whose
+block hashes may be ints).
 
 Block hashes are the engine's chained prefix hashes (`pagedkv.kv.hashing`), as raw bytes.
 `medium` says which tier holds the blocks: "GPU" for the device pool (vLLM's name, used on CPU
@@ -32,7 +34,7 @@ class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """Base of the three event kinds; encoded with a `type` field naming the class."""
 
 
-class BlockStored(KVCacheEvent):
+class BlockStored(KVCacheEvent, omit_defaults=False):
     """A chain of full blocks now cached under `block_hashes`, hanging off `parent_block_hash`
     (None for a chain that starts a prompt). `token_ids` are all their tokens, in order.
     The fields after `lora_name` are vLLM's optional metadata: decoded, never set by us."""
@@ -41,9 +43,9 @@ class BlockStored(KVCacheEvent):
     parent_block_hash: ExternalBlockHash | None
     token_ids: list[int]
     block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
+    lora_id: int | None = None
+    medium: str | None = MEDIUM_DEVICE
+    lora_name: str | None = None
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
@@ -53,11 +55,11 @@ class BlockStored(KVCacheEvent):
     session_id: str | None = None
 
 
-class BlockRemoved(KVCacheEvent):
+class BlockRemoved(KVCacheEvent, omit_defaults=False):
     """Blocks no longer held by `medium` (evicted)."""
 
     block_hashes: list[ExternalBlockHash]
-    medium: str | None
+    medium: str | None = MEDIUM_DEVICE
     group_idx: int | None = None
     locality: str | None = None
     ownership: str | None = None

@@ -128,13 +128,22 @@ def test_vllm_batch_without_rank_decodes():
     assert decode_batch(payload) == KVEventBatch(ts=3.0, events=[AllBlocksCleared()])
 
 
-def test_old_map_shaped_or_missing_fields_are_rejected():
+def test_old_map_shaped_payload_is_rejected():
     with pytest.raises(ValueError):  # a map, not vLLM's array
         decode_batch(msgspec.msgpack.encode({"ts": 1.0, "events": []}))
-    event = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
-             "token_ids": [1], "block_size": 1}  # no lora_id / medium / lora_name
-    with pytest.raises(ValueError, match="lora_id"):
-        decode_batch(msgspec.msgpack.encode([1.0, [event]]))
+
+
+def test_every_field_is_encoded_even_at_its_default():
+    """vLLM's decoder requires lora_id / medium / lora_name: ours always sends them."""
+    raw = msgspec.msgpack.decode(encode_batch(KVEventBatch(ts=0.0, events=[
+        BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1], block_size=1),
+        BlockRemoved(block_hashes=[1])])))
+    assert raw[1][0]["medium"] == "GPU" and "lora_id" in raw[1][0] and "lora_name" in raw[1][0]
+    assert raw[1][1]["medium"] == "GPU"
+    decoded = msgspec.msgpack.Decoder(VllmKVEventBatch).decode(encode_batch(KVEventBatch(
+        ts=0.0, events=[BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1],
+                                    block_size=1)])))
+    assert decoded.events[0].medium == "GPU"
 
 
 def test_round_trip():
