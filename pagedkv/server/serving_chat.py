@@ -163,7 +163,7 @@ def _response(serving: OpenAIServing, extras: ResponseExtras, final: RequestOutp
     return ChatCompletionResponse(id=extras.id, model=serving.model_name, choices=choices,
                                   system_fingerprint=extras.fingerprint, usage=usage.info(),
                                   prompt_logprobs=formatter.vllm_prompt_logprobs(
-                                      final.prompt_logprobs),
+                                      final.prompt_logprobs, final.prompt_token_ids),
                                   prompt_token_ids=extras.prompt_ids())
 
 

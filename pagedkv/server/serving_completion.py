@@ -172,7 +172,8 @@ def _response(serving: OpenAIServing, extras: ResponseExtras, final: dict[int, R
             choices.append(CompletionChoice(
                 index=choice, text=text, logprobs=logprobs,
                 finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
-                prompt_logprobs=(formatter.vllm_prompt_logprobs(output.prompt_logprobs)
+                prompt_logprobs=(formatter.vllm_prompt_logprobs(output.prompt_logprobs,
+                                                                   output.prompt_token_ids)
                                  if vllm_prompt_logprobs else None),
                 token_ids=extras.token_ids(comp.token_ids), prompt_token_ids=extras.prompt_ids(index)))
     choices.sort(key=lambda c: c.index)
@@ -213,7 +214,8 @@ async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list,
                     if comp.logprobs is not None:
                         logprobs = echo.logprobs(formatter, index, output, choice)
                 if vllm_prompt_logprobs:
-                    prompt_logprobs = formatter.vllm_prompt_logprobs(output.prompt_logprobs)
+                    prompt_logprobs = formatter.vllm_prompt_logprobs(output.prompt_logprobs,
+                                                                   output.prompt_token_ids)
             logprobs = _join(logprobs, formatter.completion(comp, delta.token_start,
                                                             delta.token_end, choice))
             chunk = CompletionResponse(
