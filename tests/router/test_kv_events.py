@@ -26,8 +26,7 @@ H = [bytes([i]) * 32 for i in range(6)]
 
 def stored(hashes: list[bytes], medium: str = "GPU") -> BlockStored:
     return BlockStored(block_hashes=hashes, parent_block_hash=None,
-                       token_ids=list(range(4 * len(hashes))), block_size=4, lora_id=None,
-                       medium=medium, lora_name=None)
+                       token_ids=list(range(4 * len(hashes))), block_size=4, medium=medium)
 
 
 async def _scenario() -> None:
@@ -65,7 +64,7 @@ async def _scenario() -> None:
         await publish(stored(H[1:4]))
         await until(lambda: router.index.match(backend.name, H).device_blocks == 4)
         assert router.index.match(other.name, H) == PrefixMatch(0, 0)
-        await publish(BlockRemoved(block_hashes=[H[2]], medium="GPU"), stored(H[:6], medium="CPU"))
+        await publish(BlockRemoved(block_hashes=[H[2]]), stored(H[:6], medium="CPU"))
         await until(lambda: router.index.match(backend.name, H) == PrefixMatch(2, 4))
         # A shared Redis tier counts for the other backend too.
         await publish(stored(H[:3], medium="REDIS"))
