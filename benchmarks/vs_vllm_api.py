@@ -316,7 +316,7 @@ def main() -> int:
             print(f"{key}: {report[key]}")
     unexpected = [n for n, r in results.items()
                   if r["status"][0] != r["status"][1] and n not in EXPECTED_STATUS_DIFF]
-    print(f"status differences not by design: {unexpected}")
+    print(f"status differences not by design: {unexpected}", file=sys.stderr)
     agree = (not unexpected and not report["greedy_tokens_differ"]
              and not report["vllm_decodes_ours"]["errors"]
              and not report["we_decode_vllms"]["errors"])
