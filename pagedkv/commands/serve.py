@@ -66,6 +66,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="accepted for vLLM compatibility: --tool-call-parser enables "
                         'tool_choice "auto"')
+    parser.add_argument("--strict-request-fields", action="store_true",
+                        help="answer 400 for request fields no API of ours defines (default: "
+                        "ignore them with a logged warning, as vLLM does)")
     parser.add_argument("--log-level", default="info", help="log verbosity",
                         choices=("critical", "error", "warning", "info", "debug"))
     add_engine_flags(parser)
@@ -111,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
             max_pending=args.max_pending or DEFAULT_MAX_PENDING,
             max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
             tool_call_parser=args.tool_call_parser, on_engine_dead=on_engine_dead,
-            stall_timeout_s=args.engine_stall_timeout or DEFAULT_STALL_TIMEOUT_S)
+            stall_timeout_s=args.engine_stall_timeout or DEFAULT_STALL_TIMEOUT_S,
+            strict_request_fields=args.strict_request_fields)
         config = uvicorn.Config(app, log_level=args.log_level)
         server = DrainingServer(config, app.state.async_engine, args.shutdown_timeout)
         server.run(sockets=[sock])

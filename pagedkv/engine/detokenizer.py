@@ -59,7 +59,10 @@ class IncrementalDetokenizer:
         return self._append(delta)
 
     def flush(self) -> None:
-        """The sequence ended: emit what is held back, even an incomplete character (as U+FFFD)."""
+        """The sequence ended: emit what is held back up to its last complete character. The
+        bytes of a character that `max_tokens` (or a stop token) cut are left out, never
+        written as U+FFFD, as vLLM leaves them out. (vLLM also drops complete characters
+        decoded in the same held-back window; they are real output, so we keep them.)"""
         if self.stopped:
             return
         decode = self.tokenizer.decode
@@ -67,7 +70,9 @@ class IncrementalDetokenizer:
         full = decode(self._ids[self._prefix_offset:], self.skip_special_tokens)
         if len(full) > len(prefix):
             self._prefix_offset = self._read_offset = len(self._ids)
-            self._append(full[len(prefix):])
+            delta = full[len(prefix):].rstrip("\ufffd")
+            if delta:
+                self._append(delta)
 
     def _append(self, delta: str) -> str | None:
         start = max(0, len(self.text) - self.max_stop_len + 1)

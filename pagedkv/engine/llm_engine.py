@@ -25,7 +25,7 @@ from pagedkv.engine.kv_setup import (
     resolve_max_num_batched_tokens,
 )
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
-from pagedkv.engine.stats import EngineStats
+from pagedkv.engine.stats import EngineStats, IterationTokens
 from pagedkv.events.config import parse_kv_events_config
 from pagedkv.events.publisher import make_event_publisher, to_wire_events
 from pagedkv.kv.manager import KVCacheManager
@@ -65,6 +65,7 @@ class _Group:
     error: str | None = None
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
+    num_preemptions: int = 0  # the most any of its samples was preempted
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
@@ -88,7 +89,8 @@ class _Group:
             num_cached_tokens=self.num_cached_tokens, error=self.error,
             metrics={"arrival_time": self.arrival_time,
                      "first_token_time": self.first_token_time or 0.0,
-                     "first_scheduled_time": self.first_scheduled_time or 0.0},
+                     "first_scheduled_time": self.first_scheduled_time or 0.0,
+                     "num_preemptions": float(self.num_preemptions)},
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )
 
@@ -152,6 +154,7 @@ class LLMEngine:
         self._structured_lock = threading.Lock()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.iteration_tokens = IterationTokens()  # tokens per step, for vllm:iteration_tokens_total
         self.kv_store = attach_kv_store(args, setup.sliding_window, self.runner, self.scheduler,
                                         events_config.enabled)
         self.event_publisher = make_event_publisher(events_config)
@@ -410,6 +413,8 @@ class LLMEngine:
                 result = self.runner.execute(scheduler_output)
             except Exception as exc:  # ends only this step's requests
                 return self._fail_step(scheduler_output, exc)
+        if scheduler_output.scheduled:
+            self.iteration_tokens.observe(sum(len(s.token_ids) for s in scheduler_output.scheduled))
         changed = self.scheduler.update(scheduler_output, result)
         if self.event_publisher is not None:
             self._publish_kv_events()
@@ -467,6 +472,7 @@ class LLMEngine:
         group.num_cached_tokens = max(request.num_cached_tokens, 0)
         if group.first_scheduled_time is None:
             group.first_scheduled_time = request.first_scheduled_time
+        group.num_preemptions = max(group.num_preemptions, request.num_preemptions)
         if (request.wants_prompt_logprobs and index == 0 and
                 len(group.prompt_logprobs or ()) != len(request.prompt_logprobs) + 1):
             group.prompt_logprobs = [None, *request.prompt_logprobs]
@@ -505,6 +511,9 @@ class LLMEngine:
             prefix_cache_hits=sched.prefix_cache_hits, num_preemptions=sched.num_preemptions,
             num_swaps=sched.num_swaps, num_pinned_blocks=kv.num_pinned_blocks,
             prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
+            num_waiting_for_kv=len(sched.loading),
+            iteration_token_counts=self.iteration_tokens.snapshot()[0],
+            iteration_tokens_sum=self.iteration_tokens.snapshot()[1],
             kv_store_tiers=() if self.kv_store is None else tuple(
                 t.to_dict() for t in self.kv_store.snapshot_stats()))
 

@@ -4,6 +4,27 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+# vLLM's buckets of `vllm:iteration_tokens_total` (tokens computed in one engine step).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class IterationTokens:
+    """Per-bucket counts of tokens per step (not cumulative per bucket; the exporter sums).
+    Mutated by the engine thread only; `snapshot()` copies."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self.sum = 0
+
+    def observe(self, num_tokens: int) -> None:
+        index = next((i for i, b in enumerate(ITERATION_TOKEN_BUCKETS) if num_tokens <= b),
+                     len(ITERATION_TOKEN_BUCKETS))
+        self.counts[index] += 1
+        self.sum += num_tokens
+
+    def snapshot(self) -> tuple[tuple[int, ...], int]:
+        return tuple(self.counts), self.sum
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -26,6 +47,11 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_pinned_blocks: int = 0  # device blocks held by pinned prefixes
+    num_waiting_for_kv: int = 0  # of num_waiting: admitted, loading their KV from the store
+    # Tokens per engine step (vLLM's iteration_tokens_total): cumulative count per bucket of
+    # ITERATION_TOKEN_BUCKETS (the last entry: above all), their sum and how many steps.
+    iteration_token_counts: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
     kv_store_tiers: tuple[dict, ...] = ()  # `TierStats.to_dict()` of each KV store tier
 
     @property

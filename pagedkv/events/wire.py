@@ -1,10 +1,15 @@
-"""The wire format of KV-cache events: vLLM's `KVEventBatch`, msgpack-encoded with msgspec.
+"""The wire format of KV-cache events: vLLM 0.32's `KVEventBatch`, msgpack-encoded with msgspec.
 
 An instance publishes one batch per engine step over a ZMQ PUB socket as three frames:
 `(topic, seq, payload)`, where `seq` is an 8-byte big-endian sequence number (a subscriber that
-sees a gap knows it missed batches) and `payload` is `encode_batch(batch)`. The structs keep
-vLLM's class and field names (tagged by class name, defaults omitted), so a router written for
-vLLM's events can index a pagedkv instance and ours can index vLLM's.
+sees a gap knows it missed batches, and can ask the replay endpoint for them) and `payload` is
+`encode_batch(batch)`. The structs are declared as vLLM 0.32 declares them
+(`vllm/distributed/kv_events.py`): the batch is an *array* `[ts, events, data_parallel_rank]`,
+each event a map tagged `type` with its class name. vLLM declares `BlockStored.lora_id`,
+`medium` and `lora_name` and `BlockRemoved.medium` without defaults (required on the wire); ours
+have defaults for convenience but the two event structs are encoded with every field
+(`omit_defaults=False`), so vLLM's own decoder reads our batches, and ours reads vLLM's (whose
+block hashes may be ints).
 
 Block hashes are the engine's chained prefix hashes (`pagedkv.kv.hashing`), as raw bytes.
 `medium` says which tier holds the blocks: "GPU" for the device pool (vLLM's name, used on CPU
@@ -12,6 +17,8 @@ too), "CPU", "DISK" or "REDIS" for the offload tiers.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 
@@ -23,13 +30,14 @@ MEDIUM_DISK = "DISK"
 MEDIUM_REDIS = "REDIS"
 
 
-class KVCacheEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """Base of the three event kinds; encoded with a `type` field naming the class."""
 
 
-class BlockStored(KVCacheEvent):
+class BlockStored(KVCacheEvent, omit_defaults=False):
     """A chain of full blocks now cached under `block_hashes`, hanging off `parent_block_hash`
-    (None for a chain that starts a prompt). `token_ids` are all their tokens, in order."""
+    (None for a chain that starts a prompt). `token_ids` are all their tokens, in order.
+    The fields after `lora_name` are vLLM's optional metadata: decoded, never set by us."""
 
     block_hashes: list[ExternalBlockHash]
     parent_block_hash: ExternalBlockHash | None
@@ -38,25 +46,44 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None = None
     medium: str | None = MEDIUM_DEVICE
     lora_name: str | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
 
 
-class BlockRemoved(KVCacheEvent):
+class BlockRemoved(KVCacheEvent, omit_defaults=False):
     """Blocks no longer held by `medium` (evicted)."""
 
     block_hashes: list[ExternalBlockHash]
     medium: str | None = MEDIUM_DEVICE
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
     """Every block of the instance's prefix cache was dropped."""
 
 
-class KVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
-    """The events of one engine step, in order. `ts` is the publisher's wall clock (seconds)."""
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The events of one engine step, in order. `ts` is the publisher's wall clock (seconds);
+    `data_parallel_rank` is set by the publisher (0 for a single engine), as vLLM's does."""
 
     ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
     data_parallel_rank: int | None = None
+
+
+def block_stored(block_hashes: list[ExternalBlockHash], parent_block_hash: ExternalBlockHash | None,
+                 token_ids: list[int], block_size: int, medium: str = MEDIUM_DEVICE) -> BlockStored:
+    """A `BlockStored` without LoRA (the engine serves none), on `medium`."""
+    return BlockStored(block_hashes=block_hashes, parent_block_hash=parent_block_hash,
+                       token_ids=token_ids, block_size=block_size, lora_id=None, medium=medium,
+                       lora_name=None)
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -73,13 +100,16 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     return _DECODER.decode(payload)
 
 
+END_SEQ = -1  # the sequence number of the replay endpoint's end-of-replay message
+
+
 def encode_seq(seq: int) -> bytes:
-    """The 8-byte big-endian sequence-number frame."""
-    return seq.to_bytes(8, "big")
+    """The 8-byte big-endian (signed) sequence-number frame."""
+    return seq.to_bytes(8, "big", signed=True)
 
 
 def decode_seq(frame: bytes) -> int:
-    """The sequence number of a `encode_seq` frame; -1 marks the end of a replay."""
+    """The sequence number of a `encode_seq` frame; -1 (`END_SEQ`) marks the end of a replay."""
     if len(frame) != 8:
         raise ValueError(f"a sequence frame has 8 bytes, got {len(frame)}")
     return int.from_bytes(frame, "big", signed=True)

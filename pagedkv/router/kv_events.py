@@ -17,6 +17,7 @@ import zmq
 import zmq.asyncio
 
 from pagedkv.events.wire import (
+    MEDIUM_DEVICE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -37,9 +38,10 @@ def apply_batch(index: PrefixIndex, backend: str, batch: KVEventBatch,
     backend serves: events carry no model identity); returns how many."""
     for event in batch.events:
         if isinstance(event, BlockStored):
-            index.store(backend, event.block_hashes, event.medium, ttl_s=None, model=model)
-        elif isinstance(event, BlockRemoved):
-            index.remove(backend, event.block_hashes, event.medium, model=model)
+            index.store(backend, event.block_hashes, event.medium or MEDIUM_DEVICE, ttl_s=None,
+                        model=model)
+        elif isinstance(event, BlockRemoved):  # vLLM may leave medium None: its device pool
+            index.remove(backend, event.block_hashes, event.medium or MEDIUM_DEVICE, model=model)
         elif isinstance(event, AllBlocksCleared):
             index.clear(backend)
     return len(batch.events)

@@ -1,7 +1,7 @@
 """The OpenAI-compatible FastAPI app: `create_app(engine, served_model_name=...)`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
-GET /health, GET|POST /ping, GET /metrics (Prometheus text), GET /version, vLLM's
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models,
+GET /v1/models/{id}, GET /health, GET|POST /ping, GET /metrics (Prometheus text), GET /version, vLLM's
 POST /tokenize and POST /detokenize, pagedkv's POST /v1/pin and /v1/unpin (pinned prefixes),
 and GET /kv_cache_info (block size, hash algorithm and pool
 size, for `pagedkv router`). With `api_key`, every route that does work for a client (every
@@ -29,6 +29,7 @@ from pagedkv.engine.async_engine import AsyncEngine, EngineDeadError
 from pagedkv.server.auth import bearer_key_matches, invalid_api_key
 from pagedkv.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
 from pagedkv.server.errors import APIError, error_response, install_error_handlers
+from pagedkv.server.fingerprint import system_fingerprint
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (
     ChatCompletionRequest,
@@ -44,12 +45,15 @@ from pagedkv.server.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from pagedkv.server.responses_protocol import ResponsesRequest
 from pagedkv.server.serving import OpenAIServing
 from pagedkv.server.serving_chat import create_chat_completion
 from pagedkv.server.serving_completion import create_completion
 from pagedkv.server.serving_pins import pin
+from pagedkv.server.serving_responses import create_response
 from pagedkv.server.serving_tokens import detokenize, tokenize
 from pagedkv.server.tool_parsers import get_tool_parser
+from pagedkv.server.vllm_metrics import cache_config_info
 
 DEFAULT_MAX_PENDING = 4096
 DEFAULT_STALL_TIMEOUT_S = 120.0  # a loop round (one step) longer than this: /health is 503
@@ -63,11 +67,14 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                tool_call_parser: str | None = None,
                on_engine_dead: Callable[[str], None] | None = None,
-               stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> FastAPI:
+               stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+               strict_request_fields: bool = False) -> FastAPI:
     """An app serving `engine` (an `LLMEngine`) as `served_model_name`. `tool_call_parser`
     (a name in `pagedkv.server.tool_parsers.TOOL_PARSERS`) enables `tool_choice: "auto"`.
     /health answers 503 while the engine loop has spent more than `stall_timeout_s` in one
     round (one step): a wedged engine, though its thread lives (a router then stops sending).
+    `strict_request_fields`: a request field no API of ours defines is a 400 (default: ignored
+    with a logged warning, as vLLM does).
 
     The engine's loop thread starts with the app's lifespan (uvicorn, or `with TestClient(app)`)
     and is joined when it ends; requests in flight are aborted then. `on_engine_dead(reason)`
@@ -82,9 +89,12 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         raise ValueError(f"stall_timeout_s must be positive, got {stall_timeout_s!r}")
     tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
     async_engine = AsyncEngine(engine, max_pending=max_pending, on_fatal=on_engine_dead)
-    metrics = ServerMetrics(served_model_name, max_model_len=engine.max_model_len)
+    metrics = ServerMetrics(served_model_name, max_model_len=engine.max_model_len,
+                            block_size=engine.args.block_size,
+                            cache_info=cache_config_info(engine))
     serving = OpenAIServing(async_engine, model_name=served_model_name, metrics=metrics,
-                            tool_parser=tool_parser)
+                            tool_parser=tool_parser, strict_request_fields=strict_request_fields,
+                            system_fingerprint=system_fingerprint(engine))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -180,6 +190,11 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
     @app.post("/v1/chat/completions", responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(serving, body, raw)
+
+    @app.post("/v1/responses", responses=_ERRORS)
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        """OpenAI's Responses API, text in and out (serving_responses.py)."""
+        return await create_response(serving, body, raw)
 
     @app.post("/v1/pin", response_model=PinResponse, responses=_ERRORS)
     async def pin_route(body: PinRequest) -> PinResponse:

@@ -9,6 +9,7 @@ taken back. The held-back text goes out with the next delta or the final one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from pagedkv.server.protocol import (
     PromptLogprobs,
     TopLogprob,
 )
+from pagedkv.server.token_text import MAX_CONTEXT, corrected_token_text
 
 
 @dataclass
@@ -95,9 +97,19 @@ class LogprobsFormatter:
             self._cache[token_id] = text
         return text
 
-    def token_text(self, token_id: int) -> str:
-        """The token as text, or 'token_id:<id>' when `as_token_ids` (exact, for tests)."""
-        return f"token_id:{token_id}" if self.as_token_ids else self.decoded(token_id)
+    def token_text(self, token_id: int, context: Sequence[int] = ()) -> str:
+        """The token as text, or 'token_id:<id>' when `as_token_ids` (exact, for tests). A
+        token that is part of a multi-byte character is written as vLLM writes it, after
+        `context` (the preceding tokens): "" while unfinished, the character once complete."""
+        if self.as_token_ids:
+            return f"token_id:{token_id}"
+        text = self.decoded(token_id)
+        if text.endswith("\ufffd"):
+            return corrected_token_text(self._decode_ids, token_id, context)
+        return text
+
+    def _decode_ids(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _entry(self, token_id: int, table: dict[int, float]):
         """(token id, its logprob, top-N [(id, logprob)]) of one token's logprobs table."""
@@ -107,10 +119,11 @@ class LogprobsFormatter:
             (t, finite(lp)) for t, lp in top]
 
     def _entries(self, comp: CompletionOutput, start: int, end: int):
-        """`_entry` of tokens start..end-1."""
+        """`_entry` of tokens start..end-1, each with its context (the tokens before it)."""
         logprobs = comp.logprobs or []
         for pos in range(start, min(end, len(logprobs), len(comp.token_ids))):
-            yield self._entry(comp.token_ids[pos], logprobs[pos])
+            context = comp.token_ids[max(0, pos - MAX_CONTEXT):pos]
+            yield (*self._entry(comp.token_ids[pos], logprobs[pos]), context)
 
     def completion(self, comp: CompletionOutput, start: int, end: int,
                    choice: int = 0) -> CompletionLogprobs | None:
@@ -119,8 +132,8 @@ class LogprobsFormatter:
         if comp.logprobs is None:
             return None
         out = CompletionLogprobs()
-        for token_id, logprob, top in self._entries(comp, start, end):
-            self._append(out, choice, token_id, logprob, top)
+        for token_id, logprob, top, context in self._entries(comp, start, end):
+            self._append(out, choice, token_id, logprob, top, context)
         return out
 
     def echoed_prompt(self, prompt_ids: list[int],
@@ -130,23 +143,25 @@ class LogprobsFormatter:
         tokens): the first token's logprob and alternatives are null, as in OpenAI's API."""
         out = CompletionLogprobs()
         tables = prompt_logprobs or [None] * len(prompt_ids)
-        for token_id, table in zip(prompt_ids, tables, strict=True):
+        for pos, (token_id, table) in enumerate(zip(prompt_ids, tables, strict=True)):
+            context = _prompt_context(prompt_ids, pos)
             if table is None:
-                self._append(out, choice, token_id, None, None)
+                self._append(out, choice, token_id, None, None, context)
             else:
-                self._append(out, choice, *self._entry(token_id, table))
+                self._append(out, choice, *self._entry(token_id, table), context)
         return out
 
     def _append(self, out: CompletionLogprobs, choice: int, token_id: int,
-                logprob: float | None, top: list[tuple[int, float]] | None) -> None:
+                logprob: float | None, top: list[tuple[int, float]] | None,
+                context: Sequence[int] = ()) -> None:
         """Add one token to `out`, at choice `choice`'s running text offset (advanced)."""
-        token = self.token_text(token_id)
+        token = self.token_text(token_id, context)
         out.tokens.append(token)
         out.token_logprobs.append(logprob)
         if top is None:
             out.top_logprobs.append(None)
         else:
-            table = {self.token_text(t): lp for t, lp in top}
+            table = {self.token_text(t, context): lp for t, lp in top}
             if logprob is not None:
                 table.setdefault(token, logprob)
             out.top_logprobs.append(table)
@@ -154,26 +169,34 @@ class LogprobsFormatter:
         out.text_offset.append(text_offset)
         self._offsets[choice] = text_offset + len(self.decoded(token_id))
 
-    def vllm_prompt_logprobs(self, prompt_logprobs: list[dict[int, float] | None] | None
-                             ) -> PromptLogprobs | None:
-        """vLLM's `prompt_logprobs` response field: per prompt token, token id -> logprob."""
+    def vllm_prompt_logprobs(self, prompt_logprobs: list[dict[int, float] | None] | None,
+                             prompt_ids: Sequence[int] = ()) -> PromptLogprobs | None:
+        """vLLM's `prompt_logprobs` response field: per prompt token, token id -> logprob
+        (`prompt_ids` give the context of split characters' tokens)."""
         if prompt_logprobs is None:
             return None
         return [None if table is None else {
-            str(t): PromptLogprob(logprob=finite(lp), decoded_token=self.token_text(t))
-            for t, lp in table.items()} for table in prompt_logprobs]
+            str(t): PromptLogprob(logprob=finite(lp), decoded_token=self.token_text(
+                t, _prompt_context(prompt_ids, pos)))
+            for t, lp in table.items()} for pos, table in enumerate(prompt_logprobs)]
 
     def chat(self, comp: CompletionOutput, start: int, end: int) -> ChatLogprobs | None:
         """Chat-format logprobs of tokens start..end-1."""
         if comp.logprobs is None:
             return None
         content = []
-        for token_id, logprob, top in self._entries(comp, start, end):
-            token = self.token_text(token_id)
+        for token_id, logprob, top, context in self._entries(comp, start, end):
+            token = self.token_text(token_id, context)
+            tops = [(self.token_text(t, context), lp) for t, lp in top]
             content.append(ChatTokenLogprob(
                 token=token, logprob=finite(logprob),
                 bytes=list(token.encode("utf-8")),
-                top_logprobs=[TopLogprob(token=self.token_text(t), logprob=lp,
-                                         bytes=list(self.token_text(t).encode("utf-8")))
-                              for t, lp in top]))
+                top_logprobs=[TopLogprob(token=text, logprob=lp, bytes=list(text.encode("utf-8")))
+                              for text, lp in tops]))
         return ChatLogprobs(content=content)
+
+
+def _prompt_context(prompt_ids: Sequence[int], pos: int) -> list[int]:
+    """The context vLLM gives prompt token `pos`: the prompt tokens before it that have
+    logprobs (all but the first), at most MAX_CONTEXT."""
+    return list(prompt_ids[max(1, pos - MAX_CONTEXT):pos])

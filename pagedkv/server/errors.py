@@ -1,12 +1,13 @@
 """OpenAI-style error bodies and the exception handlers that make every bad input a 4xx.
 
-Every error answer is `{"error": {"message", "type", "param", "code"}}`:
+Every error answer is `{"error": {"message", "type", "param", "code"}}`; the server's `code` is
+the HTTP status as an integer (vLLM's `ErrorInfo.code`; the kind of error is in `type`):
 
 | cause                                                  | status | type                   |
 | ------------------------------------------------------ | ------ | ---------------------- |
 | malformed JSON, wrong type, value out of range         | 400    | invalid_request_error  |
 | prompt longer than max_model_len, n that never fits    | 400    | invalid_request_error  |
-| unknown model (OpenAI's choice)                        | 404    | model_not_found (code) |
+| unknown model (OpenAI's choice)                        | 404    | invalid_request_error  |
 | missing or wrong API key on /v1 routes                 | 401    | authentication_error   |
 | too many requests in flight                            | 503    | server_overloaded      |
 | unknown route / wrong method                           | 404/405| invalid_request_error  |
@@ -28,7 +29,8 @@ logger = logging.getLogger("pagedkv.server")
 
 
 class APIError(Exception):
-    """An error answered with `status_code` and an OpenAI-style body."""
+    """An error answered with `status_code` and an OpenAI-style body. The body's `code` is
+    `status_code` (an integer, as vLLM's) unless `code` names one (the router's own errors)."""
 
     def __init__(self, message: str, *, status_code: int = 400,
                  type: str = "invalid_request_error", param: str | None = None,
@@ -38,7 +40,7 @@ class APIError(Exception):
         self.status_code = status_code
         self.type = type
         self.param = param
-        self.code = code
+        self.code = status_code if code is None else code
 
 
 def error_body(message: str, type: str, param: str | None = None,
@@ -52,9 +54,10 @@ def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 
-def model_not_found(name: str) -> APIError:
+def model_not_found(name: str, code: str | None = "model_not_found") -> APIError:
+    """404 for an unknown model; `code=None` gives vLLM's integer code (the server's)."""
     return APIError(f"The model `{name}` does not exist.", status_code=404,
-                    param="model", code="model_not_found")
+                    param="model", code=code)
 
 
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -4,8 +4,9 @@ Requests are validated strictly: a string where a number belongs, a fractional f
 integer belongs, or a value out of its bounds is a 400 (see `errors.py`), never a coercion or a
 500. Two leniencies, as vLLM has them: `null` means the field's default (OpenAI clients send it
 for unset fields), and an integral float is accepted as an integer (`max_tokens: 2.0`). A field
-we do not implement is a 400 naming it, never silently ignored. The bounds mirror
-`SamplingParams`.
+vLLM defines are declared (`request_fields.py`: honoured or documented no-ops); a top-level
+field nobody defines is ignored with a logged warning, as vLLM does (a 400 naming it with
+`--strict-request-fields`). The bounds mirror `SamplingParams`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pagedkv.server.request_fields import VllmRequestFields
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 256  # the KV cache check (`check_fits`) usually says no long before this
@@ -150,7 +153,7 @@ Prompt = (
 )
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, VllmRequestFields):
     """POST /v1/completions. `prompt`: a string, a token-id list, or a list of either."""
 
     prompt: Prompt
@@ -216,8 +219,9 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingFields):
-    """POST /v1/chat/completions."""
+class ChatCompletionRequest(SamplingFields, VllmRequestFields):
+    """POST /v1/chat/completions. `echo`: the answer starts with the last message's content
+    when that message is the assistant's (vLLM's meaning)."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool = False
@@ -228,6 +232,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    echo: bool = False
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -275,6 +280,8 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class CompletionResponse(BaseModel):
@@ -283,6 +290,7 @@ class CompletionResponse(BaseModel):
     created: int = Field(default_factory=_now)
     model: str
     choices: list[CompletionChoice]
+    system_fingerprint: str | None = None
     usage: UsageInfo | None = None
 
 
@@ -332,6 +340,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatStreamChoice(BaseModel):
@@ -340,6 +349,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: this chunk's tokens
 
 
 class ChatCompletionResponse(BaseModel):
@@ -348,8 +358,10 @@ class ChatCompletionResponse(BaseModel):
     created: int = Field(default_factory=_now)
     model: str
     choices: list[ChatChoice]
+    system_fingerprint: str | None = None
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionChunk(BaseModel):
@@ -358,7 +370,9 @@ class ChatCompletionChunk(BaseModel):
     created: int = Field(default_factory=_now)
     model: str
     choices: list[ChatStreamChoice]
+    system_fingerprint: str | None = None
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: the first chunk
 
 
 class ModelCard(BaseModel):
@@ -380,7 +394,7 @@ class ErrorInfo(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: int | str | None = None
+    code: int | None = None
 
 
 class ErrorResponse(BaseModel):

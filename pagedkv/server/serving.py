@@ -32,7 +32,7 @@ from pagedkv.engine.outputs import RequestOutput
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.sched.validation import PromptTooLongError
 from pagedkv.server.errors import APIError, model_not_found
-from pagedkv.server.metrics import ServerMetrics
+from pagedkv.server.metrics import RequestPhases, ServerMetrics
 from pagedkv.server.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from pagedkv.server.structured import compile_constraint, structured_outputs_of
 from pagedkv.server.tool_parsers import ToolParser
@@ -53,6 +53,7 @@ class _Timing:
     first_token: float | None = None
     last_token: float | None = None
     num_tokens: int = 0
+    params: SamplingParams | None = None
 
 
 @dataclass
@@ -77,8 +78,12 @@ class OpenAIServing:
     """The shared machinery of the /v1 handlers, bound to one engine and one model name."""
 
     def __init__(self, engine: AsyncEngine, *, model_name: str, metrics: ServerMetrics,
-                 tool_parser: ToolParser | None = None) -> None:
+                 tool_parser: ToolParser | None = None, strict_request_fields: bool = False,
+                 system_fingerprint: str | None = None) -> None:
         self.engine = engine
+        # 400 (instead of a logged warning) for request fields no API of ours defines
+        self.strict_request_fields = strict_request_fields
+        self.system_fingerprint = system_fingerprint
         self.tool_parser = tool_parser  # for tool_choice "auto" (`--tool-call-parser`)
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.max_model_len
@@ -119,7 +124,7 @@ class OpenAIServing:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
-            raise model_not_found(name)
+            raise model_not_found(name, code=None)  # vLLM's integer code
 
     def check_common(self, req: SamplingFields) -> None:
         self.check_model(req.model)
@@ -210,11 +215,12 @@ class OpenAIServing:
                     f"{request_id}-{i}", list(ids), params, priority=priority,
                     cache_salt=cache_salt)
                 stream.arrival = arrival
+                stream.params = params  # for the per-request metrics
                 streams.append(stream)
         except EngineOverloadedError as exc:
             close_all(streams)
-            raise APIError(str(exc), status_code=503, type="server_overloaded",
-                           code="server_overloaded") from exc
+            self.metrics.admission_rejected("max_num_queued_reqs")
+            raise APIError(str(exc), status_code=503, type="server_overloaded") from exc
         except EngineDeadError as exc:
             close_all(streams)
             raise APIError(str(exc), status_code=503, type="server_unavailable") from exc
@@ -228,7 +234,7 @@ class OpenAIServing:
         metrics (from each stream's `arrival`) as each finishes. Raises APIError(503) when a
         stream ends without finishing (aborted by a shutdown). Does not close the streams (the
         caller does, in a finally)."""
-        timings = [_Timing(s.arrival) for s in streams]
+        timings = [_Timing(s.arrival, params=getattr(s, "params", None)) for s in streams]
         try:
             async for index, output in _merge(streams):
                 timing = timings[index]
@@ -269,7 +275,25 @@ class OpenAIServing:
         self.metrics.observe_request(ttft=ttft, e2e=now - timing.arrival,
                                      num_output_tokens=longest,
                                      num_prompt_tokens=len(output.prompt_token_ids),
-                                     finished_reason=reason, queue_time=queue_time)
+                                     finished_reason=reason, queue_time=queue_time,
+                                     phases=_phases(timing, output, now))
+
+
+def _phases(timing: _Timing, output: RequestOutput, now: float) -> RequestPhases:
+    """The request's phases from the engine's monotonic times (same clock as `now`)."""
+    times = output.metrics or {}
+    scheduled = times.get("first_scheduled_time") or None
+    first = times.get("first_token_time") or None
+    last = timing.last_token or now
+    params = timing.params
+    return RequestPhases(
+        n=params.n if params is not None else len(output.outputs),
+        max_tokens=params.max_tokens if params is not None else None,
+        num_preemptions=int(times.get("num_preemptions", 0)),
+        num_computed_prompt_tokens=max(len(output.prompt_token_ids) - output.num_cached_tokens, 0),
+        prefill_time=first - scheduled if first and scheduled else None,
+        decode_time=last - first if first else None,
+        inference_time=last - scheduled if scheduled else None)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -24,6 +24,8 @@ from pagedkv.server.protocol import (
     DeltaFunctionCall,
     DeltaToolCall,
 )
+from pagedkv.server.request_fields import check_request_fields
+from pagedkv.server.response_extras import ResponseExtras
 from pagedkv.server.serving import (
     OpenAIServing,
     Usage,
@@ -40,9 +42,10 @@ from pagedkv.server.tools import ToolChoice, template_message, tool_call_id
 def tokenize_chat(serving: OpenAIServing, req: ChatCompletionRequest,
                   tools: list[dict] | None = None) -> list[int]:
     """`render_chat`, tokenized without adding special tokens (the template writes them), as
-    vLLM does; over-long is a 400 unless the request truncates its prompt. Runs in a tokenizer
+    vLLM does (unless the request sets `add_special_tokens`); over-long is a 400 unless the request truncates its prompt. Runs in a tokenizer
     thread (`serving.run_tokenizer`)."""
-    return serving.encode_prompt(render_chat(serving, req, tools), add_special_tokens=False,
+    return serving.encode_prompt(render_chat(serving, req, tools),
+                                 add_special_tokens=bool(req.add_special_tokens),
                                  param="messages", bounded=req.truncate_prompt_tokens is None)
 
 
@@ -94,7 +97,8 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     aborts the request."""
     arrival = time.monotonic()
     serving.check_common(req)
-    if req.top_logprobs is not None and not req.logprobs:
+    check_request_fields(req, strict=serving.strict_request_fields)
+    if req.top_logprobs and not req.logprobs:  # 0 without logprobs is fine (vLLM)
         raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
     tools = ToolChoice.of(req, serving.tool_parser)
     prompt = serving.truncate(
@@ -107,22 +111,31 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
                                      structured_outputs=structured)
     serving.check_fits([prompt], params)
-    request_id = random_id("chatcmpl")
+    request_id = random_id("chatcmpl")  # the engine's (unique); the response's may be the client's
     streams = await serving.open_streams(request_id, [prompt], params, arrival=arrival,
                                          priority=req.priority, cache_salt=req.cache_salt)
     formatter = LogprobsFormatter(serving.tokenizer, req.top_logprobs or 0,
                                   as_token_ids=req.return_tokens_as_token_ids)
+    extras = ResponseExtras.of(req, "chatcmpl", raw.headers.get("x-request-id"), request_id,
+                               serving.system_fingerprint, [prompt], echo=_echoed(req))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = _stream(serving, request_id, streams, params, formatter, include_usage, tools)
+        body = _stream(serving, extras, streams, params, formatter, include_usage, tools)
         return SSEResponse(sse_stream(body, on_exit=lambda: close_all(streams)),
                            on_close=lambda: close_all(streams))
     try:
         final = await run_unless_disconnected(raw, _collect(serving, streams))
     finally:
         close_all(streams)
-    return JSONResponse(_response(serving, request_id, final, formatter, tools)
+    return JSONResponse(_response(serving, extras, final, formatter, tools)
                         .model_dump(mode="json"))
+
+
+def _echoed(req: ChatCompletionRequest) -> str:
+    """What `echo` puts before the answer: the last message's text when it is the assistant's
+    (the role the answer has), else nothing (vLLM's meaning)."""
+    last = req.messages[-1]
+    return last.text() if req.echo and last.role == "assistant" else ""
 
 
 async def _collect(serving: OpenAIServing, streams: list) -> RequestOutput:
@@ -135,25 +148,31 @@ async def _collect(serving: OpenAIServing, streams: list) -> RequestOutput:
     return final
 
 
-def _response(serving: OpenAIServing, request_id: str, final: RequestOutput,
+def _response(serving: OpenAIServing, extras: ResponseExtras, final: RequestOutput,
               formatter: LogprobsFormatter, tools: ToolChoice) -> ChatCompletionResponse:
     usage = Usage()
     usage.record(0, final)
     choices = []
     for c in sorted(final.outputs, key=lambda c: c.index):
-        message = tools.message(c.text)
+        message = tools.message(extras.text(c.text))
+        if extras.echo:
+            message.content = extras.echo + (message.content or "")
         choices.append(ChatChoice(index=c.index, message=message,
                                   logprobs=formatter.chat(c, 0, len(c.token_ids)),
                                   finish_reason=tools.finish_reason(c.finish_reason, message),
-                                  stop_reason=c.stop_reason))
-    return ChatCompletionResponse(id=request_id, model=serving.model_name, choices=choices,
-                                  usage=usage.info(),
+                                  stop_reason=c.stop_reason, token_ids=extras.token_ids(c.token_ids)))
+    return ChatCompletionResponse(id=extras.id, model=serving.model_name, choices=choices,
+                                  system_fingerprint=extras.fingerprint, usage=usage.info(),
                                   prompt_logprobs=formatter.vllm_prompt_logprobs(
-                                      final.prompt_logprobs))
+                                      final.prompt_logprobs, final.prompt_token_ids),
+                                  prompt_token_ids=extras.prompt_ids())
 
 
-def _chunk(serving: OpenAIServing, request_id: str, choice: ChatStreamChoice) -> str:
-    chunk = ChatCompletionChunk(id=request_id, model=serving.model_name, choices=[choice])
+def _chunk(serving: OpenAIServing, extras: ResponseExtras, choice: ChatStreamChoice,
+           prompt_token_ids: list[int] | None = None) -> str:
+    chunk = ChatCompletionChunk(id=extras.id, model=serving.model_name, choices=[choice],
+                                system_fingerprint=extras.fingerprint,
+                                prompt_token_ids=prompt_token_ids)
     payload = chunk.model_dump(mode="json", exclude={"usage"})
     for item in payload["choices"]:  # OpenAI leaves unset delta fields out
         item["delta"] = _without_none(item["delta"])
@@ -190,7 +209,7 @@ def _tool_deltas(tools: ToolChoice, comp: CompletionOutput, delta: Delta,
     return ChatDelta(content=message.content, tool_calls=calls or None)
 
 
-async def _stream(serving: OpenAIServing, request_id: str, streams: list,
+async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list,
                   params: SamplingParams, formatter: LogprobsFormatter,
                   include_usage: bool, tools: ToolChoice) -> AsyncIterator[str]:
     """SSE chunks: a role chunk per choice once the prompt is processed (with the first
@@ -210,14 +229,18 @@ async def _stream(serving: OpenAIServing, request_id: str, streams: list,
         if not role_sent:
             role_sent = True
             for index in range(params.n):
-                yield _chunk(serving, request_id, ChatStreamChoice(
-                    index=index, delta=ChatDelta(role="assistant", content="")))
+                yield _chunk(serving, extras, ChatStreamChoice(
+                    index=index, delta=ChatDelta(role="assistant", content="")),
+                    prompt_token_ids=extras.prompt_ids() if index == 0 else None)
+                if extras.echo:
+                    yield _chunk(serving, extras, ChatStreamChoice(
+                        index=index, delta=ChatDelta(content=extras.echo)))
         for comp in output.outputs:
             delta = tracker.delta(comp.index, comp)
             if delta is None:
                 continue
             start = delta.token_start
-            chat_delta: ChatDelta | None = ChatDelta(content=delta.text)
+            chat_delta: ChatDelta | None = ChatDelta(content=extras.text(delta.text))
             if tools.mode in ("named", "auto", "required"):
                 chat_delta = _tool_deltas(tools, comp, delta, comp.index in tool_started)
                 if chat_delta is None:
@@ -228,11 +251,12 @@ async def _stream(serving: OpenAIServing, request_id: str, streams: list,
             finish = delta.finish_reason
             if finish is not None and tools.buffers_stream:
                 finish = "tool_calls" if chat_delta.tool_calls and finish == "stop" else finish
-            yield _chunk(serving, request_id, ChatStreamChoice(
+            yield _chunk(serving, extras, ChatStreamChoice(
                 index=comp.index, delta=chat_delta,
                 logprobs=formatter.chat(comp, start, delta.token_end),
-                finish_reason=finish, stop_reason=delta.stop_reason))
+                finish_reason=finish, stop_reason=delta.stop_reason,
+                token_ids=extras.token_ids(comp.token_ids[delta.token_start:delta.token_end])))
     if include_usage:
-        chunk = ChatCompletionChunk(id=request_id, model=serving.model_name, choices=[],
-                                    usage=usage.info())
+        chunk = ChatCompletionChunk(id=extras.id, model=serving.model_name, choices=[],
+                                    system_fingerprint=extras.fingerprint, usage=usage.info())
         yield sse_event(chunk.model_dump(mode="json"))

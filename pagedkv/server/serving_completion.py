@@ -18,6 +18,8 @@ from pagedkv.server.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
+from pagedkv.server.request_fields import check_request_fields
+from pagedkv.server.response_extras import ResponseExtras
 from pagedkv.server.serving import (
     OpenAIServing,
     Usage,
@@ -33,16 +35,17 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
 def tokenize_prompts(serving: OpenAIServing, prompt: str | list,
-                     bounded: bool = True) -> list[list[int]]:
-    """The prompt(s) of a completions request as token-id lists (strings get the BOS token);
-    `bounded` as for `OpenAIServing.encode_prompt`. Runs in a tokenizer thread
-    (`serving.run_tokenizer`)."""
+                     bounded: bool = True, add_special_tokens: bool = True) -> list[list[int]]:
+    """The prompt(s) of a completions request as token-id lists (strings get the BOS token
+    unless `add_special_tokens` is false); `bounded` as for `OpenAIServing.encode_prompt`.
+    Runs in a tokenizer thread (`serving.run_tokenizer`)."""
     if isinstance(prompt, str):
-        return [serving.encode_prompt(prompt, add_special_tokens=True, bounded=bounded)]
+        return [serving.encode_prompt(prompt, add_special_tokens=add_special_tokens,
+                                      bounded=bounded)]
     if isinstance(prompt[0], int):
         return [list(prompt)]
     if isinstance(prompt[0], str):
-        return [serving.encode_prompt(p, add_special_tokens=True, bounded=bounded)
+        return [serving.encode_prompt(p, add_special_tokens=add_special_tokens, bounded=bounded)
                 for p in prompt]
     return [list(p) for p in prompt]
 
@@ -97,13 +100,15 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest,
     blocks return at once)."""
     arrival = time.monotonic()
     serving.check_common(req)
+    check_request_fields(req, strict=serving.strict_request_fields)
     if req.best_of is not None and req.best_of != req.n:
         raise APIError("best_of must equal n (or be left out)", param="best_of")
     if req.max_tokens == 0 and not req.echo:
         raise APIError("max_tokens must be at least 1 (0 is allowed only with echo)",
                        param="max_tokens")
     prompts = serving.truncate(req, await serving.run_tokenizer(
-        tokenize_prompts, serving, req.prompt, req.truncate_prompt_tokens is None))
+        tokenize_prompts, serving, req.prompt, req.truncate_prompt_tokens is None,
+        req.add_special_tokens is not False))
     echo = None
     if req.echo:  # max_tokens 0 generates one token, which is dropped (as vLLM does)
         echo = _Echo(prompt_texts(serving, req.prompt, prompts), prompts, req.max_tokens == 0)
@@ -118,15 +123,18 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest,
     if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
         params = replace(params, prompt_logprobs=req.logprobs)
     serving.check_fits(prompts, params)
-    request_id = random_id("cmpl")
+    request_id = random_id("cmpl")  # the engine's (unique); the response's may be the client's
     streams = await serving.open_streams(request_id, prompts, params, arrival=arrival,
                                          priority=req.priority, cache_salt=req.cache_salt)
     formatter = LogprobsFormatter(serving.tokenizer, req.logprobs or 0,
                                   as_token_ids=req.return_tokens_as_token_ids)
-    vllm_prompt_logprobs = req.prompt_logprobs is not None
+    # vLLM fills choices[].prompt_logprobs whenever they are computed (echo with logprobs too)
+    vllm_prompt_logprobs = params.prompt_logprobs is not None
+    extras = ResponseExtras.of(req, "cmpl", raw.headers.get("x-request-id"), request_id,
+                               serving.system_fingerprint, prompts)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = _stream(serving, request_id, streams, params, formatter, len(prompts),
+        body = _stream(serving, extras, streams, params, formatter, len(prompts),
                        include_usage, echo, vllm_prompt_logprobs)
         return SSEResponse(sse_stream(body, on_exit=lambda: close_all(streams)),
                            on_close=lambda: close_all(streams))
@@ -134,7 +142,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest,
         final = await run_unless_disconnected(raw, _collect(serving, streams))
     finally:
         close_all(streams)
-    return JSONResponse(_response(serving, request_id, final, params.n, formatter, echo,
+    return JSONResponse(_response(serving, extras, final, params.n, formatter, echo,
                                   vllm_prompt_logprobs).model_dump(mode="json"))
 
 
@@ -147,7 +155,7 @@ async def _collect(serving: OpenAIServing, streams: list) -> dict[int, RequestOu
     return final
 
 
-def _response(serving: OpenAIServing, request_id: str, final: dict[int, RequestOutput], n: int,
+def _response(serving: OpenAIServing, extras: ResponseExtras, final: dict[int, RequestOutput], n: int,
               formatter: LogprobsFormatter, echo: _Echo | None,
               vllm_prompt_logprobs: bool) -> CompletionResponse:
     usage, choices = Usage(), []
@@ -156,7 +164,7 @@ def _response(serving: OpenAIServing, request_id: str, final: dict[int, RequestO
         usage.record(index, output)
         for comp in output.outputs:
             choice = index * n + comp.index
-            text, logprobs = comp.text, None
+            text, logprobs = extras.text(comp.text), None
             if echo is not None:
                 text = echo.texts[index] + text
                 if comp.logprobs is not None:
@@ -165,14 +173,16 @@ def _response(serving: OpenAIServing, request_id: str, final: dict[int, RequestO
             choices.append(CompletionChoice(
                 index=choice, text=text, logprobs=logprobs,
                 finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
-                prompt_logprobs=(formatter.vllm_prompt_logprobs(output.prompt_logprobs)
-                                 if vllm_prompt_logprobs else None)))
+                prompt_logprobs=(formatter.vllm_prompt_logprobs(output.prompt_logprobs,
+                                                                   output.prompt_token_ids)
+                                 if vllm_prompt_logprobs else None),
+                token_ids=extras.token_ids(comp.token_ids), prompt_token_ids=extras.prompt_ids(index)))
     choices.sort(key=lambda c: c.index)
-    return CompletionResponse(id=request_id, model=serving.model_name, choices=choices,
-                              usage=usage.info())
+    return CompletionResponse(id=extras.id, model=serving.model_name, choices=choices,
+                              system_fingerprint=extras.fingerprint, usage=usage.info())
 
 
-async def _stream(serving: OpenAIServing, request_id: str, streams: list, params,
+async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list, params,
                   formatter: LogprobsFormatter, num_prompts: int, include_usage: bool,
                   echo: _Echo | None, vllm_prompt_logprobs: bool) -> AsyncIterator[str]:
     """SSE chunks: one per choice per engine step that added tokens, then usage and [DONE];
@@ -195,24 +205,29 @@ async def _stream(serving: OpenAIServing, request_id: str, streams: list, params
             delta = tracker.delta(choice, comp)
             if delta is None:
                 continue
-            text, logprobs, prompt_logprobs = delta.text, None, None
+            text, logprobs, prompt_logprobs = extras.text(delta.text), None, None
+            prompt_ids = None
             if choice not in started:
                 started.add(choice)
+                prompt_ids = extras.prompt_ids(index)
                 if echo is not None:
                     text = echo.texts[index] + text
                     if comp.logprobs is not None:
                         logprobs = echo.logprobs(formatter, index, output, choice)
                 if vllm_prompt_logprobs:
-                    prompt_logprobs = formatter.vllm_prompt_logprobs(output.prompt_logprobs)
+                    prompt_logprobs = formatter.vllm_prompt_logprobs(output.prompt_logprobs,
+                                                                   output.prompt_token_ids)
             logprobs = _join(logprobs, formatter.completion(comp, delta.token_start,
                                                             delta.token_end, choice))
-            chunk = CompletionResponse(id=request_id, model=serving.model_name, choices=[
-                CompletionChoice(index=choice, text=text, logprobs=logprobs,
-                                 finish_reason=delta.finish_reason,
-                                 stop_reason=delta.stop_reason,
-                                 prompt_logprobs=prompt_logprobs)])
+            chunk = CompletionResponse(
+                id=extras.id, model=serving.model_name, system_fingerprint=extras.fingerprint,
+                choices=[CompletionChoice(
+                    index=choice, text=text, logprobs=logprobs,
+                    finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                    prompt_logprobs=prompt_logprobs, prompt_token_ids=prompt_ids,
+                    token_ids=extras.token_ids(comp.token_ids[delta.token_start:delta.token_end]))])
             yield sse_event(chunk.model_dump(mode="json", exclude={"usage"}))
     if include_usage:
-        chunk = CompletionResponse(id=request_id, model=serving.model_name, choices=[],
-                                   usage=usage.info())
+        chunk = CompletionResponse(id=extras.id, model=serving.model_name, choices=[],
+                                   system_fingerprint=extras.fingerprint, usage=usage.info())
         yield sse_event(chunk.model_dump(mode="json"))

@@ -176,10 +176,9 @@ class TieredKVStore:
                 stats.bytes_written += len(new) * self.block_bytes
                 stats.save_seconds.observe(elapsed)
             if self.enable_events and new:
-                self._add_events([wire.BlockStored(
-                    block_hashes=[by_key[k].block_hash], parent_block_hash=by_key[k].parent_hash,
-                    token_ids=list(by_key[k].token_ids), block_size=self.block_size,
-                    medium=tier.medium) for k in new])
+                self._add_events([wire.block_stored(
+                    [by_key[k].block_hash], by_key[k].parent_hash, list(by_key[k].token_ids),
+                    self.block_size, medium=tier.medium) for k in new])
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every queued save is written (tests, shutdown)."""

@@ -172,7 +172,8 @@ def test_string_prompts_round_trip_through_the_tokenizer(tiny_llama, make_llm):
     tokenizer = llm.get_tokenizer()
     assert out[0].prompt == "Hello world"
     assert out[0].prompt_token_ids == tokenizer.encode("Hello world")
-    assert out[1].outputs[0].text == tokenizer.decode(out[1].outputs[0].token_ids)
+    # (an unfinished last character is left out, as vLLM does)
+    assert out[1].outputs[0].text == tokenizer.decode(out[1].outputs[0].token_ids).rstrip("\ufffd")
 
 
 def test_incremental_detokenizer_never_splits_a_character(tiny_llama):
@@ -218,3 +219,30 @@ def test_request_ids_cannot_clash_with_parallel_samples(tiny_llama, make_llm):
         engine.add_request("a", prompt, SamplingParams(max_tokens=2))
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_flush_leaves_out_a_character_cut_by_max_tokens(tiny_llama):
+    """vLLM's behaviour: the bytes of an unfinished character never become U+FFFD."""
+    tokenizer = Tokenizer.from_dir(tiny_llama)
+    ids = tokenizer.encode("ab 😀", add_special_tokens=False)
+    emoji = tokenizer.encode("😀", add_special_tokens=False)
+    assert len(emoji) > 1 and tokenizer.decode(emoji[:1]).endswith("\ufffd")
+    for cut in range(1, len(emoji)):
+        detok = IncrementalDetokenizer(tokenizer, [1], stop=[])
+        detok.update(ids[:len(ids) - len(emoji) + cut])
+        detok.flush()
+        assert detok.text == "ab "
+    detok = IncrementalDetokenizer(tokenizer, [1], stop=[])
+    detok.update(ids)
+    detok.flush()
+    assert detok.text == "ab 😀"
+
+
+def test_generated_partial_character_is_left_out(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama)
+    tokenizer = llm.get_tokenizer()
+    first_byte = tokenizer.encode("😀", add_special_tokens=False)[0]
+    params = SamplingParams(max_tokens=2, temperature=0.0, allowed_token_ids=[first_byte],
+                            ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": [1, 5, 6]}], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [first_byte, first_byte] and out.text == ""

@@ -25,7 +25,7 @@ def cluster(tiny_llama):
     ports = [free_port(), free_port()]
     backends = [ServerProcess(tiny_llama, *engine_flags(**ENGINE_KWARGS), "--kv-events-config",
                               json.dumps({"enable_kv_cache_events": True,
-                                          "endpoint": f"tcp://127.0.0.1:{port}"}))
+                                          "endpoint": f"tcp://*:{port}"}))  # bind (vLLM rule)
                 for port in ports]
     router = None
     try:

@@ -1,0 +1,89 @@
+"""POST /v1/responses through the official openai client: text in and out, equal to the chat
+completion of the same messages (greedy), streaming events in OpenAI's order."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+
+from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.server.responses_protocol import ResponsesRequest
+from pagedkv.server.serving_responses import _response
+
+GREEDY = {"temperature": 0.0, "max_output_tokens": 8}
+
+
+def chat_text(client: openai.OpenAI, messages: list[dict], max_tokens: int = 8) -> str:
+    resp = client.chat.completions.create(model="tiny", messages=messages, temperature=0.0,
+                                          max_tokens=max_tokens)
+    return resp.choices[0].message.content
+
+
+def test_text_in_text_out_equals_chat(client):
+    resp = client.responses.create(model="tiny", input="Tell me a story", **GREEDY)
+    assert resp.object == "response" and resp.status == "incomplete"  # cut by the limit
+    assert resp.incomplete_details.reason == "max_output_tokens"
+    assert resp.output_text == chat_text(client, [{"role": "user", "content": "Tell me a story"}])
+    assert resp.usage.output_tokens == 8
+    assert resp.usage.total_tokens == resp.usage.input_tokens + 8
+    assert resp.output[0].role == "assistant" and resp.output[0].content[0].type == "output_text"
+
+
+def test_instructions_and_message_list(client):
+    resp = client.responses.create(
+        model="tiny", instructions="Be brief.",
+        input=[{"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": [{"type": "output_text", "text": "Hello"}]},
+               {"role": "user", "content": [{"type": "input_text", "text": "Again"}]}],
+        **GREEDY)
+    expected = chat_text(client, [{"role": "system", "content": "Be brief."},
+                                  {"role": "user", "content": "Hi"},
+                                  {"role": "assistant", "content": "Hello"},
+                                  {"role": "user", "content": "Again"}])
+    assert resp.output_text == expected
+
+
+def test_streaming_events(client):
+    stream = client.responses.create(model="tiny", input="Tell me a story", stream=True,
+                                     **GREEDY)
+    events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == events[-4].text == events[-1].response.output_text
+    assert text == chat_text(client, [{"role": "user", "content": "Tell me a story"}])
+
+
+def test_status_follows_the_finish_reason():
+    """eos or a stop string: completed; the length limit: incomplete (max_output_tokens)."""
+    serving = SimpleNamespace(model_name="m", system_fingerprint="fp")
+    req = ResponsesRequest(input="x")
+    for reason, status in (("stop", "completed"), ("length", "incomplete")):
+        final = RequestOutput("r", "x", [1, 2], [CompletionOutput(0, "ab", [5, 6],
+                                                                  finish_reason=reason)])
+        resp = _response(serving, req, "resp_1", "msg_1", final)
+        assert resp.status == status and resp.output[0].status == status
+        assert (resp.incomplete_details is None) == (status == "completed")
+        assert resp.usage.total_tokens == 4 and resp.output[0].content[0].text == "ab"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": []}, "input"),
+    ({"input": "x", "model": "nope"}, "model"),
+])
+def test_bad_requests(server, body, param):
+    resp = httpx.post(server.url + "/v1/responses", json=body, timeout=30)
+    assert resp.status_code in (400, 404), resp.text
+    assert resp.json()["error"]["param"] == param
+    assert resp.json()["error"]["code"] == resp.status_code
