@@ -271,9 +271,8 @@ class SimInstance:
                 limit = remaining - 1
                 if limit <= 0:
                     return 0
-        if sched.waiting and len(running) < cfg.max_num_seqs:
-            if not self._head_refused():
-                return 0
+        if sched.waiting and len(running) < cfg.max_num_seqs and not self._head_refused():
+            return 0
         return int(limit)
 
     def _head_refused(self) -> bool:
@@ -326,18 +325,7 @@ class SimInstance:
             k += 1
         if k == 0:
             return
-        for r in running:
-            kv.allocate_slots(r, k, delay_cache_blocks=True)
-            token = self._tokens[r.request_id]
-            extra = [token] * k
-            r.output_token_ids.extend(extra)
-            r.all_token_ids.extend(extra)
-            r.num_computed_tokens += k
-            kv.cache_blocks(r, r.num_computed_tokens)
-        if sched.waiting and len(running) < self.config.max_num_seqs:
-            head = sched.waiting[0]
-            for _ in range(k):  # the per-step prefix-cache lookups the real steps make
-                kv.get_computed_blocks(head)
+        self._apply_quiet_steps(running, computed, held, k)
         stats = self.stats
         first_end = self.clock + durations[0]
         for r in running:
@@ -356,3 +344,41 @@ class SimInstance:
         stats.busy_time += clock - (first_end - durations[0])
         stats.usage_times.append(clock)
         stats.usage_values.append(kv.usage)
+
+    def _apply_quiet_steps(self, running: list[Request], computed: list[int], held: list[int],
+                           k: int) -> None:
+        """Apply k decode steps to `running` in the order the real steps would: per step, the
+        new blocks (running order), the waiting head's prefix lookup, then the blocks that
+        became full are cached. Only steps where something happens are visited."""
+        kv = self.kv
+        bs = kv.block_size
+        allocs: dict[int, list[Request]] = {}
+        caches: dict[int, list[Request]] = {}
+        for r, c, h in zip(running, computed, held, strict=True):
+            token = self._tokens[r.request_id]
+            extra = [token] * k
+            r.output_token_ids.extend(extra)
+            r.all_token_ids.extend(extra)
+            p = max(c, h * bs)  # positions c .. c+k-1 are written; p needs a new block
+            while p < c + k:
+                allocs.setdefault(p - c, []).append(r)
+                p += bs
+            j = (-(c + 1)) % bs  # step whose token fills a block: (c + j + 1) % bs == 0
+            while j < k:
+                caches.setdefault(j, []).append(r)
+                j += bs
+        sched = self.scheduler
+        head = (sched.waiting[0] if sched.waiting and len(running) < self.config.max_num_seqs
+                else None)
+        steps = range(k) if head is not None else sorted({*allocs, *caches})
+        base = dict(zip((r.request_id for r in running), computed, strict=True))
+        for j in steps:
+            for r in allocs.get(j, ()):
+                r.num_computed_tokens = base[r.request_id] + j
+                kv.allocate_slots(r, 1, delay_cache_blocks=True)
+            if head is not None:
+                kv.get_computed_blocks(head)
+            for r in caches.get(j, ()):
+                kv.cache_blocks(r, base[r.request_id] + j + 1)
+        for r in running:
+            r.num_computed_tokens = base[r.request_id] + k
