@@ -113,6 +113,15 @@ class InstanceStats:
     itl_weights: array = field(default_factory=lambda: array("d"))
 
 
+class _SimKVCacheManager(KVCacheManager):
+    """The real manager; only the block-id list the scheduler copies into each scheduled
+    request for the model runner is left empty: no runner reads it here, and building it
+    costs O(blocks) per request per step."""
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return []
+
+
 class SimInstance:
     """One engine under simulation. Not thread-safe. `clock` only moves forward."""
 
@@ -121,7 +130,7 @@ class SimInstance:
         self.config = config
         self.latency = latency
         self.index = index
-        self.kv = KVCacheManager(
+        self.kv = _SimKVCacheManager(
             num_blocks=config.num_blocks, block_size=config.block_size,
             num_host_blocks=config.num_host_blocks, enable_caching=config.enable_prefix_caching,
             sliding_window=config.sliding_window, watermark=config.watermark,
