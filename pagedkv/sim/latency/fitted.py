@@ -47,21 +47,21 @@ class FittedLatency:
                              f"{len(shapes)} shapes and {len(times)} times")
         x = np.array([s.features() for s in shapes], dtype=float)
         y = np.array(times, dtype=float)
-        active = [0] + [j for j in range(1, x.shape[1]) if np.ptp(x[:, j]) > 0]
+        if (y <= 0).any():
+            raise ValueError("step times must be > 0")
+        # Relative error is what matters (a 1 ms step off by 1 ms is as bad as 100 off by
+        # 100): weight each row by 1 / time.
+        xw, yw = x / y[:, None], np.ones_like(y)
+        active = [j for j in range(x.shape[1]) if j == 0 or np.ptp(x[:, j]) > 0]
         coef = np.zeros(x.shape[1])
-        # Active-set NNLS: drop the most negative coefficient until all are >= 0.
-        while True:
-            scale = np.maximum(np.abs(x[:, active]).max(axis=0), 1e-12)
-            sol, *_ = np.linalg.lstsq(x[:, active] / scale, y, rcond=None)
+        while active:  # active-set NNLS: drop the most negative coefficient until none is
+            scale = np.maximum(np.abs(xw[:, active]).max(axis=0), 1e-300)
+            sol, *_ = np.linalg.lstsq(xw[:, active] / scale, yw, rcond=None)
             sol = sol / scale
-            if (sol >= 0).all() or len(active) == 1:
+            if (sol >= 0).all():
+                coef[active] = sol
                 break
-            worst = active[int(np.argmin(sol))]
-            if worst == 0:
-                sol[0] = 0.0
-                break
-            active.remove(worst)
-        coef[active] = np.maximum(sol, 0.0)
+            active.pop(int(np.argmin(sol)))
         predicted = x @ coef
         rel = np.abs(predicted - y) / np.maximum(y, 1e-9)
         meta = dict(meta or {})
