@@ -23,11 +23,11 @@ if TYPE_CHECKING:
     from pagedkv.sim.instance import SimInstance
 
 
-def quiet_limit(self: SimInstance) -> int:
+def quiet_limit(instance: SimInstance) -> int:
     """The most steps that can be jumped now by the rules in the module docstring, ignoring
     arrivals and time (0: the next step must be a real one)."""
-    sched = self.scheduler
-    cfg = self.config
+    sched = instance.scheduler
+    cfg = instance.config
     running = sched.running
     if (not running or sched.swapped or sched.loading or cfg.sliding_window is not None
             or len(running) > cfg.max_num_batched_tokens):
@@ -43,16 +43,16 @@ def quiet_limit(self: SimInstance) -> int:
             limit = remaining - 1
             if limit <= 0:
                 return 0
-    if sched.waiting and len(running) < cfg.max_num_seqs and not _head_refused(self):
+    if sched.waiting and len(running) < cfg.max_num_seqs and not _head_refused(instance):
         return 0
     return int(limit)
 
-def _head_refused(self: SimInstance) -> bool:
+def _head_refused(instance: SimInstance) -> bool:
     """Whether the waiting queue's head would get LATER now (and so, as blocks only get
     scarcer in a quiet stretch, in each of its steps), computed without side effects."""
-    head = self.scheduler.waiting[0]
-    kv = self.kv
-    if head.wants_prompt_logprobs or self.scheduler.kv_connector is not None:
+    head = instance.scheduler.waiting[0]
+    kv = instance.kv
+    if head.wants_prompt_logprobs or instance.scheduler.kv_connector is not None:
         return False
     hits = []
     if kv.enable_caching:
@@ -65,14 +65,14 @@ def _head_refused(self: SimInstance) -> bool:
             hits.append(block)
     return kv.can_allocate(head, computed_blocks=hits) == AllocStatus.LATER
 
-def jump(self: SimInstance, horizon: float) -> None:
+def jump(instance: SimInstance, horizon: float) -> None:
     """Apply the longest quiet stretch whose steps all start before `horizon` (none when the
     next step must be a real one). Mutates the instance like that many `step()` calls."""
-    limit = quiet_limit(self)
+    limit = quiet_limit(instance)
     if limit <= 0:
         return
-    sched = self.scheduler
-    kv = self.kv
+    sched = instance.scheduler
+    kv = instance.kv
     running = list(sched.running)
     bs = kv.block_size
     free = kv.num_free_blocks
@@ -82,7 +82,7 @@ def jump(self: SimInstance, horizon: float) -> None:
     num_seqs = len(running)
     context = sum(computed) + num_seqs  # decode context of the first step
     durations = []
-    clock = self.clock
+    clock = instance.clock
     k = 0
     while k < limit and clock < horizon:
         need = 0
@@ -92,18 +92,18 @@ def jump(self: SimInstance, horizon: float) -> None:
                 need += extra
         if need > free:
             break
-        dt = self.latency.step_time(StepShape(decode_seqs=num_seqs,
+        dt = instance.latency.step_time(StepShape(decode_seqs=num_seqs,
                                               decode_context=context + k * num_seqs))
         durations.append(dt)
         clock += dt
         k += 1
     if k == 0:
         return
-    _apply_quiet_steps(self, running, computed, held, k)
-    stats = self.stats
-    first_end = self.clock + durations[0]
+    _apply_quiet_steps(instance, running, computed, held, k)
+    stats = instance.stats
+    first_end = instance.clock + durations[0]
     for r in running:
-        record = self.live[r.request_id]
+        record = instance.live[r.request_id]
         stats.itl_values.append(first_end - record.last_token)
         stats.itl_weights.append(1.0)
         record.last_token = clock
@@ -111,7 +111,7 @@ def jump(self: SimInstance, horizon: float) -> None:
     for dt in durations[1:]:
         stats.itl_values.append(dt)
         stats.itl_weights.append(float(num_seqs))
-    self.clock = clock
+    instance.clock = clock
     stats.num_steps += k
     stats.num_jumped_steps += k
     stats.num_jumps += 1
@@ -119,17 +119,17 @@ def jump(self: SimInstance, horizon: float) -> None:
     stats.usage_times.append(clock)
     stats.usage_values.append(kv.usage)
 
-def _apply_quiet_steps(self: SimInstance, running: list[Request], computed: list[int], held: list[int],
+def _apply_quiet_steps(instance: SimInstance, running: list[Request], computed: list[int], held: list[int],
                        k: int) -> None:
     """Apply k decode steps to `running` in the order the real steps would: per step, the
     new blocks (running order), the waiting head's prefix lookup, then the blocks that
     became full are cached. Only steps where something happens are visited."""
-    kv = self.kv
+    kv = instance.kv
     bs = kv.block_size
     allocs: dict[int, list[Request]] = {}
     caches: dict[int, list[Request]] = {}
     for r, c, h in zip(running, computed, held, strict=True):
-        token = self._tokens[r.request_id]
+        token = instance._tokens[r.request_id]
         extra = [token] * k
         r.output_token_ids.extend(extra)
         r.all_token_ids.extend(extra)
@@ -141,8 +141,8 @@ def _apply_quiet_steps(self: SimInstance, running: list[Request], computed: list
         while j < k:
             caches.setdefault(j, []).append(r)
             j += bs
-    sched = self.scheduler
-    head = (sched.waiting[0] if sched.waiting and len(running) < self.config.max_num_seqs
+    sched = instance.scheduler
+    head = (sched.waiting[0] if sched.waiting and len(running) < instance.config.max_num_seqs
             else None)
     steps = range(k) if head is not None else sorted({*allocs, *caches})
     base = dict(zip((r.request_id for r in running), computed, strict=True))
