@@ -113,6 +113,45 @@ def sim_run(trace, config, latency) -> dict:
             "duration": result.duration}
 
 
+def step_check(model_dir: Path, blocks: int, trace, vocab: int, latency) -> dict:
+    """Time real `LLMEngine.step()`s on the slice (all arriving at once) against the fitted
+    model's prediction for each step's shape: the latency model's own error, without HTTP."""
+    from pagedkv.engine.args import EngineArgs
+    from pagedkv.engine.llm_engine import LLMEngine
+    from pagedkv.sched.sampling_params import SamplingParams
+    from pagedkv.sim.latency import StepShape
+    from pagedkv.sim.traces import prompt_token_ids
+
+    engine = LLMEngine(EngineArgs(model=str(model_dir), device="cpu",
+                                  num_gpu_blocks_override=blocks, **ENGINE))
+    sched = engine.scheduler
+    captured = []
+    real_schedule = sched.schedule
+
+    def schedule():
+        captured.append(real_schedule())
+        return captured[-1]
+
+    sched.schedule = schedule
+    for i, t in enumerate(trace):
+        engine.add_request(str(i), prompt_token_ids(t, vocab, i),
+                           SamplingParams(max_tokens=t.output_length, ignore_eos=True))
+    measured, predicted = [], []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+        if captured[-1].scheduled:
+            measured.append(elapsed)
+            predicted.append(latency.step_time(StepShape.of(captured[-1])))
+    engine.shutdown()
+    ratio = sum(predicted) / sum(measured)
+    rel = statistics.fmean(abs(p - m) / m for p, m in zip(predicted, measured, strict=True))
+    print(f"step check: {len(measured)} real steps, predicted/measured total {ratio:.2f}, "
+          f"mean per-step error {rel:.1%}", flush=True)
+    return {"steps": len(measured), "total_ratio": ratio, "mean_step_error": rel}
+
+
 def accuracy(args: argparse.Namespace) -> list[dict]:
     from pagedkv.engine.args import EngineArgs
     from pagedkv.sim.instance import SimConfig
@@ -141,11 +180,14 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
         base = [t for t in base if t.input_length + t.output_length < ENGINE["max_model_len"]]
         span = base[-1].arrival or 1.0
         burst = [dataclasses.replace(t, arrival=0.0) for t in base]
+        if args.step_check:
+            step_check(model_dir, args.blocks, burst, vocab, latency)
         capacity = len(burst) / sim_run(burst, config, latency)["duration"]
         native = len(base) / span
         print(f"slice: {len(base)} requests, native rate {native:.2f} req/s; simulated "
               f"capacity {capacity:.2f} req/s", flush=True)
-        for load in args.loads:
+        print(f"fitted: {latency.coefficients}", flush=True)
+        for load in [] if args.profile_only else args.loads:
             trace = scale_trace(base, time_scale=native / (load * capacity))
             sim = sim_run(trace, config, latency)
             real = real_run(model_dir, trace, vocab, args.blocks, tmp)
@@ -200,6 +242,10 @@ def main() -> int:
     parser.add_argument("--blocks", type=int, default=700, help="KV blocks of the engine")
     parser.add_argument("--loads", default="0.3,0.7,0.95,1.5")
     parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument("--step-check", action="store_true",
+                        help="also time real engine steps against the fitted model")
+    parser.add_argument("--profile-only", action="store_true",
+                        help="profile, step check, capacity; no server runs")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--speed-10x", action="store_true")
     parser.add_argument("--json", default=None)
