@@ -38,7 +38,9 @@ SHAPE = dict(arch="llama", hidden_size=512, intermediate_size=1408, num_layers=8
              num_kv_heads=4, max_position_embeddings=4096)
 # cpu_kernels="wait": the fused kernels from the first step in both the profile and the
 # server (with "auto" the profile could time the slower torch path the server soon leaves).
-ENGINE = dict(dtype="float32", block_size=16, max_model_len=4096, cpu_threads=2,
+# cpu_threads=1: on a shared, oversubscribed machine two spinning OpenMP threads stall each
+# other at every barrier (steps 10-100x slower and erratic); one thread degrades gracefully.
+ENGINE = dict(dtype="float32", block_size=16, max_model_len=4096, cpu_threads=1,
               cpu_kernels="wait")
 
 
@@ -252,8 +254,8 @@ def main() -> int:
     args = parser.parse_args()
     args.loads = [float(x) for x in args.loads.split(",")]
     report: dict = {"cpu": "see the closing note"}
-    if not args.skip_accuracy:
-        report["accuracy"] = accuracy(args)
+    if not args.skip_accuracy and (rows := accuracy(args)):
+        report["accuracy"] = rows
         print(f"\n{'load':>6} " + " ".join(f"{k:>13}" for k in report["accuracy"][0]["error"]))
         for row in report["accuracy"]:
             print(f"{row['load']:>6.0%} " + " ".join(f"{v:>+13.1%}"
