@@ -145,12 +145,13 @@ def run(args: argparse.Namespace) -> int:
               f"{'hit':>6} {'preempt':>8} {'goodput':>8}  (ms)")
         for row in rows:
             lat = row["latency"]
-            good = row.get("goodput", {}).get("fraction", float("nan"))
+            good = row["goodput"]["fraction"] if "goodput" in row else None
             print(f"{row['value']!s:>16} {lat['ttft']['p50'] * 1e3:>9.1f} "
                   f"{lat['ttft']['p99'] * 1e3:>9.1f} {lat['tpot']['p50'] * 1e3:>9.1f} "
                   f"{lat['e2e']['p99'] * 1e3:>9.1f} "
                   f"{row['prefix_cache']['device']['hit_rate']:>6.1%} "
-                  f"{row['preemptions']['total']:>8} {good:>8.1%}")
+                  f"{row['preemptions']['total']:>8} "
+                  f"{'-' if good is None else format(good, '.1%'):>8}")
         if args.json:
             write_json({"sweep": rows}, args.json)
         return 0
