@@ -1,4 +1,4 @@
-"""`pagedkv` command line: serve | generate | plan | bench | router.
+"""`pagedkv` command line: serve | generate | plan | bench | router | simulate | profile.
 
 Each subcommand lives in `pagedkv/commands/<name>.py` and exposes `add_parser(subparsers)` and
 `run(args) -> int`. Modules load lazily so `pagedkv plan` never imports torch.
@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("serve", "generate", "plan", "bench", "router")
+COMMANDS = ("serve", "generate", "plan", "bench", "router", "simulate", "profile")
 
 
 def _load(name: str):

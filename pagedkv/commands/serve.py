@@ -2,7 +2,7 @@
 
     pagedkv serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
                   [--api-key KEY] [--max-pending N] [--max-request-bytes N]
-                  [--shutdown-timeout S] [--engine-stall-timeout S]
+                  [--shutdown-timeout S] [--engine-stall-timeout S] [--request-log PATH]
                   [engine flags: --block-size, --dtype, ...]
 
 Every `EngineArgs` field is a flag with vLLM's name (see `pagedkv serve --help`). With
@@ -69,6 +69,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--strict-request-fields", action="store_true",
                         help="answer 400 for request fields no API of ours defines (default: "
                         "ignore them with a logged warning, as vLLM does)")
+    parser.add_argument("--request-log", default=None, metavar="PATH",
+                        help="append one JSON line per finished request (a trace for "
+                        "`pagedkv simulate`)")
     parser.add_argument("--log-level", default="info", help="log verbosity",
                         choices=("critical", "error", "warning", "info", "debug"))
     add_engine_flags(parser)
@@ -116,6 +119,11 @@ def run(args: argparse.Namespace) -> int:
             tool_call_parser=args.tool_call_parser, on_engine_dead=on_engine_dead,
             stall_timeout_s=args.engine_stall_timeout or DEFAULT_STALL_TIMEOUT_S,
             strict_request_fields=args.strict_request_fields)
+        if args.request_log:
+            from pagedkv.server.request_log import RequestLog
+
+            app.state.serving.request_log = RequestLog(
+                args.request_log, engine.scheduler.kv_cache_manager.hasher)
         config = uvicorn.Config(app, log_level=args.log_level)
         server = DrainingServer(config, app.state.async_engine, args.shutdown_timeout)
         server.run(sockets=[sock])

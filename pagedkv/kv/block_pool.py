@@ -61,6 +61,7 @@ class BlockPool:
         # hash -> the one block registered under it (a block's block_hash is set iff it is here).
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.events: list[KVCacheEvent] = []
+        self.num_evicted_blocks = 0  # cached blocks whose hash was dropped to reuse them
 
     # ------------------------------------------------------------------ allocation
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -87,6 +88,7 @@ class BlockPool:
         block_hash = block.block_hash
         del self.cached_block_hash_to_block[block_hash]
         block.block_hash = None
+        self.num_evicted_blocks += 1
         if self.enable_kv_cache_events:
             self.events.append(BlockRemoved([block_hash]))
 

@@ -91,6 +91,8 @@ class OpenAIServing:
         self.metrics = metrics
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS,
                                                   thread_name_prefix="pagedkv-tokenize")
+        # `pagedkv serve --request-log`: a RequestLog that gets every finished request.
+        self.request_log = None
 
     def close(self) -> None:
         """Stop the tokenizer threads (work not started yet is dropped)."""
@@ -277,6 +279,10 @@ class OpenAIServing:
                                      num_prompt_tokens=len(output.prompt_token_ids),
                                      finished_reason=reason, queue_time=queue_time,
                                      phases=_phases(timing, output, now))
+        if self.request_log is not None:
+            self.request_log.record(output, arrival_monotonic=timing.arrival, ttft=ttft,
+                                    e2e=now - timing.arrival, queue_time=queue_time,
+                                    num_output_tokens=longest, finish_reason=reason)
 
 
 def _phases(timing: _Timing, output: RequestOutput, now: float) -> RequestPhases:

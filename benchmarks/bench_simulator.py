@@ -1,0 +1,271 @@
+"""Simulator accuracy and speed.
+
+Accuracy: a slice of the Mooncake conversation trace (kvcache-ai/Mooncake, FAST'25, Apache-2.0;
+lengths scaled by --scale to the CPU benchmark model) is replayed at about 30%, 70% and 95% of
+capacity and at 1.5x overload, once through a real `pagedkv serve` (a client sends each request
+at its trace arrival; latencies come from the server's --request-log, preemptions and prefix
+hits from its /metrics) and once through `pagedkv simulate`'s core with a latency model fitted on
+this machine (`pagedkv profile`'s grid on the same engine flags). Prints the error of mean and
+p99 TTFT, TPOT and E2E, of prefix-hit tokens and of preemption counts, one run each.
+Capacity: the simulated throughput with every request arriving at once.
+
+Speed: the whole conversation trace (12,031 requests) with `pagedkv simulate`'s defaults (qwen3-8b
+on an H100 roofline, block 16), wall and CPU seconds and the cost per simulated request;
+`--speed-10x` also runs the trace ten times over (ids offset, so copies share nothing).
+
+    python benchmarks/bench_simulator.py [--requests 80] [--loads 0.3,0.7,0.95,1.5]
+        [--skip-accuracy] [--skip-speed] [--speed-10x] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+SHAPE = dict(arch="llama", hidden_size=512, intermediate_size=1408, num_layers=8, num_heads=8,
+             num_kv_heads=4, max_position_embeddings=4096)
+# cpu_kernels="wait": the fused kernels from the first step in both the profile and the
+# server (with "auto" the profile could time the slower torch path the server soon leaves).
+# cpu_threads=1: on a shared, oversubscribed machine two spinning OpenMP threads stall each
+# other at every barrier (steps 10-100x slower and erratic); one thread degrades gracefully.
+ENGINE = dict(dtype="float32", block_size=16, max_model_len=4096, cpu_threads=1,
+              cpu_kernels="wait")
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[max(1, -(-len(values) * q // 100)) - 1] if values else float("nan")
+
+
+def metric_stats(rows: list[dict]) -> dict[str, float]:
+    out = {}
+    for name in ("ttft", "tpot", "e2e"):
+        values = [r[name] for r in rows if r.get(name) is not None]
+        out[f"{name}_mean"] = statistics.fmean(values) if values else float("nan")
+        out[f"{name}_p99"] = percentile(values, 99)
+    return out
+
+
+async def replay(url: str, trace, vocab: int) -> None:
+    """Send each request at its arrival (seconds from now); wait for all."""
+    import httpx
+
+    from pagedkv.sim.traces import prompt_token_ids
+
+    async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
+        start = time.perf_counter()
+
+        async def one(i, t):
+            await asyncio.sleep(max(0.0, t.arrival - (time.perf_counter() - start)))
+            r = await client.post("/v1/completions", json={
+                "model": "bench", "prompt": prompt_token_ids(t, vocab, i),
+                "max_tokens": t.output_length, "ignore_eos": True, "temperature": 0.0})
+            r.raise_for_status()
+
+        await asyncio.gather(*(one(i, t) for i, t in enumerate(trace)))
+
+
+def scrape(url: str) -> dict[str, float]:
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out = {}
+    for name in ("prefix_cache_hits_total", "num_preemptions_total", "num_swaps_total"):
+        m = re.search(rf"^pagedkv:{name}(?:{{[^}}]*}})?\s+(\S+)$", text, re.M)
+        out[name] = float(m.group(1)) if m else float("nan")
+    return out
+
+
+def real_run(model_dir: Path, trace, vocab: int, blocks: int, tmp: Path) -> dict:
+    from tests.server.helpers import ServerProcess, engine_flags
+
+    log = tmp / f"log-{time.monotonic_ns()}.jsonl"
+    proc = ServerProcess(model_dir, *engine_flags(**ENGINE, num_gpu_blocks_override=blocks),
+                         "--request-log", str(log), model_name="bench").start()
+    try:
+        asyncio.run(replay(proc.url, trace, vocab))
+        counters = scrape(proc.url)
+    finally:
+        proc.stop()
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    return {**metric_stats(rows), "hit_tokens": counters["prefix_cache_hits_total"],
+            "preemptions": counters["num_preemptions_total"], "requests": len(rows)}
+
+
+def sim_run(trace, config, latency) -> dict:
+    from pagedkv.sim.simulator import simulate
+
+    result = simulate(trace, config, latency)
+    rows = [{"ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e} for r in result.records]
+    sched = result.instances[0].scheduler
+    return {**metric_stats(rows), "hit_tokens": sched.prefix_cache_hits,
+            "preemptions": sched.num_preemptions, "requests": len(rows),
+            "duration": result.duration}
+
+
+def step_check(model_dir: Path, blocks: int, trace, vocab: int, latency) -> dict:
+    """Time real `LLMEngine.step()`s on the slice (all arriving at once) against the fitted
+    model's prediction for each step's shape: the latency model's own error, without HTTP."""
+    from pagedkv.engine.args import EngineArgs
+    from pagedkv.engine.llm_engine import LLMEngine
+    from pagedkv.sched.sampling_params import SamplingParams
+    from pagedkv.sim.latency import StepShape
+    from pagedkv.sim.traces import prompt_token_ids
+
+    engine = LLMEngine(EngineArgs(model=str(model_dir), device="cpu",
+                                  num_gpu_blocks_override=blocks, **ENGINE))
+    sched = engine.scheduler
+    captured = []
+    real_schedule = sched.schedule
+
+    def schedule():
+        captured.append(real_schedule())
+        return captured[-1]
+
+    sched.schedule = schedule
+    for i, t in enumerate(trace):
+        engine.add_request(str(i), prompt_token_ids(t, vocab, i),
+                           SamplingParams(max_tokens=t.output_length, ignore_eos=True))
+    measured, predicted = [], []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+        if captured[-1].scheduled:
+            measured.append(elapsed)
+            predicted.append(latency.step_time(StepShape.of(captured[-1])))
+    engine.shutdown()
+    ratio = sum(predicted) / sum(measured)
+    rel = statistics.fmean(abs(p - m) / m for p, m in zip(predicted, measured, strict=True))
+    print(f"step check: {len(measured)} real steps, predicted/measured total {ratio:.2f}, "
+          f"mean per-step error {rel:.1%}", flush=True)
+    return {"steps": len(measured), "total_ratio": ratio, "mean_step_error": rel}
+
+
+def accuracy(args: argparse.Namespace) -> list[dict]:
+    from pagedkv.engine.args import EngineArgs
+    from pagedkv.sim.instance import SimConfig
+    from pagedkv.sim.profiling import profile_model
+    from pagedkv.sim.traces import load_trace, scale_trace
+    from pagedkv.testing import build_random_model_dir
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        model_dir = build_random_model_dir(tmp / "model", dtype="float32", seed=0, **SHAPE)
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        grid = dict(prefill_tokens=(0, 64, 512, 2048), decode_seqs=(0, 1, 8, 32),
+                    context=(128, 1024))
+        t0 = time.perf_counter()
+        latency = profile_model(EngineArgs(model=str(model_dir), device="cpu",
+                                           num_gpu_blocks_override=args.blocks, **ENGINE),
+                                grid, repeats=2)
+        print(f"profiled {latency.meta['samples']} shapes in {time.perf_counter() - t0:.0f} s:"
+              f" fit mean error {latency.meta['mean_rel_error']:.1%}, max "
+              f"{latency.meta['max_rel_error']:.1%}", flush=True)
+        config = SimConfig(num_blocks=args.blocks, block_size=16,
+                           max_model_len=ENGINE["max_model_len"], vocab_size=vocab,
+                           max_num_batched_tokens=2048)
+        base = load_trace(TRACE, limit=args.requests, scale_lengths=args.scale)
+        base = [t for t in base if t.input_length + t.output_length < ENGINE["max_model_len"]]
+        span = base[-1].arrival or 1.0
+        burst = [dataclasses.replace(t, arrival=0.0) for t in base]
+        if args.step_check:
+            step_check(model_dir, args.blocks, burst, vocab, latency)
+        capacity = len(burst) / sim_run(burst, config, latency)["duration"]
+        native = len(base) / span
+        print(f"slice: {len(base)} requests, native rate {native:.2f} req/s; simulated "
+              f"capacity {capacity:.2f} req/s", flush=True)
+        print(f"fitted: {latency.coefficients}", flush=True)
+        for load in [] if args.profile_only else args.loads:
+            trace = scale_trace(base, time_scale=native / (load * capacity))
+            sim = sim_run(trace, config, latency)
+            real = real_run(model_dir, trace, vocab, args.blocks, tmp)
+            errors = {k: (sim[k] - real[k]) / real[k] if real[k] else
+                      (0.0 if sim[k] == 0 else float("inf"))
+                      for k in real if k not in ("requests",)}
+            rows.append({"load": load, "real": real, "sim": sim, "error": errors})
+            print(f"load {load:.0%}: " + ", ".join(f"{k} {v:+.1%}" for k, v in errors.items()),
+                  flush=True)
+    return rows
+
+
+def speed(args: argparse.Namespace) -> dict:
+    from pagedkv.commands.simulate import add_parser  # the command's own defaults
+    from pagedkv.sim.latency import make_latency_model
+    from pagedkv.sim.setup import build_sim_config
+    from pagedkv.sim.simulator import simulate
+    from pagedkv.sim.traces import load_trace
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    flags = add_parser(sub).parse_args([str(TRACE)])
+    config, model_config, hardware = build_sim_config(flags)
+    latency = make_latency_model(f"roofline:{hardware}", model_config)
+    trace = load_trace(TRACE)
+    out = {}
+    copies = (1, 10) if args.speed_10x else (1,)
+    for n in copies:
+        big = trace
+        if n > 1:
+            span = trace[-1].arrival + 1.0
+            offset = 1 + max(i for t in trace for i in t.block_ids)
+            big = [dataclasses.replace(t, arrival=t.arrival + c * span,
+                                       block_ids=tuple(i + c * offset for i in t.block_ids))
+                   for c in range(n) for t in trace]
+        cpu, wall = time.process_time(), time.perf_counter()
+        result = simulate(big, config, latency)
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        out[f"{n}x"] = {"requests": len(big), "wall_s": wall, "cpu_s": cpu,
+                        "cpu_ms_per_request": 1e3 * cpu / len(big),
+                        "steps": sum(i.stats.num_steps for i in result.instances),
+                        "jumped_steps": sum(i.stats.num_jumped_steps for i in result.instances)}
+        print(f"speed {n}x trace: {len(big)} requests in {wall:.1f} s wall, {cpu:.1f} s CPU "
+              f"({1e3 * cpu / len(big):.2f} ms CPU per request)", flush=True)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=80)
+    parser.add_argument("--scale", type=float, default=1 / 32,
+                        help="length scale for the CPU model (1/32: 512-token blocks -> 16)")
+    parser.add_argument("--blocks", type=int, default=700, help="KV blocks of the engine")
+    parser.add_argument("--loads", default="0.3,0.7,0.95,1.5")
+    parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument("--step-check", action="store_true",
+                        help="also time real engine steps against the fitted model")
+    parser.add_argument("--profile-only", action="store_true",
+                        help="profile, step check, capacity; no server runs")
+    parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--speed-10x", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    args.loads = [float(x) for x in args.loads.split(",")]
+    report: dict = {"cpu": "see the closing note"}
+    if not args.skip_accuracy and (rows := accuracy(args)):
+        report["accuracy"] = rows
+        print(f"\n{'load':>6} " + " ".join(f"{k:>13}" for k in report["accuracy"][0]["error"]))
+        for row in report["accuracy"]:
+            print(f"{row['load']:>6.0%} " + " ".join(f"{v:>+13.1%}"
+                                                       for v in row["error"].values()))
+    if not args.skip_speed:
+        report["speed"] = speed(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

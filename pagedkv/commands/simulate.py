@@ -1,0 +1,167 @@
+"""`pagedkv simulate TRACE`: replay a request trace through pagedkv's real scheduler and KV
+cache manager on a virtual clock, with a latency model instead of the model runner.
+
+    pagedkv simulate TRACE [--trace-format mooncake|azure|request-log] [--limit N]
+        [--scale-lengths F] [--time-scale F] [--model CONFIG] [--hardware h100]
+        [--latency roofline:h100 | PROFILE.json | linear] [engine flags: --block-size,
+        --num-gpu-blocks-override, --max-num-seqs, --preemption-mode, ...]
+        [--instances N --policy kv-aware|round-robin|least-load|session]
+        [--slo ttft=2,tpot=0.1] [--sweep SETTING=V1,V2] [--search num_blocks|instances]
+        [--json OUT.json] [--plot OUT.png]
+
+The KV cache holds `--num-gpu-blocks-override` blocks, else `--kv-cache-memory-bytes`, else
+what `pagedkv plan` gives for `--model` on `--hardware`'s memory. Needs no torch and no weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from pagedkv.kv.eviction import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES
+from pagedkv.router.policies import POLICY_NAMES
+
+DEFAULT_MODEL = "qwen3-8b"
+DEFAULT_HARDWARE = "h100"
+
+
+def positive_number(text: str) -> float:
+    """A finite number > 0 (a flag value). Not engine_flags' own: that module imports torch."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the `simulate` subcommand on an argparse subparsers object."""
+    p = subparsers.add_parser("simulate", help="replay a trace through the real scheduler on "
+                              "a virtual clock", description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("trace", metavar="TRACE", help="Mooncake JSONL, Azure CSV or a pagedkv "
+                   "request log (serve --request-log)")
+    p.add_argument("--trace-format", choices=("mooncake", "azure", "request-log"), default=None,
+                   help="trace format (default: sniffed from the file)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="first N requests only")
+    p.add_argument("--start", type=int, default=0, metavar="I", help="skip the first I requests")
+    p.add_argument("--scale-lengths", type=positive_number, default=1.0, metavar="F",
+                   help="multiply input and output lengths (and prefix blocks) by F")
+    p.add_argument("--time-scale", type=positive_number, default=1.0, metavar="F",
+                   help="multiply arrival times by F (0.5 = twice the request rate)")
+    p.add_argument("--model", default=DEFAULT_MODEL, metavar="CONFIG",
+                   help="model config: a config.json, a model directory or a bundled name "
+                   "(sizes the KV cache and the roofline)")
+    p.add_argument("--hardware", default=DEFAULT_HARDWARE,
+                   help="h100, a100, cpu (measured now) or a JSON file: memory for the KV "
+                   "cache size and ceilings for the roofline")
+    p.add_argument("--latency", default=None, metavar="MODEL",
+                   help="a JSON file from `pagedkv profile`, roofline:HARDWARE or linear "
+                   "(default: roofline on --hardware)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    e = p.add_argument_group("engine", "the simulated engine (vLLM's names)")
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N")
+    e.add_argument("--kv-cache-memory-bytes", default=None, metavar="SIZE")
+    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+    e.add_argument("--swap-space", type=float, default=4.0, help="GiB of host swap blocks")
+    e.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
+    e.add_argument("--watermark", type=float, default=0.01)
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True)
+    e.add_argument("--prefix-caching-hash-algo", choices=("sha256", "xxhash"), default="xxhash",
+                   help="block hash; any injective hash makes the same decisions, and xxhash "
+                   "is the faster one to simulate with")
+    e.add_argument("--eviction-policy", choices=tuple(EVICTION_POLICIES),
+                   default=DEFAULT_EVICTION_POLICY)
+    e.add_argument("--no-jump", dest="jump", action="store_false",
+                   help="step one by one (no quiet-stretch jumps; same results, slower)")
+    c = p.add_argument_group("cluster and results")
+    c.add_argument("--instances", type=int, default=1, metavar="N")
+    c.add_argument("--policy", choices=POLICY_NAMES, default="kv-aware",
+                   help="routing policy with --instances > 1")
+    c.add_argument("--slo", default=None, help="e.g. ttft=2,tpot=0.1 (seconds, or 200ms)")
+    c.add_argument("--sweep", default=None, metavar="SETTING=V1,V2",
+                   help="one run per value, e.g. num_blocks=2000,4000 or instances=1,2,4")
+    c.add_argument("--search", choices=("num_blocks", "instances"), default=None,
+                   help="with --slo: the fewest blocks or instances meeting it")
+    c.add_argument("--target", type=float, default=0.99,
+                   help="fraction of requests that must meet the SLO in --search")
+    c.add_argument("--json", default=None, metavar="PATH", help="write the summary as JSON")
+    c.add_argument("--plot", default=None, metavar="PATH",
+                   help="write a PNG of KV usage and latencies over time")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedkv.sim.latency import make_latency_model
+    from pagedkv.sim.results import SLO, format_table, plot, summarize, write_json
+    from pagedkv.sim.search import capacity_search, parse_sweep, sweep
+    from pagedkv.sim.setup import build_sim_config
+    from pagedkv.sim.simulator import simulate
+    from pagedkv.sim.traces import load_trace
+
+    if args.instances < 1:
+        raise ValueError(f"--instances must be >= 1, got {args.instances}")
+    slo = SLO.parse(args.slo)
+    if args.search and slo is None:
+        raise ValueError("--search needs --slo")
+    trace = load_trace(args.trace, args.trace_format, scale_lengths=args.scale_lengths,
+                       time_scale=args.time_scale, limit=args.limit, start=args.start)
+    if not trace:
+        raise ValueError(f"trace {args.trace!r} has no requests")
+    config, model_config, hardware = build_sim_config(args)
+    latency = make_latency_model(args.latency or f"roofline:{hardware}", model_config)
+    print(f"trace: {len(trace)} requests over {trace[-1].arrival:.1f} s; KV cache "
+          f"{config.num_blocks - 1} blocks of {config.block_size} tokens; max_model_len "
+          f"{config.max_model_len}; latency: {latency.name}", file=sys.stderr)
+    if args.search:
+        found = capacity_search(trace, config, latency, slo, setting=args.search,
+                                target=args.target, num_instances=args.instances,
+                                policy=args.policy, log=lambda m: print(m, file=sys.stderr))
+        if found["value"] is None:
+            print(f"no {args.search} up to the search bound meets {args.slo} for "
+                  f"{args.target:.0%} of requests")
+        else:
+            print(f"fewest {args.search} meeting {args.slo} for {args.target:.0%} of requests: "
+                  f"{found['value']}")
+            print(format_table(found["summary"]))
+        if args.json:
+            write_json({k: v for k, v in found.items() if k != "tried"}
+                       | {"tried": {str(k): v for k, v in found["tried"].items()}}, args.json)
+        return 0
+    if args.sweep:
+        setting, values = parse_sweep(args.sweep)
+        rows = sweep(trace, config, latency, setting, values, slo=slo,
+                     num_instances=args.instances, policy=args.policy)
+        print(f"{setting:>16} {'ttft p50':>9} {'ttft p99':>9} {'tpot p50':>9} {'e2e p99':>9} "
+              f"{'hit':>6} {'preempt':>8} {'goodput':>8}  (ms)")
+        for row in rows:
+            lat = row["latency"]
+            good = row["goodput"]["fraction"] if "goodput" in row else None
+            print(f"{row['value']!s:>16} {lat['ttft']['p50'] * 1e3:>9.1f} "
+                  f"{lat['ttft']['p99'] * 1e3:>9.1f} {lat['tpot']['p50'] * 1e3:>9.1f} "
+                  f"{lat['e2e']['p99'] * 1e3:>9.1f} "
+                  f"{row['prefix_cache']['device']['hit_rate']:>6.1%} "
+                  f"{row['preemptions']['total']:>8} "
+                  f"{'-' if good is None else format(good, '.1%'):>8}")
+        if args.json:
+            write_json({"sweep": rows}, args.json)
+        return 0
+    result = simulate(trace, config, latency, num_instances=args.instances, policy=args.policy)
+    summary = summarize(result, slo)
+    print(format_table(summary))
+    if args.json:
+        write_json(summary, args.json)
+    if args.plot:
+        plot(result, args.plot)
+    return 0
+
+

@@ -1,0 +1,64 @@
+"""`pagedkv serve --request-log PATH`: one JSON line per finished request, a trace that
+`pagedkv simulate` replays (format "request-log").
+
+Each line: `arrival` (Unix seconds), `prompt_tokens`, `output_tokens` (the longest sample),
+`block_size` and `prefix_block_hashes` (hex chained hashes of the prompt's full blocks, as the
+engine's prefix cache keys them, without a cache salt), `cached_tokens`, `queue_time`, `ttft`,
+`tpot`, `e2e` (seconds; null where not defined), `finish_reason`. Written by the server's event
+loop as each request finishes, line-buffered, so a crash loses at most the line being written.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.kv.hashing import RequestBlockHasher
+
+
+class _Prompt:
+    __slots__ = ("all_token_ids", "cache_salt", "lora_name")
+
+    def __init__(self, ids: list[int]) -> None:
+        self.all_token_ids = ids
+        self.cache_salt = None
+        self.lora_name = None
+
+
+class RequestLog:
+    """Appends one line per finished request to `path` (created or appended to)."""
+
+    def __init__(self, path: str | Path, hasher: RequestBlockHasher) -> None:
+        self.path = Path(path)
+        self.hasher = hasher
+        self._lock = threading.Lock()
+        self._file = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+
+    def record(self, output: RequestOutput, *, arrival_monotonic: float, ttft: float | None,
+               e2e: float, queue_time: float | None, num_output_tokens: int,
+               finish_reason: str) -> None:
+        ids = list(output.prompt_token_ids)
+        hashes = self.hasher(_Prompt(ids), [])
+        tpot = None
+        if ttft is not None and num_output_tokens > 1:
+            tpot = (e2e - ttft) / (num_output_tokens - 1)
+        row: dict[str, Any] = {
+            "arrival": time.time() - (time.monotonic() - arrival_monotonic),
+            "prompt_tokens": len(ids), "output_tokens": num_output_tokens,
+            "block_size": self.hasher.block_size,
+            "prefix_block_hashes": [h.hex() for h in hashes],
+            "cached_tokens": max(output.num_cached_tokens, 0), "queue_time": queue_time,
+            "ttft": ttft, "tpot": tpot, "e2e": e2e, "finish_reason": finish_reason,
+        }
+        line = json.dumps(row, separators=(",", ":")) + "\n"
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(line)
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()

@@ -1,0 +1,15 @@
+"""The trace simulator: pagedkv's real scheduler and KV manager on a virtual clock.
+
+`traces` reads Mooncake / Azure / request-log traces, `latency` holds the step-time models,
+`instance` is one simulated engine, `simulator` replays a trace over one or more instances
+(with the router's policies), `results` summarizes a run, `search` sweeps a setting and finds
+the smallest one that meets an SLO. No torch anywhere here (`pagedkv profile`, which times the
+real runner, lives in `pagedkv.sim.profiling` and imports it lazily).
+"""
+
+from pagedkv.sim.instance import RequestRecord, SimConfig, SimInstance
+from pagedkv.sim.simulator import SimResult, simulate
+from pagedkv.sim.traces import TraceRequest, load_trace
+
+__all__ = ["RequestRecord", "SimConfig", "SimInstance", "SimResult", "TraceRequest",
+           "load_trace", "simulate"]

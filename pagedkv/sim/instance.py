@@ -1,0 +1,255 @@
+"""One simulated engine: pagedkv's real `Scheduler` and `KVCacheManager` on a virtual clock.
+
+Each step is the engine's own loop (`LLMEngine.step`): `schedule()`, then instead of the model
+runner a latency model gives the step's duration and every sampling request gets one token,
+then `update()`. Requests carry `max_tokens` = the trace's output length with `ignore_eos`, so
+they finish where the trace says.
+
+Quiet stretches (only token counts change) are jumped when `jump=True`: see `quiet.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from dataclasses import dataclass, field
+
+from pagedkv.kv.manager import KVCacheManager
+from pagedkv.sched.output import ModelRunnerOutput
+from pagedkv.sched.request import Request, RequestStatus
+from pagedkv.sched.sampling_params import SamplingParams
+from pagedkv.sched.scheduler import Scheduler, SchedulerConfig
+from pagedkv.sim.latency.base import LatencyModel, StepShape
+from pagedkv.sim.quiet import jump
+from pagedkv.utils import cdiv
+
+
+@dataclass
+class SimConfig:
+    """The simulated engine's settings, with `EngineArgs`' names where they exist.
+    `num_blocks` counts the null block, as `num_gpu_blocks_override` does."""
+
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    preemption_mode: str = "recompute"
+    num_host_blocks: int = 0
+    scheduling_policy: str = "fcfs"
+    watermark: float = 0.01
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    eviction_policy: str = "lru"
+    sliding_window: int | None = None
+    vocab_size: int = 32000
+    jump: bool = True
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                               max_num_batched_tokens=self.max_num_batched_tokens,
+                               max_model_len=self.max_model_len,
+                               preemption_mode=self.preemption_mode,
+                               policy=self.scheduling_policy)
+
+
+@dataclass
+class RequestRecord:
+    """What the simulator measured for one trace request (times in virtual seconds)."""
+
+    index: int
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int  # the trace's (the request's max_tokens)
+    instance: int = 0
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finish: float | None = None
+    num_tokens: int = 0  # tokens produced so far
+    cached_tokens: int = 0
+    num_preemptions: int = 0
+    status: str = "waiting"  # then running | stop | length | error | rejected
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finish is None else self.finish - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        if self.first_token is None or self.last_token is None or self.num_tokens < 2:
+            return None
+        return (self.last_token - self.first_token) / (self.num_tokens - 1)
+
+
+@dataclass
+class StepRecord:
+    """One step as the scheduler decided it (kept only with `record_steps`): per scheduled
+    request (id, first position, tokens), and the scheduler's preemption counters after it."""
+
+    scheduled: tuple[tuple[str, int, int], ...]
+    num_preemptions: int
+    num_swaps: int
+
+
+@dataclass
+class InstanceStats:
+    num_steps: int = 0
+    num_jumped_steps: int = 0
+    num_jumps: int = 0
+    busy_time: float = 0.0
+    usage_times: array = field(default_factory=lambda: array("d"))
+    usage_values: array = field(default_factory=lambda: array("d"))
+    itl_values: array = field(default_factory=lambda: array("d"))
+    itl_weights: array = field(default_factory=lambda: array("d"))
+
+
+class _SimKVCacheManager(KVCacheManager):
+    """The real manager; only the block-id list the scheduler copies into each scheduled
+    request for the model runner is left empty: no runner reads it here, and building it
+    costs O(blocks) per request per step."""
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return []
+
+
+class SimInstance:
+    """One engine under simulation. Not thread-safe. `clock` only moves forward."""
+
+    def __init__(self, config: SimConfig, latency: LatencyModel, *, index: int = 0,
+                 record_steps: bool = False) -> None:
+        self.config = config
+        self.latency = latency
+        self.index = index
+        self.kv = _SimKVCacheManager(
+            num_blocks=config.num_blocks, block_size=config.block_size,
+            num_host_blocks=config.num_host_blocks, enable_caching=config.enable_prefix_caching,
+            sliding_window=config.sliding_window, watermark=config.watermark,
+            hash_algo=config.prefix_caching_hash_algo, eviction_policy=config.eviction_policy)
+        self.scheduler = Scheduler(config.scheduler_config(), self.kv)
+        self.clock = 0.0
+        self.live: dict[str, RequestRecord] = {}
+        self.finished: list[RequestRecord] = []
+        self.stats = InstanceStats()
+        self.steps: list[StepRecord] | None = [] if record_steps else None
+        self._tokens: dict[str, int] = {}  # the token each request "samples"
+
+    # ---- requests -----------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def add(self, record: RequestRecord, prompt_token_ids: list[int]) -> Request | None:
+        """Queue a trace request now (its arrival is `record.arrival`). Refused, as the engine
+        refuses it, when the prompt leaves no room for a token or can never fit the cache:
+        then the record is finished as 'rejected' and None is returned."""
+        cfg = self.config
+        n = len(prompt_token_ids)
+        record.instance = self.index
+        kv = self.kv
+        if n == 0 or n >= cfg.max_model_len or \
+                cdiv(n + 1, cfg.block_size) > kv.num_usable_blocks - kv.watermark_blocks:
+            record.status, record.error = "rejected", f"prompt of {n} tokens does not fit"
+            record.finish = None
+            self.finished.append(record)
+            return None
+        max_tokens = min(record.output_tokens, cfg.max_model_len - n)
+        request = Request(request_id=str(record.index), prompt_token_ids=prompt_token_ids,
+                          sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                          arrival_time=record.arrival)
+        self.scheduler.add_request(request)
+        self.live[request.request_id] = record
+        self._tokens[request.request_id] = (record.index * 7919 + 13) % cfg.vocab_size
+        return request
+
+    # ---- time ---------------------------------------------------------------------------
+
+    def run_until(self, horizon: float) -> None:
+        """Step until the clock reaches `horizon` (a step that starts before it may end after
+        it) or nothing is left to run; an idle instance's clock moves to `horizon`."""
+        while self.clock < horizon:
+            if not self.busy or not self.step(horizon):
+                if math.isinf(horizon):
+                    self._fail_stuck()
+                    return
+                self.clock = horizon
+                return
+
+    def step(self, horizon: float = math.inf) -> bool:
+        """One engine step (or a jump over a quiet stretch ending before `horizon`). Returns
+        False when nothing could run (only arrivals can change that)."""
+        sched = self.scheduler
+        start = self.clock
+        out = sched.schedule()
+        if not out.scheduled:
+            changed = sched.update(out, ModelRunnerOutput())
+            self._finish_changed(changed)
+            return bool(changed) or bool(out.blocks_to_swap_out or out.blocks_to_swap_in)
+        dt = self.latency.step_time(StepShape.of(out))
+        self.clock = now = start + dt
+        stats = self.stats
+        stats.num_steps += 1
+        stats.busy_time += dt
+        sampled = {}
+        live = self.live
+        tokens = self._tokens
+        for s in out.scheduled:
+            rid = s.request_id
+            record = live[rid]
+            if record.first_scheduled is None:
+                record.first_scheduled = start
+                record.status = "running"
+            if s.num_samples:
+                sampled[rid] = [tokens[rid]]
+        changed = sched.update(out, ModelRunnerOutput(sampled_token_ids=sampled))
+        itl_values = stats.itl_values
+        for rid in sampled:
+            record = live[rid]
+            if record.first_token is None:
+                record.first_token = now
+                request = sched.requests.get(rid)
+                record.cached_tokens = max(request.num_cached_tokens, 0) if request else 0
+            else:
+                itl_values.append(now - record.last_token)
+                stats.itl_weights.append(1.0)
+            record.last_token = now
+            record.num_tokens += 1
+        self._finish_changed(changed)
+        if self.steps is not None:
+            self.steps.append(StepRecord(
+                tuple((s.request_id, s.start_pos, len(s.token_ids)) for s in out.scheduled),
+                sched.num_preemptions, sched.num_swaps))
+        stats.usage_times.append(now)
+        stats.usage_values.append(self.kv.usage)
+        if self.config.jump:
+            jump(self, horizon)
+        return True
+
+    def _finish_changed(self, changed: list[Request]) -> None:
+        for request in changed:
+            if not request.is_finished:
+                continue
+            record = self.live.pop(request.request_id, None)
+            if record is None:
+                continue
+            del self._tokens[request.request_id]
+            record.finish = self.clock
+            record.num_preemptions = request.num_preemptions
+            record.status = request.status.value
+            record.error = request.error
+            if request.first_scheduled_time is not None and record.first_token is None:
+                record.cached_tokens = max(request.num_cached_tokens, 0)
+            self.finished.append(record)
+
+    def _fail_stuck(self) -> None:
+        """Nothing can ever run again (no arrival will come): end what is left as errors."""
+        ids = list(self.scheduler.requests)
+        ended = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR,
+                                               "the simulated engine could not run it")
+        self._finish_changed(ended)

@@ -1,0 +1,88 @@
+"""A latency model fitted to this engine's own step timings (`pagedkv profile MODEL`).
+
+time = sum_i coef_i x feature_i over `FEATURE_NAMES` (intercept, prefill tokens, prefill
+attention work, decode sequences, decode context, swapped blocks), fitted by least squares
+with non-negative coefficients, saved as JSON:
+
+    {"kind": "fitted", "coefficients": {"intercept": ..., ...}, "meta": {...}}
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pagedkv.sim.latency.base import FEATURE_NAMES, StepShape
+
+
+class FittedLatency:
+    name = "fitted"
+
+    def __init__(self, coefficients: dict[str, float], meta: dict[str, Any] | None = None) -> None:
+        unknown = set(coefficients) - set(FEATURE_NAMES)
+        if unknown:
+            raise ValueError(f"unknown latency coefficients {sorted(unknown)}; "
+                             f"known: {list(FEATURE_NAMES)}")
+        self.coefficients = {k: float(coefficients.get(k, 0.0)) for k in FEATURE_NAMES}
+        self.meta = dict(meta or {})
+        c = self.coefficients
+        self._c = tuple(c[k] for k in FEATURE_NAMES)
+
+    def step_time(self, shape: StepShape) -> float:
+        c0, c1, c2, c3, c4, c5 = self._c
+        return (c0 + c1 * shape.prefill_tokens + c2 * shape.prefill_attention
+                + c3 * shape.decode_seqs + c4 * shape.decode_context + c5 * shape.swapped_blocks)
+
+    @classmethod
+    def fit(cls, shapes: Sequence[StepShape], times: Sequence[float],
+            meta: dict[str, Any] | None = None) -> FittedLatency:
+        """Non-negative least squares of `times` on the shapes' features (features that never
+        vary in the samples get 0). ValueError with fewer samples than features."""
+        import numpy as np
+
+        if len(shapes) != len(times) or len(shapes) < len(FEATURE_NAMES):
+            raise ValueError(f"need at least {len(FEATURE_NAMES)} (shape, time) samples, got "
+                             f"{len(shapes)} shapes and {len(times)} times")
+        x = np.array([s.features() for s in shapes], dtype=float)
+        y = np.array(times, dtype=float)
+        if (y <= 0).any():
+            raise ValueError("step times must be > 0")
+        # Relative error is what matters (a 1 ms step off by 1 ms is as bad as 100 off by
+        # 100): weight each row by 1 / time.
+        xw, yw = x / y[:, None], np.ones_like(y)
+        active = [j for j in range(x.shape[1]) if j == 0 or np.ptp(x[:, j]) > 0]
+        coef = np.zeros(x.shape[1])
+        while active:  # active-set NNLS: drop the most negative coefficient until none is
+            scale = np.maximum(np.abs(xw[:, active]).max(axis=0), 1e-300)
+            sol, *_ = np.linalg.lstsq(xw[:, active] / scale, yw, rcond=None)
+            sol = sol / scale
+            if (sol >= 0).all():
+                coef[active] = sol
+                break
+            active.pop(int(np.argmin(sol)))
+        predicted = x @ coef
+        rel = np.abs(predicted - y) / np.maximum(y, 1e-9)
+        meta = dict(meta or {})
+        meta.update(samples=len(y), mean_rel_error=float(rel.mean()),
+                    max_rel_error=float(rel.max()))
+        return cls(dict(zip(FEATURE_NAMES, coef.tolist(), strict=True)), meta)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "fitted", "coefficients": self.coefficients, "meta": self.meta}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> FittedLatency:
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"latency model {str(path)!r} is not JSON: {exc}") from None
+        if not isinstance(data, dict) or data.get("kind") != "fitted" \
+                or not isinstance(data.get("coefficients"), dict):
+            raise ValueError(f"latency model {str(path)!r} is not a fitted model "
+                             "(expected {\"kind\": \"fitted\", \"coefficients\": {...}})")
+        return cls(data["coefficients"], data.get("meta"))

@@ -1,0 +1,109 @@
+"""Latency models: the fit recovers known coefficients, JSON round trip, roofline shape, the
+spec parser; and `pagedkv profile` fits on real runner timings."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from pagedkv.sim.latency import (
+    FittedLatency,
+    Hardware,
+    LinearLatency,
+    ModelShape,
+    RooflineLatency,
+    StepShape,
+    make_latency_model,
+)
+from pagedkv.sim.setup import load_model_config
+
+
+def _shapes(n: int = 60) -> list[StepShape]:
+    rng = random.Random(0)
+    out = []
+    for _ in range(n):
+        p, d = rng.choice((0, 16, 256, 1024)), rng.choice((0, 1, 8, 32))
+        c = rng.choice((64, 512, 2048))
+        out.append(StepShape(prefill_tokens=p, prefill_seqs=1 if p else 0,
+                             prefill_attention=p * (p + 1) / 2, decode_seqs=d,
+                             decode_context=d * c))
+    return out
+
+
+def test_fit_recovers_coefficients_and_round_trips(tmp_path):
+    truth = FittedLatency({"intercept": 2e-3, "prefill_tokens": 5e-5, "prefill_attention": 1e-9,
+                           "decode_seqs": 3e-4, "decode_context": 2e-8})
+    shapes = _shapes()
+    times = [truth.step_time(s) for s in shapes]
+    fitted = FittedLatency.fit(shapes, times)
+    for name, value in truth.coefficients.items():
+        assert fitted.coefficients[name] == pytest.approx(value, rel=1e-6, abs=1e-12), name
+    assert fitted.meta["max_rel_error"] < 1e-6
+    path = tmp_path / "lat.json"
+    fitted.save(path)
+    loaded = make_latency_model(str(path))
+    assert isinstance(loaded, FittedLatency)
+    assert [loaded.step_time(s) for s in shapes] == pytest.approx(times, rel=1e-9)
+
+
+def test_fit_keeps_coefficients_non_negative():
+    shapes = _shapes()
+    rng = random.Random(1)
+    times = [1e-3 + 4e-5 * s.prefill_tokens + 1e-4 * s.decode_seqs * rng.random()
+             for s in shapes]
+    fitted = FittedLatency.fit(shapes, times)
+    assert all(v >= 0 for v in fitted.coefficients.values())
+    with pytest.raises(ValueError, match="samples"):
+        FittedLatency.fit(shapes[:3], times[:3])
+
+
+def test_bad_latency_specs(tmp_path):
+    with pytest.raises(ValueError, match="unknown latency model"):
+        make_latency_model("warp-drive")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"kind": "other"}))
+    with pytest.raises(ValueError, match="not a fitted model"):
+        make_latency_model(str(bad))
+    with pytest.raises(ValueError, match="unknown latency coefficients"):
+        FittedLatency({"warp": 1.0})
+    with pytest.raises(ValueError, match="needs the model's config"):
+        make_latency_model("roofline:h100")
+    with pytest.raises(ValueError, match="unknown hardware"):
+        make_latency_model("roofline:tpu9", load_model_config("llama-3-8b"))
+
+
+def test_roofline_is_memory_bound_for_decode_and_compute_bound_for_prefill():
+    model = ModelShape.from_config(load_model_config("llama-3-8b"))
+    assert 7e9 < model.num_params < 9e9
+    hw = Hardware("t", flops=1e15, memory_bandwidth=3e12, mfu=1.0, mbu=1.0, step_overhead=0.0)
+    roof = RooflineLatency(model, hw)
+    decode = roof.step_time(StepShape(decode_seqs=1, decode_context=100))
+    assert decode == pytest.approx((model.weight_bytes + 101 * model.kv_bytes_per_token)
+                                   / 3e12, rel=1e-3)
+    # Decode: batching is nearly free until compute catches up; prefill grows linearly.
+    assert roof.step_time(StepShape(decode_seqs=8, decode_context=800)) < 1.1 * decode
+    p1 = roof.step_time(StepShape(prefill_tokens=4096, prefill_attention=4096 * 2048))
+    p2 = roof.step_time(StepShape(prefill_tokens=8192, prefill_attention=8192 * 4096))
+    assert p2 > 2 * p1
+    h100 = make_latency_model("roofline:h100", load_model_config("llama-3-8b"))
+    assert 5e-3 < h100.step_time(StepShape(decode_seqs=1, decode_context=100)) < 2e-2
+    assert LinearLatency().step_time(StepShape()) == pytest.approx(2e-3)
+
+
+def test_profile_fits_the_real_runner(tiny_llama):
+    from pagedkv.engine.args import EngineArgs
+    from pagedkv.sim.profiling import profile_model
+
+    args = EngineArgs(model=str(tiny_llama), device="cpu", num_gpu_blocks_override=600,
+                      cpu_kernels="off")
+    grid = dict(prefill_tokens=(0, 32, 256), decode_seqs=(0, 1, 8), context=(32, 256))
+    fitted = profile_model(args, grid, repeats=1)
+    assert fitted.meta["samples"] == 14  # every shape but the empty one; all fit the cache
+    assert all(v >= 0 for v in fitted.coefficients.values())
+    points = fitted.meta["points"]
+    assert all(p["seconds"] > 0 for p in points)
+    big = max(points, key=lambda p: p["prefill_tokens"] + p["decode_seqs"])
+    shape = StepShape(**{k: v for k, v in big.items() if k != "seconds"})
+    assert fitted.step_time(shape) > 0
