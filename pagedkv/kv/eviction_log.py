@@ -1,0 +1,63 @@
+"""A bounded ring of eviction records: when a cached block's hash was evicted, by which policy,
+to make room for which request. Read by `POST /v1/cache/explain` (issue 23).
+
+The pool appends one record per evicted hash (only evictions, never hits or frees), and a dict
+indexes the newest record of each hash still in the ring; both are bounded by `capacity`, so
+the memory is O(capacity) whatever the uptime. Written and read in the engine loop thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from pagedkv.kv.hashing import BlockHash
+
+DEFAULT_EVICTION_LOG_CAPACITY = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionRecord:
+    """One evicted hash. `time` is wall-clock seconds (time.time()); `for_request` is the id
+    of the request whose allocation reused the block (None when unknown)."""
+
+    block_hash: BlockHash
+    block_id: int
+    time: float
+    policy: str
+    for_request: str | None
+
+
+class EvictionLog:
+    """The newest `capacity` eviction records, looked up by hash in O(1)."""
+
+    def __init__(self, policy: str, capacity: int = DEFAULT_EVICTION_LOG_CAPACITY) -> None:
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"eviction log capacity must be a positive int, got {capacity!r}")
+        self.policy = policy
+        self.capacity = capacity
+        self._ring: deque[EvictionRecord] = deque()
+        self._by_hash: dict[BlockHash, EvictionRecord] = {}
+        self.num_evictions = 0  # every eviction since start (the ring keeps the newest)
+        # Set by the KV manager before it allocates: whom the evictions of that call serve.
+        self.allocating_for: str | None = None
+
+    def record(self, block_hash: BlockHash, block_id: int) -> None:
+        """Append a record (dropping the oldest when full)."""
+        ring = self._ring
+        if len(ring) == self.capacity:
+            old = ring.popleft()
+            if self._by_hash.get(old.block_hash) is old:
+                del self._by_hash[old.block_hash]
+        rec = EvictionRecord(block_hash, block_id, time.time(), self.policy, self.allocating_for)
+        ring.append(rec)
+        self._by_hash[block_hash] = rec
+        self.num_evictions += 1
+
+    def lookup(self, block_hash: BlockHash) -> EvictionRecord | None:
+        """The newest record of `block_hash` still in the ring, or None."""
+        return self._by_hash.get(block_hash)
+
+    def __len__(self) -> int:
+        return len(self._ring)
