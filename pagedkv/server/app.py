@@ -3,8 +3,9 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
 GET /health, GET|POST /ping, GET /metrics (Prometheus text), GET /version, vLLM's
 POST /tokenize and POST /detokenize, pagedkv's POST /v1/pin and /v1/unpin (pinned prefixes),
-and GET /kv_cache_info (block size, hash algorithm and pool
-size, for `pagedkv router`). With `api_key`, every /v1 route needs
+GET /kv_cache_info (block size, hash algorithm and pool
+size, for `pagedkv router`), and the live dashboard: GET /dashboard and POST /v1/cache/explain
+(server/dashboard/). With `api_key`, every /v1 route needs
 `Authorization: Bearer <api_key>` (401 otherwise; the scheme is case-insensitive). A request
 body over `max_request_bytes` is a 413. Errors are OpenAI-style bodies (errors.py).
 
@@ -27,6 +28,7 @@ from pagedkv import __version__
 from pagedkv.engine.async_engine import AsyncEngine, EngineDeadError
 from pagedkv.server.auth import bearer_key_matches, invalid_api_key
 from pagedkv.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
+from pagedkv.server.dashboard.routes import make_dashboard_router
 from pagedkv.server.errors import APIError, error_response, install_error_handlers
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (
@@ -189,6 +191,7 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
     async def unpin_route(body: PinRequest) -> PinResponse:
         return await pin(serving, body, unpin=True)
 
+    app.include_router(make_dashboard_router(async_engine, serving, metrics, served_model_name))
     return app
 
 
