@@ -119,6 +119,7 @@
     if (!s) return 0;
     const tbl = D.selectedTable, dev = tbl && tbl.tier === "device" ? tbl.blocks.map((b) => b.physical) : null;
     drawPool($("grid"), s.pools[0], dev);
+    $("hostgrid").style.display = s.pools[1] ? "" : "none";
     if (s.pools[1]) drawPool($("hostgrid"), s.pools[1], tbl && tbl.tier === "host" ? tbl.blocks.map((b) => b.physical) : null);
     const c = s.pools[0].counts();
     $("counts").innerHTML = ["usable", "in_use", "cached", "free", "pinned"].map((k) =>
@@ -164,7 +165,11 @@
   async function select(id) {
     D.selected = id;
     const r = await fetch(`/dashboard/api/request/${encodeURIComponent(id)}`);
-    if (!r.ok) { D.selectedTable = null; $("block-table").innerHTML = `<span class="hint">request ${id} is no longer live</span>`; D.dirty = true; return; }
+    if (!r.ok) {  // finished: keep its last table, offer the explanation
+      D.selected = null; D.selectedTable = null; D.dirty = true;
+      $("bt-title").innerHTML = `${id} finished — <a href="#" data-explain="${id}">why did it miss?</a>`;
+      return;
+    }
     const t = await r.json();
     D.selectedTable = t;
     $("bt-title").textContent = `${id} (${t.tier}, ${t.blocks.length} blocks of ${t.block_size})`;
@@ -181,6 +186,7 @@
     if (body.partial_block) rows.push(`<tr><td></td><td>${body.partial_block.tokens.join("–")}</td><td>-</td><td class="r-other">partial_block</td><td class="why">${body.partial_block.detail}</td></tr>`);
     $("explain").innerHTML = `<div class="hint">${id}: ${body.num_device_hit_tokens} of ${body.num_tokens} tokens would hit on the device now</div><table><tr><th>#</th><th>tokens</th><th>where</th><th>reason</th><th></th></tr>${rows.join("")}</table>`;
   }
+  $("bt-title").addEventListener("click", (e) => { const a = e.target.closest("a[data-explain]"); if (a) { e.preventDefault(); explain(a.dataset.explain); } });
   $("finished").addEventListener("click", (e) => { const a = e.target.closest("a[data-explain]"); if (a) { e.preventDefault(); explain(a.dataset.explain); } });
   $("explain-go").addEventListener("click", () => explain($("explain-id").value.trim()));
 
