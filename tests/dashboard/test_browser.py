@@ -207,3 +207,53 @@ def test_frame_time_with_100k_blocks(browser, server, capsys):
                          " return window.dashboard.view.pools[0].counts(); }")
     assert back["in_use"] == n_use + min(500, n_new)
     page.close()
+
+
+PARITY_SCRIPT = """({snapshot, batches}) => {
+  const s = new PageState(snapshot);
+  const out = [];
+  for (const ops of batches) {
+    s.apply(ops, 1);
+    const p = s.pools[0];
+    out.push({refs: Array.from(p.refs), hashes: p.hashes.slice(),
+              free_order: Array.from(p.freeOrder.keys()),
+              pins: Object.fromEntries([...p.pins].map(([k, v]) => [String(k), v])),
+              host_refs: s.pools[1] ? Array.from(s.pools[1].refs) : null,
+              forest: Object.fromEntries([...s.forest].map(([h, n]) => [h, n.block]))});
+  }
+  return out;
+}"""
+
+
+def test_the_pages_state_model_equals_the_managers_over_random_ops(browser, server):
+    """state.js (the page's model) rebuilds the manager's own snapshot from the op stream."""
+    import random
+
+    from pagedkv.kv.manager import KVCacheManager
+    from pagedkv.kv.observer import pool_snapshot
+    from pagedkv.server.dashboard.feed import BlockFeed
+    from tests.dashboard.test_state_replay import _FakeEngine, _random_ops
+
+    kv = KVCacheManager(num_blocks=48, block_size=4, num_host_blocks=16, watermark=0.0,
+                        max_pinned_fraction=0.3)
+    engine, feed, rng, live = _FakeEngine(kv), BlockFeed(), random.Random(7), {}
+    _random_ops(kv, rng, 200, live, [0])
+    sub, snap = feed.subscribe(engine)
+    batches, expected = [], []
+    for k in range(20):
+        _random_ops(kv, rng, 1000, live, [10_000 * (k + 1)])
+        batches.append(feed.drain(engine, sub)["ops"])
+        want = pool_snapshot(kv.pool, kv.pins.pin_counts())
+        want["pins"] = {str(b): n for b, n in want["pins"].items()}
+        want["host_refs"] = pool_snapshot(kv.host_pool)["refs"]
+        want["forest"] = {h: i for i, h in enumerate(want["hashes"]) if h is not None}
+        expected.append(want)
+        kv.check_invariants()
+    page = browser.new_page()
+    page.goto(server.url + "/dashboard?offline")
+    page.wait_for_function("window.PageState !== undefined")
+    got = page.evaluate(PARITY_SCRIPT, {"snapshot": snap, "batches": batches})
+    for k, (g, w) in enumerate(zip(got, expected, strict=True)):
+        for key in ("refs", "hashes", "free_order", "pins", "host_refs", "forest"):
+            assert g[key] == w[key], f"batch {k}: {key} differs"
+    page.close()
