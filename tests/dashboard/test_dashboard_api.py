@@ -118,3 +118,24 @@ def test_block_table_of_a_live_request_marks_shared_blocks(engine):
         assert all(b["hash"] and b["shared"] and b["ref_cnt"] == 2 for b in table["blocks"][:8])
         assert not any(b["shared"] for b in table["blocks"][9:])
         assert httpx.get(url + "/dashboard/api/request/nope").status_code == 404
+
+
+def test_an_open_dashboard_does_not_hold_up_a_graceful_shutdown(tiny_llama):
+    from tests.server.helpers import ENGINE_KWARGS, ServerProcess, engine_flags
+
+    proc = ServerProcess(tiny_llama, *engine_flags(**ENGINE_KWARGS)).start()
+    ended = threading.Event()
+
+    def watch() -> None:
+        with httpx.stream("GET", proc.url + "/dashboard/events", timeout=60) as resp:
+            for _ in resp.iter_lines():
+                pass
+        ended.set()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    time.sleep(1.0)  # a few updates flow
+    started = time.monotonic()
+    assert proc.stop(), "SIGTERM with a dashboard open did not stop the server cleanly"
+    assert time.monotonic() - started < 15
+    assert ended.wait(10), "the dashboard stream did not end"

@@ -95,7 +95,7 @@ def make_dashboard_router(async_engine: Any, serving: Any, metrics: Any,
         async def stream() -> AsyncIterator[str]:
             yield f"event: snapshot\ndata: {json.dumps(snap, separators=(',', ':'))}\n\n"
             period = 1.0 / MAX_UPDATES_PER_S
-            while async_engine.is_running:
+            while async_engine.is_running and not async_engine.draining:
                 started = loop.time()
                 update = await _call(async_engine, feed.drain, sub)
                 update["stats"].update(_ttft(metrics))
