@@ -510,6 +510,20 @@ class KVCacheManager:
         state = self._reqs.get(request_id)
         return state.blocks if state is not None else []
 
+    def block_table(self, request_id: str) -> tuple[list[KVCacheBlock], bool] | None:
+        """The request's block table (the live list: read it before the next step) and whether
+        it is the host table (swapped out); None for an unknown request."""
+        state = self._reqs.get(request_id)
+        if state is None:
+            return None
+        if state.host_blocks is not None:
+            return state.host_blocks, True
+        return state.blocks, False
+
+    def live_block_hashes(self) -> list[list[BlockHash]]:
+        """Each known request's full-block hash chain (live lists), for parent lookups."""
+        return [state.block_hashes for state in self._reqs.values()]
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """Device block ids of the request's table; null blocks appear as 0."""
         state = self._reqs.get(request_id)

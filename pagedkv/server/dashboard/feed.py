@@ -96,7 +96,7 @@ def snapshot(engine: Any) -> dict[str, Any]:
         pools.append(pool_snapshot(kv.host_pool))
     cached = kv.pool.cached_block_hash_to_block
     parents: dict[str, str | None] = {}
-    chains = [s.block_hashes for s in kv._reqs.values()]
+    chains = kv.live_block_hashes()
     chains += [p.block_hashes for p in kv.recent_prompts]
     for chain in chains:
         for i, block_hash in enumerate(chain):
@@ -125,11 +125,10 @@ def block_table(engine: Any, request_id: str) -> dict[str, Any] | None:
     """A live request's block table: logical index -> physical block (device, or host while
     swapped), its ref count (shared when > 1), hash and pin count. None for an unknown id."""
     kv = engine.scheduler.kv_cache_manager
-    state = kv._reqs.get(request_id)
-    if state is None:
+    found = kv.block_table(request_id)
+    if found is None:
         return None
-    swapped = state.host_blocks is not None
-    blocks = state.host_blocks if swapped else state.blocks
+    blocks, swapped = found
     pins = kv.pins.pin_counts()
     rows = [{"logical": i, "physical": b.block_id, "ref_cnt": b.ref_cnt,
              "hash": short_hash(b.block_hash), "shared": b.ref_cnt > 1,

@@ -215,7 +215,8 @@
     const s = D.view, host = s && s.pools[1];
     const rows = [];
     if (host) { const c = host.counts(); rows.push(["host swap pool", c.in_use, c.usable, `${c.in_use}/${c.usable} blocks`]); }
-    for (const t of e.stats.kv_store_tiers || []) rows.push([`store: ${t.name}`, t.num_blocks, Math.max(t.num_blocks, 1), `${t.num_blocks} blocks, ${(t.used_bytes / 1048576).toFixed(1)} MiB, hits ${t.hits} misses ${t.misses}`]);
+    const most = Math.max(1, ...(e.stats.kv_store_tiers || []).map((t) => t.num_blocks));  // bars relative to the fullest tier
+    for (const t of e.stats.kv_store_tiers || []) rows.push([`store: ${t.name}`, t.num_blocks, most, `${t.num_blocks} blocks, ${(t.used_bytes / 1048576).toFixed(1)} MiB, hits ${t.hits} misses ${t.misses}`]);
     $("tiers").innerHTML = rows.map(([n, used, cap, text]) => `<div class="tier"><span style="width:120px">${n}</span><div class="bar"><div style="width:${(100 * used / Math.max(cap, 1)).toFixed(1)}%"></div></div><span>${text}</span></div>`).join("") || '<span class="hint">no host pool or store tier</span>';
   }
 
