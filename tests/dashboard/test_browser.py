@@ -128,7 +128,7 @@ def test_dashboard_under_traffic_matches_metrics(browser, server, tmp_path):
         assert all("shared" in r[4] for r in rows[:len(SYSTEM) // 4]), rows
         page.wait_for_timeout(300)  # a frame with the selection drawn
         shot = tmp_path / "dashboard.png"
-        page.screenshot(path=str(shot), full_page=True)
+        page.screenshot(path=str(shot))
         grid = color_counts(page.locator("#grid").screenshot())
         legend = color_counts(page.locator("#legend").screenshot())
     finally:
