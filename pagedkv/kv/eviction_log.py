@@ -30,15 +30,17 @@ class EvictionRecord:
 
 
 class EvictionLog:
-    """The newest `capacity` eviction records, looked up by hash in O(1)."""
+    """The newest `capacity` eviction records, looked up by hash in O(1). The ring holds plain
+    tuples (hash, block id, time, request id): `record` is on the eviction path, so it builds
+    no object; `lookup` builds the `EvictionRecord`."""
 
     def __init__(self, policy: str, capacity: int = DEFAULT_EVICTION_LOG_CAPACITY) -> None:
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"eviction log capacity must be a positive int, got {capacity!r}")
         self.policy = policy
         self.capacity = capacity
-        self._ring: deque[EvictionRecord] = deque()
-        self._by_hash: dict[BlockHash, EvictionRecord] = {}
+        self._ring: deque[tuple[BlockHash, int, float, str | None]] = deque()
+        self._by_hash: dict[BlockHash, tuple[BlockHash, int, float, str | None]] = {}
         self.num_evictions = 0  # every eviction since start (the ring keeps the newest)
         # Set by the KV manager before it allocates: whom the evictions of that call serve.
         self.allocating_for: str | None = None
@@ -48,16 +50,21 @@ class EvictionLog:
         ring = self._ring
         if len(ring) == self.capacity:
             old = ring.popleft()
-            if self._by_hash.get(old.block_hash) is old:
-                del self._by_hash[old.block_hash]
-        rec = EvictionRecord(block_hash, block_id, time.time(), self.policy, self.allocating_for)
+            if self._by_hash.get(old[0]) is old:
+                del self._by_hash[old[0]]
+        rec = (block_hash, block_id, _now(), self.allocating_for)
         ring.append(rec)
         self._by_hash[block_hash] = rec
         self.num_evictions += 1
 
     def lookup(self, block_hash: BlockHash) -> EvictionRecord | None:
         """The newest record of `block_hash` still in the ring, or None."""
-        return self._by_hash.get(block_hash)
+        rec = self._by_hash.get(block_hash)
+        return None if rec is None else EvictionRecord(rec[0], rec[1], rec[2], self.policy,
+                                                       rec[3])
 
     def __len__(self) -> int:
         return len(self._ring)
+
+
+_now = time.time

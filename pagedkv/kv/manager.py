@@ -28,7 +28,7 @@ import enum
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.block_pool import BlockPool, host_pool_num_blocks
@@ -79,11 +79,11 @@ class PrefixCacheStats:
 RECENT_PROMPTS = 256  # finished requests whose tokens `recent_prompts` keeps
 
 
-@dataclass(frozen=True, slots=True)
-class RecentPrompt:
+class RecentPrompt(NamedTuple):
     """A finished (or recompute-preempted) request's tokens, salt and full-block hashes, for
     explaining misses against the nearest prefix computed before. The lists are the request's
-    own (not copied): a preempted request that resumes may still append to them."""
+    own (not copied): a preempted request that resumes may still append to them. A tuple:
+    `free` builds one per request, so it must be cheap."""
 
     request_id: str
     token_ids: list[int]
