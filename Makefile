@@ -29,7 +29,7 @@ test: $(STAMP) lint
 	$(PY) -m pytest -q -n 2 --dist loadscope $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	$(PY) -m pagedkv.demo $(if $(MODEL),--model $(MODEL),)
+	$(PY) -m pagedkv.demo $(if $(MODEL),--model $(MODEL),) $(if $(DASHBOARD),--keep-serving,)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_kv.py

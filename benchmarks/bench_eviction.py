@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs per policy, in rotating order; the fastest is kept")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--plot", default=None, metavar="PATH",
+                        help="write a PNG of the hit rate per policy (matplotlib)")
     args = parser.parse_args(argv)
     assert sorted(POLICIES) == sorted(EVICTION_POLICIES), "a policy is missing from the bench"
 
@@ -232,6 +234,14 @@ def main(argv: list[str] | None = None) -> int:
                 engine_args, args.engine_requests, engine_vocab)
             report["engine"] = with_ratios(best_of(args.repeats, lambda p: run_engine(
                 p, model_dir, engine_prompts, engine_args)), "prompt_tokens_per_s")
+    if args.plot:
+        from pagedkv.bench.plot import bar_chart
+
+        series = {"block manager": [r["hit_rate"] for r in report["manager"]]}
+        if args.engine:
+            series["engine"] = [r["hit_rate"] for r in report["engine"]]
+        bar_chart(args.plot, "prefix-cache hit rate per eviction policy",
+                  [r["policy"] for r in report["manager"]], series, ylabel="hit rate")
     if args.json:
         print(json.dumps(report, indent=2))
         return 0

@@ -92,6 +92,8 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="write a PNG: hit rate and latency per policy (matplotlib)")
     args = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"  # three backends share the machine's cores
     with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp_name:
@@ -117,6 +119,16 @@ def main() -> int:
             key: row[key] / base[key] if base[key] else None
             for key in ("hit_rate", "ttft_mean_ms", "ttft_p99_ms", "e2e_mean_ms", "e2e_p99_ms",
                         "throughput_rps")}
+    if args.plot:
+        from pagedkv.bench.plot import bar_chart
+
+        bar_chart(args.plot, "router policies: latency (ms)", [r["policy"] for r in rows],
+                  {"TTFT mean": [r["ttft_mean_ms"] for r in rows],
+                   "TTFT p99": [r["ttft_p99_ms"] for r in rows],
+                   "E2E mean": [r["e2e_mean_ms"] for r in rows]}, ylabel="ms")
+        bar_chart(args.plot.replace(".png", "") + "-hit-rate.png",
+                  "router policies: prefix-cache hit rate", [r["policy"] for r in rows],
+                  {"hit rate": [r["hit_rate"] for r in rows]}, ylabel="hit rate")
     if args.json:
         print(json.dumps({"args": vars(args), "results": rows}, indent=2))
         return 0

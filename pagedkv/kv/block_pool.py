@@ -21,7 +21,9 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from pagedkv.kv.eviction import EvictionPolicy, LRUEvictionPolicy, eviction_policy_class
+from pagedkv.kv.eviction_log import EvictionLog
 from pagedkv.kv.hashing import BlockHash
+from pagedkv.kv.observer import BlockPoolObserver
 
 
 def host_pool_num_blocks(num_host_blocks: int) -> int:
@@ -62,6 +64,10 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.events: list[KVCacheEvent] = []
         self.num_evicted_blocks = 0  # cached blocks whose hash was dropped to reuse them
+        # Block-level watchers (the dashboard): None unless someone watches, see kv/observer.py.
+        self.observer: BlockPoolObserver | None = None
+        # Evicted hashes, for "why did this miss?" (kv/eviction_log.py); set by the KV manager.
+        self.eviction_log: EvictionLog | None = None
 
     # ------------------------------------------------------------------ allocation
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -82,6 +88,8 @@ class BlockPool:
         else:
             for block in blocks:
                 block.ref_cnt = 1
+        if self.observer is not None:
+            self.observer.on_refs(blocks)
         return blocks
 
     def _evict(self, block: KVCacheBlock) -> None:
@@ -91,6 +99,10 @@ class BlockPool:
         self.num_evicted_blocks += 1
         if self.enable_kv_cache_events:
             self.events.append(BlockRemoved([block_hash]))
+        if self.eviction_log is not None:
+            self.eviction_log.record(block_hash, block.block_id)
+        if self.observer is not None:
+            self.observer.on_evicted(block, block_hash)
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block, in the given (eviction) order: callers pass a
@@ -100,6 +112,9 @@ class BlockPool:
         ValueError ("double free") for a block already at 0 or the null block; blocks before
         the bad one have been released by then.
         """
+        observer = self.observer
+        if observer is not None:
+            blocks = list(blocks)
         freed: list[KVCacheBlock] = []
         append = freed.append
         try:
@@ -116,12 +131,15 @@ class BlockPool:
         finally:
             if freed:
                 self.eviction.add(freed)
+            if observer is not None:
+                observer.on_refs(blocks)  # in freeing order (the free order's order)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on each block (a cache hit or a fork); a free one leaves the
         eviction policy's free set. Raises ValueError for the null block (blocks before it
         have been taken by then)."""
-        if self._records_access and not isinstance(blocks, list):
+        observer = self.observer
+        if (self._records_access or observer is not None) and not isinstance(blocks, list):
             blocks = list(blocks)
         taken = []
         try:
@@ -135,6 +153,8 @@ class BlockPool:
         finally:
             if taken:
                 self.eviction.remove(taken)
+            if observer is not None:
+                observer.on_refs(blocks)
         if self._records_access:
             self.eviction.record_access(blocks)
 
@@ -169,6 +189,8 @@ class BlockPool:
             cache[block_hash] = block
             if emit:
                 stored.append(i)
+            if self.observer is not None:
+                self.observer.on_cached(block, block_hash, block_hashes[i - 1] if i else None)
         if stored:
             self._emit_stored(stored, block_hashes, block_size, token_ids)
 
@@ -196,8 +218,13 @@ class BlockPool:
             return False
         if keep:
             dropped = [h for h, b in self.cached_block_hash_to_block.items() if b not in keep]
+            uncached = []
             for block_hash in dropped:
-                self.cached_block_hash_to_block.pop(block_hash).block_hash = None
+                block = self.cached_block_hash_to_block.pop(block_hash)
+                block.block_hash = None
+                uncached.append(block)
+            if uncached and self.observer is not None:
+                self.observer.on_uncached(uncached)
             if dropped and self.enable_kv_cache_events:
                 self.events.append(BlockRemoved(dropped))
             return True
@@ -206,6 +233,8 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         if self.enable_kv_cache_events:
             self.events.append(AllBlocksCleared())
+        if self.observer is not None:
+            self.observer.on_cleared()
         return True
 
     # ------------------------------------------------------------------ stats

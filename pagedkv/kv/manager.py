@@ -25,13 +25,15 @@ that request (allocate_slots, free, swap_out, swap_in).
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.block_pool import BlockPool, host_pool_num_blocks
 from pagedkv.kv.events import KVCacheEvent
+from pagedkv.kv.eviction_log import EvictionLog
 from pagedkv.kv.hashing import BlockHash, RequestBlockHasher
 from pagedkv.kv.pins import PinInfo, PrefixPins, check_max_pinned_fraction, max_pinned_blocks
 from pagedkv.kv.single_type import block_table_policy, block_table_policy_for_spec
@@ -72,6 +74,21 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
+
+
+RECENT_PROMPTS = 256  # finished requests whose tokens `recent_prompts` keeps
+
+
+class RecentPrompt(NamedTuple):
+    """A finished (or recompute-preempted) request's tokens, salt and full-block hashes, for
+    explaining misses against the nearest prefix computed before. The lists are the request's
+    own (not copied): a preempted request that resumes may still append to them. A tuple:
+    `free` builds one per request, so it must be cheap."""
+
+    request_id: str
+    token_ids: list[int]
+    cache_salt: str | None
+    block_hashes: list[BlockHash]
 
 
 class _ReqState:
@@ -119,6 +136,10 @@ class KVCacheManager:
         self.pins = PrefixPins(self.pool, self.hasher,
                                max_pinned_blocks(max_pinned_fraction, self.num_usable_blocks))
         self.prefix_cache_stats = PrefixCacheStats()
+        self.eviction_log = EvictionLog(eviction_policy)
+        self.pool.eviction_log = self.eviction_log
+        # The prompts of the newest finished requests (explain: nearest cached prefix).
+        self.recent_prompts: deque[RecentPrompt] = deque(maxlen=RECENT_PROMPTS)
         self._reqs: dict[str, _ReqState] = {}
         self._copies: list[tuple[int, int]] = []
 
@@ -259,6 +280,7 @@ class KVCacheManager:
                     cow.append(i)
         pool = self.pool
         if num_new_blocks or cow or num_ncb:
+            self.eviction_log.allocating_for = request.request_id
             num_needed = (num_new_blocks + len(cow)) if cow else num_new_blocks
             available = pool.eviction.num_free_blocks
             if num_ncb:
@@ -343,6 +365,9 @@ class KVCacheManager:
         state = self._reqs.pop(request.request_id, None)
         if state is None:
             return
+        self.recent_prompts.append(RecentPrompt(
+            request.request_id, request.all_token_ids, getattr(request, "cache_salt", None),
+            state.block_hashes))
         if state.host_blocks is not None:
             self.host_pool.free_blocks([b for b in reversed(state.host_blocks) if not b.is_null])
         if state.blocks:
@@ -456,6 +481,7 @@ class KVCacheManager:
         if hits:
             self.pool.touch(hits.values())
         num_fresh = sum(1 for b in host if not b.is_null) - len(hits)
+        self.eviction_log.allocating_for = request.request_id
         fresh = iter(self.pool.get_new_blocks(num_fresh))
         null = self.pool.null_block
         table = []
@@ -483,6 +509,20 @@ class KVCacheManager:
         """The live device block table ([] when unknown or swapped)."""
         state = self._reqs.get(request_id)
         return state.blocks if state is not None else []
+
+    def block_table(self, request_id: str) -> tuple[list[KVCacheBlock], bool] | None:
+        """The request's block table (the live list: read it before the next step) and whether
+        it is the host table (swapped out); None for an unknown request."""
+        state = self._reqs.get(request_id)
+        if state is None:
+            return None
+        if state.host_blocks is not None:
+            return state.host_blocks, True
+        return state.blocks, False
+
+    def live_block_hashes(self) -> list[list[BlockHash]]:
+        """Each known request's full-block hash chain (live lists), for parent lookups."""
+        return [state.block_hashes for state in self._reqs.values()]
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """Device block ids of the request's table; null blocks appear as 0."""

@@ -142,6 +142,7 @@ class PrefixPins:
             self._release(old)
         if not blocks:
             del self._pins[key]
+        self._observe(blocks)
         return self._info(key, blocks, len(hashes))
 
     def unpin(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PinInfo:
@@ -162,6 +163,18 @@ class PrefixPins:
             else:
                 del self._refs[block.block_id]
         self.pool.free_blocks(reversed(blocks))
+        self._observe(blocks)
+
+    def _observe(self, blocks: list[KVCacheBlock]) -> None:
+        """Tell the pool's observer (if any) the pin counts of `blocks` now."""
+        observer = self.pool.observer
+        if observer is not None and blocks:
+            ids = [b.block_id for b in blocks]
+            observer.on_pins(ids, [self._refs.get(i, 0) for i in ids])
+
+    def pin_counts(self) -> dict[int, int]:
+        """{block_id: how many pins hold it} (a copy)."""
+        return dict(self._refs)
 
     def _info(self, key: BlockHash, blocks: list[KVCacheBlock], num_prompt_blocks: int) -> PinInfo:
         return PinInfo(pin_id=key.hex(), num_blocks=len(blocks),

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions and /v1/chat/completions (forwarded, proxy.py), GET /v1/models
 (the union of the up backends' models, as the health checks last read them), GET /health (200
-while a backend is up, else 503), GET /metrics (the router's own, metrics.py). With `api_key`,
+while a backend is up, else 503), GET /metrics (the router's own, metrics.py), GET /dashboard (the
+fleet, dashboard.py). With `api_key`,
 the /v1 routes need `Authorization: Bearer <api_key>` (the server's own check,
 `pagedkv.server.auth`). A router holding a `backend_api_key` refuses to be built without an
 `api_key` unless `allow_anonymous_clients` says so: it would lend its key to anyone. The
@@ -24,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from pagedkv import __version__
+from pagedkv.router.dashboard import make_router_dashboard
 from pagedkv.router.health import HealthChecker
 from pagedkv.router.kv_events import KVEventSubscriber
 from pagedkv.router.proxy import DEFAULT_FIRST_BYTE_TIMEOUT_S, Forwarder
@@ -122,6 +124,7 @@ def create_router_app(router: Router, *, api_key: str | None = None,
         check_key(raw)
         return await state["forwarder"].forward(raw, "/v1/chat/completions")
 
+    app.include_router(make_router_dashboard(router))
     return app
 
 

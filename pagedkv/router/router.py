@@ -21,6 +21,7 @@ from typing import Any
 from pagedkv.events.wire import MEDIUM_DEVICE
 from pagedkv.model.tokenizer import Tokenizer
 from pagedkv.router.backend import Backend
+from pagedkv.router.decisions import RoutingDecisions
 from pagedkv.router.metrics import RouterMetrics
 from pagedkv.router.policies import Candidate, RouteRequest, RoutingPolicy
 from pagedkv.router.policies.kv_aware import KVAwareWeights, new_blocks
@@ -81,6 +82,7 @@ class Router:
         self.weights = weights or KVAwareWeights()
         self.index = PrefixIndex(shared_media=shared_media)
         self.metrics = RouterMetrics(policy.name)
+        self.decisions = RoutingDecisions()  # recent decisions, for GET /dashboard
         self.hash_settings: tuple[int, str] | None = None
         self.hasher: PromptHasher | None = None  # once the hash settings are known
         self._tokenize_turn = 0
@@ -120,6 +122,7 @@ class Router:
                                   if use_prefix and b.hash_compatible else PrefixMatch())
                       for b in backends]
         chosen = self.policy.choose(request, candidates)
+        self.decisions.record(self.policy, request, candidates, chosen)
         self.metrics.routed.labels(backends[chosen].name, self.policy.name).inc()
         return backends[chosen], candidates[chosen]
 

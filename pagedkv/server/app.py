@@ -3,10 +3,11 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models,
 GET /v1/models/{id}, GET /health, GET|POST /ping, GET /metrics (Prometheus text), GET /version, vLLM's
 POST /tokenize and POST /detokenize, pagedkv's POST /v1/pin and /v1/unpin (pinned prefixes),
-and GET /kv_cache_info (block size, hash algorithm and pool
-size, for `pagedkv router`). With `api_key`, every route that does work for a client (every
-/v1 route, /tokenize, /detokenize) needs `Authorization: Bearer <api_key>` (401 otherwise; the
-scheme is case-insensitive); /health, /ping, /version, /metrics and /kv_cache_info stay open. A request
+GET /kv_cache_info (block size, hash algorithm and pool
+size, for `pagedkv router`), and the live dashboard: GET /dashboard and POST /v1/cache/explain
+(server/dashboard/). With `api_key`, every route that does work for a client (every /v1 route,
+/tokenize, /detokenize) needs `Authorization: Bearer <api_key>` (401 otherwise; the scheme is
+case-insensitive); /health, /ping, /version, /metrics, /kv_cache_info and /dashboard stay open. A request
 body over `max_request_bytes` is a 413. Errors are OpenAI-style bodies (errors.py).
 
 The app owns an `AsyncEngine` (the engine's step loop in one background thread), started and
@@ -28,6 +29,7 @@ from pagedkv import __version__
 from pagedkv.engine.async_engine import AsyncEngine, EngineDeadError
 from pagedkv.server.auth import bearer_key_matches, invalid_api_key
 from pagedkv.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
+from pagedkv.server.dashboard.routes import make_dashboard_router
 from pagedkv.server.errors import APIError, error_response, install_error_handlers
 from pagedkv.server.fingerprint import system_fingerprint
 from pagedkv.server.metrics import ServerMetrics
@@ -205,6 +207,7 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
     async def unpin_route(body: PinRequest) -> PinResponse:
         return await pin(serving, body, unpin=True)
 
+    app.include_router(make_dashboard_router(async_engine, serving, metrics, served_model_name))
     return app
 
 

@@ -1,0 +1,159 @@
+"""What the live dashboard costs (issue 23): the same serving workload with and without a
+connected dashboard client, the throughput ratio printed.
+
+One in-process `pagedkv serve` app (uvicorn in a thread, a random-weight Llama, prefix caching,
+a KV pool small enough that blocks are evicted) serves --runs rounds of the workload twice
+each, alternating "off" (no client: the block pool's observer is None) and "on" (a client process, as a browser
+is, reads /dashboard/events and parses every update, as the page does). Each round's prompts share a
+system prompt of their own, so every round starts from the same cache structure. Output
+throughput is generated tokens over wall time; the ratio on/off is printed per round, with the
+median and range.
+
+`--engine-only` measures the engine side alone (what a separate frontend process would leave on
+the engine's thread): offline steps of the same workload with no watcher, and with the feed
+subscribed and drained (plus JSON-encoded) every 0.1 s; it prints the throughput ratio and the
+share of wall time spent in the feed.
+
+    python benchmarks/bench_dashboard.py [--runs 3] [--prompts 48] [--concurrency 8]
+                                         [--max-tokens 32] [--model DIR] [--plot PATH] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+SHAPE = dict(hidden_size=256, intermediate_size=688, num_layers=4, num_heads=4, num_kv_heads=2,
+             dtype="float32")
+
+
+def prompts_for(round_index: int, n: int) -> list[list[int]]:
+    system = [(round_index * 997 + 31 * i) % 500 + 10 for i in range(192)]  # 12 blocks of 16
+    return [system + [(7 * j + i) % 500 + 10 for i in range(40)] for j in range(n)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=96)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--num-blocks", type=int, default=256)
+    parser.add_argument("--model", default=None, help="a model directory (default: random)")
+    parser.add_argument("--plot", default=None, help="write a PNG of the runs (matplotlib)")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--engine-only", action="store_true",
+                        help="time the engine loop alone (no HTTP), with and without the feed")
+    args = parser.parse_args(argv)
+
+    from pagedkv.engine.args import EngineArgs
+    from pagedkv.engine.llm_engine import LLMEngine
+    from pagedkv.server.app import create_app
+    from pagedkv.server.dashboard.live import DashboardClient, run_traffic, serve_in_thread
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if model is None:
+            from pagedkv.testing.random_model import build_random_model_dir
+            model = str(build_random_model_dir(Path(tmp) / "model", seed=0, **SHAPE))
+        engine = LLMEngine(EngineArgs(model=model, block_size=16, max_model_len=512,
+                                      num_gpu_blocks_override=args.num_blocks, seed=0))
+        if args.engine_only:
+            rows = [engine_round(engine, r, args) for r in range(args.runs)]
+            engine.shutdown()
+            return report(rows, args)
+        app = create_app(engine, served_model_name="bench")
+        rows = []
+        with serve_in_thread(app) as url:
+            run_traffic(url, prompts_for(999, args.concurrency), concurrency=args.concurrency,
+                        max_tokens=4)  # warm-up
+            for r in range(args.runs):
+                result = {}
+                for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                    client = DashboardClient(url) if mode == "on" else None
+                    try:
+                        t = run_traffic(url, prompts_for(2 * r + (mode == "on"), args.prompts),
+                                        concurrency=args.concurrency,
+                                        max_tokens=args.max_tokens)
+                    finally:
+                        if client is not None:
+                            result["updates"], result["ops"] = client.close()
+                    result[mode] = t["generated_tokens"] / t["seconds"]
+                result["ratio"] = result["on"] / result["off"]
+                rows.append(result)
+                print(f"round {r + 1}: off {result['off']:.1f} tok/s, on {result['on']:.1f} "
+                      f"tok/s ({result['updates']} updates, {result['ops']} ops), "
+                      f"on/off {result['ratio']:.4f}", flush=True)
+        engine.check_invariants()
+        engine.shutdown()
+    return report(rows, args)
+
+
+def engine_round(engine, r: int, args: argparse.Namespace) -> dict:
+    """One round of the engine-only measurement: off and on, alternating which goes first."""
+    import time
+
+    from pagedkv.sched.sampling_params import SamplingParams
+    from pagedkv.server.dashboard.feed import BlockFeed
+
+    result: dict = {}
+    for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+        feed = BlockFeed()
+        sub = feed.subscribe(engine)[0] if mode == "on" else None
+        params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
+        for j, prompt in enumerate(prompts_for(2 * r + (mode == "on"), args.prompts)):
+            engine.add_request(f"{r}-{mode}-{j}", prompt, params)
+        generated = 0
+        feed_s = 0.0
+        start = last = time.perf_counter()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    generated += len(out.outputs[0].token_ids)
+            if sub is not None and time.perf_counter() - last >= 0.1:
+                t0 = time.perf_counter()
+                json.dumps(feed.drain(engine, sub), separators=(",", ":"))
+                last = time.perf_counter()
+                feed_s += last - t0
+        wall = time.perf_counter() - start
+        if sub is not None:
+            feed.unsubscribe(engine, sub)
+            result["feed_share"] = feed_s / wall
+            result["updates"], result["ops"] = 0, 0
+        result[mode] = generated / wall
+    result["ratio"] = result["on"] / result["off"]
+    engine.check_invariants()
+    print(f"round {r + 1} (engine only): off {result['off']:.1f} tok/s, on {result['on']:.1f} "
+          f"tok/s, on/off {result['ratio']:.4f}, feed {100 * result['feed_share']:.2f}% of the "
+          f"engine thread's wall time", flush=True)
+    return result
+
+
+def report(rows: list[dict], args: argparse.Namespace) -> int:
+    ratios = [r["ratio"] for r in rows]
+    summary = {"median_ratio": statistics.median(ratios), "min_ratio": min(ratios),
+               "max_ratio": max(ratios), "rounds": rows}
+    if "feed_share" in rows[0]:
+        summary["feed_share_median"] = statistics.median(r["feed_share"] for r in rows)
+        print(f"feed share of the engine thread: median "
+              f"{100 * summary['feed_share_median']:.2f}%")
+    print(f"throughput with a dashboard connected / without: median "
+          f"{summary['median_ratio']:.4f} (range {summary['min_ratio']:.4f}-"
+          f"{summary['max_ratio']:.4f}, {len(rows)} rounds)")
+    if args.json:
+        print(json.dumps(summary))
+    if args.plot:
+        from pagedkv.bench.plot import bar_chart
+        bar_chart(args.plot, "dashboard overhead: output tokens/s per round",
+                  [f"round {i + 1}" for i in range(len(rows))],
+                  {"no client": [r["off"] for r in rows],
+                   "dashboard connected": [r["on"] for r in rows]}, ylabel="tokens/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The router's dashboard (issue 23): `GET /dashboard` (the fleet page, shipped with the server's
+dashboard assets) and `GET /dashboard/fleet` (its JSON: each backend's health, load and KV usage,
+the prefix blocks the router believes it holds per medium, which shared prefixes (first block
+hash) and sessions went where, and the recent routing decisions with every candidate's score).
+The page polls the JSON once a second; nothing is computed while no one asks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import HTMLResponse, JSONResponse
+
+from pagedkv.events.wire import MEDIUM_DEVICE, MEDIUM_DISK, MEDIUM_HOST
+from pagedkv.router.router import Router
+
+STATIC_DIR = Path(__file__).resolve().parents[1] / "server" / "dashboard" / "static"
+
+
+def fleet_state(router: Router, max_decisions: int = 100) -> dict[str, Any]:
+    """The JSON of GET /dashboard/fleet (a new dict)."""
+    decisions = list(router.decisions.records)
+    placements: dict[str, dict[str, int]] = {}
+    sessions: dict[str, dict[str, int]] = {}
+    for d in decisions:
+        if d["prefix"]:
+            where = placements.setdefault(d["prefix"], {})
+            where[d["chosen"]] = where.get(d["chosen"], 0) + 1
+        if d["session"]:
+            where = sessions.setdefault(d["session"], {})
+            where[d["chosen"]] = where.get(d["chosen"], 0) + 1
+    media = (MEDIUM_DEVICE, MEDIUM_HOST, MEDIUM_DISK)
+    backends = [{
+        "name": b.name, "up": b.up, "in_flight": b.in_flight, "queued_blocks": b.queued_blocks,
+        "running": b.load.running, "waiting": b.load.waiting, "kv_usage": b.load.kv_usage,
+        "num_gpu_blocks": (b.kv_info or {}).get("num_gpu_blocks"),
+        "indexed_blocks": {m: router.index.num_blocks(b.name, m) for m in media},
+        "last_error": b.last_error} for b in router.backends]
+    return {"policy": router.policy.name, "backends": backends,
+            "decisions_total": router.decisions.total,
+            "decisions": decisions[-max_decisions:], "prefixes": placements,
+            "sessions": sessions}
+
+
+def make_router_dashboard(router: Router) -> APIRouter:
+    """The two routes above over `router`."""
+    routes = APIRouter()
+
+    @routes.get("/dashboard", include_in_schema=False)
+    async def page() -> HTMLResponse:
+        return HTMLResponse((STATIC_DIR / "fleet.html").read_text(encoding="utf-8"))
+
+    @routes.get("/dashboard/static/fleet.js", include_in_schema=False)
+    async def script() -> HTMLResponse:
+        return HTMLResponse((STATIC_DIR / "fleet.js").read_text(encoding="utf-8"),
+                            media_type="text/javascript")
+
+    @routes.get("/dashboard/static/style.css", include_in_schema=False)
+    async def style() -> HTMLResponse:
+        return HTMLResponse((STATIC_DIR / "style.css").read_text(encoding="utf-8"),
+                            media_type="text/css")
+
+    @routes.get("/dashboard/fleet", include_in_schema=False)
+    async def fleet() -> JSONResponse:
+        return JSONResponse(fleet_state(router))
+
+    return routes

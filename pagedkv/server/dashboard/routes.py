@@ -1,0 +1,164 @@
+"""The dashboard's routes, one APIRouter: `GET /dashboard` (the page), `/dashboard/static/*`
+(its assets, shipped in the package: no CDN), `GET /dashboard/events` (SSE: a snapshot, then at
+most `MAX_UPDATES_PER_S` coalesced updates a second), `GET /dashboard/api/request/{id}` (a live
+request's block table), `GET /dashboard/api/explain/{id}` (a recent finished request's miss
+explanation) and `POST /v1/cache/explain` (a completion or chat body: where its KV is, block by
+block; nothing is generated; behind the API key like every /v1 route).
+
+Everything that reads engine state runs in the engine loop thread (`AsyncEngine.call`); the
+feed records nothing while no /dashboard/events stream is open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+
+from pagedkv.kv.explain import explain_prompt
+from pagedkv.server.dashboard.feed import BlockFeed, block_table
+from pagedkv.server.errors import APIError
+from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.server.sse import SSEResponse
+
+STATIC_DIR = Path(__file__).parent / "static"
+STATIC_TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html",
+                ".png": "image/png"}
+MAX_UPDATES_PER_S = 10
+
+
+def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """fn for AsyncEngine.call: any exception comes back as a value, never kills the loop."""
+    def run(engine: Any, *args: Any) -> Any:
+        try:
+            return ("ok", fn(engine, *args))
+        except Exception as exc:  # reported to the caller, the loop goes on
+            return ("error", exc)
+    return run
+
+
+async def _call(async_engine: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    status, value = await async_engine.call(_guarded(fn), *args)
+    if status == "error":
+        if isinstance(value, ValueError):
+            raise APIError(str(value))
+        raise APIError(f"{type(value).__name__}: {value}", status_code=500, type="internal_error")
+    return value
+
+
+def _ttft(metrics: Any) -> dict[str, float]:
+    """The TTFT histogram's cumulative sum and count (for a rate chart)."""
+    try:
+        child = metrics.ttft.children[0]
+        return {"ttft_sum": child._sum.get(), "ttft_count": sum(b.get() for b in child._buckets)}
+    except (AttributeError, IndexError):  # prometheus_client internals moved: no TTFT chart
+        return {}
+
+
+def make_dashboard_router(async_engine: Any, serving: Any, metrics: Any,
+                          served_model_name: str) -> APIRouter:
+    """The routes above, over one engine. The `BlockFeed` lives in the closure (one per app)."""
+    router = APIRouter()
+    feed = BlockFeed()
+
+    @router.get("/dashboard", include_in_schema=False)
+    async def page() -> HTMLResponse:
+        return HTMLResponse((STATIC_DIR / "index.html").read_text(encoding="utf-8"))
+
+    @router.get("/dashboard/static/{name}", include_in_schema=False)
+    async def static(name: str) -> Response:
+        path = STATIC_DIR / name
+        if "/" in name or name.startswith(".") or not path.is_file() \
+                or path.suffix not in STATIC_TYPES:
+            raise APIError(f"no dashboard asset {name!r}", status_code=404, type="not_found")
+        return FileResponse(path, media_type=STATIC_TYPES[path.suffix])
+
+    @router.get("/dashboard/events", include_in_schema=False)
+    async def events() -> SSEResponse:
+        sub, snap = await _call(async_engine, feed.subscribe)
+        snap["model"] = served_model_name
+        loop = asyncio.get_running_loop()
+        closed = False
+
+        def close() -> None:
+            nonlocal closed
+            if not closed:
+                closed = True
+                if async_engine.is_running:
+                    loop.create_task(_call(async_engine, feed.unsubscribe, sub))
+
+        async def stream() -> AsyncIterator[str]:
+            yield f"event: snapshot\ndata: {json.dumps(snap, separators=(',', ':'))}\n\n"
+            period = 1.0 / MAX_UPDATES_PER_S
+            while async_engine.is_running and not async_engine.draining:
+                started = loop.time()
+                update = await _call(async_engine, feed.drain, sub)
+                update["stats"].update(_ttft(metrics))
+                yield f"event: update\ndata: {json.dumps(update, separators=(',', ':'))}\n\n"
+                await asyncio.sleep(max(period - (loop.time() - started), 0.0) or 0.001)
+
+        return SSEResponse(stream(), on_close=close)
+
+    @router.get("/dashboard/api/request/{request_id:path}", include_in_schema=False)
+    async def request_table(request_id: str) -> JSONResponse:
+        table = await _call(async_engine, block_table, request_id)
+        if table is None:
+            raise APIError(f"no live request {request_id!r}", status_code=404, type="not_found")
+        return JSONResponse(table)
+
+    @router.get("/dashboard/api/explain/{request_id:path}", include_in_schema=False)
+    async def explain_finished(request_id: str) -> JSONResponse:
+        def run(engine: Any) -> dict[str, Any] | None:
+            kv = engine.scheduler.kv_cache_manager
+            for prompt in reversed(kv.recent_prompts):
+                if prompt.request_id == request_id:
+                    return explain_prompt(kv, prompt.token_ids, prompt.cache_salt,
+                                          store=getattr(engine, "kv_store", None))
+            return None
+        answer = await _call(async_engine, run)
+        if answer is None:
+            raise APIError(f"request {request_id!r} is not among the recent finished requests",
+                           status_code=404, type="not_found")
+        return JSONResponse(answer)
+
+    @router.post("/v1/cache/explain")
+    async def explain(body: CompletionRequest | ChatCompletionRequest) -> JSONResponse:
+        """Where the KV of this completion or chat prompt is, block by block, and why a block
+        is not on the device. Nothing is generated."""
+        serving.check_model(body.model)
+        token_ids = await _prompt_ids(serving, body)
+        salt = body.cache_salt
+
+        def run(engine: Any) -> dict[str, Any]:
+            answer = explain_prompt(engine.scheduler.kv_cache_manager, token_ids, salt,
+                                    store=getattr(engine, "kv_store", None))
+            args = engine.args
+            answer.update(model=served_model_name, kv_cache_dtype=args.kv_cache_dtype,
+                          dtype=args.dtype, prefix_caching_hash_algo=
+                          args.prefix_caching_hash_algo)
+            return answer
+        return JSONResponse(await _call(async_engine, run))
+
+    return router
+
+
+async def _prompt_ids(serving: Any, body: CompletionRequest | ChatCompletionRequest
+                      ) -> list[int]:
+    """The token ids the completions or chat route would run for `body` (its first prompt)."""
+    from pagedkv.server.serving_chat import tokenize_chat
+    from pagedkv.server.serving_completion import tokenize_prompts
+
+    if isinstance(body, ChatCompletionRequest):
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        ids = await serving.run_tokenizer(tokenize_chat, serving, body, tools)
+    else:
+        prompts = await serving.run_tokenizer(tokenize_prompts, serving, body.prompt, True)
+        if len(prompts) != 1:
+            raise APIError(f"explain takes one prompt, got {len(prompts)}", param="prompt")
+        ids = prompts[0]
+    return serving.truncate(body, [ids])[0]
