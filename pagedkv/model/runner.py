@@ -17,7 +17,12 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.config.dtypes import is_fp8_dtype, resolve_kv_cache_dtype
+from pagedkv.config.dtypes import (
+    canonical_dtype,
+    is_fp8_dtype,
+    is_int8_dtype,
+    resolve_kv_cache_dtype,
+)
 from pagedkv.kernels.cpu import cpu_kernels_loaded, ensure_cpu_kernels
 from pagedkv.kv.spec import KVCacheSpec, kv_cache_spec_from_hf_config
 from pagedkv.model.backends import get_attention_backend
@@ -103,7 +108,7 @@ class ModelRunner:
             else:
                 torch.set_num_threads(cpu_threads)
         self.kv_scales = None  # fp8 cache: each layer's KVScales, computed at allocation
-        if is_fp8_dtype(spec.dtype) and not getattr(self.attn_backend, "reads_fp8_cache", False):
+        if self._needs_quantized_wrapper(spec.dtype, model_dtype):
             self.attn_backend = QuantizedKVBackend(self.attn_backend)
         self.cuda_graphs = None
         self.kv_connector = None  # the KV store's worker side, plugged in by the engine
@@ -111,6 +116,16 @@ class ModelRunner:
             self.allocate_kv_cache(num_blocks, num_host_blocks)
             if cuda_graph_batch_sizes:
                 self.capture_cuda_graphs(cuda_graph_batch_sizes, max_model_len)
+
+    def _needs_quantized_wrapper(self, cache_dtype: str, model_dtype: str) -> bool:
+        """Whether the backend attends over a `cache_dtype` cache only through
+        QuantizedKVBackend: fp8 unless it `reads_fp8_cache`, int8 unless it `reads_int8_cache`,
+        and a cache of another model dtype than the model's always."""
+        if is_fp8_dtype(cache_dtype):
+            return not getattr(self.attn_backend, "reads_fp8_cache", False)
+        if is_int8_dtype(cache_dtype):
+            return not getattr(self.attn_backend, "reads_int8_cache", False)
+        return cache_dtype != canonical_dtype(model_dtype)
 
     def _use_cpu_kernels(self) -> bool:
         """Point the model's elementwise ops and the attention backend at the fused CPU kernels
@@ -135,6 +150,10 @@ class ModelRunner:
         self.kv_cache = KVCache.from_spec(self.kv_cache_spec, num_blocks=num_blocks,
                                           device=self.device, num_host_blocks=num_host_blocks)
         self.kv_cache.scales = self.kv_scales
+        per_token = self.kv_cache.layer_scales()  # int8: each layer's views of its scales
+        if per_token is not None:
+            for layer, scales in zip(self.model.layers, per_token, strict=True):
+                layer.self_attn.kv_scales = scales
 
     def _calibrate_kv_scales(self) -> None:
         from pagedkv.model.kv_calibration import calibrate_kv_scales

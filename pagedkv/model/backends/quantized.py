@@ -1,5 +1,6 @@
-"""Any attention backend over an fp8 KV cache: quantize on write, dequantize the step's blocks
-before the wrapped backend attends.
+"""Any attention backend over a KV cache stored in another format than the model computes in (fp8,
+int8 with per-token scales, or a 16-bit cache of a float32 model): quantize on write, dequantize
+the step's blocks before the wrapped backend attends.
 
 `QuantizedKVBackend(inner)` renumbers a step's blocks compactly (the null block 0 stays 0; the
 step's other blocks become 1..n in ascending order, so equal blocks stay equal and cascade
@@ -23,6 +24,11 @@ from typing import Any
 import torch
 
 from pagedkv.model.backends.step import StepSequences
+from pagedkv.model.kv_int8 import (
+    dequantize_per_token,
+    quantize_into_per_token,
+    round_trip_per_token,
+)
 from pagedkv.model.kv_quant import dequantize, quantize_into, round_trip
 
 
@@ -49,16 +55,31 @@ class QuantizedKVMetadata:
     stored_tokens: torch.Tensor | None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
-        """Store k, v [T, kv_heads, D] as fp8 into k_cache / v_cache (mutated), attend q
+               v_cache: torch.Tensor, scale: float, window: int | None,
+               k_scales: torch.Tensor | None = None,
+               v_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """Store k, v [T, kv_heads, D] in the cache's format into k_cache / v_cache (and, for
+        int8, their per-token scales into k_scales / v_scales; all mutated), attend q
         [T, heads, D] over the dequantized blocks of the step."""
         rows = self.stored_tokens
-        quantize_into(k_cache, self.slot_mapping, k if rows is None else k[rows])
-        quantize_into(v_cache, self.slot_mapping, v if rows is None else v[rows])
-        k_blocks = dequantize(k_cache.index_select(1, self.used_blocks), q.dtype)
-        v_blocks = dequantize(v_cache.index_select(1, self.used_blocks), q.dtype)
-        return self.inner.attend(q, round_trip(k, k_cache.dtype), round_trip(v, v_cache.dtype),
-                                 k_blocks, v_blocks, scale, window)
+        k_in = k if rows is None else k[rows]
+        v_in = v if rows is None else v[rows]
+        used = self.used_blocks
+        if k_scales is not None:  # int8, per-token-head scales (kv_int8.py)
+            quantize_into_per_token(k_cache, k_scales, self.slot_mapping, k_in)
+            quantize_into_per_token(v_cache, v_scales, self.slot_mapping, v_in)
+            k_blocks = dequantize_per_token(k_cache.index_select(1, used),
+                                            k_scales.index_select(1, used), q.dtype)
+            v_blocks = dequantize_per_token(v_cache.index_select(1, used),
+                                            v_scales.index_select(1, used), q.dtype)
+            k_step, v_step = round_trip_per_token(k), round_trip_per_token(v)
+        else:
+            quantize_into(k_cache, self.slot_mapping, k_in)
+            quantize_into(v_cache, self.slot_mapping, v_in)
+            k_blocks = dequantize(k_cache.index_select(1, used), q.dtype)
+            v_blocks = dequantize(v_cache.index_select(1, used), q.dtype)
+            k_step, v_step = round_trip(k, k_cache.dtype), round_trip(v, v_cache.dtype)
+        return self.inner.attend(q, k_step, v_step, k_blocks, v_blocks, scale, window)
 
 
 class QuantizedKVBackend:
