@@ -1,7 +1,12 @@
-"""The fp8 KV cache (kv_cache_dtype): its accuracy cost, and the concurrency and throughput it buys.
+"""The quantized KV caches (kv_cache_dtype): accuracy cost, and the concurrency and throughput bought.
 
     PYTHONPATH=. python benchmarks/bench_kv_quant.py [--real-layers 2] [--real-dtype bfloat16]
         [--kv-memory 24MiB] [--num-requests 48] [--skip-real] [--skip-throughput] [--json]
+    PYTHONPATH=. python benchmarks/bench_kv_quant.py --kl [--kl-contexts 256,2048]
+        [--kl-sequences 2] [--json]
+
+0. `--kl` (only this): KL divergence of every cache format against a float32-exact cache on the
+   benchmark model in float32 and bfloat16 weights, short and long context (kv_kl.py).
 
 1. Accuracy, teacher-forced (pagedkv.testing.kv_quant_accuracy): a prompt is prefilled in chunks,
    then a fixed continuation decoded token by token through the paged cache, once with the
@@ -30,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_offline import SHAPE, workload  # noqa: E402
+from kv_kl import kl_table  # noqa: E402
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.kv.sizes import parse_size  # noqa: E402
@@ -110,9 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    parser.add_argument("--kl", action="store_true",
+                        help="only the KL-divergence quality table (kv_kl.py)")
+    parser.add_argument("--kl-contexts", default="256,2048", help="sequence lengths, comma-separated")
+    parser.add_argument("--kl-sequences", type=int, default=2, help="sequences per context")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.kl:
+        return kl_main(args)
     report: dict = {"accuracy": {}, "throughput": {}}
     with tempfile.TemporaryDirectory() as tmp:
         models = {"tiny-llama-float32": TINY}
@@ -146,6 +158,20 @@ def main(argv: list[str] | None = None) -> int:
             print("fp8 / auto: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
     if args.json:
         print(json.dumps(report, indent=2))
+    return 0
+
+
+def kl_main(args: argparse.Namespace) -> int:
+    """The `--kl` table: both weight dtypes of the benchmark model, every cache format."""
+    contexts = [int(c) for c in args.kl_contexts.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in ("float32", "bfloat16"):
+            model_dir = build_random_model_dir(Path(tmp) / dtype, dtype=dtype, seed=0, **SHAPE)
+            vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+            rows += kl_table(model_dir, dtype, contexts, args.kl_sequences, vocab)
+    if args.json:
+        print(json.dumps(rows, indent=2))
     return 0
 
 
