@@ -27,7 +27,8 @@ from pagedkv.model.runner import ModelRunner
 from pagedkv.testing.kv_quant_accuracy import kl_divergence, prompt_logits
 
 BLOCK_SIZE = 16
-QUANTIZED = ("fp8_e4m3", "fp8_e5m2", "int8")
+# "/per_layer": one fp8 scale per layer (the earlier scheme); plain fp8 names have per-head scales.
+QUANTIZED = ("fp8_e4m3/per_layer", "fp8_e4m3", "fp8_e5m2/per_layer", "fp8_e5m2", "int8")
 
 
 def formats_for(weight_dtype: str) -> list[str]:
@@ -48,8 +49,10 @@ def runner_logits(model_dir: Path, dtype: str, cache_dtype: str, seqs: list[list
     """Every sequence's prompt logits with a runner of `dtype` weights and `cache_dtype` cache
     (the pure-torch path: the numbers do not depend on whether the C++ kernels are built)."""
     blocks = -(-max(len(s) for s in seqs) // BLOCK_SIZE) + 1
+    name, _, scales = cache_dtype.partition("/")
     runner = ModelRunner(model_dir, block_size=BLOCK_SIZE, num_blocks=blocks, device="cpu",
-                         dtype=dtype, kv_cache_dtype=cache_dtype, cpu_kernels="off")
+                         dtype=dtype, kv_cache_dtype=name, cpu_kernels="off",
+                         fp8_scales=scales or "per_head")
     out = [prompt_logits(runner, s, chunk) for s in seqs]
     runner.shutdown()
     return out
@@ -84,6 +87,6 @@ def format_row(row: dict) -> str:
     """One line of the KL table."""
     extra = (f"  (vs {row['weights']} cache: {row['vs_model_cache_mean_kl']:.3e})"
              if "vs_model_cache_mean_kl" in row else "")
-    return (f"[{row['weights']} weights, {row['context']} tokens] {row['cache']:>9} cache: "
+    return (f"[{row['weights']} weights, {row['context']} tokens] {row['cache']:>18} cache: "
             f"mean KL {row['mean_kl']:.3e}, p99 {row['p99_kl']:.3e}, max {row['max_kl']:.3e}, "
             f"top-1 {100 * row['top1']:.2f}% of {row['positions']}{extra}")

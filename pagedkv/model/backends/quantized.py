@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.model.backends.quantized_native import InPlaceDecodeMetadata
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.kv_int8 import (
     dequantize_per_token,
@@ -85,8 +86,11 @@ class QuantizedKVMetadata:
 class QuantizedKVBackend:
     """Wraps the device's backend (`inner`) for an fp8 KV cache (module docstring)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, decodes_in_place: bool = False) -> None:
+        """`decodes_in_place`: the cache is int8 or fp8, which the fused CPU kernel reads in
+        place while `native` is on (quantized_native.py)."""
         self.inner = inner
+        self.decodes_in_place = decodes_in_place
         self.name = inner.name
         self.device = inner.device
 
@@ -102,8 +106,13 @@ class QuantizedKVBackend:
         if hasattr(self.inner, "native"):
             self.inner.native = value
 
-    def build_metadata(self, step: StepSequences) -> QuantizedKVMetadata:
-        """The inner metadata of the compact step and the real blocks and slots behind it."""
+    def build_metadata(self, step: StepSequences) -> QuantizedKVMetadata | InPlaceDecodeMetadata:
+        """The inner metadata of the compact step and the real blocks and slots behind it; with
+        the fused CPU kernels on and decodes in the step, in-place decodes and the compact
+        prefill-only step (quantized_native.py)."""
+        nd = step.num_decodes
+        if nd and self.decodes_in_place and self.native:
+            return self._in_place_metadata(step)
         compact, used = compact_step(step)
         dev = self.device
         stored = [t for t, s in enumerate(step.slot_mapping) if s >= 0]
@@ -114,3 +123,21 @@ class QuantizedKVBackend:
             slot_mapping=torch.tensor([step.slot_mapping[t] for t in stored], dtype=torch.long,
                                       device=dev),
             stored_tokens=rows)
+
+    def _in_place_metadata(self, step: StepSequences) -> InPlaceDecodeMetadata:
+        nd, dev = step.num_decodes, self.device
+        lens = step.seq_lens[:nd]
+        width = max(len(t) for t in step.block_tables[:nd])
+        tables = [t + [0] * (width - len(t)) for t in step.block_tables[:nd]]
+        prefill = None
+        if nd < len(step.num_new_tokens):
+            prefill = self.build_metadata(replace(
+                step, num_new_tokens=step.num_new_tokens[nd:], seq_lens=step.seq_lens[nd:],
+                block_tables=step.block_tables[nd:], slot_mapping=step.slot_mapping[nd:],
+                num_decodes=0))
+        return InPlaceDecodeMetadata(
+            num_decodes=nd,
+            decode_slots=torch.tensor(step.slot_mapping[:nd], dtype=torch.long, device=dev),
+            decode_block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+            decode_seq_lens=torch.tensor(lens, dtype=torch.long, device=dev),
+            decode_seq_lens_list=lens, prefill=prefill)
