@@ -73,10 +73,11 @@ def accuracy(model_dir: Path, prompts: int, prompt_len: int, decode_len: int) ->
             for name, cs in rows.items()}
 
 
-def concurrency(model_dir: Path, requests: list, kv_cache_dtype: str, kv_memory: int) -> dict:
+def concurrency(model_dir: Path, requests: list, kv_cache_dtype: str, kv_memory: int,
+                dtype: str = "float32") -> dict:
     """One engine with `kv_memory` bytes of KV cache runs every request; its blocks, the most
     requests running at once, preemptions and output tokens/s."""
-    llm = LLM(model=str(model_dir), dtype="float32", seed=0, kv_cache_memory_bytes=kv_memory,
+    llm = LLM(model=str(model_dir), dtype=dtype, seed=0, kv_cache_memory_bytes=kv_memory,
               kv_cache_dtype=kv_cache_dtype, max_model_len=MAX_MODEL_LEN)
     engine = llm.llm_engine
     llm.generate([{"prompt_token_ids": requests[0][0]}], SamplingParams(max_tokens=2),
@@ -114,12 +115,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-output", type=int, default=None,
                         help="cap every request's output tokens (default: the workload's)")
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--throughput-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the throughput runs' model dtype")
+    parser.add_argument("--throughput-formats", default="auto,fp8,int8",
+                        help="kv_cache_dtype of each throughput run (the first is the baseline)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="throughput runs per format, alternated (figures: each round)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.add_argument("--kl", action="store_true",
                         help="only the KL-divergence quality table (kv_kl.py)")
     parser.add_argument("--kl-contexts", default="256,2048", help="sequence lengths, comma-separated")
     parser.add_argument("--kl-sequences", type=int, default=2, help="sequences per context")
+    parser.add_argument("--kl-weights", default="float32,bfloat16",
+                        help="weight dtypes of the KL runs, comma-separated")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -141,21 +150,30 @@ def main(argv: list[str] | None = None) -> int:
                       f"{100 * r['greedy_agreement']:.1f}% of {r['positions']} positions",
                       flush=True)
         if not args.skip_throughput:
-            model_dir = build_random_model_dir(Path(tmp) / "llama-512x8", dtype="float32",
+            tdtype = args.throughput_dtype
+            model_dir = build_random_model_dir(Path(tmp) / "llama-512x8", dtype=tdtype,
                                                seed=0, **SHAPE)
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
             requests = [(p, min(n, args.max_output or n))
                         for p, n in workload(0, vocab)[: args.num_requests]]
             memory = parse_size(args.kv_memory, name="--kv-memory")
-            runs = {d: concurrency(model_dir, requests, d, memory) for d in ("auto", "fp8")}
-            ratios = {key: runs["fp8"][key] / max(runs["auto"][key], 1e-9)
-                      for key in ("num_blocks", "max_running", "tokens_per_s")}
-            report["throughput"] = dict(runs=runs, fp8_over_auto=ratios, kv_memory=memory)
-            for d, r in runs.items():
-                print(f"[{args.kv_memory} KV, {len(requests)} requests] {d}: {r['num_blocks']} "
-                      f"blocks, at most {r['max_running']} running, {r['preemptions']} "
-                      f"preemptions, {r['tokens_per_s']:.1f} output tok/s", flush=True)
-            print("fp8 / auto: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+            formats = args.throughput_formats.split(",")
+            rounds = [{d: concurrency(model_dir, requests, d, memory, tdtype) for d in formats}
+                      for _ in range(args.rounds)]
+            base = formats[0]
+            ratios = [{d: {key: runs[d][key] / max(runs[base][key], 1e-9)
+                           for key in ("num_blocks", "max_running", "tokens_per_s")}
+                       for d in formats[1:]} for runs in rounds]
+            report["throughput"] = dict(rounds=rounds, over_baseline=ratios, kv_memory=memory,
+                                        dtype=tdtype, baseline=base)
+            for i, runs in enumerate(rounds):
+                for d, r in runs.items():
+                    print(f"[{tdtype} model, {args.kv_memory} KV, {len(requests)} requests, "
+                          f"round {i + 1}] {d}: {r['num_blocks']} blocks, at most "
+                          f"{r['max_running']} running, {r['preemptions']} preemptions, "
+                          f"{r['tokens_per_s']:.1f} output tok/s", flush=True)
+                for d, ratio in ratios[i].items():
+                    print(f"{d} / {base}: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items()))
     if args.json:
         print(json.dumps(report, indent=2))
     return 0
@@ -166,7 +184,7 @@ def kl_main(args: argparse.Namespace) -> int:
     contexts = [int(c) for c in args.kl_contexts.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for dtype in ("float32", "bfloat16"):
+        for dtype in args.kl_weights.split(","):
             model_dir = build_random_model_dir(Path(tmp) / dtype, dtype=dtype, seed=0, **SHAPE)
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
             rows += kl_table(model_dir, dtype, contexts, args.kl_sequences, vocab)

@@ -316,15 +316,9 @@ template <typename T> struct SameFmt {  // the activation dtype itself
 struct Int8Fmt {
   using storage = int8_t;
   static constexpr bool quantized = true;
-  static void widen(const int8_t* s, float* d, int64_t n) {
-    int64_t j = 0;
-    for (; j + QW <= n; j += QW) {
-      vqi8 v;
-      std::memcpy(&v, s + j, sizeof(v));
-      const vqf f = __builtin_convertvector(v, vqf);
-      std::memcpy(d + j, &f, sizeof(f));
-    }
-    for (; j < n; j++) d[j] = static_cast<float>(s[j]);
+  static void widen(const int8_t* __restrict s, float* __restrict d, int64_t n) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; j++) d[j] = static_cast<float>(s[j]);  // vpmovsxbd + vcvtdq2ps
   }
 };
 struct E5M2Fmt {

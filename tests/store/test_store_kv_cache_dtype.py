@@ -26,3 +26,25 @@ def test_disk_blocks_are_shared_only_between_caches_of_the_same_dtype(tiny_llama
         assert cached == full_blocks, same
         assert tokens == fp8_tokens  # the stored fp8 blocks read back exactly
         llm.shutdown()
+
+
+def test_int8_blocks_round_trip_through_disk_with_their_scales(tiny_llama, tmp_path):
+    """An int8 block's row carries its per-token scales: a later int8 engine reads every full
+    block back (the same tokens as the writer), and a cache of another format never does."""
+    prompt = with_suffix(make_prefixes(seed=8, num=1)[0], seed=3)
+    full_blocks = (len(prompt) - 1) // 4 * 4
+    writer = store_llm(tiny_llama, "disk", tmp_path, kv_cache_dtype="int8")
+    int8_tokens, cached = run_one(writer, prompt)
+    assert cached == 0 and writer.llm_engine.kv_store.snapshot_stats()[0].blocks_written > 0
+    writer.shutdown()
+
+    for other in ("auto", "fp8"):
+        llm = store_llm(tiny_llama, "disk", tmp_path, kv_cache_dtype=other)
+        assert run_one(llm, prompt)[1] == 0, other
+        llm.shutdown()
+
+    reader = store_llm(tiny_llama, "disk", tmp_path, kv_cache_dtype="int8")
+    tokens, cached = run_one(reader, prompt)
+    assert cached == full_blocks
+    assert tokens == int8_tokens
+    reader.shutdown()
