@@ -44,7 +44,7 @@ from pagedkv.testing.kv_quant_accuracy import compare_logits, teacher_forced_log
 from pagedkv.testing.random_model import build_random_model_dir  # noqa: E402
 
 MAX_MODEL_LEN = 576  # bench_offline's longest request: 384 prompt + 160 output tokens
-FORMATS = ("fp8_e4m3", "fp8_e5m2")  # "fp8" is fp8_e4m3
+FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8")  # "fp8" is fp8_e4m3
 TINY = dict(arch="llama", dtype="float32")
 LLAMA3_8B = dict(arch="llama", hidden_size=4096, intermediate_size=14336, num_heads=32,
                  num_kv_heads=8, head_dim=128, max_position_embeddings=8192)
@@ -69,7 +69,7 @@ def accuracy(model_dir: Path, prompts: int, prompt_len: int, decode_len: int) ->
                        logit_range=min(c.logit_range for c in cs),
                        greedy_agreement=sum(c.greedy_agreement for c in cs) / len(cs),
                        positions=sum(c.positions for c in cs),
-                       scales=[(s.k_scale, s.v_scale) for s in runners[name].kv_scales])
+                       scales=[(s.k_scale, s.v_scale) for s in runners[name].kv_scales or []])
             for name, cs in rows.items()}
 
 
@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the KL-divergence quality table (kv_kl.py)")
     parser.add_argument("--kl-contexts", default="256,2048", help="sequence lengths, comma-separated")
     parser.add_argument("--kl-sequences", type=int, default=2, help="sequences per context")
+    parser.add_argument("--kl-formats", default=None,
+                        help="only these cache formats (comma-separated; default: all)")
     parser.add_argument("--kl-weights", default="float32,bfloat16",
                         help="weight dtypes of the KL runs, comma-separated")
     args = parser.parse_args(argv)
@@ -187,7 +189,8 @@ def kl_main(args: argparse.Namespace) -> int:
         for dtype in args.kl_weights.split(","):
             model_dir = build_random_model_dir(Path(tmp) / dtype, dtype=dtype, seed=0, **SHAPE)
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-            rows += kl_table(model_dir, dtype, contexts, args.kl_sequences, vocab)
+            rows += kl_table(model_dir, dtype, contexts, args.kl_sequences, vocab,
+                             only=args.kl_formats.split(",") if args.kl_formats else None)
     if args.json:
         print(json.dumps(rows, indent=2))
     return 0

@@ -59,15 +59,18 @@ def runner_logits(model_dir: Path, dtype: str, cache_dtype: str, seqs: list[list
 
 
 def kl_table(model_dir: Path, weight_dtype: str, contexts: list[int], num_seqs: int,
-             vocab: int, chunk: int = 256) -> list[dict]:
+             vocab: int, chunk: int = 256, only: list[str] | None = None) -> list[dict]:
     """One row per (context, format): mean / p99 / max KL against the float32-exact cache, top-1
-    agreement, and (bfloat16 weights) the KL against the model-dtype cache."""
+    agreement, and (bfloat16 weights) the KL against the model-dtype cache. `only`: just these
+    formats (the model-dtype cache still runs, as the second reference)."""
     rows = []
     for length in contexts:
         seqs = sequences(num_seqs, length, vocab)
         ref = runner_logits(model_dir, "float32", "float32", seqs, chunk)
         own = None
         for fmt in formats_for(weight_dtype):
+            if only is not None and fmt not in only and fmt != "auto":
+                continue
             got = runner_logits(model_dir, weight_dtype, fmt, seqs, chunk)
             if fmt == "auto":
                 own = got

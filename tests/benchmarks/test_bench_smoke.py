@@ -58,7 +58,7 @@ def test_bench_kv_quant_runs_and_fp8_quadruples_the_blocks():
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout[proc.stdout.index("{"):])
     tiny = report["accuracy"]["tiny-llama-float32"]
-    assert set(tiny) == {"fp8_e4m3", "fp8_e5m2"}
+    assert set(tiny) == {"fp8_e4m3", "fp8_e5m2", "int8"}
     assert all(0 < r["max_abs_logit_error"] < r["logit_range"] for r in tiny.values())
     runs = report["throughput"]["rounds"][0]
     assert runs["fp8"]["num_blocks"] == 4 * runs["auto"]["num_blocks"] == 4 * 40  # float32 model
