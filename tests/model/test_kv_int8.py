@@ -143,3 +143,20 @@ def test_the_avx2_build_of_the_kernel_matches_the_reference_too():
     assert path != str(library_path())
     assert len(errors) == 6 and all(e <= TOLERANCE[torch.float32] or "bfloat16" in k
                                     for k, e in errors.items())
+
+
+def test_triton_backend_reads_the_int8_cache_in_place(tiny_llama):
+    """The CUDA backend (its Triton kernels interpreted on CPU) over an int8 cache, unwrapped
+    (`reads_int8_cache`): the kernel stores values and scales and applies the scales itself;
+    the same logit bound against the model dtype's cache. Short: the interpreter is slow."""
+    rng = random.Random(1)
+    prompt = [rng.randrange(4, 200) for _ in range(20)]
+    cont = [rng.randrange(4, 200) for _ in range(4)]
+    ref = teacher_forced_logits(ModelRunner(tiny_llama, block_size=4, num_blocks=16,
+                                            device="cpu"), prompt, cont, chunk_size=8)
+    runner = ModelRunner(tiny_llama, block_size=4, num_blocks=16, device="cpu",
+                         attention_backend="cuda", kv_cache_dtype="int8")
+    assert runner.attn_backend.name == "triton" and runner.attn_backend.reads_int8_cache
+    got = compare_logits(ref, teacher_forced_logits(runner, prompt, cont, chunk_size=8))
+    assert 0.0 < got.max_abs_error < INT8_LOGIT_BOUND, got
+    assert bool(runner.kv_cache.scales_kv.any())  # the kernel stored the scales
