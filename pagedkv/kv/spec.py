@@ -180,7 +180,10 @@ def kv_cache_spec_from_hf_config(
     """
     _check_positive_int("block_size", block_size)
     hf = config if isinstance(config, HFModelConfig) else HFModelConfig.from_dict(config)
-    kv_dtype = resolve_kv_cache_dtype(cache_dtype, resolve_dtype(dtype, hf.raw))
+    model_dtype = resolve_dtype(dtype, hf.raw)
+    if kv_scale_bytes(model_dtype):  # int8 needs per-token scales: a cache format only
+        raise ValueError(f"dtype {dtype!r} is a KV cache format (kv_cache_dtype), not a dtype")
+    kv_dtype = resolve_kv_cache_dtype(cache_dtype, model_dtype)
     if hf.is_mla:
         return MLAAttentionSpec(
             block_size=block_size,
