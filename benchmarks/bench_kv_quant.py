@@ -1,7 +1,12 @@
-"""The fp8 KV cache (kv_cache_dtype): its accuracy cost, and the concurrency and throughput it buys.
+"""The quantized KV caches (kv_cache_dtype): accuracy cost, and the concurrency and throughput bought.
 
     PYTHONPATH=. python benchmarks/bench_kv_quant.py [--real-layers 2] [--real-dtype bfloat16]
         [--kv-memory 24MiB] [--num-requests 48] [--skip-real] [--skip-throughput] [--json]
+    PYTHONPATH=. python benchmarks/bench_kv_quant.py --kl [--kl-contexts 256,2048]
+        [--kl-sequences 2] [--json]
+
+0. `--kl` (only this): KL divergence of every cache format against a float32-exact cache on the
+   benchmark model in float32 and bfloat16 weights, short and long context (kv_kl.py).
 
 1. Accuracy, teacher-forced (pagedkv.testing.kv_quant_accuracy): a prompt is prefilled in chunks,
    then a fixed continuation decoded token by token through the paged cache, once with the
@@ -30,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_offline import SHAPE, workload  # noqa: E402
+from kv_kl import kl_table  # noqa: E402
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.kv.sizes import parse_size  # noqa: E402
@@ -38,7 +44,7 @@ from pagedkv.testing.kv_quant_accuracy import compare_logits, teacher_forced_log
 from pagedkv.testing.random_model import build_random_model_dir  # noqa: E402
 
 MAX_MODEL_LEN = 576  # bench_offline's longest request: 384 prompt + 160 output tokens
-FORMATS = ("fp8_e4m3", "fp8_e5m2")  # "fp8" is fp8_e4m3
+FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8")  # "fp8" is fp8_e4m3
 TINY = dict(arch="llama", dtype="float32")
 LLAMA3_8B = dict(arch="llama", hidden_size=4096, intermediate_size=14336, num_heads=32,
                  num_kv_heads=8, head_dim=128, max_position_embeddings=8192)
@@ -63,14 +69,15 @@ def accuracy(model_dir: Path, prompts: int, prompt_len: int, decode_len: int) ->
                        logit_range=min(c.logit_range for c in cs),
                        greedy_agreement=sum(c.greedy_agreement for c in cs) / len(cs),
                        positions=sum(c.positions for c in cs),
-                       scales=[(s.k_scale, s.v_scale) for s in runners[name].kv_scales])
+                       scales=[(s.k_scale, s.v_scale) for s in runners[name].kv_scales or []])
             for name, cs in rows.items()}
 
 
-def concurrency(model_dir: Path, requests: list, kv_cache_dtype: str, kv_memory: int) -> dict:
+def concurrency(model_dir: Path, requests: list, kv_cache_dtype: str, kv_memory: int,
+                dtype: str = "float32") -> dict:
     """One engine with `kv_memory` bytes of KV cache runs every request; its blocks, the most
     requests running at once, preemptions and output tokens/s."""
-    llm = LLM(model=str(model_dir), dtype="float32", seed=0, kv_cache_memory_bytes=kv_memory,
+    llm = LLM(model=str(model_dir), dtype=dtype, seed=0, kv_cache_memory_bytes=kv_memory,
               kv_cache_dtype=kv_cache_dtype, max_model_len=MAX_MODEL_LEN)
     engine = llm.llm_engine
     llm.generate([{"prompt_token_ids": requests[0][0]}], SamplingParams(max_tokens=2),
@@ -108,11 +115,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-output", type=int, default=None,
                         help="cap every request's output tokens (default: the workload's)")
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--throughput-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the throughput runs' model dtype")
+    parser.add_argument("--throughput-formats", default="auto,fp8,int8",
+                        help="kv_cache_dtype of each throughput run (the first is the baseline)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="throughput runs per format, alternated (figures: each round)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    parser.add_argument("--kl", action="store_true",
+                        help="only the KL-divergence quality table (kv_kl.py)")
+    parser.add_argument("--kl-contexts", default="256,2048", help="sequence lengths, comma-separated")
+    parser.add_argument("--kl-sequences", type=int, default=2, help="sequences per context")
+    parser.add_argument("--kl-formats", default=None,
+                        help="only these cache formats (comma-separated; default: all)")
+    parser.add_argument("--kl-weights", default="float32,bfloat16",
+                        help="weight dtypes of the KL runs, comma-separated")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.kl:
+        return kl_main(args)
     report: dict = {"accuracy": {}, "throughput": {}}
     with tempfile.TemporaryDirectory() as tmp:
         models = {"tiny-llama-float32": TINY}
@@ -129,23 +152,47 @@ def main(argv: list[str] | None = None) -> int:
                       f"{100 * r['greedy_agreement']:.1f}% of {r['positions']} positions",
                       flush=True)
         if not args.skip_throughput:
-            model_dir = build_random_model_dir(Path(tmp) / "llama-512x8", dtype="float32",
+            tdtype = args.throughput_dtype
+            model_dir = build_random_model_dir(Path(tmp) / "llama-512x8", dtype=tdtype,
                                                seed=0, **SHAPE)
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
             requests = [(p, min(n, args.max_output or n))
                         for p, n in workload(0, vocab)[: args.num_requests]]
             memory = parse_size(args.kv_memory, name="--kv-memory")
-            runs = {d: concurrency(model_dir, requests, d, memory) for d in ("auto", "fp8")}
-            ratios = {key: runs["fp8"][key] / max(runs["auto"][key], 1e-9)
-                      for key in ("num_blocks", "max_running", "tokens_per_s")}
-            report["throughput"] = dict(runs=runs, fp8_over_auto=ratios, kv_memory=memory)
-            for d, r in runs.items():
-                print(f"[{args.kv_memory} KV, {len(requests)} requests] {d}: {r['num_blocks']} "
-                      f"blocks, at most {r['max_running']} running, {r['preemptions']} "
-                      f"preemptions, {r['tokens_per_s']:.1f} output tok/s", flush=True)
-            print("fp8 / auto: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+            formats = args.throughput_formats.split(",")
+            rounds = [{d: concurrency(model_dir, requests, d, memory, tdtype) for d in formats}
+                      for _ in range(args.rounds)]
+            base = formats[0]
+            ratios = [{d: {key: runs[d][key] / max(runs[base][key], 1e-9)
+                           for key in ("num_blocks", "max_running", "tokens_per_s")}
+                       for d in formats[1:]} for runs in rounds]
+            report["throughput"] = dict(rounds=rounds, over_baseline=ratios, kv_memory=memory,
+                                        dtype=tdtype, baseline=base)
+            for i, runs in enumerate(rounds):
+                for d, r in runs.items():
+                    print(f"[{tdtype} model, {args.kv_memory} KV, {len(requests)} requests, "
+                          f"round {i + 1}] {d}: {r['num_blocks']} blocks, at most "
+                          f"{r['max_running']} running, {r['preemptions']} preemptions, "
+                          f"{r['tokens_per_s']:.1f} output tok/s", flush=True)
+                for d, ratio in ratios[i].items():
+                    print(f"{d} / {base}: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items()))
     if args.json:
         print(json.dumps(report, indent=2))
+    return 0
+
+
+def kl_main(args: argparse.Namespace) -> int:
+    """The `--kl` table: both weight dtypes of the benchmark model, every cache format."""
+    contexts = [int(c) for c in args.kl_contexts.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in args.kl_weights.split(","):
+            model_dir = build_random_model_dir(Path(tmp) / dtype, dtype=dtype, seed=0, **SHAPE)
+            vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+            rows += kl_table(model_dir, dtype, contexts, args.kl_sequences, vocab,
+                             only=args.kl_formats.split(",") if args.kl_formats else None)
+    if args.json:
+        print(json.dumps(rows, indent=2))
     return 0
 
 

@@ -16,6 +16,7 @@ DTYPE_BYTES: dict[str, int] = {
     "fp8": 1,
     "fp8_e4m3": 1,
     "fp8_e5m2": 1,
+    "int8": 1,
 }
 
 _DTYPE_ALIASES: dict[str, str] = {
@@ -40,7 +41,14 @@ FP8_TORCH_DTYPE_NAMES: dict[str, str] = {
     "fp8_e4m3": "float8_e4m3fn",
     "fp8_e5m2": "float8_e5m2",
 }
-KV_CACHE_DTYPE_CHOICES = ("auto", *FP8_TORCH_DTYPE_NAMES)
+# "int8": symmetric int8 with one float32 scale per token, KV head and layer for K and for V,
+# computed when the token is written (no calibration; pagedkv/model/kv_int8.py). The scales
+# live beside the block and count in its bytes (`KV_SCALE_BYTES`, the KV spec's page size).
+# A model dtype name ("bfloat16", ...) stores K/V rounded to that dtype (as vLLM's
+# kv_cache_dtype="bfloat16"): the yardstick of the KV-quality benchmark for float32 models.
+INT8_KV_DTYPE = "int8"
+KV_SCALE_BYTES: dict[str, int] = {INT8_KV_DTYPE: 4}
+KV_CACHE_DTYPE_CHOICES = ("auto", *FP8_TORCH_DTYPE_NAMES, INT8_KV_DTYPE, *MODEL_DTYPES)
 
 # "auto" with a config that names no dtype: float32, as transformers loads such a checkpoint
 # (and an upper bound when planning memory: never an under-estimate).
@@ -89,7 +97,7 @@ def resolve_dtype(dtype: str, config: dict[str, Any] | None = None) -> str:
 
 def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: str) -> str:
     """The canonical dtype of the KV cache: `model_dtype` (canonicalised) for "auto", else the
-    fp8 name itself. Raises ValueError naming `cache_dtype` when it is not one of
+    named cache dtype itself. Raises ValueError naming `cache_dtype` when it is not one of
     KV_CACHE_DTYPE_CHOICES."""
     if cache_dtype not in KV_CACHE_DTYPE_CHOICES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, "
@@ -100,3 +108,14 @@ def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: str) -> str:
 def is_fp8_dtype(dtype: str) -> bool:
     """Whether the canonical dtype name `dtype` is one of the fp8 KV cache dtypes."""
     return dtype in FP8_TORCH_DTYPE_NAMES
+
+
+def kv_scale_bytes(dtype: str) -> int:
+    """Bytes of scale stored per token, KV head, layer and K or V for a KV cache of canonical
+    dtype `dtype`: 4 (a float32) for int8, 0 for every format without per-token scales."""
+    return KV_SCALE_BYTES.get(dtype, 0)
+
+
+def is_int8_dtype(dtype: str) -> bool:
+    """Whether the canonical dtype name `dtype` is the int8 (per-token-head scales) KV cache."""
+    return dtype == INT8_KV_DTYPE

@@ -41,6 +41,18 @@ CPU_KERNEL_MODES = ("auto", "wait", "off")
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 CXXFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++20",
             "-fno-math-errno", "-fno-trapping-math", "-DNDEBUG"]
+# PAGEDKV_CPU_ISA=avx2: build without AVX-512 even where the CPU has it (the code a Zen 3 runs;
+# how the tests cover both vector paths of the quantized-cache decode on one machine).
+ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"]}
+
+
+def cxxflags() -> list[str]:
+    """The compiler flags of this process's build: CXXFLAGS plus PAGEDKV_CPU_ISA's (default
+    "native"). Raises ValueError naming an unknown PAGEDKV_CPU_ISA."""
+    isa = os.environ.get("PAGEDKV_CPU_ISA", "native")
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"PAGEDKV_CPU_ISA must be one of {sorted(ISA_FLAGS)}, got {isa!r}")
+    return [*CXXFLAGS, *ISA_FLAGS[isa]]
 
 _lock = threading.Lock()
 _state = {"loaded": False, "error": None, "thread": None}
@@ -61,7 +73,7 @@ def build_key() -> str:
     to its libraries), flags, Python and CPU features."""
     h = hashlib.sha256()
     for part in (SOURCE.read_bytes(), torch.__version__.encode(), str(Path(torch.__file__).parent).encode(),
-                 " ".join(CXXFLAGS).encode(), sys.version.encode(), _cpu_flags().encode()):
+                 " ".join(cxxflags()).encode(), sys.version.encode(), _cpu_flags().encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:20]
@@ -79,7 +91,7 @@ def _compile(out: Path) -> None:
 
     out.parent.mkdir(parents=True, exist_ok=True)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cmd = [os.environ.get("CXX", "c++"), *CXXFLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    cmd = [os.environ.get("CXX", "c++"), *cxxflags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
     cmd += [f"-I{p}" for p in include_paths()]
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)

@@ -273,25 +273,212 @@ void write_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at
   });
 }
 
+// ---- Quantized KV caches read in place (issue 25) ----------------------------------------
+//
+// int8 (per-token-head float32 scales beside the block, pagedkv/model/kv_int8.py) and fp8
+// (e4m3fn / e5m2; their per-layer or per-head scales are folded into q and the output by
+// kv_quant.KVScales before the kernel) blocks are widened to float32 a vector at a time as they
+// are read: QW lanes, 16 (one zmm) where AVX-512 is compiled in, 8 (one ymm) otherwise;
+// PAGEDKV_CPU_ISA=avx2 (pagedkv/kernels/cpu.py: -mno-avx512f, as a Zen 3 build) gives the
+// 8-lane build on an AVX-512 machine, so both are tested here. fp8 goes through float16: e5m2 is
+// the top byte of a float16; e4m3fn's 7 low bits shifted into a float16's exponent and
+// mantissa are the value times 2^-8 (normal and subnormal alike), so both widen exactly with
+// one vcvtph2ps (F16C, on every x86-64 CPU since 2013) and, for e4m3, one multiply.
+#if defined(__AVX512F__)
+#define PAGEDKV_QW 16
+#else
+#define PAGEDKV_QW 8
+#endif
+constexpr int QW = PAGEDKV_QW;
+typedef float vqf __attribute__((vector_size(QW * 4)));
+typedef int8_t vqi8 __attribute__((vector_size(QW)));
+typedef uint8_t vqu8 __attribute__((vector_size(QW)));
+typedef uint16_t vqu16 __attribute__((vector_size(QW * 2)));
+
+inline vqf halves_to_float(vqu16 h) {
+#if PAGEDKV_QW == 16
+  return (vqf)_mm512_cvtph_ps((__m256i)h);
+#elif defined(__F16C__)
+  return (vqf)_mm256_cvtph_ps((__m128i)h);
+#else
+  vqf f;
+  for (int i = 0; i < QW; i++) f[i] = static_cast<float>(c10::Half(h[i], c10::Half::from_bits()));
+  return f;
+#endif
+}
+
+// The storage formats of a KV cache block: `widen(src, dst, n)` writes n float32 values.
+template <typename T> struct SameFmt {  // the activation dtype itself
+  using storage = T;
+  static constexpr bool quantized = false;
+  static void widen(const T* s, float* d, int64_t n) { for (int64_t j = 0; j < n; j++) d[j] = to_f(s[j]); }
+};
+struct Int8Fmt {
+  using storage = int8_t;
+  static constexpr bool quantized = true;
+  static void widen(const int8_t* __restrict s, float* __restrict d, int64_t n) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; j++) d[j] = static_cast<float>(s[j]);  // vpmovsxbd + vcvtdq2ps
+  }
+};
+struct E5M2Fmt {
+  using storage = uint8_t;
+  static constexpr bool quantized = true;
+  static void widen(const uint8_t* s, float* d, int64_t n) {
+    int64_t j = 0;
+    for (; j + QW <= n; j += QW) {
+      vqu8 v;
+      std::memcpy(&v, s + j, sizeof(v));
+      const vqf f = halves_to_float(__builtin_convertvector(v, vqu16) << 8);
+      std::memcpy(d + j, &f, sizeof(f));
+    }
+    for (; j < n; j++)
+      d[j] = static_cast<float>(c10::Half(static_cast<uint16_t>(s[j] << 8), c10::Half::from_bits()));
+  }
+};
+struct E4M3Fmt {
+  using storage = uint8_t;
+  static constexpr bool quantized = true;
+  static void widen(const uint8_t* s, float* d, int64_t n) {
+    int64_t j = 0;
+    for (; j + QW <= n; j += QW) {
+      vqu8 v;
+      std::memcpy(&v, s + j, sizeof(v));
+      const vqu16 w = __builtin_convertvector(v, vqu16);
+      const vqf f = halves_to_float(((w & 0x80) << 8) | ((w & 0x7F) << 7)) * 256.f;
+      std::memcpy(d + j, &f, sizeof(f));
+    }
+    for (; j < n; j++) {
+      const uint16_t h = static_cast<uint16_t>(((s[j] & 0x80) << 8) | ((s[j] & 0x7F) << 7));
+      d[j] = static_cast<float>(c10::Half(h, c10::Half::from_bits())) * 256.f;
+    }
+  }
+};
+
 // One query token per sequence attending to keys first_pos[s] .. seq_lens[s] - 1 of its
 // paged K/V (block_tables [S, W] hold the physical block of each logical block). q [S, H, D]
-// (strided rows), caches [KVH, NB, BS, D]; out [S, H, D]; lse [S, H] float32 (log-sum-exp of
-// the scaled scores) when defined. Online softmax, float32 throughout, one block at a time;
-// all H / KVH query heads of a KV head share each block's loads (GQA).
-void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                            const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& first_pos, const at::Tensor& seq_lens,
-                            double scale, at::Tensor& out, const c10::optional<at::Tensor>& lse) {
+// (strided rows), caches [KVH, NB, BS, D] in q's dtype, int8 or fp8; k_scales / v_scales
+// [KVH, NB, BS] float32 (int8 caches: a stored value times its token's scale); out [S, H, D];
+// lse [S, H] float32 (log-sum-exp of the scaled scores) when defined. Online softmax, float32
+// throughout, one block at a time; all H / KVH query heads of a KV head share each block's
+// loads (GQA), widened to float32 once for all of them. A token's key scale multiplies its
+// scores, its value scale its softmax weight: q . (k8 * s) = (q . k8) * s.
+template <typename scalar_t, typename Fmt>
+void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const float* ksp, const float* vsp, const int64_t* btp, int64_t width,
+                 const int64_t* fpp, const int64_t* slp, float sc, at::Tensor& out, float* lsep) {
+  using storage = typename Fmt::storage;
+  const int64_t s_n = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t kvh = k_cache.size(0), nb = k_cache.size(1), bs = k_cache.size(2);
+  const int64_t g = heads / kvh;
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const storage* kc = static_cast<const storage*>(k_cache.data_ptr());
+  const storage* vc = static_cast<const storage*>(v_cache.data_ptr());
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const int64_t sq = q.stride(0);
+  at::parallel_for(0, s_n * kvh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(g * d), acc(g * d), kf(bs * d), vf(bs * d), p(g * bs), m(g), l(g);
+    for (int64_t item = begin; item < end; item++) {
+      const int64_t s = item / kvh, kh = item % kvh;
+      const int64_t first = fpp[s], len = slp[s];
+      for (int64_t h = 0; h < g; h++) {
+        const scalar_t* qs = qp + s * sq + (kh * g + h) * d;
+        for (int64_t j = 0; j < d; j++) qf[h * d + j] = to_f(qs[j]) * sc;
+        m[h] = -std::numeric_limits<float>::infinity();
+        l[h] = 0.f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t pos = first; pos < len;) {
+        const int64_t blk = btp[s * width + pos / bs], off = pos % bs;
+        const int64_t n = std::min(bs - off, len - pos);
+        const int64_t row0 = (kh * nb + blk) * bs + off;  // the first token's slot row
+        const storage* kb = kc + row0 * d;
+        const storage* vb = vc + row0 * d;
+        const float* ks = ksp ? ksp + row0 : nullptr;
+        const float* vs = vsp ? vsp + row0 : nullptr;
+        const float* kblock;
+        const float* vblock;
+        if constexpr (std::is_same_v<storage, float>) {
+          kblock = kb;
+          vblock = vb;
+        } else {  // widen the block once for all g query heads
+          Fmt::widen(kb, kf.data(), n * d);
+          Fmt::widen(vb, vf.data(), n * d);
+          kblock = kf.data();
+          vblock = vf.data();
+        }
+        for (int64_t h = 0; h < g; h++) {
+          const float* qh = qf.data() + h * d;
+          float* ph = p.data() + h * bs;
+          dot_rows(qh, kblock, n, d, ph);
+          if (ks)
+            for (int64_t t = 0; t < n; t++) ph[t] *= ks[t];
+          float mx = m[h];
+          for (int64_t t = 0; t < n; t++) mx = std::max(mx, ph[t]);
+          const float corr = std::exp(m[h] - mx);  // 0 on the first block (m = -inf)
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = 0; t < n; t++) { ph[t] = fast_exp(ph[t] - mx); sum += ph[t]; }
+          float* ah = acc.data() + h * d;
+#pragma omp simd
+          for (int64_t j = 0; j < d; j++) ah[j] *= corr;
+          for (int64_t t = 0; t < n; t++) {
+            const float w = vs ? ph[t] * vs[t] : ph[t];
+            const float* vt = vblock + t * d;
+#pragma omp simd
+            for (int64_t j = 0; j < d; j++) ah[j] += w * vt[j];
+          }
+          l[h] = l[h] * corr + sum;
+          m[h] = mx;
+        }
+        pos += n;
+      }
+      for (int64_t h = 0; h < g; h++) {
+        const int64_t hh = kh * g + h;
+        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+        scalar_t* o = op + (s * heads + hh) * d;
+        for (int64_t j = 0; j < d; j++) o[j] = from_f<scalar_t>(acc[h * d + j] * inv);
+        if (lsep) lsep[s * heads + hh] = l[h] > 0.f ? m[h] + std::log(l[h])
+                                                    : -std::numeric_limits<float>::infinity();
+      }
+    }
+  });
+}
+
+void check_scales(const c10::optional<at::Tensor>& scales, const at::Tensor& cache,
+                  const char* name) {
+  if (!scales.has_value()) return;
+  TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
+              scales->dim() == 3 && scales->size(0) == cache.size(0) &&
+              scales->size(1) == cache.size(1) && scales->size(2) == cache.size(2),
+              "paged_decode_attention: ", name, " must be contiguous float32 [KVH, NB, BS]");
+}
+
+void paged_decode_attention_q(const at::Tensor& q, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache,
+                              const c10::optional<at::Tensor>& k_scales,
+                              const c10::optional<at::Tensor>& v_scales,
+                              const at::Tensor& block_tables, const at::Tensor& first_pos,
+                              const at::Tensor& seq_lens, double scale, at::Tensor& out,
+                              const c10::optional<at::Tensor>& lse) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "paged_decode_attention: q must be [S, H, D] with contiguous heads");
+  const at::ScalarType cache_t = k_cache.scalar_type();
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() &&
-              k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
-              out.scalar_type() == q.scalar_type(),
-              "paged_decode_attention: caches and out must be contiguous and of q's dtype");
+              v_cache.scalar_type() == cache_t && out.scalar_type() == q.scalar_type(),
+              "paged_decode_attention: caches (of one dtype) and out must be contiguous, out "
+              "of q's dtype");
+  TORCH_CHECK(cache_t == q.scalar_type() || cache_t == at::kChar ||
+              cache_t == at::kFloat8_e4m3fn || cache_t == at::kFloat8_e5m2,
+              "paged_decode_attention: cache dtype ", cache_t, " is neither q's, int8 nor fp8");
+  TORCH_CHECK(k_scales.has_value() == v_scales.has_value() &&
+              k_scales.has_value() == (cache_t == at::kChar),
+              "paged_decode_attention: int8 caches need k_scales and v_scales, others none");
+  check_scales(k_scales, k_cache, "k_scales");
+  check_scales(v_scales, v_cache, "v_scales");
   const int64_t s_n = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t kvh = k_cache.size(0), nb = k_cache.size(1), bs = k_cache.size(2);
   TORCH_CHECK(heads % kvh == 0 && k_cache.size(3) == d, "paged_decode_attention: head shapes");
-  const int64_t g = heads / kvh;
   auto bt = block_tables.to(at::kLong).contiguous();
   auto fp = first_pos.to(at::kLong).contiguous();
   auto sl = seq_lens.to(at::kLong).contiguous();
@@ -311,75 +498,71 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
     TORCH_CHECK(lse->is_contiguous() && lse->scalar_type() == at::kFloat, "lse must be float32");
     lsep = lse->data_ptr<float>();
   }
+  const float* ksp = k_scales ? k_scales->data_ptr<float>() : nullptr;
+  const float* vsp = v_scales ? v_scales->data_ptr<float>() : nullptr;
   const float sc = static_cast<float>(scale);
   dispatch(q.scalar_type(), "paged_decode_attention", [&](auto tag) {
     using scalar_t = typename decltype(tag)::type;
-    const scalar_t* qp = q.data_ptr<scalar_t>();
-    const scalar_t* kc = k_cache.data_ptr<scalar_t>();
-    const scalar_t* vc = v_cache.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t sq = q.stride(0);
-    at::parallel_for(0, s_n * kvh, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> qf(g * d), acc(g * d), kf(bs * d), vf(bs * d), p(g * bs), m(g), l(g);
-      for (int64_t item = begin; item < end; item++) {
-        const int64_t s = item / kvh, kh = item % kvh;
-        const int64_t first = fpp[s], len = slp[s];
-        for (int64_t h = 0; h < g; h++) {
-          const scalar_t* qs = qp + s * sq + (kh * g + h) * d;
-          for (int64_t j = 0; j < d; j++) qf[h * d + j] = to_f(qs[j]) * sc;
-          m[h] = -std::numeric_limits<float>::infinity();
-          l[h] = 0.f;
+    auto run = [&](auto fmt) {
+      decode_impl<scalar_t, decltype(fmt)>(q, k_cache, v_cache, ksp, vsp, btp, width, fpp, slp,
+                                           sc, out, lsep);
+    };
+    switch (cache_t) {
+      case at::kChar: run(Int8Fmt{}); break;
+      case at::kFloat8_e4m3fn: run(E4M3Fmt{}); break;
+      case at::kFloat8_e5m2: run(E5M2Fmt{}); break;
+      default: run(SameFmt<scalar_t>{}); break;
+    }
+  });
+}
+
+// The model-dtype cache's entry point (caches of q's dtype, no scales).
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& first_pos, const at::Tensor& seq_lens,
+                            double scale, at::Tensor& out, const c10::optional<at::Tensor>& lse) {
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "paged_decode_attention: caches and out must be contiguous and of q's dtype");
+  paged_decode_attention_q(q, k_cache, v_cache, c10::nullopt, c10::nullopt, block_tables,
+                           first_pos, seq_lens, scale, out, lse);
+}
+
+// int8 KV write (kv_int8.py's scheme, in one pass): for x [T, KVH, D] (strided rows), each
+// token's and head's scale s = max|x| / 127 goes to scales[h, slot[t]] and round(x / s) (half
+// to even; 0 for s = 0) to cache[h, slot[t]]. Slots < 0 are skipped.
+void write_kv_int8_(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales,
+                    const at::Tensor& slot_mapping) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && cache.is_contiguous() &&
+              cache.scalar_type() == at::kChar && scales.is_contiguous() &&
+              scales.scalar_type() == at::kFloat,
+              "write_kv_int8_: expected x [T, KVH, D], a contiguous int8 cache, float32 scales");
+  const int64_t t = x.size(0), kvh = x.size(1), d = x.size(2);
+  const int64_t slots = cache.size(1) * cache.size(2);
+  auto sm = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* sp = sm.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; i++) TORCH_CHECK(sp[i] < slots, "write_kv_int8_: slot ", sp[i], " >= ", slots);
+  int8_t* cp = cache.data_ptr<int8_t>();
+  float* scp = scales.data_ptr<float>();
+  dispatch(x.scalar_type(), "write_kv_int8_", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const int64_t s0 = x.stride(0), s1 = x.stride(1);
+    for (int64_t i = 0; i < t; i++) {
+      if (sp[i] < 0) continue;
+      for (int64_t h = 0; h < kvh; h++) {
+        const scalar_t* src = xp + i * s0 + h * s1;
+        float amax = 0.f;
+        for (int64_t j = 0; j < d; j++) amax = std::max(amax, std::abs(to_f(src[j])));
+        const float s = amax / 127.f;
+        const float div = s > 0.f ? s : 1.f;
+        int8_t* dst = cp + (h * slots + sp[i]) * d;
+        for (int64_t j = 0; j < d; j++) {
+          const float r = std::nearbyint(to_f(src[j]) / div);
+          dst[j] = static_cast<int8_t>(std::min(std::max(r, -127.f), 127.f));
         }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t pos = first; pos < len;) {
-          const int64_t blk = btp[s * width + pos / bs], off = pos % bs;
-          const int64_t n = std::min(bs - off, len - pos);
-          const scalar_t* kb = kc + ((kh * nb + blk) * bs + off) * d;
-          const scalar_t* vb = vc + ((kh * nb + blk) * bs + off) * d;
-          const float* kblock;
-          const float* vblock;
-          if constexpr (std::is_same_v<scalar_t, float>) {
-            kblock = kb;
-            vblock = vb;
-          } else {  // widen the block once for all g query heads
-            for (int64_t j = 0; j < n * d; j++) { kf[j] = to_f(kb[j]); vf[j] = to_f(vb[j]); }
-            kblock = kf.data();
-            vblock = vf.data();
-          }
-          for (int64_t h = 0; h < g; h++) {
-            const float* qh = qf.data() + h * d;
-            float* ph = p.data() + h * bs;
-            dot_rows(qh, kblock, n, d, ph);
-            float mx = m[h];
-            for (int64_t t = 0; t < n; t++) mx = std::max(mx, ph[t]);
-            const float corr = std::exp(m[h] - mx);  // 0 on the first block (m = -inf)
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < n; t++) { ph[t] = fast_exp(ph[t] - mx); sum += ph[t]; }
-            float* ah = acc.data() + h * d;
-#pragma omp simd
-            for (int64_t j = 0; j < d; j++) ah[j] *= corr;
-            for (int64_t t = 0; t < n; t++) {
-              const float w = ph[t];
-              const float* vt = vblock + t * d;
-#pragma omp simd
-              for (int64_t j = 0; j < d; j++) ah[j] += w * vt[j];
-            }
-            l[h] = l[h] * corr + sum;
-            m[h] = mx;
-          }
-          pos += n;
-        }
-        for (int64_t h = 0; h < g; h++) {
-          const int64_t hh = kh * g + h;
-          const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-          scalar_t* o = op + (s * heads + hh) * d;
-          for (int64_t j = 0; j < d; j++) o[j] = from_f<scalar_t>(acc[h * d + j] * inv);
-          if (lsep) lsep[s * heads + hh] = l[h] > 0.f ? m[h] + std::log(l[h])
-                                                      : -std::numeric_limits<float>::infinity();
-        }
+        scp[h * slots + sp[i]] = s;
       }
-    });
+    }
   });
 }
 
@@ -557,4 +740,9 @@ TORCH_LIBRARY(pagedkv_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor first_pos, Tensor seq_lens, float scale, Tensor(a!) out, Tensor(b!)? lse) -> ()",
         &paged_decode_attention);
+  m.def("paged_decode_attention_q(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scales, "
+        "Tensor? v_scales, Tensor block_tables, Tensor first_pos, Tensor seq_lens, float scale, "
+        "Tensor(a!) out, Tensor(b!)? lse) -> ()", &paged_decode_attention_q);
+  m.def("write_kv_int8_(Tensor x, Tensor(a!) cache, Tensor(b!) scales, Tensor slot_mapping) -> ()",
+        &write_kv_int8_);
 }

@@ -3,7 +3,8 @@
 A spec describes the KV cache of the whole model (all layers together): `bytes_per_token` is
 what one token costs across every layer, and `page_size_bytes` (one block) is
 `block_size * bytes_per_token`, i.e.
-`block_size * num_layers * 2 * num_kv_heads * head_size * dtype_bytes`.
+`block_size * num_layers * 2 * num_kv_heads * (head_size * dtype_bytes + scale_bytes)`, where
+`scale_bytes` is 4 for the int8 cache's per-token-head float32 scales and 0 otherwise.
 
 Three kinds, built from a Hugging Face `config.json` by `kv_cache_spec_from_hf_config`:
 
@@ -25,6 +26,7 @@ from typing import Any
 from pagedkv.config.dtypes import (
     DTYPE_BYTES,
     canonical_dtype,
+    kv_scale_bytes,
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
@@ -101,7 +103,10 @@ class FullAttentionSpec(KVCacheSpec):
 
     @property
     def bytes_per_token(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_size * self.dtype_bytes
+        """K and V of every KV head and layer, plus their per-token scales (int8 caches: one
+        float32 per K or V vector, stored beside the block)."""
+        per_vector = self.head_size * self.dtype_bytes + kv_scale_bytes(self.dtype)
+        return self.num_layers * 2 * self.num_kv_heads * per_vector
 
 
 @dataclass(frozen=True)
@@ -151,7 +156,7 @@ class MLAAttentionSpec(KVCacheSpec):
 
     @property
     def bytes_per_token(self) -> int:
-        return self.num_layers * self.head_size * self.dtype_bytes
+        return self.num_layers * (self.head_size * self.dtype_bytes + kv_scale_bytes(self.dtype))
 
 
 # ---------------------------------------------------------------- Hugging Face configs
@@ -169,12 +174,16 @@ def kv_cache_spec_from_hf_config(
     (Qwen2 `max_window_layers`, Gemma's alternating layers): every layer keeps full-attention
     blocks, an upper bound, while the model applies each layer's own window.
     `dtype` is the model's dtype ("auto": the config's); `cache_dtype` the KV cache's (vLLM's
-    `kv_cache_dtype`: "auto" = the model's, or "fp8" / "fp8_e4m3" / "fp8_e5m2", one byte per
-    value), which is the spec's `dtype`. Raises ValueError naming the missing or invalid key.
+    `kv_cache_dtype`: "auto" = the model's, "fp8" / "fp8_e4m3" / "fp8_e5m2" / "int8", one
+    byte per value, int8 plus a scale per token and head, or a model dtype name), which is the
+    spec's `dtype`. Raises ValueError naming the missing or invalid key.
     """
     _check_positive_int("block_size", block_size)
     hf = config if isinstance(config, HFModelConfig) else HFModelConfig.from_dict(config)
-    kv_dtype = resolve_kv_cache_dtype(cache_dtype, resolve_dtype(dtype, hf.raw))
+    model_dtype = resolve_dtype(dtype, hf.raw)
+    if kv_scale_bytes(model_dtype):  # int8 needs per-token scales: a cache format only
+        raise ValueError(f"dtype {dtype!r} is a KV cache format (kv_cache_dtype), not a dtype")
+    kv_dtype = resolve_kv_cache_dtype(cache_dtype, model_dtype)
     if hf.is_mla:
         return MLAAttentionSpec(
             block_size=block_size,

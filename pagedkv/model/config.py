@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from pagedkv.config import HFModelConfig, canonical_dtype
-from pagedkv.config.dtypes import FP8_TORCH_DTYPE_NAMES
+from pagedkv.config.dtypes import FP8_TORCH_DTYPE_NAMES, INT8_KV_DTYPE
 from pagedkv.model.registry import get_model_class, resolve_architecture
 
 # The torch side of the one dtype table (pagedkv.config.dtypes), keyed by canonical name.
@@ -56,7 +56,9 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def kv_cache_torch_dtype(dtype: str) -> torch.dtype:
     """The torch dtype of a KV cache of canonical dtype name `dtype`: a model dtype
-    (`torch_dtype`) or an fp8 name ("fp8" -> torch.float8_e4m3fn, as in vLLM)."""
+    (`torch_dtype`), an fp8 name ("fp8" -> torch.float8_e4m3fn, as in vLLM) or "int8"."""
+    if dtype == INT8_KV_DTYPE:
+        return torch.int8
     if dtype in FP8_TORCH_DTYPE_NAMES:
         return getattr(torch, FP8_TORCH_DTYPE_NAMES[dtype])
     return torch_dtype(dtype)

@@ -1,11 +1,12 @@
-"""The fp8 KV cache's per-tensor scales, computed once per engine from the model itself.
+"""The fp8 KV cache's per-head (or per-tensor) scales, computed once per engine from the model itself.
 
 Why computed and not given: vLLM reads calibrated `k_scale` / `v_scale` from quantized
 checkpoints and otherwise uses 1.0, which clips keys larger than 448 (e4m3; some models' keys
 have such outliers, e.g. from q/k biases) and wastes precision on small ones. Our checkpoints are
 plain bf16/fp32 Hugging Face ones without scales, so the runner computes them before it
 allocates the cache: one prefill of `CALIBRATION_TOKENS` fixed token ids through the model with
-a scratch cache in the model's dtype, then each layer's K and V absolute maximum, turned into a
+a scratch cache in the model's dtype, then each layer's (and KV head's: per-head scales, the
+default, follow heads whose ranges differ by orders of magnitude) K and V absolute maximum, turned into a
 power-of-two scale with 4x headroom (kv_quant.fp8_scale); larger values later saturate, never
 overflow. The inputs are fixed and the model's, so the scales are a function of the weights:
 deterministic, the same in every process, and identical for the device cache, the host swap pool
@@ -35,10 +36,11 @@ def calibration_token_ids(num_tokens: int, vocab_size: int) -> torch.Tensor:
 @torch.inference_mode()
 def calibrate_kv_scales(model: Any, backend: Any, spec: FullAttentionSpec, model_dtype: str,
                         cache_dtype: torch.dtype, vocab_size: int, max_tokens: int,
-                        device: torch.device) -> list[KVScales]:
+                        device: torch.device, per_head: bool = True) -> list[KVScales]:
     """One `KVScales` per layer for a `cache_dtype` cache shaped like `spec`: runs `model` once
     over min(CALIBRATION_TOKENS, max_tokens) fixed tokens with `backend` (an unquantized one)
-    and a scratch cache of `model_dtype`, freed on return. The model is not mutated."""
+    and a scratch cache of `model_dtype`, freed on return. `per_head`: one scale per KV head
+    (from that head's absolute maximum), else one per layer. The model is not mutated."""
     n = min(CALIBRATION_TOKENS, max_tokens)
     bs = spec.block_size
     num_blocks = -(-n // bs)
@@ -50,5 +52,9 @@ def calibrate_kv_scales(model: Any, backend: Any, spec: FullAttentionSpec, model
     ids = calibration_token_ids(n, vocab_size).to(device)
     positions = torch.arange(n, dtype=torch.long, device=device)
     model(ids, positions, scratch.layers, backend.build_metadata(step))
-    amax = scratch.kv.abs().amax(dim=(2, 3, 4, 5)).float().tolist()  # [layers][K, V]
-    return [KVScales(fp8_scale(k, cache_dtype), fp8_scale(v, cache_dtype)) for k, v in amax]
+    if not per_head:
+        amax = scratch.kv.abs().amax(dim=(2, 3, 4, 5)).float().tolist()  # [layers][K, V]
+        return [KVScales(fp8_scale(k, cache_dtype), fp8_scale(v, cache_dtype)) for k, v in amax]
+    amax = scratch.kv.abs().amax(dim=(3, 4, 5)).float().tolist()  # [layers][K, V][kv_heads]
+    return [KVScales(tuple(fp8_scale(a, cache_dtype) for a in k),
+                     tuple(fp8_scale(a, cache_dtype) for a in v)) for k, v in amax]

@@ -1,7 +1,8 @@
 """fp8 KV cache: every conversion between the model's dtype and the cache's fp8, in one place.
 
-Scheme (vLLM's per-tensor scales): each layer has one scale for its keys and one for its values
-(`KVScales`); a stored fp8 value x8 stands for x8 * scale. The scales are computed once per
+Scheme (vLLM's per-tensor or per-head scales): each layer has one scale for its keys and one for
+its values, or one of each per KV head (`KVScales`, the default: kv_calibration.py); a stored
+fp8 value x8 stands for x8 * scale. The scales are computed once per
 engine by `kv_calibration.calibrate_kv_scales` (why: see there and the README) and never change
 afterwards, so a block means the same thing on the device, in the host swap pool and in every
 offload tier (whose keys carry the scales, `KVCache.dtype_tag`).
@@ -17,7 +18,7 @@ sm_scale, v_scale applied to the output). So a backend only converts: `quantize_
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -78,18 +79,48 @@ def fp8_scale(amax: float, cache_dtype: torch.dtype, headroom: float = SCALE_HEA
     return 2.0 ** math.ceil(math.log2(amax * headroom / torch.finfo(cache_dtype).max))
 
 
+Scale = float | tuple[float, ...]  # one per layer, or one per KV head
+
+
 @dataclass(frozen=True)
 class KVScales:
-    """One layer's fp8 scales: a stored key k8 means k8 * k_scale, a value v8 means v8 * v_scale."""
+    """One layer's fp8 scales: a stored key k8 of KV head h means k8 * k_scale (or
+    k8 * k_scale[h] with per-head scales, a tuple of one per KV head, as vLLM's
+    `k_scale` of shape [num_kv_heads]); values likewise with v_scale."""
 
-    k_scale: float
-    v_scale: float
+    k_scale: Scale
+    v_scale: Scale
+    _tensors: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
+
+    @property
+    def per_head(self) -> bool:
+        return isinstance(self.k_scale, tuple)
+
+    def _as_tensor(self, which: str, like: torch.Tensor) -> torch.Tensor:
+        """The per-head scales as a [kv_heads] tensor of `like`'s dtype and device (cached;
+        powers of two, exact in every float format)."""
+        key = (which, like.dtype, like.device)
+        if key not in self._tensors:
+            self._tensors[key] = torch.tensor(getattr(self, which), dtype=like.dtype,
+                                              device=like.device)
+        return self._tensors[key]
 
     def attend(self, meta: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                window: int | None) -> torch.Tensor:
         """`meta.attend` (the backend seam) over an fp8 cache, the scales folded in (module
-        docstring): stores k / k_scale, v / v_scale (mutating the caches), returns the output."""
-        out = meta.attend(q, k / self.k_scale, v / self.v_scale, k_cache, v_cache,
-                          scale * self.k_scale, window)
-        return out if self.v_scale == 1.0 else out.mul_(self.v_scale)
+        docstring): stores k / k_scale, v / v_scale (mutating the caches), returns the output.
+        Per-head scales fold k_scale[h] into the queries of KV head h (q . k8 * s_h =
+        (q * s_h) . k8) and v_scale[h] into their outputs."""
+        if not self.per_head:
+            out = meta.attend(q, k / self.k_scale, v / self.v_scale, k_cache, v_cache,
+                              scale * self.k_scale, window)
+            return out if self.v_scale == 1.0 else out.mul_(self.v_scale)
+        ks, vs = self._as_tensor("k_scale", q), self._as_tensor("v_scale", q)
+        t, heads, d = q.shape
+        kvh = ks.shape[0]
+        q_scaled = (q.view(t, kvh, heads // kvh, d) * ks.view(kvh, 1, 1)).view(t, heads, d)
+        out = meta.attend(q_scaled, k / ks.view(kvh, 1), v / vs.view(kvh, 1), k_cache, v_cache,
+                          scale, window)
+        out.view(t, kvh, heads // kvh, d).mul_(vs.view(kvh, 1, 1))
+        return out

@@ -16,6 +16,7 @@ from torch import nn
 
 from pagedkv.model.attention import AttentionMetadata
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.kv_int8 import PerTokenScales
 from pagedkv.model.kv_quant import KVScales
 from pagedkv.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from pagedkv.model.ops import LayerOps, RopeInputs
@@ -33,7 +34,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.window = window
         self.scale = cfg.head_dim ** -0.5
-        self.kv_scales: KVScales | None = None  # fp8 KV cache: set by the runner (kv_quant.py)
+        # fp8: per-tensor KVScales; int8: the layer's PerTokenScales; set by the runner.
+        self.kv_scales: KVScales | PerTokenScales | None = None
 
     def forward(self, x: torch.Tensor, rope: RopeInputs, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, ops: LayerOps) -> torch.Tensor:
@@ -47,7 +49,7 @@ class Attention(nn.Module):
                 [self.num_heads, self.num_kv_heads], dim=1)
         if self.kv_scales is None:
             out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, self.window)
-        else:  # fp8 cache: per-tensor scales folded into the softmax scale and the output
+        else:  # fp8: per-tensor scales folded in; int8: the per-token scale caches passed on
             out = self.kv_scales.attend(meta, q, k, v, kv_cache[0], kv_cache[1], self.scale,
                                         self.window)
         return self.o_proj(out.reshape(t, self.q_size))

@@ -17,7 +17,12 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.config.dtypes import is_fp8_dtype, resolve_kv_cache_dtype
+from pagedkv.config.dtypes import (
+    canonical_dtype,
+    is_fp8_dtype,
+    is_int8_dtype,
+    resolve_kv_cache_dtype,
+)
 from pagedkv.kernels.cpu import cpu_kernels_loaded, ensure_cpu_kernels
 from pagedkv.kv.spec import KVCacheSpec, kv_cache_spec_from_hf_config
 from pagedkv.model.backends import get_attention_backend
@@ -46,6 +51,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
         raise ValueError(f"invalid device {device!r}") from e
 
 
+FP8_SCALE_MODES = ("per_head", "per_layer")
+
+
 class ModelRunner:
     """Owns the model weights, the KV cache tensors and the sampler of one engine."""
 
@@ -56,7 +64,7 @@ class ModelRunner:
                  cuda_graph_batch_sizes: list[int] | None = None,
                  max_model_len: int | None = None, cpu_kernels: str = "auto",
                  cpu_threads: int | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", fp8_scales: str = "per_head") -> None:
         """`num_blocks` None: no KV cache yet (profile memory, then `allocate_kv_cache`).
         `kv_cache_spec` (the one the engine planned with) shapes the KV tensors; without it the
         spec is built from the same config reader, `block_size`, `dtype` and `kv_cache_dtype`
@@ -68,7 +76,12 @@ class ModelRunner:
         `cpu_kernels` (CPU only): when to use the fused C++ kernels (pagedkv.kernels.cpu);
         with "auto" the runner switches to them, between steps, once they are built.
         `cpu_threads` (CPU only): torch's thread count; None lets a CpuThreadGovernor follow
-        the cores other processes leave free (cpu_threads.py)."""
+        the cores other processes leave free (cpu_threads.py).
+        `fp8_scales` (fp8 caches): "per_head" (one calibrated scale per KV head and layer) or
+        "per_layer" (one per layer, the earlier scheme; kv_calibration.py)."""
+        if fp8_scales not in FP8_SCALE_MODES:
+            raise ValueError(f"fp8_scales must be one of {FP8_SCALE_MODES}, got {fp8_scales!r}")
+        self.fp8_scales = fp8_scales
         check_model_dir(model_dir)  # a config.json claiming 10^9 layers fails before any build
         self.model_config = ModelConfig.from_dir(model_dir)
         self.device = resolve_device(device)
@@ -103,14 +116,25 @@ class ModelRunner:
             else:
                 torch.set_num_threads(cpu_threads)
         self.kv_scales = None  # fp8 cache: each layer's KVScales, computed at allocation
-        if is_fp8_dtype(spec.dtype) and not getattr(self.attn_backend, "reads_fp8_cache", False):
-            self.attn_backend = QuantizedKVBackend(self.attn_backend)
+        if self._needs_quantized_wrapper(spec.dtype, model_dtype):
+            self.attn_backend = QuantizedKVBackend(
+                self.attn_backend, decodes_in_place=is_fp8_dtype(spec.dtype) or is_int8_dtype(spec.dtype))
         self.cuda_graphs = None
         self.kv_connector = None  # the KV store's worker side, plugged in by the engine
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks, num_host_blocks)
             if cuda_graph_batch_sizes:
                 self.capture_cuda_graphs(cuda_graph_batch_sizes, max_model_len)
+
+    def _needs_quantized_wrapper(self, cache_dtype: str, model_dtype: str) -> bool:
+        """Whether the backend attends over a `cache_dtype` cache only through
+        QuantizedKVBackend: fp8 unless it `reads_fp8_cache`, int8 unless it `reads_int8_cache`,
+        and a cache of another model dtype than the model's always."""
+        if is_fp8_dtype(cache_dtype):
+            return not getattr(self.attn_backend, "reads_fp8_cache", False)
+        if is_int8_dtype(cache_dtype):
+            return not getattr(self.attn_backend, "reads_int8_cache", False)
+        return cache_dtype != canonical_dtype(model_dtype)
 
     def _use_cpu_kernels(self) -> bool:
         """Point the model's elementwise ops and the attention backend at the fused CPU kernels
@@ -135,6 +159,10 @@ class ModelRunner:
         self.kv_cache = KVCache.from_spec(self.kv_cache_spec, num_blocks=num_blocks,
                                           device=self.device, num_host_blocks=num_host_blocks)
         self.kv_cache.scales = self.kv_scales
+        per_token = self.kv_cache.layer_scales()  # int8: each layer's views of its scales
+        if per_token is not None:
+            for layer, scales in zip(self.model.layers, per_token, strict=True):
+                layer.self_attn.kv_scales = scales
 
     def _calibrate_kv_scales(self) -> None:
         from pagedkv.model.kv_calibration import calibrate_kv_scales
@@ -142,7 +170,8 @@ class ModelRunner:
         self.kv_scales = calibrate_kv_scales(
             self.model, getattr(self.attn_backend, "inner", self.attn_backend), self.kv_cache_spec,
             str(self.dtype).removeprefix("torch."), kv_cache_torch_dtype(self.kv_cache_spec.dtype),
-            self.model_config.vocab_size, self.model_config.max_position_embeddings, self.device)
+            self.model_config.vocab_size, self.model_config.max_position_embeddings, self.device,
+            per_head=self.fp8_scales == "per_head")
         for layer, scales in zip(self.model.layers, self.kv_scales, strict=True):
             layer.self_attn.kv_scales = scales
 

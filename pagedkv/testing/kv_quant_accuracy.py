@@ -1,10 +1,15 @@
-"""The accuracy cost of an fp8 KV cache: teacher-forced logits of two runners, compared.
+"""The accuracy cost of a quantized KV cache: teacher-forced logits of two runners, compared.
 
 `teacher_forced_logits` prefills a prompt in chunks and then decodes a fixed continuation one
 token at a time (the same tokens whatever the model predicts), returning the logits at every
 decode position; the K/V of all but the newest token are read back from the paged cache, so two
 runners that differ only in `kv_cache_dtype` differ only by the cache's rounding.
 `compare_logits` gives the max absolute logit error and the greedy-token agreement (argmax equal).
+`prompt_logits` is the prompt-logprob view (every position's next-token logits while the
+prompt is prefilled in chunks, each chunk reading the earlier ones back from the paged cache:
+the engine's prompt-logprob path, but keeping whole distributions), and `kl_divergence` the
+measure llama.cpp's `--kl-divergence` reports: KL(reference || candidate) per position, its
+mean and 99th percentile, and the top-1 agreement.
 Used by tests/model/test_kv_quant.py and benchmarks/bench_kv_quant.py.
 """
 
@@ -68,3 +73,54 @@ def compare_logits(reference: torch.Tensor, logits: torch.Tensor) -> LogitCompar
         logit_range=float(reference.max() - reference.min()),
         greedy_agreement=float(same.mean()),
         positions=reference.shape[0])
+
+
+@torch.inference_mode()
+def prompt_logits(runner: ModelRunner, tokens: list[int], chunk_size: int = 256) -> torch.Tensor:
+    """Logits [len(tokens), vocab] (float32, CPU): row i is the next-token distribution after
+    tokens[: i + 1], prefilled in chunks of `chunk_size` (a chunk attends to the earlier ones as
+    the cache returns them, and to itself as the cache will). Uses blocks 1.. of `runner`'s
+    KV cache (overwritten). Raises ValueError when the cache is too small."""
+    bs = runner.block_size
+    table = list(range(1, -(-len(tokens) // bs) + 1))
+    if table[-1] >= runner.kv_cache.num_blocks:
+        raise ValueError(f"{len(tokens)} tokens need {len(table)} blocks, the cache has "
+                         f"{runner.kv_cache.num_blocks - 1}")
+    params = SamplingParams(temperature=0.0)
+    rows = []
+    for start in range(0, len(tokens), chunk_size):
+        chunk = tokens[start:start + chunk_size]
+        _, ids, pos, meta = runner.prepare_inputs([ScheduledRequest("r", chunk, start, table,
+                                                                    params)])
+        hidden = runner.model(ids, pos, runner.kv_cache.layers, meta)
+        rows.append(runner.model.compute_logits(hidden).float().cpu())
+    return torch.cat(rows)
+
+
+@dataclass(frozen=True)
+class KLComparison:
+    """KL(reference || candidate) of next-token distributions over `positions` positions."""
+
+    mean_kl: float
+    p99_kl: float
+    max_kl: float
+    top1_agreement: float  # fraction of positions with the same argmax
+    positions: int
+
+
+def kl_per_position(reference: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(softmax(reference) || softmax(logits)) per row (float64 [positions], nats)."""
+    ref = reference.double().log_softmax(-1)
+    got = logits.double().log_softmax(-1)
+    return (ref.exp() * (ref - got)).sum(-1).clamp_(min=0.0)
+
+
+def kl_divergence(references: list[torch.Tensor], candidates: list[torch.Tensor]) -> KLComparison:
+    """Mean, 99th percentile and max of the per-position KL over every row of every pair of
+    [positions, vocab] logits, and the top-1 (argmax) agreement."""
+    kl = torch.cat([kl_per_position(r, c) for r, c in zip(references, candidates, strict=True)])
+    same = torch.cat([(r.argmax(-1) == c.argmax(-1)).double()
+                      for r, c in zip(references, candidates, strict=True)])
+    return KLComparison(mean_kl=float(kl.mean()), p99_kl=float(torch.quantile(kl, 0.99)),
+                        max_kl=float(kl.max()), top1_agreement=float(same.mean()),
+                        positions=int(kl.numel()))

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -56,8 +58,31 @@ def test_bench_kv_quant_runs_and_fp8_quadruples_the_blocks():
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout[proc.stdout.index("{"):])
     tiny = report["accuracy"]["tiny-llama-float32"]
-    assert set(tiny) == {"fp8_e4m3", "fp8_e5m2"}
+    assert set(tiny) == {"fp8_e4m3", "fp8_e5m2", "int8"}
     assert all(0 < r["max_abs_logit_error"] < r["logit_range"] for r in tiny.values())
-    runs = report["throughput"]["runs"]
+    runs = report["throughput"]["rounds"][0]
     assert runs["fp8"]["num_blocks"] == 4 * runs["auto"]["num_blocks"] == 4 * 40  # float32 model
-    assert runs["fp8"]["output_tokens"] == runs["auto"]["output_tokens"]
+    # int8: 64 one-byte values + a 4-byte scale per head vector, vs 64 x 4 bytes: 10 MiB hold
+    # 10 MiB // (16 tokens x 8 layers x 2 x 4 heads x 68 bytes) = 150 blocks (fp8: 160).
+    assert runs["int8"]["num_blocks"] == 10 * 2**20 // (16 * 8 * 2 * 4 * 68) == 150
+    assert runs["fp8"]["output_tokens"] == runs["auto"]["output_tokens"] == \
+        runs["int8"]["output_tokens"]
+
+
+@pytest.mark.slow
+def test_bench_kv_quant_kl_table_orders_the_formats():
+    """`--kl` on short sequences: every format's row; on the float32 model the bfloat16 cache
+    moves the distributions least, then int8, then fp8 e4m3, then e5m2 (3 bits of mantissa
+    fewer each step); top-1 agreement is a fraction."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kv_quant.py"),
+                           "--kl", "--kl-contexts", "48", "--kl-sequences", "1",
+                           "--kl-weights", "float32", "--json"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout[proc.stdout.index("[\n"):])
+    fp32 = {r["cache"]: r for r in rows if r["weights"] == "float32"}
+    assert set(fp32) == {"bfloat16", "fp8_e4m3/per_layer", "fp8_e4m3", "fp8_e5m2/per_layer",
+                         "fp8_e5m2", "int8"}
+    assert all(r["positions"] == 48 and 0 <= r["top1"] <= 1 for r in rows)
+    kl = {name: r["mean_kl"] for name, r in fp32.items()}
+    assert 0 < kl["bfloat16"] < kl["int8"] < kl["fp8_e4m3"] < kl["fp8_e5m2"]

@@ -1,6 +1,7 @@
-"""The engine with an fp8 KV cache (kv_cache_dtype): more blocks from the same memory, greedy
-tokens the model dtype's cache rates as best (within the measured logit error), and the same
-tokens through prefix caching, copy-on-write forks, chunked prefill and both preemption modes."""
+"""The engine with an fp8 or int8 KV cache (kv_cache_dtype): more blocks from the same memory,
+greedy tokens the model dtype's cache rates as best (within the measured logit error), and the
+same tokens through prefix caching, copy-on-write forks, chunked prefill and both preemption
+modes (decodes read the cache in place with the fused CPU kernels, the tests' default)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from pagedkv import SamplingParams
 from pagedkv.model.runner import ModelRunner
 from pagedkv.testing.kv_quant_accuracy import teacher_forced_logits
 from tests.engine.conftest import make_prompts
+from tests.model.test_kv_int8 import INT8_LOGIT_BOUND
 from tests.model.test_kv_quant import LOGIT_BOUND
+
+BOUNDS = {**LOGIT_BOUND, "int8": INT8_LOGIT_BOUND}
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -25,9 +29,11 @@ def _generate(llm, prompts, params=GREEDY):
                                   use_tqdm=False)]
 
 
-@pytest.mark.parametrize("cache_dtype, ratio", [("fp8", 4), ("fp8_e5m2", 4)])
+# int8 blocks: 16 one-byte values plus a 4-byte scale per head vector: 20 / 64 of float32's.
+@pytest.mark.parametrize("cache_dtype, ratio", [("fp8", 4), ("fp8_e5m2", 4), ("int8", 64 / 20)])
 def test_the_same_memory_holds_more_blocks(tiny_llama, make_llm, cache_dtype, ratio):
-    """float32 model: an fp8 block is a quarter of the bytes, so 4x the blocks in 2 MiB."""
+    """float32 model: an fp8 block is a quarter of the bytes, so 4x the blocks in 2 MiB; an
+    int8 block with its scales 20/64 (head size 16 here: the scales are a fifth of it)."""
     plain = make_llm(tiny_llama, kv_cache_memory_bytes=2 << 20, block_size=4)
     fp8 = make_llm(tiny_llama, kv_cache_memory_bytes=2 << 20, block_size=4,
                    kv_cache_dtype=cache_dtype)
@@ -35,10 +41,10 @@ def test_the_same_memory_holds_more_blocks(tiny_llama, make_llm, cache_dtype, ra
     assert page == 4 * 2 * 2 * 2 * 16 * 4  # block 4 x 2 layers x K,V x 2 heads x 16 x 4 bytes
     assert fp8.llm_engine.kv_setup.spec.page_size_bytes * ratio == page
     assert plain.llm_engine.kv_setup.num_blocks == (2 << 20) // page
-    assert fp8.llm_engine.kv_setup.num_blocks == ratio * (2 << 20) // page
+    assert fp8.llm_engine.kv_setup.num_blocks == (2 << 20) // (page / ratio)
     for llm in (plain, fp8):
-        kv = llm.llm_engine.runner.kv_cache.kv
-        assert kv.nbytes == llm.llm_engine.kv_setup.num_blocks * llm.llm_engine.kv_setup.spec.page_size_bytes
+        cache = llm.llm_engine.runner.kv_cache
+        assert cache.nbytes == llm.llm_engine.kv_setup.num_blocks * llm.llm_engine.kv_setup.spec.page_size_bytes
         assert llm.llm_engine.scheduler.kv_cache_manager.num_usable_blocks == \
             llm.llm_engine.kv_setup.num_blocks - 1
 
@@ -62,11 +68,12 @@ CONFIGS = {
 }
 
 
-def test_fp8_greedy_tokens_through_every_memory_path(tiny_llama, make_llm):
+@pytest.mark.parametrize("cache_dtype", ["fp8", "int8"])
+def test_greedy_tokens_through_every_memory_path(tiny_llama, make_llm, cache_dtype):
     prompts = make_prompts(seed=1, vocab=400)
     runs = {}
     for name, config in CONFIGS.items():
-        llm = make_llm(tiny_llama, block_size=4, kv_cache_dtype="fp8", **config)
+        llm = make_llm(tiny_llama, block_size=4, kv_cache_dtype=cache_dtype, **config)
         outputs = _generate(llm, prompts)
         runs[name] = [list(o.outputs[0].token_ids) for o in outputs]
         stats = llm.llm_engine.get_stats()
@@ -76,21 +83,25 @@ def test_fp8_greedy_tokens_through_every_memory_path(tiny_llama, make_llm):
             assert stats.prefix_cache_hits > 0, name  # prompts 0, 2, 4 share 40 tokens
         if name == "preempt_swap":
             assert stats.num_swaps > 0
-            assert llm.llm_engine.runner.kv_cache.host_kv.dtype == torch.float8_e4m3fn
-    # Swapped blocks come back byte for byte, cached blocks are read as they were written, and
-    # the scales never change: every path yields the same tokens.
+            cache = llm.llm_engine.runner.kv_cache
+            assert cache.host_kv.dtype == {"fp8": torch.float8_e4m3fn,
+                                           "int8": torch.int8}[cache_dtype]
+            assert (cache.host_scales_kv is None) == (cache_dtype == "fp8")
+    # Swapped blocks come back byte for byte (int8: with their scales), cached blocks are read
+    # as they were written, and fp8's scales never change: every path yields the same tokens.
     for name, tokens in runs.items():
         assert tokens == runs["default"], name
-    exact = sum(_assert_near_best(tiny_llama, p, t, LOGIT_BOUND["fp8"])
+    exact = sum(_assert_near_best(tiny_llama, p, t, BOUNDS[cache_dtype])
                 for p, t in zip(prompts, runs["default"], strict=True))
     assert exact >= 0.9 * len(prompts) * MAX_TOKENS  # the same argmax as the model dtype's cache
 
 
-def test_fp8_parallel_sampling_forks_copy_on_write(tiny_llama, make_llm):
-    """n=3 greedy samples share the prompt's blocks (the last one copied on write): with a
-    greedy sampler all three equal the single-sample output."""
+@pytest.mark.parametrize("cache_dtype", ["fp8", "int8"])
+def test_parallel_sampling_forks_copy_on_write(tiny_llama, make_llm, cache_dtype):
+    """n=3 greedy samples share the prompt's blocks (the last one copied on write, int8 with
+    its scales): with a greedy sampler all three equal the single-sample output."""
     prompts = make_prompts(seed=3, vocab=400, num=2, shared_prefix=0, lengths=(9, 9))
-    llm = make_llm(tiny_llama, block_size=4, kv_cache_dtype="fp8")
+    llm = make_llm(tiny_llama, block_size=4, kv_cache_dtype=cache_dtype)
     cache = llm.llm_engine.runner.kv_cache
     copies, copy = [], cache.copy
     cache.copy = lambda mapping: (copies.extend(mapping), copy(mapping))
@@ -111,13 +122,17 @@ def test_kv_cache_dtype_flag_reaches_the_engine_args():
         args = build_parser(command[0]).parse_args([*command, "--kv-cache-dtype", "fp8_e5m2"])
         assert engine_args_from_flags(args, "m").kv_cache_dtype == "fp8_e5m2"
         with pytest.raises(SystemExit):
-            build_parser(command[0]).parse_args([*command, "--kv-cache-dtype", "int8"])
+            build_parser(command[0]).parse_args([*command, "--kv-cache-dtype", "int4"])
 
 
-def test_fp8_cascade_attention_over_shared_prefix_blocks(tiny_llama, make_llm, monkeypatch):
-    """Requests sharing an 80-token prefix decode together: with prefix caching their fp8
-    prefix blocks are attended once per group (cascade attention over the dequantized copy);
-    the tokens equal those of the same fp8 engine without prefix caching (no shared blocks)."""
+@pytest.mark.parametrize("cache_dtype", ["fp8", "int8"])
+def test_cascade_attention_over_shared_prefix_blocks(tiny_llama, make_llm, monkeypatch,
+                                                     cache_dtype):
+    """Requests sharing an 80-token prefix decode together: with prefix caching (and the
+    pure-torch path: the fused kernel reads each decode's blocks in place instead) their
+    quantized prefix blocks are attended once per group (cascade attention over the
+    dequantized copy); the tokens equal those of the same engine without prefix caching (no
+    shared blocks) and those of the fused kernels reading in place."""
     import pagedkv.model.attention as attention
 
     calls = []
@@ -127,10 +142,10 @@ def test_fp8_cascade_attention_over_shared_prefix_blocks(tiny_llama, make_llm, m
     prompts = make_prompts(seed=4, vocab=400, num=6, shared_prefix=80, lengths=(3, 9))
     prompts = [p for i, p in enumerate(prompts) if i % 2 == 0]  # the three sharing the prefix
     runs = []
-    for caching in (True, False):
-        llm = make_llm(tiny_llama, block_size=4, kv_cache_dtype="fp8",
-                       enable_prefix_caching=caching)
+    for caching, kernels in ((True, "off"), (False, "off"), (True, "auto")):
+        llm = make_llm(tiny_llama, block_size=4, kv_cache_dtype=cache_dtype,
+                       enable_prefix_caching=caching, cpu_kernels=kernels)
         runs.append([list(o.outputs[0].token_ids) for o in _generate(llm, prompts)])
-        if caching:
+        if caching and kernels == "off":
             assert calls, "no cascade attention over the shared prefix"
-    assert runs[0] == runs[1]
+    assert runs[0] == runs[1] == runs[2]

@@ -23,7 +23,8 @@ LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
 
 
 def test_choices_are_vllms():
-    assert KV_CACHE_DTYPE_CHOICES == ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+    assert KV_CACHE_DTYPE_CHOICES == ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8",
+                                      "float32", "bfloat16", "float16")
     assert resolve_kv_cache_dtype("auto", "bf16") == "bfloat16"
     assert resolve_kv_cache_dtype("fp8", "bfloat16") == "fp8"
 
@@ -34,6 +35,10 @@ def test_choices_are_vllms():
     ("bfloat16", "fp8", 2**20),
     ("bfloat16", "fp8_e4m3", 2**20),
     ("float32", "fp8_e5m2", 2**20),
+    # int8: 1 byte per value plus a float32 scale per token, head, layer and K/V:
+    # 16 x 32 x 2 x 8 x (128 + 4) bytes
+    ("bfloat16", "int8", 16 * 32 * 2 * 8 * 132),
+    ("float32", "bfloat16", 2 * 2**20),
 ])
 def test_block_bytes_and_counts_per_cache_dtype(model_dtype, cache_dtype, block_bytes):
     spec = kv_cache_spec_from_hf_config(LLAMA_CONFIG, 16, model_dtype, cache_dtype)
@@ -51,7 +56,7 @@ def test_fp8_halves_sliding_window_and_mla_blocks_too():
         assert fp8.page_size_bytes * 2 == bf16.page_size_bytes
 
 
-@pytest.mark.parametrize("bad", ["int8", "fp8_e4m3fn", "FP8", "", None, "bfloat16"])
+@pytest.mark.parametrize("bad", ["int4", "fp8_e4m3fn", "FP8", "", None, "bf16"])
 def test_bad_cache_dtypes_are_value_errors_naming_them(bad):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         kv_cache_spec_from_hf_config(LLAMA_CONFIG, 16, "bfloat16", bad)

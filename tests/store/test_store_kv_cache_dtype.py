@@ -42,8 +42,12 @@ def test_fp8_blocks_saved_under_other_scales_are_refused(tiny_llama, tmp_path, m
 
     real = kv_calibration.calibrate_kv_scales
 
+    def times(scale, factor):  # per-layer (a float) or per-head (a tuple) scales
+        return tuple(x * factor for x in scale) if isinstance(scale, tuple) else scale * factor
+
     def other_scales(*args, **kwargs):
-        return [KVScales(s.k_scale * 2.0, s.v_scale * 0.5) for s in real(*args, **kwargs)]
+        return [KVScales(times(s.k_scale, 2.0), times(s.v_scale, 0.5))
+                for s in real(*args, **kwargs)]
 
     monkeypatch.setattr(kv_calibration, "calibrate_kv_scales", other_scales)
     own = store_llm(tiny_llama, "none", tmp_path, kv_cache_dtype="fp8")
@@ -53,4 +57,26 @@ def test_fp8_blocks_saved_under_other_scales_are_refused(tiny_llama, tmp_path, m
     tokens, cached = run_one(reader, prompt)
     assert cached == 0 and reader.llm_engine.kv_store.snapshot_stats()[0].hits == 0
     assert tokens == own_tokens
+    reader.shutdown()
+
+
+def test_int8_blocks_round_trip_through_disk_with_their_scales(tiny_llama, tmp_path):
+    """An int8 block's row carries its per-token scales: a later int8 engine reads every full
+    block back (the same tokens as the writer), and a cache of another format never does."""
+    prompt = with_suffix(make_prefixes(seed=8, num=1)[0], seed=3)
+    full_blocks = (len(prompt) - 1) // 4 * 4
+    writer = store_llm(tiny_llama, "disk", tmp_path, kv_cache_dtype="int8")
+    int8_tokens, cached = run_one(writer, prompt)
+    assert cached == 0 and writer.llm_engine.kv_store.snapshot_stats()[0].blocks_written > 0
+    writer.shutdown()
+
+    for other in ("auto", "fp8"):
+        llm = store_llm(tiny_llama, "disk", tmp_path, kv_cache_dtype=other)
+        assert run_one(llm, prompt)[1] == 0, other
+        llm.shutdown()
+
+    reader = store_llm(tiny_llama, "disk", tmp_path, kv_cache_dtype="int8")
+    tokens, cached = run_one(reader, prompt)
+    assert cached == full_blocks
+    assert tokens == int8_tokens
     reader.shutdown()

@@ -1,5 +1,6 @@
-"""Any attention backend over an fp8 KV cache: quantize on write, dequantize the step's blocks
-before the wrapped backend attends.
+"""Any attention backend over a KV cache stored in another format than the model computes in (fp8,
+int8 with per-token scales, or a 16-bit cache of a float32 model): quantize on write, dequantize
+the step's blocks before the wrapped backend attends.
 
 `QuantizedKVBackend(inner)` renumbers a step's blocks compactly (the null block 0 stays 0; the
 step's other blocks become 1..n in ascending order, so equal blocks stay equal and cascade
@@ -22,7 +23,13 @@ from typing import Any
 
 import torch
 
+from pagedkv.model.backends.quantized_native import InPlaceDecodeMetadata
 from pagedkv.model.backends.step import StepSequences
+from pagedkv.model.kv_int8 import (
+    dequantize_per_token,
+    quantize_into_per_token,
+    round_trip_per_token,
+)
 from pagedkv.model.kv_quant import dequantize, quantize_into, round_trip
 
 
@@ -49,23 +56,41 @@ class QuantizedKVMetadata:
     stored_tokens: torch.Tensor | None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
-        """Store k, v [T, kv_heads, D] as fp8 into k_cache / v_cache (mutated), attend q
+               v_cache: torch.Tensor, scale: float, window: int | None,
+               k_scales: torch.Tensor | None = None,
+               v_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """Store k, v [T, kv_heads, D] in the cache's format into k_cache / v_cache (and, for
+        int8, their per-token scales into k_scales / v_scales; all mutated), attend q
         [T, heads, D] over the dequantized blocks of the step."""
         rows = self.stored_tokens
-        quantize_into(k_cache, self.slot_mapping, k if rows is None else k[rows])
-        quantize_into(v_cache, self.slot_mapping, v if rows is None else v[rows])
-        k_blocks = dequantize(k_cache.index_select(1, self.used_blocks), q.dtype)
-        v_blocks = dequantize(v_cache.index_select(1, self.used_blocks), q.dtype)
-        return self.inner.attend(q, round_trip(k, k_cache.dtype), round_trip(v, v_cache.dtype),
-                                 k_blocks, v_blocks, scale, window)
+        k_in = k if rows is None else k[rows]
+        v_in = v if rows is None else v[rows]
+        used = self.used_blocks
+        if k_scales is not None:  # int8, per-token-head scales (kv_int8.py)
+            quantize_into_per_token(k_cache, k_scales, self.slot_mapping, k_in)
+            quantize_into_per_token(v_cache, v_scales, self.slot_mapping, v_in)
+            k_blocks = dequantize_per_token(k_cache.index_select(1, used),
+                                            k_scales.index_select(1, used), q.dtype)
+            v_blocks = dequantize_per_token(v_cache.index_select(1, used),
+                                            v_scales.index_select(1, used), q.dtype)
+            k_step, v_step = round_trip_per_token(k), round_trip_per_token(v)
+        else:
+            quantize_into(k_cache, self.slot_mapping, k_in)
+            quantize_into(v_cache, self.slot_mapping, v_in)
+            k_blocks = dequantize(k_cache.index_select(1, used), q.dtype)
+            v_blocks = dequantize(v_cache.index_select(1, used), q.dtype)
+            k_step, v_step = round_trip(k, k_cache.dtype), round_trip(v, v_cache.dtype)
+        return self.inner.attend(q, k_step, v_step, k_blocks, v_blocks, scale, window)
 
 
 class QuantizedKVBackend:
     """Wraps the device's backend (`inner`) for an fp8 KV cache (module docstring)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, decodes_in_place: bool = False) -> None:
+        """`decodes_in_place`: the cache is int8 or fp8, which the fused CPU kernel reads in
+        place while `native` is on (quantized_native.py)."""
         self.inner = inner
+        self.decodes_in_place = decodes_in_place
         self.name = inner.name
         self.device = inner.device
 
@@ -81,8 +106,13 @@ class QuantizedKVBackend:
         if hasattr(self.inner, "native"):
             self.inner.native = value
 
-    def build_metadata(self, step: StepSequences) -> QuantizedKVMetadata:
-        """The inner metadata of the compact step and the real blocks and slots behind it."""
+    def build_metadata(self, step: StepSequences) -> QuantizedKVMetadata | InPlaceDecodeMetadata:
+        """The inner metadata of the compact step and the real blocks and slots behind it; with
+        the fused CPU kernels on and decodes in the step, in-place decodes and the compact
+        prefill-only step (quantized_native.py)."""
+        nd = step.num_decodes
+        if nd and self.decodes_in_place and self.native:
+            return self._in_place_metadata(step)
         compact, used = compact_step(step)
         dev = self.device
         stored = [t for t, s in enumerate(step.slot_mapping) if s >= 0]
@@ -93,3 +123,21 @@ class QuantizedKVBackend:
             slot_mapping=torch.tensor([step.slot_mapping[t] for t in stored], dtype=torch.long,
                                       device=dev),
             stored_tokens=rows)
+
+    def _in_place_metadata(self, step: StepSequences) -> InPlaceDecodeMetadata:
+        nd, dev = step.num_decodes, self.device
+        lens = step.seq_lens[:nd]
+        width = max(len(t) for t in step.block_tables[:nd])
+        tables = [t + [0] * (width - len(t)) for t in step.block_tables[:nd]]
+        prefill = None
+        if nd < len(step.num_new_tokens):
+            prefill = self.build_metadata(replace(
+                step, num_new_tokens=step.num_new_tokens[nd:], seq_lens=step.seq_lens[nd:],
+                block_tables=step.block_tables[nd:], slot_mapping=step.slot_mapping[nd:],
+                num_decodes=0))
+        return InPlaceDecodeMetadata(
+            num_decodes=nd,
+            decode_slots=torch.tensor(step.slot_mapping[:nd], dtype=torch.long, device=dev),
+            decode_block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+            decode_seq_lens=torch.tensor(lens, dtype=torch.long, device=dev),
+            decode_seq_lens_list=lens, prefill=prefill)

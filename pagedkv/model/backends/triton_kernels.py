@@ -73,9 +73,13 @@ def paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
         query_start_loc_ptr, scale, num_seqs, window,
         stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_cache_h, stride_bt,
+        k_scale_ptr, v_scale_ptr, stride_scale_h,
         NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-        TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SCALES: tl.constexpr):
+    """HAS_SCALES (int8 caches, kv_int8.py): k_scale_ptr / v_scale_ptr are the per-slot scales
+    [num_kv_heads, num_blocks * block_size] (float32); a key's scale multiplies its scores and a
+    value's its softmax weights (the int8 values themselves are exact in q's dtype)."""
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
@@ -117,6 +121,10 @@ def paged_attention_kernel(
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        if HAS_SCALES:
+            scale_off = kv_head.to(tl.int64) * stride_scale_h + slot
+            s = s * tl.load(k_scale_ptr + scale_off, mask=n_ok, other=0.0)[None, :]
+            v_weight = tl.load(v_scale_ptr + scale_off, mask=n_ok, other=0.0)
         visible = (n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
                    & (offs_n[None, :] > q_pos[:, None] - window))
         s = tl.where(visible, s, float("-inf"))
@@ -125,7 +133,10 @@ def paged_attention_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        pv = p
+        if HAS_SCALES:
+            pv = p * v_weight[None, :]
+        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :],

@@ -21,6 +21,7 @@ import triton
 
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.backends.triton_kernels import paged_attention_kernel, store_kv_kernel
+from pagedkv.model.kv_int8 import quantize_per_token
 from pagedkv.model.kv_quant import is_quantized, quantize
 
 DECODE_BLOCK_M = 16  # query rows (tokens x query heads of one KV head) per program, decode
@@ -30,18 +31,28 @@ NO_WINDOW = 1 << 30  # "window" of a layer without a sliding window
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None,
+             v_scales: torch.Tensor | None = None) -> None:
     """Store k, v [T, kv_heads, head_dim] (strided views allowed, last dim contiguous) into
     slots `slot_mapping` [T] of k_cache / v_cache [kv_heads, num_blocks, block_size, head_dim]
     (mutated); tokens with slot -1 are skipped. For an fp8 cache the values are converted first
     (kv_quant.quantize: saturating, round to nearest even; the scales are the caller's,
     kv_quant.KVScales): Triton's interpreter rounds values just below a power of two down to
-    half of it when it converts to fp8, so the kernel only copies bytes."""
+    half of it when it converts to fp8, so the kernel only copies bytes. An int8 cache
+    (k_scales / v_scales given, [kv_heads, num_blocks, block_size] float32, mutated) gets
+    kv_int8's per-token values and scales, both stored by the same kernel (no data-dependent
+    shapes: CUDA-graph safe)."""
     t, kvh, d = k.shape
     if t == 0:
         return
     if is_quantized(k_cache.dtype):  # converted by torch: Triton's interpreter rounds fp8 wrong
         k, v = quantize(k, k_cache.dtype), quantize(v, v_cache.dtype)
+    if k_scales is not None:
+        (k, ks), (v, vs) = quantize_per_token(k), quantize_per_token(v)
+        store_kv_kernel[(t,)](
+            ks.unsqueeze(-1), vs.unsqueeze(-1), k_scales, v_scales, slot_mapping, ks.stride(0),
+            ks.stride(1), vs.stride(0), vs.stride(1), k_scales.stride(0), NUM_KV_HEADS=kvh,
+            HEAD_DIM=1, KV_HEADS_PAD=triton.next_power_of_2(kvh), HEAD_DIM_PAD=1)
     store_kv_kernel[(t,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), NUM_KV_HEADS=kvh, HEAD_DIM=d,
@@ -51,13 +62,16 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-                    window: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    window: int | None, out: torch.Tensor | None = None,
+                    k_scales: torch.Tensor | None = None,
+                    v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Attention output [T, heads, head_dim] of q [T, heads, head_dim] (last dim contiguous).
 
     Sequence i owns tokens query_start_loc[i] .. query_start_loc[i + 1] - 1 [S + 1], the last of
     its seq_lens[i] [S] positions, whose K/V (these tokens' included) are in the cache blocks
     block_tables[i] [S, width] (int32). `max_query_len` only picks the tile shape. Written into
-    `out` when given."""
+    `out` when given. int8 caches: their per-slot scales k_scales / v_scales [kv_heads,
+    num_blocks, block_size] (float32)."""
     t, heads, d = q.shape
     kvh, _, block_size, _ = k_cache.shape
     group = heads // kvh
@@ -74,11 +88,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         NO_WINDOW if window is None else window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
         block_tables.stride(0),
+        k_cache if k_scales is None else k_scales, v_cache if v_scales is None else v_scales,
+        0 if k_scales is None else k_scales.stride(0),
         NUM_QUERIES_PER_KV=group, BLOCK_SIZE=block_size, HEAD_DIM=d,
         HEAD_DIM_PAD=max(16, triton.next_power_of_2(d)), BLOCK_Q=block_q, BLOCK_M=block_m,
         TILE_N=TILE_N,
         # float32 caches: exact float32 products (as torch's float32 matmuls), not tf32.
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_SCALES=k_scales is not None)
     return out
 
 
@@ -96,11 +113,15 @@ class TritonAttentionMetadata:
     max_query_len: int
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
-        """Store k, v into the caches (mutated), then attend q through the block tables."""
-        store_kv(k, v, k_cache, v_cache, self.slot_mapping)
+               v_cache: torch.Tensor, scale: float, window: int | None,
+               k_scales: torch.Tensor | None = None,
+               v_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """Store k, v into the caches (mutated; int8: and their scales into k_scales /
+        v_scales), then attend q through the block tables."""
+        store_kv(k, v, k_cache, v_cache, self.slot_mapping, k_scales, v_scales)
         return paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens,
-                               self.query_start_loc, self.max_query_len, scale, window)
+                               self.query_start_loc, self.max_query_len, scale, window,
+                               k_scales=k_scales, v_scales=v_scales)
 
 
 class TritonPagedBackend:
@@ -119,6 +140,8 @@ class TritonPagedBackend:
         if self.device.type != "cuda":
             return True
         return torch.cuda.get_device_capability(self.device) >= (8, 9)
+
+    reads_int8_cache = True  # int8 values and their per-token scales, loaded by the kernel
 
     def build_metadata(self, step: StepSequences) -> TritonAttentionMetadata:
         """Device tensors for `step` (one host-to-device copy per field)."""

@@ -1,0 +1,95 @@
+"""KV cache quality by KL divergence (`bench_kv_quant.py --kl`): how far each cache format moves
+the model's next-token distributions, teacher-forced on the same token sequences.
+
+For each weight dtype (float32, bfloat16) of the benchmark model (bench_offline.py's shape:
+hidden 512, 8 layers, 8 heads, 4 KV heads of 64), the reference is the same weights computing
+in float32 with a float32 cache (exact: nothing rounds the K/V). Each candidate runs the model in
+the weight dtype with one cache format; per position, KL(reference || candidate) of the
+next-token distributions (pagedkv.testing.kv_quant_accuracy.prompt_logits: the prompt-logprob
+view of a chunked prefill, every chunk reading the earlier ones back from the paged cache, whole
+distributions kept), its mean and p99 over positions, and the top-1 agreement. Rows:
+- float32 weights: the bfloat16 cache (the yardstick: the rounding everyone accepts), fp8
+  (e4m3, e5m2; per-layer and per-head scales), int8;
+- bfloat16 weights: the model-dtype (bfloat16) cache, whose KL is the bfloat16 compute's own,
+  and the same quantized formats; `vs_model_cache` is each one's KL against that bfloat16 cache
+  (the cache's own share).
+Short and long contexts (the error grows with context).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from pagedkv.model.runner import ModelRunner
+from pagedkv.testing.kv_quant_accuracy import kl_divergence, prompt_logits
+
+BLOCK_SIZE = 16
+# "/per_layer": one fp8 scale per layer (the earlier scheme); plain fp8 names have per-head scales.
+QUANTIZED = ("fp8_e4m3/per_layer", "fp8_e4m3", "fp8_e5m2/per_layer", "fp8_e5m2", "int8")
+
+
+def formats_for(weight_dtype: str) -> list[str]:
+    """The cache formats compared for a model computing in `weight_dtype`: its own cache
+    ("auto"), the bfloat16 cache for a float32 model, and every quantized one."""
+    own = ["bfloat16"] if weight_dtype == "float32" else ["auto"]
+    return [*own, *QUANTIZED]
+
+
+def sequences(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """`num` fixed pseudo-random token sequences of `length` tokens."""
+    rng = random.Random(seed * 7919 + length)
+    return [[rng.randrange(4, vocab) for _ in range(length)] for _ in range(num)]
+
+
+def runner_logits(model_dir: Path, dtype: str, cache_dtype: str, seqs: list[list[int]],
+                  chunk: int) -> list[torch.Tensor]:
+    """Every sequence's prompt logits with a runner of `dtype` weights and `cache_dtype` cache
+    (the pure-torch path: the numbers do not depend on whether the C++ kernels are built)."""
+    blocks = -(-max(len(s) for s in seqs) // BLOCK_SIZE) + 1
+    name, _, scales = cache_dtype.partition("/")
+    runner = ModelRunner(model_dir, block_size=BLOCK_SIZE, num_blocks=blocks, device="cpu",
+                         dtype=dtype, kv_cache_dtype=name, cpu_kernels="off",
+                         fp8_scales=scales or "per_head")
+    out = [prompt_logits(runner, s, chunk) for s in seqs]
+    runner.shutdown()
+    return out
+
+
+def kl_table(model_dir: Path, weight_dtype: str, contexts: list[int], num_seqs: int,
+             vocab: int, chunk: int = 256, only: list[str] | None = None) -> list[dict]:
+    """One row per (context, format): mean / p99 / max KL against the float32-exact cache, top-1
+    agreement, and (bfloat16 weights) the KL against the model-dtype cache. `only`: just these
+    formats (the model-dtype cache still runs, as the second reference)."""
+    rows = []
+    for length in contexts:
+        seqs = sequences(num_seqs, length, vocab)
+        ref = runner_logits(model_dir, "float32", "float32", seqs, chunk)
+        own = None
+        for fmt in formats_for(weight_dtype):
+            if only is not None and fmt not in only and fmt != "auto":
+                continue
+            got = runner_logits(model_dir, weight_dtype, fmt, seqs, chunk)
+            if fmt == "auto":
+                own = got
+            kl = kl_divergence(ref, got)
+            row = dict(weights=weight_dtype, context=length,
+                       cache=weight_dtype if fmt == "auto" else fmt, mean_kl=kl.mean_kl,
+                       p99_kl=kl.p99_kl, max_kl=kl.max_kl, top1=kl.top1_agreement,
+                       positions=kl.positions)
+            if own is not None and fmt != "auto":
+                row["vs_model_cache_mean_kl"] = kl_divergence(own, got).mean_kl
+            rows.append(row)
+            print(format_row(row), flush=True)
+    return rows
+
+
+def format_row(row: dict) -> str:
+    """One line of the KL table."""
+    extra = (f"  (vs {row['weights']} cache: {row['vs_model_cache_mean_kl']:.3e})"
+             if "vs_model_cache_mean_kl" in row else "")
+    return (f"[{row['weights']} weights, {row['context']} tokens] {row['cache']:>18} cache: "
+            f"mean KL {row['mean_kl']:.3e}, p99 {row['p99_kl']:.3e}, max {row['max_kl']:.3e}, "
+            f"top-1 {100 * row['top1']:.2f}% of {row['positions']}{extra}")

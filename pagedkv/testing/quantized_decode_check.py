@@ -1,0 +1,75 @@
+"""The in-place quantized decode kernel against a pure-torch reference, in one function a test
+can also run in a subprocess built with PAGEDKV_CPU_ISA=avx2 (tests/model/test_kv_int8.py).
+
+`check_quantized_decode()` fills int8 (with per-token scales) and fp8 caches with random K/V,
+runs `torch.ops.pagedkv_cpu.paged_decode_attention_q` for sequences of several lengths
+(partial last blocks, a sliding-window start, a block table padded with the null block) and
+compares each output with softmax attention over the dequantized keys and values. Returns the
+largest relative error per (cache dtype, q dtype); raises AssertionError past the tolerance.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.kernels.cpu import ensure_cpu_kernels
+from pagedkv.model.kv_int8 import dequantize_per_token, quantize_per_token
+from pagedkv.model.kv_quant import dequantize, quantize
+
+KV_HEADS, HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 2, 6, 80, 16, 24  # 80: a vector tail of 16 lanes
+# Max |error| relative to the largest |output|: float32 summation order and fast_exp's 2 ulp;
+# a bfloat16 output's rounding.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def _reference(q, keys, values, tables, first, lens, scale):
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    g = HEADS // KV_HEADS
+    for s, (table, start, n) in enumerate(zip(tables, first, lens, strict=True)):
+        slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, n)])
+        for h in range(HEADS):
+            k = keys[h // g].reshape(-1, HEAD_DIM)[slots]
+            v = values[h // g].reshape(-1, HEAD_DIM)[slots]
+            w = torch.softmax(k @ q[s, h].float() * scale, dim=0)
+            out[s, h] = w @ v
+    return out
+
+
+def check_quantized_decode(seed: int = 0) -> dict[str, float]:
+    """Max relative error of the kernel per "cache/q dtype" (see the module docstring)."""
+    ensure_cpu_kernels("wait")
+    gen = torch.Generator().manual_seed(seed)
+    shape = (KV_HEADS, NUM_BLOCKS, BLOCK, HEAD_DIM)
+    raw_k = torch.randn(shape, generator=gen) * torch.rand(shape[:-1] + (1,), generator=gen) * 4
+    raw_v = torch.randn(shape, generator=gen)
+    lens, first = [1, 37, 100, 64], [0, 0, 60, 0]  # 60: a sliding window starting mid-block
+    perm = torch.randperm(NUM_BLOCKS - 1, generator=gen) + 1
+    tables, i = [], 0
+    for n in lens:
+        need = -(-n // BLOCK)
+        tables.append(perm[i:i + need].tolist())
+        i += need
+    width = max(len(t) for t in tables)
+    table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    errors = {}
+    for cache_dtype in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2):
+        if cache_dtype == torch.int8:
+            (k8, ks), (v8, vs) = quantize_per_token(raw_k), quantize_per_token(raw_v)
+            keys, values = dequantize_per_token(k8, ks, torch.float32), \
+                dequantize_per_token(v8, vs, torch.float32)
+        else:
+            k8, v8, ks, vs = quantize(raw_k, cache_dtype), quantize(raw_v, cache_dtype), None, None
+            keys, values = dequantize(k8, torch.float32), dequantize(v8, torch.float32)
+        for q_dtype in (torch.float32, torch.bfloat16):
+            q = torch.randn(len(lens), HEADS, HEAD_DIM, generator=gen).to(q_dtype)
+            out = torch.empty_like(q)
+            scale = HEAD_DIM ** -0.5
+            torch.ops.pagedkv_cpu.paged_decode_attention_q(
+                q, k8, v8, ks, vs, table_tensor, torch.tensor(first), torch.tensor(lens), scale,
+                out, None)
+            ref = _reference(q, keys, values, tables, first, lens, scale)
+            err = float((out.float() - ref).abs().max() / ref.abs().max())
+            name = f"{str(cache_dtype).removeprefix('torch.')}/{str(q_dtype).removeprefix('torch.')}"
+            errors[name] = err
+            assert err <= TOLERANCE[q_dtype], (name, err)
+    return errors
