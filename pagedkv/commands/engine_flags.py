@@ -70,6 +70,14 @@ _HELP: dict[str, str] = {
     "max_pinned_fraction": "most of the KV cache that pinned prefixes (/v1/pin) may hold",
     "kv_cache_dtype": "KV cache dtype: 'auto' (the model's) or fp8 (= fp8_e4m3), fp8_e5m2: "
                       "one byte per value, twice the blocks of bfloat16",
+    "tensor_parallel_size": "split every layer over this many ranks (worker processes; "
+                            "gloo on CPU, NCCL on CUDA)",
+    "distributed_timeout_s": "tensor parallel: seconds a collective waits for the other ranks "
+                             "before the engine fails (a rank died or hung)",
+    "nnodes": "tensor parallel over several machines: how many (torchrun's --nnodes)",
+    "node_rank": "this machine's index; 0 runs the engine, the others run only their ranks",
+    "master_addr": "node 0's address, reachable from every machine (with --nnodes > 1)",
+    "master_port": "a free port on node 0 for the ranks' rendezvous (with --nnodes > 1)",
 }
 
 

@@ -19,6 +19,7 @@ import torch
 
 from pagedkv.config.dtypes import is_fp8_dtype, resolve_kv_cache_dtype
 from pagedkv.kernels.cpu import cpu_kernels_loaded, ensure_cpu_kernels
+from pagedkv.kv.shard import shard_kv_cache_spec
 from pagedkv.kv.spec import KVCacheSpec, kv_cache_spec_from_hf_config
 from pagedkv.model.backends import get_attention_backend
 from pagedkv.model.backends.quantized import QuantizedKVBackend
@@ -29,6 +30,7 @@ from pagedkv.model.cpu_threads import CpuThreadGovernor
 from pagedkv.model.kv_cache import KVCache
 from pagedkv.model.loader import check_model_dir, load_model
 from pagedkv.model.logits_rows import select_logits_rows
+from pagedkv.model.parallel.group import TensorParallelGroup
 from pagedkv.model.registry import CausalLM
 from pagedkv.model.sampler import Sampler, prompt_logprobs
 from pagedkv.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -56,7 +58,8 @@ class ModelRunner:
                  cuda_graph_batch_sizes: list[int] | None = None,
                  max_model_len: int | None = None, cpu_kernels: str = "auto",
                  cpu_threads: int | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto",
+                 tensor_parallel: TensorParallelGroup | None = None) -> None:
         """`num_blocks` None: no KV cache yet (profile memory, then `allocate_kv_cache`).
         `kv_cache_spec` (the one the engine planned with) shapes the KV tensors; without it the
         spec is built from the same config reader, `block_size`, `dtype` and `kv_cache_dtype`
@@ -68,15 +71,20 @@ class ModelRunner:
         `cpu_kernels` (CPU only): when to use the fused C++ kernels (pagedkv.kernels.cpu);
         with "auto" the runner switches to them, between steps, once they are built.
         `cpu_threads` (CPU only): torch's thread count; None lets a CpuThreadGovernor follow
-        the cores other processes leave free (cpu_threads.py)."""
+        the cores other processes leave free (cpu_threads.py).
+        `tensor_parallel`: this runner is one rank of the group and holds its shard of the
+        weights and its KV heads of every block (the spec counts this rank's KV heads); only
+        rank 0 gets logits and samples (`execute` returns nothing elsewhere)."""
         check_model_dir(model_dir)  # a config.json claiming 10^9 layers fails before any build
         self.model_config = ModelConfig.from_dir(model_dir)
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.model_config.torch_dtype)
         model_dtype = str(self.dtype).removeprefix("torch.")
         cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_dtype)
-        spec = kv_cache_spec or kv_cache_spec_from_hf_config(
-            self.model_config.hf_config, block_size, model_dtype, kv_cache_dtype)
+        self.tensor_parallel = tensor_parallel
+        spec = kv_cache_spec or shard_kv_cache_spec(kv_cache_spec_from_hf_config(
+            self.model_config.hf_config, block_size, model_dtype, kv_cache_dtype),
+            1 if tensor_parallel is None else tensor_parallel.size)
         if spec.block_size != block_size or \
                 kv_cache_torch_dtype(spec.dtype) != kv_cache_torch_dtype(cache_dtype):
             raise ValueError(f"KV cache spec (block_size {spec.block_size}, {spec.dtype}) does "
@@ -85,7 +93,7 @@ class ModelRunner:
         self.block_size = block_size
         allocated = self._allocated_bytes()
         self.model: CausalLM = load_model(model_dir, self.model_config, self.dtype,
-                                          self.device)
+                                          self.device, tensor_parallel)
         self.weights_bytes = self._allocated_bytes() - allocated if self.device.type == "cuda" \
             else sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.kv_cache: KVCache | None = None
@@ -151,6 +159,7 @@ class ModelRunner:
         Triton backend only, reading an fp8 cache in place if any; returns whether graphs were
         captured)."""
         if not batch_sizes or self.device.type != "cuda" or self.attn_backend.name != "triton" \
+                or self.tensor_parallel is not None \
                 or isinstance(self.attn_backend, QuantizedKVBackend):
             return False
         from pagedkv.model.cuda_graphs import DecodeCudaGraphs
@@ -192,7 +201,9 @@ class ModelRunner:
         pos = torch.tensor([p for n in lens for p in range(n)], device=self.device)
         hidden = self.model(ids, pos, scratch.layers, self.attn_backend.build_metadata(step))
         rows = hidden[: max(1, min(max_num_seqs, num_tokens))]
-        self.model.compute_logits(rows).argmax(-1)
+        logits = self.model.compute_logits(rows)
+        if logits is not None:  # None on tensor-parallel ranks other than 0
+            logits.argmax(-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base - scratch_bytes
         del scratch, hidden, rows
@@ -245,6 +256,8 @@ class ModelRunner:
         if selection.empty:
             return result
         logits = self.model.compute_logits(selection.gather(hidden))
+        if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
+            return result
         for rows in selection.prompt_rows:
             req = rows.request
             result.prompt_logprobs[req.request_id] = prompt_logprobs(

@@ -1,0 +1,155 @@
+"""TensorParallelGroup: one rank's handle on its tensor-parallel group (torch.distributed).
+
+No global state: the group is a `ProcessGroupGloo` / `ProcessGroupNCCL` object built from its
+own store (not `init_process_group`'s default group), so two engines can live in one process
+and tests can build several groups. Every collective waits at most `timeout` and raises
+`CollectiveError` instead of hanging when a peer died or stopped answering.
+
+Objects (a step's batch description) travel as pickled bytes in two broadcasts over a CPU
+(gloo) group: first the length, then the bytes. Tensors (activations) go over the device
+group: gloo on CPU, NCCL on CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: a peer rank died, hung or hit an error."""
+
+
+def make_store(init_method: str, rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """The rendezvous store for `init_method`: "file:///path" (one machine; no port at all) or
+    "tcp://host:port" (rank 0 serves it on `port`, the others connect)."""
+    if init_method.startswith("file://"):
+        return dist.FileStore(init_method.removeprefix("file://"), world_size)
+    if init_method.startswith("tcp://"):
+        host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+        return dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=timeout,
+                             wait_for_workers=False)
+    raise ValueError(f"init_method must start with file:// or tcp://, got {init_method!r}")
+
+
+def _wait_for_ranks(store: dist.Store, size: int, timeout_s: float,
+                    watch: Callable[[], str | None] | None) -> None:
+    deadline = time.monotonic() + timeout_s
+    keys = [f"joined/{r}" for r in range(size)]
+    while not store.check(keys):
+        reason = watch() if watch is not None else None
+        if reason is not None:
+            raise CollectiveError(f"a rank failed before joining the group: {reason}")
+        if time.monotonic() > deadline:
+            missing = [k for k in keys if not store.check([k])]
+            raise CollectiveError(f"ranks {missing} did not join within {timeout_s:g} s")
+        time.sleep(0.05)
+
+
+@dataclass
+class TensorParallelGroup:
+    """Rank `rank` of `size` ranks. `cpu_group` (gloo) carries objects; `device_group` carries
+    activations (the same object on CPU). Valid until `close()`."""
+
+    rank: int
+    size: int
+    cpu_group: Any
+    device_group: Any
+    timeout: timedelta
+
+    @classmethod
+    def connect(cls, init_method: str, rank: int, size: int, device: torch.device,
+                timeout_s: float, watch: Callable[[], str | None] | None = None
+                ) -> TensorParallelGroup:
+        """Join the group (blocks until every rank has joined, at most `timeout_s`). Rank 0
+        calls `watch` while it waits: a reason (a worker process already died) ends the wait
+        with CollectiveError at once."""
+        timeout = timedelta(seconds=timeout_s)
+        store = make_store(init_method, rank, size, timeout)
+        store.set_timeout(timeout)
+        store.set(f"joined/{rank}", "1")
+        if rank == 0:
+            _wait_for_ranks(store, size, timeout_s, watch)
+        cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), rank, size, timeout)
+        device_group = cpu_group
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            device_group = dist.ProcessGroupNCCL(dist.PrefixStore("dev", store), rank, size, opts)
+        return cls(rank, size, cpu_group, device_group, timeout)
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: the rank that schedules and samples."""
+        return self.rank == 0
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            if not work.wait(self.timeout):
+                raise CollectiveError(f"{what} timed out after {self.timeout.total_seconds():g} s")
+        except CollectiveError:
+            raise
+        except RuntimeError as exc:
+            raise CollectiveError(f"{what} failed on rank {self.rank}: {exc}") from exc
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over the ranks, in place; returns `t`."""
+        self._wait(self.device_group.allreduce([t]), "all-reduce")
+        return t
+
+    def gather_to_driver(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `t` (same shape on every rank) on rank 0, in rank order; None elsewhere."""
+        if t.device.type == "cuda":  # NCCL has no gather: all-gather
+            outs = [torch.empty_like(t) for _ in range(self.size)]
+            self._wait(self.device_group.allgather([outs], [t]), "all-gather")
+            return outs if self.is_driver else None
+        outs = [[torch.empty_like(t) for _ in range(self.size)]] if self.is_driver else []
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        self._wait(self.device_group.gather(outs, [t], opts), "gather")
+        return outs[0] if self.is_driver else None
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0's `obj` on every rank (rank 0 passes it, the others get it back)."""
+        if self.is_driver:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            length = torch.tensor([len(data)], dtype=torch.long)
+        else:
+            length = torch.zeros(1, dtype=torch.long)
+        self._wait(self.cpu_group.broadcast([length], dist.BroadcastOptions()), "broadcast")
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.is_driver \
+            else torch.empty(int(length), dtype=torch.uint8)
+        self._wait(self.cpu_group.broadcast([buf], dist.BroadcastOptions()), "broadcast")
+        return obj if self.is_driver else pickle.loads(buf.numpy().tobytes())
+
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj` on rank 0 (a list in rank order), None on the others."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        length = torch.tensor([len(data)], dtype=torch.long)
+        lengths = [torch.zeros(1, dtype=torch.long) for _ in range(self.size)]
+        self._wait(self.cpu_group.allgather([lengths], [length]), "all-gather")
+        width = int(max(int(x) for x in lengths))
+        buf = torch.zeros(width, dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        bufs = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
+        self._wait(self.cpu_group.allgather([bufs], [buf]), "all-gather")
+        if not self.is_driver:
+            return None
+        return [pickle.loads(b[: int(n)].numpy().tobytes()) for b, n in zip(bufs, lengths,
+                                                                               strict=True)]
+
+    def close(self) -> None:
+        """Drop the groups (their sockets close; peers see the connection end)."""
+        for group in {id(self.cpu_group): self.cpu_group,
+                      id(self.device_group): self.device_group}.values():
+            with contextlib.suppress(RuntimeError, AttributeError):
+                group.shutdown()
+        self.cpu_group = self.device_group = None
