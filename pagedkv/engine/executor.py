@@ -45,6 +45,9 @@ def build_executor(args: EngineArgs, spec: KVCacheSpec | None) -> Executor:
     KV cache spec, or None to build it from the config)."""
     from pagedkv.model.runner import ModelRunner
 
+    if args.node_rank > 0:
+        raise ValueError(f"node_rank={args.node_rank} runs only this machine's worker ranks "
+                         "(`pagedkv serve MODEL --node-rank K ...`), not an engine")
     threads = rank_cpu_threads(args)
     kwargs = runner_kwargs(args, spec, threads)
     if args.tensor_parallel_size == 1:
@@ -55,3 +58,28 @@ def build_executor(args: EngineArgs, spec: KVCacheSpec | None) -> Executor:
                              ranks_per_node=args.tensor_parallel_size // args.nnodes,
                              device=args.device, timeout_s=args.distributed_timeout_s,
                              init_method=init_method(args), worker_threads=threads)
+
+
+def run_node_ranks(args: EngineArgs) -> int:
+    """Machine `node_rank` > 0 of `nnodes`: run this machine's tensor-parallel ranks (worker
+    processes that join node 0's rendezvous at master_addr:master_port and take their model
+    and every step from rank 0) until rank 0 shuts them down. Returns 0 when every rank ended
+    cleanly, else the first non-zero exit code."""
+    import torch.multiprocessing as mp
+
+    from pagedkv.model.executor.worker import worker_main
+
+    if args.node_rank == 0:
+        raise ValueError("node_rank 0 runs the engine, not worker ranks only")
+    per_node = args.tensor_parallel_size // args.nnodes
+    first = args.node_rank * per_node
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker_main, name=f"pagedkv-tp-rank{r}",
+                         args=(r, args.tensor_parallel_size, init_method(args), args.device,
+                               args.distributed_timeout_s, rank_cpu_threads(args)))
+             for r in range(first, first + per_node)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    return next((p.exitcode for p in procs if p.exitcode), 0)

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import traceback
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -29,8 +30,23 @@ def run_call(runner: Any, method: str, args: tuple) -> tuple[str, Any]:
 
 def worker_main(rank: int, size: int, init_method: str, device: str, timeout_s: float,
                 cpu_threads: int | None) -> None:
-    """The process body of rank `rank` (1..size-1). Exits 0 after "shutdown"; non-zero when
-    the group broke (rank 0 died or hung past `timeout_s`)."""
+    """The process body of rank `rank` (1..size-1). Exits 0 after "shutdown"; 3 when the
+    group broke (rank 0 died or hung past `timeout_s`), 1 on any other error. The process
+    ends with os._exit: the interpreter's own teardown (torch's) took seconds."""
+    code = 1
+    try:
+        code = run_worker(rank, size, init_method, device, timeout_s, cpu_threads)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_worker(rank: int, size: int, init_method: str, device: str, timeout_s: float,
+               cpu_threads: int | None) -> int:
+    """The worker loop (see the module docstring); returns the exit code."""
     import torch
 
     from pagedkv.model.parallel.group import CollectiveError, TensorParallelGroup
@@ -50,7 +66,7 @@ def worker_main(rank: int, size: int, init_method: str, device: str, timeout_s: 
             runner, status = None, ("error", f"{type(exc).__name__}: {exc}")
         group.gather_objects(status)
         if runner is None:
-            return
+            return 1
         while True:
             command = group.broadcast_object()
             if command[0] == "execute":
@@ -64,10 +80,10 @@ def worker_main(rank: int, size: int, init_method: str, device: str, timeout_s: 
                 group.gather_objects(run_call(runner, command[1], command[2]))
             elif command[0] == "shutdown":
                 runner.shutdown()
-                return
+                return 0
     except CollectiveError as exc:
         print(f"pagedkv tensor-parallel rank {rank} (pid {os.getpid()}): {exc}; exiting",
               file=sys.stderr)
-        sys.exit(3)
+        return 3
     finally:
         group.close()
