@@ -74,7 +74,8 @@ class MultiProcExecutor:
             except Exception as exc:
                 status = ("error", f"{type(exc).__name__}: {exc}")
                 raise
-            finally:
+            finally:  # loading may take longer than a collective may wait
+                self.group.wait_for_flag("loaded", watch=self._dead_worker)
                 statuses = self.group.gather_objects(status)
             self._raise_errors(statuses, "loading the model")
         except BaseException:
@@ -144,6 +145,17 @@ class MultiProcExecutor:
             logger.error("tensor parallel: %s", why)
         return EngineFatalError(f"tensor-parallel group failed: {self._dead}")
 
+    def _reason(self, exc: Exception) -> str:
+        """Why a collective failed: a worker that died (given a second to be reaped: its
+        socket closes before its exit code is known), else the collective's own error."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            dead = self._dead_worker()
+            if dead is not None:
+                return dead
+            time.sleep(0.02)
+        return str(exc)
+
     def _dead_worker(self) -> str | None:
         for rank, p in enumerate(self.workers, start=1):
             if p.exitcode is not None:
@@ -169,7 +181,7 @@ class MultiProcExecutor:
                 self.group.broadcast_object(("noop",))
                 self._last_command = time.monotonic()
             except CollectiveError as exc:
-                self._fail(str(exc))
+                self._fail(self._reason(exc))
                 return
             finally:
                 self._lock.release()
@@ -209,12 +221,12 @@ class _Command:
             ex.group.broadcast_object(self.command)
         except CollectiveError as exc:
             ex._lock.release()
-            raise ex._fail(ex._dead_worker() or str(exc)) from exc
+            raise ex._fail(ex._reason(exc)) from exc
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         ex = self.executor
         ex._last_command = time.monotonic()
         ex._lock.release()
         if isinstance(exc, CollectiveError):
-            raise ex._fail(ex._dead_worker() or str(exc)) from exc
+            raise ex._fail(ex._reason(exc)) from exc
         return False

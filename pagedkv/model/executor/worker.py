@@ -64,6 +64,7 @@ def run_worker(rank: int, size: int, init_method: str, device: str, timeout_s: f
             status: tuple[str, Any] = ("ok", None)
         except Exception as exc:
             runner, status = None, ("error", f"{type(exc).__name__}: {exc}")
+        group.wait_for_flag("loaded")  # every rank loaded (or failed): no collective waits on it
         group.gather_objects(status)
         if runner is None:
             return 1

@@ -23,6 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# The longest ranks may take to start, join and load their weights (a worker process that
+# dies meanwhile is noticed at once); collectives then wait at most their own timeout.
+JOIN_TIMEOUT_S = 600.0
+
 
 class CollectiveError(RuntimeError):
     """A collective failed or timed out: a peer rank died, hung or hit an error."""
@@ -40,17 +44,19 @@ def make_store(init_method: str, rank: int, world_size: int, timeout: timedelta)
     raise ValueError(f"init_method must start with file:// or tcp://, got {init_method!r}")
 
 
-def _wait_for_ranks(store: dist.Store, size: int, timeout_s: float,
+def _wait_for_ranks(store: dist.Store, flag: str, size: int, timeout_s: float,
                     watch: Callable[[], str | None] | None) -> None:
+    """Poll until every rank set `flag` (a worker process dying meanwhile ends it at once)."""
     deadline = time.monotonic() + timeout_s
-    keys = [f"joined/{r}" for r in range(size)]
+    keys = [f"{flag}/{r}" for r in range(size)]
     while not store.check(keys):
         reason = watch() if watch is not None else None
         if reason is not None:
-            raise CollectiveError(f"a rank failed before joining the group: {reason}")
+            raise CollectiveError(f"a rank failed before reaching {flag!r}: {reason}")
         if time.monotonic() > deadline:
-            missing = [k for k in keys if not store.check([k])]
-            raise CollectiveError(f"ranks {missing} did not join within {timeout_s:g} s")
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            raise CollectiveError(f"ranks {missing} did not reach {flag!r} "
+                                  f"within {timeout_s:g} s")
         time.sleep(0.05)
 
 
@@ -64,32 +70,46 @@ class TensorParallelGroup:
     cpu_group: Any
     device_group: Any
     timeout: timedelta
+    flags: Any = None  # the rendezvous store: `set_flag` / `wait_for_flag`
 
     @classmethod
     def connect(cls, init_method: str, rank: int, size: int, device: torch.device,
-                timeout_s: float, watch: Callable[[], str | None] | None = None
-                ) -> TensorParallelGroup:
-        """Join the group (blocks until every rank has joined, at most `timeout_s`). Rank 0
-        calls `watch` while it waits: a reason (a worker process already died) ends the wait
-        with CollectiveError at once."""
+                timeout_s: float, watch: Callable[[], str | None] | None = None,
+                join_timeout_s: float = JOIN_TIMEOUT_S) -> TensorParallelGroup:
+        """Join the group: blocks until every rank has joined, at most `join_timeout_s` (ranks
+        start at different times, other machines too); collectives then wait at most
+        `timeout_s`. `watch` is called while waiting: a reason (a worker process already
+        died) ends the wait with CollectiveError at once."""
         timeout = timedelta(seconds=timeout_s)
-        store = make_store(init_method, rank, size, timeout)
-        store.set_timeout(timeout)
-        store.set(f"joined/{rank}", "1")
-        if rank == 0:
-            _wait_for_ranks(store, size, timeout_s, watch)
+        join_timeout = timedelta(seconds=max(timeout_s, join_timeout_s))
+        store = make_store(init_method, rank, size, join_timeout)
+        store.set_timeout(join_timeout)
+        group_store = dist.PrefixStore("flags", store)
+        group_store.set(f"joined/{rank}", "1")
+        _wait_for_ranks(group_store, "joined", size, join_timeout.total_seconds(), watch)
         cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), rank, size, timeout)
         device_group = cpu_group
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             device_group = dist.ProcessGroupNCCL(dist.PrefixStore("dev", store), rank, size, opts)
-        return cls(rank, size, cpu_group, device_group, timeout)
+        return cls(rank, size, cpu_group, device_group, timeout, group_store)
 
     @property
     def is_driver(self) -> bool:
         """Rank 0: the rank that schedules and samples."""
         return self.rank == 0
+
+    def set_flag(self, flag: str) -> None:
+        """Tell rank 0 this rank reached `flag` (e.g. its model is loaded)."""
+        self.flags.set(f"{flag}/{self.rank}", "1")
+
+    def wait_for_flag(self, flag: str, timeout_s: float = JOIN_TIMEOUT_S,
+                      watch: Callable[[], str | None] | None = None) -> None:
+        """Set `flag` and wait until every rank set it, at most `timeout_s`, calling `watch`
+        meanwhile: for phases longer than a collective may wait (loading weights)."""
+        self.set_flag(flag)
+        _wait_for_ranks(self.flags, flag, self.size, timeout_s, watch)
 
     def _wait(self, work: Any, what: str) -> None:
         try:
