@@ -211,6 +211,11 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return max(peak, 0)
 
+    def collective_seconds(self) -> dict[str, float]:
+        """Seconds this rank spent in each kind of collective so far, waiting for the other
+        ranks included ({} without tensor parallelism)."""
+        return {} if self.tensor_parallel is None else dict(self.tensor_parallel.seconds)
+
     def shutdown(self) -> None:
         """Drop the CUDA graphs, the KV cache and the weights, and hand freed device memory back
         to the driver, so another engine in this process can size itself from it. The runner

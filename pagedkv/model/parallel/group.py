@@ -16,7 +16,7 @@ import contextlib
 import pickle
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -71,6 +71,9 @@ class TensorParallelGroup:
     device_group: Any
     timeout: timedelta
     flags: Any = None  # the rendezvous store: `set_flag` / `wait_for_flag`
+    # Seconds this rank spent in each kind of collective, waiting for slower ranks included
+    # (benchmarks/bench_tensor_parallel.py reads it; two clock reads per collective).
+    seconds: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def connect(cls, init_method: str, rank: int, size: int, device: torch.device,
@@ -122,11 +125,21 @@ class TensorParallelGroup:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place; returns `t`."""
+        start = time.perf_counter()
         self._wait(self.device_group.allreduce([t]), "all-reduce")
+        self.seconds["all-reduce"] = self.seconds.get("all-reduce", 0.0) \
+            + time.perf_counter() - start
         return t
 
     def gather_to_driver(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's `t` (same shape on every rank) on rank 0, in rank order; None elsewhere."""
+        start = time.perf_counter()
+        try:
+            return self._gather_to_driver(t)
+        finally:
+            self.seconds["gather"] = self.seconds.get("gather", 0.0) + time.perf_counter() - start
+
+    def _gather_to_driver(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         if t.device.type == "cuda":  # NCCL has no gather: all-gather
             outs = [torch.empty_like(t) for _ in range(self.size)]
             self._wait(self.device_group.allgather([outs], [t]), "all-gather")
@@ -139,6 +152,14 @@ class TensorParallelGroup:
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's `obj` on every rank (rank 0 passes it, the others get it back)."""
+        start = time.perf_counter()
+        try:
+            return self._broadcast_object(obj)
+        finally:
+            self.seconds["broadcast"] = self.seconds.get("broadcast", 0.0) \
+                + time.perf_counter() - start
+
+    def _broadcast_object(self, obj: Any) -> Any:
         if self.is_driver:
             data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
             length = torch.tensor([len(data)], dtype=torch.long)
