@@ -1,5 +1,5 @@
 """Tensor parallelism on CPU: N ranks (gloo, one thread each by default) against one process
-with N threads, on bench_offline.py's random Llama (hidden 512, 8 layers, 8 heads, 4 KV heads)
+with N threads (and one process with one thread: on a busy machine N threads can lose to 1), on bench_offline.py's random Llama (hidden 512, 8 layers, 8 heads, 4 KV heads)
 and a slice of its mixed workload, runs alternating.
 
     .venv/bin/python benchmarks/bench_offline.py --tensor-parallel-size 2 [--rounds 3]
@@ -63,12 +63,12 @@ def run(args, base: Path, shape: dict, workload) -> dict:
             build_random_model_dir(model_dir, dtype=dtype, seed=0, **shape)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         requests = workload(0, vocab)[: args.requests]
-        one, many = [], []
+        one, many, single = [], [], []
         for r in range(args.rounds):
-            order = [(1, tp), (tp, 1)] if r % 2 == 0 else [(tp, 1), (1, tp)]
-            for ranks, threads in order:
+            order = [(1, tp), (tp, 1), (1, 1)]
+            for ranks, threads in order if r % 2 == 0 else order[::-1]:
                 res = _run(model_dir, dtype, requests, ranks, threads)
-                (one if ranks == 1 else many).append(res)
+                (many if ranks > 1 else one if threads == tp else single).append(res)
                 shares = ", ".join(f"{k} {100 * v:.1f}%" for k, v in sorted(res["share"].items()))
                 print(f"[{dtype}] round {r} tp={ranks} x {threads} thread(s): "
                       f"{res['tokens_per_s']:.1f} tok/s" + (f" ({shares})" if shares else ""),
@@ -76,7 +76,7 @@ def run(args, base: Path, shape: dict, workload) -> dict:
         ratio = statistics.median(m["tokens_per_s"] for m in many) / \
             statistics.median(o["tokens_per_s"] for o in one)
         allreduce = [m["share"].get("all-reduce (least waiting rank)", 0.0) for m in many]
-        same = all(m["tokens"] == one[0]["tokens"] for m in many + one)
+        same = all(m["tokens"] == one[0]["tokens"] for m in many + one + single)
         print(f"[{dtype}] tp={tp} / one process x {tp} threads: {ratio:.2f}x (median tok/s); "
               f"all-reduce (least waiting rank) {100 * min(allreduce):.1f}-"
               f"{100 * max(allreduce):.1f}% of the wall time; greedy tokens identical: {same}",
@@ -84,6 +84,7 @@ def run(args, base: Path, shape: dict, workload) -> dict:
         report["rows"].append(dict(
             dtype=dtype, ratio=ratio, same_tokens=same,
             one_process=[o["tokens_per_s"] for o in one],
+            one_process_one_thread=[o["tokens_per_s"] for o in single],
             tensor_parallel=[m["tokens_per_s"] for m in many],
             shares=[m["share"] for m in many]))
     report["load_end"] = os.getloadavg()[0]
