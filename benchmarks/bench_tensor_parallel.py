@@ -32,7 +32,16 @@ def _run(model_dir: Path, dtype: str, requests, tp: int, threads: int) -> dict:
     try:
         llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
         llm.llm_engine.scheduler.kv_cache_manager.reset_prefix_cache()
-        ranks = getattr(llm.llm_engine.runner, "collective_rpc", None)
+        runner = llm.llm_engine.runner
+        steps = [0]
+        execute = runner.execute
+
+        def counted(out):
+            steps[0] += 1
+            return execute(out)
+
+        runner.execute = counted  # an instance attribute: the engine calls it
+        ranks = getattr(runner, "collective_rpc", None)
         before = ranks("collective_seconds") if ranks else []
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -48,7 +57,8 @@ def _run(model_dir: Path, dtype: str, requests, tp: int, threads: int) -> dict:
         llm.shutdown()
     tokens = [o.outputs[0].token_ids for o in outputs]
     return dict(seconds=elapsed, tokens_per_s=sum(map(len, tokens)) / elapsed, tokens=tokens,
-                share={k: v / elapsed for k, v in spent.items()})
+                share={k: v / elapsed for k, v in spent.items()}, steps=steps[0],
+                step_ms=1e3 * elapsed / max(steps[0], 1))
 
 
 def run(args, base: Path, shape: dict, workload) -> dict:
@@ -71,8 +81,8 @@ def run(args, base: Path, shape: dict, workload) -> dict:
                 (many if ranks > 1 else one if threads == tp else single).append(res)
                 shares = ", ".join(f"{k} {100 * v:.1f}%" for k, v in sorted(res["share"].items()))
                 print(f"[{dtype}] round {r} tp={ranks} x {threads} thread(s): "
-                      f"{res['tokens_per_s']:.1f} tok/s" + (f" ({shares})" if shares else ""),
-                      flush=True)
+                      f"{res['tokens_per_s']:.1f} tok/s, {res['step_ms']:.1f} ms/step"
+                      + (f" ({shares})" if shares else ""), flush=True)
         ratio = statistics.median(m["tokens_per_s"] for m in many) / \
             statistics.median(o["tokens_per_s"] for o in one)
         allreduce = [m["share"].get("all-reduce (least waiting rank)", 0.0) for m in many]
@@ -86,7 +96,19 @@ def run(args, base: Path, shape: dict, workload) -> dict:
             one_process=[o["tokens_per_s"] for o in one],
             one_process_one_thread=[o["tokens_per_s"] for o in single],
             tensor_parallel=[m["tokens_per_s"] for m in many],
-            shares=[m["share"] for m in many]))
+            shares=[m["share"] for m in many],
+            steps=[{"steps": m["steps"], "step_ms": m["step_ms"]} for m in many]))
+    cost = allreduce_cost(tp, [(8, shape["hidden_size"]), (256, shape["hidden_size"])])
+    per_step = 2 * shape["num_layers"] * cost[str((8, shape["hidden_size"]))]
+    for row in report["rows"]:
+        step_ms = statistics.median(s["step_ms"] for s in row["steps"])
+        row["allreduce_transport_share"] = 1e3 * per_step / step_ms
+        print(f"[{row['dtype']}] gloo all-reduce alone: "
+              + ", ".join(f"{k} {1e6 * v:.0f} us" for k, v in cost.items())
+              + f"; {2 * shape['num_layers']} per step = {1e3 * per_step:.1f} ms of a "
+              f"{step_ms:.1f} ms step ({100 * row['allreduce_transport_share']:.1f}%)",
+              flush=True)
+    report["allreduce_cost_s"] = cost
     report["load_end"] = os.getloadavg()[0]
     return report
 
@@ -99,3 +121,57 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return "unknown"
+
+
+def _allreduce_rank(rank: int, size: int, init: str, shapes: list, reps: int, out) -> None:
+    import torch
+
+    from pagedkv.model.parallel.group import TensorParallelGroup
+
+    torch.set_num_threads(1)
+    group = TensorParallelGroup.connect(init, rank, size, torch.device("cpu"), 60.0)
+    times = {}
+    for shape in shapes:
+        t = torch.randn(shape)
+        for _ in range(5):
+            group.all_reduce(t)
+        durations = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            group.all_reduce(t)
+            durations.append(time.perf_counter() - start)
+        times[str(shape)] = durations
+    gathered = group.gather_objects(times)
+    if rank == 0:
+        out.put(gathered)
+    group.close()
+
+
+def allreduce_cost(size: int, shapes: list, reps: int = 300) -> dict[str, float]:
+    """Median over calls of the smallest time any rank spent in one gloo all-reduce of each
+    shape (the rank that arrives last waits only for the transfer): the collective's own cost,
+    with scheduling waits mostly filtered out."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{tmp}/rv"
+        procs = [ctx.Process(target=_allreduce_rank, args=(r, size, init, shapes, reps, out))
+                 for r in range(1, size)]
+        for p in procs:
+            p.start()
+        _allreduce_rank(0, size, init, shapes, reps, out)
+        gathered = out.get(timeout=60)
+        for p in procs:
+            p.join(30)
+    return {shape: statistics.median(min(rank[shape][i] for rank in gathered)
+                                     for i in range(reps)) for shape in gathered[0]}
+
+
+if __name__ == "__main__":
+    for shape, seconds in allreduce_cost(2, [(1, 512), (8, 512), (256, 512)]).items():
+        print(f"gloo all-reduce {shape} float32, 2 ranks: {1e6 * seconds:.0f} us (median of "
+              "per-call minimum over ranks)")
