@@ -4,6 +4,7 @@
         [--kv-cache-dtype fp8]
     .venv/bin/python benchmarks/bench_offline.py --device cuda [--enforce-eager]  (gpu_offline.py)
     .venv/bin/python benchmarks/bench_offline.py --vs-vllm /tmp/vllm-venv/bin/python [--busy 2]
+    .venv/bin/python benchmarks/bench_offline.py --tensor-parallel-size 2  (bench_tensor_parallel.py)
 
 1. The same random-weight Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1408)
    and workload through pagedkv (continuous batching) and transformers (static batches of 16,
@@ -314,7 +315,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads for every engine in the run (default: torch's); "
                              "1 thread is far less disturbed by other processes on a shared box")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None,
+                        help="N ranks (one thread each) vs one process with N threads, and the "
+                             "share of time in all-reduce (bench_tensor_parallel.py)")
+    parser.add_argument("--requests", type=int, default=16,
+                        help="--tensor-parallel-size: requests of the mixed workload to run")
     args = parser.parse_args(argv)
+    if args.tensor_parallel_size:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import bench_tensor_parallel
+
+        if args.dtypes == parser.get_default("dtypes"):
+            args.dtypes = "float32"
+        with tempfile.TemporaryDirectory() as tmp:
+            report = bench_tensor_parallel.run(args, Path(args.model_dir or tmp), SHAPE, workload)
+        if args.json:
+            print(json.dumps(report, indent=2))
+        return 0
     if args.worker:
         pagedkv_worker(json.loads(args.worker))
         return 0

@@ -80,6 +80,14 @@ _HELP: dict[str, str] = {
                                             "constraint to compile (then a 400)",
     "structured_outputs_compile_threads": "structured outputs: threads of the grammar compile "
                                           "pool",
+    "tensor_parallel_size": "split every layer over this many ranks (worker processes; "
+                            "gloo on CPU, NCCL on CUDA)",
+    "distributed_timeout_s": "tensor parallel: seconds a collective waits for the other ranks "
+                             "before the engine fails (a rank died or hung)",
+    "nnodes": "tensor parallel over several machines: how many (torchrun's --nnodes)",
+    "node_rank": "this machine's index; 0 runs the engine, the others run only their ranks",
+    "master_addr": "node 0's address, reachable from every machine (with --nnodes > 1)",
+    "master_port": "a free port on node 0 for the ranks' rendezvous (with --nnodes > 1)",
 }
 
 

@@ -102,6 +102,10 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_args = engine_args_from_flags(args, args.model)
+    if engine_args.node_rank > 0:  # another machine's tensor-parallel ranks: no server here
+        from pagedkv.engine.executor import run_node_ranks
+
+        return run_node_ranks(engine_args)
     sock = bind_socket(args.host, args.port)  # before the slow part: a busy port fails now
     try:
         engine = LLMEngine.from_engine_args(engine_args)

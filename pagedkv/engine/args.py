@@ -76,6 +76,15 @@ class EngineArgs:
     structured_outputs_max_schema_chars: int = _SO_LIMITS.max_schema_chars
     structured_outputs_compile_timeout_s: float = _SO_LIMITS.compile_timeout_s
     structured_outputs_compile_threads: int = _SO_LIMITS.compile_threads
+    # Tensor parallelism (pagedkv.model.executor): ranks, how long a collective may wait before
+    # the engine fails, and torchrun-style machines (node 0 runs the engine; nodes 1.. run
+    # `pagedkv serve MODEL --node-rank K`, all with the same --master-addr/--master-port).
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 60.0
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -124,6 +133,7 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, "
                              f"got {self.kv_cache_dtype!r}")
+        self._validate_parallel()
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         self.structured_outputs_limits()
@@ -134,6 +144,30 @@ class EngineArgs:
         return StructuredOutputsLimits(**{
             name[len(prefix):]: getattr(self, name)
             for name in self.field_names() if name.startswith(prefix)})
+
+    def _validate_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "nnodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"nnodes={self.nnodes} must divide tensor_parallel_size="
+                             f"{self.tensor_parallel_size} (the same ranks on every machine)")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), "
+                             f"got {self.node_rank!r}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("nnodes > 1 needs master_port (and master_addr: node 0's address)")
+        if self.master_port is not None and (not isinstance(self.master_port, int)
+                                             or not 0 < self.master_port < 65536):
+            raise ValueError(f"master_port must be a port number, got {self.master_port!r}")
+        t = self.distributed_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
+            raise ValueError(f"distributed_timeout_s must be a number > 0, got {t!r}")
+        if self.tensor_parallel_size > 1 and self.uses_kv_store:
+            raise ValueError("the KV store (kv_offloading_*) does not support "
+                             f"tensor_parallel_size={self.tensor_parallel_size} yet: use "
+                             "tensor_parallel_size=1 or no store tier")
 
     def _validate_offloading(self) -> None:
         for name in ("kv_offloading_size", "kv_offloading_disk_size"):

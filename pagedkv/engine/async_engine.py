@@ -35,6 +35,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from pagedkv.config.errors import EngineFatalError
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.stats import EngineStats
 from pagedkv.kv.pins import PinInfo
@@ -329,6 +330,8 @@ class AsyncEngine:
         cache is still consistent afterwards, the loop goes on (else `self.error` is set)."""
         try:
             outputs = self.engine.step()
+        except EngineFatalError:  # the engine cannot go on: the loop ends, on_fatal is told
+            raise
         except Exception as exc:
             logger.exception("engine step failed; ending the %d requests in flight",
                              len(self._streams))

@@ -24,6 +24,7 @@ from pagedkv.kv.plan import (
     estimate_weights_bytes,
     plan_num_blocks,
 )
+from pagedkv.kv.shard import shard_kv_cache_spec
 from pagedkv.kv.spec import KVCacheSpec, SlidingWindowSpec, kv_cache_spec_from_hf_config
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,10 @@ def plan_kv_cache(args: EngineArgs, profile: GpuMemoryProfile | None = None) -> 
     """Size the KV cache for `args` (with a measured `profile` on CUDA). Raises ValueError when
     the settings cannot work."""
     config = load_hf_config(args.model)
-    spec = kv_cache_spec_from_hf_config(config, args.block_size, args.dtype, args.kv_cache_dtype)
+    # One rank's KV heads: every byte count below is per rank (each rank holds its heads of
+    # every block, so the block count is the same on every rank).
+    spec = shard_kv_cache_spec(kv_cache_spec_from_hf_config(
+        config, args.block_size, args.dtype, args.kv_cache_dtype), args.tensor_parallel_size)
     config_len = default_max_model_len(config)
     if args.max_model_len is not None and args.max_model_len > config_len:
         raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's "

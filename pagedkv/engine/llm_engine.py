@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from pagedkv.config.errors import EngineFatalError
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.kv_setup import (
@@ -107,9 +108,10 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs) -> None:
         # Imported here so `pagedkv.engine` stays light until an engine is really built.
+        from pagedkv.engine.executor import build_executor
         from pagedkv.model.cuda_graphs import decode_batch_sizes
         from pagedkv.model.loader import check_model_dir
-        from pagedkv.model.runner import ModelRunner, resolve_device
+        from pagedkv.model.runner import resolve_device
         from pagedkv.model.tokenizer import Tokenizer
 
         args.validate()
@@ -121,11 +123,9 @@ class LLMEngine:
         profiled = resolve_device(args.device).type == "cuda" \
             and args.num_gpu_blocks_override is None and args.kv_cache_memory_bytes is None
         setup: KVCacheSetup | None = None if profiled else plan_kv_cache(args)  # fails early
-        self.runner = ModelRunner(args.model, block_size=args.block_size, num_blocks=None,
-                                  dtype=args.dtype, device=args.device, seed=args.seed,
-                                  kv_cache_spec=None if setup is None else setup.spec,
-                                  cpu_kernels=args.cpu_kernels, cpu_threads=args.cpu_threads,
-                                  kv_cache_dtype=args.kv_cache_dtype)
+        # The executor: the ModelRunner itself, or rank 0 of a tensor-parallel group (the
+        # scheduler below decides once, on rank 0, for every rank).
+        self.runner = build_executor(args, None if setup is None else setup.spec)
         if setup is None:
             setup = plan_kv_cache(args, self._profile_memory(args))
         self.kv_setup = setup
@@ -411,6 +411,8 @@ class LLMEngine:
         else:  # also when only finished ids: the runner drops their sampling state
             try:
                 result = self.runner.execute(scheduler_output)
+            except EngineFatalError:  # e.g. a tensor-parallel rank died: the engine ends
+                raise
             except Exception as exc:  # ends only this step's requests
                 return self._fail_step(scheduler_output, exc)
         if scheduler_output.scheduled:

@@ -5,6 +5,11 @@ positions [T] and the step's AttentionMetadata; each layer writes its new K/V in
 cache and attends through the block tables. Logits are computed only for the hidden states
 the caller selects (`compute_logits`). q/k/v and gate/up projections are fused into one matmul
 each; `checkpoint_mapping` says which Hugging Face tensors each parameter is built from.
+
+Built with a `TensorParallelGroup` the model holds one rank's shard (parallel/sharding.py):
+its attention heads and KV heads, its slice of the MLP and of the vocabulary, one all-reduce
+after attention and one after the MLP; `checkpoint_shards` says which slice of each Hugging
+Face tensor the rank loads, and `compute_logits` gathers the full logits on rank 0 only.
 """
 
 from __future__ import annotations
@@ -20,14 +25,21 @@ from pagedkv.model.kv_int8 import PerTokenScales
 from pagedkv.model.kv_quant import KVScales
 from pagedkv.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from pagedkv.model.ops import LayerOps, RopeInputs
+from pagedkv.model.parallel.group import TensorParallelGroup
+from pagedkv.model.parallel.sharding import Shard, TensorParallelShape
+from pagedkv.model.parallel.vocab import VocabParallelEmbedding
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, window: int | None) -> None:
+    def __init__(self, cfg: ModelConfig, window: int | None,
+                 shard: TensorParallelShape | None = None) -> None:
+        """`shard`: this rank's heads only (None: all of them)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        if shard is not None:
+            self.num_heads, self.num_kv_heads = shard.local_heads, shard.local_kv_heads
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -56,12 +68,18 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, window: int | None) -> None:
+    def __init__(self, cfg: ModelConfig, window: int | None,
+                 tp: TensorParallelGroup | None = None,
+                 shard: TensorParallelShape | None = None) -> None:
+        """With `tp`, the layer holds `shard` and all-reduces attention's and the MLP's
+        row-parallel outputs (each rank's partial sums)."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, window)
+        self.self_attn = Attention(cfg, window, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size if shard is None
+                            else shard.local_intermediate, cfg.mlp_bias)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
@@ -76,9 +94,14 @@ class DecoderLayer(nn.Module):
             h = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
         # .forward: skips nn.Module's hook machinery, a measurable cost per tiny op at decode.
         attn = self.self_attn.forward(h, rope, kv_cache, meta, ops)
+        if self.tp is not None:
+            attn = self.tp.all_reduce(attn)
         norm = self.post_attention_layernorm
         h = ops.add_rms_norm(attn, residual, norm.weight, norm.eps)
-        return self.mlp.forward(h, ops), residual
+        out = self.mlp.forward(h, ops)
+        if self.tp is not None:
+            out = self.tp.all_reduce(out)
+        return out, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -93,16 +116,27 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(hf_config.get("attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup | None = None) -> None:
+        """The whole model, or with `tp` (size > 1) rank `tp.rank`'s shard of it."""
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, w) for w in cfg.layer_sliding_windows)
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.shard = None if self.tp is None else TensorParallelShape(
+            self.tp.rank, self.tp.size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size,
+            cfg.vocab_size)
+        if self.shard is None:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(self.shard.local_vocab, cfg.hidden_size,
+                                                       self.shard.first_vocab, self.tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, w, self.tp, self.shard)
+                                    for w in cfg.layer_sliding_windows)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                       cfg.max_position_embeddings)
+        vocab = cfg.vocab_size if self.shard is None else self.shard.local_vocab
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False)
+            cfg.hidden_size, vocab, bias=False)
         self.ops = LayerOps()  # which elementwise kernels run (the runner sets cpu_fused)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -122,11 +156,18 @@ class LlamaForCausalLM(nn.Module):
         loaded). Returns how many were packed."""
         return sum(m.pack(panels) for m in self.modules() if isinstance(m, Linear))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab] for hidden states [N, hidden]."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [N, vocab] for hidden states [N, hidden]. Tensor parallel: every rank
+        computes its vocabulary slice and rank 0 gathers them (the others get None), so one
+        sampler with one set of generators samples, as with one process."""
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return (hidden @ self.embed_tokens.weight.t()).float()
+            logits = self.lm_head(hidden).float()
+        else:
+            logits = (hidden @ self.embed_tokens.weight.t()).float()
+        if self.tp is None:
+            return logits
+        parts = self.tp.gather_to_driver(logits.contiguous())
+        return None if parts is None else torch.cat(parts, 1)[:, : self.config.vocab_size]
 
     def checkpoint_mapping(self) -> dict[str, list[str]]:
         """Parameter name -> Hugging Face tensor names it is the dim-0 concatenation of."""
@@ -154,10 +195,36 @@ class LlamaForCausalLM(nn.Module):
         return m
 
     def checkpoint_splits(self, param_name: str) -> list[int]:
-        """Dim-0 sizes of the tensors a fused parameter concatenates."""
+        """Dim-0 sizes of the tensors a fused parameter concatenates (this rank's share)."""
         cfg = self.config
+        attn = self.layers[0].self_attn if len(self.layers) else None
         if "qkv_proj" in param_name:
-            return [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+            return [attn.q_size, attn.kv_size, attn.kv_size]
         if "gate_up_proj" in param_name:
-            return [cfg.intermediate_size] * 2
-        raise ValueError(f"{param_name} is not a fused parameter")
+            return [self.layers[0].mlp.intermediate] * 2
+        raise ValueError(f"{param_name} is not a fused parameter ({cfg.architecture})")
+
+    def checkpoint_shards(self, param_name: str) -> list[Shard | None] | None:
+        """Which slice of each of `param_name`'s checkpoint tensors this rank loads (None: the
+        whole tensor); None for the whole model (no tensor parallelism)."""
+        sh, cfg = self.shard, self.config
+        if sh is None:
+            return None
+        d, rank0 = cfg.head_dim, sh.rank == 0
+        if param_name in ("embed_tokens.weight", "lm_head.weight"):
+            return [Shard(0, sh.first_vocab, min(sh.first_vocab + sh.local_vocab,
+                                                 cfg.vocab_size))]
+        q = Shard(0, sh.first_head * d, (sh.first_head + sh.local_heads) * d)
+        kv = Shard(0, sh.first_kv_head * d, (sh.first_kv_head + sh.local_kv_heads) * d)
+        mlp = Shard(0, sh.rank * sh.local_intermediate, (sh.rank + 1) * sh.local_intermediate)
+        if ".qkv_proj." in param_name:
+            return [q, kv, kv]
+        if ".gate_up_proj." in param_name:
+            return [mlp, mlp]
+        if param_name.endswith("o_proj.weight"):
+            return [Shard(1, q.start, q.stop)]
+        if param_name.endswith("down_proj.weight"):
+            return [Shard(1, mlp.start, mlp.stop)]
+        if param_name.endswith(("o_proj.bias", "down_proj.bias")):  # added once, by rank 0
+            return [Shard(0, 0, cfg.hidden_size, zero=not rank0)]
+        return [None]

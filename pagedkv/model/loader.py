@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from pagedkv.model.config import ModelConfig, read_json
 from pagedkv.model.layers import rope_inv_freq
+from pagedkv.model.parallel.group import TensorParallelGroup
 from pagedkv.model.registry import CausalLM, get_model_class
 
 
@@ -109,10 +110,19 @@ def load_weights(module: torch.nn.Module, model_dir: str | Path) -> None:
     """Copy `model_dir`'s weights into `module` (mutates its parameters in place).
 
     `module.checkpoint_mapping()` maps each parameter name to the checkpoint tensor names it
-    is built from (several names are concatenated along dim 0, e.g. q/k/v into qkv). Raises
-    ValueError naming a missing tensor or one whose shape differs from the parameter's.
+    is built from (several names are concatenated along dim 0, e.g. q/k/v into qkv). A
+    tensor-parallel shard (`checkpoint_shards` not None) reads only its slice of each tensor
+    from the safetensors files. Raises ValueError naming a missing tensor or one whose shape
+    differs from the parameter's.
     """
-    state = load_state_dict(model_dir)
+    shards_of = getattr(module, "checkpoint_shards", None)
+    if shards_of is None or shards_of("embed_tokens.weight") is None:
+        return _load_whole(module, model_dir, load_state_dict(model_dir))
+    _load_sharded(module, model_dir, shards_of)
+
+
+def _load_whole(module: torch.nn.Module, model_dir: str | Path,
+                state: dict[str, torch.Tensor]) -> None:
     params = dict(module.named_parameters())
     mapping = module.checkpoint_mapping()
     unmapped = sorted(set(params) - set(mapping))
@@ -133,6 +143,53 @@ def load_weights(module: torch.nn.Module, model_dir: str | Path) -> None:
             param.copy_(value.to(param.dtype))
 
 
+def _load_sharded(module: torch.nn.Module, model_dir: str | Path, shards_of: Any) -> None:
+    """Each parameter from its checkpoint tensors' slices (parallel/sharding.py); rows of a
+    vocabulary-padded parameter past the checkpoint's stay zero."""
+    files: dict[str, Path] = {}
+    for path in weight_files(model_dir):
+        with open_weights(path) as f:
+            files.update(dict.fromkeys(f.keys(), path))
+    params = dict(module.named_parameters())
+    mapping = module.checkpoint_mapping()
+    unmapped = sorted(set(params) - set(mapping))
+    if unmapped:
+        raise RuntimeError(f"parameters with no checkpoint tensor: {unmapped}")
+    for param_name, sources in mapping.items():
+        missing = [s for s in sources if s not in files]
+        if missing:
+            raise ValueError(f"missing tensor {missing[0]!r} in the weights of {model_dir}")
+        parts = [_read_shard(files[src], src, shard)
+                 for src, shard in zip(sources, shards_of(param_name), strict=True)]
+        value = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+        param = params[param_name]
+        if value.shape[1:] != param.shape[1:] or value.shape[0] > param.shape[0] or (
+                value.shape[0] < param.shape[0] and "embed" not in param_name
+                and "lm_head" not in param_name):
+            raise ValueError(f"wrong shape for tensor(s) {sources!r}: this rank's slice is "
+                             f"{tuple(value.shape)}, the parameter {tuple(param.shape)}")
+        with torch.no_grad():
+            param.zero_()
+            param[: value.shape[0]].copy_(value.to(param.dtype))
+
+
+def _read_shard(path: Path, name: str, shard: Any) -> torch.Tensor:
+    """Tensor `name` of `path`, or only `shard`'s slice of it (read from the file as a slice)."""
+    with open_weights(path) as f:
+        if shard is None:
+            return f.get_tensor(name)
+        sl = f.get_slice(name)
+        shape = list(sl.get_shape())
+        if shard.stop > shape[shard.dim]:
+            raise ValueError(f"wrong shape for tensor {name!r}: {shape} has no rows "
+                             f"[{shard.start}, {shard.stop}) in dim {shard.dim}")
+        if shard.zero:
+            shape[shard.dim] = shard.stop - shard.start
+            return torch.zeros(shape)
+        index = (slice(None),) * shard.dim + (slice(shard.start, shard.stop),)
+        return sl[index]
+
+
 def _expected_source_shapes(shape: torch.Size, sources: list[str], module: torch.nn.Module,
                             param_name: str) -> list[tuple[int, ...]]:
     splits = module.checkpoint_splits(param_name) if len(sources) > 1 else [shape[0]]
@@ -140,13 +197,15 @@ def _expected_source_shapes(shape: torch.Size, sources: list[str], module: torch
 
 
 def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
-               device: torch.device) -> CausalLM:
+               device: torch.device, tp: TensorParallelGroup | None = None) -> CausalLM:
     """Build the model for `config` on `device` in `dtype` and load `model_dir`'s weights (the
-    runner then prepares the projection weights for its CPU path: layers.Linear.pack)."""
+    runner then prepares the projection weights for its CPU path: layers.Linear.pack). With
+    `tp`, only this rank's shard is built and read."""
     # Before allocating for what config.json says.
     check_checkpoint_matches(model_dir, config.num_layers, config.vocab_size, config.hidden_size)
     with torch.device("meta"):
-        model = get_model_class(config.architecture)(config)
+        model = get_model_class(config.architecture)(config, tp) if tp is not None \
+            else get_model_class(config.architecture)(config)
     model = model.to(dtype).to_empty(device=device)
     model.rotary.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta,
                                           config.rope_scaling).to(device)

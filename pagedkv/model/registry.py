@@ -8,7 +8,8 @@ imports every model.
 The interface a model class provides (see `CausalLM`): it is built from a `ModelConfig`;
 `config_overrides(hf_config)` is its config adapter, the architecture-specific `ModelConfig`
 fields (biases, q/k norm) read from the config.json dict; `forward`, `compute_logits`,
-`checkpoint_mapping` / `checkpoint_splits` (how Hugging Face tensors become its parameters)
+`checkpoint_mapping` / `checkpoint_splits` / `checkpoint_shards` (how Hugging Face tensors
+become its parameters, and which slice a tensor-parallel rank loads)
 and `pack_linear_weights`.
 """
 
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from pagedkv.model.attention import AttentionMetadata
     from pagedkv.model.config import ModelConfig
     from pagedkv.model.ops import LayerOps
+    from pagedkv.model.parallel.group import TensorParallelGroup
+    from pagedkv.model.parallel.sharding import Shard
 
 # architecture (config.json "architectures") -> (module, class)
 _MODELS: dict[str, tuple[str, str]] = {
@@ -39,7 +42,7 @@ class CausalLM(Protocol):
     # The elementwise kernels its layers run (the runner turns the fused CPU ones on).
     ops: LayerOps
 
-    def __init__(self, cfg: ModelConfig) -> None: ...
+    def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup | None = None) -> None: ...
 
     @classmethod
     def config_overrides(cls, hf_config: dict[str, Any]) -> dict[str, Any]: ...
@@ -53,6 +56,8 @@ class CausalLM(Protocol):
     def checkpoint_mapping(self) -> dict[str, list[str]]: ...
 
     def checkpoint_splits(self, param_name: str) -> list[int]: ...
+
+    def checkpoint_shards(self, param_name: str) -> list[Shard | None] | None: ...
 
     def pack_linear_weights(self, panels: bool = False) -> int: ...
 

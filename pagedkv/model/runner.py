@@ -24,6 +24,7 @@ from pagedkv.config.dtypes import (
     resolve_kv_cache_dtype,
 )
 from pagedkv.kernels.cpu import cpu_kernels_loaded, ensure_cpu_kernels
+from pagedkv.kv.shard import shard_kv_cache_spec
 from pagedkv.kv.spec import KVCacheSpec, kv_cache_spec_from_hf_config
 from pagedkv.model.backends import get_attention_backend
 from pagedkv.model.backends.quantized import QuantizedKVBackend
@@ -34,6 +35,7 @@ from pagedkv.model.cpu_threads import CpuThreadGovernor
 from pagedkv.model.kv_cache import KVCache
 from pagedkv.model.loader import check_model_dir, load_model
 from pagedkv.model.logits_rows import select_logits_rows
+from pagedkv.model.parallel.group import TensorParallelGroup
 from pagedkv.model.registry import CausalLM
 from pagedkv.model.sampler import Sampler, prompt_logprobs
 from pagedkv.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -64,7 +66,8 @@ class ModelRunner:
                  cuda_graph_batch_sizes: list[int] | None = None,
                  max_model_len: int | None = None, cpu_kernels: str = "auto",
                  cpu_threads: int | None = None,
-                 kv_cache_dtype: str = "auto", fp8_scales: str = "per_head") -> None:
+                 kv_cache_dtype: str = "auto", fp8_scales: str = "per_head",
+                 tensor_parallel: TensorParallelGroup | None = None) -> None:
         """`num_blocks` None: no KV cache yet (profile memory, then `allocate_kv_cache`).
         `kv_cache_spec` (the one the engine planned with) shapes the KV tensors; without it the
         spec is built from the same config reader, `block_size`, `dtype` and `kv_cache_dtype`
@@ -78,7 +81,10 @@ class ModelRunner:
         `cpu_threads` (CPU only): torch's thread count; None lets a CpuThreadGovernor follow
         the cores other processes leave free (cpu_threads.py).
         `fp8_scales` (fp8 caches): "per_head" (one calibrated scale per KV head and layer) or
-        "per_layer" (one per layer, the earlier scheme; kv_calibration.py)."""
+        "per_layer" (one per layer, the earlier scheme; kv_calibration.py).
+        `tensor_parallel`: this runner is one rank of the group and holds its shard of the
+        weights and its KV heads of every block (the spec counts this rank's KV heads); only
+        rank 0 gets logits and samples (`execute` returns nothing elsewhere)."""
         if fp8_scales not in FP8_SCALE_MODES:
             raise ValueError(f"fp8_scales must be one of {FP8_SCALE_MODES}, got {fp8_scales!r}")
         self.fp8_scales = fp8_scales
@@ -88,8 +94,10 @@ class ModelRunner:
         self.dtype = parse_dtype(dtype, self.model_config.torch_dtype)
         model_dtype = str(self.dtype).removeprefix("torch.")
         cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_dtype)
-        spec = kv_cache_spec or kv_cache_spec_from_hf_config(
-            self.model_config.hf_config, block_size, model_dtype, kv_cache_dtype)
+        self.tensor_parallel = tensor_parallel
+        spec = kv_cache_spec or shard_kv_cache_spec(kv_cache_spec_from_hf_config(
+            self.model_config.hf_config, block_size, model_dtype, kv_cache_dtype),
+            1 if tensor_parallel is None else tensor_parallel.size)
         if spec.block_size != block_size or \
                 kv_cache_torch_dtype(spec.dtype) != kv_cache_torch_dtype(cache_dtype):
             raise ValueError(f"KV cache spec (block_size {spec.block_size}, {spec.dtype}) does "
@@ -98,7 +106,7 @@ class ModelRunner:
         self.block_size = block_size
         allocated = self._allocated_bytes()
         self.model: CausalLM = load_model(model_dir, self.model_config, self.dtype,
-                                          self.device)
+                                          self.device, tensor_parallel)
         self.weights_bytes = self._allocated_bytes() - allocated if self.device.type == "cuda" \
             else sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.kv_cache: KVCache | None = None
@@ -180,6 +188,7 @@ class ModelRunner:
         Triton backend only, reading an fp8 cache in place if any; returns whether graphs were
         captured)."""
         if not batch_sizes or self.device.type != "cuda" or self.attn_backend.name != "triton" \
+                or self.tensor_parallel is not None \
                 or isinstance(self.attn_backend, QuantizedKVBackend):
             return False
         from pagedkv.model.cuda_graphs import DecodeCudaGraphs
@@ -221,13 +230,20 @@ class ModelRunner:
         pos = torch.tensor([p for n in lens for p in range(n)], device=self.device)
         hidden = self.model(ids, pos, scratch.layers, self.attn_backend.build_metadata(step))
         rows = hidden[: max(1, min(max_num_seqs, num_tokens))]
-        self.model.compute_logits(rows).argmax(-1)
+        logits = self.model.compute_logits(rows)
+        if logits is not None:  # None on tensor-parallel ranks other than 0
+            logits.argmax(-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base - scratch_bytes
         del scratch, hidden, rows
         gc.collect()
         torch.cuda.empty_cache()
         return max(peak, 0)
+
+    def collective_seconds(self) -> dict[str, float]:
+        """Seconds this rank spent in each kind of collective so far, waiting for the other
+        ranks included ({} without tensor parallelism)."""
+        return {} if self.tensor_parallel is None else dict(self.tensor_parallel.seconds)
 
     def shutdown(self) -> None:
         """Drop the CUDA graphs, the KV cache and the weights, and hand freed device memory back
@@ -274,6 +290,8 @@ class ModelRunner:
         if selection.empty:
             return result
         logits = self.model.compute_logits(selection.gather(hidden))
+        if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
+            return result
         for rows in selection.prompt_rows:
             req = rows.request
             result.prompt_logprobs[req.request_id] = prompt_logprobs(

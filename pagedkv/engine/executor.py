@@ -1,0 +1,92 @@
+"""Which executor runs the model for an engine: the ModelRunner itself in one process, or a
+MultiProcExecutor over `tensor_parallel_size` ranks (pagedkv.model.executor)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagedkv.engine.args import EngineArgs
+from pagedkv.kv.spec import KVCacheSpec
+
+if TYPE_CHECKING:
+    from pagedkv.model.executor import Executor
+
+
+def runner_kwargs(args: EngineArgs, spec: KVCacheSpec | None,
+                  cpu_threads: int | None) -> dict:
+    """ModelRunner's keyword arguments for `args` (every rank gets the same)."""
+    return dict(block_size=args.block_size, num_blocks=None, dtype=args.dtype,
+                device=args.device, seed=args.seed, kv_cache_spec=spec,
+                cpu_kernels=args.cpu_kernels, cpu_threads=cpu_threads,
+                kv_cache_dtype=args.kv_cache_dtype)
+
+
+def rank_cpu_threads(args: EngineArgs) -> int | None:
+    """Each rank's torch threads: `cpu_threads` when given; with tensor parallelism on a CPU,
+    this machine's cores shared out evenly (at least 1 each: two ranks on two cores run one
+    thread each, so no rank waits for a thread that lost its core)."""
+    if args.cpu_threads is not None or args.tensor_parallel_size == 1:
+        return args.cpu_threads
+    from pagedkv.model.cpu_threads import allowed_cpus
+
+    return max(1, len(allowed_cpus()) // (args.tensor_parallel_size // args.nnodes))
+
+
+def init_method(args: EngineArgs) -> str | None:
+    """The ranks' rendezvous: None (a file in a temp dir) on one machine, else node 0's
+    `tcp://master_addr:master_port`."""
+    if args.nnodes == 1:
+        return None
+    return f"tcp://{args.master_addr}:{args.master_port}"
+
+
+def build_executor(args: EngineArgs, spec: KVCacheSpec | None) -> Executor:
+    """The executor for `args` with its model loaded and no KV cache yet (`spec`: one rank's
+    KV cache spec, or None to build it from the config)."""
+    from pagedkv.model.runner import ModelRunner
+
+    if args.node_rank > 0:
+        raise ValueError(f"node_rank={args.node_rank} runs only this machine's worker ranks "
+                         "(`pagedkv serve MODEL --node-rank K ...`), not an engine")
+    if args.tensor_parallel_size > 1:  # before any process starts
+        from pagedkv.model.config import ModelConfig
+        from pagedkv.model.parallel.sharding import check_tensor_parallel_size
+
+        cfg = ModelConfig.from_dir(args.model)
+        check_tensor_parallel_size(args.tensor_parallel_size, cfg.num_heads, cfg.num_kv_heads,
+                                   cfg.intermediate_size)
+    threads = rank_cpu_threads(args)
+    kwargs = runner_kwargs(args, spec, threads)
+    if args.tensor_parallel_size == 1:
+        return ModelRunner(args.model, **kwargs)
+    from pagedkv.model.executor.multiproc import MultiProcExecutor
+
+    return MultiProcExecutor(args.model, kwargs, size=args.tensor_parallel_size,
+                             ranks_per_node=args.tensor_parallel_size // args.nnodes,
+                             device=args.device, timeout_s=args.distributed_timeout_s,
+                             init_method=init_method(args), worker_threads=threads)
+
+
+def run_node_ranks(args: EngineArgs) -> int:
+    """Machine `node_rank` > 0 of `nnodes`: run this machine's tensor-parallel ranks (worker
+    processes that join node 0's rendezvous at master_addr:master_port and take their model
+    and every step from rank 0) until rank 0 shuts them down. Returns 0 when every rank ended
+    cleanly, else the first non-zero exit code."""
+    import torch.multiprocessing as mp
+
+    from pagedkv.model.executor.worker import worker_main
+
+    if args.node_rank == 0:
+        raise ValueError("node_rank 0 runs the engine, not worker ranks only")
+    per_node = args.tensor_parallel_size // args.nnodes
+    first = args.node_rank * per_node
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker_main, name=f"pagedkv-tp-rank{r}",
+                         args=(r, args.tensor_parallel_size, init_method(args), args.device,
+                               args.distributed_timeout_s, rank_cpu_threads(args)))
+             for r in range(first, first + per_node)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    return next((p.exitcode for p in procs if p.exitcode), 0)

@@ -1,0 +1,90 @@
+"""A tensor-parallel worker rank: joins the group, builds its ModelRunner shard from what rank 0
+broadcasts, then runs each command rank 0 broadcasts until told to stop (or rank 0 is gone).
+
+Commands (tuples, pickled): ("execute", SchedulerOutput) runs the step's block moves and
+forward pass (rank 0 samples); ("call", method, args) runs a runner method on every rank and
+gathers each rank's ("ok", value) or ("error", text) to rank 0; ("noop",) is rank 0's
+heartbeat (an idle engine still proves it is alive, so no rank waits out its timeout);
+("shutdown",) ends the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import traceback
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def run_call(runner: Any, method: str, args: tuple) -> tuple[str, Any]:
+    """("ok", result) of `runner.method(*args)`, or ("error", what it raised)."""
+    try:
+        return "ok", getattr(runner, method)(*args)
+    except Exception as exc:  # reported to rank 0, which raises it
+        return "error", f"{type(exc).__name__}: {exc}"
+
+
+def worker_main(rank: int, size: int, init_method: str, device: str, timeout_s: float,
+                cpu_threads: int | None) -> None:
+    """The process body of rank `rank` (1..size-1). Exits 0 after "shutdown"; 3 when the
+    group broke (rank 0 died or hung past `timeout_s`), 1 on any other error. The process
+    ends with os._exit: the interpreter's own teardown (torch's) took seconds."""
+    code = 1
+    try:
+        code = run_worker(rank, size, init_method, device, timeout_s, cpu_threads)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_worker(rank: int, size: int, init_method: str, device: str, timeout_s: float,
+               cpu_threads: int | None) -> int:
+    """The worker loop (see the module docstring); returns the exit code."""
+    import torch
+
+    from pagedkv.model.parallel.group import CollectiveError, TensorParallelGroup
+    from pagedkv.model.runner import ModelRunner, resolve_device
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
+    if cpu_threads is not None:
+        torch.set_num_threads(cpu_threads)
+    group = TensorParallelGroup.connect(init_method, rank, size, resolve_device(device),
+                                        timeout_s)
+    try:
+        kind, model_dir, kwargs = group.broadcast_object()
+        try:
+            runner = ModelRunner(model_dir, **kwargs, tensor_parallel=group)
+            status: tuple[str, Any] = ("ok", None)
+        except Exception as exc:
+            runner, status = None, ("error", f"{type(exc).__name__}: {exc}")
+        group.wait_for_flag("loaded")  # every rank loaded (or failed): no collective waits on it
+        group.gather_objects(status)
+        if runner is None:
+            return 1
+        while True:
+            command = group.broadcast_object()
+            if command[0] == "execute":
+                try:
+                    runner.execute(command[1])
+                except CollectiveError:
+                    raise
+                except Exception:  # rank 0 hits the same error on the same inputs
+                    logger.exception("rank %d: step failed", rank)
+            elif command[0] == "call":
+                group.gather_objects(run_call(runner, command[1], command[2]))
+            elif command[0] == "shutdown":
+                runner.shutdown()
+                return 0
+    except CollectiveError as exc:
+        print(f"pagedkv tensor-parallel rank {rank} (pid {os.getpid()}): {exc}; exiting",
+              file=sys.stderr)
+        return 3
+    finally:
+        group.close()

@@ -1,0 +1,91 @@
+"""Which part of each weight a tensor-parallel rank holds (Megatron-style).
+
+- Attention: the query heads are split evenly; the KV heads too when there are at least as many
+  as ranks, else each rank keeps the one KV head its query heads read (replicated).
+- qkv and gate/up projections are column-parallel (each rank computes its heads' / its slice of
+  the intermediate's outputs); o_proj and down_proj are row-parallel (each rank multiplies its
+  input slice; the partial sums are all-reduced, once after attention and once after the MLP).
+  A row-parallel bias is added by rank 0 only (zeros elsewhere), so the sum has it once.
+- Embedding and LM head are vocabulary-parallel: rank r holds rows [r * V', (r + 1) * V') of a
+  vocabulary padded to size * V' (padding rows zero; padded logits are cut off after the gather).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedkv.kv.shard import local_kv_heads
+
+
+@dataclass(frozen=True)
+class TensorParallelShape:
+    """Rank `rank` of `size`: its share of a model with `num_heads` query heads, `num_kv_heads`
+    KV heads, an MLP of `intermediate_size` and a vocabulary of `vocab_size`."""
+
+    rank: int
+    size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        check_tensor_parallel_size(self.size, self.num_heads, self.num_kv_heads,
+                                   self.intermediate_size)
+
+    @property
+    def local_heads(self) -> int:
+        return self.num_heads // self.size
+
+    @property
+    def local_kv_heads(self) -> int:
+        return local_kv_heads(self.num_kv_heads, self.size)
+
+    @property
+    def first_head(self) -> int:
+        return self.rank * self.local_heads
+
+    @property
+    def first_kv_head(self) -> int:
+        if self.num_kv_heads >= self.size:
+            return self.rank * self.local_kv_heads
+        return self.rank * self.num_kv_heads // self.size  # the KV head its query heads read
+
+    @property
+    def local_intermediate(self) -> int:
+        return self.intermediate_size // self.size
+
+    @property
+    def local_vocab(self) -> int:
+        return -(-self.vocab_size // self.size)
+
+    @property
+    def first_vocab(self) -> int:
+        return self.rank * self.local_vocab
+
+
+def check_tensor_parallel_size(size: int, num_heads: int, num_kv_heads: int,
+                               intermediate_size: int) -> None:
+    """ValueError naming the value when the model cannot be split over `size` ranks."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+    if num_heads % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the model's "
+                         f"{num_heads} attention heads")
+    if num_kv_heads % size and size % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size={size} and the model's {num_kv_heads} KV heads: "
+                         "one must divide the other")
+    if intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the model's "
+                         f"intermediate_size {intermediate_size}")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rows [start, stop) of dim `dim` of a checkpoint tensor; `zero`: a tensor of that slice's
+    shape filled with zeros instead (a row-parallel bias on ranks other than 0)."""
+
+    dim: int
+    start: int
+    stop: int
+    zero: bool = False

@@ -1,0 +1,55 @@
+"""`pagedkv serve --tensor-parallel-size 2` (CPU, gloo): the OpenAI API answers with
+transformers' greedy tokens, and a worker rank that dies ends the server (exit code 1) instead
+of leaving it hung."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagedkv.model.tokenizer import Tokenizer
+from tests.engine.conftest import hf_greedy, make_prompts
+from tests.server.helpers import ServerProcess, engine_flags
+
+
+def _children(pid: int) -> list[int]:
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return [int(p) for p in text.split()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_tensor_parallel_server_answers_and_dies_with_its_rank(tiny_llama):
+    proc = ServerProcess(tiny_llama, *engine_flags(
+        dtype="float32", block_size=4, max_model_len=256, num_gpu_blocks_override=256, seed=0,
+        tensor_parallel_size=2, cpu_kernels="off", distributed_timeout_s=5.0)).start()
+    try:
+        prompt = make_prompts(seed=9, vocab=400, num=1, shared_prefix=0, lengths=(20, 20))[0]
+        body = dict(model="tiny", prompt=prompt, max_tokens=8, temperature=0.0,
+                    ignore_eos=True)
+        r = httpx.post(proc.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        expected = Tokenizer.from_dir(tiny_llama).decode(hf_greedy(tiny_llama, prompt, 8))
+        assert r.json()["choices"][0]["text"] == expected
+        workers = [p for p in _children(proc.proc.pid)  # spawned ranks, not the resource tracker
+                   if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert workers, "no worker rank process found"
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        try:
+            r = httpx.post(proc.url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code >= 500
+        except httpx.HTTPError:
+            pass  # the server may already be gone
+        deadline = time.monotonic() + 30
+        while proc.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.proc.returncode == 1, proc.output()
+        assert "tensor-parallel group failed" in proc.output()
+    finally:
+        proc.stop()
