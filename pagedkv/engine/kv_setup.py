@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from pagedkv.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, load_hf_config
 from pagedkv.engine.args import EngineArgs
+from pagedkv.kv.hybrid_spec import HybridKVCacheSpec, sequence_capacity
 from pagedkv.kv.plan import (
     default_max_model_len,
     estimate_activation_peak_bytes,
@@ -130,7 +131,7 @@ def plan_kv_cache(args: EngineArgs, profile: GpuMemoryProfile | None = None) -> 
         raise ValueError(f"the KV cache has room for {num_blocks} blocks of {page} bytes; "
                          "at least 2 (one is the reserved null block) are needed")
 
-    capacity = (num_blocks - 1) * args.block_size
+    capacity = sequence_capacity(spec, num_blocks - 1)
     if capacity < max_model_len and not isinstance(spec, SlidingWindowSpec):
         if args.max_model_len is None:
             logger.info("max_model_len lowered from %d to the KV cache capacity %d",
@@ -141,6 +142,8 @@ def plan_kv_cache(args: EngineArgs, profile: GpuMemoryProfile | None = None) -> 
                            "requests will fail", max_model_len, capacity)
     num_host_blocks = int(args.swap_space * GiB) // page if args.preemption_mode == "swap" else 0
     window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+    if isinstance(spec, HybridKVCacheSpec):  # the largest window of its sliding groups
+        window = max((g.sliding_window or 0 for g in spec.groups), default=0) or None
     return KVCacheSetup(spec=spec, num_blocks=num_blocks, num_host_blocks=num_host_blocks,
                         max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                         sliding_window=window)

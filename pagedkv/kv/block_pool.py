@@ -22,7 +22,7 @@ from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from pagedkv.kv.eviction import EvictionPolicy, LRUEvictionPolicy, eviction_policy_class
 from pagedkv.kv.eviction_log import EvictionLog
-from pagedkv.kv.hashing import BlockHash
+from pagedkv.kv.hashing import BlockHash, split_group_key
 from pagedkv.kv.observer import BlockPoolObserver
 
 
@@ -98,7 +98,8 @@ class BlockPool:
         block.block_hash = None
         self.num_evicted_blocks += 1
         if self.enable_kv_cache_events:
-            self.events.append(BlockRemoved([block_hash]))
+            plain, group_idx = split_group_key(block_hash)
+            self.events.append(BlockRemoved([plain], group_idx=group_idx))
         if self.eviction_log is not None:
             self.eviction_log.record(block_hash, block.block_id)
         if self.observer is not None:
@@ -205,10 +206,11 @@ class BlockPool:
             first, last = run[0], run[-1]
             tokens = ([] if token_ids is None
                       else list(token_ids[first * block_size:(last + 1) * block_size]))
+            keys = [split_group_key(block_hashes[j]) for j in run]
             self.events.append(BlockStored(
-                block_hashes=[block_hashes[j] for j in run],
-                parent_block_hash=block_hashes[first - 1] if first > 0 else None,
-                token_ids=tokens, block_size=block_size))
+                block_hashes=[h for h, _ in keys],
+                parent_block_hash=split_group_key(block_hashes[first - 1])[0] if first > 0
+                else None, token_ids=tokens, block_size=block_size, group_idx=keys[0][1]))
             run = [i]
 
     def reset_prefix_cache(self, keep: Collection[KVCacheBlock] = ()) -> bool:

@@ -18,6 +18,10 @@ class BlockStored:
     parent_block_hash: BlockHash | None
     token_ids: list[int]
     block_size: int
+    # Hybrid KV cache groups (vLLM's fields): which group's blocks these are, and its kind
+    # ("full_attention" / "sliding_window"); 0 and None for a single-group cache.
+    group_idx: int = 0
+    kv_cache_spec_kind: str | None = None
 
 
 @dataclass
@@ -25,6 +29,8 @@ class BlockRemoved:
     """Blocks evicted from the prefix cache (their memory was reused)."""
 
     block_hashes: list[BlockHash]
+    group_idx: int = 0  # as in BlockStored
+    kv_cache_spec_kind: str | None = None
 
 
 @dataclass

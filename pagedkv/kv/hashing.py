@@ -155,3 +155,24 @@ class RequestBlockHasher:
                              + (first if i == 0 else rest))
             append(parent)
         return block_hashes
+
+
+# Hybrid KV cache groups (kv/coordinator.py) cache their blocks under the request's block hash
+# plus this mark and the group index, so one pool holds every group's copy of a block; group 0
+# uses the plain hash (a single-group cache is unchanged). `split_group_key` undoes it.
+GROUP_KEY_MARK = b"\xffpagedkv-grp"
+
+
+def group_key_suffix(group_idx: int) -> bytes:
+    """The bytes appended to a block hash to key group `group_idx`'s block (b"" for group 0)."""
+    if not isinstance(group_idx, int) or not 0 <= group_idx < 256:
+        raise ValueError(f"group_idx must be an int in [0, 256), got {group_idx!r}")
+    return b"" if group_idx == 0 else GROUP_KEY_MARK + bytes([group_idx])
+
+
+def split_group_key(key: BlockHash) -> tuple[BlockHash, int]:
+    """(the request's block hash, group index) of a pool key."""
+    n = len(GROUP_KEY_MARK) + 1
+    if len(key) > n and key[-n:-1] == GROUP_KEY_MARK:
+        return key[:-n], key[-1]
+    return key, 0

@@ -34,7 +34,7 @@ from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.block_pool import BlockPool, host_pool_num_blocks
 from pagedkv.kv.events import KVCacheEvent
 from pagedkv.kv.eviction_log import EvictionLog
-from pagedkv.kv.hashing import BlockHash, RequestBlockHasher
+from pagedkv.kv.hashing import BlockHash, RequestBlockHasher, group_key_suffix
 from pagedkv.kv.pins import PinInfo, PrefixPins, check_max_pinned_fraction, max_pinned_blocks
 from pagedkv.kv.single_type import block_table_policy, block_table_policy_for_spec
 from pagedkv.kv.spec import KVCacheSpec
@@ -109,7 +109,12 @@ class KVCacheManager:
                  enable_caching: bool = True, sliding_window: int | None = None,
                  watermark: float = 0.01, hash_algo: str = "sha256",
                  enable_kv_cache_events: bool = False, eviction_policy: str = "lru",
-                 max_pinned_fraction: float = 0.5) -> None:
+                 max_pinned_fraction: float = 0.5, pool: BlockPool | None = None,
+                 host_pool: BlockPool | None = None, group_idx: int = 0) -> None:
+        """`pool` / `host_pool` / `group_idx`: set by the hybrid coordinator (coordinator.py)
+        when this manager is one KV cache group over a pool shared with other groups; the
+        group's blocks are cached under `group_block_key(hash, group_idx)` (group 0: the plain
+        hash). Without them the manager owns its pools (num_blocks, num_host_blocks)."""
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
@@ -125,10 +130,13 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
         check_max_pinned_fraction(max_pinned_fraction)
-        self.pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events,
-                              eviction_policy=eviction_policy)
-        self.host_pool = (BlockPool(host_pool_num_blocks(num_host_blocks), False)
-                          if num_host_blocks > 0 else None)
+        self.group_idx = group_idx
+        self._key_suffix = group_key_suffix(group_idx)
+        self.pool = pool if pool is not None else BlockPool(
+            num_blocks, enable_caching, enable_kv_cache_events, eviction_policy=eviction_policy)
+        self.host_pool = host_pool if pool is not None else (
+            BlockPool(host_pool_num_blocks(num_host_blocks), False)
+            if num_host_blocks > 0 else None)
         self.num_usable_blocks = self.pool.num_usable_blocks
         self.watermark = watermark
         self.watermark_blocks = int(watermark * self.num_usable_blocks)
@@ -146,7 +154,15 @@ class KVCacheManager:
     @classmethod
     def from_spec(cls, spec: KVCacheSpec, *, num_blocks: int, **kwargs: Any) -> KVCacheManager:
         """A manager for `spec`: its block size, and the block-table policy it calls for
-        (sliding window only when every layer slides). `kwargs` as for the constructor."""
+        (sliding window only when every layer slides). `kwargs` as for the constructor.
+        A HybridKVCacheSpec (layers of mixed attention types) gets the coordinator over one
+        manager per KV cache group instead (coordinator.py), with the same interface."""
+        from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
+
+        if isinstance(spec, HybridKVCacheSpec):
+            from pagedkv.kv.coordinator import HybridKVCacheManager
+
+            return HybridKVCacheManager(spec, num_blocks=num_blocks, **kwargs)
         policy = block_table_policy_for_spec(spec)
         return cls(num_blocks=num_blocks, block_size=spec.block_size,
                    sliding_window=policy.sliding_window, **kwargs)
@@ -285,14 +301,15 @@ class KVCacheManager:
             available = pool.eviction.num_free_blocks
             if num_ncb:
                 for b in new_computed_blocks:  # hits in the free queue are not free for us
-                    if b.ref_cnt == 0:
+                    if b.ref_cnt == 0 and not b.is_null:
                         available -= 1
             if apply_watermark:
                 available -= self.watermark_blocks
             if num_needed > available:
                 return None
             if num_ncb:
-                pool.touch(new_computed_blocks)
+                pool.touch([b for b in new_computed_blocks if not b.is_null]
+                           if remove_skipped is not None else new_computed_blocks)
                 if state.num_cached_blocks == num_old:
                     state.num_cached_blocks += num_ncb
                 blocks.extend(new_computed_blocks)
@@ -314,6 +331,31 @@ class KVCacheManager:
             if end // bs > state.num_cached_blocks:
                 self._cache_blocks(request, state, end)
         return new_blocks
+
+    def remove_skipped_blocks(self, request: KVRequest) -> None:
+        """Free the blocks wholly outside the sliding window (what allocate_slots does first);
+        nothing for full attention or an unknown / swapped request."""
+        state = self._reqs.get(request.request_id)
+        if self._remove_skipped_blocks is not None and state is not None \
+                and state.host_blocks is None:
+            self._remove_skipped_blocks(self.pool, state.blocks, request.num_computed_tokens)
+
+    def num_blocks_to_allocate(self, request: KVRequest, num_new_tokens: int,
+                               new_computed_blocks: list[KVCacheBlock] | None = None,
+                               num_new_computed_tokens: int = 0) -> int:
+        """Free blocks `allocate_slots` with these arguments would take from the pool (new
+        blocks, copy-on-write replacements, prefix hits sitting in the free queue), once the
+        window's skipped blocks are freed (`remove_skipped_blocks`). Changes nothing."""
+        state = self._reqs.get(request.request_id)
+        blocks = state.blocks if state is not None else []
+        bs = self.block_size
+        start = request.num_computed_tokens + num_new_computed_tokens
+        num_required = cdiv(start + num_new_tokens, bs)
+        ncb = new_computed_blocks or []
+        need = max(num_required - len(blocks) - len(ncb), 0)
+        if num_new_tokens:
+            need += sum(1 for b in blocks[start // bs:num_required] if b.ref_cnt > 1)
+        return need + sum(1 for b in ncb if b.ref_cnt == 0 and not b.is_null)
 
     def _copy_on_write(self, blocks: list[KVCacheBlock], indices: list[int], start: int) -> None:
         bs = self.block_size
@@ -352,6 +394,9 @@ class KVCacheManager:
         hashes = state.block_hashes
         if len(hashes) < num_full:
             self.hasher(request, hashes)
+        if self._key_suffix:  # a hybrid group's keys (the pool's events name the plain hash)
+            suffix = self._key_suffix
+            hashes = [h + suffix for h in hashes[:num_full]]
         self.pool.cache_full_blocks(state.blocks, hashes, num_cached, num_full, self.block_size,
                                     request.all_token_ids)
         state.num_cached_blocks = num_full
@@ -441,9 +486,10 @@ class KVCacheManager:
         num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         get = self.pool.cached_block_hash_to_block.get
         hits = {}
+        suffix = self._key_suffix
         for i in range(min(num_full, len(hashes), len(host))):
             if not host[i].is_null:
-                block = get(hashes[i])
+                block = get(hashes[i] + suffix if suffix else hashes[i])
                 if block is not None:
                     hits[i] = block
         return hits
@@ -528,6 +574,11 @@ class KVCacheManager:
         """Device block ids of the request's table; null blocks appear as 0."""
         state = self._reqs.get(request_id)
         return [b.block_id for b in state.blocks] if state is not None else []
+
+    def get_group_block_ids(self, request_id: str) -> list[list[int]] | None:
+        """Every KV cache group's table: None, this manager is the only group (see
+        coordinator.py for caches with several)."""
+        return None
 
     def get_host_block_ids(self, request_id: str) -> list[int]:
         """Host block ids while swapped ([] otherwise); null blocks appear as 0."""

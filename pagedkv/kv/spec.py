@@ -170,9 +170,9 @@ def kv_cache_spec_from_hf_config(
     `HFModelConfig` read from it: the one reader the model uses too).
 
     MLA (`kv_lora_rank` set, DeepSeek-V2/V3): MLAAttentionSpec. Every layer sliding with one
-    window: SlidingWindowSpec. Otherwise FullAttentionSpec, also when only some layers slide
-    (Qwen2 `max_window_layers`, Gemma's alternating layers): every layer keeps full-attention
-    blocks, an upper bound, while the model applies each layer's own window.
+    window: SlidingWindowSpec. Layers of mixed types (Qwen2 `max_window_layers`, Gemma's
+    alternating layers): HybridKVCacheSpec, one KV cache group per attention type over one
+    pool (hybrid_spec.py). Otherwise FullAttentionSpec.
     `dtype` is the model's dtype ("auto": the config's); `cache_dtype` the KV cache's (vLLM's
     `kv_cache_dtype`: "auto" = the model's, "fp8" / "fp8_e4m3" / "fp8_e5m2" / "int8", one
     byte per value, int8 plus a scale per token and head, or a model dtype name), which is the
@@ -196,7 +196,11 @@ def kv_cache_spec_from_hf_config(
                  dtype=kv_dtype, num_layers=hf.num_layers)
     if hf.sliding_window is not None:
         return SlidingWindowSpec(**shape, sliding_window=hf.sliding_window)
-    return FullAttentionSpec(**shape)
+    from pagedkv.kv.hybrid_spec import hybrid_kv_cache_spec  # it builds on this module's specs
+
+    hybrid = hybrid_kv_cache_spec(hf.layer_sliding_windows, **{
+        k: v for k, v in shape.items() if k != "num_layers"})
+    return hybrid if hybrid is not None else FullAttentionSpec(**shape)
 
 
 def bundled_config_names() -> list[str]:

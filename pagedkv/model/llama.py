@@ -141,11 +141,16 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Final hidden states [T, hidden]; writes every layer's new K/V into `kv_caches`."""
+                meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+        """Final hidden states [T, hidden]; writes every layer's new K/V into `kv_caches`.
+        `meta`: the step's metadata, or each layer's (KV cache groups)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.inputs(positions, x.dtype)
         residual = None
+        if isinstance(meta, list):  # KV cache groups: each layer's own (model/kv_groups.py)
+            for layer, kv_cache, m in zip(self.layers, kv_caches, meta, strict=True):
+                x, residual = layer.forward(x, residual, rope, kv_cache, m, self.ops)
+            return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer.forward(x, residual, rope, kv_cache, meta, self.ops)
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)

@@ -25,6 +25,7 @@ from pagedkv.config.dtypes import (
 )
 from pagedkv.kernels.cpu import cpu_kernels_loaded, ensure_cpu_kernels
 from pagedkv.kv.shard import shard_kv_cache_spec
+from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
 from pagedkv.kv.spec import KVCacheSpec, kv_cache_spec_from_hf_config
 from pagedkv.model.backends import get_attention_backend
 from pagedkv.model.backends.quantized import QuantizedKVBackend
@@ -33,6 +34,7 @@ from pagedkv.model.config import ModelConfig, kv_cache_torch_dtype, parse_dtype
 from pagedkv.model.cpu_memory import keep_freed_memory
 from pagedkv.model.cpu_threads import CpuThreadGovernor
 from pagedkv.model.kv_cache import KVCache
+from pagedkv.model.kv_groups import LayerGroups
 from pagedkv.model.loader import check_model_dir, load_model
 from pagedkv.model.logits_rows import select_logits_rows
 from pagedkv.model.parallel.group import TensorParallelGroup
@@ -104,6 +106,11 @@ class ModelRunner:
                              f"not match block_size {block_size}, KV cache dtype {cache_dtype}")
         self.kv_cache_spec = spec
         self.block_size = block_size
+        # Hybrid KV cache groups (a model mixing attention types): layer -> (group, slot).
+        self.layer_groups = LayerGroups(spec) if isinstance(spec, HybridKVCacheSpec) else None
+        if self.layer_groups is not None and is_fp8_dtype(spec.dtype):
+            raise ValueError(f"an fp8 KV cache ({spec.dtype}) is not supported with KV cache "
+                             "groups (a model mixing attention types)")
         allocated = self._allocated_bytes()
         self.model: CausalLM = load_model(model_dir, self.model_config, self.dtype,
                                           self.device, tensor_parallel)
@@ -171,6 +178,9 @@ class ModelRunner:
         if per_token is not None:
             for layer, scales in zip(self.model.layers, per_token, strict=True):
                 layer.self_attn.kv_scales = scales
+        # Each model layer's (K, V) views: its group's slot of the blocks with KV cache groups.
+        self.layer_kv_caches = self.kv_cache.layers if self.layer_groups is None \
+            else self.layer_groups.layer_caches(self.kv_cache.layers)
 
     def _calibrate_kv_scales(self) -> None:
         from pagedkv.model.kv_calibration import calibrate_kv_scales
@@ -189,7 +199,8 @@ class ModelRunner:
         captured)."""
         if not batch_sizes or self.device.type != "cuda" or self.attn_backend.name != "triton" \
                 or self.tensor_parallel is not None \
-                or isinstance(self.attn_backend, QuantizedKVBackend):
+                or isinstance(self.attn_backend, QuantizedKVBackend) \
+                or self.layer_groups is not None:
             return False
         from pagedkv.model.cuda_graphs import DecodeCudaGraphs
 
@@ -228,7 +239,9 @@ class ModelRunner:
                              slot_mapping=slots, num_decodes=0, block_size=bs)
         ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=self.device)
         pos = torch.tensor([p for n in lens for p in range(n)], device=self.device)
-        hidden = self.model(ids, pos, scratch.layers, self.attn_backend.build_metadata(step))
+        layers = scratch.layers if self.layer_groups is None \
+            else self.layer_groups.layer_caches(scratch.layers)  # every group: the same tables
+        hidden = self.model(ids, pos, layers, self.attn_backend.build_metadata(step))
         rows = hidden[: max(1, min(max_num_seqs, num_tokens))]
         logits = self.model.compute_logits(rows)
         if logits is not None:  # None on tensor-parallel ranks other than 0
@@ -283,7 +296,7 @@ class ModelRunner:
             dev = self.device
             hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
                                 torch.tensor(pos, dtype=torch.long, device=dev),
-                                self.kv_cache.layers, self.attn_backend.build_metadata(step))
+                                self.layer_kv_caches, self.build_metadata(reqs, step))
         if self.kv_connector is not None:
             self.kv_connector.save_kv(out.kv_connector_metadata, self.kv_cache)
         selection = select_logits_rows(reqs)
@@ -314,7 +327,16 @@ class ModelRunner:
         dev = self.device
         return (reqs, torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(pos, dtype=torch.long, device=dev),
-                self.attn_backend.build_metadata(step))
+                self.build_metadata(reqs, step))
+
+    def build_metadata(self, reqs: list[ScheduledRequest], step: StepSequences) -> object:
+        """The backend's attention metadata for the step: one object, or with KV cache groups
+        a list with each model layer's (its group's tables and slots)."""
+        if self.layer_groups is None:
+            return self.attn_backend.build_metadata(step)
+        groups = self.layer_groups
+        return groups.layer_metadata([self.attn_backend.build_metadata(s)
+                                      for s in groups.group_steps(reqs, step)])
 
     def describe_step(self, scheduled: list[ScheduledRequest]
                       ) -> tuple[list[ScheduledRequest], list[int], list[int], StepSequences]:

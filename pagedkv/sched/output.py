@@ -45,6 +45,9 @@ class ScheduledRequest:
     # The request's grammar state when its output is constrained and it samples this step: the
     # sampler only reads it (allowed next tokens); the scheduler advances it after the step.
     grammar: StructuredOutputGrammar | None = None
+    # Models mixing attention types (hybrid KV cache groups, kv/coordinator.py): every group's
+    # block table, in group order (`block_table` is group 0's); None with one group.
+    group_block_tables: list[list[int]] | None = None
 
     @property
     def num_new_tokens(self) -> int:

@@ -257,7 +257,7 @@ class Scheduler:
             num_external = (0 if self.kv_connector is None or request.wants_prompt_logprobs else
                             self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens))
             if (self._pending_hashes and not request.wants_prompt_logprobs
-                    and self._next_block_is_pending(request, len(computed_blocks))):
+                    and self._next_block_is_pending(request, num_hit_tokens // self.block_size)):
                 break
             status = kv.can_allocate(request, computed_blocks=computed_blocks)
             if status == AllocStatus.NEVER:
@@ -365,6 +365,7 @@ class Scheduler:
             banned_token_ids=banned,
             num_prompt_logprob_rows=prompt_logprob_rows,
             grammar=request.structured_output if num_samples else None,
+            group_block_tables=self.kv_cache_manager.get_group_block_ids(request.request_id),
         ))
 
     # ---- applying results ---------------------------------------------------------------

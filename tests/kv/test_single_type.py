@@ -18,13 +18,17 @@ def test_manager_from_spec_picks_the_policy():
     assert type(full.block_policy) is FullAttentionPolicy and full.sliding_window is None
     assert type(sliding.block_policy) is SlidingWindowPolicy and sliding.sliding_window == 8
     assert sliding.block_size == 4
-    # Mixed layers (Qwen2 max_window_layers): full-attention blocks on every layer.
+    # Mixed layers (Qwen2 max_window_layers): one KV cache group per attention type, each
+    # with its type's policy (group size 1 here: 1 full layer, 2 sliding ones).
     mixed = {"model_type": "qwen2", "num_hidden_layers": 3, "num_attention_heads": 2,
              "head_dim": 8, "sliding_window": 8, "use_sliding_window": True,
              "max_window_layers": 1}
     assert HFModelConfig.from_dict(mixed).layer_sliding_windows == (None, 8, 8)
     spec = kv_cache_spec_from_hf_config(mixed, block_size=4)
-    assert type(KVCacheManager.from_spec(spec, num_blocks=16).block_policy) is FullAttentionPolicy
+    groups = KVCacheManager.from_spec(spec, num_blocks=16).groups
+    assert [type(g.block_policy) for g in groups] == [FullAttentionPolicy, SlidingWindowPolicy,
+                                                      SlidingWindowPolicy]
+    assert [g.sliding_window for g in groups] == [None, 8, 8]
 
 
 def test_sliding_window_policy_nulls_and_frees_out_of_window_blocks():

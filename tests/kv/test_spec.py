@@ -13,6 +13,7 @@ from pagedkv.config import (
     load_hf_config,
     resolve_dtype,
 )
+from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
 from pagedkv.kv.spec import (
     FullAttentionSpec,
     MLAAttentionSpec,
@@ -106,12 +107,18 @@ def test_qwen2_use_sliding_window_true_slides_only_when_every_layer_does():
     assert spec.sliding_window == 4096
     assert spec.bytes_per_token == 57344  # the same bytes per token as full attention
     assert spec.max_blocks_per_seq(131072) == 4096 // 16 + 1
-    # max_window_layers 28 == num layers: no layer slides; 14: a mix, planned as full (bound).
-    for max_window_layers in (28, 14):
-        mixed = {**all_slide, "max_window_layers": max_window_layers}
-        assert type(kv_cache_spec_from_hf_config(mixed)) is FullAttentionSpec
+    # max_window_layers 28 == num layers: no layer slides; 14: a mix, KV cache groups (14
+    # layers each: one full group, one sliding group).
+    none_slide = {**all_slide, "max_window_layers": 28}
+    assert type(kv_cache_spec_from_hf_config(none_slide)) is FullAttentionSpec
+    mixed = kv_cache_spec_from_hf_config({**all_slide, "max_window_layers": 14})
+    assert type(mixed) is HybridKVCacheSpec and mixed.num_layers == 14
+    assert [(g.sliding_window, g.layer_ids) for g in mixed.groups] == \
+        [(None, tuple(range(14))), (4096, tuple(range(14, 28)))]
+    assert mixed.page_size_bytes == spec.page_size_bytes // 2  # one block: 14 layers
+    assert mixed.max_blocks_per_seq(131072) == 8192 + 4096 // 16 + 1
     # Without max_window_layers, transformers' Qwen2Config default (28) applies: in this
-    # 28-layer model no layer slides; in a 40-layer one layers 28..39 do (a mix: full).
+    # 28-layer model no layer slides; in a 40-layer one layers 28..39 do (a mix).
     no_mwl = {k: v for k, v in all_slide.items() if k != "max_window_layers"}
     assert type(kv_cache_spec_from_hf_config(no_mwl)) is FullAttentionSpec
     assert HFModelConfig.from_dict({**no_mwl, "num_hidden_layers": 40}).layer_sliding_windows \
@@ -123,10 +130,12 @@ def test_layer_types_decide_sliding_when_given():
     sliding = {**base, "layer_types": ["sliding_attention", "sliding_attention"]}
     mixed = {**base, "layer_types": ["sliding_attention", "full_attention"]}
     assert type(kv_cache_spec_from_hf_config(sliding)) is SlidingWindowSpec
-    assert type(kv_cache_spec_from_hf_config(mixed)) is FullAttentionSpec
-    # Gemma-2 interleaves sliding and full layers: planned as full attention everywhere.
-    gemma2 = {**GEMMA_7B, "model_type": "gemma2", "sliding_window": 4096}
-    assert type(kv_cache_spec_from_hf_config(gemma2)) is FullAttentionSpec
+    assert [g.sliding_window for g in kv_cache_spec_from_hf_config(mixed).groups] == [None, 4096]
+    # Gemma-2 interleaves sliding and full layers: a group of each, 14 layers apiece.
+    gemma2 = kv_cache_spec_from_hf_config({**GEMMA_7B, "model_type": "gemma2",
+                                           "sliding_window": 4096})
+    assert [(g.sliding_window, g.layer_ids) for g in gemma2.groups] == \
+        [(None, tuple(range(1, 28, 2))), (4096, tuple(range(0, 28, 2)))]
 
 
 def test_explicit_head_dim_wins_over_hidden_size_over_heads():

@@ -1,0 +1,302 @@
+"""HybridKVCacheManager: one KVCacheManager per KV cache group over ONE shared block pool.
+
+For models whose layers mix attention types (hybrid_spec.py). Each group is a plain
+`KVCacheManager` (its block tables, copy-on-write, swap, sliding-window freeing) built on the
+shared device and host pools; this coordinator keeps the groups in step, with the scheduler's
+interface of `KVCacheManager` (the scheduler cannot tell them apart):
+
+- prefix hit: the longest prefix every group can serve. A full-attention group serves a
+  prefix of n blocks when all n are cached; a sliding group when the last
+  `cdiv(window - 1, block_size)` blocks before the hit point are (the ones before fall out of
+  every later token's window and stand as the null block in its table). Computed to a fixed
+  point: full groups first, then each sliding group at most at that point.
+- allocation is all or nothing: the blocks every group needs are counted first, against the
+  one pool, and only then taken;
+- a group's blocks are cached under the request's block hash plus its group key (hashing.py),
+  so the groups of one pool never collide; group 0's keys are the plain hashes, which the
+  scheduler's pending-prefix check and the hash lists (`get_block_hashes`) refer to.
+
+`get_block_ids` is group 0's table; `get_group_block_ids` every group's (the runner's input).
+Pinned prefixes are not offered for hybrid caches (ValueError).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pagedkv.kv.block import KVCacheBlock
+from pagedkv.kv.block_pool import BlockPool, host_pool_num_blocks
+from pagedkv.kv.events import KVCacheEvent
+from pagedkv.kv.hashing import BlockHash, group_key_suffix
+from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
+from pagedkv.kv.manager import AllocStatus, KVCacheManager, KVRequest, PrefixCacheStats
+from pagedkv.kv.pins import PinInfo
+from pagedkv.utils import cdiv
+
+GroupedBlocks = list[list[KVCacheBlock]]
+
+
+class HybridKVCacheManager:
+    """KV cache groups of a HybridKVCacheSpec over one pool (see module docstring)."""
+
+    def __init__(self, spec: HybridKVCacheSpec, *, num_blocks: int, num_host_blocks: int = 0,
+                 enable_caching: bool = True, enable_kv_cache_events: bool = False,
+                 eviction_policy: str = "lru", **kwargs: Any) -> None:
+        """`kwargs` (watermark, hash_algo, max_pinned_fraction) as for KVCacheManager."""
+        if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be an int >= 0, got {num_host_blocks!r}")
+        self.spec = spec
+        self.pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events,
+                              eviction_policy=eviction_policy)
+        self.host_pool = (BlockPool(host_pool_num_blocks(num_host_blocks), False)
+                          if num_host_blocks > 0 else None)
+        self.groups = [
+            KVCacheManager(num_blocks=num_blocks, block_size=spec.block_size,
+                           enable_caching=enable_caching, sliding_window=g.sliding_window,
+                           pool=self.pool, host_pool=self.host_pool, group_idx=g.group_idx,
+                           **kwargs)
+            for g in spec.groups]
+        first = self.groups[0]
+        self.block_size = spec.block_size
+        self.enable_caching = enable_caching
+        self.sliding_window = None  # per group: self.groups[i].sliding_window
+        self.num_usable_blocks = self.pool.num_usable_blocks
+        self.watermark = first.watermark
+        self.watermark_blocks = first.watermark_blocks
+        self.hasher = first.hasher
+        self.pins = first.pins  # never pins anything here: pin_prefix refuses
+        self.prefix_cache_stats = PrefixCacheStats()
+        self._kinds = [g.spec.kind for g in spec.groups]
+        self._suffixes = [group_key_suffix(g.group_idx) for g in spec.groups]
+
+    @classmethod
+    def from_spec(cls, spec: HybridKVCacheSpec, *, num_blocks: int,
+                  **kwargs: Any) -> HybridKVCacheManager:
+        return cls(spec, num_blocks=num_blocks, **kwargs)
+
+    # ------------------------------------------------------------------ prefix cache
+    def update_block_hashes(self, request: KVRequest) -> list[BlockHash]:
+        """Group 0's (plain) block hashes of the request, brought up to date."""
+        return self.groups[0].update_block_hashes(request)
+
+    def _group_hit(self, i: int, hashes: list[BlockHash], num_blocks: int) -> int:
+        """Most blocks (<= num_blocks) of a prefix group i can serve from the cache."""
+        get = self.pool.cached_block_hash_to_block.get
+        suffix = self._suffixes[i]
+        window = self.groups[i].sliding_window
+        if window is None:
+            n = 0
+            while n < num_blocks and get(hashes[n] + suffix) is not None:
+                n += 1
+            return n
+        needed = cdiv(window - 1, self.block_size)  # blocks a token at the hit point still sees
+        if needed == 0:
+            return num_blocks
+        run = 0
+        for n in range(num_blocks, 0, -1):  # scan back from the longest candidate
+            if get(hashes[n - 1] + suffix) is None:
+                run = 0
+                continue
+            run += 1
+            if run >= needed:
+                return n - 1 + run  # blocks [n - 1, n - 1 + run) are cached
+        return run  # a run reaching block 0, shorter than the window's: all of it is cached
+
+    def _hit_blocks(self, i: int, hashes: list[BlockHash], n: int) -> list[KVCacheBlock]:
+        get = self.pool.cached_block_hash_to_block.get
+        suffix = self._suffixes[i]
+        window = self.groups[i].sliding_window
+        first = 0 if window is None else max(n - cdiv(window - 1, self.block_size), 0)
+        return [self.pool.null_block] * first + [get(h + suffix) for h in hashes[first:n]]
+
+    def get_computed_blocks(self, request: KVRequest) -> tuple[GroupedBlocks, int]:
+        """The longest prefix every group can serve: (each group's hit blocks, tokens). As
+        KVCacheManager.get_computed_blocks (pass the blocks to allocate_slots in this step)."""
+        empty: GroupedBlocks = [[] for _ in self.groups]
+        if not self.enable_caching:
+            return empty, 0
+        hashes = self.update_block_hashes(request)
+        n = min((request.num_tokens - 1) // self.block_size, len(hashes))
+        while True:  # a fixed point: every group serves n blocks
+            m = n
+            for i in range(len(self.groups)):
+                m = min(m, self._group_hit(i, hashes, m))
+            if m == n:
+                break
+            n = m
+        stats = self.prefix_cache_stats
+        stats.requests += 1
+        stats.queries += request.num_tokens
+        stats.hits += n * self.block_size
+        if n == 0:
+            return empty, 0
+        return [self._hit_blocks(i, hashes, n) for i in range(len(self.groups))], \
+            n * self.block_size
+
+    # ------------------------------------------------------------------ admission
+    def can_allocate(self, request: KVRequest, num_computed_blocks: int = 0, *,
+                     computed_blocks: GroupedBlocks | None = None) -> AllocStatus:
+        """OK / LATER / NEVER for holding the request's whole current sequence in every group
+        (a prompt prefilled in one step holds all its blocks in every group for that step).
+        `num_computed_blocks`: hits held by other requests, summed over groups."""
+        per_group = cdiv(request.num_tokens, self.block_size)
+        required_total = per_group * len(self.groups)
+        if computed_blocks is not None:
+            num_computed_blocks = sum(1 for blocks in computed_blocks for b in blocks
+                                      if b.ref_cnt > 0 or b.is_null)
+        if self.num_usable_blocks - required_total < self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self.pool.eviction.num_free_blocks - (required_total - num_computed_blocks) \
+                >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    # ------------------------------------------------------------------ allocation
+    def allocate_slots(self, request: KVRequest, num_new_tokens: int,
+                       new_computed_blocks: GroupedBlocks | None = None,
+                       num_new_computed_tokens: int = 0, *, delay_cache_blocks: bool = False,
+                       apply_watermark: bool = False) -> list[KVCacheBlock] | None:
+        """KVCacheManager.allocate_slots for every group, all or nothing: None (and no group
+        changed but for its window's skipped blocks freed) when the pool cannot cover what
+        all groups need. Returns group 0's new blocks."""
+        ncb = new_computed_blocks or [None] * len(self.groups)
+        need = 0
+        for group, hits in zip(self.groups, ncb, strict=True):
+            group.remove_skipped_blocks(request)
+            need += group.num_blocks_to_allocate(request, num_new_tokens, hits,
+                                                 num_new_computed_tokens)
+        available = self.pool.eviction.num_free_blocks
+        if apply_watermark:
+            available -= self.watermark_blocks
+        if need > available:
+            return None
+        out = None
+        for group, hits in zip(self.groups, ncb, strict=True):
+            new = group.allocate_slots(request, num_new_tokens, hits, num_new_computed_tokens,
+                                       delay_cache_blocks=delay_cache_blocks)
+            if new is None:  # counted above: cannot happen unless the counts disagree
+                raise RuntimeError(f"group {group.group_idx} could not allocate for "
+                                   f"{request.request_id!r} after the pool was checked")
+            out = new if out is None else out
+        return out
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        return [c for g in self.groups for c in g.take_block_copies()]
+
+    def cache_blocks(self, request: KVRequest, num_computed_tokens: int) -> None:
+        for g in self.groups:
+            g.cache_blocks(request, num_computed_tokens)
+
+    # ------------------------------------------------------------------ free / fork / swap
+    def free(self, request: KVRequest) -> None:
+        """Free every group's blocks, the full-attention groups (the longest-lived prefix
+        blocks) last so they are evicted last."""
+        for g in reversed(self.groups):
+            g.free(request)
+
+    def fork(self, parent: KVRequest, child: KVRequest) -> None:
+        for g in self.groups:
+            g.fork(parent, child)
+
+    def is_swapped(self, request_id: str) -> bool:
+        return self.groups[0].is_swapped(request_id)
+
+    def _num_live_blocks(self, request: KVRequest) -> int:
+        return sum(1 for g in self.groups for b in g.get_blocks(request.request_id)
+                   if not b.is_null)
+
+    def can_swap_out(self, request: KVRequest) -> bool:
+        if self.host_pool is None or not all(g.can_swap_out(request) for g in self.groups):
+            return False
+        return self._num_live_blocks(request) <= self.host_pool.get_num_free_blocks()
+
+    def swap_out(self, request: KVRequest) -> list[tuple[int, int]]:
+        if not self.can_swap_out(request):
+            raise ValueError(f"cannot swap out {request.request_id!r}: not resident or not "
+                             "enough host blocks")
+        return [m for g in reversed(self.groups) for m in g.swap_out(request)]
+
+    def can_swap_in(self, request: KVRequest) -> bool:
+        if not self.is_swapped(request.request_id):
+            return False
+        need = 0
+        for g in self.groups:
+            state = g._reqs[request.request_id]
+            need += g._swap_in_need(state, g._swap_in_hits(request, state))
+        return self.pool.get_num_free_blocks() - need >= self.watermark_blocks
+
+    def swap_in(self, request: KVRequest) -> list[tuple[int, int]]:
+        if not self.can_swap_in(request):
+            raise ValueError(f"cannot swap in {request.request_id!r}: not swapped or not "
+                             "enough device blocks")
+        saved, self.watermark_blocks = self.watermark_blocks, 0
+        try:  # checked for all groups together above; each group's own check is then moot
+            for g in self.groups:
+                g.watermark_blocks = 0
+            return [m for g in self.groups for m in g.swap_in(request)]
+        finally:
+            self.watermark_blocks = saved
+            for g in self.groups:
+                g.watermark_blocks = saved
+
+    # ------------------------------------------------------------------ queries
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return self.groups[0].get_blocks(request_id)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return self.groups[0].get_block_ids(request_id)
+
+    def get_group_block_ids(self, request_id: str) -> list[list[int]]:
+        """Every group's device block ids, in group order (null blocks as 0)."""
+        return [g.get_block_ids(request_id) for g in self.groups]
+
+    def get_host_block_ids(self, request_id: str) -> list[int]:
+        return [i for g in self.groups for i in g.get_host_block_ids(request_id)]
+
+    def get_block_hashes(self, request_id: str) -> list[BlockHash]:
+        return self.groups[0].get_block_hashes(request_id)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.eviction.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.get_usage()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def pin_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PinInfo:
+        raise ValueError("pinned prefixes are not supported for a KV cache with several "
+                         f"groups ({len(self.groups)} here: a model mixing attention types)")
+
+    unpin_prefix = pin_prefix
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return 0
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The pool's events, each with its group's kind (vLLM's kv_cache_spec_kind)."""
+        events = self.pool.take_events()
+        for ev in events:
+            if hasattr(ev, "group_idx"):
+                ev.kv_cache_spec_kind = self._kinds[ev.group_idx]
+        return events
+
+    def check_invariants(self) -> None:
+        """The shared pools' invariants with every group's tables, and each group's own."""
+        device, host = [], []
+        for g in self.groups:
+            for rid, state in g._reqs.items():
+                if state.host_blocks is not None:
+                    host.append([b for b in state.host_blocks if not b.is_null])
+                    if state.blocks:
+                        raise RuntimeError(f"swapped request {rid!r} holds device blocks")
+                else:
+                    device.append([b for b in state.blocks if not b.is_null])
+        self.pool.check_invariants(device)
+        if self.host_pool is not None:
+            self.host_pool.check_invariants(host)
