@@ -59,6 +59,18 @@ def tiny_qwen2_mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _tiny(tmp_path_factory, "qwen2_mixed")
 
 
+@pytest.fixture(scope="session")
+def tiny_gemma2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 2, 4 layers: sliding (window 8) and full alternate; soft-capping, tied embeddings."""
+    return _tiny(tmp_path_factory, "gemma2")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3, 6 layers: 5 sliding (window 8), then 1 full; q/k norms, local + global RoPE."""
+    return _tiny(tmp_path_factory, "gemma3")
+
+
 @pytest.fixture(scope="session", params=sorted(TINY_SPECS))
 def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every tiny model in turn."""

@@ -157,9 +157,11 @@ class ModelConfig:
         if heads % kv_heads != 0:
             raise ValueError(f"num_attention_heads {heads} is not a multiple of "
                              f"num_key_value_heads {kv_heads}")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is supported")
+        model_class = get_model_class(arch)
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+        if act not in model_class.hidden_activations:
+            raise ValueError(f"unsupported hidden_act {act!r} for {arch}; supported: "
+                             f"{', '.join(model_class.hidden_activations)}")
         rope_theta, rope_scaling = _parse_rope(cfg)
         eos = _eos_list(gen.get("eos_token_id")) + _eos_list(cfg.get("eos_token_id"))
         eos_ids = tuple(dict.fromkeys(eos))
@@ -181,7 +183,7 @@ class ModelConfig:
             layer_sliding_windows=hf.layer_sliding_windows,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            **get_model_class(arch).config_overrides(cfg),
+            **model_class.config_overrides(cfg),
             torch_dtype=hf.dtype,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,

@@ -67,6 +67,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None,
                  max_positions: int) -> None:
         super().__init__()
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
         self._table_len = 0
         self._cos: torch.Tensor | None = None

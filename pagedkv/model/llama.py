@@ -108,6 +108,8 @@ class LlamaForCausalLM(nn.Module):
     """Llama and Mistral, and the base of Qwen2/Qwen3: their variations are ModelConfig fields
     (biases, q/k norm, per-layer windows) that each class's `config_overrides` sets."""
 
+    hidden_activations: tuple[str, ...] = ("silu",)  # config.json activations it runs
+
     @classmethod
     def config_overrides(cls, hf_config: dict[str, Any]) -> dict[str, Any]:
         """The architecture-specific ModelConfig fields read from the config.json dict (the

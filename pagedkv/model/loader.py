@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedkv.model.config import ModelConfig, read_json
-from pagedkv.model.layers import rope_inv_freq
+from pagedkv.model.layers import RotaryEmbedding, rope_inv_freq
 from pagedkv.model.parallel.group import TensorParallelGroup
 from pagedkv.model.registry import CausalLM, get_model_class
 
@@ -207,7 +207,9 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
         model = get_model_class(config.architecture)(config, tp) if tp is not None \
             else get_model_class(config.architecture)(config)
     model = model.to(dtype).to_empty(device=device)
-    model.rotary.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta,
-                                          config.rope_scaling).to(device)
+    for rotary in model.modules():  # buffers built on "meta": compute them (Gemma 3 has two)
+        if isinstance(rotary, RotaryEmbedding):
+            rotary.inv_freq = rope_inv_freq(rotary.head_dim, rotary.theta,
+                                            rotary.scaling).to(device)
     load_weights(model, model_dir)
     return model.eval()

@@ -33,6 +33,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("pagedkv.model.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("pagedkv.model.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("pagedkv.model.qwen3", "Qwen3ForCausalLM"),
+    "Gemma2ForCausalLM": ("pagedkv.model.gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("pagedkv.model.gemma3", "Gemma3ForCausalLM"),
 }
 
 
@@ -41,6 +43,8 @@ class CausalLM(Protocol):
 
     # The elementwise kernels its layers run (the runner turns the fused CPU ones on).
     ops: LayerOps
+    # The config.json activations (`hidden_activation` or `hidden_act`) it implements.
+    hidden_activations: tuple[str, ...]
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup | None = None) -> None: ...
 

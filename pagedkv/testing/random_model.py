@@ -44,6 +44,8 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 _CORPUS_LINES = (
@@ -158,10 +160,14 @@ def hf_config_dict(
     bos_token_id: int = 1,
     eos_token_id: int = 2,
     max_window_layers: int | None = None,
+    sliding_window_pattern: int | None = None,
 ) -> dict[str, Any]:
     """The config.json dict of one of our architectures, in Hugging Face's format.
 
-    Qwen2/3 with a `sliding_window`: layers >= `max_window_layers` slide (default 0: all)."""
+    Qwen2/3 with a `sliding_window`: layers >= `max_window_layers` slide (default 0: all).
+    Gemma 2 / Gemma 3 ("gemma2", "gemma3_text"): every `sliding_window_pattern`-th layer
+    attends fully (defaults 2 and 6), the others slide over `sliding_window`; Gemma 2 with
+    its soft-capping (50 on attention scores, 30 on logits)."""
     if arch not in _ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; supported: {sorted(_ARCHITECTURES)}")
     cfg: dict[str, Any] = {
@@ -200,6 +206,18 @@ def hf_config_dict(
                                     else max_window_layers or 0)
     if arch == "qwen3":
         cfg["attention_bias"] = False
+    if arch in ("gemma2", "gemma3_text"):
+        del cfg["hidden_act"]
+        pattern = sliding_window_pattern or (2 if arch == "gemma2" else 6)
+        cfg.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=head_dim,
+                   attention_bias=False, sliding_window=sliding_window,
+                   sliding_window_pattern=pattern,
+                   layer_types=["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                for i in range(num_layers)])
+        if arch == "gemma2":
+            cfg.update(attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+        else:
+            cfg.update(rope_local_base_freq=10000.0, rope_theta=1_000_000.0)
     if sliding_window is not None and arch == "llama":
         raise ValueError("sliding_window is only supported for arch 'mistral', 'qwen2' or 'qwen3'")
     return cfg

@@ -26,6 +26,12 @@ class BlockAllocator:
             self.next += 1
 
 
+def num_kv_groups(runner: ModelRunner) -> int:
+    """KV cache groups of the runner's cache (a model mixing attention types has several, each
+    with its own block table per request)."""
+    return 1 if runner.layer_groups is None else runner.layer_groups.num_groups
+
+
 def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
                     chunk_size: int | None = None,
                     params: SamplingParams | None = None) -> list[list[int]]:
@@ -33,7 +39,8 @@ def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_token
     are split into chunks of `chunk_size` tokens when given."""
     params = params or SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     alloc = BlockAllocator(runner.block_size, runner.kv_cache.num_blocks)
-    tables: list[list[int]] = [[] for _ in prompts]
+    num_groups = num_kv_groups(runner)
+    tables: list[list[list[int]]] = [[[] for _ in range(num_groups)] for _ in prompts]
     computed = [0] * len(prompts)
     outputs: list[list[int]] = [[] for _ in prompts]
     while any(len(o) < max_new_tokens for o in outputs):
@@ -46,12 +53,14 @@ def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_token
             if chunk_size is not None:
                 todo = todo[:chunk_size]
             end = computed[i] + len(todo)
-            alloc.grow(tables[i], end)
+            for table in tables[i]:
+                alloc.grow(table, end)
             scheduled.append(ScheduledRequest(
                 request_id=f"r{i}", token_ids=todo, start_pos=computed[i],
-                block_table=list(tables[i]), sampling_params=params,
+                block_table=list(tables[i][0]), sampling_params=params,
                 num_samples=1 if end == len(tokens) else 0,
-                prompt_token_ids=prompt, output_token_ids=list(outputs[i])))
+                prompt_token_ids=prompt, output_token_ids=list(outputs[i]),
+                group_block_tables=[list(t) for t in tables[i]] if num_groups > 1 else None))
         result = runner.execute(SchedulerOutput(scheduled=scheduled))
         for r in scheduled:
             i = int(r.request_id[1:])
@@ -65,13 +74,16 @@ def prefill_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tenso
     """Last-position logits [len(prompts), vocab] of one prefill step over all prompts."""
     alloc = BlockAllocator(runner.block_size, runner.kv_cache.num_blocks)
     scheduled = []
+    num_groups = num_kv_groups(runner)
     for i, p in enumerate(prompts):
-        table: list[int] = []
-        alloc.grow(table, len(p))
-        scheduled.append(ScheduledRequest(f"r{i}", p, 0, table, SamplingParams(temperature=0.0)))
+        tables: list[list[int]] = [[] for _ in range(num_groups)]
+        for table in tables:
+            alloc.grow(table, len(p))
+        scheduled.append(ScheduledRequest(f"r{i}", p, 0, tables[0], SamplingParams(temperature=0.0),
+                                          group_block_tables=tables if num_groups > 1 else None))
     reqs, ids, pos, meta = runner.prepare_inputs(scheduled)
     with torch.inference_mode():
-        hidden = runner.model(ids, pos, runner.kv_cache.layers, meta)
+        hidden = runner.model(ids, pos, runner.layer_kv_caches, meta)
         logits = runner.model.compute_logits(select_logits_rows(reqs).gather(hidden))
     order = [int(r.request_id[1:]) for r in reqs]
     out = torch.empty_like(logits)
