@@ -31,16 +31,29 @@ _STOP = object()
 _POLL_S = 0.05  # how long the thread waits for a batch before looking at replay requests
 
 
+def _group_fields(event: pool_events.BlockStored | pool_events.BlockRemoved) -> dict:
+    """group_idx / kv_cache_spec_kind of an event of a KV cache with several groups (the
+    coordinator sets the kind); nothing for a single-group cache, whose wire bytes stay as
+    they were."""
+    if event.kv_cache_spec_kind is None:
+        return {}
+    return {"group_idx": event.group_idx, "kv_cache_spec_kind": event.kv_cache_spec_kind}
+
+
 def to_wire_events(events: Iterable[pool_events.KVCacheEvent],
                    medium: str = wire.MEDIUM_DEVICE) -> list[wire.KVCacheEvent]:
     """The block pool's (or a tier's) events as wire events tagged with `medium`."""
     out: list[wire.KVCacheEvent] = []
     for event in events:
         if isinstance(event, pool_events.BlockStored):
-            out.append(wire.block_stored(list(event.block_hashes), event.parent_block_hash,
-                                         list(event.token_ids), event.block_size, medium))
+            stored = wire.block_stored(list(event.block_hashes), event.parent_block_hash,
+                                       list(event.token_ids), event.block_size, medium)
+            for name, value in _group_fields(event).items():
+                setattr(stored, name, value)
+            out.append(stored)
         elif isinstance(event, pool_events.BlockRemoved):
-            out.append(wire.BlockRemoved(block_hashes=list(event.block_hashes), medium=medium))
+            out.append(wire.BlockRemoved(block_hashes=list(event.block_hashes), medium=medium,
+                                         group_idx=_group_fields(event).get("group_idx")))
         elif isinstance(event, pool_events.AllBlocksCleared):
             out.append(wire.AllBlocksCleared())
         else:

@@ -137,11 +137,12 @@ class HybridKVCacheManager:
     # ------------------------------------------------------------------ admission
     def can_allocate(self, request: KVRequest, num_computed_blocks: int = 0, *,
                      computed_blocks: GroupedBlocks | None = None) -> AllocStatus:
-        """OK / LATER / NEVER for holding the request's whole current sequence in every group
-        (a prompt prefilled in one step holds all its blocks in every group for that step).
-        `num_computed_blocks`: hits held by other requests, summed over groups."""
-        per_group = cdiv(request.num_tokens, self.block_size)
-        required_total = per_group * len(self.groups)
+        """OK / LATER / NEVER for holding the request's current sequence: every block in a
+        full-attention group, the window's in a sliding one (`spec.max_blocks_per_seq`; a
+        prefill step holds its whole chunk in every group until the next step frees what left
+        the window, which allocate_slots checks). `num_computed_blocks`: hits held by other
+        requests, summed over groups."""
+        required_total = self.spec.max_blocks_per_seq(request.num_tokens)
         if computed_blocks is not None:
             num_computed_blocks = sum(1 for blocks in computed_blocks for b in blocks
                                       if b.ref_cnt > 0 or b.is_null)

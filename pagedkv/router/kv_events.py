@@ -35,8 +35,14 @@ logger = logging.getLogger("pagedkv.router")
 def apply_batch(index: PrefixIndex, backend: str, batch: KVEventBatch,
                 model: str | None = None) -> int:
     """Apply one batch's events, in order, to `backend`'s entries of `model` (the model the
-    backend serves: events carry no model identity); returns how many."""
+    backend serves: events carry no model identity); returns how many.
+
+    A backend with KV cache groups (a model mixing attention types) reports each group's
+    blocks: only group 0's (its full-attention group, whose prefix bounds every hit) are
+    indexed, so one group's eviction never hides a block another still holds."""
     for event in batch.events:
+        if getattr(event, "group_idx", None):  # AllBlocksCleared has none
+            continue
         if isinstance(event, BlockStored):
             index.store(backend, event.block_hashes, event.medium or MEDIUM_DEVICE, ttl_s=None,
                         model=model)

@@ -1,0 +1,80 @@
+"""Models mixing attention types run on KV cache groups (kv/coordinator.py): greedy tokens equal
+transformers' with prefix caching, chunked prefill and both preemption modes, the sliding
+groups really give back the blocks that left the window, and the pool comes back whole."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedkv import SamplingParams
+from pagedkv.kv.coordinator import HybridKVCacheManager
+from tests.engine.conftest import assert_pool_empty, hf_greedy, make_prompts
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+CONFIGS = {
+    "prefix_caching": dict(block_size=4),
+    "chunked_prefill": dict(block_size=4, max_num_batched_tokens=8),
+    "preempt_recompute": dict(block_size=4, max_num_batched_tokens=16,
+                              preemption_mode="recompute"),
+    "preempt_swap": dict(block_size=4, max_num_batched_tokens=16, preemption_mode="swap",
+                         swap_space=0.01),
+}
+# Room for about two sequences at once (so the six requests preempt each other).
+TIGHT_BLOCKS = {"tiny_gemma2": 60, "tiny_gemma3": 64}
+
+
+@pytest.mark.parametrize("model", ["tiny_gemma2", "tiny_gemma3"])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_grouped_models_match_transformers(request, make_llm, model, config):
+    model_dir = request.getfixturevalue(model)
+    prompts = make_prompts(seed=5, vocab=400, num=6, lengths=(5, 40))
+    kwargs = dict(CONFIGS[config])
+    if config.startswith("preempt"):
+        kwargs["num_gpu_blocks_override"] = TIGHT_BLOCKS[model]
+    llm = make_llm(model_dir, **kwargs)
+    kv = llm.llm_engine.scheduler.kv_cache_manager
+    assert isinstance(kv, HybridKVCacheManager)
+    assert [g.sliding_window for g in kv.groups] == \
+        ([None, 8] if model == "tiny_gemma2" else [None] + [8] * 5)
+    # The first prompt runs alone, so its blocks are cached when the others arrive.
+    outputs = [o for batch in (prompts[:1], prompts[1:])
+               for o in llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY,
+                                     use_tqdm=False)]
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(model_dir, prompt, MAX_TOKENS), config
+    stats = llm.llm_engine.get_stats()
+    if config.startswith("preempt"):
+        assert stats.num_preemptions > 0
+        if config == "preempt_swap":
+            assert stats.num_swaps > 0
+    else:
+        assert stats.prefix_cache_hits > 0
+        assert sum(o.num_cached_tokens for o in outputs) == stats.prefix_cache_hits
+    assert_pool_empty(llm)
+
+
+def test_sliding_groups_hold_only_the_window(make_llm, tiny_gemma3):
+    """A 60-token sequence: the full group keeps all 15 blocks (block 4), each sliding group
+    (window 8) only the blocks the next token still sees, the rest nulled and back in the pool."""
+    llm = make_llm(tiny_gemma3, block_size=4, enable_prefix_caching=False)
+    engine = llm.llm_engine
+    kv = engine.scheduler.kv_cache_manager
+    prompt = make_prompts(seed=6, vocab=400, num=1, shared_prefix=0, lengths=(59, 59))[0]
+    engine.add_request("r", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    engine.step()  # the prompt, and its first token
+    engine.step()  # position 59: the next one to compute is 60
+    tables = kv.get_group_block_ids("r")
+    assert len(tables[0]) == 15 and 0 not in tables[0]
+    for table in tables[1:]:
+        live = [b for b in table if b != 0]
+        # positions 53..60 are in the window of position 60: blocks 13 and 14 (and 15 later)
+        assert table[:13] == [0] * 13 and len(live) == len(table) - 13
+    held = kv.num_usable_blocks - kv.num_free_blocks
+    assert held == sum(len([b for b in t if b != 0]) for t in tables)
+    assert held < 15 * len(tables) // 3  # all-full would hold 15 blocks per group
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_pool_empty(llm)
