@@ -159,3 +159,20 @@ def test_kv_store_tier_blocks(capsys):
     assert result["disk_tier_blocks"] == 2**30 // (2097152 + 24 + 48) == 511
     rc, out, _ = _plan(capsys, "--config", LLAMA, "--memory", "80GiB")
     assert "store host blocks    0" in out
+
+
+def test_gemma3_plan_reports_kv_cache_groups(capsys):
+    """Gemma 3 (5 sliding layers of window 1,024 per full one) at 32k: a group per 5 layers, the
+    sliding ones holding 65 blocks, ~5.7x fewer KV bytes per sequence than all-full layers."""
+    rc, out, _ = _plan(capsys, "--config", "gemma-3-4b", "--memory", "24GiB",
+                       "--max-model-len", "32768", "--json")
+    assert rc == 0
+    data = json.loads(out)
+    groups = data["kv_cache_groups"]
+    assert [g["kind"] for g in groups] == ["full_attention"] + ["sliding_window"] * 6
+    assert [g["blocks_per_seq"] for g in groups] == [2048] + [65] * 6
+    assert data["bytes_per_block"] == 16 * 5 * 2 * 4 * 256 * 2
+    assert data["kv_bytes_per_seq"] == (2048 + 6 * 65) * data["bytes_per_block"]
+    assert data["all_full_kv_bytes_per_seq"] == 32768 * 34 * 2 * 4 * 256 * 2
+    assert data["saving_vs_all_full"] > 5
+    assert data["max_concurrent_seqs"] == data["num_blocks"] // (2048 + 6 * 65)

@@ -23,6 +23,7 @@ from typing import Any
 from pagedkv.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, load_hf_config
 from pagedkv.config.dtypes import KV_CACHE_DTYPE_CHOICES
 from pagedkv.kv.eviction import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES
+from pagedkv.kv.group_plan import group_rows
 from pagedkv.kv.pins import max_pinned_blocks
 from pagedkv.kv.plan import (
     KVCachePlan,
@@ -130,6 +131,7 @@ def make_plan(args: argparse.Namespace) -> tuple[KVCachePlan, dict[str, Any]]:
         "max_pinned_blocks": max_pinned_blocks(args.max_pinned_fraction,
                                                max(plan.num_blocks - 1, 0)),
     }
+    extra.update(group_rows(spec, max_model_len) or {})
     return plan, extra
 
 
@@ -168,6 +170,15 @@ def format_table(plan: KVCachePlan, extra: dict[str, Any]) -> str:
         ("eviction policy", extra["eviction_policy"]),
         ("max pinned blocks", f"{extra['max_pinned_blocks']:,}"),
     ]
+    for g in extra.get("kv_cache_groups", ()):
+        window = f" (window {g['sliding_window']})" if g["sliding_window"] else ""
+        rows.append((f"group {g['group_idx']}", f"{g['kind']}{window}, layers {g['layers']}: "
+                     f"{g['blocks_per_seq']:,} blocks = {format_size(g['bytes_per_seq'])} "
+                     "per sequence"))
+    if "kv_bytes_per_seq" in extra:
+        rows.append(("kv bytes per seq", f"{format_size(extra['kv_bytes_per_seq'])} at max model "
+                     f"len; all layers full: {format_size(extra['all_full_kv_bytes_per_seq'])} "
+                     f"({extra['saving_vs_all_full']}x more)"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
