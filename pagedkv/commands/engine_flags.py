@@ -68,6 +68,8 @@ _HELP: dict[str, str] = {
     "eviction_policy": "which free cached KV block is evicted first: lru, lfu (fewest uses) "
                        "or arc (adaptive recency/frequency)",
     "max_pinned_fraction": "most of the KV cache that pinned prefixes (/v1/pin) may hold",
+    "prefix_match_unit": "prefix hits in units of this many tokens (a divisor of block_size; "
+                         "1: any token), reusing part of a cached block by copy-on-write",
     "kv_cache_dtype": "KV cache dtype: 'auto' (the model's) or fp8 (= fp8_e4m3), fp8_e5m2: "
                       "one byte per value, twice the blocks of bfloat16",
     "structured_outputs_max_choices": "structured outputs: most alternatives of a choice list",

@@ -10,6 +10,7 @@ from pagedkv.config.dtypes import KV_CACHE_DTYPE_CHOICES
 from pagedkv.events.config import parse_kv_events_config
 from pagedkv.kernels.cpu import CPU_KERNEL_MODES
 from pagedkv.kv.eviction import DEFAULT_EVICTION_POLICY, eviction_policy_class
+from pagedkv.kv.partial_hits import check_prefix_match_unit
 from pagedkv.kv.pins import check_max_pinned_fraction
 from pagedkv.structured.limits import StructuredOutputsLimits
 
@@ -85,6 +86,10 @@ class EngineArgs:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    # vLLM's prefix_match_unit: prefix hits count in units of this many tokens (a divisor of
+    # block_size; 1: token granularity), reusing part of a cached block by copy-on-write
+    # (pagedkv.kv.partial_hits). None (or block_size): whole blocks only.
+    prefix_match_unit: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -104,6 +109,7 @@ class EngineArgs:
         positive_int("num_gpu_blocks_override", allow_none=True)
         positive_int("kv_cache_memory_bytes", allow_none=True)
         positive_int("cpu_threads", allow_none=True)
+        check_prefix_match_unit(self.prefix_match_unit, self.block_size)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):

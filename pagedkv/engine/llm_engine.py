@@ -143,7 +143,8 @@ class LLMEngine:
             num_host_blocks=setup.num_host_blocks, enable_caching=args.enable_prefix_caching,
             watermark=args.watermark, hash_algo=args.prefix_caching_hash_algo,
             enable_kv_cache_events=events_config.enabled, eviction_policy=args.eviction_policy,
-            max_pinned_fraction=args.max_pinned_fraction)
+            max_pinned_fraction=args.max_pinned_fraction,
+            prefix_match_unit=args.prefix_match_unit)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=setup.max_num_batched_tokens,

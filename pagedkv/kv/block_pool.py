@@ -68,6 +68,8 @@ class BlockPool:
         self.observer: BlockPoolObserver | None = None
         # Evicted hashes, for "why did this miss?" (kv/eviction_log.py); set by the KV manager.
         self.eviction_log: EvictionLog | None = None
+        # Keys cached without events (partial blocks of sub-block prefix hits, partial_hits.py).
+        self._untracked: set[BlockHash] = set()
 
     # ------------------------------------------------------------------ allocation
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -97,6 +99,9 @@ class BlockPool:
         del self.cached_block_hash_to_block[block_hash]
         block.block_hash = None
         self.num_evicted_blocks += 1
+        if self._untracked and block_hash in self._untracked:
+            self._untracked.discard(block_hash)
+            return
         if self.enable_kv_cache_events:
             plain, group_idx = split_group_key(block_hash)
             self.events.append(BlockRemoved([plain], group_idx=group_idx))
@@ -195,6 +200,15 @@ class BlockPool:
         if stored:
             self._emit_stored(stored, block_hashes, block_size, token_ids)
 
+    def cache_untracked(self, block: KVCacheBlock, key: BlockHash) -> None:
+        """Register `block` (unhashed) under `key` with no event: a partial block offered to
+        sub-block prefix hits (partial_hits.py); evicted like any cached block, silently."""
+        if block.block_hash is not None or block.is_null or key in self.cached_block_hash_to_block:
+            raise ValueError(f"block {block.block_id} cannot be cached under a new key")
+        block.block_hash = key
+        self.cached_block_hash_to_block[key] = block
+        self._untracked.add(key)
+
     def _emit_stored(self, stored: list[int], block_hashes: Sequence[BlockHash],
                      block_size: int, token_ids: Sequence[int] | None) -> None:
         # One BlockStored per contiguous run, so each event is a chain off its parent.
@@ -227,12 +241,15 @@ class BlockPool:
                 uncached.append(block)
             if uncached and self.observer is not None:
                 self.observer.on_uncached(uncached)
+            dropped = [h for h in dropped if h not in self._untracked]
+            self._untracked.clear()
             if dropped and self.enable_kv_cache_events:
                 self.events.append(BlockRemoved(dropped))
             return True
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        self._untracked.clear()
         if self.enable_kv_cache_events:
             self.events.append(AllBlocksCleared())
         if self.observer is not None:

@@ -172,14 +172,22 @@ class HybridKVCacheManager:
             available -= self.watermark_blocks
         if need > available:
             return None
+        # Hold every group's hits first: a hit sitting in the free queue must not be handed
+        # out as a new block to a group allocated before its own.
+        held = [b for hits in ncb if hits for b in hits if not b.is_null]
+        self.pool.touch(held)
         out = None
-        for group, hits in zip(self.groups, ncb, strict=True):
-            new = group.allocate_slots(request, num_new_tokens, hits, num_new_computed_tokens,
-                                       delay_cache_blocks=delay_cache_blocks)
-            if new is None:  # counted above: cannot happen unless the counts disagree
-                raise RuntimeError(f"group {group.group_idx} could not allocate for "
-                                   f"{request.request_id!r} after the pool was checked")
-            out = new if out is None else out
+        try:
+            for group, hits in zip(self.groups, ncb, strict=True):
+                new = group.allocate_slots(request, num_new_tokens, hits,
+                                           num_new_computed_tokens,
+                                           delay_cache_blocks=delay_cache_blocks)
+                if new is None:  # counted above: cannot happen unless the counts disagree
+                    raise RuntimeError(f"group {group.group_idx} could not allocate for "
+                                       f"{request.request_id!r} after the pool was checked")
+                out = new if out is None else out
+        finally:
+            self.pool.free_blocks(held)
         return out
 
     def take_block_copies(self) -> list[tuple[int, int]]:

@@ -35,6 +35,11 @@ from pagedkv.kv.block_pool import BlockPool, host_pool_num_blocks
 from pagedkv.kv.events import KVCacheEvent
 from pagedkv.kv.eviction_log import EvictionLog
 from pagedkv.kv.hashing import BlockHash, RequestBlockHasher, group_key_suffix
+from pagedkv.kv.partial_hits import (
+    PartialPrefixIndex,
+    check_prefix_match_unit,
+    first_parent_key,
+)
 from pagedkv.kv.pins import PinInfo, PrefixPins, check_max_pinned_fraction, max_pinned_blocks
 from pagedkv.kv.single_type import block_table_policy, block_table_policy_for_spec
 from pagedkv.kv.spec import KVCacheSpec
@@ -92,7 +97,7 @@ class RecentPrompt(NamedTuple):
 
 
 class _ReqState:
-    __slots__ = ("blocks", "block_hashes", "num_cached_blocks", "host_blocks")
+    __slots__ = ("blocks", "block_hashes", "num_cached_blocks", "host_blocks", "partial_src")
 
     def __init__(self) -> None:
         self.blocks: list[KVCacheBlock] = []
@@ -100,6 +105,9 @@ class _ReqState:
         # Leading blocks already offered to the prefix cache (cache_full_blocks done for them).
         self.num_cached_blocks = 0
         self.host_blocks: list[KVCacheBlock] | None = None  # set while swapped out
+        # Sub-block hit: the cached block copied into this request's table, held until the
+        # runner has copied it (released at the request's next allocate_slots / free / swap).
+        self.partial_src: KVCacheBlock | None = None
 
 
 class KVCacheManager:
@@ -110,11 +118,14 @@ class KVCacheManager:
                  watermark: float = 0.01, hash_algo: str = "sha256",
                  enable_kv_cache_events: bool = False, eviction_policy: str = "lru",
                  max_pinned_fraction: float = 0.5, pool: BlockPool | None = None,
-                 host_pool: BlockPool | None = None, group_idx: int = 0) -> None:
+                 host_pool: BlockPool | None = None, group_idx: int = 0,
+                 prefix_match_unit: int | None = None) -> None:
         """`pool` / `host_pool` / `group_idx`: set by the hybrid coordinator (coordinator.py)
         when this manager is one KV cache group over a pool shared with other groups; the
         group's blocks are cached under `group_block_key(hash, group_idx)` (group 0: the plain
-        hash). Without them the manager owns its pools (num_blocks, num_host_blocks)."""
+        hash). Without them the manager owns its pools (num_blocks, num_host_blocks).
+        `prefix_match_unit` (a divisor of block_size; None or block_size: off): prefix hits
+        may end inside a block, in units of that many tokens (partial_hits.py)."""
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
@@ -148,6 +159,12 @@ class KVCacheManager:
         self.pool.eviction_log = self.eviction_log
         # The prompts of the newest finished requests (explain: nearest cached prefix).
         self.recent_prompts: deque[RecentPrompt] = deque(maxlen=RECENT_PROMPTS)
+        check_prefix_match_unit(prefix_match_unit, block_size)
+        self.prefix_match_unit = prefix_match_unit
+        self.partial_index = (
+            PartialPrefixIndex(self.pool, self.hasher.hash_fn, block_size, prefix_match_unit)
+            if enable_caching and prefix_match_unit and prefix_match_unit < block_size
+            and sliding_window is None and group_idx == 0 and pool is None else None)
         self._reqs: dict[str, _ReqState] = {}
         self._copies: list[tuple[int, int]] = []
 
@@ -209,6 +226,13 @@ class KVCacheManager:
                 break
             append(block)
         num_hit_tokens = len(hits) * self.block_size
+        if self.partial_index is not None:  # go on into the next block, unit by unit
+            block, m = self.partial_index.find(
+                self._parent_key(request, block_hashes, len(hits)),
+                request.all_token_ids[num_hit_tokens:], num_tokens - 1 - num_hit_tokens)
+            if block is not None:
+                hits.append(block)
+                num_hit_tokens += m
         stats = self.prefix_cache_stats
         stats.requests += 1
         stats.queries += num_tokens
@@ -272,6 +296,15 @@ class KVCacheManager:
         start = request.num_computed_tokens + num_new_computed_tokens  # first position written
         end = start + num_new_tokens
         num_old = len(blocks)
+        if state.partial_src is not None:  # the runner has copied it by now
+            self.pool.free_blocks([state.partial_src])
+            state.partial_src = None
+        partial = None
+        if self.partial_index is not None and num_new_computed_tokens % bs \
+                and new_computed_blocks:  # a sub-block hit, last
+            partial = new_computed_blocks[-1]
+            new_computed_blocks = new_computed_blocks[:-1]
+            num_new_computed_tokens -= num_new_computed_tokens % bs
         num_ncb = len(new_computed_blocks) if new_computed_blocks else 0
         if num_ncb and (num_new_computed_tokens != num_ncb * bs
                         or request.num_computed_tokens != num_old * bs):
@@ -283,6 +316,8 @@ class KVCacheManager:
             remove_skipped(self.pool, blocks, request.num_computed_tokens)
         num_required = -(-end // bs)  # cdiv, inlined: this runs once per request per step
         num_new_blocks = num_required - num_old - num_ncb
+        if partial is not None:  # its copy takes the place of one new block
+            num_new_blocks -= 1
         if num_new_blocks < 0:
             num_new_blocks = 0
         # Copy-on-write: existing shared blocks that this step writes into.
@@ -295,9 +330,11 @@ class KVCacheManager:
                         cow = []
                     cow.append(i)
         pool = self.pool
-        if num_new_blocks or cow or num_ncb:
+        if num_new_blocks or cow or num_ncb or partial is not None:
             self.eviction_log.allocating_for = request.request_id
             num_needed = (num_new_blocks + len(cow)) if cow else num_new_blocks
+            if partial is not None:  # the copy's block; the source too while it is free
+                num_needed += 1 + (partial.ref_cnt == 0)
             available = pool.eviction.num_free_blocks
             if num_ncb:
                 for b in new_computed_blocks:  # hits in the free queue are not free for us
@@ -313,6 +350,12 @@ class KVCacheManager:
                 if state.num_cached_blocks == num_old:
                     state.num_cached_blocks += num_ncb
                 blocks.extend(new_computed_blocks)
+            if partial is not None:
+                pool.touch([partial])
+                state.partial_src = partial
+                copy = pool.get_new_blocks(1)[0]
+                blocks.append(copy)
+                self._copies.append((partial.block_id, copy.block_id))
             if cow:
                 self._copy_on_write(blocks, cow, start)
             if num_new_blocks:
@@ -399,7 +442,34 @@ class KVCacheManager:
             hashes = [h + suffix for h in hashes[:num_full]]
         self.pool.cache_full_blocks(state.blocks, hashes, num_cached, num_full, self.block_size,
                                     request.all_token_ids)
+        if self.partial_index is not None:  # full blocks are sub-block hit candidates too
+            self._offer_full_blocks(request, state, num_cached, num_full)
         state.num_cached_blocks = num_full
+
+    def _parent_key(self, request: KVRequest, hashes: list[BlockHash], i: int) -> BlockHash:
+        """Key of block i's parent in the sub-block index (partial_hits.py)."""
+        return hashes[i - 1] if i else first_parent_key(request.cache_salt, request.lora_name)
+
+    def _offer_full_blocks(self, request: KVRequest, state: _ReqState, start: int,
+                           end: int) -> None:
+        bs, hashes, tokens = self.block_size, state.block_hashes, request.all_token_ids
+        for i in range(start, end):
+            if state.blocks[i].block_hash == hashes[i]:
+                self.partial_index.add(self._parent_key(request, hashes, i), hashes[i],
+                                       tokens[i * bs:(i + 1) * bs])
+
+    def _offer_partial_tail(self, request: KVRequest, state: _ReqState) -> None:
+        """Offer the request's partly filled last computed block to sub-block hits."""
+        bs = self.block_size
+        computed = min(request.num_computed_tokens, request.num_tokens)
+        i, m = divmod(computed, bs)
+        if m and i < len(state.blocks) and state.blocks[i].ref_cnt == 1:  # nobody else writes
+            if len(state.block_hashes) < i:
+                self.hasher(request, state.block_hashes)
+            if len(state.block_hashes) >= i:
+                self.partial_index.add_partial(self._parent_key(request, state.block_hashes, i),
+                                               state.blocks[i],
+                                               request.all_token_ids[i * bs:computed])
 
     # ------------------------------------------------------------------ free / fork
     def free(self, request: KVRequest) -> None:
@@ -413,6 +483,10 @@ class KVCacheManager:
         self.recent_prompts.append(RecentPrompt(
             request.request_id, request.all_token_ids, getattr(request, "cache_salt", None),
             state.block_hashes))
+        if state.partial_src is not None:
+            self.pool.free_blocks([state.partial_src])
+        if self.partial_index is not None and state.host_blocks is None:
+            self._offer_partial_tail(request, state)
         if state.host_blocks is not None:
             self.host_pool.free_blocks([b for b in reversed(state.host_blocks) if not b.is_null])
         if state.blocks:
@@ -464,6 +538,9 @@ class KVCacheManager:
         state = self._resident(request)
         if not self.can_swap_out(request):
             raise ValueError(f"not enough host blocks to swap out {request.request_id!r}")
+        if state.partial_src is not None:  # copied by the runner by now
+            self.pool.free_blocks([state.partial_src])
+            state.partial_src = None
         device = state.blocks
         live = [b for b in device if not b.is_null]
         host_new = self.host_pool.get_new_blocks(len(live))
@@ -575,6 +652,11 @@ class KVCacheManager:
         state = self._reqs.get(request_id)
         return [b.block_id for b in state.blocks] if state is not None else []
 
+    def held_copy_sources(self) -> list[KVCacheBlock]:
+        """Cached blocks held (one reference each) until the runner has copied them into a
+        request's table (sub-block prefix hits)."""
+        return [s.partial_src for s in self._reqs.values() if s.partial_src is not None]
+
     def get_group_block_ids(self, request_id: str) -> list[list[int]] | None:
         """Every KV cache group's table: None, this manager is the only group (see
         coordinator.py for caches with several)."""
@@ -634,6 +716,8 @@ class KVCacheManager:
                     raise RuntimeError(f"swapped request {rid!r} still holds device blocks")
             else:
                 device_tables.append([b for b in state.blocks if not b.is_null])
+                if state.partial_src is not None:
+                    device_tables.append([state.partial_src])
             if state.host_blocks is None and state.num_cached_blocks > len(state.blocks):
                 raise RuntimeError(f"request {rid!r}: num_cached_blocks "
                                    f"{state.num_cached_blocks} > {len(state.blocks)} blocks")

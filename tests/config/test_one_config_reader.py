@@ -10,6 +10,7 @@ import torch
 from pagedkv.config import HFModelConfig
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.kv_setup import plan_kv_cache
+from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
 from pagedkv.kv.spec import FullAttentionSpec, SlidingWindowSpec, kv_cache_spec_from_hf_config
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.runner import ModelRunner
@@ -44,8 +45,11 @@ def test_qwen2_use_sliding_window_and_max_window_layers_mix_layers():
     windows = (None, 4096, 4096, 4096)
     assert HFModelConfig.from_dict(mixed).layer_sliding_windows == windows
     assert ModelConfig.from_dict(mixed).layer_sliding_windows == windows
-    # Mixed layers: every layer keeps full-attention blocks (the model applies the windows).
-    assert type(kv_cache_spec_from_hf_config(mixed)) is FullAttentionSpec
+    # Mixed layers: a KV cache group per attention type (1 full layer, 3 sliding: groups of
+    # one layer each), the windows from the same reader.
+    spec = kv_cache_spec_from_hf_config(mixed)
+    assert type(spec) is HybridKVCacheSpec
+    assert [g.sliding_window for g in spec.groups] == [None, 4096, 4096, 4096]
     all_slide = {**mixed, "max_window_layers": 0}
     assert ModelConfig.from_dict(all_slide).layer_sliding_windows == (4096,) * 4
     assert type(kv_cache_spec_from_hf_config(all_slide)) is SlidingWindowSpec
@@ -58,7 +62,8 @@ def test_gemma_style_alternating_windows_are_read_per_layer():
     assert HFModelConfig.from_dict(gemma2).layer_sliding_windows == (4096, None, 4096, None)
     gemma3 = {**gemma2, "model_type": "gemma3_text", "num_hidden_layers": 7}
     assert HFModelConfig.from_dict(gemma3).layer_sliding_windows == (4096,) * 5 + (None, 4096)
-    assert type(kv_cache_spec_from_hf_config(gemma2)) is FullAttentionSpec
+    assert [(g.sliding_window, g.layer_ids) for g in kv_cache_spec_from_hf_config(gemma2).groups] \
+        == [(None, (1, 3)), (4096, (0, 2))]
 
 
 def test_config_without_dtype_is_sized_and_allocated_in_the_same_dtype(tmp_path):

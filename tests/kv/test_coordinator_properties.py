@@ -183,4 +183,4 @@ class GroupedKVMachine(RuleBasedStateMachine):
 
 
 TestGroupedKV = GroupedKVMachine.TestCase
-TestGroupedKV.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestGroupedKV.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)

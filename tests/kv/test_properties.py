@@ -25,6 +25,7 @@ BASES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 7, 7, 7, 7], [5, 5, 5, 5, 5, 
 
 class KVMachine(RuleBasedStateMachine):
     sliding_window: int | None = None
+    prefix_match_unit: int | None = None  # sub-block prefix hits (partial_hits.py)
 
     @initialize(block_size=st.sampled_from([2, 4]), num_blocks=st.integers(6, 24),
                 num_host=st.integers(0, 10), watermark=st.sampled_from([0.0, 0.1]),
@@ -36,7 +37,8 @@ class KVMachine(RuleBasedStateMachine):
                                 num_host_blocks=num_host, watermark=watermark, hash_algo=algo,
                                 sliding_window=self.sliding_window,
                                 enable_kv_cache_events=True, eviction_policy=policy,
-                                max_pinned_fraction=0.5)
+                                max_pinned_fraction=0.5,
+                                prefix_match_unit=self.prefix_match_unit)
         # pin_id -> (tokens, salt, blocks its pin holds); prompts with the same full blocks
         # share one pin (a later pin replaces the earlier one)
         self.pinned: dict[str, tuple] = {}
@@ -61,7 +63,7 @@ class KVMachine(RuleBasedStateMachine):
     def _step(self, req: FakeRequest, num_new: int, use_hits: bool, delay: bool) -> bool:
         hits, n = (self.m.get_computed_blocks(req) if use_hits and req.num_computed_tokens == 0
                    else ([], 0))
-        assert n % self.bs == 0 and n <= req.num_tokens - 1 or n == 0
+        assert n % (self.prefix_match_unit or self.bs) == 0 and n <= req.num_tokens - 1 or n == 0
         num_new = min(num_new, req.num_tokens - req.num_computed_tokens - n)
         before = self.m.get_block_ids(req.request_id)
         new = self.m.allocate_slots(req, num_new, hits, n, delay_cache_blocks=delay)
@@ -265,7 +267,7 @@ class KVMachine(RuleBasedStateMachine):
                         req.num_computed_tokens - window + 1
                     continue
                 assert mem[bid][pos % self.bs] == self._identity(req, pos), (rid, pos)
-        for table in self.m.pins.tables():
+        for table in [*self.m.pins.tables(), self.m.held_copy_sources()]:
             for b in table:
                 counts[b.block_id] = counts.get(b.block_id, 0) + 1
         pool = self.m.pool
@@ -281,9 +283,16 @@ class SlidingWindowKVMachine(KVMachine):
     sliding_window = 4
 
 
+class SubBlockHitsKVMachine(KVMachine):
+    prefix_match_unit = 1
+
+
 SETTINGS = settings(max_examples=200, stateful_step_count=50, deadline=None)
 TestKVManagerStateful = KVMachine.TestCase
 TestKVManagerStateful.settings = SETTINGS
 TestSlidingWindowStateful = SlidingWindowKVMachine.TestCase
 TestSlidingWindowStateful.settings = settings(max_examples=100, stateful_step_count=50,
                                               deadline=None)
+TestSubBlockHitsStateful = SubBlockHitsKVMachine.TestCase
+TestSubBlockHitsStateful.settings = settings(max_examples=100, stateful_step_count=50,
+                                             deadline=None)
