@@ -68,6 +68,8 @@ _HELP: dict[str, str] = {
     "eviction_policy": "which free cached KV block is evicted first: lru, lfu (fewest uses) "
                        "or arc (adaptive recency/frequency)",
     "max_pinned_fraction": "most of the KV cache that pinned prefixes (/v1/pin) may hold",
+    "disable_hybrid_kv_cache_manager": "models mixing sliding-window and full layers: keep "
+                                       "full-attention blocks on every layer (no KV cache groups)",
     "prefix_match_unit": "prefix hits in units of this many tokens (a divisor of block_size; "
                          "1: any token), reusing part of a cached block by copy-on-write",
     "kv_cache_dtype": "KV cache dtype: 'auto' (the model's) or fp8 (= fp8_e4m3), fp8_e5m2: "

@@ -90,6 +90,9 @@ class EngineArgs:
     # block_size; 1: token granularity), reusing part of a cached block by copy-on-write
     # (pagedkv.kv.partial_hits). None (or block_size): whole blocks only.
     prefix_match_unit: int | None = None
+    # vLLM's --disable-hybrid-kv-cache-manager: a model mixing attention types keeps
+    # full-attention blocks on every layer (one KV cache group) instead of a group per type.
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

@@ -91,7 +91,8 @@ def plan_kv_cache(args: EngineArgs, profile: GpuMemoryProfile | None = None) -> 
     # One rank's KV heads: every byte count below is per rank (each rank holds its heads of
     # every block, so the block count is the same on every rank).
     spec = shard_kv_cache_spec(kv_cache_spec_from_hf_config(
-        config, args.block_size, args.dtype, args.kv_cache_dtype), args.tensor_parallel_size)
+        config, args.block_size, args.dtype, args.kv_cache_dtype,
+        hybrid=not args.disable_hybrid_kv_cache_manager), args.tensor_parallel_size)
     config_len = default_max_model_len(config)
     if args.max_model_len is not None and args.max_model_len > config_len:
         raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's "

@@ -164,7 +164,7 @@ class MLAAttentionSpec(KVCacheSpec):
 
 def kv_cache_spec_from_hf_config(
     config: dict[str, Any] | HFModelConfig, block_size: int = 16, dtype: str = "auto",
-    cache_dtype: str = "auto",
+    cache_dtype: str = "auto", hybrid: bool = True,
 ) -> KVCacheSpec:
     """Build the KV cache spec of a Hugging Face `config.json` (a parsed dict, or the
     `HFModelConfig` read from it: the one reader the model uses too).
@@ -172,7 +172,9 @@ def kv_cache_spec_from_hf_config(
     MLA (`kv_lora_rank` set, DeepSeek-V2/V3): MLAAttentionSpec. Every layer sliding with one
     window: SlidingWindowSpec. Layers of mixed types (Qwen2 `max_window_layers`, Gemma's
     alternating layers): HybridKVCacheSpec, one KV cache group per attention type over one
-    pool (hybrid_spec.py). Otherwise FullAttentionSpec.
+    pool (hybrid_spec.py), unless `hybrid` is False (vLLM's
+    --disable-hybrid-kv-cache-manager): then every layer keeps full-attention blocks, an upper
+    bound, while the model still applies each layer's window. Otherwise FullAttentionSpec.
     `dtype` is the model's dtype ("auto": the config's); `cache_dtype` the KV cache's (vLLM's
     `kv_cache_dtype`: "auto" = the model's, "fp8" / "fp8_e4m3" / "fp8_e5m2" / "int8", one
     byte per value, int8 plus a scale per token and head, or a model dtype name), which is the
@@ -198,9 +200,9 @@ def kv_cache_spec_from_hf_config(
         return SlidingWindowSpec(**shape, sliding_window=hf.sliding_window)
     from pagedkv.kv.hybrid_spec import hybrid_kv_cache_spec  # it builds on this module's specs
 
-    hybrid = hybrid_kv_cache_spec(hf.layer_sliding_windows, **{
-        k: v for k, v in shape.items() if k != "num_layers"})
-    return hybrid if hybrid is not None else FullAttentionSpec(**shape)
+    grouped = hybrid_kv_cache_spec(hf.layer_sliding_windows, **{
+        k: v for k, v in shape.items() if k != "num_layers"}) if hybrid else None
+    return grouped if grouped is not None else FullAttentionSpec(**shape)
 
 
 def bundled_config_names() -> list[str]:

@@ -8,6 +8,7 @@ import pytest
 
 from pagedkv import SamplingParams
 from pagedkv.kv.coordinator import HybridKVCacheManager
+from pagedkv.kv.manager import KVCacheManager
 from tests.engine.conftest import assert_pool_empty, hf_greedy, make_prompts
 
 MAX_TOKENS = 10
@@ -77,4 +78,18 @@ def test_sliding_groups_hold_only_the_window(make_llm, tiny_gemma3):
     assert held < 15 * len(tables) // 3  # all-full would hold 15 blocks per group
     while engine.has_unfinished_requests():
         engine.step()
+    assert_pool_empty(llm)
+
+
+def test_disable_hybrid_kv_cache_manager_keeps_full_blocks(make_llm, tiny_gemma3):
+    """vLLM's switch: one group of full-attention blocks on every layer; same tokens."""
+    llm = make_llm(tiny_gemma3, block_size=4, disable_hybrid_kv_cache_manager=True)
+    engine = llm.llm_engine
+    assert type(engine.scheduler.kv_cache_manager) is KVCacheManager
+    assert engine.runner.layer_groups is None
+    assert engine.runner.kv_cache_spec.kind == "full_attention"
+    prompts = make_prompts(seed=5, vocab=400, num=3, lengths=(5, 40))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(tiny_gemma3, prompt, MAX_TOKENS)
     assert_pool_empty(llm)
