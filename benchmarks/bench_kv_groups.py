@@ -1,0 +1,187 @@
+"""KV cache groups and sub-block prefix hits (issue 24), two measurements:
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_kv_groups.py [--part memory|chat|all]
+        [--rounds 2] [--json]
+
+1. memory: a small random Gemma 3 (6 layers: 5 sliding over 256 tokens, 1 full; hidden 256,
+   4 heads, 2 KV heads of 64, float32) under a fixed 48 MiB KV budget, 16 requests with
+   1,500-2,000-token prompts and 16 output tokens (ignore_eos): KV cache groups (the default)
+   against the all-full layout (`disable_hybrid_kv_cache_manager`), alternating, `--rounds`
+   each. Prints the most sequences running at once, output tokens/s and wall time, and the
+   ratios of the medians. Built with transformers (a test dependency).
+2. chat: a synthetic multi-turn chat workload on a small random Llama (the hit counts do not
+   depend on the model): 8 conversations x 4 turns, each turn's prompt = the previous turn's
+   prompt + its answer (32-64 generated tokens) + a new question (20-80 tokens), first prompts
+   100-300 tokens (the Qwen-Bailian / Mooncake conversation shape, lengths scaled down for a
+   CPU). Turn k of every conversation is submitted together once turn k-1 finished. For block
+   sizes 16, 32, 128: prefix-hit tokens and mean time to first token without and with
+   `prefix_match_unit=1`, against an ideal token-granular cache (every token a previous turn
+   computed: its prompt and answer but the last answer token); TTFT over turns 2-4 (median of
+   `--rounds` runs, alternating with and without).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.testing.random_model import (
+    build_random_model_dir,
+    build_tokenizer_files,
+    hf_config_dict,
+    tokenizer_vocab_size,
+)
+
+
+def build_gemma3(model_dir: Path) -> Path:
+    """The random Gemma 3 of part 1 (transformers initialises and saves it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (model_dir / "config.json").exists():
+        return model_dir
+    build_tokenizer_files(model_dir)
+    cfg = hf_config_dict("gemma3_text", hidden_size=256, intermediate_size=512, num_layers=6,
+                         num_heads=4, num_kv_heads=2, head_dim=64,
+                         vocab_size=tokenizer_vocab_size(model_dir),
+                         max_position_embeddings=4096, sliding_window=256,
+                         tie_word_embeddings=True, dtype="float32", rope_scaling=None)
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir),
+                                             dtype=torch.float32)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return model_dir
+
+
+def run_memory(model_dir: Path, hybrid: bool) -> dict:
+    rng = random.Random(1)
+    args = EngineArgs(model=str(model_dir), block_size=16, kv_cache_memory_bytes=48 << 20,
+                      max_num_seqs=32, max_num_batched_tokens=1024, seed=0,
+                      disable_hybrid_kv_cache_manager=not hybrid)
+    engine = LLMEngine(args)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for i in range(16):
+        prompt = [rng.randrange(4, 400) for _ in range(rng.randint(1500, 2000))]
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+    start, peak, tokens = time.perf_counter(), 0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens += len(out.outputs[0].token_ids)
+        peak = max(peak, engine.get_stats().num_running)
+    wall = time.perf_counter() - start
+    stats = engine.get_stats()
+    engine.shutdown()
+    return {"layout": "groups" if hybrid else "all-full", "num_blocks": stats.num_blocks,
+            "peak_running": peak, "output_tok_s": tokens / wall, "wall_s": wall,
+            "preemptions": stats.num_preemptions}
+
+
+def part_memory(rounds: int, out: list) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_gemma3(Path(tmp) / "gemma3")
+        runs = {True: [], False: []}
+        for _ in range(rounds):
+            for hybrid in (False, True):  # alternate: the machine is shared and noisy
+                r = run_memory(model_dir, hybrid)
+                runs[hybrid].append(r)
+                out.append(r)
+                print(f"  {r['layout']:>8}: {r['num_blocks']:>5} blocks, peak running "
+                      f"{r['peak_running']:>2}, {r['output_tok_s']:.1f} out tok/s, "
+                      f"{r['wall_s']:.1f} s, {r['preemptions']} preemptions", flush=True)
+        med = {h: statistics.median(r["output_tok_s"] for r in runs[h]) for h in runs}
+        print(f"  groups / all-full: peak running {runs[True][0]['peak_running']} / "
+              f"{runs[False][0]['peak_running']}, output tok/s x{med[True] / med[False]:.2f} "
+              "(medians)")
+
+
+def chat_workload(seed: int) -> tuple[list[list[int]], list[list[list[int]]], list[int]]:
+    """First prompts, each conversation's later questions, and each answer's length."""
+    rng = random.Random(seed)
+    firsts = [[rng.randrange(4, 400) for _ in range(rng.randint(100, 300))] for _ in range(8)]
+    questions = [[[rng.randrange(4, 400) for _ in range(rng.randint(20, 80))]
+                  for _ in range(3)] for _ in range(8)]
+    answers = [rng.randint(32, 64) for _ in range(8 * 4)]
+    return firsts, questions, answers
+
+
+def run_chat(model_dir: Path, block_size: int, unit: int | None) -> dict:
+    firsts, questions, answer_lens = chat_workload(2)
+    llm = LLM(model=str(model_dir), block_size=block_size, prefix_match_unit=unit, seed=0,
+              kv_cache_memory_bytes=256 << 20, max_num_batched_tokens=2048)
+    prompts = [list(p) for p in firsts]
+    hits = ideal = 0
+    ttfts = []
+    for turn in range(4):
+        params = [SamplingParams(temperature=0.0, max_tokens=answer_lens[turn * 8 + c],
+                                 ignore_eos=True) for c in range(8)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for c, out in enumerate(outs):
+            if turn:  # turns 2..4: the ones a prefix hit can shorten
+                m = out.metrics
+                ttfts.append(m["first_token_time"] - m["arrival_time"])
+                hits += out.num_cached_tokens
+        if turn == 3:
+            break
+        nxt = []
+        for c, out in enumerate(outs):
+            answer = out.outputs[0].token_ids
+            ideal += len(prompts[c]) + len(answer) - 1  # all but the last answer token
+            nxt.append(prompts[c] + answer + questions[c][turn])
+        prompts = nxt
+    llm.llm_engine.shutdown()
+    return {"block_size": block_size, "prefix_match_unit": unit, "hit_tokens": hits,
+            "ideal_hit_tokens": ideal, "of_ideal": hits / ideal,
+            "mean_ttft_ms": 1000 * statistics.mean(ttfts)}
+
+
+def part_chat(rounds: int, out: list) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_random_model_dir(Path(tmp) / "llama", hidden_size=256,
+                                           intermediate_size=512, num_layers=4, num_heads=4,
+                                           num_kv_heads=2)
+        for block_size in (16, 32, 128):
+            runs: dict[int | None, list[dict]] = {None: [], 1: []}
+            for _ in range(rounds):
+                for unit in (None, 1):
+                    runs[unit].append(run_chat(model_dir, block_size, unit))
+            for unit in (None, 1):
+                r = {**runs[unit][0], "mean_ttft_ms": statistics.median(
+                    x["mean_ttft_ms"] for x in runs[unit])}
+                out.append(r)
+                print(f"  block {block_size:>3}, unit {str(unit):>4}: hit {r['hit_tokens']:>6} of "
+                      f"ideal {r['ideal_hit_tokens']} tokens ({100 * r['of_ideal']:.2f}%), "
+                      f"mean TTFT {r['mean_ttft_ms']:.1f} ms", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--part", choices=("memory", "chat", "all"), default="all")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    results: list = []
+    if args.part in ("memory", "all"):
+        print("memory: tiny Gemma 3, 48 MiB KV, 16 x 1,500-2,000-token prompts")
+        part_memory(args.rounds, results)
+    if args.part in ("chat", "all"):
+        print("chat: 8 conversations x 4 turns, prefix-hit tokens vs ideal token-granular")
+        part_chat(args.rounds, results)
+    if args.json:
+        print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
