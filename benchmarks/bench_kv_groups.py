@@ -127,7 +127,7 @@ def run_chat(model_dir: Path, block_size: int, unit: int | None) -> dict:
         params = [SamplingParams(temperature=0.0, max_tokens=answer_lens[turn * 8 + c],
                                  ignore_eos=True) for c in range(8)]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        for c, out in enumerate(outs):
+        for out in outs:
             if turn:  # turns 2..4: the ones a prefix hit can shorten
                 m = out.metrics
                 ttfts.append(m["first_token_time"] - m["arrival_time"])
