@@ -158,7 +158,8 @@ class ModelConfig:
             raise ValueError(f"num_attention_heads {heads} is not a multiple of "
                              f"num_key_value_heads {kv_heads}")
         model_class = get_model_class(arch)
-        act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+        act = (cfg.get("hidden_activation") or cfg.get("hidden_act")
+               or model_class.hidden_activations[0])  # the architecture's default
         if act not in model_class.hidden_activations:
             raise ValueError(f"unsupported hidden_act {act!r} for {arch}; supported: "
                              f"{', '.join(model_class.hidden_activations)}")

@@ -93,3 +93,9 @@ def test_disable_hybrid_kv_cache_manager_keeps_full_blocks(make_llm, tiny_gemma3
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.outputs[0].token_ids == hf_greedy(tiny_gemma3, prompt, MAX_TOKENS)
     assert_pool_empty(llm)
+
+
+def test_kv_store_refuses_kv_cache_groups(make_llm, tiny_gemma2):
+    """The store tiers keep one block per hash: not yet per group, so they refuse clearly."""
+    with pytest.raises(ValueError, match="sliding-window"):
+        make_llm(tiny_gemma2, block_size=4, kv_offloading_size=0.01)

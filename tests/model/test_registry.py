@@ -20,8 +20,10 @@ from tests.model.driver import prefill_logits
 
 def test_registered_architectures_resolve_to_their_classes():
     assert registry.supported_architectures() == (
-        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+        "Gemma2ForCausalLM", "Gemma3ForCausalLM")
     assert registry.get_model_class("MistralForCausalLM") is LlamaForCausalLM
+    assert registry.get_model_class("Gemma3ForCausalLM").__name__ == "Gemma3ForCausalLM"
     assert registry.get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM
     assert registry.get_model_class("Qwen3ForCausalLM") is Qwen3ForCausalLM
     assert registry.resolve_architecture(["Foo", "Qwen3ForCausalLM"]) == "Qwen3ForCausalLM"
@@ -38,7 +40,9 @@ def test_config_adapters_set_the_architecture_fields():
     assert flags == {"LlamaForCausalLM": (False, False, False),
                      "MistralForCausalLM": (False, False, False),
                      "Qwen2ForCausalLM": (True, False, False),
-                     "Qwen3ForCausalLM": (False, False, True)}
+                     "Qwen3ForCausalLM": (False, False, True),
+                     "Gemma2ForCausalLM": (False, False, False),
+                     "Gemma3ForCausalLM": (False, False, True)}
     biased = ModelConfig.from_dict({**base, "architectures": ["LlamaForCausalLM"],
                                     "attention_bias": True})
     assert (biased.qkv_bias, biased.o_bias) == (True, True)
