@@ -144,7 +144,8 @@ class LLMEngine:
             watermark=args.watermark, hash_algo=args.prefix_caching_hash_algo,
             enable_kv_cache_events=events_config.enabled, eviction_policy=args.eviction_policy,
             max_pinned_fraction=args.max_pinned_fraction,
-            prefix_match_unit=args.prefix_match_unit)
+            prefix_match_unit=args.prefix_match_unit,
+            max_num_batched_tokens=setup.max_num_batched_tokens)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=setup.max_num_batched_tokens,

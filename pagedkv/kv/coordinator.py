@@ -42,11 +42,16 @@ class HybridKVCacheManager:
 
     def __init__(self, spec: HybridKVCacheSpec, *, num_blocks: int, num_host_blocks: int = 0,
                  enable_caching: bool = True, enable_kv_cache_events: bool = False,
-                 eviction_policy: str = "lru", **kwargs: Any) -> None:
-        """`kwargs` (watermark, hash_algo, max_pinned_fraction) as for KVCacheManager."""
+                 eviction_policy: str = "lru", max_num_batched_tokens: int | None = None,
+                 **kwargs: Any) -> None:
+        """`max_num_batched_tokens`: the scheduler's token budget, the longest prefill chunk
+        (None: a whole prompt in one step); admission counts the blocks a chunk holds in every
+        sliding group before the window moves on. `kwargs` (watermark, hash_algo,
+        max_pinned_fraction, prefix_match_unit) as for KVCacheManager."""
         if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be an int >= 0, got {num_host_blocks!r}")
         self.spec = spec
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events,
                               eviction_policy=eviction_policy)
         self.host_pool = (BlockPool(host_pool_num_blocks(num_host_blocks), False)
@@ -137,12 +142,12 @@ class HybridKVCacheManager:
     # ------------------------------------------------------------------ admission
     def can_allocate(self, request: KVRequest, num_computed_blocks: int = 0, *,
                      computed_blocks: GroupedBlocks | None = None) -> AllocStatus:
-        """OK / LATER / NEVER for holding the request's current sequence: every block in a
-        full-attention group, the window's in a sliding one (`spec.max_blocks_per_seq`; a
-        prefill step holds its whole chunk in every group until the next step frees what left
-        the window, which allocate_slots checks). `num_computed_blocks`: hits held by other
-        requests, summed over groups."""
-        required_total = self.spec.max_blocks_per_seq(request.num_tokens)
+        """OK / LATER / NEVER for the most blocks the request's current sequence holds at
+        once: every block in a full-attention group; in a sliding group the window's before a
+        prefill chunk plus the chunk's (at most `max_num_batched_tokens`), which stay until
+        the next step frees what left the window. So a request admitted alone always fits.
+        `num_computed_blocks`: hits held by other requests, summed over groups."""
+        required_total = self.peak_blocks(request.num_tokens)
         if computed_blocks is not None:
             num_computed_blocks = sum(1 for blocks in computed_blocks for b in blocks
                                       if b.ref_cnt > 0 or b.is_null)
@@ -152,6 +157,15 @@ class HybridKVCacheManager:
                 >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
+
+    def peak_blocks(self, num_tokens: int) -> int:
+        """Most blocks a sequence of `num_tokens` tokens holds at once, over all groups."""
+        bs = self.block_size
+        blocks = cdiv(num_tokens, bs)
+        chunk = cdiv(min(num_tokens, self.max_num_batched_tokens or num_tokens), bs)
+        return sum(blocks if g.sliding_window is None
+                   else min(blocks, cdiv(g.sliding_window - 1, bs) + 1 + chunk)
+                   for g in self.groups)
 
     # ------------------------------------------------------------------ allocation
     def allocate_slots(self, request: KVRequest, num_new_tokens: int,

@@ -173,13 +173,15 @@ class KVCacheManager:
         """A manager for `spec`: its block size, and the block-table policy it calls for
         (sliding window only when every layer slides). `kwargs` as for the constructor.
         A HybridKVCacheSpec (layers of mixed attention types) gets the coordinator over one
-        manager per KV cache group instead (coordinator.py), with the same interface."""
+        manager per KV cache group instead (coordinator.py), with the same interface (and
+        `max_num_batched_tokens`, which only it reads)."""
         from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
 
         if isinstance(spec, HybridKVCacheSpec):
             from pagedkv.kv.coordinator import HybridKVCacheManager
 
             return HybridKVCacheManager(spec, num_blocks=num_blocks, **kwargs)
+        kwargs.pop("max_num_batched_tokens", None)  # only KV cache groups' admission reads it
         policy = block_table_policy_for_spec(spec)
         return cls(num_blocks=num_blocks, block_size=spec.block_size,
                    sliding_window=policy.sliding_window, **kwargs)

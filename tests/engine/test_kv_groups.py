@@ -17,13 +17,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 CONFIGS = {
     "prefix_caching": dict(block_size=4),
     "chunked_prefill": dict(block_size=4, max_num_batched_tokens=8),
-    "preempt_recompute": dict(block_size=4, max_num_batched_tokens=16,
+    "preempt_recompute": dict(block_size=4, max_num_batched_tokens=8,
                               preemption_mode="recompute"),
-    "preempt_swap": dict(block_size=4, max_num_batched_tokens=16, preemption_mode="swap",
+    "preempt_swap": dict(block_size=4, max_num_batched_tokens=8, preemption_mode="swap",
                          swap_space=0.01),
 }
 # Room for about two sequences at once (so the six requests preempt each other).
-TIGHT_BLOCKS = {"tiny_gemma2": 60, "tiny_gemma3": 64}
+TIGHT_BLOCKS = {"tiny_gemma2": 44, "tiny_gemma3": 64}
 
 
 @pytest.mark.parametrize("model", ["tiny_gemma2", "tiny_gemma3"])
@@ -99,3 +99,19 @@ def test_kv_store_refuses_kv_cache_groups(make_llm, tiny_gemma2):
     """The store tiers keep one block per hash: not yet per group, so they refuse clearly."""
     with pytest.raises(ValueError, match="sliding-window"):
         make_llm(tiny_gemma2, block_size=4, kv_offloading_size=0.01)
+
+
+@pytest.mark.timeout(60)
+def test_a_prompt_whose_prefill_can_never_fit_ends_with_an_error(make_llm, tiny_gemma3):
+    """Admission counts a prefill chunk in every sliding group: a prompt whose one-step prefill
+    needs more blocks than the cache has is refused (NEVER), not left waiting forever."""
+    llm = make_llm(tiny_gemma3, block_size=4, num_gpu_blocks_override=40)
+    out = llm.generate({"prompt_token_ids": list(range(10, 70))}, GREEDY, use_tqdm=False)[0]
+    assert out.finished and out.outputs[0].finish_reason == "error"
+    # The same prompt in chunks of 8 tokens fits: 15 full blocks + 5 x (3 + 2) sliding ones.
+    llm = make_llm(tiny_gemma3, block_size=4, num_gpu_blocks_override=41,
+                   max_num_batched_tokens=8)
+    prompt = list(range(10, 70))
+    out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(tiny_gemma3, prompt, MAX_TOKENS)
+    assert_pool_empty(llm)

@@ -100,9 +100,11 @@ def test_prefix_hit_is_what_every_group_serves():
 
 
 def test_allocation_is_all_or_nothing():
-    mgr = _manager(num_blocks=12)  # 11 usable
+    mgr = _manager(num_blocks=12, max_num_batched_tokens=8)  # 11 usable
     a = make_request("a", range(1, 25))  # 24 tokens: 6 blocks per group = 12 > 11
-    assert mgr.can_allocate(a) is AllocStatus.OK  # resident: 6 full + min(6, 3) sliding
+    # at most 6 full + (2 window + 1 + 2 chunk) sliding blocks at once
+    assert mgr.peak_blocks(24) == 11 and mgr.can_allocate(a) is AllocStatus.OK
+    assert _manager(num_blocks=12).can_allocate(a) is AllocStatus.NEVER  # one-shot prefill
     assert mgr.allocate_slots(a, 24) is None
     assert mgr.get_group_block_ids("a") == [[], []] and mgr.num_free_blocks == 11
     assert mgr.allocate_slots(a, 12) is not None  # a chunk: 3 + 3 blocks
