@@ -24,8 +24,8 @@ from pagedkv.config.dtypes import (
     resolve_kv_cache_dtype,
 )
 from pagedkv.kernels.cpu import cpu_kernels_loaded, ensure_cpu_kernels
-from pagedkv.kv.shard import shard_kv_cache_spec
 from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
+from pagedkv.kv.shard import shard_kv_cache_spec
 from pagedkv.kv.spec import KVCacheSpec, kv_cache_spec_from_hf_config
 from pagedkv.model.backends import get_attention_backend
 from pagedkv.model.backends.quantized import QuantizedKVBackend
@@ -108,9 +108,10 @@ class ModelRunner:
         self.block_size = block_size
         # Hybrid KV cache groups (a model mixing attention types): layer -> (group, slot).
         self.layer_groups = LayerGroups(spec) if isinstance(spec, HybridKVCacheSpec) else None
-        if self.layer_groups is not None and is_fp8_dtype(spec.dtype):
-            raise ValueError(f"an fp8 KV cache ({spec.dtype}) is not supported with KV cache "
-                             "groups (a model mixing attention types)")
+        if self.layer_groups is not None and (is_fp8_dtype(spec.dtype)
+                                              or is_int8_dtype(spec.dtype)):
+            raise ValueError(f"a quantized KV cache ({spec.dtype}) is not supported with KV "
+                             "cache groups (a model mixing attention types)")
         allocated = self._allocated_bytes()
         self.model: CausalLM = load_model(model_dir, self.model_config, self.dtype,
                                           self.device, tensor_parallel)
