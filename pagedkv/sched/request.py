@@ -37,7 +37,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+        return self in _FINISHED
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
 
 
 @dataclass(eq=False)
@@ -81,6 +85,10 @@ class Request:
         self.first_scheduled_time: float | None = None  # time.monotonic() at first admission
         # The KV store's lookup while waiting: (first block, blocks held from there), or None.
         self.kv_store_lookup: tuple[int, int] | None = None
+        # What the engine core already sent the frontend (it sends only what is new).
+        self.num_output_reported = 0
+        self.num_prompt_logprobs_reported = 0
+        self.reported_scheduled = False
 
     @property
     def num_tokens(self) -> int:
@@ -92,7 +100,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status in _FINISHED
 
     @property
     def wants_prompt_logprobs(self) -> bool:

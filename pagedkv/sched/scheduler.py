@@ -395,6 +395,11 @@ class Scheduler:
                 continue
             tokens = result.sampled_token_ids[request.request_id]
             logprobs = result.logprobs.get(request.request_id)
+            if len(tokens) == 1:  # the usual case: no children to fork
+                self._append_token(request, tokens[0], logprobs[0] if logprobs else None)
+                changed.append(request)
+                self._check_stop(request)
+                continue
             children = self._fork_children(request, tokens[1:], logprobs)
             self._append_token(request, tokens[0], logprobs[0] if logprobs else None)
             for req in (request, *children):

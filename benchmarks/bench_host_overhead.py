@@ -1,0 +1,183 @@
+"""Host time per decode step of the engine, with a no-op model runner (issue 26).
+
+What is timed is everything `LLMEngine.step()` does around the forward pass: `schedule()`,
+`update()` and the output processing (detokenization, stop strings, cumulative outputs), at
+32, 128 and 256 running requests. The model runner is replaced by one that samples a fixed
+token per request and computes nothing, so the figure is pure host (Python) time: on a GPU it
+is the time the device waits between steps unless it is overlapped.
+
+Workload: N requests of 128 prompt tokens, `max_tokens` high enough that none finishes while
+timed (`ignore_eos`); after the prefills and `--warmup` decode steps, `--steps` decode steps are
+timed one by one, each phase separately, in CPU time of the stepping thread
+(time.thread_time_ns: on a shared, oversubscribed machine wall time mostly measures the other
+processes; CPU time is the work the step itself costs). The table gives the median
+per-step milliseconds of each phase, the core's share (schedule + update + the core's outputs:
+what a core process spends between two forward passes), the frontend's (detokenization, stop
+strings, cumulative outputs: another process with `pagedkv serve`), and the total; `--repeat` runs alternate the sizes and the
+spread column ((max - min) / median of the repeats' medians) shows the machine's noise.
+
+    PYTHONPATH=$PWD python benchmarks/bench_host_overhead.py [--sizes 32,128,256] [--profile 128]
+
+Target (issue 26): at most 0.5 ms per step at 128 running requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import platform
+import pstats
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+PROMPT_LEN = 128
+
+
+class NoOpRunner:
+    """A model runner that computes nothing: every sampling request gets token `token_id`."""
+
+    def __init__(self, token_id: int) -> None:
+        self.token_id = token_id
+
+    def execute(self, out):  # noqa: ANN001, ANN201 - the runner's duck type
+        from pagedkv.sched.output import ModelRunnerOutput
+
+        token = self.token_id
+        return ModelRunnerOutput(sampled_token_ids={
+            s.request_id: [token] * s.num_samples for s in out.scheduled if s.num_samples})
+
+    def shutdown(self) -> None:
+        pass
+
+
+def build_engine(model_dir: Path, max_num_seqs: int):
+    from pagedkv.engine.args import EngineArgs
+    from pagedkv.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineArgs(
+        model=str(model_dir), max_num_seqs=max_num_seqs, block_size=16,
+        kv_cache_memory_bytes=256 << 20, max_num_batched_tokens=max(8192, PROMPT_LEN * max_num_seqs),
+        max_model_len=2048, enforce_eager=True))
+    noop = NoOpRunner(token_id=100)
+    engine.runner.shutdown()
+    engine.runner = noop
+    core = getattr(engine, "core", None)  # after the engine/core split
+    if core is not None:
+        core.runner = noop
+    return engine
+
+
+class PhaseTimer:
+    """Wraps the scheduler's schedule/update and the frontend's output processing (after the
+    engine/core split) to time them inside `engine.step()`."""
+
+    def __init__(self, engine) -> None:  # noqa: ANN001
+        self.ns = {"schedule": 0, "update": 0, "process": 0}
+        for name in ("schedule", "update"):
+            inner = getattr(engine.scheduler, name)
+            setattr(engine.scheduler, name, self._wrap(name, inner))
+        processor = getattr(engine, "outputs", None)
+        if processor is not None:
+            processor.process = self._wrap("process", processor.process)
+
+    def _wrap(self, name: str, inner):  # noqa: ANN202
+        def timed(*args, **kwargs):  # noqa: ANN202
+            start = time.thread_time_ns()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.ns[name] += time.thread_time_ns() - start
+        return timed
+
+    def reset(self) -> None:
+        for name in self.ns:
+            self.ns[name] = 0
+
+
+def run_size(model_dir: Path, num_requests: int, steps: int, warmup: int,
+             profile: bool = False) -> dict[str, float]:
+    """Median milliseconds per decode step: schedule, update, the frontend's output processing
+    (0 before the engine/core split, when it was not separable), the core's part (all but the
+    frontend's: what a core process spends between forward passes), and the total."""
+    from pagedkv.sched.sampling_params import SamplingParams
+
+    engine = build_engine(model_dir, num_requests)
+    params = SamplingParams(max_tokens=steps + warmup + 8, ignore_eos=True, temperature=0.0)
+    for i in range(num_requests):
+        prompt = [4 + (i * 7 + j) % 200 for j in range(PROMPT_LEN)]
+        engine.add_request(f"r{i}", prompt, params)
+    scheduler = engine.scheduler
+    while len(scheduler.running) < num_requests or any(
+            r.num_output_tokens == 0 for r in scheduler.running):
+        engine.step()
+    for _ in range(warmup):
+        engine.step()
+    timer = PhaseTimer(engine)
+    totals, schedules, updates, processes = [], [], [], []
+    profiler = cProfile.Profile() if profile else None
+    gc.collect()
+    for _ in range(steps):
+        timer.reset()
+        if profiler is not None:
+            profiler.enable()
+        start = time.thread_time_ns()
+        outputs = engine.step()
+        total = time.thread_time_ns() - start
+        if profiler is not None:
+            profiler.disable()
+        if len(outputs) != num_requests:
+            raise RuntimeError(f"expected {num_requests} outputs a step, got {len(outputs)}")
+        totals.append(total)
+        schedules.append(timer.ns["schedule"])
+        updates.append(timer.ns["update"])
+        processes.append(timer.ns["process"])
+    if profiler is not None:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+    engine.shutdown()
+    ms = 1e-6
+    total = statistics.median(totals) * ms
+    schedule = statistics.median(schedules) * ms
+    update = statistics.median(updates) * ms
+    process = statistics.median(processes) * ms
+    return {"schedule": schedule, "update": update, "frontend": process,
+            "core": total - process, "total": total}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="32,128,256")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--profile", type=int, default=0,
+                        help="print a cProfile of the timed steps at this size instead")
+    args = parser.parse_args()
+    from pagedkv.testing.random_model import build_random_model_dir
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_random_model_dir(Path(tmp) / "m", seed=0)
+        if args.profile:
+            run_size(model_dir, args.profile, args.steps, args.warmup, profile=True)
+            return
+        sizes = [int(s) for s in args.sizes.split(",")]
+        runs: dict[int, list[dict[str, float]]] = {n: [] for n in sizes}
+        for _ in range(args.repeat):  # alternate the sizes: all see the same machine load
+            for n in sizes:
+                runs[n].append(run_size(model_dir, n, args.steps, args.warmup))
+    print(f"host time per decode step, no-op runner ({platform.processor() or platform.machine()}), "
+          f"median ms over {args.steps} steps, median of {args.repeat} runs")
+    print(f"{'running':>8} {'schedule':>9} {'update':>8} {'core':>8} {'frontend':>9} "
+          f"{'total':>8} {'spread':>7}")
+    for n, results in runs.items():
+        med = {k: statistics.median(r[k] for r in results) for k in results[0]}
+        tot = [r["total"] for r in results]
+        spread = (max(tot) - min(tot)) / med["total"] if med["total"] else 0.0
+        print(f"{n:>8} {med['schedule']:>9.3f} {med['update']:>8.3f} {med['core']:>8.3f} "
+              f"{med['frontend']:>9.3f} {med['total']:>8.3f} {spread:>7.0%}")
+
+
+if __name__ == "__main__":
+    main()

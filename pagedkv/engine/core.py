@@ -1,0 +1,302 @@
+"""EngineCore: the scheduler, the KV cache manager, the model runner, the KV store and the
+KV-event publisher, stepped one batch at a time. It takes tokenized requests
+(`EngineCoreRequest`) and returns, per step, only what is new for each sample (`CoreOutput`):
+text, stop strings and cumulative outputs are the frontend's (`output_processor.py`).
+
+It runs in the frontend's process (`core_client.InprocCoreClient`) or in its own
+(`core_proc.py`, for `pagedkv serve`). Not thread-safe: one thread owns a core.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from pagedkv.config.errors import EngineFatalError
+from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.kv_setup import (
+    GpuMemoryProfile,
+    KVCacheSetup,
+    plan_kv_cache,
+    resolve_max_num_batched_tokens,
+)
+from pagedkv.engine.messages import CoreOutput, EngineCoreRequest, EngineReady, params_from_wire
+from pagedkv.engine.stats import EngineStats, IterationTokens
+from pagedkv.events.config import parse_kv_events_config
+from pagedkv.events.publisher import make_event_publisher, to_wire_events
+from pagedkv.kv.manager import KVCacheManager
+from pagedkv.kv.pins import PinInfo
+from pagedkv.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagedkv.sched.request import Request, RequestStatus
+from pagedkv.sched.scheduler import Scheduler, SchedulerConfig
+from pagedkv.sched.validation import check_cache_salt
+from pagedkv.store.factory import attach_kv_store
+
+if TYPE_CHECKING:
+    from pagedkv.structured.backend import XGrammarBackend
+
+logger = logging.getLogger(__name__)
+
+# The start of an error when the model step of a request failed (a server fault, unlike a
+# request the cache can never hold).
+STEP_FAILED = "internal error: the model step failed"
+
+
+class EngineCore:
+    """See the module docstring. `step()` mutates the scheduler's queues, the KV manager's
+    blocks and the runner's cache; the outputs it returns are new objects each step."""
+
+    def __init__(self, args: EngineArgs, tokenizer=None) -> None:  # noqa: ANN001
+        from pagedkv.engine.executor import build_executor
+        from pagedkv.model.cuda_graphs import decode_batch_sizes
+        from pagedkv.model.loader import check_model_dir
+        from pagedkv.model.runner import resolve_device
+        from pagedkv.model.tokenizer import Tokenizer
+
+        args.validate()
+        if not args.model:
+            raise ValueError("model must be a model directory, got ''")
+        check_model_dir(args.model)  # config.json vs the checkpoint, before sizing anything
+        self.args = args
+        self.tokenizer = tokenizer or Tokenizer.from_dir(args.tokenizer or args.model)
+        profiled = resolve_device(args.device).type == "cuda" \
+            and args.num_gpu_blocks_override is None and args.kv_cache_memory_bytes is None
+        setup: KVCacheSetup | None = None if profiled else plan_kv_cache(args)  # fails early
+        # The executor: the ModelRunner itself, or rank 0 of a tensor-parallel group (the
+        # scheduler below decides once, on rank 0, for every rank).
+        self.runner = build_executor(args, None if setup is None else setup.spec)
+        if setup is None:
+            setup = plan_kv_cache(args, self._profile_memory(args))
+        self.kv_setup = setup
+        self.max_model_len = setup.max_model_len
+        self.runner.allocate_kv_cache(setup.num_blocks, setup.num_host_blocks)
+        if not args.enforce_eager:
+            self.runner.capture_cuda_graphs(decode_batch_sizes(args.max_num_seqs),
+                                            setup.max_model_len)
+        self.model_config = self.runner.model_config
+        self.vocab_size = self.model_config.vocab_size
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
+        events_config = parse_kv_events_config(args.kv_events_config)
+        kv = KVCacheManager.from_spec(
+            setup.spec, num_blocks=setup.num_blocks,
+            num_host_blocks=setup.num_host_blocks, enable_caching=args.enable_prefix_caching,
+            watermark=args.watermark, hash_algo=args.prefix_caching_hash_algo,
+            enable_kv_cache_events=events_config.enabled, eviction_policy=args.eviction_policy,
+            max_pinned_fraction=args.max_pinned_fraction,
+            prefix_match_unit=args.prefix_match_unit,
+            max_num_batched_tokens=setup.max_num_batched_tokens)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=setup.max_num_batched_tokens,
+            max_model_len=self.max_model_len, preemption_mode=args.preemption_mode,
+            policy=args.scheduling_policy), kv)
+        self._structured_backend: XGrammarBackend | None = None
+        self._structured_lock = threading.Lock()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.iteration_tokens = IterationTokens()  # tokens per step, for vllm:iteration_tokens_total
+        self.kv_store = attach_kv_store(args, setup.sliding_window, self.runner, self.scheduler,
+                                        events_config.enabled)
+        self.event_publisher = make_event_publisher(events_config)
+        # Closed once: by shutdown(), or when the core is garbage-collected.
+        self._closers = [weakref.finalize(self, closable.close)
+                         for closable in (self.kv_store, self.event_publisher)
+                         if closable is not None]
+
+    def _profile_memory(self, args: EngineArgs) -> GpuMemoryProfile:
+        """(CUDA, no explicit KV size) This engine's weights and the peak activation of a
+        profile forward pass at max_num_batched_tokens, and the memory free afterwards."""
+        import torch
+
+        runner = self.runner
+        max_len = args.max_model_len or runner.model_config.max_position_embeddings
+        peak = runner.profile_activation_peak(resolve_max_num_batched_tokens(args),
+                                              args.max_num_seqs, max_len)
+        free, total = torch.cuda.mem_get_info(runner.device)
+        return GpuMemoryProfile(total_bytes=total, free_bytes=free,
+                                weights_bytes=runner.weights_bytes, activation_peak_bytes=peak)
+
+    def ready(self) -> EngineReady:
+        kv = self.scheduler.kv_cache_manager
+        return EngineReady(max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                           block_size=kv.block_size, num_usable_blocks=kv.num_usable_blocks,
+                           watermark_blocks=kv.watermark_blocks,
+                           num_gpu_blocks=self.kv_setup.num_blocks,
+                           eos_token_ids=list(self.eos_token_ids))
+
+    @property
+    def structured_output_backend(self) -> XGrammarBackend:
+        """The grammar compiler of this core's tokenizer, built on first use (thread-safe)."""
+        with self._structured_lock:
+            if self._structured_backend is None:
+                from pagedkv.structured.backend import XGrammarBackend
+
+                self._structured_backend = XGrammarBackend(
+                    self.tokenizer, self.vocab_size,
+                    limits=self.args.structured_outputs_limits())
+            return self._structured_backend
+
+    def shutdown(self) -> None:
+        """Abort every request, close the KV store and the event publisher, free the runner's
+        memory. Idempotent."""
+        if self.runner is None:
+            return
+        self.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
+        for close in self._closers:
+            close()
+        if self._structured_backend is not None:
+            self._structured_backend.close()
+        runner, self.runner = self.runner, None
+        runner.shutdown()
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def add_request(self, core_request: EngineCoreRequest) -> None:
+        """Queue a tokenized request (checked by the frontend). ValueError for an id in use or
+        a structured-output constraint that does not compile."""
+        params = params_from_wire(core_request.sampling_params)
+        request = Request(request_id=core_request.request_id,
+                          prompt_token_ids=core_request.prompt_token_ids, sampling_params=params,
+                          eos_token_ids=self.eos_token_ids, arrival_time=core_request.arrival_time,
+                          priority=core_request.priority, cache_salt=core_request.cache_salt)
+        if params.structured_outputs is not None:
+            request.structured_output = self.structured_output_backend.grammar(
+                params.structured_outputs)
+        request.bad_words_token_ids = core_request.bad_words_token_ids
+        self.scheduler.add_request(request)
+        self.prompt_tokens_total += request.num_prompt_tokens
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus,
+                        reason: int | str | None = None) -> None:
+        """End these samples (unknown ids are ignored); their blocks go back at once."""
+        self.scheduler.finish_requests(list(request_ids), status, reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step -----------------------------------------------------------------------
+
+    def step(self) -> list[CoreOutput]:
+        """Schedule, run the model, apply the sampled tokens; the new tokens (and finishes) of
+        each sample that progressed. [] when there was nothing to do."""
+        if self.runner is None:
+            raise RuntimeError("the engine was shut down")
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
+            result = ModelRunnerOutput()
+        else:  # also when only finished ids: the runner drops their sampling state
+            try:
+                result = self.runner.execute(scheduler_output)
+            except EngineFatalError:  # e.g. a tensor-parallel rank died: the engine ends
+                raise
+            except Exception as exc:  # ends only this step's requests
+                return self._fail_step(scheduler_output, exc)
+        if scheduler_output.scheduled:
+            self.iteration_tokens.observe(sum(len(s.token_ids) for s in scheduler_output.scheduled))
+        changed = self.scheduler.update(scheduler_output, result)
+        if self.event_publisher is not None:
+            self._publish_kv_events()
+        return self._outputs(changed)
+
+    def _fail_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[CoreOutput]:
+        """The runner raised: end the step's requests (scheduled, or swapped out or in: their
+        KV is unknown) with an error and free their blocks; every other request goes on."""
+        ids = [r.request_id for r in scheduler_output.scheduled]
+        ids += scheduler_output.swapped_request_ids
+        logger.exception("model step failed; ending its %d requests", len(set(ids)))
+        failed = self.scheduler.finish_requests(
+            list(dict.fromkeys(ids)), RequestStatus.FINISHED_ERROR,
+            f"{STEP_FAILED}: {type(exc).__name__}: {exc}")
+        changed = self.scheduler.update(scheduler_output, ModelRunnerOutput())
+        return self._outputs(failed + changed)
+
+    def fail_all(self, reason: str) -> list[CoreOutput]:
+        """End every request with an internal error (a step raised outside the runner)."""
+        failed = self.scheduler.finish_requests(list(self.scheduler.requests),
+                                                RequestStatus.FINISHED_ERROR,
+                                                f"{STEP_FAILED}: {reason}")
+        return self._outputs(failed)
+
+    def _publish_kv_events(self) -> None:
+        """Send this step's block-pool events (one batch) to the publisher thread."""
+        kv = self.scheduler.kv_cache_manager
+        events = to_wire_events(kv.take_events())
+        if self.kv_store is not None:
+            events += self.kv_store.take_events()
+        self.event_publisher.publish(events)
+
+    def _outputs(self, changed: list[Request]) -> list[CoreOutput]:
+        """Each changed sample's news since its last output: O(new tokens) per sample."""
+        outputs = []
+        generated = 0
+        for request in changed:
+            sent = request.num_output_reported
+            tokens = request.output_token_ids
+            new = tokens[sent:]
+            request.num_output_reported = len(tokens)
+            generated += len(new)
+            out = CoreOutput(request.request_id, new,
+                             num_cached_tokens=max(request.num_cached_tokens, 0),
+                             num_preemptions=request.num_preemptions,
+                             parent_id=request.parent_id, sample_index=request.sample_index)
+            if request.sampling_params.logprobs is not None:
+                out.new_logprobs = request.output_logprobs[sent:]
+            if request.first_scheduled_time is not None and not request.reported_scheduled:
+                out.first_scheduled_time = request.first_scheduled_time
+                request.reported_scheduled = True
+            if (request.wants_prompt_logprobs and request.sample_index == 0
+                    and len(request.prompt_logprobs) != request.num_prompt_logprobs_reported):
+                out.prompt_logprobs = list(request.prompt_logprobs)
+                request.num_prompt_logprobs_reported = len(request.prompt_logprobs)
+            if request.is_finished:
+                out.finish_reason = request.status.value
+                out.stop_reason = request.stop_reason
+                if request.status == RequestStatus.FINISHED_ERROR:
+                    out.error = request.error
+                    out.error_kind = ("internal" if (request.error or "").startswith(STEP_FAILED)
+                                      else "invalid")
+            outputs.append(out)
+        self.generation_tokens_total += generated
+        return outputs
+
+    # ---- utility calls (between steps) --------------------------------------------------
+
+    def get_stats(self) -> EngineStats:
+        sched = self.scheduler
+        kv = sched.kv_cache_manager
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.loading),
+            num_swapped=len(sched.swapped), kv_cache_usage=kv.usage,
+            num_blocks=kv.num_usable_blocks, num_free_blocks=kv.num_free_blocks,
+            prefix_cache_queries=sched.prefix_cache_queries,
+            prefix_cache_hits=sched.prefix_cache_hits, num_preemptions=sched.num_preemptions,
+            num_swaps=sched.num_swaps, num_pinned_blocks=kv.num_pinned_blocks,
+            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
+            num_waiting_for_kv=len(sched.loading),
+            iteration_token_counts=self.iteration_tokens.snapshot()[0],
+            iteration_tokens_sum=self.iteration_tokens.snapshot()[1],
+            kv_store_tiers=() if self.kv_store is None else tuple(
+                t.to_dict() for t in self.kv_store.snapshot_stats()))
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+
+    def is_prefix_cached(self, token_ids: list[int], cache_salt: str | None = None) -> bool:
+        check_cache_salt(cache_salt)
+        return self.scheduler.kv_cache_manager.pins.is_cached(token_ids, cache_salt)
+
+    def pin_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> PinInfo:
+        check_cache_salt(cache_salt)
+        return self.scheduler.kv_cache_manager.pin_prefix(token_ids, cache_salt)
+
+    def unpin_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> PinInfo:
+        check_cache_salt(cache_salt)
+        return self.scheduler.kv_cache_manager.unpin_prefix(token_ids, cache_salt)
+
+    def now(self) -> float:
+        """The core's time.monotonic() (a liveness probe and clock check)."""
+        return time.monotonic()

@@ -1,0 +1,155 @@
+"""The engine core's own process: build an `EngineCore`, say ready, then a busy loop.
+
+    loop: take every message waiting (requests, aborts, utility calls; block while idle)
+          -> one core step -> send its outputs
+
+The frontend (`core_client.MPCoreClient`) owns the process: SIGINT and SIGTERM are ignored
+here (the frontend drains, then sends "stop"), and the loop exits by itself when the frontend
+process is gone. A step that raises outside the model runner ends the requests in flight
+with an internal error; when the KV cache's invariants no longer hold afterwards the core says
+why (`CoreDied`) and exits, and the frontend ends the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Any
+
+import zmq
+
+from pagedkv.config.errors import EngineFatalError
+from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.messages import (
+    Abort,
+    Codec,
+    CoreDied,
+    CoreInput,
+    CoreOutput,
+    CoreStepOutputs,
+    UtilityCall,
+    UtilityResult,
+)
+
+logger = logging.getLogger(__name__)
+
+# The EngineCore methods a UtilityCall may run.
+UTILITY_METHODS = frozenset({"get_stats", "check_invariants", "is_prefix_cached", "pin_prefix",
+                             "unpin_prefix", "now"})
+_IDLE_POLL_MS = 1000  # how often an idle core checks that its frontend still lives
+
+
+def run_engine_core(args: EngineArgs, in_addr: str, out_addr: str,
+                    log_level: int = logging.WARNING) -> None:
+    """The child process's entry point (see the module docstring)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level,
+                        format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    outputs = ctx.socket(zmq.PUSH)
+    inputs.connect(in_addr)
+    outputs.connect(out_addr)
+    codec = Codec()
+    try:
+        from pagedkv.engine.core import EngineCore
+
+        core = EngineCore(args)
+    except BaseException as exc:  # the frontend raises it again, by type
+        logger.exception("the engine core failed to start")
+        outputs.send(codec.encode(CoreDied(str(exc), type(exc).__name__)))
+        outputs.close(linger=5000)
+        ctx.term()
+        return
+    outputs.send(codec.encode(core.ready()))
+    try:
+        _CoreLoop(core, inputs, outputs, codec).run()
+    finally:
+        core.shutdown()
+        inputs.close(linger=0)
+        outputs.close(linger=5000)
+        ctx.term()
+
+
+class _CoreLoop:
+    def __init__(self, core: Any, inputs: zmq.Socket, outputs: zmq.Socket, codec: Codec) -> None:
+        self.core = core
+        self.inputs = inputs
+        self.outputs = outputs
+        self.codec = codec
+        self.parent = os.getppid()
+        self.stopping = False
+
+    def run(self) -> None:
+        core = self.core
+        while not self.stopping:
+            busy = core.has_unfinished_requests()
+            self._take_inputs(0 if busy else _IDLE_POLL_MS)
+            if self.stopping:
+                return
+            if not busy and os.getppid() != self.parent:
+                logger.warning("the frontend process is gone; the engine core exits")
+                return
+            if core.has_unfinished_requests() and not self._step():
+                return
+
+    def _send(self, message: Any) -> None:
+        self.outputs.send(self.codec.encode(message), copy=False)
+
+    def _take_inputs(self, timeout_ms: int) -> None:
+        while self.inputs.poll(timeout_ms):
+            timeout_ms = 0
+            message = self.codec.decode_frontend(self.inputs.recv())
+            if isinstance(message, CoreInput):
+                self._add(message)
+            elif isinstance(message, Abort):
+                from pagedkv.engine.core_client import apply_abort
+
+                apply_abort(self.core, message)
+            elif isinstance(message, UtilityCall):
+                if message.method == "stop":
+                    self.stopping = True
+                    return
+                self._utility(message)
+
+    def _add(self, message: CoreInput) -> None:
+        request = message.request
+        try:
+            self.core.add_request(request)
+        except ValueError as exc:  # reported as the request's end, as the frontend expects
+            self._send(CoreStepOutputs([CoreOutput(request.request_id, finish_reason="error",
+                                                   error=str(exc), error_kind="invalid")]))
+
+    def _utility(self, call: UtilityCall) -> None:
+        if call.method not in UTILITY_METHODS:
+            self._send(UtilityResult(call.call_id, error_type="ValueError",
+                                     error=f"unknown utility method {call.method!r}"))
+            return
+        try:
+            result = getattr(self.core, call.method)(*call.args)
+        except Exception as exc:
+            self._send(UtilityResult(call.call_id, error_type=type(exc).__name__, error=str(exc)))
+            return
+        self._send(UtilityResult(call.call_id, result))
+
+    def _step(self) -> bool:
+        """One core step; False when the core cannot go on."""
+        try:
+            outs = self.core.step()
+        except EngineFatalError as exc:  # e.g. a tensor-parallel rank died: the core ends
+            self._send(CoreDied(f"{type(exc).__name__}: {exc}", "EngineFatalError"))
+            return False
+        except Exception as exc:
+            logger.exception("engine step failed; ending the requests in flight")
+            outs = self.core.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+            try:
+                self.core.check_invariants()
+            except Exception as broken:
+                self._send(CoreStepOutputs(outs))
+                self._send(CoreDied(f"KV cache invariants broken: {broken}", "RuntimeError"))
+                return False
+        if outs:
+            self._send(CoreStepOutputs(outs))
+        return True

@@ -1,0 +1,167 @@
+"""The wire between the frontend (tokenizer, detokenizer, HTTP) and the engine core (scheduler,
+KV manager, model runner): msgspec structs, the same objects in-process and across processes.
+
+    frontend -> core:  EngineCoreRequest, Abort (end samples: aborted, or stopped by a stop
+                       string the frontend found), UtilityCall (stats, pins, invariants, stop)
+    core -> frontend:  EngineReady once, then CoreStepOutputs per step, UtilityResult per call,
+                       CoreDied when the core's loop fails
+
+Across processes they travel msgpack-encoded over ZMQ (`encode` / `decode` below); in-process the
+client passes the objects themselves, so the tests of one mode exercise the other's meaning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import msgspec
+
+from pagedkv.sched.sampling_params import SamplingParams
+from pagedkv.structured.params import StructuredOutputsParams
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One request as the core takes it: prompt already tokenized, bad words as token ids."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: Any  # SamplingParams (a dict on the wire: see `params_to_wire`)
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+    bad_words_token_ids: list[list[int]] = []
+
+
+class Abort(msgspec.Struct, array_like=True, tag=True):
+    """End these sample ids with `status` ("abort", or "stop" for a stop string) and free
+    their blocks. Unknown ids are ignored."""
+
+    request_ids: list[str]
+    status: str = "abort"
+    stop_reason: str | None = None
+
+
+class UtilityCall(msgspec.Struct, array_like=True, tag=True):
+    """Call `EngineCore.<method>(*args)` between steps; answered by a UtilityResult."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class CoreInput(msgspec.Struct, array_like=True, tag=True):
+    """A new request (the only frontend -> core message besides Abort and UtilityCall)."""
+
+    request: EngineCoreRequest
+
+
+class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What happened to one sample in one step: only what is new.
+
+    `new_logprobs` has one entry per new token (when the request asked for logprobs);
+    `prompt_logprobs` is the whole list so far, sent only when it changed. `finish_reason` is
+    set once, on the sample's last output; `error` explains a finish_reason "error", with
+    `error_kind` "invalid" (the request can never run) or "internal" (the model step failed).
+    """
+
+    request_id: str
+    new_token_ids: list[int] = []
+    new_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    error_kind: str | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    prompt_logprobs: list[dict[int, float]] | None = None
+    parent_id: str | None = None
+    sample_index: int = 0
+
+
+class CoreStepOutputs(msgspec.Struct, array_like=True, tag=True):
+    """One core step's outputs, in schedule order."""
+
+    outputs: list[CoreOutput]
+
+
+class UtilityResult(msgspec.Struct, array_like=True, tag=True):
+    """The answer to UtilityCall `call_id`: `result`, or an exception's type name and text."""
+
+    call_id: int
+    result: Any = None
+    error_type: str | None = None
+    error: str | None = None
+
+
+class EngineReady(msgspec.Struct, tag=True):
+    """The facts the frontend needs, sent once when the core is built (instead of the frontend
+    reaching into the core's objects)."""
+
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_usable_blocks: int
+    watermark_blocks: int
+    num_gpu_blocks: int
+    eos_token_ids: list[int]
+
+
+class CoreDied(msgspec.Struct, tag=True):
+    """The core failed to start (`error_type`: the exception's class name) or its loop
+    failed; the process is exiting."""
+
+    reason: str
+    error_type: str | None = None
+
+
+FrontendMessage = CoreInput | Abort | UtilityCall
+CoreMessage = CoreStepOutputs | UtilityResult | EngineReady | CoreDied
+
+_PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.init)
+
+
+def params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    """SamplingParams as a plain dict (its init fields); `params_from_wire` rebuilds it."""
+    out = {name: getattr(params, name) for name in _PARAM_FIELDS}
+    so = out.get("structured_outputs")
+    if so is not None:
+        out["structured_outputs"] = {f.name: getattr(so, f.name) for f in fields(so) if f.init}
+    return out
+
+
+def params_from_wire(value: Any) -> SamplingParams:
+    if isinstance(value, SamplingParams):
+        return value
+    value = dict(value)
+    so = value.get("structured_outputs")
+    if so is not None:
+        value["structured_outputs"] = StructuredOutputsParams(**so)
+    if value.get("logit_bias") is not None:  # msgpack map keys come back as ints already
+        value["logit_bias"] = {int(k): v for k, v in value["logit_bias"].items()}
+    return SamplingParams(**value)
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, SamplingParams):
+        return params_to_wire(obj)
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+class Codec:
+    """msgpack encoders/decoders for one side of the wire (not thread-safe: one per thread)."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+        self._frontend = msgspec.msgpack.Decoder(FrontendMessage)
+        self._core = msgspec.msgpack.Decoder(CoreMessage)
+
+    def encode(self, message: Any) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode_frontend(self, data: bytes) -> FrontendMessage:
+        return self._frontend.decode(data)
+
+    def decode_core(self, data: bytes) -> CoreMessage:
+        return self._core.decode(data)
