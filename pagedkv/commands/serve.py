@@ -13,7 +13,9 @@ server answers 503 instead of queueing without limit. A body over `--max-request
 drain: new requests get 503, those in flight get `--shutdown-timeout` seconds to finish, the
 rest end with an error (streams: an error event and [DONE]); then the process exits 0. When
 the engine loop dies the process exits 1, saying why; while one engine step has run longer than
-`--engine-stall-timeout` seconds, /health answers 503 (a wedged engine).
+`--engine-stall-timeout` seconds, /health answers 503 (a wedged engine). `--engine-core process`
+(the default) runs the scheduler, KV cache and model runner in a child process
+(pagedkv/engine/core_proc.py): a core that dies ends the server the same way.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from pagedkv.commands.engine_flags import (
 from pagedkv.server.tool_parsers import TOOL_PARSERS  # plain Python: keeps --help light
 
 DEFAULT_PORT = 8000
+
+ENGINE_CORE_MODES = ("process", "inproc")
+ENGINE_CORE_ENV = "PAGEDKV_ENGINE_CORE"
 
 logger = logging.getLogger("pagedkv.server")
 
@@ -74,6 +79,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "`pagedkv simulate`)")
     parser.add_argument("--log-level", default="info", help="log verbosity",
                         choices=("critical", "error", "warning", "info", "debug"))
+    parser.add_argument("--engine-core", choices=ENGINE_CORE_MODES, default=None,
+                        help="where the engine core (scheduler, KV cache, model runner) runs: "
+                        "'process' (its own process; the HTTP server, tokenizer and "
+                        "detokenizer stay in this one) or 'inproc' (a thread of this process). "
+                        f"Default: ${ENGINE_CORE_ENV} when set, else 'process'")
     add_engine_flags(parser)
     parser.set_defaults(run=run)
     return parser
@@ -107,8 +117,10 @@ def run(args: argparse.Namespace) -> int:
 
         return run_node_ranks(engine_args)
     sock = bind_socket(args.host, args.port)  # before the slow part: a busy port fails now
+    engine = None
     try:
-        engine = LLMEngine.from_engine_args(engine_args)
+        engine = LLMEngine.from_engine_args(
+            engine_args, core_process=engine_core_mode(args.engine_core) == "process")
         server: DrainingServer | None = None
 
         def on_engine_dead(reason: str) -> None:
@@ -133,11 +145,21 @@ def run(args: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     finally:
         sock.close()
+        if engine is not None:
+            engine.shutdown()  # stops the core process (a no-op for a stopped one)
     if server.exit_reason is not None:
         logger.critical("pagedkv serve: exiting because the engine failed: %s",
                         server.exit_reason)
         return 1
     return 0
+
+
+def engine_core_mode(flag: str | None) -> str:
+    """The --engine-core mode: the flag, else $PAGEDKV_ENGINE_CORE, else 'process'."""
+    mode = flag or os.environ.get(ENGINE_CORE_ENV) or "process"
+    if mode not in ENGINE_CORE_MODES:
+        raise ValueError(f"{ENGINE_CORE_ENV} must be one of {ENGINE_CORE_MODES}, got {mode!r}")
+    return mode
 
 
 def default_model_name(model_dir: str) -> str:

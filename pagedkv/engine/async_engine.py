@@ -13,7 +13,9 @@ block pool's invariants each time the engine falls idle, and stops cleanly on `s
 A step that raises (the engine itself ends only the failed step's requests when the model
 runner raises; this is the net under that) fails every request in flight and the loop goes on
 when the KV cache's invariants still hold. When they do not, the loop cannot go on: it stops,
-logs why, and calls `on_fatal(reason)` (the server then exits instead of answering 503s).
+logs why, and calls `on_fatal(reason)` (the server then exits instead of answering 503s). With
+the engine core in its own process, a core that dies is noticed by the next step, or within
+about a second while idle, and ends the loop the same way.
 
 `busy_for()` says how long the loop has been in its current round (commands, then a step) while
 it has work: a step that never returns (a wedged kernel, a deadlock) shows as a number that only
@@ -44,6 +46,7 @@ from pagedkv.sched.sampling_params import SamplingParams
 logger = logging.getLogger("pagedkv.server")
 
 _ABORTED = object()  # pushed to a request's queue when it was aborted (no more outputs)
+_IDLE_CHECK_S = 1.0  # an idle loop checks this often that the engine (its core process) lives
 
 
 class EngineOverloadedError(RuntimeError):
@@ -292,6 +295,13 @@ class AsyncEngine:
     def _submit(self, command: tuple) -> None:
         self._commands.put(command)
         self._wakeup.set()
+        wake = getattr(self.engine, "wake", None)
+        if wake is not None:  # an engine whose step() waits on a core process
+            wake()
+
+    def _engine_alive(self) -> bool:
+        is_alive = getattr(self.engine, "is_alive", None)
+        return True if is_alive is None else is_alive()
 
     # ---- the loop thread ----------------------------------------------------------------
 
@@ -309,7 +319,10 @@ class AsyncEngine:
                     break
                 if not self.engine.has_unfinished_requests():
                     self._round_started = None
-                    self._wakeup.wait()
+                    if not self._wakeup.wait(_IDLE_CHECK_S) and not self._engine_alive():
+                        self.error = "the engine core process died"
+                        self._fail_all(EngineDeadError(self.error))
+                        break
                     continue
                 was_busy = True
                 self._step()
@@ -428,6 +441,10 @@ class AsyncEngine:
         try:
             self.engine.check_invariants()
         except Exception as exc:
+            if not self._engine_alive():
+                logger.critical("the engine core process is gone: %s", exc)
+                self.error = f"the engine core process is gone: {exc}"
+                return
             logger.exception("KV cache invariants broken")
             self.error = f"KV cache invariants broken: {exc}"
 

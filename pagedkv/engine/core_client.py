@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any, Protocol
 
+import msgspec
 import zmq
 
 from pagedkv.engine.args import EngineArgs
@@ -120,8 +122,6 @@ class MPCoreClient:
     outputs that arrived, waiting up to `poll_s` (or until `wake()`) for some."""
 
     def __init__(self, args: EngineArgs, *, poll_s: float = 0.25) -> None:
-        from pagedkv.engine.core_proc import run_engine_core
-
         self.poll_s = poll_s
         self._codec = Codec()
         self._dir = tempfile.mkdtemp(prefix="pagedkv-core-")
@@ -144,11 +144,10 @@ class MPCoreClient:
         self._calls = 0
         self._dead: str | None = None
         self._closed = False
-        ctx = multiprocessing.get_context("spawn")
-        self.process = ctx.Process(target=run_engine_core, args=(args, in_addr, out_addr,
-                                         logging.getLogger().getEffectiveLevel()),
-                                   name="pagedkv-engine-core", daemon=True)
-        self.process.start()
+        # A fresh interpreter (not multiprocessing): nothing of the caller's __main__ re-runs.
+        command = [sys.executable, "-m", "pagedkv.engine.core_proc", in_addr, out_addr,
+                   msgspec.json.encode(args).decode(), str(logging.getLogger().getEffectiveLevel())]
+        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
         try:
             self.ready = self._wait_ready()
         except BaseException:
@@ -164,9 +163,9 @@ class MPCoreClient:
                     return message
                 if isinstance(message, CoreDied):
                     raise _ERRORS.get(message.error_type or "", RuntimeError)(message.reason)
-            elif not self.process.is_alive():
+            elif self.process.poll() is not None:
                 raise CoreDeadError(f"the engine core process exited with code "
-                                    f"{self.process.exitcode} while starting")
+                                    f"{self.process.returncode} while starting")
         raise CoreDeadError(f"the engine core did not start within {CORE_START_TIMEOUT_S:.0f} s")
 
     # ---- sending ------------------------------------------------------------------------
@@ -179,8 +178,10 @@ class MPCoreClient:
         self._send(CoreInput(request))
 
     def abort(self, message: Abort) -> None:
+        """Send an abort; a dead core has nothing left to abort, so this never raises."""
         if self._dead is None and not self._closed:
-            self._send(message)
+            with contextlib.suppress(CoreDeadError):
+                self._send(message)
 
     def wake(self) -> None:
         """Interrupt a `get_outputs()` wait (any thread)."""
@@ -224,13 +225,13 @@ class MPCoreClient:
         return answer
 
     def _check_alive(self) -> None:
-        if self._dead is None and not self.process.is_alive() and not self._closed:
-            self._dead = f"the engine core process died (exit code {self.process.exitcode})"
+        if self._dead is None and self.process.poll() is not None and not self._closed:
+            self._dead = f"the engine core process died (exit code {self.process.returncode})"
         if self._dead is not None:
             raise CoreDeadError(self._dead)
 
     def is_alive(self) -> bool:
-        return self._dead is None and self.process.is_alive()
+        return self._dead is None and self.process.poll() is None
 
     def call(self, method: str, *args: Any) -> Any:
         """Run `EngineCore.<method>(*args)` in the core between its steps and return what it
@@ -250,15 +251,16 @@ class MPCoreClient:
         """Stop the core (it aborts what runs and frees its memory), then clean up. Idempotent."""
         if self._closed:
             return
-        if self.process.is_alive() and self._dead is None:
+        if self.process.poll() is None and self._dead is None:
             with contextlib.suppress(Exception):
                 self._input.send(self._codec.encode(UtilityCall(0, "stop")))
-            self.process.join(timeout)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout)
         self._closed = True
-        if self.process.is_alive():
+        if self.process.poll() is None:
             logger.error("the engine core did not stop within %.0f s; killing it", timeout)
             self.process.kill()
-            self.process.join(5)
+            self.process.wait(5)
         self._input.close()
         self._output.close()
         self._ctx.term()

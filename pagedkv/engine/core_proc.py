@@ -3,9 +3,9 @@
     loop: take every message waiting (requests, aborts, utility calls; block while idle)
           -> one core step -> send its outputs
 
-The frontend (`core_client.MPCoreClient`) owns the process: SIGINT and SIGTERM are ignored
-here (the frontend drains, then sends "stop"), and the loop exits by itself when the frontend
-process is gone. A step that raises outside the model runner ends the requests in flight
+The frontend (`core_client.MPCoreClient`) owns the process: SIGINT (a terminal's Ctrl-C, sent
+to the whole process group) is ignored here (the frontend drains, then sends "stop"), and the
+loop exits by itself when the frontend process is gone. A step that raises outside the model runner ends the requests in flight
 with an internal error; when the KV cache's invariants no longer hold afterwards the core says
 why (`CoreDied`) and exits, and the frontend ends the server.
 """
@@ -15,8 +15,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 from typing import Any
 
+import msgspec
 import zmq
 
 from pagedkv.config.errors import EngineFatalError
@@ -40,11 +42,17 @@ UTILITY_METHODS = frozenset({"get_stats", "check_invariants", "is_prefix_cached"
 _IDLE_POLL_MS = 1000  # how often an idle core checks that its frontend still lives
 
 
+def main(argv: list[str]) -> None:
+    """`python -m pagedkv.engine.core_proc IN_ADDR OUT_ADDR ENGINE_ARGS_JSON LOG_LEVEL`."""
+    in_addr, out_addr, args_json, log_level = argv
+    run_engine_core(msgspec.json.decode(args_json, type=EngineArgs), in_addr, out_addr,
+                    int(log_level))
+
+
 def run_engine_core(args: EngineArgs, in_addr: str, out_addr: str,
                     log_level: int = logging.WARNING) -> None:
     """The child process's entry point (see the module docstring)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     ctx = zmq.Context()
@@ -118,7 +126,7 @@ class _CoreLoop:
         request = message.request
         try:
             self.core.add_request(request)
-        except ValueError as exc:  # reported as the request's end, as the frontend expects
+        except Exception as exc:  # reported as the request's end; the core goes on
             self._send(CoreStepOutputs([CoreOutput(request.request_id, finish_reason="error",
                                                    error=str(exc), error_kind="invalid")]))
 
@@ -153,3 +161,7 @@ class _CoreLoop:
         if outs:
             self._send(CoreStepOutputs(outs))
         return True
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

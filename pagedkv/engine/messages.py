@@ -26,7 +26,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: Any  # SamplingParams (a dict on the wire: see `params_to_wire`)
+    sampling_params: Any  # SamplingParams (a dict on the wire: see `params_from_wire`)
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
@@ -95,7 +95,7 @@ class UtilityResult(msgspec.Struct, array_like=True, tag=True):
     error: str | None = None
 
 
-class EngineReady(msgspec.Struct, tag=True):
+class EngineReady(msgspec.Struct, array_like=True, tag=True):
     """The facts the frontend needs, sent once when the core is built (instead of the frontend
     reaching into the core's objects)."""
 
@@ -108,7 +108,7 @@ class EngineReady(msgspec.Struct, tag=True):
     eos_token_ids: list[int]
 
 
-class CoreDied(msgspec.Struct, tag=True):
+class CoreDied(msgspec.Struct, array_like=True, tag=True):
     """The core failed to start (`error_type`: the exception's class name) or its loop
     failed; the process is exiting."""
 
@@ -120,40 +120,29 @@ FrontendMessage = CoreInput | Abort | UtilityCall
 CoreMessage = CoreStepOutputs | UtilityResult | EngineReady | CoreDied
 
 _PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.init)
-
-
-def params_to_wire(params: SamplingParams) -> dict[str, Any]:
-    """SamplingParams as a plain dict (its init fields); `params_from_wire` rebuilds it."""
-    out = {name: getattr(params, name) for name in _PARAM_FIELDS}
-    so = out.get("structured_outputs")
-    if so is not None:
-        out["structured_outputs"] = {f.name: getattr(so, f.name) for f in fields(so) if f.init}
-    return out
+_SO_FIELDS = tuple(f.name for f in fields(StructuredOutputsParams) if f.init)
 
 
 def params_from_wire(value: Any) -> SamplingParams:
+    """SamplingParams from what msgspec made of one (a dict of all its fields); the object
+    itself passes through (the in-process client sends objects)."""
     if isinstance(value, SamplingParams):
         return value
-    value = dict(value)
+    value = {k: v for k, v in value.items() if k in _PARAM_FIELDS}  # msgspec sends every field
     so = value.get("structured_outputs")
     if so is not None:
-        value["structured_outputs"] = StructuredOutputsParams(**so)
+        value["structured_outputs"] = StructuredOutputsParams(
+            **{k: v for k, v in so.items() if k in _SO_FIELDS})
     if value.get("logit_bias") is not None:  # msgpack map keys come back as ints already
         value["logit_bias"] = {int(k): v for k, v in value["logit_bias"].items()}
     return SamplingParams(**value)
-
-
-def _enc_hook(obj: Any) -> Any:
-    if isinstance(obj, SamplingParams):
-        return params_to_wire(obj)
-    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
 class Codec:
     """msgpack encoders/decoders for one side of the wire (not thread-safe: one per thread)."""
 
     def __init__(self) -> None:
-        self._encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+        self._encoder = msgspec.msgpack.Encoder()
         self._frontend = msgspec.msgpack.Decoder(FrontendMessage)
         self._core = msgspec.msgpack.Decoder(CoreMessage)
 

@@ -160,7 +160,7 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         return {"model": served_model_name, "block_size": args.block_size,
                 "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
                 "enable_prefix_caching": args.enable_prefix_caching,
-                "num_gpu_blocks": getattr(getattr(engine, "kv_setup", None), "num_blocks", None)}
+                "num_gpu_blocks": getattr(engine, "num_gpu_blocks", None)}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
