@@ -1,7 +1,8 @@
 """The engine core's own process: build an `EngineCore`, say ready, then a busy loop.
 
     loop: take every message waiting (requests, aborts, utility calls; block while idle)
-          -> one core step -> send its outputs
+          -> one core step -> queue its outputs (an output thread encodes and sends them
+             while the next step runs)
 
 The frontend (`core_client.MPCoreClient`) owns the process: SIGINT (a terminal's Ctrl-C, sent
 to the whole process group) is ignored here (the frontend drains, then sends "stop"), and the
@@ -14,8 +15,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import sys
+import threading
 from typing import Any
 
 import msgspec
@@ -72,17 +75,45 @@ def run_engine_core(args: EngineArgs, in_addr: str, out_addr: str,
         ctx.term()
         return
     outputs.send(codec.encode(core.ready()))
+    sender = _OutputThread(outputs)
     try:
-        _CoreLoop(core, inputs, outputs, codec).run()
+        _CoreLoop(core, inputs, sender, codec).run()
     finally:
         core.shutdown()
+        sender.close()
         inputs.close(linger=0)
         outputs.close(linger=5000)
         ctx.term()
 
 
+class _OutputThread:
+    """Encodes and sends the core's messages in a thread of its own, so step N's outputs go
+    out while step N + 1 runs (the forward pass releases the GIL). Owns the output socket."""
+
+    def __init__(self, socket: zmq.Socket) -> None:
+        self._socket = socket
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="pagedkv-core-output",
+                                        daemon=True)
+        self._thread.start()
+
+    def send(self, message: Any) -> None:
+        self._queue.put(message)
+
+    def _run(self) -> None:
+        encoder = Codec()
+        while (message := self._queue.get()) is not None:
+            self._socket.send(encoder.encode(message), copy=False)
+
+    def close(self) -> None:
+        """Send what is queued, then stop the thread."""
+        self._queue.put(None)
+        self._thread.join(30)
+
+
 class _CoreLoop:
-    def __init__(self, core: Any, inputs: zmq.Socket, outputs: zmq.Socket, codec: Codec) -> None:
+    def __init__(self, core: Any, inputs: zmq.Socket, outputs: _OutputThread,
+                 codec: Codec) -> None:
         self.core = core
         self.inputs = inputs
         self.outputs = outputs
@@ -104,7 +135,7 @@ class _CoreLoop:
                 return
 
     def _send(self, message: Any) -> None:
-        self.outputs.send(self.codec.encode(message), copy=False)
+        self.outputs.send(message)
 
     def _take_inputs(self, timeout_ms: int) -> None:
         while self.inputs.poll(timeout_ms):

@@ -1,0 +1,175 @@
+"""Online serving, side by side: `pagedkv serve` with its engine core in its own process (the
+default), the same server with the core in-process, and optionally vLLM's OpenAI server, on one
+random-weight model of the benchmark shape (bench_offline.py's SHAPE), alternating rounds.
+
+Each server is started once per dtype on a free loopback port and loaded by the same client,
+`pagedkv bench serve` (random 256-token prompts, 128 output tokens, greedy, ignore_eos), at each
+concurrency; the rounds alternate the servers so all see the same machine load. Printed per
+point: output tok/s and mean TPOT of each server (range over the rounds), and the ratios
+(median over rounds) against the first server.
+
+    PYTHONPATH=$PWD python benchmarks/bench_serve.py [--dtypes float32,bfloat16]
+        [--concurrency 16,64] [--num-prompts 64] [--rounds 2] [--vs-vllm /tmp/vllm-venv/bin/python]
+
+With --vs-vllm PYTHON, vLLM runs as `PYTHON -m vllm.entrypoints.openai.api_server` with the same
+block size, KV cache size and max_num_seqs. vLLM is never imported here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_offline import SHAPE  # noqa: E402
+
+KV_BYTES = 2 << 30
+BLOCK_SIZE = 32
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(kind: str, model_dir: Path, dtype: str, port: int, max_num_seqs: int,
+                   vllm_python: str | None) -> tuple[list[str], dict[str, str]]:
+    env = dict(os.environ)
+    if kind == "vllm":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(KV_BYTES >> 30)
+        return [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                "--port", str(port), "--host", "127.0.0.1", "--dtype", dtype,
+                "--block-size", str(BLOCK_SIZE), "--max-num-seqs", str(max_num_seqs),
+                "--served-model-name", "m", "--disable-log-requests"], env
+    mode = "process" if kind == "pagedkv" else "inproc"
+    return [sys.executable, "-m", "pagedkv.cli", "serve", str(model_dir), "--port", str(port),
+            "--dtype", dtype, "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes",
+            str(KV_BYTES), "--max-num-seqs", str(max_num_seqs), "--served-model-name", "m",
+            "--log-level", "warning", "--engine-core", mode], env
+
+
+class Server:
+    def __init__(self, kind: str, model_dir: Path, dtype: str, max_num_seqs: int,
+                 vllm_python: str | None) -> None:
+        self.kind = kind
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd, env = server_command(kind, model_dir, dtype, self.port, max_num_seqs, vllm_python)
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - open while the server runs
+            prefix=f"bench-serve-{kind}-", suffix=".log", delete=False)
+        start = time.monotonic()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{kind} exited: {Path(self.log.name).read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - start > 600:
+                raise RuntimeError(f"{kind} not up after 600 s")
+            time.sleep(0.5)
+        self.ready_s = time.monotonic() - start
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def load(url: str, concurrency: int, num_prompts: int, vocab: int, seed: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "pagedkv.cli", "bench", "serve", "--url", url, "--model", "m",
+         "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
+         "--input-len", "256", "--output-len", "128", "--vocab-size", str(vocab),
+         "--seed", str(seed), "--json", "--no-progress"],
+        capture_output=True, text=True, check=True)
+    return json.loads(out.stdout[out.stdout.index("{"):])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--concurrency", default="16,64")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--vs-vllm", default=None, metavar="PYTHON")
+    parser.add_argument("--no-inproc", action="store_true",
+                        help="leave out the in-process pagedkv server")
+    args = parser.parse_args()
+    from pagedkv.testing.random_model import build_random_model_dir, tokenizer_vocab_size
+
+    kinds = ["pagedkv"] + ([] if args.no_inproc else ["pagedkv-inproc"]) + \
+        (["vllm"] if args.vs_vllm else [])
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    print(f"CPU: {_cpu_name()}; servers: {kinds}")
+    for dtype in args.dtypes.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = build_random_model_dir(Path(tmp) / "m", dtype=dtype, seed=0, **SHAPE)
+            vocab = tokenizer_vocab_size(model_dir)
+            figures: dict[tuple[str, int], list[dict]] = {}
+            for round_index in range(args.rounds):
+                for kind in kinds if round_index % 2 == 0 else kinds[::-1]:
+                    server = Server(kind, model_dir, dtype, max(concurrencies), args.vs_vllm)
+                    try:
+                        load(server.url, concurrencies[0], 8, vocab, 99)  # warm-up
+                        for c in concurrencies:
+                            m = load(server.url, c, args.num_prompts, vocab, round_index)
+                            figures.setdefault((kind, c), []).append(m)
+                            print(f"  {dtype} c={c} round {round_index} {kind:15} "
+                                  f"{m['output_throughput']:8.1f} out tok/s  TPOT "
+                                  f"{m['tpot_ms']['mean']:6.1f} ms  TTFT {m['ttft_ms']['mean']:7.1f}"
+                                  f" ms  (ready in {server.ready_s:.0f} s)", flush=True)
+                    finally:
+                        server.stop()
+            _table(dtype, kinds, concurrencies, figures)
+
+
+def _table(dtype: str, kinds: list[str], concurrencies: list[int],
+           figures: dict[tuple[str, int], list[dict]]) -> None:
+    base = kinds[0]
+    print(f"\n{dtype}: output tok/s and mean TPOT (min-max over rounds); ratios vs the others")
+    for c in concurrencies:
+        for kind in kinds:
+            tput = [m["output_throughput"] for m in figures[(kind, c)]]
+            tpot = [m["tpot_ms"]["mean"] for m in figures[(kind, c)]]
+            line = (f"  c={c:<3} {kind:15} {min(tput):7.1f}-{max(tput):7.1f} tok/s  "
+                    f"TPOT {min(tpot):6.1f}-{max(tpot):6.1f} ms")
+            if kind != base:
+                ours = figures[(base, c)]
+                theirs = figures[(kind, c)]
+                r_tput = statistics.median(a["output_throughput"] / b["output_throughput"]
+                                           for a, b in zip(ours, theirs, strict=True))
+                r_tpot = statistics.median(a["tpot_ms"]["mean"] / b["tpot_ms"]["mean"]
+                                           for a, b in zip(ours, theirs, strict=True))
+                line += f"   {base}/{kind}: {r_tput:.2f}x tok/s, {r_tpot:.2f}x TPOT"
+            print(line)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+if __name__ == "__main__":
+    main()
