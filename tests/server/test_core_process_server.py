@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
 from tests.server.helpers import ENGINE_KWARGS, ServerProcess, engine_flags
@@ -23,13 +23,23 @@ def test_a_killed_core_process_ends_the_server_with_a_reason(tiny_llama):
         ok = httpx.post(proc.url + "/v1/completions", timeout=60,
                         json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3})
         assert ok.status_code == 200, ok.text
-        cores = [c for c in psutil.Process(proc.proc.pid).children()
-                 if "pagedkv.engine.core_proc" in " ".join(c.cmdline())]
+        cores = _children(proc.proc.pid, "pagedkv.engine.core_proc")
         assert len(cores) == 1
-        os.kill(cores[0].pid, signal.SIGKILL)
+        os.kill(cores[0], signal.SIGKILL)
         assert proc.proc.wait(timeout=30) == 1
         output = proc.output()
         assert "engine core process" in output and "exiting because the engine failed" in output
     finally:
         if proc.proc.poll() is None:
             proc.proc.kill()
+
+
+def _children(pid: int, marker: str) -> list[int]:
+    """The ids of `pid`'s child processes whose command line contains `marker` (Linux /proc)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+            if marker.encode() in cmdline:
+                found.append(int(child))
+    return found
