@@ -17,11 +17,13 @@ from pagedkv.sched.sampling_params import SamplingParams
 class LLM:
     """Offline batched generation. Keyword arguments are `EngineArgs` fields (vLLM's names)."""
 
-    def __init__(self, model: str, **kwargs: Any) -> None:
+    def __init__(self, model: str, *, core_process: bool = False, **kwargs: Any) -> None:
+        """`core_process=True` runs the engine core in a child process (as `pagedkv serve`
+        does); the default keeps it in this one."""
         unknown = sorted(set(kwargs) - set(EngineArgs.field_names()))
         if unknown:
             raise TypeError(f"LLM() got unknown engine arguments {unknown}")
-        self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs), core_process=core_process)
         self._counter = itertools.count()
 
     def shutdown(self) -> None:

@@ -152,3 +152,16 @@ def test_a_killed_core_ends_the_step_with_a_clear_error(tiny_llama):
         engine.abort_request("r")  # never raises on a dead core
     finally:
         engine.shutdown()
+
+
+def test_llm_with_a_core_process_generates_the_in_process_tokens(tiny_llama, reference):
+    from pagedkv import LLM
+
+    llm = LLM(str(tiny_llama), core_process=True, dtype="float32", block_size=4,
+              num_gpu_blocks_override=128, max_model_len=256, seed=0)
+    try:
+        out = llm.generate([GREEDY_PROMPT], SamplingParams(max_tokens=12, temperature=0.0),
+                           use_tqdm=False)
+        assert out[0].outputs[0].token_ids == reference["greedy"][0][0]
+    finally:
+        llm.shutdown()
