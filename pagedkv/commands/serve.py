@@ -14,8 +14,8 @@ drain: new requests get 503, those in flight get `--shutdown-timeout` seconds to
 rest end with an error (streams: an error event and [DONE]); then the process exits 0. When
 the engine loop dies the process exits 1, saying why; while one engine step has run longer than
 `--engine-stall-timeout` seconds, /health answers 503 (a wedged engine). `--engine-core process`
-(the default) runs the scheduler, KV cache and model runner in a child process
-(pagedkv/engine/core_proc.py): a core that dies ends the server the same way.
+runs the scheduler, KV cache and model runner in a child process (pagedkv/engine/core_proc.py):
+a core that dies ends the server the same way.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="where the engine core (scheduler, KV cache, model runner) runs: "
                         "'process' (its own process; the HTTP server, tokenizer and "
                         "detokenizer stay in this one) or 'inproc' (a thread of this process). "
-                        f"Default: ${ENGINE_CORE_ENV} when set, else 'process'")
+                        f"Default: ${ENGINE_CORE_ENV} when set, else 'inproc' (the dashboard reads "
+                        "the scheduler in-process)")
     add_engine_flags(parser)
     parser.set_defaults(run=run)
     return parser
@@ -155,8 +156,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def engine_core_mode(flag: str | None) -> str:
-    """The --engine-core mode: the flag, else $PAGEDKV_ENGINE_CORE, else 'process'."""
-    mode = flag or os.environ.get(ENGINE_CORE_ENV) or "process"
+    """The --engine-core mode: the flag, else $PAGEDKV_ENGINE_CORE, else 'inproc' (until the
+    dashboard's feed, which reads the scheduler's state in-process, moves to utility calls)."""
+    mode = flag or os.environ.get(ENGINE_CORE_ENV) or "inproc"
     if mode not in ENGINE_CORE_MODES:
         raise ValueError(f"{ENGINE_CORE_ENV} must be one of {ENGINE_CORE_MODES}, got {mode!r}")
     return mode

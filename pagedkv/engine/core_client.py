@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import msgspec
 import zmq
 
+from pagedkv.config.errors import EngineFatalError
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.core import EngineCore
 from pagedkv.engine.messages import (
@@ -49,8 +50,9 @@ logger = logging.getLogger(__name__)
 CORE_START_TIMEOUT_S = 600.0
 
 
-class CoreDeadError(RuntimeError):
-    """The engine core process is gone (crashed, killed, or its loop failed)."""
+class CoreDeadError(EngineFatalError):
+    """The engine core process is gone (crashed, killed, or its loop failed): the engine
+    cannot go on (the server's loop ends and the server exits, saying why)."""
 
 
 class CoreClient(Protocol):

@@ -60,6 +60,16 @@ def _workload(engine: LLMEngine) -> dict[str, list[tuple]]:
     return done
 
 
+def _rounded(value):  # noqa: ANN001, ANN202
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_rounded(v) for v in value)
+    return value
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_llama) -> dict[str, list[tuple]]:
     engine = LLMEngine(_args(tiny_llama))
@@ -87,7 +97,9 @@ def mp_engine(tiny_llama):
 def test_core_process_gives_the_in_process_outputs(mp_engine, reference):
     done = _workload(mp_engine)
     assert set(done) == {"greedy", "n2", "stop", "plogp"}  # "aborted" ends without an output
-    assert done == reference
+    # Tokens and texts exactly; log-probabilities to 1e-4 (the core process may run another
+    # torch thread count, so float sums may round differently in the last bits).
+    assert _rounded(done) == _rounded(reference)
     stop = _STOP["text"]
     assert done["stop"][0][2:4] == ("stop", stop) and stop not in done["stop"][0][1]
     assert done["greedy"][0][1].startswith(done["stop"][0][1] + stop)
