@@ -289,4 +289,15 @@ class LLMEngine:
 
     @property
     def prompt_tokens_total(self) -> int:
+        """Prompt tokens added so far (read from the in-process core as is; a core process
+        answers a utility call, so only the thread that steps the engine may ask it)."""
+        if self.core is not None:
+            return self.core.prompt_tokens_total
         return self.get_stats().prompt_tokens
+
+    @property
+    def generation_tokens_total(self) -> int:
+        """Tokens generated so far (as `prompt_tokens_total`)."""
+        if self.core is not None:
+            return self.core.generation_tokens_total
+        return self.get_stats().generation_tokens
