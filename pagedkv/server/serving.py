@@ -34,6 +34,7 @@ from pagedkv.sched.validation import PromptTooLongError
 from pagedkv.server.errors import APIError, model_not_found
 from pagedkv.server.metrics import RequestPhases, ServerMetrics
 from pagedkv.server.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from pagedkv.server.sse import SSEResponse, sse_stream
 from pagedkv.server.structured import compile_constraint, structured_outputs_of
 from pagedkv.server.tool_parsers import ToolParser
 from pagedkv.structured.params import StructuredOutputsParams
@@ -320,6 +321,24 @@ def close_all(streams: Sequence[RequestStream]) -> None:
     """Close (abort if unfinished) every stream; idempotent."""
     for stream in streams:
         stream.close()
+
+
+def streaming_response(events: AsyncIterator[str],
+                       streams: Sequence[RequestStream]) -> SSEResponse:
+    """The SSE answer of a streaming request: `events` framed (error event, `[DONE]`), and
+    `streams` closed however it ends (finished, client gone, cancelled before it started)."""
+    return SSEResponse(sse_stream(events, on_exit=lambda: close_all(streams)),
+                       on_close=lambda: close_all(streams))
+
+
+async def collect_unless_disconnected(request: Request, streams: Sequence[RequestStream],
+                                      collect: Any) -> Any:
+    """Await the `collect` coroutine of a non-streaming request, then close `streams` (its
+    requests are aborted if the client left first: see `run_unless_disconnected`)."""
+    try:
+        return await run_unless_disconnected(request, collect)
+    finally:
+        close_all(streams)
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

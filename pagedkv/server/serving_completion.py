@@ -24,12 +24,13 @@ from pagedkv.server.serving import (
     OpenAIServing,
     Usage,
     check_not_failed,
-    close_all,
+    collect_unless_disconnected,
     failure,
     random_id,
     run_unless_disconnected,
+    streaming_response,
 )
-from pagedkv.server.sse import SSEResponse, sse_event, sse_stream
+from pagedkv.server.sse import SSEResponse, sse_event
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -136,12 +137,8 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest,
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = _stream(serving, extras, streams, params, formatter, len(prompts),
                        include_usage, echo, vllm_prompt_logprobs)
-        return SSEResponse(sse_stream(body, on_exit=lambda: close_all(streams)),
-                           on_close=lambda: close_all(streams))
-    try:
-        final = await run_unless_disconnected(raw, _collect(serving, streams))
-    finally:
-        close_all(streams)
+        return streaming_response(body, streams)
+    final = await collect_unless_disconnected(raw, streams, _collect(serving, streams))
     return JSONResponse(_response(serving, extras, final, params.n, formatter, echo,
                                   vllm_prompt_logprobs).model_dump(mode="json"))
 

@@ -37,11 +37,11 @@ from pagedkv.server.responses_protocol import (
 from pagedkv.server.serving import (
     OpenAIServing,
     check_not_failed,
-    close_all,
-    run_unless_disconnected,
+    collect_unless_disconnected,
+    streaming_response,
 )
 from pagedkv.server.serving_chat import tokenize_chat
-from pagedkv.server.sse import SSEResponse, sse_stream
+from pagedkv.server.sse import SSEResponse
 
 
 async def create_response(serving: OpenAIServing, req: ResponsesRequest,
@@ -61,12 +61,8 @@ async def create_response(serving: OpenAIServing, req: ResponsesRequest,
     message_id = f"msg_{uuid.uuid4().hex}"
     if req.stream:
         body = _stream(serving, req, response_id, message_id, streams, params)
-        return SSEResponse(sse_stream(body, on_exit=lambda: close_all(streams)),
-                           on_close=lambda: close_all(streams))
-    try:
-        final = await run_unless_disconnected(raw, _collect(serving, streams))
-    finally:
-        close_all(streams)
+        return streaming_response(body, streams)
+    final = await collect_unless_disconnected(raw, streams, _collect(serving, streams))
     return JSONResponse(_response(serving, req, response_id, message_id, final)
                         .model_dump(mode="json"))
 
