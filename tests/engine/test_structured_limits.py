@@ -34,17 +34,22 @@ def engine(tiny_llama):
                num_gpu_blocks_override=64).llm_engine
 
 
-def slow_backend(engine, monkeypatch, **limits) -> XGrammarBackend:
+def slow_backend(engine, monkeypatch, gate: threading.Event | None = None,
+                 **limits) -> XGrammarBackend:
     """A backend whose compiles of regexes starting "slow" hold a pool thread for SLOW_S
-    (sleeping releases the GIL, as xgrammar's C++ compile does). `big(i)` is such a regex,
-    beyond the pool's small-constraint lane."""
+    (sleeping releases the GIL, as xgrammar's C++ compile does), or, given `gate`, until the
+    test sets it (so "still running" does not depend on how fast a loaded machine runs the
+    test). `big(i)` is such a regex, beyond the pool's small-constraint lane."""
     backend = XGrammarBackend(engine.tokenizer, engine.vocab_size,
                               limits=StructuredOutputsLimits(**limits))
     real = backend._compile
 
     def compile_(params):
         if params.kind == "regex" and params.regex.startswith("slow"):
-            time.sleep(SLOW_S)
+            if gate is None:
+                time.sleep(SLOW_S)
+            else:
+                gate.wait(timeout=60)  # bounded: never a thread left behind for ever
         return real(params)
 
     monkeypatch.setattr(backend, "_compile", compile_)
@@ -98,19 +103,30 @@ def test_errors_carry_no_build_paths_and_unsatisfiable_is_said(engine):
 
 
 def test_compile_timeout_and_one_compile_per_constraint(engine, monkeypatch):
-    backend = slow_backend(engine, monkeypatch, compile_timeout_s=0.3)
-    started = time.monotonic()
-    with pytest.raises(CompileTimeoutError, match="compile_timeout_s"):
-        backend.compile(StructuredOutputsParams(regex="slow-a"))
-    assert time.monotonic() - started < 0.3 + 1.0
+    gate = threading.Event()  # the slow compile runs until the test ends
+    backend = slow_backend(engine, monkeypatch, gate=gate, compile_timeout_s=0.3)
+    try:
+        started = time.monotonic()
+        with pytest.raises(CompileTimeoutError, match="compile_timeout_s"):
+            backend.compile(StructuredOutputsParams(regex="slow-a"))
+        waited = time.monotonic() - started
+        # The compile never ends by itself: the timeout ended the wait, after 0.3 s (the
+        # margin is for a loaded machine's scheduling only).
+        assert 0.3 - 0.05 <= waited < 0.3 + 3.0, waited
+        assert not gate.is_set() and backend.num_compilations == 0
 
-    async def three_waiters():
-        so = StructuredOutputsParams(regex="[0-9]+")
-        return await asyncio.gather(*(backend.compile_async(so) for _ in range(3)))
+        async def three_waiters():
+            # Their own generous timeout: what is tested here is the sharing, not the clock.
+            so = StructuredOutputsParams(regex="[0-9]+")
+            return await asyncio.gather(*(backend.compile_async(so, timeout=60)
+                                          for _ in range(3)))
 
-    first, *rest = asyncio.run(three_waiters())
-    assert all(r is first for r in rest)
-    assert backend.num_compilations == 1  # the slow one is still running (abandoned)
+        first, *rest = asyncio.run(three_waiters())
+        assert all(r is first for r in rest)
+        assert backend.num_compilations == 1  # the slow one is still running (abandoned)
+        assert backend.cached(StructuredOutputsParams(regex="slow-a")) is None
+    finally:
+        gate.set()
 
 
 def test_a_queued_compile_whose_client_left_never_runs(engine, monkeypatch):

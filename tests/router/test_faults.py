@@ -24,15 +24,22 @@ from tests.router.test_proxy import sample
 
 pytestmark = pytest.mark.timeout(60, method="thread")
 
-TIMEOUT_S = 0.5  # the router's first-byte timeout in these tests
+TIMEOUT_S = 0.5  # the router's first-byte timeout in the tests of timeouts
 SLACK_S = 3.0  # what a request may take beyond the timeouts it went through
+# The first-byte (and mid-stream idle) timeout, and the health checks' timeout, where a test is
+# not about timeouts: a backend slowed by a loaded CI machine must not look wedged there.
+PATIENT_S = 30.0
 BACKEND_HEADER = "x-pagedkv-backend"
 
 
-def router_server(*backends: FakeBackend, eject_s: float = 30.0) -> tuple[Router, ThreadServer]:
+def router_server(*backends: FakeBackend, eject_s: float = 30.0,
+                  first_byte_timeout_s: float = PATIENT_S) -> tuple[Router, ThreadServer]:
+    """A round-robin router over `backends`, served on a free port. Its first-byte timeout is
+    `first_byte_timeout_s`: tests of timeouts pass TIMEOUT_S, the others keep PATIENT_S."""
     router = Router([Backend(b.url) for b in backends], make_policy("round-robin"),
                     eject_s=eject_s)
-    app = create_router_app(router, health_interval_s=0.2, first_byte_timeout_s=TIMEOUT_S)
+    app = create_router_app(router, health_interval_s=0.2, health_timeout_s=PATIENT_S,
+                            first_byte_timeout_s=first_byte_timeout_s)
     return router, ThreadServer(app, lifespan="on")
 
 
@@ -48,7 +55,7 @@ async def post_all(url: str, bodies: list[dict]) -> list[tuple[httpx.Response, f
 
 def test_a_wedged_backend_costs_one_bounded_wait_per_request_then_is_ejected():
     with FakeBackend("wedged") as wedged, FakeBackend("ok") as good:
-        router, server = router_server(wedged, good)
+        router, server = router_server(wedged, good, first_byte_timeout_s=TIMEOUT_S)
         with server:
             first = asyncio.run(post_all(server.url, [{"prompt": "x", "model": "tiny"}] * 4))
             later = asyncio.run(post_all(server.url, [{"prompt": "y"}] * 4))
@@ -73,7 +80,7 @@ def test_a_wedged_backend_costs_one_bounded_wait_per_request_then_is_ejected():
 
 def test_no_backend_answering_in_time_is_a_504_after_one_attempt_each():
     with FakeBackend("wedged") as a, FakeBackend("wedged") as b:
-        router, server = router_server(a, b)
+        router, server = router_server(a, b, first_byte_timeout_s=TIMEOUT_S)
         with server:
             [(resp, seconds)] = asyncio.run(post_all(server.url, [{"prompt": "x"}]))
             assert resp.status_code == 504
@@ -89,7 +96,8 @@ def test_no_backend_answering_in_time_is_a_504_after_one_attempt_each():
 
 def test_an_ejection_ends_and_a_recovered_backend_gets_requests_again():
     with FakeBackend("wedged") as flaky, FakeBackend("ok") as good:
-        router, server = router_server(flaky, good, eject_s=0.3)
+        router, server = router_server(flaky, good, eject_s=0.3,
+                                       first_byte_timeout_s=TIMEOUT_S)
         with server:
             asyncio.run(post_all(server.url, [{"prompt": "x"}] * 2))
             assert flaky.attempts == 1
@@ -185,7 +193,7 @@ def test_each_failing_backend_gets_exactly_one_attempt(modes):
 
 def test_a_stream_gone_silent_ends_in_bounded_time_with_an_error_and_done():
     with FakeBackend("stall") as silent, FakeBackend("json") as plain:
-        router, server = router_server(silent, plain)
+        router, server = router_server(silent, plain, first_byte_timeout_s=TIMEOUT_S)
         with server, httpx.Client(timeout=20) as client:
             start = time.monotonic()
             resp = client.post(server.url + "/v1/completions",
