@@ -22,6 +22,7 @@ from pagedkv.structured.limits import (
 
 SLOW_S = 2.0  # how long a "big" compile takes (a stand-in for a 20,000-way choice list)
 TWO_CHOICES = StructuredOutputsParams(choice=["yes", "no"])
+PATIENT_S = 30.0  # a wait whose timeout is not what a test is about
 
 
 def big(i: int) -> StructuredOutputsParams:
@@ -118,7 +119,7 @@ def test_compile_timeout_and_one_compile_per_constraint(engine, monkeypatch):
         async def three_waiters():
             # Their own generous timeout: what is tested here is the sharing, not the clock.
             so = StructuredOutputsParams(regex="[0-9]+")
-            return await asyncio.gather(*(backend.compile_async(so, timeout=60)
+            return await asyncio.gather(*(backend.compile_async(so, timeout=PATIENT_S)
                                           for _ in range(3)))
 
         first, *rest = asyncio.run(three_waiters())
@@ -129,20 +130,34 @@ def test_compile_timeout_and_one_compile_per_constraint(engine, monkeypatch):
         gate.set()
 
 
+async def until(predicate, timeout_s: float = 10.0) -> None:
+    """Poll `predicate` on the event loop until it holds; bounded (TimeoutError)."""
+    async def poll() -> None:
+        while not predicate():
+            await asyncio.sleep(0.005)
+    await asyncio.wait_for(poll(), timeout_s)
+
+
 def test_a_queued_compile_whose_client_left_never_runs(engine, monkeypatch):
-    backend = slow_backend(engine, monkeypatch, compile_threads=1, compile_timeout_s=30)
+    gate = threading.Event()  # the busy compile holds the only thread until the test says
+    backend = slow_backend(engine, monkeypatch, gate=gate, compile_threads=1,
+                           compile_timeout_s=30)
 
     async def scenario():
         busy = asyncio.ensure_future(backend.compile_async(big(1)))
-        await asyncio.sleep(0.1)
+        await until(lambda: backend.pool.num_started == 1)
         gone = asyncio.ensure_future(backend.compile_async(big(2)))
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # `gone` has submitted (its first step ran at once)
         gone.cancel()  # the client disconnected while its compile was queued
         with pytest.raises(asyncio.CancelledError):
             await gone
+        gate.set()
         await busy
 
-    asyncio.run(scenario())
+    try:
+        asyncio.run(scenario())
+    finally:
+        gate.set()
     assert backend.pool.num_started == 1 and backend.pool.num_dropped == 1
     assert backend.cached(big(2)) is None
 
@@ -152,32 +167,40 @@ def test_two_choice_latency_is_bounded_while_big_compiles_run(engine, monkeypatc
                                                                big_clients_leave):
     """Six clients send big constraints; either they leave (disconnect) at once, or they stay
     and time out. Meanwhile a 2-choice request compiles within the timeout plus a margin,
-    far below the big compiles' SLOW_S."""
+    far below what waiting behind a big compile would take (they run until the test ends;
+    the 2-choice request may wait up to PATIENT_S, so only its latency bound can fail)."""
     timeout = 0.5
-    backend = slow_backend(engine, monkeypatch, compile_timeout_s=timeout, compile_threads=2)
-    bound = timeout + 1.0
+    gate = threading.Event()
+    threads_before = threading.active_count()  # other tests' threads may live in this process
+    backend = slow_backend(engine, monkeypatch, gate=gate, compile_timeout_s=timeout,
+                           compile_threads=2)
+    bound = timeout + 3.0  # the margin is for a loaded machine; blocked would be PATIENT_S
 
     async def scenario():
         bigs = [asyncio.ensure_future(backend.compile_async(big(i))) for i in range(6)]
-        await asyncio.sleep(0.1)  # two big compiles running, four queued
+        await until(lambda: backend.pool.num_started == 2)  # two running, four queued
         if big_clients_leave:
             for task in bigs:
                 task.cancel()
             await asyncio.sleep(0)
         started = time.monotonic()
-        await backend.compile_async(TWO_CHOICES)
+        await backend.compile_async(TWO_CHOICES, timeout=PATIENT_S)
         latency = time.monotonic() - started
         results = await asyncio.gather(*bigs, return_exceptions=True)
         return latency, results
 
-    latency, results = asyncio.run(scenario())
+    try:
+        latency, results = asyncio.run(scenario())
+    finally:
+        gate.set()
     assert latency < bound, latency
     expected = asyncio.CancelledError if big_clients_leave else CompileTimeoutError
     assert all(isinstance(r, expected) for r in results), results
     # The queued big compiles never ran: only the two that had started when they were left.
     assert backend.pool.num_started == 2 + 1
     assert backend.pool.num_dropped == 4
-    assert threading.active_count() < 40
+    assert threading.active_count() - threads_before < 20  # no thread per request
+    backend.close()
 
 
 def test_the_compile_pool_stops_with_its_backend(engine, monkeypatch):

@@ -15,6 +15,9 @@ from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.server.app import create_app
 
 WEDGE = 398  # a prompt starting with this token blocks the runner until released
+# The stall timeout: long enough that a loaded machine answers the "step in progress, not yet
+# wedged" check within it, short enough to keep the test quick.
+STALL_S = 2.0
 
 
 @pytest.mark.timeout(120, method="thread")
@@ -31,7 +34,7 @@ def test_health_is_503_while_a_step_is_wedged_and_200_after(tiny_llama):
         return real_execute(out)
 
     engine.runner.execute = execute
-    app = create_app(engine, served_model_name="m", stall_timeout_s=0.5)
+    app = create_app(engine, served_model_name="m", stall_timeout_s=STALL_S)
     body = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
     with TestClient(app) as client:
         assert client.get("/health").status_code == 200
@@ -42,7 +45,7 @@ def test_health_is_503_while_a_step_is_wedged_and_200_after(tiny_llama):
         try:
             assert entered.wait(30)
             assert client.get("/health").status_code == 200  # a step may take a while
-            time.sleep(0.7)
+            time.sleep(STALL_S + 0.2)  # the step has now run longer than STALL_S
             wedged = client.get("/health")
             assert wedged.status_code == 503
             error = wedged.json()["error"]
