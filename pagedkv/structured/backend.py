@@ -123,7 +123,13 @@ class XGrammarBackend:
             "simplify the constraint")
 
     def _compile_and_cache(self, params: StructuredOutputsParams) -> Any:
-        """Runs on a pool thread: compile, refuse an unsatisfiable grammar, cache."""
+        """Runs on a pool thread: compile, refuse an unsatisfiable grammar, cache. A grammar
+        already cached is returned as is: a caller that missed the cache just before another
+        task for the same constraint finished submits a new task after it (the pool no longer
+        knows the finished one), and that task must not compile it again."""
+        compiled = self.cached(params)
+        if compiled is not None:
+            return compiled
         try:
             compiled = self._compile(params)
         except Exception as exc:  # xgrammar raises RuntimeError / its own errors

@@ -130,6 +130,22 @@ def test_compile_timeout_and_one_compile_per_constraint(engine, monkeypatch):
         gate.set()
 
 
+def test_a_task_for_a_constraint_just_cached_does_not_compile_it_again(engine):
+    """The race a loaded machine exposed: a caller misses the cache, the compile of the same
+    constraint finishes and leaves the pool, the caller submits a new task. That task answers
+    the cached grammar: one compile per constraint, every caller the same object."""
+    backend = XGrammarBackend(engine.tokenizer, engine.vocab_size)
+    so = StructuredOutputsParams(regex="[a-z]+")
+    first = backend.compile(so)
+    ticket = backend._submit(so)  # what the late caller does after its cache miss
+    try:
+        again = ticket.future.result(PATIENT_S)
+    finally:
+        backend.pool.release(ticket)
+        backend.close()
+    assert again is first and backend.num_compilations == 1
+
+
 async def until(predicate, timeout_s: float = 10.0) -> None:
     """Poll `predicate` on the event loop until it holds; bounded (TimeoutError)."""
     async def poll() -> None:

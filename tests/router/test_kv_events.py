@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import zmq
 import zmq.asyncio
@@ -22,6 +23,7 @@ from pagedkv.router.prefix_index import PrefixMatch
 from pagedkv.router.router import Router
 
 H = [bytes([i]) * 32 for i in range(6)]
+WAIT_S = 10.0  # how long a step of the scenario may wait for the subscriber
 
 
 def stored(hashes: list[bytes], medium: str = "GPU") -> BlockStored:
@@ -48,7 +50,8 @@ async def _scenario() -> None:
         seq += 1
 
     async def until(predicate) -> None:
-        for _ in range(200):
+        deadline = time.monotonic() + WAIT_S  # by the clock, not a count: a loaded CI is slow
+        while time.monotonic() < deadline:
             if predicate():
                 return
             await asyncio.sleep(0.01)
@@ -56,7 +59,8 @@ async def _scenario() -> None:
 
     try:
         # ZMQ's slow joiner: publish the first store until the subscriber has seen it.
-        for _ in range(200):
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
             await publish(stored(H[:1]))
             await asyncio.sleep(0.01)
             if router.index.match(backend.name, H).device_blocks:
