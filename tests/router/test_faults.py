@@ -24,7 +24,7 @@ from tests.router.test_proxy import sample
 
 pytestmark = pytest.mark.timeout(60, method="thread")
 
-TIMEOUT_S = 0.5  # the router's first-byte timeout in the tests of timeouts
+TIMEOUT_S = 1.0  # the router's first-byte timeout in the tests of timeouts
 SLACK_S = 3.0  # what a request may take beyond the timeouts it went through
 # The first-byte (and mid-stream idle) timeout, and the health checks' timeout, where a test is
 # not about timeouts: a backend slowed by a loaded CI machine must not look wedged there.
