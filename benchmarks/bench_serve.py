@@ -30,6 +30,8 @@ from pathlib import Path
 
 import httpx
 
+from pagedkv.bench.machine import cpu_name
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_offline import SHAPE  # noqa: E402
 
@@ -117,7 +119,7 @@ def main() -> None:
     kinds = ["pagedkv"] + ([] if args.no_inproc else ["pagedkv-inproc"]) + \
         (["vllm"] if args.vs_vllm else [])
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    print(f"CPU: {_cpu_name()}; servers: {kinds}")
+    print(f"CPU: {cpu_name()}; servers: {kinds}")
     for dtype in args.dtypes.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = build_random_model_dir(Path(tmp) / "m", dtype=dtype, seed=0, **SHAPE)
@@ -159,16 +161,6 @@ def _table(dtype: str, kinds: list[str], concurrencies: list[int],
                                            for a, b in zip(ours, theirs, strict=True))
                 line += f"   {base}/{kind}: {r_tput:.2f}x tok/s, {r_tpot:.2f}x TPOT"
             print(line)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

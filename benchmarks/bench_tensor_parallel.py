@@ -21,6 +21,8 @@ import statistics
 import time
 from pathlib import Path
 
+from pagedkv.bench.machine import cpu_name
+
 
 def _run(model_dir: Path, dtype: str, requests, tp: int, threads: int) -> dict:
     from pagedkv import LLM, SamplingParams
@@ -65,7 +67,7 @@ def run(args, base: Path, shape: dict, workload) -> dict:
     from pagedkv.testing.random_model import build_random_model_dir
 
     tp = args.tensor_parallel_size
-    report = {"cpu": _cpu_name(), "tensor_parallel_size": tp, "load_start": os.getloadavg()[0],
+    report = {"cpu": cpu_name(), "tensor_parallel_size": tp, "load_start": os.getloadavg()[0],
               "rows": []}
     for dtype in args.dtypes.split(","):
         model_dir = base / f"llama-512x8-{dtype}"
@@ -111,16 +113,6 @@ def run(args, base: Path, shape: dict, workload) -> dict:
     report["allreduce_cost_s"] = cost
     report["load_end"] = os.getloadavg()[0]
     return report
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def _allreduce_rank(rank: int, size: int, init: str, shapes: list, reps: int, out) -> None:

@@ -123,7 +123,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = _stream(serving, extras, streams, params, formatter, include_usage, tools)
         return streaming_response(body, streams)
-    final = await collect_unless_disconnected(raw, streams, _collect(serving, streams))
+    final = await collect_unless_disconnected(raw, streams, collect_final(serving, streams))
     return JSONResponse(_response(serving, extras, final, formatter, tools)
                         .model_dump(mode="json"))
 
@@ -135,7 +135,8 @@ def _echoed(req: ChatCompletionRequest) -> str:
     return last.text() if req.echo and last.role == "assistant" else ""
 
 
-async def _collect(serving: OpenAIServing, streams: list) -> RequestOutput:
+async def collect_final(serving: OpenAIServing, streams: list) -> RequestOutput:
+    """The last output of a one-prompt request's streams (503 if it ended unfinished)."""
     final = None
     async for _, output in serving.iterate(streams):
         final = output

@@ -23,7 +23,6 @@ from fastapi.responses import JSONResponse
 
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.server.deltas import DeltaTracker
-from pagedkv.server.errors import APIError
 from pagedkv.server.request_fields import check_request_fields
 from pagedkv.server.responses_protocol import (
     IncompleteDetails,
@@ -40,7 +39,7 @@ from pagedkv.server.serving import (
     collect_unless_disconnected,
     streaming_response,
 )
-from pagedkv.server.serving_chat import tokenize_chat
+from pagedkv.server.serving_chat import collect_final, tokenize_chat
 from pagedkv.server.sse import SSEResponse
 
 
@@ -62,19 +61,9 @@ async def create_response(serving: OpenAIServing, req: ResponsesRequest,
     if req.stream:
         body = _stream(serving, req, response_id, message_id, streams, params)
         return streaming_response(body, streams)
-    final = await collect_unless_disconnected(raw, streams, _collect(serving, streams))
+    final = await collect_unless_disconnected(raw, streams, collect_final(serving, streams))
     return JSONResponse(_response(serving, req, response_id, message_id, final)
                         .model_dump(mode="json"))
-
-
-async def _collect(serving: OpenAIServing, streams: list) -> RequestOutput:
-    final = None
-    async for _, output in serving.iterate(streams):
-        final = output
-    if final is None:  # iterate raises first when a stream ends unfinished
-        raise APIError("request aborted", status_code=503, type="server_unavailable")
-    check_not_failed(final)
-    return final
 
 
 def _response(serving: OpenAIServing, req: ResponsesRequest, response_id: str, message_id: str,
