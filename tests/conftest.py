@@ -71,6 +71,12 @@ def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _tiny(tmp_path_factory, "gemma3")
 
 
+@pytest.fixture(scope="session")
+def tiny_gemma3_mqa(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3 as tiny_gemma3, with one KV head (MQA)."""
+    return _tiny(tmp_path_factory, "gemma3_mqa")
+
+
 @pytest.fixture(scope="session", params=sorted(TINY_SPECS))
 def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every tiny model in turn."""

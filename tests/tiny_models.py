@@ -40,6 +40,9 @@ TINY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": ("gemma2", dict(num_layers=4, sliding_window=8, tie_word_embeddings=True)),
     # Gemma 3: q/k norms, local and global RoPE; 5 sliding layers (window 8) per full one.
     "gemma3": ("gemma3_text", dict(num_layers=6, sliding_window=8, tie_word_embeddings=True)),
+    # Gemma 3 with one KV head (tensor parallel: replicated on every rank).
+    "gemma3_mqa": ("gemma3_text", dict(num_layers=6, sliding_window=8, num_kv_heads=1,
+                                       tie_word_embeddings=True)),
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
 from pagedkv.kv.spec import FullAttentionSpec, KVCacheSpec
 
 
@@ -23,4 +24,8 @@ def shard_kv_cache_spec(spec: KVCacheSpec, size: int) -> KVCacheSpec:
         return spec
     if not isinstance(spec, FullAttentionSpec):
         raise ValueError(f"tensor parallelism has no sharding for a {spec.kind!r} KV cache")
-    return replace(spec, num_kv_heads=local_kv_heads(spec.num_kv_heads, size))
+    heads = local_kv_heads(spec.num_kv_heads, size)
+    if isinstance(spec, HybridKVCacheSpec):  # every group's spec too (they size the blocks)
+        return replace(spec, num_kv_heads=heads, groups=tuple(
+            replace(g, spec=replace(g.spec, num_kv_heads=heads)) for g in spec.groups))
+    return replace(spec, num_kv_heads=heads)

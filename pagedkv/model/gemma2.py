@@ -7,6 +7,10 @@ dtype); a tanh-approximated GELU gates the MLP; attention scale `query_pre_attn_
 attention scores and final logits soft-capped (`cap * tanh(x / cap)`); sliding-window and full
 layers alternate (`layer_types`, or every second layer full), so the KV cache has a group of
 each (kv/hybrid_spec.py).
+
+Tensor parallel (a `TensorParallelGroup`): Megatron sharding as in llama.py (parallel/
+sharding.py). The all-reduces come before the "after" norms, which need the whole sum; the
+final soft-cap is applied on rank 0 to the gathered logits.
 """
 
 from __future__ import annotations
@@ -22,6 +26,14 @@ from pagedkv.model.attention import AttentionMetadata
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.layers import Linear, RotaryEmbedding
 from pagedkv.model.ops import LayerOps, RopeInputs
+from pagedkv.model.parallel.group import TensorParallelGroup
+from pagedkv.model.parallel.sharding import (
+    Shard,
+    TensorParallelShape,
+    checkpoint_shards,
+    model_shard,
+)
+from pagedkv.model.parallel.vocab import gather_vocab_logits, vocab_embedding
 from pagedkv.model.softcap_attention import softcap_paged_attention
 
 
@@ -52,11 +64,15 @@ class GemmaMLP(nn.Module):
 
 
 class GemmaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, window: int | None, qk_norm: bool) -> None:
+    def __init__(self, cfg: ModelConfig, window: int | None, qk_norm: bool,
+                 shard: TensorParallelShape | None = None) -> None:
+        """`shard`: this rank's heads only (None: all of them)."""
         super().__init__()
         raw = cfg.hf_config.raw if cfg.hf_config is not None else {}
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        if shard is not None:
+            self.num_heads, self.num_kv_heads = shard.local_heads, shard.local_kv_heads
+        self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
@@ -84,21 +100,31 @@ class GemmaAttention(nn.Module):
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, window: int | None, qk_norm: bool) -> None:
+    def __init__(self, cfg: ModelConfig, window: int | None, qk_norm: bool,
+                 tp: TensorParallelGroup | None = None,
+                 shard: TensorParallelShape | None = None) -> None:
+        """With `tp`, the layer holds `shard` and all-reduces attention's and the MLP's
+        row-parallel outputs before their "after" norms."""
         super().__init__()
         eps = cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.self_attn = GemmaAttention(cfg, window, qk_norm)
+        self.self_attn = GemmaAttention(cfg, window, qk_norm, shard)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.mlp = GemmaMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = GemmaMLP(cfg.hidden_size, cfg.intermediate_size if shard is None
+                            else shard.local_intermediate)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor, rope: RopeInputs, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, ops: LayerOps) -> torch.Tensor:
         h = self.self_attn.forward(self.input_layernorm(x), rope, kv_cache, meta, ops)
+        if self.tp is not None:
+            h = self.tp.all_reduce(h)
         x = x + self.post_attention_layernorm(h)
         h = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.tp is not None:
+            h = self.tp.all_reduce(h)
         return x + self.post_feedforward_layernorm(h)
 
 
@@ -113,19 +139,23 @@ class Gemma2ForCausalLM(nn.Module):
         bias = bool(hf_config.get("attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": cls.qk_norm}
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup | None = None) -> None:
+        """The whole model, or with `tp` (size > 1) rank `tp.rank`'s shard of it."""
         super().__init__()
         self.config = cfg
         raw = cfg.hf_config.raw if cfg.hf_config is not None else {}
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.shard = model_shard(tp, cfg)
+        self.tp = None if self.shard is None else tp
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size, self.tp, self.shard)
         self.embed_scale = math.sqrt(cfg.hidden_size)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, w, self.qk_norm)
+        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, w, self.qk_norm, self.tp, self.shard)
                                     for w in cfg.layer_sliding_windows)
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                       cfg.max_position_embeddings)
+        vocab = cfg.vocab_size if self.shard is None else self.shard.local_vocab
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False)
+            cfg.hidden_size, vocab, bias=False)
         cap = raw.get("final_logit_softcapping")
         self.final_softcap = None if cap is None else float(cap)
         self.ops = LayerOps()
@@ -151,13 +181,15 @@ class Gemma2ForCausalLM(nn.Module):
     def pack_linear_weights(self, panels: bool = False) -> int:
         return sum(m.pack(panels) for m in self.modules() if isinstance(m, Linear))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab], soft-capped when the config says so."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [N, vocab], soft-capped when the config says so. Tensor parallel:
+        gathered on rank 0 (None on the others), as in LlamaForCausalLM."""
         if self.lm_head is not None:
             logits = self.lm_head(hidden).float()
         else:
             logits = (hidden @ self.embed_tokens.weight.t()).float()
-        if self.final_softcap is not None:
+        logits = gather_vocab_logits(logits, self.tp, self.config.vocab_size)
+        if logits is not None and self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
 
@@ -188,9 +220,15 @@ class Gemma2ForCausalLM(nn.Module):
         return m
 
     def checkpoint_splits(self, param_name: str) -> list[int]:
-        cfg = self.config
+        """Dim-0 sizes of the tensors a fused parameter concatenates (this rank's share)."""
+        attn = self.layers[0].self_attn
         if "qkv_proj" in param_name:
-            return [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+            return [attn.q_size, attn.kv_size, attn.kv_size]
         if "gate_up_proj" in param_name:
-            return [cfg.intermediate_size] * 2
+            return [self.layers[0].mlp.intermediate] * 2
         raise ValueError(f"{param_name} is not a fused parameter")
+
+    def checkpoint_shards(self, param_name: str) -> list[Shard | None] | None:
+        """Which slice of each of `param_name`'s checkpoint tensors this rank loads (None for
+        the whole model: no tensor parallelism)."""
+        return checkpoint_shards(param_name, self.shard, self.config)

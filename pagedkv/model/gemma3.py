@@ -15,6 +15,7 @@ from pagedkv.model.config import ModelConfig
 from pagedkv.model.gemma2 import Gemma2ForCausalLM
 from pagedkv.model.layers import RotaryEmbedding
 from pagedkv.model.ops import RopeInputs
+from pagedkv.model.parallel.group import TensorParallelGroup
 
 _DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 
@@ -42,8 +43,8 @@ def gemma3_rope(raw: dict[str, Any], layer_type: str) -> tuple[float, dict[str, 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     qk_norm = True
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup | None = None) -> None:
+        super().__init__(cfg, tp)
         raw = cfg.hf_config.raw if cfg.hf_config is not None else {}
         self.rotary = RotaryEmbedding(cfg.head_dim, *gemma3_rope(raw, "full_attention"),
                                       cfg.max_position_embeddings)

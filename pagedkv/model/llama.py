@@ -26,8 +26,13 @@ from pagedkv.model.kv_quant import KVScales
 from pagedkv.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from pagedkv.model.ops import LayerOps, RopeInputs
 from pagedkv.model.parallel.group import TensorParallelGroup
-from pagedkv.model.parallel.sharding import Shard, TensorParallelShape
-from pagedkv.model.parallel.vocab import VocabParallelEmbedding
+from pagedkv.model.parallel.sharding import (
+    Shard,
+    TensorParallelShape,
+    checkpoint_shards,
+    model_shard,
+)
+from pagedkv.model.parallel.vocab import gather_vocab_logits, vocab_embedding
 
 
 class Attention(nn.Module):
@@ -122,15 +127,9 @@ class LlamaForCausalLM(nn.Module):
         """The whole model, or with `tp` (size > 1) rank `tp.rank`'s shard of it."""
         super().__init__()
         self.config = cfg
-        self.tp = tp if tp is not None and tp.size > 1 else None
-        self.shard = None if self.tp is None else TensorParallelShape(
-            self.tp.rank, self.tp.size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size,
-            cfg.vocab_size)
-        if self.shard is None:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        else:
-            self.embed_tokens = VocabParallelEmbedding(self.shard.local_vocab, cfg.hidden_size,
-                                                       self.shard.first_vocab, self.tp)
+        self.shard = model_shard(tp, cfg)
+        self.tp = None if self.shard is None else tp
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size, self.tp, self.shard)
         self.layers = nn.ModuleList(DecoderLayer(cfg, w, self.tp, self.shard)
                                     for w in cfg.layer_sliding_windows)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -171,10 +170,7 @@ class LlamaForCausalLM(nn.Module):
             logits = self.lm_head(hidden).float()
         else:
             logits = (hidden @ self.embed_tokens.weight.t()).float()
-        if self.tp is None:
-            return logits
-        parts = self.tp.gather_to_driver(logits.contiguous())
-        return None if parts is None else torch.cat(parts, 1)[:, : self.config.vocab_size]
+        return gather_vocab_logits(logits, self.tp, self.config.vocab_size)
 
     def checkpoint_mapping(self) -> dict[str, list[str]]:
         """Parameter name -> Hugging Face tensor names it is the dim-0 concatenation of."""
@@ -214,24 +210,4 @@ class LlamaForCausalLM(nn.Module):
     def checkpoint_shards(self, param_name: str) -> list[Shard | None] | None:
         """Which slice of each of `param_name`'s checkpoint tensors this rank loads (None: the
         whole tensor); None for the whole model (no tensor parallelism)."""
-        sh, cfg = self.shard, self.config
-        if sh is None:
-            return None
-        d, rank0 = cfg.head_dim, sh.rank == 0
-        if param_name in ("embed_tokens.weight", "lm_head.weight"):
-            return [Shard(0, sh.first_vocab, min(sh.first_vocab + sh.local_vocab,
-                                                 cfg.vocab_size))]
-        q = Shard(0, sh.first_head * d, (sh.first_head + sh.local_heads) * d)
-        kv = Shard(0, sh.first_kv_head * d, (sh.first_kv_head + sh.local_kv_heads) * d)
-        mlp = Shard(0, sh.rank * sh.local_intermediate, (sh.rank + 1) * sh.local_intermediate)
-        if ".qkv_proj." in param_name:
-            return [q, kv, kv]
-        if ".gate_up_proj." in param_name:
-            return [mlp, mlp]
-        if param_name.endswith("o_proj.weight"):
-            return [Shard(1, q.start, q.stop)]
-        if param_name.endswith("down_proj.weight"):
-            return [Shard(1, mlp.start, mlp.stop)]
-        if param_name.endswith(("o_proj.bias", "down_proj.bias")):  # added once, by rank 0
-            return [Shard(0, 0, cfg.hidden_size, zero=not rank0)]
-        return [None]
+        return checkpoint_shards(param_name, self.shard, self.config)

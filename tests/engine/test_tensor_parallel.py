@@ -19,19 +19,36 @@ from pagedkv import SamplingParams
 from pagedkv.config.errors import EngineFatalError
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.kv_setup import plan_kv_cache
+from pagedkv.kv.coordinator import HybridKVCacheManager
 from tests.engine.conftest import assert_pool_empty, hf_greedy, make_prompts
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 # model fixture -> extra engine settings: every registered architecture (Llama's 2 KV heads
-# split, Qwen3's 1 KV head replicated, Mistral's sliding window), both preemption modes.
+# split, Qwen3's 1 KV head replicated, Mistral's sliding window; Gemma 2 and 3 on KV cache
+# groups, Gemma 3 with split and with replicated KV heads), both preemption modes.
 CASES = {
     "tiny_llama": dict(),
     "tiny_qwen2": dict(num_gpu_blocks_override=40, preemption_mode="recompute"),
     "tiny_qwen3": dict(num_gpu_blocks_override=40, preemption_mode="swap", swap_space=0.01),
     "tiny_mistral": dict(max_num_batched_tokens=16),
+    "tiny_gemma2": dict(),
+    "tiny_gemma3": dict(num_gpu_blocks_override=64, max_num_batched_tokens=8,
+                        preemption_mode="swap", swap_space=0.01),
+    "tiny_gemma3_mqa": dict(max_num_batched_tokens=16),
 }
+
+
+def test_every_registered_architecture_has_a_case(request):
+    """CASES covers the registry: a new architecture without a tensor-parallel case fails."""
+    import json
+
+    from pagedkv.model.registry import supported_architectures
+
+    covered = {json.loads((request.getfixturevalue(m) / "config.json").read_text())
+               ["architectures"][0] for m in CASES}
+    assert covered == set(supported_architectures())
 
 
 def _greedy_tokens(llm, prompts):
@@ -52,6 +69,8 @@ def test_tp2_greedy_matches_tp1_and_transformers(request, make_llm, model):
     outs, two = _greedy_tokens(tp2, prompts)
     assert two == one
     assert two == [hf_greedy(model_dir, p, MAX_TOKENS) for p in prompts]
+    grouped = isinstance(tp2.llm_engine.scheduler.kv_cache_manager, HybridKVCacheManager)
+    assert grouped == model.startswith("tiny_gemma")  # Gemma 2/3: KV cache groups
     stats = tp2.llm_engine.get_stats()
     if "preemption_mode" in CASES[model]:
         assert stats.num_preemptions > 0
@@ -68,9 +87,10 @@ def test_tp2_greedy_matches_tp1_and_transformers(request, make_llm, model):
     assert_pool_empty(tp2)
 
 
-def test_kv_cache_is_sharded_by_head(tiny_llama, tiny_qwen3):
+def test_kv_cache_is_sharded_by_head(tiny_llama, tiny_qwen3, tiny_gemma2):
     """The planner counts one rank's bytes: Llama's 2 KV heads split, so a rank's block is half
-    the bytes and the same budget holds twice the blocks; Qwen3's one KV head is replicated."""
+    the bytes and the same budget holds twice the blocks; Qwen3's one KV head is replicated;
+    Gemma 2's KV cache groups split too, every group's spec with the pool's."""
     def blocks(model, tp):
         args = EngineArgs(model=str(model), block_size=4, kv_cache_memory_bytes=1 << 20,
                           tensor_parallel_size=tp)
@@ -80,6 +100,10 @@ def test_kv_cache_is_sharded_by_head(tiny_llama, tiny_qwen3):
     assert two.spec.page_size_bytes * 2 == one.spec.page_size_bytes
     assert two.num_blocks == (1 << 20) // two.spec.page_size_bytes == 2 * one.num_blocks
     assert blocks(tiny_qwen3, 2).num_blocks == blocks(tiny_qwen3, 1).num_blocks
+    one, two = blocks(tiny_gemma2, 1), blocks(tiny_gemma2, 2)
+    assert two.spec.page_size_bytes * 2 == one.spec.page_size_bytes
+    assert two.num_blocks == 2 * one.num_blocks
+    assert {g.spec.page_size_bytes for g in two.spec.groups} == {two.spec.page_size_bytes}
 
 
 @pytest.mark.parametrize("kwargs, match", [

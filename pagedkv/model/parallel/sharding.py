@@ -13,8 +13,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagedkv.kv.shard import local_kv_heads
+
+if TYPE_CHECKING:
+    from pagedkv.model.config import ModelConfig
+    from pagedkv.model.parallel.group import TensorParallelGroup
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,15 @@ class TensorParallelShape:
         return self.rank * self.local_vocab
 
 
+def model_shard(tp: TensorParallelGroup | None, cfg: ModelConfig) -> TensorParallelShape | None:
+    """Rank `tp.rank`'s share of the model `cfg` describes; None without tensor parallelism
+    (no group, or a group of one)."""
+    if tp is None or tp.size == 1:
+        return None
+    return TensorParallelShape(tp.rank, tp.size, cfg.num_heads, cfg.num_kv_heads,
+                               cfg.intermediate_size, cfg.vocab_size)
+
+
 def check_tensor_parallel_size(size: int, num_heads: int, num_kv_heads: int,
                                intermediate_size: int) -> None:
     """ValueError naming the value when the model cannot be split over `size` ranks."""
@@ -89,3 +103,30 @@ class Shard:
     start: int
     stop: int
     zero: bool = False
+
+
+def checkpoint_shards(param_name: str, sh: TensorParallelShape | None,
+                      cfg: ModelConfig) -> list[Shard | None] | None:
+    """Which slice of each of `param_name`'s checkpoint tensors rank `sh.rank` loads (None:
+    the whole tensor), for a model of fused `qkv_proj` / `gate_up_proj`, row-parallel `o_proj`
+    / `down_proj` and a vocabulary-parallel `embed_tokens` / `lm_head` (every registered
+    architecture); None for the whole model (`sh` None)."""
+    if sh is None:
+        return None
+    d = cfg.head_dim
+    if param_name in ("embed_tokens.weight", "lm_head.weight"):
+        return [Shard(0, sh.first_vocab, min(sh.first_vocab + sh.local_vocab, cfg.vocab_size))]
+    q = Shard(0, sh.first_head * d, (sh.first_head + sh.local_heads) * d)
+    kv = Shard(0, sh.first_kv_head * d, (sh.first_kv_head + sh.local_kv_heads) * d)
+    mlp = Shard(0, sh.rank * sh.local_intermediate, (sh.rank + 1) * sh.local_intermediate)
+    if ".qkv_proj." in param_name:
+        return [q, kv, kv]
+    if ".gate_up_proj." in param_name:
+        return [mlp, mlp]
+    if param_name.endswith("o_proj.weight"):
+        return [Shard(1, q.start, q.stop)]
+    if param_name.endswith("down_proj.weight"):
+        return [Shard(1, mlp.start, mlp.stop)]
+    if param_name.endswith(("o_proj.bias", "down_proj.bias")):  # added once, by rank 0
+        return [Shard(0, 0, cfg.hidden_size, zero=sh.rank != 0)]
+    return [None]
