@@ -173,10 +173,6 @@ class EngineArgs:
         t = self.distributed_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
             raise ValueError(f"distributed_timeout_s must be a number > 0, got {t!r}")
-        if self.tensor_parallel_size > 1 and self.uses_kv_store:
-            raise ValueError("the KV store (kv_offloading_*) does not support "
-                             f"tensor_parallel_size={self.tensor_parallel_size} yet: use "
-                             "tensor_parallel_size=1 or no store tier")
 
     def _validate_offloading(self) -> None:
         for name in ("kv_offloading_size", "kv_offloading_disk_size"):

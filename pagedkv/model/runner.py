@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +42,9 @@ from pagedkv.model.parallel.group import TensorParallelGroup
 from pagedkv.model.registry import CausalLM
 from pagedkv.model.sampler import Sampler, prompt_logprobs
 from pagedkv.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from pagedkv.engine.args import EngineArgs
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -254,6 +258,26 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return max(peak, 0)
 
+    # ---- the KV store (store/connector.py): this rank's worker side --------------------------
+
+    def attach_kv_store(self, args: EngineArgs, enable_events: bool) -> None:
+        """Build this rank's KV store (its KV heads, keys naming its rank) and plug the
+        connector's worker side in (sets `kv_connector`; after `allocate_kv_cache`)."""
+        from pagedkv.store.factory import store_connector_worker
+
+        self.kv_connector = store_connector_worker(args, self, enable_events)
+
+    def flush_kv_store(self) -> None:
+        """Wait until this rank's queued store saves are written (tests, benchmarks)."""
+        if self.kv_connector is not None:
+            self.kv_connector.store.flush()
+
+    def kv_store_stats(self) -> list[dict]:
+        """This rank's store tiers' counters (`TierStats.to_dict`), fastest tier first."""
+        if self.kv_connector is None:
+            return []
+        return [t.to_dict() for t in self.kv_connector.store.snapshot_stats()]
+
     def collective_seconds(self) -> dict[str, float]:
         """Seconds this rank spent in each kind of collective so far, waiting for the other
         ranks included ({} without tensor parallelism)."""
@@ -261,8 +285,11 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Drop the CUDA graphs, the KV cache and the weights, and hand freed device memory back
-        to the driver, so another engine in this process can size itself from it. The runner
-        is unusable afterwards."""
+        to the driver, so another engine in this process can size itself from it; close this
+        rank's KV store (its queued saves written first). The runner is unusable afterwards."""
+        if self.kv_connector is not None:
+            self.kv_connector.store.close()
+            self.kv_connector = None
         self.cuda_graphs = None
         self.kv_cache = None
         self.model = None

@@ -31,6 +31,13 @@ Worker side (`StoreConnectorWorker`, called by the ModelRunner at the start of a
     which writes them to every tier: the step never waits for a tier.
 Blocks cross the seam as rows of raw bytes (`KVCache.read_blocks` / `write_blocks`: the KV
 cache owns its layout).
+
+Tensor parallel: the scheduler side runs once, on rank 0, over rank 0's store; every rank has
+its own worker side and store (its KV heads, under keys that name its rank: factory.py) and
+gets the same metadata each step. A load is applied when every rank is done with it, each
+rank writing the fewest blocks any rank loaded (one all-gather of the ranks' outcomes a step
+while loads are pending), so the ranks' KV caches hold the same tokens and rank 0 reports
+that count: a block missing from one rank's store is recomputed on all.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ if TYPE_CHECKING:
 
     from pagedkv.kv.manager import KVCacheManager
     from pagedkv.model.kv_cache import KVCache
+    from pagedkv.model.parallel.group import TensorParallelGroup
     from pagedkv.sched.output import SchedulerOutput
     from pagedkv.sched.request import Request
 
@@ -215,15 +223,25 @@ class StoreConnectorScheduler:
         return saves
 
 
+def agreed_outcomes(per_rank: list[dict[int, int]]) -> dict[int, int]:
+    """The jobs every rank is done with, each with the fewest blocks any rank loaded."""
+    common = set(per_rank[0]).intersection(*per_rank[1:])
+    return {job_id: min(outcomes[job_id] for outcomes in per_rank) for job_id in sorted(common)}
+
+
 class StoreConnectorWorker:
-    """The model runner's side: runs loads in the background, applies them, starts saves."""
+    """The model runner's side: runs loads in the background, applies them, starts saves.
+    `group`: this runner's tensor-parallel group (loads applied by agreement; only rank 0
+    posts to `finished`), None for one process."""
 
     def __init__(self, store: TieredKVStore, finished: FinishedLoads, *, pin_memory: bool,
-                 load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S) -> None:
+                 load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
+                 group: TensorParallelGroup | None = None) -> None:
         self.store = store
         self.finished = finished
         self.pin_memory = pin_memory
         self.load_timeout_s = load_timeout_s
+        self.group = group if group is not None and group.size > 1 else None
         self._pending: dict[int, tuple[LoadJob, Future, float]] = {}  # job id -> (job, rows, deadline)
         self.num_failed_loads = 0  # jobs that raised or timed out
 
@@ -259,28 +277,53 @@ class StoreConnectorWorker:
                                 return_when=concurrent.futures.FIRST_COMPLETED)
 
     def _apply_finished(self, kv_cache: KVCache) -> None:
-        now = time.monotonic()
-        for job_id, (job, future, deadline) in list(self._pending.items()):
-            if future.done() or now >= deadline:
-                del self._pending[job_id]
-                self.finished.post(job_id, self._apply(job, future, kv_cache))
+        """Apply (and report) every job this rank, or with tensor parallelism every rank, is
+        done with: finished, failed or past its deadline (mutates the KV cache, `_pending`).
+        The all-gather runs on every rank alike: `_pending` holds the same jobs on each."""
+        if not self._pending:
+            return
+        outcomes = self._local_outcomes()
+        if self.group is not None:
+            outcomes = agreed_outcomes(self.group.all_gather_objects(outcomes))
+        for job_id, num_blocks in outcomes.items():
+            job, future, _ = self._pending.pop(job_id)
+            applied = self._apply(job, future, kv_cache, num_blocks)
+            if self.group is None or self.group.is_driver:
+                self.finished.post(job_id, applied)
 
-    def _apply(self, job: LoadJob, future: Future, kv_cache: KVCache) -> int:
-        """Copy a finished job's rows into its device blocks; the number of blocks loaded."""
+    def _local_outcomes(self) -> dict[int, int]:
+        """Blocks loaded (0: failed or timed out) of each pending job this rank is done with."""
+        now = time.monotonic()
+        outcomes = {}
+        for job_id, (_, future, deadline) in self._pending.items():
+            if future.done():
+                failed = future.cancelled() or future.exception() is not None
+                outcomes[job_id] = 0 if failed else future.result().shape[0]
+            elif now >= deadline:
+                outcomes[job_id] = 0
+        return outcomes
+
+    def _apply(self, job: LoadJob, future: Future, kv_cache: KVCache, num_blocks: int) -> int:
+        """Copy the first `num_blocks` loaded rows of a job into its device blocks; the number
+        of blocks written."""
         if not future.done():
             future.cancel()
             self.num_failed_loads += 1
             logger.warning("kv store: a load of %d blocks timed out after %.1f s; they are "
                            "recomputed", len(job.block_ids), self.load_timeout_s)
             return 0
+        if future.cancelled() or future.exception() is not None:
+            self.num_failed_loads += 1
+            logger.error("kv store: a load failed; its blocks are recomputed",
+                         exc_info=None if future.cancelled() else future.exception())
+            return 0
         try:
-            rows = future.result()
-            if rows.shape[0]:
-                kv_cache.write_blocks(job.block_ids[:rows.shape[0]], rows)
-            return rows.shape[0]
+            if num_blocks:
+                kv_cache.write_blocks(job.block_ids[:num_blocks], future.result()[:num_blocks])
+            return num_blocks
         except Exception:  # a store failure costs time, never a request
             self.num_failed_loads += 1
-            logger.exception("kv store: a load failed; its blocks are recomputed")
+            logger.exception("kv store: writing loaded blocks failed; they are recomputed")
             return 0
 
     # ---- saves ------------------------------------------------------------------------------

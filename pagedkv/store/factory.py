@@ -1,4 +1,9 @@
-"""Build an engine's KV store and its connector halves from `EngineArgs` (one place)."""
+"""Build an engine's KV store and its connector halves from `EngineArgs` (one place).
+
+Tensor parallel: every rank builds its own store (`store_connector_worker`, run on each rank
+by the executor) over its own KV heads, whose keys name the rank and the group size
+(`shard_tag`), so no other rank, and no engine of another size, ever reads them; rank 0's
+store also serves the scheduler's lookups and the KV events."""
 
 from __future__ import annotations
 
@@ -14,8 +19,11 @@ from pagedkv.store.tiered import TieredKVStore
 if TYPE_CHECKING:
     from pagedkv.engine.args import EngineArgs
     from pagedkv.kv.spec import KVCacheSpec
+    from pagedkv.model.executor import Executor
+    from pagedkv.model.parallel.group import TensorParallelGroup
     from pagedkv.model.runner import ModelRunner
     from pagedkv.sched.scheduler import Scheduler
+    from pagedkv.store.connector import StoreConnectorWorker
 
 
 def build_tiers(args: EngineArgs, block_bytes: int, pin_memory: bool = False) -> list[KVTier]:
@@ -39,19 +47,32 @@ def build_tiers(args: EngineArgs, block_bytes: int, pin_memory: bool = False) ->
     return tiers
 
 
+def shard_tag(group: TensorParallelGroup | None) -> str | None:
+    """What a tensor-parallel rank's store keys add: its rank and the group's size (with the
+    model's config, already in the key, that fixes which KV heads the rank holds); None for
+    one process (whose keys stay those of earlier versions)."""
+    if group is None or group.size == 1:
+        return None
+    return f"tensor-parallel rank {group.rank} of {group.size}"
+
+
 def build_kv_store(args: EngineArgs, spec: KVCacheSpec, weight_files: list,
                    enable_events: bool, pin_memory: bool = False,
-                   dtype_tag: str | None = None) -> TieredKVStore | None:
+                   dtype_tag: str | None = None, shard: str | None = None
+                   ) -> TieredKVStore | None:
     """The store for `args` and the KV cache `spec` describes (None when no tier is
     configured): a block is `spec.page_size_bytes` bytes laid out as `KVCache.LAYOUT`.
     `dtype_tag` says what the bytes mean (`KVCache.dtype_tag()`: the cache dtype and, for
-    fp8, every layer's scales; default the spec's dtype): part of every key."""
+    fp8, every layer's scales; default the spec's dtype): part of every key, as is `shard`
+    (`shard_tag`: which tensor-parallel rank's heads the blocks hold)."""
     if not args.uses_kv_store:
         return None
     from pagedkv.model.kv_cache import KVCache
 
     shape = {k: v for k, v in spec.to_dict().items() if k != "dtype"}  # the dtype: dtype_tag
     layout = ",".join(KVCache.LAYOUT) + ":" + json.dumps(shape, sort_keys=True)
+    if shard is not None:
+        layout += "|" + shard
     identity = model_identity(args.model, weight_files, dtype_tag or spec.dtype, layout,
                               spec.block_size)
     block_bytes = spec.page_size_bytes
@@ -59,26 +80,35 @@ def build_kv_store(args: EngineArgs, spec: KVCacheSpec, weight_files: list,
                          spec.block_size, enable_events=enable_events)
 
 
-def attach_kv_store(args: EngineArgs, sliding_window: int | None, runner: ModelRunner,
+def store_connector_worker(args: EngineArgs, runner: ModelRunner,
+                           enable_events: bool) -> StoreConnectorWorker:
+    """This rank's store (its KV heads, its keys) behind the runner's side of the connector.
+    KV events come from rank 0's store only."""
+    from pagedkv.model.loader import weight_files
+    from pagedkv.store.connector import FinishedLoads, StoreConnectorWorker
+
+    group = runner.tensor_parallel
+    pin_memory = pin_host_memory(runner.kv_cache.device)
+    store = build_kv_store(args, runner.kv_cache_spec, weight_files(args.model),
+                           enable_events and (group is None or group.is_driver), pin_memory,
+                           runner.kv_cache.dtype_tag(), shard_tag(group))
+    return StoreConnectorWorker(store, FinishedLoads(), pin_memory=pin_memory, group=group)
+
+
+def attach_kv_store(args: EngineArgs, sliding_window: int | None, runner: Executor,
                     scheduler: Scheduler, enable_events: bool) -> TieredKVStore | None:
-    """Build the store and plug its connector halves into `scheduler` and `runner` (sets their
-    `kv_connector`). None, and nothing plugged, when no tier is configured."""
+    """Build every rank's store and plug the connector halves into `scheduler` and the
+    runners (sets their `kv_connector`). Returns rank 0's store (the one the scheduler looks
+    up); None, and nothing plugged, when no tier is configured."""
     if not args.uses_kv_store:
         return None
     if sliding_window is not None:
         raise ValueError("the KV store (kv_offloading_*) does not support sliding-window models "
                          f"(sliding_window={sliding_window})")
-    from pagedkv.model.loader import weight_files
-    from pagedkv.store.connector import (
-        FinishedLoads,
-        StoreConnectorScheduler,
-        StoreConnectorWorker,
-    )
+    from pagedkv.store.connector import StoreConnectorScheduler
 
-    pin_memory = pin_host_memory(runner.kv_cache.device)
-    store = build_kv_store(args, runner.kv_cache_spec, weight_files(args.model), enable_events,
-                           pin_memory, runner.kv_cache.dtype_tag())
-    finished = FinishedLoads()
-    scheduler.kv_connector = StoreConnectorScheduler(store, scheduler.kv_cache_manager, finished)
-    runner.kv_connector = StoreConnectorWorker(store, finished, pin_memory=pin_memory)
-    return store
+    runner.attach_kv_store(args, enable_events)
+    worker = runner.kv_connector  # rank 0's
+    scheduler.kv_connector = StoreConnectorScheduler(worker.store, scheduler.kv_cache_manager,
+                                                     worker.finished)
+    return worker.store

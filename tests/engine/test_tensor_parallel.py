@@ -108,7 +108,6 @@ def test_kv_cache_is_sharded_by_head(tiny_llama, tiny_qwen3, tiny_gemma2):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(tensor_parallel_size=3), "does not divide the model's 4 attention heads"),
-    (dict(tensor_parallel_size=2, kv_offloading_size=0.01), "does not support"),
     (dict(tensor_parallel_size=2, nnodes=3), "nnodes=3 must divide"),
     (dict(tensor_parallel_size=2, nnodes=2), "needs master_port"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),

@@ -9,9 +9,12 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pagedkv.sched.output import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from pagedkv.engine.args import EngineArgs
 
 
 class Executor(Protocol):
@@ -27,5 +30,7 @@ class Executor(Protocol):
                                 max_model_len: int) -> int: ...
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def attach_kv_store(self, args: EngineArgs, enable_events: bool) -> None: ...
 
     def shutdown(self) -> None: ...

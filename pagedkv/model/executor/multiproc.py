@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.multiprocessing as mp
 
@@ -26,15 +26,18 @@ from pagedkv.model.executor.worker import run_call, worker_main
 from pagedkv.model.parallel.group import CollectiveError, TensorParallelGroup
 from pagedkv.sched.output import ModelRunnerOutput, SchedulerOutput
 
+if TYPE_CHECKING:
+    from pagedkv.engine.args import EngineArgs
+
 logger = logging.getLogger(__name__)
 
 
 def worker_view(out: SchedulerOutput) -> SchedulerOutput:
-    """What a worker needs of a step (no grammar state, no KV-store work): picklable."""
-    if not any(r.grammar is not None for r in out.scheduled) and out.kv_connector_metadata is None:
+    """What a worker needs of a step (no grammar state: rank 0 samples), picklable; the
+    KV-store work stays (every rank loads and saves its own heads of the same blocks)."""
+    if not any(r.grammar is not None for r in out.scheduled):
         return out
-    return replace(out, scheduled=[replace(r, grammar=None) for r in out.scheduled],
-                   kv_connector_metadata=None)
+    return replace(out, scheduled=[replace(r, grammar=None) for r in out.scheduled])
 
 
 class MultiProcExecutor:
@@ -103,6 +106,10 @@ class MultiProcExecutor:
 
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.collective_rpc("allocate_kv_cache", num_blocks, num_host_blocks)
+
+    def attach_kv_store(self, args: EngineArgs, enable_events: bool) -> None:
+        """Every rank builds its own KV store and connector (see store/factory.py)."""
+        self.collective_rpc("attach_kv_store", args, enable_events)
 
     def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int | None = None) -> bool:
         return False  # tensor parallel runs eagerly (graphs would capture the collectives)

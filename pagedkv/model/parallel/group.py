@@ -173,6 +173,11 @@ class TensorParallelGroup:
 
     def gather_objects(self, obj: Any) -> list[Any] | None:
         """Every rank's `obj` on rank 0 (a list in rank order), None on the others."""
+        objs = self.all_gather_objects(obj)
+        return objs if self.is_driver else None
+
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` on every rank (a list in rank order)."""
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         length = torch.tensor([len(data)], dtype=torch.long)
         lengths = [torch.zeros(1, dtype=torch.long) for _ in range(self.size)]
@@ -182,8 +187,6 @@ class TensorParallelGroup:
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         bufs = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
         self._wait(self.cpu_group.allgather([bufs], [buf]), "all-gather")
-        if not self.is_driver:
-            return None
         return [pickle.loads(b[: int(n)].numpy().tobytes()) for b, n in zip(bufs, lengths,
                                                                                strict=True)]
 
