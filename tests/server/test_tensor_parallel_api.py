@@ -1,9 +1,10 @@
 """`pagedkv serve --tensor-parallel-size 2` (CPU, gloo): the OpenAI API answers with
-transformers' greedy tokens, and a worker rank that dies ends the server (exit code 1) instead
+transformers' greedy tokens (plain and streamed), bad input is a 400, the blocks come back, and a worker rank that dies ends the server (exit code 1) instead
 of leaving it hung."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -14,7 +15,7 @@ import pytest
 
 from pagedkv.model.tokenizer import Tokenizer
 from tests.engine.conftest import hf_greedy, make_prompts
-from tests.server.helpers import ServerProcess, engine_flags
+from tests.server.helpers import ServerProcess, engine_flags, wait_for_idle_pool
 
 
 def _children(pid: int) -> list[int]:
@@ -36,6 +37,15 @@ def test_tensor_parallel_server_answers_and_dies_with_its_rank(tiny_llama):
         assert r.status_code == 200, r.text
         expected = Tokenizer.from_dir(tiny_llama).decode(hf_greedy(tiny_llama, prompt, 8))
         assert r.json()["choices"][0]["text"] == expected
+        with httpx.stream("POST", proc.url + "/v1/completions", json={**body, "stream": True},
+                          timeout=60) as stream:
+            events = [json.loads(line.removeprefix("data: ")) for line in stream.iter_lines()
+                      if line.startswith("data: {")]
+        assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == expected
+        bad = httpx.post(proc.url + "/v1/completions", json={**body, "max_tokens": -1},
+                         timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+        assert wait_for_idle_pool(proc.url)["pagedkv:kv_cache_usage_perc"] == 0  # blocks back
         workers = [p for p in _children(proc.proc.pid)  # spawned ranks, not the resource tracker
                    if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
         assert workers, "no worker rank process found"
