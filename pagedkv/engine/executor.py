@@ -82,8 +82,8 @@ def run_node_ranks(args: EngineArgs) -> int:
     first = args.node_rank * per_node
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=worker_main, name=f"pagedkv-tp-rank{r}",
-                         args=(r, args.tensor_parallel_size, init_method(args), args.device,
-                               args.distributed_timeout_s, rank_cpu_threads(args)))
+                         args=(r, r - first, args.tensor_parallel_size, init_method(args),
+                               args.device, args.distributed_timeout_s, rank_cpu_threads(args)))
              for r in range(first, first + per_node)]
     for p in procs:
         p.start()

@@ -120,6 +120,20 @@ def test_bad_tensor_parallel_settings(tiny_llama, kwargs, match):
         LLM(model=str(tiny_llama), cpu_kernels="off", kv_cache_memory_bytes=1 << 20, **kwargs)
 
 
+def test_each_rank_of_a_machine_gets_its_own_cuda_device(monkeypatch):
+    """NCCL needs one device per rank: an unindexed "cuda" becomes cuda:<local rank>; too few
+    devices is a ValueError naming the count (checked before any process starts)."""
+    from pagedkv.model.parallel.group import rank_device
+
+    cpu = torch.device("cpu")
+    assert rank_device(cpu, 1) == cpu
+    assert rank_device(torch.device("cuda", 3), 1) == torch.device("cuda", 3)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert rank_device(torch.device("cuda"), 1) == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match="has 2 CUDA device"):
+        rank_device(torch.device("cuda"), 2)
+
+
 def _wait_fatal(llm, prompt, limit_s):
     start = time.monotonic()
     with pytest.raises(EngineFatalError, match="tensor-parallel group failed"):

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from pagedkv.config.errors import EngineFatalError
 from pagedkv.model.executor.worker import run_call, worker_main
-from pagedkv.model.parallel.group import CollectiveError, TensorParallelGroup
+from pagedkv.model.parallel.group import CollectiveError, TensorParallelGroup, rank_device
 from pagedkv.sched.output import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -50,6 +50,10 @@ class MultiProcExecutor:
                  init_method: str | None = None, worker_threads: int | None = None) -> None:
         from pagedkv.model.runner import ModelRunner, resolve_device
 
+        resolved = resolve_device(device)
+        rank_device(resolved, ranks_per_node - 1)  # enough CUDA devices, before any process
+        dev = rank_device(resolved, 0)
+        runner_kwargs = {**runner_kwargs, "device": str(dev)}
         self.size, self.timeout_s = size, timeout_s
         self._tmpdir = None
         if init_method is None:  # one machine: a rendezvous file, no port to pick
@@ -57,7 +61,8 @@ class MultiProcExecutor:
             init_method = "file://" + str(Path(self._tmpdir) / "rendezvous")
         ctx = mp.get_context("spawn")
         self.workers = [ctx.Process(target=worker_main, name=f"pagedkv-tp-rank{r}", daemon=True,
-                                    args=(r, size, init_method, device, timeout_s, worker_threads))
+                                    args=(r, r, size, init_method, device, timeout_s,
+                                          worker_threads))
                         for r in range(1, ranks_per_node)]
         for p in self.workers:
             p.start()
@@ -67,8 +72,7 @@ class MultiProcExecutor:
         self.group: TensorParallelGroup | None = None
         self.runner = None
         try:
-            self.group = TensorParallelGroup.connect(init_method, 0, size,
-                                                     resolve_device(device), timeout_s,
+            self.group = TensorParallelGroup.connect(init_method, 0, size, dev, timeout_s,
                                                      watch=self._dead_worker)
             self.group.broadcast_object(("init", model_dir, runner_kwargs))
             try:

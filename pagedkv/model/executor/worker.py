@@ -28,14 +28,15 @@ def run_call(runner: Any, method: str, args: tuple) -> tuple[str, Any]:
         return "error", f"{type(exc).__name__}: {exc}"
 
 
-def worker_main(rank: int, size: int, init_method: str, device: str, timeout_s: float,
-                cpu_threads: int | None) -> None:
-    """The process body of rank `rank` (1..size-1). Exits 0 after "shutdown"; 3 when the
+def worker_main(rank: int, local_rank: int, size: int, init_method: str, device: str,
+                timeout_s: float, cpu_threads: int | None) -> None:
+    """The process body of rank `rank` (1..size-1), the `local_rank`-th on its machine (its
+    CUDA device, see `rank_device`). Exits 0 after "shutdown"; 3 when the
     group broke (rank 0 died or hung past `timeout_s`), 1 on any other error. The process
     ends with os._exit: the interpreter's own teardown (torch's) took seconds."""
     code = 1
     try:
-        code = run_worker(rank, size, init_method, device, timeout_s, cpu_threads)
+        code = run_worker(rank, local_rank, size, init_method, device, timeout_s, cpu_threads)
     except BaseException:
         traceback.print_exc()
     finally:
@@ -44,23 +45,24 @@ def worker_main(rank: int, size: int, init_method: str, device: str, timeout_s: 
         os._exit(code)
 
 
-def run_worker(rank: int, size: int, init_method: str, device: str, timeout_s: float,
-               cpu_threads: int | None) -> int:
+def run_worker(rank: int, local_rank: int, size: int, init_method: str, device: str,
+               timeout_s: float, cpu_threads: int | None) -> int:
     """The worker loop (see the module docstring); returns the exit code."""
     import torch
 
-    from pagedkv.model.parallel.group import CollectiveError, TensorParallelGroup
+    from pagedkv.model.parallel.group import CollectiveError, TensorParallelGroup, rank_device
     from pagedkv.model.runner import ModelRunner, resolve_device
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     if cpu_threads is not None:
         torch.set_num_threads(cpu_threads)
-    group = TensorParallelGroup.connect(init_method, rank, size, resolve_device(device),
-                                        timeout_s)
+    dev = rank_device(resolve_device(device), local_rank)
+    group = TensorParallelGroup.connect(init_method, rank, size, dev, timeout_s)
     try:
         kind, model_dir, kwargs = group.broadcast_object()
         try:
-            runner = ModelRunner(model_dir, **kwargs, tensor_parallel=group)
+            runner = ModelRunner(model_dir, **{**kwargs, "device": str(dev)},
+                                 tensor_parallel=group)
             status: tuple[str, Any] = ("ok", None)
         except Exception as exc:
             runner, status = None, ("error", f"{type(exc).__name__}: {exc}")

@@ -44,6 +44,19 @@ def make_store(init_method: str, rank: int, world_size: int, timeout: timedelta)
     raise ValueError(f"init_method must start with file:// or tcp://, got {init_method!r}")
 
 
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """The device of this machine's `local_rank`-th rank: for an unindexed CUDA device, CUDA
+    device `local_rank` (one GPU per rank); `device` itself otherwise (CPU, or an explicit
+    index). ValueError when this machine has too few CUDA devices."""
+    if device.type != "cuda" or device.index is not None:
+        return device
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ValueError(f"tensor parallel: this machine runs rank {local_rank} of its ranks on "
+                         f"CUDA device {local_rank}, but has {count} CUDA device(s)")
+    return torch.device("cuda", local_rank)
+
+
 def _wait_for_ranks(store: dist.Store, flag: str, size: int, timeout_s: float,
                     watch: Callable[[], str | None] | None) -> None:
     """Poll until every rank set `flag` (a worker process dying meanwhile ends it at once)."""
@@ -93,6 +106,7 @@ class TensorParallelGroup:
         cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), rank, size, timeout)
         device_group = cpu_group
         if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL binds each rank's communicator to its device
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             device_group = dist.ProcessGroupNCCL(dist.PrefixStore("dev", store), rank, size, opts)
