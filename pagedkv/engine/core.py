@@ -52,7 +52,6 @@ class EngineCore:
 
     def __init__(self, args: EngineArgs, tokenizer=None) -> None:  # noqa: ANN001
         from pagedkv.engine.executor import build_executor
-        from pagedkv.model.cuda_graphs import decode_batch_sizes
         from pagedkv.model.loader import check_model_dir
         from pagedkv.model.runner import resolve_device
         from pagedkv.model.tokenizer import Tokenizer
@@ -69,6 +68,17 @@ class EngineCore:
         # The executor: the ModelRunner itself, or rank 0 of a tensor-parallel group (the
         # scheduler below decides once, on rank 0, for every rank).
         self.runner = build_executor(args, None if setup is None else setup.spec)
+        try:
+            self._set_up(args, setup)
+        except BaseException:  # no worker rank, store thread or weight outlives a failed start
+            self.runner.shutdown()
+            raise
+
+    def _set_up(self, args: EngineArgs, setup: KVCacheSetup | None) -> None:
+        """The rest of __init__ once the executor runs: the KV cache, the scheduler and its KV
+        manager, the KV store and the event publisher (sets them on self)."""
+        from pagedkv.model.cuda_graphs import decode_batch_sizes
+
         if setup is None:
             setup = plan_kv_cache(args, self._profile_memory(args))
         self.kv_setup = setup

@@ -109,6 +109,20 @@ def test_tp2_ranks_save_and_load_their_own_shards(tiny_llama, tmp_path):
     tp2.shutdown()
 
 
+@pytest.mark.timeout(120)
+def test_tp2_bad_tier_path_is_a_value_error_and_stops_every_rank(tiny_llama, tmp_path):
+    import multiprocessing
+
+    from pagedkv import LLM
+
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    with pytest.raises(ValueError, match="kv_offloading_disk_path"):
+        LLM(model=str(tiny_llama), block_size=BLOCK_SIZE, kv_cache_memory_bytes=1 << 20,
+            kv_offloading_disk_path=str(not_a_dir), **TP2)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("pagedkv-tp")]
+
+
 class _FakeGroup:
     """Rank `rank` of 2 whose peer reports `peer` from every all-gather."""
 

@@ -174,9 +174,14 @@ class MultiProcExecutor:
         return None
 
     def _raise_errors(self, statuses: list[tuple[str, Any]], what: str) -> None:
-        errors = [f"rank {r}: {v}" for r, (s, v) in enumerate(statuses) if s == "error"]
+        """Raise what the ranks' calls raised: a ValueError when every failing rank's was one
+        (bad input, e.g. a tier's path: as with one process), else a RuntimeError."""
+        errors = {r: v for r, (s, v) in enumerate(statuses) if s == "error"}
         if errors:
-            raise RuntimeError(f"tensor parallel, {what} failed on " + "; ".join(errors))
+            bad_input = all(v.startswith("ValueError:") for v in errors.values())
+            raise (ValueError if bad_input else RuntimeError)(
+                f"tensor parallel, {what} failed on "
+                + "; ".join(f"rank {r}: {v}" for r, v in errors.items()))
 
     def _watch(self) -> None:
         """Heartbeat and worker watch, until shutdown or the group fails."""
