@@ -18,7 +18,8 @@
 2. Concurrency and throughput at one KV memory budget (`--kv-memory`): the model and mixed
    workload of bench_offline.py (hidden 512, 8 layers; prompts 32-384, outputs 16-160 tokens)
    with kv_cache_dtype auto and fp8: blocks, the most requests running at once, preemptions,
-   output tokens/s, and the fp8 / auto ratios.
+   output tokens/s (wall and per CPU second of the process: on a shared machine the second is
+   the steadier), the fp8 / auto ratios per round and their medians.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -88,18 +90,19 @@ def concurrency(model_dir: Path, requests: list, kv_cache_dtype: str, kv_memory:
                            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     before = engine.get_stats()
     peak, generated = 0, 0
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 generated += len(out.outputs[0].token_ids)
         peak = max(peak, engine.get_stats().num_running)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     stats = engine.get_stats()
     llm.shutdown()
     return dict(num_blocks=engine.kv_setup.num_blocks, max_running=peak,
                 preemptions=stats.num_preemptions - before.num_preemptions, seconds=seconds,
-                output_tokens=generated, tokens_per_s=generated / seconds)
+                output_tokens=generated, tokens_per_s=generated / seconds,
+                tokens_per_cpu_s=generated / cpu_seconds)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                       for _ in range(args.rounds)]
             base = formats[0]
             ratios = [{d: {key: runs[d][key] / max(runs[base][key], 1e-9)
-                           for key in ("num_blocks", "max_running", "tokens_per_s")}
+                           for key in ("num_blocks", "max_running", "tokens_per_s",
+                                       "tokens_per_cpu_s")}
                        for d in formats[1:]} for runs in rounds]
             report["throughput"] = dict(rounds=rounds, over_baseline=ratios, kv_memory=memory,
                                         dtype=tdtype, baseline=base)
@@ -173,9 +177,14 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[{tdtype} model, {args.kv_memory} KV, {len(requests)} requests, "
                           f"round {i + 1}] {d}: {r['num_blocks']} blocks, at most "
                           f"{r['max_running']} running, {r['preemptions']} preemptions, "
-                          f"{r['tokens_per_s']:.1f} output tok/s", flush=True)
+                          f"{r['tokens_per_s']:.1f} output tok/s "
+                          f"({r['tokens_per_cpu_s']:.1f} per CPU second)", flush=True)
                 for d, ratio in ratios[i].items():
                     print(f"{d} / {base}: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items()))
+            for d in formats[1:]:
+                for key in ("tokens_per_s", "tokens_per_cpu_s"):
+                    med = statistics.median(r[d][key] for r in ratios)
+                    print(f"{d} / {base}: median {key} ratio over {len(ratios)} rounds {med:.2f}x")
     if args.json:
         print(json.dumps(report, indent=2))
     return 0
