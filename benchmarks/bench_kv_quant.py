@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/bench_kv_quant.py [--real-layers 2] [--real-dtype bfloat16]
         [--kv-memory 24MiB] [--num-requests 48] [--skip-real] [--skip-throughput] [--json]
     PYTHONPATH=. python benchmarks/bench_kv_quant.py --kl [--kl-contexts 256,2048]
-        [--kl-sequences 2] [--json]
+        [--kl-sequences 2] [--kl-kernels off|wait] [--json]
 
 0. `--kl` (only this): KL divergence of every cache format against a float32-exact cache on the
    benchmark model in float32 and bfloat16 weights, short and long context (kv_kl.py).
@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kl-sequences", type=int, default=2, help="sequences per context")
     parser.add_argument("--kl-formats", default=None,
                         help="only these cache formats (comma-separated; default: all)")
+    parser.add_argument("--kl-kernels", default="off", choices=("off", "wait"),
+                        help="the candidates' CPU path: pure torch (off) or the fused kernels")
     parser.add_argument("--kl-weights", default="float32,bfloat16",
                         help="weight dtypes of the KL runs, comma-separated")
     args = parser.parse_args(argv)
@@ -199,7 +201,8 @@ def kl_main(args: argparse.Namespace) -> int:
             model_dir = build_random_model_dir(Path(tmp) / dtype, dtype=dtype, seed=0, **SHAPE)
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
             rows += kl_table(model_dir, dtype, contexts, args.kl_sequences, vocab,
-                             only=args.kl_formats.split(",") if args.kl_formats else None)
+                             only=args.kl_formats.split(",") if args.kl_formats else None,
+                             kernels=args.kl_kernels)
     if args.json:
         print(json.dumps(rows, indent=2))
     return 0

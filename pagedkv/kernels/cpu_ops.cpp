@@ -486,11 +486,15 @@ template <typename Fmt> inline vqf fmt_vec(const typename Fmt::storage* p) {
     std::memcpy(&v, p, sizeof(v));
     const vqu16 w = __builtin_convertvector(v, vqu16);
     if constexpr (std::is_same_v<Fmt, E5M2Fmt>) return halves_to_float(w << 8);
-    else return halves_to_float(((w & 0x80) << 8) | ((w & 0x7F) << 7)) * 256.f;
+    else return halves_to_float(((w & 0x80) << 8) | ((w & 0x7F) << 7));  // x 2^-8: fmt_unit
   } else {
     return row_vec(p);
   }
 }
+
+// fmt_vec(p) x fmt_unit<Fmt> is the stored value (e4m3 widens to 2^-8 of it: the 2^8 goes once
+// into q and once onto the output instead of onto every element; exact, a power of two).
+template <typename Fmt> constexpr float fmt_unit = std::is_same_v<Fmt, E4M3Fmt> ? 256.f : 1.f;
 
 // acc + the pairwise products of a and b summed in pairs (int16 x int16 -> int32).
 inline vqi32 dot_pairs(vqi32 acc, vqs16 a, vqs16 b) {
@@ -620,7 +624,7 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       for (int64_t h = 0; h < g; h++) {
         const scalar_t* qs = qp + s * sq + (kh * g + h) * D;
         float* qh = reinterpret_cast<float*>(qf.data() + h * C);
-        for (int j = 0; j < D; j++) qh[j] = to_f(qs[j]) * sc;
+        for (int j = 0; j < D; j++) qh[j] = to_f(qs[j]) * sc * fmt_unit<Fmt>;
         if constexpr (int8) qscale[h] = quantize_q16<D>(qh, reinterpret_cast<int16_t*>(q16.data() + h * C / 2));
         m[h] = -std::numeric_limits<float>::infinity();
         l[h] = 0.f;
@@ -674,7 +678,7 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       }
       for (int64_t h = 0; h < g; h++) {
         const int64_t hh = kh * g + h;
-        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+        const float inv = l[h] > 0.f ? fmt_unit<Fmt> / l[h] : 0.f;
         const float* ah = reinterpret_cast<const float*>(acc.data() + h * C);
         scalar_t* o = op + (s * heads + hh) * D;
         for (int j = 0; j < D; j++) o[j] = from_f<scalar_t>(ah[j] * inv);
