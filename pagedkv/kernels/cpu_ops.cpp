@@ -355,6 +355,34 @@ struct E4M3Fmt {
   }
 };
 
+// A decode call's shapes and raw pointers (decode_impl, decode_fixed): q [S, H, D] (rows
+// strided by sq), caches [KVH, NB, BS, D] of `storage`, out [S, H, D]; g query heads per KV head.
+template <typename scalar_t, typename storage> struct DecodeViews {
+  int64_t s_n, heads, kvh, nb, bs, g, sq;
+  const scalar_t* qp;
+  const storage *kc, *vc;
+  scalar_t* op;
+  DecodeViews(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              at::Tensor& out)
+      : s_n(q.size(0)), heads(q.size(1)), kvh(k_cache.size(0)), nb(k_cache.size(1)),
+        bs(k_cache.size(2)), g(q.size(1) / k_cache.size(0)), sq(q.stride(0)),
+        qp(q.data_ptr<scalar_t>()), kc(static_cast<const storage*>(k_cache.data_ptr())),
+        vc(static_cast<const storage*>(v_cache.data_ptr())), op(out.data_ptr<scalar_t>()) {}
+};
+
+// The g query heads of one KV head done: out[h] = acc[h] * unit / l[h] (acc [g, d] float32,
+// out [g, d]; 0 where l is 0) and, when lse is given, lse[h] = m[h] + log(l[h]), the
+// log-sum-exp of the scaled scores (-inf for none). Mutates out and lse.
+template <typename scalar_t>
+inline void finish_heads(const float* acc, const float* m, const float* l, int64_t g, int64_t d,
+                         float unit, scalar_t* out, float* lse) {
+  for (int64_t h = 0; h < g; h++) {
+    const float inv = l[h] > 0.f ? unit / l[h] : 0.f;
+    for (int64_t j = 0; j < d; j++) out[h * d + j] = from_f<scalar_t>(acc[h * d + j] * inv);
+    if (lse) lse[h] = l[h] > 0.f ? m[h] + std::log(l[h]) : -std::numeric_limits<float>::infinity();
+  }
+}
+
 // One query token per sequence attending to keys first_pos[s] .. seq_lens[s] - 1 of its
 // paged K/V (block_tables [S, W] hold the physical block of each logical block). q [S, H, D]
 // (strided rows), caches [KVH, NB, BS, D] in q's dtype, int8 or fp8; k_scales / v_scales
@@ -368,14 +396,11 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
                  const float* ksp, const float* vsp, const int64_t* btp, int64_t width,
                  const int64_t* fpp, const int64_t* slp, float sc, at::Tensor& out, float* lsep) {
   using storage = typename Fmt::storage;
-  const int64_t s_n = q.size(0), heads = q.size(1), d = q.size(2);
-  const int64_t kvh = k_cache.size(0), nb = k_cache.size(1), bs = k_cache.size(2);
-  const int64_t g = heads / kvh;
-  const scalar_t* qp = q.data_ptr<scalar_t>();
-  const storage* kc = static_cast<const storage*>(k_cache.data_ptr());
-  const storage* vc = static_cast<const storage*>(v_cache.data_ptr());
-  scalar_t* op = out.data_ptr<scalar_t>();
-  const int64_t sq = q.stride(0);
+  const DecodeViews<scalar_t, storage> a(q, k_cache, v_cache, out);
+  const int64_t s_n = a.s_n, heads = a.heads, d = q.size(2), kvh = a.kvh, nb = a.nb, bs = a.bs;
+  const int64_t g = a.g, sq = a.sq;
+  const scalar_t* qp = a.qp;
+  const storage *kc = a.kc, *vc = a.vc;
   at::parallel_for(0, s_n * kvh, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(g * d), acc(g * d), kf(bs * d), vf(bs * d), p(g * bs), m(g), l(g);
     for (int64_t item = begin; item < end; item++) {
@@ -433,14 +458,8 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         }
         pos += n;
       }
-      for (int64_t h = 0; h < g; h++) {
-        const int64_t hh = kh * g + h;
-        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-        scalar_t* o = op + (s * heads + hh) * d;
-        for (int64_t j = 0; j < d; j++) o[j] = from_f<scalar_t>(acc[h * d + j] * inv);
-        if (lsep) lsep[s * heads + hh] = l[h] > 0.f ? m[h] + std::log(l[h])
-                                                    : -std::numeric_limits<float>::infinity();
-      }
+      finish_heads(acc.data(), m.data(), l.data(), g, d, 1.f, a.op + (s * heads + kh * g) * d,
+                   lsep ? lsep + s * heads + kh * g : nullptr);
     }
   });
 }
@@ -605,14 +624,11 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   using storage = typename Fmt::storage;
   constexpr int C = D / QW;
   constexpr bool int8 = std::is_same_v<Fmt, Int8Fmt>;
-  const int64_t s_n = q.size(0), heads = q.size(1);
-  const int64_t kvh = k_cache.size(0), nb = k_cache.size(1), bs = k_cache.size(2);
-  const int64_t g = heads / kvh;
-  const scalar_t* qp = q.data_ptr<scalar_t>();
-  const storage* kc = static_cast<const storage*>(k_cache.data_ptr());
-  const storage* vc = static_cast<const storage*>(v_cache.data_ptr());
-  scalar_t* op = out.data_ptr<scalar_t>();
-  const int64_t sq = q.stride(0);
+  const DecodeViews<scalar_t, storage> a(q, k_cache, v_cache, out);
+  const int64_t s_n = a.s_n, heads = a.heads, kvh = a.kvh, nb = a.nb, bs = a.bs, g = a.g;
+  const int64_t sq = a.sq;
+  const scalar_t* qp = a.qp;
+  const storage *kc = a.kc, *vc = a.vc;
   at::parallel_for(0, s_n * kvh, 1, [&](int64_t begin, int64_t end) {
     std::vector<vqf> qf(g * C), acc(g * C);
     std::vector<vqs16> q16(g * C / 2);
@@ -676,15 +692,9 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         }
         pos += n;
       }
-      for (int64_t h = 0; h < g; h++) {
-        const int64_t hh = kh * g + h;
-        const float inv = l[h] > 0.f ? fmt_unit<Fmt> / l[h] : 0.f;
-        const float* ah = reinterpret_cast<const float*>(acc.data() + h * C);
-        scalar_t* o = op + (s * heads + hh) * D;
-        for (int j = 0; j < D; j++) o[j] = from_f<scalar_t>(ah[j] * inv);
-        if (lsep) lsep[s * heads + hh] = l[h] > 0.f ? m[h] + std::log(l[h])
-                                                    : -std::numeric_limits<float>::infinity();
-      }
+      finish_heads(reinterpret_cast<const float*>(acc.data()), m.data(), l.data(), g, D,
+                   fmt_unit<Fmt>, a.op + (s * heads + kh * g) * D,
+                   lsep ? lsep + s * heads + kh * g : nullptr);
     }
   });
 }
