@@ -136,7 +136,7 @@ class ModelRunner:
         self.kv_scales = None  # fp8 cache: each layer's KVScales, computed at allocation
         if self._needs_quantized_wrapper(spec.dtype, model_dtype):
             self.attn_backend = QuantizedKVBackend(
-                self.attn_backend, decodes_in_place=is_fp8_dtype(spec.dtype) or is_int8_dtype(spec.dtype))
+                self.attn_backend, reads_in_place=is_fp8_dtype(spec.dtype) or is_int8_dtype(spec.dtype))
         self.cuda_graphs = None
         self.kv_connector = None  # the KV store's worker side, plugged in by the engine
         if num_blocks is not None:

@@ -72,7 +72,7 @@ def test_every_token_of_a_step_reads_the_quantized_cache_in_place(cache_dtype, w
     step = StepSequences(num_new_tokens=[n for n, _, _ in SEQS], seq_lens=[s for _, s, _ in SEQS],
                          block_tables=[t for _, _, t in SEQS], slot_mapping=slots, num_decodes=1,
                          block_size=BLOCK)
-    backend = QuantizedKVBackend(CpuNativeBackend(torch.device("cpu")), decodes_in_place=True)
+    backend = QuantizedKVBackend(CpuNativeBackend(torch.device("cpu")), reads_in_place=True)
     backend.native = True
     meta = backend.build_metadata(step)
     assert isinstance(meta, InPlaceMetadata)

@@ -86,11 +86,11 @@ class QuantizedKVMetadata:
 class QuantizedKVBackend:
     """Wraps the device's backend (`inner`) for an fp8 KV cache (module docstring)."""
 
-    def __init__(self, inner: Any, decodes_in_place: bool = False) -> None:
-        """`decodes_in_place`: the cache is int8 or fp8, which the fused CPU kernel reads in
+    def __init__(self, inner: Any, reads_in_place: bool = False) -> None:
+        """`reads_in_place`: the cache is int8 or fp8, which the fused CPU kernel reads in
         place while `native` is on (quantized_native.py)."""
         self.inner = inner
-        self.decodes_in_place = decodes_in_place
+        self.reads_in_place = reads_in_place
         self.name = inner.name
         self.device = inner.device
 
@@ -110,7 +110,7 @@ class QuantizedKVBackend:
         """With the fused CPU kernels on: every token read in place (quantized_native.py);
         otherwise the inner metadata of the compact step and the real blocks and slots behind
         it."""
-        if self.decodes_in_place and self.native:
+        if self.reads_in_place and self.native:
             return self._in_place_metadata(step)
         return self._compact_metadata(step)
 
@@ -126,7 +126,7 @@ class QuantizedKVBackend:
                                       device=dev),
             stored_tokens=rows)
 
-    def _in_place_metadata(self, step: StepSequences) -> InPlaceMetadata:
+    def _in_place_metadata(self, step: StepSequences) -> InPlaceMetadata | QuantizedKVMetadata:
         """Every token a row of the in-place kernel; when some token is not stored (slot < 0),
         only the decodes, and the prefill chunks through the compact path."""
         num_seqs = len(step.num_new_tokens)
