@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python benchmarks/bench_kv_quant.py [--real-layers 2] [--real-dtype bfloat16]
         [--kv-memory 24MiB] [--num-requests 48] [--skip-real] [--skip-throughput] [--json]
+    PYTHONPATH=. python benchmarks/bench_kv_quant.py --prefill-len 2048 [--throughput-formats
+        auto,int8] [--throughput-dtype bfloat16] [--threads 1]
     PYTHONPATH=. python benchmarks/bench_kv_quant.py --kl [--kl-contexts 256,2048]
         [--kl-sequences 2] [--kl-kernels off|wait] [--json]
 
@@ -106,6 +108,28 @@ def concurrency(model_dir: Path, requests: list, kv_cache_dtype: str, kv_memory:
                 tokens_per_cpu_s=generated / cpu_seconds)
 
 
+def prefill_cpu_seconds(model_dir: Path, formats: list[str], prompt_len: int, dtype: str,
+                        repeats: int = 3) -> dict[str, float]:
+    """Per KV cache format: the best CPU seconds (of `repeats`, engines alternated) of one
+    `prompt_len`-token prompt prefilled in one chunk (and one token sampled)."""
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    rng = random.Random(0)
+    prompt = {"prompt_token_ids": [rng.randrange(4, vocab) for _ in range(prompt_len)]}
+    llms = {f: LLM(model=str(model_dir), dtype=dtype, seed=0, kv_cache_dtype=f,
+                   kv_cache_memory_bytes=64 * prompt_len * 1024, max_model_len=prompt_len + 8,
+                   max_num_batched_tokens=prompt_len, enable_prefix_caching=False)
+            for f in formats}
+    best = {f: float("inf") for f in formats}
+    for _ in range(repeats):
+        for f, llm in llms.items():
+            start = time.process_time()
+            llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+            best[f] = min(best[f], time.process_time() - start)
+    for llm in llms.values():
+        llm.shutdown()
+    return best
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=3, help="accuracy prompts per model")
@@ -125,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="kv_cache_dtype of each throughput run (the first is the baseline)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="throughput runs per format, alternated (figures: each round)")
+    parser.add_argument("--prefill-len", type=int, default=None,
+                        help="only: one prompt of this many tokens prefilled per format")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.add_argument("--kl", action="store_true",
@@ -142,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.kl:
         return kl_main(args)
+    if args.prefill_len:
+        return prefill_main(args)
     report: dict = {"accuracy": {}, "throughput": {}}
     with tempfile.TemporaryDirectory() as tmp:
         models = {"tiny-llama-float32": TINY}
@@ -192,6 +220,23 @@ def main(argv: list[str] | None = None) -> int:
                           f"{med:.2f}x, best round over best round {best:.2f}x")
     if args.json:
         print(json.dumps(report, indent=2))
+    return 0
+
+
+def prefill_main(args: argparse.Namespace) -> int:
+    """`--prefill-len N`: one N-token prefill per format on bench_offline's model."""
+    formats = args.throughput_formats.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_random_model_dir(Path(tmp) / "m", dtype=args.throughput_dtype, seed=0,
+                                           **dict(SHAPE, max_position_embeddings=max(
+                                               SHAPE["max_position_embeddings"],
+                                               args.prefill_len + 8)))
+        best = prefill_cpu_seconds(model_dir, formats, args.prefill_len, args.throughput_dtype)
+    for f in formats:
+        print(f"[{args.throughput_dtype} model, one {args.prefill_len}-token prefill] {f}: best "
+              f"{best[f]:.3f} CPU s; {formats[0]} / {f} speed {best[formats[0]] / best[f]:.2f}x")
+    if args.json:
+        print(json.dumps(best, indent=2))
     return 0
 
 
