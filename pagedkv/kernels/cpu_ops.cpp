@@ -355,6 +355,21 @@ struct E4M3Fmt {
   }
 };
 
+// One block of n scores p of one query head through the online softmax: p becomes
+// exp(p - max), the running max m and sum l take the block in; returns the factor the head's
+// earlier output accumulator must be scaled by (0 on the first block, m = -inf). Mutates p, m, l.
+inline float softmax_block(float* p, int64_t n, float& m, float& l) {
+  float mx = m;
+  for (int64_t t = 0; t < n; t++) mx = std::max(mx, p[t]);
+  const float corr = std::exp(m - mx);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; t++) { p[t] = fast_exp(p[t] - mx); sum += p[t]; }
+  l = l * corr + sum;
+  m = mx;
+  return corr;
+}
+
 // A decode call's shapes and raw pointers (decode_impl, decode_fixed): q [S, H, D] (rows
 // strided by sq), caches [KVH, NB, BS, D] of `storage`, out [S, H, D]; g query heads per KV head.
 template <typename scalar_t, typename storage> struct DecodeViews {
@@ -438,12 +453,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
           dot_rows(qh, kblock, n, d, ph);
           if (ks)
             for (int64_t t = 0; t < n; t++) ph[t] *= ks[t];
-          float mx = m[h];
-          for (int64_t t = 0; t < n; t++) mx = std::max(mx, ph[t]);
-          const float corr = std::exp(m[h] - mx);  // 0 on the first block (m = -inf)
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < n; t++) { ph[t] = fast_exp(ph[t] - mx); sum += ph[t]; }
+          const float corr = softmax_block(ph, n, m[h], l[h]);
           float* ah = acc.data() + h * d;
 #pragma omp simd
           for (int64_t j = 0; j < d; j++) ah[j] *= corr;
@@ -453,8 +463,6 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 #pragma omp simd
             for (int64_t j = 0; j < d; j++) ah[j] += w * vt[j];
           }
-          l[h] = l[h] * corr + sum;
-          m[h] = mx;
         }
         pos += n;
       }
@@ -668,12 +676,7 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
           } else {
             block_scores<Fmt, D>(qf.data() + h * C, kb, n, ph);
           }
-          float mx = m[h];
-          for (int64_t t = 0; t < n; t++) mx = std::max(mx, ph[t]);
-          const float corr = std::exp(m[h] - mx);  // 0 on the first block (m = -inf)
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < n; t++) { ph[t] = fast_exp(ph[t] - mx); sum += ph[t]; }
+          const float corr = softmax_block(ph, n, m[h], l[h]);
           if constexpr (int8) {
             const float* vs = vsp + row0;
 #pragma omp simd
@@ -687,8 +690,6 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
             for (int c = 0; c < C; c++) a[c] += w * fmt_vec<Fmt>(vt + c * QW);
           }
           for (int c = 0; c < C; c++) acc[h * C + c] = a[c];
-          l[h] = l[h] * corr + sum;
-          m[h] = mx;
         }
         pos += n;
       }
