@@ -2,8 +2,10 @@
 
     PYTHONPATH=. python benchmarks/bench_kv_quant.py [--real-layers 2] [--real-dtype bfloat16]
         [--kv-memory 24MiB] [--num-requests 48] [--skip-real] [--skip-throughput] [--json]
+    PYTHONPATH=. python benchmarks/bench_kv_quant.py --prefill-len 2048 [--throughput-formats
+        auto,int8] [--throughput-dtype bfloat16] [--threads 1]
     PYTHONPATH=. python benchmarks/bench_kv_quant.py --kl [--kl-contexts 256,2048]
-        [--kl-sequences 2] [--json]
+        [--kl-sequences 2] [--kl-kernels off|wait] [--json]
 
 0. `--kl` (only this): KL divergence of every cache format against a float32-exact cache on the
    benchmark model in float32 and bfloat16 weights, short and long context (kv_kl.py).
@@ -18,7 +20,9 @@
 2. Concurrency and throughput at one KV memory budget (`--kv-memory`): the model and mixed
    workload of bench_offline.py (hidden 512, 8 layers; prompts 32-384, outputs 16-160 tokens)
    with kv_cache_dtype auto and fp8: blocks, the most requests running at once, preemptions,
-   output tokens/s, and the fp8 / auto ratios.
+   output tokens/s (wall and per CPU second of the process: on a shared machine the second is
+   the steadier), the fp8 / auto ratios per round, their medians and the ratio of each
+   format's best round (the least disturbed by other jobs).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -88,18 +93,41 @@ def concurrency(model_dir: Path, requests: list, kv_cache_dtype: str, kv_memory:
                            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     before = engine.get_stats()
     peak, generated = 0, 0
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 generated += len(out.outputs[0].token_ids)
         peak = max(peak, engine.get_stats().num_running)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     stats = engine.get_stats()
     llm.shutdown()
     return dict(num_blocks=engine.kv_setup.num_blocks, max_running=peak,
                 preemptions=stats.num_preemptions - before.num_preemptions, seconds=seconds,
-                output_tokens=generated, tokens_per_s=generated / seconds)
+                output_tokens=generated, tokens_per_s=generated / seconds,
+                tokens_per_cpu_s=generated / cpu_seconds)
+
+
+def prefill_cpu_seconds(model_dir: Path, formats: list[str], prompt_len: int, dtype: str,
+                        repeats: int = 3) -> dict[str, float]:
+    """Per KV cache format: the best CPU seconds (of `repeats`, engines alternated) of one
+    `prompt_len`-token prompt prefilled in one chunk (and one token sampled)."""
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    rng = random.Random(0)
+    prompt = {"prompt_token_ids": [rng.randrange(4, vocab) for _ in range(prompt_len)]}
+    llms = {f: LLM(model=str(model_dir), dtype=dtype, seed=0, kv_cache_dtype=f,
+                   kv_cache_memory_bytes=64 * prompt_len * 1024, max_model_len=prompt_len + 8,
+                   max_num_batched_tokens=prompt_len, enable_prefix_caching=False)
+            for f in formats}
+    best = {f: float("inf") for f in formats}
+    for _ in range(repeats):
+        for f, llm in llms.items():
+            start = time.process_time()
+            llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+            best[f] = min(best[f], time.process_time() - start)
+    for llm in llms.values():
+        llm.shutdown()
+    return best
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="kv_cache_dtype of each throughput run (the first is the baseline)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="throughput runs per format, alternated (figures: each round)")
+    parser.add_argument("--prefill-len", type=int, default=None,
+                        help="only: one prompt of this many tokens prefilled per format")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.add_argument("--kl", action="store_true",
@@ -129,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kl-sequences", type=int, default=2, help="sequences per context")
     parser.add_argument("--kl-formats", default=None,
                         help="only these cache formats (comma-separated; default: all)")
+    parser.add_argument("--kl-kernels", default="off", choices=("off", "wait"),
+                        help="the candidates' CPU path: pure torch (off) or the fused kernels")
     parser.add_argument("--kl-weights", default="float32,bfloat16",
                         help="weight dtypes of the KL runs, comma-separated")
     args = parser.parse_args(argv)
@@ -136,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.kl:
         return kl_main(args)
+    if args.prefill_len:
+        return prefill_main(args)
     report: dict = {"accuracy": {}, "throughput": {}}
     with tempfile.TemporaryDirectory() as tmp:
         models = {"tiny-llama-float32": TINY}
@@ -164,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                       for _ in range(args.rounds)]
             base = formats[0]
             ratios = [{d: {key: runs[d][key] / max(runs[base][key], 1e-9)
-                           for key in ("num_blocks", "max_running", "tokens_per_s")}
+                           for key in ("num_blocks", "max_running", "tokens_per_s",
+                                       "tokens_per_cpu_s")}
                        for d in formats[1:]} for runs in rounds]
             report["throughput"] = dict(rounds=rounds, over_baseline=ratios, kv_memory=memory,
                                         dtype=tdtype, baseline=base)
@@ -173,11 +208,35 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[{tdtype} model, {args.kv_memory} KV, {len(requests)} requests, "
                           f"round {i + 1}] {d}: {r['num_blocks']} blocks, at most "
                           f"{r['max_running']} running, {r['preemptions']} preemptions, "
-                          f"{r['tokens_per_s']:.1f} output tok/s", flush=True)
+                          f"{r['tokens_per_s']:.1f} output tok/s "
+                          f"({r['tokens_per_cpu_s']:.1f} per CPU second)", flush=True)
                 for d, ratio in ratios[i].items():
                     print(f"{d} / {base}: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items()))
+            for d in formats[1:]:
+                for key in ("tokens_per_s", "tokens_per_cpu_s"):
+                    med = statistics.median(r[d][key] for r in ratios)
+                    best = max(r[d][key] for r in rounds) / max(r[base][key] for r in rounds)
+                    print(f"{d} / {base}: {key} median ratio over {len(ratios)} rounds "
+                          f"{med:.2f}x, best round over best round {best:.2f}x")
     if args.json:
         print(json.dumps(report, indent=2))
+    return 0
+
+
+def prefill_main(args: argparse.Namespace) -> int:
+    """`--prefill-len N`: one N-token prefill per format on bench_offline's model."""
+    formats = args.throughput_formats.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_random_model_dir(Path(tmp) / "m", dtype=args.throughput_dtype, seed=0,
+                                           **dict(SHAPE, max_position_embeddings=max(
+                                               SHAPE["max_position_embeddings"],
+                                               args.prefill_len + 8)))
+        best = prefill_cpu_seconds(model_dir, formats, args.prefill_len, args.throughput_dtype)
+    for f in formats:
+        print(f"[{args.throughput_dtype} model, one {args.prefill_len}-token prefill] {f}: best "
+              f"{best[f]:.3f} CPU s; {formats[0]} / {f} speed {best[formats[0]] / best[f]:.2f}x")
+    if args.json:
+        print(json.dumps(best, indent=2))
     return 0
 
 
@@ -190,7 +249,8 @@ def kl_main(args: argparse.Namespace) -> int:
             model_dir = build_random_model_dir(Path(tmp) / dtype, dtype=dtype, seed=0, **SHAPE)
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
             rows += kl_table(model_dir, dtype, contexts, args.kl_sequences, vocab,
-                             only=args.kl_formats.split(",") if args.kl_formats else None)
+                             only=args.kl_formats.split(",") if args.kl_formats else None,
+                             kernels=args.kl_kernels)
     if args.json:
         print(json.dumps(rows, indent=2))
     return 0

@@ -45,24 +45,28 @@ def sequences(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int
 
 
 def runner_logits(model_dir: Path, dtype: str, cache_dtype: str, seqs: list[list[int]],
-                  chunk: int) -> list[torch.Tensor]:
-    """Every sequence's prompt logits with a runner of `dtype` weights and `cache_dtype` cache
-    (the pure-torch path: the numbers do not depend on whether the C++ kernels are built)."""
+                  chunk: int, kernels: str = "off") -> list[torch.Tensor]:
+    """Every sequence's prompt logits with a runner of `dtype` weights and `cache_dtype` cache;
+    `kernels` "off": the pure-torch path (the numbers do not depend on whether the C++ kernels
+    are built), "wait": the fused C++ kernels (an int8 or fp8 cache read in place)."""
     blocks = -(-max(len(s) for s in seqs) // BLOCK_SIZE) + 1
     name, _, scales = cache_dtype.partition("/")
     runner = ModelRunner(model_dir, block_size=BLOCK_SIZE, num_blocks=blocks, device="cpu",
-                         dtype=dtype, kv_cache_dtype=name, cpu_kernels="off",
+                         dtype=dtype, kv_cache_dtype=name, cpu_kernels=kernels,
                          fp8_scales=scales or "per_head")
+    runner._use_cpu_kernels()  # the fused kernels from the first step when asked for
     out = [prompt_logits(runner, s, chunk) for s in seqs]
     runner.shutdown()
     return out
 
 
 def kl_table(model_dir: Path, weight_dtype: str, contexts: list[int], num_seqs: int,
-             vocab: int, chunk: int = 256, only: list[str] | None = None) -> list[dict]:
+             vocab: int, chunk: int = 256, only: list[str] | None = None,
+             kernels: str = "off") -> list[dict]:
     """One row per (context, format): mean / p99 / max KL against the float32-exact cache, top-1
     agreement, and (bfloat16 weights) the KL against the model-dtype cache. `only`: just these
-    formats (the model-dtype cache still runs, as the second reference)."""
+    formats (the model-dtype cache still runs, as the second reference). `kernels`: the
+    candidates' CPU path (runner_logits); the reference is always the pure-torch one."""
     rows = []
     for length in contexts:
         seqs = sequences(num_seqs, length, vocab)
@@ -71,11 +75,11 @@ def kl_table(model_dir: Path, weight_dtype: str, contexts: list[int], num_seqs: 
         for fmt in formats_for(weight_dtype):
             if only is not None and fmt not in only and fmt != "auto":
                 continue
-            got = runner_logits(model_dir, weight_dtype, fmt, seqs, chunk)
+            got = runner_logits(model_dir, weight_dtype, fmt, seqs, chunk, kernels)
             if fmt == "auto":
                 own = got
             kl = kl_divergence(ref, got)
-            row = dict(weights=weight_dtype, context=length,
+            row = dict(weights=weight_dtype, context=length, kernels=kernels,
                        cache=weight_dtype if fmt == "auto" else fmt, mean_kl=kl.mean_kl,
                        p99_kl=kl.p99_kl, max_kl=kl.max_kl, top1=kl.top1_agreement,
                        positions=kl.positions)
@@ -90,6 +94,7 @@ def format_row(row: dict) -> str:
     """One line of the KL table."""
     extra = (f"  (vs {row['weights']} cache: {row['vs_model_cache_mean_kl']:.3e})"
              if "vs_model_cache_mean_kl" in row else "")
-    return (f"[{row['weights']} weights, {row['context']} tokens] {row['cache']:>18} cache: "
+    return (f"[{row['weights']} weights, {row['context']} tokens, kernels {row['kernels']}] "
+            f"{row['cache']:>18} cache: "
             f"mean KL {row['mean_kl']:.3e}, p99 {row['p99_kl']:.3e}, max {row['max_kl']:.3e}, "
             f"top-1 {100 * row['top1']:.2f}% of {row['positions']}{extra}")

@@ -355,6 +355,49 @@ struct E4M3Fmt {
   }
 };
 
+// One block of n scores p of one query head through the online softmax: p becomes
+// exp(p - max), the running max m and sum l take the block in; returns the factor the head's
+// earlier output accumulator must be scaled by (0 on the first block, m = -inf). Mutates p, m, l.
+inline float softmax_block(float* p, int64_t n, float& m, float& l) {
+  float mx = m;
+  for (int64_t t = 0; t < n; t++) mx = std::max(mx, p[t]);
+  const float corr = std::exp(m - mx);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; t++) { p[t] = fast_exp(p[t] - mx); sum += p[t]; }
+  l = l * corr + sum;
+  m = mx;
+  return corr;
+}
+
+// A decode call's shapes and raw pointers (decode_impl, decode_fixed): q [S, H, D] (rows
+// strided by sq), caches [KVH, NB, BS, D] of `storage`, out [S, H, D]; g query heads per KV head.
+template <typename scalar_t, typename storage> struct DecodeViews {
+  int64_t s_n, heads, kvh, nb, bs, g, sq;
+  const scalar_t* qp;
+  const storage *kc, *vc;
+  scalar_t* op;
+  DecodeViews(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              at::Tensor& out)
+      : s_n(q.size(0)), heads(q.size(1)), kvh(k_cache.size(0)), nb(k_cache.size(1)),
+        bs(k_cache.size(2)), g(q.size(1) / k_cache.size(0)), sq(q.stride(0)),
+        qp(q.data_ptr<scalar_t>()), kc(static_cast<const storage*>(k_cache.data_ptr())),
+        vc(static_cast<const storage*>(v_cache.data_ptr())), op(out.data_ptr<scalar_t>()) {}
+};
+
+// The g query heads of one KV head done: out[h] = acc[h] * unit / l[h] (acc [g, d] float32,
+// out [g, d]; 0 where l is 0) and, when lse is given, lse[h] = m[h] + log(l[h]), the
+// log-sum-exp of the scaled scores (-inf for none). Mutates out and lse.
+template <typename scalar_t>
+inline void finish_heads(const float* acc, const float* m, const float* l, int64_t g, int64_t d,
+                         float unit, scalar_t* out, float* lse) {
+  for (int64_t h = 0; h < g; h++) {
+    const float inv = l[h] > 0.f ? unit / l[h] : 0.f;
+    for (int64_t j = 0; j < d; j++) out[h * d + j] = from_f<scalar_t>(acc[h * d + j] * inv);
+    if (lse) lse[h] = l[h] > 0.f ? m[h] + std::log(l[h]) : -std::numeric_limits<float>::infinity();
+  }
+}
+
 // One query token per sequence attending to keys first_pos[s] .. seq_lens[s] - 1 of its
 // paged K/V (block_tables [S, W] hold the physical block of each logical block). q [S, H, D]
 // (strided rows), caches [KVH, NB, BS, D] in q's dtype, int8 or fp8; k_scales / v_scales
@@ -368,14 +411,11 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
                  const float* ksp, const float* vsp, const int64_t* btp, int64_t width,
                  const int64_t* fpp, const int64_t* slp, float sc, at::Tensor& out, float* lsep) {
   using storage = typename Fmt::storage;
-  const int64_t s_n = q.size(0), heads = q.size(1), d = q.size(2);
-  const int64_t kvh = k_cache.size(0), nb = k_cache.size(1), bs = k_cache.size(2);
-  const int64_t g = heads / kvh;
-  const scalar_t* qp = q.data_ptr<scalar_t>();
-  const storage* kc = static_cast<const storage*>(k_cache.data_ptr());
-  const storage* vc = static_cast<const storage*>(v_cache.data_ptr());
-  scalar_t* op = out.data_ptr<scalar_t>();
-  const int64_t sq = q.stride(0);
+  const DecodeViews<scalar_t, storage> a(q, k_cache, v_cache, out);
+  const int64_t s_n = a.s_n, heads = a.heads, d = q.size(2), kvh = a.kvh, nb = a.nb, bs = a.bs;
+  const int64_t g = a.g, sq = a.sq;
+  const scalar_t* qp = a.qp;
+  const storage *kc = a.kc, *vc = a.vc;
   at::parallel_for(0, s_n * kvh, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(g * d), acc(g * d), kf(bs * d), vf(bs * d), p(g * bs), m(g), l(g);
     for (int64_t item = begin; item < end; item++) {
@@ -413,12 +453,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
           dot_rows(qh, kblock, n, d, ph);
           if (ks)
             for (int64_t t = 0; t < n; t++) ph[t] *= ks[t];
-          float mx = m[h];
-          for (int64_t t = 0; t < n; t++) mx = std::max(mx, ph[t]);
-          const float corr = std::exp(m[h] - mx);  // 0 on the first block (m = -inf)
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < n; t++) { ph[t] = fast_exp(ph[t] - mx); sum += ph[t]; }
+          const float corr = softmax_block(ph, n, m[h], l[h]);
           float* ah = acc.data() + h * d;
 #pragma omp simd
           for (int64_t j = 0; j < d; j++) ah[j] *= corr;
@@ -428,19 +463,239 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 #pragma omp simd
             for (int64_t j = 0; j < d; j++) ah[j] += w * vt[j];
           }
-          l[h] = l[h] * corr + sum;
-          m[h] = mx;
         }
         pos += n;
       }
-      for (int64_t h = 0; h < g; h++) {
-        const int64_t hh = kh * g + h;
-        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-        scalar_t* o = op + (s * heads + hh) * d;
-        for (int64_t j = 0; j < d; j++) o[j] = from_f<scalar_t>(acc[h * d + j] * inv);
-        if (lsep) lsep[s * heads + hh] = l[h] > 0.f ? m[h] + std::log(l[h])
-                                                    : -std::numeric_limits<float>::infinity();
+      finish_heads(acc.data(), m.data(), l.data(), g, d, 1.f, a.op + (s * heads + kh * g) * d,
+                   lsep ? lsep + s * heads + kh * g : nullptr);
+    }
+  });
+}
+
+// ---- Decode attention for head sizes 64 and 128 (issue 25) -------------------------------
+//
+// decode_impl's algorithm with the head size known at compile time, so a query head, a row's
+// products and the output accumulators live in registers (D / QW vectors each) and no block is
+// widened into a scratch copy: each K/V row is widened in registers as it is used. Scores of QW
+// rows come out of one transposing reduction (row_sums) instead of one horizontal sum per row.
+// An int8 cache takes q . k in integers: q (times the softmax scale) is quantized once per step
+// and head to int16 (|q16| <= 32767: 2^-15 of the head's largest value, far below q's own
+// bfloat16 rounding) and multiplied with the int8 keys widened to int16 in pairs (vpdpwssd
+// with AVX-512 VNNI, vpmaddwd with AVX-512BW or AVX2, a plain loop elsewhere), summed exactly
+// in int32 (|sum| <= 32767 * 127 * 256 < 2^31 for D <= 256), then times the q and key scales.
+typedef int16_t vqs16 __attribute__((vector_size(QW * 4)));  // 2 * QW int16 (one register)
+typedef int32_t vqi32 __attribute__((vector_size(QW * 4)));
+typedef int8_t vqi8x2 __attribute__((vector_size(QW * 2)));
+typedef uint32_t vqu32 __attribute__((vector_size(QW * 4)));
+
+// QW values of a cache row as float32 (the formats' `widen`, one register at a time).
+inline vqf row_vec(const float* p) { vqf v; std::memcpy(&v, p, sizeof(v)); return v; }
+inline vqf row_vec(const c10::BFloat16* p) {
+  vqu16 h;
+  std::memcpy(&h, p, sizeof(h));
+  return (vqf)(__builtin_convertvector(h, vqu32) << 16);
+}
+inline vqf row_vec(const c10::Half* p) { vqu16 h; std::memcpy(&h, p, sizeof(h)); return halves_to_float(h); }
+template <typename Fmt> inline vqf fmt_vec(const typename Fmt::storage* p) {
+  if constexpr (std::is_same_v<Fmt, Int8Fmt>) {
+    // vpmovsxbd + vcvtdq2ps (GCC 12 scalarizes __builtin_convertvector from int8 lanes)
+#if PAGEDKV_QW == 16
+    return (vqf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+    return (vqf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+    vqf f;
+    for (int i = 0; i < QW; i++) f[i] = static_cast<float>(p[i]);
+    return f;
+#endif
+  } else if constexpr (std::is_same_v<Fmt, E5M2Fmt> || std::is_same_v<Fmt, E4M3Fmt>) {
+    vqu8 v;
+    std::memcpy(&v, p, sizeof(v));
+    const vqu16 w = __builtin_convertvector(v, vqu16);
+    if constexpr (std::is_same_v<Fmt, E5M2Fmt>) return halves_to_float(w << 8);
+    else return halves_to_float(((w & 0x80) << 8) | ((w & 0x7F) << 7));  // x 2^-8: fmt_unit
+  } else {
+    return row_vec(p);
+  }
+}
+
+// fmt_vec(p) x fmt_unit<Fmt> is the stored value (e4m3 widens to 2^-8 of it: the 2^8 goes once
+// into q and once onto the output instead of onto every element; exact, a power of two).
+template <typename Fmt> constexpr float fmt_unit = std::is_same_v<Fmt, E4M3Fmt> ? 256.f : 1.f;
+
+// acc + the pairwise products of a and b summed in pairs (int16 x int16 -> int32).
+inline vqi32 dot_pairs(vqi32 acc, vqs16 a, vqs16 b) {
+#if PAGEDKV_QW == 16 && defined(__AVX512VNNI__)
+  return (vqi32)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)a, (__m512i)b);
+#elif PAGEDKV_QW == 16 && defined(__AVX512BW__)
+  return acc + (vqi32)_mm512_madd_epi16((__m512i)a, (__m512i)b);
+#elif PAGEDKV_QW == 8 && defined(__AVX2__)
+  return acc + (vqi32)_mm256_madd_epi16((__m256i)a, (__m256i)b);
+#else
+  for (int i = 0; i < QW; i++) acc[i] += int32_t(a[2 * i]) * b[2 * i] + int32_t(a[2 * i + 1]) * b[2 * i + 1];
+  return acc;
+#endif
+}
+
+// out[i] = the sum of r[i]'s lanes, for QW vectors r (a transpose-and-add tree with AVX-512).
+template <typename V> inline V row_sums(V* r) {
+#if PAGEDKV_QW == 16
+  constexpr bool is_int = std::is_same_v<V, vqi32>;
+  auto add = [](__m512i a, __m512i b) {
+    if constexpr (is_int) return _mm512_add_epi32(a, b);
+    else return _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b)));
+  };
+  __m512i x[16];
+  for (int i = 0; i < 16; i++) x[i] = (__m512i)r[i];
+  for (int i = 0; i < 8; i++)  // lanes (a0+a2, b0+b2, a1+a3, b1+b3) per 128-bit quarter
+    x[i] = add(_mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]));
+  for (int i = 0; i < 4; i++)  // (a, b, c, d) partial sums per quarter
+    x[i] = add(_mm512_unpacklo_epi64(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_epi64(x[2 * i], x[2 * i + 1]));
+  for (int i = 0; i < 2; i++)
+    x[i] = add(_mm512_shuffle_i32x4(x[2 * i], x[2 * i + 1], 0x88), _mm512_shuffle_i32x4(x[2 * i], x[2 * i + 1], 0xDD));
+  return (V)add(_mm512_shuffle_i32x4(x[0], x[1], 0x88), _mm512_shuffle_i32x4(x[0], x[1], 0xDD));
+#else
+  V out;
+  for (int i = 0; i < QW; i++) {
+    auto s = r[i][0];
+    for (int j = 1; j < QW; j++) s += r[i][j];
+    out[i] = s;
+  }
+  return out;
+#endif
+}
+
+// p[t] = q . k[t] (float32) for the n rows of one block, q in registers (C vectors).
+template <typename Fmt, int D>
+inline void block_scores(const vqf* qv, const typename Fmt::storage* kb, int64_t n, float* p) {
+  constexpr int C = D / QW;
+  for (int64_t t0 = 0; t0 < n; t0 += QW) {
+    vqf r[QW] = {};
+    const int64_t rows = std::min<int64_t>(QW, n - t0);
+    for (int64_t i = 0; i < rows; i++) {
+      const typename Fmt::storage* kt = kb + (t0 + i) * D;
+      vqf a = qv[0] * fmt_vec<Fmt>(kt);
+      for (int c = 1; c < C; c++) a += qv[c] * fmt_vec<Fmt>(kt + c * QW);
+      r[i] = a;
+    }
+    const vqf s = row_sums(r);
+    std::memcpy(p + t0, &s, sizeof(float) * rows);
+  }
+}
+
+// dots[t] = q16 . k8[t] (int32, exact) for the n int8 rows of one block, q16 D int16 values.
+template <int D>
+inline void block_dots_int8(const vqs16* qv, const int8_t* kb, int64_t n, int32_t* dots) {
+  constexpr int C2 = D / (2 * QW);
+  for (int64_t t0 = 0; t0 < n; t0 += QW) {
+    vqi32 r[QW] = {};
+    const int64_t rows = std::min<int64_t>(QW, n - t0);
+    for (int64_t i = 0; i < rows; i++) {
+      const int8_t* kt = kb + (t0 + i) * D;
+      vqi32 a = {};
+      for (int c = 0; c < C2; c++) {
+        vqi8x2 k8;
+        std::memcpy(&k8, kt + c * 2 * QW, sizeof(k8));
+        a = dot_pairs(a, __builtin_convertvector(k8, vqs16), qv[c]);
       }
+      r[i] = a;
+    }
+    const vqi32 s = row_sums(r);
+    std::memcpy(dots + t0, &s, sizeof(int32_t) * rows);
+  }
+}
+
+// One query head (D float32 values, already times the softmax scale) as int16 values and
+// their scale (q ~= q16 * scale); mutates q16.
+template <int D> inline float quantize_q16(const float* q, int16_t* q16) {
+  float amax = 0.f;
+  for (int j = 0; j < D; j++) amax = std::max(amax, std::abs(q[j]));
+  const float s = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
+  for (int j = 0; j < D; j++) q16[j] = static_cast<int16_t>(std::nearbyint(q[j] * inv));
+  return s;
+}
+
+// Asks for `bytes` bytes at a and at b to be brought into the cache (a block is far from the
+// last one: the hardware prefetcher, following streams, would not fetch it ahead).
+inline void prefetch_rows(const void* a, const void* b, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) {
+    __builtin_prefetch(static_cast<const char*>(a) + i);
+    __builtin_prefetch(static_cast<const char*>(b) + i);
+  }
+}
+
+// decode_impl for a compile-time head size D (a multiple of 2 * QW); same arguments.
+template <typename scalar_t, typename Fmt, int D>
+void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const float* ksp, const float* vsp, const int64_t* btp, int64_t width,
+                  const int64_t* fpp, const int64_t* slp, float sc, at::Tensor& out, float* lsep) {
+  using storage = typename Fmt::storage;
+  constexpr int C = D / QW;
+  constexpr bool int8 = std::is_same_v<Fmt, Int8Fmt>;
+  const DecodeViews<scalar_t, storage> a(q, k_cache, v_cache, out);
+  const int64_t s_n = a.s_n, heads = a.heads, kvh = a.kvh, nb = a.nb, bs = a.bs, g = a.g;
+  const int64_t sq = a.sq;
+  const scalar_t* qp = a.qp;
+  const storage *kc = a.kc, *vc = a.vc;
+  at::parallel_for(0, s_n * kvh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<vqf> qf(g * C), acc(g * C);
+    std::vector<vqs16> q16(g * C / 2);
+    std::vector<float> qscale(g), p(g * bs), m(g), l(g);
+    std::vector<int32_t> dots(bs + QW);
+    for (int64_t item = begin; item < end; item++) {
+      const int64_t s = item / kvh, kh = item % kvh;
+      const int64_t first = fpp[s], len = slp[s];
+      for (int64_t h = 0; h < g; h++) {
+        const scalar_t* qs = qp + s * sq + (kh * g + h) * D;
+        float* qh = reinterpret_cast<float*>(qf.data() + h * C);
+        for (int j = 0; j < D; j++) qh[j] = to_f(qs[j]) * sc * fmt_unit<Fmt>;
+        if constexpr (int8) qscale[h] = quantize_q16<D>(qh, reinterpret_cast<int16_t*>(q16.data() + h * C / 2));
+        m[h] = -std::numeric_limits<float>::infinity();
+        l[h] = 0.f;
+      }
+      std::fill(acc.begin(), acc.end(), vqf{});
+      for (int64_t pos = first; pos < len;) {
+        const int64_t blk = btp[s * width + pos / bs], off = pos % bs;
+        const int64_t n = std::min(bs - off, len - pos);
+        const int64_t row0 = (kh * nb + blk) * bs + off;
+        const storage* kb = kc + row0 * D;
+        const storage* vb = vc + row0 * D;
+        if (pos + n < len) {  // the next block: its own place in memory, no stream to follow
+          const int64_t next = (kh * nb + btp[s * width + (pos + n) / bs]) * bs;
+          prefetch_rows(kc + next * D, vc + next * D, std::min(bs, len - pos - n) * D * sizeof(storage));
+          if constexpr (int8) prefetch_rows(ksp + next, vsp + next, bs * sizeof(float));
+        }
+        for (int64_t h = 0; h < g; h++) {
+          float* ph = p.data() + h * bs;
+          if constexpr (int8) {
+            block_dots_int8<D>(q16.data() + h * C / 2, kb, n, dots.data());
+            const float qs = qscale[h];
+            const float* ks = ksp + row0;
+#pragma omp simd
+            for (int64_t t = 0; t < n; t++) ph[t] = static_cast<float>(dots[t]) * (qs * ks[t]);
+          } else {
+            block_scores<Fmt, D>(qf.data() + h * C, kb, n, ph);
+          }
+          const float corr = softmax_block(ph, n, m[h], l[h]);
+          if constexpr (int8) {
+            const float* vs = vsp + row0;
+#pragma omp simd
+            for (int64_t t = 0; t < n; t++) ph[t] *= vs[t];
+          }
+          vqf a[C];
+          for (int c = 0; c < C; c++) a[c] = acc[h * C + c] * corr;
+          for (int64_t t = 0; t < n; t++) {
+            const float w = ph[t];
+            const storage* vt = vb + t * D;
+            for (int c = 0; c < C; c++) a[c] += w * fmt_vec<Fmt>(vt + c * QW);
+          }
+          for (int c = 0; c < C; c++) acc[h * C + c] = a[c];
+        }
+        pos += n;
+      }
+      finish_heads(reinterpret_cast<const float*>(acc.data()), m.data(), l.data(), g, D,
+                   fmt_unit<Fmt>, a.op + (s * heads + kh * g) * D,
+                   lsep ? lsep + s * heads + kh * g : nullptr);
     }
   });
 }
@@ -504,8 +759,16 @@ void paged_decode_attention_q(const at::Tensor& q, const at::Tensor& k_cache,
   dispatch(q.scalar_type(), "paged_decode_attention", [&](auto tag) {
     using scalar_t = typename decltype(tag)::type;
     auto run = [&](auto fmt) {
-      decode_impl<scalar_t, decltype(fmt)>(q, k_cache, v_cache, ksp, vsp, btp, width, fpp, slp,
-                                           sc, out, lsep);
+      using Fmt = decltype(fmt);
+      if (d == 64)
+        decode_fixed<scalar_t, Fmt, 64>(q, k_cache, v_cache, ksp, vsp, btp, width, fpp, slp, sc,
+                                        out, lsep);
+      else if (d == 128)
+        decode_fixed<scalar_t, Fmt, 128>(q, k_cache, v_cache, ksp, vsp, btp, width, fpp, slp,
+                                         sc, out, lsep);
+      else
+        decode_impl<scalar_t, Fmt>(q, k_cache, v_cache, ksp, vsp, btp, width, fpp, slp, sc, out,
+                                   lsep);
     };
     switch (cache_t) {
       case at::kChar: run(Int8Fmt{}); break;

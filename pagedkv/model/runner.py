@@ -87,13 +87,15 @@ class ModelRunner:
         `cpu_threads` (CPU only): torch's thread count; None lets a CpuThreadGovernor follow
         the cores other processes leave free (cpu_threads.py).
         `fp8_scales` (fp8 caches): "per_head" (one calibrated scale per KV head and layer) or
-        "per_layer" (one per layer, the earlier scheme; kv_calibration.py).
+        "per_layer" (one per layer, the earlier scheme; kv_calibration.py); a checkpoint's
+        own `k_scale` / `v_scale` tensors, when it has them, are used instead.
         `tensor_parallel`: this runner is one rank of the group and holds its shard of the
         weights and its KV heads of every block (the spec counts this rank's KV heads); only
         rank 0 gets logits and samples (`execute` returns nothing elsewhere)."""
         if fp8_scales not in FP8_SCALE_MODES:
             raise ValueError(f"fp8_scales must be one of {FP8_SCALE_MODES}, got {fp8_scales!r}")
         self.fp8_scales = fp8_scales
+        self.model_dir = model_dir
         check_model_dir(model_dir)  # a config.json claiming 10^9 layers fails before any build
         self.model_config = ModelConfig.from_dir(model_dir)
         self.device = resolve_device(device)
@@ -138,7 +140,7 @@ class ModelRunner:
         self.kv_scales = None  # fp8 cache: each layer's KVScales, computed at allocation
         if self._needs_quantized_wrapper(spec.dtype, model_dtype):
             self.attn_backend = QuantizedKVBackend(
-                self.attn_backend, decodes_in_place=is_fp8_dtype(spec.dtype) or is_int8_dtype(spec.dtype))
+                self.attn_backend, reads_in_place=is_fp8_dtype(spec.dtype) or is_int8_dtype(spec.dtype))
         self.cuda_graphs = None
         self.kv_connector = None  # the KV store's worker side, plugged in by the engine
         if num_blocks is not None:
@@ -173,9 +175,14 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         """Allocate the device KV cache (and the host swap copy) of `num_blocks` blocks, shaped
         by `kv_cache_spec` (planned bytes == allocated bytes). An fp8 cache's scales are
-        computed first, once (kv_calibration.py), and set on the model's attention layers."""
+        the checkpoint's when it carries them (kv_checkpoint_scales.py), else computed first,
+        once (kv_calibration.py); either way set on the model's attention layers."""
         if is_fp8_dtype(self.kv_cache_spec.dtype) and self.kv_scales is None:
-            self._calibrate_kv_scales()
+            self.kv_scales = self._checkpoint_kv_scales()
+            if self.kv_scales is None:
+                self._calibrate_kv_scales()
+            for layer, scales in zip(self.model.layers, self.kv_scales, strict=True):
+                layer.self_attn.kv_scales = scales
         self.kv_cache = KVCache.from_spec(self.kv_cache_spec, num_blocks=num_blocks,
                                           device=self.device, num_host_blocks=num_host_blocks)
         self.kv_cache.scales = self.kv_scales
@@ -195,8 +202,19 @@ class ModelRunner:
             str(self.dtype).removeprefix("torch."), kv_cache_torch_dtype(self.kv_cache_spec.dtype),
             self.model_config.vocab_size, self.model_config.max_position_embeddings, self.device,
             per_head=self.fp8_scales == "per_head")
-        for layer, scales in zip(self.model.layers, self.kv_scales, strict=True):
-            layer.self_attn.kv_scales = scales
+
+    def _checkpoint_kv_scales(self) -> list | None:
+        """The checkpoint's own fp8 KV scales (kv_checkpoint_scales.py), this rank's KV heads of
+        them with tensor parallelism; None when it has none."""
+        from pagedkv.model.kv_checkpoint_scales import read_checkpoint_kv_scales
+
+        cfg, heads = self.model_config, None
+        if self.tensor_parallel is not None:
+            local = self.kv_cache_spec.num_kv_heads
+            start = self.tensor_parallel.rank * cfg.num_kv_heads // self.tensor_parallel.size
+            heads = slice(start, start + local) if local * self.tensor_parallel.size \
+                == cfg.num_kv_heads else slice(0, 0)
+        return read_checkpoint_kv_scales(self.model_dir, cfg.num_layers, cfg.num_kv_heads, heads)
 
     def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int | None = None) -> bool:
         """Capture decode CUDA graphs for `batch_sizes` over the allocated KV cache (CUDA and the

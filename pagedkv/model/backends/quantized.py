@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.model.backends.quantized_native import InPlaceDecodeMetadata
+from pagedkv.model.backends.quantized_native import InPlaceMetadata, in_place_rows
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.kv_int8 import (
     dequantize_per_token,
@@ -86,11 +86,11 @@ class QuantizedKVMetadata:
 class QuantizedKVBackend:
     """Wraps the device's backend (`inner`) for an fp8 KV cache (module docstring)."""
 
-    def __init__(self, inner: Any, decodes_in_place: bool = False) -> None:
-        """`decodes_in_place`: the cache is int8 or fp8, which the fused CPU kernel reads in
+    def __init__(self, inner: Any, reads_in_place: bool = False) -> None:
+        """`reads_in_place`: the cache is int8 or fp8, which the fused CPU kernel reads in
         place while `native` is on (quantized_native.py)."""
         self.inner = inner
-        self.decodes_in_place = decodes_in_place
+        self.reads_in_place = reads_in_place
         self.name = inner.name
         self.device = inner.device
 
@@ -106,13 +106,15 @@ class QuantizedKVBackend:
         if hasattr(self.inner, "native"):
             self.inner.native = value
 
-    def build_metadata(self, step: StepSequences) -> QuantizedKVMetadata | InPlaceDecodeMetadata:
-        """The inner metadata of the compact step and the real blocks and slots behind it; with
-        the fused CPU kernels on and decodes in the step, in-place decodes and the compact
-        prefill-only step (quantized_native.py)."""
-        nd = step.num_decodes
-        if nd and self.decodes_in_place and self.native:
+    def build_metadata(self, step: StepSequences) -> QuantizedKVMetadata | InPlaceMetadata:
+        """With the fused CPU kernels on: every token read in place (quantized_native.py);
+        otherwise the inner metadata of the compact step and the real blocks and slots behind
+        it."""
+        if self.reads_in_place and self.native:
             return self._in_place_metadata(step)
+        return self._compact_metadata(step)
+
+    def _compact_metadata(self, step: StepSequences) -> QuantizedKVMetadata:
         compact, used = compact_step(step)
         dev = self.device
         stored = [t for t, s in enumerate(step.slot_mapping) if s >= 0]
@@ -124,20 +126,21 @@ class QuantizedKVBackend:
                                       device=dev),
             stored_tokens=rows)
 
-    def _in_place_metadata(self, step: StepSequences) -> InPlaceDecodeMetadata:
-        nd, dev = step.num_decodes, self.device
-        lens = step.seq_lens[:nd]
-        width = max(len(t) for t in step.block_tables[:nd])
-        tables = [t + [0] * (width - len(t)) for t in step.block_tables[:nd]]
+    def _in_place_metadata(self, step: StepSequences) -> InPlaceMetadata | QuantizedKVMetadata:
+        """Every token a row of the in-place kernel; when some token is not stored (slot < 0),
+        only the decodes, and the prefill chunks through the compact path."""
+        num_seqs = len(step.num_new_tokens)
+        if min(step.slot_mapping, default=0) < 0:
+            num_seqs = step.num_decodes
         prefill = None
-        if nd < len(step.num_new_tokens):
-            prefill = self.build_metadata(replace(
-                step, num_new_tokens=step.num_new_tokens[nd:], seq_lens=step.seq_lens[nd:],
-                block_tables=step.block_tables[nd:], slot_mapping=step.slot_mapping[nd:],
+        if num_seqs < len(step.num_new_tokens):
+            prefill = self._compact_metadata(replace(
+                step, num_new_tokens=step.num_new_tokens[num_seqs:],
+                seq_lens=step.seq_lens[num_seqs:], block_tables=step.block_tables[num_seqs:],
+                slot_mapping=step.slot_mapping[sum(step.num_new_tokens[:num_seqs]):],
                 num_decodes=0))
-        return InPlaceDecodeMetadata(
-            num_decodes=nd,
-            decode_slots=torch.tensor(step.slot_mapping[:nd], dtype=torch.long, device=dev),
-            decode_block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
-            decode_seq_lens=torch.tensor(lens, dtype=torch.long, device=dev),
-            decode_seq_lens_list=lens, prefill=prefill)
+        if num_seqs == 0:
+            return prefill
+        slots, tables, lens = in_place_rows(step, num_seqs, self.device)
+        return InPlaceMetadata(num_rows=len(slots), slots=slots, block_tables=tables,
+                               row_lens=lens, prefill=prefill)

@@ -1,0 +1,93 @@
+"""Whole steps over an int8 or fp8 KV cache read in place by the fused CPU kernel: decodes,
+prefill chunks from position 0 and chunks continuing a cached prefix, every token one row of
+the kernel (backends/quantized_native.py), against softmax attention over the dequantized cache;
+a step with an unstored token sends its prefill chunks through the compact copy instead."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.kernels.cpu import ensure_cpu_kernels
+from pagedkv.model.backends.cpu_native import CpuNativeBackend
+from pagedkv.model.backends.quantized import QuantizedKVBackend, QuantizedKVMetadata
+from pagedkv.model.backends.quantized_native import InPlaceMetadata
+from pagedkv.model.backends.step import StepSequences
+from pagedkv.model.kv_int8 import dequantize_per_token, quantize_into_per_token
+from pagedkv.model.kv_quant import dequantize, quantize_into
+
+KV_HEADS, HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 2, 4, 64, 4, 24
+# (new tokens, sequence length, block table): a decode, a chunk from position 0, a chunk after 9
+# cached tokens (positions 9..13), each sequence in its own shuffled blocks.
+SEQS = [(1, 13, [3, 7, 9, 11]), (6, 6, [5, 6]), (5, 14, [12, 20, 14, 15])]
+
+
+def _fill(cache, scales, slots, values):
+    if scales is None:
+        quantize_into(cache, slots, values)
+    else:
+        quantize_into_per_token(cache, scales, slots, values)
+
+
+def _dequantized(cache, scales):
+    return dequantize(cache, torch.float32) if scales is None else \
+        dequantize_per_token(cache, scales, torch.float32)
+
+
+def _reference(q, k_cache, v_cache, k_scales, v_scales, window):
+    """Softmax attention of every token over its sequence's dequantized cache rows."""
+    keys = _dequantized(k_cache, k_scales).flatten(1, 2)
+    values = _dequantized(v_cache, v_scales).flatten(1, 2)
+    out, row, g = torch.zeros(q.shape), 0, HEADS // KV_HEADS
+    for n, seq_len, table in SEQS:
+        for pos in range(seq_len - n, seq_len):
+            first = 0 if window is None else max(0, pos + 1 - window)
+            slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK
+                                  for p in range(first, pos + 1)])
+            for h in range(HEADS):
+                k, v = keys[h // g, slots], values[h // g, slots]
+                out[row, h] = torch.softmax(k @ q[row, h].float() * HEAD_DIM ** -0.5, 0) @ v
+            row += 1
+    return out
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("unstored", [False, True])
+def test_every_token_of_a_step_reads_the_quantized_cache_in_place(cache_dtype, window, unstored):
+    ensure_cpu_kernels("wait")
+    gen = torch.Generator().manual_seed(1)
+    shape = (KV_HEADS, NUM_BLOCKS, BLOCK, HEAD_DIM)
+    k_cache, v_cache = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
+    k_scales = v_scales = None
+    if cache_dtype == torch.int8:
+        k_scales, v_scales = torch.zeros(shape[:-1]), torch.zeros(shape[:-1])
+    cached = [t[p // BLOCK] * BLOCK + p % BLOCK for n, s, t in SEQS for p in range(s - n)]
+    cached = torch.tensor(cached)
+    for cache, scales in ((k_cache, k_scales), (v_cache, v_scales)):
+        _fill(cache, scales, cached, torch.randn(len(cached), KV_HEADS, HEAD_DIM, generator=gen))
+    slots = [t[p // BLOCK] * BLOCK + p % BLOCK for n, s, t in SEQS for p in range(s - n, s)]
+    if unstored:  # a chunk token not stored: only the decode is read in place
+        slots[1] = -1
+    step = StepSequences(num_new_tokens=[n for n, _, _ in SEQS], seq_lens=[s for _, s, _ in SEQS],
+                         block_tables=[t for _, _, t in SEQS], slot_mapping=slots, num_decodes=1,
+                         block_size=BLOCK)
+    backend = QuantizedKVBackend(CpuNativeBackend(torch.device("cpu")), reads_in_place=True)
+    backend.native = True
+    meta = backend.build_metadata(step)
+    assert isinstance(meta, InPlaceMetadata)
+    assert meta.num_rows == (1 if unstored else len(slots))
+    assert isinstance(meta.prefill, QuantizedKVMetadata) == unstored
+    t = len(slots)
+    q = torch.randn(t, HEADS, HEAD_DIM, generator=gen).bfloat16()
+    k = torch.randn(t, KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
+    v = torch.randn(t, KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
+    before = k_cache.clone()
+    out = meta.attend(q, k, v, k_cache, v_cache, HEAD_DIM ** -0.5, window,
+                      k_scales=k_scales, v_scales=v_scales)
+    written = (k_cache.view(torch.uint8) != before.view(torch.uint8)).any(-1).flatten(1).any(0)
+    assert set(written.nonzero().flatten().tolist()) <= {s for s in slots if s >= 0}
+    ref = _reference(q, k_cache, v_cache, k_scales, v_scales, window)
+    rows = 1 if unstored else t  # an unstored token's chunk reads it from the compact copy
+    err = float((out[:rows].float() - ref[:rows]).abs().max() / ref[:rows].abs().max())
+    assert err < 1e-2, err  # a bfloat16 output's rounding
