@@ -97,8 +97,8 @@ def engine_round(engine, r: int, args: argparse.Namespace) -> dict:
     """One round of the engine-only measurement: off and on, alternating which goes first."""
     import time
 
+    from pagedkv.engine.block_feed import BlockFeed
     from pagedkv.sched.sampling_params import SamplingParams
-    from pagedkv.server.dashboard.feed import BlockFeed
 
     result: dict = {}
     for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):

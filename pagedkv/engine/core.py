@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from pagedkv.config.errors import EngineFatalError
 from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.dashboard_calls import DashboardCalls
 from pagedkv.engine.kv_setup import (
     GpuMemoryProfile,
     KVCacheSetup,
@@ -102,6 +103,7 @@ class EngineCore:
         self.kv_store = attach_kv_store(args, setup.sliding_window, self.runner, self.scheduler,
                                         events_config.enabled)
         self.event_publisher = make_event_publisher(events_config)
+        self.dashboard = DashboardCalls(self)  # the dashboard's utility calls
         # Closed once: by shutdown(), or when the core is garbage-collected.
         self._closers = [weakref.finalize(self, closable.close)
                          for closable in (self.kv_store, self.event_publisher)

@@ -229,9 +229,9 @@ def test_the_pages_state_model_equals_the_managers_over_random_ops(browser, serv
     """state.js (the page's model) rebuilds the manager's own snapshot from the op stream."""
     import random
 
+    from pagedkv.engine.block_feed import BlockFeed
     from pagedkv.kv.manager import KVCacheManager
     from pagedkv.kv.observer import pool_snapshot
-    from pagedkv.server.dashboard.feed import BlockFeed
     from tests.dashboard.test_state_replay import _FakeEngine, _random_ops
 
     kv = KVCacheManager(num_blocks=48, block_size=4, num_host_blocks=16, watermark=0.0,

@@ -21,7 +21,7 @@
   function push(update) {
     if (update.resync) { reset(update.resync); }
     else D.state.apply(update.ops || [], update.t);
-    D.entries.push({ t: update.t, ops: update.ops || [], stats: update.stats, queues: update.queues });
+    D.entries.push({ t: update.t, ops: update.ops || [], stats: update.stats, queues: update.queues, finished: update.finished });
     const idx = D.entries.length - 1;
     if (idx % KEYFRAME_EVERY === KEYFRAME_EVERY - 1) D.keyframes.push({ index: idx, state: D.state.clone(), t: update.t });
     trim();
@@ -160,6 +160,9 @@
       }
     }
     D.lastQueues = e.queues;
+    for (const id of e.finished || []) {  // finished between two updates too (oldest first)
+      if (!D.finished.includes(id)) { D.finished.unshift(id); D.finished.length = Math.min(D.finished.length, 30); }
+    }
     $("finished").innerHTML = D.finished.length ? "finished: " + D.finished.map((id) => `<a href="#" data-explain="${id}">${id}</a>`).join(" ") : "";
   }
   async function select(id) {
