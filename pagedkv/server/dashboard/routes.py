@@ -2,7 +2,8 @@
 (its assets, shipped in the package: no CDN), `GET /dashboard/events` (SSE: a snapshot, then at
 most `MAX_UPDATES_PER_S` coalesced updates a second), `GET /dashboard/api/request/{id}` (a live
 request's block table), `GET /dashboard/api/explain/{id}` (a recent finished request's miss
-explanation) and `POST /v1/cache/explain` (a completion or chat body: where its KV is, block by
+explanation), `GET|POST|DELETE /dashboard/session` (with an API key: the page's session cookie,
+access.py) and `POST /v1/cache/explain` (a completion or chat body: where its KV is, block by
 block; nothing is generated; behind the API key like every /v1 route).
 
 Everything that reads engine state is a utility call of the engine core ("dashboard.*":
@@ -19,9 +20,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
+from pagedkv.server.auth import invalid_api_key
+from pagedkv.server.dashboard.access import COOKIE_NAME, DashboardAccess
 from pagedkv.server.errors import APIError
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedkv.server.sse import SSEResponse
@@ -62,9 +65,13 @@ def _ttft(metrics: Any) -> dict[str, float]:
 
 
 def make_dashboard_router(async_engine: Any, serving: Any, metrics: Any,
-                          served_model_name: str) -> APIRouter:
-    """The routes above, over one engine (its block feed lives in its core)."""
+                          served_model_name: str, access: DashboardAccess | None = None
+                          ) -> APIRouter:
+    """The routes above, over one engine (its block feed lives in its core). `access`: who may
+    read the data routes (the app's middleware enforces it; None: open)."""
     router = APIRouter()
+    access = access or DashboardAccess(None)
+    router.include_router(make_session_router(access))
 
     @router.get("/dashboard", include_in_schema=False)
     async def page() -> HTMLResponse:
@@ -147,3 +154,40 @@ async def _prompt_ids(serving: Any, body: CompletionRequest | ChatCompletionRequ
             raise APIError(f"explain takes one prompt, got {len(prompts)}", param="prompt")
         ids = prompts[0]
     return serving.truncate(body, [ids])[0]
+
+
+def make_session_router(access: DashboardAccess) -> APIRouter:
+    """`/dashboard/session`: GET says whether a key is needed and whether this browser has a
+    session; POST (with `Authorization: Bearer <key>`) sets the session cookie; DELETE drops it.
+    See access.py."""
+    router = APIRouter()
+
+    def state(request: Request) -> dict[str, Any]:
+        valid = access.allows(request.headers.get("authorization"),
+                              request.headers.get("cookie"))
+        return {"required": access.required, "valid": valid, "ttl_s": access.ttl_s}
+
+    @router.get("/dashboard/session", include_in_schema=False)
+    async def session_state(request: Request) -> JSONResponse:
+        return JSONResponse(state(request))
+
+    @router.post("/dashboard/session", include_in_schema=False)
+    async def open_session(request: Request) -> JSONResponse:
+        if not access.key_matches(request.headers.get("authorization")):
+            raise invalid_api_key()
+        response = JSONResponse({"required": access.required, "valid": True,
+                                 "ttl_s": access.ttl_s})
+        if access.required:
+            response.set_cookie(COOKIE_NAME, access.new_session(), max_age=int(access.ttl_s),
+                                path="/dashboard", httponly=True, samesite="strict",
+                                secure=request.url.scheme == "https")
+        return response
+
+    @router.delete("/dashboard/session", include_in_schema=False)
+    async def close_session() -> JSONResponse:
+        response = JSONResponse({"required": access.required, "valid": False})
+        response.delete_cookie(COOKIE_NAME, path="/dashboard", httponly=True,
+                               samesite="strict")
+        return response
+
+    return router

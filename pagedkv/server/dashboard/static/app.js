@@ -77,7 +77,41 @@
     D.source = es;
     es.addEventListener("snapshot", (e) => { reset(JSON.parse(e.data)); $("conn").textContent = "connected"; });
     es.addEventListener("update", (e) => push(JSON.parse(e.data)));
-    es.onerror = () => { $("conn").textContent = "reconnecting"; };
+    es.onerror = async () => {
+      $("conn").textContent = "reconnecting";
+      const s = await sessionState();  // a 401 (session expired): ask for the key again
+      if (s && s.required && !s.valid) { es.close(); askKey("session expired: API key"); }
+    };
+  }
+
+  // ---------------------------------------------------------------- access (server/dashboard/access.py)
+  // With --api-key the page asks for the key, trades it for a short-lived HttpOnly session
+  // cookie (EventSource cannot send headers) and keeps the key in memory only, to renew it.
+  let apiKey = null;
+  async function sessionState() {
+    try { const r = await fetch("/dashboard/session", { cache: "no-store" }); return r.ok ? r.json() : null; }
+    catch (err) { return null; }
+  }
+  async function openSession(key) {
+    const r = await fetch("/dashboard/session", { method: "POST", headers: { Authorization: `Bearer ${key}` } });
+    if (!r.ok) return null;
+    const s = await r.json();
+    setTimeout(() => { if (apiKey) openSession(apiKey); }, s.ttl_s * 500);  // renew at half-life
+    return s;
+  }
+  function askKey(message) {
+    $("conn").textContent = "locked";
+    const form = $("keyform"); form.hidden = false; $("keyhint").textContent = message;
+    form.onsubmit = async (e) => {
+      e.preventDefault();
+      const key = $("apikey").value; $("apikey").value = "";
+      if (await openSession(key)) { apiKey = key; form.hidden = true; connect(); }
+      else askKey("wrong key: API key");
+    };
+  }
+  async function start() {
+    const s = await sessionState();
+    if (s && s.required && !s.valid) askKey("this server has an API key:"); else connect();
   }
 
   // ---------------------------------------------------------------- the grid
@@ -292,5 +326,5 @@
   }
   setInterval(() => { if (D.selected && D.live && !D.replay) select(D.selected); }, 1000);
   requestAnimationFrame(frame);
-  if (!new URLSearchParams(location.search).has("offline")) connect();
+  if (!new URLSearchParams(location.search).has("offline")) start();
 })();
