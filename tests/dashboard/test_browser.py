@@ -225,8 +225,10 @@ PARITY_SCRIPT = """({snapshot, batches}) => {
 }"""
 
 
-def test_the_pages_state_model_equals_the_managers_over_random_ops(browser, server):
-    """state.js (the page's model) rebuilds the manager's own snapshot from the op stream."""
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_the_pages_state_model_equals_the_managers_over_random_ops(browser, server, policy):
+    """state.js (the page's model) rebuilds the manager's own snapshot from the op stream,
+    eviction order included (ARC's comes in "o" ops)."""
     import random
 
     from pagedkv.engine.block_feed import BlockFeed
@@ -235,7 +237,7 @@ def test_the_pages_state_model_equals_the_managers_over_random_ops(browser, serv
     from tests.dashboard.test_state_replay import _FakeEngine, _random_ops
 
     kv = KVCacheManager(num_blocks=48, block_size=4, num_host_blocks=16, watermark=0.0,
-                        max_pinned_fraction=0.3)
+                        max_pinned_fraction=0.3, eviction_policy=policy)
     engine, feed, rng, live = _FakeEngine(kv), BlockFeed(), random.Random(7), {}
     _random_ops(kv, rng, 200, live, [0])
     sub, snap = feed.subscribe(engine)
@@ -257,3 +259,36 @@ def test_the_pages_state_model_equals_the_managers_over_random_ops(browser, serv
         for key in ("refs", "hashes", "free_order", "pins", "host_refs", "forest"):
             assert g[key] == w[key], f"batch {k}: {key} differs"
     page.close()
+
+
+def test_with_an_api_key_the_page_asks_for_it(browser, tiny_llama):
+    """The page of a server with --api-key shows nothing until the key is typed; it then holds
+    an HttpOnly session cookie (never the key) and the live grid fills in."""
+    proc = ServerProcess(tiny_llama, *engine_flags(**ENGINE_KWARGS), "--api-key",
+                         "sekrit").start()
+    try:
+        context = browser.new_context()
+        page = context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(proc.url + "/dashboard")
+        page.wait_for_selector("#keyform:not([hidden])")
+        assert page.inner_text("#conn") == "locked"
+        assert page.locator("#counts [data-count]").count() == 0  # no data without the key
+        page.fill("#apikey", "wrong")
+        page.click("#keyform button")
+        page.wait_for_function("document.getElementById('keyhint').textContent.startsWith("
+                               "'wrong key')")
+        assert context.cookies() == []
+        page.fill("#apikey", "sekrit")
+        page.click("#keyform button")
+        page.wait_for_function("document.querySelector('#counts [data-count=usable] b') "
+                               "!== null", timeout=30_000)
+        assert page.inner_text("#conn") == "connected"
+        [cookie] = context.cookies()
+        assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+        assert cookie["path"] == "/dashboard" and "sekrit" not in cookie["value"]
+        assert errors == []
+        context.close()
+    finally:
+        assert proc.stop(), "server did not shut down cleanly"
