@@ -292,3 +292,44 @@ def test_with_an_api_key_the_page_asks_for_it(browser, tiny_llama):
         context.close()
     finally:
         assert proc.stop(), "server did not shut down cleanly"
+
+
+def test_a_simulator_log_replays_beside_the_live_run(browser, server, tmp_path):
+    """A `pagedkv simulate --event-log` log loaded in a live page opens in a window of its own
+    and ends in the simulated pool's final counts; the live page stays live."""
+    from pagedkv.server.dashboard.state import PageState
+    from pagedkv.sim.event_log import SimEventLog
+    from pagedkv.sim.instance import SimConfig
+    from pagedkv.sim.latency import FunctionLatency
+    from pagedkv.sim.simulator import simulate
+    from tests.sim.workloads import shared_prefix_trace
+
+    log = SimEventLog()
+    simulate(shared_prefix_trace(num=40), SimConfig(num_blocks=48, block_size=8),
+             FunctionLatency(lambda shape: 0.01), on_instance=log.attach)
+    path = tmp_path / "sim-log.json"
+    log.write(path)
+    want = PageState(log.snapshot["pools"])
+    for update in log.updates:
+        want.apply(update["ops"], update["t"])
+    context = browser.new_context()
+    live = context.new_page()
+    live.goto(server.url + "/dashboard")
+    live.wait_for_function("document.querySelector('#counts [data-count=usable] b') !== null")
+    with context.expect_page() as opened:
+        live.set_input_files("#load", str(path))
+    replay = opened.value
+    replay.wait_for_function("window.dashboard && window.dashboard.replay && "
+                             "window.dashboard.entries.length > 0", timeout=30_000)
+    replay.wait_for_function("document.querySelector('#counts [data-count=usable] b') "
+                             "!== null")
+    counts = _counts(replay)
+    expected = want.pools[0].counts()
+    assert counts["usable"] == 47
+    for key in ("free", "cached", "in_use"):
+        assert counts[key] == expected[key], (key, counts, expected)
+    assert replay.inner_text("#conn").startswith("offline")
+    assert live.inner_text("#conn") == "connected"  # the live run goes on beside it
+    assert _counts(live)["usable"] == httpx.get(server.url + "/kv_cache_info").json()[
+        "num_gpu_blocks"] - 1
+    context.close()

@@ -307,7 +307,29 @@
     const blob = new Blob([JSON.stringify(D.recordedLog())], { type: "application/json" });
     const a = document.createElement("a"); a.href = URL.createObjectURL(blob); a.download = "pagedkv-dashboard-log.json"; a.click();
   });
-  $("load").addEventListener("change", async (e) => { const f = e.target.files[0]; if (f) D.replayLog(JSON.parse(await f.text())); });
+  $("load").addEventListener("change", async (e) => {
+    const f = e.target.files[0]; if (!f) return;
+    const log = JSON.parse(await f.text()); e.target.value = "";
+    if (D.source && !D.replay) replayBeside(log); else D.replayLog(log);
+  });
+  // A log (saved here, or written by `pagedkv simulate --event-log`) loaded in a live page
+  // replays in a window of its own, beside the live run, which goes on.
+  function replayBeside(log) {
+    const w = window.open("/dashboard?offline&replay", "_blank");
+    if (!w) { D.replayLog(log); return; }  // pop-ups blocked: replay here instead
+    const ready = (ev) => {
+      if (ev.source !== w || ev.origin !== location.origin || ev.data !== "pagedkv-replay-ready") return;
+      window.removeEventListener("message", ready);
+      w.postMessage({ pagedkvLog: log }, location.origin);
+    };
+    window.addEventListener("message", ready);
+  }
+  if (new URLSearchParams(location.search).has("replay") && window.opener) {
+    window.addEventListener("message", (ev) => {
+      if (ev.origin === location.origin && ev.data && ev.data.pagedkvLog) D.replayLog(ev.data.pagedkvLog);
+    });
+    window.opener.postMessage("pagedkv-replay-ready", location.origin);
+  }
   $("play").addEventListener("click", () => {
     let i = 0;
     const step = () => { if (i >= D.entries.length) return; scrubTo(i); $("scrubber").value = i; const next = D.entries[i + 1]; const wait = next ? (next.t - D.entries[i].t) * 1000 : 0; i++; setTimeout(step, Math.min(Math.max(wait, 10), 1000)); };
