@@ -37,6 +37,14 @@ def engine(request, tiny_llama) -> LLMEngine:
     engine.shutdown()
 
 
+@pytest.fixture
+def inproc_engine(tiny_llama) -> LLMEngine:
+    """For tests whose subject does not read the core (static pages, the API key check)."""
+    engine = make_engine(tiny_llama, swap_space=0.001)
+    yield engine
+    engine.shutdown()
+
+
 @contextmanager
 def serving(engine: LLMEngine, **app_kwargs) -> Iterator[str]:
     """`create_app(engine)` under uvicorn in a thread; yields its base URL."""

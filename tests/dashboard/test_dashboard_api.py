@@ -1,7 +1,7 @@
 """/dashboard on a real server: the page and its assets, the SSE feed (a snapshot, then at most
 10 coalesced updates a second, that rebuild the engine's own block state), a live request's
-block table, and no recording once the last client is gone (issue 23). Each test runs with the
-engine core in-process and in its own process (the `engine` fixture)."""
+block table, and no recording once the last client is gone (issue 23). The tests that read the
+engine core run with it in-process and in its own process (the `engine` fixture)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def _completions(url: str, prompts: list[list[int]], max_tokens: int = 12) -> No
             assert r.status_code == 200, r.text
 
 
-def test_page_and_assets_are_served_from_the_package(engine):
-    with serving(engine) as url:
+def test_page_and_assets_are_served_from_the_package(inproc_engine):
+    with serving(inproc_engine) as url:
         page = httpx.get(url + "/dashboard")
         assert page.status_code == 200 and 'id="grid"' in page.text and 'id="legend"' in page.text
         assert "http://" not in page.text and "https://" not in page.text  # no CDN

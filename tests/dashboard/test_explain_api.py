@@ -1,6 +1,7 @@
 """POST /v1/cache/explain: a completion or chat body, nothing generated; behind the API key;
 bad bodies are 400s. GET /dashboard/api/explain/{id} explains a finished request (issue 23).
-Both tests run with the engine core in-process and in its own process (the `engine` fixture)."""
+The explanation test runs with the engine core in-process and in its own process (the `engine`
+fixture), and checks that a bad utility call is a ValueError in both."""
 
 from __future__ import annotations
 
@@ -51,10 +52,15 @@ def test_explain_a_completion_and_a_chat_prompt(engine):
         else:
             assert chat.status_code == 200 and chat.json()["num_tokens"] > 0
     engine.check_invariants()
+    # The utility calls are a closed set, and their errors cross the process by type.
+    with pytest.raises(ValueError, match="unknown utility method 'scheduler'"):
+        engine.call_utility("scheduler")
+    with pytest.raises(ValueError, match="unknown dashboard subscriber 12345"):
+        engine.call_utility("dashboard.drain", 12345)
 
 
-def test_explain_is_behind_the_api_key_and_rejects_bad_bodies(engine):
-    with serving(engine, api_key="sekrit") as url:
+def test_explain_is_behind_the_api_key_and_rejects_bad_bodies(inproc_engine):
+    with serving(inproc_engine, api_key="sekrit") as url:
         body = {"prompt": [1, 2, 3, 4, 5]}
         assert httpx.post(url + "/v1/cache/explain", json=body).status_code == 401
         auth = {"Authorization": "Bearer sekrit"}
