@@ -26,7 +26,7 @@ from pagedkv.engine.kv_setup import (
     resolve_max_num_batched_tokens,
 )
 from pagedkv.engine.messages import CoreOutput, EngineCoreRequest, EngineReady, params_from_wire
-from pagedkv.engine.stats import EngineStats, IterationTokens
+from pagedkv.engine.stats import EngineStats, IterationTokens, scheduler_stats
 from pagedkv.events.config import parse_kv_events_config
 from pagedkv.events.publisher import make_event_publisher, to_wire_events
 from pagedkv.kv.manager import KVCacheManager
@@ -268,17 +268,9 @@ class EngineCore:
     # ---- utility calls (between steps) --------------------------------------------------
 
     def get_stats(self) -> EngineStats:
-        sched = self.scheduler
-        kv = sched.kv_cache_manager
-        return EngineStats(
-            num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.loading),
-            num_swapped=len(sched.swapped), kv_cache_usage=kv.usage,
-            num_blocks=kv.num_usable_blocks, num_free_blocks=kv.num_free_blocks,
-            prefix_cache_queries=sched.prefix_cache_queries,
-            prefix_cache_hits=sched.prefix_cache_hits, num_preemptions=sched.num_preemptions,
-            num_swaps=sched.num_swaps, num_pinned_blocks=kv.num_pinned_blocks,
-            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
-            num_waiting_for_kv=len(sched.loading),
+        return scheduler_stats(
+            self.scheduler, prompt_tokens=self.prompt_tokens_total,
+            generation_tokens=self.generation_tokens_total,
             iteration_token_counts=self.iteration_tokens.snapshot()[0],
             iteration_tokens_sum=self.iteration_tokens.snapshot()[1],
             kv_store_tiers=() if self.kv_store is None else tuple(

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.engine.block_feed import BlockFeed
-from pagedkv.engine.stats import EngineStats
+from pagedkv.engine.stats import EngineStats, scheduler_stats
 
 DEFAULT_PERIOD_S = 0.1
 DEFAULT_MAX_UPDATES = 36_000  # an hour of simulated time at 10 updates a second
@@ -64,18 +64,10 @@ class _InstanceView:
 
     def get_stats(self) -> EngineStats:
         """The scheduler's gauges and counters; `extra` gets the TTFT totals (mutated)."""
-        sched = self.scheduler
-        kv = sched.kv_cache_manager
         totals = self.totals.read(self.instance)
         self.extra = {"ttft_sum": totals["ttft_sum"], "ttft_count": totals["ttft_count"]}
-        return EngineStats(
-            num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.loading),
-            num_swapped=len(sched.swapped), kv_cache_usage=kv.usage,
-            num_blocks=kv.num_usable_blocks, num_free_blocks=kv.num_free_blocks,
-            prefix_cache_queries=sched.prefix_cache_queries,
-            prefix_cache_hits=sched.prefix_cache_hits, num_preemptions=sched.num_preemptions,
-            num_swaps=sched.num_swaps, prompt_tokens=totals["prompt_tokens"],
-            generation_tokens=totals["generation_tokens"])
+        return scheduler_stats(self.scheduler, prompt_tokens=totals["prompt_tokens"],
+                               generation_tokens=totals["generation_tokens"])
 
 
 class SimEventLog:
