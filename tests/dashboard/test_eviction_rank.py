@@ -1,6 +1,7 @@
 """`EvictionPolicy.eviction_order()` is the order the policy really evicts in (the dashboard's
 eviction ranks come from it): after random manager traffic, a copy of the policy popped one
-block at a time, and another popped all at once, hand out exactly that order (issue 23)."""
+block at a time, and another popped all at once, hand out exactly that order (issue 23). The
+traffic is the state-replay test's: admit with hits, decode, free, pin, swap, reset."""
 
 from __future__ import annotations
 
@@ -12,36 +13,20 @@ import pytest
 from pagedkv.kv.eviction import EVICTION_POLICIES
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.observer import eviction_order
-from tests.kv.conftest import FakeRequest
+from tests.dashboard.test_state_replay import _random_ops
 
 BS = 4
-
-
-def _traffic(kv: KVCacheManager, rng: random.Random, live: dict, n: int) -> None:
-    """Admit (with prefix hits), decode and finish requests over a few shared prefixes."""
-    prefixes = [[rng.randrange(30) for _ in range(32)] for _ in range(4)]
-    for step in range(n):
-        if live and rng.random() < 0.45:
-            kv.free(live.pop(rng.choice(list(live))))
-            continue
-        tokens = rng.choice(prefixes)[:rng.randrange(4, 32)] + [rng.randrange(30)]
-        req = FakeRequest(f"r{step}-{rng.random()}", tokens)
-        hits, num_hit = kv.get_computed_blocks(req)
-        if kv.allocate_slots(req, req.num_tokens - num_hit, hits, num_hit) is None:
-            kv.free(req)
-            continue
-        req.num_computed_tokens = req.num_tokens
-        live[req.request_id] = req
 
 
 @pytest.mark.parametrize("policy", sorted(EVICTION_POLICIES))
 def test_eviction_order_is_the_real_pop_order(policy):
     rng = random.Random(5)
-    kv = KVCacheManager(num_blocks=40, block_size=BS, watermark=0.0, eviction_policy=policy)
+    kv = KVCacheManager(num_blocks=40, block_size=BS, num_host_blocks=8, watermark=0.0,
+                        eviction_policy=policy, max_pinned_fraction=0.3)
     live: dict = {}
     checked = 0
-    for _ in range(40):
-        _traffic(kv, rng, live, 25)
+    for k in range(40):
+        _random_ops(kv, rng, 25, live, [1000 * k])
         kv.check_invariants()
         pool = kv.pool
         order = [b.block_id for b in pool.eviction.eviction_order()]
