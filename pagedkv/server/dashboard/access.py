@@ -23,8 +23,12 @@ import hmac
 import secrets
 import time
 from http.cookies import SimpleCookie
+from typing import Any
 
-from pagedkv.server.auth import bearer_key_matches
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from pagedkv.server.auth import bearer_key_matches, invalid_api_key
 
 COOKIE_NAME = "pagedkv_dashboard"
 DEFAULT_SESSION_TTL_S = 900.0
@@ -85,3 +89,40 @@ def session_cookie(cookie_header: bytes | str | None) -> str | None:
         return None
     morsel = jar.get(COOKIE_NAME)
     return None if morsel is None else morsel.value
+
+
+def make_session_router(access: DashboardAccess) -> APIRouter:
+    """`/dashboard/session`: GET says whether a key is needed and whether this browser has a
+    session; POST (with `Authorization: Bearer <key>`) sets the session cookie; DELETE drops it.
+    See access.py."""
+    router = APIRouter()
+
+    def state(request: Request) -> dict[str, Any]:
+        valid = access.allows(request.headers.get("authorization"),
+                              request.headers.get("cookie"))
+        return {"required": access.required, "valid": valid, "ttl_s": access.ttl_s}
+
+    @router.get("/dashboard/session", include_in_schema=False)
+    async def session_state(request: Request) -> JSONResponse:
+        return JSONResponse(state(request))
+
+    @router.post("/dashboard/session", include_in_schema=False)
+    async def open_session(request: Request) -> JSONResponse:
+        if not access.key_matches(request.headers.get("authorization")):
+            raise invalid_api_key()
+        response = JSONResponse({"required": access.required, "valid": True,
+                                 "ttl_s": access.ttl_s})
+        if access.required:
+            response.set_cookie(COOKIE_NAME, access.new_session(), max_age=int(access.ttl_s),
+                                path="/dashboard", httponly=True, samesite="strict",
+                                secure=request.url.scheme == "https")
+        return response
+
+    @router.delete("/dashboard/session", include_in_schema=False)
+    async def close_session() -> JSONResponse:
+        response = JSONResponse({"required": access.required, "valid": False})
+        response.delete_cookie(COOKIE_NAME, path="/dashboard", httponly=True,
+                               samesite="strict")
+        return response
+
+    return router

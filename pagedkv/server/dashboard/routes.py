@@ -20,11 +20,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
-from pagedkv.server.auth import invalid_api_key
-from pagedkv.server.dashboard.access import COOKIE_NAME, DashboardAccess
+from pagedkv.server.dashboard.access import DashboardAccess, make_session_router
 from pagedkv.server.errors import APIError
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedkv.server.sse import SSEResponse
@@ -155,39 +154,3 @@ async def _prompt_ids(serving: Any, body: CompletionRequest | ChatCompletionRequ
         ids = prompts[0]
     return serving.truncate(body, [ids])[0]
 
-
-def make_session_router(access: DashboardAccess) -> APIRouter:
-    """`/dashboard/session`: GET says whether a key is needed and whether this browser has a
-    session; POST (with `Authorization: Bearer <key>`) sets the session cookie; DELETE drops it.
-    See access.py."""
-    router = APIRouter()
-
-    def state(request: Request) -> dict[str, Any]:
-        valid = access.allows(request.headers.get("authorization"),
-                              request.headers.get("cookie"))
-        return {"required": access.required, "valid": valid, "ttl_s": access.ttl_s}
-
-    @router.get("/dashboard/session", include_in_schema=False)
-    async def session_state(request: Request) -> JSONResponse:
-        return JSONResponse(state(request))
-
-    @router.post("/dashboard/session", include_in_schema=False)
-    async def open_session(request: Request) -> JSONResponse:
-        if not access.key_matches(request.headers.get("authorization")):
-            raise invalid_api_key()
-        response = JSONResponse({"required": access.required, "valid": True,
-                                 "ttl_s": access.ttl_s})
-        if access.required:
-            response.set_cookie(COOKIE_NAME, access.new_session(), max_age=int(access.ttl_s),
-                                path="/dashboard", httponly=True, samesite="strict",
-                                secure=request.url.scheme == "https")
-        return response
-
-    @router.delete("/dashboard/session", include_in_schema=False)
-    async def close_session() -> JSONResponse:
-        response = JSONResponse({"required": access.required, "valid": False})
-        response.delete_cookie(COOKIE_NAME, path="/dashboard", httponly=True,
-                               samesite="strict")
-        return response
-
-    return router
