@@ -9,13 +9,17 @@ system prompt of their own, so every round starts from the same cache structure.
 throughput is generated tokens over wall time; the ratio on/off is printed per round, with the
 median and range.
 
-`--engine-only` measures the engine side alone (what a separate frontend process would leave on
-the engine's thread): offline steps of the same workload with no watcher, and with the feed
-subscribed and drained (plus JSON-encoded) every 0.1 s; it prints the throughput ratio and the
-share of wall time spent in the feed.
+`--engine-core process` runs the engine core in its own process (as `pagedkv serve
+--engine-core process`): the feed then crosses as utility calls (pagedkv/engine/utility.py).
+
+`--engine-only` measures the engine side alone: offline steps of the same workload with no
+watcher, and with the feed subscribed and drained (the same "dashboard.*" utility calls the
+server makes, plus JSON-encoding) every 0.1 s; it prints the throughput ratio and the share of
+wall time spent in the feed calls.
 
     python benchmarks/bench_dashboard.py [--runs 3] [--prompts 48] [--concurrency 8]
                                          [--max-tokens 32] [--model DIR] [--plot PATH] [--json]
+                                         [--engine-core inproc|process] [--engine-only]
 """
 
 from __future__ import annotations
@@ -46,9 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="a model directory (default: random)")
     parser.add_argument("--plot", default=None, help="write a PNG of the runs (matplotlib)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--engine-core", choices=("inproc", "process"), default="inproc",
+                        help="where the engine core runs (as pagedkv serve --engine-core)")
     parser.add_argument("--engine-only", action="store_true",
                         help="time the engine loop alone (no HTTP), with and without the feed")
     args = parser.parse_args(argv)
+    from pagedkv.bench.machine import cpu_name
+    print(f"CPU: {cpu_name()}; engine core: {args.engine_core}", flush=True)
 
     from pagedkv.engine.args import EngineArgs
     from pagedkv.engine.llm_engine import LLMEngine
@@ -61,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             from pagedkv.testing.random_model import build_random_model_dir
             model = str(build_random_model_dir(Path(tmp) / "model", seed=0, **SHAPE))
         engine = LLMEngine(EngineArgs(model=model, block_size=16, max_model_len=512,
-                                      num_gpu_blocks_override=args.num_blocks, seed=0))
+                                      num_gpu_blocks_override=args.num_blocks, seed=0),
+                           core_process=args.engine_core == "process")
         if args.engine_only:
             rows = [engine_round(engine, r, args) for r in range(args.runs)]
             engine.shutdown()
@@ -98,12 +107,10 @@ def engine_round(engine, r: int, args: argparse.Namespace) -> dict:
     import time
 
     from pagedkv.sched.sampling_params import SamplingParams
-    from pagedkv.server.dashboard.feed import BlockFeed
 
     result: dict = {}
     for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
-        feed = BlockFeed()
-        sub = feed.subscribe(engine)[0] if mode == "on" else None
+        sub = engine.call_utility("dashboard.subscribe")[0] if mode == "on" else None
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
         for j, prompt in enumerate(prompts_for(2 * r + (mode == "on"), args.prompts)):
             engine.add_request(f"{r}-{mode}-{j}", prompt, params)
@@ -116,12 +123,12 @@ def engine_round(engine, r: int, args: argparse.Namespace) -> dict:
                     generated += len(out.outputs[0].token_ids)
             if sub is not None and time.perf_counter() - last >= 0.1:
                 t0 = time.perf_counter()
-                json.dumps(feed.drain(engine, sub), separators=(",", ":"))
+                json.dumps(engine.call_utility("dashboard.drain", sub), separators=(",", ":"))
                 last = time.perf_counter()
                 feed_s += last - t0
         wall = time.perf_counter() - start
         if sub is not None:
-            feed.unsubscribe(engine, sub)
+            engine.call_utility("dashboard.unsubscribe", sub)
             result["feed_share"] = feed_s / wall
             result["updates"], result["ops"] = 0, 0
         result[mode] = generated / wall

@@ -83,8 +83,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="where the engine core (scheduler, KV cache, model runner) runs: "
                         "'process' (its own process; the HTTP server, tokenizer and "
                         "detokenizer stay in this one) or 'inproc' (a thread of this process). "
-                        f"Default: ${ENGINE_CORE_ENV} when set, else 'inproc' (the dashboard reads "
-                        "the scheduler in-process)")
+                        f"Default: ${ENGINE_CORE_ENV} when set, else 'inproc'")
     add_engine_flags(parser)
     parser.set_defaults(run=run)
     return parser
@@ -156,8 +155,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def engine_core_mode(flag: str | None) -> str:
-    """The --engine-core mode: the flag, else $PAGEDKV_ENGINE_CORE, else 'inproc' (until the
-    dashboard's feed, which reads the scheduler's state in-process, moves to utility calls)."""
+    """The --engine-core mode: the flag, else $PAGEDKV_ENGINE_CORE, else 'inproc' (see the
+    README's "The engine core process" for what keeps 'process' from being the default)."""
     mode = flag or os.environ.get(ENGINE_CORE_ENV) or "inproc"
     if mode not in ENGINE_CORE_MODES:
         raise ValueError(f"{ENGINE_CORE_ENV} must be one of {ENGINE_CORE_MODES}, got {mode!r}")

@@ -94,6 +94,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--target", type=float, default=0.99,
                    help="fraction of requests that must meet the SLO in --search")
     c.add_argument("--json", default=None, metavar="PATH", help="write the summary as JSON")
+    c.add_argument("--event-log", default=None, metavar="PATH",
+                   help="write instance 0's block feed as a dashboard log (JSON) to replay in "
+                        "/dashboard ('replay log'), beside a live run")
     c.add_argument("--plot", default=None, metavar="PATH",
                    help="write a PNG of KV usage and latencies over time")
     p.set_defaults(run=run)
@@ -113,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
     slo = SLO.parse(args.slo)
     if args.search and slo is None:
         raise ValueError("--search needs --slo")
+    if args.event_log and (args.search or args.sweep):
+        raise ValueError("--event-log records one run: not with --search or --sweep")
     trace = load_trace(args.trace, args.trace_format, scale_lengths=args.scale_lengths,
                        time_scale=args.time_scale, limit=args.limit, start=args.start)
     if not trace:
@@ -155,7 +160,18 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             write_json({"sweep": rows}, args.json)
         return 0
-    result = simulate(trace, config, latency, num_instances=args.instances, policy=args.policy)
+    event_log = None
+    if args.event_log:
+        from pagedkv.sim.event_log import SimEventLog
+
+        event_log = SimEventLog()
+    result = simulate(trace, config, latency, num_instances=args.instances, policy=args.policy,
+                      on_instance=None if event_log is None else event_log.attach)
+    if event_log is not None:
+        event_log.write(args.event_log)
+        print(f"event log (instance 0, {len(event_log.updates)} updates"
+              f"{', truncated' if event_log.truncated else ''}): {args.event_log}; replay it "
+              f"with the dashboard's 'replay log'", file=sys.stderr)
     summary = summarize(result, slo)
     print(format_table(summary))
     if args.json:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from pagedkv.config.errors import EngineFatalError
 from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.dashboard_calls import DashboardCalls
 from pagedkv.engine.kv_setup import (
     GpuMemoryProfile,
     KVCacheSetup,
@@ -25,7 +26,7 @@ from pagedkv.engine.kv_setup import (
     resolve_max_num_batched_tokens,
 )
 from pagedkv.engine.messages import CoreOutput, EngineCoreRequest, EngineReady, params_from_wire
-from pagedkv.engine.stats import EngineStats, IterationTokens
+from pagedkv.engine.stats import EngineStats, IterationTokens, scheduler_stats
 from pagedkv.events.config import parse_kv_events_config
 from pagedkv.events.publisher import make_event_publisher, to_wire_events
 from pagedkv.kv.manager import KVCacheManager
@@ -112,6 +113,7 @@ class EngineCore:
         self.kv_store = attach_kv_store(args, setup.sliding_window, self.runner, self.scheduler,
                                         events_config.enabled)
         self.event_publisher = make_event_publisher(events_config)
+        self.dashboard = DashboardCalls(self)  # the dashboard's utility calls
         # Closed once: by shutdown(), or when the core is garbage-collected.
         self._closers = [weakref.finalize(self, closable.close)
                          for closable in (self.kv_store, self.event_publisher)
@@ -276,17 +278,9 @@ class EngineCore:
     # ---- utility calls (between steps) --------------------------------------------------
 
     def get_stats(self) -> EngineStats:
-        sched = self.scheduler
-        kv = sched.kv_cache_manager
-        return EngineStats(
-            num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.loading),
-            num_swapped=len(sched.swapped), kv_cache_usage=kv.usage,
-            num_blocks=kv.num_usable_blocks, num_free_blocks=kv.num_free_blocks,
-            prefix_cache_queries=sched.prefix_cache_queries,
-            prefix_cache_hits=sched.prefix_cache_hits, num_preemptions=sched.num_preemptions,
-            num_swaps=sched.num_swaps, num_pinned_blocks=kv.num_pinned_blocks,
-            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
-            num_waiting_for_kv=len(sched.loading),
+        return scheduler_stats(
+            self.scheduler, prompt_tokens=self.prompt_tokens_total,
+            generation_tokens=self.generation_tokens_total,
             iteration_token_counts=self.iteration_tokens.snapshot()[0],
             iteration_tokens_sum=self.iteration_tokens.snapshot()[1],
             kv_store_tiers=() if self.kv_store is None else tuple(

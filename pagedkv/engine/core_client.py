@@ -41,6 +41,7 @@ from pagedkv.engine.messages import (
     UtilityResult,
 )
 from pagedkv.engine.stats import EngineStats
+from pagedkv.engine.utility import run_utility
 from pagedkv.kv.pins import NotPinnedError, PinInfo
 from pagedkv.sched.request import RequestStatus
 
@@ -94,7 +95,7 @@ class InprocCoreClient:
         return self.core.has_unfinished_requests()
 
     def call(self, method: str, *args: Any) -> Any:
-        return getattr(self.core, method)(*args)
+        return run_utility(self.core, method, args)
 
     def is_alive(self) -> bool:
         return self.core.runner is not None

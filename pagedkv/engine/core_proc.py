@@ -36,12 +36,10 @@ from pagedkv.engine.messages import (
     UtilityCall,
     UtilityResult,
 )
+from pagedkv.engine.utility import run_utility
 
 logger = logging.getLogger(__name__)
 
-# The EngineCore methods a UtilityCall may run.
-UTILITY_METHODS = frozenset({"get_stats", "check_invariants", "is_prefix_cached", "pin_prefix",
-                             "unpin_prefix", "now"})
 _IDLE_POLL_MS = 1000  # how often an idle core checks that its frontend still lives
 
 
@@ -162,12 +160,8 @@ class _CoreLoop:
                                                    error=str(exc), error_kind="invalid")]))
 
     def _utility(self, call: UtilityCall) -> None:
-        if call.method not in UTILITY_METHODS:
-            self._send(UtilityResult(call.call_id, error_type="ValueError",
-                                     error=f"unknown utility method {call.method!r}"))
-            return
         try:
-            result = getattr(self.core, call.method)(*call.args)
+            result = run_utility(self.core, call.method, call.args)
         except Exception as exc:
             self._send(UtilityResult(call.call_id, error_type=type(exc).__name__, error=str(exc)))
             return

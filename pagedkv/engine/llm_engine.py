@@ -287,6 +287,12 @@ class LLMEngine:
     def check_invariants(self) -> None:
         self.client.call("check_invariants")
 
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """Run the core's utility call `method` (pagedkv/engine/utility.py) between its steps,
+        in-process or in the core process alike, and return its result. Only the thread that
+        steps the engine may call it; ValueError for an unknown method."""
+        return self.client.call(method, *args)
+
     @property
     def prompt_tokens_total(self) -> int:
         """Prompt tokens added so far (read from the in-process core as is; a core process

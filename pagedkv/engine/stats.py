@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 # vLLM's buckets of `vllm:iteration_tokens_total` (tokens computed in one engine step).
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -60,3 +61,19 @@ class EngineStats:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "prefix_cache_hit_rate": self.prefix_cache_hit_rate}
+
+
+def scheduler_stats(scheduler: Any, **fields: Any) -> EngineStats:
+    """EngineStats of a scheduler's queues, KV cache and counters (the engine core's and the
+    simulator's, pagedkv/sim/event_log.py), plus `fields` (token totals, tiers...). Reads only."""
+    kv = scheduler.kv_cache_manager
+    return EngineStats(
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting) + len(scheduler.loading),
+        num_swapped=len(scheduler.swapped), kv_cache_usage=kv.usage,
+        num_blocks=kv.num_usable_blocks, num_free_blocks=kv.num_free_blocks,
+        prefix_cache_queries=scheduler.prefix_cache_queries,
+        prefix_cache_hits=scheduler.prefix_cache_hits,
+        num_preemptions=scheduler.num_preemptions, num_swaps=scheduler.num_swaps,
+        num_pinned_blocks=kv.num_pinned_blocks, num_waiting_for_kv=len(scheduler.loading),
+        **fields)

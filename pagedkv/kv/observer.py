@@ -65,6 +65,8 @@ class BlockOpRecorder(BlockPoolObserver):
     - ["u", pool, [id, ...]]                      hashes dropped by a reset that kept pins
     - ["x", pool, []]                             every hash dropped
     - ["p", pool, [id, count, ...]]               pinned-prefix counts (0: unpinned)
+    - ["o", pool, [id, ...]]                      the cached free blocks in eviction order
+                                                  (`order_op`; appended by the feed, not here)
     """
 
     __slots__ = ("ops", "pool")
@@ -105,13 +107,24 @@ class BlockOpRecorder(BlockPoolObserver):
 def pool_snapshot(pool: BlockPool, pin_counts: dict[int, int] | None = None) -> dict[str, Any]:
     """The pool's block state in the shape the op stream rebuilds: `refs` and `hashes` per
     block id (block 0, the null block, included), `free_order` (the free blocks that carry a
-    hash, next to be evicted first: exact for LRU, the policy's own order for others) and
+    hash, next to be evicted first, in the policy's exact order) and
     `pins` ({block_id: count}). O(num_blocks); a new object the caller owns."""
     blocks = pool.blocks
     return {
         "num_blocks": pool.num_blocks,
         "refs": [b.ref_cnt for b in blocks],
         "hashes": [short_hash(b.block_hash) for b in blocks],
-        "free_order": [b.block_id for b in pool.eviction.free_blocks() if b.block_hash is not None],
+        "free_order": eviction_order(pool),
         "pins": dict(pin_counts or {}),
     }
+
+
+def eviction_order(pool: BlockPool) -> list[int]:
+    """The ids of the pool's cached free blocks (evictable), the next evicted first, in the
+    exact order of its eviction policy. O(free blocks)."""
+    return [b.block_id for b in pool.eviction.eviction_order() if b.block_hash is not None]
+
+
+def order_op(pool: BlockPool, index: int) -> list[Any]:
+    """The "o" op of pool `index` (0 device, 1 host): its `eviction_order` now."""
+    return ["o", index, eviction_order(pool)]

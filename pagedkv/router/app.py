@@ -32,6 +32,7 @@ from pagedkv.router.proxy import DEFAULT_FIRST_BYTE_TIMEOUT_S, Forwarder
 from pagedkv.router.router import Router
 from pagedkv.server.auth import bearer_key_matches, invalid_api_key
 from pagedkv.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
+from pagedkv.server.dashboard.access import DashboardAccess
 from pagedkv.server.errors import APIError, install_error_handlers
 from pagedkv.server.protocol import ModelCard, ModelList
 
@@ -124,7 +125,7 @@ def create_router_app(router: Router, *, api_key: str | None = None,
         check_key(raw)
         return await state["forwarder"].forward(raw, "/v1/chat/completions")
 
-    app.include_router(make_router_dashboard(router))
+    app.include_router(make_router_dashboard(router, DashboardAccess(api_key)))
     return app
 
 

@@ -2,18 +2,22 @@
 dashboard assets) and `GET /dashboard/fleet` (its JSON: each backend's health, load and KV usage,
 the prefix blocks the router believes it holds per medium, which shared prefixes (first block
 hash) and sessions went where, and the recent routing decisions with every candidate's score).
-The page polls the JSON once a second; nothing is computed while no one asks."""
+The page polls the JSON once a second; nothing is computed while no one asks. With an API key,
+/dashboard/fleet needs the key or a dashboard session cookie, as the server's dashboard data
+(pagedkv/server/dashboard/access.py; `/dashboard/session` here too)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from pagedkv.events.wire import MEDIUM_DEVICE, MEDIUM_DISK, MEDIUM_HOST
 from pagedkv.router.router import Router
+from pagedkv.server.auth import invalid_api_key
+from pagedkv.server.dashboard.access import DashboardAccess, make_session_router
 
 STATIC_DIR = Path(__file__).resolve().parents[1] / "server" / "dashboard" / "static"
 
@@ -43,9 +47,11 @@ def fleet_state(router: Router, max_decisions: int = 100) -> dict[str, Any]:
             "sessions": sessions}
 
 
-def make_router_dashboard(router: Router) -> APIRouter:
-    """The two routes above over `router`."""
+def make_router_dashboard(router: Router, access: DashboardAccess | None = None) -> APIRouter:
+    """The routes above over `router`; `access` (None: open) guards /dashboard/fleet."""
     routes = APIRouter()
+    access = access or DashboardAccess(None)
+    routes.include_router(make_session_router(access))
 
     @routes.get("/dashboard", include_in_schema=False)
     async def page() -> HTMLResponse:
@@ -62,7 +68,10 @@ def make_router_dashboard(router: Router) -> APIRouter:
                             media_type="text/css")
 
     @routes.get("/dashboard/fleet", include_in_schema=False)
-    async def fleet() -> JSONResponse:
+    async def fleet(request: Request) -> JSONResponse:
+        if not access.allows(request.headers.get("authorization"),
+                             request.headers.get("cookie")):
+            raise invalid_api_key()
         return JSONResponse(fleet_state(router))
 
     return routes

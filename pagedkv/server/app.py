@@ -7,7 +7,9 @@ GET /kv_cache_info (block size, hash algorithm and pool
 size, for `pagedkv router`), and the live dashboard: GET /dashboard and POST /v1/cache/explain
 (server/dashboard/). With `api_key`, every route that does work for a client (every /v1 route,
 /tokenize, /detokenize) needs `Authorization: Bearer <api_key>` (401 otherwise; the scheme is
-case-insensitive); /health, /ping, /version, /metrics, /kv_cache_info and /dashboard stay open. A request
+case-insensitive); /health, /ping, /version, /metrics, /kv_cache_info and the dashboard's page
+stay open, its data (/dashboard/events, /dashboard/api/*) needs the key or a dashboard session
+cookie (server/dashboard/access.py). A request
 body over `max_request_bytes` is a 413. Errors are OpenAI-style bodies (errors.py).
 
 The app owns an `AsyncEngine` (the engine's step loop in one background thread), started and
@@ -27,8 +29,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedkv import __version__
 from pagedkv.engine.async_engine import AsyncEngine, EngineDeadError
-from pagedkv.server.auth import bearer_key_matches, invalid_api_key
+from pagedkv.server.auth import invalid_api_key
 from pagedkv.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
+from pagedkv.server.dashboard.access import DATA_PREFIXES, DashboardAccess
 from pagedkv.server.dashboard.routes import make_dashboard_router
 from pagedkv.server.errors import APIError, error_response, install_error_handlers
 from pagedkv.server.fingerprint import system_fingerprint
@@ -113,8 +116,9 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
     app.state.serving = serving
     app.state.metrics = metrics
     install_error_handlers(app)
+    access = DashboardAccess(api_key)
     if api_key:
-        _install_api_key(app, api_key)
+        _install_api_key(app, access)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
 
     @app.get("/health")
@@ -207,7 +211,8 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
     async def unpin_route(body: PinRequest) -> PinResponse:
         return await pin(serving, body, unpin=True)
 
-    app.include_router(make_dashboard_router(async_engine, serving, metrics, served_model_name))
+    app.include_router(make_dashboard_router(async_engine, serving, metrics, served_model_name,
+                                             access))
     return app
 
 
@@ -215,27 +220,30 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
 PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
 
 
-def _install_api_key(app: FastAPI, api_key: str) -> None:
+def _install_api_key(app: FastAPI, access: DashboardAccess) -> None:
     """Every route under PROTECTED_PREFIXES answers 401 unless `Authorization: Bearer
-    <api_key>` is sent."""
-    app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+    <api_key>` is sent; the dashboard's data routes also take a session cookie."""
+    app.add_middleware(_APIKeyMiddleware, access=access)
 
 
 class _APIKeyMiddleware:
     """A plain ASGI middleware (no response buffering, so streaming and disconnects pass)."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, access: DashboardAccess) -> None:
         self.app = app
-        self.expected = api_key.encode()
+        self.access = access
 
-    def _authorized(self, header: bytes) -> bool:
-        return bearer_key_matches(header, self.expected)
+    def _authorized(self, path: str, headers: dict[bytes, bytes]) -> bool:
+        if path.startswith(PROTECTED_PREFIXES):
+            return self.access.key_matches(headers.get(b"authorization", b""))
+        if path.startswith(DATA_PREFIXES):
+            return self.access.allows(headers.get(b"authorization"), headers.get(b"cookie"))
+        return True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
-            headers = dict(scope.get("headers") or [])
-            if not self._authorized(headers.get(b"authorization", b"")):
-                response = error_response(invalid_api_key())
-                await response(scope, receive, send)
-                return
+        if scope["type"] == "http" and not self._authorized(
+                scope["path"], dict(scope.get("headers") or [])):
+            response = error_response(invalid_api_key())
+            await response(scope, receive, send)
+            return
         await self.app(scope, receive, send)

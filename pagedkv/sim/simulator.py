@@ -62,13 +62,18 @@ def _device_match(instance: SimInstance, hashes: Sequence[bytes]) -> int:
 
 def simulate(trace: Sequence[TraceRequest], config: SimConfig, latency: LatencyModel, *,
              num_instances: int = 1, policy: str = "round-robin", record_steps: bool = False,
-             progress: Callable[[int, int], None] | None = None) -> SimResult:
-    """Replay `trace` (sorted by arrival) through `num_instances` simulated engines."""
+             progress: Callable[[int, int], None] | None = None,
+             on_instance: Callable[[SimInstance], None] | None = None) -> SimResult:
+    """Replay `trace` (sorted by arrival) through `num_instances` simulated engines.
+    `on_instance` is called with each instance before it runs (e.g. event_log.py's hook)."""
     if num_instances < 1:
         raise ValueError(f"num_instances must be >= 1, got {num_instances}")
     started = time.perf_counter()
     instances = [SimInstance(config, latency, index=i, record_steps=record_steps)
                  for i in range(num_instances)]
+    if on_instance is not None:
+        for inst in instances:
+            on_instance(inst)
     router = make_policy(policy) if num_instances > 1 else None
     records: list[RequestRecord] = []
     for index, treq in enumerate(trace):

@@ -33,3 +33,11 @@ def test_bench_dashboard_runs_both_ways_and_prints_the_ratio(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "throughput with a dashboard connected / without: median" in proc.stdout
     assert out.read_bytes()[:8] == PNG
+    # The feed as utility calls across the engine core process.
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_dashboard.py"),
+                           "--runs", "1", "--prompts", "8", "--max-tokens", "4", "--engine-only",
+                           "--engine-core", "process"], capture_output=True, text=True,
+                          timeout=280)
+    assert proc.returncode == 0, proc.stderr
+    assert "engine core: process" in proc.stdout and "feed share of the engine thread" in \
+        proc.stdout

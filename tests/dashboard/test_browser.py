@@ -225,22 +225,24 @@ PARITY_SCRIPT = """({snapshot, batches}) => {
 }"""
 
 
-def test_the_pages_state_model_equals_the_managers_over_random_ops(browser, server):
-    """state.js (the page's model) rebuilds the manager's own snapshot from the op stream."""
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_the_pages_state_model_equals_the_managers_over_random_ops(browser, server, policy):
+    """state.js (the page's model) rebuilds the manager's own snapshot from the op stream,
+    eviction order included (ARC's comes in "o" ops)."""
     import random
 
+    from pagedkv.engine.block_feed import BlockFeed
     from pagedkv.kv.manager import KVCacheManager
     from pagedkv.kv.observer import pool_snapshot
-    from pagedkv.server.dashboard.feed import BlockFeed
     from tests.dashboard.test_state_replay import _FakeEngine, _random_ops
 
     kv = KVCacheManager(num_blocks=48, block_size=4, num_host_blocks=16, watermark=0.0,
-                        max_pinned_fraction=0.3)
+                        max_pinned_fraction=0.3, eviction_policy=policy)
     engine, feed, rng, live = _FakeEngine(kv), BlockFeed(), random.Random(7), {}
     _random_ops(kv, rng, 200, live, [0])
     sub, snap = feed.subscribe(engine)
     batches, expected = [], []
-    for k in range(20):
+    for k in range(20 if policy == "lru" else 8):  # ARC: the "o" ops, in fewer batches
         _random_ops(kv, rng, 1000, live, [10_000 * (k + 1)])
         batches.append(feed.drain(engine, sub)["ops"])
         want = pool_snapshot(kv.pool, kv.pins.pin_counts())
@@ -257,3 +259,77 @@ def test_the_pages_state_model_equals_the_managers_over_random_ops(browser, serv
         for key in ("refs", "hashes", "free_order", "pins", "host_refs", "forest"):
             assert g[key] == w[key], f"batch {k}: {key} differs"
     page.close()
+
+
+def test_with_an_api_key_the_page_asks_for_it(browser, tiny_llama):
+    """The page of a server with --api-key shows nothing until the key is typed; it then holds
+    an HttpOnly session cookie (never the key) and the live grid fills in."""
+    proc = ServerProcess(tiny_llama, *engine_flags(**ENGINE_KWARGS), "--api-key",
+                         "sekrit").start()
+    try:
+        context = browser.new_context()
+        page = context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(proc.url + "/dashboard")
+        page.wait_for_selector("#keyform:not([hidden])")
+        assert page.inner_text("#conn") == "locked"
+        assert page.locator("#counts [data-count]").count() == 0  # no data without the key
+        page.fill("#apikey", "wrong")
+        page.click("#keyform button")
+        page.wait_for_function("document.getElementById('keyhint').textContent.startsWith("
+                               "'wrong key')")
+        assert context.cookies() == []
+        page.fill("#apikey", "sekrit")
+        page.click("#keyform button")
+        page.wait_for_function("document.querySelector('#counts [data-count=usable] b') "
+                               "!== null", timeout=30_000)
+        assert page.inner_text("#conn") == "connected"
+        [cookie] = context.cookies()
+        assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+        assert cookie["path"] == "/dashboard" and "sekrit" not in cookie["value"]
+        assert errors == []
+        context.close()
+    finally:
+        assert proc.stop(), "server did not shut down cleanly"
+
+
+def test_a_simulator_log_replays_beside_the_live_run(browser, server, tmp_path):
+    """A `pagedkv simulate --event-log` log loaded in a live page opens in a window of its own
+    and ends in the simulated pool's final counts; the live page stays live."""
+    from pagedkv.server.dashboard.state import PageState
+    from pagedkv.sim.event_log import SimEventLog
+    from pagedkv.sim.instance import SimConfig
+    from pagedkv.sim.latency import FunctionLatency
+    from pagedkv.sim.simulator import simulate
+    from tests.sim.workloads import shared_prefix_trace
+
+    log = SimEventLog()
+    simulate(shared_prefix_trace(num=40), SimConfig(num_blocks=48, block_size=8),
+             FunctionLatency(lambda shape: 0.01), on_instance=log.attach)
+    path = tmp_path / "sim-log.json"
+    log.write(path)
+    want = PageState(log.snapshot["pools"])
+    for update in log.updates:
+        want.apply(update["ops"], update["t"])
+    context = browser.new_context()
+    live = context.new_page()
+    live.goto(server.url + "/dashboard")
+    live.wait_for_function("document.querySelector('#counts [data-count=usable] b') !== null")
+    with context.expect_page() as opened:
+        live.set_input_files("#load", str(path))
+    replay = opened.value
+    replay.wait_for_function("window.dashboard && window.dashboard.replay && "
+                             "window.dashboard.entries.length > 0", timeout=30_000)
+    replay.wait_for_function("document.querySelector('#counts [data-count=usable] b') "
+                             "!== null")
+    counts = _counts(replay)
+    expected = want.pools[0].counts()
+    assert counts["usable"] == 47
+    for key in ("free", "cached", "in_use"):
+        assert counts[key] == expected[key], (key, counts, expected)
+    assert replay.inner_text("#conn").startswith("offline")
+    assert live.inner_text("#conn") == "connected"  # the live run goes on beside it
+    assert _counts(live)["usable"] == httpx.get(server.url + "/kv_cache_info").json()[
+        "num_gpu_blocks"] - 1
+    context.close()

@@ -1,6 +1,7 @@
 """/dashboard on a real server: the page and its assets, the SSE feed (a snapshot, then at most
 10 coalesced updates a second, that rebuild the engine's own block state), a live request's
-block table, and no recording once the last client is gone (issue 23)."""
+block table, and no recording once the last client is gone (issue 23). The tests that read the
+engine core run with it in-process and in its own process (the `engine` fixture)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ import pytest
 
 from pagedkv.kv.observer import pool_snapshot
 from pagedkv.server.dashboard.state import PageState
-from tests.dashboard.conftest import serving, sse_events
+from tests.dashboard.conftest import (
+    CORE_MODES,
+    fresh_snapshot,
+    serving,
+    sse_events,
+    wait_until_unwatched,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,8 +33,8 @@ def _completions(url: str, prompts: list[list[int]], max_tokens: int = 12) -> No
             assert r.status_code == 200, r.text
 
 
-def test_page_and_assets_are_served_from_the_package(engine):
-    with serving(engine) as url:
+def test_page_and_assets_are_served_from_the_package(inproc_engine):
+    with serving(inproc_engine) as url:
         page = httpx.get(url + "/dashboard")
         assert page.status_code == 200 and 'id="grid"' in page.text and 'id="legend"' in page.text
         assert "http://" not in page.text and "https://" not in page.text  # no CDN
@@ -40,12 +47,13 @@ def test_page_and_assets_are_served_from_the_package(engine):
 
 
 def test_feed_rebuilds_the_engine_state_at_most_10_updates_a_second(engine):
-    kv = engine.scheduler.kv_cache_manager
+    kv = engine.scheduler.kv_cache_manager if engine.core is not None else None
     system = list(range(100, 140))  # a shared 10-block system prompt
     prompts = [system + [i, i + 1, i + 2] for i in range(6)]
     with serving(engine) as url:
         _completions(url, prompts[:2])  # cached blocks before the client connects
-        assert kv.pool.observer is None
+        if kv is not None:
+            assert kv.pool.observer is None
         with httpx.stream("GET", url + "/dashboard/events", timeout=60) as resp:
             assert resp.headers["content-type"].startswith("text/event-stream")
             events = sse_events(resp)
@@ -71,10 +79,15 @@ def test_feed_rebuilds_the_engine_state_at_most_10_updates_a_second(engine):
                 state.apply(update["ops"], update["t"])
             assert update["stats"]["num_running"] == 0
             assert update["stats"]["prefix_cache_hits"] > 0
-            want = pool_snapshot(kv.pool, kv.pins.pin_counts())
+            # The page's state equals the core's own (a newly connected page's snapshot; and
+            # the manager's, where the core is in this process).
+            want = fresh_snapshot(url)["pools"][0]
+            if kv is not None:
+                assert want == pool_snapshot(kv.pool, kv.pins.pin_counts())
             got = state.pools[0].snapshot()
             assert got["refs"] == want["refs"] and got["hashes"] == want["hashes"]
             assert got["free_order"] == want["free_order"]
+            assert got["pins"] == {int(k): v for k, v in want["pins"].items()}
             # The shared system prompt is one chain in the forest with several children.
             children: dict = {}
             for node in state.forest.values():
@@ -84,10 +97,8 @@ def test_feed_rebuilds_the_engine_state_at_most_10_updates_a_second(engine):
             # Coalesced: never more than 10 updates in any one-second window (+1 for jitter).
             for i in range(len(times)):
                 assert sum(1 for t in times[i:] if t - times[i] < 1.0) <= 11
-        for _ in range(100):  # the stream is closed: the recorders come off
-            if kv.pool.observer is None:
-                break
-            time.sleep(0.05)
+        wait_until_unwatched(url)  # the stream is closed: the last subscriber is gone
+    if kv is not None:  # and the recorders came off
         assert kv.pool.observer is None
     engine.check_invariants()
 
@@ -129,10 +140,12 @@ def test_block_table_of_a_live_request_marks_shared_blocks(engine):
         assert httpx.get(url + "/dashboard/api/request/nope").status_code == 404
 
 
-def test_an_open_dashboard_does_not_hold_up_a_graceful_shutdown(tiny_llama):
+@pytest.mark.parametrize("core", CORE_MODES)
+def test_an_open_dashboard_does_not_hold_up_a_graceful_shutdown(tiny_llama, core):
     from tests.server.helpers import ENGINE_KWARGS, ServerProcess, engine_flags
 
-    proc = ServerProcess(tiny_llama, *engine_flags(**ENGINE_KWARGS)).start()
+    proc = ServerProcess(tiny_llama, *engine_flags(**ENGINE_KWARGS), "--engine-core",
+                         core).start()
     ended = threading.Event()
 
     def watch() -> None:

@@ -1,18 +1,20 @@
 """POST /v1/cache/explain: a completion or chat body, nothing generated; behind the API key;
-bad bodies are 400s. GET /dashboard/api/explain/{id} explains a finished request (issue 23)."""
+bad bodies are 400s. GET /dashboard/api/explain/{id} explains a finished request (issue 23).
+The explanation test runs with the engine core in-process and in its own process (the `engine`
+fixture), and checks that a bad utility call is a ValueError in both."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from tests.dashboard.conftest import serving
+from tests.dashboard.conftest import fresh_snapshot, serving
+from tests.server.helpers import scrape
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def test_explain_a_completion_and_a_chat_prompt(engine):
-    kv = engine.scheduler.kv_cache_manager
     prompt = list(range(300, 322))  # 5 full blocks of 4 and a partial one of 2
     with serving(engine) as url:
         before = httpx.post(url + "/v1/cache/explain", json={"model": "tiny", "prompt": prompt})
@@ -21,7 +23,7 @@ def test_explain_a_completion_and_a_chat_prompt(engine):
         assert [b["reason"] for b in body["blocks"]] == ["never_computed"] * 5
         assert body["partial_block"]["tokens"] == [20, 22]
         assert body["kv_cache_dtype"] == "auto" and body["model"] == "tiny"
-        assert engine.generation_tokens_total == 0  # nothing was generated
+        assert scrape(url)["pagedkv:generation_tokens_total"] == 0  # nothing was generated
         r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1},
                        timeout=60)
         assert r.status_code == 200
@@ -32,9 +34,13 @@ def test_explain_a_completion_and_a_chat_prompt(engine):
         salted = httpx.post(url + "/v1/cache/explain",
                             json={"prompt": prompt, "cache_salt": "other"}).json()
         assert [b["reason"] for b in salted["blocks"]] == ["different_cache_salt"] * 5
-        # The dashboard's explanation of the finished request itself (its engine-side id).
-        finished = [p.request_id for p in kv.recent_prompts]
-        assert finished, rid
+        # The dashboard's explanation of the finished request itself (its engine-side id, as
+        # the feed lists the latest finished requests).
+        finished = fresh_snapshot(url)["first_update"]["finished"]
+        assert len(finished) == 1, (rid, finished)
+        if engine.core is not None:
+            kv = engine.scheduler.kv_cache_manager
+            assert finished == [p.request_id for p in kv.recent_prompts]
         mine = httpx.get(f"{url}/dashboard/api/explain/{finished[-1]}").json()
         assert mine["num_tokens"] == len(prompt) + 1  # prompt + the generated token
         assert mine["blocks"][0]["reason"] == "hit"
@@ -46,10 +52,15 @@ def test_explain_a_completion_and_a_chat_prompt(engine):
         else:
             assert chat.status_code == 200 and chat.json()["num_tokens"] > 0
     engine.check_invariants()
+    # The utility calls are a closed set, and their errors cross the process by type.
+    with pytest.raises(ValueError, match="unknown utility method 'scheduler'"):
+        engine.call_utility("scheduler")
+    with pytest.raises(ValueError, match="unknown dashboard subscriber 12345"):
+        engine.call_utility("dashboard.drain", 12345)
 
 
-def test_explain_is_behind_the_api_key_and_rejects_bad_bodies(engine):
-    with serving(engine, api_key="sekrit") as url:
+def test_explain_is_behind_the_api_key_and_rejects_bad_bodies(inproc_engine):
+    with serving(inproc_engine, api_key="sekrit") as url:
         body = {"prompt": [1, 2, 3, 4, 5]}
         assert httpx.post(url + "/v1/cache/explain", json=body).status_code == 401
         auth = {"Authorization": "Bearer sekrit"}

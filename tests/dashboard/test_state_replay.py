@@ -7,9 +7,9 @@ import random
 
 import pytest
 
+from pagedkv.engine.block_feed import BlockFeed
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.observer import pool_snapshot
-from pagedkv.server.dashboard.feed import BlockFeed
 from pagedkv.server.dashboard.state import PageState
 from tests.kv.conftest import FakeRequest
 
@@ -34,18 +34,21 @@ class _FakeEngine:
         return EngineStats()
 
 
-def _compare(state: PageState, kv: KVCacheManager, exact_order: bool) -> None:
+def _compare(state: PageState, kv: KVCacheManager) -> None:
+    """The page's state equals the pools' own snapshot, eviction ranks included (the snapshot's
+    order is the policy's real pop order: tests/kv/test_eviction_order.py)."""
     want = pool_snapshot(kv.pool, kv.pins.pin_counts())
     got = state.pools[0].snapshot()
     assert got["refs"] == want["refs"]
     assert got["hashes"] == want["hashes"]
     assert got["pins"] == want["pins"]
-    if exact_order:
-        assert got["free_order"] == want["free_order"]
-    else:
-        assert sorted(got["free_order"]) == sorted(want["free_order"])
+    assert got["free_order"] == want["free_order"]
+    assert state.eviction_rank(0) == {b: r for r, b in enumerate(want["free_order"])}
     if kv.host_pool is not None:
-        assert state.pools[1].snapshot()["refs"] == pool_snapshot(kv.host_pool)["refs"]
+        host = state.pools[1].snapshot()
+        want_host = pool_snapshot(kv.host_pool)
+        assert host["refs"] == want_host["refs"]
+        assert host["free_order"] == want_host["free_order"]
     # The forest holds exactly the cached hashes, each at its block.
     assert {h: n.block_id for h, n in state.forest.items()} == {
         h: i for i, h in enumerate(want["hashes"]) if h is not None}
@@ -108,7 +111,7 @@ def _random_ops(kv: KVCacheManager, rng: random.Random, n: int, live: dict, coun
     return done
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "arc"])
 def test_page_state_equals_manager_snapshot_over_random_ops(policy):
     rng = random.Random(23)
     kv = KVCacheManager(num_blocks=48, block_size=BS, num_host_blocks=16, watermark=0.0,
@@ -120,7 +123,7 @@ def test_page_state_equals_manager_snapshot_over_random_ops(policy):
     _random_ops(kv, rng, 200, live, counter)  # a busy pool before anyone watches
     sub, snap = feed.subscribe(engine)
     state = PageState(snap["pools"])
-    _compare(state, kv, exact_order=policy == "lru")
+    _compare(state, kv)
     total = 0
     num_ops = 100_000 if policy == "lru" else 20_000
     evictions_before = kv.eviction_log.num_evictions
@@ -128,15 +131,18 @@ def test_page_state_equals_manager_snapshot_over_random_ops(policy):
         total += _random_ops(kv, rng, 1000, live, counter)
         update = feed.drain(engine, sub)
         state.apply(update["ops"], update["t"])
-        _compare(state, kv, exact_order=policy == "lru")
+        _compare(state, kv)
+        assert ("o" in {op[0] for op in update["ops"]}) == (policy != "lru")
     assert total > num_ops // 2  # most operations really changed the pool
     assert kv.eviction_log.num_evictions - evictions_before > 1000  # evictions were exercised
     feed.unsubscribe(engine, sub)
     assert kv.pool.observer is None and kv.host_pool.observer is None and feed.ops == []
 
 
-def test_nothing_is_recorded_without_a_subscriber_and_two_subscribers_see_the_same():
-    kv = KVCacheManager(num_blocks=32, block_size=BS, num_host_blocks=8, watermark=0.0)
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_nothing_is_recorded_without_a_subscriber_and_two_subscribers_see_the_same(policy):
+    kv = KVCacheManager(num_blocks=32, block_size=BS, num_host_blocks=8, watermark=0.0,
+                        eviction_policy=policy)
     engine = _FakeEngine(kv)
     feed = BlockFeed()
     rng = random.Random(1)
@@ -153,7 +159,7 @@ def test_nothing_is_recorded_without_a_subscriber_and_two_subscribers_see_the_sa
         for sub, state in ((a, state_a), (b, state_b)):
             update = feed.drain(engine, sub)
             state.apply(update["ops"], update["t"])
-            _compare(state, kv, exact_order=True)
+            _compare(state, kv)
     feed.unsubscribe(engine, a)
     assert kv.pool.observer is not None  # b still watches
     feed.unsubscribe(engine, b)
@@ -169,5 +175,5 @@ def test_a_subscriber_past_the_backlog_gets_a_resync_snapshot():
     update = feed.drain(engine, sub)
     assert "resync" in update and "ops" not in update
     state = PageState(update["resync"]["pools"])
-    _compare(state, kv, exact_order=True)
+    _compare(state, kv)
     assert feed.ops == []  # trimmed to the cursor

@@ -50,3 +50,20 @@ def test_kv_aware_decisions_carry_each_candidates_cost():
         cost(request, c, policy.weights) for c in candidates]
     assert record["candidates"][0]["score"] < record["candidates"][1]["score"]
     assert make_policy("round-robin").name == "round-robin"
+
+
+def test_with_an_api_key_the_fleet_needs_the_key_or_a_session():
+    router, app = make_app(FakeBackends(), api_key="sekrit")
+    with TestClient(app) as client:
+        assert client.get("/dashboard").status_code == 200  # the page: no data
+        denied = client.get("/dashboard/fleet")
+        assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+        assert client.post("/dashboard/session",
+                           headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert client.get("/dashboard/fleet",
+                          headers={"Authorization": "Bearer sekrit"}).status_code == 200
+        opened = client.post("/dashboard/session", headers={"Authorization": "Bearer sekrit"})
+        assert opened.status_code == 200 and "httponly" in opened.headers["set-cookie"].lower()
+        assert client.get("/dashboard/fleet").json()["policy"] == "round-robin"  # the cookie
+        client.delete("/dashboard/session")
+        assert client.get("/dashboard/fleet").status_code == 401

@@ -172,9 +172,28 @@ class ARCEvictionPolicy(EvictionPolicy):
             used_twice[block.block_id] = True
 
     def free_blocks(self) -> list[KVCacheBlock]:
-        """U, then T1 and T2 (an approximation of the order: which of T1 and T2 goes next
-        depends on p at the time)."""
+        """U, then T1 and T2 (not the eviction order: see `eviction_order`)."""
         return [b for tag in (_U, _T1, _T2) for b in self._lists[tag].get_all_free_blocks()]
+
+    def eviction_order(self) -> list[KVCacheBlock]:
+        """U, then T1 and T2 merged by `pop`'s rule (p only changes when blocks are freed, so
+        it holds through a run of pops)."""
+        t1 = self._lists[_T1].get_all_free_blocks()
+        t2 = self._lists[_T2].get_all_free_blocks()
+        out = self._lists[_U].get_all_free_blocks()
+        freed_at = self._freed_at
+        i = j = 0
+        while i < len(t1) or j < len(t2):
+            n1, n2 = len(t1) - i, len(t2) - j
+            take_t1 = (not n2 or (n1 and (n1 > self.p or
+                                          freed_at[t1[i].block_id] < freed_at[t2[j].block_id])))
+            if take_t1:
+                out.append(t1[i])
+                i += 1
+            else:
+                out.append(t2[j])
+                j += 1
+        return out
 
     def check_invariants(self, fail: Callable[[str], None]) -> None:
         total = 0

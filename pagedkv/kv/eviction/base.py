@@ -43,6 +43,9 @@ class EvictionPolicy(ABC):
 
     # How many blocks are free: an attribute (or property) read on every allocation, O(1).
     num_free_blocks: int
+    # True when the free order is the freeing order (unhashed blocks first): a watcher can
+    # rebuild it from the ref-count changes alone (the dashboard). False: ask `eviction_order`.
+    order_follows_frees: bool = False
 
     @abstractmethod
     def add(self, blocks: Sequence[KVCacheBlock]) -> None:
@@ -68,6 +71,12 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def free_blocks(self) -> list[KVCacheBlock]:
         """Every free block, the next to be reused first. O(n): for tests and invariant checks."""
+
+    def eviction_order(self) -> list[KVCacheBlock]:
+        """Every free block in the exact order `pop` would hand them out now (one `pop(n)` or
+        n `pop(1)`s alike), the next first. O(n), mutates nothing. By default `free_blocks()`;
+        a policy whose `free_blocks` is not that order overrides this."""
+        return self.free_blocks()
 
     def check_invariants(self, fail: Callable[[str], None]) -> None:
         """Check the policy's own structure, calling `fail(message)` on the first violation.

@@ -121,6 +121,7 @@ class LRUEvictionPolicy(FreeBlockQueue, EvictionPolicy):
     """
 
     __slots__ = ()
+    order_follows_frees = True
 
     def add(self, blocks: Sequence[KVCacheBlock]) -> None:
         head = self.fake_head

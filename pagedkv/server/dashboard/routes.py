@@ -2,26 +2,28 @@
 (its assets, shipped in the package: no CDN), `GET /dashboard/events` (SSE: a snapshot, then at
 most `MAX_UPDATES_PER_S` coalesced updates a second), `GET /dashboard/api/request/{id}` (a live
 request's block table), `GET /dashboard/api/explain/{id}` (a recent finished request's miss
-explanation) and `POST /v1/cache/explain` (a completion or chat body: where its KV is, block by
+explanation), `GET|POST|DELETE /dashboard/session` (with an API key: the page's session cookie,
+access.py) and `POST /v1/cache/explain` (a completion or chat body: where its KV is, block by
 block; nothing is generated; behind the API key like every /v1 route).
 
-Everything that reads engine state runs in the engine loop thread (`AsyncEngine.call`); the
-feed records nothing while no /dashboard/events stream is open.
+Everything that reads engine state is a utility call of the engine core ("dashboard.*":
+pagedkv/engine/dashboard_calls.py), made from the engine loop thread (`AsyncEngine.call`): the
+same in-process and with the core in its own process. The core's feed records nothing while no
+/dashboard/events stream is open.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
-from pagedkv.kv.explain import explain_prompt
-from pagedkv.server.dashboard.feed import BlockFeed, block_table
+from pagedkv.server.dashboard.access import DashboardAccess, make_session_router
 from pagedkv.server.errors import APIError
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedkv.server.sse import SSEResponse
@@ -32,18 +34,19 @@ STATIC_TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/htm
 MAX_UPDATES_PER_S = 10
 
 
-def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """fn for AsyncEngine.call: any exception comes back as a value, never kills the loop."""
-    def run(engine: Any, *args: Any) -> Any:
-        try:
-            return ("ok", fn(engine, *args))
-        except Exception as exc:  # reported to the caller, the loop goes on
-            return ("error", exc)
-    return run
+def _utility(engine: Any, method: str, *args: Any) -> Any:
+    """For AsyncEngine.call: the core's utility call `method`; any exception comes back as a
+    value, never kills the loop."""
+    try:
+        return ("ok", engine.call_utility(method, *args))
+    except Exception as exc:  # reported to the caller, the loop goes on
+        return ("error", exc)
 
 
-async def _call(async_engine: Any, fn: Callable[..., Any], *args: Any) -> Any:
-    status, value = await async_engine.call(_guarded(fn), *args)
+async def _call(async_engine: Any, method: str, *args: Any) -> Any:
+    """`method` ("dashboard.drain", ...) run by the engine core; ValueError -> 400, others
+    -> 500."""
+    status, value = await async_engine.call(_utility, method, *args)
     if status == "error":
         if isinstance(value, ValueError):
             raise APIError(str(value))
@@ -61,10 +64,13 @@ def _ttft(metrics: Any) -> dict[str, float]:
 
 
 def make_dashboard_router(async_engine: Any, serving: Any, metrics: Any,
-                          served_model_name: str) -> APIRouter:
-    """The routes above, over one engine. The `BlockFeed` lives in the closure (one per app)."""
+                          served_model_name: str, access: DashboardAccess | None = None
+                          ) -> APIRouter:
+    """The routes above, over one engine (its block feed lives in its core). `access`: who may
+    read the data routes (the app's middleware enforces it; None: open)."""
     router = APIRouter()
-    feed = BlockFeed()
+    access = access or DashboardAccess(None)
+    router.include_router(make_session_router(access))
 
     @router.get("/dashboard", include_in_schema=False)
     async def page() -> HTMLResponse:
@@ -80,7 +86,7 @@ def make_dashboard_router(async_engine: Any, serving: Any, metrics: Any,
 
     @router.get("/dashboard/events", include_in_schema=False)
     async def events() -> SSEResponse:
-        sub, snap = await _call(async_engine, feed.subscribe)
+        sub, snap = await _call(async_engine, "dashboard.subscribe")
         snap["model"] = served_model_name
         loop = asyncio.get_running_loop()
         closed = False
@@ -90,14 +96,14 @@ def make_dashboard_router(async_engine: Any, serving: Any, metrics: Any,
             if not closed:
                 closed = True
                 if async_engine.is_running:
-                    loop.create_task(_call(async_engine, feed.unsubscribe, sub))
+                    loop.create_task(_call(async_engine, "dashboard.unsubscribe", sub))
 
         async def stream() -> AsyncIterator[str]:
             yield f"event: snapshot\ndata: {json.dumps(snap, separators=(',', ':'))}\n\n"
             period = 1.0 / MAX_UPDATES_PER_S
             while async_engine.is_running and not async_engine.draining:
                 started = loop.time()
-                update = await _call(async_engine, feed.drain, sub)
+                update = await _call(async_engine, "dashboard.drain", sub)
                 update["stats"].update(_ttft(metrics))
                 yield f"event: update\ndata: {json.dumps(update, separators=(',', ':'))}\n\n"
                 await asyncio.sleep(max(period - (loop.time() - started), 0.0) or 0.001)
@@ -106,21 +112,14 @@ def make_dashboard_router(async_engine: Any, serving: Any, metrics: Any,
 
     @router.get("/dashboard/api/request/{request_id:path}", include_in_schema=False)
     async def request_table(request_id: str) -> JSONResponse:
-        table = await _call(async_engine, block_table, request_id)
+        table = await _call(async_engine, "dashboard.block_table", request_id)
         if table is None:
             raise APIError(f"no live request {request_id!r}", status_code=404, type="not_found")
         return JSONResponse(table)
 
     @router.get("/dashboard/api/explain/{request_id:path}", include_in_schema=False)
     async def explain_finished(request_id: str) -> JSONResponse:
-        def run(engine: Any) -> dict[str, Any] | None:
-            kv = engine.scheduler.kv_cache_manager
-            for prompt in reversed(kv.recent_prompts):
-                if prompt.request_id == request_id:
-                    return explain_prompt(kv, prompt.token_ids, prompt.cache_salt,
-                                          store=getattr(engine, "kv_store", None))
-            return None
-        answer = await _call(async_engine, run)
+        answer = await _call(async_engine, "dashboard.explain_recent", request_id)
         if answer is None:
             raise APIError(f"request {request_id!r} is not among the recent finished requests",
                            status_code=404, type="not_found")
@@ -132,17 +131,9 @@ def make_dashboard_router(async_engine: Any, serving: Any, metrics: Any,
         is not on the device. Nothing is generated."""
         serving.check_model(body.model)
         token_ids = await _prompt_ids(serving, body)
-        salt = body.cache_salt
-
-        def run(engine: Any) -> dict[str, Any]:
-            answer = explain_prompt(engine.scheduler.kv_cache_manager, token_ids, salt,
-                                    store=getattr(engine, "kv_store", None))
-            args = engine.args
-            answer.update(model=served_model_name, kv_cache_dtype=args.kv_cache_dtype,
-                          dtype=args.dtype, prefix_caching_hash_algo=
-                          args.prefix_caching_hash_algo)
-            return answer
-        return JSONResponse(await _call(async_engine, run))
+        answer = await _call(async_engine, "dashboard.explain", token_ids, body.cache_salt)
+        answer["model"] = served_model_name
+        return JSONResponse(answer)
 
     return router
 
@@ -162,3 +153,4 @@ async def _prompt_ids(serving: Any, body: CompletionRequest | ChatCompletionRequ
             raise APIError(f"explain takes one prompt, got {len(prompts)}", param="prompt")
         ids = prompts[0]
     return serving.truncate(body, [ids])[0]
+

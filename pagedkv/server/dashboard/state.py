@@ -5,7 +5,8 @@ same way); tests replay random pool operations through the stream into it and co
 the pool's own `pool_snapshot` (pagedkv.kv.observer). Pure data: imports nothing from the engine.
 
 Per pool: `refs[id]`, `hashes[id]` (short hex or None), `free_order` (the free blocks that carry
-a hash, in the order they became free: the LRU eviction order, rank 0 evicted next) and `pins`.
+a hash, in the order they became free: the LRU eviction order, rank 0 evicted next; replaced
+whole by an "o" op under LFU and ARC, whose order the ref ops do not show) and `pins`.
 The prefix forest (device pool) maps each cached hash to its parent hash, its block, how many
 times a request took a reference on it (hits) and when (the batch time) it was last used.
 """
@@ -109,9 +110,11 @@ class PageState:
                         pool.pins[data[i]] = data[i + 1]
                     else:
                         pool.pins.pop(data[i], None)
+            elif kind == "o":
+                pool.free_order = dict.fromkeys(data)
             else:
                 raise ValueError(f"unknown dashboard op {kind!r}")
 
     def eviction_rank(self, pool_index: int = 0) -> dict[int, int]:
-        """{block_id: rank} of the cached free blocks (0 is evicted next under LRU)."""
+        """{block_id: rank} of the cached free blocks (0 is evicted next)."""
         return {b: r for r, b in enumerate(self.pools[pool_index].free_order)}

@@ -21,7 +21,7 @@
   function push(update) {
     if (update.resync) { reset(update.resync); }
     else D.state.apply(update.ops || [], update.t);
-    D.entries.push({ t: update.t, ops: update.ops || [], stats: update.stats, queues: update.queues });
+    D.entries.push({ t: update.t, ops: update.ops || [], stats: update.stats, queues: update.queues, finished: update.finished });
     const idx = D.entries.length - 1;
     if (idx % KEYFRAME_EVERY === KEYFRAME_EVERY - 1) D.keyframes.push({ index: idx, state: D.state.clone(), t: update.t });
     trim();
@@ -77,7 +77,41 @@
     D.source = es;
     es.addEventListener("snapshot", (e) => { reset(JSON.parse(e.data)); $("conn").textContent = "connected"; });
     es.addEventListener("update", (e) => push(JSON.parse(e.data)));
-    es.onerror = () => { $("conn").textContent = "reconnecting"; };
+    es.onerror = async () => {
+      $("conn").textContent = "reconnecting";
+      const s = await sessionState();  // a 401 (session expired): ask for the key again
+      if (s && s.required && !s.valid) { es.close(); askKey("session expired: API key"); }
+    };
+  }
+
+  // ---------------------------------------------------------------- access (server/dashboard/access.py)
+  // With --api-key the page asks for the key, trades it for a short-lived HttpOnly session
+  // cookie (EventSource cannot send headers) and keeps the key in memory only, to renew it.
+  let apiKey = null;
+  async function sessionState() {
+    try { const r = await fetch("/dashboard/session", { cache: "no-store" }); return r.ok ? r.json() : null; }
+    catch (err) { return null; }
+  }
+  async function openSession(key) {
+    const r = await fetch("/dashboard/session", { method: "POST", headers: { Authorization: `Bearer ${key}` } });
+    if (!r.ok) return null;
+    const s = await r.json();
+    setTimeout(() => { if (apiKey) openSession(apiKey); }, s.ttl_s * 500);  // renew at half-life
+    return s;
+  }
+  function askKey(message) {
+    $("conn").textContent = "locked";
+    const form = $("keyform"); form.hidden = false; $("keyhint").textContent = message;
+    form.onsubmit = async (e) => {
+      e.preventDefault();
+      const key = $("apikey").value; $("apikey").value = "";
+      if (await openSession(key)) { apiKey = key; form.hidden = true; connect(); }
+      else askKey("wrong key: API key");
+    };
+  }
+  async function start() {
+    const s = await sessionState();
+    if (s && s.required && !s.valid) askKey("this server has an API key:"); else connect();
   }
 
   // ---------------------------------------------------------------- the grid
@@ -160,6 +194,9 @@
       }
     }
     D.lastQueues = e.queues;
+    for (const id of e.finished || []) {  // finished between two updates too (oldest first)
+      if (!D.finished.includes(id)) { D.finished.unshift(id); D.finished.length = Math.min(D.finished.length, 30); }
+    }
     $("finished").innerHTML = D.finished.length ? "finished: " + D.finished.map((id) => `<a href="#" data-explain="${id}">${id}</a>`).join(" ") : "";
   }
   async function select(id) {
@@ -270,7 +307,29 @@
     const blob = new Blob([JSON.stringify(D.recordedLog())], { type: "application/json" });
     const a = document.createElement("a"); a.href = URL.createObjectURL(blob); a.download = "pagedkv-dashboard-log.json"; a.click();
   });
-  $("load").addEventListener("change", async (e) => { const f = e.target.files[0]; if (f) D.replayLog(JSON.parse(await f.text())); });
+  $("load").addEventListener("change", async (e) => {
+    const f = e.target.files[0]; if (!f) return;
+    const log = JSON.parse(await f.text()); e.target.value = "";
+    if (D.source && !D.replay) replayBeside(log); else D.replayLog(log);
+  });
+  // A log (saved here, or written by `pagedkv simulate --event-log`) loaded in a live page
+  // replays in a window of its own, beside the live run, which goes on.
+  function replayBeside(log) {
+    const w = window.open("/dashboard?offline&replay", "_blank");
+    if (!w) { D.replayLog(log); return; }  // pop-ups blocked: replay here instead
+    const ready = (ev) => {
+      if (ev.source !== w || ev.origin !== location.origin || ev.data !== "pagedkv-replay-ready") return;
+      window.removeEventListener("message", ready);
+      w.postMessage({ pagedkvLog: log }, location.origin);
+    };
+    window.addEventListener("message", ready);
+  }
+  if (new URLSearchParams(location.search).has("replay") && window.opener) {
+    window.addEventListener("message", (ev) => {
+      if (ev.origin === location.origin && ev.data && ev.data.pagedkvLog) D.replayLog(ev.data.pagedkvLog);
+    });
+    window.opener.postMessage("pagedkv-replay-ready", location.origin);
+  }
   $("play").addEventListener("click", () => {
     let i = 0;
     const step = () => { if (i >= D.entries.length) return; scrubTo(i); $("scrubber").value = i; const next = D.entries[i + 1]; const wait = next ? (next.t - D.entries[i].t) * 1000 : 0; i++; setTimeout(step, Math.min(Math.max(wait, 10), 1000)); };
@@ -289,5 +348,5 @@
   }
   setInterval(() => { if (D.selected && D.live && !D.replay) select(D.selected); }, 1000);
   requestAnimationFrame(frame);
-  if (!new URLSearchParams(location.search).has("offline")) connect();
+  if (!new URLSearchParams(location.search).has("offline")) start();
 })();

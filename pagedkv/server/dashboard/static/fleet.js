@@ -14,8 +14,24 @@
     $("prefixes").innerHTML = `<table>${place(s.prefixes) || '<tr><td class="hint">no prefix routed yet</td></tr>'}</table>`;
     $("sessions").innerHTML = `<table>${place(s.sessions) || '<tr><td class="hint">no session routed yet</td></tr>'}</table>`;
   }
+  // With --api-key: ask for the key once, trade it for a session cookie (server/dashboard/access.py),
+  // keep the key in memory only to renew the session.
+  let apiKey = null;
+  async function openSession(key) {
+    const r = await fetch("/dashboard/session", { method: "POST", headers: { Authorization: `Bearer ${key}` } });
+    return r.ok;
+  }
   async function poll() {
-    try { const r = await fetch("/dashboard/fleet"); render(await r.json()); $("conn").textContent = "connected"; }
+    try {
+      const r = await fetch("/dashboard/fleet");
+      if (r.status === 401) {
+        if (apiKey && await openSession(apiKey)) { setTimeout(poll, 0); return; }  // expired: renew
+        $("conn").textContent = "locked";
+        const key = window.prompt("This router has an API key. API key:");
+        if (!key) return;  // cancelled: stay locked (reload the page to try again)
+        if (await openSession(key)) apiKey = key;
+      } else { render(await r.json()); $("conn").textContent = "connected"; }
+    }
     catch (e) { $("conn").textContent = "unreachable"; }
     setTimeout(poll, 1000);
   }

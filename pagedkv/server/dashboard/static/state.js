@@ -1,6 +1,7 @@
 // The page-state model: the twin of pagedkv/server/dashboard/state.py (same ops, same rules).
-// Per pool: refs, hashes, freeOrder (cached free blocks in the order they became free: rank 0
-// is evicted next under LRU) and pins; the device pool's prefix forest (hash -> node).
+// Per pool: refs, hashes, freeOrder (cached free blocks, rank 0 evicted next: the freeing order
+// under LRU, replaced whole by "o" ops under LFU and ARC) and pins; the device pool's prefix
+// forest (hash -> node).
 "use strict";
 
 class PoolState {
@@ -80,6 +81,9 @@ class PageState {
         for (let i = 0; i < data.length; i += 2) {
           if (data[i + 1]) pool.pins.set(data[i], data[i + 1]); else pool.pins.delete(data[i]);
         }
+      } else if (kind === "o") {  // LFU / ARC: the policy's exact order, replaced whole
+        pool.freeOrder = new Map();
+        for (const id of data) pool.freeOrder.set(id, true);
       }
     }
   }

@@ -1,14 +1,21 @@
-"""The dashboard's feed on the engine side: who watches, and what each watcher has not seen.
+"""The dashboard's feed on the engine core's side: who watches, and what each watcher has not
+seen.
 
-`BlockFeed` belongs to one engine (it lives on `app.state`, never in a global). Every method
-runs in the engine loop thread (the routes reach it through `AsyncEngine.call`), so the pools,
-the scheduler and the op list are read and written by one thread only.
+`BlockFeed` belongs to one engine core (`EngineCore.dashboard`, never a global). Every method
+runs in the thread that steps the core, between steps (the routes reach it through utility
+calls: pagedkv/engine/dashboard_calls.py), so the pools, the scheduler and the op list are read
+and written by one thread only, in the core process or in-process alike.
 
 Nothing is recorded while no one watches: the pools' `observer` stays None until the first
 `subscribe` and is reset to None by the last `unsubscribe`. While watched, the pools append ops
 to one shared list; each subscriber has a cursor into it and `drain` hands it the ops after its
 cursor (the list is trimmed to the slowest cursor). A subscriber that falls more than
 `max_backlog` ops behind is told to resync (it gets a fresh snapshot) instead of growing memory.
+
+Eviction order: the page rebuilds LRU's order from the ref ops alone (a block joins the tail when
+freed). LFU and ARC order by counts and lists the ops do not show, so for them `drain` appends an
+["o", pool, [block_id, ...]] op (the policy's exact `eviction_order()`) whenever that pool
+changed since the last one: the page's ranks are the policy's, at every update.
 """
 
 from __future__ import annotations
@@ -17,10 +24,11 @@ import itertools
 import time
 from typing import Any
 
-from pagedkv.kv.observer import BlockOpRecorder, pool_snapshot, short_hash
+from pagedkv.kv.observer import BlockOpRecorder, order_op, pool_snapshot, short_hash
 
 MAX_BACKLOG_OPS = 1_000_000
 MAX_LISTED_REQUESTS = 512  # per queue, in each update
+MAX_LISTED_FINISHED = 30  # latest finished requests, in each update
 
 
 class BlockFeed:
@@ -32,6 +40,7 @@ class BlockFeed:
         self._base = 0  # absolute index of ops[0]
         self._cursors: dict[int, int] = {}
         self._ids = itertools.count(1)
+        self._order_mark = 0  # absolute index after the last "o" ops appended
 
     @property
     def num_subscribers(self) -> int:
@@ -39,20 +48,21 @@ class BlockFeed:
 
     def subscribe(self, engine: Any) -> tuple[int, dict[str, Any]]:
         """Start watching (attaching the recorders when first); returns the subscriber id and
-        the snapshot its ops start from."""
+        the snapshot its ops start from. Mutates the pools' observers and the cursors."""
         kv = engine.scheduler.kv_cache_manager
         if not self._cursors:
             self.ops.clear()
-            self._base = 0
+            self._base = self._order_mark = 0
             kv.pool.observer = BlockOpRecorder(self.ops, 0)
             if kv.host_pool is not None:
                 kv.host_pool.observer = BlockOpRecorder(self.ops, 1)
         sub = next(self._ids)
         self._cursors[sub] = self._base + len(self.ops)
-        return sub, snapshot(engine)
+        return sub, subscriber_snapshot(self, engine)
 
     def unsubscribe(self, engine: Any, sub: int) -> None:
-        """Stop watching; the last one out detaches the recorders (no cost from then on)."""
+        """Stop watching; the last one out detaches the recorders (no cost from then on).
+        Unknown ids are ignored."""
         self._cursors.pop(sub, None)
         if not self._cursors:
             kv = engine.scheduler.kv_cache_manager
@@ -65,10 +75,12 @@ class BlockFeed:
 
     def drain(self, engine: Any, sub: int) -> dict[str, Any]:
         """The ops `sub` has not seen (or a fresh snapshot under "resync"), plus the engine's
-        stats and queues now."""
+        stats and queues now. Appends eviction-order ops (see the module docstring), advances
+        `sub`'s cursor and trims the op list. ValueError for an unknown `sub`."""
         cursor = self._cursors.get(sub)
         if cursor is None:
-            raise KeyError(f"unknown dashboard subscriber {sub}")
+            raise ValueError(f"unknown dashboard subscriber {sub!r}")
+        self._append_orders(engine.scheduler.kv_cache_manager)
         end = self._base + len(self.ops)
         update: dict[str, Any] = {"t": time.time()}
         if end - cursor > self.max_backlog:
@@ -79,6 +91,17 @@ class BlockFeed:
         self._trim()
         update.update(engine_state(engine))
         return update
+
+    def _append_orders(self, kv: Any) -> None:
+        """Append an "o" op for each pool whose policy's order the ref ops do not give and
+        that changed since the last "o" ops."""
+        pools = [kv.pool] if kv.host_pool is None else [kv.pool, kv.host_pool]
+        new = self.ops[max(self._order_mark - self._base, 0):]
+        touched = {op[1] for op in new}
+        for index, pool in enumerate(pools):
+            if index in touched and not pool.eviction.order_follows_frees:
+                self.ops.append(order_op(pool, index))
+        self._order_mark = self._base + len(self.ops)
 
     def _trim(self) -> None:
         low = min(self._cursors.values())
@@ -106,8 +129,15 @@ def snapshot(engine: Any) -> dict[str, Any]:
             "eviction_policy": kv.eviction_log.policy}
 
 
+def subscriber_snapshot(feed: BlockFeed, engine: Any) -> dict[str, Any]:
+    """`snapshot` plus how many subscribers the feed has now (this one included)."""
+    return {**snapshot(engine), "subscribers": feed.num_subscribers}
+
+
 def engine_state(engine: Any) -> dict[str, Any]:
-    """Stats (cumulative counters and gauges) and the request queues, for one update."""
+    """Stats (cumulative counters and gauges), the request queues and the ids of the latest
+    finished requests (oldest first; the ones /dashboard/api/explain/{id} explains), for one
+    update."""
     sched = engine.scheduler
     kv = sched.kv_cache_manager
     stats = engine.get_stats().to_dict()
@@ -118,7 +148,10 @@ def engine_state(engine: Any) -> dict[str, Any]:
                         ("swapped", sched.swapped)):
         queues[name] = [[r.request_id, r.num_tokens, r.num_computed_tokens,
                          max(r.num_cached_tokens, 0)] for r in queue[:MAX_LISTED_REQUESTS]]
-    return {"stats": stats, "queues": queues}
+    recent = kv.recent_prompts
+    finished = [recent[i].request_id for i in range(max(len(recent) - MAX_LISTED_FINISHED, 0),
+                                                    len(recent))]
+    return {"stats": stats, "queues": queues, "finished": finished}
 
 
 def block_table(engine: Any, request_id: str) -> dict[str, Any] | None:
