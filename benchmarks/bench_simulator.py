@@ -24,6 +24,7 @@ import asyncio
 import dataclasses
 import json
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -88,11 +89,14 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-def real_run(model_dir: Path, trace, vocab: int, blocks: int, tmp: Path) -> dict:
+def real_run(model_dir: Path, trace, vocab: int, blocks: int, tmp: Path, step_log: Path) -> dict:
+    """Serve the trace; its request log gives the latencies, /metrics the counters, and
+    `step_log` receives the server's own steps (`--step-log`)."""
     from tests.server.helpers import ServerProcess, engine_flags
 
     log = tmp / f"log-{time.monotonic_ns()}.jsonl"
-    proc = ServerProcess(model_dir, *engine_flags(**ENGINE, num_gpu_blocks_override=blocks),
+    proc = ServerProcess(model_dir, *engine_flags(**ENGINE, num_gpu_blocks_override=blocks,
+                                                  step_log=str(step_log)),
                          "--request-log", str(log), model_name="bench").start()
     try:
         asyncio.run(replay(proc.url, trace, vocab))
@@ -154,10 +158,27 @@ def step_check(model_dir: Path, blocks: int, trace, vocab: int, latency) -> dict
     return {"steps": len(measured), "total_ratio": ratio, "mean_step_error": rel}
 
 
+def errors(sim: dict, real: dict) -> dict[str, float]:
+    """Relative error of each simulated figure against the real one (0 = 0 is exact)."""
+    return {k: (sim[k] - real[k]) / real[k] if real[k] else
+            (0.0 if sim[k] == 0 else float("inf"))
+            for k in real if k not in ("requests",)}
+
+
+def step_errors(latency, shapes, times) -> dict:
+    """The latency model's prediction of each logged real step against its duration."""
+    predicted = [latency.step_time(s) for s in shapes]
+    ratio = sum(predicted) / sum(times)
+    rel = statistics.fmean(abs(p - m) / m for p, m in zip(predicted, times, strict=True))
+    return {"steps": len(times), "total_ratio": ratio, "mean_step_error": rel}
+
+
 def accuracy(args: argparse.Namespace) -> list[dict]:
     from pagedkv.engine.args import EngineArgs
     from pagedkv.sim.instance import SimConfig
+    from pagedkv.sim.latency import FEATURE_NAMES, FittedLatency
     from pagedkv.sim.profiling import profile_model
+    from pagedkv.sim.step_log import read_step_log
     from pagedkv.sim.traces import load_trace, scale_trace
     from pagedkv.testing import build_random_model_dir
 
@@ -189,16 +210,47 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
         print(f"slice: {len(base)} requests, native rate {native:.2f} req/s; simulated "
               f"capacity {capacity:.2f} req/s", flush=True)
         print(f"fitted: {latency.coefficients}", flush=True)
+        runs = []
         for load in [] if args.profile_only else args.loads:
             trace = scale_trace(base, time_scale=native / (load * capacity))
+            steps_path = tmp / f"steps-{load}.jsonl"
+            real = real_run(model_dir, trace, vocab, args.blocks, tmp, steps_path)
+            shapes, times = read_step_log(steps_path)
+            if args.keep_step_logs:
+                Path(args.keep_step_logs).mkdir(parents=True, exist_ok=True)
+                shutil.copy(steps_path, args.keep_step_logs)
+            runs.append((load, trace, real, shapes, times))
+            step = step_errors(latency, shapes, times)
+            cpu_shapes, cpu_times = read_step_log(steps_path, "cpu")
+            cpu_step = step_errors(FittedLatency.fit(cpu_shapes, cpu_times), cpu_shapes, cpu_times)
+            print(f"load {load:.0%}: the server's steps took {sum(times):.2f} s wall, "
+                  f"{sum(cpu_times):.2f} s of its thread's CPU; a fit to their CPU times is off by "
+                  f"{cpu_step['mean_step_error']:.1%} per step (the model's error without the "
+                  "shared machine's time slicing)", flush=True)
             sim = sim_run(trace, config, latency)
-            real = real_run(model_dir, trace, vocab, args.blocks, tmp)
-            errors = {k: (sim[k] - real[k]) / real[k] if real[k] else
-                      (0.0 if sim[k] == 0 else float("inf"))
-                      for k in real if k not in ("requests",)}
-            rows.append({"load": load, "real": real, "sim": sim, "error": errors})
-            print(f"load {load:.0%}: " + ", ".join(f"{k} {v:+.1%}" for k, v in errors.items()),
-                  flush=True)
+            rows.append({"load": load, "latency": "profile", "real": real, "sim": sim,
+                         "error": errors(sim, real), "steps": step})
+            print(f"load {load:.0%} (profile fit; {step['steps']} real steps, per-step error "
+                  f"{step['mean_step_error']:.1%}, total {step['total_ratio']:.2f}x): "
+                  + ", ".join(f"{k} {v:+.1%}" for k, v in rows[-1]["error"].items()), flush=True)
+        for load, trace, real, shapes, times in runs:
+            # The latency model fitted on the steps the server itself logged in the OTHER
+            # runs (held out), and on this run's own steps (in-sample: the model's error with
+            # the machine's noise of this run taken out).
+            other_shapes = [s for ld, _, _, ss, _ in runs if ld != load for s in ss]
+            other_times = [t for ld, _, _, _, ts in runs if ld != load for t in ts]
+            fits = {"own steps": FittedLatency.fit(shapes, times)}
+            if len(other_shapes) >= len(FEATURE_NAMES):
+                fits = {"other runs' steps": FittedLatency.fit(other_shapes, other_times), **fits}
+            for label, fit in fits.items():
+                sim = sim_run(trace, config, fit)
+                step = step_errors(fit, shapes, times)
+                rows.append({"load": load, "latency": label, "real": real, "sim": sim,
+                             "error": errors(sim, real), "steps": step})
+                print(f"load {load:.0%} ({label} fit; per-step error "
+                      f"{step['mean_step_error']:.1%}, total {step['total_ratio']:.2f}x): "
+                      + ", ".join(f"{k} {v:+.1%}" for k, v in rows[-1]["error"].items()),
+                      flush=True)
     return rows
 
 
@@ -248,6 +300,8 @@ def main() -> int:
                         help="also time real engine steps against the fitted model")
     parser.add_argument("--profile-only", action="store_true",
                         help="profile, step check, capacity; no server runs")
+    parser.add_argument("--keep-step-logs", default=None, metavar="DIR",
+                        help="copy the servers' step logs here (steps-LOAD.jsonl)")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--speed-10x", action="store_true")
     parser.add_argument("--json", default=None)
@@ -256,10 +310,12 @@ def main() -> int:
     report: dict = {"cpu": "see the closing note"}
     if not args.skip_accuracy and (rows := accuracy(args)):
         report["accuracy"] = rows
-        print(f"\n{'load':>6} " + " ".join(f"{k:>13}" for k in report["accuracy"][0]["error"]))
+        print(f"\n{'load':>6} {'latency model':>18} {'step err':>9} "
+              + " ".join(f"{k:>12}" for k in report["accuracy"][0]["error"]))
         for row in report["accuracy"]:
-            print(f"{row['load']:>6.0%} " + " ".join(f"{v:>+13.1%}"
-                                                       for v in row["error"].values()))
+            print(f"{row['load']:>6.0%} {row['latency']:>18} "
+                  f"{row['steps']['mean_step_error']:>9.1%} "
+                  + " ".join(f"{v:>+12.1%}" for v in row["error"].values()))
     if not args.skip_speed:
         report["speed"] = speed(args)
     if args.json:

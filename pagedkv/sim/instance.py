@@ -21,6 +21,7 @@ from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.sched.scheduler import Scheduler, SchedulerConfig
 from pagedkv.sim.latency.base import LatencyModel, StepShape
 from pagedkv.sim.quiet import jump
+from pagedkv.sim.store import SimStoreConnector, TierSpec
 from pagedkv.utils import cdiv
 
 
@@ -44,6 +45,10 @@ class SimConfig:
     sliding_window: int | None = None
     vocab_size: int = 32000
     jump: bool = True
+    # The KV store's tiers, fastest first (none: no store), and one block's bytes (their
+    # load times).
+    store_tiers: tuple[TierSpec, ...] = ()
+    block_bytes: int = 0
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs,
@@ -132,6 +137,11 @@ class SimInstance:
             sliding_window=config.sliding_window, watermark=config.watermark,
             hash_algo=config.prefix_caching_hash_algo, eviction_policy=config.eviction_policy)
         self.scheduler = Scheduler(config.scheduler_config(), self.kv)
+        self.store: SimStoreConnector | None = None
+        if config.store_tiers:
+            self.store = SimStoreConnector(config.store_tiers, self.kv, config.block_bytes,
+                                           lambda: self.clock)
+            self.scheduler.kv_connector = self.store
         self.clock = 0.0
         self.live: dict[str, RequestRecord] = {}
         self.finished: list[RequestRecord] = []
@@ -190,6 +200,9 @@ class SimInstance:
         if not out.scheduled:
             changed = sched.update(out, ModelRunnerOutput())
             self._finish_changed(changed)
+            if self.store is not None and self.store.num_pending_loads:
+                self.clock += self.store.idle_wait()  # the worker waits for a load
+                return True
             return bool(changed) or bool(out.blocks_to_swap_out or out.blocks_to_swap_in)
         dt = self.latency.step_time(StepShape.of(out))
         self.clock = now = start + dt

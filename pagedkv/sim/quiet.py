@@ -92,8 +92,11 @@ def jump(instance: SimInstance, horizon: float) -> None:
                 need += extra
         if need > free:
             break
+        saved = 0 if instance.store is None else sum(
+            1 for c in computed if (c + k + 1) % bs == 0)  # blocks this step fills and saves
         dt = instance.latency.step_time(StepShape(decode_seqs=num_seqs,
-                                              decode_context=context + k * num_seqs))
+                                                  decode_context=context + k * num_seqs,
+                                                  saved_blocks=saved))
         durations.append(dt)
         clock += dt
         k += 1
@@ -122,8 +125,9 @@ def jump(instance: SimInstance, horizon: float) -> None:
 def _apply_quiet_steps(instance: SimInstance, running: list[Request], computed: list[int], held: list[int],
                        k: int) -> None:
     """Apply k decode steps to `running` in the order the real steps would: per step, the
-    new blocks (running order), the waiting head's prefix lookup, then the blocks that
-    became full are cached. Only steps where something happens are visited."""
+    new blocks (running order), the waiting head's prefix lookup, the blocks that became full
+    written to the KV store (when there is one), then cached. Only steps where something
+    happens are visited."""
     kv = instance.kv
     bs = kv.block_size
     allocs: dict[int, list[Request]] = {}
@@ -146,13 +150,18 @@ def _apply_quiet_steps(instance: SimInstance, running: list[Request], computed: 
             else None)
     steps = range(k) if head is not None else sorted({*allocs, *caches})
     base = dict(zip((r.request_id for r in running), computed, strict=True))
+    store = instance.store
     for j in steps:
         for r in allocs.get(j, ()):
             r.num_computed_tokens = base[r.request_id] + j
             kv.allocate_slots(r, 1, delay_cache_blocks=True)
         if head is not None:
             kv.get_computed_blocks(head)
-        for r in caches.get(j, ()):
+        filled = caches.get(j, ())
+        if store is not None:
+            for r in filled:
+                store.save_block(r, (base[r.request_id] + j) // bs)
+        for r in filled:
             kv.cache_blocks(r, base[r.request_id] + j + 1)
     for r in running:
         r.num_computed_tokens = base[r.request_id] + k

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 
 from pagedkv.store.payload import Payload, copy_payload_into, host_rows, rows_to_host
 from pagedkv.store.tiered import BlockMeta, TieredKVStore
+from pagedkv.store.timing import DEFAULT_LOAD_TIMEOUT_S, IDLE_WAIT_S
 
 if TYPE_CHECKING:
     import torch
@@ -56,10 +57,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_LOAD_TIMEOUT_S = 10.0
-# An idle step waits at most this long for a load, so the engine loop still takes new requests
-# and aborts while a slow load runs.
-IDLE_WAIT_S = 0.05
 
 
 @dataclass
@@ -80,6 +77,11 @@ class StoreConnectorMetadata:
     cancelled_job_ids: list[int] = field(default_factory=list)
     saves: list[tuple[int, BlockMeta]] = field(default_factory=list)  # (device block id, meta)
     wait_for_load: bool = False  # nothing else runs this step: wait for a load to finish
+
+    @property
+    def num_saves(self) -> int:
+        """Blocks this step copies out to the store (a step's shape for `pagedkv simulate`)."""
+        return len(self.saves)
 
 
 class FinishedLoads:

@@ -1,8 +1,10 @@
 """A latency model fitted to this engine's own step timings (`pagedkv profile MODEL`).
 
 time = sum_i coef_i x feature_i over `FEATURE_NAMES` (intercept, prefill tokens, prefill
-attention work, decode sequences, decode context, swapped blocks), fitted by least squares
-with non-negative coefficients, saved as JSON:
+chunks (each chunk's own host and kernel-launch work), prefill attention work, decode
+sequences, decode context, swapped blocks, blocks saved to the KV store), fitted by least
+squares with non-negative coefficients, from `pagedkv profile`'s grid or a real run's step
+log, saved as JSON:
 
     {"kind": "fitted", "coefficients": {"intercept": ..., ...}, "meta": {...}}
 """
@@ -31,9 +33,11 @@ class FittedLatency:
         self._c = tuple(c[k] for k in FEATURE_NAMES)
 
     def step_time(self, shape: StepShape) -> float:
-        c0, c1, c2, c3, c4, c5 = self._c
-        return (c0 + c1 * shape.prefill_tokens + c2 * shape.prefill_attention
-                + c3 * shape.decode_seqs + c4 * shape.decode_context + c5 * shape.swapped_blocks)
+        c0, c1, c2, c3, c4, c5, c6, c7 = self._c
+        return (c0 + c1 * shape.prefill_tokens + c2 * shape.prefill_seqs
+                + c3 * shape.prefill_attention + c4 * shape.decode_seqs
+                + c5 * shape.decode_context + c6 * shape.swapped_blocks
+                + c7 * shape.saved_blocks)
 
     @classmethod
     def fit(cls, shapes: Sequence[StepShape], times: Sequence[float],
