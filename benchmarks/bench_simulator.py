@@ -173,10 +173,17 @@ def step_errors(latency, shapes, times) -> dict:
     return {"steps": len(times), "total_ratio": ratio, "mean_step_error": rel}
 
 
+def scaled(latency, factor: float):
+    """`latency` with every coefficient times `factor` (the same work at a machine share)."""
+    from pagedkv.sim.latency import FittedLatency
+
+    return FittedLatency({k: v * factor for k, v in latency.coefficients.items()}, latency.meta)
+
+
 def accuracy(args: argparse.Namespace) -> list[dict]:
     from pagedkv.engine.args import EngineArgs
     from pagedkv.sim.instance import SimConfig
-    from pagedkv.sim.latency import FEATURE_NAMES, FittedLatency
+    from pagedkv.sim.latency import FittedLatency
     from pagedkv.sim.profiling import profile_model
     from pagedkv.sim.step_log import read_step_log
     from pagedkv.sim.traces import load_trace, scale_trace
@@ -190,12 +197,17 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
         grid = dict(prefill_tokens=(0, 64, 512, 2048), decode_seqs=(0, 1, 8, 32),
                     context=(128, 1024))
         t0 = time.perf_counter()
+        # The model of the work (the engine thread's CPU time per step shape); its wall time
+        # on this shared machine is that times the share other processes leave us, which
+        # changes from minute to minute (`wall_over_cpu` when profiled, and per run below).
         latency = profile_model(EngineArgs(model=str(model_dir), device="cpu",
                                            num_gpu_blocks_override=args.blocks, **ENGINE),
-                                grid, repeats=2)
+                                grid, repeats=2, clock="cpu")
+        share = latency.meta["wall_over_cpu"]
         print(f"profiled {latency.meta['samples']} shapes in {time.perf_counter() - t0:.0f} s:"
               f" fit mean error {latency.meta['mean_rel_error']:.1%}, max "
-              f"{latency.meta['max_rel_error']:.1%}", flush=True)
+              f"{latency.meta['max_rel_error']:.1%} (CPU time; wall was {share:.2f}x CPU)",
+              flush=True)
         config = SimConfig(num_blocks=args.blocks, block_size=16,
                            max_model_len=ENGINE["max_model_len"], vocab_size=vocab,
                            max_num_batched_tokens=2048)
@@ -205,49 +217,36 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
         burst = [dataclasses.replace(t, arrival=0.0) for t in base]
         if args.step_check:
             step_check(model_dir, args.blocks, burst, vocab, latency)
-        capacity = len(burst) / sim_run(burst, config, latency)["duration"]
+        capacity = len(burst) / sim_run(burst, config, scaled(latency, share))["duration"]
         native = len(base) / span
         print(f"slice: {len(base)} requests, native rate {native:.2f} req/s; simulated "
-              f"capacity {capacity:.2f} req/s", flush=True)
+              f"capacity {capacity:.2f} req/s at the profile's machine share", flush=True)
         print(f"fitted: {latency.coefficients}", flush=True)
-        runs = []
         for load in [] if args.profile_only else args.loads:
             trace = scale_trace(base, time_scale=native / (load * capacity))
             steps_path = tmp / f"steps-{load}.jsonl"
             real = real_run(model_dir, trace, vocab, args.blocks, tmp, steps_path)
-            shapes, times = read_step_log(steps_path)
             if args.keep_step_logs:
                 Path(args.keep_step_logs).mkdir(parents=True, exist_ok=True)
                 shutil.copy(steps_path, args.keep_step_logs)
-            runs.append((load, trace, real, shapes, times))
-            step = step_errors(latency, shapes, times)
+            shapes, times = read_step_log(steps_path)
             cpu_shapes, cpu_times = read_step_log(steps_path, "cpu")
-            cpu_step = step_errors(FittedLatency.fit(cpu_shapes, cpu_times), cpu_shapes, cpu_times)
-            print(f"load {load:.0%}: the server's steps took {sum(times):.2f} s wall, "
-                  f"{sum(cpu_times):.2f} s of its thread's CPU; a fit to their CPU times is off by "
-                  f"{cpu_step['mean_step_error']:.1%} per step (the model's error without the "
-                  "shared machine's time slicing)", flush=True)
-            sim = sim_run(trace, config, latency)
-            rows.append({"load": load, "latency": "profile", "real": real, "sim": sim,
-                         "error": errors(sim, real), "steps": step})
-            print(f"load {load:.0%} (profile fit; {step['steps']} real steps, per-step error "
-                  f"{step['mean_step_error']:.1%}, total {step['total_ratio']:.2f}x): "
-                  + ", ".join(f"{k} {v:+.1%}" for k, v in rows[-1]["error"].items()), flush=True)
-        for load, trace, real, shapes, times in runs:
-            # The latency model fitted on the steps the server itself logged in the OTHER
-            # runs (held out), and on this run's own steps (in-sample: the model's error with
-            # the machine's noise of this run taken out).
-            other_shapes = [s for ld, _, _, ss, _ in runs if ld != load for s in ss]
-            other_times = [t for ld, _, _, _, ts in runs if ld != load for t in ts]
-            fits = {"own steps": FittedLatency.fit(shapes, times)}
-            if len(other_shapes) >= len(FEATURE_NAMES):
-                fits = {"other runs' steps": FittedLatency.fit(other_shapes, other_times), **fits}
+            run_share = sum(times) / sum(cpu_times)
+            profile_cpu = step_errors(latency, cpu_shapes, cpu_times)
+            print(f"load {load:.0%}: {len(times)} server steps took {sum(times):.2f} s wall, "
+                  f"{sum(cpu_times):.2f} s of the engine thread's CPU ({run_share:.2f}x); the "
+                  f"profile's model is off their CPU time by {profile_cpu['mean_step_error']:.1%}"
+                  f" per step, {profile_cpu['total_ratio']:.3f}x in total", flush=True)
+            fits = {"profile": latency,
+                    "profile x run share": scaled(latency, run_share),
+                    "own steps (wall)": FittedLatency.fit(shapes, times)}
             for label, fit in fits.items():
                 sim = sim_run(trace, config, fit)
                 step = step_errors(fit, shapes, times)
                 rows.append({"load": load, "latency": label, "real": real, "sim": sim,
-                             "error": errors(sim, real), "steps": step})
-                print(f"load {load:.0%} ({label} fit; per-step error "
+                             "error": errors(sim, real), "steps": step,
+                             "cpu_steps": profile_cpu, "run_share": run_share})
+                print(f"load {load:.0%} ({label}; per-step error on wall "
                       f"{step['mean_step_error']:.1%}, total {step['total_ratio']:.2f}x): "
                       + ", ".join(f"{k} {v:+.1%}" for k, v in rows[-1]["error"].items()),
                       flush=True)

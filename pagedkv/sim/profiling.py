@@ -57,23 +57,21 @@ def _step(engine: Any, prefill_tokens: int, decode_seqs: int, context: int,
     return SchedulerOutput(scheduled=scheduled), requests
 
 
-CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+CLOCKS = ("wall", "cpu")
 
 
 def profile_engine(engine: Any, grid: dict[str, Sequence[int]] | None = None, *,
-                   repeats: int = 3, log: Callable[[str], None] | None = None,
-                   clock: str = "wall") -> tuple[list[StepShape], list[float]]:
-    """(shapes, median seconds) for every grid point the engine's cache can hold, timed by
-    `clock`: "wall", or "cpu" (this thread's CPU time: the work alone, without what other
-    processes take on a shared machine; exact with --cpu-threads 1)."""
-    if clock not in CLOCKS:
-        raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
-    now = CLOCKS[clock]
+                   repeats: int = 3, log: Callable[[str], None] | None = None
+                   ) -> tuple[list[StepShape], dict[str, list[float]]]:
+    """(shapes, median seconds by clock) for every grid point the engine's cache can hold:
+    "wall", and "cpu" (this thread's CPU time: the work alone, without what other processes
+    take on a shared machine; all of it with --cpu-threads 1)."""
     grid = grid or QUICK_GRID
     runner = engine.runner
     kv = engine.scheduler.kv_cache_manager
     serial = itertools.count()
-    shapes, times = [], []
+    shapes: list[StepShape] = []
+    times: dict[str, list[float]] = {"wall": [], "cpu": []}
     points = [(p, d, c) for p in grid["prefill_tokens"] for d in grid["decode_seqs"]
               for c in (grid["context"] if d else grid["context"][:1]) if p or d]
     for i, (p, d, c) in enumerate(points):
@@ -83,21 +81,23 @@ def profile_engine(engine: Any, grid: dict[str, Sequence[int]] | None = None, *,
                 log(f"  skip prefill={p} decode={d}x{c}: the KV cache is too small")
             continue
         out, requests = built
-        samples = []
+        wall, cpu = [], []
         for rep in range(repeats + 1):
-            start = now()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             runner.execute(out)
             if rep:  # the first run warms up
-                samples.append(now() - start)
+                wall.append(time.perf_counter() - start)
+                cpu.append(time.thread_time() - cpu_start)
         ids = [r.request_id for r in requests]
         for r in requests:
             kv.free(r)
         runner.execute(SchedulerOutput(finished_request_ids=ids))
         shapes.append(StepShape.of(out))
-        times.append(statistics.median(samples))
+        times["wall"].append(statistics.median(wall))
+        times["cpu"].append(statistics.median(cpu))
         if log:
             log(f"  [{i + 1}/{len(points)}] prefill={p} decode={d}x{c}: "
-                f"{times[-1] * 1e3:.1f} ms")
+                f"{times['wall'][-1] * 1e3:.1f} ms ({times['cpu'][-1] * 1e3:.1f} ms CPU)")
     kv.check_invariants()
     return shapes, times
 
@@ -105,17 +105,23 @@ def profile_engine(engine: Any, grid: dict[str, Sequence[int]] | None = None, *,
 def profile_model(args: Any, grid: dict[str, Sequence[int]] | None = None, *,
                   repeats: int = 3, log: Callable[[str], None] | None = None,
                   clock: str = "wall") -> FittedLatency:
-    """Build the engine for `args` (EngineArgs), time the grid, fit and return the model."""
+    """Build the engine for `args` (EngineArgs), time the grid, fit `clock`'s times and return
+    the model; `meta["wall_over_cpu"]` says how much longer wall time was than CPU time (1 on
+    a machine to itself)."""
     from pagedkv.engine.llm_engine import LLMEngine
 
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
     engine = LLMEngine(args)
     try:
-        shapes, times = profile_engine(engine, grid, repeats=repeats, log=log, clock=clock)
+        shapes, by_clock = profile_engine(engine, grid, repeats=repeats, log=log)
     finally:
         engine.shutdown()
     meta = {"model": str(args.model), "block_size": args.block_size, "dtype": args.dtype,
             "machine": platform.machine(), "processor": platform.processor(),
             "profiled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "repeats": repeats, "clock": clock, "points": [
-                {**s.__dict__, "seconds": t} for s, t in zip(shapes, times, strict=True)]}
-    return FittedLatency.fit(shapes, times, meta)
+            "repeats": repeats, "clock": clock,
+            "wall_over_cpu": sum(by_clock["wall"]) / max(sum(by_clock["cpu"]), 1e-9),
+            "points": [{**s.__dict__, "wall_seconds": w, "cpu_seconds": c} for s, w, c in
+                       zip(shapes, by_clock["wall"], by_clock["cpu"], strict=True)]}
+    return FittedLatency.fit(shapes, by_clock[clock], meta)
