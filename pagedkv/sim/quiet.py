@@ -4,10 +4,11 @@ A stretch qualifies when every running request is decoding (one token per step, 
 output already), none can finish within it, nothing is swapped or loading, the scheduler would
 not look at the waiting queue (sequence-bound) or its head gets LATER (it keeps getting LATER:
 blocks only get scarcer), the KV cache has the new blocks all of them need, no sliding window
-frees blocks, and no arrival falls before a step starts. Then the k steps only append one token
-per request and per step: they are applied in the real order (per step: new blocks in running
-order, the waiting head's prefix lookup, the blocks that became full cached), visiting only the
-steps where something happens. `tests/sim/test_jump.py` checks it equals stepping one by one.
+frees blocks, and no arrival falls before a step starts (unless arrivals cannot matter: FCFS
+with a refused head or sequence-bound, on a single instance). Then the k steps only append one
+token per request and per step: they are applied in the real order (per step: new blocks in
+running order, the waiting head's prefix lookup, the blocks that became full written to the KV
+store and cached), visiting only the steps where something happens. `tests/sim/test_jump.py` checks it equals stepping one by one.
 """
 
 from __future__ import annotations
@@ -23,29 +24,37 @@ if TYPE_CHECKING:
     from pagedkv.sim.instance import SimInstance
 
 
-def quiet_limit(instance: SimInstance) -> int:
+def quiet_limit(instance: SimInstance) -> tuple[int, bool]:
     """The most steps that can be jumped now by the rules in the module docstring, ignoring
-    arrivals and time (0: the next step must be a real one)."""
+    arrivals and time (0: the next step must be a real one), and whether arrivals during the
+    stretch would change nothing in it: under FCFS a new request joins the waiting queue's
+    tail, and the scheduler does not look past a head it refuses, nor at the queue at all
+    with `max_num_seqs` running."""
     sched = instance.scheduler
     cfg = instance.config
     running = sched.running
     if (not running or sched.swapped or sched.loading or cfg.sliding_window is not None
             or len(running) > cfg.max_num_batched_tokens):
-        return 0
+        return 0, False
     limit = math.inf
     max_len = cfg.max_model_len
     for r in running:
         if r.num_computed_tokens != r.num_tokens - 1 or not r.output_token_ids:
-            return 0
+            return 0, False
         remaining = min(r.sampling_params.max_tokens - len(r.output_token_ids),
                         max_len - r.num_tokens)
         if remaining - 1 < limit:
             limit = remaining - 1
             if limit <= 0:
-                return 0
-    if sched.waiting and len(running) < cfg.max_num_seqs and not _head_refused(instance):
-        return 0
-    return int(limit)
+                return 0, False
+    seq_bound = len(running) >= cfg.max_num_seqs
+    if sched.waiting and not seq_bound:
+        if not _head_refused(instance):
+            return 0, False
+        head_refused = True
+    else:
+        head_refused = False
+    return int(limit), cfg.scheduling_policy == "fcfs" and (seq_bound or head_refused)
 
 def _head_refused(instance: SimInstance) -> bool:
     """Whether the waiting queue's head would get LATER now (and so, as blocks only get
@@ -66,11 +75,16 @@ def _head_refused(instance: SimInstance) -> bool:
     return kv.can_allocate(head, computed_blocks=hits) == AllocStatus.LATER
 
 def jump(instance: SimInstance, horizon: float) -> None:
-    """Apply the longest quiet stretch whose steps all start before `horizon` (none when the
-    next step must be a real one). Mutates the instance like that many `step()` calls."""
-    limit = quiet_limit(instance)
+    """Apply the longest quiet stretch whose steps all start before `horizon`, the next
+    arrival (none when the next step must be a real one). With `instance.cross_arrivals`,
+    a stretch that arrivals cannot change runs past `horizon`: those arrivals join the
+    waiting queue after it, where they would have waited anyway. Mutates the instance like
+    that many `step()` calls."""
+    limit, arrivals_wait = quiet_limit(instance)
     if limit <= 0:
         return
+    if arrivals_wait and instance.cross_arrivals:
+        horizon = math.inf
     sched = instance.scheduler
     kv = instance.kv
     running = list(sched.running)

@@ -62,12 +62,18 @@ def _device_match(instance: SimInstance, hashes: Sequence[bytes]) -> int:
 
 def simulate(trace: Sequence[TraceRequest], config: SimConfig, latency: LatencyModel, *,
              num_instances: int = 1, policy: str = "round-robin", record_steps: bool = False,
-             progress: Callable[[int, int], None] | None = None) -> SimResult:
-    """Replay `trace` (sorted by arrival) through `num_instances` simulated engines."""
+             progress: Callable[[int, int], None] | None = None,
+             cross_arrivals: bool | None = None) -> SimResult:
+    """Replay `trace` (sorted by arrival) through `num_instances` simulated engines.
+    `cross_arrivals` (default: with one instance) lets quiet-stretch jumps run past arrivals
+    that cannot change them (`SimInstance`)."""
+    if cross_arrivals is None:
+        cross_arrivals = num_instances == 1
     if num_instances < 1:
         raise ValueError(f"num_instances must be >= 1, got {num_instances}")
     started = time.perf_counter()
-    instances = [SimInstance(config, latency, index=i, record_steps=record_steps)
+    instances = [SimInstance(config, latency, index=i, record_steps=record_steps,
+                             cross_arrivals=cross_arrivals)
                  for i in range(num_instances)]
     router = make_policy(policy) if num_instances > 1 else None
     records: list[RequestRecord] = []
