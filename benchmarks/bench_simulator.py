@@ -283,7 +283,16 @@ def speed(args: argparse.Namespace) -> dict:
                         "steps": sum(i.stats.num_steps for i in result.instances),
                         "jumped_steps": sum(i.stats.num_jumped_steps for i in result.instances)}
         print(f"speed {n}x trace: {len(big)} requests in {wall:.1f} s wall, {cpu:.1f} s CPU "
-              f"({1e3 * cpu / len(big):.2f} ms CPU per request)", flush=True)
+              f"({1e3 * cpu / len(big):.2f} ms CPU per request; {out[f'{n}x']['steps']} steps, "
+              f"{out[f'{n}x']['jumped_steps']} jumped)", flush=True)
+    if not args.speed_10x:
+        # The cost is linear in the trace (same rate, so the same work per request: FCFS
+        # looks only at the waiting queue's head, however long it grows).
+        per_request = out["1x"]["cpu_s"] / out["1x"]["requests"]
+        out["10x_extrapolated_cpu_s"] = 10 * len(trace) * per_request
+        print(f"a 10x trace ({10 * len(trace)} requests) would take about "
+              f"{out['10x_extrapolated_cpu_s']:.0f} s CPU at {1e3 * per_request:.2f} ms per "
+              "request (--speed-10x runs it)", flush=True)
     return out
 
 

@@ -105,6 +105,10 @@ def test_profile_fits_the_real_runner(tiny_llama):
     points = fitted.meta["points"]
     assert all(p["wall_seconds"] > 0 and p["cpu_seconds"] > 0 for p in points)
     assert fitted.meta["clock"] == "wall" and fitted.meta["wall_over_cpu"] > 0
+    host = fitted.meta["host_overhead"]  # the engine's work around the runner, in the model
+    assert host["per_step"] >= 0 and host["per_request"] >= 0
+    assert fitted.coefficients["intercept"] >= host["per_step"]
+    assert fitted.coefficients["decode_seqs"] >= host["per_request"]
     big = max(points, key=lambda p: p["prefill_tokens"] + p["decode_seqs"])
     shape = StepShape(**{k: v for k, v in big.items() if not k.endswith("seconds")})
     assert fitted.step_time(shape) > 0
