@@ -14,11 +14,11 @@ took from it on a shared machine) and `chained` (which of the two it is). Torch-
 from __future__ import annotations
 
 import json
-import threading
 import time
 from dataclasses import asdict, fields
 from pathlib import Path
 
+from pagedkv.jsonl import JsonLinesWriter
 from pagedkv.sched.output import SchedulerOutput
 from pagedkv.sim.latency.base import StepShape
 
@@ -30,9 +30,7 @@ class StepLog:
     and `step_ended(out, busy)` at its end; mutates only its own pending step and the file."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self._file = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
-        self._lock = threading.Lock()
+        self._out = JsonLinesWriter(path)
         # A busy step waiting for the next one to start: (shape, wall start, CPU start).
         self._pending: tuple[StepShape, float, float] | None = None
         self._start = self._cpu_start = 0.0
@@ -59,15 +57,11 @@ class StepLog:
 
     def _write(self, shape: StepShape, seconds: float, cpu_seconds: float, *,
                chained: bool) -> None:
-        line = json.dumps({**asdict(shape), "seconds": seconds, "cpu_seconds": cpu_seconds,
-                           "chained": chained}, separators=(",", ":")) + "\n"
-        with self._lock:
-            if not self._file.closed:
-                self._file.write(line)
+        self._out.write({**asdict(shape), "seconds": seconds, "cpu_seconds": cpu_seconds,
+                         "chained": chained})
 
     def close(self) -> None:
-        with self._lock:
-            self._file.close()
+        self._out.close()
 
 
 STEP_CLOCKS = ("wall", "cpu")

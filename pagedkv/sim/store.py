@@ -27,6 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedkv.store.lookup import store_matched_tokens
 from pagedkv.store.timing import IDLE_WAIT_S
 
 if TYPE_CHECKING:
@@ -131,18 +132,10 @@ class SimStoreConnector:
     # ---- the scheduler's seam -----------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        bs = self.block_size
-        start = num_computed_tokens // bs
-        end = (request.num_tokens - 1) // bs
-        if end <= start:
-            return 0
-        cached = request.kv_store_lookup
-        if cached is None or cached[0] > start:
-            hashes = self.kv.update_block_hashes(request)
-            cached = request.kv_store_lookup = (start, self._lookup(hashes[start:end]))
-            self.num_lookups += 1
-        first, num_blocks = cached
-        return max(0, min(first + num_blocks, end) - start) * bs
+        tokens, looked_up = store_matched_tokens(request, num_computed_tokens, self.kv,
+                                                 self._lookup)
+        self.num_lookups += looked_up
+        return tokens
 
     def update_state_after_alloc(self, request: Request, num_computed_tokens: int,
                                  num_external_tokens: int) -> None:
