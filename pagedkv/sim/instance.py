@@ -21,7 +21,7 @@ from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.sched.scheduler import Scheduler, SchedulerConfig
 from pagedkv.sim.latency.base import LatencyModel, StepShape
 from pagedkv.sim.quiet import jump
-from pagedkv.sim.store import SimStoreConnector, TierSpec
+from pagedkv.sim.store import SimStoreConnector, SimTier, TierSpec
 from pagedkv.utils import cdiv
 
 
@@ -132,10 +132,11 @@ class SimInstance:
     """One engine under simulation. Not thread-safe. `clock` only moves forward."""
 
     def __init__(self, config: SimConfig, latency: LatencyModel, *, index: int = 0,
-                 record_steps: bool = False, cross_arrivals: bool = False) -> None:
+                 record_steps: bool = False, cross_arrivals: bool = False,
+                 shared_tiers: dict[str, SimTier] | None = None) -> None:
         """`cross_arrivals`: quiet stretches may run past arrivals that cannot change them
         (see `quiet.jump`); only when nothing reads this instance's state at each arrival
-        (a router does)."""
+        (a router does). `shared_tiers`: the KV store tiers all instances share (Redis)."""
         self.config = config
         self.cross_arrivals = cross_arrivals
         self.latency = latency
@@ -149,7 +150,7 @@ class SimInstance:
         self.store: SimStoreConnector | None = None
         if config.store_tiers:
             self.store = SimStoreConnector(config.store_tiers, self.kv, config.block_bytes,
-                                           lambda: self.clock)
+                                           lambda: self.clock, shared_tiers)
             self.scheduler.kv_connector = self.store
         self.clock = 0.0
         self.live: dict[str, RequestRecord] = {}

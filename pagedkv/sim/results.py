@@ -159,10 +159,14 @@ def _store_tiers(result: SimResult) -> dict[str, dict[str, int]]:
     """Per KV store tier, over the instances: blocks hit and missed when loading, tokens hit,
     blocks written and evicted (no entry without a store)."""
     tiers: dict[str, dict[str, int]] = {}
+    seen: set[int] = set()  # a tier the instances share is counted once
     for inst in result.instances:
         if inst.store is None:
             continue
         for tier in inst.store.tiers:
+            if id(tier) in seen:
+                continue
+            seen.add(id(tier))
             t = tiers.setdefault(tier.spec.name, dict.fromkeys(
                 ("hit_blocks", "hit_tokens", "missed_blocks", "blocks_written", "evicted"), 0))
             t["hit_blocks"] += tier.hits

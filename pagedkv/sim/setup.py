@@ -113,7 +113,8 @@ def store_tiers(args: argparse.Namespace, block_bytes: int) -> tuple[TierSpec, .
     if getattr(args, "kv_offloading_remote_url", None):
         size = getattr(args, "kv_offloading_remote_size", None)
         tiers.append(TierSpec("redis", None if size is None else disk_tier_blocks(
-            _gib(size, "kv_offloading_remote_size"), block_bytes, hash_size), *speeds["redis"]))
+            _gib(size, "kv_offloading_remote_size"), block_bytes, hash_size), *speeds["redis"],
+            shared=True))
     return tuple(tiers)
 
 

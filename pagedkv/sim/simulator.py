@@ -72,8 +72,9 @@ def simulate(trace: Sequence[TraceRequest], config: SimConfig, latency: LatencyM
     if num_instances < 1:
         raise ValueError(f"num_instances must be >= 1, got {num_instances}")
     started = time.perf_counter()
+    shared_tiers: dict = {}  # the KV store tiers every instance reads and writes (Redis)
     instances = [SimInstance(config, latency, index=i, record_steps=record_steps,
-                             cross_arrivals=cross_arrivals)
+                             cross_arrivals=cross_arrivals, shared_tiers=shared_tiers)
                  for i in range(num_instances)]
     router = make_policy(policy) if num_instances > 1 else None
     records: list[RequestRecord] = []

@@ -41,12 +41,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class TierSpec:
     """One simulated tier: `capacity_blocks` (None: unbounded, as Redis is bounded outside
-    pagedkv), and its read speed: `latency` seconds per load plus bytes / `bandwidth`."""
+    pagedkv), its read speed (`latency` seconds per load plus bytes / `bandwidth`), and
+    whether all instances share it (Redis) or each has its own (host RAM, local disk)."""
 
     name: str
     capacity_blocks: int | None
     bandwidth: float
     latency: float = 0.0
+    shared: bool = False
 
     def __post_init__(self) -> None:
         if self.capacity_blocks is not None and self.capacity_blocks < 1:
@@ -115,10 +117,14 @@ class SimStoreConnector:
     """See the module docstring. `clock()` is the instance's virtual time."""
 
     def __init__(self, tiers: Sequence[TierSpec], kv: KVCacheManager, block_bytes: int,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], shared: dict[str, SimTier] | None = None) -> None:
+        """`shared`: the tiers of `shared` specs by name, one object for every instance
+        (made here and added to it when missing)."""
         if not tiers:
             raise ValueError("a simulated KV store needs at least one tier")
-        self.tiers = [SimTier(spec) for spec in tiers]
+        shared = {} if shared is None else shared
+        self.tiers = [shared.setdefault(spec.name, SimTier(spec)) if spec.shared
+                      else SimTier(spec) for spec in tiers]
         self.kv = kv
         self.block_size = kv.block_size
         self.block_bytes = block_bytes

@@ -18,6 +18,7 @@ from pagedkv.kv.spec import kv_cache_spec_from_hf_config
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.sim.instance import SimConfig
 from pagedkv.sim.latency import LinearLatency
+from pagedkv.sim.results import summarize
 from pagedkv.sim.setup import parse_tier_speeds, store_tiers
 from pagedkv.sim.simulator import simulate
 from pagedkv.sim.store import TierSpec
@@ -135,3 +136,32 @@ def test_tier_flags_are_checked():
         TierSpec("host", 4, 0.0)
     with pytest.raises(ValueError, match="holds no block"):
         TierSpec("host", 0, 1e9)
+
+
+def test_redis_tier_is_shared_by_the_instances():
+    """Behind a round-robin router the second request runs on the other instance and still
+    loads the shared prefix from the Redis tier the first one wrote; host tiers are each
+    instance's own."""
+    base = shared_prefix_trace(num=1, block_tokens=8)[0]
+    trace = [dataclasses.replace(base, arrival=10.0 * i, block_ids=(1, 2, 3), input_length=20,
+                                 output_length=3) for i in range(2)]
+    flags = argparse.Namespace(kv_offloading_size=4 * (1 << 20) / GiB,
+                               kv_offloading_disk_path=None, kv_offloading_remote_url="redis://x",
+                               kv_offloading_remote_size=None, prefix_caching_hash_algo="sha256",
+                               tier_speeds=None)
+    tiers = store_tiers(flags, 1 << 20)
+    assert [(t.name, t.capacity_blocks, t.shared) for t in tiers] == \
+        [("host", 4, False), ("redis", None, True)]
+    config = SimConfig(num_blocks=32, block_size=BLOCK, max_model_len=64, store_tiers=tiers,
+                       block_bytes=1 << 20)
+    result = simulate(trace, config, LinearLatency(), num_instances=2, policy="round-robin")
+    first, second = result.instances
+    assert [r.instance for r in result.records] == [0, 1]
+    assert first.store.tiers[1] is second.store.tiers[1]
+    assert first.store.tiers[0] is not second.store.tiers[0]
+    assert (second.store.tiers[0].hits, second.store.tiers[1].hits) == (0, 4)
+    assert result.records[1].cached_tokens == 16
+    summary = summarize(result)
+    assert summary["prefix_cache"]["redis"]["hit_blocks"] == 4  # counted once
+    for inst in result.instances:
+        inst.scheduler.check_invariants()
