@@ -122,6 +122,8 @@ class SimStoreConnector:
         (made here and added to it when missing)."""
         if not tiers:
             raise ValueError("a simulated KV store needs at least one tier")
+        if not block_bytes > 0:
+            raise ValueError(f"block_bytes must be > 0 (the load times), got {block_bytes!r}")
         shared = {} if shared is None else shared
         self.tiers = [shared.setdefault(spec.name, SimTier(spec)) if spec.shared
                       else SimTier(spec) for spec in tiers]
