@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import re
 import shutil
@@ -59,23 +60,28 @@ def metric_stats(rows: list[dict]) -> dict[str, float]:
     return out
 
 
-async def replay(url: str, trace, vocab: int) -> None:
-    """Send each request at its arrival (seconds from now); wait for all."""
+async def replay(url: str, trace, vocab: int) -> list[float]:
+    """Send each request at its arrival (seconds from now); wait for all. Returns when each
+    was really sent (seconds from the start): a client on a loaded machine is late, and the
+    simulator then replays the arrivals the server saw."""
     import httpx
 
     from pagedkv.sim.traces import prompt_token_ids
 
+    sent = [0.0] * len(trace)
     async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
         start = time.perf_counter()
 
         async def one(i, t):
             await asyncio.sleep(max(0.0, t.arrival - (time.perf_counter() - start)))
+            sent[i] = time.perf_counter() - start
             r = await client.post("/v1/completions", json={
                 "model": "bench", "prompt": prompt_token_ids(t, vocab, i),
                 "max_tokens": t.output_length, "ignore_eos": True, "temperature": 0.0})
             r.raise_for_status()
 
         await asyncio.gather(*(one(i, t) for i, t in enumerate(trace)))
+    return sent
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -99,13 +105,14 @@ def real_run(model_dir: Path, trace, vocab: int, blocks: int, tmp: Path, step_lo
                                                   step_log=str(step_log)),
                          "--request-log", str(log), model_name="bench").start()
     try:
-        asyncio.run(replay(proc.url, trace, vocab))
+        sent = asyncio.run(replay(proc.url, trace, vocab))
         counters = scrape(proc.url)
     finally:
         proc.stop()
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     return {**metric_stats(rows), "hit_tokens": counters["prefix_cache_hits_total"],
-            "preemptions": counters["num_preemptions_total"], "requests": len(rows)}
+            "preemptions": counters["num_preemptions_total"], "requests": len(rows),
+            "sent": sent}
 
 
 def sim_run(trace, config, latency) -> dict:
@@ -240,8 +247,14 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
             fits = {"profile": latency,
                     "profile x run share": scaled(latency, run_share),
                     "own steps (wall)": FittedLatency.fit(shapes, times)}
+            sent = real.pop("sent")
+            late = max(s - t.arrival for s, t in zip(sent, trace, strict=True))
+            print(f"load {load:.0%}: the client sent up to {late * 1e3:.0f} ms late; the "
+                  "simulator replays the times it really sent", flush=True)
+            sent = list(itertools.accumulate(sent, max))  # in trace order, as the trace is
+            as_sent = [dataclasses.replace(t, arrival=s) for t, s in zip(trace, sent, strict=True)]
             for label, fit in fits.items():
-                sim = sim_run(trace, config, fit)
+                sim = sim_run(as_sent, config, fit)
                 step = step_errors(fit, shapes, times)
                 rows.append({"load": load, "latency": label, "real": real, "sim": sim,
                              "error": errors(sim, real), "steps": step,
