@@ -160,3 +160,15 @@ def test_engine_step_log_and_fit_from(tiny_llama, tmp_path, capsys):
     assert "steps, mean error" in capsys.readouterr().out
     assert main(["profile", str(tiny_llama), "--fit-from", str(log)]) != 0
     assert "not both" in capsys.readouterr().err
+
+
+def test_step_shape_counts_the_blocks_saved_to_the_store():
+    from pagedkv.sched.output import SchedulerOutput
+    from pagedkv.store.connector import StoreConnectorMetadata
+
+    meta = StoreConnectorMetadata(saves=[(3, None), (4, None)])
+    shape = StepShape.of(SchedulerOutput(kv_connector_metadata=meta))
+    assert shape.saved_blocks == 2 == meta.num_saves
+    assert StepShape.of(SchedulerOutput()).saved_blocks == 0
+    fitted = FittedLatency({"intercept": 1e-3, "saved_blocks": 1e-4})
+    assert fitted.step_time(shape) == pytest.approx(1.2e-3)
