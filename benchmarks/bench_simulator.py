@@ -22,8 +22,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -58,23 +60,28 @@ def metric_stats(rows: list[dict]) -> dict[str, float]:
     return out
 
 
-async def replay(url: str, trace, vocab: int) -> None:
-    """Send each request at its arrival (seconds from now); wait for all."""
+async def replay(url: str, trace, vocab: int) -> list[float]:
+    """Send each request at its arrival (seconds from now); wait for all. Returns when each
+    was really sent (seconds from the start): a client on a loaded machine is late, and the
+    simulator then replays the arrivals the server saw."""
     import httpx
 
     from pagedkv.sim.traces import prompt_token_ids
 
+    sent = [0.0] * len(trace)
     async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
         start = time.perf_counter()
 
         async def one(i, t):
             await asyncio.sleep(max(0.0, t.arrival - (time.perf_counter() - start)))
+            sent[i] = time.perf_counter() - start
             r = await client.post("/v1/completions", json={
                 "model": "bench", "prompt": prompt_token_ids(t, vocab, i),
                 "max_tokens": t.output_length, "ignore_eos": True, "temperature": 0.0})
             r.raise_for_status()
 
         await asyncio.gather(*(one(i, t) for i, t in enumerate(trace)))
+    return sent
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -88,20 +95,24 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-def real_run(model_dir: Path, trace, vocab: int, blocks: int, tmp: Path) -> dict:
+def real_run(model_dir: Path, trace, vocab: int, blocks: int, tmp: Path, step_log: Path) -> dict:
+    """Serve the trace; its request log gives the latencies, /metrics the counters, and
+    `step_log` receives the server's own steps (`--step-log`)."""
     from tests.server.helpers import ServerProcess, engine_flags
 
     log = tmp / f"log-{time.monotonic_ns()}.jsonl"
-    proc = ServerProcess(model_dir, *engine_flags(**ENGINE, num_gpu_blocks_override=blocks),
+    proc = ServerProcess(model_dir, *engine_flags(**ENGINE, num_gpu_blocks_override=blocks,
+                                                  step_log=str(step_log)),
                          "--request-log", str(log), model_name="bench").start()
     try:
-        asyncio.run(replay(proc.url, trace, vocab))
+        sent = asyncio.run(replay(proc.url, trace, vocab))
         counters = scrape(proc.url)
     finally:
         proc.stop()
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     return {**metric_stats(rows), "hit_tokens": counters["prefix_cache_hits_total"],
-            "preemptions": counters["num_preemptions_total"], "requests": len(rows)}
+            "preemptions": counters["num_preemptions_total"], "requests": len(rows),
+            "sent": sent}
 
 
 def sim_run(trace, config, latency) -> dict:
@@ -154,10 +165,34 @@ def step_check(model_dir: Path, blocks: int, trace, vocab: int, latency) -> dict
     return {"steps": len(measured), "total_ratio": ratio, "mean_step_error": rel}
 
 
+def errors(sim: dict, real: dict) -> dict[str, float]:
+    """Relative error of each simulated figure against the real one (0 = 0 is exact)."""
+    return {k: (sim[k] - real[k]) / real[k] if real[k] else
+            (0.0 if sim[k] == 0 else float("inf"))
+            for k in real if k not in ("requests",)}
+
+
+def step_errors(latency, shapes, times) -> dict:
+    """The latency model's prediction of each logged real step against its duration."""
+    predicted = [latency.step_time(s) for s in shapes]
+    ratio = sum(predicted) / sum(times)
+    rel = statistics.fmean(abs(p - m) / m for p, m in zip(predicted, times, strict=True))
+    return {"steps": len(times), "total_ratio": ratio, "mean_step_error": rel}
+
+
+def scaled(latency, factor: float):
+    """`latency` with every coefficient times `factor` (the same work at a machine share)."""
+    from pagedkv.sim.latency import FittedLatency
+
+    return FittedLatency({k: v * factor for k, v in latency.coefficients.items()}, latency.meta)
+
+
 def accuracy(args: argparse.Namespace) -> list[dict]:
     from pagedkv.engine.args import EngineArgs
     from pagedkv.sim.instance import SimConfig
+    from pagedkv.sim.latency import FittedLatency
     from pagedkv.sim.profiling import profile_model
+    from pagedkv.sim.step_log import read_step_log
     from pagedkv.sim.traces import load_trace, scale_trace
     from pagedkv.testing import build_random_model_dir
 
@@ -169,12 +204,17 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
         grid = dict(prefill_tokens=(0, 64, 512, 2048), decode_seqs=(0, 1, 8, 32),
                     context=(128, 1024))
         t0 = time.perf_counter()
+        # The model of the work (the engine thread's CPU time per step shape); its wall time
+        # on this shared machine is that times the share other processes leave us, which
+        # changes from minute to minute (`wall_over_cpu` when profiled, and per run below).
         latency = profile_model(EngineArgs(model=str(model_dir), device="cpu",
                                            num_gpu_blocks_override=args.blocks, **ENGINE),
-                                grid, repeats=2)
+                                grid, repeats=2, clock="cpu")
+        share = latency.meta["wall_over_cpu"]
         print(f"profiled {latency.meta['samples']} shapes in {time.perf_counter() - t0:.0f} s:"
               f" fit mean error {latency.meta['mean_rel_error']:.1%}, max "
-              f"{latency.meta['max_rel_error']:.1%}", flush=True)
+              f"{latency.meta['max_rel_error']:.1%} (CPU time; wall was {share:.2f}x CPU)",
+              flush=True)
         config = SimConfig(num_blocks=args.blocks, block_size=16,
                            max_model_len=ENGINE["max_model_len"], vocab_size=vocab,
                            max_num_batched_tokens=2048)
@@ -184,21 +224,45 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
         burst = [dataclasses.replace(t, arrival=0.0) for t in base]
         if args.step_check:
             step_check(model_dir, args.blocks, burst, vocab, latency)
-        capacity = len(burst) / sim_run(burst, config, latency)["duration"]
+        capacity = len(burst) / sim_run(burst, config, scaled(latency, share))["duration"]
         native = len(base) / span
         print(f"slice: {len(base)} requests, native rate {native:.2f} req/s; simulated "
-              f"capacity {capacity:.2f} req/s", flush=True)
+              f"capacity {capacity:.2f} req/s at the profile's machine share", flush=True)
         print(f"fitted: {latency.coefficients}", flush=True)
         for load in [] if args.profile_only else args.loads:
             trace = scale_trace(base, time_scale=native / (load * capacity))
-            sim = sim_run(trace, config, latency)
-            real = real_run(model_dir, trace, vocab, args.blocks, tmp)
-            errors = {k: (sim[k] - real[k]) / real[k] if real[k] else
-                      (0.0 if sim[k] == 0 else float("inf"))
-                      for k in real if k not in ("requests",)}
-            rows.append({"load": load, "real": real, "sim": sim, "error": errors})
-            print(f"load {load:.0%}: " + ", ".join(f"{k} {v:+.1%}" for k, v in errors.items()),
-                  flush=True)
+            steps_path = tmp / f"steps-{load}.jsonl"
+            real = real_run(model_dir, trace, vocab, args.blocks, tmp, steps_path)
+            if args.keep_step_logs:
+                Path(args.keep_step_logs).mkdir(parents=True, exist_ok=True)
+                shutil.copy(steps_path, args.keep_step_logs)
+            shapes, times = read_step_log(steps_path)
+            cpu_shapes, cpu_times = read_step_log(steps_path, "cpu")
+            run_share = sum(times) / sum(cpu_times)
+            profile_cpu = step_errors(latency, cpu_shapes, cpu_times)
+            print(f"load {load:.0%}: {len(times)} server steps took {sum(times):.2f} s wall, "
+                  f"{sum(cpu_times):.2f} s of the engine thread's CPU ({run_share:.2f}x); the "
+                  f"profile's model is off their CPU time by {profile_cpu['mean_step_error']:.1%}"
+                  f" per step, {profile_cpu['total_ratio']:.3f}x in total", flush=True)
+            fits = {"profile": latency,
+                    "profile x run share": scaled(latency, run_share),
+                    "own steps (wall)": FittedLatency.fit(shapes, times)}
+            sent = real.pop("sent")
+            late = max(s - t.arrival for s, t in zip(sent, trace, strict=True))
+            print(f"load {load:.0%}: the client sent up to {late * 1e3:.0f} ms late; the "
+                  "simulator replays the times it really sent", flush=True)
+            sent = list(itertools.accumulate(sent, max))  # in trace order, as the trace is
+            as_sent = [dataclasses.replace(t, arrival=s) for t, s in zip(trace, sent, strict=True)]
+            for label, fit in fits.items():
+                sim = sim_run(as_sent, config, fit)
+                step = step_errors(fit, shapes, times)
+                rows.append({"load": load, "latency": label, "real": real, "sim": sim,
+                             "error": errors(sim, real), "steps": step,
+                             "cpu_steps": profile_cpu, "run_share": run_share})
+                print(f"load {load:.0%} ({label}; per-step error on wall "
+                      f"{step['mean_step_error']:.1%}, total {step['total_ratio']:.2f}x): "
+                      + ", ".join(f"{k} {v:+.1%}" for k, v in rows[-1]["error"].items()),
+                      flush=True)
     return rows
 
 
@@ -232,7 +296,16 @@ def speed(args: argparse.Namespace) -> dict:
                         "steps": sum(i.stats.num_steps for i in result.instances),
                         "jumped_steps": sum(i.stats.num_jumped_steps for i in result.instances)}
         print(f"speed {n}x trace: {len(big)} requests in {wall:.1f} s wall, {cpu:.1f} s CPU "
-              f"({1e3 * cpu / len(big):.2f} ms CPU per request)", flush=True)
+              f"({1e3 * cpu / len(big):.2f} ms CPU per request; {out[f'{n}x']['steps']} steps, "
+              f"{out[f'{n}x']['jumped_steps']} jumped)", flush=True)
+    if not args.speed_10x:
+        # The cost is linear in the trace (same rate, so the same work per request: FCFS
+        # looks only at the waiting queue's head, however long it grows).
+        per_request = out["1x"]["cpu_s"] / out["1x"]["requests"]
+        out["10x_extrapolated_cpu_s"] = 10 * len(trace) * per_request
+        print(f"a 10x trace ({10 * len(trace)} requests) would take about "
+              f"{out['10x_extrapolated_cpu_s']:.0f} s CPU at {1e3 * per_request:.2f} ms per "
+              "request (--speed-10x runs it)", flush=True)
     return out
 
 
@@ -248,6 +321,8 @@ def main() -> int:
                         help="also time real engine steps against the fitted model")
     parser.add_argument("--profile-only", action="store_true",
                         help="profile, step check, capacity; no server runs")
+    parser.add_argument("--keep-step-logs", default=None, metavar="DIR",
+                        help="copy the servers' step logs here (steps-LOAD.jsonl)")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--speed-10x", action="store_true")
     parser.add_argument("--json", default=None)
@@ -256,10 +331,12 @@ def main() -> int:
     report: dict = {"cpu": "see the closing note"}
     if not args.skip_accuracy and (rows := accuracy(args)):
         report["accuracy"] = rows
-        print(f"\n{'load':>6} " + " ".join(f"{k:>13}" for k in report["accuracy"][0]["error"]))
+        print(f"\n{'load':>6} {'latency model':>18} {'step err':>9} "
+              + " ".join(f"{k:>12}" for k in report["accuracy"][0]["error"]))
         for row in report["accuracy"]:
-            print(f"{row['load']:>6.0%} " + " ".join(f"{v:>+13.1%}"
-                                                       for v in row["error"].values()))
+            print(f"{row['load']:>6.0%} {row['latency']:>18} "
+                  f"{row['steps']['mean_step_error']:>9.1%} "
+                  + " ".join(f"{v:>+12.1%}" for v in row["error"].values()))
     if not args.skip_speed:
         report["speed"] = speed(args)
     if args.json:

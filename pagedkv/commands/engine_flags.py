@@ -60,6 +60,8 @@ _HELP: dict[str, str] = {
     "kv_offloading_disk_path": "directory of the KV store's disk tier (kept across restarts)",
     "kv_offloading_disk_size": "GiB the disk tier may use",
     "kv_offloading_remote_url": "Redis URL of the KV store's shared tier, e.g. redis://127.0.0.1:6379",
+    "step_log": "append one JSON line per engine step (shape, seconds) to this file, for "
+                "`pagedkv profile --fit-from`",
     "enforce_eager": "no CUDA graphs: run every decode step eagerly",
     "cpu_kernels": "CPU: fused C++ kernels; auto: build in the background on first use and "
                    "switch once built; wait: build before starting; off: pure torch",

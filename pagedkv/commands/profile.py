@@ -1,17 +1,23 @@
 """`pagedkv profile MODEL_DIR`: time a grid of step shapes through the real model runner and
-save a fitted latency model for `pagedkv simulate --latency PATH`.
+save a fitted latency model for `pagedkv simulate --latency PATH`. With `--fit-from STEP_LOG`
+it fits the same model to the steps a real engine logged instead (`pagedkv serve --step-log
+PATH`: every real step, with the scheduling and output work around the model), no engine built.
 
     pagedkv profile MODEL_DIR [--out latency.json] [--grid quick|full] [--repeats 3]
-                    [engine flags: --block-size, --dtype, --cpu-threads, ...]
+                    [--clock wall|cpu] [engine flags: --block-size, --dtype, --cpu-threads, ...]
+    pagedkv profile --fit-from STEP_LOG [--clock wall|cpu] [--out latency.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.commands.engine_flags import HelpFormatter, add_engine_flags, engine_args_from_flags
+
+if TYPE_CHECKING:
+    from pagedkv.sim.latency import FittedLatency
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -19,7 +25,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "profile", help="fit a step-latency model for `pagedkv simulate`",
         description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    parser.add_argument("model", metavar="MODEL_DIR", help="Hugging Face model directory")
+    parser.add_argument("model", metavar="MODEL_DIR", nargs="?", default=None,
+                        help="Hugging Face model directory (not with --fit-from)")
+    parser.add_argument("--fit-from", default=None, metavar="STEP_LOG",
+                        help="fit to the steps of a real run's step log (serve --step-log) "
+                             "instead of timing a grid")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="fit wall time, or the engine thread's CPU time (the work "
+                             "without a shared machine's time slicing; with --cpu-threads 1)")
     parser.add_argument("--out", default="latency.json", help="where to save the fitted model")
     parser.add_argument("--grid", choices=("quick", "full"), default="quick",
                         help="step shapes to time (quick: 48 points, full: 150)")
@@ -29,17 +42,32 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def run(args: argparse.Namespace) -> int:
+def _fit(args: argparse.Namespace) -> FittedLatency:
+    from pagedkv.sim.latency import FittedLatency
     from pagedkv.sim.profiling import FULL_GRID, QUICK_GRID, profile_model
+    from pagedkv.sim.step_log import read_step_log
 
+    if args.fit_from is not None:
+        if args.model is not None:
+            raise ValueError(f"give MODEL_DIR ({args.model!r}) or --fit-from, not both")
+        shapes, times = read_step_log(args.fit_from, args.clock)
+        return FittedLatency.fit(shapes, times, {"step_log": str(args.fit_from),
+                                                 "clock": args.clock})
+    if args.model is None:
+        raise ValueError("give MODEL_DIR to profile, or --fit-from STEP_LOG")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     engine_args = engine_args_from_flags(args, args.model)
-    fitted = profile_model(engine_args, FULL_GRID if args.grid == "full" else QUICK_GRID,
-                           repeats=args.repeats, log=lambda m: print(m, file=sys.stderr))
+    return profile_model(engine_args, FULL_GRID if args.grid == "full" else QUICK_GRID,
+                         repeats=args.repeats, log=lambda m: print(m, file=sys.stderr),
+                         clock=args.clock)
+
+
+def run(args: argparse.Namespace) -> int:
+    fitted = _fit(args)
     fitted.save(args.out)
     meta = fitted.meta
-    print(f"saved {args.out}: {meta['samples']} shapes, mean error {meta['mean_rel_error']:.1%}"
+    print(f"saved {args.out}: {meta['samples']} steps, mean error {meta['mean_rel_error']:.1%}"
           f", max {meta['max_rel_error']:.1%}")
     for name, value in fitted.coefficients.items():
         print(f"  {name:<18} {value:.3e}")

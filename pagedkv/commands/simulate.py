@@ -80,6 +80,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "is the faster one to simulate with")
     e.add_argument("--eviction-policy", choices=tuple(EVICTION_POLICIES),
                    default=DEFAULT_EVICTION_POLICY)
+    e.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GIB",
+                   help="the KV store's host tier in GiB (0: none), as `serve`'s")
+    e.add_argument("--kv-offloading-disk-path", default=None, metavar="PATH",
+                   help="simulate the KV store's disk tier (nothing is written here)")
+    e.add_argument("--kv-offloading-disk-size", type=float, default=10.0, metavar="GIB")
+    e.add_argument("--kv-offloading-remote-url", default=None, metavar="URL",
+                   help="simulate the KV store's Redis tier (nothing is contacted)")
+    e.add_argument("--kv-offloading-remote-size", type=float, default=None, metavar="GIB",
+                   help="the Redis tier's memory (default: unbounded, as Redis's maxmemory "
+                   "is set outside pagedkv)")
+    e.add_argument("--tier-speeds", default=None, metavar="TIER=BYTES/S[:LATENCY_S],...",
+                   help="the store tiers' read speeds (default: host=10e9:2e-05,"
+                   "disk=2e9:0.0002,redis=1e9:0.0005)")
     e.add_argument("--no-jump", dest="jump", action="store_false",
                    help="step one by one (no quiet-stretch jumps; same results, slower)")
     c = p.add_argument_group("cluster and results")

@@ -69,6 +69,9 @@ class EngineArgs:
     max_pinned_fraction: float = 0.5
     # KV cache storage dtype: "auto" (the model's) or fp8 ("fp8" = "fp8_e4m3", "fp8_e5m2").
     kv_cache_dtype: str = "auto"
+    # Append one JSON line per step (its shape and duration) to this file, for `pagedkv
+    # profile --fit-from` (pagedkv.sim.step_log).
+    step_log: str | None = None
     # Structured outputs (pagedkv.structured.limits): the largest constraint of each kind, how
     # long one request waits for its compile, and the compile pool's threads.
     structured_outputs_max_choices: int = _SO_LIMITS.max_choices

@@ -114,9 +114,14 @@ class EngineCore:
                                         events_config.enabled)
         self.event_publisher = make_event_publisher(events_config)
         self.dashboard = DashboardCalls(self)  # the dashboard's utility calls
+        self.step_log = None
+        if args.step_log:
+            from pagedkv.sim.step_log import StepLog
+
+            self.step_log = StepLog(args.step_log)
         # Closed once: by shutdown(), or when the core is garbage-collected.
         self._closers = [weakref.finalize(self, closable.close)
-                         for closable in (self.kv_store, self.event_publisher)
+                         for closable in (self.kv_store, self.event_publisher, self.step_log)
                          if closable is not None]
 
     def _profile_memory(self, args: EngineArgs) -> GpuMemoryProfile:
@@ -197,6 +202,8 @@ class EngineCore:
         each sample that progressed. [] when there was nothing to do."""
         if self.runner is None:
             raise RuntimeError("the engine was shut down")
+        if self.step_log is not None:
+            self.step_log.step_started()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
             result = ModelRunnerOutput()
@@ -212,7 +219,10 @@ class EngineCore:
         changed = self.scheduler.update(scheduler_output, result)
         if self.event_publisher is not None:
             self._publish_kv_events()
-        return self._outputs(changed)
+        outputs = self._outputs(changed)
+        if self.step_log is not None:
+            self.step_log.step_ended(scheduler_output, self.scheduler.has_unfinished_requests())
+        return outputs
 
     def _fail_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> list[CoreOutput]:
         """The runner raised: end the step's requests (scheduled, or swapped out or in: their

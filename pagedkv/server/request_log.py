@@ -10,13 +10,12 @@ loop as each request finishes, line-buffered, so a crash loses at most the line 
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from pagedkv.engine.outputs import RequestOutput
+from pagedkv.jsonl import JsonLinesWriter
 from pagedkv.kv.hashing import RequestBlockHasher
 
 
@@ -35,8 +34,7 @@ class RequestLog:
     def __init__(self, path: str | Path, hasher: RequestBlockHasher) -> None:
         self.path = Path(path)
         self.hasher = hasher
-        self._lock = threading.Lock()
-        self._file = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+        self._out = JsonLinesWriter(self.path)
 
     def record(self, output: RequestOutput, *, arrival_monotonic: float, ttft: float | None,
                e2e: float, queue_time: float | None, num_output_tokens: int,
@@ -54,11 +52,7 @@ class RequestLog:
             "cached_tokens": max(output.num_cached_tokens, 0), "queue_time": queue_time,
             "ttft": ttft, "tpot": tpot, "e2e": e2e, "finish_reason": finish_reason,
         }
-        line = json.dumps(row, separators=(",", ":")) + "\n"
-        with self._lock:
-            if not self._file.closed:
-                self._file.write(line)
+        self._out.write(row)
 
     def close(self) -> None:
-        with self._lock:
-            self._file.close()
+        self._out.close()

@@ -1,5 +1,7 @@
 """`pagedkv profile MODEL`: time a grid of step shapes through the real model runner and fit
-the simulator's latency model (`FittedLatency`) to them.
+the simulator's latency model (`FittedLatency`) to them, then add the engine's own work around
+the runner (scheduling, applying tokens, outputs), timed on a short burst of real requests per
+step and per scheduled request (`host_overhead`).
 
 Each grid point is one step built by hand: `decode_seqs` requests decoding one token at
 `context` tokens of context, plus one prefill chunk of `prefill_tokens` tokens (from position
@@ -57,15 +59,21 @@ def _step(engine: Any, prefill_tokens: int, decode_seqs: int, context: int,
     return SchedulerOutput(scheduled=scheduled), requests
 
 
+CLOCKS = ("wall", "cpu")
+
+
 def profile_engine(engine: Any, grid: dict[str, Sequence[int]] | None = None, *,
                    repeats: int = 3, log: Callable[[str], None] | None = None
-                   ) -> tuple[list[StepShape], list[float]]:
-    """(shapes, median seconds) for every grid point the engine's cache can hold."""
+                   ) -> tuple[list[StepShape], dict[str, list[float]]]:
+    """(shapes, median seconds by clock) for every grid point the engine's cache can hold:
+    "wall", and "cpu" (this thread's CPU time: the work alone, without what other processes
+    take on a shared machine; all of it with --cpu-threads 1)."""
     grid = grid or QUICK_GRID
     runner = engine.runner
     kv = engine.scheduler.kv_cache_manager
     serial = itertools.count()
-    shapes, times = [], []
+    shapes: list[StepShape] = []
+    times: dict[str, list[float]] = {"wall": [], "cpu": []}
     points = [(p, d, c) for p in grid["prefill_tokens"] for d in grid["decode_seqs"]
               for c in (grid["context"] if d else grid["context"][:1]) if p or d]
     for i, (p, d, c) in enumerate(points):
@@ -75,38 +83,104 @@ def profile_engine(engine: Any, grid: dict[str, Sequence[int]] | None = None, *,
                 log(f"  skip prefill={p} decode={d}x{c}: the KV cache is too small")
             continue
         out, requests = built
-        samples = []
+        wall, cpu = [], []
         for rep in range(repeats + 1):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             runner.execute(out)
             if rep:  # the first run warms up
-                samples.append(time.perf_counter() - start)
+                wall.append(time.perf_counter() - start)
+                cpu.append(time.thread_time() - cpu_start)
         ids = [r.request_id for r in requests]
         for r in requests:
             kv.free(r)
         runner.execute(SchedulerOutput(finished_request_ids=ids))
         shapes.append(StepShape.of(out))
-        times.append(statistics.median(samples))
+        times["wall"].append(statistics.median(wall))
+        times["cpu"].append(statistics.median(cpu))
         if log:
             log(f"  [{i + 1}/{len(points)}] prefill={p} decode={d}x{c}: "
-                f"{times[-1] * 1e3:.1f} ms")
+                f"{times['wall'][-1] * 1e3:.1f} ms ({times['cpu'][-1] * 1e3:.1f} ms CPU)")
     kv.check_invariants()
     return shapes, times
 
 
+def host_overhead(engine: Any, clock: str, num_requests: int = 12,
+                  seed: int = 0) -> tuple[float, float]:
+    """(seconds per step, seconds per scheduled request) that `engine.step()` spends outside
+    the model runner (scheduling, applying the tokens, outputs), timed by `clock` on a short
+    burst of real requests, the runner's own time taken away. The grid times the runner
+    alone; a real step costs this much more. Mutates the engine (runs and frees requests)."""
+    import numpy as np
+
+    from pagedkv.sched.sampling_params import SamplingParams
+
+    now = time.perf_counter if clock == "wall" else time.thread_time
+    runner = engine.runner
+    execute = runner.execute
+    runner_time = [0.0]
+    scheduled = [0]
+
+    def timed_execute(out: SchedulerOutput) -> Any:
+        scheduled[0] += len(out.scheduled)
+        start = now()
+        try:
+            return execute(out)
+        finally:
+            runner_time[0] += now() - start
+
+    rng = np.random.default_rng(seed)
+    vocab = engine.vocab_size
+    for i in range(num_requests):
+        ids = rng.integers(0, vocab, int(rng.integers(16, 200))).tolist()
+        engine.add_request(f"profile-host-{i}", ids, SamplingParams(
+            max_tokens=int(rng.integers(4, 16)), ignore_eos=True, temperature=0.0))
+    rows, host = [], []
+    runner.execute = timed_execute
+    try:
+        while engine.has_unfinished_requests():
+            runner_time[0], scheduled[0] = 0.0, 0
+            start = now()
+            engine.step()
+            if scheduled[0]:
+                host.append(now() - start - runner_time[0])
+                rows.append((1.0, float(scheduled[0])))
+    finally:
+        runner.execute = execute
+    x, y = np.array(rows[1:]), np.array(host[1:])  # the first step warms up
+    coef = np.maximum(np.linalg.lstsq(x, y, rcond=None)[0], 0.0)
+    return float(coef[0]), float(coef[1])
+
+
 def profile_model(args: Any, grid: dict[str, Sequence[int]] | None = None, *,
-                  repeats: int = 3, log: Callable[[str], None] | None = None) -> FittedLatency:
-    """Build the engine for `args` (EngineArgs), time the grid, fit and return the model."""
+                  repeats: int = 3, log: Callable[[str], None] | None = None,
+                  clock: str = "wall") -> FittedLatency:
+    """Build the engine for `args` (EngineArgs), time the grid, fit `clock`'s times and return
+    the model; `meta["wall_over_cpu"]` says how much longer wall time was than CPU time (1 on
+    a machine to itself)."""
     from pagedkv.engine.llm_engine import LLMEngine
 
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
     engine = LLMEngine(args)
     try:
-        shapes, times = profile_engine(engine, grid, repeats=repeats, log=log)
+        shapes, by_clock = profile_engine(engine, grid, repeats=repeats, log=log)
+        per_step, per_request = host_overhead(engine, clock)
+        engine.check_invariants()
     finally:
         engine.shutdown()
+    if log:
+        log(f"  host work outside the runner: {per_step * 1e3:.2f} ms a step + "
+            f"{per_request * 1e6:.1f} us a request")
     meta = {"model": str(args.model), "block_size": args.block_size, "dtype": args.dtype,
             "machine": platform.machine(), "processor": platform.processor(),
             "profiled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "repeats": repeats, "points": [
-                {**s.__dict__, "seconds": t} for s, t in zip(shapes, times, strict=True)]}
-    return FittedLatency.fit(shapes, times, meta)
+            "repeats": repeats, "clock": clock,
+            "wall_over_cpu": sum(by_clock["wall"]) / max(sum(by_clock["cpu"]), 1e-9),
+            "host_overhead": {"per_step": per_step, "per_request": per_request},
+            "points": [{**s.__dict__, "wall_seconds": w, "cpu_seconds": c} for s, w, c in
+                       zip(shapes, by_clock["wall"], by_clock["cpu"], strict=True)]}
+    fitted = FittedLatency.fit(shapes, by_clock[clock], meta)
+    c = fitted.coefficients
+    return FittedLatency({**c, "intercept": c["intercept"] + per_step,
+                          "prefill_seqs": c["prefill_seqs"] + per_request,
+                          "decode_seqs": c["decode_seqs"] + per_request}, fitted.meta)

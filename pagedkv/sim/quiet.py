@@ -4,10 +4,11 @@ A stretch qualifies when every running request is decoding (one token per step, 
 output already), none can finish within it, nothing is swapped or loading, the scheduler would
 not look at the waiting queue (sequence-bound) or its head gets LATER (it keeps getting LATER:
 blocks only get scarcer), the KV cache has the new blocks all of them need, no sliding window
-frees blocks, and no arrival falls before a step starts. Then the k steps only append one token
-per request and per step: they are applied in the real order (per step: new blocks in running
-order, the waiting head's prefix lookup, the blocks that became full cached), visiting only the
-steps where something happens. `tests/sim/test_jump.py` checks it equals stepping one by one.
+frees blocks, and no arrival falls before a step starts (unless arrivals cannot matter: FCFS
+with a refused head or sequence-bound, on a single instance). Then the k steps only append one
+token per request and per step: they are applied in the real order (per step: new blocks in
+running order, the waiting head's prefix lookup, the blocks that became full written to the KV
+store and cached), visiting only the steps where something happens. `tests/sim/test_jump.py` checks it equals stepping one by one.
 """
 
 from __future__ import annotations
@@ -23,29 +24,37 @@ if TYPE_CHECKING:
     from pagedkv.sim.instance import SimInstance
 
 
-def quiet_limit(instance: SimInstance) -> int:
+def quiet_limit(instance: SimInstance) -> tuple[int, bool]:
     """The most steps that can be jumped now by the rules in the module docstring, ignoring
-    arrivals and time (0: the next step must be a real one)."""
+    arrivals and time (0: the next step must be a real one), and whether arrivals during the
+    stretch would change nothing in it: under FCFS a new request joins the waiting queue's
+    tail, and the scheduler does not look past a head it refuses, nor at the queue at all
+    with `max_num_seqs` running."""
     sched = instance.scheduler
     cfg = instance.config
     running = sched.running
     if (not running or sched.swapped or sched.loading or cfg.sliding_window is not None
             or len(running) > cfg.max_num_batched_tokens):
-        return 0
+        return 0, False
     limit = math.inf
     max_len = cfg.max_model_len
     for r in running:
         if r.num_computed_tokens != r.num_tokens - 1 or not r.output_token_ids:
-            return 0
+            return 0, False
         remaining = min(r.sampling_params.max_tokens - len(r.output_token_ids),
                         max_len - r.num_tokens)
         if remaining - 1 < limit:
             limit = remaining - 1
             if limit <= 0:
-                return 0
-    if sched.waiting and len(running) < cfg.max_num_seqs and not _head_refused(instance):
-        return 0
-    return int(limit)
+                return 0, False
+    seq_bound = len(running) >= cfg.max_num_seqs
+    if sched.waiting and not seq_bound:
+        if not _head_refused(instance):
+            return 0, False
+        head_refused = True
+    else:
+        head_refused = False
+    return int(limit), cfg.scheduling_policy == "fcfs" and (seq_bound or head_refused)
 
 def _head_refused(instance: SimInstance) -> bool:
     """Whether the waiting queue's head would get LATER now (and so, as blocks only get
@@ -66,11 +75,16 @@ def _head_refused(instance: SimInstance) -> bool:
     return kv.can_allocate(head, computed_blocks=hits) == AllocStatus.LATER
 
 def jump(instance: SimInstance, horizon: float) -> None:
-    """Apply the longest quiet stretch whose steps all start before `horizon` (none when the
-    next step must be a real one). Mutates the instance like that many `step()` calls."""
-    limit = quiet_limit(instance)
+    """Apply the longest quiet stretch whose steps all start before `horizon`, the next
+    arrival (none when the next step must be a real one). With `instance.cross_arrivals`,
+    a stretch that arrivals cannot change runs past `horizon`: those arrivals join the
+    waiting queue after it, where they would have waited anyway. Mutates the instance like
+    that many `step()` calls."""
+    limit, arrivals_wait = quiet_limit(instance)
     if limit <= 0:
         return
+    if arrivals_wait and instance.cross_arrivals:
+        horizon = math.inf
     sched = instance.scheduler
     kv = instance.kv
     running = list(sched.running)
@@ -92,8 +106,11 @@ def jump(instance: SimInstance, horizon: float) -> None:
                 need += extra
         if need > free:
             break
+        saved = 0 if instance.store is None else sum(
+            1 for c in computed if (c + k + 1) % bs == 0)  # blocks this step fills and saves
         dt = instance.latency.step_time(StepShape(decode_seqs=num_seqs,
-                                              decode_context=context + k * num_seqs))
+                                                  decode_context=context + k * num_seqs,
+                                                  saved_blocks=saved))
         durations.append(dt)
         clock += dt
         k += 1
@@ -122,8 +139,9 @@ def jump(instance: SimInstance, horizon: float) -> None:
 def _apply_quiet_steps(instance: SimInstance, running: list[Request], computed: list[int], held: list[int],
                        k: int) -> None:
     """Apply k decode steps to `running` in the order the real steps would: per step, the
-    new blocks (running order), the waiting head's prefix lookup, then the blocks that
-    became full are cached. Only steps where something happens are visited."""
+    new blocks (running order), the waiting head's prefix lookup, the blocks that became full
+    written to the KV store (when there is one), then cached. Only steps where something
+    happens are visited."""
     kv = instance.kv
     bs = kv.block_size
     allocs: dict[int, list[Request]] = {}
@@ -146,13 +164,18 @@ def _apply_quiet_steps(instance: SimInstance, running: list[Request], computed: 
             else None)
     steps = range(k) if head is not None else sorted({*allocs, *caches})
     base = dict(zip((r.request_id for r in running), computed, strict=True))
+    store = instance.store
     for j in steps:
         for r in allocs.get(j, ()):
             r.num_computed_tokens = base[r.request_id] + j
             kv.allocate_slots(r, 1, delay_cache_blocks=True)
         if head is not None:
             kv.get_computed_blocks(head)
-        for r in caches.get(j, ()):
+        filled = caches.get(j, ())
+        if store is not None:
+            for r in filled:
+                store.save_block(r, (base[r.request_id] + j) // bs)
+        for r in filled:
             kv.cache_blocks(r, base[r.request_id] + j + 1)
     for r in running:
         r.num_computed_tokens = base[r.request_id] + k

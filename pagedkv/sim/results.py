@@ -134,7 +134,8 @@ def summarize(result: SimResult, slo: SLO | None = None) -> dict[str, Any]:
         "queue_time_mean": (sum(r.first_scheduled - r.arrival for r in done) / len(done)
                             if done else float("nan")),
         "prefix_cache": {"device": {"queried_tokens": queries, "hit_tokens": hits,
-                                    "hit_rate": hits / queries if queries else 0.0}},
+                                    "hit_rate": hits / queries if queries else 0.0},
+                         **_store_tiers(result)},
         "evicted_blocks": sum(kv.pool.num_evicted_blocks for kv in kvs),
         "preemptions": {"total": preemptions, "recompute": preemptions - swaps,
                         "swap": swaps},
@@ -152,6 +153,28 @@ def summarize(result: SimResult, slo: SLO | None = None) -> dict[str, Any]:
             "requests_per_s": len(good) / duration if duration else 0.0,
             "fraction": len(good) / len(records) if records else 0.0}
     return summary
+
+
+def _store_tiers(result: SimResult) -> dict[str, dict[str, int]]:
+    """Per KV store tier, over the instances: blocks hit and missed when loading, tokens hit,
+    blocks written and evicted (no entry without a store)."""
+    tiers: dict[str, dict[str, int]] = {}
+    seen: set[int] = set()  # a tier the instances share is counted once
+    for inst in result.instances:
+        if inst.store is None:
+            continue
+        for tier in inst.store.tiers:
+            if id(tier) in seen:
+                continue
+            seen.add(id(tier))
+            t = tiers.setdefault(tier.spec.name, dict.fromkeys(
+                ("hit_blocks", "hit_tokens", "missed_blocks", "blocks_written", "evicted"), 0))
+            t["hit_blocks"] += tier.hits
+            t["hit_tokens"] += tier.hits * result.config.block_size
+            t["missed_blocks"] += tier.misses
+            t["blocks_written"] += tier.blocks_written
+            t["evicted"] += tier.evicted
+    return tiers
 
 
 def _usage(result: SimResult) -> dict[str, float]:
@@ -185,6 +208,9 @@ def format_table(summary: dict[str, Any]) -> str:
         f"tok/s, {t['input_tokens_per_s']:.0f} input tok/s",
         f"prefix cache (device) hit rate {pc['hit_rate']:.1%} "
         f"({pc['hit_tokens']} of {pc['queried_tokens']} tokens)",
+        *(f"KV store tier {name}: {t['hit_blocks']} blocks hit ({t['hit_tokens']} tokens), "
+          f"{t['missed_blocks']} missed, {t['blocks_written']} written, {t['evicted']} evicted"
+          for name, t in summary["prefix_cache"].items() if name != "device"),
         f"evicted blocks {summary['evicted_blocks']}, preemptions {p['total']} "
         f"(recompute {p['recompute']}, swap {p['swap']}), KV usage mean "
         f"{summary['kv_usage']['mean']:.1%} peak {summary['kv_usage']['peak']:.1%}",

@@ -23,6 +23,8 @@ from pagedkv.kv.plan import (
 from pagedkv.kv.sizes import parse_size
 from pagedkv.kv.spec import bundled_config_names, bundled_config_path, kv_cache_spec_from_hf_config
 from pagedkv.sim.instance import SimConfig
+from pagedkv.sim.store import DEFAULT_TIER_SPEEDS, TierSpec
+from pagedkv.store.sizing import disk_tier_blocks, host_tier_blocks
 
 GiB = 1 << 30
 
@@ -71,5 +73,52 @@ def build_sim_config(args: argparse.Namespace) -> tuple[SimConfig, dict[str, Any
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         eviction_policy=args.eviction_policy, sliding_window=window,
-        vocab_size=config_int(text_config(config), "vocab_size", 32000), jump=args.jump)
+        vocab_size=config_int(text_config(config), "vocab_size", 32000), jump=args.jump,
+        store_tiers=store_tiers(args, spec.page_size_bytes), block_bytes=spec.page_size_bytes)
+    if sim.store_tiers and (window is not None or not sim.enable_prefix_caching):
+        raise ValueError("the KV store's tiers need prefix caching and no sliding window "
+                         "(as the engine's)")
     return sim, config, args.hardware
+
+
+def parse_tier_speeds(text: str | None) -> dict[str, tuple[float, float]]:
+    """`host=10e9:2e-5,disk=2e9` -> {tier: (bytes/s, latency s)} over the defaults."""
+    speeds = dict(DEFAULT_TIER_SPEEDS)
+    for item in filter(None, (text or "").split(",")):
+        name, _, value = item.partition("=")
+        bandwidth, _, latency = value.partition(":")
+        if name not in speeds:
+            raise ValueError(f"unknown store tier {name!r} in --tier-speeds; known: "
+                             f"{sorted(speeds)}")
+        try:
+            speeds[name] = (float(bandwidth), float(latency) if latency else speeds[name][1])
+        except ValueError:
+            raise ValueError(f"--tier-speeds {item!r}: expected TIER=BYTES/S[:LATENCY_S]") from None
+    return speeds
+
+
+def store_tiers(args: argparse.Namespace, block_bytes: int) -> tuple[TierSpec, ...]:
+    """The store's tiers, fastest first, sized in blocks as the engine's tiers size them."""
+    speeds = parse_tier_speeds(getattr(args, "tier_speeds", None))
+    hash_size = 32 if args.prefix_caching_hash_algo == "sha256" else 16
+    tiers = []
+    if getattr(args, "kv_offloading_size", 0):
+        tiers.append(TierSpec("host", host_tier_blocks(_gib(args.kv_offloading_size,
+                                                             "kv_offloading_size"), block_bytes),
+                              *speeds["host"]))
+    if getattr(args, "kv_offloading_disk_path", None):
+        tiers.append(TierSpec("disk", disk_tier_blocks(
+            _gib(args.kv_offloading_disk_size, "kv_offloading_disk_size"), block_bytes,
+            hash_size), *speeds["disk"]))
+    if getattr(args, "kv_offloading_remote_url", None):
+        size = getattr(args, "kv_offloading_remote_size", None)
+        tiers.append(TierSpec("redis", None if size is None else disk_tier_blocks(
+            _gib(size, "kv_offloading_remote_size"), block_bytes, hash_size), *speeds["redis"],
+            shared=True))
+    return tuple(tiers)
+
+
+def _gib(value: float, name: str) -> int:
+    if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+        raise ValueError(f"{name} must be a positive number of GiB, got {value!r}")
+    return int(value * GiB)

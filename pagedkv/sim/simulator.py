@@ -63,13 +63,20 @@ def _device_match(instance: SimInstance, hashes: Sequence[bytes]) -> int:
 def simulate(trace: Sequence[TraceRequest], config: SimConfig, latency: LatencyModel, *,
              num_instances: int = 1, policy: str = "round-robin", record_steps: bool = False,
              progress: Callable[[int, int], None] | None = None,
+             cross_arrivals: bool | None = None,
              on_instance: Callable[[SimInstance], None] | None = None) -> SimResult:
     """Replay `trace` (sorted by arrival) through `num_instances` simulated engines.
-    `on_instance` is called with each instance before it runs (e.g. event_log.py's hook)."""
+    `cross_arrivals` (default: with one instance) lets quiet-stretch jumps run past arrivals
+    that cannot change them (`SimInstance`). `on_instance` is called with each instance before
+    it runs (e.g. event_log.py's hook)."""
+    if cross_arrivals is None:
+        cross_arrivals = num_instances == 1
     if num_instances < 1:
         raise ValueError(f"num_instances must be >= 1, got {num_instances}")
     started = time.perf_counter()
-    instances = [SimInstance(config, latency, index=i, record_steps=record_steps)
+    shared_tiers: dict = {}  # the KV store tiers every instance reads and writes (Redis)
+    instances = [SimInstance(config, latency, index=i, record_steps=record_steps,
+                             cross_arrivals=cross_arrivals, shared_tiers=shared_tiers)
                  for i in range(num_instances)]
     if on_instance is not None:
         for inst in instances:

@@ -50,8 +50,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedkv.store.lookup import store_matched_tokens
 from pagedkv.store.payload import Payload, copy_payload_into, host_rows, rows_to_host
 from pagedkv.store.tiered import BlockMeta, TieredKVStore
+from pagedkv.store.timing import DEFAULT_LOAD_TIMEOUT_S, IDLE_WAIT_S
 
 if TYPE_CHECKING:
     import torch
@@ -64,10 +66,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_LOAD_TIMEOUT_S = 10.0
-# An idle step waits at most this long for a load, so the engine loop still takes new requests
-# and aborts while a slow load runs.
-IDLE_WAIT_S = 0.05
 
 
 @dataclass
@@ -88,6 +86,11 @@ class StoreConnectorMetadata:
     cancelled_job_ids: list[int] = field(default_factory=list)
     saves: list[tuple[int, BlockMeta]] = field(default_factory=list)  # (device block id, meta)
     wait_for_load: bool = False  # nothing else runs this step: wait for a load to finish
+
+    @property
+    def num_saves(self) -> int:
+        """Blocks this step copies out to the store (a step's shape for `pagedkv simulate`)."""
+        return len(self.saves)
 
 
 class FinishedLoads:
@@ -133,19 +136,11 @@ class StoreConnectorScheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """Tokens after the first `num_computed_tokens` that the store can provide. Looks the
-        tiers up once per admission (cached on the request: blocks [first, first + n) held)."""
-        bs = self.block_size
-        start = num_computed_tokens // bs
-        end = (request.num_tokens - 1) // bs
-        if end <= start:
-            return 0
-        cached = request.kv_store_lookup
-        if cached is None or cached[0] > start:
-            hashes = self.kv.update_block_hashes(request)
-            cached = request.kv_store_lookup = (start, self.store.lookup(hashes[start:end]))
-            self.num_lookups += 1
-        first, num_blocks = cached
-        return max(0, min(first + num_blocks, end) - start) * bs
+        tiers up once per admission (`store_matched_tokens`)."""
+        tokens, looked_up = store_matched_tokens(request, num_computed_tokens, self.kv,
+                                                 self.store.lookup)
+        self.num_lookups += looked_up
+        return tokens
 
     def update_state_after_alloc(self, request: Request, num_computed_tokens: int,
                                  num_external_tokens: int) -> None:

@@ -14,6 +14,8 @@ def host_tier_blocks(capacity_bytes: int, block_bytes: int) -> int:
     return capacity_bytes // block_bytes
 
 
-def disk_tier_blocks(capacity_bytes: int, block_bytes: int) -> int:
-    """Blocks a disk tier of `capacity_bytes` holds (each file: header, key, payload)."""
-    return capacity_bytes // (block_bytes + STORED_OVERHEAD)
+def disk_tier_blocks(capacity_bytes: int, block_bytes: int,
+                     hash_size: int = MAX_BLOCK_HASH_SIZE) -> int:
+    """Blocks a disk tier of `capacity_bytes` holds (each file: header, key of a `hash_size`
+    bytes block hash, payload)."""
+    return capacity_bytes // (block_bytes + HEADER_SIZE + IDENTITY_SIZE + hash_size)

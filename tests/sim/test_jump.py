@@ -10,6 +10,7 @@ import pytest
 from pagedkv.sim.instance import SimConfig
 from pagedkv.sim.latency import FunctionLatency, StepShape
 from pagedkv.sim.simulator import simulate
+from pagedkv.sim.store import TierSpec
 from pagedkv.sim.traces import TraceRequest
 from tests.sim.workloads import shared_prefix_trace
 
@@ -37,6 +38,9 @@ def _itl(instance) -> list[float]:
     dict(num_blocks=200, max_num_seqs=3),  # sequence-bound: a waiting queue never looked at
     dict(num_blocks=60, max_num_seqs=6, preemption_mode="swap", num_host_blocks=40),
     dict(num_blocks=120, max_num_seqs=6, eviction_policy="lfu", block_size=4),
+    dict(num_blocks=60, max_num_seqs=16, block_bytes=4096,  # the KV store's saves and loads
+         store_tiers=(TierSpec("host", 40, 1e9, 1e-4), TierSpec("disk", 400, 1e8, 1e-3))),
+    dict(num_blocks=60, max_num_seqs=16, scheduling_policy="priority"),
 ])
 def test_jumping_equals_stepping(settings):
     trace = long_outputs()
@@ -61,3 +65,13 @@ def test_jumping_equals_stepping(settings):
         assert ka.prefix_cache_stats == kb.prefix_cache_stats
         b.check_invariants()
         assert kb.num_free_blocks == kb.num_usable_blocks
+    no_cross = simulate(trace, SimConfig(**{**base, **settings}), FunctionLatency(step_time),
+                        cross_arrivals=False)
+    assert [dataclasses.asdict(r) for r in no_cross.records] == \
+        [dataclasses.asdict(r) for r in stepped.records]
+    if settings["max_num_seqs"] == 3:  # sequence-bound: jumps run past arrivals
+        assert ji.stats.num_jumps < no_cross.instances[0].stats.num_jumps
+    if si.store is not None:
+        assert [t.to_dict() for t in si.store.tiers] == [t.to_dict() for t in ji.store.tiers]
+        assert [list(t.blocks) for t in si.store.tiers] == [list(t.blocks) for t in ji.store.tiers]
+        assert si.store.tiers[0].hits > 0 and si.store.tiers[0].evicted > 0

@@ -103,7 +103,72 @@ def test_profile_fits_the_real_runner(tiny_llama):
     assert fitted.meta["samples"] == 14  # every shape but the empty one; all fit the cache
     assert all(v >= 0 for v in fitted.coefficients.values())
     points = fitted.meta["points"]
-    assert all(p["seconds"] > 0 for p in points)
+    assert all(p["wall_seconds"] > 0 and p["cpu_seconds"] > 0 for p in points)
+    assert fitted.meta["clock"] == "wall" and fitted.meta["wall_over_cpu"] > 0
+    host = fitted.meta["host_overhead"]  # the engine's work around the runner, in the model
+    assert host["per_step"] >= 0 and host["per_request"] >= 0
+    assert fitted.coefficients["intercept"] >= host["per_step"]
+    assert fitted.coefficients["decode_seqs"] >= host["per_request"]
     big = max(points, key=lambda p: p["prefill_tokens"] + p["decode_seqs"])
-    shape = StepShape(**{k: v for k, v in big.items() if k != "seconds"})
+    shape = StepShape(**{k: v for k, v in big.items() if not k.endswith("seconds")})
     assert fitted.step_time(shape) > 0
+    with pytest.raises(ValueError, match="'gpu'"):
+        profile_model(args, grid, clock="gpu")
+
+
+def test_engine_step_log_and_fit_from(tiny_llama, tmp_path, capsys):
+    """`EngineArgs.step_log` writes one line per step that computed something, with the shape
+    the simulator sees; `pagedkv profile --fit-from` fits a model to it."""
+    from pagedkv.cli import main
+    from pagedkv.engine.args import EngineArgs
+    from pagedkv.engine.llm_engine import LLMEngine
+    from pagedkv.sched.sampling_params import SamplingParams
+    from pagedkv.sim.step_log import read_step_log
+
+    log = tmp_path / "steps.jsonl"
+    engine = LLMEngine(EngineArgs(model=str(tiny_llama), device="cpu", cpu_kernels="off",
+                                  num_gpu_blocks_override=64, max_num_batched_tokens=32,
+                                  step_log=str(log)))
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    engine.add_request("a", list(range(10, 50)), params)  # 40 tokens: chunked 32 + 8
+    engine.add_request("b", list(range(60, 70)), params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_invariants()
+    engine.shutdown()
+    shapes, times = read_step_log(log)
+    _, cpu = read_step_log(log, "cpu")
+    assert sum(s.prefill_tokens for s in shapes) == 50
+    assert sum(s.decode_seqs for s in shapes) == 2 * 4  # 5 tokens: the first from the prefill
+    assert shapes[0] == StepShape(prefill_tokens=32, prefill_seqs=1,
+                                  prefill_attention=32 * 33 / 2)
+    assert all(t > 0 for t in times) and all(c >= 0 for c in cpu)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["chained"] for r in rows] == [True] * (len(rows) - 1) + [False]
+    with pytest.raises(ValueError, match="clock"):
+        read_step_log(log, "gpu")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prefill_tokens": 1}\n')
+    with pytest.raises(ValueError, match="line 1"):
+        read_step_log(bad)
+    out = tmp_path / "fit.json"
+    # Pad to enough samples for the fit: the same log three times.
+    log.write_text(log.read_text() * 3)
+    assert main(["profile", "--fit-from", str(log), "--out", str(out)]) == 0
+    fitted = FittedLatency.load(out)
+    assert fitted.meta["samples"] == 3 * len(rows) and fitted.meta["step_log"] == str(log)
+    assert "steps, mean error" in capsys.readouterr().out
+    assert main(["profile", str(tiny_llama), "--fit-from", str(log)]) != 0
+    assert "not both" in capsys.readouterr().err
+
+
+def test_step_shape_counts_the_blocks_saved_to_the_store():
+    from pagedkv.sched.output import SchedulerOutput
+    from pagedkv.store.connector import StoreConnectorMetadata
+
+    meta = StoreConnectorMetadata(saves=[(3, None), (4, None)])
+    shape = StepShape.of(SchedulerOutput(kv_connector_metadata=meta))
+    assert shape.saved_blocks == 2 == meta.num_saves
+    assert StepShape.of(SchedulerOutput()).saved_blocks == 0
+    fitted = FittedLatency({"intercept": 1e-3, "saved_blocks": 1e-4})
+    assert fitted.step_time(shape) == pytest.approx(1.2e-3)

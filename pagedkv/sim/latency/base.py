@@ -21,7 +21,8 @@ class StepShape:
     `prefill_tokens`: tokens of chunks longer than one token (prompt chunks, recompute);
     `prefill_attention`: sum over those chunks of tokens x mean context (attention work);
     `decode_seqs` / `decode_context`: one-token chunks and the sum of their context lengths;
-    `swapped_blocks`: blocks copied between device and host.
+    `swapped_blocks`: blocks copied between device and host; `saved_blocks`: full blocks
+    copied out to the KV store (its connector metadata's `num_saves`).
     """
 
     prefill_tokens: int = 0
@@ -30,6 +31,7 @@ class StepShape:
     decode_seqs: int = 0
     decode_context: int = 0
     swapped_blocks: int = 0
+    saved_blocks: int = 0
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> StepShape:
@@ -44,8 +46,10 @@ class StepShape:
                 prefill_seqs += 1
                 prefill_tokens += n
                 prefill_attention += n * (s.start_pos + (n + 1) / 2)
+        meta = out.kv_connector_metadata
         return cls(prefill_tokens, prefill_seqs, prefill_attention, decode_seqs, decode_context,
-                   len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in))
+                   len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in),
+                   meta.num_saves if meta is not None else 0)
 
     @property
     def num_tokens(self) -> int:
@@ -53,12 +57,13 @@ class StepShape:
 
     def features(self) -> list[float]:
         """The fitted model's regressors, in `FEATURE_NAMES` order."""
-        return [1.0, float(self.prefill_tokens), self.prefill_attention, float(self.decode_seqs),
-                float(self.decode_context), float(self.swapped_blocks)]
+        return [1.0, float(self.prefill_tokens), float(self.prefill_seqs), self.prefill_attention,
+                float(self.decode_seqs), float(self.decode_context), float(self.swapped_blocks),
+                float(self.saved_blocks)]
 
 
-FEATURE_NAMES = ("intercept", "prefill_tokens", "prefill_attention", "decode_seqs",
-                 "decode_context", "swapped_blocks")
+FEATURE_NAMES = ("intercept", "prefill_tokens", "prefill_seqs", "prefill_attention",
+                 "decode_seqs", "decode_context", "swapped_blocks", "saved_blocks")
 
 
 class LatencyModel(Protocol):

@@ -1,8 +1,10 @@
 """A latency model fitted to this engine's own step timings (`pagedkv profile MODEL`).
 
 time = sum_i coef_i x feature_i over `FEATURE_NAMES` (intercept, prefill tokens, prefill
-attention work, decode sequences, decode context, swapped blocks), fitted by least squares
-with non-negative coefficients, saved as JSON:
+chunks (each chunk's own host and kernel-launch work), prefill attention work, decode
+sequences, decode context, swapped blocks, blocks saved to the KV store), fitted by least
+squares with non-negative coefficients, from `pagedkv profile`'s grid or a real run's step
+log, saved as JSON:
 
     {"kind": "fitted", "coefficients": {"intercept": ..., ...}, "meta": {...}}
 """
@@ -31,15 +33,18 @@ class FittedLatency:
         self._c = tuple(c[k] for k in FEATURE_NAMES)
 
     def step_time(self, shape: StepShape) -> float:
-        c0, c1, c2, c3, c4, c5 = self._c
-        return (c0 + c1 * shape.prefill_tokens + c2 * shape.prefill_attention
-                + c3 * shape.decode_seqs + c4 * shape.decode_context + c5 * shape.swapped_blocks)
+        c0, c1, c2, c3, c4, c5, c6, c7 = self._c
+        return (c0 + c1 * shape.prefill_tokens + c2 * shape.prefill_seqs
+                + c3 * shape.prefill_attention + c4 * shape.decode_seqs
+                + c5 * shape.decode_context + c6 * shape.swapped_blocks
+                + c7 * shape.saved_blocks)
 
     @classmethod
     def fit(cls, shapes: Sequence[StepShape], times: Sequence[float],
             meta: dict[str, Any] | None = None) -> FittedLatency:
-        """Non-negative least squares of `times` on the shapes' features (features that never
-        vary in the samples get 0). ValueError with fewer samples than features."""
+        """Non-negative weighted least squares of `times` on the shapes' features (features
+        that never vary in the samples get 0); the fit's errors go into `meta`. ValueError
+        with fewer samples than features."""
         import numpy as np
 
         if len(shapes) != len(times) or len(shapes) < len(FEATURE_NAMES):
@@ -49,9 +54,11 @@ class FittedLatency:
         y = np.array(times, dtype=float)
         if (y <= 0).any():
             raise ValueError("step times must be > 0")
-        # Relative error is what matters (a 1 ms step off by 1 ms is as bad as 100 off by
-        # 100): weight each row by 1 / time.
-        xw, yw = x / y[:, None], np.ones_like(y)
+        # Rows weighted by 1 / sqrt(time): between relative error per step (1 / time: the many
+        # short decode steps rule and the long prefill steps' total comes out short) and
+        # absolute error (the long steps rule and short ones are off by half).
+        weight = 1.0 / np.sqrt(y)
+        xw, yw = x * weight[:, None], y * weight
         active = [j for j in range(x.shape[1]) if j == 0 or np.ptp(x[:, j]) > 0]
         coef = np.zeros(x.shape[1])
         while active:  # active-set NNLS: drop the most negative coefficient until none is
@@ -66,7 +73,7 @@ class FittedLatency:
         rel = np.abs(predicted - y) / np.maximum(y, 1e-9)
         meta = dict(meta or {})
         meta.update(samples=len(y), mean_rel_error=float(rel.mean()),
-                    max_rel_error=float(rel.max()))
+                    max_rel_error=float(rel.max()), total_ratio=float(predicted.sum() / y.sum()))
         return cls(dict(zip(FEATURE_NAMES, coef.tolist(), strict=True)), meta)
 
     def to_dict(self) -> dict[str, Any]:
