@@ -5,12 +5,17 @@
     PYTHONPATH=. python benchmarks/bench_router.py --vs-vllm-router \\
         [--vllm-router /tmp/vllm-router-venv/bin/vllm-router] [--requests 400] [--rate 12]
 
-Workload: the first `--requests` rows of the Mooncake conversation trace
-(../shared/traces/mooncake_conversation_trace.jsonl), each 512-token block id expanded into a
+Workload: `--requests` rows of the Mooncake conversation trace
+(../shared/traces/mooncake_conversation_trace.jsonl): among its first `--window` rows, the
+conversations with the most turns (a conversation: the rows sharing their first two block ids,
+the trace's common first block and the conversation's own), in trace order (the first 400 rows
+alone share little: an unbounded cache would hit 14% of their tokens). Each 512-token block id
+is expanded into a
 deterministic run of tokens (`pagedkv.sim.traces.prompt_token_ids`, as the traces' README says),
 lengths scaled by `--scale` (default 1/16: blocks of 32 tokens, the backends' block size; mean
 input ~890 tokens), prompts cut to `--max-prompt` tokens, outputs capped at `--max-output`.
-Arrivals: Poisson `--rate` per second, the same seed for every router. Backends: three fresh
+The ideal hit rate (an unbounded cache) is printed with the results. Arrivals: Poisson
+`--rate` per second, the same seed for every router. Backends: three fresh
 `pagedkv serve` instances per run (empty caches), random Llama, `--blocks` KV blocks each, KV
 events published in vLLM's format on `tcp://*:<port>`. Routers, one run each:
 - ours: `pagedkv router --policy kv-aware` with the backends' events;
@@ -29,9 +34,9 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -41,7 +46,13 @@ from pagedkv.bench.datasets import SampleRequest
 from pagedkv.bench.machine import cpu_name
 from pagedkv.bench.metrics import compute_metrics
 from pagedkv.bench.serve_client import run_load
-from pagedkv.sim.traces import MOONCAKE_BLOCK_TOKENS, load_trace, prompt_token_ids
+from pagedkv.router.prompt import PromptHasher
+from pagedkv.sim.traces import (
+    MOONCAKE_BLOCK_TOKENS,
+    TraceRequest,
+    load_trace,
+    prompt_token_ids,
+)
 from pagedkv.testing import build_random_model_dir
 from tests.router.helpers import RouterProcess
 from tests.server.helpers import ServerProcess, free_port
@@ -50,7 +61,6 @@ REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 BLOCK_SIZE = 32
 MODEL = "bench"
-STARTUP_S = 120.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,11 +75,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-output", type=int, default=32, help="outputs capped at this")
     p.add_argument("--router-blocks", type=int, default=800,
                    help="KV blocks per backend in this mode")
+    p.add_argument("--window", type=int, default=2000,
+                   help="the trace rows the conversations are chosen from")
+
+
+def busiest_conversations(rows: list[TraceRequest], count: int) -> list[TraceRequest]:
+    """The rows of the conversations with the most turns (keyed by their first two block ids),
+    the busiest first, until `count` rows; returned in trace order."""
+    turns = Counter(r.block_ids[:2] for r in rows)
+    keep: set[tuple[int, ...]] = set()
+    taken = 0
+    for conversation, n in turns.most_common():
+        if taken >= count:
+            break
+        keep.add(conversation)
+        taken += n
+    return [r for r in rows if r.block_ids[:2] in keep][:count]
+
+
+def ideal_hit_rate(requests: list[SampleRequest]) -> float:
+    """Prompt tokens in full blocks an unbounded prefix cache would already hold."""
+    seen: set[bytes] = set()
+    hits = 0
+    hasher = PromptHasher(None, block_size=BLOCK_SIZE, hash_algo="sha256")
+    for request in requests:
+        for block_hash in hasher.block_hashes(request.prompt_token_ids, None):
+            hits += BLOCK_SIZE if block_hash in seen else 0
+            seen.add(block_hash)
+    return hits / max(1, sum(r.prompt_len for r in requests))
 
 
 def trace_workload(args: argparse.Namespace, vocab: int) -> list[SampleRequest]:
-    """The trace's first `args.requests` rows as token-id prompts (see the module docstring)."""
-    rows = load_trace(args.trace, "mooncake", scale_lengths=args.scale, limit=args.requests)
+    """`args.requests` rows of the trace as token-id prompts (see the module docstring)."""
+    rows = load_trace(args.trace, "mooncake", scale_lengths=args.scale, limit=args.window)
+    rows = busiest_conversations(rows, args.requests)
     return [SampleRequest(prompt_token_ids(r, vocab, i)[:args.max_prompt],
                           min(r.output_length, args.max_output)) for i, r in enumerate(rows)]
 
@@ -81,46 +120,17 @@ def requests_served(url: str) -> int:
                    for s in f.samples if s.name == "vllm:request_success_total"))
 
 
-class VllmRouterProcess:
-    """A `vllm-router` subprocess on a free loopback port."""
+class VllmRouterProcess(ServerProcess):
+    """A `vllm-router` subprocess on a free loopback port (started and stopped as a server:
+    up once its /health answers 200)."""
 
-    def __init__(self, executable: str, backends: list[str], *flags: str,
-                 env: dict[str, str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        fd, log_path = tempfile.mkstemp(prefix="vllm-router-", suffix=".log")
-        self.log_path = Path(log_path)
-        self.cmd = [executable, "--host", "127.0.0.1", "--port", str(self.port),
-                    "--worker-urls", *backends, "--log-level", "warning", *flags]
-        with os.fdopen(fd, "wb") as log:  # the child keeps its own copy of the fd
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **env})
+    def __init__(self, executable: str, backends: list[str], *flags: str) -> None:
+        super().__init__(Path(executable), *flags, model_name=None)
+        self.backends = backends
 
-    def wait_ready(self) -> VllmRouterProcess:
-        deadline = time.monotonic() + STARTUP_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm-router exited {self.proc.returncode}: {self.output()}")
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"vllm-router not ready in {STARTUP_S} s: {self.output()}")
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+    def command(self) -> list[str]:
+        return [str(self.model_dir), "--host", "127.0.0.1", "--port", str(self.port),
+                "--worker-urls", *self.backends, "--log-level", "warning", *self.args]
 
 
 def start_backends(model_dir: Path, args: argparse.Namespace) -> tuple[list[ServerProcess],
@@ -149,15 +159,16 @@ def start_router(which: str, model_dir: Path, urls: list[str], ports: list[int],
     if which == "pagedkv kv-aware":
         flags = [f for ep in events for f in ("--kv-events", ep)]
         return RouterProcess(model_dir, urls, "--policy", "kv-aware", *flags,
-                             "--health-interval", "0.25").start()
-    env = {"VLLM_ROUTER_TOKENIZER": str(model_dir)}
+                             "--health-interval", "0.25",  # vllm-router waits as long:
+                             "--first-byte-timeout", "1800").start()
+    os.environ["VLLM_ROUTER_TOKENIZER"] = str(model_dir)  # vllm-router's tokenizer
     if which == "vllm-router cache_aware":
-        return VllmRouterProcess(args.vllm_router, urls, "--policy", "cache_aware",
-                                 env=env).wait_ready()
-    sources = [f for url, ep in zip(urls, events, strict=True) for f in ("--kv-event-source", f"{url}={ep}")]
+        return VllmRouterProcess(args.vllm_router, urls, "--policy", "cache_aware").start()
+    sources = [f for url, ep in zip(urls, events, strict=True)
+               for f in ("--kv-event-source", f"{url}={ep}")]
     return VllmRouterProcess(args.vllm_router, urls, "--policy", "kv_aware", *sources,
-                             "--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", MODEL,
-                             env=env).wait_ready()
+                             "--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model",
+                             MODEL).start()
 
 
 def run_one(which: str, model_dir: Path, requests: list[SampleRequest],
@@ -199,15 +210,19 @@ def main(args: argparse.Namespace) -> int:
             max_position_embeddings=args.max_prompt + args.max_output)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         requests = trace_workload(args, vocab)
+        ideal = ideal_hit_rate(requests)
         rows = [run_one(which, model_dir, requests, args) for which in routers]
     if args.json:
-        print(json.dumps({"args": vars(args), "cpu": cpu_name(), "results": rows}, indent=2))
+        print(json.dumps({"args": vars(args), "cpu": cpu_name(), "ideal_hit_rate": ideal,
+                          "results": rows}, indent=2))
         return 0
     mean_in = sum(r.prompt_len for r in requests) / len(requests)
-    print(f"{len(requests)} Mooncake conversation requests (lengths x{args.scale:g}, mean prompt "
-          f"{mean_in:.0f} tokens, cut at {args.max_prompt}, outputs <= {args.max_output}), "
-          f"Poisson {args.rate}/s, 3 backends x {args.router_blocks} blocks of {BLOCK_SIZE}; "
-          f"CPU: {cpu_name()}")
+    print(f"{len(requests)} Mooncake conversation requests (busiest conversations of the first "
+          f"{args.window} rows; lengths x{args.scale:g}, mean prompt {mean_in:.0f} tokens, cut "
+          f"at {args.max_prompt}, outputs <= {args.max_output}), Poisson {args.rate}/s, "
+          f"3 backends x {args.router_blocks} blocks of {BLOCK_SIZE}, model hidden "
+          f"{args.hidden} x {args.layers} layers; CPU: {cpu_name()}")
+    print(f"ideal hit rate (unbounded cache): {ideal:.1%}")
     print(f"{'router':<24} {'hit':>6} {'TTFT mean':>10} {'p99':>8}  per backend   failed")
     for r in rows:
         print(f"{r['router']:<24} {r['hit_rate']:>6.1%} {r['ttft_mean_ms']:>8.0f}ms "
