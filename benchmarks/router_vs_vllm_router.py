@@ -127,10 +127,21 @@ class VllmRouterProcess(ServerProcess):
     def __init__(self, executable: str, backends: list[str], *flags: str) -> None:
         super().__init__(Path(executable), *flags, model_name=None)
         self.backends = backends
+        self.metrics_url = f"http://127.0.0.1:{free_port()}"
 
     def command(self) -> list[str]:
         return [str(self.model_dir), "--host", "127.0.0.1", "--port", str(self.port),
-                "--worker-urls", *self.backends, "--log-level", "warning", *self.args]
+                "--worker-urls", *self.backends, "--log-level", "warning",
+                "--prometheus-host", "127.0.0.1",
+                "--prometheus-port", self.metrics_url.rsplit(":", 1)[1], *self.args]
+
+    def kv_lookups(self) -> dict[str, float]:
+        """Its kv_aware counters (vllm_router_kv_*), summed per name and label set: did it
+        find our events' blocks?"""
+        text = httpx.get(self.metrics_url + "/metrics", timeout=10).text
+        return {f"{s.name}{sorted(s.labels.items())}": s.value
+                for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name.startswith("vllm_router_kv_")}
 
 
 def start_backends(model_dir: Path, args: argparse.Namespace) -> tuple[list[ServerProcess],
@@ -184,6 +195,7 @@ def run_one(which: str, model_dir: Path, requests: list[SampleRequest],
             router.url, requests, model=MODEL, request_rate=args.rate, seed=args.seed,
             progress=False))
         per_backend = [requests_served(u) for u in urls]
+        kv_lookups = router.kv_lookups() if isinstance(router, VllmRouterProcess) else {}
     finally:
         if router is not None:
             router.stop()
@@ -194,7 +206,8 @@ def run_one(which: str, model_dir: Path, requests: list[SampleRequest],
     return {"router": which, "completed": m["completed"], "failed": m["failed"],
             "hit_rate": sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_len for r in ok)),
             "ttft_mean_ms": m["ttft_ms"]["mean"], "ttft_p99_ms": m["ttft_ms"]["p99"],
-            "requests_per_backend": per_backend, "errors": m["errors"]}
+            "requests_per_backend": per_backend, "errors": m["errors"],
+            "vllm_router_kv_metrics": kv_lookups}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -230,4 +243,6 @@ def main(args: argparse.Namespace) -> int:
     for r in rows:
         if r["errors"]:
             print(f"{r['router']}: {r['failed']} failed: {r['errors']}")
+        if r["vllm_router_kv_metrics"]:
+            print(f"{r['router']}: {r['vllm_router_kv_metrics']}")
     return 1 if any(r["failed"] for r in rows) else 0
