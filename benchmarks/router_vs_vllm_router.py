@@ -61,6 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 BLOCK_SIZE = 32
 MODEL = "bench"
+ROUTERS = ("pagedkv kv-aware", "vllm-router cache_aware", "vllm-router kv_aware")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-output", type=int, default=32, help="outputs capped at this")
     p.add_argument("--router-blocks", type=int, default=800,
                    help="KV blocks per backend in this mode")
+    p.add_argument("--routers", default=",".join(ROUTERS),
+                   help="which routers to run, in this order (comma-separated)")
     p.add_argument("--window", type=int, default=2000,
                    help="the trace rows the conversations are chosen from")
 
@@ -215,7 +218,10 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"no vllm-router at {args.vllm_router}: install it into a throwaway "
                          "venv (see this script's docstring)")
     os.environ["OMP_NUM_THREADS"] = "1"  # three backends share the machine's cores
-    routers = ("pagedkv kv-aware", "vllm-router cache_aware", "vllm-router kv_aware")
+    routers = [r.strip() for r in args.routers.split(",")]
+    unknown = sorted(set(routers) - set(ROUTERS))
+    if unknown:
+        raise ValueError(f"--routers: unknown {unknown}; choose from {list(ROUTERS)}")
     with tempfile.TemporaryDirectory(prefix="bench-router-vs-") as tmp:
         model_dir = build_random_model_dir(
             Path(tmp) / "model", hidden_size=args.hidden, intermediate_size=2 * args.hidden,
