@@ -97,6 +97,7 @@ class OutputMessage(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
     role: Literal["assistant"] = "assistant"
     content: list[OutputText]
+    phase: None = None  # OpenAI's commentary / final-answer label (no such phases here)
 
 
 class InputTokensDetails(BaseModel):

@@ -99,6 +99,7 @@ def test_answer_carries_vllms_response_keys(server):
     for key in ("max_tool_calls", "prompt", "reasoning", "top_logprobs", "kv_transfer_params",
                 "ec_transfer_params", "input_messages", "output_messages"):
         assert key in body and body[key] is None, key
+    assert "phase" in body["output"][0] and body["output"][0]["phase"] is None
     usage = body["usage"]
     assert usage["output_tokens"] == GREEDY["max_output_tokens"]
     assert usage["input_tokens_details"]["cache_write_tokens"] == 0
