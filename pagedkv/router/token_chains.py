@@ -40,6 +40,13 @@ class _Unplaceable(Exception):
     """A block whose key the router cannot compute."""
 
 
+class _UnknownParent:
+    """The parent of a chain the router has no key for (its blocks get none either)."""
+
+
+UNKNOWN_PARENT = _UnknownParent()
+
+
 def _block_extra_keys(event: BlockStored, i: int) -> tuple | None:
     """Block `i`'s extra keys in the router's form (raises _Unplaceable for any but a first
     block's cache_salt). vLLM publishes them untagged: a lone string in a request's first
@@ -123,17 +130,17 @@ class TokenChains:
 
     @staticmethod
     def _parent_key(mapping: dict[ExternalBlockHash, _Mapped],
-                    parent: ExternalBlockHash | None) -> BlockHash | None | _Unplaceable:
+                    parent: ExternalBlockHash | None) -> BlockHash | None | _UnknownParent:
         if parent is None:
             return None  # hash_block_tokens' root
         mapped = mapping.get(parent)
-        return _Unplaceable() if mapped is None else mapped.key
+        return UNKNOWN_PARENT if mapped is None else mapped.key
 
     def _block_key(self, event: BlockStored, i: int,
-                   parent: BlockHash | None | _Unplaceable) -> BlockHash | None:
+                   parent: BlockHash | None | _UnknownParent) -> BlockHash | None:
         """Block `i`'s key chained to `parent`; None when it cannot be computed."""
         bs = self.block_size
-        if (isinstance(parent, _Unplaceable) or event.block_size != bs
+        if (isinstance(parent, _UnknownParent) or event.block_size != bs
                 or event.lora_name is not None
                 or len(event.token_ids) != bs * len(event.block_hashes)):
             return None
