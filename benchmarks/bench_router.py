@@ -15,6 +15,9 @@ starts with the previous run's cache. Per policy: prefix-cache hit rate (cached 
 as the backends report them), TTFT and E2E mean and p99, request throughput, requests per
 backend and max/mean of those; then each figure's ratio to round-robin. The machine's other
 load makes absolute times noisy; compare ratios within one run.
+
+`--vs-vllm-router`: our kv-aware router against vLLM's `vllm-router` (cache_aware, kv_aware) on
+the Mooncake conversation trace instead (router_vs_vllm_router.py says how).
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from router_vs_vllm_router import add_arguments  # noqa: E402
+from router_vs_vllm_router import main as vs_vllm_router  # noqa: E402
 
 from pagedkv.bench.datasets import FIRST_TOKEN_ID, SampleRequest  # noqa: E402
 from pagedkv.bench.metrics import compute_metrics  # noqa: E402
@@ -94,7 +100,10 @@ def main() -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="write a PNG: hit rate and latency per policy (matplotlib)")
+    add_arguments(p)
     args = p.parse_args()
+    if args.vs_vllm_router:
+        return vs_vllm_router(args)
     os.environ["OMP_NUM_THREADS"] = "1"  # three backends share the machine's cores
     with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp_name:
         model_dir = build_random_model_dir(

@@ -9,7 +9,9 @@
 
 Clients talk to it exactly as to `pagedkv serve`. kv-aware hashes prompts as the engine does:
 with `--model` (the backends' model directory) it tokenizes them itself, else it asks a backend
-serving the request's model for the token ids (its /tokenize, which vLLM has too); the block size and hash algorithm come from the backends' /kv_cache_info unless given.
+serving the request's model for the token ids (its /tokenize, which vLLM has too); the block size and hash algorithm come from the backends' /kv_cache_info unless given
+(vLLM has none: the block size then comes from its KV events, which are matched by their token
+ids, since vLLM's block hashes are its own).
 `--kv-events` pairs, in order, each backend with its ZMQ KV-event endpoint ("-" for none);
 without events the router predicts each backend's cache from where it sent which prompts.
 No key is read from the server's $PAGEDKV_API_KEY: the backends' key is `--backend-api-key`

@@ -54,7 +54,8 @@ def parse_load(metrics_text: str) -> BackendLoad:
 class Backend:
     """`url` is the base URL (no trailing slash); `name` labels it in metrics and policies.
     `events_endpoint` is its ZMQ KV-event endpoint, when it publishes events. `kv_info` is its
-    /kv_cache_info answer (block size, hash algorithm, pool size), once fetched."""
+    /kv_cache_info answer (block size, hash algorithm, pool size), once fetched; until then (and
+for a vLLM server, which has none) its events are also matched by their token ids."""
 
     url: str
     events_endpoint: str | None = None
@@ -63,7 +64,8 @@ class Backend:
     in_flight: int = 0
     queued_blocks: float = 0.0
     kv_info: dict[str, Any] | None = None
-    hash_compatible: bool = True
+    hash_compatible: bool = True  # same block size, prefix caching on: prefixes count
+    native_hashes: bool = False  # its events' hashes are the router's (same algorithm too)
     last_error: str | None = None
     model_cards: list[Any] | None = None  # its /v1/models cards (ModelCard); None: not known
     ejected_until: float = 0.0  # time.monotonic() before which no request is sent to it

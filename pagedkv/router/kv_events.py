@@ -3,7 +3,10 @@
 Each message is three frames, `(topic, seq, payload)` (see `pagedkv.events.wire`).
 `BlockStored` adds its hashes to the backend's entries on its medium (never expiring), under
 the model the backend serves (`Backend.only_model`),
-`BlockRemoved` drops them, `AllBlocksCleared` drops all of the backend's entries. A jump in the
+`BlockRemoved` drops them, `AllBlocksCleared` drops all of the backend's entries. For a backend
+whose hashes are not the router's (a vLLM server), each event is also applied under the router's
+own keys of its token ids (token_chains.py), so prompts match it by tokens; a router that knows no
+block size yet takes the events' (`Router.adopt_block_size`). A jump in the
 sequence numbers is a missed batch: counted (pagedkv_router:kv_event_gaps) and logged; the
 index stays as it is (the router's own TTL'd record and the next events repair it).
 """
@@ -28,14 +31,17 @@ from pagedkv.events.wire import (
 from pagedkv.router.backend import Backend
 from pagedkv.router.prefix_index import PrefixIndex
 from pagedkv.router.router import Router
+from pagedkv.router.token_chains import TokenChains
 
 logger = logging.getLogger("pagedkv.router")
 
 
 def apply_batch(index: PrefixIndex, backend: str, batch: KVEventBatch,
-                model: str | None = None) -> int:
+                model: str | None = None, chains: TokenChains | None = None) -> int:
     """Apply one batch's events, in order, to `backend`'s entries of `model` (the model the
-    backend serves: events carry no model identity); returns how many.
+    backend serves: events carry no model identity); returns how many. With `chains` each
+    event is applied by the hashes it carries and by the router's keys of its token ids
+    (mutating `chains`' map of the backend).
 
     A backend with KV cache groups (a model mixing attention types) reports each group's
     blocks: only group 0's (its full-attention group, whose prefix bounds every hit) are
@@ -44,12 +50,20 @@ def apply_batch(index: PrefixIndex, backend: str, batch: KVEventBatch,
         if getattr(event, "group_idx", None):  # AllBlocksCleared has none
             continue
         if isinstance(event, BlockStored):
-            index.store(backend, event.block_hashes, event.medium or MEDIUM_DEVICE, ttl_s=None,
-                        model=model)
+            medium = event.medium or MEDIUM_DEVICE
+            index.store(backend, event.block_hashes, medium, ttl_s=None, model=model)
+            if chains is not None:
+                index.store(backend, chains.stored(backend, event), medium, ttl_s=None,
+                            model=model)
         elif isinstance(event, BlockRemoved):  # vLLM may leave medium None: its device pool
-            index.remove(backend, event.block_hashes, event.medium or MEDIUM_DEVICE, model=model)
+            medium = event.medium or MEDIUM_DEVICE
+            index.remove(backend, event.block_hashes, medium, model=model)
+            if chains is not None:
+                index.remove(backend, chains.removed(backend, event), medium, model=model)
         elif isinstance(event, AllBlocksCleared):
             index.clear(backend)
+            if chains is not None:
+                chains.clear(backend)
     return len(batch.events)
 
 
@@ -83,7 +97,12 @@ class KVEventSubscriber:
             self.router.metrics.kv_event_gaps.labels(name).inc()
             logger.warning("KV events from %s jumped from seq %d to %d", name, self.last_seq, seq)
         self.last_seq = seq
-        applied = apply_batch(self.router.index, name, batch, self.backend.only_model)
+        if self.router.hash_settings is None:
+            sizes = [e.block_size for e in batch.events if isinstance(e, BlockStored)]
+            if sizes:
+                self.router.adopt_block_size(sizes[0])
+        applied = apply_batch(self.router.index, name, batch, self.backend.only_model,
+                              self.router.token_chains_for(self.backend))
         self.router.metrics.kv_events.labels(name).inc(applied)
 
     async def run(self) -> None:

@@ -27,10 +27,12 @@ from pagedkv.router.policies import Candidate, RouteRequest, RoutingPolicy
 from pagedkv.router.policies.kv_aware import KVAwareWeights, new_blocks
 from pagedkv.router.prefix_index import PrefixIndex, PrefixMatch
 from pagedkv.router.prompt import PromptHasher
+from pagedkv.router.token_chains import TokenChains
 
 logger = logging.getLogger("pagedkv.router")
 
 DEFAULT_RECORD_TTL_S = 120.0
+DEFAULT_HASH_ALGO = "sha256"  # when the block size is learned from events (any algo would do)
 DEFAULT_EJECT_S = 5.0  # the first ejection; each further failure in a row doubles it
 MAX_EJECT_S = 120.0
 
@@ -55,8 +57,11 @@ class Ticket:
 
 class Router:
     """Places requests on backends. `hash_settings` is (block_size, hash algorithm) when given
-    by flags; otherwise the first backend's /kv_cache_info answer sets it. Without `tokenizer`
-    prompts are tokenized on a backend (`tokenizer_backend`, remote_tokens.py)."""
+    by flags; otherwise the first backend's /kv_cache_info answer sets it, or else the block
+    size of the first KV events (vLLM has no /kv_cache_info). Without `tokenizer` prompts are
+    tokenized on a backend (`tokenizer_backend`, remote_tokens.py). A backend with the same
+    block size but not the same hashes (another algorithm, or vLLM's own) is matched by the
+    token ids of its KV events (`token_chains`)."""
 
     def __init__(self, backends: Sequence[Backend], policy: RoutingPolicy, *,
                  tokenizer: Tokenizer | None = None,
@@ -85,6 +90,8 @@ class Router:
         self.decisions = RoutingDecisions()  # recent decisions, for GET /dashboard
         self.hash_settings: tuple[int, str] | None = None
         self.hasher: PromptHasher | None = None  # once the hash settings are known
+        self.token_chains: TokenChains | None = None  # likewise
+        self.shared_media = frozenset(shared_media)
         self._tokenize_turn = 0
         if hash_settings is not None:
             self._set_hash_settings(*hash_settings)
@@ -162,7 +169,7 @@ class Router:
         backend.up = False
         backend.last_error = reason
         backend.kv_info = None
-        self.index.clear(backend.name)
+        self.forget_blocks(backend)
         self.metrics.backend_up.labels(backend.name).set(0)
 
     def eject(self, backend: Backend, reason: str) -> float:
@@ -189,7 +196,7 @@ class Router:
         if old is not None and old != backend.models:
             logger.warning("backend %s now serves %s (was %s)", backend.name,
                            sorted(backend.models or ()), sorted(old))
-            self.index.clear(backend.name)
+            self.forget_blocks(backend)
 
     def mark_up(self, backend: Backend) -> None:
         if not backend.up:
@@ -198,37 +205,67 @@ class Router:
         backend.last_error = None
         self.metrics.backend_up.labels(backend.name).set(1)
 
+    def forget_blocks(self, backend: Backend) -> None:
+        """Drop every block the index (and the token-id map) holds for `backend`."""
+        self.index.clear(backend.name)
+        if self.token_chains is not None:
+            self.token_chains.clear(backend.name)
+
     def set_kv_info(self, backend: Backend, info: dict[str, Any] | None) -> None:
-        """Apply a backend's /kv_cache_info answer (None: it has no such route): its hashing
-        settings must equal the router's for its prefixes to count; its pool size caps the
+        """Apply a backend's /kv_cache_info answer (None: it has no such route, as vLLM): its
+        block size must equal the router's, and prefix caching be on, for its prefixes to
+        count; with the router's hash algorithm too its events' hashes are the router's
+        (`native_hashes`), else they are matched by their token ids. Its pool size caps the
         router's record of it. Applied every health round: an answer that changed (a backend
         restarted with other settings, prefix caching turned off) drops its prefix entries."""
         old, backend.kv_info = backend.kv_info, info
         if old is not None and info != old:
-            self.index.clear(backend.name)
+            self.forget_blocks(backend)
         if info is None:
             backend.hash_compatible = self.hash_settings is not None
+            backend.native_hashes = False
             return
         try:
             settings = (int(info["block_size"]), str(info["prefix_caching_hash_algo"]))
         except (KeyError, TypeError, ValueError):
-            backend.hash_compatible = False
+            backend.hash_compatible = backend.native_hashes = False
             return
         if self.hash_settings is None:
             self._set_hash_settings(*settings)
+        ours = self.hash_settings or settings
         was_compatible = backend.hash_compatible if old is not None else True
-        backend.hash_compatible = (settings == self.hash_settings
+        backend.native_hashes = settings == ours
+        backend.hash_compatible = (settings[0] == ours[0]
                                    and info.get("enable_prefix_caching", True) is not False)
         if not backend.hash_compatible and was_compatible:
-            logger.warning("backend %s hashes blocks with %s (router: %s, prefix caching %s); "
-                           "its prefixes are not counted", backend.name, settings,
-                           self.hash_settings, info.get("enable_prefix_caching"))
-        num_blocks = info.get("num_gpu_blocks")
-        self.index.set_capacity(backend.name, num_blocks if isinstance(num_blocks, int) else None)
+            logger.warning("backend %s has block size %d (router: %d, prefix caching %s); "
+                           "its prefixes are not counted", backend.name, settings[0], ours[0],
+                           info.get("enable_prefix_caching"))
+        num_blocks = info.get("num_gpu_blocks")  # keyed twice when not native: carried + own
+        cap = num_blocks * (1 if backend.native_hashes else 2)
+        self.index.set_capacity(backend.name, cap if isinstance(num_blocks, int) else None)
+
+    def adopt_block_size(self, block_size: int) -> None:
+        """With no hash settings yet (no flags, no /kv_cache_info), take `block_size` from a
+        backend's KV events: prompts are then hashed with DEFAULT_HASH_ALGO and matched by
+        the events' token ids. Mutates the router's hasher and its backends' compatibility."""
+        if self.hash_settings is not None or not isinstance(block_size, int) or block_size <= 0:
+            return
+        logger.info("block size %d learned from KV events", block_size)
+        self._set_hash_settings(block_size, DEFAULT_HASH_ALGO)
+        for backend in self.backends:
+            if backend.kv_info is None:
+                backend.hash_compatible = True
+
+    def token_chains_for(self, backend: Backend) -> TokenChains | None:
+        """The token-id map to apply `backend`'s events through; None when its events'
+        hashes are the router's own (or no block size is known yet)."""
+        return None if backend.native_hashes else self.token_chains
 
     def _set_hash_settings(self, block_size: int, hash_algo: str) -> None:
         self.hash_settings = (block_size, hash_algo)
         self.hasher = PromptHasher(self.tokenizer, block_size=block_size, hash_algo=hash_algo)
+        self.token_chains = TokenChains(block_size, hash_algo, shared_media=self.shared_media)
 
     def tokenizer_backend(self, model: str | None) -> Backend | None:
         """A backend to tokenize a request for `model` on (when the router has no tokenizer

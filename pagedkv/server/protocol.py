@@ -16,7 +16,7 @@ import types
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from pagedkv.server.request_fields import VllmRequestFields
 
@@ -251,6 +251,19 @@ class UsageInfo(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: None = None  # vLLM's reasoning-token count: no reasoning parser
+
+
+class VllmResponseFields(BaseModel):
+    """The top-level keys vLLM 0.32 puts in every completions and chat answer, with the values
+    they have here: the tier that served it (none: one tier), KV and encoder-cache transfer
+    parameters (no disaggregated prefill, no encoder cache) and per-request metrics (vLLM sets
+    them only when its server is asked to)."""
+
+    service_tier: None = None
+    kv_transfer_params: None = None
+    ec_transfer_params: None = None
+    metrics: None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -282,9 +295,10 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None
     token_ids: list[int] | None = None  # with return_token_ids
     prompt_token_ids: list[int] | None = None  # with return_token_ids
+    routed_experts: None = None  # vLLM's MoE routing record (off unless its server enables it)
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(VllmResponseFields):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=_now)
@@ -309,9 +323,25 @@ class ChatLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
+    """As vLLM writes it: OpenAI's `refusal`, `annotations`, `audio`, `function_call` (all
+    null: nothing here produces them) and vLLM's `reasoning` (null: no reasoning parser);
+    `tool_calls` only when there are some."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = ""
+    refusal: None = None
+    annotations: None = None
+    audio: None = None
+    function_call: None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning: None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_empty_tool_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
 
 
 class DeltaFunctionCall(BaseModel):
@@ -341,6 +371,7 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # with return_token_ids
+    routed_experts: None = None  # as CompletionChoice's
 
 
 class ChatStreamChoice(BaseModel):
@@ -352,7 +383,7 @@ class ChatStreamChoice(BaseModel):
     token_ids: list[int] | None = None  # with return_token_ids: this chunk's tokens
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(VllmResponseFields):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=_now)
@@ -362,6 +393,7 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids
+    prompt_text: None = None  # vLLM's rendered prompt, with its return_prompt_text (not here)
 
 
 class ChatCompletionChunk(BaseModel):

@@ -97,14 +97,26 @@ class OutputMessage(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
     role: Literal["assistant"] = "assistant"
     content: list[OutputText]
+    phase: None = None  # OpenAI's commentary / final-answer label (no such phases here)
 
 
 class InputTokensDetails(BaseModel):
+    """OpenAI's `cached_tokens`; vLLM 0.32's `cache_write_tokens` and per-turn lists (one turn
+    here: vLLM leaves the lists empty outside its multi-turn tool loop)."""
+
     cached_tokens: int = 0
+    cache_write_tokens: int = 0
+    input_tokens_per_turn: list[int] = Field(default_factory=list)
+    cached_tokens_per_turn: list[int] = Field(default_factory=list)
 
 
 class OutputTokensDetails(BaseModel):
+    """As InputTokensDetails: no reasoning parser, no built-in tools, one turn."""
+
     reasoning_tokens: int = 0
+    tool_output_tokens: int = 0
+    output_tokens_per_turn: list[int] = Field(default_factory=list)
+    tool_output_tokens_per_turn: list[int] = Field(default_factory=list)
 
 
 class ResponseUsage(BaseModel):
@@ -145,3 +157,19 @@ class ResponseObject(BaseModel):
     user: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     system_fingerprint: str | None = None
+    # OpenAI's and vLLM 0.32's further keys, with what this server does: never in the
+    # background, no tool-call cap, no stored prompt template or reasoning config, one service
+    # tier, no penalties or logprobs on this route, no KV/encoder-cache transfer, and none of
+    # vLLM's harmony message records.
+    background: bool = False
+    max_tool_calls: None = None
+    prompt: None = None
+    reasoning: None = None
+    service_tier: Literal["auto"] = "auto"
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    top_logprobs: None = None
+    kv_transfer_params: None = None
+    ec_transfer_params: None = None
+    input_messages: None = None
+    output_messages: None = None

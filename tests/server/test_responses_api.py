@@ -87,3 +87,22 @@ def test_bad_requests(server, body, param):
     assert resp.status_code in (400, 404), resp.text
     assert resp.json()["error"]["param"] == param
     assert resp.json()["error"]["code"] == resp.status_code
+
+
+def test_answer_carries_vllms_response_keys(server):
+    """vLLM 0.32's keys of a response object (benchmarks/vs_vllm_api.py diffs them against a
+    real vLLM), with what this server does: no background, one tier, no penalties."""
+    body = httpx.post(server.url + "/v1/responses", timeout=60,
+                      json={"model": "tiny", "input": "Tell me a story", **GREEDY}).json()
+    assert body["background"] is False and body["service_tier"] == "auto"
+    assert body["presence_penalty"] == body["frequency_penalty"] == 0.0
+    for key in ("max_tool_calls", "prompt", "reasoning", "top_logprobs", "kv_transfer_params",
+                "ec_transfer_params", "input_messages", "output_messages"):
+        assert key in body and body[key] is None, key
+    assert "phase" in body["output"][0] and body["output"][0]["phase"] is None
+    usage = body["usage"]
+    assert usage["output_tokens"] == GREEDY["max_output_tokens"]
+    assert usage["input_tokens_details"]["cache_write_tokens"] == 0
+    assert usage["input_tokens_details"]["input_tokens_per_turn"] == []
+    assert usage["output_tokens_details"]["tool_output_tokens"] == 0
+    assert usage["output_tokens_details"]["tool_output_tokens_per_turn"] == []

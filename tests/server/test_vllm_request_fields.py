@@ -220,3 +220,28 @@ def test_echo_with_logprobs_fills_choices_prompt_logprobs(server):
         [None if e is None else {k: round(v["logprob"], 4) for k, v in e.items()} for e in want]
     plain = post(server, "/v1/completions", {**body, "logprobs": 1}).json()
     assert plain["choices"][0]["prompt_logprobs"] is None
+
+
+VLLM_TOP_KEYS = {"service_tier", "kv_transfer_params", "ec_transfer_params", "metrics",
+                 "system_fingerprint", "usage", "choices", "id", "object", "created", "model"}
+
+
+def test_answers_carry_the_keys_vllm_0_32_writes(server):
+    """vLLM's response key structure (benchmarks/vs_vllm_api.py diffs it against a real vLLM):
+    its extra keys are there, null where nothing here produces them; an assistant message has
+    OpenAI's null refusal/annotations/audio/function_call and no tool_calls key without calls."""
+    completion = post(server, "/v1/completions", {"prompt": "Once upon", **GREEDY}).json()
+    chat = post(server, "/v1/chat/completions", {"messages": CHAT, **GREEDY}).json()
+    for answer in (completion, chat):
+        assert answer.keys() >= VLLM_TOP_KEYS, answer.keys()
+        assert all(answer[k] is None for k in ("service_tier", "kv_transfer_params",
+                                               "ec_transfer_params", "metrics"))
+        assert answer["usage"]["completion_tokens_details"] is None
+        assert answer["usage"]["completion_tokens"] == GREEDY["max_tokens"]
+        assert answer["choices"][0]["routed_experts"] is None
+        assert answer["choices"][0]["stop_reason"] is None
+    assert chat["prompt_text"] is None and "prompt_token_ids" in chat
+    message = chat["choices"][0]["message"]
+    assert set(message) == {"role", "content", "refusal", "annotations", "audio",
+                            "function_call", "reasoning"}
+    assert message["content"] and message["role"] == "assistant"
