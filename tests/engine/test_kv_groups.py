@@ -115,3 +115,41 @@ def test_a_prompt_whose_prefill_can_never_fit_ends_with_an_error(make_llm, tiny_
     out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(tiny_gemma3, prompt, MAX_TOKENS)
     assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "int8"])
+def test_quantized_kv_cache_with_groups(make_llm, tiny_gemma3, cache_dtype):
+    """fp8 and int8 caches on KV cache groups: every group's slots hold their own layer's
+    quantized KV (int8: with its per-token scales, copied with the blocks), so prefix hits,
+    chunked prefill, recompute and swap give the same tokens, each within the quantized
+    cache's logit bound of the grouped model-dtype cache's best (as for one group)."""
+    from tests.engine.test_kv_cache_dtype import BOUNDS, _assert_near_best
+
+    prompts = make_prompts(seed=5, vocab=400, num=6, lengths=(5, 40))
+    runs = {}
+    for config in sorted(CONFIGS):
+        kwargs = dict(CONFIGS[config], kv_cache_dtype=cache_dtype)
+        if config.startswith("preempt"):
+            kwargs["num_gpu_blocks_override"] = TIGHT_BLOCKS["tiny_gemma3"]
+        llm = make_llm(tiny_gemma3, **kwargs)
+        assert isinstance(llm.llm_engine.scheduler.kv_cache_manager, HybridKVCacheManager)
+        outputs = [o for batch in (prompts[:1], prompts[1:])
+                   for o in llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY,
+                                         use_tqdm=False)]
+        runs[config] = [list(o.outputs[0].token_ids) for o in outputs]
+        stats = llm.llm_engine.get_stats()
+        assert (stats.num_preemptions if config.startswith("preempt")
+                else stats.prefix_cache_hits) > 0, config
+        assert_pool_empty(llm)
+    for config, tokens in runs.items():
+        assert tokens == runs["prefix_caching"], config
+    exact = sum(_assert_near_best(tiny_gemma3, p, t, BOUNDS[cache_dtype])
+                for p, t in zip(prompts, runs["prefix_caching"], strict=True))
+    assert exact >= 0.9 * len(prompts) * MAX_TOKENS
+
+
+def test_quantized_kv_cache_refused_under_softcapping(make_llm, tiny_gemma2):
+    """Gemma 2's soft-capped attention reads the cache in the model's dtype: a quantized
+    cache is refused by name, not silently misread."""
+    with pytest.raises(ValueError, match="'fp8'.*softcapping"):
+        make_llm(tiny_gemma2, block_size=4, kv_cache_dtype="fp8")
