@@ -272,7 +272,8 @@ class KVCacheManager:
     def allocate_slots(self, request: KVRequest, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None,
                        num_new_computed_tokens: int = 0, *, delay_cache_blocks: bool = False,
-                       apply_watermark: bool = False) -> list[KVCacheBlock] | None:
+                       apply_watermark: bool = False,
+                       num_external_computed_tokens: int = 0) -> list[KVCacheBlock] | None:
         """Make room for positions [c, c + num_new_computed_tokens + num_new_tokens), where
         c = request.num_computed_tokens.
 
@@ -283,6 +284,8 @@ class KVCacheManager:
         None and changes nothing else. Otherwise touches and appends `new_computed_blocks`,
         replaces shared blocks this step writes into (copies drained by take_block_copies),
         appends new blocks, and unless delay_cache_blocks caches the blocks full after this step.
+        `num_external_computed_tokens`: how many of the new tokens a KV store loads (whole
+        blocks; they need blocks as computed ones do with one group: see coordinator.py).
         Returns the blocks appended at the table's end (COW replacements are not included).
         """
         if num_new_tokens < 0 or num_new_computed_tokens < 0:
@@ -376,6 +379,19 @@ class KVCacheManager:
             if end // bs > state.num_cached_blocks:
                 self._cache_blocks(request, state, end)
         return new_blocks
+
+    def trim_blocks(self, request: KVRequest, num_tokens: int) -> None:
+        """Free the request's device blocks past the first cdiv(num_tokens, block_size), tail
+        first (blocks allocated for a store load that did not deliver them: the next
+        allocate_slots gives fresh ones). Nothing for an unknown or swapped request."""
+        state = self._reqs.get(request.request_id)
+        if state is None or state.host_blocks is not None:
+            return
+        keep = cdiv(num_tokens, self.block_size)
+        if len(state.blocks) > keep:
+            self.pool.free_blocks([b for b in reversed(state.blocks[keep:]) if not b.is_null])
+            del state.blocks[keep:]
+            state.num_cached_blocks = min(state.num_cached_blocks, keep)
 
     def remove_skipped_blocks(self, request: KVRequest) -> None:
         """Free the blocks wholly outside the sliding window (what allocate_slots does first);

@@ -270,7 +270,8 @@ class Scheduler:
             # With store tokens, only their blocks now: the rest is computed once they loaded.
             blocks = kv.allocate_slots(request, num_external or num_new, computed_blocks,
                                        num_hit_tokens, delay_cache_blocks=True,
-                                       apply_watermark=True)
+                                       apply_watermark=True,
+                                       num_external_computed_tokens=num_external)
             if blocks is None:
                 break
             self.waiting.pop(0)
@@ -303,6 +304,8 @@ class Scheduler:
             self.loading.remove(request)
             num_hit_tokens = request.num_computed_tokens
             request.num_computed_tokens += num_loaded
+            # Blocks whose bytes never arrived are computed into fresh blocks.
+            self.kv_cache_manager.trim_blocks(request, request.num_computed_tokens)
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             self._start_running(request, num_hit_tokens)
 

@@ -95,12 +95,6 @@ def test_disable_hybrid_kv_cache_manager_keeps_full_blocks(make_llm, tiny_gemma3
     assert_pool_empty(llm)
 
 
-def test_kv_store_refuses_kv_cache_groups(make_llm, tiny_gemma2):
-    """The store tiers keep one block per hash: not yet per group, so they refuse clearly."""
-    with pytest.raises(ValueError, match="sliding-window"):
-        make_llm(tiny_gemma2, block_size=4, kv_offloading_size=0.01)
-
-
 @pytest.mark.timeout(60)
 def test_a_prompt_whose_prefill_can_never_fit_ends_with_an_error(make_llm, tiny_gemma3):
     """Admission counts a prefill chunk in every sliding group: a prompt whose one-step prefill
