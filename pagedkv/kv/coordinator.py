@@ -207,10 +207,7 @@ class HybridKVCacheManager:
         return [c for g in self.groups for c in g.take_block_copies()]
 
     def cache_blocks(self, request: KVRequest, num_computed_tokens: int) -> None:
-        """Each group's cache_blocks, after its window's skipped blocks are freed: blocks a
-        store load left unwritten because they fall outside the window are never cached."""
         for g in self.groups:
-            g.remove_skipped_blocks(request)
             g.cache_blocks(request, num_computed_tokens)
 
     # ------------------------------------------------------------------ free / fork / swap
