@@ -15,7 +15,8 @@ interface of `KVCacheManager` (the scheduler cannot tell them apart):
   scheduler's pending-prefix check and the hash lists (`get_block_hashes`) refer to.
 
 `get_block_ids` is group 0's table; `get_group_block_ids` every group's (the runner's input).
-Pinned prefixes are not offered for hybrid caches (ValueError).
+Pinned prefixes hold every group's blocks of the prefix by the same hit rule (pins.py).
+Sub-block prefix hits (`prefix_match_unit` below the block size) are refused (ValueError).
 """
 
 from __future__ import annotations
@@ -29,8 +30,14 @@ from pagedkv.kv.events import KVCacheEvent
 from pagedkv.kv.hashing import BlockHash, group_key_suffix
 from pagedkv.kv.hit_rule import longest_servable_prefix, window_blocks
 from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
-from pagedkv.kv.manager import AllocStatus, KVCacheManager, KVRequest, PrefixCacheStats
-from pagedkv.kv.pins import PinInfo
+from pagedkv.kv.manager import (
+    AllocStatus,
+    KVCacheManager,
+    KVRequest,
+    PrefixCacheStats,
+    _raise_runtime_error,
+)
+from pagedkv.kv.pins import PinInfo, PrefixPins, max_pinned_blocks
 from pagedkv.utils import cdiv
 
 GroupedBlocks = list[list[KVCacheBlock]]
@@ -49,6 +56,14 @@ class HybridKVCacheManager:
         max_pinned_fraction, prefix_match_unit) as for KVCacheManager."""
         if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be an int >= 0, got {num_host_blocks!r}")
+        unit = kwargs.get("prefix_match_unit")
+        if enable_caching and unit is not None and unit < spec.block_size:
+            raise ValueError(
+                f"prefix_match_unit={unit!r} (sub-block prefix hits) is not supported with KV "
+                f"cache groups ({len(spec.groups)} here: a model mixing attention types): a hit "
+                "inside a block would need a copied partial block in every group and, in "
+                "sliding groups, a window ending mid-block; leave it unset or set it to "
+                f"block_size ({spec.block_size})")
         self.spec = spec
         self.max_num_batched_tokens = max_num_batched_tokens
         self.pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events,
@@ -69,13 +84,15 @@ class HybridKVCacheManager:
         self.watermark = first.watermark
         self.watermark_blocks = first.watermark_blocks
         self.hasher = first.hasher
-        self.pins = first.pins  # never pins anything here: pin_prefix refuses
         self.prefix_cache_stats = PrefixCacheStats()
         self._kinds = [g.spec.kind for g in spec.groups]
         self._suffixes = [group_key_suffix(g.group_idx) for g in spec.groups]
         # Per group: the blocks before a hit point it must hold (None: all; hit_rule.py).
         self.window_blocks = [window_blocks(g.sliding_window, spec.block_size)
                               for g in spec.groups]
+        # Pins over every group's blocks (each group manager's own pins stay empty).
+        self.pins = PrefixPins(self.pool, self.hasher, max_pinned_blocks(
+            kwargs.get("max_pinned_fraction", 0.5), self.num_usable_blocks), self.window_blocks)
 
     @classmethod
     def from_spec(cls, spec: HybridKVCacheSpec, *, num_blocks: int,
@@ -124,10 +141,14 @@ class HybridKVCacheManager:
         the next step frees what left the window. So a request admitted alone always fits.
         `num_computed_blocks`: hits held by other requests, summed over groups."""
         required_total = self.peak_blocks(request.num_tokens)
+        pinned = self.pins.num_pinned_blocks  # out of reach but for the request's own hits
         if computed_blocks is not None:
             num_computed_blocks = sum(1 for blocks in computed_blocks for b in blocks
                                       if b.ref_cnt > 0 or b.is_null)
-        if self.num_usable_blocks - required_total < self.watermark_blocks:
+            if pinned:
+                pinned -= len({b.block_id for blocks in computed_blocks for b in blocks
+                               if self.pins.is_pinned(b)})
+        if self.num_usable_blocks - pinned - required_total < self.watermark_blocks:
             return AllocStatus.NEVER
         if self.pool.eviction.num_free_blocks - (required_total - num_computed_blocks) \
                 >= self.watermark_blocks:
@@ -288,17 +309,22 @@ class HybridKVCacheManager:
         return self.pool.get_usage()
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        """Drop all cached hashes but the pinned blocks'; only possible when no device block is
+        in use except by pins."""
+        return self.pool.reset_prefix_cache(self.pins.pinned_blocks())
 
     def pin_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PinInfo:
-        raise ValueError("pinned prefixes are not supported for a KV cache with several "
-                         f"groups ({len(self.groups)} here: a model mixing attention types)")
+        """Pin the longest cached prefix of the prompt every group serves: every group's
+        blocks a hit there reads (pins.py). ValueError as for KVCacheManager.pin_prefix."""
+        return self.pins.pin(token_ids, cache_salt)
 
-    unpin_prefix = pin_prefix
+    def unpin_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PinInfo:
+        """Release the prompt's pin; NotPinnedError (a ValueError) when it has none."""
+        return self.pins.unpin(token_ids, cache_salt)
 
     @property
     def num_pinned_blocks(self) -> int:
-        return 0
+        return self.pins.num_pinned_blocks
 
     def take_events(self) -> list[KVCacheEvent]:
         """The pool's events, each with its group's kind (vLLM's kv_cache_spec_kind)."""
@@ -319,6 +345,7 @@ class HybridKVCacheManager:
                         raise RuntimeError(f"swapped request {rid!r} holds device blocks")
                 else:
                     device.append([b for b in state.blocks if not b.is_null])
-        self.pool.check_invariants(device)
+        self.pins.check_invariants(_raise_runtime_error)
+        self.pool.check_invariants(device + self.pins.tables())
         if self.host_pool is not None:
             self.host_pool.check_invariants(host)

@@ -135,6 +135,38 @@ def test_events_carry_group_and_kind_with_plain_hashes():
     mgr.check_invariants()
 
 
-def test_pins_are_refused_with_groups():
-    with pytest.raises(ValueError, match="not supported"):
-        _manager().pin_prefix(list(range(1, 20)))
+def test_pins_hold_each_groups_blocks_by_its_hit_rule():
+    """A pin of a 41-token prompt (10 full blocks) holds the full group's 10 blocks and the
+    sliding group's last 2 (window 8, block 4): a flood evicts everything else, the prefix
+    still hits whole; unpinning gives every block back."""
+    mgr = _manager(max_pinned_fraction=0.5)
+    prompt = list(range(1, 42))
+    a = make_request("a", prompt)
+    prefill(mgr, a)
+    hashes = list(mgr.get_block_hashes("a"))
+    mgr.free(a)
+    info = mgr.pin_prefix(prompt)
+    assert (info.num_blocks, info.num_tokens, info.num_prompt_blocks) == (12, 40, 10)
+    assert mgr.num_pinned_blocks == 12
+    mgr.check_invariants()
+    for i in range(3):  # 22 blocks each, 51 not pinned: every unpinned block is reused
+        flood = make_request(f"f{i}", range(100 + 50 * i, 141 + 50 * i))
+        assert prefill(mgr, flood)[0] is not None
+        mgr.free(flood)
+        mgr.check_invariants()
+    sliding = group_key_suffix(1)
+    assert mgr.pool.get_cached_block(hashes[0] + sliding) is None  # evicted: not pinned
+    assert mgr.pool.get_cached_block(hashes[9] + sliding) is not None  # pinned
+    c = make_request("c", prompt + [500, 501])
+    assert prefill(mgr, c)[1] == 40
+    mgr.free(c)
+    info = mgr.unpin_prefix(prompt)
+    assert (info.num_blocks, info.total_pinned_blocks) == (0, 0)
+    mgr.check_invariants()
+    assert mgr.num_free_blocks == mgr.num_usable_blocks
+
+
+def test_sub_block_hits_are_refused_with_groups():
+    with pytest.raises(ValueError, match="prefix_match_unit=1 .*KV cache groups"):
+        _manager(prefix_match_unit=1)
+    assert _manager(prefix_match_unit=4).block_size == 4  # the block size: whole blocks
