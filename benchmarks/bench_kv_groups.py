@@ -9,15 +9,19 @@
    against the all-full layout (`disable_hybrid_kv_cache_manager`), alternating, `--rounds`
    each. Prints the most sequences running at once, output tokens/s and wall time, and the
    ratios of the medians. Built with transformers (a test dependency).
-2. chat: a synthetic multi-turn chat workload on a small random Llama (the hit counts do not
-   depend on the model): 8 conversations x 4 turns, each turn's prompt = the previous turn's
-   prompt + its answer (32-64 generated tokens) + a new question (20-80 tokens), first prompts
-   100-300 tokens (the Qwen-Bailian / Mooncake conversation shape, lengths scaled down for a
-   CPU). Turn k of every conversation is submitted together once turn k-1 finished. For block
-   sizes 16, 32, 128: prefix-hit tokens and mean time to first token without and with
-   `prefix_match_unit=1`, against an ideal token-granular cache (every token a previous turn
+2. chat: a multi-turn chat workload on a small random Llama (the hit counts do not depend on
+   the model). `--workload trace` (default): the first 8 conversations of 4 turns in Mooncake's
+   conversation trace (`--trace`, /work/shared/traces; a request continues an earlier one when
+   that one's full 512-token blocks lead its block ids), lengths scaled by 1/16: the first
+   prompt's tokens follow its block ids (the system prompt's block is shared by all), each turn
+   answers the trace's output length (ignore_eos) and the next prompt = prompt + answer + a
+   question as long as the trace's input grew beyond them. `--workload synthetic`: 8 x 4 turns,
+   first prompts 100-300 tokens, questions 20-80, answers 32-64. Turn k of every conversation
+   is submitted together once turn k-1 finished. For block sizes 16, 32, 128: prefix-hit tokens
+   and mean time to first token without and with `prefix_match_unit=1`, against an ideal
+   token-granular cache (a prompt's longest common prefix with any sequence an earlier turn
    computed: its prompt and answer but the last answer token); TTFT over turns 2-4 (median of
-   `--rounds` runs, alternating with and without).
+   `--rounds` runs, alternating with and without) and its ratio.
 """
 
 from __future__ import annotations
