@@ -59,10 +59,10 @@ class HybridKVCacheManager:
         unit = kwargs.get("prefix_match_unit")
         if enable_caching and unit is not None and unit < spec.block_size:
             raise ValueError(
-                f"prefix_match_unit={unit!r} (sub-block prefix hits) is not supported with KV "
+                f"prefix_match_unit={unit!r} (sub-block prefix hits) is not supported yet with KV "
                 f"cache groups ({len(spec.groups)} here: a model mixing attention types): a hit "
-                "inside a block would need a copied partial block in every group and, in "
-                "sliding groups, a window ending mid-block; leave it unset or set it to "
+                "inside a block needs a copied partial block in every group, matched alike, and "
+                "a sliding window ending mid-block (not built); leave it unset or set it to "
                 f"block_size ({spec.block_size})")
         self.spec = spec
         self.max_num_batched_tokens = max_num_batched_tokens

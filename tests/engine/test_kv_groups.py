@@ -8,6 +8,7 @@ import pytest
 
 from pagedkv import SamplingParams
 from pagedkv.kv.coordinator import HybridKVCacheManager
+from pagedkv.kv.hashing import group_key_suffix
 from pagedkv.kv.manager import KVCacheManager
 from tests.engine.conftest import assert_pool_empty, hf_greedy, make_prompts
 
@@ -147,3 +148,29 @@ def test_quantized_kv_cache_refused_under_softcapping(make_llm, tiny_gemma2):
     cache is refused by name, not silently misread."""
     with pytest.raises(ValueError, match="'fp8'.*softcapping"):
         make_llm(tiny_gemma2, block_size=4, kv_cache_dtype="fp8")
+
+
+def test_pinned_prefix_with_groups_survives_a_flood(make_llm, tiny_gemma3):
+    """`LLM.pin_prefix` on Gemma 3 (block 4, window 8): the pin holds the full group's 10
+    prefix blocks and each of the 5 sliding groups' last 2; a flood of other prompts evicts
+    everything else, and the pinned prefix still hits whole with transformers' tokens."""
+    llm = make_llm(tiny_gemma3, block_size=4, num_gpu_blocks_override=80,
+                   max_num_batched_tokens=8)
+    engine = llm.llm_engine
+    pinned = list(range(11, 51))  # 10 full blocks
+    info = llm.pin_prefix({"prompt_token_ids": pinned})
+    assert (info.num_blocks, info.num_tokens, info.num_prompt_blocks) == (10 + 5 * 2, 40, 10)
+    flood = make_prompts(seed=8, vocab=400, num=6, shared_prefix=0, lengths=(40, 40))
+    llm.generate([{"prompt_token_ids": p} for p in flood], GREEDY, use_tqdm=False)
+    engine.check_invariants()
+    kv = engine.scheduler.kv_cache_manager
+    hashes = kv.pins._hashes(pinned, None)
+    sliding = group_key_suffix(1)
+    assert kv.pool.get_cached_block(hashes[0] + sliding) is None  # evicted: not pinned
+    assert kv.pool.get_cached_block(hashes[9] + sliding) is not None  # pinned
+    prompt = pinned + [300, 301, 302]
+    out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 40
+    assert out.outputs[0].token_ids == hf_greedy(tiny_gemma3, prompt, MAX_TOKENS)
+    assert llm.unpin_prefix({"prompt_token_ids": pinned}).total_pinned_blocks == 0
+    assert_pool_empty(llm)
