@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -174,15 +175,6 @@ def _filler(n: int, seed: int) -> list[int]:
     return [rng.randrange(4, 400) for _ in range(n)]
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def run_chat(model_dir: Path, conversations: list[Conversation], block_size: int,
              unit: int | None) -> dict:
     """Turn k of every conversation together once turn k-1 finished. Hits and TTFT over turns
@@ -206,7 +198,7 @@ def run_chat(model_dir: Path, conversations: list[Conversation], block_size: int
                 ttfts.append(m["first_token_time"] - m["arrival_time"])
                 hits += out.num_cached_tokens
                 ideal += min(len(prompt) - 1,
-                             max(_common_prefix(prompt, seq) for seq in computed))
+                             max(len(os.path.commonprefix([prompt, seq])) for seq in computed))
         computed += [p + list(o.outputs[0].token_ids)[:-1]
                      for p, o in zip(prompts, outs, strict=True)]
         if turn + 1 < num_turns:
