@@ -16,7 +16,13 @@ interface of `KVCacheManager` (the scheduler cannot tell them apart):
 
 `get_block_ids` is group 0's table; `get_group_block_ids` every group's (the runner's input).
 Pinned prefixes hold every group's blocks of the prefix by the same hit rule (pins.py).
-Sub-block prefix hits (`prefix_match_unit` below the block size) are refused (ValueError).
+Sub-block prefix hits (`prefix_match_unit` below the block size): after the longest prefix of
+whole blocks every group serves, the hit goes on into the next block by the tokens every group
+has a cached block for (each group's own index, partial_hits.py), and every group gets a copy of
+its block (copy-on-write). Each group's rule holds at the hit point: a full group holds every
+block before it; a sliding group the blocks its window reaches back to, which the whole-block
+rule already gave it (the window ends no earlier), and the partial block (the window always
+reaches the token just before the hit).
 """
 
 from __future__ import annotations
@@ -56,14 +62,6 @@ class HybridKVCacheManager:
         max_pinned_fraction, prefix_match_unit) as for KVCacheManager."""
         if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be an int >= 0, got {num_host_blocks!r}")
-        unit = kwargs.get("prefix_match_unit")
-        if enable_caching and unit is not None and unit < spec.block_size:
-            raise ValueError(
-                f"prefix_match_unit={unit!r} (sub-block prefix hits) is not supported yet with KV "
-                f"cache groups ({len(spec.groups)} here: a model mixing attention types): a hit "
-                "inside a block needs a copied partial block in every group, matched alike, and "
-                "a sliding window ending mid-block (not built); leave it unset or set it to "
-                f"block_size ({spec.block_size})")
         self.spec = spec
         self.max_num_batched_tokens = max_num_batched_tokens
         self.pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events,
@@ -123,14 +121,30 @@ class HybridKVCacheManager:
         n = longest_servable_prefix(
             0, min((request.num_tokens - 1) // self.block_size, len(hashes)), self.window_blocks,
             lambda g, i: get(hashes[i] + suffixes[g]) is not None)
+        hits = [self._hit_blocks(i, hashes, n) for i in range(len(self.groups))] if n else empty
+        num_hit_tokens = n * self.block_size + self._partial_hit(request, hashes, n, hits)
         stats = self.prefix_cache_stats
         stats.requests += 1
         stats.queries += request.num_tokens
-        stats.hits += n * self.block_size
-        if n == 0:
-            return empty, 0
-        return [self._hit_blocks(i, hashes, n) for i in range(len(self.groups))], \
-            n * self.block_size
+        stats.hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def _partial_hit(self, request: KVRequest, hashes: list[BlockHash], n: int,
+                     hits: GroupedBlocks) -> int:
+        """Tokens of block `n` every group has a cached block for (a multiple of the match
+        unit; 0 without sub-block hits): appends each group's block to its `hits`."""
+        if self.groups[0].partial_index is None:
+            return 0
+        parent = self.groups[0]._parent_key(request, hashes, n)
+        start = n * self.block_size
+        tokens = request.all_token_ids[start:]
+        found = [g.partial_index.find(parent, tokens, request.num_tokens - 1 - start)
+                 for g in self.groups]
+        m = min(length for _, length in found)
+        if m:
+            for group_hits, (block, _) in zip(hits, found, strict=True):
+                group_hits.append(block)
+        return m
 
     # ------------------------------------------------------------------ admission
     def can_allocate(self, request: KVRequest, num_computed_blocks: int = 0, *,
@@ -345,6 +359,7 @@ class HybridKVCacheManager:
                         raise RuntimeError(f"swapped request {rid!r} holds device blocks")
                 else:
                     device.append([b for b in state.blocks if not b.is_null])
+            device.extend([b] for b in g.held_copy_sources())
         self.pins.check_invariants(_raise_runtime_error)
         self.pool.check_invariants(device + self.pins.tables())
         if self.host_pool is not None:

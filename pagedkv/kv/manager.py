@@ -108,9 +108,10 @@ class KVCacheManager(SwapMixin):
         check_prefix_match_unit(prefix_match_unit, block_size)
         self.prefix_match_unit = prefix_match_unit
         self.partial_index = (
-            PartialPrefixIndex(self.pool, self.hasher.hash_fn, block_size, prefix_match_unit)
+            PartialPrefixIndex(self.pool, self.hasher.hash_fn, block_size, prefix_match_unit,
+                               self._key_suffix)
             if enable_caching and prefix_match_unit and prefix_match_unit < block_size
-            and sliding_window is None and group_idx == 0 and pool is None else None)
+            and (sliding_window is None or pool is not None) else None)
         self._reqs: dict[str, RequestBlocks] = {}
         self._copies: list[tuple[int, int]] = []
 
@@ -360,6 +361,8 @@ class KVCacheManager(SwapMixin):
         num_required = cdiv(start + num_new_tokens, bs)
         ncb = new_computed_blocks or []
         need = max(num_required - len(blocks) - len(ncb), 0)
+        if ncb and num_new_computed_tokens % bs and self.partial_index is not None:
+            need += 1  # a sub-block hit, last: its copy's block
         if num_new_tokens:
             need += sum(1 for b in blocks[start // bs:num_required] if b.ref_cnt > 1)
         return need + sum(1 for b in ncb if b.ref_cnt == 0 and not b.is_null)
@@ -417,9 +420,11 @@ class KVCacheManager(SwapMixin):
     def _offer_full_blocks(self, request: KVRequest, state: RequestBlocks, start: int,
                            end: int) -> None:
         bs, hashes, tokens = self.block_size, state.block_hashes, request.all_token_ids
+        suffix = self._key_suffix
         for i in range(start, end):
-            if state.blocks[i].block_hash == hashes[i]:
-                self.partial_index.add(self._parent_key(request, hashes, i), hashes[i],
+            key = hashes[i] + suffix
+            if state.blocks[i].block_hash == key:
+                self.partial_index.add(self._parent_key(request, hashes, i), key,
                                        tokens[i * bs:(i + 1) * bs])
 
     def _offer_partial_tail(self, request: KVRequest, state: RequestBlocks) -> None:

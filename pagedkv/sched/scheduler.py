@@ -254,7 +254,9 @@ class Scheduler:
                and len(self.running) + len(self.loading) < self.config.max_num_seqs):
             request = self.waiting[0]
             computed_blocks, num_hit_tokens = self._prefix_hits(request)
-            num_external = (0 if self.kv_connector is None or request.wants_prompt_logprobs else
+            # A sub-block hit ends inside a block: the store (whole blocks) is not asked then.
+            num_external = (0 if self.kv_connector is None or request.wants_prompt_logprobs
+                            or num_hit_tokens % self.block_size else
                             self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens))
             if (self._pending_hashes and not request.wants_prompt_logprobs
                     and self._next_block_is_pending(request, num_hit_tokens // self.block_size)):

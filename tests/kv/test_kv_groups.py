@@ -3,8 +3,6 @@ each attention type's prefix-hit rule, all-or-nothing allocation, and group-tagg
 
 from __future__ import annotations
 
-import pytest
-
 from pagedkv.kv.coordinator import HybridKVCacheManager
 from pagedkv.kv.events import BlockRemoved, BlockStored
 from pagedkv.kv.hashing import group_key_suffix
@@ -164,9 +162,3 @@ def test_pins_hold_each_groups_blocks_by_its_hit_rule():
     assert (info.num_blocks, info.total_pinned_blocks) == (0, 0)
     mgr.check_invariants()
     assert mgr.num_free_blocks == mgr.num_usable_blocks
-
-
-def test_sub_block_hits_are_refused_with_groups():
-    with pytest.raises(ValueError, match="prefix_match_unit=1 .*KV cache groups"):
-        _manager(prefix_match_unit=1)
-    assert _manager(prefix_match_unit=4).block_size == 4  # the block size: whole blocks
