@@ -135,3 +135,23 @@ def test_grouped_and_all_full_stores_never_read_each_other(tiny_gemma3, tmp_path
     assert [r[1] for r in runs] == [(expected, 0), (expected, 0), (expected, hit),
                                     (expected, hit)]
     assert runs[0][0] == runs[3][0] != runs[1][0] == runs[2][0]
+
+
+def test_sub_block_hit_on_the_device_then_whole_blocks_from_the_store(tiny_gemma3, tmp_path):
+    """prefix_match_unit=1: a device hit inside a block (every group's partial block copied)
+    does not ask the store (whole blocks); once the device cache is gone the store serves the
+    whole blocks as before. Tokens equal transformers' throughout."""
+    llm = store_llm(tiny_gemma3, "host", tmp_path, prefix_match_unit=1, **GROUPED)
+    connector = llm.llm_engine.scheduler.kv_connector
+    prefix = make_prefixes(seed=4, num=1)[0]
+    first = with_suffix(prefix, seed=1, length=6)  # 46 tokens; 49 computed: 12 blocks + 1
+    tokens, cached = run_one(llm, first)
+    assert (tokens, cached) == (hf_greedy(tiny_gemma3, first, 4), 0)
+    lookups = connector.num_lookups
+    second = first + tokens[:3] + [7, 8]
+    assert run_one(llm, second) == (hf_greedy(tiny_gemma3, second, 4), 49)
+    assert connector.num_lookups == lookups  # the hit ended inside a block: no store lookup
+    _drop_device_cache(llm)
+    third = with_suffix(prefix, seed=2, length=6)
+    assert run_one(llm, third) == (hf_greedy(tiny_gemma3, third, 4), PREFIX_LEN)
+    _drop_device_cache(llm)
