@@ -9,8 +9,9 @@
    against the all-full layout (`disable_hybrid_kv_cache_manager`), alternating, `--rounds`
    each. Prints the most sequences running at once, output tokens/s and wall time, and the
    ratios of the medians. Built with transformers (a test dependency).
-2. chat: a multi-turn chat workload on a small random Llama (the hit counts do not depend on
-   the model). `--workload trace` (default): the first 8 conversations of 4 turns in Mooncake's
+2. chat: a multi-turn chat workload on a small random Llama (`--chat-model llama`, default),
+   or part 1's Gemma 3 (`--chat-model gemma3`: KV cache groups, where a sub-block hit needs a
+   partial block in every group). `--workload trace` (default): the first 8 conversations of 4 turns in Mooncake's
    conversation trace (`--trace`, /work/shared/traces; a request continues an earlier one when
    that one's full 512-token blocks lead its block ids), lengths scaled by 1/16: the first
    prompt's tokens follow its block ids (the system prompt's block is shared by all), each turn
@@ -210,24 +211,25 @@ def run_chat(model_dir: Path, conversations: list[Conversation], block_size: int
             "mean_ttft_ms": 1000 * statistics.mean(ttfts)}
 
 
-def part_chat(rounds: int, out: list, workload: str, trace: Path) -> None:
+def part_chat(rounds: int, out: list, workload: str, trace: Path, model: str) -> None:
     conversations = (synthetic_conversations() if workload == "synthetic"
                      else trace_conversations(trace))
     tokens = sum(len(c[0]) + sum(map(len, c[1])) + sum(c[2]) for c in conversations)
     print(f"  {len(conversations)} conversations x {len(conversations[0][2])} turns, "
           f"{tokens} prompt + answer tokens ({workload})", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_random_model_dir(Path(tmp) / "llama", hidden_size=256,
-                                           intermediate_size=512, num_layers=4, num_heads=4,
-                                           num_kv_heads=2)
+        model_dir = build_gemma3(Path(tmp) / "gemma3") if model == "gemma3" else \
+            build_random_model_dir(Path(tmp) / "llama", hidden_size=256,
+                                   intermediate_size=512, num_layers=4, num_heads=4,
+                                   num_kv_heads=2)
         for block_size in (16, 32, 128):
             runs: dict[int | None, list[dict]] = {None: [], 1: []}
             for _ in range(rounds):
                 for unit in (None, 1):
                     runs[unit].append(run_chat(model_dir, conversations, block_size, unit))
             for unit in (None, 1):
-                r = {**runs[unit][0], "workload": workload, "mean_ttft_ms": statistics.median(
-                    x["mean_ttft_ms"] for x in runs[unit])}
+                r = {**runs[unit][0], "workload": workload, "model": model,
+                     "mean_ttft_ms": statistics.median(x["mean_ttft_ms"] for x in runs[unit])}
                 out.append(r)
                 print(f"  block {block_size:>3}, unit {str(unit):>4}: hit {r['hit_tokens']:>6} of "
                       f"ideal {r['ideal_hit_tokens']} tokens ({100 * r['of_ideal']:.2f}%), "
@@ -245,6 +247,8 @@ def main() -> int:
                         help="chat: conversations from the Mooncake trace or synthetic ones")
     parser.add_argument("--trace", type=Path, default=TRACE,
                         help="Mooncake conversation trace (JSONL) for --workload trace")
+    parser.add_argument("--chat-model", choices=("llama", "gemma3"), default="llama",
+                        help="chat: a random Llama, or the random Gemma 3 (KV cache groups)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     results: list = []
@@ -254,7 +258,7 @@ def main() -> int:
     if args.part in ("chat", "all"):
         print(f"chat: prefix-hit tokens vs an ideal token-granular cache ({cpu_name()}; a "
               "shared machine's TTFT is noisy)")
-        part_chat(args.rounds, results, args.workload, args.trace)
+        part_chat(args.rounds, results, args.workload, args.trace, args.chat_model)
     if args.json:
         print(json.dumps(results, indent=2))
     return 0
