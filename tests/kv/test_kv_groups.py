@@ -162,3 +162,36 @@ def test_pins_hold_each_groups_blocks_by_its_hit_rule():
     assert (info.num_blocks, info.total_pinned_blocks) == (0, 0)
     mgr.check_invariants()
     assert mgr.num_free_blocks == mgr.num_usable_blocks
+
+
+def test_sub_block_hit_copies_every_groups_partial_block():
+    """prefix_match_unit=1: a finished request's partly filled last block, in every group, serves
+    the next requests' hits to the token: each request gets its own copy in each group (the full
+    group after all its blocks, the sliding one after its window's), the cached blocks stay."""
+    mgr = _manager(prefix_match_unit=1)
+    a = make_request("a", range(10, 32))  # 22 tokens: 5 full blocks + 2
+    prefill(mgr, a)
+    mgr.take_block_copies()
+    mgr.free(a)
+    sources = None
+    tables, reqs = [], []
+    for rid, tail in (("b", [99, 98]), ("c", [7])):
+        req = make_request(rid, list(range(10, 32)) + tail)
+        hits, n = mgr.get_computed_blocks(req)
+        assert n == 22 and [len(h) for h in hits] == [6, 6]
+        assert all(b.is_null for b in hits[1][:3])  # before the window (8): nulls
+        assert sources in (None, [h[5].block_id for h in hits])
+        sources = [h[5].block_id for h in hits]
+        mgr.allocate_slots(req, req.num_tokens - n, hits, n)
+        req.num_computed_tokens = req.num_tokens
+        copies = mgr.take_block_copies()
+        ids = mgr.get_group_block_ids(rid)
+        assert sorted(copies) == sorted(zip(sources, [t[5] for t in ids], strict=True))
+        tables.append(ids)
+        reqs.append(req)
+        mgr.check_invariants()
+    assert all(b[5] != c[5] for b, c in zip(*tables, strict=True))  # own copies
+    for req in reqs:
+        mgr.free(req)
+    mgr.check_invariants()
+    assert mgr.num_free_blocks == mgr.num_usable_blocks
