@@ -79,11 +79,13 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 def block_stored(block_hashes: list[ExternalBlockHash], parent_block_hash: ExternalBlockHash | None,
-                 token_ids: list[int], block_size: int, medium: str = MEDIUM_DEVICE) -> BlockStored:
-    """A `BlockStored` without LoRA (the engine serves none), on `medium`."""
+                 token_ids: list[int], block_size: int, medium: str = MEDIUM_DEVICE,
+                 group_idx: int | None = None) -> BlockStored:
+    """A `BlockStored` without LoRA (the engine serves none), on `medium` (of KV cache group
+    `group_idx`, None with one group)."""
     return BlockStored(block_hashes=block_hashes, parent_block_hash=parent_block_hash,
                        token_ids=token_ids, block_size=block_size, lora_id=None, medium=medium,
-                       lora_name=None)
+                       lora_name=None, group_idx=group_idx)
 
 
 _ENCODER = msgspec.msgpack.Encoder()

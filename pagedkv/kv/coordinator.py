@@ -5,11 +5,9 @@ For models whose layers mix attention types (hybrid_spec.py). Each group is a pl
 shared device and host pools; this coordinator keeps the groups in step, with the scheduler's
 interface of `KVCacheManager` (the scheduler cannot tell them apart):
 
-- prefix hit: the longest prefix every group can serve. A full-attention group serves a
-  prefix of n blocks when all n are cached; a sliding group when the last
-  `cdiv(window - 1, block_size)` blocks before the hit point are (the ones before fall out of
-  every later token's window and stand as the null block in its table). Computed to a fixed
-  point: full groups first, then each sliding group at most at that point.
+- prefix hit: the longest prefix every group can serve (hit_rule.py: a full-attention group
+  needs every block, a sliding group the `cdiv(window - 1, block_size)` blocks before the hit
+  point; the ones before stand as the null block in its table).
 - allocation is all or nothing: the blocks every group needs are counted first, against the
   one pool, and only then taken;
 - a group's blocks are cached under the request's block hash plus its group key (hashing.py),
@@ -17,7 +15,14 @@ interface of `KVCacheManager` (the scheduler cannot tell them apart):
   scheduler's pending-prefix check and the hash lists (`get_block_hashes`) refer to.
 
 `get_block_ids` is group 0's table; `get_group_block_ids` every group's (the runner's input).
-Pinned prefixes are not offered for hybrid caches (ValueError).
+Pinned prefixes hold every group's blocks of the prefix by the same hit rule (pins.py).
+Sub-block prefix hits (`prefix_match_unit` below the block size): after the longest prefix of
+whole blocks every group serves, the hit goes on into the next block by the tokens every group
+has a cached block for (each group's own index, partial_hits.py), and every group gets a copy of
+its block (copy-on-write). Each group's rule holds at the hit point: a full group holds every
+block before it; a sliding group the blocks its window reaches back to, which the whole-block
+rule already gave it (the window ends no earlier), and the partial block (the window always
+reaches the token just before the hit).
 """
 
 from __future__ import annotations
@@ -29,9 +34,16 @@ from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.block_pool import BlockPool, host_pool_num_blocks
 from pagedkv.kv.events import KVCacheEvent
 from pagedkv.kv.hashing import BlockHash, group_key_suffix
+from pagedkv.kv.hit_rule import longest_servable_prefix, window_blocks
 from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
-from pagedkv.kv.manager import AllocStatus, KVCacheManager, KVRequest, PrefixCacheStats
-from pagedkv.kv.pins import PinInfo
+from pagedkv.kv.manager import (
+    AllocStatus,
+    KVCacheManager,
+    KVRequest,
+    PrefixCacheStats,
+    _raise_runtime_error,
+)
+from pagedkv.kv.pins import PinInfo, PrefixPins, max_pinned_blocks
 from pagedkv.utils import cdiv
 
 GroupedBlocks = list[list[KVCacheBlock]]
@@ -70,10 +82,15 @@ class HybridKVCacheManager:
         self.watermark = first.watermark
         self.watermark_blocks = first.watermark_blocks
         self.hasher = first.hasher
-        self.pins = first.pins  # never pins anything here: pin_prefix refuses
         self.prefix_cache_stats = PrefixCacheStats()
         self._kinds = [g.spec.kind for g in spec.groups]
         self._suffixes = [group_key_suffix(g.group_idx) for g in spec.groups]
+        # Per group: the blocks before a hit point it must hold (None: all; hit_rule.py).
+        self.window_blocks = [window_blocks(g.sliding_window, spec.block_size)
+                              for g in spec.groups]
+        # Pins over every group's blocks (each group manager's own pins stay empty).
+        self.pins = PrefixPins(self.pool, self.hasher, max_pinned_blocks(
+            kwargs.get("max_pinned_fraction", 0.5), self.num_usable_blocks), self.window_blocks)
 
     @classmethod
     def from_spec(cls, spec: HybridKVCacheSpec, *, num_blocks: int,
@@ -85,34 +102,11 @@ class HybridKVCacheManager:
         """Group 0's (plain) block hashes of the request, brought up to date."""
         return self.groups[0].update_block_hashes(request)
 
-    def _group_hit(self, i: int, hashes: list[BlockHash], num_blocks: int) -> int:
-        """Most blocks (<= num_blocks) of a prefix group i can serve from the cache."""
-        get = self.pool.cached_block_hash_to_block.get
-        suffix = self._suffixes[i]
-        window = self.groups[i].sliding_window
-        if window is None:
-            n = 0
-            while n < num_blocks and get(hashes[n] + suffix) is not None:
-                n += 1
-            return n
-        needed = cdiv(window - 1, self.block_size)  # blocks a token at the hit point still sees
-        if needed == 0:
-            return num_blocks
-        run = 0
-        for n in range(num_blocks, 0, -1):  # scan back from the longest candidate
-            if get(hashes[n - 1] + suffix) is None:
-                run = 0
-                continue
-            run += 1
-            if run >= needed:
-                return n - 1 + run  # blocks [n - 1, n - 1 + run) are cached
-        return run  # a run reaching block 0, shorter than the window's: all of it is cached
-
     def _hit_blocks(self, i: int, hashes: list[BlockHash], n: int) -> list[KVCacheBlock]:
         get = self.pool.cached_block_hash_to_block.get
         suffix = self._suffixes[i]
-        window = self.groups[i].sliding_window
-        first = 0 if window is None else max(n - cdiv(window - 1, self.block_size), 0)
+        need = self.window_blocks[i]
+        first = 0 if need is None else max(n - need, 0)
         return [self.pool.null_block] * first + [get(h + suffix) for h in hashes[first:n]]
 
     def get_computed_blocks(self, request: KVRequest) -> tuple[GroupedBlocks, int]:
@@ -122,22 +116,35 @@ class HybridKVCacheManager:
         if not self.enable_caching:
             return empty, 0
         hashes = self.update_block_hashes(request)
-        n = min((request.num_tokens - 1) // self.block_size, len(hashes))
-        while True:  # a fixed point: every group serves n blocks
-            m = n
-            for i in range(len(self.groups)):
-                m = min(m, self._group_hit(i, hashes, m))
-            if m == n:
-                break
-            n = m
+        get = self.pool.cached_block_hash_to_block.get
+        suffixes = self._suffixes
+        n = longest_servable_prefix(
+            0, min((request.num_tokens - 1) // self.block_size, len(hashes)), self.window_blocks,
+            lambda g, i: get(hashes[i] + suffixes[g]) is not None)
+        hits = [self._hit_blocks(i, hashes, n) for i in range(len(self.groups))] if n else empty
+        num_hit_tokens = n * self.block_size + self._partial_hit(request, hashes, n, hits)
         stats = self.prefix_cache_stats
         stats.requests += 1
         stats.queries += request.num_tokens
-        stats.hits += n * self.block_size
-        if n == 0:
-            return empty, 0
-        return [self._hit_blocks(i, hashes, n) for i in range(len(self.groups))], \
-            n * self.block_size
+        stats.hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def _partial_hit(self, request: KVRequest, hashes: list[BlockHash], n: int,
+                     hits: GroupedBlocks) -> int:
+        """Tokens of block `n` every group has a cached block for (a multiple of the match
+        unit; 0 without sub-block hits): appends each group's block to its `hits`."""
+        if self.groups[0].partial_index is None:
+            return 0
+        parent = self.groups[0]._parent_key(request, hashes, n)
+        start = n * self.block_size
+        tokens = request.all_token_ids[start:]
+        found = [g.partial_index.find(parent, tokens, request.num_tokens - 1 - start)
+                 for g in self.groups]
+        m = min(length for _, length in found)
+        if m:
+            for group_hits, (block, _) in zip(hits, found, strict=True):
+                group_hits.append(block)
+        return m
 
     # ------------------------------------------------------------------ admission
     def can_allocate(self, request: KVRequest, num_computed_blocks: int = 0, *,
@@ -148,10 +155,14 @@ class HybridKVCacheManager:
         the next step frees what left the window. So a request admitted alone always fits.
         `num_computed_blocks`: hits held by other requests, summed over groups."""
         required_total = self.peak_blocks(request.num_tokens)
+        pinned = self.pins.num_pinned_blocks  # out of reach but for the request's own hits
         if computed_blocks is not None:
             num_computed_blocks = sum(1 for blocks in computed_blocks for b in blocks
                                       if b.ref_cnt > 0 or b.is_null)
-        if self.num_usable_blocks - required_total < self.watermark_blocks:
+            if pinned:
+                pinned -= len({b.block_id for blocks in computed_blocks for b in blocks
+                               if self.pins.is_pinned(b)})
+        if self.num_usable_blocks - pinned - required_total < self.watermark_blocks:
             return AllocStatus.NEVER
         if self.pool.eviction.num_free_blocks - (required_total - num_computed_blocks) \
                 >= self.watermark_blocks:
@@ -171,16 +182,20 @@ class HybridKVCacheManager:
     def allocate_slots(self, request: KVRequest, num_new_tokens: int,
                        new_computed_blocks: GroupedBlocks | None = None,
                        num_new_computed_tokens: int = 0, *, delay_cache_blocks: bool = False,
-                       apply_watermark: bool = False) -> list[KVCacheBlock] | None:
+                       apply_watermark: bool = False,
+                       num_external_computed_tokens: int = 0) -> list[KVCacheBlock] | None:
         """KVCacheManager.allocate_slots for every group, all or nothing: None (and no group
         changed but for its window's skipped blocks freed) when the pool cannot cover what
-        all groups need. Returns group 0's new blocks."""
-        ncb = new_computed_blocks or [None] * len(self.groups)
+        all groups need. Returns group 0's new blocks. `num_external_computed_tokens` (vLLM's
+        name): the new tokens are that many whole blocks the KV store loads; a sliding group
+        gets blocks only for the ones its window needs at their end (the null block before)."""
+        args = [self._group_args(i, request, hits, num_new_tokens, num_new_computed_tokens,
+                                 num_external_computed_tokens)
+                for i, hits in enumerate(new_computed_blocks or [None] * len(self.groups))]
         need = 0
-        for group, hits in zip(self.groups, ncb, strict=True):
+        for group, (hits, n_new, n_computed) in zip(self.groups, args, strict=True):
             group.remove_skipped_blocks(request)
-            need += group.num_blocks_to_allocate(request, num_new_tokens, hits,
-                                                 num_new_computed_tokens)
+            need += group.num_blocks_to_allocate(request, n_new, hits, n_computed)
         available = self.pool.eviction.num_free_blocks
         if apply_watermark:
             available -= self.watermark_blocks
@@ -188,13 +203,12 @@ class HybridKVCacheManager:
             return None
         # Hold every group's hits first: a hit sitting in the free queue must not be handed
         # out as a new block to a group allocated before its own.
-        held = [b for hits in ncb if hits for b in hits if not b.is_null]
+        held = [b for hits, _, _ in args if hits for b in hits if not b.is_null]
         self.pool.touch(held)
         out = None
         try:
-            for group, hits in zip(self.groups, ncb, strict=True):
-                new = group.allocate_slots(request, num_new_tokens, hits,
-                                           num_new_computed_tokens,
+            for group, (hits, n_new, n_computed) in zip(self.groups, args, strict=True):
+                new = group.allocate_slots(request, n_new, hits, n_computed,
                                            delay_cache_blocks=delay_cache_blocks)
                 if new is None:  # counted above: cannot happen unless the counts disagree
                     raise RuntimeError(f"group {group.group_idx} could not allocate for "
@@ -203,6 +217,26 @@ class HybridKVCacheManager:
         finally:
             self.pool.free_blocks(held)
         return out
+
+    def _group_args(self, i: int, request: KVRequest, hits: list[KVCacheBlock] | None,
+                    num_new_tokens: int, num_new_computed_tokens: int, num_external: int
+                    ) -> tuple[list[KVCacheBlock] | None, int, int]:
+        """Group i's (hits, new tokens, new computed tokens): for a sliding group loading
+        store blocks, those before its window at their end become null hits."""
+        need = self.window_blocks[i]
+        if not num_external or need is None:
+            return hits, num_new_tokens, num_new_computed_tokens
+        bs = self.block_size
+        first = (request.num_computed_tokens + num_new_computed_tokens) // bs
+        skip = max((first * bs + num_external) // bs - need - first, 0)
+        return ((hits or []) + [self.pool.null_block] * skip, num_new_tokens - skip * bs,
+                num_new_computed_tokens + skip * bs)
+
+    def trim_blocks(self, request: KVRequest, num_tokens: int) -> None:
+        """Free every group's blocks past the first cdiv(num_tokens, block_size) (allocated for
+        a store load that did not deliver them: computed into fresh blocks instead)."""
+        for g in self.groups:
+            g.trim_blocks(request, num_tokens)
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         return [c for g in self.groups for c in g.take_block_copies()]
@@ -289,17 +323,22 @@ class HybridKVCacheManager:
         return self.pool.get_usage()
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        """Drop all cached hashes but the pinned blocks'; only possible when no device block is
+        in use except by pins."""
+        return self.pool.reset_prefix_cache(self.pins.pinned_blocks())
 
     def pin_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PinInfo:
-        raise ValueError("pinned prefixes are not supported for a KV cache with several "
-                         f"groups ({len(self.groups)} here: a model mixing attention types)")
+        """Pin the longest cached prefix of the prompt every group serves: every group's
+        blocks a hit there reads (pins.py). ValueError as for KVCacheManager.pin_prefix."""
+        return self.pins.pin(token_ids, cache_salt)
 
-    unpin_prefix = pin_prefix
+    def unpin_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PinInfo:
+        """Release the prompt's pin; NotPinnedError (a ValueError) when it has none."""
+        return self.pins.unpin(token_ids, cache_salt)
 
     @property
     def num_pinned_blocks(self) -> int:
-        return 0
+        return self.pins.num_pinned_blocks
 
     def take_events(self) -> list[KVCacheEvent]:
         """The pool's events, each with its group's kind (vLLM's kv_cache_spec_kind)."""
@@ -320,6 +359,8 @@ class HybridKVCacheManager:
                         raise RuntimeError(f"swapped request {rid!r} holds device blocks")
                 else:
                     device.append([b for b in state.blocks if not b.is_null])
-        self.pool.check_invariants(device)
+            device.extend([b] for b in g.held_copy_sources())
+        self.pins.check_invariants(_raise_runtime_error)
+        self.pool.check_invariants(device + self.pins.tables())
         if self.host_pool is not None:
             self.host_pool.check_invariants(host)

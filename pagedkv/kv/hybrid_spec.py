@@ -76,6 +76,13 @@ class HybridKVCacheSpec(FullAttentionSpec):
     def max_blocks_per_seq(self, max_model_len: int) -> int:
         return sum(g.spec.max_blocks_per_seq(max_model_len) for g in self.groups)
 
+    def all_layers_spec(self, dtype: str | None = None) -> FullAttentionSpec:
+        """The one-group layout of the same model: every model layer in its own slot of a
+        full-attention block (KV cache dtype `dtype`, default this spec's)."""
+        return FullAttentionSpec(block_size=self.block_size, num_kv_heads=self.num_kv_heads,
+                                 head_size=self.head_size, dtype=dtype or self.dtype,
+                                 num_layers=self.num_model_layers)
+
     def layer_slots(self) -> list[tuple[int, int]]:
         """(group index, slot) of every model layer, in layer order."""
         out: list[tuple[int, int] | None] = [None] * self.num_model_layers

@@ -24,11 +24,9 @@ that request (allocate_slots, free, swap_out, swap_in).
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.block_pool import BlockPool, host_pool_num_blocks
@@ -41,77 +39,25 @@ from pagedkv.kv.partial_hits import (
     first_parent_key,
 )
 from pagedkv.kv.pins import PinInfo, PrefixPins, check_max_pinned_fraction, max_pinned_blocks
+from pagedkv.kv.request_blocks import (
+    RECENT_PROMPTS,
+    AllocStatus,
+    KVRequest,
+    PrefixCacheStats,
+    RecentPrompt,
+    RequestBlocks,
+)
 from pagedkv.kv.single_type import block_table_policy, block_table_policy_for_spec
 from pagedkv.kv.spec import KVCacheSpec
+from pagedkv.kv.swap import SwapMixin
 from pagedkv.utils import cdiv
 
-
-class AllocStatus(enum.Enum):
-    """Admission answer of `can_allocate`: whether a request's whole sequence fits."""
-
-    OK = enum.auto()  # fits now, keeping the watermark free
-    LATER = enum.auto()  # does not fit now, but would fit in an otherwise empty pool
-    NEVER = enum.auto()  # can never fit, even with the whole pool
+__all__ = ["AllocStatus", "KVCacheManager", "KVRequest", "PrefixCacheStats", "RecentPrompt"]
 
 
-class KVRequest(Protocol):
-    """What the manager reads from a request (pagedkv.sched.Request satisfies it)."""
-
-    request_id: str
-    all_token_ids: list[int]
-    num_prompt_tokens: int
-    num_computed_tokens: int
-    cache_salt: str | None
-    lora_name: str | None
-
-    @property
-    def num_tokens(self) -> int: ...
-
-
-@dataclass
-class PrefixCacheStats:
-    """Cumulative prefix-cache counters, in tokens as vLLM counts them."""
-
-    requests: int = 0  # get_computed_blocks calls
-    queries: int = 0  # tokens looked up (request.num_tokens per call)
-    hits: int = 0  # tokens found computed
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-
-RECENT_PROMPTS = 256  # finished requests whose tokens `recent_prompts` keeps
-
-
-class RecentPrompt(NamedTuple):
-    """A finished (or recompute-preempted) request's tokens, salt and full-block hashes, for
-    explaining misses against the nearest prefix computed before. The lists are the request's
-    own (not copied): a preempted request that resumes may still append to them. A tuple:
-    `free` builds one per request, so it must be cheap."""
-
-    request_id: str
-    token_ids: list[int]
-    cache_salt: str | None
-    block_hashes: list[BlockHash]
-
-
-class _ReqState:
-    __slots__ = ("blocks", "block_hashes", "num_cached_blocks", "host_blocks", "partial_src")
-
-    def __init__(self) -> None:
-        self.blocks: list[KVCacheBlock] = []
-        self.block_hashes: list[BlockHash] = []
-        # Leading blocks already offered to the prefix cache (cache_full_blocks done for them).
-        self.num_cached_blocks = 0
-        self.host_blocks: list[KVCacheBlock] | None = None  # set while swapped out
-        # Sub-block hit: the cached block copied into this request's table, held until the
-        # runner has copied it (released at the request's next allocate_slots / free / swap).
-        self.partial_src: KVCacheBlock | None = None
-
-
-class KVCacheManager:
-    """Block tables, prefix caching, copy-on-write, sliding window and swap for all requests."""
+class KVCacheManager(SwapMixin):
+    """Block tables, prefix caching, copy-on-write, sliding window and swap (swap.py) for all
+    requests. The per-request types live in request_blocks.py."""
 
     def __init__(self, *, num_blocks: int, block_size: int, num_host_blocks: int = 0,
                  enable_caching: bool = True, sliding_window: int | None = None,
@@ -162,10 +108,11 @@ class KVCacheManager:
         check_prefix_match_unit(prefix_match_unit, block_size)
         self.prefix_match_unit = prefix_match_unit
         self.partial_index = (
-            PartialPrefixIndex(self.pool, self.hasher.hash_fn, block_size, prefix_match_unit)
+            PartialPrefixIndex(self.pool, self.hasher.hash_fn, block_size, prefix_match_unit,
+                               self._key_suffix)
             if enable_caching and prefix_match_unit and prefix_match_unit < block_size
-            and sliding_window is None and group_idx == 0 and pool is None else None)
-        self._reqs: dict[str, _ReqState] = {}
+            and (sliding_window is None or pool is not None) else None)
+        self._reqs: dict[str, RequestBlocks] = {}
         self._copies: list[tuple[int, int]] = []
 
     @classmethod
@@ -187,10 +134,10 @@ class KVCacheManager:
                    sliding_window=policy.sliding_window, **kwargs)
 
     # ------------------------------------------------------------------ helpers
-    def _state(self, request_id: str) -> _ReqState:
+    def _state(self, request_id: str) -> RequestBlocks:
         state = self._reqs.get(request_id)
         if state is None:
-            state = self._reqs[request_id] = _ReqState()
+            state = self._reqs[request_id] = RequestBlocks()
         return state
 
     def update_block_hashes(self, request: KVRequest) -> list[BlockHash]:
@@ -213,7 +160,7 @@ class KVCacheManager:
         bs = self.block_size
         state = self._reqs.get(request.request_id)
         if state is None:
-            state = self._reqs[request.request_id] = _ReqState()
+            state = self._reqs[request.request_id] = RequestBlocks()
         block_hashes = state.block_hashes
         if len(block_hashes) < num_tokens // bs:
             self.hasher(request, block_hashes)
@@ -272,7 +219,8 @@ class KVCacheManager:
     def allocate_slots(self, request: KVRequest, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None,
                        num_new_computed_tokens: int = 0, *, delay_cache_blocks: bool = False,
-                       apply_watermark: bool = False) -> list[KVCacheBlock] | None:
+                       apply_watermark: bool = False,
+                       num_external_computed_tokens: int = 0) -> list[KVCacheBlock] | None:
         """Make room for positions [c, c + num_new_computed_tokens + num_new_tokens), where
         c = request.num_computed_tokens.
 
@@ -283,6 +231,8 @@ class KVCacheManager:
         None and changes nothing else. Otherwise touches and appends `new_computed_blocks`,
         replaces shared blocks this step writes into (copies drained by take_block_copies),
         appends new blocks, and unless delay_cache_blocks caches the blocks full after this step.
+        `num_external_computed_tokens`: how many of the new tokens a KV store loads (whole
+        blocks; they need blocks as computed ones do with one group: see coordinator.py).
         Returns the blocks appended at the table's end (COW replacements are not included).
         """
         if num_new_tokens < 0 or num_new_computed_tokens < 0:
@@ -290,7 +240,7 @@ class KVCacheManager:
                              f"num_new_computed_tokens={num_new_computed_tokens}")
         state = self._reqs.get(request.request_id)
         if state is None:
-            state = self._reqs[request.request_id] = _ReqState()
+            state = self._reqs[request.request_id] = RequestBlocks()
         elif state.host_blocks is not None:
             raise ValueError(f"request {request.request_id!r} is swapped out; swap_in first")
         blocks = state.blocks
@@ -377,6 +327,19 @@ class KVCacheManager:
                 self._cache_blocks(request, state, end)
         return new_blocks
 
+    def trim_blocks(self, request: KVRequest, num_tokens: int) -> None:
+        """Free the request's device blocks past the first cdiv(num_tokens, block_size), tail
+        first (blocks allocated for a store load that did not deliver them: the next
+        allocate_slots gives fresh ones). Nothing for an unknown or swapped request."""
+        state = self._reqs.get(request.request_id)
+        if state is None or state.host_blocks is not None:
+            return
+        keep = cdiv(num_tokens, self.block_size)
+        if len(state.blocks) > keep:
+            self.pool.free_blocks([b for b in reversed(state.blocks[keep:]) if not b.is_null])
+            del state.blocks[keep:]
+            state.num_cached_blocks = min(state.num_cached_blocks, keep)
+
     def remove_skipped_blocks(self, request: KVRequest) -> None:
         """Free the blocks wholly outside the sliding window (what allocate_slots does first);
         nothing for full attention or an unknown / swapped request."""
@@ -398,6 +361,8 @@ class KVCacheManager:
         num_required = cdiv(start + num_new_tokens, bs)
         ncb = new_computed_blocks or []
         need = max(num_required - len(blocks) - len(ncb), 0)
+        if ncb and num_new_computed_tokens % bs and self.partial_index is not None:
+            need += 1  # a sub-block hit, last: its copy's block
         if num_new_tokens:
             need += sum(1 for b in blocks[start // bs:num_required] if b.ref_cnt > 1)
         return need + sum(1 for b in ncb if b.ref_cnt == 0 and not b.is_null)
@@ -429,7 +394,7 @@ class KVCacheManager:
             return
         self._cache_blocks(request, state, min(num_computed_tokens, request.num_tokens))
 
-    def _cache_blocks(self, request: KVRequest, state: _ReqState, num_tokens: int) -> None:
+    def _cache_blocks(self, request: KVRequest, state: RequestBlocks, num_tokens: int) -> None:
         num_full = num_tokens // self.block_size
         if num_full > len(state.blocks):
             num_full = len(state.blocks)
@@ -452,15 +417,17 @@ class KVCacheManager:
         """Key of block i's parent in the sub-block index (partial_hits.py)."""
         return hashes[i - 1] if i else first_parent_key(request.cache_salt, request.lora_name)
 
-    def _offer_full_blocks(self, request: KVRequest, state: _ReqState, start: int,
+    def _offer_full_blocks(self, request: KVRequest, state: RequestBlocks, start: int,
                            end: int) -> None:
         bs, hashes, tokens = self.block_size, state.block_hashes, request.all_token_ids
+        suffix = self._key_suffix
         for i in range(start, end):
-            if state.blocks[i].block_hash == hashes[i]:
-                self.partial_index.add(self._parent_key(request, hashes, i), hashes[i],
+            key = hashes[i] + suffix
+            if state.blocks[i].block_hash == key:
+                self.partial_index.add(self._parent_key(request, hashes, i), key,
                                        tokens[i * bs:(i + 1) * bs])
 
-    def _offer_partial_tail(self, request: KVRequest, state: _ReqState) -> None:
+    def _offer_partial_tail(self, request: KVRequest, state: RequestBlocks) -> None:
         """Offer the request's partly filled last computed block to sub-block hits."""
         bs = self.block_size
         computed = min(request.num_computed_tokens, request.num_tokens)
@@ -502,132 +469,11 @@ class KVCacheManager:
             raise ValueError(f"cannot fork {parent.request_id!r}: not resident on the device")
         if child.request_id in self._reqs:
             raise ValueError(f"cannot fork into {child.request_id!r}: it already has state")
-        cstate = self._reqs[child.request_id] = _ReqState()
+        cstate = self._reqs[child.request_id] = RequestBlocks()
         cstate.blocks = list(pstate.blocks)
         cstate.block_hashes = list(pstate.block_hashes)
         cstate.num_cached_blocks = pstate.num_cached_blocks
         self.pool.touch([b for b in cstate.blocks if not b.is_null])
-
-    # ------------------------------------------------------------------ swap
-    def is_swapped(self, request_id: str) -> bool:
-        state = self._reqs.get(request_id)
-        return state is not None and state.host_blocks is not None
-
-    def _resident(self, request: KVRequest) -> _ReqState:
-        state = self._reqs.get(request.request_id)
-        if state is None or state.host_blocks is not None:
-            raise ValueError(f"request {request.request_id!r} is not resident on the device")
-        return state
-
-    def _swapped(self, request: KVRequest) -> _ReqState:
-        state = self._reqs.get(request.request_id)
-        if state is None or state.host_blocks is None:
-            raise ValueError(f"request {request.request_id!r} is not swapped out")
-        return state
-
-    def can_swap_out(self, request: KVRequest) -> bool:
-        """Whether the host pool has a free block for each of the request's non-null blocks."""
-        state = self._reqs.get(request.request_id)
-        if self.host_pool is None or state is None or state.host_blocks is not None:
-            return False
-        n = sum(1 for b in state.blocks if not b.is_null)
-        return n <= self.host_pool.get_num_free_blocks()
-
-    def swap_out(self, request: KVRequest) -> list[tuple[int, int]]:
-        """Move the request to host blocks; returns (device_id, host_id) copies to do BEFORE the
-        device blocks are reused. Device blocks are freed tail first (cached ones stay cached).
-        Raises ValueError when it is not resident or the host pool is too small."""
-        state = self._resident(request)
-        if not self.can_swap_out(request):
-            raise ValueError(f"not enough host blocks to swap out {request.request_id!r}")
-        if state.partial_src is not None:  # copied by the runner by now
-            self.pool.free_blocks([state.partial_src])
-            state.partial_src = None
-        device = state.blocks
-        live = [b for b in device if not b.is_null]
-        host_new = self.host_pool.get_new_blocks(len(live))
-        host_null = self.host_pool.null_block
-        it = iter(host_new)
-        host_table = [host_null if b.is_null else next(it) for b in device]
-        mapping = [(d.block_id, h.block_id) for d, h in zip(live, host_new, strict=True)]
-        self.pool.free_blocks(reversed(live))
-        state.host_blocks = host_table
-        state.blocks = []
-        state.num_cached_blocks = 0
-        return mapping
-
-    def _swap_in_hits(self, request: KVRequest, state: _ReqState) -> dict[int, KVCacheBlock]:
-        """Table index -> device block still cached under that block's hash (no copy needed)."""
-        if not self.enable_caching:
-            return {}
-        host = state.host_blocks
-        hashes = state.block_hashes
-        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
-        get = self.pool.cached_block_hash_to_block.get
-        hits = {}
-        suffix = self._key_suffix
-        for i in range(min(num_full, len(hashes), len(host))):
-            if not host[i].is_null:
-                block = get(hashes[i] + suffix if suffix else hashes[i])
-                if block is not None:
-                    hits[i] = block
-        return hits
-
-    def _swap_in_need(self, state: _ReqState, hits: dict[int, KVCacheBlock]) -> int:
-        n = sum(1 for b in state.host_blocks if not b.is_null) - len(hits)
-        return n + sum(1 for b in hits.values() if b.ref_cnt == 0)
-
-    def can_swap_in(self, request: KVRequest) -> bool:
-        """Whether the device can take the request back, keeping the watermark free.
-
-        Blocks still cached on the device are reused (a cached block nobody holds costs one free
-        block, one held by another request costs none); the others need a free block each.
-        """
-        state = self._reqs.get(request.request_id)
-        if state is None or state.host_blocks is None:
-            return False
-        need = self._swap_in_need(state, self._swap_in_hits(request, state))
-        return self.pool.get_num_free_blocks() - need >= self.watermark_blocks
-
-    def swap_in(self, request: KVRequest) -> list[tuple[int, int]]:
-        """Move the request back to the device; returns (host_id, device_id) copies to do.
-
-        Full computed blocks whose hash is still in the device prefix cache are taken from it
-        (touched, no copy); the rest get fresh blocks and are registered in the prefix cache
-        again from the kept hash list. Host blocks are freed. Raises ValueError when the request
-        is not swapped or device memory is short (see can_swap_in).
-        """
-        state = self._swapped(request)
-        hits = self._swap_in_hits(request, state)
-        need = self._swap_in_need(state, hits)
-        if self.pool.get_num_free_blocks() - need < self.watermark_blocks:
-            raise ValueError(f"not enough device blocks to swap in {request.request_id!r}")
-        host = state.host_blocks
-        if hits:
-            self.pool.touch(hits.values())
-        num_fresh = sum(1 for b in host if not b.is_null) - len(hits)
-        self.eviction_log.allocating_for = request.request_id
-        fresh = iter(self.pool.get_new_blocks(num_fresh))
-        null = self.pool.null_block
-        table = []
-        mapping = []
-        for i, h in enumerate(host):
-            if h.is_null:
-                table.append(null)
-            elif i in hits:
-                table.append(hits[i])
-            else:
-                d = next(fresh)
-                table.append(d)
-                mapping.append((h.block_id, d.block_id))
-        self.host_pool.free_blocks([b for b in reversed(host) if not b.is_null])
-        state.blocks = table
-        state.host_blocks = None
-        state.num_cached_blocks = 0
-        if self.enable_caching:
-            self._cache_blocks(request, state, min(request.num_computed_tokens,
-                                                   request.num_tokens))
-        return mapping
 
     # ------------------------------------------------------------------ queries
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:

@@ -15,6 +15,10 @@ It lists every full block the manager caches and the partial last block of every
 freed with at least `u` computed tokens in it, which is registered in the pool under a key of
 its own (`partial_block_key`: evicted like any cached block, without events). Entries are
 checked against the pool on use, so an evicted block is never offered.
+
+With KV cache groups (coordinator.py) every group has an index of its own blocks (keys carry
+the group's suffix; parent keys are the plain hashes, alike in every group), and a sub-block
+hit needs a matching block in every group: see `HybridKVCacheManager.get_computed_blocks`.
 """
 
 from __future__ import annotations
@@ -52,9 +56,13 @@ def first_parent_key(cache_salt: str | None, lora_name: str | None) -> BlockHash
 class PartialPrefixIndex:
     """Parent key -> candidate blocks (their pool key and tokens); see the module docstring."""
 
-    def __init__(self, pool: BlockPool, hash_fn: HashFn, block_size: int, unit: int) -> None:
+    def __init__(self, pool: BlockPool, hash_fn: HashFn, block_size: int, unit: int,
+                 key_suffix: bytes = b"") -> None:
+        """`key_suffix`: the KV cache group's key suffix (hashing.group_key_suffix), so the
+        partial blocks of groups sharing one pool never share a key."""
         check_prefix_match_unit(unit, block_size)
         self.pool = pool
+        self.key_suffix = key_suffix
         self.hash_fn = hash_fn
         self.block_size = block_size
         self.unit = unit
@@ -70,7 +78,7 @@ class PartialPrefixIndex:
         if len(tokens) < self.unit or block.is_null or block.block_hash is not None:
             return
         key = self.hash_fn(_PARTIAL_MARK + parent + encode_extra_keys(
-            (("tokens", ",".join(map(str, tokens))),)))
+            (("tokens", ",".join(map(str, tokens))),))) + self.key_suffix
         if key in self.pool.cached_block_hash_to_block:
             return
         self.pool.cache_untracked(block, key)

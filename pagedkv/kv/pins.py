@@ -13,6 +13,11 @@ cached run), `unpin` releases it (blocks freed tail first, and evictable again).
 
 At most `max_blocks` distinct blocks may be pinned (a block shared by two pins counts once);
 a pin that would exceed it raises ValueError naming `max_pinned_fraction` and changes nothing.
+
+With KV cache groups (`window_blocks`: one entry per group, hit_rule.py) a pin takes the longest
+cached prefix every group serves and holds, per group, what a hit there needs: every block of
+a full-attention group, the window's last blocks of a sliding one (its earlier blocks are never
+read again by a request continuing the prefix).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from dataclasses import dataclass
 
 from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.block_pool import BlockPool
-from pagedkv.kv.hashing import BlockHash, RequestBlockHasher
+from pagedkv.kv.hashing import BlockHash, RequestBlockHasher, group_key_suffix
+from pagedkv.kv.hit_rule import longest_servable_prefix
 
 
 def check_max_pinned_fraction(value: object) -> float:
@@ -47,8 +53,8 @@ class PinInfo:
     """What a pin or unpin did. `pin_id` is the hex hash of the prompt's last full block."""
 
     pin_id: str
-    num_blocks: int  # blocks this pin holds (0 after an unpin)
-    num_tokens: int  # num_blocks * block_size
+    num_blocks: int  # blocks this pin holds (0 after an unpin; with KV cache groups, all's)
+    num_tokens: int  # the prefix it serves (one group: num_blocks * block_size)
     num_prompt_blocks: int  # full blocks in the prompt (num_blocks < this: the rest is not cached)
     total_pinned_blocks: int  # distinct blocks pinned by every pin, after this call
 
@@ -70,12 +76,16 @@ class _Prompt:
 class PrefixPins:
     """The pins of one device pool. Mutates the pool's ref counts (and so its free set)."""
 
-    def __init__(self, pool: BlockPool, hasher: RequestBlockHasher, max_blocks: int) -> None:
+    def __init__(self, pool: BlockPool, hasher: RequestBlockHasher, max_blocks: int,
+                 window_blocks: Sequence[int | None] | None = None) -> None:
+        """`window_blocks`: KV cache groups' (module docstring); None for one group."""
         self.pool = pool
         self.hasher = hasher
         self.max_blocks = max_blocks
+        self.window_blocks = None if window_blocks is None else list(window_blocks)
         self._pins: dict[BlockHash, list[KVCacheBlock]] = {}
         self._refs: dict[int, int] = {}  # block_id -> how many pins hold it
+        self._num_tokens: dict[BlockHash, int] = {}  # pin -> the prefix tokens it serves
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -104,28 +114,42 @@ class PrefixPins:
                              f"{self.hasher.block_size} tokens to pin")
         return hashes
 
-    def _cached_run(self, hashes: list[BlockHash]) -> list[KVCacheBlock]:
-        """The blocks of the leading run of `hashes` in the prefix cache."""
+    def _cached_run(self, hashes: list[BlockHash]) -> tuple[list[KVCacheBlock], int]:
+        """The blocks a pin of the leading cached run of `hashes` holds, and the run's length
+        in blocks (with KV cache groups: every group's blocks for the longest prefix all of
+        them serve)."""
         get = self.pool.get_cached_block
+        if self.window_blocks is not None:
+            return self._grouped_run(hashes)
         blocks: list[KVCacheBlock] = []
         for block_hash in hashes:
             block = get(block_hash)
             if block is None:
                 break
             blocks.append(block)
-        return blocks
+        return blocks, len(blocks)
+
+    def _grouped_run(self, hashes: list[BlockHash]) -> tuple[list[KVCacheBlock], int]:
+        get = self.pool.get_cached_block
+        suffixes = [group_key_suffix(g) for g in range(len(self.window_blocks))]
+        n = longest_servable_prefix(0, len(hashes), self.window_blocks,
+                                    lambda g, i: get(hashes[i] + suffixes[g]) is not None)
+        blocks = [get(hashes[i] + suffixes[g])
+                  for g, need in enumerate(self.window_blocks)
+                  for i in range(0 if need is None else max(n - need, 0), n)]
+        return blocks, n
 
     def is_cached(self, token_ids: Sequence[int], cache_salt: str | None = None) -> bool:
         """Whether every full block of the prompt is in the prefix cache now (a pin would
         take them all). ValueError for a prompt without a full block."""
         hashes = self._hashes(token_ids, cache_salt)
-        return len(self._cached_run(hashes)) == len(hashes)
+        return self._cached_run(hashes)[1] == len(hashes)
 
     def pin(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PinInfo:
         """Pin the leading cached run of the prompt's full blocks (replacing this prompt's
         earlier pin). Raises ValueError for a prompt without a full block or past the bound."""
         hashes = self._hashes(token_ids, cache_salt)
-        blocks = self._cached_run(hashes)
+        blocks, num_run = self._cached_run(hashes)
         key = hashes[-1]
         old = self._pins.get(key, [])
         released = {b.block_id for b in old if self._refs[b.block_id] == 1}
@@ -143,6 +167,10 @@ class PrefixPins:
         if not blocks:
             del self._pins[key]
         self._observe(blocks)
+        if blocks:
+            self._num_tokens[key] = num_run * self.hasher.block_size
+        else:
+            self._num_tokens.pop(key, None)
         return self._info(key, blocks, len(hashes))
 
     def unpin(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PinInfo:
@@ -153,6 +181,7 @@ class PrefixPins:
         if blocks is None:
             raise NotPinnedError("this prompt (with this cache_salt) is not pinned")
         self._release(blocks)
+        self._num_tokens.pop(hashes[-1], None)
         return self._info(hashes[-1], [], len(hashes))
 
     def _release(self, blocks: list[KVCacheBlock]) -> None:
@@ -178,7 +207,7 @@ class PrefixPins:
 
     def _info(self, key: BlockHash, blocks: list[KVCacheBlock], num_prompt_blocks: int) -> PinInfo:
         return PinInfo(pin_id=key.hex(), num_blocks=len(blocks),
-                       num_tokens=len(blocks) * self.hasher.block_size,
+                       num_tokens=self._num_tokens.get(key, 0) if blocks else 0,
                        num_prompt_blocks=num_prompt_blocks,
                        total_pinned_blocks=self.num_pinned_blocks)
 

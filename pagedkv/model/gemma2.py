@@ -24,6 +24,8 @@ from torch.nn import functional as F
 
 from pagedkv.model.attention import AttentionMetadata
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.kv_int8 import PerTokenScales
+from pagedkv.model.kv_quant import KVScales
 from pagedkv.model.layers import Linear, RotaryEmbedding
 from pagedkv.model.ops import LayerOps, RopeInputs
 from pagedkv.model.parallel.group import TensorParallelGroup
@@ -81,6 +83,8 @@ class GemmaAttention(nn.Module):
         self.scale = float(raw.get("query_pre_attn_scalar", cfg.head_dim)) ** -0.5
         cap = raw.get("attn_logit_softcapping")
         self.softcap = None if cap is None else float(cap)
+        # fp8: per-tensor KVScales; int8: the layer's PerTokenScales; set by the runner.
+        self.kv_scales: KVScales | PerTokenScales | None = None
 
     def forward(self, x: torch.Tensor, rope: RopeInputs, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, ops: LayerOps) -> torch.Tensor:
@@ -91,9 +95,12 @@ class GemmaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = ops.rope(q.contiguous(), rope), ops.rope(k.contiguous(), rope)
-        if self.softcap is None:
+        if self.softcap is None and self.kv_scales is None:
             out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, self.window)
-        else:
+        elif self.softcap is None:  # fp8: scales folded in; int8: its scale caches passed on
+            out = self.kv_scales.attend(meta, q, k, v, kv_cache[0], kv_cache[1], self.scale,
+                                        self.window)
+        else:  # a model-dtype cache only (the runner refuses a quantized one)
             out = softcap_paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                                           self.softcap, self.window)
         return self.o_proj(out.reshape(t, self.q_size))

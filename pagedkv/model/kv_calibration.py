@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
 from pagedkv.kv.spec import FullAttentionSpec
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.kv_cache import KVCache
@@ -44,8 +45,11 @@ def calibrate_kv_scales(model: Any, backend: Any, spec: FullAttentionSpec, model
     n = min(CALIBRATION_TOKENS, max_tokens)
     bs = spec.block_size
     num_blocks = -(-n // bs)
-    scratch = KVCache.from_spec(replace(spec, dtype=model_dtype), num_blocks=num_blocks + 1,
-                                device=device)
+    # One slot per model layer (KV cache groups: the all-full layout; attention still applies
+    # each layer's window), so the amax below is per model layer.
+    scratch_spec = spec.all_layers_spec(model_dtype) if isinstance(spec, HybridKVCacheSpec) \
+        else replace(spec, dtype=model_dtype)
+    scratch = KVCache.from_spec(scratch_spec, num_blocks=num_blocks + 1, device=device)
     step = StepSequences(num_new_tokens=[n], seq_lens=[n],
                          block_tables=[list(range(1, num_blocks + 1))],
                          slot_mapping=list(range(bs, bs + n)), num_decodes=0, block_size=bs)

@@ -9,12 +9,13 @@ that group's tables and slots), whose metadata the layers of the group read.
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import torch
+from typing import TypeVar
 
 from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.sched.output import ScheduledRequest
+
+T = TypeVar("T")
 
 
 def slot_mapping(reqs: Sequence[ScheduledRequest], tables: Sequence[list[int]],
@@ -38,9 +39,9 @@ class LayerGroups:
         self.num_groups = len(spec.groups)
         self.layer_slots = spec.layer_slots()
 
-    def layer_caches(self, slot_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
-                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each model layer's (K, V) cache views, from the KV tensor's per-slot views."""
+    def layer_caches(self, slot_caches: Sequence[T]) -> list[T]:
+        """Each model layer's view of its slot, from the KV tensor's per-slot views (its (K, V)
+        caches, or an int8 cache's per-token scales)."""
         return [slot_caches[slot] for _, slot in self.layer_slots]
 
     def group_steps(self, reqs: Sequence[ScheduledRequest], step: StepSequences

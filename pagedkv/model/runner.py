@@ -114,10 +114,6 @@ class ModelRunner:
         self.block_size = block_size
         # Hybrid KV cache groups (a model mixing attention types): layer -> (group, slot).
         self.layer_groups = LayerGroups(spec) if isinstance(spec, HybridKVCacheSpec) else None
-        if self.layer_groups is not None and (is_fp8_dtype(spec.dtype)
-                                              or is_int8_dtype(spec.dtype)):
-            raise ValueError(f"a quantized KV cache ({spec.dtype}) is not supported with KV "
-                             "cache groups (a model mixing attention types)")
         allocated = self._allocated_bytes()
         self.model: CausalLM = load_model(model_dir, self.model_config, self.dtype,
                                           self.device, tensor_parallel)
@@ -141,6 +137,7 @@ class ModelRunner:
         if self._needs_quantized_wrapper(spec.dtype, model_dtype):
             self.attn_backend = QuantizedKVBackend(
                 self.attn_backend, reads_in_place=is_fp8_dtype(spec.dtype) or is_int8_dtype(spec.dtype))
+        self._check_softcap_cache(spec.dtype)
         self.cuda_graphs = None
         self.kv_connector = None  # the KV store's worker side, plugged in by the engine
         if num_blocks is not None:
@@ -157,6 +154,16 @@ class ModelRunner:
         if is_int8_dtype(cache_dtype):
             return not getattr(self.attn_backend, "reads_int8_cache", False)
         return cache_dtype != canonical_dtype(model_dtype)
+
+    def _check_softcap_cache(self, cache_dtype: str) -> None:
+        """ValueError for a cache of another dtype than the model's (fp8, int8, 16-bit for a
+        float32 model) under attention logit softcapping (Gemma 2), whose attention reads the
+        cache as the model's dtype."""
+        if isinstance(self.attn_backend, QuantizedKVBackend) and any(
+                getattr(layer.self_attn, "softcap", None) for layer in self.model.layers):
+            raise ValueError(f"kv_cache_dtype {cache_dtype!r} is not supported with attention "
+                             "logit softcapping (attn_logit_softcapping in config.json, e.g. "
+                             "Gemma 2): use the model's dtype for the KV cache")
 
     def _use_cpu_kernels(self) -> bool:
         """Point the model's elementwise ops and the attention backend at the fused CPU kernels
@@ -186,8 +193,10 @@ class ModelRunner:
         self.kv_cache = KVCache.from_spec(self.kv_cache_spec, num_blocks=num_blocks,
                                           device=self.device, num_host_blocks=num_host_blocks)
         self.kv_cache.scales = self.kv_scales
-        per_token = self.kv_cache.layer_scales()  # int8: each layer's views of its scales
+        per_token = self.kv_cache.layer_scales()  # int8: each slot's views of its scales
         if per_token is not None:
+            if self.layer_groups is not None:  # a model layer's slot in its group's blocks
+                per_token = self.layer_groups.layer_caches(per_token)
             for layer, scales in zip(self.model.layers, per_token, strict=True):
                 layer.self_attn.kv_scales = scales
         # Each model layer's (K, V) views: its group's slot of the blocks with KV cache groups.

@@ -254,7 +254,9 @@ class Scheduler:
                and len(self.running) + len(self.loading) < self.config.max_num_seqs):
             request = self.waiting[0]
             computed_blocks, num_hit_tokens = self._prefix_hits(request)
-            num_external = (0 if self.kv_connector is None or request.wants_prompt_logprobs else
+            # A sub-block hit ends inside a block: the store (whole blocks) is not asked then.
+            num_external = (0 if self.kv_connector is None or request.wants_prompt_logprobs
+                            or num_hit_tokens % self.block_size else
                             self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens))
             if (self._pending_hashes and not request.wants_prompt_logprobs
                     and self._next_block_is_pending(request, num_hit_tokens // self.block_size)):
@@ -270,7 +272,8 @@ class Scheduler:
             # With store tokens, only their blocks now: the rest is computed once they loaded.
             blocks = kv.allocate_slots(request, num_external or num_new, computed_blocks,
                                        num_hit_tokens, delay_cache_blocks=True,
-                                       apply_watermark=True)
+                                       apply_watermark=True,
+                                       num_external_computed_tokens=num_external)
             if blocks is None:
                 break
             self.waiting.pop(0)
@@ -303,6 +306,8 @@ class Scheduler:
             self.loading.remove(request)
             num_hit_tokens = request.num_computed_tokens
             request.num_computed_tokens += num_loaded
+            # Blocks whose bytes never arrived are computed into fresh blocks.
+            self.kv_cache_manager.trim_blocks(request, request.num_computed_tokens)
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             self._start_running(request, num_hit_tokens)
 

@@ -5,7 +5,10 @@ work.
 Scheduler side (`StoreConnectorScheduler`, called by the Scheduler; no tier I/O but lookups):
   1. `get_num_new_matched_tokens(request, n)`: after the device prefix hit of `n` tokens and
      before allocation, how many more prompt tokens the store holds (consecutive full blocks by
-     chained hash, the first miss stops; the last prompt token is always computed). The answer
+     chained hash, the first miss stops; the last prompt token is always computed). With KV
+     cache groups every group's blocks are stored under keys naming the group, and the answer
+     follows each group's hit rule (kv/hit_rule.py: a sliding group needs only the blocks its
+     window reaches back to), as do the blocks loaded and the tokens a partial load serves. The answer
      is cached on the request (`request.kv_store_lookup`) until it is admitted, so a request
      that waits several steps costs one tier lookup (for Redis, one round trip), not one a step.
   2. `update_state_after_alloc(request, n, num_external)`: once blocks are allocated for those
@@ -46,10 +49,12 @@ import concurrent.futures
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedkv.kv.hit_rule import longest_servable_prefix
 from pagedkv.store.lookup import store_matched_tokens
 from pagedkv.store.payload import Payload, copy_payload_into, host_rows, rows_to_host
 from pagedkv.store.tiered import BlockMeta, TieredKVStore
@@ -108,12 +113,27 @@ class FinishedLoads:
         return done
 
 
+def _block_meta(request: Request, hashes: list[bytes], i: int, block_size: int,
+                group_idx: int | None = None) -> BlockMeta:
+    return BlockMeta(hashes[i], hashes[i - 1] if i > 0 else None,
+                     tuple(request.all_token_ids[i * block_size:(i + 1) * block_size]), group_idx)
+
+
 def _block_metas(request: Request, hashes: list[bytes], start: int, end: int,
                  block_size: int) -> list[BlockMeta]:
-    tokens = request.all_token_ids
-    return [BlockMeta(hashes[i], hashes[i - 1] if i > 0 else None,
-                      tuple(tokens[i * block_size:(i + 1) * block_size]))
-            for i in range(start, end)]
+    return [_block_meta(request, hashes, i, block_size) for i in range(start, end)]
+
+
+@dataclass
+class _PlannedLoad:
+    """A started load as the scheduler side keeps it: with KV cache groups, the (block, group)
+    of each of the job's metas and the blocks [start, end) it was planned to serve."""
+
+    job: LoadJob
+    request: Request
+    blocks: list[tuple[int, int]] | None = None
+    start: int = 0
+    end: int = 0
 
 
 class StoreConnectorScheduler:
@@ -124,9 +144,13 @@ class StoreConnectorScheduler:
         self.store = store
         self.kv = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
+        # KV cache groups: each group's blocks needed before a hit point (None: all of them;
+        # hit_rule.py); None with one group.
+        self.window_blocks: list[int | None] | None = getattr(kv_cache_manager,
+                                                              "window_blocks", None)
         self.finished = finished
         self._job_ids = itertools.count()
-        self._jobs: dict[int, tuple[LoadJob, Request]] = {}  # started, outcome not yet taken
+        self._jobs: dict[int, _PlannedLoad] = {}  # started, outcome not yet taken
         self._job_of_request: dict[str, int] = {}
         self._new_loads: list[LoadJob] = []
         self._cancelled: list[int] = []
@@ -138,9 +162,25 @@ class StoreConnectorScheduler:
         """Tokens after the first `num_computed_tokens` that the store can provide. Looks the
         tiers up once per admission (`store_matched_tokens`)."""
         tokens, looked_up = store_matched_tokens(request, num_computed_tokens, self.kv,
-                                                 self.store.lookup)
+                                                 self._lookup)
         self.num_lookups += looked_up
         return tokens
+
+    def _lookup(self, hashes: Sequence[bytes]) -> int:
+        """Of `hashes` (the blocks after the device hit), how many leading blocks the tiers can
+        serve: consecutive ones with one group; with KV cache groups, by each group's hit rule
+        (a sliding group needs only the blocks its window reaches back to from the hit point)."""
+        if self.window_blocks is None:
+            return self.store.lookup(hashes)
+        num_groups = len(self.window_blocks)
+        present = self.store.holds([(h, g) for h in hashes for g in range(num_groups)])
+        return longest_servable_prefix(0, len(hashes), self.window_blocks,
+                                       lambda g, i: present[i * num_groups + g])
+
+    def _group_blocks(self, start: int, end: int) -> list[tuple[int, int]]:
+        """(block, group) of every block a hit up to `end` needs from the tiers, block-major."""
+        return [(i, g) for i in range(start, end) for g, need in enumerate(self.window_blocks)
+                if need is None or i >= end - need]
 
     def update_state_after_alloc(self, request: Request, num_computed_tokens: int,
                                  num_external_tokens: int) -> None:
@@ -151,10 +191,18 @@ class StoreConnectorScheduler:
         start = num_computed_tokens // bs
         end = start + num_external_tokens // bs
         hashes = self.kv.get_block_hashes(request.request_id)
-        block_ids = self.kv.get_block_ids(request.request_id)[start:end]
-        job = LoadJob(next(self._job_ids), request.request_id, block_ids,
-                      _block_metas(request, hashes, start, end, bs))
-        self._jobs[job.job_id] = (job, request)
+        if self.window_blocks is None:
+            job = LoadJob(next(self._job_ids), request.request_id,
+                          self.kv.get_block_ids(request.request_id)[start:end],
+                          _block_metas(request, hashes, start, end, bs))
+            self._jobs[job.job_id] = _PlannedLoad(job, request)
+        else:  # each group's blocks into that group's table
+            blocks = self._group_blocks(start, end)
+            tables = self.kv.get_group_block_ids(request.request_id)
+            job = LoadJob(next(self._job_ids), request.request_id,
+                          [tables[g][i] for i, g in blocks],
+                          [_block_meta(request, hashes, i, bs, g) for i, g in blocks])
+            self._jobs[job.job_id] = _PlannedLoad(job, request, blocks, start, end)
         self._job_of_request[request.request_id] = job.job_id
         self._new_loads.append(job)
 
@@ -163,16 +211,26 @@ class StoreConnectorScheduler:
         applied since the last call; cancelled loads are left out."""
         out = []
         for job_id, num_blocks in self.finished.take():
-            entry = self._jobs.pop(job_id, None)
-            if entry is None:
+            planned = self._jobs.pop(job_id, None)
+            if planned is None:
                 continue
-            job, request = entry
-            del self._job_of_request[job.request_id]
-            loaded = num_blocks * self.block_size
+            del self._job_of_request[planned.job.request_id]
+            loaded, wanted = self._loaded_tokens(planned, num_blocks)
             self.num_loaded_tokens += loaded
-            self.num_failed_load_tokens += len(job.block_ids) * self.block_size - loaded
-            out.append((request, loaded))
+            self.num_failed_load_tokens += wanted - loaded
+            out.append((planned.request, loaded))
         return out
+
+    def _loaded_tokens(self, planned: _PlannedLoad, num_blocks: int) -> tuple[int, int]:
+        """(tokens the job's first `num_blocks` intact blocks serve, tokens it was planned to
+        serve); with KV cache groups by each group's hit rule over the blocks that arrived."""
+        bs = self.block_size
+        if planned.blocks is None:
+            return num_blocks * bs, len(planned.job.block_ids) * bs
+        arrived = set(planned.blocks[:num_blocks])
+        end = longest_servable_prefix(planned.start, planned.end, self.window_blocks,
+                                      lambda g, i: (i, g) in arrived)
+        return (end - planned.start) * bs, (planned.end - planned.start) * bs
 
     def request_finished(self, request: Request) -> None:
         """`request` ended while its load was in flight: cancel the load (its blocks are freed
@@ -211,10 +269,15 @@ class StoreConnectorScheduler:
                 continue
             hashes = self.kv.update_block_hashes(request)
             end = min(end, len(hashes))
-            table = scheduled.block_table
-            saves.extend((table[i], m) for i, m in zip(
-                range(first, end), _block_metas(request, hashes, first, end, bs), strict=True)
-                if table[i] != 0)
+            if scheduled.group_block_tables is None:
+                table = scheduled.block_table
+                saves.extend((table[i], m) for i, m in zip(
+                    range(first, end), _block_metas(request, hashes, first, end, bs),
+                    strict=True) if table[i] != 0)
+                continue
+            for g, table in enumerate(scheduled.group_block_tables):  # every group's blocks
+                saves.extend((table[i], _block_meta(request, hashes, i, bs, g))
+                             for i in range(first, end) if table[i] != 0)
         return saves
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
+from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
 from pagedkv.kv.sizes import GiB
 from pagedkv.store.identity import model_identity
 from pagedkv.store.payload import pin_host_memory
@@ -64,7 +65,9 @@ def build_kv_store(args: EngineArgs, spec: KVCacheSpec, weight_files: list,
     configured): a block is `spec.page_size_bytes` bytes laid out as `KVCache.LAYOUT`.
     `dtype_tag` says what the bytes mean (`KVCache.dtype_tag()`: the cache dtype and, for
     fp8, every layer's scales; default the spec's dtype): part of every key, as is `shard`
-    (`shard_tag`: which tensor-parallel rank's heads the blocks hold)."""
+    (`shard_tag`: which tensor-parallel rank's heads the blocks hold). So is the layout, KV
+    cache groups included: a store written by a grouped layout is never read by an all-full
+    one (a block of one holds other layers than a block of the other), and back."""
     if not args.uses_kv_store:
         return None
     from pagedkv.model.kv_cache import KVCache
@@ -77,7 +80,8 @@ def build_kv_store(args: EngineArgs, spec: KVCacheSpec, weight_files: list,
                               spec.block_size)
     block_bytes = spec.page_size_bytes
     return TieredKVStore(build_tiers(args, block_bytes, pin_memory), identity, block_bytes,
-                         spec.block_size, enable_events=enable_events)
+                         spec.block_size, enable_events=enable_events,
+                         grouped=isinstance(spec, HybridKVCacheSpec))
 
 
 def store_connector_worker(args: EngineArgs, runner: ModelRunner,
@@ -99,10 +103,12 @@ def attach_kv_store(args: EngineArgs, sliding_window: int | None, runner: Execut
                     scheduler: Scheduler, enable_events: bool) -> TieredKVStore | None:
     """Build every rank's store and plug the connector halves into `scheduler` and the
     runners (sets their `kv_connector`). Returns rank 0's store (the one the scheduler looks
-    up); None, and nothing plugged, when no tier is configured."""
+    up); None, and nothing plugged, when no tier is configured. KV cache groups (sliding
+    groups beside full ones) are stored per group; a model whose every layer slides (one
+    sliding group) is refused."""
     if not args.uses_kv_store:
         return None
-    if sliding_window is not None:
+    if sliding_window is not None and not isinstance(runner.kv_cache_spec, HybridKVCacheSpec):
         raise ValueError("the KV store (kv_offloading_*) does not support sliding-window models "
                          f"(sliding_window={sliding_window})")
     from pagedkv.store.connector import StoreConnectorScheduler

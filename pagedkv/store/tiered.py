@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from pagedkv.events import wire
+from pagedkv.kv.hashing import group_key_suffix, split_group_key
 from pagedkv.store.identity import block_key
 from pagedkv.store.payload import Payload, payload_nbytes
 from pagedkv.store.stats import TierStats
@@ -38,11 +39,14 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class BlockMeta:
-    """One block's chained hash, its parent's (None for a first block) and its tokens."""
+    """One block's chained hash, its parent's (None for a first block) and its tokens; with KV
+    cache groups (a model mixing attention types) the group whose block it is, part of its key
+    (`group_key_suffix`: group 0's key is the plain hash's) and of its events."""
 
     block_hash: bytes
     parent_hash: bytes | None
     token_ids: tuple[int, ...]
+    group_idx: int | None = None
 
 
 class TieredKVStore:
@@ -51,7 +55,9 @@ class TieredKVStore:
 
     def __init__(self, tiers: Sequence[KVTier], identity: bytes, block_bytes: int,
                  block_size: int, enable_events: bool = False, max_pending_saves: int = 256,
-                 num_load_threads: int = 4) -> None:
+                 num_load_threads: int = 4, grouped: bool = False) -> None:
+        """`grouped`: the blocks are KV cache groups' (BlockMeta.group_idx set); events then
+        name every block's group, group 0 included."""
         if not tiers:
             raise ValueError("a TieredKVStore needs at least one tier")
         self.tiers = list(tiers)
@@ -59,6 +65,7 @@ class TieredKVStore:
         self.block_bytes = block_bytes
         self.block_size = block_size
         self.enable_events = enable_events
+        self.grouped = grouped
         self.stats = {t.name: TierStats(t.name, t.medium) for t in self.tiers}
         for tier in self.tiers:
             tier.record_removals = enable_events
@@ -70,13 +77,23 @@ class TieredKVStore:
         self._saver.start()
         self._loader = ThreadPoolExecutor(num_load_threads, thread_name_prefix="kv-store-load")
 
-    def key(self, block_hash: bytes) -> bytes:
-        return block_key(self.identity, block_hash)
+    def key(self, block_hash: bytes, group_idx: int | None = None) -> bytes:
+        """The store key of a block hash (of KV cache group `group_idx`'s block)."""
+        return block_key(self.identity, block_hash + group_key_suffix(group_idx or 0))
 
     # ---- lookup and load (engine thread) -------------------------------------------------
     def lookup(self, block_hashes: Sequence[bytes]) -> int:
         """Leading blocks of `block_hashes` held by some tier."""
-        keys = [self.key(h) for h in block_hashes]
+        present = self.holds([(h, None) for h in block_hashes])
+        n = 0
+        while n < len(present) and present[n]:
+            n += 1
+        return n
+
+    def holds(self, blocks: Sequence[tuple[bytes, int | None]]) -> list[bool]:
+        """Whether some tier holds each (block hash, KV cache group) block (one query per
+        tier for all of them)."""
+        keys = [self.key(h, g) for h, g in blocks]
         present = [False] * len(keys)
         for tier in self.tiers:
             missing = [i for i, p in enumerate(present) if not p]
@@ -85,10 +102,7 @@ class TieredKVStore:
             for i, found in zip(missing, tier.contains_many([keys[i] for i in missing]),
                                 strict=True):
                 present[i] = found
-        n = 0
-        while n < len(present) and present[n]:
-            n += 1
-        return n
+        return present
 
     def load_async(self, metas: Sequence[BlockMeta],
                    finish: Callable[[list[Payload]], T]) -> Future[T]:
@@ -98,7 +112,7 @@ class TieredKVStore:
 
     def load(self, metas: Sequence[BlockMeta]) -> list[Payload]:
         """Payloads of the leading blocks found and verified (see module docstring)."""
-        keys = [self.key(m.block_hash) for m in metas]
+        keys = [self.key(m.block_hash, m.group_idx) for m in metas]
         payloads: list[Payload | None] = [None] * len(keys)
         found_in: list[int] = [-1] * len(keys)
         limit = len(keys)
@@ -164,7 +178,8 @@ class TieredKVStore:
     def _save(self, metas: list[BlockMeta], make_payloads: Callable[[], Sequence[Payload]],
               tiers: list[KVTier]) -> None:
         payloads = make_payloads()
-        items = [(self.key(m.block_hash), p) for m, p in zip(metas, payloads, strict=True)]
+        items = [(self.key(m.block_hash, m.group_idx), p)
+                 for m, p in zip(metas, payloads, strict=True)]
         by_key = {key: meta for key, meta in zip((k for k, _ in items), metas, strict=True)}
         for tier in tiers:
             start = time.perf_counter()
@@ -176,9 +191,11 @@ class TieredKVStore:
                 stats.bytes_written += len(new) * self.block_bytes
                 stats.save_seconds.observe(elapsed)
             if self.enable_events and new:
-                self._add_events([wire.block_stored(
-                    [by_key[k].block_hash], by_key[k].parent_hash, list(by_key[k].token_ids),
-                    self.block_size, medium=tier.medium) for k in new])
+                self._add_events([self._stored_event(by_key[k], tier.medium) for k in new])
+
+    def _stored_event(self, meta: BlockMeta, medium: str) -> wire.BlockStored:
+        return wire.block_stored([meta.block_hash], meta.parent_hash, list(meta.token_ids),
+                                 self.block_size, medium=medium, group_idx=meta.group_idx)
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every queued save is written (tests, shutdown)."""
@@ -197,9 +214,12 @@ class TieredKVStore:
             return []
         n = len(self.identity)
         for tier in self.tiers:
-            removed = [k[n:] for k in tier.take_removed() if k[:n] == self.identity]
-            if removed:
-                self._add_events([wire.BlockRemoved(block_hashes=removed, medium=tier.medium)])
+            removed = [split_group_key(k[n:]) for k in tier.take_removed()
+                       if k[:n] == self.identity]
+            for group_idx in sorted({g for _, g in removed}):  # one event per KV cache group
+                self._add_events([wire.BlockRemoved(
+                    block_hashes=[h for h, g in removed if g == group_idx], medium=tier.medium,
+                    group_idx=group_idx if self.grouped else None)])
         with self._events_lock:
             events, self._events = self._events, []
         return events

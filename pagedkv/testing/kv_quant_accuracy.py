@@ -28,7 +28,7 @@ from pagedkv.sched.sampling_params import SamplingParams
 def _forward(runner: ModelRunner, request: ScheduledRequest) -> torch.Tensor:
     """Logits [vocab] (float32, CPU) at the last position of `request`'s tokens."""
     reqs, ids, pos, meta = runner.prepare_inputs([request])
-    hidden = runner.model(ids, pos, runner.kv_cache.layers, meta)
+    hidden = runner.model(ids, pos, runner.layer_kv_caches, meta)
     return runner.model.compute_logits(select_logits_rows(reqs).gather(hidden))[0].float().cpu()
 
 
@@ -36,22 +36,27 @@ def _forward(runner: ModelRunner, request: ScheduledRequest) -> torch.Tensor:
 def teacher_forced_logits(runner: ModelRunner, prompt: list[int], continuation: list[int],
                           chunk_size: int = 32) -> torch.Tensor:
     """Logits [len(continuation) + 1, vocab]: after the prompt, then after each continuation
-    token. Uses blocks 1.. of `runner`'s KV cache (overwritten)."""
+    token. Uses blocks 1.. of `runner`'s KV cache (overwritten; with KV cache groups, each
+    group its own run of blocks)."""
     total = len(prompt) + len(continuation)
-    bs = runner.block_size
-    table = list(range(1, -(-total // bs) + 1))
-    if table[-1] >= runner.kv_cache.num_blocks:
-        raise ValueError(f"{total} tokens need {len(table)} blocks, the cache has "
+    n = -(-total // runner.block_size)
+    groups = 1 if runner.layer_groups is None else runner.layer_groups.num_groups
+    tables = [list(range(1 + g * n, 1 + (g + 1) * n)) for g in range(groups)]
+    if groups * n >= runner.kv_cache.num_blocks:
+        raise ValueError(f"{total} tokens need {groups * n} blocks, the cache has "
                          f"{runner.kv_cache.num_blocks - 1}")
     params = SamplingParams(temperature=0.0)
+
+    def request(tokens: list[int], start: int) -> ScheduledRequest:
+        return ScheduledRequest("r", tokens, start, tables[0], params,
+                                group_block_tables=tables if groups > 1 else None)
+
     rows = []
     for start in range(0, len(prompt), chunk_size):
-        chunk = prompt[start:start + chunk_size]
-        logits = _forward(runner, ScheduledRequest("r", chunk, start, table, params))
+        logits = _forward(runner, request(prompt[start:start + chunk_size], start))
     rows.append(logits)
     for i, token in enumerate(continuation):
-        rows.append(_forward(runner, ScheduledRequest("r", [token], len(prompt) + i, table,
-                                                      params)))
+        rows.append(_forward(runner, request([token], len(prompt) + i)))
     return torch.stack(rows)
 
 
@@ -92,7 +97,7 @@ def prompt_logits(runner: ModelRunner, tokens: list[int], chunk_size: int = 256)
         chunk = tokens[start:start + chunk_size]
         _, ids, pos, meta = runner.prepare_inputs([ScheduledRequest("r", chunk, start, table,
                                                                     params)])
-        hidden = runner.model(ids, pos, runner.kv_cache.layers, meta)
+        hidden = runner.model(ids, pos, runner.layer_kv_caches, meta)
         rows.append(runner.model.compute_logits(hidden).float().cpu())
     return torch.cat(rows)
 

@@ -8,6 +8,7 @@ import pytest
 
 from pagedkv import SamplingParams
 from pagedkv.kv.coordinator import HybridKVCacheManager
+from pagedkv.kv.hashing import group_key_suffix
 from pagedkv.kv.manager import KVCacheManager
 from tests.engine.conftest import assert_pool_empty, hf_greedy, make_prompts
 
@@ -95,12 +96,6 @@ def test_disable_hybrid_kv_cache_manager_keeps_full_blocks(make_llm, tiny_gemma3
     assert_pool_empty(llm)
 
 
-def test_kv_store_refuses_kv_cache_groups(make_llm, tiny_gemma2):
-    """The store tiers keep one block per hash: not yet per group, so they refuse clearly."""
-    with pytest.raises(ValueError, match="sliding-window"):
-        make_llm(tiny_gemma2, block_size=4, kv_offloading_size=0.01)
-
-
 @pytest.mark.timeout(60)
 def test_a_prompt_whose_prefill_can_never_fit_ends_with_an_error(make_llm, tiny_gemma3):
     """Admission counts a prefill chunk in every sliding group: a prompt whose one-step prefill
@@ -114,4 +109,68 @@ def test_a_prompt_whose_prefill_can_never_fit_ends_with_an_error(make_llm, tiny_
     prompt = list(range(10, 70))
     out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(tiny_gemma3, prompt, MAX_TOKENS)
+    assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "int8"])
+def test_quantized_kv_cache_with_groups(make_llm, tiny_gemma3, cache_dtype):
+    """fp8 and int8 caches on KV cache groups: every group's slots hold their own layer's
+    quantized KV (int8: with its per-token scales, copied with the blocks), so prefix hits,
+    chunked prefill, recompute and swap give the same tokens, each within the quantized
+    cache's logit bound of the grouped model-dtype cache's best (as for one group)."""
+    from tests.engine.test_kv_cache_dtype import BOUNDS, _assert_near_best
+
+    prompts = make_prompts(seed=5, vocab=400, num=6, lengths=(5, 40))
+    runs = {}
+    for config in sorted(CONFIGS):
+        kwargs = dict(CONFIGS[config], kv_cache_dtype=cache_dtype)
+        if config.startswith("preempt"):
+            kwargs["num_gpu_blocks_override"] = TIGHT_BLOCKS["tiny_gemma3"]
+        llm = make_llm(tiny_gemma3, **kwargs)
+        assert isinstance(llm.llm_engine.scheduler.kv_cache_manager, HybridKVCacheManager)
+        outputs = [o for batch in (prompts[:1], prompts[1:])
+                   for o in llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY,
+                                         use_tqdm=False)]
+        runs[config] = [list(o.outputs[0].token_ids) for o in outputs]
+        stats = llm.llm_engine.get_stats()
+        assert (stats.num_preemptions if config.startswith("preempt")
+                else stats.prefix_cache_hits) > 0, config
+        assert_pool_empty(llm)
+    for config, tokens in runs.items():
+        assert tokens == runs["prefix_caching"], config
+    exact = sum(_assert_near_best(tiny_gemma3, p, t, BOUNDS[cache_dtype])
+                for p, t in zip(prompts, runs["prefix_caching"], strict=True))
+    assert exact >= 0.9 * len(prompts) * MAX_TOKENS
+
+
+def test_quantized_kv_cache_refused_under_softcapping(make_llm, tiny_gemma2):
+    """Gemma 2's soft-capped attention reads the cache in the model's dtype: a quantized
+    cache is refused by name, not silently misread."""
+    with pytest.raises(ValueError, match="'fp8'.*softcapping"):
+        make_llm(tiny_gemma2, block_size=4, kv_cache_dtype="fp8")
+
+
+def test_pinned_prefix_with_groups_survives_a_flood(make_llm, tiny_gemma3):
+    """`LLM.pin_prefix` on Gemma 3 (block 4, window 8): the pin holds the full group's 10
+    prefix blocks and each of the 5 sliding groups' last 2; a flood of other prompts evicts
+    everything else, and the pinned prefix still hits whole with transformers' tokens."""
+    llm = make_llm(tiny_gemma3, block_size=4, num_gpu_blocks_override=80,
+                   max_num_batched_tokens=8)
+    engine = llm.llm_engine
+    pinned = list(range(11, 51))  # 10 full blocks
+    info = llm.pin_prefix({"prompt_token_ids": pinned})
+    assert (info.num_blocks, info.num_tokens, info.num_prompt_blocks) == (10 + 5 * 2, 40, 10)
+    flood = make_prompts(seed=8, vocab=400, num=6, shared_prefix=0, lengths=(40, 40))
+    llm.generate([{"prompt_token_ids": p} for p in flood], GREEDY, use_tqdm=False)
+    engine.check_invariants()
+    kv = engine.scheduler.kv_cache_manager
+    hashes = kv.pins._hashes(pinned, None)
+    sliding = group_key_suffix(1)
+    assert kv.pool.get_cached_block(hashes[0] + sliding) is None  # evicted: not pinned
+    assert kv.pool.get_cached_block(hashes[9] + sliding) is not None  # pinned
+    prompt = pinned + [300, 301, 302]
+    out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 40
+    assert out.outputs[0].token_ids == hf_greedy(tiny_gemma3, prompt, MAX_TOKENS)
+    assert llm.unpin_prefix({"prompt_token_ids": pinned}).total_pinned_blocks == 0
     assert_pool_empty(llm)

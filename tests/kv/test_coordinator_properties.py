@@ -6,7 +6,8 @@ that position: each group holds different layers). Writes follow each group's ta
 (copy-on-write, swap) are applied as the runner would. After every step: the shared pool's
 invariants, every group's table reads back the request's own K/V at every position its
 attention type still needs (all of them for a full group, the window's for a sliding group),
-and a prefix hit hands every group blocks holding exactly the probe's K/V.
+and a prefix hit hands every group blocks holding exactly the probe's K/V, also a sub-block
+hit (`prefix_match_unit=1`), whose partial blocks every group gets a copy of.
 """
 
 from __future__ import annotations
@@ -25,14 +26,16 @@ BASES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3], [1, 2, 3, 4, 7, 7, 7, 7], [5, 5, 
 class GroupedKVMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([2, 4]), num_blocks=st.integers(10, 40),
                 num_host=st.integers(0, 16), window=st.sampled_from([2, 3, 5, 8]),
-                layers=st.sampled_from([(None, 3), (None, 3, 3), (3, None, 3, 3, 3, 3)]))
-    def setup(self, block_size, num_blocks, num_host, window, layers):
+                layers=st.sampled_from([(None, 3), (None, 3, 3), (3, None, 3, 3, 3, 3)]),
+                unit=st.sampled_from([None, 1]))
+    def setup(self, block_size, num_blocks, num_host, window, layers, unit):
         self.bs = block_size
+        self.unit = unit
         windows = tuple(None if w is None else window for w in layers)
         spec = hybrid_kv_cache_spec(windows, block_size=block_size, num_kv_heads=1,
                                     head_size=4, dtype="float32")
         self.m = HybridKVCacheManager(spec, num_blocks=num_blocks, num_host_blocks=num_host,
-                                      enable_kv_cache_events=True)
+                                      enable_kv_cache_events=True, prefix_match_unit=unit)
         self.windows = [g.sliding_window for g in spec.groups]
         self.dev: dict[int, list] = {}
         self.host: dict[int, list] = {}
@@ -60,7 +63,7 @@ class GroupedKVMachine(RuleBasedStateMachine):
     def _step(self, req: FakeRequest, num_new: int, use_hits: bool) -> bool:
         hits, n = (self.m.get_computed_blocks(req) if use_hits and req.num_computed_tokens == 0
                    else (None, 0))
-        assert n % self.bs == 0 and (n == 0 or n <= req.num_tokens - 1)
+        assert n % (self.unit or self.bs) == 0 and (n == 0 or n <= req.num_tokens - 1)
         num_new = min(num_new, req.num_tokens - req.num_computed_tokens - n)
         if self.m.allocate_slots(req, num_new, hits, n) is None:
             return False
@@ -149,7 +152,7 @@ class GroupedKVMachine(RuleBasedStateMachine):
             if n == 0:
                 assert hits[g] == []
                 continue
-            assert len(hits[g]) == n // self.bs
+            assert len(hits[g]) == -(-n // self.bs)  # a sub-block hit's block last
             for pos in self._needed(g, probe, n):
                 block = hits[g][pos // self.bs]
                 assert not block.is_null

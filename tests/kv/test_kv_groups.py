@@ -3,8 +3,6 @@ each attention type's prefix-hit rule, all-or-nothing allocation, and group-tagg
 
 from __future__ import annotations
 
-import pytest
-
 from pagedkv.kv.coordinator import HybridKVCacheManager
 from pagedkv.kv.events import BlockRemoved, BlockStored
 from pagedkv.kv.hashing import group_key_suffix
@@ -135,6 +133,65 @@ def test_events_carry_group_and_kind_with_plain_hashes():
     mgr.check_invariants()
 
 
-def test_pins_are_refused_with_groups():
-    with pytest.raises(ValueError, match="not supported"):
-        _manager().pin_prefix(list(range(1, 20)))
+def test_pins_hold_each_groups_blocks_by_its_hit_rule():
+    """A pin of a 41-token prompt (10 full blocks) holds the full group's 10 blocks and the
+    sliding group's last 2 (window 8, block 4): a flood evicts everything else, the prefix
+    still hits whole; unpinning gives every block back."""
+    mgr = _manager(max_pinned_fraction=0.5)
+    prompt = list(range(1, 42))
+    a = make_request("a", prompt)
+    prefill(mgr, a)
+    hashes = list(mgr.get_block_hashes("a"))
+    mgr.free(a)
+    info = mgr.pin_prefix(prompt)
+    assert (info.num_blocks, info.num_tokens, info.num_prompt_blocks) == (12, 40, 10)
+    assert mgr.num_pinned_blocks == 12
+    mgr.check_invariants()
+    for i in range(3):  # 22 blocks each, 51 not pinned: every unpinned block is reused
+        flood = make_request(f"f{i}", range(100 + 50 * i, 141 + 50 * i))
+        assert prefill(mgr, flood)[0] is not None
+        mgr.free(flood)
+        mgr.check_invariants()
+    sliding = group_key_suffix(1)
+    assert mgr.pool.get_cached_block(hashes[0] + sliding) is None  # evicted: not pinned
+    assert mgr.pool.get_cached_block(hashes[9] + sliding) is not None  # pinned
+    c = make_request("c", prompt + [500, 501])
+    assert prefill(mgr, c)[1] == 40
+    mgr.free(c)
+    info = mgr.unpin_prefix(prompt)
+    assert (info.num_blocks, info.total_pinned_blocks) == (0, 0)
+    mgr.check_invariants()
+    assert mgr.num_free_blocks == mgr.num_usable_blocks
+
+
+def test_sub_block_hit_copies_every_groups_partial_block():
+    """prefix_match_unit=1: a finished request's partly filled last block, in every group, serves
+    the next requests' hits to the token: each request gets its own copy in each group (the full
+    group after all its blocks, the sliding one after its window's), the cached blocks stay."""
+    mgr = _manager(prefix_match_unit=1)
+    a = make_request("a", range(10, 32))  # 22 tokens: 5 full blocks + 2
+    prefill(mgr, a)
+    mgr.take_block_copies()
+    mgr.free(a)
+    sources = None
+    tables, reqs = [], []
+    for rid, tail in (("b", [99, 98]), ("c", [7])):
+        req = make_request(rid, list(range(10, 32)) + tail)
+        hits, n = mgr.get_computed_blocks(req)
+        assert n == 22 and [len(h) for h in hits] == [6, 6]
+        assert all(b.is_null for b in hits[1][:3])  # before the window (8): nulls
+        assert sources in (None, [h[5].block_id for h in hits])
+        sources = [h[5].block_id for h in hits]
+        mgr.allocate_slots(req, req.num_tokens - n, hits, n)
+        req.num_computed_tokens = req.num_tokens
+        copies = mgr.take_block_copies()
+        ids = mgr.get_group_block_ids(rid)
+        assert sorted(copies) == sorted(zip(sources, [t[5] for t in ids], strict=True))
+        tables.append(ids)
+        reqs.append(req)
+        mgr.check_invariants()
+    assert all(b[5] != c[5] for b, c in zip(*tables, strict=True))  # own copies
+    for req in reqs:
+        mgr.free(req)
+    mgr.check_invariants()
+    assert mgr.num_free_blocks == mgr.num_usable_blocks
