@@ -7,9 +7,12 @@ Zen 3 runs).
 
 The weights are the linears of bench_offline.py's model (hidden 512, intermediate 1408, 8 heads
 of 64, 4 KV heads: qkv, o, gate_up, down) for each of its 8 layers, so a pass streams every
-weight from memory as a decode step does (1 layer at 2,048 rows: a pass is compute). Each path
-runs the pass until 0.2 s have gone (at least 3 times) and keeps its fastest pass; the AVX2 build
-runs in a child process, and the rounds alternate parent and child. Prints ms per pass per path,
+weight from memory as a decode step does (1 layer at 2,048 rows: a pass is compute). A pass's
+time is the sum over its linears of each one's fastest call (30 calls each, 5 at 2,048 rows; the
+paths alternate call by call): robust on a shared machine, where most calls get interrupted.
+With --threads 1 a call's time is this thread's CPU time (time.thread_time), which leaves out
+the time other processes held the core (not what they do to the caches).
+The AVX2 build runs in a child process; the rounds alternate parent and child. Prints ms per pass per path,
 each path's ratio to oneDNN's (above 1: faster), and the load average (a shared machine shows
 there). Needs the fused kernels built (they are, on first use: about a minute per build).
 """
@@ -30,16 +33,21 @@ SHAPES = [(HEAD_DIM * (HEADS + 2 * KV_HEADS), HIDDEN), (HIDDEN, HEAD_DIM * HEADS
           (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]  # [N, K] of qkv, o, gate_up, down
 
 
-def best_pass_ms(fns: list, xs: dict[int, torch.Tensor], min_s: float = 0.2) -> float:
-    """The fastest of repeated passes of fns (each fn(x) with x of its K) in ms."""
-    best, spent, runs = float("inf"), 0.0, 0
-    while spent < min_s or runs < 3:
-        start = time.perf_counter()
-        for k, fn in fns:
-            fn(xs[k])
-        took = time.perf_counter() - start
-        best, spent, runs = min(best, took), spent + took, runs + 1
-    return 1e3 * best
+def best_pass_ms(paths: dict[str, list], xs: dict[int, torch.Tensor], reps: int) -> dict:
+    """{path: ms}: for each path's linears (k, fn), the fastest of `reps` calls of fn(x of
+    width k) each, summed. Paths alternate call by call, so a busy moment hits them alike; the
+    fastest call of each linear is the one no other process interrupted."""
+    # One thread computes in this thread: its CPU time leaves out the time other processes ran.
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    best = {path: [float("inf")] * len(fns) for path, fns in paths.items()}
+    for _ in range(reps):
+        for i in range(len(next(iter(paths.values())))):
+            for path, fns in paths.items():
+                k, fn = fns[i]
+                start = clock()
+                fn(xs[k])
+                best[path][i] = min(best[path][i], clock() - start)
+    return {path: 1e3 * sum(times) for path, times in best.items()}
 
 
 def measure(dtype_name: str, rows_list: list[int], paths: list[str]) -> dict:
@@ -55,14 +63,13 @@ def measure(dtype_name: str, rows_list: list[int], paths: list[str]) -> dict:
                                  torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")),
             "panel": lambda w: (lambda x, p=torch.ops.pagedkv_cpu.pack_panels(w), n=w.shape[0]:
                                 torch.ops.pagedkv_cpu.panel_linear(x, p, n, None))}
-    out: dict = {}
-    for path in paths:
-        fns = [(w.shape[1], made[path](w)) for w in weights]
-        out[path] = {}
-        for rows in rows_list:
-            xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in (HIDDEN, INTERMEDIATE)}
-            layer_fns = fns if rows <= 128 else fns[:len(SHAPES)]
-            out[path][rows] = best_pass_ms(layer_fns, xs)
+    fns = {path: [(w.shape[1], made[path](w)) for w in weights] for path in paths}
+    out: dict = {path: {} for path in paths}
+    for rows in rows_list:
+        xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in (HIDDEN, INTERMEDIATE)}
+        layer_fns = {p: f if rows <= 128 else f[:len(SHAPES)] for p, f in fns.items()}
+        for path, ms in best_pass_ms(layer_fns, xs, 30 if rows <= 128 else 5).items():
+            out[path][rows] = ms
     return out
 
 

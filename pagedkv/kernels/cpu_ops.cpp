@@ -581,7 +581,9 @@ void write_kv_int8_(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales,
 // the first MR rows, from cache after). 16-bit weights are widened in registers (exactly), so
 // they stream half the bytes; with more than MR rows a panel is widened once into a float32
 // scratch instead. Every product is a float32 FMA; x is widened to float32 once, and y is
-// rounded once to x's dtype at the end.
+// rounded once to x's dtype at the end. That is the 8-wide (AVX2) path, Zen 3's; where AVX-512
+// is compiled in, the 16-wide path further down runs instead (PAGEDKV_CPU_ISA=avx2 builds the
+// 8-wide one on an AVX-512 machine; panel_isa() says which a build runs).
 constexpr int64_t PANEL = 16;
 constexpr int MR = 6;  // rows of x per pass: 2 x MR accumulators + 2 weight vectors <= 16 ymm
 
@@ -738,15 +740,21 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& panels, const floa
 #if defined(__AVX512F__)
 // ---- 16-wide panels (AVX-512): one zmm per panel row ----------------------------------------
 // A tile is R <= MR16 rows of x times P <= NP16 adjacent panels: R x P zmm accumulators (24 of
-// the 32 registers), P weight vectors loaded once per K step (kept in registers) and R
-// broadcasts of x, so the panels stream past once per 12 rows (once per step at decode sizes). float32 and float16 weights (and bfloat16 without AVX512-BF16) are widened to float32
-// in registers and multiplied by float32 x with FMAs, as the 8-wide path. bfloat16 weights on
-// AVX512-BF16 use the paired layout of pack_panels and vdpbf16ps: each instruction adds two K
-// steps' products (x's bfloat16 pair broadcast) into float32 accumulators. x must then be
-// bfloat16 itself (the model's activations are: nothing is rounded that was not already);
-// vdpbf16ps treats bfloat16 subnormal inputs as zero and flushes subnormal sums (DAZ/FTZ).
-constexpr int MR16 = 12, NP16 = 2;
-constexpr int64_t ROW_CHUNK16 = 8 * MR16;  // rows per task when rows are split across threads
+// the 32 registers), P weight vectors loaded once per K step (kept in registers, the next lines
+// prefetched) and R broadcasts of x, so the panels stream past once per 6 rows (once per step
+// at 1-6 rows) and each broadcast feeds 4 products. float32 and float16 weights (and bfloat16
+// without AVX512-BF16) are widened to float32 in registers and multiplied by float32 x with
+// FMAs, as on the 8-wide path. bfloat16 weights on AVX512-BF16 use the paired layout of
+// pack_panels and vdpbf16ps: one instruction adds two K steps' products (x's bfloat16 pair
+// broadcast) into float32 accumulators, so x must be bfloat16 itself (panel_linear takes x in
+// the weights' dtype: nothing is rounded that was not already). Against the 8-wide float32
+// FMAs this adds vdpbf16ps's own rules: bfloat16 subnormal inputs read as zero and subnormal
+// sums are flushed (DAZ/FTZ, whatever MXCSR says), and the pair's two products are added to
+// the accumulator as one step; y is rounded once to bfloat16, as before.
+constexpr int MR16 = 6, NP16 = 4;
+constexpr int64_t ROW_CHUNK16 = 16 * MR16;  // rows per task (at most) when rows are split
+constexpr int64_t X_IN_CACHE16 = 256 << 10;  // bytes of x that stay in a core's L2 for a pass
+constexpr int64_t PREFETCH16 = 16;  // K steps ahead a panel is prefetched (a line per step)
 
 inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 widen16(const c10::BFloat16* p) {
@@ -768,7 +776,9 @@ inline void tile_step(__m512 (&acc)[R][P], const xt* x, int64_t ldx, const wt* w
 #pragma GCC unroll 4
     for (int q = 0; q < P; q++)
     {
-      w[q] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(wp + q * pstride + s * 2 * PANEL));
+      const wt* at = wp + q * pstride + s * 2 * PANEL;
+      _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH16 * 2 * PANEL), _MM_HINT_T0);
+      w[q] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(at));
       asm("" : "+v"(w[q]));  // one load per step, not one per row
     }
 #pragma GCC unroll 16
@@ -784,7 +794,9 @@ inline void tile_step(__m512 (&acc)[R][P], const xt* x, int64_t ldx, const wt* w
     __m512 w[P];
 #pragma GCC unroll 4
     for (int q = 0; q < P; q++) {
-      w[q] = widen16(wp + q * pstride + s * PANEL);
+      const wt* at = wp + q * pstride + s * PANEL;
+      _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH16 * PANEL), _MM_HINT_T0);
+      w[q] = widen16(at);
       asm("" : "+v"(w[q]));  // one load per step, not one per row
     }
 #pragma GCC unroll 16
@@ -844,21 +856,24 @@ constexpr std::array<Tile16<xt, wt>, sizeof...(I)> tile16_table(std::integer_seq
 }
 
 // y [m][n] (in wt) = x [m][ldx] times np panels (`steps` K steps each, pstride elements apart)
-// + bias. Tasks are (group of NP16 panels, chunk of ROW_CHUNK16 rows), group-major, so a
-// thread's contiguous tasks reuse one group from its cache; a chunk's rows are dealt evenly to
-// its tiles (14 rows: 7 + 7, not 12 + 2). Writes y only.
+// + bias. Tasks are (group of NP16 panels, chunk of <= ROW_CHUNK16 rows; chunks even), group-
+// major while x fits in cache (each weight read from memory once), chunk-major for a large x
+// (a chunk of x stays in cache while every panel streams past it). A chunk's rows are dealt
+// evenly to its tiles (8 rows: 4 + 4, not 6 + 2). Writes y only.
 template <typename xt, typename wt>
 void panel_linear16(const xt* xp, int64_t m, int64_t ldx, const wt* wp, int64_t np,
                     int64_t steps, int64_t pstride, const float* bias, wt* yp, int64_t n) {
   static constexpr auto table =
       tile16_table<xt, wt>(std::make_integer_sequence<int, MR16 * NP16>{});
   const int64_t groups = (np + NP16 - 1) / NP16, chunks = (m + ROW_CHUNK16 - 1) / ROW_CHUNK16;
+  const bool x_in_cache = m * ldx * static_cast<int64_t>(sizeof(xt)) <= X_IN_CACHE16;
   at::parallel_for(0, groups * chunks, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; t++) {
-      const int64_t g = t / chunks, p0 = g * NP16, col0 = p0 * PANEL;
+      const int64_t g = x_in_cache ? t / chunks : t % groups;
+      const int64_t c = x_in_cache ? t % chunks : t / groups;
+      const int64_t p0 = g * NP16, col0 = p0 * PANEL;
       const int64_t panels = std::min<int64_t>(NP16, np - p0), nc = n - col0;
-      const int64_t r_begin = (t % chunks) * ROW_CHUNK16;
-      const int64_t rows = std::min(m, r_begin + ROW_CHUNK16) - r_begin;
+      const int64_t r_begin = c * m / chunks, rows = (c + 1) * m / chunks - r_begin;
       const int64_t tiles = (rows + MR16 - 1) / MR16;
       for (int64_t i = 0, r0 = r_begin; i < tiles; i++) {
         const int64_t tile_rows = rows / tiles + (i < rows % tiles);
@@ -876,7 +891,8 @@ void panel_linear16(const xt* xp, int64_t m, int64_t ldx, const wt* wp, int64_t 
 // bias [n] float32 or None -> y [M, n] in x's dtype (float32 accumulation, one rounding).
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
                          const std::optional<at::Tensor>& bias) {
-  const bool pairs = panels.dim() == 4;  // pack_panels' vdpbf16ps layout
+  // pack_panels' vdpbf16ps layout; it cannot tell an odd K from K + 1 (layers.Linear checks).
+  const bool pairs = panels.dim() == 4;
   const int64_t k = x.dim() == 2 ? x.size(1) : -1;
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 + pairs && panels.size(2) == PANEL &&
                   (pairs ? panels.size(3) == 2 && panels.size(1) == (k + 1) / 2
