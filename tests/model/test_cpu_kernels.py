@@ -261,3 +261,22 @@ def test_16bit_linear_is_prepared_for_the_cpu_and_matches_the_16bit_product(dtyp
     close(f32(x.float()), F.linear(x.float(), f32.weight, f32.bias), torch.float32)
     close(f32(x.float()[:, None, :]).squeeze(1), F.linear(x.float(), f32.weight, f32.bias),
           torch.float32)  # 3-D input: the plain product
+
+
+def test_a_bfloat16_model_through_the_panels_agrees_with_the_reference_path(tiny_llama):
+    """The tiny llama in bfloat16, teacher-forced: the fused kernels (every linear on this
+    build's panels: vdpbf16ps on AVX512-BF16) against the pure-torch path (oneDNN's or a
+    float32 copy's linears), the same greedy tokens and logits within bfloat16 rounding."""
+    from pagedkv.model.runner import ModelRunner
+    from pagedkv.testing.kv_quant_accuracy import compare_logits, teacher_forced_logits
+
+    prompt, cont = list(range(5, 45)), list(range(60, 72))
+    runners = [ModelRunner(tiny_llama, block_size=4, num_blocks=16, device="cpu",
+                           dtype="bfloat16", cpu_kernels=mode) for mode in ("wait", "off")]
+    got, want = (teacher_forced_logits(r, prompt, cont, chunk_size=16) for r in runners)
+    linears = [m for m in runners[0].model.modules() if getattr(m, "_panels", None) is not None]
+    assert len(linears) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; the LM head
+    assert all(m._panels.dim() == (4 if panel_isa() == "avx512_bf16" else 3) for m in linears)
+    cmp = compare_logits(want, got)
+    assert cmp.greedy_agreement == 1.0, cmp
+    assert 0.0 < cmp.max_abs_error <= 2 ** -6 * cmp.logit_range, cmp
