@@ -27,7 +27,7 @@ def error_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                 out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(float64 F.linear of the inputs, the elementwise bound above)."""
     xd, wd = x.detach().double(), w.detach().double()
-    bd = None if b is None else b.double()
+    bd = None if b is None else b.detach().double()
     want = F.linear(xd, wd, bd)
     scale = xd.abs() @ wd.abs().T + (0.0 if bd is None else bd.abs())
     acc = (x.shape[1] + 1) * 2.0 ** -24 * scale
