@@ -9,7 +9,8 @@ The weights are the linears of bench_offline.py's model (hidden 512, intermediat
 of 64, 4 KV heads: qkv, o, gate_up, down) for each of its 8 layers, so a pass streams every
 weight from memory as a decode step does (1 layer at 2,048 rows: a pass is compute). A pass's
 time is the sum over its linears of each one's fastest call (30 calls each, 5 at 2,048 rows; the
-paths alternate call by call): robust on a shared machine, where most calls get interrupted.
+paths alternate call by call, after one untimed call each): robust on a shared machine, where
+most calls get interrupted.
 With --threads 1 a call's time is this thread's CPU time (time.thread_time), which leaves out
 the time other processes held the core (not what they do to the caches).
 The AVX2 build runs in a child process; the rounds alternate parent and child. Prints ms per pass per path,
@@ -40,6 +41,9 @@ def best_pass_ms(paths: dict[str, list], xs: dict[int, torch.Tensor], reps: int)
     # One thread computes in this thread: its CPU time leaves out the time other processes ran.
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     best = {path: [float("inf")] * len(fns) for path, fns in paths.items()}
+    for fns in paths.values():  # untimed: the allocator's first big outputs fault their pages in
+        for k, fn in fns:
+            fn(xs[k])
     for _ in range(reps):
         for i in range(len(next(iter(paths.values())))):
             for path, fns in paths.items():
@@ -53,8 +57,10 @@ def best_pass_ms(paths: dict[str, list], xs: dict[int, torch.Tensor], reps: int)
 def measure(dtype_name: str, rows_list: list[int], paths: list[str]) -> dict:
     """{path: {rows: ms}} for this process's build; paths among "onednn" and "panel"."""
     from pagedkv.kernels.cpu import ensure_cpu_kernels
+    from pagedkv.model.cpu_memory import keep_freed_memory
 
     ensure_cpu_kernels("wait")
+    keep_freed_memory()  # the engine's malloc settings: no page faults for each new output
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen).to(dtype) / k ** 0.5
