@@ -4,6 +4,7 @@
         [--kv-cache-dtype fp8]
     .venv/bin/python benchmarks/bench_offline.py --device cuda [--enforce-eager]  (gpu_offline.py)
     .venv/bin/python benchmarks/bench_offline.py --vs-vllm /tmp/vllm-venv/bin/python [--busy 2]
+    .venv/bin/python benchmarks/bench_offline.py --vs-env PAGEDKV_CPU_ISA=avx2 [--dtypes bfloat16]
     .venv/bin/python benchmarks/bench_offline.py --tensor-parallel-size 2  (bench_tensor_parallel.py)
 
 1. The same random-weight Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1408)
@@ -20,6 +21,8 @@
    max_num_batched_tokens 2048, prefix caching on, the same 4 GiB KV budget. Prints tok/s per
    run, the ratio of the medians, whether greedy tokens agree, and the load average at start
    and end. --busy N spins N more processes throughout (the shared-machine case).
+   --vs-env NAME=VALUE: the same, pagedkv against pagedkv with that environment variable set
+   (a baseline of the same engine: e.g. PAGEDKV_CPU_ISA=avx2, the linears before AVX-512).
 
 transformers is a test dependency: install with `pip install -e '.[dev]'` (make test does).
 """
@@ -235,12 +238,14 @@ def start_burners(count: int) -> list[subprocess.Popen]:
 
 
 def vs_vllm(args: argparse.Namespace, base: Path) -> dict:
-    """pagedkv and vLLM side by side, alternating, on the issue's workloads; prints the table."""
+    """pagedkv and vLLM side by side (or, with --vs-env, pagedkv and pagedkv with an environment
+    variable set: the baseline), alternating, on the issue's workloads; prints the table."""
     report: dict = {"load_start": os.getloadavg(), "busy_processes": args.busy, "rows": []}
     print(f"load average at start: {report['load_start'][0]:.2f}; busy processes: {args.busy}",
           flush=True)
     burners = start_burners(args.busy)
     here = Path(__file__).resolve()
+    other = "vllm" if args.vs_vllm else "baseline"
     try:
         for dtype in args.dtypes.split(","):
             model_dir = base / f"llama-512x8-{dtype}"
@@ -251,16 +256,21 @@ def vs_vllm(args: argparse.Namespace, base: Path) -> dict:
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
             spec = json.dumps(dict(model=str(model_dir), dtype=dtype, vocab=vocab,
                                    threads=args.threads, **VS_ENGINE))
-            sides = [Side("pagedkv", [sys.executable, str(here), "--worker", spec], dict(os.environ)),
-                     Side("vllm", [args.vs_vllm, str(here.with_name("vllm_offline_worker.py")),
-                                   spec], vllm_env(args.vs_vllm, args.threads))]
+            ours = [sys.executable, str(here), "--worker", spec]
+            if args.vs_vllm:
+                theirs = Side(other, [args.vs_vllm, str(here.with_name("vllm_offline_worker.py")),
+                                      spec], vllm_env(args.vs_vllm, args.threads))
+            else:
+                name, _, value = args.vs_env.partition("=")
+                theirs = Side(other, ours, dict(os.environ, **{name: value}))
+            sides = [Side("pagedkv", ours, dict(os.environ)), theirs]
             try:
-                for name in ("mixed", "shared_prefix"):
-                    results: dict[str, list] = {"pagedkv": [], "vllm": []}
+                for workload_name in ("mixed", "shared_prefix"):
+                    results: dict[str, list] = {"pagedkv": [], other: []}
                     for r in range(args.rounds):
                         for side in sides if r % 2 == 0 else sides[::-1]:
-                            results[side.name].append(side.run(name))
-                    report["rows"].append(_vs_row(dtype, name, results))
+                            results[side.name].append(side.run(workload_name))
+                    report["rows"].append(_vs_row(dtype, workload_name, results, other))
             finally:
                 for side in sides:
                     side.close()
@@ -272,16 +282,16 @@ def vs_vllm(args: argparse.Namespace, base: Path) -> dict:
     return report
 
 
-def _vs_row(dtype: str, name: str, results: dict[str, list]) -> dict:
+def _vs_row(dtype: str, name: str, results: dict[str, list], other: str) -> dict:
     ours = [r["tokens_per_s"] for r in results["pagedkv"]]
-    theirs = [r["tokens_per_s"] for r in results["vllm"]]
-    a, b = results["pagedkv"][0]["tokens"], results["vllm"][0]["tokens"]
+    theirs = [r["tokens_per_s"] for r in results[other]]
+    a, b = results["pagedkv"][0]["tokens"], results[other][0]["tokens"]
     same = sum(x == y for x, y in zip(a, b, strict=True))
     ratio = statistics.median(ours) / statistics.median(theirs)
-    print(f"[{dtype}] {name}: pagedkv {' / '.join(f'{x:,.0f}' for x in ours)} tok/s, vLLM "
-          f"{' / '.join(f'{x:,.0f}' for x in theirs)} tok/s: pagedkv / vLLM {ratio:.2f}x "
+    print(f"[{dtype}] {name}: pagedkv {' / '.join(f'{x:,.0f}' for x in ours)} tok/s, {other} "
+          f"{' / '.join(f'{x:,.0f}' for x in theirs)} tok/s: pagedkv / {other} {ratio:.2f}x "
           f"(medians); greedy tokens identical on {same}/{len(a)} prompts", flush=True)
-    return dict(dtype=dtype, workload=name, pagedkv=ours, vllm=theirs, ratio=ratio,
+    return dict(dtype=dtype, workload=name, pagedkv=ours, **{other: theirs}, ratio=ratio,
                 identical_prompts=same, prompts=len(a))
 
 
@@ -304,7 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vs-vllm", metavar="PYTHON", default=None,
                         help="side by side with vLLM in this interpreter (a venv with vLLM's CPU "
                              "build, see the README): both workloads, alternating")
-    parser.add_argument("--rounds", type=int, default=2, help="--vs-vllm: runs per engine")
+    parser.add_argument("--vs-env", metavar="NAME=VALUE", default=None,
+                        help="as --vs-vllm, against pagedkv run with this environment variable "
+                             "(the old path: PAGEDKV_CPU_ISA=avx2 keeps 8-wide panels, and "
+                             "oneDNN for bfloat16 on a CPU with native bfloat16)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="--vs-vllm / --vs-env: runs per engine")
     parser.add_argument("--busy", type=int, default=0,
                         help="--vs-vllm: spin this many other processes during every run")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -335,7 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         pagedkv_worker(json.loads(args.worker))
         return 0
-    if args.vs_vllm:
+    if args.vs_vllm or args.vs_env:
+        if args.vs_env and "=" not in args.vs_env:
+            raise ValueError(f"--vs-env must be NAME=VALUE, got {args.vs_env!r}")
         with tempfile.TemporaryDirectory() as tmp:
             report = vs_vllm(args, Path(args.model_dir or tmp))
         if args.json:

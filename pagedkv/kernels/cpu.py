@@ -158,6 +158,20 @@ def ensure_cpu_kernels(mode: str = "auto") -> bool:
     return False
 
 
+# The panel paths (`panel_isa()`) that beat oneDNN's pre-packed bfloat16 linear on a CPU where
+# oneDNN has native bfloat16: vdpbf16ps panels, measured on a Zen 4 (benchmarks/
+# bench_panel_linear.py). Elsewhere (an AVX2 or plain AVX-512 build: bfloat16 widened to
+# float32) oneDNN keeps bfloat16 weights where it has native bfloat16 (never measured against
+# the panels there); without native bfloat16 in oneDNN the panels take every dtype.
+PANELS_BEAT_ONEDNN_BF16 = ("avx512_bf16",)
+
+
+def panel_isa() -> str | None:
+    """The loaded build's panel_linear path ("avx512_bf16", "avx512" or "avx2"; None before the
+    kernels load)."""
+    return str(torch.ops.pagedkv_cpu.panel_isa()) if _state["loaded"] else None
+
+
 def cpu_kernels_loaded() -> bool:
     """Whether `torch.ops.pagedkv_cpu` is usable in this process (cheap; read every step)."""
     return _state["loaded"]

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pagedkv.kernels.cpu import PANELS_BEAT_ONEDNN_BF16, panel_isa
 from pagedkv.model.ops import LayerOps, RopeInputs, rms_norm_reference
 
 
@@ -109,6 +110,14 @@ def onednn_bf16_available(weight: torch.Tensor) -> bool:
         return False
 
 
+def use_panels(weight: torch.Tensor) -> bool:
+    """Whether `weight` runs faster through panel_linear than through oneDNN (the fused CPU
+    kernels loaded): always, except bfloat16 where oneDNN has native bfloat16 and the build's
+    panels do not (kernels.cpu.PANELS_BEAT_ONEDNN_BF16)."""
+    return (not onednn_bf16_available(weight)
+            or panel_isa() in PANELS_BEAT_ONEDNN_BF16)
+
+
 class Linear(nn.Linear):
     """nn.Linear whose weight can be prepared once for the CPU (CPU only; `pack`).
 
@@ -116,13 +125,18 @@ class Linear(nn.Linear):
       the weight is re-laid in panels of 16 output columns for `pagedkv_cpu::panel_linear`
       (kernels/cpu_ops.cpp), float32 accumulation in registers while each panel streams past
       once. float32, and bfloat16/float16 kept at 16 bits (widened in registers, exactly), so a
-      16-bit model streams half the bytes. On a 2-core Zen 3, against oneDNN's pre-packed
-      float32 linear: 1.4-1.5x at 1-8 rows (decode steps stream every weight; this runs near
-      the memory bandwidth), 1.1-1.2x at 32-128, about 1.1x at 2,048 (prefill); bfloat16
-      weights at about float32's speed, against a tenth of it for torch's own 16-bit matmul
-      on CPUs without 16-bit dot products. Results differ from F.linear's only in float32
-      summation order (and one rounding to a 16-bit activation dtype at the end).
-      bfloat16 on a CPU with native bfloat16 dot products keeps oneDNN (below).
+      16-bit model streams half the bytes. 8 lanes with AVX2 (Zen 3), 16 where AVX-512 is
+      compiled in. On a 2-core Zen 3, against oneDNN's pre-packed float32 linear: 1.4-1.5x at
+      1-8 rows (decode steps stream every weight; this runs near the memory bandwidth),
+      1.1-1.2x at 32-128, about 1.1x at 2,048 (prefill); bfloat16 weights at about float32's
+      speed, against a tenth of it for torch's own 16-bit matmul on CPUs without 16-bit dot
+      products. Results differ from F.linear's only in float32 summation order (and one
+      rounding to a 16-bit activation dtype at the end).
+      bfloat16 on a CPU where oneDNN has native bfloat16 dot products: panels where the build
+      has the vdpbf16ps path (AVX512-BF16: pairs of K per instruction, x already bfloat16, so
+      the same inputs as oneDNN's bfloat16 kernel; see cpu_ops.cpp for its DAZ/FTZ rules),
+      which beat oneDNN's on a Zen 4 at decode sizes (benchmarks/bench_panel_linear.py);
+      oneDNN's otherwise (`use_panels`).
     - Otherwise, float32, and bfloat16 where oneDNN has native bfloat16 (AVX512-BF16 or AMX):
       pre-packed for oneDNN (a second copy), 1.3-2x MKL's F.linear at decode sizes.
     - bfloat16 / float16 without native 16-bit dot products and without the kernels: a float32
@@ -142,7 +156,7 @@ class Linear(nn.Linear):
         w = self.weight.detach()
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return False
-        if panels and not onednn_bf16_available(w):
+        if panels and use_panels(w):
             self._panels = torch.ops.pagedkv_cpu.pack_panels(w)
             return True
         if onednn_bf16_available(w) or (w.dtype == torch.float32
@@ -161,6 +175,9 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.device.type == "cpu":
             if self._panels is not None:
+                if x.shape[1] != self.in_features:  # (paired panels cannot tell K from K + 1)
+                    raise RuntimeError(f"Linear: x has {x.shape[1]} features, not "
+                                       f"{self.in_features}")
                 return torch.ops.pagedkv_cpu.panel_linear(x, self._panels, self.out_features,
                                                           self.bias)
             if self._packed is not None:

@@ -3,6 +3,7 @@ replace, op by op and through a whole attention call; and the build's fallback."
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,11 +12,12 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from pagedkv.kernels.cpu import ensure_cpu_kernels
+from pagedkv.kernels.cpu import PANELS_BEAT_ONEDNN_BF16, _cpu_flags, ensure_cpu_kernels, panel_isa
 from pagedkv.model.attention import AttentionMetadata, PrefillChunk, decode_attention
 from pagedkv.model.backends.cpu_native import NativeAttentionMetadata
 from pagedkv.model.layers import RotaryEmbedding
 from pagedkv.model.ops import LayerOps, apply_rope_reference, rms_norm_reference
+from pagedkv.testing.panel_linear_check import check_panel_linear, worst_ratio
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # float32: summation order only; bf16/fp16: the kernels round where the reference rounds.
@@ -38,22 +40,58 @@ def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
     assert float((a.float() - b.float()).abs().max()) <= TOL[dtype] * scale
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64])
-def test_panel_linear_matches_f_linear(dtype, rows):
-    """Every remainder of the 6-row passes, a column count that is no multiple of the 16-wide
-    panels, bias and none; 16-bit weights widened in registers (<= 6 rows) or once per panel."""
-    torch.manual_seed(rows)
-    w, b = torch.randn(37, 72, dtype=dtype), torch.randn(37, dtype=dtype)
-    x = torch.randn(rows, 72, dtype=dtype)
-    panels = torch.ops.pagedkv_cpu.pack_panels(w)
-    assert panels.shape == (3, 72, 16) and panels.dtype == dtype
-    assert torch.equal(panels[2, :, 5:], torch.zeros(72, 11, dtype=dtype))  # padding columns
-    for bias in (b, None):
-        got = torch.ops.pagedkv_cpu.panel_linear(x, panels, 37, bias)
-        want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
-        assert got.dtype == dtype and got.shape == (rows, 37)
-        close(got, want.to(dtype), dtype)
+def expected_panel_isa() -> str:
+    """The panel path a native build must pick on this CPU (from its feature flags)."""
+    flags = set(_cpu_flags().split())
+    if os.environ.get("PAGEDKV_CPU_ISA") == "avx2" or "avx512f" not in flags:
+        return "avx2"
+    return "avx512_bf16" if "avx512_bf16" in flags else "avx512"
+
+
+def test_panel_linear_is_within_the_rounding_bound_of_float64():
+    """Every dtype, tile remainder, column and K padding (panel_linear_check's bound: float32
+    accumulation plus one rounding to the dtype, against float64 F.linear of the same
+    inputs); the build runs the CPU's widest path, and the packing holds W exactly."""
+    got = check_panel_linear()
+    assert got["isa"] == expected_panel_isa()
+    assert got["packed_exactly"]
+    for dtype in ("float32", "bfloat16", "float16"):
+        assert 0.0 < got[dtype] <= 1.0, (dtype, got)
+
+
+def test_onednn_bfloat16_meets_the_same_bound_and_the_rule_picks_panels_over_it():
+    """The bound is the one the replaced path meets too (oneDNN's pre-packed bfloat16 linear);
+    Linear.pack takes the panels for bfloat16 exactly where the build has the vdpbf16ps path."""
+    from pagedkv.model.layers import Linear, onednn_bf16_available
+
+    torch.manual_seed(3)
+    layer = Linear(71, 100, bias=True).to(torch.bfloat16)
+    x = torch.randn(13, 71, dtype=torch.bfloat16)
+    assert layer.pack(panels=True)
+    assert "avx512_bf16" in PANELS_BEAT_ONEDNN_BF16
+    assert (layer._panels is not None) is (panel_isa() == "avx512_bf16"
+                                           or not onednn_bf16_available(layer.weight))
+    assert worst_ratio(layer(x), x, layer.weight, layer.bias) <= 1.0
+    if onednn_bf16_available(layer.weight):
+        packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 64)
+        onednn = torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
+        assert 0.0 < worst_ratio(onednn, x, layer.weight, layer.bias) <= 1.0
+
+
+@pytest.mark.slow
+def test_the_avx2_build_of_panel_linear_is_within_the_bound_too():
+    """PAGEDKV_CPU_ISA=avx2 (Zen 3's 8-wide code, another library: a child process) passes the
+    same check; so both paths are tested on an AVX-512 machine."""
+    env = {**os.environ, "PAGEDKV_CPU_ISA": "avx2"}
+    code = ("import json; from pagedkv.testing.panel_linear_check import check_panel_linear; "
+            "print(json.dumps(check_panel_linear()))")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["isa"] == "avx2" and got["packed_exactly"]
+    for dtype in ("float32", "bfloat16", "float16"):
+        assert 0.0 < got[dtype] <= 1.0, (dtype, got)
 
 
 def test_linear_uses_panels_once_packed_and_rejects_misfits():
@@ -70,6 +108,10 @@ def test_linear_uses_panels_once_packed_and_rejects_misfits():
         torch.ops.pagedkv_cpu.panel_linear(torch.randn(2, 41), layer._panels, 24, None)
     with pytest.raises(RuntimeError, match="weights"):
         torch.ops.pagedkv_cpu.panel_linear(x.double(), layer._panels, 24, None)
+    odd = Linear(41, 24, bias=False).to(torch.bfloat16)  # paired layout: K 41 padded to 42
+    assert odd.pack(panels=True)
+    with pytest.raises(RuntimeError, match="42"):
+        odd(torch.randn(2, 42, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -219,3 +261,22 @@ def test_16bit_linear_is_prepared_for_the_cpu_and_matches_the_16bit_product(dtyp
     close(f32(x.float()), F.linear(x.float(), f32.weight, f32.bias), torch.float32)
     close(f32(x.float()[:, None, :]).squeeze(1), F.linear(x.float(), f32.weight, f32.bias),
           torch.float32)  # 3-D input: the plain product
+
+
+def test_a_bfloat16_model_through_the_panels_agrees_with_the_reference_path(tiny_llama):
+    """The tiny llama in bfloat16, teacher-forced: the fused kernels (every linear on this
+    build's panels: vdpbf16ps on AVX512-BF16) against the pure-torch path (oneDNN's or a
+    float32 copy's linears), the same greedy tokens and logits within bfloat16 rounding."""
+    from pagedkv.model.runner import ModelRunner
+    from pagedkv.testing.kv_quant_accuracy import compare_logits, teacher_forced_logits
+
+    prompt, cont = list(range(5, 45)), list(range(60, 72))
+    runners = [ModelRunner(tiny_llama, block_size=4, num_blocks=16, device="cpu",
+                           dtype="bfloat16", cpu_kernels=mode) for mode in ("wait", "off")]
+    got, want = (teacher_forced_logits(r, prompt, cont, chunk_size=16) for r in runners)
+    linears = [m for m in runners[0].model.modules() if getattr(m, "_panels", None) is not None]
+    assert len(linears) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; the LM head
+    assert all(m._panels.dim() == (4 if panel_isa() == "avx512_bf16" else 3) for m in linears)
+    cmp = compare_logits(want, got)
+    assert cmp.greedy_agreement == 1.0, cmp
+    assert 0.0 < cmp.max_abs_error <= 2 ** -6 * cmp.logit_range, cmp
