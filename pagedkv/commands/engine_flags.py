@@ -61,6 +61,7 @@ _HELP: dict[str, str] = {
     "kv_offloading_disk_size": "GiB the disk tier may use",
     "kv_offloading_remote_url": "Redis URL of the KV store's shared tier, e.g. redis://127.0.0.1:6379",
     "enforce_eager": "no CUDA graphs: run every decode step eagerly",
+    "async_scheduling": "build the next step while the forward pass runs (same tokens)",
     "cpu_kernels": "CPU: fused C++ kernels; auto: build in the background on first use and "
                    "switch once built; wait: build before starting; off: pure torch",
     "cpu_threads": "CPU: compute threads (default: the cores other processes leave free, "

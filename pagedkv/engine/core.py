@@ -25,6 +25,7 @@ from pagedkv.engine.kv_setup import (
     resolve_max_num_batched_tokens,
 )
 from pagedkv.engine.messages import CoreOutput, EngineCoreRequest, EngineReady, params_from_wire
+from pagedkv.engine.overlap import OverlappedStepper
 from pagedkv.engine.stats import EngineStats, IterationTokens
 from pagedkv.events.config import parse_kv_events_config
 from pagedkv.events.publisher import make_event_publisher, to_wire_events
@@ -106,6 +107,9 @@ class EngineCore:
         self._closers = [weakref.finalize(self, closable.close)
                          for closable in (self.kv_store, self.event_publisher)
                          if closable is not None]
+        self.overlap: OverlappedStepper | None = None
+        if args.async_scheduling:  # (refused with a KV store: EngineArgs.validate)
+            self.overlap = OverlappedStepper(self, str(resolve_device(args.device)))
 
     def _profile_memory(self, args: EngineArgs) -> GpuMemoryProfile:
         """(CUDA, no explicit KV size) This engine's weights and the peak activation of a
@@ -145,6 +149,8 @@ class EngineCore:
         memory. Idempotent."""
         if self.runner is None:
             return
+        if self.overlap is not None:
+            self.overlap.close()
         self.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
         for close in self._closers:
             close()
@@ -182,19 +188,36 @@ class EngineCore:
 
     def step(self) -> list[CoreOutput]:
         """Schedule, run the model, apply the sampled tokens; the new tokens (and finishes) of
-        each sample that progressed. [] when there was nothing to do."""
+        each sample that progressed. [] when there was nothing to do. With `async_scheduling`
+        the forward pass runs on after this returns (overlap.py): the outputs are the step
+        before's, and the next step is built while the forward runs."""
         if self.runner is None:
             raise RuntimeError("the engine was shut down")
+        if self.overlap is not None:
+            return self.overlap.step()
         scheduler_output = self.scheduler.schedule()
+        return self.apply_step(scheduler_output, self.execute(scheduler_output))
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | Exception:
+        """Run the model on one step (any one thread at a time). An empty step does not reach
+        the runner (a step with only finished ids does: it drops their sampling state). A
+        failure comes back as the exception (it ends only this step's requests), except
+        `EngineFatalError` (e.g. a tensor-parallel rank died), which ends the engine."""
         if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
-            result = ModelRunnerOutput()
-        else:  # also when only finished ids: the runner drops their sampling state
-            try:
-                result = self.runner.execute(scheduler_output)
-            except EngineFatalError:  # e.g. a tensor-parallel rank died: the engine ends
-                raise
-            except Exception as exc:  # ends only this step's requests
-                return self._fail_step(scheduler_output, exc)
+            return ModelRunnerOutput()
+        try:
+            return self.runner.execute(scheduler_output)
+        except EngineFatalError:
+            raise
+        except Exception as exc:
+            return exc
+
+    def apply_step(self, scheduler_output: SchedulerOutput,
+                   result: ModelRunnerOutput | Exception) -> list[CoreOutput]:
+        """Apply a step's result (`execute`'s) to the scheduler; its outputs. Mutates the
+        scheduler, the KV manager and the stats; publishes the step's KV events."""
+        if isinstance(result, Exception):
+            return self._fail_step(scheduler_output, result)
         if scheduler_output.scheduled:
             self.iteration_tokens.observe(sum(len(s.token_ids) for s in scheduler_output.scheduled))
         changed = self.scheduler.update(scheduler_output, result)
