@@ -271,7 +271,7 @@ class EngineCore:
             if request.first_scheduled_time is not None and not request.reported_scheduled:
                 out.first_scheduled_time = request.first_scheduled_time
                 request.reported_scheduled = True
-            if (request.wants_prompt_logprobs and request.sample_index == 0
+            if (request.sampling_params.prompt_logprobs is not None and request.sample_index == 0
                     and len(request.prompt_logprobs) != request.num_prompt_logprobs_reported):
                 out.prompt_logprobs = list(request.prompt_logprobs)
                 request.num_prompt_logprobs_reported = len(request.prompt_logprobs)

@@ -65,8 +65,12 @@ class IncrementalDetokenizer:
         """Append tokens; returns the stop string found in the new text, else None."""
         if self.stopped:
             return None
-        self._ids.extend(new_token_ids)
-        delta = self._decode_new(new_token_ids)
+        self._ids += new_token_ids
+        stream = self._stream
+        if stream is not None:  # one call into tokenizers (the fast path)
+            delta = stream(new_token_ids[0] if len(new_token_ids) == 1 else new_token_ids)
+        else:
+            delta = self._decode_new()
         if delta is None:
             return None  # wait for the rest of a multi-byte character
         self._prefix_offset = self._read_offset
@@ -78,10 +82,9 @@ class IncrementalDetokenizer:
             self._prefix_offset = 0
         return self._append(delta)
 
-    def _decode_new(self, new_token_ids: list[int]) -> str | None:
-        """The text the new tokens complete, or None while a character is incomplete."""
-        if self._stream is not None:
-            return self._stream(new_token_ids[0] if len(new_token_ids) == 1 else new_token_ids)
+    def _decode_new(self) -> str | None:
+        """(The slow path, two decodes) the text the new tokens complete, or None while a
+        character is incomplete."""
         decode = self.tokenizer.decode
         prefix = decode(self._ids[self._prefix_offset:self._read_offset], self.skip_special_tokens)
         full = decode(self._ids[self._prefix_offset:], self.skip_special_tokens)
@@ -106,6 +109,9 @@ class IncrementalDetokenizer:
                 self._append(delta)
 
     def _append(self, delta: str) -> str | None:
+        if not self.stop:
+            self.text += delta
+            return None
         start = max(0, len(self.text) - self.max_stop_len + 1)
         self.text += delta
         hits = [(at, stop) for stop in self.stop if (at := self.text.find(stop, start)) != -1]

@@ -181,7 +181,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens + request.num_placeholders
+            num_new = min(len(request.all_token_ids) + request.num_placeholders
                           - request.num_computed_tokens - request.num_tokens_ahead, budget)
             if num_new <= 0:
                 index += 1
@@ -358,9 +358,10 @@ class Scheduler:
                                                  or hashes[num_hit_blocks] in self._running_hashes)
 
     def _note_pending_prompt_blocks(self, request: Request, start: int, num_new: int) -> None:
-        """Remember the hashes of the prompt blocks that this step fills (caching only)."""
+        """Remember the hashes of the prompt blocks that this step fills from `start`, inside
+        the prompt (caching only)."""
         kv = self.kv_cache_manager
-        if not kv.enable_caching or start >= request.num_prompt_tokens:
+        if not kv.enable_caching:
             return
         hashes = kv.update_block_hashes(request)
         end = min(start + num_new, request.num_prompt_tokens) // self.block_size
@@ -378,17 +379,19 @@ class Scheduler:
         """Append the request's share of this step to `out` (one of its two reusable
         ScheduledRequests) and count it as scheduled ahead until `update()` applies it."""
         start = request.num_computed_tokens + request.num_tokens_ahead
-        self._note_pending_prompt_blocks(request, start, num_new)
-        num_outputs = request.num_output_tokens + request.num_placeholders
+        if start < request.num_prompt_tokens:
+            self._note_pending_prompt_blocks(request, start, num_new)
+        all_tokens = request.all_token_ids
+        num_outputs = len(request.output_token_ids) + request.num_placeholders
         num_samples = 0
-        if start + num_new == request.num_tokens + request.num_placeholders:  # reaches the end
+        if start + num_new == len(all_tokens) + request.num_placeholders:  # reaches the end
             first_sample = num_outputs == 0 and request.parent_id is None
             num_samples = request.sampling_params.n if first_sample else 1
-        token_ids = request.all_token_ids[start:start + num_new]
+        token_ids = all_tokens[start:start + num_new]
         if len(token_ids) < num_new:  # tokens the running step samples: filled in later
             token_ids += [PLACEHOLDER_TOKEN_ID] * (num_new - len(token_ids))
         prompt_logprob_rows = 0
-        if request.wants_prompt_logprobs:
+        if request.sampling_params.prompt_logprobs is not None:
             prompt_logprob_rows = max(min(start + num_new, request.num_prompt_tokens - 1) - start, 0)
         kv = self.kv_cache_manager
         scheduled = request.scheduled_slots[self._slot]
@@ -402,7 +405,8 @@ class Scheduler:
             scheduled.start_pos = start
         scheduled.block_table = kv.get_block_ids(request.request_id)
         scheduled.num_samples = num_samples
-        scheduled.banned_token_ids = self._banned(request, num_outputs) if num_samples else ()
+        scheduled.banned_token_ids = self._banned(request, num_outputs) if num_samples and (
+            num_outputs < request.sampling_params.min_tokens or request.bad_words_token_ids) else ()
         scheduled.num_prompt_logprob_rows = prompt_logprob_rows
         scheduled.grammar = request.structured_output if num_samples else None
         scheduled.group_block_tables = kv.get_group_block_ids(request.request_id)
@@ -458,6 +462,9 @@ class Scheduler:
         self.ended_in_schedule = []
         self._unapplied = [u for u in self._unapplied if u[0] is not out]
         kv = self.kv_cache_manager
+        caching = kv.enable_caching
+        sampled, logprobs_of = result.sampled_token_ids, result.logprobs
+        prompt_logprobs_of = result.prompt_logprobs
         for scheduled in out.scheduled:
             request = self.requests.get(scheduled.request_id)
             if request is None or not self._owns(request, scheduled):  # ended while it ran
@@ -465,11 +472,13 @@ class Scheduler:
             num_new = len(scheduled.token_ids)
             request.num_tokens_ahead -= num_new
             request.num_computed_tokens += num_new
-            kv.cache_blocks(request, request.num_computed_tokens)
-            prompt_logprobs = result.prompt_logprobs.get(request.request_id)
-            if prompt_logprobs is not None:  # a recompute overwrites what it computes again
-                del request.prompt_logprobs[scheduled.start_pos:]
-                request.prompt_logprobs.extend(prompt_logprobs)
+            if caching:
+                kv.cache_blocks(request, request.num_computed_tokens)
+            if prompt_logprobs_of:
+                prompt_logprobs = prompt_logprobs_of.get(request.request_id)
+                if prompt_logprobs is not None:  # a recompute overwrites what it computes again
+                    del request.prompt_logprobs[scheduled.start_pos:]
+                    request.prompt_logprobs.extend(prompt_logprobs)
             if scheduled.num_samples == 0:
                 continue
             request.num_placeholders -= 1
@@ -478,9 +487,16 @@ class Scheduler:
                 self._finish(request, RequestStatus.FINISHED_STOPPED, None)
                 changed.append(request)
                 continue
-            tokens = result.sampled_token_ids[request.request_id]
-            logprobs = result.logprobs.get(request.request_id)
-            if len(tokens) == 1:  # the usual case: no children to fork
+            tokens = sampled[request.request_id]
+            if len(tokens) == 1 and grammar is None and not logprobs_of:  # the usual case
+                token_id = tokens[0]
+                request.output_token_ids.append(token_id)
+                request.all_token_ids.append(token_id)
+                changed.append(request)
+                self._check_stop(request)
+                continue
+            logprobs = logprobs_of.get(request.request_id)
+            if len(tokens) == 1:  # no children to fork
                 self._append_token(request, tokens[0], logprobs[0] if logprobs else None)
                 changed.append(request)
                 self._check_stop(request)
@@ -536,7 +552,8 @@ class Scheduler:
 
     def _check_stop(self, request: Request) -> None:
         params = request.sampling_params
-        token_id = request.output_token_ids[-1]
+        outputs = request.output_token_ids
+        token_id = outputs[-1]
         grammar = request.structured_output
         if grammar is not None and request.error is not None:
             self._finish(request, RequestStatus.FINISHED_ERROR, request.error)
@@ -545,15 +562,15 @@ class Scheduler:
             self._finish(request, RequestStatus.FINISHED_STOPPED,
                          token_id if token_id in params.stop_token_ids else None)
             return
-        if request.num_output_tokens >= params.min_tokens:
+        if len(outputs) >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 self._finish(request, RequestStatus.FINISHED_STOPPED, None)
                 return
             if token_id in params.stop_token_ids:
                 self._finish(request, RequestStatus.FINISHED_STOPPED, token_id)
                 return
-        if ((params.max_tokens is not None and request.num_output_tokens >= params.max_tokens)
-                or request.num_tokens >= self.config.max_model_len):
+        if ((params.max_tokens is not None and len(outputs) >= params.max_tokens)
+                or len(request.all_token_ids) >= self.config.max_model_len):
             self._finish(request, RequestStatus.FINISHED_LENGTH, None)
 
     # ---- introspection ------------------------------------------------------------------
