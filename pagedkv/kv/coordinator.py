@@ -171,7 +171,8 @@ class HybridKVCacheManager:
     def allocate_slots(self, request: KVRequest, num_new_tokens: int,
                        new_computed_blocks: GroupedBlocks | None = None,
                        num_new_computed_tokens: int = 0, *, delay_cache_blocks: bool = False,
-                       apply_watermark: bool = False) -> list[KVCacheBlock] | None:
+                       apply_watermark: bool = False,
+                       num_tokens_ahead: int = 0) -> list[KVCacheBlock] | None:
         """KVCacheManager.allocate_slots for every group, all or nothing: None (and no group
         changed but for its window's skipped blocks freed) when the pool cannot cover what
         all groups need. Returns group 0's new blocks."""
@@ -195,7 +196,8 @@ class HybridKVCacheManager:
             for group, hits in zip(self.groups, ncb, strict=True):
                 new = group.allocate_slots(request, num_new_tokens, hits,
                                            num_new_computed_tokens,
-                                           delay_cache_blocks=delay_cache_blocks)
+                                           delay_cache_blocks=delay_cache_blocks,
+                                           num_tokens_ahead=num_tokens_ahead)
                 if new is None:  # counted above: cannot happen unless the counts disagree
                     raise RuntimeError(f"group {group.group_idx} could not allocate for "
                                        f"{request.request_id!r} after the pool was checked")

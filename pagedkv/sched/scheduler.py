@@ -221,7 +221,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         preempted = False
         ahead = request.num_tokens_ahead  # allocated already, for the running step
-        while kv.allocate_slots(request, ahead + num_new, delay_cache_blocks=True) is None:
+        while kv.allocate_slots(request, ahead + num_new, delay_cache_blocks=True,
+                                num_tokens_ahead=ahead) is None:
             victim = self._victim(request)
             if victim is None:
                 return False, preempted
