@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/bench_offline.py --device cuda [--enforce-eager]  (gpu_offline.py)
     .venv/bin/python benchmarks/bench_offline.py --vs-vllm /tmp/vllm-venv/bin/python [--busy 2]
     .venv/bin/python benchmarks/bench_offline.py --tensor-parallel-size 2  (bench_tensor_parallel.py)
+    .venv/bin/python benchmarks/bench_offline.py --first-run [--dtypes float32]
 
 1. The same random-weight Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1408)
    and workload through pagedkv (continuous batching) and transformers (static batches of 16,
@@ -20,6 +21,11 @@
    max_num_batched_tokens 2048, prefix caching on, the same 4 GiB KV budget. Prints tok/s per
    run, the ratio of the medians, whether greedy tokens agree, and the load average at start
    and end. --busy N spins N more processes throughout (the shared-machine case).
+
+4. --first-run: a fresh process's first `generate` against its second (issue 26), the mixed
+   workload twice on one new `LLM` (the --vs-vllm settings, no warm-up run), with the engine's
+   start-up warm-up (pagedkv/engine/warmup.py) and, as the baseline in the same run, without it
+   (a fresh process each). Prints both runs' tok/s and the first / second ratio.
 
 transformers is a test dependency: install with `pip install -e '.[dev]'` (make test does).
 """
@@ -148,6 +154,10 @@ def pagedkv_worker(spec: dict) -> None:
     """pagedkv's side of --vs-vllm (this file run with --worker JSON in a subprocess)."""
     from pagedkv import LLM, SamplingParams
 
+    if not spec.get("engine_warmup", True):  # --first-run's baseline: the engine of before
+        from pagedkv.engine.core import EngineCore
+
+        EngineCore._warm_up = lambda self, setup: None
     llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=0, enable_prefix_caching=True,
               block_size=spec["block_size"], max_num_batched_tokens=spec["max_num_batched_tokens"],
               kv_cache_memory_bytes=VS_KV_GIB << 30, cpu_kernels="wait",
@@ -166,7 +176,8 @@ def pagedkv_worker(spec: dict) -> None:
                     threads=torch.get_num_threads(),
                     others_cores=None if gov is None else round(gov.others_cores, 2))
 
-    run("warmup")
+    if spec.get("warmup_run", True):
+        run("warmup")
     worker_loop(run)
 
 
@@ -272,6 +283,40 @@ def vs_vllm(args: argparse.Namespace, base: Path) -> dict:
     return report
 
 
+def first_run(args: argparse.Namespace, base: Path) -> dict:
+    """First vs second `generate` of fresh processes, with and without the engine's warm-up."""
+    report: dict = {"load_start": os.getloadavg(), "rows": []}
+    here = Path(__file__).resolve()
+    for dtype in args.dtypes.split(","):
+        model_dir = base / f"llama-512x8-{dtype}"
+        if not (model_dir / "model.safetensors").exists():
+            from pagedkv.testing.random_model import build_random_model_dir
+
+            build_random_model_dir(model_dir, dtype=dtype, seed=0, **SHAPE)
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        for warm in (False, True):
+            spec = json.dumps(dict(model=str(model_dir), dtype=dtype, vocab=vocab,
+                                   threads=args.threads, warmup_run=False, engine_warmup=warm,
+                                   **VS_ENGINE))
+            start = time.perf_counter()
+            side = Side("pagedkv", [sys.executable, str(here), "--worker", spec], dict(os.environ))
+            ready_s = time.perf_counter() - start
+            try:
+                runs = [side.run("mixed")["tokens_per_s"] for _ in range(2)]
+            finally:
+                side.close()
+            label = "with warm-up" if warm else "without (before)"
+            print(f"[{dtype}] {label}: ready in {ready_s:.1f} s; first run {runs[0]:,.0f} tok/s, "
+                  f"second {runs[1]:,.0f} tok/s: first / second {runs[0] / runs[1]:.2f}",
+                  flush=True)
+            report["rows"].append(dict(dtype=dtype, engine_warmup=warm, ready_s=ready_s,
+                                       tokens_per_s=runs))
+    report["load_end"] = os.getloadavg()
+    print(f"load average at start {report['load_start'][0]:.2f}, at end "
+          f"{report['load_end'][0]:.2f}")
+    return report
+
+
 def _vs_row(dtype: str, name: str, results: dict[str, list]) -> dict:
     ours = [r["tokens_per_s"] for r in results["pagedkv"]]
     theirs = [r["tokens_per_s"] for r in results["vllm"]]
@@ -305,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="side by side with vLLM in this interpreter (a venv with vLLM's CPU "
                              "build, see the README): both workloads, alternating")
     parser.add_argument("--rounds", type=int, default=2, help="--vs-vllm: runs per engine")
+    parser.add_argument("--first-run", action="store_true",
+                        help="a fresh process's first generate vs its second, with and without "
+                             "the engine's start-up warm-up")
     parser.add_argument("--busy", type=int, default=0,
                         help="--vs-vllm: spin this many other processes during every run")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -334,6 +382,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.worker:
         pagedkv_worker(json.loads(args.worker))
+        return 0
+    if args.first_run:
+        with tempfile.TemporaryDirectory() as tmp:
+            report = first_run(args, Path(args.model_dir or tmp))
+        if args.json:
+            print(json.dumps(report, indent=2))
         return 0
     if args.vs_vllm:
         with tempfile.TemporaryDirectory() as tmp:

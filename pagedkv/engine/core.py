@@ -27,6 +27,7 @@ from pagedkv.engine.kv_setup import (
 from pagedkv.engine.messages import CoreOutput, EngineCoreRequest, EngineReady, params_from_wire
 from pagedkv.engine.overlap import OverlappedStepper
 from pagedkv.engine.stats import EngineStats, IterationTokens
+from pagedkv.engine.warmup import warmup_steps
 from pagedkv.events.config import parse_kv_events_config
 from pagedkv.events.publisher import make_event_publisher, to_wire_events
 from pagedkv.kv.manager import KVCacheManager
@@ -78,6 +79,8 @@ class EngineCore:
         if not args.enforce_eager:
             self.runner.capture_cuda_graphs(decode_batch_sizes(args.max_num_seqs),
                                             setup.max_model_len)
+        if resolve_device(args.device).type == "cpu":
+            self._warm_up(setup)
         self.model_config = self.runner.model_config
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
@@ -110,6 +113,16 @@ class EngineCore:
         self.overlap: OverlappedStepper | None = None
         if args.async_scheduling:  # (refused with a KV store: EngineArgs.validate)
             self.overlap = OverlappedStepper(self, str(resolve_device(args.device)))
+
+    def _warm_up(self, setup: KVCacheSetup) -> None:
+        """(CPU) Run the throwaway warm-up steps (warmup.py) through the runner: the first
+        request's steps then run as fast as later ones. Skipped for caches of several KV
+        cache groups (their block tables differ per group)."""
+        if getattr(self.runner, "layer_groups", None) is not None:
+            return
+        for out in warmup_steps(setup.max_num_batched_tokens, self.args.max_num_seqs,
+                                setup.max_model_len, self.args.block_size, setup.num_blocks):
+            self.runner.execute(out)
 
     def _profile_memory(self, args: EngineArgs) -> GpuMemoryProfile:
         """(CUDA, no explicit KV size) This engine's weights and the peak activation of a
