@@ -232,7 +232,7 @@ class EngineCore:
         if isinstance(result, Exception):
             return self._fail_step(scheduler_output, result)
         if scheduler_output.scheduled:
-            self.iteration_tokens.observe(sum(len(s.token_ids) for s in scheduler_output.scheduled))
+            self.iteration_tokens.observe(scheduler_output.total_num_scheduled_tokens)
         changed = self.scheduler.update(scheduler_output, result)
         if self.event_publisher is not None:
             self._publish_kv_events()

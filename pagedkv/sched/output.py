@@ -81,6 +81,8 @@ class SchedulerOutput:
     # The KV store's work for this step (pagedkv.store.connector.StoreConnectorMetadata), None
     # when it has none: loads to start, apply or wait for make a step non-empty.
     kv_connector_metadata: object | None = None
+    # vLLM's total_num_scheduled_tokens: the tokens of `scheduled`, summed.
+    total_num_scheduled_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:

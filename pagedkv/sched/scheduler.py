@@ -412,6 +412,7 @@ class Scheduler:
         scheduled.grammar = request.structured_output if num_samples else None
         scheduled.group_block_tables = kv.get_group_block_ids(request.request_id)
         out.scheduled.append(scheduled)
+        out.total_num_scheduled_tokens += num_new
         request.num_tokens_ahead += num_new
         if num_samples:
             request.num_placeholders += 1
@@ -439,6 +440,7 @@ class Scheduler:
         for scheduled in out.scheduled:
             request = requests.get(scheduled.request_id)
             if request is None or not self._owns(request, scheduled):
+                out.total_num_scheduled_tokens -= len(scheduled.token_ids)
                 continue
             if PLACEHOLDER_TOKEN_ID in scheduled.token_ids:
                 start = scheduled.start_pos

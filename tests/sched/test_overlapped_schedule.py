@@ -41,6 +41,8 @@ def run_overlapped(requests: list[Request], *, num_blocks: int = 512, block_size
                 finished[request.request_id] = request
         sched.fill_placeholders(following)
         assert all(PLACEHOLDER_TOKEN_ID not in s.token_ids for s in following.scheduled)
+        assert following.total_num_scheduled_tokens == sum(
+            len(s.token_ids) for s in following.scheduled)
         sched.check_invariants()
         running = following
         if not sched.has_unfinished_requests():
