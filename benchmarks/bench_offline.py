@@ -383,18 +383,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         pagedkv_worker(json.loads(args.worker))
         return 0
-    if args.first_run:
-        with tempfile.TemporaryDirectory() as tmp:
-            report = first_run(args, Path(args.model_dir or tmp))
-        if args.json:
-            print(json.dumps(report, indent=2))
-        return 0
-    if args.vs_vllm:
-        with tempfile.TemporaryDirectory() as tmp:
-            report = vs_vllm(args, Path(args.model_dir or tmp))
-        if args.json:
-            print(json.dumps(report, indent=2))
-        return 0
+    for wanted, mode in ((args.first_run, first_run), (args.vs_vllm, vs_vllm)):
+        if wanted:
+            with tempfile.TemporaryDirectory() as tmp:
+                report = mode(args, Path(args.model_dir or tmp))
+            if args.json:
+                print(json.dumps(report, indent=2))
+            return 0
     if args.device == "cuda":
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import gpu_offline
