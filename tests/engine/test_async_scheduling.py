@@ -109,3 +109,40 @@ def test_async_scheduling_is_validated():
         EngineArgs(model="m", async_scheduling="yes")
     with pytest.raises(ValueError, match="async_scheduling=True does not support the KV store"):
         EngineArgs(model="m", async_scheduling=True, kv_offloading_size=1.0)
+
+
+def _engine_tokens(engine) -> dict[str, list]:  # noqa: ANN001
+    requests = {"greedy": SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+                "seeded": SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=8,
+                                         ignore_eos=True)}
+    for rid, params in requests.items():
+        engine.add_request(rid, [5, 6, 7, 8, 9, 10], params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [c.token_ids for c in out.outputs]
+    engine.check_invariants()
+    return done
+
+
+def test_core_process_with_async_scheduling(tiny_llama):
+    from pagedkv.engine.llm_engine import LLMEngine
+
+    def args(**kw) -> EngineArgs:  # noqa: ANN003
+        return EngineArgs(model=str(tiny_llama), dtype="float32", block_size=4,
+                          num_gpu_blocks_override=64, max_model_len=128, seed=0,
+                          cpu_threads=1, **kw)
+
+    serial = LLMEngine(args())
+    try:
+        expected = _engine_tokens(serial)
+    finally:
+        serial.shutdown()
+    overlapped = LLMEngine(args(async_scheduling=True), core_process=True)
+    try:
+        assert _engine_tokens(overlapped) == expected
+        assert overlapped.get_stats().num_free_blocks == overlapped.get_stats().num_blocks
+    finally:
+        overlapped.shutdown()
+    assert expected["greedy"] == [hf_greedy(tiny_llama, [5, 6, 7, 8, 9, 10], 10)]
