@@ -251,7 +251,11 @@ class EngineCore:
         return self._outputs(failed + changed)
 
     def fail_all(self, reason: str) -> list[CoreOutput]:
-        """End every request with an internal error (a step raised outside the runner)."""
+        """End every request with an internal error (a step raised outside the runner). With
+        overlapped scheduling the running forward pass is waited for and its step dropped."""
+        if self.overlap is not None:
+            self.overlap.abandon()
+        self.scheduler.forget_unapplied()
         failed = self.scheduler.finish_requests(list(self.scheduler.requests),
                                                 RequestStatus.FINISHED_ERROR,
                                                 f"{STEP_FAILED}: {reason}")

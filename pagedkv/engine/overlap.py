@@ -79,17 +79,14 @@ class OverlappedStepper:
         self._running = (out, self._pool.submit(self.core.execute, out))
         return True
 
-    def finish(self) -> list[CoreOutput]:
-        """Wait for the running step, if any, and apply it: its outputs (nothing is launched)."""
-        if self._running is None:
-            return []
-        out, future = self._running
-        self._running = None
-        return self.core.apply_step(out, future.result())
-
-    def close(self) -> None:
-        """Wait for the running forward pass (its results are dropped) and stop the worker."""
+    def abandon(self) -> None:
+        """Wait for the running forward pass, if any, and drop its step unapplied (the core
+        then ends every request: `EngineCore.fail_all`)."""
         running, self._running = self._running, None
         if running is not None:
             running[1].exception()
+
+    def close(self) -> None:
+        """Wait for the running forward pass (its results are dropped) and stop the worker."""
+        self.abandon()
         self._closer()

@@ -430,6 +430,11 @@ class Scheduler:
             banned = (*banned, *bad_word_bans(request))
         return banned
 
+    def forget_unapplied(self) -> None:
+        """Drop the steps scheduled but never to be applied (a failed engine step; every
+        request is ended next): their prompt blocks no longer count as being computed."""
+        self._unapplied = []
+
     def fill_placeholders(self, out: SchedulerOutput) -> None:
         """(Overlapped scheduling) `out` was built while the step before it ran; that step is
         now applied. Write its sampled tokens over `out`'s placeholders (and the bad-word bans

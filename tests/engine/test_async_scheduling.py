@@ -146,3 +146,23 @@ def test_core_process_with_async_scheduling(tiny_llama):
     finally:
         overlapped.shutdown()
     assert expected["greedy"] == [hf_greedy(tiny_llama, [5, 6, 7, 8, 9, 10], 10)]
+
+
+def test_a_failed_overlapped_step_ends_its_requests_and_the_engine_goes_on(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama, async_scheduling=True, num_gpu_blocks_override=64, block_size=4)
+    engine = llm.llm_engine
+    core = engine.core
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7, 8, 9]}, greedy)
+    engine.step()  # a forward runs; the next step is scheduled ahead of it
+    real = core.scheduler.update
+    core.scheduler.update = lambda *a: (_ for _ in ()).throw(RuntimeError("boom"))
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.step()
+    core.scheduler.update = real
+    outputs = engine.outputs.process(core.fail_all("boom"))[0]  # what the server loop does
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in outputs] == [("a", "error")]
+    engine.check_invariants()
+    assert not core.scheduler._unapplied
+    out = llm.generate({"prompt_token_ids": [5, 6, 7, 8, 9]}, greedy, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(tiny_llama, [5, 6, 7, 8, 9], 6)
