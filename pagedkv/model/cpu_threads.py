@@ -126,9 +126,7 @@ class CpuThreadGovernor:
         busy, own = self._read_ticks(self.cpus)
         if busy is None or own is None:
             return self.threads
-        idle_since = self._last_step_end if self._last_step_end is not None \
-            else None if self._last is None else self._last[0]
-        if idle_since is None or now - idle_since > STALE_S:
+        if self._last is None or now - max(self._last[0], self._last_step_end or 0.0) > STALE_S:
             self._set(self.max_threads)  # first call, or after an idle gap: see STALE_S
             self._interval = FIRST_INTERVAL_S
         else:
