@@ -17,6 +17,11 @@ strings, cumulative outputs: another process with `pagedkv serve`), and the tota
 spread column ((max - min) / median of the repeats' medians) shows the machine's noise.
 
     PYTHONPATH=$PWD python benchmarks/bench_host_overhead.py [--sizes 32,128,256] [--profile 128]
+        [--baseline GIT_REF]
+
+--baseline GIT_REF runs the same measurement on another commit's `pagedkv` (extracted with
+`git archive` into a temporary directory) in alternating subprocesses, and prints both totals
+and their ratio: the before/after of a change, measured under the same machine load.
 
 Target (issue 26): at most 0.5 ms per step at 128 running requests.
 """
@@ -26,9 +31,12 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
-import platform
+import json
+import os
 import pstats
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -146,6 +154,59 @@ def run_size(model_dir: Path, num_requests: int, steps: int, warmup: int,
             "core": total - process, "total": total}
 
 
+def measure(args: argparse.Namespace) -> dict[int, list[dict[str, float]]]:
+    """Each size's per-run results, `args.repeat` runs alternating the sizes."""
+    from pagedkv.testing.random_model import build_random_model_dir
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_random_model_dir(Path(tmp) / "m", seed=0)
+        sizes = [int(s) for s in args.sizes.split(",")]
+        runs: dict[int, list[dict[str, float]]] = {n: [] for n in sizes}
+        for _ in range(args.repeat):  # alternate the sizes: all see the same machine load
+            for n in sizes:
+                runs[n].append(run_size(model_dir, n, args.steps, args.warmup))
+    return runs
+
+
+def _child_totals(tree: str, args: argparse.Namespace) -> dict[int, dict[str, float]]:
+    """One run of every size in a subprocess importing `pagedkv` from `tree`."""
+    cmd = [sys.executable, __file__, "--sizes", args.sizes, "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--repeat", "1", "--json"]
+    env = {**os.environ, "PYTHONPATH": tree}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    return {int(n): r[0] for n, r in json.loads(out.splitlines()[-1]).items()}
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Alternate runs of `args.baseline`'s pagedkv and this tree's; print totals and ratios."""
+    here = str(Path(__file__).resolve().parents[1])
+    with tempfile.TemporaryDirectory() as base:
+        archive = subprocess.run(["git", "-C", here, "archive", args.baseline, "pagedkv"],
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", base], input=archive, check=True)
+        results: dict[str, list[dict[int, dict[str, float]]]] = {"base": [], "this": []}
+        for _ in range(args.repeat):
+            results["base"].append(_child_totals(base, args))
+            results["this"].append(_child_totals(here, args))
+    print(f"host time per decode step, no-op runner, {cpu_name()}; median ms of {args.repeat} "
+          f"alternating runs of {args.steps} steps: {args.baseline} vs this tree")
+    print(f"{'running':>8} {'baseline':>9} {'this':>8} {'ratio':>6}   (this: schedule, update, "
+          "frontend)")
+    for n in results["this"][0]:
+        med = {side: statistics.median(r[n]["total"] for r in runs)
+               for side, runs in results.items()}
+        parts = [statistics.median(r[n][k] for r in results["this"])
+                 for k in ("schedule", "update", "frontend")]
+        print(f"{n:>8} {med['base']:>9.3f} {med['this']:>8.3f} {med['base'] / med['this']:>5.2f}x"
+              f"   ({parts[0]:.3f}, {parts[1]:.3f}, {parts[2]:.3f})")
+
+
+def cpu_name() -> str:
+    from pagedkv.bench.machine import cpu_name as name
+
+    return name()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="32,128,256")
@@ -154,20 +215,25 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--profile", type=int, default=0,
                         help="print a cProfile of the timed steps at this size instead")
+    parser.add_argument("--baseline", default=None, metavar="GIT_REF",
+                        help="also run GIT_REF's pagedkv, alternating, and print the ratio")
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    from pagedkv.testing.random_model import build_random_model_dir
+    if args.baseline:
+        compare(args)
+        return
+    if args.profile:
+        from pagedkv.testing.random_model import build_random_model_dir
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_random_model_dir(Path(tmp) / "m", seed=0)
-        if args.profile:
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = build_random_model_dir(Path(tmp) / "m", seed=0)
             run_size(model_dir, args.profile, args.steps, args.warmup, profile=True)
-            return
-        sizes = [int(s) for s in args.sizes.split(",")]
-        runs: dict[int, list[dict[str, float]]] = {n: [] for n in sizes}
-        for _ in range(args.repeat):  # alternate the sizes: all see the same machine load
-            for n in sizes:
-                runs[n].append(run_size(model_dir, n, args.steps, args.warmup))
-    print(f"host time per decode step, no-op runner ({platform.processor() or platform.machine()}), "
+        return
+    runs = measure(args)
+    if args.json:
+        print(json.dumps(runs))
+        return
+    print(f"host time per decode step, no-op runner ({cpu_name()}), "
           f"median ms over {args.steps} steps, median of {args.repeat} runs")
     print(f"{'running':>8} {'schedule':>9} {'update':>8} {'core':>8} {'frontend':>9} "
           f"{'total':>8} {'spread':>7}")

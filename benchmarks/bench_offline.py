@@ -6,6 +6,7 @@
     .venv/bin/python benchmarks/bench_offline.py --vs-vllm /tmp/vllm-venv/bin/python [--busy 2]
     .venv/bin/python benchmarks/bench_offline.py --vs-env PAGEDKV_CPU_ISA=avx2 [--dtypes bfloat16]
     .venv/bin/python benchmarks/bench_offline.py --tensor-parallel-size 2  (bench_tensor_parallel.py)
+    .venv/bin/python benchmarks/bench_offline.py --first-run [--dtypes float32]
 
 1. The same random-weight Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1408)
    and workload through pagedkv (continuous batching) and transformers (static batches of 16,
@@ -23,6 +24,12 @@
    and end. --busy N spins N more processes throughout (the shared-machine case).
    --vs-env NAME=VALUE: the same, pagedkv against pagedkv with that environment variable set
    (a baseline of the same engine: e.g. PAGEDKV_CPU_ISA=avx2, the linears before AVX-512).
+
+4. --first-run: a fresh process's first `generate` against its second (issue 26), the mixed
+   workload twice on one new `LLM` (the --vs-vllm settings, no warm-up run), with the engine's
+   start-up warm-up (pagedkv/engine/warmup.py) and its thread governor counting a long step
+   as work, and, as the baseline in the same run, without both (a fresh process each). Prints
+   both runs' tok/s and the first / second ratio.
 
 transformers is a test dependency: install with `pip install -e '.[dev]'` (make test does).
 """
@@ -151,6 +158,12 @@ def pagedkv_worker(spec: dict) -> None:
     """pagedkv's side of --vs-vllm (this file run with --worker JSON in a subprocess)."""
     from pagedkv import LLM, SamplingParams
 
+    if not spec.get("engine_warmup", True):  # --first-run's baseline: the engine of before
+        from pagedkv.engine.core import EngineCore
+        from pagedkv.model.cpu_threads import CpuThreadGovernor
+
+        EngineCore._warm_up = lambda self, setup: None
+        CpuThreadGovernor.step_done = lambda self: None  # a long step counted as idle
     llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=0, enable_prefix_caching=True,
               block_size=spec["block_size"], max_num_batched_tokens=spec["max_num_batched_tokens"],
               kv_cache_memory_bytes=VS_KV_GIB << 30, cpu_kernels="wait",
@@ -169,7 +182,8 @@ def pagedkv_worker(spec: dict) -> None:
                     threads=torch.get_num_threads(),
                     others_cores=None if gov is None else round(gov.others_cores, 2))
 
-    run("warmup")
+    if spec.get("warmup_run", True):
+        run("warmup")
     worker_loop(run)
 
 
@@ -282,6 +296,40 @@ def vs_vllm(args: argparse.Namespace, base: Path) -> dict:
     return report
 
 
+def first_run(args: argparse.Namespace, base: Path) -> dict:
+    """First vs second `generate` of fresh processes, with and without the engine's warm-up."""
+    report: dict = {"load_start": os.getloadavg(), "rows": []}
+    here = Path(__file__).resolve()
+    for dtype in args.dtypes.split(","):
+        model_dir = base / f"llama-512x8-{dtype}"
+        if not (model_dir / "model.safetensors").exists():
+            from pagedkv.testing.random_model import build_random_model_dir
+
+            build_random_model_dir(model_dir, dtype=dtype, seed=0, **SHAPE)
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        for warm in (False, True):
+            spec = json.dumps(dict(model=str(model_dir), dtype=dtype, vocab=vocab,
+                                   threads=args.threads, warmup_run=False, engine_warmup=warm,
+                                   **VS_ENGINE))
+            start = time.perf_counter()
+            side = Side("pagedkv", [sys.executable, str(here), "--worker", spec], dict(os.environ))
+            ready_s = time.perf_counter() - start
+            try:
+                runs = [side.run("mixed")["tokens_per_s"] for _ in range(2)]
+            finally:
+                side.close()
+            label = "with warm-up" if warm else "without (before)"
+            print(f"[{dtype}] {label}: ready in {ready_s:.1f} s; first run {runs[0]:,.0f} tok/s, "
+                  f"second {runs[1]:,.0f} tok/s: first / second {runs[0] / runs[1]:.2f}",
+                  flush=True)
+            report["rows"].append(dict(dtype=dtype, engine_warmup=warm, ready_s=ready_s,
+                                       tokens_per_s=runs))
+    report["load_end"] = os.getloadavg()
+    print(f"load average at start {report['load_start'][0]:.2f}, at end "
+          f"{report['load_end'][0]:.2f}")
+    return report
+
+
 def _vs_row(dtype: str, name: str, results: dict[str, list], other: str) -> dict:
     ours = [r["tokens_per_s"] for r in results["pagedkv"]]
     theirs = [r["tokens_per_s"] for r in results[other]]
@@ -320,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
                              "oneDNN for bfloat16 on a CPU with native bfloat16)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="--vs-vllm / --vs-env: runs per engine")
+    parser.add_argument("--first-run", action="store_true",
+                        help="a fresh process's first generate vs its second, with and without "
+                             "the engine's start-up warm-up")
     parser.add_argument("--busy", type=int, default=0,
                         help="--vs-vllm: spin this many other processes during every run")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -350,14 +401,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         pagedkv_worker(json.loads(args.worker))
         return 0
-    if args.vs_vllm or args.vs_env:
-        if args.vs_env and "=" not in args.vs_env:
-            raise ValueError(f"--vs-env must be NAME=VALUE, got {args.vs_env!r}")
-        with tempfile.TemporaryDirectory() as tmp:
-            report = vs_vllm(args, Path(args.model_dir or tmp))
-        if args.json:
-            print(json.dumps(report, indent=2))
-        return 0
+    if args.vs_env and "=" not in args.vs_env:
+        raise ValueError(f"--vs-env must be NAME=VALUE, got {args.vs_env!r}")
+    for wanted, mode in ((args.first_run, first_run), (args.vs_vllm or args.vs_env, vs_vllm)):
+        if wanted:
+            with tempfile.TemporaryDirectory() as tmp:
+                report = mode(args, Path(args.model_dir or tmp))
+            if args.json:
+                print(json.dumps(report, indent=2))
+            return 0
     if args.device == "cuda":
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import gpu_offline

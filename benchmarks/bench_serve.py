@@ -53,7 +53,7 @@ def server_command(kind: str, model_dir: Path, dtype: str, port: int, max_num_se
         return [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                 "--port", str(port), "--host", "127.0.0.1", "--dtype", dtype,
                 "--block-size", str(BLOCK_SIZE), "--max-num-seqs", str(max_num_seqs),
-                "--served-model-name", "m", "--disable-log-requests"], env
+                "--served-model-name", "m"], env
     mode = "process" if kind == "pagedkv" else "inproc"
     return [sys.executable, "-m", "pagedkv.cli", "serve", str(model_dir), "--port", str(port),
             "--dtype", dtype, "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes",

@@ -63,6 +63,7 @@ _HELP: dict[str, str] = {
     "step_log": "append one JSON line per engine step (shape, seconds) to this file, for "
                 "`pagedkv profile --fit-from`",
     "enforce_eager": "no CUDA graphs: run every decode step eagerly",
+    "async_scheduling": "build the next step while the forward pass runs (same tokens)",
     "cpu_kernels": "CPU: fused C++ kernels; auto: build in the background on first use and "
                    "switch once built; wait: build before starting; off: pure torch",
     "cpu_threads": "CPU: compute threads (default: the cores other processes leave free, "

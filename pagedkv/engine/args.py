@@ -58,6 +58,11 @@ class EngineArgs:
     kv_offloading_disk_size: float = 10.0
     kv_offloading_remote_url: str | None = None
     enforce_eager: bool = False
+    # vLLM's async_scheduling: build step N+1's batch while step N's forward pass runs (in a
+    # worker thread), and process step N's outputs while N+1 runs (pagedkv/engine/overlap.py).
+    # Same tokens as the serial loop. Off by default: on a 2-core CPU the host work contends
+    # with the forward for the cores and the GIL (README, "Overlapped scheduling").
+    async_scheduling: bool = False
     # CPU: the fused C++ kernels (pagedkv.kernels.cpu): "auto" | "wait" | "off".
     cpu_kernels: str = "auto"
     # CPU: torch's thread count; None: follow the cores other processes leave free
@@ -136,8 +141,9 @@ class EngineArgs:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         parse_kv_events_config(self.kv_events_config)
         self._validate_offloading()
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.cpu_kernels not in CPU_KERNEL_MODES:
             raise ValueError(f"cpu_kernels must be one of {CPU_KERNEL_MODES}, got {self.cpu_kernels!r}")
         eviction_policy_class(self.eviction_policy)
@@ -176,6 +182,9 @@ class EngineArgs:
         t = self.distributed_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
             raise ValueError(f"distributed_timeout_s must be a number > 0, got {t!r}")
+        if self.async_scheduling and self.uses_kv_store:
+            raise ValueError("async_scheduling=True does not support the KV store "
+                             "(kv_offloading_*) yet: use one or the other")
 
     def _validate_offloading(self) -> None:
         for name in ("kv_offloading_size", "kv_offloading_disk_size"):

@@ -26,7 +26,9 @@ from pagedkv.engine.kv_setup import (
     resolve_max_num_batched_tokens,
 )
 from pagedkv.engine.messages import CoreOutput, EngineCoreRequest, EngineReady, params_from_wire
+from pagedkv.engine.overlap import OverlappedStepper
 from pagedkv.engine.stats import EngineStats, IterationTokens, scheduler_stats
+from pagedkv.engine.warmup import warmup_steps
 from pagedkv.events.config import parse_kv_events_config
 from pagedkv.events.publisher import make_event_publisher, to_wire_events
 from pagedkv.kv.manager import KVCacheManager
@@ -79,6 +81,7 @@ class EngineCore:
         """The rest of __init__ once the executor runs: the KV cache, the scheduler and its KV
         manager, the KV store and the event publisher (sets them on self)."""
         from pagedkv.model.cuda_graphs import decode_batch_sizes
+        from pagedkv.model.runner import resolve_device
 
         if setup is None:
             setup = plan_kv_cache(args, self._profile_memory(args))
@@ -88,6 +91,8 @@ class EngineCore:
         if not args.enforce_eager:
             self.runner.capture_cuda_graphs(decode_batch_sizes(args.max_num_seqs),
                                             setup.max_model_len)
+        if resolve_device(args.device).type == "cpu":
+            self._warm_up(setup)
         self.model_config = self.runner.model_config
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
@@ -123,6 +128,19 @@ class EngineCore:
         self._closers = [weakref.finalize(self, closable.close)
                          for closable in (self.kv_store, self.event_publisher, self.step_log)
                          if closable is not None]
+        self.overlap: OverlappedStepper | None = None
+        if args.async_scheduling:  # (refused with a KV store: EngineArgs.validate)
+            self.overlap = OverlappedStepper(self, str(resolve_device(args.device)))
+
+    def _warm_up(self, setup: KVCacheSetup) -> None:
+        """(CPU) Run the throwaway warm-up steps (warmup.py) through the runner: the first
+        request's steps then run as fast as later ones. Skipped for caches of several KV
+        cache groups (their block tables differ per group)."""
+        if getattr(self.runner, "layer_groups", None) is not None:
+            return
+        for out in warmup_steps(setup.max_num_batched_tokens, self.args.max_num_seqs,
+                                setup.max_model_len, self.args.block_size, setup.num_blocks):
+            self.runner.execute(out)
 
     def _profile_memory(self, args: EngineArgs) -> GpuMemoryProfile:
         """(CUDA, no explicit KV size) This engine's weights and the peak activation of a
@@ -162,6 +180,8 @@ class EngineCore:
         memory. Idempotent."""
         if self.runner is None:
             return
+        if self.overlap is not None:
+            self.overlap.close()
         self.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
         for close in self._closers:
             close()
@@ -199,23 +219,40 @@ class EngineCore:
 
     def step(self) -> list[CoreOutput]:
         """Schedule, run the model, apply the sampled tokens; the new tokens (and finishes) of
-        each sample that progressed. [] when there was nothing to do."""
+        each sample that progressed. [] when there was nothing to do. With `async_scheduling`
+        the forward pass runs on after this returns (overlap.py): the outputs are the step
+        before's, and the next step is built while the forward runs."""
         if self.runner is None:
             raise RuntimeError("the engine was shut down")
         if self.step_log is not None:
             self.step_log.step_started()
+        if self.overlap is not None:
+            return self.overlap.step()
         scheduler_output = self.scheduler.schedule()
+        return self.apply_step(scheduler_output, self.execute(scheduler_output))
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | Exception:
+        """Run the model on one step (any one thread at a time). An empty step does not reach
+        the runner (a step with only finished ids does: it drops their sampling state). A
+        failure comes back as the exception (it ends only this step's requests), except
+        `EngineFatalError` (e.g. a tensor-parallel rank died), which ends the engine."""
         if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
-            result = ModelRunnerOutput()
-        else:  # also when only finished ids: the runner drops their sampling state
-            try:
-                result = self.runner.execute(scheduler_output)
-            except EngineFatalError:  # e.g. a tensor-parallel rank died: the engine ends
-                raise
-            except Exception as exc:  # ends only this step's requests
-                return self._fail_step(scheduler_output, exc)
+            return ModelRunnerOutput()
+        try:
+            return self.runner.execute(scheduler_output)
+        except EngineFatalError:
+            raise
+        except Exception as exc:
+            return exc
+
+    def apply_step(self, scheduler_output: SchedulerOutput,
+                   result: ModelRunnerOutput | Exception) -> list[CoreOutput]:
+        """Apply a step's result (`execute`'s) to the scheduler; its outputs. Mutates the
+        scheduler, the KV manager and the stats; publishes the step's KV events."""
+        if isinstance(result, Exception):
+            return self._fail_step(scheduler_output, result)
         if scheduler_output.scheduled:
-            self.iteration_tokens.observe(sum(len(s.token_ids) for s in scheduler_output.scheduled))
+            self.iteration_tokens.observe(scheduler_output.total_num_scheduled_tokens)
         changed = self.scheduler.update(scheduler_output, result)
         if self.event_publisher is not None:
             self._publish_kv_events()
@@ -237,7 +274,11 @@ class EngineCore:
         return self._outputs(failed + changed)
 
     def fail_all(self, reason: str) -> list[CoreOutput]:
-        """End every request with an internal error (a step raised outside the runner)."""
+        """End every request with an internal error (a step raised outside the runner). With
+        overlapped scheduling the running forward pass is waited for and its step dropped."""
+        if self.overlap is not None:
+            self.overlap.abandon()
+        self.scheduler.forget_unapplied()
         failed = self.scheduler.finish_requests(list(self.scheduler.requests),
                                                 RequestStatus.FINISHED_ERROR,
                                                 f"{STEP_FAILED}: {reason}")
@@ -270,7 +311,7 @@ class EngineCore:
             if request.first_scheduled_time is not None and not request.reported_scheduled:
                 out.first_scheduled_time = request.first_scheduled_time
                 request.reported_scheduled = True
-            if (request.wants_prompt_logprobs and request.sample_index == 0
+            if (request.sampling_params.prompt_logprobs is not None and request.sample_index == 0
                     and len(request.prompt_logprobs) != request.num_prompt_logprobs_reported):
                 out.prompt_logprobs = list(request.prompt_logprobs)
                 request.num_prompt_logprobs_reported = len(request.prompt_logprobs)

@@ -2,15 +2,35 @@
 
 Byte-level tokenizers can split one character over several tokens; decoding token by token would
 then emit U+FFFD halves. We decode a short window (`prefix_offset:`) and only emit text once it no
-longer ends in an incomplete character, as vLLM's `detokenize_incrementally` does.
+longer ends in an incomplete character, as vLLM's `detokenize_incrementally` does. With a
+tokenizer that offers `decode_stream` (pagedkv's, over `tokenizers.DecodeStream`) that window is
+decoded inside one call per token, as vLLM's fast incremental detokenizer does; otherwise by two
+`decode` calls per update (the slow path).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
-# Tokens decoded before the read offset to give the tokenizer context for spacing.
+# Prompt tokens decoded before the output to give the tokenizer context for spacing: the
+# shortest suffix of at least _CONTEXT_TOKENS (at most _MAX_CONTEXT_TOKENS) that decodes to whole
+# characters (a suffix cut inside a character would leak into the output), as vLLM primes.
 _CONTEXT_TOKENS = 5
+_MAX_CONTEXT_TOKENS = 24
+
+
+def prompt_context(decoder: _Decoder, prompt_token_ids: list[int],
+                   skip_special_tokens: bool) -> list[int]:
+    """The prompt suffix that primes a sequence's detokenizer ([] when none decodes cleanly)."""
+    if len(prompt_token_ids) <= _CONTEXT_TOKENS:
+        suffix = list(prompt_token_ids)
+        return suffix if "\ufffd" not in decoder.decode(suffix, skip_special_tokens) else []
+    for length in range(_CONTEXT_TOKENS, min(len(prompt_token_ids), _MAX_CONTEXT_TOKENS) + 1):
+        suffix = prompt_token_ids[-length:]
+        if "\ufffd" not in decoder.decode(suffix, skip_special_tokens):
+            return list(suffix)
+    return []
 
 
 class _Decoder(Protocol):
@@ -32,23 +52,27 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str_in_output
         self.max_stop_len = max((len(s) for s in stop), default=0)
         # The window starts inside the prompt so the first output token decodes with context.
-        self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._ids: list[int] = prompt_context(tokenizer, prompt_token_ids, skip_special_tokens)
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self.text = ""
         self.stopped = False
+        make_stream = getattr(tokenizer, "decode_stream", None)
+        self._stream: Callable[[int | list[int]], str | None] | None = (
+            None if make_stream is None else make_stream(self._ids, skip_special_tokens))
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Append tokens; returns the stop string found in the new text, else None."""
         if self.stopped:
             return None
-        self._ids.extend(new_token_ids)
-        decode = self.tokenizer.decode
-        prefix = decode(self._ids[self._prefix_offset:self._read_offset], self.skip_special_tokens)
-        full = decode(self._ids[self._prefix_offset:], self.skip_special_tokens)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        self._ids += new_token_ids
+        stream = self._stream
+        if stream is not None:  # one call into tokenizers (the fast path)
+            delta = stream(new_token_ids[0] if len(new_token_ids) == 1 else new_token_ids)
+        else:
+            delta = self._decode_new()
+        if delta is None:
             return None  # wait for the rest of a multi-byte character
-        delta = full[len(prefix):]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         # Keep the window short: everything before the prefix offset is already text.
@@ -57,6 +81,16 @@ class IncrementalDetokenizer:
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
         return self._append(delta)
+
+    def _decode_new(self) -> str | None:
+        """(The slow path, two decodes) the text the new tokens complete, or None while a
+        character is incomplete."""
+        decode = self.tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset:self._read_offset], self.skip_special_tokens)
+        full = decode(self._ids[self._prefix_offset:], self.skip_special_tokens)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None
+        return full[len(prefix):]
 
     def flush(self) -> None:
         """The sequence ended: emit what is held back up to its last complete character. The
@@ -75,6 +109,9 @@ class IncrementalDetokenizer:
                 self._append(delta)
 
     def _append(self, delta: str) -> str | None:
+        if not self.stop:
+            self.text += delta
+            return None
         start = max(0, len(self.text) - self.max_stop_len + 1)
         self.text += delta
         hits = [(at, stop) for stop in self.stop if (at := self.text.find(stop, start)) != -1]

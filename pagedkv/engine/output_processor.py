@@ -52,21 +52,31 @@ class _Group:
         outputs = [_snapshot(completions[i]) for i in sorted(completions)] \
             if len(completions) > 1 else [_snapshot(c) for c in completions.values()]
         return RequestOutput(
-            request_id=self.request_id, prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids, outputs=outputs, finished=self.finished,
-            num_cached_tokens=self.num_cached_tokens, error=self.error,
-            metrics={"arrival_time": self.arrival_time,
-                     "first_token_time": self.first_token_time or 0.0,
-                     "first_scheduled_time": self.first_scheduled_time or 0.0,
-                     "num_preemptions": float(self.num_preemptions)},
-            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
-        )
+            self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
+            self.num_cached_tokens, self.error,
+            {"arrival_time": self.arrival_time, "first_token_time": self.first_token_time or 0.0,
+             "first_scheduled_time": self.first_scheduled_time or 0.0,
+             "num_preemptions": float(self.num_preemptions)},
+            None if self.prompt_logprobs is None else list(self.prompt_logprobs))
+
+
+def _add_logprobs(completion: CompletionOutput, new_tokens: list[int],
+                  new_logprobs: list[dict[int, float]]) -> None:
+    """Append the new tokens' logprobs to `completion` and add them to its cumulative sum."""
+    completion.logprobs.extend(new_logprobs)
+    total = completion.cumulative_logprob
+    for token, entry in zip(new_tokens, new_logprobs, strict=False):
+        total += entry.get(token, 0.0)
+    completion.cumulative_logprob = total
 
 
 def _snapshot(c: CompletionOutput) -> CompletionOutput:
-    """A copy the caller may keep: the processor goes on appending to `c`'s lists."""
+    """A copy the caller may keep: the processor goes on appending to `c`'s lists (a list copy
+    is one memcpy: the only O(tokens so far) work per step, and far below a token's other
+    costs at any length a request reaches)."""
+    logprobs = c.logprobs
     return CompletionOutput(c.index, c.text, c.token_ids[:], c.cumulative_logprob,
-                            None if c.logprobs is None else c.logprobs[:],
+                            None if logprobs is None else logprobs[:],
                             c.finish_reason, c.stop_reason)
 
 
@@ -106,8 +116,9 @@ class OutputProcessor:
                 stops.append((out.request_id, stop))
         outputs = []
         for group_id, group in touched.items():
-            outputs.append(group.output())
-            if group.finished:
+            output = group.output()
+            outputs.append(output)
+            if output.finished:
                 del groups[group_id]
         return outputs, stops
 
@@ -128,25 +139,22 @@ class OutputProcessor:
         group.num_cached_tokens = out.num_cached_tokens
         if out.num_preemptions > group.num_preemptions:
             group.num_preemptions = out.num_preemptions
-        if group.first_scheduled_time is None and out.first_scheduled_time is not None:
+        if out.first_scheduled_time is not None and group.first_scheduled_time is None:
             group.first_scheduled_time = out.first_scheduled_time
         if out.prompt_logprobs is not None:
             group.prompt_logprobs = [None, *out.prompt_logprobs]
         if out.error is not None:
             group.error = out.error
         new_tokens = out.new_token_ids
+        detokenizer = group.detokenizers[index]
+        stop = None
         if new_tokens:
             if group.first_token_time is None:
                 group.first_token_time = now
-            completion.token_ids.extend(new_tokens)
+            completion.token_ids += new_tokens
             if completion.logprobs is not None and out.new_logprobs:
-                completion.logprobs.extend(out.new_logprobs)
-                total = completion.cumulative_logprob
-                for token, entry in zip(new_tokens, out.new_logprobs, strict=False):
-                    total += entry.get(token, 0.0)
-                completion.cumulative_logprob = total
-        detokenizer = group.detokenizers[index]
-        stop = detokenizer.update(new_tokens) if new_tokens else None
+                _add_logprobs(completion, new_tokens, out.new_logprobs)
+            stop = detokenizer.update(new_tokens)
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         if stop is not None and finish_reason is None:
             finish_reason, stop_reason = "stop", stop

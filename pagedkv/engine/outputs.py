@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One sampled sequence of a request. `text` and `token_ids` are cumulative.
 
@@ -26,7 +26,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """A request's output so far (cumulative). `num_cached_tokens` counts prompt tokens served
     from the prefix cache. `error` explains a `finish_reason == "error"` (e.g. can never fit).

@@ -183,7 +183,8 @@ class HybridKVCacheManager:
                        new_computed_blocks: GroupedBlocks | None = None,
                        num_new_computed_tokens: int = 0, *, delay_cache_blocks: bool = False,
                        apply_watermark: bool = False,
-                       num_external_computed_tokens: int = 0) -> list[KVCacheBlock] | None:
+                       num_external_computed_tokens: int = 0,
+                       num_tokens_ahead: int = 0) -> list[KVCacheBlock] | None:
         """KVCacheManager.allocate_slots for every group, all or nothing: None (and no group
         changed but for its window's skipped blocks freed) when the pool cannot cover what
         all groups need. Returns group 0's new blocks. `num_external_computed_tokens` (vLLM's
@@ -209,7 +210,8 @@ class HybridKVCacheManager:
         try:
             for group, (hits, n_new, n_computed) in zip(self.groups, args, strict=True):
                 new = group.allocate_slots(request, n_new, hits, n_computed,
-                                           delay_cache_blocks=delay_cache_blocks)
+                                           delay_cache_blocks=delay_cache_blocks,
+                                           num_tokens_ahead=num_tokens_ahead)
                 if new is None:  # counted above: cannot happen unless the counts disagree
                     raise RuntimeError(f"group {group.group_idx} could not allocate for "
                                        f"{request.request_id!r} after the pool was checked")

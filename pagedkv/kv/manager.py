@@ -220,9 +220,12 @@ class KVCacheManager(SwapMixin):
                        new_computed_blocks: list[KVCacheBlock] | None = None,
                        num_new_computed_tokens: int = 0, *, delay_cache_blocks: bool = False,
                        apply_watermark: bool = False,
-                       num_external_computed_tokens: int = 0) -> list[KVCacheBlock] | None:
+                       num_external_computed_tokens: int = 0,
+                       num_tokens_ahead: int = 0) -> list[KVCacheBlock] | None:
         """Make room for positions [c, c + num_new_computed_tokens + num_new_tokens), where
-        c = request.num_computed_tokens.
+        c = request.num_computed_tokens. The first `num_tokens_ahead` of them are being written
+        by a step still running (overlapped scheduling): a shared block holding them is copied
+        whole when replaced (the copy runs after that step).
 
         First frees the blocks wholly outside the sliding window (they would be freed by any
         later call too; this happens even when the call returns None). Then, if the free blocks
@@ -309,7 +312,7 @@ class KVCacheManager(SwapMixin):
                 blocks.append(copy)
                 self._copies.append((partial.block_id, copy.block_id))
             if cow:
-                self._copy_on_write(blocks, cow, start)
+                self._copy_on_write(blocks, cow, start + num_tokens_ahead)
             if num_new_blocks:
                 new_blocks = pool.get_new_blocks(num_new_blocks)
                 blocks.extend(new_blocks)

@@ -29,7 +29,9 @@ SLACK_CORES = 0.35
 # A reading whose window spans an idle gap this long (no steps, so no adjust calls) tells what
 # other processes did while this engine was idle, not what they do now: e.g. a benchmark's
 # other engine, done before this one starts. Such a window is dropped; every core is used again
-# and a first short window (FIRST_INTERVAL_S) measures the machine as it is.
+# and a first short window (FIRST_INTERVAL_S) measures the machine as it is. The gap runs from
+# the end of the last step (`step_done`) where the caller reports it: one long step (a big
+# prefill on a busy machine) is work, not idleness, and keeps the reading it earned.
 STALE_S = 3.0
 FIRST_INTERVAL_S = 0.25
 
@@ -104,6 +106,7 @@ class CpuThreadGovernor:
         self._read_ticks = read_ticks or read_proc_ticks
         self._clock = clock or time.monotonic
         self._last: tuple[float, int, int] | None = None
+        self._last_step_end: float | None = None
         self._interval = FIRST_INTERVAL_S
         self.others_cores = 0.0  # the last reading: cores' worth of CPU the others took
         self._set(self.max_threads)
@@ -123,7 +126,7 @@ class CpuThreadGovernor:
         busy, own = self._read_ticks(self.cpus)
         if busy is None or own is None:
             return self.threads
-        if self._last is None or now - self._last[0] > STALE_S:
+        if self._last is None or now - max(self._last[0], self._last_step_end or 0.0) > STALE_S:
             self._set(self.max_threads)  # first call, or after an idle gap: see STALE_S
             self._interval = FIRST_INTERVAL_S
         else:
@@ -134,3 +137,7 @@ class CpuThreadGovernor:
             self._interval = INTERVAL_S
         self._last = (now, busy, own)
         return self.threads
+
+    def step_done(self) -> None:
+        """The step that called `adjust()` ended (a clock read): idle gaps count from here."""
+        self._last_step_end = self._clock()

@@ -324,10 +324,17 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Apply the step's block moves, run the forward pass and sample (mutates the KV cache
         and the per-request generators)."""
+        try:
+            return self._execute(out)
+        finally:
+            if self.thread_governor is not None:
+                self.thread_governor.step_done()
+
+    @torch.inference_mode()
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for rid in out.finished_request_ids:
             self.sampler.forget(rid)
         self.kv_cache.swap_out(out.blocks_to_swap_out)

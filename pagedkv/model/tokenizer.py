@@ -8,11 +8,14 @@ it for tokenizer.json-based tokenizers (checked in tests/model/test_random_model
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from pagedkv.model.config import read_json
 from pagedkv.sched.validation import PromptTooLongError, check_text
@@ -145,6 +148,14 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (special tokens left out when `skip_special_tokens`)."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, context_ids: list[int], skip_special_tokens: bool = True
+                      ) -> Callable[[int | list[int]], str | None]:
+        """A streaming decoder primed with `context_ids` (for spacing): each call takes the next
+        token id (or ids) and returns the new text, or None while a character is incomplete.
+        One call into `tokenizers` per token (its `DecodeStream`); the stream holds its state."""
+        stream = DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
+        return functools.partial(stream.step, self._tok)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:

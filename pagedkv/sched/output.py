@@ -13,7 +13,7 @@ from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.structured.grammar import StructuredOutputGrammar
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step.
 
@@ -29,6 +29,10 @@ class ScheduledRequest:
     below `min_tokens`.
     `num_prompt_logprob_rows` leading positions of this chunk need logits for prompt logprobs
     (position p gives the logprob of prompt token p + 1; 0 unless the request asked for them).
+
+    The scheduler reuses two of these per request in turn (`ScheduledRequestCache`), so one
+    stays valid, unchanged, for one more `schedule()`: the step the runner may still be
+    running while the next is built (overlapped scheduling).
     """
 
     request_id: str
@@ -77,6 +81,8 @@ class SchedulerOutput:
     # The KV store's work for this step (pagedkv.store.connector.StoreConnectorMetadata), None
     # when it has none: loads to start, apply or wait for make a step non-empty.
     kv_connector_metadata: object | None = None
+    # vLLM's total_num_scheduled_tokens: the tokens of `scheduled`, summed.
+    total_num_scheduled_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:

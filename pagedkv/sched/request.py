@@ -40,8 +40,9 @@ class RequestStatus(enum.Enum):
         return self in _FINISHED
 
 
-_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
+# A tuple: `in` compares enum members by identity in C (a frozenset would hash them in Python).
+_FINISHED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 @dataclass(eq=False)
@@ -89,6 +90,12 @@ class Request:
         self.num_output_reported = 0
         self.num_prompt_logprobs_reported = 0
         self.reported_scheduled = False
+        # Scheduled but not yet applied by `Scheduler.update` (only while a step runs and the
+        # next is built: overlapped scheduling): tokens, and samples whose tokens are unknown.
+        self.num_tokens_ahead = 0
+        self.num_placeholders = 0
+        # The two ScheduledRequests the scheduler reuses in turn for this request.
+        self.scheduled_slots: list = [None, None]
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,14 @@ budget (`max_num_seqs`):
 that are now computed, forks the children of `n > 1` requests, and finishes requests that hit
 eos / stop tokens / `max_tokens` / `max_model_len`. Stop *strings* need text, so the engine
 finishes those through `finish_requests()`.
+
+Overlapped scheduling (vLLM's async scheduling, pagedkv/engine/overlap.py): `schedule()` may be
+called again before the previous step's `update()`. A request that step runs is then scheduled
+"ahead": from the end of what that step computes, with one placeholder token
+(`PLACEHOLDER_TOKEN_ID`) per sample it has not returned yet, and it is never preempted (its
+blocks are being written); `fill_placeholders()`, after that `update()`, writes the sampled
+tokens in and drops the requests that finished meanwhile. Each request's tokens are the same
+as in the serial loop: only when requests run changes, never what a request samples.
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ from pagedkv.kv.manager import AllocStatus, KVCacheManager
 from pagedkv.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedkv.sched.request import Request, RequestStatus, child_request_id
 from pagedkv.utils import cdiv
+
+# A token the running step has not sampled yet (overlapped scheduling); never reaches a runner.
+PLACEHOLDER_TOKEN_ID = -1
 
 
 @dataclass
@@ -82,12 +93,17 @@ class Scheduler:
         self._finished_ids: list[str] = []  # ended since the last step; passed to the runner
         self.ended_in_schedule: list[Request] = []  # ended inside schedule(); reported by update()
         self._pending_hashes: set[bytes] = set()
+        self._running_hashes: set[bytes] = set()
         self.num_preemptions = 0
         self.num_swaps = 0  # preemptions that swapped out to host blocks (not recompute)
         # The KV store's scheduler side (pagedkv.store.connector), plugged in by the engine.
         self.kv_connector = None
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Scheduled steps not yet applied by update(), with the prompt-block hashes each
+        # computes (more than one only while overlapped scheduling builds the next step).
+        self._unapplied: list[tuple[SchedulerOutput, set[bytes]]] = []
+        self._slot = 0  # which of each request's two ScheduledRequests this step fills
 
     # ---- queues -------------------------------------------------------------------------
 
@@ -155,21 +171,27 @@ class Scheduler:
         # Hashes of the prompt blocks this step computes: a waiting request whose next block is
         # among them waits one step and then hits them in the prefix cache instead of
         # computing the same prefix again (a block is cached only once computed).
-        self._pending_hashes: set[bytes] = set()
+        self._pending_hashes = set()
+        # ... and those of a step still running (overlapped scheduling): not cached yet either.
+        self._running_hashes = set().union(*(hashes for _, hashes in self._unapplied))
+        self._slot ^= 1
         if self.loading:
             self._finish_loads()
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(len(request.all_token_ids) + request.num_placeholders
+                          - request.num_computed_tokens - request.num_tokens_ahead, budget)
             if num_new <= 0:
                 index += 1
                 continue
             allocated, preempted_now = self._allocate_running(request, num_new, out)
             preempted = preempted or preempted_now
             if not allocated:
-                continue  # `request` left the running list
+                if index < len(self.running) and self.running[index] is request:
+                    index += 1  # it waits for the running step (overlapped scheduling)
+                continue  # else `request` left the running list
             self._schedule(request, num_new, out)
             budget -= num_new
             index += 1
@@ -184,6 +206,7 @@ class Scheduler:
             out.kv_connector_metadata = self.kv_connector.build_connector_meta(out, self.requests)
         out.finished_request_ids = self._finished_ids
         self._finished_ids = []
+        self._unapplied.append((out, self._pending_hashes))
         return out
 
     def _allocate_running(self, request: Request, num_new: int,
@@ -191,14 +214,18 @@ class Scheduler:
         """Allocate for a running request, preempting from the tail until it fits.
 
         Returns (allocated, preempted_any). `allocated` is False when `request` itself was
-        preempted or finished: it is then no longer in the running list.
+        preempted or finished (it is then no longer in the running list), or when only
+        requests the running step writes into could make room (overlapped scheduling: it
+        stays running and waits for that step).
         """
         kv = self.kv_cache_manager
         preempted = False
-        while kv.allocate_slots(request, num_new, delay_cache_blocks=True) is None:
-            # `running` is kept in priority / arrival order, so the tail is the lowest-priority,
-            # newest request, and it was not scheduled earlier in this step.
-            victim = self.running[-1]
+        ahead = request.num_tokens_ahead  # allocated already, for the running step
+        while kv.allocate_slots(request, ahead + num_new, delay_cache_blocks=True,
+                                num_tokens_ahead=ahead) is None:
+            victim = self._victim(request)
+            if victim is None:
+                return False, preempted
             if victim is request and len(self.running) == 1 and not self._can_ever_grow(request, num_new):
                 # Alone in the cache and still no room: this sequence has hit the cache's size.
                 self._finish(request, RequestStatus.FINISHED_LENGTH, None)
@@ -210,8 +237,21 @@ class Scheduler:
                 return False, True
         return True, preempted
 
+    def _victim(self, request: Request) -> Request | None:
+        """The request to preempt so that `request` fits: `running` is kept in priority /
+        arrival order, so the tail is the lowest-priority, newest request, and it was not
+        scheduled earlier in this step. Requests the running step writes into are skipped;
+        None when only those stand between the tail and `request`."""
+        for victim in reversed(self.running):
+            if not victim.num_tokens_ahead:
+                return victim
+            if victim is request:
+                return None
+        return None
+
     def _can_ever_grow(self, request: Request, num_new: int) -> bool:
-        needed = cdiv(request.num_computed_tokens + num_new, self.block_size)
+        needed = cdiv(request.num_computed_tokens + request.num_tokens_ahead + num_new,
+                      self.block_size)
         return needed <= self.kv_cache_manager.num_usable_blocks
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -258,7 +298,7 @@ class Scheduler:
             num_external = (0 if self.kv_connector is None or request.wants_prompt_logprobs
                             or num_hit_tokens % self.block_size else
                             self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens))
-            if (self._pending_hashes and not request.wants_prompt_logprobs
+            if ((self._pending_hashes or self._running_hashes) and not request.wants_prompt_logprobs
                     and self._next_block_is_pending(request, num_hit_tokens // self.block_size)):
                 break
             status = kv.can_allocate(request, computed_blocks=computed_blocks)
@@ -320,12 +360,14 @@ class Scheduler:
 
     def _next_block_is_pending(self, request: Request, num_hit_blocks: int) -> bool:
         hashes = self.kv_cache_manager.get_block_hashes(request.request_id)
-        return num_hit_blocks < len(hashes) and hashes[num_hit_blocks] in self._pending_hashes
+        return num_hit_blocks < len(hashes) and (hashes[num_hit_blocks] in self._pending_hashes
+                                                 or hashes[num_hit_blocks] in self._running_hashes)
 
     def _note_pending_prompt_blocks(self, request: Request, start: int, num_new: int) -> None:
-        """Remember the hashes of the prompt blocks that this step fills (caching only)."""
+        """Remember the hashes of the prompt blocks that this step fills from `start`, inside
+        the prompt (caching only)."""
         kv = self.kv_cache_manager
-        if not kv.enable_caching or start >= request.num_prompt_tokens:
+        if not kv.enable_caching:
             return
         hashes = kv.update_block_hashes(request)
         end = min(start + num_new, request.num_prompt_tokens) // self.block_size
@@ -340,38 +382,89 @@ class Scheduler:
                 "raise the KV cache size or shorten the prompt")
 
     def _schedule(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
-        start = request.num_computed_tokens
-        self._note_pending_prompt_blocks(request, start, num_new)
-        reaches_end = start + num_new == request.num_tokens
+        """Append the request's share of this step to `out` (one of its two reusable
+        ScheduledRequests) and count it as scheduled ahead until `update()` applies it."""
+        start = request.num_computed_tokens + request.num_tokens_ahead
+        if start < request.num_prompt_tokens:
+            self._note_pending_prompt_blocks(request, start, num_new)
+        all_tokens = request.all_token_ids
+        num_outputs = len(request.output_token_ids) + request.num_placeholders
         num_samples = 0
-        banned: tuple[int, ...] = ()
-        if reaches_end:
-            params = request.sampling_params
-            first_sample = request.num_output_tokens == 0 and request.parent_id is None
-            num_samples = params.n if first_sample else 1
-            if request.num_output_tokens < params.min_tokens:
-                eos = () if params.ignore_eos else request.eos_token_ids
-                banned = (*eos, *params.stop_token_ids)
-            if request.bad_words_token_ids:
-                banned = (*banned, *bad_word_bans(request))
+        if start + num_new == len(all_tokens) + request.num_placeholders:  # reaches the end
+            first_sample = num_outputs == 0 and request.parent_id is None
+            num_samples = request.sampling_params.n if first_sample else 1
+        token_ids = all_tokens[start:start + num_new]
+        if len(token_ids) < num_new:  # tokens the running step samples: filled in later
+            token_ids += [PLACEHOLDER_TOKEN_ID] * (num_new - len(token_ids))
         prompt_logprob_rows = 0
-        if request.wants_prompt_logprobs:
+        if request.sampling_params.prompt_logprobs is not None:
             prompt_logprob_rows = max(min(start + num_new, request.num_prompt_tokens - 1) - start, 0)
-        out.scheduled.append(ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=request.all_token_ids[start:start + num_new],
-            start_pos=start,
-            block_table=self.kv_cache_manager.get_block_ids(request.request_id),
-            sampling_params=request.sampling_params,
-            num_samples=num_samples,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
-            sample_index=request.sample_index,
-            banned_token_ids=banned,
-            num_prompt_logprob_rows=prompt_logprob_rows,
-            grammar=request.structured_output if num_samples else None,
-            group_block_tables=self.kv_cache_manager.get_group_block_ids(request.request_id),
-        ))
+        kv = self.kv_cache_manager
+        scheduled = request.scheduled_slots[self._slot]
+        if scheduled is None:
+            scheduled = request.scheduled_slots[self._slot] = ScheduledRequest(
+                request.request_id, token_ids, start, [], request.sampling_params,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids, sample_index=request.sample_index)
+        else:
+            scheduled.token_ids = token_ids
+            scheduled.start_pos = start
+        scheduled.block_table = kv.get_block_ids(request.request_id)
+        scheduled.num_samples = num_samples
+        scheduled.banned_token_ids = self._banned(request, num_outputs) if num_samples and (
+            num_outputs < request.sampling_params.min_tokens or request.bad_words_token_ids) else ()
+        scheduled.num_prompt_logprob_rows = prompt_logprob_rows
+        scheduled.grammar = request.structured_output if num_samples else None
+        scheduled.group_block_tables = kv.get_group_block_ids(request.request_id)
+        out.scheduled.append(scheduled)
+        out.total_num_scheduled_tokens += num_new
+        request.num_tokens_ahead += num_new
+        if num_samples:
+            request.num_placeholders += 1
+
+    @staticmethod
+    def _banned(request: Request, num_outputs: int) -> tuple[int, ...]:
+        """Tokens the request must not sample as its output number `num_outputs`: eos and stop
+        tokens below `min_tokens`, and the last token of a bad word its output would end."""
+        params = request.sampling_params
+        banned: tuple[int, ...] = ()
+        if num_outputs < params.min_tokens:
+            eos = () if params.ignore_eos else request.eos_token_ids
+            banned = (*eos, *params.stop_token_ids)
+        if request.bad_words_token_ids:
+            banned = (*banned, *bad_word_bans(request))
+        return banned
+
+    def forget_unapplied(self) -> None:
+        """Drop the steps scheduled but never to be applied (a failed engine step; every
+        request is ended next): their prompt blocks no longer count as being computed."""
+        self._unapplied = []
+
+    def fill_placeholders(self, out: SchedulerOutput) -> None:
+        """(Overlapped scheduling) `out` was built while the step before it ran; that step is
+        now applied. Write its sampled tokens over `out`'s placeholders (and the bad-word bans
+        that depend on them), and drop from `out` the requests that finished meanwhile (their
+        blocks are free already). Mutates `out.scheduled` and its ScheduledRequests."""
+        kept = []
+        requests = self.requests
+        for scheduled in out.scheduled:
+            request = requests.get(scheduled.request_id)
+            if request is None or not self._owns(request, scheduled):
+                out.total_num_scheduled_tokens -= len(scheduled.token_ids)
+                continue
+            if PLACEHOLDER_TOKEN_ID in scheduled.token_ids:
+                start = scheduled.start_pos
+                scheduled.token_ids = request.all_token_ids[start:start + len(scheduled.token_ids)]
+                if scheduled.num_samples and request.bad_words_token_ids:
+                    scheduled.banned_token_ids = self._banned(request, request.num_output_tokens)
+            kept.append(scheduled)
+        out.scheduled = kept
+
+    @staticmethod
+    def _owns(request: Request, scheduled: ScheduledRequest) -> bool:
+        """Whether `scheduled` is this request's (not an ended one's that had the same id)."""
+        slots = request.scheduled_slots
+        return slots[0] is scheduled or slots[1] is scheduled
 
     # ---- applying results ---------------------------------------------------------------
 
@@ -380,27 +473,43 @@ class Scheduler:
         of `n > 1` requests included), in schedule order."""
         changed: list[Request] = list(self.ended_in_schedule)
         self.ended_in_schedule = []
+        self._unapplied = [u for u in self._unapplied if u[0] is not out]
         kv = self.kv_cache_manager
+        caching = kv.enable_caching
+        sampled, logprobs_of = result.sampled_token_ids, result.logprobs
+        prompt_logprobs_of = result.prompt_logprobs
         for scheduled in out.scheduled:
             request = self.requests.get(scheduled.request_id)
-            if request is None:  # finished while the step ran
+            if request is None or not self._owns(request, scheduled):  # ended while it ran
                 continue
-            request.num_computed_tokens += scheduled.num_new_tokens
-            kv.cache_blocks(request, request.num_computed_tokens)
-            prompt_logprobs = result.prompt_logprobs.get(request.request_id)
-            if prompt_logprobs is not None:  # a recompute overwrites what it computes again
-                del request.prompt_logprobs[scheduled.start_pos:]
-                request.prompt_logprobs.extend(prompt_logprobs)
+            num_new = len(scheduled.token_ids)
+            request.num_tokens_ahead -= num_new
+            request.num_computed_tokens += num_new
+            if caching:
+                kv.cache_blocks(request, request.num_computed_tokens)
+            if prompt_logprobs_of:
+                prompt_logprobs = prompt_logprobs_of.get(request.request_id)
+                if prompt_logprobs is not None:  # a recompute overwrites what it computes again
+                    del request.prompt_logprobs[scheduled.start_pos:]
+                    request.prompt_logprobs.extend(prompt_logprobs)
             if scheduled.num_samples == 0:
                 continue
+            request.num_placeholders -= 1
             grammar = request.structured_output
             if grammar is not None and grammar.is_terminated():  # complete: no more tokens
                 self._finish(request, RequestStatus.FINISHED_STOPPED, None)
                 changed.append(request)
                 continue
-            tokens = result.sampled_token_ids[request.request_id]
-            logprobs = result.logprobs.get(request.request_id)
-            if len(tokens) == 1:  # the usual case: no children to fork
+            tokens = sampled[request.request_id]
+            if len(tokens) == 1 and grammar is None and not logprobs_of:  # the usual case
+                token_id = tokens[0]
+                request.output_token_ids.append(token_id)
+                request.all_token_ids.append(token_id)
+                changed.append(request)
+                self._check_stop(request)
+                continue
+            logprobs = logprobs_of.get(request.request_id)
+            if len(tokens) == 1:  # no children to fork
                 self._append_token(request, tokens[0], logprobs[0] if logprobs else None)
                 changed.append(request)
                 self._check_stop(request)
@@ -456,7 +565,8 @@ class Scheduler:
 
     def _check_stop(self, request: Request) -> None:
         params = request.sampling_params
-        token_id = request.output_token_ids[-1]
+        outputs = request.output_token_ids
+        token_id = outputs[-1]
         grammar = request.structured_output
         if grammar is not None and request.error is not None:
             self._finish(request, RequestStatus.FINISHED_ERROR, request.error)
@@ -465,15 +575,15 @@ class Scheduler:
             self._finish(request, RequestStatus.FINISHED_STOPPED,
                          token_id if token_id in params.stop_token_ids else None)
             return
-        if request.num_output_tokens >= params.min_tokens:
+        if len(outputs) >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 self._finish(request, RequestStatus.FINISHED_STOPPED, None)
                 return
             if token_id in params.stop_token_ids:
                 self._finish(request, RequestStatus.FINISHED_STOPPED, token_id)
                 return
-        if ((params.max_tokens is not None and request.num_output_tokens >= params.max_tokens)
-                or request.num_tokens >= self.config.max_model_len):
+        if ((params.max_tokens is not None and len(outputs) >= params.max_tokens)
+                or len(request.all_token_ids) >= self.config.max_model_len):
             self._finish(request, RequestStatus.FINISHED_LENGTH, None)
 
     # ---- introspection ------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The benchmarks still run (tiny sizes); their figures are not checked here."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -86,3 +87,15 @@ def test_bench_kv_quant_kl_table_orders_the_formats():
     assert all(r["positions"] == 48 and 0 <= r["top1"] <= 1 for r in rows)
     kl = {name: r["mean_kl"] for name, r in fp32.items()}
     assert 0 < kl["bfloat16"] < kl["int8"] < kl["fp8_e4m3"] < kl["fp8_e5m2"]
+
+
+def test_bench_host_overhead_runs_against_a_baseline_commit():
+    # This tree against HEAD's pagedkv (a git archive), one alternating run each.
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_host_overhead.py"),
+                           "--sizes", "4", "--steps", "3", "--warmup", "1", "--repeat", "1",
+                           "--baseline", "HEAD"],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    row = proc.stdout.splitlines()[-1].split()
+    assert row[0] == "4" and row[3].endswith("x")

@@ -64,6 +64,23 @@ def test_an_idle_gap_does_not_count_what_others_did_meanwhile(fake_machine, monk
     assert gov.adjust() == 2 and gov.others_cores == pytest.approx(2.0, abs=0.1)
 
 
+def test_a_long_step_is_not_an_idle_gap(fake_machine, monkeypatch):
+    """A prefill step longer than STALE_S on a busy machine (issue 26: a fresh process's first
+    `generate` ran on every core and half as fast): the step reports its end, so the next
+    step keeps the reading its window earned instead of going back to every core."""
+    monkeypatch.setattr(cpu_threads.os, "sysconf", lambda name: 100)
+    gov = CpuThreadGovernor()
+    gov.adjust()
+    advance(fake_machine, 1.0, own_cores=1, other_cores=3)
+    assert gov.adjust() == 1
+    advance(fake_machine, 10.0, own_cores=1, other_cores=3)  # one long step, still busy
+    gov.step_done()
+    assert gov.adjust() == 1 and gov.others_cores == pytest.approx(3.0)
+    gov.step_done()
+    advance(fake_machine, 10.0, own_cores=0, other_cores=4)  # now really idle
+    assert gov.adjust() == 4  # the stale window is dropped, as without step_done
+
+
 def test_max_threads_caps_the_count(fake_machine, monkeypatch):
     monkeypatch.setattr(cpu_threads.os, "sysconf", lambda name: 100)
     gov = CpuThreadGovernor(max_threads=2)
