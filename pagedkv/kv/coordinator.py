@@ -109,6 +109,15 @@ class HybridKVCacheManager:
         first = 0 if need is None else max(n - need, 0)
         return [self.pool.null_block] * first + [get(h + suffix) for h in hashes[first:n]]
 
+    def drop_partial_hit(self, computed_blocks: GroupedBlocks, num_hit_tokens: int
+                         ) -> tuple[GroupedBlocks, int]:
+        """A hit (`get_computed_blocks`'s) without its sub-block part: the whole-block hit
+        every group serves (`_partial_hit` appended one block to each group's hits). Pure."""
+        if not num_hit_tokens % self.block_size:
+            return computed_blocks, num_hit_tokens
+        return ([blocks[:-1] for blocks in computed_blocks],
+                num_hit_tokens - num_hit_tokens % self.block_size)
+
     def get_computed_blocks(self, request: KVRequest) -> tuple[GroupedBlocks, int]:
         """The longest prefix every group can serve: (each group's hit blocks, tokens). As
         KVCacheManager.get_computed_blocks (pass the blocks to allocate_slots in this step)."""

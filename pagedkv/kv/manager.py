@@ -146,6 +146,14 @@ class KVCacheManager(SwapMixin):
         return self.hasher(request, state.block_hashes)
 
     # ------------------------------------------------------------------ prefix cache
+    def drop_partial_hit(self, computed_blocks: list[KVCacheBlock], num_hit_tokens: int
+                         ) -> tuple[list[KVCacheBlock], int]:
+        """A hit (`get_computed_blocks`'s) without its sub-block part: the whole-block hit.
+        Pure. A sub-block hit ends inside a block, its source block last."""
+        if not num_hit_tokens % self.block_size:
+            return computed_blocks, num_hit_tokens
+        return computed_blocks[:-1], num_hit_tokens - num_hit_tokens % self.block_size
+
     def get_computed_blocks(self, request: KVRequest) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of full blocks and its token count; touches nothing.
 

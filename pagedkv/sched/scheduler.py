@@ -314,6 +314,15 @@ class Scheduler:
                                        num_hit_tokens, delay_cache_blocks=True,
                                        apply_watermark=True,
                                        num_external_computed_tokens=num_external)
+            if blocks is None and num_hit_tokens % self.block_size:
+                # A sub-block hit's copy needs one block more than can_allocate counts (the
+                # source is held while copied): at the pool's edge, run with the whole-block
+                # hit rather than wait for blocks nothing may ever free.
+                computed_blocks, num_hit_tokens = kv.drop_partial_hit(computed_blocks,
+                                                                      num_hit_tokens)
+                num_new = min(request.num_tokens - num_hit_tokens, budget)
+                blocks = kv.allocate_slots(request, num_new, computed_blocks, num_hit_tokens,
+                                           delay_cache_blocks=True, apply_watermark=True)
             if blocks is None:
                 break
             self.waiting.pop(0)

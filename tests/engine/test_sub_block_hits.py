@@ -87,3 +87,29 @@ def test_shared_partial_block_then_diverge(tiny_llama, make_llm):
 def test_bad_prefix_match_unit(tiny_llama, make_llm, unit):
     with pytest.raises(ValueError, match="prefix_match_unit"):
         make_llm(tiny_llama, block_size=8, prefix_match_unit=unit)
+
+
+@pytest.mark.parametrize("num_blocks", [4, 5])
+def test_a_lone_sub_block_hit_at_the_pools_edge_is_admitted(tiny_llama, make_llm, num_blocks):
+    """A sub-block hit needs one block more than admission (`can_allocate`) counts: its copy's
+    block beside the source it copies. At the pool's edge a lone request whose hit ends inside
+    a block must then run with its whole-block hit, never wait for ever (bounded steps)."""
+    llm = make_llm(tiny_llama, block_size=8, prefix_match_unit=1, watermark=0.0,
+                   num_gpu_blocks_override=num_blocks)
+    rng = random.Random(3)
+    first = [rng.randrange(4, 400) for _ in range(18)]  # 2 full blocks + 2 tokens cached
+    once = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": first}], once, use_tqdm=False)
+    second = first + [rng.randrange(4, 400) for _ in range(3)]  # 21 + 3 tokens: 3 blocks
+    engine = llm.llm_engine
+    engine.add_request("edge", {"prompt_token_ids": second},
+                       SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    finished = []
+    for _ in range(50):
+        if not engine.has_unfinished_requests():
+            break
+        finished += [o for o in engine.step() if o.finished]
+    assert not engine.has_unfinished_requests(), "the request never got its blocks"
+    assert [o.request_id for o in finished] == ["edge"]
+    assert finished[0].outputs[0].token_ids == hf_greedy(tiny_llama, second, 3)
+    assert finished[0].num_cached_tokens >= 16  # at least the whole-block hit
