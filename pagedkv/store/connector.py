@@ -43,6 +43,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedkv.kv.hashing import event_extra_keys
 from pagedkv.store.payload import Payload, copy_payload_into, host_rows, rows_to_host
 from pagedkv.store.tiered import BlockMeta, TieredKVStore
 
@@ -101,7 +102,8 @@ def _block_metas(request: Request, hashes: list[bytes], start: int, end: int,
                  block_size: int) -> list[BlockMeta]:
     tokens = request.all_token_ids
     return [BlockMeta(hashes[i], hashes[i - 1] if i > 0 else None,
-                      tuple(tokens[i * block_size:(i + 1) * block_size]))
+                      tuple(tokens[i * block_size:(i + 1) * block_size]),
+                      event_extra_keys(request.cache_salt, request.lora_name, i == 0))
             for i in range(start, end)]
 
 

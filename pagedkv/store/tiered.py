@@ -38,11 +38,13 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class BlockMeta:
-    """One block's chained hash, its parent's (None for a first block) and its tokens."""
+    """One block's chained hash, its parent's (None for a first block), its tokens and its
+    extra keys in vLLM's event form (`pagedkv.kv.hashing.event_extra_keys`)."""
 
     block_hash: bytes
     parent_hash: bytes | None
     token_ids: tuple[int, ...]
+    extra_keys: tuple | None = None
 
 
 class TieredKVStore:
@@ -178,7 +180,8 @@ class TieredKVStore:
             if self.enable_events and new:
                 self._add_events([wire.block_stored(
                     [by_key[k].block_hash], by_key[k].parent_hash, list(by_key[k].token_ids),
-                    self.block_size, medium=tier.medium) for k in new])
+                    self.block_size, medium=tier.medium, extra_keys=[by_key[k].extra_keys])
+                    for k in new])
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every queued save is written (tests, shutdown)."""
