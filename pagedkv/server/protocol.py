@@ -405,8 +405,8 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatStreamChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo | None = None
-    prompt_token_ids: list[int] | None = None  # with return_token_ids: the first chunk
-    prompt_text: str | None = None  # with return_prompt_text: the first chunk
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: each role chunk
+    prompt_text: str | None = None  # with return_prompt_text: each role chunk
 
 
 class ModelCard(BaseModel):

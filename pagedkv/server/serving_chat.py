@@ -178,12 +178,13 @@ def _response(serving: OpenAIServing, extras: ResponseExtras, final: RequestOutp
 
 
 def _chunk(serving: OpenAIServing, extras: ResponseExtras, choice: ChatStreamChoice,
-           first: bool = False) -> str:
-    """One SSE chunk; the `first` carries the prompt's ids and text (when asked for)."""
+           role: bool = False) -> str:
+    """One SSE chunk; a choice's `role` chunk (the first of each choice) carries the prompt's
+    ids and text (when asked for), as vLLM's do."""
     chunk = ChatCompletionChunk(id=extras.id, model=serving.model_name, choices=[choice],
                                 system_fingerprint=extras.fingerprint,
-                                prompt_token_ids=extras.prompt_ids() if first else None,
-                                prompt_text=extras.prompt_text if first else None)
+                                prompt_token_ids=extras.prompt_ids() if role else None,
+                                prompt_text=extras.prompt_text if role else None)
     payload = chunk.model_dump(mode="json", exclude={"usage"})
     for item in payload["choices"]:  # OpenAI leaves unset delta fields out
         item["delta"] = _without_none(item["delta"])
@@ -242,7 +243,7 @@ async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list,
             for index in range(params.n):
                 yield _chunk(serving, extras, ChatStreamChoice(
                     index=index, delta=ChatDelta(role="assistant", content="")),
-                    first=index == 0)
+                    role=True)
                 if extras.echo:
                     yield _chunk(serving, extras, ChatStreamChoice(
                         index=index, delta=ChatDelta(content=extras.echo)))

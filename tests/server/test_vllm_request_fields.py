@@ -101,8 +101,11 @@ def test_return_prompt_text_is_the_rendered_chat_prompt(server, tiny_llama):
     assert tokens(server, expected, add_special_tokens=False) == whole["prompt_token_ids"]
     chunks = _sse(server, "/v1/chat/completions", {**body, "stream": True, "n": 2,
                                                    "temperature": 1.0})
-    assert chunks[0]["prompt_text"] == expected
-    assert all(c["prompt_text"] is None for c in chunks[1:])
+    # as vLLM: each choice's role chunk (the first of each) carries it, no other chunk
+    roles = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("role")]
+    assert [c["choices"][0]["index"] for c in roles] == [0, 1] and chunks[:2] == roles
+    assert all(c["prompt_text"] == expected for c in roles)
+    assert all(c["prompt_text"] is None for c in chunks[2:])
     for off in ({}, {"return_prompt_text": False}):
         plain = post(server, "/v1/chat/completions", {"messages": messages, **GREEDY, **off})
         assert plain.status_code == 200 and plain.json()["prompt_text"] is None
