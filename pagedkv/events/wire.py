@@ -80,12 +80,15 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 def block_stored(block_hashes: list[ExternalBlockHash], parent_block_hash: ExternalBlockHash | None,
                  token_ids: list[int], block_size: int, medium: str = MEDIUM_DEVICE,
-                 group_idx: int | None = None) -> BlockStored:
+                 group_idx: int | None = None,
+                 extra_keys: list[tuple[Any, ...] | None] | None = None) -> BlockStored:
     """A `BlockStored` without LoRA (the engine serves none), on `medium` (of KV cache group
-    `group_idx`, None with one group)."""
+    `group_idx`, None with one group). `extra_keys`: per block, vLLM's untagged keys
+    (`pagedkv.kv.hashing.event_extra_keys`: a request's cache_salt in its first block), so a
+    router re-hashing the tokens keeps salted and unsalted prefixes apart."""
     return BlockStored(block_hashes=block_hashes, parent_block_hash=parent_block_hash,
                        token_ids=token_ids, block_size=block_size, lora_id=None, medium=medium,
-                       lora_name=None, group_idx=group_idx)
+                       lora_name=None, group_idx=group_idx, extra_keys=extra_keys)
 
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -22,7 +22,7 @@ from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from pagedkv.kv.eviction import EvictionPolicy, LRUEvictionPolicy, eviction_policy_class
 from pagedkv.kv.eviction_log import EvictionLog
-from pagedkv.kv.hashing import BlockHash, split_group_key
+from pagedkv.kv.hashing import BlockHash, event_extra_keys, split_group_key
 from pagedkv.kv.observer import BlockPoolObserver
 
 
@@ -171,13 +171,16 @@ class BlockPool:
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash],
                           num_cached_blocks: int, num_full_blocks: int, block_size: int,
-                          token_ids: Sequence[int] | None = None) -> None:
+                          token_ids: Sequence[int] | None = None, *,
+                          cache_salt: str | None = None, lora_name: str | None = None) -> None:
         """Register blocks[num_cached_blocks:num_full_blocks] under block_hashes[i].
 
         Skips null blocks and blocks that already carry a hash (prefix hits). When another block
         is already registered under the same hash (two requests computed the same prefix), the
         new block stays unhashed: it is reused first once freed. `token_ids` (the request's
-        tokens) are needed only for BlockStored events.
+        tokens), `cache_salt` and `lora_name` (the request's, as hashed) only for BlockStored
+        events, whose `extra_keys` carry them as vLLM's do. Mutates the blocks' hashes, the
+        cache map and the event queue.
         """
         if not self.enable_caching or num_full_blocks <= num_cached_blocks:
             return
@@ -198,7 +201,7 @@ class BlockPool:
             if self.observer is not None:
                 self.observer.on_cached(block, block_hash, block_hashes[i - 1] if i else None)
         if stored:
-            self._emit_stored(stored, block_hashes, block_size, token_ids)
+            self._emit_stored(stored, block_hashes, block_size, token_ids, cache_salt, lora_name)
 
     def cache_untracked(self, block: KVCacheBlock, key: BlockHash) -> None:
         """Register `block` (unhashed) under `key` with no event: a partial block offered to
@@ -210,7 +213,8 @@ class BlockPool:
         self._untracked.add(key)
 
     def _emit_stored(self, stored: list[int], block_hashes: Sequence[BlockHash],
-                     block_size: int, token_ids: Sequence[int] | None) -> None:
+                     block_size: int, token_ids: Sequence[int] | None,
+                     cache_salt: str | None, lora_name: str | None) -> None:
         # One BlockStored per contiguous run, so each event is a chain off its parent.
         run = [stored[0]]
         for i in stored[1:] + [-1]:
@@ -224,7 +228,8 @@ class BlockPool:
             self.events.append(BlockStored(
                 block_hashes=[h for h, _ in keys],
                 parent_block_hash=split_group_key(block_hashes[first - 1])[0] if first > 0
-                else None, token_ids=tokens, block_size=block_size, group_idx=keys[0][1]))
+                else None, token_ids=tokens, block_size=block_size, group_idx=keys[0][1],
+                extra_keys=[event_extra_keys(cache_salt, lora_name, j == 0) for j in run]))
             run = [i]
 
     def reset_prefix_cache(self, keep: Collection[KVCacheBlock] = ()) -> bool:

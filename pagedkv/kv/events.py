@@ -22,6 +22,9 @@ class BlockStored:
     # ("full_attention" / "sliding_window"); 0 and None for a single-group cache.
     group_idx: int = 0
     kv_cache_spec_kind: str | None = None
+    # Per block, its extra keys in vLLM's untagged event form (`event_extra_keys`): the
+    # cache salt of a request's first block, a LoRA name. None when not given.
+    extra_keys: list[tuple | None] | None = None
 
 
 @dataclass

@@ -105,6 +105,15 @@ def request_extra_keys(cache_salt: str | None, lora_name: str | None,
     return tuple(keys) if keys else None
 
 
+def event_extra_keys(cache_salt: str | None, lora_name: str | None,
+                     first_block: bool) -> tuple | None:
+    """A block's extra keys as vLLM 0.32 publishes them in `BlockStored.extra_keys`: untagged
+    (`to_event_extra_keys`), the LoRA name before the cache salt. The same keys as
+    `request_extra_keys`, which our hashes use."""
+    keys = dict(request_extra_keys(cache_salt, lora_name, first_block) or ())
+    return tuple(keys[kind] for kind in ("lora", "salt") if kind in keys) or None
+
+
 class HashableRequest(Protocol):
     all_token_ids: list[int]
     cache_salt: str | None

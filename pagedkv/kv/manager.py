@@ -419,7 +419,8 @@ class KVCacheManager(SwapMixin):
             suffix = self._key_suffix
             hashes = [h + suffix for h in hashes[:num_full]]
         self.pool.cache_full_blocks(state.blocks, hashes, num_cached, num_full, self.block_size,
-                                    request.all_token_ids)
+                                    request.all_token_ids, cache_salt=request.cache_salt,
+                                    lora_name=request.lora_name)
         if self.partial_index is not None:  # full blocks are sub-block hit candidates too
             self._offer_full_blocks(request, state, num_cached, num_full)
         state.num_cached_blocks = num_full

@@ -233,6 +233,7 @@ class ChatCompletionRequest(SamplingFields, VllmRequestFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     echo: bool = False
+    return_prompt_text: bool | None = None  # vLLM's: the answer carries the rendered prompt
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -393,7 +394,7 @@ class ChatCompletionResponse(VllmResponseFields):
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids
-    prompt_text: None = None  # vLLM's rendered prompt, with its return_prompt_text (not here)
+    prompt_text: str | None = None  # the rendered chat prompt, with return_prompt_text
 
 
 class ChatCompletionChunk(BaseModel):
@@ -404,7 +405,8 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatStreamChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo | None = None
-    prompt_token_ids: list[int] | None = None  # with return_token_ids: the first chunk
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: each role chunk
+    prompt_text: str | None = None  # with return_prompt_text: each role chunk
 
 
 class ModelCard(BaseModel):

@@ -6,7 +6,9 @@
   response `prompt_token_ids`), `add_special_tokens` (completions default true, chat false),
   `detokenize` (false: empty text, use with `return_token_ids`; no stop strings then).
   Chat's `echo` (declared on the chat request) prepends the last message when it is the
-  assistant's, as vLLM does.
+  assistant's, as vLLM does; chat's `return_prompt_text` puts the rendered chat prompt in the
+  answer's `prompt_text` (streaming: each choice's role chunk). vLLM's completions API has no
+  such field.
 - accepted as documented no-ops (they have no meaning here, or are metadata for OpenAI's
   platform or for proxies): `service_tier`, `store`, `metadata`, `modalities`,
   `reasoning_effort`, `include_reasoning`, `length_penalty` (beam search only),

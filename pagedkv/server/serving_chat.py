@@ -42,12 +42,20 @@ from pagedkv.server.tools import ToolChoice, template_message, tool_call_id
 
 def tokenize_chat(serving: OpenAIServing, req: ChatCompletionRequest,
                   tools: list[dict] | None = None) -> list[int]:
-    """`render_chat`, tokenized without adding special tokens (the template writes them), as
-    vLLM does (unless the request sets `add_special_tokens`); over-long is a 400 unless the request truncates its prompt. Runs in a tokenizer
-    thread (`serving.run_tokenizer`)."""
-    return serving.encode_prompt(render_chat(serving, req, tools),
-                                 add_special_tokens=bool(req.add_special_tokens),
-                                 param="messages", bounded=req.truncate_prompt_tokens is None)
+    """The token ids of `render_and_tokenize_chat`."""
+    return render_and_tokenize_chat(serving, req, tools)[1]
+
+
+def render_and_tokenize_chat(serving: OpenAIServing, req: ChatCompletionRequest,
+                             tools: list[dict] | None = None) -> tuple[str, list[int]]:
+    """`render_chat` and its token ids, tokenized without adding special tokens (the template
+    writes them), as vLLM does (unless the request sets `add_special_tokens`); over-long is a
+    400 unless the request truncates its prompt. Runs in a tokenizer thread
+    (`serving.run_tokenizer`)."""
+    text = render_chat(serving, req, tools)
+    return text, serving.encode_prompt(text, add_special_tokens=bool(req.add_special_tokens),
+                                       param="messages",
+                                       bounded=req.truncate_prompt_tokens is None)
 
 
 def render_chat(serving: OpenAIServing, req: ChatCompletionRequest,
@@ -102,8 +110,9 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     if req.top_logprobs and not req.logprobs:  # 0 without logprobs is fine (vLLM)
         raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
     tools = ToolChoice.of(req, serving.tool_parser)
-    prompt = serving.truncate(
-        req, [await serving.run_tokenizer(tokenize_chat, serving, req, tools.template_tools)])[0]
+    text, ids = await serving.run_tokenizer(render_and_tokenize_chat, serving, req,
+                                            tools.template_tools)
+    prompt = serving.truncate(req, [ids])[0]
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = serving.max_tokens_for(requested, len(prompt), None)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -118,7 +127,8 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     formatter = LogprobsFormatter(serving.tokenizer, req.top_logprobs or 0,
                                   as_token_ids=req.return_tokens_as_token_ids)
     extras = ResponseExtras.of(req, "chatcmpl", raw.headers.get("x-request-id"), request_id,
-                               serving.system_fingerprint, [prompt], echo=_echoed(req))
+                               serving.system_fingerprint, [prompt], echo=_echoed(req),
+                               prompt_text=text if req.return_prompt_text else None)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = _stream(serving, extras, streams, params, formatter, include_usage, tools)
@@ -163,14 +173,18 @@ def _response(serving: OpenAIServing, extras: ResponseExtras, final: RequestOutp
                                   system_fingerprint=extras.fingerprint, usage=usage.info(),
                                   prompt_logprobs=formatter.vllm_prompt_logprobs(
                                       final.prompt_logprobs, final.prompt_token_ids),
-                                  prompt_token_ids=extras.prompt_ids())
+                                  prompt_token_ids=extras.prompt_ids(),
+                                  prompt_text=extras.prompt_text)
 
 
 def _chunk(serving: OpenAIServing, extras: ResponseExtras, choice: ChatStreamChoice,
-           prompt_token_ids: list[int] | None = None) -> str:
+           role: bool = False) -> str:
+    """One SSE chunk; a choice's `role` chunk (the first of each choice) carries the prompt's
+    ids and text (when asked for), as vLLM's do."""
     chunk = ChatCompletionChunk(id=extras.id, model=serving.model_name, choices=[choice],
                                 system_fingerprint=extras.fingerprint,
-                                prompt_token_ids=prompt_token_ids)
+                                prompt_token_ids=extras.prompt_ids() if role else None,
+                                prompt_text=extras.prompt_text if role else None)
     payload = chunk.model_dump(mode="json", exclude={"usage"})
     for item in payload["choices"]:  # OpenAI leaves unset delta fields out
         item["delta"] = _without_none(item["delta"])
@@ -229,7 +243,7 @@ async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list,
             for index in range(params.n):
                 yield _chunk(serving, extras, ChatStreamChoice(
                     index=index, delta=ChatDelta(role="assistant", content="")),
-                    prompt_token_ids=extras.prompt_ids() if index == 0 else None)
+                    role=True)
                 if extras.echo:
                     yield _chunk(serving, extras, ChatStreamChoice(
                         index=index, delta=ChatDelta(content=extras.echo)))

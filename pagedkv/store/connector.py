@@ -54,6 +54,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedkv.kv.hashing import event_extra_keys
 from pagedkv.kv.hit_rule import longest_servable_prefix
 from pagedkv.store.lookup import store_matched_tokens
 from pagedkv.store.payload import Payload, copy_payload_into, host_rows, rows_to_host
@@ -116,7 +117,8 @@ class FinishedLoads:
 def _block_meta(request: Request, hashes: list[bytes], i: int, block_size: int,
                 group_idx: int | None = None) -> BlockMeta:
     return BlockMeta(hashes[i], hashes[i - 1] if i > 0 else None,
-                     tuple(request.all_token_ids[i * block_size:(i + 1) * block_size]), group_idx)
+                     tuple(request.all_token_ids[i * block_size:(i + 1) * block_size]), group_idx,
+                     event_extra_keys(request.cache_salt, request.lora_name, i == 0))
 
 
 def _block_metas(request: Request, hashes: list[bytes], start: int, end: int,

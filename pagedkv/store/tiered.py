@@ -39,14 +39,16 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class BlockMeta:
-    """One block's chained hash, its parent's (None for a first block) and its tokens; with KV
-    cache groups (a model mixing attention types) the group whose block it is, part of its key
+    """One block's chained hash, its parent's (None for a first block), its tokens and its
+    extra keys in vLLM's event form (`pagedkv.kv.hashing.event_extra_keys`); with KV cache
+    groups (a model mixing attention types) the group whose block it is, part of its key
     (`group_key_suffix`: group 0's key is the plain hash's) and of its events."""
 
     block_hash: bytes
     parent_hash: bytes | None
     token_ids: tuple[int, ...]
     group_idx: int | None = None
+    extra_keys: tuple | None = None
 
 
 class TieredKVStore:
@@ -195,7 +197,8 @@ class TieredKVStore:
 
     def _stored_event(self, meta: BlockMeta, medium: str) -> wire.BlockStored:
         return wire.block_stored([meta.block_hash], meta.parent_hash, list(meta.token_ids),
-                                 self.block_size, medium=medium, group_idx=meta.group_idx)
+                                 self.block_size, medium=medium, group_idx=meta.group_idx,
+                                 extra_keys=[meta.extra_keys])
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every queued save is written (tests, shutdown)."""

@@ -182,13 +182,32 @@ def test_events_stored_removed_cleared():
     pool.cache_full_blocks(blocks, hashes, 0, 2, BS, tokens)
     pool.cache_full_blocks(blocks, hashes, 2, 3, BS, tokens)
     ev = pool.take_events()
-    assert ev == [BlockStored(hashes[:2], None, tokens[:8], BS),
-                  BlockStored([hashes[2]], hashes[1], tokens[8:12], BS)]
+    # vLLM's shape: one extra_keys entry per block, None where a block has none.
+    assert ev == [BlockStored(hashes[:2], None, tokens[:8], BS, extra_keys=[None, None]),
+                  BlockStored([hashes[2]], hashes[1], tokens[8:12], BS, extra_keys=[None])]
     assert pool.take_events() == []
     pool.free_blocks(reversed(blocks))
     pool.get_new_blocks(1)  # evicts the tail-first-freed last block (hash 3)
     assert pool.take_events() == [BlockRemoved([hashes[2]])]
     pool.check_invariants()
+
+
+def test_stored_events_carry_the_salt_and_lora_as_vllm_extra_keys():
+    pool = BlockPool(6, enable_caching=True, enable_kv_cache_events=True)
+    blocks = pool.get_new_blocks(3)
+    hashes = [h(1), h(2), h(3)]
+    tokens = list(range(100, 112))
+    pool.cache_full_blocks(blocks, hashes, 0, 2, BS, tokens, cache_salt="tenant")
+    pool.cache_full_blocks(blocks, hashes, 2, 3, BS, tokens, cache_salt="tenant")
+    first, second = pool.take_events()
+    assert first.extra_keys == [("tenant",), None]  # the salt keys the first block only
+    assert second.extra_keys == [None]
+    more = pool.get_new_blocks(2)
+    pool.cache_full_blocks(more, [h(4), h(5)], 0, 2, BS, tokens, cache_salt="s", lora_name="ad")
+    (stored,) = pool.take_events()
+    assert stored.extra_keys == [("ad", "s"), ("ad",)]  # vLLM's order: LoRA, then salt
+    assert [b.block_hash for b in blocks + more] == hashes + [h(4), h(5)]  # hashes as given
+    pool.check_invariants([blocks, more])
 
 
 def test_reset_prefix_cache_only_when_idle():

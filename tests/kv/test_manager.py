@@ -352,10 +352,22 @@ def test_events_through_manager():
     hashes = list(m.get_block_hashes("r"))
     assert ev[0].token_ids == list(range(8)) and ev[0].block_hashes == hashes
     assert ev[0].parent_block_hash is None and ev[0].block_size == BS
+    assert ev[0].extra_keys == [None, None]
     m.free(r)
     prefill(m, make_request("x", range(50, 62)))  # reuses all 3 blocks: 2 evictions
     removed = [e for e in m.take_events() if isinstance(e, BlockRemoved)]
     assert sorted(h for e in removed for h in e.block_hashes) == sorted(hashes)
+    m.check_invariants()
+
+
+def test_events_carry_the_requests_salt_and_lora_as_vllms_extra_keys():
+    m = mgr_(enable_kv_cache_events=True)
+    prefill(m, make_request("s", range(13), cache_salt="t1"))
+    prefill(m, make_request("l", range(13), lora_name="ad", cache_salt="t2"))
+    salted, lora = m.take_events()
+    assert salted.extra_keys == [("t1",), None, None]  # the salt keys the first block only
+    assert lora.extra_keys == [("ad", "t2"), ("ad",), ("ad",)]
+    assert salted.block_hashes == list(m.get_block_hashes("s"))
     m.check_invariants()
 
 

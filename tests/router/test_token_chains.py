@@ -10,7 +10,10 @@ import hashlib
 import msgspec
 import pytest
 
-from pagedkv.events.wire import BlockRemoved, BlockStored, encode_seq
+from pagedkv.events.publisher import to_wire_events
+from pagedkv.events.wire import BlockRemoved, BlockStored, KVEventBatch, encode_batch, encode_seq
+from pagedkv.kv.block_pool import BlockPool
+from pagedkv.kv.hashing import get_hash_fn, hash_block_tokens, request_extra_keys
 from pagedkv.router.backend import Backend
 from pagedkv.router.kv_events import KVEventSubscriber
 from pagedkv.router.policies import RouteRequest, make_policy
@@ -26,6 +29,7 @@ from tests.vllm_kv_events import (
 )
 
 BS = 4
+XXHASH = get_hash_fn("xxhash")  # the backend's: not the router's sha256
 A, B = "http://a.test", "http://b.test"
 
 
@@ -160,6 +164,36 @@ def test_cache_salt_in_vllms_untagged_extra_keys_and_blocks_we_cannot_rehash():
                   vllm_stored(hq, None, q[:-1])):
         fleet.publish(A, VllmAllBlocksCleared(), event)
         assert fleet.match(A, q) == PrefixMatch(0, 0)
+
+
+def test_a_pagedkv_backends_salted_blocks_stay_apart_when_its_hash_function_differs():
+    """Our pool's events carry the salt in vLLM's extra_keys: a router hashing with sha256
+    re-hashes an xxhash backend's blocks by tokens and salt."""
+    fleet = Fleet(hash_settings=(BS, "sha256"))
+    pool = BlockPool(8, enable_caching=True, enable_kv_cache_events=True)
+    p = list(range(800, 812))  # 3 blocks
+    tables = []
+    for salt, n in (("tenant-1", 3), (None, 2)):  # the unsalted copy: its first 2 blocks
+        hashes, parent = [], None
+        for i in range(n):
+            parent = hash_block_tokens(XXHASH, parent, p[i * BS:(i + 1) * BS],
+                                       request_extra_keys(salt, None, i == 0))
+            hashes.append(parent)
+        tables.append(pool.get_new_blocks(n))
+        pool.cache_full_blocks(tables[-1], hashes, 0, n, BS, p, cache_salt=salt)
+        assert [b.block_hash for b in tables[-1]] == hashes  # our own hashes, unchanged
+        pool.check_invariants(tables)
+        backend = A if salt else B
+        payload = encode_batch(KVEventBatch(ts=1.0, events=to_wire_events(pool.take_events()),
+                                            data_parallel_rank=0))
+        fleet.subscribers[backend].handle([b"kv@x", encode_seq(fleet.seq), payload])
+        fleet.seq += 1
+    assert fleet.match(A, p, salt="tenant-1") == PrefixMatch(device_blocks=3)
+    assert fleet.match(A, p) == PrefixMatch(0, 0)  # the unsalted prompt is not a hit
+    assert fleet.match(A, p, salt="tenant-2") == PrefixMatch(0, 0)
+    assert fleet.match(B, p) == PrefixMatch(device_blocks=2)
+    assert fleet.match(B, p, salt="tenant-1") == PrefixMatch(0, 0)
+    assert fleet.route(p, salt="tenant-1") == A and fleet.route(p) == B
 
 
 def test_a_backend_with_the_routers_hashes_is_not_rehashed():

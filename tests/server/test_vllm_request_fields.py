@@ -87,6 +87,37 @@ def test_return_token_ids_chat_matches_the_stream(server):
     assert ids == whole["choices"][0]["token_ids"]
 
 
+def test_return_prompt_text_is_the_rendered_chat_prompt(server, tiny_llama):
+    """vLLM 0.32's chat `return_prompt_text`: the chat template's output, as fed to the model
+    (the answer, and the first chunk of a stream); null without it."""
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}] + CHAT
+    expected = AutoTokenizer.from_pretrained(tiny_llama).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    body = {"messages": messages, **GREEDY, "return_prompt_text": True, "return_token_ids": True}
+    whole = post(server, "/v1/chat/completions", body).json()
+    assert whole["prompt_text"] == expected and "Be brief." in expected
+    assert tokens(server, expected, add_special_tokens=False) == whole["prompt_token_ids"]
+    chunks = _sse(server, "/v1/chat/completions", {**body, "stream": True, "n": 2,
+                                                   "temperature": 1.0})
+    # as vLLM: each choice's role chunk (the first of each) carries it, no other chunk
+    roles = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("role")]
+    assert [c["choices"][0]["index"] for c in roles] == [0, 1] and chunks[:2] == roles
+    assert all(c["prompt_text"] == expected for c in roles)
+    assert all(c["prompt_text"] is None for c in chunks[2:])
+    for off in ({}, {"return_prompt_text": False}):
+        plain = post(server, "/v1/chat/completions", {"messages": messages, **GREEDY, **off})
+        assert plain.status_code == 200 and plain.json()["prompt_text"] is None
+    cont = post(server, "/v1/chat/completions", {
+        "messages": CHAT + [{"role": "assistant", "content": "Once"}], "max_tokens": 1,
+        "add_generation_prompt": False, "continue_final_message": True,
+        "return_prompt_text": True}).json()
+    assert cont["prompt_text"].endswith("Once")  # what the model continues, cut there
+    bad = post(server, "/v1/chat/completions", {"messages": CHAT, "return_prompt_text": "yes"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_prompt_text"
+
+
 def test_add_special_tokens(server):
     prompt = "Once upon a time"
     with_bos, without = tokens(server, prompt), tokens(server, prompt, add_special_tokens=False)

@@ -264,3 +264,23 @@ def test_disk_tier_full_disk_warns_once_per_interval(tmp_path, monkeypatch, capl
     # The second warning counts the 49 silent failures and its own.
     assert "50 block write(s) failed since the last warning (51 in all)" in \
         caplog.records[1].getMessage()
+
+
+def test_tier_events_carry_the_blocks_extra_keys():
+    """A tier's BlockStored carries its block's extra keys (vLLM's untagged form: the salt of a
+    request's first block), so a router re-hashing tokens keeps salted prefixes apart."""
+    from pagedkv.store.tiered import BlockMeta, TieredKVStore
+
+    host = HostTier(capacity_bytes=10 * 100, block_bytes=100)
+    store = TieredKVStore([host], identity=b"I" * 16, block_bytes=100, block_size=1,
+                          enable_events=True)
+    try:
+        hashes = [bytes([i]) * 32 for i in range(2)]
+        metas = [BlockMeta(hashes[0], None, (5,), extra_keys=("t1",)), BlockMeta(hashes[1], hashes[0], (6,))]
+        store.save_async(metas, lambda: [_payload(0), _payload(1)])
+        store.flush()
+        stored = store.take_events()
+        assert [(e.block_hashes, e.extra_keys, e.medium) for e in stored] == [
+            ([hashes[0]], [("t1",)], host.medium), ([hashes[1]], [None], host.medium)]
+    finally:
+        store.close()
