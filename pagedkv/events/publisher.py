@@ -48,7 +48,7 @@ def to_wire_events(events: Iterable[pool_events.KVCacheEvent],
         if isinstance(event, pool_events.BlockStored):
             stored = wire.block_stored(list(event.block_hashes), event.parent_block_hash,
                                        list(event.token_ids), event.block_size, medium,
-                                       event.extra_keys)
+                                       extra_keys=event.extra_keys)
             for name, value in _group_fields(event).items():
                 setattr(stored, name, value)
             out.append(stored)

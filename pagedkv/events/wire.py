@@ -79,7 +79,7 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 def block_stored(block_hashes: list[ExternalBlockHash], parent_block_hash: ExternalBlockHash | None,
-                 token_ids: list[int], block_size: int, medium: str = MEDIUM_DEVICE,
+                 token_ids: list[int], block_size: int, medium: str = MEDIUM_DEVICE, *,
                  group_idx: int | None = None,
                  extra_keys: list[tuple[Any, ...] | None] | None = None) -> BlockStored:
     """A `BlockStored` without LoRA (the engine serves none), on `medium` (of KV cache group
