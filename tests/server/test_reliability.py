@@ -176,11 +176,13 @@ def test_signal_drains_then_exits_zero(tiny_llama, sig):
     """On a signal: a short request in flight finishes normally; a long stream and a long
     non-streaming request are ended after --shutdown-timeout (an error event and [DONE]; a
     503); new requests get 503 meanwhile; the process exits 0, every block returned."""
+    # The long requests must outlast the 1.5 s drain: with the fused kernels the tiny model
+    # decodes one sequence's 1,800 tokens in about a second, so each asks for 8 of them.
     proc = ServerProcess(tiny_llama, *engine_flags(dtype="float32", block_size=4,
                                                    max_model_len=2048,
-                                                   num_gpu_blocks_override=1024),
+                                                   num_gpu_blocks_override=8192),
                          "--shutdown-timeout", "1.5", "--log-level", "info").start()
-    long_body = {"prompt": "go on", "max_tokens": 1800, "ignore_eos": True}
+    long_body = {"prompt": "go on", "max_tokens": 1800, "ignore_eos": True, "n": 8}
     results: dict[str, object] = {}
 
     def stream() -> None:
@@ -201,12 +203,12 @@ def test_signal_drains_then_exits_zero(tiny_llama, sig):
         for t in threads:
             t.start()
         deadline = time.monotonic() + 60
-        while scrape(proc.url)["pagedkv:num_requests_running"] < 2:
+        while scrape(proc.url)["pagedkv:num_requests_running"] < 16:  # 2 requests x 8 samples
             assert time.monotonic() < deadline
             time.sleep(0.05)
         short_thread = threading.Thread(target=short)
         short_thread.start()
-        while "short" not in results and scrape(proc.url)["pagedkv:num_requests_running"] < 3:
+        while "short" not in results and scrape(proc.url)["pagedkv:num_requests_running"] < 17:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         proc.proc.send_signal(sig)
