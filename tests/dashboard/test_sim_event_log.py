@@ -17,7 +17,7 @@ from pagedkv.sim.event_log import SimEventLog
 from pagedkv.sim.instance import SimConfig
 from pagedkv.sim.latency import FunctionLatency, StepShape
 from pagedkv.sim.simulator import simulate
-from tests.sim.workloads import shared_prefix_trace
+from tests.sim.workloads import shared_prefix_trace, simulate_cli_without_torch
 
 MOONCAKE = "tests/sim/data/mooncake_conversation_head40.jsonl"
 
@@ -79,13 +79,7 @@ def test_a_log_past_its_bound_says_truncated(tmp_path):
 
 def test_cli_event_log_without_torch(tmp_path):
     out = tmp_path / "sim-log.json"
-    code = ("import sys; sys.argv = ['pagedkv'] + sys.argv[1:];"
-            "from pagedkv.cli import main; rc = main();"
-            "assert 'torch' not in sys.modules, 'simulate imported torch'; sys.exit(rc)")
-    proc = subprocess.run(
-        [sys.executable, "-c", code, "simulate", MOONCAKE, "--scale-lengths", "0.0625",
-         "--model", "llama-3-8b", "--num-gpu-blocks-override", "400", "--latency", "linear",
-         "--event-log", str(out)], capture_output=True, text=True, timeout=120)
+    proc = simulate_cli_without_torch("--event-log", str(out))
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     assert len(data["snapshot"]["pools"][0]["refs"]) == 400 and len(data["updates"]) > 1

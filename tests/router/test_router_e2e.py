@@ -154,14 +154,20 @@ def test_stream_is_relayed_as_it_comes_and_a_disconnect_aborts_it(router, backen
     assert 0 < generated < 900  # aborted when the client left, not run to the end
 
 
+MAX_TOKENS_KILLED = 400
+
+
 def test_a_killed_backend_loses_no_request_that_had_not_started_streaming(
         router, backends, offline, tiny_llama):
     prompts = [f"Request number {i} asks" for i in range(12)]
-    expected = greedy_text(offline, prompts, 60)
+    # Long enough that none can finish between the router counting two in flight on the victim
+    # and the kill (the fused kernels decode the tiny model's 60 tokens in tens of ms).
+    expected = greedy_text(offline, prompts, MAX_TOKENS_KILLED)
     victim = backends[0]
 
     async def one(client: httpx.AsyncClient, i: int) -> tuple[str, int, str, list[str]]:
-        body = {"model": "tiny", "prompt": prompts[i], "max_tokens": 60, "temperature": 0.0,
+        body = {"model": "tiny", "prompt": prompts[i], "max_tokens": MAX_TOKENS_KILLED,
+                "temperature": 0.0,
                 "ignore_eos": True, "stream": i % 3 == 0}
         resp = await client.post(router.url + "/v1/completions", json=body)
         return resp.headers.get(BACKEND_HEADER, ""), resp.status_code, resp.text, \

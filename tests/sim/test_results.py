@@ -15,7 +15,7 @@ from pagedkv.sim.latency import FunctionLatency, StepShape
 from pagedkv.sim.results import SLO, format_table, percentile, summarize
 from pagedkv.sim.search import capacity_search, parse_sweep, sweep
 from pagedkv.sim.simulator import simulate
-from tests.sim.workloads import shared_prefix_trace
+from tests.sim.workloads import shared_prefix_trace, simulate_cli_without_torch
 
 MOONCAKE = "tests/sim/data/mooncake_conversation_head40.jsonl"
 
@@ -101,14 +101,8 @@ def test_kv_aware_routing_keeps_prefixes_together():
 def test_cli_simulate_and_no_torch(tmp_path):
     out = tmp_path / "s.json"
     png = tmp_path / "s.png"
-    code = ("import sys, runpy; sys.argv = ['pagedkv'] + sys.argv[1:];"
-            "from pagedkv.cli import main; rc = main();"
-            "assert 'torch' not in sys.modules, 'simulate imported torch'; sys.exit(rc)")
-    proc = subprocess.run(
-        [sys.executable, "-c", code, "simulate", MOONCAKE, "--scale-lengths", "0.0625",
-         "--model", "llama-3-8b", "--num-gpu-blocks-override", "400", "--latency", "linear",
-         "--slo", "ttft=1,tpot=0.2", "--json", str(out), "--plot", str(png)],
-        capture_output=True, text=True, timeout=120)
+    proc = simulate_cli_without_torch("--slo", "ttft=1,tpot=0.2", "--json", str(out),
+                                      "--plot", str(png))
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(out.read_text())
     assert summary["requests"] == 40 and summary["finished"] == 40

@@ -27,3 +27,22 @@ def shared_prefix_trace(num: int = 14, seed: int = 0, block_tokens: int = 8,
                                 output_length=rng.randrange(3, 40), block_ids=tuple(ids),
                                 block_tokens=block_tokens))
     return out
+
+
+MOONCAKE_HEAD = "tests/sim/data/mooncake_conversation_head40.jsonl"
+_SIMULATE_WITHOUT_TORCH = (
+    "import sys; sys.argv = ['pagedkv'] + sys.argv[1:];"
+    "from pagedkv.cli import main; rc = main();"
+    "assert 'torch' not in sys.modules, 'simulate imported torch'; sys.exit(rc)")
+
+
+def simulate_cli_without_torch(*flags: str):  # -> subprocess.CompletedProcess
+    """`pagedkv simulate` on the bundled Mooncake slice (llama-3-8b shape, 400 blocks, linear
+    latency) plus `flags`, in a child process that fails if the command imported torch."""
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-c", _SIMULATE_WITHOUT_TORCH, "simulate", MOONCAKE_HEAD,
+         "--scale-lengths", "0.0625", "--model", "llama-3-8b", "--num-gpu-blocks-override", "400",
+         "--latency", "linear", *flags], capture_output=True, text=True, timeout=120)
