@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.bench.datasets import shared_trace
 from pagedkv.bench.machine import cpu_name
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.llm_engine import LLMEngine
@@ -116,7 +117,7 @@ def part_memory(rounds: int, out: list) -> None:
 
 # Mooncake's conversation trace (kvcache-ai/Mooncake, FAST'25; Apache-2.0: see its README),
 # lengths scaled by 1/16 for a CPU (a 512-token block id becomes 32 tokens).
-TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+TRACE = shared_trace("mooncake_conversation_trace.jsonl")
 TRACE_SCALE = 1 / 16
 
 Conversation = tuple[list[int], list[list[int]], list[int]]  # first prompt, questions, answers

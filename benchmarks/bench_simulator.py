@@ -34,8 +34,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from pagedkv.bench.datasets import shared_trace  # noqa: E402  (after the path)
 
-TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+TRACE = shared_trace("mooncake_conversation_trace.jsonl")
 SHAPE = dict(arch="llama", hidden_size=512, intermediate_size=1408, num_layers=8, num_heads=8,
              num_kv_heads=4, max_position_embeddings=4096)
 # cpu_kernels="wait": the fused kernels from the first step in both the profile and the

@@ -42,7 +42,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedkv.bench.datasets import SampleRequest
+from pagedkv.bench.datasets import SampleRequest, shared_trace
 from pagedkv.bench.machine import cpu_name
 from pagedkv.bench.metrics import compute_metrics
 from pagedkv.bench.serve_client import run_load
@@ -58,7 +58,7 @@ from tests.router.helpers import RouterProcess
 from tests.server.helpers import ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[1]
-TRACE = REPO.parent.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = shared_trace("mooncake_conversation_trace.jsonl")
 BLOCK_SIZE = 32
 MODEL = "bench"
 ROUTERS = ("pagedkv kv-aware", "vllm-router cache_aware", "vllm-router kv_aware")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 DATASETS = ("random", "shared-prefix")
 FIRST_TOKEN_ID = 10
@@ -56,3 +57,9 @@ def sample_requests(dataset: str, *, num_prompts: int, input_len: int, output_le
     high = max(low, int(input_len * (1 + range_ratio)))
     return [SampleRequest(prefix + _tokens(rng, rng.randint(low, high), vocab_size), output_len)
             for _ in range(num_prompts)]
+
+
+def shared_trace(name: str) -> Path:
+    """A public trace in the project's `shared/traces/` (beside the checkout, as the developers'
+    machines and CI lay it out; README there), e.g. "mooncake_conversation_trace.jsonl"."""
+    return Path(__file__).resolve().parents[2].parent / "shared" / "traces" / name
