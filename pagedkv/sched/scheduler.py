@@ -511,9 +511,7 @@ class Scheduler:
                 continue
             tokens = sampled[request.request_id]
             if len(tokens) == 1 and grammar is None and not logprobs_of:  # the usual case
-                token_id = tokens[0]
-                request.output_token_ids.append(token_id)
-                request.all_token_ids.append(token_id)
+                request.append_output_token(tokens[0])
                 changed.append(request)
                 self._check_stop(request)
                 continue
