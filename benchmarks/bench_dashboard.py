@@ -12,6 +12,12 @@ median and range.
 `--engine-core process` runs the engine core in its own process (as `pagedkv serve
 --engine-core process`): the feed then crosses as utility calls (pagedkv/engine/utility.py).
 
+`--account` adds a direct count of the feed's own CPU time in the served rounds with a client:
+the pools' op recorders and the feed's drain (engine thread) and the JSON encoding of each update
+(event loop), timed in thread CPU time, as a share of the whole server process's CPU time over
+the round. Unlike the throughput ratio it is hardly moved by other processes' load, and it is an
+upper bound of the feed's cost on a CPU-bound server (the timers' own cost is counted in it).
+
 `--engine-only` measures the engine side alone: offline steps of the same workload with no
 watcher, and with the feed subscribed and drained (the same "dashboard.*" utility calls the
 server makes, plus JSON-encoding) every 0.1 s; it prints the throughput ratio and the share of
@@ -20,6 +26,7 @@ wall time spent in the feed calls.
     python benchmarks/bench_dashboard.py [--runs 3] [--prompts 48] [--concurrency 8]
                                          [--max-tokens 32] [--model DIR] [--plot PATH] [--json]
                                          [--engine-core inproc|process] [--engine-only]
+                                         [--account]
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--engine-core", choices=("inproc", "process"), default="inproc",
                         help="where the engine core runs (as pagedkv serve --engine-core)")
+    parser.add_argument("--account", action="store_true",
+                        help="also time the feed's own code in CPU time (in-process core only)")
     parser.add_argument("--engine-only", action="store_true",
                         help="time the engine loop alone (no HTTP), with and without the feed")
     args = parser.parse_args(argv)
@@ -76,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.shutdown()
             return report(rows, args)
         app = create_app(engine, served_model_name="bench")
+        account = FeedAccount() if args.account and args.engine_core == "inproc" else None
         rows = []
         with serve_in_thread(app) as url:
             run_traffic(url, prompts_for(999, args.concurrency), concurrency=args.concurrency,
@@ -84,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                 result = {}
                 for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
                     client = DashboardClient(url) if mode == "on" else None
+                    if account is not None and mode == "on":
+                        account.start()
                     try:
                         t = run_traffic(url, prompts_for(2 * r + (mode == "on"), args.prompts),
                                         concurrency=args.concurrency,
@@ -91,15 +103,72 @@ def main(argv: list[str] | None = None) -> int:
                     finally:
                         if client is not None:
                             result["updates"], result["ops"] = client.close()
+                        if account is not None and mode == "on":
+                            result["feed_cpu_share"] = account.stop()
                     result[mode] = t["generated_tokens"] / t["seconds"]
                 result["ratio"] = result["on"] / result["off"]
                 rows.append(result)
+                share = (f", feed {100 * result['feed_cpu_share']:.3f}% of the server's CPU"
+                         if "feed_cpu_share" in result else "")
                 print(f"round {r + 1}: off {result['off']:.1f} tok/s, on {result['on']:.1f} "
                       f"tok/s ({result['updates']} updates, {result['ops']} ops), "
-                      f"on/off {result['ratio']:.4f}", flush=True)
+                      f"on/off {result['ratio']:.4f}{share}", flush=True)
         engine.check_invariants()
         engine.shutdown()
     return report(rows, args)
+
+
+class FeedAccount:
+    """Times the feed's code in thread CPU time while started: every method of the pools' op
+    recorders, `BlockFeed.drain`, and the dashboard route's JSON encoding of updates. `stop()`
+    returns that time over the process's CPU time since `start()` and undoes the wrapping."""
+
+    def __init__(self) -> None:
+        self.spent_ns = 0
+        self._undo: list = []
+
+    def _wrap(self, owner: object, name: str) -> None:
+        import time
+
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            t0 = time.thread_time_ns()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.spent_ns += time.thread_time_ns() - t0
+
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, inner))
+
+    def start(self) -> None:
+        import time
+        import types
+
+        from pagedkv.engine.block_feed import BlockFeed
+        from pagedkv.kv.observer import BlockOpRecorder
+        from pagedkv.server.dashboard import routes
+
+        self.spent_ns = 0
+        for name in ("on_refs", "on_evicted", "on_cached", "on_uncached", "on_cleared",
+                     "on_pins"):
+            self._wrap(BlockOpRecorder, name)
+        self._wrap(BlockFeed, "drain")
+        timed_json = types.SimpleNamespace(dumps=json.dumps, loads=json.loads)
+        self._undo.append((routes, "json", routes.json))
+        routes.json = timed_json
+        self._wrap(timed_json, "dumps")
+        self._cpu0 = time.process_time_ns()
+
+    def stop(self) -> float:
+        import time
+
+        cpu = time.process_time_ns() - self._cpu0
+        for owner, name, inner in reversed(self._undo):
+            setattr(owner, name, inner)
+        self._undo.clear()
+        return self.spent_ns / max(cpu, 1)
 
 
 def engine_round(engine, r: int, args: argparse.Namespace) -> dict:
@@ -144,6 +213,11 @@ def report(rows: list[dict], args: argparse.Namespace) -> int:
     ratios = [r["ratio"] for r in rows]
     summary = {"median_ratio": statistics.median(ratios), "min_ratio": min(ratios),
                "max_ratio": max(ratios), "rounds": rows}
+    if "feed_cpu_share" in rows[0]:
+        summary["feed_cpu_share_median"] = statistics.median(r["feed_cpu_share"] for r in rows)
+        print(f"the feed's own CPU time over the server's, with a client: median "
+              f"{100 * summary['feed_cpu_share_median']:.3f}% (max "
+              f"{100 * max(r['feed_cpu_share'] for r in rows):.3f}%)")
     if "feed_share" in rows[0]:
         summary["feed_share_median"] = statistics.median(r["feed_share"] for r in rows)
         print(f"feed share of the engine thread: median "
