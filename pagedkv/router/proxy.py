@@ -42,6 +42,10 @@ logger = logging.getLogger("pagedkv.router")
 SESSION_HEADER = "x-session-id"
 BACKEND_HEADER = "x-pagedkv-backend"  # on every forwarded answer: the backend that gave it
 DEFAULT_FIRST_BYTE_TIMEOUT_S = 60.0
+# A body up to this size is tokenized and hashed on the event loop: that takes less than the
+# hop to a worker thread and back (which waits for the GIL on a busy box); a larger one (a
+# long text prompt: milliseconds of tokenizing) goes to a thread, not to stall other requests.
+INLINE_HASH_BYTES = 16 * 1024
 
 
 @dataclass
@@ -125,13 +129,17 @@ class Forwarder:
     async def hashed_request(self, path: str, body: bytes, session: str | None,
                              model: str | None) -> RouteRequest:
         """The request with its prompt's block hashes: tokenized here with the router's own
-        tokenizer (off the event loop), else on a backend serving `model` (its /tokenize)."""
+        tokenizer (a large body off the event loop), else on a backend serving `model` (its
+        /tokenize)."""
         hasher = self.router.hasher
         plain = RouteRequest(session=session, model=model)
         if hasher is None:
             return plain
         if hasher.tokenizer is not None:
-            hashed = await asyncio.to_thread(hasher.route_request, path, body, session)
+            if len(body) <= INLINE_HASH_BYTES:
+                hashed = hasher.route_request(path, body, session)
+            else:
+                hashed = await asyncio.to_thread(hasher.route_request, path, body, session)
             return dataclasses.replace(hashed, model=model)
         call = tokenize_call(path, body)
         backend = self.router.tokenizer_backend(model)
