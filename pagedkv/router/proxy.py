@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -64,19 +65,28 @@ class _BodyFields:
     model: str | None = None
 
 
+class _TopLevel(msgspec.Struct):
+    """The three top-level fields the router reads, whatever their type; msgspec skips every
+    other field without building it (a prompt of thousands of token ids is never a list)."""
+
+    stream: Any = None
+    user: Any = None
+    model: Any = None
+
+
+_TOP_LEVEL = msgspec.json.Decoder(_TopLevel)
+
+
 def _body_fields(body: bytes) -> _BodyFields:
     """The fields of a JSON body the router reads; the defaults when it is not a JSON object
     (the backend answers the 400)."""
     try:
-        parsed = json.loads(body)
-    except ValueError:
+        top = _TOP_LEVEL.decode(body)
+    except (msgspec.DecodeError, ValueError):
         return _BodyFields()
-    if not isinstance(parsed, dict):
-        return _BodyFields()
-    user, model = parsed.get("user"), parsed.get("model")
-    return _BodyFields(stream=parsed.get("stream") is True,
-                       user=user if isinstance(user, str) else None,
-                       model=model if isinstance(model, str) else None)
+    return _BodyFields(stream=top.stream is True,
+                       user=top.user if isinstance(top.user, str) else None,
+                       model=top.model if isinstance(top.model, str) else None)
 
 
 def _is_event_stream(upstream: httpx.Response) -> bool:

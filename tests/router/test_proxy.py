@@ -237,3 +237,15 @@ def test_slow_or_failing_health_marks_down_after_the_threshold_refused_at_once()
             assert not await checker.check(router.backend(B))   # refused: down at once
 
     asyncio.run(scenario())
+
+
+def test_body_fields_read_only_the_top_level_fields_the_router_needs():
+    from pagedkv.router.proxy import _body_fields, _BodyFields
+
+    body = json.dumps({"prompt": list(range(5000)), "stream": True, "user": "u-1",
+                       "model": "tiny", "messages": [{"role": "user", "stream": False}]})
+    assert _body_fields(body.encode()) == _BodyFields(stream=True, user="u-1", model="tiny")
+    assert _body_fields(b'{"stream": "yes", "user": 3, "model": null}') == _BodyFields()
+    assert _body_fields(b'{"stream": true, "stream": false}') == _BodyFields()  # the last wins
+    for bad in (b"not json", b"[1, 2]", b"3", b"", b'{"stream": true'):
+        assert _body_fields(bad) == _BodyFields(), bad
