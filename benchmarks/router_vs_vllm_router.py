@@ -172,8 +172,10 @@ def start_router(which: str, model_dir: Path, urls: list[str], ports: list[int],
     events = [f"tcp://127.0.0.1:{port}" for port in ports]
     if which == "pagedkv kv-aware":
         flags = [f for ep in events for f in ("--kv-events", ep)]
+        # Both routers at their default health interval (ours 1 s: /health, /kv_cache_info,
+        # /v1/models and the load gauges; vllm-router's one /health per 60 s); our first-byte
+        # timeout as long as vllm-router's wait.
         return RouterProcess(model_dir, urls, "--policy", "kv-aware", *flags,
-                             "--health-interval", "0.25",  # vllm-router waits as long:
                              "--first-byte-timeout", "1800").start()
     os.environ["VLLM_ROUTER_TOKENIZER"] = str(model_dir)  # vllm-router's tokenizer
     if which == "vllm-router cache_aware":

@@ -93,6 +93,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--health-timeout", type=float, default=2.0, metavar="SECONDS")
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
+    parser.add_argument("--access-log", action="store_true",
+                        help="log every request at INFO: uvicorn's access log and httpx's line "
+                        "per request sent to a backend (off by default: a line per request "
+                        "costs the hot path; /metrics counts them)")
     weights = parser.add_argument_group("kv-aware score (see pagedkv/router/policies/kv_aware.py)")
     for f in fields(KVAwareWeights):
         weights.add_argument("--" + f.name.replace("_", "-"), type=float, default=f.default)
@@ -166,11 +170,14 @@ def run(args: argparse.Namespace) -> int:
 
     from pagedkv.router.app import create_router_app
     from pagedkv.server.graceful import CleanExitServer, bind_socket
+    from pagedkv.utils import freeze_gc_heap
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.access_log:  # httpx logs every request it sends (forwards, health checks) at INFO
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     app = create_router_app(build_router(args), api_key=args.api_key or None,
                             backend_api_key=args.backend_api_key or None,
                             health_interval_s=args.health_interval,
@@ -180,8 +187,10 @@ def run(args: argparse.Namespace) -> int:
                             connect_timeout_s=args.connect_timeout,
                             allow_anonymous_clients=args.allow_anonymous_clients)
     sock = bind_socket(args.host, args.port)
+    freeze_gc_heap()
     try:
-        config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+        config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
+                                access_log=args.access_log)
         CleanExitServer(config).run(sockets=[sock])
     finally:
         sock.close()

@@ -96,9 +96,11 @@ def hash_block_tokens(hash_fn: HashFn, parent_hash: BlockHash | None,
 
 def request_extra_keys(cache_salt: str | None, lora_name: str | None,
                        first_block: bool) -> tuple | None:
-    """The extra keys of a request's block: salt in the first block only, LoRA in every block."""
+    """The extra keys of a request's block: salt in the first block only, LoRA in every block.
+    An empty salt is no salt, as in vLLM (`generate_block_hash_extra_keys` tests the salt's
+    truth): the same hashes, and `None` in the events' `extra_keys`."""
     keys: list[tuple[str, object]] = []
-    if first_block and cache_salt is not None:
+    if first_block and cache_salt:
         keys.append(("salt", cache_salt))
     if lora_name is not None:
         keys.append(("lora", lora_name))

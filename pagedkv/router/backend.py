@@ -21,6 +21,10 @@ from pagedkv.router.prefix_index import PrefixMatch
 RUNNING = ("pagedkv:num_requests_running", "vllm:num_requests_running")
 WAITING = ("pagedkv:num_requests_waiting", "vllm:num_requests_waiting")
 KV_USAGE = ("pagedkv:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+LOAD_GAUGES = RUNNING + WAITING + KV_USAGE
+# The /metrics query asking for those alone (prometheus_client's `name[]` filter, which vLLM's
+# and pagedkv's /metrics honour): the backend renders three gauges, not every histogram.
+LOAD_QUERY = {"name[]": list(LOAD_GAUGES)}
 
 
 @dataclass
@@ -34,9 +38,11 @@ class BackendLoad:
 
 def parse_load(metrics_text: str) -> BackendLoad:
     """The load gauges in a Prometheus text exposition (missing ones read 0; samples of the
-    same gauge, e.g. one per model, are summed; KV usage takes the largest)."""
+    same gauge, e.g. one per model, are summed; KV usage takes the largest). Only the gauges'
+    own lines are parsed: a backend that ignores the `name[]` filter sends every family."""
+    lines = [line for line in metrics_text.splitlines() if line.startswith(LOAD_GAUGES)]
     values: dict[str, float] = {}
-    for family in text_string_to_metric_families(metrics_text):
+    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
         for sample in family.samples:
             if sample.name in KV_USAGE:
                 values[sample.name] = max(values.get(sample.name, 0.0), sample.value)

@@ -1,5 +1,6 @@
 """The health checker: every `interval_s`, each backend's /health, /kv_cache_info, /v1/models
-and /metrics.
+and its load gauges from /metrics (asked for by name, `LOAD_QUERY`: the backend renders those
+three gauges instead of every histogram it keeps).
 
 A backend that answers /health with 200 is marked up (its hashing settings, models and load
 gauges refreshed each round: the router sends a request only to backends serving its model, and
@@ -18,7 +19,7 @@ import logging
 import httpx
 import pydantic
 
-from pagedkv.router.backend import Backend, parse_load
+from pagedkv.router.backend import LOAD_QUERY, Backend, parse_load
 from pagedkv.router.router import Router
 from pagedkv.server.protocol import ModelCard
 
@@ -73,7 +74,8 @@ class HealthChecker:
 
     async def _scrape_load(self, backend: Backend) -> None:
         try:
-            metrics = await self.client.get(backend.url + "/metrics", timeout=self.timeout_s)
+            metrics = await self.client.get(backend.url + "/metrics", params=LOAD_QUERY,
+                                            timeout=self.timeout_s)
             if metrics.status_code == 200:
                 backend.load = parse_load(metrics.text)
         except (httpx.HTTPError, ValueError) as exc:

@@ -5,10 +5,11 @@ The router tokenizes exactly as `pagedkv serve` does, with the server's own func
 and hashes with the engine's `RequestBlockHasher` under the backends' block size and hash
 algorithm, `cache_salt` in the first block. So a prompt's hashes here equal the ones a backend
 publishes in its KV events and looks up in its prefix cache. A completions request with a list
-of prompts is placed by its first prompt. A body the server would reject gets no hashes (it is
-placed by load alone and the backend answers the 400). Without a local tokenizer (a router
-started without --model) the token ids come from a backend's /tokenize (remote_tokens.py) and
-only the hashing happens here.
+of prompts is placed by its first prompt (the only one tokenized). `add_special_tokens` is read
+as the server reads it (a completion's BOS unless false; a chat's only when true). A body the
+server would reject gets no hashes (it is placed by load alone and the backend answers the
+400). Without a local tokenizer (a router started without --model) the token ids come from a
+backend's /tokenize (remote_tokens.py) and only the hashing happens here.
 """
 
 from __future__ import annotations
@@ -59,6 +60,14 @@ class _HashedPrompt:
     block_hashes: list[bytes] = field(default_factory=list)
 
 
+def first_prompt(prompt: str | list) -> str | list:
+    """The prompt a completions request is placed by (a validated `prompt`): its only one, or
+    the first of a list of texts or of token-id lists (the others are not tokenized)."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return prompt[0]
+    return prompt
+
+
 class PromptHasher:
     """Token ids and block hashes of request bodies. Thread-safe (call it off the event loop:
     tokenizing a long prompt takes milliseconds). With `tokenizer` None it only hashes token
@@ -79,7 +88,9 @@ class PromptHasher:
         try:
             if path == COMPLETIONS:
                 completion = CompletionRequest.model_validate_json(body)
-                return tokenize_prompts(self._holder, completion.prompt)[0], completion.cache_salt
+                return (tokenize_prompts(self._holder, first_prompt(completion.prompt),
+                                         add_special_tokens=completion.add_special_tokens
+                                         is not False)[0], completion.cache_salt)
             if path == CHAT_COMPLETIONS:
                 chat = ChatCompletionRequest.model_validate_json(body)
                 tools = ([t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools

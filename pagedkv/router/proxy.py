@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -42,6 +43,10 @@ logger = logging.getLogger("pagedkv.router")
 SESSION_HEADER = "x-session-id"
 BACKEND_HEADER = "x-pagedkv-backend"  # on every forwarded answer: the backend that gave it
 DEFAULT_FIRST_BYTE_TIMEOUT_S = 60.0
+# A body up to this size is tokenized and hashed on the event loop: that takes less than the
+# hop to a worker thread and back (which waits for the GIL on a busy box); a larger one (a
+# long text prompt: milliseconds of tokenizing) goes to a thread, not to stall other requests.
+INLINE_HASH_BYTES = 16 * 1024
 
 
 @dataclass
@@ -60,19 +65,28 @@ class _BodyFields:
     model: str | None = None
 
 
+class _TopLevel(msgspec.Struct):
+    """The three top-level fields the router reads, whatever their type; msgspec skips every
+    other field without building it (a prompt of thousands of token ids is never a list)."""
+
+    stream: Any = None
+    user: Any = None
+    model: Any = None
+
+
+_TOP_LEVEL = msgspec.json.Decoder(_TopLevel)
+
+
 def _body_fields(body: bytes) -> _BodyFields:
     """The fields of a JSON body the router reads; the defaults when it is not a JSON object
     (the backend answers the 400)."""
     try:
-        parsed = json.loads(body)
-    except ValueError:
+        top = _TOP_LEVEL.decode(body)
+    except (msgspec.DecodeError, ValueError):
         return _BodyFields()
-    if not isinstance(parsed, dict):
-        return _BodyFields()
-    user, model = parsed.get("user"), parsed.get("model")
-    return _BodyFields(stream=parsed.get("stream") is True,
-                       user=user if isinstance(user, str) else None,
-                       model=model if isinstance(model, str) else None)
+    return _BodyFields(stream=top.stream is True,
+                       user=top.user if isinstance(top.user, str) else None,
+                       model=top.model if isinstance(top.model, str) else None)
 
 
 def _is_event_stream(upstream: httpx.Response) -> bool:
@@ -125,13 +139,17 @@ class Forwarder:
     async def hashed_request(self, path: str, body: bytes, session: str | None,
                              model: str | None) -> RouteRequest:
         """The request with its prompt's block hashes: tokenized here with the router's own
-        tokenizer (off the event loop), else on a backend serving `model` (its /tokenize)."""
+        tokenizer (a large body off the event loop), else on a backend serving `model` (its
+        /tokenize)."""
         hasher = self.router.hasher
         plain = RouteRequest(session=session, model=model)
         if hasher is None:
             return plain
         if hasher.tokenizer is not None:
-            hashed = await asyncio.to_thread(hasher.route_request, path, body, session)
+            if len(body) <= INLINE_HASH_BYTES:
+                hashed = hasher.route_request(path, body, session)
+            else:
+                hashed = await asyncio.to_thread(hasher.route_request, path, body, session)
             return dataclasses.replace(hashed, model=model)
         call = tokenize_call(path, body)
         backend = self.router.tokenizer_backend(model)

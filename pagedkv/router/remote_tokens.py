@@ -69,12 +69,14 @@ def tokenize_call(path: str, body: bytes) -> TokenizeCall | None:
         if isinstance(prompt, list):
             return TokenizeCall(None, prompt, salt)
         if isinstance(prompt, str):
-            return TokenizeCall({**model, "prompt": prompt, "add_special_tokens": True}, None,
-                                salt)
+            special = parsed.get("add_special_tokens") is not False  # the server's default
+            return TokenizeCall({**model, "prompt": prompt, "add_special_tokens": special},
+                                None, salt)
         return None
     if path == CHAT_COMPLETIONS and isinstance(parsed.get("messages"), list):
         fields = {k: parsed[k] for k in _CHAT_FIELDS if parsed.get(k) is not None}
-        return TokenizeCall({**model, **fields, "add_special_tokens": False}, None, salt)
+        special = parsed.get("add_special_tokens") is True  # a chat's default: false
+        return TokenizeCall({**model, **fields, "add_special_tokens": special}, None, salt)
     return None
 
 

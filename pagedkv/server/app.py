@@ -167,12 +167,15 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                 "num_gpu_blocks": getattr(engine, "num_gpu_blocks", None)}
 
     @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
+    async def prometheus_metrics(raw: Request) -> Response:
+        """Every family, or with `?name[]=...` only those samples (prometheus_client's filter,
+        as on vLLM's /metrics: a router's load scrape renders three gauges)."""
         try:
             metrics.update(await async_engine.get_stats())
         except EngineDeadError as exc:
             raise APIError(str(exc), status_code=503, type="server_unavailable") from exc
-        return Response(metrics.render(), media_type=metrics.content_type)
+        names = raw.query_params.getlist("name[]")
+        return Response(metrics.render(names or None), media_type=metrics.content_type)
 
     def model_card() -> ModelCard:
         vocab = getattr(engine, "vocab_size", None) or getattr(serving.tokenizer, "vocab_size", None)

@@ -35,9 +35,13 @@ UVICORN_GRACE_S = 5.0  # uvicorn cancels what is left only this long after our o
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to (host, port), before anything slow happens: a busy port fails at
-    once (ValueError naming it) rather than after the model has loaded."""
+    once (ValueError naming it) rather than after the model has loaded. Its protocol is
+    IPPROTO_TCP, as the sockets asyncio opens itself: asyncio turns Nagle's algorithm off
+    (TCP_NODELAY) only on connections whose socket says so, and with it on, a response written
+    in two parts (headers, then a small body or SSE event) waited for the client's delayed ACK,
+    up to 40 ms."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

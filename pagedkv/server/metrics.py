@@ -24,7 +24,7 @@ twins carry `model_name` only.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -268,5 +268,7 @@ class ServerMetrics:
         for _ in range(num_tokens):
             self.itl.observe(gap / num_tokens)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, names: Iterable[str] | None = None) -> bytes:
+        """The exposition of every family, or of the samples called `names` only."""
+        registry = self.registry if names is None else self.registry.restricted_registry(names)
+        return generate_latest(registry)

@@ -5,7 +5,8 @@ developer or assistant; `content` a string or `input_text` / `output_text` parts
 `instructions` as a leading system message; it becomes a chat request (the model's chat
 template). `max_output_tokens`, `temperature`, `top_p`, `user`, `metadata`, `store`
 (nothing is stored: always false in the answer), `parallel_tool_calls`, `truncation`
-("disabled") and `text` (`format: {"type": "text"}`) are accepted; `tools`, `previous_response_id`,
+("disabled"), `text` (`format: {"type": "text"}`, `verbosity`) and `prompt_cache_key`,
+`prompt_cache_retention`, `safety_identifier` (echoed in the answer) are accepted; `tools`, `previous_response_id`,
 `background`, and any format other than text are a 400 (not implemented). Unknown fields are
 ignored with a warning, as on the other routes.
 """
@@ -41,7 +42,7 @@ class TextFormat(_Request):
 
 class TextConfig(_Request):
     format: TextFormat | None = None
-    verbosity: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class ResponsesRequest(_Request, IgnoresUnknownFields):
@@ -63,6 +64,11 @@ class ResponsesRequest(_Request, IgnoresUnknownFields):
     previous_response_id: None = None
     background: Literal[False] | None = None
     seed: int | None = None
+    # OpenAI's prompt-cache routing hints and abuse-tracking id: echoed, nothing else (a router
+    # in front places prompts by their blocks; nothing is retained beyond the request).
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    safety_identifier: str | None = None
 
     def to_chat(self) -> ChatCompletionRequest:
         """The same request as a chat completion (instructions first, as a system message)."""
@@ -149,7 +155,8 @@ class ResponseObject(BaseModel):
     store: bool = False
     temperature: float
     top_p: float
-    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"},
+                                                          "verbosity": "medium"})
     tool_choice: str = "none"
     tools: list[Any] = Field(default_factory=list)
     truncation: str = "disabled"
@@ -157,6 +164,11 @@ class ResponseObject(BaseModel):
     user: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     system_fingerprint: str | None = None
+    completed_at: int | None = None  # set when status is "completed", as OpenAI's
+    conversation: None = None  # no stored conversations
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
     # OpenAI's and vLLM 0.32's further keys, with what this server does: never in the
     # background, no tool-call cap, no stored prompt template or reasoning config, one service
     # tier, no penalties or logprobs on this route, no KV/encoder-cache transfer, and none of

@@ -69,10 +69,15 @@ async def create_response(serving: OpenAIServing, req: ResponsesRequest,
 def _response(serving: OpenAIServing, req: ResponsesRequest, response_id: str, message_id: str,
               final: RequestOutput | None) -> ResponseObject:
     """The response object: in progress (no output yet) when `final` is None."""
+    verbosity = req.text.verbosity if req.text is not None else None
     common = dict(id=response_id, model=serving.model_name, instructions=req.instructions,
                   max_output_tokens=req.max_output_tokens, temperature=req.temperature,
                   top_p=req.top_p, user=req.user, metadata=req.metadata or {},
-                  system_fingerprint=serving.system_fingerprint)
+                  system_fingerprint=serving.system_fingerprint,
+                  text={"format": {"type": "text"}, "verbosity": verbosity or "medium"},
+                  prompt_cache_key=req.prompt_cache_key,
+                  prompt_cache_retention=req.prompt_cache_retention,
+                  safety_identifier=req.safety_identifier)
     if final is None:
         return ResponseObject(status="in_progress", **common)
     comp = final.outputs[0]
@@ -84,7 +89,7 @@ def _response(serving: OpenAIServing, req: ResponsesRequest, response_id: str, m
                           output_tokens=len(comp.token_ids),
                           total_tokens=len(final.prompt_token_ids) + len(comp.token_ids))
     return ResponseObject(
-        status=status, usage=usage,
+        status=status, usage=usage, completed_at=int(time.time()) if not cut else None,
         incomplete_details=IncompleteDetails(reason="max_output_tokens") if cut else None,
         output=[OutputMessage(id=message_id, status=status, content=[OutputText(text=comp.text)])],
         **common)

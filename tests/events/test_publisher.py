@@ -110,6 +110,38 @@ def test_reset_publishes_all_blocks_cleared(tiny_llama):
     assert isinstance(events[-1], AllBlocksCleared)
 
 
+def test_empty_salt_is_no_salt_as_in_vllm(tiny_llama):
+    """An empty `cache_salt` through the Python API (the HTTP API refuses it) is no salt, as
+    vLLM's `generate_block_hash_extra_keys` has it: `None` in the events' `extra_keys`, the
+    unsalted hashes, so an unsalted request hits its blocks; a real salt still separates."""
+    llm = LLM(model=str(tiny_llama), seed=0, block_size=4, kv_events_config={
+        "enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*"})
+    engine = llm.llm_engine
+    prompt = {"prompt_token_ids": list(range(10, 22))}
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    context, sub = _subscribe(engine.event_publisher.endpoint, b"")
+    cached = {}
+    try:
+        for request_id, salt in (("empty", ""), ("none", None), ("salted", "tenant")):
+            engine.add_request(request_id, prompt, params, cache_salt=salt)
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    cached[output.request_id] = output.num_cached_tokens
+        frames = _drain(sub)
+    finally:
+        sub.close(0)
+        context.term()
+    engine.scheduler.kv_cache_manager.pool.check_invariants()
+    stored = [e for f in frames for e in decode_batch(f[2]).events if isinstance(e, BlockStored)]
+    first, salted = stored[0], stored[-1]
+    assert len(first.block_hashes) == 3 and first.extra_keys == [None] * 3  # the 3 full blocks
+    expected = hash_block_tokens(get_hash_fn("sha256"), None, prompt["prompt_token_ids"][:4],
+                                 request_extra_keys(None, None, True))
+    assert first.block_hashes[0] == expected  # the unsalted hash
+    assert cached == {"empty": 0, "none": 8, "salted": 0}
+    assert salted.extra_keys == [("tenant",), None, None]
+
+
 @pytest.mark.parametrize("bad", ['{"enable_kv_cache_events": true, "publisher": "kafka"}',
                                  '{"nope": 1}', "not json", '{"enable_kv_cache_events": "yes"}'])
 def test_bad_config_is_a_value_error(bad):

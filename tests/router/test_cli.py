@@ -26,6 +26,8 @@ def test_flags_build_the_router(tmp_path):
     assert router.hasher is not None and router.hasher.block_size == 8
     assert router.weights.tier_weight == 0.25 and router.weights.imbalance_factor == 2
     assert build_router(parse("--backend", "http://h:1", "--policy", "session")).hasher is None
+    assert not parse("--backend", "http://h:1").access_log  # no line per request by default
+    assert parse("--backend", "http://h:1", "--access-log").access_log
 
 
 def test_kv_aware_starts_without_model_and_hashes_ids_from_the_backends():

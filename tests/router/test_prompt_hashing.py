@@ -41,6 +41,41 @@ def test_completion_hashes_equal_the_engines(tokenizer, algo):
     assert not set(unsalted.block_hashes) & set(req.block_hashes)  # the salt changes every hash
 
 
+def test_add_special_tokens_and_only_the_first_prompt_as_the_server(tokenizer):
+    """A completion without BOS when `add_special_tokens` is false (the server's default is
+    true), a chat with the tokenizer's special tokens only when true; a list of prompts is
+    placed by its first, and only that one is tokenized."""
+    hasher = PromptHasher(tokenizer, block_size=4, hash_algo="sha256")
+    text = "The quick brown fox jumps over the lazy dog, again and again."
+    with_bos = tokenizer.encode(text, add_special_tokens=True)
+    without = tokenizer.encode(text, add_special_tokens=False)
+    assert with_bos != without
+    for flag, ids in ((None, with_bos), (True, with_bos), (False, without)):
+        body = {"prompt": text} | ({} if flag is None else {"add_special_tokens": flag})
+        req = hasher.route_request(COMPLETIONS, json.dumps(body).encode())
+        assert list(req.block_hashes) == chain(ids, 4, "sha256", None), flag
+    messages = [{"role": "user", "content": "hi there, how are you today?"}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    for flag, special in ((None, False), (False, False), (True, True)):
+        body = {"messages": messages} | ({} if flag is None else {"add_special_tokens": flag})
+        req = hasher.route_request(CHAT_COMPLETIONS, json.dumps(body).encode())
+        ids = tokenizer.encode(rendered, add_special_tokens=special)
+        assert list(req.block_hashes) == chain(ids, 4, "sha256", None), flag
+    encoded: list[str] = []
+    original = tokenizer.encode_bounded
+
+    def spy(text_: str, *args, **kwargs):
+        encoded.append(text_)
+        return original(text_, *args, **kwargs)
+
+    tokenizer.encode_bounded = spy
+    try:
+        req = hasher.route_request(COMPLETIONS, json.dumps({"prompt": [text, "b" * 500]}).encode())
+    finally:
+        del tokenizer.encode_bounded
+    assert encoded == [text] and list(req.block_hashes) == chain(with_bos, 4, "sha256", None)
+
+
 def test_chat_uses_the_template_and_token_prompts_pass_through(tokenizer):
     hasher = PromptHasher(tokenizer, block_size=4, hash_algo="sha256")
     messages = [{"role": "system", "content": "You are terse."},

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedkv.router.app import create_router_app
-from pagedkv.router.backend import Backend
+from pagedkv.router.backend import LOAD_GAUGES, Backend, BackendLoad, parse_load
 from pagedkv.router.health import HealthChecker
 from pagedkv.router.policies import make_policy
 from pagedkv.router.router import Router
@@ -169,6 +169,48 @@ def test_health_load_scrape_models_and_api_key():
                            headers=auth).status_code == 200
 
 
+FULL_EXPOSITION = """# HELP vllm:num_requests_running Requests running.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="a b}c"} 2.0
+vllm:num_requests_running{engine="0",model_name="other"} 3.0
+# TYPE vllm:num_requests_running_extra gauge
+vllm:num_requests_running_extra 100.0
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="x"} 4.0
+vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="x"} 5.0
+vllm:time_to_first_token_seconds_count{model_name="x"} 5.0
+vllm:time_to_first_token_seconds_sum{model_name="x"} 0.3
+vllm:num_requests_waiting{engine="0",model_name="x"} 7.0 1700000000000
+vllm:kv_cache_usage_perc{engine="0",model_name="x"} 0.5
+vllm:kv_cache_usage_perc{engine="0",model_name="y"} 0.75
+"""
+
+
+def test_load_scrape_asks_for_the_gauges_alone_and_reads_a_whole_exposition():
+    """The scrape names the load gauges (`name[]`, so the backend renders nothing else); a
+    backend that ignores the filter still parses: gauges summed over their samples (KV usage
+    the largest), longer names sharing a prefix and every other family left out."""
+    assert parse_load(FULL_EXPOSITION) == BackendLoad(running=5, waiting=7, kv_usage=0.75)
+    assert parse_load("") == BackendLoad()
+    asked: list[list[str]] = []
+    fake = FakeBackends()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            asked.append(request.url.params.get_list("name[]"))
+            return httpx.Response(200, text=FULL_EXPOSITION)
+        return fake(request)
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            router = Router([Backend(A)], make_policy("kv-aware"))
+            assert await HealthChecker(router, client).check_all() == 1
+            assert router.backend(A).load == BackendLoad(running=5, waiting=7, kv_usage=0.75)
+
+    asyncio.run(scenario())
+    assert asked == [list(LOAD_GAUGES)]
+
+
 def test_slow_or_failing_health_marks_down_after_the_threshold_refused_at_once():
     fake = FakeBackends()
     router = Router([Backend(A), Backend(B)], make_policy("kv-aware"))
@@ -195,3 +237,15 @@ def test_slow_or_failing_health_marks_down_after_the_threshold_refused_at_once()
             assert not await checker.check(router.backend(B))   # refused: down at once
 
     asyncio.run(scenario())
+
+
+def test_body_fields_read_only_the_top_level_fields_the_router_needs():
+    from pagedkv.router.proxy import _body_fields, _BodyFields
+
+    body = json.dumps({"prompt": list(range(5000)), "stream": True, "user": "u-1",
+                       "model": "tiny", "messages": [{"role": "user", "stream": False}]})
+    assert _body_fields(body.encode()) == _BodyFields(stream=True, user="u-1", model="tiny")
+    assert _body_fields(b'{"stream": "yes", "user": 3, "model": null}') == _BodyFields()
+    assert _body_fields(b'{"stream": true, "stream": false}') == _BodyFields()  # the last wins
+    for bad in (b"not json", b"[1, 2]", b"3", b"", b'{"stream": true'):
+        assert _body_fields(bad) == _BodyFields(), bad

@@ -33,10 +33,14 @@ BODIES = [
                    "again and again, and then once more.", "cache_salt": "tenant-1"}),
     (COMPLETIONS, {"model": "m", "prompt": [["x"], 1], "max_tokens": 1}),  # bad: no hashes
     (COMPLETIONS, {"prompt": [list(range(1, 20)), [5, 6]]}),  # ids: placed by the first
+    (COMPLETIONS, {"model": "m", "prompt": "No BOS here, the client says: only the text.",
+                   "add_special_tokens": False}),
     (CHAT_COMPLETIONS, {"model": "m", "messages": [
         {"role": "system", "content": "You are a terse assistant for acme."},
         {"role": "user", "content": "What is the weather in Paris today, please?"}]}),
     (CHAT_COMPLETIONS, {"model": "m", "tools": TOOLS, "tool_choice": "none", "messages": [
+        {"role": "user", "content": "What is the weather in Paris today, please?"}]}),
+    (CHAT_COMPLETIONS, {"model": "m", "add_special_tokens": True, "messages": [
         {"role": "user", "content": "What is the weather in Paris today, please?"}]}),
 ]
 
@@ -69,7 +73,7 @@ def test_hashes_from_a_backends_tokenize_equal_the_local_tokenizers(tiny_llama):
 
     with ThreadServer(create_app(engine, served_model_name="m"), lifespan="on") as server:
         asyncio.run(scenario(server.url))
-    assert len(tokenize_calls) == 3  # the ids prompt needs none, the bad one gets none
+    assert len(tokenize_calls) == 5  # the ids prompt needs none, the bad one gets none
 
 
 def test_tokenize_call_shapes():

@@ -3,6 +3,7 @@ completion of the same messages (greedy), streaming events in OpenAI's order."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -106,3 +107,33 @@ def test_answer_carries_vllms_response_keys(server):
     assert usage["input_tokens_details"]["input_tokens_per_turn"] == []
     assert usage["output_tokens_details"]["tool_output_tokens"] == 0
     assert usage["output_tokens_details"]["tool_output_tokens_per_turn"] == []
+
+
+def test_answer_carries_openais_response_keys(server):
+    """OpenAI's Response object: `error` null, `store` false (nothing is stored), `text` with
+    its text format and verbosity, `completed_at` once completed, the prompt-cache and safety
+    ids echoed; the openai client reads them."""
+    body = httpx.post(server.url + "/v1/responses", timeout=60, json={
+        "model": "tiny", "input": "Tell me a story", "store": True, "text": {
+            "format": {"type": "text"}, "verbosity": "low"}, "prompt_cache_key": "k-1",
+        "safety_identifier": "user-7", **GREEDY}).json()
+    assert body["error"] is None and body["store"] is False
+    assert body["text"] == {"format": {"type": "text"}, "verbosity": "low"}
+    assert body["status"] == "incomplete" and body["completed_at"] is None
+    assert body["prompt_cache_key"] == "k-1" and body["safety_identifier"] == "user-7"
+    assert body["conversation"] is None and body["prompt_cache_retention"] is None
+    plain = httpx.post(server.url + "/v1/responses", timeout=60,
+                       json={"model": "tiny", "input": "x", **GREEDY}).json()
+    assert plain["text"] == {"format": {"type": "text"}, "verbosity": "medium"}
+    assert plain["prompt_cache_key"] is None and plain["error"] is None
+
+
+def test_completed_answers_carry_completed_at():
+    serving = SimpleNamespace(model_name="m", system_fingerprint="fp")
+    final = RequestOutput("r", "x", [1, 2], [CompletionOutput(0, "ab", [5, 6],
+                                                              finish_reason="stop")])
+    before = int(time.time())
+    resp = _response(serving, ResponsesRequest(input="x"), "resp_1", "msg_1", final)
+    assert resp.status == "completed" and before <= resp.completed_at <= int(time.time())
+    assert _response(serving, ResponsesRequest(input="x"), "resp_1", "msg_1",
+                     None).completed_at is None

@@ -7,6 +7,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedkv.router.backend import LOAD_QUERY, parse_load
 from tests.server.helpers import ENGINE_KWARGS, wait_for_idle_pool
 
 LATENCY = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
@@ -118,3 +119,17 @@ def test_values_follow_the_requests(server):
     assert delta("vllm:iteration_tokens_total", "_sum") == computed + 3 * 1 + 3 * 2
     assert delta("vllm:iteration_tokens_total", "_count") >= 4
     assert value(after, "vllm:num_requests_waiting_by_reason", reason="capacity") == 0
+
+
+def test_name_filter_renders_only_the_named_samples(server):
+    """`?name[]=...` (prometheus_client's filter, as vLLM's /metrics): only those samples, as
+    a router's load scrape asks for them (pagedkv.router.backend.LOAD_QUERY)."""
+    resp = httpx.get(server.url + "/metrics", params=LOAD_QUERY, timeout=10)
+    assert resp.status_code == 200
+    names = {s.name for f in text_string_to_metric_families(resp.text) for s in f.samples}
+    assert names == {"vllm:num_requests_running", "vllm:num_requests_waiting",
+                     "vllm:kv_cache_usage_perc", "pagedkv:num_requests_running",
+                     "pagedkv:num_requests_waiting", "pagedkv:kv_cache_usage_perc"}
+    whole = httpx.get(server.url + "/metrics", timeout=10).text
+    assert len(resp.text) * 20 < len(whole)
+    assert parse_load(resp.text) == parse_load(whole)
