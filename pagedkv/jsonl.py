@@ -28,3 +28,21 @@ class JsonLinesWriter:
     def close(self) -> None:
         with self._lock:
             self._file.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Every non-blank line of a JSON-lines file, as dicts. ValueError naming the file and line
+    for a line that is not a JSON object."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not JSON: {exc}") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{number}: not a JSON object")
+            rows.append(row)
+    return rows

@@ -5,7 +5,11 @@ PATH`: every real step, with the scheduling and output work around the model), n
 
     pagedkv profile MODEL_DIR [--out latency.json] [--grid quick|full] [--repeats 3]
                     [--clock wall|cpu] [engine flags: --block-size, --dtype, --cpu-threads, ...]
-    pagedkv profile --fit-from STEP_LOG [--clock wall|cpu] [--out latency.json]
+    pagedkv profile --fit-from STEP_LOG [--request-log LOG] [--clock wall|cpu] [--out latency.json]
+
+With `--request-log` (the same run's `serve --request-log`), the serving frontend's delays
+before a request reaches the engine and after its tokens leave it are fitted too
+(`pagedkv.sim.frontend`), and `pagedkv simulate` applies them.
 """
 
 from __future__ import annotations
@@ -30,12 +34,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--fit-from", default=None, metavar="STEP_LOG",
                         help="fit to the steps of a real run's step log (serve --step-log) "
                              "instead of timing a grid")
+    parser.add_argument("--request-log", default=None, metavar="LOG",
+                        help="with --fit-from: the same run's request log (serve "
+                             "--request-log), to fit the frontend's delays too")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="fit wall time, or the engine thread's CPU time (the work "
                              "without a shared machine's time slicing; with --cpu-threads 1)")
     parser.add_argument("--out", default="latency.json", help="where to save the fitted model")
     parser.add_argument("--grid", choices=("quick", "full"), default="quick",
-                        help="step shapes to time (quick: 48 points, full: 150)")
+                        help="step shapes to time (quick: 69 points, full: 272)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per shape")
     add_engine_flags(parser)
     parser.set_defaults(run=run)
@@ -43,6 +50,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _fit(args: argparse.Namespace) -> FittedLatency:
+    from pagedkv.jsonl import read_jsonl
+    from pagedkv.sim.frontend import FrontendDelays
     from pagedkv.sim.latency import FittedLatency
     from pagedkv.sim.profiling import FULL_GRID, QUICK_GRID, profile_model
     from pagedkv.sim.step_log import read_step_log
@@ -51,8 +60,13 @@ def _fit(args: argparse.Namespace) -> FittedLatency:
         if args.model is not None:
             raise ValueError(f"give MODEL_DIR ({args.model!r}) or --fit-from, not both")
         shapes, times = read_step_log(args.fit_from, args.clock)
-        return FittedLatency.fit(shapes, times, {"step_log": str(args.fit_from),
-                                                 "clock": args.clock})
+        fitted = FittedLatency.fit(shapes, times, {"step_log": str(args.fit_from),
+                                                   "clock": args.clock})
+        if args.request_log is None:
+            return fitted
+        return fitted.with_frontend(FrontendDelays.fit(read_jsonl(args.request_log)))
+    if args.request_log is not None:
+        raise ValueError("--request-log goes with --fit-from (the same run's two logs)")
     if args.model is None:
         raise ValueError("give MODEL_DIR to profile, or --fit-from STEP_LOG")
     if args.repeats < 1:
@@ -71,4 +85,7 @@ def run(args: argparse.Namespace) -> int:
           f", max {meta['max_rel_error']:.1%}")
     for name, value in fitted.coefficients.items():
         print(f"  {name:<18} {value:.3e}")
+    if not fitted.frontend.is_zero:
+        print(f"  frontend delays: admit {fitted.frontend.admit * 1e3:.2f} ms, output "
+              f"{fitted.frontend.output * 1e3:.2f} ms")
     return 0

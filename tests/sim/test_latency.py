@@ -143,6 +143,8 @@ def test_engine_step_log_and_fit_from(tiny_llama, tmp_path, capsys):
     assert shapes[0] == StepShape(prefill_tokens=32, prefill_seqs=1,
                                   prefill_attention=32 * 33 / 2)
     assert all(t > 0 for t in times) and all(c >= 0 for c in cpu)
+    _, own = read_step_log(log, "own")  # the step alone: the host gap after it is the rest
+    assert all(0 < o <= t for o, t in zip(own, times, strict=True))
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["chained"] for r in rows] == [True] * (len(rows) - 1) + [False]
     with pytest.raises(ValueError, match="clock"):
@@ -160,6 +162,17 @@ def test_engine_step_log_and_fit_from(tiny_llama, tmp_path, capsys):
     assert "steps, mean error" in capsys.readouterr().out
     assert main(["profile", str(tiny_llama), "--fit-from", str(log)]) != 0
     assert "not both" in capsys.readouterr().err
+    # With the same run's request log, the frontend's delays are fitted too (medians).
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text('{"submitted": 0.002, "ttft": 0.05, "engine_first_token": 0.049}\n'
+                        '{"submitted": 0.004, "ttft": 0.07, "engine_first_token": 0.067}\n')
+    assert main(["profile", "--fit-from", str(log), "--request-log", str(requests),
+                 "--out", str(out)]) == 0
+    assert "frontend delays: admit 3.00 ms, output 2.00 ms" in capsys.readouterr().out
+    delays = FittedLatency.load(out).frontend
+    assert delays.admit == pytest.approx(0.003) and delays.output == pytest.approx(0.002)
+    assert main(["profile", str(tiny_llama), "--request-log", str(requests)]) != 0
+    assert "--request-log goes with --fit-from" in capsys.readouterr().err
 
 
 def test_step_shape_counts_the_blocks_saved_to_the_store():

@@ -4,9 +4,11 @@ time = sum_i coef_i x feature_i over `FEATURE_NAMES` (intercept, prefill tokens,
 chunks (each chunk's own host and kernel-launch work), prefill attention work, decode
 sequences, decode context, swapped blocks, blocks saved to the KV store), fitted by least
 squares with non-negative coefficients, from `pagedkv profile`'s grid or a real run's step
-log, saved as JSON:
+log, saved as JSON, with the serving frontend's delays when fitted from a request log too
+(`pagedkv.sim.frontend`; the simulator applies them):
 
-    {"kind": "fitted", "coefficients": {"intercept": ..., ...}, "meta": {...}}
+    {"kind": "fitted", "coefficients": {"intercept": ..., ...}, "meta": {...},
+     "frontend": {"admit": ..., "output": ...}}
 """
 
 from __future__ import annotations
@@ -16,19 +18,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pagedkv.sim.frontend import NO_DELAYS, FrontendDelays
 from pagedkv.sim.latency.base import FEATURE_NAMES, StepShape
 
 
 class FittedLatency:
     name = "fitted"
 
-    def __init__(self, coefficients: dict[str, float], meta: dict[str, Any] | None = None) -> None:
+    def __init__(self, coefficients: dict[str, float], meta: dict[str, Any] | None = None,
+                 frontend: FrontendDelays = NO_DELAYS) -> None:
         unknown = set(coefficients) - set(FEATURE_NAMES)
         if unknown:
             raise ValueError(f"unknown latency coefficients {sorted(unknown)}; "
                              f"known: {list(FEATURE_NAMES)}")
         self.coefficients = {k: float(coefficients.get(k, 0.0)) for k in FEATURE_NAMES}
         self.meta = dict(meta or {})
+        self.frontend = frontend
         c = self.coefficients
         self._c = tuple(c[k] for k in FEATURE_NAMES)
 
@@ -76,8 +81,15 @@ class FittedLatency:
                     max_rel_error=float(rel.max()), total_ratio=float(predicted.sum() / y.sum()))
         return cls(dict(zip(FEATURE_NAMES, coef.tolist(), strict=True)), meta)
 
+    def with_frontend(self, frontend: FrontendDelays) -> FittedLatency:
+        """The same step model with these frontend delays."""
+        return FittedLatency(self.coefficients, self.meta, frontend)
+
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": "fitted", "coefficients": self.coefficients, "meta": self.meta}
+        out = {"kind": "fitted", "coefficients": self.coefficients, "meta": self.meta}
+        if not self.frontend.is_zero:
+            out["frontend"] = self.frontend.to_dict()
+        return out
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
@@ -92,4 +104,9 @@ class FittedLatency:
                 or not isinstance(data.get("coefficients"), dict):
             raise ValueError(f"latency model {str(path)!r} is not a fitted model "
                              "(expected {\"kind\": \"fitted\", \"coefficients\": {...}})")
-        return cls(data["coefficients"], data.get("meta"))
+        frontend = data.get("frontend")
+        try:
+            delays = NO_DELAYS if frontend is None else FrontendDelays.from_dict(frontend)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"latency model {str(path)!r}: {exc}") from None
+        return cls(data["coefficients"], data.get("meta"), delays)

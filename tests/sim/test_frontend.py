@@ -1,0 +1,99 @@
+"""The serving frontend's delays in the simulator (`pagedkv.sim.frontend`): a request reaches
+the engine `admit` seconds after it arrives, and the server sees its tokens `output` seconds
+after the engine made them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pagedkv.sim.frontend import FrontendDelays, frontend_of
+from pagedkv.sim.instance import SimConfig
+from pagedkv.sim.latency import FittedLatency, FunctionLatency
+from pagedkv.sim.simulator import simulate
+from pagedkv.sim.traces import TraceRequest
+from tests.sim.workloads import shared_prefix_trace
+
+STEP = 0.010  # every step takes 10 ms
+CONFIG = SimConfig(num_blocks=200, block_size=8, max_model_len=512, vocab_size=640)
+
+
+def _run(trace, delays=None, latency=None):
+    result = simulate(trace, CONFIG, latency or FunctionLatency(lambda s: STEP), frontend=delays)
+    for inst in result.instances:
+        inst.scheduler.check_invariants()
+        assert inst.kv.num_free_blocks == inst.kv.num_usable_blocks  # every block came back
+    return result.records
+
+
+def test_delays_shift_an_idle_request_exactly():
+    trace = [TraceRequest(arrival=1.0, input_length=20, output_length=4)]
+    plain, = _run(trace)
+    delayed, = _run(trace, FrontendDelays(admit=0.003, output=0.002))
+    assert plain.first_scheduled == 1.0 and delayed.first_scheduled == pytest.approx(1.003)
+    assert plain.ttft == pytest.approx(STEP)  # one step: the prompt and the first token
+    assert delayed.ttft == pytest.approx(0.003 + STEP + 0.002)
+    assert delayed.e2e == pytest.approx(0.003 + 4 * STEP + 0.002)
+    assert delayed.tpot == pytest.approx(plain.tpot) == pytest.approx(STEP)
+    assert delayed.arrival == plain.arrival == 1.0  # latencies count from the arrival
+
+
+def test_admit_delay_moves_a_request_to_a_later_step():
+    # B arrives 5 ms into A's first step: it joins the next step (10 ms) when it reaches the
+    # engine at once, and the one after (20 ms) when the frontend holds it 6 ms.
+    trace = [TraceRequest(arrival=0.0, input_length=20, output_length=6),
+             TraceRequest(arrival=0.005, input_length=20, output_length=6)]
+    _, b = _run(trace)
+    assert b.first_scheduled == pytest.approx(0.010)
+    _, b = _run(trace, FrontendDelays(admit=0.006))
+    assert b.first_scheduled == pytest.approx(0.020)
+    assert b.ttft == pytest.approx(0.030 - 0.005)
+
+
+def test_zero_delays_change_nothing():
+    trace = shared_prefix_trace(num=12)
+    plain = _run(trace)
+    zero = _run(trace, FrontendDelays())
+    assert [(r.first_scheduled, r.first_token, r.finish, r.num_tokens) for r in plain] == \
+        [(r.first_scheduled, r.first_token, r.finish, r.num_tokens) for r in zero]
+
+
+def test_delays_come_with_a_fitted_model(tmp_path):
+    delays = FrontendDelays(admit=0.004, output=0.001)
+    fitted = FittedLatency({"intercept": STEP}).with_frontend(delays)
+    path = tmp_path / "latency.json"
+    fitted.save(path)
+    loaded = FittedLatency.load(path)
+    assert frontend_of(loaded) == delays and frontend_of(FunctionLatency(lambda s: STEP)) == FrontendDelays()
+    trace = [TraceRequest(arrival=0.0, input_length=20, output_length=3)]
+    carried, = _run(trace, latency=loaded)  # no `frontend`: the model's own
+    assert carried.ttft == pytest.approx(0.004 + STEP + 0.001)
+    given, = _run(trace, FrontendDelays(), latency=loaded)  # given: it wins
+    assert given.ttft == pytest.approx(STEP)
+
+
+def test_fit_takes_the_medians_of_a_request_log():
+    rows = [{"submitted": 0.001, "ttft": 0.050, "engine_first_token": 0.048},
+            {"submitted": 0.003, "ttft": 0.080, "engine_first_token": 0.077},
+            {"submitted": 0.002, "ttft": 0.020, "engine_first_token": 0.019},
+            {"ttft": 0.5}]  # a row from before the timeline fields: skipped
+    delays = FrontendDelays.fit(rows)
+    assert delays.admit == pytest.approx(0.002) and delays.output == pytest.approx(0.002)
+    with pytest.raises(ValueError, match="no frontend timeline"):
+        FrontendDelays.fit([{"ttft": 0.5}])
+
+
+@pytest.mark.parametrize("bad", [-0.001, math.nan, math.inf, True, "1"])
+def test_bad_delays_are_refused(bad):
+    with pytest.raises(ValueError, match=f"admit .*got {bad!r}"):
+        FrontendDelays(admit=bad)
+
+
+def test_bad_delays_in_a_model_file_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="frontend delays"):
+        FrontendDelays.from_dict({"admit": 0.0, "lag": 1.0})
+    path = tmp_path / "latency.json"
+    path.write_text('{"kind": "fitted", "coefficients": {}, "frontend": {"output": -1}}')
+    with pytest.raises(ValueError, match="latency.json.*output"):
+        FittedLatency.load(path)
