@@ -9,6 +9,15 @@ this machine (`pagedkv profile`'s grid on the same engine flags). Prints the err
 p99 TTFT, TPOT and E2E, of prefix-hit tokens and of preemption counts, one run each.
 Capacity: the simulated throughput with every request arriving at once.
 
+The simulator replays the arrivals the server logged (a client on a loaded machine is late),
+and each real request is joined to its simulated one (by response id) to compare their
+timelines phase by phase (frontend admission, queue, prefill, output hand-over, decode); the
+server's steps are split into the step itself and the host gap to the next one. Latency
+models: the profile's (CPU time) as is, scaled by the run's wall/CPU ratio, calibrated to the
+server's steps (share, per-step and per-request host gaps), and fitted to the server's own
+steps; each with and without the frontend delays fitted from the run's request log
+(`pagedkv.sim.frontend`).
+
 Speed: the whole conversation trace (12,031 requests) with `pagedkv simulate`'s defaults (qwen3-8b
 on an H100 roofline, block 16), wall and CPU seconds and the cost per simulated request;
 `--speed-10x` also runs the trace ten times over (ids offset, so copies share nothing).
@@ -140,7 +149,8 @@ def sim_run(trace, config, latency, frontend=None) -> dict:
     delays = frontend if frontend is not None else frontend_of(latency)
     rows = [{"ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e, "submitted": delays.admit,
              "first_scheduled": r.first_scheduled - r.arrival,
-             "engine_first_token": r.ttft - delays.output} for r in result.records]
+             "engine_first_token": r.ttft - delays.output,
+             "engine_last_token": r.e2e - delays.output} for r in result.records]
     sched = result.instances[0].scheduler
     return {**metric_stats(rows), "hit_tokens": sched.prefix_cache_hits,
             "preemptions": sched.num_preemptions, "requests": len(rows),
@@ -151,9 +161,16 @@ PHASES = {  # a request's timeline, in seconds, from request-log-shaped rows
     "admit": lambda r: r["submitted"],
     "queue": lambda r: r["first_scheduled"] - r["submitted"],
     "prefill": lambda r: r["engine_first_token"] - r["first_scheduled"],
-    "output": lambda r: r["ttft"] - r["engine_first_token"],
-    "decode": lambda r: r["e2e"] - r["ttft"],
+    "first out": lambda r: r["ttft"] - r["engine_first_token"],
+    "decode": lambda r: r["engine_last_token"] - r["engine_first_token"],
+    "last out": lambda r: r["e2e"] - r["engine_last_token"],
 }
+
+
+def spread(rows: list[dict], phase) -> tuple[float, float, float]:
+    """The 10th, 50th and 90th percentile of one phase over the rows."""
+    values = [phase(r) for r in rows]
+    return tuple(percentile(values, q) for q in (10, 50, 90))
 
 
 def phase_means(rows: list[dict]) -> dict[str, float]:
@@ -253,6 +270,28 @@ def scaled(latency, factor: float):
     return FittedLatency({k: v * factor for k, v in latency.coefficients.items()}, latency.meta)
 
 
+def calibrated(latency, shapes, times):
+    """The profile's model of the work, calibrated to a server's logged steps: wall =
+    share x the profile's prediction + a host gap per step + one per request in the step
+    (the serving loop's work around each step: outputs handed to the event loop, which
+    competes with the engine thread for the GIL). Least squares, non-negative."""
+    import numpy as np
+
+    from pagedkv.sim.latency import FittedLatency
+
+    x = np.array([[latency.step_time(s), 1.0, s.decode_seqs + s.prefill_seqs] for s in shapes])
+    y = np.array(times)
+    w = 1.0 / np.sqrt(y)  # as FittedLatency.fit weighs its rows
+    coef = np.maximum(np.linalg.lstsq(x * w[:, None], y * w, rcond=None)[0], 0.0)
+    share, per_step, per_request = coef.tolist()
+    c = {k: v * share for k, v in latency.coefficients.items()}
+    c["intercept"] += per_step
+    c["decode_seqs"] += per_request
+    c["prefill_seqs"] += per_request
+    return FittedLatency(c, {**latency.meta, "calibration": {
+        "share": share, "per_step": per_step, "per_request": per_request}})
+
+
 def accuracy(args: argparse.Namespace) -> list[dict]:
     from pagedkv.engine.args import EngineArgs
     from pagedkv.sim.frontend import NO_DELAYS, FrontendDelays
@@ -268,8 +307,9 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
         tmp = Path(tmp_name)
         model_dir = build_random_model_dir(tmp / "model", dtype="float32", seed=0, **SHAPE)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        grid = dict(prefill_tokens=(0, 64, 512, 2048), decode_seqs=(0, 1, 8, 32),
-                    context=(128, 1024))
+        # Several prefill chunks per step too: a busy server admits several prompts at once.
+        grid = dict(prefill_tokens=(0, 64, 512, 2048), prefill_seqs=(1, 4),
+                    decode_seqs=(0, 1, 8, 32), context=(128, 1024))
         t0 = time.perf_counter()
         # The model of the work (the engine thread's CPU time per step shape); its wall time
         # on this shared machine is that times the share other processes leave us, which
@@ -317,11 +357,19 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
             real_rows = real.pop("rows")
             delays = FrontendDelays.fit(real_rows)
             print(f"load {load:.0%}: frontend delays (request log medians): admit "
-                  f"{delays.admit * 1e3:.2f} ms, output {delays.output * 1e3:.2f} ms", flush=True)
+                  f"{delays.admit * 1e3:.2f} ms, output {delays.output * 1e3:.2f} ms; deciles "
+                  "(ms) " + "; ".join(f"{name} " + "/".join(
+                      f"{q * 1e3:.1f}" for q in spread(real_rows, PHASES[name]))
+                      for name in ("admit", "first out", "last out")), flush=True)
             served, order = as_served(trace, real_rows)
             fits = {"profile": latency,
                     "profile x run share": scaled(latency, run_share),
+                    "profile calibrated": calibrated(latency, shapes, times),
                     "own steps (wall)": FittedLatency.fit(shapes, times)}
+            cal = fits["profile calibrated"].meta["calibration"]
+            print(f"load {load:.0%}: profile calibrated to the server's steps: "
+                  f"{cal['share']:.2f}x + {cal['per_step'] * 1e3:.2f} ms a step + "
+                  f"{cal['per_request'] * 1e3:.3f} ms a request", flush=True)
             for (label, fit), front in itertools.product(fits.items(), (NO_DELAYS, delays)):
                 sim = sim_run(served, config, fit, front)
                 step = step_errors(fit, shapes, times)

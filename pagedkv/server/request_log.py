@@ -8,7 +8,8 @@ engine's prefix cache keys them, without a cache salt), `cached_tokens`, `queue_
 the engine's side of the request's timeline in seconds from its arrival (null where not
 reached): `submitted` (the HTTP handler queued it for the engine loop: the frontend's own
 delay), `added` (the engine loop took it, at its next round), `first_scheduled`,
-`engine_first_token` (the engine produced the first token; `ttft` is when the server saw it).
+`engine_first_token` and `engine_last_token` (the engine produced the first and last token;
+`ttft` and `e2e` are when the server saw them).
 `pagedkv profile --fit-from` fits the simulator's frontend delays to these. Written by the
 server's event loop as each request finishes, line-buffered, so a crash loses at most the line
 being written.
@@ -77,4 +78,5 @@ def _engine_timeline(times: dict[str, float], arrival: float) -> dict[str, float
         return value - arrival if value else None
 
     return {"added": since("arrival_time"), "first_scheduled": since("first_scheduled_time"),
-            "engine_first_token": since("first_token_time")}
+            "engine_first_token": since("first_token_time"),
+            "engine_last_token": since("last_token_time")}

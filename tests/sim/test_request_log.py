@@ -45,6 +45,7 @@ def test_request_log_is_a_replayable_trace(tiny_llama, tmp_path):
         # by it, scheduled, its first token made by the engine, then seen by the server
         assert 0 <= row["submitted"] <= row["added"] <= row["first_scheduled"] \
             <= row["engine_first_token"] <= row["ttft"]
+        assert row["engine_first_token"] < row["engine_last_token"] <= row["e2e"]
         assert row["first_scheduled"] - row["added"] == pytest.approx(row["queue_time"])
         assert row["request_id"].startswith("cmpl-") and row["request_id"].endswith("-0")
     assert rows[0]["cached_tokens"] == 0 and rows[1]["cached_tokens"] == 32
