@@ -270,33 +270,12 @@ def scaled(latency, factor: float):
     return FittedLatency({k: v * factor for k, v in latency.coefficients.items()}, latency.meta)
 
 
-def calibrated(latency, shapes, times):
-    """The profile's model of the work, calibrated to a server's logged steps: wall =
-    share x the profile's prediction + a host gap per step + one per request in the step
-    (the serving loop's work around each step: outputs handed to the event loop, which
-    competes with the engine thread for the GIL). Least squares, non-negative."""
-    import numpy as np
-
-    from pagedkv.sim.latency import FittedLatency
-
-    x = np.array([[latency.step_time(s), 1.0, s.decode_seqs + s.prefill_seqs] for s in shapes])
-    y = np.array(times)
-    w = 1.0 / np.sqrt(y)  # as FittedLatency.fit weighs its rows
-    coef = np.maximum(np.linalg.lstsq(x * w[:, None], y * w, rcond=None)[0], 0.0)
-    share, per_step, per_request = coef.tolist()
-    c = {k: v * share for k, v in latency.coefficients.items()}
-    c["intercept"] += per_step
-    c["decode_seqs"] += per_request
-    c["prefill_seqs"] += per_request
-    return FittedLatency(c, {**latency.meta, "calibration": {
-        "share": share, "per_step": per_step, "per_request": per_request}})
-
-
 def accuracy(args: argparse.Namespace) -> list[dict]:
     from pagedkv.engine.args import EngineArgs
     from pagedkv.sim.frontend import NO_DELAYS, FrontendDelays
     from pagedkv.sim.instance import SimConfig
     from pagedkv.sim.latency import FittedLatency
+    from pagedkv.sim.latency.calibrate import calibrate
     from pagedkv.sim.profiling import profile_model
     from pagedkv.sim.step_log import read_step_log
     from pagedkv.sim.traces import load_trace, scale_trace
@@ -314,9 +293,14 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
         # The model of the work (the engine thread's CPU time per step shape); its wall time
         # on this shared machine is that times the share other processes leave us, which
         # changes from minute to minute (`wall_over_cpu` when profiled, and per run below).
-        latency = profile_model(EngineArgs(model=str(model_dir), device="cpu",
-                                           num_gpu_blocks_override=args.blocks, **ENGINE),
-                                grid, repeats=2, clock="cpu")
+        if args.profile and Path(args.profile).is_file():
+            latency = FittedLatency.load(args.profile)  # the same seeded model and flags
+        else:
+            latency = profile_model(EngineArgs(model=str(model_dir), device="cpu",
+                                               num_gpu_blocks_override=args.blocks, **ENGINE),
+                                    grid, repeats=2, clock="cpu")
+            if args.profile:
+                latency.save(args.profile)
         share = latency.meta["wall_over_cpu"]
         print(f"profiled {latency.meta['samples']} shapes in {time.perf_counter() - t0:.0f} s:"
               f" fit mean error {latency.meta['mean_rel_error']:.1%}, max "
@@ -325,7 +309,7 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
         config = SimConfig(num_blocks=args.blocks, block_size=16,
                            max_model_len=ENGINE["max_model_len"], vocab_size=vocab,
                            max_num_batched_tokens=2048)
-        base = load_trace(TRACE, limit=args.requests, scale_lengths=args.scale)
+        base = load_trace(args.trace, limit=args.requests, scale_lengths=args.scale)
         base = [t for t in base if t.input_length + t.output_length < ENGINE["max_model_len"]]
         span = base[-1].arrival or 1.0
         burst = [dataclasses.replace(t, arrival=0.0) for t in base]
@@ -364,7 +348,7 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
             served, order = as_served(trace, real_rows)
             fits = {"profile": latency,
                     "profile x run share": scaled(latency, run_share),
-                    "profile calibrated": calibrated(latency, shapes, times),
+                    "profile calibrated": calibrate(latency, shapes, times),
                     "own steps (wall)": FittedLatency.fit(shapes, times)}
             cal = fits["profile calibrated"].meta["calibration"]
             print(f"load {load:.0%}: profile calibrated to the server's steps: "
@@ -394,10 +378,10 @@ def speed(args: argparse.Namespace) -> dict:
     from pagedkv.sim.traces import load_trace
 
     sub = argparse.ArgumentParser().add_subparsers()
-    flags = add_parser(sub).parse_args([str(TRACE)])
+    flags = add_parser(sub).parse_args([args.trace])
     config, model_config, hardware = build_sim_config(flags)
     latency = make_latency_model(f"roofline:{hardware}", model_config)
-    trace = load_trace(TRACE)
+    trace = load_trace(args.trace)
     out = {}
     copies = (1, 10) if args.speed_10x else (1,)
     for n in copies:
@@ -432,6 +416,12 @@ def speed(args: argparse.Namespace) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=80)
+    parser.add_argument("--trace", default=str(TRACE),
+                        help="the Mooncake conversation trace (default: ../shared/traces)")
+    parser.add_argument("--profile", default=None, metavar="JSON",
+                        help="load the profiled latency model from here when it exists, else "
+                        "profile and save it here (the benchmark's model is seeded, so a "
+                        "profile holds for later runs on the same machine)")
     parser.add_argument("--scale", type=float, default=1 / 32,
                         help="length scale for the CPU model (1/32: 512-token blocks -> 16)")
     parser.add_argument("--blocks", type=int, default=700, help="KV blocks of the engine")

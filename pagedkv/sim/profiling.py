@@ -194,7 +194,7 @@ def profile_model(args: Any, grid: dict[str, Sequence[int]] | None = None, *,
             "host_overhead": {"per_step": per_step, "per_request": per_request},
             "points": [{**s.__dict__, "wall_seconds": w, "cpu_seconds": c} for s, w, c in
                        zip(shapes, by_clock["wall"], by_clock["cpu"], strict=True)]}
-    fitted = FittedLatency.fit(shapes, by_clock[clock], meta)
+    fitted = FittedLatency.fit(shapes, by_clock[clock], meta, relative=True)
     c = fitted.coefficients
     return FittedLatency({**c, "intercept": c["intercept"] + per_step,
                           "prefill_seqs": c["prefill_seqs"] + per_request,

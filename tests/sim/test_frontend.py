@@ -39,16 +39,17 @@ def test_delays_shift_an_idle_request_exactly():
     assert delayed.arrival == plain.arrival == 1.0  # latencies count from the arrival
 
 
-def test_admit_delay_moves_a_request_to_a_later_step():
-    # B arrives 5 ms into A's first step: it joins the next step (10 ms) when it reaches the
-    # engine at once, and the one after (20 ms) when the frontend holds it 6 ms.
-    trace = [TraceRequest(arrival=0.0, input_length=20, output_length=6),
-             TraceRequest(arrival=0.005, input_length=20, output_length=6)]
-    _, b = _run(trace)
-    assert b.first_scheduled == pytest.approx(0.010)
-    _, b = _run(trace, FrontendDelays(admit=0.006))
-    assert b.first_scheduled == pytest.approx(0.020)
-    assert b.ttft == pytest.approx(0.030 - 0.005)
+def test_admit_delay_shifts_every_decision_in_time():
+    # A constant admission delay is the trace arriving that much later: the same steps in the
+    # same order, each request's first step, first token and finish `admit` later.
+    trace = shared_prefix_trace(num=12)
+    plain = _run(trace)
+    delayed = _run(trace, FrontendDelays(admit=0.0035))
+    for p, d in zip(plain, delayed, strict=True):
+        assert d.arrival == p.arrival and d.num_tokens == p.num_tokens
+        assert d.first_scheduled == pytest.approx(p.first_scheduled + 0.0035)
+        assert d.ttft == pytest.approx(p.ttft + 0.0035)
+        assert d.e2e == pytest.approx(p.e2e + 0.0035)
 
 
 def test_zero_delays_change_nothing():

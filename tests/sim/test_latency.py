@@ -48,6 +48,57 @@ def test_fit_recovers_coefficients_and_round_trips(tmp_path):
     assert [loaded.step_time(s) for s in shapes] == pytest.approx(times, rel=1e-9)
 
 
+def test_calibrate_recovers_the_serving_costs_around_a_profile(tmp_path, capsys):
+    from pagedkv.cli import main
+    from pagedkv.sim.latency.calibrate import calibrate
+
+    profiled = FittedLatency({"intercept": 2e-3, "prefill_tokens": 5e-5, "decode_seqs": 3e-4,
+                              "decode_context": 2e-8}, {"clock": "cpu"})
+    shapes = _shapes()
+    # the server: 2.5x the profiled work, 4 ms a step and 0.2 ms a request around it
+    times = [2.5 * profiled.step_time(s) + 4e-3 + 2e-4 * (s.decode_seqs + s.prefill_seqs)
+             for s in shapes]
+    served = calibrate(profiled, shapes, times)
+    cal = served.meta["calibration"]
+    assert cal["share"] == pytest.approx(2.5) and cal["per_step"] == pytest.approx(4e-3)
+    assert cal["per_request"] == pytest.approx(2e-4) and cal["total_ratio"] == pytest.approx(1)
+    assert [served.step_time(s) for s in shapes] == pytest.approx(times)
+    assert served.meta["clock"] == "cpu"  # the profile's meta is kept
+    # a server faster than its profile by a fixed amount: no negative gap, the share absorbs it
+    faster = calibrate(profiled, shapes, [profiled.step_time(s) * 0.9 for s in shapes])
+    assert faster.meta["calibration"]["per_step"] == 0.0
+    assert faster.meta["calibration"]["share"] == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="at least 3"):
+        calibrate(profiled, shapes[:2], times[:2])
+    # the CLI: --fit-from STEP_LOG --calibrate PROFILE
+    profile_path, log, out = tmp_path / "p.json", tmp_path / "steps.jsonl", tmp_path / "c.json"
+    profiled.save(profile_path)
+    log.write_text("".join(json.dumps({**s.__dict__, "seconds": t, "cpu_seconds": t,
+                                       "own_seconds": t, "chained": True}) + "\n"
+                           for s, t in zip(shapes, times, strict=True)))
+    assert main(["profile", "--fit-from", str(log), "--calibrate", str(profile_path),
+                 "--out", str(out)]) == 0
+    assert "2.500x the profile + 4.000 ms a step + 0.2000 ms a request" in \
+        capsys.readouterr().out
+    assert FittedLatency.load(out).step_time(shapes[5]) == pytest.approx(times[5])
+
+
+def test_relative_fit_keeps_short_steps_right_on_a_grid():
+    # A cost the features cannot express exactly (prefill superlinear beyond attention): the
+    # default weighting lets the few long steps pull the short ones off; relative weighting
+    # (the profile's grid) bounds every step's relative error.
+    shapes = _shapes()
+    times = [3e-3 + 2e-4 * s.decode_seqs + 1e-4 * s.prefill_tokens ** 1.15 for s in shapes]
+
+    def worst(fitted):
+        return max(abs(fitted.step_time(s) - t) / t for s, t in zip(shapes, times, strict=True))
+
+    default, relative = FittedLatency.fit(shapes, times), \
+        FittedLatency.fit(shapes, times, relative=True)
+    assert worst(relative) < worst(default)
+    assert relative.meta["max_rel_error"] == pytest.approx(worst(relative))
+
+
 def test_fit_keeps_coefficients_non_negative():
     shapes = _shapes()
     rng = random.Random(1)

@@ -46,10 +46,12 @@ class FittedLatency:
 
     @classmethod
     def fit(cls, shapes: Sequence[StepShape], times: Sequence[float],
-            meta: dict[str, Any] | None = None) -> FittedLatency:
+            meta: dict[str, Any] | None = None, *, relative: bool = False) -> FittedLatency:
         """Non-negative weighted least squares of `times` on the shapes' features (features
-        that never vary in the samples get 0); the fit's errors go into `meta`. ValueError
-        with fewer samples than features."""
+        that never vary in the samples get 0); the fit's errors go into `meta`. `relative`
+        weighs each sample by 1 / time (each step's relative error counts alike: for a grid
+        that holds as many short shapes as long ones), else by 1 / sqrt(time) (for a real
+        run's log, mostly short decode steps). ValueError with fewer samples than features."""
         import numpy as np
 
         if len(shapes) != len(times) or len(shapes) < len(FEATURE_NAMES):
@@ -59,10 +61,12 @@ class FittedLatency:
         y = np.array(times, dtype=float)
         if (y <= 0).any():
             raise ValueError("step times must be > 0")
-        # Rows weighted by 1 / sqrt(time): between relative error per step (1 / time: the many
-        # short decode steps rule and the long prefill steps' total comes out short) and
-        # absolute error (the long steps rule and short ones are off by half).
-        weight = 1.0 / np.sqrt(y)
+        # On a real run's log, rows weighted by 1 / sqrt(time): between relative error per
+        # step (1 / time: the many short decode steps rule and the long prefill steps' total
+        # comes out short) and absolute error (the long steps rule and short ones are off by
+        # half). On a balanced grid, 1 / time: with 1 / sqrt(time) the few long prefill
+        # points pull the intercept down and a small decode step came out 40% short.
+        weight = 1.0 / y if relative else 1.0 / np.sqrt(y)
         xw, yw = x * weight[:, None], y * weight
         active = [j for j in range(x.shape[1]) if j == 0 or np.ptp(x[:, j]) > 0]
         coef = np.zeros(x.shape[1])
