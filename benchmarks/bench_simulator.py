@@ -150,7 +150,7 @@ def sim_run(trace, config, latency, frontend=None) -> dict:
     rows = [{"ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e, "submitted": delays.admit,
              "first_scheduled": r.first_scheduled - r.arrival,
              "engine_first_token": r.ttft - delays.output,
-             "engine_last_token": r.e2e - delays.output} for r in result.records]
+             "engine_last_token": r.e2e - delays.finish} for r in result.records]
     sched = result.instances[0].scheduler
     return {**metric_stats(rows), "hit_tokens": sched.prefix_cache_hits,
             "preemptions": sched.num_preemptions, "requests": len(rows),
@@ -341,7 +341,8 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
             real_rows = real.pop("rows")
             delays = FrontendDelays.fit(real_rows)
             print(f"load {load:.0%}: frontend delays (request log medians): admit "
-                  f"{delays.admit * 1e3:.2f} ms, output {delays.output * 1e3:.2f} ms; deciles "
+                  f"{delays.admit * 1e3:.2f} ms, output {delays.output * 1e3:.2f} ms, finish "
+                  f"{delays.finish * 1e3:.2f} ms; deciles "
                   "(ms) " + "; ".join(f"{name} " + "/".join(
                       f"{q * 1e3:.1f}" for q in spread(real_rows, PHASES[name]))
                       for name in ("admit", "first out", "last out")), flush=True)

@@ -105,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
     for name, value in fitted.coefficients.items():
         print(f"  {name:<18} {value:.3e}")
     if not fitted.frontend.is_zero:
-        print(f"  frontend delays: admit {fitted.frontend.admit * 1e3:.2f} ms, output "
-              f"{fitted.frontend.output * 1e3:.2f} ms")
+        delays = fitted.frontend
+        print(f"  frontend delays: admit {delays.admit * 1e3:.2f} ms, output "
+              f"{delays.output * 1e3:.2f} ms, finish {delays.finish * 1e3:.2f} ms")
     return 0

@@ -8,11 +8,15 @@ server's event loop sees the token, not when the engine step produced it:
   the tokenizer thread's hop, the sampling parameters; on a busy server the event loop waits
   for the GIL behind the engine thread). The engine then takes it at its next step, which the
   simulator models itself (a request arriving mid-step waits for the step's end);
-- `output`: from the engine's output of a token until the event loop has it (the hand-over
-  between threads), added to each request's first-token, last-token and finish times.
+- `output`: from the engine's output of the first token until the event loop has it (the
+  hand-over between threads), added to each request's first-token time;
+- `finish`: the same for the last token, which also finishes the request (it can differ from
+  `output`: at the first token the engine thread goes straight on to the next step, at the
+  last it may fall idle), added to its last-token and finish times; TPOT counts the
+  difference, as the server's does.
 
-Both are fitted as medians over a real run's request log (`submitted`, and `ttft` less
-`engine_first_token`). Zero delays (the default) leave the simulator's times the engine's.
+All are fitted as medians over a real run's request log (`submitted`, `ttft` less
+`engine_first_token`, `e2e` less `engine_last_token`). Zero delays (the default) leave the simulator's times the engine's.
 Torch-free.
 """
 
@@ -28,13 +32,14 @@ from typing import Any
 @dataclass(frozen=True)
 class FrontendDelays:
     """Seconds the serving frontend adds before a request reaches the engine (`admit`) and
-    after the engine produces its tokens (`output`)."""
+    after the engine produces its first token (`output`) and its last (`finish`)."""
 
     admit: float = 0.0
     output: float = 0.0
+    finish: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("admit", "output"):
+        for name in ("admit", "output", "finish"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not math.isfinite(value) or value < 0:
@@ -43,22 +48,24 @@ class FrontendDelays:
 
     @property
     def is_zero(self) -> bool:
-        return self.admit == 0.0 and self.output == 0.0
+        return self.admit == 0.0 and self.output == 0.0 and self.finish == 0.0
 
     @classmethod
     def fit(cls, rows: Iterable[Mapping[str, Any]]) -> FrontendDelays:
         """Medians over request-log rows (dicts); rows without the timeline fields (a log
         from before they existed) are skipped. ValueError when no row has them."""
-        admit, output = [], []
+        spans: dict[str, list[float]] = {"admit": [], "output": [], "finish": []}
         for row in rows:
-            if row.get("submitted") is not None:
-                admit.append(float(row["submitted"]))
-            if row.get("ttft") is not None and row.get("engine_first_token") is not None:
-                output.append(float(row["ttft"]) - float(row["engine_first_token"]))
-        if not admit or not output:
+            for name, end, start in (("admit", "submitted", None),
+                                     ("output", "ttft", "engine_first_token"),
+                                     ("finish", "e2e", "engine_last_token")):
+                if row.get(end) is not None and (start is None or row.get(start) is not None):
+                    spans[name].append(float(row[end]) - (float(row[start]) if start else 0.0))
+        if not all(spans.values()):
             raise ValueError("the request log has no frontend timeline (`submitted`, "
-                             "`engine_first_token`): it was written before they existed")
-        return cls(max(0.0, statistics.median(admit)), max(0.0, statistics.median(output)))
+                             "`engine_first_token`, `engine_last_token`): it was written "
+                             "before they existed")
+        return cls(**{name: max(0.0, statistics.median(v)) for name, v in spans.items()})
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -66,8 +73,9 @@ class FrontendDelays:
     @classmethod
     def from_dict(cls, data: Any) -> FrontendDelays:
         """From `to_dict()`'s shape; ValueError naming what is wrong."""
-        if not isinstance(data, dict) or set(data) - {"admit", "output"}:
-            raise ValueError(f"frontend delays must be {{'admit': s, 'output': s}}, got {data!r}")
+        if not isinstance(data, dict) or set(data) - {"admit", "output", "finish"}:
+            raise ValueError("frontend delays must be {'admit': s, 'output': s, 'finish': s}, "
+                             f"got {data!r}")
         return cls(**data)
 
 
@@ -81,15 +89,15 @@ def frontend_of(latency: object) -> FrontendDelays:
 
 
 def observed(records: Iterable[Any], delays: FrontendDelays) -> None:
-    """Shift each record's first-token, last-token and finish times (the engine's) to when the
-    server sees them (`delays.output` later). Mutates the records; TPOT and ITL are unchanged."""
-    shift = delays.output
-    if not shift:
+    """Shift each record's first-token time (the engine's) to when the server sees it
+    (`delays.output` later), and its last-token and finish times `delays.finish` later.
+    Mutates the records; ITL is unchanged."""
+    if not delays.output and not delays.finish:
         return
     for r in records:
         if r.first_token is not None:
-            r.first_token += shift
+            r.first_token += delays.output
         if r.last_token is not None:
-            r.last_token += shift
+            r.last_token += delays.finish
         if r.finish is not None:
-            r.finish += shift
+            r.finish += delays.finish

@@ -30,12 +30,15 @@ def _run(trace, delays=None, latency=None):
 def test_delays_shift_an_idle_request_exactly():
     trace = [TraceRequest(arrival=1.0, input_length=20, output_length=4)]
     plain, = _run(trace)
-    delayed, = _run(trace, FrontendDelays(admit=0.003, output=0.002))
+    delayed, = _run(trace, FrontendDelays(admit=0.003, output=0.002, finish=0.005))
     assert plain.first_scheduled == 1.0 and delayed.first_scheduled == pytest.approx(1.003)
     assert plain.ttft == pytest.approx(STEP)  # one step: the prompt and the first token
     assert delayed.ttft == pytest.approx(0.003 + STEP + 0.002)
-    assert delayed.e2e == pytest.approx(0.003 + 4 * STEP + 0.002)
-    assert delayed.tpot == pytest.approx(plain.tpot) == pytest.approx(STEP)
+    assert delayed.e2e == pytest.approx(0.003 + 4 * STEP + 0.005)
+    assert plain.tpot == pytest.approx(STEP)
+    # the server's TPOT: (e2e - ttft) / (tokens - 1), the hand-overs' difference included
+    assert delayed.tpot == pytest.approx((delayed.e2e - delayed.ttft) / 3)
+    assert delayed.tpot == pytest.approx(STEP + 0.003 / 3)
     assert delayed.arrival == plain.arrival == 1.0  # latencies count from the arrival
 
 
@@ -61,7 +64,7 @@ def test_zero_delays_change_nothing():
 
 
 def test_delays_come_with_a_fitted_model(tmp_path):
-    delays = FrontendDelays(admit=0.004, output=0.001)
+    delays = FrontendDelays(admit=0.004, output=0.001, finish=0.002)
     fitted = FittedLatency({"intercept": STEP}).with_frontend(delays)
     path = tmp_path / "latency.json"
     fitted.save(path)
@@ -75,12 +78,16 @@ def test_delays_come_with_a_fitted_model(tmp_path):
 
 
 def test_fit_takes_the_medians_of_a_request_log():
-    rows = [{"submitted": 0.001, "ttft": 0.050, "engine_first_token": 0.048},
-            {"submitted": 0.003, "ttft": 0.080, "engine_first_token": 0.077},
-            {"submitted": 0.002, "ttft": 0.020, "engine_first_token": 0.019},
-            {"ttft": 0.5}]  # a row from before the timeline fields: skipped
+    rows = [{"submitted": 0.001, "ttft": 0.050, "engine_first_token": 0.048, "e2e": 0.5,
+             "engine_last_token": 0.49},
+            {"submitted": 0.003, "ttft": 0.080, "engine_first_token": 0.077, "e2e": 0.6,
+             "engine_last_token": 0.596},
+            {"submitted": 0.002, "ttft": 0.020, "engine_first_token": 0.019, "e2e": 0.7,
+             "engine_last_token": 0.698},
+            {"ttft": 0.5, "e2e": 0.9}]  # a row from before the timeline fields: skipped
     delays = FrontendDelays.fit(rows)
     assert delays.admit == pytest.approx(0.002) and delays.output == pytest.approx(0.002)
+    assert delays.finish == pytest.approx(0.004)
     with pytest.raises(ValueError, match="no frontend timeline"):
         FrontendDelays.fit([{"ttft": 0.5}])
 

@@ -215,13 +215,18 @@ def test_engine_step_log_and_fit_from(tiny_llama, tmp_path, capsys):
     assert "not both" in capsys.readouterr().err
     # With the same run's request log, the frontend's delays are fitted too (medians).
     requests = tmp_path / "requests.jsonl"
-    requests.write_text('{"submitted": 0.002, "ttft": 0.05, "engine_first_token": 0.049}\n'
-                        '{"submitted": 0.004, "ttft": 0.07, "engine_first_token": 0.067}\n')
+    requests.write_text(
+        '{"submitted": 0.002, "ttft": 0.05, "engine_first_token": 0.049, "e2e": 0.2, '
+        '"engine_last_token": 0.196}\n'
+        '{"submitted": 0.004, "ttft": 0.07, "engine_first_token": 0.067, "e2e": 0.3, '
+        '"engine_last_token": 0.294}\n')
     assert main(["profile", "--fit-from", str(log), "--request-log", str(requests),
                  "--out", str(out)]) == 0
-    assert "frontend delays: admit 3.00 ms, output 2.00 ms" in capsys.readouterr().out
+    assert "frontend delays: admit 3.00 ms, output 2.00 ms, finish 5.00 ms" in \
+        capsys.readouterr().out
     delays = FittedLatency.load(out).frontend
     assert delays.admit == pytest.approx(0.003) and delays.output == pytest.approx(0.002)
+    assert delays.finish == pytest.approx(0.005)
     assert main(["profile", str(tiny_llama), "--request-log", str(requests)]) != 0
     assert "--request-log goes with --fit-from" in capsys.readouterr().err
 
