@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +31,9 @@ class JsonLinesWriter:
             self._file.close()
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Every non-blank line of a JSON-lines file, as dicts. ValueError naming the file and line
-    for a line that is not a JSON object."""
-    rows = []
+def jsonl_rows(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for every non-blank line of a JSON-lines file. ValueError naming
+    the file and line for a line that is not a JSON object."""
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
@@ -44,5 +44,9 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
                 raise ValueError(f"{path}:{number}: not JSON: {exc}") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{number}: not a JSON object")
-            rows.append(row)
-    return rows
+            yield number, row
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Every object of a JSON-lines file (`jsonl_rows`)."""
+    return [row for _, row in jsonl_rows(path)]
