@@ -23,6 +23,7 @@ on an H100 roofline, block 16), wall and CPU seconds and the cost per simulated 
 `--speed-10x` also runs the trace ten times over (ids offset, so copies share nothing).
 
     python benchmarks/bench_simulator.py [--requests 80] [--loads 0.3,0.7,0.95,1.5]
+        [--trace MOONCAKE.jsonl] [--profile P.json] [--keep-step-logs DIR]
         [--skip-accuracy] [--skip-speed] [--speed-10x] [--json out.json]
 """
 
