@@ -48,7 +48,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "without a shared machine's time slicing; with --cpu-threads 1)")
     parser.add_argument("--out", default="latency.json", help="where to save the fitted model")
     parser.add_argument("--grid", choices=("quick", "full"), default="quick",
-                        help="step shapes to time (quick: 69 points, full: 272)")
+                        help="step shapes to time (quick: 129 points, full: 524)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per shape")
     add_engine_flags(parser)
     parser.set_defaults(run=run)

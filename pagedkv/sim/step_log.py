@@ -25,6 +25,7 @@ from pagedkv.sched.output import SchedulerOutput
 from pagedkv.sim.latency.base import StepShape
 
 _SHAPE_FIELDS = tuple(f.name for f in fields(StepShape))
+_LATER = ("prefill_past",)  # shape fields a log written before they existed lacks
 
 
 class StepLog:
@@ -85,7 +86,8 @@ def read_step_log(path: str | Path, clock: str = "wall") -> tuple[list[StepShape
             continue
         try:
             row = json.loads(line)
-            shape = StepShape(**{k: row[k] for k in _SHAPE_FIELDS})
+            shape = StepShape(**{k: row[k] for k in _SHAPE_FIELDS if k not in _LATER},
+                              **{k: row[k] for k in _LATER if k in row})
             seconds = float(row[key])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"step log {str(path)!r} line {number} is not a step: {exc}") from None

@@ -193,6 +193,8 @@ def test_engine_step_log_and_fit_from(tiny_llama, tmp_path, capsys):
     assert sum(s.decode_seqs for s in shapes) == 2 * 4  # 5 tokens: the first from the prefill
     assert shapes[0] == StepShape(prefill_tokens=32, prefill_seqs=1,
                                   prefill_attention=32 * 33 / 2)
+    # a's second chunk (8 tokens at position 32) attends to the 32 cached before it
+    assert sum(s.prefill_past for s in shapes) == 8 * 32
     assert all(t > 0 for t in times) and all(c >= 0 for c in cpu)
     _, own = read_step_log(log, "own")  # the step alone: the host gap after it is the rest
     assert all(0 < o <= t for o, t in zip(own, times, strict=True))
@@ -200,6 +202,9 @@ def test_engine_step_log_and_fit_from(tiny_llama, tmp_path, capsys):
     assert [r["chained"] for r in rows] == [True] * (len(rows) - 1) + [False]
     with pytest.raises(ValueError, match="clock"):
         read_step_log(log, "gpu")
+    old = tmp_path / "old.jsonl"  # a log from before prefill_past: read as 0
+    old.write_text(json.dumps({k: v for k, v in rows[0].items() if k != "prefill_past"}) + "\n")
+    assert read_step_log(old)[0][0].prefill_past == 0 == rows[0]["prefill_past"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prefill_tokens": 1}\n')
     with pytest.raises(ValueError, match="line 1"):

@@ -2,7 +2,9 @@
 
 time = sum_i coef_i x feature_i over `FEATURE_NAMES` (intercept, prefill tokens, prefill
 chunks (each chunk's own host and kernel-launch work), prefill attention work, decode
-sequences, decode context, swapped blocks, blocks saved to the KV store), fitted by least
+sequences, decode context, swapped blocks, blocks saved to the KV store, prefill attention
+against the KV cached before each chunk; a model saved before a feature existed has 0 for
+it), fitted by least
 squares with non-negative coefficients, from `pagedkv profile`'s grid or a real run's step
 log, saved as JSON, with the serving frontend's delays when fitted from a request log too
 (`pagedkv.sim.frontend`; the simulator applies them):
@@ -38,11 +40,11 @@ class FittedLatency:
         self._c = tuple(c[k] for k in FEATURE_NAMES)
 
     def step_time(self, shape: StepShape) -> float:
-        c0, c1, c2, c3, c4, c5, c6, c7 = self._c
+        c0, c1, c2, c3, c4, c5, c6, c7, c8 = self._c
         return (c0 + c1 * shape.prefill_tokens + c2 * shape.prefill_seqs
                 + c3 * shape.prefill_attention + c4 * shape.decode_seqs
                 + c5 * shape.decode_context + c6 * shape.swapped_blocks
-                + c7 * shape.saved_blocks)
+                + c7 * shape.saved_blocks + c8 * shape.prefill_past)
 
     @classmethod
     def fit(cls, shapes: Sequence[StepShape], times: Sequence[float],
