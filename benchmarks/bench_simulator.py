@@ -290,7 +290,7 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
         # Several prefill chunks per step too (a busy server admits several prompts at once),
         # and chunks past position 0 (a long prompt's later chunks, prefix hits).
         grid = dict(prefill_tokens=(0, 64, 512, 2048), prefill_seqs=(1, 4),
-                    prefill_context=(0, 512), decode_seqs=(0, 1, 8, 32), context=(1024,))
+                    prefill_context=(0, 512), decode_seqs=(0, 1, 8, 32), context=(128, 1024))
         t0 = time.perf_counter()
         # The model of the work (the engine thread's CPU time per step shape); its wall time
         # on this shared machine is that times the share other processes leave us, which
