@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedkv.sim.latency.base import StepShape
-from pagedkv.sim.latency.fitted import FittedLatency
+from pagedkv.sim.latency.fitted import FittedLatency, nonnegative_least_squares
 
 
 def calibrate(model: FittedLatency, shapes: Sequence[StepShape],
@@ -37,15 +37,7 @@ def calibrate(model: FittedLatency, shapes: Sequence[StepShape],
         raise ValueError("step times must be > 0")
     x = np.array([[model.step_time(s), 1.0, float(s.decode_seqs + s.prefill_seqs)]
                   for s in shapes])
-    w = 1.0 / np.sqrt(y)
-    active = [0, 1, 2]
-    coef = np.zeros(3)
-    while active:  # drop the most negative term until none is
-        sol = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)[0]
-        if (sol >= 0).all():
-            coef[active] = sol
-            break
-        active.pop(int(np.argmin(sol)))
+    coef = nonnegative_least_squares(x, y, 1.0 / np.sqrt(y), [0, 1, 2])
     share, per_step, per_request = (float(v) for v in coef)
     c = {k: v * share for k, v in model.coefficients.items()}
     c["intercept"] += per_step

@@ -69,17 +69,8 @@ class FittedLatency:
         # half). On a balanced grid, 1 / time: with 1 / sqrt(time) the few long prefill
         # points pull the intercept down and a small decode step came out 40% short.
         weight = 1.0 / y if relative else 1.0 / np.sqrt(y)
-        xw, yw = x * weight[:, None], y * weight
         active = [j for j in range(x.shape[1]) if j == 0 or np.ptp(x[:, j]) > 0]
-        coef = np.zeros(x.shape[1])
-        while active:  # active-set NNLS: drop the most negative coefficient until none is
-            scale = np.maximum(np.abs(xw[:, active]).max(axis=0), 1e-300)
-            sol, *_ = np.linalg.lstsq(xw[:, active] / scale, yw, rcond=None)
-            sol = sol / scale
-            if (sol >= 0).all():
-                coef[active] = sol
-                break
-            active.pop(int(np.argmin(sol)))
+        coef = nonnegative_least_squares(x, y, weight, active)
         predicted = x @ coef
         rel = np.abs(predicted - y) / np.maximum(y, 1e-9)
         meta = dict(meta or {})
@@ -116,3 +107,22 @@ class FittedLatency:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"latency model {str(path)!r}: {exc}") from None
         return cls(data["coefficients"], data.get("meta"), delays)
+
+
+def nonnegative_least_squares(x: Any, y: Any, weight: Any, active: list[int]) -> Any:
+    """Coefficients >= 0 minimising the weighted squared error of `x @ coef` against `y`
+    (numpy arrays), over the columns in `active` (others 0): least squares, then the most
+    negative column dropped until none is (columns scaled to 1 for the solve). Mutates
+    `active`."""
+    import numpy as np
+
+    xw, yw = x * weight[:, None], y * weight
+    coef = np.zeros(x.shape[1])
+    while active:
+        scale = np.maximum(np.abs(xw[:, active]).max(axis=0), 1e-300)
+        sol = np.linalg.lstsq(xw[:, active] / scale, yw, rcond=None)[0] / scale
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return coef
