@@ -9,11 +9,21 @@ this machine (`pagedkv profile`'s grid on the same engine flags). Prints the err
 p99 TTFT, TPOT and E2E, of prefix-hit tokens and of preemption counts, one run each.
 Capacity: the simulated throughput with every request arriving at once.
 
+The simulator replays the arrivals the server logged (a client on a loaded machine is late),
+and each real request is joined to its simulated one (by response id) to compare their
+timelines phase by phase (frontend admission, queue, prefill, output hand-over, decode); the
+server's steps are split into the step itself and the host gap to the next one. Latency
+models: the profile's (CPU time) as is, scaled by the run's wall/CPU ratio, calibrated to the
+server's steps (share, per-step and per-request host gaps), and fitted to the server's own
+steps; each with and without the frontend delays fitted from the run's request log
+(`pagedkv.sim.frontend`).
+
 Speed: the whole conversation trace (12,031 requests) with `pagedkv simulate`'s defaults (qwen3-8b
 on an H100 roofline, block 16), wall and CPU seconds and the cost per simulated request;
 `--speed-10x` also runs the trace ten times over (ids offset, so copies share nothing).
 
     python benchmarks/bench_simulator.py [--requests 80] [--loads 0.3,0.7,0.95,1.5]
+        [--trace MOONCAKE.jsonl] [--profile P.json] [--keep-step-logs DIR]
         [--skip-accuracy] [--skip-speed] [--speed-10x] [--json out.json]
 """
 
@@ -61,28 +71,31 @@ def metric_stats(rows: list[dict]) -> dict[str, float]:
     return out
 
 
-async def replay(url: str, trace, vocab: int) -> list[float]:
-    """Send each request at its arrival (seconds from now); wait for all. Returns when each
-    was really sent (seconds from the start): a client on a loaded machine is late, and the
-    simulator then replays the arrivals the server saw."""
+async def replay(url: str, trace, vocab: int) -> list[str]:
+    """Send each request at its arrival (seconds from now); wait for all. Returns each one's
+    response id (the server's request log names the engine request `ID-0`). The connection
+    pool is unbounded: httpx's default (100 connections) would hold back requests at overload
+    and the server would see a throttled trace that the simulator does not."""
     import httpx
 
     from pagedkv.sim.traces import prompt_token_ids
 
-    sent = [0.0] * len(trace)
-    async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
+    ids = [""] * len(trace)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits,
+                                 trust_env=False) as client:
         start = time.perf_counter()
 
         async def one(i, t):
             await asyncio.sleep(max(0.0, t.arrival - (time.perf_counter() - start)))
-            sent[i] = time.perf_counter() - start
             r = await client.post("/v1/completions", json={
                 "model": "bench", "prompt": prompt_token_ids(t, vocab, i),
                 "max_tokens": t.output_length, "ignore_eos": True, "temperature": 0.0})
             r.raise_for_status()
+            ids[i] = r.json()["id"]
 
         await asyncio.gather(*(one(i, t) for i, t in enumerate(trace)))
-    return sent
+    return ids
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -97,8 +110,10 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def real_run(model_dir: Path, trace, vocab: int, blocks: int, tmp: Path, step_log: Path) -> dict:
-    """Serve the trace; its request log gives the latencies, /metrics the counters, and
-    `step_log` receives the server's own steps (`--step-log`)."""
+    """Serve the trace; its request log gives the latencies and each request's timeline
+    (`rows`, in trace order), /metrics the counters, and `step_log` receives the server's
+    own steps (`--step-log`)."""
+    from pagedkv.jsonl import read_jsonl
     from tests.server.helpers import ServerProcess, engine_flags
 
     log = tmp / f"log-{time.monotonic_ns()}.jsonl"
@@ -106,25 +121,93 @@ def real_run(model_dir: Path, trace, vocab: int, blocks: int, tmp: Path, step_lo
                                                   step_log=str(step_log)),
                          "--request-log", str(log), model_name="bench").start()
     try:
-        sent = asyncio.run(replay(proc.url, trace, vocab))
+        ids = asyncio.run(replay(proc.url, trace, vocab))
         counters = scrape(proc.url)
     finally:
         proc.stop()
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    by_id = {row["request_id"]: row for row in read_jsonl(log)}
+    rows = [by_id[i + "-0"] for i in ids]
     return {**metric_stats(rows), "hit_tokens": counters["prefix_cache_hits_total"],
             "preemptions": counters["num_preemptions_total"], "requests": len(rows),
-            "sent": sent}
+            "rows": rows}
 
 
-def sim_run(trace, config, latency) -> dict:
+def as_served(trace, rows: list[dict]) -> tuple[list, list[int]]:
+    """The trace with the arrivals the server logged (seconds from the first), sorted by
+    them, and each sorted position's index in `trace`: the simulator replays what the server
+    saw, not what the client meant to send (a client on a loaded machine is late)."""
+    first = min(r["arrival"] for r in rows)
+    order = sorted(range(len(trace)), key=lambda i: rows[i]["arrival"])
+    return ([dataclasses.replace(trace[i], arrival=rows[i]["arrival"] - first) for i in order],
+            order)
+
+
+def sim_run(trace, config, latency, frontend=None) -> dict:
+    from pagedkv.sim.frontend import frontend_of
     from pagedkv.sim.simulator import simulate
 
-    result = simulate(trace, config, latency)
-    rows = [{"ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e} for r in result.records]
+    result = simulate(trace, config, latency, frontend=frontend)
+    delays = frontend if frontend is not None else frontend_of(latency)
+    rows = [{"ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e, "submitted": delays.admit,
+             "first_scheduled": r.first_scheduled - r.arrival,
+             "engine_first_token": r.ttft - delays.output,
+             "engine_last_token": r.e2e - delays.finish} for r in result.records]
     sched = result.instances[0].scheduler
     return {**metric_stats(rows), "hit_tokens": sched.prefix_cache_hits,
             "preemptions": sched.num_preemptions, "requests": len(rows),
-            "duration": result.duration}
+            "duration": result.duration, "rows": rows}
+
+
+PHASES = {  # a request's timeline, in seconds, from request-log-shaped rows
+    "admit": lambda r: r["submitted"],
+    "queue": lambda r: r["first_scheduled"] - r["submitted"],
+    "prefill": lambda r: r["engine_first_token"] - r["first_scheduled"],
+    "first out": lambda r: r["ttft"] - r["engine_first_token"],
+    "decode": lambda r: r["engine_last_token"] - r["engine_first_token"],
+    "last out": lambda r: r["e2e"] - r["engine_last_token"],
+}
+
+
+def spread(rows: list[dict], phase) -> tuple[float, float, float]:
+    """The 10th, 50th and 90th percentile of one phase over the rows."""
+    values = [phase(r) for r in rows]
+    return tuple(percentile(values, q) for q in (10, 50, 90))
+
+
+def phase_means(rows: list[dict]) -> dict[str, float]:
+    """The mean of each phase of the requests' timelines (rows in trace order)."""
+    return {name: statistics.fmean(f(r) for r in rows) for name, f in PHASES.items()}
+
+
+def phase_line(real_rows: list[dict], sim_rows: list[dict], order: list[int]) -> str:
+    """Real against simulated mean of each phase, and the mean per-request gap of the
+    first-scheduled time (the admission order and timing)."""
+    sim_by_trace = [None] * len(order)
+    for pos, i in enumerate(order):
+        sim_by_trace[i] = sim_rows[pos]
+    real, sim = phase_means(real_rows), phase_means(sim_by_trace)
+    sched_gap = statistics.fmean(abs(s["first_scheduled"] - r["first_scheduled"])
+                                 for r, s in zip(real_rows, sim_by_trace, strict=True))
+    return ("phases ms real/sim: " + ", ".join(
+        f"{k} {real[k] * 1e3:.1f}/{sim[k] * 1e3:.1f}" for k in PHASES)
+        + f"; |first scheduled| off {sched_gap * 1e3:.1f} ms per request")
+
+
+def step_gaps(path: Path) -> str:
+    """The server's steps: the step alone, and the host gap to the next one (delivering
+    outputs to the event loop, taking new requests) against the requests in the step."""
+    import numpy as np
+
+    from pagedkv.jsonl import read_jsonl
+
+    rows = [r for r in read_jsonl(path) if r["chained"]]
+    own = np.array([r["own_seconds"] for r in rows])
+    gap = np.array([r["seconds"] - r["own_seconds"] for r in rows])
+    seqs = np.array([r["decode_seqs"] + r["prefill_seqs"] for r in rows], dtype=float)
+    coef = np.linalg.lstsq(np.stack([np.ones_like(seqs), seqs], 1), gap, rcond=None)[0]
+    return (f"{len(rows)} chained steps: own {own.mean() * 1e3:.2f} ms, gap to the next "
+            f"{gap.mean() * 1e3:.2f} ms mean ({gap.sum() / (own.sum() + gap.sum()):.1%} of "
+            f"the time; {coef[0] * 1e3:.2f} ms + {coef[1] * 1e3:.3f} ms per request)")
 
 
 def step_check(model_dir: Path, blocks: int, trace, vocab: int, latency) -> dict:
@@ -170,7 +253,7 @@ def errors(sim: dict, real: dict) -> dict[str, float]:
     """Relative error of each simulated figure against the real one (0 = 0 is exact)."""
     return {k: (sim[k] - real[k]) / real[k] if real[k] else
             (0.0 if sim[k] == 0 else float("inf"))
-            for k in real if k not in ("requests",)}
+            for k in real if k not in ("requests", "rows")}
 
 
 def step_errors(latency, shapes, times) -> dict:
@@ -190,8 +273,10 @@ def scaled(latency, factor: float):
 
 def accuracy(args: argparse.Namespace) -> list[dict]:
     from pagedkv.engine.args import EngineArgs
+    from pagedkv.sim.frontend import NO_DELAYS, FrontendDelays
     from pagedkv.sim.instance import SimConfig
     from pagedkv.sim.latency import FittedLatency
+    from pagedkv.sim.latency.calibrate import calibrate
     from pagedkv.sim.profiling import profile_model
     from pagedkv.sim.step_log import read_step_log
     from pagedkv.sim.traces import load_trace, scale_trace
@@ -202,15 +287,22 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
         tmp = Path(tmp_name)
         model_dir = build_random_model_dir(tmp / "model", dtype="float32", seed=0, **SHAPE)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        grid = dict(prefill_tokens=(0, 64, 512, 2048), decode_seqs=(0, 1, 8, 32),
-                    context=(128, 1024))
+        # Several prefill chunks per step too (a busy server admits several prompts at once),
+        # and chunks past position 0 (a long prompt's later chunks, prefix hits).
+        grid = dict(prefill_tokens=(0, 64, 512, 2048), prefill_seqs=(1, 4),
+                    prefill_context=(0, 512), decode_seqs=(0, 1, 8, 32), context=(128, 1024))
         t0 = time.perf_counter()
         # The model of the work (the engine thread's CPU time per step shape); its wall time
         # on this shared machine is that times the share other processes leave us, which
         # changes from minute to minute (`wall_over_cpu` when profiled, and per run below).
-        latency = profile_model(EngineArgs(model=str(model_dir), device="cpu",
-                                           num_gpu_blocks_override=args.blocks, **ENGINE),
-                                grid, repeats=2, clock="cpu")
+        if args.profile and Path(args.profile).is_file():
+            latency = FittedLatency.load(args.profile)  # the same seeded model and flags
+        else:
+            latency = profile_model(EngineArgs(model=str(model_dir), device="cpu",
+                                               num_gpu_blocks_override=args.blocks, **ENGINE),
+                                    grid, repeats=2, clock="cpu")
+            if args.profile:
+                latency.save(args.profile)
         share = latency.meta["wall_over_cpu"]
         print(f"profiled {latency.meta['samples']} shapes in {time.perf_counter() - t0:.0f} s:"
               f" fit mean error {latency.meta['mean_rel_error']:.1%}, max "
@@ -219,7 +311,7 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
         config = SimConfig(num_blocks=args.blocks, block_size=16,
                            max_model_len=ENGINE["max_model_len"], vocab_size=vocab,
                            max_num_batched_tokens=2048)
-        base = load_trace(TRACE, limit=args.requests, scale_lengths=args.scale)
+        base = load_trace(args.trace, limit=args.requests, scale_lengths=args.scale)
         base = [t for t in base if t.input_length + t.output_length < ENGINE["max_model_len"]]
         span = base[-1].arrival or 1.0
         burst = [dataclasses.replace(t, arrival=0.0) for t in base]
@@ -237,6 +329,8 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
             if args.keep_step_logs:
                 Path(args.keep_step_logs).mkdir(parents=True, exist_ok=True)
                 shutil.copy(steps_path, args.keep_step_logs)
+                (Path(args.keep_step_logs) / f"requests-{load}.json").write_text(
+                    json.dumps(real["rows"]))
             shapes, times = read_step_log(steps_path)
             cpu_shapes, cpu_times = read_step_log(steps_path, "cpu")
             run_share = sum(times) / sum(cpu_times)
@@ -245,25 +339,37 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
                   f"{sum(cpu_times):.2f} s of the engine thread's CPU ({run_share:.2f}x); the "
                   f"profile's model is off their CPU time by {profile_cpu['mean_step_error']:.1%}"
                   f" per step, {profile_cpu['total_ratio']:.3f}x in total", flush=True)
+            print(f"load {load:.0%}: {step_gaps(steps_path)}", flush=True)
+            real_rows = real.pop("rows")
+            delays = FrontendDelays.fit(real_rows)
+            print(f"load {load:.0%}: frontend delays (request log medians): admit "
+                  f"{delays.admit * 1e3:.2f} ms, output {delays.output * 1e3:.2f} ms, finish "
+                  f"{delays.finish * 1e3:.2f} ms; deciles "
+                  "(ms) " + "; ".join(f"{name} " + "/".join(
+                      f"{q * 1e3:.1f}" for q in spread(real_rows, PHASES[name]))
+                      for name in ("admit", "first out", "last out")), flush=True)
+            served, order = as_served(trace, real_rows)
             fits = {"profile": latency,
                     "profile x run share": scaled(latency, run_share),
+                    "profile calibrated": calibrate(latency, shapes, times),
                     "own steps (wall)": FittedLatency.fit(shapes, times)}
-            sent = real.pop("sent")
-            late = max(s - t.arrival for s, t in zip(sent, trace, strict=True))
-            print(f"load {load:.0%}: the client sent up to {late * 1e3:.0f} ms late; the "
-                  "simulator replays the times it really sent", flush=True)
-            sent = list(itertools.accumulate(sent, max))  # in trace order, as the trace is
-            as_sent = [dataclasses.replace(t, arrival=s) for t, s in zip(trace, sent, strict=True)]
-            for label, fit in fits.items():
-                sim = sim_run(as_sent, config, fit)
+            cal = fits["profile calibrated"].meta["calibration"]
+            print(f"load {load:.0%}: profile calibrated to the server's steps: "
+                  f"{cal['share']:.2f}x + {cal['per_step'] * 1e3:.2f} ms a step + "
+                  f"{cal['per_request'] * 1e3:.3f} ms a request", flush=True)
+            for (label, fit), front in itertools.product(fits.items(), (NO_DELAYS, delays)):
+                sim = sim_run(served, config, fit, front)
                 step = step_errors(fit, shapes, times)
-                rows.append({"load": load, "latency": label, "real": real, "sim": sim,
+                tag = label + (" +frontend" if front is delays else "")
+                rows.append({"load": load, "latency": tag, "real": real, "sim": sim,
                              "error": errors(sim, real), "steps": step,
-                             "cpu_steps": profile_cpu, "run_share": run_share})
-                print(f"load {load:.0%} ({label}; per-step error on wall "
+                             "cpu_steps": profile_cpu, "run_share": run_share,
+                             "frontend": delays.to_dict()})
+                print(f"load {load:.0%} ({tag}; per-step error on wall "
                       f"{step['mean_step_error']:.1%}, total {step['total_ratio']:.2f}x): "
                       + ", ".join(f"{k} {v:+.1%}" for k, v in rows[-1]["error"].items()),
                       flush=True)
+                print("    " + phase_line(real_rows, sim.pop("rows"), order), flush=True)
     return rows
 
 
@@ -275,10 +381,10 @@ def speed(args: argparse.Namespace) -> dict:
     from pagedkv.sim.traces import load_trace
 
     sub = argparse.ArgumentParser().add_subparsers()
-    flags = add_parser(sub).parse_args([str(TRACE)])
+    flags = add_parser(sub).parse_args([args.trace])
     config, model_config, hardware = build_sim_config(flags)
     latency = make_latency_model(f"roofline:{hardware}", model_config)
-    trace = load_trace(TRACE)
+    trace = load_trace(args.trace)
     out = {}
     copies = (1, 10) if args.speed_10x else (1,)
     for n in copies:
@@ -313,6 +419,12 @@ def speed(args: argparse.Namespace) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=80)
+    parser.add_argument("--trace", default=str(TRACE),
+                        help="the Mooncake conversation trace (default: ../shared/traces)")
+    parser.add_argument("--profile", default=None, metavar="JSON",
+                        help="load the profiled latency model from here when it exists, else "
+                        "profile and save it here (the benchmark's model is seeded, so a "
+                        "profile holds for later runs on the same machine)")
     parser.add_argument("--scale", type=float, default=1 / 32,
                         help="length scale for the CPU model (1/32: 512-token blocks -> 16)")
     parser.add_argument("--blocks", type=int, default=700, help="KV blocks of the engine")
@@ -332,10 +444,10 @@ def main() -> int:
     report: dict = {"cpu": "see the closing note"}
     if not args.skip_accuracy and (rows := accuracy(args)):
         report["accuracy"] = rows
-        print(f"\n{'load':>6} {'latency model':>18} {'step err':>9} "
+        print(f"\n{'load':>6} {'latency model':>28} {'step err':>9} "
               + " ".join(f"{k:>12}" for k in report["accuracy"][0]["error"]))
         for row in report["accuracy"]:
-            print(f"{row['load']:>6.0%} {row['latency']:>18} "
+            print(f"{row['load']:>6.0%} {row['latency']:>28} "
                   f"{row['steps']['mean_step_error']:>9.1%} "
                   + " ".join(f"{v:>+12.1%}" for v in row["error"].values()))
     if not args.skip_speed:

@@ -59,7 +59,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="h100, a100, cpu (measured now) or a JSON file: memory for the KV "
                    "cache size and ceilings for the roofline")
     p.add_argument("--latency", default=None, metavar="MODEL",
-                   help="a JSON file from `pagedkv profile`, roofline:HARDWARE or linear "
+                   help="a JSON file from `pagedkv profile` (with the serving frontend's "
+                   "delays when fitted with --request-log), roofline:HARDWARE or linear "
                    "(default: roofline on --hardware)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e = p.add_argument_group("engine", "the simulated engine (vLLM's names)")

@@ -89,6 +89,7 @@ class RequestStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         self.arrival = time.monotonic()  # when the request came in (callers may set it earlier)
+        self.submitted: float | None = None  # when it was queued for the engine loop
         self.finished = False
         self.aborted = False  # ended by an abort, without a finished output
         self._engine = engine
@@ -238,6 +239,7 @@ class AsyncEngine:
             self._num_in_flight += 1
         stream = RequestStream(request_id, self)
         fut = stream.loop.create_future()
+        stream.submitted = time.monotonic()
         self._submit(("add", stream, prompt, params, priority, cache_salt, fut))
         try:
             await fut

@@ -31,6 +31,7 @@ class _Group:
     num_cached_tokens: int = 0
     error: str | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     first_scheduled_time: float | None = None
     num_preemptions: int = 0  # the most any of its samples was preempted
     prompt_logprobs: list[dict[int, float] | None] | None = None
@@ -55,6 +56,7 @@ class _Group:
             self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
             self.num_cached_tokens, self.error,
             {"arrival_time": self.arrival_time, "first_token_time": self.first_token_time or 0.0,
+             "last_token_time": self.last_token_time or 0.0,
              "first_scheduled_time": self.first_scheduled_time or 0.0,
              "num_preemptions": float(self.num_preemptions)},
             None if self.prompt_logprobs is None else list(self.prompt_logprobs))
@@ -151,6 +153,7 @@ class OutputProcessor:
         if new_tokens:
             if group.first_token_time is None:
                 group.first_token_time = now
+            group.last_token_time = now
             completion.token_ids += new_tokens
             if completion.logprobs is not None and out.new_logprobs:
                 _add_logprobs(completion, new_tokens, out.new_logprobs)

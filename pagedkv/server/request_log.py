@@ -4,8 +4,15 @@
 Each line: `arrival` (Unix seconds), `prompt_tokens`, `output_tokens` (the longest sample),
 `block_size` and `prefix_block_hashes` (hex chained hashes of the prompt's full blocks, as the
 engine's prefix cache keys them, without a cache salt), `cached_tokens`, `queue_time`, `ttft`,
-`tpot`, `e2e` (seconds; null where not defined), `finish_reason`. Written by the server's event
-loop as each request finishes, line-buffered, so a crash loses at most the line being written.
+`tpot`, `e2e` (seconds; null where not defined), `finish_reason`, `request_id` (the engine's), and
+the engine's side of the request's timeline in seconds from its arrival (null where not
+reached): `submitted` (the HTTP handler queued it for the engine loop: the frontend's own
+delay), `added` (the engine loop took it, at its next round), `first_scheduled`,
+`engine_first_token` and `engine_last_token` (the engine produced the first and last token;
+`ttft` and `e2e` are when the server saw them).
+`pagedkv profile --fit-from` fits the simulator's frontend delays to these. Written by the
+server's event loop as each request finishes, line-buffered, so a crash loses at most the line
+being written.
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ class RequestLog:
         self.hasher = hasher
         self._out = JsonLinesWriter(self.path)
 
-    def record(self, output: RequestOutput, *, arrival_monotonic: float, ttft: float | None,
+    def record(self, output: RequestOutput, *, arrival_monotonic: float,
+               submitted_monotonic: float | None = None, ttft: float | None,
                e2e: float, queue_time: float | None, num_output_tokens: int,
                finish_reason: str) -> None:
         ids = list(output.prompt_token_ids)
@@ -51,8 +59,24 @@ class RequestLog:
             "prefix_block_hashes": [h.hex() for h in hashes],
             "cached_tokens": max(output.num_cached_tokens, 0), "queue_time": queue_time,
             "ttft": ttft, "tpot": tpot, "e2e": e2e, "finish_reason": finish_reason,
+            "request_id": output.request_id,
+            "submitted": (None if submitted_monotonic is None
+                          else submitted_monotonic - arrival_monotonic),
+            **_engine_timeline(output.metrics or {}, arrival_monotonic),
         }
         self._out.write(row)
 
     def close(self) -> None:
         self._out.close()
+
+
+def _engine_timeline(times: dict[str, float], arrival: float) -> dict[str, float | None]:
+    """The engine's monotonic times of a request (RequestOutput.metrics; 0 = not reached) as
+    seconds from the server's `arrival` (time.monotonic())."""
+    def since(key: str) -> float | None:
+        value = times.get(key) or 0.0
+        return value - arrival if value else None
+
+    return {"added": since("arrival_time"), "first_scheduled": since("first_scheduled_time"),
+            "engine_first_token": since("first_token_time"),
+            "engine_last_token": since("last_token_time")}

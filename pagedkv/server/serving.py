@@ -51,6 +51,7 @@ class _Timing:
     """Arrival, first token and finish times of one engine request (time.monotonic)."""
 
     arrival: float
+    submitted: float | None = None  # queued for the engine loop
     first_token: float | None = None
     last_token: float | None = None
     num_tokens: int = 0
@@ -237,7 +238,8 @@ class OpenAIServing:
         metrics (from each stream's `arrival`) as each finishes. Raises APIError(503) when a
         stream ends without finishing (aborted by a shutdown). Does not close the streams (the
         caller does, in a finally)."""
-        timings = [_Timing(s.arrival, params=getattr(s, "params", None)) for s in streams]
+        timings = [_Timing(s.arrival, s.submitted, params=getattr(s, "params", None))
+                   for s in streams]
         try:
             async for index, output in _merge(streams):
                 timing = timings[index]
@@ -281,7 +283,8 @@ class OpenAIServing:
                                      finished_reason=reason, queue_time=queue_time,
                                      phases=_phases(timing, output, now))
         if self.request_log is not None:
-            self.request_log.record(output, arrival_monotonic=timing.arrival, ttft=ttft,
+            self.request_log.record(output, arrival_monotonic=timing.arrival,
+                                    submitted_monotonic=timing.submitted, ttft=ttft,
                                     e2e=now - timing.arrival, queue_time=queue_time,
                                     num_output_tokens=longest, finish_reason=reason)
 

@@ -4,11 +4,15 @@ the runner (scheduling, applying tokens, outputs), timed on a short burst of rea
 step and per scheduled request (`host_overhead`).
 
 Each grid point is one step built by hand: `decode_seqs` requests decoding one token at
-`context` tokens of context, plus one prefill chunk of `prefill_tokens` tokens (from position
-0). Blocks come from the engine's own KV manager (contents are whatever the cache holds: only
-the time matters). Each point runs `repeats` times after a warm-up; the median is kept. The
-engine is built as `pagedkv serve` builds it (same flags), so the runner, kernels and threads
-are the ones that serve. Imports torch (through the engine).
+`context` tokens of context, plus `prefill_tokens` prompt tokens (from position 0) split into
+`prefill_seqs` chunks of as many requests, each starting at position `prefill_context` (a
+grid without those keys: one chunk from position 0; several chunks cover the steps of a busy
+server, which admit several prompts at once, and a start past 0 the later chunks of a long
+prompt and prefix hits, whose attention to the cached part takes another path). Blocks come from the
+engine's own KV manager (contents are whatever the cache holds: only the time matters). Each
+point runs `repeats` times after a warm-up; the median is kept. The engine is built as
+`pagedkv serve` builds it (same flags), so the runner, kernels and threads are the ones that
+serve. Imports torch (through the engine).
 """
 
 from __future__ import annotations
@@ -29,20 +33,37 @@ from pagedkv.sim.latency.fitted import FittedLatency
 
 logger = logging.getLogger(__name__)
 
-QUICK_GRID = dict(prefill_tokens=(0, 64, 256, 1024), decode_seqs=(0, 1, 8, 32),
-                  context=(64, 512, 1536))
-FULL_GRID = dict(prefill_tokens=(0, 16, 64, 256, 512, 1024, 2048),
-                 decode_seqs=(0, 1, 4, 16, 32, 64), context=(32, 256, 1024, 2048))
+QUICK_GRID = dict(prefill_tokens=(0, 64, 256, 1024), prefill_seqs=(1, 4),
+                  prefill_context=(0, 512), decode_seqs=(0, 1, 8, 32), context=(64, 512, 1536))
+FULL_GRID = dict(prefill_tokens=(0, 16, 64, 256, 512, 1024, 2048), prefill_seqs=(1, 4),
+                 prefill_context=(0, 1024), decode_seqs=(0, 1, 4, 16, 32, 64),
+                 context=(32, 256, 1024, 2048))
+
+
+def grid_points(grid: dict[str, Sequence[int]]) -> list[tuple[int, int, int, int, int]]:
+    """(prefill tokens, prefill chunks, their start position, decode sequences, context) of
+    every grid point: each decode count at each context (no decode: once), chunks of at least
+    2 tokens."""
+    return [(p, k, s, d, c) for p in grid["prefill_tokens"]
+            for k in (grid.get("prefill_seqs", (1,)) if p else (1,))
+            for s in (grid.get("prefill_context", (0,)) if p else (0,))
+            for d in grid["decode_seqs"]
+            for c in (grid["context"] if d else grid["context"][:1])
+            if (p == 0 and d) or p >= 2 * k]
 
 
 def _step(engine: Any, prefill_tokens: int, decode_seqs: int, context: int,
-          serial: itertools.count) -> tuple[SchedulerOutput, list[Request]] | None:
-    """A hand-built step and the requests holding its blocks (None: the cache is too small)."""
+          serial: itertools.count, prefill_seqs: int = 1, prefill_start: int = 0
+          ) -> tuple[SchedulerOutput, list[Request]] | None:
+    """A hand-built step and the requests holding its blocks (None: the cache is too small).
+    Allocates the requests' blocks in the engine's KV manager (the caller frees them)."""
     kv = engine.scheduler.kv_cache_manager
     vocab = engine.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     requests, scheduled = [], []
-    shapes = [(context, 1)] * decode_seqs + ([(0, prefill_tokens)] if prefill_tokens else [])
+    chunks = [prefill_tokens // prefill_seqs + (i < prefill_tokens % prefill_seqs)
+              for i in range(prefill_seqs)] if prefill_tokens else []
+    shapes = [(context, 1)] * decode_seqs + [(prefill_start, n) for n in chunks if n > 1]
     for start, n in shapes:
         ids = [(7 * i + next(serial)) % vocab for i in range(start + n)]
         request = Request(request_id=f"profile-{next(serial)}", prompt_token_ids=ids,
@@ -74,13 +95,12 @@ def profile_engine(engine: Any, grid: dict[str, Sequence[int]] | None = None, *,
     serial = itertools.count()
     shapes: list[StepShape] = []
     times: dict[str, list[float]] = {"wall": [], "cpu": []}
-    points = [(p, d, c) for p in grid["prefill_tokens"] for d in grid["decode_seqs"]
-              for c in (grid["context"] if d else grid["context"][:1]) if p or d]
-    for i, (p, d, c) in enumerate(points):
-        built = _step(engine, p, d, c, serial)
+    points = grid_points(grid)
+    for i, (p, k, start, d, c) in enumerate(points):
+        built = _step(engine, p, d, c, serial, k, start)
         if built is None:
             if log:
-                log(f"  skip prefill={p} decode={d}x{c}: the KV cache is too small")
+                log(f"  skip prefill={p}/{k}@{start} decode={d}x{c}: the KV cache is too small")
             continue
         out, requests = built
         wall, cpu = [], []
@@ -98,7 +118,7 @@ def profile_engine(engine: Any, grid: dict[str, Sequence[int]] | None = None, *,
         times["wall"].append(statistics.median(wall))
         times["cpu"].append(statistics.median(cpu))
         if log:
-            log(f"  [{i + 1}/{len(points)}] prefill={p} decode={d}x{c}: "
+            log(f"  [{i + 1}/{len(points)}] prefill={p}/{k}@{start} decode={d}x{c}: "
                 f"{times['wall'][-1] * 1e3:.1f} ms ({times['cpu'][-1] * 1e3:.1f} ms CPU)")
     kv.check_invariants()
     return shapes, times
@@ -179,7 +199,7 @@ def profile_model(args: Any, grid: dict[str, Sequence[int]] | None = None, *,
             "host_overhead": {"per_step": per_step, "per_request": per_request},
             "points": [{**s.__dict__, "wall_seconds": w, "cpu_seconds": c} for s, w, c in
                        zip(shapes, by_clock["wall"], by_clock["cpu"], strict=True)]}
-    fitted = FittedLatency.fit(shapes, by_clock[clock], meta)
+    fitted = FittedLatency.fit(shapes, by_clock[clock], meta, relative=True)
     c = fitted.coefficients
     return FittedLatency({**c, "intercept": c["intercept"] + per_step,
                           "prefill_seqs": c["prefill_seqs"] + per_request,

@@ -1,11 +1,14 @@
 """The simulator: a trace's arrivals over one or more `SimInstance`s, placed by the router's
 own policy objects (`pagedkv.router.policies`) when there are several.
 
-Time is virtual. Before a request arriving at t is placed, every instance steps until its
-clock reaches t (the engine adds what arrived while a step ran before its next step); then the
-policy sees each instance as the router would (requests in flight, queued prefill blocks,
-running / waiting, KV usage, and the prompt's leading blocks in its device prefix cache) and
-the request joins the chosen instance. At the end every instance runs until it is idle.
+Time is virtual. A request arriving at t reaches the engines `admit` seconds later, and the
+server sees its tokens `output` seconds after the engine made them (`frontend.py`: the serving
+frontend's delays; none unless given or carried by the latency model). Before a request is
+placed, every instance steps until its clock reaches its admission (the engine adds what
+arrived while a step ran before its next step); then the policy sees each instance as the
+router would (requests in flight, queued prefill blocks, running / waiting, KV usage, and the
+prompt's leading blocks in its device prefix cache) and the request joins the chosen instance.
+At the end every instance runs until it is idle.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 
 from pagedkv.router.policies import Candidate, RouteRequest, make_policy
 from pagedkv.router.prefix_index import PrefixMatch
+from pagedkv.sim.frontend import FrontendDelays, frontend_of, observed
 from pagedkv.sim.instance import RequestRecord, SimConfig, SimInstance
 from pagedkv.sim.latency.base import LatencyModel
 from pagedkv.sim.traces import TraceRequest, prompt_token_ids
@@ -64,8 +68,11 @@ def simulate(trace: Sequence[TraceRequest], config: SimConfig, latency: LatencyM
              num_instances: int = 1, policy: str = "round-robin", record_steps: bool = False,
              progress: Callable[[int, int], None] | None = None,
              cross_arrivals: bool | None = None,
-             on_instance: Callable[[SimInstance], None] | None = None) -> SimResult:
+             on_instance: Callable[[SimInstance], None] | None = None,
+             frontend: FrontendDelays | None = None) -> SimResult:
     """Replay `trace` (sorted by arrival) through `num_instances` simulated engines.
+    `frontend`: the serving frontend's delays (default: the latency model's, else none);
+    records' times are then the server's (`frontend.observed`).
     `cross_arrivals` (default: with one instance) lets quiet-stretch jumps run past arrivals
     that cannot change them (`SimInstance`). `on_instance` is called with each instance before
     it runs (e.g. event_log.py's hook)."""
@@ -82,13 +89,13 @@ def simulate(trace: Sequence[TraceRequest], config: SimConfig, latency: LatencyM
         for inst in instances:
             on_instance(inst)
     router = make_policy(policy) if num_instances > 1 else None
+    delays = frontend if frontend is not None else frontend_of(latency)
     records: list[RequestRecord] = []
     for index, treq in enumerate(trace):
-        t = treq.arrival
         for inst in instances:
-            inst.run_until(t)
+            inst.run_until(treq.arrival + delays.admit)
         ids = prompt_token_ids(treq, config.vocab_size, index)
-        record = RequestRecord(index=index, arrival=t, prompt_tokens=len(ids),
+        record = RequestRecord(index=index, arrival=treq.arrival, prompt_tokens=len(ids),
                                output_tokens=treq.output_length)
         records.append(record)
         chosen = 0
@@ -99,6 +106,7 @@ def simulate(trace: Sequence[TraceRequest], config: SimConfig, latency: LatencyM
             progress(index, len(trace))
     for inst in instances:
         inst.run_until(math.inf)
+    observed(records, delays)
     return SimResult(config=config, latency_name=getattr(latency, "name", "?"),
                      instances=instances, records=records,
                      policy=policy if router is not None else None,

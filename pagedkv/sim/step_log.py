@@ -8,7 +8,9 @@ when the engine went straight on: scheduling, the model, sampling, output proces
 whatever the loop does between steps, which is the time the simulator's clock must advance;
 else, before an idle wait, the step's own time), `cpu_seconds` (the engine thread's CPU time
 over the same span: with one compute thread, the step's work without the time other processes
-took from it on a shared machine) and `chained` (which of the two it is). Torch-free.
+took from it on a shared machine), `own_seconds` (the step alone, from its start to its outputs:
+`seconds - own_seconds` is the host gap before the next step, where the serving loop delivers
+outputs and takes new requests) and `chained` (which of the two it is). Torch-free.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pagedkv.sched.output import SchedulerOutput
 from pagedkv.sim.latency.base import StepShape
 
 _SHAPE_FIELDS = tuple(f.name for f in fields(StepShape))
+_LATER = ("prefill_past",)  # shape fields a log written before they existed lacks
 
 
 class StepLog:
@@ -31,15 +34,16 @@ class StepLog:
 
     def __init__(self, path: str | Path) -> None:
         self._out = JsonLinesWriter(path)
-        # A busy step waiting for the next one to start: (shape, wall start, CPU start).
-        self._pending: tuple[StepShape, float, float] | None = None
+        # A busy step waiting for the next one to start: (shape, wall start, CPU start, own
+        # seconds).
+        self._pending: tuple[StepShape, float, float, float] | None = None
         self._start = self._cpu_start = 0.0
 
     def step_started(self) -> None:
         now, cpu = time.perf_counter(), time.thread_time()
         if self._pending is not None:
-            shape, start, cpu_start = self._pending
-            self._write(shape, now - start, cpu - cpu_start, chained=True)
+            shape, start, cpu_start, own = self._pending
+            self._write(shape, now - start, cpu - cpu_start, own, chained=True)
             self._pending = None
         self._start, self._cpu_start = now, cpu
 
@@ -49,30 +53,32 @@ class StepLog:
         if not out.scheduled:
             return
         shape = StepShape.of(out)
+        own = time.perf_counter() - self._start
         if busy:
-            self._pending = (shape, self._start, self._cpu_start)
+            self._pending = (shape, self._start, self._cpu_start, own)
         else:
-            self._write(shape, time.perf_counter() - self._start,
-                        time.thread_time() - self._cpu_start, chained=False)
+            self._write(shape, own, time.thread_time() - self._cpu_start, own, chained=False)
 
-    def _write(self, shape: StepShape, seconds: float, cpu_seconds: float, *,
-               chained: bool) -> None:
+    def _write(self, shape: StepShape, seconds: float, cpu_seconds: float, own_seconds: float,
+               *, chained: bool) -> None:
         self._out.write({**asdict(shape), "seconds": seconds, "cpu_seconds": cpu_seconds,
-                         "chained": chained})
+                         "own_seconds": own_seconds, "chained": chained})
 
     def close(self) -> None:
         self._out.close()
 
 
-STEP_CLOCKS = ("wall", "cpu")
+# clock name -> the step log's field: the time to the next step, its CPU time, the step alone
+STEP_CLOCKS = {"wall": "seconds", "cpu": "cpu_seconds", "own": "own_seconds"}
 
 
 def read_step_log(path: str | Path, clock: str = "wall") -> tuple[list[StepShape], list[float]]:
-    """(shapes, durations) of a step log: `seconds` for clock "wall", `cpu_seconds` for "cpu".
-    ValueError naming the file and line when a line is not a step."""
+    """(shapes, durations) of a step log by `clock` (`STEP_CLOCKS`: "wall" the time to the next
+    step, "cpu" its CPU time, "own" the step alone). ValueError naming the file and line when a
+    line is not a step."""
     if clock not in STEP_CLOCKS:
-        raise ValueError(f"clock must be one of {STEP_CLOCKS}, got {clock!r}")
-    key = "seconds" if clock == "wall" else "cpu_seconds"
+        raise ValueError(f"clock must be one of {list(STEP_CLOCKS)}, got {clock!r}")
+    key = STEP_CLOCKS[clock]
     shapes, times = [], []
     text = Path(path).read_text(encoding="utf-8")
     for number, line in enumerate(text.splitlines(), 1):
@@ -80,7 +86,8 @@ def read_step_log(path: str | Path, clock: str = "wall") -> tuple[list[StepShape
             continue
         try:
             row = json.loads(line)
-            shape = StepShape(**{k: row[k] for k in _SHAPE_FIELDS})
+            shape = StepShape(**{k: row[k] for k in _SHAPE_FIELDS if k not in _LATER},
+                              **{k: row[k] for k in _LATER if k in row})
             seconds = float(row[key])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"step log {str(path)!r} line {number} is not a step: {exc}") from None

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from pagedkv.jsonl import jsonl_rows
+
 logger = logging.getLogger(__name__)
 
 MOONCAKE_BLOCK_TOKENS = 512
@@ -82,20 +84,16 @@ def prompt_token_ids(request: TraceRequest, vocab_size: int, unique_id: int) -> 
 def read_mooncake(path: str | Path) -> list[TraceRequest]:
     """Mooncake FAST'25 JSONL: timestamp (ms), input_length, output_length, hash_ids."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                out.append(TraceRequest(
-                    arrival=float(row["timestamp"]) / 1000.0,
-                    input_length=int(row["input_length"]),
-                    output_length=int(row["output_length"]),
-                    block_ids=tuple(int(h) for h in row.get("hash_ids", ())),
-                    session=row.get("session_id")))
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"{path}:{line_no}: not a Mooncake trace row: {exc}") from None
+    for line_no, row in jsonl_rows(path):
+        try:
+            out.append(TraceRequest(
+                arrival=float(row["timestamp"]) / 1000.0,
+                input_length=int(row["input_length"]),
+                output_length=int(row["output_length"]),
+                block_ids=tuple(int(h) for h in row.get("hash_ids", ())),
+                session=row.get("session_id")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}:{line_no}: not a Mooncake trace row: {exc}") from None
     return out
 
 
@@ -129,20 +127,16 @@ def read_request_log(path: str | Path) -> list[TraceRequest]:
     first appearance: chained hashes, so equal ids mean an equal prefix."""
     ids: dict[str, int] = {}
     out = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                hashes = row.get("prefix_block_hashes", [])
-                block_ids = tuple(ids.setdefault(h, len(ids)) for h in hashes)
-                out.append(TraceRequest(
-                    arrival=float(row["arrival"]), input_length=int(row["prompt_tokens"]),
-                    output_length=max(int(row["output_tokens"]), 1), block_ids=block_ids,
-                    block_tokens=int(row.get("block_size", 16))))
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"{path}:{line_no}: not a pagedkv request-log row: {exc}") from None
+    for line_no, row in jsonl_rows(path):
+        try:
+            hashes = row.get("prefix_block_hashes", [])
+            block_ids = tuple(ids.setdefault(h, len(ids)) for h in hashes)
+            out.append(TraceRequest(
+                arrival=float(row["arrival"]), input_length=int(row["prompt_tokens"]),
+                output_length=max(int(row["output_tokens"]), 1), block_ids=block_ids,
+                block_tokens=int(row.get("block_size", 16))))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}:{line_no}: not a pagedkv request-log row: {exc}") from None
     if out:
         start = min(r.arrival for r in out)
         out = sorted((_shift(r, start) for r in out), key=lambda r: r.arrival)

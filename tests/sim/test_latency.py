@@ -48,6 +48,57 @@ def test_fit_recovers_coefficients_and_round_trips(tmp_path):
     assert [loaded.step_time(s) for s in shapes] == pytest.approx(times, rel=1e-9)
 
 
+def test_calibrate_recovers_the_serving_costs_around_a_profile(tmp_path, capsys):
+    from pagedkv.cli import main
+    from pagedkv.sim.latency.calibrate import calibrate
+
+    profiled = FittedLatency({"intercept": 2e-3, "prefill_tokens": 5e-5, "decode_seqs": 3e-4,
+                              "decode_context": 2e-8}, {"clock": "cpu"})
+    shapes = _shapes()
+    # the server: 2.5x the profiled work, 4 ms a step and 0.2 ms a request around it
+    times = [2.5 * profiled.step_time(s) + 4e-3 + 2e-4 * (s.decode_seqs + s.prefill_seqs)
+             for s in shapes]
+    served = calibrate(profiled, shapes, times)
+    cal = served.meta["calibration"]
+    assert cal["share"] == pytest.approx(2.5) and cal["per_step"] == pytest.approx(4e-3)
+    assert cal["per_request"] == pytest.approx(2e-4) and cal["total_ratio"] == pytest.approx(1)
+    assert [served.step_time(s) for s in shapes] == pytest.approx(times)
+    assert served.meta["clock"] == "cpu"  # the profile's meta is kept
+    # a server faster than its profile by a fixed amount: no negative gap, the share absorbs it
+    faster = calibrate(profiled, shapes, [profiled.step_time(s) * 0.9 for s in shapes])
+    assert faster.meta["calibration"]["per_step"] == 0.0
+    assert faster.meta["calibration"]["share"] == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="at least 3"):
+        calibrate(profiled, shapes[:2], times[:2])
+    # the CLI: --fit-from STEP_LOG --calibrate PROFILE
+    profile_path, log, out = tmp_path / "p.json", tmp_path / "steps.jsonl", tmp_path / "c.json"
+    profiled.save(profile_path)
+    log.write_text("".join(json.dumps({**s.__dict__, "seconds": t, "cpu_seconds": t,
+                                       "own_seconds": t, "chained": True}) + "\n"
+                           for s, t in zip(shapes, times, strict=True)))
+    assert main(["profile", "--fit-from", str(log), "--calibrate", str(profile_path),
+                 "--out", str(out)]) == 0
+    assert "2.500x the profile + 4.000 ms a step + 0.2000 ms a request" in \
+        capsys.readouterr().out
+    assert FittedLatency.load(out).step_time(shapes[5]) == pytest.approx(times[5])
+
+
+def test_relative_fit_keeps_short_steps_right_on_a_grid():
+    # A cost the features cannot express exactly (prefill superlinear beyond attention): the
+    # default weighting lets the few long steps pull the short ones off; relative weighting
+    # (the profile's grid) bounds every step's relative error.
+    shapes = _shapes()
+    times = [3e-3 + 2e-4 * s.decode_seqs + 1e-4 * s.prefill_tokens ** 1.15 for s in shapes]
+
+    def worst(fitted):
+        return max(abs(fitted.step_time(s) - t) / t for s, t in zip(shapes, times, strict=True))
+
+    default, relative = FittedLatency.fit(shapes, times), \
+        FittedLatency.fit(shapes, times, relative=True)
+    assert worst(relative) < worst(default)
+    assert relative.meta["max_rel_error"] == pytest.approx(worst(relative))
+
+
 def test_fit_keeps_coefficients_non_negative():
     shapes = _shapes()
     rng = random.Random(1)
@@ -142,11 +193,18 @@ def test_engine_step_log_and_fit_from(tiny_llama, tmp_path, capsys):
     assert sum(s.decode_seqs for s in shapes) == 2 * 4  # 5 tokens: the first from the prefill
     assert shapes[0] == StepShape(prefill_tokens=32, prefill_seqs=1,
                                   prefill_attention=32 * 33 / 2)
+    # a's second chunk (8 tokens at position 32) attends to the 32 cached before it
+    assert sum(s.prefill_past for s in shapes) == 8 * 32
     assert all(t > 0 for t in times) and all(c >= 0 for c in cpu)
+    _, own = read_step_log(log, "own")  # the step alone: the host gap after it is the rest
+    assert all(0 < o <= t for o, t in zip(own, times, strict=True))
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["chained"] for r in rows] == [True] * (len(rows) - 1) + [False]
     with pytest.raises(ValueError, match="clock"):
         read_step_log(log, "gpu")
+    old = tmp_path / "old.jsonl"  # a log from before prefill_past: read as 0
+    old.write_text(json.dumps({k: v for k, v in rows[0].items() if k != "prefill_past"}) + "\n")
+    assert read_step_log(old)[0][0].prefill_past == 0 == rows[0]["prefill_past"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prefill_tokens": 1}\n')
     with pytest.raises(ValueError, match="line 1"):
@@ -160,6 +218,22 @@ def test_engine_step_log_and_fit_from(tiny_llama, tmp_path, capsys):
     assert "steps, mean error" in capsys.readouterr().out
     assert main(["profile", str(tiny_llama), "--fit-from", str(log)]) != 0
     assert "not both" in capsys.readouterr().err
+    # With the same run's request log, the frontend's delays are fitted too (medians).
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(
+        '{"submitted": 0.002, "ttft": 0.05, "engine_first_token": 0.049, "e2e": 0.2, '
+        '"engine_last_token": 0.196}\n'
+        '{"submitted": 0.004, "ttft": 0.07, "engine_first_token": 0.067, "e2e": 0.3, '
+        '"engine_last_token": 0.294}\n')
+    assert main(["profile", "--fit-from", str(log), "--request-log", str(requests),
+                 "--out", str(out)]) == 0
+    assert "frontend delays: admit 3.00 ms, output 2.00 ms, finish 5.00 ms" in \
+        capsys.readouterr().out
+    delays = FittedLatency.load(out).frontend
+    assert delays.admit == pytest.approx(0.003) and delays.output == pytest.approx(0.002)
+    assert delays.finish == pytest.approx(0.005)
+    assert main(["profile", str(tiny_llama), "--request-log", str(requests)]) != 0
+    assert "--request-log goes with --fit-from" in capsys.readouterr().err
 
 
 def test_step_shape_counts_the_blocks_saved_to_the_store():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 
 from pagedkv.kv.hashing import RequestBlockHasher
 from pagedkv.sim.traces import load_trace, prompt_token_ids
@@ -40,6 +41,13 @@ def test_request_log_is_a_replayable_trace(tiny_llama, tmp_path):
         assert row["block_size"] == 4 and row["finish_reason"] == "length"
         assert row["prefix_block_hashes"] == [h.hex() for h in hasher(P, [])]
         assert 0 <= row["queue_time"] <= row["ttft"] <= row["e2e"] and row["tpot"] > 0
+        # the request's timeline, from the handler's start: queued for the engine loop, taken
+        # by it, scheduled, its first token made by the engine, then seen by the server
+        assert 0 <= row["submitted"] <= row["added"] <= row["first_scheduled"] \
+            <= row["engine_first_token"] <= row["ttft"]
+        assert row["engine_first_token"] < row["engine_last_token"] <= row["e2e"]
+        assert row["first_scheduled"] - row["added"] == pytest.approx(row["queue_time"])
+        assert row["request_id"].startswith("cmpl-") and row["request_id"].endswith("-0")
     assert rows[0]["cached_tokens"] == 0 and rows[1]["cached_tokens"] == 32
     assert rows[0]["arrival"] < rows[1]["arrival"] < rows[2]["arrival"]
 

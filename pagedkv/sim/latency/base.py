@@ -20,6 +20,9 @@ class StepShape:
 
     `prefill_tokens`: tokens of chunks longer than one token (prompt chunks, recompute);
     `prefill_attention`: sum over those chunks of tokens x mean context (attention work);
+    `prefill_past`: the part of it against KV already cached before the chunk (tokens x start
+    position: a later chunk of a long prompt, a prefix hit), which takes another attention
+    path than the chunk's own causal part;
     `decode_seqs` / `decode_context`: one-token chunks and the sum of their context lengths;
     `swapped_blocks`: blocks copied between device and host; `saved_blocks`: full blocks
     copied out to the KV store (its connector metadata's `num_saves`).
@@ -32,11 +35,12 @@ class StepShape:
     decode_context: int = 0
     swapped_blocks: int = 0
     saved_blocks: int = 0
+    prefill_past: float = 0.0
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> StepShape:
         prefill_tokens = prefill_seqs = decode_seqs = decode_context = 0
-        prefill_attention = 0.0
+        prefill_attention = prefill_past = 0.0
         for s in out.scheduled:
             n = len(s.token_ids)
             if n == 1:
@@ -46,10 +50,11 @@ class StepShape:
                 prefill_seqs += 1
                 prefill_tokens += n
                 prefill_attention += n * (s.start_pos + (n + 1) / 2)
+                prefill_past += n * s.start_pos
         meta = out.kv_connector_metadata
         return cls(prefill_tokens, prefill_seqs, prefill_attention, decode_seqs, decode_context,
                    len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in),
-                   meta.num_saves if meta is not None else 0)
+                   meta.num_saves if meta is not None else 0, prefill_past)
 
     @property
     def num_tokens(self) -> int:
@@ -59,11 +64,12 @@ class StepShape:
         """The fitted model's regressors, in `FEATURE_NAMES` order."""
         return [1.0, float(self.prefill_tokens), float(self.prefill_seqs), self.prefill_attention,
                 float(self.decode_seqs), float(self.decode_context), float(self.swapped_blocks),
-                float(self.saved_blocks)]
+                float(self.saved_blocks), self.prefill_past]
 
 
 FEATURE_NAMES = ("intercept", "prefill_tokens", "prefill_seqs", "prefill_attention",
-                 "decode_seqs", "decode_context", "swapped_blocks", "saved_blocks")
+                 "decode_seqs", "decode_context", "swapped_blocks", "saved_blocks",
+                 "prefill_past")
 
 
 class LatencyModel(Protocol):
