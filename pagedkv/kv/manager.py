@@ -30,6 +30,7 @@ from typing import Any
 
 from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.block_pool import BlockPool, host_pool_num_blocks
+from pagedkv.kv.block_table import BlockIdTable, BlockList
 from pagedkv.kv.events import KVCacheEvent
 from pagedkv.kv.eviction_log import EvictionLog
 from pagedkv.kv.hashing import BlockHash, RequestBlockHasher, group_key_suffix
@@ -482,7 +483,7 @@ class KVCacheManager(SwapMixin):
         if child.request_id in self._reqs:
             raise ValueError(f"cannot fork into {child.request_id!r}: it already has state")
         cstate = self._reqs[child.request_id] = RequestBlocks()
-        cstate.blocks = list(pstate.blocks)
+        cstate.blocks = BlockList(pstate.blocks)
         cstate.block_hashes = list(pstate.block_hashes)
         cstate.num_cached_blocks = pstate.num_cached_blocks
         self.pool.touch([b for b in cstate.blocks if not b.is_null])
@@ -511,6 +512,12 @@ class KVCacheManager(SwapMixin):
         """Device block ids of the request's table; null blocks appear as 0."""
         state = self._reqs.get(request_id)
         return [b.block_id for b in state.blocks] if state is not None else []
+
+    def sync_block_ids(self, request_id: str, table: BlockIdTable) -> list[int]:
+        """`get_block_ids`, kept in `table` (mutated; its list is returned): O(blocks
+        appended since `table` last synced with this request's table), see block_table.py."""
+        state = self._reqs.get(request_id)
+        return table.sync(state.blocks if state is not None else [])
 
     def held_copy_sources(self) -> list[KVCacheBlock]:
         """Cached blocks held (one reference each) until the runner has copied them into a

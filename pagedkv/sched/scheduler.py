@@ -418,7 +418,8 @@ class Scheduler:
         else:
             scheduled.token_ids = token_ids
             scheduled.start_pos = start
-        scheduled.block_table = kv.get_block_ids(request.request_id)
+        scheduled.block_table = kv.sync_block_ids(request.request_id,
+                                                   request.block_id_tables[self._slot])
         scheduled.num_samples = num_samples
         scheduled.banned_token_ids = self._banned(request, num_outputs) if num_samples and (
             num_outputs < request.sampling_params.min_tokens or request.bad_words_token_ids) else ()
@@ -484,18 +485,25 @@ class Scheduler:
         self.ended_in_schedule = []
         self._unapplied = [u for u in self._unapplied if u[0] is not out]
         kv = self.kv_cache_manager
-        caching = kv.enable_caching
+        caching, bs = kv.enable_caching, self.block_size
         sampled, logprobs_of = result.sampled_token_ids, result.logprobs
         prompt_logprobs_of = result.prompt_logprobs
+        requests = self.requests
         for scheduled in out.scheduled:
-            request = self.requests.get(scheduled.request_id)
-            if request is None or not self._owns(request, scheduled):  # ended while it ran
+            request = requests.get(scheduled.request_id)
+            if request is None:  # ended while it ran
                 continue
+            slots = request.scheduled_slots  # (`_owns`, inlined: once per request per step)
+            if slots[0] is not scheduled and slots[1] is not scheduled:
+                continue  # an ended request's, whose id a new request took
             num_new = len(scheduled.token_ids)
             request.num_tokens_ahead -= num_new
-            request.num_computed_tokens += num_new
-            if caching:
-                kv.cache_blocks(request, request.num_computed_tokens)
+            computed = request.num_computed_tokens + num_new
+            request.num_computed_tokens = computed
+            # Only a step that fills a block has a block to cache (the ones before were
+            # cached by the step that filled them): most decode steps skip the call.
+            if caching and (computed - num_new) // bs != computed // bs:
+                kv.cache_blocks(request, computed)
             if prompt_logprobs_of:
                 prompt_logprobs = prompt_logprobs_of.get(request.request_id)
                 if prompt_logprobs is not None:  # a recompute overwrites what it computes again
