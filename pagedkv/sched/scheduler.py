@@ -399,33 +399,33 @@ class Scheduler:
         all_tokens = request.all_token_ids
         num_outputs = len(request.output_token_ids) + request.num_placeholders
         num_samples = 0
+        params = request.sampling_params
         if start + num_new == len(all_tokens) + request.num_placeholders:  # reaches the end
             first_sample = num_outputs == 0 and request.parent_id is None
-            num_samples = request.sampling_params.n if first_sample else 1
+            num_samples = params.n if first_sample else 1
         token_ids = all_tokens[start:start + num_new]
         if len(token_ids) < num_new:  # tokens the running step samples: filled in later
             token_ids += [PLACEHOLDER_TOKEN_ID] * (num_new - len(token_ids))
         prompt_logprob_rows = 0
-        if request.sampling_params.prompt_logprobs is not None:
+        if params.prompt_logprobs is not None:
             prompt_logprob_rows = max(min(start + num_new, request.num_prompt_tokens - 1) - start, 0)
-        kv = self.kv_cache_manager
-        scheduled = request.scheduled_slots[self._slot]
+        kv, slot, request_id = self.kv_cache_manager, self._slot, request.request_id
+        scheduled = request.scheduled_slots[slot]
         if scheduled is None:
-            scheduled = request.scheduled_slots[self._slot] = ScheduledRequest(
-                request.request_id, token_ids, start, [], request.sampling_params,
+            scheduled = request.scheduled_slots[slot] = ScheduledRequest(
+                request_id, token_ids, start, [], params,
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids, sample_index=request.sample_index)
         else:
             scheduled.token_ids = token_ids
             scheduled.start_pos = start
-        scheduled.block_table = kv.sync_block_ids(request.request_id,
-                                                   request.block_id_tables[self._slot])
+        scheduled.block_table = kv.sync_block_ids(request_id, request.block_id_tables[slot])
         scheduled.num_samples = num_samples
         scheduled.banned_token_ids = self._banned(request, num_outputs) if num_samples and (
-            num_outputs < request.sampling_params.min_tokens or request.bad_words_token_ids) else ()
+            num_outputs < params.min_tokens or request.bad_words_token_ids) else ()
         scheduled.num_prompt_logprob_rows = prompt_logprob_rows
         scheduled.grammar = request.structured_output if num_samples else None
-        scheduled.group_block_tables = kv.get_group_block_ids(request.request_id)
+        scheduled.group_block_tables = kv.get_group_block_ids(request_id)
         out.scheduled.append(scheduled)
         out.total_num_scheduled_tokens += num_new
         request.num_tokens_ahead += num_new
