@@ -29,7 +29,9 @@
    workload twice on one new `LLM` (the --vs-vllm settings, no warm-up run), with the engine's
    start-up warm-up (pagedkv/engine/warmup.py) and its thread governor counting a long step
    as work, and, as the baseline in the same run, without both (a fresh process each). Prints
-   both runs' tok/s and the first / second ratio.
+   both runs' tok/s and the first / second ratio, and the process's CPU seconds of each run
+   (the work done, which other processes' load on a shared machine does not change as much
+   as the wall time; with --threads 1 no thread count varies either).
 
 transformers is a test dependency: install with `pip install -e '.[dev]'` (make test does).
 """
@@ -174,11 +176,12 @@ def pagedkv_worker(spec: dict) -> None:
         prompts = [{"prompt_token_ids": p} for p, _ in requests]
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
         llm.llm_engine.scheduler.kv_cache_manager.reset_prefix_cache()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
+        elapsed, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
         gov = llm.llm_engine.runner.thread_governor
-        return dict(seconds=elapsed, tokens=[list(o.outputs[0].token_ids) for o in outputs],
+        return dict(seconds=elapsed, cpu_seconds=cpu_s,
+                    tokens=[list(o.outputs[0].token_ids) for o in outputs],
                     threads=torch.get_num_threads(),
                     others_cores=None if gov is None else round(gov.others_cores, 2))
 
@@ -315,15 +318,18 @@ def first_run(args: argparse.Namespace, base: Path) -> dict:
             side = Side("pagedkv", [sys.executable, str(here), "--worker", spec], dict(os.environ))
             ready_s = time.perf_counter() - start
             try:
-                runs = [side.run("mixed")["tokens_per_s"] for _ in range(2)]
+                results = [side.run("mixed") for _ in range(2)]
             finally:
                 side.close()
+            runs = [r["tokens_per_s"] for r in results]
+            cpu = [r["cpu_seconds"] for r in results]
             label = "with warm-up" if warm else "without (before)"
             print(f"[{dtype}] {label}: ready in {ready_s:.1f} s; first run {runs[0]:,.0f} tok/s, "
-                  f"second {runs[1]:,.0f} tok/s: first / second {runs[0] / runs[1]:.2f}",
-                  flush=True)
+                  f"second {runs[1]:,.0f} tok/s: first / second {runs[0] / runs[1]:.2f}; "
+                  f"CPU seconds {cpu[0]:.2f} / {cpu[1]:.2f}: second / first "
+                  f"{cpu[1] / cpu[0]:.2f}", flush=True)
             report["rows"].append(dict(dtype=dtype, engine_warmup=warm, ready_s=ready_s,
-                                       tokens_per_s=runs))
+                                       tokens_per_s=runs, cpu_seconds=cpu))
     report["load_end"] = os.getloadavg()
     print(f"load average at start {report['load_start'][0]:.2f}, at end "
           f"{report['load_end'][0]:.2f}")

@@ -34,7 +34,7 @@ from pagedkv.events.publisher import make_event_publisher, to_wire_events
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.pins import PinInfo
 from pagedkv.sched.output import ModelRunnerOutput, SchedulerOutput
-from pagedkv.sched.request import Request, RequestStatus
+from pagedkv.sched.request import FINISHED_STATUSES, Request, RequestStatus
 from pagedkv.sched.scheduler import Scheduler, SchedulerConfig
 from pagedkv.sched.validation import check_cache_salt
 from pagedkv.store.factory import attach_kv_store
@@ -300,22 +300,24 @@ class EngineCore:
             sent = request.num_output_reported
             tokens = request.output_token_ids
             new = tokens[sent:]
-            request.num_output_reported = len(tokens)
-            generated += len(new)
-            out = CoreOutput(request.request_id, new,
-                             num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_tokens = len(tokens)
+            request.num_output_reported = num_tokens
+            generated += num_tokens - sent
+            cached = request.num_cached_tokens
+            out = CoreOutput(request.request_id, new, num_cached_tokens=cached if cached > 0 else 0,
                              num_preemptions=request.num_preemptions,
                              parent_id=request.parent_id, sample_index=request.sample_index)
-            if request.sampling_params.logprobs is not None:
+            params = request.sampling_params
+            if params.logprobs is not None:
                 out.new_logprobs = request.output_logprobs[sent:]
-            if request.first_scheduled_time is not None and not request.reported_scheduled:
+            if not request.reported_scheduled and request.first_scheduled_time is not None:
                 out.first_scheduled_time = request.first_scheduled_time
                 request.reported_scheduled = True
-            if (request.sampling_params.prompt_logprobs is not None and request.sample_index == 0
+            if (params.prompt_logprobs is not None and request.sample_index == 0
                     and len(request.prompt_logprobs) != request.num_prompt_logprobs_reported):
                 out.prompt_logprobs = list(request.prompt_logprobs)
                 request.num_prompt_logprobs_reported = len(request.prompt_logprobs)
-            if request.is_finished:
+            if request.status in FINISHED_STATUSES:
                 out.finish_reason = request.status.value
                 out.stop_reason = request.stop_reason
                 if request.status == RequestStatus.FINISHED_ERROR:

@@ -80,6 +80,9 @@ class IncrementalDetokenizer:
             self._ids = self._ids[self._prefix_offset:]
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
+        if not self.stop:
+            self.text += delta
+            return None
         return self._append(delta)
 
     def _decode_new(self) -> str | None:

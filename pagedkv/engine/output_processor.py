@@ -34,8 +34,10 @@ class _Group:
     last_token_time: float | None = None
     first_scheduled_time: float | None = None
     num_preemptions: int = 0  # the most any of its samples was preempted
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # replaced, never mutated
     num_finished: int = 0
+    # The outputs' metrics while none of their values changes (shared: never mutated).
+    metrics: dict[str, float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -49,17 +51,24 @@ class _Group:
         return self.num_finished == self.params.n
 
     def output(self) -> RequestOutput:
+        """A snapshot of the group's outputs so far (its lists copied or never mutated)."""
         completions = self.completions
-        outputs = [_snapshot(completions[i]) for i in sorted(completions)] \
-            if len(completions) > 1 else [_snapshot(c) for c in completions.values()]
-        return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
-            self.num_cached_tokens, self.error,
-            {"arrival_time": self.arrival_time, "first_token_time": self.first_token_time or 0.0,
-             "last_token_time": self.last_token_time or 0.0,
-             "first_scheduled_time": self.first_scheduled_time or 0.0,
-             "num_preemptions": float(self.num_preemptions)},
-            None if self.prompt_logprobs is None else list(self.prompt_logprobs))
+        if len(completions) == 1:
+            (only,) = completions.values()
+            outputs = [_snapshot(only)]
+        else:
+            outputs = [_snapshot(completions[i]) for i in sorted(completions)]
+        metrics = self.metrics
+        if metrics is None:
+            metrics = self.metrics = {
+                "arrival_time": self.arrival_time, "first_token_time": self.first_token_time or 0.0,
+                "first_scheduled_time": self.first_scheduled_time or 0.0,
+                "num_preemptions": float(self.num_preemptions)}
+        if self.finished:  # when the last token came: the request log's engine_last_token
+            metrics = {**metrics, "last_token_time": self.last_token_time or 0.0}
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
+                             self.finished, self.num_cached_tokens, self.error, metrics,
+                             self.prompt_logprobs)
 
 
 def _add_logprobs(completion: CompletionOutput, new_tokens: list[int],
@@ -141,8 +150,10 @@ class OutputProcessor:
         group.num_cached_tokens = out.num_cached_tokens
         if out.num_preemptions > group.num_preemptions:
             group.num_preemptions = out.num_preemptions
+            group.metrics = None
         if out.first_scheduled_time is not None and group.first_scheduled_time is None:
             group.first_scheduled_time = out.first_scheduled_time
+            group.metrics = None
         if out.prompt_logprobs is not None:
             group.prompt_logprobs = [None, *out.prompt_logprobs]
         if out.error is not None:
@@ -153,6 +164,7 @@ class OutputProcessor:
         if new_tokens:
             if group.first_token_time is None:
                 group.first_token_time = now
+                group.metrics = None
             group.last_token_time = now
             completion.token_ids += new_tokens
             if completion.logprobs is not None and out.new_logprobs:

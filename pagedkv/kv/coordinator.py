@@ -32,6 +32,7 @@ from typing import Any
 
 from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.block_pool import BlockPool, host_pool_num_blocks
+from pagedkv.kv.block_table import BlockIdTable
 from pagedkv.kv.events import KVCacheEvent
 from pagedkv.kv.hashing import BlockHash, group_key_suffix
 from pagedkv.kv.hit_rule import longest_servable_prefix, window_blocks
@@ -314,6 +315,9 @@ class HybridKVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.groups[0].get_block_ids(request_id)
+
+    def sync_block_ids(self, request_id: str, table: BlockIdTable) -> list[int]:
+        return self.groups[0].sync_block_ids(request_id, table)
 
     def get_group_block_ids(self, request_id: str) -> list[list[int]]:
         """Every group's device block ids, in group order (null blocks as 0)."""

@@ -30,6 +30,7 @@ from typing import Any
 
 from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.block_pool import BlockPool, host_pool_num_blocks
+from pagedkv.kv.block_table import BlockIdTable, BlockList
 from pagedkv.kv.events import KVCacheEvent
 from pagedkv.kv.eviction_log import EvictionLog
 from pagedkv.kv.hashing import BlockHash, RequestBlockHasher, group_key_suffix
@@ -259,6 +260,37 @@ class KVCacheManager(SwapMixin):
         start = request.num_computed_tokens + num_new_computed_tokens  # first position written
         end = start + num_new_tokens
         num_old = len(blocks)
+        if (num_new_tokens and not num_new_computed_tokens and state.partial_src is None
+                and self._remove_skipped_blocks is None
+                and start // bs == (end - 1) // bs == num_old - 1 and blocks[-1].ref_cnt == 1):
+            # The common decode step: its tokens land in the last block, which this request
+            # alone holds: nothing to take, copy, release or free (what `_allocate` finds).
+            new_blocks: list[KVCacheBlock] = []
+        else:
+            allocated = self._allocate(request, state, num_new_tokens, new_computed_blocks,
+                                       num_new_computed_tokens, apply_watermark,
+                                       num_tokens_ahead)
+            if allocated is None:
+                return None
+            new_blocks = allocated
+        if self.enable_caching and not delay_cache_blocks:
+            num_tokens = request.num_tokens
+            if end > num_tokens:
+                end = num_tokens
+            if end // bs > state.num_cached_blocks:
+                self._cache_blocks(request, state, end)
+        return new_blocks
+
+    def _allocate(self, request: KVRequest, state: RequestBlocks, num_new_tokens: int,
+                  new_computed_blocks: list[KVCacheBlock] | None, num_new_computed_tokens: int,
+                  apply_watermark: bool, num_tokens_ahead: int) -> list[KVCacheBlock] | None:
+        """`allocate_slots`' general path, up to caching: mutates `state` and the pool; None
+        (and only the window's skipped blocks freed) when the blocks are short."""
+        blocks = state.blocks
+        bs = self.block_size
+        start = request.num_computed_tokens + num_new_computed_tokens  # first position written
+        end = start + num_new_tokens
+        num_old = len(blocks)
         if state.partial_src is not None:  # the runner has copied it by now
             self.pool.free_blocks([state.partial_src])
             state.partial_src = None
@@ -330,12 +362,6 @@ class KVCacheManager(SwapMixin):
                 remove_skipped(pool, blocks, start)
         else:
             new_blocks = []
-        if self.enable_caching and not delay_cache_blocks:
-            num_tokens = request.num_tokens
-            if end > num_tokens:
-                end = num_tokens
-            if end // bs > state.num_cached_blocks:
-                self._cache_blocks(request, state, end)
         return new_blocks
 
     def trim_blocks(self, request: KVRequest, num_tokens: int) -> None:
@@ -482,7 +508,7 @@ class KVCacheManager(SwapMixin):
         if child.request_id in self._reqs:
             raise ValueError(f"cannot fork into {child.request_id!r}: it already has state")
         cstate = self._reqs[child.request_id] = RequestBlocks()
-        cstate.blocks = list(pstate.blocks)
+        cstate.blocks = BlockList(pstate.blocks)
         cstate.block_hashes = list(pstate.block_hashes)
         cstate.num_cached_blocks = pstate.num_cached_blocks
         self.pool.touch([b for b in cstate.blocks if not b.is_null])
@@ -511,6 +537,12 @@ class KVCacheManager(SwapMixin):
         """Device block ids of the request's table; null blocks appear as 0."""
         state = self._reqs.get(request_id)
         return [b.block_id for b in state.blocks] if state is not None else []
+
+    def sync_block_ids(self, request_id: str, table: BlockIdTable) -> list[int]:
+        """`get_block_ids`, kept in `table` (mutated; its list is returned): O(blocks
+        appended since `table` last synced with this request's table), see block_table.py."""
+        state = self._reqs.get(request_id)
+        return table.sync(state.blocks if state is not None else [])
 
     def held_copy_sources(self) -> list[KVCacheBlock]:
         """Cached blocks held (one reference each) until the runner has copied them into a

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from pagedkv.kv.block import KVCacheBlock
+from pagedkv.kv.block_table import BlockList
 from pagedkv.kv.hashing import BlockHash
 
 
@@ -68,7 +69,7 @@ class RequestBlocks:
     __slots__ = ("blocks", "block_hashes", "num_cached_blocks", "host_blocks", "partial_src")
 
     def __init__(self) -> None:
-        self.blocks: list[KVCacheBlock] = []
+        self.blocks: BlockList = BlockList()  # counts its rewrites (block_table.py)
         self.block_hashes: list[BlockHash] = []
         # Leading blocks already offered to the prefix cache (cache_full_blocks done for them).
         self.num_cached_blocks = 0

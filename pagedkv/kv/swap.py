@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagedkv.kv.block import KVCacheBlock
+from pagedkv.kv.block_table import BlockList
 from pagedkv.kv.request_blocks import KVRequest, RequestBlocks
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ class SwapMixin:
         mapping = [(d.block_id, h.block_id) for d, h in zip(live, host_new, strict=True)]
         self.pool.free_blocks(reversed(live))
         state.host_blocks = host_table
-        state.blocks = []
+        state.blocks = BlockList()
         state.num_cached_blocks = 0
         return mapping
 
@@ -142,7 +143,7 @@ class SwapMixin:
                 table.append(d)
                 mapping.append((h.block_id, d.block_id))
         self.host_pool.free_blocks([b for b in reversed(host) if not b.is_null])
-        state.blocks = table
+        state.blocks = BlockList(table)
         state.host_blocks = None
         state.num_cached_blocks = 0
         if self.enable_caching:

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagedkv.kv.block_table import BlockIdTable
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.structured.grammar import StructuredOutputGrammar
 
@@ -37,11 +38,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        return self in FINISHED_STATUSES
 
 
 # A tuple: `in` compares enum members by identity in C (a frozenset would hash them in Python).
-_FINISHED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+FINISHED_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
              RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
@@ -96,6 +97,8 @@ class Request:
         self.num_placeholders = 0
         # The two ScheduledRequests the scheduler reuses in turn for this request.
         self.scheduled_slots: list = [None, None]
+        # Their block ids, each kept up to date incrementally (kv/block_table.py).
+        self.block_id_tables = (BlockIdTable(), BlockIdTable())
 
     @property
     def num_tokens(self) -> int:
@@ -107,7 +110,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status in _FINISHED
+        return self.status in FINISHED_STATUSES
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -399,32 +399,33 @@ class Scheduler:
         all_tokens = request.all_token_ids
         num_outputs = len(request.output_token_ids) + request.num_placeholders
         num_samples = 0
+        params = request.sampling_params
         if start + num_new == len(all_tokens) + request.num_placeholders:  # reaches the end
             first_sample = num_outputs == 0 and request.parent_id is None
-            num_samples = request.sampling_params.n if first_sample else 1
+            num_samples = params.n if first_sample else 1
         token_ids = all_tokens[start:start + num_new]
         if len(token_ids) < num_new:  # tokens the running step samples: filled in later
             token_ids += [PLACEHOLDER_TOKEN_ID] * (num_new - len(token_ids))
         prompt_logprob_rows = 0
-        if request.sampling_params.prompt_logprobs is not None:
+        if params.prompt_logprobs is not None:
             prompt_logprob_rows = max(min(start + num_new, request.num_prompt_tokens - 1) - start, 0)
-        kv = self.kv_cache_manager
-        scheduled = request.scheduled_slots[self._slot]
+        kv, slot, request_id = self.kv_cache_manager, self._slot, request.request_id
+        scheduled = request.scheduled_slots[slot]
         if scheduled is None:
-            scheduled = request.scheduled_slots[self._slot] = ScheduledRequest(
-                request.request_id, token_ids, start, [], request.sampling_params,
+            scheduled = request.scheduled_slots[slot] = ScheduledRequest(
+                request_id, token_ids, start, [], params,
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids, sample_index=request.sample_index)
         else:
             scheduled.token_ids = token_ids
             scheduled.start_pos = start
-        scheduled.block_table = kv.get_block_ids(request.request_id)
+        scheduled.block_table = kv.sync_block_ids(request_id, request.block_id_tables[slot])
         scheduled.num_samples = num_samples
         scheduled.banned_token_ids = self._banned(request, num_outputs) if num_samples and (
-            num_outputs < request.sampling_params.min_tokens or request.bad_words_token_ids) else ()
+            num_outputs < params.min_tokens or request.bad_words_token_ids) else ()
         scheduled.num_prompt_logprob_rows = prompt_logprob_rows
         scheduled.grammar = request.structured_output if num_samples else None
-        scheduled.group_block_tables = kv.get_group_block_ids(request.request_id)
+        scheduled.group_block_tables = kv.get_group_block_ids(request_id)
         out.scheduled.append(scheduled)
         out.total_num_scheduled_tokens += num_new
         request.num_tokens_ahead += num_new
@@ -484,18 +485,25 @@ class Scheduler:
         self.ended_in_schedule = []
         self._unapplied = [u for u in self._unapplied if u[0] is not out]
         kv = self.kv_cache_manager
-        caching = kv.enable_caching
+        caching, bs = kv.enable_caching, self.block_size
         sampled, logprobs_of = result.sampled_token_ids, result.logprobs
         prompt_logprobs_of = result.prompt_logprobs
+        requests = self.requests
         for scheduled in out.scheduled:
-            request = self.requests.get(scheduled.request_id)
-            if request is None or not self._owns(request, scheduled):  # ended while it ran
+            request = requests.get(scheduled.request_id)
+            if request is None:  # ended while it ran
                 continue
+            slots = request.scheduled_slots  # (`_owns`, inlined: once per request per step)
+            if slots[0] is not scheduled and slots[1] is not scheduled:
+                continue  # an ended request's, whose id a new request took
             num_new = len(scheduled.token_ids)
             request.num_tokens_ahead -= num_new
-            request.num_computed_tokens += num_new
-            if caching:
-                kv.cache_blocks(request, request.num_computed_tokens)
+            computed = request.num_computed_tokens + num_new
+            request.num_computed_tokens = computed
+            # Only a step that fills a block has a block to cache (the ones before were
+            # cached by the step that filled them): most decode steps skip the call.
+            if caching and (computed - num_new) // bs != computed // bs:
+                kv.cache_blocks(request, computed)
             if prompt_logprobs_of:
                 prompt_logprobs = prompt_logprobs_of.get(request.request_id)
                 if prompt_logprobs is not None:  # a recompute overwrites what it computes again

@@ -8,6 +8,7 @@ import pytest
 
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.sched import Request, RequestStatus, SamplingParams
+from pagedkv.sched.output import ModelRunnerOutput
 from pagedkv.sched.request import child_request_id
 from pagedkv.sched.scheduler import Scheduler, SchedulerConfig
 from tests.sched.fake_runner import FakeRunner, reference_continuation
@@ -202,3 +203,23 @@ def test_prefix_deferral_is_off_without_prefix_caching():
     sched, finished = run(requests, block_size=4, max_num_batched_tokens=512, enable_caching=False)
     assert_reference(requests, finished)
     assert all(r.num_cached_tokens == 0 for r in requests)
+
+
+def test_scheduled_block_ids_are_kept_in_place_per_slot():
+    """Each of a request's two ScheduledRequests keeps one block-id list, brought up to date
+    each time it is scheduled (kv/block_table.py), equal to the manager's table."""
+    kv = KVCacheManager(num_blocks=64, block_size=4, watermark=0.0)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                      max_model_len=256), kv)
+    sched.add_request(Request(request_id="r", prompt_token_ids=list(range(10)),
+                              sampling_params=SamplingParams(max_tokens=30, ignore_eos=True)))
+    tables = []
+    for _ in range(12):
+        out = sched.schedule()
+        (scheduled,) = out.scheduled
+        assert scheduled.block_table == kv.get_block_ids("r")
+        tables.append(scheduled.block_table)
+        sched.update(out, ModelRunnerOutput(sampled_token_ids={"r": [7]}))
+        sched.check_invariants()
+    assert len(tables[-1]) == 6  # 10 + 11 tokens in blocks of 4
+    assert all(t is tables[i % 2] for i, t in enumerate(tables))
