@@ -248,3 +248,26 @@ def test_shared_prefix_default_threshold(dtype):
     assert calls == [5]
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_prefix_prefill_chunks_batched_by_shape(monkeypatch, dtype):
+    """Prefill chunks after a shared prefix attend to their own keys one batch per shape: four
+    chunks of 5 new tokens right after the prefix, two of 3 new tokens after 6 cached own
+    tokens, one of 7: three calls per layer, the dense reference's result."""
+    from pagedkv.model import cascade
+
+    monkeypatch.setattr(cascade, "MIN_SHARED_TOKENS", 1)
+    calls = []
+    real = attention._own_keys_attention
+    monkeypatch.setattr(attention, "_own_keys_attention",
+                        lambda q, kc, vc, batch, *a: calls.append(
+                            (batch.tables.shape[0], batch.num_tokens, batch.num_keys))
+                        or real(q, kc, vc, batch, *a))
+    prefix, bs = 8, 4
+    seqs = [(prefix, 5)] + [(prefix, 5)] * 3 + [(prefix + 6, 3)] * 2 + [(prefix, 7), (9, 1)]
+    shares = {i: (0, prefix // bs) for i in range(1, 7)}
+    out, ref = run_case(4, bs, 8, 2, seqs, None, dtype=dtype, shares=shares)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    assert sorted(calls) == [(1, 7, 7), (2, 3, 9), (4, 5, 5)]
