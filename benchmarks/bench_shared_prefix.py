@@ -1,7 +1,8 @@
 """Where the time goes on the offline shared-prefix workload, and a before/after of a change.
 
     PYTHONPATH=$PWD python benchmarks/bench_shared_prefix.py [--dtypes float32,bfloat16]
-        [--runs 3] [--workloads shared_prefix,mixed] [--baseline GIT_REF] [--torch-profile]
+        [--runs 3] [--workloads shared_prefix,mixed] [--baseline GIT_REF] [--threads 1]
+        [--torch-profile]
 
 The workloads and engine settings of `bench_offline.py --vs-vllm` (the random-weight Llama of
 hidden 512 x 8 layers; block size 32, max_num_batched_tokens 2048, prefix caching on): 32
@@ -22,7 +23,10 @@ and split into phases by wrapping the functions that do the work, exclusive wall
 - `host` (the engine's step outside the runner: schedule, update, output processing).
 
 Per phase: milliseconds per run, split into steps with a prefill chunk and decode-only steps.
-Wrapping costs a few microseconds per call, in every phase alike.
+Wrapping costs a few microseconds per call, in every phase alike. --threads 1: one torch thread
+and every time (phases and the run) the stepping thread's CPU time (time.thread_time): the
+work itself, which a shared, oversubscribed machine disturbs far less than wall time; the
+default (the thread governor's threads) times wall clock.
 
 --baseline GIT_REF: the same runs, alternating, of another commit's `pagedkv` (extracted with
 `git archive`) in its own subprocess, and this tree's; prints both breakdowns and the ratio of
@@ -47,9 +51,11 @@ HERE = Path(__file__).resolve().parent
 
 
 class PhaseTimer:
-    """Exclusive wall time per phase name, per step kind ("prefill" / "decode")."""
+    """Exclusive time per phase name, per step kind ("prefill" / "decode"): wall time, or with
+    `clock` time.thread_time the stepping thread's CPU time."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.perf_counter) -> None:  # noqa: ANN001
+        self.clock = clock
         self.totals: dict[tuple[str, str], float] = defaultdict(float)
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
         self.stack: list[list] = []  # [name, start, child seconds]
@@ -63,13 +69,13 @@ class PhaseTimer:
         timer = self
 
         def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            frame = [name, time.perf_counter(), 0.0]
+            frame = [name, timer.clock(), 0.0]
             timer.stack.append(frame)
             try:
                 return inner(*args, **kwargs)
             finally:
                 timer.stack.pop()
-                elapsed = time.perf_counter() - frame[1]
+                elapsed = timer.clock() - frame[1]
                 key = (timer.kind, name)
                 timer.totals[key] += elapsed - frame[2]
                 timer.calls[key] += 1
@@ -130,10 +136,12 @@ def worker(spec: dict) -> None:
 
     from pagedkv import LLM, SamplingParams
 
-    timer = PhaseTimer()
+    cpu_clock = spec["threads"] == 1
+    timer = PhaseTimer(time.thread_time if cpu_clock else time.perf_counter)
     install(timer)
     llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=0, enable_prefix_caching=True,
-              kv_cache_memory_bytes=1 << 30, cpu_kernels="wait", **VS_ENGINE)
+              kv_cache_memory_bytes=1 << 30, cpu_kernels="wait", cpu_threads=spec["threads"],
+              **VS_ENGINE)
     engine = llm.llm_engine
     for name in spec["workloads"]:  # a warm-up run of each workload
         run_once(llm, engine, WORKLOADS[name](spec["vocab"]), SamplingParams, timer)
@@ -169,9 +177,11 @@ def run_once(llm, engine, requests, sampling_params, timer: PhaseTimer) -> dict:
 
     engine.runner.execute = counting
     timer.reset()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.thread_time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
+    if timer.clock is time.thread_time:  # one thread: the work itself, whatever the load
+        seconds = time.thread_time() - cpu_start
     del engine.runner.execute
     engine.scheduler.check_invariants()
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -223,6 +233,10 @@ def main() -> int:
                         help="--baseline: alternating subprocess pairs per dtype")
     parser.add_argument("--baseline", default=None, metavar="GIT_REF")
     parser.add_argument("--torch-profile", action="store_true")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="the engines' thread count (default: the thread governor's); 1: "
+                             "every time is the stepping thread's CPU time (time.thread_time), "
+                             "which other processes on a shared machine disturb far less")
     parser.add_argument("--model-dir", default=None, help="reuse/cache the random models here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -232,10 +246,13 @@ def main() -> int:
     sys.path.insert(0, str(HERE))
     from bench_offline import SHAPE
 
+    from pagedkv.bench.machine import cpu_name
     from pagedkv.testing.random_model import build_random_model_dir
 
     this_tree = HERE.parent
-    print(f"CPU: {cpu_name()}; load average at start {os.getloadavg()[0]:.2f}", flush=True)
+    clock = "thread CPU time, 1 thread" if args.threads == 1 else "wall time"
+    print(f"CPU: {cpu_name()}; {clock}; load average at start {os.getloadavg()[0]:.2f}",
+          flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"this": this_tree}
         if args.baseline:
@@ -252,6 +269,7 @@ def main() -> int:
                 build_random_model_dir(model_dir, dtype=dtype, seed=0, **SHAPE)
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
             spec = dict(model=str(model_dir), dtype=dtype, vocab=vocab, runs=args.runs,
+                        threads=args.threads,
                         workloads=args.workloads.split(","))
             results: dict[str, list[dict]] = {name: [] for name in trees}
             for r in range(args.rounds):
@@ -274,16 +292,6 @@ def main() -> int:
                           flush=True)
     print(f"load average at end {os.getloadavg()[0]:.2f}")
     return 0
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 if __name__ == "__main__":
