@@ -331,7 +331,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             lse[i:j] = group_lse
         i = j
     for group in shared:
-        rows = group.row_index
+        rows = group.index()
         o_p, lse_p = shared_prefix_attention(q[rows], k_cache, v_cache, group, scale)
         out[rows] = merge_states(out[rows], lse[rows], o_p, lse_p)
     return out

@@ -230,6 +230,10 @@ def test_shared_prefix_groups_found():
     # rows 2, 4: row 2 has 5 tokens, so only block 0 is wholly before its newest token.
     assert got == [([0, 1, 3], 3, [5, 6, 7]), ([2, 4], 1, [2])]
     assert all(g.row_index.tolist() == g.rows for g in groups)
+    # Rows 0, 1, 3 and 2, 4 are gathered by index; consecutive rows are a slice (views).
+    assert all(torch.equal(g.index(), g.row_index) for g in groups)
+    (pair,) = find_shared_prefixes(tables[:2], lens[:2], 4, min_tokens=4)
+    assert pair.index() == slice(0, 2)
     assert [g.rows for g in find_shared_prefixes(tables, lens, 4, min_tokens=8)] == [[0, 1, 3]]
     assert find_shared_prefixes(tables[:1], lens[:1], 4, min_tokens=1) == []
 
