@@ -58,6 +58,18 @@ class PrefillChunk:
 
 
 @dataclass
+class OwnKeysBatch:
+    """Prefill chunks of a shared-prefix group with the same shape after the prefix: `num_tokens`
+    new tokens each, whose rows of the batch are `tokens` [b * num_tokens] (chunk by chunk), and
+    `num_keys` keys after the prefix each (the new tokens last), in the blocks `tables` [b, W]."""
+
+    tokens: torch.Tensor
+    tables: torch.Tensor
+    num_tokens: int
+    num_keys: int
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step attention inputs, shared by every layer (built by the runner).
 
@@ -117,6 +129,44 @@ class AttentionMetadata:
                                               self.block_size)
             self._mask_cache["prefill_shared"] = groups
         return self._mask_cache["prefill_shared"]
+
+    def own_keys_batches(self, group: SharedPrefix) -> tuple[list[OwnKeysBatch], torch.Tensor]:
+        """(the prefill chunks of `group` in batches of one shape after the shared prefix, the
+        rows of the batch of all their tokens in batch order [sum of b * num_tokens]); once per
+        step per group."""
+        key = ("own", tuple(group.rows))
+        if key not in self._mask_cache:
+            bs, first = self.block_size, group.num_blocks
+            shapes: dict[tuple[int, int], list[PrefillChunk]] = {}
+            for r in group.rows:
+                c = self.prefills[r]
+                shape = (c.token_end - c.token_start, c.seq_len - first * bs)
+                shapes.setdefault(shape, []).append(c)
+            dev = self.slot_mapping.device
+            batches = []
+            for (n, keys), chunks in shapes.items():
+                width = -(-keys // bs)
+                tokens = torch.cat([torch.arange(c.token_start, c.token_end, device=dev)
+                                    for c in chunks])
+                tables = torch.stack([c.block_table[first:first + width] for c in chunks])
+                batches.append(OwnKeysBatch(tokens, tables.to(dev), n, keys))
+            self._mask_cache[key] = (batches, torch.cat([b.tokens for b in batches]))
+        return self._mask_cache[key]
+
+    def own_keys_bias(self, num_tokens: int, num_keys: int, width: int, group: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask [num_tokens * group, width] (0 / -inf) of an `OwnKeysBatch`'s causal
+        attention, `group` query heads per KV head folded into the rows (row t * group + i is
+        token t): token t sees keys 0 .. num_keys - num_tokens + t; once per step per shape."""
+        key = ("own_bias", num_tokens, num_keys, width, group, dtype)
+        if key not in self._mask_cache:
+            dev = self.slot_mapping.device
+            last = torch.arange(num_tokens, device=dev).repeat_interleave(group) + (
+                num_keys - num_tokens)
+            hidden = torch.arange(width, device=dev)[None, :] > last[:, None]
+            self._mask_cache[key] = torch.zeros(hidden.shape, dtype=dtype, device=dev
+                                                ).masked_fill_(hidden, float("-inf"))
+        return self._mask_cache[key]
 
     def decode_view(self, window: int | None) -> tuple[torch.Tensor, list[int], list[int]]:
         """(block tables [num_decodes, width], first key position of each row, number of
@@ -281,7 +331,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             lse[i:j] = group_lse
         i = j
     for group in shared:
-        rows = group.row_index
+        rows = group.index()
         o_p, lse_p = shared_prefix_attention(q[rows], k_cache, v_cache, group, scale)
         out[rows] = merge_states(out[rows], lse[rows], o_p, lse_p)
     return out
@@ -353,39 +403,30 @@ def shared_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              meta: AttentionMetadata, group: SharedPrefix, scale: float,
                              out: torch.Tensor) -> None:
     """Cascade attention for the prefill chunks `group.rows` of `meta.prefills` (no window):
-    all their queries over the shared prefix blocks in one call, each chunk over its own
-    remaining keys, merged; writes the chunks' rows of `out` [T, heads, D]."""
-    chunks = [meta.prefills[r] for r in group.rows]
-    qs = torch.cat([q[c.token_start:c.token_end] for c in chunks])
-    o_p, lse_p = shared_prefix_attention(qs, k_cache, v_cache, group, scale)
-    row = 0
-    for c in chunks:
-        s, e = c.token_start, c.token_end
-        o, lse = _prefill_after(q[s:e], k[s:e], v[s:e], k_cache, v_cache, c,
-                                group.num_blocks, scale)
-        out[s:e] = merge_states(o, lse, o_p[row:row + e - s], lse_p[row:row + e - s])
-        row += e - s
+    all their queries over the shared prefix blocks in one call, the chunks over their own
+    remaining keys a batch of equally shaped chunks per call (`OwnKeysBatch`), merged; writes
+    the chunks' rows of `out` [T, heads, D]. k, v are already in the cache."""
+    batches, tokens = meta.own_keys_batches(group)
+    o_p, lse_p = shared_prefix_attention(q.index_select(0, tokens), k_cache, v_cache, group,
+                                         scale)
+    parts = [_own_keys_attention(q, k_cache, v_cache, b, meta, scale) for b in batches]
+    o = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts])
+    lse = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
+    out.index_copy_(0, tokens, merge_states(o, lse, o_p, lse_p))
 
 
-def _prefill_after(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, chunk: PrefillChunk, first_block: int, scale: float
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [n, heads, D], lse [n, heads]) of a chunk's causal attention over its keys from block
-    `first_block` on (no window). When those keys are exactly the chunk's new tokens they are
-    taken from k, v [n, kv_heads, D] instead of the cache."""
-    n, heads, d = q.shape
-    bs = k_cache.shape[2]
-    start_key = first_block * bs
-    if start_key == chunk.start_pos:
-        kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-    else:
-        table = chunk.block_table[first_block:(chunk.seq_len + bs - 1) // bs].unsqueeze(0)
-        kh, vh = gather_kv(k_cache, table), gather_kv(v_cache, table)
-    group = heads // kh.shape[1]
-    kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
-    pos = torch.arange(chunk.start_pos, chunk.seq_len, device=q.device)[:, None]
-    j = torch.arange(kh.shape[2], device=q.device)[None, :] + start_key
-    bias = torch.zeros(pos.shape[0], j.shape[1], dtype=q.dtype, device=q.device)
-    bias.masked_fill_(j > pos, float("-inf"))
-    o, lse = attention_with_lse(q.transpose(0, 1).unsqueeze(0), kh, vh, bias, scale)
-    return o[0].transpose(0, 1), lse[0].transpose(0, 1)
+def _own_keys_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        batch: OwnKeysBatch, meta: AttentionMetadata, scale: float
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [b * n, heads, D], lse [b * n, heads] float32) of the batch's chunks' causal
+    attention over their keys after the shared prefix, rows in `batch.tokens` order: one call,
+    the query heads of each KV head folded into its rows (no copy of K/V per query head)."""
+    heads, d = q.shape[1], q.shape[2]
+    kvh = k_cache.shape[0]
+    g, b, n = heads // kvh, batch.tables.shape[0], batch.num_tokens
+    kg, vg = gather_kv(k_cache, batch.tables), gather_kv(v_cache, batch.tables)
+    qb = q.index_select(0, batch.tokens).view(b, n, kvh, g, d).permute(0, 2, 1, 3, 4)
+    bias = meta.own_keys_bias(n, batch.num_keys, kg.shape[2], g, q.dtype)
+    o, lse = attention_with_lse(qb.reshape(b, kvh, n * g, d), kg, vg, bias, scale)
+    o = o.view(b, kvh, n, g, d).permute(0, 2, 1, 3, 4).reshape(b * n, heads, d)
+    return o, lse.view(b, kvh, n, g).permute(0, 2, 1, 3).reshape(b * n, heads)

@@ -36,6 +36,13 @@ class SharedPrefix:
     block_ids: torch.Tensor
     row_index: torch.Tensor
 
+    def index(self) -> slice | torch.Tensor:
+        """What selects the group's rows of a tensor: a slice when they are consecutive (the
+        usual case: every decode of the step shares the prefix), so that reading and writing
+        them are views and copies into views, not gathers and scatters; else `row_index`."""
+        first, last = self.rows[0], self.rows[-1]
+        return slice(first, last + 1) if last - first + 1 == len(self.rows) else self.row_index
+
 
 def find_shared_prefixes(block_tables: torch.Tensor, seq_lens: list[int], block_size: int,
                          min_tokens: int | None = None) -> list[SharedPrefix]:

@@ -230,6 +230,10 @@ def test_shared_prefix_groups_found():
     # rows 2, 4: row 2 has 5 tokens, so only block 0 is wholly before its newest token.
     assert got == [([0, 1, 3], 3, [5, 6, 7]), ([2, 4], 1, [2])]
     assert all(g.row_index.tolist() == g.rows for g in groups)
+    # Rows 0, 1, 3 and 2, 4 are gathered by index; consecutive rows are a slice (views).
+    assert all(torch.equal(g.index(), g.row_index) for g in groups)
+    (pair,) = find_shared_prefixes(tables[:2], lens[:2], 4, min_tokens=4)
+    assert pair.index() == slice(0, 2)
     assert [g.rows for g in find_shared_prefixes(tables, lens, 4, min_tokens=8)] == [[0, 1, 3]]
     assert find_shared_prefixes(tables[:1], lens[:1], 4, min_tokens=1) == []
 
@@ -248,3 +252,26 @@ def test_shared_prefix_default_threshold(dtype):
     assert calls == [5]
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_prefix_prefill_chunks_batched_by_shape(monkeypatch, dtype):
+    """Prefill chunks after a shared prefix attend to their own keys one batch per shape: four
+    chunks of 5 new tokens right after the prefix, two of 3 new tokens after 6 cached own
+    tokens, one of 7: three calls per layer, the dense reference's result."""
+    from pagedkv.model import cascade
+
+    monkeypatch.setattr(cascade, "MIN_SHARED_TOKENS", 1)
+    calls = []
+    real = attention._own_keys_attention
+    monkeypatch.setattr(attention, "_own_keys_attention",
+                        lambda q, kc, vc, batch, *a: calls.append(
+                            (batch.tables.shape[0], batch.num_tokens, batch.num_keys))
+                        or real(q, kc, vc, batch, *a))
+    prefix, bs = 8, 4
+    seqs = [(prefix, 5)] + [(prefix, 5)] * 3 + [(prefix + 6, 3)] * 2 + [(prefix, 7), (9, 1)]
+    shares = {i: (0, prefix // bs) for i in range(1, 7)}
+    out, ref = run_case(4, bs, 8, 2, seqs, None, dtype=dtype, shares=shares)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    assert sorted(calls) == [(1, 7, 7), (2, 3, 9), (4, 5, 5)]

@@ -61,7 +61,7 @@ class NativeAttentionMetadata(AttentionMetadata):
             q, k_cache, v_cache, self.decode_block_tables, first, self.decode_seq_lens, scale,
             out, lse)
         for group in shared:
-            rows = group.row_index
+            rows = group.index()
             o_p, lse_p = shared_prefix_attention(q[rows], k_cache, v_cache, group, scale)
             out[rows] = merge_states(out[rows], lse[rows], o_p, lse_p)
 
