@@ -217,13 +217,11 @@ def timed_child(tree: str, dtype: str, args: argparse.Namespace) -> float:
 
 def compare(args: argparse.Namespace) -> None:
     """Alternate timed runs of `args.baseline`'s pagedkv and this tree's; print the ratio."""
+    from pagedkv.bench.baseline import baseline_tree
     from pagedkv.bench.machine import cpu_name
 
     here = str(Path(__file__).resolve().parents[1])
-    with tempfile.TemporaryDirectory() as base:
-        archive = subprocess.run(["git", "-C", here, "archive", args.baseline, "pagedkv"],
-                                 capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", base], input=archive, check=True)
+    with baseline_tree(here, args.baseline) as base:
         for dtype in args.dtypes.split(","):
             runs: dict[str, list[float]] = {"base": [], "this": []}
             for _ in range(args.repeat):
