@@ -113,3 +113,13 @@ def test_bench_core_profile_splits_a_run_by_op_class():
     for row in [("mixed", "linear"), ("decode", "linear"), ("decode", "decode", "attention"),
                 ("mixed", "prefill", "attention")]:
         assert any(r[:len(row)] == row for r in rows), (row, proc.stdout)
+
+
+def test_bench_decode_kernel_times_both_block_layouts():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_decode_kernel.py"),
+                           "--dtypes", "float32", "--batch", "2", "--context", "40", "--reps",
+                           "1", "--num-blocks", "16", "--json"], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.splitlines()[-1])["float32"]
+    assert set(got) == {"contig", "rand"} and all(ms > 0 for ms in got.values())
