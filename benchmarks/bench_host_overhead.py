@@ -179,11 +179,10 @@ def _child_totals(tree: str, args: argparse.Namespace) -> dict[int, dict[str, fl
 
 def compare(args: argparse.Namespace) -> None:
     """Alternate runs of `args.baseline`'s pagedkv and this tree's; print totals and ratios."""
+    from pagedkv.bench.baseline import baseline_tree
+
     here = str(Path(__file__).resolve().parents[1])
-    with tempfile.TemporaryDirectory() as base:
-        archive = subprocess.run(["git", "-C", here, "archive", args.baseline, "pagedkv"],
-                                 capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", base], input=archive, check=True)
+    with baseline_tree(here, args.baseline) as base:
         results: dict[str, list[dict[int, dict[str, float]]]] = {"base": [], "this": []}
         for _ in range(args.repeat):
             results["base"].append(_child_totals(base, args))

@@ -364,6 +364,7 @@ struct E4M3Fmt {
 // earlier output accumulator must be scaled by (0 on the first block, m = -inf). Mutates p, m, l.
 inline float softmax_block(float* p, int64_t n, float& m, float& l) {
   float mx = m;
+#pragma omp simd reduction(max : mx)
   for (int64_t t = 0; t < n; t++) mx = std::max(mx, p[t]);
   const float corr = std::exp(m - mx);
   float sum = 0.f;
@@ -569,22 +570,108 @@ template <typename V> inline V row_sums(V* r) {
 #endif
 }
 
-// p[t] = q . k[t] (float32) for the n rows of one block, q in registers (C vectors).
-template <typename Fmt, int D>
-inline void block_scores(const vqf* qv, const typename Fmt::storage* kb, int64_t n, float* p) {
+// a * b + c as one fused multiply-add (QW lanes).
+inline vqf fma_q(vqf a, vqf b, vqf c) {
+#if PAGEDKV_QW == 16
+  return (vqf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  return (vqf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
+// p[h * ps + t] = q_h . k[t] (float32) for the n rows of one block and G query heads (q_h in
+// registers: C vectors at qv + h * C); each row is loaded and widened once for all G heads.
+template <typename Fmt, int D, int G>
+inline void block_scores(const vqf* qv, const typename Fmt::storage* kb, int64_t n, float* p,
+                         int64_t ps) {
   constexpr int C = D / QW;
   for (int64_t t0 = 0; t0 < n; t0 += QW) {
-    vqf r[QW] = {};
+    vqf r[G][QW] = {};
     const int64_t rows = std::min<int64_t>(QW, n - t0);
     for (int64_t i = 0; i < rows; i++) {
       const typename Fmt::storage* kt = kb + (t0 + i) * D;
-      vqf a = qv[0] * fmt_vec<Fmt>(kt);
-      for (int c = 1; c < C; c++) a += qv[c] * fmt_vec<Fmt>(kt + c * QW);
-      r[i] = a;
+      vqf k[C];
+      for (int c = 0; c < C; c++) k[c] = fmt_vec<Fmt>(kt + c * QW);
+      for (int h = 0; h < G; h++) {
+        vqf a = qv[h * C] * k[0];
+        for (int c = 1; c < C; c++) a = fma_q(qv[h * C + c], k[c], a);
+        r[h][i] = a;
+      }
     }
-    const vqf s = row_sums(r);
-    std::memcpy(p + t0, &s, sizeof(float) * rows);
+    for (int h = 0; h < G; h++) {
+      const vqf s = row_sums(r[h]);
+      std::memcpy(p + h * ps + t0, &s, sizeof(float) * rows);
+    }
   }
+}
+
+#if defined(__AVX512BF16__) && PAGEDKV_QW == 16
+#define PAGEDKV_BF16_DOT 1
+// block_scores for a bfloat16 cache read by bfloat16 queries, with vdpbf16ps: q_h (D / 32
+// registers of bfloat16 values at qb + h * D / 32, not scaled) times each key row, two K steps
+// per instruction, the sums times `scale` at the end. The products of two bfloat16 values are
+// exact in float32, so the scores differ from block_scores' in summation order and
+// vdpbf16ps's DAZ/FTZ rules only (see panel_linear16), and in one rounding where the scale
+// is not a power of two.
+template <int D, int G>
+inline void block_scores_bf16(const __m512bh* qb, const c10::BFloat16* kb, int64_t n, float* p,
+                              int64_t ps, float scale) {
+  constexpr int C2 = D / 32;
+  for (int64_t t0 = 0; t0 < n; t0 += QW) {
+    vqf r[G][QW] = {};
+    const int64_t rows = std::min<int64_t>(QW, n - t0);
+    for (int64_t i = 0; i < rows; i++) {
+      const c10::BFloat16* kt = kb + (t0 + i) * D;
+      __m512bh k[C2];
+      for (int c = 0; c < C2; c++) k[c] = (__m512bh)_mm512_loadu_si512(kt + c * 32);
+      for (int h = 0; h < G; h++) {
+        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[h * C2], k[0]);
+        for (int c = 1; c < C2; c++) a = _mm512_dpbf16_ps(a, qb[h * C2 + c], k[c]);
+        r[h][i] = (vqf)a;
+      }
+    }
+    for (int h = 0; h < G; h++) {
+      const vqf s = row_sums(r[h]) * scale;
+      std::memcpy(p + h * ps + t0, &s, sizeof(float) * rows);
+    }
+  }
+}
+#else
+#define PAGEDKV_BF16_DOT 0
+#endif
+
+// acc_h = acc_h * corr[h] + sum over t of p[h * ps + t] * v[t], for the n V rows of one block
+// and G query heads (acc_h: C vectors at acc + h * C); each row is loaded and widened once for
+// all G heads. With one head, even and odd rows go to two partial sums, so that 2C chains of
+// FMAs are in flight rather than C (a chain waits out each FMA's latency). Mutates acc.
+template <typename Fmt, int D, int G>
+inline void block_values(const float* p, int64_t ps, const float* corr,
+                         const typename Fmt::storage* vb, int64_t n, vqf* acc) {
+  constexpr int C = D / QW, U = G == 1 ? 2 : 1;
+  vqf a[U][G][C];
+  for (int h = 0; h < G; h++)
+    for (int c = 0; c < C; c++) {
+      a[0][h][c] = acc[h * C + c] * corr[h];
+      if constexpr (U == 2) a[1][h][c] = vqf{};
+    }
+  auto row = [&](int u, int64_t t) {
+    const typename Fmt::storage* vt = vb + t * D;
+    vqf v[C];
+    for (int c = 0; c < C; c++) v[c] = fmt_vec<Fmt>(vt + c * QW);
+    for (int h = 0; h < G; h++) {
+      const vqf w = vqf{} + p[h * ps + t];
+      for (int c = 0; c < C; c++) a[u][h][c] = fma_q(w, v[c], a[u][h][c]);
+    }
+  };
+  int64_t t = 0;
+  for (; t + U <= n; t += U)
+    for (int u = 0; u < U; u++) row(u, t + u);
+  for (; t < n; t++) row(0, t);
+  for (int h = 0; h < G; h++)
+    for (int c = 0; c < C; c++)
+      acc[h * C + c] = U == 2 ? a[0][h][c] + a[U - 1][h][c] : a[0][h][c];
 }
 
 // dots[t] = q16 . k8[t] (int32, exact) for the n int8 rows of one block, q16 D int16 values.
@@ -641,9 +728,27 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   const int64_t sq = a.sq;
   const scalar_t* qp = a.qp;
   const storage *kc = a.kc, *vc = a.vc;
+#if PAGEDKV_BF16_DOT  // a bfloat16 cache and bfloat16 q: scores through block_scores_bf16
+  constexpr bool bf16_dot = std::is_same_v<Fmt, SameFmt<c10::BFloat16>>;
+  using qpairs = __m512bh;
+#else
+  constexpr bool bf16_dot = false;
+  using qpairs = vqf;  // (unused)
+#endif
+  constexpr int64_t C2 = D / 32;
+  // Asks for the first block item `it` reads to be brought into the cache.
+  auto prefetch_item = [&](int64_t it) {
+    const int64_t s = it / kvh, kh = it % kvh, pos = fpp[s], len = slp[s];
+    if (pos >= len) return;
+    const int64_t row = (kh * nb + btp[s * width + pos / bs]) * bs + pos % bs;
+    const int64_t rows = std::min(bs - pos % bs, len - pos);
+    prefetch_rows(kc + row * D, vc + row * D, rows * D * sizeof(storage));
+    if constexpr (int8) prefetch_rows(ksp + row, vsp + row, rows * sizeof(float));
+  };
   at::parallel_for(0, s_n * kvh, 1, [&](int64_t begin, int64_t end) {
     std::vector<vqf> qf(g * C), acc(g * C);
     std::vector<vqs16> q16(g * C / 2);
+    std::vector<qpairs> qb(bf16_dot ? g * C2 : 0);
     std::vector<float> qscale(g), p(g * bs), m(g), l(g);
     std::vector<int32_t> dots(bs + QW);
     for (int64_t item = begin; item < end; item++) {
@@ -654,6 +759,7 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         float* qh = reinterpret_cast<float*>(qf.data() + h * C);
         for (int j = 0; j < D; j++) qh[j] = to_f(qs[j]) * sc * fmt_unit<Fmt>;
         if constexpr (int8) qscale[h] = quantize_q16<D>(qh, reinterpret_cast<int16_t*>(q16.data() + h * C / 2));
+        if constexpr (bf16_dot) std::memcpy(qb.data() + h * C2, qs, D * sizeof(scalar_t));
         m[h] = -std::numeric_limits<float>::infinity();
         l[h] = 0.f;
       }
@@ -668,33 +774,43 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
           const int64_t next = (kh * nb + btp[s * width + (pos + n) / bs]) * bs;
           prefetch_rows(kc + next * D, vc + next * D, std::min(bs, len - pos - n) * D * sizeof(storage));
           if constexpr (int8) prefetch_rows(ksp + next, vsp + next, bs * sizeof(float));
+        } else if (item + 1 < end) {  // the next item's first block, likewise
+          prefetch_item(item + 1);
         }
-        for (int64_t h = 0; h < g; h++) {
-          float* ph = p.data() + h * bs;
+        // The g query heads in pairs (one left over when g is odd): each K and V row is read
+        // and widened once per pair.
+        auto heads_block = [&](auto group, int64_t h0) {
+          constexpr int G = decltype(group)::value;
+          float* ph = p.data() + h0 * bs;
           if constexpr (int8) {
-            block_dots_int8<D>(q16.data() + h * C / 2, kb, n, dots.data());
-            const float qs = qscale[h];
-            const float* ks = ksp + row0;
+            for (int h = 0; h < G; h++) {
+              block_dots_int8<D>(q16.data() + (h0 + h) * C / 2, kb, n, dots.data());
+              const float qs = qscale[h0 + h];
+              const float* ks = ksp + row0;
 #pragma omp simd
-            for (int64_t t = 0; t < n; t++) ph[t] = static_cast<float>(dots[t]) * (qs * ks[t]);
+              for (int64_t t = 0; t < n; t++) ph[h * bs + t] = static_cast<float>(dots[t]) * (qs * ks[t]);
+            }
+          } else if constexpr (bf16_dot) {
+#if PAGEDKV_BF16_DOT
+            block_scores_bf16<D, G>(qb.data() + h0 * C2, kb, n, ph, bs, sc);
+#endif
           } else {
-            block_scores<Fmt, D>(qf.data() + h * C, kb, n, ph);
+            block_scores<Fmt, D, G>(qf.data() + h0 * C, kb, n, ph, bs);
           }
-          const float corr = softmax_block(ph, n, m[h], l[h]);
-          if constexpr (int8) {
-            const float* vs = vsp + row0;
+          float corr[G];
+          for (int h = 0; h < G; h++) {
+            corr[h] = softmax_block(ph + h * bs, n, m[h0 + h], l[h0 + h]);
+            if constexpr (int8) {
+              const float* vs = vsp + row0;
 #pragma omp simd
-            for (int64_t t = 0; t < n; t++) ph[t] *= vs[t];
+              for (int64_t t = 0; t < n; t++) ph[h * bs + t] *= vs[t];
+            }
           }
-          vqf a[C];
-          for (int c = 0; c < C; c++) a[c] = acc[h * C + c] * corr;
-          for (int64_t t = 0; t < n; t++) {
-            const float w = ph[t];
-            const storage* vt = vb + t * D;
-            for (int c = 0; c < C; c++) a[c] += w * fmt_vec<Fmt>(vt + c * QW);
-          }
-          for (int c = 0; c < C; c++) acc[h * C + c] = a[c];
-        }
+          block_values<Fmt, D, G>(ph, bs, corr, vb, n, acc.data() + h0 * C);
+        };
+        int64_t h0 = 0;
+        for (; h0 + 2 <= g; h0 += 2) heads_block(std::integral_constant<int, 2>{}, h0);
+        if (h0 < g) heads_block(std::integral_constant<int, 1>{}, h0);
         pos += n;
       }
       finish_heads(reinterpret_cast<const float*>(acc.data()), m.data(), l.data(), g, D,

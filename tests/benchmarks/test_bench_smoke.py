@@ -99,3 +99,27 @@ def test_bench_host_overhead_runs_against_a_baseline_commit():
     assert proc.returncode == 0, proc.stderr
     row = proc.stdout.splitlines()[-1].split()
     assert row[0] == "4" and row[3].endswith("x")
+
+
+def test_bench_core_profile_splits_a_run_by_op_class():
+    # Two tiny requests at the benchmark shape: the run is profiled and its classes reported.
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_core_profile.py"),
+                           "--dtypes", "float32", "--num-prompts", "2", "--input-len", "40",
+                           "--output-len", "3", "--max-num-seqs", "2"],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    rows = {tuple(line.split()[:3]) for line in proc.stdout.splitlines()}
+    for row in [("mixed", "linear"), ("decode", "linear"), ("decode", "decode", "attention"),
+                ("mixed", "prefill", "attention")]:
+        assert any(r[:len(row)] == row for r in rows), (row, proc.stdout)
+
+
+def test_bench_decode_kernel_times_both_block_layouts():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_decode_kernel.py"),
+                           "--dtypes", "float32", "--batch", "2", "--context", "40", "--reps",
+                           "1", "--num-blocks", "16", "--json"], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.splitlines()[-1])["float32"]
+    assert set(got) == {"contig", "rand"} and all(ms > 0 for ms in got.values())

@@ -1,0 +1,125 @@
+"""The fused CPU decode attention kernel alone (`paged_decode_attention`), at the serving shape.
+
+    PYTHONPATH=$PWD python benchmarks/bench_decode_kernel.py [--dtypes bfloat16,float32]
+        [--batch 64] [--context 320] [--reps 30] [--baseline GIT_REF --repeat 2]
+
+One layer's decode step of bench_core_profile.py's workload: `--batch` sequences of
+`--context` tokens, 8 query heads over 4 KV heads of 64, block size 32, in a cache of `--num-blocks`
+(8,192) blocks; the blocks of each sequence either consecutive ("contig", as a fresh pool hands them
+out) or scattered at random ("rand"). One thread; a call's time is this thread's CPU time
+(time.thread_time), the fastest of `--reps`, so other processes on a shared machine count
+little. Prints ms per call and the K/V bytes read per second. --baseline GIT_REF: the same in
+child processes, GIT_REF's `pagedkv` against this tree's, alternating `--repeat` times, with
+the ratio of the medians (above 1: this tree is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 32
+LAYOUTS = ("contig", "rand")
+
+
+def measure(dtype_name: str, batch: int, context: int, reps: int,
+            num_blocks: int) -> dict[str, float]:
+    """{layout: best ms per call} for this process's build."""
+    from pagedkv.kernels.cpu import ensure_cpu_kernels
+
+    ensure_cpu_kernels("wait")
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, dtype_name)
+    shape = (KV_HEADS, num_blocks, BLOCK, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    per_seq = -(-context // BLOCK)
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    out = torch.empty_like(q)
+    first, lens = torch.zeros(batch, dtype=torch.long), torch.full((batch,), context)
+    best = {}
+    for layout in LAYOUTS:
+        ids = torch.arange(batch * per_seq) if layout == "contig" else \
+            torch.randperm(num_blocks - 1, generator=gen)[: batch * per_seq]
+        tables = (ids + 1).view(batch, per_seq)
+        times = []
+        for _ in range(reps + 1):
+            start = time.thread_time()
+            torch.ops.pagedkv_cpu.paged_decode_attention(q, k_cache, v_cache, tables, first, lens,
+                                                         HEAD_DIM ** -0.5, out, None)
+            times.append(time.thread_time() - start)
+        best[layout] = 1e3 * min(times[1:])
+    return best
+
+
+def kv_bytes(dtype_name: str, batch: int, context: int) -> int:
+    return 2 * batch * KV_HEADS * context * HEAD_DIM * getattr(torch, dtype_name).itemsize
+
+
+def child(tree: str, args: argparse.Namespace, dtype: str) -> dict[str, float]:
+    cmd = [sys.executable, __file__, "--dtypes", dtype, "--batch", str(args.batch),
+           "--context", str(args.context), "--reps", str(args.reps), "--num-blocks",
+           str(args.num_blocks), "--json"]
+    out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": tree}, capture_output=True,
+                         text=True, check=True).stdout
+    return json.loads(out.splitlines()[-1])[dtype]
+
+
+def compare(args: argparse.Namespace) -> None:
+    from pagedkv.bench.baseline import baseline_tree
+    from pagedkv.bench.machine import cpu_name
+
+    here = str(Path(__file__).resolve().parents[1])
+    print(f"{cpu_name()}: paged_decode_attention, {args.batch} x {args.context} tokens, ms per "
+          f"call (CPU time, 1 thread), {args.baseline} vs this tree, {args.repeat} alternating runs")
+    with baseline_tree(here, args.baseline) as base:
+        for dtype in args.dtypes.split(","):
+            runs: dict[str, list[dict[str, float]]] = {"base": [], "this": []}
+            for _ in range(args.repeat):
+                runs["base"].append(child(base, args, dtype))
+                runs["this"].append(child(here, args, dtype))
+            for layout in LAYOUTS:
+                b, t = (statistics.median(r[layout] for r in runs[side]) for side in ("base", "this"))
+                print(f"  {dtype:8} {layout:6} {b:6.2f} -> {t:6.2f} ms  ({b / t:.2f}x; "
+                      f"{kv_bytes(dtype, args.batch, args.context) / t / 1e6:.1f} GB/s)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--context", type=int, default=320)
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--num-blocks", type=int, default=8192)
+    parser.add_argument("--baseline", default=None, metavar="GIT_REF")
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.baseline:
+        compare(args)
+        return
+    if args.num_blocks <= args.batch * -(-args.context // BLOCK):
+        raise ValueError(f"--num-blocks {args.num_blocks} cannot hold {args.batch} sequences of "
+                         f"{args.context} tokens")
+    results = {d: measure(d, args.batch, args.context, args.reps, args.num_blocks)
+               for d in args.dtypes.split(",")}
+    if args.json:
+        print(json.dumps(results))
+        return
+    for dtype, best in results.items():
+        for layout, ms in best.items():
+            print(f"{dtype:8} {layout:6} {ms:6.2f} ms  "
+                  f"{kv_bytes(dtype, args.batch, args.context) / ms / 1e6:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
