@@ -364,8 +364,9 @@ struct E4M3Fmt {
 // earlier output accumulator must be scaled by (0 on the first block, m = -inf). Mutates p, m, l.
 inline float softmax_block(float* p, int64_t n, float& m, float& l) {
   float mx = m;
+#pragma omp simd reduction(max : mx)
   for (int64_t t = 0; t < n; t++) mx = std::max(mx, p[t]);
-  const float corr = std::exp(m - mx);
+  const float corr = m == -std::numeric_limits<float>::infinity() ? 0.f : fast_exp(m - mx);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < n; t++) { p[t] = fast_exp(p[t] - mx); sum += p[t]; }
@@ -587,20 +588,27 @@ inline void block_scores(const vqf* qv, const typename Fmt::storage* kb, int64_t
   }
 }
 
-// dots[t] = q16 . k8[t] (int32, exact) for the n int8 rows of one block, q16 D int16 values.
-template <int D>
-inline void block_dots_int8(const vqs16* qv, const int8_t* kb, int64_t n, int32_t* dots) {
+// dots[t] = q16 . k[t] (int32, exact) for the n rows of one block, q16 D int16 values; the
+// rows are int8 (a cache block, widened here) or int16 (a tile's widened copy, TileScratch).
+template <int D, typename K>
+inline void block_dots_int8(const vqs16* qv, const K* kb, int64_t n, int32_t* dots) {
   constexpr int C2 = D / (2 * QW);
   for (int64_t t0 = 0; t0 < n; t0 += QW) {
     vqi32 r[QW] = {};
     const int64_t rows = std::min<int64_t>(QW, n - t0);
     for (int64_t i = 0; i < rows; i++) {
-      const int8_t* kt = kb + (t0 + i) * D;
+      const K* kt = kb + (t0 + i) * D;
       vqi32 a = {};
       for (int c = 0; c < C2; c++) {
-        vqi8x2 k8;
-        std::memcpy(&k8, kt + c * 2 * QW, sizeof(k8));
-        a = dot_pairs(a, __builtin_convertvector(k8, vqs16), qv[c]);
+        vqs16 k16;
+        if constexpr (std::is_same_v<K, int8_t>) {
+          vqi8x2 k8;
+          std::memcpy(&k8, kt + c * 2 * QW, sizeof(k8));
+          k16 = __builtin_convertvector(k8, vqs16);
+        } else {
+          std::memcpy(&k16, kt + c * 2 * QW, sizeof(k16));
+        }
+        a = dot_pairs(a, k16, qv[c]);
       }
       r[i] = a;
     }
@@ -628,7 +636,133 @@ inline void prefetch_rows(const void* a, const void* b, int64_t bytes) {
   }
 }
 
-// decode_impl for a compile-time head size D (a multiple of 2 * QW); same arguments.
+// ---- Query tiles: rows that read the same blocks share each block's loads ------------------
+//
+// Consecutive rows whose block tables start with the same block (the tokens of one prefill
+// chunk, which the caller lays out one row per token; decodes of requests sharing a cached
+// prefix) form a tile of up to TILE_ROWS rows. A tile walks the union of its rows' key ranges
+// once. Where two or more of its rows read the same block, that block is widened once (int8 keys
+// to int16, every value row and every other format to float32: TileScratch) and each of them
+// attends to it there, over just the positions it sees (its causal end, its window's start);
+// a row reading a block of its own (a decode past the shared prefix; a lone decode) reads it in
+// place, widening in registers. Tiles go to threads in zigzag order (first, last, second,
+// second-to-last, ...): a chunk's later rows see more keys, and torch's static split would
+// otherwise hand one thread all the long ones.
+constexpr int64_t TILE_ROWS = 16;
+
+// The tiles of `rows` rows (block_tables [rows, width]): tile i is rows [starts[i], starts[i+1]).
+std::vector<int64_t> row_tiles(const int64_t* btp, int64_t rows, int64_t width) {
+  std::vector<int64_t> starts{0};
+  for (int64_t r = 1; r < rows; r++) {
+    const int64_t r0 = starts.back();
+    if (r - r0 >= TILE_ROWS || width == 0 || btp[r * width] != btp[r0 * width]) starts.push_back(r);
+  }
+  if (rows > 0) starts.push_back(rows);
+  return starts;
+}
+
+// The tile of the i-th of n work slots in zigzag order (0, n-1, 1, n-2, ...).
+inline int64_t zigzag(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n - 1 - i / 2; }
+
+// One block widened for a tile: int8 keys as int16 (q . k stays in integers), everything else
+// as float32, in the units fmt_vec gives (so fmt_unit still applies). Mutates k and v.
+template <typename Fmt, int D> struct TileScratch {
+  using KRow = std::conditional_t<std::is_same_v<Fmt, Int8Fmt>, int16_t, float>;
+  std::vector<KRow> k;
+  std::vector<float> v;
+  explicit TileScratch(int64_t bs) : k(bs * D), v(bs * D) {}
+  void widen(const typename Fmt::storage* kb, const typename Fmt::storage* vb, int64_t n) {
+    if constexpr (std::is_same_v<KRow, int16_t>) {
+#pragma omp simd
+      for (int64_t j = 0; j < n * D; j++) k[j] = kb[j];
+    } else {
+      for (int64_t j = 0; j < n * D; j += QW) {
+        const vqf f = fmt_vec<Fmt>(kb + j);
+        std::memcpy(k.data() + j, &f, sizeof(f));
+      }
+    }
+    for (int64_t j = 0; j < n * D; j += QW) {
+      const vqf f = fmt_vec<Fmt>(vb + j);
+      std::memcpy(v.data() + j, &f, sizeof(f));
+    }
+  }
+};
+
+// One query row-head's state in a tile: q (float32 vectors, or int16 and its scale for an int8
+// cache), the online softmax's m and l, the output accumulator.
+template <int D> struct RowHeads {
+  static constexpr int C = D / QW;
+  std::vector<vqf> qf, acc;
+  std::vector<vqs16> q16;
+  std::vector<float> qscale, m, l;
+  explicit RowHeads(int64_t n) : qf(n * C), acc(n * C), q16(n * C / 2), qscale(n), m(n), l(n) {}
+};
+
+// acc[h] = acc[h] * corr[h] + sum_t w[h][t] * v[t] for H query heads (acc: C vectors each;
+// w: H rows of n weights, ws apart) over the n value rows at vb: H * C accumulators stay in
+// registers and each value vector is widened once for all H heads. Mutates acc.
+template <typename VFmt, int D, int H>
+inline void weigh_values(vqf* acc, const float* corr, const float* w, int64_t ws,
+                         const typename VFmt::storage* vb, int64_t n) {
+  constexpr int C = D / QW;
+  vqf a[H][C];
+  for (int h = 0; h < H; h++)
+    for (int c = 0; c < C; c++) a[h][c] = acc[h * C + c] * corr[h];
+  for (int64_t t = 0; t < n; t++) {
+    const typename VFmt::storage* vt = vb + t * D;
+    for (int c = 0; c < C; c++) {
+      const vqf v = fmt_vec<VFmt>(vt + c * QW);
+      for (int h = 0; h < H; h++) a[h][c] += w[h * ws + t] * v;
+    }
+  }
+  for (int h = 0; h < H; h++)
+    for (int c = 0; c < C; c++) acc[h * C + c] = a[h][c];
+}
+
+// The g query heads i0 .. i0 + g - 1 of one row attend the n rows of one block at kb / vb
+// (KFmt / VFmt: the cache's format read in place, or a tile's widened copy); ks / vs: the rows'
+// int8 scales (null otherwise); p: g x bs scores, corr: g factors, dots: bs + QW values
+// (scratch). Value rows are weighed for up to 16 / C heads at once (weigh_values). Mutates the
+// heads' m, l and accumulators.
+template <typename KFmt, typename VFmt, bool int8, int D>
+inline void attend_row(RowHeads<D>& st, int64_t i0, int64_t g, const typename KFmt::storage* kb,
+                       const typename VFmt::storage* vb, const float* ks, const float* vs,
+                       int64_t n, int64_t bs, float* p, float* corr, int32_t* dots) {
+  constexpr int C = D / QW;
+  constexpr int HB = C >= 16 ? 1 : C >= 8 ? 2 : 4;
+  for (int64_t h = 0; h < g; h++) {
+    const int64_t i = i0 + h;
+    float* ph = p + h * bs;
+    if constexpr (int8) {
+      block_dots_int8<D>(st.q16.data() + i * C / 2, kb, n, dots);
+      const float qs = st.qscale[i];
+#pragma omp simd
+      for (int64_t t = 0; t < n; t++) ph[t] = static_cast<float>(dots[t]) * (qs * ks[t]);
+    } else {
+      block_scores<KFmt, D>(st.qf.data() + i * C, kb, n, ph);
+    }
+    corr[h] = softmax_block(ph, n, st.m[i], st.l[i]);
+    if constexpr (int8) {
+#pragma omp simd
+      for (int64_t t = 0; t < n; t++) ph[t] *= vs[t];
+    }
+  }
+  for (int64_t h = 0; h < g; h += HB) {
+    vqf* acc = st.acc.data() + (i0 + h) * C;
+    switch (std::min<int64_t>(HB, g - h)) {
+      case 1: weigh_values<VFmt, D, 1>(acc, corr + h, p + h * bs, bs, vb, n); break;
+      case 2: weigh_values<VFmt, D, 2>(acc, corr + h, p + h * bs, bs, vb, n); break;
+      case 3: weigh_values<VFmt, D, 3>(acc, corr + h, p + h * bs, bs, vb, n); break;
+      default: weigh_values<VFmt, D, 4>(acc, corr + h, p + h * bs, bs, vb, n); break;
+    }
+  }
+}
+
+// The int16 key rows of an int8 tile's widened copy (block_dots_int8 takes them as they are).
+struct Int16Rows { using storage = int16_t; };
+
+// decode_impl for a compile-time head size D (a multiple of 2 * QW); same arguments, except
+// that rows are taken in tiles (above).
 template <typename scalar_t, typename Fmt, int D>
 void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const float* ksp, const float* vsp, const int64_t* btp, int64_t width,
@@ -636,70 +770,82 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   using storage = typename Fmt::storage;
   constexpr int C = D / QW;
   constexpr bool int8 = std::is_same_v<Fmt, Int8Fmt>;
+  constexpr bool in_place_only = std::is_same_v<storage, float>;  // nothing to widen
+  using Scratch = TileScratch<Fmt, D>;
+  using KScratchFmt = std::conditional_t<int8, Int16Rows, SameFmt<float>>;
   const DecodeViews<scalar_t, storage> a(q, k_cache, v_cache, out);
-  const int64_t s_n = a.s_n, heads = a.heads, kvh = a.kvh, nb = a.nb, bs = a.bs, g = a.g;
-  const int64_t sq = a.sq;
+  const int64_t heads = a.heads, kvh = a.kvh, nb = a.nb, bs = a.bs, g = a.g, sq = a.sq;
   const scalar_t* qp = a.qp;
   const storage *kc = a.kc, *vc = a.vc;
-  at::parallel_for(0, s_n * kvh, 1, [&](int64_t begin, int64_t end) {
-    std::vector<vqf> qf(g * C), acc(g * C);
-    std::vector<vqs16> q16(g * C / 2);
-    std::vector<float> qscale(g), p(g * bs), m(g), l(g);
+  const std::vector<int64_t> tiles = row_tiles(btp, a.s_n, width);
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1;
+  at::parallel_for(0, std::max<int64_t>(num_tiles, 0) * kvh, 1, [&](int64_t begin, int64_t end) {
+    RowHeads<D> st(TILE_ROWS * g);
+    Scratch scratch(bs);
+    std::vector<float> p(g * bs), corr(g);
     std::vector<int32_t> dots(bs + QW);
     for (int64_t item = begin; item < end; item++) {
-      const int64_t s = item / kvh, kh = item % kvh;
-      const int64_t first = fpp[s], len = slp[s];
-      for (int64_t h = 0; h < g; h++) {
-        const scalar_t* qs = qp + s * sq + (kh * g + h) * D;
-        float* qh = reinterpret_cast<float*>(qf.data() + h * C);
-        for (int j = 0; j < D; j++) qh[j] = to_f(qs[j]) * sc * fmt_unit<Fmt>;
-        if constexpr (int8) qscale[h] = quantize_q16<D>(qh, reinterpret_cast<int16_t*>(q16.data() + h * C / 2));
-        m[h] = -std::numeric_limits<float>::infinity();
-        l[h] = 0.f;
+      const int64_t tile = zigzag(item / kvh, num_tiles), kh = item % kvh;
+      const int64_t r0 = tiles[tile], nr = tiles[tile + 1] - r0;
+      int64_t first = std::numeric_limits<int64_t>::max(), len = 0;
+      for (int64_t r = r0; r < r0 + nr; r++) {
+        first = std::min(first, fpp[r]);
+        len = std::max(len, slp[r]);
+        for (int64_t h = 0; h < g; h++) {
+          const int64_t i = (r - r0) * g + h;
+          const scalar_t* qs = qp + r * sq + (kh * g + h) * D;
+          float* qh = reinterpret_cast<float*>(st.qf.data() + i * C);
+          for (int j = 0; j < D; j++) qh[j] = to_f(qs[j]) * sc * fmt_unit<Fmt>;
+          if constexpr (int8)
+            st.qscale[i] = quantize_q16<D>(qh, reinterpret_cast<int16_t*>(st.q16.data() + i * C / 2));
+          st.m[i] = -std::numeric_limits<float>::infinity();
+          st.l[i] = 0.f;
+        }
       }
-      std::fill(acc.begin(), acc.end(), vqf{});
+      std::fill(st.acc.begin(), st.acc.begin() + nr * g * C, vqf{});
       for (int64_t pos = first; pos < len;) {
-        const int64_t blk = btp[s * width + pos / bs], off = pos % bs;
+        const int64_t b = pos / bs, off = pos % bs;
         const int64_t n = std::min(bs - off, len - pos);
-        const int64_t row0 = (kh * nb + blk) * bs + off;
-        const storage* kb = kc + row0 * D;
-        const storage* vb = vc + row0 * D;
+        // The block most rows read here: the first reader's (a chunk's rows, or decodes past
+        // their shared prefix, read their own blocks in place).
+        int64_t lead = -1, lead_row = r0, readers = 0;
+        for (int64_t r = r0; r < r0 + nr; r++) {
+          if (std::max(fpp[r], pos) >= std::min(slp[r], pos + n)) continue;
+          const int64_t blk = btp[r * width + b];
+          if (lead < 0) lead = blk, lead_row = r;
+          readers += blk == lead;
+        }
         if (pos + n < len) {  // the next block: its own place in memory, no stream to follow
-          const int64_t next = (kh * nb + btp[s * width + (pos + n) / bs]) * bs;
+          const int64_t next = (kh * nb + btp[lead_row * width + b + 1]) * bs;
           prefetch_rows(kc + next * D, vc + next * D, std::min(bs, len - pos - n) * D * sizeof(storage));
           if constexpr (int8) prefetch_rows(ksp + next, vsp + next, bs * sizeof(float));
         }
-        for (int64_t h = 0; h < g; h++) {
-          float* ph = p.data() + h * bs;
-          if constexpr (int8) {
-            block_dots_int8<D>(q16.data() + h * C / 2, kb, n, dots.data());
-            const float qs = qscale[h];
-            const float* ks = ksp + row0;
-#pragma omp simd
-            for (int64_t t = 0; t < n; t++) ph[t] = static_cast<float>(dots[t]) * (qs * ks[t]);
-          } else {
-            block_scores<Fmt, D>(qf.data() + h * C, kb, n, ph);
-          }
-          const float corr = softmax_block(ph, n, m[h], l[h]);
-          if constexpr (int8) {
-            const float* vs = vsp + row0;
-#pragma omp simd
-            for (int64_t t = 0; t < n; t++) ph[t] *= vs[t];
-          }
-          vqf a[C];
-          for (int c = 0; c < C; c++) a[c] = acc[h * C + c] * corr;
-          for (int64_t t = 0; t < n; t++) {
-            const float w = ph[t];
-            const storage* vt = vb + t * D;
-            for (int c = 0; c < C; c++) a[c] += w * fmt_vec<Fmt>(vt + c * QW);
-          }
-          for (int c = 0; c < C; c++) acc[h * C + c] = a[c];
+        const bool widen = !in_place_only && readers > 1;
+        if (widen) {
+          const int64_t lead0 = (kh * nb + lead) * bs + off;
+          scratch.widen(kc + lead0 * D, vc + lead0 * D, n);
+        }
+        for (int64_t r = r0; r < r0 + nr; r++) {
+          const int64_t lo = std::max(fpp[r], pos) - pos, hi = std::min(slp[r], pos + n) - pos;
+          if (lo >= hi) continue;
+          const int64_t blk = btp[r * width + b];
+          const int64_t row0 = (kh * nb + blk) * bs + off + lo;  // the row's first slot here
+          const float* ks = int8 ? ksp + row0 : nullptr;
+          const float* vs = int8 ? vsp + row0 : nullptr;
+          if (widen && blk == lead)
+            attend_row<KScratchFmt, SameFmt<float>, int8, D>(
+                st, (r - r0) * g, g, scratch.k.data() + lo * D, scratch.v.data() + lo * D, ks,
+                vs, hi - lo, bs, p.data(), corr.data(), dots.data());
+          else
+            attend_row<Fmt, Fmt, int8, D>(st, (r - r0) * g, g, kc + row0 * D, vc + row0 * D, ks,
+                                          vs, hi - lo, bs, p.data(), corr.data(), dots.data());
         }
         pos += n;
       }
-      finish_heads(reinterpret_cast<const float*>(acc.data()), m.data(), l.data(), g, D,
-                   fmt_unit<Fmt>, a.op + (s * heads + kh * g) * D,
-                   lsep ? lsep + s * heads + kh * g : nullptr);
+      for (int64_t r = r0; r < r0 + nr; r++)
+        finish_heads(reinterpret_cast<const float*>(st.acc.data() + (r - r0) * g * C),
+                     st.m.data() + (r - r0) * g, st.l.data() + (r - r0) * g, g, D, fmt_unit<Fmt>,
+                     a.op + (r * heads + kh * g) * D, lsep ? lsep + r * heads + kh * g : nullptr);
     }
   });
 }
@@ -814,22 +960,26 @@ void write_kv_int8_(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales,
     using scalar_t = typename decltype(tag)::type;
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const int64_t s0 = x.stride(0), s1 = x.stride(1);
-    for (int64_t i = 0; i < t; i++) {
-      if (sp[i] < 0) continue;
-      for (int64_t h = 0; h < kvh; h++) {
-        const scalar_t* src = xp + i * s0 + h * s1;
-        float amax = 0.f;
-        for (int64_t j = 0; j < d; j++) amax = std::max(amax, std::abs(to_f(src[j])));
-        const float s = amax / 127.f;
-        const float div = s > 0.f ? s : 1.f;
-        int8_t* dst = cp + (h * slots + sp[i]) * d;
-        for (int64_t j = 0; j < d; j++) {
-          const float r = std::nearbyint(to_f(src[j]) / div);
-          dst[j] = static_cast<int8_t>(std::min(std::max(r, -127.f), 127.f));
+    at::parallel_for(0, t, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; i++) {
+        if (sp[i] < 0) continue;
+        for (int64_t h = 0; h < kvh; h++) {
+          const scalar_t* src = xp + i * s0 + h * s1;
+          float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+          for (int64_t j = 0; j < d; j++) amax = std::max(amax, std::abs(to_f(src[j])));
+          const float s = amax / 127.f;
+          const float div = s > 0.f ? s : 1.f;
+          int8_t* dst = cp + (h * slots + sp[i]) * d;
+#pragma omp simd
+          for (int64_t j = 0; j < d; j++) {
+            const float r = std::nearbyint(to_f(src[j]) / div);
+            dst[j] = static_cast<int8_t>(std::min(std::max(r, -127.f), 127.f));
+          }
+          scp[h * slots + sp[i]] = s;
         }
-        scp[h * slots + sp[i]] = s;
       }
-    }
+    });
   });
 }
 
