@@ -664,26 +664,34 @@ std::vector<int64_t> row_tiles(const int64_t* btp, int64_t rows, int64_t width) 
 // The tile of the i-th of n work slots in zigzag order (0, n-1, 1, n-2, ...).
 inline int64_t zigzag(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n - 1 - i / 2; }
 
-// One block widened for a tile: int8 keys as int16 (q . k stays in integers), everything else
-// as float32, in the units fmt_vec gives (so fmt_unit still applies). Mutates k and v.
+// Blocks widened for a tile, one after another (up to SPAN rows): int8 keys as int16 (q . k
+// stays in integers), everything else as float32, in the units fmt_vec gives (so fmt_unit
+// still applies); int8's scales beside them. Mutates k, v, ks, vs.
+constexpr int64_t SPAN = 128;
 template <typename Fmt, int D> struct TileScratch {
   using KRow = std::conditional_t<std::is_same_v<Fmt, Int8Fmt>, int16_t, float>;
   std::vector<KRow> k;
-  std::vector<float> v;
-  explicit TileScratch(int64_t bs) : k(bs * D), v(bs * D) {}
-  void widen(const typename Fmt::storage* kb, const typename Fmt::storage* vb, int64_t n) {
+  std::vector<float> v, ks, vs;
+  TileScratch() : k(SPAN * D), v(SPAN * D), ks(SPAN), vs(SPAN) {}
+  // Rows at .. at + n - 1 := the n cache rows at kb / vb (and their scales at ksp / vsp, int8).
+  void widen(const typename Fmt::storage* kb, const typename Fmt::storage* vb, const float* ksp,
+             const float* vsp, int64_t n, int64_t at) {
+    KRow* kd = k.data() + at * D;
+    float* vd = v.data() + at * D;
     if constexpr (std::is_same_v<KRow, int16_t>) {
 #pragma omp simd
-      for (int64_t j = 0; j < n * D; j++) k[j] = kb[j];
+      for (int64_t j = 0; j < n * D; j++) kd[j] = kb[j];
+      std::memcpy(ks.data() + at, ksp, n * sizeof(float));
+      std::memcpy(vs.data() + at, vsp, n * sizeof(float));
     } else {
       for (int64_t j = 0; j < n * D; j += QW) {
         const vqf f = fmt_vec<Fmt>(kb + j);
-        std::memcpy(k.data() + j, &f, sizeof(f));
+        std::memcpy(kd + j, &f, sizeof(f));
       }
     }
     for (int64_t j = 0; j < n * D; j += QW) {
       const vqf f = fmt_vec<Fmt>(vb + j);
-      std::memcpy(v.data() + j, &f, sizeof(f));
+      std::memcpy(vd + j, &f, sizeof(f));
     }
   }
 };
@@ -721,18 +729,18 @@ inline void weigh_values(vqf* acc, const float* corr, const float* w, int64_t ws
 
 // The g query heads i0 .. i0 + g - 1 of one row attend the n rows of one block at kb / vb
 // (KFmt / VFmt: the cache's format read in place, or a tile's widened copy); ks / vs: the rows'
-// int8 scales (null otherwise); p: g x bs scores, corr: g factors, dots: bs + QW values
-// (scratch). Value rows are weighed for up to 16 / C heads at once (weigh_values). Mutates the
+// int8 scales (null otherwise); p: g rows of ps >= n scores, corr: g factors, dots: n + QW
+// values (scratch). Value rows are weighed for up to 16 / C heads at once (weigh_values). Mutates the
 // heads' m, l and accumulators.
 template <typename KFmt, typename VFmt, bool int8, int D>
 inline void attend_row(RowHeads<D>& st, int64_t i0, int64_t g, const typename KFmt::storage* kb,
                        const typename VFmt::storage* vb, const float* ks, const float* vs,
-                       int64_t n, int64_t bs, float* p, float* corr, int32_t* dots) {
+                       int64_t n, int64_t ps, float* p, float* corr, int32_t* dots) {
   constexpr int C = D / QW;
   constexpr int HB = C >= 16 ? 1 : C >= 8 ? 2 : 4;
   for (int64_t h = 0; h < g; h++) {
     const int64_t i = i0 + h;
-    float* ph = p + h * bs;
+    float* ph = p + h * ps;
     if constexpr (int8) {
       block_dots_int8<D>(st.q16.data() + i * C / 2, kb, n, dots);
       const float qs = st.qscale[i];
@@ -750,10 +758,10 @@ inline void attend_row(RowHeads<D>& st, int64_t i0, int64_t g, const typename KF
   for (int64_t h = 0; h < g; h += HB) {
     vqf* acc = st.acc.data() + (i0 + h) * C;
     switch (std::min<int64_t>(HB, g - h)) {
-      case 1: weigh_values<VFmt, D, 1>(acc, corr + h, p + h * bs, bs, vb, n); break;
-      case 2: weigh_values<VFmt, D, 2>(acc, corr + h, p + h * bs, bs, vb, n); break;
-      case 3: weigh_values<VFmt, D, 3>(acc, corr + h, p + h * bs, bs, vb, n); break;
-      default: weigh_values<VFmt, D, 4>(acc, corr + h, p + h * bs, bs, vb, n); break;
+      case 1: weigh_values<VFmt, D, 1>(acc, corr + h, p + h * ps, ps, vb, n); break;
+      case 2: weigh_values<VFmt, D, 2>(acc, corr + h, p + h * ps, ps, vb, n); break;
+      case 3: weigh_values<VFmt, D, 3>(acc, corr + h, p + h * ps, ps, vb, n); break;
+      default: weigh_values<VFmt, D, 4>(acc, corr + h, p + h * ps, ps, vb, n); break;
     }
   }
 }
@@ -761,8 +769,103 @@ inline void attend_row(RowHeads<D>& st, int64_t i0, int64_t g, const typename KF
 // The int16 key rows of an int8 tile's widened copy (block_dots_int8 takes them as they are).
 struct Int16Rows { using storage = int16_t; };
 
+// One decode_fixed call's shared inputs (views of its arguments).
+template <typename scalar_t, typename Fmt> struct TileInputs {
+  const DecodeViews<scalar_t, typename Fmt::storage>& a;
+  const float *ksp, *vsp;
+  const int64_t *btp, *fpp, *slp;
+  int64_t width;
+};
+
+// Rows [r0, r0 + nr) share one block table: their key range [first, len) is widened SPAN rows
+// at a time (TileScratch) and each row attends to its part of every span (one online-softmax
+// step per span). Mutates st.
+template <typename scalar_t, typename Fmt, int D>
+void attend_spans(const TileInputs<scalar_t, Fmt>& in, RowHeads<D>& st, TileScratch<Fmt, D>& sc,
+                  int64_t kh, int64_t r0, int64_t nr, int64_t first, int64_t len, float* p,
+                  float* corr, int32_t* dots) {
+  constexpr bool int8 = std::is_same_v<Fmt, Int8Fmt>;
+  using KScratchFmt = std::conditional_t<int8, Int16Rows, SameFmt<float>>;
+  const auto& a = in.a;
+  for (int64_t start = first; start < len;) {
+    int64_t pos = start, n_span = 0;
+    while (pos < len && n_span + (a.bs - pos % a.bs) <= SPAN) {
+      const int64_t n = std::min(a.bs - pos % a.bs, len - pos);
+      const int64_t row0 = (kh * a.nb + in.btp[r0 * in.width + pos / a.bs]) * a.bs + pos % a.bs;
+      sc.widen(a.kc + row0 * D, a.vc + row0 * D, int8 ? in.ksp + row0 : nullptr,
+               int8 ? in.vsp + row0 : nullptr, n, n_span);
+      n_span += n;
+      pos += n;
+    }
+    for (int64_t r = r0; r < r0 + nr; r++) {
+      const int64_t lo = std::max(in.fpp[r], start) - start, hi = std::min(in.slp[r], pos) - start;
+      if (lo >= hi) continue;
+      attend_row<KScratchFmt, SameFmt<float>, int8, D>(
+          st, (r - r0) * a.g, a.g, sc.k.data() + lo * D, sc.v.data() + lo * D,
+          sc.ks.data() + lo, sc.vs.data() + lo, hi - lo, SPAN, p, corr, dots);
+    }
+    start = pos;
+  }
+}
+
+// Rows [r0, r0 + nr) whose tables may part (decodes past a shared prefix), block by block: a
+// block two or more of them read is widened once (when the format needs widening), the others
+// are read in place by their one reader. Mutates st.
+template <typename scalar_t, typename Fmt, int D>
+void attend_blocks(const TileInputs<scalar_t, Fmt>& in, RowHeads<D>& st, TileScratch<Fmt, D>& sc,
+                   int64_t kh, int64_t r0, int64_t nr, int64_t first, int64_t len, float* p,
+                   float* corr, int32_t* dots) {
+  using storage = typename Fmt::storage;
+  constexpr bool int8 = std::is_same_v<Fmt, Int8Fmt>;
+  constexpr bool in_place_only = std::is_same_v<storage, float>;  // nothing to widen
+  using KScratchFmt = std::conditional_t<int8, Int16Rows, SameFmt<float>>;
+  const auto& a = in.a;
+  const int64_t bs = a.bs, nb = a.nb, g = a.g, width = in.width;
+  const int64_t* btp = in.btp;
+  for (int64_t pos = first; pos < len;) {
+    const int64_t b = pos / bs, off = pos % bs;
+    const int64_t n = std::min(bs - off, len - pos);
+    // The block most rows read here: the first reader's.
+    int64_t lead = -1, lead_row = r0, readers = 0;
+    for (int64_t r = r0; r < r0 + nr; r++) {
+      if (std::max(in.fpp[r], pos) >= std::min(in.slp[r], pos + n)) continue;
+      const int64_t blk = btp[r * width + b];
+      if (lead < 0) lead = blk, lead_row = r;
+      readers += blk == lead;
+    }
+    if (pos + n < len) {  // the next block: its own place in memory, no stream to follow
+      const int64_t next = (kh * nb + btp[lead_row * width + b + 1]) * bs;
+      prefetch_rows(a.kc + next * D, a.vc + next * D, std::min(bs, len - pos - n) * D * sizeof(storage));
+      if constexpr (int8) prefetch_rows(in.ksp + next, in.vsp + next, bs * sizeof(float));
+    }
+    const bool widen = !in_place_only && readers > 1;
+    if (widen) {
+      const int64_t lead0 = (kh * nb + lead) * bs + off;
+      sc.widen(a.kc + lead0 * D, a.vc + lead0 * D, int8 ? in.ksp + lead0 : nullptr,
+               int8 ? in.vsp + lead0 : nullptr, n, 0);
+    }
+    for (int64_t r = r0; r < r0 + nr; r++) {
+      const int64_t lo = std::max(in.fpp[r], pos) - pos, hi = std::min(in.slp[r], pos + n) - pos;
+      if (lo >= hi) continue;
+      const int64_t blk = btp[r * width + b];
+      const int64_t row0 = (kh * nb + blk) * bs + off + lo;  // the row's first slot here
+      const float* ks = int8 ? in.ksp + row0 : nullptr;
+      const float* vs = int8 ? in.vsp + row0 : nullptr;
+      if (widen && blk == lead)
+        attend_row<KScratchFmt, SameFmt<float>, int8, D>(
+            st, (r - r0) * g, g, sc.k.data() + lo * D, sc.v.data() + lo * D, ks, vs, hi - lo,
+            SPAN, p, corr, dots);
+      else
+        attend_row<Fmt, Fmt, int8, D>(st, (r - r0) * g, g, a.kc + row0 * D, a.vc + row0 * D,
+                                      ks, vs, hi - lo, SPAN, p, corr, dots);
+    }
+    pos += n;
+  }
+}
+
 // decode_impl for a compile-time head size D (a multiple of 2 * QW); same arguments, except
-// that rows are taken in tiles (above).
+// that rows are taken in tiles (above): a tile on one block table (a prefill chunk) through
+// attend_spans, others (decodes) through attend_blocks.
 template <typename scalar_t, typename Fmt, int D>
 void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const float* ksp, const float* vsp, const int64_t* btp, int64_t width,
@@ -771,26 +874,27 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   constexpr int C = D / QW;
   constexpr bool int8 = std::is_same_v<Fmt, Int8Fmt>;
   constexpr bool in_place_only = std::is_same_v<storage, float>;  // nothing to widen
-  using Scratch = TileScratch<Fmt, D>;
-  using KScratchFmt = std::conditional_t<int8, Int16Rows, SameFmt<float>>;
   const DecodeViews<scalar_t, storage> a(q, k_cache, v_cache, out);
-  const int64_t heads = a.heads, kvh = a.kvh, nb = a.nb, bs = a.bs, g = a.g, sq = a.sq;
+  const TileInputs<scalar_t, Fmt> in{a, ksp, vsp, btp, fpp, slp, width};
+  const int64_t heads = a.heads, kvh = a.kvh, g = a.g, sq = a.sq;
   const scalar_t* qp = a.qp;
-  const storage *kc = a.kc, *vc = a.vc;
   const std::vector<int64_t> tiles = row_tiles(btp, a.s_n, width);
   const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1;
   at::parallel_for(0, std::max<int64_t>(num_tiles, 0) * kvh, 1, [&](int64_t begin, int64_t end) {
     RowHeads<D> st(TILE_ROWS * g);
-    Scratch scratch(bs);
-    std::vector<float> p(g * bs), corr(g);
-    std::vector<int32_t> dots(bs + QW);
+    TileScratch<Fmt, D> scratch;
+    std::vector<float> p(g * SPAN), corr(g);
+    std::vector<int32_t> dots(SPAN + QW);
     for (int64_t item = begin; item < end; item++) {
       const int64_t tile = zigzag(item / kvh, num_tiles), kh = item % kvh;
       const int64_t r0 = tiles[tile], nr = tiles[tile + 1] - r0;
       int64_t first = std::numeric_limits<int64_t>::max(), len = 0;
+      bool one_table = true;
       for (int64_t r = r0; r < r0 + nr; r++) {
         first = std::min(first, fpp[r]);
         len = std::max(len, slp[r]);
+        one_table = one_table && (r == r0 || std::memcmp(btp + r * width, btp + r0 * width,
+                                                         width * sizeof(int64_t)) == 0);
         for (int64_t h = 0; h < g; h++) {
           const int64_t i = (r - r0) * g + h;
           const scalar_t* qs = qp + r * sq + (kh * g + h) * D;
@@ -803,45 +907,12 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         }
       }
       std::fill(st.acc.begin(), st.acc.begin() + nr * g * C, vqf{});
-      for (int64_t pos = first; pos < len;) {
-        const int64_t b = pos / bs, off = pos % bs;
-        const int64_t n = std::min(bs - off, len - pos);
-        // The block most rows read here: the first reader's (a chunk's rows, or decodes past
-        // their shared prefix, read their own blocks in place).
-        int64_t lead = -1, lead_row = r0, readers = 0;
-        for (int64_t r = r0; r < r0 + nr; r++) {
-          if (std::max(fpp[r], pos) >= std::min(slp[r], pos + n)) continue;
-          const int64_t blk = btp[r * width + b];
-          if (lead < 0) lead = blk, lead_row = r;
-          readers += blk == lead;
-        }
-        if (pos + n < len) {  // the next block: its own place in memory, no stream to follow
-          const int64_t next = (kh * nb + btp[lead_row * width + b + 1]) * bs;
-          prefetch_rows(kc + next * D, vc + next * D, std::min(bs, len - pos - n) * D * sizeof(storage));
-          if constexpr (int8) prefetch_rows(ksp + next, vsp + next, bs * sizeof(float));
-        }
-        const bool widen = !in_place_only && readers > 1;
-        if (widen) {
-          const int64_t lead0 = (kh * nb + lead) * bs + off;
-          scratch.widen(kc + lead0 * D, vc + lead0 * D, n);
-        }
-        for (int64_t r = r0; r < r0 + nr; r++) {
-          const int64_t lo = std::max(fpp[r], pos) - pos, hi = std::min(slp[r], pos + n) - pos;
-          if (lo >= hi) continue;
-          const int64_t blk = btp[r * width + b];
-          const int64_t row0 = (kh * nb + blk) * bs + off + lo;  // the row's first slot here
-          const float* ks = int8 ? ksp + row0 : nullptr;
-          const float* vs = int8 ? vsp + row0 : nullptr;
-          if (widen && blk == lead)
-            attend_row<KScratchFmt, SameFmt<float>, int8, D>(
-                st, (r - r0) * g, g, scratch.k.data() + lo * D, scratch.v.data() + lo * D, ks,
-                vs, hi - lo, bs, p.data(), corr.data(), dots.data());
-          else
-            attend_row<Fmt, Fmt, int8, D>(st, (r - r0) * g, g, kc + row0 * D, vc + row0 * D, ks,
-                                          vs, hi - lo, bs, p.data(), corr.data(), dots.data());
-        }
-        pos += n;
-      }
+      if (nr > 1 && one_table && !in_place_only)
+        attend_spans<scalar_t, Fmt, D>(in, st, scratch, kh, r0, nr, first, len, p.data(),
+                                       corr.data(), dots.data());
+      else
+        attend_blocks<scalar_t, Fmt, D>(in, st, scratch, kh, r0, nr, first, len, p.data(),
+                                        corr.data(), dots.data());
       for (int64_t r = r0; r < r0 + nr; r++)
         finish_heads(reinterpret_cast<const float*>(st.acc.data() + (r - r0) * g * C),
                      st.m.data() + (r - r0) * g, st.l.data() + (r - r0) * g, g, D, fmt_unit<Fmt>,
