@@ -5,10 +5,11 @@
     PYTHONPATH=. python benchmarks/bench_kv_quant.py --prefill-len 2048 [--throughput-formats
         auto,int8] [--throughput-dtype bfloat16] [--threads 1]
     PYTHONPATH=. python benchmarks/bench_kv_quant.py --kl [--kl-contexts 256,2048]
-        [--kl-sequences 2] [--kl-kernels off|wait] [--json]
+        [--kl-sequences 2] [--kl-kernels off|wait] [--kl-skew 1024] [--json]
 
 0. `--kl` (only this): KL divergence of every cache format against a float32-exact cache on the
-   benchmark model in float32 and bfloat16 weights, short and long context (kv_kl.py).
+   benchmark model in float32 and bfloat16 weights, short and long context (kv_kl.py);
+   `--kl-skew S`: the same model with KV head 0's range S-fold smaller (per-head fp8's case).
 
 1. Accuracy, teacher-forced (pagedkv.testing.kv_quant_accuracy): a prompt is prefilled in chunks,
    then a fixed continuation decoded token by token through the paged cache, once with the
@@ -46,7 +47,7 @@ from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.kv.sizes import parse_size  # noqa: E402
 from pagedkv.model.runner import ModelRunner  # noqa: E402
 from pagedkv.testing.kv_quant_accuracy import compare_logits, teacher_forced_logits  # noqa: E402
-from pagedkv.testing.random_model import build_random_model_dir  # noqa: E402
+from pagedkv.testing.random_model import build_random_model_dir, skew_kv_head  # noqa: E402
 
 MAX_MODEL_LEN = 576  # bench_offline's longest request: 384 prompt + 160 output tokens
 FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8")  # "fp8" is fp8_e4m3
@@ -163,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the candidates' CPU path: pure torch (off) or the fused kernels")
     parser.add_argument("--kl-weights", default="float32,bfloat16",
                         help="weight dtypes of the KL runs, comma-separated")
+    parser.add_argument("--kl-skew", type=float, default=None,
+                        help="KV head 0's keys and values this many times smaller (the model's "
+                             "function unchanged: random_model.skew_kv_head), so KV heads differ "
+                             "in range as per-head fp8 scales expect; a power of two")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -247,6 +252,8 @@ def kl_main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.kl_weights.split(","):
             model_dir = build_random_model_dir(Path(tmp) / dtype, dtype=dtype, seed=0, **SHAPE)
+            if args.kl_skew:
+                model_dir = skew_kv_head(model_dir, Path(tmp) / f"{dtype}-skewed", args.kl_skew)
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
             rows += kl_table(model_dir, dtype, contexts, args.kl_sequences, vocab,
                              only=args.kl_formats.split(",") if args.kl_formats else None,

@@ -13,7 +13,13 @@ distributions kept), its mean and p99 over positions, and the top-1 agreement. R
 - bfloat16 weights: the model-dtype (bfloat16) cache, whose KL is the bfloat16 compute's own,
   and the same quantized formats; `vs_model_cache` is each one's KL against that bfloat16 cache
   (the cache's own share).
-Short and long contexts (the error grows with context).
+Short and long contexts (the error grows with context). Each row's `vs_yardstick` is its mean
+KL over the first row's (the bfloat16 cache of the float32 model, the bfloat16 model's own).
+
+Why int8 sits where it does (`kv_rounding_errors`): the squared error of each format's round trip
+on the very K/V the float32-exact reference wrote (mean over elements, relative to their mean
+square), int8's over the bfloat16 cache's, next to the same ratio on Gaussian vectors of the head
+size. KL is second order in a small logit error, so the KL ratio follows the squared-error ratio.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from pagedkv.model.kv_int8 import round_trip_per_token
 from pagedkv.model.runner import ModelRunner
 from pagedkv.testing.kv_quant_accuracy import kl_divergence, prompt_logits
 
@@ -60,6 +67,37 @@ def runner_logits(model_dir: Path, dtype: str, cache_dtype: str, seqs: list[list
     return out
 
 
+def exact_kv(model_dir: Path, seq: list[int], chunk: int) -> torch.Tensor:
+    """The K/V [layers, 2, kv_heads, len(seq), head_dim] (float32) that the float32-exact
+    reference writes to its cache for `seq`."""
+    blocks = -(-len(seq) // BLOCK_SIZE)
+    runner = ModelRunner(model_dir, block_size=BLOCK_SIZE, num_blocks=blocks + 1, device="cpu",
+                         dtype="float32", kv_cache_dtype="float32", cpu_kernels="off")
+    prompt_logits(runner, seq, chunk)
+    kv = runner.kv_cache.kv[:, :, :, 1:blocks + 1]
+    kv = kv.reshape(*kv.shape[:3], blocks * BLOCK_SIZE, kv.shape[-1])[:, :, :, :len(seq)].clone()
+    runner.shutdown()
+    return kv
+
+
+def relative_sq_error(x: torch.Tensor, round_trip) -> float:
+    """mean((round_trip(x) - x)^2) / mean(x^2) over every element of `x`."""
+    return float((round_trip(x) - x).pow(2).mean() / x.pow(2).mean())
+
+
+def kv_rounding_errors(kv: torch.Tensor, seed: int = 0) -> dict[str, float]:
+    """int8's squared round-trip error over the bfloat16 cache's on the keys and the values of
+    `kv` ([layers, 2, kv_heads, tokens, head_dim], float32), and on as many Gaussian vectors."""
+    def bf16(x: torch.Tensor) -> torch.Tensor:
+        return x.bfloat16().float()
+
+    def ratio(x: torch.Tensor) -> float:
+        return relative_sq_error(x, round_trip_per_token) / relative_sq_error(x, bf16)
+
+    gauss = torch.randn(kv[:, 0].shape, generator=torch.Generator().manual_seed(seed))
+    return dict(keys=ratio(kv[:, 0]), values=ratio(kv[:, 1]), gaussian=ratio(gauss))
+
+
 def kl_table(model_dir: Path, weight_dtype: str, contexts: list[int], num_seqs: int,
              vocab: int, chunk: int = 256, only: list[str] | None = None,
              kernels: str = "off") -> list[dict]:
@@ -71,7 +109,11 @@ def kl_table(model_dir: Path, weight_dtype: str, contexts: list[int], num_seqs: 
     for length in contexts:
         seqs = sequences(num_seqs, length, vocab)
         ref = runner_logits(model_dir, "float32", "float32", seqs, chunk)
-        own = None
+        errors = kv_rounding_errors(exact_kv(model_dir, seqs[0], chunk))
+        print(f"[{weight_dtype} weights, {length} tokens] squared round-trip error, int8 / "
+              f"bfloat16 cache, on the exact K/V: keys {errors['keys']:.1f}x, values "
+              f"{errors['values']:.1f}x (Gaussian vectors: {errors['gaussian']:.1f}x)", flush=True)
+        own = yardstick = None
         for fmt in formats_for(weight_dtype):
             if only is not None and fmt not in only and fmt != "auto":
                 continue
@@ -85,6 +127,10 @@ def kl_table(model_dir: Path, weight_dtype: str, contexts: list[int], num_seqs: 
                        positions=kl.positions)
             if own is not None and fmt != "auto":
                 row["vs_model_cache_mean_kl"] = kl_divergence(own, got).mean_kl
+            yardstick = yardstick or kl.mean_kl
+            row["vs_yardstick"] = kl.mean_kl / yardstick if yardstick else float("nan")
+            if fmt == "int8":
+                row["int8_over_bf16_sq_error"] = errors
             rows.append(row)
             print(format_row(row), flush=True)
     return rows
@@ -97,4 +143,5 @@ def format_row(row: dict) -> str:
     return (f"[{row['weights']} weights, {row['context']} tokens, kernels {row['kernels']}] "
             f"{row['cache']:>18} cache: "
             f"mean KL {row['mean_kl']:.3e}, p99 {row['p99_kl']:.3e}, max {row['max_kl']:.3e}, "
-            f"top-1 {100 * row['top1']:.2f}% of {row['positions']}{extra}")
+            f"top-1 {100 * row['top1']:.2f}% of {row['positions']}, "
+            f"{row['vs_yardstick']:.2f}x the first row{extra}")

@@ -366,7 +366,7 @@ inline float softmax_block(float* p, int64_t n, float& m, float& l) {
   float mx = m;
 #pragma omp simd reduction(max : mx)
   for (int64_t t = 0; t < n; t++) mx = std::max(mx, p[t]);
-  const float corr = std::exp(m - mx);
+  const float corr = m == -std::numeric_limits<float>::infinity() ? 0.f : fast_exp(m - mx);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < n; t++) { p[t] = fast_exp(p[t] - mx); sum += p[t]; }
@@ -570,124 +570,45 @@ template <typename V> inline V row_sums(V* r) {
 #endif
 }
 
-// a * b + c as one fused multiply-add (QW lanes).
-inline vqf fma_q(vqf a, vqf b, vqf c) {
-#if PAGEDKV_QW == 16
-  return (vqf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__FMA__)
-  return (vqf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-  return a * b + c;
-#endif
-}
-
-// p[h * ps + t] = q_h . k[t] (float32) for the n rows of one block and G query heads (q_h in
-// registers: C vectors at qv + h * C); each row is loaded and widened once for all G heads.
-template <typename Fmt, int D, int G>
-inline void block_scores(const vqf* qv, const typename Fmt::storage* kb, int64_t n, float* p,
-                         int64_t ps) {
+// p[t] = q . k[t] (float32) for the n rows of one block, q in registers (C vectors).
+template <typename Fmt, int D>
+inline void block_scores(const vqf* qv, const typename Fmt::storage* kb, int64_t n, float* p) {
   constexpr int C = D / QW;
   for (int64_t t0 = 0; t0 < n; t0 += QW) {
-    vqf r[G][QW] = {};
+    vqf r[QW] = {};
     const int64_t rows = std::min<int64_t>(QW, n - t0);
     for (int64_t i = 0; i < rows; i++) {
       const typename Fmt::storage* kt = kb + (t0 + i) * D;
-      vqf k[C];
-      for (int c = 0; c < C; c++) k[c] = fmt_vec<Fmt>(kt + c * QW);
-      for (int h = 0; h < G; h++) {
-        vqf a = qv[h * C] * k[0];
-        for (int c = 1; c < C; c++) a = fma_q(qv[h * C + c], k[c], a);
-        r[h][i] = a;
-      }
+      vqf a = qv[0] * fmt_vec<Fmt>(kt);
+      for (int c = 1; c < C; c++) a += qv[c] * fmt_vec<Fmt>(kt + c * QW);
+      r[i] = a;
     }
-    for (int h = 0; h < G; h++) {
-      const vqf s = row_sums(r[h]);
-      std::memcpy(p + h * ps + t0, &s, sizeof(float) * rows);
-    }
+    const vqf s = row_sums(r);
+    std::memcpy(p + t0, &s, sizeof(float) * rows);
   }
 }
 
-#if defined(__AVX512BF16__) && PAGEDKV_QW == 16
-#define PAGEDKV_BF16_DOT 1
-// block_scores for a bfloat16 cache read by bfloat16 queries, with vdpbf16ps: q_h (D / 32
-// registers of bfloat16 values at qb + h * D / 32, not scaled) times each key row, two K steps
-// per instruction, the sums times `scale` at the end. The products of two bfloat16 values are
-// exact in float32, so the scores differ from block_scores' in summation order and
-// vdpbf16ps's DAZ/FTZ rules only (see panel_linear16), and in one rounding where the scale
-// is not a power of two.
-template <int D, int G>
-inline void block_scores_bf16(const __m512bh* qb, const c10::BFloat16* kb, int64_t n, float* p,
-                              int64_t ps, float scale) {
-  constexpr int C2 = D / 32;
-  for (int64_t t0 = 0; t0 < n; t0 += QW) {
-    vqf r[G][QW] = {};
-    const int64_t rows = std::min<int64_t>(QW, n - t0);
-    for (int64_t i = 0; i < rows; i++) {
-      const c10::BFloat16* kt = kb + (t0 + i) * D;
-      __m512bh k[C2];
-      for (int c = 0; c < C2; c++) k[c] = (__m512bh)_mm512_loadu_si512(kt + c * 32);
-      for (int h = 0; h < G; h++) {
-        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[h * C2], k[0]);
-        for (int c = 1; c < C2; c++) a = _mm512_dpbf16_ps(a, qb[h * C2 + c], k[c]);
-        r[h][i] = (vqf)a;
-      }
-    }
-    for (int h = 0; h < G; h++) {
-      const vqf s = row_sums(r[h]) * scale;
-      std::memcpy(p + h * ps + t0, &s, sizeof(float) * rows);
-    }
-  }
-}
-#else
-#define PAGEDKV_BF16_DOT 0
-#endif
-
-// acc_h = acc_h * corr[h] + sum over t of p[h * ps + t] * v[t], for the n V rows of one block
-// and G query heads (acc_h: C vectors at acc + h * C); each row is loaded and widened once for
-// all G heads. With one head, even and odd rows go to two partial sums, so that 2C chains of
-// FMAs are in flight rather than C (a chain waits out each FMA's latency). Mutates acc.
-template <typename Fmt, int D, int G>
-inline void block_values(const float* p, int64_t ps, const float* corr,
-                         const typename Fmt::storage* vb, int64_t n, vqf* acc) {
-  constexpr int C = D / QW, U = G == 1 ? 2 : 1;
-  vqf a[U][G][C];
-  for (int h = 0; h < G; h++)
-    for (int c = 0; c < C; c++) {
-      a[0][h][c] = acc[h * C + c] * corr[h];
-      if constexpr (U == 2) a[1][h][c] = vqf{};
-    }
-  auto row = [&](int u, int64_t t) {
-    const typename Fmt::storage* vt = vb + t * D;
-    vqf v[C];
-    for (int c = 0; c < C; c++) v[c] = fmt_vec<Fmt>(vt + c * QW);
-    for (int h = 0; h < G; h++) {
-      const vqf w = vqf{} + p[h * ps + t];
-      for (int c = 0; c < C; c++) a[u][h][c] = fma_q(w, v[c], a[u][h][c]);
-    }
-  };
-  int64_t t = 0;
-  for (; t + U <= n; t += U)
-    for (int u = 0; u < U; u++) row(u, t + u);
-  for (; t < n; t++) row(0, t);
-  for (int h = 0; h < G; h++)
-    for (int c = 0; c < C; c++)
-      acc[h * C + c] = U == 2 ? a[0][h][c] + a[U - 1][h][c] : a[0][h][c];
-}
-
-// dots[t] = q16 . k8[t] (int32, exact) for the n int8 rows of one block, q16 D int16 values.
-template <int D>
-inline void block_dots_int8(const vqs16* qv, const int8_t* kb, int64_t n, int32_t* dots) {
+// dots[t] = q16 . k[t] (int32, exact) for the n rows of one block, q16 D int16 values; the
+// rows are int8 (a cache block, widened here) or int16 (a tile's widened copy, TileScratch).
+template <int D, typename K>
+inline void block_dots_int8(const vqs16* qv, const K* kb, int64_t n, int32_t* dots) {
   constexpr int C2 = D / (2 * QW);
   for (int64_t t0 = 0; t0 < n; t0 += QW) {
     vqi32 r[QW] = {};
     const int64_t rows = std::min<int64_t>(QW, n - t0);
     for (int64_t i = 0; i < rows; i++) {
-      const int8_t* kt = kb + (t0 + i) * D;
+      const K* kt = kb + (t0 + i) * D;
       vqi32 a = {};
       for (int c = 0; c < C2; c++) {
-        vqi8x2 k8;
-        std::memcpy(&k8, kt + c * 2 * QW, sizeof(k8));
-        a = dot_pairs(a, __builtin_convertvector(k8, vqs16), qv[c]);
+        vqs16 k16;
+        if constexpr (std::is_same_v<K, int8_t>) {
+          vqi8x2 k8;
+          std::memcpy(&k8, kt + c * 2 * QW, sizeof(k8));
+          k16 = __builtin_convertvector(k8, vqs16);
+        } else {
+          std::memcpy(&k16, kt + c * 2 * QW, sizeof(k16));
+        }
+        a = dot_pairs(a, k16, qv[c]);
       }
       r[i] = a;
     }
@@ -715,7 +636,236 @@ inline void prefetch_rows(const void* a, const void* b, int64_t bytes) {
   }
 }
 
-// decode_impl for a compile-time head size D (a multiple of 2 * QW); same arguments.
+// ---- Query tiles: rows that read the same blocks share each block's loads ------------------
+//
+// Consecutive rows whose block tables start with the same block (the tokens of one prefill
+// chunk, which the caller lays out one row per token; decodes of requests sharing a cached
+// prefix) form a tile of up to TILE_ROWS rows. A tile walks the union of its rows' key ranges
+// once. Where two or more of its rows read the same block, that block is widened once (int8 keys
+// to int16, every value row and every other format to float32: TileScratch) and each of them
+// attends to it there, over just the positions it sees (its causal end, its window's start);
+// a row reading a block of its own (a decode past the shared prefix; a lone decode) reads it in
+// place, widening in registers. Tiles go to threads in zigzag order (first, last, second,
+// second-to-last, ...): a chunk's later rows see more keys, and torch's static split would
+// otherwise hand one thread all the long ones.
+constexpr int64_t TILE_ROWS = 16;
+
+// The tiles of `rows` rows (block_tables [rows, width]): tile i is rows [starts[i], starts[i+1]).
+std::vector<int64_t> row_tiles(const int64_t* btp, int64_t rows, int64_t width) {
+  std::vector<int64_t> starts{0};
+  for (int64_t r = 1; r < rows; r++) {
+    const int64_t r0 = starts.back();
+    if (r - r0 >= TILE_ROWS || width == 0 || btp[r * width] != btp[r0 * width]) starts.push_back(r);
+  }
+  if (rows > 0) starts.push_back(rows);
+  return starts;
+}
+
+// The tile of the i-th of n work slots in zigzag order (0, n-1, 1, n-2, ...).
+inline int64_t zigzag(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n - 1 - i / 2; }
+
+// Blocks widened for a tile, one after another (up to SPAN rows): int8 keys as int16 (q . k
+// stays in integers), everything else as float32, in the units fmt_vec gives (so fmt_unit
+// still applies); int8's scales beside them. Mutates k, v, ks, vs.
+constexpr int64_t SPAN = 128;
+template <typename Fmt, int D> struct TileScratch {
+  using KRow = std::conditional_t<std::is_same_v<Fmt, Int8Fmt>, int16_t, float>;
+  std::vector<KRow> k;
+  std::vector<float> v, ks, vs;
+  TileScratch() : k(SPAN * D), v(SPAN * D), ks(SPAN), vs(SPAN) {}
+  // Rows at .. at + n - 1 := the n cache rows at kb / vb (and their scales at ksp / vsp, int8).
+  void widen(const typename Fmt::storage* kb, const typename Fmt::storage* vb, const float* ksp,
+             const float* vsp, int64_t n, int64_t at) {
+    KRow* kd = k.data() + at * D;
+    float* vd = v.data() + at * D;
+    if constexpr (std::is_same_v<KRow, int16_t>) {
+#pragma omp simd
+      for (int64_t j = 0; j < n * D; j++) kd[j] = kb[j];
+      std::memcpy(ks.data() + at, ksp, n * sizeof(float));
+      std::memcpy(vs.data() + at, vsp, n * sizeof(float));
+    } else {
+      for (int64_t j = 0; j < n * D; j += QW) {
+        const vqf f = fmt_vec<Fmt>(kb + j);
+        std::memcpy(kd + j, &f, sizeof(f));
+      }
+    }
+    for (int64_t j = 0; j < n * D; j += QW) {
+      const vqf f = fmt_vec<Fmt>(vb + j);
+      std::memcpy(vd + j, &f, sizeof(f));
+    }
+  }
+};
+
+// One query row-head's state in a tile: q (float32 vectors, or int16 and its scale for an int8
+// cache), the online softmax's m and l, the output accumulator.
+template <int D> struct RowHeads {
+  static constexpr int C = D / QW;
+  std::vector<vqf> qf, acc;
+  std::vector<vqs16> q16;
+  std::vector<float> qscale, m, l;
+  explicit RowHeads(int64_t n) : qf(n * C), acc(n * C), q16(n * C / 2), qscale(n), m(n), l(n) {}
+};
+
+// acc[h] = acc[h] * corr[h] + sum_t w[h][t] * v[t] for H query heads (acc: C vectors each;
+// w: H rows of n weights, ws apart) over the n value rows at vb: H * C accumulators stay in
+// registers and each value vector is widened once for all H heads. Mutates acc.
+template <typename VFmt, int D, int H>
+inline void weigh_values(vqf* acc, const float* corr, const float* w, int64_t ws,
+                         const typename VFmt::storage* vb, int64_t n) {
+  constexpr int C = D / QW;
+  vqf a[H][C];
+  for (int h = 0; h < H; h++)
+    for (int c = 0; c < C; c++) a[h][c] = acc[h * C + c] * corr[h];
+  for (int64_t t = 0; t < n; t++) {
+    const typename VFmt::storage* vt = vb + t * D;
+    for (int c = 0; c < C; c++) {
+      const vqf v = fmt_vec<VFmt>(vt + c * QW);
+      for (int h = 0; h < H; h++) a[h][c] += w[h * ws + t] * v;
+    }
+  }
+  for (int h = 0; h < H; h++)
+    for (int c = 0; c < C; c++) acc[h * C + c] = a[h][c];
+}
+
+// The g query heads i0 .. i0 + g - 1 of one row attend the n rows of one block at kb / vb
+// (KFmt / VFmt: the cache's format read in place, or a tile's widened copy); ks / vs: the rows'
+// int8 scales (null otherwise); p: g rows of ps >= n scores, corr: g factors, dots: n + QW
+// values (scratch). Value rows are weighed for up to 16 / C heads at once (weigh_values). Mutates the
+// heads' m, l and accumulators.
+template <typename KFmt, typename VFmt, bool int8, int D>
+inline void attend_row(RowHeads<D>& st, int64_t i0, int64_t g, const typename KFmt::storage* kb,
+                       const typename VFmt::storage* vb, const float* ks, const float* vs,
+                       int64_t n, int64_t ps, float* p, float* corr, int32_t* dots) {
+  constexpr int C = D / QW;
+  constexpr int HB = C >= 16 ? 1 : C >= 8 ? 2 : 4;
+  for (int64_t h = 0; h < g; h++) {
+    const int64_t i = i0 + h;
+    float* ph = p + h * ps;
+    if constexpr (int8) {
+      block_dots_int8<D>(st.q16.data() + i * C / 2, kb, n, dots);
+      const float qs = st.qscale[i];
+#pragma omp simd
+      for (int64_t t = 0; t < n; t++) ph[t] = static_cast<float>(dots[t]) * (qs * ks[t]);
+    } else {
+      block_scores<KFmt, D>(st.qf.data() + i * C, kb, n, ph);
+    }
+    corr[h] = softmax_block(ph, n, st.m[i], st.l[i]);
+    if constexpr (int8) {
+#pragma omp simd
+      for (int64_t t = 0; t < n; t++) ph[t] *= vs[t];
+    }
+  }
+  for (int64_t h = 0; h < g; h += HB) {
+    vqf* acc = st.acc.data() + (i0 + h) * C;
+    switch (std::min<int64_t>(HB, g - h)) {
+      case 1: weigh_values<VFmt, D, 1>(acc, corr + h, p + h * ps, ps, vb, n); break;
+      case 2: weigh_values<VFmt, D, 2>(acc, corr + h, p + h * ps, ps, vb, n); break;
+      case 3: weigh_values<VFmt, D, 3>(acc, corr + h, p + h * ps, ps, vb, n); break;
+      default: weigh_values<VFmt, D, 4>(acc, corr + h, p + h * ps, ps, vb, n); break;
+    }
+  }
+}
+
+// The int16 key rows of an int8 tile's widened copy (block_dots_int8 takes them as they are).
+struct Int16Rows { using storage = int16_t; };
+
+// One decode_fixed call's shared inputs (views of its arguments).
+template <typename scalar_t, typename Fmt> struct TileInputs {
+  const DecodeViews<scalar_t, typename Fmt::storage>& a;
+  const float *ksp, *vsp;
+  const int64_t *btp, *fpp, *slp;
+  int64_t width;
+};
+
+// Rows [r0, r0 + nr) share one block table: their key range [first, len) is widened SPAN rows
+// at a time (TileScratch) and each row attends to its part of every span (one online-softmax
+// step per span). Mutates st.
+template <typename scalar_t, typename Fmt, int D>
+void attend_spans(const TileInputs<scalar_t, Fmt>& in, RowHeads<D>& st, TileScratch<Fmt, D>& sc,
+                  int64_t kh, int64_t r0, int64_t nr, int64_t first, int64_t len, float* p,
+                  float* corr, int32_t* dots) {
+  constexpr bool int8 = std::is_same_v<Fmt, Int8Fmt>;
+  using KScratchFmt = std::conditional_t<int8, Int16Rows, SameFmt<float>>;
+  const auto& a = in.a;
+  for (int64_t start = first; start < len;) {
+    int64_t pos = start, n_span = 0;
+    while (pos < len && n_span + (a.bs - pos % a.bs) <= SPAN) {
+      const int64_t n = std::min(a.bs - pos % a.bs, len - pos);
+      const int64_t row0 = (kh * a.nb + in.btp[r0 * in.width + pos / a.bs]) * a.bs + pos % a.bs;
+      sc.widen(a.kc + row0 * D, a.vc + row0 * D, int8 ? in.ksp + row0 : nullptr,
+               int8 ? in.vsp + row0 : nullptr, n, n_span);
+      n_span += n;
+      pos += n;
+    }
+    for (int64_t r = r0; r < r0 + nr; r++) {
+      const int64_t lo = std::max(in.fpp[r], start) - start, hi = std::min(in.slp[r], pos) - start;
+      if (lo >= hi) continue;
+      attend_row<KScratchFmt, SameFmt<float>, int8, D>(
+          st, (r - r0) * a.g, a.g, sc.k.data() + lo * D, sc.v.data() + lo * D,
+          sc.ks.data() + lo, sc.vs.data() + lo, hi - lo, SPAN, p, corr, dots);
+    }
+    start = pos;
+  }
+}
+
+// Rows [r0, r0 + nr) whose tables may part (decodes past a shared prefix), block by block: a
+// block two or more of them read is widened once (when the format needs widening), the others
+// are read in place by their one reader. Mutates st.
+template <typename scalar_t, typename Fmt, int D>
+void attend_blocks(const TileInputs<scalar_t, Fmt>& in, RowHeads<D>& st, TileScratch<Fmt, D>& sc,
+                   int64_t kh, int64_t r0, int64_t nr, int64_t first, int64_t len, float* p,
+                   float* corr, int32_t* dots) {
+  using storage = typename Fmt::storage;
+  constexpr bool int8 = std::is_same_v<Fmt, Int8Fmt>;
+  constexpr bool in_place_only = std::is_same_v<storage, float>;  // nothing to widen
+  using KScratchFmt = std::conditional_t<int8, Int16Rows, SameFmt<float>>;
+  const auto& a = in.a;
+  const int64_t bs = a.bs, nb = a.nb, g = a.g, width = in.width;
+  const int64_t* btp = in.btp;
+  for (int64_t pos = first; pos < len;) {
+    const int64_t b = pos / bs, off = pos % bs;
+    const int64_t n = std::min(bs - off, len - pos);
+    // The block most rows read here: the first reader's.
+    int64_t lead = -1, lead_row = r0, readers = 0;
+    for (int64_t r = r0; r < r0 + nr; r++) {
+      if (std::max(in.fpp[r], pos) >= std::min(in.slp[r], pos + n)) continue;
+      const int64_t blk = btp[r * width + b];
+      if (lead < 0) lead = blk, lead_row = r;
+      readers += blk == lead;
+    }
+    if (pos + n < len) {  // the next block: its own place in memory, no stream to follow
+      const int64_t next = (kh * nb + btp[lead_row * width + b + 1]) * bs;
+      prefetch_rows(a.kc + next * D, a.vc + next * D, std::min(bs, len - pos - n) * D * sizeof(storage));
+      if constexpr (int8) prefetch_rows(in.ksp + next, in.vsp + next, bs * sizeof(float));
+    }
+    const bool widen = !in_place_only && readers > 1;
+    if (widen) {
+      const int64_t lead0 = (kh * nb + lead) * bs + off;
+      sc.widen(a.kc + lead0 * D, a.vc + lead0 * D, int8 ? in.ksp + lead0 : nullptr,
+               int8 ? in.vsp + lead0 : nullptr, n, 0);
+    }
+    for (int64_t r = r0; r < r0 + nr; r++) {
+      const int64_t lo = std::max(in.fpp[r], pos) - pos, hi = std::min(in.slp[r], pos + n) - pos;
+      if (lo >= hi) continue;
+      const int64_t blk = btp[r * width + b];
+      const int64_t row0 = (kh * nb + blk) * bs + off + lo;  // the row's first slot here
+      const float* ks = int8 ? in.ksp + row0 : nullptr;
+      const float* vs = int8 ? in.vsp + row0 : nullptr;
+      if (widen && blk == lead)
+        attend_row<KScratchFmt, SameFmt<float>, int8, D>(
+            st, (r - r0) * g, g, sc.k.data() + lo * D, sc.v.data() + lo * D, ks, vs, hi - lo,
+            SPAN, p, corr, dots);
+      else
+        attend_row<Fmt, Fmt, int8, D>(st, (r - r0) * g, g, a.kc + row0 * D, a.vc + row0 * D,
+                                      ks, vs, hi - lo, SPAN, p, corr, dots);
+    }
+    pos += n;
+  }
+}
+
+// decode_impl for a compile-time head size D (a multiple of 2 * QW); same arguments, except
+// that rows are taken in tiles (above): a tile on one block table (a prefill chunk) through
+// attend_spans, others (decodes) through attend_blocks.
 template <typename scalar_t, typename Fmt, int D>
 void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const float* ksp, const float* vsp, const int64_t* btp, int64_t width,
@@ -723,99 +873,50 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   using storage = typename Fmt::storage;
   constexpr int C = D / QW;
   constexpr bool int8 = std::is_same_v<Fmt, Int8Fmt>;
+  constexpr bool in_place_only = std::is_same_v<storage, float>;  // nothing to widen
   const DecodeViews<scalar_t, storage> a(q, k_cache, v_cache, out);
-  const int64_t s_n = a.s_n, heads = a.heads, kvh = a.kvh, nb = a.nb, bs = a.bs, g = a.g;
-  const int64_t sq = a.sq;
+  const TileInputs<scalar_t, Fmt> in{a, ksp, vsp, btp, fpp, slp, width};
+  const int64_t heads = a.heads, kvh = a.kvh, g = a.g, sq = a.sq;
   const scalar_t* qp = a.qp;
-  const storage *kc = a.kc, *vc = a.vc;
-#if PAGEDKV_BF16_DOT  // a bfloat16 cache and bfloat16 q: scores through block_scores_bf16
-  constexpr bool bf16_dot = std::is_same_v<Fmt, SameFmt<c10::BFloat16>>;
-  using qpairs = __m512bh;
-#else
-  constexpr bool bf16_dot = false;
-  using qpairs = vqf;  // (unused)
-#endif
-  constexpr int64_t C2 = D / 32;
-  // Asks for the first block item `it` reads to be brought into the cache.
-  auto prefetch_item = [&](int64_t it) {
-    const int64_t s = it / kvh, kh = it % kvh, pos = fpp[s], len = slp[s];
-    if (pos >= len) return;
-    const int64_t row = (kh * nb + btp[s * width + pos / bs]) * bs + pos % bs;
-    const int64_t rows = std::min(bs - pos % bs, len - pos);
-    prefetch_rows(kc + row * D, vc + row * D, rows * D * sizeof(storage));
-    if constexpr (int8) prefetch_rows(ksp + row, vsp + row, rows * sizeof(float));
-  };
-  at::parallel_for(0, s_n * kvh, 1, [&](int64_t begin, int64_t end) {
-    std::vector<vqf> qf(g * C), acc(g * C);
-    std::vector<vqs16> q16(g * C / 2);
-    std::vector<qpairs> qb(bf16_dot ? g * C2 : 0);
-    std::vector<float> qscale(g), p(g * bs), m(g), l(g);
-    std::vector<int32_t> dots(bs + QW);
+  const std::vector<int64_t> tiles = row_tiles(btp, a.s_n, width);
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1;
+  at::parallel_for(0, std::max<int64_t>(num_tiles, 0) * kvh, 1, [&](int64_t begin, int64_t end) {
+    RowHeads<D> st(TILE_ROWS * g);
+    TileScratch<Fmt, D> scratch;
+    std::vector<float> p(g * SPAN), corr(g);
+    std::vector<int32_t> dots(SPAN + QW);
     for (int64_t item = begin; item < end; item++) {
-      const int64_t s = item / kvh, kh = item % kvh;
-      const int64_t first = fpp[s], len = slp[s];
-      for (int64_t h = 0; h < g; h++) {
-        const scalar_t* qs = qp + s * sq + (kh * g + h) * D;
-        float* qh = reinterpret_cast<float*>(qf.data() + h * C);
-        for (int j = 0; j < D; j++) qh[j] = to_f(qs[j]) * sc * fmt_unit<Fmt>;
-        if constexpr (int8) qscale[h] = quantize_q16<D>(qh, reinterpret_cast<int16_t*>(q16.data() + h * C / 2));
-        if constexpr (bf16_dot) std::memcpy(qb.data() + h * C2, qs, D * sizeof(scalar_t));
-        m[h] = -std::numeric_limits<float>::infinity();
-        l[h] = 0.f;
-      }
-      std::fill(acc.begin(), acc.end(), vqf{});
-      for (int64_t pos = first; pos < len;) {
-        const int64_t blk = btp[s * width + pos / bs], off = pos % bs;
-        const int64_t n = std::min(bs - off, len - pos);
-        const int64_t row0 = (kh * nb + blk) * bs + off;
-        const storage* kb = kc + row0 * D;
-        const storage* vb = vc + row0 * D;
-        if (pos + n < len) {  // the next block: its own place in memory, no stream to follow
-          const int64_t next = (kh * nb + btp[s * width + (pos + n) / bs]) * bs;
-          prefetch_rows(kc + next * D, vc + next * D, std::min(bs, len - pos - n) * D * sizeof(storage));
-          if constexpr (int8) prefetch_rows(ksp + next, vsp + next, bs * sizeof(float));
-        } else if (item + 1 < end) {  // the next item's first block, likewise
-          prefetch_item(item + 1);
+      const int64_t tile = zigzag(item / kvh, num_tiles), kh = item % kvh;
+      const int64_t r0 = tiles[tile], nr = tiles[tile + 1] - r0;
+      int64_t first = std::numeric_limits<int64_t>::max(), len = 0;
+      bool one_table = true;
+      for (int64_t r = r0; r < r0 + nr; r++) {
+        first = std::min(first, fpp[r]);
+        len = std::max(len, slp[r]);
+        one_table = one_table && (r == r0 || std::memcmp(btp + r * width, btp + r0 * width,
+                                                         width * sizeof(int64_t)) == 0);
+        for (int64_t h = 0; h < g; h++) {
+          const int64_t i = (r - r0) * g + h;
+          const scalar_t* qs = qp + r * sq + (kh * g + h) * D;
+          float* qh = reinterpret_cast<float*>(st.qf.data() + i * C);
+          for (int j = 0; j < D; j++) qh[j] = to_f(qs[j]) * sc * fmt_unit<Fmt>;
+          if constexpr (int8)
+            st.qscale[i] = quantize_q16<D>(qh, reinterpret_cast<int16_t*>(st.q16.data() + i * C / 2));
+          st.m[i] = -std::numeric_limits<float>::infinity();
+          st.l[i] = 0.f;
         }
-        // The g query heads in pairs (one left over when g is odd): each K and V row is read
-        // and widened once per pair.
-        auto heads_block = [&](auto group, int64_t h0) {
-          constexpr int G = decltype(group)::value;
-          float* ph = p.data() + h0 * bs;
-          if constexpr (int8) {
-            for (int h = 0; h < G; h++) {
-              block_dots_int8<D>(q16.data() + (h0 + h) * C / 2, kb, n, dots.data());
-              const float qs = qscale[h0 + h];
-              const float* ks = ksp + row0;
-#pragma omp simd
-              for (int64_t t = 0; t < n; t++) ph[h * bs + t] = static_cast<float>(dots[t]) * (qs * ks[t]);
-            }
-          } else if constexpr (bf16_dot) {
-#if PAGEDKV_BF16_DOT
-            block_scores_bf16<D, G>(qb.data() + h0 * C2, kb, n, ph, bs, sc);
-#endif
-          } else {
-            block_scores<Fmt, D, G>(qf.data() + h0 * C, kb, n, ph, bs);
-          }
-          float corr[G];
-          for (int h = 0; h < G; h++) {
-            corr[h] = softmax_block(ph + h * bs, n, m[h0 + h], l[h0 + h]);
-            if constexpr (int8) {
-              const float* vs = vsp + row0;
-#pragma omp simd
-              for (int64_t t = 0; t < n; t++) ph[h * bs + t] *= vs[t];
-            }
-          }
-          block_values<Fmt, D, G>(ph, bs, corr, vb, n, acc.data() + h0 * C);
-        };
-        int64_t h0 = 0;
-        for (; h0 + 2 <= g; h0 += 2) heads_block(std::integral_constant<int, 2>{}, h0);
-        if (h0 < g) heads_block(std::integral_constant<int, 1>{}, h0);
-        pos += n;
       }
-      finish_heads(reinterpret_cast<const float*>(acc.data()), m.data(), l.data(), g, D,
-                   fmt_unit<Fmt>, a.op + (s * heads + kh * g) * D,
-                   lsep ? lsep + s * heads + kh * g : nullptr);
+      std::fill(st.acc.begin(), st.acc.begin() + nr * g * C, vqf{});
+      if (nr > 1 && one_table && !in_place_only)
+        attend_spans<scalar_t, Fmt, D>(in, st, scratch, kh, r0, nr, first, len, p.data(),
+                                       corr.data(), dots.data());
+      else
+        attend_blocks<scalar_t, Fmt, D>(in, st, scratch, kh, r0, nr, first, len, p.data(),
+                                        corr.data(), dots.data());
+      for (int64_t r = r0; r < r0 + nr; r++)
+        finish_heads(reinterpret_cast<const float*>(st.acc.data() + (r - r0) * g * C),
+                     st.m.data() + (r - r0) * g, st.l.data() + (r - r0) * g, g, D, fmt_unit<Fmt>,
+                     a.op + (r * heads + kh * g) * D, lsep ? lsep + r * heads + kh * g : nullptr);
     }
   });
 }
@@ -930,22 +1031,26 @@ void write_kv_int8_(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales,
     using scalar_t = typename decltype(tag)::type;
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const int64_t s0 = x.stride(0), s1 = x.stride(1);
-    for (int64_t i = 0; i < t; i++) {
-      if (sp[i] < 0) continue;
-      for (int64_t h = 0; h < kvh; h++) {
-        const scalar_t* src = xp + i * s0 + h * s1;
-        float amax = 0.f;
-        for (int64_t j = 0; j < d; j++) amax = std::max(amax, std::abs(to_f(src[j])));
-        const float s = amax / 127.f;
-        const float div = s > 0.f ? s : 1.f;
-        int8_t* dst = cp + (h * slots + sp[i]) * d;
-        for (int64_t j = 0; j < d; j++) {
-          const float r = std::nearbyint(to_f(src[j]) / div);
-          dst[j] = static_cast<int8_t>(std::min(std::max(r, -127.f), 127.f));
+    at::parallel_for(0, t, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; i++) {
+        if (sp[i] < 0) continue;
+        for (int64_t h = 0; h < kvh; h++) {
+          const scalar_t* src = xp + i * s0 + h * s1;
+          float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+          for (int64_t j = 0; j < d; j++) amax = std::max(amax, std::abs(to_f(src[j])));
+          const float s = amax / 127.f;
+          const float div = s > 0.f ? s : 1.f;
+          int8_t* dst = cp + (h * slots + sp[i]) * d;
+#pragma omp simd
+          for (int64_t j = 0; j < d; j++) {
+            const float r = std::nearbyint(to_f(src[j]) / div);
+            dst[j] = static_cast<int8_t>(std::min(std::max(r, -127.f), 127.f));
+          }
+          scp[h * slots + sp[i]] = s;
         }
-        scp[h * slots + sp[i]] = s;
       }
-    }
+    });
   });
 }
 

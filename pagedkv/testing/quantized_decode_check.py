@@ -5,8 +5,12 @@ can also run in a subprocess built with PAGEDKV_CPU_ISA=avx2 (tests/model/test_k
 random K/V, for head sizes 64 and 128 (the kernel's compile-time-size path) and 80 (its general
 path), runs `torch.ops.pagedkv_cpu.paged_decode_attention_q` for sequences of several lengths
 (partial last blocks, a sliding-window start, a block table padded with the null block) and
-compares each output with softmax attention over the dequantized keys and values. Returns the
-largest relative error per (cache dtype, q dtype); raises AssertionError past the tolerance.
+compares each output with softmax attention over the dequantized keys and values. The last
+CHUNK_ROWS rows are the tokens of one prefill chunk (one block table, consecutive lengths, some
+with a sliding-window start), after two decodes sharing the chunk's first two blocks: the kernel
+takes such rows in tiles that share each block's loads (more rows than one tile, a tile
+boundary mid-block, rows past the shared blocks reading their own). Returns the largest relative error per
+(cache dtype, q dtype); raises AssertionError past the tolerance.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from pagedkv.model.kv_int8 import dequantize_per_token, quantize_per_token
 from pagedkv.model.kv_quant import dequantize, quantize
 
 KV_HEADS, HEADS, BLOCK, NUM_BLOCKS = 2, 6, 16, 24
+# The chunk's rows: positions 27 .. 27 + CHUNK_ROWS - 1 of a 4-block sequence; the rows from
+# CHUNK_WINDOW_ROW on attend through a 20-token sliding window.
+CHUNK_START, CHUNK_ROWS, CHUNK_WINDOW_ROW, CHUNK_WINDOW = 27, 21, 12, 20
 HEAD_DIMS = (64, 80, 128)  # 80: the general path, with a vector tail of 16 lanes
 # Max |error| relative to the largest |output|: float32 summation order and fast_exp's 2 ulp;
 # a bfloat16 output's rounding.
@@ -63,6 +70,16 @@ def _check_head_dim(head_dim: int, seed: int) -> dict[str, float]:
         need = -(-n // BLOCK)
         tables.append(perm[i:i + need].tolist())
         i += need
+    chunk_table = perm[i:i + 4].tolist()
+    for n, own in ((40, perm[i + 4:i + 5]), (60, perm[i + 5:i + 7])):  # decodes sharing a prefix
+        lens.append(n)
+        first.append(0)
+        tables.append(chunk_table[:2] + own.tolist())
+    for r in range(CHUNK_ROWS):  # one row per token of the chunk, all on one block table
+        n = CHUNK_START + r + 1
+        lens.append(n)
+        first.append(max(0, n - CHUNK_WINDOW) if r >= CHUNK_WINDOW_ROW else 0)
+        tables.append(chunk_table)
     width = max(len(t) for t in tables)
     table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     errors = {}

@@ -11,11 +11,12 @@ caller's business.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from pagedkv.config import MODEL_DTYPES
 from pagedkv.model.config import torch_dtype
@@ -312,3 +313,36 @@ def build_random_model_dir(
     gen_cfg = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}
     (model_dir / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
     return model_dir
+
+
+def skew_kv_head(model_dir: str | Path, out_dir: str | Path, shrink: float = 1024.0,
+                 kv_head: int = 0) -> Path:
+    """Copy the model directory `model_dir` (a Llama-style one: no q/k norms) to `out_dir` with
+    KV head `kv_head`'s k and v projection rows divided by `shrink` in every layer, and the q
+    projection rows and o projection columns of its query heads multiplied by it: the same
+    function in exact arithmetic when `shrink` is a power of two (scores and outputs unchanged),
+    but KV heads whose keys and values differ `shrink`-fold in range (what per-head KV cache
+    scales are for). Returns `out_dir`. Raises ValueError for a `kv_head` the model lacks."""
+    out = Path(out_dir)
+    shutil.copytree(model_dir, out, dirs_exist_ok=True)
+    cfg = json.loads((out / "config.json").read_text())
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    if not 0 <= kv_head < kv_heads:
+        raise ValueError(f"kv_head must be in [0, {kv_heads}), got {kv_head!r}")
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    g = heads // kv_heads
+    kv_rows = slice(kv_head * hd, (kv_head + 1) * hd)
+    q_rows = slice(kv_head * g * hd, (kv_head + 1) * g * hd)
+    weights = load_file(str(out / "model.safetensors"))
+    for name, w in weights.items():
+        w = w.clone()
+        if name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                          "self_attn.k_proj.bias", "self_attn.v_proj.bias")):
+            w[kv_rows] /= shrink
+        elif name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            w[q_rows] *= shrink
+        elif name.endswith("self_attn.o_proj.weight"):
+            w[:, q_rows] *= shrink
+        weights[name] = w
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

@@ -6,13 +6,12 @@ less from the model dtype's cache than with per-layer scales."""
 from __future__ import annotations
 
 import random
-import shutil
 
 import pytest
-from safetensors.torch import load_file, save_file
 
 from pagedkv.model.runner import ModelRunner
 from pagedkv.testing.kv_quant_accuracy import compare_logits, teacher_forced_logits
+from pagedkv.testing.random_model import skew_kv_head
 
 SHRINK = 1024.0
 
@@ -22,24 +21,7 @@ def skewed_llama(tiny_llama, tmp_path_factory):
     """tiny_llama (4 heads, 2 KV heads of 16) with KV head 0's k and v projections divided by
     SHRINK, and the q projection rows and o projection columns of its query heads (0, 1)
     multiplied by it: the same function in exact arithmetic (powers of two)."""
-    out = tmp_path_factory.mktemp("skewed") / "model"
-    shutil.copytree(tiny_llama, out)
-    weights = load_file(str(out / "model.safetensors"))
-    for name in list(weights):
-        if name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
-            w = weights[name].clone()
-            w[:16] /= SHRINK
-            weights[name] = w
-        elif name.endswith("self_attn.q_proj.weight"):
-            w = weights[name].clone()
-            w[:32] *= SHRINK
-            weights[name] = w
-        elif name.endswith("self_attn.o_proj.weight"):
-            w = weights[name].clone()
-            w[:, :32] *= SHRINK
-            weights[name] = w
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+    return skew_kv_head(tiny_llama, tmp_path_factory.mktemp("skewed") / "model", SHRINK)
 
 
 def test_per_head_scales_follow_each_head_and_beat_per_layer_ones(skewed_llama):

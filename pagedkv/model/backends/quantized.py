@@ -7,9 +7,10 @@ step's other blocks become 1..n in ascending order, so equal blocks stay equal a
 attention still finds shared prefixes) and builds the inner backend's metadata for that compact
 step. Per layer, `QuantizedKVMetadata.attend` writes the new K/V as fp8 into their real slots
 (kv_quant.quantize_into), dequantizes the step's blocks into a compact cache of the model's
-dtype and lets the inner backend attend over it; the step's own tokens are attended as the cache
-will return them (kv_quant.round_trip), so a token reads the same whether it was computed in this
-step or an earlier one. The runner wraps a backend in this unless it reads fp8 in place itself
+dtype (float32 for int8: an int8 value times its float32 scale is not a 16-bit float, and the
+in-place kernel attends in float32 too) and lets the inner backend attend over it; the step's
+own tokens are attended as the cache will return them (kv_quant.round_trip), so a token reads
+the same whether it was computed in this step or an earlier one. The runner wraps a backend in this unless it reads fp8 in place itself
 (`reads_fp8_cache`): the CPU one (torch_paged) is wrapped; the CUDA one (triton_paged) converts
 inside its kernels on GPUs of compute capability 8.9+ (and under the interpreter) and is wrapped
 on older GPUs (then without CUDA graphs, see ModelRunner.capture_cuda_graphs). A backend that
@@ -28,7 +29,7 @@ from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.kv_int8 import (
     dequantize_per_token,
     quantize_into_per_token,
-    round_trip_per_token,
+    quantize_per_token,
 )
 from pagedkv.model.kv_quant import dequantize, quantize_into, round_trip
 
@@ -69,11 +70,15 @@ class QuantizedKVMetadata:
         if k_scales is not None:  # int8, per-token-head scales (kv_int8.py)
             quantize_into_per_token(k_cache, k_scales, self.slot_mapping, k_in)
             quantize_into_per_token(v_cache, v_scales, self.slot_mapping, v_in)
+            f32 = torch.float32
             k_blocks = dequantize_per_token(k_cache.index_select(1, used),
-                                            k_scales.index_select(1, used), q.dtype)
+                                            k_scales.index_select(1, used), f32)
             v_blocks = dequantize_per_token(v_cache.index_select(1, used),
-                                            v_scales.index_select(1, used), q.dtype)
-            k_step, v_step = round_trip_per_token(k), round_trip_per_token(v)
+                                            v_scales.index_select(1, used), f32)
+            k_step = dequantize_per_token(*quantize_per_token(k), f32)
+            v_step = dequantize_per_token(*quantize_per_token(v), f32)
+            out = self.inner.attend(q.to(f32), k_step, v_step, k_blocks, v_blocks, scale, window)
+            return out.to(q.dtype)
         else:
             quantize_into(k_cache, self.slot_mapping, k_in)
             quantize_into(v_cache, self.slot_mapping, v_in)

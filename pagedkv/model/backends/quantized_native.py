@@ -6,11 +6,13 @@ fp8 by kv_quant.quantize_into), then every query token is one row of
 `paged_decode_attention_q`, attending to positions first .. its own over its sequence's blocks
 in the cache: a decode is one row, a prefill chunk of n tokens n rows (token i of a chunk
 starting at position p sees p + i + 1 keys: the causal mask is the row's length). The kernel
-widens each int8 or fp8 block in registers as it reads it (int8 keys meet q in integers;
+takes rows that read the same blocks (a chunk's tokens; decodes sharing a cached prefix) in
+tiles of up to 16 that widen each shared block once for all of them; a block only one row reads
+is widened in registers as it is read (int8 keys meet q in integers;
 per-token int8 scales applied to the scores and the softmax weights; fp8 scales are already
 folded in by kv_quant.KVScales): no dequantized copy of the context, half the bytes of a 16-bit
 cache streamed, and a token of this step reads back exactly what later steps will read. No
-cascade split of shared prefixes (they cost the same bytes). A step with a token that is not
+cascade split of shared prefixes (the tiles share their blocks' loads instead). A step with a token that is not
 stored (slot < 0) reads only its decodes in place and sends its prefill chunks through
 QuantizedKVMetadata (a compact dequantized copy of their blocks).
 """
