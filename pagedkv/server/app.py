@@ -170,7 +170,7 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
     async def prometheus_metrics() -> Response:
         try:
             metrics.update(await async_engine.get_stats())
-        except EngineDeadError as exc:
+        except (EngineDeadError, TimeoutError) as exc:
             raise APIError(str(exc), status_code=503, type="server_unavailable") from exc
         return Response(metrics.render(), media_type=metrics.content_type)
 
