@@ -239,7 +239,8 @@ def report(rows: list[dict], args: argparse.Namespace) -> int:
 def compare(args: argparse.Namespace, argv: list[str]) -> int:
     """Each round in two child processes, `args.baseline`'s pagedkv and this tree's,
     alternating; print each round's figures and the medians' ratios."""
-    here = str(Path(__file__).resolve().parents[1])
+    script = str(Path(__file__).resolve())
+    here = str(Path(script).parents[1])
     child_argv = [a for i, a in enumerate(argv) if a != "--baseline"
                   and (i == 0 or argv[i - 1] != "--baseline") and not a.startswith("--baseline=")]
     child_argv = [a for i, a in enumerate(child_argv) if a != "--runs"
@@ -251,11 +252,14 @@ def compare(args: argparse.Namespace, argv: list[str]) -> int:
         subprocess.run(["tar", "-x", "-C", base], input=archive, check=True)
         for r in range(args.runs):
             for side in (("base", "this") if r % 2 == 0 else ("this", "base")):
-                env = {**os.environ, "PYTHONPATH": base if side == "base" else here}
-                out = subprocess.run([sys.executable, __file__, *child_argv, "--runs", "1",
-                                      "--round-offset", str(r), "--json"], env=env,
-                                     capture_output=True, text=True, check=True).stdout
-                row = json.loads(out.splitlines()[-1])["rounds"][0]
+                tree = base if side == "base" else here  # cwd too: `-m` children look there first
+                child = subprocess.run([sys.executable, script, *child_argv, "--runs", "1",
+                                        "--round-offset", str(r), "--json"], cwd=tree,
+                                       env={**os.environ, "PYTHONPATH": tree},
+                                       capture_output=True, text=True)
+                if child.returncode != 0:
+                    sys.exit(f"the {side} run failed:\n{child.stderr[-3000:]}")
+                row = json.loads(child.stdout.splitlines()[-1])["rounds"][0]
                 sides[side].append(row)
                 print(f"round {r + 1} {side}: " + ", ".join(
                     f"{k} {v:.4f}" for k, v in row.items() if isinstance(v, float)), flush=True)
