@@ -11,7 +11,12 @@ TORCH_INDEX_URL ?=
 MODEL  ?=
 PYTEST_ARGS ?=
 
-.PHONY: install test lint demo bench clean
+# The tests that start `pagedkv serve` or build the server app, run with the engine core in its
+# own process (test-process) or in a thread of the server (test-inproc): servers and the tests'
+# own engines follow $$PAGEDKV_ENGINE_CORE (tests/server/helpers.py).
+SERVER_TESTS ?= tests/server tests/dashboard tests/router tests/sim/test_request_log.py
+
+.PHONY: install test test-process test-inproc lint demo bench clean
 
 install: $(STAMP)
 
@@ -27,6 +32,9 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q -n 2 --dist loadscope $(PYTEST_ARGS)
+
+test-process test-inproc: $(STAMP)
+	PAGEDKV_ENGINE_CORE=$(@:test-%=%) $(PY) -m pytest -q -n 2 --dist loadscope $(SERVER_TESTS) $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) -m pagedkv.demo $(if $(MODEL),--model $(MODEL),) $(if $(DASHBOARD),--keep-serving,)

@@ -13,9 +13,9 @@ server answers 503 instead of queueing without limit. A body over `--max-request
 drain: new requests get 503, those in flight get `--shutdown-timeout` seconds to finish, the
 rest end with an error (streams: an error event and [DONE]); then the process exits 0. When
 the engine loop dies the process exits 1, saying why; while one engine step has run longer than
-`--engine-stall-timeout` seconds, /health answers 503 (a wedged engine). `--engine-core process`
-runs the scheduler, KV cache and model runner in a child process (pagedkv/engine/core_proc.py):
-a core that dies ends the server the same way.
+`--engine-stall-timeout` seconds, /health answers 503 (a wedged engine). The scheduler, KV cache
+and model runner run in a child process (pagedkv/engine/core_proc.py; `--engine-core inproc`:
+in a thread of this one): a core that dies ends the server the same way.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="where the engine core (scheduler, KV cache, model runner) runs: "
                         "'process' (its own process; the HTTP server, tokenizer and "
                         "detokenizer stay in this one) or 'inproc' (a thread of this process). "
-                        f"Default: ${ENGINE_CORE_ENV} when set, else 'inproc'")
+                        f"Default: ${ENGINE_CORE_ENV} when set, else 'process'")
     add_engine_flags(parser)
     parser.set_defaults(run=run)
     return parser
@@ -138,8 +138,7 @@ def run(args: argparse.Namespace) -> int:
         if args.request_log:
             from pagedkv.server.request_log import RequestLog
 
-            app.state.serving.request_log = RequestLog(
-                args.request_log, engine.scheduler.kv_cache_manager.hasher)
+            app.state.serving.request_log = RequestLog(args.request_log, engine.block_hasher())
         config = uvicorn.Config(app, log_level=args.log_level)
         server = DrainingServer(config, app.state.async_engine, args.shutdown_timeout)
         server.run(sockets=[sock])
@@ -155,9 +154,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def engine_core_mode(flag: str | None) -> str:
-    """The --engine-core mode: the flag, else $PAGEDKV_ENGINE_CORE, else 'inproc' (see the
-    README's "The engine core process" for what keeps 'process' from being the default)."""
-    mode = flag or os.environ.get(ENGINE_CORE_ENV) or "inproc"
+    """The --engine-core mode: the flag, else $PAGEDKV_ENGINE_CORE, else 'process' (vLLM's
+    layout; see the README's "The engine core process")."""
+    mode = flag or os.environ.get(ENGINE_CORE_ENV) or "process"
     if mode not in ENGINE_CORE_MODES:
         raise ValueError(f"{ENGINE_CORE_ENV} must be one of {ENGINE_CORE_MODES}, got {mode!r}")
     return mode

@@ -2,9 +2,10 @@
 
 The engine is not thread-safe, so nothing but the loop thread ever touches it. HTTP handlers
 (on the asyncio event loop) talk to it through a thread-safe command queue that the loop drains
-before every step: add a request, abort one, read the stats. Each request's outputs go back to
-its own `asyncio.Queue` through `loop.call_soon_threadsafe`, as the engine's cumulative
-`RequestOutput`s; turning them into deltas is the caller's business.
+before every step: add a request, abort one, start a utility call of the engine core (stats,
+pins, the dashboard's feed). Each request's outputs go back to its own `asyncio.Queue` through
+`loop.call_soon_threadsafe`, as the engine's cumulative `RequestOutput`s; turning them into
+deltas is the caller's business.
 
 The loop sleeps on an event while the engine has nothing to do (no busy spinning), checks the
 block pool's invariants each time the engine falls idle, and stops cleanly on `shutdown()`
@@ -17,9 +18,15 @@ logs why, and calls `on_fatal(reason)` (the server then exits instead of answeri
 the engine core in its own process, a core that dies is noticed by the next step, or within
 about a second while idle, and ends the loop the same way.
 
-`busy_for()` says how long the loop has been in its current round (commands, then a step) while
-it has work: a step that never returns (a wedged kernel, a deadlock) shows as a number that only
-grows, which the server's /health reports (a live thread alone proves nothing).
+Utility calls never block the event loop, nor, with the core in its own process, the loop
+thread: `call_utility()` awaits a future that the loop thread resolves when the core's answer
+arrives among its outputs (the core steps on meanwhile); it fails with EngineDeadError when the
+core or the loop dies, and with TimeoutError after its timeout.
+
+`busy_for()` says how long the loop (or the core process) has been in its current round
+(commands, then a step) while it has work: a step that never returns (a wedged kernel, a
+deadlock) shows as a number that only grows, which the server's /health reports (a live thread
+alone proves nothing).
 
 Draining (a graceful shutdown): `begin_drain()` refuses new requests (EngineDeadError, a 503)
 while those in flight run on; `end_remaining()` then ends each of them with EngineDeadError.
@@ -35,6 +42,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from pagedkv.config.errors import EngineFatalError
@@ -47,6 +55,8 @@ logger = logging.getLogger("pagedkv.server")
 
 _ABORTED = object()  # pushed to a request's queue when it was aborted (no more outputs)
 _IDLE_CHECK_S = 1.0  # an idle loop checks this often that the engine (its core process) lives
+UTILITY_TIMEOUT_S = 60.0  # how long `call_utility` waits for the core's answer by default
+_LIVENESS_S = 1.0  # a waiting `call_utility` checks this often that the loop still runs
 
 
 class EngineOverloadedError(RuntimeError):
@@ -74,6 +84,20 @@ def _resolve(fut: asyncio.Future, result: Any = None, exc: BaseException | None 
         fut.set_exception(exc)
     else:
         fut.set_result(result)
+
+
+def _engine_error(exc: BaseException) -> BaseException:
+    """What a waiter sees: a core that cannot go on is an EngineDeadError (a 503)."""
+    return EngineDeadError(str(exc)) if isinstance(exc, EngineFatalError) else exc
+
+
+def _forward(fut: asyncio.Future, done: Future) -> None:
+    """Resolve `fut` (an event loop's) like `done` (a resolved utility call); any thread."""
+    exc = done.exception()
+    if exc is not None:
+        _call_in_loop(fut.get_loop(), _resolve, fut, None, _engine_error(exc))
+    else:
+        _call_in_loop(fut.get_loop(), _resolve, fut, done.result())
 
 
 class RequestStream:
@@ -212,10 +236,13 @@ class AsyncEngine:
         return self._num_in_flight
 
     def busy_for(self) -> float:
-        """Seconds the loop has spent in its current round (its commands and one step); 0.0
-        while it waits for work. Any thread may call it."""
+        """Seconds the loop has spent in its current round (its commands and one step), or a
+        core process in its current step, whichever is longer; 0.0 while both wait for work.
+        Any thread may call it."""
         started = self._round_started
-        return 0.0 if started is None else max(0.0, time.monotonic() - started)
+        own = 0.0 if started is None else max(0.0, time.monotonic() - started)
+        core_busy_for = getattr(self.engine, "core_busy_for", None)
+        return own if core_busy_for is None else max(own, core_busy_for())
 
     # ---- requests (event loop) ----------------------------------------------------------
 
@@ -257,12 +284,16 @@ class AsyncEngine:
         self._submit(("abort", request_id))
 
     async def get_stats(self) -> EngineStats:
-        """The engine's stats, read by the loop thread between steps."""
-        if not self.is_running:
-            raise EngineDeadError(self.error or "the engine loop is not running")
-        fut = asyncio.get_running_loop().create_future()
-        self._submit(("stats", fut))
-        return await fut
+        """The engine's stats, read by the core between steps (`call_utility("get_stats")`)."""
+        return await self.call_utility("get_stats")
+
+    async def call_utility(self, method: str, *args: Any,
+                           timeout: float | None = UTILITY_TIMEOUT_S) -> Any:
+        """The engine core's utility call `method` (pagedkv/engine/utility.py: "get_stats",
+        "dashboard.drain", ...), run by the core between its steps; see the module docstring.
+        Raises what the call raised (ValueError, ...), EngineDeadError when the loop or the core
+        is gone, TimeoutError when no answer came within `timeout` seconds (None: no limit)."""
+        return await self._ask("utility", method, args, timeout=timeout)
 
     async def pin_prefix(self, prompt: str | list[int] | dict,
                          cache_salt: str | None = None) -> PinInfo:
@@ -277,18 +308,29 @@ class AsyncEngine:
         """Release the prompt's pin (`LLMEngine.unpin_prefix`; NotPinnedError when none)."""
         return await self._ask("unpin", prompt, cache_salt)
 
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """fn(engine, *args) run by the loop thread between steps (read or change engine
-        state without racing the step); its ValueError is re-raised here. EngineDeadError
-        when the loop is not running."""
-        return await self._ask("call", fn, *args)
-
-    async def _ask(self, kind: str, *args: Any) -> Any:
+    async def _ask(self, kind: str, *args: Any, timeout: float | None = None) -> Any:
+        """Queue the command (kind, *args, future) and await its future; see `call_utility`
+        for the errors."""
         if not self.is_running:
             raise EngineDeadError(self.error or "the engine loop is not running")
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         self._submit((kind, *args, fut))
-        return await fut
+        deadline = None if timeout is None else loop.time() + timeout
+        try:
+            while True:
+                left = _LIVENESS_S if deadline is None else deadline - loop.time()
+                done, _ = await asyncio.wait({fut}, timeout=max(0.0, min(left, _LIVENESS_S)))
+                if done:
+                    return fut.result()
+                if not self.is_running:
+                    raise EngineDeadError(self.error or "the engine loop is not running")
+                if deadline is not None and loop.time() >= deadline:
+                    what = args[0] if kind == "utility" else kind
+                    raise TimeoutError(f"the engine core did not answer {what!r} within "
+                                       f"{timeout:g} s")
+        finally:
+            fut.cancel()  # a no-op once resolved; else the loop thread skips or drops it
 
     def _release(self) -> None:
         with self._lock:
@@ -304,6 +346,11 @@ class AsyncEngine:
     def _engine_alive(self) -> bool:
         is_alive = getattr(self.engine, "is_alive", None)
         return True if is_alive is None else is_alive()
+
+    def _calls_pending(self) -> bool:
+        """Whether a started utility call waits for the core's answer (read by `step()`)."""
+        has_pending_calls = getattr(self.engine, "has_pending_calls", None)
+        return has_pending_calls is not None and has_pending_calls()
 
     # ---- the loop thread ----------------------------------------------------------------
 
@@ -321,6 +368,9 @@ class AsyncEngine:
                     break
                 if not self.engine.has_unfinished_requests():
                     self._round_started = None
+                    if self._calls_pending():  # no request, but answers to receive
+                        self._step()
+                        continue
                     if not self._wakeup.wait(_IDLE_CHECK_S) and not self._engine_alive():
                         self.error = "the engine core process died"
                         self._fail_all(EngineDeadError(self.error))
@@ -372,39 +422,68 @@ class AsyncEngine:
                 self._abort(command[1])
             elif kind == "fail_all":
                 self._fail_all(EngineDeadError(command[1]))
-            elif kind == "stats":
-                fut = command[1]
-                _call_in_loop(fut.get_loop(), _resolve, fut, self.engine.get_stats())
+            elif kind == "utility":
+                self._start(command[3], command[1], *command[2])
             elif kind == "pin":
                 self._pin(*command[1:])
-            elif kind == "call":
-                self._answer(command[-1], command[1], self.engine, *command[2:-1])
+            elif kind == "pin_checked":
+                self._pin_checked(*command[1:])
             elif kind == "unpin":
-                self._answer(command[3], self.engine.unpin_prefix, command[1], command[2])
+                self._unpin(*command[1:])
 
-    def _answer(self, fut: asyncio.Future, fn: Callable[..., Any], *args: Any) -> None:
-        """Resolve `fut` with fn(*args), or with the ValueError it raised."""
+    def _start(self, fut: asyncio.Future, method: str, *args: Any) -> Future | None:
+        """Start the utility call; `fut` is resolved like it once the answer is in (an
+        exception raised at once resolves `fut` with it and returns None)."""
+        if fut.done():  # the caller gave up before the call was sent
+            return None
         try:
-            result = fn(*args)
-        except ValueError as exc:
-            _call_in_loop(fut.get_loop(), _resolve, fut, None, exc)
-            return
-        _call_in_loop(fut.get_loop(), _resolve, fut, result)
+            call = self.engine.start_utility(method, *args)
+        except Exception as exc:  # a bad call, or a core already gone
+            _call_in_loop(fut.get_loop(), _resolve, fut, None, _engine_error(exc))
+            return None
+        call.add_done_callback(lambda done: _forward(fut, done))
+        return call
 
     def _pin(self, prompt: Any, cache_salt: str | None, fut: asyncio.Future) -> None:
-        """Pin now when the prompt is cached; else run it first (see `pin_prefix`)."""
+        """Ask the core whether the prompt is cached; `_pin_checked` goes on with the answer
+        (see `pin_prefix`). Never waits for the core."""
         try:
-            cached = self.engine.is_prefix_cached(prompt, cache_salt)
-            if not cached:
-                request_id = f"pin-{uuid.uuid4().hex}"
-                self.engine.add_request(request_id, prompt, SamplingParams(max_tokens=1),
-                                        cache_salt=cache_salt)
-                self._pins_waiting[request_id] = (prompt, cache_salt, fut)
-                return
+            ids = self.engine.prefix_ids(prompt, cache_salt)
+            check = self.engine.start_utility("is_prefix_cached", ids, cache_salt)
+        except Exception as exc:  # a bad prompt or salt, or a core already gone
+            _call_in_loop(fut.get_loop(), _resolve, fut, None, _engine_error(exc))
+            return
+        check.add_done_callback(
+            lambda done: self._submit(("pin_checked", ids, cache_salt, fut, done)))
+
+    def _pin_checked(self, ids: list[int], cache_salt: str | None, fut: asyncio.Future,
+                     check: Future) -> None:
+        """Pin now when the prompt was cached; else run it first, pinning when it finishes
+        (`_deliver`)."""
+        if fut.done():  # the caller gave up
+            return
+        if check.exception() is not None:
+            _forward(fut, check)
+            return
+        if check.result():
+            self._start(fut, "pin_prefix", ids, cache_salt)
+            return
+        request_id = f"pin-{uuid.uuid4().hex}"
+        try:
+            self.engine.add_request(request_id, ids, SamplingParams(max_tokens=1),
+                                    cache_salt=cache_salt)
         except ValueError as exc:
             _call_in_loop(fut.get_loop(), _resolve, fut, None, exc)
             return
-        self._answer(fut, self.engine.pin_prefix, prompt, cache_salt)
+        self._pins_waiting[request_id] = (ids, cache_salt, fut)
+
+    def _unpin(self, prompt: Any, cache_salt: str | None, fut: asyncio.Future) -> None:
+        try:
+            ids = self.engine.prefix_ids(prompt, cache_salt)
+        except ValueError as exc:
+            _call_in_loop(fut.get_loop(), _resolve, fut, None, exc)
+            return
+        self._start(fut, "unpin_prefix", ids, cache_salt)
 
     def _add(self, stream: RequestStream, prompt: Any, params: SamplingParams, priority: int,
              cache_salt: str | None, fut: asyncio.Future) -> None:
@@ -429,8 +508,8 @@ class AsyncEngine:
     def _deliver(self, output: RequestOutput) -> None:
         if output.request_id in self._pins_waiting:
             if output.finished:  # its blocks were just freed, still cached: pin them now
-                prompt, cache_salt, fut = self._pins_waiting.pop(output.request_id)
-                self._answer(fut, self.engine.pin_prefix, prompt, cache_salt)
+                ids, cache_salt, fut = self._pins_waiting.pop(output.request_id)
+                self._start(fut, "pin_prefix", ids, cache_salt)
             return
         stream = self._streams.get(output.request_id)
         if stream is None:
@@ -477,7 +556,7 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if command[0] in ("add", "stats", "pin", "unpin"):
-                fut = command[1] if command[0] == "stats" else command[-1]
+            if command[0] in ("add", "utility", "pin", "pin_checked", "unpin"):
+                fut = command[3] if command[0] == "pin_checked" else command[-1]
                 _call_in_loop(fut.get_loop(), _resolve, fut, None,
                               EngineDeadError("the engine is shutting down"))

@@ -6,7 +6,9 @@
   msgpack-encoded over two ZMQ IPC sockets in a private temporary directory.
 
 Both are owned by one thread (the one that steps the engine); only `wake()` may be called from
-any thread.
+any thread. A utility call is either waited for (`call`) or started (`call_async`): its
+`concurrent.futures.Future` is resolved by whatever next reads the core's outputs (the owning
+thread's `get_outputs()` or `call()`), and failed with CoreDeadError when the core dies.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 import msgspec
@@ -41,6 +44,7 @@ from pagedkv.engine.messages import (
     UtilityResult,
 )
 from pagedkv.engine.stats import EngineStats
+from pagedkv.engine.step_clock import StepClock
 from pagedkv.engine.utility import run_utility
 from pagedkv.kv.pins import NotPinnedError, PinInfo
 from pagedkv.sched.request import RequestStatus
@@ -62,8 +66,10 @@ class CoreClient(Protocol):
     def add_request(self, request: EngineCoreRequest) -> None: ...
     def abort(self, message: Abort) -> None: ...
     def get_outputs(self) -> list[CoreOutput]: ...
-    def has_work(self) -> bool: ...
     def call(self, method: str, *args: Any) -> Any: ...
+    def call_async(self, method: str, *args: Any) -> Future: ...
+    def has_pending_calls(self) -> bool: ...
+    def busy_for(self) -> float: ...
     def is_alive(self) -> bool: ...
     def wake(self) -> None: ...
     def shutdown(self) -> None: ...
@@ -91,11 +97,23 @@ class InprocCoreClient:
     def get_outputs(self) -> list[CoreOutput]:
         return self.core.step()
 
-    def has_work(self) -> bool:
-        return self.core.has_unfinished_requests()
-
     def call(self, method: str, *args: Any) -> Any:
         return run_utility(self.core, method, args)
+
+    def call_async(self, method: str, *args: Any) -> Future:
+        """The call, run now; its result (or exception) in an already resolved future."""
+        future: Future = Future()
+        try:
+            future.set_result(run_utility(self.core, method, args))
+        except Exception as exc:  # the caller reads it from the future
+            future.set_exception(exc)
+        return future
+
+    def has_pending_calls(self) -> bool:
+        return False
+
+    def busy_for(self) -> float:
+        return 0.0  # the thread that steps the core measures its own rounds
 
     def is_alive(self) -> bool:
         return self.core.runner is not None
@@ -118,6 +136,14 @@ def _result(method: str, value: Any) -> Any:
     if kind is EngineStats:
         return EngineStats(**{**value, "kv_store_tiers": tuple(value["kv_store_tiers"])})
     return kind(**value) if kind is not None else value
+
+
+def _settle(future: Future, method: str, answer: UtilityResult) -> None:
+    """Resolve `future` with `answer` (its result converted, or its error raised again)."""
+    if answer.error_type is not None:
+        future.set_exception(_ERRORS.get(answer.error_type, RuntimeError)(answer.error))
+    else:
+        future.set_result(_result(method, answer.result))
 
 
 class MPCoreClient:
@@ -145,11 +171,14 @@ class MPCoreClient:
         self._poller.register(self._waker_r.fileno(), zmq.POLLIN)
         self._pending: list[CoreOutput] = []
         self._calls = 0
+        self._futures: dict[int, tuple[str, Future]] = {}  # call id -> (method, its future)
+        self._clock = StepClock(os.path.join(self._dir, "clock"), create=True)
         self._dead: str | None = None
         self._closed = False
         # A fresh interpreter (not multiprocessing): nothing of the caller's __main__ re-runs.
         command = [sys.executable, "-m", "pagedkv.engine.core_proc", in_addr, out_addr,
-                   msgspec.json.encode(args).decode(), str(logging.getLogger().getEffectiveLevel())]
+                   msgspec.json.encode(args).decode(), str(logging.getLogger().getEffectiveLevel()),
+                   os.path.join(self._dir, "clock")]
         self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
         try:
             self.ready = self._wait_ready()
@@ -193,23 +222,20 @@ class MPCoreClient:
 
     # ---- receiving ----------------------------------------------------------------------
 
-    def has_work(self) -> bool:
-        return bool(self._pending)
-
     def get_outputs(self) -> list[CoreOutput]:
         if not self._pending:
             self._receive(self.poll_s)
         outputs, self._pending = self._pending, []
         return outputs
 
-    def _receive(self, timeout_s: float, call_id: int | None = None) -> UtilityResult | None:
-        """Receive what is there (waiting up to `timeout_s` for the first message); returns the
-        answer to `call_id` when it came."""
+    def _receive(self, timeout_s: float) -> None:
+        """Receive what is there (waiting up to `timeout_s` for the first message): step
+        outputs are queued for `get_outputs()`, utility answers resolve their futures (their
+        done-callbacks run here, in this thread). CoreDeadError when the core is gone."""
         ready = dict(self._poller.poll(int(timeout_s * 1000)))
         if self._waker_r.fileno() in ready:
             with contextlib.suppress(BlockingIOError):
                 self._waker_r.recv(4096)
-        answer = None
         while True:
             try:
                 data = self._output.recv(zmq.NOBLOCK)
@@ -219,36 +245,57 @@ class MPCoreClient:
             if isinstance(message, CoreStepOutputs):
                 self._pending.extend(message.outputs)
             elif isinstance(message, UtilityResult):
-                if message.call_id == call_id:
-                    answer = message
+                waiting = self._futures.pop(message.call_id, None)
+                if waiting is not None:
+                    _settle(waiting[1], waiting[0], message)
             elif isinstance(message, CoreDied):
                 self._dead = message.reason
-        if answer is None:
-            self._check_alive()
-        return answer
+        self._check_alive()
 
     def _check_alive(self) -> None:
+        """CoreDeadError (and every unanswered call failed with it) when the core is gone."""
         if self._dead is None and self.process.poll() is not None and not self._closed:
             self._dead = f"the engine core process died (exit code {self.process.returncode})"
         if self._dead is not None:
+            self._fail_calls(self._dead)
             raise CoreDeadError(self._dead)
+
+    def _fail_calls(self, reason: str) -> None:
+        """Fail every unanswered utility call with CoreDeadError(reason)."""
+        futures, self._futures = self._futures, {}
+        for _, future in futures.values():
+            future.set_exception(CoreDeadError(reason))
 
     def is_alive(self) -> bool:
         return self._dead is None and self.process.poll() is None
 
+    def busy_for(self) -> float:
+        """Seconds the core has spent in its current step (0.0 while idle; any thread)."""
+        return 0.0 if self._closed else self._clock.busy_for()
+
+    def call_async(self, method: str, *args: Any) -> Future:
+        """Send the utility call `EngineCore.<method>(*args)` (run in the core between its
+        steps) and return its future at once; see the module docstring. CoreDeadError when the
+        core is gone already."""
+        self._calls += 1
+        future: Future = Future()
+        future.set_running_or_notify_cancel()  # nobody can cancel it: it is answered or failed
+        self._send(UtilityCall(self._calls, method, list(args)))
+        self._futures[self._calls] = (method, future)
+        return future
+
+    def has_pending_calls(self) -> bool:
+        """Whether a utility call waits for its answer (the owner should keep receiving)."""
+        return bool(self._futures)
+
     def call(self, method: str, *args: Any) -> Any:
         """Run `EngineCore.<method>(*args)` in the core between its steps and return what it
-        returned (its ValueError / NotPinnedError re-raised here)."""
-        self._calls += 1
-        call_id = self._calls
-        self._send(UtilityCall(call_id, method, list(args)))
-        while True:
-            answer = self._receive(self.poll_s, call_id)
-            if answer is not None:
-                break
-        if answer.error_type is not None:
-            raise _ERRORS.get(answer.error_type, RuntimeError)(answer.error)
-        return _result(method, answer.result)
+        returned (its ValueError / NotPinnedError re-raised here); step outputs that arrive
+        meanwhile wait for `get_outputs()`."""
+        future = self.call_async(method, *args)
+        while not future.done():
+            self._receive(self.poll_s)
+        return future.result()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the core (it aborts what runs and frees its memory), then clean up. Idempotent."""
@@ -260,6 +307,7 @@ class MPCoreClient:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout)
         self._closed = True
+        self._fail_calls("the engine core was shut down")
         if self.process.poll() is None:
             logger.error("the engine core did not stop within %.0f s; killing it", timeout)
             self.process.kill()
@@ -269,4 +317,5 @@ class MPCoreClient:
         self._ctx.term()
         self._waker_r.close()
         self._waker_w.close()
+        self._clock.close()
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -4,6 +4,9 @@
           -> one core step -> queue its outputs (an output thread encodes and sends them
              while the next step runs)
 
+Each step's start time goes to the frontend through a shared step clock (step_clock.py), so
+the server's /health sees a step that never returns.
+
 The frontend (`core_client.MPCoreClient`) owns the process: SIGINT (a terminal's Ctrl-C, sent
 to the whole process group) is ignored here (the frontend drains, then sends "stop"), and the
 loop exits by itself when the frontend process is gone. A step that raises outside the model runner ends the requests in flight
@@ -36,6 +39,7 @@ from pagedkv.engine.messages import (
     UtilityCall,
     UtilityResult,
 )
+from pagedkv.engine.step_clock import StepClock
 from pagedkv.engine.utility import run_utility
 
 logger = logging.getLogger(__name__)
@@ -44,14 +48,15 @@ _IDLE_POLL_MS = 1000  # how often an idle core checks that its frontend still li
 
 
 def main(argv: list[str]) -> None:
-    """`python -m pagedkv.engine.core_proc IN_ADDR OUT_ADDR ENGINE_ARGS_JSON LOG_LEVEL`."""
-    in_addr, out_addr, args_json, log_level = argv
+    """`python -m pagedkv.engine.core_proc IN_ADDR OUT_ADDR ENGINE_ARGS_JSON LOG_LEVEL
+    CLOCK_PATH`."""
+    in_addr, out_addr, args_json, log_level, clock_path = argv
     run_engine_core(msgspec.json.decode(args_json, type=EngineArgs), in_addr, out_addr,
-                    int(log_level))
+                    int(log_level), clock_path)
 
 
 def run_engine_core(args: EngineArgs, in_addr: str, out_addr: str,
-                    log_level: int = logging.WARNING) -> None:
+                    log_level: int = logging.WARNING, clock_path: str | None = None) -> None:
     """The child process's entry point (see the module docstring)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level,
@@ -74,11 +79,14 @@ def run_engine_core(args: EngineArgs, in_addr: str, out_addr: str,
         return
     outputs.send(codec.encode(core.ready()))
     sender = _OutputThread(outputs)
+    clock = StepClock(clock_path) if clock_path else None
     try:
-        _CoreLoop(core, inputs, sender, codec).run()
+        _CoreLoop(core, inputs, sender, codec, clock).run()
     finally:
         core.shutdown()
         sender.close()
+        if clock is not None:
+            clock.close()
         inputs.close(linger=0)
         outputs.close(linger=5000)
         ctx.term()
@@ -111,8 +119,9 @@ class _OutputThread:
 
 class _CoreLoop:
     def __init__(self, core: Any, inputs: zmq.Socket, outputs: _OutputThread,
-                 codec: Codec) -> None:
+                 codec: Codec, clock: StepClock | None = None) -> None:
         self.core = core
+        self.clock = clock
         self.inputs = inputs
         self.outputs = outputs
         self.codec = codec
@@ -123,6 +132,8 @@ class _CoreLoop:
         core = self.core
         while not self.stopping:
             busy = core.has_unfinished_requests()
+            if not busy and self.clock is not None:
+                self.clock.idle()
             self._take_inputs(0 if busy else _IDLE_POLL_MS)
             if self.stopping:
                 return
@@ -169,6 +180,8 @@ class _CoreLoop:
 
     def _step(self) -> bool:
         """One core step; False when the core cannot go on."""
+        if self.clock is not None:
+            self.clock.step_started()
         try:
             outs = self.core.step()
         except EngineFatalError as exc:  # e.g. a tensor-parallel rank died: the core ends

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.args import EngineArgs
@@ -26,6 +27,7 @@ from pagedkv.engine.messages import Abort, EngineCoreRequest
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.stats import EngineStats
+from pagedkv.kv.hashing import RequestBlockHasher
 from pagedkv.kv.pins import PinInfo
 from pagedkv.sched.request import child_request_id
 from pagedkv.sched.sampling_params import SamplingParams
@@ -237,7 +239,9 @@ class LLMEngine:
 
     # ---- pinned prefixes ----------------------------------------------------------------
 
-    def _pin_ids(self, prompt: PromptType, cache_salt: str | None) -> list[int]:
+    def prefix_ids(self, prompt: PromptType, cache_salt: str | None = None) -> list[int]:
+        """`prompt`'s token ids as the pin calls take them (`cache_salt` checked). ValueError
+        for a bad prompt or salt. Reads only the tokenizer: any thread may call it."""
         check_cache_salt(cache_salt)
         return self.inputs.tokenize_prompt(prompt)[1]
 
@@ -245,7 +249,7 @@ class LLMEngine:
         """Whether every full block of `prompt` (salted and hashed as a request's would be) is
         in the device prefix cache now. ValueError for a bad prompt or salt, or a prompt
         shorter than one block."""
-        return self.client.call("is_prefix_cached", self._pin_ids(prompt, cache_salt), cache_salt)
+        return self.client.call("is_prefix_cached", self.prefix_ids(prompt, cache_salt), cache_salt)
 
     def pin_prefix(self, prompt: PromptType, cache_salt: str | None = None) -> PinInfo:
         """Pin the leading run of `prompt`'s full blocks that is in the device prefix cache now
@@ -254,12 +258,12 @@ class LLMEngine:
         /v1/pin run the prompt first when it is not cached. Pinning the same prompt again
         replaces its pin. ValueError for a bad prompt or salt, a prompt shorter than one block,
         or more pinned blocks than `max_pinned_fraction` of the cache."""
-        return self.client.call("pin_prefix", self._pin_ids(prompt, cache_salt), cache_salt)
+        return self.client.call("pin_prefix", self.prefix_ids(prompt, cache_salt), cache_salt)
 
     def unpin_prefix(self, prompt: PromptType, cache_salt: str | None = None) -> PinInfo:
         """Release `prompt`'s pin: its blocks stay cached and become evictable again.
         `pagedkv.kv.pins.NotPinnedError` (a ValueError) when it is not pinned."""
-        return self.client.call("unpin_prefix", self._pin_ids(prompt, cache_salt), cache_salt)
+        return self.client.call("unpin_prefix", self.prefix_ids(prompt, cache_salt), cache_salt)
 
     # ---- the step -----------------------------------------------------------------------
 
@@ -292,6 +296,29 @@ class LLMEngine:
         in-process or in the core process alike, and return its result. Only the thread that
         steps the engine may call it; ValueError for an unknown method."""
         return self.client.call(method, *args)
+
+    def start_utility(self, method: str, *args: Any) -> Future:
+        """`call_utility` without waiting: the call's `concurrent.futures.Future`, resolved
+        (with its result, or its ValueError / NotPinnedError) by a later `step()` of this
+        thread, or at once with the core in-process; failed with CoreDeadError if the core
+        dies. Only the thread that steps the engine may call it (the future's done-callbacks
+        run in that thread)."""
+        return self.client.call_async(method, *args)
+
+    def has_pending_calls(self) -> bool:
+        """Whether a started utility call waits for its answer (`step()` receives it)."""
+        return self.client.has_pending_calls()
+
+    def block_hasher(self) -> RequestBlockHasher:
+        """A hasher of prompt blocks as the core's KV cache hashes them (its block size, the
+        engine's hash algorithm), for the frontend's own use (the request log)."""
+        return RequestBlockHasher(self.args.prefix_caching_hash_algo, self.client.ready.block_size)
+
+    def core_busy_for(self) -> float:
+        """Seconds a core process has spent in its current step (0.0 while it is idle, and
+        always with the core in-process, whose steps the stepping thread times itself). Any
+        thread may call it."""
+        return self.client.busy_for()
 
     @property
     def prompt_tokens_total(self) -> int:

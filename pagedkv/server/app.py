@@ -172,7 +172,7 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         as on vLLM's /metrics: a router's load scrape renders three gauges)."""
         try:
             metrics.update(await async_engine.get_stats())
-        except EngineDeadError as exc:
+        except (EngineDeadError, TimeoutError) as exc:
             raise APIError(str(exc), status_code=503, type="server_unavailable") from exc
         names = raw.query_params.getlist("name[]")
         return Response(metrics.render(names or None), media_type=metrics.content_type)

@@ -95,12 +95,11 @@ def engine_families(prefix: str, labels: list[str], values: list[str], stats: En
 def cache_config_info(engine: object) -> dict[str, str]:
     """vLLM's `CacheConfig.metrics_info()` keys that we have, as strings."""
     args = getattr(engine, "args", None)
-    setup = getattr(engine, "kv_setup", None)
     return {"block_size": str(getattr(args, "block_size", None)),
             "cache_dtype": str(getattr(args, "kv_cache_dtype", "auto")),
             "enable_prefix_caching": str(getattr(args, "enable_prefix_caching", True)),
             "gpu_memory_utilization": str(getattr(args, "gpu_memory_utilization", None)),
-            "num_gpu_blocks": str(getattr(setup, "num_blocks", None)),
+            "num_gpu_blocks": str(getattr(engine, "num_gpu_blocks", None)),
             "num_gpu_blocks_override": str(getattr(args, "num_gpu_blocks_override", None)),
             "prefix_caching_hash_algo": str(getattr(args, "prefix_caching_hash_algo", None)),
             "swap_space": str(getattr(args, "swap_space", None))}

@@ -2,10 +2,16 @@
 
 `ServerProcess` starts `python -m pagedkv.cli serve MODEL_DIR ...`, waits for /health, and is
 stopped (SIGTERM, then SIGKILL if it hangs) by the fixtures' teardown (conftest.py).
+
+Where the engine core runs: a server started without `--engine-core` takes
+$PAGEDKV_ENGINE_CORE, else serve's default, and `engine_core_process()` tells the tests that
+build their own engine the same, so `PAGEDKV_ENGINE_CORE=process pytest tests/server` (`make
+test-process`) runs every server test with the core in its own process, `=inproc` in-process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -18,6 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
+from pagedkv.commands.serve import engine_core_mode
 
 STARTUP_TIMEOUT_S = 180.0  # torch import + model load on a busy 2-core CI box
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -36,6 +44,26 @@ def engine_flags(**kwargs: object) -> list[str]:
         else:
             flags += [flag, str(value)]
     return flags
+
+
+def engine_core_process() -> bool:
+    """Whether `pagedkv serve` (and so a test's own engine) runs the engine core in its own
+    process here (see the module docstring)."""
+    return engine_core_mode(None) == "process"
+
+
+def descendants(pid: int, marker: str = "") -> list[int]:
+    """The ids of `pid`'s descendant processes (children, theirs, ...) whose command line
+    contains `marker` (Linux /proc)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            with contextlib.suppress(OSError):  # it exited meanwhile
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+                if marker.encode() in cmdline:
+                    found.append(int(child))
+                found += descendants(int(child), marker)
+    return found
 
 
 def free_port() -> int:

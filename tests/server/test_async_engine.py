@@ -1,9 +1,15 @@
-"""AsyncEngine and create_app in-process, on the real engine: aborts and shutdown return every
-block, errors reach the caller, the in-flight bound holds, two apps share a process."""
+"""AsyncEngine and create_app in-process (ASGI), on the real engine, its core in this process or
+in its own (`engine_core_process()`, tests/server/helpers.py): aborts and shutdown return every
+block, errors reach the caller, the in-flight bound holds, two apps share a process, utility
+calls are awaited without blocking and fail fast once the engine is gone."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -13,18 +19,29 @@ from pagedkv.engine.async_engine import AsyncEngine, EngineDeadError, EngineOver
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.server.app import create_app
+from tests.server.helpers import engine_core_process
+
+
+def make_engine(tiny_llama, num_blocks: int = 128) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=str(tiny_llama), dtype="float32", block_size=4,
+                                max_model_len=256, num_gpu_blocks_override=num_blocks),
+                     core_process=engine_core_process())
 
 
 @pytest.fixture
-def engine(tiny_llama) -> LLMEngine:
-    return LLMEngine(EngineArgs(model=str(tiny_llama), dtype="float32", block_size=4,
-                                max_model_len=256, num_gpu_blocks_override=128))
+def engine(tiny_llama):
+    engine = make_engine(tiny_llama)
+    yield engine
+    engine.shutdown()
 
 
 def assert_pool_empty(engine: LLMEngine) -> None:
+    """No block held, the pool consistent, nothing running (read through utility calls, so
+    the same with the core in its own process)."""
     engine.check_invariants()
-    kv = engine.scheduler.kv_cache_manager
-    assert kv.pool.get_num_free_blocks() == kv.num_usable_blocks
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == engine.client.ready.num_usable_blocks
+    assert stats.kv_cache_usage == 0.0 and stats.num_running == stats.num_waiting == 0
     assert not engine.has_unfinished_requests()
 
 
@@ -42,7 +59,10 @@ def test_stream_abort_and_finish(engine):
             outputs = [o async for o in short]
             short.close()
             assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 4
-            assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 2, 3, 4]
+            counts = [len(o.outputs[0].token_ids) for o in outputs]
+            # Cumulative; a core process that ran ahead sends several steps' tokens in one.
+            assert counts == sorted(set(counts)) and counts[-1] == 4
+            assert engine_core_process() or counts == [1, 2, 3, 4]
 
             long = await async_engine.add_request("long", [1, 20, 30], LONG)
             first = await long.__anext__()
@@ -107,27 +127,101 @@ def test_shutdown_aborts_running_requests_and_joins(engine):
 
 
 def test_two_apps_in_one_process_have_their_own_metrics(engine, tiny_llama):
-    other = LLMEngine(EngineArgs(model=str(tiny_llama), dtype="float32", block_size=4,
-                                 max_model_len=256, num_gpu_blocks_override=64))
-    app_a = create_app(engine, served_model_name="a")
-    app_b = create_app(other, served_model_name="b")
-    with TestClient(app_a) as a, TestClient(app_b) as b:
-        resp = a.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3,
-                                                "ignore_eos": True})
-        assert resp.status_code == 200 and resp.json()["model"] == "a"
-        assert b.post("/v1/completions", json={"model": "a", "prompt": "x"}).status_code == 404
-        metrics_a, metrics_b = a.get("/metrics").text, b.get("/metrics").text
-    assert 'pagedkv:generation_tokens_total{model_name="a"} 3.0' in metrics_a
-    assert 'pagedkv:generation_tokens_total{model_name="b"} 0.0' in metrics_b
-    assert_pool_empty(engine)
-    assert_pool_empty(other)
+    other = make_engine(tiny_llama, num_blocks=64)
+    try:
+        app_a = create_app(engine, served_model_name="a")
+        app_b = create_app(other, served_model_name="b")
+        with TestClient(app_a) as a, TestClient(app_b) as b:
+            resp = a.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3,
+                                                    "ignore_eos": True})
+            assert resp.status_code == 200 and resp.json()["model"] == "a"
+            assert b.post("/v1/completions", json={"model": "a", "prompt": "x"}).status_code \
+                == 404
+            metrics_a, metrics_b = a.get("/metrics").text, b.get("/metrics").text
+        assert 'pagedkv:generation_tokens_total{model_name="a"} 3.0' in metrics_a
+        assert 'pagedkv:generation_tokens_total{model_name="b"} 0.0' in metrics_b
+        assert_pool_empty(engine)
+        assert_pool_empty(other)
+    finally:
+        other.shutdown()
 
 
-def test_accessors_read_the_engine_facts(engine):
+def test_accessors_read_the_engine_facts(engine, tiny_llama):
     async_engine = AsyncEngine(engine)  # not started: the accessors need no loop
     assert async_engine.tokenizer is engine.tokenizer
     assert async_engine.max_model_len == engine.max_model_len == 256
-    assert async_engine.vocab_size == engine.vocab_size == engine.model_config.vocab_size
+    config = json.loads((tiny_llama / "config.json").read_text())
+    assert async_engine.vocab_size == engine.vocab_size == config["vocab_size"]
     async_engine.check_fits(10, SamplingParams(max_tokens=4))
     with pytest.raises(ValueError):
         async_engine.check_fits(10_000, SamplingParams(max_tokens=4))
+
+
+@pytest.mark.timeout(120)
+def test_utility_calls_wait_on_a_stopped_core_without_blocking_and_fail_fast(tiny_llama):
+    """With the core in its own process and stopped (SIGSTOP) the loop thread still takes
+    requests while a utility call waits; the call times out; once the core goes on everything
+    completes; a core killed under a waiting call fails it at once with EngineDeadError."""
+    engine = LLMEngine(EngineArgs(model=str(tiny_llama), dtype="float32", block_size=4,
+                                  max_model_len=256, num_gpu_blocks_override=128),
+                       core_process=True)
+    core = engine.client.process
+
+    async def main() -> None:
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+        try:
+            assert (await async_engine.get_stats()).num_running == 0
+            os.kill(core.pid, signal.SIGSTOP)
+            try:
+                waiting = asyncio.create_task(async_engine.call_utility("get_stats",
+                                                                        timeout=1.0))
+                await asyncio.sleep(0.05)
+                params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+                stream = await asyncio.wait_for(
+                    async_engine.add_request("during", [1, 20, 30], params), 0.5)
+                started = time.monotonic()
+                with pytest.raises(TimeoutError, match="get_stats"):
+                    await waiting
+                assert time.monotonic() - started < 1.0
+            finally:
+                os.kill(core.pid, signal.SIGCONT)
+            outputs = [o async for o in stream]
+            stream.close()
+            assert len(outputs[-1].outputs[0].token_ids) == 5
+            stats = await async_engine.get_stats()
+            assert stats.generation_tokens == 5 and stats.num_running == 0
+            os.kill(core.pid, signal.SIGSTOP)
+            waiting = asyncio.create_task(async_engine.call_utility("dashboard.subscribe"))
+            await asyncio.sleep(0.05)
+            started = time.monotonic()
+            os.kill(core.pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError, match="engine core"):
+                await waiting
+            assert time.monotonic() - started < 5.0  # the default timeout is 60 s
+            with pytest.raises(EngineDeadError):
+                await async_engine.call_utility("get_stats")
+        finally:
+            async_engine.shutdown()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+def test_unknown_utility_calls_are_value_errors(engine):
+    async def main() -> None:
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+        try:
+            with pytest.raises(ValueError, match="'scheduler'"):
+                await async_engine.call_utility("scheduler")
+            with pytest.raises(ValueError, match="12345"):
+                await async_engine.call_utility("dashboard.drain", 12345)
+            assert (await async_engine.get_stats()).num_running == 0  # the loop went on
+        finally:
+            async_engine.shutdown()
+
+    asyncio.run(main())
+    assert_pool_empty(engine)

@@ -1,4 +1,4 @@
-"""`pagedkv serve` with the engine core in its own process (the default, issue 26): a core
+"""`pagedkv serve` with the engine core in its own process (issue 26): a core
 that dies ends the server with a clear error and exit code 1, instead of a hang or 503s for
 ever."""
 
@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.server.helpers import ENGINE_KWARGS, ServerProcess, engine_flags
+from tests.server.helpers import ENGINE_KWARGS, ServerProcess, descendants, engine_flags
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -23,7 +22,7 @@ def test_a_killed_core_process_ends_the_server_with_a_reason(tiny_llama):
         ok = httpx.post(proc.url + "/v1/completions", timeout=60,
                         json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3})
         assert ok.status_code == 200, ok.text
-        cores = _children(proc.proc.pid, "pagedkv.engine.core_proc")
+        cores = descendants(proc.proc.pid, "pagedkv.engine.core_proc")
         assert len(cores) == 1
         os.kill(cores[0], signal.SIGKILL)
         assert proc.proc.wait(timeout=30) == 1
@@ -33,13 +32,3 @@ def test_a_killed_core_process_ends_the_server_with_a_reason(tiny_llama):
         if proc.proc.poll() is None:
             proc.proc.kill()
 
-
-def _children(pid: int, marker: str) -> list[int]:
-    """The ids of `pid`'s child processes whose command line contains `marker` (Linux /proc)."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
-            if marker.encode() in cmdline:
-                found.append(int(child))
-    return found

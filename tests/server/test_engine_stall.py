@@ -1,9 +1,12 @@
 """/health reports a wedged engine loop (issue 20): a step that never returns leaves the loop
 thread alive, so liveness alone says nothing. While one step has run longer than the stall
-timeout /health answers 503; once the step returns it answers 200 again."""
+timeout /health answers 503; once the step returns it answers 200 again. The wedge is a
+blocked runner in-process, and, with the engine core in its own process, a stopped core."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -67,3 +70,39 @@ def test_stall_timeout_must_be_positive(tiny_llama):
                                   max_model_len=256, num_gpu_blocks_override=64))
     with pytest.raises(ValueError, match="stall_timeout_s"):
         create_app(engine, served_model_name="m", stall_timeout_s=0)
+
+
+@pytest.mark.timeout(120, method="thread")
+def test_health_is_503_while_the_core_process_is_stuck_in_a_step(tiny_llama):
+    """With the engine core in its own process the frontend's loop never blocks on a step: the
+    core's own step clock shows a step that does not return (here: the core stopped by
+    SIGSTOP mid-stream), and /health answers 503 until it goes on."""
+    engine = LLMEngine(EngineArgs(model=str(tiny_llama), dtype="float32", block_size=4,
+                                  max_model_len=1024, num_gpu_blocks_override=300),
+                       core_process=True)
+    core = engine.client.process
+    app = create_app(engine, served_model_name="m", stall_timeout_s=STALL_S)
+    # Long enough that the core is still stepping when the first token has arrived.
+    body = {"prompt": [1, 5, 6], "max_tokens": 1000, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}
+    try:
+        with TestClient(app) as client:
+            assert client.get("/health").status_code == 200
+            with client.stream("POST", "/v1/completions", json=body) as resp:
+                lines = resp.iter_lines()
+                assert next(line for line in lines if line.startswith("data: {"))
+                os.kill(core.pid, signal.SIGSTOP)
+                try:
+                    time.sleep(STALL_S + 0.3)
+                    wedged = client.get("/health")
+                    assert wedged.status_code == 503
+                    assert "wedged" in wedged.json()["error"]["message"]
+                finally:
+                    os.kill(core.pid, signal.SIGCONT)
+                events = [line for line in lines if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]"
+            assert client.get("/health").status_code == 200
+        engine.check_invariants()
+        assert engine.get_stats().num_free_blocks == engine.client.ready.num_usable_blocks
+    finally:
+        engine.shutdown()

@@ -8,19 +8,13 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from pagedkv.model.tokenizer import Tokenizer
 from tests.engine.conftest import hf_greedy, make_prompts
-from tests.server.helpers import ServerProcess, engine_flags, wait_for_idle_pool
-
-
-def _children(pid: int) -> list[int]:
-    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    return [int(p) for p in text.split()]
+from tests.server.helpers import ServerProcess, descendants, engine_flags, wait_for_idle_pool
 
 
 @pytest.mark.slow
@@ -46,8 +40,9 @@ def test_tensor_parallel_server_answers_and_dies_with_its_rank(tiny_llama):
                          timeout=30)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
         assert wait_for_idle_pool(proc.url)["pagedkv:kv_cache_usage_perc"] == 0  # blocks back
-        workers = [p for p in _children(proc.proc.pid)  # spawned ranks, not the resource tracker
-                   if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        # The spawned ranks (not the resource tracker), children of the server or, with the
+        # engine core in its own process, of the core.
+        workers = descendants(proc.proc.pid, "spawn_main")
         assert workers, "no worker rank process found"
         for pid in workers:
             os.kill(pid, signal.SIGKILL)

@@ -7,8 +7,8 @@ access.py) and `POST /v1/cache/explain` (a completion or chat body: where its KV
 block; nothing is generated; behind the API key like every /v1 route).
 
 Everything that reads engine state is a utility call of the engine core ("dashboard.*":
-pagedkv/engine/dashboard_calls.py), made from the engine loop thread (`AsyncEngine.call`): the
-same in-process and with the core in its own process. The core's feed records nothing while no
+pagedkv/engine/dashboard_calls.py), awaited without blocking the event loop or the engine loop
+thread (`AsyncEngine.call_utility`): the same in-process and with the core in its own process. The core's feed records nothing while no
 /dashboard/events stream is open.
 """
 
@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
+from pagedkv.engine.async_engine import EngineDeadError
 from pagedkv.server.dashboard.access import DashboardAccess, make_session_router
 from pagedkv.server.errors import APIError
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -34,24 +35,18 @@ STATIC_TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/htm
 MAX_UPDATES_PER_S = 10
 
 
-def _utility(engine: Any, method: str, *args: Any) -> Any:
-    """For AsyncEngine.call: the core's utility call `method`; any exception comes back as a
-    value, never kills the loop."""
-    try:
-        return ("ok", engine.call_utility(method, *args))
-    except Exception as exc:  # reported to the caller, the loop goes on
-        return ("error", exc)
-
-
 async def _call(async_engine: Any, method: str, *args: Any) -> Any:
-    """`method` ("dashboard.drain", ...) run by the engine core; ValueError -> 400, others
-    -> 500."""
-    status, value = await async_engine.call(_utility, method, *args)
-    if status == "error":
-        if isinstance(value, ValueError):
-            raise APIError(str(value))
-        raise APIError(f"{type(value).__name__}: {value}", status_code=500, type="internal_error")
-    return value
+    """`method` ("dashboard.drain", ...) run by the engine core; ValueError -> 400, a dead
+    engine or no answer in time -> 503, others -> 500."""
+    try:
+        return await async_engine.call_utility(method, *args)
+    except ValueError as exc:
+        raise APIError(str(exc)) from exc
+    except (EngineDeadError, TimeoutError) as exc:
+        raise APIError(str(exc), status_code=503, type="server_unavailable") from exc
+    except Exception as exc:  # reported to the caller; the engine loop goes on
+        raise APIError(f"{type(exc).__name__}: {exc}", status_code=500,
+                       type="internal_error") from exc
 
 
 def _ttft(metrics: Any) -> dict[str, float]:
