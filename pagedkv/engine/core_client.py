@@ -13,6 +13,7 @@ thread's `get_outputs()` or `call()`), and failed with CoreDeadError when the co
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -66,6 +67,7 @@ class CoreClient(Protocol):
     def add_request(self, request: EngineCoreRequest) -> None: ...
     def abort(self, message: Abort) -> None: ...
     def get_outputs(self) -> list[CoreOutput]: ...
+    def output_time(self) -> float | None: ...
     def call(self, method: str, *args: Any) -> Any: ...
     def call_async(self, method: str, *args: Any) -> Future: ...
     def has_pending_calls(self) -> bool: ...
@@ -96,6 +98,10 @@ class InprocCoreClient:
 
     def get_outputs(self) -> list[CoreOutput]:
         return self.core.step()
+
+    def output_time(self) -> float | None:
+        """None: the outputs were made just now, by the step `get_outputs()` ran."""
+        return None
 
     def call(self, method: str, *args: Any) -> Any:
         return run_utility(self.core, method, args)
@@ -148,7 +154,10 @@ def _settle(future: Future, method: str, answer: UtilityResult) -> None:
 
 class MPCoreClient:
     """The core in a child process; see the module docstring. `get_outputs()` returns the
-    outputs that arrived, waiting up to `poll_s` (or until `wake()`) for some."""
+    outputs of the oldest core step that arrived and is not yet taken, waiting up to `poll_s`
+    (or until `wake()`) for one; `output_time()` is when that step ended, in the core. Steps
+    are handed out one at a time, never merged, so a stream sees each step's tokens apart and
+    its token times are the core's, however far the frontend runs behind."""
 
     def __init__(self, args: EngineArgs, *, poll_s: float = 0.25) -> None:
         self.poll_s = poll_s
@@ -169,7 +178,8 @@ class MPCoreClient:
         self._poller = zmq.Poller()
         self._poller.register(self._output, zmq.POLLIN)
         self._poller.register(self._waker_r.fileno(), zmq.POLLIN)
-        self._pending: list[CoreOutput] = []
+        self._pending: collections.deque[CoreStepOutputs] = collections.deque()
+        self._output_time: float | None = None
         self._calls = 0
         self._futures: dict[int, tuple[str, Future]] = {}  # call id -> (method, its future)
         self._clock = StepClock(os.path.join(self._dir, "clock"), create=True)
@@ -225,8 +235,15 @@ class MPCoreClient:
     def get_outputs(self) -> list[CoreOutput]:
         if not self._pending:
             self._receive(self.poll_s)
-        outputs, self._pending = self._pending, []
-        return outputs
+        if not self._pending:
+            return []
+        step = self._pending.popleft()
+        self._output_time = step.timestamp or None
+        return step.outputs
+
+    def output_time(self) -> float | None:
+        """When the step of the last `get_outputs()` ended (the core's monotonic clock)."""
+        return self._output_time
 
     def _receive(self, timeout_s: float) -> None:
         """Receive what is there (waiting up to `timeout_s` for the first message): step
@@ -243,7 +260,7 @@ class MPCoreClient:
                 break
             message = self._codec.decode_core(data)
             if isinstance(message, CoreStepOutputs):
-                self._pending.extend(message.outputs)
+                self._pending.append(message)
             elif isinstance(message, UtilityResult):
                 waiting = self._futures.pop(message.call_id, None)
                 if waiting is not None:

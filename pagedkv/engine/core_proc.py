@@ -22,6 +22,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 import msgspec
@@ -193,11 +194,11 @@ class _CoreLoop:
             try:
                 self.core.check_invariants()
             except Exception as broken:
-                self._send(CoreStepOutputs(outs))
+                self._send(CoreStepOutputs(outs, time.monotonic()))
                 self._send(CoreDied(f"KV cache invariants broken: {broken}", "RuntimeError"))
                 return False
         if outs:
-            self._send(CoreStepOutputs(outs))
+            self._send(CoreStepOutputs(outs, time.monotonic()))
         return True
 
 

@@ -278,7 +278,8 @@ class LLMEngine:
         """
         if self._shut_down:
             raise RuntimeError("the engine was shut down")
-        outputs, stops = self.outputs.process(self.client.get_outputs())
+        core_outputs = self.client.get_outputs()
+        outputs, stops = self.outputs.process(core_outputs, self.client.output_time())
         for sample_id, stop in stops:
             self.client.abort(Abort([sample_id], "stop", stop))
         return outputs

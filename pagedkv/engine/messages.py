@@ -81,9 +81,11 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class CoreStepOutputs(msgspec.Struct, array_like=True, tag=True):
-    """One core step's outputs, in schedule order."""
+    """One core step's outputs, in schedule order, and when the step ended (the core's
+    `time.monotonic()`: one clock for every process on the machine)."""
 
     outputs: list[CoreOutput]
+    timestamp: float = 0.0
 
 
 class UtilityResult(msgspec.Struct, array_like=True, tag=True):

@@ -107,12 +107,14 @@ class OutputProcessor:
     def pop_group(self, request_id: str) -> _Group | None:
         return self.groups.pop(request_id, None)
 
-    def process(self, core_outputs: list[CoreOutput]
+    def process(self, core_outputs: list[CoreOutput], now: float | None = None
                 ) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
         """Apply one step's core outputs. Returns the cumulative output of each group that
         progressed (finished groups are forgotten after it) and the (sample id, stop string)
-        of the samples a stop string ended, which the core must finish ("stop")."""
-        now = time.monotonic()
+        of the samples a stop string ended, which the core must finish ("stop"). `now`: when
+        the step ended (time.monotonic(); default: now), the requests' token times."""
+        if now is None:
+            now = time.monotonic()
         touched: dict[str, _Group] = {}
         stops: list[tuple[str, str]] = []
         groups = self.groups
