@@ -164,6 +164,30 @@ def test_decode_attention_matches_the_reference(dtype, window):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kv_heads,heads", [(2, 2), (1, 4), (2, 10)])
+def test_fixed_size_decode_kernel_matches_for_every_query_group(dtype, head_dim, kv_heads, heads):
+    """Head sizes 64 and 128 (the compile-time path) score key rows for pairs of query heads
+    (vdpbf16ps for a bfloat16 cache on AVX512-BF16) and weigh a lone head's values in two
+    partial sums: one head per KV head (MHA), four, and five (two pairs and a lone head)."""
+    torch.manual_seed(3)
+    bs, num_blocks = 16, 40
+    k_cache = torch.randn(kv_heads, num_blocks, bs, head_dim, dtype=dtype) * 3
+    v_cache = torch.randn(kv_heads, num_blocks, bs, head_dim, dtype=dtype)
+    lens = [1, 17, 50, 100, 33]
+    tables = torch.stack([torch.randperm(num_blocks - 1)[:7] + 1 for _ in lens])
+    q = torch.randn(len(lens), heads, head_dim, dtype=dtype)
+    fields = dict(slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lens),
+                  decode_seq_lens=torch.tensor(lens), decode_block_tables=tables, prefills=[],
+                  block_size=bs, decode_seq_lens_list=lens)
+    want = decode_attention(q, k_cache, v_cache, AttentionMetadata(**fields), head_dim ** -0.5,
+                            None)
+    got = torch.empty_like(q)
+    NativeAttentionMetadata(**fields)._decode(q, k_cache, v_cache, head_dim ** -0.5, None, got)
+    close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixed_step_with_shared_prefixes_matches_the_reference(dtype):
     """A step of decodes (three sharing 64 leading tokens: cascade) and two prefill chunks: the
     native metadata writes the same cache and returns the same attention as the torch one."""
