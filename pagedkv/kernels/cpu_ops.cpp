@@ -581,30 +581,41 @@ inline vqf fma_q(vqf a, vqf b, vqf c) {
 #endif
 }
 
+// p[h * ps + t] = scale x the G sums dot(t, r) leaves in r[h] (QW-lane partial sums of row t
+// for head h), for the n rows of one block: QW rows at a time through one transposing
+// reduction (row_sums) per head. Writes p.
+template <int G, typename Dot>
+inline void rows_scores(int64_t n, float* p, int64_t ps, float scale, Dot dot) {
+  for (int64_t t0 = 0; t0 < n; t0 += QW) {
+    vqf r[G][QW] = {};
+    const int64_t rows = std::min<int64_t>(QW, n - t0);
+    for (int64_t i = 0; i < rows; i++) {
+      vqf a[G];
+      dot(t0 + i, a);
+      for (int h = 0; h < G; h++) r[h][i] = a[h];
+    }
+    for (int h = 0; h < G; h++) {
+      const vqf s = row_sums(r[h]) * scale;
+      std::memcpy(p + h * ps + t0, &s, sizeof(float) * rows);
+    }
+  }
+}
+
 // p[h * ps + t] = q_h . k[t] (float32) for the n rows of one block and G query heads (q_h in
 // registers: C vectors at qv + h * C); each row is loaded and widened once for all G heads.
 template <typename Fmt, int D, int G>
 inline void block_scores(const vqf* qv, const typename Fmt::storage* kb, int64_t n, float* p,
                          int64_t ps) {
   constexpr int C = D / QW;
-  for (int64_t t0 = 0; t0 < n; t0 += QW) {
-    vqf r[G][QW] = {};
-    const int64_t rows = std::min<int64_t>(QW, n - t0);
-    for (int64_t i = 0; i < rows; i++) {
-      const typename Fmt::storage* kt = kb + (t0 + i) * D;
-      vqf k[C];
-      for (int c = 0; c < C; c++) k[c] = fmt_vec<Fmt>(kt + c * QW);
-      for (int h = 0; h < G; h++) {
-        vqf a = qv[h * C] * k[0];
-        for (int c = 1; c < C; c++) a = fma_q(qv[h * C + c], k[c], a);
-        r[h][i] = a;
-      }
-    }
+  rows_scores<G>(n, p, ps, 1.f, [&](int64_t t, vqf* a) {
+    const typename Fmt::storage* kt = kb + t * D;
+    vqf k[C];
+    for (int c = 0; c < C; c++) k[c] = fmt_vec<Fmt>(kt + c * QW);
     for (int h = 0; h < G; h++) {
-      const vqf s = row_sums(r[h]);
-      std::memcpy(p + h * ps + t0, &s, sizeof(float) * rows);
+      a[h] = qv[h * C] * k[0];
+      for (int c = 1; c < C; c++) a[h] = fma_q(qv[h * C + c], k[c], a[h]);
     }
-  }
+  });
 }
 
 #if defined(__AVX512BF16__) && PAGEDKV_QW == 16
@@ -620,24 +631,16 @@ inline void block_scores_bf16(const c10::BFloat16* qb, const c10::BFloat16* kb, 
   constexpr int C2 = D / 32;
   __m512bh q[G * C2];
   for (int i = 0; i < G * C2; i++) q[i] = (__m512bh)_mm512_loadu_si512(qb + i * 32);
-  for (int64_t t0 = 0; t0 < n; t0 += QW) {
-    vqf r[G][QW] = {};
-    const int64_t rows = std::min<int64_t>(QW, n - t0);
-    for (int64_t i = 0; i < rows; i++) {
-      const c10::BFloat16* kt = kb + (t0 + i) * D;
-      __m512bh k[C2];
-      for (int c = 0; c < C2; c++) k[c] = (__m512bh)_mm512_loadu_si512(kt + c * 32);
-      for (int h = 0; h < G; h++) {
-        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[h * C2], k[0]);
-        for (int c = 1; c < C2; c++) a = _mm512_dpbf16_ps(a, q[h * C2 + c], k[c]);
-        r[h][i] = (vqf)a;
-      }
-    }
+  rows_scores<G>(n, p, ps, scale, [&](int64_t t, vqf* a) {
+    const c10::BFloat16* kt = kb + t * D;
+    __m512bh k[C2];
+    for (int c = 0; c < C2; c++) k[c] = (__m512bh)_mm512_loadu_si512(kt + c * 32);
     for (int h = 0; h < G; h++) {
-      const vqf s = row_sums(r[h]) * scale;
-      std::memcpy(p + h * ps + t0, &s, sizeof(float) * rows);
+      __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[h * C2], k[0]);
+      for (int c = 1; c < C2; c++) s = _mm512_dpbf16_ps(s, q[h * C2 + c], k[c]);
+      a[h] = (vqf)s;
     }
-  }
+  });
 }
 #else
 #define PAGEDKV_BF16_DOT 0
