@@ -570,23 +570,86 @@ template <typename V> inline V row_sums(V* r) {
 #endif
 }
 
-// p[t] = q . k[t] (float32) for the n rows of one block, q in registers (C vectors).
-template <typename Fmt, int D>
-inline void block_scores(const vqf* qv, const typename Fmt::storage* kb, int64_t n, float* p) {
-  constexpr int C = D / QW;
+// a * b + c as one fused multiply-add (QW lanes).
+inline vqf fma_q(vqf a, vqf b, vqf c) {
+#if PAGEDKV_QW == 16
+  return (vqf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  return (vqf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
+// p[h * ps + t] = scale x the G sums dot(t, r) leaves in r[h] (QW-lane partial sums of row t
+// for head h), for the n rows of one block: QW rows at a time through one transposing
+// reduction (row_sums) per head. Writes p.
+template <int G, typename Dot>
+inline void rows_scores(int64_t n, float* p, int64_t ps, float scale, Dot dot) {
   for (int64_t t0 = 0; t0 < n; t0 += QW) {
-    vqf r[QW] = {};
+    vqf r[G][QW] = {};
     const int64_t rows = std::min<int64_t>(QW, n - t0);
     for (int64_t i = 0; i < rows; i++) {
-      const typename Fmt::storage* kt = kb + (t0 + i) * D;
-      vqf a = qv[0] * fmt_vec<Fmt>(kt);
-      for (int c = 1; c < C; c++) a += qv[c] * fmt_vec<Fmt>(kt + c * QW);
-      r[i] = a;
+      vqf a[G];
+      dot(t0 + i, a);
+      for (int h = 0; h < G; h++) r[h][i] = a[h];
     }
-    const vqf s = row_sums(r);
-    std::memcpy(p + t0, &s, sizeof(float) * rows);
+    for (int h = 0; h < G; h++) {
+      const vqf s = row_sums(r[h]) * scale;
+      std::memcpy(p + h * ps + t0, &s, sizeof(float) * rows);
+    }
   }
 }
+
+// p[h * ps + t] = q_h . k[t] (float32) for the n rows of one block and G query heads (q_h in
+// registers: C vectors at qv + h * C); each row is loaded and widened once for all G heads.
+template <typename Fmt, int D, int G>
+inline void block_scores(const vqf* qv, const typename Fmt::storage* kb, int64_t n, float* p,
+                         int64_t ps) {
+  constexpr int C = D / QW;
+  rows_scores<G>(n, p, ps, 1.f, [&](int64_t t, vqf* a) {
+    const typename Fmt::storage* kt = kb + t * D;
+    vqf k[C];
+    for (int c = 0; c < C; c++) k[c] = fmt_vec<Fmt>(kt + c * QW);
+    for (int h = 0; h < G; h++) {
+      a[h] = qv[h * C] * k[0];
+      for (int c = 1; c < C; c++) a[h] = fma_q(qv[h * C + c], k[c], a[h]);
+    }
+  });
+}
+
+#if defined(__AVX512BF16__) && PAGEDKV_QW == 16
+#define PAGEDKV_BF16_DOT 1
+// block_scores for a bfloat16 cache read in place by bfloat16 queries, with vdpbf16ps: q_h (D
+// bfloat16 values at qb + h * D, not scaled) times each key row, two K steps per instruction,
+// the sums times `scale` at the end. The products of two bfloat16 values are exact in float32,
+// so the scores differ from block_scores' in summation order and vdpbf16ps's DAZ/FTZ rules
+// only (see panel_linear16), and in one rounding where the scale is not a power of two.
+template <int D, int G>
+inline void block_scores_bf16(const c10::BFloat16* qb, const c10::BFloat16* kb, int64_t n,
+                              float* p, int64_t ps, float scale) {
+  constexpr int C2 = D / 32;
+  __m512bh q[G * C2];
+  for (int i = 0; i < G * C2; i++) q[i] = (__m512bh)_mm512_loadu_si512(qb + i * 32);
+  rows_scores<G>(n, p, ps, scale, [&](int64_t t, vqf* a) {
+    const c10::BFloat16* kt = kb + t * D;
+    __m512bh k[C2];
+    for (int c = 0; c < C2; c++) k[c] = (__m512bh)_mm512_loadu_si512(kt + c * 32);
+    for (int h = 0; h < G; h++) {
+      __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[h * C2], k[0]);
+      for (int c = 1; c < C2; c++) s = _mm512_dpbf16_ps(s, q[h * C2 + c], k[c]);
+      a[h] = (vqf)s;
+    }
+  });
+}
+#else
+#define PAGEDKV_BF16_DOT 0
+#endif
+
+// Whether keys of format KFmt take block_scores_bf16 (a bfloat16 cache read in place, on
+// AVX512-BF16; the queries are then bfloat16 too, the cache being of q's dtype).
+template <typename KFmt>
+constexpr bool bf16_dot = PAGEDKV_BF16_DOT && std::is_same_v<KFmt, SameFmt<c10::BFloat16>>;
 
 // dots[t] = q16 . k[t] (int32, exact) for the n rows of one block, q16 D int16 values; the
 // rows are int8 (a cache block, widened here) or int16 (a tile's widened copy, TileScratch).
@@ -697,47 +760,81 @@ template <typename Fmt, int D> struct TileScratch {
 };
 
 // One query row-head's state in a tile: q (float32 vectors, or int16 and its scale for an int8
-// cache), the online softmax's m and l, the output accumulator.
+// cache, or for a bfloat16 cache on AVX512-BF16 also q itself, unscaled: qb), the online
+// softmax's m and l, the output accumulator.
 template <int D> struct RowHeads {
   static constexpr int C = D / QW;
   std::vector<vqf> qf, acc;
   std::vector<vqs16> q16;
+  std::vector<c10::BFloat16> qb;
   std::vector<float> qscale, m, l;
-  explicit RowHeads(int64_t n) : qf(n * C), acc(n * C), q16(n * C / 2), qscale(n), m(n), l(n) {}
+  RowHeads(int64_t n, bool with_qb)
+      : qf(n * C), acc(n * C), q16(n * C / 2), qb(with_qb ? n * D : 0), qscale(n), m(n), l(n) {}
 };
 
 // acc[h] = acc[h] * corr[h] + sum_t w[h][t] * v[t] for H query heads (acc: C vectors each;
 // w: H rows of n weights, ws apart) over the n value rows at vb: H * C accumulators stay in
-// registers and each value vector is widened once for all H heads. Mutates acc.
+// registers and each value vector is widened once for all H heads. With one head, even and
+// odd rows go to two partial sums, so that 2C chains of FMAs are in flight rather than C (a
+// chain waits out each FMA's latency). Mutates acc.
 template <typename VFmt, int D, int H>
 inline void weigh_values(vqf* acc, const float* corr, const float* w, int64_t ws,
                          const typename VFmt::storage* vb, int64_t n) {
-  constexpr int C = D / QW;
-  vqf a[H][C];
+  constexpr int C = D / QW, U = H == 1 ? 2 : 1;
+  vqf a[U][H][C];
   for (int h = 0; h < H; h++)
-    for (int c = 0; c < C; c++) a[h][c] = acc[h * C + c] * corr[h];
-  for (int64_t t = 0; t < n; t++) {
+    for (int c = 0; c < C; c++) {
+      a[0][h][c] = acc[h * C + c] * corr[h];
+      if constexpr (U == 2) a[1][h][c] = vqf{};
+    }
+  auto row = [&](int u, int64_t t) {
     const typename VFmt::storage* vt = vb + t * D;
     for (int c = 0; c < C; c++) {
       const vqf v = fmt_vec<VFmt>(vt + c * QW);
-      for (int h = 0; h < H; h++) a[h][c] += w[h * ws + t] * v;
+      for (int h = 0; h < H; h++) a[u][h][c] = fma_q(vqf{} + w[h * ws + t], v, a[u][h][c]);
     }
-  }
+  };
+  int64_t t = 0;
+  for (; t + U <= n; t += U)
+    for (int u = 0; u < U; u++) row(u, t + u);
+  for (; t < n; t++) row(0, t);
   for (int h = 0; h < H; h++)
-    for (int c = 0; c < C; c++) acc[h * C + c] = a[h][c];
+    for (int c = 0; c < C; c++) acc[h * C + c] = U == 2 ? a[0][h][c] + a[U - 1][h][c] : a[0][h][c];
+}
+
+// p[h * ps + t] = the scores of query heads i .. i + G - 1 of st against the n key rows at kb
+// (block_scores, or block_scores_bf16 for a bfloat16 cache read in place); `scale` is the
+// softmax scale, already in st.qf but not in st.qb. Writes p.
+template <typename KFmt, int D, int G>
+inline void head_scores(const RowHeads<D>& st, int64_t i, const typename KFmt::storage* kb,
+                        int64_t n, float* p, int64_t ps, float scale) {
+  if constexpr (bf16_dot<KFmt>) {
+#if PAGEDKV_BF16_DOT
+    block_scores_bf16<D, G>(st.qb.data() + i * D, kb, n, p, ps, scale);
+#endif
+  } else {
+    (void)scale;
+    block_scores<KFmt, D, G>(st.qf.data() + i * (D / QW), kb, n, p, ps);
+  }
 }
 
 // The g query heads i0 .. i0 + g - 1 of one row attend the n rows of one block at kb / vb
 // (KFmt / VFmt: the cache's format read in place, or a tile's widened copy); ks / vs: the rows'
 // int8 scales (null otherwise); p: g rows of ps >= n scores, corr: g factors, dots: n + QW
-// values (scratch). Value rows are weighed for up to 16 / C heads at once (weigh_values). Mutates the
-// heads' m, l and accumulators.
+// values (scratch); scale: the softmax scale (head_scores). Key rows are scored for a pair of
+// heads at once (head_scores), value rows weighed for up to 16 / C heads at once
+// (weigh_values). Mutates the heads' m, l and accumulators.
 template <typename KFmt, typename VFmt, bool int8, int D>
 inline void attend_row(RowHeads<D>& st, int64_t i0, int64_t g, const typename KFmt::storage* kb,
                        const typename VFmt::storage* vb, const float* ks, const float* vs,
-                       int64_t n, int64_t ps, float* p, float* corr, int32_t* dots) {
+                       int64_t n, int64_t ps, float* p, float* corr, int32_t* dots, float scale) {
   constexpr int C = D / QW;
   constexpr int HB = C >= 16 ? 1 : C >= 8 ? 2 : 4;
+  if constexpr (!int8) {
+    int64_t h = 0;
+    for (; h + 2 <= g; h += 2) head_scores<KFmt, D, 2>(st, i0 + h, kb, n, p + h * ps, ps, scale);
+    if (h < g) head_scores<KFmt, D, 1>(st, i0 + h, kb, n, p + h * ps, ps, scale);
+  }
   for (int64_t h = 0; h < g; h++) {
     const int64_t i = i0 + h;
     float* ph = p + h * ps;
@@ -746,8 +843,6 @@ inline void attend_row(RowHeads<D>& st, int64_t i0, int64_t g, const typename KF
       const float qs = st.qscale[i];
 #pragma omp simd
       for (int64_t t = 0; t < n; t++) ph[t] = static_cast<float>(dots[t]) * (qs * ks[t]);
-    } else {
-      block_scores<KFmt, D>(st.qf.data() + i * C, kb, n, ph);
     }
     corr[h] = softmax_block(ph, n, st.m[i], st.l[i]);
     if constexpr (int8) {
@@ -775,6 +870,7 @@ template <typename scalar_t, typename Fmt> struct TileInputs {
   const float *ksp, *vsp;
   const int64_t *btp, *fpp, *slp;
   int64_t width;
+  float scale;  // the softmax scale
 };
 
 // Rows [r0, r0 + nr) share one block table: their key range [first, len) is widened SPAN rows
@@ -802,19 +898,23 @@ void attend_spans(const TileInputs<scalar_t, Fmt>& in, RowHeads<D>& st, TileScra
       if (lo >= hi) continue;
       attend_row<KScratchFmt, SameFmt<float>, int8, D>(
           st, (r - r0) * a.g, a.g, sc.k.data() + lo * D, sc.v.data() + lo * D,
-          sc.ks.data() + lo, sc.vs.data() + lo, hi - lo, SPAN, p, corr, dots);
+          sc.ks.data() + lo, sc.vs.data() + lo, hi - lo, SPAN, p, corr, dots, in.scale);
     }
     start = pos;
   }
 }
 
+// The first block the thread reads next: its first slot row and row count (rows 0: none).
+struct NextBlock { int64_t row = 0, rows = 0; };
+
 // Rows [r0, r0 + nr) whose tables may part (decodes past a shared prefix), block by block: a
 // block two or more of them read is widened once (when the format needs widening), the others
-// are read in place by their one reader. Mutates st.
+// are read in place by their one reader; the next block, or on the last one `after` (the next
+// item's first), is prefetched. Mutates st.
 template <typename scalar_t, typename Fmt, int D>
 void attend_blocks(const TileInputs<scalar_t, Fmt>& in, RowHeads<D>& st, TileScratch<Fmt, D>& sc,
                    int64_t kh, int64_t r0, int64_t nr, int64_t first, int64_t len, float* p,
-                   float* corr, int32_t* dots) {
+                   float* corr, int32_t* dots, NextBlock after) {
   using storage = typename Fmt::storage;
   constexpr bool int8 = std::is_same_v<Fmt, Int8Fmt>;
   constexpr bool in_place_only = std::is_same_v<storage, float>;  // nothing to widen
@@ -837,6 +937,9 @@ void attend_blocks(const TileInputs<scalar_t, Fmt>& in, RowHeads<D>& st, TileScr
       const int64_t next = (kh * nb + btp[lead_row * width + b + 1]) * bs;
       prefetch_rows(a.kc + next * D, a.vc + next * D, std::min(bs, len - pos - n) * D * sizeof(storage));
       if constexpr (int8) prefetch_rows(in.ksp + next, in.vsp + next, bs * sizeof(float));
+    } else if (after.rows > 0) {  // the next item's first block, likewise
+      prefetch_rows(a.kc + after.row * D, a.vc + after.row * D, after.rows * D * sizeof(storage));
+      if constexpr (int8) prefetch_rows(in.ksp + after.row, in.vsp + after.row, after.rows * sizeof(float));
     }
     const bool widen = !in_place_only && readers > 1;
     if (widen) {
@@ -854,10 +957,10 @@ void attend_blocks(const TileInputs<scalar_t, Fmt>& in, RowHeads<D>& st, TileScr
       if (widen && blk == lead)
         attend_row<KScratchFmt, SameFmt<float>, int8, D>(
             st, (r - r0) * g, g, sc.k.data() + lo * D, sc.v.data() + lo * D, ks, vs, hi - lo,
-            SPAN, p, corr, dots);
+            SPAN, p, corr, dots, in.scale);
       else
         attend_row<Fmt, Fmt, int8, D>(st, (r - r0) * g, g, a.kc + row0 * D, a.vc + row0 * D,
-                                      ks, vs, hi - lo, SPAN, p, corr, dots);
+                                      ks, vs, hi - lo, SPAN, p, corr, dots, in.scale);
     }
     pos += n;
   }
@@ -875,13 +978,20 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   constexpr bool int8 = std::is_same_v<Fmt, Int8Fmt>;
   constexpr bool in_place_only = std::is_same_v<storage, float>;  // nothing to widen
   const DecodeViews<scalar_t, storage> a(q, k_cache, v_cache, out);
-  const TileInputs<scalar_t, Fmt> in{a, ksp, vsp, btp, fpp, slp, width};
+  const TileInputs<scalar_t, Fmt> in{a, ksp, vsp, btp, fpp, slp, width, sc};
   const int64_t heads = a.heads, kvh = a.kvh, g = a.g, sq = a.sq;
   const scalar_t* qp = a.qp;
   const std::vector<int64_t> tiles = row_tiles(btp, a.s_n, width);
   const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1;
+  // The first block item `it` reads (its tile's first row's), for prefetching.
+  auto first_block = [&](int64_t it) {
+    const int64_t r = tiles[zigzag(it / kvh, num_tiles)], kh = it % kvh, pos = fpp[r];
+    if (pos >= slp[r]) return NextBlock{};
+    const int64_t row = (kh * a.nb + btp[r * width + pos / a.bs]) * a.bs + pos % a.bs;
+    return NextBlock{row, std::min(a.bs - pos % a.bs, slp[r] - pos)};
+  };
   at::parallel_for(0, std::max<int64_t>(num_tiles, 0) * kvh, 1, [&](int64_t begin, int64_t end) {
-    RowHeads<D> st(TILE_ROWS * g);
+    RowHeads<D> st(TILE_ROWS * g, bf16_dot<Fmt>);
     TileScratch<Fmt, D> scratch;
     std::vector<float> p(g * SPAN), corr(g);
     std::vector<int32_t> dots(SPAN + QW);
@@ -900,6 +1010,7 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
           const scalar_t* qs = qp + r * sq + (kh * g + h) * D;
           float* qh = reinterpret_cast<float*>(st.qf.data() + i * C);
           for (int j = 0; j < D; j++) qh[j] = to_f(qs[j]) * sc * fmt_unit<Fmt>;
+          if constexpr (bf16_dot<Fmt>) std::memcpy(st.qb.data() + i * D, qs, D * sizeof(scalar_t));
           if constexpr (int8)
             st.qscale[i] = quantize_q16<D>(qh, reinterpret_cast<int16_t*>(st.q16.data() + i * C / 2));
           st.m[i] = -std::numeric_limits<float>::infinity();
@@ -912,7 +1023,8 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                                        corr.data(), dots.data());
       else
         attend_blocks<scalar_t, Fmt, D>(in, st, scratch, kh, r0, nr, first, len, p.data(),
-                                        corr.data(), dots.data());
+                                        corr.data(), dots.data(),
+                                        item + 1 < end ? first_block(item + 1) : NextBlock{});
       for (int64_t r = r0; r < r0 + nr; r++)
         finish_heads(reinterpret_cast<const float*>(st.acc.data() + (r - r0) * g * C),
                      st.m.data() + (r - r0) * g, st.l.data() + (r - r0) * g, g, D, fmt_unit<Fmt>,

@@ -153,14 +153,36 @@ def test_decode_attention_matches_the_reference(dtype, window):
     lens = [1, 4, 5, 17, 23, 9]
     tables = torch.stack([torch.randperm(39)[:6] + 1 for _ in lens])
     q = torch.randn(len(lens), 6, 16, dtype=dtype)  # 6 query heads over 2 KV heads (GQA)
+    check_decode(q, k_cache, v_cache, lens, tables, 0.25, window)
+
+
+def check_decode(q, k_cache, v_cache, lens, tables, scale, window):
+    """The native decode of q (one row per sequence of `lens` on `tables`) is close to the
+    reference's."""
     fields = dict(slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lens),
                   decode_seq_lens=torch.tensor(lens), decode_block_tables=tables, prefills=[],
-                  block_size=4, decode_seq_lens_list=lens)
-    want = decode_attention(q, k_cache, v_cache, AttentionMetadata(**fields), 0.25, window)
-    native = NativeAttentionMetadata(**fields)
+                  block_size=k_cache.shape[2], decode_seq_lens_list=lens)
+    want = decode_attention(q, k_cache, v_cache, AttentionMetadata(**fields), scale, window)
     got = torch.empty_like(q)
-    native._decode(q, k_cache, v_cache, 0.25, window, got)
-    close(got, want, dtype)
+    NativeAttentionMetadata(**fields)._decode(q, k_cache, v_cache, scale, window, got)
+    close(got, want, q.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kv_heads,heads", [(2, 2), (1, 4), (2, 10)])
+def test_fixed_size_decode_kernel_matches_for_every_query_group(dtype, head_dim, kv_heads, heads):
+    """Head sizes 64 and 128 (the compile-time path) score key rows for pairs of query heads
+    (vdpbf16ps for a bfloat16 cache on AVX512-BF16) and weigh a lone head's values in two
+    partial sums: one head per KV head (MHA), four, and five (two pairs and a lone head)."""
+    torch.manual_seed(3)
+    bs, num_blocks = 16, 40
+    k_cache = torch.randn(kv_heads, num_blocks, bs, head_dim, dtype=dtype) * 3
+    v_cache = torch.randn(kv_heads, num_blocks, bs, head_dim, dtype=dtype)
+    lens = [1, 17, 50, 100, 33]
+    tables = torch.stack([torch.randperm(num_blocks - 1)[:7] + 1 for _ in lens])
+    q = torch.randn(len(lens), heads, head_dim, dtype=dtype)
+    check_decode(q, k_cache, v_cache, lens, tables, head_dim ** -0.5, None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
