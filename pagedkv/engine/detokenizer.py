@@ -62,10 +62,12 @@ class IncrementalDetokenizer:
             None if make_stream is None else make_stream(self._ids, skip_special_tokens))
 
     def update(self, new_token_ids: list[int]) -> str | None:
-        """Append tokens; returns the stop string found in the new text, else None."""
+        """Append tokens; returns the stop string found in the new text, else None. Mutates
+        the window, `text` and `stopped`. O(new tokens) (plus the `str` append of `text`)."""
         if self.stopped:
             return None
-        self._ids += new_token_ids
+        ids = self._ids
+        ids += new_token_ids
         stream = self._stream
         if stream is not None:  # one call into tokenizers (the fast path)
             delta = stream(new_token_ids[0] if len(new_token_ids) == 1 else new_token_ids)
@@ -73,13 +75,12 @@ class IncrementalDetokenizer:
             delta = self._decode_new()
         if delta is None:
             return None  # wait for the rest of a multi-byte character
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        # Keep the window short: everything before the prefix offset is already text.
-        if self._prefix_offset > 64:
-            self._ids = self._ids[self._prefix_offset:]
-            self._read_offset -= self._prefix_offset
-            self._prefix_offset = 0
+        prefix = self._read_offset
+        if prefix > 64:  # keep the window short: everything before it is text already
+            del ids[:prefix]
+            prefix = 0
+        self._prefix_offset = prefix
+        self._read_offset = len(ids)
         if not self.stop:
             self.text += delta
             return None

@@ -124,7 +124,7 @@ class LLM:
             for output in engine.step():
                 if output.request_id not in pending:
                     continue
-                count = sum(len(c.token_ids) for c in output.outputs)
+                count = sum(c.num_tokens for c in output.outputs)
                 generated += count - seen.get(output.request_id, 0)
                 seen[output.request_id] = count
                 if output.finished:

@@ -2,8 +2,10 @@
 (`CoreOutput`: new tokens, logprobs, finish) into vLLM's cumulative `RequestOutput`s:
 incremental detokenization, stop strings, and the grouping of an `n > 1` request's samples.
 
-Per sample and step it costs O(new tokens) plus one snapshot of the sample's lists on the way
-out (`RequestOutput`s stay valid and unchanged after later steps).
+Per sample and step it costs O(new tokens): the `RequestOutput`s it returns stay valid and
+unchanged after later steps without copying anything, as their token and logprob lists are
+`PrefixView`s of the sample's lists, which only ever grow (text is an immutable `str`); a
+consumer that reads `token_ids` gets a list made then (see `CompletionOutput`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,42 @@ from dataclasses import dataclass, field
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.messages import CoreOutput
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.engine.prefix_view import PrefixView
 from pagedkv.sched.sampling_params import SamplingParams
+
+
+class _Sample:
+    """One sample's live state: its growing token and logprob lists (appended to only: the
+    outputs already returned hold views of them), text, finish and detokenizer."""
+
+    __slots__ = ("index", "token_ids", "logprobs", "cumulative_logprob", "text",
+                 "finish_reason", "stop_reason", "detokenizer")
+
+    def __init__(self, index: int, detokenizer: IncrementalDetokenizer, logprobs: bool) -> None:
+        self.index = index
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] | None = [] if logprobs else None
+        self.cumulative_logprob: float | None = 0.0 if logprobs else None
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.detokenizer = detokenizer
+
+    def add_logprobs(self, new_tokens: list[int], new_logprobs: list[dict[int, float]]) -> None:
+        """Append the new tokens' logprobs and add them to the cumulative sum (mutates self)."""
+        self.logprobs.extend(new_logprobs)
+        total = self.cumulative_logprob
+        for token, entry in zip(new_tokens, new_logprobs, strict=False):
+            total += entry.get(token, 0.0)
+        self.cumulative_logprob = total
+
+    def output(self) -> CompletionOutput:
+        """What the caller may keep (O(1)): views of the lists at their current lengths."""
+        logprobs = self.logprobs
+        return CompletionOutput(self.index, self.text, PrefixView(self.token_ids),
+                                self.cumulative_logprob,
+                                None if logprobs is None else PrefixView(logprobs),
+                                self.finish_reason, self.stop_reason)
 
 
 @dataclass
@@ -26,8 +63,7 @@ class _Group:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
-    detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
-    completions: dict[int, CompletionOutput] = field(default_factory=dict)
+    samples: dict[int, _Sample] = field(default_factory=dict)
     num_cached_tokens: int = 0
     error: str | None = None
     first_token_time: float | None = None
@@ -43,52 +79,34 @@ class _Group:
     def finished(self) -> bool:
         # Children are forked together with the first sampled token; a request that ends with
         # no token (error, abort) never gets them.
-        first = self.completions.get(0)
+        first = self.samples.get(0)
         if first is None or first.finish_reason is None:
             return False
-        if not first.token_ids and len(self.completions) == 1:
+        if not first.token_ids and len(self.samples) == 1:
             return True
         return self.num_finished == self.params.n
 
     def output(self) -> RequestOutput:
-        """A snapshot of the group's outputs so far (its lists copied or never mutated)."""
-        completions = self.completions
-        if len(completions) == 1:
-            (only,) = completions.values()
-            outputs = [_snapshot(only)]
+        """A snapshot of the group's outputs so far, in O(samples): views of the samples'
+        lists (which only grow), never copies."""
+        samples = self.samples
+        if len(samples) == 1:
+            (only,) = samples.values()
+            outputs = [only.output()]
         else:
-            outputs = [_snapshot(completions[i]) for i in sorted(completions)]
+            outputs = [samples[i].output() for i in sorted(samples)]
         metrics = self.metrics
         if metrics is None:
             metrics = self.metrics = {
                 "arrival_time": self.arrival_time, "first_token_time": self.first_token_time or 0.0,
                 "first_scheduled_time": self.first_scheduled_time or 0.0,
                 "num_preemptions": float(self.num_preemptions)}
-        if self.finished:  # when the last token came: the request log's engine_last_token
+        finished = self.num_finished > 0 and self.finished  # (no sample ended: running on)
+        if finished:  # when the last token came: the request log's engine_last_token
             metrics = {**metrics, "last_token_time": self.last_token_time or 0.0}
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
-                             self.finished, self.num_cached_tokens, self.error, metrics,
+                             finished, self.num_cached_tokens, self.error, metrics,
                              self.prompt_logprobs)
-
-
-def _add_logprobs(completion: CompletionOutput, new_tokens: list[int],
-                  new_logprobs: list[dict[int, float]]) -> None:
-    """Append the new tokens' logprobs to `completion` and add them to its cumulative sum."""
-    completion.logprobs.extend(new_logprobs)
-    total = completion.cumulative_logprob
-    for token, entry in zip(new_tokens, new_logprobs, strict=False):
-        total += entry.get(token, 0.0)
-    completion.cumulative_logprob = total
-
-
-def _snapshot(c: CompletionOutput) -> CompletionOutput:
-    """A copy the caller may keep: the processor goes on appending to `c`'s lists (a list copy
-    is one memcpy: the only O(tokens so far) work per step, and far below a token's other
-    costs at any length a request reaches)."""
-    logprobs = c.logprobs
-    return CompletionOutput(c.index, c.text, c.token_ids[:], c.cumulative_logprob,
-                            None if logprobs is None else logprobs[:],
-                            c.finish_reason, c.stop_reason)
 
 
 class OutputProcessor:
@@ -136,51 +154,66 @@ class OutputProcessor:
         return outputs, stops
 
     def _apply(self, group: _Group, out: CoreOutput, now: float) -> str | None:
+        """Apply one sample's news to its live state (mutated); the stop string that ended it
+        here, if any. O(new tokens)."""
         index = out.sample_index
-        completion = group.completions.get(index)
-        if completion is None:
-            completion = group.completions[index] = CompletionOutput(index=index)
-            params = group.params
-            group.detokenizers[index] = IncrementalDetokenizer(
-                self.tokenizer, group.prompt_token_ids, params.stop_strings,
-                params.skip_special_tokens, params.include_stop_str_in_output)
-            if params.logprobs is not None:
-                completion.logprobs = []
-                completion.cumulative_logprob = 0.0
-        elif completion.finish_reason is not None:  # ended here by a stop string already
+        sample = group.samples.get(index)
+        if sample is None:
+            sample = self._add_sample(group, index)
+        elif sample.finish_reason is not None:  # ended here by a stop string already
             return None
         group.num_cached_tokens = out.num_cached_tokens
-        if out.num_preemptions > group.num_preemptions:
-            group.num_preemptions = out.num_preemptions
-            group.metrics = None
-        if out.first_scheduled_time is not None and group.first_scheduled_time is None:
-            group.first_scheduled_time = out.first_scheduled_time
-            group.metrics = None
-        if out.prompt_logprobs is not None:
-            group.prompt_logprobs = [None, *out.prompt_logprobs]
-        if out.error is not None:
-            group.error = out.error
+        if (out.num_preemptions > group.num_preemptions or out.first_scheduled_time is not None
+                or out.prompt_logprobs is not None or out.error is not None):
+            _apply_request_news(group, out)
         new_tokens = out.new_token_ids
-        detokenizer = group.detokenizers[index]
+        detokenizer = sample.detokenizer
         stop = None
         if new_tokens:
             if group.first_token_time is None:
                 group.first_token_time = now
                 group.metrics = None
             group.last_token_time = now
-            completion.token_ids += new_tokens
-            if completion.logprobs is not None and out.new_logprobs:
-                _add_logprobs(completion, new_tokens, out.new_logprobs)
+            sample.token_ids += new_tokens
+            if sample.logprobs is not None and out.new_logprobs:
+                sample.add_logprobs(new_tokens, out.new_logprobs)
             stop = detokenizer.update(new_tokens)
-        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        finish_reason = out.finish_reason
+        if finish_reason is None and stop is None:  # the usual step: it runs on
+            sample.text = detokenizer.text
+            return None
+        stop_reason = out.stop_reason
         if stop is not None and finish_reason is None:
             finish_reason, stop_reason = "stop", stop
         else:
             stop = None  # the core finished it already (eos, length, ...)
-        if finish_reason is not None:
-            detokenizer.flush()
-            completion.finish_reason = finish_reason
-            completion.stop_reason = stop_reason
-            group.num_finished += 1
-        completion.text = detokenizer.text
+        detokenizer.flush()
+        sample.finish_reason = finish_reason
+        sample.stop_reason = stop_reason
+        group.num_finished += 1
+        sample.text = detokenizer.text
         return stop
+
+    def _add_sample(self, group: _Group, index: int) -> _Sample:
+        """Sample `index`'s first output: its live state (added to `group`)."""
+        params = group.params
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, group.prompt_token_ids, params.stop_strings,
+            params.skip_special_tokens, params.include_stop_str_in_output)
+        sample = group.samples[index] = _Sample(index, detokenizer, params.logprobs is not None)
+        return sample
+
+
+def _apply_request_news(group: _Group, out: CoreOutput) -> None:
+    """The request-wide facts a sample's output may bring (preemptions, first schedule,
+    prompt logprobs, an error): set on `group` (its shared metrics dropped when they change)."""
+    if out.num_preemptions > group.num_preemptions:
+        group.num_preemptions = out.num_preemptions
+        group.metrics = None
+    if out.first_scheduled_time is not None and group.first_scheduled_time is None:
+        group.first_scheduled_time = out.first_scheduled_time
+        group.metrics = None
+    if out.prompt_logprobs is not None:
+        group.prompt_logprobs = [None, *out.prompt_logprobs]
+    if out.error is not None:
+        group.error = out.error

@@ -179,19 +179,25 @@ class Scheduler:
             self._finish_loads()
 
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        running, allocate = self.running, self.kv_cache_manager.allocate_slots
+        while index < len(running) and budget > 0:
+            request = running[index]
+            ahead = request.num_tokens_ahead
             num_new = min(len(request.all_token_ids) + request.num_placeholders
-                          - request.num_computed_tokens - request.num_tokens_ahead, budget)
+                          - request.num_computed_tokens - ahead, budget)
             if num_new <= 0:
                 index += 1
                 continue
-            allocated, preempted_now = self._allocate_running(request, num_new, out)
-            preempted = preempted or preempted_now
-            if not allocated:
-                if index < len(self.running) and self.running[index] is request:
-                    index += 1  # it waits for the running step (overlapped scheduling)
-                continue  # else `request` left the running list
+            # The usual case first: it fits (a None changes nothing `_allocate_running`'s own
+            # first try would not, so that try may repeat it).
+            if allocate(request, ahead + num_new, delay_cache_blocks=True,
+                        num_tokens_ahead=ahead) is None:
+                allocated, preempted_now = self._allocate_running(request, num_new, out)
+                preempted = preempted or preempted_now
+                if not allocated:
+                    if index < len(running) and running[index] is request:
+                        index += 1  # it waits for the running step (overlapped scheduling)
+                    continue  # else `request` left the running list
             self._schedule(request, num_new, out)
             budget -= num_new
             index += 1

@@ -55,7 +55,7 @@ class DeltaTracker:
         sent = self._text_sent[index]
         end = len(comp.text) if finished else len(comp.text) - self._holdback
         text = comp.text[sent:end] if end > sent else ""
-        token_start, token_end = self._tokens_sent[index], len(comp.token_ids)
+        token_start, token_end = self._tokens_sent[index], comp.num_tokens
         if not text and token_end == token_start and not finished:
             return None
         self._text_sent[index] = max(sent, end)
@@ -120,16 +120,17 @@ class LogprobsFormatter:
 
     def _entries(self, comp: CompletionOutput, start: int, end: int):
         """`_entry` of tokens start..end-1, each with its context (the tokens before it)."""
-        logprobs = comp.logprobs or []
-        for pos in range(start, min(end, len(logprobs), len(comp.token_ids))):
-            context = comp.token_ids[max(0, pos - MAX_CONTEXT):pos]
-            yield (*self._entry(comp.token_ids[pos], logprobs[pos]), context)
+        logprobs = comp.logprobs_view or []
+        ids = comp.token_ids_view  # (no copy: a stream reads a few new tokens per step)
+        for pos in range(start, min(end, len(logprobs), len(ids))):
+            context = ids[max(0, pos - MAX_CONTEXT):pos]
+            yield (*self._entry(ids[pos], logprobs[pos]), context)
 
     def completion(self, comp: CompletionOutput, start: int, end: int,
                    choice: int = 0) -> CompletionLogprobs | None:
         """Completions-format logprobs of tokens start..end-1 of choice `choice`; text offsets
         carry on from the previous call for the same choice (call in token order)."""
-        if comp.logprobs is None:
+        if comp.logprobs_view is None:
             return None
         out = CompletionLogprobs()
         for token_id, logprob, top, context in self._entries(comp, start, end):
@@ -182,7 +183,7 @@ class LogprobsFormatter:
 
     def chat(self, comp: CompletionOutput, start: int, end: int) -> ChatLogprobs | None:
         """Chat-format logprobs of tokens start..end-1."""
-        if comp.logprobs is None:
+        if comp.logprobs_view is None:
             return None
         content = []
         for token_id, logprob, top, context in self._entries(comp, start, end):

@@ -69,7 +69,7 @@ class Usage:
 
     def info(self) -> UsageInfo:
         prompt = sum(len(o.prompt_token_ids) for o in self.per_prompt.values())
-        completion = sum(len(c.token_ids) for o in self.per_prompt.values() for c in o.outputs)
+        completion = sum(c.num_tokens for o in self.per_prompt.values() for c in o.outputs)
         cached = sum(max(o.num_cached_tokens, 0) for o in self.per_prompt.values())
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
                          total_tokens=prompt + completion,
@@ -256,7 +256,7 @@ class OpenAIServing:
 
     def _observe_tokens(self, timing: _Timing, output: RequestOutput) -> None:
         """First-token time and inter-token gaps (of the longest sequence) as outputs come."""
-        count = max((len(c.token_ids) for c in output.outputs), default=0)
+        count = max((c.num_tokens for c in output.outputs), default=0)
         if count <= timing.num_tokens:
             return
         now = time.monotonic()
@@ -271,7 +271,7 @@ class OpenAIServing:
             return
         now = time.monotonic()
         ttft = None if timing.first_token is None else timing.first_token - timing.arrival
-        longest = max((len(c.token_ids) for c in output.outputs), default=0)
+        longest = max((c.num_tokens for c in output.outputs), default=0)
         engine_times = output.metrics or {}
         queue_time = None
         if engine_times.get("first_scheduled_time"):

@@ -267,7 +267,7 @@ async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list,
                 index=comp.index, delta=chat_delta,
                 logprobs=formatter.chat(comp, start, delta.token_end),
                 finish_reason=finish, stop_reason=delta.stop_reason,
-                token_ids=extras.token_ids(comp.token_ids[delta.token_start:delta.token_end])))
+                token_ids=extras.token_ids(comp.token_ids_view[delta.token_start:delta.token_end])))
     if include_usage:
         chunk = ChatCompletionChunk(id=extras.id, model=serving.model_name, choices=[],
                                     system_fingerprint=extras.fingerprint, usage=usage.info())

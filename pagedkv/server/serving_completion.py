@@ -74,8 +74,8 @@ class _Echo:
         if not self.only:
             return output
         return replace(output, outputs=[
-            replace(c, text="", token_ids=[], cumulative_logprob=None,
-                    logprobs=None if c.logprobs is None else [])
+            c.replace(text="", token_ids=[], cumulative_logprob=None,
+                      logprobs=None if c.logprobs_view is None else [])
             for c in output.outputs])
 
     def logprobs(self, formatter: LogprobsFormatter, index: int, output: RequestOutput,
@@ -164,7 +164,7 @@ def _response(serving: OpenAIServing, extras: ResponseExtras, final: dict[int, R
             text, logprobs = extras.text(comp.text), None
             if echo is not None:
                 text = echo.texts[index] + text
-                if comp.logprobs is not None:
+                if comp.logprobs_view is not None:
                     logprobs = echo.logprobs(formatter, index, output, choice)
             logprobs = _join(logprobs, formatter.completion(comp, 0, len(comp.token_ids), choice))
             choices.append(CompletionChoice(
@@ -209,7 +209,7 @@ async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list,
                 prompt_ids = extras.prompt_ids(index)
                 if echo is not None:
                     text = echo.texts[index] + text
-                    if comp.logprobs is not None:
+                    if comp.logprobs_view is not None:
                         logprobs = echo.logprobs(formatter, index, output, choice)
                 if vllm_prompt_logprobs:
                     prompt_logprobs = formatter.vllm_prompt_logprobs(output.prompt_logprobs,
@@ -222,7 +222,7 @@ async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list,
                     index=choice, text=text, logprobs=logprobs,
                     finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
                     prompt_logprobs=prompt_logprobs, prompt_token_ids=prompt_ids,
-                    token_ids=extras.token_ids(comp.token_ids[delta.token_start:delta.token_end]))])
+                    token_ids=extras.token_ids(comp.token_ids_view[delta.token_start:delta.token_end]))])
             yield sse_event(chunk.model_dump(mode="json", exclude={"usage"}))
     if include_usage:
         chunk = CompletionResponse(id=extras.id, model=serving.model_name, choices=[],
