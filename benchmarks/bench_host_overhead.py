@@ -16,6 +16,11 @@ what a core process spends between two forward passes), the frontend's (detokeni
 strings, cumulative outputs: another process with `pagedkv serve`), and the total; `--repeat` runs alternate the sizes and the
 spread column ((max - min) / median of the repeats' medians) shows the machine's noise.
 
+The runner's input preparation (`ModelRunner.prepare_inputs`: the step's token ids, positions,
+slot mapping and the attention backend's metadata, block tables included) is host time too, on
+the runner's side of the step: the no-op runner runs it on the real runner of the model (and
+discards it) and times it apart, in the `prep` column (not in the total).
+
     PYTHONPATH=$PWD python benchmarks/bench_host_overhead.py [--sizes 32,128,256] [--profile 128]
         [--baseline GIT_REF]
 
@@ -45,20 +50,29 @@ PROMPT_LEN = 128
 
 
 class NoOpRunner:
-    """A model runner that computes nothing: every sampling request gets token `token_id`."""
+    """A model runner that computes nothing: every sampling request gets token `token_id`.
+    With `real` (a ModelRunner) it also prepares each step's inputs on it, timed in
+    `prep_ns` (thread CPU time), and drops them."""
 
-    def __init__(self, token_id: int) -> None:
+    def __init__(self, token_id: int, real=None) -> None:  # noqa: ANN001
         self.token_id = token_id
+        self.real = real
+        self.prep_ns = 0
 
     def execute(self, out):  # noqa: ANN001, ANN201 - the runner's duck type
         from pagedkv.sched.output import ModelRunnerOutput
 
+        if self.real is not None and out.scheduled:
+            start = time.thread_time_ns()
+            self.real.prepare_inputs(out.scheduled)
+            self.prep_ns += time.thread_time_ns() - start
         token = self.token_id
         return ModelRunnerOutput(sampled_token_ids={
             s.request_id: [token] * s.num_samples for s in out.scheduled if s.num_samples})
 
     def shutdown(self) -> None:
-        pass
+        if self.real is not None:
+            self.real.shutdown()
 
 
 def build_engine(model_dir: Path, max_num_seqs: int):
@@ -69,8 +83,7 @@ def build_engine(model_dir: Path, max_num_seqs: int):
         model=str(model_dir), max_num_seqs=max_num_seqs, block_size=16,
         kv_cache_memory_bytes=256 << 20, max_num_batched_tokens=max(8192, PROMPT_LEN * max_num_seqs),
         max_model_len=2048, enforce_eager=True))
-    noop = NoOpRunner(token_id=100)
-    engine.runner.shutdown()
+    noop = NoOpRunner(token_id=100, real=engine.runner)
     engine.runner = noop
     core = getattr(engine, "core", None)  # after the engine/core split
     if core is not None:
@@ -109,7 +122,8 @@ def run_size(model_dir: Path, num_requests: int, steps: int, warmup: int,
              profile: bool = False) -> dict[str, float]:
     """Median milliseconds per decode step: schedule, update, the frontend's output processing
     (0 before the engine/core split, when it was not separable), the core's part (all but the
-    frontend's: what a core process spends between forward passes), and the total."""
+    frontend's: what a core process spends between forward passes), the total (the runner's
+    input preparation left out), and that preparation (`prep`)."""
     from pagedkv.sched.sampling_params import SamplingParams
 
     engine = build_engine(model_dir, num_requests)
@@ -124,11 +138,13 @@ def run_size(model_dir: Path, num_requests: int, steps: int, warmup: int,
     for _ in range(warmup):
         engine.step()
     timer = PhaseTimer(engine)
-    totals, schedules, updates, processes = [], [], [], []
+    runner = engine.runner
+    totals, schedules, updates, processes, preps = [], [], [], [], []
     profiler = cProfile.Profile() if profile else None
     gc.collect()
     for _ in range(steps):
         timer.reset()
+        runner.prep_ns = 0
         if profiler is not None:
             profiler.enable()
         start = time.thread_time_ns()
@@ -138,7 +154,8 @@ def run_size(model_dir: Path, num_requests: int, steps: int, warmup: int,
             profiler.disable()
         if len(outputs) != num_requests:
             raise RuntimeError(f"expected {num_requests} outputs a step, got {len(outputs)}")
-        totals.append(total)
+        totals.append(total - runner.prep_ns)
+        preps.append(runner.prep_ns)
         schedules.append(timer.ns["schedule"])
         updates.append(timer.ns["update"])
         processes.append(timer.ns["process"])
@@ -151,7 +168,7 @@ def run_size(model_dir: Path, num_requests: int, steps: int, warmup: int,
     update = statistics.median(updates) * ms
     process = statistics.median(processes) * ms
     return {"schedule": schedule, "update": update, "frontend": process,
-            "core": total - process, "total": total}
+            "core": total - process, "total": total, "prep": statistics.median(preps) * ms}
 
 
 def measure(args: argparse.Namespace) -> dict[int, list[dict[str, float]]]:
@@ -190,14 +207,18 @@ def compare(args: argparse.Namespace) -> None:
     print(f"host time per decode step, no-op runner, {cpu_name()}; median ms of {args.repeat} "
           f"alternating runs of {args.steps} steps: {args.baseline} vs this tree")
     print(f"{'running':>8} {'baseline':>9} {'this':>8} {'ratio':>6}   (this: schedule, update, "
-          "frontend)")
+          "frontend)   runner prep: baseline, this, ratio")
     for n in results["this"][0]:
         med = {side: statistics.median(r[n]["total"] for r in runs)
                for side, runs in results.items()}
+        prep = {side: statistics.median(r[n].get("prep", 0.0) for r in runs)
+                for side, runs in results.items()}
         parts = [statistics.median(r[n][k] for r in results["this"])
                  for k in ("schedule", "update", "frontend")]
+        prep_ratio = prep["base"] / prep["this"] if prep["this"] else 0.0
         print(f"{n:>8} {med['base']:>9.3f} {med['this']:>8.3f} {med['base'] / med['this']:>5.2f}x"
-              f"   ({parts[0]:.3f}, {parts[1]:.3f}, {parts[2]:.3f})")
+              f"   ({parts[0]:.3f}, {parts[1]:.3f}, {parts[2]:.3f})"
+              f"   {prep['base']:.3f}, {prep['this']:.3f}, {prep_ratio:.2f}x")
 
 
 def cpu_name() -> str:
@@ -235,13 +256,13 @@ def main() -> None:
     print(f"host time per decode step, no-op runner ({cpu_name()}), "
           f"median ms over {args.steps} steps, median of {args.repeat} runs")
     print(f"{'running':>8} {'schedule':>9} {'update':>8} {'core':>8} {'frontend':>9} "
-          f"{'total':>8} {'spread':>7}")
+          f"{'total':>8} {'spread':>7} {'prep':>7}")
     for n, results in runs.items():
         med = {k: statistics.median(r[k] for r in results) for k in results[0]}
         tot = [r["total"] for r in results]
         spread = (max(tot) - min(tot)) / med["total"] if med["total"] else 0.0
         print(f"{n:>8} {med['schedule']:>9.3f} {med['update']:>8.3f} {med['core']:>8.3f} "
-              f"{med['frontend']:>9.3f} {med['total']:>8.3f} {spread:>7.0%}")
+              f"{med['frontend']:>9.3f} {med['total']:>8.3f} {spread:>7.0%} {med['prep']:>7.3f}")
 
 
 if __name__ == "__main__":

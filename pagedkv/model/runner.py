@@ -407,14 +407,11 @@ class ModelRunner:
         whose block table cannot hold its tokens."""
         bs = self.block_size
         for r in scheduled:
-            if r.num_new_tokens == 0:
-                raise ValueError(f"request {r.request_id!r} is scheduled with no tokens")
-            needed = (r.start_pos + r.num_new_tokens + bs - 1) // bs
-            if len(r.block_table) < needed:
-                raise ValueError(f"request {r.request_id!r}: block table has {len(r.block_table)} "
-                                 f"blocks, {needed} needed for {r.start_pos + r.num_new_tokens} tokens")
-        decodes = [r for r in scheduled if r.num_new_tokens == 1]
-        prefills = [r for r in scheduled if r.num_new_tokens > 1]
+            n = len(r.token_ids)
+            if len(r.block_table) * bs < r.start_pos + n or n == 0:
+                _check_scheduled(r, bs)
+        decodes = [r for r in scheduled if len(r.token_ids) == 1]
+        prefills = [r for r in scheduled if len(r.token_ids) > 1]
         reqs = decodes + prefills
         ids: list[int] = [r.token_ids[0] for r in decodes]
         pos: list[int] = [r.start_pos for r in decodes]
@@ -428,9 +425,21 @@ class ModelRunner:
                 base = r.block_table[b] * bs
                 slots.extend(range(base + max(r.start_pos - b * bs, 0),
                                    base + min(seq_len - b * bs, bs)))
+        num_new = [1] * len(decodes) + [len(r.token_ids) for r in prefills]
         step = StepSequences(
-            num_new_tokens=[r.num_new_tokens for r in reqs],
-            seq_lens=[r.start_pos + r.num_new_tokens for r in reqs],
+            num_new_tokens=num_new,
+            seq_lens=[r.start_pos + n for r, n in zip(reqs, num_new, strict=True)],
             block_tables=[r.block_table for r in reqs], slot_mapping=slots,
             num_decodes=len(decodes), block_size=bs)
         return reqs, ids, pos, step
+
+
+def _check_scheduled(r: ScheduledRequest, block_size: int) -> None:
+    """Raise ValueError for a request scheduled with no tokens, or whose block table cannot
+    hold its tokens."""
+    if r.num_new_tokens == 0:
+        raise ValueError(f"request {r.request_id!r} is scheduled with no tokens")
+    needed = (r.start_pos + r.num_new_tokens + block_size - 1) // block_size
+    if len(r.block_table) < needed:
+        raise ValueError(f"request {r.request_id!r}: block table has {len(r.block_table)} "
+                         f"blocks, {needed} needed for {r.start_pos + r.num_new_tokens} tokens")

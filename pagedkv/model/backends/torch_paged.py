@@ -11,10 +11,12 @@ import torch
 
 from pagedkv.model.attention import AttentionMetadata, PrefillChunk
 from pagedkv.model.backends.step import StepSequences
+from pagedkv.model.backends.table_rows import BlockTableRows
 
 
 class TorchPagedBackend:
-    """Builds `attention.AttentionMetadata` (its scratch buffers reused across steps)."""
+    """Builds `attention.AttentionMetadata` (its scratch buffers and the decodes' block-table
+    tensor reused across steps: see table_rows.py)."""
 
     name = "torch"
     metadata_cls: type[AttentionMetadata] = AttentionMetadata
@@ -22,12 +24,12 @@ class TorchPagedBackend:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._workspace: dict = {}  # attention scratch buffers, reused across steps
+        self._decode_tables = BlockTableRows(torch.long)
 
     def build_metadata(self, step: StepSequences) -> AttentionMetadata:
         dev, nd = self.device, step.num_decodes
         dec_lens = step.seq_lens[:nd]
-        max_blocks = max((len(t) for t in step.block_tables[:nd]), default=0)
-        dec_tables = [t + [0] * (max_blocks - len(t)) for t in step.block_tables[:nd]]
+        dec_tables = self._decode_tables.build(step.block_tables[:nd])
         chunks, start = [], nd
         for n, seq_len, table in zip(step.num_new_tokens[nd:], step.seq_lens[nd:],
                                      step.block_tables[nd:], strict=True):
@@ -39,8 +41,7 @@ class TorchPagedBackend:
             slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.long, device=dev),
             num_decodes=nd,
             decode_seq_lens=torch.tensor(dec_lens, dtype=torch.long, device=dev),
-            decode_block_tables=torch.tensor(dec_tables, dtype=torch.long,
-                                             device=dev).view(nd, max_blocks),
+            decode_block_tables=dec_tables.to(dev),
             prefills=chunks,
             block_size=step.block_size,
             decode_seq_lens_list=dec_lens,

@@ -20,6 +20,7 @@ import torch
 import triton
 
 from pagedkv.model.backends.step import StepSequences
+from pagedkv.model.backends.table_rows import BlockTableRows
 from pagedkv.model.backends.triton_kernels import paged_attention_kernel, store_kv_kernel
 from pagedkv.model.kv_int8 import quantize_per_token
 from pagedkv.model.kv_quant import is_quantized, quantize
@@ -131,6 +132,7 @@ class TritonPagedBackend:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._tables = BlockTableRows(torch.int32)  # reused across steps (table_rows.py)
 
     @property
     def reads_fp8_cache(self) -> bool:
@@ -146,14 +148,12 @@ class TritonPagedBackend:
     def build_metadata(self, step: StepSequences) -> TritonAttentionMetadata:
         """Device tensors for `step` (one host-to-device copy per field)."""
         dev = self.device
-        width = max((len(t) for t in step.block_tables), default=0)
-        tables = [t + [0] * (width - len(t)) for t in step.block_tables]
         starts = [0]
         for n in step.num_new_tokens:
             starts.append(starts[-1] + n)
         return TritonAttentionMetadata(
             slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev).view(len(tables), width),
+            block_tables=self._tables.build(step.block_tables).to(dev),
             seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             max_query_len=max(step.num_new_tokens, default=0))
