@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 
+@dataclass
 class CompletionOutput:
     """One sampled sequence of a request. `text` and `token_ids` are cumulative.
 
@@ -20,44 +20,16 @@ class CompletionOutput:
     them without a copy (the server's per-step path).
     """
 
-    __slots__ = ("index", "text", "_token_ids", "cumulative_logprob", "_logprobs",
-                 "finish_reason", "stop_reason")
+    index: int
+    text: str = ""
+    token_ids: Sequence[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: Sequence[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
-    def __init__(self, index: int, text: str = "", token_ids: Sequence[int] | None = None,
-                 cumulative_logprob: float | None = None,
-                 logprobs: Sequence[dict[int, float]] | None = None,
-                 finish_reason: str | None = None, stop_reason: int | str | None = None) -> None:
-        self.index = index
-        self.text = text
-        self._token_ids: Sequence[int] = [] if token_ids is None else token_ids
-        self.cumulative_logprob = cumulative_logprob
-        self._logprobs = logprobs
-        self.finish_reason = finish_reason
-        self.stop_reason = stop_reason
-
-    @property
-    def token_ids(self) -> list[int]:
-        """The output token ids (a list: a view is copied into one on the first read)."""
-        ids = self._token_ids
-        if type(ids) is not list:
-            ids = self._token_ids = list(ids)
-        return ids
-
-    @token_ids.setter
-    def token_ids(self, value: Sequence[int]) -> None:
-        self._token_ids = value
-
-    @property
-    def logprobs(self) -> list[dict[int, float]] | None:
-        """Per output token, its logprobs table (None unless asked for; a list as `token_ids`)."""
-        lps = self._logprobs
-        if lps is not None and type(lps) is not list:
-            lps = self._logprobs = list(lps)
-        return lps
-
-    @logprobs.setter
-    def logprobs(self, value: Sequence[dict[int, float]] | None) -> None:
-        self._logprobs = value
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
     @property
     def num_tokens(self) -> int:
@@ -74,32 +46,35 @@ class CompletionOutput:
         """`logprobs` as they are held (read-only; no copy)."""
         return self._logprobs
 
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
-    def replace(self, **changes: Any) -> CompletionOutput:
-        """A copy with `changes` (keyword arguments of the constructor) applied."""
-        fields = {"index": self.index, "text": self.text, "token_ids": self._token_ids,
-                  "cumulative_logprob": self.cumulative_logprob, "logprobs": self._logprobs,
-                  "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
-        return CompletionOutput(**{**fields, **changes})
+def _get_token_ids(self: CompletionOutput) -> list[int]:
+    ids = self._token_ids
+    if type(ids) is not list:  # a view: copied into a list on the first read
+        ids = self._token_ids = list(ids)
+    return ids
 
-    def _key(self) -> tuple:
-        return (self.index, self.text, self.token_ids, self.cumulative_logprob, self.logprobs,
-                self.finish_reason, self.stop_reason)
 
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not CompletionOutput:
-            return NotImplemented
-        return self._key() == other._key()
+def _set_token_ids(self: CompletionOutput, value: Sequence[int]) -> None:
+    self._token_ids = value
 
-    __hash__ = None  # type: ignore[assignment] - mutable, as the dataclass it replaces
 
-    def __repr__(self) -> str:
-        return (f"CompletionOutput(index={self.index!r}, text={self.text!r}, "
-                f"token_ids={self.token_ids!r}, cumulative_logprob={self.cumulative_logprob!r}, "
-                f"logprobs={self.logprobs!r}, finish_reason={self.finish_reason!r}, "
-                f"stop_reason={self.stop_reason!r})")
+def _get_logprobs(self: CompletionOutput) -> list[dict[int, float]] | None:
+    lps = self._logprobs
+    if lps is not None and type(lps) is not list:
+        lps = self._logprobs = list(lps)
+    return lps
+
+
+def _set_logprobs(self: CompletionOutput, value: Sequence[dict[int, float]] | None) -> None:
+    self._logprobs = value
+
+
+# Set after @dataclass built the class (its __init__, __eq__, __repr__, `replace` and `asdict`
+# go through them), so the two fields read as lists while the engine hands out views.
+CompletionOutput.token_ids = property(  # type: ignore[assignment]
+    _get_token_ids, _set_token_ids, doc="The output token ids (a list).")
+CompletionOutput.logprobs = property(  # type: ignore[assignment]
+    _get_logprobs, _set_logprobs, doc="Per output token, its logprobs table (None unless asked).")
 
 
 @dataclass(slots=True)

@@ -74,8 +74,8 @@ class _Echo:
         if not self.only:
             return output
         return replace(output, outputs=[
-            c.replace(text="", token_ids=[], cumulative_logprob=None,
-                      logprobs=None if c.logprobs_view is None else [])
+            replace(c, text="", token_ids=[], cumulative_logprob=None,
+                    logprobs=None if c.logprobs_view is None else [])
             for c in output.outputs])
 
     def logprobs(self, formatter: LogprobsFormatter, index: int, output: RequestOutput,

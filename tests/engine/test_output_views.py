@@ -4,7 +4,9 @@ and reads as plain lists."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import pickle
 
 import pytest
 
@@ -88,10 +90,15 @@ def test_completion_output_reads_views_as_lists():
     assert c.logprobs == [{1: -0.5}, {2: -0.25}] and type(c.logprobs) is list
     c.token_ids.append(9)  # a caller's own list now: the engine's is untouched
     assert ids == [1, 2, 3, 4]
-    blank = c.replace(text="", token_ids=[])
+    blank = dataclasses.replace(c, text="", token_ids=[])
     assert (blank.text, blank.token_ids, blank.logprobs, c.text) == ("", [], c.logprobs, "abc")
     assert CompletionOutput(1, "x", [5]) == CompletionOutput(1, "x", PrefixView([5, 6], 1))
     assert CompletionOutput(1, "x", [5]) != CompletionOutput(1, "x", [6])
     assert repr(CompletionOutput(0, "x", PrefixView([5, 6], 1))).startswith(
         "CompletionOutput(index=0, text='x', token_ids=[5],")
     assert CompletionOutput(0).token_ids == [] and CompletionOutput(0).logprobs is None
+    c = CompletionOutput(0, "ab", PrefixView([5, 6, 7], 2), None, None, "stop", None)
+    assert dataclasses.asdict(c) == {"index": 0, "text": "ab", "token_ids": [5, 6],
+                                     "cumulative_logprob": None, "logprobs": None,
+                                     "finish_reason": "stop", "stop_reason": None}
+    assert pickle.loads(pickle.dumps(c)) == c
