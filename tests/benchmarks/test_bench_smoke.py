@@ -99,6 +99,9 @@ def test_bench_host_overhead_runs_against_a_baseline_commit():
     assert proc.returncode == 0, proc.stderr
     row = proc.stdout.splitlines()[-1].split()
     assert row[0] == "4" and row[3].endswith("x")
+    # The runner's input prep, timed on the model's real runner in both trees.
+    assert float(row[-3].rstrip(",")) > 0 and float(row[-2].rstrip(",")) > 0
+    assert row[-1].endswith("x")
 
 
 def test_bench_core_profile_splits_a_run_by_op_class():
