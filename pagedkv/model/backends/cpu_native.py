@@ -3,16 +3,22 @@
 Decodes read K/V straight from the paged cache, one block at a time with an online softmax
 (`paged_decode_attention`: no gathered copy, no mask tensors, the query heads of a KV head
 sharing each block's loads), and the new K/V go into their slots in one pass (`write_kv_`).
-Shared prefixes keep cascade attention (cascade.py): the kernel attends each decode to its own
-blocks after the shared ones and returns their log-sum-exp, merged with the prefix part.
-Prefill chunks use the pure-torch path of torch_paged.py (SDPA's flash kernel already reads
-them well).
+Shared prefixes keep cascade attention (cascade.py) for decodes: the kernel attends each decode
+to its own blocks after the shared ones and returns their log-sum-exp, merged with the prefix
+part. Prefill chunks, with or without a cached (or shared) prefix, go through
+`paged_prefill_attention` in one call per layer: tiles of query tokens x a KV head's query heads
+read their keys in place, causal and windowed by position (no gathered copy, no cascade split:
+each tile reads the prefix blocks once). Where the build has no tiled kernel for the dtype and
+head size (`paged_prefill_supports`: an AVX2 build, a head size other than 64 or 128, float16,
+bfloat16 without AVX512-BF16) prefill chunks take the pure-torch path of torch_paged.py.
 
 Until the kernels are loaded (pagedkv.kernels.cpu builds them on first use), or when the
 runner turns `native` off, this backend is exactly torch_paged's.
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import torch
 
@@ -22,8 +28,16 @@ from pagedkv.model.backends.torch_paged import TorchPagedBackend
 from pagedkv.model.cascade import merge_states, shared_prefix_attention
 
 
+@cache
+def tiled_prefill(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the loaded build's `paged_prefill_attention` takes caches of `dtype` and
+    `head_dim` (a fact of the library, the same for every engine of the process)."""
+    return bool(torch.ops.pagedkv_cpu.paged_prefill_supports(head_dim, dtype))
+
+
 class NativeAttentionMetadata(AttentionMetadata):
-    """AttentionMetadata whose `attend` runs the fused kernels for the KV write and decodes."""
+    """AttentionMetadata whose `attend` runs the fused kernels for the KV write, decodes and
+    prefill chunks."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
@@ -32,8 +46,33 @@ class NativeAttentionMetadata(AttentionMetadata):
         nd = self.num_decodes
         if nd:
             self._decode(q[:nd], k_cache, v_cache, scale, window, out[:nd])
-        prefill_attention_all(q, k, v, k_cache, v_cache, self, scale, window, out)
+        if not self.prefills:
+            return out
+        if tiled_prefill(q.shape[2], q.dtype) and k_cache.dtype == q.dtype:
+            self._prefill(q, k_cache, v_cache, scale, window, out)
+        else:
+            prefill_attention_all(q, k, v, k_cache, v_cache, self, scale, window, out)
         return out
+
+    def _prefill_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(first row [C], end row [C], sequence length [C]) of each prefill chunk; once per
+        step."""
+        if "native_prefill" not in self._mask_cache:
+            chunks = self.prefills
+            self._mask_cache["native_prefill"] = (
+                torch.tensor([c.token_start for c in chunks], dtype=torch.long),
+                torch.tensor([c.token_end for c in chunks], dtype=torch.long),
+                torch.tensor([c.seq_len for c in chunks], dtype=torch.long))
+        return self._mask_cache["native_prefill"]
+
+    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 scale: float, window: int | None, out: torch.Tensor) -> None:
+        """Every prefill chunk's attention (their K/V already in the cache) into its rows of
+        `out` [T, heads, D], one kernel call."""
+        starts, ends, lens = self._prefill_rows()
+        torch.ops.pagedkv_cpu.paged_prefill_attention(
+            q, k_cache, v_cache, self.prefill_block_tables(), starts, ends, lens, window or 0,
+            scale, out)
 
     def _first_positions(self, window: int | None) -> tuple[torch.Tensor, list]:
         """(first key position each decode attends to here [num_decodes], the shared-prefix
