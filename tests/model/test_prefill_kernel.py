@@ -168,3 +168,25 @@ def test_an_avx2_build_has_no_tiled_prefill_and_keeps_the_torch_path():
     sup32, sup16, err32, err16 = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not sup32 and not sup16
     assert err32 <= TOL[torch.float32] and err16 <= TOL[torch.bfloat16]
+
+
+# Prompts of 3 .. 40 tokens: past the window of 8, over two blocks of 16, chunks mid-block.
+PROMPTS = [[1, 17, 93], [1] + list(range(40, 79)), [1] + list(range(300, 320)),
+           [1] + list(range(100, 113))]
+
+
+@pytest.mark.parametrize("chunk_size", [None, 13])
+def test_greedy_tokens_through_the_tiled_kernel_equal_transformers(tmp_path, chunk_size):
+    """A tiny Qwen2 of head size 64 (GQA 5; one full layer, one sliding over 8) with the CPU
+    kernels on: greedy tokens equal transformers', whole prompts and chunks of 13 (chunks
+    starting mid-block after a cached prefix)."""
+    from pagedkv.model import ModelRunner
+    from tests.model.driver import greedy_generate
+    from tests.model.test_correctness import hf_greedy
+    from tests.tiny_models import build_tiny_hf_model, load_hf_model
+
+    model = build_tiny_hf_model(tmp_path / "m", "qwen2_hd64")
+    runner = ModelRunner(model, block_size=16, num_blocks=64, cpu_kernels="wait")
+    assert runner.attn_backend.native
+    ours = greedy_generate(runner, PROMPTS, 8, chunk_size=chunk_size)
+    assert ours == hf_greedy(load_hf_model(model), PROMPTS, 8)
