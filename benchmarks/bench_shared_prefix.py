@@ -116,6 +116,7 @@ def install(timer: PhaseTimer) -> None:
     timer.wrap(cpu_native.NativeAttentionMetadata, "_decode", "attn.decode")
     timer.wrap(attention, "prefill_attention", "attn.prefill")
     timer.wrap(cpu_native.NativeAttentionMetadata, "_prefill", "attn.prefill")
+    timer.wrap(cpu_native.NativeAttentionMetadata, "_shared_prefix", "attn.cascade_prefix")
     for module in (attention, cascade, cpu_native):
         timer.wrap(module, "shared_prefix_attention", "attn.cascade_prefix")
         timer.wrap(module, "merge_states", "attn.merge")

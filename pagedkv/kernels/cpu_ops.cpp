@@ -1745,11 +1745,13 @@ void pf_pair_keys(const float* s, int64_t lds, int64_t panels, const c10::BFloat
 #endif
 
 // One work item: tokens tok0 .. tok0 + ntok - 1 of a chunk (positions pos0 ..), the g query
-// heads of KV head kh.
+// heads of KV head kh, over `keys` keys (the last ending at its last token's position, or, not
+// causal, at the chunk's length - 1).
 struct PrefillItem { int64_t chunk, tok0, ntok, kh, keys; };
 
 // A call's inputs: q [T, H, D] (rows sq apart), caches [KVH, NB, BS, D], per chunk its first
-// query row, its block table row (width ids) and its length; window (0: none), the scale; out.
+// query row, its block table row (width ids) and its length; window (0: none), the scale; out;
+// causal (else every row of a chunk sees all its keys); lse [T, H] (null: not wanted).
 template <typename T> struct PrefillArgs {
   const T* q;
   int64_t sq, heads, kvh, nb, bs, g, width, window;
@@ -1757,6 +1759,8 @@ template <typename T> struct PrefillArgs {
   const int64_t *starts, *ends, *lens, *tables;
   float scale;
   T* out;
+  bool causal;
+  float* lse;
 };
 
 // Per-thread scratch of one tile: the transposed queries, scores, accumulators and row state.
@@ -1781,7 +1785,7 @@ void pf_item(const PrefillArgs<T>& a, const PrefillItem& it, PrefillScratch<T, D
   std::fill(w.ot.begin(), w.ot.begin() + D * ld, 0.f);
   for (int64_t r = 0; r < ld; r++) {
     const bool real = r < rows;
-    const int64_t pos = pos0 + r / g;
+    const int64_t pos = a.causal ? pos0 + r / g : a.lens[it.chunk] - 1;
     w.pos[r] = real ? static_cast<int32_t>(pos) : -1;
     w.first[r] = real && a.window > 0 ? static_cast<int32_t>(std::max<int64_t>(0, pos - a.window + 1)) : 0;
     w.m[r] = -std::numeric_limits<float>::infinity();
@@ -1797,7 +1801,7 @@ void pf_item(const PrefillArgs<T>& a, const PrefillItem& it, PrefillScratch<T, D
   }
   static constexpr auto one = pf_scores_table<T, D, 1>(std::make_integer_sequence<int, PF_RK>{});
   static constexpr auto two = pf_scores_table<T, D, 2>(std::make_integer_sequence<int, PF_RK>{});
-  const int64_t k_end = pos0 + it.ntok, k_begin = k_end - it.keys;
+  const int64_t k_end = a.causal ? pos0 + it.ntok : a.lens[it.chunk], k_begin = k_end - it.keys;
   for (int64_t k0 = k_begin; k0 < k_end; k0 += PF_KEYS) {
     const int64_t n = std::min(PF_KEYS, k_end - k0);
     for (int64_t k = 0; k < n; k++) {
@@ -1839,21 +1843,25 @@ void pf_item(const PrefillArgs<T>& a, const PrefillItem& it, PrefillScratch<T, D
   }
   for (int64_t r = 0; r < rows; r++) {
     const float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f;
-    T* o = a.out + ((a.starts[it.chunk] + it.tok0 + r / g) * a.heads + it.kh * g + r % g) * D;
+    const int64_t at = (a.starts[it.chunk] + it.tok0 + r / g) * a.heads + it.kh * g + r % g;
+    T* o = a.out + at * D;
     for (int d = 0; d < D; d++) o[d] = from_f<T>(w.ot[d * ld + r] * inv);
+    if (a.lse)
+      a.lse[at] = w.l[r] > 0.f ? w.m[r] + std::log(w.l[r]) : -std::numeric_limits<float>::infinity();
   }
 }
 
 // Every item of the call, longest (most keys) first.
 std::vector<PrefillItem> prefill_items(const int64_t* starts, const int64_t* ends,
                                        const int64_t* lens, int64_t chunks, int64_t kvh,
-                                       int64_t g, int64_t window) {
+                                       int64_t g, int64_t window, bool causal) {
   const int64_t tile = std::max<int64_t>(1, PF_ROWS / g);
   std::vector<PrefillItem> items;
   for (int64_t c = 0; c < chunks; c++) {
     const int64_t qlen = ends[c] - starts[c];
     for (int64_t t0 = 0; t0 < qlen; t0 += tile) {
-      const int64_t ntok = std::min(tile, qlen - t0), last = lens[c] - qlen + t0 + ntok - 1;
+      const int64_t ntok = std::min(tile, qlen - t0);
+      const int64_t last = causal ? lens[c] - qlen + t0 + ntok - 1 : lens[c] - 1;
       const int64_t first = window > 0 ? std::max<int64_t>(0, last - ntok + 1 - window + 1) : 0;
       for (int64_t kh = 0; kh < kvh; kh++) items.push_back({c, t0, ntok, kh, last + 1 - first});
     }
@@ -1888,13 +1896,16 @@ bool paged_prefill_supports(int64_t head_dim, at::ScalarType dtype) {
 // Causal attention of prefill chunks over their paged K/V (already in the cache, the chunk's
 // own keys included): chunk c is q rows starts[c] .. ends[c] - 1 at positions lens[c] -
 // (ends[c] - starts[c]) .. lens[c] - 1, its blocks block_tables[c]; window > 0: a token at p
-// sees p - window + 1 .. p. q [T, H, D] (contiguous heads), caches [KVH, NB, BS, D] of q's
-// dtype; writes those rows of out [T, H, D]. Only where paged_prefill_supports(D, dtype).
+// sees p - window + 1 .. p. Not causal (window 0): every row of chunk c sees keys 0 ..
+// lens[c] - 1 (decodes over a shared prefix: cascade attention's first part). q [T, H, D]
+// (contiguous heads), caches [KVH, NB, BS, D] of q's dtype; writes those rows of out [T, H, D]
+// and, when given, of lse [T, H] float32 (log-sum-exp of each row's scaled scores). Only where
+// paged_prefill_supports(D, dtype).
 void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
                              const at::Tensor& starts, const at::Tensor& ends,
                              const at::Tensor& seq_lens, int64_t window, double scale,
-                             at::Tensor& out) {
+                             at::Tensor& out, bool causal, const c10::optional<at::Tensor>& lse) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && out.is_contiguous() &&
               out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
               "paged_prefill_attention: q must be [T, H, D] with contiguous heads, out like q");
@@ -1907,6 +1918,14 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
               " in ", q.scalar_type(), " is not supported by this build");
   TORCH_CHECK(q.size(1) % kvh == 0, "paged_prefill_attention: ", q.size(1),
               " query heads over ", kvh, " KV heads");
+  TORCH_CHECK(causal || window <= 0, "paged_prefill_attention: a window needs causal rows");
+  float* lsep = nullptr;
+  if (lse.has_value()) {
+    TORCH_CHECK(lse->is_contiguous() && lse->scalar_type() == at::kFloat && lse->dim() == 2 &&
+                lse->size(0) == q.size(0) && lse->size(1) == q.size(1),
+                "paged_prefill_attention: lse must be contiguous float32 [T, H]");
+    lsep = lse->data_ptr<float>();
+  }
   auto bt = block_tables.to(at::kLong).contiguous();
   auto st = starts.to(at::kLong).contiguous(), en = ends.to(at::kLong).contiguous();
   auto sl = seq_lens.to(at::kLong).contiguous();
@@ -1917,7 +1936,7 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t *enp = en.data_ptr<int64_t>(), *slp = sl.data_ptr<int64_t>();
   for (int64_t c = 0; c < chunks; c++) {
     const int64_t qlen = enp[c] - stp[c];
-    TORCH_CHECK(stp[c] >= 0 && qlen >= 0 && enp[c] <= q.size(0) && qlen <= slp[c] &&
+    TORCH_CHECK(stp[c] >= 0 && qlen >= 0 && enp[c] <= q.size(0) && (!causal || qlen <= slp[c]) &&
                 slp[c] <= width * bs, "paged_prefill_attention: chunk ", c, " (rows ", stp[c],
                 " .. ", enp[c], ", length ", slp[c], ") does not fit q or its block table");
     const int64_t first = window > 0 ? std::max<int64_t>(0, slp[c] - qlen - window + 1) : 0;
@@ -1927,13 +1946,14 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   }
 #if PAGEDKV_PREFILL
   const int64_t g = q.size(1) / kvh;
-  const auto items = prefill_items(stp, enp, slp, chunks, kvh, g, window);
+  const auto items = prefill_items(stp, enp, slp, chunks, kvh, g, window, causal);
   dispatch(q.scalar_type(), "paged_prefill_attention", [&](auto tag) {
     using T = typename decltype(tag)::type;
     if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
       const PrefillArgs<T> a{q.data_ptr<T>(), q.stride(0), q.size(1), kvh, nb, bs, g, width,
                              window, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), stp, enp,
-                             slp, btp, static_cast<float>(scale), out.data_ptr<T>()};
+                             slp, btp, static_cast<float>(scale), out.data_ptr<T>(), causal,
+                             lsep};
       if (d == 64) prefill_run<T, 64>(a, items);
       else prefill_run<T, 128>(a, items);
     }
@@ -1964,6 +1984,7 @@ TORCH_LIBRARY(pagedkv_cpu, m) {
         &write_kv_int8_);
   m.def("paged_prefill_supports(int head_dim, ScalarType dtype) -> bool", &paged_prefill_supports);
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor starts, Tensor ends, Tensor seq_lens, int window, float scale, Tensor(a!) out) -> ()",
+        "Tensor starts, Tensor ends, Tensor seq_lens, int window, float scale, Tensor(a!) out, "
+        "bool causal=True, Tensor(b!)? lse=None) -> ()",
         &paged_prefill_attention);
 }

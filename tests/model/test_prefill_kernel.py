@@ -30,10 +30,12 @@ def supported(head_dim: int, dtype: torch.dtype) -> bool:
     return bool(torch.ops.pagedkv_cpu.paged_prefill_supports(head_dim, dtype))
 
 
-def reference(q, k_cache, v_cache, tables, starts, ends, lens, window, scale):
-    """Each chunk's rows of the output: float64 attention over its gathered blocks, token at
-    position p seeing keys max(0, p - window + 1) .. p (query heads h over KV head h // g)."""
+def reference(q, k_cache, v_cache, tables, starts, ends, lens, window, scale, causal=True):
+    """(out, lse) of each chunk's rows: float64 attention over its gathered blocks, token at
+    position p seeing keys max(0, p - window + 1) .. p, or (not causal) every key (query heads
+    h over KV head h // g)."""
     out = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.zeros(q.shape[:2], dtype=torch.float64)
     kvh, _, bs, d = k_cache.shape
     g = q.shape[1] // kvh
     for c in range(len(starts)):
@@ -44,13 +46,14 @@ def reference(q, k_cache, v_cache, tables, starts, ends, lens, window, scale):
         qc = q[starts[c]:ends[c]].double().transpose(0, 1)  # [H, n, D]
         pos = torch.arange(length - n, length)[:, None]
         key = torch.arange(length)[None, :]
-        seen = key <= pos
+        seen = key <= pos if causal else torch.ones(n, length, dtype=torch.bool)
         if window:
             seen &= key > pos - window
         scores = (qc @ k.transpose(1, 2)) * scale
         scores = scores.masked_fill(~seen, float("-inf"))
         out[starts[c]:ends[c]] = (torch.softmax(scores, -1) @ v).transpose(0, 1)
-    return out
+        lse[starts[c]:ends[c]] = torch.logsumexp(scores, -1).transpose(0, 1)
+    return out, lse
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -86,10 +89,38 @@ def test_prefill_kernel_matches_the_reference(dtype, head_dim, kv_heads, group, 
     torch.ops.pagedkv_cpu.paged_prefill_attention(
         q, k_cache, v_cache, torch.tensor(tables), torch.tensor(starts), torch.tensor(ends),
         torch.tensor(lens), window, scale, out)
-    want = reference(q, k_cache, v_cache, tables, starts, ends, lens, window, scale)
+    want, _ = reference(q, k_cache, v_cache, tables, starts, ends, lens, window, scale)
     err = float((out[3:].double() - want[3:]).abs().max())
     assert err <= TOL[dtype] * max(1.0, float(want.abs().max()))
     assert torch.equal(out[:3], torch.full_like(out[:3], 7.0))  # rows of no chunk untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_not_causal_rows_see_every_key_and_return_the_log_sum_exp(dtype, head_dim):
+    """causal=False (decodes over a shared prefix): every row of a chunk sees all its keys,
+    chunks of 1, 6 and 40 rows (more rows than keys too), and lse is each row's log-sum-exp."""
+    if not supported(head_dim, dtype):
+        pytest.skip("this build has no tiled prefill kernel for this dtype")
+    torch.manual_seed(6)
+    kvh, g, bs = 2, 4, 16
+    k_cache = torch.randn(kvh, 12, bs, head_dim, dtype=dtype) * 2
+    v_cache = torch.randn(kvh, 12, bs, head_dim, dtype=dtype)
+    tables = [[3, 7, 1, 9], [3, 7, 1, 9], [2, 0, 0, 0]]
+    starts, ends, lens = [0, 2, 8], [1, 8, 48], [64, 50, 16]
+    q = torch.randn(48, kvh * g, head_dim, dtype=dtype)
+    out, lse = torch.empty_like(q), torch.full((48, kvh * g), 5.0)
+    torch.ops.pagedkv_cpu.paged_prefill_attention(
+        q, k_cache, v_cache, torch.tensor(tables), torch.tensor(starts), torch.tensor(ends),
+        torch.tensor(lens), 0, 0.125, out, False, lse)
+    want, want_lse = reference(q, k_cache, v_cache, tables, starts, ends, lens, 0, 0.125,
+                               causal=False)
+    rows = torch.tensor([0] + list(range(2, 48)))
+    assert float((out[rows].double() - want[rows]).abs().max()) <= TOL[dtype] * float(
+        want.abs().max())
+    assert float((lse[rows].double() - want_lse[rows]).abs().max()) <= TOL[dtype] * float(
+        want_lse.abs().max())
+    assert torch.equal(lse[1], torch.full((kvh * g,), 5.0))  # row 1 is in no chunk
 
 
 def test_prefill_kernel_refuses_bad_tables_and_shapes():
@@ -104,6 +135,9 @@ def test_prefill_kernel_refuses_bad_tables_and_shapes():
     with pytest.raises(RuntimeError, match="does not fit"):
         op(q, kc, kc, torch.tensor([[1]]), torch.tensor([0]), torch.tensor([5]),
            torch.tensor([40]), 0, 0.125, out)
+    with pytest.raises(RuntimeError, match="a window needs causal rows"):
+        op(q, kc, kc, torch.tensor([[1]]), torch.tensor([0]), torch.tensor([5]),
+           torch.tensor([5]), 4, 0.125, out, False)
     with pytest.raises(RuntimeError, match="not supported"):
         op(torch.zeros(5, 2, 48), torch.zeros(1, 4, 16, 48), torch.zeros(1, 4, 16, 48),
            torch.tensor([[1]]), torch.tensor([0]), torch.tensor([5]), torch.tensor([5]), 0,
@@ -112,15 +146,16 @@ def test_prefill_kernel_refuses_bad_tables_and_shapes():
 
 def mixed_step_error(dtype: torch.dtype, head_dim: int, group: int, window: int | None) -> float:
     """max |native - torch reference| / max(1, |reference|) of one mixed step's attention:
-    three decodes sharing two blocks and a lone one, then three prefill chunks (two after
-    those shared blocks, mid-block: the torch path's cascade; one from position 0 spanning
-    three blocks), through each backend's metadata; the caches written must be equal."""
+    three decodes sharing four blocks (a cascade group of rows 0, 2, 3: two runs) and a lone
+    one, then three prefill chunks (two after those shared blocks, mid-block: the torch path's
+    cascade; one from position 0 spanning three blocks), through each backend's metadata; the
+    caches written must be equal."""
     bs, kvh = 16, 2
-    shared = [1, 2]
-    tables = [shared + [3, 4], shared + [5, 6], shared + [7], [8, 9],
-              shared + [10, 11], shared + [12], [13, 14, 15]]
-    new = [1, 1, 1, 1, 19, 7, 40]
-    lens = [60, 50, 33, 20, 51, 44, 40]
+    shared = [1, 2, 3, 4]
+    tables = [shared + [5, 6], [9, 10], shared + [7], shared + [8],
+              shared + [11, 12], shared + [13], [14, 15, 16]]
+    new = [1, 1, 1, 1, 17, 7, 40]
+    lens = [90, 20, 75, 65, 83, 76, 40]
     slots = [tables[i][p // bs] * bs + p % bs
              for i in range(len(new)) for p in range(lens[i] - new[i], lens[i])]
     step = StepSequences(new, lens, tables, slots, num_decodes=4, block_size=bs)
@@ -128,15 +163,17 @@ def mixed_step_error(dtype: torch.dtype, head_dim: int, group: int, window: int 
     t, heads = sum(new), kvh * group
     q = torch.randn(t, heads, head_dim, dtype=dtype)
     k, v = torch.randn(t, kvh, head_dim, dtype=dtype), torch.randn(t, kvh, head_dim, dtype=dtype)
-    k_cache = torch.randn(kvh, 16, bs, head_dim, dtype=dtype)
-    v_cache = torch.randn(kvh, 16, bs, head_dim, dtype=dtype)
+    k_cache = torch.randn(kvh, 20, bs, head_dim, dtype=dtype)
+    v_cache = torch.randn(kvh, 20, bs, head_dim, dtype=dtype)
     ref_caches = (k_cache.clone(), v_cache.clone())
     scale = head_dim ** -0.5
     want = TorchPagedBackend(torch.device("cpu")).build_metadata(step).attend(
         q, k, v, *ref_caches, scale, window)
     native = CpuNativeBackend(torch.device("cpu"))
     native.native = True
-    got = native.build_metadata(step).attend(q, k, v, k_cache, v_cache, scale, window)
+    meta = native.build_metadata(step)
+    assert [g.rows for g in meta.shared_prefixes()] == [[0, 2, 3]]
+    got = meta.attend(q, k, v, k_cache, v_cache, scale, window)
     assert torch.equal(k_cache, ref_caches[0]) and torch.equal(v_cache, ref_caches[1])
     return float((got.double() - want.double()).abs().max()) / max(1.0, float(want.abs().max()))
 

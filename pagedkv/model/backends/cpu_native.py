@@ -5,7 +5,8 @@ Decodes read K/V straight from the paged cache, one block at a time with an onli
 sharing each block's loads), and the new K/V go into their slots in one pass (`write_kv_`).
 Shared prefixes keep cascade attention (cascade.py) for decodes: the kernel attends each decode
 to its own blocks after the shared ones and returns their log-sum-exp, merged with the prefix
-part. Prefill chunks, with or without a cached (or shared) prefix, go through
+part, which `paged_prefill_attention` computes with all the group's queries in tiles (not
+causal: every decode sees the whole prefix) where the build has the tiled kernel. Prefill chunks, with or without a cached (or shared) prefix, go through
 `paged_prefill_attention` in one call per layer: tiles of query tokens x a KV head's query heads
 read their keys in place, causal and windowed by position (no gathered copy, no cascade split:
 each tile reads the prefix blocks once). Where the build has no tiled kernel for the dtype and
@@ -25,7 +26,7 @@ import torch
 from pagedkv.model.attention import AttentionMetadata, prefill_attention_all
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.backends.torch_paged import TorchPagedBackend
-from pagedkv.model.cascade import merge_states, shared_prefix_attention
+from pagedkv.model.cascade import SharedPrefix, merge_states, shared_prefix_attention
 
 
 @cache
@@ -99,10 +100,39 @@ class NativeAttentionMetadata(AttentionMetadata):
         torch.ops.pagedkv_cpu.paged_decode_attention(
             q, k_cache, v_cache, self.decode_block_tables, first, self.decode_seq_lens, scale,
             out, lse)
+        tiled = tiled_prefill(q.shape[2], q.dtype) and k_cache.dtype == q.dtype
         for group in shared:
             rows = group.index()
-            o_p, lse_p = shared_prefix_attention(q[rows], k_cache, v_cache, group, scale)
+            if tiled:
+                o_p, lse_p = self._shared_prefix(q, k_cache, v_cache, group, scale)
+                o_p, lse_p = o_p[rows], lse_p[rows]
+            else:
+                o_p, lse_p = shared_prefix_attention(q[rows], k_cache, v_cache, group, scale)
             out[rows] = merge_states(out[rows], lse[rows], o_p, lse_p)
+
+    def _shared_prefix(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       group: SharedPrefix, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [S, heads, D], lse [S, heads] float32) of the decodes q [S, heads, D] over the
+        shared prefix of `group` (valid in the group's rows only): one tiled kernel call, each
+        run of consecutive rows a chunk whose rows all see the whole prefix."""
+        key = ("prefix_runs", tuple(group.rows))
+        if key not in self._mask_cache:
+            runs = [[group.rows[0], group.rows[0] + 1]]
+            for r in group.rows[1:]:
+                if r == runs[-1][1]:
+                    runs[-1][1] = r + 1
+                else:
+                    runs.append([r, r + 1])
+            bounds = torch.tensor(runs, dtype=torch.long)
+            self._mask_cache[key] = (
+                group.block_ids.view(1, -1).expand(len(runs), -1), bounds[:, 0], bounds[:, 1],
+                torch.full((len(runs),), group.num_blocks * self.block_size, dtype=torch.long))
+        tables, starts, ends, lens = self._mask_cache[key]
+        out = torch.empty(q.shape, dtype=q.dtype)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32)
+        torch.ops.pagedkv_cpu.paged_prefill_attention(
+            q, k_cache, v_cache, tables, starts, ends, lens, 0, scale, out, False, lse)
+        return out, lse
 
 
 class CpuNativeBackend(TorchPagedBackend):
