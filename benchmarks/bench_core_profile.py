@@ -112,6 +112,7 @@ def instrument(runner) -> None:
     meta_cls._decode = _scoped(meta_cls._decode, lambda *_: "decode_attention")
     cpu_native.prefill_attention_all = _scoped(cpu_native.prefill_attention_all,
                                                lambda *_: "prefill_attention")
+    meta_cls._prefill = _scoped(meta_cls._prefill, lambda *_: "prefill_attention")
 
 
 def classify(events) -> tuple[dict[tuple[str, str], float], dict[tuple[str, str], dict]]:

@@ -16,7 +16,8 @@ and split into phases by wrapping the functions that do the work, exclusive wall
 - `attn.write_kv`, `attn.decode` (the fused decode kernel or the torch decode path),
   `attn.cascade_prefix` (a shared prefix attended once: cascade.shared_prefix_attention),
   `attn.merge` (merge_states), `attn.prefill_own` (a cascade chunk's own keys),
-  `attn.prefill` (prefill chunks without a shared prefix), `attn.other` (the rest of
+  `attn.prefill` (prefill chunks without a shared prefix; every prefill chunk where the tiled
+  kernel `paged_prefill_attention` takes them), `attn.other` (the rest of
   `attend`: metadata, indexing, the cascade's glue);
 - `forward.other` (the model's forward outside the above: embedding, views), `logits+sample`,
   `runner.other` (step description, metadata building, tensors from lists);
@@ -114,6 +115,8 @@ def install(timer: PhaseTimer) -> None:
     timer.wrap(attention, "decode_attention", "attn.decode")
     timer.wrap(cpu_native.NativeAttentionMetadata, "_decode", "attn.decode")
     timer.wrap(attention, "prefill_attention", "attn.prefill")
+    timer.wrap(cpu_native.NativeAttentionMetadata, "_prefill", "attn.prefill")
+    timer.wrap(cpu_native.NativeAttentionMetadata, "_shared_prefix", "attn.cascade_prefix")
     for module in (attention, cascade, cpu_native):
         timer.wrap(module, "shared_prefix_attention", "attn.cascade_prefix")
         timer.wrap(module, "merge_states", "attn.merge")

@@ -36,6 +36,9 @@ TINY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("mistral", dict(sliding_window=8)),
     # Mixed layers: layer 0 attends fully, layers 1 and 2 slide over 8 tokens.
     "qwen2_mixed": ("qwen2", dict(num_layers=3, sliding_window=8, max_window_layers=1)),
+    # Head size 64 (the CPU's tiled prefill kernel), GQA 5: layer 0 full, layer 1 slides over 8.
+    "qwen2_hd64": ("qwen2", dict(num_layers=2, head_dim=64, num_heads=5, num_kv_heads=1,
+                                 sliding_window=8, max_window_layers=1)),
     # Gemma 2: sliding (window 8) and full layers alternate; soft-capping; tied embeddings.
     "gemma2": ("gemma2", dict(num_layers=4, sliding_window=8, tie_word_embeddings=True)),
     # Gemma 3: q/k norms, local and global RoPE; 5 sliding layers (window 8) per full one.

@@ -119,16 +119,24 @@ class AttentionMetadata:
         if "prefill_shared" not in self._mask_cache:
             chunks, groups = self.prefills, []
             if len(chunks) >= 2:
-                width = max(len(c.block_table) for c in chunks)
-                tables = torch.zeros(len(chunks), width, dtype=torch.long,
-                                     device=chunks[0].block_table.device)
-                for r, c in enumerate(chunks):
-                    tables[r, : len(c.block_table)] = c.block_table
                 # Position start_pos is the chunk's first new token: blocks wholly before it.
-                groups = find_shared_prefixes(tables, [c.start_pos + 1 for c in chunks],
-                                              self.block_size)
+                groups = find_shared_prefixes(self.prefill_block_tables(),
+                                              [c.start_pos + 1 for c in chunks], self.block_size)
             self._mask_cache["prefill_shared"] = groups
         return self._mask_cache["prefill_shared"]
+
+    def prefill_block_tables(self) -> torch.Tensor:
+        """The prefill chunks' block tables stacked [len(prefills), widest] (long, rows padded
+        with the null block 0); once per step."""
+        if "prefill_tables" not in self._mask_cache:
+            chunks = self.prefills
+            width = max((len(c.block_table) for c in chunks), default=0)
+            dev = chunks[0].block_table.device if chunks else self.slot_mapping.device
+            tables = torch.zeros(len(chunks), width, dtype=torch.long, device=dev)
+            for r, c in enumerate(chunks):
+                tables[r, : len(c.block_table)] = c.block_table
+            self._mask_cache["prefill_tables"] = tables
+        return self._mask_cache["prefill_tables"]
 
     def own_keys_batches(self, group: SharedPrefix) -> tuple[list[OwnKeysBatch], torch.Tensor]:
         """(the prefill chunks of `group` in batches of one shape after the shared prefix, the

@@ -126,3 +126,14 @@ def test_bench_decode_kernel_times_both_block_layouts():
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout.splitlines()[-1])["float32"]
     assert set(got) == {"contig", "rand"} and all(ms > 0 for ms in got.values())
+
+
+def test_bench_prefill_kernel_compares_the_kernel_with_the_torch_path():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_prefill_kernel.py"),
+                           "--dtypes", "float32", "--head-dims", "64", "--reps", "1"],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.splitlines()[-1].split()
+    assert last[:2] == ["float32", "64"]
+    assert last[-1].endswith("x") or "no tiled kernel" in proc.stdout

@@ -3,10 +3,15 @@
 Decodes read K/V straight from the paged cache, one block at a time with an online softmax
 (`paged_decode_attention`: no gathered copy, no mask tensors, the query heads of a KV head
 sharing each block's loads), and the new K/V go into their slots in one pass (`write_kv_`).
-Shared prefixes keep cascade attention (cascade.py): the kernel attends each decode to its own
-blocks after the shared ones and returns their log-sum-exp, merged with the prefix part.
-Prefill chunks use the pure-torch path of torch_paged.py (SDPA's flash kernel already reads
-them well).
+Shared prefixes keep cascade attention (cascade.py) for decodes: the kernel attends each decode
+to its own blocks after the shared ones and returns their log-sum-exp, merged with the prefix
+part, which `paged_prefill_attention` computes with all the group's queries in tiles (not
+causal: every decode sees the whole prefix) where the build has the tiled kernel. Prefill chunks, with or without a cached (or shared) prefix, go through
+`paged_prefill_attention` in one call per layer: tiles of query tokens x a KV head's query heads
+read their keys in place, causal and windowed by position (no gathered copy, no cascade split:
+each tile reads the prefix blocks once). Where the build has no tiled kernel for the dtype and
+head size (`paged_prefill_supports`: an AVX2 build, a head size other than 64 or 128, float16,
+bfloat16 without AVX512-BF16) prefill chunks take the pure-torch path of torch_paged.py.
 
 Until the kernels are loaded (pagedkv.kernels.cpu builds them on first use), or when the
 runner turns `native` off, this backend is exactly torch_paged's.
@@ -14,16 +19,26 @@ runner turns `native` off, this backend is exactly torch_paged's.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 from pagedkv.model.attention import AttentionMetadata, prefill_attention_all
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.backends.torch_paged import TorchPagedBackend
-from pagedkv.model.cascade import merge_states, shared_prefix_attention
+from pagedkv.model.cascade import SharedPrefix, merge_states, shared_prefix_attention
+
+
+@cache
+def tiled_prefill(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the loaded build's `paged_prefill_attention` takes caches of `dtype` and
+    `head_dim` (a fact of the library, the same for every engine of the process)."""
+    return bool(torch.ops.pagedkv_cpu.paged_prefill_supports(head_dim, dtype))
 
 
 class NativeAttentionMetadata(AttentionMetadata):
-    """AttentionMetadata whose `attend` runs the fused kernels for the KV write and decodes."""
+    """AttentionMetadata whose `attend` runs the fused kernels for the KV write, decodes and
+    prefill chunks."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
@@ -32,8 +47,33 @@ class NativeAttentionMetadata(AttentionMetadata):
         nd = self.num_decodes
         if nd:
             self._decode(q[:nd], k_cache, v_cache, scale, window, out[:nd])
-        prefill_attention_all(q, k, v, k_cache, v_cache, self, scale, window, out)
+        if not self.prefills:
+            return out
+        if tiled_prefill(q.shape[2], q.dtype) and k_cache.dtype == q.dtype:
+            self._prefill(q, k_cache, v_cache, scale, window, out)
+        else:
+            prefill_attention_all(q, k, v, k_cache, v_cache, self, scale, window, out)
         return out
+
+    def _prefill_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(first row [C], end row [C], sequence length [C]) of each prefill chunk; once per
+        step."""
+        if "native_prefill" not in self._mask_cache:
+            chunks = self.prefills
+            self._mask_cache["native_prefill"] = (
+                torch.tensor([c.token_start for c in chunks], dtype=torch.long),
+                torch.tensor([c.token_end for c in chunks], dtype=torch.long),
+                torch.tensor([c.seq_len for c in chunks], dtype=torch.long))
+        return self._mask_cache["native_prefill"]
+
+    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 scale: float, window: int | None, out: torch.Tensor) -> None:
+        """Every prefill chunk's attention (their K/V already in the cache) into its rows of
+        `out` [T, heads, D], one kernel call."""
+        starts, ends, lens = self._prefill_rows()
+        torch.ops.pagedkv_cpu.paged_prefill_attention(
+            q, k_cache, v_cache, self.prefill_block_tables(), starts, ends, lens, window or 0,
+            scale, out)
 
     def _first_positions(self, window: int | None) -> tuple[torch.Tensor, list]:
         """(first key position each decode attends to here [num_decodes], the shared-prefix
@@ -60,10 +100,39 @@ class NativeAttentionMetadata(AttentionMetadata):
         torch.ops.pagedkv_cpu.paged_decode_attention(
             q, k_cache, v_cache, self.decode_block_tables, first, self.decode_seq_lens, scale,
             out, lse)
+        tiled = tiled_prefill(q.shape[2], q.dtype) and k_cache.dtype == q.dtype
         for group in shared:
             rows = group.index()
-            o_p, lse_p = shared_prefix_attention(q[rows], k_cache, v_cache, group, scale)
+            if tiled:
+                o_p, lse_p = self._shared_prefix(q, k_cache, v_cache, group, scale)
+                o_p, lse_p = o_p[rows], lse_p[rows]
+            else:
+                o_p, lse_p = shared_prefix_attention(q[rows], k_cache, v_cache, group, scale)
             out[rows] = merge_states(out[rows], lse[rows], o_p, lse_p)
+
+    def _shared_prefix(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       group: SharedPrefix, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [S, heads, D], lse [S, heads] float32) of the decodes q [S, heads, D] over the
+        shared prefix of `group` (valid in the group's rows only): one tiled kernel call, each
+        run of consecutive rows a chunk whose rows all see the whole prefix."""
+        key = ("prefix_runs", tuple(group.rows))
+        if key not in self._mask_cache:
+            runs = [[group.rows[0], group.rows[0] + 1]]
+            for r in group.rows[1:]:
+                if r == runs[-1][1]:
+                    runs[-1][1] = r + 1
+                else:
+                    runs.append([r, r + 1])
+            bounds = torch.tensor(runs, dtype=torch.long)
+            self._mask_cache[key] = (
+                group.block_ids.view(1, -1).expand(len(runs), -1), bounds[:, 0], bounds[:, 1],
+                torch.full((len(runs),), group.num_blocks * self.block_size, dtype=torch.long))
+        tables, starts, ends, lens = self._mask_cache[key]
+        out = torch.empty(q.shape, dtype=q.dtype)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32)
+        torch.ops.pagedkv_cpu.paged_prefill_attention(
+            q, k_cache, v_cache, tables, starts, ends, lens, 0, scale, out, False, lse)
+        return out, lse
 
 
 class CpuNativeBackend(TorchPagedBackend):
