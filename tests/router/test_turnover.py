@@ -39,7 +39,7 @@ def test_router_sends_a_new_prompt_where_the_cache_turns_over_least():
     backends = [Backend(f"http://b{i}.test", up=True, kv_info={"num_gpu_blocks": 100})
                 for i in range(3)]
     router = Router(backends, make_policy("kv-aware"), hash_settings=(4, "sha256"),
-                    weights=KVAwareWeights(turnover_window_s=60.0))
+                    weights=KVAwareWeights(turnover_window_s=1e6))  # no decay here
     for backend in backends:
         router.set_kv_info(backend, {"block_size": 4, "prefix_caching_hash_algo": "sha256",
                                      "num_gpu_blocks": 100})
