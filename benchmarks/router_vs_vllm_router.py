@@ -69,7 +69,8 @@ REPO = Path(__file__).resolve().parents[1]
 TRACE = shared_trace("mooncake_conversation_trace.jsonl")
 BLOCK_SIZE = 32
 MODEL = "bench"
-ROUTERS = ("pagedkv kv-aware", "vllm-router cache_aware", "vllm-router kv_aware")
+OURS = "pagedkv kv-aware"
+ROUTERS = (OURS, "vllm-router cache_aware", "vllm-router kv_aware")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,7 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router-blocks", type=int, default=800,
                    help="KV blocks per backend in this mode")
     p.add_argument("--routers", default=",".join(ROUTERS),
-                   help="which routers to run, in this order (comma-separated)")
+                   help="which routers to run, in this order (comma-separated); ours may "
+                        "carry its flags, e.g. 'pagedkv kv-aware --eviction-weight 0'")
     p.add_argument("--window", type=int, default=2000,
                    help="the trace rows the conversations are chosen from")
     p.add_argument("--backends", type=int, default=3, help="backends per run in this mode")
@@ -214,13 +216,13 @@ def start_backends(model_dir: Path, args: argparse.Namespace,
 def start_router(which: str, model_dir: Path, urls: list[str], ports: list[int],
                  args: argparse.Namespace) -> RouterProcess | VllmRouterProcess:
     events = [f"tcp://127.0.0.1:{port}" for port in ports]
-    if which == "pagedkv kv-aware":
+    if which.startswith(OURS):
         flags = [f for ep in events for f in ("--kv-events", ep)]
         # Both routers at their default health interval (ours 1 s: /health, /kv_cache_info,
         # /v1/models and the load gauges; vllm-router's one /health per 60 s); our first-byte
         # timeout as long as vllm-router's wait.
         return RouterProcess(model_dir, urls, "--policy", "kv-aware", *flags,
-                             "--first-byte-timeout", "1800").start()
+                             "--first-byte-timeout", "1800", *which[len(OURS):].split()).start()
     os.environ["VLLM_ROUTER_TOKENIZER"] = str(model_dir)  # vllm-router's tokenizer
     if which == "vllm-router cache_aware":
         return VllmRouterProcess(args.vllm_router, urls, "--policy", "cache_aware").start()
@@ -235,7 +237,7 @@ def run_one(which: str, model_dir: Path, requests: list[SampleRequest],
             args: argparse.Namespace, tmp: Path) -> dict:
     """One router in front of fresh backends, the whole workload; its figures and per-request
     records (placement.py)."""
-    slug = which.replace(" ", "-")
+    slug = "".join(ch if ch.isalnum() or ch in "._" else "-" for ch in which)
     logs = [tmp / f"{slug}-backend{i}.jsonl" for i in range(args.backends)]
     procs, ports = start_backends(model_dir, args, logs)
     router = None
@@ -280,7 +282,7 @@ def main(args: argparse.Namespace) -> int:
                          "venv (see this script's docstring)")
     os.environ["OMP_NUM_THREADS"] = "1"  # three backends share the machine's cores
     routers = [r.strip() for r in args.routers.split(",")]
-    unknown = sorted(set(routers) - set(ROUTERS))
+    unknown = sorted(r for r in routers if r not in ROUTERS and not r.startswith(OURS + " --"))
     if unknown:
         raise ValueError(f"--routers: unknown {unknown}; choose from {list(ROUTERS)}")
     with tempfile.TemporaryDirectory(prefix="bench-router-vs-") as tmp:
