@@ -15,9 +15,13 @@ deterministic run of tokens (`pagedkv.sim.traces.prompt_token_ids`, as the trace
 lengths scaled by `--scale` (default 1/16: blocks of 32 tokens, the backends' block size; mean
 input ~890 tokens), prompts cut to `--max-prompt` tokens, outputs capped at `--max-output`.
 The ideal hit rate (an unbounded cache) is printed with the results. Arrivals: Poisson
-`--rate` per second, the same seed for every router. Backends: three fresh
-`pagedkv serve` instances per run (empty caches), random Llama, `--blocks` KV blocks each, KV
-events published in vLLM's format on `tcp://*:<port>`. Routers, one run each:
+`--rate` per second, the same seed for every router. Backends: `--backends` (3) fresh
+`pagedkv serve` instances per run (empty caches), random Llama, `--router-blocks` KV blocks
+each, KV events published in vLLM's format on `tcp://*:<port>`. By default they share every
+CPU of the machine (on a 2-core box, three backends contend for two cores: a router that
+spreads requests pays for that, one that piles them on one backend does not); `--pin` is the
+fleet model instead: each backend alone on its own share of the CPUs (`taskset`,
+`--cpu-threads` = its cores), as instances of a real fleet are. Routers, one run each:
 - ours: `pagedkv router --policy kv-aware` with the backends' events;
 - vllm-router `--policy cache_aware` (its approximate radix tree of routed prompts);
 - vllm-router `--policy kv_aware --kv-event-source URL=tcp://127.0.0.1:<port>` per backend
@@ -25,7 +29,10 @@ events published in vLLM's format on `tcp://*:<port>`. Routers, one run each:
 vllm-router adds its own fields to every request (`no_stop_trim`, ...): `pagedkv serve`
 accepts them with a warning, so no shim sits in between. Prints, per router: hit rate (cached /
 prompt tokens, as the backends report them), mean and p99 TTFT, requests per backend (from each
-backend's vllm:request_success_total), failures.
+backend's vllm:request_success_total), failures, the router's CPU seconds; then where TTFT
+went (pagedkv/bench/placement.py, from the backends' request logs): per backend, the slowest
+5%, and TTFT with nothing queued on the request's backend, with and without prefills on the
+others (contention), against work queued ahead (placement). `--dump DIR` keeps the records.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedkv.bench.datasets import SampleRequest, shared_trace
 from pagedkv.bench.machine import cpu_name
 from pagedkv.bench.metrics import compute_metrics
+from pagedkv.bench.placement import join_records, read_request_log, summarize, write_records
 from pagedkv.bench.serve_client import run_load
 from pagedkv.router.prompt import PromptHasher
 from pagedkv.sim.traces import (
@@ -61,7 +69,8 @@ REPO = Path(__file__).resolve().parents[1]
 TRACE = shared_trace("mooncake_conversation_trace.jsonl")
 BLOCK_SIZE = 32
 MODEL = "bench"
-ROUTERS = ("pagedkv kv-aware", "vllm-router cache_aware", "vllm-router kv_aware")
+OURS = "pagedkv kv-aware"
+ROUTERS = (OURS, "vllm-router cache_aware", "vllm-router kv_aware")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,9 +86,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router-blocks", type=int, default=800,
                    help="KV blocks per backend in this mode")
     p.add_argument("--routers", default=",".join(ROUTERS),
-                   help="which routers to run, in this order (comma-separated)")
+                   help="which routers to run, in this order (comma-separated); ours may "
+                        "carry its flags, e.g. 'pagedkv kv-aware --eviction-weight 0'")
     p.add_argument("--window", type=int, default=2000,
                    help="the trace rows the conversations are chosen from")
+    p.add_argument("--backends", type=int, default=3, help="backends per run in this mode")
+    p.add_argument("--pin", action="store_true",
+                   help="a fleet model: each backend on its own share of the CPUs (taskset, "
+                        "--cpu-threads = its cores), no two backends on one core")
+    p.add_argument("--dump", default=None, metavar="DIR",
+                   help="write each router's per-request records (placement.py) to DIR")
 
 
 def busiest_conversations(rows: list[TraceRequest], count: int) -> list[TraceRequest]:
@@ -147,16 +163,46 @@ class VllmRouterProcess(ServerProcess):
                 if s.name.startswith("vllm_router_kv_")}
 
 
-def start_backends(model_dir: Path, args: argparse.Namespace) -> tuple[list[ServerProcess],
-                                                                       list[int]]:
-    """Three fresh `pagedkv serve` backends publishing KV events; (processes, event ports)."""
-    ports = [free_port() for _ in range(3)]
+class PinnedServerProcess(ServerProcess):
+    """A `pagedkv serve` started under `taskset -c CPUS` (its engine core inherits them)."""
+
+    def __init__(self, cpus: list[int], model_dir: Path, *args: str, model_name: str) -> None:
+        super().__init__(model_dir, *args, "--cpu-threads", str(len(cpus)),
+                         model_name=model_name)
+        self.cpus = cpus
+
+    def command(self) -> list[str]:
+        return ["taskset", "-c", ",".join(map(str, self.cpus)), *super().command()]
+
+
+def cpu_shares(num_backends: int) -> list[list[int]]:
+    """The allowed CPUs split into `num_backends` disjoint, contiguous, near-equal shares."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not 0 < num_backends <= len(cpus):
+        raise ValueError(f"--pin: {num_backends} backends need as many CPUs; this process "
+                         f"may use {len(cpus)}")
+    return [cpus[i * len(cpus) // num_backends:(i + 1) * len(cpus) // num_backends]
+            for i in range(num_backends)]
+
+
+def start_backends(model_dir: Path, args: argparse.Namespace,
+                   logs: list[Path]) -> tuple[list[ServerProcess], list[int]]:
+    """`args.backends` fresh `pagedkv serve` backends publishing KV events, each logging its
+    requests to `logs[i]`; (processes, event ports)."""
+    ports = [free_port() for _ in range(args.backends)]
     flags = ["--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override",
              str(args.router_blocks), "--max-model-len", str(args.max_prompt + args.max_output),
              "--dtype", "float32"]
-    procs = [ServerProcess(model_dir, *flags, "--kv-events-config", json.dumps(
-        {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"}), model_name=MODEL)
-        for port in ports]
+    shares = cpu_shares(args.backends) if args.pin else [None] * args.backends
+
+    def backend(port: int, log: Path, cpus: list[int] | None) -> ServerProcess:
+        own = [*flags, "--request-log", str(log), "--kv-events-config", json.dumps(
+            {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})]
+        if cpus is None:
+            return ServerProcess(model_dir, *own, model_name=MODEL)
+        return PinnedServerProcess(cpus, model_dir, *own, model_name=MODEL)
+
+    procs = [backend(*spec) for spec in zip(ports, logs, shares, strict=True)]
     try:
         for proc in procs:
             proc.start()
@@ -170,13 +216,13 @@ def start_backends(model_dir: Path, args: argparse.Namespace) -> tuple[list[Serv
 def start_router(which: str, model_dir: Path, urls: list[str], ports: list[int],
                  args: argparse.Namespace) -> RouterProcess | VllmRouterProcess:
     events = [f"tcp://127.0.0.1:{port}" for port in ports]
-    if which == "pagedkv kv-aware":
+    if which.startswith(OURS):
         flags = [f for ep in events for f in ("--kv-events", ep)]
         # Both routers at their default health interval (ours 1 s: /health, /kv_cache_info,
         # /v1/models and the load gauges; vllm-router's one /health per 60 s); our first-byte
         # timeout as long as vllm-router's wait.
         return RouterProcess(model_dir, urls, "--policy", "kv-aware", *flags,
-                             "--first-byte-timeout", "1800").start()
+                             "--first-byte-timeout", "1800", *which[len(OURS):].split()).start()
     os.environ["VLLM_ROUTER_TOKENIZER"] = str(model_dir)  # vllm-router's tokenizer
     if which == "vllm-router cache_aware":
         return VllmRouterProcess(args.vllm_router, urls, "--policy", "cache_aware").start()
@@ -188,9 +234,12 @@ def start_router(which: str, model_dir: Path, urls: list[str], ports: list[int],
 
 
 def run_one(which: str, model_dir: Path, requests: list[SampleRequest],
-            args: argparse.Namespace) -> dict:
-    """One router in front of three fresh backends, the whole workload; its figures."""
-    procs, ports = start_backends(model_dir, args)
+            args: argparse.Namespace, tmp: Path) -> dict:
+    """One router in front of fresh backends, the whole workload; its figures and per-request
+    records (placement.py)."""
+    slug = "".join(ch if ch.isalnum() or ch in "._" else "-" for ch in which)
+    logs = [tmp / f"{slug}-backend{i}.jsonl" for i in range(args.backends)]
+    procs, ports = start_backends(model_dir, args, logs)
     router = None
     try:
         urls = [p.url for p in procs]
@@ -201,6 +250,7 @@ def run_one(which: str, model_dir: Path, requests: list[SampleRequest],
             progress=False))
         per_backend = [requests_served(u) for u in urls]
         kv_lookups = router.kv_lookups() if isinstance(router, VllmRouterProcess) else {}
+        router_cpu_s = process_cpu_seconds(router.proc.pid)
     finally:
         if router is not None:
             router.stop()
@@ -208,11 +258,22 @@ def run_one(which: str, model_dir: Path, requests: list[SampleRequest],
             proc.stop()
     m = compute_metrics(results, duration)
     ok = [r for r in results if r.success]
+    records = join_records(results, [read_request_log(log) for log in logs])
+    if args.dump:
+        Path(args.dump).mkdir(parents=True, exist_ok=True)
+        write_records(Path(args.dump) / f"{slug}.jsonl", records)
     return {"router": which, "completed": m["completed"], "failed": m["failed"],
             "hit_rate": sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_len for r in ok)),
             "ttft_mean_ms": m["ttft_ms"]["mean"], "ttft_p99_ms": m["ttft_ms"]["p99"],
             "requests_per_backend": per_backend, "errors": m["errors"],
+            "router_cpu_s": router_cpu_s, "placement": summarize(records, args.backends),
             "vllm_router_kv_metrics": kv_lookups}
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -221,7 +282,7 @@ def main(args: argparse.Namespace) -> int:
                          "venv (see this script's docstring)")
     os.environ["OMP_NUM_THREADS"] = "1"  # three backends share the machine's cores
     routers = [r.strip() for r in args.routers.split(",")]
-    unknown = sorted(set(routers) - set(ROUTERS))
+    unknown = sorted(r for r in routers if r not in ROUTERS and not r.startswith(OURS + " --"))
     if unknown:
         raise ValueError(f"--routers: unknown {unknown}; choose from {list(ROUTERS)}")
     with tempfile.TemporaryDirectory(prefix="bench-router-vs-") as tmp:
@@ -232,22 +293,28 @@ def main(args: argparse.Namespace) -> int:
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         requests = trace_workload(args, vocab)
         ideal = ideal_hit_rate(requests)
-        rows = [run_one(which, model_dir, requests, args) for which in routers]
+        rows = [run_one(which, model_dir, requests, args, Path(tmp)) for which in routers]
     if args.json:
         print(json.dumps({"args": vars(args), "cpu": cpu_name(), "ideal_hit_rate": ideal,
                           "results": rows}, indent=2))
         return 0
     mean_in = sum(r.prompt_len for r in requests) / len(requests)
+    fleet = (f"pinned: {cpu_shares(args.backends)} CPUs each" if args.pin
+             else "sharing every CPU")
     print(f"{len(requests)} Mooncake conversation requests (busiest conversations of the first "
           f"{args.window} rows; lengths x{args.scale:g}, mean prompt {mean_in:.0f} tokens, cut "
           f"at {args.max_prompt}, outputs <= {args.max_output}), Poisson {args.rate}/s, "
-          f"3 backends x {args.router_blocks} blocks of {BLOCK_SIZE}, model hidden "
-          f"{args.hidden} x {args.layers} layers; CPU: {cpu_name()}")
+          f"{args.backends} backends x {args.router_blocks} blocks of {BLOCK_SIZE} ({fleet}), "
+          f"model hidden {args.hidden} x {args.layers} layers; CPU: {cpu_name()}")
     print(f"ideal hit rate (unbounded cache): {ideal:.1%}")
-    print(f"{'router':<24} {'hit':>6} {'TTFT mean':>10} {'p99':>8}  per backend   failed")
+    print(f"{'router':<24} {'hit':>6} {'TTFT mean':>10} {'p99':>8}  per backend   failed  "
+          f"router CPU s")
     for r in rows:
         print(f"{r['router']:<24} {r['hit_rate']:>6.1%} {r['ttft_mean_ms']:>8.0f}ms "
-              f"{r['ttft_p99_ms']:>6.0f}ms  {str(r['requests_per_backend']):<13} {r['failed']}")
+              f"{r['ttft_p99_ms']:>6.0f}ms  {str(r['requests_per_backend']):<13} {r['failed']:>6}"
+              f"  {r['router_cpu_s']:.1f}")
+    for r in rows:
+        print(f"{r['router']}: where TTFT goes (server-side):", *r["placement"], sep="\n")
     for r in rows:
         if r["errors"]:
             print(f"{r['router']}: {r['failed']} failed: {r['errors']}")

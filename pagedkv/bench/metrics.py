@@ -24,6 +24,8 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     cached_tokens: int = 0
     error: str = ""
+    response_id: str = ""  # the response's `id` (joins the server's request log)
+    sent: float = 0.0  # when it was sent (time.perf_counter)
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -82,7 +82,7 @@ async def send_request(client: Any, model: str, request: SampleRequest,
     payload = {"model": model, "prompt": request.prompt_token_ids, "max_tokens": request.output_len,
                "temperature": 0.0, "ignore_eos": True, "stream": True,
                "stream_options": {"include_usage": True}}
-    start = last = time.perf_counter()
+    start = last = result.sent = time.perf_counter()
     try:
         async with client.stream("POST", "/v1/completions", json=payload,
                                  headers=_headers(api_key)) as resp:
@@ -98,6 +98,7 @@ async def send_request(client: Any, model: str, request: SampleRequest,
                 if chunk.get("choices"):
                     if result.ttft == 0.0:
                         result.ttft = now - start
+                        result.response_id = chunk.get("id") or ""
                     else:
                         result.itl.append(now - last)
                     last = now

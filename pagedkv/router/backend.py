@@ -2,13 +2,14 @@
 
 Mutated only on the router's event loop: `up` by the health checker and by failed requests,
 the scraped gauges and `model_cards` by the health checker, `in_flight`/`queued_blocks` by
-`Router.begin` and the tickets it hands out, `ejected_until`/`consecutive_failures` by
+`Router.begin` and the tickets it hands out, `written_blocks`/`written_at` by `Router.begin`, `ejected_until`/`consecutive_failures` by
 `Router.eject` (a request it failed to answer in time, or answered with garbage) and
 `Router.record_success`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,25 @@ for a vLLM server, which has none) its events are also matched by their token id
     model_cards: list[Any] | None = None  # its /v1/models cards (ModelCard); None: not known
     ejected_until: float = 0.0  # time.monotonic() before which no request is sent to it
     consecutive_failures: int = 0  # requests in a row it failed (timeouts, garbage answers)
+    written_blocks: float = 0.0  # new blocks sent here, decaying (see `record_written`)
+    written_at: float = 0.0  # time.monotonic() of written_blocks' value
+
+    def written(self, now: float, window_s: float) -> float:
+        """The new blocks sent here, each weighed exp(-age / window_s)."""
+        return self.written_blocks * math.exp(-max(0.0, now - self.written_at) / window_s)
+
+    def record_written(self, blocks: float, now: float, window_s: float) -> None:
+        """Count `blocks` new blocks sent here at `now`. Mutates written_blocks/written_at."""
+        self.written_blocks = self.written(now, window_s) + max(0.0, blocks)
+        self.written_at = now
+
+    def turnover(self, now: float, window_s: float) -> float:
+        """`written` over its pool size: its caches' recent rewrite rate (0 while the pool size
+        is unknown: a vLLM backend has no /kv_cache_info)."""
+        pool = (self.kv_info or {}).get("num_gpu_blocks")
+        if not isinstance(pool, int) or isinstance(pool, bool) or pool <= 0:
+            return 0.0
+        return self.written(now, window_s) / pool
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -107,8 +127,9 @@ for a vLLM server, which has none) its events are also matched by their token id
     def ejected(self, now: float) -> bool:
         return now < self.ejected_until
 
-    def candidate(self, match: PrefixMatch) -> Candidate:
+    def candidate(self, match: PrefixMatch, turnover: float = 0.0) -> Candidate:
         """A snapshot for the policies (`match`: the request's prefix on this backend)."""
         return Candidate(name=self.name, in_flight=self.in_flight,
                          queued_blocks=self.queued_blocks, running=self.load.running,
-                         waiting=self.load.waiting, kv_usage=self.load.kv_usage, match=match)
+                         waiting=self.load.waiting, kv_usage=self.load.kv_usage, match=match,
+                         turnover=turnover)

@@ -54,6 +54,7 @@ def _spelled_out(when: float, policy: str, weights: KVAwareWeights | None,
             "name": c.name, "in_flight": c.in_flight, "queued_blocks": c.queued_blocks,
             "running": c.running, "waiting": c.waiting, "kv_usage": c.kv_usage,
             "device_blocks": c.match.device_blocks, "tier_blocks": c.match.tier_blocks,
+            "turnover": c.turnover,
             "score": None if weights is None else cost(request, c, weights)}
             for c in candidates],
     }

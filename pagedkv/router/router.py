@@ -124,9 +124,11 @@ class Router:
         if not backends:
             return None
         use_prefix = self.policy.needs_prefix and bool(request.block_hashes)
+        window = self.weights.turnover_window_s
         candidates = [b.candidate(self.index.match(b.name, request.block_hashes,
                                                    self.index_model(b, request))
-                                  if use_prefix and b.hash_compatible else PrefixMatch())
+                                  if use_prefix and b.hash_compatible else PrefixMatch(),
+                                  b.turnover(now, window))
                       for b in backends]
         chosen = self.policy.choose(request, candidates)
         self.decisions.record(self.policy, request, candidates, chosen)
@@ -134,10 +136,12 @@ class Router:
         return backends[chosen], candidates[chosen]
 
     def begin(self, backend: Backend, request: RouteRequest, candidate: Candidate) -> Ticket:
-        """Count `request` in flight on `backend` and record its prompt blocks there."""
+        """Count `request` in flight on `backend` and record its prompt blocks there (and the
+        blocks it will write, for the backend's turnover)."""
         predicted = max(0.0, new_blocks(request, candidate, self.weights))
         backend.in_flight += 1
         backend.queued_blocks += predicted
+        backend.record_written(predicted, time.monotonic(), self.weights.turnover_window_s)
         self.metrics.in_flight.labels(backend.name).set(backend.in_flight)
         if request.block_hashes and backend.hash_compatible:
             self.metrics.prompt_blocks.labels(backend.name).inc(request.prompt_blocks)

@@ -17,12 +17,39 @@ def cands(*specs: dict) -> list[Candidate]:
 
 def test_cost_formula_term_by_term():
     w = KVAwareWeights(prefill_weight=2.0, tier_weight=0.25, load_weight=3.0,
-                       request_weight=5.0, usage_weight=7.0)
+                       request_weight=5.0, usage_weight=7.0, eviction_weight=11.0)
     req = RouteRequest(prompt_tokens=45, block_hashes=HASHES)
     c = Candidate(name="b", in_flight=1, queued_blocks=4.0, running=2, waiting=1, kv_usage=0.5,
-                  match=PrefixMatch(device_blocks=6, tier_blocks=4))
+                  match=PrefixMatch(device_blocks=6, tier_blocks=4), turnover=0.25)
     # new blocks = 10 - 6 - 0.25 * 4 = 3; requests = max(1, 2 + 1) = 3
-    assert cost(req, c, w) == 2.0 * 3 + 3.0 * 4.0 + 5.0 * 3 + 7.0 * 0.5
+    assert cost(req, c, w) == 2.0 * 3 + 11.0 * 0.25 * 3 + 3.0 * 4.0 + 5.0 * 3 + 7.0 * 0.5
+
+
+def test_a_cold_prompt_goes_where_the_cache_turns_over_least():
+    policy = KVAwarePolicy()
+    req = RouteRequest(prompt_tokens=40, block_hashes=HASHES)
+    # No backend holds it, loads are even: the one whose cache is rewritten the slowest wins,
+    # every time (rotation alone would spread it over all three).
+    c = cands({"turnover": 0.9}, {"turnover": 0.2}, {"turnover": 0.6})
+    assert [policy.choose(req, c) for _ in range(4)] == [1] * 4
+    # ... and the term is in blocks: 10 * (1 + 0.9) = 19 loses to 10 * (1 + 0.2) + 2 * 2 = 16
+    # (two requests on b1), not to 16 + 4 queued blocks = 20.
+    c = cands({"turnover": 0.9}, {"turnover": 0.2, "in_flight": 2})
+    assert policy.choose(req, c) == 1
+    c = cands({"turnover": 0.9}, {"turnover": 0.2, "in_flight": 2, "queued_blocks": 4.0})
+    assert policy.choose(req, c) == 0
+
+
+def test_a_warm_prompt_keeps_its_backend_however_busy_its_cache():
+    policy = KVAwarePolicy()
+    req = RouteRequest(prompt_tokens=40, block_hashes=HASHES)
+    # b0 holds 9 of 10 blocks but rewrites its cache fast: 1 * (1 + 2) = 3 beats a cold 10.
+    c = cands({"turnover": 2.0, "match": PrefixMatch(9)}, {})
+    assert policy.choose(req, c) == 0
+    # Without the term (eviction_weight 0) turnover changes nothing.
+    flat = KVAwarePolicy(KVAwareWeights(eviction_weight=0.0))
+    c = cands({"turnover": 0.9}, {"turnover": 0.2}, {"turnover": 0.6})
+    assert sorted(flat.choose(req, c) for _ in range(3)) == [0, 1, 2]
 
 
 def test_kv_aware_prefers_the_prefix_holder_when_load_is_even():
@@ -108,5 +135,9 @@ def test_bad_weights_and_names_are_value_errors():
         KVAwareWeights(tier_weight=1.5)
     with pytest.raises(ValueError, match="imbalance_factor"):
         KVAwareWeights(imbalance_factor=0.5)
+    with pytest.raises(ValueError, match="turnover_window_s"):
+        KVAwareWeights(turnover_window_s=0)
+    with pytest.raises(ValueError, match="eviction_weight"):
+        KVAwareWeights(eviction_weight=float("nan"))
     with pytest.raises(ValueError, match="'nope'"):
         make_policy("nope")

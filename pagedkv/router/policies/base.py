@@ -41,6 +41,8 @@ class Candidate:
     `queued_blocks`: the predicted prefill blocks of those requests (work queued ahead).
     `running`, `waiting`, `kv_usage`: the backend's own gauges, from its last /metrics scrape
     (they also count requests other clients sent). `match`: the request's prefix on it.
+    `turnover`: how fast its cache is being rewritten: the new blocks the router sent it over
+    the recent window, over its pool size (0 when that is unknown; see kv_aware.py).
     """
 
     name: str
@@ -50,6 +52,7 @@ class Candidate:
     waiting: int = 0
     kv_usage: float = 0.0
     match: PrefixMatch = field(default_factory=PrefixMatch)
+    turnover: float = 0.0
 
     @property
     def requests(self) -> int:

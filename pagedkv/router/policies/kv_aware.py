@@ -5,6 +5,7 @@ in units of KV blocks of prefill work:
 
     new_blocks(b) = P - device_blocks(b) - tier_weight * tier_blocks(b)
     cost(b)       = prefill_weight * new_blocks(b)          # prefill this request needs on b
+                  + eviction_weight * turnover(b) * new_blocks(b)  # cached blocks it evicts
                   + load_weight    * queued_blocks(b)       # prefill queued ahead of it on b
                   + request_weight * requests(b)            # requests running/waiting on b
                   + usage_weight   * kv_usage(b)            # b's KV cache fullness, 0..1
@@ -15,7 +16,15 @@ or a shared Redis tier) -- a hit that still costs a transfer, hence `tier_weight
 `queued_blocks(b)` sums the `new_blocks` predicted for the router's requests still in flight on
 b; `requests(b)` is the larger of the router's in-flight count and the backend's scraped
 running + waiting (decode work and other clients); `kv_usage(b)` is the scraped
-pagedkv:kv_cache_usage_perc (a full cache evicts prefixes and preempts). This is the shape of
+pagedkv:kv_cache_usage_perc (a full cache evicts prefixes and preempts). `turnover(b)` is how
+fast b's cache is being rewritten: the new blocks the router sent it over about the last
+`turnover_window_s` seconds (an exponentially decaying sum), over its pool size (0 while that is
+unknown, e.g. a vLLM backend). Every new block a request writes into a full cache evicts a
+cached one, and on a cache that turns over within the window the evicted block is young, so
+likely still wanted: a prompt no backend holds (a new conversation) goes where its blocks
+evict the least and live the longest, while a prompt a backend holds keeps its affinity (few
+new blocks, a small term). Without it, cold prompts follow the request counts, and backends
+whose conversations run long thrash their caches while others' sit cold. This is the shape of
 NVIDIA Dynamo's KV router cost (overlap-weighted prefill blocks plus active blocks) with
 llm-d's extra scorers folded in as weighted terms.
 
@@ -36,13 +45,16 @@ from pagedkv.router.policies.base import Candidate, Rotation, RouteRequest
 @dataclass(frozen=True)
 class KVAwareWeights:
     """The weights of the cost above (defaults: a device hit block saves one block of prefill,
-    a tier hit half of one, a request in flight weighs two blocks, a full cache sixteen)."""
+    a tier hit half of one, a request in flight weighs two blocks, a full cache sixteen, a new
+    block on a cache rewritten once per 30 s one more)."""
 
     prefill_weight: float = 1.0
     tier_weight: float = 0.5
     load_weight: float = 1.0
     request_weight: float = 2.0
     usage_weight: float = 16.0
+    eviction_weight: float = 1.0
+    turnover_window_s: float = 30.0
     imbalance_factor: float = 1.5
     imbalance_slack: float = 2.0
 
@@ -53,6 +65,8 @@ class KVAwareWeights:
                 raise ValueError(f"{f.name} must be a non-negative number, got {value!r}")
         if self.tier_weight > 1:
             raise ValueError(f"tier_weight must be in [0, 1], got {self.tier_weight!r}")
+        if self.turnover_window_s <= 0:
+            raise ValueError(f"turnover_window_s must be positive, got {self.turnover_window_s!r}")
         if self.imbalance_factor < 1:
             raise ValueError(f"imbalance_factor must be >= 1, got {self.imbalance_factor!r}")
 
@@ -66,7 +80,9 @@ def new_blocks(request: RouteRequest, candidate: Candidate, weights: KVAwareWeig
 
 def cost(request: RouteRequest, candidate: Candidate, weights: KVAwareWeights) -> float:
     """The documented cost of placing `request` on `candidate` (lower is better)."""
-    return (weights.prefill_weight * new_blocks(request, candidate, weights)
+    new = new_blocks(request, candidate, weights)
+    return (weights.prefill_weight * new
+            + weights.eviction_weight * candidate.turnover * new
             + weights.load_weight * candidate.queued_blocks
             + weights.request_weight * candidate.requests
             + weights.usage_weight * candidate.kv_usage)
