@@ -182,15 +182,51 @@ def phase_means(rows: list[dict]) -> dict[str, float]:
 def phase_line(real_rows: list[dict], sim_rows: list[dict], order: list[int]) -> str:
     """Real against simulated mean of each phase, and the mean per-request gap of the
     first-scheduled time (the admission order and timing)."""
-    sim_by_trace = [None] * len(order)
-    for pos, i in enumerate(order):
-        sim_by_trace[i] = sim_rows[pos]
+    sim_by_trace = [p["sim"] for p in twins(real_rows, sim_rows, order)]
     real, sim = phase_means(real_rows), phase_means(sim_by_trace)
     sched_gap = statistics.fmean(abs(s["first_scheduled"] - r["first_scheduled"])
                                  for r, s in zip(real_rows, sim_by_trace, strict=True))
     return ("phases ms real/sim: " + ", ".join(
         f"{k} {real[k] * 1e3:.1f}/{sim[k] * 1e3:.1f}" for k in PHASES)
         + f"; |first scheduled| off {sched_gap * 1e3:.1f} ms per request")
+
+
+def twins(real_rows: list[dict], sim_rows: list[dict], order: list[int]) -> list[dict]:
+    """Each real request (trace order) joined to its simulated twin: `sim_rows` are in the
+    served (arrival) order, `order[pos]` is the trace index of served position `pos`."""
+    sim_by_trace = [None] * len(order)
+    for pos, i in enumerate(order):
+        sim_by_trace[i] = sim_rows[pos]
+    return [{"index": i, "real": r, "sim": s}
+            for i, (r, s) in enumerate(zip(real_rows, sim_by_trace, strict=True))]
+
+
+def tpot_breakdown(trace, pairs: list[dict]) -> list[str]:
+    """Where the TPOT error comes from: per output-length bucket, the requests' mean real and
+    simulated TPOT and the share of the whole mean's error they carry; then the requests
+    with the largest TPOT gaps, with their real and simulated timelines (ms)."""
+    with_tpot = [p for p in pairs if p["real"]["tpot"] is not None
+                 and p["sim"]["tpot"] is not None]
+    total = sum(p["sim"]["tpot"] - p["real"]["tpot"] for p in with_tpot) or 1e-12
+    lines = []
+    for lo, hi in ((2, 2), (3, 5), (6, 10), (11, 10**9)):
+        group = [p for p in with_tpot if lo <= trace[p["index"]].output_length <= hi]
+        if not group:
+            continue
+        real = statistics.fmean(p["real"]["tpot"] for p in group)
+        sim = statistics.fmean(p["sim"]["tpot"] for p in group)
+        err = sum(p["sim"]["tpot"] - p["real"]["tpot"] for p in group)
+        lines.append(f"outputs {lo}-{hi if hi < 10**9 else 'up'} tokens: {len(group)} requests,"
+                     f" TPOT real {real * 1e3:.1f} ms, sim {sim * 1e3:.1f} ms "
+                     f"({sim / real - 1:+.1%}), {err / total:.0%} of the mean's error")
+    worst = sorted(with_tpot, key=lambda p: -abs(p["sim"]["tpot"] - p["real"]["tpot"]))[:8]
+    for p in worst:
+        r, s = p["real"], p["sim"]
+        parts = ", ".join(
+            f"{name} {f(r) * 1e3:.1f}/{f(s) * 1e3:.1f}" for name, f in PHASES.items())
+        lines.append(f"  #{p['index']} out {trace[p['index']].output_length}: TPOT "
+                     f"{r['tpot'] * 1e3:.1f}/{s['tpot'] * 1e3:.1f} ms real/sim; {parts}")
+    return lines
 
 
 def step_gaps(path: Path) -> str:
@@ -344,7 +380,7 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
             delays = FrontendDelays.fit(real_rows)
             print(f"load {load:.0%}: frontend delays (request log medians): admit "
                   f"{delays.admit * 1e3:.2f} ms, output {delays.output * 1e3:.2f} ms, finish "
-                  f"{delays.finish * 1e3:.2f} ms; deciles "
+                  f"{delays.finish * 1e3:.2f} ms, wake {delays.wake * 1e3:.2f} ms; deciles "
                   "(ms) " + "; ".join(f"{name} " + "/".join(
                       f"{q * 1e3:.1f}" for q in spread(real_rows, PHASES[name]))
                       for name in ("admit", "first out", "last out")), flush=True)
@@ -369,7 +405,11 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
                       f"{step['mean_step_error']:.1%}, total {step['total_ratio']:.2f}x): "
                       + ", ".join(f"{k} {v:+.1%}" for k, v in rows[-1]["error"].items()),
                       flush=True)
-                print("    " + phase_line(real_rows, sim.pop("rows"), order), flush=True)
+                sim_rows = sim.pop("rows")
+                print("    " + phase_line(real_rows, sim_rows, order), flush=True)
+                if args.per_request and front is delays:
+                    for line in tpot_breakdown(trace, twins(real_rows, sim_rows, order)):
+                        print("    " + line, flush=True)
     return rows
 
 
@@ -436,6 +476,9 @@ def main() -> int:
                         help="profile, step check, capacity; no server runs")
     parser.add_argument("--keep-step-logs", default=None, metavar="DIR",
                         help="copy the servers' step logs here (steps-LOAD.jsonl)")
+    parser.add_argument("--per-request", action="store_true",
+                        help="join each real request to its simulated twin: TPOT by output "
+                        "length and the requests with the largest gaps, phase by phase")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--speed-10x", action="store_true")
     parser.add_argument("--json", default=None)

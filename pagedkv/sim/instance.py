@@ -137,11 +137,15 @@ class SimInstance:
 
     def __init__(self, config: SimConfig, latency: LatencyModel, *, index: int = 0,
                  record_steps: bool = False, cross_arrivals: bool = False,
-                 shared_tiers: dict[str, SimTier] | None = None) -> None:
+                 shared_tiers: dict[str, SimTier] | None = None, wake: float = 0.0) -> None:
         """`cross_arrivals`: quiet stretches may run past arrivals that cannot change them
         (see `quiet.jump`); only when nothing reads this instance's state at each arrival
-        (a router does). `shared_tiers`: the KV store tiers all instances share (Redis)."""
+        (a router does). `shared_tiers`: the KV store tiers all instances share (Redis).
+        `wake`: seconds from a request reaching the idle engine to its first step
+        (`FrontendDelays.wake`); requests added meanwhile join that step."""
         self.config = config
+        self.wake = wake
+        self._asleep = True  # idle, waiting for a request: the next one wakes the loop
         self.cross_arrivals = cross_arrivals
         self.latency = latency
         self.index = index
@@ -183,6 +187,9 @@ class SimInstance:
             record.finish = None
             self.finished.append(record)
             return None
+        if self._asleep:
+            self._asleep = False
+            self.clock += self.wake
         max_tokens = min(record.output_tokens, cfg.max_model_len - n)
         request = Request(request_id=str(record.index), prompt_token_ids=prompt_token_ids,
                           sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
@@ -196,13 +203,15 @@ class SimInstance:
 
     def run_until(self, horizon: float) -> None:
         """Step until the clock reaches `horizon` (a step that starts before it may end after
-        it) or nothing is left to run; an idle instance's clock moves to `horizon`."""
+        it) or nothing is left to run; an idle instance's clock moves to `horizon`, where it
+        waits for a request (the next `add` wakes it)."""
         while self.clock < horizon:
             if not self.busy or not self.step(horizon):
                 if math.isinf(horizon):
                     self._fail_stuck()
                     return
                 self.clock = horizon
+                self._asleep = not self.busy
                 return
 
     def step(self, horizon: float = math.inf) -> bool:
