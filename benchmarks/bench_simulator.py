@@ -300,6 +300,30 @@ def step_errors(latency, shapes, times) -> dict:
     return {"steps": len(times), "total_ratio": ratio, "mean_step_error": rel}
 
 
+class ServerSteps:
+    """Not a latency model (it is not pure): the server's own logged step durations, in order,
+    for the simulator's steps; notes the first step whose shape differs from the server's.
+    With them the simulator's error is its decisions' and the frontend's alone."""
+
+    name = "server steps"
+    KEYS = ("prefill_tokens", "prefill_seqs", "decode_seqs")
+
+    def __init__(self, path: Path) -> None:
+        from pagedkv.jsonl import read_jsonl
+
+        self.rows = list(read_jsonl(path))
+        self.count = 0
+        self.first_difference: int | None = None
+
+    def step_time(self, shape) -> float:
+        k, self.count = self.count, self.count + 1
+        row = self.rows[min(k, len(self.rows) - 1)]
+        if self.first_difference is None and (
+                k >= len(self.rows) or any(getattr(shape, key) != row[key] for key in self.KEYS)):
+            self.first_difference = k
+        return row["seconds"]
+
+
 def scaled(latency, factor: float):
     """`latency` with every coefficient times `factor` (the same work at a machine share)."""
     from pagedkv.sim.latency import FittedLatency
@@ -410,6 +434,25 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
                 if args.per_request and front is delays:
                     for line in tpot_breakdown(trace, twins(real_rows, sim_rows, order)):
                         print("    " + line, flush=True)
+            # The server's own step durations replayed (no jumps: one duration per step):
+            # what is left is the decisions' and the frontend model's error.
+            replay = ServerSteps(steps_path)
+            sim = sim_run(served, dataclasses.replace(config, jump=False), replay, delays)
+            sim_rows = sim.pop("rows")
+            same = replay.first_difference
+            rows.append({"load": load, "latency": "server steps +frontend", "real": real,
+                         "sim": sim, "error": errors(sim, real),
+                         "steps": {"steps": len(times), "total_ratio": 1.0,
+                                   "mean_step_error": 0.0, "simulated": replay.count,
+                                   "first_difference": same},
+                         "run_share": run_share, "frontend": delays.to_dict()})
+            print(f"load {load:.0%} (the server's {len(times)} step durations replayed; "
+                  f"{replay.count} simulated steps, "
+                  + ("every shape as the server's" if same is None else
+                     f"shapes as the server's up to step {same}") + "): "
+                  + ", ".join(f"{k} {v:+.1%}" for k, v in rows[-1]["error"].items()),
+                  flush=True)
+            print("    " + phase_line(real_rows, sim_rows, order), flush=True)
     return rows
 
 
