@@ -15,6 +15,7 @@ from array import array
 from dataclasses import dataclass, field
 
 from pagedkv.kv.block_table import BlockIdTable
+from pagedkv.kv.eviction import eviction_policy_class
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.sched.output import ModelRunnerOutput
 from pagedkv.sched.request import Request, RequestStatus
@@ -29,7 +30,9 @@ from pagedkv.utils import cdiv
 @dataclass
 class SimConfig:
     """The simulated engine's settings, with `EngineArgs`' names where they exist.
-    `num_blocks` counts the null block, as `num_gpu_blocks_override` does."""
+    `num_blocks` counts the null block, as `num_gpu_blocks_override` does; `num_host_blocks`
+    is the swap space, used (as the engine uses it) only with `preemption_mode="swap"`.
+    ValueError naming a bad setting (also from `dataclasses.replace`, as a sweep makes them)."""
 
     num_blocks: int
     block_size: int = 16
@@ -50,6 +53,24 @@ class SimConfig:
     # load times).
     store_tiers: tuple[TierSpec, ...] = ()
     block_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self.scheduler_config()  # the scheduler's own checks
+        for name in ("num_blocks", "block_size", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), "
+                             f"got {self.num_blocks}")
+        if not isinstance(self.num_host_blocks, int) or self.num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be an int >= 0, got {self.num_host_blocks!r}")
+        if self.vocab_size < 16:
+            raise ValueError(f"vocab_size must be at least 16, got {self.vocab_size}")
+        if not isinstance(self.store_tiers, tuple) or \
+                not all(isinstance(t, TierSpec) for t in self.store_tiers):
+            raise ValueError(f"store_tiers must be a tuple of TierSpec, got {self.store_tiers!r}")
+        eviction_policy_class(self.eviction_policy)
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs,
@@ -151,7 +172,8 @@ class SimInstance:
         self.index = index
         self.kv = _SimKVCacheManager(
             num_blocks=config.num_blocks, block_size=config.block_size,
-            num_host_blocks=config.num_host_blocks, enable_caching=config.enable_prefix_caching,
+            num_host_blocks=config.num_host_blocks if config.preemption_mode == "swap" else 0,
+            enable_caching=config.enable_prefix_caching,
             sliding_window=config.sliding_window, watermark=config.watermark,
             hash_algo=config.prefix_caching_hash_algo, eviction_policy=config.eviction_policy)
         self.scheduler = Scheduler(config.scheduler_config(), self.kv)

@@ -196,6 +196,10 @@ def load_trace(path: str | Path, trace_format: str | None = None, *, scale_lengt
                start: int = 0) -> list[TraceRequest]:
     """Read a trace (format sniffed when None), take rows [start, start + limit), rebase the
     arrivals to 0, and scale it. Sorted by arrival."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be a positive number of requests, got {limit!r}")
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"start must be a request index >= 0, got {start!r}")
     if not Path(path).is_file():
         raise FileNotFoundError(f"trace {str(path)!r} does not exist")
     trace_format = trace_format or sniff_format(path)

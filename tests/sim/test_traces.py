@@ -92,6 +92,15 @@ def test_limit_and_start():
     assert trace[0].arrival == 0.0
 
 
+@pytest.mark.parametrize(("limit", "start", "named"), [(0, 0, "limit"), (-5, 0, "limit"),
+                                                     (3, -1, "start"), (True, 0, "limit")])
+def test_bad_limit_or_start_is_refused(limit, start, named):
+    # a negative limit once read the whole trace (a slice [0:-5]); a negative start said
+    # "no requests"
+    with pytest.raises(ValueError, match=f"{named} must be .*got {start if named == 'start' else limit!r}"):
+        load_trace(MOONCAKE, limit=limit, start=start)
+
+
 def test_bad_traces(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": "x", "output_length": 3}\n')
