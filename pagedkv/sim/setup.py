@@ -38,7 +38,7 @@ def load_model_config(name: str) -> dict[str, Any]:
 
 def build_sim_config(args: argparse.Namespace) -> tuple[SimConfig, dict[str, Any], str]:
     """(config, the model's config dict, the hardware spec) for the parsed flags."""
-    from pagedkv.sim.latency.roofline import HARDWARE_PRESETS
+    from pagedkv.sim.latency.roofline import load_hardware
 
     config = load_model_config(args.model)
     spec = kv_cache_spec_from_hf_config(config, args.block_size, "auto")
@@ -49,7 +49,7 @@ def build_sim_config(args: argparse.Namespace) -> tuple[SimConfig, dict[str, Any
     elif args.kv_cache_memory_bytes is not None:
         num_blocks = parse_size(args.kv_cache_memory_bytes) // spec.page_size_bytes
     else:
-        hw = HARDWARE_PRESETS.get(args.hardware)
+        hw = None if args.hardware == "cpu" else load_hardware(args.hardware)  # cpu: measured
         if hw is None or not hw.memory_bytes:
             raise ValueError(f"hardware {args.hardware!r} gives no memory size: pass "
                              "--num-gpu-blocks-override or --kv-cache-memory-bytes")

@@ -163,7 +163,9 @@ def test_cli_simulate_and_no_torch(tmp_path):
                         (["--limit", "-5"], "limit must be"),
                         (["--sweep", "preemption_mode=bar"], "preemption_mode must be"),
                         (["--sweep", "store_tiers=x"], "bad --sweep"),
-                        (["--max-model-len", "0"], "max_model_len must be")):
+                        (["--max-model-len", "0"], "max_model_len must be"),
+                        (["--sweep", "num_blocks=100,200", "--search", "instances", "--slo",
+                          "ttft=1"], "give one")):
         bad = subprocess.run([sys.executable, "-m", "pagedkv.cli", "simulate", MOONCAKE,
                               *flags], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and says in bad.stderr, (flags, bad.stderr)
