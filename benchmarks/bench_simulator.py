@@ -16,14 +16,18 @@ server's steps are split into the step itself and the host gap to the next one. 
 models: the profile's (CPU time) as is, scaled by the run's wall/CPU ratio, calibrated to the
 server's steps (share, per-step and per-request host gaps), and fitted to the server's own
 steps; each with and without the frontend delays fitted from the run's request log
-(`pagedkv.sim.frontend`).
+(`pagedkv.sim.frontend`). Last, "server steps": the server's own logged step durations
+replayed in order (no latency model), which leaves the error of the simulator's decisions and
+frontend delays alone and names the first step whose shape differs from the server's.
+`--per-request` joins each real request to its simulated twin: TPOT by output length and the
+requests with the largest gaps, phase by phase (`--loads 0.7` runs one load point).
 
 Speed: the whole conversation trace (12,031 requests) with `pagedkv simulate`'s defaults (qwen3-8b
 on an H100 roofline, block 16), wall and CPU seconds and the cost per simulated request;
 `--speed-10x` also runs the trace ten times over (ids offset, so copies share nothing).
 
     python benchmarks/bench_simulator.py [--requests 80] [--loads 0.3,0.7,0.95,1.5]
-        [--trace MOONCAKE.jsonl] [--profile P.json] [--keep-step-logs DIR]
+        [--trace MOONCAKE.jsonl] [--profile P.json] [--keep-step-logs DIR] [--per-request]
         [--skip-accuracy] [--skip-speed] [--speed-10x] [--json out.json]
 """
 
