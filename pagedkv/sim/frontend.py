@@ -15,11 +15,11 @@ server's event loop sees the token, not when the engine step produced it:
   last it may fall idle), added to its last-token and finish times; TPOT counts the
   difference, as the server's does;
 - `wake`: from a request reaching an idle engine loop until its first step starts (the loop
-  thread wakes, waits for the GIL while the event loop finishes the handlers at hand, takes
-  every request queued by then). Requests of a burst that reach the engine within `wake` of
-  the first join its first step: without it the simulator starts that step at once and the
-  rest of the burst waits a whole step, which moves every later batch (at a burst of 25
-  requests, a 0.7 ms wake decides whether the next prompt shares the first prefill step).
+  thread wakes and takes every request queued by then). Requests of a burst that reach the
+  engine within `wake` of the first join its first step: without it the simulator starts
+  that step at once and the rest of the burst waits a whole step, which moves every later
+  batch (in the benchmark's Mooncake slice a 0.7 ms wake decided whether a burst's second
+  request, 0.3 ms behind the first, shared its prefill step).
 
 All are fitted as medians over a real run's request log (`submitted`, `ttft` less
 `engine_first_token`, `e2e` less `engine_last_token`; `wake`: `first_scheduled` less
