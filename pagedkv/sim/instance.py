@@ -22,8 +22,10 @@ from pagedkv.sched.request import Request, RequestStatus
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.sched.scheduler import Scheduler, SchedulerConfig
 from pagedkv.sim.latency.base import LatencyModel, StepShape
+from pagedkv.sim.lazy_request import LazyPromptRequest
 from pagedkv.sim.quiet import jump
 from pagedkv.sim.store import SimStoreConnector, SimTier, TierSpec
+from pagedkv.sim.traces import TraceRequest
 from pagedkv.utils import cdiv
 
 
@@ -195,12 +197,13 @@ class SimInstance:
     def busy(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def add(self, record: RequestRecord, prompt_token_ids: list[int]) -> Request | None:
-        """Queue a trace request now (its arrival is `record.arrival`). Refused, as the engine
+    def add(self, record: RequestRecord, trace_request: TraceRequest) -> Request | None:
+        """Queue a trace request now (its arrival is `record.arrival`; its prompt tokens are
+        made when the scheduler first reads them, `lazy_request.py`). Refused, as the engine
         refuses it, when the prompt leaves no room for a token or can never fit the cache:
         then the record is finished as 'rejected' and None is returned."""
         cfg = self.config
-        n = len(prompt_token_ids)
+        n = trace_request.input_length
         record.instance = self.index
         kv = self.kv
         if n == 0 or n >= cfg.max_model_len or \
@@ -213,9 +216,9 @@ class SimInstance:
             self._asleep = False
             self.clock += self.wake
         max_tokens = min(record.output_tokens, cfg.max_model_len - n)
-        request = Request(request_id=str(record.index), prompt_token_ids=prompt_token_ids,
-                          sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                          arrival_time=record.arrival)
+        request = LazyPromptRequest(
+            str(record.index), trace_request, cfg.vocab_size, record.index,
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=record.arrival)
         self.scheduler.add_request(request)
         self.live[request.request_id] = record
         self._tokens[request.request_id] = (record.index * 7919 + 13) % cfg.vocab_size

@@ -96,14 +96,14 @@ def simulate(trace: Sequence[TraceRequest], config: SimConfig, latency: LatencyM
     for index, treq in enumerate(trace):
         for inst in instances:
             inst.run_until(treq.arrival + delays.admit)
-        ids = prompt_token_ids(treq, config.vocab_size, index)
-        record = RequestRecord(index=index, arrival=treq.arrival, prompt_tokens=len(ids),
+        record = RequestRecord(index=index, arrival=treq.arrival,
+                               prompt_tokens=treq.input_length,
                                output_tokens=treq.output_length)
         records.append(record)
         chosen = 0
         if router is not None:
-            chosen = _route(router, instances, ids, treq, config)
-        instances[chosen].add(record, ids)
+            chosen = _route(router, instances, index, treq, config)
+        instances[chosen].add(record, treq)
         if progress is not None and index % 1000 == 0:
             progress(index, len(trace))
     for inst in instances:
@@ -115,11 +115,11 @@ def simulate(trace: Sequence[TraceRequest], config: SimConfig, latency: LatencyM
                      wall_time=time.perf_counter() - started)
 
 
-def _route(router, instances: list[SimInstance], ids: list[int],
+def _route(router, instances: list[SimInstance], index: int,
            treq: TraceRequest, config: SimConfig) -> int:
     hashes: tuple[bytes, ...] = ()
     if router.needs_prefix and config.enable_prefix_caching:
-        hashes = _block_hashes(instances[0], ids)
+        hashes = _block_hashes(instances[0], prompt_token_ids(treq, config.vocab_size, index))
     candidates = []
     for inst in instances:
         sched = inst.scheduler
@@ -130,5 +130,5 @@ def _route(router, instances: list[SimInstance], ids: list[int],
             running=len(sched.running), waiting=len(sched.waiting) + len(sched.loading),
             kv_usage=inst.kv.usage,
             match=PrefixMatch(device_blocks=_device_match(inst, hashes) if hashes else 0)))
-    request = RouteRequest(prompt_tokens=len(ids), block_hashes=hashes, session=treq.session)
+    request = RouteRequest(prompt_tokens=treq.input_length, block_hashes=hashes, session=treq.session)
     return router.choose(request, candidates)
