@@ -24,11 +24,14 @@ requests with the largest gaps, phase by phase (`--loads 0.7` runs one load poin
 
 Speed: the whole conversation trace (12,031 requests) with `pagedkv simulate`'s defaults (qwen3-8b
 on an H100 roofline, block 16), wall and CPU seconds and the cost per simulated request;
-`--speed-10x` also runs the trace ten times over (ids offset, so copies share nothing).
+`--speed-10x` also runs the trace ten times over (ids offset, so copies share nothing) on a
+fleet that serves its rate (`--speed-instances`, default from the 1x run's busy time; one H100
+serves about half the trace's rate, so on one instance the queue grows with the trace), and
+prints CPU and wall seconds, the cost per request, the peak RSS and the ratio to the 1x run.
 
     python benchmarks/bench_simulator.py [--requests 80] [--loads 0.3,0.7,0.95,1.5]
         [--trace MOONCAKE.jsonl] [--profile P.json] [--keep-step-logs DIR] [--per-request]
-        [--skip-accuracy] [--skip-speed] [--speed-10x] [--json out.json]
+        [--skip-accuracy] [--skip-speed] [--speed-10x [--speed-instances N]] [--json out.json]
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import math
 import re
 import shutil
 import statistics
@@ -467,11 +471,46 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
 
 
+def repeat_trace(trace: list, copies: int) -> list:
+    """`copies` of `trace` back to back (the same rate); block ids offset per copy, so the
+    copies share no prefix."""
+    span = trace[-1].arrival + 1.0
+    offset = 1 + max((i for t in trace for i in t.block_ids), default=0)
+    return [dataclasses.replace(t, arrival=t.arrival + c * span,
+                                block_ids=tuple(i + c * offset for i in t.block_ids))
+            for c in range(copies) for t in trace]
+
+
+def speed_run(trace: list, config, latency, instances: int, policy: str) -> dict:
+    """Simulate `trace` on `instances` instances (`policy` routes between them); prints and
+    returns CPU and wall seconds, the cost per request and the process's peak RSS."""
+    from pagedkv.sim.simulator import simulate
+
+    cpu, wall = time.process_time(), time.perf_counter()
+    result = simulate(trace, config, latency, num_instances=instances, policy=policy or "round-robin")
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    stats = [i.stats for i in result.instances]
+    done = sum(r.finish is not None for r in result.records)
+    row = {"requests": len(trace), "finished": done, "instances": instances,
+           "policy": policy or None, "wall_s": wall, "cpu_s": cpu,
+           "cpu_ms_per_request": 1e3 * cpu / len(trace),
+           "steps": sum(s.num_steps for s in stats),
+           "jumped_steps": sum(s.num_jumped_steps for s in stats),
+           "busy_s": sum(s.busy_time for s in stats),
+           "simulated_s": result.duration, "peak_rss_gib": peak_rss_gib()}
+    fleet = f" on {instances} instances ({policy})" if instances > 1 else " on one instance"
+    print(f"speed {len(trace)} requests{fleet}: {wall:.1f} s wall, {cpu:.1f} s CPU, "
+          f"{row['cpu_ms_per_request']:.2f} ms CPU per request ({done} finished; {row['steps']} "
+          f"steps, {row['jumped_steps']} jumped; {row['simulated_s']:.0f} s simulated for "
+          f"{trace[-1].arrival:.0f} s of arrivals); peak RSS {row['peak_rss_gib']:.2f} GiB",
+          flush=True)
+    return row
+
+
 def speed(args: argparse.Namespace) -> dict:
     from pagedkv.commands.simulate import add_parser  # the command's own defaults
     from pagedkv.sim.latency import make_latency_model
     from pagedkv.sim.setup import build_sim_config
-    from pagedkv.sim.simulator import simulate
     from pagedkv.sim.traces import load_trace
 
     sub = argparse.ArgumentParser().add_subparsers()
@@ -479,37 +518,27 @@ def speed(args: argparse.Namespace) -> dict:
     config, model_config, hardware = build_sim_config(flags)
     latency = make_latency_model(f"roofline:{hardware}", model_config)
     trace = load_trace(args.trace)
-    out = {}
-    copies = (1, 10) if args.speed_10x else (1,)
-    for n in copies:
-        big = trace
-        if n > 1:
-            span = trace[-1].arrival + 1.0
-            offset = 1 + max(i for t in trace for i in t.block_ids)
-            big = [dataclasses.replace(t, arrival=t.arrival + c * span,
-                                       block_ids=tuple(i + c * offset for i in t.block_ids))
-                   for c in range(n) for t in trace]
-        cpu, wall = time.process_time(), time.perf_counter()
-        result = simulate(big, config, latency)
-        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-        out[f"{n}x"] = {"requests": len(big), "wall_s": wall, "cpu_s": cpu,
-                        "cpu_ms_per_request": 1e3 * cpu / len(big),
-                        "steps": sum(i.stats.num_steps for i in result.instances),
-                        "jumped_steps": sum(i.stats.num_jumped_steps for i in result.instances)}
-        out[f"{n}x"]["peak_rss_gib"] = peak = peak_rss_gib()
-        print(f"speed {n}x trace: {len(big)} requests in {wall:.1f} s wall, {cpu:.1f} s CPU "
-              f"({1e3 * cpu / len(big):.2f} ms CPU per request; {out[f'{n}x']['steps']} steps, "
-              f"{out[f'{n}x']['jumped_steps']} jumped; peak RSS {peak:.2f} GiB)", flush=True)
-    if not args.speed_10x:
-        # The CPU cost is linear in the trace (same rate, so the same work per request: FCFS
-        # looks only at the waiting queue's head, however long it grows). The memory is not:
-        # one H100 serves about 1.8 of the trace's 3.4 req/s, so ten copies back to back queue
-        # tens of thousands of prompts, each held as token lists (8.8 GB after 220 s of CPU).
-        per_request = out["1x"]["cpu_s"] / out["1x"]["requests"]
+    out = {"1x": speed_run(trace, config, latency, 1, "")}
+    one = out["1x"]
+    # One instance's capacity: the trace's requests over the time its steps took.
+    rate, capacity = len(trace) / trace[-1].arrival, len(trace) / one["busy_s"]
+    print(f"the trace arrives at {rate:.2f} req/s; one instance serves about {capacity:.2f} "
+          "req/s (requests / busy time of the 1x run)", flush=True)
+    if args.speed_10x:
+        # Ten copies back to back keep the trace's rate: a fleet that serves it (20% headroom)
+        # keeps the queues short; on fewer instances the waiting queue grows without bound.
+        n = args.speed_instances or max(1, math.ceil(1.2 * rate / capacity))
+        big = repeat_trace(trace, 10)
+        out["10x"] = speed_run(big, config, latency, n, flags.policy)
+        out["10x"]["cpu_ratio_to_1x"] = out["10x"]["cpu_ms_per_request"] / one["cpu_ms_per_request"]
+        print(f"10x / 1x CPU per request: {out['10x']['cpu_ratio_to_1x']:.2f}x", flush=True)
+    else:
+        per_request = one["cpu_s"] / one["requests"]
         out["10x_extrapolated_cpu_s"] = 10 * len(trace) * per_request
         print(f"a 10x trace ({10 * len(trace)} requests) would take about "
               f"{out['10x_extrapolated_cpu_s']:.0f} s CPU at {1e3 * per_request:.2f} ms per "
-              "request (--speed-10x runs it)", flush=True)
+              "request on one instance (--speed-10x runs it on a fleet that serves its rate)",
+              flush=True)
     return out
 
 
@@ -537,7 +566,11 @@ def main() -> int:
                         help="join each real request to its simulated twin: TPOT by output "
                         "length and the requests with the largest gaps, phase by phase")
     parser.add_argument("--skip-speed", action="store_true")
-    parser.add_argument("--speed-10x", action="store_true")
+    parser.add_argument("--speed-10x", action="store_true",
+                        help="also simulate ten copies of the trace back to back")
+    parser.add_argument("--speed-instances", type=int, default=None, metavar="N",
+                        help="instances for --speed-10x (default: enough to serve the trace's "
+                        "rate with 20%% headroom, from the 1x run's busy time)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     args.loads = [float(x) for x in args.loads.split(",")]
