@@ -471,6 +471,39 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
 
 
+def queue_memory(trace_path: str, rows: int = 2000) -> dict:
+    """Bytes per waiting request (tracemalloc) for the trace's first `rows` rows: a `Request`
+    holding its prompt token lists (as the simulator queued them before) against the
+    simulator's `LazyPromptRequest` (tokens made at the queue head). Prints the ratio."""
+    import tracemalloc
+
+    from pagedkv.sched.request import Request
+    from pagedkv.sched.sampling_params import SamplingParams
+    from pagedkv.sim.lazy_request import LazyPromptRequest
+    from pagedkv.sim.traces import load_trace, prompt_token_ids
+
+    trace, vocab = load_trace(trace_path, limit=rows), 151936
+
+    def params(r):
+        return SamplingParams(max_tokens=r.output_length, ignore_eos=True)
+
+    makers = {"eager": lambda i, r: Request(str(i), prompt_token_ids(r, vocab, i), params(r),
+                                            arrival_time=r.arrival),
+              "lazy": lambda i, r: LazyPromptRequest(str(i), r, vocab, i, params(r), r.arrival)}
+    out = {}
+    for name, make in makers.items():
+        tracemalloc.start()
+        kept = [make(i, r) for i, r in enumerate(trace)]
+        out[f"{name}_kib"] = tracemalloc.get_traced_memory()[0] / len(kept) / 1024
+        tracemalloc.stop()
+        del kept
+    mean = statistics.fmean(r.input_length for r in trace)
+    print(f"a waiting request ({len(trace)} trace rows, {mean:.0f} prompt tokens on average): "
+          f"{out['eager_kib']:.1f} KiB with its token lists, {out['lazy_kib']:.1f} KiB lazy "
+          f"({out['eager_kib'] / out['lazy_kib']:.0f}x less)", flush=True)
+    return out
+
+
 def repeat_trace(trace: list, copies: int) -> list:
     """`copies` of `trace` back to back (the same rate); block ids offset per copy, so the
     copies share no prefix."""
@@ -518,7 +551,10 @@ def speed(args: argparse.Namespace) -> dict:
     config, model_config, hardware = build_sim_config(flags)
     latency = make_latency_model(f"roofline:{hardware}", model_config)
     trace = load_trace(args.trace)
-    out = {"1x": speed_run(trace, config, latency, 1, "")}
+    out = {"queue_memory": queue_memory(args.trace)}
+    if args.queue_memory:
+        return out
+    out["1x"] = speed_run(trace, config, latency, 1, "")
     one = out["1x"]
     # One instance's capacity: the trace's requests over the time its steps took.
     rate, capacity = len(trace) / trace[-1].arrival, len(trace) / one["busy_s"]
@@ -568,6 +604,8 @@ def main() -> int:
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--speed-10x", action="store_true",
                         help="also simulate ten copies of the trace back to back")
+    parser.add_argument("--queue-memory", action="store_true",
+                        help="of the speed part, only the memory of one waiting request")
     parser.add_argument("--speed-instances", type=int, default=None, metavar="N",
                         help="instances for --speed-10x (default: enough to serve the trace's "
                         "rate with 20%% headroom, from the 1x run's busy time)")
