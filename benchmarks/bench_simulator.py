@@ -16,15 +16,22 @@ server's steps are split into the step itself and the host gap to the next one. 
 models: the profile's (CPU time) as is, scaled by the run's wall/CPU ratio, calibrated to the
 server's steps (share, per-step and per-request host gaps), and fitted to the server's own
 steps; each with and without the frontend delays fitted from the run's request log
-(`pagedkv.sim.frontend`).
+(`pagedkv.sim.frontend`). Last, "server steps": the server's own logged step durations
+replayed in order (no latency model), which leaves the error of the simulator's decisions and
+frontend delays alone and names the first step whose shape differs from the server's.
+`--per-request` joins each real request to its simulated twin: TPOT by output length and the
+requests with the largest gaps, phase by phase (`--loads 0.7` runs one load point).
 
 Speed: the whole conversation trace (12,031 requests) with `pagedkv simulate`'s defaults (qwen3-8b
 on an H100 roofline, block 16), wall and CPU seconds and the cost per simulated request;
-`--speed-10x` also runs the trace ten times over (ids offset, so copies share nothing).
+`--speed-10x` also runs the trace ten times over (ids offset, so copies share nothing) on a
+fleet that serves its rate (`--speed-instances`, default from the 1x run's busy time; one H100
+serves about half the trace's rate, so on one instance the queue grows with the trace), and
+prints CPU and wall seconds, the cost per request, the peak RSS and the ratio to the 1x run.
 
     python benchmarks/bench_simulator.py [--requests 80] [--loads 0.3,0.7,0.95,1.5]
-        [--trace MOONCAKE.jsonl] [--profile P.json] [--keep-step-logs DIR]
-        [--skip-accuracy] [--skip-speed] [--speed-10x] [--json out.json]
+        [--trace MOONCAKE.jsonl] [--profile P.json] [--keep-step-logs DIR] [--per-request]
+        [--skip-accuracy] [--skip-speed] [--speed-10x [--speed-instances N]] [--json out.json]
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import math
 import re
 import shutil
 import statistics
@@ -182,15 +190,51 @@ def phase_means(rows: list[dict]) -> dict[str, float]:
 def phase_line(real_rows: list[dict], sim_rows: list[dict], order: list[int]) -> str:
     """Real against simulated mean of each phase, and the mean per-request gap of the
     first-scheduled time (the admission order and timing)."""
-    sim_by_trace = [None] * len(order)
-    for pos, i in enumerate(order):
-        sim_by_trace[i] = sim_rows[pos]
+    sim_by_trace = [p["sim"] for p in twins(real_rows, sim_rows, order)]
     real, sim = phase_means(real_rows), phase_means(sim_by_trace)
     sched_gap = statistics.fmean(abs(s["first_scheduled"] - r["first_scheduled"])
                                  for r, s in zip(real_rows, sim_by_trace, strict=True))
     return ("phases ms real/sim: " + ", ".join(
         f"{k} {real[k] * 1e3:.1f}/{sim[k] * 1e3:.1f}" for k in PHASES)
         + f"; |first scheduled| off {sched_gap * 1e3:.1f} ms per request")
+
+
+def twins(real_rows: list[dict], sim_rows: list[dict], order: list[int]) -> list[dict]:
+    """Each real request (trace order) joined to its simulated twin: `sim_rows` are in the
+    served (arrival) order, `order[pos]` is the trace index of served position `pos`."""
+    sim_by_trace = [None] * len(order)
+    for pos, i in enumerate(order):
+        sim_by_trace[i] = sim_rows[pos]
+    return [{"index": i, "real": r, "sim": s}
+            for i, (r, s) in enumerate(zip(real_rows, sim_by_trace, strict=True))]
+
+
+def tpot_breakdown(trace, pairs: list[dict]) -> list[str]:
+    """Where the TPOT error comes from: per output-length bucket, the requests' mean real and
+    simulated TPOT and the share of the whole mean's error they carry; then the requests
+    with the largest TPOT gaps, with their real and simulated timelines (ms)."""
+    with_tpot = [p for p in pairs if p["real"]["tpot"] is not None
+                 and p["sim"]["tpot"] is not None]
+    total = sum(p["sim"]["tpot"] - p["real"]["tpot"] for p in with_tpot) or 1e-12
+    lines = []
+    for lo, hi in ((2, 2), (3, 5), (6, 10), (11, 10**9)):
+        group = [p for p in with_tpot if lo <= trace[p["index"]].output_length <= hi]
+        if not group:
+            continue
+        real = statistics.fmean(p["real"]["tpot"] for p in group)
+        sim = statistics.fmean(p["sim"]["tpot"] for p in group)
+        err = sum(p["sim"]["tpot"] - p["real"]["tpot"] for p in group)
+        lines.append(f"outputs {lo}-{hi if hi < 10**9 else 'up'} tokens: {len(group)} requests,"
+                     f" TPOT real {real * 1e3:.1f} ms, sim {sim * 1e3:.1f} ms "
+                     f"({sim / real - 1:+.1%}), {err / total:.0%} of the mean's error")
+    worst = sorted(with_tpot, key=lambda p: -abs(p["sim"]["tpot"] - p["real"]["tpot"]))[:8]
+    for p in worst:
+        r, s = p["real"], p["sim"]
+        parts = ", ".join(
+            f"{name} {f(r) * 1e3:.1f}/{f(s) * 1e3:.1f}" for name, f in PHASES.items())
+        lines.append(f"  #{p['index']} out {trace[p['index']].output_length}: TPOT "
+                     f"{r['tpot'] * 1e3:.1f}/{s['tpot'] * 1e3:.1f} ms real/sim; {parts}")
+    return lines
 
 
 def step_gaps(path: Path) -> str:
@@ -262,6 +306,30 @@ def step_errors(latency, shapes, times) -> dict:
     ratio = sum(predicted) / sum(times)
     rel = statistics.fmean(abs(p - m) / m for p, m in zip(predicted, times, strict=True))
     return {"steps": len(times), "total_ratio": ratio, "mean_step_error": rel}
+
+
+class ServerSteps:
+    """Not a latency model (it is not pure): the server's own logged step durations, in order,
+    for the simulator's steps; notes the first step whose shape differs from the server's.
+    With them the simulator's error is its decisions' and the frontend's alone."""
+
+    name = "server steps"
+    KEYS = ("prefill_tokens", "prefill_seqs", "decode_seqs")
+
+    def __init__(self, path: Path) -> None:
+        from pagedkv.jsonl import read_jsonl
+
+        self.rows = list(read_jsonl(path))
+        self.count = 0
+        self.first_difference: int | None = None
+
+    def step_time(self, shape) -> float:
+        k, self.count = self.count, self.count + 1
+        row = self.rows[min(k, len(self.rows) - 1)]
+        if self.first_difference is None and (
+                k >= len(self.rows) or any(getattr(shape, key) != row[key] for key in self.KEYS)):
+            self.first_difference = k
+        return row["seconds"]
 
 
 def scaled(latency, factor: float):
@@ -344,7 +412,7 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
             delays = FrontendDelays.fit(real_rows)
             print(f"load {load:.0%}: frontend delays (request log medians): admit "
                   f"{delays.admit * 1e3:.2f} ms, output {delays.output * 1e3:.2f} ms, finish "
-                  f"{delays.finish * 1e3:.2f} ms; deciles "
+                  f"{delays.finish * 1e3:.2f} ms, wake {delays.wake * 1e3:.2f} ms; deciles "
                   "(ms) " + "; ".join(f"{name} " + "/".join(
                       f"{q * 1e3:.1f}" for q in spread(real_rows, PHASES[name]))
                       for name in ("admit", "first out", "last out")), flush=True)
@@ -369,15 +437,113 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
                       f"{step['mean_step_error']:.1%}, total {step['total_ratio']:.2f}x): "
                       + ", ".join(f"{k} {v:+.1%}" for k, v in rows[-1]["error"].items()),
                       flush=True)
-                print("    " + phase_line(real_rows, sim.pop("rows"), order), flush=True)
+                sim_rows = sim.pop("rows")
+                print("    " + phase_line(real_rows, sim_rows, order), flush=True)
+                if args.per_request and front is delays:
+                    for line in tpot_breakdown(trace, twins(real_rows, sim_rows, order)):
+                        print("    " + line, flush=True)
+            # The server's own step durations replayed (no jumps: one duration per step):
+            # what is left is the decisions' and the frontend model's error.
+            replay = ServerSteps(steps_path)
+            sim = sim_run(served, dataclasses.replace(config, jump=False), replay, delays)
+            sim_rows = sim.pop("rows")
+            same = replay.first_difference
+            rows.append({"load": load, "latency": "server steps +frontend", "real": real,
+                         "sim": sim, "error": errors(sim, real),
+                         "steps": {"steps": len(times), "total_ratio": 1.0,
+                                   "mean_step_error": 0.0, "simulated": replay.count,
+                                   "first_difference": same},
+                         "run_share": run_share, "frontend": delays.to_dict()})
+            print(f"load {load:.0%} (the server's {len(times)} step durations replayed; "
+                  f"{replay.count} simulated steps, "
+                  + ("every shape as the server's" if same is None else
+                     f"shapes as the server's up to step {same}") + "): "
+                  + ", ".join(f"{k} {v:+.1%}" for k, v in rows[-1]["error"].items()),
+                  flush=True)
+            print("    " + phase_line(real_rows, sim_rows, order), flush=True)
     return rows
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory so far (Linux ru_maxrss is in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+def queue_memory(trace_path: str, rows: int = 2000) -> dict:
+    """Bytes per waiting request (tracemalloc) for the trace's first `rows` rows: a `Request`
+    holding its prompt token lists (as the simulator queued them before) against the
+    simulator's `LazyPromptRequest` (tokens made at the queue head). Prints the ratio."""
+    import tracemalloc
+
+    from pagedkv.sched.request import Request
+    from pagedkv.sched.sampling_params import SamplingParams
+    from pagedkv.sim.lazy_request import LazyPromptRequest
+    from pagedkv.sim.traces import load_trace, prompt_token_ids
+
+    trace, vocab = load_trace(trace_path, limit=rows), 151936
+
+    def params(r):
+        return SamplingParams(max_tokens=r.output_length, ignore_eos=True)
+
+    makers = {"eager": lambda i, r: Request(str(i), prompt_token_ids(r, vocab, i), params(r),
+                                            arrival_time=r.arrival),
+              "lazy": lambda i, r: LazyPromptRequest(str(i), r, vocab, i, params(r), r.arrival)}
+    out = {}
+    for name, make in makers.items():
+        tracemalloc.start()
+        kept = [make(i, r) for i, r in enumerate(trace)]
+        out[f"{name}_kib"] = tracemalloc.get_traced_memory()[0] / len(kept) / 1024
+        tracemalloc.stop()
+        del kept
+    mean = statistics.fmean(r.input_length for r in trace)
+    print(f"a waiting request ({len(trace)} trace rows, {mean:.0f} prompt tokens on average): "
+          f"{out['eager_kib']:.1f} KiB with its token lists, {out['lazy_kib']:.1f} KiB lazy "
+          f"({out['eager_kib'] / out['lazy_kib']:.0f}x less)", flush=True)
+    return out
+
+
+def repeat_trace(trace: list, copies: int) -> list:
+    """`copies` of `trace` back to back (the same rate); block ids offset per copy, so the
+    copies share no prefix."""
+    span = trace[-1].arrival + 1.0
+    offset = 1 + max((i for t in trace for i in t.block_ids), default=0)
+    return [dataclasses.replace(t, arrival=t.arrival + c * span,
+                                block_ids=tuple(i + c * offset for i in t.block_ids))
+            for c in range(copies) for t in trace]
+
+
+def speed_run(trace: list, config, latency, instances: int, policy: str) -> dict:
+    """Simulate `trace` on `instances` instances (`policy` routes between them); prints and
+    returns CPU and wall seconds, the cost per request and the process's peak RSS."""
+    from pagedkv.sim.simulator import simulate
+
+    cpu, wall = time.process_time(), time.perf_counter()
+    result = simulate(trace, config, latency, num_instances=instances, policy=policy or "round-robin")
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    stats = [i.stats for i in result.instances]
+    done = sum(r.finish is not None for r in result.records)
+    row = {"requests": len(trace), "finished": done, "instances": instances,
+           "policy": policy or None, "wall_s": wall, "cpu_s": cpu,
+           "cpu_ms_per_request": 1e3 * cpu / len(trace),
+           "steps": sum(s.num_steps for s in stats),
+           "jumped_steps": sum(s.num_jumped_steps for s in stats),
+           "busy_s": sum(s.busy_time for s in stats),
+           "simulated_s": result.duration, "peak_rss_gib": peak_rss_gib()}
+    fleet = f" on {instances} instances ({policy})" if instances > 1 else " on one instance"
+    print(f"speed {len(trace)} requests{fleet}: {wall:.1f} s wall, {cpu:.1f} s CPU, "
+          f"{row['cpu_ms_per_request']:.2f} ms CPU per request ({done} finished; {row['steps']} "
+          f"steps, {row['jumped_steps']} jumped; {row['simulated_s']:.0f} s simulated for "
+          f"{trace[-1].arrival:.0f} s of arrivals); peak RSS {row['peak_rss_gib']:.2f} GiB",
+          flush=True)
+    return row
 
 
 def speed(args: argparse.Namespace) -> dict:
     from pagedkv.commands.simulate import add_parser  # the command's own defaults
     from pagedkv.sim.latency import make_latency_model
     from pagedkv.sim.setup import build_sim_config
-    from pagedkv.sim.simulator import simulate
     from pagedkv.sim.traces import load_trace
 
     sub = argparse.ArgumentParser().add_subparsers()
@@ -385,34 +551,30 @@ def speed(args: argparse.Namespace) -> dict:
     config, model_config, hardware = build_sim_config(flags)
     latency = make_latency_model(f"roofline:{hardware}", model_config)
     trace = load_trace(args.trace)
-    out = {}
-    copies = (1, 10) if args.speed_10x else (1,)
-    for n in copies:
-        big = trace
-        if n > 1:
-            span = trace[-1].arrival + 1.0
-            offset = 1 + max(i for t in trace for i in t.block_ids)
-            big = [dataclasses.replace(t, arrival=t.arrival + c * span,
-                                       block_ids=tuple(i + c * offset for i in t.block_ids))
-                   for c in range(n) for t in trace]
-        cpu, wall = time.process_time(), time.perf_counter()
-        result = simulate(big, config, latency)
-        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-        out[f"{n}x"] = {"requests": len(big), "wall_s": wall, "cpu_s": cpu,
-                        "cpu_ms_per_request": 1e3 * cpu / len(big),
-                        "steps": sum(i.stats.num_steps for i in result.instances),
-                        "jumped_steps": sum(i.stats.num_jumped_steps for i in result.instances)}
-        print(f"speed {n}x trace: {len(big)} requests in {wall:.1f} s wall, {cpu:.1f} s CPU "
-              f"({1e3 * cpu / len(big):.2f} ms CPU per request; {out[f'{n}x']['steps']} steps, "
-              f"{out[f'{n}x']['jumped_steps']} jumped)", flush=True)
-    if not args.speed_10x:
-        # The cost is linear in the trace (same rate, so the same work per request: FCFS
-        # looks only at the waiting queue's head, however long it grows).
-        per_request = out["1x"]["cpu_s"] / out["1x"]["requests"]
+    out = {"queue_memory": queue_memory(args.trace)}
+    if args.queue_memory:
+        return out
+    out["1x"] = speed_run(trace, config, latency, 1, "")
+    one = out["1x"]
+    # One instance's capacity: the trace's requests over the time its steps took.
+    rate, capacity = len(trace) / trace[-1].arrival, len(trace) / one["busy_s"]
+    print(f"the trace arrives at {rate:.2f} req/s; one instance serves about {capacity:.2f} "
+          "req/s (requests / busy time of the 1x run)", flush=True)
+    if args.speed_10x:
+        # Ten copies back to back keep the trace's rate: a fleet that serves it (20% headroom)
+        # keeps the queues short; on fewer instances the waiting queue grows without bound.
+        n = args.speed_instances or max(1, math.ceil(1.2 * rate / capacity))
+        big = repeat_trace(trace, 10)
+        out["10x"] = speed_run(big, config, latency, n, flags.policy)
+        out["10x"]["cpu_ratio_to_1x"] = out["10x"]["cpu_ms_per_request"] / one["cpu_ms_per_request"]
+        print(f"10x / 1x CPU per request: {out['10x']['cpu_ratio_to_1x']:.2f}x", flush=True)
+    else:
+        per_request = one["cpu_s"] / one["requests"]
         out["10x_extrapolated_cpu_s"] = 10 * len(trace) * per_request
         print(f"a 10x trace ({10 * len(trace)} requests) would take about "
               f"{out['10x_extrapolated_cpu_s']:.0f} s CPU at {1e3 * per_request:.2f} ms per "
-              "request (--speed-10x runs it)", flush=True)
+              "request on one instance (--speed-10x runs it on a fleet that serves its rate)",
+              flush=True)
     return out
 
 
@@ -436,8 +598,17 @@ def main() -> int:
                         help="profile, step check, capacity; no server runs")
     parser.add_argument("--keep-step-logs", default=None, metavar="DIR",
                         help="copy the servers' step logs here (steps-LOAD.jsonl)")
+    parser.add_argument("--per-request", action="store_true",
+                        help="join each real request to its simulated twin: TPOT by output "
+                        "length and the requests with the largest gaps, phase by phase")
     parser.add_argument("--skip-speed", action="store_true")
-    parser.add_argument("--speed-10x", action="store_true")
+    parser.add_argument("--speed-10x", action="store_true",
+                        help="also simulate ten copies of the trace back to back")
+    parser.add_argument("--queue-memory", action="store_true",
+                        help="of the speed part, only the memory of one waiting request")
+    parser.add_argument("--speed-instances", type=int, default=None, metavar="N",
+                        help="instances for --speed-10x (default: enough to serve the trace's "
+                        "rate with 20%% headroom, from the 1x run's busy time)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     args.loads = [float(x) for x in args.loads.split(",")]

@@ -107,5 +107,6 @@ def run(args: argparse.Namespace) -> int:
     if not fitted.frontend.is_zero:
         delays = fitted.frontend
         print(f"  frontend delays: admit {delays.admit * 1e3:.2f} ms, output "
-              f"{delays.output * 1e3:.2f} ms, finish {delays.finish * 1e3:.2f} ms")
+              f"{delays.output * 1e3:.2f} ms, finish {delays.finish * 1e3:.2f} ms, wake "
+              f"{delays.wake * 1e3:.2f} ms")
     return 0

@@ -130,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
     slo = SLO.parse(args.slo)
     if args.search and slo is None:
         raise ValueError("--search needs --slo")
+    if args.search and args.sweep:
+        raise ValueError("--search and --sweep are two kinds of run: give one")
     if args.event_log and (args.search or args.sweep):
         raise ValueError("--event-log records one run: not with --search or --sweep")
     trace = load_trace(args.trace, args.trace_format, scale_lengths=args.scale_lengths,

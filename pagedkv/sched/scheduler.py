@@ -62,6 +62,17 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"  # or "swap" (falls back to recompute without host room)
     policy: str = "fcfs"  # or "priority": lower `priority` value is served first, as in vLLM
 
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError("preemption_mode must be 'recompute' or 'swap', "
+                             f"got {self.preemption_mode!r}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
 
 def bad_word_bans(request: Request) -> list[int]:
     """Tokens that would complete one of the request's bad words now: the last token of each

@@ -15,21 +15,26 @@ from array import array
 from dataclasses import dataclass, field
 
 from pagedkv.kv.block_table import BlockIdTable
+from pagedkv.kv.eviction import eviction_policy_class
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.sched.output import ModelRunnerOutput
 from pagedkv.sched.request import Request, RequestStatus
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.sched.scheduler import Scheduler, SchedulerConfig
 from pagedkv.sim.latency.base import LatencyModel, StepShape
+from pagedkv.sim.lazy_request import LazyPromptRequest
 from pagedkv.sim.quiet import jump
 from pagedkv.sim.store import SimStoreConnector, SimTier, TierSpec
+from pagedkv.sim.traces import TraceRequest
 from pagedkv.utils import cdiv
 
 
 @dataclass
 class SimConfig:
     """The simulated engine's settings, with `EngineArgs`' names where they exist.
-    `num_blocks` counts the null block, as `num_gpu_blocks_override` does."""
+    `num_blocks` counts the null block, as `num_gpu_blocks_override` does; `num_host_blocks`
+    is the swap space, used (as the engine uses it) only with `preemption_mode="swap"`.
+    ValueError naming a bad setting (also from `dataclasses.replace`, as a sweep makes them)."""
 
     num_blocks: int
     block_size: int = 16
@@ -50,6 +55,24 @@ class SimConfig:
     # load times).
     store_tiers: tuple[TierSpec, ...] = ()
     block_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self.scheduler_config()  # the scheduler's own checks
+        for name in ("num_blocks", "block_size", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), "
+                             f"got {self.num_blocks}")
+        if not isinstance(self.num_host_blocks, int) or self.num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be an int >= 0, got {self.num_host_blocks!r}")
+        if self.vocab_size < 16:
+            raise ValueError(f"vocab_size must be at least 16, got {self.vocab_size}")
+        if not isinstance(self.store_tiers, tuple) or \
+                not all(isinstance(t, TierSpec) for t in self.store_tiers):
+            raise ValueError(f"store_tiers must be a tuple of TierSpec, got {self.store_tiers!r}")
+        eviction_policy_class(self.eviction_policy)
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs,
@@ -137,17 +160,22 @@ class SimInstance:
 
     def __init__(self, config: SimConfig, latency: LatencyModel, *, index: int = 0,
                  record_steps: bool = False, cross_arrivals: bool = False,
-                 shared_tiers: dict[str, SimTier] | None = None) -> None:
+                 shared_tiers: dict[str, SimTier] | None = None, wake: float = 0.0) -> None:
         """`cross_arrivals`: quiet stretches may run past arrivals that cannot change them
         (see `quiet.jump`); only when nothing reads this instance's state at each arrival
-        (a router does). `shared_tiers`: the KV store tiers all instances share (Redis)."""
+        (a router does). `shared_tiers`: the KV store tiers all instances share (Redis).
+        `wake`: seconds from a request reaching the idle engine to its first step
+        (`FrontendDelays.wake`); requests added meanwhile join that step."""
         self.config = config
+        self.wake = wake
+        self._asleep = True  # idle, waiting for a request: the next one wakes the loop
         self.cross_arrivals = cross_arrivals
         self.latency = latency
         self.index = index
         self.kv = _SimKVCacheManager(
             num_blocks=config.num_blocks, block_size=config.block_size,
-            num_host_blocks=config.num_host_blocks, enable_caching=config.enable_prefix_caching,
+            num_host_blocks=config.num_host_blocks if config.preemption_mode == "swap" else 0,
+            enable_caching=config.enable_prefix_caching,
             sliding_window=config.sliding_window, watermark=config.watermark,
             hash_algo=config.prefix_caching_hash_algo, eviction_policy=config.eviction_policy)
         self.scheduler = Scheduler(config.scheduler_config(), self.kv)
@@ -169,12 +197,13 @@ class SimInstance:
     def busy(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def add(self, record: RequestRecord, prompt_token_ids: list[int]) -> Request | None:
-        """Queue a trace request now (its arrival is `record.arrival`). Refused, as the engine
+    def add(self, record: RequestRecord, trace_request: TraceRequest) -> Request | None:
+        """Queue a trace request now (its arrival is `record.arrival`; its prompt tokens are
+        made when the scheduler first reads them, `lazy_request.py`). Refused, as the engine
         refuses it, when the prompt leaves no room for a token or can never fit the cache:
         then the record is finished as 'rejected' and None is returned."""
         cfg = self.config
-        n = len(prompt_token_ids)
+        n = trace_request.input_length
         record.instance = self.index
         kv = self.kv
         if n == 0 or n >= cfg.max_model_len or \
@@ -183,10 +212,13 @@ class SimInstance:
             record.finish = None
             self.finished.append(record)
             return None
+        if self._asleep:
+            self._asleep = False
+            self.clock += self.wake
         max_tokens = min(record.output_tokens, cfg.max_model_len - n)
-        request = Request(request_id=str(record.index), prompt_token_ids=prompt_token_ids,
-                          sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                          arrival_time=record.arrival)
+        request = LazyPromptRequest(
+            str(record.index), trace_request, cfg.vocab_size, record.index,
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=record.arrival)
         self.scheduler.add_request(request)
         self.live[request.request_id] = record
         self._tokens[request.request_id] = (record.index * 7919 + 13) % cfg.vocab_size
@@ -196,13 +228,15 @@ class SimInstance:
 
     def run_until(self, horizon: float) -> None:
         """Step until the clock reaches `horizon` (a step that starts before it may end after
-        it) or nothing is left to run; an idle instance's clock moves to `horizon`."""
+        it) or nothing is left to run; an idle instance's clock moves to `horizon`, where it
+        waits for a request (the next `add` wakes it)."""
         while self.clock < horizon:
             if not self.busy or not self.step(horizon):
                 if math.isinf(horizon):
                     self._fail_stuck()
                     return
                 self.clock = horizon
+                self._asleep = not self.busy
                 return
 
     def step(self, horizon: float = math.inf) -> bool:

@@ -19,7 +19,8 @@ from pagedkv.sim.results import SLO, summarize
 from pagedkv.sim.simulator import SimResult, simulate
 from pagedkv.sim.traces import TraceRequest
 
-SWEEPABLE = ("instances", *(f.name for f in dataclasses.fields(SimConfig) if f.name != "jump"))
+SWEEPABLE = ("instances", *(f.name for f in dataclasses.fields(SimConfig)
+                            if f.name not in ("jump", "store_tiers", "block_bytes")))
 
 
 def parse_sweep(text: str) -> tuple[str, list[Any]]:

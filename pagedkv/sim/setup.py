@@ -38,17 +38,18 @@ def load_model_config(name: str) -> dict[str, Any]:
 
 def build_sim_config(args: argparse.Namespace) -> tuple[SimConfig, dict[str, Any], str]:
     """(config, the model's config dict, the hardware spec) for the parsed flags."""
-    from pagedkv.sim.latency.roofline import HARDWARE_PRESETS
+    from pagedkv.sim.latency.roofline import load_hardware
 
     config = load_model_config(args.model)
     spec = kv_cache_spec_from_hf_config(config, args.block_size, "auto")
-    batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    batched = (DEFAULT_MAX_NUM_BATCHED_TOKENS if args.max_num_batched_tokens is None
+               else args.max_num_batched_tokens)
     if args.num_gpu_blocks_override is not None:
         num_blocks = args.num_gpu_blocks_override
     elif args.kv_cache_memory_bytes is not None:
         num_blocks = parse_size(args.kv_cache_memory_bytes) // spec.page_size_bytes
     else:
-        hw = HARDWARE_PRESETS.get(args.hardware)
+        hw = None if args.hardware == "cpu" else load_hardware(args.hardware)  # cpu: measured
         if hw is None or not hw.memory_bytes:
             raise ValueError(f"hardware {args.hardware!r} gives no memory size: pass "
                              "--num-gpu-blocks-override or --kv-cache-memory-bytes")
@@ -59,11 +60,13 @@ def build_sim_config(args: argparse.Namespace) -> tuple[SimConfig, dict[str, Any
                 config, batched, "auto", args.max_num_seqs)).num_blocks
     if num_blocks < 2:
         raise ValueError(f"the KV cache has {num_blocks} blocks; at least 2 are needed")
-    max_len = args.max_model_len or default_max_model_len(config)
-    if args.max_model_len is None:
-        max_len = min(max_len, (num_blocks - 1) * args.block_size)
-    host = (int(args.swap_space * GiB) // spec.page_size_bytes
-            if args.preemption_mode == "swap" else 0)
+    max_len = args.max_model_len
+    if max_len is None:
+        max_len = min(default_max_model_len(config), (num_blocks - 1) * args.block_size)
+    if not (isinstance(args.swap_space, (int, float)) and 0 <= args.swap_space < float("inf")):
+        raise ValueError(f"swap_space must be a non-negative number of GiB, got "
+                         f"{args.swap_space!r}")
+    host = int(args.swap_space * GiB) // spec.page_size_bytes  # used in swap mode only
     window = getattr(spec, "sliding_window", None)
     sim = SimConfig(
         num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,

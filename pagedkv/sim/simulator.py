@@ -1,9 +1,10 @@
 """The simulator: a trace's arrivals over one or more `SimInstance`s, placed by the router's
 own policy objects (`pagedkv.router.policies`) when there are several.
 
-Time is virtual. A request arriving at t reaches the engines `admit` seconds later, and the
-server sees its tokens `output` seconds after the engine made them (`frontend.py`: the serving
-frontend's delays; none unless given or carried by the latency model). Before a request is
+Time is virtual. A request arriving at t reaches the engines `admit` seconds later (an idle
+engine starts its first step `wake` after that), and the server sees its tokens `output`
+seconds after the engine made them (`frontend.py`: the serving frontend's delays; none unless
+given or carried by the latency model). Before a request is
 placed, every instance steps until its clock reaches its admission (the engine adds what
 arrived while a step ran before its next step); then the policy sees each instance as the
 router would (requests in flight, queued prefill blocks, running / waiting, KV usage, and the
@@ -81,27 +82,28 @@ def simulate(trace: Sequence[TraceRequest], config: SimConfig, latency: LatencyM
     if num_instances < 1:
         raise ValueError(f"num_instances must be >= 1, got {num_instances}")
     started = time.perf_counter()
+    delays = frontend if frontend is not None else frontend_of(latency)
     shared_tiers: dict = {}  # the KV store tiers every instance reads and writes (Redis)
     instances = [SimInstance(config, latency, index=i, record_steps=record_steps,
-                             cross_arrivals=cross_arrivals, shared_tiers=shared_tiers)
+                             cross_arrivals=cross_arrivals, shared_tiers=shared_tiers,
+                             wake=delays.wake)
                  for i in range(num_instances)]
     if on_instance is not None:
         for inst in instances:
             on_instance(inst)
     router = make_policy(policy) if num_instances > 1 else None
-    delays = frontend if frontend is not None else frontend_of(latency)
     records: list[RequestRecord] = []
     for index, treq in enumerate(trace):
         for inst in instances:
             inst.run_until(treq.arrival + delays.admit)
-        ids = prompt_token_ids(treq, config.vocab_size, index)
-        record = RequestRecord(index=index, arrival=treq.arrival, prompt_tokens=len(ids),
+        record = RequestRecord(index=index, arrival=treq.arrival,
+                               prompt_tokens=treq.input_length,
                                output_tokens=treq.output_length)
         records.append(record)
         chosen = 0
         if router is not None:
-            chosen = _route(router, instances, ids, treq, config)
-        instances[chosen].add(record, ids)
+            chosen = _route(router, instances, index, treq, config)
+        instances[chosen].add(record, treq)
         if progress is not None and index % 1000 == 0:
             progress(index, len(trace))
     for inst in instances:
@@ -113,11 +115,11 @@ def simulate(trace: Sequence[TraceRequest], config: SimConfig, latency: LatencyM
                      wall_time=time.perf_counter() - started)
 
 
-def _route(router, instances: list[SimInstance], ids: list[int],
+def _route(router, instances: list[SimInstance], index: int,
            treq: TraceRequest, config: SimConfig) -> int:
     hashes: tuple[bytes, ...] = ()
     if router.needs_prefix and config.enable_prefix_caching:
-        hashes = _block_hashes(instances[0], ids)
+        hashes = _block_hashes(instances[0], prompt_token_ids(treq, config.vocab_size, index))
     candidates = []
     for inst in instances:
         sched = inst.scheduler
@@ -128,5 +130,5 @@ def _route(router, instances: list[SimInstance], ids: list[int],
             running=len(sched.running), waiting=len(sched.waiting) + len(sched.loading),
             kv_usage=inst.kv.usage,
             match=PrefixMatch(device_blocks=_device_match(inst, hashes) if hashes else 0)))
-    request = RouteRequest(prompt_tokens=len(ids), block_hashes=hashes, session=treq.session)
+    request = RouteRequest(prompt_tokens=treq.input_length, block_hashes=hashes, session=treq.session)
     return router.choose(request, candidates)

@@ -43,6 +43,24 @@ class TraceRequest:
     block_tokens: int = MOONCAKE_BLOCK_TOKENS
     session: str | None = None
 
+    def __post_init__(self) -> None:
+        if isinstance(self.arrival, bool) or not isinstance(self.arrival, (int, float)) \
+                or not math.isfinite(self.arrival):
+            raise ValueError(f"arrival must be a finite number of seconds, got {self.arrival!r}")
+        for name, least in (("input_length", 0), ("output_length", 1), ("block_tokens", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
+def _output_length(value: object) -> int:
+    """A trace row's output length: 0 (a request that produced nothing, e.g. aborted) is one
+    token, as the engine's max_tokens is at least one; below 0 is an error."""
+    n = int(value)  # type: ignore[call-overload]
+    if n < 0:
+        raise ValueError(f"output length must be >= 0, got {value!r}")
+    return max(n, 1)
+
 
 def _run(block_id: int, length: int, vocab_size: int, filler: list[int]) -> list[int]:
     """`length` tokens for block `block_id`: its id's digits, then a fixed filler."""
@@ -89,7 +107,7 @@ def read_mooncake(path: str | Path) -> list[TraceRequest]:
             out.append(TraceRequest(
                 arrival=float(row["timestamp"]) / 1000.0,
                 input_length=int(row["input_length"]),
-                output_length=int(row["output_length"]),
+                output_length=_output_length(row["output_length"]),
                 block_ids=tuple(int(h) for h in row.get("hash_ids", ())),
                 session=row.get("session_id")))
         except (KeyError, TypeError, ValueError) as exc:
@@ -115,7 +133,7 @@ def read_azure(path: str | Path) -> list[TraceRequest]:
                 start = t if start is None else start
                 out.append(TraceRequest(arrival=t - start,
                                         input_length=int(row["ContextTokens"]),
-                                        output_length=int(row["GeneratedTokens"])))
+                                        output_length=_output_length(row["GeneratedTokens"])))
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"{path}:{line_no}: not an Azure trace row: {exc}") from None
     return out
@@ -130,10 +148,18 @@ def read_request_log(path: str | Path) -> list[TraceRequest]:
     for line_no, row in jsonl_rows(path):
         try:
             hashes = row.get("prefix_block_hashes", [])
+            if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
+                raise ValueError(f"prefix_block_hashes must be a list of hex strings, got "
+                                 f"{hashes!r}")
+            for h in hashes:
+                try:
+                    bytes.fromhex(h)
+                except ValueError:
+                    raise ValueError(f"prefix block hash {h!r} is not hex") from None
             block_ids = tuple(ids.setdefault(h, len(ids)) for h in hashes)
             out.append(TraceRequest(
                 arrival=float(row["arrival"]), input_length=int(row["prompt_tokens"]),
-                output_length=max(int(row["output_tokens"]), 1), block_ids=block_ids,
+                output_length=_output_length(row["output_tokens"]), block_ids=block_ids,
                 block_tokens=int(row.get("block_size", 16))))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}:{line_no}: not a pagedkv request-log row: {exc}") from None
@@ -196,6 +222,10 @@ def load_trace(path: str | Path, trace_format: str | None = None, *, scale_lengt
                start: int = 0) -> list[TraceRequest]:
     """Read a trace (format sniffed when None), take rows [start, start + limit), rebase the
     arrivals to 0, and scale it. Sorted by arrival."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be a positive number of requests, got {limit!r}")
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"start must be a request index >= 0, got {start!r}")
     if not Path(path).is_file():
         raise FileNotFoundError(f"trace {str(path)!r} does not exist")
     trace_format = trace_format or sniff_format(path)

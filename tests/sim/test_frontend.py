@@ -92,6 +92,57 @@ def test_fit_takes_the_medians_of_a_request_log():
         FrontendDelays.fit([{"ttft": 0.5}])
 
 
+def test_a_burst_within_the_wake_joins_the_idle_engines_first_step():
+    # An idle engine loop starts its first step `wake` after a request reaches it: requests
+    # of the same burst that reach it meanwhile are in that step, the rest wait for the next.
+    trace = [TraceRequest(arrival=a, input_length=20, output_length=3)
+             for a in (1.0, 1.0004, 1.0009, 1.0012)]
+    asleep = _run(trace, FrontendDelays(wake=0.001))
+    assert [r.first_scheduled for r in asleep] == pytest.approx([1.001] * 3 + [1.001 + STEP])
+    assert [r.ttft for r in asleep[:3]] == pytest.approx([0.001 + STEP, 0.0006 + STEP,
+                                                         0.0001 + STEP])
+    awake = _run(trace)  # no wake: the first request's step starts at once, alone
+    assert [r.first_scheduled for r in awake] == pytest.approx([1.0] + [1.0 + STEP] * 3)
+
+
+def test_the_wake_delays_only_an_idle_engine():
+    # The second request reaches the engine while it steps: it joins the next step at the
+    # step boundary, no wake; the third comes after everything finished: woken again.
+    trace = [TraceRequest(arrival=0.0, input_length=20, output_length=3),
+             TraceRequest(arrival=0.015, input_length=20, output_length=2),
+             TraceRequest(arrival=1.0, input_length=20, output_length=2)]
+    first, second, third = _run(trace, FrontendDelays(wake=0.002))
+    assert first.first_scheduled == pytest.approx(0.002)
+    assert second.first_scheduled == pytest.approx(0.002 + 2 * STEP)
+    assert third.first_scheduled == pytest.approx(1.002)
+    assert third.ttft == pytest.approx(0.002 + STEP)
+
+
+def test_fit_takes_the_wake_from_requests_that_found_the_engine_idle():
+    def row(arrival, submitted, first_scheduled, last):
+        return {"arrival": arrival, "submitted": submitted, "first_scheduled": first_scheduled,
+                "engine_last_token": last, "ttft": last / 2, "engine_first_token": last / 2,
+                "e2e": last}
+
+    rows = [row(100.0, 0.001, 0.0018, 0.5),  # idle engine: woke 0.8 ms after submission
+            row(100.1, 0.001, 0.05, 0.6),  # the first still runs: queued, not a wake
+            row(102.0, 0.002, 0.0032, 0.4),  # idle again (both ended by 100.7): 1.2 ms
+            row(103.0, 0.002, 0.0030, 0.4)]  # idle again: 1.0 ms
+    assert FrontendDelays.fit(rows).wake == pytest.approx(0.001)
+    # a log without the arrivals cannot tell: no wake
+    assert FrontendDelays.fit([{k: v for k, v in r.items() if k != "arrival"}
+                               for r in rows]).wake == 0.0
+    busy = [row(100.0, 0.001, 0.0018, 0.5), row(100.2, 0.001, 0.3, 0.9)]
+    assert FrontendDelays.fit(busy).wake == pytest.approx(0.0008)
+
+
+def test_delays_round_trip_and_an_older_file_has_no_wake():
+    delays = FrontendDelays(admit=0.001, output=0.002, finish=0.003, wake=0.0007)
+    assert FrontendDelays.from_dict(delays.to_dict()) == delays
+    assert FrontendDelays.from_dict({"admit": 0.001, "output": 0.002, "finish": 0.003}).wake == 0
+    assert not FrontendDelays(wake=0.001).is_zero
+
+
 @pytest.mark.parametrize("bad", [-0.001, math.nan, math.inf, True, "1"])
 def test_bad_delays_are_refused(bad):
     with pytest.raises(ValueError, match=f"admit .*got {bad!r}"):

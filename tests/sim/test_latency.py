@@ -125,6 +125,36 @@ def test_bad_latency_specs(tmp_path):
         make_latency_model("roofline:tpu9", load_model_config("llama-3-8b"))
 
 
+def test_a_hardware_file_sizes_the_cache_and_bad_ones_are_named(tmp_path):
+    import argparse
+
+    from pagedkv.commands.simulate import add_parser
+    from pagedkv.sim.latency.roofline import load_hardware
+    from pagedkv.sim.setup import build_sim_config
+
+    def blocks(hardware: str) -> int:
+        flags = add_parser(argparse.ArgumentParser().add_subparsers()).parse_args(
+            ["trace.jsonl", "--model", "llama-3-8b", "--hardware", hardware])
+        return build_sim_config(flags)[0].num_blocks
+
+    small, big = tmp_path / "small.json", tmp_path / "big.json"
+    for path, gib in ((small, 40), (big, 80)):
+        path.write_text(json.dumps({"flops": 1e15, "memory_bandwidth": 3e12,
+                                    "memory_bytes": gib * 2.0 ** 30}))  # a float, as JSON has it
+    # the file's memory sizes the cache (it was ignored: "gives no memory size")
+    assert blocks(str(big)) == blocks("h100") > blocks(str(small)) > 0
+    assert load_hardware(str(big)).memory_bytes == 80 << 30
+    for text, says in (('{"flops": 1e15, "bandwidth": 3e12}', "unknown fields .*bandwidth"),
+                       ("[1, 2]", "unknown fields"), ("{", "not JSON"),
+                       ('{"flops": 1e15}', "memory_bandwidth"),
+                       ('{"flops": 1e15, "memory_bandwidth": 1e12, "memory_bytes": -1}',
+                        "memory_bytes must be >= 0")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=says):
+            load_hardware(str(bad))
+
+
 def test_roofline_is_memory_bound_for_decode_and_compute_bound_for_prefill():
     model = ModelShape.from_config(load_model_config("llama-3-8b"))
     assert 7e9 < model.num_params < 9e9

@@ -13,7 +13,7 @@ import pytest
 from pagedkv.sim.instance import SimConfig
 from pagedkv.sim.latency import FunctionLatency, StepShape
 from pagedkv.sim.results import SLO, format_table, percentile, summarize
-from pagedkv.sim.search import capacity_search, parse_sweep, sweep
+from pagedkv.sim.search import capacity_search, parse_sweep, run_with, sweep
 from pagedkv.sim.simulator import simulate
 from tests.sim.workloads import shared_prefix_trace, simulate_cli_without_torch
 
@@ -83,6 +83,57 @@ def test_sweep_and_capacity_search():
     assert below and all(found["tried"][v]["goodput"]["fraction"] < 0.9 for v in below)
 
 
+def test_a_preemption_mode_sweep_swaps_in_its_swap_row():
+    # The swap space is the config's in either mode and used only in swap mode (as the
+    # engine's): a sweep from recompute to swap once ran its swap row without host blocks,
+    # so it recomputed.
+    trace = long_trace()
+    config = SimConfig(num_blocks=40, block_size=8, max_num_seqs=6, max_num_batched_tokens=32,
+                       max_model_len=512, vocab_size=500, num_host_blocks=200)
+    latency = FunctionLatency(step_time)
+    counts = {}
+    for mode in ("recompute", "swap"):
+        result = run_with(trace, config, latency, "preemption_mode", mode)
+        sched = result.instances[0].scheduler
+        sched.check_invariants()
+        assert sched.kv_cache_manager.num_free_blocks == sched.kv_cache_manager.num_usable_blocks
+        assert all(r.num_tokens == t.output_length for r, t in zip(result.records, trace,
+                                                                   strict=True))
+        counts[mode] = (sched.num_preemptions, sched.num_swaps)
+    assert counts["recompute"][0] > 0 and counts["recompute"][1] == 0
+    assert counts["swap"][1] > 0
+    rows = sweep(trace, config, latency, "preemption_mode", ["recompute", "swap"])
+    assert [r["preemptions"]["swap"] for r in rows] == [0, counts["swap"][1]]
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"preemption_mode": "bar"}, "preemption_mode"), ({"scheduling_policy": "zzz"}, "policy"),
+    ({"max_num_seqs": -1}, "max_num_seqs"), ({"max_num_batched_tokens": 0}, "batched"),
+    ({"max_model_len": 0}, "max_model_len"), ({"num_blocks": 1}, "num_blocks"),
+    ({"block_size": 0}, "block_size"), ({"num_host_blocks": -1}, "num_host_blocks"),
+    ({"eviction_policy": "mru"}, "eviction_policy"), ({"vocab_size": 3}, "vocab_size"),
+    ({"store_tiers": "x"}, "store_tiers")])
+def test_bad_settings_are_refused_when_made(change, named):
+    # a sweep makes its configs with dataclasses.replace: a bad value is a ValueError naming
+    # it there, not a silent fallback (preemption_mode=bar ran as recompute) or a crash
+    config = SimConfig(num_blocks=40)
+    with pytest.raises(ValueError, match=named):
+        dataclasses.replace(config, **change)
+    setting, value = next(iter(change.items()))
+    if setting in ("store_tiers", "vocab_size", "num_host_blocks"):
+        return
+    with pytest.raises(ValueError, match=named):
+        sweep(long_trace(4), config, FunctionLatency(step_time), setting, [value])
+
+
+def test_only_flag_like_settings_are_sweepable():
+    for internal in ("store_tiers", "block_bytes", "jump"):
+        with pytest.raises(ValueError, match="SETTING"):
+            parse_sweep(f"{internal}=1")
+    assert parse_sweep("preemption_mode=recompute,swap") == ("preemption_mode",
+                                                             ["recompute", "swap"])
+
+
 def test_kv_aware_routing_keeps_prefixes_together():
     trace = shared_prefix_trace(num=60, block_tokens=8, gap=0.01)
     config = SimConfig(num_blocks=120, block_size=8, max_num_seqs=8, max_num_batched_tokens=64,
@@ -108,6 +159,14 @@ def test_cli_simulate_and_no_torch(tmp_path):
     assert summary["requests"] == 40 and summary["finished"] == 40
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "goodput" in proc.stdout
-    bad = subprocess.run([sys.executable, "-m", "pagedkv.cli", "simulate", MOONCAKE,
-                          "--slo", "ttft"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "bad SLO part" in bad.stderr
+    for flags, says in ((["--slo", "ttft"], "bad SLO part"),
+                        (["--limit", "-5"], "limit must be"),
+                        (["--sweep", "preemption_mode=bar"], "preemption_mode must be"),
+                        (["--sweep", "store_tiers=x"], "bad --sweep"),
+                        (["--max-model-len", "0"], "max_model_len must be"),
+                        (["--sweep", "num_blocks=100,200", "--search", "instances", "--slo",
+                          "ttft=1"], "give one")):
+        bad = subprocess.run([sys.executable, "-m", "pagedkv.cli", "simulate", MOONCAKE,
+                              *flags], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and says in bad.stderr, (flags, bad.stderr)
+        assert "Traceback" not in bad.stderr

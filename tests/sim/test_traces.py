@@ -92,6 +92,39 @@ def test_limit_and_start():
     assert trace[0].arrival == 0.0
 
 
+@pytest.mark.parametrize(("limit", "start", "named"), [(0, 0, "limit"), (-5, 0, "limit"),
+                                                     (3, -1, "start"), (True, 0, "limit")])
+def test_bad_limit_or_start_is_refused(limit, start, named):
+    # a negative limit once read the whole trace (a slice [0:-5]); a negative start said
+    # "no requests"
+    with pytest.raises(ValueError, match=f"{named} must be .*got {start if named == 'start' else limit!r}"):
+        load_trace(MOONCAKE, limit=limit, start=start)
+
+
+def test_bad_request_log_rows_are_named(tmp_path):
+    import json
+
+    good = {"arrival": 100.0, "prompt_tokens": 40, "output_tokens": 3, "block_size": 16,
+            "prefix_block_hashes": ["ab01", "cd02"]}
+    for change, says in (({"output_tokens": -3}, "output length must be >= 0, got -3"),
+                         ({"arrival": float("nan")}, "arrival must be a finite"),
+                         ({"block_size": 0}, "block_tokens must be an integer >= 1"),
+                         ({"prompt_tokens": -1}, "input_length must be an integer >= 0"),
+                         ({"prefix_block_hashes": "abc"}, "must be a list of hex strings"),
+                         ({"prefix_block_hashes": ["zz"]}, "'zz' is not hex")):
+        log = tmp_path / "log.jsonl"
+        log.write_text(json.dumps(good) + "\n" + json.dumps(good | change) + "\n")
+        with pytest.raises(ValueError, match=f"log.jsonl:2: .*{says}"):
+            load_trace(log, "request-log")
+    aborted = tmp_path / "aborted.jsonl"  # no output: one token, as max_tokens is at least 1
+    aborted.write_text(json.dumps(good | {"output_tokens": 0}) + "\n")
+    assert load_trace(aborted)[0].output_length == 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 5, "output_length": -1}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1: .*output length must be >= 0"):
+        load_trace(bad)
+
+
 def test_bad_traces(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": "x", "output_length": 3}\n')

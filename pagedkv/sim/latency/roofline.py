@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +44,12 @@ class Hardware:
             value = getattr(self, field)
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"hardware {field} must be > 0, got {value!r}")
-        if self.step_overhead < 0:
+        if not (isinstance(self.step_overhead, (int, float)) and self.step_overhead >= 0):
             raise ValueError(f"hardware step_overhead must be >= 0, got {self.step_overhead!r}")
+        if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, (int, float)) \
+                or not 0 <= self.memory_bytes < float("inf"):
+            raise ValueError(f"hardware memory_bytes must be >= 0, got {self.memory_bytes!r}")
+        object.__setattr__(self, "memory_bytes", int(self.memory_bytes))  # 80e9 from JSON
 
 
 HARDWARE_PRESETS: dict[str, Hardware] = {
@@ -91,8 +95,20 @@ def load_hardware(spec: str) -> Hardware:
     if not path.is_file():
         raise ValueError(f"unknown hardware {spec!r}: give a preset "
                          f"({', '.join([*HARDWARE_PRESETS, 'cpu'])}) or a JSON file")
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return Hardware(**{"name": path.stem, **data})
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"hardware file {spec!r} is not JSON: {exc}") from None
+    known = {f.name for f in fields(Hardware)}
+    if not isinstance(data, dict) or set(data) - known:
+        unknown = sorted(set(data) - known) if isinstance(data, dict) else data
+        raise ValueError(f"hardware file {spec!r}: unknown fields {unknown!r}; expected an "
+                         f"object with {sorted(known - {'name'})}")
+    try:
+        return Hardware(**{"name": path.stem, **data})
+    except TypeError as exc:  # a required field missing
+        raise ValueError(f"hardware file {spec!r}: {exc}; expected flops and "
+                         "memory_bandwidth at least") from None
 
 
 @dataclass(frozen=True)
