@@ -311,6 +311,11 @@ inline vqf halves_to_float(vqu16 h) {
 #endif
 }
 
+// One fp8 value's float16 bits (e5m2: its top byte; e4m3fn: 2^-8 of the value, see above).
+template <bool e4m3> inline uint16_t fp8_half(uint8_t x) {
+  return e4m3 ? static_cast<uint16_t>(((x & 0x80) << 8) | ((x & 0x7F) << 7)) : static_cast<uint16_t>(x << 8);
+}
+
 // The storage formats of a KV cache block: `widen(src, dst, n)` writes n float32 values.
 template <typename T> struct SameFmt {  // the activation dtype itself
   using storage = T;
@@ -325,39 +330,44 @@ struct Int8Fmt {
     for (int64_t j = 0; j < n; j++) d[j] = static_cast<float>(s[j]);  // vpmovsxbd + vcvtdq2ps
   }
 };
-struct E5M2Fmt {
+// QW fp8 values at p as the float16 bits that widen them (e4m3: 2^-8 of the value): one
+// widening load and one shift (e5m2), or a sign-extending load, a shift and an AND (e4m3fn:
+// sign-extended, bit 14 copies the sign bit, cleared; the 7 low bits land on the float16's
+// exponent and mantissa). __builtin_convertvector from uint8 lanes costs GCC 12 two half-width
+// widenings and an insert.
+template <bool e4m3> inline vqu16 fp8_halves(const uint8_t* p) {
+#if PAGEDKV_QW == 16
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (e4m3)
+    return (vqu16)_mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(int16_t(0xBFFF)));
+  else return (vqu16)_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if constexpr (e4m3) return (vqu16)_mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16(int16_t(0xBFFF)));
+  else return (vqu16)_mm_slli_epi16(_mm_cvtepu8_epi16(b), 8);
+#else
+  vqu16 h;
+  for (int i = 0; i < QW; i++) h[i] = fp8_half<e4m3>(p[i]);
+  return h;
+#endif
+}
+
+// fp8 blocks (e4m3 = true: e4m3fn, else e5m2) widened exactly through float16 (above).
+template <bool e4m3> struct Fp8Fmt {
   using storage = uint8_t;
   static constexpr bool quantized = true;
+  static constexpr float unit = e4m3 ? 256.f : 1.f;  // fp8_halves' values x unit: the stored ones
   static void widen(const uint8_t* s, float* d, int64_t n) {
     int64_t j = 0;
     for (; j + QW <= n; j += QW) {
-      vqu8 v;
-      std::memcpy(&v, s + j, sizeof(v));
-      const vqf f = halves_to_float(__builtin_convertvector(v, vqu16) << 8);
+      const vqf f = halves_to_float(fp8_halves<e4m3>(s + j)) * unit;
       std::memcpy(d + j, &f, sizeof(f));
     }
-    for (; j < n; j++)
-      d[j] = static_cast<float>(c10::Half(static_cast<uint16_t>(s[j] << 8), c10::Half::from_bits()));
+    for (; j < n; j++) d[j] = static_cast<float>(c10::Half(fp8_half<e4m3>(s[j]), c10::Half::from_bits())) * unit;
   }
 };
-struct E4M3Fmt {
-  using storage = uint8_t;
-  static constexpr bool quantized = true;
-  static void widen(const uint8_t* s, float* d, int64_t n) {
-    int64_t j = 0;
-    for (; j + QW <= n; j += QW) {
-      vqu8 v;
-      std::memcpy(&v, s + j, sizeof(v));
-      const vqu16 w = __builtin_convertvector(v, vqu16);
-      const vqf f = halves_to_float(((w & 0x80) << 8) | ((w & 0x7F) << 7)) * 256.f;
-      std::memcpy(d + j, &f, sizeof(f));
-    }
-    for (; j < n; j++) {
-      const uint16_t h = static_cast<uint16_t>(((s[j] & 0x80) << 8) | ((s[j] & 0x7F) << 7));
-      d[j] = static_cast<float>(c10::Half(h, c10::Half::from_bits())) * 256.f;
-    }
-  }
-};
+using E5M2Fmt = Fp8Fmt<false>;
+using E4M3Fmt = Fp8Fmt<true>;
 
 // One block of n scores p of one query head through the online softmax: p becomes
 // exp(p - max), the running max m and sum l take the block in; returns the factor the head's
@@ -514,11 +524,7 @@ template <typename Fmt> inline vqf fmt_vec(const typename Fmt::storage* p) {
     return f;
 #endif
   } else if constexpr (std::is_same_v<Fmt, E5M2Fmt> || std::is_same_v<Fmt, E4M3Fmt>) {
-    vqu8 v;
-    std::memcpy(&v, p, sizeof(v));
-    const vqu16 w = __builtin_convertvector(v, vqu16);
-    if constexpr (std::is_same_v<Fmt, E5M2Fmt>) return halves_to_float(w << 8);
-    else return halves_to_float(((w & 0x80) << 8) | ((w & 0x7F) << 7));  // x 2^-8: fmt_unit
+    return halves_to_float(fp8_halves<std::is_same_v<Fmt, E4M3Fmt>>(p));  // e4m3: x 2^-8, fmt_unit
   } else {
     return row_vec(p);
   }
@@ -526,7 +532,7 @@ template <typename Fmt> inline vqf fmt_vec(const typename Fmt::storage* p) {
 
 // fmt_vec(p) x fmt_unit<Fmt> is the stored value (e4m3 widens to 2^-8 of it: the 2^8 goes once
 // into q and once onto the output instead of onto every element; exact, a power of two).
-template <typename Fmt> constexpr float fmt_unit = std::is_same_v<Fmt, E4M3Fmt> ? 256.f : 1.f;
+template <typename Fmt> constexpr float fmt_unit = std::is_same_v<Fmt, E4M3Fmt> ? E4M3Fmt::unit : 1.f;
 
 // acc + the pairwise products of a and b summed in pairs (int16 x int16 -> int32).
 inline vqi32 dot_pairs(vqi32 acc, vqs16 a, vqs16 b) {
