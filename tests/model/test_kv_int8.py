@@ -160,7 +160,8 @@ def test_triton_backend_reads_the_int8_cache_in_place(tiny_llama):
                                             device="cpu"), prompt, cont, chunk_size=8)
     runner = ModelRunner(tiny_llama, block_size=4, num_blocks=16, device="cpu",
                          attention_backend="cuda", kv_cache_dtype="int8")
-    assert runner.attn_backend.name == "triton" and runner.attn_backend.reads_int8_cache
+    from pagedkv.model.backends.triton_paged import TritonPagedBackend
+    assert isinstance(runner.attn_backend, TritonPagedBackend)  # not wrapped: read in place
     got = compare_logits(ref, teacher_forced_logits(runner, prompt, cont, chunk_size=8))
     assert 0.0 < got.max_abs_error < INT8_LOGIT_BOUND, got
     assert bool(runner.kv_cache.scales_kv.any())  # the kernel stored the scales
