@@ -1130,8 +1130,57 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
 }
 
 // int8 KV write (kv_int8.py's scheme, in one pass): for x [T, KVH, D] (strided rows), each
-// token's and head's scale s = max|x| / 127 goes to scales[h, slot[t]] and round(x / s) (half
-// to even; 0 for s = 0) to cache[h, slot[t]]. Slots < 0 are skipped.
+// token's and head's scale s (of the candidates 1 + i / 256, i = -16 .. 16, times
+// max|x| / 127: the least squared round-trip error, the first of equals) goes to
+// scales[h, slot[t]] and round(x / s) (half to even, within +-127; 0 for a zero vector) to
+// cache[h, slot[t]]. The errors are counted exactly, as kv_int8._squared_errors does: x - q s in
+// double (exact), times 2^(21 - e) (max|x| / 127 = m 2^e), rounded to an integer, squared and
+// summed in int64, so this picks the scale the torch path picks. Slots < 0 are skipped.
+constexpr int INT8_SCALE_STEPS = 16;  // candidates 1 + i / 256 for |i| <= this
+constexpr int INT8_ERROR_BITS = 20;
+
+// The squared round-trip error of x [d] (float32) as round(x / s) (within +-127), in the exact
+// units above (`unit_scale` = 2^(ERROR_BITS + 1 - e)); writes the rounded values to q.
+inline int64_t int8_round_trip_error(const float* x, int64_t d, float s, double unit_scale,
+                                     float* q) {
+  int64_t err = 0;
+#pragma omp simd reduction(+ : err)
+  for (int64_t j = 0; j < d; j++) {
+    const float r = std::min(std::max(std::nearbyint(x[j] / s), -127.f), 127.f);
+    q[j] = r;
+    const double diff = (static_cast<double>(x[j]) - static_cast<double>(r) * static_cast<double>(s)) * unit_scale;
+    const int64_t units = static_cast<int64_t>(std::nearbyint(diff));
+    err += units * units;
+  }
+  return err;
+}
+
+// One vector x [d] (float32) quantized to dst [d] (int8); returns its scale (0 for zeros).
+// `q`, `best`: scratch of d floats.
+inline float quantize_int8_vector(const float* x, int64_t d, int8_t* dst, float* q, float* best) {
+  float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+  for (int64_t j = 0; j < d; j++) amax = std::max(amax, std::abs(x[j]));
+  const float base = amax / 127.f;
+  const float safe = base > 0.f ? base : 1.f;
+  int e = 0;
+  std::frexp(safe, &e);
+  const double unit_scale = std::ldexp(1.0, INT8_ERROR_BITS + 1 - e);
+  float best_s = 0.f;
+  int64_t best_err = std::numeric_limits<int64_t>::max();
+  for (int i = -INT8_SCALE_STEPS; i <= INT8_SCALE_STEPS; i++) {
+    const float s = safe * (1.f + static_cast<float>(i) / 256.f);
+    const int64_t err = int8_round_trip_error(x, d, s, unit_scale, q);
+    if (err < best_err) {
+      best_err = err;
+      best_s = s;
+      std::memcpy(best, q, d * sizeof(float));
+    }
+  }
+  for (int64_t j = 0; j < d; j++) dst[j] = static_cast<int8_t>(best[j]);
+  return base > 0.f ? best_s : 0.f;
+}
+
 void write_kv_int8_(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales,
                     const at::Tensor& slot_mapping) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && cache.is_contiguous() &&
@@ -1150,21 +1199,13 @@ void write_kv_int8_(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales,
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const int64_t s0 = x.stride(0), s1 = x.stride(1);
     at::parallel_for(0, t, 64, [&](int64_t begin, int64_t end) {
+      std::vector<float> xf(d), qf(d), best(d);
       for (int64_t i = begin; i < end; i++) {
         if (sp[i] < 0) continue;
         for (int64_t h = 0; h < kvh; h++) {
           const scalar_t* src = xp + i * s0 + h * s1;
-          float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-          for (int64_t j = 0; j < d; j++) amax = std::max(amax, std::abs(to_f(src[j])));
-          const float s = amax / 127.f;
-          const float div = s > 0.f ? s : 1.f;
-          int8_t* dst = cp + (h * slots + sp[i]) * d;
-#pragma omp simd
-          for (int64_t j = 0; j < d; j++) {
-            const float r = std::nearbyint(to_f(src[j]) / div);
-            dst[j] = static_cast<int8_t>(std::min(std::max(r, -127.f), 127.f));
-          }
+          for (int64_t j = 0; j < d; j++) xf[j] = to_f(src[j]);
+          const float s = quantize_int8_vector(xf.data(), d, cp + (h * slots + sp[i]) * d, qf.data(), best.data());
           scp[h * slots + sp[i]] = s;
         }
       }
