@@ -1140,12 +1140,32 @@ constexpr int INT8_SCALE_STEPS = 16;  // candidates 1 + i / 256 for |i| <= this
 constexpr int INT8_ERROR_BITS = 20;
 
 // The squared round-trip error of x [d] (float32) as round(x / s) (within +-127), in the exact
-// units above (`unit_scale` = 2^(ERROR_BITS + 1 - e)); writes the rounded values to q.
+// units above (`unit_scale` = 2^(ERROR_BITS + 1 - e)); writes the rounded values to q. 16 lanes
+// at a time with AVX-512 (DQ: int64 conversions and products), the same arithmetic lane by lane.
 inline int64_t int8_round_trip_error(const float* x, int64_t d, float s, double unit_scale,
                                      float* q) {
   int64_t err = 0;
-#pragma omp simd reduction(+ : err)
-  for (int64_t j = 0; j < d; j++) {
+  int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  constexpr int NEAREST = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  const __m512d sd = _mm512_set1_pd(s), ud = _mm512_set1_pd(unit_scale);
+  __m512i acc = _mm512_setzero_si512();
+  for (; j + 16 <= d; j += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + j);
+    const __m512 r = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_div_ps(xv, sv), NEAREST), lo), hi);
+    _mm512_storeu_ps(q + j, r);
+    for (int half = 0; half < 2; half++) {
+      const __m256 xh = half ? _mm512_extractf32x8_ps(xv, 1) : _mm512_castps512_ps256(xv);
+      const __m256 rh = half ? _mm512_extractf32x8_ps(r, 1) : _mm512_castps512_ps256(r);
+      const __m512d diff = _mm512_mul_pd(_mm512_fnmadd_pd(_mm512_cvtps_pd(rh), sd, _mm512_cvtps_pd(xh)), ud);
+      const __m512i units = _mm512_cvt_roundpd_epi64(diff, NEAREST);
+      acc = _mm512_add_epi64(acc, _mm512_mullo_epi64(units, units));
+    }
+  }
+  err = _mm512_reduce_add_epi64(acc);
+#endif
+  for (; j < d; j++) {
     const float r = std::min(std::max(std::nearbyint(x[j] / s), -127.f), 127.f);
     q[j] = r;
     const double diff = (static_cast<double>(x[j]) - static_cast<double>(r) * static_cast<double>(s)) * unit_scale;

@@ -92,18 +92,19 @@ def test_quantize_into_writes_exactly_the_given_slots_and_the_kernel_agrees(dtyp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_picks_the_same_scale_as_torch_for_every_vector(dtype):
     """Many vectors of every magnitude (subnormal to 1e37), constant ones and small integers
-    (equal errors for several candidates: ties), written by the C++ kernel and by torch: the
+    (equal errors for several candidates: ties), head size 72 (the vector path and a
+    tail), written by the C++ kernel and by torch: the
     same int8 values and scales, bit for bit (the errors are compared as integers)."""
     ensure_cpu_kernels("wait")
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(600, 2, 64, generator=gen)
+    x = torch.randn(600, 2, 72, generator=gen)
     x *= torch.exp2(torch.randint(-140, 120, (600, 2, 1), generator=gen).float())
-    x[:40] = torch.randint(-127, 128, (40, 2, 64), generator=gen).float()  # ties
+    x[:40] = torch.randint(-127, 128, (40, 2, 72), generator=gen).float()  # ties
     x[40:60] = torch.rand(20, 2, 1, generator=gen) * 7  # constant vectors
     x[60, 0] = 0.0
     x = x.to(dtype)
     slots = torch.arange(600)
-    cache, scales = torch.zeros(2, 150, 4, 64, dtype=torch.int8), torch.zeros(2, 150, 4)
+    cache, scales = torch.zeros(2, 150, 4, 72, dtype=torch.int8), torch.zeros(2, 150, 4)
     quantize_into_per_token(cache, scales, slots, x)
     cache2, scales2 = torch.zeros_like(cache), torch.zeros_like(scales)
     torch.ops.pagedkv_cpu.write_kv_int8_(x, cache2, scales2, slots)
