@@ -1130,54 +1130,66 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
 }
 
 // int8 KV write (kv_int8.py's scheme, in one pass): for x [T, KVH, D] (strided rows), each
-// token's and head's scale s (of the candidates 1 + i / 256, i = -16 .. 16, times
+// token's and head's scale s (of the 32 candidates 1 + i / 256, i = -16 .. 15, times
 // max|x| / 127: the least squared round-trip error, the first of equals) goes to
 // scales[h, slot[t]] and round(x / s) (half to even, within +-127; 0 for a zero vector) to
 // cache[h, slot[t]]. The errors are counted exactly, as kv_int8._squared_errors does: x - q s in
 // double (exact), times 2^(21 - e) (max|x| / 127 = m 2^e), rounded to an integer, squared and
 // summed in int64, so this picks the scale the torch path picks. Slots < 0 are skipped.
-constexpr int INT8_SCALE_STEPS = 16;  // candidates 1 + i / 256 for |i| <= this
+constexpr int INT8_SCALE_STEPS = 16;  // candidates 1 + i / 256 for -this <= i < this
+constexpr int INT8_CANDIDATES = 2 * INT8_SCALE_STEPS;
 constexpr int INT8_ERROR_BITS = 20;
 
-// The squared round-trip error of x [d] (float32) as round(x / s) (within +-127), in the exact
-// units above (`unit_scale` = 2^(ERROR_BITS + 1 - e)); writes the rounded values to q. 16 lanes
-// at a time with AVX-512 (DQ: int64 conversions and products), the same arithmetic lane by lane.
-inline int64_t int8_round_trip_error(const float* x, int64_t d, float s, double unit_scale,
-                                     float* q) {
-  int64_t err = 0;
-  int64_t j = 0;
+// err[c] := the squared round-trip error of x [d] (float32) as round(x / cand[c]) (within
+// +-127), in the exact units above (`unit_scale` = 2^(ERROR_BITS + 1 - e)). With AVX-512 (DQ:
+// int64 conversions and products) a lane per candidate, 16 at a time, one element of x after
+// another: no horizontal sums; the same arithmetic as the scalar loop.
+inline void int8_candidate_errors(const float* x, int64_t d, const float* cand, double unit_scale,
+                                  int64_t* err) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
+  static_assert(INT8_CANDIDATES % 16 == 0);
   constexpr int NEAREST = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
-  const __m512d sd = _mm512_set1_pd(s), ud = _mm512_set1_pd(unit_scale);
-  __m512i acc = _mm512_setzero_si512();
-  for (; j + 16 <= d; j += 16) {
-    const __m512 xv = _mm512_loadu_ps(x + j);
-    const __m512 r = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_div_ps(xv, sv), NEAREST), lo), hi);
-    _mm512_storeu_ps(q + j, r);
-    for (int half = 0; half < 2; half++) {
-      const __m256 xh = half ? _mm512_extractf32x8_ps(xv, 1) : _mm512_castps512_ps256(xv);
-      const __m256 rh = half ? _mm512_extractf32x8_ps(r, 1) : _mm512_castps512_ps256(r);
-      const __m512d diff = _mm512_mul_pd(_mm512_fnmadd_pd(_mm512_cvtps_pd(rh), sd, _mm512_cvtps_pd(xh)), ud);
-      const __m512i units = _mm512_cvt_roundpd_epi64(diff, NEAREST);
-      acc = _mm512_add_epi64(acc, _mm512_mullo_epi64(units, units));
+  constexpr int G = INT8_CANDIDATES / 16;
+  const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  const __m512d ud = _mm512_set1_pd(unit_scale);
+  __m512 sv[G];
+  __m512d sd[2 * G];
+  __m512i acc[2 * G];
+  for (int g = 0; g < G; g++) {
+    sv[g] = _mm512_loadu_ps(cand + 16 * g);
+    sd[2 * g] = _mm512_cvtps_pd(_mm512_castps512_ps256(sv[g]));
+    sd[2 * g + 1] = _mm512_cvtps_pd(_mm512_extractf32x8_ps(sv[g], 1));
+    acc[2 * g] = acc[2 * g + 1] = _mm512_setzero_si512();
+  }
+  for (int64_t j = 0; j < d; j++) {
+    const __m512 xv = _mm512_set1_ps(x[j]);
+    const __m512d xd = _mm512_set1_pd(x[j]);
+    for (int g = 0; g < G; g++) {
+      const __m512 r = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_div_ps(xv, sv[g]), NEAREST), lo), hi);
+      for (int half = 0; half < 2; half++) {
+        const __m256 rh = half ? _mm512_extractf32x8_ps(r, 1) : _mm512_castps512_ps256(r);
+        const __m512d diff = _mm512_mul_pd(_mm512_fnmadd_pd(_mm512_cvtps_pd(rh), sd[2 * g + half], xd), ud);
+        const __m512i units = _mm512_cvt_roundpd_epi64(diff, NEAREST);
+        acc[2 * g + half] = _mm512_add_epi64(acc[2 * g + half], _mm512_mullo_epi64(units, units));
+      }
     }
   }
-  err = _mm512_reduce_add_epi64(acc);
-#endif
-  for (; j < d; j++) {
-    const float r = std::min(std::max(std::nearbyint(x[j] / s), -127.f), 127.f);
-    q[j] = r;
-    const double diff = (static_cast<double>(x[j]) - static_cast<double>(r) * static_cast<double>(s)) * unit_scale;
-    const int64_t units = static_cast<int64_t>(std::nearbyint(diff));
-    err += units * units;
+  for (int g = 0; g < 2 * G; g++) _mm512_storeu_si512(err + 8 * g, acc[g]);
+#else
+  for (int c = 0; c < INT8_CANDIDATES; c++) {
+    err[c] = 0;
+    for (int64_t j = 0; j < d; j++) {
+      const float r = std::min(std::max(std::nearbyint(x[j] / cand[c]), -127.f), 127.f);
+      const double diff = (static_cast<double>(x[j]) - static_cast<double>(r) * static_cast<double>(cand[c])) * unit_scale;
+      const int64_t units = static_cast<int64_t>(std::nearbyint(diff));
+      err[c] += units * units;
+    }
   }
-  return err;
+#endif
 }
 
 // One vector x [d] (float32) quantized to dst [d] (int8); returns its scale (0 for zeros).
-// `q`, `best`: scratch of d floats.
-inline float quantize_int8_vector(const float* x, int64_t d, int8_t* dst, float* q, float* best) {
+inline float quantize_int8_vector(const float* x, int64_t d, int8_t* dst) {
   float amax = 0.f;
 #pragma omp simd reduction(max : amax)
   for (int64_t j = 0; j < d; j++) amax = std::max(amax, std::abs(x[j]));
@@ -1185,20 +1197,18 @@ inline float quantize_int8_vector(const float* x, int64_t d, int8_t* dst, float*
   const float safe = base > 0.f ? base : 1.f;
   int e = 0;
   std::frexp(safe, &e);
-  const double unit_scale = std::ldexp(1.0, INT8_ERROR_BITS + 1 - e);
-  float best_s = 0.f;
-  int64_t best_err = std::numeric_limits<int64_t>::max();
-  for (int i = -INT8_SCALE_STEPS; i <= INT8_SCALE_STEPS; i++) {
-    const float s = safe * (1.f + static_cast<float>(i) / 256.f);
-    const int64_t err = int8_round_trip_error(x, d, s, unit_scale, q);
-    if (err < best_err) {
-      best_err = err;
-      best_s = s;
-      std::memcpy(best, q, d * sizeof(float));
-    }
-  }
-  for (int64_t j = 0; j < d; j++) dst[j] = static_cast<int8_t>(best[j]);
-  return base > 0.f ? best_s : 0.f;
+  alignas(64) float cand[INT8_CANDIDATES];
+  alignas(64) int64_t err[INT8_CANDIDATES];
+  for (int c = 0; c < INT8_CANDIDATES; c++)
+    cand[c] = safe * (1.f + static_cast<float>(c - INT8_SCALE_STEPS) / 256.f);
+  int8_candidate_errors(x, d, cand, std::ldexp(1.0, INT8_ERROR_BITS + 1 - e), err);
+  int best = 0;
+  for (int c = 1; c < INT8_CANDIDATES; c++)
+    if (err[c] < err[best]) best = c;
+  const float s = cand[best];
+  for (int64_t j = 0; j < d; j++)
+    dst[j] = static_cast<int8_t>(std::min(std::max(std::nearbyint(x[j] / s), -127.f), 127.f));
+  return base > 0.f ? s : 0.f;
 }
 
 void write_kv_int8_(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales,
@@ -1219,13 +1229,13 @@ void write_kv_int8_(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales,
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const int64_t s0 = x.stride(0), s1 = x.stride(1);
     at::parallel_for(0, t, 64, [&](int64_t begin, int64_t end) {
-      std::vector<float> xf(d), qf(d), best(d);
+      std::vector<float> xf(d);
       for (int64_t i = begin; i < end; i++) {
         if (sp[i] < 0) continue;
         for (int64_t h = 0; h < kvh; h++) {
           const scalar_t* src = xp + i * s0 + h * s1;
           for (int64_t j = 0; j < d; j++) xf[j] = to_f(src[j]);
-          const float s = quantize_int8_vector(xf.data(), d, cp + (h * slots + sp[i]) * d, qf.data(), best.data());
+          const float s = quantize_int8_vector(xf.data(), d, cp + (h * slots + sp[i]) * d);
           scp[h * slots + sp[i]] = s;
         }
       }

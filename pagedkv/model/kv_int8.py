@@ -25,9 +25,9 @@ import torch
 INT8_MAX = 127.0
 
 
-# The candidate scales, in units of max|x| / 127: 1 + i / 256 for i = -16 .. 16 (exact in float32;
+# The candidate scales, in units of max|x| / 127: 1 + i / 256 for i = -16 .. 15 (exact in float32;
 # ties go to the first, the smallest). The C++ write (cpu_ops.cpp, write_kv_int8_) uses the same.
-SCALE_FACTORS = tuple(1.0 + i / 256 for i in range(-16, 17))
+SCALE_FACTORS = tuple(1.0 + i / 256 for i in range(-16, 16))
 # The squared errors are counted in units of 2^-ERROR_BITS of a power of two near max|x| / 127.
 ERROR_BITS = 20
 
