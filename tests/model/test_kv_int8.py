@@ -176,10 +176,14 @@ def test_in_place_decode_kernel_matches_the_dequantized_reference():
 @pytest.mark.slow
 def test_the_avx2_build_of_the_kernel_matches_the_reference_too():
     """PAGEDKV_CPU_ISA=avx2 builds the library without AVX-512 (another build key, so another
-    library: Zen 3's 8-lane code), and its in-place decode passes the same check."""
+    library: Zen 3's 8-lane code), and its in-place decode passes the same check; its int8
+    write (the scalar error loop) picks the same scales as torch."""
     env = {**os.environ, "PAGEDKV_CPU_ISA": "avx2"}
-    code = ("import json; from pagedkv.kernels.cpu import library_path; "
+    code = ("import json, torch; from pagedkv.kernels.cpu import library_path; "
             "from pagedkv.testing.quantized_decode_check import check_quantized_decode; "
+            "from tests.model.test_kv_int8 import "
+            "test_the_kernel_picks_the_same_scale_as_torch_for_every_vector as same_scales; "
+            "same_scales(torch.float32); same_scales(torch.bfloat16); "
             "print(json.dumps([str(library_path()), check_quantized_decode()]))")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=900)
