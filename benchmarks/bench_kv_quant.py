@@ -5,7 +5,7 @@
     PYTHONPATH=. python benchmarks/bench_kv_quant.py --prefill-len 2048 [--throughput-formats
         auto,int8] [--throughput-dtype bfloat16] [--threads 1]
     PYTHONPATH=. python benchmarks/bench_kv_quant.py --kl [--kl-contexts 256,2048]
-        [--kl-sequences 2] [--kl-kernels off|wait] [--kl-skew 1024] [--json]
+        [--kl-sequences 2] [--kl-seed 0] [--kl-kernels off|wait] [--kl-skew 1024] [--json]
 
 0. `--kl` (only this): KL divergence of every cache format against a float32-exact cache on the
    benchmark model in float32 and bfloat16 weights, short and long context (kv_kl.py);
@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the KL-divergence quality table (kv_kl.py)")
     parser.add_argument("--kl-contexts", default="256,2048", help="sequence lengths, comma-separated")
     parser.add_argument("--kl-sequences", type=int, default=2, help="sequences per context")
+    parser.add_argument("--kl-seed", type=int, default=0,
+                        help="which fixed set of pseudo-random sequences (KL's spread across sets)")
     parser.add_argument("--kl-formats", default=None,
                         help="only these cache formats (comma-separated; default: all)")
     parser.add_argument("--kl-kernels", default="off", choices=("off", "wait"),
@@ -257,7 +259,7 @@ def kl_main(args: argparse.Namespace) -> int:
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
             rows += kl_table(model_dir, dtype, contexts, args.kl_sequences, vocab,
                              only=args.kl_formats.split(",") if args.kl_formats else None,
-                             kernels=args.kl_kernels)
+                             kernels=args.kl_kernels, seed=args.kl_seed)
     if args.json:
         print(json.dumps(rows, indent=2))
     return 0

@@ -100,14 +100,15 @@ def kv_rounding_errors(kv: torch.Tensor, seed: int = 0) -> dict[str, float]:
 
 def kl_table(model_dir: Path, weight_dtype: str, contexts: list[int], num_seqs: int,
              vocab: int, chunk: int = 256, only: list[str] | None = None,
-             kernels: str = "off") -> list[dict]:
+             kernels: str = "off", seed: int = 0) -> list[dict]:
     """One row per (context, format): mean / p99 / max KL against the float32-exact cache, top-1
     agreement, and (bfloat16 weights) the KL against the model-dtype cache. `only`: just these
     formats (the model-dtype cache still runs, as the second reference). `kernels`: the
-    candidates' CPU path (runner_logits); the reference is always the pure-torch one."""
+    candidates' CPU path (runner_logits); the reference is always the pure-torch one. `seed`:
+    which set of token sequences (`sequences`)."""
     rows = []
     for length in contexts:
-        seqs = sequences(num_seqs, length, vocab)
+        seqs = sequences(num_seqs, length, vocab, seed)
         ref = runner_logits(model_dir, "float32", "float32", seqs, chunk)
         errors = kv_rounding_errors(exact_kv(model_dir, seqs[0], chunk))
         print(f"[{weight_dtype} weights, {length} tokens] squared round-trip error, int8 / "
@@ -121,7 +122,7 @@ def kl_table(model_dir: Path, weight_dtype: str, contexts: list[int], num_seqs: 
             if fmt == "auto":
                 own = got
             kl = kl_divergence(ref, got)
-            row = dict(weights=weight_dtype, context=length, kernels=kernels,
+            row = dict(weights=weight_dtype, context=length, kernels=kernels, seed=seed,
                        cache=weight_dtype if fmt == "auto" else fmt, mean_kl=kl.mean_kl,
                        p99_kl=kl.p99_kl, max_kl=kl.max_kl, top1=kl.top1_agreement,
                        positions=kl.positions)

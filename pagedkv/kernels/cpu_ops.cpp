@@ -312,6 +312,11 @@ inline vqf halves_to_float(vqu16 h) {
 #endif
 }
 
+// One fp8 value's float16 bits (e5m2: its top byte; e4m3fn: 2^-8 of the value, see above).
+template <bool e4m3> inline uint16_t fp8_half(uint8_t x) {
+  return e4m3 ? static_cast<uint16_t>(((x & 0x80) << 8) | ((x & 0x7F) << 7)) : static_cast<uint16_t>(x << 8);
+}
+
 // The storage formats of a KV cache block: `widen(src, dst, n)` writes n float32 values.
 template <typename T> struct SameFmt {  // the activation dtype itself
   using storage = T;
@@ -326,39 +331,44 @@ struct Int8Fmt {
     for (int64_t j = 0; j < n; j++) d[j] = static_cast<float>(s[j]);  // vpmovsxbd + vcvtdq2ps
   }
 };
-struct E5M2Fmt {
+// QW fp8 values at p as the float16 bits that widen them (e4m3: 2^-8 of the value): one
+// widening load and one shift (e5m2), or a sign-extending load, a shift and an AND (e4m3fn:
+// sign-extended, bit 14 copies the sign bit, cleared; the 7 low bits land on the float16's
+// exponent and mantissa). __builtin_convertvector from uint8 lanes costs GCC 12 two half-width
+// widenings and an insert.
+template <bool e4m3> inline vqu16 fp8_halves(const uint8_t* p) {
+#if PAGEDKV_QW == 16
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (e4m3)
+    return (vqu16)_mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(int16_t(0xBFFF)));
+  else return (vqu16)_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if constexpr (e4m3) return (vqu16)_mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16(int16_t(0xBFFF)));
+  else return (vqu16)_mm_slli_epi16(_mm_cvtepu8_epi16(b), 8);
+#else
+  vqu16 h;
+  for (int i = 0; i < QW; i++) h[i] = fp8_half<e4m3>(p[i]);
+  return h;
+#endif
+}
+
+// fp8 blocks (e4m3 = true: e4m3fn, else e5m2) widened exactly through float16 (above).
+template <bool e4m3> struct Fp8Fmt {
   using storage = uint8_t;
   static constexpr bool quantized = true;
+  static constexpr float unit = e4m3 ? 256.f : 1.f;  // fp8_halves' values x unit: the stored ones
   static void widen(const uint8_t* s, float* d, int64_t n) {
     int64_t j = 0;
     for (; j + QW <= n; j += QW) {
-      vqu8 v;
-      std::memcpy(&v, s + j, sizeof(v));
-      const vqf f = halves_to_float(__builtin_convertvector(v, vqu16) << 8);
+      const vqf f = halves_to_float(fp8_halves<e4m3>(s + j)) * unit;
       std::memcpy(d + j, &f, sizeof(f));
     }
-    for (; j < n; j++)
-      d[j] = static_cast<float>(c10::Half(static_cast<uint16_t>(s[j] << 8), c10::Half::from_bits()));
+    for (; j < n; j++) d[j] = static_cast<float>(c10::Half(fp8_half<e4m3>(s[j]), c10::Half::from_bits())) * unit;
   }
 };
-struct E4M3Fmt {
-  using storage = uint8_t;
-  static constexpr bool quantized = true;
-  static void widen(const uint8_t* s, float* d, int64_t n) {
-    int64_t j = 0;
-    for (; j + QW <= n; j += QW) {
-      vqu8 v;
-      std::memcpy(&v, s + j, sizeof(v));
-      const vqu16 w = __builtin_convertvector(v, vqu16);
-      const vqf f = halves_to_float(((w & 0x80) << 8) | ((w & 0x7F) << 7)) * 256.f;
-      std::memcpy(d + j, &f, sizeof(f));
-    }
-    for (; j < n; j++) {
-      const uint16_t h = static_cast<uint16_t>(((s[j] & 0x80) << 8) | ((s[j] & 0x7F) << 7));
-      d[j] = static_cast<float>(c10::Half(h, c10::Half::from_bits())) * 256.f;
-    }
-  }
-};
+using E5M2Fmt = Fp8Fmt<false>;
+using E4M3Fmt = Fp8Fmt<true>;
 
 // One block of n scores p of one query head through the online softmax: p becomes
 // exp(p - max), the running max m and sum l take the block in; returns the factor the head's
@@ -515,11 +525,7 @@ template <typename Fmt> inline vqf fmt_vec(const typename Fmt::storage* p) {
     return f;
 #endif
   } else if constexpr (std::is_same_v<Fmt, E5M2Fmt> || std::is_same_v<Fmt, E4M3Fmt>) {
-    vqu8 v;
-    std::memcpy(&v, p, sizeof(v));
-    const vqu16 w = __builtin_convertvector(v, vqu16);
-    if constexpr (std::is_same_v<Fmt, E5M2Fmt>) return halves_to_float(w << 8);
-    else return halves_to_float(((w & 0x80) << 8) | ((w & 0x7F) << 7));  // x 2^-8: fmt_unit
+    return halves_to_float(fp8_halves<std::is_same_v<Fmt, E4M3Fmt>>(p));  // e4m3: x 2^-8, fmt_unit
   } else {
     return row_vec(p);
   }
@@ -527,7 +533,7 @@ template <typename Fmt> inline vqf fmt_vec(const typename Fmt::storage* p) {
 
 // fmt_vec(p) x fmt_unit<Fmt> is the stored value (e4m3 widens to 2^-8 of it: the 2^8 goes once
 // into q and once onto the output instead of onto every element; exact, a power of two).
-template <typename Fmt> constexpr float fmt_unit = std::is_same_v<Fmt, E4M3Fmt> ? 256.f : 1.f;
+template <typename Fmt> constexpr float fmt_unit = std::is_same_v<Fmt, E4M3Fmt> ? E4M3Fmt::unit : 1.f;
 
 // acc + the pairwise products of a and b summed in pairs (int16 x int16 -> int32).
 inline vqi32 dot_pairs(vqi32 acc, vqs16 a, vqs16 b) {
@@ -1125,8 +1131,87 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
 }
 
 // int8 KV write (kv_int8.py's scheme, in one pass): for x [T, KVH, D] (strided rows), each
-// token's and head's scale s = max|x| / 127 goes to scales[h, slot[t]] and round(x / s) (half
-// to even; 0 for s = 0) to cache[h, slot[t]]. Slots < 0 are skipped.
+// token's and head's scale s (of the 32 candidates 1 + i / 256, i = -16 .. 15, times
+// max|x| / 127: the least squared round-trip error, the first of equals) goes to
+// scales[h, slot[t]] and round(x / s) (half to even, within +-127; 0 for a zero vector) to
+// cache[h, slot[t]]. The errors are counted exactly, as kv_int8._squared_errors does: x - q s in
+// double (exact), times 2^(21 - e) (max|x| / 127 = m 2^e), rounded to an integer, squared and
+// summed in int64, so this picks the scale the torch path picks. Slots < 0 are skipped.
+constexpr int INT8_SCALE_STEPS = 16;  // candidates 1 + i / 256 for -this <= i < this
+constexpr int INT8_CANDIDATES = 2 * INT8_SCALE_STEPS;
+constexpr int INT8_ERROR_BITS = 20;
+
+// err[c] := the squared round-trip error of x [d] (float32) as round(x / cand[c]) (within
+// +-127), in the exact units above (`unit_scale` = 2^(ERROR_BITS + 1 - e)). With AVX-512 (DQ:
+// int64 conversions and products) a lane per candidate, 16 at a time, one element of x after
+// another: no horizontal sums; the same arithmetic as the scalar loop.
+inline void int8_candidate_errors(const float* x, int64_t d, const float* cand, double unit_scale,
+                                  int64_t* err) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  static_assert(INT8_CANDIDATES % 16 == 0);
+  constexpr int NEAREST = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  constexpr int G = INT8_CANDIDATES / 16;
+  const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  const __m512d ud = _mm512_set1_pd(unit_scale);
+  __m512 sv[G];
+  __m512d sd[2 * G];
+  __m512i acc[2 * G];
+  for (int g = 0; g < G; g++) {
+    sv[g] = _mm512_loadu_ps(cand + 16 * g);
+    sd[2 * g] = _mm512_cvtps_pd(_mm512_castps512_ps256(sv[g]));
+    sd[2 * g + 1] = _mm512_cvtps_pd(_mm512_extractf32x8_ps(sv[g], 1));
+    acc[2 * g] = acc[2 * g + 1] = _mm512_setzero_si512();
+  }
+  for (int64_t j = 0; j < d; j++) {
+    const __m512 xv = _mm512_set1_ps(x[j]);
+    const __m512d xd = _mm512_set1_pd(x[j]);
+    for (int g = 0; g < G; g++) {
+      const __m512 r = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_div_ps(xv, sv[g]), NEAREST), lo), hi);
+      for (int half = 0; half < 2; half++) {
+        const __m256 rh = half ? _mm512_extractf32x8_ps(r, 1) : _mm512_castps512_ps256(r);
+        const __m512d diff = _mm512_mul_pd(_mm512_fnmadd_pd(_mm512_cvtps_pd(rh), sd[2 * g + half], xd), ud);
+        const __m512i units = _mm512_cvt_roundpd_epi64(diff, NEAREST);
+        acc[2 * g + half] = _mm512_add_epi64(acc[2 * g + half], _mm512_mullo_epi64(units, units));
+      }
+    }
+  }
+  for (int g = 0; g < 2 * G; g++) _mm512_storeu_si512(err + 8 * g, acc[g]);
+#else
+  for (int c = 0; c < INT8_CANDIDATES; c++) {
+    err[c] = 0;
+    for (int64_t j = 0; j < d; j++) {
+      const float r = std::min(std::max(std::nearbyint(x[j] / cand[c]), -127.f), 127.f);
+      const double diff = (static_cast<double>(x[j]) - static_cast<double>(r) * static_cast<double>(cand[c])) * unit_scale;
+      const int64_t units = static_cast<int64_t>(std::nearbyint(diff));
+      err[c] += units * units;
+    }
+  }
+#endif
+}
+
+// One vector x [d] (float32) quantized to dst [d] (int8); returns its scale (0 for zeros).
+inline float quantize_int8_vector(const float* x, int64_t d, int8_t* dst) {
+  float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+  for (int64_t j = 0; j < d; j++) amax = std::max(amax, std::abs(x[j]));
+  const float base = amax / 127.f;
+  const float safe = base > 0.f ? base : 1.f;
+  int e = 0;
+  std::frexp(safe, &e);
+  alignas(64) float cand[INT8_CANDIDATES];
+  alignas(64) int64_t err[INT8_CANDIDATES];
+  for (int c = 0; c < INT8_CANDIDATES; c++)
+    cand[c] = safe * (1.f + static_cast<float>(c - INT8_SCALE_STEPS) / 256.f);
+  int8_candidate_errors(x, d, cand, std::ldexp(1.0, INT8_ERROR_BITS + 1 - e), err);
+  int best = 0;
+  for (int c = 1; c < INT8_CANDIDATES; c++)
+    if (err[c] < err[best]) best = c;
+  const float s = cand[best];
+  for (int64_t j = 0; j < d; j++)
+    dst[j] = static_cast<int8_t>(std::min(std::max(std::nearbyint(x[j] / s), -127.f), 127.f));
+  return base > 0.f ? s : 0.f;
+}
+
 void write_kv_int8_(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales,
                     const at::Tensor& slot_mapping) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && cache.is_contiguous() &&
@@ -1145,21 +1230,13 @@ void write_kv_int8_(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales,
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const int64_t s0 = x.stride(0), s1 = x.stride(1);
     at::parallel_for(0, t, 64, [&](int64_t begin, int64_t end) {
+      std::vector<float> xf(d);
       for (int64_t i = begin; i < end; i++) {
         if (sp[i] < 0) continue;
         for (int64_t h = 0; h < kvh; h++) {
           const scalar_t* src = xp + i * s0 + h * s1;
-          float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-          for (int64_t j = 0; j < d; j++) amax = std::max(amax, std::abs(to_f(src[j])));
-          const float s = amax / 127.f;
-          const float div = s > 0.f ? s : 1.f;
-          int8_t* dst = cp + (h * slots + sp[i]) * d;
-#pragma omp simd
-          for (int64_t j = 0; j < d; j++) {
-            const float r = std::nearbyint(to_f(src[j]) / div);
-            dst[j] = static_cast<int8_t>(std::min(std::max(r, -127.f), 127.f));
-          }
+          for (int64_t j = 0; j < d; j++) xf[j] = to_f(src[j]);
+          const float s = quantize_int8_vector(xf.data(), d, cp + (h * slots + sp[i]) * d);
           scp[h * slots + sp[i]] = s;
         }
       }

@@ -144,6 +144,7 @@ def test_triton_backend_reads_the_fp8_cache_too(tiny_llama):
                                             device="cpu"), prompt, cont, chunk_size=8)
     runner = ModelRunner(tiny_llama, block_size=4, num_blocks=16, device="cpu",
                          attention_backend="cuda", kv_cache_dtype="fp8")
-    assert runner.attn_backend.name == "triton"
+    from pagedkv.model.backends.triton_paged import TritonPagedBackend
+    assert isinstance(runner.attn_backend, TritonPagedBackend)  # not wrapped: read in place
     got = compare_logits(ref, teacher_forced_logits(runner, prompt, cont, chunk_size=8))
     assert 0.0 < got.max_abs_error < LOGIT_BOUND["fp8"], got

@@ -91,3 +91,37 @@ def test_every_token_of_a_step_reads_the_quantized_cache_in_place(cache_dtype, w
     rows = 1 if unstored else t  # an unstored token's chunk reads it from the compact copy
     err = float((out[:rows].float() - ref[:rows]).abs().max() / ref[:rows].abs().max())
     assert err < 1e-2, err  # a bfloat16 output's rounding
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("shared", [False, True])
+def test_every_fp8_value_widens_exactly(cache_dtype, shared):
+    """Every finite fp8 byte (subnormals, both signs) as a value read in place: row r's key r
+    outscores the earlier ones by 128 nats, so its output is value row r itself, widened in
+    registers (`shared` False: each row its own block) or in a tile's widened copy (True: the
+    rows of one block table). NaN / inf bytes are left out (the writes saturate)."""
+    ensure_cpu_kernels("wait")
+    rows, d = 4, 64
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = torch.isfinite(codes.view(cache_dtype).float())
+    values = torch.where(finite, codes, torch.zeros_like(codes)).view(rows, d)
+    shape = (1, rows + 1, BLOCK, d)
+    k_cache, v_cache = torch.zeros(shape, dtype=torch.uint8), torch.zeros(shape, dtype=torch.uint8)
+    keys = torch.zeros(rows, d)
+    keys[:, 0] = 128.0 * torch.arange(rows)
+    if shared:  # rows 0..3 are the first 4 positions of block 1
+        tables, lens = [[1]] * rows, list(range(1, rows + 1))
+        v_cache[0, 1, :rows], k_cache[0, 1, :rows] = values, keys.to(cache_dtype).view(torch.uint8)
+    else:  # row r is position 0 of block r + 1
+        tables, lens = [[r + 1] for r in range(rows)], [1] * rows
+        v_cache[0, 1:, 0], k_cache[0, 1:, 0] = values, keys.to(cache_dtype).view(torch.uint8)
+    q = torch.zeros(rows, 1, d)
+    q[:, 0, 0] = 1.0
+    out = torch.full_like(q, float("nan"))
+    torch.ops.pagedkv_cpu.paged_decode_attention_q(
+        q, k_cache.view(cache_dtype), v_cache.view(cache_dtype), None, None,
+        torch.tensor(tables), torch.zeros(rows, dtype=torch.long), torch.tensor(lens), 1.0, out,
+        None)
+    # The outscored keys' weights are the kernel's fast exp floor (~1e-38), not exp(-128):
+    # 1e-30 is far below the smallest fp8 value (2^-16), so this is exact per value.
+    torch.testing.assert_close(out[:, 0], values.view(cache_dtype).float(), rtol=0, atol=1e-30)

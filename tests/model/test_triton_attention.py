@@ -21,6 +21,8 @@ from pagedkv.model.backends.triton_paged import (  # noqa: E402
     TritonPagedBackend,
     store_kv,
 )
+from pagedkv.model.kv_int8 import quantize_into_per_token, round_trip_per_token  # noqa: E402
+from pagedkv.model.kv_quant import KVScales, dequantize, quantize, quantize_into  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -145,3 +147,75 @@ def test_padded_rows_leave_real_rows_alone():
     assert torch.equal(got[:2], want)
     kc.view(2, -1, 16)[:, step.slot_mapping] = k.to(DEVICE).transpose(0, 1)
     assert torch.equal(kc2, kc)
+
+
+# Quantized caches read in place by the same kernels: (cache dtype, fp8 scales). int8 has its
+# per-token-head scales beside the blocks; fp8 per-head scales (one per KV head, folded into q
+# and the output by KVScales.attend) or one per layer.
+QUANTIZED = {
+    "int8": (torch.int8, None),
+    "fp8_e4m3/per_head": (torch.float8_e4m3fn, KVScales(k_scale=(0.5, 4.0), v_scale=(2.0, 0.25))),
+    "fp8_e5m2/per_head": (torch.float8_e5m2, KVScales(k_scale=(0.25, 2.0), v_scale=(1.0, 0.5))),
+    "fp8_e4m3/per_layer": (torch.float8_e4m3fn, KVScales(k_scale=2.0, v_scale=0.5)),
+}
+# Decodes over several blocks, a first chunk and a chunk continuing a cached prefix that ends
+# mid-block; GQA 3 (6 query heads on 2 KV heads), block size 4.
+QUANTIZED_SEQS = [(21, 1), (6, 1), (0, 6), (9, 7)]
+
+
+def _per_head(scale, device=DEVICE) -> torch.Tensor:
+    """An fp8 scale (one per layer, or a tuple of one per KV head) as a [kv_heads or 1, 1]
+    tensor dividing or multiplying K/V [T, kv_heads, D]."""
+    return torch.tensor(scale, device=device).reshape(-1, 1)
+
+
+def _stored(x: torch.Tensor, dtype: torch.dtype, scale) -> torch.Tensor:
+    """x [T, kv_heads, D] (float32) as a `dtype` cache gives it back (fp8: stored divided by
+    `scale`, read back times it)."""
+    if dtype == torch.int8:
+        return round_trip_per_token(x)
+    s = _per_head(scale, x.device)
+    return dequantize(quantize(x / s, dtype), torch.float32) * s
+
+
+@pytest.mark.parametrize("fmt", sorted(QUANTIZED))
+@pytest.mark.parametrize("window", [None, 5])
+def test_quantized_cache_read_in_place_matches_the_dequantized_reference(fmt, window):
+    """The kernels over int8 / fp8 blocks (cached prefixes stored beforehand, the step's own
+    K/V stored by store_kv) against the dense float64 attention over the dequantized K/V: the
+    same values, so float32 rounding apart (well below the formats' own error, checked too)."""
+    dtype, scales = QUANTIZED[fmt]
+    seqs = QUANTIZED_SEQS
+    q, k, v, (k32, _), step, full = make_step(5, 4, 6, 2, 16, seqs, torch.float32)
+    k_cache = torch.zeros(k32.shape, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros(k32.shape, dtype=dtype, device=DEVICE)
+    ks = vs = None
+    if scales is None:
+        ks = torch.zeros(k32.shape[:-1], device=DEVICE)
+        vs = torch.zeros(k32.shape[:-1], device=DEVICE)
+    bs = step.block_size
+    for (cached, _), table, (kf, vf) in zip(seqs, step.block_tables, full, strict=True):
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(cached)],
+                             dtype=torch.long, device=DEVICE)
+        if scales is None:
+            quantize_into_per_token(k_cache, ks, slots, kf[:cached].to(DEVICE))
+            quantize_into_per_token(v_cache, vs, slots, vf[:cached].to(DEVICE))
+        else:
+            quantize_into(k_cache, slots, kf[:cached].to(DEVICE) / _per_head(scales.k_scale))
+            quantize_into(v_cache, slots, vf[:cached].to(DEVICE) / _per_head(scales.v_scale))
+    meta = TritonPagedBackend(DEVICE).build_metadata(step)
+    args = (q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), k_cache, v_cache, 0.25, window)
+    out = meta.attend(*args, k_scales=ks, v_scales=vs) if scales is None \
+        else scales.attend(meta, *args)
+    tol = 2e-3 if DEVICE.type == "cuda" else 1e-5  # tf32 dots on GPU; float32 in the interpreter
+    tok = 0
+    for (cached, new), (kf, vf) in zip(seqs, full, strict=True):
+        kq = _stored(kf, dtype, scales and scales.k_scale)
+        vq = _stored(vf, dtype, scales and scales.v_scale)
+        ref = dense_reference(q[tok:tok + new], kq, vq, cached, window, 0.25)
+        got = out[tok:tok + new].double().cpu()
+        err = float((got - ref).norm() / ref.norm())
+        assert err < tol, (fmt, cached, new, err)
+        unquantized = dense_reference(q[tok:tok + new], kf, vf, cached, window, 0.25)
+        assert float((unquantized - ref).norm() / ref.norm()) > 1e-3  # the format shows, err not
+        tok += new
