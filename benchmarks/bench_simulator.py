@@ -339,6 +339,16 @@ def scaled(latency, factor: float):
     return FittedLatency({k: v * factor for k, v in latency.coefficients.items()}, latency.meta)
 
 
+def other_loads(logs: dict, load: float) -> tuple[list, list]:
+    """(shapes, times) of every load's server steps but `load`'s."""
+    shapes, times = [], []
+    for other, (s, t) in logs.items():
+        if other != load:
+            shapes += s
+            times += t
+    return shapes, times
+
+
 def accuracy(args: argparse.Namespace) -> list[dict]:
     from pagedkv.engine.args import EngineArgs
     from pagedkv.sim.frontend import NO_DELAYS, FrontendDelays
@@ -390,10 +400,17 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
         print(f"slice: {len(base)} requests, native rate {native:.2f} req/s; simulated "
               f"capacity {capacity:.2f} req/s at the profile's machine share", flush=True)
         print(f"fitted: {latency.coefficients}", flush=True)
+        # Every load's real run first: each load's model may then be calibrated on the
+        # OTHER loads' server steps (out of sample: what an operator who calibrated on
+        # earlier runs would predict for a new load).
+        runs = {}
         for load in [] if args.profile_only else args.loads:
             trace = scale_trace(base, time_scale=native / (load * capacity))
             steps_path = tmp / f"steps-{load}.jsonl"
-            real = real_run(model_dir, trace, vocab, args.blocks, tmp, steps_path)
+            runs[load] = (trace, steps_path,
+                          real_run(model_dir, trace, vocab, args.blocks, tmp, steps_path))
+        logs = {load: read_step_log(path) for load, (_, path, _) in runs.items()}
+        for load, (trace, steps_path, real) in runs.items():
             if args.keep_step_logs:
                 Path(args.keep_step_logs).mkdir(parents=True, exist_ok=True)
                 shutil.copy(steps_path, args.keep_step_logs)
@@ -420,6 +437,8 @@ def accuracy(args: argparse.Namespace) -> list[dict]:
             fits = {"profile": latency,
                     "profile x run share": scaled(latency, run_share),
                     "profile calibrated": calibrate(latency, shapes, times),
+                    **({"profile calibrated on other loads": calibrate(
+                        latency, *other_loads(logs, load))} if len(logs) > 1 else {}),
                     "own steps (wall)": FittedLatency.fit(shapes, times)}
             cal = fits["profile calibrated"].meta["calibration"]
             print(f"load {load:.0%}: profile calibrated to the server's steps: "
