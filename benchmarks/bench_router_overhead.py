@@ -15,10 +15,12 @@ older commit: before/after in one run), and `vllm-router cache_aware` when its e
 exists. Each round sends one request to every target, in a rotating order: streamed
 completions (the TTFT is the first data event) and every `--plain-every`-th round a
 non-streaming one; prompts are `--prompt-tokens` token ids, rounds sharing eight prefixes.
-Printed per target: TTFT and E2E mean / p50 / p99, and the latency added over `direct`
-(paired per round: target - direct) with its ratio to vllm-router's. `--profile` runs our
-kv-aware router under cProfile and writes its stats there. Timings come from a shared
-machine: compare within one run.
+Printed per target: TTFT and E2E mean / p50 / p99, the latency added over `direct`
+(paired per round: target - direct) with its ratio to vllm-router's, and each router process's
+CPU: per request (user + system CPU over the rounds, its health rounds included, over the
+requests it served), at start-up (imports, its first health rounds) and per second idle (its
+health rounds). `--profile` runs our kv-aware router under cProfile and writes its stats there.
+Timings come from a shared machine: compare within one run.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from router_vs_vllm_router import VllmRouterProcess  # noqa: E402
+from router_vs_vllm_router import VllmRouterProcess, process_cpu_seconds  # noqa: E402
 
 from pagedkv.bench.machine import cpu_name  # noqa: E402
 from pagedkv.testing import build_random_model_dir  # noqa: E402
@@ -49,6 +51,7 @@ from tests.server.helpers import free_port  # noqa: E402
 
 PREFIXES = 8
 DIRECT = "direct"
+IDLE_S = 3.0  # seconds every router sits idle before the rounds (its health checks' CPU)
 
 
 class CheckoutRouterProcess(RouterProcess):
@@ -112,10 +115,11 @@ async def one_request(client: httpx.AsyncClient, prompt: list[int],
     return ttft or e2e, e2e
 
 
-async def run_rounds(urls: dict[str, str], work: list[list[int]],
-                     args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
-    """Every target, every round, in rotating order; per target its TTFT / E2E lists and the
-    paired differences with `direct` (streamed requests' TTFT, every request's E2E)."""
+async def run_rounds(urls: dict[str, str], work: list[list[int]], args: argparse.Namespace,
+                     pids: dict[str, int]) -> dict[str, dict[str, list[float]]]:
+    """Every target, every round, in rotating order; per target its TTFT / E2E lists, and for
+    the targets in `pids` (name -> router process id) the CPU seconds it used over the rounds
+    (`cpu_s`)."""
     names = list(urls)
     out = {n: {"ttft": [], "e2e": [], "plain_e2e": []} for n in names}
     clients = {n: httpx.AsyncClient(base_url=u, timeout=30) for n, u in urls.items()}
@@ -123,6 +127,7 @@ async def run_rounds(urls: dict[str, str], work: list[list[int]],
         for warm in range(3):  # connections, first-request paths
             for n in names:
                 await one_request(clients[n], work[warm % len(work)], True)
+        cpu_start = {n: process_cpu_seconds(pid) for n, pid in pids.items()}
         for i, prompt in enumerate(work):
             plain = args.plain_every > 0 and i % args.plain_every == args.plain_every - 1
             order = names[i % len(names):] + names[:i % len(names)]
@@ -133,6 +138,8 @@ async def run_rounds(urls: dict[str, str], work: list[list[int]],
                 else:
                     out[n]["ttft"].append(ttft)
                     out[n]["e2e"].append(e2e)
+        for n, pid in pids.items():
+            out[n]["cpu_s"] = [process_cpu_seconds(pid) - cpu_start[n]]
     finally:
         for client in clients.values():
             await client.aclose()
@@ -150,13 +157,15 @@ def stats(values: list[float]) -> dict[str, float]:
     return {"mean_ms": sum(xs) / len(xs) * 1e3, "p50_ms": pct(0.5), "p99_ms": pct(0.99)}
 
 
-def summarize(raw: dict[str, dict[str, list[float]]]) -> dict[str, dict]:
+def summarize(raw: dict[str, dict[str, list[float]]], work: list) -> dict[str, dict]:
     base = raw[DIRECT]
     rows = {}
     for name, r in raw.items():
         added = {key: [a - b for a, b in zip(r[key], base[key], strict=True)]
                  for key in ("ttft", "e2e", "plain_e2e")}
-        rows[name] = {"ttft": stats(r["ttft"]), "e2e": stats(r["e2e"]),
+        cpu = r.get("cpu_s")
+        rows[name] = {"cpu_ms_per_request": cpu[0] / len(work) * 1e3 if cpu else None,
+                      "ttft": stats(r["ttft"]), "e2e": stats(r["e2e"]),
                       "plain_e2e": stats(r["plain_e2e"]),
                       "added_ttft": stats(added["ttft"]),
                       "added_plain_e2e": stats(added["plain_e2e"])}
@@ -164,7 +173,9 @@ def summarize(raw: dict[str, dict[str, list[float]]]) -> dict[str, dict]:
 
 
 def start_targets(args: argparse.Namespace, model_dir: Path, backends: list[str],
-                  stack: list) -> dict[str, str]:
+                  stack: list, pids: dict[str, int]) -> dict[str, str]:
+    """Start every router target; returns name -> URL. Mutates `stack` (the processes, to
+    stop) and `pids` (name -> process id of each router)."""
     urls = {DIRECT: backends[0]}
     ours = [("pagedkv kv-aware", "kv-aware", None, args.profile),
             ("pagedkv round-robin", "round-robin", None, None)]
@@ -175,11 +186,13 @@ def start_targets(args: argparse.Namespace, model_dir: Path, backends: list[str]
                                      profile=profile)
         stack.append(proc)
         urls[name] = proc.start().url
+        pids[name] = proc.proc.pid
     if args.vllm_router and Path(args.vllm_router).is_file():
         os.environ["VLLM_ROUTER_TOKENIZER"] = str(model_dir)
         proc = VllmRouterProcess(args.vllm_router, backends, "--policy", "cache_aware")
         stack.append(proc)
         urls["vllm-router cache_aware"] = proc.start().url
+        pids["vllm-router cache_aware"] = proc.proc.pid
     return urls
 
 
@@ -197,6 +210,8 @@ def report(rows: dict[str, dict], args: argparse.Namespace) -> None:
         if plain:
             e = r["added_plain_e2e"]
             line += f" | {e['mean_ms']:>8.2f}ms {e['p99_ms']:>6.2f}"
+        if r["cpu_ms_per_request"] is not None:
+            line += f" | CPU {r['cpu_ms_per_request']:.2f} ms/request"
         print(line)
     for ref in ("vllm-router cache_aware", "pagedkv kv-aware @baseline"):
         if ref not in rows:
@@ -205,11 +220,14 @@ def report(rows: dict[str, dict], args: argparse.Namespace) -> None:
             if name.startswith("pagedkv") and name != ref:
                 mine, theirs = rows[name]["added_ttft"], rows[ref]["added_ttft"]
                 print(f"added TTFT {name} / {ref}: mean x{ratio(mine, theirs, 'mean_ms')}, "
-                      f"p50 x{ratio(mine, theirs, 'p50_ms')}, p99 x{ratio(mine, theirs, 'p99_ms')}")
+                      f"p50 x{ratio(mine, theirs, 'p50_ms')}, p99 x{ratio(mine, theirs, 'p99_ms')}"
+                      f"; CPU per request x{ratio(rows[name], rows[ref], 'cpu_ms_per_request')}")
 
 
 def ratio(a: dict, b: dict, key: str) -> str:
-    return f"{a[key] / b[key]:.2f}" if b[key] > 0 else "n/a"
+    if a[key] is None or b[key] is None or b[key] <= 0:
+        return "n/a"
+    return f"{a[key] / b[key]:.2f}"
 
 
 def stage_costs(model_dir: Path, work: list[list[int]], backends: list[str]) -> dict[str, float]:
@@ -328,11 +346,15 @@ def main() -> int:
                                                intermediate_size=64, num_layers=1,
                                                num_heads=2, num_kv_heads=1)
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+            pids: dict[str, int] = {}
             urls = start_targets(args, model_dir, [f"http://127.0.0.1:{p}" for p in ports],
-                                 stack)
-            time.sleep(1.5)  # a first health round everywhere
+                                 stack, pids)
+            startup = {n: process_cpu_seconds(pid) for n, pid in pids.items()}
+            time.sleep(IDLE_S)  # a first health round everywhere; the idle cost of the rest
+            idle = {n: (process_cpu_seconds(pid) - startup[n]) / IDLE_S * 1e3
+                    for n, pid in pids.items()}
             work = prompts(args, vocab)
-            raw = asyncio.run(run_rounds(urls, work, args))
+            raw = asyncio.run(run_rounds(urls, work, args, pids))
             stages = stage_costs(model_dir, work, [f"http://127.0.0.1:{p}" for p in ports])
             scrape = scrape_cost(model_dir, args.scrape_cost) if args.scrape_cost else {}
     finally:
@@ -340,12 +362,17 @@ def main() -> int:
             proc.stop()
         fakes.send_signal(signal.SIGTERM)
         fakes.wait(timeout=10)
-    rows = summarize(raw)
+    rows = summarize(raw, work)
+    for name in pids:
+        rows[name] |= {"startup_cpu_s": startup[name], "idle_cpu_ms_per_s": idle[name]}
     if args.json:
         print(json.dumps({"args": vars(args), "cpu": cpu_name(), "results": rows,
                           "stages_us": stages, "scrape": scrape}, indent=2))
     else:
         report(rows, args)
+        print("router CPU outside requests: " + "; ".join(
+            f"{name}: start-up {startup[name]:.2f} s, idle {idle[name]:.1f} ms per s "
+            f"({len(ports)} backends' health rounds)" for name in pids))
         print("our request path in-process, us per request: " + ", ".join(
             f"{name} {us:.0f}" for name, us in stages.items()))
         if scrape:
