@@ -2,9 +2,9 @@
 
 Mutated only on the router's event loop: `up` by the health checker and by failed requests,
 the scraped gauges and `model_cards` by the health checker, `in_flight`/`queued_blocks` by
-`Router.begin` and the tickets it hands out, `written_blocks`/`written_at` by `Router.begin`, `ejected_until`/`consecutive_failures` by
-`Router.eject` (a request it failed to answer in time, or answered with garbage) and
-`Router.record_success`.
+`Router.begin` and the tickets it hands out, `written_blocks`/`written_at` by `Router.begin`,
+`ejected_until`/`consecutive_failures` by `Router.eject` (a request it failed to answer in
+time, or answered with garbage) and `Router.record_success`.
 """
 
 from __future__ import annotations

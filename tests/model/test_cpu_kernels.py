@@ -3,7 +3,6 @@ replace, op by op and through a whole attention call; and the build's fallback."
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pagedkv.model.attention import AttentionMetadata, PrefillChunk, decode_atte
 from pagedkv.model.backends.cpu_native import NativeAttentionMetadata
 from pagedkv.model.layers import RotaryEmbedding
 from pagedkv.model.ops import LayerOps, apply_rope_reference, rms_norm_reference
+from pagedkv.testing.isa_child import run_with_isa
 from pagedkv.testing.panel_linear_check import check_panel_linear, worst_ratio
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -82,13 +82,8 @@ def test_onednn_bfloat16_meets_the_same_bound_and_the_rule_picks_panels_over_it(
 def test_the_avx2_build_of_panel_linear_is_within_the_bound_too():
     """PAGEDKV_CPU_ISA=avx2 (Zen 3's 8-wide code, another library: a child process) passes the
     same check; so both paths are tested on an AVX-512 machine."""
-    env = {**os.environ, "PAGEDKV_CPU_ISA": "avx2"}
-    code = ("import json; from pagedkv.testing.panel_linear_check import check_panel_linear; "
-            "print(json.dumps(check_panel_linear()))")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = run_with_isa("import json; from pagedkv.testing.panel_linear_check import "
+                       "check_panel_linear; print(json.dumps(check_panel_linear()))")
     assert got["isa"] == "avx2" and got["packed_exactly"]
     for dtype in ("float32", "bfloat16", "float16"):
         assert 0.0 < got[dtype] <= 1.0, (dtype, got)

@@ -5,11 +5,7 @@ a dequantized reference in both of its vector builds (AVX-512 and, forced, AVX2)
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,6 +21,7 @@ from pagedkv.model.kv_int8 import (
     round_trip_per_token,
 )
 from pagedkv.model.runner import ModelRunner
+from pagedkv.testing.isa_child import run_with_isa
 from pagedkv.testing.kv_quant_accuracy import compare_logits, teacher_forced_logits
 from pagedkv.testing.quantized_decode_check import (
     INT8_FLOAT32_TOLERANCE,
@@ -178,17 +175,13 @@ def test_the_avx2_build_of_the_kernel_matches_the_reference_too():
     """PAGEDKV_CPU_ISA=avx2 builds the library without AVX-512 (another build key, so another
     library: Zen 3's 8-lane code), and its in-place decode passes the same check; its int8
     write (the scalar error loop) picks the same scales as torch."""
-    env = {**os.environ, "PAGEDKV_CPU_ISA": "avx2"}
     code = ("import json, torch; from pagedkv.kernels.cpu import library_path; "
             "from pagedkv.testing.quantized_decode_check import check_quantized_decode; "
             "from tests.model.test_kv_int8 import "
             "test_the_kernel_picks_the_same_scale_as_torch_for_every_vector as same_scales; "
             "same_scales(torch.float32); same_scales(torch.bfloat16); "
             "print(json.dumps([str(library_path()), check_quantized_decode()]))")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    path, errors = json.loads(proc.stdout.strip().splitlines()[-1])
+    path, errors = run_with_isa(code)
     assert path != str(library_path())
     assert len(errors) == 24 and all(e <= INT8_FLOAT32_TOLERANCE or "bfloat16" in k
                                      for k, e in errors.items())

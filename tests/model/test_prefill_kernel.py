@@ -3,10 +3,6 @@ pure-torch float64 reference, and the native backend's use of it for prefill chu
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +12,7 @@ from pagedkv.kernels.cpu import ensure_cpu_kernels
 from pagedkv.model.backends.cpu_native import CpuNativeBackend
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.backends.torch_paged import TorchPagedBackend
+from pagedkv.testing.isa_child import run_with_isa
 
 # float32: summation order only; bfloat16: q, k, v and the probabilities in bfloat16.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -192,17 +189,12 @@ def test_native_backend_prefill_matches_the_torch_path(dtype, group, window):
 def test_an_avx2_build_has_no_tiled_prefill_and_keeps_the_torch_path():
     """PAGEDKV_CPU_ISA=avx2 (Zen 3's build, a child process: one library per process) reports
     no tiled prefill kernel, and the native backend's prefill chunks still match."""
-    env = {**os.environ, "PAGEDKV_CPU_ISA": "avx2",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
     code = ("import json, torch; from pagedkv.kernels.cpu import ensure_cpu_kernels; "
             "ensure_cpu_kernels('wait'); import test_prefill_kernel as t; "
             "print(json.dumps([t.supported(64, torch.float32), t.supported(128, torch.bfloat16), "
             "t.mixed_step_error(torch.float32, 64, 2, None), "
             "t.mixed_step_error(torch.bfloat16, 64, 2, 24)]))")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    sup32, sup16, err32, err16 = json.loads(proc.stdout.strip().splitlines()[-1])
+    sup32, sup16, err32, err16 = run_with_isa(code, extra_path=(str(Path(__file__).parent),))
     assert not sup32 and not sup16
     assert err32 <= TOL[torch.float32] and err16 <= TOL[torch.bfloat16]
 

@@ -6,12 +6,13 @@ sharing each block's loads), and the new K/V go into their slots in one pass (`w
 Shared prefixes keep cascade attention (cascade.py) for decodes: the kernel attends each decode
 to its own blocks after the shared ones and returns their log-sum-exp, merged with the prefix
 part, which `paged_prefill_attention` computes with all the group's queries in tiles (not
-causal: every decode sees the whole prefix) where the build has the tiled kernel. Prefill chunks, with or without a cached (or shared) prefix, go through
-`paged_prefill_attention` in one call per layer: tiles of query tokens x a KV head's query heads
-read their keys in place, causal and windowed by position (no gathered copy, no cascade split:
-each tile reads the prefix blocks once). Where the build has no tiled kernel for the dtype and
-head size (`paged_prefill_supports`: an AVX2 build, a head size other than 64 or 128, float16,
-bfloat16 without AVX512-BF16) prefill chunks take the pure-torch path of torch_paged.py.
+causal: every decode sees the whole prefix) where the build has the tiled kernel. Prefill
+chunks, with or without a cached (or shared) prefix, go through `paged_prefill_attention` in
+one call per layer: tiles of query tokens x a KV head's query heads read their keys in place,
+causal and windowed by position (no gathered copy, no cascade split: each tile reads the prefix
+blocks once). Where the build has no tiled kernel for the dtype and head size
+(`paged_prefill_supports`: an AVX2 build, a head size other than 64 or 128, float16, bfloat16
+without AVX512-BF16) prefill chunks take the pure-torch path of torch_paged.py.
 
 Until the kernels are loaded (pagedkv.kernels.cpu builds them on first use), or when the
 runner turns `native` off, this backend is exactly torch_paged's.
