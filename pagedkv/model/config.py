@@ -7,7 +7,6 @@ Both transformers 4 (`rope_theta`, `rope_scaling`, `torch_dtype`) and transforme
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import torch
 
 from pagedkv.config import HFModelConfig, canonical_dtype
 from pagedkv.config.dtypes import FP8_TORCH_DTYPE_NAMES, INT8_KV_DTYPE
+from pagedkv.model.json_files import read_json
 from pagedkv.model.registry import get_model_class, resolve_architecture
 
 # The torch side of the one dtype table (pagedkv.config.dtypes), keyed by canonical name.
@@ -26,19 +26,6 @@ _ROPE_TYPES = ("default", "linear", "llama3")
 _POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim",
                   "max_position_embeddings")
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """The JSON object in `path`; a ValueError naming the file when it is missing or malformed."""
-    if not path.is_file():
-        raise ValueError(f"missing file: {path}")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"malformed JSON in {path}: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return data
 
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:

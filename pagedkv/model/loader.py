@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pagedkv.model.config import ModelConfig, read_json
+from pagedkv.model.config import ModelConfig
+from pagedkv.model.json_files import read_json
 from pagedkv.model.layers import RotaryEmbedding, rope_inv_freq
 from pagedkv.model.parallel.group import TensorParallelGroup
 from pagedkv.model.registry import CausalLM, get_model_class

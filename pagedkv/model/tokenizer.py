@@ -17,7 +17,7 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
-from pagedkv.model.config import read_json
+from pagedkv.model.json_files import read_json
 from pagedkv.sched.validation import PromptTooLongError, check_text
 
 # Over-long check: a text is first tokenized up to CHARS_PER_TOKEN_GUESS characters per allowed

@@ -23,9 +23,8 @@ from pagedkv.kv.hashing import RequestBlockHasher
 from pagedkv.model.tokenizer import Tokenizer
 from pagedkv.router.policies.base import RouteRequest
 from pagedkv.server.errors import APIError
+from pagedkv.server.prompt_render import tokenize_chat, tokenize_prompts
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
-from pagedkv.server.serving_chat import tokenize_chat
-from pagedkv.server.serving_completion import tokenize_prompts
 
 logger = logging.getLogger("pagedkv.router")
 

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.server.deltas import DeltaTracker, LogprobsFormatter
 from pagedkv.server.errors import APIError, error_body
+from pagedkv.server.prompt_render import tokenize_prompts
 from pagedkv.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -33,22 +34,6 @@ from pagedkv.server.serving import (
 from pagedkv.server.sse import SSEResponse, sse_event
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
-
-
-def tokenize_prompts(serving: OpenAIServing, prompt: str | list,
-                     bounded: bool = True, add_special_tokens: bool = True) -> list[list[int]]:
-    """The prompt(s) of a completions request as token-id lists (strings get the BOS token
-    unless `add_special_tokens` is false); `bounded` as for `OpenAIServing.encode_prompt`.
-    Runs in a tokenizer thread (`serving.run_tokenizer`)."""
-    if isinstance(prompt, str):
-        return [serving.encode_prompt(prompt, add_special_tokens=add_special_tokens,
-                                      bounded=bounded)]
-    if isinstance(prompt[0], int):
-        return [list(prompt)]
-    if isinstance(prompt[0], str):
-        return [serving.encode_prompt(p, add_special_tokens=add_special_tokens, bounded=bounded)
-                for p in prompt]
-    return [list(p) for p in prompt]
 
 
 def prompt_texts(serving: OpenAIServing, prompt: str | list, prompts: list[list[int]]

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.server.deltas import DeltaTracker
+from pagedkv.server.prompt_render import tokenize_chat
 from pagedkv.server.request_fields import check_request_fields
 from pagedkv.server.responses_protocol import (
     IncompleteDetails,
@@ -39,7 +40,7 @@ from pagedkv.server.serving import (
     collect_unless_disconnected,
     streaming_response,
 )
-from pagedkv.server.serving_chat import collect_final, tokenize_chat
+from pagedkv.server.serving_chat import collect_final
 from pagedkv.server.sse import SSEResponse
 
 

@@ -7,6 +7,7 @@ tokenizing only a prefix, and /detokenize takes at most `max_model_len` ids."""
 from __future__ import annotations
 
 from pagedkv.server.errors import APIError
+from pagedkv.server.prompt_render import render_chat, tokenize_chat
 from pagedkv.server.protocol import (
     ChatCompletionRequest,
     DetokenizeRequest,
@@ -16,7 +17,6 @@ from pagedkv.server.protocol import (
     TokenizeResponse,
 )
 from pagedkv.server.serving import OpenAIServing
-from pagedkv.server.serving_chat import render_chat, tokenize_chat
 
 
 def tokenize(serving: OpenAIServing,

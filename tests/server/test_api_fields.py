@@ -13,9 +13,10 @@ import pytest
 
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.model.tokenizer import Tokenizer
+from pagedkv.server.prompt_render import render_chat
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedkv.server.response_extras import ResponseExtras
-from pagedkv.server.serving_chat import _stream, render_chat
+from pagedkv.server.serving_chat import _stream
 from pagedkv.server.tools import ToolChoice
 
 MODEL = "tiny"

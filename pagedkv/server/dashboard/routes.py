@@ -136,8 +136,7 @@ def make_dashboard_router(async_engine: Any, serving: Any, metrics: Any,
 async def _prompt_ids(serving: Any, body: CompletionRequest | ChatCompletionRequest
                       ) -> list[int]:
     """The token ids the completions or chat route would run for `body` (its first prompt)."""
-    from pagedkv.server.serving_chat import tokenize_chat
-    from pagedkv.server.serving_completion import tokenize_prompts
+    from pagedkv.server.prompt_render import tokenize_chat, tokenize_prompts
 
     if isinstance(body, ChatCompletionRequest):
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
