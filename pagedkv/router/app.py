@@ -1,14 +1,16 @@
 """The router's FastAPI app: `create_router_app(router, ...)`.
 
-Routes: POST /v1/completions and /v1/chat/completions (forwarded, proxy.py), GET /v1/models
+Routes: POST /v1/completions and /v1/chat/completions (forwarded, proxy.py, by a plain ASGI
+middleware ahead of FastAPI's routing: forward_app.py), GET /v1/models
 (the union of the up backends' models, as the health checks last read them), GET /health (200
 while a backend is up, else 503), GET /metrics (the router's own, metrics.py), GET /dashboard (the
 fleet, dashboard.py). With `api_key`,
 the /v1 routes need `Authorization: Bearer <api_key>` (the server's own check,
 `pagedkv.server.auth`). A router holding a `backend_api_key` refuses to be built without an
 `api_key` unless `allow_anonymous_clients` says so: it would lend its key to anyone. The
-lifespan owns the HTTP client, the health checker and the KV-event subscribers; one health
-round completes before the first request is served.
+lifespan owns the HTTP client (health checks, /tokenize), the forwarded requests' upstream
+(raw_upstream.py; `transport` given: the client's), the health checker and the KV-event
+subscribers; one health round completes before the first request is served.
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ from fastapi.responses import Response
 
 from pagedkv import __version__
 from pagedkv.router.dashboard import make_router_dashboard
+from pagedkv.router.forward_app import ForwardRoutes
 from pagedkv.router.health import HealthChecker
 from pagedkv.router.kv_events import KVEventSubscriber
 from pagedkv.router.proxy import DEFAULT_FIRST_BYTE_TIMEOUT_S, Forwarder
+from pagedkv.router.raw_upstream import RawUpstream
 from pagedkv.router.router import Router
+from pagedkv.router.upstream import HttpxUpstream, Upstream
 from pagedkv.server.auth import bearer_key_matches, invalid_api_key
 from pagedkv.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
 from pagedkv.server.dashboard.access import DashboardAccess
@@ -37,6 +42,7 @@ from pagedkv.server.errors import APIError, install_error_handlers
 from pagedkv.server.protocol import ModelCard, ModelList
 
 DEFAULT_CONNECT_TIMEOUT_S = 2.0
+FORWARDED_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 def create_router_app(router: Router, *, api_key: str | None = None,
@@ -73,7 +79,10 @@ def create_router_app(router: Router, *, api_key: str | None = None,
                                      transport=transport) as client:
             checker = HealthChecker(router, client, interval_s=health_interval_s,
                                     timeout_s=health_timeout_s, headers=backend_headers)
-            state["forwarder"] = Forwarder(router, client, backend_api_key=backend_api_key,
+            upstream: Upstream = (HttpxUpstream(client) if transport is not None else
+                                  RawUpstream(connect_timeout_s=connect_timeout_s))
+            state["forwarder"] = Forwarder(router, client, upstream=upstream,
+                                           backend_api_key=backend_api_key,
                                            first_byte_timeout_s=first_byte_timeout_s)
             zmq_context = zmq.asyncio.Context()
             await checker.check_all()
@@ -89,12 +98,15 @@ def create_router_app(router: Router, *, api_key: str | None = None,
                     with contextlib.suppress(BaseException):
                         await task
                 zmq_context.term()
+                await upstream.aclose()
 
     app = FastAPI(title="pagedkv router", version=__version__, lifespan=lifespan,
                   description="KV-cache-aware router in front of pagedkv servers")
     app.state.router = router
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
+    app.add_middleware(ForwardRoutes, paths=FORWARDED_PATHS, api_key=api_key,
+                       forwarder=lambda: state["forwarder"])
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)  # outermost
 
     def check_key(raw: Request) -> None:
         if api_key and not bearer_key_matches(raw.headers.get("authorization"), api_key):
@@ -114,16 +126,6 @@ def create_router_app(router: Router, *, api_key: str | None = None,
     async def models(raw: Request) -> ModelList:
         check_key(raw)
         return merged_models(router)
-
-    @app.post("/v1/completions")
-    async def completions(raw: Request) -> Response:
-        check_key(raw)
-        return await state["forwarder"].forward(raw, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(raw: Request) -> Response:
-        check_key(raw)
-        return await state["forwarder"].forward(raw, "/v1/chat/completions")
 
     app.include_router(make_router_dashboard(router, DashboardAccess(api_key)))
     return app

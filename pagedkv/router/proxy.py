@@ -11,7 +11,9 @@ time), or a 200 whose body is not JSON (ejected too; a 502 when nothing better c
 non-streaming answer is read whole before it is relayed (its first byte is the whole answer:
 the timeout bounds its generation). A stream (an SSE answer; a stream request answered with
 plain JSON is relayed whole) is relayed chunk by chunk as the bytes arrive, a backend silent for
-`first_byte_timeout_s` mid-stream is ejected, and it always ends with `data: [DONE]` (relay.py). A client that disconnects closes the upstream
+`first_byte_timeout_s` mid-stream is ejected, and it always ends with `data: [DONE]`
+(relay.py). The bytes travel through an `Upstream` (upstream.py); the ASGI side
+(forward_app.py) cancels a request whose client disconnects, which closes the upstream
 connection, so the backend aborts the request and frees its blocks.
 """
 
@@ -27,20 +29,20 @@ from typing import Any
 
 import httpx
 import msgspec
-from fastapi import Request
-from fastapi.responses import Response
+from starlette.responses import Response
 
 from pagedkv.router.backend import Backend
 from pagedkv.router.policies import RouteRequest
 from pagedkv.router.relay import Cut, RelayResponse, relay
 from pagedkv.router.remote_tokens import BackendTokenizer, tokenize_call
 from pagedkv.router.router import Router, Ticket
+from pagedkv.router.upstream import HttpxUpstream, Upstream, UpstreamAnswer, UpstreamError
 from pagedkv.server.errors import APIError, error_response, model_not_found
-from pagedkv.server.serving import run_unless_disconnected
 
 logger = logging.getLogger("pagedkv.router")
 
 SESSION_HEADER = "x-session-id"
+REQUEST_ID_HEADER = "x-request-id"  # passed on to the backend (it names the response's id)
 BACKEND_HEADER = "x-pagedkv-backend"  # on every forwarded answer: the backend that gave it
 DEFAULT_FIRST_BYTE_TIMEOUT_S = 60.0
 # A body up to this size is tokenized and hashed on the event loop: that takes less than the
@@ -89,10 +91,6 @@ def _body_fields(body: bytes) -> _BodyFields:
                        model=top.model if isinstance(top.model, str) else None)
 
 
-def _is_event_stream(upstream: httpx.Response) -> bool:
-    return upstream.headers.get("content-type", "").startswith("text/event-stream")
-
-
 def _is_json(content: bytes) -> bool:
     try:
         json.loads(content)
@@ -102,17 +100,20 @@ def _is_json(content: bytes) -> bool:
 
 
 class Forwarder:
-    """Sends requests to the router's backends with `client` (whose read timeout stays off: a
-    long stream is not a failure; `first_byte_timeout_s` bounds the wait for its start)."""
+    """Sends requests to the router's backends through `upstream` (default: `client`'s, whose
+    read timeout stays off: a long stream is not a failure; `first_byte_timeout_s` bounds the
+    wait for its start). `client` also asks backends to tokenize (a router without a
+    tokenizer)."""
 
     def __init__(self, router: Router, client: httpx.AsyncClient, *,
-                 backend_api_key: str | None = None,
+                 upstream: Upstream | None = None, backend_api_key: str | None = None,
                  first_byte_timeout_s: float = DEFAULT_FIRST_BYTE_TIMEOUT_S) -> None:
         if not first_byte_timeout_s > 0:
             raise ValueError(f"first_byte_timeout_s must be positive, got "
                              f"{first_byte_timeout_s!r}")
         self.router = router
         self.client = client
+        self.upstream = upstream if upstream is not None else HttpxUpstream(client)
         self.first_byte_timeout_s = first_byte_timeout_s
         self.headers = {"content-type": "application/json", **self.auth_headers(backend_api_key)}
         self.remote_tokenizer = BackendTokenizer(client, self.auth_headers(backend_api_key))
@@ -122,19 +123,22 @@ class Forwarder:
         """The headers that carry the backends' key (none without one)."""
         return {"authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
 
-    async def forward(self, raw: Request, path: str) -> Response:
-        """Answer `raw` (a POST to `path`) from a backend."""
-        body = await raw.body()
+    async def forward(self, body: bytes, path: str, *, session: str | None = None,
+                      request_id: str | None = None) -> Response | RelayResponse:
+        """The answer to a POST of `body` to `path` from a backend (an ASGI app to send).
+        `session` is the client's session header, `request_id` its x-request-id (both may be
+        None). APIError when no backend can take it."""
         fields = _body_fields(body)
         if self.router.knows_model(fields.model) is False:
             self.router.metrics.requests.labels("none", "404").inc()
             raise model_not_found(fields.model or "")
-        session = raw.headers.get(SESSION_HEADER) or fields.user
+        session = session or fields.user
         request = RouteRequest(session=session, model=fields.model)
         if self.router.needs_prompt_hashes:
             request = await self.hashed_request(path, body, session, fields.model)
-        return await run_unless_disconnected(raw, self._place(request, path, body,
-                                                              fields.stream))
+        headers = self.headers if request_id is None else {
+            **self.headers, REQUEST_ID_HEADER: request_id}
+        return await self._place(request, path, body, fields.stream, headers)
 
     async def hashed_request(self, path: str, body: bytes, session: str | None,
                              model: str | None) -> RouteRequest:
@@ -161,16 +165,17 @@ class Forwarder:
         return dataclasses.replace(
             hasher.route_request_from_ids(ids, call.cache_salt, session), model=model)
 
-    async def _place(self, request: RouteRequest, path: str, body: bytes,
-                     stream: bool) -> Response:
+    async def _place(self, request: RouteRequest, path: str, body: bytes, stream: bool,
+                     headers: dict[str, str] | None = None) -> Response | RelayResponse:
         tried: list[str] = []
         failure: _Failure | None = None
         while (picked := self.router.route(request, exclude=tried)) is not None:
             backend, candidate = picked
             tried.append(backend.name)
             ticket = self.router.begin(backend, request, candidate)
-            outcome = await self._attempt(backend, ticket, path, body, stream)
-            if isinstance(outcome, Response):
+            outcome = await self._attempt(backend, ticket, path, body, stream,
+                                          self.headers if headers is None else headers)
+            if not isinstance(outcome, _Failure):
                 return outcome
             failure = outcome
             self.router.metrics.retries.labels(backend.name, outcome.reason).inc()
@@ -185,36 +190,35 @@ class Forwarder:
             type="server_unavailable")
 
     async def _attempt(self, backend: Backend, ticket: Ticket, path: str, body: bytes,
-                       stream: bool) -> Response | _Failure:
-        """One try on `backend`. Owns `ticket` (and the upstream response): ends it, or hands
+                       stream: bool, headers: dict[str, str]
+                       ) -> Response | RelayResponse | _Failure:
+        """One try on `backend`. Owns `ticket` (and the upstream answer): ends it, or hands
         both to the relayed stream."""
-        upstream: httpx.Response | None = None
         handed_over = False
+        answer: UpstreamAnswer | None = None
         first: bytes | None = None
         content = b""
         try:
             try:
                 async with asyncio.timeout(self.first_byte_timeout_s):
-                    upstream = await self.client.send(
-                        self.client.build_request("POST", backend.url + path, content=body,
-                                                  headers=self.headers), stream=True)
-                    if stream and upstream.status_code == 200 and _is_event_stream(upstream):
-                        chunks = upstream.aiter_raw()
+                    answer = await self.upstream.post(backend.url + path, body, headers)
+                    if (stream and answer.status_code == 200
+                            and answer.content_type.startswith("text/event-stream")):
+                        chunks = answer.chunks()
                         first = await anext(chunks)
                     else:
-                        content = await upstream.aread()
+                        content = await answer.read()
             except TimeoutError:
                 return self._timed_out(backend)
-            except httpx.TransportError as exc:
-                self.router.mark_down(backend, f"request failed: {exc!r}")
-                return _Failure("connect" if upstream is None else "read")
+            except UpstreamError as exc:
+                self.router.mark_down(backend, f"request failed: {exc}")
+                return _Failure("connect" if answer is None else "read")
             except StopAsyncIteration:
                 self.router.mark_down(backend, "stream ended before its first byte")
                 return _Failure("read")
-            status = upstream.status_code
-            media_type = upstream.headers.get("content-type")
             if first is None:
-                return self._whole_answer(backend, status, media_type, content, stream)
+                return self._whole_answer(backend, answer.status_code, answer.content_type,
+                                          content, stream)
             self.router.record_success(backend)
             handed_over = True
             return RelayResponse(
@@ -222,20 +226,20 @@ class Forwarder:
                       on_cut=lambda why, cut: self._stream_cut(backend, why, cut),
                       on_done=lambda: self.router.metrics.requests.labels(
                           backend.name, "200").inc()),
-                status_code=status, media_type=media_type,
+                status_code=answer.status_code, media_type=answer.content_type,
                 headers={BACKEND_HEADER: backend.name},
-                on_close=lambda: self._close(upstream, ticket))
+                on_close=lambda: self._close(answer, ticket))
         finally:
             if not handed_over:
                 ticket.end()
-                if upstream is not None:
+                if answer is not None:
                     with contextlib.suppress(Exception):
-                        await upstream.aclose()
+                        await answer.aclose()
 
-    def _whole_answer(self, backend: Backend, status: int, media_type: str | None,
+    def _whole_answer(self, backend: Backend, status: int, media_type: str,
                       content: bytes, stream: bool) -> Response | _Failure:
         """A backend's answer read whole: relayed, or a failure to retry elsewhere."""
-        answer = Response(content, status_code=status, media_type=media_type,
+        answer = Response(content, status_code=status, media_type=media_type or None,
                           headers={BACKEND_HEADER: backend.name})
         if status >= 500:
             return _Failure(f"status_{status}", answer)
@@ -267,7 +271,7 @@ class Forwarder:
             self.router.eject(backend, message)
 
     @staticmethod
-    async def _close(upstream: Any, ticket: Ticket) -> None:
+    async def _close(answer: UpstreamAnswer, ticket: Ticket) -> None:
         ticket.end()
         with contextlib.suppress(Exception):
-            await upstream.aclose()
+            await answer.aclose()

@@ -4,19 +4,21 @@ Every relayed stream ends with `data: [DONE]`. A backend stream that ends withou
 connection cut mid-event, closed early, or silent for longer than the idle timeout) gets an
 SSE error event first, after a blank line that closes whatever event was cut, so the client can
 tell a truncated answer from a whole one.
-`RelayResponse` runs its `on_close` however the stream ends (finished, client gone, cancelled).
+`RelayResponse` sends it as a plain ASGI answer (no task per stream: the caller watches for
+the client's disconnect, forward_app.py) and runs its `on_close` however the stream ends
+(finished, client gone, cancelled).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
-import httpx
-from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pagedkv.router.upstream import UpstreamError
 from pagedkv.server.errors import error_body
 from pagedkv.server.sse import SSE_HEADERS, sse_done, sse_event
 
@@ -32,20 +34,32 @@ class Cut(enum.Enum):
     IDLE = "idle"  # no byte within the idle timeout
 
 
-class RelayResponse(StreamingResponse):
-    """A streaming response that awaits `on_close` however it ends (finished, client gone, or
-    cancelled before the body started)."""
+class RelayResponse:
+    """A streamed answer as an ASGI app: the status and headers, `body`'s chunks as they come,
+    the end; it awaits `on_close` however it ends (finished, failed, or cancelled)."""
 
-    def __init__(self, body: AsyncIterator[bytes], *, status_code: int, media_type: str | None,
-                 headers: dict[str, str], on_close: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(body, status_code=status_code, media_type=media_type,
-                         headers={**SSE_HEADERS, **headers})
+    def __init__(self, body: AsyncGenerator[bytes, None], *, status_code: int,
+                 media_type: str | None, headers: dict[str, str],
+                 on_close: Callable[[], Awaitable[None]]) -> None:
+        self.body = body
+        self.status_code = status_code
         self.on_close = on_close
+        fields = {**SSE_HEADERS, **headers}
+        if media_type:
+            fields["content-type"] = media_type
+        self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                            for k, v in fields.items()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            async for chunk in self.body:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
+            with contextlib.suppress(Exception):
+                await self.body.aclose()
             await self.on_close()
 
 
@@ -65,7 +79,7 @@ def error_ending(tail: bytes, message: str) -> bytes:
 
 async def relay(first: bytes, chunks: AsyncIterator[bytes], *, idle_timeout_s: float,
                 on_cut: Callable[[str, Cut], None], on_done: Callable[[], None]
-                ) -> AsyncIterator[bytes]:
+                ) -> AsyncGenerator[bytes, None]:
     """`first`, then `chunks` as they arrive, then an end: `on_done()` when the backend sent
     `data: [DONE]` (its final blank line added when missing); else `on_cut(message, cut)` and
     an error event and `data: [DONE]` (`error_ending`). Waits at most `idle_timeout_s` for each
@@ -82,8 +96,8 @@ async def relay(first: bytes, chunks: AsyncIterator[bytes], *, idle_timeout_s: f
         except TimeoutError:
             cut, message = Cut.IDLE, f"the backend sent nothing for {idle_timeout_s:g} s"
             break
-        except httpx.TransportError as exc:
-            cut, message = Cut.BROKEN, f"the backend serving this stream failed: {exc!r}"
+        except UpstreamError as exc:
+            cut, message = Cut.BROKEN, f"the backend serving this stream failed: {exc}"
             break
         tail = (tail + chunk)[-_TAIL:]
         yield chunk
