@@ -8,8 +8,8 @@ fleet, dashboard.py). With `api_key`,
 the /v1 routes need `Authorization: Bearer <api_key>` (the server's own check,
 `pagedkv.server.auth`). A router holding a `backend_api_key` refuses to be built without an
 `api_key` unless `allow_anonymous_clients` says so: it would lend its key to anyone. The
-lifespan owns the HTTP client (health checks, /tokenize), the forwarded requests' upstream
-(raw_upstream.py; `transport` given: the client's), the health checker and the KV-event
+lifespan owns the HTTP client (/tokenize), the upstream of the forwarded requests and of the
+health checks (raw_upstream.py; `transport` given: the client's), the health checker and the KV-event
 subscribers; one health round completes before the first request is served.
 """
 
@@ -77,10 +77,10 @@ def create_router_app(router: Router, *, api_key: str | None = None,
         timeout = httpx.Timeout(None, connect=connect_timeout_s)
         async with httpx.AsyncClient(limits=limits, timeout=timeout,
                                      transport=transport) as client:
-            checker = HealthChecker(router, client, interval_s=health_interval_s,
-                                    timeout_s=health_timeout_s, headers=backend_headers)
             upstream: Upstream = (HttpxUpstream(client) if transport is not None else
                                   RawUpstream(connect_timeout_s=connect_timeout_s))
+            checker = HealthChecker(router, upstream, interval_s=health_interval_s,
+                                    timeout_s=health_timeout_s, headers=backend_headers)
             state["forwarder"] = Forwarder(router, client, upstream=upstream,
                                            backend_api_key=backend_api_key,
                                            first_byte_timeout_s=first_byte_timeout_s)

@@ -1,47 +1,74 @@
-"""The health checker: every `interval_s`, each backend's /health, /kv_cache_info, /v1/models
-and its load gauges from /metrics (asked for by name, `LOAD_QUERY`: the backend renders those
-three gauges instead of every histogram it keeps).
+"""The health checker: every `interval_s`, each backend's /health and its load gauges from
+/metrics (asked for by name, `LOAD_QUERY`: the backend renders those three gauges instead of
+every histogram it keeps); every `info_interval_s`, and whenever a backend comes (back) up,
+its /kv_cache_info and /v1/models, which change only when the backend restarts (and a restart
+is seen: its connections are refused meanwhile, so it is down first).
 
-A backend that answers /health with 200 is marked up (its hashing settings, models and load
-gauges refreshed each round: the router sends a request only to backends serving its model, and
-counts prefixes only where the settings match and prefix caching is on). One that refuses the connection is marked down
-at once, which drops its prefix index; one that times out or answers anything but 200 is marked
-down after `failure_threshold` such rounds in a row (a busy backend answers slowly; it is not
-dead). A failed /metrics scrape keeps the last load. Requests that fail to connect mark a
-backend down at once as well (proxy.py); this loop is what brings it back.
+A backend that answers /health with 200 is marked up (its hashing settings and models as last
+fetched: the router sends a request only to backends serving its model, and counts prefixes
+only where the settings match and prefix caching is on). One that refuses the connection is
+marked down at once, which drops its prefix index; one that times out or answers anything but
+200 is marked down after `failure_threshold` such rounds in a row (a busy backend answers
+slowly; it is not dead). A failed /metrics scrape keeps the last load. Requests that fail to
+connect mark a backend down at once as well (proxy.py); this loop is what brings it back. The
+requests go through an `Upstream` (raw_upstream.py in `pagedkv router`: a round costs two
+small requests per backend).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import time
+from urllib.parse import urlencode
 
 import httpx
 import pydantic
 
 from pagedkv.router.backend import LOAD_QUERY, Backend, parse_load
 from pagedkv.router.router import Router
+from pagedkv.router.upstream import HttpxUpstream, Upstream, UpstreamError
 from pagedkv.server.protocol import ModelCard
 
 logger = logging.getLogger("pagedkv.router")
 
 KV_INFO_ROUTE = "/kv_cache_info"
+METRICS_ROUTE = "/metrics?" + urlencode(LOAD_QUERY, doseq=True)
+DEFAULT_INFO_INTERVAL_S = 10.0
+
+
+class _Answer:
+    """A backend's answer read whole."""
+
+    def __init__(self, status_code: int, content: bytes) -> None:
+        self.status_code = status_code
+        self.content = content
+
+    def json(self) -> object:
+        return json.loads(self.content)
 
 
 class HealthChecker:
-    """Polls the router's backends with `client` (whose timeouts bound each check); `headers`
-    go with the /v1/models request (the backends' API key)."""
+    """Polls the router's backends through `client` (an `Upstream`, or an httpx client);
+    `timeout_s` bounds each request. `headers` go with the /v1/models request (the backends'
+    API key). `info_interval_s` 0 fetches /kv_cache_info and /v1/models every round."""
 
-    def __init__(self, router: Router, client: httpx.AsyncClient, *, interval_s: float = 1.0,
-                 timeout_s: float = 2.0, failure_threshold: int = 3,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(self, router: Router, client: httpx.AsyncClient | Upstream, *,
+                 interval_s: float = 1.0, timeout_s: float = 2.0, failure_threshold: int = 3,
+                 headers: dict[str, str] | None = None,
+                 info_interval_s: float = DEFAULT_INFO_INTERVAL_S) -> None:
         if interval_s <= 0 or timeout_s <= 0:
             raise ValueError(f"health interval and timeout must be positive, got "
                              f"{interval_s!r} and {timeout_s!r}")
+        if not info_interval_s >= 0:
+            raise ValueError(f"info_interval_s must be >= 0, got {info_interval_s!r}")
         if failure_threshold < 1:
             raise ValueError(f"failure_threshold must be >= 1, got {failure_threshold!r}")
         self.router = router
-        self.client = client
+        self.upstream = HttpxUpstream(client) if isinstance(client, httpx.AsyncClient) else client
+        self.info_interval_s = info_interval_s
+        self._info_at: dict[str, float] = {}  # when each backend's info was last fetched
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.failure_threshold = failure_threshold
@@ -51,19 +78,39 @@ class HealthChecker:
     async def check(self, backend: Backend) -> bool:
         """One round for one backend; True when it is up afterwards."""
         try:
-            health = await self.client.get(backend.url + "/health", timeout=self.timeout_s)
+            health = await self._get(backend.url + "/health")
             if health.status_code != 200:
                 return self._failed(backend, f"/health answered {health.status_code}")
-            self.router.set_kv_info(backend, await self._kv_info(backend))
-            await self._refresh_models(backend)
-        except httpx.ConnectError as exc:
-            return self._failed(backend, f"connection refused: {exc!r}", at_once=True)
-        except (httpx.HTTPError, ValueError) as exc:
+            if self._info_due(backend):
+                self.router.set_kv_info(backend, await self._kv_info(backend))
+                await self._refresh_models(backend)
+                self._info_at[backend.name] = time.monotonic()
+        except UpstreamError as exc:
+            if not exc.connected:
+                return self._failed(backend, f"connection refused: {exc}", at_once=True)
+            return self._failed(backend, f"health check failed: {exc}")
+        except (TimeoutError, ValueError) as exc:
             return self._failed(backend, f"health check failed: {exc!r}")
         self._failures[backend.name] = 0
         self.router.mark_up(backend)
         await self._scrape_load(backend)
         return True
+
+    async def _get(self, url: str, headers: dict[str, str] | None = None) -> _Answer:
+        """GET `url`, read whole within the timeout (TimeoutError past it)."""
+        async with asyncio.timeout(self.timeout_s):
+            answer = await self.upstream.get(url, headers)
+            try:
+                return _Answer(answer.status_code, await answer.read())
+            finally:
+                await answer.aclose()
+
+    def _info_due(self, backend: Backend) -> bool:
+        """True when its /kv_cache_info and /v1/models are to be fetched this round: it is not
+        up (coming back: perhaps another build behind the same URL), or they are stale."""
+        last = self._info_at.get(backend.name)
+        return (not backend.up or last is None
+                or time.monotonic() - last >= self.info_interval_s)
 
     def _failed(self, backend: Backend, reason: str, at_once: bool = False) -> bool:
         count = self._failures.get(backend.name, 0) + 1
@@ -74,17 +121,15 @@ class HealthChecker:
 
     async def _scrape_load(self, backend: Backend) -> None:
         try:
-            metrics = await self.client.get(backend.url + "/metrics", params=LOAD_QUERY,
-                                            timeout=self.timeout_s)
+            metrics = await self._get(backend.url + METRICS_ROUTE)
             if metrics.status_code == 200:
-                backend.load = parse_load(metrics.text)
-        except (httpx.HTTPError, ValueError) as exc:
+                backend.load = parse_load(metrics.content.decode("utf-8", "replace"))
+        except (UpstreamError, TimeoutError, ValueError) as exc:
             logger.debug("cannot scrape %s/metrics: %r", backend.url, exc)
 
     async def _refresh_models(self, backend: Backend) -> None:
         """Its /v1/models cards (unreadable cards left out); a failed fetch keeps the last."""
-        resp = await self.client.get(backend.url + "/v1/models", headers=self.headers,
-                                     timeout=self.timeout_s)
+        resp = await self._get(backend.url + "/v1/models", self.headers)
         if resp.status_code != 200:
             logger.warning("%s/v1/models answered %d; its models stay %s", backend.url,
                            resp.status_code, sorted(backend.models or ()))
@@ -105,10 +150,11 @@ class HealthChecker:
         self.router.set_models(backend, cards)
 
     async def _kv_info(self, backend: Backend) -> dict | None:
-        resp = await self.client.get(backend.url + KV_INFO_ROUTE, timeout=self.timeout_s)
+        resp = await self._get(backend.url + KV_INFO_ROUTE)
         if resp.status_code == 404:
             return None
-        resp.raise_for_status()
+        if resp.status_code != 200:
+            raise ValueError(f"{KV_INFO_ROUTE} answered {resp.status_code}")
         info = resp.json()
         return info if isinstance(info, dict) else None
 

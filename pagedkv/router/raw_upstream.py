@@ -160,10 +160,19 @@ class RawUpstream:
         self._idle: dict[tuple[str, str, int], deque[_Connection]] = {}
 
     async def post(self, url: str, body: bytes, headers: dict[str, str]) -> UpstreamAnswer:
+        return await self._send("POST", url, body, headers)
+
+    async def get(self, url: str, headers: dict[str, str] | None = None) -> UpstreamAnswer:
+        return await self._send("GET", url, None, headers or {})
+
+    async def _send(self, method: str, url: str, body: bytes | None,
+                    headers: dict[str, str]) -> UpstreamAnswer:
         key, path, host = _split(url)
         head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
-        request = (f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-length: {len(body)}\r\n"
-                   f"{head}\r\n").encode("latin-1") + body
+        if body is not None:
+            head += f"content-length: {len(body)}\r\n"
+        request = (f"{method} {path} HTTP/1.1\r\nhost: {host}\r\n{head}\r\n"
+                   ).encode("latin-1") + (body or b"")
         while True:
             conn, reused = await self._acquire(key)
             message = _Message()

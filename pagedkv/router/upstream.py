@@ -41,11 +41,15 @@ class UpstreamAnswer(Protocol):
 
 
 class Upstream(Protocol):
-    """Sends POSTs to backends."""
+    """Sends requests to backends."""
 
     async def post(self, url: str, body: bytes, headers: dict[str, str]) -> UpstreamAnswer:
         """POST `body` to `url` (a backend's base URL and path); the answer once its headers
         are in. UpstreamError when the connection fails before that."""
+        ...
+
+    async def get(self, url: str, headers: dict[str, str] | None = None) -> UpstreamAnswer:
+        """GET `url` (query included), as `post`."""
         ...
 
     async def aclose(self) -> None:
@@ -83,7 +87,13 @@ class HttpxUpstream:
         self.client = client
 
     async def post(self, url: str, body: bytes, headers: dict[str, str]) -> UpstreamAnswer:
-        request = self.client.build_request("POST", url, content=body, headers=headers)
+        return await self._send(self.client.build_request("POST", url, content=body,
+                                                          headers=headers))
+
+    async def get(self, url: str, headers: dict[str, str] | None = None) -> UpstreamAnswer:
+        return await self._send(self.client.build_request("GET", url, headers=headers))
+
+    async def _send(self, request: httpx.Request) -> UpstreamAnswer:
         try:
             response = await self.client.send(request, stream=True)
         except httpx.TransportError as exc:

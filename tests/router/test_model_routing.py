@@ -66,7 +66,7 @@ def test_models_are_refreshed_by_the_health_checks_and_a_change_drops_the_prefix
         router = Router([Backend("http://a.test")], KVAwarePolicy())
         backend = router.backends[0]
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            checker = HealthChecker(router, client,
+            checker = HealthChecker(router, client, info_interval_s=0,
                                     headers={"authorization": "Bearer backend-key"})
             assert await checker.check(backend)
             assert backend.models == {"mA"} and backend.only_model == "mA"
@@ -151,7 +151,7 @@ def test_prefix_caching_turned_off_behind_the_same_url_is_seen_by_the_next_healt
         router = Router([Backend("http://a.test")], RecordingPolicy())
         backend = router.backends[0]
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            checker = HealthChecker(router, client)
+            checker = HealthChecker(router, client, info_interval_s=0)  # info every round
             assert await checker.check(backend) and backend.hash_compatible
             router.index.store(backend.name, H, model="m")
             request = RouteRequest(prompt_tokens=16, block_hashes=H, model="m")
