@@ -93,6 +93,9 @@ class _RawAnswer:
         self._parser = parser
         self._message = message
         self._open = True
+        # (httptools' should_keep_alive() reads False once the message is complete)
+        self._keep_alive = (parser.get_http_version() == "1.1" and not message.ends_at_close()
+                            and b"close" not in message.headers.get(b"connection", b"").lower())
         self.status_code = parser.get_status_code()
         self.content_type = message.headers.get(b"content-type", b"").decode("latin-1")
 
@@ -133,7 +136,7 @@ class _RawAnswer:
         if not self._open:
             return
         self._open = False
-        if self._message.complete and self._parser.should_keep_alive():
+        if self._message.complete and self._keep_alive:
             self._pool._release(self._key, self._conn)
         else:
             self._conn.close()

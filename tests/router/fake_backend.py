@@ -10,7 +10,8 @@ tests: real sockets, real timeouts. `mode` says how it answers completions:
     stall      a stream that sends one event, then nothing while the test runs
     json       a JSON completion even when a stream is asked for
 
-`attempts` counts the completion requests it received. `ThreadServer` serves any ASGI app
+`attempts` counts the completion requests it received, `aborted` the streams that ended
+because their client (the router) went away. `ThreadServer` serves any ASGI app
 (the router's too) the same way.
 """
 
@@ -63,6 +64,7 @@ class FakeBackend(ThreadServer):
         self.model = model
         self.kv_info = kv_info
         self.attempts = 0
+        self.aborted = 0
         self.closing = False
         super().__init__(self._build())
 
@@ -112,11 +114,15 @@ class FakeBackend(ThreadServer):
         return app
 
     async def _events(self):
-        yield 'data: {"choices":[{"text":"a"}]}\n\n'
-        if self.mode == "no_done":
-            yield 'data: {"choices":[{"te'
-            return
-        while self.mode == "stall" and not self.closing:
-            await asyncio.sleep(0.02)
-        yield 'data: {"choices":[{"text":"b"}]}\n\n'
-        yield "data: [DONE]\n\n"
+        try:
+            yield 'data: {"choices":[{"text":"a"}]}\n\n'
+            if self.mode == "no_done":
+                yield 'data: {"choices":[{"te'
+                return
+            while self.mode == "stall" and not self.closing:
+                await asyncio.sleep(0.02)
+            yield 'data: {"choices":[{"text":"b"}]}\n\n'
+            yield "data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            self.aborted += 1
+            raise

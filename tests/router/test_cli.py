@@ -53,3 +53,27 @@ def test_kv_aware_starts_without_model_and_hashes_ids_from_the_backends():
 def test_bad_flags_are_value_errors(argv, message):
     with pytest.raises(ValueError, match=message):
         build_router(parse(*argv))
+
+
+def test_the_router_imports_no_torch(tmp_path):
+    """`pagedkv router` never runs a model: building it (a tokenizer included) and its app stays
+    torch-free (torch alone costs a second of CPU at every start)."""
+    import subprocess
+    import sys
+
+    model = build_tokenizer_files(tmp_path / "m")
+    code = ("import sys\n"
+            "from pagedkv.cli import build_parser\n"
+            "from pagedkv.commands.router import build_router\n"
+            "import pagedkv.server.graceful, pagedkv.utils\n"
+            "from pagedkv.router.app import create_router_app\n"
+            "args = build_parser('router').parse_args(['router', '--backend', 'http://h:1', "
+            f"'--block-size', '4', '--prefix-caching-hash-algo', 'sha256', '--model', "
+            f"{str(model)!r}])\n"
+            "router = build_router(args)\n"
+            "assert router.hasher is not None and router.hasher.tokenizer is not None\n"
+            "create_router_app(router)\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

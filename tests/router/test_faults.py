@@ -211,3 +211,21 @@ def test_a_stream_gone_silent_ends_in_bounded_time_with_an_error_and_done():
                                json={"prompt": "x", "stream": True})
             assert resp.headers[BACKEND_HEADER] == plain.url
             assert resp.json()["choices"][0]["text"] == f"from {plain.url}"
+
+
+def test_a_client_gone_from_a_silent_stream_closes_it_at_once_on_the_backend():
+    """No chunk flows on a stalled stream, so nothing would notice the client going but the
+    router's watcher: it cancels the relay, which closes the upstream connection."""
+    with FakeBackend("stall") as silent:
+        router, server = router_server(silent)
+        with server:
+            with httpx.stream("POST", server.url + "/v1/completions", timeout=20,
+                              json={"prompt": "x", "stream": True}) as resp:
+                assert next(resp.iter_raw()).startswith(b'data: {"choices"')
+            deadline = time.monotonic() + 5
+            while silent.aborted == 0 or router.backend(silent.url).in_flight:
+                assert time.monotonic() < deadline, "the backend's stream was never closed"
+                time.sleep(0.02)
+            assert silent.aborted == 1
+            metrics = httpx.get(server.url + "/metrics", timeout=10).text
+            assert sample(metrics, "pagedkv_router:stream_errors_total", backend=silent.url) == 0

@@ -249,3 +249,45 @@ def test_body_fields_read_only_the_top_level_fields_the_router_needs():
     assert _body_fields(b'{"stream": true, "stream": false}') == _BodyFields()  # the last wins
     for bad in (b"not json", b"[1, 2]", b"3", b"", b'{"stream": true'):
         assert _body_fields(bad) == _BodyFields(), bad
+
+
+def test_the_request_id_goes_to_the_backend_and_other_methods_are_405():
+    seen: list[str | None] = []
+    fake = FakeBackends()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/completions":
+            seen.append(request.headers.get("x-request-id"))
+        return fake(request)
+
+    router = Router([Backend(A)], make_policy("round-robin"))
+    app = create_router_app(router, transport=httpx.MockTransport(handler), health_interval_s=60)
+    with TestClient(app) as client:
+        assert client.post("/v1/completions", json={"prompt": "x"},
+                           headers={"X-Request-Id": "req-7"}).status_code == 200
+        assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+        resp = client.get("/v1/completions")
+        assert resp.status_code == 405 and resp.json()["error"]["type"] == "method_not_allowed"
+    assert seen == ["req-7", None]
+
+
+def test_health_rounds_fetch_kv_info_and_models_only_every_info_interval():
+    fake = FakeBackends()
+    router = Router([Backend(A)], make_policy("kv-aware"))
+
+    def count(path: str) -> int:
+        return sum(1 for _, p in fake.log if p == path)
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as client:
+            checker = HealthChecker(router, client, info_interval_s=3600)
+            for _ in range(3):
+                assert await checker.check_all() == 1
+            assert [count(p) for p in ("/health", "/metrics", "/kv_cache_info",
+                                       "/v1/models")] == [3, 3, 1, 1]
+            assert router.backend(A).models == {"tiny", "only-a.test"}
+            router.mark_down(router.backend(A), "a request failed")  # perhaps restarted
+            assert await checker.check_all() == 1
+            assert [count(p) for p in ("/kv_cache_info", "/v1/models")] == [2, 2]
+
+    asyncio.run(scenario())
