@@ -77,6 +77,33 @@ def error_ending(tail: bytes, message: str) -> bytes:
             + sse_done().encode())
 
 
+class _IdleTimer:
+    """Cancels the current task when one wait on the backend (from `since` being set until it
+    is None again) lasts `timeout_s`. One timer per stream, re-armed only when it comes due
+    (not a timer per chunk); the time spent sending to the client is not counted."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.task = asyncio.current_task()
+        self.timeout_s = timeout_s
+        self.since: float | None = None
+        self.fired = False
+        self.handle = self.loop.call_later(timeout_s, self._due)
+
+    def _due(self) -> None:
+        now = self.loop.time()
+        if self.since is not None and now - self.since >= self.timeout_s:
+            self.fired = True
+            if self.task is not None:
+                self.task.cancel()
+            return
+        start = now if self.since is None else self.since
+        self.handle = self.loop.call_at(start + self.timeout_s, self._due)
+
+    def close(self) -> None:
+        self.handle.cancel()
+
+
 async def relay(first: bytes, chunks: AsyncIterator[bytes], *, idle_timeout_s: float,
                 on_cut: Callable[[str, Cut], None], on_done: Callable[[], None]
                 ) -> AsyncGenerator[bytes, None]:
@@ -87,20 +114,28 @@ async def relay(first: bytes, chunks: AsyncIterator[bytes], *, idle_timeout_s: f
     tail = first[-_TAIL:]
     yield first
     cut: Cut | None = None
-    while True:
-        try:
-            async with asyncio.timeout(idle_timeout_s):
+    idle = _IdleTimer(idle_timeout_s)
+    try:
+        while True:
+            idle.since = idle.loop.time()
+            try:
                 chunk = await anext(chunks)
-        except StopAsyncIteration:
-            break
-        except TimeoutError:
-            cut, message = Cut.IDLE, f"the backend sent nothing for {idle_timeout_s:g} s"
-            break
-        except UpstreamError as exc:
-            cut, message = Cut.BROKEN, f"the backend serving this stream failed: {exc}"
-            break
-        tail = (tail + chunk)[-_TAIL:]
-        yield chunk
+            except StopAsyncIteration:
+                break
+            except asyncio.CancelledError:
+                if not idle.fired or idle.task is None:
+                    raise
+                idle.task.uncancel()
+                cut, message = Cut.IDLE, f"the backend sent nothing for {idle_timeout_s:g} s"
+                break
+            except UpstreamError as exc:
+                cut, message = Cut.BROKEN, f"the backend serving this stream failed: {exc}"
+                break
+            idle.since = None
+            tail = (tail + chunk)[-_TAIL:]
+            yield chunk
+    finally:
+        idle.close()
     if cut is None and not ends_with_done(tail):
         cut = Cut.INCOMPLETE
         message = "the backend's stream ended without data: [DONE] (the answer is incomplete)"

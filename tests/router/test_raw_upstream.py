@@ -198,3 +198,32 @@ def test_closing_an_answer_early_closes_its_connection():
             await upstream.aclose()
 
     run(scenario())
+
+
+def test_the_idle_timeout_counts_waits_on_the_backend_not_on_the_client():
+    from pagedkv.router.relay import Cut, relay
+
+    async def source(gaps: list[float]):
+        for gap in gaps:
+            await asyncio.sleep(gap)
+            yield b"data: {}\n\n"
+        yield b"data: [DONE]\n\n"
+
+    async def consume(gaps: list[float], client_s: float) -> tuple[list[Cut], bool, bytes]:
+        cuts: list[Cut] = []
+        done: list[bool] = []
+        out = []
+        async for chunk in relay(b"data: {}\n\n", source(gaps), idle_timeout_s=0.2,
+                                 on_cut=lambda _, cut: cuts.append(cut),
+                                 on_done=lambda: done.append(True)):
+            out.append(chunk)
+            await asyncio.sleep(client_s)  # a slow client: not the backend's fault
+        return cuts, bool(done), b"".join(out)
+
+    # Steady chunks, each within the timeout, a client slower than the timeout: whole.
+    cuts, done, out = run(consume([0.1] * 5, client_s=0.3))
+    assert (cuts, done) == ([], True) and out.count(b"data: {}") == 6
+    # A backend silent for longer than the timeout: cut, however quick the chunks before.
+    cuts, done, out = run(consume([0.0, 0.0, 0.5], client_s=0.0))
+    assert (cuts, done) == ([Cut.IDLE], False)
+    assert b"sent nothing for 0.2 s" in out and out.endswith(b"data: [DONE]\n\n")
