@@ -10,8 +10,11 @@ backend is too busy (see `policies/kv_aware.py` for the score).
     health.py         the health-check and load-scrape loop
     policies/         round-robin, least-load, session, kv-aware (one file each)
     router.py         Router: picks a backend, keeps the books (in flight, own record)
-    proxy.py          forwarding: model check, timeouts, retries, ejection, disconnects
+    proxy.py          forwarding: model check, timeouts, retries, ejection
+    upstream.py       the seam to the backends' HTTP (UpstreamError; httpx for mock transports)
+    raw_upstream.py   HTTP/1.1 on asyncio streams + httptools, keep-alive pools (what runs)
     relay.py          a backend's stream to the client, always ending with data: [DONE]
+    forward_app.py    the forwarded routes as plain ASGI: key, body, answer, disconnects
     metrics.py        the router's own Prometheus metrics
-    app.py            the FastAPI app
+    app.py            the FastAPI app (its other routes) with forward_app.py in front
 """
