@@ -211,7 +211,9 @@ class RawUpstream:
                 return conn, True
             conn.close()
         scheme, host, port = key
-        tls = (self._ssl or ssl.create_default_context()) if scheme == "https" else None
+        if scheme == "https" and self._ssl is None:
+            self._ssl = ssl.create_default_context()  # once: it reads the CA store (~25 ms)
+        tls = self._ssl if scheme == "https" else None
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 reader, writer = await asyncio.open_connection(host, port, ssl=tls,
