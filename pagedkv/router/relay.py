@@ -38,7 +38,7 @@ class RelayResponse:
     """A streamed answer as an ASGI app: the status and headers, `body`'s chunks as they come,
     the end; it awaits `on_close` however it ends (finished, failed, or cancelled)."""
 
-    def __init__(self, body: AsyncGenerator[bytes, None], *, status_code: int,
+    def __init__(self, body: AsyncGenerator[tuple[bytes, bool], None], *, status_code: int,
                  media_type: str | None, headers: dict[str, str],
                  on_close: Callable[[], Awaitable[None]]) -> None:
         self.body = body
@@ -54,9 +54,12 @@ class RelayResponse:
         try:
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
-            async for chunk in self.body:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            ended = False
+            async for chunk, last in self.body:  # nothing comes after a last chunk
+                ended = last
+                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+            if not ended:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             with contextlib.suppress(Exception):
                 await self.body.aclose()
@@ -106,13 +109,21 @@ class _IdleTimer:
 
 async def relay(first: bytes, chunks: AsyncIterator[bytes], *, idle_timeout_s: float,
                 on_cut: Callable[[str, Cut], None], on_done: Callable[[], None]
-                ) -> AsyncGenerator[bytes, None]:
-    """`first`, then `chunks` as they arrive, then an end: `on_done()` when the backend sent
-    `data: [DONE]` (its final blank line added when missing); else `on_cut(message, cut)` and
-    an error event and `data: [DONE]` (`error_ending`). Waits at most `idle_timeout_s` for each
-    next chunk."""
+                ) -> AsyncGenerator[tuple[bytes, bool], None]:
+    """`first`, then `chunks` as they arrive, then an end, as (bytes, last) pairs: `on_done()`
+    when the backend sent `data: [DONE]` (its final blank line added when missing); else
+    `on_cut(message, cut)` and an error event and `data: [DONE]` (`error_ending`). Waits at
+    most `idle_timeout_s` for each next chunk. The chunk that ends with `data: [DONE]` and its
+    blank line is marked last (the client's answer ends with it, in one write); the backend's
+    stream is then read to its end (the connection goes back to its pool), nothing more
+    yielded."""
     tail = first[-_TAIL:]
-    yield first
+    if _complete(tail):
+        yield first, True
+        await _drain(chunks, idle_timeout_s)
+        on_done()
+        return
+    yield first, False
     cut: Cut | None = None
     idle = _IdleTimer(idle_timeout_s)
     try:
@@ -133,16 +144,36 @@ async def relay(first: bytes, chunks: AsyncIterator[bytes], *, idle_timeout_s: f
                 break
             idle.since = None
             tail = (tail + chunk)[-_TAIL:]
-            yield chunk
+            if _complete(tail):
+                yield chunk, True
+                break
+            yield chunk, False
     finally:
         idle.close()
+    if _complete(tail):
+        await _drain(chunks, idle_timeout_s)
+        on_done()
+        return
     if cut is None and not ends_with_done(tail):
         cut = Cut.INCOMPLETE
         message = "the backend's stream ended without data: [DONE] (the answer is incomplete)"
     if cut is not None:
         on_cut(message, cut)
-        yield error_ending(tail, message)
+        yield error_ending(tail, message), True
         return
-    if not tail.endswith(b"\n\n"):
-        yield b"\n" if tail.endswith(b"\n") else b"\n\n"
+    yield (b"\n" if tail.endswith(b"\n") else b"\n\n"), True  # (ended with data: [DONE])
     on_done()
+
+
+def _complete(tail: bytes) -> bool:
+    """True when the stream so far ends with `data: [DONE]` and its blank line."""
+    return tail.endswith(b"\n\n") and ends_with_done(tail)
+
+
+async def _drain(chunks: AsyncIterator[bytes], timeout_s: float) -> None:
+    """Read what the backend sends after `data: [DONE]` (its stream's end), dropped; a
+    failure there is no failure of the answer, which the client has whole."""
+    with contextlib.suppress(UpstreamError, TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            async for _ in chunks:
+                pass

@@ -213,11 +213,14 @@ def test_the_idle_timeout_counts_waits_on_the_backend_not_on_the_client():
         cuts: list[Cut] = []
         done: list[bool] = []
         out = []
-        async for chunk in relay(b"data: {}\n\n", source(gaps), idle_timeout_s=0.2,
-                                 on_cut=lambda _, cut: cuts.append(cut),
-                                 on_done=lambda: done.append(True)):
+        lasts = []
+        async for chunk, last in relay(b"data: {}\n\n", source(gaps), idle_timeout_s=0.2,
+                                       on_cut=lambda _, cut: cuts.append(cut),
+                                       on_done=lambda: done.append(True)):
             out.append(chunk)
+            lasts.append(last)
             await asyncio.sleep(client_s)  # a slow client: not the backend's fault
+        assert lasts[-1] and lasts.count(True) == 1  # the end goes with the last bytes
         return cuts, bool(done), b"".join(out)
 
     # Steady chunks, each within the timeout, a client slower than the timeout: whole.
@@ -227,3 +230,32 @@ def test_the_idle_timeout_counts_waits_on_the_backend_not_on_the_client():
     cuts, done, out = run(consume([0.0, 0.0, 0.5], client_s=0.0))
     assert (cuts, done) == ([Cut.IDLE], False)
     assert b"sent nothing for 0.2 s" in out and out.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("pieces", [
+    [b"data: a\n\ndata: [DONE]\n\n"],  # all in the first read
+    [b"data: a\n\n", b"data: [DONE]\n\n", b"", b"junk after the end"],
+    [b"data: a\n\n", b"data: [DONE]", b"\n\n"],  # its blank line in the next read
+    [b"data: a\n\n", b"data: [DONE]"],  # no blank line at all: added
+    [b"data: a\n\n", b"data: b\n\n"],  # no [DONE]: an error event and [DONE]
+])
+def test_the_last_chunk_carries_the_end_and_the_client_gets_one_done(pieces):
+    from pagedkv.router.relay import relay
+
+    async def source():
+        for piece in pieces[1:]:
+            yield piece
+
+    async def scenario() -> tuple[list[tuple[bytes, bool]], list[str]]:
+        ended: list[str] = []
+        pairs = [pair async for pair in relay(
+            pieces[0], source(), idle_timeout_s=5, on_cut=lambda m, _: ended.append("cut"),
+            on_done=lambda: ended.append("done"))]
+        return pairs, ended
+
+    pairs, ended = run(scenario())
+    assert [last for _, last in pairs].count(True) == 1 and pairs[-1][1]
+    text = b"".join(chunk for chunk, _ in pairs)
+    assert text.startswith(b"data: a\n\n") and text.endswith(b"data: [DONE]\n\n")
+    assert text.count(b"data: [DONE]\n\n") == 1 and b"junk" not in text
+    assert ended == (["cut"] if b"data: b" in text else ["done"])
