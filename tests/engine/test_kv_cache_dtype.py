@@ -107,6 +107,7 @@ def _assert_near_best(model_dir, prompt, tokens, bound):
 
 CONFIGS = {
     "default": dict(),
+    "cold": dict(enable_prefix_caching=False),  # every prompt computes its own blocks
     "chunked_prefill": dict(max_num_batched_tokens=8),
     "preempt_recompute": dict(num_gpu_blocks_override=40, preemption_mode="recompute"),
     "preempt_swap": dict(num_gpu_blocks_override=40, preemption_mode="swap", swap_space=0.01),
@@ -125,6 +126,8 @@ def test_greedy_tokens_through_every_memory_path(cache_format, make_llm):
         stats = llm.llm_engine.get_stats()
         if name.startswith("preempt"):
             assert stats.num_preemptions > 0, name
+        elif name == "cold":
+            assert stats.prefix_cache_hits == 0
         else:
             assert stats.prefix_cache_hits > 0, name  # prompts 0, 2, 4 share 40 tokens
         if name == "preempt_swap":
