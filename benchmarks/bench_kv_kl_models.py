@@ -3,7 +3,8 @@ that the fused CPU kernels read each format in place as the pure-torch path does
 unlike the benchmark Llama.
 
     PYTHONPATH=. python benchmarks/bench_kv_kl_models.py [--models qwen2,gemma2]
-        [--contexts 256,1024] [--sequences 2] [--weights float32,bfloat16] [--json]
+        [--contexts 256,1024] [--sequences 2] [--weights float32,bfloat16] [--num-layers N]
+        [--json]
 
 Models (random weights, transformers' own checkpoints: tests/tiny_models.build_hf_model), each a
 shape the benchmark Llama (GQA 2, head size 64, full attention) is not:
@@ -166,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", default="256,1024")
     parser.add_argument("--sequences", type=int, default=2)
     parser.add_argument("--weights", default="float32,bfloat16")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="every model with this many layers (default: each model's own)")
     parser.add_argument("--json", action="store_true", help="print one JSON list at the end")
     args = parser.parse_args(argv)
     names = args.models.split(",")
@@ -177,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             arch, shape = MODELS[name]
+            if args.num_layers is not None:
+                shape = dict(shape, num_layers=args.num_layers)
             model_dir = build_hf_model(Path(tmp) / name, arch, init_std=0.02,
                                        max_position_embeddings=max(contexts) + 64, **shape)
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
