@@ -51,9 +51,17 @@ TINY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
 
 def build_tiny_hf_model(model_dir: str | Path, name: str, *, seed: int = 0) -> Path:
     """Build the tiny model `name` (a key of TINY_SPECS) into `model_dir` with transformers."""
+    arch, overrides = TINY_SPECS[name]
+    return build_hf_model(model_dir, arch, seed=seed, **overrides)
+
+
+def build_hf_model(model_dir: str | Path, arch: str, *, seed: int = 0, init_std: float = 0.08,
+                   **overrides: Any) -> Path:
+    """Build a random `arch` model (hf_config_dict's names; `overrides` of _BASE's shape) into
+    `model_dir` with transformers: projections and embeddings drawn with std `init_std`, norm
+    weights and biases perturbed. Returns the path."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    arch, overrides = TINY_SPECS[name]
     model_dir = build_tokenizer_files(model_dir)
     spec = {**_BASE, **overrides}
     cfg = hf_config_dict(arch, vocab_size=tokenizer_vocab_size(model_dir), **spec)
@@ -70,7 +78,7 @@ def build_tiny_hf_model(model_dir: str | Path, name: str, *, seed: int = 0) -> P
                 param.copy_(0.02 * torch.randn(param.shape, generator=gen))
             elif pname.endswith(("embed_tokens.weight", "_proj.weight", "lm_head.weight")):
                 # A larger init than HF's 0.02 keeps logits far from ties.
-                param.copy_(0.08 * torch.randn(param.shape, generator=gen))
+                param.copy_(init_std * torch.randn(param.shape, generator=gen))
     model.save_pretrained(model_dir, safe_serialization=True)
     gen_cfg = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}
     (model_dir / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))

@@ -32,13 +32,10 @@ def _forward(runner: ModelRunner, request: ScheduledRequest) -> torch.Tensor:
     return runner.model.compute_logits(select_logits_rows(reqs).gather(hidden))[0].float().cpu()
 
 
-@torch.inference_mode()
-def teacher_forced_logits(runner: ModelRunner, prompt: list[int], continuation: list[int],
-                          chunk_size: int = 32) -> torch.Tensor:
-    """Logits [len(continuation) + 1, vocab]: after the prompt, then after each continuation
-    token. Uses blocks 1.. of `runner`'s KV cache (overwritten; with KV cache groups, each
-    group its own run of blocks)."""
-    total = len(prompt) + len(continuation)
+def _request_factory(runner: ModelRunner, total: int):
+    """A function (tokens, start) -> ScheduledRequest over blocks 1.. of `runner`'s cache,
+    enough for `total` tokens (with KV cache groups, each group its own run of blocks).
+    Raises ValueError when the cache is too small."""
     n = -(-total // runner.block_size)
     groups = 1 if runner.layer_groups is None else runner.layer_groups.num_groups
     tables = [list(range(1 + g * n, 1 + (g + 1) * n)) for g in range(groups)]
@@ -51,6 +48,16 @@ def teacher_forced_logits(runner: ModelRunner, prompt: list[int], continuation: 
         return ScheduledRequest("r", tokens, start, tables[0], params,
                                 group_block_tables=tables if groups > 1 else None)
 
+    return request
+
+
+@torch.inference_mode()
+def teacher_forced_logits(runner: ModelRunner, prompt: list[int], continuation: list[int],
+                          chunk_size: int = 32) -> torch.Tensor:
+    """Logits [len(continuation) + 1, vocab]: after the prompt, then after each continuation
+    token. Uses blocks 1.. of `runner`'s KV cache (overwritten; with KV cache groups, each
+    group its own run of blocks)."""
+    request = _request_factory(runner, len(prompt) + len(continuation))
     rows = []
     for start in range(0, len(prompt), chunk_size):
         logits = _forward(runner, request(prompt[start:start + chunk_size], start))
@@ -85,18 +92,13 @@ def prompt_logits(runner: ModelRunner, tokens: list[int], chunk_size: int = 256)
     """Logits [len(tokens), vocab] (float32, CPU): row i is the next-token distribution after
     tokens[: i + 1], prefilled in chunks of `chunk_size` (a chunk attends to the earlier ones as
     the cache returns them, and to itself as the cache will). Uses blocks 1.. of `runner`'s
-    KV cache (overwritten). Raises ValueError when the cache is too small."""
-    bs = runner.block_size
-    table = list(range(1, -(-len(tokens) // bs) + 1))
-    if table[-1] >= runner.kv_cache.num_blocks:
-        raise ValueError(f"{len(tokens)} tokens need {len(table)} blocks, the cache has "
-                         f"{runner.kv_cache.num_blocks - 1}")
-    params = SamplingParams(temperature=0.0)
+    KV cache (overwritten; with KV cache groups, each group its own run of blocks). Raises
+    ValueError when the cache is too small."""
+    request = _request_factory(runner, len(tokens))
     rows = []
     for start in range(0, len(tokens), chunk_size):
-        chunk = tokens[start:start + chunk_size]
-        _, ids, pos, meta = runner.prepare_inputs([ScheduledRequest("r", chunk, start, table,
-                                                                    params)])
+        _, ids, pos, meta = runner.prepare_inputs([request(tokens[start:start + chunk_size],
+                                                           start)])
         hidden = runner.model(ids, pos, runner.layer_kv_caches, meta)
         rows.append(runner.model.compute_logits(hidden).float().cpu())
     return torch.cat(rows)

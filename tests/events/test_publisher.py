@@ -37,10 +37,13 @@ def _drain(sub: zmq.Socket, idle_s: float = 1.0) -> list[list[bytes]]:
     return frames
 
 
-def test_subscriber_index_matches_the_pool(tiny_llama):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])
+def test_subscriber_index_matches_the_pool(tiny_llama, kv_cache_dtype):
+    """With every cache format (a block's hash names its tokens, never its bytes) the
+    subscriber's index of the published events is the pool's cached blocks."""
     block_size = 4
     llm = LLM(model=str(tiny_llama), seed=0, block_size=block_size, num_gpu_blocks_override=24,
-              max_num_seqs=4, kv_events_config=json.dumps(
+              max_num_seqs=4, kv_cache_dtype=kv_cache_dtype, kv_events_config=json.dumps(
                   {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*",
                    "topic": "kv@test"}))
     engine = llm.llm_engine

@@ -84,6 +84,18 @@ def test_plan_reports_the_doubled_block_count(capsys):
     assert auto["max_concurrent_seqs"] == 28_952 // 512
 
 
+def test_plan_counts_int8_scales_in_its_blocks(capsys):
+    """int8 blocks carry a float32 scale per token, head, layer and K/V: 132 bytes per head
+    vector of 128 values, so 128/132 of twice the bfloat16 cache's blocks in the same bytes."""
+    auto = _plan_json(capsys)
+    int8 = _plan_json(capsys, "--kv-cache-dtype", "int8")
+    free = 60_717_785_088  # floor(80 GiB x 0.9) - weights - activation peak, as above
+    assert auto["num_blocks"] == free // 2_097_152
+    assert (int8["dtype"], int8["bytes_per_block"]) == ("int8", 16 * 32 * 2 * 8 * 132)
+    assert int8["num_blocks"] == free // 1_081_344 == 56_150  # 1.94x of 28,952
+    assert int8["max_concurrent_seqs"] == 56_150 // 512
+
+
 def test_plan_table_names_the_cache_dtype_and_rejects_bad_ones(capsys):
     assert main(["plan", "--config", LLAMA, "--memory", "80GiB",
                  "--kv-cache-dtype", "fp8_e5m2"]) == 0

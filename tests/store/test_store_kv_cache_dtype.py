@@ -1,7 +1,11 @@
-"""The offload tiers' keys carry the KV cache dtype and the fp8 scales: an fp8 block is never
-served to a cache of another dtype, and is served to a later fp8 engine of the same model."""
+"""The offload tiers' keys carry the KV cache dtype and the fp8 scales: a block of one format
+(model dtype, fp8 e4m3 / e5m2, int8 with its scales) is never served to a cache of another, and
+is served to a later engine of the same format and model; the host tier gives each format's
+blocks back to its own engine."""
 
 from __future__ import annotations
+
+import pytest
 
 from tests.store.conftest import make_prefixes, run_one, store_llm, with_suffix
 
@@ -60,23 +64,48 @@ def test_fp8_blocks_saved_under_other_scales_are_refused(tiny_llama, tmp_path, m
     reader.shutdown()
 
 
-def test_int8_blocks_round_trip_through_disk_with_their_scales(tiny_llama, tmp_path):
-    """An int8 block's row carries its per-token scales: a later int8 engine reads every full
-    block back (the same tokens as the writer), and a cache of another format never does."""
-    prompt = with_suffix(make_prefixes(seed=8, num=1)[0], seed=3)
-    full_blocks = (len(prompt) - 1) // 4 * 4
-    writer = store_llm(tiny_llama, "disk", tmp_path, kv_cache_dtype="int8")
-    int8_tokens, cached = run_one(writer, prompt)
-    assert cached == 0 and writer.llm_engine.kv_store.snapshot_stats()[0].blocks_written > 0
-    writer.shutdown()
+FORMATS = ("auto", "fp8", "fp8_e5m2", "int8")
 
-    for other in ("auto", "fp8"):
-        llm = store_llm(tiny_llama, "disk", tmp_path, kv_cache_dtype=other)
-        assert run_one(llm, prompt)[1] == 0, other
-        llm.shutdown()
 
-    reader = store_llm(tiny_llama, "disk", tmp_path, kv_cache_dtype="int8")
-    tokens, cached = run_one(reader, prompt)
-    assert cached == full_blocks
-    assert tokens == int8_tokens
-    reader.shutdown()
+@pytest.mark.parametrize("tier", ["disk", "redis"])
+def test_each_format_reads_back_its_own_blocks_and_no_other_formats(tiny_llama, tmp_path, tier,
+                                                                   request):
+    """One shared tier, each format in turn: an engine of that format finds none of the blocks
+    the earlier formats left there (the format is in the key, both ways: every pair meets), then
+    a second engine of the same format reads every full block back (int8 with its scales) and
+    yields the first one's tokens."""
+    url = request.getfixturevalue("redis_server").url if tier == "redis" else None
+    prompt = with_suffix(make_prefixes(seed=9, num=1)[0], seed=4)
+    full_blocks = (len(prompt) - 1) // 4
+    for fmt in FORMATS:
+        writer = store_llm(tiny_llama, tier, tmp_path, url, kv_cache_dtype=fmt)
+        tokens, cached = run_one(writer, prompt)
+        assert cached == 0, fmt
+        assert writer.llm_engine.kv_store.snapshot_stats()[0].hits == 0, fmt
+        writer.shutdown()
+        reader = store_llm(tiny_llama, tier, tmp_path, url, kv_cache_dtype=fmt)
+        again, cached = run_one(reader, prompt)
+        assert cached == 4 * full_blocks, fmt
+        assert reader.llm_engine.kv_store.snapshot_stats()[0].hits == full_blocks, fmt
+        assert again == tokens, fmt
+        reader.shutdown()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_e5m2", "int8"])
+def test_quantized_blocks_come_back_from_the_host_tier(tiny_llama, tmp_path, fmt):
+    """Each request evicts the previous one's blocks from the device pool; the second round gets
+    every prefix back from host memory (bytes, and int8's scales, restored) and yields the first
+    round's tokens."""
+    llm = store_llm(tiny_llama, "host", tmp_path, kv_cache_dtype=fmt)
+    prompts = [with_suffix(p, seed=i) for i, p in enumerate(make_prefixes(seed=10, num=3))]
+    first = [run_one(llm, p) for p in prompts]
+    assert all(cached == 0 for _, cached in first)
+    second = [run_one(llm, p) for p in prompts]
+    full = [(len(p) - 1) // 4 * 4 for p in prompts]
+    assert [cached for _, cached in second] == full
+    assert [tokens for tokens, _ in second] == [tokens for tokens, _ in first]
+    engine = llm.llm_engine
+    assert engine.scheduler.prefix_cache_hits == 0  # every hit came from the host tier
+    assert engine.kv_store.snapshot_stats()[0].hits == sum(full) // 4
+    engine.check_invariants()
+    llm.shutdown()
