@@ -12,7 +12,8 @@ a block's bytes and its scales together mean the same thing everywhere: the scal
 the block (`KVCache.scales_kv`, [layers, 2, kv_heads, num_blocks, block_size] float32), move
 with it (swap, copy-on-write, the offload tiers' rows) and count in its bytes
 (`KVCacheSpec.page_size_bytes`). Every conversion between model values and the int8 cache is
-here; the C++ kernels (pagedkv/kernels/cpu_ops.cpp) round the same way.
+here; the C++ kernels (pagedkv/kernels/cpu_ops.cpp) and the Triton store
+(backends/triton_int8_store.py) round the same way.
 """
 
 from __future__ import annotations
