@@ -5,7 +5,7 @@
     PYTHONPATH=. python benchmarks/bench_kv_quant.py --prefill-len 2048 [--throughput-formats
         auto,int8] [--throughput-dtype bfloat16] [--threads 1]
     PYTHONPATH=. python benchmarks/bench_kv_quant.py --kl [--kl-contexts 256,2048]
-        [--kl-sequences 2] [--kl-seed 0] [--kl-kernels off|wait] [--kl-skew 1024] [--json]
+        [--kl-sequences 2] [--kl-seed 0[,1,...]] [--kl-kernels off|wait] [--kl-skew 1024] [--json]
 
 0. `--kl` (only this): KL divergence of every cache format against a float32-exact cache on the
    benchmark model in float32 and bfloat16 weights, short and long context (kv_kl.py);
@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_offline import SHAPE, workload  # noqa: E402
-from kv_kl import kl_table  # noqa: E402
+from kv_kl import kl_table, seed_spread  # noqa: E402
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.kv.sizes import parse_size  # noqa: E402
@@ -158,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the KL-divergence quality table (kv_kl.py)")
     parser.add_argument("--kl-contexts", default="256,2048", help="sequence lengths, comma-separated")
     parser.add_argument("--kl-sequences", type=int, default=2, help="sequences per context")
-    parser.add_argument("--kl-seed", type=int, default=0,
-                        help="which fixed set of pseudo-random sequences (KL's spread across sets)")
+    parser.add_argument("--kl-seed", default="0",
+                        help="which fixed sets of pseudo-random sequences, comma-separated "
+                             "(several: each row's spread across the sets, kv_kl.seed_spread)")
     parser.add_argument("--kl-formats", default=None,
                         help="only these cache formats (comma-separated; default: all)")
     parser.add_argument("--kl-kernels", default="off", choices=("off", "wait"),
@@ -257,9 +258,13 @@ def kl_main(args: argparse.Namespace) -> int:
             if args.kl_skew:
                 model_dir = skew_kv_head(model_dir, Path(tmp) / f"{dtype}-skewed", args.kl_skew)
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-            rows += kl_table(model_dir, dtype, contexts, args.kl_sequences, vocab,
-                             only=args.kl_formats.split(",") if args.kl_formats else None,
-                             kernels=args.kl_kernels, seed=args.kl_seed)
+            for seed in (int(s) for s in args.kl_seed.split(",")):
+                rows += kl_table(model_dir, dtype, contexts, args.kl_sequences, vocab,
+                                 only=args.kl_formats.split(",") if args.kl_formats else None,
+                                 kernels=args.kl_kernels, seed=seed)
+    if "," in args.kl_seed:
+        for line in seed_spread(rows):
+            print(line)
     if args.json:
         print(json.dumps(rows, indent=2))
     return 0

@@ -146,3 +146,21 @@ def format_row(row: dict) -> str:
             f"mean KL {row['mean_kl']:.3e}, p99 {row['p99_kl']:.3e}, max {row['max_kl']:.3e}, "
             f"top-1 {100 * row['top1']:.2f}% of {row['positions']}, "
             f"{row['vs_yardstick']:.2f}x the first row{extra}")
+
+
+def seed_spread(rows: list[dict]) -> list[str]:
+    """Per (weights, context, cache) over kl_table's rows of several sequence sets: the mean KL
+    over the yardstick's pooled (mean over the sets of each, divided) and the least and greatest
+    single set's ratio: whether one set's ratio is typical."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["weights"], row["context"], row["cache"]), []).append(row)
+    lines = []
+    for (weights, context, cache), group in groups.items():
+        ratios = [r["vs_yardstick"] for r in group]
+        yardstick = sum(r["mean_kl"] / r["vs_yardstick"] for r in group)
+        pooled = sum(r["mean_kl"] for r in group) / yardstick
+        lines.append(f"[{weights} weights, {context} tokens] {cache:>18} cache over "
+                     f"{len(group)} sequence sets: pooled {pooled:.2f}x the first row, single "
+                     f"sets {min(ratios):.2f}x .. {max(ratios):.2f}x (mean {sum(ratios) / len(ratios):.2f}x)")
+    return lines

@@ -12,7 +12,8 @@ a block's bytes and its scales together mean the same thing everywhere: the scal
 the block (`KVCache.scales_kv`, [layers, 2, kv_heads, num_blocks, block_size] float32), move
 with it (swap, copy-on-write, the offload tiers' rows) and count in its bytes
 (`KVCacheSpec.page_size_bytes`). Every conversion between model values and the int8 cache is
-here; the C++ kernels (pagedkv/kernels/cpu_ops.cpp) round the same way.
+here; the C++ kernels (pagedkv/kernels/cpu_ops.cpp) and the Triton store
+(backends/triton_int8_store.py) round the same way.
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ import torch
 INT8_MAX = 127.0
 
 
-# The candidate scales, in units of max|x| / 127: 1 + i / 256 for i = -16 .. 15 (exact in float32;
-# ties go to the first, the smallest). The C++ write (cpu_ops.cpp, write_kv_int8_) uses the same.
-SCALE_FACTORS = tuple(1.0 + i / 256 for i in range(-16, 16))
+# The candidate scales, in units of max|x| / 127: 1 + i SCALE_STEP for i = -SCALE_STEPS ..
+# SCALE_STEPS - 1 (exact in float32; ties go to the first, the smallest). The C++ write
+# (cpu_ops.cpp, write_kv_int8_) and the Triton one (triton_int8_store.py) use the same.
+SCALE_STEPS = 16
+SCALE_STEP = 1 / 256
+SCALE_FACTORS = tuple(1.0 + i * SCALE_STEP for i in range(-SCALE_STEPS, SCALE_STEPS))
 # The squared errors are counted in units of 2^-ERROR_BITS of a power of two near max|x| / 127.
 ERROR_BITS = 20
 

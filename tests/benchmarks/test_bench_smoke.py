@@ -154,3 +154,23 @@ def test_bench_prefill_kernel_compares_the_kernel_with_the_torch_path():
     last = proc.stdout.splitlines()[-1].split()
     assert last[:2] == ["float32", "64"]
     assert last[-1].endswith("x") or "no tiled kernel" in proc.stdout
+
+
+
+def test_kl_seed_spread_pools_the_sets_and_names_the_extremes():
+    """kv_kl.seed_spread over two sequence sets' rows: per (weights, context, cache) the pooled
+    ratio (the sum of its mean KLs over the sum of the first row's) and the single sets' range."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from kv_kl import seed_spread
+
+    def row(cache, seed, mean_kl, own):
+        return dict(weights="bfloat16", context=256, cache=cache, seed=seed, mean_kl=mean_kl,
+                    vs_yardstick=mean_kl / own)
+
+    rows = [row("bfloat16", 0, 1e-5, 1e-5), row("int8", 0, 2.5e-5, 1e-5),
+            row("bfloat16", 1, 3e-5, 3e-5), row("int8", 1, 4.5e-5, 3e-5)]
+    lines = seed_spread(rows)
+    assert len(lines) == 2 and "bfloat16 cache over 2 sequence sets: pooled 1.00x" in lines[0]
+    # (2.5 + 4.5) / (1 + 3) = 1.75, though the sets' own ratios average 2.0
+    assert lines[1].endswith("int8 cache over 2 sequence sets: pooled 1.75x the first row, "
+                             "single sets 1.50x .. 2.50x (mean 2.00x)"), lines[1]

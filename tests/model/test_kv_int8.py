@@ -86,6 +86,19 @@ def test_quantize_into_writes_exactly_the_given_slots_and_the_kernel_agrees(dtyp
     assert torch.equal(cache2, cache)
 
 
+def hard_vectors(n: int, ties: int, constant: int, dtype: torch.dtype) -> torch.Tensor:
+    """x [n, 2, 72] for the writes' bit-for-bit checks: Gaussian vectors of every magnitude
+    (subnormal to 1e37), then `ties` of small integers (equal errors for several candidates,
+    halves in x / s), `constant` constant ones, and x[ties + constant, 0] all zeros."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 2, 72, generator=gen)
+    x *= torch.exp2(torch.randint(-140, 120, (n, 2, 1), generator=gen).float())
+    x[:ties] = torch.randint(-127, 128, (ties, 2, 72), generator=gen).float()
+    x[ties:ties + constant] = torch.rand(constant, 2, 1, generator=gen) * 7
+    x[ties + constant, 0] = 0.0
+    return x.to(dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_picks_the_same_scale_as_torch_for_every_vector(dtype):
     """Many vectors of every magnitude (subnormal to 1e37), constant ones and small integers
@@ -93,13 +106,7 @@ def test_the_kernel_picks_the_same_scale_as_torch_for_every_vector(dtype):
     tail), written by the C++ kernel and by torch: the
     same int8 values and scales, bit for bit (the errors are compared as integers)."""
     ensure_cpu_kernels("wait")
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(600, 2, 72, generator=gen)
-    x *= torch.exp2(torch.randint(-140, 120, (600, 2, 1), generator=gen).float())
-    x[:40] = torch.randint(-127, 128, (40, 2, 72), generator=gen).float()  # ties
-    x[40:60] = torch.rand(20, 2, 1, generator=gen) * 7  # constant vectors
-    x[60, 0] = 0.0
-    x = x.to(dtype)
+    x = hard_vectors(600, 40, 20, dtype)
     slots = torch.arange(600)
     cache, scales = torch.zeros(2, 150, 4, 72, dtype=torch.int8), torch.zeros(2, 150, 4)
     quantize_into_per_token(cache, scales, slots, x)
@@ -203,3 +210,31 @@ def test_triton_backend_reads_the_int8_cache_in_place(tiny_llama):
     got = compare_logits(ref, teacher_forced_logits(runner, prompt, cont, chunk_size=8))
     assert 0.0 < got.max_abs_error < INT8_LOGIT_BOUND, got
     assert bool(runner.kv_cache.scales_kv.any())  # the kernel stored the scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_triton_store_writes_what_torch_writes_bit_for_bit(dtype):
+    """The Triton int8 store (scale search, quantization and write in one launch; interpreted
+    on CPU) over hard_vectors as strided views of one K/V tensor (the model's split), some
+    tokens unmapped (slot -1): the torch write's int8 rows and scales, bit for bit; every other
+    slot untouched. Small: the interpreter runs each program in Python."""
+    pytest.importorskip("triton")
+    from pagedkv.model.backends.triton_int8_store import store_kv_int8
+
+    n = 28
+    x = hard_vectors(n, 8, 4, dtype)
+    kv = torch.stack([x, x.flip(0) * 0.5], dim=1).reshape(n, 4, 72)
+    k, v = kv[:, :2], kv[:, 2:]
+    slots = torch.randperm(2 * n, generator=torch.Generator().manual_seed(4))[:n]
+    slots[[3, n - 1]] = -1
+    mapped = slots >= 0
+    want = [torch.full((2, n, 2, 72), 7, dtype=torch.int8) for _ in range(2)]
+    want += [torch.full((2, n, 2), -1.0) for _ in range(2)]
+    got = [t.clone() for t in want]
+    quantize_into_per_token(want[0], want[2], slots[mapped], k[mapped])
+    quantize_into_per_token(want[1], want[3], slots[mapped], v[mapped])
+    store_kv_int8(k, v, got[0], got[1], got[2], got[3], slots)
+    for name, w, g in zip(("keys", "values", "key scales", "value scales"), want, got,
+                          strict=True):
+        assert torch.equal(g, w), name
+    assert bool((got[2] == 0).any()) and bool((got[0] == 7).any())  # a zero vector; free slots

@@ -21,8 +21,8 @@ import triton
 
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.backends.table_rows import BlockTableRows
+from pagedkv.model.backends.triton_int8_store import store_kv_int8
 from pagedkv.model.backends.triton_kernels import paged_attention_kernel, store_kv_kernel
-from pagedkv.model.kv_int8 import quantize_per_token
 from pagedkv.model.kv_quant import is_quantized, quantize
 
 DECODE_BLOCK_M = 16  # query rows (tokens x query heads of one KV head) per program, decode
@@ -41,19 +41,16 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     kv_quant.KVScales): Triton's interpreter rounds values just below a power of two down to
     half of it when it converts to fp8, so the kernel only copies bytes. An int8 cache
     (k_scales / v_scales given, [kv_heads, num_blocks, block_size] float32, mutated) gets
-    kv_int8's per-token values and scales, both stored by the same kernel (no data-dependent
-    shapes: CUDA-graph safe)."""
+    kv_int8's per-token values and scales, searched, quantized and stored by one launch
+    (triton_int8_store.py; no data-dependent shapes: CUDA-graph safe)."""
     t, kvh, d = k.shape
     if t == 0:
         return
+    if k_scales is not None:
+        store_kv_int8(k, v, k_cache, v_cache, k_scales, v_scales, slot_mapping)
+        return
     if is_quantized(k_cache.dtype):  # converted by torch: Triton's interpreter rounds fp8 wrong
         k, v = quantize(k, k_cache.dtype), quantize(v, v_cache.dtype)
-    if k_scales is not None:
-        (k, ks), (v, vs) = quantize_per_token(k), quantize_per_token(v)
-        store_kv_kernel[(t,)](
-            ks.unsqueeze(-1), vs.unsqueeze(-1), k_scales, v_scales, slot_mapping, ks.stride(0),
-            ks.stride(1), vs.stride(0), vs.stride(1), k_scales.stride(0), NUM_KV_HEADS=kvh,
-            HEAD_DIM=1, KV_HEADS_PAD=triton.next_power_of_2(kvh), HEAD_DIM_PAD=1)
     store_kv_kernel[(t,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), NUM_KV_HEADS=kvh, HEAD_DIM=d,
