@@ -7,7 +7,9 @@ OpenAI's events, each `event: <type>` + `data: {..., "sequence_number": i}`:
 response.created, response.in_progress, response.output_item.added,
 response.content_part.added, response.output_text.delta (one per new text), then
 response.output_text.done, response.content_part.done, response.output_item.done and
-response.completed (or response.incomplete) with the whole response.
+response.completed with the whole response, whose `status` may be "incomplete": vLLM 0.32 ends
+every stream so, and the openai SDK's `responses.stream()` helper needs that event (it raises
+on a stream without one).
 """
 
 from __future__ import annotations
@@ -129,5 +131,4 @@ async def _stream(serving: OpenAIServing, req: ResponsesRequest, response_id: st
     yield _event("response.content_part.done", next(seq), item_id=message_id, output_index=0,
                  content_index=0, part=message["content"][0])
     yield _event("response.output_item.done", next(seq), output_index=0, item=message)
-    kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
-    yield _event(kind, next(seq), response=done)
+    yield _event("response.completed", next(seq), response=done)

@@ -55,12 +55,22 @@ def test_streaming_events(client):
     assert kinds[:4] == ["response.created", "response.in_progress",
                          "response.output_item.added", "response.content_part.added"]
     assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
-                          "response.output_item.done", "response.incomplete"]
+                          "response.output_item.done", "response.completed"]
     assert set(kinds[4:-4]) == {"response.output_text.delta"}
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == events[-4].text == events[-1].response.output_text
     assert text == chat_text(client, [{"role": "user", "content": "Tell me a story"}])
+    assert events[-1].response.status == "incomplete"  # cut by the limit, as vLLM reports it
+
+
+def test_sdk_stream_helper_gets_the_final_response(client):
+    """The SDK's `responses.stream()` needs `response.completed`, also for a cut response."""
+    with client.responses.stream(model="tiny", input="Tell me a story", **GREEDY) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.status == "incomplete" and final.output_text == "".join(deltas)
+    assert final.usage.output_tokens == 8
 
 
 def test_status_follows_the_finish_reason():
