@@ -113,7 +113,7 @@ def test_values_follow_the_requests(server):
     prompt = "Count the tokens of this prompt please " * 3
     for n in (1, 2):
         client.completions.create(model="tiny", prompt=prompt, max_tokens=4, n=n,
-                                  temperature=0, extra_body={"ignore_eos": True})
+                                  temperature=1.0, extra_body={"ignore_eos": True, "top_k": 1})
     wait_for_idle_pool(server.url)
     after = scrape(server.url)
 
