@@ -1,6 +1,7 @@
 """The router's FastAPI app: `create_router_app(router, ...)`.
 
-Routes: POST /v1/completions and /v1/chat/completions (forwarded, proxy.py), GET /v1/models
+Routes: POST /v1/completions, /v1/chat/completions and /v1/responses (forwarded, proxy.py; a
+Responses body is placed by load alone), GET /v1/models
 (the union of the up backends' models, as the health checks last read them), GET /health (200
 while a backend is up, else 503), GET /metrics (the router's own, metrics.py), GET /dashboard (the
 fleet, dashboard.py). With `api_key`,
@@ -124,6 +125,11 @@ def create_router_app(router: Router, *, api_key: str | None = None,
     async def chat_completions(raw: Request) -> Response:
         check_key(raw)
         return await state["forwarder"].forward(raw, "/v1/chat/completions")
+
+    @app.post("/v1/responses")
+    async def responses(raw: Request) -> Response:
+        check_key(raw)  # placed by load: the router does not tokenize Responses bodies
+        return await state["forwarder"].forward(raw, "/v1/responses")
 
     app.include_router(make_router_dashboard(router, DashboardAccess(api_key)))
     return app
