@@ -276,3 +276,62 @@ def test_answers_carry_the_keys_vllm_0_32_writes(server):
     assert set(message) == {"role", "content", "refusal", "annotations", "audio",
                             "function_call", "reasoning"}
     assert message["content"] and message["role"] == "assistant"
+
+
+def test_chat_echo_fills_prompt_logprobs_as_vllm(server):
+    """vLLM's chat `echo` asks for the prompt's logprobs (top_logprobs of them; rank-only at
+    0): the answer's `prompt_logprobs` has one entry per prompt token, the first null."""
+    resp = post(server, "/v1/chat/completions", {"messages": CHAT, **GREEDY, "echo": True,
+                                                 "return_token_ids": True}).json()
+    prompt = resp["prompt_token_ids"]
+    assert resp["prompt_logprobs"][0] is None and len(resp["prompt_logprobs"]) == len(prompt)
+    for token_id, entry in zip(prompt[1:], resp["prompt_logprobs"][1:], strict=True):
+        assert list(entry) == [str(token_id)] and entry[str(token_id)]["logprob"] <= 0
+    plain = post(server, "/v1/chat/completions", {"messages": CHAT, **GREEDY}).json()
+    assert plain["prompt_logprobs"] is None
+
+
+@pytest.mark.parametrize("path, base", [("/v1/completions", {"prompt": "Once upon"}),
+                                         ("/v1/chat/completions", {"messages": CHAT})])
+def test_continuous_usage_stats(server, path, base):
+    """vLLM's `stream_options.continuous_usage_stats`: with include_usage every chunk carries
+    the usage so far (completion tokens never fall, the last equals the final usage chunk);
+    without it only the final chunk does."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = _sse(server, path, {**base, **GREEDY, "stream": True, "stream_options": options})
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == GREEDY["max_tokens"]
+    assert chunks[-1]["choices"] == [] and chunks[-2]["usage"] == chunks[-1]["usage"]
+    prompt_tokens = {c["usage"]["prompt_tokens"] for c in chunks}
+    assert len(prompt_tokens) == 1 and prompt_tokens.pop() > 0
+    chunks = _sse(server, path, {**base, **GREEDY, "stream": True,
+                                 "stream_options": {"include_usage": True}})
+    assert [("usage" in c) for c in chunks] == [False] * (len(chunks) - 1) + [True]
+
+
+def test_completion_chunks_carry_vllms_stream_keys(server):
+    """A completions stream chunk has vLLM's keys: none of the answer-only ones
+    (service_tier, kv/ec transfer params, metrics, routed_experts, unset prompt_logprobs)."""
+    chunks = _sse(server, "/v1/completions", {"prompt": "Once upon", **GREEDY, "stream": True})
+    for chunk in chunks:
+        assert not {"service_tier", "kv_transfer_params", "ec_transfer_params", "metrics",
+                    "usage"} & set(chunk), chunk
+        for choice in chunk["choices"]:
+            assert set(choice) == {"index", "text", "logprobs", "finish_reason", "stop_reason",
+                                   "token_ids", "prompt_token_ids"}, choice
+
+
+def test_message_keys_the_sdk_returns_are_ignored(server):
+    """An assistant message sent back as the SDK returned it (refusal, annotations, audio,
+    reasoning...) and a content part's extra key are ignored, as vLLM does."""
+    answer = post(server, "/v1/chat/completions", {"messages": CHAT, **GREEDY}).json()
+    message = answer["choices"][0]["message"]
+    assert {"refusal", "annotations", "audio", "function_call", "reasoning"} <= set(message)
+    message = {**message, "annotations": [], "reasoning_content": "thought", "audio": {"id": "a"}}
+    user = {"role": "user", "content": [{"type": "text", "text": "More",
+                                         "cache_control": {"type": "ephemeral"}}]}
+    resp = post(server, "/v1/chat/completions", {"messages": CHAT + [message, user], **GREEDY})
+    assert resp.status_code == 200, resp.text
+    bad = post(server, "/v1/chat/completions",
+               {"messages": [{"role": "user", "content": 5, "extra": 1}], **GREEDY})
+    assert bad.status_code == 400 and "messages" in bad.json()["error"]["param"]
