@@ -53,7 +53,9 @@ async def create_response(serving: OpenAIServing, req: ResponsesRequest,
     check_request_fields(req, strict=serving.strict_request_fields)
     chat = req.to_chat()
     serving.check_common(chat)
-    prompt = (await serving.run_tokenizer(tokenize_chat, serving, chat))
+    if req.truncation == "auto":  # OpenAI's: drop the input's start so the answer fits
+        chat.truncate_prompt_tokens = max(serving.max_model_len - (req.max_output_tokens or 1), 1)
+    prompt = serving.truncate(chat, [await serving.run_tokenizer(tokenize_chat, serving, chat)])[0]
     max_tokens = serving.max_tokens_for(req.max_output_tokens, len(prompt), None)
     params = serving.sampling_params(chat, max_tokens=max_tokens, logprobs=None)
     serving.check_fits([prompt], params)
@@ -77,7 +79,7 @@ def _response(serving: OpenAIServing, req: ResponsesRequest, response_id: str, m
                   top_p=req.top_p, user=req.user, metadata=req.metadata or {},
                   system_fingerprint=serving.system_fingerprint,
                   text={"format": {"type": "text"}, "verbosity": verbosity or "medium"},
-                  prompt_cache_key=req.prompt_cache_key,
+                  prompt_cache_key=req.prompt_cache_key, truncation=req.truncation or "disabled",
                   prompt_cache_retention=req.prompt_cache_retention,
                   safety_identifier=req.safety_identifier)
     if final is None:

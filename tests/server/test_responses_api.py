@@ -147,3 +147,15 @@ def test_completed_answers_carry_completed_at():
     assert resp.status == "completed" and before <= resp.completed_at <= int(time.time())
     assert _response(serving, ResponsesRequest(input="x"), "resp_1", "msg_1",
                      None).completed_at is None
+
+
+def test_truncation_auto_drops_the_input_start(client, server):
+    """`truncation: "auto"` (OpenAI's, vLLM accepts it): an input longer than the context is
+    cut from its start so the answer fits; "disabled" (the default) is a 400 for it."""
+    limit = httpx.get(server.url + "/v1/models").json()["data"][0]["max_model_len"]
+    long_input = "word " * (limit + 50)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="tiny", input=long_input, **GREEDY)
+    resp = client.responses.create(model="tiny", input=long_input, truncation="auto", **GREEDY)
+    assert resp.truncation == "auto" and resp.usage.output_tokens == 8
+    assert resp.usage.input_tokens == limit - GREEDY["max_output_tokens"]
