@@ -232,7 +232,7 @@ async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list,
     if include_usage:
         chunk = CompletionResponse(id=extras.id, model=serving.model_name, choices=[],
                                    system_fingerprint=extras.fingerprint, usage=usage.info())
-        yield sse_event(chunk.model_dump(mode="json"))
+        yield sse_event(_chunk_json(chunk))
 
 
 _RESPONSE_ONLY = {"service_tier", "kv_transfer_params", "ec_transfer_params", "metrics"}

@@ -312,10 +312,13 @@ def test_continuous_usage_stats(server, path, base):
 def test_completion_chunks_carry_vllms_stream_keys(server):
     """A completions stream chunk has vLLM's keys: none of the answer-only ones
     (service_tier, kv/ec transfer params, metrics, routed_experts, unset prompt_logprobs)."""
-    chunks = _sse(server, "/v1/completions", {"prompt": "Once upon", **GREEDY, "stream": True})
+    chunks = _sse(server, "/v1/completions", {"prompt": "Once upon", **GREEDY, "stream": True,
+                                              "stream_options": {"include_usage": True}})
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
     for chunk in chunks:
-        assert not {"service_tier", "kv_transfer_params", "ec_transfer_params", "metrics",
-                    "usage"} & set(chunk), chunk
+        assert not {"service_tier", "kv_transfer_params", "ec_transfer_params",
+                    "metrics"} & set(chunk), chunk
+        assert ("usage" in chunk) == (chunk is chunks[-1])
         for choice in chunk["choices"]:
             assert set(choice) == {"index", "text", "logprobs", "finish_reason", "stop_reason",
                                    "token_ids", "prompt_token_ids"}, choice
