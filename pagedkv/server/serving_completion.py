@@ -113,7 +113,10 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest,
         req.add_special_tokens is not False))
     echo = None
     if req.echo:  # max_tokens 0 generates one token, which is dropped (as vLLM does)
-        echo = _Echo(prompt_texts(serving, req.prompt, prompts), prompts, req.max_tokens == 0)
+        # vLLM: with return_token_ids the prompt comes back as prompt_token_ids, not as text
+        texts = ([""] * len(prompts) if req.return_token_ids
+                 else prompt_texts(serving, req.prompt, prompts))
+        echo = _Echo(texts, prompts, req.max_tokens == 0)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else (
         1 if req.max_tokens == 0 else req.max_tokens)
     max_tokens = [serving.max_tokens_for(requested, len(p), DEFAULT_MAX_TOKENS)

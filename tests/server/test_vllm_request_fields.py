@@ -338,3 +338,16 @@ def test_message_keys_the_sdk_returns_are_ignored(server):
     bad = post(server, "/v1/chat/completions",
                {"messages": [{"role": "user", "content": 5, "extra": 1}], **GREEDY})
     assert bad.status_code == 400 and "messages" in bad.json()["error"]["param"]
+
+
+def test_echo_with_return_token_ids_leaves_the_prompt_text_out(server):
+    """vLLM: with `return_token_ids`, an echoed completion's text is the output alone (the
+    prompt comes back as `prompt_token_ids`); its logprobs still cover the prompt."""
+    body = {"prompt": "Once upon a time", **GREEDY, "echo": True, "logprobs": 0}
+    echoed = post(server, "/v1/completions", body).json()["choices"][0]
+    with_ids = post(server, "/v1/completions", {**body, "return_token_ids": True}).json()
+    choice = with_ids["choices"][0]
+    assert echoed["text"] == "Once upon a time" + choice["text"]
+    assert choice["prompt_token_ids"] and len(choice["token_ids"]) == GREEDY["max_tokens"]
+    assert choice["logprobs"]["tokens"] == echoed["logprobs"]["tokens"]
+    assert len(choice["logprobs"]["tokens"]) == len(choice["prompt_token_ids"]) + 6
