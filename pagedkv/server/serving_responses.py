@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.server.deltas import DeltaTracker
+from pagedkv.server.errors import APIError
 from pagedkv.server.request_fields import check_request_fields
 from pagedkv.server.responses_protocol import (
     IncompleteDetails,
@@ -51,6 +52,9 @@ async def create_response(serving: OpenAIServing, req: ResponsesRequest,
     is queued; a disconnect aborts the request."""
     arrival = time.monotonic()
     check_request_fields(req, strict=serving.strict_request_fields)
+    if req.previous_response_id is not None:  # nothing is stored (vLLM's unknown-id answer)
+        raise APIError(f"Response with id '{req.previous_response_id}' not found.",
+                       status_code=404, param="previous_response_id")
     chat = req.to_chat()
     serving.check_common(chat)
     if req.truncation == "auto":  # OpenAI's: drop the input's start so the answer fits
