@@ -8,7 +8,8 @@ sequence); otherwise the token is held back in the window. Nothing is emitted at
 decoded in it included), and so is everything after an invalid byte that the window never got
 past. A token that ends a sequence as a stop token (eos, `stop_token_ids`) is not decoded unless
 `include_stop_str_in_output`. Stop strings are looked for once `min_tokens` tokens are out,
-the one that ends first wins. With a tokenizer that offers `decode_stream` (pagedkv's, over
+the one that ends first wins. With `skip_special_tokens` and `spaces_between_special_tokens`
+both false, an added token right after another is written as its bare content. With a tokenizer that offers `decode_stream` (pagedkv's, over
 `tokenizers.DecodeStream`) a token costs one call into `tokenizers`; otherwise the same rule
 runs on two `decode` calls per token (the slow path, vLLM's `detokenize_incrementally`).
 """
@@ -135,6 +136,24 @@ class _SkipRepeated:
         return text
 
 
+class _AddedTokensJoined:
+    """Wraps a step (vLLM's `spaces_between_special_tokens=False`): an added token right after
+    another is written as its content, without the space the decoder may put before it."""
+
+    __slots__ = ("_step", "_added", "_last_added")
+
+    def __init__(self, step: Callable[[int], str], added: dict[int, str]) -> None:
+        self._step, self._added, self._last_added = step, added, False
+
+    def __call__(self, token: int) -> str:
+        text = self._step(token)
+        content = self._added.get(token)
+        if content is not None and self._last_added:
+            text = content
+        self._last_added = content is not None
+        return text
+
+
 class IncrementalDetokenizer:
     """Turns one sequence's output tokens into text, a token at a time (vLLM's rule, see the
     module docstring).
@@ -145,7 +164,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: _Decoder, prompt_token_ids: list[int], stop: list[str],
                  skip_special_tokens: bool = True, include_stop_str_in_output: bool = False,
-                 min_tokens: int = 0) -> None:
+                 min_tokens: int = 0, spaces_between_special_tokens: bool = True) -> None:
         self.stop = stop
         self.include_stop = include_stop_str_in_output
         self.min_tokens = min_tokens
@@ -157,7 +176,12 @@ class IncrementalDetokenizer:
         step: Callable[[int], str] = (
             _WindowStep(tokenizer, context, skip_special_tokens) if make_stream is None
             else _StreamStep(make_stream, context, skip_special_tokens))
-        self._step = _SkipRepeated(step, repeated) if repeated else step
+        if repeated:
+            step = _SkipRepeated(step, repeated)
+        added = getattr(tokenizer, "added_tokens", None)
+        if not (skip_special_tokens or spaces_between_special_tokens) and added:
+            step = _AddedTokensJoined(step, added)
+        self._step = step
 
     def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
         """Append tokens; returns the stop string found in the new text, else None.

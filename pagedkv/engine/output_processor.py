@@ -201,7 +201,8 @@ class OutputProcessor:
         params = group.params
         detokenizer = IncrementalDetokenizer(
             self.tokenizer, group.prompt_token_ids, params.stop_strings,
-            params.skip_special_tokens, params.include_stop_str_in_output, params.min_tokens)
+            params.skip_special_tokens, params.include_stop_str_in_output, params.min_tokens,
+            params.spaces_between_special_tokens)
         sample = group.samples[index] = _Sample(index, detokenizer, params.logprobs is not None)
         return sample
 

@@ -170,6 +170,7 @@ class OpenAIServing:
             logprobs=logprobs, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
             skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=getattr(req, "spaces_between_special_tokens", True),
             include_stop_str_in_output=req.include_stop_str_in_output,
             prompt_logprobs=req.prompt_logprobs, structured_outputs=structured_outputs,
             logit_bias=_logit_bias(req.logit_bias), allowed_token_ids=req.allowed_token_ids,

@@ -18,11 +18,23 @@ from tokenizers.decoders import DecodeStream
 
 
 def vllm_output_text(tokenizer: Tokenizer, prompt_ids: Sequence[int], output_ids: Sequence[int],
-                     skip_special_tokens: bool = True, stop_terminated: bool = False) -> str:
-    """The text of `output_ids` after `prompt_ids` as vLLM's detokenizer makes it."""
+                     skip_special_tokens: bool = True, stop_terminated: bool = False,
+                     spaces_between_special_tokens: bool = True) -> str:
+    """The text of `output_ids` after `prompt_ids` as vLLM's detokenizer makes it (with both
+    `skip_special_tokens` and `spaces_between_special_tokens` false, an added token right
+    after another is its bare content)."""
     stream = DecodeStream(ids=list(prompt_ids), skip_special_tokens=skip_special_tokens)
     stepped = output_ids[:-1] if stop_terminated else output_ids
-    text = "".join(stream.step(tokenizer, token) or "" for token in stepped)
+    added = ({} if skip_special_tokens or spaces_between_special_tokens else
+             {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()})
+    pieces, last_added = [], False
+    for token in stepped:
+        piece = stream.step(tokenizer, token) or ""
+        if token in added and last_added:
+            piece = added[token]
+        last_added = token in added
+        pieces.append(piece)
+    text = "".join(pieces)
     prompt_text = tokenizer.decode(list(prompt_ids), skip_special_tokens=skip_special_tokens)
     if prompt_text.endswith("\ufffd") and text:
         assert text.startswith(prompt_text[:-1]), (text, prompt_text)

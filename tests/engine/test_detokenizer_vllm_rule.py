@@ -164,3 +164,26 @@ def test_invalid_prefix_restarts_the_stream_without_context():
     for c in "abc":
         detok.update([ord(c)])
     assert detok.text == "abc" and made == [[ord("p")], []]
+
+
+def test_spaces_between_special_tokens_false_joins_added_tokens():
+    """A WordPiece decoder puts a space between tokens; with skip_special_tokens and
+    spaces_between_special_tokens false, vLLM writes an added token right after another as its
+    bare content."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    vocab = {"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "hello": 3, "world": 4, "##s": 5}
+    raw = HFTokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    raw.decoder = decoders.WordPiece()
+    raw.add_special_tokens(["[CLS]", "[SEP]"])
+    tok = Tokenizer(raw, {})
+    prompt, output = [3], [4, 1, 2, 5, 1, 3]
+    for skip, spaces in ((False, False), (False, True), (True, False)):
+        expected = vllm_output_text(raw, prompt, output, skip_special_tokens=skip,
+                                    spaces_between_special_tokens=spaces)
+        assert ours(tok, prompt, output, skip_special_tokens=skip,
+                    spaces_between_special_tokens=spaces) == expected
+    assert ours(tok, prompt, output, skip_special_tokens=False,
+                spaces_between_special_tokens=False) == " world [CLS][SEP]s [CLS] hello"
+    assert ours(tok, prompt, output, skip_special_tokens=False) == " world [CLS] [SEP]s [CLS] hello"
