@@ -61,31 +61,6 @@ def prompt_context(decoder: _Decoder, prompt_token_ids: list[int],
     return list(context), len(text) - 1 if text.endswith(_REPLACEMENT) else 0
 
 
-class _StreamStep:
-    """The fast path: one `DecodeStream.step` per token (the new text, "" while held back).
-    Recovers as vLLM does: an id the tokenizer cannot take gives "", an invalid prefix restarts
-    the stream without context."""
-
-    __slots__ = ("_make", "_skip", "_stream")
-
-    def __init__(self, make_stream: Callable, context: list[int],
-                 skip_special_tokens: bool) -> None:
-        self._make = make_stream
-        self._skip = skip_special_tokens
-        self._stream = make_stream(context, skip_special_tokens)
-
-    def __call__(self, token: int) -> str:
-        try:
-            return self._stream(token) or ""
-        except (OverflowError, TypeError):
-            return ""
-        except Exception as error:  # tokenizers raises a bare Exception
-            if not str(error).startswith(_INVALID_PREFIX):
-                raise
-            self._stream = self._make([], self._skip)
-            return self._stream(token) or ""
-
-
 class _WindowStep:
     """The slow path: tokenizers' `DecodeStream.step` written over `decode` (the same window,
     prefix and prefix index; a prompt context whose text ends in U+FFFD leaves the prefix
@@ -126,10 +101,10 @@ class _SkipRepeated:
 
     __slots__ = ("_step", "_count")
 
-    def __init__(self, step: Callable[[int], str], count: int) -> None:
+    def __init__(self, step: Callable[[int], str | None], count: int) -> None:
         self._step, self._count = step, count
 
-    def __call__(self, token: int) -> str:
+    def __call__(self, token: int) -> str | None:
         text = self._step(token)
         if text and self._count:
             text, self._count = text[self._count:], 0
@@ -142,10 +117,10 @@ class _AddedTokensJoined:
 
     __slots__ = ("_step", "_added", "_last_added")
 
-    def __init__(self, step: Callable[[int], str], added: dict[int, str]) -> None:
+    def __init__(self, step: Callable[[int], str | None], added: dict[int, str]) -> None:
         self._step, self._added, self._last_added = step, added, False
 
-    def __call__(self, token: int) -> str:
+    def __call__(self, token: int) -> str | None:
         text = self._step(token)
         content = self._added.get(token)
         if content is not None and self._last_added:
@@ -171,44 +146,81 @@ class IncrementalDetokenizer:
         self.num_tokens = 0
         self.text = ""
         self.stopped = False
-        context, repeated = prompt_context(tokenizer, prompt_token_ids, skip_special_tokens)
-        make_stream = getattr(tokenizer, "decode_stream", None)
-        step: Callable[[int], str] = (
-            _WindowStep(tokenizer, context, skip_special_tokens) if make_stream is None
-            else _StreamStep(make_stream, context, skip_special_tokens))
-        if repeated:
-            step = _SkipRepeated(step, repeated)
+        self._skip_special = skip_special_tokens
         added = getattr(tokenizer, "added_tokens", None)
-        if not (skip_special_tokens or spaces_between_special_tokens) and added:
-            step = _AddedTokensJoined(step, added)
-        self._step = step
+        self._added = None if skip_special_tokens or spaces_between_special_tokens else added
+        # The fast path steps tokenizers' DecodeStream (one call per token, the new text or
+        # None while held back); the slow path the same rule over `decode`.
+        self._make_stream = getattr(tokenizer, "decode_stream", None)
+        context, repeated = prompt_context(tokenizer, prompt_token_ids, skip_special_tokens)
+        step: Callable[[int], str | None] = (
+            _WindowStep(tokenizer, context, skip_special_tokens) if self._make_stream is None
+            else self._make_stream(context, skip_special_tokens))
+        self._step = self._wrapped(_SkipRepeated(step, repeated) if repeated else step)
+
+    def _wrapped(self, step: Callable[[int], str | None]) -> Callable[[int], str | None]:
+        return _AddedTokensJoined(step, self._added) if self._added else step
 
     def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
         """Append tokens; returns the stop string found in the new text, else None.
         `stop_terminated`: the last token ended the sequence as a stop token (eos or a stop
         token id), so its text is left out unless `include_stop_str_in_output`. Mutates the
-        window, `text`, `num_tokens` and `stopped`. O(new tokens) (plus the `str` append)."""
+        stream, `text`, `num_tokens` and `stopped`. O(new tokens) (plus the `str` append)."""
         if self.stopped:
             return None
         num_prev = self.num_tokens
         self.num_tokens = num_prev + len(new_token_ids)
         if stop_terminated and not self.include_stop:
             new_token_ids = new_token_ids[:-1]
-        step = self._step
-        if not self.stop:
+        if not self.stop:  # (the usual request: the loop of `_decode`, inlined)
+            step, text = self._step, self.text
             for token in new_token_ids:
-                self.text += step(token)
+                try:
+                    piece = step(token)
+                except Exception as error:  # tokenizers raises a bare Exception
+                    piece = self._recover(token, error)
+                    step = self._step
+                if piece:
+                    text += piece
+            self.text = text
             return None
-        # The text offset from which stop strings count: where the token min_tokens ends.
-        check_from = len(self.text)
-        skip = self.min_tokens - num_prev
-        for i, token in enumerate(new_token_ids, 1):
-            self.text += step(token)
-            if i == skip:
-                check_from = len(self.text)
+        # Stop strings count from where the token number min_tokens ends.
+        boundary = self.min_tokens - num_prev
+        if 0 < boundary < len(new_token_ids):
+            self._decode(new_token_ids[:boundary])
+            check_from = len(self.text)
+            self._decode(new_token_ids[boundary:])
+        else:
+            check_from = len(self.text)
+            self._decode(new_token_ids)
         if self.num_tokens <= self.min_tokens:
             return None
         return self._cut_at_stop(check_from)
+
+    def _decode(self, tokens: list[int]) -> None:
+        """Step each token and append its text to `text` (mutated)."""
+        step = self._step
+        text = self.text
+        for token in tokens:
+            try:
+                piece = step(token)
+            except Exception as error:  # tokenizers raises a bare Exception
+                piece = self._recover(token, error)
+                step = self._step
+            if piece:
+                text += piece
+        self.text = text
+
+    def _recover(self, token: int, error: Exception) -> str | None:
+        """What vLLM does when a step raises: an id the tokenizer cannot take gives no text; an
+        invalid prefix restarts the stream without context (`_step` replaced) and steps the
+        token again. Anything else is raised."""
+        if isinstance(error, (OverflowError, TypeError)):
+            return None
+        if self._make_stream is None or not str(error).startswith(_INVALID_PREFIX):
+            raise error
+        self._step = self._wrapped(self._make_stream([], self._skip_special))
+        return self._step(token)
 
     def _cut_at_stop(self, check_from: int) -> str | None:
         """Cut `text` at the stop string that ends first among those ending past `check_from`
