@@ -95,22 +95,6 @@ class _WindowStep:
         return text[len(prefix):]
 
 
-class _SkipRepeated:
-    """Wraps a step: leaves the first `count` characters of its first text out (the prompt
-    text a stream primed with an unfinished character repeats), then steps as it."""
-
-    __slots__ = ("_step", "_count")
-
-    def __init__(self, step: Callable[[int], str | None], count: int) -> None:
-        self._step, self._count = step, count
-
-    def __call__(self, token: int) -> str | None:
-        text = self._step(token)
-        if text and self._count:
-            text, self._count = text[self._count:], 0
-        return text
-
-
 class _AddedTokensJoined:
     """Wraps a step (vLLM's `spaces_between_special_tokens=False`): an added token right after
     another is written as its content, without the space the decoder may put before it."""
@@ -156,7 +140,18 @@ class IncrementalDetokenizer:
         step: Callable[[int], str | None] = (
             _WindowStep(tokenizer, context, skip_special_tokens) if self._make_stream is None
             else self._make_stream(context, skip_special_tokens))
-        self._step = self._wrapped(_SkipRepeated(step, repeated) if repeated else step)
+        self._inner = self._wrapped(step)
+        self._repeated = repeated
+        self._step = self._skip_repeated if repeated else self._inner
+
+    def _skip_repeated(self, token: int) -> str | None:
+        """The step until the first text: leaves out the prompt text a stream primed with an
+        unfinished character repeats, then hands over to the plain step (`_step` replaced)."""
+        text = self._inner(token)
+        if text:
+            text = text[self._repeated:]
+            self._step = self._inner
+        return text
 
     def _wrapped(self, step: Callable[[int], str | None]) -> Callable[[int], str | None]:
         return _AddedTokensJoined(step, self._added) if self._added else step
