@@ -148,8 +148,9 @@ class IncrementalDetokenizer:
         """The step until the first text: leaves out the prompt text a stream primed with an
         unfinished character repeats, then hands over to the plain step (`_step` replaced)."""
         text = self._inner(token)
-        if text:
+        if text and self._repeated:  # (a caller may hold this step for a few more tokens)
             text = text[self._repeated:]
+            self._repeated = 0
             self._step = self._inner
         return text
 
