@@ -1,19 +1,19 @@
 """Incremental detokenization with stop strings, by vLLM 0.32's rule.
 
-Byte-level tokenizers can split one character over several tokens. vLLM's detokenizer (tokenizers'
-`DecodeStream`, one `step` per token) decodes a short window of tokens and emits the new text
-only when the window's text grew and does not end in U+FFFD (an unfinished or invalid byte
-sequence); otherwise the token is held back in the window. Nothing is emitted at the end: when
-`max_tokens` cuts a sequence, the held-back window is left out whole (complete characters
-decoded in it included), and so is everything after an invalid byte that the window never got
-past. A token that ends a sequence as a stop token (eos, `stop_token_ids`) is not decoded unless
-`include_stop_str_in_output`. Stop strings are looked for once `min_tokens` tokens are out,
-the one that ends first wins. With `skip_special_tokens` and `spaces_between_special_tokens`
-both false, an added token right after another is written as its bare content. With a tokenizer that offers `decode_stream` (pagedkv's, over
+Byte-level tokenizers can split one character over several tokens. vLLM's detokenizer
+(tokenizers' `DecodeStream`, one `step` per token) decodes a short window of tokens and emits
+the new text only when the window's text grew and does not end in U+FFFD (an unfinished or
+invalid byte sequence); otherwise the token is held back in the window. Nothing is emitted at
+the end: when `max_tokens` cuts a sequence, the held-back window is left out whole (complete
+characters decoded in it included), and so is everything after an invalid byte that the window
+never got past. A token that ends a sequence as a stop token (eos, `stop_token_ids`) is not
+decoded unless `include_stop_str_in_output`. Stop strings are looked for once `min_tokens`
+tokens are out, the one that ends first wins. With `skip_special_tokens` and
+`spaces_between_special_tokens` both false, an added token right after another is written as
+its bare content. With a tokenizer that offers `decode_stream` (pagedkv's, over
 `tokenizers.DecodeStream`) a token costs one call into `tokenizers`; otherwise the same rule
-runs on two `decode` calls per token (the slow path, vLLM's `detokenize_incrementally`).
+runs over `decode` (the slow path, `_WindowStep`).
 """
-
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -182,7 +182,7 @@ class IncrementalDetokenizer:
             return None
         # Stop strings count from where the token number min_tokens ends.
         boundary = self.min_tokens - num_prev
-        if 0 < boundary < len(new_token_ids):
+        if 0 < boundary <= len(new_token_ids):
             self._decode(new_token_ids[:boundary])
             check_from = len(self.text)
             self._decode(new_token_ids[boundary:])

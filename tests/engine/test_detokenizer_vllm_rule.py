@@ -187,3 +187,11 @@ def test_spaces_between_special_tokens_false_joins_added_tokens():
     assert ours(tok, prompt, output, skip_special_tokens=False,
                 spaces_between_special_tokens=False) == " world [CLS][SEP]s [CLS] hello"
     assert ours(tok, prompt, output, skip_special_tokens=False) == " world [CLS] [SEP]s [CLS] hello"
+
+
+def test_min_tokens_reached_by_a_stop_token_checks_no_earlier_text():
+    """min_tokens 3, one update of 4 tokens whose last is a stop token (left out): the text of
+    tokens 1-3 is before the boundary, so "ab" in it is no stop string (vLLM: no new text)."""
+    detok = IncrementalDetokenizer(CharTokenizer(), [], ["ab"], min_tokens=3)
+    assert detok.update([ord(c) for c in "abcz"], stop_terminated=True) is None
+    assert detok.text == "abc" and not detok.stopped
