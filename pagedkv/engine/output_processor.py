@@ -168,6 +168,7 @@ class OutputProcessor:
             _apply_request_news(group, out)
         new_tokens = out.new_token_ids
         detokenizer = sample.detokenizer
+        finish_reason = out.finish_reason
         stop = None
         if new_tokens:
             if group.first_token_time is None:
@@ -177,8 +178,9 @@ class OutputProcessor:
             sample.token_ids += new_tokens
             if sample.logprobs is not None and out.new_logprobs:
                 sample.add_logprobs(new_tokens, out.new_logprobs)
-            stop = detokenizer.update(new_tokens)
-        finish_reason = out.finish_reason
+            # A stop token (eos, stop_token_ids) ends it: its text is left out, as in vLLM.
+            stop = detokenizer.update(new_tokens, finish_reason == "stop"
+                                      and not isinstance(out.stop_reason, str))
         if finish_reason is None and stop is None:  # the usual step: it runs on
             sample.text = detokenizer.text
             return None
@@ -187,7 +189,7 @@ class OutputProcessor:
             finish_reason, stop_reason = "stop", stop
         else:
             stop = None  # the core finished it already (eos, length, ...)
-        detokenizer.flush()
+        # (nothing held back is flushed: vLLM leaves an unfinished window out)
         sample.finish_reason = finish_reason
         sample.stop_reason = stop_reason
         group.num_finished += 1
@@ -199,7 +201,8 @@ class OutputProcessor:
         params = group.params
         detokenizer = IncrementalDetokenizer(
             self.tokenizer, group.prompt_token_ids, params.stop_strings,
-            params.skip_special_tokens, params.include_stop_str_in_output)
+            params.skip_special_tokens, params.include_stop_str_in_output, params.min_tokens,
+            params.spaces_between_special_tokens)
         sample = group.samples[index] = _Sample(index, detokenizer, params.logprobs is not None)
         return sample
 

@@ -31,30 +31,24 @@ _STOP = object()
 _POLL_S = 0.05  # how long the thread waits for a batch before looking at replay requests
 
 
-def _group_fields(event: pool_events.BlockStored | pool_events.BlockRemoved) -> dict:
-    """group_idx / kv_cache_spec_kind of an event of a KV cache with several groups (the
-    coordinator sets the kind); nothing for a single-group cache, whose wire bytes stay as
-    they were."""
-    if event.kv_cache_spec_kind is None:
-        return {}
-    return {"group_idx": event.group_idx, "kv_cache_spec_kind": event.kv_cache_spec_kind}
-
-
 def to_wire_events(events: Iterable[pool_events.KVCacheEvent],
                    medium: str = wire.MEDIUM_DEVICE) -> list[wire.KVCacheEvent]:
-    """The block pool's (or a tier's) events as wire events tagged with `medium`."""
+    """The block pool's (or a tier's) events as wire events tagged with `medium`, each with
+    its KV cache group (0 for a single-group cache) and stored ones with the group's kind and
+    window, as vLLM 0.32 publishes them (`group_idx=0`, `kv_cache_spec_kind="full_attention"`
+    for a plain model)."""
     out: list[wire.KVCacheEvent] = []
     for event in events:
         if isinstance(event, pool_events.BlockStored):
             stored = wire.block_stored(list(event.block_hashes), event.parent_block_hash,
                                        list(event.token_ids), event.block_size, medium,
-                                       extra_keys=event.extra_keys)
-            for name, value in _group_fields(event).items():
-                setattr(stored, name, value)
+                                       group_idx=event.group_idx, extra_keys=event.extra_keys)
+            stored.kv_cache_spec_kind = event.kv_cache_spec_kind
+            stored.kv_cache_spec_sliding_window = event.kv_cache_spec_sliding_window
             out.append(stored)
         elif isinstance(event, pool_events.BlockRemoved):
             out.append(wire.BlockRemoved(block_hashes=list(event.block_hashes), medium=medium,
-                                         group_idx=_group_fields(event).get("group_idx")))
+                                         group_idx=event.group_idx))
         elif isinstance(event, pool_events.AllBlocksCleared):
             out.append(wire.AllBlocksCleared())
         else:

@@ -37,7 +37,8 @@ class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
 class BlockStored(KVCacheEvent, omit_defaults=False):
     """A chain of full blocks now cached under `block_hashes`, hanging off `parent_block_hash`
     (None for a chain that starts a prompt). `token_ids` are all their tokens, in order.
-    The fields after `lora_name` are vLLM's optional metadata: decoded, never set by us."""
+    The fields after `lora_name` are vLLM's optional metadata: we set `extra_keys`, the group
+    (`group_idx`, `kv_cache_spec_kind`, `kv_cache_spec_sliding_window`), the rest decoded only."""
 
     block_hashes: list[ExternalBlockHash]
     parent_block_hash: ExternalBlockHash | None

@@ -33,7 +33,7 @@ from typing import Any
 from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.block_pool import BlockPool, host_pool_num_blocks
 from pagedkv.kv.block_table import BlockIdTable
-from pagedkv.kv.events import KVCacheEvent
+from pagedkv.kv.events import BlockStored, KVCacheEvent
 from pagedkv.kv.hashing import BlockHash, group_key_suffix
 from pagedkv.kv.hit_rule import longest_servable_prefix, window_blocks
 from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
@@ -85,6 +85,7 @@ class HybridKVCacheManager:
         self.hasher = first.hasher
         self.prefix_cache_stats = PrefixCacheStats()
         self._kinds = [g.spec.kind for g in spec.groups]
+        self._windows = [g.sliding_window for g in spec.groups]
         self._suffixes = [group_key_suffix(g.group_idx) for g in spec.groups]
         # Per group: the blocks before a hit point it must hold (None: all; hit_rule.py).
         self.window_blocks = [window_blocks(g.sliding_window, spec.block_size)
@@ -361,6 +362,8 @@ class HybridKVCacheManager:
         for ev in events:
             if hasattr(ev, "group_idx"):
                 ev.kv_cache_spec_kind = self._kinds[ev.group_idx]
+            if isinstance(ev, BlockStored):
+                ev.kv_cache_spec_sliding_window = self._windows[ev.group_idx]
         return events
 
     def check_invariants(self) -> None:

@@ -18,10 +18,12 @@ class BlockStored:
     parent_block_hash: BlockHash | None
     token_ids: list[int]
     block_size: int
-    # Hybrid KV cache groups (vLLM's fields): which group's blocks these are, and its kind
-    # ("full_attention" / "sliding_window"); 0 and None for a single-group cache.
+    # KV cache groups (vLLM's fields): which group's blocks these are, its kind
+    # ("full_attention" / "sliding_window") and window; the cache manager (or the hybrid
+    # coordinator) sets the kind when it drains the pool's events (group 0 for one group).
     group_idx: int = 0
     kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
     # Per block, its extra keys in vLLM's untagged event form (`event_extra_keys`): the
     # cache salt of a request's first block, a LoRA name. None when not given.
     extra_keys: list[tuple | None] | None = None

@@ -31,7 +31,7 @@ from typing import Any
 from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.block_pool import BlockPool, host_pool_num_blocks
 from pagedkv.kv.block_table import BlockIdTable, BlockList
-from pagedkv.kv.events import KVCacheEvent
+from pagedkv.kv.events import BlockStored, KVCacheEvent
 from pagedkv.kv.eviction_log import EvictionLog
 from pagedkv.kv.hashing import BlockHash, RequestBlockHasher, group_key_suffix
 from pagedkv.kv.partial_hits import (
@@ -595,7 +595,15 @@ class KVCacheManager(SwapMixin):
         return self.pins.num_pinned_blocks
 
     def take_events(self) -> list[KVCacheEvent]:
-        return self.pool.take_events()
+        """The pool's events (drained), stored ones tagged with the cache's kind and window
+        (vLLM's kv_cache_spec_kind: one group, sliding only when every layer slides)."""
+        events = self.pool.take_events()
+        kind = "full_attention" if self.sliding_window is None else "sliding_window"
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                ev.kv_cache_spec_kind = kind
+                ev.kv_cache_spec_sliding_window = self.sliding_window
+        return events
 
     def check_invariants(self) -> None:
         """Pool invariants with the live tables, plus per-request consistency. RuntimeError."""

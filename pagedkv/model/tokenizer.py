@@ -55,8 +55,10 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))
         self.add_bos_token = bool(config.get("add_bos_token", False))
         self.chat_template = chat_template
-        self.all_special_ids: list[int] = sorted(
-            i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+        added = tokenizer.get_added_tokens_decoder()
+        self.all_special_ids: list[int] = sorted(i for i, t in added.items() if t.special)
+        # Every added token's content, special or not (vLLM's `added_token_ids`).
+        self.added_tokens: dict[int, str] = {i: t.content for i, t in added.items()}
         self._compiled_template: Any = None
 
     @classmethod

@@ -1,7 +1,8 @@
 """The router's FastAPI app: `create_router_app(router, ...)`.
 
-Routes: POST /v1/completions and /v1/chat/completions (forwarded, proxy.py, by a plain ASGI
-middleware ahead of FastAPI's routing: forward_app.py), GET /v1/models
+Routes: POST /v1/completions, /v1/chat/completions and /v1/responses (forwarded, proxy.py, by
+a plain ASGI middleware ahead of FastAPI's routing: forward_app.py; a Responses body is placed by
+load alone), GET /v1/models
 (the union of the up backends' models, as the health checks last read them), GET /health (200
 while a backend is up, else 503), GET /metrics (the router's own, metrics.py), GET /dashboard (the
 fleet, dashboard.py). With `api_key`,
@@ -42,7 +43,7 @@ from pagedkv.server.errors import APIError, install_error_handlers
 from pagedkv.server.protocol import ModelCard, ModelList
 
 DEFAULT_CONNECT_TIMEOUT_S = 2.0
-FORWARDED_PATHS = ("/v1/completions", "/v1/chat/completions")
+FORWARDED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 def create_router_app(router: Router, *, api_key: str | None = None,

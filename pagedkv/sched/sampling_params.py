@@ -44,6 +44,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    # False (with skip_special_tokens False): two added tokens in a row are written as their
+    # contents, without the space a tokenizer's decoder may put between them (vLLM's rule).
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Log-probabilities of the prompt's tokens (top-N plus the actual token at each position
     # after the first). Such a request computes its whole prompt: no prefix-cache hit.

@@ -24,15 +24,16 @@ twins carry `model_name` only.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pagedkv.engine.stats import EngineStats
-from pagedkv.server.vllm_metrics import engine_families
+from pagedkv.server.vllm_metrics import counter_family, engine_families
 from pagedkv.store.metrics import kv_store_metrics
 
 # vLLM's buckets (seconds).
@@ -48,6 +49,7 @@ ENGINE_INDEX = "0"  # vLLM's `engine` label: one engine core per server
 PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 N_BUCKETS = (1, 2, 5, 10, 20)
 ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM's, all from 0
 
 
 def label_names(prefix: str) -> list[str]:
@@ -96,6 +98,7 @@ class _EngineStatsCollector(Collector):
         self.block_size = block_size
         self.cache_info = cache_info
         self.stats = EngineStats()
+        self.created = time.time()  # the counters' `_created`, as prometheus_client's
 
     def collect(self) -> Iterator[Metric]:
         for prefix in PREFIXES:
@@ -105,11 +108,10 @@ class _EngineStatsCollector(Collector):
                 gauge.add_metric(values, float(getattr(self.stats, attr)))
                 yield gauge
             for name, doc, attr in _COUNTERS:
-                counter = CounterMetricFamily(f"{prefix}:{name}", doc, labels=labels)
-                counter.add_metric(values, float(getattr(self.stats, attr)))
-                yield counter
+                yield counter_family(f"{prefix}:{name}", doc, labels, values,
+                                     float(getattr(self.stats, attr)), self.created)
             yield from engine_families(prefix, labels, values, self.stats, self.block_size,
-                                       self.cache_info)
+                                       self.cache_info, self.created)
         pinned = GaugeMetricFamily("pagedkv:kv_pinned_blocks",  # pagedkv's own: no vllm: twin
                                    "Device KV blocks held by pinned prefixes (/v1/pin).",
                                    labels=["model_name"])
@@ -203,6 +205,9 @@ class ServerMetrics:
                                          [*label_names(prefix), "finished_reason"],
                                          registry=self.registry)
                          for prefix in PREFIXES}
+        for prefix, success in self._success.items():
+            for reason in FINISHED_REASONS:
+                success.labels(*label_values(prefix, model_name), reason)
         self._rejections = {prefix: Counter(f"{prefix}:admission_rejections", "Number of "
                                             "admission attempts rejected by a queue limit, by "
                                             "reason.", ["model_name", "reason"],

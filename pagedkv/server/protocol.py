@@ -64,6 +64,17 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far
+    continuous_usage_stats: bool = False
+
+    def usage_flags(self) -> tuple[bool, bool]:
+        """(a final usage chunk, usage on every chunk), as vLLM's `should_include_usage`."""
+        return self.include_usage, self.include_usage and self.continuous_usage_stats
+
+
+def usage_flags(options: StreamOptions | None) -> tuple[bool, bool]:
+    """`StreamOptions.usage_flags` of a request's (possibly absent) stream_options."""
+    return options.usage_flags() if options is not None else (False, False)
 
 
 class JsonSchemaFormat(_Request):
@@ -166,6 +177,10 @@ class CompletionRequest(SamplingFields, VllmRequestFields):
 
 
 class TextContentPart(_Request):
+    """A text part; other keys (e.g. a client's `cache_control`) are ignored, as vLLM does."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
     type: Literal["text"]
     text: str
 
@@ -184,6 +199,12 @@ class ToolCall(_Request):
 
 
 class ChatMessage(_Request):
+    """A chat message. Keys it does not declare are ignored, as vLLM's message dicts allow: an
+    assistant message sent back as the SDK returned it carries `refusal`, `annotations`,
+    `audio`, `reasoning`... (a bad value of a declared key is still a 400)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None

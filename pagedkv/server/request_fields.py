@@ -4,7 +4,9 @@
 - honoured: `request_id` (the response id is `cmpl-<request_id>` / `chatcmpl-<request_id>`; an
   `X-Request-Id` header wins, as in vLLM), `return_token_ids` (choices carry `token_ids`, the
   response `prompt_token_ids`), `add_special_tokens` (completions default true, chat false),
-  `detokenize` (false: empty text, use with `return_token_ids`; no stop strings then).
+  `detokenize` (false: empty text, use with `return_token_ids`; no stop strings then),
+  `spaces_between_special_tokens` (false, with `skip_special_tokens` false: added tokens in a
+  row are written without the spaces a decoder may put between them, as vLLM's detokenizer).
   Chat's `echo` (declared on the chat request) prepends the last message when it is the
   assistant's, as vLLM does; chat's `return_prompt_text` puts the rendered chat prompt in the
   answer's `prompt_text` (streaming: each choice's role chunk). vLLM's completions API has no
@@ -12,9 +14,7 @@
 - accepted as documented no-ops (they have no meaning here, or are metadata for OpenAI's
   platform or for proxies): `service_tier`, `store`, `metadata`, `modalities`,
   `reasoning_effort`, `include_reasoning`, `length_penalty` (beam search only),
-  `vllm_xargs`, `no_stop_trim`, `separate_reasoning`, `stream_reasoning`, `session_id`,
-  `spaces_between_special_tokens` (our tokenizers are Hugging Face *fast* tokenizers, which
-  ignore it, as vLLM's do).
+  `vllm_xargs`, `no_stop_trim`, `separate_reasoning`, `stream_reasoning`, `session_id`.
 - 400: `use_beam_search: true`, `return_hidden_states: true` (not implemented).
 
 A field no API of ours defines is dropped before validation and listed in

@@ -5,9 +5,11 @@ developer or assistant; `content` a string or `input_text` / `output_text` parts
 `instructions` as a leading system message; it becomes a chat request (the model's chat
 template). `max_output_tokens`, `temperature`, `top_p`, `user`, `metadata`, `store`
 (nothing is stored: always false in the answer), `parallel_tool_calls`, `truncation`
-("disabled"), `text` (`format: {"type": "text"}`, `verbosity`) and `prompt_cache_key`,
-`prompt_cache_retention`, `safety_identifier` (echoed in the answer) are accepted; `tools`, `previous_response_id`,
-`background`, and any format other than text are a 400 (not implemented). Unknown fields are
+("disabled", or "auto": the input's start is dropped to fit the context), `text` (`format:
+{"type": "text"}`, `verbosity`) and `prompt_cache_key`, `prompt_cache_retention`,
+`safety_identifier` (echoed in the answer) are accepted; `tools`, `background`, and any format
+other than text are a 400 (not implemented), and a `previous_response_id` a 404 (no response is
+stored: vLLM's answer for an unknown id). Unknown fields are
 ignored with a warning, as on the other routes.
 """
 
@@ -57,11 +59,11 @@ class ResponsesRequest(_Request, IgnoresUnknownFields):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     parallel_tool_calls: bool | None = None
-    truncation: Literal["disabled"] | None = None
+    truncation: Literal["disabled", "auto"] | None = None
     text: TextConfig | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
     tool_choice: Literal["none", "auto"] | None = None
-    previous_response_id: None = None
+    previous_response_id: str | None = None  # nothing is stored: always a 404, as vLLM's
     background: Literal[False] | None = None
     seed: int | None = None
     # OpenAI's prompt-cache routing hints and abuse-tracking id: echoed, nothing else (a router

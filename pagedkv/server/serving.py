@@ -29,7 +29,7 @@ from pagedkv.engine.async_engine import (
 )
 from pagedkv.engine.llm_engine import STEP_FAILED
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.sched.sampling_params import SamplingParams
+from pagedkv.sched.sampling_params import GREEDY_TEMPERATURE_BELOW, SamplingParams
 from pagedkv.sched.validation import PromptTooLongError
 from pagedkv.server.errors import APIError, model_not_found
 from pagedkv.server.metrics import RequestPhases, ServerMetrics
@@ -159,7 +159,10 @@ class OpenAIServing:
     def sampling_params(self, req: SamplingFields, *, max_tokens: int, logprobs: int | None,
                         structured_outputs: StructuredOutputsParams | None = None
                         ) -> SamplingParams:
-        """SamplingParams for `req` (ValueError, hence 400, on a bad combination)."""
+        """SamplingParams for `req` (ValueError, hence 400, on a bad combination; 400 for
+        `n` > 1 with greedy sampling, as vLLM 0.32 refuses it: the samples would be equal)."""
+        if req.n > 1 and req.temperature < GREEDY_TEMPERATURE_BELOW:
+            raise APIError(f"n must be 1 when using greedy sampling, got {req.n}.", param="n")
         return SamplingParams(
             n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             min_p=req.min_p, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
@@ -167,6 +170,7 @@ class OpenAIServing:
             logprobs=logprobs, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
             skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=getattr(req, "spaces_between_special_tokens", True),
             include_stop_str_in_output=req.include_stop_str_in_output,
             prompt_logprobs=req.prompt_logprobs, structured_outputs=structured_outputs,
             logit_bias=_logit_bias(req.logit_bias), allowed_token_ids=req.allowed_token_ids,

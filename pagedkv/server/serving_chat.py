@@ -23,6 +23,8 @@ from pagedkv.server.protocol import (
     ChatStreamChoice,
     DeltaFunctionCall,
     DeltaToolCall,
+    UsageInfo,
+    usage_flags,
 )
 from pagedkv.server.request_fields import check_request_fields
 from pagedkv.server.response_extras import ResponseExtras
@@ -51,6 +53,9 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     check_request_fields(req, strict=serving.strict_request_fields)
     if req.top_logprobs and not req.logprobs:  # 0 without logprobs is fine (vLLM)
         raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    if req.echo and req.prompt_logprobs is None and not req.stream:
+        # vLLM: echo asks for the prompt's logprobs too (top_logprobs of them, rank-only at 0)
+        req = req.model_copy(update={"prompt_logprobs": req.top_logprobs or 0})
     tools = ToolChoice.of(req, serving.tool_parser)
     text, ids = await serving.run_tokenizer(render_and_tokenize_chat, serving, req,
                                             tools.template_tools)
@@ -72,8 +77,8 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
                                serving.system_fingerprint, [prompt], echo=_echoed(req),
                                prompt_text=text if req.return_prompt_text else None)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = _stream(serving, extras, streams, params, formatter, include_usage, tools)
+        body = _stream(serving, extras, streams, params, formatter,
+                       usage_flags(req.stream_options), tools)
         return streaming_response(body, streams)
     final = await collect_unless_disconnected(raw, streams, collect_final(serving, streams))
     return JSONResponse(_response(serving, extras, final, formatter, tools)
@@ -120,14 +125,15 @@ def _response(serving: OpenAIServing, extras: ResponseExtras, final: RequestOutp
 
 
 def _chunk(serving: OpenAIServing, extras: ResponseExtras, choice: ChatStreamChoice,
-           role: bool = False) -> str:
+           role: bool = False, usage: UsageInfo | None = None) -> str:
     """One SSE chunk; a choice's `role` chunk (the first of each choice) carries the prompt's
-    ids and text (when asked for), as vLLM's do."""
+    ids and text (when asked for), as vLLM's do; `usage`: the usage so far (continuous usage
+    stats), left out when None."""
     chunk = ChatCompletionChunk(id=extras.id, model=serving.model_name, choices=[choice],
-                                system_fingerprint=extras.fingerprint,
+                                system_fingerprint=extras.fingerprint, usage=usage,
                                 prompt_token_ids=extras.prompt_ids() if role else None,
                                 prompt_text=extras.prompt_text if role else None)
-    payload = chunk.model_dump(mode="json", exclude={"usage"})
+    payload = chunk.model_dump(mode="json", exclude={"usage"} if usage is None else None)
     for item in payload["choices"]:  # OpenAI leaves unset delta fields out
         item["delta"] = _without_none(item["delta"])
     return sse_event(payload)
@@ -165,17 +171,20 @@ def _tool_deltas(tools: ToolChoice, comp: CompletionOutput, delta: Delta,
 
 async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list,
                   params: SamplingParams, formatter: LogprobsFormatter,
-                  include_usage: bool, tools: ToolChoice) -> AsyncIterator[str]:
+                  usage_wanted: tuple[bool, bool], tools: ToolChoice) -> AsyncIterator[str]:
     """SSE chunks: a role chunk per choice once the prompt is processed (with the first
     output, as vLLM sends it, so clients measure a true time to first token), content or tool
-    call deltas, the finish, usage, [DONE].
+    call deltas, the finish, usage, [DONE]. `usage_wanted`: (a final usage chunk, the usage so
+    far on every chunk).
     Wrapped by `sse_stream`, which closes the streams (aborting unfinished requests)."""
     tracker = DeltaTracker(params.n, params.stop_strings, params.include_stop_str_in_output)
     usage = Usage()
     role_sent = False
     tool_started: set[int] = set()
+    include_usage, continuous = usage_wanted
     async for _, output in serving.iterate(streams):
         usage.record(0, output)
+        so_far = usage.info() if continuous else None
         if output.error:
             err = failure(output, "messages")
             yield sse_event(error_body(err.message, err.type, err.param, err.code))
@@ -185,10 +194,10 @@ async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list,
             for index in range(params.n):
                 yield _chunk(serving, extras, ChatStreamChoice(
                     index=index, delta=ChatDelta(role="assistant", content="")),
-                    role=True)
+                    role=True, usage=so_far)
                 if extras.echo:
                     yield _chunk(serving, extras, ChatStreamChoice(
-                        index=index, delta=ChatDelta(content=extras.echo)))
+                        index=index, delta=ChatDelta(content=extras.echo)), usage=so_far)
         for comp in output.outputs:
             delta = tracker.delta(comp.index, comp)
             if delta is None:
@@ -209,7 +218,8 @@ async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list,
                 index=comp.index, delta=chat_delta,
                 logprobs=formatter.chat(comp, start, delta.token_end),
                 finish_reason=finish, stop_reason=delta.stop_reason,
-                token_ids=extras.token_ids(comp.token_ids_view[delta.token_start:delta.token_end])))
+                token_ids=extras.token_ids(comp.token_ids_view[delta.token_start:delta.token_end])),
+                usage=so_far)
     if include_usage:
         chunk = ChatCompletionChunk(id=extras.id, model=serving.model_name, choices=[],
                                     system_fingerprint=extras.fingerprint, usage=usage.info())

@@ -18,6 +18,7 @@ from pagedkv.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    usage_flags,
 )
 from pagedkv.server.request_fields import check_request_fields
 from pagedkv.server.response_extras import ResponseExtras
@@ -97,7 +98,10 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest,
         req.add_special_tokens is not False))
     echo = None
     if req.echo:  # max_tokens 0 generates one token, which is dropped (as vLLM does)
-        echo = _Echo(prompt_texts(serving, req.prompt, prompts), prompts, req.max_tokens == 0)
+        # vLLM: with return_token_ids the prompt comes back as prompt_token_ids, not as text
+        texts = ([""] * len(prompts) if req.return_token_ids
+                 else prompt_texts(serving, req.prompt, prompts))
+        echo = _Echo(texts, prompts, req.max_tokens == 0)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else (
         1 if req.max_tokens == 0 else req.max_tokens)
     max_tokens = [serving.max_tokens_for(requested, len(p), DEFAULT_MAX_TOKENS)
@@ -119,9 +123,9 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest,
     extras = ResponseExtras.of(req, "cmpl", raw.headers.get("x-request-id"), request_id,
                                serving.system_fingerprint, prompts)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        usage_wanted = usage_flags(req.stream_options)
         body = _stream(serving, extras, streams, params, formatter, len(prompts),
-                       include_usage, echo, vllm_prompt_logprobs)
+                       usage_wanted, echo, vllm_prompt_logprobs)
         return streaming_response(body, streams)
     final = await collect_unless_disconnected(raw, streams, _collect(serving, streams))
     return JSONResponse(_response(serving, extras, final, params.n, formatter, echo,
@@ -165,15 +169,18 @@ def _response(serving: OpenAIServing, extras: ResponseExtras, final: dict[int, R
 
 
 async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list, params,
-                  formatter: LogprobsFormatter, num_prompts: int, include_usage: bool,
-                  echo: _Echo | None, vllm_prompt_logprobs: bool) -> AsyncIterator[str]:
+                  formatter: LogprobsFormatter, num_prompts: int,
+                  usage_wanted: tuple[bool, bool], echo: _Echo | None,
+                  vllm_prompt_logprobs: bool) -> AsyncIterator[str]:
     """SSE chunks: one per choice per engine step that added tokens, then usage and [DONE];
-    with `echo`, a choice's first chunk starts with the prompt.
+    with `echo`, a choice's first chunk starts with the prompt. `usage_wanted`: (a final usage
+    chunk, the usage so far on every chunk). Chunks carry vLLM's stream keys (`_chunk_json`).
     Wrapped by `sse_stream`, which closes the streams (aborting unfinished requests)."""
     n = params.n
     tracker = DeltaTracker(num_prompts * n, params.stop_strings, params.include_stop_str_in_output)
     usage = Usage()
     started: set[int] = set()
+    include_usage, continuous = usage_wanted
     async for index, output in serving.iterate(streams):
         if echo is not None:
             output = echo.output(output)
@@ -207,9 +214,26 @@ async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list,
                     index=choice, text=text, logprobs=logprobs,
                     finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
                     prompt_logprobs=prompt_logprobs, prompt_token_ids=prompt_ids,
-                    token_ids=extras.token_ids(comp.token_ids_view[delta.token_start:delta.token_end]))])
-            yield sse_event(chunk.model_dump(mode="json", exclude={"usage"}))
+                    token_ids=extras.token_ids(comp.token_ids_view[delta.token_start:delta.token_end]))],
+                usage=usage.info() if continuous else None)
+            yield sse_event(_chunk_json(chunk))
     if include_usage:
         chunk = CompletionResponse(id=extras.id, model=serving.model_name, choices=[],
                                    system_fingerprint=extras.fingerprint, usage=usage.info())
-        yield sse_event(chunk.model_dump(mode="json"))
+        yield sse_event(_chunk_json(chunk))
+
+
+_RESPONSE_ONLY = {"service_tier", "kv_transfer_params", "ec_transfer_params", "metrics"}
+
+
+def _chunk_json(chunk: CompletionResponse) -> dict:
+    """A stream chunk as vLLM writes one: no response-only keys (`service_tier`, transfer
+    params, `metrics`, `routed_experts`), `prompt_logprobs` only when set, `usage` only
+    with continuous usage stats."""
+    exclude: set[str] = set(_RESPONSE_ONLY) | ({"usage"} if chunk.usage is None else set())
+    payload = chunk.model_dump(mode="json", exclude=exclude)
+    for choice in payload["choices"]:
+        choice.pop("routed_experts", None)
+        if choice.get("prompt_logprobs") is None:
+            choice.pop("prompt_logprobs", None)
+    return payload

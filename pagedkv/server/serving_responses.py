@@ -7,7 +7,9 @@ OpenAI's events, each `event: <type>` + `data: {..., "sequence_number": i}`:
 response.created, response.in_progress, response.output_item.added,
 response.content_part.added, response.output_text.delta (one per new text), then
 response.output_text.done, response.content_part.done, response.output_item.done and
-response.completed (or response.incomplete) with the whole response.
+response.completed with the whole response, whose `status` may be "incomplete": vLLM 0.32 ends
+every stream so, and the openai SDK's `responses.stream()` helper needs that event (it raises
+on a stream without one).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from fastapi.responses import JSONResponse
 
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.server.deltas import DeltaTracker
+from pagedkv.server.errors import APIError
 from pagedkv.server.prompt_render import tokenize_chat
 from pagedkv.server.request_fields import check_request_fields
 from pagedkv.server.responses_protocol import (
@@ -50,9 +53,14 @@ async def create_response(serving: OpenAIServing, req: ResponsesRequest,
     is queued; a disconnect aborts the request."""
     arrival = time.monotonic()
     check_request_fields(req, strict=serving.strict_request_fields)
+    if req.previous_response_id is not None:  # nothing is stored (vLLM's unknown-id answer)
+        raise APIError(f"Response with id '{req.previous_response_id}' not found.",
+                       status_code=404, param="previous_response_id")
     chat = req.to_chat()
     serving.check_common(chat)
-    prompt = (await serving.run_tokenizer(tokenize_chat, serving, chat))
+    if req.truncation == "auto":  # OpenAI's: drop the input's start so the answer fits
+        chat.truncate_prompt_tokens = max(serving.max_model_len - (req.max_output_tokens or 1), 1)
+    prompt = serving.truncate(chat, [await serving.run_tokenizer(tokenize_chat, serving, chat)])[0]
     max_tokens = serving.max_tokens_for(req.max_output_tokens, len(prompt), None)
     params = serving.sampling_params(chat, max_tokens=max_tokens, logprobs=None)
     serving.check_fits([prompt], params)
@@ -76,7 +84,7 @@ def _response(serving: OpenAIServing, req: ResponsesRequest, response_id: str, m
                   top_p=req.top_p, user=req.user, metadata=req.metadata or {},
                   system_fingerprint=serving.system_fingerprint,
                   text={"format": {"type": "text"}, "verbosity": verbosity or "medium"},
-                  prompt_cache_key=req.prompt_cache_key,
+                  prompt_cache_key=req.prompt_cache_key, truncation=req.truncation or "disabled",
                   prompt_cache_retention=req.prompt_cache_retention,
                   safety_identifier=req.safety_identifier)
     if final is None:
@@ -130,5 +138,4 @@ async def _stream(serving: OpenAIServing, req: ResponsesRequest, response_id: st
     yield _event("response.content_part.done", next(seq), item_id=message_id, output_index=0,
                  content_index=0, part=message["content"][0])
     yield _event("response.output_item.done", next(seq), output_index=0, item=message)
-    kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
-    yield _event(kind, next(seq), response=done)
+    yield _event("response.completed", next(seq), response=done)

@@ -7,6 +7,7 @@ import pytest
 from pagedkv import LLM, SamplingParams
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.model.tokenizer import Tokenizer
+from pagedkv.testing.vllm_text import vllm_output_text
 from tests.engine.conftest import assert_pool_empty, make_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -172,8 +173,9 @@ def test_string_prompts_round_trip_through_the_tokenizer(tiny_llama, make_llm):
     tokenizer = llm.get_tokenizer()
     assert out[0].prompt == "Hello world"
     assert out[0].prompt_token_ids == tokenizer.encode("Hello world")
-    # (an unfinished last character is left out, as vLLM does)
-    assert out[1].outputs[0].text == tokenizer.decode(out[1].outputs[0].token_ids).rstrip("\ufffd")
+    # (the text vLLM's detokenizer makes: a window held back at the end is left out)
+    assert out[1].outputs[0].text == vllm_output_text(
+        tokenizer.backend_tokenizer, out[1].prompt_token_ids, out[1].outputs[0].token_ids)
 
 
 def test_incremental_detokenizer_never_splits_a_character(tiny_llama):
@@ -221,21 +223,31 @@ def test_request_ids_cannot_clash_with_parallel_samples(tiny_llama, make_llm):
         engine.step()
 
 
-def test_flush_leaves_out_a_character_cut_by_max_tokens(tiny_llama):
-    """vLLM's behaviour: the bytes of an unfinished character never become U+FFFD."""
-    tokenizer = Tokenizer.from_dir(tiny_llama)
-    ids = tokenizer.encode("ab 😀", add_special_tokens=False)
-    emoji = tokenizer.encode("😀", add_special_tokens=False)
-    assert len(emoji) > 1 and tokenizer.decode(emoji[:1]).endswith("\ufffd")
-    for cut in range(1, len(emoji)):
-        detok = IncrementalDetokenizer(tokenizer, [1], stop=[])
-        detok.update(ids[:len(ids) - len(emoji) + cut])
-        detok.flush()
-        assert detok.text == "ab "
-    detok = IncrementalDetokenizer(tokenizer, [1], stop=[])
-    detok.update(ids)
-    detok.flush()
-    assert detok.text == "ab 😀"
+def test_generated_text_is_vllms_at_every_cut_and_stop_token(tiny_llama, make_llm):
+    """Through the engine: byte tokens cut by max_tokens at every length, and a stop token
+    (its text left out): the text is vLLM's (DecodeStream's), as is n > 1's."""
+    llm = make_llm(tiny_llama)
+    tokenizer = llm.get_tokenizer()
+    raw = tokenizer.backend_tokenizer
+    allowed = sorted(set(tokenizer.encode("日本語😀 ab", add_special_tokens=False)))
+    prompt = {"prompt_token_ids": tokenizer.encode("Hello")}
+    for max_tokens in range(1, 7):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, allowed_token_ids=allowed,
+                                ignore_eos=True)
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        (sample,) = out.outputs
+        assert sample.text == vllm_output_text(raw, out.prompt_token_ids, sample.token_ids)
+    full = sample.token_ids
+    stop_id = full[-1]
+    params = SamplingParams(max_tokens=6, temperature=0.0, allowed_token_ids=allowed,
+                            ignore_eos=True, stop_token_ids=[stop_id])
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == stop_id
+    assert out.text == vllm_output_text(raw, prompt["prompt_token_ids"], out.token_ids,
+                                        stop_terminated=True)
+    params = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=3, allowed_token_ids=allowed)
+    for sample in llm.generate([prompt], params, use_tqdm=False)[0].outputs:
+        assert sample.text == vllm_output_text(raw, prompt["prompt_token_ids"], sample.token_ids)
 
 
 def test_generated_partial_character_is_left_out(tiny_llama, make_llm):

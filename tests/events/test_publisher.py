@@ -11,6 +11,7 @@ import zmq
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.events.config import parse_kv_events_config
+from pagedkv.events.publisher import to_wire_events
 from pagedkv.events.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -19,6 +20,8 @@ from pagedkv.events.wire import (
     decode_seq,
 )
 from pagedkv.kv.hashing import get_hash_fn, hash_block_tokens, request_extra_keys
+from pagedkv.kv.manager import KVCacheManager
+from tests.kv.conftest import make_request, prefill
 
 
 def _subscribe(endpoint: str, topic: bytes) -> tuple[zmq.Context, zmq.Socket]:
@@ -73,6 +76,9 @@ def test_subscriber_index_matches_the_pool(tiny_llama, kv_cache_dtype):
         for event in decode_batch(frame[2]).events:
             if isinstance(event, BlockStored):
                 assert event.medium == "GPU" and event.block_size == block_size
+                # vLLM 0.32 names the group and its kind even for a single-group cache
+                assert (event.group_idx, event.kv_cache_spec_kind,
+                        event.kv_cache_spec_sliding_window) == (0, "full_attention", None)
                 parent = event.parent_block_hash
                 for i, block_hash in enumerate(event.block_hashes):
                     tokens = event.token_ids[i * block_size:(i + 1) * block_size]
@@ -83,7 +89,7 @@ def test_subscriber_index_matches_the_pool(tiny_llama, kv_cache_dtype):
                     index.add(block_hash)
                     parent = block_hash
             elif isinstance(event, BlockRemoved):
-                assert event.medium == "GPU"
+                assert event.medium == "GPU" and event.group_idx == 0
                 for block_hash in event.block_hashes:
                     index.remove(block_hash)
                     num_removed += 1
@@ -92,6 +98,22 @@ def test_subscriber_index_matches_the_pool(tiny_llama, kv_cache_dtype):
                 index.clear()
     assert num_removed > 0, "the pool was meant to be small enough to evict"
     assert index == set(pool.cached_block_hash_to_block)
+
+
+def test_sliding_window_cache_events_name_the_window():
+    """A single-group cache whose every layer slides: its stored blocks' wire events say
+    `sliding_window` and the window, as vLLM's SlidingWindowSpec group does."""
+    manager = KVCacheManager(num_blocks=17, block_size=4, watermark=0.0, sliding_window=8,
+                             enable_kv_cache_events=True)
+    request = make_request("r", range(12))
+    prefill(manager, request)
+    manager.check_invariants()
+    events = to_wire_events(manager.take_events())
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert stored and all((e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+                          == (0, "sliding_window", 8) for e in stored)
+    manager.free(request)
+    manager.check_invariants()
 
 
 def test_reset_publishes_all_blocks_cleared(tiny_llama):

@@ -106,6 +106,18 @@ def test_a_5xx_is_retried_on_the_other_backend():
     assert router.backend(A).in_flight == router.backend(B).in_flight == 0
 
 
+def test_responses_are_forwarded():
+    """/v1/responses (the OpenAI Agents SDK's default API) goes to a backend, as vLLM serves
+    it; it was a 404 at the router."""
+    fake = FakeBackends()
+    router, app = make_app(fake)
+    with TestClient(app) as client:
+        resp = client.post("/v1/responses", json={"model": "tiny", "input": "hi"})
+    assert resp.status_code == 200 and resp.json() == OK_BODY
+    assert [p for _, p in fake.log if p.startswith("/v1/r")] == ["/v1/responses"]
+    assert router.backend(A).in_flight == router.backend(B).in_flight == 0
+
+
 def test_a_body_over_max_request_bytes_is_a_413_and_never_forwarded():
     fake = FakeBackends()
     _, app = make_app(fake, max_request_bytes=1024)

@@ -168,7 +168,7 @@ def test_chat_stream_sends_nothing_before_the_first_output(tokenizer):
         params = SamplingParams(max_tokens=2)
         extras = ResponseExtras("id", None, None, detokenize=True)
         gen = _stream(Serving(tokenizer), extras, [], params, LogprobsFormatter(tokenizer, 0),
-                      False, ToolChoice("none"))
+                      (False, False), ToolChoice("none"))
         first = asyncio.ensure_future(gen.__anext__())
         await asyncio.sleep(0.05)
         assert not first.done()  # nothing, not even the role, before the prompt is processed

@@ -78,8 +78,9 @@ def test_token_id_prompt_and_prompt_list(client, offline):
     resp = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0.0,
                                      extra_body={"ignore_eos": True})
     assert resp.choices[0].text == tokenizer.decode(expected[0])
-    resp = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0.0,
-                                     n=2, extra_body={"ignore_eos": True})
+    # n > 1 with greedy sampling is a 400 (vLLM's rule); top_k 1 samples the greedy tokens
+    resp = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=1.0,
+                                     n=2, extra_body={"ignore_eos": True, "top_k": 1})
     assert [c.index for c in resp.choices] == [0, 1, 2, 3]
     texts = [c.text for c in resp.choices]
     assert texts == [tokenizer.decode(expected[0])] * 2 + [tokenizer.decode(expected[1])] * 2
@@ -115,7 +116,7 @@ def test_streaming_completion_and_chat(client, offline):
 
     stream = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
-        temperature=0.0, stream=True, n=2, extra_body={"ignore_eos": True})
+        temperature=1.0, stream=True, n=2, extra_body={"ignore_eos": True, "top_k": 1})
     content, finish, roles = {0: "", 1: ""}, {}, set()
     for chunk in stream:
         for choice in chunk.choices:
@@ -126,7 +127,7 @@ def test_streaming_completion_and_chat(client, offline):
     expected = offline.chat([{"role": "user", "content": "hi"}],
                             SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
                             use_tqdm=False)[0].outputs[0].text
-    assert content == {0: expected, 1: expected}  # greedy: both samples agree
+    assert content == {0: expected, 1: expected}  # top_k 1: both samples are the greedy one
     assert finish == {0: "length", 1: "length"}
     assert {(0, "assistant"), (1, "assistant")} <= roles
 

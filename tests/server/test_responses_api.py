@@ -55,12 +55,22 @@ def test_streaming_events(client):
     assert kinds[:4] == ["response.created", "response.in_progress",
                          "response.output_item.added", "response.content_part.added"]
     assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
-                          "response.output_item.done", "response.incomplete"]
+                          "response.output_item.done", "response.completed"]
     assert set(kinds[4:-4]) == {"response.output_text.delta"}
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == events[-4].text == events[-1].response.output_text
     assert text == chat_text(client, [{"role": "user", "content": "Tell me a story"}])
+    assert events[-1].response.status == "incomplete"  # cut by the limit, as vLLM reports it
+
+
+def test_sdk_stream_helper_gets_the_final_response(client):
+    """The SDK's `responses.stream()` needs `response.completed`, also for a cut response."""
+    with client.responses.stream(model="tiny", input="Tell me a story", **GREEDY) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.status == "incomplete" and final.output_text == "".join(deltas)
+    assert final.usage.output_tokens == 8
 
 
 def test_status_follows_the_finish_reason():
@@ -85,7 +95,8 @@ def test_status_follows_the_finish_reason():
 ])
 def test_bad_requests(server, body, param):
     resp = httpx.post(server.url + "/v1/responses", json=body, timeout=30)
-    assert resp.status_code in (400, 404), resp.text
+    assert resp.status_code == (404 if param in ("model", "previous_response_id") else 400), \
+        resp.text
     assert resp.json()["error"]["param"] == param
     assert resp.json()["error"]["code"] == resp.status_code
 
@@ -137,3 +148,15 @@ def test_completed_answers_carry_completed_at():
     assert resp.status == "completed" and before <= resp.completed_at <= int(time.time())
     assert _response(serving, ResponsesRequest(input="x"), "resp_1", "msg_1",
                      None).completed_at is None
+
+
+def test_truncation_auto_drops_the_input_start(client, server):
+    """`truncation: "auto"` (OpenAI's, vLLM accepts it): an input longer than the context is
+    cut from its start so the answer fits; "disabled" (the default) is a 400 for it."""
+    limit = httpx.get(server.url + "/v1/models").json()["data"][0]["max_model_len"]
+    long_input = "word " * (limit + 50)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="tiny", input=long_input, **GREEDY)
+    resp = client.responses.create(model="tiny", input=long_input, truncation="auto", **GREEDY)
+    assert resp.truncation == "auto" and resp.usage.output_tokens == 8
+    assert resp.usage.input_tokens == limit - GREEDY["max_output_tokens"]

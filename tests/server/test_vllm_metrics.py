@@ -40,6 +40,9 @@ FAMILIES = [
       20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]),
     ("vllm:request_success", "counter", ["finished_reason"], None),
     ("vllm:num_requests_running", "gauge", [], None),
+    ("vllm:engine_sleep_state", "gauge", ["sleep_state"], None),
+    ("vllm:mm_cache_queries", "counter", [], None),
+    ("vllm:mm_cache_hits", "counter", [], None),
 ]
 
 
@@ -84,6 +87,25 @@ def test_families_names_types_labels_and_buckets(server):
     assert set(families["pagedkv:num_requests_running"].samples[0].labels) == {"model_name"}
 
 
+def test_exposition_text_as_vllms(server):
+    """What the parser hides: bucket bounds written as vLLM writes them ("1.0", not "1"), a
+    `_created` sample for every vllm: counter and histogram (prometheus_client's, as vLLM
+    exports them), and the sleep state (awake)."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    assert 'vllm:iteration_tokens_total_bucket{engine="0",le="1.0",model_name="tiny"}' in text \
+        or 'vllm:iteration_tokens_total_bucket{model_name="tiny",engine="0",le="1.0"}' in text
+    assert 'le="1"' not in text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name, family in families.items():
+        if name.startswith("vllm:") and family.type in ("counter", "histogram"):
+            assert f"\n{name}_created{{" in text, name
+    states = {s.labels["sleep_state"]: s.value
+              for s in families["vllm:engine_sleep_state"].samples}
+    assert states == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
+    reasons = {s.labels["finished_reason"] for s in families["vllm:request_success"].samples}
+    assert reasons == {"stop", "length", "abort", "error", "repetition"}  # every one from 0
+
+
 def test_values_follow_the_requests(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     wait_for_idle_pool(server.url)
@@ -91,7 +113,7 @@ def test_values_follow_the_requests(server):
     prompt = "Count the tokens of this prompt please " * 3
     for n in (1, 2):
         client.completions.create(model="tiny", prompt=prompt, max_tokens=4, n=n,
-                                  temperature=0, extra_body={"ignore_eos": True})
+                                  temperature=1.0, extra_body={"ignore_eos": True, "top_k": 1})
     wait_for_idle_pool(server.url)
     after = scrape(server.url)
 

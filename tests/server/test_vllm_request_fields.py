@@ -10,6 +10,8 @@ import json
 import httpx
 import pytest
 
+from pagedkv.model.tokenizer import Tokenizer
+from pagedkv.testing.vllm_text import vllm_output_text
 from tests.server.helpers import ENGINE_KWARGS, ServerProcess, engine_flags
 
 CHAT = [{"role": "user", "content": "Tell me a story"}]
@@ -63,8 +65,9 @@ def test_return_token_ids_completion(server):
     choice = resp.json()["choices"][0]
     assert choice["prompt_token_ids"] == tokens(server, prompt)
     assert len(choice["token_ids"]) == 6
-    text = post(server, "/detokenize", {"tokens": choice["token_ids"]}).json()["prompt"]
-    assert text.rstrip("\ufffd") == choice["text"]  # an unfinished last character is left out
+    tokenizer = Tokenizer.from_dir(server.model_dir).backend_tokenizer
+    assert choice["text"] == vllm_output_text(tokenizer, choice["prompt_token_ids"],
+                                              choice["token_ids"])
     plain = post(server, "/v1/completions", {"prompt": prompt, **GREEDY}).json()["choices"][0]
     assert plain["token_ids"] is None and plain["prompt_token_ids"] is None
     # streaming: prompt ids in the first chunk, each chunk's new tokens, same tokens in all
@@ -276,3 +279,78 @@ def test_answers_carry_the_keys_vllm_0_32_writes(server):
     assert set(message) == {"role", "content", "refusal", "annotations", "audio",
                             "function_call", "reasoning"}
     assert message["content"] and message["role"] == "assistant"
+
+
+def test_chat_echo_fills_prompt_logprobs_as_vllm(server):
+    """vLLM's chat `echo` asks for the prompt's logprobs (top_logprobs of them; rank-only at
+    0): the answer's `prompt_logprobs` has one entry per prompt token, the first null."""
+    resp = post(server, "/v1/chat/completions", {"messages": CHAT, **GREEDY, "echo": True,
+                                                 "return_token_ids": True}).json()
+    prompt = resp["prompt_token_ids"]
+    assert resp["prompt_logprobs"][0] is None and len(resp["prompt_logprobs"]) == len(prompt)
+    for token_id, entry in zip(prompt[1:], resp["prompt_logprobs"][1:], strict=True):
+        assert list(entry) == [str(token_id)] and entry[str(token_id)]["logprob"] <= 0
+    plain = post(server, "/v1/chat/completions", {"messages": CHAT, **GREEDY}).json()
+    assert plain["prompt_logprobs"] is None
+
+
+@pytest.mark.parametrize("path, base", [("/v1/completions", {"prompt": "Once upon"}),
+                                         ("/v1/chat/completions", {"messages": CHAT})])
+def test_continuous_usage_stats(server, path, base):
+    """vLLM's `stream_options.continuous_usage_stats`: with include_usage every chunk carries
+    the usage so far (completion tokens never fall, the last equals the final usage chunk);
+    without it only the final chunk does."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = _sse(server, path, {**base, **GREEDY, "stream": True, "stream_options": options})
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == GREEDY["max_tokens"]
+    assert chunks[-1]["choices"] == [] and chunks[-2]["usage"] == chunks[-1]["usage"]
+    prompt_tokens = {c["usage"]["prompt_tokens"] for c in chunks}
+    assert len(prompt_tokens) == 1 and prompt_tokens.pop() > 0
+    chunks = _sse(server, path, {**base, **GREEDY, "stream": True,
+                                 "stream_options": {"include_usage": True}})
+    assert [("usage" in c) for c in chunks] == [False] * (len(chunks) - 1) + [True]
+
+
+def test_completion_chunks_carry_vllms_stream_keys(server):
+    """A completions stream chunk has vLLM's keys: none of the answer-only ones
+    (service_tier, kv/ec transfer params, metrics, routed_experts, unset prompt_logprobs)."""
+    chunks = _sse(server, "/v1/completions", {"prompt": "Once upon", **GREEDY, "stream": True,
+                                              "stream_options": {"include_usage": True}})
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    for chunk in chunks:
+        assert not {"service_tier", "kv_transfer_params", "ec_transfer_params",
+                    "metrics"} & set(chunk), chunk
+        assert ("usage" in chunk) == (chunk is chunks[-1])
+        for choice in chunk["choices"]:
+            assert set(choice) == {"index", "text", "logprobs", "finish_reason", "stop_reason",
+                                   "token_ids", "prompt_token_ids"}, choice
+
+
+def test_message_keys_the_sdk_returns_are_ignored(server):
+    """An assistant message sent back as the SDK returned it (refusal, annotations, audio,
+    reasoning...) and a content part's extra key are ignored, as vLLM does."""
+    answer = post(server, "/v1/chat/completions", {"messages": CHAT, **GREEDY}).json()
+    message = answer["choices"][0]["message"]
+    assert {"refusal", "annotations", "audio", "function_call", "reasoning"} <= set(message)
+    message = {**message, "annotations": [], "reasoning_content": "thought", "audio": {"id": "a"}}
+    user = {"role": "user", "content": [{"type": "text", "text": "More",
+                                         "cache_control": {"type": "ephemeral"}}]}
+    resp = post(server, "/v1/chat/completions", {"messages": CHAT + [message, user], **GREEDY})
+    assert resp.status_code == 200, resp.text
+    bad = post(server, "/v1/chat/completions",
+               {"messages": [{"role": "user", "content": 5, "extra": 1}], **GREEDY})
+    assert bad.status_code == 400 and "messages" in bad.json()["error"]["param"]
+
+
+def test_echo_with_return_token_ids_leaves_the_prompt_text_out(server):
+    """vLLM: with `return_token_ids`, an echoed completion's text is the output alone (the
+    prompt comes back as `prompt_token_ids`); its logprobs still cover the prompt."""
+    body = {"prompt": "Once upon a time", **GREEDY, "echo": True, "logprobs": 0}
+    echoed = post(server, "/v1/completions", body).json()["choices"][0]
+    with_ids = post(server, "/v1/completions", {**body, "return_token_ids": True}).json()
+    choice = with_ids["choices"][0]
+    assert echoed["text"] == "Once upon a time" + choice["text"]
+    assert choice["prompt_token_ids"] and len(choice["token_ids"]) == GREEDY["max_tokens"]
+    assert choice["logprobs"]["tokens"] == echoed["logprobs"]["tokens"]
+    assert len(choice["logprobs"]["tokens"]) == len(choice["prompt_token_ids"]) + 6
