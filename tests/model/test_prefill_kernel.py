@@ -1,5 +1,6 @@
 """The fused paged prefill attention kernel (cpu_ops.cpp `paged_prefill_attention`) against a
-pure-torch float64 reference, and the native backend's use of it for prefill chunks."""
+pure-torch float64 reference (over model-dtype caches, and int8 / fp8 caches read in place
+against their dequantized values), and the native backend's use of it for prefill chunks."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pagedkv.kernels.cpu import ensure_cpu_kernels
 from pagedkv.model.backends.cpu_native import CpuNativeBackend
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.backends.torch_paged import TorchPagedBackend
+from pagedkv.model.kv_int8 import dequantize_per_token, quantize_per_token
 from pagedkv.testing.isa_child import run_with_isa
 
 # float32: summation order only; bfloat16: q, k, v and the probabilities in bfloat16.
@@ -25,6 +27,18 @@ def _kernels():
 
 def supported(head_dim: int, dtype: torch.dtype) -> bool:
     return bool(torch.ops.pagedkv_cpu.paged_prefill_supports(head_dim, dtype))
+
+
+def quantized(cache: torch.Tensor, fmt: str):
+    """(the cache stored as `fmt`: "model" (as it is), "int8", "e4m3" or "e5m2"; its int8
+    scales or None; the values it holds, float32)."""
+    if fmt == "model":
+        return cache, None, cache.float()
+    if fmt == "int8":
+        values, scales = quantize_per_token(cache)
+        return values, scales, dequantize_per_token(values, scales, torch.float32)
+    stored = cache.float().to({"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt])
+    return stored, None, stored.float()
 
 
 def reference(q, k_cache, v_cache, tables, starts, ends, lens, window, scale, causal=True):
@@ -57,15 +71,20 @@ def reference(q, k_cache, v_cache, tables, starts, ends, lens, window, scale, ca
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("kv_heads,group", [(2, 1), (1, 4), (2, 5)])
 @pytest.mark.parametrize("window", [0, 37])
-def test_prefill_kernel_matches_the_reference(dtype, head_dim, kv_heads, group, window):
+@pytest.mark.parametrize("fmt", ["model", "int8", "e4m3", "e5m2"])
+def test_prefill_kernel_matches_the_reference(dtype, head_dim, kv_heads, group, window, fmt):
     """Chunks starting at 0, mid-block after a cached prefix, a single token, one longer than a
-    tile and a key step (odd lengths: pairs of keys with a lone last key), tables out of order."""
+    tile and a key step (odd lengths: pairs of keys with a lone last key), tables out of order;
+    caches of q's dtype, or int8 (per-token scales) / fp8 read in place against the values they
+    hold."""
     if not supported(head_dim, dtype):
         pytest.skip("this build has no tiled prefill kernel for this dtype")
     torch.manual_seed(5)
     bs, num_blocks = 16, 48
-    k_cache = torch.randn(kv_heads, num_blocks, bs, head_dim, dtype=dtype) * 2
-    v_cache = torch.randn(kv_heads, num_blocks, bs, head_dim, dtype=dtype)
+    k_cache, k_scales, k_values = quantized(
+        torch.randn(kv_heads, num_blocks, bs, head_dim, dtype=dtype) * 2, fmt)
+    v_cache, v_scales, v_values = quantized(
+        torch.randn(kv_heads, num_blocks, bs, head_dim, dtype=dtype), fmt)
     # (new tokens, total length): from position 0; after 21 cached; 1 token after 40; 75 after 28.
     shapes = [(19, 19), (30, 51), (1, 41), (75, 103)]
     perm = torch.randperm(num_blocks - 1) + 1
@@ -85,8 +104,8 @@ def test_prefill_kernel_matches_the_reference(dtype, head_dim, kv_heads, group, 
     scale = head_dim ** -0.5
     torch.ops.pagedkv_cpu.paged_prefill_attention(
         q, k_cache, v_cache, torch.tensor(tables), torch.tensor(starts), torch.tensor(ends),
-        torch.tensor(lens), window, scale, out)
-    want, _ = reference(q, k_cache, v_cache, tables, starts, ends, lens, window, scale)
+        torch.tensor(lens), window, scale, out, True, None, k_scales, v_scales)
+    want, _ = reference(q, k_values, v_values, tables, starts, ends, lens, window, scale)
     err = float((out[3:].double() - want[3:]).abs().max())
     assert err <= TOL[dtype] * max(1.0, float(want.abs().max()))
     assert torch.equal(out[:3], torch.full_like(out[:3], 7.0))  # rows of no chunk untouched
@@ -135,6 +154,19 @@ def test_prefill_kernel_refuses_bad_tables_and_shapes():
     with pytest.raises(RuntimeError, match="a window needs causal rows"):
         op(q, kc, kc, torch.tensor([[1]]), torch.tensor([0]), torch.tensor([5]),
            torch.tensor([5]), 4, 0.125, out, False)
+    with pytest.raises(RuntimeError, match="int8 caches need k_scales"):
+        op(q, kc.to(torch.int8), kc.to(torch.int8), torch.tensor([[1]]), torch.tensor([0]),
+           torch.tensor([5]), torch.tensor([5]), 0, 0.125, out)
+    with pytest.raises(RuntimeError, match="int8 caches need k_scales"):
+        op(q, kc, kc, torch.tensor([[1]]), torch.tensor([0]), torch.tensor([5]),
+           torch.tensor([5]), 0, 0.125, out, True, None, kc[..., 0], kc[..., 0])
+    with pytest.raises(RuntimeError, match="v_scales must be contiguous float32"):
+        op(q, kc.to(torch.int8), kc.to(torch.int8), torch.tensor([[1]]), torch.tensor([0]),
+           torch.tensor([5]), torch.tensor([5]), 0, 0.125, out, True, None,
+           kc[..., 0].contiguous(), kc[:, :2, :, 0].contiguous())
+    with pytest.raises(RuntimeError, match="of one dtype"):
+        op(q, kc.to(torch.float16), kc.to(torch.float16), torch.tensor([[1]]),
+           torch.tensor([0]), torch.tensor([5]), torch.tensor([5]), 0, 0.125, out)
     with pytest.raises(RuntimeError, match="not supported"):
         op(torch.zeros(5, 2, 48), torch.zeros(1, 4, 16, 48), torch.zeros(1, 4, 16, 48),
            torch.tensor([[1]]), torch.tensor([0]), torch.tensor([5]), torch.tensor([5]), 0,
