@@ -1638,6 +1638,13 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
 #define PAGEDKV_PREFILL 1
 constexpr int64_t PF_KEYS = 64;  // keys per online-softmax step (any blocks, read in place)
 constexpr int64_t PF_ROWS = 32;  // query rows per tile aimed at (tokens x g, two panels)
+// int8 / fp8 caches: more rows per tile, each key step's widened rows serving more of them.
+constexpr int64_t PF_ROWS_WIDENED = 64;
+
+// Query tokens per tile: about `rows` rows of g query heads each.
+inline int64_t pf_tile_tokens(int64_t g, bool widened) {
+  return std::max<int64_t>(1, (widened ? PF_ROWS_WIDENED : PF_ROWS) / g);
+}
 constexpr int PF_RK = 8, PF_DB = 8;  // keys (QK) and head dims (PV) per register block
 
 // exp(x) per lane as fast_exp (Cephes' polynomial), scaled by 2^n with vscalefps.
@@ -1999,11 +2006,10 @@ void pf_item(const PrefillArgs<T, Fmt>& a, const PrefillItem& it, PrefillScratch
   }
 }
 
-// Every item of the call, longest (most keys) first.
+// Every item of the call (`tile` query tokens at most), longest (most keys) first.
 std::vector<PrefillItem> prefill_items(const int64_t* starts, const int64_t* ends,
                                        const int64_t* lens, int64_t chunks, int64_t kvh,
-                                       int64_t g, int64_t window, bool causal) {
-  const int64_t tile = std::max<int64_t>(1, PF_ROWS / g);
+                                       int64_t tile, int64_t window, bool causal) {
   std::vector<PrefillItem> items;
   for (int64_t c = 0; c < chunks; c++) {
     const int64_t qlen = ends[c] - starts[c];
@@ -2020,10 +2026,10 @@ std::vector<PrefillItem> prefill_items(const int64_t* starts, const int64_t* end
 }
 
 template <typename T, typename Fmt, int D>
-void prefill_run(const PrefillArgs<T, Fmt>& a, const std::vector<PrefillItem>& items) {
+void prefill_run(const PrefillArgs<T, Fmt>& a, const std::vector<PrefillItem>& items,
+                 int64_t tile) {
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(items.size());
-  const int64_t tile = std::max<int64_t>(1, PF_ROWS / a.g);
   const int64_t ld = (tile * a.g + 15) / 16 * 16;
   at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t b, int64_t e) {
     PrefillScratch<T, D> w(ld, !std::is_same_v<typename Fmt::storage, T>);
@@ -2107,7 +2113,8 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   }
 #if PAGEDKV_PREFILL
   const int64_t g = q.size(1) / kvh;
-  const auto items = prefill_items(stp, enp, slp, chunks, kvh, g, window, causal);
+  const int64_t tile = pf_tile_tokens(g, cache_t != q.scalar_type());
+  const auto items = prefill_items(stp, enp, slp, chunks, kvh, tile, window, causal);
   const float* ksp = k_scales ? k_scales->data_ptr<float>() : nullptr;
   const float* vsp = v_scales ? v_scales->data_ptr<float>() : nullptr;
   dispatch(q.scalar_type(), "paged_prefill_attention", [&](auto tag) {
@@ -2122,8 +2129,8 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                     static_cast<const storage*>(v_cache.data_ptr()), ksp, vsp,
                                     stp, enp, slp, btp, static_cast<float>(scale),
                                     out.data_ptr<T>(), causal, lsep};
-        if (d == 64) prefill_run<T, Fmt, 64>(a, items);
-        else prefill_run<T, Fmt, 128>(a, items);
+        if (d == 64) prefill_run<T, Fmt, 64>(a, items, tile);
+        else prefill_run<T, Fmt, 128>(a, items, tile);
       };
       switch (cache_t) {
         case at::kChar: run(Int8Fmt{}); break;
