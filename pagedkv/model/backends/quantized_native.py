@@ -121,9 +121,11 @@ def in_place_rows(step: StepSequences, num_seqs: int,
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
     rows = int(counts.sum())
+    slots = torch.tensor(step.slot_mapping[:rows], dtype=torch.long)
+    if rows == num_seqs:  # decodes only: a row per sequence, as it is
+        return slots.to(device), table.to(device), ends.to(device)
     starts = torch.cumsum(counts, 0) - counts  # each sequence's first row
     index = torch.arange(rows) - starts.repeat_interleave(counts)  # the token within its chunk
     row_lens = (ends - counts).repeat_interleave(counts) + index + 1
-    slots = torch.tensor(step.slot_mapping[:rows], dtype=torch.long)
     return (slots.to(device), table.repeat_interleave(counts, dim=0).to(device),
             row_lens.to(device))
