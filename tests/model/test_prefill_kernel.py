@@ -220,9 +220,14 @@ def test_native_backend_prefill_matches_the_torch_path(dtype, group, window):
 @pytest.mark.slow
 def test_an_avx2_build_has_no_tiled_prefill_and_keeps_the_torch_path():
     """PAGEDKV_CPU_ISA=avx2 (Zen 3's build, a child process: one library per process) reports
-    no tiled prefill kernel, and the native backend's prefill chunks still match."""
+    no tiled prefill kernel, and the native backend's prefill chunks still match; so do an int8
+    and an fp8 cache's, as rows of the decode kernel (that test asserts)."""
     code = ("import json, torch; from pagedkv.kernels.cpu import ensure_cpu_kernels; "
             "ensure_cpu_kernels('wait'); import test_prefill_kernel as t; "
+            "import test_kv_quant_in_place as q; "
+            "f = q.test_every_token_of_a_step_reads_the_quantized_cache_in_place; "
+            "f(torch.int8, 6, False, torch.bfloat16); "
+            "f(torch.float8_e4m3fn, None, False, torch.float32); "
             "print(json.dumps([t.supported(64, torch.float32), t.supported(128, torch.bfloat16), "
             "t.mixed_step_error(torch.float32, 64, 2, None), "
             "t.mixed_step_error(torch.bfloat16, 64, 2, 24)]))")
