@@ -13,7 +13,7 @@ from pagedkv.kernels.cpu import ensure_cpu_kernels
 from pagedkv.model.backends.cpu_native import CpuNativeBackend
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.backends.torch_paged import TorchPagedBackend
-from pagedkv.model.kv_int8 import dequantize_per_token, quantize_per_token
+from pagedkv.model.kv_int8 import dequantize_per_token
 from pagedkv.testing.isa_child import run_with_isa
 
 # float32: summation order only; bfloat16: q, k, v and the probabilities in bfloat16.
@@ -31,11 +31,13 @@ def supported(head_dim: int, dtype: torch.dtype) -> bool:
 
 def quantized(cache: torch.Tensor, fmt: str):
     """(the cache stored as `fmt`: "model" (as it is), "int8", "e4m3" or "e5m2"; its int8
-    scales or None; the values it holds, float32)."""
+    scales or None; the values it holds, float32). int8: random values over the full range, each
+    row's scale random (1/64 .. 1/32 of its values' spread), not a search's."""
     if fmt == "model":
         return cache, None, cache.float()
     if fmt == "int8":
-        values, scales = quantize_per_token(cache)
+        values = torch.randint(-127, 128, cache.shape, dtype=torch.int8)
+        scales = (1 + torch.rand(cache.shape[:-1])) * cache.float().std() / 64
         return values, scales, dequantize_per_token(values, scales, torch.float32)
     stored = cache.float().to({"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt])
     return stored, None, stored.float()
@@ -113,23 +115,26 @@ def test_prefill_kernel_matches_the_reference(dtype, head_dim, kv_heads, group, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_not_causal_rows_see_every_key_and_return_the_log_sum_exp(dtype, head_dim):
+@pytest.mark.parametrize("fmt", ["model", "int8", "e4m3"])
+def test_not_causal_rows_see_every_key_and_return_the_log_sum_exp(dtype, head_dim, fmt):
     """causal=False (decodes over a shared prefix): every row of a chunk sees all its keys,
-    chunks of 1, 6 and 40 rows (more rows than keys too), and lse is each row's log-sum-exp."""
+    chunks of 1, 6 and 40 rows (more rows than keys too), and lse is each row's log-sum-exp
+    (of the scores over the values a quantized cache holds: its scales in)."""
     if not supported(head_dim, dtype):
         pytest.skip("this build has no tiled prefill kernel for this dtype")
     torch.manual_seed(6)
     kvh, g, bs = 2, 4, 16
-    k_cache = torch.randn(kvh, 12, bs, head_dim, dtype=dtype) * 2
-    v_cache = torch.randn(kvh, 12, bs, head_dim, dtype=dtype)
+    k_cache, k_scales, k_values = quantized(
+        torch.randn(kvh, 12, bs, head_dim, dtype=dtype) * 2, fmt)
+    v_cache, v_scales, v_values = quantized(torch.randn(kvh, 12, bs, head_dim, dtype=dtype), fmt)
     tables = [[3, 7, 1, 9], [3, 7, 1, 9], [2, 0, 0, 0]]
     starts, ends, lens = [0, 2, 8], [1, 8, 48], [64, 50, 16]
     q = torch.randn(48, kvh * g, head_dim, dtype=dtype)
     out, lse = torch.empty_like(q), torch.full((48, kvh * g), 5.0)
     torch.ops.pagedkv_cpu.paged_prefill_attention(
         q, k_cache, v_cache, torch.tensor(tables), torch.tensor(starts), torch.tensor(ends),
-        torch.tensor(lens), 0, 0.125, out, False, lse)
-    want, want_lse = reference(q, k_cache, v_cache, tables, starts, ends, lens, 0, 0.125,
+        torch.tensor(lens), 0, 0.125, out, False, lse, k_scales, v_scales)
+    want, want_lse = reference(q, k_values, v_values, tables, starts, ends, lens, 0, 0.125,
                                causal=False)
     rows = torch.tensor([0] + list(range(2, 48)))
     assert float((out[rows].double() - want[rows]).abs().max()) <= TOL[dtype] * float(
