@@ -1041,12 +1041,12 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 }
 
 void check_scales(const c10::optional<at::Tensor>& scales, const at::Tensor& cache,
-                  const char* name) {
+                  const char* name, const char* op = "paged_decode_attention") {
   if (!scales.has_value()) return;
   TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
               scales->dim() == 3 && scales->size(0) == cache.size(0) &&
               scales->size(1) == cache.size(1) && scales->size(2) == cache.size(2),
-              "paged_decode_attention: ", name, " must be contiguous float32 [KVH, NB, BS]");
+              op, ": ", name, " must be contiguous float32 [KVH, NB, BS]");
 }
 
 void paged_decode_attention_q(const at::Tensor& q, const at::Tensor& k_cache,
@@ -1627,13 +1627,24 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
 // broadcasts each value element against the probabilities (8 head dims x 2 panels). float32
 // caches use FMAs; bfloat16 caches on AVX512-BF16 use vdpbf16ps for both products (Q and K
 // in pairs of head dims, P rounded to bfloat16 and paired with V along keys, as torch's own
-// flash kernel rounds P for 16-bit inputs). Items run longest first off a shared counter (the
+// flash kernel rounds P for 16-bit inputs). int8 and fp8 caches are read in place too: each
+// key step widens its rows (exactly: int8 and fp8 values fit bfloat16) into per-thread scratch
+// of the query dtype, and an int8 row's K scale multiplies its scores, its V scale its softmax
+// weights (fp8 per-head scales are folded into q and the output by kv_quant.KVScales; e4m3's
+// 2^-8 widening unit likewise per key). Items run longest first off a shared counter (the
 // later tiles of a chunk see more keys). Other head sizes, dtypes and builds (AVX2: Zen 3;
 // no AVX512-BF16 for bfloat16) say so through paged_prefill_supports and keep the torch path.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define PAGEDKV_PREFILL 1
 constexpr int64_t PF_KEYS = 64;  // keys per online-softmax step (any blocks, read in place)
 constexpr int64_t PF_ROWS = 32;  // query rows per tile aimed at (tokens x g, two panels)
+// int8 / fp8 caches: more rows per tile, each key step's widened rows serving more of them.
+constexpr int64_t PF_ROWS_WIDENED = 64;
+
+// Query tokens per tile: about `rows` rows of g query heads each.
+inline int64_t pf_tile_tokens(int64_t g, bool widened) {
+  return std::max<int64_t>(1, (widened ? PF_ROWS_WIDENED : PF_ROWS) / g);
+}
 constexpr int PF_RK = 8, PF_DB = 8;  // keys (QK) and head dims (PV) per register block
 
 // exp(x) per lane as fast_exp (Cephes' polynomial), scaled by 2^n with vscalefps.
@@ -1756,19 +1767,20 @@ constexpr auto pf_scores_table(std::integer_sequence<int, I...>) {
 }
 
 // One online-softmax step of one panel (16 query rows) over n scored keys s [n][lds] (rows in
-// lanes) at positions k0 ..: a row sees keys first[row] .. pos[row]. Leaves exp(s - max) in s
+// lanes) at positions k0 ..: a row sees keys first[row] .. pos[row], key k's scores scaled by
+// key_scale[k] (the softmax scale, times an int8 row's K scale). Leaves exp(s - max) in s
 // (0 where hidden); returns the factor the panel's accumulators must be scaled by. Mutates s,
 // m and l (16 each).
 inline __m512 pf_softmax(float* s, int64_t lds, int64_t n, int64_t k0, __m512i pos, __m512i first,
-                         float scale, float* m, float* l) {
+                         const float* key_scale, float* m, float* l) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512 sc = _mm512_set1_ps(scale);
   const __m512 m_old = _mm512_loadu_ps(m);
   __m512 mx = m_old;
   for (int64_t k = 0; k < n; k++) {
     const __m512i kp = _mm512_set1_epi32(static_cast<int32_t>(k0 + k));
     const __mmask16 seen = _mm512_cmple_epi32_mask(kp, pos) & _mm512_cmpge_epi32_mask(kp, first);
-    const __m512 v = _mm512_mask_mul_ps(neg_inf, seen, _mm512_loadu_ps(s + k * lds), sc);
+    const __m512 v = _mm512_mask_mul_ps(neg_inf, seen, _mm512_loadu_ps(s + k * lds),
+                                        _mm512_set1_ps(key_scale[k]));
     _mm512_storeu_ps(s + k * lds, v);
     mx = _mm512_max_ps(mx, v);
   }
@@ -1826,13 +1838,16 @@ void pf_pair_keys(const float* s, int64_t lds, int64_t panels, const c10::BFloat
 // causal, at the chunk's length - 1).
 struct PrefillItem { int64_t chunk, tok0, ntok, kh, keys; };
 
-// A call's inputs: q [T, H, D] (rows sq apart), caches [KVH, NB, BS, D], per chunk its first
-// query row, its block table row (width ids) and its length; window (0: none), the scale; out;
-// causal (else every row of a chunk sees all its keys); lse [T, H] (null: not wanted).
-template <typename T> struct PrefillArgs {
+// A call's inputs: q [T, H, D] (rows sq apart), caches [KVH, NB, BS, D] of Fmt's storage
+// (int8: scales ks, vs [KVH, NB, BS], else null), per chunk its first query row, its block
+// table row (width ids) and its length; window (0: none), the scale; out; causal (else every
+// row of a chunk sees all its keys); lse [T, H] (null: not wanted).
+template <typename T, typename Fmt> struct PrefillArgs {
+  using storage = typename Fmt::storage;
   const T* q;
   int64_t sq, heads, kvh, nb, bs, g, width, window;
-  const T *kc, *vc;
+  const storage *kc, *vc;
+  const float *ks, *vs;
   const int64_t *starts, *ends, *lens, *tables;
   float scale;
   T* out;
@@ -1840,19 +1855,76 @@ template <typename T> struct PrefillArgs {
   float* lse;
 };
 
-// Per-thread scratch of one tile: the transposed queries, scores, accumulators and row state.
+// Per-thread scratch of one tile: the transposed queries, scores, accumulators and row state;
+// the key step's rows (kr, vr: in the cache, or widened into kw, vw) and per-key scales.
 template <typename T, int D> struct PrefillScratch {
-  std::vector<float> qt, s, ot, m, l;
+  std::vector<float> qt, s, ot, m, l, ksc, vsc;
   std::vector<int32_t> pos, first, pp, vp;
   std::vector<const T*> kr, vr;
-  explicit PrefillScratch(int64_t ld)
-      : qt(D * ld), s(PF_KEYS * ld), ot(D * ld), m(ld), l(ld), pos(ld), first(ld),
-        pp(PF_KEYS / 2 * ld), vp(PF_KEYS / 2 * D), kr(PF_KEYS), vr(PF_KEYS) {}
+  std::vector<T> kw, vw;
+  PrefillScratch(int64_t ld, bool widen)
+      : qt(D * ld), s(PF_KEYS * ld), ot(D * ld), m(ld), l(ld), ksc(PF_KEYS), vsc(PF_KEYS),
+        pos(ld), first(ld), pp(PF_KEYS / 2 * ld), vp(PF_KEYS / 2 * D), kr(PF_KEYS), vr(PF_KEYS),
+        kw(widen ? PF_KEYS * D : 0), vw(widen ? PF_KEYS * D : 0) {}
 };
 
+// One cache row of D Fmt values widened to T (exactly: int8 and fp8 fit bfloat16; e4m3 as
+// 2^-8 of its values, fmt_unit). Writes dst.
+template <typename T, typename Fmt, int D>
+inline void pf_widen(const typename Fmt::storage* src, T* dst) {
+  if constexpr (pf_pairs<T>) {
+#if defined(__AVX512BF16__)
+    for (int j = 0; j < D; j += 32) {
+      const __m512bh h = _mm512_cvtne2ps_pbh((__m512)fmt_vec<Fmt>(src + j + 16),
+                                             (__m512)fmt_vec<Fmt>(src + j));
+      _mm512_storeu_si512(dst + j, (__m512i)h);
+    }
+#endif
+  } else {
+    for (int j = 0; j < D; j += 16) _mm512_storeu_ps(dst + j, (__m512)fmt_vec<Fmt>(src + j));
+  }
+}
+
+// The rows of keys k0 .. k0 + n - 1 of item `it` (table: its chunk's): pointers into the cache
+// (the model-dtype cache), or widened into w.kw / w.vw; w.ksc := the softmax scale per key
+// (times an int8 row's K scale, e4m3's unit), w.vsc := the factor on each key's softmax weight.
+// Mutates w's kr, vr, kw, vw, ksc, vsc.
+template <typename T, typename Fmt, int D>
+inline void pf_gather_keys(const PrefillArgs<T, Fmt>& a, const PrefillItem& it,
+                           const int64_t* table, int64_t k0, int64_t n, PrefillScratch<T, D>& w) {
+  constexpr bool same = std::is_same_v<typename Fmt::storage, T>;
+  for (int64_t k = 0; k < n; k++) {
+    const int64_t kp = k0 + k;
+    const int64_t row = (it.kh * a.nb + table[kp / a.bs]) * a.bs + kp % a.bs;
+    if constexpr (same) {
+      w.kr[k] = a.kc + row * D;
+      w.vr[k] = a.vc + row * D;
+      w.ksc[k] = a.scale;
+    } else {
+      pf_widen<T, Fmt, D>(a.kc + row * D, w.kw.data() + k * D);
+      pf_widen<T, Fmt, D>(a.vc + row * D, w.vw.data() + k * D);
+      w.kr[k] = w.kw.data() + k * D;
+      w.vr[k] = w.vw.data() + k * D;
+      w.ksc[k] = a.scale * fmt_unit<Fmt> * (a.ks ? a.ks[row] : 1.f);
+      w.vsc[k] = fmt_unit<Fmt> * (a.vs ? a.vs[row] : 1.f);
+    }
+  }
+}
+
+// The softmax weights s [n][lds] (panels of 16 rows) of each key times vsc[k]. Mutates s.
+inline void pf_weigh_keys(float* s, int64_t lds, int64_t panels, int64_t n, const float* vsc) {
+  for (int64_t k = 0; k < n; k++) {
+    const __m512 f = _mm512_set1_ps(vsc[k]);
+    for (int64_t p = 0; p < panels; p++)
+      _mm512_storeu_ps(s + k * lds + p * 16, _mm512_mul_ps(_mm512_loadu_ps(s + k * lds + p * 16), f));
+  }
+}
+
 // Attends one item (see the section comment); writes its rows of out.
-template <typename T, int D>
-void pf_item(const PrefillArgs<T>& a, const PrefillItem& it, PrefillScratch<T, D>& w) {
+template <typename T, typename Fmt, int D>
+void pf_item(const PrefillArgs<T, Fmt>& a, const PrefillItem& it, PrefillScratch<T, D>& w) {
+  using storage = typename Fmt::storage;
+  constexpr bool weigh = !std::is_same_v<storage, T> && !std::is_same_v<Fmt, E5M2Fmt>;
   const int64_t g = a.g, rows = it.ntok * g, panels = (rows + 15) / 16, ld = panels * 16;
   const int64_t qlen = a.ends[it.chunk] - a.starts[it.chunk];
   const int64_t pos0 = a.lens[it.chunk] - qlen + it.tok0;
@@ -1881,18 +1953,13 @@ void pf_item(const PrefillArgs<T>& a, const PrefillItem& it, PrefillScratch<T, D
   const int64_t k_end = a.causal ? pos0 + it.ntok : a.lens[it.chunk], k_begin = k_end - it.keys;
   for (int64_t k0 = k_begin; k0 < k_end; k0 += PF_KEYS) {
     const int64_t n = std::min(PF_KEYS, k_end - k0);
-    for (int64_t k = 0; k < n; k++) {
-      const int64_t kp = k0 + k;
-      const int64_t row = (it.kh * a.nb + table[kp / a.bs]) * a.bs + kp % a.bs;
-      w.kr[k] = a.kc + row * D;
-      w.vr[k] = a.vc + row * D;
-    }
+    pf_gather_keys<T, Fmt, D>(a, it, table, k0, n, w);
     // The next step's rows into L2 while this one computes: the kernel reads 8 rows at a time
     // a line of each per head-dim stride, which the hardware prefetchers do not follow (a
     // prefix out of cache, as decodes read it, ran at a third of the in-cache speed).
     for (int64_t kp = k0 + n; kp < std::min(k_end, k0 + n + PF_KEYS); kp++) {
       const int64_t row = (it.kh * a.nb + table[kp / a.bs]) * a.bs + kp % a.bs;
-      for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) {
+      for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(storage)); b += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(a.kc + row * D) + b, _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(a.vc + row * D) + b, _MM_HINT_T1);
       }
@@ -1907,8 +1974,9 @@ void pf_item(const PrefillArgs<T>& a, const PrefillItem& it, PrefillScratch<T, D
     for (int64_t p = 0; p < panels; p++)
       corr[p] = pf_softmax(w.s.data() + p * 16, ld, n, k0,
                            _mm512_loadu_si512(w.pos.data() + p * 16),
-                           _mm512_loadu_si512(w.first.data() + p * 16), a.scale,
+                           _mm512_loadu_si512(w.first.data() + p * 16), w.ksc.data(),
                            w.m.data() + p * 16, w.l.data() + p * 16);
+    if constexpr (weigh) pf_weigh_keys(w.s.data(), ld, panels, n, w.vsc.data());
     const void* probs = w.s.data();
     const void* vals = w.vr.data();
     if constexpr (pf_pairs<T>) {
@@ -1938,11 +2006,10 @@ void pf_item(const PrefillArgs<T>& a, const PrefillItem& it, PrefillScratch<T, D
   }
 }
 
-// Every item of the call, longest (most keys) first.
+// Every item of the call (`tile` query tokens at most), longest (most keys) first.
 std::vector<PrefillItem> prefill_items(const int64_t* starts, const int64_t* ends,
                                        const int64_t* lens, int64_t chunks, int64_t kvh,
-                                       int64_t g, int64_t window, bool causal) {
-  const int64_t tile = std::max<int64_t>(1, PF_ROWS / g);
+                                       int64_t tile, int64_t window, bool causal) {
   std::vector<PrefillItem> items;
   for (int64_t c = 0; c < chunks; c++) {
     const int64_t qlen = ends[c] - starts[c];
@@ -1958,15 +2025,15 @@ std::vector<PrefillItem> prefill_items(const int64_t* starts, const int64_t* end
   return items;
 }
 
-template <typename T, int D>
-void prefill_run(const PrefillArgs<T>& a, const std::vector<PrefillItem>& items) {
+template <typename T, typename Fmt, int D>
+void prefill_run(const PrefillArgs<T, Fmt>& a, const std::vector<PrefillItem>& items,
+                 int64_t tile) {
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(items.size());
-  const int64_t tile = std::max<int64_t>(1, PF_ROWS / a.g);
   const int64_t ld = (tile * a.g + 15) / 16 * 16;
   at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t b, int64_t e) {
-    PrefillScratch<T, D> w(ld);
-    for (int64_t i = next++; i < n; i = next++) pf_item<T, D>(a, items[i], w);
+    PrefillScratch<T, D> w(ld, !std::is_same_v<typename Fmt::storage, T>);
+    for (int64_t i = next++; i < n; i = next++) pf_item<T, Fmt, D>(a, items[i], w);
     (void)b;
     (void)e;
   });
@@ -1985,21 +2052,34 @@ bool paged_prefill_supports(int64_t head_dim, at::ScalarType dtype) {
 // (ends[c] - starts[c]) .. lens[c] - 1, its blocks block_tables[c]; window > 0: a token at p
 // sees p - window + 1 .. p. Not causal (window 0): every row of chunk c sees keys 0 ..
 // lens[c] - 1 (decodes over a shared prefix: cascade attention's first part). q [T, H, D]
-// (contiguous heads), caches [KVH, NB, BS, D] of q's dtype; writes those rows of out [T, H, D]
-// and, when given, of lse [T, H] float32 (log-sum-exp of each row's scaled scores). Only where
-// paged_prefill_supports(D, dtype).
+// (contiguous heads), caches [KVH, NB, BS, D] of q's dtype, int8 (with k_scales and v_scales
+// [KVH, NB, BS] float32: a stored value times its token's scale) or fp8 (e4m3fn, e5m2; their
+// scales folded in by the caller); writes those rows of out [T, H, D] and, when given, of lse
+// [T, H] float32 (log-sum-exp of each row's scaled scores). Only where
+// paged_prefill_supports(D, q's dtype).
 void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
                              const at::Tensor& starts, const at::Tensor& ends,
                              const at::Tensor& seq_lens, int64_t window, double scale,
-                             at::Tensor& out, bool causal, const c10::optional<at::Tensor>& lse) {
+                             at::Tensor& out, bool causal, const c10::optional<at::Tensor>& lse,
+                             const c10::optional<at::Tensor>& k_scales,
+                             const c10::optional<at::Tensor>& v_scales) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && out.is_contiguous() &&
               out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
               "paged_prefill_attention: q must be [T, H, D] with contiguous heads, out like q");
+  const at::ScalarType cache_t = k_cache.scalar_type();
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
-              k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == q.scalar_type() &&
-              v_cache.scalar_type() == q.scalar_type() && k_cache.size(3) == q.size(2),
-              "paged_prefill_attention: caches must be contiguous [KVH, NB, BS, D] of q's dtype");
+              k_cache.sizes() == v_cache.sizes() && v_cache.scalar_type() == cache_t &&
+              k_cache.size(3) == q.size(2) &&
+              (cache_t == q.scalar_type() || cache_t == at::kChar ||
+               cache_t == at::kFloat8_e4m3fn || cache_t == at::kFloat8_e5m2),
+              "paged_prefill_attention: caches must be contiguous [KVH, NB, BS, D] of one dtype: "
+              "q's, int8 or fp8");
+  TORCH_CHECK(k_scales.has_value() == v_scales.has_value() &&
+              k_scales.has_value() == (cache_t == at::kChar),
+              "paged_prefill_attention: int8 caches need k_scales and v_scales, others none");
+  check_scales(k_scales, k_cache, "k_scales", "paged_prefill_attention");
+  check_scales(v_scales, v_cache, "v_scales", "paged_prefill_attention");
   const int64_t d = q.size(2), kvh = k_cache.size(0), nb = k_cache.size(1), bs = k_cache.size(2);
   TORCH_CHECK(prefill_supports(d, q.scalar_type()), "paged_prefill_attention: head size ", d,
               " in ", q.scalar_type(), " is not supported by this build");
@@ -2033,18 +2113,36 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   }
 #if PAGEDKV_PREFILL
   const int64_t g = q.size(1) / kvh;
-  const auto items = prefill_items(stp, enp, slp, chunks, kvh, g, window, causal);
+  const int64_t tile = pf_tile_tokens(g, cache_t != q.scalar_type());
+  const auto items = prefill_items(stp, enp, slp, chunks, kvh, tile, window, causal);
+  const float* ksp = k_scales ? k_scales->data_ptr<float>() : nullptr;
+  const float* vsp = v_scales ? v_scales->data_ptr<float>() : nullptr;
   dispatch(q.scalar_type(), "paged_prefill_attention", [&](auto tag) {
     using T = typename decltype(tag)::type;
     if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-      const PrefillArgs<T> a{q.data_ptr<T>(), q.stride(0), q.size(1), kvh, nb, bs, g, width,
-                             window, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), stp, enp,
-                             slp, btp, static_cast<float>(scale), out.data_ptr<T>(), causal,
-                             lsep};
-      if (d == 64) prefill_run<T, 64>(a, items);
-      else prefill_run<T, 128>(a, items);
+      auto run = [&](auto fmt) {
+        using Fmt = decltype(fmt);
+        using storage = typename Fmt::storage;
+        const PrefillArgs<T, Fmt> a{q.data_ptr<T>(), q.stride(0), q.size(1), kvh, nb, bs, g,
+                                    width, window,
+                                    static_cast<const storage*>(k_cache.data_ptr()),
+                                    static_cast<const storage*>(v_cache.data_ptr()), ksp, vsp,
+                                    stp, enp, slp, btp, static_cast<float>(scale),
+                                    out.data_ptr<T>(), causal, lsep};
+        if (d == 64) prefill_run<T, Fmt, 64>(a, items, tile);
+        else prefill_run<T, Fmt, 128>(a, items, tile);
+      };
+      switch (cache_t) {
+        case at::kChar: run(Int8Fmt{}); break;
+        case at::kFloat8_e4m3fn: run(E4M3Fmt{}); break;
+        case at::kFloat8_e5m2: run(E5M2Fmt{}); break;
+        default: run(SameFmt<T>{}); break;
+      }
     }
   });
+#else
+  (void)k_scales;
+  (void)v_scales;
 #endif
 }
 
@@ -2072,6 +2170,7 @@ TORCH_LIBRARY(pagedkv_cpu, m) {
   m.def("paged_prefill_supports(int head_dim, ScalarType dtype) -> bool", &paged_prefill_supports);
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor starts, Tensor ends, Tensor seq_lens, int window, float scale, Tensor(a!) out, "
-        "bool causal=True, Tensor(b!)? lse=None) -> ()",
+        "bool causal=True, Tensor(b!)? lse=None, Tensor? k_scales=None, "
+        "Tensor? v_scales=None) -> ()",
         &paged_prefill_attention);
 }

@@ -51,10 +51,15 @@ def _reference(q, k_cache, v_cache, k_scales, v_scales, window):
     return out
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("unstored", [False, True])
-def test_every_token_of_a_step_reads_the_quantized_cache_in_place(cache_dtype, window, unstored):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_token_of_a_step_reads_the_quantized_cache_in_place(cache_dtype, window, unstored,
+                                                                   dtype):
+    """The decode through the decode kernel, the prefill chunks (from 0, after a cached prefix)
+    through the tiled prefill kernel where the build has it (else rows of the decode kernel):
+    every row equal to attention over the dequantized cache."""
     ensure_cpu_kernels("wait")
     gen = torch.Generator().manual_seed(1)
     shape = (KV_HEADS, NUM_BLOCKS, BLOCK, HEAD_DIM)
@@ -78,10 +83,15 @@ def test_every_token_of_a_step_reads_the_quantized_cache_in_place(cache_dtype, w
     assert isinstance(meta, InPlaceMetadata)
     assert meta.num_rows == (1 if unstored else len(slots))
     assert isinstance(meta.prefill, QuantizedKVMetadata) == unstored
+    assert meta.num_decodes == 1 and (meta.chunks is None) == unstored
+    if not unstored:  # the two chunks: rows 1..6 and 7..11 of the step, their own tables
+        starts, ends, lens, tables = meta.chunks
+        assert starts.tolist() == [1, 7] and ends.tolist() == [7, 12] and lens.tolist() == [6, 14]
+        assert tables[0, :2].tolist() == [5, 6] and tables[1].tolist() == [12, 20, 14, 15]
     t = len(slots)
-    q = torch.randn(t, HEADS, HEAD_DIM, generator=gen).bfloat16()
-    k = torch.randn(t, KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
-    v = torch.randn(t, KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
+    q = torch.randn(t, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    k = torch.randn(t, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v = torch.randn(t, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     before = k_cache.clone()
     out = meta.attend(q, k, v, k_cache, v_cache, HEAD_DIM ** -0.5, window,
                       k_scales=k_scales, v_scales=v_scales)

@@ -1,5 +1,6 @@
 """The fused paged prefill attention kernel (cpu_ops.cpp `paged_prefill_attention`) against a
-pure-torch float64 reference, and the native backend's use of it for prefill chunks."""
+pure-torch float64 reference (over model-dtype caches, and int8 / fp8 caches read in place
+against their dequantized values), and the native backend's use of it for prefill chunks."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pagedkv.kernels.cpu import ensure_cpu_kernels
 from pagedkv.model.backends.cpu_native import CpuNativeBackend
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.backends.torch_paged import TorchPagedBackend
+from pagedkv.model.kv_int8 import dequantize_per_token
 from pagedkv.testing.isa_child import run_with_isa
 
 # float32: summation order only; bfloat16: q, k, v and the probabilities in bfloat16.
@@ -25,6 +27,20 @@ def _kernels():
 
 def supported(head_dim: int, dtype: torch.dtype) -> bool:
     return bool(torch.ops.pagedkv_cpu.paged_prefill_supports(head_dim, dtype))
+
+
+def quantized(cache: torch.Tensor, fmt: str):
+    """(the cache stored as `fmt`: "model" (as it is), "int8", "e4m3" or "e5m2"; its int8
+    scales or None; the values it holds, float32). int8: random values over the full range, each
+    row's scale random (1/64 .. 1/32 of its values' spread), not a search's."""
+    if fmt == "model":
+        return cache, None, cache.float()
+    if fmt == "int8":
+        values = torch.randint(-127, 128, cache.shape, dtype=torch.int8)
+        scales = (1 + torch.rand(cache.shape[:-1])) * cache.float().std() / 64
+        return values, scales, dequantize_per_token(values, scales, torch.float32)
+    stored = cache.float().to({"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt])
+    return stored, None, stored.float()
 
 
 def reference(q, k_cache, v_cache, tables, starts, ends, lens, window, scale, causal=True):
@@ -57,15 +73,20 @@ def reference(q, k_cache, v_cache, tables, starts, ends, lens, window, scale, ca
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("kv_heads,group", [(2, 1), (1, 4), (2, 5)])
 @pytest.mark.parametrize("window", [0, 37])
-def test_prefill_kernel_matches_the_reference(dtype, head_dim, kv_heads, group, window):
+@pytest.mark.parametrize("fmt", ["model", "int8", "e4m3", "e5m2"])
+def test_prefill_kernel_matches_the_reference(dtype, head_dim, kv_heads, group, window, fmt):
     """Chunks starting at 0, mid-block after a cached prefix, a single token, one longer than a
-    tile and a key step (odd lengths: pairs of keys with a lone last key), tables out of order."""
+    tile and a key step (odd lengths: pairs of keys with a lone last key), tables out of order;
+    caches of q's dtype, or int8 (per-token scales) / fp8 read in place against the values they
+    hold."""
     if not supported(head_dim, dtype):
         pytest.skip("this build has no tiled prefill kernel for this dtype")
     torch.manual_seed(5)
     bs, num_blocks = 16, 48
-    k_cache = torch.randn(kv_heads, num_blocks, bs, head_dim, dtype=dtype) * 2
-    v_cache = torch.randn(kv_heads, num_blocks, bs, head_dim, dtype=dtype)
+    k_cache, k_scales, k_values = quantized(
+        torch.randn(kv_heads, num_blocks, bs, head_dim, dtype=dtype) * 2, fmt)
+    v_cache, v_scales, v_values = quantized(
+        torch.randn(kv_heads, num_blocks, bs, head_dim, dtype=dtype), fmt)
     # (new tokens, total length): from position 0; after 21 cached; 1 token after 40; 75 after 28.
     shapes = [(19, 19), (30, 51), (1, 41), (75, 103)]
     perm = torch.randperm(num_blocks - 1) + 1
@@ -85,8 +106,8 @@ def test_prefill_kernel_matches_the_reference(dtype, head_dim, kv_heads, group, 
     scale = head_dim ** -0.5
     torch.ops.pagedkv_cpu.paged_prefill_attention(
         q, k_cache, v_cache, torch.tensor(tables), torch.tensor(starts), torch.tensor(ends),
-        torch.tensor(lens), window, scale, out)
-    want, _ = reference(q, k_cache, v_cache, tables, starts, ends, lens, window, scale)
+        torch.tensor(lens), window, scale, out, True, None, k_scales, v_scales)
+    want, _ = reference(q, k_values, v_values, tables, starts, ends, lens, window, scale)
     err = float((out[3:].double() - want[3:]).abs().max())
     assert err <= TOL[dtype] * max(1.0, float(want.abs().max()))
     assert torch.equal(out[:3], torch.full_like(out[:3], 7.0))  # rows of no chunk untouched
@@ -94,23 +115,26 @@ def test_prefill_kernel_matches_the_reference(dtype, head_dim, kv_heads, group, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_not_causal_rows_see_every_key_and_return_the_log_sum_exp(dtype, head_dim):
+@pytest.mark.parametrize("fmt", ["model", "int8", "e4m3"])
+def test_not_causal_rows_see_every_key_and_return_the_log_sum_exp(dtype, head_dim, fmt):
     """causal=False (decodes over a shared prefix): every row of a chunk sees all its keys,
-    chunks of 1, 6 and 40 rows (more rows than keys too), and lse is each row's log-sum-exp."""
+    chunks of 1, 6 and 40 rows (more rows than keys too), and lse is each row's log-sum-exp
+    (of the scores over the values a quantized cache holds: its scales in)."""
     if not supported(head_dim, dtype):
         pytest.skip("this build has no tiled prefill kernel for this dtype")
     torch.manual_seed(6)
     kvh, g, bs = 2, 4, 16
-    k_cache = torch.randn(kvh, 12, bs, head_dim, dtype=dtype) * 2
-    v_cache = torch.randn(kvh, 12, bs, head_dim, dtype=dtype)
+    k_cache, k_scales, k_values = quantized(
+        torch.randn(kvh, 12, bs, head_dim, dtype=dtype) * 2, fmt)
+    v_cache, v_scales, v_values = quantized(torch.randn(kvh, 12, bs, head_dim, dtype=dtype), fmt)
     tables = [[3, 7, 1, 9], [3, 7, 1, 9], [2, 0, 0, 0]]
     starts, ends, lens = [0, 2, 8], [1, 8, 48], [64, 50, 16]
     q = torch.randn(48, kvh * g, head_dim, dtype=dtype)
     out, lse = torch.empty_like(q), torch.full((48, kvh * g), 5.0)
     torch.ops.pagedkv_cpu.paged_prefill_attention(
         q, k_cache, v_cache, torch.tensor(tables), torch.tensor(starts), torch.tensor(ends),
-        torch.tensor(lens), 0, 0.125, out, False, lse)
-    want, want_lse = reference(q, k_cache, v_cache, tables, starts, ends, lens, 0, 0.125,
+        torch.tensor(lens), 0, 0.125, out, False, lse, k_scales, v_scales)
+    want, want_lse = reference(q, k_values, v_values, tables, starts, ends, lens, 0, 0.125,
                                causal=False)
     rows = torch.tensor([0] + list(range(2, 48)))
     assert float((out[rows].double() - want[rows]).abs().max()) <= TOL[dtype] * float(
@@ -135,6 +159,19 @@ def test_prefill_kernel_refuses_bad_tables_and_shapes():
     with pytest.raises(RuntimeError, match="a window needs causal rows"):
         op(q, kc, kc, torch.tensor([[1]]), torch.tensor([0]), torch.tensor([5]),
            torch.tensor([5]), 4, 0.125, out, False)
+    with pytest.raises(RuntimeError, match="int8 caches need k_scales"):
+        op(q, kc.to(torch.int8), kc.to(torch.int8), torch.tensor([[1]]), torch.tensor([0]),
+           torch.tensor([5]), torch.tensor([5]), 0, 0.125, out)
+    with pytest.raises(RuntimeError, match="int8 caches need k_scales"):
+        op(q, kc, kc, torch.tensor([[1]]), torch.tensor([0]), torch.tensor([5]),
+           torch.tensor([5]), 0, 0.125, out, True, None, kc[..., 0], kc[..., 0])
+    with pytest.raises(RuntimeError, match="v_scales must be contiguous float32"):
+        op(q, kc.to(torch.int8), kc.to(torch.int8), torch.tensor([[1]]), torch.tensor([0]),
+           torch.tensor([5]), torch.tensor([5]), 0, 0.125, out, True, None,
+           kc[..., 0].contiguous(), kc[:, :2, :, 0].contiguous())
+    with pytest.raises(RuntimeError, match="of one dtype"):
+        op(q, kc.to(torch.float16), kc.to(torch.float16), torch.tensor([[1]]),
+           torch.tensor([0]), torch.tensor([5]), torch.tensor([5]), 0, 0.125, out)
     with pytest.raises(RuntimeError, match="not supported"):
         op(torch.zeros(5, 2, 48), torch.zeros(1, 4, 16, 48), torch.zeros(1, 4, 16, 48),
            torch.tensor([[1]]), torch.tensor([0]), torch.tensor([5]), torch.tensor([5]), 0,
@@ -188,9 +225,14 @@ def test_native_backend_prefill_matches_the_torch_path(dtype, group, window):
 @pytest.mark.slow
 def test_an_avx2_build_has_no_tiled_prefill_and_keeps_the_torch_path():
     """PAGEDKV_CPU_ISA=avx2 (Zen 3's build, a child process: one library per process) reports
-    no tiled prefill kernel, and the native backend's prefill chunks still match."""
+    no tiled prefill kernel, and the native backend's prefill chunks still match; so do an int8
+    and an fp8 cache's, as rows of the decode kernel (that test asserts)."""
     code = ("import json, torch; from pagedkv.kernels.cpu import ensure_cpu_kernels; "
             "ensure_cpu_kernels('wait'); import test_prefill_kernel as t; "
+            "import test_kv_quant_in_place as q; "
+            "f = q.test_every_token_of_a_step_reads_the_quantized_cache_in_place; "
+            "f(torch.int8, 6, False, torch.bfloat16); "
+            "f(torch.float8_e4m3fn, None, False, torch.float32); "
             "print(json.dumps([t.supported(64, torch.float32), t.supported(128, torch.bfloat16), "
             "t.mixed_step_error(torch.float32, 64, 2, None), "
             "t.mixed_step_error(torch.bfloat16, 64, 2, 24)]))")

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.model.backends.quantized_native import InPlaceMetadata, in_place_rows
+from pagedkv.model.backends.quantized_native import InPlaceMetadata
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.kv_int8 import (
     dequantize_per_token,
@@ -146,6 +146,4 @@ class QuantizedKVBackend:
                 num_decodes=0))
         if num_seqs == 0:
             return prefill
-        slots, tables, lens = in_place_rows(step, num_seqs, self.device)
-        return InPlaceMetadata(num_rows=len(slots), slots=slots, block_tables=tables,
-                               row_lens=lens, prefill=prefill)
+        return InPlaceMetadata.for_step(step, num_seqs, prefill, self.device)

@@ -2,19 +2,23 @@
 
 With the CPU kernels loaded (cpu_native's `native`), QuantizedKVBackend builds this metadata: the
 step's new K/V are quantized into their slots (int8 by the kernel `write_kv_int8_`, in one pass;
-fp8 by kv_quant.quantize_into), then every query token is one row of
-`paged_decode_attention_q`, attending to positions first .. its own over its sequence's blocks
-in the cache: a decode is one row, a prefill chunk of n tokens n rows (token i of a chunk
-starting at position p sees p + i + 1 keys: the causal mask is the row's length). The kernel
-takes rows that read the same blocks (a chunk's tokens; decodes sharing a cached prefix) in
-tiles of up to 16 that widen each shared block once for all of them; a block only one row reads
-is widened in registers as it is read (int8 keys meet q in integers;
-per-token int8 scales applied to the scores and the softmax weights; fp8 scales are already
-folded in by kv_quant.KVScales): no dequantized copy of the context, half the bytes of a 16-bit
-cache streamed, and a token of this step reads back exactly what later steps will read. No
-cascade split of shared prefixes (the tiles share their blocks' loads instead). A step with a token that is not
-stored (slot < 0) reads only its decodes in place and sends its prefill chunks through
-QuantizedKVMetadata (a compact dequantized copy of their blocks).
+fp8 by kv_quant.quantize_into), then the decodes are rows of `paged_decode_attention_q`,
+attending to positions first .. their own over their sequence's blocks in the cache, and the
+prefill chunks go through the tiled prefill kernel (`paged_prefill_attention`, as the
+model-dtype cache's chunks do in cpu_native.py: tiles of a chunk's tokens x a KV head's query
+heads, causal and windowed by position, each key step's rows widened once per tile). Where the
+build has no tiled kernel for q's dtype and head size (`paged_prefill_supports`: an AVX2 build,
+float16, ...) a chunk of n tokens is n rows of the decode kernel instead (token i of a chunk
+starting at position p sees p + i + 1 keys: the causal mask is the row's length), which takes
+rows that read the same blocks (a chunk's tokens; decodes sharing a cached prefix) in tiles of
+up to 16 that widen each shared block once for all of them; a block only one row reads is
+widened in registers as it is read (int8 keys meet q in integers). Both kernels apply the
+per-token int8 scales to the scores and the softmax weights; fp8 scales are already folded in
+by kv_quant.KVScales: no dequantized copy of the context, half the bytes of a 16-bit cache
+streamed, and a token of this step reads back exactly what later steps will read. No cascade
+split of shared prefixes (the tiles share their blocks' loads instead). A step with a token
+that is not stored (slot < 0) reads only its decodes in place and sends its prefill chunks
+through QuantizedKVMetadata (a compact dequantized copy of their blocks).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedkv.model.backends.cpu_native import tiled_prefill
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.kv_quant import quantize_into
 
@@ -31,15 +36,38 @@ from pagedkv.model.kv_quant import quantize_into
 class InPlaceMetadata:
     """The first `num_rows` tokens of the step read in place: their real slots [R], block tables
     [R, W] (their sequence's, one row per token) and lengths [R] (keys up to and including the
-    token); the remaining tokens through `prefill` (QuantizedKVMetadata of the prefill-only rest
-    of the step; None when every token is a row)."""
+    token); the first `num_decodes` rows are decodes, the rest prefill chunks, given also as
+    `chunks` (first row [C], end row [C], sequence length [C], block tables [C, W]; None when
+    there are none) for the tiled kernel; the remaining tokens through `prefill`
+    (QuantizedKVMetadata of the prefill-only rest of the step; None when every token is a
+    row)."""
 
     num_rows: int
     slots: torch.Tensor
     block_tables: torch.Tensor
     row_lens: torch.Tensor
     prefill: object | None
+    num_decodes: int = 0
+    chunks: tuple[torch.Tensor, ...] | None = None
     _first: dict = field(default_factory=dict)
+
+    @classmethod
+    def for_step(cls, step: StepSequences, num_seqs: int, prefill: object | None,
+                 device: torch.device) -> InPlaceMetadata:
+        """The metadata of the step's first `num_seqs` sequences read in place (`prefill`: the
+        rest's)."""
+        slots, tables, lens = in_place_rows(step, num_seqs, device)
+        nd = min(step.num_decodes, num_seqs)
+        chunks = None
+        if num_seqs > nd:
+            counts = step.num_new_tokens[:num_seqs]
+            ends = torch.tensor(counts, dtype=torch.long).cumsum(0)[nd:]
+            starts = ends - torch.tensor(counts[nd:], dtype=torch.long)
+            chunks = (starts.to(device), ends.to(device),
+                      torch.tensor(step.seq_lens[nd:num_seqs], dtype=torch.long, device=device),
+                      tables[starts])
+        return cls(num_rows=len(slots), slots=slots, block_tables=tables, row_lens=lens,
+                   prefill=prefill, num_decodes=nd, chunks=chunks)
 
     def first_positions(self, window: int | None) -> torch.Tensor:
         """The first key position each row attends to (0, or its sliding window's)."""
@@ -53,8 +81,9 @@ class InPlaceMetadata:
                k_scales: torch.Tensor | None = None,
                v_scales: torch.Tensor | None = None) -> torch.Tensor:
         """Store the step's k, v [T, kv_heads, D] in the cache's format (caches and, for int8,
-        k_scales / v_scales mutated) and attend q [T, heads, D]: the rows in place, the rest
-        over their dequantized blocks."""
+        k_scales / v_scales mutated) and attend q [T, heads, D]: the rows in place (prefill
+        chunks through the tiled kernel where the build has it), the rest over their
+        dequantized blocks."""
         r = self.num_rows
         ops = torch.ops.pagedkv_cpu
         if k_scales is not None:
@@ -64,9 +93,18 @@ class InPlaceMetadata:
             quantize_into(k_cache, self.slots, k[:r])
             quantize_into(v_cache, self.slots, v[:r])
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        ops.paged_decode_attention_q(q[:r], k_cache, v_cache, k_scales, v_scales,
-                                     self.block_tables, self.first_positions(window),
-                                     self.row_lens, scale, out[:r], None)
+        tiled = self.chunks is not None and tiled_prefill(q.shape[2], q.dtype)
+        rows = self.num_decodes if tiled else r
+        if rows:
+            ops.paged_decode_attention_q(q[:rows], k_cache, v_cache, k_scales, v_scales,
+                                         self.block_tables[:rows],
+                                         self.first_positions(window)[:rows],
+                                         self.row_lens[:rows], scale, out[:rows], None)
+        if tiled:
+            starts, ends, lens, tables = self.chunks
+            ops.paged_prefill_attention(q[:r], k_cache, v_cache, tables, starts, ends, lens,
+                                        window or 0, scale, out[:r], True, None, k_scales,
+                                        v_scales)
         if self.prefill is not None:
             out[r:] = self.prefill.attend(q[r:], k[r:], v[r:], k_cache, v_cache, scale,
                                           window, k_scales=k_scales, v_scales=v_scales)
@@ -83,9 +121,11 @@ def in_place_rows(step: StepSequences, num_seqs: int,
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
     rows = int(counts.sum())
+    slots = torch.tensor(step.slot_mapping[:rows], dtype=torch.long)
+    if rows == num_seqs:  # decodes only: a row per sequence, as it is
+        return slots.to(device), table.to(device), ends.to(device)
     starts = torch.cumsum(counts, 0) - counts  # each sequence's first row
     index = torch.arange(rows) - starts.repeat_interleave(counts)  # the token within its chunk
     row_lens = (ends - counts).repeat_interleave(counts) + index + 1
-    slots = torch.tensor(step.slot_mapping[:rows], dtype=torch.long)
     return (slots.to(device), table.repeat_interleave(counts, dim=0).to(device),
             row_lens.to(device))
