@@ -1131,14 +1131,14 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
 }
 
 // int8 KV write (kv_int8.py's scheme, in one pass): for x [T, KVH, D] (strided rows), each
-// token's and head's scale s (of the 32 candidates 1 + i / 256, i = -16 .. 15, times
+// token's and head's scale s (of the 16 candidates 1 + i / 256, i = -1 .. 14, times
 // max|x| / 127: the least squared round-trip error, the first of equals) goes to
 // scales[h, slot[t]] and round(x / s) (half to even, within +-127; 0 for a zero vector) to
 // cache[h, slot[t]]. The errors are counted exactly, as kv_int8._squared_errors does: x - q s in
 // double (exact), times 2^(21 - e) (max|x| / 127 = m 2^e), rounded to an integer, squared and
 // summed in int64, so this picks the scale the torch path picks. Slots < 0 are skipped.
-constexpr int INT8_SCALE_STEPS = 16;  // candidates 1 + i / 256 for -this <= i < this
-constexpr int INT8_CANDIDATES = 2 * INT8_SCALE_STEPS;
+constexpr int INT8_FIRST_STEP = -1;  // candidates 1 + i / 256 for first <= i < first + count
+constexpr int INT8_CANDIDATES = 16;
 constexpr int INT8_ERROR_BITS = 20;
 
 // err[c] := the squared round-trip error of x [d] (float32) as round(x / cand[c]) (within
@@ -1201,7 +1201,7 @@ inline float quantize_int8_vector(const float* x, int64_t d, int8_t* dst) {
   alignas(64) float cand[INT8_CANDIDATES];
   alignas(64) int64_t err[INT8_CANDIDATES];
   for (int c = 0; c < INT8_CANDIDATES; c++)
-    cand[c] = safe * (1.f + static_cast<float>(c - INT8_SCALE_STEPS) / 256.f);
+    cand[c] = safe * (1.f + static_cast<float>(c + INT8_FIRST_STEP) / 256.f);
   int8_candidate_errors(x, d, cand, std::ldexp(1.0, INT8_ERROR_BITS + 1 - e), err);
   int best = 0;
   for (int c = 1; c < INT8_CANDIDATES; c++)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.model.kv_int8 import ERROR_BITS, SCALE_FACTORS, SCALE_STEP, SCALE_STEPS
+from pagedkv.model.kv_int8 import ERROR_BITS, SCALE_FACTORS, SCALE_FIRST, SCALE_STEP
 
 
 @triton.jit
@@ -51,7 +51,7 @@ def _load_float32(ptr, offs, mask):
 
 @triton.jit
 def _store_int8_row(x_ptr, cache_ptr, scale_ptr, offs_d, d_ok,
-                    NUM_CANDIDATES: tl.constexpr, STEPS: tl.constexpr, STEP: tl.constexpr,
+                    NUM_CANDIDATES: tl.constexpr, FIRST: tl.constexpr, STEP: tl.constexpr,
                     ERROR_BITS: tl.constexpr):
     """One vector x (HEAD_DIM values at x_ptr + offs_d) as int8 at cache_ptr + offs_d and its
     scale at scale_ptr (both written), kv_int8.quantize_per_token's choice."""
@@ -61,7 +61,7 @@ def _store_int8_row(x_ptr, cache_ptr, scale_ptr, offs_d, d_ok,
     power = ERROR_BITS + 1 - _frexp_exponent(safe)
     unit = ((power + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True)  # 2^power
     c = tl.arange(0, NUM_CANDIDATES)
-    cand = safe * (1.0 + (c - STEPS).to(tl.float32) * STEP)  # exact factors, one rounding
+    cand = safe * (1.0 + (c + FIRST).to(tl.float32) * STEP)  # exact factors, one rounding
     q = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(x[None, :], cand[:, None])),
                               -127.0), 127.0)
     diff = x.to(tl.float64)[None, :] - q.to(tl.float64) * cand.to(tl.float64)[:, None]
@@ -79,7 +79,7 @@ def store_kv_int8_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_
                          slot_mapping_ptr, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
                          stride_cache_h, stride_scale_h, HEAD_DIM: tl.constexpr,
                          HEAD_DIM_PAD: tl.constexpr, NUM_CANDIDATES: tl.constexpr,
-                         STEPS: tl.constexpr, STEP: tl.constexpr, ERROR_BITS: tl.constexpr):
+                         FIRST: tl.constexpr, STEP: tl.constexpr, ERROR_BITS: tl.constexpr):
     """Program (t, h) stores token t's key and value of KV head h into slot slot_mapping[t]
     (int8 rows and their scales); a negative slot (a padding token) is skipped."""
     t = tl.program_id(0).to(tl.int64)
@@ -92,9 +92,9 @@ def store_kv_int8_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_
     row = h * stride_cache_h + slot * HEAD_DIM
     scale = h * stride_scale_h + slot
     _store_int8_row(k_ptr + t * stride_k_t + h * stride_k_h, k_cache_ptr + row,
-                    k_scale_ptr + scale, offs_d, d_ok, NUM_CANDIDATES, STEPS, STEP, ERROR_BITS)
+                    k_scale_ptr + scale, offs_d, d_ok, NUM_CANDIDATES, FIRST, STEP, ERROR_BITS)
     _store_int8_row(v_ptr + t * stride_v_t + h * stride_v_h, v_cache_ptr + row,
-                    v_scale_ptr + scale, offs_d, d_ok, NUM_CANDIDATES, STEPS, STEP, ERROR_BITS)
+                    v_scale_ptr + scale, offs_d, d_ok, NUM_CANDIDATES, FIRST, STEP, ERROR_BITS)
 
 
 def store_kv_int8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -111,4 +111,4 @@ def store_kv_int8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         k, v, k_cache, v_cache, k_scales, v_scales, slot_mapping, k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), k_cache.stride(0), k_scales.stride(0), HEAD_DIM=d,
         HEAD_DIM_PAD=triton.next_power_of_2(d), NUM_CANDIDATES=len(SCALE_FACTORS),
-        STEPS=SCALE_STEPS, STEP=SCALE_STEP, ERROR_BITS=ERROR_BITS)
+        FIRST=SCALE_FIRST, STEP=SCALE_STEP, ERROR_BITS=ERROR_BITS)
