@@ -168,17 +168,8 @@ class IncrementalDetokenizer:
         self.num_tokens = num_prev + len(new_token_ids)
         if stop_terminated and not self.include_stop:
             new_token_ids = new_token_ids[:-1]
-        if not self.stop:  # (the usual request: the loop of `_decode`, inlined)
-            step, text = self._step, self.text
-            for token in new_token_ids:
-                try:
-                    piece = step(token)
-                except Exception as error:  # tokenizers raises a bare Exception
-                    piece = self._recover(token, error)
-                    step = self._step
-                if piece:
-                    text += piece
-            self.text = text
+        if not self.stop:
+            self._decode(new_token_ids)
             return None
         # Stop strings count from where the token number min_tokens ends.
         boundary = self.min_tokens - num_prev
