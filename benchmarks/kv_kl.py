@@ -24,6 +24,7 @@ size. KL is second order in a small logit error, so the KL ratio follows the squ
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -95,7 +96,20 @@ def kv_rounding_errors(kv: torch.Tensor, seed: int = 0) -> dict[str, float]:
         return relative_sq_error(x, round_trip_per_token) / relative_sq_error(x, bf16)
 
     gauss = torch.randn(kv[:, 0].shape, generator=torch.Generator().manual_seed(seed))
-    return dict(keys=ratio(kv[:, 0]), values=ratio(kv[:, 1]), gaussian=ratio(gauss))
+    floor = rate_distortion_floor(kv.shape[-1], relative_sq_error(gauss, bf16))
+    return dict(keys=ratio(kv[:, 0]), values=ratio(kv[:, 1]), gaussian=ratio(gauss), **floor)
+
+
+def rate_distortion_floor(head_dim: int, bf16_sq_error: float) -> dict[str, float]:
+    """The least squared error ANY code can reach on Gaussian vectors (Shannon's distortion-rate
+    function D(R) = 2^(-2R) of the variance, R bits per element, vector quantizers included)
+    at int8's rate, 8 bits per element plus its float32 scale per token and KV head
+    (32 / head_dim bits), over the bfloat16 cache's `bf16_sq_error` (relative, on the same
+    vectors); that rate; and the rate "within 2x of bfloat16" would need. Above 1: no format spending
+    int8's bits per element, however it rounds or scales, matches bfloat16's error."""
+    rate = 8 + 32 / head_dim
+    return dict(rate=rate, floor=2.0 ** (-2 * rate) / bf16_sq_error,
+                rate_for_2x=0.5 * math.log2(1 / (2 * bf16_sq_error)))
 
 
 def kl_table(model_dir: Path, weight_dtype: str, contexts: list[int], num_seqs: int,
@@ -103,7 +117,7 @@ def kl_table(model_dir: Path, weight_dtype: str, contexts: list[int], num_seqs: 
              kernels: str = "off", seed: int = 0) -> list[dict]:
     """One row per (context, format): mean / p99 / max KL against the float32-exact cache, top-1
     agreement, and (bfloat16 weights) the KL against the model-dtype cache. `only`: just these
-    formats (the model-dtype cache still runs, as the second reference). `kernels`: the
+    formats (the yardstick, the first of `formats_for`, still runs). `kernels`: the
     candidates' CPU path (runner_logits); the reference is always the pure-torch one. `seed`:
     which set of token sequences (`sequences`)."""
     rows = []
@@ -113,10 +127,13 @@ def kl_table(model_dir: Path, weight_dtype: str, contexts: list[int], num_seqs: 
         errors = kv_rounding_errors(exact_kv(model_dir, seqs[0], chunk))
         print(f"[{weight_dtype} weights, {length} tokens] squared round-trip error, int8 / "
               f"bfloat16 cache, on the exact K/V: keys {errors['keys']:.1f}x, values "
-              f"{errors['values']:.1f}x (Gaussian vectors: {errors['gaussian']:.1f}x)", flush=True)
+              f"{errors['values']:.1f}x (Gaussian vectors: {errors['gaussian']:.1f}x); any code "
+              f"at int8's {errors['rate']:.2f} bits per element: >= "
+              f"{errors['floor']:.2f}x on Gaussian vectors (2x needs {errors['rate_for_2x']:.2f} "
+              "bits)", flush=True)
         own = yardstick = None
         for fmt in formats_for(weight_dtype):
-            if only is not None and fmt not in only and fmt != "auto":
+            if only is not None and fmt not in only and fmt != formats_for(weight_dtype)[0]:
                 continue
             got = runner_logits(model_dir, weight_dtype, fmt, seqs, chunk, kernels)
             if fmt == "auto":
