@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pagedkv import SamplingParams
-from pagedkv.model.backends import quantized_native
 from tests.engine.conftest import make_prompts
+from tests.model.test_kv_quant_cascade import cascade_spy
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
 
@@ -25,13 +25,7 @@ def qwen2_hd64(tmp_path_factory):
 def _run(make_llm, model_dir, cache_dtype, dtype, prompts, monkeypatch, cascade):
     """(token ids, sampled tokens' logprobs, tiled prefix calls) of the prompts (the first
     alone, caching the prefix), with or without the cascade split."""
-    calls = []
-    real = quantized_native.prefix_attention
-    with monkeypatch.context() as m:
-        m.setattr(quantized_native, "prefix_attention",
-                  lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
-        if not cascade:
-            m.setattr(quantized_native, "find_shared_prefixes", lambda *a, **kw: [])
+    with cascade_spy(monkeypatch, cascade) as calls:
         llm = make_llm(model_dir, dtype=dtype, block_size=16, kv_cache_dtype=cache_dtype,
                        enable_prefix_caching=True, cpu_kernels="wait")
         outs = [o for batch in (prompts[:1], prompts[1:])

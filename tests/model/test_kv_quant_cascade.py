@@ -6,6 +6,8 @@ over the dequantized cache."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ from pagedkv.model.backends.cpu_native import CpuNativeBackend
 from pagedkv.model.backends.quantized import QuantizedKVBackend
 from pagedkv.model.backends.quantized_native import InPlaceMetadata
 from pagedkv.model.backends.step import StepSequences
-from tests.model.test_kv_quant_in_place import _dequantized, _fill
+from tests.model.test_kv_quant_in_place import _fill, _reference
 
 KV_HEADS, HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 2, 4, 64, 16, 32
 PREFIX_1, PREFIX_2 = [3, 8, 5, 10], [18, 19, 20, 21]  # 64 tokens each (cascade.MIN_SHARED_TOKENS)
@@ -55,20 +57,18 @@ def _caches(cache_dtype, gen):
     return k_cache, v_cache, k_scales, v_scales
 
 
-def _reference(q, k_cache, v_cache, k_scales, v_scales, window):
-    """Softmax attention of every token over its sequence's dequantized cache rows."""
-    keys = _dequantized(k_cache, k_scales).flatten(1, 2)
-    values = _dequantized(v_cache, v_scales).flatten(1, 2)
-    out, row, g = torch.zeros(q.shape), 0, HEADS // KV_HEADS
-    for n, seq_len, table in SEQS:
-        for pos in range(seq_len - n, seq_len):
-            first = 0 if window is None else max(0, pos + 1 - window)
-            slots = torch.tensor([_slot(table, p) for p in range(first, pos + 1)])
-            for h in range(HEADS):
-                k, v = keys[h // g, slots], values[h // g, slots]
-                out[row, h] = torch.softmax(k @ q[row, h].float() * HEAD_DIM ** -0.5, 0) @ v
-            row += 1
-    return out
+@contextmanager
+def cascade_spy(monkeypatch, cascade: bool):
+    """Within: the rows of every quantized prefix_attention call are appended to the list it
+    yields; with `cascade` False no shared prefix is found (the step without the split)."""
+    calls = []
+    real = quantized_native.prefix_attention
+    with monkeypatch.context() as m:
+        m.setattr(quantized_native, "prefix_attention",
+                  lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+        if not cascade:
+            m.setattr(quantized_native, "find_shared_prefixes", lambda *a, **kw: [])
+        yield calls
 
 
 def _step():
@@ -87,13 +87,7 @@ def _attend(cache_dtype, dtype, window, cascade, monkeypatch):
     t = sum(n for n, _, _ in SEQS)
     q, k, v = (torch.randn(t, h, HEAD_DIM, generator=gen).to(dtype)
                for h in (HEADS, KV_HEADS, KV_HEADS))
-    calls = []
-    real = quantized_native.prefix_attention
-    with monkeypatch.context() as m:
-        m.setattr(quantized_native, "prefix_attention",
-                  lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
-        if not cascade:
-            m.setattr(quantized_native, "find_shared_prefixes", lambda *a, **kw: [])
+    with cascade_spy(monkeypatch, cascade) as calls:
         backend = QuantizedKVBackend(CpuNativeBackend(torch.device("cpu")), reads_in_place=True)
         backend.native = True
         meta = backend.build_metadata(_step())
@@ -128,7 +122,7 @@ def test_cascade_equals_the_uncascaded_quantized_path(cache_dtype, dtype, window
     tol = _tolerance(cache_dtype, dtype)
     err = float((out.float() - plain.float()).abs().max() / plain.float().abs().max())
     assert err < tol, err
-    ref = _reference(*inputs, window)
+    ref = _reference(*inputs, window, SEQS)
     err = float((out.float() - ref).abs().max() / ref.abs().max())
     assert err < tol, err
 
@@ -139,6 +133,6 @@ def test_a_window_that_hides_keys_turns_the_cascade_off(cache_dtype, monkeypatch
     only its window); the rows still equal attention over the dequantized cache."""
     out, inputs, calls, groups = _attend(cache_dtype, torch.float32, 24, True, monkeypatch)
     assert groups == [] and calls == []
-    ref = _reference(*inputs, 24)
+    ref = _reference(*inputs, 24, SEQS)
     err = float((out - ref).abs().max() / ref.abs().max())
     assert err < _tolerance(cache_dtype, torch.float32), err
