@@ -378,9 +378,10 @@ def compare_kv_cache_dtypes(args: argparse.Namespace, base: Path) -> dict:
                     if r >= 0:
                         runs[f].append(sum(map(len, tokens[f])) / cpu_s)
                 if r >= 0:
+                    first = runs[formats[0]][-1]
                     print(f"[{dtype}] {name} round {r}: " + ", ".join(
                         f"{f} {runs[f][-1]:,.0f}" + ("" if f == formats[0] else
-                                                     f" ({runs[f][-1] / runs[formats[0]][-1]:.2f}x)")
+                                                     f" ({runs[f][-1] / first:.2f}x)")
                         for f in formats) + " tok per CPU s", flush=True)
             med = {f: statistics.median(runs[f]) for f in formats}
             same = {f: sum(a == b for a, b in zip(tokens[f], tokens[formats[0]], strict=True))

@@ -22,12 +22,14 @@ def qwen2_hd64(tmp_path_factory):
     return build_tiny_hf_model(tmp_path_factory.mktemp("qwen2_hd64") / "m", "qwen2_hd64")
 
 
-def _run(make_llm, model_dir, cache_dtype, dtype, prompts, monkeypatch, cascade):
+def _run(make_llm, model_dir, cache_dtype, dtype, prompts, monkeypatch, cascade,
+         kernels="wait"):
     """(token ids, sampled tokens' logprobs, tiled prefix calls) of the prompts (the first
-    alone, caching the prefix), with or without the cascade split."""
+    alone, caching the prefix), with or without the cascade split (kernels "off": the torch
+    path over a dequantized copy, which cascades in torch)."""
     with cascade_spy(monkeypatch, cascade) as calls:
         llm = make_llm(model_dir, dtype=dtype, block_size=16, kv_cache_dtype=cache_dtype,
-                       enable_prefix_caching=True, cpu_kernels="wait")
+                       enable_prefix_caching=True, cpu_kernels=kernels)
         outs = [o for batch in (prompts[:1], prompts[1:])
                 for o in llm.generate([{"prompt_token_ids": p} for p in batch], PARAMS,
                                       use_tqdm=False)]
@@ -54,6 +56,10 @@ def _assert_same_until_a_tie(a_tokens, a_logprobs, b_tokens, b_logprobs, tol, ti
                                                 ("fp8_e5m2", "float32"), ("int8", "bfloat16")])
 def test_cascade_over_quantized_prefix_blocks_keeps_tokens(qwen2_hd64, make_llm, monkeypatch,
                                                            cache_dtype, dtype):
+    """Three of six requests hit a 96-token cached prefix (suffixes of 2-20 tokens), three
+    are their own: the shared prefix goes through the quantized cascade, and tokens and
+    logprobs equal the in-place path without it (float32: and the torch path without the
+    kernels; bfloat16: up to a near tie)."""
     prompts = make_prompts(seed=5, vocab=400, num=7, shared_prefix=96, lengths=(2, 20))
     tokens, logprobs, calls = _run(make_llm, qwen2_hd64, cache_dtype, dtype, prompts,
                                    monkeypatch, True)
@@ -63,6 +69,9 @@ def test_cascade_over_quantized_prefix_blocks_keeps_tokens(qwen2_hd64, make_llm,
     assert not plain_calls
     if dtype == "float32":
         _assert_same_until_a_tie(tokens, logprobs, plain_tokens, plain_logprobs, 1e-3, False)
+        torch_tokens, torch_logprobs, _ = _run(make_llm, qwen2_hd64, cache_dtype, dtype,
+                                               prompts, monkeypatch, True, kernels="off")
+        _assert_same_until_a_tie(tokens, logprobs, torch_tokens, torch_logprobs, 1e-3, False)
     else:
         _assert_same_until_a_tie(tokens, logprobs, plain_tokens, plain_logprobs, 5e-2, True)
         assert sum(a == b for a, b in zip(tokens, plain_tokens, strict=True)) >= 5

@@ -19,9 +19,10 @@ streamed, and a token of this step reads back exactly what later steps will read
 over a shared cached prefix take cascade attention as the model-dtype cache's do (cascade.py,
 cpu_native.py; where the build has the tiled kernel): the decode kernel attends each to its
 blocks after the prefix and returns their log-sum-exp, the tiled kernel (not causal) attends all
-the group's queries to the prefix's quantized blocks at once, and the two are merged. A step with a token
-that is not stored (slot < 0) reads only its decodes in place and sends its prefill chunks
-through QuantizedKVMetadata (a compact dequantized copy of their blocks).
+the group's queries to the prefix's quantized blocks at once, and the two are merged (without
+the tiled kernel, the decode kernel's tiles share the prefix blocks' loads instead). A step
+with a token that is not stored (slot < 0) reads only its decodes in place and sends its
+prefill chunks through QuantizedKVMetadata (a compact dequantized copy of their blocks).
 """
 
 from __future__ import annotations
