@@ -7,6 +7,7 @@
     .venv/bin/python benchmarks/bench_offline.py --vs-env PAGEDKV_CPU_ISA=avx2 [--dtypes bfloat16]
     .venv/bin/python benchmarks/bench_offline.py --tensor-parallel-size 2  (bench_tensor_parallel.py)
     .venv/bin/python benchmarks/bench_offline.py --first-run [--dtypes float32]
+    .venv/bin/python benchmarks/bench_offline.py --compare-kv-cache-dtypes auto,int8,fp8 --threads 1
 
 1. The same random-weight Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1408)
    and workload through pagedkv (continuous batching) and transformers (static batches of 16,
@@ -32,6 +33,13 @@
    both runs' tok/s and the first / second ratio, and the process's CPU seconds of each run
    (the work done, which other processes' load on a shared machine does not change as much
    as the wall time; with --threads 1 no thread count varies either).
+
+5. --compare-kv-cache-dtypes auto,int8,...: one engine per KV cache format (the --vs-vllm
+   settings, prefix caching on, a 1 GiB KV budget each), kept up in this process, running both
+   workloads above (--compare-workloads) in alternating rounds (formats in turn, the order
+   reversed every other round). Prints each run's output tokens per CPU second of this process
+   (with --threads 1 the work done, less disturbed by a shared machine than wall time), each
+   format's ratio to the first per round and of the medians, and whether greedy tokens agree.
 
 transformers is a test dependency: install with `pip install -e '.[dev]'` (make test does).
 """
@@ -336,6 +344,62 @@ def first_run(args: argparse.Namespace, base: Path) -> dict:
     return report
 
 
+def compare_kv_cache_dtypes(args: argparse.Namespace, base: Path) -> dict:
+    """Output tokens per CPU second of each KV cache format on each workload, alternating
+    rounds; ratios to the first format per round and of the medians (module docstring, 5)."""
+    from pagedkv import LLM, SamplingParams
+    from pagedkv.testing.random_model import build_random_model_dir
+
+    formats = args.compare_kv_cache_dtypes.split(",")
+    report: dict = {"load_start": os.getloadavg(), "rows": []}
+    for dtype in args.dtypes.split(","):
+        model_dir = base / f"llama-512x8-{dtype}"
+        if not (model_dir / "model.safetensors").exists():
+            build_random_model_dir(model_dir, dtype=dtype, seed=0, **SHAPE)
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        engines = {f: LLM(model=str(model_dir), dtype=dtype, seed=0, enable_prefix_caching=True,
+                          kv_cache_dtype=f, kv_cache_memory_bytes=1 << 30, cpu_kernels="wait",
+                          cpu_threads=args.threads, **VS_ENGINE) for f in formats}
+        for name in args.compare_workloads.split(","):
+            requests = WORKLOADS[name](vocab)
+            prompts = [{"prompt_token_ids": p} for p, _ in requests]
+            params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                      for _, n in requests]
+            runs: dict[str, list[float]] = {f: [] for f in formats}
+            tokens: dict[str, list] = {}
+            for r in range(-1, args.rounds):  # round -1: a warm-up, not counted
+                for f in formats if r % 2 == 0 else formats[::-1]:
+                    llm = engines[f]
+                    llm.llm_engine.scheduler.kv_cache_manager.reset_prefix_cache()
+                    cpu_start = time.process_time()
+                    outs = llm.generate(prompts, params, use_tqdm=False)
+                    cpu_s = time.process_time() - cpu_start
+                    tokens[f] = [list(o.outputs[0].token_ids) for o in outs]
+                    if r >= 0:
+                        runs[f].append(sum(map(len, tokens[f])) / cpu_s)
+                if r >= 0:
+                    first = runs[formats[0]][-1]
+                    print(f"[{dtype}] {name} round {r}: " + ", ".join(
+                        f"{f} {runs[f][-1]:,.0f}" + ("" if f == formats[0] else
+                                                     f" ({runs[f][-1] / first:.2f}x)")
+                        for f in formats) + " tok per CPU s", flush=True)
+            med = {f: statistics.median(runs[f]) for f in formats}
+            same = {f: sum(a == b for a, b in zip(tokens[f], tokens[formats[0]], strict=True))
+                    for f in formats}
+            print(f"[{dtype}] {name} medians: " + ", ".join(
+                f"{f} {med[f]:,.0f} tok per CPU s" + ("" if f == formats[0] else
+                                                      f" ({med[f] / med[formats[0]]:.2f}x, greedy "
+                                                      f"tokens identical on {same[f]}/"
+                                                      f"{len(requests)})")
+                for f in formats), flush=True)
+            report["rows"].append(dict(dtype=dtype, workload=name, runs=runs, medians=med,
+                                       identical_prompts=same))
+    report["load_end"] = os.getloadavg()
+    print(f"load average at start {report['load_start'][0]:.2f}, at end "
+          f"{report['load_end'][0]:.2f}")
+    return report
+
+
 def _vs_row(dtype: str, name: str, results: dict[str, list], other: str) -> dict:
     ours = [r["tokens_per_s"] for r in results["pagedkv"]]
     theirs = [r["tokens_per_s"] for r in results[other]]
@@ -350,6 +414,8 @@ def _vs_row(dtype: str, name: str, results: dict[str, list], other: str) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pagedkv.config.dtypes import KV_CACHE_DTYPE_CHOICES  # not at the top: vLLM's worker
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--skip-transformers", action="store_true")
@@ -373,17 +439,21 @@ def main(argv: list[str] | None = None) -> int:
                              "(the old path: PAGEDKV_CPU_ISA=avx2 keeps 8-wide panels, and "
                              "oneDNN for bfloat16 on a CPU with native bfloat16)")
     parser.add_argument("--rounds", type=int, default=2,
-                        help="--vs-vllm / --vs-env: runs per engine")
+                        help="--vs-vllm / --vs-env / --compare-kv-cache-dtypes: runs per engine")
     parser.add_argument("--first-run", action="store_true",
                         help="a fresh process's first generate vs its second, with and without "
                              "the engine's start-up warm-up")
     parser.add_argument("--busy", type=int, default=0,
                         help="--vs-vllm: spin this many other processes during every run")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--kv-cache-dtype", default="auto",
-                        choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                         help="the engine's KV cache dtype (fp8 vs auto at one memory budget: "
                              "benchmarks/bench_kv_quant.py)")
+    parser.add_argument("--compare-kv-cache-dtypes", metavar="F,F,...", default=None,
+                        help="KV cache formats side by side in one process, alternating rounds "
+                             "(--rounds, --compare-workloads): tokens per CPU second and ratios")
+    parser.add_argument("--compare-workloads", default="mixed,shared_prefix",
+                        help="--compare-kv-cache-dtypes: the workloads to run")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads for every engine in the run (default: torch's); "
                              "1 thread is far less disturbed by other processes on a shared box")
@@ -393,6 +463,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=16,
                         help="--tensor-parallel-size: requests of the mixed workload to run")
     args = parser.parse_args(argv)
+    if args.compare_kv_cache_dtypes:
+        for flag, value, known in (
+                ("--compare-kv-cache-dtypes", args.compare_kv_cache_dtypes, KV_CACHE_DTYPE_CHOICES),
+                ("--compare-workloads", args.compare_workloads, WORKLOADS)):
+            unknown = sorted(set(value.split(",")) - set(known))
+            if unknown:
+                parser.error(f"{flag}: unknown {unknown}; known: {sorted(known)}")
     if args.tensor_parallel_size:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import bench_tensor_parallel
@@ -409,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.vs_env and "=" not in args.vs_env:
         raise ValueError(f"--vs-env must be NAME=VALUE, got {args.vs_env!r}")
-    for wanted, mode in ((args.first_run, first_run), (args.vs_vllm or args.vs_env, vs_vllm)):
+    for wanted, mode in ((args.first_run, first_run), (args.vs_vllm or args.vs_env, vs_vllm),
+                         (args.compare_kv_cache_dtypes, compare_kv_cache_dtypes)):
         if wanted:
             with tempfile.TemporaryDirectory() as tmp:
                 report = mode(args, Path(args.model_dir or tmp))

@@ -117,6 +117,7 @@ def install(timer: PhaseTimer) -> None:
     timer.wrap(attention, "prefill_attention", "attn.prefill")
     timer.wrap(cpu_native.NativeAttentionMetadata, "_prefill", "attn.prefill")
     timer.wrap(cpu_native.NativeAttentionMetadata, "_shared_prefix", "attn.cascade_prefix")
+    timer.wrap(cpu_native, "prefix_attention", "attn.cascade_prefix")  # its name since s33
     for module in (attention, cascade, cpu_native):
         timer.wrap(module, "shared_prefix_attention", "attn.cascade_prefix")
         timer.wrap(module, "merge_states", "attn.merge")

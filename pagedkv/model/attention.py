@@ -42,6 +42,7 @@ from pagedkv.model.cascade import (
     find_shared_prefixes,
     merge_states,
     shared_prefix_attention,
+    window_hides_nothing,
 )
 
 
@@ -309,8 +310,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     h, _, bs, d = k_cache.shape
     lens = meta.decode_seq_lens_list or meta.decode_seq_lens.tolist()
-    if window is not None and window >= max(lens):
-        window = None  # the window hides nothing
+    if window_hides_nothing(window, lens):
+        window = None
     shared = meta.shared_prefixes() if window is None else []
     all_tables, key_start, needed = meta.decode_view(window)
     block_bytes = 2 * h * bs * d * k_cache.element_size()

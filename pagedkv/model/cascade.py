@@ -44,6 +44,12 @@ class SharedPrefix:
         return slice(first, last + 1) if last - first + 1 == len(self.rows) else self.row_index
 
 
+def window_hides_nothing(window: int | None, seq_lens: list[int]) -> bool:
+    """Whether a sliding `window` (None: none) shows every decode of lengths `seq_lens` its
+    whole context: only then may a decode's shared prefix be attended apart (cascade)."""
+    return window is None or window >= max(seq_lens)
+
+
 def find_shared_prefixes(block_tables: torch.Tensor, seq_lens: list[int], block_size: int,
                          min_tokens: int | None = None) -> list[SharedPrefix]:
     """Groups of at least two decodes sharing at least `min_tokens` (default

@@ -34,19 +34,19 @@ def _dequantized(cache, scales):
         dequantize_per_token(cache, scales, torch.float32)
 
 
-def _reference(q, k_cache, v_cache, k_scales, v_scales, window):
-    """Softmax attention of every token over its sequence's dequantized cache rows."""
+def _reference(q, k_cache, v_cache, k_scales, v_scales, window, seqs=SEQS):
+    """Softmax attention of every token of `seqs` over its sequence's dequantized cache rows
+    (the block size the caches')."""
     keys = _dequantized(k_cache, k_scales).flatten(1, 2)
     values = _dequantized(v_cache, v_scales).flatten(1, 2)
-    out, row, g = torch.zeros(q.shape), 0, HEADS // KV_HEADS
-    for n, seq_len, table in SEQS:
+    out, row, g, bs = torch.zeros(q.shape), 0, q.shape[1] // k_cache.shape[0], k_cache.shape[2]
+    for n, seq_len, table in seqs:
         for pos in range(seq_len - n, seq_len):
             first = 0 if window is None else max(0, pos + 1 - window)
-            slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK
-                                  for p in range(first, pos + 1)])
+            slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(first, pos + 1)])
             for h in range(HEADS):
                 k, v = keys[h // g, slots], values[h // g, slots]
-                out[row, h] = torch.softmax(k @ q[row, h].float() * HEAD_DIM ** -0.5, 0) @ v
+                out[row, h] = torch.softmax(k @ q[row, h].float() * q.shape[2] ** -0.5, 0) @ v
             row += 1
     return out
 

@@ -27,7 +27,12 @@ import torch
 from pagedkv.model.attention import AttentionMetadata, prefill_attention_all
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.backends.torch_paged import TorchPagedBackend
-from pagedkv.model.cascade import SharedPrefix, merge_states, shared_prefix_attention
+from pagedkv.model.cascade import (
+    SharedPrefix,
+    merge_states,
+    shared_prefix_attention,
+    window_hides_nothing,
+)
 
 
 @cache
@@ -83,7 +88,7 @@ class NativeAttentionMetadata(AttentionMetadata):
         key = ("native_first", window)
         if key not in self._mask_cache:
             lens = self.decode_seq_lens_list or self.decode_seq_lens.tolist()
-            if window is None or window >= max(lens):
+            if window_hides_nothing(window, lens):
                 shared = self.shared_prefixes()
                 first = [0] * len(lens)
                 for group in shared:
@@ -105,35 +110,52 @@ class NativeAttentionMetadata(AttentionMetadata):
         for group in shared:
             rows = group.index()
             if tiled:
-                o_p, lse_p = self._shared_prefix(q, k_cache, v_cache, group, scale)
+                o_p, lse_p = prefix_attention(q, k_cache, v_cache, self.prefix_runs(group), scale)
                 o_p, lse_p = o_p[rows], lse_p[rows]
             else:
                 o_p, lse_p = shared_prefix_attention(q[rows], k_cache, v_cache, group, scale)
             out[rows] = merge_states(out[rows], lse[rows], o_p, lse_p)
 
-    def _shared_prefix(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       group: SharedPrefix, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out [S, heads, D], lse [S, heads] float32) of the decodes q [S, heads, D] over the
-        shared prefix of `group` (valid in the group's rows only): one tiled kernel call, each
-        run of consecutive rows a chunk whose rows all see the whole prefix."""
+    def prefix_runs(self, group: SharedPrefix) -> PrefixRuns:
+        """`prefix_runs` of `group`, once per step."""
         key = ("prefix_runs", tuple(group.rows))
         if key not in self._mask_cache:
-            runs = [[group.rows[0], group.rows[0] + 1]]
-            for r in group.rows[1:]:
-                if r == runs[-1][1]:
-                    runs[-1][1] = r + 1
-                else:
-                    runs.append([r, r + 1])
-            bounds = torch.tensor(runs, dtype=torch.long)
-            self._mask_cache[key] = (
-                group.block_ids.view(1, -1).expand(len(runs), -1), bounds[:, 0], bounds[:, 1],
-                torch.full((len(runs),), group.num_blocks * self.block_size, dtype=torch.long))
-        tables, starts, ends, lens = self._mask_cache[key]
-        out = torch.empty(q.shape, dtype=q.dtype)
-        lse = torch.empty(q.shape[:2], dtype=torch.float32)
-        torch.ops.pagedkv_cpu.paged_prefill_attention(
-            q, k_cache, v_cache, tables, starts, ends, lens, 0, scale, out, False, lse)
-        return out, lse
+            self._mask_cache[key] = prefix_runs(group, self.block_size)
+        return self._mask_cache[key]
+
+
+PrefixRuns = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def prefix_runs(group: SharedPrefix, block_size: int) -> PrefixRuns:
+    """(block tables, first rows, end rows, lengths) of the chunks that `prefix_attention` gives
+    the tiled kernel for `group`'s decodes: each run of consecutive rows one chunk, on the
+    prefix's blocks, seeing the whole prefix."""
+    runs = [[group.rows[0], group.rows[0] + 1]]
+    for r in group.rows[1:]:
+        if r == runs[-1][1]:
+            runs[-1][1] = r + 1
+        else:
+            runs.append([r, r + 1])
+    bounds = torch.tensor(runs, dtype=torch.long)
+    return (group.block_ids.view(1, -1).expand(len(runs), -1), bounds[:, 0], bounds[:, 1],
+            torch.full((len(runs),), group.num_blocks * block_size, dtype=torch.long))
+
+
+def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     runs: PrefixRuns, scale: float, k_scales: torch.Tensor | None = None,
+                     v_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [S, heads, D], lse [S, heads] float32) of the decodes q [S, heads, D] over a shared
+    prefix (`prefix_runs`; valid in its group's rows only): one call of the tiled kernel, not
+    causal, reading the caches (of q's dtype, or int8 with its `k_scales` / `v_scales`, or fp8)
+    in place. Mutates nothing."""
+    tables, starts, ends, lens = runs
+    out = torch.empty(q.shape, dtype=q.dtype)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32)
+    torch.ops.pagedkv_cpu.paged_prefill_attention(
+        q, k_cache, v_cache, tables, starts, ends, lens, 0, scale, out, False, lse, k_scales,
+        v_scales)
+    return out, lse
 
 
 class CpuNativeBackend(TorchPagedBackend):

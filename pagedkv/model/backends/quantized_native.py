@@ -15,10 +15,14 @@ up to 16 that widen each shared block once for all of them; a block only one row
 widened in registers as it is read (int8 keys meet q in integers). Both kernels apply the
 per-token int8 scales to the scores and the softmax weights; fp8 scales are already folded in
 by kv_quant.KVScales: no dequantized copy of the context, half the bytes of a 16-bit cache
-streamed, and a token of this step reads back exactly what later steps will read. No cascade
-split of shared prefixes (the tiles share their blocks' loads instead). A step with a token
-that is not stored (slot < 0) reads only its decodes in place and sends its prefill chunks
-through QuantizedKVMetadata (a compact dequantized copy of their blocks).
+streamed, and a token of this step reads back exactly what later steps will read. Decodes
+over a shared cached prefix take cascade attention as the model-dtype cache's do (cascade.py,
+cpu_native.py; where the build has the tiled kernel): the decode kernel attends each to its
+blocks after the prefix and returns their log-sum-exp, the tiled kernel (not causal) attends all
+the group's queries to the prefix's quantized blocks at once, and the two are merged (without
+the tiled kernel, the decode kernel's tiles share the prefix blocks' loads instead). A step
+with a token that is not stored (slot < 0) reads only its decodes in place and sends its
+prefill chunks through QuantizedKVMetadata (a compact dequantized copy of their blocks).
 """
 
 from __future__ import annotations
@@ -27,8 +31,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedkv.model.backends.cpu_native import tiled_prefill
+from pagedkv.model.backends.cpu_native import (
+    PrefixRuns,
+    prefix_attention,
+    prefix_runs,
+    tiled_prefill,
+)
 from pagedkv.model.backends.step import StepSequences
+from pagedkv.model.cascade import (
+    SharedPrefix,
+    find_shared_prefixes,
+    merge_states,
+    window_hides_nothing,
+)
 from pagedkv.model.kv_quant import quantize_into
 
 
@@ -49,7 +64,8 @@ class InPlaceMetadata:
     prefill: object | None
     num_decodes: int = 0
     chunks: tuple[torch.Tensor, ...] | None = None
-    _first: dict = field(default_factory=dict)
+    block_size: int = 0
+    _cache: dict = field(default_factory=dict)
 
     @classmethod
     def for_step(cls, step: StepSequences, num_seqs: int, prefill: object | None,
@@ -67,14 +83,41 @@ class InPlaceMetadata:
                       torch.tensor(step.seq_lens[nd:num_seqs], dtype=torch.long, device=device),
                       tables[starts])
         return cls(num_rows=len(slots), slots=slots, block_tables=tables, row_lens=lens,
-                   prefill=prefill, num_decodes=nd, chunks=chunks)
+                   prefill=prefill, num_decodes=nd, chunks=chunks, block_size=step.block_size)
 
-    def first_positions(self, window: int | None) -> torch.Tensor:
-        """The first key position each row attends to (0, or its sliding window's)."""
-        if window not in self._first:
-            self._first[window] = (torch.zeros_like(self.row_lens) if window is None
-                                   else (self.row_lens - window).clamp_min_(0))
-        return self._first[window]
+    def shared_prefixes(self, window: int | None) -> list[SharedPrefix]:
+        """Groups of decodes whose block tables start with the same cached blocks
+        (cascade.find_shared_prefixes), none when the window hides part of some decode's
+        context; once per step per window."""
+        key = ("shared", window)
+        if key not in self._cache:
+            lens = self.row_lens[:self.num_decodes].tolist()
+            groups = []
+            if len(lens) >= 2 and window_hides_nothing(window, lens):
+                groups = find_shared_prefixes(self.block_tables[:len(lens)], lens,
+                                              self.block_size)
+            self._cache[key] = groups
+        return self._cache[key]
+
+    def first_positions(self, window: int | None,
+                        shared: list[SharedPrefix] = ()) -> torch.Tensor:
+        """The first key position each row attends to (0, or its sliding window's; a decode of
+        a `shared` group the first after the group's prefix); once per step per window."""
+        key = ("first", window, len(shared))
+        if key not in self._cache:
+            first = (torch.zeros_like(self.row_lens) if window is None
+                     else (self.row_lens - window).clamp_min_(0))
+            for group in shared:
+                first[group.row_index] = group.num_blocks * self.block_size
+            self._cache[key] = first
+        return self._cache[key]
+
+    def prefix_runs(self, group: SharedPrefix) -> PrefixRuns:
+        """cpu_native.prefix_runs of `group`, once per step."""
+        key = ("prefix_runs", tuple(group.rows))
+        if key not in self._cache:
+            self._cache[key] = prefix_runs(group, self.block_size)
+        return self._cache[key]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, scale: float, window: int | None,
@@ -93,13 +136,18 @@ class InPlaceMetadata:
             quantize_into(k_cache, self.slots, k[:r])
             quantize_into(v_cache, self.slots, v[:r])
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        tiled = self.chunks is not None and tiled_prefill(q.shape[2], q.dtype)
+        has_tiled = tiled_prefill(q.shape[2], q.dtype)
+        tiled = self.chunks is not None and has_tiled
         rows = self.num_decodes if tiled else r
+        shared = self.shared_prefixes(window) if has_tiled else []
+        lse = torch.empty(rows, q.shape[1], dtype=torch.float32) if shared else None
         if rows:
             ops.paged_decode_attention_q(q[:rows], k_cache, v_cache, k_scales, v_scales,
                                          self.block_tables[:rows],
-                                         self.first_positions(window)[:rows],
-                                         self.row_lens[:rows], scale, out[:rows], None)
+                                         self.first_positions(window, shared)[:rows],
+                                         self.row_lens[:rows], scale, out[:rows], lse)
+        for group in shared:
+            self._merge_prefix(q, k_cache, v_cache, k_scales, v_scales, group, scale, out, lse)
         if tiled:
             starts, ends, lens, tables = self.chunks
             ops.paged_prefill_attention(q[:r], k_cache, v_cache, tables, starts, ends, lens,
@@ -109,6 +157,19 @@ class InPlaceMetadata:
             out[r:] = self.prefill.attend(q[r:], k[r:], v[r:], k_cache, v_cache, scale,
                                           window, k_scales=k_scales, v_scales=v_scales)
         return out
+
+    def _merge_prefix(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      k_scales: torch.Tensor | None, v_scales: torch.Tensor | None,
+                      group: SharedPrefix, scale: float, out: torch.Tensor,
+                      lse: torch.Tensor) -> None:
+        """Cascade's second half for the decodes of `group`: their queries over the shared
+        prefix's quantized blocks in one tiled-kernel call, merged (by log-sum-exp) into
+        their rows of `out`, which hold their attention over the rest with `lse` (mutated)."""
+        nd = self.num_decodes
+        o_p, lse_p = prefix_attention(q[:nd], k_cache, v_cache, self.prefix_runs(group), scale,
+                                      k_scales, v_scales)
+        rows = group.index()
+        out[rows] = merge_states(out[rows], lse[rows], o_p[rows], lse_p[rows])
 
 
 def in_place_rows(step: StepSequences, num_seqs: int,
