@@ -11,7 +11,8 @@ dtype (float32 for int8: an int8 value times its float32 scale is not a 16-bit f
 in-place kernel attends in float32 too) and lets the inner backend attend over it; the step's
 own tokens are attended as the cache will return them (kv_quant.round_trip), so a token reads
 the same whether it was computed in this step or an earlier one. The runner wraps a backend in this unless it reads fp8 in place itself
-(`reads_fp8_cache`): the CPU one (torch_paged) is wrapped; the CUDA one (triton_paged) converts
+(`reads_fp8_cache`) or the model's attention stores and reads the cache itself (Gemma 2's
+soft-capping, softcap_attention.py, which shares `store_kv`): the CPU one (torch_paged) is wrapped; the CUDA one (triton_paged) converts
 inside its kernels on GPUs of compute capability 8.9+ (and under the interpreter) and is wrapped
 on older GPUs (then without CUDA graphs, see ModelRunner.capture_cuda_graphs). A backend that
 reads fp8 in place elsewhere calls kv_quant.dequantize inside its own gather.
