@@ -12,8 +12,9 @@ shape the benchmark Llama (GQA 2, head size 64, full attention) is not:
 - qwen3: q/k norms, GQA 8 (one KV head), head size 128;
 - mistral: every layer slides over 128 tokens, GQA 1 (as many KV heads as heads), head size 64;
 - llama_hd80: GQA 4, head size 80 (not a power of two);
-- gemma2: soft-capping, sliding and full layers alternating (KV cache groups), head size 256
-  (the engine refuses a quantized cache under soft-capping: those rows say so);
+- gemma2: soft-capping (its own torch attention, storing and reading every format:
+  model/softcap_attention.py), sliding and full layers alternating (KV cache groups), head
+  size 256;
 - gemma3: q/k norms, 5 sliding layers per full one, one KV head, head size 96.
 
 Per model and weight dtype (float32, bfloat16): the reference is the float32 model with a float32
@@ -24,8 +25,9 @@ pseudo-random sequences per context, the mean / p99 KL against the reference, th
 agreement and the mean KL over the model-dtype cache's (`x bf16`: the yardstick). The kernel
 check: the same runner with the pure-torch path (dequantize, then attend), teacher-forced over
 the last 16 tokens of the longest context (decode steps, the decode kernel), max |logit
-difference| over the logits' spread; a NaN or an exception other than the engine's ValueError
-refusing a combination is a failure row, and the exit status 1.
+difference| over the logits' spread. A NaN, the engine refusing a combination (a ValueError)
+or any other exception is a failure row, and the exit status 1; so is a registered
+architecture (pagedkv.model.registry) that no model here covers.
 """
 
 from __future__ import annotations
@@ -44,12 +46,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from kv_kl import sequences  # noqa: E402
 
+from pagedkv.model.registry import supported_architectures  # noqa: E402
 from pagedkv.model.runner import ModelRunner  # noqa: E402
 from pagedkv.testing.kv_quant_accuracy import (  # noqa: E402
     kl_divergence,
     prompt_logits,
     teacher_forced_logits,
 )
+from pagedkv.testing.random_model import hf_architecture  # noqa: E402
 from tests.tiny_models import build_hf_model  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -73,6 +77,12 @@ MODELS: dict[str, tuple[str, dict]] = {
                                    sliding_window=WINDOW, tie_word_embeddings=True)),
 }
 QUANTIZED = ("fp8_e4m3/per_layer", "fp8_e4m3", "fp8_e5m2", "int8")
+
+
+def uncovered_architectures() -> list[str]:
+    """The registry's architectures that no entry of MODELS builds (should be none)."""
+    covered = {hf_architecture(arch) for arch, _ in MODELS.values()}
+    return [a for a in supported_architectures() if a not in covered]
 
 
 def make_runner(model_dir: Path, dtype: str, cache: str, tokens: int, kernels: str
@@ -189,8 +199,12 @@ def main(argv: list[str] | None = None) -> int:
                 rows += model_rows(name, model_dir, weights, contexts, args.sequences, vocab)
     if args.json:
         print(json.dumps(rows, indent=2))
-    failed = [r for r in rows if "error" in r or math.isnan(r.get("kernel_gap", 0.0))]
-    return 1 if failed else 0
+    uncovered = uncovered_architectures()
+    if uncovered:
+        print(f"registered architectures not covered: {', '.join(uncovered)}", flush=True)
+    failed = [r for r in rows if "error" in r or "refused" in r
+              or math.isnan(r.get("kernel_gap", 0.0))]
+    return 1 if failed or uncovered else 0
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from pagedkv.model.parallel.sharding import (
     model_shard,
 )
 from pagedkv.model.parallel.vocab import gather_vocab_logits, vocab_embedding
-from pagedkv.model.softcap_attention import softcap_paged_attention
+from pagedkv.model.softcap_attention import SoftcappedMetadata
 
 
 class GemmaRMSNorm(nn.Module):
@@ -95,14 +95,13 @@ class GemmaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = ops.rope(q.contiguous(), rope), ops.rope(k.contiguous(), rope)
-        if self.softcap is None and self.kv_scales is None:
+        if self.softcap is not None:  # any cache format (softcap_attention.py)
+            meta = SoftcappedMetadata(meta, self.softcap)
+        if self.kv_scales is None:
             out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, self.window)
-        elif self.softcap is None:  # fp8: scales folded in; int8: its scale caches passed on
+        else:  # fp8: scales folded in; int8: its scale caches passed on
             out = self.kv_scales.attend(meta, q, k, v, kv_cache[0], kv_cache[1], self.scale,
                                         self.window)
-        else:  # a model-dtype cache only (the runner refuses a quantized one)
-            out = softcap_paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                          self.softcap, self.window)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -166,6 +165,14 @@ class Gemma2ForCausalLM(nn.Module):
         cap = raw.get("final_logit_softcapping")
         self.final_softcap = None if cap is None else float(cap)
         self.ops = LayerOps()
+
+    @property
+    def attention_reads_kv_cache(self) -> bool:
+        """Whether every layer attends through softcap_attention.py, which stores and reads
+        the KV cache itself in any format (its dtype, fp8, int8 with its scales): the runner
+        then gives the layers the backend's own metadata, never QuantizedKVBackend's. The cap
+        is one config value for all layers."""
+        return self.layers[0].self_attn.softcap is not None
 
     def layer_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> list[RopeInputs]:
         """Each layer's RoPE inputs (Gemma 2: one RoPE for all)."""

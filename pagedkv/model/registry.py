@@ -45,6 +45,8 @@ class CausalLM(Protocol):
     ops: LayerOps
     # The config.json activations (`hidden_activation` or `hidden_act`) it implements.
     hidden_activations: tuple[str, ...]
+    # Optional `attention_reads_kv_cache` (bool, False when absent): its attention stores and
+    # reads a cache of any format itself, so the runner never wraps the backend (gemma2.py).
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup | None = None) -> None: ...
 

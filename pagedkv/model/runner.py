@@ -137,7 +137,6 @@ class ModelRunner:
         if self._needs_quantized_wrapper(spec.dtype, model_dtype):
             self.attn_backend = QuantizedKVBackend(
                 self.attn_backend, reads_in_place=is_fp8_dtype(spec.dtype) or is_int8_dtype(spec.dtype))
-        self._check_softcap_cache(spec.dtype)
         self.cuda_graphs = None
         self.kv_connector = None  # the KV store's worker side, plugged in by the engine
         if num_blocks is not None:
@@ -148,22 +147,16 @@ class ModelRunner:
     def _needs_quantized_wrapper(self, cache_dtype: str, model_dtype: str) -> bool:
         """Whether the backend attends over a `cache_dtype` cache only through
         QuantizedKVBackend: fp8 unless it `reads_fp8_cache`, int8 unless it `reads_int8_cache`,
-        and a cache of another model dtype than the model's always."""
+        and a cache of another model dtype than the model's always; never for a model whose
+        attention stores and reads the cache itself (`attention_reads_kv_cache`: Gemma 2's
+        soft-capped attention)."""
+        if getattr(self.model, "attention_reads_kv_cache", False):
+            return False
         if is_fp8_dtype(cache_dtype):
             return not getattr(self.attn_backend, "reads_fp8_cache", False)
         if is_int8_dtype(cache_dtype):
             return not getattr(self.attn_backend, "reads_int8_cache", False)
         return cache_dtype != canonical_dtype(model_dtype)
-
-    def _check_softcap_cache(self, cache_dtype: str) -> None:
-        """ValueError for a cache of another dtype than the model's (fp8, int8, 16-bit for a
-        float32 model) under attention logit softcapping (Gemma 2), whose attention reads the
-        cache as the model's dtype."""
-        if isinstance(self.attn_backend, QuantizedKVBackend) and any(
-                getattr(layer.self_attn, "softcap", None) for layer in self.model.layers):
-            raise ValueError(f"kv_cache_dtype {cache_dtype!r} is not supported with attention "
-                             "logit softcapping (attn_logit_softcapping in config.json, e.g. "
-                             "Gemma 2): use the model's dtype for the KV cache")
 
     def _use_cpu_kernels(self) -> bool:
         """Point the model's elementwise ops and the attention backend at the fused CPU kernels

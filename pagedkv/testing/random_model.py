@@ -138,6 +138,14 @@ def tokenizer_vocab_size(model_dir: str | Path) -> int:
     return Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")).get_vocab_size(True)
 
 
+def hf_architecture(arch: str) -> str:
+    """The config.json `architectures` name of one of our archs ("gemma2" ->
+    "Gemma2ForCausalLM"); ValueError for an unknown one."""
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"unknown arch {arch!r}; supported: {sorted(_ARCHITECTURES)}")
+    return _ARCHITECTURES[arch]
+
+
 def _round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
 
@@ -169,10 +177,8 @@ def hf_config_dict(
     Gemma 2 / Gemma 3 ("gemma2", "gemma3_text"): every `sliding_window_pattern`-th layer
     attends fully (defaults 2 and 6), the others slide over `sliding_window`; Gemma 2 with
     its soft-capping (50 on attention scores, 30 on logits)."""
-    if arch not in _ARCHITECTURES:
-        raise ValueError(f"unknown arch {arch!r}; supported: {sorted(_ARCHITECTURES)}")
     cfg: dict[str, Any] = {
-        "architectures": [_ARCHITECTURES[arch]],
+        "architectures": [hf_architecture(arch)],
         "model_type": arch,
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size,

@@ -112,21 +112,25 @@ def test_a_prompt_whose_prefill_can_never_fit_ends_with_an_error(make_llm, tiny_
     assert_pool_empty(llm)
 
 
-@pytest.mark.parametrize("cache_dtype", ["fp8", "int8"])
-def test_quantized_kv_cache_with_groups(make_llm, tiny_gemma3, cache_dtype):
+@pytest.mark.parametrize("model, cache_dtype", [
+    ("tiny_gemma3", "fp8"), ("tiny_gemma3", "int8"),
+    ("tiny_gemma2", "fp8"), ("tiny_gemma2", "fp8_e5m2"), ("tiny_gemma2", "int8")])
+def test_quantized_kv_cache_with_groups(request, make_llm, model, cache_dtype):
     """fp8 and int8 caches on KV cache groups: every group's slots hold their own layer's
     quantized KV (int8: with its per-token scales, copied with the blocks), so prefix hits,
     chunked prefill, recompute and swap give the same tokens, each within the quantized
-    cache's logit bound of the grouped model-dtype cache's best (as for one group)."""
+    cache's logit bound of the grouped model-dtype cache's best (as for one group). Gemma 2's
+    soft-capped attention stores and reads the quantized blocks itself (softcap_attention.py)."""
     from tests.engine.test_kv_cache_dtype import BOUNDS, _assert_near_best
 
+    model_dir = request.getfixturevalue(model)
     prompts = make_prompts(seed=5, vocab=400, num=6, lengths=(5, 40))
     runs = {}
     for config in sorted(CONFIGS):
         kwargs = dict(CONFIGS[config], kv_cache_dtype=cache_dtype)
         if config.startswith("preempt"):
-            kwargs["num_gpu_blocks_override"] = TIGHT_BLOCKS["tiny_gemma3"]
-        llm = make_llm(tiny_gemma3, **kwargs)
+            kwargs["num_gpu_blocks_override"] = TIGHT_BLOCKS[model]
+        llm = make_llm(model_dir, **kwargs)
         assert isinstance(llm.llm_engine.scheduler.kv_cache_manager, HybridKVCacheManager)
         outputs = [o for batch in (prompts[:1], prompts[1:])
                    for o in llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY,
@@ -138,16 +142,9 @@ def test_quantized_kv_cache_with_groups(make_llm, tiny_gemma3, cache_dtype):
         assert_pool_empty(llm)
     for config, tokens in runs.items():
         assert tokens == runs["prefix_caching"], config
-    exact = sum(_assert_near_best(tiny_gemma3, p, t, BOUNDS[cache_dtype])
+    exact = sum(_assert_near_best(model_dir, p, t, BOUNDS[cache_dtype])
                 for p, t in zip(prompts, runs["prefix_caching"], strict=True))
     assert exact >= 0.9 * len(prompts) * MAX_TOKENS
-
-
-def test_quantized_kv_cache_refused_under_softcapping(make_llm, tiny_gemma2):
-    """Gemma 2's soft-capped attention reads the cache in the model's dtype: a quantized
-    cache is refused by name, not silently misread."""
-    with pytest.raises(ValueError, match="'fp8'.*softcapping"):
-        make_llm(tiny_gemma2, block_size=4, kv_cache_dtype="fp8")
 
 
 def test_pinned_prefix_with_groups_survives_a_flood(make_llm, tiny_gemma3):
@@ -174,3 +171,35 @@ def test_pinned_prefix_with_groups_survives_a_flood(make_llm, tiny_gemma3):
     assert out.outputs[0].token_ids == hf_greedy(tiny_gemma3, prompt, MAX_TOKENS)
     assert llm.unpin_prefix({"prompt_token_ids": pinned}).total_pinned_blocks == 0
     assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2", "int8"])
+def test_softcapped_quantized_cache_prefix_hit_and_copy_on_write(make_llm, tiny_gemma2,
+                                                                 cache_dtype):
+    """Gemma 2 over a quantized cache: a prompt whose 40-token prefix is a cache hit decodes
+    the same tokens with exactly the same logprobs as with no prefix caching (the cached
+    blocks are read back as they were written), and n=3 greedy samples forked on the prompt's blocks
+    (the last one copied on write, int8 with its scales) all equal the single sample."""
+    prompts = make_prompts(seed=7, vocab=400, num=3, lengths=(6, 10))  # 0 and 2 share 40
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            logprobs=3)
+    outs = {}
+    for caching in (True, False):
+        llm = make_llm(tiny_gemma2, block_size=4, kv_cache_dtype=cache_dtype,
+                       enable_prefix_caching=caching)
+        for p in (prompts[0], prompts[2]):  # one at a time: the second hits the first's blocks
+            out = llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0]
+        outs[caching] = out
+        assert out.num_cached_tokens == (40 if caching else 0)
+    warm, cold = outs[True].outputs[0], outs[False].outputs[0]
+    assert warm.token_ids == cold.token_ids
+    assert warm.logprobs == cold.logprobs  # exactly: every top-3 logprob of every step
+    cache = llm.llm_engine.runner.kv_cache
+    copies, copy = [], cache.copy
+    cache.copy = lambda mapping: (copies.extend(mapping), copy(mapping))
+    single = llm.generate({"prompt_token_ids": prompts[1]}, GREEDY, use_tqdm=False)[0]
+    forked = llm.generate({"prompt_token_ids": prompts[1]},
+                          SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS,
+                                         ignore_eos=True), use_tqdm=False)[0]
+    assert [list(c.token_ids) for c in forked.outputs] == [list(single.outputs[0].token_ids)] * 3
+    assert copies, "no block was copied on write"

@@ -87,6 +87,20 @@ def test_tp2_greedy_matches_tp1_and_transformers(request, make_llm, model):
     assert_pool_empty(tp2)
 
 
+def test_tp2_int8_cache_matches_tp1_int8(make_llm, tiny_gemma2):
+    """An int8 KV cache under tensor parallelism (Gemma 2: its soft-capped attention, KV cache
+    groups): each rank quantizes its own KV heads with their per-token-head scales, so the two
+    ranks hold what one process holds and give the same greedy tokens, prefix hits included."""
+    model_dir = tiny_gemma2
+    prompts = make_prompts(seed=6, vocab=400, num=4, lengths=(10, 30))
+    kwargs = dict(block_size=4, cpu_kernels="off", kv_cache_dtype="int8")
+    _, one = _greedy_tokens(make_llm(model_dir, **kwargs), prompts)
+    tp2 = make_llm(model_dir, tensor_parallel_size=2, **kwargs)
+    _, two = _greedy_tokens(tp2, prompts)
+    assert two == one
+    assert tp2.llm_engine.get_stats().prefix_cache_hits > 0
+
+
 def test_kv_cache_is_sharded_by_head(tiny_llama, tiny_qwen3, tiny_gemma2):
     """The planner counts one rank's bytes: Llama's 2 KV heads split, so a rank's block is half
     the bytes and the same budget holds twice the blocks; Qwen3's one KV head is replicated;

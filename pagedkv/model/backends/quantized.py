@@ -11,7 +11,8 @@ dtype (float32 for int8: an int8 value times its float32 scale is not a 16-bit f
 in-place kernel attends in float32 too) and lets the inner backend attend over it; the step's
 own tokens are attended as the cache will return them (kv_quant.round_trip), so a token reads
 the same whether it was computed in this step or an earlier one. The runner wraps a backend in this unless it reads fp8 in place itself
-(`reads_fp8_cache`): the CPU one (torch_paged) is wrapped; the CUDA one (triton_paged) converts
+(`reads_fp8_cache`) or the model's attention stores and reads the cache itself (Gemma 2's
+soft-capping, softcap_attention.py, which shares `store_kv`): the CPU one (torch_paged) is wrapped; the CUDA one (triton_paged) converts
 inside its kernels on GPUs of compute capability 8.9+ (and under the interpreter) and is wrapped
 on older GPUs (then without CUDA graphs, see ModelRunner.capture_cuda_graphs). A backend that
 reads fp8 in place elsewhere calls kv_quant.dequantize inside its own gather.
@@ -32,6 +33,21 @@ from pagedkv.model.kv_int8 import (
     quantize_per_token,
 )
 from pagedkv.model.kv_quant import dequantize, quantize_into, round_trip
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None,
+             v_scales: torch.Tensor | None = None) -> None:
+    """Store k, v [T, kv_heads, D] in slots `slot_mapping` [T] (int64, all >= 0) of k_cache /
+    v_cache in the cache's format (mutated): int8 with their per-token scales into k_scales /
+    v_scales (mutated; kv_int8.py), else converted to the cache's float dtype, saturating at
+    its largest finite value (fp8: any scales already divided out; kv_quant.py)."""
+    if k_scales is not None:
+        quantize_into_per_token(k_cache, k_scales, slot_mapping, k)
+        quantize_into_per_token(v_cache, v_scales, slot_mapping, v)
+    else:
+        quantize_into(k_cache, slot_mapping, k)
+        quantize_into(v_cache, slot_mapping, v)
 
 
 def compact_step(step: StepSequences) -> tuple[StepSequences, list[int]]:
@@ -67,9 +83,8 @@ class QuantizedKVMetadata:
         k_in = k if rows is None else k[rows]
         v_in = v if rows is None else v[rows]
         used = self.used_blocks
+        store_kv(k_in, v_in, k_cache, v_cache, self.slot_mapping, k_scales, v_scales)
         if k_scales is not None:  # int8, per-token-head scales (kv_int8.py)
-            quantize_into_per_token(k_cache, k_scales, self.slot_mapping, k_in)
-            quantize_into_per_token(v_cache, v_scales, self.slot_mapping, v_in)
             f32 = torch.float32
             k_blocks = dequantize_per_token(k_cache.index_select(1, used),
                                             k_scales.index_select(1, used), f32)
@@ -80,8 +95,6 @@ class QuantizedKVMetadata:
             out = self.inner.attend(q.to(f32), k_step, v_step, k_blocks, v_blocks, scale, window)
             return out.to(q.dtype)
         else:
-            quantize_into(k_cache, self.slot_mapping, k_in)
-            quantize_into(v_cache, self.slot_mapping, v_in)
             k_blocks = dequantize(k_cache.index_select(1, used), q.dtype)
             v_blocks = dequantize(v_cache.index_select(1, used), q.dtype)
             k_step, v_step = round_trip(k, k_cache.dtype), round_trip(v, v_cache.dtype)
