@@ -227,3 +227,22 @@ def test_int8_core_process_preempts_under_a_tiny_budget_and_matches_an_unpreempt
     assert got == want
     assert stats.num_preemptions > 0 and (stats.num_swaps > 0) == (mode == "swap")
     assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
+
+
+@pytest.mark.parametrize("dtype, cache_dtype", [("bfloat16", "float32"), ("float16", "float32"),
+                                                ("float16", "bfloat16")])
+def test_a_cache_of_another_float_dtype_than_the_weights(tiny_llama, make_llm, dtype,
+                                                         cache_dtype):
+    """kv_cache_dtype naming a float dtype other than the model's (it crashed: the cache's
+    clamp limit overflowed the narrower values' dtype). A wider cache holds the values
+    exactly: its tokens and logprobs equal the model dtype cache's; bfloat16 under float16
+    weights (fewer mantissa bits) keeps the greedy tokens on this model."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+    prompts = make_prompts(seed=6, vocab=400, num=3)
+    runs = []
+    for cache in ("auto", cache_dtype):
+        llm = make_llm(tiny_llama, dtype=dtype, block_size=4, kv_cache_dtype=cache)
+        outs = _generate(llm, prompts, params)
+        runs.append([(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs])
+    assert runs[0] == runs[1] if cache_dtype == "float32" else \
+        [t for t, _ in runs[0]] == [t for t, _ in runs[1]]
