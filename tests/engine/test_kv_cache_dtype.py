@@ -165,15 +165,29 @@ def test_parallel_sampling_forks_copy_on_write(cache_format, make_llm):
     assert copies, "no block was copied on write"
 
 
-def test_kv_cache_dtype_flag_reaches_the_engine_args():
+def test_kv_cache_dtype_flag_reaches_the_engine_args(capsys):
     from pagedkv.cli import build_parser
     from pagedkv.commands.engine_flags import engine_args_from_flags
 
     for command in (("serve", "m"), ("generate", "m", "--prompt", "x")):
-        args = build_parser(command[0]).parse_args([*command, "--kv-cache-dtype", "fp8_e5m2"])
-        assert engine_args_from_flags(args, "m").kv_cache_dtype == "fp8_e5m2"
-        with pytest.raises(SystemExit):
+        for fmt in ("fp8_e5m2", "int8"):
+            args = build_parser(command[0]).parse_args([*command, "--kv-cache-dtype", fmt])
+            assert engine_args_from_flags(args, "m").kv_cache_dtype == fmt
+        with pytest.raises(SystemExit) as exited:
             build_parser(command[0]).parse_args([*command, "--kv-cache-dtype", "int4"])
+        assert exited.value.code == 2 and "'int4'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["int4", "INT8", "fp8_e4m3fn", "", None, 8])
+def test_bad_kv_cache_dtypes_are_value_errors_naming_them(tiny_llama, bad):
+    """EngineArgs and LLM refuse a format they do not know before loading anything."""
+    from pagedkv import LLM
+    from pagedkv.engine.args import EngineArgs
+
+    with pytest.raises(ValueError, match=f"kv_cache_dtype must be one of .*got {bad!r}"):
+        EngineArgs(model=str(tiny_llama), kv_cache_dtype=bad).validate()
+    with pytest.raises(ValueError, match=f"got {bad!r}"):
+        LLM(str(tiny_llama), kv_cache_dtype=bad)
 
 
 @pytest.mark.parametrize("cache_dtype", ["fp8", "int8"])
