@@ -6,7 +6,7 @@ lm-eval is too heavy for the project's venv and for `make test`; run it from a t
     python3 -m venv /tmp/lmeval-venv
     /tmp/lmeval-venv/bin/pip install 'lm-eval[api]==0.4.13' transformers
     PYTHONPATH=. .venv/bin/python benchmarks/lm_eval_check.py \\
-        --lm-eval-python /tmp/lmeval-venv/bin/python [--chat] [--json]
+        --lm-eval-python /tmp/lmeval-venv/bin/python [--chat] [--kv-cache-dtype int8] [--json]
 
 Builds a random-weight Llama, starts `pagedkv serve` on a free loopback port, writes a local task
 directory (YAML configs and JSONL data, nothing downloaded): `pagedkv_mc`, 8 multiple-choice
@@ -41,6 +41,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from pagedkv.config.dtypes import KV_CACHE_DTYPE_CHOICES  # noqa: E402
 from tests.server.helpers import ServerProcess  # noqa: E402
 
 SHAPE = dict(arch="llama", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -96,8 +97,8 @@ class Server(ServerProcess):
     """The test suite's `pagedkv serve` process (free loopback port, health wait, SIGTERM stop),
     at info log level so uvicorn's access log lands in its log file."""
 
-    def __init__(self, model_dir: Path) -> None:
-        super().__init__(model_dir, *SERVE_FLAGS)
+    def __init__(self, model_dir: Path, kv_cache_dtype: str = "auto") -> None:
+        super().__init__(model_dir, *SERVE_FLAGS, "--kv-cache-dtype", kv_cache_dtype)
 
     def command(self) -> list[str]:
         cmd = super().command()
@@ -202,11 +203,14 @@ def encode_pair(python: str, base_url: str, model_dir: Path, context: str,
     return ctx, cont
 
 
-def offline_loglikelihood(model_dir: Path, ctx: list[int], cont: list[int]) -> float:
-    """sum log p(cont | ctx) from our offline engine's prompt_logprobs."""
+def offline_loglikelihood(model_dir: Path, ctx: list[int], cont: list[int],
+                          kv_cache_dtype: str = "auto") -> float:
+    """sum log p(cont | ctx) from our offline engine's prompt_logprobs (the server's KV cache
+    format)."""
     from pagedkv import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), dtype="float32", seed=0, max_model_len=1024)
+    llm = LLM(str(model_dir), dtype="float32", seed=0, max_model_len=1024,
+              kv_cache_dtype=kv_cache_dtype)
     try:
         out = llm.generate([{"prompt_token_ids": ctx + cont}],
                            SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
@@ -224,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat", action="store_true",
                         help="also run local-chat-completions on the generate_until task")
     parser.add_argument("--timeout", type=float, default=600.0, help="per lm_eval run, seconds")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
+                        help="the server's KV cache format (int8, fp8, ...), and the offline "
+                             "reference's")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
@@ -236,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = build_random_model_dir(tmp / "model", dtype="float32", seed=0, **SHAPE)
         task_dir = tmp / "tasks"
         tasks = write_tasks(task_dir)
-        server = Server(model_dir).start()
+        server = Server(model_dir, args.kv_cache_dtype).start()
         try:
             completions_url = server.url + "/v1/completions"
             plan = [("local-completions", tasks, f"base_url={completions_url},model=tiny,"
@@ -298,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         if "logged" in locals():
             ctx, cont = encode_pair(args.lm_eval_python, completions_url, model_dir, context,
                                     continuation)
-            ours = offline_loglikelihood(model_dir, ctx, cont)
+            ours = offline_loglikelihood(model_dir, ctx, cont, args.kv_cache_dtype)
             cross = {"context": context, "continuation": continuation, "context_tokens": len(ctx),
                      "continuation_tokens": len(cont), "lm_eval": logged, "offline": ours,
                      "abs_diff": abs(logged - ours)}

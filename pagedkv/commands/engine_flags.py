@@ -75,8 +75,9 @@ _HELP: dict[str, str] = {
                                        "full-attention blocks on every layer (no KV cache groups)",
     "prefix_match_unit": "prefix hits in units of this many tokens (a divisor of block_size; "
                          "1: any token), reusing part of a cached block by copy-on-write",
-    "kv_cache_dtype": "KV cache dtype: 'auto' (the model's) or fp8 (= fp8_e4m3), fp8_e5m2: "
-                      "one byte per value, twice the blocks of bfloat16",
+    "kv_cache_dtype": "KV cache dtype: 'auto' (the model's), fp8 (= fp8_e4m3), fp8_e5m2 or "
+                      "int8 (a scale per token and head): one byte per value, about twice "
+                      "the blocks of bfloat16",
     "structured_outputs_max_choices": "structured outputs: most alternatives of a choice list",
     "structured_outputs_max_pattern_chars": "structured outputs: longest regex (characters)",
     "structured_outputs_max_grammar_chars": "structured outputs: longest grammar, or total "

@@ -61,8 +61,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto",
                         help="float32, bfloat16, float16, fp8 or auto (the config's torch_dtype)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
-                        help="KV cache dtype: auto (the model's dtype) or an fp8 format "
-                        "(default auto)")
+                        help="KV cache dtype: auto (the model's dtype), an fp8 format or int8 "
+                        "(its scales counted in each block) (default auto)")
     parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
                         help="longest sequence (default: the config's max_position_embeddings)")
     parser.add_argument("--swap-space", default=DEFAULT_SWAP_SPACE, metavar="SIZE",

@@ -4,7 +4,7 @@ cache manager on a virtual clock, with a latency model instead of the model runn
     pagedkv simulate TRACE [--trace-format mooncake|azure|request-log] [--limit N]
         [--scale-lengths F] [--time-scale F] [--model CONFIG] [--hardware h100]
         [--latency roofline:h100 | PROFILE.json | linear] [engine flags: --block-size,
-        --num-gpu-blocks-override, --max-num-seqs, --preemption-mode, ...]
+        --kv-cache-dtype, --num-gpu-blocks-override, --max-num-seqs, --preemption-mode, ...]
         [--instances N --policy kv-aware|round-robin|least-load|session]
         [--slo ttft=2,tpot=0.1] [--sweep SETTING=V1,V2] [--search num_blocks|instances]
         [--json OUT.json] [--plot OUT.png]
@@ -19,6 +19,7 @@ import argparse
 import sys
 from typing import Any
 
+from pagedkv.config.dtypes import KV_CACHE_DTYPE_CHOICES
 from pagedkv.kv.eviction import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES
 from pagedkv.router.policies import POLICY_NAMES
 
@@ -65,6 +66,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e = p.add_argument_group("engine", "the simulated engine (vLLM's names)")
     e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
+                   help="the KV cache's format, as serve's (int8, fp8: one byte a value): "
+                        "sizes the blocks, the store tiers and the roofline's KV reads")
     e.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N")
     e.add_argument("--kv-cache-memory-bytes", default=None, metavar="SIZE")
     e.add_argument("--max-num-seqs", type=int, default=256)
@@ -139,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
     if not trace:
         raise ValueError(f"trace {args.trace!r} has no requests")
     config, model_config, hardware = build_sim_config(args)
-    latency = make_latency_model(args.latency or f"roofline:{hardware}", model_config)
+    latency = make_latency_model(args.latency or f"roofline:{hardware}", model_config,
+                                 kv_cache_dtype=args.kv_cache_dtype)
     print(f"trace: {len(trace)} requests over {trace[-1].arrival:.1f} s; KV cache "
           f"{config.num_blocks - 1} blocks of {config.block_size} tokens; max_model_len "
           f"{config.max_model_len}; latency: {latency.name}", file=sys.stderr)

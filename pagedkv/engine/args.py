@@ -29,7 +29,8 @@ class EngineArgs:
     (CPU only): "auto" builds the fused C++ kernels in the background on first use and switches
     to them once built, "wait" builds them before the engine starts, "off" keeps the pure-torch
     path (see pagedkv.kernels.cpu). `kv_cache_dtype`
-    "fp8" / "fp8_e4m3" / "fp8_e5m2" stores K/V in one byte per value (pagedkv/model/kv_quant.py).
+    "fp8" / "fp8_e4m3" / "fp8_e5m2" / "int8" stores K/V in one byte per value
+    (pagedkv/model/kv_quant.py, kv_int8.py).
     """
 
     model: str = ""
@@ -72,7 +73,8 @@ class EngineArgs:
     # most of the device cache pinned prefixes may hold (LLMEngine.pin_prefix).
     eviction_policy: str = DEFAULT_EVICTION_POLICY
     max_pinned_fraction: float = 0.5
-    # KV cache storage dtype: "auto" (the model's) or fp8 ("fp8" = "fp8_e4m3", "fp8_e5m2").
+    # KV cache storage dtype: "auto" (the model's), fp8 ("fp8" = "fp8_e4m3", "fp8_e5m2") or
+    # "int8" (one scale per token and KV head; pagedkv/model/kv_int8.py).
     kv_cache_dtype: str = "auto"
     # Append one JSON line per step (its shape and duration) to this file, for `pagedkv
     # profile --fit-from` (pagedkv.sim.step_log).

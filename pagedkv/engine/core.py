@@ -161,7 +161,9 @@ class EngineCore:
                            block_size=kv.block_size, num_usable_blocks=kv.num_usable_blocks,
                            watermark_blocks=kv.watermark_blocks,
                            num_gpu_blocks=self.kv_setup.num_blocks,
-                           eos_token_ids=list(self.eos_token_ids))
+                           eos_token_ids=list(self.eos_token_ids),
+                           kv_cache_dtype=self.kv_setup.spec.dtype,
+                           block_bytes=self.kv_setup.spec.page_size_bytes)
 
     @property
     def structured_output_backend(self) -> XGrammarBackend:

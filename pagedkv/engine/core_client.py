@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 # Seconds to wait for the core to build (model load, KV cache) before giving up.
 CORE_START_TIMEOUT_S = 600.0
+DEAD_CORE_EXIT_S = 5.0  # how long shutdown() waits for a core that reported its death to exit
 
 
 class CoreDeadError(EngineFatalError):
@@ -203,7 +204,8 @@ class MPCoreClient:
                 message = self._codec.decode_core(self._output.recv())
                 if isinstance(message, EngineReady):
                     return message
-                if isinstance(message, CoreDied):
+                if isinstance(message, CoreDied):  # it is exiting: shutdown() need not ask
+                    self._dead = message.reason
                     raise _ERRORS.get(message.error_type or "", RuntimeError)(message.reason)
             elif self.process.poll() is not None:
                 raise CoreDeadError(f"the engine core process exited with code "
@@ -318,9 +320,13 @@ class MPCoreClient:
         """Stop the core (it aborts what runs and frees its memory), then clean up. Idempotent."""
         if self._closed:
             return
-        if self.process.poll() is None and self._dead is None:
-            with contextlib.suppress(Exception):
-                self._input.send(self._codec.encode(UtilityCall(0, "stop")))
+        if self.process.poll() is None:
+            if self._dead is None:
+                with contextlib.suppress(Exception):  # never blocks: a core gone has no socket
+                    self._input.send(self._codec.encode(UtilityCall(0, "stop")),
+                                     flags=zmq.NOBLOCK)
+            else:  # it said it died and is exiting by itself
+                timeout = min(timeout, DEAD_CORE_EXIT_S)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout)
         self._closed = True

@@ -75,6 +75,7 @@ def run_engine_core(args: EngineArgs, in_addr: str, out_addr: str,
     except BaseException as exc:  # the frontend raises it again, by type
         logger.exception("the engine core failed to start")
         outputs.send(codec.encode(CoreDied(str(exc), type(exc).__name__)))
+        inputs.close(linger=0)  # ctx.term() waits for every socket: an open one hangs it
         outputs.close(linger=5000)
         ctx.term()
         return

@@ -65,6 +65,8 @@ class LLMEngine:
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.num_gpu_blocks = ready.num_gpu_blocks
+        self.kv_cache_dtype = ready.kv_cache_dtype  # resolved: "auto" is the model's dtype
+        self.block_bytes = ready.block_bytes
         self.eos_token_ids = tuple(ready.eos_token_ids)
         self.inputs = InputProcessor(self.tokenizer, ready)
         self.outputs = OutputProcessor(self.tokenizer)

@@ -108,6 +108,8 @@ class EngineReady(msgspec.Struct, array_like=True, tag=True):
     watermark_blocks: int
     num_gpu_blocks: int
     eos_token_ids: list[int]
+    kv_cache_dtype: str  # the cache's resolved format ("auto" named: the model's dtype)
+    block_bytes: int  # one block's bytes on the device (every layer; int8's scales included)
 
 
 class CoreDied(msgspec.Struct, array_like=True, tag=True):

@@ -43,10 +43,14 @@ def storage_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(values: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """`values / scale` in `cache_dtype`, clamped to its finite range (a new tensor)."""
+    """`values / scale` in `cache_dtype`, clamped to its finite range when that is narrower
+    than the values' (a new tensor). A wider cache (float32 under bfloat16 values) takes them
+    as they are: its limit is not even a value of theirs."""
     limit = torch.finfo(cache_dtype).max
     scaled = values if scale == 1.0 else values / scale
-    return scaled.clamp(-limit, limit).to(cache_dtype)
+    if limit < torch.finfo(scaled.dtype).max:
+        scaled = scaled.clamp(-limit, limit)
+    return scaled.to(cache_dtype)
 
 
 def dequantize(blocks: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:

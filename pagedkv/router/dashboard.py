@@ -39,6 +39,7 @@ def fleet_state(router: Router, max_decisions: int = 100) -> dict[str, Any]:
         "name": b.name, "up": b.up, "in_flight": b.in_flight, "queued_blocks": b.queued_blocks,
         "running": b.load.running, "waiting": b.load.waiting, "kv_usage": b.load.kv_usage,
         "num_gpu_blocks": (b.kv_info or {}).get("num_gpu_blocks"),
+        "kv_cache_dtype": (b.kv_info or {}).get("kv_cache_dtype"),
         "indexed_blocks": {m: router.index.num_blocks(b.name, m) for m in media},
         "last_error": b.last_error} for b in router.backends]
     return {"policy": router.policy.name, "backends": backends,

@@ -159,12 +159,15 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
 
     @app.get("/kv_cache_info")
     async def kv_cache_info() -> dict[str, Any]:
-        """How this engine hashes prefix blocks, for a KV-aware router (read-only)."""
+        """How this engine hashes prefix blocks, for a KV-aware router, and what a block is:
+        the KV cache's format ("auto" resolved) and one block's bytes (read-only)."""
         args = engine.args
         return {"model": served_model_name, "block_size": args.block_size,
                 "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
                 "enable_prefix_caching": args.enable_prefix_caching,
-                "num_gpu_blocks": getattr(engine, "num_gpu_blocks", None)}
+                "num_gpu_blocks": getattr(engine, "num_gpu_blocks", None),
+                "kv_cache_dtype": getattr(engine, "kv_cache_dtype", args.kv_cache_dtype),
+                "block_bytes": getattr(engine, "block_bytes", None)}
 
     @app.get("/metrics")
     async def prometheus_metrics(raw: Request) -> Response:

@@ -41,7 +41,8 @@ def build_sim_config(args: argparse.Namespace) -> tuple[SimConfig, dict[str, Any
     from pagedkv.sim.latency.roofline import load_hardware
 
     config = load_model_config(args.model)
-    spec = kv_cache_spec_from_hf_config(config, args.block_size, "auto")
+    spec = kv_cache_spec_from_hf_config(config, args.block_size, "auto",
+                                        getattr(args, "kv_cache_dtype", "auto"))
     batched = (DEFAULT_MAX_NUM_BATCHED_TOKENS if args.max_num_batched_tokens is None
                else args.max_num_batched_tokens)
     if args.num_gpu_blocks_override is not None:

@@ -63,8 +63,8 @@ def build_kv_store(args: EngineArgs, spec: KVCacheSpec, weight_files: list,
                    ) -> TieredKVStore | None:
     """The store for `args` and the KV cache `spec` describes (None when no tier is
     configured): a block is `spec.page_size_bytes` bytes laid out as `KVCache.LAYOUT`.
-    `dtype_tag` says what the bytes mean (`KVCache.dtype_tag()`: the cache dtype and, for
-    fp8, every layer's scales; default the spec's dtype): part of every key, as is `shard`
+    `dtype_tag` says what the bytes mean (`store_dtype_tag`: the cache dtype, the weights'
+    dtype, fp8's scales; default the spec's dtype): part of every key, as is `shard`
     (`shard_tag`: which tensor-parallel rank's heads the blocks hold). So is the layout, KV
     cache groups included: a store written by a grouped layout is never read by an all-full
     one (a block of one holds other layers than a block of the other), and back."""
@@ -84,6 +84,14 @@ def build_kv_store(args: EngineArgs, spec: KVCacheSpec, weight_files: list,
                          grouped=isinstance(spec, HybridKVCacheSpec))
 
 
+def store_dtype_tag(runner: ModelRunner) -> str:
+    """What `runner`'s KV bytes mean, for the store's keys: the cache's `dtype_tag()` (its
+    dtype, int8's scale layout, fp8's scales) and the weights' dtype, which computed them: an
+    int8 (or fp8, or bfloat16) block of float32 weights is not what bfloat16 weights would
+    write, so the two never share blocks, as two "auto" caches of those dtypes never do."""
+    return f"{runner.kv_cache.dtype_tag()};weights={runner.dtype}"
+
+
 def store_connector_worker(args: EngineArgs, runner: ModelRunner,
                            enable_events: bool) -> StoreConnectorWorker:
     """This rank's store (its KV heads, its keys) behind the runner's side of the connector.
@@ -95,7 +103,7 @@ def store_connector_worker(args: EngineArgs, runner: ModelRunner,
     pin_memory = pin_host_memory(runner.kv_cache.device)
     store = build_kv_store(args, runner.kv_cache_spec, weight_files(args.model),
                            enable_events and (group is None or group.is_driver), pin_memory,
-                           runner.kv_cache.dtype_tag(), shard_tag(group))
+                           store_dtype_tag(runner), shard_tag(group))
     return StoreConnectorWorker(store, FinishedLoads(), pin_memory=pin_memory, group=group)
 
 

@@ -185,3 +185,18 @@ def test_llm_with_a_core_process_generates_the_in_process_tokens(tiny_llama, ref
         assert out[0].outputs[0].token_ids == reference["greedy"][0][0]
     finally:
         llm.shutdown()
+
+
+def test_a_core_that_fails_to_start_raises_at_once_and_exits_by_itself(tiny_llama, caplog):
+    """A ValueError while the core builds (an int8 KV cache too small for one block) comes
+    back by type, and the core exits by itself: the frontend neither waits out its 30 s stop
+    timeout nor kills it (the failed core left a socket open, so it hung in its exit)."""
+    import time
+
+    args = EngineArgs(model=str(tiny_llama), kv_cache_dtype="int8", kv_cache_memory_bytes=1000,
+                      block_size=4, seed=0)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="room for 1 blocks of 640 bytes"):
+        LLMEngine(args, core_process=True)
+    assert time.monotonic() - started < 30
+    assert "killing it" not in caplog.text

@@ -165,15 +165,29 @@ def test_parallel_sampling_forks_copy_on_write(cache_format, make_llm):
     assert copies, "no block was copied on write"
 
 
-def test_kv_cache_dtype_flag_reaches_the_engine_args():
+def test_kv_cache_dtype_flag_reaches_the_engine_args(capsys):
     from pagedkv.cli import build_parser
     from pagedkv.commands.engine_flags import engine_args_from_flags
 
     for command in (("serve", "m"), ("generate", "m", "--prompt", "x")):
-        args = build_parser(command[0]).parse_args([*command, "--kv-cache-dtype", "fp8_e5m2"])
-        assert engine_args_from_flags(args, "m").kv_cache_dtype == "fp8_e5m2"
-        with pytest.raises(SystemExit):
+        for fmt in ("fp8_e5m2", "int8"):
+            args = build_parser(command[0]).parse_args([*command, "--kv-cache-dtype", fmt])
+            assert engine_args_from_flags(args, "m").kv_cache_dtype == fmt
+        with pytest.raises(SystemExit) as exited:
             build_parser(command[0]).parse_args([*command, "--kv-cache-dtype", "int4"])
+        assert exited.value.code == 2 and "'int4'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["int4", "INT8", "fp8_e4m3fn", "", None, 8])
+def test_bad_kv_cache_dtypes_are_value_errors_naming_them(tiny_llama, bad):
+    """EngineArgs and LLM refuse a format they do not know before loading anything."""
+    from pagedkv import LLM
+    from pagedkv.engine.args import EngineArgs
+
+    with pytest.raises(ValueError, match=f"kv_cache_dtype must be one of .*got {bad!r}"):
+        EngineArgs(model=str(tiny_llama), kv_cache_dtype=bad).validate()
+    with pytest.raises(ValueError, match=f"got {bad!r}"):
+        LLM(str(tiny_llama), kv_cache_dtype=bad)
 
 
 @pytest.mark.parametrize("cache_dtype", ["fp8", "int8"])
@@ -200,3 +214,49 @@ def test_cascade_attention_over_shared_prefix_blocks(tiny_llama, make_llm, monke
         if caching and kernels == "off":
             assert calls, "no cascade attention over the shared prefix"
     assert runs[0] == runs[1] == runs[2]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_int8_core_process_preempts_under_a_tiny_budget_and_matches_an_unpreempted_run(
+        tiny_llama, make_llm, mode):
+    """The engine core in its own process (serve's default) with an int8 cache of 40 blocks:
+    six requests preempt each other (swapped out with their scales, or recomputed), and every
+    request's tokens equal an in-process int8 engine's that had room for all of them; every
+    block comes back."""
+    from pagedkv import LLM
+
+    prompts = make_prompts(seed=5, vocab=400)
+    roomy = make_llm(tiny_llama, block_size=4, kv_cache_dtype="int8", cpu_threads=1)
+    want = [list(o.outputs[0].token_ids) for o in _generate(roomy, prompts)]
+    assert roomy.llm_engine.get_stats().num_preemptions == 0
+    tight = LLM(str(tiny_llama), core_process=True, seed=0, block_size=4, kv_cache_dtype="int8",
+                num_gpu_blocks_override=40, preemption_mode=mode, swap_space=0.01, cpu_threads=1)
+    try:
+        got = [list(o.outputs[0].token_ids) for o in _generate(tight, prompts)]
+        stats = tight.llm_engine.get_stats()
+        tight.llm_engine.check_invariants()
+    finally:
+        tight.shutdown()
+    assert got == want
+    assert stats.num_preemptions > 0 and (stats.num_swaps > 0) == (mode == "swap")
+    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
+
+
+@pytest.mark.parametrize("dtype, cache_dtype", [("bfloat16", "float32"), ("float16", "float32"),
+                                                ("float16", "bfloat16")])
+def test_a_cache_of_another_float_dtype_than_the_weights(tiny_llama, make_llm, dtype,
+                                                         cache_dtype):
+    """kv_cache_dtype naming a float dtype other than the model's (it crashed: the cache's
+    clamp limit overflowed the narrower values' dtype). A wider cache holds the values
+    exactly: its tokens and logprobs equal the model dtype cache's; bfloat16 under float16
+    weights (fewer mantissa bits) keeps the greedy tokens on this model."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+    prompts = make_prompts(seed=6, vocab=400, num=3)
+    runs = []
+    for cache in ("auto", cache_dtype):
+        llm = make_llm(tiny_llama, dtype=dtype, block_size=4, kv_cache_dtype=cache)
+        outs = _generate(llm, prompts, params)
+        runs.append([(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs])
+    assert runs[0] == runs[1] if cache_dtype == "float32" else \
+        [t for t, _ in runs[0]] == [t for t, _ in runs[1]]

@@ -1,7 +1,9 @@
 """Two real `pagedkv serve` processes publishing KV events over ZMQ, and a real `pagedkv router`
 subscribed to them: a prefix computed on a backend behind the router's back (a request sent to
 the backend directly, which the router's own record never saw) is learned from that backend's
-`BlockStored` events, and the router sends the next request with that prefix there."""
+`BlockStored` events, and the router sends the next request with that prefix there. The two
+backends keep their KV caches in different formats (the model's float32, and int8): the
+events and the prefix hashes do not depend on it, and the router's fleet view names each."""
 
 from __future__ import annotations
 
@@ -18,15 +20,17 @@ BACKEND_HEADER = "x-pagedkv-backend"
 PREFIXES = [f"{name} support desk. " + " ".join(f"{name} policy {i} holds for every ticket."
                                                 for i in range(12))
             for name in ("Globex", "Initech")]
+FORMATS = ("auto", "int8")  # the backends' KV cache formats
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama):
     ports = [free_port(), free_port()]
-    backends = [ServerProcess(tiny_llama, *engine_flags(**ENGINE_KWARGS), "--kv-events-config",
+    backends = [ServerProcess(tiny_llama, *engine_flags(**ENGINE_KWARGS, kv_cache_dtype=fmt),
+                              "--kv-events-config",
                               json.dumps({"enable_kv_cache_events": True,
                                           "endpoint": f"tcp://*:{port}"}))  # bind (vLLM rule)
-                for port in ports]
+                for port, fmt in zip(ports, FORMATS, strict=True)]
     router = None
     try:
         for b in backends:
@@ -89,3 +93,6 @@ def test_prefixes_learned_from_kv_events_route_to_their_backends(cluster):
     for target in targets:
         assert router_metric(router.url, "pagedkv_router:predicted_prefix_hit_blocks_total",
                              backend=target.url) > 0
+    fleet = httpx.get(router.url + "/dashboard/fleet", timeout=10).json()
+    assert {b["name"]: b["kv_cache_dtype"] for b in fleet["backends"]} == \
+        {backends[0].url: "float32", backends[1].url: "int8"}

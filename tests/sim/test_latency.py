@@ -276,3 +276,31 @@ def test_step_shape_counts_the_blocks_saved_to_the_store():
     assert StepShape.of(SchedulerOutput()).saved_blocks == 0
     fitted = FittedLatency({"intercept": 1e-3, "saved_blocks": 1e-4})
     assert fitted.step_time(shape) == pytest.approx(1.2e-3)
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "int8", "fp8", "fp8_e5m2"])
+def test_the_simulated_cache_of_each_format_has_the_planners_blocks_and_bytes(cache_dtype):
+    """`pagedkv simulate --kv-cache-dtype F` sizes its cache as `pagedkv plan
+    --kv-cache-dtype F` on the same memory (int8's scales counted), its store tiers and
+    roofline read that format's bytes, and an unknown format is refused by name."""
+    import argparse
+
+    from pagedkv.commands.plan import add_parser as add_plan
+    from pagedkv.commands.plan import make_plan
+    from pagedkv.commands.simulate import add_parser
+    from pagedkv.sim.setup import build_sim_config
+
+    sim_flags = add_parser(argparse.ArgumentParser().add_subparsers()).parse_args(
+        ["trace.jsonl", "--model", "llama-3-8b", "--hardware", "h100",
+         "--kv-cache-dtype", cache_dtype])
+    config, model_config, _ = build_sim_config(sim_flags)
+    plan_flags = add_plan(argparse.ArgumentParser().add_subparsers()).parse_args(
+        ["--config", "llama-3-8b", "--memory", "80GiB", "--kv-cache-dtype", cache_dtype])
+    plan = make_plan(plan_flags)[0]
+    assert config.num_blocks == plan.num_blocks
+    assert config.block_bytes == plan.bytes_per_block
+    roof = make_latency_model("roofline:h100", model_config, kv_cache_dtype=cache_dtype)
+    assert roof.model.kv_bytes_per_token * 16 == plan.bytes_per_block
+    with pytest.raises(SystemExit):
+        add_parser(argparse.ArgumentParser().add_subparsers()).parse_args(
+            ["trace.jsonl", "--kv-cache-dtype", "int4"])

@@ -109,3 +109,37 @@ def test_quantized_blocks_come_back_from_the_host_tier(tiny_llama, tmp_path, fmt
     assert engine.kv_store.snapshot_stats()[0].hits == sum(full) // 4
     engine.check_invariants()
     llm.shutdown()
+
+
+def _logprobs_run(llm, prompt: list[int]) -> tuple[list[int], list[dict[int, float]], int]:
+    """Greedy tokens, their top-5 logprobs and num_cached_tokens of one request run alone."""
+    from pagedkv import SamplingParams
+
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(max_tokens=4, temperature=0.0, logprobs=5),
+                       use_tqdm=False)[0]
+    llm.llm_engine.check_invariants()
+    llm.llm_engine.kv_store.flush()
+    return list(out.outputs[0].token_ids), out.outputs[0].logprobs, out.num_cached_tokens
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_a_restarted_engine_reads_its_quantized_blocks_back_with_identical_logits(
+        tiny_llama, tmp_path, fmt):
+    """The disk tier outlives the engine: a restarted engine of the same format and weights
+    dtype loads every full block and its logprobs equal the first run's exactly (the bytes,
+    and int8's scales, come back as written). The same cache format over weights of another
+    dtype computes other K/V: its blocks are others (the weights dtype is in the key)."""
+    prompt = with_suffix(make_prefixes(seed=11, num=1)[0], seed=5)
+    full = (len(prompt) - 1) // 4 * 4
+    runs = []
+    for _ in range(2):
+        llm = store_llm(tiny_llama, "disk", tmp_path, kv_cache_dtype=fmt, dtype="float32")
+        runs.append(_logprobs_run(llm, prompt))
+        llm.shutdown()
+    assert [r[2] for r in runs] == [0, full]
+    assert runs[1][:2] == runs[0][:2]  # tokens and logprobs, exactly
+    other = store_llm(tiny_llama, "disk", tmp_path, kv_cache_dtype=fmt, dtype="bfloat16")
+    assert _logprobs_run(other, prompt)[2] == 0
+    assert other.llm_engine.kv_store.snapshot_stats()[0].hits == 0
+    other.shutdown()

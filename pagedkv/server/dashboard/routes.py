@@ -83,6 +83,9 @@ def make_dashboard_router(async_engine: Any, serving: Any, metrics: Any,
     async def events() -> SSEResponse:
         sub, snap = await _call(async_engine, "dashboard.subscribe")
         snap["model"] = served_model_name
+        engine = async_engine.engine  # the KV cache's format ("auto" resolved) and block bytes
+        snap["kv_cache_dtype"] = getattr(engine, "kv_cache_dtype", None)
+        snap["block_bytes"] = getattr(engine, "block_bytes", None)
         loop = asyncio.get_running_loop()
         closed = False
 

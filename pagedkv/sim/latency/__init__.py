@@ -22,23 +22,27 @@ from pagedkv.sim.latency.fixed import FunctionLatency, LinearLatency
 from pagedkv.sim.latency.roofline import HARDWARE_PRESETS, Hardware, ModelShape, RooflineLatency
 
 
-def _roofline(arg: str, config: dict[str, Any] | None) -> LatencyModel:
+def _roofline(arg: str, config: dict[str, Any] | None, kv_cache_dtype: str) -> LatencyModel:
     from pagedkv.sim.latency.roofline import load_hardware
 
     if config is None:
         raise ValueError("the roofline latency model needs the model's config (--model)")
-    return RooflineLatency(ModelShape.from_config(config), load_hardware(arg or "h100"))
+    return RooflineLatency(ModelShape.from_config(config, kv_cache_dtype=kv_cache_dtype),
+                           load_hardware(arg or "h100"))
 
 
-LATENCY_MODELS: dict[str, Callable[[str, dict[str, Any] | None], LatencyModel]] = {
+# Each factory takes (the spec's argument, the model's config, the KV cache's format).
+LATENCY_MODELS: dict[str, Callable[[str, dict[str, Any] | None, str], LatencyModel]] = {
     "roofline": _roofline,
-    "linear": lambda arg, config: LinearLatency(),
-    "fitted": lambda arg, config: FittedLatency.load(arg),
+    "linear": lambda arg, config, kv_cache_dtype: LinearLatency(),
+    "fitted": lambda arg, config, kv_cache_dtype: FittedLatency.load(arg),
 }
 
 
-def make_latency_model(spec: str, config: dict[str, Any] | None = None) -> LatencyModel:
-    """See the module docstring. ValueError naming the spec when it fits no model."""
+def make_latency_model(spec: str, config: dict[str, Any] | None = None, *,
+                       kv_cache_dtype: str = "auto") -> LatencyModel:
+    """See the module docstring; `kv_cache_dtype` (vLLM's names) sets the bytes a roofline's
+    decode reads per cached token. ValueError naming the spec when it fits no model."""
     if Path(spec).is_file():
         return FittedLatency.load(spec)
     kind, _, arg = spec.partition(":")
@@ -46,7 +50,7 @@ def make_latency_model(spec: str, config: dict[str, Any] | None = None) -> Laten
     if factory is None:
         raise ValueError(f"unknown latency model {spec!r}: give a JSON file from `pagedkv "
                          f"profile` or one of {[k + ':...' if k != 'linear' else k for k in LATENCY_MODELS]}")
-    return factory(arg, config)
+    return factory(arg, config, kv_cache_dtype)
 
 
 __all__ = ["FEATURE_NAMES", "HARDWARE_PRESETS", "LATENCY_MODELS", "FittedLatency",

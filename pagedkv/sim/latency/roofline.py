@@ -122,10 +122,13 @@ class ModelShape:
     weight_bytes: int
 
     @classmethod
-    def from_config(cls, config: dict[str, Any], dtype: str = "auto") -> ModelShape:
+    def from_config(cls, config: dict[str, Any], dtype: str = "auto",
+                    kv_cache_dtype: str = "auto") -> ModelShape:
+        """The shape of `config`'s model with weights in `dtype` and a KV cache of
+        `kv_cache_dtype` ("auto": the weights' dtype; int8 counts its scales)."""
         hf = HFModelConfig.from_dict(config)
         resolved = resolve_dtype(dtype, config)
-        spec = kv_cache_spec_from_hf_config(config, 16, resolved)
+        spec = kv_cache_spec_from_hf_config(config, 16, resolved, kv_cache_dtype)
         params = estimate_num_params(config)
         return cls(num_params=params, num_layers=hf.num_layers,
                    q_width=hf.num_heads * hf.head_dim, kv_bytes_per_token=spec.bytes_per_token,

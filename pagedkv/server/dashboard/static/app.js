@@ -16,7 +16,8 @@
     D.state = new PageState(snapshot);
     D.entries = []; D.keyframes = [{ index: -1, state: D.state.clone(), t: snapshot.t || 0 }];
     D.view = D.state; D.viewIndex = -1; D.dirty = true;
-    $("model").textContent = snapshot.model || "";
+    const kv = snapshot.kv_cache_dtype ? ` (${snapshot.kv_cache_dtype} KV cache, ${snapshot.block_bytes} B a block)` : "";
+    $("model").textContent = (snapshot.model || "") + kv;
   }
   function push(update) {
     if (update.resync) { reset(update.resync); }
