@@ -1134,58 +1134,94 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
 // token's and head's scale s (of the 16 candidates 1 + i / 256, i = -1 .. 14, times
 // max|x| / 127: the least squared round-trip error, the first of equals) goes to
 // scales[h, slot[t]] and round(x / s) (half to even, within +-127; 0 for a zero vector) to
-// cache[h, slot[t]]. The errors are counted exactly, as kv_int8._squared_errors does: x - q s in
-// double (exact), times 2^(21 - e) (max|x| / 127 = m 2^e), rounded to an integer, squared and
-// summed in int64, so this picks the scale the torch path picks. Slots < 0 are skipped.
+// cache[h, slot[t]]. The errors are counted exactly, as kv_int8._squared_errors does: x - q s
+// (exact), times 2^(21 - e) (max|x| / 127 = m 2^e), rounded to an integer, squared and summed
+// exactly, so this picks the scale the torch path picks. Slots < 0 are skipped.
 constexpr int INT8_FIRST_STEP = -1;  // candidates 1 + i / 256 for first <= i < first + count
 constexpr int INT8_CANDIDATES = 16;
 constexpr int INT8_ERROR_BITS = 20;
+// The widest head the exact float64 sums below allow (a squared error unit count < 2^40.2).
+constexpr int64_t INT8_MAX_HEAD = 4096;
 
 // err[c] := the squared round-trip error of x [d] (float32) as round(x / cand[c]) (within
-// +-127), in the exact units above (`unit_scale` = 2^(ERROR_BITS + 1 - e)). With AVX-512 (DQ:
-// int64 conversions and products) a lane per candidate, 16 at a time, one element of x after
-// another: no horizontal sums; the same arithmetic as the scalar loop.
-inline void int8_candidate_errors(const float* x, int64_t d, const float* cand, double unit_scale,
-                                  int64_t* err) {
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-  static_assert(INT8_CANDIDATES % 16 == 0);
-  constexpr int NEAREST = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  constexpr int G = INT8_CANDIDATES / 16;
-  const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
-  const __m512d ud = _mm512_set1_pd(unit_scale);
-  __m512 sv[G];
-  __m512d sd[2 * G];
-  __m512i acc[2 * G];
-  for (int g = 0; g < G; g++) {
-    sv[g] = _mm512_loadu_ps(cand + 16 * g);
-    sd[2 * g] = _mm512_cvtps_pd(_mm512_castps512_ps256(sv[g]));
-    sd[2 * g + 1] = _mm512_cvtps_pd(_mm512_extractf32x8_ps(sv[g], 1));
-    acc[2 * g] = acc[2 * g + 1] = _mm512_setzero_si512();
-  }
-  for (int64_t j = 0; j < d; j++) {
-    const __m512 xv = _mm512_set1_ps(x[j]);
-    const __m512d xd = _mm512_set1_pd(x[j]);
-    for (int g = 0; g < G; g++) {
-      const __m512 r = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_div_ps(xv, sv[g]), NEAREST), lo), hi);
-      for (int half = 0; half < 2; half++) {
-        const __m256 rh = half ? _mm512_extractf32x8_ps(r, 1) : _mm512_castps512_ps256(r);
-        const __m512d diff = _mm512_mul_pd(_mm512_fnmadd_pd(_mm512_cvtps_pd(rh), sd[2 * g + half], xd), ud);
-        const __m512i units = _mm512_cvt_roundpd_epi64(diff, NEAREST);
-        acc[2 * g + half] = _mm512_add_epi64(acc[2 * g + half], _mm512_mullo_epi64(units, units));
-      }
-    }
-  }
-  for (int g = 0; g < 2 * G; g++) _mm512_storeu_si512(err + 8 * g, acc[g]);
-#else
+// +-127), in the exact units above (e: max|x| / 127's binary exponent), an integer held
+// exactly in a double: x - q c in double, times 2^(21 - e), rounded, squared, summed in int64.
+// Writes err[0 .. INT8_CANDIDATES).
+inline void int8_candidate_errors_scalar(const float* x, int64_t d, const float* cand, int e,
+                                         double* err) {
+  const double unit_scale = std::ldexp(1.0, INT8_ERROR_BITS + 1 - e);
   for (int c = 0; c < INT8_CANDIDATES; c++) {
-    err[c] = 0;
+    int64_t sum = 0;
     for (int64_t j = 0; j < d; j++) {
       const float r = std::min(std::max(std::nearbyint(x[j] / cand[c]), -127.f), 127.f);
       const double diff = (static_cast<double>(x[j]) - static_cast<double>(r) * static_cast<double>(cand[c])) * unit_scale;
       const int64_t units = static_cast<int64_t>(std::nearbyint(diff));
-      err[c] += units * units;
+      sum += units * units;
     }
+    err[c] = static_cast<double>(sum);
   }
+}
+
+// int8_candidate_errors_scalar's err, with AVX-512 in vectors. Writes err.
+inline void int8_candidate_errors(const float* x, int64_t d, const float* cand, int e, double* err) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  // A lane per candidate, one element of x after another (no horizontal sums), in float32:
+  // x and the candidates scaled by 2^k (k = ERROR_BITS + 1 - e; vscalefps, exact) give the
+  // same quotients, no clamp acts (|x| / c < 127.5 for every candidate from 1 - 1/256 up),
+  // and x 2^k - round(x / c) c 2^k is exact in one FMA (a multiple of c's last place, under c
+  // in size; Sterbenz where |x| < c), so its rounding is the torch path's integer; the squares
+  // (< 2^41) are summed in float64, exactly for d <= INT8_MAX_HEAD. Two chains of sums.
+  // Subnormal candidates (max|x| / 127 below 2^-125) round coarsely enough to saturate:
+  // those few take the scalar loop.
+  static_assert(INT8_CANDIDATES == 16 && INT8_FIRST_STEP >= -1,
+                "the float32 errors are exact only without saturating candidates");
+  if (e < -124) return int8_candidate_errors_scalar(x, d, cand, e, err);
+  constexpr int NEAREST = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 k = _mm512_set1_ps(static_cast<float>(INT8_ERROR_BITS + 1 - e));
+  const __m512 sv = _mm512_scalef_ps(_mm512_loadu_ps(cand), k);
+  __m512d acc[2][2] = {{_mm512_setzero_pd(), _mm512_setzero_pd()},
+                       {_mm512_setzero_pd(), _mm512_setzero_pd()}};
+  auto step = [&](float xj, __m512d (&a)[2]) {
+    const __m512 xv = _mm512_set1_ps(xj);
+    const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(xv, sv), NEAREST);
+    const __m512 u = _mm512_roundscale_ps(_mm512_fnmadd_ps(r, sv, xv), NEAREST);
+    const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(u));
+    const __m512d hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(u, 1));
+    a[0] = _mm512_fmadd_pd(lo, lo, a[0]);
+    a[1] = _mm512_fmadd_pd(hi, hi, a[1]);
+  };
+  alignas(64) float xs[16];
+  for (int64_t j0 = 0; j0 < d; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, d - j0);
+    const __mmask16 m = static_cast<__mmask16>((1u << n) - 1);
+    _mm512_store_ps(xs, _mm512_scalef_ps(_mm512_maskz_loadu_ps(m, x + j0), k));
+    int64_t j = 0;
+    for (; j + 1 < n; j += 2) {
+      step(xs[j], acc[0]);
+      step(xs[j + 1], acc[1]);
+    }
+    if (j < n) step(xs[j], acc[0]);
+  }
+  _mm512_storeu_pd(err, _mm512_add_pd(acc[0][0], acc[1][0]));
+  _mm512_storeu_pd(err + 8, _mm512_add_pd(acc[0][1], acc[1][1]));
+#else
+  int8_candidate_errors_scalar(x, d, cand, e, err);
+#endif
+}
+
+// dst [d] := round(x / s) (half to even) within +-127. Writes dst.
+inline void int8_round(const float* x, int64_t d, float s, int8_t* dst) {
+#if defined(__AVX512F__)
+  constexpr int NEAREST = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (int64_t j0 = 0; j0 < d; j0 += 16) {
+    const __mmask16 m = static_cast<__mmask16>((1u << std::min<int64_t>(16, d - j0)) - 1);
+    const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(m, x + j0), sv), NEAREST);
+    _mm512_mask_cvtsepi32_storeu_epi8(dst + j0, m, _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi)));
+  }
+#else
+  for (int64_t j = 0; j < d; j++)
+    dst[j] = static_cast<int8_t>(std::min(std::max(std::nearbyint(x[j] / s), -127.f), 127.f));
 #endif
 }
 
@@ -1199,17 +1235,15 @@ inline float quantize_int8_vector(const float* x, int64_t d, int8_t* dst) {
   int e = 0;
   std::frexp(safe, &e);
   alignas(64) float cand[INT8_CANDIDATES];
-  alignas(64) int64_t err[INT8_CANDIDATES];
+  alignas(64) double err[INT8_CANDIDATES];
   for (int c = 0; c < INT8_CANDIDATES; c++)
     cand[c] = safe * (1.f + static_cast<float>(c + INT8_FIRST_STEP) / 256.f);
-  int8_candidate_errors(x, d, cand, std::ldexp(1.0, INT8_ERROR_BITS + 1 - e), err);
+  int8_candidate_errors(x, d, cand, e, err);
   int best = 0;
   for (int c = 1; c < INT8_CANDIDATES; c++)
     if (err[c] < err[best]) best = c;
-  const float s = cand[best];
-  for (int64_t j = 0; j < d; j++)
-    dst[j] = static_cast<int8_t>(std::min(std::max(std::nearbyint(x[j] / s), -127.f), 127.f));
-  return base > 0.f ? s : 0.f;
+  int8_round(x, d, cand[best], dst);
+  return base > 0.f ? cand[best] : 0.f;
 }
 
 void write_kv_int8_(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales,
@@ -1219,6 +1253,7 @@ void write_kv_int8_(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales,
               scales.scalar_type() == at::kFloat,
               "write_kv_int8_: expected x [T, KVH, D], a contiguous int8 cache, float32 scales");
   const int64_t t = x.size(0), kvh = x.size(1), d = x.size(2);
+  TORCH_CHECK(d <= INT8_MAX_HEAD, "write_kv_int8_: head size ", d, " > ", INT8_MAX_HEAD);
   const int64_t slots = cache.size(1) * cache.size(2);
   auto sm = slot_mapping.to(at::kLong).contiguous();
   const int64_t* sp = sm.data_ptr<int64_t>();
