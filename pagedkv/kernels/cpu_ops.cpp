@@ -1140,8 +1140,16 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
 constexpr int INT8_FIRST_STEP = -1;  // candidates 1 + i / 256 for first <= i < first + count
 constexpr int INT8_CANDIDATES = 16;
 constexpr int INT8_ERROR_BITS = 20;
-// The widest head the exact float64 sums below allow (a squared error unit count < 2^40.2).
+// The widest head the exact float64 sums below allow (a squared error count < 2^40.2 units).
 constexpr int64_t INT8_MAX_HEAD = 4096;
+
+// The first candidate of the least error in err[0 .. INT8_CANDIDATES).
+inline int int8_argmin(const double* err) {
+  int best = 0;
+  for (int c = 1; c < INT8_CANDIDATES; c++)
+    if (err[c] < err[best]) best = c;
+  return best;
+}
 
 // err[c] := the squared round-trip error of x [d] (float32) as round(x / cand[c]) (within
 // +-127), in the exact units above (e: max|x| / 127's binary exponent), an integer held
@@ -1162,34 +1170,20 @@ inline void int8_candidate_errors_scalar(const float* x, int64_t d, const float*
   }
 }
 
-// int8_candidate_errors_scalar's err, with AVX-512 in vectors. Writes err.
-inline void int8_candidate_errors(const float* x, int64_t d, const float* cand, int e, double* err) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
-  // A lane per candidate, one element of x after another (no horizontal sums), in float32:
-  // x and the candidates scaled by 2^k (k = ERROR_BITS + 1 - e; vscalefps, exact) give the
-  // same quotients, no clamp acts (|x| / c < 127.5 for every candidate from 1 - 1/256 up),
-  // and x 2^k - round(x / c) c 2^k is exact in one FMA (a multiple of c's last place, under c
-  // in size; Sterbenz where |x| < c), so its rounding is the torch path's integer; the squares
-  // (< 2^41) are summed in float64, exactly for d <= INT8_MAX_HEAD. Two chains of sums.
-  // Subnormal candidates (max|x| / 127 below 2^-125) round coarsely enough to saturate:
-  // those few take the scalar loop.
-  static_assert(INT8_CANDIDATES == 16 && INT8_FIRST_STEP >= -1,
-                "the float32 errors are exact only without saturating candidates");
-  if (e < -124) return int8_candidate_errors_scalar(x, d, cand, e, err);
-  constexpr int NEAREST = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  const __m512 k = _mm512_set1_ps(static_cast<float>(INT8_ERROR_BITS + 1 - e));
-  const __m512 sv = _mm512_scalef_ps(_mm512_loadu_ps(cand), k);
-  __m512d acc[2][2] = {{_mm512_setzero_pd(), _mm512_setzero_pd()},
-                       {_mm512_setzero_pd(), _mm512_setzero_pd()}};
-  auto step = [&](float xj, __m512d (&a)[2]) {
-    const __m512 xv = _mm512_set1_ps(xj);
-    const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(xv, sv), NEAREST);
-    const __m512 u = _mm512_roundscale_ps(_mm512_fnmadd_ps(r, sv, xv), NEAREST);
-    const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(u));
-    const __m512d hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(u, 1));
-    a[0] = _mm512_fmadd_pd(lo, lo, a[0]);
-    a[1] = _mm512_fmadd_pd(hi, hi, a[1]);
-  };
+// The AVX-512 search, a lane per candidate, one element of x after another (no horizontal
+// sums), in float32: x and the candidates scaled by 2^k (k = ERROR_BITS + 1 - e; vscalefps,
+// exact) give the same quotients, no clamp acts (|x| / c < 127.5 for every candidate from
+// 1 - 1/256 up), and the residual x' - round(x' / c') c' is exact in one FMA (a multiple of
+// c''s last place, under c' in size; Sterbenz where |x'| < c'). Its rounding to a whole unit
+// is the torch path's integer.
+static_assert(INT8_CANDIDATES == 16 && INT8_FIRST_STEP >= -1,
+              "the float32 residuals are exact only without saturating candidates");
+
+// f(xv, a) for every element of x [d] scaled by 2^k (broadcast), alternating between the
+// accumulators a0 and a1 (two dependency chains). Mutates a0, a1.
+template <typename A, typename F>
+inline void int8_each_element(const float* x, int64_t d, __m512 k, A& a0, A& a1, F f) {
   alignas(64) float xs[16];
   for (int64_t j0 = 0; j0 < d; j0 += 16) {
     const int64_t n = std::min<int64_t>(16, d - j0);
@@ -1197,17 +1191,72 @@ inline void int8_candidate_errors(const float* x, int64_t d, const float* cand, 
     _mm512_store_ps(xs, _mm512_scalef_ps(_mm512_maskz_loadu_ps(m, x + j0), k));
     int64_t j = 0;
     for (; j + 1 < n; j += 2) {
-      step(xs[j], acc[0]);
-      step(xs[j + 1], acc[1]);
+      f(_mm512_set1_ps(xs[j]), a0);
+      f(_mm512_set1_ps(xs[j + 1]), a1);
     }
-    if (j < n) step(xs[j], acc[0]);
+    if (j < n) f(_mm512_set1_ps(xs[j]), a0);
   }
-  _mm512_storeu_pd(err, _mm512_add_pd(acc[0][0], acc[1][0]));
-  _mm512_storeu_pd(err + 8, _mm512_add_pd(acc[0][1], acc[1][1]));
-#else
-  int8_candidate_errors_scalar(x, d, cand, e, err);
-#endif
 }
+
+// The residuals x' - round(x' / c') c' of element x' (broadcast) against every candidate c'.
+inline __m512 int8_residuals(__m512 xv, __m512 sv) {
+  constexpr int NEAREST = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return _mm512_fnmadd_ps(_mm512_roundscale_ps(_mm512_div_ps(xv, sv), NEAREST), sv, xv);
+}
+
+// int8_candidate_errors_scalar's err, exactly: the residuals rounded to whole units, their
+// squares (< 2^41) summed in float64 (exact for d <= INT8_MAX_HEAD). Writes err.
+inline void int8_exact_errors(const float* x, int64_t d, __m512 k, __m512 sv, double* err) {
+  struct Sums { __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd(); } a0, a1;
+  int8_each_element(x, d, k, a0, a1, [sv](__m512 xv, Sums& a) {
+    const __m512 u = _mm512_roundscale_ps(int8_residuals(xv, sv),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(u));
+    const __m512d hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(u, 1));
+    a.lo = _mm512_fmadd_pd(lo, lo, a.lo);
+    a.hi = _mm512_fmadd_pd(hi, hi, a.hi);
+  });
+  _mm512_storeu_pd(err, _mm512_add_pd(a0.lo, a1.lo));
+  _mm512_storeu_pd(err + 8, _mm512_add_pd(a0.hi, a1.hi));
+}
+
+// The best candidate (int8_argmin of the exact errors) with AVX-512. First the float32 sums of
+// the squared residuals, unrounded: each within tol of the exact error (a residual's square
+// moves by at most |r| + 1/4 <= c'_max (1 + 2^-16) / 2 + 1/4 when r rounds to whole units;
+// the float32 squares and sums are off by (d + 1) 2^-24 of the sum at most). When one lane is
+// below every other by more than 2 tol, it is the exact errors' unique least; otherwise (near
+// ties, all-zero vectors) the exact errors decide. Subnormal candidates (max|x| / 127 below
+// 2^-125) round coarsely enough to saturate: those take the scalar loop.
+inline int int8_best_candidate(const float* x, int64_t d, const float* cand, int e) {
+  alignas(64) double err[INT8_CANDIDATES];
+  if (e < -124) {
+    int8_candidate_errors_scalar(x, d, cand, e, err);
+    return int8_argmin(err);
+  }
+  const __m512 k = _mm512_set1_ps(static_cast<float>(INT8_ERROR_BITS + 1 - e));
+  const __m512 sv = _mm512_scalef_ps(_mm512_loadu_ps(cand), k);
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+  int8_each_element(x, d, k, a0, a1, [sv](__m512 xv, __m512& a) {
+    const __m512 r = int8_residuals(xv, sv);
+    a = _mm512_fmadd_ps(r, r, a);
+  });
+  const __m512 rough = _mm512_add_ps(a0, a1);
+  const double lo = _mm512_reduce_min_ps(rough), hi = _mm512_reduce_max_ps(rough);
+  const double tol = static_cast<double>(d) * (0.51 * _mm512_reduce_max_ps(sv) + 0.25) +
+                     static_cast<double>(d + 2) * std::ldexp(hi, -23);
+  const __mmask16 near = _mm512_cmp_ps_mask(
+      rough, _mm512_set1_ps(static_cast<float>(lo + 3.0 * tol)), _CMP_LE_OQ);
+  if (__builtin_popcount(near) == 1) return __builtin_ctz(near);
+  int8_exact_errors(x, d, k, sv, err);
+  return int8_argmin(err);
+}
+#else
+inline int int8_best_candidate(const float* x, int64_t d, const float* cand, int e) {
+  alignas(64) double err[INT8_CANDIDATES];
+  int8_candidate_errors_scalar(x, d, cand, e, err);
+  return int8_argmin(err);
+}
+#endif
 
 // dst [d] := round(x / s) (half to even) within +-127. Writes dst.
 inline void int8_round(const float* x, int64_t d, float s, int8_t* dst) {
@@ -1235,13 +1284,9 @@ inline float quantize_int8_vector(const float* x, int64_t d, int8_t* dst) {
   int e = 0;
   std::frexp(safe, &e);
   alignas(64) float cand[INT8_CANDIDATES];
-  alignas(64) double err[INT8_CANDIDATES];
   for (int c = 0; c < INT8_CANDIDATES; c++)
     cand[c] = safe * (1.f + static_cast<float>(c + INT8_FIRST_STEP) / 256.f);
-  int8_candidate_errors(x, d, cand, e, err);
-  int best = 0;
-  for (int c = 1; c < INT8_CANDIDATES; c++)
-    if (err[c] < err[best]) best = c;
+  const int best = int8_best_candidate(x, d, cand, e);
   int8_round(x, d, cand[best], dst);
   return base > 0.f ? cand[best] : 0.f;
 }

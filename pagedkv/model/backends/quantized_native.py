@@ -34,47 +34,59 @@ from pagedkv.model.kv_quant import quantize_into
 
 @dataclass
 class InPlaceMetadata:
-    """The first `num_rows` tokens of the step read in place: their real slots [R], block tables
-    [R, W] (their sequence's, one row per token) and lengths [R] (keys up to and including the
-    token); the first `num_decodes` rows are decodes, the rest prefill chunks, given also as
-    `chunks` (first row [C], end row [C], sequence length [C], block tables [C, W]; None when
-    there are none) for the tiled kernel; the remaining tokens through `prefill`
+    """The first `num_rows` tokens of the step (those of its first `num_seqs` sequences) read in
+    place: their real slots [R]; the first `num_decodes` sequences are decodes, the rest prefill
+    chunks, given also as `chunks` (first row [C], end row [C], sequence length [C], block
+    tables [C, W]; None when there are none) for the tiled kernel; `tables` [S, W] and
+    `seq_lens` [S] of the sequences; the remaining tokens through `prefill`
     (QuantizedKVMetadata of the prefill-only rest of the step; None when every token is a
-    row)."""
+    row). A chunk's per-token rows for the decode kernel are built only when a call needs them
+    (`rows`: a build without the tiled kernel for q)."""
 
     num_rows: int
     slots: torch.Tensor
-    block_tables: torch.Tensor
-    row_lens: torch.Tensor
+    step: StepSequences
+    num_seqs: int
+    tables: torch.Tensor
+    seq_lens: torch.Tensor
     prefill: object | None
     num_decodes: int = 0
     chunks: tuple[torch.Tensor, ...] | None = None
-    _first: dict = field(default_factory=dict)
+    _rows: dict = field(default_factory=dict)
 
     @classmethod
     def for_step(cls, step: StepSequences, num_seqs: int, prefill: object | None,
                  device: torch.device) -> InPlaceMetadata:
         """The metadata of the step's first `num_seqs` sequences read in place (`prefill`: the
         rest's)."""
-        slots, tables, lens = in_place_rows(step, num_seqs, device)
+        counts = step.num_new_tokens[:num_seqs]
+        rows = sum(counts)
+        slots = torch.tensor(step.slot_mapping[:rows], dtype=torch.long, device=device)
+        tables = padded_tables(step.block_tables[:num_seqs], device)
+        lens = torch.tensor(step.seq_lens[:num_seqs], dtype=torch.long, device=device)
         nd = min(step.num_decodes, num_seqs)
         chunks = None
         if num_seqs > nd:
-            counts = step.num_new_tokens[:num_seqs]
             ends = torch.tensor(counts, dtype=torch.long).cumsum(0)[nd:]
             starts = ends - torch.tensor(counts[nd:], dtype=torch.long)
-            chunks = (starts.to(device), ends.to(device),
-                      torch.tensor(step.seq_lens[nd:num_seqs], dtype=torch.long, device=device),
-                      tables[starts])
-        return cls(num_rows=len(slots), slots=slots, block_tables=tables, row_lens=lens,
-                   prefill=prefill, num_decodes=nd, chunks=chunks)
+            chunks = (starts.to(device), ends.to(device), lens[nd:], tables[nd:])
+        return cls(num_rows=rows, slots=slots, step=step, num_seqs=num_seqs, tables=tables,
+                   seq_lens=lens, prefill=prefill, num_decodes=nd, chunks=chunks)
 
-    def first_positions(self, window: int | None) -> torch.Tensor:
-        """The first key position each row attends to (0, or its sliding window's)."""
-        if window not in self._first:
-            self._first[window] = (torch.zeros_like(self.row_lens) if window is None
-                                   else (self.row_lens - window).clamp_min_(0))
-        return self._first[window]
+    def rows(self, tokens: bool, window: int | None) -> tuple[torch.Tensor, ...]:
+        """(block tables [N, W], first key position [N], length [N]) of the decode kernel's
+        rows: the decodes, or (`tokens`) every token read in place; once per step and window."""
+        key = (tokens, window)
+        if key not in self._rows:
+            nd = self.num_decodes
+            if tokens and self.num_rows > nd:
+                tables, lens = in_place_rows(self.step, self.num_seqs, self.slots.device)[1:]
+            else:
+                tables, lens = self.tables[:nd], self.seq_lens[:nd]
+            first = (torch.zeros_like(lens) if window is None
+                     else (lens - window).clamp_min_(0))
+            self._rows[key] = (tables, first, lens)
+        return self._rows[key]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, scale: float, window: int | None,
@@ -84,31 +96,40 @@ class InPlaceMetadata:
         k_scales / v_scales mutated) and attend q [T, heads, D]: the rows in place (prefill
         chunks through the tiled kernel where the build has it), the rest over their
         dequantized blocks."""
-        r = self.num_rows
+        r, t = self.num_rows, q.shape[0]
         ops = torch.ops.pagedkv_cpu
+        kr, vr = (k, v) if r == t else (k[:r], v[:r])
         if k_scales is not None:
-            ops.write_kv_int8_(k[:r], k_cache, k_scales, self.slots)
-            ops.write_kv_int8_(v[:r], v_cache, v_scales, self.slots)
+            ops.write_kv_int8_(kr, k_cache, k_scales, self.slots)
+            ops.write_kv_int8_(vr, v_cache, v_scales, self.slots)
         else:
-            quantize_into(k_cache, self.slots, k[:r])
-            quantize_into(v_cache, self.slots, v[:r])
+            quantize_into(k_cache, self.slots, kr)
+            quantize_into(v_cache, self.slots, vr)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         tiled = self.chunks is not None and tiled_prefill(q.shape[2], q.dtype)
-        rows = self.num_decodes if tiled else r
-        if rows:
-            ops.paged_decode_attention_q(q[:rows], k_cache, v_cache, k_scales, v_scales,
-                                         self.block_tables[:rows],
-                                         self.first_positions(window)[:rows],
-                                         self.row_lens[:rows], scale, out[:rows], None)
+        tables, first, lens = self.rows(not tiled, window)
+        n = lens.shape[0]
+        if n:
+            ops.paged_decode_attention_q(q if n == t else q[:n], k_cache, v_cache, k_scales,
+                                         v_scales, tables, first, lens, scale,
+                                         out if n == t else out[:n], None)
         if tiled:
             starts, ends, lens, tables = self.chunks
-            ops.paged_prefill_attention(q[:r], k_cache, v_cache, tables, starts, ends, lens,
-                                        window or 0, scale, out[:r], True, None, k_scales,
+            ops.paged_prefill_attention(q if r == t else q[:r], k_cache, v_cache, tables, starts,
+                                        ends, lens, window or 0, scale,
+                                        out if r == t else out[:r], True, None, k_scales,
                                         v_scales)
         if self.prefill is not None:
             out[r:] = self.prefill.attend(q[r:], k[r:], v[r:], k_cache, v_cache, scale,
                                           window, k_scales=k_scales, v_scales=v_scales)
         return out
+
+
+def padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """`tables` as one [S, W] tensor (W: the longest; shorter rows padded with block 0)."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long,
+                        device=device)
 
 
 def in_place_rows(step: StepSequences, num_seqs: int,
@@ -117,9 +138,7 @@ def in_place_rows(step: StepSequences, num_seqs: int,
     `num_seqs` sequences, one row per token (R = their new tokens)."""
     counts = torch.tensor(step.num_new_tokens[:num_seqs], dtype=torch.long)
     ends = torch.tensor(step.seq_lens[:num_seqs], dtype=torch.long)
-    tables = step.block_tables[:num_seqs]
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    table = padded_tables(step.block_tables[:num_seqs], torch.device("cpu"))
     rows = int(counts.sum())
     slots = torch.tensor(step.slot_mapping[:rows], dtype=torch.long)
     if rows == num_seqs:  # decodes only: a row per sequence, as it is
