@@ -54,12 +54,12 @@ def _reference(q, k_cache, v_cache, k_scales, v_scales, window):
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("unstored", [False, True])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_every_token_of_a_step_reads_the_quantized_cache_in_place(cache_dtype, window, unstored,
                                                                    dtype):
     """The decode through the decode kernel, the prefill chunks (from 0, after a cached prefix)
-    through the tiled prefill kernel where the build has it (else rows of the decode kernel):
-    every row equal to attention over the dequantized cache."""
+    through the tiled prefill kernel where the build has it (else, float16 always, a row of the
+    decode kernel per token): every row equal to attention over the dequantized cache."""
     ensure_cpu_kernels("wait")
     gen = torch.Generator().manual_seed(1)
     shape = (KV_HEADS, NUM_BLOCKS, BLOCK, HEAD_DIM)
