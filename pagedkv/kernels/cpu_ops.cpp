@@ -1180,21 +1180,19 @@ inline void int8_candidate_errors_scalar(const float* x, int64_t d, const float*
 static_assert(INT8_CANDIDATES == 16 && INT8_FIRST_STEP >= -1,
               "the float32 residuals are exact only without saturating candidates");
 
-// f(xv, a) for every element of x [d] scaled by 2^k (broadcast), alternating between the
-// accumulators a0 and a1 (two dependency chains). Mutates a0, a1.
+// f(xv, a[i]) for every element of x [d] scaled by 2^k (broadcast), the accumulators a[0 .. 3]
+// taken in turn (four dependency chains: the search is bound by their latency). Mutates a.
 template <typename A, typename F>
-inline void int8_each_element(const float* x, int64_t d, __m512 k, A& a0, A& a1, F f) {
+inline void int8_each_element(const float* x, int64_t d, __m512 k, A (&a)[4], F f) {
   alignas(64) float xs[16];
   for (int64_t j0 = 0; j0 < d; j0 += 16) {
     const int64_t n = std::min<int64_t>(16, d - j0);
     const __mmask16 m = static_cast<__mmask16>((1u << n) - 1);
     _mm512_store_ps(xs, _mm512_scalef_ps(_mm512_maskz_loadu_ps(m, x + j0), k));
     int64_t j = 0;
-    for (; j + 1 < n; j += 2) {
-      f(_mm512_set1_ps(xs[j]), a0);
-      f(_mm512_set1_ps(xs[j + 1]), a1);
-    }
-    if (j < n) f(_mm512_set1_ps(xs[j]), a0);
+    for (; j + 3 < n; j += 4)
+      for (int i = 0; i < 4; i++) f(_mm512_set1_ps(xs[j + i]), a[i]);
+    for (; j < n; j++) f(_mm512_set1_ps(xs[j]), a[0]);
   }
 }
 
@@ -1207,8 +1205,8 @@ inline __m512 int8_residuals(__m512 xv, __m512 sv) {
 // int8_candidate_errors_scalar's err, exactly: the residuals rounded to whole units, their
 // squares (< 2^41) summed in float64 (exact for d <= INT8_MAX_HEAD). Writes err.
 inline void int8_exact_errors(const float* x, int64_t d, __m512 k, __m512 sv, double* err) {
-  struct Sums { __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd(); } a0, a1;
-  int8_each_element(x, d, k, a0, a1, [sv](__m512 xv, Sums& a) {
+  struct Sums { __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd(); } a[4];
+  int8_each_element(x, d, k, a, [sv](__m512 xv, Sums& a) {
     const __m512 u = _mm512_roundscale_ps(int8_residuals(xv, sv),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(u));
@@ -1216,8 +1214,8 @@ inline void int8_exact_errors(const float* x, int64_t d, __m512 k, __m512 sv, do
     a.lo = _mm512_fmadd_pd(lo, lo, a.lo);
     a.hi = _mm512_fmadd_pd(hi, hi, a.hi);
   });
-  _mm512_storeu_pd(err, _mm512_add_pd(a0.lo, a1.lo));
-  _mm512_storeu_pd(err + 8, _mm512_add_pd(a0.hi, a1.hi));
+  _mm512_storeu_pd(err, _mm512_add_pd(_mm512_add_pd(a[0].lo, a[1].lo), _mm512_add_pd(a[2].lo, a[3].lo)));
+  _mm512_storeu_pd(err + 8, _mm512_add_pd(_mm512_add_pd(a[0].hi, a[1].hi), _mm512_add_pd(a[2].hi, a[3].hi)));
 }
 
 // The best candidate (int8_argmin of the exact errors) with AVX-512. First the float32 sums of
@@ -1235,15 +1233,15 @@ inline int int8_best_candidate(const float* x, int64_t d, const float* cand, int
   }
   const __m512 k = _mm512_set1_ps(static_cast<float>(INT8_ERROR_BITS + 1 - e));
   const __m512 sv = _mm512_scalef_ps(_mm512_loadu_ps(cand), k);
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
-  int8_each_element(x, d, k, a0, a1, [sv](__m512 xv, __m512& a) {
+  __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  int8_each_element(x, d, k, a, [sv](__m512 xv, __m512& acc) {
     const __m512 r = int8_residuals(xv, sv);
-    a = _mm512_fmadd_ps(r, r, a);
+    acc = _mm512_fmadd_ps(r, r, acc);
   });
-  const __m512 rough = _mm512_add_ps(a0, a1);
+  const __m512 rough = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
   const double lo = _mm512_reduce_min_ps(rough), hi = _mm512_reduce_max_ps(rough);
   const double tol = static_cast<double>(d) * (0.51 * _mm512_reduce_max_ps(sv) + 0.25) +
-                     static_cast<double>(d + 2) * std::ldexp(hi, -23);
+                     static_cast<double>(d + 2) * hi * 0x1p-23;
   const __mmask16 near = _mm512_cmp_ps_mask(
       rough, _mm512_set1_ps(static_cast<float>(lo + 3.0 * tol)), _CMP_LE_OQ);
   if (__builtin_popcount(near) == 1) return __builtin_ctz(near);
