@@ -658,17 +658,21 @@ inline void block_scores_bf16(const c10::BFloat16* qb, const c10::BFloat16* kb, 
 template <typename KFmt>
 constexpr bool bf16_dot = PAGEDKV_BF16_DOT && std::is_same_v<KFmt, SameFmt<c10::BFloat16>>;
 
-// dots[t] = q16 . k[t] (int32, exact) for the n rows of one block, q16 D int16 values; the
-// rows are int8 (a cache block, widened here) or int16 (a tile's widened copy, TileScratch).
-template <int D, typename K>
+// dots[h * DOTS + t] = q16_h . k[t] (int32, exact) for G query heads (q16_h: D int16 values
+// at qv + h * D / (2 QW)) and the n rows of one block: each key vector widened once for the G
+// heads; the rows are int8 (a cache block, widened here) or int16 (a tile's widened copy,
+// TileScratch). Writes dots (n rounded up to QW per head, n <= SPAN).
+constexpr int64_t SPAN = 128;  // rows of a tile's widened copy (TileScratch, below)
+constexpr int64_t DOTS = SPAN + QW;
+template <int D, int G, typename K>
 inline void block_dots_int8(const vqs16* qv, const K* kb, int64_t n, int32_t* dots) {
   constexpr int C2 = D / (2 * QW);
   for (int64_t t0 = 0; t0 < n; t0 += QW) {
-    vqi32 r[QW] = {};
+    vqi32 r[G][QW] = {};
     const int64_t rows = std::min<int64_t>(QW, n - t0);
     for (int64_t i = 0; i < rows; i++) {
       const K* kt = kb + (t0 + i) * D;
-      vqi32 a = {};
+      vqi32 a[G] = {};
       for (int c = 0; c < C2; c++) {
         vqs16 k16;
         if constexpr (std::is_same_v<K, int8_t>) {
@@ -678,12 +682,14 @@ inline void block_dots_int8(const vqs16* qv, const K* kb, int64_t n, int32_t* do
         } else {
           std::memcpy(&k16, kt + c * 2 * QW, sizeof(k16));
         }
-        a = dot_pairs(a, k16, qv[c]);
+        for (int h = 0; h < G; h++) a[h] = dot_pairs(a[h], k16, qv[h * C2 + c]);
       }
-      r[i] = a;
+      for (int h = 0; h < G; h++) r[h][i] = a[h];
     }
-    const vqi32 s = row_sums(r);
-    std::memcpy(dots + t0, &s, sizeof(int32_t) * rows);
+    for (int h = 0; h < G; h++) {
+      const vqi32 sums = row_sums(r[h]);
+      std::memcpy(dots + h * DOTS + t0, &sums, sizeof(int32_t) * rows);
+    }
   }
 }
 
@@ -737,7 +743,6 @@ inline int64_t zigzag(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n - 1 
 // Blocks widened for a tile, one after another (up to SPAN rows): int8 keys as int16 (q . k
 // stays in integers), everything else as float32, in the units fmt_vec gives (so fmt_unit
 // still applies); int8's scales beside them. Mutates k, v, ks, vs.
-constexpr int64_t SPAN = 128;
 template <typename Fmt, int D> struct TileScratch {
   using KRow = std::conditional_t<std::is_same_v<Fmt, Int8Fmt>, int16_t, float>;
   std::vector<KRow> k;
@@ -827,8 +832,8 @@ inline void head_scores(const RowHeads<D>& st, int64_t i, const typename KFmt::s
 
 // The g query heads i0 .. i0 + g - 1 of one row attend the n rows of one block at kb / vb
 // (KFmt / VFmt: the cache's format read in place, or a tile's widened copy); ks / vs: the rows'
-// int8 scales (null otherwise); p: g rows of ps >= n scores, corr: g factors, dots: n + QW
-// values (scratch); scale: the softmax scale (head_scores). Key rows are scored for a pair of
+// int8 scales (null otherwise); p: g rows of ps >= n scores, corr: g factors, dots: g rows of
+// DOTS values (scratch); scale: the softmax scale (head_scores). Key rows are scored for a pair of
 // heads at once (head_scores), value rows weighed for up to 16 / C heads at once
 // (weigh_values). Mutates the heads' m, l and accumulators.
 template <typename KFmt, typename VFmt, bool int8, int D>
@@ -837,7 +842,12 @@ inline void attend_row(RowHeads<D>& st, int64_t i0, int64_t g, const typename KF
                        int64_t n, int64_t ps, float* p, float* corr, int32_t* dots, float scale) {
   constexpr int C = D / QW;
   constexpr int HB = C >= 16 ? 1 : C >= 8 ? 2 : 4;
-  if constexpr (!int8) {
+  if constexpr (int8) {  // int8 keys: a pair of heads' dot products per key widened
+    const vqs16* q16 = st.q16.data() + i0 * C / 2;
+    int64_t h = 0;
+    for (; h + 2 <= g; h += 2) block_dots_int8<D, 2>(q16 + h * C / 2, kb, n, dots + h * DOTS);
+    if (h < g) block_dots_int8<D, 1>(q16 + h * C / 2, kb, n, dots + h * DOTS);
+  } else {
     int64_t h = 0;
     for (; h + 2 <= g; h += 2) head_scores<KFmt, D, 2>(st, i0 + h, kb, n, p + h * ps, ps, scale);
     if (h < g) head_scores<KFmt, D, 1>(st, i0 + h, kb, n, p + h * ps, ps, scale);
@@ -846,10 +856,10 @@ inline void attend_row(RowHeads<D>& st, int64_t i0, int64_t g, const typename KF
     const int64_t i = i0 + h;
     float* ph = p + h * ps;
     if constexpr (int8) {
-      block_dots_int8<D>(st.q16.data() + i * C / 2, kb, n, dots);
+      const int32_t* dh = dots + h * DOTS;
       const float qs = st.qscale[i];
 #pragma omp simd
-      for (int64_t t = 0; t < n; t++) ph[t] = static_cast<float>(dots[t]) * (qs * ks[t]);
+      for (int64_t t = 0; t < n; t++) ph[t] = static_cast<float>(dh[t]) * (qs * ks[t]);
     }
     corr[h] = softmax_block(ph, n, st.m[i], st.l[i]);
     if constexpr (int8) {
@@ -1001,7 +1011,7 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     RowHeads<D> st(TILE_ROWS * g, bf16_dot<Fmt>);
     TileScratch<Fmt, D> scratch;
     std::vector<float> p(g * SPAN), corr(g);
-    std::vector<int32_t> dots(SPAN + QW);
+    std::vector<int32_t> dots(g * DOTS);
     for (int64_t item = begin; item < end; item++) {
       const int64_t tile = zigzag(item / kvh, num_tiles), kh = item % kvh;
       const int64_t r0 = tiles[tile], nr = tiles[tile + 1] - r0;
