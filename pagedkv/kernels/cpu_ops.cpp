@@ -11,6 +11,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -1333,6 +1335,49 @@ void write_kv_int8_(const at::Tensor& x, at::Tensor& cache, at::Tensor& scales,
 }
 
 
+// fp8 KV write (kv_quant.quantize_into's, scale 1, in one pass): each value of x [T, KVH, D]
+// (strided rows) clamped to the cache format's finite range and rounded to it by c10's
+// conversion (torch's own cast) into cache[h, slot[t]] (e4m3fn or e5m2, [KVH, NB, BS, D]).
+// Slots < 0 are skipped. Mutates cache.
+void write_kv_fp8_(const at::Tensor& x, at::Tensor& cache, const at::Tensor& slot_mapping) {
+  const at::ScalarType ct = cache.scalar_type();
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && cache.is_contiguous() && cache.dim() == 4 &&
+              cache.size(0) == x.size(1) && cache.size(3) == x.size(2) &&
+              (ct == at::kFloat8_e4m3fn || ct == at::kFloat8_e5m2),
+              "write_kv_fp8_: expected x [T, KVH, D] and a contiguous fp8 cache [KVH, NB, BS, D]");
+  const int64_t t = x.size(0), kvh = x.size(1), d = x.size(2);
+  const int64_t slots = cache.size(1) * cache.size(2);
+  auto sm = slot_mapping.to(at::kLong).contiguous();
+  TORCH_CHECK(sm.numel() == t, "write_kv_fp8_: one slot per token");
+  const int64_t* sp = sm.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; i++) TORCH_CHECK(sp[i] < slots, "write_kv_fp8_: slot ", sp[i], " >= ", slots);
+  dispatch(x.scalar_type(), "write_kv_fp8_", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const int64_t s0 = x.stride(0), s1 = x.stride(1);
+    auto run = [&](auto fmt) {
+      using F8 = decltype(fmt);
+      const float limit = static_cast<float>(std::numeric_limits<F8>::max());
+      F8* cp = static_cast<F8*>(cache.data_ptr());
+      at::parallel_for(0, t, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; i++) {
+          if (sp[i] < 0) continue;
+          for (int64_t h = 0; h < kvh; h++) {
+            const scalar_t* src = xp + i * s0 + h * s1;
+            F8* dst = cp + (h * slots + sp[i]) * d;
+            for (int64_t j = 0; j < d; j++) {
+              const float f = to_f(src[j]);  // NaN stays NaN, as torch's clamp leaves it
+              dst[j] = F8(f > limit ? limit : f < -limit ? -limit : f);
+            }
+          }
+        }
+      });
+    };
+    if (ct == at::kFloat8_e4m3fn) run(c10::Float8_e4m3fn{});
+    else run(c10::Float8_e5m2{});
+  });
+}
+
 // ---- Panel linear: y = x @ W^T (+ bias), every linear of a model on CPU ------------------
 //
 // oneDNN's and MKL's GEMMs stream a weight at half the memory bandwidth or less when x has a
@@ -2257,6 +2302,7 @@ TORCH_LIBRARY(pagedkv_cpu, m) {
         "Tensor(a!) out, Tensor(b!)? lse) -> ()", &paged_decode_attention_q);
   m.def("write_kv_int8_(Tensor x, Tensor(a!) cache, Tensor(b!) scales, Tensor slot_mapping) -> ()",
         &write_kv_int8_);
+  m.def("write_kv_fp8_(Tensor x, Tensor(a!) cache, Tensor slot_mapping) -> ()", &write_kv_fp8_);
   m.def("paged_prefill_supports(int head_dim, ScalarType dtype) -> bool", &paged_prefill_supports);
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor starts, Tensor ends, Tensor seq_lens, int window, float scale, Tensor(a!) out, "

@@ -1,10 +1,10 @@
 """Attention over an int8 or fp8 KV cache read in place by the fused C++ kernel (CPU).
 
 With the CPU kernels loaded (cpu_native's `native`), QuantizedKVBackend builds this metadata: the
-step's new K/V are quantized into their slots (int8 by the kernel `write_kv_int8_`, in one pass;
-fp8 by kv_quant.quantize_into), then the decodes are rows of `paged_decode_attention_q`,
-attending to positions first .. their own over their sequence's blocks in the cache, and the
-prefill chunks go through the tiled prefill kernel (`paged_prefill_attention`, as the
+step's new K/V are quantized into their slots in one pass (int8 by the kernel `write_kv_int8_`,
+fp8 by `write_kv_fp8_`: bit-identical to kv_int8.py's and kv_quant.quantize_into's writes),
+then the decodes are rows of `paged_decode_attention_q`, attending to positions first .. their
+own over their sequence's blocks in the cache, and the prefill chunks go through the tiled prefill kernel (`paged_prefill_attention`, as the
 model-dtype cache's chunks do in cpu_native.py: tiles of a chunk's tokens x a KV head's query
 heads, causal and windowed by position, each key step's rows widened once per tile). Where the
 build has no tiled kernel for q's dtype and head size (`paged_prefill_supports`: an AVX2 build,
@@ -29,7 +29,6 @@ import torch
 
 from pagedkv.model.backends.cpu_native import tiled_prefill
 from pagedkv.model.backends.step import StepSequences
-from pagedkv.model.kv_quant import quantize_into
 
 
 @dataclass
@@ -103,8 +102,8 @@ class InPlaceMetadata:
             ops.write_kv_int8_(kr, k_cache, k_scales, self.slots)
             ops.write_kv_int8_(vr, v_cache, v_scales, self.slots)
         else:
-            quantize_into(k_cache, self.slots, kr)
-            quantize_into(v_cache, self.slots, vr)
+            ops.write_kv_fp8_(kr, k_cache, self.slots)
+            ops.write_kv_fp8_(vr, v_cache, self.slots)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         tiled = self.chunks is not None and tiled_prefill(q.shape[2], q.dtype)
         tables, first, lens = self.rows(not tiled, window)
