@@ -54,12 +54,12 @@ def _reference(q, k_cache, v_cache, k_scales, v_scales, window, seqs=SEQS):
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("unstored", [False, True])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_every_token_of_a_step_reads_the_quantized_cache_in_place(cache_dtype, window, unstored,
                                                                    dtype):
     """The decode through the decode kernel, the prefill chunks (from 0, after a cached prefix)
-    through the tiled prefill kernel where the build has it (else rows of the decode kernel):
-    every row equal to attention over the dequantized cache."""
+    through the tiled prefill kernel where the build has it (else, float16 always, a row of the
+    decode kernel per token): every row equal to attention over the dequantized cache."""
     ensure_cpu_kernels("wait")
     gen = torch.Generator().manual_seed(1)
     shape = (KV_HEADS, NUM_BLOCKS, BLOCK, HEAD_DIM)
@@ -135,3 +135,27 @@ def test_every_fp8_value_widens_exactly(cache_dtype, shared):
     # The outscored keys' weights are the kernel's fast exp floor (~1e-38), not exp(-128):
     # 1e-30 is far below the smallest fp8 value (2^-16), so this is exact per value.
     torch.testing.assert_close(out[:, 0], values.view(cache_dtype).float(), rtol=0, atol=1e-30)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_fp8_write_kernel_writes_what_torch_writes_bit_for_bit(cache_dtype, dtype):
+    """write_kv_fp8_ (the in-place step's fp8 write) against kv_quant.quantize_into: values of
+    every magnitude (fp8 subnormals to past the format's range, +-inf: saturated), shuffled
+    slots, one negative slot skipped, every other byte untouched."""
+    ensure_cpu_kernels("wait")
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(90, KV_HEADS, HEAD_DIM, generator=gen)
+    x *= torch.exp2(torch.randint(-24, 18, (90, KV_HEADS, 1), generator=gen).float())
+    x[0, 0, :3] = torch.tensor([float("inf"), -float("inf"), 1e6])
+    x = x.to(dtype)
+    slots = torch.randperm(NUM_BLOCKS * BLOCK, generator=gen)[:90]
+    shape = (KV_HEADS, NUM_BLOCKS, BLOCK, HEAD_DIM)
+    ref, got = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
+    quantize_into(ref, slots, x)
+    torch.ops.pagedkv_cpu.write_kv_fp8_(x, got, slots)
+    assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+    assert int(ref.view(torch.uint8).ne(0).sum()) > 90 * KV_HEADS * HEAD_DIM // 2
+    before = got.clone()
+    torch.ops.pagedkv_cpu.write_kv_fp8_(x[:1] * 2, got, torch.tensor([-1]))
+    assert torch.equal(got.view(torch.uint8), before.view(torch.uint8))

@@ -1,10 +1,10 @@
 """Attention over an int8 or fp8 KV cache read in place by the fused C++ kernel (CPU).
 
 With the CPU kernels loaded (cpu_native's `native`), QuantizedKVBackend builds this metadata: the
-step's new K/V are quantized into their slots (int8 by the kernel `write_kv_int8_`, in one pass;
-fp8 by kv_quant.quantize_into), then the decodes are rows of `paged_decode_attention_q`,
-attending to positions first .. their own over their sequence's blocks in the cache, and the
-prefill chunks go through the tiled prefill kernel (`paged_prefill_attention`, as the
+step's new K/V are quantized into their slots in one pass (int8 by the kernel `write_kv_int8_`,
+fp8 by `write_kv_fp8_`: bit-identical to kv_int8.py's and kv_quant.quantize_into's writes),
+then the decodes are rows of `paged_decode_attention_q`, attending to positions first .. their
+own over their sequence's blocks in the cache, and the prefill chunks go through the tiled prefill kernel (`paged_prefill_attention`, as the
 model-dtype cache's chunks do in cpu_native.py: tiles of a chunk's tokens x a KV head's query
 heads, causal and windowed by position, each key step's rows widened once per tile). Where the
 build has no tiled kernel for q's dtype and head size (`paged_prefill_supports`: an AVX2 build,
@@ -44,23 +44,25 @@ from pagedkv.model.cascade import (
     merge_states,
     window_hides_nothing,
 )
-from pagedkv.model.kv_quant import quantize_into
 
 
 @dataclass
 class InPlaceMetadata:
-    """The first `num_rows` tokens of the step read in place: their real slots [R], block tables
-    [R, W] (their sequence's, one row per token) and lengths [R] (keys up to and including the
-    token); the first `num_decodes` rows are decodes, the rest prefill chunks, given also as
-    `chunks` (first row [C], end row [C], sequence length [C], block tables [C, W]; None when
-    there are none) for the tiled kernel; the remaining tokens through `prefill`
+    """The first `num_rows` tokens of the step (those of its first `num_seqs` sequences) read in
+    place: their real slots [R]; the first `num_decodes` sequences are decodes, the rest prefill
+    chunks, given also as `chunks` (first row [C], end row [C], sequence length [C], block
+    tables [C, W]; None when there are none) for the tiled kernel; `tables` [S, W] and
+    `seq_lens` [S] of the sequences; the remaining tokens through `prefill`
     (QuantizedKVMetadata of the prefill-only rest of the step; None when every token is a
-    row)."""
+    row). A chunk's per-token rows for the decode kernel are built only when a call needs them
+    (`rows`: a build without the tiled kernel for q)."""
 
     num_rows: int
     slots: torch.Tensor
-    block_tables: torch.Tensor
-    row_lens: torch.Tensor
+    step: StepSequences
+    num_seqs: int
+    tables: torch.Tensor
+    seq_lens: torch.Tensor
     prefill: object | None
     num_decodes: int = 0
     chunks: tuple[torch.Tensor, ...] | None = None
@@ -72,18 +74,20 @@ class InPlaceMetadata:
                  device: torch.device) -> InPlaceMetadata:
         """The metadata of the step's first `num_seqs` sequences read in place (`prefill`: the
         rest's)."""
-        slots, tables, lens = in_place_rows(step, num_seqs, device)
+        counts = step.num_new_tokens[:num_seqs]
+        rows = sum(counts)
+        slots = torch.tensor(step.slot_mapping[:rows], dtype=torch.long, device=device)
+        tables = padded_tables(step.block_tables[:num_seqs], device)
+        lens = torch.tensor(step.seq_lens[:num_seqs], dtype=torch.long, device=device)
         nd = min(step.num_decodes, num_seqs)
         chunks = None
         if num_seqs > nd:
-            counts = step.num_new_tokens[:num_seqs]
             ends = torch.tensor(counts, dtype=torch.long).cumsum(0)[nd:]
             starts = ends - torch.tensor(counts[nd:], dtype=torch.long)
-            chunks = (starts.to(device), ends.to(device),
-                      torch.tensor(step.seq_lens[nd:num_seqs], dtype=torch.long, device=device),
-                      tables[starts])
-        return cls(num_rows=len(slots), slots=slots, block_tables=tables, row_lens=lens,
-                   prefill=prefill, num_decodes=nd, chunks=chunks, block_size=step.block_size)
+            chunks = (starts.to(device), ends.to(device), lens[nd:], tables[nd:])
+        return cls(num_rows=rows, slots=slots, step=step, num_seqs=num_seqs, tables=tables,
+                   seq_lens=lens, prefill=prefill, num_decodes=nd, chunks=chunks,
+                   block_size=step.block_size)
 
     def shared_prefixes(self, window: int | None) -> list[SharedPrefix]:
         """Groups of decodes whose block tables start with the same cached blocks
@@ -91,25 +95,31 @@ class InPlaceMetadata:
         context; once per step per window."""
         key = ("shared", window)
         if key not in self._cache:
-            lens = self.row_lens[:self.num_decodes].tolist()
+            lens = self.seq_lens[:self.num_decodes].tolist()
             groups = []
             if len(lens) >= 2 and window_hides_nothing(window, lens):
-                groups = find_shared_prefixes(self.block_tables[:len(lens)], lens,
-                                              self.block_size)
+                groups = find_shared_prefixes(self.tables[:len(lens)], lens, self.block_size)
             self._cache[key] = groups
         return self._cache[key]
 
-    def first_positions(self, window: int | None,
-                        shared: list[SharedPrefix] = ()) -> torch.Tensor:
-        """The first key position each row attends to (0, or its sliding window's; a decode of
-        a `shared` group the first after the group's prefix); once per step per window."""
-        key = ("first", window, len(shared))
+    def rows(self, tokens: bool, window: int | None,
+             shared: list[SharedPrefix] = ()) -> tuple[torch.Tensor, ...]:
+        """(block tables [N, W], first key position [N], length [N]) of the decode kernel's
+        rows: the decodes, or (`tokens`) every token read in place; a row's first position is
+        0 or its sliding window's, a decode of a `shared` group's the first after the group's
+        prefix; once per step, window and `shared`."""
+        key = ("rows", tokens, window, bool(shared))
         if key not in self._cache:
-            first = (torch.zeros_like(self.row_lens) if window is None
-                     else (self.row_lens - window).clamp_min_(0))
+            nd = self.num_decodes
+            if tokens and self.num_rows > nd:
+                tables, lens = in_place_rows(self.step, self.num_seqs, self.slots.device)[1:]
+            else:
+                tables, lens = self.tables[:nd], self.seq_lens[:nd]
+            first = (torch.zeros_like(lens) if window is None
+                     else (lens - window).clamp_min_(0))
             for group in shared:
                 first[group.row_index] = group.num_blocks * self.block_size
-            self._cache[key] = first
+            self._cache[key] = (tables, first, lens)
         return self._cache[key]
 
     def prefix_runs(self, group: SharedPrefix) -> PrefixRuns:
@@ -127,31 +137,33 @@ class InPlaceMetadata:
         k_scales / v_scales mutated) and attend q [T, heads, D]: the rows in place (prefill
         chunks through the tiled kernel where the build has it), the rest over their
         dequantized blocks."""
-        r = self.num_rows
+        r, t = self.num_rows, q.shape[0]
         ops = torch.ops.pagedkv_cpu
+        kr, vr = (k, v) if r == t else (k[:r], v[:r])
         if k_scales is not None:
-            ops.write_kv_int8_(k[:r], k_cache, k_scales, self.slots)
-            ops.write_kv_int8_(v[:r], v_cache, v_scales, self.slots)
+            ops.write_kv_int8_(kr, k_cache, k_scales, self.slots)
+            ops.write_kv_int8_(vr, v_cache, v_scales, self.slots)
         else:
-            quantize_into(k_cache, self.slots, k[:r])
-            quantize_into(v_cache, self.slots, v[:r])
+            ops.write_kv_fp8_(kr, k_cache, self.slots)
+            ops.write_kv_fp8_(vr, v_cache, self.slots)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         has_tiled = tiled_prefill(q.shape[2], q.dtype)
         tiled = self.chunks is not None and has_tiled
-        rows = self.num_decodes if tiled else r
         shared = self.shared_prefixes(window) if has_tiled else []
-        lse = torch.empty(rows, q.shape[1], dtype=torch.float32) if shared else None
-        if rows:
-            ops.paged_decode_attention_q(q[:rows], k_cache, v_cache, k_scales, v_scales,
-                                         self.block_tables[:rows],
-                                         self.first_positions(window, shared)[:rows],
-                                         self.row_lens[:rows], scale, out[:rows], lse)
+        tables, first, lens = self.rows(not tiled, window, shared)
+        n = lens.shape[0]
+        lse = torch.empty(n, q.shape[1], dtype=torch.float32) if shared else None
+        if n:
+            ops.paged_decode_attention_q(q if n == t else q[:n], k_cache, v_cache, k_scales,
+                                         v_scales, tables, first, lens, scale,
+                                         out if n == t else out[:n], lse)
         for group in shared:
             self._merge_prefix(q, k_cache, v_cache, k_scales, v_scales, group, scale, out, lse)
         if tiled:
             starts, ends, lens, tables = self.chunks
-            ops.paged_prefill_attention(q[:r], k_cache, v_cache, tables, starts, ends, lens,
-                                        window or 0, scale, out[:r], True, None, k_scales,
+            ops.paged_prefill_attention(q if r == t else q[:r], k_cache, v_cache, tables, starts,
+                                        ends, lens, window or 0, scale,
+                                        out if r == t else out[:r], True, None, k_scales,
                                         v_scales)
         if self.prefill is not None:
             out[r:] = self.prefill.attend(q[r:], k[r:], v[r:], k_cache, v_cache, scale,
@@ -172,15 +184,21 @@ class InPlaceMetadata:
         out[rows] = merge_states(out[rows], lse[rows], o_p[rows], lse_p[rows])
 
 
+
+def padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """`tables` as one [S, W] tensor (W: the longest; shorter rows padded with block 0)."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long,
+                        device=device)
+
+
 def in_place_rows(step: StepSequences, num_seqs: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(slots [R], block tables [R, W], row lengths [R]) of every token of the step's first
     `num_seqs` sequences, one row per token (R = their new tokens)."""
     counts = torch.tensor(step.num_new_tokens[:num_seqs], dtype=torch.long)
     ends = torch.tensor(step.seq_lens[:num_seqs], dtype=torch.long)
-    tables = step.block_tables[:num_seqs]
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    table = padded_tables(step.block_tables[:num_seqs], torch.device("cpu"))
     rows = int(counts.sum())
     slots = torch.tensor(step.slot_mapping[:rows], dtype=torch.long)
     if rows == num_seqs:  # decodes only: a row per sequence, as it is
