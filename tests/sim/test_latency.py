@@ -66,7 +66,8 @@ def test_calibrate_recovers_the_serving_costs_around_a_profile(tmp_path, capsys)
     assert served.meta["clock"] == "cpu"  # the profile's meta is kept
     # a server faster than its profile by a fixed amount: no negative gap, the share absorbs it
     faster = calibrate(profiled, shapes, [profiled.step_time(s) * 0.9 for s in shapes])
-    assert faster.meta["calibration"]["per_step"] == 0.0
+    # (no exact float compare: the least-squares fit leaves ~1e-18 on some CPUs)
+    assert 0.0 <= faster.meta["calibration"]["per_step"] < 1e-12
     assert faster.meta["calibration"]["share"] == pytest.approx(0.9)
     with pytest.raises(ValueError, match="at least 3"):
         calibrate(profiled, shapes[:2], times[:2])
