@@ -19,6 +19,7 @@ import dataclasses
 import os
 import re
 import sys
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -73,12 +74,23 @@ def _help_text(action: argparse.Action, default_shown: bool = False) -> str:
 
 def _value(action: argparse.Action) -> str:
     """What the flag takes: its choices, a metavar, or nothing for a switch."""
-    if action.nargs == 0:
+    if action.nargs == 0 or not action.option_strings:  # a switch, or a positional (named already)
         return ""
     if action.choices:
         return " \\| ".join(f"`{c}`" for c in action.choices)
     metavar = action.metavar or action.dest.upper()
     return f"`{metavar}`"
+
+
+def _kind(action: argparse.Action, annotation: object) -> str:
+    """An engine field's value: its choices, else its type ('size' for byte counts)."""
+    if action.choices:
+        return ", ".join(f"`{c}`" for c in action.choices)
+    if action.type is not None and getattr(action.type, "__name__", "") == "_size":
+        return "size (bytes, `2GiB`)"
+    names = [getattr(a, "__name__", str(a)) for a in typing.get_args(annotation)
+             if a is not type(None)] or [getattr(annotation, "__name__", str(annotation))]
+    return " or ".join(names)
 
 
 def _default(action: argparse.Action) -> str:
@@ -115,6 +127,7 @@ def engine_args_page() -> str:
     with _plain_environment():
         parser = add_engine_flags(argparse.ArgumentParser(prog="pagedkv"))
     by_dest = {a.dest: a for a in parser._actions}
+    hints = typing.get_type_hints(EngineArgs)
     lines = [_HEADER.format(source="pagedkv/engine/args.py and "
                                    "pagedkv/commands/engine_flags.py"),
              "# Engine arguments", "",
@@ -125,17 +138,18 @@ def engine_args_page() -> str:
              "keeps the default below; a bad value is a `ValueError` naming it (on the command "
              "line: one line, exit 2). Sizes accept `2GiB` (powers of two) or `2GB` (powers "
              "of ten).", "",
-             "| `LLM(...)` keyword | flag | value | default | meaning |",
-             "| --- | --- | --- | --- | --- |"]
+             "| keyword / flag | type or choices | default | meaning |",
+             "| --- | --- | --- | --- |"]
     for field in dataclasses.fields(EngineArgs):
         action = by_dest.get(field.name)
         if action is None:  # `model`: the commands' positional MODEL_DIR
-            lines.append(f"| `{field.name}` | `MODEL_DIR` (positional) | a path, a `.gguf` "
-                         "file or a Hugging Face id | | the model to load |")
+            lines.append(f"| `{field.name}`<br>`MODEL` (positional) | path, `.gguf` file or "
+                         "Hugging Face id | | the model to load |")
             continue
         default = "" if field.default is None else _code(field.default)
-        lines.append(f"| `{field.name}` | {_flags(action)} | {_value(action)} | {default} "
-                     f"| {_cell(_help_text(action, bool(default)))} |")
+        flags = "<br>".join(f"`{s}`" for s in action.option_strings)
+        lines.append(f"| `{field.name}`<br>{flags} | {_kind(action, hints[field.name])} "
+                     f"| {default} | {_cell(_help_text(action, bool(default)))} |")
     lines.append("")
     return "\n".join(lines)
 
