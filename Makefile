@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # own engines follow $$PAGEDKV_ENGINE_CORE (tests/server/helpers.py).
 SERVER_TESTS ?= tests/server tests/dashboard tests/router tests/sim/test_request_log.py
 
-.PHONY: install test test-process test-inproc lint demo bench clean
+.PHONY: install test test-process test-inproc lint demo bench clean docs docs-build
 
 install: $(STAMP)
 
@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-test: $(STAMP) lint
+test: $(STAMP) lint docs-build
 	$(PY) -m pytest -q -n 2 --dist loadscope $(PYTEST_ARGS)
 
 test-process test-inproc: $(STAMP)
@@ -39,8 +39,18 @@ test-process test-inproc: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m pagedkv.demo $(if $(MODEL),--model $(MODEL),) $(if $(DASHBOARD),--keep-serving,)
 
+# The documentation site (mkdocs.yml, docs/): `docs` builds and serves it with live reload,
+# `docs-build` is the strict build (a broken link or anchor fails; about 5 s), part of `test`.
+DOCS_ADDR ?= 127.0.0.1:8001
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --strict -a $(DOCS_ADDR)
+
+docs-build: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
 bench: $(STAMP)
 	$(PY) benchmarks/bench_kv.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache build site *.egg-info
