@@ -94,8 +94,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
     parser.add_argument("--access-log", action="store_true",
-                        help="log every request at INFO: uvicorn's access log and httpx's line "
-                        "per request sent to a backend (off by default: a line per request "
+                        help="log every request at INFO (health checks and metric scrapes: "
+                        "DEBUG): uvicorn's access log and httpx's line per request sent to a "
+                        "backend (off by default: a line per request "
                         "costs the hot path; /metrics counts them)")
     weights = parser.add_argument_group("kv-aware score (see pagedkv/router/policies/kv_aware.py)")
     for f in fields(KVAwareWeights):
@@ -169,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedkv.router.app import create_router_app
+    from pagedkv.server.access_log import quiet_scrapes
     from pagedkv.server.graceful import CleanExitServer, bind_socket
     from pagedkv.utils import freeze_gc_heap
 
@@ -191,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
                                 access_log=args.access_log)
+        quiet_scrapes()  # health checks and scrapes at DEBUG (after uvicorn set its loggers)
         CleanExitServer(config).run(sockets=[sock])
     finally:
         sock.close()

@@ -159,6 +159,12 @@ class Tokenizer:
         stream = DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
         return functools.partial(stream.step, self._tok)
 
+    def use_chat_template(self, template: str) -> None:
+        """Render chats with `template` (Jinja) instead of the model's own (`--chat-template`).
+        Raises jinja2's TemplateError when it does not compile; the old one stays then."""
+        self._compiled_template = _compile_template(template)
+        self.chat_template = template
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render `messages` with the model's jinja chat template (ValueError when it has none)."""

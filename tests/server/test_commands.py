@@ -87,11 +87,3 @@ def test_non_finite_float_flags_name_the_flag(value, capsys):
     with pytest.raises(SystemExit):
         parse("serve", "m", "--swap-space", value)
     assert "argument --swap-space" in capsys.readouterr().err
-
-
-def test_default_served_model_name_is_the_directory_name(tmp_path):
-    from pagedkv.commands.serve import default_model_name
-
-    (tmp_path / "my-model").mkdir()
-    assert default_model_name(str(tmp_path / "my-model")) == "my-model"
-    assert default_model_name(str(tmp_path / "my-model") + "/") == "my-model"
