@@ -43,6 +43,7 @@ from pagedkv.commands.engine_flags import (
     model_argument,
     positive_number,
 )
+from pagedkv.server.access_log import LOG_FORMAT
 from pagedkv.server.tool_parsers import TOOL_PARSERS  # plain Python: keeps --help light
 
 if TYPE_CHECKING:
@@ -133,8 +134,7 @@ def check_flags(args: argparse.Namespace) -> EngineArgs:
 
 def run(args: argparse.Namespace) -> int:
     engine_args = check_flags(args)  # before the heavy imports below
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     if engine_args.node_rank > 0:  # another machine's tensor-parallel ranks: no server here
         from pagedkv.engine.executor import run_node_ranks
 
@@ -154,7 +154,7 @@ def _serve(args: argparse.Namespace, engine_args: EngineArgs, sock: Any) -> int:
 
     from pagedkv.cli import package_version
     from pagedkv.engine.llm_engine import LLMEngine
-    from pagedkv.server.access_log import quiet_scrapes
+    from pagedkv.server.access_log import uvicorn_log_config
     from pagedkv.server.app import (
         DEFAULT_MAX_PENDING,
         DEFAULT_MAX_REQUEST_BYTES,
@@ -195,8 +195,7 @@ def _serve(args: argparse.Namespace, engine_args: EngineArgs, sock: Any) -> int:
             from pagedkv.server.request_log import RequestLog
 
             app.state.serving.request_log = RequestLog(args.request_log, engine.block_hasher())
-        config = uvicorn.Config(app, log_level=args.log_level)
-        quiet_scrapes()  # after uvicorn.Config: it (re)configures uvicorn's loggers
+        config = uvicorn.Config(app, log_level=args.log_level, log_config=uvicorn_log_config())
         server = DrainingServer(config, app.state.async_engine, args.shutdown_timeout)
         server.run(sockets=[sock])
     finally:

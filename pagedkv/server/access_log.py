@@ -1,17 +1,23 @@
-"""uvicorn's access log with the scrapes at DEBUG: a router or Prometheus polls /health and
-/metrics every second, which buried the real requests at INFO.
+"""uvicorn's logging for `pagedkv serve` and `pagedkv router`: pagedkv's line format (time,
+level, logger) on uvicorn's lines too, and the scrapes at DEBUG in its access log: a router or
+Prometheus polls /health and /metrics every second, which buried the real requests at INFO.
 
-`quiet_scrapes()` (after uvicorn configured its loggers, i.e. after `uvicorn.Config(...)`)
-puts a filter on the "uvicorn.access" logger: a line for a SCRAPE_PATHS route is dropped
-unless that logger is enabled for DEBUG, and then goes out labelled DEBUG; every other request
-stays at INFO. `pagedkv serve` and `pagedkv router` (with --access-log) install it.
+`uvicorn_log_config()` is the `log_config` to give `uvicorn.Config`. Its access logger carries
+`ScrapesAtDebug`: a line for a SCRAPE_PATHS route is dropped unless that logger is enabled for
+DEBUG (`--log-level debug`), and then goes out labelled DEBUG; every other request stays at
+INFO.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+from typing import Any
 
 ACCESS_LOGGER = "uvicorn.access"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_ACCESS_FORMAT = '%(asctime)s %(levelname)s %(name)s: %(client_addr)s - "%(request_line)s" ' \
+    "%(status_code)s"
 
 # Health checks, metric scrapes, the router's cache-settings probe and the dashboards' feeds
 # (polled or reconnected by the page): no client's work.
@@ -40,8 +46,29 @@ class ScrapesAtDebug(logging.Filter):
         return True
 
 
-def quiet_scrapes() -> None:
-    """Install `ScrapesAtDebug` on uvicorn's access logger (once per process)."""
-    access = logging.getLogger(ACCESS_LOGGER)
-    if not any(isinstance(f, ScrapesAtDebug) for f in access.filters):
-        access.addFilter(ScrapesAtDebug())
+class ShownAs(logging.Filter):
+    """Shows a logger's records under another name (uvicorn logs its start and stop lines as
+    "uvicorn.error", which reads like an error)."""
+
+    def __init__(self, shown_name: str) -> None:
+        super().__init__()
+        self.shown_name = shown_name
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.name = self.shown_name
+        return True
+
+
+def uvicorn_log_config() -> dict[str, Any]:
+    """uvicorn's default logging config with LOG_FORMAT's fields (no colours),
+    `ScrapesAtDebug` on its access logger and its "uvicorn.error" lines shown as "uvicorn"."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["formatters"]["default"].update(fmt=LOG_FORMAT, use_colors=False)
+    config["formatters"]["access"].update(fmt=_ACCESS_FORMAT, use_colors=False)
+    config["filters"] = {"scrapes": {"()": ScrapesAtDebug},
+                         "shown_as_uvicorn": {"()": ShownAs, "shown_name": "uvicorn"}}
+    config["loggers"][ACCESS_LOGGER]["filters"] = ["scrapes"]
+    config["loggers"]["uvicorn.error"]["filters"] = ["shown_as_uvicorn"]
+    return config

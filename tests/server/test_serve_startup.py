@@ -150,10 +150,46 @@ def test_scrapes_are_not_info_lines_but_requests_are(server):
         assert httpx.get(server.url + path, timeout=30).status_code == 200, path
     body = {"model": str(server.model_dir), "prompt": "hello", "max_tokens": 2}
     assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
-    server._wait_for(r'"POST /v1/completions HTTP/1.1" 200', timeout=30)
+    # pagedkv's line format on uvicorn's lines too (time, level, logger).
+    server._wait_for(r'\n\d{4}-\d\d-\d\d [\d:,]+ INFO uvicorn\.access: 127\.0\.0\.1:\d+ - '
+                     r'"POST /v1/completions HTTP/1.1" 200', timeout=30)
     log = server.log()
     for path in SCRAPES:
         assert f'"GET {path} HTTP' not in log, path
+
+
+def test_the_router_access_log_keeps_scrapes_out(tmp_path):
+    """`pagedkv router --access-log`: its own health checks and scrapes are DEBUG lines too."""
+    port, dead = _free_port(), _free_port()
+    log_path = tmp_path / "router.log"
+    with open(log_path, "wb") as log:
+        router = subprocess.Popen(
+            [sys.executable, "-m", "pagedkv.cli", "router", "--backend",
+             f"http://127.0.0.1:{dead}", "--port", str(port), "--access-log",
+             "--log-level", "info"], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert router.poll() is None, log_path.read_text()
+            try:
+                httpx.get(url + "/metrics", timeout=5)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.2)
+        for path in ("/health", "/metrics"):
+            httpx.get(url + path, timeout=10)
+        httpx.get(url + "/v1/models", timeout=30)  # a client's request (no backend: an error)
+        while '"GET /v1/models HTTP/1.1"' not in log_path.read_text():
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+    finally:
+        router.send_signal(signal.SIGTERM)
+        router.wait(timeout=30)
+    text = log_path.read_text()
+    assert '"GET /health HTTP' not in text and '"GET /metrics HTTP' not in text, text
 
 
 def test_the_api_answers_to_the_model_argument_as_given(server):
