@@ -166,12 +166,6 @@ class Tokenizer:
         self._compiled_template = _compile_template(template)
         self.chat_template = template
 
-    def use_chat_template(self, template: str) -> None:
-        """Render chats with `template` (Jinja) instead of the model's own (`--chat-template`).
-        Raises jinja2's TemplateError when it does not compile; the old one stays then."""
-        self._compiled_template = _compile_template(template)
-        self.chat_template = template
-
     def with_chat_template(self, template: str) -> Tokenizer:
         """A copy of this tokenizer (sharing its vocabulary) that renders chats with
         `template` (`LLM.chat(chat_template=...)`)."""
