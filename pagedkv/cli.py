@@ -1,7 +1,9 @@
 """`pagedkv` command line: serve | generate | plan | bench | router | simulate | profile.
 
 Each subcommand lives in `pagedkv/commands/<name>.py` and exposes `add_parser(subparsers)` and
-`run(args) -> int`. Modules load lazily so `pagedkv plan` never imports torch.
+`run(args) -> int`. Only the subcommand named on the command line is imported (its module
+imports nothing heavy: torch and the server load in `run`, after the flags are parsed and
+checked), so `pagedkv --help`, `--version` and a mistyped flag answer at once.
 """
 
 from __future__ import annotations
@@ -10,21 +12,60 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("serve", "generate", "plan", "bench", "router", "simulate", "profile")
+# Each subcommand and its one-line summary (shown by `pagedkv --help` without importing it;
+# each module's own `help=` says the same, see tests/server/test_cli_startup.py).
+COMMANDS: dict[str, str] = {
+    "serve": "OpenAI-compatible HTTP server",
+    "generate": "generate a completion for one prompt",
+    "plan": "KV cache capacity for a model config and a memory budget",
+    "bench": "benchmarks (serve: load a running server)",
+    "router": "KV-cache-aware router in front of several `pagedkv serve` instances",
+    "simulate": "replay a trace through the real scheduler on a virtual clock",
+    "profile": "fit a step-latency model for `pagedkv simulate`",
+}
 
 
 def _load(name: str):
     return importlib.import_module(f"pagedkv.commands.{name}")
 
 
+def package_version() -> str:
+    """pagedkv's version from its installed metadata (the source's `__version__` when it runs
+    from a checkout that is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pagedkv")
+    except PackageNotFoundError:
+        from pagedkv import __version__
+
+        return __version__
+
+
+class _VersionAction(argparse.Action):
+    """`--version`: print the version and exit (read only when asked: importlib.metadata is
+    not free)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: str | None = None) -> None:  # noqa: A002
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        print(package_version())
+        parser.exit()
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The `pagedkv` parser with subcommand `only`'s full parser (the others as one-line stubs:
+    importing every command would import the server and the router)."""
     parser = argparse.ArgumentParser(prog="pagedkv", description="Paged-KV-cache LLM engine")
+    parser.add_argument("--version", action=_VersionAction, help="print pagedkv's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
-    for name in COMMANDS:
-        if only is not None and name != only:
-            sub.add_parser(name)
-            continue
-        _load(name).add_parser(sub)
+    for name, summary in COMMANDS.items():
+        if name == only:
+            _load(name).add_parser(sub)
+        else:
+            sub.add_parser(name, help=summary)
     return parser
 
 

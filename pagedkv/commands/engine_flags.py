@@ -2,7 +2,8 @@
 
 `add_engine_flags(parser)` registers `--block-size`, `--dtype`, `--max-model-len`,
 `--enable-prefix-caching/--no-enable-prefix-caching`, ... (one flag per field of
-`EngineArgs` except `model`, which the commands take as a positional MODEL_DIR), and
+`EngineArgs` except `model`, which the commands take as MODEL_DIR or --model:
+`add_model_argument` and `model_argument`), and
 `engine_args_from_flags(args, model)` turns the parsed namespace back into `EngineArgs`.
 `pagedkv serve` and `pagedkv generate` share both, so a new engine field shows up in both
 commands without touching them. Flags left unset keep `EngineArgs`' defaults.
@@ -18,7 +19,7 @@ from typing import Any
 
 from pagedkv.config.dtypes import KV_CACHE_DTYPE_CHOICES
 from pagedkv.engine.args import _DTYPES, EngineArgs
-from pagedkv.kernels.cpu import CPU_KERNEL_MODES
+from pagedkv.kernels.modes import CPU_KERNEL_MODES
 from pagedkv.kv.eviction import EVICTION_POLICIES
 from pagedkv.kv.sizes import parse_size
 
@@ -154,6 +155,28 @@ def _base_type(annotation: Any) -> type:
 def _optional_int(text: str) -> int | None:
     """Parse an int flag value; 'none' means None (for fields whose default is None)."""
     return None if text.lower() == "none" else int(text)
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """The model directory: positional (`pagedkv serve MODEL_DIR`) or `--model MODEL_DIR`,
+    both accepted as vLLM's `vllm serve` does; `model_argument(args)` reads it."""
+    parser.add_argument("model", metavar="MODEL_DIR", nargs="?", default=None,
+                        help="Hugging Face model directory (or --model MODEL_DIR)")
+    parser.add_argument("--model", dest="model_option", metavar="MODEL_DIR", default=None,
+                        help="the model directory, as the positional MODEL_DIR")
+
+
+def model_argument(args: argparse.Namespace) -> str:
+    """The model directory given positionally or as --model (ValueError when neither is given,
+    or both and they differ)."""
+    positional, option = args.model, getattr(args, "model_option", None)
+    if positional is not None and option is not None and positional != option:
+        raise ValueError(f"the model is given twice: {positional!r} and --model {option!r}")
+    model = positional if positional is not None else option
+    if not model:
+        command = getattr(args, "command", None) or "serve"
+        raise ValueError(f"no model given: pagedkv {command} MODEL_DIR (or --model MODEL_DIR)")
+    return model
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -1,12 +1,14 @@
 """`pagedkv generate MODEL_DIR --prompt "..."`: one completion from the shell, streamed to stdout.
 
     pagedkv generate MODEL_DIR --prompt TEXT [--max-tokens 64] [--temperature 0] [--top-p 1]
-                     [--top-k 0] [--sampling-seed N] [--n 1] [--stop STR ...] [--ignore-eos] [--chat]
+                     [--top-k 0] [--sampling-seed N] [--n 1] [--stop STR ...] [--ignore-eos]
+                     [--chat [--chat-template FILE_OR_TEMPLATE]]
                      [engine flags: --block-size, --dtype, ...]
 
 Greedy by default (temperature 0). `--chat` sends the prompt as one user message through the
-model's chat template. The text goes to stdout (streamed when n == 1 and no --stop); a one-line summary
-(tokens, cached prompt tokens, time) goes to stderr.
+model's chat template (or `--chat-template`'s). The model may be given as `--model MODEL_DIR`.
+The text goes to stdout (streamed when n == 1 and no --stop); a one-line summary (tokens,
+cached prompt tokens, time) goes to stderr.
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ import sys
 import time
 from typing import Any
 
-from pagedkv.commands.engine_flags import HelpFormatter, add_engine_flags, engine_args_from_flags
+from pagedkv.commands.engine_flags import (
+    HelpFormatter,
+    add_engine_flags,
+    add_model_argument,
+    engine_args_from_flags,
+    model_argument,
+)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -25,7 +33,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "generate", help="generate a completion for one prompt",
         description=__doc__.split("\n\n")[0],
         formatter_class=HelpFormatter)
-    parser.add_argument("model", metavar="MODEL_DIR", help="Hugging Face model directory")
+    add_model_argument(parser)
     parser.add_argument("--prompt", required=True, help="the prompt text")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -37,6 +45,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--chat", action="store_true",
                         help="apply the chat template to the prompt as a user message")
+    parser.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                        help="with --chat: this template, a file or the Jinja template itself "
+                        "(default: the model's)")
     parser.add_argument("--sampling-seed", type=int, default=None, metavar="N",
                         help="seed of this request's sampling (--seed is the engine's)")
     add_engine_flags(parser)
@@ -45,13 +56,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    engine_args = engine_args_from_flags(args, model_argument(args))  # before torch loads
+    template = None
+    if args.chat_template is not None:
+        from pagedkv.commands.chat_template import load_chat_template
+
+        template = load_chat_template(args.chat_template)
     from pagedkv.engine.llm_engine import LLMEngine
     from pagedkv.sched.sampling_params import SamplingParams
 
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, max_tokens=args.max_tokens, stop=args.stop,
                             ignore_eos=args.ignore_eos, seed=args.sampling_seed)
-    engine = LLMEngine.from_engine_args(engine_args_from_flags(args, args.model))
+    engine = LLMEngine.from_engine_args(engine_args)
+    if template is not None:
+        engine.tokenizer.use_chat_template(template)
     prompt: str | dict = args.prompt
     if args.chat:
         text = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],

@@ -94,8 +94,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
     parser.add_argument("--access-log", action="store_true",
-                        help="log every request at INFO: uvicorn's access log and httpx's line "
-                        "per request sent to a backend (off by default: a line per request "
+                        help="log every request at INFO (health checks and metric scrapes: "
+                        "DEBUG): uvicorn's access log and httpx's line per request sent to a "
+                        "backend (off by default: a line per request "
                         "costs the hot path; /metrics counts them)")
     weights = parser.add_argument_group("kv-aware score (see pagedkv/router/policies/kv_aware.py)")
     for f in fields(KVAwareWeights):
@@ -169,13 +170,13 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedkv.router.app import create_router_app
+    from pagedkv.server.access_log import LOG_FORMAT, uvicorn_log_config
     from pagedkv.server.graceful import CleanExitServer, bind_socket
     from pagedkv.utils import freeze_gc_heap
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     if not args.access_log:  # httpx logs every request it sends (forwards, health checks) at INFO
         logging.getLogger("httpx").setLevel(logging.WARNING)
     app = create_router_app(build_router(args), api_key=args.api_key or None,
@@ -190,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     freeze_gc_heap()
     try:
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
-                                access_log=args.access_log)
+                                access_log=args.access_log, log_config=uvicorn_log_config())
         CleanExitServer(config).run(sockets=[sock])
     finally:
         sock.close()

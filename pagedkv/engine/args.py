@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from pagedkv.config import MODEL_DTYPE_CHOICES as _DTYPES
 from pagedkv.config.dtypes import KV_CACHE_DTYPE_CHOICES
 from pagedkv.events.config import parse_kv_events_config
-from pagedkv.kernels.cpu import CPU_KERNEL_MODES
+from pagedkv.kernels.modes import CPU_KERNEL_MODES
 from pagedkv.kv.eviction import DEFAULT_EVICTION_POLICY, eviction_policy_class
 from pagedkv.kv.partial_hits import check_prefix_match_unit
 from pagedkv.kv.pins import check_max_pinned_fraction

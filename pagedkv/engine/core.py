@@ -27,6 +27,7 @@ from pagedkv.engine.kv_setup import (
 )
 from pagedkv.engine.messages import CoreOutput, EngineCoreRequest, EngineReady, params_from_wire
 from pagedkv.engine.overlap import OverlappedStepper
+from pagedkv.engine.runner_facts import runner_facts
 from pagedkv.engine.stats import EngineStats, IterationTokens, scheduler_stats
 from pagedkv.engine.warmup import warmup_steps
 from pagedkv.events.config import parse_kv_events_config
@@ -163,7 +164,10 @@ class EngineCore:
                            num_gpu_blocks=self.kv_setup.num_blocks,
                            eos_token_ids=list(self.eos_token_ids),
                            kv_cache_dtype=self.kv_setup.spec.dtype,
-                           block_bytes=self.kv_setup.spec.page_size_bytes)
+                           block_bytes=self.kv_setup.spec.page_size_bytes,
+                           max_blocks_per_request=self.kv_setup.spec.max_blocks_per_seq(
+                               self.max_model_len),
+                           **runner_facts(self.runner))
 
     @property
     def structured_output_backend(self) -> XGrammarBackend:

@@ -3,13 +3,16 @@ MultiProcExecutor over `tensor_parallel_size` ranks (pagedkv.model.executor)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import logging
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.args import EngineArgs
 from pagedkv.kv.spec import KVCacheSpec
 
 if TYPE_CHECKING:
     from pagedkv.model.executor import Executor
+
+logger = logging.getLogger(__name__)
 
 
 def runner_kwargs(args: EngineArgs, spec: KVCacheSpec | None,
@@ -74,19 +77,35 @@ def run_node_ranks(args: EngineArgs) -> int:
     cleanly, else the first non-zero exit code."""
     import torch.multiprocessing as mp
 
-    from pagedkv.model.executor.worker import worker_main
-
     if args.node_rank == 0:
         raise ValueError("node_rank 0 runs the engine, not worker ranks only")
     per_node = args.tensor_parallel_size // args.nnodes
     first = args.node_rank * per_node
+    ranks = range(first, first + per_node)
+    logger.info("node %d of %d: starting tensor-parallel rank%s %s of %d, joining node 0 at %s",
+                args.node_rank, args.nnodes, "" if per_node == 1 else "s",
+                ", ".join(map(str, ranks)), args.tensor_parallel_size, init_method(args))
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker_main, name=f"pagedkv-tp-rank{r}",
-                         args=(r, r - first, args.tensor_parallel_size, init_method(args),
-                               args.device, args.distributed_timeout_s, rank_cpu_threads(args)))
-             for r in range(first, first + per_node)]
+    log_level = logging.getLogger().getEffectiveLevel()
+    procs = [ctx.Process(target=node_rank_main, name=f"pagedkv-tp-rank{r}",
+                         args=(log_level, r, r - first, args.tensor_parallel_size,
+                               init_method(args), args.device, args.distributed_timeout_s,
+                               rank_cpu_threads(args)))
+             for r in ranks]
     for p in procs:
         p.start()
     for p in procs:
         p.join()
-    return next((p.exitcode for p in procs if p.exitcode), 0)
+    code = next((p.exitcode for p in procs if p.exitcode), 0)
+    logger.info("node %d of %d: every rank ended (exit code %d)", args.node_rank, args.nnodes,
+                code)
+    return code
+
+
+def node_rank_main(log_level: int, *worker_args: Any) -> None:
+    """The process body of a rank of `run_node_ranks`: this node's log level and format (so
+    the rank says when it joined and loaded), then `worker_main(*worker_args)`."""
+    from pagedkv.model.executor.worker import worker_main
+
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    worker_main(*worker_args)

@@ -110,6 +110,14 @@ class EngineReady(msgspec.Struct, array_like=True, tag=True):
     eos_token_ids: list[int]
     kv_cache_dtype: str  # the cache's resolved format ("auto" named: the model's dtype)
     block_bytes: int  # one block's bytes on the device (every layer; int8's scales included)
+    # What the start-up banner says (pagedkv/server/banner.py): blocks one request of
+    # max_model_len tokens holds at most, the weights' dtype, bytes and device, and what runs
+    # the CPU model's hot ops ("" off CPU).
+    max_blocks_per_request: int = 0
+    model_dtype: str = ""
+    weights_bytes: int = 0
+    device: str = ""
+    cpu_kernels: str = ""
 
 
 class CoreDied(msgspec.Struct, array_like=True, tag=True):

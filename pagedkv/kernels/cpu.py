@@ -31,13 +31,15 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
 
+from pagedkv.kernels.modes import CPU_KERNEL_MODES
+
 logger = logging.getLogger(__name__)
 
-CPU_KERNEL_MODES = ("auto", "wait", "off")
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 CXXFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++20",
             "-fno-math-errno", "-fno-trapping-math", "-DNDEBUG"]
@@ -113,20 +115,35 @@ def _compile(out: Path) -> None:
 
 def _build_and_load() -> None:
     path = library_path()
+    built = False
     try:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path.parent / ".lock", "w") as lock:  # one builder per machine at a time
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 if not path.exists():
-                    _compile(path)
+                    _compile_logged(path)
+                    built = True
         with _lock:
             if not _state["loaded"]:
                 torch.ops.load_library(str(path))
                 _state["loaded"] = True
+                if built:
+                    logger.info("fused CPU kernels loaded (%s); the model uses them from its "
+                                "next step", panel_isa())
     except Exception as e:  # no compiler, a broken toolchain: stay on the reference path
         _state["error"] = e
         logger.warning("fused CPU kernels unavailable, using the pure-torch path: %s", e)
+
+
+def _compile_logged(path: Path) -> None:
+    """`_compile(path)`, saying so before and after (a build takes about a CPU-minute)."""
+    logger.info("building the fused CPU kernels (first run with this source, torch and CPU; "
+                "about a minute)...")
+    started = time.perf_counter()
+    _compile(path)
+    logger.info("fused CPU kernels built in %.0f s into %s", time.perf_counter() - started,
+                path.parent)
 
 
 def ensure_cpu_kernels(mode: str = "auto") -> bool:
@@ -175,3 +192,15 @@ def panel_isa() -> str | None:
 def cpu_kernels_loaded() -> bool:
     """Whether `torch.ops.pagedkv_cpu` is usable in this process (cheap; read every step)."""
     return _state["loaded"]
+
+
+def kernels_in_use(mode: str) -> str:
+    """What runs a CPU model's hot ops now, in words, for the kernels' `mode` (a start-up
+    banner's line)."""
+    if mode == "off":
+        return "off: the pure-torch path"
+    if _state["loaded"]:
+        return f"fused C++ kernels ({panel_isa()} panels)"
+    if _state["error"] is not None:
+        return "the pure-torch path (the fused kernels failed to build)"
+    return "the pure-torch path while the fused kernels build in the background"

@@ -36,6 +36,7 @@ from pagedkv.model.cpu_memory import keep_freed_memory
 from pagedkv.model.cpu_threads import CpuThreadGovernor
 from pagedkv.model.kv_cache import KVCache
 from pagedkv.model.kv_groups import LayerGroups
+from pagedkv.model.load_log import weights_loaded, weights_loading
 from pagedkv.model.loader import check_model_dir, load_model
 from pagedkv.model.logits_rows import select_logits_rows
 from pagedkv.model.parallel.group import TensorParallelGroup
@@ -115,10 +116,12 @@ class ModelRunner:
         # Hybrid KV cache groups (a model mixing attention types): layer -> (group, slot).
         self.layer_groups = LayerGroups(spec) if isinstance(spec, HybridKVCacheSpec) else None
         allocated = self._allocated_bytes()
+        started = weights_loading(model_dir, tensor_parallel)
         self.model: CausalLM = load_model(model_dir, self.model_config, self.dtype,
                                           self.device, tensor_parallel)
         self.weights_bytes = self._allocated_bytes() - allocated if self.device.type == "cuda" \
             else sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weights_loaded(started, self.weights_bytes, self.dtype, self.device, tensor_parallel)
         self.kv_cache: KVCache | None = None
         self.sampler = Sampler(seed, self.device)
         self.attn_backend = get_attention_backend(self.device, attention_backend)

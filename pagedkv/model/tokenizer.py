@@ -8,6 +8,7 @@ it for tokenizer.json-based tokenizers (checked in tests/model/test_random_model
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from collections.abc import Callable
@@ -158,6 +159,19 @@ class Tokenizer:
         One call into `tokenizers` per token (its `DecodeStream`); the stream holds its state."""
         stream = DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
         return functools.partial(stream.step, self._tok)
+
+    def use_chat_template(self, template: str) -> None:
+        """Render chats with `template` (Jinja) instead of the model's own (`--chat-template`).
+        Raises jinja2's TemplateError when it does not compile; the old one stays then."""
+        self._compiled_template = _compile_template(template)
+        self.chat_template = template
+
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """A copy of this tokenizer (sharing its vocabulary) that renders chats with
+        `template` (`LLM.chat(chat_template=...)`)."""
+        other = copy.copy(self)
+        other.use_chat_template(template)
+        return other
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:

@@ -73,7 +73,8 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                tool_call_parser: str | None = None,
                on_engine_dead: Callable[[str], None] | None = None,
                stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
-               strict_request_fields: bool = False) -> FastAPI:
+               strict_request_fields: bool = False,
+               on_ready: Callable[[], None] | None = None) -> FastAPI:
     """An app serving `engine` (an `LLMEngine`) as `served_model_name`. `tool_call_parser`
     (a name in `pagedkv.server.tool_parsers.TOOL_PARSERS`) enables `tool_choice: "auto"`.
     /health answers 503 while the engine loop has spent more than `stall_timeout_s` in one
@@ -85,6 +86,8 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
     and is joined when it ends; requests in flight are aborted then. `on_engine_dead(reason)`
     is called (from the loop thread) when the engine loop cannot go on; `pagedkv serve` stops
     the process then. `app.state.async_engine.begin_drain()` / `end_remaining()` drain it.
+    `on_ready()` is called once the loop runs, before the app takes requests (`pagedkv
+    serve` logs its start-up banner there).
     """
     if not served_model_name:
         raise ValueError(f"served_model_name must be a non-empty string, got {served_model_name!r}")
@@ -105,6 +108,8 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         try:
+            if on_ready is not None:
+                on_ready()
             yield
         finally:
             async_engine.shutdown()

@@ -89,9 +89,21 @@ def test_non_finite_float_flags_name_the_flag(value, capsys):
     assert "argument --swap-space" in capsys.readouterr().err
 
 
-def test_default_served_model_name_is_the_directory_name(tmp_path):
-    from pagedkv.commands.serve import default_model_name
-
-    (tmp_path / "my-model").mkdir()
-    assert default_model_name(str(tmp_path / "my-model")) == "my-model"
-    assert default_model_name(str(tmp_path / "my-model") + "/") == "my-model"
+def test_generate_takes_model_and_chat_template_flags(tiny_llama, capsys):
+    """`--model DIR` for the positional and `--chat --chat-template T`: the text is what
+    `LLM.chat(..., chat_template=T)` generates."""
+    template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}=>"
+    flags = ["--dtype", "float32", "--block-size", "4", "--num-gpu-blocks-override", "64",
+             "--max-model-len", "128"]
+    args = parse("generate", "--model", str(tiny_llama), "--prompt", "Hello", "--chat",
+                 "--chat-template", template, "--max-tokens", "5", "--ignore-eos", *flags)
+    assert args.run(args) == 0
+    out, _ = capsys.readouterr()
+    llm = LLM(str(tiny_llama), dtype="float32", block_size=4, num_gpu_blocks_override=64,
+              max_model_len=128)
+    expected = llm.chat([{"role": "user", "content": "Hello"}],
+                        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                        use_tqdm=False, chat_template=template)[0]
+    assert expected.prompt == "<Hello>=>"
+    assert out == expected.outputs[0].text + "\n"
+    llm.llm_engine.check_invariants()

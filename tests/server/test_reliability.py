@@ -50,7 +50,7 @@ def post(url: str, path: str, body: dict, timeout: float = 120) -> httpx.Respons
 def test_swap_mode_survives_a_full_host_pool(swap_server, tiny_llama):
     """120 concurrent n=2 completions on 31 blocks with 6 host blocks: every one answers 200
     with 2 full choices, swaps happened, and the server stays healthy."""
-    name = tiny_llama.name
+    name = str(tiny_llama)  # the default served model name: the model argument
 
     async def main() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=300, headers=AUTH) as client:
@@ -69,12 +69,16 @@ def test_swap_mode_survives_a_full_host_pool(swap_server, tiny_llama):
     assert metrics["pagedkv:num_preemptions_total"] >= metrics["pagedkv:num_swaps_total"]
 
 
-def test_default_served_model_name_is_the_directory_name(swap_server, tiny_llama):
+def test_default_served_model_name_is_the_model_argument(swap_server, tiny_llama):
+    """As vLLM: the name is the model argument as given (here the directory's path); only
+    that name is accepted, not the directory's basename."""
     models = httpx.get(swap_server.url + "/v1/models", headers=AUTH).json()
-    assert [m["id"] for m in models["data"]] == [tiny_llama.name]
+    assert [m["id"] for m in models["data"]] == [str(tiny_llama)]
     resp = post(swap_server.url, "/v1/completions", {"prompt": "x", "max_tokens": 1})
-    assert resp.json()["model"] == tiny_llama.name
-    assert str(tiny_llama) not in resp.text
+    assert resp.json()["model"] == str(tiny_llama)
+    resp = post(swap_server.url, "/v1/completions",
+                {"model": tiny_llama.name, "prompt": "x", "max_tokens": 1})
+    assert resp.status_code == 404, resp.text
 
 
 def test_bearer_scheme_is_case_insensitive(swap_server):

@@ -58,6 +58,7 @@ def run_worker(rank: int, local_rank: int, size: int, init_method: str, device: 
         torch.set_num_threads(cpu_threads)
     dev = rank_device(resolve_device(device), local_rank)
     group = TensorParallelGroup.connect(init_method, rank, size, dev, timeout_s)
+    logger.info("rank %d of %d joined the group at %s", rank, size, init_method)
     try:
         kind, model_dir, kwargs = group.broadcast_object()
         try:
@@ -70,6 +71,7 @@ def run_worker(rank: int, local_rank: int, size: int, init_method: str, device: 
         group.gather_objects(status)
         if runner is None:
             return 1
+        logger.info("rank %d of %d: model loaded on %s; running rank 0's steps", rank, size, dev)
         while True:
             command = group.broadcast_object()
             if command[0] == "execute":
