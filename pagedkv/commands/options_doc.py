@@ -207,7 +207,9 @@ def cli_page() -> str:
     """docs/usage/cli.md: every subcommand's usage and flags."""
     with _plain_environment():
         parser = build_parser()
-    commands = _subparsers(parser)
+        # the top-level parser holds one-line stubs; each command's own full parser is built
+        # with it named (build_parser(only=name))
+        commands = {name: _subparsers(build_parser(only=name))[name] for name in COMMANDS}
     lines = [_HEADER.format(source="each subcommand's parser (pagedkv/commands/)"),
              "# Command-line reference", "",
              "`pagedkv` has one subcommand per job: " +
