@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fastapi import Request
@@ -40,6 +40,7 @@ from pagedkv.server.tool_parsers import ToolParser
 from pagedkv.structured.params import StructuredOutputsParams
 
 TOKENIZER_THREADS = 2  # worker threads that tokenize (and render chat templates) off the loop
+SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams) if f.init)
 
 
 def random_id(prefix: str) -> str:
@@ -163,6 +164,14 @@ class OpenAIServing:
         `n` > 1 with greedy sampling, as vLLM 0.32 refuses it: the samples would be equal)."""
         if req.n > 1 and req.temperature < GREEDY_TEMPERATURE_BELOW:
             raise APIError(f"n must be 1 when using greedy sampling, got {req.n}.", param="n")
+        try:
+            return self._make_sampling_params(req, max_tokens, logprobs, structured_outputs)
+        except ValueError as exc:  # SamplingParams' own checks (a cap in bytes, ...)
+            raise APIError(str(exc), param=_sampling_field(exc)) from exc
+
+    def _make_sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None,
+                              structured_outputs: StructuredOutputsParams | None
+                              ) -> SamplingParams:
         return SamplingParams(
             n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             min_p=req.min_p, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
@@ -216,6 +225,8 @@ class OpenAIServing:
 
         On any failure the streams already opened are closed (aborted) before raising.
         """
+        if params.bad_words:  # tokenized here, in a tokenizer thread, never on the engine loop
+            await self.run_tokenizer(self.engine.engine.inputs.prepare_bad_words, params)
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
@@ -232,6 +243,9 @@ class OpenAIServing:
         except EngineDeadError as exc:
             close_all(streams)
             raise APIError(str(exc), status_code=503, type="server_unavailable") from exc
+        except ValueError as exc:  # the engine's checks (token ids past the vocabulary, ...)
+            close_all(streams)
+            raise APIError(str(exc), param=_sampling_field(exc)) from exc
         except BaseException:
             close_all(streams)
             raise
@@ -308,6 +322,12 @@ def _phases(timing: _Timing, output: RequestOutput, now: float) -> RequestPhases
         prefill_time=first - scheduled if first and scheduled else None,
         decode_time=last - first if first else None,
         inference_time=last - scheduled if scheduled else None)
+
+
+def _sampling_field(exc: ValueError) -> str | None:
+    """The SamplingParams field a check's message starts with (its `param`), else None."""
+    word = str(exc).split(" ", 1)[0]
+    return word if word in SAMPLING_FIELDS else None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
