@@ -33,7 +33,9 @@ def test_explain_a_completion_and_a_chat_prompt(engine):
         assert after["num_device_hit_tokens"] == 20
         salted = httpx.post(url + "/v1/cache/explain",
                             json={"prompt": prompt, "cache_salt": "other"}).json()
-        assert [b["reason"] for b in salted["blocks"]] == ["different_cache_salt"] * 5
+        # Another salt sees nothing of the unsalted request (nor its id).
+        assert [b["reason"] for b in salted["blocks"]] == ["never_computed"] * 5
+        assert rid not in str(salted) and salted["recent_prompts"] == 0
         # The dashboard's explanation of the finished request itself (its engine-side id, as
         # the feed lists the latest finished requests).
         finished = fresh_snapshot(url)["first_update"]["finished"]
