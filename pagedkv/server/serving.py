@@ -137,16 +137,30 @@ class OpenAIServing:
             raise APIError("stream_options is only allowed when stream is true",
                            param="stream_options")
 
-    def max_tokens_for(self, requested: int | None, prompt_len: int, default: int | None) -> int:
-        """The request's max_tokens (or `default`, or all that fits when None); 400 when the
-        prompt plus max_tokens exceeds max_model_len."""
+    def check_prompt_length(self, prompt_len: int, param: str = "prompt") -> None:
+        """400 for an empty prompt or one that leaves no room for a generated token."""
         if prompt_len == 0:
-            raise APIError("the prompt must not be empty", param="prompt")
+            raise APIError("the prompt must not be empty", param=param)
         if prompt_len >= self.max_model_len:
             raise APIError(
                 f"The prompt has {prompt_len} tokens but this model's maximum context length is "
                 f"{self.max_model_len} tokens (the prompt plus at least one generated token "
-                "must fit).", param="prompt")
+                "must fit).", param=param)
+
+    def check_prompt_ids(self, ids: Sequence[int], param: str = "prompt") -> None:
+        """400 for token ids a completion refuses before they reach the engine: an empty
+        prompt, one past max_model_len, or an id outside the vocabulary."""
+        self.check_prompt_length(len(ids), param)
+        vocab = self.engine.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(f"prompt token id {bad} is out of the vocabulary [0, {vocab})",
+                           param=param)
+
+    def max_tokens_for(self, requested: int | None, prompt_len: int, default: int | None) -> int:
+        """The request's max_tokens (or `default`, or all that fits when None); 400 when the
+        prompt plus max_tokens exceeds max_model_len."""
+        self.check_prompt_length(prompt_len)
         room = self.max_model_len - prompt_len
         max_tokens = requested if requested is not None else (default or room)
         if max_tokens > room:
