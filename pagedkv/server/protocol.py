@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 import types
 import typing
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -463,14 +464,33 @@ class ChatCompletionChunk(BaseModel):
     prompt_text: str | None = None  # with return_prompt_text: each role chunk
 
 
+class ModelPermission(BaseModel):
+    """vLLM's (and OpenAI's former) permission entry of a model card: fixed values."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=_now)
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "pagedkv"
     root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
     vocab_size: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):
