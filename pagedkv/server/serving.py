@@ -176,8 +176,8 @@ class OpenAIServing:
                         ) -> SamplingParams:
         """SamplingParams for `req` (ValueError, hence 400, on a bad combination; 400 for
         `n` > 1 with greedy sampling, as vLLM 0.32 refuses it: the samples would be equal)."""
-        if req.n > 1 and req.temperature < GREEDY_TEMPERATURE_BELOW:
-            raise APIError(f"n must be 1 when using greedy sampling, got {req.n}.", param="n")
+        if req.n > 1 and req.temperature < GREEDY_TEMPERATURE_BELOW:  # param null, as vLLM's
+            raise APIError(f"n must be 1 when using greedy sampling, got {req.n}.")
         try:
             return self._make_sampling_params(req, max_tokens, logprobs, structured_outputs)
         except ValueError as exc:  # SamplingParams' own checks (a cap in bytes, ...)
