@@ -12,6 +12,10 @@ from pagedkv.sched.validation import PromptTooLongError
 from pagedkv.utils import cdiv
 
 PromptType = str | list[int] | dict
+MAX_IDS_NAMED = 10  # an error names at most this many bad token ids
+# The attribute of SamplingParams that holds (tokenizer, its bad words' token ids) once
+# tokenized (not a field: the core gets the ids in EngineCoreRequest, never with the params).
+BAD_WORDS_CACHE = "_bad_words_token_ids"
 
 
 class InputProcessor:
@@ -84,20 +88,37 @@ class InputProcessor:
                              f"{self.num_available_blocks}")
 
     def check_token_ids(self, params: SamplingParams) -> None:
-        """ValueError when logit_bias or allowed_token_ids name an id beyond the vocabulary."""
-        for name, ids in (("logit_bias", list(params.logit_bias or ())),
-                          ("allowed_token_ids", params.allowed_token_ids or [])):
-            bad = next((t for t in ids if t >= self.vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"{name} has token id {bad}, outside the vocabulary "
-                                 f"[0, {self.vocab_size})")
+        """ValueError naming the ids of logit_bias, allowed_token_ids or stop_token_ids that
+        lie beyond the vocabulary (each list is capped by SamplingParams: a bounded scan)."""
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("stop_token_ids", params.stop_token_ids or ())):
+            bad = sorted({t for t in ids if t >= self.vocab_size})
+            if bad:
+                shown = ", ".join(map(str, bad[:MAX_IDS_NAMED]))
+                more = f" and {len(bad) - MAX_IDS_NAMED} more" if len(bad) > MAX_IDS_NAMED else ""
+                raise ValueError(f"{name} has token ids outside the vocabulary "
+                                 f"[0, {self.vocab_size}): {shown}{more}")
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
-        """Each bad word as token ids, alone and after a space (vLLM's two spellings)."""
-        out: list[list[int]] = []
+        """Each bad word as token ids, alone and after a space (vLLM's two spellings), each
+        distinct sequence once, in first-seen order."""
+        out: dict[tuple[int, ...], None] = {}
         for word in words:
             for text in (word.lstrip(), " " + word.lstrip()):
                 ids = self.tokenizer.encode(text, add_special_tokens=False)
-                if ids and ids not in out:
-                    out.append(ids)
-        return out
+                if ids:
+                    out.setdefault(tuple(ids))
+        return [list(ids) for ids in out]
+
+    def prepare_bad_words(self, params: SamplingParams) -> list[list[int]]:
+        """`params.bad_words` as token ids, tokenized once per params object: a caller that
+        must not stall (the server) calls it in a tokenizer thread before handing the request
+        to the engine loop, whose `add_request` then finds them ready."""
+        if not params.bad_words:
+            return []
+        tokenizer, ready = getattr(params, BAD_WORDS_CACHE, (None, None))
+        if ready is None or tokenizer is not self.tokenizer:  # params reused by another engine
+            ready = self.bad_words_token_ids(params.bad_words)
+            setattr(params, BAD_WORDS_CACHE, (self.tokenizer, ready))
+        return ready

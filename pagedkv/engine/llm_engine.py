@@ -204,7 +204,7 @@ class LLMEngine:
         if params.structured_outputs is not None and self.core is None:
             self.structured_output_backend.grammar(params.structured_outputs)  # ValueError here
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        bad_words = self.inputs.bad_words_token_ids(params.bad_words) if params.bad_words else []
+        bad_words = self.inputs.prepare_bad_words(params)
         self.client.add_request(EngineCoreRequest(
             request_id, ids, params, arrival, priority, cache_salt, bad_words))
         self.outputs.add_group(request_id, text, ids, params, arrival)

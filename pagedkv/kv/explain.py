@@ -6,15 +6,19 @@ LoRA name in every block) the answer says where its KV is: `device` (in the pref
 a store tier (`host`, `disk`, `redis`: what the tier is named), or `nowhere`. A block that is
 not on the device gets a reason, in this order of evidence:
 
-- `evicted`: its hash is in the eviction ring (when, which policy, for which request);
-- `different_cache_salt`: a recent request had the same tokens up to this block's end but
-  another `cache_salt`;
-- `different_tokens`: the recent request with the longest common token prefix differs inside
-  this block (`first_differing_token` is the prompt position);
+- `evicted`: its hash is in the eviction ring (when, which policy, and for which request when
+  that request had the caller's `cache_salt`);
+- `different_tokens`: the nearest recent request with the caller's `cache_salt` had the same
+  blocks before this one and a full block of other tokens here (another tokenization?);
 - `never_computed`: none of the above.
 A block on the device but after a missing one cannot be used (the cache matches a leading
 run: `unreachable`). The trailing tokens that do not fill a block are `partial_block` (never
 cached). The answer is bounded by the ring and `recent_prompts`, never by all history.
+
+No answer is an oracle of another tenant's prompts: the history compared is the caller's own
+`cache_salt`'s (unsalted callers: the unsalted requests', which share their cache anyway), never
+another salt's, and nothing is finer than whole blocks, the granularity the cache itself shows
+(no token position inside a block, nothing about a request shorter than the block compared).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pagedkv.kv.eviction_log import EvictionRecord
 from pagedkv.kv.manager import KVCacheManager, RecentPrompt
 from pagedkv.kv.observer import short_hash
 
@@ -43,18 +48,29 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def _nearest(recent: Sequence[RecentPrompt], token_ids: Sequence[int], salt: str | None,
-             same_salt: bool) -> tuple[RecentPrompt | None, int]:
-    """The recent prompt (with the same salt, or with another) sharing the longest token
-    prefix with `token_ids`, and that length."""
-    best, best_len = None, -1
-    for prompt in recent:
-        if (prompt.cache_salt == salt) != same_salt:
-            continue
-        n = _common_prefix(prompt.token_ids, token_ids)
-        if n > best_len:
-            best, best_len = prompt, n
-    return best, max(best_len, 0)
+def _nearest(recent: Sequence[RecentPrompt], token_ids: Sequence[int], block_size: int
+             ) -> tuple[RecentPrompt | None, int]:
+    """The newest recent prompt (of the caller's salt's) that shares the most whole blocks with
+    `token_ids` and has a full block after them, and that number of blocks. Only whole blocks
+    decide (how many tokens match inside a block never changes the answer)."""
+    best, best_blocks = None, -1
+    for prompt in reversed(recent):  # newest first; a tie keeps the newest
+        shared = _common_prefix(prompt.token_ids, token_ids) // block_size
+        if shared > best_blocks and len(prompt.token_ids) >= (shared + 1) * block_size:
+            best, best_blocks = prompt, shared
+    return best, max(best_blocks, 0)
+
+
+def _evicted(record: EvictionRecord, now: float, cache_salt: str | None) -> dict[str, Any]:
+    """The fields of an `evicted` block; the request that needed the room is named only when
+    it had the caller's salt (else it may be another tenant's)."""
+    for_request = record.for_request if record.for_salt == cache_salt else None
+    whom = f"request {for_request!r}" if for_request is not None else "another request"
+    return dict(reason="evicted", evicted_at=record.time,
+                evicted_seconds_ago=round(now - record.time, 3), policy=record.policy,
+                evicted_for_request=for_request,
+                detail=f"evicted {now - record.time:.1f} s ago by the {record.policy} "
+                       f"policy to make room for {whom}")
 
 
 def explain_prompt(kv: KVCacheManager, token_ids: Sequence[int], cache_salt: str | None = None,
@@ -80,9 +96,8 @@ def explain_prompt(kv: KVCacheManager, token_ids: Sequence[int], cache_salt: str
             for i, hit in zip(missing, found, strict=True):
                 if hit:
                     tier_hits[i] = tier.name
-    recent = list(kv.recent_prompts)
-    same, same_len = _nearest(recent, token_ids, cache_salt, True)
-    other, other_len = _nearest(recent, token_ids, cache_salt, False)
+    recent = [p for p in kv.recent_prompts if p.cache_salt == cache_salt]  # the caller's own
+    same, same_block = _nearest(recent, token_ids, bs)  # it differs in block `same_block`
     max_hit_blocks = (len(token_ids) - 1) // bs  # the last token is always computed
     blocks: list[dict[str, Any]] = []
     leading = True
@@ -107,23 +122,16 @@ def explain_prompt(kv: KVCacheManager, token_ids: Sequence[int], cache_salt: str
         entry["where"] = tier_hits[i] or "nowhere"
         record = kv.eviction_log.lookup(block_hash)
         if record is not None:
-            entry.update(reason="evicted", evicted_at=record.time,
-                         evicted_seconds_ago=round(now - record.time, 3), policy=record.policy,
-                         evicted_for_request=record.for_request,
-                         detail=f"evicted {now - record.time:.1f} s ago by the {record.policy} "
-                                f"policy to make room for request {record.for_request!r}")
-        elif other is not None and other_len >= end and same_len < end:
-            entry.update(reason="different_cache_salt", nearest_request=other.request_id,
-                         detail=f"request {other.request_id!r} had the same tokens with another "
-                                f"cache_salt (salted prefixes are never shared)")
-        elif same is not None and start <= same_len < end and same_len < len(same.token_ids):
-            entry.update(reason="different_tokens", first_differing_token=same_len,
-                         nearest_request=same.request_id,
-                         detail=f"the nearest computed prefix (request {same.request_id!r}) "
-                                f"differs from token {same_len} on (another tokenization?)")
+            entry.update(_evicted(record, now, cache_salt))
+        elif same is not None and i == same_block:
+            entry.update(reason="different_tokens", nearest_request=same.request_id,
+                         detail=f"the nearest recent request with this cache_salt (request "
+                                f"{same.request_id!r}) had the same blocks before this one and "
+                                f"other tokens in this one (another tokenization?)")
         else:
+            salted = "with this cache_salt " if cache_salt is not None else ""
             entry.update(reason="never_computed",
-                         detail="no request computed these tokens (within the recent window)")
+                         detail=f"no recent request {salted}computed these tokens")
         if entry["where"] != "nowhere":
             entry["detail"] += f"; a copy is in the {entry['where']} tier (loaded on admission)"
         blocks.append(entry)

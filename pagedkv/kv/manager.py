@@ -327,6 +327,7 @@ class KVCacheManager(SwapMixin):
         pool = self.pool
         if num_new_blocks or cow or num_ncb or partial is not None:
             self.eviction_log.allocating_for = request.request_id
+            self.eviction_log.allocating_salt = getattr(request, "cache_salt", None)
             num_needed = (num_new_blocks + len(cow)) if cow else num_new_blocks
             if partial is not None:  # the copy's block; the source too while it is free
                 num_needed += 1 + (partial.ref_cnt == 0)

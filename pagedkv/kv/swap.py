@@ -129,6 +129,7 @@ class SwapMixin:
             self.pool.touch(hits.values())
         num_fresh = sum(1 for b in host if not b.is_null) - len(hits)
         self.eviction_log.allocating_for = request.request_id
+        self.eviction_log.allocating_salt = getattr(request, "cache_salt", None)
         fresh = iter(self.pool.get_new_blocks(num_fresh))
         null = self.pool.null_block
         table = []

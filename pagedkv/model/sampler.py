@@ -87,16 +87,32 @@ def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]
     return out
 
 
-def keep_allowed_tokens(logits: torch.Tensor, allowed: list[list[int] | None]) -> torch.Tensor:
+def keep_allowed_tokens(logits: torch.Tensor,
+                        allowed: list[list[int] | torch.Tensor | None]) -> torch.Tensor:
     """Copy of `logits` [R, V] where row r keeps only `allowed[r]` (None: every token)."""
     if all(a is None for a in allowed):
         return logits
     keep = torch.ones_like(logits, dtype=torch.bool)
     for r, ids in enumerate(allowed):
         if ids is not None:
+            index = torch.as_tensor(ids, dtype=torch.long)
             keep[r] = False
-            keep[r, [t for t in ids if 0 <= t < logits.shape[-1]]] = True
+            keep[r, index[(index >= 0) & (index < logits.shape[-1])].to(logits.device)] = True
     return logits.masked_fill(~keep, float("-inf"))
+
+
+def allowed_index(params: SamplingParams) -> torch.Tensor | None:
+    """`params.allowed_token_ids` as a tensor, made once per params object (the list is
+    sorted and distinct already: SamplingParams reduces it), so a long list costs each step
+    one indexing, not a list conversion."""
+    ids = params.allowed_token_ids
+    if ids is None:
+        return None
+    cached = params.__dict__.get("_allowed_index")
+    if cached is None:
+        cached = torch.tensor(ids, dtype=torch.long)
+        params.__dict__["_allowed_index"] = cached
+    return cached
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -158,7 +174,7 @@ class Sampler:
         logits = apply_penalties(logits, params, [r.prompt_token_ids for r in requests],
                                  [r.output_token_ids for r in requests])
         logits = apply_logit_bias(logits, [p.logit_bias for p in params])
-        logits = keep_allowed_tokens(logits, [p.allowed_token_ids for p in params])
+        logits = keep_allowed_tokens(logits, [allowed_index(p) for p in params])
         unbanned = logits
         logits = ban_tokens(logits, [r.banned_token_ids for r in requests])
         logits = apply_grammar_bitmask(logits, [r.grammar for r in requests], unbanned)

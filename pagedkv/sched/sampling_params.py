@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedkv.sched.validation import check_seed, check_text, is_int
+from pagedkv.sched.validation import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    check_max_count,
+    check_seed,
+    check_text_list,
+    is_int,
+)
 from pagedkv.structured.params import StructuredOutputsParams
 
 # Temperatures below this are greedy (as in vLLM): dividing logits by 1e-40 overflows to inf.
@@ -13,7 +23,10 @@ GREEDY_TEMPERATURE_BELOW = 1e-5
 
 def _check(cond: bool, name: str, value: object, rule: str) -> None:
     if not cond:
-        raise ValueError(f"{name} {rule}, got {value!r}")
+        shown = repr(value)
+        if len(shown) > 200:  # a huge list is named, not echoed whole
+            shown = shown[:197] + "..."
+        raise ValueError(f"{name} {rule}, got {shown}")
 
 
 @dataclass
@@ -104,13 +117,14 @@ class SamplingParams:
             self.stop_strings = list(self.stop)
         else:
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        check_text_list(self.stop_strings, "stop", MAX_STOP_STRINGS)
         _check(all(s for s in self.stop_strings), "stop", self.stop, "must not contain empty strings")
-        for stop in self.stop_strings:
-            check_text(stop, "stop")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        _check(isinstance(self.stop_token_ids, (list, tuple))
-               and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+        _check(isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids",
+               self.stop_token_ids, "must be a list of non-negative integers")
+        check_max_count(len(self.stop_token_ids), "stop_token_ids", MAX_STOP_TOKEN_IDS, "ids")
+        _check(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", self.stop_token_ids, "must be a list of non-negative integers")
         self.stop_token_ids = list(self.stop_token_ids)
         _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
@@ -124,21 +138,33 @@ class SamplingParams:
                "must be a StructuredOutputsParams or None")
 
     def _check_token_controls(self) -> None:
-        """Validate logit_bias, allowed_token_ids, bad_words and truncate_prompt_tokens
+        """Validate logit_bias, allowed_token_ids, bad_words and truncate_prompt_tokens, each
+        within its cap (validation.py), and reduce allowed_token_ids to its sorted distinct ids
         (token ids against the vocabulary are checked by the engine, which knows it)."""
         bias = self.logit_bias
-        _check(bias is None or (isinstance(bias, dict) and all(
-            is_int(k) and k >= 0 and isinstance(v, (int, float)) and -100 <= v <= 100
-            for k, v in bias.items())), "logit_bias", bias,
-            "must map token ids (ints >= 0) to biases in [-100, 100]")
+        _check(bias is None or isinstance(bias, dict), "logit_bias", bias,
+               "must map token ids (ints >= 0) to biases in [-100, 100]")
+        if bias is not None:
+            check_max_count(len(bias), "logit_bias", MAX_LOGIT_BIAS)
+            _check(all(is_int(k) and k >= 0 and isinstance(v, (int, float)) and -100 <= v <= 100
+                       for k, v in bias.items()), "logit_bias", bias,
+                   "must map token ids (ints >= 0) to biases in [-100, 100]")
         allowed = self.allowed_token_ids
-        _check(allowed is None or (isinstance(allowed, (list, tuple)) and len(allowed) > 0
-                                   and all(is_int(t) and t >= 0 for t in allowed)),
+        _check(allowed is None or (isinstance(allowed, (list, tuple)) and len(allowed) > 0),
                "allowed_token_ids", allowed, "must be a non-empty list of token ids")
+        if allowed is not None:
+            check_max_count(len(allowed), "allowed_token_ids", MAX_ALLOWED_TOKEN_IDS, "ids")
+            _check(all(is_int(t) and t >= 0 for t in allowed),
+                   "allowed_token_ids", allowed, "must be a non-empty list of token ids")
+            self.allowed_token_ids = sorted(set(allowed))
         words = self.bad_words
         _check(words is None or (isinstance(words, (list, tuple))
-                                 and all(isinstance(w, str) and w.strip() for w in words)),
+                                 and all(isinstance(w, str) for w in words)),
                "bad_words", words, "must be a list of non-blank strings")
+        if words is not None:
+            check_text_list(list(words), "bad_words", MAX_BAD_WORDS)
+            _check(all(w.strip() for w in words), "bad_words", words,
+                   "must be a list of non-blank strings")
         truncate = self.truncate_prompt_tokens
         _check(truncate is None or (is_int(truncate) and (truncate >= 1 or truncate == -1)),
                "truncate_prompt_tokens", truncate, "must be an integer >= 1, or -1")

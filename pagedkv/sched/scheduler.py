@@ -80,8 +80,9 @@ def bad_word_bans(request: Request) -> list[int]:
     out = request.output_token_ids
     bans = []
     for word in request.bad_words_token_ids:
-        prefix = word[:-1]
-        if len(prefix) <= len(out) and (not prefix or out[len(out) - len(prefix):] == prefix):
+        n = len(word) - 1  # the prefix; its last token is compared first (cheap reject)
+        if n == 0 or (n <= len(out) and out[-1] == word[-2]
+                      and out[len(out) - n:] == word[:-1]):
             bans.append(word[-1])
     return bans
 

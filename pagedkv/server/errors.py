@@ -17,6 +17,7 @@ the HTTP status as an integer (vLLM's `ErrorInfo.code`; the kind of error is in 
 from __future__ import annotations
 
 import logging
+import reprlib
 from http import HTTPStatus
 from typing import Any
 
@@ -26,6 +27,18 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("pagedkv.server")
+
+
+
+def _short_repr_maker() -> reprlib.Repr:
+    """A repr that shows a huge list, dict or string by its first entries (cost bounded)."""
+    short = reprlib.Repr()
+    short.maxlevel, short.maxlist, short.maxdict = 3, 12, 8
+    short.maxstring = short.maxother = short.maxlong = 80
+    return short
+
+
+_SHORT = _short_repr_maker()
 
 
 class APIError(Exception):
@@ -72,8 +85,8 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
             parts.append(f"malformed JSON: {err.get('msg')}")
             param = None
         else:
-            value = err.get("input")
-            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+            shown = _SHORT.repr(err.get("input"))  # a huge list costs its first entries only
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
             parts.append(f"{where or 'body'}: {err.get('msg')} (got {shown})")
     return "; ".join(parts) or "invalid request", param
 

@@ -18,8 +18,8 @@ tokens computed, and `request_success` by finish reason. `admission_rejections` 
 a full queue. `vllm_metrics.py` adds the engine families computed at scrape time.
 
 Names, types, buckets and labels are vLLM 0.32's: every `vllm:` series carries
-`engine="0"` besides `model_name` (except `admission_rejections`, as in vLLM); the `pagedkv:`
-twins carry `model_name` only.
+`engine="0"` besides `model_name` (`admission_rejections` and `cache_config_info` too); the
+`pagedkv:` twins carry `model_name` only.
 """
 
 from __future__ import annotations
@@ -210,12 +210,12 @@ class ServerMetrics:
                 success.labels(*label_values(prefix, model_name), reason)
         self._rejections = {prefix: Counter(f"{prefix}:admission_rejections", "Number of "
                                             "admission attempts rejected by a queue limit, by "
-                                            "reason.", ["model_name", "reason"],
+                                            "reason.", [*label_names(prefix), "reason"],
                                             registry=self.registry)
                             for prefix in PREFIXES}
-        for counter in self._rejections.values():
+        for prefix, counter in self._rejections.items():
             for reason in ADMISSION_REASONS:
-                counter.labels(model_name, reason)
+                counter.labels(*label_values(prefix, model_name), reason)
 
     def _histogram(self, name: str, doc: str, buckets) -> _Both:
         return _Both([Histogram(f"{prefix}:{name}", doc, label_names(prefix), buckets=buckets,
@@ -225,8 +225,8 @@ class ServerMetrics:
 
     def admission_rejected(self, reason: str = "max_num_queued_reqs") -> None:
         """A request refused (503) because the queue was full."""
-        for counter in self._rejections.values():
-            counter.labels(self.model_name, reason).inc()
+        for prefix, counter in self._rejections.items():
+            counter.labels(*label_values(prefix, self.model_name), reason).inc()
 
     def update(self, stats: EngineStats) -> None:
         self._engine.stats = stats

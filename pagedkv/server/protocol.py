@@ -14,16 +14,36 @@ from __future__ import annotations
 import time
 import types
 import typing
+import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
+from pagedkv.sched.validation import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from pagedkv.server.request_fields import VllmRequestFields
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 256  # the KV cache check (`check_fits`) usually says no long before this
 MAX_LOGPROBS = 20
-MAX_STOP_STRINGS = 64
+
+# The capped list fields of SamplingFields and their caps (validation.py).
+LIST_CAPS = {"stop": MAX_STOP_STRINGS, "stop_token_ids": MAX_STOP_TOKEN_IDS,
+             "bad_words": MAX_BAD_WORDS, "logit_bias": MAX_LOGIT_BIAS,
+             "allowed_token_ids": MAX_ALLOWED_TOKEN_IDS}
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
@@ -128,7 +148,7 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=2**31 - 1)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
@@ -149,11 +169,25 @@ class SamplingFields(_Request):
     guided_grammar: str | None = None
     # Token-level controls (OpenAI's logit_bias; vLLM's allowed_token_ids, bad_words,
     # truncate_prompt_tokens: keep only the prompt's last N tokens, -1 = max_model_len).
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
-    bad_words: list[NonEmptyStr] | None = None
+    # Each list is capped (validation.py; the text lists' bytes by SamplingParams, a 400 too).
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1,
+                                                      max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
+    bad_words: Annotated[list[NonEmptyStr], Field(max_length=MAX_BAD_WORDS)] | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=2**31 - 1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+
+    @field_validator(*LIST_CAPS, mode="before")
+    @classmethod
+    def _count_before_items(cls, value: Any, info: ValidationInfo) -> Any:
+        """A capped list past its cap is refused before any of its items is validated (a
+        500,000-entry list costs a length check, not 500,000 validations)."""
+        cap = LIST_CAPS[info.field_name]
+        if isinstance(value, (list, dict)) and len(value) > cap:
+            raise ValueError(f"{info.field_name} has {len(value)} entries, more than the "
+                             f"limit of {cap}")
+        return value
 
 
 Prompt = (
@@ -430,14 +464,33 @@ class ChatCompletionChunk(BaseModel):
     prompt_text: str | None = None  # with return_prompt_text: each role chunk
 
 
+class ModelPermission(BaseModel):
+    """vLLM's (and OpenAI's former) permission entry of a model card: fixed values."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=_now)
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "pagedkv"
     root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
     vocab_size: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):

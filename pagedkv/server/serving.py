@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fastapi import Request
@@ -40,6 +40,7 @@ from pagedkv.server.tool_parsers import ToolParser
 from pagedkv.structured.params import StructuredOutputsParams
 
 TOKENIZER_THREADS = 2  # worker threads that tokenize (and render chat templates) off the loop
+SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams) if f.init)
 
 
 def random_id(prefix: str) -> str:
@@ -136,16 +137,30 @@ class OpenAIServing:
             raise APIError("stream_options is only allowed when stream is true",
                            param="stream_options")
 
-    def max_tokens_for(self, requested: int | None, prompt_len: int, default: int | None) -> int:
-        """The request's max_tokens (or `default`, or all that fits when None); 400 when the
-        prompt plus max_tokens exceeds max_model_len."""
+    def check_prompt_length(self, prompt_len: int, param: str = "prompt") -> None:
+        """400 for an empty prompt or one that leaves no room for a generated token."""
         if prompt_len == 0:
-            raise APIError("the prompt must not be empty", param="prompt")
+            raise APIError("the prompt must not be empty", param=param)
         if prompt_len >= self.max_model_len:
             raise APIError(
                 f"The prompt has {prompt_len} tokens but this model's maximum context length is "
                 f"{self.max_model_len} tokens (the prompt plus at least one generated token "
-                "must fit).", param="prompt")
+                "must fit).", param=param)
+
+    def check_prompt_ids(self, ids: Sequence[int], param: str = "prompt") -> None:
+        """400 for token ids a completion refuses before they reach the engine: an empty
+        prompt, one past max_model_len, or an id outside the vocabulary."""
+        self.check_prompt_length(len(ids), param)
+        vocab = self.engine.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(f"prompt token id {bad} is out of the vocabulary [0, {vocab})",
+                           param=param)
+
+    def max_tokens_for(self, requested: int | None, prompt_len: int, default: int | None) -> int:
+        """The request's max_tokens (or `default`, or all that fits when None); 400 when the
+        prompt plus max_tokens exceeds max_model_len."""
+        self.check_prompt_length(prompt_len)
         room = self.max_model_len - prompt_len
         max_tokens = requested if requested is not None else (default or room)
         if max_tokens > room:
@@ -161,8 +176,16 @@ class OpenAIServing:
                         ) -> SamplingParams:
         """SamplingParams for `req` (ValueError, hence 400, on a bad combination; 400 for
         `n` > 1 with greedy sampling, as vLLM 0.32 refuses it: the samples would be equal)."""
-        if req.n > 1 and req.temperature < GREEDY_TEMPERATURE_BELOW:
-            raise APIError(f"n must be 1 when using greedy sampling, got {req.n}.", param="n")
+        if req.n > 1 and req.temperature < GREEDY_TEMPERATURE_BELOW:  # param null, as vLLM's
+            raise APIError(f"n must be 1 when using greedy sampling, got {req.n}.")
+        try:
+            return self._make_sampling_params(req, max_tokens, logprobs, structured_outputs)
+        except ValueError as exc:  # SamplingParams' own checks (a cap in bytes, ...)
+            raise APIError(str(exc), param=_sampling_field(exc)) from exc
+
+    def _make_sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None,
+                              structured_outputs: StructuredOutputsParams | None
+                              ) -> SamplingParams:
         return SamplingParams(
             n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             min_p=req.min_p, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
@@ -216,6 +239,8 @@ class OpenAIServing:
 
         On any failure the streams already opened are closed (aborted) before raising.
         """
+        if params.bad_words:  # tokenized here, in a tokenizer thread, never on the engine loop
+            await self.run_tokenizer(self.engine.engine.inputs.prepare_bad_words, params)
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
@@ -232,6 +257,9 @@ class OpenAIServing:
         except EngineDeadError as exc:
             close_all(streams)
             raise APIError(str(exc), status_code=503, type="server_unavailable") from exc
+        except ValueError as exc:  # the engine's checks (token ids past the vocabulary, ...)
+            close_all(streams)
+            raise APIError(str(exc), param=_sampling_field(exc)) from exc
         except BaseException:
             close_all(streams)
             raise
@@ -308,6 +336,12 @@ def _phases(timing: _Timing, output: RequestOutput, now: float) -> RequestPhases
         prefill_time=first - scheduled if first and scheduled else None,
         decode_time=last - first if first else None,
         inference_time=last - scheduled if scheduled else None)
+
+
+def _sampling_field(exc: ValueError) -> str | None:
+    """The SamplingParams field a check's message starts with (its `param`), else None."""
+    word = str(exc).split(" ", 1)[0]
+    return word if word in SAMPLING_FIELDS else None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -9,7 +9,7 @@
 - `external_prefix_cache_queries_total` / `_hits_total`: tokens asked of the KV store (the first
   tier sees every block a load asks for) and found in any tier;
 - `num_requests_waiting_by_reason{reason=capacity|deferred}` (deferred: loading KV);
-- `cache_config_info` (a gauge of 1 whose labels are the cache configuration);
+- `cache_config_info` (a gauge of 1 whose labels are the cache configuration, model and engine);
 - `engine_sleep_state{sleep_state=awake|weights_offloaded|discard_all}` (always awake: no sleep
   mode here) and `mm_cache_queries_total` / `_hits_total` (always 0: no multimodal inputs),
   so dashboards built on them find them.
@@ -107,9 +107,8 @@ def engine_families(prefix: str, labels: list[str], values: list[str], stats: En
 
     info = GaugeMetricFamily(f"{prefix}:cache_config_info",
                              "Information of the LLMEngine CacheConfig",
-                             labels=[*cache_info, *(["engine"] if "engine" in labels else [])])
-    info.add_metric([*cache_info.values(), *(values[labels.index("engine"):][:1]
-                                              if "engine" in labels else [])], 1.0)
+                             labels=[*cache_info, *labels])  # and model_name, engine (vLLM 0.32)
+    info.add_metric([*cache_info.values(), *values], 1.0)
     yield info
 
 

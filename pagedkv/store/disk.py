@@ -26,14 +26,16 @@ from pagedkv.store.codec import CorruptBlockError, decode_block, encode_block
 from pagedkv.store.payload import Payload, payload_buffer
 from pagedkv.store.sizing import disk_tier_blocks
 from pagedkv.store.tier import KVTier
+from pagedkv.store.warn_limit import WARNING_INTERVAL_S, RateLimitedWarning
 
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".kvb"
 _STALE_TMP_S = 600.0
-# A full disk (ENOSPC) fails every write: at most one warning per this many seconds, carrying
-# how many writes failed since the previous one (all are counted in `num_write_errors`).
-WRITE_WARNING_INTERVAL_S = 60.0
+# A full disk (ENOSPC) fails every write, a damaged directory every read: at most one warning
+# of each per this many seconds, carrying how many happened since the previous one (all are
+# counted in `num_write_errors` / `num_corrupt`).
+WRITE_WARNING_INTERVAL_S = WARNING_INTERVAL_S
 
 
 class DiskTier(KVTier):
@@ -59,9 +61,11 @@ class DiskTier(KVTier):
         self._used = 0
         self.num_corrupt = 0
         self.num_write_errors = 0  # writes that failed (disk full, permissions, ...)
-        self._unwarned_write_errors = 0
-        self._last_write_warning: float | None = None
         self._clock = time.monotonic  # a seam for tests
+        self._write_warning = RateLimitedWarning(logger, "block write(s) failed",
+                                                 clock=lambda: self._clock())
+        self._corrupt_warning = RateLimitedWarning(logger, "unreadable block file(s) dropped",
+                                                   clock=lambda: self._clock())
         self._scan()
 
     # ---- files ----------------------------------------------------------------------------
@@ -128,7 +132,8 @@ class DiskTier(KVTier):
             self._forget(key)
             return None
         except (OSError, CorruptBlockError) as e:
-            logger.warning("disk tier: dropping unreadable block file %s (%s)", path, e)
+            self._corrupt_warning.note("disk tier: dropping unreadable block file %s (%s)",
+                                       path, e)
             self.num_corrupt += 1
             self._forget(key)
             _unlink(path)
@@ -188,16 +193,8 @@ class DiskTier(KVTier):
         """Count a failed write; warn at most once per WRITE_WARNING_INTERVAL_S."""
         with self._lock:
             self.num_write_errors += 1
-            self._unwarned_write_errors += 1
-            now = self._clock()
-            if (self._last_write_warning is not None
-                    and now - self._last_write_warning < WRITE_WARNING_INTERVAL_S):
-                return
-            self._last_write_warning = now
-            count, self._unwarned_write_errors = self._unwarned_write_errors, 0
-        logger.warning("disk tier: cannot write %s (%s); %d block write(s) failed since the "
-                       "last warning (%d in all); blocks that are not written are recomputed "
-                       "when needed", path, error, count, self.num_write_errors)
+        self._write_warning.note("disk tier: cannot write %s (%s), blocks that are not written "
+                                 "are recomputed when needed", path, error)
 
     def _evict_over_capacity(self, incoming: int) -> None:
         evicted = []

@@ -30,6 +30,7 @@ from pagedkv.events.wire import MEDIUM_REDIS
 from pagedkv.store.codec import CorruptBlockError, decode_block, encode_block
 from pagedkv.store.payload import Payload, payload_buffer
 from pagedkv.store.tier import KVTier
+from pagedkv.store.warn_limit import RateLimitedWarning
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class RedisTier(KVTier):
         self.breaker = CircuitBreaker(failure_threshold, cooldown_s)
         self.num_errors = 0
         self.num_corrupt = 0
+        self._corrupt_warning = RateLimitedWarning(logger, "corrupt block(s) dropped")
         self.down_reason: str | None = None  # set when the server refused our credentials
         self._call("PING", self.client.ping)
 
@@ -164,7 +166,7 @@ class RedisTier(KVTier):
             try:
                 out.append(decode_block(key, value))
             except CorruptBlockError as e:
-                logger.warning("redis tier: dropping a corrupt block (%s)", e)
+                self._corrupt_warning.note("redis tier: dropping a corrupt block (%s)", e)
                 self.num_corrupt += 1
                 self._call("DEL", lambda k=key: self.client.delete(KEY_PREFIX + k))
                 out.append(None)

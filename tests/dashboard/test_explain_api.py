@@ -5,6 +5,8 @@ fixture), and checks that a bad utility call is a ValueError in both."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -33,7 +35,9 @@ def test_explain_a_completion_and_a_chat_prompt(engine):
         assert after["num_device_hit_tokens"] == 20
         salted = httpx.post(url + "/v1/cache/explain",
                             json={"prompt": prompt, "cache_salt": "other"}).json()
-        assert [b["reason"] for b in salted["blocks"]] == ["different_cache_salt"] * 5
+        # Another salt sees nothing of the unsalted request (nor its id).
+        assert [b["reason"] for b in salted["blocks"]] == ["never_computed"] * 5
+        assert rid not in str(salted) and salted["recent_prompts"] == 0
         # The dashboard's explanation of the finished request itself (its engine-side id, as
         # the feed lists the latest finished requests).
         finished = fresh_snapshot(url)["first_update"]["finished"]
@@ -73,3 +77,29 @@ def test_explain_is_behind_the_api_key_and_rejects_bad_bodies(inproc_engine):
         wrong = httpx.post(url + "/v1/cache/explain", json={**body, "model": "other"},
                            headers=auth)
         assert wrong.status_code == 404
+
+
+def test_explain_refuses_what_a_completion_refuses_before_the_core(inproc_engine, monkeypatch):
+    calls: list[str] = []
+    start_utility = inproc_engine.start_utility
+
+    def spy(method, *args):
+        calls.append(method)
+        return start_utility(method, *args)
+
+    monkeypatch.setattr(inproc_engine, "start_utility", spy)
+    max_len, vocab = inproc_engine.max_model_len, inproc_engine.vocab_size
+    with serving(inproc_engine) as url:
+        for prompt in ([7] * 600_000, [7] * max_len, [7, vocab + 3]):
+            started = time.monotonic()
+            resp = httpx.post(url + "/v1/cache/explain", json={"prompt": prompt}, timeout=30)
+            assert resp.status_code == 400, resp.text[:300]
+            assert resp.json()["error"]["param"] == "prompt"
+            assert len(resp.content) < 2000 and time.monotonic() - started < 10
+        completion = httpx.post(url + "/v1/completions", json={"prompt": [7] * max_len},
+                                timeout=30)
+        assert completion.status_code == 400  # the same refusal as a completion's
+        assert "dashboard.explain" not in calls, calls
+        ok = httpx.post(url + "/v1/cache/explain", json={"prompt": [7] * (max_len - 1)})
+        assert ok.status_code == 200 and ok.json()["num_tokens"] == max_len - 1
+        assert "dashboard.explain" in calls

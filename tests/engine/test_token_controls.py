@@ -83,3 +83,33 @@ def test_truncate_prompt_tokens(tiny_llama, make_llm):
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_list_fields_are_capped_and_ids_checked_offline(tiny_llama, make_llm):
+    from pagedkv.sched.validation import (
+        MAX_ALLOWED_TOKEN_IDS,
+        MAX_BAD_WORDS,
+        MAX_LOGIT_BIAS,
+        MAX_STOP_STRINGS,
+        MAX_STOP_TOKEN_IDS,
+        MAX_TEXT_LIST_BYTES,
+    )
+
+    too_many = {"bad_words": ([f"w{i}" for i in range(20_000)], MAX_BAD_WORDS),
+                "stop": (["s"] * (MAX_STOP_STRINGS + 1), MAX_STOP_STRINGS),
+                "stop_token_ids": ([1] * (MAX_STOP_TOKEN_IDS + 1), MAX_STOP_TOKEN_IDS),
+                "logit_bias": ({i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}, MAX_LOGIT_BIAS),
+                "allowed_token_ids": ([5] * (MAX_ALLOWED_TOKEN_IDS + 1), MAX_ALLOWED_TOKEN_IDS)}
+    for name, (value, limit) in too_many.items():
+        with pytest.raises(ValueError, match=rf"^{name} .*limit of {limit}$"):
+            SamplingParams(**{name: value})
+    with pytest.raises(ValueError, match=str(MAX_TEXT_LIST_BYTES)):
+        SamplingParams(bad_words=["x" * (MAX_TEXT_LIST_BYTES + 1)])
+    assert SamplingParams(allowed_token_ids=[9, 5] * 100_000 + [3]).allowed_token_ids == [3, 5, 9]
+    llm = make_llm(tiny_llama, dtype="float32")
+    vocab = llm.llm_engine.vocab_size
+    with pytest.raises(ValueError, match=rf"stop_token_ids .*: {vocab}, {vocab + 2}$"):
+        llm.generate("x", SamplingParams(stop_token_ids=[1, vocab + 2, vocab]), use_tqdm=False)
+    # Bad words: each distinct token sequence once (a set, not a list scan).
+    engine = llm.llm_engine
+    assert engine.bad_words_token_ids(["a b", "a b", " a b"]) == engine.bad_words_token_ids(["a b"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from pagedkv.kv.explain import explain_prompt
 from pagedkv.kv.manager import KVCacheManager
 from tests.kv.conftest import make_request, prefill
@@ -59,20 +61,48 @@ def test_evicted_names_the_policy_and_the_request_that_needed_the_room():
     kv.check_invariants()
 
 
-def test_different_cache_salt_and_different_tokens():
+def test_another_salts_history_is_never_shown():
     kv = _manager()
     _run(kv, "salted", list(range(12)), salt="tenant-a")
-    answer = explain_prompt(kv, list(range(12)) + [50], cache_salt="tenant-b")
-    assert [b["reason"] for b in answer["blocks"]] == ["different_cache_salt"] * 3
-    assert answer["blocks"][0]["nearest_request"] == "salted"
-    # Same salt, a prompt that differs at token 9 (block 2): blocks 0-1 hit.
-    prompt = list(range(12))
-    prompt[9] = 77
-    answer = explain_prompt(kv, prompt + [50], cache_salt="tenant-a")
-    reasons = [b["reason"] for b in answer["blocks"]]
-    assert reasons == ["hit", "hit", "different_tokens"]
-    assert answer["blocks"][2]["first_differing_token"] == 9
-    assert answer["blocks"][2]["nearest_request"] == "salted"
+    for salt in ("tenant-b", None):  # another tenant, or an unsalted caller, guesses a's prompt
+        answer = explain_prompt(kv, list(range(12)) + [50], cache_salt=salt)
+        assert [b["reason"] for b in answer["blocks"]] == ["never_computed"] * 3
+        assert "salted" not in json.dumps(answer) and answer["recent_prompts"] == 0
+    kv.check_invariants()
+
+
+def test_different_tokens_is_told_by_whole_blocks_only():
+    kv = _manager()
+    _run(kv, "salted", list(range(12)), salt="tenant-a")
+    answers = []
+    for position in (8, 9, 11):  # how far the guess matches inside block 2 must not show
+        prompt = list(range(12))
+        prompt[position] = 77
+        answer = explain_prompt(kv, prompt + [50], cache_salt="tenant-a", now=0.0)
+        assert [b["reason"] for b in answer["blocks"]] == ["hit", "hit", "different_tokens"]
+        assert answer["blocks"][2]["nearest_request"] == "salted"
+        answers.append({k: v for k, v in answer.items() if k != "blocks"}
+                       | {"blocks": [{k: v for k, v in b.items() if k != "hash"}
+                                     for b in answer["blocks"]]})
+    assert answers[0] == answers[1] == answers[2]
+    # A recent prompt that ends inside the block compared says nothing about that block.
+    _run(kv, "short", list(range(100, 110)), salt="tenant-c")
+    answer = explain_prompt(kv, list(range(100, 108)) + [5, 6, 7, 8, 9], cache_salt="tenant-c")
+    assert [b["reason"] for b in answer["blocks"]] == ["hit", "hit", "never_computed"]
+    kv.check_invariants()
+
+
+def test_evicted_hides_the_request_of_another_salt():
+    kv = _manager(num_blocks=9)
+    victim = list(range(16))
+    _run(kv, "victim", victim, salt="tenant-a")
+    big = make_request("big-of-b", list(range(100, 132)), cache_salt="tenant-b")
+    assert prefill(kv, big)[0] is not None
+    answer = explain_prompt(kv, victim + [999], cache_salt="tenant-a")
+    assert [b["reason"] for b in answer["blocks"]] == ["evicted"] * 4
+    assert all(b["evicted_for_request"] is None for b in answer["blocks"])
+    assert "big-of-b" not in json.dumps(answer)
+    kv.free(big)
     kv.check_invariants()
 
 

@@ -49,6 +49,12 @@ def test_models_health_version(server, client):
     card = httpx.get(server.url + "/v1/models").json()["data"][0]
     assert card["max_model_len"] == ENGINE_KWARGS["max_model_len"]
     assert card["vocab_size"] > 0
+    # vLLM's ModelPermission, one per card, with its fixed values
+    [permission] = card["permission"]
+    assert permission["id"].startswith("modelperm-") and permission["organization"] == "*"
+    assert permission["object"] == "model_permission" and permission["allow_sampling"] is True
+    assert permission["allow_fine_tuning"] is False and permission["group"] is None
+    assert card["parent"] is None
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/version").json()["version"]
 

@@ -65,20 +65,18 @@ def test_families_names_types_labels_and_buckets(server):
         assert family.type == kind, (name, family.type)
         for sample in family.samples:
             assert sample.labels["engine"] == "0", sample
-            # vLLM's info gauge is labelled by the cache config (and engine) only
-            assert sample.labels.get("model_name") == (None if kind == "gauge" and extra is None
-                                                       else "tiny"), sample
+            assert sample.labels.get("model_name") == "tiny", sample
             if extra is not None:
                 assert set(sample.labels) - {"le"} == {"model_name", "engine", *extra}, sample
         if buckets is not None:
             bounds = [float(s.labels["le"]) for s in family.samples if s.name == name + "_bucket"]
             assert bounds == [*map(float, buckets), float("inf")], name
-    # admission_rejections has model_name and reason only (as vLLM's), both reasons present
+    # admission_rejections has model_name, engine and reason (as vLLM's), both reasons present
     rejections = families["vllm:admission_rejections"]
     assert rejections.type == "counter"
     assert {s.labels["reason"] for s in rejections.samples if s.name.endswith("_total")} == \
         {"max_num_queued_reqs", "max_num_queued_tokens"}
-    assert all(set(s.labels) == {"model_name", "reason"} for s in rejections.samples)
+    assert all(set(s.labels) == {"model_name", "engine", "reason"} for s in rejections.samples)
     info = families["vllm:cache_config_info"].samples[0]
     assert info.value == 1 and info.labels["block_size"] == str(ENGINE_KWARGS["block_size"])
     assert {s.labels["source"] for s in families["vllm:prompt_tokens_cached_by_source"].samples} \

@@ -354,3 +354,11 @@ def test_echo_with_return_token_ids_leaves_the_prompt_text_out(server):
     assert choice["prompt_token_ids"] and len(choice["token_ids"]) == GREEDY["max_tokens"]
     assert choice["logprobs"]["tokens"] == echoed["logprobs"]["tokens"]
     assert len(choice["logprobs"]["tokens"]) == len(choice["prompt_token_ids"]) + 6
+
+
+def test_error_param_as_vllms(server):
+    """`param` names the field where vLLM's does, and is null where vLLM's is."""
+    greedy = post(server, "/v1/completions", {"prompt": "x", "n": 2, "temperature": 0})
+    assert greedy.status_code == 400 and greedy.json()["error"]["param"] is None
+    bias = post(server, "/v1/completions", {"prompt": "x", "logit_bias": {"a": 1}})
+    assert bias.status_code == 400 and bias.json()["error"]["param"] == "logit_bias"

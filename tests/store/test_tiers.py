@@ -284,3 +284,29 @@ def test_tier_events_carry_the_blocks_extra_keys():
             ([hashes[0]], [("t1",)], host.medium), ([hashes[1]], [None], host.medium)]
     finally:
         store.close()
+
+
+def test_disk_tier_corrupt_blocks_warn_once_per_interval(tmp_path, caplog):
+    """A directory of damaged block files: every one is dropped and counted, one warning per
+    interval is logged (with the count since the last one), never one line per block."""
+    import logging
+
+    from pagedkv.store import disk as disk_module
+
+    tier = DiskTier(tmp_path, capacity_bytes=1_000_000)
+    now = [1000.0]
+    tier._clock = lambda: now[0]
+    keys = [_key(i) for i in range(30)]
+    assert len(tier.put_many([(k, _payload(i)) for i, k in enumerate(keys)])) == 30
+    for key in keys:
+        tier.path(key).write_bytes(b"garbage")
+    with caplog.at_level(logging.WARNING, logger="pagedkv.store.disk"):
+        assert tier.get_many(keys[:20]) == [None] * 20
+        assert len(caplog.records) == 1 and "unreadable" in caplog.records[0].getMessage()
+        now[0] += disk_module.WRITE_WARNING_INTERVAL_S + 1
+        assert tier.get_many(keys[20:]) == [None] * 10
+    assert tier.num_corrupt == 30 and tier.num_blocks == 0
+    assert len(caplog.records) == 2
+    # The second warning counts the 19 silent drops and its own.
+    assert "20 unreadable block file(s) dropped since the last warning (21 in all)" in \
+        caplog.records[1].getMessage()

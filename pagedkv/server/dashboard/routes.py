@@ -138,16 +138,23 @@ def make_dashboard_router(async_engine: Any, serving: Any, metrics: Any,
 
 async def _prompt_ids(serving: Any, body: CompletionRequest | ChatCompletionRequest
                       ) -> list[int]:
-    """The token ids the completions or chat route would run for `body` (its first prompt)."""
+    """The token ids the completions or chat route would run for `body` (its first prompt),
+    refused (400) here, before the engine core, whenever a completion would refuse them."""
     from pagedkv.server.prompt_render import tokenize_chat, tokenize_prompts
 
+    param = "prompt"
     if isinstance(body, ChatCompletionRequest):
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         ids = await serving.run_tokenizer(tokenize_chat, serving, body, tools)
+        param = "messages"
     else:
-        prompts = await serving.run_tokenizer(tokenize_prompts, serving, body.prompt, True)
-        if len(prompts) != 1:
-            raise APIError(f"explain takes one prompt, got {len(prompts)}", param="prompt")
+        several = isinstance(body.prompt, list) and not isinstance(body.prompt[0], int)
+        if several and len(body.prompt) != 1:  # refused before any of them is tokenized
+            raise APIError(f"explain takes one prompt, got {len(body.prompt)}", param="prompt")
+        prompts = await serving.run_tokenizer(tokenize_prompts, serving, body.prompt,
+                                              body.truncate_prompt_tokens is None)
         ids = prompts[0]
-    return serving.truncate(body, [ids])[0]
+    ids = serving.truncate(body, [ids])[0]
+    serving.check_prompt_ids(ids, param)
+    return ids
 
