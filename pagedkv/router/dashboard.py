@@ -41,7 +41,7 @@ def fleet_state(router: Router, max_decisions: int = 100) -> dict[str, Any]:
         "num_gpu_blocks": (b.kv_info or {}).get("num_gpu_blocks"),
         "kv_cache_dtype": (b.kv_info or {}).get("kv_cache_dtype"),
         "indexed_blocks": {m: router.index.num_blocks(b.name, m) for m in media},
-        "last_error": b.last_error} for b in router.backends]
+        "kv_problem": b.kv_problem, "last_error": b.last_error} for b in router.backends]
     return {"policy": router.policy.name, "backends": backends,
             "decisions_total": router.decisions.total,
             "decisions": decisions[-max_decisions:], "prefixes": placements,
