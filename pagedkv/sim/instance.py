@@ -197,6 +197,14 @@ class SimInstance:
     def busy(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def fits(self, prompt_tokens: int) -> bool:
+        """Whether the engine would take a prompt of this many tokens: it leaves room for a
+        token within max_model_len and can fit the cache. Decided from the length alone, before
+        any token of it is made."""
+        cfg, kv = self.config, self.kv
+        return 0 < prompt_tokens < cfg.max_model_len and \
+            cdiv(prompt_tokens + 1, cfg.block_size) <= kv.num_usable_blocks - kv.watermark_blocks
+
     def add(self, record: RequestRecord, trace_request: TraceRequest) -> Request | None:
         """Queue a trace request now (its arrival is `record.arrival`; its prompt tokens are
         made when the scheduler first reads them, `lazy_request.py`). Refused, as the engine
@@ -205,9 +213,7 @@ class SimInstance:
         cfg = self.config
         n = trace_request.input_length
         record.instance = self.index
-        kv = self.kv
-        if n == 0 or n >= cfg.max_model_len or \
-                cdiv(n + 1, cfg.block_size) > kv.num_usable_blocks - kv.watermark_blocks:
+        if not self.fits(n):
             record.status, record.error = "rejected", f"prompt of {n} tokens does not fit"
             record.finish = None
             self.finished.append(record)
