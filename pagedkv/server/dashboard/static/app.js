@@ -124,10 +124,14 @@
   const NEXT = [255, 140, 26], LAST = [255, 224, 163];
   function packed([r, g, b]) { return (255 << 24) | (b << 16) | (g << 8) | r; }
   const P = Object.fromEntries(Object.entries(COLORS).map(([k, v]) => [k, packed(v)]));
+  // One pixel a block, drawn at most MAX_CELL_PX a side: a small pool is a small grid.
+  const MAX_CELL_PX = 16;
   function layout(n, canvas) {
     const cols = Math.max(1, Math.ceil(Math.sqrt(n * 3))), rows = Math.max(1, Math.ceil(n / cols));
     if (canvas.width !== cols || canvas.height !== rows) { canvas.width = cols; canvas.height = rows; }
-    canvas.style.height = Math.max(40, canvas.clientWidth * rows / cols) + "px";
+    const room = (canvas.parentElement && canvas.parentElement.clientWidth) || 900;
+    const cell = Math.min(MAX_CELL_PX, room / cols);
+    canvas.style.width = `${cols * cell}px`; canvas.style.height = `${Math.max(8, rows * cell)}px`;
     return { cols, rows };
   }
   // The blocks the grid shows: up to the highest one used so far (in use, cached or pinned) with
@@ -316,9 +320,9 @@
   const pct = (n, d) => (d > 0 ? 100 * n / d : NaN);
   const num = (v) => Number(v) || 0;
   const CHARTS = [
-    { name: "prefix hit rate (device, tokens)", unit: "%", series: ["window"], whole: true,
+    { name: "prefix hit rate (device, tokens)", unit: "%", series: ["window"], whole: true, none: "no admissions in window",
       fn: (a, b) => [pct(num(b.prefix_cache_hits) - num(a.prefix_cache_hits), num(b.prefix_cache_queries) - num(a.prefix_cache_queries))] },
-    { name: "store tier hit rate", unit: "%", series: [], shown: (b) => storeTiers({ stats: b }).length > 0,
+    { name: "store tier hit rate", unit: "%", series: [], none: "no lookups in window", shown: (b) => storeTiers({ stats: b }).length > 0,
       fn: (a, b) => storeTiers({ stats: b }).map((t, i) => { const o = storeTiers({ stats: a })[i] || t; return pct(num(t.hits) - num(o.hits), num(t.hits) - num(o.hits) + num(t.misses) - num(o.misses)); }) },
     { name: "evictions", unit: "blocks/s", series: ["evicted"],
       fn: (a, b, dt) => [(num(b.num_evictions) - num(a.num_evictions)) / dt] },
@@ -327,7 +331,7 @@
     { name: "KV usage", unit: "%", series: ["in use"], fn: (a, b) => [100 * num(b.kv_cache_usage)] },
     { name: "throughput", unit: "tokens/s", series: ["generated", "prompt"],
       fn: (a, b, dt) => [(num(b.generation_tokens) - num(a.generation_tokens)) / dt, (num(b.prompt_tokens) - num(a.prompt_tokens)) / dt] },
-    { name: "TTFT mean", unit: "s", series: ["mean"],
+    { name: "TTFT mean", unit: "s", series: ["mean"], none: "no first token in window",
       fn: (a, b) => [num(b.ttft_count) > num(a.ttft_count) ? (num(b.ttft_sum) - num(a.ttft_sum)) / (num(b.ttft_count) - num(a.ttft_count)) : NaN] },
   ];
   $("charts").replaceChildren(...CHARTS.map((c, i) => el("div", { class: "chart", id: `chart${i}` },
@@ -337,14 +341,21 @@
   const AXIS = { left: 44, bottom: 14, top: 6, right: 6 };
   function fmt(v, unit) {
     if (!Number.isFinite(v)) return "–";
-    const a = Math.abs(v), text = a === 0 ? "0" : a < 0.01 ? v.toExponential(1) : a < 10 ? v.toFixed(unit === "%" ? 1 : 3) : v.toFixed(0);
-    return unit === "%" ? `${text}%` : `${text} ${unit}`;
+    if (unit === "%") return `${v.toFixed(1)}%`;
+    const a = Math.abs(v), text = a === 0 ? "0" : a < 0.01 ? v.toExponential(1) : a < 10 ? v.toFixed(3) : v.toFixed(0);
+    return `${text} ${unit}`;
+  }
+  // An axis label: a short number (the unit is in the chart's title), "%" kept.
+  function short(v, unit) {
+    const a = Math.abs(v), text = a === 0 ? "0" : a >= 1e6 ? `${(v / 1e6).toFixed(1)}M` : a >= 1e3 ? `${(v / 1e3).toFixed(1)}k`
+      : a >= 10 ? v.toFixed(0) : a >= 0.01 ? String(Number(v.toFixed(2))) : v.toExponential(0);
+    return unit === "%" ? `${text}%` : text;
   }
   function drawAxes(ctx, cv, max, unit, spanS) {
     const { left, bottom, top, right } = AXIS, h = cv.height - bottom, w = cv.width - right;
     ctx.strokeStyle = "#8a93a3"; ctx.beginPath(); ctx.moveTo(left, top); ctx.lineTo(left, h); ctx.lineTo(w, h); ctx.stroke();
     ctx.fillStyle = "#4b5565"; ctx.font = "10px system-ui, sans-serif"; ctx.textBaseline = "middle"; ctx.textAlign = "right";
-    ctx.fillText(fmt(max, unit), left - 3, top + 4); ctx.fillText(fmt(0, unit), left - 3, h - 2);
+    ctx.fillText(short(max, unit), left - 3, top + 4); ctx.fillText(short(0, unit), left - 3, h - 2);
     ctx.textBaseline = "alphabetic"; ctx.textAlign = "left";
     ctx.fillText(spanS > 0 ? `−${spanS.toFixed(0)} s` : "time", left, cv.height - 2);
     ctx.textAlign = "right"; ctx.fillText(D.live ? "now" : "end", w, cv.height - 2);
@@ -360,6 +371,8 @@
       box.hidden = Boolean(chart.shown && !chart.shown(last));
       if (box.hidden) return;
       const cv = $(`ch${ci}`), ctx = cv.getContext("2d");
+      const cw = Math.round(cv.clientWidth) || 300, chh = Math.round(cv.clientHeight) || 110;
+      if (cv.width !== cw || cv.height !== chh) { cv.width = cw; cv.height = chh; }  // crisp text: no CSS stretch
       ctx.clearRect(0, 0, cv.width, cv.height);
       const pts = [];
       for (let i = RATE_LAG; i < E.length; i++) {
@@ -387,7 +400,7 @@
       const cur = end - RATE_LAG >= 0 ? pts[end - RATE_LAG] : null;
       if (pts.length && end >= RATE_LAG) { const x = xAt(end - RATE_LAG); ctx.strokeStyle = "#0005"; ctx.beginPath(); ctx.moveTo(x, AXIS.top); ctx.lineTo(x, y0); ctx.stroke(); }
       const names = chart.series.length ? chart.series : (cur || []).map((_, k) => (storeTiers({ stats: last })[k] || {}).name || `tier ${k}`);
-      const parts = (cur || []).map((v, k) => `${names[k] || ""}: ${Number.isFinite(v) ? fmt(v, chart.unit) : (chart.whole ? "no admissions in window" : "–")}`);
+      const parts = (cur || []).map((v, k) => `${names[k] || ""}: ${Number.isFinite(v) ? fmt(v, chart.unit) : (chart.none || "–")}`);
       if (chart.whole) parts.push(wholeRunHitRate(entryAt()));
       $(`cv${ci}`).textContent = cur || chart.whole ? parts.join(" · ") : "collecting…";
     });
