@@ -6,12 +6,11 @@ frame shows at once, without a scrub."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from tests.dashboard.static_page import open_page, pool, update
-from tests.dashboard.test_browser import CHROMIUM, CHROMIUM_ARGS, ENABLE
+from tests.dashboard.test_browser import browser  # noqa: F401 (Chromium, or a skip)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -20,20 +19,6 @@ XSS2 = '"><svg onload="window.__pwned=1"><script>window.__pwned=1</script>'
 WAIT_MS = 10_000
 INJECTED = "() => document.querySelectorAll('img, svg, iframe').length + " \
            "document.querySelectorAll('script').length"
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"no Chromium at {CHROMIUM}: {ENABLE}")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip(f"the playwright package is not installed: {ENABLE}")
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
 
 
 def hostile_log() -> dict:
@@ -70,7 +55,7 @@ def assert_clean(page) -> None:
     assert page.errors == []
 
 
-def test_a_replayed_log_and_explain_answers_with_markup_are_text(browser, tmp_path):
+def test_a_replayed_log_and_explain_answers_with_markup_are_text(browser, tmp_path):  # noqa: F811
     path = tmp_path / "hostile-log.json"
     path.write_text(json.dumps(hostile_log()))
     page = open_page(browser, explain_answer)
@@ -112,7 +97,7 @@ def test_a_replayed_log_and_explain_answers_with_markup_are_text(browser, tmp_pa
     page.close()
 
 
-def test_the_router_fleet_view_shows_markup_as_text(browser):
+def test_the_router_fleet_view_shows_markup_as_text(browser):  # noqa: F811
     fleet = {"policy": XSS, "decisions_total": 1, "prefixes": {XSS: {XSS2: 1}},
              "sessions": {XSS2: {XSS: 2}},
              "backends": [{"name": XSS, "up": True, "in_flight": 0, "queued_blocks": 0.0,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.dashboard.static_page import open_page, pool, update
-from tests.dashboard.test_browser_hostile import browser  # noqa: F401 (the fixture)
+from tests.dashboard.test_browser import browser  # noqa: F401 (Chromium, or a skip)
 
 pytestmark = pytest.mark.timeout(120)
 
