@@ -31,20 +31,39 @@ class JsonLinesWriter:
             self._file.close()
 
 
+def numbered_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) for every line of a UTF-8 text file; ValueError naming the file
+    and line for a line that is not UTF-8 (binary junk)."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not UTF-8 text ({exc.reason} at byte "
+                                 f"{exc.start})") from None
+
+
+def parse_json_line(path: str | Path, number: int, line: str) -> Any:
+    """One line's JSON value; ValueError naming the file and line when it is not JSON or is
+    nested too deeply to parse."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}:{number}: not JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{path}:{number}: JSON nested too deeply") from None
+
+
 def jsonl_rows(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for every non-blank line of a JSON-lines file. ValueError naming
-    the file and line for a line that is not a JSON object."""
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not JSON: {exc}") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{number}: not a JSON object")
-            yield number, row
+    the file and line for a line that is not UTF-8, not JSON or not a JSON object."""
+    for number, line in numbered_lines(path):
+        if not line.strip():
+            continue
+        row = parse_json_line(path, number, line)
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{number}: not a JSON object")
+        yield number, row
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.config.dtypes import KV_CACHE_DTYPE_CHOICES
 from pagedkv.kv.eviction import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES
 from pagedkv.router.policies import POLICY_NAMES
+
+if TYPE_CHECKING:
+    from pagedkv.sim.plots import PlotTitle
 
 DEFAULT_MODEL = "qwen3-8b"
 DEFAULT_HARDWARE = "h100"
@@ -116,14 +119,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="write instance 0's block feed as a dashboard log (JSON) to replay in "
                         "/dashboard ('replay log'), beside a live run")
     c.add_argument("--plot", default=None, metavar="PATH",
-                   help="write a PNG of KV usage and latencies over time")
+                   help="write a PNG: KV usage, running and queued requests and latencies over "
+                        "time; with --sweep or --search, each metric against the setting")
     p.set_defaults(run=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     from pagedkv.sim.latency import make_latency_model
-    from pagedkv.sim.results import SLO, format_table, plot, summarize, write_json
+    from pagedkv.sim.results import SLO, format_table, summarize, write_json
     from pagedkv.sim.search import capacity_search, parse_sweep, sweep
     from pagedkv.sim.setup import build_sim_config
     from pagedkv.sim.simulator import simulate
@@ -162,6 +166,13 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             write_json({k: v for k, v in found.items() if k != "tried"}
                        | {"tried": {str(k): v for k, v in found["tried"].items()}}, args.json)
+        if args.plot:
+            from pagedkv.sim.plots import plot_sweep
+
+            rows = [{"value": k, **v} for k, v in found["tried"].items()]
+            plot_sweep(rows, args.search, args.plot, plot_title(args), slo, target=args.target,
+                       answer=found["value"], searched=True)
+            print(f"plot: {args.plot}", file=sys.stderr)
         return 0
     if args.sweep:
         setting, values = parse_sweep(args.sweep)
@@ -180,6 +191,11 @@ def run(args: argparse.Namespace) -> int:
                   f"{'-' if good is None else format(good, '.1%'):>8}")
         if args.json:
             write_json({"sweep": rows}, args.json)
+        if args.plot:
+            from pagedkv.sim.plots import plot_sweep
+
+            plot_sweep(rows, setting, args.plot, plot_title(args), slo)
+            print(f"plot: {args.plot}", file=sys.stderr)
         return 0
     event_log = None
     if args.event_log:
@@ -198,7 +214,21 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json(summary, args.json)
     if args.plot:
-        plot(result, args.plot)
+        from pagedkv.sim.plots import plot_run
+
+        plot_run(result, args.plot, plot_title(args), slo)
+        print(f"plot: {args.plot}", file=sys.stderr)
     return 0
+
+
+def plot_title(args: argparse.Namespace) -> PlotTitle:
+    """The plots' title (`pagedkv.sim.plots.PlotTitle`) from the flags."""
+    from pathlib import Path
+
+    from pagedkv.sim.plots import PlotTitle
+
+    return PlotTitle(trace=Path(args.trace).name, model=Path(args.model).name,
+                     hardware=Path(args.hardware).name, instances=args.instances,
+                     policy=args.policy)
 
 

@@ -73,6 +73,7 @@ for a vLLM server, which has none) its events are also matched by their token id
     kv_info: dict[str, Any] | None = None
     hash_compatible: bool = True  # same block size, prefix caching on: prefixes count
     native_hashes: bool = False  # its events' hashes are the router's (same algorithm too)
+    kv_problem: str | None = None  # why its /kv_cache_info answer is unusable (kv_info.py)
     last_error: str | None = None
     model_cards: list[Any] | None = None  # its /v1/models cards (ModelCard); None: not known
     ejected_until: float = 0.0  # time.monotonic() before which no request is sent to it

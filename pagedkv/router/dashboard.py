@@ -18,8 +18,10 @@ from pagedkv.events.wire import MEDIUM_DEVICE, MEDIUM_DISK, MEDIUM_HOST
 from pagedkv.router.router import Router
 from pagedkv.server.auth import invalid_api_key
 from pagedkv.server.dashboard.access import DashboardAccess, make_session_router
+from pagedkv.server.errors import APIError
 
 STATIC_DIR = Path(__file__).resolve().parents[1] / "server" / "dashboard" / "static"
+SCRIPTS = ("dom", "fleet")  # the fleet page's scripts in STATIC_DIR
 
 
 def fleet_state(router: Router, max_decisions: int = 100) -> dict[str, Any]:
@@ -41,7 +43,7 @@ def fleet_state(router: Router, max_decisions: int = 100) -> dict[str, Any]:
         "num_gpu_blocks": (b.kv_info or {}).get("num_gpu_blocks"),
         "kv_cache_dtype": (b.kv_info or {}).get("kv_cache_dtype"),
         "indexed_blocks": {m: router.index.num_blocks(b.name, m) for m in media},
-        "last_error": b.last_error} for b in router.backends]
+        "kv_problem": b.kv_problem, "last_error": b.last_error} for b in router.backends]
     return {"policy": router.policy.name, "backends": backends,
             "decisions_total": router.decisions.total,
             "decisions": decisions[-max_decisions:], "prefixes": placements,
@@ -58,9 +60,11 @@ def make_router_dashboard(router: Router, access: DashboardAccess | None = None)
     async def page() -> HTMLResponse:
         return HTMLResponse((STATIC_DIR / "fleet.html").read_text(encoding="utf-8"))
 
-    @routes.get("/dashboard/static/fleet.js", include_in_schema=False)
-    async def script() -> HTMLResponse:
-        return HTMLResponse((STATIC_DIR / "fleet.js").read_text(encoding="utf-8"),
+    @routes.get("/dashboard/static/{name}.js", include_in_schema=False)
+    async def script(name: str) -> HTMLResponse:
+        if name not in SCRIPTS:
+            raise APIError(f"no dashboard asset {name!r}", status_code=404, type="not_found")
+        return HTMLResponse((STATIC_DIR / f"{name}.js").read_text(encoding="utf-8"),
                             media_type="text/javascript")
 
     @routes.get("/dashboard/static/style.css", include_in_schema=False)

@@ -82,7 +82,7 @@ class HealthChecker:
             if health.status_code != 200:
                 return self._failed(backend, f"/health answered {health.status_code}")
             if self._info_due(backend):
-                self.router.set_kv_info(backend, await self._kv_info(backend))
+                await self._refresh_kv_info(backend)
                 await self._refresh_models(backend)
                 self._info_at[backend.name] = time.monotonic()
         except UpstreamError as exc:
@@ -149,14 +149,21 @@ class HealthChecker:
                 continue  # a card we cannot read is left out
         self.router.set_models(backend, cards)
 
-    async def _kv_info(self, backend: Backend) -> dict | None:
+    async def _refresh_kv_info(self, backend: Backend) -> None:
+        """Its /kv_cache_info applied: a 404 is a backend without one (vLLM); an error status
+        or a body that is not JSON leaves it routable without prefix credit."""
         resp = await self._get(backend.url + KV_INFO_ROUTE)
         if resp.status_code == 404:
-            return None
-        if resp.status_code != 200:
-            raise ValueError(f"{KV_INFO_ROUTE} answered {resp.status_code}")
-        info = resp.json()
-        return info if isinstance(info, dict) else None
+            self.router.set_kv_info(backend, None)
+        elif resp.status_code != 200:
+            self.router.kv_info_unusable(backend, f"{KV_INFO_ROUTE} answered {resp.status_code}")
+        else:
+            try:
+                info = resp.json()
+            except ValueError:
+                self.router.kv_info_unusable(backend, f"{KV_INFO_ROUTE} answered no JSON")
+                return
+            self.router.set_kv_info(backend, info)
 
     async def check_all(self) -> int:
         """One round for every backend, concurrently; returns how many are up."""

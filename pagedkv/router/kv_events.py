@@ -9,15 +9,27 @@ own keys of its token ids (token_chains.py), so prompts match it by tokens; a ro
 block size yet takes the events' (`Router.adopt_block_size`). A jump in the
 sequence numbers is a missed batch: counted (pagedkv_router:kv_event_gaps) and logged; the
 index stays as it is (the router's own TTL'd record and the next events repair it).
+
+No backend can hold the router's event loop: the SUB socket takes messages of at most
+`max_message_bytes` (ZMQ's MAXMSGSIZE: a larger one is never read into memory; ZMQ drops the
+connection, which is counted, pagedkv_router:kv_event_disconnects, and logged, and reconnects),
+and a batch is applied in slices of at most `SLICE_BLOCKS` blocks, yielding to the loop between
+slices once `SLICE_S` has passed. What the index keeps of a backend is bounded whatever its
+events say (prefix_index.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import time
+from collections.abc import Iterator
 
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from pagedkv.events.wire import (
     MEDIUM_DEVICE,
@@ -34,6 +46,37 @@ from pagedkv.router.router import Router
 from pagedkv.router.token_chains import TokenChains
 
 logger = logging.getLogger("pagedkv.router")
+
+# A step's batch is kilobytes (a 128k-token prefill: under 1 MB with its token ids); 4 MiB
+# decodes in some 50 ms.
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
+SLICE_BLOCKS = 1024  # blocks applied between checks of the clock
+SLICE_S = 0.02  # the loop is given back once a batch has held it this long
+RECONNECT_S = 0.1  # ZMQ's own reconnection interval
+
+
+def sliced(event: BlockStored | BlockRemoved,
+           size: int = SLICE_BLOCKS) -> Iterator[BlockStored | BlockRemoved]:
+    """`event` as events of at most `size` blocks each, applied in turn to the same effect
+    (a stored chain's later slices hang off the block before them; token ids and extra keys
+    are cut with their blocks)."""
+    hashes = event.block_hashes
+    if len(hashes) <= size:
+        yield event
+        return
+    if isinstance(event, BlockRemoved):
+        for i in range(0, len(hashes), size):
+            yield msgspec.structs.replace(event, block_hashes=hashes[i:i + size])
+        return
+    whole = len(event.token_ids) == event.block_size * len(hashes)
+    for i in range(0, len(hashes), size):
+        j = i + size
+        bs = event.block_size
+        yield msgspec.structs.replace(
+            event, block_hashes=hashes[i:j],
+            parent_block_hash=event.parent_block_hash if i == 0 else hashes[i - 1],
+            token_ids=event.token_ids[i * bs:j * bs] if whole else [],
+            extra_keys=event.extra_keys[i:j] if event.extra_keys else event.extra_keys)
 
 
 def apply_batch(index: PrefixIndex, backend: str, batch: KVEventBatch,
@@ -67,25 +110,52 @@ def apply_batch(index: PrefixIndex, backend: str, batch: KVEventBatch,
     return len(batch.events)
 
 
+async def apply_batch_sliced(index: PrefixIndex, backend: str, batch: KVEventBatch,
+                             model: str | None = None,
+                             chains: TokenChains | None = None) -> int:
+    """`apply_batch`, a slice of at most SLICE_BLOCKS blocks at a time, giving the event loop
+    back between slices once SLICE_S has passed since it last had it; returns the events."""
+    held_since = time.monotonic()
+    for event in batch.events:
+        parts = sliced(event) if isinstance(event, (BlockStored, BlockRemoved)) else [event]
+        for part in parts:
+            apply_batch(index, backend, KVEventBatch(ts=batch.ts, events=[part]), model, chains)
+            if time.monotonic() - held_since >= SLICE_S:
+                await asyncio.sleep(0)
+                held_since = time.monotonic()
+    return len(batch.events)
+
+
 class KVEventSubscriber:
     """Reads `backend.events_endpoint` into the router's index until cancelled. The socket
-    belongs to `context` (one per router, so two routers can share a process)."""
+    belongs to `context` (one per router, so two routers can share a process); it takes
+    messages of at most `max_message_bytes`."""
 
     def __init__(self, router: Router, backend: Backend, context: zmq.asyncio.Context,
-                 topic: bytes = b"") -> None:
+                 topic: bytes = b"",
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         if not backend.events_endpoint:
             raise ValueError(f"backend {backend.name} has no KV-event endpoint")
+        if max_message_bytes < 1:
+            raise ValueError(f"max_message_bytes must be >= 1, got {max_message_bytes!r}")
         self.router = router
         self.backend = backend
         self.context = context
         self.topic = topic
+        self.max_message_bytes = max_message_bytes
         self.last_seq: int | None = None
 
-    def handle(self, frames: list[bytes]) -> None:
-        """Apply one message (a malformed one is logged and skipped)."""
+    async def handle(self, frames: list[bytes]) -> None:
+        """Apply one message (a malformed or oversized one is counted, logged and skipped)."""
         name = self.backend.name
         if len(frames) != 3:
             logger.warning("KV event from %s has %d frames, expected 3", name, len(frames))
+            return
+        size = sum(len(frame) for frame in frames)
+        if size > self.max_message_bytes:  # MAXMSGSIZE bounds each frame; this, the message
+            self.router.metrics.kv_events_dropped.labels(name).inc()
+            logger.warning("KV event message of %d bytes from %s dropped (limit %d)", size,
+                           name, self.max_message_bytes)
             return
         try:
             seq = decode_seq(frames[1])
@@ -101,17 +171,42 @@ class KVEventSubscriber:
             sizes = [e.block_size for e in batch.events if isinstance(e, BlockStored)]
             if sizes:
                 self.router.adopt_block_size(sizes[0])
-        applied = apply_batch(self.router.index, name, batch, self.backend.only_model,
-                              self.router.token_chains_for(self.backend))
+        applied = await apply_batch_sliced(self.router.index, name, batch,
+                                           self.backend.only_model,
+                                           self.router.token_chains_for(self.backend))
         self.router.metrics.kv_events.labels(name).inc(applied)
 
     async def run(self) -> None:
         socket = self.context.socket(zmq.SUB)
         socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         socket.setsockopt(zmq.SUBSCRIBE, self.topic)
+        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        watch = asyncio.create_task(self._watch(socket, monitor))
         socket.connect(self.backend.events_endpoint)
         try:
             while True:
-                self.handle(await socket.recv_multipart())
+                await self.handle(await socket.recv_multipart())
         finally:
+            watch.cancel()
+            socket.disable_monitor()
+            monitor.close(linger=0)
             socket.close(linger=0)
+
+    async def _watch(self, socket: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+        """Count and log each lost connection to the publisher, and connect again: ZMQ
+        reconnects by itself after a network error but never after a protocol error (a
+        message over MAXMSGSIZE)."""
+        name, endpoint = self.backend.name, self.backend.events_endpoint
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            self.router.metrics.kv_event_disconnects.labels(name).inc()
+            logger.warning("KV-event connection to %s lost (the backend went away, or sent a "
+                           "message over %d bytes); reconnecting", name,
+                           self.max_message_bytes)
+            with contextlib.suppress(zmq.ZMQError):  # already gone after a protocol error
+                socket.disconnect(endpoint)
+            await asyncio.sleep(RECONNECT_S)
+            socket.connect(endpoint)

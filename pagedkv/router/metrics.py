@@ -48,6 +48,13 @@ class RouterMetrics:
         self.kv_event_gaps = Counter(
             "pagedkv_router:kv_event_gaps", "Gaps in a backend's KV-event sequence numbers.",
             ["backend"], registry=r)
+        self.kv_events_dropped = Counter(
+            "pagedkv_router:kv_events_dropped", "KV-event messages dropped unread for their "
+            "size.", ["backend"], registry=r)
+        self.kv_event_disconnects = Counter(
+            "pagedkv_router:kv_event_disconnects", "Lost connections to a backend's KV-event "
+            "publisher (it went away, or sent a message over the size limit).", ["backend"],
+            registry=r)
         self.policy = policy
 
     def render(self) -> bytes:

@@ -7,6 +7,12 @@ when it sends a prompt somewhere expire after a TTL, since no event will say the
 Each backend's device entries are also capped at its pool size (when known), dropping the least
 recently stored first: the record then mirrors the engine's LRU eviction.
 
+Whatever a backend's events say, what the index keeps of it is bounded: at most
+`max_medium_blocks` entries per medium (the device's pool-size cap too is at most that), the
+least recently stored dropped first, and at most `max_media` media per backend and model (a
+new medium past that drops the one stored to longest ago). A block dropped here is a prefix
+the router no longer credits: a cost in routing quality, never in correctness.
+
 Entries are keyed per model as well (`model`: the served model id, None when unknown): block
 hashes carry no model identity, so a prompt hashed for one model must never match blocks another
 model computed (on a shared tier, or on a backend serving several models).
@@ -30,6 +36,9 @@ from pagedkv.events.wire import MEDIUM_DEVICE, MEDIUM_REDIS, ExternalBlockHash
 
 SHARED = ""  # the pseudo-backend holding blocks of shared tiers
 NEVER = math.inf
+# About 130 bytes an entry beside its 32-byte hash: some 50 MiB per full medium.
+DEFAULT_MAX_MEDIUM_BLOCKS = 1 << 18
+DEFAULT_MAX_MEDIA = 6  # GPU, CPU, DISK, REDIS and room to spare
 
 
 @dataclass(frozen=True)
@@ -48,11 +57,19 @@ class PrefixIndex:
     """
 
     def __init__(self, *, shared_media: Collection[str] = (MEDIUM_REDIS,),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 max_medium_blocks: int = DEFAULT_MAX_MEDIUM_BLOCKS,
+                 max_media: int = DEFAULT_MAX_MEDIA) -> None:
+        if max_medium_blocks < 1 or max_media < 1:
+            raise ValueError(f"max_medium_blocks and max_media must be >= 1, got "
+                             f"{max_medium_blocks!r} and {max_media!r}")
         self.shared_media = frozenset(shared_media)
         self.clock = clock
+        self.max_medium_blocks = max_medium_blocks
+        self.max_media = max_media
+        # Media in the order they were last stored to (the first is the next one dropped).
         self._held: dict[tuple[str, str | None],
-                         dict[str, OrderedDict[ExternalBlockHash, float]]] = {}
+                         OrderedDict[str, OrderedDict[ExternalBlockHash, float]]] = {}
         self._capacity: dict[str, int] = {}
 
     # ---- updates ------------------------------------------------------------------------
@@ -72,14 +89,29 @@ class PrefixIndex:
         by a shorter one."""
         medium = medium or MEDIUM_DEVICE
         owner = SHARED if medium in self.shared_media else backend
-        entries = self._held.setdefault((owner, model), {}).setdefault(medium, OrderedDict())
+        entries = self._medium(owner, model, medium)
         expiry = NEVER if ttl_s is None else self.clock() + ttl_s
+        cap = self.max_medium_blocks
+        if medium == MEDIUM_DEVICE:
+            cap = min(cap, self._capacity.get(owner, cap))
         for block_hash in block_hashes:
             old = entries.pop(block_hash, 0.0)
             entries[block_hash] = max(old, expiry)
-        cap = self._capacity.get(owner) if medium == MEDIUM_DEVICE else None
-        while cap is not None and len(entries) > cap:
-            entries.popitem(last=False)
+            if len(entries) > cap:
+                entries.popitem(last=False)
+
+    def _medium(self, owner: str, model: str | None,
+                medium: str) -> OrderedDict[ExternalBlockHash, float]:
+        """`owner`'s entries of `model` on `medium` (made when new, dropping the medium stored
+        to longest ago past `max_media`), now the most recently stored medium."""
+        media = self._held.setdefault((owner, model), OrderedDict())
+        entries = media.get(medium)
+        if entries is None:
+            entries = media[medium] = OrderedDict()
+            while len(media) > self.max_media:
+                media.popitem(last=False)
+        media.move_to_end(medium)
+        return entries
 
     def remove(self, backend: str, block_hashes: Iterable[ExternalBlockHash],
                medium: str | None = MEDIUM_DEVICE, model: str | None = None) -> None:

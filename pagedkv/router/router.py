@@ -22,6 +22,7 @@ from pagedkv.events.wire import MEDIUM_DEVICE
 from pagedkv.model.tokenizer import Tokenizer
 from pagedkv.router.backend import Backend
 from pagedkv.router.decisions import RoutingDecisions
+from pagedkv.router.kv_info import read_kv_info
 from pagedkv.router.metrics import RouterMetrics
 from pagedkv.router.policies import Candidate, RouteRequest, RoutingPolicy
 from pagedkv.router.policies.kv_aware import KVAwareWeights, new_blocks
@@ -215,39 +216,54 @@ class Router:
         if self.token_chains is not None:
             self.token_chains.clear(backend.name)
 
-    def set_kv_info(self, backend: Backend, info: dict[str, Any] | None) -> None:
+    def set_kv_info(self, backend: Backend, info: object) -> None:
         """Apply a backend's /kv_cache_info answer (None: it has no such route, as vLLM): its
         block size must equal the router's, and prefix caching be on, for its prefixes to
         count; with the router's hash algorithm too its events' hashes are the router's
         (`native_hashes`), else they are matched by their token ids. Its pool size caps the
-        router's record of it. Applied every health round: an answer that changed (a backend
-        restarted with other settings, prefix caching turned off) drops its prefix entries."""
-        old, backend.kv_info = backend.kv_info, info
-        if old is not None and info != old:
+        router's record of it. An odd answer (kv_info.py) leaves it routable with no prefix
+        credit, `kv_problem` saying why. Applied every health round: an answer that changed (a
+        backend restarted with other settings, prefix caching turned off) drops its prefix
+        entries. Never raises."""
+        old = backend.kv_info
+        backend.kv_info = info if isinstance(info, dict) else None
+        if old is not None and backend.kv_info != old:
             self.forget_blocks(backend)
         if info is None:
+            backend.kv_problem = None
             backend.hash_compatible = self.hash_settings is not None
             backend.native_hashes = False
             return
         try:
-            settings = (int(info["block_size"]), str(info["prefix_caching_hash_algo"]))
-        except (KeyError, TypeError, ValueError):
-            backend.hash_compatible = backend.native_hashes = False
+            parsed = read_kv_info(info)
+        except ValueError as exc:
+            self.kv_info_unusable(backend, str(exc))
             return
+        backend.kv_problem = None
+        settings = (parsed.block_size, parsed.hash_algo)
         if self.hash_settings is None:
             self._set_hash_settings(*settings)
         ours = self.hash_settings or settings
         was_compatible = backend.hash_compatible if old is not None else True
         backend.native_hashes = settings == ours
-        backend.hash_compatible = (settings[0] == ours[0]
-                                   and info.get("enable_prefix_caching", True) is not False)
+        backend.hash_compatible = settings[0] == ours[0] and parsed.prefix_caching
         if not backend.hash_compatible and was_compatible:
             logger.warning("backend %s has block size %d (router: %d, prefix caching %s); "
                            "its prefixes are not counted", backend.name, settings[0], ours[0],
-                           info.get("enable_prefix_caching"))
-        num_blocks = info.get("num_gpu_blocks")  # keyed twice when not native: carried + own
-        cap = num_blocks * (1 if backend.native_hashes else 2)
-        self.index.set_capacity(backend.name, cap if isinstance(num_blocks, int) else None)
+                           parsed.prefix_caching)
+        # Keyed twice when not native: the hashes its events carry, and the router's own.
+        cap = parsed.num_gpu_blocks * (1 if backend.native_hashes else 2)
+        self.index.set_capacity(backend.name, cap)
+
+    def kv_info_unusable(self, backend: Backend, problem: str) -> None:
+        """`backend` answered /kv_cache_info oddly: routable, no prefix credit, its entries
+        dropped, the problem logged once (until it changes) and kept for the fleet view."""
+        if backend.kv_problem != problem:
+            logger.warning("backend %s: %s; routing to it without prefix credit",
+                           backend.name, problem)
+        backend.kv_problem = problem
+        backend.hash_compatible = backend.native_hashes = False
+        self.forget_blocks(backend)
 
     def adopt_block_size(self, block_size: int) -> None:
         """With no hash settings yet (no flags, no /kv_cache_info), take `block_size` from a

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pagedkv.events.wire import MEDIUM_DEVICE, BlockRemoved, BlockStored, ExternalBlockHash
 from pagedkv.kv.hashing import BlockHash, get_hash_fn, hash_block_tokens
 
-DEFAULT_MAX_BLOCKS = 1 << 20  # per backend: past it the oldest mappings are dropped
+DEFAULT_MAX_BLOCKS = 1 << 19  # per backend (some 200 MiB): past it the oldest mappings go
 
 
 @dataclass

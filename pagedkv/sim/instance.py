@@ -128,14 +128,29 @@ class StepRecord:
 
 @dataclass
 class InstanceStats:
+    """What an instance's run leaves for the results: steps, busy time, KV usage and queue
+    lengths over time, inter-token gaps."""
+
     num_steps: int = 0
     num_jumped_steps: int = 0
     num_jumps: int = 0
     busy_time: float = 0.0
     usage_times: array = field(default_factory=lambda: array("d"))
     usage_values: array = field(default_factory=lambda: array("d"))
+    # Beside each usage sample: the scheduler's running requests, and the queued ones
+    # (waiting, swapped out, loading their KV).
+    running_values: array = field(default_factory=lambda: array("l"))
+    waiting_values: array = field(default_factory=lambda: array("l"))
     itl_values: array = field(default_factory=lambda: array("d"))
     itl_weights: array = field(default_factory=lambda: array("d"))
+
+    def record_usage(self, now: float, usage: float, scheduler: Scheduler) -> None:
+        """One sample of KV usage and the scheduler's queues at `now`."""
+        self.usage_times.append(now)
+        self.usage_values.append(usage)
+        self.running_values.append(len(scheduler.running))
+        self.waiting_values.append(len(scheduler.waiting) + len(scheduler.swapped)
+                                   + len(scheduler.loading))
 
 
 class _SimKVCacheManager(KVCacheManager):
@@ -197,6 +212,14 @@ class SimInstance:
     def busy(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def fits(self, prompt_tokens: int) -> bool:
+        """Whether the engine would take a prompt of this many tokens: it leaves room for a
+        token within max_model_len and can fit the cache. Decided from the length alone, before
+        any token of it is made."""
+        cfg, kv = self.config, self.kv
+        return 0 < prompt_tokens < cfg.max_model_len and \
+            cdiv(prompt_tokens + 1, cfg.block_size) <= kv.num_usable_blocks - kv.watermark_blocks
+
     def add(self, record: RequestRecord, trace_request: TraceRequest) -> Request | None:
         """Queue a trace request now (its arrival is `record.arrival`; its prompt tokens are
         made when the scheduler first reads them, `lazy_request.py`). Refused, as the engine
@@ -205,9 +228,7 @@ class SimInstance:
         cfg = self.config
         n = trace_request.input_length
         record.instance = self.index
-        kv = self.kv
-        if n == 0 or n >= cfg.max_model_len or \
-                cdiv(n + 1, cfg.block_size) > kv.num_usable_blocks - kv.watermark_blocks:
+        if not self.fits(n):
             record.status, record.error = "rejected", f"prompt of {n} tokens does not fit"
             record.finish = None
             self.finished.append(record)
@@ -286,8 +307,7 @@ class SimInstance:
             self.steps.append(StepRecord(
                 tuple((s.request_id, s.start_pos, len(s.token_ids)) for s in out.scheduled),
                 sched.num_preemptions, sched.num_swaps))
-        stats.usage_times.append(now)
-        stats.usage_values.append(self.kv.usage)
+        stats.record_usage(now, self.kv.usage, sched)
         if self.config.jump:
             jump(self, horizon)
         return True

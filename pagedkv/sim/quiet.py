@@ -133,8 +133,7 @@ def jump(instance: SimInstance, horizon: float) -> None:
     stats.num_jumped_steps += k
     stats.num_jumps += 1
     stats.busy_time += clock - (first_end - durations[0])
-    stats.usage_times.append(clock)
-    stats.usage_values.append(kv.usage)
+    stats.record_usage(clock, kv.usage, instance.scheduler)
 
 def _apply_quiet_steps(instance: SimInstance, running: list[Request], computed: list[int], held: list[int],
                        k: int) -> None:

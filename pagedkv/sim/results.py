@@ -226,32 +226,3 @@ def format_table(summary: dict[str, Any]) -> str:
 
 def write_json(summary: dict[str, Any], path: str | Path) -> None:
     Path(path).write_text(json.dumps(summary, indent=2, default=float) + "\n", encoding="utf-8")
-
-
-def plot(result: SimResult, path: str | Path) -> None:
-    """A PNG: KV usage of each instance over time, and TTFT / E2E of each request by its
-    arrival time (matplotlib, Agg backend)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    for inst in result.instances:
-        times, values = inst.stats.usage_times, inst.stats.usage_values
-        step = max(1, len(times) // 4000)
-        ax1.plot(list(times)[::step], [v * 100 for v in list(values)[::step]], lw=0.8,
-                 label=f"instance {inst.index}")
-    ax1.set_ylabel("KV usage (%)")
-    if len(result.instances) > 1:
-        ax1.legend(loc="upper right", fontsize="small")
-    done = [r for r in result.records if r.finish is not None and r.ttft is not None]
-    ax2.scatter([r.arrival for r in done], [r.ttft for r in done], s=2, label="TTFT")
-    ax2.scatter([r.arrival for r in done], [r.e2e for r in done], s=2, label="E2E")
-    ax2.set_yscale("log")
-    ax2.set_ylabel("seconds")
-    ax2.set_xlabel("virtual time (s)")
-    ax2.legend(loc="upper left", fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

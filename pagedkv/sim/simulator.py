@@ -118,7 +118,9 @@ def simulate(trace: Sequence[TraceRequest], config: SimConfig, latency: LatencyM
 def _route(router, instances: list[SimInstance], index: int,
            treq: TraceRequest, config: SimConfig) -> int:
     hashes: tuple[bytes, ...] = ()
-    if router.needs_prefix and config.enable_prefix_caching:
+    # A prompt the instances will refuse is sized only: no token is made for it.
+    if router.needs_prefix and config.enable_prefix_caching and \
+            instances[0].fits(treq.input_length):
         hashes = _block_hashes(instances[0], prompt_token_ids(treq, config.vocab_size, index))
     candidates = []
     for inst in instances:

@@ -14,15 +14,14 @@ Readers are looked up by format name in `TRACE_READERS` (a new format is a new f
 from __future__ import annotations
 
 import csv
-import json
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from pagedkv.jsonl import jsonl_rows
+from pagedkv.jsonl import jsonl_rows, numbered_lines, parse_json_line
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +43,8 @@ class TraceRequest:
     session: str | None = None
 
     def __post_init__(self) -> None:
+        if self.session is not None and not isinstance(self.session, str):
+            raise ValueError(f"session_id must be a string, got {self.session!r}")
         if isinstance(self.arrival, bool) or not isinstance(self.arrival, (int, float)) \
                 or not math.isfinite(self.arrival):
             raise ValueError(f"arrival must be a finite number of seconds, got {self.arrival!r}")
@@ -53,13 +54,35 @@ class TraceRequest:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
 
 
+# What a malformed field of a row raises (OverflowError: float() of a 400-digit integer).
+ROW_ERRORS = (KeyError, TypeError, ValueError, OverflowError)
+
+
+def _integer(value: object, name: str) -> int:
+    """A row's whole number: an int, an integral finite float or a decimal string."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, (int, str)) and not isinstance(value, bool):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    raise ValueError(f"{name} must be an integer, got {value!r}"[:200])
+
+
 def _output_length(value: object) -> int:
     """A trace row's output length: 0 (a request that produced nothing, e.g. aborted) is one
     token, as the engine's max_tokens is at least one; below 0 is an error."""
-    n = int(value)  # type: ignore[call-overload]
+    n = _integer(value, "output length")
     if n < 0:
         raise ValueError(f"output length must be >= 0, got {value!r}")
     return max(n, 1)
+
+
+def _block_ids(value: object) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"hash_ids must be a list of integers, got {value!r}"[:200])
+    return tuple(_integer(h, "a hash id") for h in value)
 
 
 def _run(block_id: int, length: int, vocab_size: int, filler: list[int]) -> list[int]:
@@ -106,36 +129,49 @@ def read_mooncake(path: str | Path) -> list[TraceRequest]:
         try:
             out.append(TraceRequest(
                 arrival=float(row["timestamp"]) / 1000.0,
-                input_length=int(row["input_length"]),
+                input_length=_integer(row["input_length"], "input_length"),
                 output_length=_output_length(row["output_length"]),
-                block_ids=tuple(int(h) for h in row.get("hash_ids", ())),
+                block_ids=_block_ids(row.get("hash_ids", [])),
                 session=row.get("session_id")))
-        except (KeyError, TypeError, ValueError) as exc:
+        except ROW_ERRORS as exc:
             raise ValueError(f"{path}:{line_no}: not a Mooncake trace row: {exc}") from None
     return out
 
 
-def _azure_time(text: str) -> float:
+def _azure_time(text: object) -> float:
+    if not isinstance(text, str):
+        raise ValueError(f"TIMESTAMP is missing, got {text!r}")
     date, _, frac = text.strip().partition(".")
     base = datetime.strptime(date, "%Y-%m-%d %H:%M:%S").timestamp()
     return base + (float("0." + frac) if frac else 0.0)
 
 
 def read_azure(path: str | Path) -> list[TraceRequest]:
-    """Azure LLM inference trace CSV: TIMESTAMP, ContextTokens, GeneratedTokens (no prefixes)."""
+    """Azure LLM inference trace CSV: TIMESTAMP, ContextTokens, GeneratedTokens (no prefixes).
+    A field longer than csv's limit (131,072 characters) is a malformed row."""
     out = []
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        start = None
-        for line_no, row in enumerate(reader, start=2):
+    line_no = 0  # the last line csv read (a quoted field may span lines)
+
+    def lines() -> Iterator[str]:
+        nonlocal line_no
+        for line_no, line in numbered_lines(path):  # noqa: B007 (read by the handlers)
+            yield line
+
+    reader = csv.DictReader(lines())
+    start = None
+    try:
+        for row in reader:
             try:
                 t = _azure_time(row["TIMESTAMP"])
                 start = t if start is None else start
-                out.append(TraceRequest(arrival=t - start,
-                                        input_length=int(row["ContextTokens"]),
-                                        output_length=_output_length(row["GeneratedTokens"])))
-            except (KeyError, TypeError, ValueError) as exc:
+                out.append(TraceRequest(
+                    arrival=t - start,
+                    input_length=_integer(row["ContextTokens"], "ContextTokens"),
+                    output_length=_output_length(row["GeneratedTokens"])))
+            except ROW_ERRORS as exc:
                 raise ValueError(f"{path}:{line_no}: not an Azure trace row: {exc}") from None
+    except csv.Error as exc:
+        raise ValueError(f"{path}:{line_no}: not an Azure trace row: {exc}") from None
     return out
 
 
@@ -158,10 +194,11 @@ def read_request_log(path: str | Path) -> list[TraceRequest]:
                     raise ValueError(f"prefix block hash {h!r} is not hex") from None
             block_ids = tuple(ids.setdefault(h, len(ids)) for h in hashes)
             out.append(TraceRequest(
-                arrival=float(row["arrival"]), input_length=int(row["prompt_tokens"]),
+                arrival=float(row["arrival"]),
+                input_length=_integer(row["prompt_tokens"], "prompt_tokens"),
                 output_length=_output_length(row["output_tokens"]), block_ids=block_ids,
-                block_tokens=int(row.get("block_size", 16))))
-        except (KeyError, TypeError, ValueError) as exc:
+                block_tokens=_integer(row.get("block_size", 16), "block_size")))
+        except ROW_ERRORS as exc:
             raise ValueError(f"{path}:{line_no}: not a pagedkv request-log row: {exc}") from None
     if out:
         start = min(r.arrival for r in out)
@@ -183,12 +220,13 @@ TRACE_READERS: dict[str, Callable[[str | Path], list[TraceRequest]]] = {
 
 def sniff_format(path: str | Path) -> str:
     """The format of a trace file from its first line; ValueError when none fits."""
-    with open(path, encoding="utf-8") as f:
-        first = f.readline().strip()
+    first = next((line.strip() for _, line in numbered_lines(path)), "")
     if first.startswith("TIMESTAMP") or "ContextTokens" in first:
         return "azure"
     if first.startswith("{"):
-        row = json.loads(first)
+        row = parse_json_line(path, 1, first)
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:1: not a JSON object")
         if "hash_ids" in row or "input_length" in row:
             return "mooncake"
         if "prompt_tokens" in row:

@@ -5,6 +5,7 @@ tokens; a block matches only if its parent matched."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 
 import msgspec
@@ -69,7 +70,7 @@ class Fleet:
     def publish(self, backend: str, *events) -> None:
         payload = msgspec.msgpack.encode(VllmKVEventBatch(ts=1.0, events=list(events),
                                                           data_parallel_rank=0))
-        self.subscribers[backend].handle([b"kv@x", encode_seq(self.seq), payload])
+        asyncio.run(self.subscribers[backend].handle([b"kv@x", encode_seq(self.seq), payload]))
         self.seq += 1
 
     def hashes(self, tokens: list[int], salt: str | None = None) -> tuple[bytes, ...]:
@@ -186,7 +187,8 @@ def test_a_pagedkv_backends_salted_blocks_stay_apart_when_its_hash_function_diff
         backend = A if salt else B
         payload = encode_batch(KVEventBatch(ts=1.0, events=to_wire_events(pool.take_events()),
                                             data_parallel_rank=0))
-        fleet.subscribers[backend].handle([b"kv@x", encode_seq(fleet.seq), payload])
+        asyncio.run(fleet.subscribers[backend].handle([b"kv@x", encode_seq(fleet.seq),
+                                                       payload]))
         fleet.seq += 1
     assert fleet.match(A, p, salt="tenant-1") == PrefixMatch(device_blocks=3)
     assert fleet.match(A, p) == PrefixMatch(0, 0)  # the unsalted prompt is not a hit

@@ -1,18 +1,41 @@
 // pagedkv router dashboard: polls /dashboard/fleet once a second. Vanilla JS, no CDN.
+// Every value is put in the page as text (dom.js): nothing from the fleet JSON is parsed as HTML.
 "use strict";
 (() => {
   const $ = (id) => document.getElementById(id);
-  const esc = (s) => String(s).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" }[c]));
-  const bar = (f) => `<div class="tier"><div class="bar"><div style="width:${(100 * Math.min(Math.max(f, 0), 1)).toFixed(1)}%"></div></div><span>${(100 * f).toFixed(1)}%</span></div>`;
+  const host = (url) => String(url).replace(/^https?:\/\//, "");
+  const num = (v, digits) => (Number.isFinite(Number(v)) ? Number(v).toFixed(digits) : "-");
+  function backendRow(b) {
+    const blocks = b.indexed_blocks || {};
+    return el("tr", { "data-backend": b.name },
+      el("td", {}, b.name, b.kv_cache_dtype ? ` (${b.kv_cache_dtype})` : null,
+        b.kv_problem ? el("div", { class: "problem" }, `no prefix credit: ${b.kv_problem}`) : null),
+      el("td", {}, b.up ? "yes" : el("b", {}, "down")), el("td", {}, b.in_flight),
+      el("td", {}, num(b.queued_blocks, 1)), el("td", {}, b.running), el("td", {}, b.waiting),
+      el("td", {}, barOf(b.kv_usage, `${num(100 * b.kv_usage, 1)}%`)),
+      el("td", {}, `${blocks.GPU}/${blocks.CPU}/${blocks.DISK}`));
+  }
+  function decisionRow(d) {
+    const candidates = (d.candidates || []).map((c, i) => [i ? el("br") : null,
+      el("span", { class: c.name === d.chosen ? "shared" : "" },
+        `${host(c.name)}: ${c.device_blocks}+${c.tier_blocks} hit, ${c.in_flight} in flight` +
+        (c.score === null || c.score === undefined ? "" : `, score ${num(c.score, 1)}`))]);
+    return el("tr", {}, el("td", {}, new Date(d.time * 1000).toLocaleTimeString()),
+      el("td", {}, d.prefix || "-"), el("td", {}, d.prompt_blocks), el("td", {}, d.chosen),
+      el("td", {}, candidates));
+  }
+  const placeRows = (m) => Object.entries(m || {}).slice(-40).map(([k, where]) => el("tr", {},
+    el("td", {}, k), el("td", {}, Object.entries(where).map(([b, n]) => `${host(b)} ×${n}`).join(", "))));
   function render(s) {
     $("policy").textContent = s.policy; $("total").textContent = `${s.decisions_total} routed`;
-    $("backends").innerHTML = `<table id="backend-table"><tr><th>backend</th><th>up</th><th>in flight</th><th>queued blocks</th><th>running</th><th>waiting</th><th>KV usage</th><th>indexed blocks (GPU/CPU/DISK)</th></tr>` +
-      s.backends.map((b) => `<tr data-backend="${esc(b.name)}"><td>${esc(b.name)}${b.kv_cache_dtype ? ` (${esc(b.kv_cache_dtype)})` : ""}</td><td>${b.up ? "yes" : "<b>down</b>"}</td><td>${b.in_flight}</td><td>${b.queued_blocks.toFixed(1)}</td><td>${b.running}</td><td>${b.waiting}</td><td>${bar(b.kv_usage)}</td><td>${b.indexed_blocks.GPU}/${b.indexed_blocks.CPU}/${b.indexed_blocks.DISK}</td></tr>`).join("") + "</table>";
-    $("decisions").innerHTML = `<table id="decision-table"><tr><th>time</th><th>prefix</th><th>blocks</th><th>chosen</th><th>candidates (hit blocks, in flight, score)</th></tr>` +
-      s.decisions.slice().reverse().slice(0, 40).map((d) => `<tr><td>${new Date(d.time * 1000).toLocaleTimeString()}</td><td>${d.prefix || "-"}</td><td>${d.prompt_blocks}</td><td>${esc(d.chosen)}</td><td>${d.candidates.map((c) => `<span class="${c.name === d.chosen ? "shared" : ""}">${esc(c.name.replace(/^https?:\/\//, ""))}: ${c.device_blocks}+${c.tier_blocks} hit, ${c.in_flight} in flight${c.score === null ? "" : `, score ${c.score.toFixed(1)}`}</span>`).join("<br>")}</td></tr>`).join("") + "</table>";
-    const place = (m) => Object.entries(m).slice(-40).map(([k, where]) => `<tr><td>${esc(k)}</td><td>${Object.entries(where).map(([b, n]) => `${esc(b.replace(/^https?:\/\//, ""))} ×${n}`).join(", ")}</td></tr>`).join("");
-    $("prefixes").innerHTML = `<table>${place(s.prefixes) || '<tr><td class="hint">no prefix routed yet</td></tr>'}</table>`;
-    $("sessions").innerHTML = `<table>${place(s.sessions) || '<tr><td class="hint">no session routed yet</td></tr>'}</table>`;
+    $("backends").replaceChildren(tableOf(["backend", "up", "in flight", "queued blocks", "running",
+      "waiting", "KV usage", "indexed blocks (GPU/CPU/DISK)"], s.backends.map(backendRow),
+    "no backend", { id: "backend-table" }));
+    $("decisions").replaceChildren(tableOf(["time", "prefix", "blocks", "chosen",
+      "candidates (hit blocks, in flight, score)"], s.decisions.slice().reverse().slice(0, 40).map(decisionRow),
+    "no request routed yet", { id: "decision-table" }));
+    $("prefixes").replaceChildren(tableOf([], placeRows(s.prefixes), "no prefix routed yet"));
+    $("sessions").replaceChildren(tableOf([], placeRows(s.sessions), "no session routed yet"));
   }
   // With --api-key: ask for the key once, trade it for a session cookie (server/dashboard/access.py),
   // keep the key in memory only to renew the session.
