@@ -130,7 +130,8 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         busy_s = async_engine.busy_for()
         if busy_s > stall_timeout_s:
             return error_response(APIError(
-                f"the engine loop has not finished a step for {busy_s:.0f} s (stall timeout "
+                f"the engine has not finished a step or taken its work for {busy_s:.0f} s "
+                f"(stall timeout "
                 f"{stall_timeout_s:g} s): it looks wedged", status_code=503,
                 type="server_unavailable"))
         return Response(status_code=200)
