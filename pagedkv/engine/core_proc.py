@@ -61,17 +61,19 @@ def main(argv: list[str]) -> None:
     """`python -m pagedkv.engine.core_proc IN_ADDR OUT_ADDR ENGINE_ARGS_JSON LOG_LEVEL
     CLOCK_PATH`."""
     in_addr, out_addr, args_json, log_level, clock_path = argv
-    orphaned = run_engine_core(msgspec.json.decode(args_json, type=EngineArgs), in_addr,
-                               out_addr, int(log_level), clock_path)
-    if orphaned:  # everything is cleaned up: skip the interpreter's slow teardown (torch's)
-        logging.shutdown()
-        os._exit(0)
+    run_engine_core(msgspec.json.decode(args_json, type=EngineArgs), in_addr, out_addr,
+                    int(log_level), clock_path)
+    # Everything is closed and freed: skip the interpreter's teardown (torch's takes seconds,
+    # and a frontend waiting for this exit, or none, gains nothing from it).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_engine_core(args: EngineArgs, in_addr: str, out_addr: str,
-                    log_level: int = logging.WARNING, clock_path: str | None = None) -> bool:
-    """The child process's entry point (see the module docstring). True when it ended
-    because the frontend was gone."""
+                    log_level: int = logging.WARNING, clock_path: str | None = None) -> None:
+    """The child process's entry point (see the module docstring)."""
     for signum in (signal.SIGINT, signal.SIGTERM):  # the frontend decides when the core stops
         signal.signal(signum, signal.SIG_IGN)
     logging.basicConfig(level=log_level,
@@ -95,7 +97,7 @@ def run_engine_core(args: EngineArgs, in_addr: str, out_addr: str,
         inputs.close(linger=0)  # ctx.term() waits for every socket: an open one hangs it
         outputs.close(linger=5000)
         ctx.term()
-        return False
+        return
     outputs.send(codec.encode(core.ready()))
     sender = _OutputThread(outputs)
     clock = StepClock(clock_path) if clock_path else None
@@ -113,7 +115,6 @@ def run_engine_core(args: EngineArgs, in_addr: str, out_addr: str,
         ctx.term()
         if orphaned and clock_path:  # the frontend cannot clean its private folder up now
             shutil.rmtree(os.path.dirname(clock_path), ignore_errors=True)
-    return orphaned
 
 
 def frontend_pipe() -> int | None:
