@@ -138,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
         if args.request_log:
             from pagedkv.server.request_log import RequestLog
 
-            app.state.serving.request_log = RequestLog(args.request_log, engine.block_hasher())
+            app.state.serving.request_log = RequestLog(args.request_log, engine.block_hasher(),
+                                                       registry=app.state.metrics.registry)
         config = uvicorn.Config(app, log_level=args.log_level)
         server = DrainingServer(config, app.state.async_engine, args.shutdown_timeout)
         server.run(sockets=[sock])
