@@ -105,16 +105,16 @@ def run_engine_core(args: EngineArgs, in_addr: str, out_addr: str,
     try:
         loop.run()
     finally:
-        core.shutdown()
         orphaned = loop.frontend_gone
+        if orphaned and clock_path:  # the frontend cannot clean its private folder up now
+            shutil.rmtree(os.path.dirname(clock_path), ignore_errors=True)
+        core.shutdown()
         sender.close(1.0 if orphaned else 30.0)  # nobody reads a dead frontend's socket
         if clock is not None:
             clock.close()
         inputs.close(linger=0)
         outputs.close(linger=0 if orphaned else 5000)
         ctx.term()
-        if orphaned and clock_path:  # the frontend cannot clean its private folder up now
-            shutil.rmtree(os.path.dirname(clock_path), ignore_errors=True)
 
 
 def frontend_pipe() -> int | None:
