@@ -13,8 +13,9 @@ server answers 503 instead of queueing without limit. A body over `--max-request
 413. The port is bound before the model loads (a busy port fails at once). SIGTERM / SIGINT
 drain: new requests get 503, those in flight get `--shutdown-timeout` seconds to finish, the
 rest end with an error (streams: an error event and [DONE]); then the process exits 0. When
-the engine loop dies the process exits 1, saying why; while one engine step has run longer than
-`--engine-stall-timeout` seconds, /health answers 503 (a wedged engine). The scheduler, KV cache
+the engine loop dies the process exits 1, saying why; while one engine step, or work sent to the
+core and not yet taken, is older than `--engine-stall-timeout` seconds, /health answers 503 (a
+wedged engine). The scheduler, KV cache
 and model runner run in a child process (pagedkv/engine/core_proc.py; `--engine-core inproc`:
 in a thread of this one): a core that dies ends the server the same way.
 
@@ -82,8 +83,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--shutdown-timeout", type=positive_number, default=5.0, metavar="S",
                         help="on SIGTERM/SIGINT, seconds the requests in flight get to finish")
     parser.add_argument("--engine-stall-timeout", type=positive_number, default=None,
-                        metavar="S", help="/health answers 503 while one engine step has run "
-                        "longer than this (a wedged engine; default: 120)")
+                        metavar="S", help="/health answers 503 while one engine step, or work "
+                        "sent to the engine and not yet taken, is older than this (a wedged "
+                        "engine; default: 120)")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="parse the model's tool calls in this format, enabling "
                         'tool_choice "auto" (vLLM\'s names)')
@@ -194,7 +196,8 @@ def _serve(args: argparse.Namespace, engine_args: EngineArgs, sock: Any) -> int:
         if args.request_log:
             from pagedkv.server.request_log import RequestLog
 
-            app.state.serving.request_log = RequestLog(args.request_log, engine.block_hasher())
+            app.state.serving.request_log = RequestLog(args.request_log, engine.block_hasher(),
+                                                       registry=app.state.metrics.registry)
         config = uvicorn.Config(app, log_level=args.log_level, log_config=uvicorn_log_config())
         server = DrainingServer(config, app.state.async_engine, args.shutdown_timeout)
         server.run(sockets=[sock])

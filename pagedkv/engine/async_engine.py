@@ -26,7 +26,9 @@ core or the loop dies, and with TimeoutError after its timeout.
 `busy_for()` says how long the loop (or the core process) has been in its current round
 (commands, then a step) while it has work: a step that never returns (a wedged kernel, a
 deadlock) shows as a number that only grows, which the server's /health reports (a live thread
-alone proves nothing).
+alone proves nothing). With the core in its own process, work sent to it (a request, an abort,
+a utility call) that it has not taken counts as busy from when it was sent: a core frozen while
+idle shows too.
 
 Draining (a graceful shutdown): `begin_drain()` refuses new requests (EngineDeadError, a 503)
 while those in flight run on; `end_remaining()` then ends each of them with EngineDeadError.
@@ -237,8 +239,8 @@ class AsyncEngine:
 
     def busy_for(self) -> float:
         """Seconds the loop has spent in its current round (its commands and one step), or a
-        core process in its current step, whichever is longer; 0.0 while both wait for work.
-        Any thread may call it."""
+        core process in its current step or with work sent and not taken, whichever is
+        longer; 0.0 while both wait for work. Any thread may call it."""
         started = self._round_started
         own = 0.0 if started is None else max(0.0, time.monotonic() - started)
         core_busy_for = getattr(self.engine, "core_busy_for", None)

@@ -3,7 +3,9 @@
 - `InprocCoreClient`: the core lives in this process (offline `LLM`, and every engine test);
   calls go straight to it, with the same message objects the other client sends.
 - `MPCoreClient`: the core runs in a child process (`core_proc.py`) and the messages travel
-  msgpack-encoded over two ZMQ IPC sockets in a private temporary directory.
+  msgpack-encoded over two ZMQ IPC sockets in a private temporary directory. The child's
+  standard input is a pipe that only this process holds open: when this process dies, however
+  it dies, the core sees end of file there and exits (removing the directory itself).
 
 Both are owned by one thread (the one that steps the engine); only `wake()` may be called from
 any thread. A utility call is either waited for (`call`) or started (`call_async`): its
@@ -22,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import Future
 from typing import Any, Protocol
@@ -184,13 +187,17 @@ class MPCoreClient:
         self._calls = 0
         self._futures: dict[int, tuple[str, Future]] = {}  # call id -> (method, its future)
         self._clock = StepClock(os.path.join(self._dir, "clock"), create=True)
+        self._sent = 0  # messages sent to the core; the clock counts those it took
+        self._unacked: collections.deque[tuple[int, float]] = collections.deque()
+        self._unacked_lock = threading.Lock()  # sends (owner) and busy_for() (any thread)
         self._dead: str | None = None
         self._closed = False
         # A fresh interpreter (not multiprocessing): nothing of the caller's __main__ re-runs.
         command = [sys.executable, "-m", "pagedkv.engine.core_proc", in_addr, out_addr,
                    msgspec.json.encode(args).decode(), str(logging.getLogger().getEffectiveLevel()),
                    os.path.join(self._dir, "clock")]
-        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        # stdin: a pipe never written to, whose end of file tells the core this process is gone
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE)
         try:
             self.ready = self._wait_ready()
         except BaseException:
@@ -217,6 +224,16 @@ class MPCoreClient:
     def _send(self, message: Any) -> None:
         self._check_alive()
         self._input.send(self._codec.encode(message), copy=False)
+        with self._unacked_lock:
+            self._sent += 1
+            self._unacked.append((self._sent, time.monotonic()))
+            self._forget_taken()
+
+    def _forget_taken(self) -> None:
+        """Drop the send times of the messages the core has taken (hold `_unacked_lock`)."""
+        taken = self._clock.num_taken()
+        while self._unacked and self._unacked[0][0] <= taken:
+            self._unacked.popleft()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(CoreInput(request))
@@ -289,8 +306,15 @@ class MPCoreClient:
         return self._dead is None and self.process.poll() is None
 
     def busy_for(self) -> float:
-        """Seconds the core has spent in its current step (0.0 while idle; any thread)."""
-        return 0.0 if self._closed else self._clock.busy_for()
+        """Seconds the core has spent in its current step, or, when longer, since the oldest
+        message it has not taken yet was sent (a core frozen while idle never steps); 0.0 while
+        it is idle with nothing waiting. Any thread."""
+        if self._closed:
+            return 0.0
+        with self._unacked_lock:
+            self._forget_taken()
+            waiting = time.monotonic() - self._unacked[0][1] if self._unacked else 0.0
+        return max(self._clock.busy_for(), waiting)
 
     def call_async(self, method: str, *args: Any) -> Future:
         """Send the utility call `EngineCore.<method>(*args)` (run in the core between its
@@ -335,6 +359,8 @@ class MPCoreClient:
             logger.error("the engine core did not stop within %.0f s; killing it", timeout)
             self.process.kill()
             self.process.wait(5)
+        if self.process.stdin is not None:
+            self.process.stdin.close()
         self._input.close()
         self._output.close()
         self._ctx.term()

@@ -7,11 +7,18 @@
 Each step's start time goes to the frontend through a shared step clock (step_clock.py), so
 the server's /health sees a step that never returns.
 
-The frontend (`core_client.MPCoreClient`) owns the process: SIGINT (a terminal's Ctrl-C, sent
-to the whole process group) is ignored here (the frontend drains, then sends "stop"), and the
-loop exits by itself when the frontend process is gone. A step that raises outside the model runner ends the requests in flight
-with an internal error; when the KV cache's invariants no longer hold afterwards the core says
-why (`CoreDied`) and exits, and the frontend ends the server.
+The frontend (`core_client.MPCoreClient`) owns the process: SIGINT and SIGTERM (a terminal's
+Ctrl-C, or a service manager's stop, sent to the whole process group) are ignored here (the
+frontend drains, then sends "stop"). The core also stops when the frontend is gone, whatever
+killed it: its standard input is a pipe whose other end only the frontend holds, and end of
+file there (checked between steps and while idle) aborts the requests, stops the
+tensor-parallel workers, removes the client's private folder and exits. Each message taken
+is counted on the shared clock, so the frontend sees work that a frozen core never took.
+A step that raises outside the model runner ends the requests in flight with an internal
+error; when the KV cache's invariants no longer hold afterwards the core says why
+(`CoreDied`) and exits, and the frontend ends the server. A configuration error found while
+building the core (a ValueError) is reported to the frontend without a traceback here: the
+frontend raises it again and the command line prints its one line.
 """
 
 from __future__ import annotations
@@ -19,7 +26,9 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shutil
 import signal
+import stat
 import sys
 import threading
 import time
@@ -45,7 +54,7 @@ from pagedkv.engine.utility import run_utility
 
 logger = logging.getLogger(__name__)
 
-_IDLE_POLL_MS = 1000  # how often an idle core checks that its frontend still lives
+_IDLE_POLL_MS = 1000  # how often an idle core checks its parent's pid (the pipe wakes it at once)
 
 
 def main(argv: list[str]) -> None:
@@ -54,12 +63,19 @@ def main(argv: list[str]) -> None:
     in_addr, out_addr, args_json, log_level, clock_path = argv
     run_engine_core(msgspec.json.decode(args_json, type=EngineArgs), in_addr, out_addr,
                     int(log_level), clock_path)
+    # Everything is closed and freed: skip the interpreter's teardown (torch's takes seconds,
+    # and a frontend waiting for this exit, or none, gains nothing from it).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_engine_core(args: EngineArgs, in_addr: str, out_addr: str,
                     log_level: int = logging.WARNING, clock_path: str | None = None) -> None:
     """The child process's entry point (see the module docstring)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in (signal.SIGINT, signal.SIGTERM):  # the frontend decides when the core stops
+        signal.signal(signum, signal.SIG_IGN)
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     ctx = zmq.Context()
@@ -73,7 +89,10 @@ def run_engine_core(args: EngineArgs, in_addr: str, out_addr: str,
 
         core = EngineCore(args)
     except BaseException as exc:  # the frontend raises it again, by type
-        logger.exception("the engine core failed to start")
+        if isinstance(exc, ValueError):  # a configuration error: its message says it all
+            logger.debug("the engine core failed to start", exc_info=True)
+        else:
+            logger.exception("the engine core failed to start")
         outputs.send(codec.encode(CoreDied(str(exc), type(exc).__name__)))
         inputs.close(linger=0)  # ctx.term() waits for every socket: an open one hangs it
         outputs.close(linger=5000)
@@ -82,16 +101,29 @@ def run_engine_core(args: EngineArgs, in_addr: str, out_addr: str,
     outputs.send(codec.encode(core.ready()))
     sender = _OutputThread(outputs)
     clock = StepClock(clock_path) if clock_path else None
+    loop = _CoreLoop(core, inputs, sender, codec, clock, frontend_pipe())
     try:
-        _CoreLoop(core, inputs, sender, codec, clock).run()
+        loop.run()
     finally:
+        orphaned = loop.frontend_gone
+        if orphaned and clock_path:  # the frontend cannot clean its private folder up now
+            shutil.rmtree(os.path.dirname(clock_path), ignore_errors=True)
         core.shutdown()
-        sender.close()
+        sender.close(1.0 if orphaned else 30.0)  # nobody reads a dead frontend's socket
         if clock is not None:
             clock.close()
         inputs.close(linger=0)
-        outputs.close(linger=5000)
+        outputs.close(linger=0 if orphaned else 5000)
         ctx.term()
+
+
+def frontend_pipe() -> int | None:
+    """The standard input's descriptor when it is a pipe (the frontend holds its write end,
+    so end of file there means the frontend is gone), else None."""
+    try:
+        return 0 if stat.S_ISFIFO(os.fstat(0).st_mode) else None
+    except OSError:
+        return None
 
 
 class _OutputThread:
@@ -113,22 +145,30 @@ class _OutputThread:
         while (message := self._queue.get()) is not None:
             self._socket.send(encoder.encode(message), copy=False)
 
-    def close(self) -> None:
-        """Send what is queued, then stop the thread."""
+    def close(self, timeout: float = 30.0) -> None:
+        """Send what is queued (waiting up to `timeout` seconds), then stop the thread."""
         self._queue.put(None)
-        self._thread.join(30)
+        self._thread.join(timeout)
 
 
 class _CoreLoop:
     def __init__(self, core: Any, inputs: zmq.Socket, outputs: _OutputThread,
-                 codec: Codec, clock: StepClock | None = None) -> None:
+                 codec: Codec, clock: StepClock | None = None,
+                 frontend_fd: int | None = None) -> None:
         self.core = core
         self.clock = clock
         self.inputs = inputs
         self.outputs = outputs
         self.codec = codec
         self.parent = os.getppid()
+        self.frontend_fd = frontend_fd
+        self.poller = zmq.Poller()
+        self.poller.register(inputs, zmq.POLLIN)
+        if frontend_fd is not None:
+            self.poller.register(frontend_fd, zmq.POLLIN)
+        self.taken = 0  # messages taken from the frontend (counted on the shared clock)
         self.stopping = False
+        self.frontend_gone = False
 
     def run(self) -> None:
         core = self.core
@@ -139,8 +179,10 @@ class _CoreLoop:
             self._take_inputs(0 if busy else _IDLE_POLL_MS)
             if self.stopping:
                 return
-            if not busy and os.getppid() != self.parent:
-                logger.warning("the frontend process is gone; the engine core exits")
+            if self.frontend_gone or os.getppid() != self.parent:
+                self.frontend_gone = True
+                logger.warning("the frontend process is gone; the engine core aborts its "
+                               "requests and exits")
                 return
             if core.has_unfinished_requests() and not self._step():
                 return
@@ -149,9 +191,15 @@ class _CoreLoop:
         self.outputs.send(message)
 
     def _take_inputs(self, timeout_ms: int) -> None:
-        while self.inputs.poll(timeout_ms):
+        while ready := dict(self.poller.poll(timeout_ms)):
             timeout_ms = 0
+            if self.frontend_fd in ready:  # only end of file: the frontend never writes
+                self.frontend_gone = True
+                return
             message = self.codec.decode_frontend(self.inputs.recv())
+            self.taken += 1
+            if self.clock is not None:
+                self.clock.taken(self.taken)
             if isinstance(message, CoreInput):
                 self._add(message)
             elif isinstance(message, Abort):

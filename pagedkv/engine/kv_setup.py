@@ -9,12 +9,19 @@ what is really free beside them; on CUDA without a profile the estimate formula;
 default budget of `DEFAULT_CPU_KV_CACHE_BYTES`, never more blocks than `max_num_seqs` sequences
 of `max_model_len` can use. Host blocks (`swap_space` GiB) exist only with
 `preemption_mode="swap"`.
+
+A size the user asked for (`--kv-cache-memory-bytes`, `--num-gpu-blocks-override`, and on CPU
+`--swap-space`'s host blocks) is checked against what the machine has: more than its memory
+(the device's on CUDA; on CPU the RAM, or the cgroup's limit when lower) is a ValueError
+naming the flag, more than is available now a warning.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from pagedkv.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, load_hf_config
 from pagedkv.engine.args import EngineArgs
@@ -142,9 +149,55 @@ def plan_kv_cache(args: EngineArgs, profile: GpuMemoryProfile | None = None) -> 
             logger.warning("max_model_len=%d exceeds the KV cache capacity (%d tokens): longer "
                            "requests will fail", max_model_len, capacity)
     num_host_blocks = int(args.swap_space * GiB) // page if args.preemption_mode == "swap" else 0
+    if args.num_gpu_blocks_override is not None or args.kv_cache_memory_bytes is not None:
+        check_fits_in_memory(args, num_blocks * page, num_host_blocks * page,
+                             profile is not None or _device_is_cuda(args.device))
     window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
     if isinstance(spec, HybridKVCacheSpec):  # the largest window of its sliding groups
         window = max((g.sliding_window or 0 for g in spec.groups), default=0) or None
     return KVCacheSetup(spec=spec, num_blocks=num_blocks, num_host_blocks=num_host_blocks,
                         max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                         sliding_window=window)
+
+
+def check_fits_in_memory(args: EngineArgs, device_bytes: int, host_bytes: int,
+                         cuda: bool) -> None:
+    """ValueError naming the flag when the KV cache asked for is more than the memory this
+    machine has (see the module docstring); a warning when it is more than is available now."""
+    flag = ("--num-gpu-blocks-override" if args.num_gpu_blocks_override is not None
+            else "--kv-cache-memory-bytes")
+    if cuda:
+        import torch
+
+        available, total = torch.cuda.mem_get_info()
+        where, asked = "the GPU", device_bytes
+    else:
+        total, available = host_memory_bytes()
+        where, asked = "this machine", device_bytes + host_bytes
+        if host_bytes:
+            flag += " plus --swap-space"
+    if asked > total:
+        raise ValueError(f"{flag} asks for a {asked / GiB:.1f} GiB KV cache, more than "
+                         f"{where} has ({total / GiB:.1f} GiB, {available / GiB:.1f} GiB "
+                         "available): ask for less")
+    if asked > available:
+        logger.warning("%s asks for a %.1f GiB KV cache; only %.1f GiB of %s's memory is "
+                       "available now", flag, asked / GiB, available / GiB, where)
+
+
+def host_memory_bytes() -> tuple[int, int]:
+    """(total, available) bytes of this machine's memory: /proc/meminfo's MemTotal and
+    MemAvailable, each capped by the cgroup v2 memory limit when there is one; without
+    /proc (not Linux) os.sysconf's physical and free pages."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        total = int(info["MemTotal"].split()[0]) * 1024
+        available = int(info.get("MemAvailable", info["MemFree"]).split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
+    try:
+        limit = int(Path("/sys/fs/cgroup/memory.max").read_text())
+    except (OSError, ValueError):  # no cgroup v2 limit ("max", or no such file)
+        return total, available
+    return min(total, limit), min(available, limit)

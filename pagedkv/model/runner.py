@@ -49,15 +49,21 @@ if TYPE_CHECKING:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """CUDA when `device` is "auto" and CUDA is available, else CPU; otherwise `device` as given."""
+    """CUDA when `device` is "auto" and CUDA is available, else CPU; otherwise `device` as given.
+    ValueError for a CUDA device this machine does not have."""
     if isinstance(device, torch.device):
         return device
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        resolved = torch.device(device)
     except RuntimeError as e:
         raise ValueError(f"invalid device {device!r}") from e
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        build = "built without CUDA" if torch.version.cuda is None else "finds no GPU"
+        raise ValueError(f"device {device!r} (--device): CUDA is not available (torch "
+                         f"{torch.__version__} {build}); use --device cpu or auto")
+    return resolved
 
 
 FP8_SCALE_MODES = ("per_head", "per_layer")

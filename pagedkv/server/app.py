@@ -126,7 +126,12 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         _install_api_key(app, access)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
 
-    @app.get("/health")
+    # vLLM's liveness answers: 200 with an empty body, or 503 with an error (JSON here).
+    liveness = {"response_class": Response, "responses": {
+        200: {"description": "the engine is serving (empty body, as vLLM's)"},
+        503: {"model": ErrorResponse, "description": "shutting down, dead or wedged"}}}
+
+    @app.get("/health", **liveness)
     async def health() -> Response:
         if not async_engine.is_running or async_engine.draining:
             reason = "the server is shutting down" if async_engine.draining else None
@@ -135,17 +140,18 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         busy_s = async_engine.busy_for()
         if busy_s > stall_timeout_s:
             return error_response(APIError(
-                f"the engine loop has not finished a step for {busy_s:.0f} s (stall timeout "
+                f"the engine has not finished a step or taken its work for {busy_s:.0f} s "
+                f"(stall timeout "
                 f"{stall_timeout_s:g} s): it looks wedged", status_code=503,
                 type="server_unavailable"))
         return Response(status_code=200)
 
-    @app.get("/ping")
+    @app.get("/ping", **liveness)
     async def ping() -> Response:
         """vLLM's (SageMaker's) liveness route: the same answer as /health."""
         return await health()
 
-    @app.post("/ping")
+    @app.post("/ping", **liveness)
     async def ping_post() -> Response:
         return await health()
 

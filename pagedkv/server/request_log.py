@@ -11,19 +11,32 @@ delay), `added` (the engine loop took it, at its next round), `first_scheduled`,
 `engine_first_token` and `engine_last_token` (the engine produced the first and last token;
 `ttft` and `e2e` are when the server saw them).
 `pagedkv profile --fit-from` fits the simulator's frontend delays to these. Written by the
-server's event loop as each request finishes, line-buffered, so a crash loses at most the line
-being written.
+server's event loop as each request finishes, one unbuffered append per line, so a crash loses
+at most the line being written.
+
+A write that fails (a full disk, an I/O error) never changes an answer: the line is dropped,
+counted (`pagedkv:request_log_write_failures_total`), and logged at most once a minute; the next
+line is written as soon as writes succeed again.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter
+
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.jsonl import JsonLinesWriter
 from pagedkv.kv.hashing import RequestBlockHasher
+
+logger = logging.getLogger("pagedkv.server")
+
+FAILURE_LOG_INTERVAL_S = 60.0  # at most one warning this often while writes keep failing
 
 
 class _Prompt:
@@ -36,12 +49,19 @@ class _Prompt:
 
 
 class RequestLog:
-    """Appends one line per finished request to `path` (created or appended to)."""
+    """Appends one line per finished request to `path` (created or appended to). With a
+    `registry` (the server's metrics), failed writes are counted there too."""
 
-    def __init__(self, path: str | Path, hasher: RequestBlockHasher) -> None:
+    def __init__(self, path: str | Path, hasher: RequestBlockHasher,
+                 registry: CollectorRegistry | None = None) -> None:
         self.path = Path(path)
         self.hasher = hasher
-        self._out = JsonLinesWriter(self.path)
+        self._out = _FailSafeLines(self.path, registry)
+
+    @property
+    def write_failures(self) -> int:
+        """Lines dropped because their write failed, since start."""
+        return self._out.failures
 
     def record(self, output: RequestOutput, *, arrival_monotonic: float,
                submitted_monotonic: float | None = None, ttft: float | None,
@@ -68,6 +88,66 @@ class RequestLog:
 
     def close(self) -> None:
         self._out.close()
+
+
+class _FailSafeLines:
+    """Appends JSON lines to a file with one os.write each (O_APPEND: nothing stays buffered
+    behind a failed write); a write's OSError drops its line, counts it and is logged
+    rate-limited. Thread-safe; lines written after `close()` are dropped."""
+
+    def __init__(self, path: Path, registry: CollectorRegistry | None) -> None:
+        self.path = path
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._lock = threading.Lock()
+        self.failures = 0
+        self._failing = False  # the last write failed
+        self._unreported = 0  # failures since the last warning
+        self._last_warning = -float("inf")
+        self._counter = None if registry is None else Counter(
+            "pagedkv:request_log_write_failures", "Request-log lines dropped because their "
+            "write failed (a full disk, an I/O error); the answers were not affected",
+            registry=registry)
+
+    def write(self, row: dict[str, Any]) -> None:
+        data = (json.dumps(row, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            if self._fd is None:
+                return
+            try:
+                while data:
+                    data = data[os.write(self._fd, data):]
+            except OSError as exc:
+                self._failed(exc)
+                return
+            if self._failing:
+                self._resumed()
+
+    def _failed(self, exc: OSError) -> None:
+        self.failures += 1
+        self._failing = True
+        self._unreported += 1
+        if self._counter is not None:
+            self._counter.inc()
+        now = time.monotonic()
+        if now - self._last_warning >= FAILURE_LOG_INTERVAL_S:
+            logger.warning("--request-log %s: a write failed (%s); %d line(s) dropped since the "
+                           "last warning (%d in all); the answers are not affected",
+                           self.path, exc.strerror or exc, self._unreported, self.failures)
+            self._last_warning = now
+            self._unreported = 0
+
+    def _resumed(self) -> None:
+        logger.warning("--request-log %s: writes succeed again (%d line(s) dropped in all)",
+                       self.path, self.failures)
+        self._failing = False
+        self._unreported = 0
+        self._last_warning = -float("inf")  # a new failure is told at once
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
 
 def _engine_timeline(times: dict[str, float], arrival: float) -> dict[str, float | None]:

@@ -85,6 +85,7 @@ class ServerProcess:
         os.close(fd)
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
+        self.new_session = False  # True: its own process group (a group-wide signal spares us)
 
     def command(self) -> list[str]:
         """The command line `start` runs (a subclass may start another subcommand)."""
@@ -100,7 +101,7 @@ class ServerProcess:
         env.pop("PAGEDKV_API_KEY", None)
         with open(self.log_path, "wb") as log:  # the child keeps its own copy of the fd
             self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                         env=env)
+                                         env=env, start_new_session=self.new_session)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

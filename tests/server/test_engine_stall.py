@@ -106,3 +106,45 @@ def test_health_is_503_while_the_core_process_is_stuck_in_a_step(tiny_llama):
         assert engine.get_stats().num_free_blocks == engine.client.ready.num_usable_blocks
     finally:
         engine.shutdown()
+
+
+@pytest.mark.timeout(120, method="thread")
+@pytest.mark.parametrize("work", ["request", "utility call"])
+def test_health_is_503_when_a_core_frozen_while_idle_leaves_work_untaken(tiny_llama, work):
+    """A core stopped (SIGSTOP) while idle runs no step, so no step clock shows it: the work
+    sent to it (a request, or the utility call a /metrics scrape makes) is not taken, and
+    once that has waited longer than the stall timeout /health answers 503; after SIGCONT the
+    core takes it, the request is answered, and /health is 200 again."""
+    engine = LLMEngine(EngineArgs(model=str(tiny_llama), dtype="float32", block_size=4,
+                                  max_model_len=256, num_gpu_blocks_override=64),
+                       core_process=True)
+    core = engine.client.process
+    app = create_app(engine, served_model_name="m", stall_timeout_s=STALL_S)
+    body = {"prompt": [1, 5, 6], "max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
+    path, send = ("/v1/completions", body) if work == "request" else ("/metrics", None)
+    try:
+        with TestClient(app) as client:
+            assert client.get("/health").status_code == 200
+            os.kill(core.pid, signal.SIGSTOP)
+            answers: list = []
+            try:
+                worker = threading.Thread(target=lambda: answers.append(
+                    client.post(path, json=send) if send else client.get(path)))
+                worker.start()
+                time.sleep(0.5)
+                assert client.get("/health").status_code == 200  # not yet past the timeout
+                time.sleep(STALL_S)
+                frozen = client.get("/health")
+                assert frozen.status_code == 503
+                assert "wedged" in frozen.json()["error"]["message"]
+                assert not answers
+            finally:
+                os.kill(core.pid, signal.SIGCONT)
+            worker.join(30)
+            assert answers and answers[0].status_code == 200
+            if send:
+                assert answers[0].json()["usage"]["completion_tokens"] == 2
+            assert client.get("/health").status_code == 200
+        engine.check_invariants()
+    finally:
+        engine.shutdown()

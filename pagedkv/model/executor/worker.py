@@ -10,7 +10,10 @@ heartbeat (an idle engine still proves it is alive, so no rank waits out its tim
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -18,6 +21,8 @@ import traceback
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def run_call(runner: Any, method: str, args: tuple) -> tuple[str, Any]:
@@ -45,6 +50,19 @@ def worker_main(rank: int, local_rank: int, size: int, init_method: str, device:
         os._exit(code)
 
 
+def die_with_parent() -> None:
+    """Have the kernel kill this process when its parent (the engine core, rank 0) dies, on
+    Linux (prctl PR_SET_PDEATHSIG); elsewhere the group's collective timeout ends it."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = multiprocessing.parent_process()
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if parent is not None and os.getppid() != parent.pid:  # it died before that took effect
+        os._exit(3)
+
+
 def run_worker(rank: int, local_rank: int, size: int, init_method: str, device: str,
                timeout_s: float, cpu_threads: int | None) -> int:
     """The worker loop (see the module docstring); returns the exit code."""
@@ -53,7 +71,9 @@ def run_worker(rank: int, local_rank: int, size: int, init_method: str, device: 
     from pagedkv.model.parallel.group import CollectiveError, TensorParallelGroup, rank_device
     from pagedkv.model.runner import ModelRunner, resolve_device
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
+    for signum in (signal.SIGINT, signal.SIGTERM):  # a group-wide stop is rank 0's to handle
+        signal.signal(signum, signal.SIG_IGN)
+    die_with_parent()
     if cpu_threads is not None:
         torch.set_num_threads(cpu_threads)
     dev = rank_device(resolve_device(device), local_rank)
