@@ -34,7 +34,8 @@ BAD_COMPLETIONS: list[tuple[str, object, int, str | None]] = [
     ("n zero", {"prompt": "x", "n": 0}, 400, "n"),
     ("n absurd", {"prompt": "x", "n": 10**9}, 400, "n"),
     ("n bool", {"prompt": "x", "n": True}, 400, "n"),
-    ("n > 1 greedy", {"prompt": "x", "n": 2, "temperature": 0.0}, 400, "n"),  # as vLLM
+    # param null, as vLLM's (test_vllm_request_fields.py::test_error_param_as_vllms checks it)
+    ("n > 1 greedy", {"prompt": "x", "n": 2, "temperature": 0.0}, 400, None),
     ("n > 1 near-greedy", {"prompt": "x", "n": 3, "temperature": 1e-6}, 400, "n"),
     ("temperature negative", {"prompt": "x", "temperature": -0.5}, 400, "temperature"),
     ("temperature absurd", {"prompt": "x", "temperature": 1e30}, 400, "temperature"),
@@ -72,7 +73,7 @@ BAD_CHAT: list[tuple[str, object, int, str | None]] = [
     ("empty messages", {"messages": []}, 400, "messages"),
     ("bad role", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
     ("n > 1 greedy", {"messages": [{"role": "user", "content": "x"}], "n": 2,
-                      "temperature": 0}, 400, "n"),
+                      "temperature": 0}, 400, None),
     ("content wrong type", {"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
     ("top_logprobs without logprobs",
      {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
