@@ -38,6 +38,9 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 
 _HELP: dict[str, str] = {
     "tokenizer": "tokenizer directory (default: MODEL_DIR)",
+    "revision": "with a Hugging Face model id: the branch, tag or commit (default: main)",
+    "download_dir": "with a Hugging Face model id: the cache directory to look in and "
+                    "download to (default: HF_HUB_CACHE, else HF_HOME/hub)",
     "dtype": "weights and KV cache dtype ('auto': the config's torch_dtype)",
     "device": "'auto' picks cuda when present, else cpu",
     "seed": "default random seed of the engine",

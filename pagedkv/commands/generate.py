@@ -25,7 +25,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "generate", help="generate a completion for one prompt",
         description=__doc__.split("\n\n")[0],
         formatter_class=HelpFormatter)
-    parser.add_argument("model", metavar="MODEL_DIR", help="Hugging Face model directory")
+    parser.add_argument("model", metavar="MODEL_DIR",
+                        help="model directory, .gguf file or Hugging Face id (org/name)")
     parser.add_argument("--prompt", required=True, help="the prompt text")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")

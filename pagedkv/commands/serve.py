@@ -48,7 +48,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "serve", help="OpenAI-compatible HTTP server",
         description=__doc__.split("\n\n")[0],
         formatter_class=HelpFormatter)
-    parser.add_argument("model", metavar="MODEL_DIR", help="Hugging Face model directory")
+    parser.add_argument("model", metavar="MODEL_DIR",
+                        help="model directory, .gguf file or Hugging Face id (org/name)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
     parser.add_argument("--served-model-name", default=None,
@@ -93,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedkv.engine.llm_engine import LLMEngine
+    from pagedkv.model.hub import looks_like_repo_id
     from pagedkv.server.app import (
         DEFAULT_MAX_PENDING,
         DEFAULT_MAX_REQUEST_BYTES,
@@ -101,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from pagedkv.server.graceful import DrainingServer, bind_socket
 
-    if not Path(args.model).is_dir():
+    if not Path(args.model).exists() and not looks_like_repo_id(args.model):
         raise FileNotFoundError(f"model directory {args.model!r} does not exist")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")

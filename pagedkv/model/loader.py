@@ -128,9 +128,9 @@ def check_architecture_supported(model: str | Path) -> None:
 
 def check_model_dir(model_dir: str | Path) -> None:
     """`check_checkpoint_matches` with the sizes the config gives (read raw, before any
-    per-layer structure is built from them). A missing directory is left to the config reader."""
+    per-layer structure is built from them). ValueError for a path that does not exist."""
     if not Path(model_dir).exists():
-        return
+        raise ValueError(f"model directory not found: {model_dir}")
     check_architecture_supported(model_dir)
     raw = load_hf_config(model_dir) if gguf_file(model_dir) is not None \
         else read_json(Path(model_dir) / "config.json")
