@@ -233,6 +233,16 @@ def _expected_source_shapes(shape: torch.Size, sources: list[str], module: torch
     return [(n, *shape[1:]) for n in splits]
 
 
+def _gguf_rope_factors(model: str | Path) -> torch.Tensor | None:
+    gguf = gguf_file(model)
+    if gguf is None:
+        return None
+    from pagedkv.model.gguf.file import open_gguf
+    from pagedkv.model.gguf.tensors import rope_factors
+
+    return rope_factors(open_gguf(gguf))
+
+
 def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
                device: torch.device, tp: TensorParallelGroup | None = None) -> CausalLM:
     """Build the model for `config` on `device` in `dtype` and load `model_dir`'s weights (the
@@ -244,9 +254,15 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
         model = get_model_class(config.architecture)(config, tp) if tp is not None \
             else get_model_class(config.architecture)(config)
     model = model.to(dtype).to_empty(device=device)
+    factors = _gguf_rope_factors(model_dir)
     for rotary in model.modules():  # buffers built on "meta": compute them (Gemma 3 has two)
         if isinstance(rotary, RotaryEmbedding):
-            rotary.inv_freq = rope_inv_freq(rotary.head_dim, rotary.theta,
-                                            rotary.scaling).to(device)
+            inv_freq = rope_inv_freq(rotary.head_dim, rotary.theta, rotary.scaling)
+            if factors is not None:
+                if factors.shape != inv_freq.shape:
+                    raise ValueError(f"rope_freqs.weight of {model_dir} has {factors.numel()} "
+                                     f"factors for {inv_freq.numel()} rotary frequencies")
+                inv_freq = inv_freq / factors
+            rotary.inv_freq = inv_freq.to(device)
     load_weights(model, model_dir)
     return model.eval()

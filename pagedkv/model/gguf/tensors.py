@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,6 +113,14 @@ def hf_tensor(gguf: GGUFFile, hf_name: str, gguf_name: str) -> torch.Tensor:
     return tensor
 
 
+def rope_factors(gguf: GGUFFile) -> torch.Tensor | None:
+    """Llama 3.1-style RoPE scaling as llama.cpp stores it: `rope_freqs.weight`, one factor per
+    rotary frequency, each inverse frequency divided by its factor (None when absent)."""
+    if "rope_freqs.weight" not in gguf.tensors:
+        return None
+    return dequantize(gguf, "rope_freqs.weight").flatten()
+
+
 @dataclass
 class _Slice:
     """`safe_open(...).get_slice(name)`'s answer: the shape, and indexing that reads."""
@@ -135,6 +144,9 @@ class GGUFCheckpoint:
 
     def keys(self) -> list[str]:
         return list(self._names)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.gguf.tensors[self._names[name]].shape
