@@ -1,11 +1,10 @@
 """The model part of every store key: two models (or dtypes, layouts, block sizes) never share.
 
 `model_identity` is a 16-byte digest of: the model's config.json (a GGUF model's lies in its
-weight file), each weight file's name and
-full-content digest (every byte: see weight_digest.py, cached by path and stat so a restart does
-not re-read the weights), the KV dtype, the cache layout and the block size. Two checkpoints that
-differ in any byte of any weight file never share a block, in any tier (host, disk and Redis all
-use this key). Block keys are `identity + chained block hash`; the chained hash already carries
+weight file), each weight file's name and full-content digest (every byte: see weight_digest.py,
+cached by path and stat so a restart does not re-read the weights), the KV dtype, the cache
+layout and the block size. Two checkpoints that differ in any byte of any weight file never
+share a block, in any tier (host, disk and Redis all use this key). Block keys are `identity + chained block hash`; the chained hash already carries
 `cache_salt` and the LoRA name, so tenant isolation holds in every tier.
 """
 
