@@ -73,11 +73,13 @@ def demo_prompts(tokenizer, num_prompts: int) -> list:  # noqa: ANN001 (a pagedk
     return prompts
 
 
-def run_demo(model_dir: str, num_prompts: int, max_tokens: int) -> dict:
+def run_demo(model_dir: str, num_prompts: int, max_tokens: int, **engine_args: object) -> dict:
+    """Run the requests; `engine_args` are further EngineArgs fields (tests size the cache)."""
     from pagedkv import LLMEngine, SamplingParams
     from pagedkv.engine.args import EngineArgs
 
-    engine = LLMEngine(EngineArgs(model=model_dir, block_size=16, enable_prefix_caching=True))
+    engine = LLMEngine(EngineArgs(model=model_dir, block_size=16, enable_prefix_caching=True,
+                                  **engine_args))
     chat = bool(engine.tokenizer.chat_template)
 
     def params(i: int) -> SamplingParams:

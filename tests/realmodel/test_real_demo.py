@@ -12,7 +12,8 @@ from pagedkv.testing import real_model
 @pytest.mark.real_model
 def test_demo_answers_with_the_real_model(real_model_path, capsys):
     assert demo.default_model(real_model_path.parent) == str(real_model_path)
-    result = demo.run_demo(str(real_model_path), num_prompts=2, max_tokens=16)
+    result = demo.run_demo(str(real_model_path), num_prompts=2, max_tokens=16,
+                           num_gpu_blocks_override=64)
     try:
         assert result["chat"]
         result["engine"].check_invariants()
