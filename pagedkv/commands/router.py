@@ -50,7 +50,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "('-' for none)")
     parser.add_argument("--policy", default="kv-aware", choices=POLICY_NAMES)
     parser.add_argument("--model", default=None, metavar="MODEL_DIR",
-                        help="the backends' model directory, to tokenize prompts in the router "
+                        help="the backends' model (directory, .gguf file or Hugging Face id), to "
+                        "tokenize prompts in the router "
                         "(tokenizer and chat template); without it kv-aware asks a backend's "
                         "/tokenize")
     parser.add_argument("--block-size", type=int, default=None,
@@ -122,8 +123,12 @@ def build_router(args: argparse.Namespace):
                 for url, ep in zip(args.backend, endpoints or [None] * len(args.backend),
                                    strict=True)]
     weights = KVAwareWeights(**{f.name: getattr(args, f.name) for f in fields(KVAwareWeights)})
-    if args.model is not None and not Path(args.model).is_dir():
-        raise FileNotFoundError(f"model directory {args.model!r} does not exist")
+    if args.model is not None:
+        from pagedkv.model.hub import resolve_model
+
+        args.model = resolve_model(args.model)  # a directory, a .gguf file or a Hub id
+        if not Path(args.model).exists():
+            raise FileNotFoundError(f"model {args.model!r} does not exist")
     if (args.block_size is None) != (args.prefix_caching_hash_algo is None):
         raise ValueError("give --block-size and --prefix-caching-hash-algo together, or neither")
     if args.block_size is not None and args.block_size <= 0:

@@ -115,8 +115,10 @@ def check_flags(args: argparse.Namespace) -> EngineArgs:
     well under a second) and return the engine's arguments. Sets `args.model` to the model
     given positionally or as --model, and `args.chat_template` to the template's text.
     Raises ValueError / FileNotFoundError naming the flag."""
+    from pagedkv.model.hub import looks_like_repo_id
+
     args.model = model_argument(args)
-    if not Path(args.model).is_dir():
+    if not Path(args.model).exists() and not looks_like_repo_id(args.model):
         raise FileNotFoundError(f"model directory {args.model!r} does not exist")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")

@@ -35,6 +35,10 @@ class EngineArgs:
 
     model: str = ""
     tokenizer: str | None = None
+    # A Hugging Face id as `model` (pagedkv.model.hub): the revision (branch, tag or commit) and
+    # the cache directory to download into and look in (default: HF_HUB_CACHE / HF_HOME).
+    revision: str | None = None
+    download_dir: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0

@@ -56,6 +56,7 @@ class EngineCore:
 
     def __init__(self, args: EngineArgs, tokenizer=None) -> None:  # noqa: ANN001
         from pagedkv.engine.executor import build_executor
+        from pagedkv.model.hub import resolve_model_args
         from pagedkv.model.loader import check_model_dir
         from pagedkv.model.runner import resolve_device
         from pagedkv.model.tokenizer import Tokenizer
@@ -63,6 +64,7 @@ class EngineCore:
         args.validate()
         if not args.model:
             raise ValueError("model must be a model directory, got ''")
+        resolve_model_args(args)  # a Hugging Face id -> its local snapshot
         check_model_dir(args.model)  # config.json vs the checkpoint, before sizing anything
         self.args = args
         self.tokenizer = tokenizer or Tokenizer.from_dir(args.tokenizer or args.model)

@@ -46,12 +46,14 @@ class LLMEngine:
     that progressed (got tokens or finished) in that step."""
 
     def __init__(self, args: EngineArgs, *, core_process: bool = False) -> None:
+        from pagedkv.model.hub import resolve_model_args
         from pagedkv.model.loader import check_model_dir
         from pagedkv.model.tokenizer import Tokenizer
 
         args.validate()
         if not args.model:
             raise ValueError("model must be a model directory, got ''")
+        resolve_model_args(args)  # a Hugging Face id -> its local snapshot
         check_model_dir(args.model)
         self.args = args
         self.tokenizer = Tokenizer.from_dir(args.tokenizer or args.model)

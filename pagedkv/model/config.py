@@ -1,6 +1,7 @@
 """ModelConfig: what the runtime needs from a Hugging Face model directory's config.json.
 
-Reads config.json (and generation_config.json for eos ids) only; never touches the network.
+Reads config.json (and generation_config.json for eos ids), or a GGUF file's metadata (as the
+same dict: pagedkv.model.gguf.config); never touches the network.
 Both transformers 4 (`rope_theta`, `rope_scaling`, `torch_dtype`) and transformers 5
 (`rope_parameters`, `dtype`) spellings are accepted.
 """
@@ -15,6 +16,7 @@ import torch
 
 from pagedkv.config import HFModelConfig, canonical_dtype
 from pagedkv.config.dtypes import FP8_TORCH_DTYPE_NAMES, INT8_KV_DTYPE
+from pagedkv.model.gguf import gguf_file
 from pagedkv.model.json_files import read_json
 from pagedkv.model.registry import get_model_class, resolve_architecture
 
@@ -111,7 +113,14 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        """Parse `model_dir`/config.json (+ generation_config.json when present)."""
+        """Parse `model_dir`/config.json (+ generation_config.json when present), or a GGUF
+        model's metadata (`model_dir` a .gguf file or a directory holding one)."""
+        gguf = gguf_file(model_dir)
+        if gguf is not None:
+            from pagedkv.model.gguf.config import generation_config, hf_config
+            from pagedkv.model.gguf.file import open_gguf
+
+            return cls.from_dict(hf_config(open_gguf(gguf)), generation_config(open_gguf(gguf)))
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
             raise ValueError(f"model directory not found: {model_dir}")

@@ -1,4 +1,5 @@
-"""Load safetensors weights from a Hugging Face model directory (single file or sharded).
+"""Load safetensors weights from a Hugging Face model directory (single file or sharded), or a
+GGUF file's weights (dequantized; pagedkv.model.gguf), through the same calls.
 
 Never touches the network. Errors name the missing file, shard or tensor, the unreadable
 (truncated, garbage) weight file, or the tensor whose shape disagrees with the config. The
@@ -18,16 +19,23 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pagedkv.config.hf_config import load_hf_config
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.gguf import SUFFIX as GGUF_SUFFIX
+from pagedkv.model.gguf import gguf_file
 from pagedkv.model.json_files import read_json
 from pagedkv.model.layers import RotaryEmbedding, rope_inv_freq
 from pagedkv.model.parallel.group import TensorParallelGroup
-from pagedkv.model.registry import CausalLM, get_model_class
+from pagedkv.model.registry import CausalLM, get_model_class, resolve_architecture
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files of `model_dir`: the shards listed in model.safetensors.index.json,
-    else model.safetensors, else every *.safetensors file (sorted)."""
+    """The weight files of `model_dir`: a GGUF model's one file (pagedkv.model.gguf.gguf_file);
+    else the shards listed in model.safetensors.index.json, else model.safetensors, else every
+    *.safetensors file (sorted)."""
+    gguf = gguf_file(model_dir)
+    if gguf is not None:
+        return [gguf]
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -51,7 +59,15 @@ def weight_files(model_dir: str | Path) -> list[Path]:
 
 @contextmanager
 def open_weights(path: Path) -> Iterator[Any]:
-    """`safe_open(path)`; a truncated or garbage file is a ValueError naming it."""
+    """`safe_open(path)`; a truncated or garbage file is a ValueError naming it. A .gguf file
+    opens as the same kind of object (pagedkv.model.gguf.tensors.GGUFCheckpoint: Hugging Face
+    names, dequantized float32 tensors)."""
+    if path.suffix.lower() == GGUF_SUFFIX:
+        from pagedkv.model.gguf.file import open_gguf
+        from pagedkv.model.gguf.tensors import GGUFCheckpoint
+
+        yield GGUFCheckpoint(open_gguf(path))
+        return
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             yield f
@@ -76,6 +92,7 @@ def check_checkpoint_matches(model_dir: str | Path, num_layers: object, vocab_si
     """Compare config.json's sizes with the checkpoint's headers (no tensor is read): the
     number of layers and the embedding's [vocab_size, hidden_size]. ValueError naming the
     mismatch. Call it before anything is built or allocated from those sizes."""
+    check_architecture_supported(model_dir)
     shapes: dict[str, tuple[int, ...]] = {}
     for path in weight_files(model_dir):
         with open_weights(path) as f:
@@ -83,21 +100,40 @@ def check_checkpoint_matches(model_dir: str | Path, num_layers: object, vocab_si
                 shapes[name] = tuple(f.get_slice(name).get_shape())
     layers = {int(m.group(1)) for name in shapes if (m := _LAYER_RE.match(name))}
     if len(layers) != num_layers:
-        raise ValueError(f"config.json says num_hidden_layers={num_layers!r} but the "
+        raise ValueError(f"the config says num_hidden_layers={num_layers!r} but the "
                          f"weights in {model_dir} hold {len(layers)} layers")
     embed = shapes.get(_EMBED)
     if embed is not None and embed != (vocab_size, hidden_size):
-        raise ValueError(f"config.json says vocab_size={vocab_size!r}, hidden_size="
+        raise ValueError(f"the config says vocab_size={vocab_size!r}, hidden_size="
                          f"{hidden_size!r} but {_EMBED} in {model_dir} has shape {list(embed)}")
 
 
-def check_model_dir(model_dir: str | Path) -> None:
-    """`check_checkpoint_matches` with the sizes config.json gives (read raw, before any
-    per-layer structure is built from them). A missing directory is left to the config reader."""
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
+def check_architecture_supported(model: str | Path) -> None:
+    """ValueError when `model`'s architecture (config.json's `architectures`, a GGUF file's
+    `general.architecture`) is not one the registry runs, or a GGUF tensor's quantization type
+    cannot be dequantized: said before any size is compared or allocated."""
+    gguf = gguf_file(model)
+    if gguf is not None:
+        from pagedkv.model.gguf.config import check_architecture
+        from pagedkv.model.gguf.file import open_gguf
+        from pagedkv.model.gguf.tensors import check_types
+
+        check_architecture(open_gguf(gguf))
+        check_types(open_gguf(gguf))
         return
-    raw = read_json(model_dir / "config.json")
+    path = Path(model) / "config.json"
+    if path.is_file():
+        resolve_architecture(read_json(path).get("architectures") or [])
+
+
+def check_model_dir(model_dir: str | Path) -> None:
+    """`check_checkpoint_matches` with the sizes the config gives (read raw, before any
+    per-layer structure is built from them). ValueError for a path that does not exist."""
+    if not Path(model_dir).exists():
+        raise ValueError(f"model directory not found: {model_dir}")
+    check_architecture_supported(model_dir)
+    raw = load_hf_config(model_dir) if gguf_file(model_dir) is not None \
+        else read_json(Path(model_dir) / "config.json")
     check_checkpoint_matches(model_dir, raw.get("num_hidden_layers"), raw.get("vocab_size"),
                              raw.get("hidden_size"))
 
@@ -197,6 +233,16 @@ def _expected_source_shapes(shape: torch.Size, sources: list[str], module: torch
     return [(n, *shape[1:]) for n in splits]
 
 
+def _gguf_rope_factors(model: str | Path) -> torch.Tensor | None:
+    gguf = gguf_file(model)
+    if gguf is None:
+        return None
+    from pagedkv.model.gguf.file import open_gguf
+    from pagedkv.model.gguf.tensors import rope_factors
+
+    return rope_factors(open_gguf(gguf))
+
+
 def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
                device: torch.device, tp: TensorParallelGroup | None = None) -> CausalLM:
     """Build the model for `config` on `device` in `dtype` and load `model_dir`'s weights (the
@@ -208,9 +254,15 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
         model = get_model_class(config.architecture)(config, tp) if tp is not None \
             else get_model_class(config.architecture)(config)
     model = model.to(dtype).to_empty(device=device)
+    factors = _gguf_rope_factors(model_dir)
     for rotary in model.modules():  # buffers built on "meta": compute them (Gemma 3 has two)
         if isinstance(rotary, RotaryEmbedding):
-            rotary.inv_freq = rope_inv_freq(rotary.head_dim, rotary.theta,
-                                            rotary.scaling).to(device)
+            inv_freq = rope_inv_freq(rotary.head_dim, rotary.theta, rotary.scaling)
+            if factors is not None:
+                if factors.shape != inv_freq.shape:
+                    raise ValueError(f"rope_freqs.weight of {model_dir} has {factors.numel()} "
+                                     f"factors for {inv_freq.numel()} rotary frequencies")
+                inv_freq = inv_freq / factors
+            rotary.inv_freq = inv_freq.to(device)
     load_weights(model, model_dir)
     return model.eval()

@@ -78,7 +78,8 @@ def resolve_architecture(architectures: list[str] | tuple[str, ...]) -> str:
     and the supported ones otherwise."""
     arch = next((a for a in architectures if a in _MODELS), None)
     if arch is None:
-        raise ValueError(f"unknown architecture {list(architectures)!r} in config.json; "
+        named = ", ".join(map(repr, architectures)) if architectures else "(none named)"
+        raise ValueError(f"architecture {named} is not supported; "
                          f"supported: {', '.join(_MODELS)}")
     return arch
 

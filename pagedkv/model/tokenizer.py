@@ -1,4 +1,5 @@
-"""Tokenizer: a Hugging Face tokenizer.json (through `tokenizers`) plus tokenizer_config.json.
+"""Tokenizer: a Hugging Face tokenizer.json (through `tokenizers`) plus tokenizer_config.json,
+or the tokenizer a GGUF file's metadata describes (`Tokenizer.from_gguf`).
 
 Token ids equal transformers' (v5) AutoTokenizer for the same directory: the tokenizer.json
 post-processor alone decides which special tokens (bos) `encode` adds; `add_bos_token` in
@@ -18,6 +19,7 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
+from pagedkv.model.gguf import gguf_file
 from pagedkv.model.json_files import read_json
 from pagedkv.sched.validation import PromptTooLongError, check_text
 
@@ -66,6 +68,9 @@ class Tokenizer:
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         """Load tokenizer.json, tokenizer_config.json, generation_config.json (eos ids) and the
         chat template (tokenizer_config's `chat_template` or chat_template.jinja)."""
+        gguf = gguf_file(model_dir)
+        if gguf is not None:
+            return cls.from_gguf(gguf)
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
@@ -94,6 +99,19 @@ class Tokenizer:
         if template is None and jinja_path.is_file():
             template = jinja_path.read_text(encoding="utf-8")
         return cls(tok, config, tuple(eos), template)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer, special tokens, eos ids and chat template of GGUF file `path`'s
+        metadata (pagedkv.model.gguf.tokenizer)."""
+        from pagedkv.model.gguf.config import generation_config
+        from pagedkv.model.gguf.file import open_gguf
+        from pagedkv.model.gguf.tokenizer import build_tokenizer
+
+        gguf = open_gguf(path)
+        tok, config = build_tokenizer(gguf)
+        eos = generation_config(gguf).get("eos_token_id", [])
+        return cls(tok, config, tuple(eos), config.get("chat_template"))
 
     def _id_or_none(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)

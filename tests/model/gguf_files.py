@@ -1,0 +1,122 @@
+"""Write a Hugging Face model directory as a GGUF file, the way llama.cpp's converter does:
+its names, its q/k row permutation (Llama, Mistral), Gemma's norms stored plus one, the byte-level
+BPE tokenizer as metadata. Tests load both and compare: any mapping slip changes the tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter, quants
+from safetensors.torch import load_file
+
+# config.json model_type -> GGUF architecture.
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+             "gemma2": "gemma2", "gemma3_text": "gemma3"}
+_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+          "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+          "post_attention_layernorm": "ffn_norm"}
+_GEMMA_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
+_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight"}
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(hf: str, gemma: bool) -> str | None:
+    if hf in _TOP:
+        return _TOP[hf]
+    parts = hf.split(".")  # model.layers.N.<module...>.weight
+    module, kind = ".".join(parts[3:-1]), parts[-1]
+    table = _GEMMA_LAYER if gemma else _LAYER
+    return f"blk.{parts[2]}.{table[module]}.{kind}" if module in table else None
+
+
+def write_gguf(model_dir: Path, out: Path, *, quant: GGMLQuantizationType | None = None,
+               arch: str | None = None, rope_freqs: np.ndarray | None = None) -> Path:
+    """`model_dir` (a tiny float32 model) as GGUF file `out`; 2-D weights in `quant` when given
+    (F32 otherwise); `arch` overrides the architecture name (to test refusals)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    gguf_arch = arch or GGUF_ARCH[cfg["model_type"]]
+    gemma = gguf_arch in ("gemma2", "gemma3")
+    writer = GGUFWriter(out, gguf_arch)
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    writer.add_vocab_size(cfg["vocab_size"])
+    if cfg.get("sliding_window") and gemma:
+        writer.add_sliding_window(cfg["sliding_window"])
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            getattr(writer, f"add_{key}")(cfg[key])
+    _write_tokenizer(writer, model_dir, cfg)
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    for hf, tensor in load_file(model_dir / "model.safetensors").items():
+        name = gguf_name(hf, gemma)
+        if name is None:
+            continue
+        w = tensor.float().numpy()
+        if gguf_arch == "llama" and ".attn_q." in name:
+            w = _permute(w, heads)
+        elif gguf_arch == "llama" and ".attn_k." in name:
+            w = _permute(w, kv_heads)
+        elif gemma and name.endswith("norm.weight"):
+            w = w + 1.0
+        if quant is not None and w.ndim == 2:
+            writer.add_tensor(name, quants.quantize(w, quant), raw_dtype=quant)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _write_tokenizer(writer: GGUFWriter, model_dir: Path, cfg: dict) -> None:
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = dict(tok["model"]["vocab"])
+    special = {}
+    for added in tok.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+        special[added["id"]] = added.get("special", False)
+    tokens = [""] * cfg["vocab_size"]
+    types = [1] * cfg["vocab_size"]  # 1: normal
+    for token, index in vocab.items():
+        if index < len(tokens):
+            tokens[index] = token
+            types[index] = 3 if special.get(index) else 1
+    for i, token in enumerate(tokens):  # padding ids past the tokenizer's: unused
+        if not token:
+            tokens[i], types[i] = f"<unused{i}>", 5
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    tok_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    writer.add_add_bos_token(bool(tok_config.get("add_bos_token")))
+    if tok_config.get("chat_template"):
+        writer.add_chat_template(tok_config["chat_template"])
+    gen = json.loads((model_dir / "generation_config.json").read_text())
+    if cfg.get("bos_token_id") is not None:
+        writer.add_bos_token_id(cfg["bos_token_id"])
+    eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
+    if eos is not None:
+        writer.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
