@@ -27,7 +27,7 @@ def test_served_gguf_chat_equals_transformers(real_model_path, hf_real_model):
                                model_name=None)) as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
         (model,) = [m.id for m in client.models.list().data]
-        assert model == real_model_path.name
+        assert model == str(real_model_path)  # the model argument as given, as vLLM names it
         reply = client.chat.completions.create(
             model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0.0,
             logprobs=True, top_logprobs=TOP, extra_body={"return_tokens_as_token_ids": True})

@@ -145,9 +145,10 @@ def test_slices_apply_exactly_what_the_whole_event_does():
     assert [p.block_hashes for p in removed] == [chain[:4], chain[4:8], chain[8:]]
 
 
-async def _max_stall(batch: KVEventBatch, router: Router) -> tuple[float, float]:
-    """(longest the loop was held, whole time) while `batch` is applied through the router's
-    token-id map (the heavier path) and a ticker runs beside it."""
+async def _max_stall(batch: KVEventBatch, router: Router) -> tuple[float, float, int]:
+    """(longest the loop was held, whole time, times the loop ran another task) while `batch`
+    is applied through the router's token-id map (the heavier path) and a ticker runs beside
+    it."""
     stalls = [0.0]
     done = asyncio.Event()
 
@@ -164,15 +165,20 @@ async def _max_stall(batch: KVEventBatch, router: Router) -> tuple[float, float]
     start = time.monotonic()
     await apply_batch_sliced(router.index, URL, batch, None, router.token_chains)
     total = time.monotonic() - start
+    ticks = len(stalls) - 1
     done.set()
     await tick
-    return max(stalls), total
+    return max(stalls), total, ticks
 
 
 def test_a_big_batch_gives_the_loop_back_between_slices():
     router, _ = subscriber()
     batch = KVEventBatch(ts=0.0, events=[stored(hashes(0, 60_000), tokens=True),
                                          stored(hashes(60_000, 60_000), "DISK", tokens=True)])
-    stall, total = asyncio.run(_max_stall(batch, router))
+    stall, total, ticks = asyncio.run(_max_stall(batch, router))
     assert router.index.num_blocks(URL, "DISK") > 0 and router.index.num_blocks(URL) == 1000
-    assert stall < total / 4, (stall, total)
+    # The loop ran other work between slices, many times (applied in one go: at most once, at
+    # the end); and no slice held it for most of the batch (a ratio, not a time: the machine
+    # may be loaded).
+    assert ticks >= 5, (ticks, stall, total)
+    assert stall < total / 2, (stall, total)

@@ -52,13 +52,14 @@ def _ipc_folder(core_pid: int) -> Path:
 
 def test_group_sigterm_drains_every_stream_and_exits_zero(tiny_llama):
     proc = ServerProcess(tiny_llama, *engine_flags(dtype="float32", block_size=4,
-                                                   max_model_len=1024,
-                                                   num_gpu_blocks_override=1024),
+                                                   max_model_len=2048,
+                                                   num_gpu_blocks_override=2048),
                          "--engine-core", "process", "--shutdown-timeout", "60")
     proc.new_session = True  # its own process group, to signal it as a service manager does
     proc.start()
     streams: list = []
-    body = {"prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True, "temperature": 0.0}
+    # long enough that the four streams overlap however slowly their threads start
+    body = {"prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True, "temperature": 0.0}
     try:
         threads = [threading.Thread(target=_stream, args=(proc.url, body, streams))
                    for _ in range(4)]
