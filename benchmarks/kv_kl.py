@@ -52,6 +52,16 @@ def sequences(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int
     return [[rng.randrange(4, vocab) for _ in range(length)] for _ in range(num)]
 
 
+def text_windows(tokens: list[int], num: int, length: int) -> list[list[int]]:
+    """`num` windows of `length` tokens of `tokens` (a tokenized text), spread evenly from its
+    start to its end (one window: the start). Raises ValueError when the text is shorter."""
+    if len(tokens) < length:
+        raise ValueError(f"the text has {len(tokens)} tokens, fewer than the context {length}")
+    last = len(tokens) - length
+    starts = [0] if num == 1 else [round(i * last / (num - 1)) for i in range(num)]
+    return [tokens[s:s + length] for s in starts]
+
+
 def runner_logits(model_dir: Path, dtype: str, cache_dtype: str, seqs: list[list[int]],
                   chunk: int, kernels: str = "off") -> list[torch.Tensor]:
     """Every sequence's prompt logits with a runner of `dtype` weights and `cache_dtype` cache;
@@ -114,15 +124,17 @@ def rate_distortion_floor(head_dim: int, bf16_sq_error: float) -> dict[str, floa
 
 def kl_table(model_dir: Path, weight_dtype: str, contexts: list[int], num_seqs: int,
              vocab: int, chunk: int = 256, only: list[str] | None = None,
-             kernels: str = "off", seed: int = 0) -> list[dict]:
+             kernels: str = "off", seed: int = 0, text: list[int] | None = None) -> list[dict]:
     """One row per (context, format): mean / p99 / max KL against the float32-exact cache, top-1
     agreement, and (bfloat16 weights) the KL against the model-dtype cache. `only`: just these
     formats (the yardstick, the first of `formats_for`, still runs). `kernels`: the
     candidates' CPU path (runner_logits); the reference is always the pure-torch one. `seed`:
-    which set of token sequences (`sequences`)."""
+    which set of token sequences (`sequences`); `text`: windows of this tokenized text instead
+    (`text_windows`)."""
     rows = []
     for length in contexts:
-        seqs = sequences(num_seqs, length, vocab, seed)
+        seqs = sequences(num_seqs, length, vocab, seed) if text is None \
+            else text_windows(text, num_seqs, length)
         ref = runner_logits(model_dir, "float32", "float32", seqs, chunk)
         errors = kv_rounding_errors(exact_kv(model_dir, seqs[0], chunk))
         print(f"[{weight_dtype} weights, {length} tokens] squared round-trip error, int8 / "
