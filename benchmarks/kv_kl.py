@@ -52,6 +52,16 @@ def sequences(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int
     return [[rng.randrange(4, vocab) for _ in range(length)] for _ in range(num)]
 
 
+def text_windows(tokens: list[int], num: int, length: int) -> list[list[int]]:
+    """`num` windows of `length` tokens of `tokens` (a tokenized text), spread evenly from its
+    start to its end (one window: the start). Raises ValueError when the text is shorter."""
+    if len(tokens) < length:
+        raise ValueError(f"the text has {len(tokens)} tokens, fewer than the context {length}")
+    last = len(tokens) - length
+    starts = [0] if num == 1 else [round(i * last / (num - 1)) for i in range(num)]
+    return [tokens[s:s + length] for s in starts]
+
+
 def runner_logits(model_dir: Path, dtype: str, cache_dtype: str, seqs: list[list[int]],
                   chunk: int, kernels: str = "off") -> list[torch.Tensor]:
     """Every sequence's prompt logits with a runner of `dtype` weights and `cache_dtype` cache;
@@ -88,16 +98,32 @@ def relative_sq_error(x: torch.Tensor, round_trip) -> float:
 
 def kv_rounding_errors(kv: torch.Tensor, seed: int = 0) -> dict[str, float]:
     """int8's squared round-trip error over the bfloat16 cache's on the keys and the values of
-    `kv` ([layers, 2, kv_heads, tokens, head_dim], float32), and on as many Gaussian vectors."""
+    `kv` ([layers, 2, kv_heads, tokens, head_dim], float32), and on as many Gaussian vectors;
+    the keys' again with each channel (of each layer and head) divided by its power-of-two
+    peak before the round trip (what per-channel key scales would buy: a trained model's keys
+    have a few channels far above the rest, which per-token int8 steps by), and the key
+    channels' peak over their median, per layer and head (mean)."""
     def bf16(x: torch.Tensor) -> torch.Tensor:
         return x.bfloat16().float()
 
     def ratio(x: torch.Tensor) -> float:
         return relative_sq_error(x, round_trip_per_token) / relative_sq_error(x, bf16)
 
-    gauss = torch.randn(kv[:, 0].shape, generator=torch.Generator().manual_seed(seed))
+    def smoothed(x: torch.Tensor) -> torch.Tensor:  # each channel over its power-of-two peak
+        peak = x.abs().amax(dim=-2, keepdim=True).clamp(min=torch.finfo(x.dtype).tiny)
+        s = torch.exp2(torch.round(torch.log2(peak)))
+        return round_trip_per_token(x / s) * s
+
+    keys = kv[:, 0]
+    gauss = torch.randn(keys.shape, generator=torch.Generator().manual_seed(seed))
     floor = rate_distortion_floor(kv.shape[-1], relative_sq_error(gauss, bf16))
-    return dict(keys=ratio(kv[:, 0]), values=ratio(kv[:, 1]), gaussian=ratio(gauss), **floor)
+    peaks = keys.abs().amax(dim=-2)  # [layers, kv_heads, head_dim]
+    return dict(keys=ratio(keys), values=ratio(kv[:, 1]), gaussian=ratio(gauss),
+                keys_channel_smoothed=relative_sq_error(keys, smoothed)
+                / relative_sq_error(keys, bf16),
+                key_channel_peak_over_median=float((peaks.amax(-1)
+                                                    / peaks.median(-1).values).mean()),
+                **floor)
 
 
 def rate_distortion_floor(head_dim: int, bf16_sq_error: float) -> dict[str, float]:
@@ -114,20 +140,25 @@ def rate_distortion_floor(head_dim: int, bf16_sq_error: float) -> dict[str, floa
 
 def kl_table(model_dir: Path, weight_dtype: str, contexts: list[int], num_seqs: int,
              vocab: int, chunk: int = 256, only: list[str] | None = None,
-             kernels: str = "off", seed: int = 0) -> list[dict]:
+             kernels: str = "off", seed: int = 0, text: list[int] | None = None) -> list[dict]:
     """One row per (context, format): mean / p99 / max KL against the float32-exact cache, top-1
     agreement, and (bfloat16 weights) the KL against the model-dtype cache. `only`: just these
     formats (the yardstick, the first of `formats_for`, still runs). `kernels`: the
     candidates' CPU path (runner_logits); the reference is always the pure-torch one. `seed`:
-    which set of token sequences (`sequences`)."""
+    which set of token sequences (`sequences`); `text`: windows of this tokenized text instead
+    (`text_windows`)."""
     rows = []
     for length in contexts:
-        seqs = sequences(num_seqs, length, vocab, seed)
+        seqs = sequences(num_seqs, length, vocab, seed) if text is None \
+            else text_windows(text, num_seqs, length)
         ref = runner_logits(model_dir, "float32", "float32", seqs, chunk)
         errors = kv_rounding_errors(exact_kv(model_dir, seqs[0], chunk))
         print(f"[{weight_dtype} weights, {length} tokens] squared round-trip error, int8 / "
               f"bfloat16 cache, on the exact K/V: keys {errors['keys']:.1f}x, values "
-              f"{errors['values']:.1f}x (Gaussian vectors: {errors['gaussian']:.1f}x); any code "
+              f"{errors['values']:.1f}x (Gaussian vectors: {errors['gaussian']:.1f}x; keys with "
+              f"each channel divided by its power-of-two peak first: "
+              f"{errors['keys_channel_smoothed']:.1f}x; key channels' peak over median, per "
+              f"head: {errors['key_channel_peak_over_median']:.1f}x); any code "
               f"at int8's {errors['rate']:.2f} bits per element: >= "
               f"{errors['floor']:.2f}x on Gaussian vectors (2x needs {errors['rate_for_2x']:.2f} "
               "bits)", flush=True)

