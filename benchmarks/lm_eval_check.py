@@ -265,10 +265,10 @@ def offline_loglikelihoods(model: Path, pairs: list[tuple[list[int], list[int]]]
 def transformers_loglikelihoods(model: Path, pairs: list[tuple[list[int], list[int]]]
                                 ) -> list[float]:
     """sum log p(cont | ctx) of every pair by transformers' own model class, float32, holding
-    the same weights (tests/engine/test_real_perplexity.transformers_model)."""
+    the same weights (pagedkv.testing.hf_reference)."""
     import torch
 
-    from tests.engine.test_real_perplexity import transformers_model
+    from pagedkv.testing.hf_reference import transformers_model
 
     hf = transformers_model(model)
     sums = []

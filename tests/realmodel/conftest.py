@@ -16,9 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedkv.model.gguf.config import hf_config
-from pagedkv.model.gguf.file import open_gguf
-from pagedkv.model.gguf.tensors import GGUFCheckpoint
+from pagedkv.testing.hf_reference import gguf_state_dict, transformers_model
 from tests.engine.conftest import make_llm  # noqa: F401 (the LLM factory, as a fixture here)
 
 # Short prompts, few tokens: the whole real-model set stays within the suite's time budget.
@@ -31,31 +29,14 @@ TOP = 3
 @pytest.fixture(scope="session")
 def real_state_dict(real_model_path: Path) -> dict[str, torch.Tensor]:
     """The file's tensors under Hugging Face names, dequantized (pagedkv's reader)."""
-    checkpoint = GGUFCheckpoint(open_gguf(real_model_path))
-    return {name: checkpoint.get_tensor(name) for name in checkpoint}
-
-
-def hf_model_config(path: Path):  # noqa: ANN201 (a transformers config)
-    from transformers import AutoConfig
-
-    config = dict(hf_config(open_gguf(path)))
-    config.pop("architectures")
-    return AutoConfig.for_model(**config)
+    return gguf_state_dict(real_model_path)
 
 
 @pytest.fixture(scope="session")
 def hf_real_model(real_model_path: Path, real_state_dict: dict[str, torch.Tensor]
                   ) -> torch.nn.Module:
     """transformers' model (float32, eager attention) holding the file's weights."""
-    from transformers import AutoModelForCausalLM
-
-    config = hf_model_config(real_model_path)
-    config._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(real_state_dict, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
-    return model.eval()
+    return transformers_model(real_model_path, real_state_dict)
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> list[int]:

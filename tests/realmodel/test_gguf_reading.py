@@ -10,7 +10,7 @@ import torch
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.gguf.file import open_gguf
 from pagedkv.model.tokenizer import Tokenizer
-from tests.realmodel.conftest import hf_model_config
+from pagedkv.testing.hf_reference import transformers_config
 
 pytestmark = pytest.mark.real_model
 
@@ -45,7 +45,7 @@ def test_tensors_and_config_equal_transformers_reader(real_model_path, real_stat
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(hf_model_config(real_model_path))
+        skeleton = AutoModelForCausalLM.from_config(transformers_config(real_model_path))
     theirs = load_gguf_checkpoint(str(real_model_path), return_tensors=True,
                                   model_to_load=skeleton)
     assert set(theirs["tensors"]) == set(real_state_dict)
