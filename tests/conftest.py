@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-weight model directories, built once per test session."""
+"""Shared fixtures: tiny random-weight model directories, built once per test session, and the
+fused CPU kernels, built (or loaded from the cache) once for the tests that run models."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.kernels.cpu import ensure_cpu_kernels
+from pagedkv.kernels.cpu import ensure_cpu_kernels, kernel_cache_dir
+
+# One kernel cache for the run, its xdist workers, the servers and engines they start and the
+# AVX2 builds of the ISA checks: the user's (a second run builds nothing), named here before
+# `_weight_digest_cache` points PAGEDKV_CACHE_DIR at a temporary folder. A file lock per build
+# key lets one process build while the others wait for its library.
+os.environ.setdefault("PAGEDKV_KERNEL_CACHE_DIR", str(kernel_cache_dir()))
 
 if not torch.cuda.is_available():
     # Triton kernels (the CUDA attention backend) run on CPU tensors in Triton's interpreter;
@@ -89,12 +96,34 @@ def _weight_digest_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["PAGEDKV_CACHE_DIR"] = str(tmp_path_factory.mktemp("pagedkv-cache"))
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _cpu_kernels_built() -> None:
-    """Build (or load the cached) fused CPU kernels before any test, so every engine with the
-    default `cpu_kernels="auto"` runs them from its first step, deterministically; tests of the
-    pure-torch path pass cpu_kernels="off"."""
+TESTS = Path(__file__).parent
+# Test folders that run no model (the KV memory system, the scheduler): their tests never wait
+# for the kernels, so a cold `pytest tests/kv` builds nothing.
+PURE_PYTHON = ("kv", "sched")
+
+
+def needs_cpu_kernels(item: pytest.Item) -> bool:
+    """Whether `item` runs a model (in this process or in one it starts), i.e. lies outside the
+    PURE_PYTHON folders."""
+    parts = item.path.relative_to(TESTS).parts
+    return not (len(parts) > 1 and parts[0] in PURE_PYTHON)
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels() -> None:
+    """The fused CPU kernels, built (or loaded from the cache) and loaded in this process, so
+    every engine with the default `cpu_kernels="auto"` (and every server or child engine a test
+    starts: they load the same cached build) runs them from its first step, deterministically;
+    tests of the pure-torch path pass cpu_kernels="off"."""
     ensure_cpu_kernels("wait")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_kernels_for_models(request: pytest.FixtureRequest) -> None:
+    """Tests that run a model wait for `cpu_kernels`; pure-Python tests (the block pool, the
+    scheduler, ...) never build them."""
+    if needs_cpu_kernels(request.node):
+        request.getfixturevalue("cpu_kernels")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
