@@ -16,7 +16,11 @@ PYTEST_ARGS ?=
 # own engines follow $$PAGEDKV_ENGINE_CORE (tests/server/helpers.py).
 SERVER_TESTS ?= tests/server tests/dashboard tests/router tests/sim/test_request_log.py
 
-.PHONY: install test test-process test-inproc lint demo bench clean
+# The quick loop (tests/README.md): the KV memory system, the scheduler, the simulator, the
+# router (fake backends) and the event wire, without the tests marked slow.
+FAST_TESTS ?= tests/kv tests/sched tests/sim tests/router tests/events tests/config
+
+.PHONY: install test test-fast test-process test-inproc lint demo bench clean
 
 install: $(STAMP)
 
@@ -32,6 +36,9 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q -n 2 --dist loadscope $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadscope -m "not slow" $(FAST_TESTS) $(PYTEST_ARGS)
 
 test-process test-inproc: $(STAMP)
 	PAGEDKV_ENGINE_CORE=$(@:test-%=%) $(PY) -m pytest -q -n 2 --dist loadscope $(SERVER_TESTS) $(PYTEST_ARGS)

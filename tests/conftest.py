@@ -27,6 +27,9 @@ from tests.tiny_models import TINY_SPECS, build_tiny_hf_model
 
 
 def _tiny(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """The model directory, once the fused kernels its engines run are built: a server or engine
+    a module-scoped fixture starts on it finds them in the cache too."""
+    ensure_cpu_kernels("wait")
     return build_tiny_hf_model(tmp_path_factory.mktemp(f"tiny_{name}"), name)
 
 
@@ -97,16 +100,19 @@ def _weight_digest_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 
 TESTS = Path(__file__).parent
-# Test folders that run no model (the KV memory system, the scheduler): their tests never wait
-# for the kernels, so a cold `pytest tests/kv` builds nothing.
-PURE_PYTHON = ("kv", "sched")
+# Folders whose tests run a model only through the tiny-model fixtures (the KV memory system,
+# the scheduler, the simulator, the router, the KV event wire): there a test runs a model, and
+# waits for the kernels, only if it uses one of those fixtures. Tests anywhere else may run one
+# by other means (a benchmark, a model built in the test) and are taken to run one.
+LIGHT_FOLDERS = ("kv", "sched", "sim", "router", "events")
 
 
-def needs_cpu_kernels(item: pytest.Item) -> bool:
-    """Whether `item` runs a model (in this process or in one it starts), i.e. lies outside the
-    PURE_PYTHON folders."""
+def runs_model(item: pytest.Item) -> bool:
+    """Whether `item` runs a model, in this process or in one it starts (see LIGHT_FOLDERS)."""
     parts = item.path.relative_to(TESTS).parts
-    return not (len(parts) > 1 and parts[0] in PURE_PYTHON)
+    if len(parts) > 1 and parts[0] in LIGHT_FOLDERS:
+        return any(name.startswith("tiny_") for name in item.fixturenames)
+    return True
 
 
 @pytest.fixture(scope="session")
@@ -120,14 +126,24 @@ def cpu_kernels() -> None:
 
 @pytest.fixture(autouse=True)
 def _cpu_kernels_for_models(request: pytest.FixtureRequest) -> None:
-    """Tests that run a model wait for `cpu_kernels`; pure-Python tests (the block pool, the
-    scheduler, ...) never build them."""
-    if needs_cpu_kernels(request.node):
+    """Tests marked `runs_model` wait for `cpu_kernels`; the others (the block pool, the
+    scheduler, ...) never build them: a cold `pytest tests/kv` compiles nothing."""
+    if request.node.get_closest_marker("runs_model"):
         request.getfixturevalue("cpu_kernels")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "runs_model: runs a model, so waits for the fused CPU "
+                            "kernels (set by tests/conftest.py; `-m 'not runs_model'` selects "
+                            "the pure-Python tests)")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `cuda` are skipped on machines without a CUDA GPU."""
+    """Tests that run a model are marked `runs_model`; tests marked `cuda` are skipped on
+    machines without a CUDA GPU."""
+    for item in items:
+        if runs_model(item):
+            item.add_marker(pytest.mark.runs_model)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
