@@ -16,9 +16,10 @@ PYTEST_ARGS ?=
 # own engines follow $$PAGEDKV_ENGINE_CORE (tests/server/helpers.py).
 SERVER_TESTS ?= tests/server tests/dashboard tests/router tests/sim/test_request_log.py
 
-# The quick loop (tests/README.md): the KV memory system, the scheduler, the simulator, the
-# router (fake backends) and the event wire, without the tests marked slow.
-FAST_TESTS ?= tests/kv tests/sched tests/sim tests/router tests/events tests/config
+# The quick loop (tests/README.md): the tests of the KV memory system, the scheduler, the
+# simulator, the router (fake backends) and the KV event wire that run no model (so never wait
+# for the C++ kernels) and are not marked slow.
+FAST_TESTS ?= tests/kv tests/sched tests/sim tests/router tests/events
 
 .PHONY: install test test-fast test-process test-inproc lint demo bench clean
 
@@ -38,7 +39,7 @@ test: $(STAMP) lint
 	$(PY) -m pytest -q -n 2 --dist loadscope $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadscope -m "not slow" $(FAST_TESTS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadscope -m "not slow and not runs_model" $(FAST_TESTS) $(PYTEST_ARGS)
 
 test-process test-inproc: $(STAMP)
 	PAGEDKV_ENGINE_CORE=$(@:test-%=%) $(PY) -m pytest -q -n 2 --dist loadscope $(SERVER_TESTS) $(PYTEST_ARGS)
