@@ -16,7 +16,12 @@ PYTEST_ARGS ?=
 # own engines follow $$PAGEDKV_ENGINE_CORE (tests/server/helpers.py).
 SERVER_TESTS ?= tests/server tests/dashboard tests/router tests/sim/test_request_log.py
 
-.PHONY: install test test-process test-inproc lint demo bench clean docs docs-build
+# The quick loop (tests/README.md): the tests of the KV memory system, the scheduler, the
+# simulator, the router (fake backends) and the KV event wire that run no model (so never wait
+# for the C++ kernels) and are not marked slow.
+FAST_TESTS ?= tests/kv tests/sched tests/sim tests/router tests/events
+
+.PHONY: install test test-fast test-process test-inproc lint demo bench clean docs docs-build
 
 install: $(STAMP)
 
@@ -35,6 +40,9 @@ lint: $(STAMP)
 
 test: $(STAMP) lint docs-build
 	$(PY) -m pytest -q -n 2 --dist loadscope $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadscope -m "not slow and not runs_model" $(FAST_TESTS) $(PYTEST_ARGS)
 
 test-process test-inproc: $(STAMP)
 	PAGEDKV_ENGINE_CORE=$(@:test-%=%) $(PY) -m pytest -q -n 2 --dist loadscope $(SERVER_TESTS) $(PYTEST_ARGS)

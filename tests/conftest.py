@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-weight model directories, built once per test session."""
+"""Shared fixtures: tiny random-weight model directories, built once per test session, and the
+fused CPU kernels, built (or loaded from the cache) once for the tests that run models."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.kernels.cpu import ensure_cpu_kernels
+from pagedkv.kernels.cpu import ensure_cpu_kernels, kernel_cache_dir
+
+# One kernel cache for the run, its xdist workers, the servers and engines they start and the
+# AVX2 builds of the ISA checks: the user's (a second run builds nothing), named here before
+# `_weight_digest_cache` points PAGEDKV_CACHE_DIR at a temporary folder. A file lock per build
+# key lets one process build while the others wait for its library.
+os.environ.setdefault("PAGEDKV_KERNEL_CACHE_DIR", str(kernel_cache_dir()))
 
 if not torch.cuda.is_available():
     # Triton kernels (the CUDA attention backend) run on CPU tensors in Triton's interpreter;
@@ -20,6 +27,9 @@ from tests.tiny_models import TINY_SPECS, build_tiny_hf_model
 
 
 def _tiny(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """The model directory, once the fused kernels its engines run are built: a server or engine
+    a module-scoped fixture starts on it finds them in the cache too."""
+    ensure_cpu_kernels("wait")
     return build_tiny_hf_model(tmp_path_factory.mktemp(f"tiny_{name}"), name)
 
 
@@ -102,16 +112,51 @@ def _weight_digest_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["PAGEDKV_CACHE_DIR"] = str(tmp_path_factory.mktemp("pagedkv-cache"))
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _cpu_kernels_built() -> None:
-    """Build (or load the cached) fused CPU kernels before any test, so every engine with the
-    default `cpu_kernels="auto"` runs them from its first step, deterministically; tests of the
-    pure-torch path pass cpu_kernels="off"."""
+TESTS = Path(__file__).parent
+# Folders whose tests run a model only through the tiny-model fixtures (the KV memory system,
+# the scheduler, the simulator, the router, the KV event wire): there a test runs a model, and
+# waits for the kernels, only if it uses one of those fixtures. Tests anywhere else may run one
+# by other means (a benchmark, a model built in the test) and are taken to run one.
+LIGHT_FOLDERS = ("kv", "sched", "sim", "router", "events")
+
+
+def runs_model(item: pytest.Item) -> bool:
+    """Whether `item` runs a model, in this process or in one it starts (see LIGHT_FOLDERS)."""
+    parts = item.path.relative_to(TESTS).parts
+    if len(parts) > 1 and parts[0] in LIGHT_FOLDERS:
+        return any(name.startswith("tiny_") for name in item.fixturenames)
+    return True
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels() -> None:
+    """The fused CPU kernels, built (or loaded from the cache) and loaded in this process, so
+    every engine with the default `cpu_kernels="auto"` (and every server or child engine a test
+    starts: they load the same cached build) runs them from its first step, deterministically;
+    tests of the pure-torch path pass cpu_kernels="off"."""
     ensure_cpu_kernels("wait")
 
 
+@pytest.fixture(autouse=True)
+def _cpu_kernels_for_models(request: pytest.FixtureRequest) -> None:
+    """Tests marked `runs_model` wait for `cpu_kernels`; the others (the block pool, the
+    scheduler, ...) never build them: a cold `pytest tests/kv` compiles nothing."""
+    if request.node.get_closest_marker("runs_model"):
+        request.getfixturevalue("cpu_kernels")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "runs_model: runs a model, so waits for the fused CPU "
+                            "kernels (set by tests/conftest.py; `-m 'not runs_model'` selects "
+                            "the pure-Python tests)")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `cuda` are skipped on machines without a CUDA GPU."""
+    """Tests that run a model are marked `runs_model`; tests marked `cuda` are skipped on
+    machines without a CUDA GPU."""
+    for item in items:
+        if runs_model(item):
+            item.add_marker(pytest.mark.runs_model)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -3,10 +3,12 @@
 The kernels (the panel-packed linear, RMSNorm with the residual add, SiLU-and-mul, in-place RoPE,
 the KV write and paged decode attention) are C++ against torch's headers, compiled here with the system's C++ compiler
 (`c++`, or $CXX) for the CPU it runs on (-march=native), and cached under
-`$PAGEDKV_CACHE_DIR` (default ~/.cache/pagedkv)/kernels/<key>/, where the key hashes the source,
-torch's version, the compiler flags and the CPU's feature flags: a build is reused only where it
-was made for the same torch and the same kind of CPU. A build takes about a minute on two
-cores; a cached one loads in milliseconds.
+`kernel_cache_dir()`/<key>/ ($PAGEDKV_KERNEL_CACHE_DIR, else $PAGEDKV_CACHE_DIR/kernels, else
+~/.cache/pagedkv/kernels), where the key hashes what changes the binary: the source, the compiler
+and its version, the flags, torch's version and C++ ABI, Python's ABI and the CPU's feature
+flags, never a path (the same install reached through a symlink reuses its build). One process
+builds a key at a time (a file lock beside it); the others wait and load its library. A build
+takes about a minute on two cores; a cached one loads in milliseconds.
 
 Modes (the engine's `cpu_kernels` argument):
 - "auto" (default): load a cached build at once; with none, build in a background thread and
@@ -22,6 +24,7 @@ engine in it; nothing else here is process-wide state.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -29,6 +32,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -70,20 +74,51 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def compiler() -> str:
+    """The C++ compiler the build runs: $CXX, else `c++`."""
+    return os.environ.get("CXX", "c++")
+
+
+@functools.cache
+def _compiler_identity(cxx: str) -> str:
+    """`cxx --version`'s output (which compiler, which release); empty where it does not run
+    (the build then fails and says why)."""
+    try:
+        proc = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return proc.stdout.strip() if proc.returncode == 0 else ""
+
+
 def build_key() -> str:
-    """What a cached build is valid for: source, torch (version and install: the library links
-    to its libraries), flags, Python and CPU features."""
+    """What a cached build is valid for: everything that changes the binary (the source, the
+    compiler and its version, the flags, torch's version and C++ ABI, Python's ABI, the CPU's
+    features) and nothing that names a place (install paths, the checkout): the loaded library
+    finds torch's libraries already in the process."""
+    cxx = compiler()
+    parts = (SOURCE.read_bytes(), cxx, _compiler_identity(cxx), " ".join(cxxflags()),
+             torch.__version__, str(torch.version.git_version),
+             str(int(torch._C._GLIBCXX_USE_CXX11_ABI)),
+             sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag, _cpu_flags())
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), str(Path(torch.__file__).parent).encode(),
-                 " ".join(cxxflags()).encode(), sys.version.encode(), _cpu_flags().encode()):
-        h.update(part)
+    for part in parts:
+        h.update(part if isinstance(part, bytes) else part.encode())
         h.update(b"\0")
     return h.hexdigest()[:20]
 
 
-def library_path() -> Path:
+def kernel_cache_dir() -> Path:
+    """The folder of cached builds, one subfolder per build key: $PAGEDKV_KERNEL_CACHE_DIR, else
+    $PAGEDKV_CACHE_DIR/kernels, else ~/.cache/pagedkv/kernels."""
+    if os.environ.get("PAGEDKV_KERNEL_CACHE_DIR"):
+        return Path(os.environ["PAGEDKV_KERNEL_CACHE_DIR"])
     root = Path(os.environ.get("PAGEDKV_CACHE_DIR") or Path.home() / ".cache" / "pagedkv")
-    return root / "kernels" / build_key() / "pagedkv_cpu_ops.so"
+    return root / "kernels"
+
+
+def library_path() -> Path:
+    """This process's build of the kernels (which may not exist yet)."""
+    return kernel_cache_dir() / build_key() / "pagedkv_cpu_ops.so"
 
 
 def _compile(out: Path) -> None:
@@ -93,7 +128,7 @@ def _compile(out: Path) -> None:
 
     out.parent.mkdir(parents=True, exist_ok=True)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cmd = [os.environ.get("CXX", "c++"), *cxxflags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    cmd = [compiler(), *cxxflags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
     cmd += [f"-I{p}" for p in include_paths()]
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)

@@ -43,7 +43,8 @@ def test_records_count_the_load_each_request_met():
     # c met a still prefilling on its own backend, b prefilling on the other.
     assert (c.running_here, c.queued_here, c.queued_tokens_here) == (1, 1, 576)
     assert (c.queued_elsewhere, c.queued_tokens_elsewhere) == (1, 288)
-    assert c.ttft_client == 0.2 and c.ttft_server == 0.15 and c.new_tokens == 96
+    assert c.ttft_client == pytest.approx(0.2) and c.ttft_server == pytest.approx(0.15)
+    assert c.new_tokens == 96
     lines = summarize(records, 2)
     assert lines[0] == "  backend 0: n=2 TTFT mean 275 p99 398 ms, new tokens 336"
     assert any(line.startswith("  work queued here (placement): n=1 TTFT mean 150")
@@ -61,7 +62,7 @@ def test_unknown_ids_and_unfinished_rows(tmp_path):
     assert summarize([], 2) == ["no request-log records"]
     path = tmp_path / "records.jsonl"
     write_records(path, records)
-    assert json.loads(path.read_text())["ttft_server"] == 0.1
+    assert json.loads(path.read_text())["ttft_server"] == pytest.approx(0.1)
     assert read_request_log(tmp_path / "missing.jsonl") == []
     (tmp_path / "log.jsonl").write_text(json.dumps(logs[0][0]) + "\n\n")
     assert read_request_log(tmp_path / "log.jsonl") == [logs[0][0]]

@@ -244,7 +244,7 @@ try:
 except RuntimeError as e:
     print("WAIT-FAILED", "could not be built" in str(e))
 """
-    env = dict(os.environ, PAGEDKV_CACHE_DIR=str(tmp_path), CXX="false")
+    env = dict(os.environ, PAGEDKV_KERNEL_CACHE_DIR=str(tmp_path), CXX="false")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr

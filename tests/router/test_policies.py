@@ -22,7 +22,8 @@ def test_cost_formula_term_by_term():
     c = Candidate(name="b", in_flight=1, queued_blocks=4.0, running=2, waiting=1, kv_usage=0.5,
                   match=PrefixMatch(device_blocks=6, tier_blocks=4), turnover=0.25)
     # new blocks = 10 - 6 - 0.25 * 4 = 3; requests = max(1, 2 + 1) = 3
-    assert cost(req, c, w) == 2.0 * 3 + 11.0 * 0.25 * 3 + 3.0 * 4.0 + 5.0 * 3 + 7.0 * 0.5
+    assert cost(req, c, w) == pytest.approx(
+        2.0 * 3 + 11.0 * 0.25 * 3 + 3.0 * 4.0 + 5.0 * 3 + 7.0 * 0.5)
 
 
 def test_a_cold_prompt_goes_where_the_cache_turns_over_least():

@@ -3,6 +3,7 @@ KV usage from their /metrics) and recent routing decisions with each candidate's
 
 from __future__ import annotations
 
+import pytest
 from fastapi.testclient import TestClient
 
 from pagedkv.router.decisions import RoutingDecisions
@@ -46,8 +47,8 @@ def test_kv_aware_decisions_carry_each_candidates_cost():
     assert decisions.total == 3 and len(decisions.records) == 2  # bounded
     record = decisions.records[-1]
     assert record["chosen"] == A and record["prefix"] == (bytes([0]) * 8).hex()
-    assert [c["score"] for c in record["candidates"]] == [
-        cost(request, c, policy.weights) for c in candidates]
+    assert [c["score"] for c in record["candidates"]] == pytest.approx([
+        cost(request, c, policy.weights) for c in candidates])
     assert record["candidates"][0]["score"] < record["candidates"][1]["score"]
     assert make_policy("round-robin").name == "round-robin"
 

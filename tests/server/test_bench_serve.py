@@ -15,9 +15,9 @@ from pagedkv.cli import main
 def test_percentile_interpolates_like_numpy():
     assert percentile([], 50) == 0.0
     assert percentile([3.0], 99) == 3.0
-    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
     assert percentile(list(map(float, range(101))), 99) == pytest.approx(99.0)
-    assert percentile([10.0, 0.0], 25) == 2.5
+    assert percentile([10.0, 0.0], 25) == pytest.approx(2.5)
 
 
 def test_metric_definitions():
@@ -30,14 +30,15 @@ def test_metric_definitions():
     m = compute_metrics(results, duration=2.0, prefix_cache=(30.0, 120.0))
     assert (m["completed"], m["failed"]) == (2, 1)
     assert (m["total_input_tokens"], m["total_output_tokens"]) == (30, 6)
-    assert m["request_throughput"] == 1.0
-    assert m["output_throughput"] == 3.0 and m["total_token_throughput"] == 18.0
+    assert m["request_throughput"] == pytest.approx(1.0)
+    assert m["output_throughput"] == pytest.approx(3.0)
+    assert m["total_token_throughput"] == pytest.approx(18.0)
     # TPOT excludes the first token and requests with a single output token.
     assert m["tpot_ms"]["mean"] == pytest.approx((0.5 - 0.1) / 4 * 1000)
     assert m["ttft_ms"]["median"] == pytest.approx(150.0)
     assert m["itl_ms"]["mean"] == pytest.approx(100.0)
     assert m["e2el_ms"]["p99"] == pytest.approx((0.2 + 0.99 * 0.3) * 1000)
-    assert m["prefix_cache_hit_rate"] == 0.25
+    assert m["prefix_cache_hit_rate"] == pytest.approx(0.25)
     assert m["errors"] == ["HTTP 503"]
     assert "Prefix cache hit rate:" in format_table(m) and "25.00%" in format_table(m)
 

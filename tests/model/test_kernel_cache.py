@@ -1,0 +1,115 @@
+"""The fused kernels' build cache: keyed by what changes the binary (never by a path), one folder
+for a test run and the processes it starts, one build per key however many processes ask at
+once, and no build at all for the pure-Python tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedkv.kernels import cpu
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A stand-in compiler: counts its builds, takes a second, and "builds" by copying the real library.
+FAKE_CXX = """#!/bin/sh
+if [ "$1" = "--version" ]; then echo "fake-c++ 1.0"; exit 0; fi
+while [ $# -gt 0 ]; do if [ "$1" = "-o" ]; then out="$2"; fi; shift; done
+echo build >> "{count}"
+sleep 1
+cp "{library}" "$out"
+"""
+
+LOAD = """
+from pagedkv.kernels import cpu
+print("LOADED", cpu.ensure_cpu_kernels("wait"), cpu.library_path())
+"""
+
+
+def test_the_key_names_no_path(monkeypatch, tmp_path):
+    """The same torch and Python reached through another path (a symlinked checkout or venv)
+    keep the key, so nothing rebuilds."""
+    key = cpu.build_key()
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "elsewhere" / "torch" / "__init__.py"))
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv"))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "venv" / "bin" / "python"))
+    assert cpu.build_key() == key
+
+
+def test_the_key_follows_what_changes_the_binary(monkeypatch, tmp_path):
+    key = cpu.build_key()
+    monkeypatch.setenv("PAGEDKV_CPU_ISA", "avx2")  # other flags
+    assert cpu.build_key() != key
+    monkeypatch.delenv("PAGEDKV_CPU_ISA")
+    source = tmp_path / "cpu_ops.cpp"
+    source.write_bytes(cpu.SOURCE.read_bytes() + b"\n// edited\n")
+    monkeypatch.setattr(cpu, "SOURCE", source)  # another source
+    assert cpu.build_key() != key
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__version__", "0.0.1")  # another torch
+    assert cpu.build_key() != key
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu, "_compiler_identity", lambda cxx: "c++ (Other) 99.1")
+    assert cpu.build_key() != key  # another compiler release
+    monkeypatch.undo()
+    assert cpu.build_key() == key
+
+
+def test_the_cache_folder_is_chosen_by_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("PAGEDKV_KERNEL_CACHE_DIR")
+    monkeypatch.delenv("PAGEDKV_CACHE_DIR", raising=False)
+    assert cpu.kernel_cache_dir() == Path.home() / ".cache" / "pagedkv" / "kernels"
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "c"))
+    assert cpu.kernel_cache_dir() == tmp_path / "c" / "kernels"
+    monkeypatch.setenv("PAGEDKV_KERNEL_CACHE_DIR", str(tmp_path / "k"))
+    assert cpu.kernel_cache_dir() == tmp_path / "k"
+    assert cpu.library_path().parent.parent == tmp_path / "k"
+
+
+def test_processes_started_by_tests_share_this_runs_build():
+    """A child engine or server (inheriting the environment) loads the library this process
+    loaded, even though the tests point PAGEDKV_CACHE_DIR (weight digests) at a temp folder."""
+    assert cpu.cpu_kernels_loaded()
+    assert not cpu.library_path().is_relative_to(os.environ["PAGEDKV_CACHE_DIR"])
+    proc = subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["LOADED", "True", str(cpu.library_path())]
+
+
+def test_processes_building_at_once_build_once(tmp_path):
+    """Three processes wanting a library that is not built: one compiles (holding the key's
+    lock), the others wait for it and load its library."""
+    count, cxx = tmp_path / "builds", tmp_path / "fake-cxx"
+    cxx.write_text(FAKE_CXX.format(count=count, library=cpu.library_path()))
+    cxx.chmod(0o755)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CXX": str(cxx),
+           "PAGEDKV_KERNEL_CACHE_DIR": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", LOAD], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    paths = {out.split()[2] for out, _ in outs}
+    assert [out.split()[:2] for out, _ in outs] == [["LOADED", "True"]] * 3
+    assert len(paths) == 1 and Path(paths.pop()).is_relative_to(tmp_path / "cache")
+    assert count.read_text().splitlines() == ["build"]
+
+
+@pytest.mark.parametrize("test_file", ["tests/kv/test_hashing.py"])
+def test_pure_python_tests_build_no_kernels(tmp_path, test_file):
+    """With an empty kernel cache and no working compiler, the KV memory system's tests still
+    pass: nothing in them waits for (or tries) a build."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CXX": "false",
+           "PAGEDKV_KERNEL_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-p", "no:xdist", test_file], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout
+    assert not (tmp_path / "cache").exists()  # no build was even tried
