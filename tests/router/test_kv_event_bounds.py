@@ -6,6 +6,7 @@ loop back, so a concurrent request is not held behind it."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 
@@ -162,9 +163,15 @@ async def _max_stall(batch: KVEventBatch, router: Router) -> tuple[float, float,
 
     tick = asyncio.create_task(ticker())
     await asyncio.sleep(0)
-    start = time.monotonic()
-    await apply_batch_sliced(router.index, URL, batch, None, router.token_chains)
-    total = time.monotonic() - start
+    # Python's cyclic collector may pause the loop for a full pass over the index's objects
+    # at any allocation, sliced or not: what is measured here is the slicing's own holds.
+    gc.disable()
+    try:
+        start = time.monotonic()
+        await apply_batch_sliced(router.index, URL, batch, None, router.token_chains)
+        total = time.monotonic() - start
+    finally:
+        gc.enable()
     ticks = len(stalls) - 1
     done.set()
     await tick
@@ -181,4 +188,4 @@ def test_a_big_batch_gives_the_loop_back_between_slices():
     # the end); and no slice held it for most of the batch (a ratio, not a time: the machine
     # may be loaded).
     assert ticks >= 5, (ticks, stall, total)
-    assert stall < total / 2, (stall, total)
+    assert stall < total / 4, (stall, total)
