@@ -52,7 +52,8 @@ def build_tokenizer(gguf: GGUFFile) -> tuple[Tokenizer, dict[str, Any]]:
     else:
         raise ValueError(f"GGUF tokenizer {kind!r} ({gguf.architecture}) of {gguf.path} is not "
                          "supported; supported: 'gpt2' (byte-level BPE) and 'llama' "
-                         "(SentencePiece BPE)")
+                         "(SentencePiece BPE, not Gemma's); give the model's Hugging Face "
+                         "tokenizer directory as `tokenizer` (--tokenizer DIR)")
     _add_special(tok, tokens, meta.get("tokenizer.ggml.token_type") or [])
     config = _tokenizer_config(tokens, meta, add_bos_default)
     if config["add_bos_token"] and config.get("bos_token") is not None:
