@@ -28,8 +28,8 @@ INT8_MAX = 127.0
 
 # The candidate scales, in units of max|x| / 127: 1 + i SCALE_STEP for i = SCALE_FIRST ..
 # SCALE_FIRST + SCALE_COUNT - 1 (exact in float32; ties go to the first, the smallest). Factors
-# below 1 saturate the largest value, so all but one start at 1 (stop 31 searched i = -16 .. 15:
-# the 15 lowest almost never won, and cost half the write). The C++ write (cpu_ops.cpp,
+# below 1 saturate the largest value, so all but one start at 1 (a search over i = -16 .. 15 showed
+# that the 15 lowest almost never win, and they cost half the write). The C++ write (cpu_ops.cpp,
 # write_kv_int8_) and the Triton one (triton_int8_store.py) use the same.
 SCALE_FIRST = -1
 SCALE_COUNT = 16
