@@ -125,6 +125,10 @@ class SchedulerOptions:
                                               "first)")
     async_scheduling: bool = opt(False, "build the next step while the forward pass runs "
                                  "(same tokens)")
+    long_prefill_token_threshold: int = opt(
+        0, "most prompt tokens one request computes in a step: a long prompt is prefilled in "
+        "chunks of this size, so the other requests' prefills and decodes run beside it "
+        "(0: no cap but the step's budget)", ge=0)
 
 
 @dataclass(kw_only=True)

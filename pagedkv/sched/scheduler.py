@@ -31,6 +31,7 @@ as in the serial loop: only when requests run changes, never what a request samp
 from __future__ import annotations
 
 import bisect
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
@@ -119,6 +120,8 @@ class Scheduler:
         # computes (more than one only while overlapped scheduling builds the next step).
         self._unapplied: list[tuple[SchedulerOutput, set[bytes]]] = []
         self._slot = 0  # which of each request's two ScheduledRequests this step fills
+        # Most tokens one request computes in a step (vLLM's long_prefill_token_threshold).
+        self._prefill_cap = config.long_prefill_token_threshold or sys.maxsize
 
     # ---- queues -------------------------------------------------------------------------
 
@@ -195,11 +198,12 @@ class Scheduler:
 
         index = 0
         running, allocate = self.running, self.kv_cache_manager.allocate_slots
+        cap = self._prefill_cap
         while index < len(running) and budget > 0:
             request = running[index]
             ahead = request.num_tokens_ahead
             num_new = min(len(request.all_token_ids) + request.num_placeholders
-                          - request.num_computed_tokens - ahead, budget)
+                          - request.num_computed_tokens - ahead, budget, cap)
             if num_new <= 0:
                 index += 1
                 continue
@@ -303,7 +307,8 @@ class Scheduler:
             out.swapped_request_ids.append(request.request_id)
             request.status = RequestStatus.RUNNING
             self._enqueue(self.running, request)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
+                          self._prefill_cap)
             if num_new > 0 and kv.allocate_slots(request, num_new, delay_cache_blocks=True) is not None:
                 self._schedule(request, num_new, out)
                 budget -= num_new
@@ -329,7 +334,7 @@ class Scheduler:
                 continue
             if status == AllocStatus.LATER:
                 break
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            num_new = min(request.num_tokens - num_hit_tokens, budget, self._prefill_cap)
             # With store tokens, only their blocks now: the rest is computed once they loaded.
             blocks = kv.allocate_slots(request, num_external or num_new, computed_blocks,
                                        num_hit_tokens, delay_cache_blocks=True,
@@ -341,7 +346,7 @@ class Scheduler:
                 # hit rather than wait for blocks nothing may ever free.
                 computed_blocks, num_hit_tokens = kv.drop_partial_hit(computed_blocks,
                                                                       num_hit_tokens)
-                num_new = min(request.num_tokens - num_hit_tokens, budget)
+                num_new = min(request.num_tokens - num_hit_tokens, budget, self._prefill_cap)
                 blocks = kv.allocate_slots(request, num_new, computed_blocks, num_hit_tokens,
                                            delay_cache_blocks=True, apply_watermark=True)
             if blocks is None:
