@@ -229,7 +229,6 @@ class OptionSpec:
     parse: Callable[[str], Any] | None
     nonempty: bool
     flag: bool
-    group: str
 
     def bounds_text(self) -> str:
         """The range in words: 'in (0, 1]', '>= 0', ... ('' when unbounded)."""
@@ -276,16 +275,8 @@ def option_specs(group: type) -> tuple[OptionSpec, ...]:
         specs.append(OptionSpec(
             name=f.name, kind=kind, nullable=nullable, default=f.default, help=meta["help"],
             choices=literal or meta["choices"], ge=meta["ge"], gt=meta["gt"], le=meta["le"],
-            lt=meta["lt"], parse=meta["parse"], nonempty=meta["nonempty"], flag=meta["flag"],
-            group=_declaring_group(group, f.name)))
+            lt=meta["lt"], parse=meta["parse"], nonempty=meta["nonempty"], flag=meta["flag"]))
     return tuple(specs)
-
-
-def _declaring_group(cls: type, name: str) -> str:
-    for group in ENGINE_OPTION_GROUPS:
-        if issubclass(cls, group) and name in group.__dataclass_fields__:
-            return group.__name__
-    return cls.__name__
 
 
 def option_spec(name: str) -> OptionSpec:
