@@ -1,111 +1,33 @@
-"""Every `EngineArgs` field as a command-line flag, with vLLM's names, in one place.
+"""Engine options as command-line flags, with vLLM's names, generated from their declaration.
 
-`add_engine_flags(parser)` registers `--block-size`, `--dtype`, `--max-model-len`,
-`--enable-prefix-caching/--no-enable-prefix-caching`, ... (one flag per field of
-`EngineArgs` except `model`, which the commands take as MODEL_DIR or --model:
-`add_model_argument` and `model_argument`), and
-`engine_args_from_flags(args, model)` turns the parsed namespace back into `EngineArgs`.
-`pagedkv serve` and `pagedkv generate` share both, so a new engine field shows up in both
-commands without touching them. Flags left unset keep `EngineArgs`' defaults.
+`add_option_flags(parser, *groups, only=..., defaults=...)` turns the options declared in
+pagedkv/config/options.py into flags: `--block-size`, `--dtype`, `--max-model-len`,
+`--enable-prefix-caching/--no-enable-prefix-caching`, ... with their help, choices, type and
+default; every command that takes engine options (serve, generate, profile: all of them;
+simulate and plan: those they model) calls it, and a command whose default differs says so in
+`defaults`. `add_engine_flags(parser)` adds every `EngineArgs` field but `model` (the commands
+take it as MODEL_DIR or --model: `add_model_argument` and `model_argument`), and
+`engine_args_from_flags(args, model)` turns the parsed namespace back into `EngineArgs`, which
+checks the values (a ValueError naming the field).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
-import typing
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from pagedkv.config.dtypes import KV_CACHE_DTYPE_CHOICES
-from pagedkv.engine.args import _DTYPES, EngineArgs
-from pagedkv.kernels.modes import CPU_KERNEL_MODES
-from pagedkv.kv.eviction import EVICTION_POLICIES
-from pagedkv.kv.sizes import parse_size
+from pagedkv.config.options import ENGINE_OPTION_GROUPS, OptionSpec, option_specs
+from pagedkv.engine.args import EngineArgs
 
-# Fields that the commands take otherwise (the positional MODEL_DIR).
-_SKIPPED = ("model",)
-
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "dtype": _DTYPES,
-    "device": ("auto", "cpu", "cuda"),
-    "preemption_mode": ("recompute", "swap"),
-    "scheduling_policy": ("fcfs", "priority"),
-    "prefix_caching_hash_algo": ("sha256", "xxhash"),
-    "cpu_kernels": CPU_KERNEL_MODES,
-    "eviction_policy": tuple(EVICTION_POLICIES),
-    "kv_cache_dtype": KV_CACHE_DTYPE_CHOICES,
-}
-
-_HELP: dict[str, str] = {
-    "tokenizer": "tokenizer directory (default: MODEL_DIR)",
-    "revision": "with a Hugging Face model id: the branch, tag or commit (default: main)",
-    "download_dir": "with a Hugging Face model id: the cache directory to look in and "
-                    "download to (default: HF_HUB_CACHE, else HF_HOME/hub)",
-    "dtype": "weights and KV cache dtype ('auto': the config's torch_dtype)",
-    "device": "'auto' picks cuda when present, else cpu",
-    "seed": "default random seed of the engine",
-    "block_size": "tokens per KV cache block",
-    "enable_prefix_caching": "reuse the KV blocks of shared prompt prefixes",
-    "prefix_caching_hash_algo": "hash of the prefix-cache block keys",
-    "max_num_seqs": "most sequences in one step",
-    "max_num_batched_tokens": "token budget of one step (longer prompts are chunked)",
-    "max_model_len": "longest sequence, prompt plus output (default: the model's)",
-    "swap_space": "GiB of host memory for swapped-out KV blocks",
-    "preemption_mode": "how a request gives its blocks back when memory runs out",
-    "num_gpu_blocks_override": "number of device KV blocks (wins over the memory budget)",
-    "kv_cache_memory_bytes": "device memory for the KV cache: bytes or a size like 2GiB",
-    "gpu_memory_utilization": "fraction of GPU memory the engine may use",
-    "scheduling_policy": "'fcfs' or 'priority' (lower value first)",
-    "watermark": "fraction of blocks kept free when admitting new requests",
-    "kv_events_config": "publish KV cache events, a JSON object: enable_kv_cache_events, "
-                        "publisher (zmq), endpoint, topic",
-    "kv_offloading_size": "GiB of host RAM for the KV store's host tier (0: none)",
-    "kv_offloading_disk_path": "directory of the KV store's disk tier (kept across restarts)",
-    "kv_offloading_disk_size": "GiB the disk tier may use",
-    "kv_offloading_remote_url": "Redis URL of the KV store's shared tier, e.g. redis://127.0.0.1:6379",
-    "step_log": "append one JSON line per engine step (shape, seconds) to this file, for "
-                "`pagedkv profile --fit-from`",
-    "enforce_eager": "no CUDA graphs: run every decode step eagerly",
-    "async_scheduling": "build the next step while the forward pass runs (same tokens)",
-    "cpu_kernels": "CPU: fused C++ kernels; auto: build in the background on first use and "
-                   "switch once built; wait: build before starting; off: pure torch",
-    "cpu_threads": "CPU: compute threads (default: the cores other processes leave free, "
-                   "re-read every second)",
-    "eviction_policy": "which free cached KV block is evicted first: lru, lfu (fewest uses) "
-                       "or arc (adaptive recency/frequency)",
-    "max_pinned_fraction": "most of the KV cache that pinned prefixes (/v1/pin) may hold",
-    "disable_hybrid_kv_cache_manager": "models mixing sliding-window and full layers: keep "
-                                       "full-attention blocks on every layer (no KV cache groups)",
-    "prefix_match_unit": "prefix hits in units of this many tokens (a divisor of block_size; "
-                         "1: any token), reusing part of a cached block by copy-on-write",
-    "kv_cache_dtype": "KV cache dtype: 'auto' (the model's), fp8 (= fp8_e4m3), fp8_e5m2 or "
-                      "int8 (a scale per token and head): one byte per value, about twice "
-                      "the blocks of bfloat16",
-    "structured_outputs_max_choices": "structured outputs: most alternatives of a choice list",
-    "structured_outputs_max_pattern_chars": "structured outputs: longest regex (characters)",
-    "structured_outputs_max_grammar_chars": "structured outputs: longest grammar, or total "
-                                            "characters of a choice list",
-    "structured_outputs_max_schema_chars": "structured outputs: longest JSON schema (characters "
-                                           "of compact JSON)",
-    "structured_outputs_compile_timeout_s": "structured outputs: seconds a request waits for its "
-                                            "constraint to compile (then a 400)",
-    "structured_outputs_compile_threads": "structured outputs: threads of the grammar compile "
-                                          "pool",
-    "tensor_parallel_size": "split every layer over this many ranks (worker processes; "
-                            "gloo on CPU, NCCL on CUDA)",
-    "distributed_timeout_s": "tensor parallel: seconds a collective waits for the other ranks "
-                             "before the engine fails (a rank died or hung)",
-    "nnodes": "tensor parallel over several machines: how many (torchrun's --nnodes)",
-    "node_rank": "this machine's index; 0 runs the engine, the others run only their ranks",
-    "master_addr": "node 0's address, reachable from every machine (with --nnodes > 1)",
-    "master_port": "a free port on node 0 for the ranks' rendezvous (with --nnodes > 1)",
-}
+ENGINE_GROUP_TITLE = "engine"
+ENGINE_GROUP_DESCRIPTION = "EngineArgs, with vLLM's flag names"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """argparse's defaults formatter, but '(default: X)' appears once: not again when the help
-    text states it, and not for None (engine flags default to None, meaning 'not given')."""
+    text states it (as every option flag's does), and not for None (meaning 'not given')."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
@@ -133,26 +55,8 @@ def positive_number(text: str) -> float:
     return value
 
 
-def _size(text: str) -> int:
-    """A byte count: a plain number or a size such as '2GiB' (see pagedkv.kv.sizes)."""
-    return parse_size(text)
-
-
-# Fields whose values parse differently from their annotation.
-_TYPES: dict[str, Any] = {"kv_cache_memory_bytes": _size}
-
-
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def _base_type(annotation: Any) -> type:
-    """`int | None` -> int, `float` -> float, ... (the one non-None type of the annotation)."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    base = args[0] if args else annotation
-    if base not in (int, float, str, bool):
-        raise TypeError(f"EngineArgs field type {annotation!r} has no command-line form")
-    return base
 
 
 def _optional_int(text: str) -> int | None:
@@ -183,47 +87,67 @@ def model_argument(args: argparse.Namespace) -> str:
     return model
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add one flag per `EngineArgs` field (but `model`) to `parser`, in an 'engine' group.
+def _flag_type(spec: OptionSpec) -> Callable[[str], Any] | None:
+    if spec.parse is not None:
+        return spec.parse
+    if spec.kind == "int":
+        return _optional_int if spec.nullable else int
+    return _finite_float if spec.kind == "float" else str
 
-    Every flag's argparse default is None (meaning 'not given'); `engine_args_from_flags`
-    fills in `EngineArgs`' own defaults, so they live in one place.
-    """
-    group = parser.add_argument_group("engine", "EngineArgs, with vLLM's flag names")
-    hints = typing.get_type_hints(EngineArgs)
-    for field in dataclasses.fields(EngineArgs):
-        if field.name in _SKIPPED:
-            continue
-        base = _base_type(hints[field.name])
-        default = field.default
-        help_text = _HELP.get(field.name, field.name.replace("_", " "))
-        if default is not None:
-            help_text = f"{help_text} (default: {default})"
-        help_text = help_text.replace("%", "%%")
-        kwargs: dict[str, Any] = {"dest": field.name, "default": None, "help": help_text}
-        if base is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
+
+def _add_flag(group: Any, spec: OptionSpec, default: Any, help_text: str) -> None:
+    if default is not None:
+        help_text = f"{help_text} (default: {default})"
+    kwargs: dict[str, Any] = {"dest": spec.name, "default": default,
+                              "help": help_text.replace("%", "%%")}
+    if spec.kind == "bool":
+        kwargs["action"] = argparse.BooleanOptionalAction
+    else:
+        kwargs["type"] = _flag_type(spec)
+        if spec.choices is not None:
+            kwargs["choices"] = spec.choices
         else:
-            kwargs["type"] = _TYPES.get(field.name) or (
-                _optional_int if base is int and default is None
-                else _finite_float if base is float else base)
-            kwargs["metavar"] = field.name.upper() if field.name not in _CHOICES else None
-            if field.name in _CHOICES:
-                kwargs["choices"] = _CHOICES[field.name]
-        group.add_argument(_flag(field.name), **kwargs)
+            kwargs["metavar"] = spec.name.upper()
+    group.add_argument(_flag(spec.name), **kwargs)
+
+
+def add_option_flags(parser: argparse.ArgumentParser, *groups: type,
+                     only: Iterable[str] | None = None, defaults: Mapping[str, Any] | None = None,
+                     helps: Mapping[str, str] | None = None, title: str | None = None,
+                     description: str | None = None) -> Any:
+    """Add a flag for each option of `groups` (pagedkv.config.options), in declaration order.
+
+    `only`: just these options, in this order (default: every option with a flag); `defaults`:
+    this command's own defaults (default: the declared ones); `helps`: this command's own help
+    text of an option; `title`: put the flags in an argument group of that title. Returns the
+    group the flags went to (the parser without `title`), for the command's own flags beside.
+    """
+    specs = {spec.name: spec for group in groups for spec in option_specs(group)}
+    names = list(only) if only is not None else [n for n, s in specs.items() if s.flag]
+    unknown = sorted(set(names) - set(specs) | set(defaults or ()) - set(names)
+                     | set(helps or ()) - set(names))
+    if unknown:
+        raise ValueError(f"no such option among {[g.__name__ for g in groups]}: {unknown}")
+    target = parser.add_argument_group(title, description) if title else parser
+    for name in names:
+        spec = specs[name]
+        _add_flag(target, spec, (defaults or {}).get(name, spec.default),
+                  (helps or {}).get(name, spec.help))
+    return target
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add one flag per `EngineArgs` field (but `model`) to `parser`, in an 'engine' group."""
+    add_option_flags(parser, *ENGINE_OPTION_GROUPS, title=ENGINE_GROUP_TITLE,
+                     description=ENGINE_GROUP_DESCRIPTION)
     return parser
 
 
 def engine_args_from_flags(args: argparse.Namespace, model: str) -> EngineArgs:
-    """`EngineArgs` for `model` from the flags given on the command line (the rest default).
+    """`EngineArgs` for `model` from the parsed engine flags (those `args` lacks default).
 
     Raises ValueError (naming the field) when a value is out of range.
     """
-    given = {}
-    for name in EngineArgs.field_names():
-        if name in _SKIPPED:
-            continue
-        value = getattr(args, name, None)
-        if value is not None:
-            given[name] = value
+    given = {spec.name: getattr(args, spec.name) for group in ENGINE_OPTION_GROUPS
+             for spec in option_specs(group) if spec.flag and hasattr(args, spec.name)}
     return EngineArgs(model=model, **given)

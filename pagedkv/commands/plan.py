@@ -20,9 +20,9 @@ import json
 import os
 from typing import Any
 
+from pagedkv.commands.engine_flags import add_option_flags
 from pagedkv.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, load_hf_config
-from pagedkv.config.dtypes import KV_CACHE_DTYPE_CHOICES
-from pagedkv.kv.eviction import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES
+from pagedkv.config.options import CacheOptions, ModelOptions
 from pagedkv.kv.group_plan import group_rows
 from pagedkv.kv.pins import max_pinned_blocks
 from pagedkv.kv.plan import (
@@ -41,6 +41,10 @@ from pagedkv.kv.spec import (
 from pagedkv.store.sizing import disk_tier_blocks, host_tier_blocks
 
 DEFAULT_SWAP_SPACE = "4GiB"
+# The engine options the plan reads as the engine does (its memory sizes are byte sizes, and its
+# --dtype an estimate's, so those stay its own flags).
+PLANNED_OPTIONS = ("block_size", "kv_cache_dtype", "max_model_len", "eviction_policy",
+                   "max_pinned_fraction")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -57,14 +61,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="device memory budget, e.g. 80GiB (2**30) or 80GB (10**9)")
     parser.add_argument("--utilization", type=float, default=0.9,
                         help="fraction of --memory the engine may use (default 0.9)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
     parser.add_argument("--dtype", default="auto",
                         help="float32, bfloat16, float16, fp8 or auto (the config's torch_dtype)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
-                        help="KV cache dtype: auto (the model's dtype), an fp8 format or int8 "
-                        "(its scales counted in each block) (default auto)")
-    parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                        help="longest sequence (default: the config's max_position_embeddings)")
     parser.add_argument("--swap-space", default=DEFAULT_SWAP_SPACE, metavar="SIZE",
                         help=f"host memory for swapped-out blocks (default {DEFAULT_SWAP_SPACE})")
     parser.add_argument("--weights-bytes", default=None, metavar="N",
@@ -73,11 +71,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="host RAM of the KV store's host tier (default 0: none)")
     parser.add_argument("--kv-offloading-disk-size", default="0", metavar="SIZE",
                         help="disk space of the KV store's disk tier (default 0: none)")
-    parser.add_argument("--eviction-policy", choices=tuple(EVICTION_POLICIES),
-                        default=DEFAULT_EVICTION_POLICY,
-                        help=f"eviction order of the planned cache ({DEFAULT_EVICTION_POLICY})")
-    parser.add_argument("--max-pinned-fraction", type=float, default=0.5,
-                        help="share of the device blocks pinned prefixes may hold (0.5)")
+    add_option_flags(parser, CacheOptions, ModelOptions, only=PLANNED_OPTIONS)
     parser.add_argument("--json", action="store_true", help="print a JSON object")
     parser.set_defaults(run=run)
     return parser

@@ -19,8 +19,8 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from pagedkv.config.dtypes import KV_CACHE_DTYPE_CHOICES
-from pagedkv.kv.eviction import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES
+from pagedkv.commands.engine_flags import HelpFormatter, add_option_flags, positive_number
+from pagedkv.config.options import CacheOptions, ModelOptions, SchedulerOptions, StoreOptions
 from pagedkv.router.policies import POLICY_NAMES
 
 if TYPE_CHECKING:
@@ -30,22 +30,27 @@ DEFAULT_MODEL = "qwen3-8b"
 DEFAULT_HARDWARE = "h100"
 
 
-def positive_number(text: str) -> float:
-    """A finite number > 0 (a flag value). Not engine_flags' own: that module imports torch."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
+# The engine options the simulator models (pagedkv.sim.setup reads them), with their declared
+# defaults but the block hash's.
+SIMULATED_OPTIONS = (
+    "gpu_memory_utilization", "block_size", "kv_cache_dtype", "num_gpu_blocks_override",
+    "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+    "preemption_mode", "swap_space", "scheduling_policy", "watermark", "enable_prefix_caching",
+    "prefix_caching_hash_algo", "eviction_policy", "kv_offloading_size",
+    "kv_offloading_disk_path", "kv_offloading_disk_size", "kv_offloading_remote_url")
+_SIMULATED_HELP = {
+    "prefix_caching_hash_algo": "block hash; any injective hash makes the same decisions, and "
+                                "xxhash is the faster one to simulate with",
+    "kv_offloading_disk_path": "simulate the KV store's disk tier (nothing is written here)",
+    "kv_offloading_remote_url": "simulate the KV store's Redis tier (nothing is contacted)",
+}
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register the `simulate` subcommand on an argparse subparsers object."""
     p = subparsers.add_parser("simulate", help="replay a trace through the real scheduler on "
                               "a virtual clock", description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=HelpFormatter)
     p.add_argument("trace", metavar="TRACE", help="Mooncake JSONL, Azure CSV or a pagedkv "
                    "request log (serve --request-log)")
     p.add_argument("--trace-format", choices=("mooncake", "azure", "request-log"), default=None,
@@ -66,35 +71,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="a JSON file from `pagedkv profile` (with the serving frontend's "
                    "delays when fitted with --request-log), roofline:HARDWARE or linear "
                    "(default: roofline on --hardware)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    e = p.add_argument_group("engine", "the simulated engine (vLLM's names)")
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
-                   help="the KV cache's format, as serve's (int8, fp8: one byte a value): "
-                        "sizes the blocks, the store tiers and the roofline's KV reads")
-    e.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N")
-    e.add_argument("--kv-cache-memory-bytes", default=None, metavar="SIZE")
-    e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-num-batched-tokens", type=int, default=None)
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
-    e.add_argument("--swap-space", type=float, default=4.0, help="GiB of host swap blocks")
-    e.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
-    e.add_argument("--watermark", type=float, default=0.01)
-    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True)
-    e.add_argument("--prefix-caching-hash-algo", choices=("sha256", "xxhash"), default="xxhash",
-                   help="block hash; any injective hash makes the same decisions, and xxhash "
-                   "is the faster one to simulate with")
-    e.add_argument("--eviction-policy", choices=tuple(EVICTION_POLICIES),
-                   default=DEFAULT_EVICTION_POLICY)
-    e.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GIB",
-                   help="the KV store's host tier in GiB (0: none), as `serve`'s")
-    e.add_argument("--kv-offloading-disk-path", default=None, metavar="PATH",
-                   help="simulate the KV store's disk tier (nothing is written here)")
-    e.add_argument("--kv-offloading-disk-size", type=float, default=10.0, metavar="GIB")
-    e.add_argument("--kv-offloading-remote-url", default=None, metavar="URL",
-                   help="simulate the KV store's Redis tier (nothing is contacted)")
+    e = add_option_flags(
+        p, CacheOptions, SchedulerOptions, ModelOptions, StoreOptions, only=SIMULATED_OPTIONS,
+        defaults={"prefix_caching_hash_algo": "xxhash"}, helps=_SIMULATED_HELP,
+        title="engine", description="the simulated engine (vLLM's names)")
     e.add_argument("--kv-offloading-remote-size", type=float, default=None, metavar="GIB",
                    help="the Redis tier's memory (default: unbounded, as Redis's maxmemory "
                    "is set outside pagedkv)")

@@ -108,11 +108,9 @@ class EngineCore:
             max_pinned_fraction=args.max_pinned_fraction,
             prefix_match_unit=args.prefix_match_unit,
             max_num_batched_tokens=setup.max_num_batched_tokens)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=setup.max_num_batched_tokens,
-            max_model_len=self.max_model_len, preemption_mode=args.preemption_mode,
-            policy=args.scheduling_policy), kv)
+        self.scheduler = Scheduler(SchedulerConfig.from_options(
+            args, max_num_batched_tokens=setup.max_num_batched_tokens,
+            max_model_len=self.max_model_len), kv)
         self._structured_backend: XGrammarBackend | None = None
         self._structured_lock = threading.Lock()
         self.prompt_tokens_total = 0

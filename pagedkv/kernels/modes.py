@@ -3,4 +3,8 @@ validating the flag needs no torch."""
 
 from __future__ import annotations
 
-CPU_KERNEL_MODES = ("auto", "wait", "off")
+import typing
+
+from pagedkv.config.options import CpuKernelMode
+
+CPU_KERNEL_MODES: tuple[str, ...] = typing.get_args(CpuKernelMode)

@@ -31,11 +31,13 @@ as in the serial loop: only when requests run changes, never what a request samp
 from __future__ import annotations
 
 import bisect
+import sys
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from pagedkv.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from pagedkv.config.options import SchedulerOptions
 from pagedkv.kv.manager import AllocStatus, KVCacheManager
 from pagedkv.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedkv.sched.request import Request, RequestStatus, child_request_id
@@ -45,33 +47,35 @@ from pagedkv.utils import cdiv
 PLACEHOLDER_TOKEN_ID = -1
 
 
-@dataclass
-class SchedulerConfig:
-    """The scheduler's budgets and policies, fixed for its lifetime.
+@dataclass(kw_only=True)
+class SchedulerConfig(SchedulerOptions):
+    """The scheduler's budgets and policies, fixed for its lifetime: the engine's scheduler
+    options (`SchedulerOptions`, declared and checked once, in pagedkv.config.options) with the
+    step's token budget and the longest sequence resolved.
 
     `max_num_seqs`: requests running at once; `max_num_batched_tokens`: tokens per step (longer
     prompts are prefilled in chunks); `max_model_len`: the longest prompt + output a request
     may reach; `preemption_mode`: "recompute" (free the blocks, recompute later) or "swap"
-    (copy them to host blocks, recompute when the host is full); `policy`: "fcfs" or
-    "priority" (lower `priority` first, as in vLLM).
+    (copy them to host blocks, recompute when the host is full); `scheduling_policy` (`policy`):
+    "fcfs" or "priority" (lower `priority` first, as in vLLM). Built from checked options
+    (`from_options`) it checks nothing again.
     """
 
-    max_num_seqs: int = 256
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int = 2048
-    preemption_mode: str = "recompute"  # or "swap" (falls back to recompute without host room)
-    policy: str = "fcfs"  # or "priority": lower `priority` value is served first, as in vLLM
 
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError("preemption_mode must be 'recompute' or 'swap', "
-                             f"got {self.preemption_mode!r}")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
+    @classmethod
+    def from_options(cls, options: SchedulerOptions, *, max_num_batched_tokens: int,
+                     max_model_len: int) -> SchedulerConfig:
+        """The scheduler's config from (checked) options and the two resolved budgets."""
+        declared = {f.name: getattr(options, f.name) for f in fields(SchedulerOptions)}
+        return cls(**declared | {"max_num_batched_tokens": max_num_batched_tokens,
+                                 "max_model_len": max_model_len})
+
+    @property
+    def policy(self) -> str:
+        """vLLM's name of `scheduling_policy`."""
+        return self.scheduling_policy
 
 
 def bad_word_bans(request: Request) -> list[int]:
@@ -116,6 +120,8 @@ class Scheduler:
         # computes (more than one only while overlapped scheduling builds the next step).
         self._unapplied: list[tuple[SchedulerOutput, set[bytes]]] = []
         self._slot = 0  # which of each request's two ScheduledRequests this step fills
+        # Most tokens one request computes in a step (vLLM's long_prefill_token_threshold).
+        self._prefill_cap = config.long_prefill_token_threshold or sys.maxsize
 
     # ---- queues -------------------------------------------------------------------------
 
@@ -192,11 +198,12 @@ class Scheduler:
 
         index = 0
         running, allocate = self.running, self.kv_cache_manager.allocate_slots
+        cap = self._prefill_cap
         while index < len(running) and budget > 0:
             request = running[index]
             ahead = request.num_tokens_ahead
             num_new = min(len(request.all_token_ids) + request.num_placeholders
-                          - request.num_computed_tokens - ahead, budget)
+                          - request.num_computed_tokens - ahead, budget, cap)
             if num_new <= 0:
                 index += 1
                 continue
@@ -300,7 +307,8 @@ class Scheduler:
             out.swapped_request_ids.append(request.request_id)
             request.status = RequestStatus.RUNNING
             self._enqueue(self.running, request)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
+                          self._prefill_cap)
             if num_new > 0 and kv.allocate_slots(request, num_new, delay_cache_blocks=True) is not None:
                 self._schedule(request, num_new, out)
                 budget -= num_new
@@ -326,7 +334,7 @@ class Scheduler:
                 continue
             if status == AllocStatus.LATER:
                 break
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            num_new = min(request.num_tokens - num_hit_tokens, budget, self._prefill_cap)
             # With store tokens, only their blocks now: the rest is computed once they loaded.
             blocks = kv.allocate_slots(request, num_external or num_new, computed_blocks,
                                        num_hit_tokens, delay_cache_blocks=True,
@@ -338,7 +346,7 @@ class Scheduler:
                 # hit rather than wait for blocks nothing may ever free.
                 computed_blocks, num_hit_tokens = kv.drop_partial_hit(computed_blocks,
                                                                       num_hit_tokens)
-                num_new = min(request.num_tokens - num_hit_tokens, budget)
+                num_new = min(request.num_tokens - num_hit_tokens, budget, self._prefill_cap)
                 blocks = kv.allocate_slots(request, num_new, computed_blocks, num_hit_tokens,
                                            delay_cache_blocks=True, apply_watermark=True)
             if blocks is None:

@@ -14,8 +14,8 @@ import math
 from array import array
 from dataclasses import dataclass, field
 
+from pagedkv.config.options import CacheOptions, ModelOptions, SchedulerOptions, check_options
 from pagedkv.kv.block_table import BlockIdTable
-from pagedkv.kv.eviction import eviction_policy_class
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.sched.output import ModelRunnerOutput
 from pagedkv.sched.request import Request, RequestStatus
@@ -57,7 +57,7 @@ class SimConfig:
     block_bytes: int = 0
 
     def __post_init__(self) -> None:
-        self.scheduler_config()  # the scheduler's own checks
+        check_options(self, ModelOptions, CacheOptions, SchedulerOptions)  # as EngineArgs'
         for name in ("num_blocks", "block_size", "vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -72,14 +72,13 @@ class SimConfig:
         if not isinstance(self.store_tiers, tuple) or \
                 not all(isinstance(t, TierSpec) for t in self.store_tiers):
             raise ValueError(f"store_tiers must be a tuple of TierSpec, got {self.store_tiers!r}")
-        eviction_policy_class(self.eviction_policy)
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                max_num_batched_tokens=self.max_num_batched_tokens,
                                max_model_len=self.max_model_len,
                                preemption_mode=self.preemption_mode,
-                               policy=self.scheduling_policy)
+                               scheduling_policy=self.scheduling_policy)
 
 
 @dataclass

@@ -13,14 +13,17 @@ import json
 import math
 from dataclasses import dataclass, fields
 
+from pagedkv.config.options import StructuredOptions
 from pagedkv.structured.params import StructuredOutputsParams
 
-DEFAULT_MAX_CHOICES = 1024
-DEFAULT_MAX_PATTERN_CHARS = 16 * 1024
-DEFAULT_MAX_GRAMMAR_CHARS = 64 * 1024
-DEFAULT_MAX_SCHEMA_CHARS = 64 * 1024
-DEFAULT_COMPILE_TIMEOUT_S = 10.0
-DEFAULT_COMPILE_THREADS = 2
+# The engine options' defaults (declared in pagedkv.config.options).
+_OPTIONS = StructuredOptions()
+DEFAULT_MAX_CHOICES = _OPTIONS.structured_outputs_max_choices
+DEFAULT_MAX_PATTERN_CHARS = _OPTIONS.structured_outputs_max_pattern_chars
+DEFAULT_MAX_GRAMMAR_CHARS = _OPTIONS.structured_outputs_max_grammar_chars
+DEFAULT_MAX_SCHEMA_CHARS = _OPTIONS.structured_outputs_max_schema_chars
+DEFAULT_COMPILE_TIMEOUT_S = _OPTIONS.structured_outputs_compile_timeout_s
+DEFAULT_COMPILE_THREADS = _OPTIONS.structured_outputs_compile_threads
 
 
 class ConstraintTooLargeError(ValueError):

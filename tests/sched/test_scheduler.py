@@ -41,7 +41,8 @@ def run(requests: list[Request], *, num_blocks: int = 512, block_size: int = 4,
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,
-                                      preemption_mode=preemption_mode, policy=policy), kv)
+                                      preemption_mode=preemption_mode,
+                                      scheduling_policy=policy), kv)
     runner = FakeRunner(num_blocks, num_host_blocks, block_size, VOCAB, window)
     for request in requests:
         sched.add_request(request)
