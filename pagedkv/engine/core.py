@@ -125,7 +125,7 @@ class EngineCore:
         self.dashboard = DashboardCalls(self)  # the dashboard's utility calls
         self.step_log = None
         if args.step_log:
-            from pagedkv.sim.step_log import StepLog
+            from pagedkv.engine.step_log import StepLog
 
             self.step_log = StepLog(args.step_log)
         # Closed once: by shutdown(), or when the core is garbage-collected.
