@@ -23,7 +23,7 @@ from pagedkv.kv.plan import (
 from pagedkv.kv.sizes import parse_size
 from pagedkv.kv.spec import bundled_config_names, bundled_config_path, kv_cache_spec_from_hf_config
 from pagedkv.model.config_files import load_hf_config
-from pagedkv.sim.instance import SimConfig
+from pagedkv.sim.config import SimConfig
 from pagedkv.sim.store import DEFAULT_TIER_SPEEDS, TierSpec
 from pagedkv.store.sizing import disk_tier_blocks, host_tier_blocks
 
