@@ -1,9 +1,10 @@
 """AsyncEngine: one background thread owns an `LLMEngine` and runs its step loop.
 
 The engine is not thread-safe, so nothing but the loop thread ever touches it. HTTP handlers
-(on the asyncio event loop) talk to it through a thread-safe command queue that the loop drains
-before every step: add a request, abort one, start a utility call of the engine core (stats,
-pins, the dashboard's feed). Each request's outputs go back to its own `asyncio.Queue` through
+(on the asyncio event loop) talk to it through a thread-safe queue of commands (`commands.py`)
+that the loop drains before every step: add a request, abort one, start a utility call of the
+engine core (stats, pins, the dashboard's feed). Each request's outputs go back to its own
+`RequestStream` (`request_stream.py`) through
 `loop.call_soon_threadsafe`, as the engine's cumulative `RequestOutput`s; turning them into
 deltas is the caller's business.
 
