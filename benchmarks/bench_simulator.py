@@ -351,12 +351,12 @@ def other_loads(logs: dict, load: float) -> tuple[list, list]:
 
 def accuracy(args: argparse.Namespace) -> list[dict]:
     from pagedkv.engine.args import EngineArgs
+    from pagedkv.engine.step_log import read_step_log
+    from pagedkv.sim.config import SimConfig
     from pagedkv.sim.frontend import NO_DELAYS, FrontendDelays
-    from pagedkv.sim.instance import SimConfig
     from pagedkv.sim.latency import FittedLatency
     from pagedkv.sim.latency.calibrate import calibrate
     from pagedkv.sim.profiling import profile_model
-    from pagedkv.sim.step_log import read_step_log
     from pagedkv.sim.traces import load_trace, scale_trace
     from pagedkv.testing import build_random_model_dir
 

@@ -21,7 +21,7 @@ import os
 from typing import Any
 
 from pagedkv.commands.engine_flags import add_option_flags
-from pagedkv.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, load_hf_config
+from pagedkv.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from pagedkv.config.options import CacheOptions, ModelOptions
 from pagedkv.kv.group_plan import group_rows
 from pagedkv.kv.pins import max_pinned_blocks
@@ -38,6 +38,7 @@ from pagedkv.kv.spec import (
     bundled_config_path,
     kv_cache_spec_from_hf_config,
 )
+from pagedkv.model.config_files import load_hf_config
 from pagedkv.store.sizing import disk_tier_blocks, host_tier_blocks
 
 DEFAULT_SWAP_SPACE = "4GiB"

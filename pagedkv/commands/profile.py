@@ -56,12 +56,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _fit(args: argparse.Namespace) -> FittedLatency:
+    from pagedkv.engine.step_log import read_step_log
     from pagedkv.jsonl import read_jsonl
     from pagedkv.sim.frontend import FrontendDelays
     from pagedkv.sim.latency import FittedLatency
     from pagedkv.sim.latency.calibrate import calibrate
     from pagedkv.sim.profiling import FULL_GRID, QUICK_GRID, profile_model
-    from pagedkv.sim.step_log import read_step_log
 
     if args.fit_from is not None:
         if args.model is not None:

@@ -16,7 +16,7 @@ from pagedkv.config.dtypes import (
     dtype_bytes,
     resolve_dtype,
 )
-from pagedkv.config.hf_config import HFModelConfig, config_int, load_hf_config, text_config
+from pagedkv.config.hf_config import HFModelConfig, config_int, read_config_json, text_config
 
 __all__ = [
     "DEFAULT_DTYPE",
@@ -29,7 +29,7 @@ __all__ = [
     "canonical_dtype",
     "config_int",
     "dtype_bytes",
-    "load_hf_config",
+    "read_config_json",
     "resolve_dtype",
     "text_config",
 ]

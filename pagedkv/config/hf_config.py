@@ -177,20 +177,12 @@ class HFModelConfig:
         )
 
 
-def load_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a Hugging Face config: `path` is a config.json file or a model directory holding one,
-    or a GGUF model (a .gguf file, or a directory holding one), whose metadata gives it.
+def read_config_json(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a Hugging Face config.json: `path` is the file or a model directory holding one
+    (a GGUF model's config: `pagedkv.model.config_files.load_hf_config`).
 
     Raises FileNotFoundError when there is no such file, ValueError when it is not a JSON object.
     """
-    from pagedkv.model.gguf import gguf_file
-
-    gguf = gguf_file(path)
-    if gguf is not None:
-        from pagedkv.model.gguf.config import hf_config
-        from pagedkv.model.gguf.file import open_gguf
-
-        return hf_config(open_gguf(gguf))
     path = os.fspath(path)
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):

@@ -1,9 +1,10 @@
 """AsyncEngine: one background thread owns an `LLMEngine` and runs its step loop.
 
 The engine is not thread-safe, so nothing but the loop thread ever touches it. HTTP handlers
-(on the asyncio event loop) talk to it through a thread-safe command queue that the loop drains
-before every step: add a request, abort one, start a utility call of the engine core (stats,
-pins, the dashboard's feed). Each request's outputs go back to its own `asyncio.Queue` through
+(on the asyncio event loop) talk to it through a thread-safe queue of commands (`commands.py`)
+that the loop drains before every step: add a request, abort one, start a utility call of the
+engine core (stats, pins, the dashboard's feed). Each request's outputs go back to its own
+`RequestStream` (`request_stream.py`) through
 `loop.call_soon_threadsafe`, as the engine's cumulative `RequestOutput`s; turning them into
 deltas is the caller's business.
 
@@ -48,29 +49,40 @@ from concurrent.futures import Future
 from typing import Any
 
 from pagedkv.config.errors import EngineFatalError
+from pagedkv.engine.commands import (
+    AbortRequest,
+    AddRequest,
+    Answered,
+    Command,
+    FailAll,
+    Pin,
+    PinChecked,
+    StartUtility,
+    Stop,
+    Unpin,
+)
+from pagedkv.engine.input_processor import PromptType
+from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.request_stream import (
+    ABORTED,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStepError,
+    RequestStream,
+)
 from pagedkv.engine.stats import EngineStats
 from pagedkv.kv.pins import PinInfo
 from pagedkv.sched.sampling_params import SamplingParams
 
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineOverloadedError", "EngineStepError",
+           "RequestStream"]
+
 logger = logging.getLogger("pagedkv.server")
 
-_ABORTED = object()  # pushed to a request's queue when it was aborted (no more outputs)
 _IDLE_CHECK_S = 1.0  # an idle loop checks this often that the engine (its core process) lives
 UTILITY_TIMEOUT_S = 60.0  # how long `call_utility` waits for the core's answer by default
 _LIVENESS_S = 1.0  # a waiting `call_utility` checks this often that the loop still runs
-
-
-class EngineOverloadedError(RuntimeError):
-    """More requests in flight than `max_pending` allows (the server answers 503)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop failed or was shut down; no request can be served any more."""
-
-
-class EngineStepError(RuntimeError):
-    """An engine step raised; the requests in flight were ended (the server answers 500)."""
 
 
 def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
@@ -102,59 +114,14 @@ def _forward(fut: asyncio.Future, done: Future) -> None:
         _call_in_loop(fut.get_loop(), _resolve, fut, done.result())
 
 
-class RequestStream:
-    """The outputs of one engine request, read on the event loop: `async for out in stream`.
-
-    Yields cumulative `RequestOutput`s and stops after the finished one, or without one when
-    the request was aborted. `close()` aborts the request if it has not finished and releases
-    its place among the in-flight requests; call it exactly when done (it is idempotent).
-    """
-
-    def __init__(self, request_id: str, engine: AsyncEngine) -> None:
-        self.request_id = request_id
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.loop = asyncio.get_running_loop()
-        self.arrival = time.monotonic()  # when the request came in (callers may set it earlier)
-        self.submitted: float | None = None  # when it was queued for the engine loop
-        self.finished = False
-        self.aborted = False  # ended by an abort, without a finished output
-        self._engine = engine
-        self._closed = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if item is _ABORTED:
-            self.finished = self.aborted = True
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if not self.finished:
-            self._engine.abort(self.request_id)
-        self._engine._release()
-
-
 class AsyncEngine:
-    """Runs `engine` (an `LLMEngine`) in one background thread; see the module docstring.
+    """Runs `engine` in one background thread; see the module docstring.
 
     `max_pending` bounds the requests in flight (added and not yet closed); `add_request`
     raises EngineOverloadedError beyond it.
     """
 
-    def __init__(self, engine: Any, *, max_pending: int = 4096,
+    def __init__(self, engine: LLMEngine, *, max_pending: int = 4096,
                  on_fatal: Callable[[str], None] | None = None) -> None:
         if not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"max_pending must be a positive integer, got {max_pending!r}")
@@ -163,11 +130,11 @@ class AsyncEngine:
         self.on_fatal = on_fatal  # called once, from the loop thread, when the loop dies
         self.error: str | None = None  # why the loop died or the pool went inconsistent
         self.draining = False  # set by begin_drain(): new requests are refused
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # owned by the loop thread
-        # internal request id -> (prompt, cache_salt, future) of a pin waiting for its prefill
-        self._pins_waiting: dict[str, tuple[Any, str | None, asyncio.Future]] = {}
+        # internal request id -> (prompt ids, cache_salt, future) of a pin awaiting its prefill
+        self._pins_waiting: dict[str, tuple[list[int], str | None, asyncio.Future]] = {}
         self._lock = threading.Lock()
         self._num_in_flight = 0
         self._stopping = False
@@ -213,7 +180,7 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 30.0) -> None:
         """Abort every request, stop the loop and join its thread."""
         self._stopping = True
-        self._submit(("stop",))
+        self._submit(Stop())
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -227,7 +194,7 @@ class AsyncEngine:
     def end_remaining(self, reason: str) -> None:
         """End every request in flight with EngineDeadError(reason) (thread-safe, returns at
         once): streams raise it, so the server ends them with an error (503 / error event)."""
-        self._submit(("fail_all", reason))
+        self._submit(FailAll(reason))
 
     @property
     def is_running(self) -> bool:
@@ -243,12 +210,11 @@ class AsyncEngine:
         longer; 0.0 while both wait for work. Any thread may call it."""
         started = self._round_started
         own = 0.0 if started is None else max(0.0, time.monotonic() - started)
-        core_busy_for = getattr(self.engine, "core_busy_for", None)
-        return own if core_busy_for is None else max(own, core_busy_for())
+        return max(own, self.engine.core_busy_for())
 
     # ---- requests (event loop) ----------------------------------------------------------
 
-    async def add_request(self, request_id: str, prompt: str | list[int] | dict,
+    async def add_request(self, request_id: str, prompt: PromptType,
                           params: SamplingParams, *, priority: int = 0,
                           cache_salt: str | None = None) -> RequestStream:
         """Add a request; its outputs arrive on the returned stream (close it when done).
@@ -266,10 +232,10 @@ class AsyncEngine:
                     f"server overloaded: {self._num_in_flight} requests in flight "
                     f"(max_pending={self.max_pending}); retry later")
             self._num_in_flight += 1
-        stream = RequestStream(request_id, self)
+        stream = RequestStream(request_id, self._close_stream)
         fut = stream.loop.create_future()
         stream.submitted = time.monotonic()
-        self._submit(("add", stream, prompt, params, priority, cache_salt, fut))
+        self._submit(AddRequest(stream, prompt, params, priority, cache_salt, fut))
         try:
             await fut
         except asyncio.CancelledError:  # the client left: abort it in case the engine has it
@@ -283,7 +249,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort `request_id` (thread-safe, returns at once; unknown ids are ignored)."""
-        self._submit(("abort", request_id))
+        self._submit(AbortRequest(request_id))
 
     async def get_stats(self) -> EngineStats:
         """The engine's stats, read by the core between steps (`call_utility("get_stats")`)."""
@@ -295,29 +261,31 @@ class AsyncEngine:
         "dashboard.drain", ...), run by the core between its steps; see the module docstring.
         Raises what the call raised (ValueError, ...), EngineDeadError when the loop or the core
         is gone, TimeoutError when no answer came within `timeout` seconds (None: no limit)."""
-        return await self._ask("utility", method, args, timeout=timeout)
+        return await self._ask(lambda fut: StartUtility(method, args, fut), method,
+                               timeout=timeout)
 
-    async def pin_prefix(self, prompt: str | list[int] | dict,
+    async def pin_prefix(self, prompt: PromptType,
                          cache_salt: str | None = None) -> PinInfo:
         """Pin the prompt's full blocks (`LLMEngine.pin_prefix`), first running the prompt
         (one generated token) when they are not all cached: the pin is taken in the loop
         thread right after that request's last step, before any other step can evict them.
         ValueError as for `LLMEngine.pin_prefix`; EngineDeadError when the loop is not running."""
-        return await self._ask("pin", prompt, cache_salt)
+        return await self._ask(lambda fut: Pin(prompt, cache_salt, fut), "pin")
 
-    async def unpin_prefix(self, prompt: str | list[int] | dict,
+    async def unpin_prefix(self, prompt: PromptType,
                            cache_salt: str | None = None) -> PinInfo:
         """Release the prompt's pin (`LLMEngine.unpin_prefix`; NotPinnedError when none)."""
-        return await self._ask("unpin", prompt, cache_salt)
+        return await self._ask(lambda fut: Unpin(prompt, cache_salt, fut), "unpin")
 
-    async def _ask(self, kind: str, *args: Any, timeout: float | None = None) -> Any:
-        """Queue the command (kind, *args, future) and await its future; see `call_utility`
-        for the errors."""
+    async def _ask(self, command: Callable[[asyncio.Future], Answered], what: str,
+                   timeout: float | None = None) -> Any:
+        """Queue `command(future)` and await the future; see `call_utility` for the errors
+        (`what` names the call in a TimeoutError)."""
         if not self.is_running:
             raise EngineDeadError(self.error or "the engine loop is not running")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._submit((kind, *args, fut))
+        self._submit(command(fut))
         deadline = None if timeout is None else loop.time() + timeout
         try:
             while True:
@@ -328,31 +296,22 @@ class AsyncEngine:
                 if not self.is_running:
                     raise EngineDeadError(self.error or "the engine loop is not running")
                 if deadline is not None and loop.time() >= deadline:
-                    what = args[0] if kind == "utility" else kind
                     raise TimeoutError(f"the engine core did not answer {what!r} within "
                                        f"{timeout:g} s")
         finally:
             fut.cancel()  # a no-op once resolved; else the loop thread skips or drops it
 
-    def _release(self) -> None:
+    def _close_stream(self, stream: RequestStream) -> None:
+        """`RequestStream.close()`: abort its request unless it finished; release its place."""
+        if not stream.finished:
+            self.abort(stream.request_id)
         with self._lock:
             self._num_in_flight -= 1
 
-    def _submit(self, command: tuple) -> None:
+    def _submit(self, command: Command) -> None:
         self._commands.put(command)
         self._wakeup.set()
-        wake = getattr(self.engine, "wake", None)
-        if wake is not None:  # an engine whose step() waits on a core process
-            wake()
-
-    def _engine_alive(self) -> bool:
-        is_alive = getattr(self.engine, "is_alive", None)
-        return True if is_alive is None else is_alive()
-
-    def _calls_pending(self) -> bool:
-        """Whether a started utility call waits for the core's answer (read by `step()`)."""
-        has_pending_calls = getattr(self.engine, "has_pending_calls", None)
-        return has_pending_calls is not None and has_pending_calls()
+        self.engine.wake()  # cut short a step() that waits on a core process
 
     # ---- the loop thread ----------------------------------------------------------------
 
@@ -370,10 +329,10 @@ class AsyncEngine:
                     break
                 if not self.engine.has_unfinished_requests():
                     self._round_started = None
-                    if self._calls_pending():  # no request, but answers to receive
+                    if self.engine.has_pending_calls():  # no request, but answers to receive
                         self._step()
                         continue
-                    if not self._wakeup.wait(_IDLE_CHECK_S) and not self._engine_alive():
+                    if not self._wakeup.wait(_IDLE_CHECK_S) and not self.engine.is_alive():
                         self.error = "the engine core process died"
                         self._fail_all(EngineDeadError(self.error))
                         break
@@ -415,23 +374,23 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return not self._stopping
-            kind = command[0]
-            if kind == "stop":
-                return False
-            if kind == "add":
-                self._add(*command[1:])
-            elif kind == "abort":
-                self._abort(command[1])
-            elif kind == "fail_all":
-                self._fail_all(EngineDeadError(command[1]))
-            elif kind == "utility":
-                self._start(command[3], command[1], *command[2])
-            elif kind == "pin":
-                self._pin(*command[1:])
-            elif kind == "pin_checked":
-                self._pin_checked(*command[1:])
-            elif kind == "unpin":
-                self._unpin(*command[1:])
+            match command:
+                case Stop():
+                    return False
+                case AddRequest():
+                    self._add(command)
+                case AbortRequest(request_id=request_id):
+                    self._abort(request_id)
+                case FailAll(reason=reason):
+                    self._fail_all(EngineDeadError(reason))
+                case StartUtility(method=method, args=args, future=fut):
+                    self._start(fut, method, *args)
+                case Pin(prompt=prompt, cache_salt=cache_salt, future=fut):
+                    self._pin(prompt, cache_salt, fut)
+                case PinChecked():
+                    self._pin_checked(command)
+                case Unpin(prompt=prompt, cache_salt=cache_salt, future=fut):
+                    self._unpin(prompt, cache_salt, fut)
 
     def _start(self, fut: asyncio.Future, method: str, *args: Any) -> Future | None:
         """Start the utility call; `fut` is resolved like it once the answer is in (an
@@ -446,7 +405,7 @@ class AsyncEngine:
         call.add_done_callback(lambda done: _forward(fut, done))
         return call
 
-    def _pin(self, prompt: Any, cache_salt: str | None, fut: asyncio.Future) -> None:
+    def _pin(self, prompt: PromptType, cache_salt: str | None, fut: asyncio.Future) -> None:
         """Ask the core whether the prompt is cached; `_pin_checked` goes on with the answer
         (see `pin_prefix`). Never waits for the core."""
         try:
@@ -456,12 +415,13 @@ class AsyncEngine:
             _call_in_loop(fut.get_loop(), _resolve, fut, None, _engine_error(exc))
             return
         check.add_done_callback(
-            lambda done: self._submit(("pin_checked", ids, cache_salt, fut, done)))
+            lambda done: self._submit(PinChecked(ids, cache_salt, fut, done)))
 
-    def _pin_checked(self, ids: list[int], cache_salt: str | None, fut: asyncio.Future,
-                     check: Future) -> None:
+    def _pin_checked(self, command: PinChecked) -> None:
         """Pin now when the prompt was cached; else run it first, pinning when it finishes
         (`_deliver`)."""
+        ids, cache_salt, fut, check = (command.ids, command.cache_salt, command.future,
+                                       command.check)
         if fut.done():  # the caller gave up
             return
         if check.exception() is not None:
@@ -479,7 +439,7 @@ class AsyncEngine:
             return
         self._pins_waiting[request_id] = (ids, cache_salt, fut)
 
-    def _unpin(self, prompt: Any, cache_salt: str | None, fut: asyncio.Future) -> None:
+    def _unpin(self, prompt: PromptType, cache_salt: str | None, fut: asyncio.Future) -> None:
         try:
             ids = self.engine.prefix_ids(prompt, cache_salt)
         except ValueError as exc:
@@ -487,13 +447,13 @@ class AsyncEngine:
             return
         self._start(fut, "unpin_prefix", ids, cache_salt)
 
-    def _add(self, stream: RequestStream, prompt: Any, params: SamplingParams, priority: int,
-             cache_salt: str | None, fut: asyncio.Future) -> None:
+    def _add(self, command: AddRequest) -> None:
+        stream, fut = command.stream, command.future
         if fut.done():  # the handler was cancelled before we got here
             return
         try:
-            self.engine.add_request(stream.request_id, prompt, params, priority=priority,
-                                    cache_salt=cache_salt)
+            self.engine.add_request(stream.request_id, command.prompt, command.params,
+                                    priority=command.priority, cache_salt=command.cache_salt)
         except ValueError as exc:
             _call_in_loop(stream.loop, _resolve, fut, None, ValueError(str(exc)))
             return
@@ -505,7 +465,7 @@ class AsyncEngine:
         if stream is None:  # finished already, or never added
             return
         self.engine.abort_request(request_id)
-        _call_in_loop(stream.loop, stream.queue.put_nowait, _ABORTED)
+        _call_in_loop(stream.loop, stream.queue.put_nowait, ABORTED)
 
     def _deliver(self, output: RequestOutput) -> None:
         if output.request_id in self._pins_waiting:
@@ -524,7 +484,7 @@ class AsyncEngine:
         try:
             self.engine.check_invariants()
         except Exception as exc:
-            if not self._engine_alive():
+            if not self.engine.is_alive():
                 logger.critical("the engine core process is gone: %s", exc)
                 self.error = f"the engine core process is gone: {exc}"
                 return
@@ -558,7 +518,7 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if command[0] in ("add", "utility", "pin", "pin_checked", "unpin"):
-                fut = command[3] if command[0] == "pin_checked" else command[-1]
+            if isinstance(command, Answered):
+                fut = command.future
                 _call_in_loop(fut.get_loop(), _resolve, fut, None,
                               EngineDeadError("the engine is shutting down"))

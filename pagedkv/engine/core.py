@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from pagedkv.config.errors import EngineFatalError
+from pagedkv.config.errors import EngineFatalError, ErrorKind
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.dashboard_calls import DashboardCalls
 from pagedkv.engine.kv_setup import (
@@ -45,9 +45,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# The start of an error when the model step of a request failed (a server fault, unlike a
-# request the cache can never hold).
-STEP_FAILED = "internal error: the model step failed"
+
+def _step_failed(cause: str) -> str:
+    """The error of a request whose model step failed (ErrorKind.INTERNAL)."""
+    return f"internal error: the model step failed: {cause}"
 
 
 class EngineCore:
@@ -122,7 +123,7 @@ class EngineCore:
         self.dashboard = DashboardCalls(self)  # the dashboard's utility calls
         self.step_log = None
         if args.step_log:
-            from pagedkv.sim.step_log import StepLog
+            from pagedkv.engine.step_log import StepLog
 
             self.step_log = StepLog(args.step_log)
         # Closed once: by shutdown(), or when the core is garbage-collected.
@@ -275,9 +276,9 @@ class EngineCore:
         logger.exception("model step failed; ending its %d requests", len(set(ids)))
         failed = self.scheduler.finish_requests(
             list(dict.fromkeys(ids)), RequestStatus.FINISHED_ERROR,
-            f"{STEP_FAILED}: {type(exc).__name__}: {exc}")
+            _step_failed(f"{type(exc).__name__}: {exc}"))
         changed = self.scheduler.update(scheduler_output, ModelRunnerOutput())
-        return self._outputs(failed + changed)
+        return self._outputs(failed, ErrorKind.INTERNAL) + self._outputs(changed)
 
     def fail_all(self, reason: str) -> list[CoreOutput]:
         """End every request with an internal error (a step raised outside the runner). With
@@ -287,8 +288,8 @@ class EngineCore:
         self.scheduler.forget_unapplied()
         failed = self.scheduler.finish_requests(list(self.scheduler.requests),
                                                 RequestStatus.FINISHED_ERROR,
-                                                f"{STEP_FAILED}: {reason}")
-        return self._outputs(failed)
+                                                _step_failed(reason))
+        return self._outputs(failed, ErrorKind.INTERNAL)
 
     def _publish_kv_events(self) -> None:
         """Send this step's block-pool events (one batch) to the publisher thread."""
@@ -298,8 +299,11 @@ class EngineCore:
             events += self.kv_store.take_events()
         self.event_publisher.publish(events)
 
-    def _outputs(self, changed: list[Request]) -> list[CoreOutput]:
-        """Each changed sample's news since its last output: O(new tokens) per sample."""
+    def _outputs(self, changed: list[Request], error_kind: ErrorKind = ErrorKind.INVALID
+                 ) -> list[CoreOutput]:
+        """Each changed sample's news since its last output: O(new tokens) per sample.
+        `error_kind`: why those that ended with an error did (the scheduler ends a request with
+        an error for its own sake, e.g. it can never fit: INVALID; a failed step's: INTERNAL)."""
         outputs = []
         generated = 0
         for request in changed:
@@ -328,8 +332,7 @@ class EngineCore:
                 out.stop_reason = request.stop_reason
                 if request.status == RequestStatus.FINISHED_ERROR:
                     out.error = request.error
-                    out.error_kind = ("internal" if (request.error or "").startswith(STEP_FAILED)
-                                      else "invalid")
+                    out.error_kind = error_kind
             outputs.append(out)
         self.generation_tokens_total += generated
         return outputs

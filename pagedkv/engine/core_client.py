@@ -87,6 +87,14 @@ def apply_abort(core: EngineCore, message: Abort) -> None:
     core.finish_requests(message.request_ids, status, message.stop_reason)
 
 
+def start_core_client(args: EngineArgs, tokenizer: Any, *, core_process: bool) -> CoreClient:
+    """A started core for `args` (checked and resolved already): in a child process, or in
+    this one sharing the frontend's `tokenizer`; returns once it is ready."""
+    if core_process:
+        return MPCoreClient(args)
+    return InprocCoreClient(EngineCore(args, tokenizer=tokenizer))
+
+
 class InprocCoreClient:
     """The core in this process: `get_outputs()` runs one core step."""
 

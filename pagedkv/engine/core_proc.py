@@ -37,7 +37,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from pagedkv.config.errors import EngineFatalError
+from pagedkv.config.errors import EngineFatalError, ErrorKind
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.messages import (
     Abort,
@@ -218,7 +218,7 @@ class _CoreLoop:
             self.core.add_request(request)
         except Exception as exc:  # reported as the request's end; the core goes on
             self._send(CoreStepOutputs([CoreOutput(request.request_id, finish_reason="error",
-                                                   error=str(exc), error_kind="invalid")]))
+                                                   error=str(exc), error_kind=ErrorKind.INVALID)]))
 
     def _utility(self, call: UtilityCall) -> None:
         try:

@@ -52,10 +52,10 @@ def build_executor(args: EngineArgs, spec: KVCacheSpec | None) -> Executor:
         raise ValueError(f"node_rank={args.node_rank} runs only this machine's worker ranks "
                          "(`pagedkv serve MODEL --node-rank K ...`), not an engine")
     if args.tensor_parallel_size > 1:  # before any process starts
-        from pagedkv.model.config import ModelConfig
         from pagedkv.model.parallel.sharding import check_tensor_parallel_size
+        from pagedkv.model.registry import model_config_from_dir
 
-        cfg = ModelConfig.from_dir(args.model)
+        cfg = model_config_from_dir(args.model)
         check_tensor_parallel_size(args.tensor_parallel_size, cfg.num_heads, cfg.num_kv_heads,
                                    cfg.intermediate_size)
     threads = rank_cpu_threads(args)

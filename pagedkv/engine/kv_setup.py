@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedkv.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, load_hf_config
+from pagedkv.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from pagedkv.engine.args import EngineArgs
 from pagedkv.kv.hybrid_spec import HybridKVCacheSpec, sequence_capacity
 from pagedkv.kv.plan import (
@@ -34,6 +34,7 @@ from pagedkv.kv.plan import (
 )
 from pagedkv.kv.shard import shard_kv_cache_spec
 from pagedkv.kv.spec import KVCacheSpec, SlidingWindowSpec, kv_cache_spec_from_hf_config
+from pagedkv.model.config_files import load_hf_config
 
 logger = logging.getLogger(__name__)
 

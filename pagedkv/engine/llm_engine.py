@@ -20,10 +20,10 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.args import EngineArgs
-from pagedkv.engine.core import STEP_FAILED, EngineCore
-from pagedkv.engine.core_client import CoreClient, InprocCoreClient, MPCoreClient
+from pagedkv.engine.core_client import InprocCoreClient, start_core_client
 from pagedkv.engine.input_processor import InputProcessor, PromptType
-from pagedkv.engine.messages import Abort, EngineCoreRequest
+from pagedkv.engine.messages import Abort, EngineCoreRequest, EngineReady
+from pagedkv.engine.model_files import open_model_dir
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.stats import EngineStats
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STEP_FAILED", "LLMEngine", "PromptType"]
+__all__ = ["LLMEngine", "PromptType"]
 
 
 class LLMEngine:
@@ -46,23 +46,14 @@ class LLMEngine:
     that progressed (got tokens or finished) in that step."""
 
     def __init__(self, args: EngineArgs, *, core_process: bool = False) -> None:
-        from pagedkv.model.hub import resolve_model_args
-        from pagedkv.model.loader import check_model_dir
-        from pagedkv.model.tokenizer import Tokenizer
-
         args.validate()
         if not args.model:
             raise ValueError("model must be a model directory, got ''")
-        resolve_model_args(args)  # a Hugging Face id -> its local snapshot
-        check_model_dir(args.model)
+        self.tokenizer = open_model_dir(args)  # args.model: now a checked local directory
         self.args = args
-        self.tokenizer = Tokenizer.from_dir(args.tokenizer or args.model)
-        self.core: EngineCore | None = None
-        if core_process:
-            self.client: CoreClient = MPCoreClient(args)
-        else:
-            self.core = EngineCore(args, tokenizer=self.tokenizer)
-            self.client = InprocCoreClient(self.core)
+        self.client = start_core_client(args, self.tokenizer, core_process=core_process)
+        # The core itself when it runs in this process (tests and tools), else None.
+        self.core = self.client.core if isinstance(self.client, InprocCoreClient) else None
         ready = self.client.ready
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
@@ -88,7 +79,9 @@ class LLMEngine:
 
     @runner.setter
     def runner(self, runner: Any) -> None:
-        self._require_local().runner = runner
+        if self.core is None:
+            raise AttributeError("the engine core runs in its own process")
+        self.core.runner = runner
 
     @property
     def kv_store(self) -> Any:
@@ -106,10 +99,11 @@ class LLMEngine:
     def model_config(self) -> Any:
         return self._local("model_config")
 
-    def _require_local(self) -> EngineCore:
-        if self.core is None:
-            raise AttributeError("the engine core runs in its own process")
-        return self.core
+    @property
+    def ready(self) -> EngineReady:
+        """What the core said of itself when it started (sizes, the cache's resolved format,
+        the model's dtype and device): fixed, so any thread may read it."""
+        return self.client.ready
 
     def _local(self, name: str) -> Any:
         return None if self.core is None else getattr(self.core, name)

@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from pagedkv.config.errors import ErrorKind
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.structured.params import StructuredOutputsParams
 
@@ -61,8 +62,8 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
     `new_logprobs` has one entry per new token (when the request asked for logprobs);
     `prompt_logprobs` is the whole list so far, sent only when it changed. `finish_reason` is
-    set once, on the sample's last output; `error` explains a finish_reason "error", with
-    `error_kind` "invalid" (the request can never run) or "internal" (the model step failed).
+    set once, on the sample's last output; `error` explains a finish_reason "error", and
+    `error_kind` says whose fault it was (`ErrorKind`: the request's, or the model step's).
     """
 
     request_id: str
@@ -71,7 +72,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
-    error_kind: str | None = None
+    error_kind: ErrorKind | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     first_scheduled_time: float | None = None

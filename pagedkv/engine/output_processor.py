@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from pagedkv.config.errors import ErrorKind
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.messages import CoreOutput
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
@@ -66,6 +67,7 @@ class _Group:
     samples: dict[int, _Sample] = field(default_factory=dict)
     num_cached_tokens: int = 0
     error: str | None = None
+    error_kind: ErrorKind | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     first_scheduled_time: float | None = None
@@ -106,7 +108,7 @@ class _Group:
             metrics = {**metrics, "last_token_time": self.last_token_time or 0.0}
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
                              finished, self.num_cached_tokens, self.error, metrics,
-                             self.prompt_logprobs)
+                             self.prompt_logprobs, self.error_kind)
 
 
 class OutputProcessor:
@@ -209,7 +211,7 @@ class OutputProcessor:
 
 def _apply_request_news(group: _Group, out: CoreOutput) -> None:
     """The request-wide facts a sample's output may bring (preemptions, first schedule,
-    prompt logprobs, an error): set on `group` (its shared metrics dropped when they change)."""
+    prompt logprobs, an error and its kind): set on `group` (its shared metrics dropped when they change)."""
     if out.num_preemptions > group.num_preemptions:
         group.num_preemptions = out.num_preemptions
         group.metrics = None
@@ -220,3 +222,4 @@ def _apply_request_news(group: _Group, out: CoreOutput) -> None:
         group.prompt_logprobs = [None, *out.prompt_logprobs]
     if out.error is not None:
         group.error = out.error
+        group.error_kind = out.error_kind

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pagedkv.config.errors import ErrorKind
+
 
 @dataclass
 class CompletionOutput:
@@ -80,7 +82,9 @@ CompletionOutput.logprobs = property(  # type: ignore[assignment]
 @dataclass(slots=True)
 class RequestOutput:
     """A request's output so far (cumulative). `num_cached_tokens` counts prompt tokens served
-    from the prefix cache. `error` explains a `finish_reason == "error"` (e.g. can never fit).
+    from the prefix cache. `error` explains a `finish_reason == "error"` (e.g. can never fit),
+    and `error_kind` says whose fault it was (`ErrorKind.INVALID`: the request's; INTERNAL: a
+    failed model step's).
     `prompt_logprobs` (when asked for) has one entry per prompt token: None for the first, then
     token id -> log-probability (the top-N and the prompt's own token)."""
 
@@ -93,3 +97,4 @@ class RequestOutput:
     error: str | None = None
     metrics: dict[str, float] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    error_kind: ErrorKind | None = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -18,7 +18,6 @@ from pagedkv.config import HFModelConfig, canonical_dtype
 from pagedkv.config.dtypes import FP8_TORCH_DTYPE_NAMES, INT8_KV_DTYPE
 from pagedkv.model.gguf import gguf_file
 from pagedkv.model.json_files import read_json
-from pagedkv.model.registry import get_model_class, resolve_architecture
 
 # The torch side of the one dtype table (pagedkv.config.dtypes), keyed by canonical name.
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -69,6 +68,36 @@ def _eos_list(value: Any) -> list[int]:
     return [int(v) for v in value]
 
 
+class ConfigAdapter(Protocol):
+    """What parsing a config needs of its architecture's model class (the registry passes the
+    class in: `pagedkv.model.registry.model_config_from_dict`)."""
+
+    # The config.json activations it implements; the first is the architecture's default.
+    hidden_activations: tuple[str, ...]
+
+    def config_overrides(self, hf_config: dict[str, Any]) -> dict[str, Any]:
+        """The architecture-specific fields (`qkv_bias`, `o_bias`, `qk_norm`)."""
+        ...
+
+
+def read_config_dicts(model_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`model_dir`/config.json and generation_config.json ({} when absent) as dicts, or a
+    GGUF model's metadata as the same dicts (`model_dir` a .gguf file or a directory holding
+    one)."""
+    gguf = gguf_file(model_dir)
+    if gguf is not None:
+        from pagedkv.model.gguf.config import generation_config, hf_config
+        from pagedkv.model.gguf.file import open_gguf
+
+        return hf_config(open_gguf(gguf)), generation_config(open_gguf(gguf))
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ValueError(f"model directory not found: {model_dir}")
+    cfg = read_json(model_dir / "config.json")
+    gen_path = model_dir / "generation_config.json"
+    return cfg, read_json(gen_path) if gen_path.is_file() else {}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and options of one model; `qkv_bias`, `o_bias` and `qk_norm` come from the
@@ -112,28 +141,13 @@ class ModelConfig:
         return max(windows) if windows else None
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        """Parse `model_dir`/config.json (+ generation_config.json when present), or a GGUF
-        model's metadata (`model_dir` a .gguf file or a directory holding one)."""
-        gguf = gguf_file(model_dir)
-        if gguf is not None:
-            from pagedkv.model.gguf.config import generation_config, hf_config
-            from pagedkv.model.gguf.file import open_gguf
-
-            return cls.from_dict(hf_config(open_gguf(gguf)), generation_config(open_gguf(gguf)))
-        model_dir = Path(model_dir)
-        if not model_dir.is_dir():
-            raise ValueError(f"model directory not found: {model_dir}")
-        cfg = read_json(model_dir / "config.json")
-        gen_path = model_dir / "generation_config.json"
-        gen = read_json(gen_path) if gen_path.is_file() else {}
-        return cls.from_dict(cfg, gen)
-
-    @classmethod
-    def from_dict(cls, cfg: dict[str, Any], gen: dict[str, Any] | None = None) -> ModelConfig:
-        """Parse an HF config dict (and a generation config dict)."""
+    def from_dict(cls, cfg: dict[str, Any], gen: dict[str, Any] | None, architecture: str,
+                  model_class: ConfigAdapter) -> ModelConfig:
+        """Parse an HF config dict (and a generation config dict) of `architecture`, whose
+        registered `model_class` adapts it (see `pagedkv.model.registry.model_config_from_dict`,
+        which resolves both)."""
         gen = gen or {}
-        arch = resolve_architecture(cfg.get("architectures") or [])
+        arch = architecture
         model_type = cfg.get("model_type", arch.removesuffix("ForCausalLM").lower())
 
         def req(key: str) -> Any:
@@ -153,7 +167,6 @@ class ModelConfig:
         if heads % kv_heads != 0:
             raise ValueError(f"num_attention_heads {heads} is not a multiple of "
                              f"num_key_value_heads {kv_heads}")
-        model_class = get_model_class(arch)
         act = (cfg.get("hidden_activation") or cfg.get("hidden_act")
                or model_class.hidden_activations[0])  # the architecture's default
         if act not in model_class.hidden_activations:

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pagedkv.config.hf_config import load_hf_config
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.config_files import load_hf_config
 from pagedkv.model.gguf import SUFFIX as GGUF_SUFFIX
 from pagedkv.model.gguf import gguf_file
 from pagedkv.model.json_files import read_json

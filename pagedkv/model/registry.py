@@ -16,13 +16,15 @@ and `pack_linear_weights`.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+from pagedkv.model.config import ModelConfig, read_config_dicts
 
 if TYPE_CHECKING:
     import torch
 
     from pagedkv.model.attention import AttentionMetadata
-    from pagedkv.model.config import ModelConfig
     from pagedkv.model.ops import LayerOps
     from pagedkv.model.parallel.group import TensorParallelGroup
     from pagedkv.model.parallel.sharding import Shard
@@ -88,3 +90,17 @@ def get_model_class(architecture: str) -> type[CausalLM]:
     """The model class registered for `architecture` (imported on first use)."""
     module, name = _MODELS[resolve_architecture([architecture])]
     return getattr(importlib.import_module(module), name)
+
+
+def model_config_from_dict(cfg: dict[str, Any], gen: dict[str, Any] | None = None
+                           ) -> ModelConfig:
+    """Parse an HF config dict (and a generation config dict) with its architecture's config
+    adapter. ValueError naming an unsupported architecture or a bad field."""
+    architecture = resolve_architecture(cfg.get("architectures") or [])
+    return ModelConfig.from_dict(cfg, gen, architecture, get_model_class(architecture))
+
+
+def model_config_from_dir(model_dir: str | Path) -> ModelConfig:
+    """Parse `model_dir`/config.json (+ generation_config.json when present), or a GGUF
+    model's metadata (`model_dir` a .gguf file or a directory holding one)."""
+    return model_config_from_dict(*read_config_dicts(model_dir))

@@ -31,7 +31,7 @@ from pagedkv.kv.spec import KVCacheSpec, kv_cache_spec_from_hf_config
 from pagedkv.model.backends import get_attention_backend
 from pagedkv.model.backends.quantized import QuantizedKVBackend
 from pagedkv.model.backends.step import StepSequences
-from pagedkv.model.config import ModelConfig, kv_cache_torch_dtype, parse_dtype
+from pagedkv.model.config import kv_cache_torch_dtype, parse_dtype
 from pagedkv.model.cpu_memory import keep_freed_memory
 from pagedkv.model.cpu_threads import CpuThreadGovernor
 from pagedkv.model.kv_cache import KVCache
@@ -40,7 +40,7 @@ from pagedkv.model.load_log import weights_loaded, weights_loading
 from pagedkv.model.loader import check_model_dir, load_model
 from pagedkv.model.logits_rows import select_logits_rows
 from pagedkv.model.parallel.group import TensorParallelGroup
-from pagedkv.model.registry import CausalLM
+from pagedkv.model.registry import CausalLM, model_config_from_dir
 from pagedkv.model.sampler import Sampler, prompt_logprobs
 from pagedkv.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -104,7 +104,7 @@ class ModelRunner:
         self.fp8_scales = fp8_scales
         self.model_dir = model_dir
         check_model_dir(model_dir)  # a config.json claiming 10^9 layers fails before any build
-        self.model_config = ModelConfig.from_dir(model_dir)
+        self.model_config = model_config_from_dir(model_dir)
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.model_config.torch_dtype)
         model_dtype = str(self.dtype).removeprefix("torch.")

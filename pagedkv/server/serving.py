@@ -20,6 +20,7 @@ from typing import Any
 
 from fastapi import Request
 
+from pagedkv.config.errors import ErrorKind
 from pagedkv.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -27,7 +28,6 @@ from pagedkv.engine.async_engine import (
     EngineStepError,
     RequestStream,
 )
-from pagedkv.engine.llm_engine import STEP_FAILED
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.sched.sampling_params import GREEDY_TEMPERATURE_BELOW, SamplingParams
 from pagedkv.sched.validation import PromptTooLongError
@@ -446,7 +446,7 @@ def failure(output: RequestOutput, param: str = "prompt") -> APIError:
     """The error of a request the engine finished with an error: a 400 when it can never fit,
     a 500 when its model step failed."""
     message = output.error or "the request failed in the engine"
-    if message.startswith(STEP_FAILED):
+    if output.error_kind is ErrorKind.INTERNAL:
         return APIError(message, status_code=500, type="internal_server_error")
     return APIError(message, param=param)
 

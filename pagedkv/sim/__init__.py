@@ -7,7 +7,9 @@ the smallest one that meets an SLO. No torch anywhere here (`pagedkv profile`, w
 real runner, lives in `pagedkv.sim.profiling` and imports it lazily).
 """
 
-from pagedkv.sim.instance import RequestRecord, SimConfig, SimInstance
+from pagedkv.sim.config import SimConfig
+from pagedkv.sim.instance import SimInstance
+from pagedkv.sim.records import RequestRecord
 from pagedkv.sim.simulator import SimResult, simulate
 from pagedkv.sim.traces import TraceRequest, load_trace
 

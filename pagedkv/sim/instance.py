@@ -11,145 +11,21 @@ Quiet stretches (only token counts change) are jumped when `jump=True`: see `qui
 from __future__ import annotations
 
 import math
-from array import array
-from dataclasses import dataclass, field
 
-from pagedkv.config.options import CacheOptions, ModelOptions, SchedulerOptions, check_options
 from pagedkv.kv.block_table import BlockIdTable
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.sched.output import ModelRunnerOutput
 from pagedkv.sched.request import Request, RequestStatus
 from pagedkv.sched.sampling_params import SamplingParams
-from pagedkv.sched.scheduler import Scheduler, SchedulerConfig
+from pagedkv.sched.scheduler import Scheduler
+from pagedkv.sim.config import SimConfig
 from pagedkv.sim.latency.base import LatencyModel, StepShape
 from pagedkv.sim.lazy_request import LazyPromptRequest
 from pagedkv.sim.quiet import jump
-from pagedkv.sim.store import SimStoreConnector, SimTier, TierSpec
+from pagedkv.sim.records import InstanceStats, RequestRecord, StepRecord
+from pagedkv.sim.store import SimStoreConnector, SimTier
 from pagedkv.sim.traces import TraceRequest
 from pagedkv.utils import cdiv
-
-
-@dataclass
-class SimConfig:
-    """The simulated engine's settings, with `EngineArgs`' names where they exist.
-    `num_blocks` counts the null block, as `num_gpu_blocks_override` does; `num_host_blocks`
-    is the swap space, used (as the engine uses it) only with `preemption_mode="swap"`.
-    ValueError naming a bad setting (also from `dataclasses.replace`, as a sweep makes them)."""
-
-    num_blocks: int
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    preemption_mode: str = "recompute"
-    num_host_blocks: int = 0
-    scheduling_policy: str = "fcfs"
-    watermark: float = 0.01
-    enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "sha256"
-    eviction_policy: str = "lru"
-    sliding_window: int | None = None
-    vocab_size: int = 32000
-    jump: bool = True
-    # The KV store's tiers, fastest first (none: no store), and one block's bytes (their
-    # load times).
-    store_tiers: tuple[TierSpec, ...] = ()
-    block_bytes: int = 0
-
-    def __post_init__(self) -> None:
-        check_options(self, ModelOptions, CacheOptions, SchedulerOptions)  # as EngineArgs'
-        for name in ("num_blocks", "block_size", "vocab_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), "
-                             f"got {self.num_blocks}")
-        if not isinstance(self.num_host_blocks, int) or self.num_host_blocks < 0:
-            raise ValueError(f"num_host_blocks must be an int >= 0, got {self.num_host_blocks!r}")
-        if self.vocab_size < 16:
-            raise ValueError(f"vocab_size must be at least 16, got {self.vocab_size}")
-        if not isinstance(self.store_tiers, tuple) or \
-                not all(isinstance(t, TierSpec) for t in self.store_tiers):
-            raise ValueError(f"store_tiers must be a tuple of TierSpec, got {self.store_tiers!r}")
-
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                               max_num_batched_tokens=self.max_num_batched_tokens,
-                               max_model_len=self.max_model_len,
-                               preemption_mode=self.preemption_mode,
-                               scheduling_policy=self.scheduling_policy)
-
-
-@dataclass
-class RequestRecord:
-    """What the simulator measured for one trace request (times in virtual seconds)."""
-
-    index: int
-    arrival: float
-    prompt_tokens: int
-    output_tokens: int  # the trace's (the request's max_tokens)
-    instance: int = 0
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
-    finish: float | None = None
-    num_tokens: int = 0  # tokens produced so far
-    cached_tokens: int = 0
-    num_preemptions: int = 0
-    status: str = "waiting"  # then running | stop | length | error | rejected
-    error: str | None = None
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.arrival
-
-    @property
-    def e2e(self) -> float | None:
-        return None if self.finish is None else self.finish - self.arrival
-
-    @property
-    def tpot(self) -> float | None:
-        if self.first_token is None or self.last_token is None or self.num_tokens < 2:
-            return None
-        return (self.last_token - self.first_token) / (self.num_tokens - 1)
-
-
-@dataclass
-class StepRecord:
-    """One step as the scheduler decided it (kept only with `record_steps`): per scheduled
-    request (id, first position, tokens), and the scheduler's preemption counters after it."""
-
-    scheduled: tuple[tuple[str, int, int], ...]
-    num_preemptions: int
-    num_swaps: int
-
-
-@dataclass
-class InstanceStats:
-    """What an instance's run leaves for the results: steps, busy time, KV usage and queue
-    lengths over time, inter-token gaps."""
-
-    num_steps: int = 0
-    num_jumped_steps: int = 0
-    num_jumps: int = 0
-    busy_time: float = 0.0
-    usage_times: array = field(default_factory=lambda: array("d"))
-    usage_values: array = field(default_factory=lambda: array("d"))
-    # Beside each usage sample: the scheduler's running requests, and the queued ones
-    # (waiting, swapped out, loading their KV).
-    running_values: array = field(default_factory=lambda: array("l"))
-    waiting_values: array = field(default_factory=lambda: array("l"))
-    itl_values: array = field(default_factory=lambda: array("d"))
-    itl_weights: array = field(default_factory=lambda: array("d"))
-
-    def record_usage(self, now: float, usage: float, scheduler: Scheduler) -> None:
-        """One sample of KV usage and the scheduler's queues at `now`."""
-        self.usage_times.append(now)
-        self.usage_values.append(usage)
-        self.running_values.append(len(scheduler.running))
-        self.waiting_values.append(len(scheduler.waiting) + len(scheduler.swapped)
-                                   + len(scheduler.loading))
 
 
 class _SimKVCacheManager(KVCacheManager):
@@ -203,7 +79,7 @@ class SimInstance:
         self.finished: list[RequestRecord] = []
         self.stats = InstanceStats()
         self.steps: list[StepRecord] | None = [] if record_steps else None
-        self._tokens: dict[str, int] = {}  # the token each request "samples"
+        self.sampled_tokens: dict[str, int] = {}  # the token each request "samples"
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -241,7 +117,7 @@ class SimInstance:
             SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=record.arrival)
         self.scheduler.add_request(request)
         self.live[request.request_id] = record
-        self._tokens[request.request_id] = (record.index * 7919 + 13) % cfg.vocab_size
+        self.sampled_tokens[request.request_id] = (record.index * 7919 + 13) % cfg.vocab_size
         return request
 
     # ---- time ---------------------------------------------------------------------------
@@ -279,7 +155,7 @@ class SimInstance:
         stats.busy_time += dt
         sampled = {}
         live = self.live
-        tokens = self._tokens
+        tokens = self.sampled_tokens
         for s in out.scheduled:
             rid = s.request_id
             record = live[rid]
@@ -318,7 +194,7 @@ class SimInstance:
             record = self.live.pop(request.request_id, None)
             if record is None:
                 continue
-            del self._tokens[request.request_id]
+            del self.sampled_tokens[request.request_id]
             record.finish = self.clock
             record.num_preemptions = request.num_preemptions
             record.status = request.status.value

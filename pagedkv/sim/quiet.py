@@ -14,17 +14,33 @@ store and cached), visiting only the steps where something happens. `tests/sim/t
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from pagedkv.kv.manager import AllocStatus
+from pagedkv.kv.manager import AllocStatus, KVCacheManager
 from pagedkv.sched.request import Request
-from pagedkv.sim.latency.base import StepShape
+from pagedkv.sched.scheduler import Scheduler
+from pagedkv.sim.config import SimConfig
+from pagedkv.sim.latency.base import LatencyModel, StepShape
+from pagedkv.sim.records import InstanceStats, RequestRecord
+from pagedkv.sim.store import SimStoreConnector
 
-if TYPE_CHECKING:
-    from pagedkv.sim.instance import SimInstance
+
+class QuietInstance(Protocol):
+    """What a jump reads and writes of a simulated instance (`SimInstance`)."""
+
+    config: SimConfig
+    scheduler: Scheduler
+    kv: KVCacheManager
+    store: SimStoreConnector | None
+    latency: LatencyModel
+    stats: InstanceStats
+    live: dict[str, RequestRecord]  # request id -> its record, while it runs
+    sampled_tokens: dict[str, int]  # request id -> the token it "samples" at every step
+    clock: float
+    cross_arrivals: bool
 
 
-def quiet_limit(instance: SimInstance) -> tuple[int, bool]:
+def quiet_limit(instance: QuietInstance) -> tuple[int, bool]:
     """The most steps that can be jumped now by the rules in the module docstring, ignoring
     arrivals and time (0: the next step must be a real one), and whether arrivals during the
     stretch would change nothing in it: under FCFS a new request joins the waiting queue's
@@ -56,7 +72,7 @@ def quiet_limit(instance: SimInstance) -> tuple[int, bool]:
         head_refused = False
     return int(limit), cfg.scheduling_policy == "fcfs" and (seq_bound or head_refused)
 
-def _head_refused(instance: SimInstance) -> bool:
+def _head_refused(instance: QuietInstance) -> bool:
     """Whether the waiting queue's head would get LATER now (and so, as blocks only get
     scarcer in a quiet stretch, in each of its steps), computed without side effects."""
     head = instance.scheduler.waiting[0]
@@ -74,7 +90,7 @@ def _head_refused(instance: SimInstance) -> bool:
             hits.append(block)
     return kv.can_allocate(head, computed_blocks=hits) == AllocStatus.LATER
 
-def jump(instance: SimInstance, horizon: float) -> None:
+def jump(instance: QuietInstance, horizon: float) -> None:
     """Apply the longest quiet stretch whose steps all start before `horizon`, the next
     arrival (none when the next step must be a real one). With `instance.cross_arrivals`,
     a stretch that arrivals cannot change runs past `horizon`: those arrivals join the
@@ -135,7 +151,7 @@ def jump(instance: SimInstance, horizon: float) -> None:
     stats.busy_time += clock - (first_end - durations[0])
     stats.record_usage(clock, kv.usage, instance.scheduler)
 
-def _apply_quiet_steps(instance: SimInstance, running: list[Request], computed: list[int], held: list[int],
+def _apply_quiet_steps(instance: QuietInstance, running: list[Request], computed: list[int], held: list[int],
                        k: int) -> None:
     """Apply k decode steps to `running` in the order the real steps would: per step, the
     new blocks (running order), the waiting head's prefix lookup, the blocks that became full
@@ -146,7 +162,7 @@ def _apply_quiet_steps(instance: SimInstance, running: list[Request], computed: 
     allocs: dict[int, list[Request]] = {}
     caches: dict[int, list[Request]] = {}
     for r, c, h in zip(running, computed, held, strict=True):
-        token = instance._tokens[r.request_id]
+        token = instance.sampled_tokens[r.request_id]
         extra = [token] * k
         r.output_token_ids.extend(extra)
         r.all_token_ids.extend(extra)

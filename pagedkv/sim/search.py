@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pagedkv.sim.instance import SimConfig
+from pagedkv.sim.config import SimConfig
 from pagedkv.sim.latency.base import LatencyModel
 from pagedkv.sim.results import SLO, summarize
 from pagedkv.sim.simulator import SimResult, simulate

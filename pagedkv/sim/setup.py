@@ -12,7 +12,7 @@ import argparse
 import os
 from typing import Any
 
-from pagedkv.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, load_hf_config
+from pagedkv.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from pagedkv.config.hf_config import config_int, text_config
 from pagedkv.kv.plan import (
     default_max_model_len,
@@ -22,7 +22,8 @@ from pagedkv.kv.plan import (
 )
 from pagedkv.kv.sizes import parse_size
 from pagedkv.kv.spec import bundled_config_names, bundled_config_path, kv_cache_spec_from_hf_config
-from pagedkv.sim.instance import SimConfig
+from pagedkv.model.config_files import load_hf_config
+from pagedkv.sim.config import SimConfig
 from pagedkv.sim.store import DEFAULT_TIER_SPEEDS, TierSpec
 from pagedkv.store.sizing import disk_tier_blocks, host_tier_blocks
 

@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 
 from pagedkv.router.policies import Candidate, RouteRequest, make_policy
 from pagedkv.router.prefix_index import PrefixMatch
+from pagedkv.sim.config import SimConfig
 from pagedkv.sim.frontend import FrontendDelays, frontend_of, observed
-from pagedkv.sim.instance import RequestRecord, SimConfig, SimInstance
+from pagedkv.sim.instance import SimInstance
 from pagedkv.sim.latency.base import LatencyModel
+from pagedkv.sim.records import RequestRecord
 from pagedkv.sim.traces import TraceRequest, prompt_token_ids
 
 

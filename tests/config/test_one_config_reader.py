@@ -12,7 +12,7 @@ from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.kv_setup import plan_kv_cache
 from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
 from pagedkv.kv.spec import FullAttentionSpec, SlidingWindowSpec, kv_cache_spec_from_hf_config
-from pagedkv.model.config import ModelConfig
+from pagedkv.model.registry import model_config_from_dict, model_config_from_dir
 from pagedkv.model.runner import ModelRunner
 from pagedkv.testing import build_random_model_dir
 
@@ -28,7 +28,7 @@ def test_qwen2_sliding_window_without_use_sliding_window_is_full_attention_every
     # transformers' Qwen2Config drops sliding_window unless use_sliding_window is true.
     spec = kv_cache_spec_from_hf_config(QWEN2, block_size=16)
     assert type(spec) is FullAttentionSpec and spec.sliding_window is None
-    assert ModelConfig.from_dict(QWEN2).layer_sliding_windows == (None,) * 4
+    assert model_config_from_dict(QWEN2).layer_sliding_windows == (None,) * 4
     # And through the engine's sizing of a real model directory.
     d = build_random_model_dir(tmp_path / "q", "qwen2", num_layers=2)
     cfg = json.loads((d / "config.json").read_text())
@@ -37,21 +37,21 @@ def test_qwen2_sliding_window_without_use_sliding_window_is_full_attention_every
     (d / "config.json").write_text(json.dumps(cfg))
     setup = plan_kv_cache(EngineArgs(model=str(d), block_size=4, device="cpu"))
     assert setup.sliding_window is None and type(setup.spec) is FullAttentionSpec
-    assert ModelConfig.from_dir(d).layer_sliding_windows == (None, None)
+    assert model_config_from_dir(d).layer_sliding_windows == (None, None)
 
 
 def test_qwen2_use_sliding_window_and_max_window_layers_mix_layers():
     mixed = {**QWEN2, "use_sliding_window": True, "max_window_layers": 1}
     windows = (None, 4096, 4096, 4096)
     assert HFModelConfig.from_dict(mixed).layer_sliding_windows == windows
-    assert ModelConfig.from_dict(mixed).layer_sliding_windows == windows
+    assert model_config_from_dict(mixed).layer_sliding_windows == windows
     # Mixed layers: a KV cache group per attention type (1 full layer, 3 sliding: groups of
     # one layer each), the windows from the same reader.
     spec = kv_cache_spec_from_hf_config(mixed)
     assert type(spec) is HybridKVCacheSpec
     assert [g.sliding_window for g in spec.groups] == [None, 4096, 4096, 4096]
     all_slide = {**mixed, "max_window_layers": 0}
-    assert ModelConfig.from_dict(all_slide).layer_sliding_windows == (4096,) * 4
+    assert model_config_from_dict(all_slide).layer_sliding_windows == (4096,) * 4
     assert type(kv_cache_spec_from_hf_config(all_slide)) is SlidingWindowSpec
 
 

@@ -322,8 +322,8 @@ def test_a_simulator_log_replays_beside_the_live_run(browser, server, tmp_path):
     """A `pagedkv simulate --event-log` log loaded in a live page opens in a window of its own
     and ends in the simulated pool's final counts; the live page stays live."""
     from pagedkv.server.dashboard.state import PageState
+    from pagedkv.sim.config import SimConfig
     from pagedkv.sim.event_log import SimEventLog
-    from pagedkv.sim.instance import SimConfig
     from pagedkv.sim.latency import FunctionLatency
     from pagedkv.sim.simulator import simulate
     from tests.sim.workloads import shared_prefix_trace

@@ -13,8 +13,8 @@ import pytest
 
 from pagedkv.kv.observer import pool_snapshot
 from pagedkv.server.dashboard.state import PageState
+from pagedkv.sim.config import SimConfig
 from pagedkv.sim.event_log import SimEventLog
-from pagedkv.sim.instance import SimConfig
 from pagedkv.sim.latency import FunctionLatency, StepShape
 from pagedkv.sim.simulator import simulate
 from tests.sim.workloads import shared_prefix_trace, simulate_cli_without_torch

@@ -9,6 +9,7 @@ import signal
 
 import pytest
 
+from pagedkv.config.errors import ErrorKind
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.core_client import CoreDeadError
 from pagedkv.engine.llm_engine import LLMEngine
@@ -157,6 +158,9 @@ def test_wire_codec_round_trips_requests_and_outputs():
     out = CoreOutput("r1#1", [7, 8], new_logprobs=[{7: -0.5}, {8: -1.0, 2: -2.0}],
                      finish_reason="stop", stop_reason=2, parent_id="r1", sample_index=1)
     assert codec.decode_core(codec.encode(CoreStepOutputs([out]))).outputs == [out]
+    failed = CoreOutput("r2", finish_reason="error", error="boom", error_kind=ErrorKind.INTERNAL)
+    (back_failed,) = codec.decode_core(codec.encode(CoreStepOutputs([failed]))).outputs
+    assert back_failed == failed and back_failed.error_kind is ErrorKind.INTERNAL
 
 
 def test_a_killed_core_ends_the_step_with_a_clear_error(tiny_llama):

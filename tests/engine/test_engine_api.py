@@ -37,6 +37,19 @@ def test_prompt_that_can_never_fit_is_refused_at_add_request(tiny_llama, make_ll
         assert len(output.outputs[0].token_ids) == 4
 
 
+def test_engine_ready_is_what_the_core_was_built_with(tiny_llama, make_llm):
+    """`LLMEngine.ready`: the core's own account of its sizes, read without reaching into it."""
+    llm = make_llm(tiny_llama, block_size=4, num_gpu_blocks_override=9, max_model_len=512,
+                   dtype="float32")
+    engine = llm.llm_engine
+    ready = engine.ready
+    kv = engine.scheduler.kv_cache_manager
+    assert (ready.block_size, ready.num_gpu_blocks, ready.max_model_len) == (4, 9, 512)
+    assert ready.num_usable_blocks == kv.num_usable_blocks == 8
+    assert ready.vocab_size == engine.vocab_size and ready.model_dtype == "float32"
+    assert ready.kv_cache_dtype == engine.kv_cache_dtype != "auto"
+
+
 def test_bad_prompts_raise_value_error_and_leak_nothing(tiny_llama, make_llm):
     llm = make_llm(tiny_llama, max_model_len=64)
     with pytest.raises(ValueError, match="empty"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv import SamplingParams
+from pagedkv.config.errors import ErrorKind
 from pagedkv.model.kv_cache import KVCache
 from tests.engine.conftest import assert_pool_empty, hf_greedy, make_prompts
 
@@ -88,7 +89,8 @@ def test_a_failing_step_ends_only_its_requests(tiny_llama, make_llm, mode, fail_
         if rid in victims:
             assert completion.finish_reason == "error"
             assert "injected fault" in output.error and "model step failed" in output.error
+            assert output.error_kind is ErrorKind.INTERNAL
         else:
-            assert output.error is None
+            assert output.error is None and output.error_kind is None
             assert completion.token_ids == hf_greedy(tiny_llama, prompts[int(rid)], MAX_TOKENS)
     assert_pool_empty(llm)

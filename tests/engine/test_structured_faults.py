@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv import SamplingParams, StructuredOutputsParams
+from pagedkv.config.errors import ErrorKind
 from tests.engine.conftest import hf_greedy
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [20, 21, 22, 23]]
@@ -102,5 +103,6 @@ def test_a_grammar_error_ends_only_its_own_request(llm, tiny_llama):
     final, plain = _run(llm, params, break_it)
     assert final.outputs[0].finish_reason == "error"
     assert "internal state lost" in final.error
+    assert final.error_kind is ErrorKind.INVALID  # the request's own grammar: a 400
     assert ".cc" not in final.error and "Check failed" not in final.error
     _check_others(tiny_llama, plain)

@@ -10,7 +10,6 @@ from pagedkv.config import (
     HFModelConfig,
     canonical_dtype,
     dtype_bytes,
-    load_hf_config,
     resolve_dtype,
 )
 from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
@@ -22,6 +21,7 @@ from pagedkv.kv.spec import (
     bundled_config_path,
     kv_cache_spec_from_hf_config,
 )
+from pagedkv.model.config_files import load_hf_config
 
 # Trimmed to the keys that matter, values as published on the Hugging Face hub.
 LLAMA_3_8B = {

@@ -13,10 +13,10 @@ import torch
 from gguf import GGMLQuantizationType
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.model.config import ModelConfig
 from pagedkv.model.gguf.file import open_gguf
 from pagedkv.model.gguf.tensors import GGUFCheckpoint
 from pagedkv.model.loader import load_state_dict
+from pagedkv.model.registry import model_config_from_dir
 from pagedkv.model.tokenizer import Tokenizer
 from tests.model.gguf_files import write_gguf
 
@@ -46,8 +46,8 @@ def test_gguf_runs_like_its_checkpoint(request, tmp_path, model):
     for name in ours:  # (w + 1) - 1 is w only to float32 rounding
         assert torch.allclose(ours.get_tensor(name), want[name].float(), rtol=0, atol=1e-7 if
                               "gemma" in model and name.endswith("norm.weight") else 0), name
-    expected = ModelConfig.from_dir(model_dir)
-    got = ModelConfig.from_dir(path)
+    expected = model_config_from_dir(model_dir)
+    got = model_config_from_dir(path)
     for field in ("architecture", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
                   "head_dim", "vocab_size", "tie_word_embeddings", "qkv_bias", "qk_norm",
                   "layer_sliding_windows", "rope_theta", "rms_norm_eps"):

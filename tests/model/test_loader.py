@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagedkv.model import ModelConfig, ModelRunner
+from pagedkv.model import ModelRunner
+from pagedkv.model.registry import model_config_from_dict, model_config_from_dir
 from pagedkv.testing import build_random_model_dir
 from tests.model.driver import prefill_logits
 
@@ -82,14 +83,14 @@ def test_bad_tensor(model_dir, tmp_path, bad):
 
 def test_missing_files(tmp_path, model_dir):
     with pytest.raises(ValueError, match="model directory not found"):
-        ModelConfig.from_dir(tmp_path / "nope")
+        model_config_from_dir(tmp_path / "nope")
     d = copy_dir(model_dir, tmp_path / "noweights")
     (d / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="no \\*.safetensors weights"):
         ModelRunner(d, block_size=4, num_blocks=8)
     (d / "config.json").unlink()
     with pytest.raises(ValueError, match="missing file.*config.json"):
-        ModelConfig.from_dir(d)
+        model_config_from_dir(d)
 
 
 def test_config_parsing():
@@ -98,15 +99,15 @@ def test_config_parsing():
             "vocab_size": 100, "sliding_window": 32, "use_sliding_window": False,
             "torch_dtype": "bfloat16", "eos_token_id": [5, 6],
             "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}
-    cfg = ModelConfig.from_dict(base, {"eos_token_id": 7})
+    cfg = model_config_from_dict(base, {"eos_token_id": 7})
     assert (cfg.head_dim, cfg.qkv_bias, cfg.qk_norm, cfg.sliding_window) == (16, True, False, None)
     assert cfg.rope_theta == 1e6 and cfg.rope_scaling is None and cfg.torch_dtype == "bfloat16"
     assert cfg.eos_token_ids == (7, 5, 6)
-    cfg = ModelConfig.from_dict({**base, "use_sliding_window": True, "max_window_layers": 2})
+    cfg = model_config_from_dict({**base, "use_sliding_window": True, "max_window_layers": 2})
     assert cfg.layer_sliding_windows == (None, None, 32, 32)
     mistral = {**base, "architectures": ["MistralForCausalLM"], "sliding_window": None}
-    assert ModelConfig.from_dict(mistral).sliding_window is None
-    cfg = ModelConfig.from_dict({**base, "rope_scaling": {"type": "linear", "factor": 4.0}})
+    assert model_config_from_dict(mistral).sliding_window is None
+    cfg = model_config_from_dict({**base, "rope_scaling": {"type": "linear", "factor": 4.0}})
     assert cfg.rope_scaling == {"rope_type": "linear", "factor": 4.0}
     with pytest.raises(ValueError, match="unsupported RoPE scaling type 'yarn'"):
-        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        model_config_from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})

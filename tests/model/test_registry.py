@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from pagedkv.model import registry
-from pagedkv.model.config import ModelConfig
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.qwen2 import Qwen2ForCausalLM
 from pagedkv.model.qwen3 import Qwen3ForCausalLM
+from pagedkv.model.registry import model_config_from_dict
 from pagedkv.model.runner import ModelRunner
 from pagedkv.testing import build_random_model_dir
 from tests.model.driver import prefill_logits
@@ -34,7 +34,7 @@ def test_registered_architectures_resolve_to_their_classes():
 def test_config_adapters_set_the_architecture_fields():
     base = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
             "num_attention_heads": 4, "vocab_size": 640}
-    fields = {arch: ModelConfig.from_dict({**base, "architectures": [arch]})
+    fields = {arch: model_config_from_dict({**base, "architectures": [arch]})
               for arch in registry.supported_architectures()}
     flags = {a: (c.qkv_bias, c.o_bias, c.qk_norm) for a, c in fields.items()}
     assert flags == {"LlamaForCausalLM": (False, False, False),
@@ -43,7 +43,7 @@ def test_config_adapters_set_the_architecture_fields():
                      "Qwen3ForCausalLM": (False, False, True),
                      "Gemma2ForCausalLM": (False, False, False),
                      "Gemma3ForCausalLM": (False, False, True)}
-    biased = ModelConfig.from_dict({**base, "architectures": ["LlamaForCausalLM"],
+    biased = model_config_from_dict({**base, "architectures": ["LlamaForCausalLM"],
                                     "attention_bias": True})
     assert (biased.qkv_bias, biased.o_bias) == (True, True)
 

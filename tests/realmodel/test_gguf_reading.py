@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv.model.config import ModelConfig
 from pagedkv.model.gguf.file import open_gguf
+from pagedkv.model.registry import model_config_from_dir
 from pagedkv.model.tokenizer import Tokenizer
 from pagedkv.testing.hf_reference import transformers_config
 
@@ -51,7 +51,7 @@ def test_tensors_and_config_equal_transformers_reader(real_model_path, real_stat
     assert set(theirs["tensors"]) == set(real_state_dict)
     for name, tensor in theirs["tensors"].items():  # q/k un-permuted alike, bit for bit
         assert torch.equal(real_state_dict[name], tensor), name
-    ours = ModelConfig.from_dir(real_model_path)
+    ours = model_config_from_dir(real_model_path)
     config = theirs["config"]
     assert (ours.num_layers, ours.hidden_size, ours.intermediate_size, ours.num_heads,
             ours.num_kv_heads, ours.head_dim, ours.vocab_size, ours.tie_word_embeddings) == (
@@ -91,7 +91,7 @@ def test_same_file_in_a_folder_or_by_path(real_model_path, tmp_path):
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "m.gguf").symlink_to(real_model_path)
-    assert ModelConfig.from_dir(folder) == ModelConfig.from_dir(real_model_path)
+    assert model_config_from_dir(folder) == model_config_from_dir(real_model_path)
     (folder / "other.gguf").symlink_to(real_model_path)
     with pytest.raises(ValueError, match=r"holds 2 GGUF files \(m.gguf, other.gguf\)"):
-        ModelConfig.from_dir(folder)
+        model_config_from_dir(folder)

@@ -14,11 +14,14 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
+from pagedkv.config.errors import ErrorKind
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.server.app import create_app
 from pagedkv.server.graceful import DrainingServer, bind_socket
+from pagedkv.server.serving import failure
 from tests.engine.conftest import hf_greedy
 
 POISON = 399  # a prompt starting with this token makes the runner raise
@@ -70,6 +73,19 @@ def test_runner_fault_ends_its_request_and_the_server_keeps_answering(engine, ti
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert outputs[-1].outputs[0].token_ids == hf_greedy(tiny_llama, good, 6)
+
+
+def test_the_status_of_a_failed_request_follows_its_error_kind_not_its_text():
+    """A model step's failure is the server's (500), a request that can never run the
+    client's (400), whatever the message says."""
+    def ended(error: str, kind: ErrorKind) -> RequestOutput:
+        return RequestOutput("r", None, [1], [CompletionOutput(0, "", [], finish_reason="error")],
+                             finished=True, error=error, error_kind=kind)
+
+    internal = failure(ended("worded like a bad request", ErrorKind.INTERNAL))
+    assert (internal.status_code, internal.type) == (500, "internal_server_error")
+    invalid = failure(ended("internal error: the model step failed: (a prompt)", ErrorKind.INVALID))
+    assert (invalid.status_code, invalid.param) == (400, "prompt")
 
 
 def test_a_step_that_raises_elsewhere_fails_what_is_in_flight_and_goes_on(engine):

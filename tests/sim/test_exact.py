@@ -9,8 +9,9 @@ import pytest
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.sched.sampling_params import SamplingParams
-from pagedkv.sim.instance import SimConfig, StepRecord
+from pagedkv.sim.config import SimConfig
 from pagedkv.sim.latency import FunctionLatency, StepShape
+from pagedkv.sim.records import StepRecord
 from pagedkv.sim.simulator import simulate
 from pagedkv.sim.traces import prompt_token_ids
 from tests.sim.workloads import shared_prefix_trace

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
+from pagedkv.sim.config import SimConfig
 from pagedkv.sim.frontend import FrontendDelays, frontend_of
-from pagedkv.sim.instance import SimConfig
 from pagedkv.sim.latency import FittedLatency, FunctionLatency
 from pagedkv.sim.simulator import simulate
 from pagedkv.sim.traces import TraceRequest

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from pagedkv.sim.instance import SimConfig
+from pagedkv.sim.config import SimConfig
 from pagedkv.sim.latency import FunctionLatency, StepShape
 from pagedkv.sim.simulator import simulate
 from pagedkv.sim.store import TierSpec

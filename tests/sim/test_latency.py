@@ -204,8 +204,8 @@ def test_engine_step_log_and_fit_from(tiny_llama, tmp_path, capsys):
     from pagedkv.cli import main
     from pagedkv.engine.args import EngineArgs
     from pagedkv.engine.llm_engine import LLMEngine
+    from pagedkv.engine.step_log import read_step_log
     from pagedkv.sched.sampling_params import SamplingParams
-    from pagedkv.sim.step_log import read_step_log
 
     log = tmp_path / "steps.jsonl"
     engine = LLMEngine(EngineArgs(model=str(tiny_llama), device="cpu", cpu_kernels="off",

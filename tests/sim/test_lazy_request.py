@@ -9,9 +9,11 @@ import weakref
 
 from pagedkv.sched.request import Request
 from pagedkv.sched.sampling_params import SamplingParams
-from pagedkv.sim.instance import RequestRecord, SimConfig, SimInstance
+from pagedkv.sim.config import SimConfig
+from pagedkv.sim.instance import SimInstance
 from pagedkv.sim.latency.fixed import LinearLatency
 from pagedkv.sim.lazy_request import LazyPromptRequest
+from pagedkv.sim.records import RequestRecord
 from pagedkv.sim.traces import TraceRequest, prompt_token_ids
 
 from .workloads import shared_prefix_trace

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv.cli import main
-from pagedkv.sim.instance import SimConfig
+from pagedkv.sim.config import SimConfig
 from pagedkv.sim.latency import FunctionLatency
 from pagedkv.sim.plots import PlotTitle, run_figure, sweep_figure
 from pagedkv.sim.results import SLO

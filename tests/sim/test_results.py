@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from pagedkv.sim.instance import SimConfig
+from pagedkv.sim.config import SimConfig
 from pagedkv.sim.latency import FunctionLatency, StepShape
 from pagedkv.sim.results import SLO, format_table, percentile, summarize
 from pagedkv.sim.search import capacity_search, parse_sweep, run_with, sweep

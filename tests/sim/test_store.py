@@ -10,13 +10,13 @@ import random
 
 import pytest
 
-from pagedkv.config import load_hf_config
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.kv.sizes import GiB
 from pagedkv.kv.spec import kv_cache_spec_from_hf_config
+from pagedkv.model.config_files import load_hf_config
 from pagedkv.sched.sampling_params import SamplingParams
-from pagedkv.sim.instance import SimConfig
+from pagedkv.sim.config import SimConfig
 from pagedkv.sim.latency import LinearLatency
 from pagedkv.sim.results import summarize
 from pagedkv.sim.setup import parse_tier_speeds, store_tiers

@@ -18,11 +18,11 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from pagedkv.config import load_hf_config
 from pagedkv.config.dtypes import dtype_bytes, resolve_dtype
 from pagedkv.config.hf_config import HFModelConfig
 from pagedkv.kv.plan import estimate_num_params
 from pagedkv.kv.spec import kv_cache_spec_from_hf_config
+from pagedkv.model.config_files import load_hf_config
 from pagedkv.sim.latency.base import StepShape
 
 

@@ -20,9 +20,9 @@ import time
 from dataclasses import asdict, fields
 from pathlib import Path
 
+from pagedkv.engine.step_shape import StepShape
 from pagedkv.jsonl import JsonLinesWriter
 from pagedkv.sched.output import SchedulerOutput
-from pagedkv.sim.latency.base import StepShape
 
 _SHAPE_FIELDS = tuple(f.name for f in fields(StepShape))
 _LATER = ("prefill_past",)  # shape fields a log written before they existed lacks
