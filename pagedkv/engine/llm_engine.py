@@ -61,7 +61,7 @@ class LLMEngine:
         if core_process:
             self.client: CoreClient = MPCoreClient(args)
         else:
-            self.core = EngineCore(args, tokenizer=self.tokenizer)
+            self.core = EngineCore.from_args(args, tokenizer=self.tokenizer)
             self.client = InprocCoreClient(self.core)
         ready = self.client.ready
         self.max_model_len = ready.max_model_len
