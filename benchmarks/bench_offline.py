@@ -169,10 +169,10 @@ def pagedkv_worker(spec: dict) -> None:
     from pagedkv import LLM, SamplingParams
 
     if not spec.get("engine_warmup", True):  # --first-run's baseline: the engine of before
-        from pagedkv.engine.core import EngineCore
+        from pagedkv.engine import compose
         from pagedkv.model.cpu_threads import CpuThreadGovernor
 
-        EngineCore._warm_up = lambda self, setup: None
+        compose.warm_up = lambda *parts: None
         CpuThreadGovernor.step_done = lambda self: None  # a long step counted as idle
     llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=0, enable_prefix_caching=True,
               block_size=spec["block_size"], max_num_batched_tokens=spec["max_num_batched_tokens"],

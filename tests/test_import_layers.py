@@ -33,26 +33,6 @@ CORE_ONLY = ("pagedkv.model", "pagedkv.sched.scheduler", "pagedkv.kv.manager",
              "pagedkv.engine.core")
 # Today's violations that their owners are removing: this set may only shrink.
 KNOWN_VIOLATIONS = {
-    # compose: the store below model, the runner not building its own store, the model not
-    # reading EngineArgs, the overlapped stepper not importing the core back
-    ("pagedkv.store.connector", "pagedkv.model.kv_cache"),
-    ("pagedkv.store.connector", "pagedkv.model.parallel.group"),
-    ("pagedkv.store.connector", "pagedkv.sched.output"),
-    ("pagedkv.store.connector", "pagedkv.sched.request"),
-    ("pagedkv.store.lookup", "pagedkv.sched.request"),
-    ("pagedkv.store.factory", "pagedkv.engine.args"),
-    ("pagedkv.store.factory", "pagedkv.model.executor"),
-    ("pagedkv.store.factory", "pagedkv.model.kv_cache"),
-    ("pagedkv.store.factory", "pagedkv.model.loader"),
-    ("pagedkv.store.factory", "pagedkv.model.parallel.group"),
-    ("pagedkv.store.factory", "pagedkv.model.runner"),
-    ("pagedkv.store.factory", "pagedkv.sched.scheduler"),
-    ("pagedkv.model.runner", "pagedkv.store.factory"),
-    ("pagedkv.model.runner", "pagedkv.engine.args"),
-    ("pagedkv.model.executor", "pagedkv.engine.args"),
-    ("pagedkv.model.executor.multiproc", "pagedkv.engine.args"),
-    ("pagedkv.engine.core", "pagedkv.engine.overlap"),
-    ("pagedkv.engine.overlap", "pagedkv.engine.core"),
     # http: the router on the shared HTTP package, never the server
     ("pagedkv.router.app", "pagedkv.server.auth"),
     ("pagedkv.router.app", "pagedkv.server.body_limit"),

@@ -18,29 +18,20 @@ from typing import TYPE_CHECKING
 
 from pagedkv.config.errors import EngineFatalError, ErrorKind
 from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.compose import CoreParts, build_core
 from pagedkv.engine.dashboard_calls import DashboardCalls
-from pagedkv.engine.kv_setup import (
-    GpuMemoryProfile,
-    KVCacheSetup,
-    plan_kv_cache,
-    resolve_max_num_batched_tokens,
-)
 from pagedkv.engine.messages import CoreOutput, EngineCoreRequest, EngineReady, params_from_wire
 from pagedkv.engine.overlap import OverlappedStepper
 from pagedkv.engine.runner_facts import runner_facts
 from pagedkv.engine.stats import EngineStats, IterationTokens, scheduler_stats
-from pagedkv.engine.warmup import warmup_steps
-from pagedkv.events.config import parse_kv_events_config
-from pagedkv.events.publisher import make_event_publisher, to_wire_events
-from pagedkv.kv.manager import KVCacheManager
+from pagedkv.events.publisher import to_wire_events
 from pagedkv.kv.pins import PinInfo
 from pagedkv.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedkv.sched.request import FINISHED_STATUSES, Request, RequestStatus
-from pagedkv.sched.scheduler import Scheduler, SchedulerConfig
 from pagedkv.sched.validation import check_cache_salt
-from pagedkv.store.factory import attach_kv_store
 
 if TYPE_CHECKING:
+    from pagedkv.model.tokenizer import Tokenizer
     from pagedkv.structured.backend import XGrammarBackend
 
 logger = logging.getLogger(__name__)
@@ -55,107 +46,41 @@ class EngineCore:
     """See the module docstring. `step()` mutates the scheduler's queues, the KV manager's
     blocks and the runner's cache; the outputs it returns are new objects each step."""
 
-    def __init__(self, args: EngineArgs, tokenizer=None) -> None:  # noqa: ANN001
-        from pagedkv.engine.executor import build_executor
-        from pagedkv.model.hub import resolve_model_args
-        from pagedkv.model.loader import check_model_dir
-        from pagedkv.model.runner import resolve_device
-        from pagedkv.model.tokenizer import Tokenizer
-
-        args.validate()
-        if not args.model:
-            raise ValueError("model must be a model directory, got ''")
-        resolve_model_args(args)  # a Hugging Face id -> its local snapshot
-        check_model_dir(args.model)  # config.json vs the checkpoint, before sizing anything
-        self.args = args
-        self.tokenizer = tokenizer or Tokenizer.from_dir(args.tokenizer or args.model)
-        profiled = resolve_device(args.device).type == "cuda" \
-            and args.num_gpu_blocks_override is None and args.kv_cache_memory_bytes is None
-        setup: KVCacheSetup | None = None if profiled else plan_kv_cache(args)  # fails early
-        # The executor: the ModelRunner itself, or rank 0 of a tensor-parallel group (the
-        # scheduler below decides once, on rank 0, for every rank).
-        self.runner = build_executor(args, None if setup is None else setup.spec)
-        try:
-            self._set_up(args, setup)
-        except BaseException:  # no worker rank, store thread or weight outlives a failed start
-            self.runner.shutdown()
-            raise
-
-    def _set_up(self, args: EngineArgs, setup: KVCacheSetup | None) -> None:
-        """The rest of __init__ once the executor runs: the KV cache, the scheduler and its KV
-        manager, the KV store and the event publisher (sets them on self)."""
-        from pagedkv.model.cuda_graphs import decode_batch_sizes
-        from pagedkv.model.runner import resolve_device
-
-        if setup is None:
-            setup = plan_kv_cache(args, self._profile_memory(args))
-        self.kv_setup = setup
-        self.max_model_len = setup.max_model_len
-        self.runner.allocate_kv_cache(setup.num_blocks, setup.num_host_blocks)
-        if not args.enforce_eager:
-            self.runner.capture_cuda_graphs(decode_batch_sizes(args.max_num_seqs),
-                                            setup.max_model_len)
-        if resolve_device(args.device).type == "cpu":
-            self._warm_up(setup)
+    def __init__(self, parts: CoreParts) -> None:
+        """Own `parts` (compose.py builds them: `EngineCore.from_args`)."""
+        self.args = parts.args
+        self.tokenizer = parts.tokenizer
+        self.runner = parts.executor
+        self.kv_setup = parts.kv_setup
+        self.max_model_len = parts.kv_setup.max_model_len
+        self.scheduler = parts.scheduler
+        self.kv_store = parts.kv_store
+        self.event_publisher = parts.event_publisher
+        self.step_log = parts.step_log
         self.model_config = self.runner.model_config
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
-        events_config = parse_kv_events_config(args.kv_events_config)
-        kv = KVCacheManager.from_spec(
-            setup.spec, num_blocks=setup.num_blocks,
-            num_host_blocks=setup.num_host_blocks, enable_caching=args.enable_prefix_caching,
-            watermark=args.watermark, hash_algo=args.prefix_caching_hash_algo,
-            enable_kv_cache_events=events_config.enabled, eviction_policy=args.eviction_policy,
-            max_pinned_fraction=args.max_pinned_fraction,
-            prefix_match_unit=args.prefix_match_unit,
-            max_num_batched_tokens=setup.max_num_batched_tokens)
-        self.scheduler = Scheduler(SchedulerConfig.from_options(
-            args, max_num_batched_tokens=setup.max_num_batched_tokens,
-            max_model_len=self.max_model_len), kv)
         self._structured_backend: XGrammarBackend | None = None
         self._structured_lock = threading.Lock()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.iteration_tokens = IterationTokens()  # tokens per step, for vllm:iteration_tokens_total
-        self.kv_store = attach_kv_store(args, setup.sliding_window, self.runner, self.scheduler,
-                                        events_config.enabled)
-        self.event_publisher = make_event_publisher(events_config)
         self.dashboard = DashboardCalls(self)  # the dashboard's utility calls
-        self.step_log = None
-        if args.step_log:
-            from pagedkv.engine.step_log import StepLog
-
-            self.step_log = StepLog(args.step_log)
         # Closed once: by shutdown(), or when the core is garbage-collected.
         self._closers = [weakref.finalize(self, closable.close)
                          for closable in (self.kv_store, self.event_publisher, self.step_log)
                          if closable is not None]
         self.overlap: OverlappedStepper | None = None
-        if args.async_scheduling:  # (refused with a KV store: EngineArgs.validate)
-            self.overlap = OverlappedStepper(self, str(resolve_device(args.device)))
+        if self.args.async_scheduling:  # (refused with a KV store: EngineArgs.validate)
+            from pagedkv.model.runner import resolve_device
 
-    def _warm_up(self, setup: KVCacheSetup) -> None:
-        """(CPU) Run the throwaway warm-up steps (warmup.py) through the runner: the first
-        request's steps then run as fast as later ones. Skipped for caches of several KV
-        cache groups (their block tables differ per group)."""
-        if getattr(self.runner, "layer_groups", None) is not None:
-            return
-        for out in warmup_steps(setup.max_num_batched_tokens, self.args.max_num_seqs,
-                                setup.max_model_len, self.args.block_size, setup.num_blocks):
-            self.runner.execute(out)
+            self.overlap = OverlappedStepper(self, str(resolve_device(self.args.device)))
 
-    def _profile_memory(self, args: EngineArgs) -> GpuMemoryProfile:
-        """(CUDA, no explicit KV size) This engine's weights and the peak activation of a
-        profile forward pass at max_num_batched_tokens, and the memory free afterwards."""
-        import torch
-
-        runner = self.runner
-        max_len = args.max_model_len or runner.model_config.max_position_embeddings
-        peak = runner.profile_activation_peak(resolve_max_num_batched_tokens(args),
-                                              args.max_num_seqs, max_len)
-        free, total = torch.cuda.mem_get_info(runner.device)
-        return GpuMemoryProfile(total_bytes=total, free_bytes=free,
-                                weights_bytes=runner.weights_bytes, activation_peak_bytes=peak)
+    @classmethod
+    def from_args(cls, args: EngineArgs, tokenizer: Tokenizer | None = None) -> EngineCore:
+        """The core `args` describe, its parts built by `compose.build_core` (which loads the
+        model; a failed start leaves no rank, store thread or weight behind)."""
+        return cls(build_core(args, tokenizer))
 
     def ready(self) -> EngineReady:
         kv = self.scheduler.kv_cache_manager

@@ -92,7 +92,7 @@ def start_core_client(args: EngineArgs, tokenizer: Any, *, core_process: bool) -
     this one sharing the frontend's `tokenizer`; returns once it is ready."""
     if core_process:
         return MPCoreClient(args)
-    return InprocCoreClient(EngineCore(args, tokenizer=tokenizer))
+    return InprocCoreClient(EngineCore.from_args(args, tokenizer=tokenizer))
 
 
 class InprocCoreClient:

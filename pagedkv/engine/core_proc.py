@@ -87,7 +87,7 @@ def run_engine_core(args: EngineArgs, in_addr: str, out_addr: str,
     try:
         from pagedkv.engine.core import EngineCore
 
-        core = EngineCore(args)
+        core = EngineCore.from_args(args)
     except BaseException as exc:  # the frontend raises it again, by type
         if isinstance(exc, ValueError):  # a configuration error: its message says it all
             logger.debug("the engine core failed to start", exc_info=True)

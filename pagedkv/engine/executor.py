@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.args import EngineArgs
 from pagedkv.kv.spec import KVCacheSpec
+from pagedkv.model.runner_config import RunnerConfig
+from pagedkv.store.config import StoreConfig
 
 if TYPE_CHECKING:
     from pagedkv.model.executor import Executor
@@ -15,13 +17,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def runner_kwargs(args: EngineArgs, spec: KVCacheSpec | None,
-                  cpu_threads: int | None) -> dict:
-    """ModelRunner's keyword arguments for `args` (every rank gets the same)."""
-    return dict(block_size=args.block_size, num_blocks=None, dtype=args.dtype,
-                device=args.device, seed=args.seed, kv_cache_spec=spec,
-                cpu_kernels=args.cpu_kernels, cpu_threads=cpu_threads,
-                kv_cache_dtype=args.kv_cache_dtype)
+def runner_config(args: EngineArgs, spec: KVCacheSpec | None,
+                  kv_store: StoreConfig | None) -> RunnerConfig:
+    """What every rank's ModelRunner is built from, for `args` (`spec`: one rank's KV cache
+    spec, or None to build it from the model's config; `kv_store`: the store each rank builds
+    over its KV cache, None for none)."""
+    return RunnerConfig(model=args.model, block_size=args.block_size, dtype=args.dtype,
+                        device=args.device, seed=args.seed, kv_cache_spec=spec,
+                        cpu_kernels=args.cpu_kernels, cpu_threads=rank_cpu_threads(args),
+                        kv_cache_dtype=args.kv_cache_dtype, kv_store=kv_store)
 
 
 def rank_cpu_threads(args: EngineArgs) -> int | None:
@@ -43,9 +47,9 @@ def init_method(args: EngineArgs) -> str | None:
     return f"tcp://{args.master_addr}:{args.master_port}"
 
 
-def build_executor(args: EngineArgs, spec: KVCacheSpec | None) -> Executor:
-    """The executor for `args` with its model loaded and no KV cache yet (`spec`: one rank's
-    KV cache spec, or None to build it from the config)."""
+def build_executor(args: EngineArgs, config: RunnerConfig) -> Executor:
+    """The executor for `args`' parallel layout, every rank's runner built from `config`, with
+    its model loaded and no KV cache yet."""
     from pagedkv.model.runner import ModelRunner
 
     if args.node_rank > 0:
@@ -58,16 +62,13 @@ def build_executor(args: EngineArgs, spec: KVCacheSpec | None) -> Executor:
         cfg = model_config_from_dir(args.model)
         check_tensor_parallel_size(args.tensor_parallel_size, cfg.num_heads, cfg.num_kv_heads,
                                    cfg.intermediate_size)
-    threads = rank_cpu_threads(args)
-    kwargs = runner_kwargs(args, spec, threads)
     if args.tensor_parallel_size == 1:
-        return ModelRunner(args.model, **kwargs)
+        return ModelRunner.from_config(config)
     from pagedkv.model.executor.multiproc import MultiProcExecutor
 
-    return MultiProcExecutor(args.model, kwargs, size=args.tensor_parallel_size,
+    return MultiProcExecutor(config, size=args.tensor_parallel_size,
                              ranks_per_node=args.tensor_parallel_size // args.nnodes,
-                             device=args.device, timeout_s=args.distributed_timeout_s,
-                             init_method=init_method(args), worker_threads=threads)
+                             timeout_s=args.distributed_timeout_s, init_method=init_method(args))
 
 
 def run_node_ranks(args: EngineArgs) -> int:

@@ -15,14 +15,14 @@ if TYPE_CHECKING:
     from pagedkv.model.tokenizer import Tokenizer
 
 
-def open_model_dir(args: EngineArgs) -> Tokenizer:
+def open_model_dir(args: EngineArgs, tokenizer: Tokenizer | None = None) -> Tokenizer:
     """Resolve `args.model` in place (a hub id -> its local snapshot), check the directory
     (ValueError naming what is wrong, before anything is sized) and load its tokenizer
-    (`args.tokenizer`, else the model directory's)."""
+    (`tokenizer` when given, else `args.tokenizer`'s, else the model directory's)."""
     from pagedkv.model.hub import resolve_model_args  # (lazy: torch-free until a model opens)
     from pagedkv.model.loader import check_model_dir
     from pagedkv.model.tokenizer import Tokenizer
 
     resolve_model_args(args)
     check_model_dir(args.model)
-    return Tokenizer.from_dir(args.tokenizer or args.model)
+    return tokenizer or Tokenizer.from_dir(args.tokenizer or args.model)

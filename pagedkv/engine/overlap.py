@@ -18,13 +18,24 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from pagedkv.sched.output import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    from pagedkv.engine.core import EngineCore
     from pagedkv.engine.messages import CoreOutput
+    from pagedkv.sched.scheduler import Scheduler
+
+
+class SteppedCore(Protocol):
+    """What the stepper needs of the engine core (`EngineCore` satisfies it)."""
+
+    scheduler: Scheduler
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | Exception: ...
+
+    def apply_step(self, scheduler_output: SchedulerOutput,
+                   result: ModelRunnerOutput | Exception) -> list[CoreOutput]: ...
 
 
 def _worker_init(device: str) -> Callable[[], None]:
@@ -37,11 +48,11 @@ def _worker_init(device: str) -> Callable[[], None]:
 
 
 class OverlappedStepper:
-    """Steps one `EngineCore` with its forward passes in a worker thread; see the module
-    docstring. Owned by the core's thread; `step()` mutates the core's scheduler and KV
-    manager, and keeps at most one step running."""
+    """Steps one engine core (`SteppedCore`) with its forward passes in a worker thread; see
+    the module docstring. Owned by the core's thread; `step()` mutates the core's scheduler
+    and KV manager, and keeps at most one step running."""
 
-    def __init__(self, core: EngineCore, device: str) -> None:
+    def __init__(self, core: SteppedCore, device: str) -> None:
         self.core = core
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-forward",
                                         initializer=_worker_init(device))

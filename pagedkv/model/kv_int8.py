@@ -108,7 +108,7 @@ class PerTokenScales:
                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                window: int | None) -> torch.Tensor:
         """`meta.attend` with this layer's scale caches: the backend's metadata (one that reads
-        int8, `reads_int8_cache`, QuantizedKVBackend's, or softcap_attention's
+        int8, "int8" in `reads_cache_dtypes`, QuantizedKVBackend's, or softcap_attention's
         `SoftcappedMetadata`) quantizes k, v into the caches (mutated) and attends q over
         them."""
         return meta.attend(q, k, v, k_cache, v_cache, scale, window,

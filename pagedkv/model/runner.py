@@ -29,6 +29,7 @@ from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
 from pagedkv.kv.shard import shard_kv_cache_spec
 from pagedkv.kv.spec import KVCacheSpec, kv_cache_spec_from_hf_config
 from pagedkv.model.backends import get_attention_backend
+from pagedkv.model.backends.base import AttentionBackend
 from pagedkv.model.backends.quantized import QuantizedKVBackend
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.config import kv_cache_torch_dtype, parse_dtype
@@ -41,11 +42,14 @@ from pagedkv.model.loader import check_model_dir, load_model
 from pagedkv.model.logits_rows import select_logits_rows
 from pagedkv.model.parallel.group import TensorParallelGroup
 from pagedkv.model.registry import CausalLM, model_config_from_dir
+from pagedkv.model.runner_config import RunnerConfig
 from pagedkv.model.sampler import Sampler, prompt_logprobs
 from pagedkv.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedkv.store.payload import pin_host_memory
 
 if TYPE_CHECKING:
-    from pagedkv.engine.args import EngineArgs
+    from pagedkv.store.config import StoreConfig
+    from pagedkv.store.connector import StoreConnectorWorker
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -80,7 +84,8 @@ class ModelRunner:
                  max_model_len: int | None = None, cpu_kernels: str = "auto",
                  cpu_threads: int | None = None,
                  kv_cache_dtype: str = "auto", fp8_scales: str = "per_head",
-                 tensor_parallel: TensorParallelGroup | None = None) -> None:
+                 tensor_parallel: TensorParallelGroup | None = None,
+                 kv_store: StoreConfig | None = None) -> None:
         """`num_blocks` None: no KV cache yet (profile memory, then `allocate_kv_cache`).
         `kv_cache_spec` (the one the engine planned with) shapes the KV tensors; without it the
         spec is built from the same config reader, `block_size`, `dtype` and `kv_cache_dtype`
@@ -98,7 +103,9 @@ class ModelRunner:
         own `k_scale` / `v_scale` tensors, when it has them, are used instead.
         `tensor_parallel`: this runner is one rank of the group and holds its shard of the
         weights and its KV heads of every block (the spec counts this rank's KV heads); only
-        rank 0 gets logits and samples (`execute` returns nothing elsewhere)."""
+        rank 0 gets logits and samples (`execute` returns nothing elsewhere).
+        `kv_store`: the KV store this rank builds (its KV heads, keys naming its rank) once
+        its KV cache is allocated, behind the connector's worker side (`kv_connector`)."""
         if fp8_scales not in FP8_SCALE_MODES:
             raise ValueError(f"fp8_scales must be one of {FP8_SCALE_MODES}, got {fp8_scales!r}")
         self.fp8_scales = fp8_scales
@@ -130,7 +137,10 @@ class ModelRunner:
         weights_loaded(started, self.weights_bytes, self.dtype, self.device, tensor_parallel)
         self.kv_cache: KVCache | None = None
         self.sampler = Sampler(seed, self.device)
-        self.attn_backend = get_attention_backend(self.device, attention_backend)
+        # The device's backend, and the one layers attend through (the device's, or it
+        # wrapped by QuantizedKVBackend for a cache it does not read).
+        self.device_attn_backend = get_attention_backend(self.device, attention_backend)
+        self.attn_backend: AttentionBackend = self.device_attn_backend
         self.cpu_kernels = "off" if self.device.type != "cpu" else cpu_kernels
         ensure_cpu_kernels(self.cpu_kernels)  # "auto": a cached build, or a background one
         if not self._use_cpu_kernels():  # (which packs for panel_linear when loaded)
@@ -147,24 +157,29 @@ class ModelRunner:
             self.attn_backend = QuantizedKVBackend(
                 self.attn_backend, reads_in_place=is_fp8_dtype(spec.dtype) or is_int8_dtype(spec.dtype))
         self.cuda_graphs = None
-        self.kv_connector = None  # the KV store's worker side, plugged in by the engine
+        self.kv_store_config = kv_store
+        self.kv_connector: StoreConnectorWorker | None = None  # built with the KV cache
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks, num_host_blocks)
             if cuda_graph_batch_sizes:
                 self.capture_cuda_graphs(cuda_graph_batch_sizes, max_model_len)
 
+    @classmethod
+    def from_config(cls, config: RunnerConfig,
+                    tensor_parallel: TensorParallelGroup | None = None) -> ModelRunner:
+        """The runner `config` describes, without a KV cache yet (`allocate_kv_cache`)."""
+        return cls(config.model, **config.runner_kwargs(), tensor_parallel=tensor_parallel)
+
     def _needs_quantized_wrapper(self, cache_dtype: str, model_dtype: str) -> bool:
         """Whether the backend attends over a `cache_dtype` cache only through
-        QuantizedKVBackend: fp8 unless it `reads_fp8_cache`, int8 unless it `reads_int8_cache`,
+        QuantizedKVBackend: an fp8 or int8 cache unless the backend `reads_cache_dtypes` it,
         and a cache of another model dtype than the model's always; never for a model whose
         attention stores and reads the cache itself (`attention_reads_kv_cache`: Gemma 2's
         soft-capped attention)."""
         if getattr(self.model, "attention_reads_kv_cache", False):
             return False
-        if is_fp8_dtype(cache_dtype):
-            return not getattr(self.attn_backend, "reads_fp8_cache", False)
-        if is_int8_dtype(cache_dtype):
-            return not getattr(self.attn_backend, "reads_int8_cache", False)
+        if is_fp8_dtype(cache_dtype) or is_int8_dtype(cache_dtype):
+            return cache_dtype not in self.attn_backend.reads_cache_dtypes
         return cache_dtype != canonical_dtype(model_dtype)
 
     def _use_cpu_kernels(self) -> bool:
@@ -174,8 +189,7 @@ class ModelRunner:
         if fused and not self.model.ops.cpu_fused:
             self.model.pack_linear_weights(panels=True)  # panel_linear from now on
         self.model.ops.cpu_fused = fused
-        if hasattr(self.attn_backend, "native"):
-            self.attn_backend.native = fused
+        self.attn_backend.set_fused(fused)
         return fused
 
     def _allocated_bytes(self) -> int:
@@ -204,12 +218,14 @@ class ModelRunner:
         # Each model layer's (K, V) views: its group's slot of the blocks with KV cache groups.
         self.layer_kv_caches = self.kv_cache.layers if self.layer_groups is None \
             else self.layer_groups.layer_caches(self.kv_cache.layers)
+        if self.kv_store_config is not None and self.kv_connector is None:
+            self.kv_connector = self._build_kv_store()
 
     def _calibrate_kv_scales(self) -> None:
         from pagedkv.model.kv_calibration import calibrate_kv_scales
 
         self.kv_scales = calibrate_kv_scales(
-            self.model, getattr(self.attn_backend, "inner", self.attn_backend), self.kv_cache_spec,
+            self.model, self.device_attn_backend, self.kv_cache_spec,
             str(self.dtype).removeprefix("torch."), kv_cache_torch_dtype(self.kv_cache_spec.dtype),
             self.model_config.vocab_size, self.model_config.max_position_embeddings, self.device,
             per_head=self.fp8_scales == "per_head")
@@ -228,13 +244,12 @@ class ModelRunner:
         return read_checkpoint_kv_scales(self.model_dir, cfg.num_layers, cfg.num_kv_heads, heads)
 
     def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int | None = None) -> bool:
-        """Capture decode CUDA graphs for `batch_sizes` over the allocated KV cache (CUDA and the
-        Triton backend only, reading an fp8 cache in place if any; returns whether graphs were
-        captured)."""
-        if not batch_sizes or self.device.type != "cuda" or self.attn_backend.name != "triton" \
-                or self.tensor_parallel is not None \
-                or isinstance(self.attn_backend, QuantizedKVBackend) \
-                or self.layer_groups is not None:
+        """Capture decode CUDA graphs for `batch_sizes` over the allocated KV cache (CUDA and a
+        backend that `supports_cuda_graphs` only, reading a quantized cache in place if any;
+        returns whether graphs were captured)."""
+        if not batch_sizes or self.device.type != "cuda" \
+                or not self.attn_backend.supports_cuda_graphs \
+                or self.tensor_parallel is not None or self.layer_groups is not None:
             return False
         from pagedkv.model.cuda_graphs import DecodeCudaGraphs
 
@@ -289,12 +304,23 @@ class ModelRunner:
 
     # ---- the KV store (store/connector.py): this rank's worker side --------------------------
 
-    def attach_kv_store(self, args: EngineArgs, enable_events: bool) -> None:
-        """Build this rank's KV store (its KV heads, keys naming its rank) and plug the
-        connector's worker side in (sets `kv_connector`; after `allocate_kv_cache`)."""
-        from pagedkv.store.factory import store_connector_worker
+    def _build_kv_store(self) -> StoreConnectorWorker:
+        """This rank's KV store over the allocated cache, behind the connector's worker side.
+        Its keys say what the bytes mean (`store_dtype_tag`) and which rank's heads they hold."""
+        from pagedkv.store.factory import build_worker
 
-        self.kv_connector = store_connector_worker(args, self, enable_events)
+        return build_worker(self.kv_store_config, self.kv_cache_spec, KVCache.LAYOUT,
+                            self.store_dtype_tag(),
+                            pin_memory=pin_host_memory(self.kv_cache.device),
+                            group=self.tensor_parallel)
+
+    def store_dtype_tag(self) -> str:
+        """What this runner's KV bytes mean, for the store's keys: the cache's `dtype_tag()`
+        (its dtype, int8's scale layout, fp8's scales) and the weights' dtype, which computed
+        them: an int8 (or fp8, or bfloat16) block of float32 weights is not what bfloat16
+        weights would write, so the two never share blocks, as two "auto" caches of those
+        dtypes never do."""
+        return f"{self.kv_cache.dtype_tag()};weights={self.dtype}"
 
     def flush_kv_store(self) -> None:
         """Wait until this rank's queued store saves are written (tests, benchmarks)."""

@@ -35,6 +35,7 @@ import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 
 from pagedkv.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from pagedkv.config.options import SchedulerOptions
@@ -42,6 +43,9 @@ from pagedkv.kv.manager import AllocStatus, KVCacheManager
 from pagedkv.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedkv.sched.request import Request, RequestStatus, child_request_id
 from pagedkv.utils import cdiv
+
+if TYPE_CHECKING:
+    from pagedkv.store.connector import StoreConnectorScheduler
 
 # A token the running step has not sampled yet (overlapped scheduling); never reaches a runner.
 PLACEHOLDER_TOKEN_ID = -1
@@ -96,7 +100,10 @@ class Scheduler:
     KV blocks through the KV manager (the engine reads the manager's stats and checks its
     invariants; it never allocates)."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 kv_connector: StoreConnectorScheduler | None = None) -> None:
+        """`kv_connector`: the KV store's scheduler side (pagedkv.store.connector, or the
+        simulator's), None without a store."""
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
@@ -112,8 +119,7 @@ class Scheduler:
         self._running_hashes: set[bytes] = set()
         self.num_preemptions = 0
         self.num_swaps = 0  # preemptions that swapped out to host blocks (not recompute)
-        # The KV store's scheduler side (pagedkv.store.connector), plugged in by the engine.
-        self.kv_connector = None
+        self.kv_connector = kv_connector
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         # Scheduled steps not yet applied by update(), with the prompt-block hashes each

@@ -68,12 +68,11 @@ class SimInstance:
             enable_caching=config.enable_prefix_caching,
             sliding_window=config.sliding_window, watermark=config.watermark,
             hash_algo=config.prefix_caching_hash_algo, eviction_policy=config.eviction_policy)
-        self.scheduler = Scheduler(config.scheduler_config(), self.kv)
         self.store: SimStoreConnector | None = None
         if config.store_tiers:
             self.store = SimStoreConnector(config.store_tiers, self.kv, config.block_bytes,
                                            lambda: self.clock, shared_tiers)
-            self.scheduler.kv_connector = self.store
+        self.scheduler = Scheduler(config.scheduler_config(), self.kv, kv_connector=self.store)
         self.clock = 0.0
         self.live: dict[str, RequestRecord] = {}
         self.finished: list[RequestRecord] = []

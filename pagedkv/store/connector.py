@@ -65,13 +65,9 @@ if TYPE_CHECKING:
     import torch
 
     from pagedkv.kv.manager import KVCacheManager
-    from pagedkv.model.kv_cache import KVCache
-    from pagedkv.model.parallel.group import TensorParallelGroup
-    from pagedkv.sched.output import SchedulerOutput
-    from pagedkv.sched.request import Request
+    from pagedkv.store.interfaces import BlockRows, RankGroup, ScheduledStep, StoreRequest
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -114,14 +110,14 @@ class FinishedLoads:
         return done
 
 
-def _block_meta(request: Request, hashes: list[bytes], i: int, block_size: int,
+def _block_meta(request: StoreRequest, hashes: list[bytes], i: int, block_size: int,
                 group_idx: int | None = None) -> BlockMeta:
     return BlockMeta(hashes[i], hashes[i - 1] if i > 0 else None,
                      tuple(request.all_token_ids[i * block_size:(i + 1) * block_size]), group_idx,
                      event_extra_keys(request.cache_salt, request.lora_name, i == 0))
 
 
-def _block_metas(request: Request, hashes: list[bytes], start: int, end: int,
+def _block_metas(request: StoreRequest, hashes: list[bytes], start: int, end: int,
                  block_size: int) -> list[BlockMeta]:
     return [_block_meta(request, hashes, i, block_size) for i in range(start, end)]
 
@@ -132,7 +128,7 @@ class _PlannedLoad:
     of each of the job's metas and the blocks [start, end) it was planned to serve."""
 
     job: LoadJob
-    request: Request
+    request: StoreRequest
     blocks: list[tuple[int, int]] | None = None
     start: int = 0
     end: int = 0
@@ -160,7 +156,7 @@ class StoreConnectorScheduler:
         self.num_loaded_tokens = 0
         self.num_failed_load_tokens = 0
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: StoreRequest, num_computed_tokens: int) -> int:
         """Tokens after the first `num_computed_tokens` that the store can provide. Looks the
         tiers up once per admission (`store_matched_tokens`)."""
         tokens, looked_up = store_matched_tokens(request, num_computed_tokens, self.kv,
@@ -184,7 +180,7 @@ class StoreConnectorScheduler:
         return [(i, g) for i in range(start, end) for g, need in enumerate(self.window_blocks)
                 if need is None or i >= end - need]
 
-    def update_state_after_alloc(self, request: Request, num_computed_tokens: int,
+    def update_state_after_alloc(self, request: StoreRequest, num_computed_tokens: int,
                                  num_external_tokens: int) -> None:
         """Plan the load of the `num_external_tokens` tokens after `num_computed_tokens` into
         the request's blocks just allocated for them (started by the next step's worker)."""
@@ -208,7 +204,7 @@ class StoreConnectorScheduler:
         self._job_of_request[request.request_id] = job.job_id
         self._new_loads.append(job)
 
-    def take_finished_loads(self) -> list[tuple[Request, int]]:
+    def take_finished_loads(self) -> list[tuple[StoreRequest, int]]:
         """(request, tokens loaded intact, a prefix of the planned ones) of each load the worker
         applied since the last call; cancelled loads are left out."""
         out = []
@@ -234,7 +230,7 @@ class StoreConnectorScheduler:
                                       lambda g, i: (i, g) in arrived)
         return (end - planned.start) * bs, (planned.end - planned.start) * bs
 
-    def request_finished(self, request: Request) -> None:
+    def request_finished(self, request: StoreRequest) -> None:
         """`request` ended while its load was in flight: cancel the load (its blocks are freed
         now; the worker will not write them)."""
         job_id = self._job_of_request.pop(request.request_id, None)
@@ -246,7 +242,7 @@ class StoreConnectorScheduler:
     def num_pending_loads(self) -> int:
         return len(self._jobs)
 
-    def build_connector_meta(self, out: SchedulerOutput, requests: dict[str, Request]
+    def build_connector_meta(self, out: ScheduledStep, requests: dict[str, StoreRequest]
                              ) -> StoreConnectorMetadata | None:
         """The step's store work (drains the planned loads and cancellations); None when there
         is none."""
@@ -258,7 +254,7 @@ class StoreConnectorScheduler:
         self._new_loads, self._cancelled = [], []
         return meta
 
-    def _saves(self, out: SchedulerOutput, requests: dict[str, Request]
+    def _saves(self, out: ScheduledStep, requests: dict[str, StoreRequest]
                ) -> list[tuple[int, BlockMeta]]:
         """The blocks that become full and computed in this step."""
         bs = self.block_size
@@ -296,7 +292,7 @@ class StoreConnectorWorker:
 
     def __init__(self, store: TieredKVStore, finished: FinishedLoads, *, pin_memory: bool,
                  load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
-                 group: TensorParallelGroup | None = None) -> None:
+                 group: RankGroup | None = None) -> None:
         self.store = store
         self.finished = finished
         self.pin_memory = pin_memory
@@ -306,7 +302,7 @@ class StoreConnectorWorker:
         self.num_failed_loads = 0  # jobs that raised or timed out
 
     # ---- loads ------------------------------------------------------------------------------
-    def start_load_kv(self, meta: StoreConnectorMetadata | None, kv_cache: KVCache) -> None:
+    def start_load_kv(self, meta: StoreConnectorMetadata | None, kv_cache: BlockRows) -> None:
         """Start the step's loads and apply the finished ones (mutates the KV cache's blocks of
         finished, not cancelled jobs); see the module docstring."""
         if meta is None:
@@ -336,7 +332,7 @@ class StoreConnectorWorker:
                                 timeout=min(IDLE_WAIT_S, max(0.0, first_deadline - time.monotonic())),
                                 return_when=concurrent.futures.FIRST_COMPLETED)
 
-    def _apply_finished(self, kv_cache: KVCache) -> None:
+    def _apply_finished(self, kv_cache: BlockRows) -> None:
         """Apply (and report) every job this rank, or with tensor parallelism every rank, is
         done with: finished, failed or past its deadline (mutates the KV cache, `_pending`).
         The all-gather runs on every rank alike: `_pending` holds the same jobs on each."""
@@ -363,7 +359,7 @@ class StoreConnectorWorker:
                 outcomes[job_id] = 0
         return outcomes
 
-    def _apply(self, job: LoadJob, future: Future, kv_cache: KVCache, num_blocks: int) -> int:
+    def _apply(self, job: LoadJob, future: Future, kv_cache: BlockRows, num_blocks: int) -> int:
         """Copy the first `num_blocks` loaded rows of a job into its device blocks; the number
         of blocks written."""
         if not future.done():
@@ -387,7 +383,7 @@ class StoreConnectorWorker:
             return 0
 
     # ---- saves ------------------------------------------------------------------------------
-    def save_kv(self, meta: StoreConnectorMetadata | None, kv_cache: KVCache) -> None:
+    def save_kv(self, meta: StoreConnectorMetadata | None, kv_cache: BlockRows) -> None:
         """Copy the step's newly computed full blocks out and queue them for saving."""
         if meta is None or not meta.saves:
             return

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pagedkv.kv.manager import KVCacheManager
-    from pagedkv.sched.request import Request
+    from pagedkv.store.interfaces import StoreRequest
 
 
-def store_matched_tokens(request: Request, num_computed_tokens: int, kv: KVCacheManager,
+def store_matched_tokens(request: StoreRequest, num_computed_tokens: int, kv: KVCacheManager,
                          lookup: Callable[[Sequence[bytes]], int]) -> tuple[int, bool]:
     """(tokens, whether the tiers were looked up now). The consecutive full prompt blocks
     after the first `num_computed_tokens` tokens that `lookup` says some tier holds (the last

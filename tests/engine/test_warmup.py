@@ -5,7 +5,7 @@ budgets and the cache, and they leave nothing behind: no block held, no generato
 from __future__ import annotations
 
 from pagedkv import SamplingParams
-from pagedkv.engine.core import EngineCore
+from pagedkv.engine import compose
 from pagedkv.engine.warmup import WARMUP_TOKENS, warmup_steps
 from tests.engine.conftest import make_prompts
 
@@ -30,12 +30,12 @@ def test_warmup_leaves_no_trace(tiny_llama, make_llm, monkeypatch):
     prompts = [{"prompt_token_ids": p} for p in make_prompts(seed=7, vocab=400, num=4)]
     params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)  # unseeded
     ran = []
-    real = EngineCore._warm_up
-    monkeypatch.setattr(EngineCore, "_warm_up", lambda self, setup: ran.append(real(self, setup)))
+    real = compose.warm_up
+    monkeypatch.setattr(compose, "warm_up", lambda *parts: ran.append(real(*parts)))
     warm = make_llm(tiny_llama, block_size=4, num_gpu_blocks_override=128)
     assert ran  # it ran (CPU)
     warm_out = [o.outputs[0].token_ids for o in warm.generate(prompts, params, use_tqdm=False)]
-    monkeypatch.setattr(EngineCore, "_warm_up", lambda self, setup: None)
+    monkeypatch.setattr(compose, "warm_up", lambda *parts: None)
     cold = make_llm(tiny_llama, block_size=4, num_gpu_blocks_override=128)
     cold_out = [o.outputs[0].token_ids for o in cold.generate(prompts, params, use_tqdm=False)]
     assert warm_out == cold_out

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pagedkv.model import ModelRunner
-from pagedkv.model.backends import get_attention_backend
+from pagedkv.model.backends import ATTENTION_BACKENDS, get_attention_backend
+from pagedkv.model.backends.quantized import QuantizedKVBackend
 from tests.model.driver import greedy_generate
 
 pytest.importorskip("triton")
@@ -44,3 +45,24 @@ def test_cuda_graph_decode_matches_eager(tiny_mistral):
     assert got == want == hf_greedy_cached(str(tiny_mistral), 8)
     assert graphs.cuda_graphs.num_replays >= 7  # every decode step of 4 requests, padded to 8
     assert eager.cuda_graphs is None
+
+
+def test_every_backend_declares_what_the_runner_reads():
+    """The runner reads capabilities, never probes: a name, CUDA-graph support, the quantized
+    cache dtypes read in place, and a fused-kernel switch only cpu_native turns on (the
+    quantized wrapper forwards it to the backend it wraps)."""
+    cpu = torch.device("cpu")
+    backends = {key: get_attention_backend(cpu, key) for key in ATTENTION_BACKENDS}
+    for key, backend in backends.items():
+        assert isinstance(backend.name, str) and isinstance(backend.supports_cuda_graphs, bool)
+        assert isinstance(backend.reads_cache_dtypes, frozenset)
+        assert backend.fused is False
+        backend.set_fused(True)
+        assert backend.fused is (key == "cpu")
+    assert [k for k, b in backends.items() if b.supports_cuda_graphs] == ["cuda"]
+    assert {"int8", "fp8", "fp8_e5m2"} <= backends["cuda"].reads_cache_dtypes  # interpreter
+    assert backends["cpu"].reads_cache_dtypes == frozenset()
+    wrapped = QuantizedKVBackend(get_attention_backend(cpu), reads_in_place=True)
+    assert not wrapped.supports_cuda_graphs and not wrapped.fused
+    wrapped.set_fused(True)
+    assert wrapped.fused and wrapped.inner.fused

@@ -196,7 +196,7 @@ def test_the_avx2_build_of_the_kernel_matches_the_reference_too():
 
 def test_triton_backend_reads_the_int8_cache_in_place(tiny_llama):
     """The CUDA backend (its Triton kernels interpreted on CPU) over an int8 cache, unwrapped
-    (`reads_int8_cache`): the kernel stores values and scales and applies the scales itself;
+    ("int8" in `reads_cache_dtypes`): the kernel stores values and scales and applies the scales itself;
     the same logit bound against the model dtype's cache. Short: the interpreter is slow."""
     rng = random.Random(1)
     prompt = [rng.randrange(4, 200) for _ in range(20)]

@@ -89,7 +89,7 @@ def _attend(cache_dtype, dtype, window, cascade, monkeypatch):
                for h in (HEADS, KV_HEADS, KV_HEADS))
     with cascade_spy(monkeypatch, cascade) as calls:
         backend = QuantizedKVBackend(CpuNativeBackend(torch.device("cpu")), reads_in_place=True)
-        backend.native = True
+        backend.set_fused(True)
         meta = backend.build_metadata(_step())
         assert isinstance(meta, InPlaceMetadata) and meta.num_decodes == NUM_DECODES
         out = meta.attend(q, k, v, k_cache, v_cache, HEAD_DIM ** -0.5, window,

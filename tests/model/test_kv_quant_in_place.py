@@ -78,7 +78,7 @@ def test_every_token_of_a_step_reads_the_quantized_cache_in_place(cache_dtype, w
                          block_tables=[t for _, _, t in SEQS], slot_mapping=slots, num_decodes=1,
                          block_size=BLOCK)
     backend = QuantizedKVBackend(CpuNativeBackend(torch.device("cpu")), reads_in_place=True)
-    backend.native = True
+    backend.set_fused(True)
     meta = backend.build_metadata(step)
     assert isinstance(meta, InPlaceMetadata)
     assert meta.num_rows == (1 if unstored else len(slots))

@@ -204,7 +204,7 @@ def mixed_step_error(dtype: torch.dtype, head_dim: int, group: int, window: int 
     want = TorchPagedBackend(torch.device("cpu")).build_metadata(step).attend(
         q, k, v, *ref_caches, scale, window)
     native = CpuNativeBackend(torch.device("cpu"))
-    native.native = True
+    native.set_fused(True)
     meta = native.build_metadata(step)
     assert [g.rows for g in meta.shared_prefixes()] == [[0, 2, 3]]
     got = meta.attend(q, k, v, k_cache, v_cache, scale, window)
@@ -258,6 +258,6 @@ def test_greedy_tokens_through_the_tiled_kernel_equal_transformers(tmp_path, chu
 
     model = build_tiny_hf_model(tmp_path / "m", "qwen2_hd64")
     runner = ModelRunner(model, block_size=16, num_blocks=64, cpu_kernels="wait")
-    assert runner.attn_backend.native
+    assert runner.attn_backend.fused
     ours = greedy_generate(runner, PROMPTS, 8, chunk_size=chunk_size)
     assert ours == hf_greedy(load_hf_model(model), PROMPTS, 8)

@@ -1,6 +1,7 @@
 """Attention backends: the registry from device type to the backend that runs attention there.
 
-A backend has `build_metadata(step: StepSequences)`, returning the per-step metadata object whose
+A backend is an `AttentionBackend` (base.py): its capabilities as fields, and
+`build_metadata(step: StepSequences)`, returning the per-step metadata object whose
 `attend(q, k, v, k_cache, v_cache, scale, window)` each layer calls. A new backend is a new
 module plus one line here; modules are imported on first use, so Triton is needed only where
 its backend runs.
@@ -15,9 +16,10 @@ its backend runs.
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 import torch
+
+from pagedkv.model.backends.base import AttentionBackend
 
 ATTENTION_BACKENDS: dict[str, str] = {
     "cpu": "pagedkv.model.backends.cpu_native:CpuNativeBackend",
@@ -26,7 +28,7 @@ ATTENTION_BACKENDS: dict[str, str] = {
 }
 
 
-def get_attention_backend(device: torch.device, name: str | None = None) -> Any:
+def get_attention_backend(device: torch.device, name: str | None = None) -> AttentionBackend:
     """The backend registered for `device.type` (or for the registry key `name` when given),
     built for `device`. Raises ValueError for an unknown key."""
     key = name or device.type

@@ -15,7 +15,7 @@ blocks once). Where the build has no tiled kernel for the dtype and head size
 without AVX512-BF16) prefill chunks take the pure-torch path of torch_paged.py.
 
 Until the kernels are loaded (pagedkv.kernels.cpu builds them on first use), or when the
-runner turns `native` off, this backend is exactly torch_paged's.
+runner turns `fused` off, this backend is exactly torch_paged's.
 """
 
 from __future__ import annotations
@@ -159,15 +159,14 @@ def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 class CpuNativeBackend(TorchPagedBackend):
-    """torch_paged's metadata, or the fused kernels' while `native` is set (by the runner,
-    between steps, once the kernels are loaded)."""
+    """torch_paged's metadata, or the fused kernels' while `fused` is set (by the runner,
+    between steps, once the kernels are loaded: `set_fused`)."""
 
     name = "cpu_native"
 
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(device)
-        self.native = False
+    def set_fused(self, on: bool) -> None:
+        self.fused = on
 
     def build_metadata(self, step: StepSequences) -> AttentionMetadata:
-        self.metadata_cls = NativeAttentionMetadata if self.native else AttentionMetadata
+        self.metadata_cls = NativeAttentionMetadata if self.fused else AttentionMetadata
         return super().build_metadata(step)

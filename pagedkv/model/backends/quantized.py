@@ -11,7 +11,7 @@ dtype (float32 for int8: an int8 value times its float32 scale is not a 16-bit f
 in-place kernel attends in float32 too) and lets the inner backend attend over it; the step's
 own tokens are attended as the cache will return them (kv_quant.round_trip), so a token reads
 the same whether it was computed in this step or an earlier one. The runner wraps a backend in this unless it reads fp8 in place itself
-(`reads_fp8_cache`) or the model's attention stores and reads the cache itself (Gemma 2's
+(`reads_cache_dtypes`) or the model's attention stores and reads the cache itself (Gemma 2's
 soft-capping, softcap_attention.py, which shares `store_kv`): the CPU one (torch_paged) is wrapped; the CUDA one (triton_paged) converts
 inside its kernels on GPUs of compute capability 8.9+ (and under the interpreter) and is wrapped
 on older GPUs (then without CUDA graphs, see ModelRunner.capture_cuda_graphs). A backend that
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.model.backends.base import AttentionBackend
 from pagedkv.model.backends.quantized_native import InPlaceMetadata
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.kv_int8 import (
@@ -104,31 +105,32 @@ class QuantizedKVMetadata:
 class QuantizedKVBackend:
     """Wraps the device's backend (`inner`) for an fp8 KV cache (module docstring)."""
 
-    def __init__(self, inner: Any, reads_in_place: bool = False) -> None:
+    supports_cuda_graphs = False  # its metadata is rebuilt (compact blocks) every step
+    reads_cache_dtypes: frozenset[str] = frozenset()  # it is what reads the others
+
+    def __init__(self, inner: AttentionBackend, reads_in_place: bool = False) -> None:
         """`reads_in_place`: the cache is int8 or fp8, which the fused CPU kernel reads in
-        place while `native` is on (quantized_native.py)."""
+        place while the fused kernels are on (quantized_native.py)."""
         self.inner = inner
         self.reads_in_place = reads_in_place
         self.name = inner.name
         self.device = inner.device
 
     @property
-    def native(self) -> bool:
-        """The inner backend's switch to its fused kernels (issue 14's cpu_native `native`,
-        flipped by the runner between steps), False when it has none: with it on, the fused
-        kernels attend over the compact model-dtype copy."""
-        return getattr(self.inner, "native", False)
+    def fused(self) -> bool:
+        """Whether the inner backend's fused kernels run (cpu_native's, switched by the runner
+        between steps; False for a backend without them): with them on, the fused kernels
+        attend over the compact model-dtype copy."""
+        return self.inner.fused
 
-    @native.setter
-    def native(self, value: bool) -> None:
-        if hasattr(self.inner, "native"):
-            self.inner.native = value
+    def set_fused(self, on: bool) -> None:
+        self.inner.set_fused(on)
 
     def build_metadata(self, step: StepSequences) -> QuantizedKVMetadata | InPlaceMetadata:
         """With the fused CPU kernels on: every token read in place (quantized_native.py);
         otherwise the inner metadata of the compact step and the real blocks and slots behind
         it."""
-        if self.reads_in_place and self.native:
+        if self.reads_in_place and self.fused:
             return self._in_place_metadata(step)
         return self._compact_metadata(step)
 

@@ -1,6 +1,6 @@
 """Attention over an int8 or fp8 KV cache read in place by the fused C++ kernel (CPU).
 
-With the CPU kernels loaded (cpu_native's `native`), QuantizedKVBackend builds this metadata: the
+With the CPU kernels loaded (cpu_native's `fused`), QuantizedKVBackend builds this metadata: the
 step's new K/V are quantized into their slots in one pass (int8 by the kernel `write_kv_int8_`,
 fp8 by `write_kv_fp8_`: bit-identical to kv_int8.py's and kv_quant.quantize_into's writes),
 then the decodes are rows of `paged_decode_attention_q`, attending to positions first .. their

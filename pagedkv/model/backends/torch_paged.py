@@ -19,12 +19,18 @@ class TorchPagedBackend:
     tensor reused across steps: see table_rows.py)."""
 
     name = "torch"
+    supports_cuda_graphs = False
+    reads_cache_dtypes: frozenset[str] = frozenset()
     metadata_cls: type[AttentionMetadata] = AttentionMetadata
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.fused = False  # no fused kernels
         self._workspace: dict = {}  # attention scratch buffers, reused across steps
         self._decode_tables = BlockTableRows(torch.long)
+
+    def set_fused(self, on: bool) -> None:
+        """No fused kernels: nothing to switch."""
 
     def build_metadata(self, step: StepSequences) -> AttentionMetadata:
         dev, nd = self.device, step.num_decodes

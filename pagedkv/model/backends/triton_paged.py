@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from pagedkv.config.dtypes import FP8_TORCH_DTYPE_NAMES, INT8_KV_DTYPE
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.backends.table_rows import BlockTableRows
 from pagedkv.model.backends.triton_int8_store import store_kv_int8
@@ -122,25 +123,32 @@ class TritonAttentionMetadata:
                                k_scales=k_scales, v_scales=v_scales)
 
 
+def reads_fp8_cache(device: torch.device) -> bool:
+    """Whether the kernels can read an fp8 cache in place on `device` (fp8 loads converted in
+    the attention kernel; stores convert with kv_quant.quantize first): Triton's fp8 types
+    need compute capability 8.9 (Ada, Hopper) or later; the interpreter (CPU) always can."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 class TritonPagedBackend:
     """Builds `TritonAttentionMetadata` from the runner's step description."""
 
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.fused = False  # no fused CPU kernels
+        # int8 values and their per-token scales are loaded by the kernel; fp8 where Triton
+        # has it (`reads_fp8_cache`).
+        self.reads_cache_dtypes = frozenset(
+            {INT8_KV_DTYPE, *(FP8_TORCH_DTYPE_NAMES if reads_fp8_cache(device) else ())})
         self._tables = BlockTableRows(torch.int32)  # reused across steps (table_rows.py)
 
-    @property
-    def reads_fp8_cache(self) -> bool:
-        """Whether the kernels can read an fp8 cache in place (fp8 loads converted in the
-        attention kernel; stores convert with kv_quant.quantize first): Triton's fp8 types need
-        compute capability 8.9 (Ada, Hopper) or later; the interpreter (CPU) always can."""
-        if self.device.type != "cuda":
-            return True
-        return torch.cuda.get_device_capability(self.device) >= (8, 9)
-
-    reads_int8_cache = True  # int8 values and their per-token scales, loaded by the kernel
+    def set_fused(self, on: bool) -> None:
+        """No fused CPU kernels: nothing to switch."""
 
     def build_metadata(self, step: StepSequences) -> TritonAttentionMetadata:
         """Device tensors for `step` (one host-to-device copy per field)."""

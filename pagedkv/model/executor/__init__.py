@@ -9,19 +9,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from pagedkv.sched.output import ModelRunnerOutput, SchedulerOutput
-
-if TYPE_CHECKING:
-    from pagedkv.engine.args import EngineArgs
 
 
 class Executor(Protocol):
     """What the engine calls; reads of `model_config`, `kv_cache_spec`, `kv_cache`, `device`,
-    `weights_bytes` are rank 0's."""
+    `weights_bytes`, `kv_connector` are rank 0's."""
 
-    def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None: ...
+    def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        """Every rank's KV cache (and, with a KV store configured, its store)."""
 
     def capture_cuda_graphs(self, batch_sizes: list[int],
                             max_model_len: int | None = None) -> bool: ...
@@ -30,7 +28,5 @@ class Executor(Protocol):
                                 max_model_len: int) -> int: ...
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
-
-    def attach_kv_store(self, args: EngineArgs, enable_events: bool) -> None: ...
 
     def shutdown(self) -> None: ...

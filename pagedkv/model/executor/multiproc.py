@@ -17,17 +17,15 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.multiprocessing as mp
 
 from pagedkv.config.errors import EngineFatalError
 from pagedkv.model.executor.worker import run_call, worker_main
 from pagedkv.model.parallel.group import CollectiveError, TensorParallelGroup, rank_device
+from pagedkv.model.runner_config import RunnerConfig
 from pagedkv.sched.output import ModelRunnerOutput, SchedulerOutput
-
-if TYPE_CHECKING:
-    from pagedkv.engine.args import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -42,18 +40,18 @@ def worker_view(out: SchedulerOutput) -> SchedulerOutput:
 
 class MultiProcExecutor:
     """`size` ranks, `ranks_per_node` of them on this machine (rank 0 here, 1.. spawned);
-    the others join from other machines (`pagedkv serve ... --node-rank K`). `runner_kwargs`
-    are ModelRunner's keyword arguments (the KV spec already one rank's)."""
+    the others join from other machines (`pagedkv serve ... --node-rank K`). Every rank builds
+    its runner from `config` (the KV spec already one rank's) on its own device."""
 
-    def __init__(self, model_dir: str, runner_kwargs: dict[str, Any], *, size: int,
-                 ranks_per_node: int, device: str, timeout_s: float,
-                 init_method: str | None = None, worker_threads: int | None = None) -> None:
+    def __init__(self, config: RunnerConfig, *, size: int, ranks_per_node: int,
+                 timeout_s: float, init_method: str | None = None) -> None:
         from pagedkv.model.runner import ModelRunner, resolve_device
 
+        device, worker_threads = config.device, config.cpu_threads
         resolved = resolve_device(device)
         rank_device(resolved, ranks_per_node - 1)  # enough CUDA devices, before any process
         dev = rank_device(resolved, 0)
-        runner_kwargs = {**runner_kwargs, "device": str(dev)}
+        config = replace(config, device=str(dev))
         self.size, self.timeout_s = size, timeout_s
         self._tmpdir = None
         if init_method is None:  # one machine: a rendezvous file, no port to pick
@@ -74,9 +72,9 @@ class MultiProcExecutor:
         try:
             self.group = TensorParallelGroup.connect(init_method, 0, size, dev, timeout_s,
                                                      watch=self._dead_worker)
-            self.group.broadcast_object(("init", model_dir, runner_kwargs))
+            self.group.broadcast_object(("init", config))
             try:
-                self.runner = ModelRunner(model_dir, **runner_kwargs, tensor_parallel=self.group)
+                self.runner = ModelRunner.from_config(config, tensor_parallel=self.group)
                 status: tuple[str, Any] = ("ok", None)
             except Exception as exc:
                 status = ("error", f"{type(exc).__name__}: {exc}")
@@ -109,11 +107,9 @@ class MultiProcExecutor:
             return self.runner.execute(out)
 
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        """Every rank's KV cache; with a KV store configured, every rank builds its own store
+        and connector over it (see store/factory.py)."""
         self.collective_rpc("allocate_kv_cache", num_blocks, num_host_blocks)
-
-    def attach_kv_store(self, args: EngineArgs, enable_events: bool) -> None:
-        """Every rank builds its own KV store and connector (see store/factory.py)."""
-        self.collective_rpc("attach_kv_store", args, enable_events)
 
     def capture_cuda_graphs(self, batch_sizes: list[int], max_model_len: int | None = None) -> bool:
         return False  # tensor parallel runs eagerly (graphs would capture the collectives)

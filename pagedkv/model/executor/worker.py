@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import traceback
+from dataclasses import replace
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -80,10 +81,10 @@ def run_worker(rank: int, local_rank: int, size: int, init_method: str, device: 
     group = TensorParallelGroup.connect(init_method, rank, size, dev, timeout_s)
     logger.info("rank %d of %d joined the group at %s", rank, size, init_method)
     try:
-        kind, model_dir, kwargs = group.broadcast_object()
+        _, config = group.broadcast_object()  # ("init", RunnerConfig)
         try:
-            runner = ModelRunner(model_dir, **{**kwargs, "device": str(dev)},
-                                 tensor_parallel=group)
+            runner = ModelRunner.from_config(replace(config, device=str(dev)),
+                                             tensor_parallel=group)
             status: tuple[str, Any] = ("ok", None)
         except Exception as exc:
             runner, status = None, ("error", f"{type(exc).__name__}: {exc}")
