@@ -34,6 +34,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -90,10 +91,14 @@ def rows_route(per_bucket: tuple[str, ...]) -> tuple[str, ...]:
 
 def _machine_parts() -> dict[str, str]:
     """What a measured table is valid for (see the module docstring)."""
-    from pagedkv.bench.machine import cpu_name
     from pagedkv.kernels.cpu import _cpu_flags, build_key
 
-    return {"cpu": cpu_name(), "flags": _cpu_flags(), "torch": torch.__version__,
+    try:
+        models = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                  if line.startswith("model name")]
+    except OSError:
+        models = []
+    return {"cpu": models[0] if models else platform.machine(), "flags": _cpu_flags(), "torch": torch.__version__,
             "kernels": build_key(), "timing": "one thread, its CPU time"}
 
 
