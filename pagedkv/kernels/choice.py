@@ -94,7 +94,7 @@ def _machine_parts() -> dict[str, str]:
     from pagedkv.kernels.cpu import _cpu_flags, build_key
 
     try:
-        models = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+        models = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("model name")]
     except OSError:
         models = []
