@@ -94,12 +94,12 @@ def _machine_parts() -> dict[str, str]:
     from pagedkv.kernels.cpu import _cpu_flags, build_key
 
     try:
-        models = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")]
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        models = []
-    return {"cpu": models[0] if models else platform.machine(), "flags": _cpu_flags(), "torch": torch.__version__,
-            "kernels": build_key(), "timing": "one thread, its CPU time"}
+        lines = []
+    models = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return {"cpu": models[0] if models else platform.machine(), "flags": _cpu_flags(),
+            "torch": torch.__version__, "kernels": build_key(), "timing": "one thread, its CPU time"}
 
 
 def table_path() -> Path:
