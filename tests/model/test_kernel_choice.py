@@ -213,3 +213,19 @@ def test_a_bfloat16_model_on_a_mixed_table_agrees_with_the_reference_path(tiny_l
     cmp = compare_logits(want, got)
     assert cmp.greedy_agreement == 1.0, cmp
     assert 0.0 < cmp.max_abs_error <= 2 ** -6 * cmp.logit_range, cmp
+
+
+def test_the_start_up_facts_name_the_linears_choice(tiny_llama, monkeypatch):
+    """The banner's "CPU kernels" line (runner_facts) says how the linears were chosen: the
+    forced mode, or the measured split per dtype."""
+    from pagedkv.engine.runner_facts import runner_facts
+    from pagedkv.model.runner import ModelRunner
+
+    runner = ModelRunner(tiny_llama, block_size=4, num_blocks=8, device="cpu", cpu_kernels="wait")
+    facts = runner_facts(runner)["cpu_kernels"]
+    assert facts.startswith("fused C++ kernels") and "float32" in facts
+    assert facts.endswith(choice.describe_choice()) and " rows" in facts
+    monkeypatch.setenv(choice.ENV, "panel")
+    assert runner_facts(runner)["cpu_kernels"].endswith(f"linears: panel ({choice.ENV})")
+    off = ModelRunner(tiny_llama, block_size=4, num_blocks=8, device="cpu", cpu_kernels="off")
+    assert runner_facts(off)["cpu_kernels"] == "off: the pure-torch path"
