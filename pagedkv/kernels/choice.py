@@ -1,4 +1,6 @@
-"""Which kernel runs each CPU linear, by rows, chosen by measuring the candidates on this CPU.
+"""Which kernel runs each CPU linear, by rows, chosen by measuring the candidates on this CPU
+(and the timing, table file and modes that model/prefill_choice.py's prefill attention choice
+shares).
 
 The fastest kernel for a linear depends on the CPU, the dtype, the weight's shape and the rows
 of the input: on an Intel CPU with AMX, oneDNN's bfloat16 linear (through torch) beats the
@@ -6,8 +8,9 @@ of the input: on an Intel CPU with AMX, oneDNN's bfloat16 linear (through torch)
 on AMD Zen 4/5 (no AMX) the panels win throughout. So no rule keyed on the instruction set is
 right everywhere: each shape class (dtype, N x K, bias) is timed once per rows bucket
 (ROW_BUCKETS, each at its representative row count), the candidates alternating call by call
-and each keeping its fastest call, and the fastest wins; the kernel in place ("panel", listed first) keeps a bucket unless another beats it by
-KEEP_MARGIN (noise does not flip it, and a weight keeps one prepared copy where it can).
+and each keeping its fastest call, and the fastest wins; the kernel in place ("panel", listed
+first) keeps a bucket unless another beats it by KEEP_MARGIN (noise does not flip it, and a
+weight keeps one prepared copy where it can).
 
 The timing runs on one thread and counts its CPU time (time.thread_time): on a shared machine
 the time other processes hold a core does not count, where wall-clock timing of two threads
@@ -30,13 +33,14 @@ PAGEDKV_KERNEL_CHOICE forces a fixed choice (deterministic tests, before/after b
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import platform
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -99,7 +103,8 @@ def _machine_parts() -> dict[str, str]:
         lines = []
     models = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
     return {"cpu": models[0] if models else platform.machine(), "flags": _cpu_flags(),
-            "torch": torch.__version__, "kernels": build_key(), "timing": "one thread, its CPU time"}
+            "torch": torch.__version__, "kernels": build_key(),
+            "timing": "one thread, its CPU time"}
 
 
 def table_path() -> Path:
@@ -108,37 +113,59 @@ def table_path() -> Path:
 
     parts = _machine_parts()
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
-    return kernel_cache_dir() / "choice" / f"linears-{digest}.json"
+    return kernel_cache_dir() / "choice" / f"choice-{digest}.json"
 
 
-def _read_disk(path: Path) -> dict[str, list[str]]:
+def _read_disk(path: Path, section: str) -> dict:
+    """`section` ("linears", "prefill_attention") of the table file; {} without a readable one."""
     try:
-        data = json.loads(path.read_text())
-        table = data["linears"]
+        table = json.loads(path.read_text())[section]
     except (OSError, ValueError, KeyError, TypeError):
         return {}
-    return {k: v for k, v in table.items() if isinstance(v, list) and len(v) == len(ROW_BUCKETS)
-            and all(kernel in KERNELS for kernel in v)}
+    return table if isinstance(table, dict) else {}
 
 
-def _write_disk(path: Path, shape: str, kernels: tuple[str, ...]) -> None:
-    """Add `shape`'s row to the file (read, merge, write to a temporary name, rename: a reader
-    never sees half a file; a lost race costs one re-measurement, never a wrong table)."""
+def _write_disk(path: Path, section: str, key: str, value: object) -> None:
+    """Add `key`'s entry to the file's `section` (read, merge, write to a temporary name,
+    rename: a reader never sees half a file; a lost race costs one re-measurement, never a
+    wrong table)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        table = _read_disk(path)
-        table[shape] = list(kernels)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = {}
+        if not isinstance(data, dict):
+            data = {}
+        data["machine"] = _machine_parts()
+        data.setdefault(section, {})[key] = value
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"machine": _machine_parts(), "linears": table}, indent=1))
+        tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, path)
-    except OSError as e:
+    except (OSError, TypeError, AttributeError) as e:
         logger.warning("could not cache the kernel choice in %s: %s", path, e)
 
 
+def cached_choice(section: str, key: str, valid: Callable[[object], bool],
+                  measure: Callable[[], object]) -> object:
+    """The table file's `section`/`key` entry where `valid`, else `measure()` (logged, then
+    written there)."""
+    path = table_path()
+    cached = _read_disk(path, section).get(key)
+    if cached is not None and valid(cached):
+        return cached
+    started = time.perf_counter()
+    value = measure()
+    logger.info("kernel choice for %s %s measured in %.0f ms: %s", section, key,
+                1e3 * (time.perf_counter() - started), value)
+    _write_disk(path, section, key, value)
+    return value
+
+
 def time_candidates(calls: Mapping[str, Callable[[], object]]) -> dict[str, float]:
-    """{name: fastest call in this thread's CPU seconds}: one untimed call each, then rounds alternating the
-    candidates call by call (a busy moment hits them alike) until MIN_CALLS rounds and
-    BUDGET_S have passed (at most MAX_CALLS); a candidate DROP_RATIO slower than the best
+    """{name: fastest call in this thread's CPU seconds}: one untimed call each, then rounds
+    alternating the candidates call by call (a busy moment hits them alike) until MIN_CALLS
+    rounds and BUDGET_S have passed (at most MAX_CALLS); a candidate DROP_RATIO slower than the best
     stops being called."""
     for call in calls.values():
         call()
@@ -171,17 +198,24 @@ def measure_linear(dtype: torch.dtype, in_features: int,
     the bucket's last row count on one thread (torch's thread count is restored after)."""
     gen = torch.Generator().manual_seed(0)
     chosen = []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         for _, rows in ROW_BUCKETS:
             x = torch.randn(rows, in_features, generator=gen).to(dtype)
             times = time_candidates({name: (lambda f=f, x=x: f(x))
                                      for name, f in kernels.items()})
             chosen.append(pick(times))
+    return tuple(chosen)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread inside (where the timing runs), its thread count restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
     finally:
         torch.set_num_threads(threads)
-    return tuple(chosen)
 
 
 def choose_linear(shape: str, dtype: torch.dtype, in_features: int,
@@ -197,16 +231,13 @@ def choose_linear(shape: str, dtype: torch.dtype, in_features: int,
         kernel = fixed if fixed in available else available[0]
         return (kernel,) * len(ROW_BUCKETS)
     if not set(_tables.get(shape, ("",))) <= set(available):
-        path = table_path()
-        cached = _read_disk(path).get(shape)
-        if cached is not None and all(k in available for k in cached):
-            _tables[shape] = tuple(cached)
-        else:
-            started = time.perf_counter()
-            _tables[shape] = measure_linear(dtype, in_features, {k: make(k) for k in available})
-            logger.info("linear kernels for %s measured in %.0f ms: %s", shape,
-                        1e3 * (time.perf_counter() - started), describe_kernels(_tables[shape]))
-            _write_disk(path, shape, _tables[shape])
+        def valid(v: object) -> bool:
+            return isinstance(v, list) and len(v) == len(ROW_BUCKETS) and set(v) <= set(available)
+
+        table = cached_choice(
+            "linears", shape, valid,
+            lambda: list(measure_linear(dtype, in_features, {k: make(k) for k in available})))
+        _tables[shape] = tuple(table)
     return _tables[shape]
 
 
