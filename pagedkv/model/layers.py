@@ -7,6 +7,7 @@ steps, one RoPE call for q and k together) round exactly as transformers' op seq
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -133,6 +134,15 @@ def onednn_takes(weight: torch.Tensor) -> bool:
                                              and torch.backends.mkldnn.is_available())
 
 
+@functools.cache
+def onednn_linear_ops() -> bool:
+    """Whether this torch has oneDNN's pre-packed linear ops (`pack_onednn`, `Linear.forward`)."""
+    try:
+        return bool(torch.ops.mkldnn._reorder_linear_weight and torch.ops.mkldnn._linear_pointwise)
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def pack_onednn(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` pre-packed for oneDNN's linear, or None where this torch cannot."""
     try:
@@ -203,7 +213,7 @@ class Linear(nn.Linear):
             made["onednn"] = p = pack_onednn(w)
             return lambda x: torch.ops.mkldnn._linear_pointwise(x, p, self.bias, "none", [], "")
 
-        available = ("panel", "onednn") if onednn_takes(w) and pack_onednn(w[:1]) is not None \
+        available = ("panel", "onednn") if onednn_takes(w) and onednn_linear_ops() \
             else ("panel",)
         shape = choice.shape_class(w.dtype, self.out_features, self.in_features,
                                    self.bias is not None)
