@@ -51,6 +51,7 @@ import glob
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -221,6 +222,11 @@ class Side:
         self.proc.stdin.flush()
         return json.loads(self._expect("RESULT "))
 
+    def log_text(self) -> str:
+        """What the worker wrote to stderr so far (its log)."""
+        self.log.seek(0)
+        return self.log.read()
+
     def close(self) -> None:
         if self.proc.stdin:
             self.proc.stdin.close()
@@ -246,15 +252,48 @@ def settle(max_s: float = 15.0) -> None:
             return  # under 0.15 cores busy over the half second (or no /proc to read)
 
 
-def vllm_env(python: str, threads: int | None) -> dict:
-    """The environment vLLM's CPU build wants: tcmalloc and its bundled libiomp5 preloaded,
-    a KV budget, and its OpenMP threads bound to this process's CPUs (or the first N)."""
+def vllm_env(python: str, threads: int | None, kv_gib: int = VS_KV_GIB) -> dict:
+    """The environment vLLM's CPU build wants, on the cores pagedkv gets: tcmalloc and its
+    bundled libiomp5 preloaded where found, a KV budget of `kv_gib`, and its OpenMP threads bound
+    to every CPU of this process (or the first N, as pagedkv's --threads N) with none reserved
+    (pagedkv reserves none)."""
     venv = Path(python).parent.parent  # not resolved: a venv's python links to the base one
     preload = sorted(glob.glob("/usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4"))[:1]
-    preload += [str(p) for p in venv.glob("lib/libiomp5.so")]
+    preload += [str(p) for p in sorted(venv.glob("lib/libiomp5.so"))[:1]]
+    preload += [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p and p not in preload]
     cpus = sorted(os.sched_getaffinity(0))[: threads or None]
-    return dict(os.environ, LD_PRELOAD=":".join(preload), VLLM_CPU_KVCACHE_SPACE=str(VS_KV_GIB),
-                VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cpus)))
+    return dict(os.environ, LD_PRELOAD=":".join(preload), VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
+                VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cpus)),
+                VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+
+
+def engine_settings(env: dict, threads: int | None) -> str:
+    """pagedkv's and vLLM's thread and core settings, one line each (what the ratio is of)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    ours = f"pagedkv: {threads or len(cpus)} threads over CPUs {cpus}, none reserved"
+    preload = [Path(p).name for p in env.get("LD_PRELOAD", "").split(":") if p]
+    theirs = (f"vLLM: VLLM_CPU_OMP_THREADS_BIND={env.get('VLLM_CPU_OMP_THREADS_BIND')}, "
+              f"VLLM_CPU_NUM_OF_RESERVED_CPU={env.get('VLLM_CPU_NUM_OF_RESERVED_CPU')}, "
+              f"VLLM_CPU_KVCACHE_SPACE={env.get('VLLM_CPU_KVCACHE_SPACE')} GiB, "
+              f"LD_PRELOAD={preload or 'nothing'}")
+    return f"{ours}\n{theirs}"
+
+
+def vllm_settings_problems(log: str, cpus: int) -> list[str]:
+    """What vLLM's log says it lacks of a fair run on `cpus` cores: a reserved core, fewer bound
+    cores, a missing tcmalloc / libiomp preload. A ratio is not reported when any is found."""
+    problems = []
+    reserved = re.findall(r"reserved_cpus=\[([^\]]*)\]", log)
+    if any(r.strip() for r in reserved):
+        problems.append(f"vLLM reserved CPUs [{reserved[-1]}]")
+    for ids in re.findall(r"core ids=\[([^\]]*)\]", log):
+        if len([i for i in ids.split(",") if i.strip()]) < cpus:
+            problems.append(f"vLLM bound its threads to cores [{ids}] of {cpus}")
+    for line in log.splitlines():
+        if re.search(r"not found in LD_PRELOAD|(tcmalloc|libiomp)\S* (is )?not (found|loaded)",
+                     line, re.IGNORECASE):
+            problems.append(f"vLLM: {line.strip()[-160:]}")
+    return problems
 
 
 def start_burners(count: int) -> list[subprocess.Popen]:
@@ -271,14 +310,14 @@ def vs_vllm(args: argparse.Namespace, base: Path) -> dict:
     burners = start_burners(args.busy)
     here = Path(__file__).resolve()
     other = "vllm" if args.vs_vllm else "baseline"
+    if args.vs_vllm:
+        print(engine_settings(vllm_env(args.vs_vllm, args.threads), args.threads), flush=True)
     try:
         for dtype in args.dtypes.split(","):
-            model_dir = base / f"llama-512x8-{dtype}"
-            if not (model_dir / "model.safetensors").exists():
-                from pagedkv.testing.random_model import build_random_model_dir
+            model_dir = Path(args.model) if args.model else random_model(base, dtype)
+            from pagedkv.model.config import ModelConfig
 
-                build_random_model_dir(model_dir, dtype=dtype, seed=0, **SHAPE)
-            vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+            vocab = ModelConfig.from_dir(model_dir).vocab_size
             spec = json.dumps(dict(model=str(model_dir), dtype=dtype, vocab=vocab,
                                    threads=args.threads, **VS_ENGINE))
             ours = [sys.executable, str(here), "--worker", spec]
@@ -289,13 +328,17 @@ def vs_vllm(args: argparse.Namespace, base: Path) -> dict:
                 name, _, value = args.vs_env.partition("=")
                 theirs = Side(other, ours, dict(os.environ, **{name: value}))
             sides = [Side("pagedkv", ours, dict(os.environ)), theirs]
+            cpus = args.threads or len(os.sched_getaffinity(0))
             try:
                 for workload_name in ("mixed", "shared_prefix"):
                     results: dict[str, list] = {"pagedkv": [], other: []}
                     for r in range(args.rounds):
                         for side in sides if r % 2 == 0 else sides[::-1]:
                             results[side.name].append(side.run(workload_name))
-                    report["rows"].append(_vs_row(dtype, workload_name, results, other))
+                    problems = vllm_settings_problems(theirs.log_text(), cpus) \
+                        if args.vs_vllm else []
+                    report["rows"].append(_vs_row(dtype, workload_name, results, other,
+                                                  problems))
             finally:
                 for side in sides:
                     side.close()
@@ -312,11 +355,7 @@ def first_run(args: argparse.Namespace, base: Path) -> dict:
     report: dict = {"load_start": os.getloadavg(), "rows": []}
     here = Path(__file__).resolve()
     for dtype in args.dtypes.split(","):
-        model_dir = base / f"llama-512x8-{dtype}"
-        if not (model_dir / "model.safetensors").exists():
-            from pagedkv.testing.random_model import build_random_model_dir
-
-            build_random_model_dir(model_dir, dtype=dtype, seed=0, **SHAPE)
+        model_dir = random_model(base, dtype)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         for warm in (False, True):
             spec = json.dumps(dict(model=str(model_dir), dtype=dtype, vocab=vocab,
@@ -348,14 +387,11 @@ def compare_kv_cache_dtypes(args: argparse.Namespace, base: Path) -> dict:
     """Output tokens per CPU second of each KV cache format on each workload, alternating
     rounds; ratios to the first format per round and of the medians (module docstring, 5)."""
     from pagedkv import LLM, SamplingParams
-    from pagedkv.testing.random_model import build_random_model_dir
 
     formats = args.compare_kv_cache_dtypes.split(",")
     report: dict = {"load_start": os.getloadavg(), "rows": []}
     for dtype in args.dtypes.split(","):
-        model_dir = base / f"llama-512x8-{dtype}"
-        if not (model_dir / "model.safetensors").exists():
-            build_random_model_dir(model_dir, dtype=dtype, seed=0, **SHAPE)
+        model_dir = random_model(base, dtype)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         engines = {f: LLM(model=str(model_dir), dtype=dtype, seed=0, enable_prefix_caching=True,
                           kv_cache_dtype=f, kv_cache_memory_bytes=1 << 30, cpu_kernels="wait",
@@ -400,17 +436,31 @@ def compare_kv_cache_dtypes(args: argparse.Namespace, base: Path) -> dict:
     return report
 
 
-def _vs_row(dtype: str, name: str, results: dict[str, list], other: str) -> dict:
+def _vs_row(dtype: str, name: str, results: dict[str, list], other: str,
+            problems: list[str] | None = None) -> dict:
+    """One table row; with `problems` (vllm_settings_problems) no ratio: the run was unfair."""
     ours = [r["tokens_per_s"] for r in results["pagedkv"]]
     theirs = [r["tokens_per_s"] for r in results[other]]
     a, b = results["pagedkv"][0]["tokens"], results[other][0]["tokens"]
     same = sum(x == y for x, y in zip(a, b, strict=True))
-    ratio = statistics.median(ours) / statistics.median(theirs)
+    ratio = None if problems else statistics.median(ours) / statistics.median(theirs)
+    verdict = (f"pagedkv / {other} {ratio:.2f}x (medians)" if ratio is not None else
+               f"no ratio: {'; '.join(problems)}")
     print(f"[{dtype}] {name}: pagedkv {' / '.join(f'{x:,.0f}' for x in ours)} tok/s, {other} "
-          f"{' / '.join(f'{x:,.0f}' for x in theirs)} tok/s: pagedkv / {other} {ratio:.2f}x "
-          f"(medians); greedy tokens identical on {same}/{len(a)} prompts", flush=True)
+          f"{' / '.join(f'{x:,.0f}' for x in theirs)} tok/s: {verdict}; greedy tokens "
+          f"identical on {same}/{len(a)} prompts", flush=True)
     return dict(dtype=dtype, workload=name, pagedkv=ours, **{other: theirs}, ratio=ratio,
-                identical_prompts=same, prompts=len(a))
+                identical_prompts=same, prompts=len(a), problems=problems or [])
+
+
+def random_model(base: Path, dtype: str) -> Path:
+    """The benchmark's random Llama (SHAPE) in `dtype` under `base` (built once)."""
+    model_dir = base / f"llama-512x8-{dtype}"
+    if not (model_dir / "model.safetensors").exists():
+        from pagedkv.testing.random_model import build_random_model_dir
+
+        build_random_model_dir(model_dir, dtype=dtype, seed=0, **SHAPE)
+    return model_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -422,6 +472,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-shared-prefix", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.add_argument("--model-dir", default=None, help="reuse/cache the random model here")
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="--vs-vllm / --vs-env: this model (a directory or a GGUF file, e.g. "
+                             "`python -m pagedkv.testing.real_model`) instead of the random one")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="cuda: the 1B-shape workloads of benchmarks/gpu_offline.py instead")
     parser.add_argument("--enforce-eager", action="store_true", help="cuda: no CUDA graphs")
@@ -501,15 +554,12 @@ def main(argv: list[str] | None = None) -> int:
         return gpu_offline.main(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    from pagedkv.testing.random_model import build_random_model_dir
 
     report: dict = {"throughput": {}, "shared_prefix": {}}
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(args.model_dir or tmp)
         for dtype in args.dtypes.split(","):
-            model_dir = base / f"llama-512x8-{dtype}"
-            if not (model_dir / "model.safetensors").exists():
-                build_random_model_dir(model_dir, dtype=dtype, seed=0, **SHAPE)
+            model_dir = random_model(base, dtype)
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
             requests = workload(0, vocab)
             ours = run_pagedkv(model_dir, dtype, requests, kv_cache_dtype=args.kv_cache_dtype)

@@ -1,9 +1,11 @@
 """The CPU linears of the benchmark model, by path: oneDNN's pre-packed linear against our
 `panel_linear` in this machine's build and in the AVX2 build (`PAGEDKV_CPU_ISA=avx2`, the code a
-Zen 3 runs).
+Zen 3 runs); and the model's own Linear (a module call around the kernel) two ways: "before",
+every call on the panels (PAGEDKV_KERNEL_CHOICE=panel), and "chosen", each call on the kernel
+that kernels/choice.py measured fastest for its rows bucket (the table is printed).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_panel_linear.py [--dtypes bfloat16,float32]
-        [--rows 1,8,32,128,2048] [--rounds 3] [--threads N] [--json]
+        [--rows 1,4,8,16,64,256,512,2048] [--rounds 3] [--threads N] [--no-avx2] [--json]
 
 The weights are the linears of bench_offline.py's model (hidden 512, intermediate 1408, 8 heads
 of 64, 4 KV heads: qkv, o, gate_up, down) for each of its 8 layers, so a pass streams every
@@ -55,7 +57,8 @@ def best_pass_ms(paths: dict[str, list], xs: dict[int, torch.Tensor], reps: int)
 
 
 def measure(dtype_name: str, rows_list: list[int], paths: list[str]) -> dict:
-    """{path: {rows: ms}} for this process's build; paths among "onednn" and "panel"."""
+    """{path: {rows: ms}} for this process's build; paths among "onednn", "panel", "before"
+    and "chosen"."""
     from pagedkv.kernels.cpu import ensure_cpu_kernels
     from pagedkv.model.cpu_memory import keep_freed_memory
 
@@ -68,7 +71,9 @@ def measure(dtype_name: str, rows_list: list[int], paths: list[str]) -> dict:
     made = {"onednn": lambda w: (lambda x, p=torch.ops.mkldnn._reorder_linear_weight(w, 64):
                                  torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")),
             "panel": lambda w: (lambda x, p=torch.ops.pagedkv_cpu.pack_panels(w), n=w.shape[0]:
-                                torch.ops.pagedkv_cpu.panel_linear(x, p, n, None))}
+                                torch.ops.pagedkv_cpu.panel_linear(x, p, n, None)),
+            "before": lambda w: model_linear(w, "panel"),
+            "chosen": lambda w: model_linear(w, "measure")}
     fns = {path: [(w.shape[1], made[path](w)) for w in weights] for path in paths}
     out: dict = {path: {} for path in paths}
     for rows in rows_list:
@@ -77,6 +82,26 @@ def measure(dtype_name: str, rows_list: list[int], paths: list[str]) -> dict:
         for path, ms in best_pass_ms(layer_fns, xs, 30 if rows <= 128 else 5).items():
             out[path][rows] = ms
     return out
+
+
+def model_linear(w: torch.Tensor, choice_mode: str) -> torch.nn.Module:
+    """The model's Linear of weight `w`, packed as the runner packs it once the kernels load,
+    under PAGEDKV_KERNEL_CHOICE=`choice_mode`."""
+    from pagedkv.kernels.choice import ENV
+    from pagedkv.model.layers import Linear
+
+    layer = Linear(w.shape[1], w.shape[0], bias=False)
+    layer.weight = torch.nn.Parameter(w, requires_grad=False)
+    saved = os.environ.get(ENV)
+    os.environ[ENV] = choice_mode
+    try:
+        layer.pack(panels=True)
+    finally:
+        if saved is None:
+            del os.environ[ENV]
+        else:
+            os.environ[ENV] = saved
+    return layer
 
 
 def child(dtype_name: str, rows_list: list[int]) -> dict:
@@ -95,14 +120,16 @@ def child(dtype_name: str, rows_list: list[int]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtypes", default="bfloat16,float32")
-    parser.add_argument("--rows", default="1,8,32,128,2048")
+    parser.add_argument("--rows", default="1,4,8,16,64,256,512,2048")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--no-avx2", action="store_true", help="leave out the AVX2 build")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     from pagedkv.bench.machine import cpu_name
+    from pagedkv.kernels import choice
     from pagedkv.kernels.cpu import ensure_cpu_kernels
 
     ensure_cpu_kernels("wait")
@@ -114,12 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     for dtype_name in args.dtypes.split(","):
         best: dict = {}
         for _ in range(args.rounds):
-            runs = measure(dtype_name, rows_list, ["onednn", "panel"])
-            runs["panel avx2"] = child(dtype_name, rows_list)
+            runs = measure(dtype_name, rows_list, ["onednn", "panel", "before", "chosen"])
+            if not args.no_avx2:
+                runs["panel avx2"] = child(dtype_name, rows_list)
             for path, by_rows in runs.items():
                 for rows, ms in by_rows.items():
                     best.setdefault(path, {})[rows] = min(ms, best.get(path, {}).get(rows, 1e9))
         best[f"panel {isa}"] = best.pop("panel")
+        best["before"], best["chosen"] = best.pop("before"), best.pop("chosen")
         report[dtype_name] = best
         print(f"[{dtype_name}] ms per pass (8 layers' 4 linears; 1 layer at >128 rows), fastest "
               f"of {args.rounds} rounds; ratio = oneDNN's time / the path's")
@@ -127,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
             base = best["onednn"][rows]
             cells = "  ".join(f"{path} {best[path][rows]:7.3f} ({base / best[path][rows]:.2f}x)"
                               for path in best)
-            print(f"  rows {rows:5d}: {cells}", flush=True)
+            print(f"  rows {rows:5d}: {cells}  | chosen / before: "
+                  f"{best['before'][rows] / best['chosen'][rows]:.2f}x", flush=True)
+        print(f"  chosen: {choice.describe_choice()}")
     print(f"load average at end {os.getloadavg()[0]:.2f}")
     if args.json:
         print(json.dumps(report))

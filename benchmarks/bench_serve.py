@@ -12,7 +12,11 @@ point: output tok/s and mean TPOT of each server (range over the rounds), and th
         [--concurrency 16,64] [--num-prompts 64] [--rounds 2] [--vs-vllm /tmp/vllm-venv/bin/python]
 
 With --vs-vllm PYTHON, vLLM runs as `PYTHON -m vllm.entrypoints.openai.api_server` with the same
-block size, KV cache size and max_num_seqs. vLLM is never imported here.
+block size, KV cache size and max_num_seqs, on the same cores as pagedkv (its OpenMP threads bound
+to every CPU of this process, none reserved) with tcmalloc and its libiomp5 preloaded where
+found (bench_offline.vllm_env); both engines' settings are printed, and no ratio against vLLM is
+printed when its log says it lacks them (bench_offline.vllm_settings_problems). vLLM is never
+imported here.
 """
 
 from __future__ import annotations
@@ -33,7 +37,12 @@ import httpx
 from pagedkv.bench.machine import cpu_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_offline import SHAPE  # noqa: E402
+from bench_offline import (  # noqa: E402
+    SHAPE,
+    engine_settings,
+    vllm_env,
+    vllm_settings_problems,
+)
 
 KV_BYTES = 2 << 30
 BLOCK_SIZE = 32
@@ -49,7 +58,7 @@ def server_command(kind: str, model_dir: Path, dtype: str, port: int, max_num_se
                    vllm_python: str | None) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     if kind == "vllm":
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(KV_BYTES >> 30)
+        env = vllm_env(vllm_python, None, KV_BYTES >> 30)
         return [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                 "--port", str(port), "--host", "127.0.0.1", "--dtype", dtype,
                 "--block-size", str(BLOCK_SIZE), "--max-num-seqs", str(max_num_seqs),
@@ -120,6 +129,9 @@ def main() -> None:
         (["vllm"] if args.vs_vllm else [])
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     print(f"CPU: {cpu_name()}; servers: {kinds}")
+    if args.vs_vllm:
+        print(engine_settings(vllm_env(args.vs_vllm, None, KV_BYTES >> 30), None))
+    problems: list[str] = []
     for dtype in args.dtypes.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = build_random_model_dir(Path(tmp) / "m", dtype=dtype, seed=0, **SHAPE)
@@ -139,11 +151,16 @@ def main() -> None:
                                   f" ms  (ready in {server.ready_s:.0f} s)", flush=True)
                     finally:
                         server.stop()
-            _table(dtype, kinds, concurrencies, figures)
+                        if kind == "vllm":
+                            problems += vllm_settings_problems(
+                                Path(server.log.name).read_text(errors="replace"),
+                                len(os.sched_getaffinity(0)))
+            _table(dtype, kinds, concurrencies, figures, problems)
 
 
 def _table(dtype: str, kinds: list[str], concurrencies: list[int],
-           figures: dict[tuple[str, int], list[dict]]) -> None:
+           figures: dict[tuple[str, int], list[dict]], problems: list[str]) -> None:
+    """The summary; no ratio against vLLM where its log showed `problems` (an unfair run)."""
     base = kinds[0]
     print(f"\n{dtype}: output tok/s and mean TPOT (min-max over rounds); ratios vs the others")
     for c in concurrencies:
@@ -152,7 +169,9 @@ def _table(dtype: str, kinds: list[str], concurrencies: list[int],
             tpot = [m["tpot_ms"]["mean"] for m in figures[(kind, c)]]
             line = (f"  c={c:<3} {kind:15} {min(tput):7.1f}-{max(tput):7.1f} tok/s  "
                     f"TPOT {min(tpot):6.1f}-{max(tpot):6.1f} ms")
-            if kind != base:
+            if kind == "vllm" and problems:
+                line += f"   no ratio: {'; '.join(sorted(set(problems)))}"
+            elif kind != base:
                 ours = figures[(base, c)]
                 theirs = figures[(kind, c)]
                 r_tput = statistics.median(a["output_throughput"] / b["output_throughput"]

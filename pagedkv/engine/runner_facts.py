@@ -16,7 +16,10 @@ def runner_facts(runner: Any) -> dict[str, Any]:
         "device": "" if device is None else str(device),
         "cpu_kernels": ""}
     if getattr(device, "type", None) == "cpu":
-        from pagedkv.kernels.cpu import kernels_in_use
+        from pagedkv.kernels.choice import describe_choice
+        from pagedkv.kernels.cpu import cpu_kernels_loaded, kernels_in_use
 
         facts["cpu_kernels"] = kernels_in_use(getattr(runner, "cpu_kernels", "off"))
+        if cpu_kernels_loaded() and getattr(runner, "cpu_kernels", "off") != "off":
+            facts["cpu_kernels"] += f"; {describe_choice()}"
     return facts

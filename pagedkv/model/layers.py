@@ -7,6 +7,7 @@ steps, one RoPE call for q and k together) round exactly as transformers' op seq
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pagedkv.kernels import choice
 from pagedkv.kernels.cpu import PANELS_BEAT_ONEDNN_BF16, panel_isa
 from pagedkv.model.ops import LayerOps, RopeInputs, rms_norm_reference
 
@@ -110,33 +112,61 @@ def onednn_bf16_available(weight: torch.Tensor) -> bool:
         return False
 
 
+def isa_rule(weight: torch.Tensor) -> str:
+    """The instruction-set rule's kernel for `weight` with the fused CPU kernels loaded:
+    "panel", except bfloat16 where oneDNN has native bfloat16 and the build's panels do not
+    (kernels.cpu.PANELS_BEAT_ONEDNN_BF16)."""
+    if onednn_bf16_available(weight) and panel_isa() not in PANELS_BEAT_ONEDNN_BF16:
+        return "onednn"
+    return "panel"
+
+
 def use_panels(weight: torch.Tensor) -> bool:
-    """Whether `weight` runs faster through panel_linear than through oneDNN (the fused CPU
-    kernels loaded): always, except bfloat16 where oneDNN has native bfloat16 and the build's
-    panels do not (kernels.cpu.PANELS_BEAT_ONEDNN_BF16)."""
-    return (not onednn_bf16_available(weight)
-            or panel_isa() in PANELS_BEAT_ONEDNN_BF16)
+    """Whether the instruction-set rule (`isa_rule`) runs `weight` through panel_linear."""
+    return isa_rule(weight) == "panel"
+
+
+def onednn_takes(weight: torch.Tensor) -> bool:
+    """Whether oneDNN's pre-packed linear takes `weight` natively: float32 (torch built with
+    oneDNN), bfloat16 where oneDNN has native bfloat16 (`onednn_bf16_available`)."""
+    return onednn_bf16_available(weight) or (weight.device.type == "cpu"
+                                             and weight.dtype == torch.float32
+                                             and torch.backends.mkldnn.is_available())
+
+
+@functools.cache
+def onednn_linear_ops() -> bool:
+    """Whether this torch has oneDNN's pre-packed linear ops (`pack_onednn`, `Linear.forward`)."""
+    try:
+        return bool(torch.ops.mkldnn._reorder_linear_weight and torch.ops.mkldnn._linear_pointwise)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def pack_onednn(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` pre-packed for oneDNN's linear, or None where this torch cannot."""
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+    except (AttributeError, RuntimeError):
+        return None
 
 
 class Linear(nn.Linear):
     """nn.Linear whose weight can be prepared once for the CPU (CPU only; `pack`).
 
     - With the fused CPU kernels loaded (`pack(panels=True)`, the runner's call once they are):
-      the weight is re-laid in panels of 16 output columns for `pagedkv_cpu::panel_linear`
-      (kernels/cpu_ops.cpp), float32 accumulation in registers while each panel streams past
-      once. float32, and bfloat16/float16 kept at 16 bits (widened in registers, exactly), so a
-      16-bit model streams half the bytes. 8 lanes with AVX2 (Zen 3), 16 where AVX-512 is
-      compiled in. On a 2-core Zen 3, against oneDNN's pre-packed float32 linear: 1.4-1.5x at
-      1-8 rows (decode steps stream every weight; this runs near the memory bandwidth),
-      1.1-1.2x at 32-128, about 1.1x at 2,048 (prefill); bfloat16 weights at about float32's
-      speed, against a tenth of it for torch's own 16-bit matmul on CPUs without 16-bit dot
-      products. Results differ from F.linear's only in float32 summation order (and one
-      rounding to a 16-bit activation dtype at the end).
-      bfloat16 on a CPU where oneDNN has native bfloat16 dot products: panels where the build
-      has the vdpbf16ps path (AVX512-BF16: pairs of K per instruction, x already bfloat16, so
-      the same inputs as oneDNN's bfloat16 kernel; see cpu_ops.cpp for its DAZ/FTZ rules),
-      which beat oneDNN's on a Zen 4 at decode sizes (benchmarks/bench_panel_linear.py);
-      oneDNN's otherwise (`use_panels`).
+      each rows bucket of the layer's shape class runs the kernel that kernels/choice.py
+      measured fastest on this CPU (or a forced one, PAGEDKV_KERNEL_CHOICE), among:
+      `pagedkv_cpu::panel_linear` (kernels/cpu_ops.cpp), the weight re-laid in panels of 16
+      output columns, float32 accumulation in registers while each panel streams past once
+      (float32, and bfloat16/float16 kept at 16 bits, widened in registers exactly, or paired
+      into vdpbf16ps where the build has AVX512-BF16; 8 lanes with AVX2, 16 with AVX-512); and
+      oneDNN's pre-packed linear, for the dtypes oneDNN takes natively (float32; bfloat16 with
+      AVX512-BF16 or AMX, whose tiles make it the faster one from about 8 rows on an Intel
+      CPU with AMX, while the panels win at decode sizes and, on AMD Zen 4/5, throughout).
+      The call picks by its rows (`choice.rows_route`: one tuple lookup); a weight keeps only
+      the copies its buckets use. Results differ from F.linear's only in float32 summation
+      order (and one rounding to a 16-bit activation dtype at the end).
     - Otherwise, float32, and bfloat16 where oneDNN has native bfloat16 (AVX512-BF16 or AMX):
       pre-packed for oneDNN (a second copy), 1.3-2x MKL's F.linear at decode sizes.
     - bfloat16 / float16 without native 16-bit dot products and without the kernels: a float32
@@ -148,33 +178,62 @@ class Linear(nn.Linear):
     _packed: torch.Tensor | None = None
     _widened: tuple[torch.Tensor, torch.Tensor | None] | None = None
     _panels: torch.Tensor | None = None
+    # With both copies: whether panels run, by min(rows, choice.ROUTE_LAST); else None.
+    _panel_rows: tuple[bool, ...] | None = None
 
     def pack(self, panels: bool = False) -> bool:
         """Prepare the current weight as above (mutates self; `panels` needs the fused CPU
         kernels loaded); returns whether forward now uses a prepared copy."""
-        self._packed, self._widened, self._panels = None, None, None
+        self._packed, self._widened, self._panels, self._panel_rows = None, None, None, None
         w = self.weight.detach()
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return False
-        if panels and use_panels(w):
-            self._panels = torch.ops.pagedkv_cpu.pack_panels(w)
+        if panels:
+            self._pack_chosen(w)
             return True
-        if onednn_bf16_available(w) or (w.dtype == torch.float32
-                                         and torch.backends.mkldnn.is_available()):
-            try:
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+        if onednn_takes(w):
+            self._packed = pack_onednn(w)
+            if self._packed is not None:
                 return True
-            except (AttributeError, RuntimeError):
-                pass
         if w.dtype == torch.float32:
             return False
         bias = None if self.bias is None else self.bias.detach().float()
         self._widened = (w.float(), bias)
         return True
 
+    def _pack_chosen(self, w: torch.Tensor) -> None:
+        """Prepare the copies of the kernels `choice.choose_linear` picks for w's rows buckets."""
+        made: dict[str, torch.Tensor] = {}
+
+        def make(kernel: str) -> Any:
+            if kernel == "panel":
+                made["panel"] = p = torch.ops.pagedkv_cpu.pack_panels(w)
+                return lambda x: torch.ops.pagedkv_cpu.panel_linear(x, p, self.out_features,
+                                                                     self.bias)
+            made["onednn"] = p = pack_onednn(w)
+            return lambda x: torch.ops.mkldnn._linear_pointwise(x, p, self.bias, "none", [], "")
+
+        available = ("panel", "onednn") if onednn_takes(w) and onednn_linear_ops() \
+            else ("panel",)
+        shape = choice.shape_class(w.dtype, self.out_features, self.in_features,
+                                   self.bias is not None)
+        per_bucket = choice.choose_linear(shape, w.dtype, self.in_features, make, available,
+                                          isa_rule(w))
+        if "panel" in per_bucket:
+            self._panels = made.get("panel")
+            if self._panels is None:
+                self._panels = torch.ops.pagedkv_cpu.pack_panels(w)
+        if "onednn" in per_bucket:
+            self._packed = made.get("onednn")
+            if self._packed is None:
+                self._packed = pack_onednn(w)
+        if self._panels is not None and self._packed is not None:
+            self._panel_rows = tuple(k == "panel" for k in choice.rows_route(per_bucket))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.device.type == "cpu":
-            if self._panels is not None:
+            if self._panels is not None and (self._panel_rows is None or self._panel_rows[
+                    min(x.shape[0], choice.ROUTE_LAST)]):
                 if x.shape[1] != self.in_features:  # (paired panels cannot tell K from K + 1)
                     raise RuntimeError(f"Linear: x has {x.shape[1]} features, not "
                                        f"{self.in_features}")

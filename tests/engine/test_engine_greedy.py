@@ -76,10 +76,14 @@ def test_full_prompt_hit_recomputes_last_token(tiny_llama, make_llm):
     assert_pool_empty(llm)
 
 
-def test_switch_to_the_kernels_between_steps_repacks_the_linears(tiny_llama, make_llm):
+def test_switch_to_the_kernels_between_steps_repacks_the_linears(tiny_llama, make_llm,
+                                                                 monkeypatch):
     """`cpu_kernels="auto"` whose background build lands mid-run: the runner switches between
-    two steps, re-laying every linear for panel_linear; tokens still equal transformers'."""
+    two steps, re-laying every linear for panel_linear (the instruction-set rule's choice);
+    tokens still equal transformers'."""
     from pagedkv.model.layers import Linear
+
+    monkeypatch.setenv("PAGEDKV_KERNEL_CHOICE", "isa")
 
     llm = make_llm(tiny_llama, block_size=4)
     runner = llm.llm_engine.runner

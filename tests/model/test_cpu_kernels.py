@@ -25,8 +25,11 @@ TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 @pytest.fixture(autouse=True)
-def _kernels():
+def _kernels(monkeypatch):
+    """The kernels loaded; linears by the instruction-set rule (the measured choice, which
+    depends on this CPU's timings, has its own tests: test_kernel_choice.py)."""
     assert ensure_cpu_kernels("wait")
+    monkeypatch.setenv("PAGEDKV_KERNEL_CHOICE", "isa")
 
 
 def fused_ops() -> LayerOps:

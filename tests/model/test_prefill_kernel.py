@@ -21,8 +21,11 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 @pytest.fixture(autouse=True)
-def _kernels():
+def _kernels(monkeypatch):
+    """The kernels loaded; prefill chunks through the tiled kernel at every length (the
+    measured choice of a step's kernel has its own tests: test_prefill_choice.py)."""
     assert ensure_cpu_kernels("wait")
+    monkeypatch.setenv("PAGEDKV_KERNEL_CHOICE", "isa")
 
 
 def supported(head_dim: int, dtype: torch.dtype) -> bool:

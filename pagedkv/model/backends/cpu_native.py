@@ -33,6 +33,7 @@ from pagedkv.model.cascade import (
     shared_prefix_attention,
     window_hides_nothing,
 )
+from pagedkv.model.prefill_choice import native_prefill
 
 
 @cache
@@ -55,7 +56,8 @@ class NativeAttentionMetadata(AttentionMetadata):
             self._decode(q[:nd], k_cache, v_cache, scale, window, out[:nd])
         if not self.prefills:
             return out
-        if tiled_prefill(q.shape[2], q.dtype) and k_cache.dtype == q.dtype:
+        if tiled_prefill(q.shape[2], q.dtype) and k_cache.dtype == q.dtype \
+                and native_prefill(q, k_cache, self.prefills):  # else torch's: measured faster
             self._prefill(q, k_cache, v_cache, scale, window, out)
         else:
             prefill_attention_all(q, k, v, k_cache, v_cache, self, scale, window, out)

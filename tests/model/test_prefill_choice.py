@@ -1,0 +1,113 @@
+"""The CPU prefill attention's kernel choice (pagedkv/model/prefill_choice.py): the fused tiled
+kernel or torch's attention, by the step's longest chunk, forced or measured (cached on disk and
+reused); both routes of a mixed step agree with the torch backend."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pagedkv.kernels import choice
+from pagedkv.kernels.cpu import ensure_cpu_kernels
+from pagedkv.model import prefill_choice
+from pagedkv.model.attention import PrefillChunk
+from pagedkv.model.backends.cpu_native import NativeAttentionMetadata
+from tests.model.test_prefill_kernel import TOL, mixed_step_error
+
+CLASS = (torch.bfloat16, 8, 4, 64, 16)  # dtype, heads, KV heads, head size, block size
+
+
+@pytest.fixture(autouse=True)
+def _fresh_choice(tmp_path, monkeypatch):
+    """The kernels loaded, an empty kernel cache folder and in-process table per test."""
+    assert ensure_cpu_kernels("wait")
+    monkeypatch.setenv("PAGEDKV_KERNEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(choice.ENV, raising=False)
+    monkeypatch.setattr(prefill_choice, "_torch_from", {})
+
+
+def chunks(*lengths: int) -> list[PrefillChunk]:
+    out, start = [], 0
+    for n in lengths:
+        out.append(PrefillChunk(start, start + n, 0, n, torch.arange(-(-n // 16))))
+        start += n
+    return out
+
+
+def step_tensors(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [tokens, 8, 64], a cache [4 KV heads, 8 blocks, 16, 64]) of CLASS."""
+    return torch.zeros(tokens, 8, 64, dtype=torch.bfloat16), \
+        torch.zeros(4, 8, 16, 64, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(("forced", "start"), [("panel", None), ("isa", None), ("onednn", 0)])
+def test_a_forced_choice_fixes_the_kernel(forced, start, monkeypatch):
+    monkeypatch.setenv(choice.ENV, forced)
+    assert prefill_choice.torch_prefill_from(*CLASS) == start
+    q, cache = step_tensors(3)
+    assert prefill_choice.native_prefill(q, cache, chunks(3)) is (start is None)
+    assert prefill_choice.prefill_table() == {}  # nothing measured
+
+
+def test_the_step_takes_torch_from_the_measured_length_by_its_longest_chunk():
+    prefill_choice._torch_from[prefill_choice.attention_class(*CLASS)] = 64
+    q, cache = step_tensors(80)
+    assert prefill_choice.native_prefill(q, cache, chunks(10, 63))
+    assert not prefill_choice.native_prefill(q, cache, chunks(10, 64))
+    prefill_choice._torch_from[prefill_choice.attention_class(*CLASS)] = None
+    assert prefill_choice.native_prefill(q, cache, chunks(2000))
+
+
+def test_the_measured_length_is_cached_on_disk_and_reused(monkeypatch):
+    calls = []
+    measure = prefill_choice.measure_prefill
+
+    def counted(*args):
+        calls.append(args)
+        return measure(*args)
+
+    monkeypatch.setattr(prefill_choice, "measure_prefill", counted)
+    start = prefill_choice.torch_prefill_from(*CLASS)
+    assert calls == [CLASS]
+    assert start is None or start in prefill_choice.LENGTHS
+    key = prefill_choice.attention_class(*CLASS)
+    on_disk = json.loads(choice.table_path().read_text())
+    assert on_disk["prefill_attention"][key] == {"torch_from": start}
+    monkeypatch.setattr(prefill_choice, "_torch_from", {})  # a second start: the file
+    assert prefill_choice.torch_prefill_from(*CLASS) == start
+    assert calls == [CLASS]
+    assert prefill_choice.prefill_table() == {key: start}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_timed_candidates_compute_the_same_attention(dtype):
+    """What the measurement times both ways is one attention (the fused kernel's cache laid
+    out as the torch call's K/V): a wrong layout would time a different problem."""
+    calls = prefill_choice.prefill_candidates(dtype, 6, 2, 64, 16, 40,
+                                              torch.Generator().manual_seed(2))
+    got_torch, got_native = calls["torch"](), calls["native"]()
+    assert got_native.shape == got_torch.shape == (40, 6, 64)
+    err = float((got_native.double() - got_torch.double()).abs().max())
+    assert err <= TOL[dtype] * max(1.0, float(got_torch.abs().max()))
+
+
+@pytest.mark.parametrize("forced", ["onednn", "panel"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mixed_step_agrees_with_the_torch_backend_on_either_route(forced, dtype, monkeypatch):
+    """The native metadata's step (decodes, a cascade group, prefill chunks mid-block and from
+    position 0) with its prefill routed to torch's attention ("onednn") or the tiled kernel
+    ("panel"): the route taken is the one asked for, and every row agrees with the torch
+    backend."""
+    monkeypatch.setenv(choice.ENV, forced)
+    fused = []
+    original = NativeAttentionMetadata._prefill
+
+    def spy(self, *args):
+        fused.append(True)
+        return original(self, *args)
+
+    monkeypatch.setattr(NativeAttentionMetadata, "_prefill", spy)
+    assert mixed_step_error(dtype, 64, 2, None) <= TOL[dtype]
+    assert bool(fused) is (forced == "panel")
