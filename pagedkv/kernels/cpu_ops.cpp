@@ -28,57 +28,13 @@
 #include <string>
 #include <utility>
 #include <vector>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
+#include "csrc/common.h"
+#include "csrc/kv_formats.h"
+#include "csrc/simd.h"
+
+namespace pagedkv_cpu {
 namespace {
-
-template <typename T> inline float to_f(T x) { return static_cast<float>(x); }
-template <typename T> inline T from_f(float x) { return static_cast<T>(x); }
-// bfloat16 <-> float32 as c10's conversions (round to nearest even, NaN kept a quiet NaN), but
-// branch-free, so that loops over them vectorize.
-template <> inline float to_f(c10::BFloat16 x) {
-  const uint32_t u = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-template <> inline c10::BFloat16 from_f(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  r = (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : r;
-  return c10::BFloat16(static_cast<uint16_t>(r), c10::BFloat16::from_bits());
-}
-// Round a float32 value to T's precision and back (identity for float).
-template <typename T> inline float rnd(float x) { return to_f<T>(from_f<T>(x)); }
-
-// exp(x) in float32 to about 2 ulp (Cephes' expf: 2^n * a degree-6 polynomial of the
-// remainder), plain arithmetic so that loops of it vectorize (libm's expf does not).
-inline float fast_exp(float x) {
-  x = std::min(std::max(x, -87.3f), 88.7f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
-
-// Eight floats (GCC/Clang vector extension: AVX registers with -march=native, plain code elsewhere).
-typedef float v8f __attribute__((vector_size(32)));
-inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof(v)); return v; }
-inline float hsum8(v8f v) {
-  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
 
 // out[t] = q . k[t] for n rows k[t] of d floats (row-major), four rows at a time when d % 8 == 0.
 inline void dot_rows(const float* q, const float* k, int64_t n, int64_t d, float* out) {
@@ -107,17 +63,6 @@ inline void dot_rows(const float* q, const float* k, int64_t n, int64_t d, float
   }
 }
 
-template <typename T> struct Tag { using type = T; };
-
-// Calls f(Tag<T>{}) for the scalar type T of `dtype` (float, bfloat16, half).
-template <typename F> void dispatch(at::ScalarType dtype, const char* name, F&& f) {
-  switch (dtype) {
-    case at::kFloat: f(Tag<float>{}); break;
-    case at::kBFloat16: f(Tag<c10::BFloat16>{}); break;
-    case at::kHalf: f(Tag<c10::Half>{}); break;
-    default: TORCH_CHECK(false, name, ": unsupported dtype ", dtype);
-  }
-}
 
 void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, name,
@@ -280,97 +225,6 @@ void write_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at
   });
 }
 
-// ---- Quantized KV caches read in place (issue 25) ----------------------------------------
-//
-// int8 (per-token-head float32 scales beside the block, pagedkv/model/kv_int8.py) and fp8
-// (e4m3fn / e5m2; their per-layer or per-head scales are folded into q and the output by
-// kv_quant.KVScales before the kernel) blocks are widened to float32 a vector at a time as they
-// are read: QW lanes, 16 (one zmm) where AVX-512 is compiled in, 8 (one ymm) otherwise;
-// PAGEDKV_CPU_ISA=avx2 (pagedkv/kernels/cpu.py: -mno-avx512f, as a Zen 3 build) gives the
-// 8-lane build on an AVX-512 machine, so both are tested here. fp8 goes through float16: e5m2 is
-// the top byte of a float16; e4m3fn's 7 low bits shifted into a float16's exponent and
-// mantissa are the value times 2^-8 (normal and subnormal alike), so both widen exactly with
-// one vcvtph2ps (F16C, on every x86-64 CPU since 2013) and, for e4m3, one multiply.
-#if defined(__AVX512F__)
-#define PAGEDKV_QW 16
-#else
-#define PAGEDKV_QW 8
-#endif
-constexpr int QW = PAGEDKV_QW;
-typedef float vqf __attribute__((vector_size(QW * 4)));
-typedef int8_t vqi8 __attribute__((vector_size(QW)));
-typedef uint8_t vqu8 __attribute__((vector_size(QW)));
-typedef uint16_t vqu16 __attribute__((vector_size(QW * 2)));
-
-inline vqf halves_to_float(vqu16 h) {
-#if PAGEDKV_QW == 16
-  return (vqf)_mm512_cvtph_ps((__m256i)h);
-#elif defined(__F16C__)
-  return (vqf)_mm256_cvtph_ps((__m128i)h);
-#else
-  vqf f;
-  for (int i = 0; i < QW; i++) f[i] = static_cast<float>(c10::Half(h[i], c10::Half::from_bits()));
-  return f;
-#endif
-}
-
-// One fp8 value's float16 bits (e5m2: its top byte; e4m3fn: 2^-8 of the value, see above).
-template <bool e4m3> inline uint16_t fp8_half(uint8_t x) {
-  return e4m3 ? static_cast<uint16_t>(((x & 0x80) << 8) | ((x & 0x7F) << 7)) : static_cast<uint16_t>(x << 8);
-}
-
-// The storage formats of a KV cache block: `widen(src, dst, n)` writes n float32 values.
-template <typename T> struct SameFmt {  // the activation dtype itself
-  using storage = T;
-  static constexpr bool quantized = false;
-  static void widen(const T* s, float* d, int64_t n) { for (int64_t j = 0; j < n; j++) d[j] = to_f(s[j]); }
-};
-struct Int8Fmt {
-  using storage = int8_t;
-  static constexpr bool quantized = true;
-  static void widen(const int8_t* __restrict s, float* __restrict d, int64_t n) {
-#pragma omp simd
-    for (int64_t j = 0; j < n; j++) d[j] = static_cast<float>(s[j]);  // vpmovsxbd + vcvtdq2ps
-  }
-};
-// QW fp8 values at p as the float16 bits that widen them (e4m3: 2^-8 of the value): one
-// widening load and one shift (e5m2), or a sign-extending load, a shift and an AND (e4m3fn:
-// sign-extended, bit 14 copies the sign bit, cleared; the 7 low bits land on the float16's
-// exponent and mantissa). __builtin_convertvector from uint8 lanes costs GCC 12 two half-width
-// widenings and an insert.
-template <bool e4m3> inline vqu16 fp8_halves(const uint8_t* p) {
-#if PAGEDKV_QW == 16
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  if constexpr (e4m3)
-    return (vqu16)_mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(int16_t(0xBFFF)));
-  else return (vqu16)_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
-#elif defined(__AVX2__)
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  if constexpr (e4m3) return (vqu16)_mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16(int16_t(0xBFFF)));
-  else return (vqu16)_mm_slli_epi16(_mm_cvtepu8_epi16(b), 8);
-#else
-  vqu16 h;
-  for (int i = 0; i < QW; i++) h[i] = fp8_half<e4m3>(p[i]);
-  return h;
-#endif
-}
-
-// fp8 blocks (e4m3 = true: e4m3fn, else e5m2) widened exactly through float16 (above).
-template <bool e4m3> struct Fp8Fmt {
-  using storage = uint8_t;
-  static constexpr bool quantized = true;
-  static constexpr float unit = e4m3 ? 256.f : 1.f;  // fp8_halves' values x unit: the stored ones
-  static void widen(const uint8_t* s, float* d, int64_t n) {
-    int64_t j = 0;
-    for (; j + QW <= n; j += QW) {
-      const vqf f = halves_to_float(fp8_halves<e4m3>(s + j)) * unit;
-      std::memcpy(d + j, &f, sizeof(f));
-    }
-    for (; j < n; j++) d[j] = static_cast<float>(c10::Half(fp8_half<e4m3>(s[j]), c10::Half::from_bits())) * unit;
-  }
-};
-using E5M2Fmt = Fp8Fmt<false>;
-using E4M3Fmt = Fp8Fmt<true>;
 
 // One block of n scores p of one query head through the online softmax: p becomes
 // exp(p - max), the running max m and sum l take the block in; returns the factor the head's
@@ -501,94 +355,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 // bfloat16 rounding) and multiplied with the int8 keys widened to int16 in pairs (vpdpwssd
 // with AVX-512 VNNI, vpmaddwd with AVX-512BW or AVX2, a plain loop elsewhere), summed exactly
 // in int32 (|sum| <= 32767 * 127 * 256 < 2^31 for D <= 256), then times the q and key scales.
-typedef int16_t vqs16 __attribute__((vector_size(QW * 4)));  // 2 * QW int16 (one register)
-typedef int32_t vqi32 __attribute__((vector_size(QW * 4)));
-typedef int8_t vqi8x2 __attribute__((vector_size(QW * 2)));
-typedef uint32_t vqu32 __attribute__((vector_size(QW * 4)));
 
-// QW values of a cache row as float32 (the formats' `widen`, one register at a time).
-inline vqf row_vec(const float* p) { vqf v; std::memcpy(&v, p, sizeof(v)); return v; }
-inline vqf row_vec(const c10::BFloat16* p) {
-  vqu16 h;
-  std::memcpy(&h, p, sizeof(h));
-  return (vqf)(__builtin_convertvector(h, vqu32) << 16);
-}
-inline vqf row_vec(const c10::Half* p) { vqu16 h; std::memcpy(&h, p, sizeof(h)); return halves_to_float(h); }
-template <typename Fmt> inline vqf fmt_vec(const typename Fmt::storage* p) {
-  if constexpr (std::is_same_v<Fmt, Int8Fmt>) {
-    // vpmovsxbd + vcvtdq2ps (GCC 12 scalarizes __builtin_convertvector from int8 lanes)
-#if PAGEDKV_QW == 16
-    return (vqf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#elif defined(__AVX2__)
-    return (vqf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-#else
-    vqf f;
-    for (int i = 0; i < QW; i++) f[i] = static_cast<float>(p[i]);
-    return f;
-#endif
-  } else if constexpr (std::is_same_v<Fmt, E5M2Fmt> || std::is_same_v<Fmt, E4M3Fmt>) {
-    return halves_to_float(fp8_halves<std::is_same_v<Fmt, E4M3Fmt>>(p));  // e4m3: x 2^-8, fmt_unit
-  } else {
-    return row_vec(p);
-  }
-}
-
-// fmt_vec(p) x fmt_unit<Fmt> is the stored value (e4m3 widens to 2^-8 of it: the 2^8 goes once
-// into q and once onto the output instead of onto every element; exact, a power of two).
-template <typename Fmt> constexpr float fmt_unit = std::is_same_v<Fmt, E4M3Fmt> ? E4M3Fmt::unit : 1.f;
-
-// acc + the pairwise products of a and b summed in pairs (int16 x int16 -> int32).
-inline vqi32 dot_pairs(vqi32 acc, vqs16 a, vqs16 b) {
-#if PAGEDKV_QW == 16 && defined(__AVX512VNNI__)
-  return (vqi32)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)a, (__m512i)b);
-#elif PAGEDKV_QW == 16 && defined(__AVX512BW__)
-  return acc + (vqi32)_mm512_madd_epi16((__m512i)a, (__m512i)b);
-#elif PAGEDKV_QW == 8 && defined(__AVX2__)
-  return acc + (vqi32)_mm256_madd_epi16((__m256i)a, (__m256i)b);
-#else
-  for (int i = 0; i < QW; i++) acc[i] += int32_t(a[2 * i]) * b[2 * i] + int32_t(a[2 * i + 1]) * b[2 * i + 1];
-  return acc;
-#endif
-}
-
-// out[i] = the sum of r[i]'s lanes, for QW vectors r (a transpose-and-add tree with AVX-512).
-template <typename V> inline V row_sums(V* r) {
-#if PAGEDKV_QW == 16
-  constexpr bool is_int = std::is_same_v<V, vqi32>;
-  auto add = [](__m512i a, __m512i b) {
-    if constexpr (is_int) return _mm512_add_epi32(a, b);
-    else return _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b)));
-  };
-  __m512i x[16];
-  for (int i = 0; i < 16; i++) x[i] = (__m512i)r[i];
-  for (int i = 0; i < 8; i++)  // lanes (a0+a2, b0+b2, a1+a3, b1+b3) per 128-bit quarter
-    x[i] = add(_mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]));
-  for (int i = 0; i < 4; i++)  // (a, b, c, d) partial sums per quarter
-    x[i] = add(_mm512_unpacklo_epi64(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_epi64(x[2 * i], x[2 * i + 1]));
-  for (int i = 0; i < 2; i++)
-    x[i] = add(_mm512_shuffle_i32x4(x[2 * i], x[2 * i + 1], 0x88), _mm512_shuffle_i32x4(x[2 * i], x[2 * i + 1], 0xDD));
-  return (V)add(_mm512_shuffle_i32x4(x[0], x[1], 0x88), _mm512_shuffle_i32x4(x[0], x[1], 0xDD));
-#else
-  V out;
-  for (int i = 0; i < QW; i++) {
-    auto s = r[i][0];
-    for (int j = 1; j < QW; j++) s += r[i][j];
-    out[i] = s;
-  }
-  return out;
-#endif
-}
-
-// a * b + c as one fused multiply-add (QW lanes).
-inline vqf fma_q(vqf a, vqf b, vqf c) {
-#if PAGEDKV_QW == 16
-  return (vqf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__FMA__)
-  return (vqf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-  return a * b + c;
-#endif
-}
 
 // p[h * ps + t] = scale x the G sums dot(t, r) leaves in r[h] (QW-lane partial sums of row t
 // for head h), for the n rows of one block: QW rows at a time through one transposing
@@ -1052,14 +819,6 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   });
 }
 
-void check_scales(const c10::optional<at::Tensor>& scales, const at::Tensor& cache,
-                  const char* name, const char* op = "paged_decode_attention") {
-  if (!scales.has_value()) return;
-  TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
-              scales->dim() == 3 && scales->size(0) == cache.size(0) &&
-              scales->size(1) == cache.size(1) && scales->size(2) == cache.size(2),
-              op, ": ", name, " must be contiguous float32 [KVH, NB, BS]");
-}
 
 void paged_decode_attention_q(const at::Tensor& q, const at::Tensor& k_cache,
                               const at::Tensor& v_cache,
@@ -2282,8 +2041,10 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
 }
 
 }  // namespace
+}  // namespace pagedkv_cpu
 
 TORCH_LIBRARY(pagedkv_cpu, m) {
+  using namespace pagedkv_cpu;
   m.def("pack_panels(Tensor w) -> Tensor", &pack_panels);
   m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor", &panel_linear);
   m.def("panel_isa() -> str", &panel_isa);
