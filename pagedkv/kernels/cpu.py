@@ -49,7 +49,6 @@ from pagedkv.kernels.modes import CPU_KERNEL_MODES
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 CXXFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++20",
             "-fno-math-errno", "-fno-trapping-math", "-DNDEBUG"]
 # PAGEDKV_CPU_ISA=avx2: build without AVX-512 even where the CPU has it (the code a Zen 3 runs;
@@ -98,14 +97,14 @@ def _compiler_identity(cxx: str) -> str:
 def kernel_sources() -> list[Path]:
     """The C++ files compiled into the library (csrc/*.cpp), largest first: with a compiler
     process per file, the long ones start first."""
-    return [SOURCE]
+    return sorted(CSRC.glob("*.cpp"), key=lambda p: (-p.stat().st_size, p.name))
 
 
 def _source_digest() -> bytes:
     """Every file of csrc/ (sources and headers), name and bytes, in name order: an edit to any
     of them, or a file added or removed, gives another key."""
     h = hashlib.sha256()
-    for path in [SOURCE, *sorted(p for p in CSRC.iterdir() if p.suffix in (".cpp", ".h"))]:
+    for path in sorted(p for p in CSRC.iterdir() if p.suffix in (".cpp", ".h")):
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return h.digest()
 
