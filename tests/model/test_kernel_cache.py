@@ -4,6 +4,7 @@ once, and no build at all for the pure-Python tests."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import shutil
 import subprocess
@@ -126,6 +127,17 @@ def test_build_jobs_follow_the_cores_and_max_jobs(monkeypatch):
     assert cpu.build_jobs(6) == 1
     monkeypatch.setenv("MAX_JOBS", "lots")  # not a number: the cores, as without it
     assert cpu.build_jobs(64) == cores
+
+
+def test_the_package_data_ships_every_kernel_file():
+    """An installed wheel builds its kernels from csrc/: pyproject's package data matches every
+    source and header there."""
+    tomllib = pytest.importorskip("tomllib")
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = setuptools["package-data"]["pagedkv"]
+    files = [p.relative_to(ROOT / "pagedkv").as_posix() for p in cpu.CSRC.iterdir()]
+    assert len(files) >= 10
+    assert [f for f in files if not any(fnmatch.fnmatch(f, pat) for pat in patterns)] == []
 
 
 def test_the_cache_folder_is_chosen_by_the_environment(monkeypatch, tmp_path):
