@@ -4,8 +4,8 @@ The kernels (the panel-packed linear, RMSNorm with the residual add, SiLU-and-mu
 the KV writes, paged decode and prefill attention) are C++ against torch's headers, one file per
 op family in csrc/ beside the headers they share and one file of bindings (as vLLM's csrc/cpu/).
 They are compiled here with the system's C++ compiler (`c++`, or $CXX) for the CPU it runs on
-(-march=native), a file per compiler process, as many at once as there are cores ($MAX_JOBS, as
-torch's extension builder, sets fewer), and linked into one library, cached under
+(-march=native), a compiler process per file, as many at once as this process has cores (or
+$MAX_JOBS, as torch's extension builder reads it), and linked into one library, cached under
 `kernel_cache_dir()`/<key>/ ($PAGEDKV_KERNEL_CACHE_DIR, else $PAGEDKV_CACHE_DIR/kernels, else
 ~/.cache/pagedkv/kernels), where the key hashes what changes the binary: every source and header
 (names and bytes), the compiler and its version, the flags, torch's version and C++ ABI, Python's
