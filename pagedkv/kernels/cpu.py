@@ -1,14 +1,17 @@
-"""Builds, caches and loads the fused CPU kernels of cpu_ops.cpp as `torch.ops.pagedkv_cpu.*`.
+"""Builds, caches and loads the fused CPU kernels of csrc/ as `torch.ops.pagedkv_cpu.*`.
 
 The kernels (the panel-packed linear, RMSNorm with the residual add, SiLU-and-mul, in-place RoPE,
-the KV write and paged decode attention) are C++ against torch's headers, compiled here with the system's C++ compiler
-(`c++`, or $CXX) for the CPU it runs on (-march=native), and cached under
+the KV writes, paged decode and prefill attention) are C++ against torch's headers, one file per
+op family in csrc/ beside the headers they share and one file of bindings (as vLLM's csrc/cpu/).
+They are compiled here with the system's C++ compiler (`c++`, or $CXX) for the CPU it runs on
+(-march=native), a compiler process per file, as many at once as this process has cores (or
+$MAX_JOBS, as torch's extension builder reads it), and linked into one library, cached under
 `kernel_cache_dir()`/<key>/ ($PAGEDKV_KERNEL_CACHE_DIR, else $PAGEDKV_CACHE_DIR/kernels, else
-~/.cache/pagedkv/kernels), where the key hashes what changes the binary: the source, the compiler
-and its version, the flags, torch's version and C++ ABI, Python's ABI and the CPU's feature
-flags, never a path (the same install reached through a symlink reuses its build). One process
-builds a key at a time (a file lock beside it); the others wait and load its library. A build
-takes about a minute on two cores; a cached one loads in milliseconds.
+~/.cache/pagedkv/kernels), where the key hashes what changes the binary: every source and header
+(names and bytes), the compiler and its version, the flags, torch's version and C++ ABI, Python's
+ABI and the CPU's feature flags, never a path (the same install reached through a symlink reuses
+its build). One process builds a key at a time (a file lock beside it); the others wait and load
+its library. A build takes about a minute on two cores; a cached one loads in milliseconds.
 
 Modes (the engine's `cpu_kernels` argument):
 - "auto" (default): load a cached build at once; with none, build in a background thread and
@@ -30,6 +33,7 @@ import logging
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -44,7 +48,7 @@ from pagedkv.kernels.modes import CPU_KERNEL_MODES
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+CSRC = Path(__file__).with_name("csrc")
 CXXFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++20",
             "-fno-math-errno", "-fno-trapping-math", "-DNDEBUG"]
 # PAGEDKV_CPU_ISA=avx2: build without AVX-512 even where the CPU has it (the code a Zen 3 runs;
@@ -90,13 +94,28 @@ def _compiler_identity(cxx: str) -> str:
     return proc.stdout.strip() if proc.returncode == 0 else ""
 
 
+def kernel_sources() -> list[Path]:
+    """The C++ files compiled into the library (csrc/*.cpp), largest first: with a compiler
+    process per file, the long ones start first."""
+    return sorted(CSRC.glob("*.cpp"), key=lambda p: (-p.stat().st_size, p.name))
+
+
+def _source_digest() -> bytes:
+    """Every file of csrc/ (sources and headers), name and bytes, in name order: an edit to any
+    of them, or a file added or removed, gives another key."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in CSRC.iterdir() if p.suffix in (".cpp", ".h")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.digest()
+
+
 def build_key() -> str:
-    """What a cached build is valid for: everything that changes the binary (the source, the
-    compiler and its version, the flags, torch's version and C++ ABI, Python's ABI, the CPU's
-    features) and nothing that names a place (install paths, the checkout): the loaded library
-    finds torch's libraries already in the process."""
+    """What a cached build is valid for: everything that changes the binary (the sources and
+    headers, the compiler and its version, the flags, torch's version and C++ ABI, Python's ABI,
+    the CPU's features) and nothing that names a place (install paths, the checkout): the loaded
+    library finds torch's libraries already in the process."""
     cxx = compiler()
-    parts = (SOURCE.read_bytes(), cxx, _compiler_identity(cxx), " ".join(cxxflags()),
+    parts = (_source_digest(), cxx, _compiler_identity(cxx), " ".join(cxxflags()),
              torch.__version__, str(torch.version.git_version),
              str(int(torch._C._GLIBCXX_USE_CXX11_ABI)),
              sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag, _cpu_flags())
@@ -121,31 +140,51 @@ def library_path() -> Path:
     return kernel_cache_dir() / build_key() / "pagedkv_cpu_ops.so"
 
 
+def build_jobs(files: int) -> int:
+    """How many compiler processes a build runs at once: one per core this process may use
+    ($MAX_JOBS, as torch's extension builder reads it, sets fewer), at most one per file."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    limit = os.environ.get("MAX_JOBS", "")
+    jobs = int(limit) if limit.isdigit() and int(limit) > 0 else cores or 1
+    return max(1, min(jobs, files))
+
+
 def _compile(out: Path) -> None:
-    """Compile SOURCE into `out` (written to a temporary name, then renamed: a crash
-    mid-build never leaves a library that loads half-written)."""
+    """Compile kernel_sources() into `out`: each file to an object (several compilers at once,
+    build_jobs), then one link (written to a temporary name, then renamed: a crash mid-build
+    never leaves a library that loads half-written)."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
     out.parent.mkdir(parents=True, exist_ok=True)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cmd = [compiler(), *cxxflags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
-    cmd += [f"-I{p}" for p in include_paths()]
+    flags = [*cxxflags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd += [str(SOURCE), "-o", tmp]
+    objects_dir = tempfile.mkdtemp(prefix="objects-", dir=out.parent)
+    sources = kernel_sources()
+    objects = [str(Path(objects_dir) / f"{source.stem}.o") for source in sources]
+    includes = [f"-I{p}" for p in include_paths()]
+    compiles = [shlex.join([compiler(), *flags, *includes, "-c", str(source), "-o", obj])
+                for source, obj in zip(sources, objects, strict=True)]
+    link = [compiler(), *flags, *objects, "-o", tmp]
     for lib_dir in library_paths():
-        cmd += [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}"]
-    cmd += ["-lc10", "-ltorch_cpu"]
-    # The rename is part of the shell command: a build outliving this process (a short run that
-    # exits while its background build goes on) still installs its library for the next one.
-    script = f"{shlex.join(cmd)} && mv -f {shlex.quote(tmp)} {shlex.quote(str(out))}"
+        link += [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}"]
+    link += ["-lc10", "-ltorch_cpu"]
+    # One shell script compiles (xargs -P: build_jobs compilers at once), links and renames: a
+    # build outliving this process (a short run that exits while its background build goes on)
+    # still installs its library for the next one, and removes its objects.
+    script = (f"printf '%s\\0' {shlex.join(compiles)} | "
+              f"xargs -0 -n 1 -P {build_jobs(len(sources))} sh -c && {shlex.join(link)} && "
+              f"mv -f {shlex.quote(tmp)} {shlex.quote(str(out))}; "
+              f"status=$?; rm -rf {shlex.quote(objects_dir)}; exit $status")
     try:
         proc = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
-            raise RuntimeError(f"building {SOURCE.name} failed:\n{proc.stderr[-4000:]}")
+            raise RuntimeError(f"building the kernels of {CSRC} failed:\n{proc.stderr[-4000:]}")
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        shutil.rmtree(objects_dir, ignore_errors=True)
 
 
 def _build_and_load() -> None:

@@ -12,7 +12,7 @@ a block's bytes and its scales together mean the same thing everywhere: the scal
 the block (`KVCache.scales_kv`, [layers, 2, kv_heads, num_blocks, block_size] float32), move
 with it (swap, copy-on-write, the offload tiers' rows) and count in its bytes
 (`KVCacheSpec.page_size_bytes`). Every conversion between model values and the int8 cache is
-here; the C++ kernels (pagedkv/kernels/cpu_ops.cpp) and the Triton store
+here; the C++ kernels (pagedkv/kernels/csrc/) and the Triton store
 (backends/triton_int8_store.py) round the same way.
 """
 
@@ -29,8 +29,8 @@ INT8_MAX = 127.0
 # The candidate scales, in units of max|x| / 127: 1 + i SCALE_STEP for i = SCALE_FIRST ..
 # SCALE_FIRST + SCALE_COUNT - 1 (exact in float32; ties go to the first, the smallest). Factors
 # below 1 saturate the largest value, so all but one start at 1 (a search over i = -16 .. 15 showed
-# that the 15 lowest almost never win, and they cost half the write). The C++ write (cpu_ops.cpp,
-# write_kv_int8_) and the Triton one (triton_int8_store.py) use the same.
+# that the 15 lowest almost never win, and they cost half the write). The C++ write
+# (cache_write.cpp, write_kv_int8_) and the Triton one (triton_int8_store.py) use the same.
 SCALE_FIRST = -1
 SCALE_COUNT = 16
 SCALE_STEP = 1 / 256

@@ -1,6 +1,7 @@
-"""panel_linear (pagedkv/kernels/cpu_ops.cpp) against float64 F.linear of the same inputs, with a
-rounding-error bound instead of a fixed tolerance; run by the tests in this process's build and
-in the AVX2 build (PAGEDKV_CPU_ISA=avx2, a child process: one kernel library per process).
+"""panel_linear (pagedkv/kernels/csrc/panel_linear.cpp) against float64 F.linear of the same
+inputs, with a rounding-error bound instead of a fixed tolerance; run by the tests in this
+process's build and in the AVX2 build (PAGEDKV_CPU_ISA=avx2, a child process: one kernel library
+per process).
 
 The bound, elementwise, for y = x W^T + b with K terms: the kernels take x and W in the weights'
 dtype as they are (16-bit values are exact in float32; vdpbf16ps multiplies bfloat16 pairs

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (pagedkv/kernels/cpu_ops.cpp) against the pure-torch reference they
+"""The fused CPU kernels (pagedkv/kernels/csrc/) against the pure-torch reference they
 replace, op by op and through a whole attention call; and the build's fallback."""
 
 from __future__ import annotations

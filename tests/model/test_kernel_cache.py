@@ -4,7 +4,9 @@ once, and no build at all for the pure-Python tests."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +18,25 @@ from pagedkv.kernels import cpu
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# A stand-in compiler: counts its builds, takes a second, and "builds" by copying the real library.
+# A stand-in compiler: each object is an empty file; each link counts as a build, takes a second
+# and "builds" by copying the real library.
 FAKE_CXX = """#!/bin/sh
 if [ "$1" = "--version" ]; then echo "fake-c++ 1.0"; exit 0; fi
+case " $* " in *" -c "*) object=1;; *) object=0;; esac
 while [ $# -gt 0 ]; do if [ "$1" = "-o" ]; then out="$2"; fi; shift; done
+if [ $object = 1 ]; then : > "$out"; exit 0; fi
 echo build >> "{count}"
 sleep 1
 cp "{library}" "$out"
+"""
+
+# A stand-in compiler that writes each command line (one argument a line) to a file of its own
+# in a log folder (several run at once) and makes empty outputs.
+LOGGING_CXX = """#!/bin/sh
+if [ "$1" = "--version" ]; then echo "fake-c++ 1.0"; exit 0; fi
+for arg in "$@"; do echo "$arg"; done > "{log}/$$"
+while [ $# -gt 0 ]; do if [ "$1" = "-o" ]; then out="$2"; fi; shift; done
+: > "$out"
 """
 
 LOAD = """
@@ -46,9 +60,10 @@ def test_the_key_follows_what_changes_the_binary(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEDKV_CPU_ISA", "avx2")  # other flags
     assert cpu.build_key() != key
     monkeypatch.delenv("PAGEDKV_CPU_ISA")
-    source = tmp_path / "cpu_ops.cpp"
-    source.write_bytes(cpu.SOURCE.read_bytes() + b"\n// edited\n")
-    monkeypatch.setattr(cpu, "SOURCE", source)  # another source
+    csrc = tmp_path / "csrc"
+    shutil.copytree(cpu.CSRC, csrc)
+    (csrc / "simd.h").write_bytes((cpu.CSRC / "simd.h").read_bytes() + b"\n// edited\n")
+    monkeypatch.setattr(cpu, "CSRC", csrc)  # another header
     assert cpu.build_key() != key
     monkeypatch.undo()
     monkeypatch.setattr(torch, "__version__", "0.0.1")  # another torch
@@ -58,6 +73,71 @@ def test_the_key_follows_what_changes_the_binary(monkeypatch, tmp_path):
     assert cpu.build_key() != key  # another compiler release
     monkeypatch.undo()
     assert cpu.build_key() == key
+
+
+@pytest.mark.parametrize("edit", ["common.h", "kv_formats.h", "decode_attention.cpp",
+                                  "bindings.cpp", "+extra.h", "-norm_rope_act.cpp"])
+def test_an_edit_to_any_source_or_header_rebuilds(monkeypatch, tmp_path, edit):
+    """The key covers every file of csrc/ by content: the same files elsewhere keep it; a byte
+    more in any source or header, a file added or a file removed give another."""
+    key = cpu.build_key()
+    csrc = tmp_path / "csrc"
+    shutil.copytree(cpu.CSRC, csrc)
+    monkeypatch.setattr(cpu, "CSRC", csrc)
+    assert cpu.build_key() == key
+    if edit.startswith("+"):
+        (csrc / edit[1:]).write_text("#pragma once\n")
+    elif edit.startswith("-"):
+        (csrc / edit[1:]).unlink()
+    else:
+        (csrc / edit).write_bytes((csrc / edit).read_bytes() + b"\n")
+    assert cpu.build_key() != key
+
+
+def test_every_source_is_compiled_with_the_same_flags_and_linked_once(monkeypatch, tmp_path):
+    """Each .cpp of csrc/ is compiled once to its own object with this build's flags
+    (cxxflags: the ISA's), and one link of every object makes the library."""
+    log, cxx = tmp_path / "commands", tmp_path / "fake-cxx"
+    log.mkdir()
+    cxx.write_text(LOGGING_CXX.format(log=log))
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.setenv("PAGEDKV_CPU_ISA", "avx2")
+    out = tmp_path / "lib" / "pagedkv_cpu_ops.so"
+    cpu._compile(out)
+    commands = [c.read_text().splitlines() for c in log.iterdir()]
+    compiles = [c for c in commands if "-c" in c]
+    links = [c for c in commands if "-c" not in c]
+    sources = sorted(c[c.index("-c") + 1] for c in compiles)
+    assert sources == sorted(str(p) for p in cpu.CSRC.glob("*.cpp")) and len(sources) >= 6
+    for c in compiles:
+        assert c[:len(cpu.cxxflags())] == cpu.cxxflags() and "-mno-avx512f" in c
+    assert len(links) == 1
+    objects = [c[c.index("-o") + 1] for c in compiles]
+    assert all(o in links[0] for o in objects)
+    assert links[0][:len(cpu.cxxflags())] == cpu.cxxflags()
+    assert out.exists() and list(out.parent.iterdir()) == [out]  # no objects left behind
+
+
+def test_build_jobs_follow_the_cores_and_max_jobs(monkeypatch):
+    monkeypatch.delenv("MAX_JOBS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert cpu.build_jobs(64) == cores and cpu.build_jobs(1) == 1
+    monkeypatch.setenv("MAX_JOBS", "1")
+    assert cpu.build_jobs(6) == 1
+    monkeypatch.setenv("MAX_JOBS", "lots")  # not a number: the cores, as without it
+    assert cpu.build_jobs(64) == cores
+
+
+def test_the_package_data_ships_every_kernel_file():
+    """An installed wheel builds its kernels from csrc/: pyproject's package data matches every
+    source and header there."""
+    tomllib = pytest.importorskip("tomllib")
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = setuptools["package-data"]["pagedkv"]
+    files = [p.relative_to(ROOT / "pagedkv").as_posix() for p in cpu.CSRC.iterdir()]
+    assert len(files) >= 10
+    assert [f for f in files if not any(fnmatch.fnmatch(f, pat) for pat in patterns)] == []
 
 
 def test_the_cache_folder_is_chosen_by_the_environment(monkeypatch, tmp_path):

@@ -1,6 +1,6 @@
-"""The fused paged prefill attention kernel (cpu_ops.cpp `paged_prefill_attention`) against a
-pure-torch float64 reference (over model-dtype caches, and int8 / fp8 caches read in place
-against their dequantized values), and the native backend's use of it for prefill chunks."""
+"""The fused paged prefill attention kernel (csrc/prefill_attention.cpp `paged_prefill_attention`)
+against a pure-torch float64 reference (over model-dtype caches, and int8 / fp8 caches read in
+place against their dequantized values), and the native backend's use of it for prefill chunks."""
 
 from __future__ import annotations
 

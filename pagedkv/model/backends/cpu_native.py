@@ -1,4 +1,4 @@
-"""The CPU attention backend with the fused C++ kernels (pagedkv/kernels/cpu_ops.cpp).
+"""The CPU attention backend with the fused C++ kernels (pagedkv/kernels/csrc/).
 
 Decodes read K/V straight from the paged cache, one block at a time with an online softmax
 (`paged_decode_attention`: no gathered copy, no mask tensors, the query heads of a KV head

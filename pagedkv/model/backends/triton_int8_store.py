@@ -4,7 +4,7 @@ quantization and the write of the int8 row and its scale into the paged cache th
 mapping, for keys and values together.
 
 Bit-identical to kv_int8.quantize_into_per_token (the torch write) and to the C++ write
-(cpu_ops.cpp, write_kv_int8_): divisions correctly rounded (`div_rn`, not the GPU's fast
+(csrc/cache_write.cpp, write_kv_int8_): divisions correctly rounded (`div_rn`, not the GPU's fast
 approximate division), rounding half to even built from `floor` (exact below 2^22, so in
 float64 too), the squared errors counted in the same integers (kv_int8._squared_errors: x - q s
 exact in float64, in units of 2^-(ERROR_BITS + 1) of the power of two of max|x| / 127), ties to

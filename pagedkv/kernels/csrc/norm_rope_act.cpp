@@ -1,0 +1,140 @@
+// A layer's elementwise ops: RMSNorm (rms_norm; add_rms_norm_ with the residual add first),
+// SiLU-and-mul and rotate-half RoPE in place, each rounding where layers.py's reference rounds.
+#include <ATen/ops/empty.h>
+
+#include "common.h"
+#include "ops.h"
+#include "simd.h"
+
+namespace pagedkv_cpu {
+namespace {
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, name,
+              ": expected a CPU [rows, n] tensor with a contiguous last dim");
+}
+
+// RMSNorm of one row: out = T(x * rsqrt(mean(x^2) + eps)) * w, rounded as layers.RMSNorm.
+template <typename T>
+void rms_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t j = 0; j < n; j++) { float v = to_f(x[j]); ss += v * v; }
+  const float scale = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t j = 0; j < n; j++) out[j] = from_f<T>(rnd<T>(to_f(x[j]) * scale) * to_f(w[j]));
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, "rms_norm");
+  const int64_t rows = x.size(0), n = x.size(1), sx = x.stride(0);
+  auto out = at::empty({rows, n}, x.options());
+  auto wc = w.contiguous();
+  dispatch(x.scalar_type(), "rms_norm", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = wc.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; i++) rms_row(xp + i * sx, wp, op + i * n, n, (float)eps);
+    });
+  });
+  return out;
+}
+
+// residual += x (rounded to T); returns RMSNorm(residual) * w (vLLM's fused_add_rms_norm).
+at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w,
+                         double eps) {
+  check_rows(x, "add_rms_norm_");
+  check_rows(residual, "add_rms_norm_");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "add_rms_norm_: x and residual differ in shape or dtype");
+  const int64_t rows = x.size(0), n = x.size(1), sx = x.stride(0), sr = residual.stride(0);
+  auto out = at::empty({rows, n}, x.options());
+  auto wc = w.contiguous();
+  dispatch(x.scalar_type(), "add_rms_norm_", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = wc.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; i++) {
+        scalar_t* r = rp + i * sr;
+        const scalar_t* xi = xp + i * sx;
+        for (int64_t j = 0; j < n; j++) r[j] = from_f<scalar_t>(to_f(r[j]) + to_f(xi[j]));
+        rms_row(r, wp, op + i * n, n, (float)eps);
+      }
+    });
+  });
+  return out;
+}
+
+// silu(gate) * up for gate_up [T, 2I] = [gate | up]: silu rounded to T, then the product.
+at::Tensor silu_and_mul(const at::Tensor& gu) {
+  check_rows(gu, "silu_and_mul");
+  const int64_t rows = gu.size(0), n = gu.size(1) / 2, s = gu.stride(0);
+  auto out = at::empty({rows, n}, gu.options());
+  dispatch(gu.scalar_type(), "silu_and_mul", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    const scalar_t* g = gu.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; i++) {
+        const scalar_t* gi = g + i * s;
+        scalar_t* oi = o + i * n;
+#pragma omp simd
+        for (int64_t j = 0; j < n; j++) {
+          const float x = to_f(gi[j]);
+          oi[j] = from_f<scalar_t>(rnd<scalar_t>(x / (1.f + fast_exp(-x))) * to_f(gi[n + j]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// Rotate-half RoPE in place on x [T, heads, D] (rows may be strided; heads contiguous), with
+// cos / signed-sin tables [P, D] (layers.RotaryEmbedding) gathered at positions [T]:
+// x = T(T(x * cos) + T(swap_halves(x) * sin)), the reference's three roundings.
+void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+           const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "rope_: expected x [T, heads, D] with contiguous heads");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == x.scalar_type()
+              && sin.scalar_type() == x.scalar_type(), "rope_: tables must be contiguous, x's dtype");
+  const int64_t t = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2, sx = x.stride(0);
+  auto pos = positions.to(at::kLong).contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t table_len = cos.size(0);
+  for (int64_t i = 0; i < t; i++)
+    TORCH_CHECK(pp[i] >= 0 && pp[i] < table_len, "rope_: position ", pp[i], " outside the table");
+  dispatch(x.scalar_type(), "rope_", [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    at::parallel_for(0, t, 8, [&](int64_t b, int64_t e) {
+      std::vector<float> cf(d), sf(d), xf(d);
+      for (int64_t i = b; i < e; i++) {
+        const scalar_t* c = cp + pp[i] * d;
+        const scalar_t* s = sp + pp[i] * d;
+        for (int64_t j = 0; j < d; j++) { cf[j] = to_f(c[j]); sf[j] = to_f(s[j]); }
+        for (int64_t h = 0; h < heads; h++) {
+          scalar_t* __restrict v = xp + i * sx + h * d;
+          float* __restrict x = xf.data();
+          for (int64_t j = 0; j < d; j++) x[j] = to_f(v[j]);
+          const float* __restrict cc = cf.data();
+          const float* __restrict ss = sf.data();
+          for (int64_t j = 0; j < half; j++)
+            v[j] = from_f<scalar_t>(rnd<scalar_t>(x[j] * cc[j]) + rnd<scalar_t>(x[j + half] * ss[j]));
+          for (int64_t j = half; j < d; j++)
+            v[j] = from_f<scalar_t>(rnd<scalar_t>(x[j] * cc[j]) + rnd<scalar_t>(x[j - half] * ss[j]));
+        }
+      }
+    });
+  });
+}
+
+}  // namespace pagedkv_cpu
