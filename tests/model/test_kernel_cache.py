@@ -94,39 +94,26 @@ def test_an_edit_to_any_source_or_header_rebuilds(monkeypatch, tmp_path, edit):
     assert cpu.build_key() != key
 
 
-def test_every_source_is_compiled_with_the_same_flags_and_linked_once(monkeypatch, tmp_path):
-    """Each .cpp of csrc/ is compiled once to its own object with this build's flags
-    (cxxflags: the ISA's), and one link of every object makes the library."""
+def test_every_source_is_compiled_once_as_one_unit_with_the_builds_flags(monkeypatch, tmp_path):
+    """One compiler run, with this build's flags (cxxflags: the ISA's), over one translation unit
+    that includes every .cpp of csrc/ once; nothing but the library is left behind."""
     log, cxx = tmp_path / "commands", tmp_path / "fake-cxx"
     log.mkdir()
-    cxx.write_text(LOGGING_CXX.format(log=log))
+    keep = 'for a in "$@"; do case "$a" in *.cpp) cp "$a" "{seen}";; esac; done\n'
+    shebang, logging = LOGGING_CXX.format(log=log).split("\n", 1)
+    cxx.write_text(f"{shebang}\n{keep.format(seen=tmp_path / 'unity.cpp')}{logging}")
     cxx.chmod(0o755)
     monkeypatch.setenv("CXX", str(cxx))
     monkeypatch.setenv("PAGEDKV_CPU_ISA", "avx2")
     out = tmp_path / "lib" / "pagedkv_cpu_ops.so"
     cpu._compile(out)
-    commands = [c.read_text().splitlines() for c in log.iterdir()]
-    compiles = [c for c in commands if "-c" in c]
-    links = [c for c in commands if "-c" not in c]
-    sources = sorted(c[c.index("-c") + 1] for c in compiles)
-    assert sources == sorted(str(p) for p in cpu.CSRC.glob("*.cpp")) and len(sources) >= 6
-    for c in compiles:
-        assert c[:len(cpu.cxxflags())] == cpu.cxxflags() and "-mno-avx512f" in c
-    assert len(links) == 1
-    objects = [c[c.index("-o") + 1] for c in compiles]
-    assert all(o in links[0] for o in objects)
-    assert links[0][:len(cpu.cxxflags())] == cpu.cxxflags()
-    assert out.exists() and list(out.parent.iterdir()) == [out]  # no objects left behind
-
-
-def test_build_jobs_follow_the_cores_and_max_jobs(monkeypatch):
-    monkeypatch.delenv("MAX_JOBS", raising=False)
-    cores = len(os.sched_getaffinity(0))
-    assert cpu.build_jobs(64) == cores and cpu.build_jobs(1) == 1
-    monkeypatch.setenv("MAX_JOBS", "1")
-    assert cpu.build_jobs(6) == 1
-    monkeypatch.setenv("MAX_JOBS", "lots")  # not a number: the cores, as without it
-    assert cpu.build_jobs(64) == cores
+    (command,) = [c.read_text().splitlines() for c in log.iterdir()]
+    assert command[:len(cpu.cxxflags())] == cpu.cxxflags() and "-mno-avx512f" in command
+    sources = sorted(cpu.CSRC.glob("*.cpp"))
+    assert len(sources) >= 6
+    unity = (tmp_path / "unity.cpp").read_text().splitlines()
+    assert unity == [f'#include "{p}"' for p in sources]
+    assert out.exists() and list(out.parent.iterdir()) == [out]  # no unity file left behind
 
 
 def test_the_package_data_ships_every_kernel_file():
