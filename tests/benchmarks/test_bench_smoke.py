@@ -130,10 +130,12 @@ def test_bench_host_overhead_runs_against_a_baseline_commit():
 
 
 def test_bench_core_profile_splits_a_run_by_op_class():
-    # Two tiny requests at the benchmark shape: the run is profiled and its classes reported.
+    # Two tiny requests at the benchmark shape cut to 2 layers and a 64 MiB cache: the run is
+    # profiled and its classes reported.
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_core_profile.py"),
                            "--dtypes", "float32", "--num-prompts", "2", "--input-len", "40",
-                           "--output-len", "3", "--max-num-seqs", "2"],
+                           "--output-len", "3", "--max-num-seqs", "2", "--num-layers", "2",
+                           "--kv-cache-memory", "64MiB"],
                           capture_output=True, text=True, timeout=240, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
