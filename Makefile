@@ -10,6 +10,10 @@ TORCH  ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 MODEL  ?=
 PYTEST_ARGS ?=
+# Two workers, each taking whole modules (their fixtures start servers and engines once) in the
+# order tests/conftest.py gives them: the long ones first (xdist's own reorder, most tests
+# first, would leave a one-test module of half a minute for the end).
+XDIST  := -n 2 --dist loadscope --no-loadscope-reorder
 
 # The tests that start `pagedkv serve` or build the server app, run with the engine core in its
 # own process (test-process) or in a thread of the server (test-inproc): servers and the tests'
@@ -39,13 +43,13 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: $(STAMP) lint docs-build
-	$(PY) -m pytest -q -n 2 --dist loadscope $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadscope -m "not slow and not runs_model" $(FAST_TESTS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not runs_model" $(FAST_TESTS) $(PYTEST_ARGS)
 
 test-process test-inproc: $(STAMP)
-	PAGEDKV_ENGINE_CORE=$(@:test-%=%) $(PY) -m pytest -q -n 2 --dist loadscope $(SERVER_TESTS) $(PYTEST_ARGS)
+	PAGEDKV_ENGINE_CORE=$(@:test-%=%) $(PY) -m pytest -q $(XDIST) $(SERVER_TESTS) $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) -m pagedkv.demo $(if $(MODEL),--model $(MODEL),) $(if $(DASHBOARD),--keep-serving,)

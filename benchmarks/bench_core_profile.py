@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python benchmarks/bench_core_profile.py [--dtypes bfloat16,float32]
         [--num-prompts 64] [--input-len 256] [--output-len 128] [--max-num-seqs 64]
-        [--baseline GIT_REF --repeat 3]
+        [--num-layers 8] [--kv-cache-memory 2GiB] [--baseline GIT_REF --repeat 3]
 
 The workload of `bench_serve.py` at concurrency = max_num_seqs, in one process with the core
 in-process (no HTTP, no tokenizer): bench_offline.py's SHAPE (hidden 512, 8 layers, 8 heads,
@@ -70,11 +70,18 @@ def requests(num: int, input_len: int, vocab: int, seed: int = 0) -> list[list[i
     return [[rng.randrange(4, vocab) for _ in range(input_len)] for _ in range(num)]
 
 
-def make_llm(model_dir: Path, dtype: str, max_num_seqs: int):
+def make_llm(model_dir: Path, dtype: str, max_num_seqs: int, kv_bytes: int = KV_BYTES):
     from pagedkv import LLM
 
     return LLM(model=str(model_dir), dtype=dtype, seed=0, block_size=BLOCK_SIZE,
-               max_num_seqs=max_num_seqs, kv_cache_memory_bytes=KV_BYTES, cpu_kernels="wait")
+               max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_bytes, cpu_kernels="wait")
+
+
+def kv_budget(args: argparse.Namespace) -> int:
+    """The KV cache budget `--kv-cache-memory` names, in bytes."""
+    from pagedkv.kv.sizes import parse_size
+
+    return parse_size(args.kv_cache_memory, name="--kv-cache-memory")
 
 
 def generate(llm, prompts: list[list[int]], output_len: int) -> tuple[float, int]:
@@ -144,7 +151,7 @@ def classify(events) -> tuple[dict[tuple[str, str], float], dict[tuple[str, str]
 def profile_dtype(model_dir: Path, dtype: str, args: argparse.Namespace) -> dict:
     from pagedkv.testing.random_model import tokenizer_vocab_size
 
-    llm = make_llm(model_dir, dtype, args.max_num_seqs)
+    llm = make_llm(model_dir, dtype, args.max_num_seqs, kv_budget(args))
     prompts = requests(args.num_prompts, args.input_len, tokenizer_vocab_size(model_dir))
     generate(llm, prompts[: args.max_num_seqs // 4 or 1], 16)  # warm-up
     seconds, tokens = generate(llm, prompts, args.output_len)
@@ -210,7 +217,8 @@ def timed_child(tree: str, dtype: str, args: argparse.Namespace) -> float:
     """tok/s of one timed run in a child process importing `pagedkv` from `tree`."""
     cmd = [sys.executable, __file__, "--dtypes", dtype, "--num-prompts", str(args.num_prompts),
            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-           "--max-num-seqs", str(args.max_num_seqs), "--timed-only"]
+           "--max-num-seqs", str(args.max_num_seqs), "--num-layers", str(args.num_layers),
+           "--kv-cache-memory", args.kv_cache_memory, "--timed-only"]
     out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": tree}, capture_output=True,
                          text=True, check=True).stdout
     return json.loads(out.splitlines()[-1])["tok_s"]
@@ -245,6 +253,9 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--baseline", default=None, metavar="GIT_REF")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--num-layers", type=int, default=SHAPE["num_layers"],
+                        help="the model's layers (a smaller model for a quick run)")
+    parser.add_argument("--kv-cache-memory", default="2GiB", help="the engine's KV cache budget")
     parser.add_argument("--timed-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.baseline:
@@ -255,11 +266,12 @@ def main() -> None:
     results = {}
     for dtype in args.dtypes.split(","):
         with tempfile.TemporaryDirectory() as tmp:
-            model_dir = build_random_model_dir(Path(tmp) / "m", dtype=dtype, seed=0, **SHAPE)
+            model_dir = build_random_model_dir(Path(tmp) / "m", dtype=dtype, seed=0,
+                                               **dict(SHAPE, num_layers=args.num_layers))
             if args.timed_only:
                 from pagedkv.testing.random_model import tokenizer_vocab_size
 
-                llm = make_llm(model_dir, dtype, args.max_num_seqs)
+                llm = make_llm(model_dir, dtype, args.max_num_seqs, kv_budget(args))
                 prompts = requests(args.num_prompts, args.input_len,
                                    tokenizer_vocab_size(model_dir))
                 generate(llm, prompts[: args.max_num_seqs // 4 or 1], 16)

@@ -54,6 +54,7 @@ from pagedkv.testing.kv_quant_accuracy import (  # noqa: E402
     teacher_forced_logits,
 )
 from pagedkv.testing.random_model import hf_architecture  # noqa: E402
+from pagedkv.utils import freeze_gc_heap  # noqa: E402
 from tests.tiny_models import build_hf_model  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown models {unknown}; choose from {sorted(MODELS)}")
     contexts = [int(c) for c in args.contexts.split(",")]
+    freeze_gc_heap()  # each runner's shutdown collects: over the imports (transformers), slowly
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:

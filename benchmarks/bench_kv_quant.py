@@ -5,7 +5,8 @@
     PYTHONPATH=. python benchmarks/bench_kv_quant.py --prefill-len 2048 [--throughput-formats
         auto,int8] [--throughput-dtype bfloat16] [--threads 1]
     PYTHONPATH=. python benchmarks/bench_kv_quant.py --kl [--kl-contexts 256,2048]
-        [--kl-sequences 2] [--kl-seed 0[,1,...]] [--kl-kernels off|wait] [--kl-skew 1024] [--json]
+        [--kl-sequences 2] [--kl-seed 0[,1,...]] [--kl-kernels off|wait] [--kl-skew 1024]
+        [--kl-num-layers 8] [--json]
     PYTHONPATH=. python benchmarks/bench_kv_quant.py --kl --real-model [PATH] [--kl-kernels wait]
 
 0. `--kl` (only this): KL divergence of every cache format against a float32-exact cache on the
@@ -178,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the candidates' CPU path: pure torch (off) or the fused kernels")
     parser.add_argument("--kl-weights", default="float32,bfloat16",
                         help="weight dtypes of the KL runs, comma-separated")
+    parser.add_argument("--kl-num-layers", type=int, default=None,
+                        help="the KL model with this many layers (default: the benchmark "
+                             "model's 8)")
     parser.add_argument("--kl-skew", type=float, default=None,
                         help="KV head 0's keys and values this many times smaller (the model's "
                              "function unchanged: random_model.skew_kv_head), so KV heads differ "
@@ -306,7 +310,9 @@ def kl_main(args: argparse.Namespace) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.kl_weights.split(","):
-            model_dir = build_random_model_dir(Path(tmp) / dtype, dtype=dtype, seed=0, **SHAPE)
+            shape = SHAPE if args.kl_num_layers is None \
+                else dict(SHAPE, num_layers=args.kl_num_layers)
+            model_dir = build_random_model_dir(Path(tmp) / dtype, dtype=dtype, seed=0, **shape)
             if args.kl_skew:
                 model_dir = skew_kv_head(model_dir, Path(tmp) / f"{dtype}-skewed", args.kl_skew)
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]

@@ -3,6 +3,7 @@ fused CPU kernels, built (or loaded from the cache) once for the tests that run 
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -151,12 +152,49 @@ def pytest_configure(config: pytest.Config) -> None:
                             "the pure-Python tests)")
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Move what collection left alive (every test module, torch, transformers: some 400,000
+    objects) to the garbage collector's permanent generation. Each engine's shutdown runs a
+    full collection (ModelRunner.shutdown), as do the interpreter's own now and then; over that
+    heap each took about a quarter of a CPU-second, over the objects the tests create since,
+    a few milliseconds. Objects the tests create are collected as before."""
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Hand the frozen objects back, so the interpreter's exit finalizes them as usual."""
+    gc.unfreeze()
+
+
+def module_rank(items: list[pytest.Item]) -> int:
+    """Where a module's tests run in the session: 0 (first) if one is marked `slow`, 1 if one
+    runs a model, 2 (last) for the pure-Python ones."""
+    if any(item.get_closest_marker("slow") for item in items):
+        return 0
+    return 1 if any(item.get_closest_marker("runs_model") for item in items) else 2
+
+
+def longest_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """`items` with whole modules reordered by `module_rank`, each module's tests (and the
+    modules of one rank) in their collected order. `make test` hands whole modules to its two
+    workers in this order (`--dist loadscope --no-loadscope-reorder`): the long modules start
+    first and the many short pure-Python ones even out the end, where xdist's own order (most
+    tests first) left a one-test module of half a minute for last."""
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    ordered = sorted(modules.values(), key=module_rank)
+    return [item for module in ordered for item in module]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests that run a model are marked `runs_model`; tests marked `cuda` are skipped on
-    machines without a CUDA GPU."""
+    """Tests that run a model are marked `runs_model`; modules run longest first
+    (`longest_first`); tests marked `cuda` are skipped on machines without a CUDA GPU."""
     for item in items:
         if runs_model(item):
             item.add_marker(pytest.mark.runs_model)
+    items[:] = longest_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

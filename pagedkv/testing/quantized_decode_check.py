@@ -35,16 +35,18 @@ INT8_FLOAT32_TOLERANCE = 1e-4
 
 
 def _reference(q, keys, values, tables, first, lens, scale):
+    """Softmax attention of each row's query heads (HEADS // KV_HEADS per KV head) over its
+    sequence's keys and values from positions `first` to `lens`, in float32."""
     head_dim = q.shape[-1]
     out = torch.zeros(q.shape, dtype=torch.float32)
     g = HEADS // KV_HEADS
     for s, (table, start, n) in enumerate(zip(tables, first, lens, strict=True)):
         slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, n)])
-        for h in range(HEADS):
-            k = keys[h // g].reshape(-1, head_dim)[slots]
-            v = values[h // g].reshape(-1, head_dim)[slots]
-            w = torch.softmax(k @ q[s, h].float() * scale, dim=0)
-            out[s, h] = w @ v
+        k = keys.reshape(KV_HEADS, -1, head_dim)[:, slots]  # [kv heads, tokens, head_dim]
+        v = values.reshape(KV_HEADS, -1, head_dim)[:, slots]
+        qs = q[s].float().reshape(KV_HEADS, g, head_dim)  # head h reads KV head h // g
+        w = torch.softmax(qs @ k.transpose(1, 2) * scale, dim=-1)  # [kv heads, g, tokens]
+        out[s] = (w @ v).reshape(HEADS, head_dim)
     return out
 
 
@@ -83,10 +85,11 @@ def _check_head_dim(head_dim: int, seed: int) -> dict[str, float]:
     width = max(len(t) for t in tables)
     table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     errors = {}
+    (k_int8, k_scales), (v_int8, v_scales) = quantize_per_token(raw_k), quantize_per_token(raw_v)
     for cache_dtype in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2, None):
         for q_dtype in (torch.float32, torch.bfloat16):
-            if cache_dtype == torch.int8:
-                (k8, ks), (v8, vs) = quantize_per_token(raw_k), quantize_per_token(raw_v)
+            if cache_dtype == torch.int8:  # quantized once: the same blocks for both q dtypes
+                k8, ks, v8, vs = k_int8, k_scales, v_int8, v_scales
                 keys, values = dequantize_per_token(k8, ks, torch.float32), \
                     dequantize_per_token(v8, vs, torch.float32)
             elif cache_dtype is None:  # the model-dtype cache

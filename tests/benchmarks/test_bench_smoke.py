@@ -72,12 +72,13 @@ def test_bench_kv_quant_runs_and_fp8_quadruples_the_blocks():
 
 @pytest.mark.slow
 def test_bench_kv_quant_kl_table_orders_the_formats():
-    """`--kl` on short sequences: every format's row; on the float32 model the bfloat16 cache
-    moves the distributions least, then int8, then fp8 e4m3, then e5m2 (3 bits of mantissa
-    fewer each step); top-1 agreement is a fraction."""
+    """`--kl` on short sequences of the benchmark model cut to 2 layers: every format's row;
+    on the float32 model the bfloat16 cache moves the distributions least, then int8, then fp8
+    e4m3, then e5m2 (3 bits of mantissa fewer each step; each step is 10x or more at 2 layers
+    as at 8); top-1 agreement is a fraction."""
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kv_quant.py"),
                            "--kl", "--kl-contexts", "48", "--kl-sequences", "1",
-                           "--kl-weights", "float32", "--json"],
+                           "--kl-weights", "float32", "--kl-num-layers", "2", "--json"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout[proc.stdout.index("[\n"):])
@@ -129,10 +130,12 @@ def test_bench_host_overhead_runs_against_a_baseline_commit():
 
 
 def test_bench_core_profile_splits_a_run_by_op_class():
-    # Two tiny requests at the benchmark shape: the run is profiled and its classes reported.
+    # Two tiny requests at the benchmark shape cut to 2 layers and a 64 MiB cache: the run is
+    # profiled and its classes reported.
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_core_profile.py"),
                            "--dtypes", "float32", "--num-prompts", "2", "--input-len", "40",
-                           "--output-len", "3", "--max-num-seqs", "2"],
+                           "--output-len", "3", "--max-num-seqs", "2", "--num-layers", "2",
+                           "--kv-cache-memory", "64MiB"],
                           capture_output=True, text=True, timeout=240, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
