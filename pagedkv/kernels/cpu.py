@@ -240,9 +240,9 @@ def ensure_cpu_kernels(mode: str = "auto") -> bool:
     return False
 
 
-# The panel paths (`panel_isa()`) that beat oneDNN's pre-packed bfloat16 linear on a CPU where
-# oneDNN has native bfloat16: vdpbf16ps panels, measured on a Zen 4 (benchmarks/
-# bench_panel_linear.py). Elsewhere (an AVX2 or plain AVX-512 build: bfloat16 widened to
+# The instruction-set rule, now only PAGEDKV_KERNEL_CHOICE=isa's (the default measures each
+# shape: kernels/choice.py; on an AMX Xeon oneDNN wins from about 9 rows, on a Zen 4 the panels
+# win): the panel paths (`panel_isa()`) taken for bfloat16 where oneDNN has native bfloat16. Elsewhere (an AVX2 or plain AVX-512 build: bfloat16 widened to
 # float32) oneDNN keeps bfloat16 weights where it has native bfloat16 (never measured against
 # the panels there); without native bfloat16 in oneDNN the panels take every dtype.
 PANELS_BEAT_ONEDNN_BF16 = ("avx512_bf16",)

@@ -157,7 +157,7 @@ class Linear(nn.Linear):
     - With the fused CPU kernels loaded (`pack(panels=True)`, the runner's call once they are):
       each rows bucket of the layer's shape class runs the kernel that kernels/choice.py
       measured fastest on this CPU (or a forced one, PAGEDKV_KERNEL_CHOICE), among:
-      `pagedkv_cpu::panel_linear` (kernels/cpu_ops.cpp), the weight re-laid in panels of 16
+      `pagedkv_cpu::panel_linear` (kernels/csrc/panel_linear.cpp), the weight re-laid in panels of 16
       output columns, float32 accumulation in registers while each panel streams past once
       (float32, and bfloat16/float16 kept at 16 bits, widened in registers exactly, or paired
       into vdpbf16ps where the build has AVX512-BF16; 8 lanes with AVX2, 16 with AVX-512); and
