@@ -29,14 +29,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedkv import __version__
 from pagedkv.engine.async_engine import AsyncEngine, EngineDeadError
-from pagedkv.server.auth import invalid_api_key
-from pagedkv.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
-from pagedkv.server.dashboard.access import DATA_PREFIXES, DashboardAccess
-from pagedkv.server.dashboard.routes import make_dashboard_router
-from pagedkv.server.errors import APIError, error_response, install_error_handlers
-from pagedkv.server.fingerprint import system_fingerprint
-from pagedkv.server.metrics import ServerMetrics
-from pagedkv.server.protocol import (
+from pagedkv.http.auth import invalid_api_key
+from pagedkv.http.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
+from pagedkv.http.dashboard_access import DATA_PREFIXES, DashboardAccess
+from pagedkv.http.errors import APIError, error_response, install_error_handlers
+from pagedkv.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -50,6 +47,9 @@ from pagedkv.server.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from pagedkv.server.dashboard.routes import make_dashboard_router
+from pagedkv.server.fingerprint import system_fingerprint
+from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.responses_protocol import ResponsesRequest
 from pagedkv.server.serving import OpenAIServing
 from pagedkv.server.serving_chat import create_chat_completion
