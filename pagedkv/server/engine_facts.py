@@ -25,6 +25,4 @@ class EngineFacts:
 
 def engine_facts(engine: LLMEngine) -> EngineFacts:
     """The facts of `engine`: the one place the server reads them."""
-    # The engine's start-up facts: read through its core client until `LLMEngine.ready` (the
-    # typed property of the engine's own) is there; then `ready=engine.ready`.
-    return EngineFacts(args=engine.args, ready=engine.client.ready)
+    return EngineFacts(args=engine.args, ready=engine.ready)
