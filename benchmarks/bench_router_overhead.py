@@ -236,12 +236,12 @@ def stage_costs(model_dir: Path, work: list[list[int]], backends: list[str]) -> 
     tokenize function), chained block hashing, routing (prefix lookup on every backend,
     scoring, the decision record) and `begin` (books and the router's own prefix record); and
     the same tokenize + hash for a chat request of as many characters' worth of text."""
+    from pagedkv.http.protocol import ModelCard
     from pagedkv.model.tokenizer import Tokenizer
     from pagedkv.router.backend import Backend
     from pagedkv.router.policies import RouteRequest, make_policy
     from pagedkv.router.proxy import _body_fields
     from pagedkv.router.router import Router
-    from pagedkv.server.protocol import ModelCard
 
     router = Router([Backend(u) for u in backends], make_policy("kv-aware"),
                     tokenizer=Tokenizer.from_dir(model_dir), hash_settings=(32, "sha256"))

@@ -161,7 +161,7 @@ def check_timeouts(args: argparse.Namespace) -> None:
 
 def max_request_bytes(args: argparse.Namespace) -> int:
     """--max-request-bytes, or the server's default; ValueError naming the flag when < 1."""
-    from pagedkv.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
+    from pagedkv.http.body_limit import DEFAULT_MAX_REQUEST_BYTES
 
     if args.max_request_bytes is None:
         return DEFAULT_MAX_REQUEST_BYTES
@@ -174,8 +174,8 @@ def max_request_bytes(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from pagedkv.http.access_log import LOG_FORMAT, uvicorn_log_config
     from pagedkv.router.app import create_router_app
-    from pagedkv.server.access_log import LOG_FORMAT, uvicorn_log_config
     from pagedkv.server.graceful import CleanExitServer, bind_socket
     from pagedkv.utils import freeze_gc_heap
 

@@ -25,7 +25,7 @@ before anything heavy is imported (a mistake answers at once); the server then l
 load (and a first CPU kernel build) and, once ready, a banner: its URL, the model, dtype and
 device, the KV cache's blocks and bytes, the maximum concurrency at max_model_len, the engine
 core's pid and the CPU kernels in use (server/banner.py). Health checks and metric scrapes are
-logged at DEBUG, requests at INFO (server/access_log.py).
+logged at DEBUG, requests at INFO (pagedkv/http/access_log.py).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from pagedkv.commands.engine_flags import (
     model_argument,
     positive_number,
 )
-from pagedkv.server.access_log import LOG_FORMAT
+from pagedkv.http.access_log import LOG_FORMAT
 from pagedkv.server.tool_parsers import TOOL_PARSERS  # plain Python: keeps --help light
 
 if TYPE_CHECKING:
@@ -158,7 +158,7 @@ def _serve(args: argparse.Namespace, engine_args: EngineArgs, sock: Any) -> int:
 
     from pagedkv.cli import package_version
     from pagedkv.engine.llm_engine import LLMEngine
-    from pagedkv.server.access_log import uvicorn_log_config
+    from pagedkv.http.access_log import uvicorn_log_config
     from pagedkv.server.app import (
         DEFAULT_MAX_PENDING,
         DEFAULT_MAX_REQUEST_BYTES,

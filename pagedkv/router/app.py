@@ -6,8 +6,8 @@ load alone), GET /v1/models
 (the union of the up backends' models, as the health checks last read them), GET /health (200
 while a backend is up, else 503), GET /metrics (the router's own, metrics.py), GET /dashboard (the
 fleet, dashboard.py). With `api_key`,
-the /v1 routes need `Authorization: Bearer <api_key>` (the server's own check,
-`pagedkv.server.auth`). A router holding a `backend_api_key` refuses to be built without an
+the /v1 routes need `Authorization: Bearer <api_key>` (the check the server makes too,
+`pagedkv.http.auth`). A router holding a `backend_api_key` refuses to be built without an
 `api_key` unless `allow_anonymous_clients` says so: it would lend its key to anyone. The
 lifespan owns the HTTP client (/tokenize), the upstream of the forwarded requests and of the
 health checks (raw_upstream.py; `transport` given: the client's), the health checker and the KV-event
@@ -28,6 +28,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from pagedkv import __version__
+from pagedkv.http.auth import bearer_key_matches, invalid_api_key
+from pagedkv.http.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
+from pagedkv.http.dashboard_access import DashboardAccess
+from pagedkv.http.errors import APIError, install_error_handlers
+from pagedkv.http.protocol import ModelCard, ModelList
 from pagedkv.router.dashboard import make_router_dashboard
 from pagedkv.router.forward_app import ForwardRoutes
 from pagedkv.router.health import HealthChecker
@@ -36,11 +41,6 @@ from pagedkv.router.proxy import DEFAULT_FIRST_BYTE_TIMEOUT_S, Forwarder
 from pagedkv.router.raw_upstream import RawUpstream
 from pagedkv.router.router import Router
 from pagedkv.router.upstream import HttpxUpstream, Upstream
-from pagedkv.server.auth import bearer_key_matches, invalid_api_key
-from pagedkv.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
-from pagedkv.server.dashboard.access import DashboardAccess
-from pagedkv.server.errors import APIError, install_error_handlers
-from pagedkv.server.protocol import ModelCard, ModelList
 
 DEFAULT_CONNECT_TIMEOUT_S = 2.0
 FORWARDED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")

@@ -4,7 +4,7 @@ the prefix blocks the router believes it holds per medium, which shared prefixes
 hash) and sessions went where, and the recent routing decisions with every candidate's score).
 The page polls the JSON once a second; nothing is computed while no one asks. With an API key,
 /dashboard/fleet needs the key or a dashboard session cookie, as the server's dashboard data
-(pagedkv/server/dashboard/access.py; `/dashboard/session` here too)."""
+(pagedkv/http/dashboard_access.py; `/dashboard/session` here too)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from pagedkv.events.wire import MEDIUM_DEVICE, MEDIUM_DISK, MEDIUM_HOST
+from pagedkv.http.auth import invalid_api_key
+from pagedkv.http.dashboard_access import DashboardAccess, make_session_router
+from pagedkv.http.errors import APIError
 from pagedkv.router.router import Router
-from pagedkv.server.auth import invalid_api_key
-from pagedkv.server.dashboard.access import DashboardAccess, make_session_router
-from pagedkv.server.errors import APIError
 
 STATIC_DIR = Path(__file__).resolve().parents[1] / "server" / "dashboard" / "static"
 SCRIPTS = ("dom", "fleet")  # the fleet page's scripts in STATIC_DIR

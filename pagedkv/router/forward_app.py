@@ -17,9 +17,9 @@ from collections.abc import Callable, Collection
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pagedkv.http.auth import bearer_key_matches, invalid_api_key
+from pagedkv.http.errors import APIError, error_response
 from pagedkv.router.proxy import REQUEST_ID_HEADER, SESSION_HEADER, Forwarder
-from pagedkv.server.auth import bearer_key_matches, invalid_api_key
-from pagedkv.server.errors import APIError, error_response
 
 _HEADERS = {b"authorization": "authorization", SESSION_HEADER.encode(): "session",
             REQUEST_ID_HEADER.encode(): "request_id"}

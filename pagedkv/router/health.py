@@ -26,10 +26,10 @@ from urllib.parse import urlencode
 import httpx
 import pydantic
 
+from pagedkv.http.protocol import ModelCard
 from pagedkv.router.backend import LOAD_QUERY, Backend, parse_load
 from pagedkv.router.router import Router
 from pagedkv.router.upstream import HttpxUpstream, Upstream, UpstreamError
-from pagedkv.server.protocol import ModelCard
 
 logger = logging.getLogger("pagedkv.router")
 

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 
 import pydantic
 
+from pagedkv.http.errors import APIError
+from pagedkv.http.prompt_render import CappedPromptEncoder, tokenize_chat, tokenize_prompts
+from pagedkv.http.protocol import ChatCompletionRequest, CompletionRequest
 from pagedkv.kv.hashing import RequestBlockHasher
 from pagedkv.model.tokenizer import Tokenizer
 from pagedkv.router.policies.base import RouteRequest
-from pagedkv.server.errors import APIError
-from pagedkv.server.prompt_render import tokenize_chat, tokenize_prompts
-from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger("pagedkv.router")
 
@@ -33,20 +33,6 @@ CHAT_COMPLETIONS = "/v1/chat/completions"
 
 
 MAX_PROMPT_TOKENS = 1 << 17  # a longer prompt is not hashed (the backend will refuse it anyway)
-
-
-@dataclass
-class _TokenizerHolder:
-    """What the server's tokenize functions read of their `serving` argument."""
-
-    tokenizer: Tokenizer
-
-    def encode_prompt(self, text: str, *, add_special_tokens: bool,
-                      param: str = "prompt", bounded: bool = True) -> list[int]:
-        """As `OpenAIServing.encode_prompt`, always bounded by MAX_PROMPT_TOKENS (ValueError
-        past it: such a prompt is placed by load alone)."""
-        return self.tokenizer.encode_bounded(text, MAX_PROMPT_TOKENS,
-                                             add_special_tokens=add_special_tokens, what=param)
 
 
 @dataclass
@@ -74,7 +60,8 @@ class PromptHasher:
 
     def __init__(self, tokenizer: Tokenizer | None, *, block_size: int, hash_algo: str) -> None:
         self.tokenizer = tokenizer
-        self._holder = _TokenizerHolder(tokenizer) if tokenizer is not None else None
+        self._encoder = (CappedPromptEncoder(tokenizer, MAX_PROMPT_TOKENS) if tokenizer is not None
+                         else None)
         self.block_size = block_size
         self.hash_algo = hash_algo
         self._hasher = RequestBlockHasher(hash_algo, block_size)
@@ -82,19 +69,19 @@ class PromptHasher:
     def token_ids(self, path: str, body: bytes) -> tuple[list[int], str | None] | None:
         """(prompt token ids, cache_salt) of a /v1/completions or /v1/chat/completions body;
         None when the server would reject the body."""
-        if self._holder is None:
+        if self._encoder is None:
             raise ValueError("this PromptHasher has no tokenizer: tokenize on a backend")
         try:
             if path == COMPLETIONS:
                 completion = CompletionRequest.model_validate_json(body)
-                return (tokenize_prompts(self._holder, first_prompt(completion.prompt),
+                return (tokenize_prompts(self._encoder, first_prompt(completion.prompt),
                                          add_special_tokens=completion.add_special_tokens
                                          is not False)[0], completion.cache_salt)
             if path == CHAT_COMPLETIONS:
                 chat = ChatCompletionRequest.model_validate_json(body)
                 tools = ([t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools
                          else None)  # the template sees them, as on the server (tools.py)
-                return tokenize_chat(self._holder, chat, tools), chat.cache_salt
+                return tokenize_chat(self._encoder, chat, tools), chat.cache_salt
         except (pydantic.ValidationError, APIError, ValueError) as exc:
             logger.debug("cannot tokenize a %s body: %s", path, exc)
         return None

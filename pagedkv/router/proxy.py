@@ -31,13 +31,13 @@ import httpx
 import msgspec
 from starlette.responses import Response
 
+from pagedkv.http.errors import APIError, error_response, model_not_found
 from pagedkv.router.backend import Backend
 from pagedkv.router.policies import RouteRequest
 from pagedkv.router.relay import Cut, RelayResponse, relay
 from pagedkv.router.remote_tokens import BackendTokenizer, tokenize_call
 from pagedkv.router.router import Router, Ticket
 from pagedkv.router.upstream import HttpxUpstream, Upstream, UpstreamAnswer, UpstreamError
-from pagedkv.server.errors import APIError, error_response, model_not_found
 
 logger = logging.getLogger("pagedkv.router")
 

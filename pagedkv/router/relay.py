@@ -18,9 +18,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from starlette.types import Receive, Scope, Send
 
+from pagedkv.http.errors import error_body
+from pagedkv.http.sse import SSE_HEADERS, sse_done, sse_event
 from pagedkv.router.upstream import UpstreamError
-from pagedkv.server.errors import error_body
-from pagedkv.server.sse import SSE_HEADERS, sse_done, sse_event
 
 DONE = b"data: [DONE]"
 _TAIL = 64  # bytes of the stream kept to see how it ended

@@ -46,7 +46,7 @@ def core_pid(engine: Any) -> int | None:
 
 def banner_lines(engine: Any, *, url: str, served_model_name: str, version: str) -> list[str]:
     """The start-up banner of a server for `engine` (an `LLMEngine`) at `url`."""
-    ready = engine.client.ready
+    ready = engine.ready
     pid = core_pid(engine)
     blocks = ready.num_gpu_blocks
     lines = [

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.engine.outputs import CompletionOutput
-from pagedkv.server.protocol import (
+from pagedkv.http.protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,

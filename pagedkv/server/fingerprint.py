@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pagedkv import __version__
+
+if TYPE_CHECKING:
+    from pagedkv.server.engine_facts import EngineFacts
 
 _FIELDS = ("model", "tokenizer", "dtype", "kv_cache_dtype", "block_size", "seed")
 
 
-def system_fingerprint(engine: Any) -> str:
-    """The fingerprint of `engine` (an `LLMEngine`: reads `engine.args` and `max_model_len`)."""
-    args = getattr(engine, "args", None)
-    config = {name: getattr(args, name, None) for name in _FIELDS}
-    config["max_model_len"] = getattr(engine, "max_model_len", None)
+def system_fingerprint(facts: EngineFacts) -> str:
+    """The fingerprint of an engine (its `EngineArgs` fields above and its max_model_len)."""
+    config = {name: getattr(facts.args, name) for name in _FIELDS}
+    config["max_model_len"] = facts.ready.max_model_len
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
     return f"pagedkv-{__version__}-{digest[:8]}"

@@ -1,4 +1,4 @@
-"""What vLLM's request fields add to an answer (`request_fields.py` says which field does what):
+"""What vLLM's request fields add to an answer (`http/request_fields.py` says which does what):
 the response id, `system_fingerprint`, token ids with `return_token_ids`, empty text with
 `detokenize: false`, and chat's echoed last message and rendered prompt (`return_prompt_text`)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedkv.server.request_fields import VllmRequestFields, response_id
+from pagedkv.http.request_fields import VllmRequestFields, response_id
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedkv.server.protocol import INT64_MAX, ChatCompletionRequest, ChatMessage, _Request
-from pagedkv.server.request_fields import IgnoresUnknownFields
+from pagedkv.http.protocol import INT64_MAX, ChatCompletionRequest, ChatMessage, _Request
+from pagedkv.http.request_fields import IgnoresUnknownFields
 
 
 class InputTextPart(_Request):

@@ -29,12 +29,12 @@ from pagedkv.engine.async_engine import (
     RequestStream,
 )
 from pagedkv.engine.outputs import RequestOutput
+from pagedkv.http.errors import APIError, model_not_found
+from pagedkv.http.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from pagedkv.http.sse import SSEResponse, sse_stream
 from pagedkv.sched.sampling_params import GREEDY_TEMPERATURE_BELOW, SamplingParams
 from pagedkv.sched.validation import PromptTooLongError
-from pagedkv.server.errors import APIError, model_not_found
 from pagedkv.server.metrics import RequestPhases, ServerMetrics
-from pagedkv.server.protocol import PromptTokensDetails, SamplingFields, UsageInfo
-from pagedkv.server.sse import SSEResponse, sse_stream
 from pagedkv.server.structured import compile_constraint, structured_outputs_of
 from pagedkv.server.tool_parsers import ToolParser
 from pagedkv.structured.params import StructuredOutputsParams

@@ -10,11 +10,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
-from pagedkv.sched.sampling_params import SamplingParams
-from pagedkv.server.deltas import Delta, DeltaTracker, LogprobsFormatter
-from pagedkv.server.errors import APIError, error_body
-from pagedkv.server.prompt_render import render_and_tokenize_chat
-from pagedkv.server.protocol import (
+from pagedkv.http.errors import APIError, error_body
+from pagedkv.http.prompt_render import render_and_tokenize_chat
+from pagedkv.http.protocol import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -26,7 +24,10 @@ from pagedkv.server.protocol import (
     UsageInfo,
     usage_flags,
 )
-from pagedkv.server.request_fields import check_request_fields
+from pagedkv.http.request_fields import check_request_fields
+from pagedkv.http.sse import SSEResponse, sse_event
+from pagedkv.sched.sampling_params import SamplingParams
+from pagedkv.server.deltas import Delta, DeltaTracker, LogprobsFormatter
 from pagedkv.server.response_extras import ResponseExtras
 from pagedkv.server.serving import (
     OpenAIServing,
@@ -38,7 +39,6 @@ from pagedkv.server.serving import (
     run_unless_disconnected,
     streaming_response,
 )
-from pagedkv.server.sse import SSEResponse, sse_event
 from pagedkv.server.tools import ToolChoice, tool_call_id
 
 

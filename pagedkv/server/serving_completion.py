@@ -10,17 +10,18 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.server.deltas import DeltaTracker, LogprobsFormatter
-from pagedkv.server.errors import APIError, error_body
-from pagedkv.server.prompt_render import tokenize_prompts
-from pagedkv.server.protocol import (
+from pagedkv.http.errors import APIError, error_body
+from pagedkv.http.prompt_render import tokenize_prompts
+from pagedkv.http.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     usage_flags,
 )
-from pagedkv.server.request_fields import check_request_fields
+from pagedkv.http.request_fields import check_request_fields
+from pagedkv.http.sse import SSEResponse, sse_event
+from pagedkv.server.deltas import DeltaTracker, LogprobsFormatter
 from pagedkv.server.response_extras import ResponseExtras
 from pagedkv.server.serving import (
     OpenAIServing,
@@ -32,7 +33,6 @@ from pagedkv.server.serving import (
     run_unless_disconnected,
     streaming_response,
 )
-from pagedkv.server.sse import SSEResponse, sse_event
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 

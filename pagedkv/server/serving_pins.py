@@ -11,9 +11,9 @@ a full block or past `max_pinned_fraction`; 404 for an unpin of a prompt that is
 from __future__ import annotations
 
 from pagedkv.engine.async_engine import EngineDeadError
+from pagedkv.http.errors import APIError
+from pagedkv.http.protocol import PinRequest, PinResponse
 from pagedkv.kv.pins import NotPinnedError
-from pagedkv.server.errors import APIError
-from pagedkv.server.protocol import PinRequest, PinResponse
 from pagedkv.server.serving import OpenAIServing
 
 

@@ -24,10 +24,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from pagedkv.engine.outputs import RequestOutput
+from pagedkv.http.errors import APIError
+from pagedkv.http.prompt_render import tokenize_chat
+from pagedkv.http.request_fields import check_request_fields
+from pagedkv.http.sse import SSEResponse
 from pagedkv.server.deltas import DeltaTracker
-from pagedkv.server.errors import APIError
-from pagedkv.server.prompt_render import tokenize_chat
-from pagedkv.server.request_fields import check_request_fields
 from pagedkv.server.responses_protocol import (
     IncompleteDetails,
     InputTokensDetails,
@@ -44,7 +45,6 @@ from pagedkv.server.serving import (
     streaming_response,
 )
 from pagedkv.server.serving_chat import collect_final
-from pagedkv.server.sse import SSEResponse
 
 
 async def create_response(serving: OpenAIServing, req: ResponsesRequest,

@@ -6,9 +6,9 @@ tokenizing only a prefix, and /detokenize takes at most `max_model_len` ids."""
 
 from __future__ import annotations
 
-from pagedkv.server.errors import APIError
-from pagedkv.server.prompt_render import render_chat, tokenize_chat
-from pagedkv.server.protocol import (
+from pagedkv.http.errors import APIError
+from pagedkv.http.prompt_render import render_chat, tokenize_chat
+from pagedkv.http.protocol import (
     ChatCompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,

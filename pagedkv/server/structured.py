@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from pagedkv.server.errors import APIError
-from pagedkv.server.protocol import SamplingFields
+from pagedkv.http.errors import APIError
+from pagedkv.http.protocol import SamplingFields
 from pagedkv.structured.params import StructuredOutputsParams
 
 

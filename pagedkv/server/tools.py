@@ -18,8 +18,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pagedkv.server.errors import APIError
-from pagedkv.server.protocol import (
+from pagedkv.http.errors import APIError
+from pagedkv.http.protocol import (
     ChatCompletionRequest,
     ChatResponseMessage,
     FunctionCall,
@@ -119,24 +119,3 @@ class ToolChoice:
         if reason == "stop" and message.tool_calls and self.mode in ("auto", "required"):
             return "tool_calls"
         return reason
-
-
-def template_message(message: Any) -> dict[str, Any]:
-    """A request message as chat templates expect it: text content, and tool calls with their
-    arguments parsed back into objects (Hugging Face templates render them as JSON)."""
-    out: dict[str, Any] = {"role": message.role, "content": message.text()}
-    if message.name is not None:
-        out["name"] = message.name
-    if message.tool_call_id is not None:
-        out["tool_call_id"] = message.tool_call_id
-    if message.tool_calls:
-        calls = []
-        for call in message.tool_calls:
-            try:
-                arguments = json.loads(call.function.arguments)
-            except ValueError:
-                arguments = call.function.arguments
-            calls.append({"id": call.id, "type": "function",
-                          "function": {"name": call.function.name, "arguments": arguments}})
-        out["tool_calls"] = calls
-    return out

@@ -23,6 +23,7 @@ Store tiers count blocks; tokens here are blocks x block size.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -34,6 +35,9 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from pagedkv.engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats
+
+if TYPE_CHECKING:
+    from pagedkv.server.engine_facts import EngineFacts
 
 _SOURCE_OF_MEDIUM = {"CPU": "host", "DISK": "disk", "REDIS": "external_unspecified"}
 CACHED_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
@@ -129,14 +133,14 @@ def _iteration_tokens(prefix: str, labels: list[str], values: list[str], stats: 
     return hist
 
 
-def cache_config_info(engine: object) -> dict[str, str]:
+def cache_config_info(facts: EngineFacts) -> dict[str, str]:
     """vLLM's `CacheConfig.metrics_info()` keys that we have, as strings."""
-    args = getattr(engine, "args", None)
-    return {"block_size": str(getattr(args, "block_size", None)),
-            "cache_dtype": str(getattr(args, "kv_cache_dtype", "auto")),
-            "enable_prefix_caching": str(getattr(args, "enable_prefix_caching", True)),
-            "gpu_memory_utilization": str(getattr(args, "gpu_memory_utilization", None)),
-            "num_gpu_blocks": str(getattr(engine, "num_gpu_blocks", None)),
-            "num_gpu_blocks_override": str(getattr(args, "num_gpu_blocks_override", None)),
-            "prefix_caching_hash_algo": str(getattr(args, "prefix_caching_hash_algo", None)),
-            "swap_space": str(getattr(args, "swap_space", None))}
+    args = facts.args
+    return {"block_size": str(args.block_size),
+            "cache_dtype": str(args.kv_cache_dtype),
+            "enable_prefix_caching": str(args.enable_prefix_caching),
+            "gpu_memory_utilization": str(args.gpu_memory_utilization),
+            "num_gpu_blocks": str(facts.ready.num_gpu_blocks),
+            "num_gpu_blocks_override": str(args.num_gpu_blocks_override),
+            "prefix_caching_hash_algo": str(args.prefix_caching_hash_algo),
+            "swap_space": str(args.swap_space)}

@@ -1,13 +1,13 @@
 """With an API key, the dashboard's data (its SSE feed, block tables, explanations) is closed
 to anyone without the key or a session cookie obtained with it; the page itself stays open, and
-without a key everything is open (issue 23; pagedkv/server/dashboard/access.py)."""
+without a key everything is open (issue 23; pagedkv/http/dashboard_access.py)."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from pagedkv.server.dashboard.access import COOKIE_NAME, DashboardAccess, session_cookie
+from pagedkv.http.dashboard_access import COOKIE_NAME, DashboardAccess, session_cookie
 from tests.dashboard.conftest import make_engine, serving, sse_events
 
 pytestmark = pytest.mark.timeout(120)

@@ -13,12 +13,12 @@ import time
 import httpx
 import pytest
 
+from pagedkv.http.errors import APIError
 from pagedkv.router.app import create_router_app
 from pagedkv.router.backend import Backend
 from pagedkv.router.policies import RouteRequest, make_policy
 from pagedkv.router.proxy import Forwarder
 from pagedkv.router.router import Router
-from pagedkv.server.errors import APIError
 from tests.router.fake_backend import FakeBackend, ThreadServer
 from tests.router.test_proxy import sample
 

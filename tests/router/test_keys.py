@@ -10,11 +10,11 @@ from fastapi.testclient import TestClient
 
 from pagedkv.cli import build_parser
 from pagedkv.commands.router import build_router
+from pagedkv.http.auth import bearer_key_matches
 from pagedkv.router.app import create_router_app
 from pagedkv.router.backend import Backend
 from pagedkv.router.policies import make_policy
 from pagedkv.router.router import Router
-from pagedkv.server.auth import bearer_key_matches
 from tests.router.test_proxy import FakeBackends, make_app
 
 

@@ -12,13 +12,13 @@ import httpx
 import pytest
 
 from pagedkv.events.wire import BlockStored, KVEventBatch
+from pagedkv.http.protocol import ModelCard
 from pagedkv.router.backend import Backend
 from pagedkv.router.health import HealthChecker
 from pagedkv.router.kv_events import apply_batch
 from pagedkv.router.policies import Candidate, KVAwarePolicy, RouteRequest
 from pagedkv.router.prefix_index import PrefixMatch
 from pagedkv.router.router import Router
-from pagedkv.server.protocol import ModelCard
 from tests.router.fake_backend import FakeBackend
 from tests.router.test_faults import router_server
 

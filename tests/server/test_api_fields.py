@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.http.prompt_render import render_chat
+from pagedkv.http.protocol import ChatCompletionRequest, CompletionRequest
 from pagedkv.model.tokenizer import Tokenizer
-from pagedkv.server.prompt_render import render_chat
-from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedkv.server.response_extras import ResponseExtras
 from pagedkv.server.serving_chat import _stream
 from pagedkv.server.tools import ToolChoice
@@ -139,7 +139,7 @@ def test_chat_template_kwargs_and_continue_final_message(tokenizer):
     req = ChatCompletionRequest(messages=messages, add_generation_prompt=False,
                                 continue_final_message=True)
     assert render_chat(serving, req).endswith("<|assistant|>\nWell,")
-    from pagedkv.server.errors import APIError
+    from pagedkv.http.errors import APIError
     with pytest.raises(APIError, match="add_generation_prompt"):
         render_chat(serving, ChatCompletionRequest(messages=messages,
                                                      continue_final_message=True))

@@ -20,7 +20,7 @@ import pytest
 from pagedkv.cli import COMMANDS, build_parser
 from pagedkv.commands.chat_template import load_chat_template
 from pagedkv.commands.engine_flags import model_argument
-from pagedkv.server.access_log import ACCESS_LOGGER, SCRAPE_PATHS, ScrapesAtDebug, request_path
+from pagedkv.http.access_log import ACCESS_LOGGER, SCRAPE_PATHS, ScrapesAtDebug, request_path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Generous for a loaded 2-core machine; idle, each of these answers in about 0.5 s. The

@@ -9,8 +9,8 @@ import pytest
 from starlette.requests import ClientDisconnect
 
 from pagedkv.engine.outputs import CompletionOutput
+from pagedkv.http.sse import SSEResponse, sse_done, sse_event
 from pagedkv.server.deltas import FLOOR, DeltaTracker, LogprobsFormatter
-from pagedkv.server.sse import SSEResponse, sse_done, sse_event
 
 
 def out(text: str, ids: list[int], finish: str | None = None) -> CompletionOutput:

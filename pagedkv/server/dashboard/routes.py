@@ -24,10 +24,10 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
 from pagedkv.engine.async_engine import EngineDeadError
-from pagedkv.server.dashboard.access import DashboardAccess, make_session_router
-from pagedkv.server.errors import APIError
-from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
-from pagedkv.server.sse import SSEResponse
+from pagedkv.http.dashboard_access import DashboardAccess, make_session_router
+from pagedkv.http.errors import APIError
+from pagedkv.http.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.http.sse import SSEResponse
 
 STATIC_DIR = Path(__file__).parent / "static"
 STATIC_TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html",
@@ -140,7 +140,7 @@ async def _prompt_ids(serving: Any, body: CompletionRequest | ChatCompletionRequ
                       ) -> list[int]:
     """The token ids the completions or chat route would run for `body` (its first prompt),
     refused (400) here, before the engine core, whenever a completion would refuse them."""
-    from pagedkv.server.prompt_render import tokenize_chat, tokenize_prompts
+    from pagedkv.http.prompt_render import tokenize_chat, tokenize_prompts
 
     param = "prompt"
     if isinstance(body, ChatCompletionRequest):

@@ -2,18 +2,23 @@
 and a chat's messages through the model's chat template (`render_chat`, `tokenize_chat`).
 
 Torch-free (no engine): the router imports these to tokenize exactly as its backends do. Each
-takes the object that holds the tokenizer (`PromptEncoder`: the server's `OpenAIServing`, or
-the router's own holder) and mutates nothing."""
+takes a `PromptEncoder` (the tokenizer and how a prompt text is encoded: the server's
+`OpenAIServing`, bounded by the model's context, or a `CappedPromptEncoder` over a bare tokenizer,
+the router's) and mutates nothing."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from jinja2.exceptions import TemplateError
 
-from pagedkv.server.errors import APIError
-from pagedkv.server.protocol import ChatCompletionRequest
-from pagedkv.server.tools import template_message
+from pagedkv.http.errors import APIError
+from pagedkv.http.protocol import ChatCompletionRequest
+
+if TYPE_CHECKING:
+    from pagedkv.model.tokenizer import Tokenizer
 
 
 class PromptEncoder(Protocol):
@@ -23,6 +28,22 @@ class PromptEncoder(Protocol):
 
     def encode_prompt(self, text: str, *, add_special_tokens: bool, param: str = "prompt",
                       bounded: bool = True) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class CappedPromptEncoder:
+    """A `PromptEncoder` over a bare tokenizer, for a process that tokenizes prompts to place
+    them rather than to serve them (the router): every text is bounded by `max_tokens`, even
+    one the request truncates (`bounded` is not read), and one past it raises ValueError
+    (`PromptTooLongError`), not a 400."""
+
+    tokenizer: Tokenizer
+    max_tokens: int
+
+    def encode_prompt(self, text: str, *, add_special_tokens: bool, param: str = "prompt",
+                      bounded: bool = True) -> list[int]:
+        return self.tokenizer.encode_bounded(text, self.max_tokens,
+                                             add_special_tokens=add_special_tokens, what=param)
 
 
 def tokenize_prompts(serving: PromptEncoder, prompt: str | list,
@@ -97,3 +118,24 @@ def _up_to_final_message(text: str, final: str) -> str:
         raise APIError("continue_final_message needs a final message with content that the "
                        "chat template renders verbatim", param="continue_final_message")
     return text[:at + len(final)]
+
+
+def template_message(message: Any) -> dict[str, Any]:
+    """A request message as chat templates expect it: text content, and tool calls with their
+    arguments parsed back into objects (Hugging Face templates render them as JSON)."""
+    out: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        calls = []
+        for call in message.tool_calls:
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError:
+                arguments = call.function.arguments
+            calls.append({"id": call.id, "type": "function",
+                          "function": {"name": call.function.name, "arguments": arguments}})
+        out["tool_calls"] = calls
+    return out

@@ -27,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from pagedkv.http.request_fields import VllmRequestFields
 from pagedkv.sched.validation import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
@@ -34,7 +35,6 @@ from pagedkv.sched.validation import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
-from pagedkv.server.request_fields import VllmRequestFields
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 256  # the KV cache check (`check_fits`) usually says no long before this

@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
-from pagedkv.server.errors import APIError
+from pagedkv.http.errors import APIError
 
 logger = logging.getLogger("pagedkv.server")
 

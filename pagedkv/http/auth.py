@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hmac
 
-from pagedkv.server.errors import APIError
+from pagedkv.http.errors import APIError
 
 
 def bearer_key_matches(header: bytes | str | None, expected: bytes | str) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pagedkv.server.errors import APIError, error_body
+from pagedkv.http.errors import APIError, error_body
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedkv.server.errors import APIError, error_response
+from pagedkv.http.errors import APIError, error_response
 
 
 class _BodyTooLarge(HTTPException):

@@ -28,7 +28,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from pagedkv.server.auth import bearer_key_matches, invalid_api_key
+from pagedkv.http.auth import bearer_key_matches, invalid_api_key
 
 COOKIE_NAME = "pagedkv_dashboard"
 DEFAULT_SESSION_TTL_S = 900.0

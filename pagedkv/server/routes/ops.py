@@ -1,0 +1,46 @@
+"""What an operator or a router reads of a server: GET /version, GET /kv_cache_info (how this
+engine hashes prefix blocks and what a block is) and GET /metrics (Prometheus text)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from pagedkv import __version__
+from pagedkv.engine.async_engine import EngineDeadError
+from pagedkv.http.errors import APIError
+
+router = APIRouter()
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__}
+
+
+@router.get("/kv_cache_info")
+async def kv_cache_info(raw: Request) -> dict[str, Any]:
+    """How this engine hashes prefix blocks, for a KV-aware router, and what a block is:
+    the KV cache's format ("auto" resolved) and one block's bytes (read-only)."""
+    args, ready = raw.app.state.engine_facts.args, raw.app.state.engine_facts.ready
+    return {"model": raw.app.state.serving.model_name, "block_size": args.block_size,
+            "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
+            "enable_prefix_caching": args.enable_prefix_caching,
+            "num_gpu_blocks": ready.num_gpu_blocks,
+            "kv_cache_dtype": ready.kv_cache_dtype,
+            "block_bytes": ready.block_bytes}
+
+
+@router.get("/metrics")
+async def prometheus_metrics(raw: Request) -> Response:
+    """Every family, or with `?name[]=...` only those samples (prometheus_client's filter,
+    as on vLLM's /metrics: a router's load scrape renders three gauges)."""
+    metrics = raw.app.state.metrics
+    try:
+        metrics.update(await raw.app.state.async_engine.get_stats())
+    except (EngineDeadError, TimeoutError) as exc:
+        raise APIError(str(exc), status_code=503, type="server_unavailable") from exc
+    names = raw.query_params.getlist("name[]")
+    return Response(metrics.render(names or None), media_type=metrics.content_type)
