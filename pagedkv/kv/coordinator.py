@@ -94,11 +94,6 @@ class HybridKVCacheManager:
         self.pins = PrefixPins(self.pool, self.hasher, max_pinned_blocks(
             kwargs.get("max_pinned_fraction", 0.5), self.num_usable_blocks), self.window_blocks)
 
-    @classmethod
-    def from_spec(cls, spec: HybridKVCacheSpec, *, num_blocks: int,
-                  **kwargs: Any) -> HybridKVCacheManager:
-        return cls(spec, num_blocks=num_blocks, **kwargs)
-
     # ------------------------------------------------------------------ prefix cache
     def update_block_hashes(self, request: KVRequest) -> list[BlockHash]:
         """Group 0's (plain) block hashes of the request, brought up to date."""

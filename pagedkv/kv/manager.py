@@ -34,6 +34,7 @@ from pagedkv.kv.block_table import BlockIdTable, BlockList
 from pagedkv.kv.events import BlockStored, KVCacheEvent
 from pagedkv.kv.eviction_log import EvictionLog
 from pagedkv.kv.hashing import BlockHash, RequestBlockHasher, group_key_suffix
+from pagedkv.kv.interface import KVCacheManagerAPI
 from pagedkv.kv.partial_hits import (
     PartialPrefixIndex,
     check_prefix_match_unit,
@@ -48,7 +49,7 @@ from pagedkv.kv.request_blocks import (
     RecentPrompt,
     RequestBlocks,
 )
-from pagedkv.kv.single_type import block_table_policy, block_table_policy_for_spec
+from pagedkv.kv.single_type import block_table_policy
 from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.kv.swap import SwapMixin
 from pagedkv.utils import cdiv
@@ -117,22 +118,11 @@ class KVCacheManager(SwapMixin):
         self._copies: list[tuple[int, int]] = []
 
     @classmethod
-    def from_spec(cls, spec: KVCacheSpec, *, num_blocks: int, **kwargs: Any) -> KVCacheManager:
-        """A manager for `spec`: its block size, and the block-table policy it calls for
-        (sliding window only when every layer slides). `kwargs` as for the constructor.
-        A HybridKVCacheSpec (layers of mixed attention types) gets the coordinator over one
-        manager per KV cache group instead (coordinator.py), with the same interface (and
-        `max_num_batched_tokens`, which only it reads)."""
-        from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
+    def from_spec(cls, spec: KVCacheSpec, *, num_blocks: int, **kwargs: Any) -> KVCacheManagerAPI:
+        """Deprecated: `make_kv_cache_manager` (factory.py), which this calls."""
+        from pagedkv.kv.factory import make_kv_cache_manager
 
-        if isinstance(spec, HybridKVCacheSpec):
-            from pagedkv.kv.coordinator import HybridKVCacheManager
-
-            return HybridKVCacheManager(spec, num_blocks=num_blocks, **kwargs)
-        kwargs.pop("max_num_batched_tokens", None)  # only KV cache groups' admission reads it
-        policy = block_table_policy_for_spec(spec)
-        return cls(num_blocks=num_blocks, block_size=spec.block_size,
-                   sliding_window=policy.sliding_window, **kwargs)
+        return make_kv_cache_manager(spec, num_blocks=num_blocks, **kwargs)
 
     # ------------------------------------------------------------------ helpers
     def _state(self, request_id: str) -> RequestBlocks:

@@ -36,7 +36,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from pagedkv.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
-from pagedkv.kv.manager import AllocStatus, KVCacheManager
+from pagedkv.kv.interface import KVCacheManagerAPI
+from pagedkv.kv.request_blocks import AllocStatus
 from pagedkv.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedkv.sched.request import Request, RequestStatus, child_request_id
 from pagedkv.utils import cdiv
@@ -92,7 +93,7 @@ class Scheduler:
     KV blocks through the KV manager (the engine reads the manager's stats and checks its
     invariants; it never allocates)."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManagerAPI) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size

@@ -13,6 +13,7 @@ from pagedkv.config import (
     load_hf_config,
     resolve_dtype,
 )
+from pagedkv.kv.hf_spec import kv_cache_spec_from_hf_config
 from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
 from pagedkv.kv.spec import (
     FullAttentionSpec,
@@ -20,7 +21,6 @@ from pagedkv.kv.spec import (
     SlidingWindowSpec,
     bundled_config_names,
     bundled_config_path,
-    kv_cache_spec_from_hf_config,
 )
 
 # Trimmed to the keys that matter, values as published on the Hugging Face hub.
