@@ -3,7 +3,7 @@
 For models whose layers mix attention types (hybrid_spec.py). Each group is a plain
 `KVCacheManager` (its block tables, copy-on-write, swap, sliding-window freeing) built on the
 shared device and host pools; this coordinator keeps the groups in step, with the scheduler's
-interface of `KVCacheManager` (the scheduler cannot tell them apart):
+interface (`KVCacheManagerAPI`, interface.py: the scheduler cannot tell them apart):
 
 - prefix hit: the longest prefix every group can serve (hit_rule.py: a full-attention group
   needs every block, a sliding group the `cdiv(window - 1, block_size)` blocks before the hit
