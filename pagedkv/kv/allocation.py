@@ -26,13 +26,13 @@ vLLM v1's `KVCacheManager.allocate_slots`:
   Then fresh blocks up to `required`.
 
 The plan is a tuple (no per-call object beyond it); the decode step whose tokens land in its
-own last block never gets here (manager.allocate_slots' fast path), and a call with nothing
-to do gets the shared NOTHING plan.
+own last block never gets here (manager.allocate_slots' fast path), and any other call with
+nothing to do gets the shared NOTHING plan.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from pagedkv.kv.block import KVCacheBlock
@@ -47,7 +47,7 @@ class AllocationPlan(NamedTuple):
     """What one allocate_slots call takes from the pool (see the module docstring)."""
 
     start: int  # first position written (c + new computed tokens)
-    hits: list[KVCacheBlock]  # whole-block prefix hits to touch and append
+    hits: Sequence[KVCacheBlock]  # whole-block prefix hits to touch and append
     partial: KVCacheBlock | None  # a sub-block hit's source: held, copied into a fresh block
     cow: list[int] | None  # indices of shared blocks this step writes into
     copy_before: int  # a replaced block holding positions before this is copied
@@ -55,7 +55,7 @@ class AllocationPlan(NamedTuple):
     num_needed: int  # free blocks the plan takes (hits in the free queue included)
 
 
-NOTHING = AllocationPlan(0, [], None, None, 0, 0, 0)  # what a call with nothing to do gets
+NOTHING = AllocationPlan(0, (), None, None, 0, 0, 0)  # what a call with nothing to do gets
 
 
 def plan_allocation(blocks: list[KVCacheBlock], block_size: int, num_computed_tokens: int,
@@ -85,7 +85,14 @@ def plan_allocation(blocks: list[KVCacheBlock], block_size: int, num_computed_to
     num_new_blocks = num_required - num_old - num_ncb - (partial is not None)
     if num_new_blocks < 0:
         num_new_blocks = 0
-    cow = _shared_blocks_written(blocks, start // bs, num_required) if num_new_tokens else None
+    cow = None  # indices of the held blocks this step writes into that others share
+    first = start // bs
+    if num_new_tokens and first < num_old:
+        for i in range(first, num_old if num_old < num_required else num_required):
+            if blocks[i].ref_cnt > 1:
+                if cow is None:
+                    cow = []
+                cow.append(i)
     if not (num_new_blocks or cow or num_ncb or partial is not None):
         return NOTHING
     num_needed = num_new_blocks + len(cow) if cow else num_new_blocks
@@ -95,22 +102,8 @@ def plan_allocation(blocks: list[KVCacheBlock], block_size: int, num_computed_to
         for b in new_computed_blocks:  # hits in the free queue are not free for us
             if b.ref_cnt == 0 and not b.is_null:
                 num_needed += 1
-    return AllocationPlan(start, new_computed_blocks or [], partial, cow,
+    return AllocationPlan(start, new_computed_blocks or (), partial, cow,
                           start + num_tokens_ahead, num_new_blocks, num_needed)
-
-
-def _shared_blocks_written(blocks: list[KVCacheBlock], first: int, num_required: int
-                           ) -> list[int] | None:
-    """Indices in [first, num_required) of held blocks another request shares (None: none)."""
-    cow = None
-    num_old = len(blocks)
-    if first < num_old:
-        for i in range(first, num_old if num_old < num_required else num_required):
-            if blocks[i].ref_cnt > 1:
-                if cow is None:
-                    cow = []
-                cow.append(i)
-    return cow
 
 
 def commit_allocation(plan: AllocationPlan, state: RequestBlocks, pool: BlockPool,

@@ -25,10 +25,7 @@ from pagedkv.kv.events import BlockStored, KVCacheEvent
 from pagedkv.kv.eviction_log import EvictionLog
 from pagedkv.kv.hashing import BlockHash, RequestBlockHasher, group_key_suffix
 from pagedkv.kv.interface import KVCacheManagerAPI
-from pagedkv.kv.partial_hits import (
-    PartialPrefixIndex,
-    check_prefix_match_unit,
-)
+from pagedkv.kv.partial_hits import PartialPrefixIndex, check_prefix_match_unit
 from pagedkv.kv.pins import PinInfo, PrefixPins, check_max_pinned_fraction, max_pinned_blocks
 from pagedkv.kv.prefix_cache import PrefixCacheMixin
 from pagedkv.kv.request_blocks import (
@@ -49,7 +46,8 @@ __all__ = ["AllocStatus", "KVCacheManager", "KVRequest", "PrefixCacheStats", "Re
 
 class KVCacheManager(PrefixCacheMixin, SwapMixin):
     """Block tables, prefix caching, copy-on-write, sliding window and swap for all requests
-    (see the module docstring); satisfies KVCacheManagerAPI."""
+    (see the module docstring). Satisfies KVCacheManagerAPI: its public calls are documented
+    there, the ones it adds (for the hybrid coordinator and the engine's readers) here."""
 
     def __init__(self, *, num_blocks: int, block_size: int, num_host_blocks: int = 0,
                  enable_caching: bool = True, sliding_window: int | None = None,
@@ -162,10 +160,12 @@ class KVCacheManager(PrefixCacheMixin, SwapMixin):
         end = start + num_new_tokens
         num_old = len(blocks)
         if (num_new_tokens and not num_new_computed_tokens and state.partial_src is None
-                and self._remove_skipped_blocks is None
                 and start // bs == (end - 1) // bs == num_old - 1 and blocks[-1].ref_cnt == 1):
             # The common decode step: its tokens land in the last block, which this request
-            # alone holds: nothing to take, copy, release or free (what `_allocate` finds).
+            # alone holds: nothing to take, copy or release (the plan would be NOTHING), only
+            # the window's skipped blocks to free (never the last block: it holds `start`).
+            if self._remove_skipped_blocks is not None:
+                self._remove_skipped_blocks(self.pool, blocks, request.num_computed_tokens)
             new_blocks: list[KVCacheBlock] = []
         else:
             allocated = self._allocate(request, state, num_new_tokens, new_computed_blocks,
