@@ -24,6 +24,7 @@ from pagedkv.commands.engine_flags import add_option_flags
 from pagedkv.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from pagedkv.config.options import CacheOptions, ModelOptions
 from pagedkv.kv.group_plan import group_rows
+from pagedkv.kv.hf_spec import kv_cache_spec_from_hf_config
 from pagedkv.kv.pins import max_pinned_blocks
 from pagedkv.kv.plan import (
     KVCachePlan,
@@ -33,11 +34,7 @@ from pagedkv.kv.plan import (
     plan_num_blocks,
 )
 from pagedkv.kv.sizes import format_size, parse_size
-from pagedkv.kv.spec import (
-    bundled_config_names,
-    bundled_config_path,
-    kv_cache_spec_from_hf_config,
-)
+from pagedkv.kv.spec import bundled_config_names, bundled_config_path
 from pagedkv.model.config_files import load_hf_config
 from pagedkv.store.sizing import disk_tier_blocks, host_tier_blocks
 

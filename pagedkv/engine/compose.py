@@ -30,8 +30,8 @@ from pagedkv.engine.model_files import open_model_dir
 from pagedkv.engine.warmup import warmup_steps
 from pagedkv.events.config import parse_kv_events_config
 from pagedkv.events.publisher import ZmqEventPublisher, make_event_publisher
+from pagedkv.kv.factory import make_kv_cache_manager
 from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
-from pagedkv.kv.manager import KVCacheManager
 from pagedkv.kv.sizes import GiB
 from pagedkv.sched.scheduler import Scheduler, SchedulerConfig
 from pagedkv.store.config import StoreConfig
@@ -167,7 +167,7 @@ def build_scheduler(args: EngineArgs, setup: KVCacheSetup, executor: Executor,
                     uses_store: bool, events_enabled: bool) -> Scheduler:
     """The KV cache manager over `setup`'s blocks and the scheduler that allocates through it;
     with a KV store, the store's scheduler side over rank 0's worker side."""
-    kv = KVCacheManager.from_spec(
+    kv = make_kv_cache_manager(
         setup.spec, num_blocks=setup.num_blocks,
         num_host_blocks=setup.num_host_blocks, enable_caching=args.enable_prefix_caching,
         watermark=args.watermark, hash_algo=args.prefix_caching_hash_algo,

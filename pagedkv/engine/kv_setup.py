@@ -25,6 +25,7 @@ from pathlib import Path
 
 from pagedkv.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from pagedkv.engine.args import EngineArgs
+from pagedkv.kv.hf_spec import kv_cache_spec_from_hf_config
 from pagedkv.kv.hybrid_spec import HybridKVCacheSpec, sequence_capacity
 from pagedkv.kv.plan import (
     default_max_model_len,
@@ -33,7 +34,7 @@ from pagedkv.kv.plan import (
     plan_num_blocks,
 )
 from pagedkv.kv.shard import shard_kv_cache_spec
-from pagedkv.kv.spec import KVCacheSpec, SlidingWindowSpec, kv_cache_spec_from_hf_config
+from pagedkv.kv.spec import KVCacheSpec, SlidingWindowSpec
 from pagedkv.model.config_files import load_hf_config
 
 logger = logging.getLogger(__name__)

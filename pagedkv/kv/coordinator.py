@@ -3,7 +3,7 @@
 For models whose layers mix attention types (hybrid_spec.py). Each group is a plain
 `KVCacheManager` (its block tables, copy-on-write, swap, sliding-window freeing) built on the
 shared device and host pools; this coordinator keeps the groups in step, with the scheduler's
-interface of `KVCacheManager` (the scheduler cannot tell them apart):
+interface (`KVCacheManagerAPI`, interface.py: the scheduler cannot tell them apart):
 
 - prefix hit: the longest prefix every group can serve (hit_rule.py: a full-attention group
   needs every block, a sliding group the `cdiv(window - 1, block_size)` blocks before the hit
@@ -93,11 +93,6 @@ class HybridKVCacheManager:
         # Pins over every group's blocks (each group manager's own pins stay empty).
         self.pins = PrefixPins(self.pool, self.hasher, max_pinned_blocks(
             kwargs.get("max_pinned_fraction", 0.5), self.num_usable_blocks), self.window_blocks)
-
-    @classmethod
-    def from_spec(cls, spec: HybridKVCacheSpec, *, num_blocks: int,
-                  **kwargs: Any) -> HybridKVCacheManager:
-        return cls(spec, num_blocks=num_blocks, **kwargs)
 
     # ------------------------------------------------------------------ prefix cache
     def update_block_hashes(self, request: KVRequest) -> list[BlockHash]:

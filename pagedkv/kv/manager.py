@@ -1,45 +1,31 @@
-"""KVCacheManager: per-request block tables on top of a device and a host BlockPool.
+"""KVCacheManager: one KV cache group's per-request block tables over a device and a host
+BlockPool: the scheduler's view of it is `KVCacheManagerAPI` (interface.py, the contract of
+every public call, the step and the order of the runner's copies).
 
-The scheduler allocates and frees through this class (the engine only reads its stats and
-events and checks its invariants). For each live request it keeps the device block table
-(list of KVCacheBlock; position p lives in table[p // block_size]), the host block table while
-the request is swapped out, the chained hashes of its full blocks (computed incrementally, once
-per block) and how many of its blocks were already offered to the prefix cache.
-
-Typical step for a request (the scheduler's side):
-    blocks, n = mgr.get_computed_blocks(req)             # waiting request: prefix-cache hit
-    new = mgr.allocate_slots(req, num_new_tokens, blocks, n)   # None: not enough memory now
-    ... runner applies mgr.take_block_copies(), runs the model ...
-    req.num_computed_tokens += n + num_new_tokens
-    mgr.free(req) when it finishes / is preempted by recompute
-
-Copies the runner must apply, in this order, before the forward pass: swap_out mappings
-(device -> host, before those device blocks are reused), swap_in mappings (host -> device),
-then take_block_copies() (copy-on-write, device -> device): a block freed by a swap-out can be
-the destination of a swap-in or of a copy in the same step.
-
-Lists returned by `get_blocks` are the live tables: valid until the next call that changes
-that request (allocate_slots, free, swap_out, swap_in).
+For each live request it keeps (request_blocks.RequestBlocks) the device block table (position
+p lives in table[p // block_size]), the host block table while the request is swapped out, the
+chained hashes of its full blocks (computed incrementally, once per block) and how many of its
+blocks were already offered to the prefix cache. The parts: allocation.py (plan, then commit),
+prefix_cache.py (lookups and registration), swap.py (swap preemption), single_type (the
+attention type's table rules), pins.py (pinned prefixes). Lists returned by `get_blocks` are
+the live tables: valid until the next call that changes that request.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
 
+from pagedkv.kv.allocation import NOTHING, commit_allocation, plan_allocation
 from pagedkv.kv.block import KVCacheBlock
 from pagedkv.kv.block_pool import BlockPool, host_pool_num_blocks
 from pagedkv.kv.block_table import BlockIdTable, BlockList
 from pagedkv.kv.events import BlockStored, KVCacheEvent
 from pagedkv.kv.eviction_log import EvictionLog
 from pagedkv.kv.hashing import BlockHash, RequestBlockHasher, group_key_suffix
-from pagedkv.kv.partial_hits import (
-    PartialPrefixIndex,
-    check_prefix_match_unit,
-    first_parent_key,
-)
+from pagedkv.kv.partial_hits import PartialPrefixIndex, check_prefix_match_unit
 from pagedkv.kv.pins import PinInfo, PrefixPins, check_max_pinned_fraction, max_pinned_blocks
+from pagedkv.kv.prefix_cache import PrefixCacheMixin
 from pagedkv.kv.request_blocks import (
     RECENT_PROMPTS,
     AllocStatus,
@@ -48,17 +34,17 @@ from pagedkv.kv.request_blocks import (
     RecentPrompt,
     RequestBlocks,
 )
-from pagedkv.kv.single_type import block_table_policy, block_table_policy_for_spec
-from pagedkv.kv.spec import KVCacheSpec
+from pagedkv.kv.single_type import block_table_policy
 from pagedkv.kv.swap import SwapMixin
 from pagedkv.utils import cdiv
 
 __all__ = ["AllocStatus", "KVCacheManager", "KVRequest", "PrefixCacheStats", "RecentPrompt"]
 
 
-class KVCacheManager(SwapMixin):
-    """Block tables, prefix caching, copy-on-write, sliding window and swap (swap.py) for all
-    requests. The per-request types live in request_blocks.py."""
+class KVCacheManager(PrefixCacheMixin, SwapMixin):
+    """Block tables, prefix caching, copy-on-write, sliding window and swap for all requests
+    (see the module docstring). Satisfies KVCacheManagerAPI: its public calls are documented
+    there, the ones it adds (for the hybrid coordinator and the engine's readers) here."""
 
     def __init__(self, *, num_blocks: int, block_size: int, num_host_blocks: int = 0,
                  enable_caching: bool = True, sliding_window: int | None = None,
@@ -116,24 +102,6 @@ class KVCacheManager(SwapMixin):
         self._reqs: dict[str, RequestBlocks] = {}
         self._copies: list[tuple[int, int]] = []
 
-    @classmethod
-    def from_spec(cls, spec: KVCacheSpec, *, num_blocks: int, **kwargs: Any) -> KVCacheManager:
-        """A manager for `spec`: its block size, and the block-table policy it calls for
-        (sliding window only when every layer slides). `kwargs` as for the constructor.
-        A HybridKVCacheSpec (layers of mixed attention types) gets the coordinator over one
-        manager per KV cache group instead (coordinator.py), with the same interface (and
-        `max_num_batched_tokens`, which only it reads)."""
-        from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
-
-        if isinstance(spec, HybridKVCacheSpec):
-            from pagedkv.kv.coordinator import HybridKVCacheManager
-
-            return HybridKVCacheManager(spec, num_blocks=num_blocks, **kwargs)
-        kwargs.pop("max_num_batched_tokens", None)  # only KV cache groups' admission reads it
-        policy = block_table_policy_for_spec(spec)
-        return cls(num_blocks=num_blocks, block_size=spec.block_size,
-                   sliding_window=policy.sliding_window, **kwargs)
-
     # ------------------------------------------------------------------ helpers
     def _state(self, request_id: str) -> RequestBlocks:
         state = self._reqs.get(request_id)
@@ -142,75 +110,12 @@ class KVCacheManager(SwapMixin):
         return state
 
     def update_block_hashes(self, request: KVRequest) -> list[BlockHash]:
-        """Hash the request's newly full blocks (each block once); returns its live hash list."""
         state = self._state(request.request_id)
         return self.hasher(request, state.block_hashes)
-
-    # ------------------------------------------------------------------ prefix cache
-    def drop_partial_hit(self, computed_blocks: list[KVCacheBlock], num_hit_tokens: int
-                         ) -> tuple[list[KVCacheBlock], int]:
-        """A hit (`get_computed_blocks`'s) without its sub-block part: the whole-block hit.
-        Pure. A sub-block hit ends inside a block, its source block last."""
-        if not num_hit_tokens % self.block_size:
-            return computed_blocks, num_hit_tokens
-        return computed_blocks[:-1], num_hit_tokens - num_hit_tokens % self.block_size
-
-    def get_computed_blocks(self, request: KVRequest) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of full blocks and its token count; touches nothing.
-
-        At most num_tokens - 1 tokens are reported, so the last token is always computed (it
-        yields the logits). Counts one query of request.num_tokens tokens in prefix_cache_stats.
-        The returned blocks stay valid as hits until the pool next allocates or resets: pass
-        them to allocate_slots in the same scheduling step.
-        """
-        if not self.enable_caching:
-            return [], 0
-        num_tokens = request.num_tokens
-        bs = self.block_size
-        state = self._reqs.get(request.request_id)
-        if state is None:
-            state = self._reqs[request.request_id] = RequestBlocks()
-        block_hashes = state.block_hashes
-        if len(block_hashes) < num_tokens // bs:
-            self.hasher(request, block_hashes)
-        max_blocks = (num_tokens - 1) // bs
-        get = self.pool.cached_block_hash_to_block.get
-        hits: list[KVCacheBlock] = []
-        append = hits.append
-        for block_hash in (block_hashes if len(block_hashes) <= max_blocks
-                           else block_hashes[:max_blocks]):
-            block = get(block_hash)
-            if block is None:
-                break
-            append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        if self.partial_index is not None:  # go on into the next block, unit by unit
-            block, m = self.partial_index.find(
-                self._parent_key(request, block_hashes, len(hits)),
-                request.all_token_ids[num_hit_tokens:], num_tokens - 1 - num_hit_tokens)
-            if block is not None:
-                hits.append(block)
-                num_hit_tokens += m
-        stats = self.prefix_cache_stats
-        stats.requests += 1
-        stats.queries += num_tokens
-        stats.hits += num_hit_tokens
-        return hits, num_hit_tokens
 
     # ------------------------------------------------------------------ admission
     def can_allocate(self, request: KVRequest, num_computed_blocks: int = 0, *,
                      computed_blocks: Sequence[KVCacheBlock] | None = None) -> AllocStatus:
-        """OK / LATER / NEVER for holding the request's whole current sequence.
-
-        required_total = cdiv(num_tokens, block_size). `num_computed_blocks` is the number of
-        prefix-hit blocks that need NO free memory, i.e. hits already held by other requests
-        (ref_cnt > 0). A hit on a free cached block (ref_cnt 0) still consumes a free block when
-        touched, so it must not be subtracted. Pass `computed_blocks` (the hits from
-        get_computed_blocks) instead to have that count made here exactly.
-        Pinned blocks are out of reach unless they are the request's own prefix hits:
-        NEVER if usable - pinned - (required_total - pinned hits) < watermark_blocks; OK if
-        free - (required_total - num_computed_blocks) >= watermark_blocks; else LATER.
-        """
         pinned = self.pins.num_pinned_blocks
         if computed_blocks is not None:
             num_computed_blocks = sum(1 for b in computed_blocks if b.ref_cnt > 0)
@@ -231,22 +136,6 @@ class KVCacheManager(SwapMixin):
                        apply_watermark: bool = False,
                        num_external_computed_tokens: int = 0,
                        num_tokens_ahead: int = 0) -> list[KVCacheBlock] | None:
-        """Make room for positions [c, c + num_new_computed_tokens + num_new_tokens), where
-        c = request.num_computed_tokens. The first `num_tokens_ahead` of them are being written
-        by a step still running (overlapped scheduling): a shared block holding them is copied
-        whole when replaced (the copy runs after that step).
-
-        First frees the blocks wholly outside the sliding window (they would be freed by any
-        later call too; this happens even when the call returns None). Then, if the free blocks
-        (minus prefix hits that sit in the free queue, and minus the watermark when
-        apply_watermark) cannot cover the new blocks plus copy-on-write replacements, returns
-        None and changes nothing else. Otherwise touches and appends `new_computed_blocks`,
-        replaces shared blocks this step writes into (copies drained by take_block_copies),
-        appends new blocks, and unless delay_cache_blocks caches the blocks full after this step.
-        `num_external_computed_tokens`: how many of the new tokens a KV store loads (whole
-        blocks; they need blocks as computed ones do with one group: see coordinator.py).
-        Returns the blocks appended at the table's end (COW replacements are not included).
-        """
         if num_new_tokens < 0 or num_new_computed_tokens < 0:
             raise ValueError(f"negative token count: num_new_tokens={num_new_tokens}, "
                              f"num_new_computed_tokens={num_new_computed_tokens}")
@@ -261,10 +150,12 @@ class KVCacheManager(SwapMixin):
         end = start + num_new_tokens
         num_old = len(blocks)
         if (num_new_tokens and not num_new_computed_tokens and state.partial_src is None
-                and self._remove_skipped_blocks is None
                 and start // bs == (end - 1) // bs == num_old - 1 and blocks[-1].ref_cnt == 1):
             # The common decode step: its tokens land in the last block, which this request
-            # alone holds: nothing to take, copy, release or free (what `_allocate` finds).
+            # alone holds: nothing to take, copy or release (the plan would be NOTHING), only
+            # the window's skipped blocks to free (never the last block: it holds `start`).
+            if self._remove_skipped_blocks is not None:
+                self._remove_skipped_blocks(self.pool, blocks, request.num_computed_tokens)
             new_blocks: list[KVCacheBlock] = []
         else:
             allocated = self._allocate(request, state, num_new_tokens, new_computed_blocks,
@@ -284,91 +175,31 @@ class KVCacheManager(SwapMixin):
     def _allocate(self, request: KVRequest, state: RequestBlocks, num_new_tokens: int,
                   new_computed_blocks: list[KVCacheBlock] | None, num_new_computed_tokens: int,
                   apply_watermark: bool, num_tokens_ahead: int) -> list[KVCacheBlock] | None:
-        """`allocate_slots`' general path, up to caching: mutates `state` and the pool; None
-        (and only the window's skipped blocks freed) when the blocks are short."""
-        blocks = state.blocks
-        bs = self.block_size
-        start = request.num_computed_tokens + num_new_computed_tokens  # first position written
-        end = start + num_new_tokens
-        num_old = len(blocks)
+        """`allocate_slots`' general path, up to caching (allocation.py: plan, then commit);
+        None (and only the window's skipped blocks freed) when the blocks are short."""
         if state.partial_src is not None:  # the runner has copied it by now
             self.pool.free_blocks([state.partial_src])
             state.partial_src = None
-        partial = None
-        if self.partial_index is not None and num_new_computed_tokens % bs \
-                and new_computed_blocks:  # a sub-block hit, last
-            partial = new_computed_blocks[-1]
-            new_computed_blocks = new_computed_blocks[:-1]
-            num_new_computed_tokens -= num_new_computed_tokens % bs
-        num_ncb = len(new_computed_blocks) if new_computed_blocks else 0
-        if num_ncb and (num_new_computed_tokens != num_ncb * bs
-                        or request.num_computed_tokens != num_old * bs):
-            raise ValueError(f"new_computed_blocks ({num_ncb} blocks) must cover exactly "
-                             f"num_new_computed_tokens={num_new_computed_tokens} tokens right "
-                             f"after the {num_old} full blocks the request holds")
         remove_skipped = self._remove_skipped_blocks
         if remove_skipped is not None:
-            remove_skipped(self.pool, blocks, request.num_computed_tokens)
-        num_required = -(-end // bs)  # cdiv, inlined: this runs once per request per step
-        num_new_blocks = num_required - num_old - num_ncb
-        if partial is not None:  # its copy takes the place of one new block
-            num_new_blocks -= 1
-        if num_new_blocks < 0:
-            num_new_blocks = 0
-        # Copy-on-write: existing shared blocks that this step writes into.
-        cow = None
-        first = start // bs
-        if num_new_tokens and first < num_old:
-            for i in range(first, num_old if num_old < num_required else num_required):
-                if blocks[i].ref_cnt > 1:
-                    if cow is None:
-                        cow = []
-                    cow.append(i)
-        pool = self.pool
-        if num_new_blocks or cow or num_ncb or partial is not None:
-            self.eviction_log.allocating_for = request.request_id
-            self.eviction_log.allocating_salt = getattr(request, "cache_salt", None)
-            num_needed = (num_new_blocks + len(cow)) if cow else num_new_blocks
-            if partial is not None:  # the copy's block; the source too while it is free
-                num_needed += 1 + (partial.ref_cnt == 0)
-            available = pool.eviction.num_free_blocks
-            if num_ncb:
-                for b in new_computed_blocks:  # hits in the free queue are not free for us
-                    if b.ref_cnt == 0 and not b.is_null:
-                        available -= 1
-            if apply_watermark:
-                available -= self.watermark_blocks
-            if num_needed > available:
-                return None
-            if num_ncb:
-                pool.touch([b for b in new_computed_blocks if not b.is_null]
-                           if remove_skipped is not None else new_computed_blocks)
-                if state.num_cached_blocks == num_old:
-                    state.num_cached_blocks += num_ncb
-                blocks.extend(new_computed_blocks)
-            if partial is not None:
-                pool.touch([partial])
-                state.partial_src = partial
-                copy = pool.get_new_blocks(1)[0]
-                blocks.append(copy)
-                self._copies.append((partial.block_id, copy.block_id))
-            if cow:
-                self._copy_on_write(blocks, cow, start + num_tokens_ahead)
-            if num_new_blocks:
-                new_blocks = pool.get_new_blocks(num_new_blocks)
-                blocks.extend(new_blocks)
-            else:
-                new_blocks = []
-            if num_ncb and remove_skipped is not None:
-                remove_skipped(pool, blocks, start)
-        else:
-            new_blocks = []
-        return new_blocks
+            remove_skipped(self.pool, state.blocks, request.num_computed_tokens)
+        plan = plan_allocation(state.blocks, self.block_size, request.num_computed_tokens,
+                               num_new_tokens, new_computed_blocks, num_new_computed_tokens,
+                               sub_block_hits=self.partial_index is not None,
+                               num_tokens_ahead=num_tokens_ahead)
+        if plan is NOTHING:
+            return []
+        self.eviction_log.allocating_for = request.request_id
+        self.eviction_log.allocating_salt = getattr(request, "cache_salt", None)
+        available = self.pool.eviction.num_free_blocks
+        if apply_watermark:
+            available -= self.watermark_blocks
+        if plan.num_needed > available:
+            return None
+        return commit_allocation(plan, state, self.pool, self._copies, self.block_size,
+                                 remove_skipped)
 
     def trim_blocks(self, request: KVRequest, num_tokens: int) -> None:
-        """Free the request's device blocks past the first cdiv(num_tokens, block_size), tail
-        first (blocks allocated for a store load that did not deliver them: the next
-        allocate_slots gives fresh ones). Nothing for an unknown or swapped request."""
         state = self._reqs.get(request.request_id)
         if state is None or state.host_blocks is not None:
             return
@@ -393,98 +224,17 @@ class KVCacheManager(SwapMixin):
         blocks, copy-on-write replacements, prefix hits sitting in the free queue), once the
         window's skipped blocks are freed (`remove_skipped_blocks`). Changes nothing."""
         state = self._reqs.get(request.request_id)
-        blocks = state.blocks if state is not None else []
-        bs = self.block_size
-        start = request.num_computed_tokens + num_new_computed_tokens
-        num_required = cdiv(start + num_new_tokens, bs)
-        ncb = new_computed_blocks or []
-        need = max(num_required - len(blocks) - len(ncb), 0)
-        if ncb and num_new_computed_tokens % bs and self.partial_index is not None:
-            need += 1  # a sub-block hit, last: its copy's block
-        if num_new_tokens:
-            need += sum(1 for b in blocks[start // bs:num_required] if b.ref_cnt > 1)
-        return need + sum(1 for b in ncb if b.ref_cnt == 0 and not b.is_null)
-
-    def _copy_on_write(self, blocks: list[KVCacheBlock], indices: list[int], start: int) -> None:
-        bs = self.block_size
-        fresh = self.pool.get_new_blocks(len(indices))
-        olds = []
-        for i, new in zip(indices, fresh, strict=True):
-            old = blocks[i]
-            blocks[i] = new
-            olds.append(old)
-            if i * bs < start:  # holds tokens already written: the runner must copy them
-                self._copies.append((old.block_id, new.block_id))
-        # Every old block is shared (ref_cnt > 1), so this only drops our reference.
-        self.pool.free_blocks(olds)
+        return plan_allocation(state.blocks if state is not None else [], self.block_size,
+                               request.num_computed_tokens, num_new_tokens,
+                               new_computed_blocks, num_new_computed_tokens,
+                               sub_block_hits=self.partial_index is not None).num_needed
 
     def take_block_copies(self) -> list[tuple[int, int]]:
-        """Drain the (src_block_id, dst_block_id) copies the runner must do before the next step."""
         copies, self._copies = self._copies, []
         return copies
 
-    def cache_blocks(self, request: KVRequest, num_computed_tokens: int) -> None:
-        """Register the request's blocks that are full within its first num_computed_tokens."""
-        if not self.enable_caching:
-            return
-        state = self._reqs.get(request.request_id)
-        if state is None or state.host_blocks is not None:
-            return
-        self._cache_blocks(request, state, min(num_computed_tokens, request.num_tokens))
-
-    def _cache_blocks(self, request: KVRequest, state: RequestBlocks, num_tokens: int) -> None:
-        num_full = num_tokens // self.block_size
-        if num_full > len(state.blocks):
-            num_full = len(state.blocks)
-        num_cached = state.num_cached_blocks
-        if num_full <= num_cached:
-            return
-        hashes = state.block_hashes
-        if len(hashes) < num_full:
-            self.hasher(request, hashes)
-        if self._key_suffix:  # a hybrid group's keys (the pool's events name the plain hash)
-            suffix = self._key_suffix
-            hashes = [h + suffix for h in hashes[:num_full]]
-        self.pool.cache_full_blocks(state.blocks, hashes, num_cached, num_full, self.block_size,
-                                    request.all_token_ids, cache_salt=request.cache_salt,
-                                    lora_name=request.lora_name)
-        if self.partial_index is not None:  # full blocks are sub-block hit candidates too
-            self._offer_full_blocks(request, state, num_cached, num_full)
-        state.num_cached_blocks = num_full
-
-    def _parent_key(self, request: KVRequest, hashes: list[BlockHash], i: int) -> BlockHash:
-        """Key of block i's parent in the sub-block index (partial_hits.py)."""
-        return hashes[i - 1] if i else first_parent_key(request.cache_salt, request.lora_name)
-
-    def _offer_full_blocks(self, request: KVRequest, state: RequestBlocks, start: int,
-                           end: int) -> None:
-        bs, hashes, tokens = self.block_size, state.block_hashes, request.all_token_ids
-        suffix = self._key_suffix
-        for i in range(start, end):
-            key = hashes[i] + suffix
-            if state.blocks[i].block_hash == key:
-                self.partial_index.add(self._parent_key(request, hashes, i), key,
-                                       tokens[i * bs:(i + 1) * bs])
-
-    def _offer_partial_tail(self, request: KVRequest, state: RequestBlocks) -> None:
-        """Offer the request's partly filled last computed block to sub-block hits."""
-        bs = self.block_size
-        computed = min(request.num_computed_tokens, request.num_tokens)
-        i, m = divmod(computed, bs)
-        if m and i < len(state.blocks) and state.blocks[i].ref_cnt == 1:  # nobody else writes
-            if len(state.block_hashes) < i:
-                self.hasher(request, state.block_hashes)
-            if len(state.block_hashes) >= i:
-                self.partial_index.add_partial(self._parent_key(request, state.block_hashes, i),
-                                               state.blocks[i],
-                                               request.all_token_ids[i * bs:computed])
-
     # ------------------------------------------------------------------ free / fork
     def free(self, request: KVRequest) -> None:
-        """Release the request's blocks tail first (device, or host if swapped) and forget it.
-
-        Unknown requests are ignored.
-        """
         state = self._reqs.pop(request.request_id, None)
         if state is None:
             return
@@ -501,8 +251,6 @@ class KVCacheManager(SwapMixin):
             self.pool.free_blocks(self.block_policy.blocks_to_free(state.blocks))
 
     def fork(self, parent: KVRequest, child: KVRequest) -> None:
-        """Give `child` the parent's blocks (each ref up) and hashes. The child must be new and
-        its tokens must equal the parent's; a write into a shared partial block copies it."""
         pstate = self._reqs.get(parent.request_id)
         if pstate is None or pstate.host_blocks is not None:
             raise ValueError(f"cannot fork {parent.request_id!r}: not resident on the device")
@@ -516,7 +264,6 @@ class KVCacheManager(SwapMixin):
 
     # ------------------------------------------------------------------ queries
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
-        """The live device block table ([] when unknown or swapped)."""
         state = self._reqs.get(request_id)
         return state.blocks if state is not None else []
 
@@ -535,13 +282,10 @@ class KVCacheManager(SwapMixin):
         return [state.block_hashes for state in self._reqs.values()]
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """Device block ids of the request's table; null blocks appear as 0."""
         state = self._reqs.get(request_id)
         return [b.block_id for b in state.blocks] if state is not None else []
 
     def sync_block_ids(self, request_id: str, table: BlockIdTable) -> list[int]:
-        """`get_block_ids`, kept in `table` (mutated; its list is returned): O(blocks
-        appended since `table` last synced with this request's table), see block_table.py."""
         state = self._reqs.get(request_id)
         return table.sync(state.blocks if state is not None else [])
 
@@ -551,19 +295,15 @@ class KVCacheManager(SwapMixin):
         return [s.partial_src for s in self._reqs.values() if s.partial_src is not None]
 
     def get_group_block_ids(self, request_id: str) -> list[list[int]] | None:
-        """Every KV cache group's table: None, this manager is the only group (see
-        coordinator.py for caches with several)."""
         return None
 
     def get_host_block_ids(self, request_id: str) -> list[int]:
-        """Host block ids while swapped ([] otherwise); null blocks appear as 0."""
         state = self._reqs.get(request_id)
         if state is None or state.host_blocks is None:
             return []
         return [b.block_id for b in state.host_blocks]
 
     def get_block_hashes(self, request_id: str) -> list[BlockHash]:
-        """The request's computed block hashes (live list)."""
         state = self._reqs.get(request_id)
         return state.block_hashes if state is not None else []
 
@@ -573,22 +313,16 @@ class KVCacheManager(SwapMixin):
 
     @property
     def usage(self) -> float:
-        """Fraction of usable device blocks held by requests (unheld cached blocks are free)."""
         return self.pool.get_usage()
 
     def reset_prefix_cache(self) -> bool:
-        """Drop all cached hashes but the pinned blocks'; only possible when no device block is
-        in use except by pins."""
         return self.pool.reset_prefix_cache(self.pins.pinned_blocks())
 
     # ------------------------------------------------------------------ pinned prefixes
     def pin_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PinInfo:
-        """Pin the prompt's leading cached full blocks (see pagedkv.kv.pins). ValueError for a
-        prompt without a full block or when `max_pinned_fraction` would be exceeded."""
         return self.pins.pin(token_ids, cache_salt)
 
     def unpin_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PinInfo:
-        """Release the prompt's pin; NotPinnedError (a ValueError) when it has none."""
         return self.pins.unpin(token_ids, cache_salt)
 
     @property
@@ -596,8 +330,6 @@ class KVCacheManager(SwapMixin):
         return self.pins.num_pinned_blocks
 
     def take_events(self) -> list[KVCacheEvent]:
-        """The pool's events (drained), stored ones tagged with the cache's kind and window
-        (vLLM's kv_cache_spec_kind: one group, sliding only when every layer slides)."""
         events = self.pool.take_events()
         kind = "full_attention" if self.sliding_window is None else "sliding_window"
         for ev in events:
@@ -607,7 +339,6 @@ class KVCacheManager(SwapMixin):
         return events
 
     def check_invariants(self) -> None:
-        """Pool invariants with the live tables, plus per-request consistency. RuntimeError."""
         device_tables = []
         host_tables = []
         for rid, state in self._reqs.items():

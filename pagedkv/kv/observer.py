@@ -22,13 +22,11 @@ Both are called only from the thread that mutates the pool (the engine loop).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pagedkv.kv.block import KVCacheBlock
+from pagedkv.kv.eviction import EvictionPolicy
 from pagedkv.kv.hashing import BlockHash
-
-if TYPE_CHECKING:
-    from pagedkv.kv.block_pool import BlockPool
 
 HASH_HEX_CHARS = 16  # the dashboard names a block hash by its first 8 bytes
 
@@ -36,6 +34,14 @@ HASH_HEX_CHARS = 16  # the dashboard names a block hash by its first 8 bytes
 def short_hash(block_hash: BlockHash | None) -> str | None:
     """The dashboard's name of a block hash (hex of its first 8 bytes), None for None."""
     return None if block_hash is None else block_hash[:HASH_HEX_CHARS // 2].hex()
+
+
+class ObservedPool(Protocol):
+    """What a snapshot reads of a pool (block_pool.BlockPool, which reports to the observer)."""
+
+    num_blocks: int
+    blocks: list[KVCacheBlock]
+    eviction: EvictionPolicy
 
 
 class BlockPoolObserver:
@@ -104,7 +110,7 @@ class BlockOpRecorder(BlockPoolObserver):
             self.ops.append(["p", self.pool, flat])
 
 
-def pool_snapshot(pool: BlockPool, pin_counts: dict[int, int] | None = None) -> dict[str, Any]:
+def pool_snapshot(pool: ObservedPool, pin_counts: dict[int, int] | None = None) -> dict[str, Any]:
     """The pool's block state in the shape the op stream rebuilds: `refs` and `hashes` per
     block id (block 0, the null block, included), `free_order` (the free blocks that carry a
     hash, next to be evicted first, in the policy's exact order) and
@@ -119,12 +125,12 @@ def pool_snapshot(pool: BlockPool, pin_counts: dict[int, int] | None = None) -> 
     }
 
 
-def eviction_order(pool: BlockPool) -> list[int]:
+def eviction_order(pool: ObservedPool) -> list[int]:
     """The ids of the pool's cached free blocks (evictable), the next evicted first, in the
     exact order of its eviction policy. O(free blocks)."""
     return [b.block_id for b in pool.eviction.eviction_order() if b.block_hash is not None]
 
 
-def order_op(pool: BlockPool, index: int) -> list[Any]:
+def order_op(pool: ObservedPool, index: int) -> list[Any]:
     """The "o" op of pool `index` (0 device, 1 host): its `eviction_order` now."""
     return ["o", index, eviction_order(pool)]

@@ -6,7 +6,8 @@ what one token costs across every layer, and `page_size_bytes` (one block) is
 `block_size * num_layers * 2 * num_kv_heads * (head_size * dtype_bytes + scale_bytes)`, where
 `scale_bytes` is 4 for the int8 cache's per-token-head float32 scales and 0 otherwise.
 
-Three kinds, built from a Hugging Face `config.json` by `kv_cache_spec_from_hf_config`:
+Three kinds, built from a Hugging Face `config.json` by `kv_cache_spec_from_hf_config`
+(hf_spec.py; with layers of mixed kinds, hybrid_spec.py's grouped spec):
 
 - `FullAttentionSpec`: a key and a value vector per KV head, per layer, per token.
 - `SlidingWindowSpec`: the same bytes, but a sequence only keeps its last `sliding_window`
@@ -27,14 +28,11 @@ from pagedkv.config.dtypes import (
     DTYPE_BYTES,
     canonical_dtype,
     kv_scale_bytes,
-    resolve_dtype,
-    resolve_kv_cache_dtype,
 )
-from pagedkv.config.hf_config import HFModelConfig
 from pagedkv.utils import cdiv
 
 
-def _check_positive_int(name: str, value: Any) -> None:
+def check_positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
@@ -49,8 +47,8 @@ class KVCacheSpec:
     kind = "base"
 
     def __post_init__(self) -> None:
-        _check_positive_int("block_size", self.block_size)
-        _check_positive_int("num_layers", self.num_layers)
+        check_positive_int("block_size", self.block_size)
+        check_positive_int("num_layers", self.num_layers)
         # frozen: normalise the dtype name through object.__setattr__
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
 
@@ -70,7 +68,7 @@ class KVCacheSpec:
 
     def max_blocks_per_seq(self, max_model_len: int) -> int:
         """Most blocks one sequence of `max_model_len` tokens holds at once."""
-        _check_positive_int("max_model_len", max_model_len)
+        check_positive_int("max_model_len", max_model_len)
         return cdiv(max_model_len, self.block_size)
 
     def to_dict(self) -> dict[str, Any]:
@@ -96,10 +94,10 @@ class FullAttentionSpec(KVCacheSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_positive_int("num_kv_heads", self.num_kv_heads)
-        _check_positive_int("head_size", self.head_size)
+        check_positive_int("num_kv_heads", self.num_kv_heads)
+        check_positive_int("head_size", self.head_size)
         if self.sliding_window is not None:
-            _check_positive_int("sliding_window", self.sliding_window)
+            check_positive_int("sliding_window", self.sliding_window)
 
     @property
     def bytes_per_token(self) -> int:
@@ -121,7 +119,7 @@ class SlidingWindowSpec(FullAttentionSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_positive_int("sliding_window", self.sliding_window)
+        check_positive_int("sliding_window", self.sliding_window)
 
     def max_blocks_per_seq(self, max_model_len: int) -> int:
         full = super().max_blocks_per_seq(max_model_len)
@@ -143,8 +141,8 @@ class MLAAttentionSpec(KVCacheSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_positive_int("kv_lora_rank", self.kv_lora_rank)
-        _check_positive_int("qk_rope_head_dim", self.qk_rope_head_dim)
+        check_positive_int("kv_lora_rank", self.kv_lora_rank)
+        check_positive_int("qk_rope_head_dim", self.qk_rope_head_dim)
 
     @property
     def num_kv_heads(self) -> int:
@@ -157,52 +155,6 @@ class MLAAttentionSpec(KVCacheSpec):
     @property
     def bytes_per_token(self) -> int:
         return self.num_layers * (self.head_size * self.dtype_bytes + kv_scale_bytes(self.dtype))
-
-
-# ---------------------------------------------------------------- Hugging Face configs
-
-
-def kv_cache_spec_from_hf_config(
-    config: dict[str, Any] | HFModelConfig, block_size: int = 16, dtype: str = "auto",
-    cache_dtype: str = "auto", hybrid: bool = True,
-) -> KVCacheSpec:
-    """Build the KV cache spec of a Hugging Face `config.json` (a parsed dict, or the
-    `HFModelConfig` read from it: the one reader the model uses too).
-
-    MLA (`kv_lora_rank` set, DeepSeek-V2/V3): MLAAttentionSpec. Every layer sliding with one
-    window: SlidingWindowSpec. Layers of mixed types (Qwen2 `max_window_layers`, Gemma's
-    alternating layers): HybridKVCacheSpec, one KV cache group per attention type over one
-    pool (hybrid_spec.py), unless `hybrid` is False (vLLM's
-    --disable-hybrid-kv-cache-manager): then every layer keeps full-attention blocks, an upper
-    bound, while the model still applies each layer's window. Otherwise FullAttentionSpec.
-    `dtype` is the model's dtype ("auto": the config's); `cache_dtype` the KV cache's (vLLM's
-    `kv_cache_dtype`: "auto" = the model's, "fp8" / "fp8_e4m3" / "fp8_e5m2" / "int8", one
-    byte per value, int8 plus a scale per token and head, or a model dtype name), which is the
-    spec's `dtype`. Raises ValueError naming the missing or invalid key.
-    """
-    _check_positive_int("block_size", block_size)
-    hf = config if isinstance(config, HFModelConfig) else HFModelConfig.from_dict(config)
-    model_dtype = resolve_dtype(dtype, hf.raw)
-    if kv_scale_bytes(model_dtype):  # int8 needs per-token scales: a cache format only
-        raise ValueError(f"dtype {dtype!r} is a KV cache format (kv_cache_dtype), not a dtype")
-    kv_dtype = resolve_kv_cache_dtype(cache_dtype, model_dtype)
-    if hf.is_mla:
-        return MLAAttentionSpec(
-            block_size=block_size,
-            kv_lora_rank=hf.kv_lora_rank,
-            qk_rope_head_dim=hf.qk_rope_head_dim,
-            dtype=kv_dtype,
-            num_layers=hf.num_layers,
-        )
-    shape = dict(block_size=block_size, num_kv_heads=hf.num_kv_heads, head_size=hf.head_dim,
-                 dtype=kv_dtype, num_layers=hf.num_layers)
-    if hf.sliding_window is not None:
-        return SlidingWindowSpec(**shape, sliding_window=hf.sliding_window)
-    from pagedkv.kv.hybrid_spec import hybrid_kv_cache_spec  # it builds on this module's specs
-
-    grouped = hybrid_kv_cache_spec(hf.layer_sliding_windows, **{
-        k: v for k, v in shape.items() if k != "num_layers"}) if hybrid else None
-    return grouped if grouped is not None else FullAttentionSpec(**shape)
 
 
 def bundled_config_names() -> list[str]:

@@ -25,9 +25,10 @@ from pagedkv.config.dtypes import (
     resolve_kv_cache_dtype,
 )
 from pagedkv.kernels.cpu import cpu_kernels_loaded, ensure_cpu_kernels
+from pagedkv.kv.hf_spec import kv_cache_spec_from_hf_config
 from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
 from pagedkv.kv.shard import shard_kv_cache_spec
-from pagedkv.kv.spec import KVCacheSpec, kv_cache_spec_from_hf_config
+from pagedkv.kv.spec import KVCacheSpec
 from pagedkv.model.backends import get_attention_backend
 from pagedkv.model.backends.base import AttentionBackend
 from pagedkv.model.backends.quantized import QuantizedKVBackend

@@ -14,10 +14,10 @@ budget (`max_num_seqs`):
    only the blocks to load them into and waits in `loading` (WAITING_FOR_REMOTE_KVS) while the
    store loads them in the background; a later step runs it from the last block loaded intact.
 
-`update()` applies the runner's sampled tokens: advances `num_computed_tokens`, caches blocks
-that are now computed, forks the children of `n > 1` requests, and finishes requests that hit
-eos / stop tokens / `max_tokens` / `max_model_len`. Stop *strings* need text, so the engine
-finishes those through `finish_requests()`.
+`update()` (apply.py) applies the runner's sampled tokens: advances `num_computed_tokens`,
+caches blocks that are now computed, forks the children of `n > 1` requests, and finishes
+requests that hit eos / stop tokens / `max_tokens` / `max_model_len`. Stop *strings* need
+text, so the engine finishes those through `finish_requests()`.
 
 Overlapped scheduling (vLLM's async scheduling, pagedkv/engine/overlap.py): `schedule()` may be
 called again before the previous step's `update()`. A request that step runs is then scheduled
@@ -34,14 +34,16 @@ import bisect
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from pagedkv.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from pagedkv.config.options import SchedulerOptions
-from pagedkv.kv.manager import AllocStatus, KVCacheManager
-from pagedkv.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from pagedkv.sched.request import Request, RequestStatus, child_request_id
+from pagedkv.kv.interface import KVCacheManagerAPI
+from pagedkv.kv.request_blocks import AllocStatus
+from pagedkv.sched.apply import ApplyMixin, banned_token_ids
+from pagedkv.sched.output import ScheduledRequest, SchedulerOutput
+from pagedkv.sched.request import Request, RequestStatus
 from pagedkv.utils import cdiv
 
 if TYPE_CHECKING:
@@ -82,25 +84,12 @@ class SchedulerConfig(SchedulerOptions):
         return self.scheduling_policy
 
 
-def bad_word_bans(request: Request) -> list[int]:
-    """Tokens that would complete one of the request's bad words now: the last token of each
-    bad word whose other tokens end the output so far (vLLM's rule)."""
-    out = request.output_token_ids
-    bans = []
-    for word in request.bad_words_token_ids:
-        n = len(word) - 1  # the prefix; its last token is compared first (cheap reject)
-        if n == 0 or (n <= len(out) and out[-1] == word[-2]
-                      and out[len(out) - n:] == word[:-1]):
-            bans.append(word[-1])
-    return bans
-
-
-class Scheduler:
+class Scheduler(ApplyMixin):
     """Owns the request queues and the per-step batch, and allocates and frees every request's
     KV blocks through the KV manager (the engine reads the manager's stats and checks its
     invariants; it never allocates)."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManagerAPI,
                  kv_connector: StoreConnectorScheduler | None = None) -> None:
         """`kv_connector`: the KV store's scheduler side (pagedkv.store.connector, or the
         simulator's), None without a store."""
@@ -453,7 +442,7 @@ class Scheduler:
             scheduled.start_pos = start
         scheduled.block_table = kv.sync_block_ids(request_id, request.block_id_tables[slot])
         scheduled.num_samples = num_samples
-        scheduled.banned_token_ids = self._banned(request, num_outputs) if num_samples and (
+        scheduled.banned_token_ids = banned_token_ids(request, num_outputs) if num_samples and (
             num_outputs < params.min_tokens or request.bad_words_token_ids) else ()
         scheduled.num_prompt_logprob_rows = prompt_logprob_rows
         scheduled.grammar = request.structured_output if num_samples else None
@@ -463,19 +452,6 @@ class Scheduler:
         request.num_tokens_ahead += num_new
         if num_samples:
             request.num_placeholders += 1
-
-    @staticmethod
-    def _banned(request: Request, num_outputs: int) -> tuple[int, ...]:
-        """Tokens the request must not sample as its output number `num_outputs`: eos and stop
-        tokens below `min_tokens`, and the last token of a bad word its output would end."""
-        params = request.sampling_params
-        banned: tuple[int, ...] = ()
-        if num_outputs < params.min_tokens:
-            eos = () if params.ignore_eos else request.eos_token_ids
-            banned = (*eos, *params.stop_token_ids)
-        if request.bad_words_token_ids:
-            banned = (*banned, *bad_word_bans(request))
-        return banned
 
     def forget_unapplied(self) -> None:
         """Drop the steps scheduled but never to be applied (a failed engine step; every
@@ -498,7 +474,7 @@ class Scheduler:
                 start = scheduled.start_pos
                 scheduled.token_ids = request.all_token_ids[start:start + len(scheduled.token_ids)]
                 if scheduled.num_samples and request.bad_words_token_ids:
-                    scheduled.banned_token_ids = self._banned(request, request.num_output_tokens)
+                    scheduled.banned_token_ids = banned_token_ids(request, request.num_output_tokens)
             kept.append(scheduled)
         out.scheduled = kept
 
@@ -507,131 +483,6 @@ class Scheduler:
         """Whether `scheduled` is this request's (not an ended one's that had the same id)."""
         slots = request.scheduled_slots
         return slots[0] is scheduled or slots[1] is scheduled
-
-    # ---- applying results ---------------------------------------------------------------
-
-    def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
-        """Apply a step's results. Returns the requests that got tokens or finished (children
-        of `n > 1` requests included), in schedule order."""
-        changed: list[Request] = list(self.ended_in_schedule)
-        self.ended_in_schedule = []
-        self._unapplied = [u for u in self._unapplied if u[0] is not out]
-        kv = self.kv_cache_manager
-        caching, bs = kv.enable_caching, self.block_size
-        sampled, logprobs_of = result.sampled_token_ids, result.logprobs
-        prompt_logprobs_of = result.prompt_logprobs
-        requests = self.requests
-        for scheduled in out.scheduled:
-            request = requests.get(scheduled.request_id)
-            if request is None:  # ended while it ran
-                continue
-            slots = request.scheduled_slots  # (`_owns`, inlined: once per request per step)
-            if slots[0] is not scheduled and slots[1] is not scheduled:
-                continue  # an ended request's, whose id a new request took
-            num_new = len(scheduled.token_ids)
-            request.num_tokens_ahead -= num_new
-            computed = request.num_computed_tokens + num_new
-            request.num_computed_tokens = computed
-            # Only a step that fills a block has a block to cache (the ones before were
-            # cached by the step that filled them): most decode steps skip the call.
-            if caching and (computed - num_new) // bs != computed // bs:
-                kv.cache_blocks(request, computed)
-            if prompt_logprobs_of:
-                prompt_logprobs = prompt_logprobs_of.get(request.request_id)
-                if prompt_logprobs is not None:  # a recompute overwrites what it computes again
-                    del request.prompt_logprobs[scheduled.start_pos:]
-                    request.prompt_logprobs.extend(prompt_logprobs)
-            if scheduled.num_samples == 0:
-                continue
-            request.num_placeholders -= 1
-            grammar = request.structured_output
-            if grammar is not None and grammar.is_terminated():  # complete: no more tokens
-                self._finish(request, RequestStatus.FINISHED_STOPPED, None)
-                changed.append(request)
-                continue
-            tokens = sampled[request.request_id]
-            if len(tokens) == 1 and grammar is None and not logprobs_of:  # the usual case
-                request.append_output_token(tokens[0])
-                changed.append(request)
-                self._check_stop(request)
-                continue
-            logprobs = logprobs_of.get(request.request_id)
-            if len(tokens) == 1:  # no children to fork
-                self._append_token(request, tokens[0], logprobs[0] if logprobs else None)
-                changed.append(request)
-                self._check_stop(request)
-                continue
-            children = self._fork_children(request, tokens[1:], logprobs)
-            self._append_token(request, tokens[0], logprobs[0] if logprobs else None)
-            for req in (request, *children):
-                changed.append(req)
-                self._check_stop(req)
-        return changed
-
-    def _append_token(self, request: Request, token_id: int,
-                      logprobs: dict[int, float] | None) -> None:
-        request.append_output_token(token_id)
-        if logprobs is not None:
-            request.output_logprobs.append(logprobs)
-        grammar = request.structured_output
-        if grammar is not None and not grammar.accept_token(token_id):
-            # The sampler masks forbidden tokens, so the grammar engine failed (`error`) or left
-            # nothing allowed: `_check_stop` ends this request alone.
-            request.error = grammar.error or (
-                f"token {token_id} violates the request's structured-output grammar (the "
-                "grammar allowed no token: is it satisfiable, with this vocabulary?)")
-
-    def _fork_children(self, parent: Request, tokens: list[int],
-                       logprobs: list[dict[int, float]] | None) -> list[Request]:
-        children = []
-        for i, token_id in enumerate(tokens, start=1):
-            child = Request(
-                request_id=child_request_id(parent.request_id, i),
-                prompt_token_ids=parent.prompt_token_ids,
-                sampling_params=replace(parent.sampling_params),
-                eos_token_ids=parent.eos_token_ids,
-                arrival_time=parent.arrival_time,
-                priority=parent.priority,
-                cache_salt=parent.cache_salt,
-                lora_name=parent.lora_name,
-                parent_id=parent.request_id,
-                sample_index=i,
-            )
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_cached_tokens = parent.num_cached_tokens
-            child.status = RequestStatus.RUNNING
-            child.bad_words_token_ids = parent.bad_words_token_ids
-            if parent.structured_output is not None:  # forked before the parent's own token
-                child.structured_output = parent.structured_output.fork()
-            self.kv_cache_manager.fork(parent, child)
-            self._append_token(child, token_id, logprobs[i] if logprobs else None)
-            self.requests[child.request_id] = child
-            self._enqueue(self.running, child)
-            children.append(child)
-        return children
-
-    def _check_stop(self, request: Request) -> None:
-        params = request.sampling_params
-        outputs = request.output_token_ids
-        token_id = outputs[-1]
-        grammar = request.structured_output
-        if grammar is not None and request.error is not None:
-            self._finish(request, RequestStatus.FINISHED_ERROR, request.error)
-            return
-        if grammar is not None and grammar.is_terminated():
-            self._finish(request, RequestStatus.FINISHED_STOPPED,
-                         token_id if token_id in params.stop_token_ids else None)
-            return
-        if len(outputs) >= params.min_tokens:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                self._finish(request, RequestStatus.FINISHED_STOPPED, None)
-                return
-            if token_id in params.stop_token_ids:
-                self._finish(request, RequestStatus.FINISHED_STOPPED, token_id)
-                return
-        if ((params.max_tokens is not None and len(outputs) >= params.max_tokens)
-                or len(request.all_token_ids) >= self.config.max_model_len):
-            self._finish(request, RequestStatus.FINISHED_LENGTH, None)
 
     # ---- introspection ------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from pagedkv.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from pagedkv.config.hf_config import config_int, text_config
+from pagedkv.kv.hf_spec import kv_cache_spec_from_hf_config
 from pagedkv.kv.plan import (
     default_max_model_len,
     estimate_activation_peak_bytes,
@@ -21,7 +22,7 @@ from pagedkv.kv.plan import (
     plan_num_blocks,
 )
 from pagedkv.kv.sizes import parse_size
-from pagedkv.kv.spec import bundled_config_names, bundled_config_path, kv_cache_spec_from_hf_config
+from pagedkv.kv.spec import bundled_config_names, bundled_config_path
 from pagedkv.model.config_files import load_hf_config
 from pagedkv.sim.config import SimConfig
 from pagedkv.sim.store import DEFAULT_TIER_SPEEDS, TierSpec

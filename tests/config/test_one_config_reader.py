@@ -10,8 +10,9 @@ import torch
 from pagedkv.config import HFModelConfig
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.kv_setup import plan_kv_cache
+from pagedkv.kv.hf_spec import kv_cache_spec_from_hf_config
 from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
-from pagedkv.kv.spec import FullAttentionSpec, SlidingWindowSpec, kv_cache_spec_from_hf_config
+from pagedkv.kv.spec import FullAttentionSpec, SlidingWindowSpec
 from pagedkv.model.registry import model_config_from_dict, model_config_from_dir
 from pagedkv.model.runner import ModelRunner
 from pagedkv.testing import build_random_model_dir

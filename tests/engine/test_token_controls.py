@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pagedkv import SamplingParams
+from pagedkv.sched.apply import bad_word_bans
 from pagedkv.sched.request import Request
-from pagedkv.sched.scheduler import bad_word_bans
 from tests.engine.conftest import hf_greedy
 
 PROMPT = [5, 17, 99, 230, 41, 8, 77]

@@ -11,8 +11,9 @@ import pytest
 from pagedkv.cli import main
 from pagedkv.config.dtypes import KV_CACHE_DTYPE_CHOICES, resolve_kv_cache_dtype
 from pagedkv.engine.args import EngineArgs
+from pagedkv.kv.hf_spec import kv_cache_spec_from_hf_config
 from pagedkv.kv.plan import plan_num_blocks
-from pagedkv.kv.spec import bundled_config_path, kv_cache_spec_from_hf_config
+from pagedkv.kv.spec import bundled_config_path
 from tests.kv.test_spec import DEEPSEEK_V2_LITE, MISTRAL_7B_V01
 
 LLAMA = bundled_config_path("llama-3-8b")

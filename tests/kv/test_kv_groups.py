@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pagedkv.kv.coordinator import HybridKVCacheManager
 from pagedkv.kv.events import BlockRemoved, BlockStored
+from pagedkv.kv.factory import make_kv_cache_manager
 from pagedkv.kv.hashing import group_key_suffix
+from pagedkv.kv.hf_spec import kv_cache_spec_from_hf_config
 from pagedkv.kv.hybrid_spec import hybrid_kv_cache_spec, sequence_capacity
-from pagedkv.kv.manager import AllocStatus, KVCacheManager
-from pagedkv.kv.spec import kv_cache_spec_from_hf_config
+from pagedkv.kv.manager import AllocStatus
 from tests.kv.conftest import make_request, prefill
 
 GEMMA3_1B = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
@@ -52,7 +53,7 @@ def test_group_size_rule():
 def _manager(num_blocks: int = 64, **kw) -> HybridKVCacheManager:
     spec = hybrid_kv_cache_spec((None, 8), block_size=4, num_kv_heads=1, head_size=4,
                                 dtype="float32")
-    mgr = KVCacheManager.from_spec(spec, num_blocks=num_blocks, **kw)
+    mgr = make_kv_cache_manager(spec, num_blocks=num_blocks, **kw)
     assert isinstance(mgr, HybridKVCacheManager)
     return mgr
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pagedkv.kv.hf_spec import kv_cache_spec_from_hf_config
 from pagedkv.kv.plan import (
     default_max_model_len,
     estimate_activation_peak_bytes,
@@ -12,12 +13,7 @@ from pagedkv.kv.plan import (
     plan_num_blocks,
 )
 from pagedkv.kv.sizes import format_size, parse_size
-from pagedkv.kv.spec import (
-    FullAttentionSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
-    kv_cache_spec_from_hf_config,
-)
+from pagedkv.kv.spec import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 from tests.kv.test_spec import DEEPSEEK_V2_LITE, LLAMA_3_8B, QWEN2_7B
 
 GiB = 2**30

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 from pagedkv.config import HFModelConfig
-from pagedkv.kv.manager import KVCacheManager
+from pagedkv.kv.factory import make_kv_cache_manager
+from pagedkv.kv.hf_spec import kv_cache_spec_from_hf_config
 from pagedkv.kv.single_type import FullAttentionPolicy, SlidingWindowPolicy
-from pagedkv.kv.spec import FullAttentionSpec, SlidingWindowSpec, kv_cache_spec_from_hf_config
+from pagedkv.kv.spec import FullAttentionSpec, SlidingWindowSpec
 from tests.kv.conftest import decode, make_request, prefill
 
 SHAPE = dict(block_size=4, num_kv_heads=2, head_size=8, dtype="float32", num_layers=2)
 
 
-def test_manager_from_spec_picks_the_policy():
-    full = KVCacheManager.from_spec(FullAttentionSpec(**SHAPE), num_blocks=16)
-    sliding = KVCacheManager.from_spec(SlidingWindowSpec(**SHAPE, sliding_window=8),
-                                       num_blocks=16)
+def test_make_kv_cache_manager_picks_the_policy():
+    full = make_kv_cache_manager(FullAttentionSpec(**SHAPE), num_blocks=16)
+    sliding = make_kv_cache_manager(SlidingWindowSpec(**SHAPE, sliding_window=8),
+                                    num_blocks=16)
     assert type(full.block_policy) is FullAttentionPolicy and full.sliding_window is None
     assert type(sliding.block_policy) is SlidingWindowPolicy and sliding.sliding_window == 8
     assert sliding.block_size == 4
@@ -25,14 +26,14 @@ def test_manager_from_spec_picks_the_policy():
              "max_window_layers": 1}
     assert HFModelConfig.from_dict(mixed).layer_sliding_windows == (None, 8, 8)
     spec = kv_cache_spec_from_hf_config(mixed, block_size=4)
-    groups = KVCacheManager.from_spec(spec, num_blocks=16).groups
+    groups = make_kv_cache_manager(spec, num_blocks=16).groups
     assert [type(g.block_policy) for g in groups] == [FullAttentionPolicy, SlidingWindowPolicy,
                                                       SlidingWindowPolicy]
     assert [g.sliding_window for g in groups] == [None, 8, 8]
 
 
 def test_sliding_window_policy_nulls_and_frees_out_of_window_blocks():
-    mgr = KVCacheManager.from_spec(SlidingWindowSpec(**SHAPE, sliding_window=8), num_blocks=16)
+    mgr = make_kv_cache_manager(SlidingWindowSpec(**SHAPE, sliding_window=8), num_blocks=16)
     req = make_request("a", range(1, 13))  # 12 tokens: 3 blocks
     prefill(mgr, req)
     for t in range(4):  # positions 12..15; computing position 15 needs 8..15 only
@@ -49,7 +50,7 @@ def test_sliding_window_policy_nulls_and_frees_out_of_window_blocks():
 
 
 def test_full_attention_policy_keeps_every_block():
-    mgr = KVCacheManager.from_spec(FullAttentionSpec(**SHAPE), num_blocks=16)
+    mgr = make_kv_cache_manager(FullAttentionSpec(**SHAPE), num_blocks=16)
     req = make_request("a", range(1, 13))
     prefill(mgr, req)
     for t in range(8):

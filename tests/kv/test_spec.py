@@ -12,6 +12,7 @@ from pagedkv.config import (
     dtype_bytes,
     resolve_dtype,
 )
+from pagedkv.kv.hf_spec import kv_cache_spec_from_hf_config
 from pagedkv.kv.hybrid_spec import HybridKVCacheSpec
 from pagedkv.kv.spec import (
     FullAttentionSpec,
@@ -19,7 +20,6 @@ from pagedkv.kv.spec import (
     SlidingWindowSpec,
     bundled_config_names,
     bundled_config_path,
-    kv_cache_spec_from_hf_config,
 )
 from pagedkv.model.config_files import load_hf_config
 

@@ -12,8 +12,8 @@ import pytest
 
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.kv.hf_spec import kv_cache_spec_from_hf_config
 from pagedkv.kv.sizes import GiB
-from pagedkv.kv.spec import kv_cache_spec_from_hf_config
 from pagedkv.model.config_files import load_hf_config
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.sim.config import SimConfig

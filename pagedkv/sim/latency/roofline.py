@@ -20,8 +20,8 @@ from typing import Any
 
 from pagedkv.config.dtypes import dtype_bytes, resolve_dtype
 from pagedkv.config.hf_config import HFModelConfig
+from pagedkv.kv.hf_spec import kv_cache_spec_from_hf_config
 from pagedkv.kv.plan import estimate_num_params
-from pagedkv.kv.spec import kv_cache_spec_from_hf_config
 from pagedkv.model.config_files import load_hf_config
 from pagedkv.sim.latency.base import StepShape
 
