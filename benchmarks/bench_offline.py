@@ -315,9 +315,9 @@ def vs_vllm(args: argparse.Namespace, base: Path) -> dict:
     try:
         for dtype in args.dtypes.split(","):
             model_dir = Path(args.model) if args.model else random_model(base, dtype)
-            from pagedkv.model.config import ModelConfig
+            from pagedkv.model.registry import model_config_from_dir
 
-            vocab = ModelConfig.from_dir(model_dir).vocab_size
+            vocab = model_config_from_dir(model_dir).vocab_size
             spec = json.dumps(dict(model=str(model_dir), dtype=dtype, vocab=vocab,
                                    threads=args.threads, **VS_ENGINE))
             ours = [sys.executable, str(here), "--worker", spec]

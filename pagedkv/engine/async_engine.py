@@ -46,7 +46,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.config.errors import EngineFatalError
 from pagedkv.engine.commands import (
@@ -62,7 +62,6 @@ from pagedkv.engine.commands import (
     Unpin,
 )
 from pagedkv.engine.input_processor import PromptType
-from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request_stream import (
     ABORTED,
@@ -74,6 +73,9 @@ from pagedkv.engine.request_stream import (
 from pagedkv.engine.stats import EngineStats
 from pagedkv.kv.pins import PinInfo
 from pagedkv.sched.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedkv.engine.llm_engine import LLMEngine
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineOverloadedError", "EngineStepError",
            "RequestStream"]

@@ -280,5 +280,6 @@ def describe_choice() -> str:
         if len(set(shapes.values())) == 1:
             parts.append(f"{dtype} linears: {describe_kernels(next(iter(shapes.values())))}")
         else:
-            parts += [f"{shape}: {describe_kernels(k)}" for shape, k in shapes.items()]
+            parts.append(f"{dtype} linears: " + "; ".join(
+                f"{shape.split(' ', 1)[-1]}: {describe_kernels(k)}" for shape, k in shapes.items()))
     return "; ".join(parts)
