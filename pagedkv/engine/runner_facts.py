@@ -1,6 +1,8 @@
 """What an engine's model runner (or rank 0 of its tensor-parallel executor) is, as
 `EngineReady`'s descriptive fields: the weights' dtype and bytes, the device, and what runs the
-CPU model's hot ops. Read once, when the core is built, for the server's start-up banner."""
+CPU model's hot ops. Read once, when the core is built, for the server's start-up banner; and
+the CPU kernels' choice as it stands (`kernel_choice`: the prefill attention's is made at the
+first prefill), the core's utility call "cpu_kernel_choice" for /kv_cache_info."""
 
 from __future__ import annotations
 
@@ -23,3 +25,22 @@ def runner_facts(runner: Any) -> dict[str, Any]:
         if cpu_kernels_loaded() and getattr(runner, "cpu_kernels", "off") != "off":
             facts["cpu_kernels"] += f"; {describe_choice()}"
     return facts
+
+
+def kernel_choice(runner: Any) -> dict[str, Any] | None:
+    """The CPU kernels' choice of `runner` so far, JSON-able (None where no fused CPU kernel
+    runs: another device, cpu_kernels "off", or the kernels not loaded yet): the choice mode
+    (PAGEDKV_KERNEL_CHOICE), the loaded build's panel ISA, each linear shape class's kernel per
+    rows bucket and each prefill attention class's length from which torch's attention runs."""
+    device = getattr(runner, "device", None)
+    if getattr(device, "type", None) != "cpu" or getattr(runner, "cpu_kernels", "off") == "off":
+        return None
+    from pagedkv.kernels.choice import choice_mode, linears_in_use
+    from pagedkv.kernels.cpu import cpu_kernels_loaded, panel_isa
+    from pagedkv.model.prefill_choice import prefill_in_use
+
+    if not cpu_kernels_loaded():
+        return None
+    return {"mode": choice_mode(), "isa": panel_isa(), "linears": linears_in_use(),
+            "prefill_attention": {cls: {"torch_from": start}
+                                  for cls, start in prefill_in_use().items()}}

@@ -61,6 +61,7 @@ MIN_CALLS, MAX_CALLS = 3, 40
 DROP_RATIO = 3.0  # a candidate this much slower than the best stops being timed
 
 _tables: dict[str, tuple[str, ...]] = {}  # shape class -> kernel per bucket
+_in_use: dict[str, tuple[str, ...]] = {}  # shape class -> kernel per bucket, as last chosen
 
 
 def choice_mode() -> str:
@@ -225,6 +226,14 @@ def choose_linear(shape: str, dtype: torch.dtype, in_features: int,
     `available` (KERNELS' names, the in-place one first), per `choice_mode()`: forced, the
     instruction-set rule's `isa_rule`, or measured (`make(name)` builds a kernel of the layer's
     weight: f(x) -> y), cached in-process and on disk."""
+    per_bucket = _choose_linear(shape, dtype, in_features, make, available, isa_rule)
+    _in_use[shape] = per_bucket
+    return per_bucket
+
+
+def _choose_linear(shape: str, dtype: torch.dtype, in_features: int,
+                   make: Callable[[str], Callable[[torch.Tensor], torch.Tensor]],
+                   available: tuple[str, ...], isa_rule: str) -> tuple[str, ...]:
     mode = choice_mode()
     if len(available) == 1 or mode != "measure":
         fixed = isa_rule if mode in ("isa", "measure") else mode
@@ -262,6 +271,13 @@ def choice_table() -> dict[str, dict[str, str]]:
     before any linear was measured, or with a forced mode)."""
     return {shape: dict(zip(map(bucket_label, ROW_BUCKETS), kernels, strict=True))
             for shape, kernels in sorted(_tables.items())}
+
+
+def linears_in_use() -> dict[str, dict[str, str]]:
+    """The kernels this process chose for its linears, measured or forced: {shape class:
+    {bucket label: kernel}} (the last choice of each class)."""
+    return {shape: dict(zip(map(bucket_label, ROW_BUCKETS), kernels, strict=True))
+            for shape, kernels in sorted(_in_use.items())}
 
 
 def describe_choice() -> str:

@@ -24,6 +24,8 @@ from pagedkv.model.attention import PrefillChunk, prefill_attention
 LENGTHS = (16, 32, 64, 128, 256, 512)
 
 _torch_from: dict[str, int | None] = {}  # attention class -> first length for torch's
+# (dtype, heads, KV heads, head size, block size) -> the length in use, measured or forced
+_in_use: dict[tuple[torch.dtype, int, int, int, int], int | None] = {}
 
 
 def attention_class(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
@@ -82,6 +84,13 @@ def torch_prefill_from(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: 
                        block_size: int) -> int | None:
     """The longest-chunk length from which a step's prefill runs torch's attention (0: always;
     None: never), per PAGEDKV_KERNEL_CHOICE; measured once per class (and cached on disk)."""
+    start = _torch_from_by_mode(dtype, heads, kv_heads, head_dim, block_size)
+    _in_use[dtype, heads, kv_heads, head_dim, block_size] = start
+    return start
+
+
+def _torch_from_by_mode(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                        block_size: int) -> int | None:
     mode = choice.choice_mode()
     if mode != "measure":
         return 0 if mode == "onednn" else None
@@ -110,3 +119,9 @@ def native_prefill(q: torch.Tensor, k_cache: torch.Tensor,
 def prefill_table() -> dict[str, int | None]:
     """This process's measured classes: {attention class: first length for torch's}."""
     return dict(_torch_from)
+
+
+def prefill_in_use() -> dict[str, int | None]:
+    """Every class this process ran a prefill of on the CPU's fused kernels, measured or
+    forced: {attention class: first length for torch's (0: always; None: never)}."""
+    return {attention_class(*key): start for key, start in _in_use.items()}

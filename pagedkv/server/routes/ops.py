@@ -13,6 +13,7 @@ from pagedkv.engine.async_engine import EngineDeadError
 from pagedkv.http.errors import APIError
 
 router = APIRouter()
+KERNEL_CHOICE_TIMEOUT_S = 10.0  # the core answers between steps
 
 
 @router.get("/version")
@@ -23,14 +24,26 @@ async def version() -> dict[str, str]:
 @router.get("/kv_cache_info")
 async def kv_cache_info(raw: Request) -> dict[str, Any]:
     """How this engine hashes prefix blocks, for a KV-aware router, and what a block is:
-    the KV cache's format ("auto" resolved) and one block's bytes (read-only)."""
+    the KV cache's format ("auto" resolved) and one block's bytes (read-only); and the CPU
+    kernels' choice so far, read from the core (null where none runs or the core is gone)."""
     args, ready = raw.app.state.engine_facts.args, raw.app.state.engine_facts.ready
     return {"model": raw.app.state.serving.model_name, "block_size": args.block_size,
             "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
             "enable_prefix_caching": args.enable_prefix_caching,
             "num_gpu_blocks": ready.num_gpu_blocks,
             "kv_cache_dtype": ready.kv_cache_dtype,
-            "block_bytes": ready.block_bytes}
+            "block_bytes": ready.block_bytes,
+            "cpu_kernels": await cpu_kernel_choice(raw)}
+
+
+async def cpu_kernel_choice(raw: Request) -> dict[str, Any] | None:
+    """The core's utility call "cpu_kernel_choice" (engine/runner_facts.py), None when the core
+    does not answer: /kv_cache_info's hash settings stay readable for a router."""
+    try:
+        return await raw.app.state.async_engine.call_utility("cpu_kernel_choice",
+                                                             timeout=KERNEL_CHOICE_TIMEOUT_S)
+    except (EngineDeadError, TimeoutError):
+        return None
 
 
 @router.get("/metrics")
