@@ -248,13 +248,21 @@ def test_router_lists_every_model_pod_and_servers_share_the_redis_service() -> N
     name, service = servers["metadata"]["name"], headless["metadata"]["name"]
     assert args.backend == [f"http://{name}-{i}.{service}:8000"
                             for i in range(servers["spec"]["replicas"])]
+    events = json.loads(serve_args(servers).kv_events_config)
+    port = events["endpoint"].rsplit(":", 1)[1]
+    assert args.kv_events == [f"tcp://{name}-{i}.{service}:{port}"
+                              for i in range(servers["spec"]["replicas"])]
 
-    server = servers["spec"]["template"]["spec"]["containers"][0]
-    serve = parse(entrypoint(server["image"])[1:] + server["args"], "server")
+    serve = serve_args(servers)
     redis = by_kind(resources, "Service", "pagedkv-redis")
     assert serve.kv_offloading_remote_url == f"redis://pagedkv-redis:{redis['spec']['ports'][0]['port']}"
     redis_pod = by_kind(resources, "Deployment", "pagedkv-redis")["spec"]["template"]
     assert redis["spec"]["selector"].items() <= redis_pod["metadata"]["labels"].items()
+
+
+def serve_args(servers: dict) -> argparse.Namespace:
+    server = servers["spec"]["template"]["spec"]["containers"][0]
+    return parse(entrypoint(server["image"])[1:] + server["args"], "server")
 
 
 def test_servers_probe_health_and_are_scraped_on_metrics() -> None:
