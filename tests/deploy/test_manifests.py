@@ -1,7 +1,8 @@
 """deploy/ checked offline: every YAML parses; the kustomize layouts resolve and, built, validate
-against the Kubernetes schemas kubernetes-validate ships; the pod templates inside the CRDs
-(LeaderWorkerSet) validate as core PodTemplates, the CRDs' own fields are checked structurally
-(no package on PyPI ships their schemas); every flag the images and manifests hand `pagedkv serve`
+against the Kubernetes schemas kubernetes-validate ships; the pod templates inside the
+LeaderWorkerSet validate as core PodTemplates and its own fields are checked by hand (no package
+on PyPI ships its schema); the PodMonitor and ServiceMonitor validate against models generated
+from the Prometheus Operator's CRDs (cloudcoil-models-prometheus-operator); every flag the images and manifests hand `pagedkv serve`
 or `pagedkv router` goes through the real parsers and the serve flag checks; the router's backend
 list, the Redis URL and the scrape configs point at what the manifests define; the dashboard asks
 only for metric names the server exports; hadolint passes both Dockerfiles."""
@@ -314,8 +315,8 @@ def test_leaderworkerset_required_fields() -> None:
 
 
 def test_prometheus_monitors_select_the_pods_and_ports() -> None:
-    """PodMonitor / ServiceMonitor (monitoring.coreos.com/v1) checked by hand against the
-    resources they scrape: no PyPI package here ships their CRD schema."""
+    """PodMonitor / ServiceMonitor (monitoring.coreos.com/v1) against the resources they
+    scrape: each selects the pods or Service it means and names a port they have."""
     monitoring = build(K8S / "monitoring")
     workloads = build(K8S / "base") + build(K8S / "multihost")
     pod_monitor = by_kind(monitoring, "PodMonitor", "pagedkv-servers")["spec"]
@@ -330,6 +331,22 @@ def test_prometheus_monitors_select_the_pods_and_ports() -> None:
     assert selects(service_monitor["selector"], router["metadata"]["labels"])
     assert {e["port"] for e in service_monitor["endpoints"]} <= {
         p["name"] for p in router["spec"]["ports"]}
+
+
+@pytest.mark.parametrize("kind", ["PodMonitor", "ServiceMonitor"])
+def test_prometheus_monitors_match_the_operators_crd_models(kind: str) -> None:
+    """The monitors against models generated from the Prometheus Operator's CRDs
+    (cloudcoil-models-prometheus-operator): every field known and of the right type."""
+    models = pytest.importorskip("cloudcoil.models.prometheus_operator.v1",
+                                 reason="cloudcoil-models-prometheus-operator (the dev extra)")
+    resource = next(r for r in build(K8S / "monitoring") if r["kind"] == kind)
+    parsed = getattr(models, kind).model_validate(resource)
+    # the models accept unknown keys silently: a field that does not come back is unknown
+    assert parsed.model_dump(by_alias=True, exclude_unset=True, mode="json") == resource
+    misspelt = copy.deepcopy(resource)
+    misspelt["spec"]["selector"]["matchLabel"] = {"a": "b"}
+    assert getattr(models, kind).model_validate(misspelt).model_dump(
+        by_alias=True, exclude_unset=True, mode="json") != misspelt
 
 
 def selects(selector: dict, labels: dict[str, str]) -> bool:
