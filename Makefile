@@ -23,7 +23,7 @@ SERVER_TESTS ?= tests/server tests/dashboard tests/router tests/sim/test_request
 # The quick loop (tests/README.md): the tests of the KV memory system, the scheduler, the
 # simulator, the router (fake backends) and the KV event wire that run no model (so never wait
 # for the C++ kernels) and are not marked slow.
-FAST_TESTS ?= tests/kv tests/sched tests/sim tests/router tests/events
+FAST_TESTS ?= tests/kv tests/sched tests/sim tests/router tests/events tests/deploy
 
 .PHONY: install test test-fast test-process test-inproc lint demo bench clean docs docs-build
 

@@ -118,7 +118,7 @@ TESTS = Path(__file__).parent
 # the scheduler, the simulator, the router, the KV event wire): there a test runs a model, and
 # waits for the kernels, only if it uses one of those fixtures. Tests anywhere else may run one
 # by other means (a benchmark, a model built in the test) and are taken to run one.
-LIGHT_FOLDERS = ("kv", "sched", "sim", "router", "events")
+LIGHT_FOLDERS = ("kv", "sched", "sim", "router", "events", "deploy")
 
 
 def runs_model(item: pytest.Item) -> bool:
