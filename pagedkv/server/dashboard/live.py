@@ -104,21 +104,30 @@ class DashboardClient:
 
 
 def _client_main(url: str) -> None:
-    """The client process: print "connected", read until SIGINT, print "UPDATES OPS"."""
-    updates = ops = 0
-    try:
-        with httpx.stream("GET", url + "/dashboard/events", timeout=None) as resp:
-            for line in resp.iter_lines():
-                if line.startswith("data: "):
-                    data = json.loads(line[6:])
-                    if "ops" in data:
-                        updates += 1
-                        ops += len(data["ops"])
-                    else:
-                        print("connected", flush=True)
-    except KeyboardInterrupt:
-        pass
-    print(updates, ops, flush=True)
+    """The client process: print "connected", read until SIGINT, print "UPDATES OPS".
+
+    SIGINT prints the counts and exits at once, wherever the reader is (a KeyboardInterrupt
+    raised inside httpx's stream could leave it closing the connection, waiting on the server)."""
+    import os
+    import signal
+
+    counts = [0, 0]  # updates, ops
+
+    def finish(*_: object) -> None:
+        print(*counts, flush=True)
+        os._exit(0)
+
+    signal.signal(signal.SIGINT, finish)
+    with httpx.stream("GET", url + "/dashboard/events", timeout=None) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                data = json.loads(line[6:])
+                if "ops" in data:
+                    counts[0] += 1
+                    counts[1] += len(data["ops"])
+                else:
+                    print("connected", flush=True)
+    finish()
 
 
 if __name__ == "__main__":
