@@ -24,6 +24,7 @@ class SimConfig:
     preemption_mode: str = "recompute"
     num_host_blocks: int = 0
     scheduling_policy: str = "fcfs"
+    long_prefill_token_threshold: int = 0
     watermark: float = 0.01
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
@@ -58,4 +59,5 @@ class SimConfig:
                                max_num_batched_tokens=self.max_num_batched_tokens,
                                max_model_len=self.max_model_len,
                                preemption_mode=self.preemption_mode,
-                               scheduling_policy=self.scheduling_policy)
+                               scheduling_policy=self.scheduling_policy,
+                               long_prefill_token_threshold=self.long_prefill_token_threshold)

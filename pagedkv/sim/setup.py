@@ -76,6 +76,7 @@ def build_sim_config(args: argparse.Namespace) -> tuple[SimConfig, dict[str, Any
         max_num_batched_tokens=batched, max_model_len=max_len,
         preemption_mode=args.preemption_mode, num_host_blocks=host,
         scheduling_policy=args.scheduling_policy, watermark=args.watermark,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         eviction_policy=args.eviction_policy, sliding_window=window,
