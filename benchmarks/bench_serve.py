@@ -70,6 +70,24 @@ def server_command(kind: str, model_dir: Path, dtype: str, port: int, max_num_se
             "--log-level", "warning", "--engine-core", mode], env
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, kind: str, log_path: str,
+                 timeout_s: float = 600.0) -> float:
+    """Wait until `url`/health answers 200; the seconds it took. Raises RuntimeError with the
+    log's tail when the process exits first or the wait passes `timeout_s`."""
+    start = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{kind} exited: {Path(log_path).read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() - start > timeout_s:
+            raise RuntimeError(f"{kind} not up after {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
 class Server:
     def __init__(self, kind: str, model_dir: Path, dtype: str, max_num_seqs: int,
                  vllm_python: str | None) -> None:
@@ -79,20 +97,8 @@ class Server:
         cmd, env = server_command(kind, model_dir, dtype, self.port, max_num_seqs, vllm_python)
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - open while the server runs
             prefix=f"bench-serve-{kind}-", suffix=".log", delete=False)
-        start = time.monotonic()
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{kind} exited: {Path(self.log.name).read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - start > 600:
-                raise RuntimeError(f"{kind} not up after 600 s")
-            time.sleep(0.5)
-        self.ready_s = time.monotonic() - start
+        self.ready_s = wait_healthy(self.proc, self.url, kind, self.log.name)
 
     def stop(self) -> None:
         self.proc.terminate()

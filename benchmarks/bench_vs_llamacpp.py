@@ -1,0 +1,320 @@
+"""pagedkv against llama.cpp on the same GGUF file, the same CPU and the same threads, one run.
+
+llama.cpp is the anchor CPU users pick for GGUF files. It is never a project dependency: this
+script finds its tools in a throwaway folder or builds them there from `llama-cpp-python`'s source
+distribution on the package registry (which vendors llama.cpp): `pip download --no-binary`, then
+cmake with `-DGGML_NATIVE=ON` (about 8 minutes on 2 idle cores, once).
+
+Parts (`--parts`, all by default):
+- `bench`: decode tokens/s at batch 1 over 128 tokens (llama-bench `tg128`) and prefill tokens/s
+  of a 512-token prompt (`pp512`), each engine on each quant type; pagedkv in every mode of
+  `--pagedkv-modes` (`auto`: GGUF weights as the engine keeps them by default; `bfloat16`,
+  `float32`: dequantized to that dtype). Also the decode step's bandwidth floor: the weight bytes
+  (the GGUF file's tensor bytes) over the measured read bandwidth, and each engine's ratio to it.
+- `perplexity`: `llama-perplexity -c CTX` on tests/data's public-domain texts, and pagedkv's
+  perplexity computed the same way (chunks of CTX tokens, each scored on its second half).
+- `serve`: output tokens/s at concurrency 16 and 64 of `llama-server -np 16` and `pagedkv serve`,
+  loaded by the same client (`pagedkv bench serve`: random 256-token prompts, 128 output tokens,
+  greedy, ignore_eos).
+
+    PYTHONPATH=$PWD python benchmarks/bench_vs_llamacpp.py [--gguf FILE]
+        [--quant-types Q4_1,Q8_0,Q4_0] [--parts bench,perplexity,serve] [--threads N]
+        [--pagedkv-modes auto,bfloat16] [--llama-cpp BUILD_DIR]
+
+Q4_1 is the shipped SmolLM2 file; other types are made from it with `llama-quantize
+--allow-requantize` into the throwaway folder (requantized from Q4_1: the same weights for both
+engines, not the quality of a quant made from the original float weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pagedkv.bench.machine import cpu_name
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serve import free_port, wait_healthy  # noqa: E402
+
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+ANCHORS = Path.home() / ".cache" / "pagedkv-anchors"
+TOOLS = ("llama-bench", "llama-server", "llama-quantize", "llama-perplexity")
+TEXTS = [Path(__file__).resolve().parent.parent / "tests" / "data" / name
+         for name in ("declaration_of_independence.txt", "lincoln_addresses.txt")]
+
+
+# ----- llama.cpp: find or build ---------------------------------------------------------------
+
+def llama_cpp_bin(build_dir: Path | None) -> Path:
+    """The folder holding llama.cpp's tools, built into ANCHORS when not found."""
+    if build_dir is not None:
+        bin_dir = build_dir / "bin"
+        if not all((bin_dir / t).is_file() for t in TOOLS):
+            raise SystemExit(f"{bin_dir} lacks one of {TOOLS}")
+        return bin_dir
+    source = ANCHORS / LLAMA_CPP_PYTHON.replace("==", "-").replace("-python", "_python")
+    src = source / "vendor" / "llama.cpp"
+    bin_dir = src / "build" / "bin"
+    if all((bin_dir / t).is_file() for t in TOOLS):
+        return bin_dir
+    ANCHORS.mkdir(parents=True, exist_ok=True)
+    if not src.is_dir():
+        print(f"downloading {LLAMA_CPP_PYTHON}'s source distribution into {ANCHORS}", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", LLAMA_CPP_PYTHON, "--no-binary",
+                        ":all:", "--no-deps", "-d", str(ANCHORS)], check=True)
+        tarball = next(ANCHORS.glob("llama_cpp_python-*.tar.gz"))
+        subprocess.run(["tar", "xzf", str(tarball), "-C", str(ANCHORS)], check=True)
+    print(f"building llama.cpp in {src / 'build'} (minutes, once)", flush=True)
+    subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), "-DCMAKE_BUILD_TYPE=Release",
+                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                    "-DLLAMA_OPENSSL=OFF"], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", str(src / "build"), "-j", str(os.cpu_count() or 1),
+                    "--target", *TOOLS], check=True, stdout=subprocess.DEVNULL)
+    return bin_dir
+
+
+def quantized_file(bin_dir: Path, source: Path, quant_type: str) -> Path:
+    """`source` itself when it is already `quant_type`, else a requantized copy in ANCHORS."""
+    if f".{quant_type}." in source.name:
+        return source
+    out = ANCHORS / "models" / source.name.replace(".gguf", f".requant-{quant_type}.gguf")
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(source),
+                        str(out), quant_type], check=True, capture_output=True)
+    return out
+
+
+# ----- the bandwidth floor --------------------------------------------------------------------
+
+def read_bandwidth_gbs() -> float:
+    """Best of 5 reads of a 1 GiB tensor with torch (all threads), in GB/s."""
+    import torch
+
+    data = torch.ones(1 << 28, dtype=torch.float32)
+    best = math.inf
+    for _ in range(5):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best / 1e9
+
+
+def gguf_weight_bytes(path: Path) -> int:
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
+
+
+# ----- llama.cpp measurements -----------------------------------------------------------------
+
+def llama_bench(bin_dir: Path, model: Path, threads: int, reps: int) -> dict[str, float]:
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-p", "512", "-n", "128",
+                          "-t", str(threads), "-r", str(reps), "-o", "json"],
+                         check=True, capture_output=True, text=True)
+    rows = json.loads(out.stdout)
+    result = {}
+    for row in rows:
+        key = "pp512" if row["n_prompt"] else "tg128"
+        result[key] = float(row["avg_ts"])
+    return result
+
+
+def llama_perplexity(bin_dir: Path, model: Path, text: Path, ctx: int, threads: int) -> float:
+    out = subprocess.run([str(bin_dir / "llama-perplexity"), "-m", str(model), "-f", str(text),
+                          "-c", str(ctx), "-b", str(ctx), "-t", str(threads)],
+                         capture_output=True, text=True, check=True)
+    match = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
+    if match is None:
+        raise RuntimeError(f"no perplexity in llama-perplexity's output: {out.stderr[-2000:]}")
+    return float(match.group(1))
+
+
+# ----- pagedkv measurements -------------------------------------------------------------------
+
+def pagedkv_engine(model: Path, mode: str, threads: int):  # noqa: ANN201 - an LLMEngine
+    from pagedkv.engine.args import EngineArgs
+    from pagedkv.engine.llm_engine import LLMEngine
+
+    kwargs = {"dtype": mode} if mode in ("bfloat16", "float32") else {}
+    if mode in ("bfloat16", "float32") and "quantization" in EngineArgs.__dataclass_fields__:
+        kwargs["quantization"] = "none"
+    args = EngineArgs(model=str(model), max_model_len=1024, max_num_batched_tokens=1024,
+                      enable_prefix_caching=False, kv_cache_memory_bytes=256 << 20,
+                      cpu_threads=threads, **kwargs)
+    return LLMEngine.from_engine_args(args)
+
+
+def _run_to_end(engine, request_id: str, tokens: list[int], max_tokens: int) -> list[float]:  # noqa: ANN001
+    """Step `engine` until the request finishes; the perf_counter time of each step's output."""
+    from pagedkv import SamplingParams
+
+    engine.add_request(request_id, {"prompt_token_ids": tokens},
+                       SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    times = []
+    while engine.has_unfinished_requests():
+        if engine.step():
+            times.append(time.perf_counter())
+    return times
+
+
+def pagedkv_bench(engine, vocab: int, reps: int) -> dict[str, float]:  # noqa: ANN001
+    rng = random.Random(0)
+    prompt = lambda n: [rng.randrange(10, vocab) for _ in range(n)]  # noqa: E731
+    _run_to_end(engine, "warm", prompt(512), 8)
+    pp, tg = [], []
+    for rep in range(reps):
+        start = time.perf_counter()
+        _run_to_end(engine, f"pp{rep}", prompt(512), 1)
+        pp.append(512 / (time.perf_counter() - start))
+        times = _run_to_end(engine, f"tg{rep}", prompt(1), 129)
+        tg.append(128 / (times[-1] - times[0]))
+    return {"pp512": sum(pp) / reps, "tg128": sum(tg) / reps}
+
+
+def pagedkv_perplexity(engine, tokens: list[int], ctx: int) -> float:  # noqa: ANN001
+    """llama-perplexity's method: chunks of `ctx` tokens, each scored on its second half."""
+    from pagedkv import SamplingParams
+
+    total, count = 0.0, 0
+    for chunk_index in range(len(tokens) // ctx):
+        chunk = tokens[chunk_index * ctx:(chunk_index + 1) * ctx]
+        engine.add_request(f"ppl{chunk_index}", {"prompt_token_ids": chunk},
+                           SamplingParams(max_tokens=1, prompt_logprobs=0))
+        out = None
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out = o
+        for position in range(ctx // 2, ctx):
+            total -= out.prompt_logprobs[position][chunk[position]]
+            count += 1
+    return math.exp(total / count)
+
+
+# ----- serving --------------------------------------------------------------------------------
+
+def serve_load(url: str, concurrency: int, num_prompts: int, vocab: int) -> float:
+    out = subprocess.run(
+        [sys.executable, "-m", "pagedkv.cli", "bench", "serve", "--url", url, "--model", "m",
+         "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
+         "--input-len", "256", "--output-len", "128", "--vocab-size", str(vocab), "--seed", "0",
+         "--json", "--no-progress"], capture_output=True, text=True, check=True)
+    metrics = json.loads(out.stdout[out.stdout.index("{"):])
+    if metrics.get("completed", num_prompts) < num_prompts:
+        raise RuntimeError(f"{url}: {metrics.get('completed')} of {num_prompts} requests completed")
+    return float(metrics["output_throughput"])
+
+
+def served(kind: str, bin_dir: Path, model: Path, threads: int, concurrencies: list[int],
+           num_prompts: int, vocab: int) -> dict[int, float]:
+    port = free_port()
+    if kind == "llama.cpp":
+        cmd = [str(bin_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port",
+               str(port), "-np", "16", "-c", str(16 * 512), "-t", str(threads), "-a", "m"]
+    else:
+        cmd = [sys.executable, "-m", "pagedkv.cli", "serve", str(model), "--port", str(port),
+               "--served-model-name", "m", "--max-num-seqs", str(max(concurrencies)),
+               "--log-level", "warning"]
+    with tempfile.NamedTemporaryFile(prefix=f"llamacpp-vs-{kind}-", suffix=".log") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(proc, f"http://127.0.0.1:{port}", kind, log.name)
+            serve_load(f"http://127.0.0.1:{port}", concurrencies[0], 8, vocab)  # warm-up
+            return {c: serve_load(f"http://127.0.0.1:{port}", c, num_prompts, vocab)
+                    for c in concurrencies}
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+# ----- main -----------------------------------------------------------------------------------
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gguf", type=Path, default=None, help="default: the SmolLM2 file")
+    parser.add_argument("--quant-types", default="Q4_1,Q8_0,Q4_0")
+    parser.add_argument("--parts", default="bench,perplexity,serve")
+    parser.add_argument("--pagedkv-modes", default="auto,bfloat16")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--ctx", type=int, default=256, help="perplexity chunk length")
+    parser.add_argument("--concurrency", default="16,64")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--llama-cpp", type=Path, default=None, metavar="BUILD_DIR")
+    args = parser.parse_args()
+    if args.gguf is None:
+        from pagedkv.testing.real_model import INSTALL, smollm2_gguf_path
+
+        args.gguf = smollm2_gguf_path()
+        if args.gguf is None:
+            raise SystemExit(f"the real model is not installed: {INSTALL}")
+    parts = set(args.parts.split(","))
+    bin_dir = llama_cpp_bin(args.llama_cpp)
+    print(f"CPU: {cpu_name()}; threads: {args.threads}; load: {os.getloadavg()[0]:.1f}; "
+          f"llama.cpp: {bin_dir}")
+    bandwidth = read_bandwidth_gbs()
+    print(f"read bandwidth: {bandwidth:.1f} GB/s")
+    modes = args.pagedkv_modes.split(",")
+    for quant_type in args.quant_types.split(","):
+        model = quantized_file(bin_dir, args.gguf, quant_type)
+        weight_bytes = gguf_weight_bytes(model)
+        floor = bandwidth * 1e9 / weight_bytes
+        print(f"\n== {quant_type}: {model.name}, {weight_bytes / 2**20:.1f} MiB of weights; "
+              f"decode floor {floor:.0f} tok/s at batch 1 (weights over read bandwidth)")
+        if "bench" in parts:
+            ref = llama_bench(bin_dir, model, args.threads, args.reps)
+            print(f"  llama.cpp        pp512 {ref['pp512']:9.1f} tok/s  tg128 {ref['tg128']:7.1f} "
+                  f"tok/s ({ref['tg128'] / floor:.2f} of the floor)")
+        engines = {}
+        vocab = 0
+        for mode in modes:
+            engines[mode] = pagedkv_engine(model, mode, args.threads)
+            vocab = engines[mode].model_config.vocab_size
+            if "bench" in parts:
+                got = pagedkv_bench(engines[mode], vocab, args.reps)
+                print(f"  pagedkv {mode:8} pp512 {got['pp512']:9.1f} tok/s  tg128 "
+                      f"{got['tg128']:7.1f} tok/s ({got['tg128'] / floor:.2f} of the floor)  "
+                      f"ratio to llama.cpp: pp {got['pp512'] / ref['pp512']:.2f}x, "
+                      f"tg {got['tg128'] / ref['tg128']:.2f}x")
+        if "perplexity" in parts:
+            from pagedkv.model.tokenizer import Tokenizer
+
+            with tempfile.NamedTemporaryFile("w", suffix=".txt") as joined:
+                text = "\n\n".join(p.read_text() for p in TEXTS)
+                joined.write(text)
+                joined.flush()
+                ref_ppl = llama_perplexity(bin_dir, model, Path(joined.name), args.ctx,
+                                           args.threads)
+            tokens = Tokenizer.from_dir(model).encode(text)
+            print(f"  perplexity (ctx {args.ctx}, {len(tokens)} tokens): llama.cpp {ref_ppl:.3f}")
+            for mode, engine in engines.items():
+                ppl = pagedkv_perplexity(engine, tokens, args.ctx)
+                print(f"  perplexity pagedkv {mode:8} {ppl:.3f} ({(ppl / ref_ppl - 1) * 100:+.2f}%)")
+        for engine in engines.values():
+            engine.shutdown()
+        if "serve" in parts:
+            concurrencies = [int(c) for c in args.concurrency.split(",")]
+            ref_serve = served("llama.cpp", bin_dir, model, args.threads, concurrencies,
+                               args.num_prompts, vocab)
+            got_serve = served("pagedkv", bin_dir, model, args.threads, concurrencies,
+                               args.num_prompts, vocab)
+            for c in concurrencies:
+                print(f"  served c={c:3}: llama.cpp {ref_serve[c]:8.1f} out tok/s, pagedkv "
+                      f"{got_serve[c]:8.1f} ({got_serve[c] / ref_serve[c]:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
