@@ -20,6 +20,8 @@ from pagedkv.router.router import Router
 from pagedkv.router.upstream import HttpxUpstream
 from tests.router.pd_fakes import D1, D2, P1, P2, STREAM_CHUNKS, PDFleet, gauges, producer_params
 
+pytestmark = pytest.mark.timeout(60, method="thread")
+
 PREFILLS, DECODES = (P1, P2), (D1, D2)
 
 
