@@ -118,9 +118,10 @@ def create_router_app(router: Router, *, api_key: str | None = None,
             raise invalid_api_key()
 
     @app.get("/health")
-    async def health() -> Response:
-        if not any(b.up for b in router.backends):
-            raise APIError("no backend is up", status_code=503, type="server_unavailable")
+    async def health() -> Response:  # in prefill/decode mode a decode instance must be up
+        if not any(b.up for b in router.backends if pd is None or b.name in pd.decode):
+            raise APIError("no backend is up" if pd is None else "no decode instance is up",
+                           status_code=503, type="server_unavailable")
         return Response(status_code=200)
 
     @app.get("/metrics")

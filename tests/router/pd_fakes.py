@@ -59,11 +59,14 @@ class PDFleet:
     metrics: dict[str, str] = field(default_factory=dict)
     slow_s: float = 30.0
     hops: list[Hop] = field(default_factory=list)
+    down: set[str] = field(default_factory=set)  # hosts whose /health refuses
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         host = f"{request.url.scheme}://{request.url.host}"
         path = request.url.path
         if path == "/health":
+            if host in self.down:
+                raise httpx.ConnectError("refused")
             return httpx.Response(200)
         if path == "/kv_cache_info":
             return httpx.Response(200, json=KV_INFO)

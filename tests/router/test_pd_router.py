@@ -188,7 +188,7 @@ def health_round(router: Router, fleet: PDFleet, client: TestClient) -> None:
 
 def test_decode_goes_by_load_and_kv_room():
     fleet = PDFleet(metrics={D1: gauges(running=0, kv_usage=0.97),  # idle but full
-                             D2: gauges(running=3, kv_usage=0.2)})
+                             D2: gauges(running=10, kv_usage=0.2)})
     router, app = pd_app(fleet)
     with TestClient(app) as client:
         client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
@@ -196,3 +196,16 @@ def test_decode_goes_by_load_and_kv_room():
         health_round(router, fleet, client)
         client.post("/v1/completions", json={"prompt": "b", "max_tokens": 2})
     assert [h.host for h in fleet.posts(DECODES)] == [D2, D1]
+
+
+def test_health_needs_a_decode_instance_and_the_fleet_view_shows_roles():
+    fleet = PDFleet(down={D1, D2})
+    router, app = pd_app(fleet)
+    with TestClient(app) as client:
+        assert router.backend(P1).up and not router.backend(D1).up
+        assert client.get("/health").status_code == 503  # prefill alone serves nothing
+        fleet.down.clear()
+        health_round(router, fleet, client)
+        assert client.get("/health").status_code == 200
+        roles = {b["name"]: b["role"] for b in client.get("/dashboard/fleet").json()["backends"]}
+    assert roles == {P1: "prefill", P2: "prefill", D1: "decode", D2: "decode"}
