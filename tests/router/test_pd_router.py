@@ -9,7 +9,6 @@ import time
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from prometheus_client.parser import text_string_to_metric_families
 
 from pagedkv.router.app import create_router_app
 from pagedkv.router.health import HealthChecker
@@ -19,18 +18,11 @@ from pagedkv.router.policies import make_policy
 from pagedkv.router.router import Router
 from pagedkv.router.upstream import HttpxUpstream
 from tests.router.pd_fakes import D1, D2, P1, P2, STREAM_CHUNKS, PDFleet, gauges, producer_params
+from tests.router.test_proxy import sample
 
 pytestmark = pytest.mark.timeout(60, method="thread")
 
 PREFILLS, DECODES = (P1, P2), (D1, D2)
-
-
-def sample(text: str, name: str, **labels: str) -> float:
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and s.labels == labels:
-                return s.value
-    return 0.0
 
 
 def pd_app(fleet: PDFleet, *, prefill_timeout_s: float = 5.0, policy: str = "kv-aware",
