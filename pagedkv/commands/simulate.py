@@ -93,8 +93,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--slo", default=None, help="e.g. ttft=2,tpot=0.1 (seconds, or 200ms)")
     c.add_argument("--sweep", default=None, metavar="SETTING=V1,V2",
                    help="one run per value, e.g. num_blocks=2000,4000 or instances=1,2,4")
-    c.add_argument("--search", choices=("num_blocks", "instances"), default=None,
-                   help="with --slo: the fewest blocks or instances meeting it")
+    c.add_argument("--search", choices=("num_blocks", "instances", "split"), default=None,
+                   help="with --slo: the fewest blocks or instances meeting it (split: the "
+                   "smallest prefill/decode fleet, beside the fewest mixed instances)")
     c.add_argument("--target", type=float, default=0.99,
                    help="fraction of requests that must meet the SLO in --search")
     c.add_argument("--json", default=None, metavar="PATH", help="write the summary as JSON")

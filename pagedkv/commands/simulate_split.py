@@ -3,12 +3,15 @@
     pagedkv simulate TRACE --prefill-instances P --decode-instances D [--kv-link-gbps G]
         [--compare-mixed] [--slo ttft=2,tpot=0.1]
     pagedkv simulate TRACE --sweep split=1:3,2:2,3:1,4 --slo ...   (P:D splits; N: N mixed)
+    pagedkv simulate TRACE --search split --slo ... [--split-max-instances 16]
 
 A split run prints the usual table for the split fleet (TTFT from the client's arrival to the
 decode instance's first token, prefill and transfer included) and the transfers' figures;
 `--compare-mixed` adds the same trace on P + D mixed instances behind `--policy`. A split sweep
 prints one row per fleet shape, so an operator can read, for a trace and an SLO, how many of
-each pays and whether splitting beats mixing the same number of instances.
+each pays and whether splitting beats mixing the same number of instances; `--search split`
+finds the smallest split fleet meeting the SLO (every P + D = N for N = 2, 3, ...) and the
+fewest mixed instances meeting it.
 """
 
 from __future__ import annotations
@@ -34,12 +37,15 @@ def add_split_flags(group: Any) -> None:
                        "gigabits/s (inf: instant); a prompt's KV bytes cross it")
     group.add_argument("--compare-mixed", action="store_true",
                        help="with the split: also run P + D mixed instances")
+    group.add_argument("--split-max-instances", type=int, default=16, metavar="N",
+                       help="--search split tries fleets of up to N instances in all")
 
 
 def wants_split(args: argparse.Namespace) -> bool:
     """Whether the flags ask for a split run or sweep; ValueError naming a flag that is
     missing or out of range (before any work)."""
     sweep = (args.sweep or "").replace("-", "_").startswith(SPLIT_SWEEP)
+    search = args.search == "split"
     given = args.prefill_instances is not None or args.decode_instances is not None
     if given and (args.prefill_instances is None or args.decode_instances is None):
         raise ValueError("the prefill/decode split needs --prefill-instances and "
@@ -47,7 +53,9 @@ def wants_split(args: argparse.Namespace) -> bool:
     if not args.kv_link_gbps > 0:
         raise ValueError(f"--kv-link-gbps must be > 0 (inf for an instant link), got "
                          f"{args.kv_link_gbps}")
-    if not (given or sweep):
+    if args.split_max_instances < 2:
+        raise ValueError(f"--split-max-instances must be >= 2, got {args.split_max_instances}")
+    if not (given or sweep or search):
         if args.compare_mixed:
             raise ValueError("--compare-mixed needs --prefill-instances and --decode-instances")
         return False
@@ -55,7 +63,13 @@ def wants_split(args: argparse.Namespace) -> bool:
                         ("--decode-instances", args.decode_instances)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    for flag in ("search", "event_log", "plot"):
+    if args.search and not search:
+        raise ValueError(f"--search {args.search} is not available with the prefill/decode "
+                         "split (--search split is)")
+    if search and (given or args.sweep):
+        raise ValueError("--search split finds the split itself: not with "
+                         "--prefill-instances/--decode-instances or --sweep")
+    for flag in ("event_log", "plot"):
         if getattr(args, flag):
             raise ValueError(f"--{flag.replace('_', '-')} is not available with the "
                              "prefill/decode split")
@@ -84,6 +98,8 @@ def run_split(args: argparse.Namespace, trace: Any, config: Any, latency: Any, s
     """Run what `wants_split` saw asked for and print it."""
     from pagedkv.sim.results import format_table, write_json
 
+    if args.search:
+        return _search(args, trace, config, latency, slo)
     if args.sweep:
         rows = [_run_shape(s, args, trace, config, latency, slo)
                 for s in parse_split_sweep(args.sweep)]
@@ -108,6 +124,42 @@ def run_split(args: argparse.Namespace, trace: Any, config: Any, latency: Any, s
                   f"mean, {s['transfer_seconds_max'] * 1e3:.2f} ms max (link queue included)")
     if args.json:
         write_json(out, args.json)
+    return 0
+
+
+def _search(args: argparse.Namespace, trace: Any, config: Any, latency: Any, slo: Any) -> int:
+    """--search split: the smallest split fleet meeting the SLO, beside the fewest mixed
+    instances (the same search over `instances`) for the comparison."""
+    import sys
+
+    from pagedkv.sim.disagg import split_search
+    from pagedkv.sim.results import format_table, write_json
+    from pagedkv.sim.search import capacity_search
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr)
+
+    found = split_search(trace, config, latency, slo, link_gbps=args.kv_link_gbps,
+                         target=args.target, max_instances=args.split_max_instances,
+                         policy=args.policy, log=log)
+    mixed = capacity_search(trace, config, latency, slo, setting="instances",
+                            target=args.target, high=args.split_max_instances,
+                            policy=args.policy, log=log)
+    meeting = f"meeting {args.slo} for {args.target:.0%} of requests"
+    if found["value"] is None:
+        print(f"no split of up to {args.split_max_instances} instances {meeting}")
+    else:
+        p, d = found["value"]
+        print(f"smallest split {meeting}: {p} prefill + {d} decode ({p + d} instances)")
+        print(format_table(found["summary"]))
+    print(f"fewest mixed instances {meeting}: "
+          f"{'none up to the bound' if mixed['value'] is None else mixed['value']}")
+    if args.json:
+        write_json({"split": {"value": found["value"], "summary": found["summary"],
+                              "tried": found["tried"]},
+                    "mixed": {"value": mixed["value"], "summary": mixed["summary"],
+                              "tried": {str(k): v for k, v in mixed["tried"].items()}}},
+                   args.json)
     return 0
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,3 +195,41 @@ def _place_decode(policy: DecodeRoomPolicy, instances: list[SimInstance],
     candidates = [instance_candidate(inst, config) for inst in instances]
     return policy.choose(RouteRequest(prompt_tokens=treq.input_length, session=treq.session),
                          candidates)
+
+
+def split_search(trace: Sequence[TraceRequest], config: SimConfig, latency: LatencyModel,
+                 slo: Any, *, link_gbps: float, target: float = 0.99, max_instances: int = 16,
+                 policy: str = "kv-aware",
+                 log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The smallest split fleet meeting `slo` for `target` of the requests: for N = 2, 3, ...
+    up to `max_instances` in all, every P + D = N is run, and the first N where one meets it
+    answers (the one with the most requests meeting it, then the lowest TTFT p99). Returns
+    {"value": (P, D) or None, "summary", "tried": {"P:D": summary}}. `slo` is a
+    `pagedkv.sim.results.SLO`."""
+    from pagedkv.sim.results import summarize
+    from pagedkv.sim.search import meets
+
+    if not 0 < target <= 1:
+        raise ValueError(f"target must be in (0, 1], got {target!r}")
+    if max_instances < 2:
+        raise ValueError(f"max_instances must be >= 2 (a prefill and a decode instance), "
+                         f"got {max_instances!r}")
+    tried: dict[str, dict[str, Any]] = {}
+    for total in range(2, max_instances + 1):
+        met = []
+        for p in range(1, total):
+            result = simulate_split(trace, config, latency, Split(p, total - p, link_gbps),
+                                    policy=policy)
+            summary = tried[f"{p}:{total - p}"] = summarize(result, slo)
+            summary["split"] = result.extra["split"]
+            if log is not None:
+                log(f"  {p} prefill + {total - p} decode: "
+                    f"{summary['goodput']['fraction']:.1%} meet the SLO")
+            if meets(summary, target):
+                met.append(((-summary["goodput"]["fraction"],
+                             summary["latency"]["ttft"]["p99"]), (p, total - p)))
+        if met:
+            best = min(met)[1]
+            return {"value": best, "summary": tried[f"{best[0]}:{best[1]}"], "tried": tried}
+    last = f"1:{max_instances - 1}"
+    return {"value": None, "summary": tried[last], "tried": tried}

@@ -119,3 +119,31 @@ def test_the_cli_compares_the_split_with_mixed_instances():
     bad = simulate_cli_without_torch("--prefill-instances", "1")
     assert bad.returncode == 2 and "--decode-instances" in bad.stderr
     assert "Traceback" not in bad.stderr
+    swept = simulate_cli_without_torch("--sweep", "split=1:1,2", "--slo", "ttft=1")
+    assert swept.returncode == 0, swept.stderr
+    assert "1P+1D" in swept.stdout and "2 mixed" in swept.stdout
+    searched = simulate_cli_without_torch("--search", "split", "--slo", "ttft=1,tpot=0.05",
+                                          "--target", "0.5", "--split-max-instances", "3")
+    assert searched.returncode == 0, searched.stderr
+    assert "smallest split meeting" in searched.stdout
+    assert "fewest mixed instances meeting" in searched.stdout
+
+
+def test_split_search_answers_the_smallest_fleet_meeting_the_slo():
+    from pagedkv.sim.disagg import split_search
+    from pagedkv.sim.results import SLO
+
+    config = SimConfig(num_blocks=400, block_size=8, max_model_len=512, vocab_size=640,
+                       block_bytes=BLOCK_BYTES, max_num_batched_tokens=256)
+    trace = [TraceRequest(arrival=0.0, input_length=200, output_length=4) for _ in range(8)]
+    slo = SLO.parse(f"ttft={4.5 * STEP}")
+    found = split_search(trace, config, LATENCY, slo, link_gbps=math.inf, target=0.99,
+                         max_instances=8)
+    p, d = found["value"]
+    assert found["summary"]["goodput"]["fraction"] >= 0.99
+    smaller = [s for key, s in found["tried"].items() if sum(map(int, key.split(":"))) < p + d]
+    assert smaller and all(s["goodput"]["fraction"] < 0.99 for s in smaller)
+    assert p >= 2  # one prefill instance queues eight 200-token prompts past the bound
+    never = split_search(trace, config, LATENCY, SLO.parse(f"ttft={STEP}"),
+                         link_gbps=math.inf, max_instances=3)
+    assert never["value"] is None and sorted(never["tried"]) == ["1:1", "1:2", "2:1"]
