@@ -1,6 +1,7 @@
 """`pagedkv router --backend URL [--backend URL ...]`: a KV-cache-aware OpenAI-compatible front.
 
     pagedkv router --backend http://127.0.0.1:8001 --backend http://127.0.0.1:8002 \\
+                   (or --prefill URL [URL ...] --decode URL [URL ...] [--pd-prefill-timeout 30]) \\
                    [--policy kv-aware|round-robin|least-load|session] [--model MODEL_DIR] \\
                    [--kv-events tcp://127.0.0.1:5557 ...] [--host 127.0.0.1] [--port 8080] \\
                    [--api-key KEY] [--backend-api-key KEY [--allow-anonymous-clients]] \\
@@ -12,8 +13,14 @@ with `--model` (the backends' model directory) it tokenizes them itself, else it
 serving the request's model for the token ids (its /tokenize, which vLLM has too); the block size and hash algorithm come from the backends' /kv_cache_info unless given
 (vLLM has none: the block size then comes from its KV events, which are matched by their token
 ids, since vLLM's block hashes are its own).
-`--kv-events` pairs, in order, each backend with its ZMQ KV-event endpoint ("-" for none);
+`--kv-events` pairs, in order, each backend with its ZMQ KV-event endpoint ("-" for none;
+in prefill/decode mode the prefill instances first, then the decode ones);
 without events the router predicts each backend's cache from where it sent which prompts.
+With `--prefill URL... --decode URL...` instead of `--backend` (prefill/decode disaggregation,
+vLLM's wire: pagedkv/router/pd.py) each completion is prefilled on a prefill instance, then
+decoded on a decode instance with the producer's kv_transfer_params; a prefill that fails,
+answers without them, or takes over `--pd-prefill-timeout` falls back to a normal request on a
+decode instance.
 No key is read from the server's $PAGEDKV_API_KEY: the backends' key is `--backend-api-key`
 (or $PAGEDKV_ROUTER_BACKEND_API_KEY), and a router holding one needs its own `--api-key` for
 clients unless `--allow-anonymous-clients` is given.
@@ -29,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.router.app import DEFAULT_CONNECT_TIMEOUT_S
+from pagedkv.router.pd import DEFAULT_PREFILL_TIMEOUT_S
 from pagedkv.router.policies import POLICY_NAMES
 from pagedkv.router.policies.kv_aware import KVAwareWeights
 from pagedkv.router.proxy import DEFAULT_FIRST_BYTE_TIMEOUT_S
@@ -43,8 +51,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "router", help="KV-cache-aware router in front of several `pagedkv serve` instances",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--backend", action="append", required=True, metavar="URL",
+    parser.add_argument("--backend", action="append", default=None, metavar="URL",
                         help="a backend's base URL (repeat for each backend)")
+    pd = parser.add_argument_group(
+        "prefill/decode disaggregation (instead of --backend; vllm-router's flags)")
+    pd.add_argument("--prefill", action="extend", nargs="+", default=None, metavar="URL",
+                    help="prefill instances (KV producers), picked by --policy; a number "
+                    "after a URL (sglang-router's bootstrap port) is accepted and unused")
+    pd.add_argument("--decode", action="extend", nargs="+", default=None, metavar="URL",
+                    help="decode instances (KV consumers), picked by load and KV room")
+    pd.add_argument("--pd-disaggregation", "--vllm-pd-disaggregation", action="store_true",
+                    help="prefill/decode mode (implied by --prefill and --decode)")
+    pd.add_argument("--pd-prefill-timeout", type=float, default=DEFAULT_PREFILL_TIMEOUT_S,
+                    metavar="SECONDS", help="a prefill hop not answered within this long is "
+                    "abandoned and the request decodes as a normal request")
     parser.add_argument("--kv-events", action="append", default=None, metavar="ENDPOINT",
                         help="the ZMQ KV-event endpoint of the backend in the same position "
                         "('-' for none)")
@@ -112,16 +132,21 @@ def build_router(args: argparse.Namespace):
     check_timeouts(args)
     from pagedkv.model.tokenizer import Tokenizer
     from pagedkv.router.backend import Backend
+    from pagedkv.router.pd import pd_backends
     from pagedkv.router.policies import make_policy
     from pagedkv.router.router import Router
 
-    endpoints = args.kv_events or []
-    if endpoints and len(endpoints) != len(args.backend):
-        raise ValueError(f"--kv-events is given {len(endpoints)} times for {len(args.backend)} "
-                         "backends; give one per backend ('-' for none)")
-    backends = [Backend(url, events_endpoint=None if ep in (None, "-") else ep)
-                for url, ep in zip(args.backend, endpoints or [None] * len(args.backend),
-                                   strict=True)]
+    endpoints = [None if ep == "-" else ep for ep in args.kv_events or []]
+    if pd_mode(args):
+        backends = pd_backends(pd_urls(args.prefill or [], "--prefill"),
+                               pd_urls(args.decode or [], "--decode"), endpoints)
+    else:
+        if endpoints and len(endpoints) != len(args.backend):
+            raise ValueError(f"--kv-events is given {len(endpoints)} times for "
+                             f"{len(args.backend)} backends; give one per backend ('-' for none)")
+        backends = [Backend(url, events_endpoint=ep)
+                    for url, ep in zip(args.backend, endpoints or [None] * len(args.backend),
+                                       strict=True)]
     weights = KVAwareWeights(**{f.name: getattr(args, f.name) for f in fields(KVAwareWeights)})
     if args.model is not None:
         from pagedkv.model.hub import resolve_model
@@ -142,6 +167,42 @@ def build_router(args: argparse.Namespace):
                   eject_s=args.eject_seconds)
 
 
+def pd_mode(args: argparse.Namespace) -> bool:
+    """Whether the flags ask for prefill/decode mode; ValueError when they mix it up with
+    --backend or give one side only."""
+    split = bool(args.prefill or args.decode or args.pd_disaggregation)
+    if split and args.backend:
+        raise ValueError("give --backend (one kind of instance), or --prefill and --decode "
+                         "(prefill/decode mode), not both")
+    if split and not (args.prefill and args.decode):
+        raise ValueError("prefill/decode mode needs --prefill URL... and --decode URL...")
+    if not split and not args.backend:
+        raise ValueError("give --backend URL..., or --prefill URL... and --decode URL...")
+    return split
+
+
+def pd_urls(tokens: list[str], flag: str) -> list[str]:
+    """The URLs among `tokens`, dropping the bootstrap port sglang-router's `--prefill URL
+    PORT` may put after one (a number, or "none"); ValueError naming anything else."""
+    urls: list[str] = []
+    for token in tokens:
+        if urls and (token.isdigit() or token.lower() == "none"):
+            continue
+        if not token.startswith(("http://", "https://")):
+            raise ValueError(f"{flag} takes base URLs (http://host:port), got {token!r}")
+        urls.append(token)
+    return urls
+
+
+def build_pd(args: argparse.Namespace, router: Any) -> Any:
+    """The `PDMode` over `router` the flags ask for, else None."""
+    from pagedkv.router.pd import PDMode
+
+    if not pd_mode(args):
+        return None
+    return PDMode(router, prefill_timeout_s=args.pd_prefill_timeout)
+
+
 def check_keys(args: argparse.Namespace) -> None:
     """ValueError when the router would lend its backend key to anonymous clients."""
     if args.backend_api_key and not args.api_key and not args.allow_anonymous_clients:
@@ -154,7 +215,8 @@ def check_timeouts(args: argparse.Namespace) -> None:
     """ValueError naming a timeout flag that is not a positive number of seconds."""
     for flag, value in (("--first-byte-timeout", args.first_byte_timeout),
                         ("--connect-timeout", args.connect_timeout),
-                        ("--eject-seconds", args.eject_seconds)):
+                        ("--eject-seconds", args.eject_seconds),
+                        ("--pd-prefill-timeout", args.pd_prefill_timeout)):
         if not value > 0 or value == float("inf"):
             raise ValueError(f"{flag} must be a positive number of seconds, got {value}")
 
@@ -184,14 +246,16 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     if not args.access_log:  # httpx logs every request it sends (forwards, health checks) at INFO
         logging.getLogger("httpx").setLevel(logging.WARNING)
-    app = create_router_app(build_router(args), api_key=args.api_key or None,
+    router = build_router(args)
+    app = create_router_app(router, api_key=args.api_key or None,
                             backend_api_key=args.backend_api_key or None,
                             health_interval_s=args.health_interval,
                             health_timeout_s=args.health_timeout,
                             max_request_bytes=max_request_bytes(args),
                             first_byte_timeout_s=args.first_byte_timeout,
                             connect_timeout_s=args.connect_timeout,
-                            allow_anonymous_clients=args.allow_anonymous_clients)
+                            allow_anonymous_clients=args.allow_anonymous_clients,
+                            pd=build_pd(args, router))
     sock = bind_socket(args.host, args.port)
     freeze_gc_heap()
     try:

@@ -7,6 +7,7 @@ cache manager on a virtual clock, with a latency model instead of the model runn
         --kv-cache-dtype, --num-gpu-blocks-override, --max-num-seqs, --preemption-mode, ...]
         [--instances N --policy kv-aware|round-robin|least-load|session]
         [--slo ttft=2,tpot=0.1] [--sweep SETTING=V1,V2] [--search num_blocks|instances]
+        [--prefill-instances P --decode-instances D --kv-link-gbps G [--compare-mixed]]
         [--json OUT.json] [--plot OUT.png]
 
 The KV cache holds `--num-gpu-blocks-override` blocks, else `--kv-cache-memory-bytes`, else
@@ -20,6 +21,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.commands.engine_flags import HelpFormatter, add_option_flags, positive_number
+from pagedkv.commands.simulate_split import add_split_flags, run_split, wants_split
 from pagedkv.config.options import CacheOptions, ModelOptions, SchedulerOptions, StoreOptions
 from pagedkv.router.policies import POLICY_NAMES
 
@@ -91,8 +93,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--slo", default=None, help="e.g. ttft=2,tpot=0.1 (seconds, or 200ms)")
     c.add_argument("--sweep", default=None, metavar="SETTING=V1,V2",
                    help="one run per value, e.g. num_blocks=2000,4000 or instances=1,2,4")
-    c.add_argument("--search", choices=("num_blocks", "instances"), default=None,
-                   help="with --slo: the fewest blocks or instances meeting it")
+    c.add_argument("--search", choices=("num_blocks", "instances", "split"), default=None,
+                   help="with --slo: the fewest blocks or instances meeting it (split: the "
+                   "smallest prefill/decode fleet, beside the fewest mixed instances)")
     c.add_argument("--target", type=float, default=0.99,
                    help="fraction of requests that must meet the SLO in --search")
     c.add_argument("--json", default=None, metavar="PATH", help="write the summary as JSON")
@@ -102,6 +105,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--plot", default=None, metavar="PATH",
                    help="write a PNG: KV usage, running and queued requests and latencies over "
                         "time; with --sweep or --search, each metric against the setting")
+    add_split_flags(p.add_argument_group(
+        "prefill/decode split", "prefill and decode on separate instances, the prompt's KV "
+        "sent between them (sweep the split with --sweep split=P:D,...,N)"))
     p.set_defaults(run=run)
     return p
 
@@ -116,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.instances < 1:
         raise ValueError(f"--instances must be >= 1, got {args.instances}")
+    split = wants_split(args)
     slo = SLO.parse(args.slo)
     if args.search and slo is None:
         raise ValueError("--search needs --slo")
@@ -133,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"trace: {len(trace)} requests over {trace[-1].arrival:.1f} s; KV cache "
           f"{config.num_blocks - 1} blocks of {config.block_size} tokens; max_model_len "
           f"{config.max_model_len}; latency: {latency.name}", file=sys.stderr)
+    if split:
+        return run_split(args, trace, config, latency, slo)
     if args.search:
         found = capacity_search(trace, config, latency, slo, setting=args.search,
                                 target=args.target, num_instances=args.instances,

@@ -16,5 +16,9 @@ backend is too busy (see `policies/kv_aware.py` for the score).
     relay.py          a backend's stream to the client, always ending with data: [DONE]
     forward_app.py    the forwarded routes as plain ASGI: key, body, answer, disconnects
     metrics.py        the router's own Prometheus metrics
+    pd.py             prefill/decode mode: the prefill hop, then the decode hop (or a fallback)
+    pd_wire.py        the hand-off's bodies: vLLM's kv_transfer_params contract
+    pd_decode.py      decode-room: a decode instance by load and KV room
+    pd_metrics.py     the prefill/decode metrics (hops, fallbacks, prefill latency)
     app.py            the FastAPI app (its other routes) with forward_app.py in front
 """

@@ -37,6 +37,7 @@ from pagedkv.router.dashboard import make_router_dashboard
 from pagedkv.router.forward_app import ForwardRoutes
 from pagedkv.router.health import HealthChecker
 from pagedkv.router.kv_events import KVEventSubscriber
+from pagedkv.router.pd import PDForwarder, PDMode
 from pagedkv.router.proxy import DEFAULT_FIRST_BYTE_TIMEOUT_S, Forwarder
 from pagedkv.router.raw_upstream import RawUpstream
 from pagedkv.router.router import Router
@@ -53,14 +54,16 @@ def create_router_app(router: Router, *, api_key: str | None = None,
                       first_byte_timeout_s: float = DEFAULT_FIRST_BYTE_TIMEOUT_S,
                       connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
                       allow_anonymous_clients: bool = False,
-                      transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+                      transport: httpx.AsyncBaseTransport | None = None,
+                      pd: PDMode | None = None) -> FastAPI:
     """An app that forwards to `router`'s backends. Its background tasks start and stop with
     the app's lifespan (uvicorn, or `with TestClient(app)`). A body over `max_request_bytes`
     is a 413, as on the server. A backend that sends no first byte within
     `first_byte_timeout_s` (or accepts no connection within `connect_timeout_s`) fails that
     attempt (proxy.py). ValueError when `backend_api_key` is given without `api_key` and
     without `allow_anonymous_clients`. `transport` replaces the network (tests hand in an
-    `httpx.MockTransport`)."""
+    `httpx.MockTransport`). `pd`: the prefill/decode split over `router`'s backends (pd.py):
+    completions then run a prefill hop and a decode hop."""
     if backend_api_key and not api_key and not allow_anonymous_clients:
         raise ValueError("the router holds a backend API key but clients need none: give the "
                          "router its own --api-key, or --allow-anonymous-clients to lend the "
@@ -82,9 +85,10 @@ def create_router_app(router: Router, *, api_key: str | None = None,
                                   RawUpstream(connect_timeout_s=connect_timeout_s))
             checker = HealthChecker(router, upstream, interval_s=health_interval_s,
                                     timeout_s=health_timeout_s, headers=backend_headers)
-            state["forwarder"] = Forwarder(router, client, upstream=upstream,
-                                           backend_api_key=backend_api_key,
-                                           first_byte_timeout_s=first_byte_timeout_s)
+            forwarding: dict[str, Any] = dict(upstream=upstream, backend_api_key=backend_api_key,
+                                              first_byte_timeout_s=first_byte_timeout_s)
+            state["forwarder"] = (Forwarder(router, client, **forwarding) if pd is None
+                                  else PDForwarder(router, client, pd, **forwarding))
             zmq_context = zmq.asyncio.Context()
             await checker.check_all()
             tasks = [asyncio.create_task(checker.run())]
@@ -114,9 +118,10 @@ def create_router_app(router: Router, *, api_key: str | None = None,
             raise invalid_api_key()
 
     @app.get("/health")
-    async def health() -> Response:
-        if not any(b.up for b in router.backends):
-            raise APIError("no backend is up", status_code=503, type="server_unavailable")
+    async def health() -> Response:  # in prefill/decode mode a decode instance must be up
+        if not any(b.up for b in router.backends if pd is None or b.name in pd.decode):
+            raise APIError("no backend is up" if pd is None else "no decode instance is up",
+                           status_code=503, type="server_unavailable")
         return Response(status_code=200)
 
     @app.get("/metrics")

@@ -80,6 +80,7 @@ for a vLLM server, which has none) its events are also matched by their token id
     consecutive_failures: int = 0  # requests in a row it failed (timeouts, garbage answers)
     written_blocks: float = 0.0  # new blocks sent here, decaying (see `record_written`)
     written_at: float = 0.0  # time.monotonic() of written_blocks' value
+    role: str | None = None  # "prefill" or "decode" in prefill/decode mode (pd.py), else None
 
     def written(self, now: float, window_s: float) -> float:
         """The new blocks sent here, each weighed exp(-age / window_s)."""

@@ -38,7 +38,7 @@ def fleet_state(router: Router, max_decisions: int = 100) -> dict[str, Any]:
             where[d["chosen"]] = where.get(d["chosen"], 0) + 1
     media = (MEDIUM_DEVICE, MEDIUM_HOST, MEDIUM_DISK)
     backends = [{
-        "name": b.name, "up": b.up, "in_flight": b.in_flight, "queued_blocks": b.queued_blocks,
+        "name": b.name, "role": b.role, "up": b.up, "in_flight": b.in_flight, "queued_blocks": b.queued_blocks,
         "running": b.load.running, "waiting": b.load.waiting, "kv_usage": b.load.kv_usage,
         "num_gpu_blocks": (b.kv_info or {}).get("num_gpu_blocks"),
         "kv_cache_dtype": (b.kv_info or {}).get("kv_cache_dtype"),

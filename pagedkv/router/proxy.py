@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ from starlette.responses import Response
 
 from pagedkv.http.errors import APIError, error_response, model_not_found
 from pagedkv.router.backend import Backend
-from pagedkv.router.policies import RouteRequest
+from pagedkv.router.policies import Candidate, RouteRequest
 from pagedkv.router.relay import Cut, RelayResponse, relay
 from pagedkv.router.remote_tokens import BackendTokenizer, tokenize_call
 from pagedkv.router.router import Router, Ticket
@@ -49,6 +50,10 @@ DEFAULT_FIRST_BYTE_TIMEOUT_S = 60.0
 # hop to a worker thread and back (which waits for the GIL on a busy box); a larger one (a
 # long text prompt: milliseconds of tokenizing) goes to a thread, not to stall other requests.
 INLINE_HASH_BYTES = 16 * 1024
+
+
+# Picks a backend for a request among those not yet tried (names); None when none is left.
+Pick = Callable[[RouteRequest, list[str]], "tuple[Backend, Candidate] | None"]
 
 
 @dataclass
@@ -166,10 +171,14 @@ class Forwarder:
             hasher.route_request_from_ids(ids, call.cache_salt, session), model=model)
 
     async def _place(self, request: RouteRequest, path: str, body: bytes, stream: bool,
-                     headers: dict[str, str] | None = None) -> Response | RelayResponse:
+                     headers: dict[str, str] | None = None,
+                     pick: Pick | None = None) -> Response | RelayResponse:
+        """Send `body` to the backend `pick` gives (default: the router's policy), retrying
+        on the next one it gives while nothing reached the client."""
+        pick = pick or (lambda r, tried: self.router.route(r, exclude=tried))
         tried: list[str] = []
         failure: _Failure | None = None
-        while (picked := self.router.route(request, exclude=tried)) is not None:
+        while (picked := pick(request, tried)) is not None:
             backend, candidate = picked
             tried.append(backend.name)
             ticket = self.router.begin(backend, request, candidate)

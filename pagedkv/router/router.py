@@ -114,26 +114,27 @@ class Router:
             return True
         return False if all(b.models is not None for b in self.backends) else None
 
-    def route(self, request: RouteRequest,
-              exclude: Collection[str] = ()) -> tuple[Backend, Candidate] | None:
-        """The backend the policy picks among the up, not ejected ones that serve the
-        request's model and are not in `exclude` (names), with the snapshot it saw; None when
-        there is none."""
+    def route(self, request: RouteRequest, exclude: Collection[str] = (),
+              policy: RoutingPolicy | None = None) -> tuple[Backend, Candidate] | None:
+        """The backend the policy (`policy`, else the router's) picks among the up, not
+        ejected ones that serve the request's model and are not in `exclude` (names), with the
+        snapshot it saw; None when there is none."""
+        policy = self.policy if policy is None else policy
         now = time.monotonic()
         backends = [b for b in self.backends if b.up and b.name not in exclude
                     and not b.ejected(now) and b.serves(request.model)]
         if not backends:
             return None
-        use_prefix = self.policy.needs_prefix and bool(request.block_hashes)
+        use_prefix = policy.needs_prefix and bool(request.block_hashes)
         window = self.weights.turnover_window_s
         candidates = [b.candidate(self.index.match(b.name, request.block_hashes,
                                                    self.index_model(b, request))
                                   if use_prefix and b.hash_compatible else PrefixMatch(),
                                   b.turnover(now, window))
                       for b in backends]
-        chosen = self.policy.choose(request, candidates)
-        self.decisions.record(self.policy, request, candidates, chosen)
-        self.metrics.routed.labels(backends[chosen].name, self.policy.name).inc()
+        chosen = policy.choose(request, candidates)
+        self.decisions.record(policy, request, candidates, chosen)
+        self.metrics.routed.labels(backends[chosen].name, policy.name).inc()
         return backends[chosen], candidates[chosen]
 
     def begin(self, backend: Backend, request: RouteRequest, candidate: Candidate) -> Ticket:

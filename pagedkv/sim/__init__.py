@@ -2,7 +2,8 @@
 
 `traces` reads Mooncake / Azure / request-log traces, `latency` holds the step-time models,
 `instance` is one simulated engine, `simulator` replays a trace over one or more instances
-(with the router's policies), `results` summarizes a run, `search` sweeps a setting and finds
+(with the router's policies), `disagg` replays it over a prefill/decode split (the KV sent
+over a link), `results` summarizes a run, `search` sweeps a setting and finds
 the smallest one that meets an SLO. No torch anywhere here (`pagedkv profile`, which times the
 real runner, lives in `pagedkv.sim.profiling` and imports it lazily).
 """

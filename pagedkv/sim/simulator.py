@@ -124,15 +124,17 @@ def _route(router, instances: list[SimInstance], index: int,
     if router.needs_prefix and config.enable_prefix_caching and \
             instances[0].fits(treq.input_length):
         hashes = _block_hashes(instances[0], prompt_token_ids(treq, config.vocab_size, index))
-    candidates = []
-    for inst in instances:
-        sched = inst.scheduler
-        queued = sum(max(0.0, (r.prompt_tokens - r.cached_tokens) / config.block_size)
-                     for r in inst.live.values() if r.first_token is None)
-        candidates.append(Candidate(
-            name=str(inst.index), in_flight=len(inst.live), queued_blocks=queued,
-            running=len(sched.running), waiting=len(sched.waiting) + len(sched.loading),
-            kv_usage=inst.kv.usage,
-            match=PrefixMatch(device_blocks=_device_match(inst, hashes) if hashes else 0)))
+    candidates = [instance_candidate(inst, config, _device_match(inst, hashes) if hashes else 0)
+                  for inst in instances]
     request = RouteRequest(prompt_tokens=treq.input_length, block_hashes=hashes, session=treq.session)
     return router.choose(request, candidates)
+
+
+def instance_candidate(inst: SimInstance, config: SimConfig, device_blocks: int = 0) -> Candidate:
+    """`inst` as the router sees a backend (`device_blocks`: the prompt's prefix it holds)."""
+    sched = inst.scheduler
+    queued = sum(max(0.0, (r.prompt_tokens - r.cached_tokens) / config.block_size)
+                 for r in inst.live.values() if r.first_token is None)
+    return Candidate(name=str(inst.index), in_flight=len(inst.live), queued_blocks=queued,
+                     running=len(sched.running), waiting=len(sched.waiting) + len(sched.loading),
+                     kv_usage=inst.kv.usage, match=PrefixMatch(device_blocks=device_blocks))

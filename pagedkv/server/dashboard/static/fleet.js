@@ -8,7 +8,8 @@
   function backendRow(b) {
     const blocks = b.indexed_blocks || {};
     return el("tr", { "data-backend": b.name },
-      el("td", {}, b.name, b.kv_cache_dtype ? ` (${b.kv_cache_dtype})` : null,
+      el("td", {}, b.role ? `[${b.role}] ` : null, b.name,
+        b.kv_cache_dtype ? ` (${b.kv_cache_dtype})` : null,
         b.kv_problem ? el("div", { class: "problem" }, `no prefix credit: ${b.kv_problem}`) : null),
       el("td", {}, b.up ? "yes" : el("b", {}, "down")), el("td", {}, b.in_flight),
       el("td", {}, num(b.queued_blocks, 1)), el("td", {}, b.running), el("td", {}, b.waiting),
