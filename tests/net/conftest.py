@@ -3,6 +3,7 @@ network namespaces cannot be made) and `pagedkv` processes started inside its ho
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 import time
@@ -93,3 +94,12 @@ def processes() -> Iterator[list[HostProcess]]:
     yield started
     for p in started:
         p.stop()
+
+
+def read_json_line(stream) -> dict | None:
+    """The next line of `stream` that is a JSON object (others print there too: Ray's
+    raylet messages), or None at its end."""
+    for line in stream:
+        if line.startswith("{"):
+            return json.loads(line)
+    return None

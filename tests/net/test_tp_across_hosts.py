@@ -12,7 +12,7 @@ import pytest
 
 from pagedkv import LLM, SamplingParams
 from tests.engine.conftest import make_prompts
-from tests.net.conftest import REPO_ROOT, make_cluster
+from tests.net.conftest import REPO_ROOT, make_cluster, read_json_line
 
 MAX_TOKENS = 8
 TIMEOUT_S = 5.0
@@ -39,7 +39,7 @@ def test_tp2_across_two_hosts_matches_tp1_and_fails_on_a_dead_host(tiny_llama):
             sys.executable, "-m", "tests.net.tp_engine", str(tiny_llama), node0.addr,
             str(MASTER_PORT), str(TIMEOUT_S), json.dumps(prompt), str(MAX_TOKENS)],
             cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        up = json.loads(engine.stdout.readline() or "null")
+        up = read_json_line(engine.stdout)
         assert up is not None, f"engine exited {engine.wait(10)}"
         assert up["tokens"] == tp1.outputs[0].token_ids
         # The rendezvous and gloo's pairs are on the hosts' own addresses, nothing on loopback.
@@ -49,7 +49,7 @@ def test_tp2_across_two_hosts_matches_tp1_and_fails_on_a_dead_host(tiny_llama):
         cluster.link_down(node1)  # the worker's host vanishes: no FIN, no RST, silence
         engine.stdin.write("go\n")
         engine.stdin.flush()
-        failed = json.loads(engine.stdout.readline() or "null")
+        failed = read_json_line(engine.stdout)
         assert failed is not None and failed["kind"] == "EngineFatalError", failed
         assert "tensor-parallel group failed" in failed["error"]
         assert failed["fail_s"] < TIMEOUT_S * 2 + 2  # the timeout, then one heartbeat
