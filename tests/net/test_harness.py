@@ -12,6 +12,8 @@ import pytest
 from pagedkv.testing import netns
 from tests.net.conftest import make_cluster
 
+pytestmark = pytest.mark.timeout(60)
+
 
 def connect(addr: str, port: int) -> str:
     try:

@@ -35,6 +35,12 @@ def ray_start(cluster, host, *flags: str) -> None:
                        "--disable-usage-stats", *flags], timeout=120)
 
 
+def host_addresses(cluster, host) -> set[str]:
+    """The IPv4 addresses of `host`'s interfaces."""
+    out = cluster.run(host, ["ip", "-4", "-o", "addr", "show"])
+    return {line.split()[3].split("/")[0] for line in out.splitlines()}
+
+
 def root_ray_listeners() -> list[str]:
     out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if RAY_PROCESSES.search(line)]
@@ -82,7 +88,11 @@ def test_tp2_over_ray_across_two_hosts(tiny_llama):
             assert up["nodes"] == [head.addr, worker.addr]  # STRICT_SPREAD: a node per rank
             print(f"\nTP=2 over Ray up in {up['up_s']:.2f} s")
 
-            for host in cluster.hosts:  # Ray listens on namespace addresses only
+            # Ray listens on its node address and on wildcards (the GCS on *:PORT): inside a
+            # host, whose only addresses are its own and loopback, both are namespace-only.
+            assert any(a.endswith(f":{GCS_PORT}") for a in cluster.listeners(head))
+            for host in cluster.hosts:
+                assert host_addresses(cluster, host) == {"127.0.0.1", host.addr}
                 for addr in cluster.listeners(host):
                     assert addr.rsplit(":", 1)[0] in (host.addr, "127.0.0.1", "0.0.0.0", "*",
                                                       "[::]", "[::1]"), (host.ns, addr)

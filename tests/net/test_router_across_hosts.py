@@ -18,6 +18,8 @@ from pagedkv.testing.netns import NetnsCluster, NetnsUnavailable
 from tests.engine.conftest import hf_greedy, make_prompts
 from tests.net.conftest import HostProcess, make_cluster, router_cmd, serve_cmd, url
 
+pytestmark = pytest.mark.timeout(180)  # each test, the first one with the fleet's start
+
 REDIS_PORT = 6379
 MAX_TOKENS = 6
 ROUTER_FLAGS = ["--first-byte-timeout", "4", "--connect-timeout", "1", "--health-interval",
