@@ -9,11 +9,11 @@ Processes run inside a host with `ip netns exec` (`popen`); a function runs insi
 a thread that joined its namespace (`call`: its sockets are the host's). Faults are the
 kernel's own: `link_down` sets the host's switch port down (a cable pulled), `loss` drops a
 share of its packets (nftables), `netem` adds delay and loss (tc netem, where the kernel has
-it), `partition` drops everything between two hosts (nftables, both ways).
+it), `partition` drops everything between two hosts (nftables, or pinned neighbour entries).
 
 Names carry the creating process's pid: `janitor()` removes the namespaces of runs whose
-process is gone (killed before its cleanup ran). Needs root, iproute2 and, for `loss` and
-`partition`, nft; `NetnsUnavailable` says what is missing.
+process is gone (killed before its cleanup ran). Needs root, iproute2 and, for `loss`, nft
+(Debian's nftables); `NetnsUnavailable` says what is missing.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ SUBNET = "10.213.0"
 IFNAME = "eth0"  # every host's interface; GLOO_SOCKET_IFNAME names it for torch.distributed
 _CLONE_NEWNET = 0x40000000
 _NETNS_DIR = "/var/run/netns"
+_NOWHERE_MAC = "02:00:5e:ff:ff:fe"  # locally administered; no host of a cluster has it
 T = TypeVar("T")
 
 
@@ -201,7 +202,14 @@ class NetnsCluster:
         self._nft(host, "delete table inet pkvloss")
 
     def partition(self, a: Host, b: Host) -> None:
-        """Drop every packet between `a` and `b`, silently, both ways (nftables on both)."""
+        """Drop every packet between `a` and `b`, silently, both ways: nftables on both, or
+        without nft, each host's neighbour entry for the other pinned to a MAC address no
+        host has (the bridge floods those frames; every host drops them)."""
+        if shutil.which("nft") is None:
+            for me, other in ((a, b), (b, a)):
+                _run("ip", "-n", me.ns, "neigh", "replace", other.addr, "lladdr", _NOWHERE_MAC,
+                     "dev", IFNAME, "nud", "permanent")
+            return
         for me, other in ((a, b), (b, a)):
             table = f"pkvpart{other.index}"
             self._nft(me, f"add table inet {table}",
@@ -212,6 +220,10 @@ class NetnsCluster:
 
     def heal(self, a: Host, b: Host) -> None:
         """Undo `partition(a, b)`."""
+        if shutil.which("nft") is None:
+            for me, other in ((a, b), (b, a)):
+                _run("ip", "-n", me.ns, "neigh", "del", other.addr, "dev", IFNAME, check=False)
+            return
         self._nft(a, f"delete table inet pkvpart{b.index}")
         self._nft(b, f"delete table inet pkvpart{a.index}")
 
