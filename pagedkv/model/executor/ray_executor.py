@@ -5,7 +5,8 @@ The same group as `MultiProcExecutor` (whose commands, heartbeat and failure han
 inherits): rank 0 runs in the engine's process, which must be a node of a running Ray cluster
 (`ray start` there, or RAY_ADDRESS); ranks 1..N-1 are actors (`_RankActor`, each running the
 worker loop of worker.py) placed by a placement group of one bundle per rank, bundle 0 pinned
-to this node. The bundles are PACKed, or STRICT_SPREAD (one node per rank) with nnodes > 1.
+to this node. The bundles are PACKed; with nnodes > 1, STRICT_SPREAD (a node per rank) when
+nnodes equals the ranks, else SPREAD.
 The ranks meet at `tcp://<this node's Ray IP>:<port>` (master_port, else a free one) and talk
 over torch.distributed as with worker processes. An actor that dies (killed, its node lost)
 ends its `run` task with an error; the heartbeat sees it and the engine fails within the
@@ -67,7 +68,14 @@ class RayExecutor(MultiProcExecutor):
                  master_port: int | None = None) -> None:
         self._ray = ray = import_ray()
         if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
+            address = os.environ.get("RAY_ADDRESS", "auto")
+            try:  # joins a running cluster; never starts one
+                ray.init(address=address, log_to_driver=False)
+            except ConnectionError as exc:
+                raise RuntimeError(
+                    "distributed_executor_backend='ray' runs on a running Ray cluster: `ray "
+                    f"start --head` on this node, or RAY_ADDRESS (tried {address!r}): {exc}"
+                ) from None
         self.node_ip = ray.util.get_node_ip_address()
         self.strategy = placement_strategy(size, nnodes)
         self._refs: list[Any] = []
