@@ -8,8 +8,8 @@ and two clusters (parallel runs) never share a name or an address. Host i has 10
 Processes run inside a host with `ip netns exec` (`popen`); a function runs inside a host in
 a thread that joined its namespace (`call`: its sockets are the host's). Faults are the
 kernel's own: `link_down` sets the host's switch port down (a cable pulled), `loss` drops a
-share of its packets (nftables), `netem` adds delay and loss (tc netem, where the kernel has
-it), `partition` drops everything between two hosts (nftables, or pinned neighbour entries).
+share of its packets (nftables), `netem` adds delay and loss (tc netem; without it, the netfilter
+queue held for the delay by nfq_delay.py, and nftables' random drop), `partition` drops everything between two hosts (nftables, or pinned neighbour entries).
 
 Names carry the creating process's pid: `janitor()` removes the namespaces of runs whose
 process is gone (killed before its cleanup ran). Needs root, iproute2 and, for `loss`, nft
@@ -25,9 +25,11 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 PREFIX = "pkvt-"
@@ -92,6 +94,7 @@ class NetnsCluster:
         self.hosts = [Host(i, f"{self.run_id}-h{i}", f"{SUBNET}.{i + 1}", f"p{i}")
                       for i in range(n_hosts)]
         self._closed = False
+        self._delayers: dict[int, subprocess.Popen] = {}
         try:
             self._build()
         except BaseException:
@@ -175,17 +178,50 @@ class NetnsCluster:
         _run("ip", "-n", self.switch, "link", "set", host.port, "up")
 
     def netem(self, host: Host, delay_ms: float, loss_pct: float = 0.0) -> None:
-        """Delay every packet `host` sends by `delay_ms` and drop `loss_pct`% (tc netem)."""
+        """Delay every packet `host` sends by `delay_ms` and drop `loss_pct`% of them: tc
+        netem, or where the kernel has no netem qdisc, its netfilter queue held by
+        nfq_delay.py (iptables NFQUEUE) and nftables' random drop."""
         proc = _run("ip", "netns", "exec", host.ns, "tc", "qdisc", "replace", "dev", IFNAME,
                     "root", "netem", "delay", f"{delay_ms}ms", "loss", f"{loss_pct}%",
                     check=False)
-        if proc.returncode != 0:
-            raise NetnsUnavailable(f"tc netem: {proc.stderr.strip()} (the kernel has no "
-                                   "netem qdisc: CONFIG_NET_SCH_NETEM)")
+        if proc.returncode == 0:
+            return
+        iptables = shutil.which("iptables-legacy") or shutil.which("iptables")
+        if iptables is None or shutil.which("nft") is None:
+            raise NetnsUnavailable(f"tc netem: {proc.stderr.strip()} (no netem qdisc: "
+                                   "CONFIG_NET_SCH_NETEM), and no iptables and nft to delay "
+                                   "through the netfilter queue instead")
+        self.clear_netem(host)
+        delayer = self.popen(host, [sys.executable, str(Path(__file__).with_name(
+            "nfq_delay.py")), "--queue", str(host.index), "--delay-ms", str(delay_ms)],
+            stdout=subprocess.PIPE, text=True)
+        if delayer.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"nfq_delay in {host.ns} did not start")
+        self._delayers[host.index] = delayer
+        _run("ip", "netns", "exec", host.ns, iptables, *self._queue_rule(host, "-A"))
+        if loss_pct:
+            share = round(loss_pct * 100)
+            self._nft(host, "add table inet pkvnetem",
+                      "add chain inet pkvnetem out { type filter hook output priority 0; }",
+                      f'add rule inet pkvnetem out oifname "{IFNAME}" numgen random mod '
+                      f"10000 < {share} drop")
 
     def clear_netem(self, host: Host) -> None:
         _run("ip", "netns", "exec", host.ns, "tc", "qdisc", "del", "dev", IFNAME, "root",
              check=False)
+        delayer = self._delayers.pop(host.index, None)
+        if delayer is None:
+            return
+        iptables = shutil.which("iptables-legacy") or shutil.which("iptables") or "iptables"
+        _run("ip", "netns", "exec", host.ns, iptables, *self._queue_rule(host, "-D"),
+             check=False)
+        _kill_group(delayer)
+        _run("ip", "netns", "exec", host.ns, "nft", "delete table inet pkvnetem", check=False)
+
+    @staticmethod
+    def _queue_rule(host: Host, action: str) -> list[str]:
+        return ["-w", "5", action, "OUTPUT", "-o", IFNAME, "-j", "NFQUEUE", "--queue-num",
+                str(host.index)]
 
     def loss(self, host: Host, loss_pct: float) -> None:
         """Drop `loss_pct`% of the packets `host` sends and receives on eth0 (nftables)."""

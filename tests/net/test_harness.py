@@ -1,11 +1,12 @@
-"""The namespace harness itself: hosts reach each other on their own addresses and not through
-the machine's namespace; faults take effect and undo; nothing is left behind, and a killed
-run's namespaces are swept."""
+"""The namespace harness itself: hosts reach each other on their own addresses, nothing
+listens in the machine's namespace; faults (partition, link down, added delay) take effect and
+undo; nothing is left behind, and a killed run's namespaces are swept."""
 
 from __future__ import annotations
 
 import socket
 import subprocess
+import time
 
 import pytest
 
@@ -49,14 +50,21 @@ while True:
         assert cluster.call(a, connect, b.addr, 7000) == "TimeoutError"
         cluster.link_up(b)
         assert cluster.call(a, _wait_connect, b.addr, 7000) == "hi"
+        cluster.netem(a, delay_ms=50)
+        assert min(cluster.call(a, connect_ms, b.addr, 7000) for _ in range(3)) >= 45
+        cluster.clear_netem(a)
         made = {h.ns for h in cluster.hosts} | {cluster.switch}
         assert made <= namespaces()
     assert not made & namespaces()
 
 
-def _wait_connect(addr: str, port: int) -> str:
-    import time
+def connect_ms(addr: str, port: int) -> float:
+    start = time.perf_counter()
+    assert connect(addr, port) == "hi"
+    return 1e3 * (time.perf_counter() - start)
 
+
+def _wait_connect(addr: str, port: int) -> str:
     for _ in range(50):
         got = connect(addr, port)
         if got == "hi":
