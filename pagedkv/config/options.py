@@ -35,6 +35,7 @@ PreemptionMode = Literal["recompute", "swap"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 PrefixCachingHashAlgo = Literal["sha256", "xxhash"]
 Device = Literal["auto", "cpu", "cuda"]
+ExecutorBackend = Literal["mp", "ray"]
 # pagedkv.kernels.modes.CPU_KERNEL_MODES is read from this; the eviction policies' names are
 # those of pagedkv.kv.eviction.EVICTION_POLICIES (tests/config/test_options.py holds them equal).
 CpuKernelMode = Literal["auto", "wait", "off"]
@@ -200,6 +201,10 @@ class ParallelOptions:
                            "--nnodes > 1)")
     master_port: int | None = opt(None, "a free port on node 0 for the ranks' rendezvous (with "
                                   "--nnodes > 1)", ge=1, le=65535)
+    distributed_executor_backend: ExecutorBackend = opt(
+        "mp", "how the tensor-parallel ranks run: 'mp' worker processes (started here, or by "
+        "`--node-rank K` on the other machines), 'ray' Ray actors placed on a running Ray "
+        "cluster (one bundle per rank; one node per rank with --nnodes > 1; needs the ray extra)")
 
 
 # The groups of EngineArgs, in the order the flags and the reference page list them.

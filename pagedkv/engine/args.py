@@ -74,7 +74,8 @@ class EngineArgs(ParallelOptions, StructuredOptions, RuntimeOptions, StoreOption
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), "
                              f"got {self.node_rank!r}")
-        if self.nnodes > 1 and self.master_port is None:
+        if self.nnodes > 1 and self.master_port is None and \
+                self.distributed_executor_backend == "mp":
             raise ValueError("nnodes > 1 needs master_port (and master_addr: node 0's address)")
         if self.async_scheduling and self.uses_kv_store:
             raise ValueError("async_scheduling=True does not support the KV store "

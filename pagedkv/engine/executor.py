@@ -1,5 +1,6 @@
 """Which executor runs the model for an engine: the ModelRunner itself in one process, or a
-MultiProcExecutor over `tensor_parallel_size` ranks (pagedkv.model.executor)."""
+MultiProcExecutor (or, with distributed_executor_backend='ray', a RayExecutor) over
+`tensor_parallel_size` ranks (pagedkv.model.executor)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,12 @@ def build_executor(args: EngineArgs, config: RunnerConfig) -> Executor:
                                    cfg.intermediate_size)
     if args.tensor_parallel_size == 1:
         return ModelRunner.from_config(config)
+    if args.distributed_executor_backend == "ray":
+        from pagedkv.model.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config, size=args.tensor_parallel_size,
+                           timeout_s=args.distributed_timeout_s, nnodes=args.nnodes,
+                           master_port=args.master_port)
     from pagedkv.model.executor.multiproc import MultiProcExecutor
 
     return MultiProcExecutor(config, size=args.tensor_parallel_size,

@@ -5,6 +5,8 @@
   process; ranks 1..N-1 are worker processes (worker.py) that get each step's SchedulerOutput
   by broadcast and run their shard; collectives over torch.distributed (gloo on CPU, NCCL on
   CUDA). Rank 0 returns its sampled result, as the one-process runner does.
+- `RayExecutor` (ray_executor.py, `distributed_executor_backend='ray'`): the same group with
+  ranks 1..N-1 as Ray actors placed by a placement group (the `ray` extra).
 """
 
 from __future__ import annotations

@@ -57,13 +57,8 @@ class MultiProcExecutor:
         if init_method is None:  # one machine: a rendezvous file, no port to pick
             self._tmpdir = tempfile.mkdtemp(prefix="pagedkv-tp-")
             init_method = "file://" + str(Path(self._tmpdir) / "rendezvous")
-        ctx = mp.get_context("spawn")
-        self.workers = [ctx.Process(target=worker_main, name=f"pagedkv-tp-rank{r}", daemon=True,
-                                    args=(r, r, size, init_method, device, timeout_s,
-                                          worker_threads))
-                        for r in range(1, ranks_per_node)]
-        for p in self.workers:
-            p.start()
+        self.workers = self._start_workers(range(1, ranks_per_node), init_method, device,
+                                           worker_threads)
         self._lock = threading.Lock()
         self._dead: str | None = None
         self._closed = threading.Event()
@@ -163,6 +158,18 @@ class MultiProcExecutor:
             time.sleep(0.02)
         return str(exc)
 
+    def _start_workers(self, ranks: range, init_method: str, device: str,
+                       worker_threads: int | None) -> list[Any]:
+        """Start the worker ranks `ranks` (spawned processes here; other executors override)."""
+        ctx = mp.get_context("spawn")
+        workers = [ctx.Process(target=worker_main, name=f"pagedkv-tp-rank{r}", daemon=True,
+                               args=(r, r, self.size, init_method, device, self.timeout_s,
+                                     worker_threads))
+                   for r in ranks]
+        for p in workers:
+            p.start()
+        return workers
+
     def _dead_worker(self) -> str | None:
         for rank, p in enumerate(self.workers, start=1):
             if p.exitcode is not None:
@@ -198,14 +205,17 @@ class MultiProcExecutor:
             finally:
                 self._lock.release()
 
-    def _teardown(self) -> None:
-        self._closed.set()
-        deadline = time.monotonic() + min(self.timeout_s, 5.0)
+    def _stop_workers(self, deadline: float) -> None:
+        """Wait for the workers to end until `deadline` (monotonic), then kill the rest."""
         for p in self.workers:
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join(5.0)
+
+    def _teardown(self) -> None:
+        self._closed.set()
+        self._stop_workers(time.monotonic() + min(self.timeout_s, 5.0))
         if self.group is not None:
             self.group.close()
         if self.runner is not None:

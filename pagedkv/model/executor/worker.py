@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import traceback
 from dataclasses import replace
 from typing import Any
@@ -72,8 +73,9 @@ def run_worker(rank: int, local_rank: int, size: int, init_method: str, device: 
     from pagedkv.model.parallel.group import CollectiveError, TensorParallelGroup, rank_device
     from pagedkv.model.runner import ModelRunner, resolve_device
 
-    for signum in (signal.SIGINT, signal.SIGTERM):  # a group-wide stop is rank 0's to handle
-        signal.signal(signum, signal.SIG_IGN)
+    if threading.current_thread() is threading.main_thread():  # (a Ray actor's may not be)
+        for signum in (signal.SIGINT, signal.SIGTERM):  # a group-wide stop is rank 0's
+            signal.signal(signum, signal.SIG_IGN)
     die_with_parent()
     if cpu_threads is not None:
         torch.set_num_threads(cpu_threads)
