@@ -185,7 +185,7 @@ class StructuredOptions:
 
 @dataclass(kw_only=True)
 class ParallelOptions:
-    """Tensor parallelism, over one machine or several (torchrun's names)."""
+    """Tensor parallelism, over one machine or several (torchrun's names), and data parallelism."""
 
     tensor_parallel_size: int = opt(1, "split every layer over this many ranks (worker "
                                     "processes; gloo on CPU, NCCL on CUDA)", ge=1)
@@ -200,6 +200,12 @@ class ParallelOptions:
                            "--nnodes > 1)")
     master_port: int | None = opt(None, "a free port on node 0 for the ranks' rendezvous (with "
                                   "--nnodes > 1)", ge=1, le=65535)
+    data_parallel_size: int = opt(1, "data parallel: this many engine cores (each its own "
+                                  "process, KV cache and scheduler, times tensor_parallel_size "
+                                  "ranks) behind one frontend, each request placed on one by the "
+                                  "kv-aware policy", ge=1)
+    data_parallel_rank: int = opt(0, "this engine core's index among the data-parallel cores (set "
+                                  "by the frontend: its KV events carry it)", ge=0)
 
 
 # The groups of EngineArgs, in the order the flags and the reference page list them.
