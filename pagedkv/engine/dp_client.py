@@ -41,7 +41,7 @@ from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.core_client import CoreClient, CoreDeadError, MPCoreClient, start_core_client
 from pagedkv.engine.messages import Abort, CoreOutput, EngineCoreRequest, EngineReady
 from pagedkv.engine.placement.cores import CoreLoad, CorePlacer
-from pagedkv.engine.stats import EngineStats
+from pagedkv.engine.stats import sum_stats
 from pagedkv.kv.hashing import RequestBlockHasher
 from pagedkv.sched.request import child_request_id
 
@@ -93,33 +93,6 @@ def core_args(args: EngineArgs, rank: int, num_cpus: int) -> EngineArgs:
         events = json.dumps(config)
     return dataclasses.replace(args, data_parallel_rank=rank, kv_events_config=events,
                                cpu_threads=cpu_share(args, num_cpus))
-
-
-def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
-    """The cores' stats as one engine's: counts summed, KV usage over every core's blocks,
-    per-bucket step counts summed, each store tier's counters summed across the cores."""
-    total: dict[str, Any] = {}
-    for f in dataclasses.fields(EngineStats):
-        values = [getattr(s, f.name) for s in stats]
-        if f.name == "kv_cache_usage":
-            blocks = sum(s.num_blocks for s in stats)
-            total[f.name] = (sum(s.kv_cache_usage * s.num_blocks for s in stats) / blocks
-                             if blocks else 0.0)
-        elif f.name == "iteration_token_counts":
-            total[f.name] = tuple(sum(col) for col in zip(*values, strict=True)) \
-                if all(values) else ()
-        elif f.name == "kv_store_tiers":
-            total[f.name] = tuple(_sum_tiers(tiers) for tiers in zip(*values, strict=True))
-        else:
-            total[f.name] = sum(values)
-    return EngineStats(**total)
-
-
-def _sum_tiers(tiers: Sequence[dict]) -> dict:
-    """One tier's `to_dict()` across the cores: numbers summed, the rest (names) kept."""
-    return {key: (sum(t[key] for t in tiers) if isinstance(value, (int, float))
-                  and not isinstance(value, bool) else value)
-            for key, value in tiers[0].items()}
 
 
 @dataclass

@@ -18,10 +18,9 @@ from pagedkv.engine.dp_client import (
     core_args,
     cpu_share,
     offset_endpoint_port,
-    sum_stats,
 )
 from pagedkv.engine.llm_engine import LLMEngine
-from pagedkv.engine.stats import EngineStats
+from pagedkv.engine.stats import EngineStats, sum_stats
 from pagedkv.sched.sampling_params import SamplingParams
 from tests.engine.conftest import make_prompts
 
