@@ -8,8 +8,10 @@ import dataclasses
 import json
 import os
 import signal
+import time
 
 import pytest
+import zmq
 
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.core_client import CoreDeadError
@@ -21,6 +23,7 @@ from pagedkv.engine.dp_client import (
 )
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.stats import EngineStats, sum_stats
+from pagedkv.events.wire import BlockStored, decode_batch
 from pagedkv.sched.sampling_params import SamplingParams
 from tests.engine.conftest import make_prompts
 
@@ -53,8 +56,34 @@ def _batch(vocab: int) -> dict[str, tuple[list[int], SamplingParams]]:
 
 
 @pytest.fixture(scope="module")
-def dp_engine(tiny_llama):
-    engine = LLMEngine(_args(tiny_llama, data_parallel_size=2))
+def event_subs():
+    """Two SUB sockets bound on consecutive ports (the cores' publishers connect to them)."""
+    context = zmq.Context()
+    for _ in range(20):
+        first = context.socket(zmq.SUB)
+        port = first.bind_to_random_port("tcp://127.0.0.1")
+        second = context.socket(zmq.SUB)
+        try:
+            second.bind(f"tcp://127.0.0.1:{port + 1}")
+        except zmq.ZMQError:
+            first.close(0)
+            second.close(0)
+            continue
+        for sub in (first, second):
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+        yield port, [first, second]
+        first.close(0)
+        second.close(0)
+        context.term()
+        return
+    pytest.fail("no two consecutive free ports")
+
+
+@pytest.fixture(scope="module")
+def dp_engine(tiny_llama, event_subs):
+    events = json.dumps({"enable_kv_cache_events": True,
+                         "endpoint": f"tcp://127.0.0.1:{event_subs[0]}"})
+    engine = LLMEngine(_args(tiny_llama, data_parallel_size=2, kv_events_config=events))
     yield engine
     engine.shutdown()
 
@@ -78,6 +107,24 @@ def test_two_cores_give_one_cores_tokens_and_share_the_batch(tiny_llama, dp_engi
     assert total.num_blocks == 2 * per_core[0].num_blocks
     assert client.placer.in_flight == [0, 0] and client.placer.queued_blocks == [0.0, 0.0]
     dp_engine.check_invariants()
+
+
+def test_each_cores_kv_events_carry_its_rank(dp_engine, event_subs):
+    """Core r publishes on the configured port + r, each batch stamped data_parallel_rank=r
+    (as vLLM's publishers are)."""
+    for sub in event_subs[1]:  # a bound SUB attaches its peers only when called into
+        sub.poll(500)
+    # Two requests added together: the second goes to the core the first left idle.
+    _run(dp_engine, {f"ev{i}": ([30 + i] * 12, SamplingParams(max_tokens=1)) for i in range(2)})
+    for rank, sub in enumerate(event_subs[1]):
+        ranks, stored = set(), 0
+        deadline = time.monotonic() + 10
+        while not stored and time.monotonic() < deadline:
+            if sub.poll(200):
+                batch = decode_batch(sub.recv_multipart()[2])
+                ranks.add(batch.data_parallel_rank)
+                stored += sum(isinstance(e, BlockStored) for e in batch.events)
+        assert stored and ranks == {rank}, (rank, ranks)
 
 
 def test_a_prompt_goes_to_the_core_holding_its_prefix(dp_engine):
