@@ -160,3 +160,13 @@ def test_a_dead_core_ends_the_server_naming_it(dp_server):
         time.sleep(0.1)
     assert dp_server.proc.returncode == 1, dp_server.output()
     assert "data-parallel engine core 1 of 2" in dp_server.output()
+
+
+def test_bad_data_parallel_flags_are_one_line(tiny_llama):
+    from tests.server.test_startup_errors import _one_line, _serve
+
+    line = _one_line(_serve(tiny_llama, "--data-parallel-size", "2", "--engine-core", "inproc"))
+    assert "--engine-core inproc" in line
+    line = _one_line(_serve(tiny_llama, "--data-parallel-size", "2", "--data-parallel-rank",
+                            "2"))
+    assert "data_parallel_rank" in line
