@@ -25,7 +25,7 @@ from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.stats import EngineStats, sum_stats
 from pagedkv.events.wire import BlockStored, decode_batch
 from pagedkv.sched.sampling_params import SamplingParams
-from tests.engine.conftest import hf_greedy, make_prompts
+from tests.engine.conftest import make_prompts
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -216,18 +216,3 @@ def test_summed_stats_weigh_kv_usage_by_pool_size():
     assert total.iteration_token_counts == (1, 7)
     assert total.kv_store_tiers == ({"name": "cpu", "hits": 3},)
 
-
-@pytest.mark.slow
-def test_two_cores_of_two_tensor_parallel_ranks_give_one_cores_tokens(tiny_llama):
-    """dp x tp: each core its own tensor-parallel group (its own rendezvous)."""
-    prompts = make_prompts(7, 400, num=4, shared_prefix=0, lengths=(5, 12))
-    batch = {f"p{i}": (p, SamplingParams(max_tokens=5, temperature=0.0))
-             for i, p in enumerate(prompts)}
-    engine = LLMEngine(_args(tiny_llama, data_parallel_size=2, tensor_parallel_size=2,
-                             cpu_kernels="off"))
-    try:
-        got = _run(engine, batch)
-        assert min(engine.client.placer.placed) >= 1
-    finally:
-        engine.shutdown()
-    assert got == {rid: [hf_greedy(tiny_llama, p, 5)] for rid, (p, _) in batch.items()}
