@@ -7,6 +7,9 @@
   standard input is a pipe that only this process holds open: when this process dies, however
   it dies, the core sees end of file there and exits (removing the directory itself).
 
+With `data_parallel_size` > 1 the frontend's client is `DPCoreClient` (dp_client.py): N
+`MPCoreClient`s behind this same interface.
+
 Both are owned by one thread (the one that steps the engine); only `wake()` may be called from
 any thread. A utility call is either waited for (`call`) or started (`call_async`): its
 `concurrent.futures.Future` is resolved by whatever next reads the core's outputs (the owning
