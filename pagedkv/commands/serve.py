@@ -133,7 +133,12 @@ def check_flags(args: argparse.Namespace) -> EngineArgs:
         from pagedkv.commands.chat_template import load_chat_template
 
         args.chat_template = load_chat_template(args.chat_template)
-    return engine_args_from_flags(args, args.model)
+    engine_args = engine_args_from_flags(args, args.model)
+    if engine_args.data_parallel_size > 1 and engine_core_mode(args.engine_core) == "inproc":
+        raise ValueError(f"--data-parallel-size {engine_args.data_parallel_size} runs each "
+                         "engine core in its own process: it does not combine with "
+                         "--engine-core inproc")
+    return engine_args
 
 
 def run(args: argparse.Namespace) -> int:

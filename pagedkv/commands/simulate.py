@@ -6,6 +6,7 @@ cache manager on a virtual clock, with a latency model instead of the model runn
         [--latency roofline:h100 | PROFILE.json | linear] [engine flags: --block-size,
         --kv-cache-dtype, --num-gpu-blocks-override, --max-num-seqs, --preemption-mode, ...]
         [--instances N --policy kv-aware|round-robin|least-load|session]
+        [--data-parallel-size N]
         [--slo ttft=2,tpot=0.1] [--sweep SETTING=V1,V2] [--search num_blocks|instances]
         [--prefill-instances P --decode-instances D --kv-link-gbps G [--compare-mixed]]
         [--json OUT.json] [--plot OUT.png]
@@ -90,6 +91,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--instances", type=int, default=1, metavar="N")
     c.add_argument("--policy", choices=POLICY_NAMES, default="kv-aware",
                    help="routing policy with --instances > 1")
+    c.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
+                   help="N engine cores of one `pagedkv serve --data-parallel-size N`, placed "
+                   "by its front end (kv-aware, on its own books); not with --instances")
     c.add_argument("--slo", default=None, help="e.g. ttft=2,tpot=0.1 (seconds, or 200ms)")
     c.add_argument("--sweep", default=None, metavar="SETTING=V1,V2",
                    help="one run per value, e.g. num_blocks=2000,4000 or instances=1,2,4")
@@ -123,6 +127,19 @@ def run(args: argparse.Namespace) -> int:
     if args.instances < 1:
         raise ValueError(f"--instances must be >= 1, got {args.instances}")
     split = wants_split(args)
+    data_parallel = args.data_parallel_size is not None
+    if data_parallel:
+        if args.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+        if args.instances > 1:
+            raise ValueError("--data-parallel-size N is one server of N cores; --instances is "
+                             "N servers behind a router: give one")
+        if args.search or args.sweep:
+            raise ValueError("--data-parallel-size runs once: not with --search or --sweep")
+        if split:
+            raise ValueError("--data-parallel-size is one server of mixed cores: not with "
+                             "--prefill-instances/--decode-instances")
+        args.instances = args.data_parallel_size
     slo = SLO.parse(args.slo)
     if args.search and slo is None:
         raise ValueError("--search needs --slo")
@@ -193,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
 
         event_log = SimEventLog()
     result = simulate(trace, config, latency, num_instances=args.instances, policy=args.policy,
-                      on_instance=None if event_log is None else event_log.attach)
+                      on_instance=None if event_log is None else event_log.attach,
+                      data_parallel=data_parallel)
     if event_log is not None:
         event_log.write(args.event_log)
         print(f"event log (instance 0, {len(event_log.updates)} updates"

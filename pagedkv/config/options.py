@@ -186,7 +186,7 @@ class StructuredOptions:
 
 @dataclass(kw_only=True)
 class ParallelOptions:
-    """Tensor parallelism, over one machine or several (torchrun's names)."""
+    """Tensor parallelism, over one machine or several (torchrun's names), and data parallelism."""
 
     tensor_parallel_size: int = opt(1, "split every layer over this many ranks (worker "
                                     "processes; gloo on CPU, NCCL on CUDA)", ge=1)
@@ -205,6 +205,12 @@ class ParallelOptions:
         "mp", "how the tensor-parallel ranks run: 'mp' worker processes (started here, or by "
         "`--node-rank K` on the other machines), 'ray' Ray actors placed on a running Ray "
         "cluster (one bundle per rank; one node per rank with --nnodes > 1; needs the ray extra)")
+    data_parallel_size: int = opt(1, "data parallel: this many engine cores (each its own "
+                                  "process, KV cache and scheduler, times tensor_parallel_size "
+                                  "ranks) behind one frontend, each request placed on one by the "
+                                  "kv-aware policy", ge=1)
+    data_parallel_rank: int = opt(0, "this engine core's index among the data-parallel cores (set "
+                                  "by the frontend: its KV events carry it)", ge=0)
 
 
 # The groups of EngineArgs, in the order the flags and the reference page list them.

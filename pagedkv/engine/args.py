@@ -77,6 +77,12 @@ class EngineArgs(ParallelOptions, StructuredOptions, RuntimeOptions, StoreOption
         if self.nnodes > 1 and self.master_port is None and \
                 self.distributed_executor_backend == "mp":
             raise ValueError("nnodes > 1 needs master_port (and master_addr: node 0's address)")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank must be in [0, data_parallel_size="
+                             f"{self.data_parallel_size}), got {self.data_parallel_rank!r}")
+        if self.data_parallel_size > 1 and self.nnodes > 1:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size} runs every core on "
+                             f"this machine: it does not combine with nnodes={self.nnodes}")
         if self.async_scheduling and self.uses_kv_store:
             raise ValueError("async_scheduling=True does not support the KV store "
                              "(kv_offloading_*) yet: use one or the other")

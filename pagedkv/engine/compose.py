@@ -88,7 +88,7 @@ def build_core(args: EngineArgs, tokenizer: Tokenizer | None = None) -> CorePart
         prepare_executor(executor, args, setup)
         scheduler = build_scheduler(args, setup, executor, store is not None,
                                     events_config.enabled)
-        publisher = make_event_publisher(events_config)
+        publisher = make_event_publisher(events_config, args.data_parallel_rank)
         if publisher is not None:
             on_failure.callback(publisher.close)
         step_log = open_step_log(args)

@@ -7,6 +7,9 @@
   standard input is a pipe that only this process holds open: when this process dies, however
   it dies, the core sees end of file there and exits (removing the directory itself).
 
+With `data_parallel_size` > 1 the frontend's client is `DPCoreClient` (dp_client.py): N
+`MPCoreClient`s behind this same interface.
+
 Both are owned by one thread (the one that steps the engine); only `wake()` may be called from
 any thread. A utility call is either waited for (`call`) or started (`call_async`): its
 `concurrent.futures.Future` is resolved by whatever next reads the core's outputs (the owning
@@ -149,10 +152,17 @@ _RESULTS: dict[str, Any] = {"get_stats": EngineStats, "pin_prefix": PinInfo,
                             "unpin_prefix": PinInfo}
 
 
+def _stats(value: dict) -> EngineStats:
+    return EngineStats(**{**value, "kv_store_tiers": tuple(value["kv_store_tiers"]),
+                          "iteration_token_counts": tuple(value["iteration_token_counts"])})
+
+
 def _result(method: str, value: Any) -> Any:
+    if method == "get_core_stats":
+        return [_stats(v) for v in value]
     kind = _RESULTS.get(method)
     if kind is EngineStats:
-        return EngineStats(**{**value, "kv_store_tiers": tuple(value["kv_store_tiers"])})
+        return _stats(value)
     return kind(**value) if kind is not None else value
 
 
@@ -271,6 +281,23 @@ class MPCoreClient:
     def output_time(self) -> float | None:
         """When the step of the last `get_outputs()` ended (the core's monotonic clock)."""
         return self._output_time
+
+    @property
+    def output_socket(self) -> zmq.Socket:
+        """The socket the core's messages arrive on (to poll several cores at once)."""
+        return self._output
+
+    def has_outputs(self) -> bool:
+        """Whether a step's outputs arrived and wait to be taken."""
+        return bool(self._pending)
+
+    def take_step(self) -> CoreStepOutputs:
+        """The oldest step that arrived and is not taken (`has_outputs()` first)."""
+        return self._pending.popleft()
+
+    def receive(self, timeout_s: float) -> None:
+        """Take what arrived, waiting up to `timeout_s` for it (see `_receive`)."""
+        self._receive(timeout_s)
 
     def _receive(self, timeout_s: float) -> None:
         """Receive what is there (waiting up to `timeout_s` for the first message): step

@@ -247,8 +247,16 @@ class _CoreLoop:
                 self._send(CoreDied(f"KV cache invariants broken: {broken}", "RuntimeError"))
                 return False
         if outs:
-            self._send(CoreStepOutputs(outs, time.monotonic()))
+            self._send(step_outputs(self.core, outs))
         return True
+
+
+def step_outputs(core: Any, outs: list[CoreOutput]) -> CoreStepOutputs:
+    """A step's outputs, stamped now, with the core's queues and KV usage after it."""
+    scheduler = core.scheduler
+    return CoreStepOutputs(outs, time.monotonic(), len(scheduler.running),
+                           len(scheduler.waiting) + len(scheduler.loading),
+                           scheduler.kv_cache_manager.usage)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.args import EngineArgs
-from pagedkv.engine.core_client import InprocCoreClient, start_core_client
+from pagedkv.engine.core_client import InprocCoreClient
+from pagedkv.engine.dp_client import start_client
 from pagedkv.engine.input_processor import InputProcessor, PromptType
 from pagedkv.engine.messages import Abort, EngineCoreRequest, EngineReady
 from pagedkv.engine.model_files import open_model_dir
@@ -51,7 +52,7 @@ class LLMEngine:
             raise ValueError("model must be a model directory, got ''")
         self.tokenizer = open_model_dir(args)  # args.model: now a checked local directory
         self.args = args
-        self.client = start_core_client(args, self.tokenizer, core_process=core_process)
+        self.client = start_client(args, self.tokenizer, core_process=core_process)
         # The core itself when it runs in this process (tests and tools), else None.
         self.core = self.client.core if isinstance(self.client, InprocCoreClient) else None
         ready = self.client.ready

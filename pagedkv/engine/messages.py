@@ -82,11 +82,15 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class CoreStepOutputs(msgspec.Struct, array_like=True, tag=True):
-    """One core step's outputs, in schedule order, and when the step ended (the core's
-    `time.monotonic()`: one clock for every process on the machine)."""
+    """One core step's outputs, in schedule order, when the step ended (the core's
+    `time.monotonic()`: one clock for every process on the machine) and the core's load then."""
 
     outputs: list[CoreOutput]
     timestamp: float = 0.0
+    # The core's queues and KV usage after the step (what a data-parallel front end places by).
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
 
 
 class UtilityResult(msgspec.Struct, array_like=True, tag=True):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -77,3 +79,30 @@ def scheduler_stats(scheduler: Any, **fields: Any) -> EngineStats:
         num_preemptions=scheduler.num_preemptions, num_swaps=scheduler.num_swaps,
         num_pinned_blocks=kv.num_pinned_blocks, num_waiting_for_kv=len(scheduler.loading),
         **fields)
+
+
+def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
+    """The cores' stats as one engine's: counts summed, KV usage over every core's blocks,
+    per-bucket step counts summed, each store tier's counters summed across the cores."""
+    total: dict[str, Any] = {}
+    for f in dataclasses.fields(EngineStats):
+        values = [getattr(s, f.name) for s in stats]
+        if f.name == "kv_cache_usage":
+            blocks = sum(s.num_blocks for s in stats)
+            total[f.name] = (sum(s.kv_cache_usage * s.num_blocks for s in stats) / blocks
+                             if blocks else 0.0)
+        elif f.name == "iteration_token_counts":
+            total[f.name] = tuple(sum(col) for col in zip(*values, strict=True)) \
+                if all(values) else ()
+        elif f.name == "kv_store_tiers":
+            total[f.name] = tuple(_sum_tiers(tiers) for tiers in zip(*values, strict=True))
+        else:
+            total[f.name] = sum(values)
+    return EngineStats(**total)
+
+
+def _sum_tiers(tiers: Sequence[dict]) -> dict:
+    """One tier's `to_dict()` across the cores: numbers summed, the rest (names) kept."""
+    return {key: (sum(t[key] for t in tiers) if isinstance(value, (int, float))
+                  and not isinstance(value, bool) else value)
+            for key, value in tiers[0].items()}

@@ -19,11 +19,13 @@ from pagedkv.engine.runner_facts import kernel_choice
 UTILITY_METHODS = frozenset({
     "get_stats", "check_invariants", "is_prefix_cached", "pin_prefix", "unpin_prefix", "now",
     "dashboard.subscribe", "dashboard.unsubscribe", "dashboard.drain", "dashboard.block_table",
-    "dashboard.explain", "dashboard.explain_recent", "cpu_kernel_choice",
+    "dashboard.explain", "dashboard.explain_recent", "cpu_kernel_choice", "get_core_stats",
 })
 # Utility calls answered by a function of the core rather than by one of its methods.
 CORE_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "cpu_kernel_choice": lambda core: kernel_choice(core.runner),
+    # Each engine core's stats (a data-parallel client lists every core's; here: this one).
+    "get_core_stats": lambda core: [core.get_stats()],
 }
 
 

@@ -176,10 +176,13 @@ class ZmqEventPublisher:
             self._thread.join(timeout=5)
 
 
-def make_event_publisher(config: KVEventsConfig) -> ZmqEventPublisher | None:
-    """The publisher `config` asks for, open and running; None when events are disabled."""
+def make_event_publisher(config: KVEventsConfig,
+                         data_parallel_rank: int = 0) -> ZmqEventPublisher | None:
+    """The publisher `config` asks for, open and running, its batches stamped with
+    `data_parallel_rank`; None when events are disabled."""
     if not config.enabled:
         return None
     return ZmqEventPublisher(config.endpoint, config.topic, max_queue_size=config.max_queue_size,
                              replay_endpoint=config.replay_endpoint,
-                             buffer_steps=config.buffer_steps, hwm=config.hwm)
+                             buffer_steps=config.buffer_steps, hwm=config.hwm,
+                             data_parallel_rank=data_parallel_rank)

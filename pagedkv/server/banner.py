@@ -9,6 +9,10 @@ much KV cache it has, from what the engine core reported when it was built (`Eng
     engine core: pid 4242
     CPU kernels: fused C++ kernels (avx512_bf16 panels)
 
+With data parallelism the KV cache line is per core and the core line lists every core:
+
+    data parallel: 2 engine cores (pids 4242, 4243), 1 CPU thread per rank each
+
 "Maximum concurrency" is vLLM's figure: the usable blocks over the blocks one request of
 max_model_len tokens holds at most (fewer with sliding-window layers).
 """
@@ -16,6 +20,7 @@ max_model_len tokens holds at most (fewer with sliding-window layers).
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from typing import Any
 
@@ -44,21 +49,40 @@ def core_pid(engine: Any) -> int | None:
     return None if process is None else process.pid
 
 
+def cores_line(engine: Any, ready: Any) -> str:
+    """The engine core line: in-process, its pid, or every data-parallel core's pid (and,
+    on CPU, each rank's compute threads)."""
+    cores = getattr(getattr(engine, "client", None), "cores", None)
+    if not cores:
+        pid = core_pid(engine)
+        return f"engine core: {'in-process' if pid is None else f'pid {pid}'}"
+    pids = ", ".join(str(core.process.pid) for core in cores)
+    line = f"data parallel: {len(cores)} engine cores (pids {pids})"
+    threads = engine.args.cpu_threads
+    if str(ready.device).startswith("cpu"):
+        from pagedkv.engine.dp_client import cpu_share
+
+        count = cpu_share(engine.args, len(os.sched_getaffinity(0))) if threads is None \
+            else threads
+        line += f", {count} CPU thread{'s' if count != 1 else ''} per rank each"
+    return line
+
+
 def banner_lines(engine: Any, *, url: str, served_model_name: str, version: str) -> list[str]:
     """The start-up banner of a server for `engine` (an `LLMEngine`) at `url`."""
     ready = engine.ready
-    pid = core_pid(engine)
     blocks = ready.num_gpu_blocks
+    per_core = " per core" if getattr(engine.args, "data_parallel_size", 1) > 1 else ""
     lines = [
         f"pagedkv {version} ready on {url} (OpenAI API under /v1, dashboard {url}/dashboard)",
         f"model: {engine.args.model}, served as {served_model_name!r}",
         f"weights: {format_size(ready.weights_bytes)} {ready.model_dtype} on {ready.device}",
         f"KV cache: {blocks} blocks of {ready.block_size} tokens, "
         f"{format_size(ready.block_bytes)} each: {format_size(blocks * ready.block_bytes)} "
-        f"({ready.kv_cache_dtype})",
+        f"({ready.kv_cache_dtype}){per_core}",
         f"Maximum concurrency for {ready.max_model_len} tokens per request: "
         f"{max_concurrency(ready.num_usable_blocks, ready.max_blocks_per_request):.2f}x",
-        f"engine core: {'in-process' if pid is None else f'pid {pid}'}",
+        cores_line(engine, ready),
     ]
     if ready.cpu_kernels:
         lines.append(f"CPU kernels: {ready.cpu_kernels}")

@@ -21,8 +21,19 @@ class EngineFacts:
 
     args: EngineArgs
     ready: EngineReady
+    # Each engine core's start-up facts and process id (None: in this process), core 0 first:
+    # one entry, or `data_parallel_size` of them.
+    cores: tuple[tuple[EngineReady, int | None], ...] = ()
 
 
 def engine_facts(engine: LLMEngine) -> EngineFacts:
     """The facts of `engine`: the one place the server reads them."""
-    return EngineFacts(args=engine.args, ready=engine.ready)
+    return EngineFacts(args=engine.args, ready=engine.ready, cores=core_facts(engine))
+
+
+def core_facts(engine: LLMEngine) -> tuple[tuple[EngineReady, int | None], ...]:
+    """(start-up facts, pid or None) of each of `engine`'s cores."""
+    client = getattr(engine, "client", None)
+    clients = getattr(client, "cores", None) or [client]
+    return tuple((getattr(c, "ready", engine.ready),
+                  getattr(getattr(c, "process", None), "pid", None)) for c in clients)

@@ -19,20 +19,23 @@ a full queue. `vllm_metrics.py` adds the engine families computed at scrape time
 
 Names, types, buckets and labels are vLLM 0.32's: every `vllm:` series carries
 `engine="0"` besides `model_name` (`admission_rejections` and `cache_config_info` too); the
-`pagedkv:` twins carry `model_name` only.
+`pagedkv:` twins carry `model_name` only. With data parallelism (`update` given each core's
+stats) the engine families' `vllm:` series come once per core, `engine="0"` .. `"N-1"`, as
+vLLM's do, and their `pagedkv:` twins are the cores' sum (what a router reads as the server's
+load); the request histograms stay `engine="0"` (the server's, over every core).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagedkv.engine.stats import EngineStats
+from pagedkv.engine.stats import EngineStats, sum_stats
 from pagedkv.server.vllm_metrics import counter_family, engine_families
 from pagedkv.store.metrics import kv_store_metrics
 
@@ -57,8 +60,8 @@ def label_names(prefix: str) -> list[str]:
     return ["model_name", "engine"] if prefix == "vllm" else ["model_name"]
 
 
-def label_values(prefix: str, model_name: str) -> list[str]:
-    return [model_name, ENGINE_INDEX] if prefix == "vllm" else [model_name]
+def label_values(prefix: str, model_name: str, engine: str = ENGINE_INDEX) -> list[str]:
+    return [model_name, engine] if prefix == "vllm" else [model_name]
 
 _GAUGES = (
     ("num_requests_running", "Number of requests in the running batch.", "num_running"),
@@ -98,26 +101,47 @@ class _EngineStatsCollector(Collector):
         self.block_size = block_size
         self.cache_info = cache_info
         self.stats = EngineStats()
+        self.core_stats: list[EngineStats] = [self.stats]  # each engine core's, core 0 first
         self.created = time.time()  # the counters' `_created`, as prometheus_client's
+
+    def _series(self, prefix: str) -> list[tuple[list[str], EngineStats]]:
+        """(label values, stats) of each series of `prefix`: vLLM's one per engine core."""
+        if prefix == "vllm":
+            return [(label_values(prefix, self.model_name, str(i)), stats)
+                    for i, stats in enumerate(self.core_stats)]
+        return [(label_values(prefix, self.model_name), self.stats)]
 
     def collect(self) -> Iterator[Metric]:
         for prefix in PREFIXES:
-            labels, values = label_names(prefix), label_values(prefix, self.model_name)
+            labels, series = label_names(prefix), self._series(prefix)
             for name, doc, attr in _GAUGES:
                 gauge = GaugeMetricFamily(f"{prefix}:{name}", doc, labels=labels)
-                gauge.add_metric(values, float(getattr(self.stats, attr)))
+                for values, stats in series:
+                    gauge.add_metric(values, float(getattr(stats, attr)))
                 yield gauge
             for name, doc, attr in _COUNTERS:
-                yield counter_family(f"{prefix}:{name}", doc, labels, values,
-                                     float(getattr(self.stats, attr)), self.created)
-            yield from engine_families(prefix, labels, values, self.stats, self.block_size,
-                                       self.cache_info, self.created)
+                yield _merged([counter_family(f"{prefix}:{name}", doc, labels, values,
+                                              float(getattr(stats, attr)), self.created)
+                               for values, stats in series])
+            for families in zip(*(engine_families(prefix, labels, values, stats,
+                                                  self.block_size, self.cache_info,
+                                                  self.created)
+                                  for values, stats in series), strict=True):
+                yield _merged(list(families))
         pinned = GaugeMetricFamily("pagedkv:kv_pinned_blocks",  # pagedkv's own: no vllm: twin
                                    "Device KV blocks held by pinned prefixes (/v1/pin).",
                                    labels=["model_name"])
         pinned.add_metric([self.model_name], float(self.stats.num_pinned_blocks))
         yield pinned
         yield from kv_store_metrics(self.model_name, self.stats.kv_store_tiers)
+
+
+def _merged(families: list[Metric]) -> Metric:
+    """One family holding the samples of these same-named families (one per engine core)."""
+    first = families[0]
+    for other in families[1:]:
+        first.samples.extend(other.samples)
+    return first
 
 
 @dataclass(frozen=True)
@@ -228,8 +252,12 @@ class ServerMetrics:
         for prefix, counter in self._rejections.items():
             counter.labels(*label_values(prefix, self.model_name), reason).inc()
 
-    def update(self, stats: EngineStats) -> None:
-        self._engine.stats = stats
+    def update(self, stats: EngineStats | Sequence[EngineStats]) -> None:
+        """The engine's stats now: one `EngineStats`, or each engine core's (data parallel)."""
+        if isinstance(stats, EngineStats):
+            stats = [stats]
+        self._engine.core_stats = list(stats)
+        self._engine.stats = stats[0] if len(stats) == 1 else sum_stats(stats)
 
     def observe_request(self, *, ttft: float | None, e2e: float, num_output_tokens: int,
                         num_prompt_tokens: int | None = None, finished_reason: str = "stop",

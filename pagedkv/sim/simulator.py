@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pagedkv.router.policies import Candidate, RouteRequest, make_policy
 from pagedkv.router.prefix_index import PrefixMatch
 from pagedkv.sim.config import SimConfig
+from pagedkv.sim.data_parallel import SimDPFrontend
 from pagedkv.sim.frontend import FrontendDelays, frontend_of, observed
 from pagedkv.sim.instance import SimInstance
 from pagedkv.sim.latency.base import LatencyModel
@@ -72,13 +73,16 @@ def simulate(trace: Sequence[TraceRequest], config: SimConfig, latency: LatencyM
              progress: Callable[[int, int], None] | None = None,
              cross_arrivals: bool | None = None,
              on_instance: Callable[[SimInstance], None] | None = None,
-             frontend: FrontendDelays | None = None) -> SimResult:
+             frontend: FrontendDelays | None = None,
+             data_parallel: bool = False) -> SimResult:
     """Replay `trace` (sorted by arrival) through `num_instances` simulated engines.
     `frontend`: the serving frontend's delays (default: the latency model's, else none);
     records' times are then the server's (`frontend.observed`).
     `cross_arrivals` (default: with one instance) lets quiet-stretch jumps run past arrivals
     that cannot change them (`SimInstance`). `on_instance` is called with each instance before
-    it runs (e.g. event_log.py's hook)."""
+    it runs (e.g. event_log.py's hook). `data_parallel`: the instances are the engine cores of
+    one `--data-parallel-size` server, placed by its front end (`data_parallel.py`; `policy` is
+    then kv-aware)."""
     if cross_arrivals is None:
         cross_arrivals = num_instances == 1
     if num_instances < 1:
@@ -93,7 +97,9 @@ def simulate(trace: Sequence[TraceRequest], config: SimConfig, latency: LatencyM
     if on_instance is not None:
         for inst in instances:
             on_instance(inst)
-    router = make_policy(policy) if num_instances > 1 else None
+    router = make_policy(policy) if num_instances > 1 and not data_parallel else None
+    cores = SimDPFrontend(instances, instances[0].kv.num_usable_blocks) \
+        if num_instances > 1 and data_parallel else None
     records: list[RequestRecord] = []
     for index, treq in enumerate(trace):
         for inst in instances:
@@ -105,6 +111,8 @@ def simulate(trace: Sequence[TraceRequest], config: SimConfig, latency: LatencyM
         chosen = 0
         if router is not None:
             chosen = _route(router, instances, index, treq, config)
+        elif cores is not None:
+            chosen = cores.place(record, _prompt_hashes(instances[0], index, treq, config))
         instances[chosen].add(record, treq)
         if progress is not None and index % 1000 == 0:
             progress(index, len(trace))
@@ -113,17 +121,23 @@ def simulate(trace: Sequence[TraceRequest], config: SimConfig, latency: LatencyM
     observed(records, delays)
     return SimResult(config=config, latency_name=getattr(latency, "name", "?"),
                      instances=instances, records=records,
-                     policy=policy if router is not None else None,
+                     policy=policy if router is not None else
+                     "data-parallel" if cores is not None else None,
                      wall_time=time.perf_counter() - started)
+
+
+def _prompt_hashes(instance: SimInstance, index: int, treq: TraceRequest,
+                   config: SimConfig) -> tuple[bytes, ...]:
+    """The prompt's block hashes; none without prefix caching, or for a prompt the instances
+    will refuse (it is sized only: no token is made for it)."""
+    if not config.enable_prefix_caching or not instance.fits(treq.input_length):
+        return ()
+    return _block_hashes(instance, prompt_token_ids(treq, config.vocab_size, index))
 
 
 def _route(router, instances: list[SimInstance], index: int,
            treq: TraceRequest, config: SimConfig) -> int:
-    hashes: tuple[bytes, ...] = ()
-    # A prompt the instances will refuse is sized only: no token is made for it.
-    if router.needs_prefix and config.enable_prefix_caching and \
-            instances[0].fits(treq.input_length):
-        hashes = _block_hashes(instances[0], prompt_token_ids(treq, config.vocab_size, index))
+    hashes = _prompt_hashes(instances[0], index, treq, config) if router.needs_prefix else ()
     candidates = [instance_candidate(inst, config, _device_match(inst, hashes) if hashes else 0)
                   for inst in instances]
     request = RouteRequest(prompt_tokens=treq.input_length, block_hashes=hashes, session=treq.session)

@@ -9,7 +9,8 @@ block; nothing is generated; behind the API key like every /v1 route).
 Everything that reads engine state is a utility call of the engine core ("dashboard.*":
 pagedkv/engine/dashboard_calls.py), awaited without blocking the event loop or the engine loop
 thread (`AsyncEngine.call_utility`): the same in-process and with the core in its own process. The core's feed records nothing while no
-/dashboard/events stream is open.
+/dashboard/events stream is open. With data parallelism the block feed is core 0's and each
+update also carries every core's load (`cores`: KV usage, running, waiting, prefix hits).
 """
 
 from __future__ import annotations
@@ -58,6 +59,21 @@ def _ttft(metrics: Any) -> dict[str, float]:
         return {}
 
 
+def _num_cores(engine: Any) -> int:
+    """The engine's data-parallel cores (1 without data parallelism)."""
+    args = getattr(engine, "args", None)
+    return getattr(args, "data_parallel_size", 1) or 1
+
+
+def core_rows(stats: list[Any]) -> list[dict[str, Any]]:
+    """Each engine core's load for the page (its `EngineStats`, core 0 first)."""
+    return [{"core": i, "kv_cache_usage": s.kv_cache_usage, "num_running": s.num_running,
+             "num_waiting": s.num_waiting, "num_blocks": s.num_blocks,
+             "num_free_blocks": s.num_free_blocks, "prefix_cache_hits": s.prefix_cache_hits,
+             "prefix_cache_queries": s.prefix_cache_queries}
+            for i, s in enumerate(stats)]
+
+
 def make_dashboard_router(async_engine: Any, serving: Any, metrics: Any,
                           served_model_name: str, access: DashboardAccess | None = None
                           ) -> APIRouter:
@@ -86,6 +102,8 @@ def make_dashboard_router(async_engine: Any, serving: Any, metrics: Any,
         engine = async_engine.engine  # the KV cache's format ("auto" resolved) and block bytes
         snap["kv_cache_dtype"] = getattr(engine, "kv_cache_dtype", None)
         snap["block_bytes"] = getattr(engine, "block_bytes", None)
+        num_cores = _num_cores(engine)
+        snap["data_parallel_size"] = num_cores
         loop = asyncio.get_running_loop()
         closed = False
 
@@ -103,6 +121,8 @@ def make_dashboard_router(async_engine: Any, serving: Any, metrics: Any,
                 started = loop.time()
                 update = await _call(async_engine, "dashboard.drain", sub)
                 update["stats"].update(_ttft(metrics))
+                if num_cores > 1:  # the block grid is core 0's; every core's load beside it
+                    update["cores"] = core_rows(await _call(async_engine, "get_core_stats"))
                 yield f"event: update\ndata: {json.dumps(update, separators=(',', ':'))}\n\n"
                 await asyncio.sleep(max(period - (loop.time() - started), 0.0) or 0.001)
 

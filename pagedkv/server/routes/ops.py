@@ -25,7 +25,9 @@ async def version() -> dict[str, str]:
 async def kv_cache_info(raw: Request) -> dict[str, Any]:
     """How this engine hashes prefix blocks, for a KV-aware router, and what a block is:
     the KV cache's format ("auto" resolved) and one block's bytes (read-only); and the CPU
-    kernels' choice so far, read from the core (null where none runs or the core is gone)."""
+    kernels' choice so far, read from the core (null where none runs or the core is gone).
+    `num_gpu_blocks` is one core's pool (what a router caps its prefix record at);
+    `engine_cores` lists every engine core (one, or `data_parallel_size`)."""
     args, ready = raw.app.state.engine_facts.args, raw.app.state.engine_facts.ready
     return {"model": raw.app.state.serving.model_name, "block_size": args.block_size,
             "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
@@ -33,6 +35,10 @@ async def kv_cache_info(raw: Request) -> dict[str, Any]:
             "num_gpu_blocks": ready.num_gpu_blocks,
             "kv_cache_dtype": ready.kv_cache_dtype,
             "block_bytes": ready.block_bytes,
+            "data_parallel_size": args.data_parallel_size,
+            "engine_cores": [{"data_parallel_rank": rank, "num_gpu_blocks": core.num_gpu_blocks,
+                              "pid": pid}
+                             for rank, (core, pid) in enumerate(raw.app.state.engine_facts.cores)],
             "cpu_kernels": await cpu_kernel_choice(raw)}
 
 
@@ -52,7 +58,7 @@ async def prometheus_metrics(raw: Request) -> Response:
     as on vLLM's /metrics: a router's load scrape renders three gauges)."""
     metrics = raw.app.state.metrics
     try:
-        metrics.update(await raw.app.state.async_engine.get_stats())
+        metrics.update(await raw.app.state.async_engine.call_utility("get_core_stats"))
     except (EngineDeadError, TimeoutError) as exc:
         raise APIError(str(exc), status_code=503, type="server_unavailable") from exc
     names = raw.query_params.getlist("name[]")

@@ -19,12 +19,13 @@
     D.entries = []; D.keyframes = [{ index: -1, state: D.state.clone(), t: snapshot.t || 0 }];
     D.view = D.state; D.viewIndex = -1; D.dirty = true; D.gridExtent = 0;
     const kv = snapshot.kv_cache_dtype ? ` (${snapshot.kv_cache_dtype} KV cache, ${snapshot.block_bytes} B a block)` : "";
-    $("model").textContent = (snapshot.model || "") + kv;
+    const dp = snapshot.data_parallel_size > 1 ? `, ${snapshot.data_parallel_size} engine cores (blocks: core 0)` : "";
+    $("model").textContent = (snapshot.model || "") + kv + dp;
   }
   function push(update) {
     if (update.resync) { reset(update.resync); }
     else D.state.apply(update.ops || [], update.t);
-    D.entries.push({ t: update.t, ops: update.ops || [], stats: update.stats, queues: update.queues, finished: update.finished });
+    D.entries.push({ t: update.t, ops: update.ops || [], stats: update.stats, queues: update.queues, finished: update.finished, cores: update.cores });
     const idx = D.entries.length - 1;
     if (idx % KEYFRAME_EVERY === KEYFRAME_EVERY - 1) D.keyframes.push({ index: idx, state: D.state.clone(), t: update.t });
     trim();
@@ -314,6 +315,15 @@
     $("tiers").replaceChildren(...rows);
   }
 
+  // Engine cores (data parallelism): each core's KV usage, running and waiting requests.
+  function renderCores() {
+    const e = entryAt(), cores = (e && Array.isArray(e.cores)) ? e.cores : [];
+    $("cores-panel").hidden = cores.length === 0;
+    $("cores").replaceChildren(...cores.map((c) => barOf(c.kv_cache_usage,
+      `KV ${(100 * (Number(c.kv_cache_usage) || 0)).toFixed(1)}%, ${c.num_running} running, ${c.num_waiting} waiting, hits ${c.prefix_cache_hits}/${c.prefix_cache_queries} tokens`,
+      `core ${c.core}`)));
+  }
+
   // ---------------------------------------------------------------- charts
   // Each chart: its unit, its series' names, the values between two entries' stats `RATE_LAG`
   // apart (a, b; dt seconds) in display units, and whether it applies to this server.
@@ -453,7 +463,7 @@
     const now = performance.now();
     if (force || now - lastPanels >= PANELS_MS) {
       lastPanels = now; panelsPending = false;
-      renderIdle(); renderRequests(); renderTiers(); renderCharts(); renderForest();
+      renderIdle(); renderRequests(); renderCores(); renderTiers(); renderCharts(); renderForest();
     } else panelsPending = true;
   }
   function frame() {

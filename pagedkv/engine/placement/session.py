@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedkv.router.policies.base import (
+from pagedkv.engine.placement.base import (
     Candidate,
     Rotation,
     RouteRequest,

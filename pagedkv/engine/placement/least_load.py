@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedkv.router.policies.base import Candidate, Rotation, RouteRequest, least_requests
+from pagedkv.engine.placement.base import Candidate, Rotation, RouteRequest, least_requests
 
 
 class LeastLoadPolicy:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedkv.router.policies.base import Candidate, Rotation, RouteRequest
+from pagedkv.engine.placement.base import Candidate, Rotation, RouteRequest
 
 
 class RoundRobinPolicy:
