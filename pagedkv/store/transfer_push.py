@@ -84,10 +84,8 @@ class PushSender:
         return sent
 
     def close(self) -> None:
-        for sock in self._sockets.values():
-            sock.close(linger=0)
         self._sockets.clear()
-        self._context.term()
+        self._context.destroy(linger=0)  # closes every socket it made
 
 
 class _Partial:
@@ -124,8 +122,7 @@ class PushReceiverTier(KVTier):
         try:
             self._socket.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as exc:
-            self._socket.close()
-            self._context.term()
+            self._context.destroy(linger=0)
             raise ValueError(f"kv_transfer_config: cannot listen on {host}:{port} ({exc})") \
                 from None
         self._closed = threading.Event()
@@ -147,8 +144,7 @@ class PushReceiverTier(KVTier):
                 continue
             except Exception:  # a malformed message costs its blocks, never the receiver
                 logger.warning("kv transfer: dropped a malformed push message", exc_info=True)
-        self._socket.close(linger=0)
-        self._context.term()
+        self._context.destroy(linger=0)
 
     def _take_chunk(self, header: dict, body: bytes) -> None:
         keys = [bytes.fromhex(k) for k in header["keys"]]

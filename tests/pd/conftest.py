@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,3 +135,11 @@ def assert_blocks_back(pair: Pair) -> None:
 
 def cached(answer: dict) -> int:
     return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def one_instance(pair: Pair, request: dict) -> dict:
+    """The same request computed whole on one instance: the consumer, under a salt of its
+    own, so that no block of any earlier run is reused."""
+    answer = post(pair.b, {**request, "cache_salt": f"one-instance-{uuid.uuid4().hex}"})
+    assert cached(answer) == 0
+    return answer

@@ -15,6 +15,7 @@ from tests.pd.conftest import (
     assert_same_answer,
     body,
     cached,
+    one_instance,
     pd_pair,
     post,
     prefill,
@@ -35,13 +36,6 @@ def pair(request, tmp_path_factory):
         made.kv_dtype = kv_dtype
         yield made
 
-
-def one_instance(pair, request: dict) -> dict:
-    """The same request computed whole on one instance (the consumer, under a salt no block
-    of the disaggregated runs carries, so nothing of them is reused)."""
-    answer = post(pair.b, {**request, "cache_salt": "one-instance"})
-    assert cached(answer) == 0
-    return answer
 
 
 def test_completion_equals_one_instance_and_loads_the_transferred_blocks(pair):
