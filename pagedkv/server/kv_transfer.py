@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedkv.http.errors import APIError
 from pagedkv.http.protocol import KVTransferParams
+from pagedkv.store.transfer import HashablePrompt
 
 if TYPE_CHECKING:
     from pagedkv.server.serving import OpenAIServing
@@ -131,7 +132,7 @@ async def receive(serving: OpenAIServing, params: KVTransferParams | None,
         return None
     desc = await _describe(serving)
     hasher = serving.engine.engine.block_hasher()
-    own = [h.hex() for h in hasher(_Prompt(prompt, cache_salt), [])]
+    own = [h.hex() for h in hasher(HashablePrompt(list(prompt), cache_salt), [])]
     why = mismatch(params, desc, own, cache_salt, config.is_push)
     if why is not None:
         logger.warning("kv transfer: kv_transfer_params do not fit this request (%s); its "
@@ -158,11 +159,3 @@ async def _wait_for_blocks(serving: OpenAIServing, prompt: list[int], cache_salt
             return held
         await asyncio.sleep(POLL_S)
 
-
-class _Prompt:
-    """A prompt as the block hasher reads it."""
-
-    def __init__(self, token_ids: list[int], cache_salt: str | None) -> None:
-        self.all_token_ids = list(token_ids)
-        self.cache_salt = cache_salt
-        self.lora_name = None

@@ -35,7 +35,7 @@ SAVE_POLL_S = 0.002
 
 
 @dataclass
-class _Prompt:
+class HashablePrompt:
     """A prompt as the block hasher reads it (`pagedkv.kv.hashing.HashableRequest`)."""
 
     all_token_ids: list[int]
@@ -73,7 +73,7 @@ class KVTransfer:
 
     def block_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[bytes]:
         """The chained hashes of the prompt's full blocks (as the KV cache manager makes them)."""
-        return self.hasher(_Prompt(list(token_ids), cache_salt), [])
+        return self.hasher(HashablePrompt(list(token_ids), cache_salt), [])
 
     # ---- producer -------------------------------------------------------------------------
     def start_handoff(self, token_ids: list[int], cache_salt: str | None,
