@@ -111,8 +111,10 @@ def build_kv_transfer(args: EngineArgs, store: StoreConfig | None,
         return None
     from pagedkv.store.transfer import KVTransfer
 
-    return KVTransfer(store.transfer, kv_store, scheduler.kv_cache_manager.hasher,
-                      f"kv_cache_dtype={args.kv_cache_dtype};dtype={args.dtype}")
+    kv = scheduler.kv_cache_manager
+    return KVTransfer(store.transfer, kv_store, kv.hasher,
+                      f"kv_cache_dtype={args.kv_cache_dtype};dtype={args.dtype}",
+                      num_groups=len(getattr(kv, "window_blocks", None) or [None]))
 
 
 def store_config(args: EngineArgs, enable_events: bool) -> StoreConfig | None:

@@ -215,6 +215,7 @@ class KVTransferParams(BaseModel):
     transport: str | None = None
     block_hashes: list[str] | None = None
     num_tokens: int | None = Field(None, ge=0)
+    num_blocks: int | None = Field(None, ge=0)
     block_size: int | None = None
     model_identity: str | None = None
     kv_format: str | None = None

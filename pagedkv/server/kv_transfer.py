@@ -5,8 +5,9 @@ the engine hands the prompt's full blocks to the transport (`KVTransfer.start_ha
 through to the shared tier, or pushed to the consumer) and the answer carries, as its top-level
 `kv_transfer_params`, vLLM's keys (`do_remote_prefill: true`, `remote_engine_id`,
 `remote_host`/`remote_port`: this engine's `kv_ip`/`kv_port`, `tp_size`) and pagedkv's:
-`transport` ("store" or "push"), `block_hashes` (hex, the blocks transferred, leading ones),
-`num_tokens` (the tokens they hold), `model_identity`, `kv_format`, `block_size`,
+`transport` ("store" or "push"), `block_hashes` (hex, the prompt's blocks transferred, leading
+ones), `num_tokens` (the tokens they hold), `num_blocks` (the blocks sent: with KV cache groups,
+every group's), `model_identity`, `kv_format`, `block_size`,
 `cache_salt`, `transfer_bytes` and `transfer_seconds`.
 
 Consumer (a request with `do_remote_prefill: true`, the producer's params copied in): the
@@ -138,9 +139,10 @@ async def receive(serving: OpenAIServing, params: KVTransferParams | None,
         logger.warning("kv transfer: kv_transfer_params do not fit this request (%s); its "
                        "prompt is computed here", why)
         return {"blocks": 0, "held": 0, "wait_seconds": 0.0, "mismatch": why}
-    wanted = len(params.block_hashes or [])
+    num_hashes = len(params.block_hashes or [])
+    wanted = num_hashes if params.num_blocks is None else params.num_blocks
     start = time.monotonic()
-    held = await _wait_for_blocks(serving, prompt, cache_salt, wanted,
+    held = await _wait_for_blocks(serving, prompt, cache_salt, num_hashes, wanted,
                                   start + config.transfer_timeout_s)
     waited = time.monotonic() - start
     if held < wanted:
@@ -150,11 +152,11 @@ async def receive(serving: OpenAIServing, params: KVTransferParams | None,
 
 
 async def _wait_for_blocks(serving: OpenAIServing, prompt: list[int], cache_salt: str | None,
-                           wanted: int, deadline: float) -> int:
-    held = 0
+                           num_hashes: int, wanted: int, deadline: float) -> int:
+    """Blocks held once all `wanted` arrived or at `deadline`, whichever is first."""
     while True:
         held = await serving.engine.call_utility("kv_transfer.held_blocks", list(prompt),
-                                                 cache_salt, wanted)
+                                                 cache_salt, num_hashes, wanted)
         if held >= wanted or time.monotonic() >= deadline:
             return held
         await asyncio.sleep(POLL_S)

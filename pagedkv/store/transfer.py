@@ -48,8 +48,10 @@ class KVTransfer:
     what the KV bytes mean (the cache dtype tag, also part of the store's identity)."""
 
     def __init__(self, config: KVTransferConfig, store: TieredKVStore, hasher: Any,
-                 kv_format: str) -> None:
+                 kv_format: str, num_groups: int = 1) -> None:
+        """`num_groups`: the KV cache groups' count (their blocks are stored per group)."""
         self.config = config
+        self.num_groups = num_groups
         self.store = store
         self.hasher = hasher
         self.kv_format = kv_format
@@ -83,8 +85,9 @@ class KVTransfer:
             raise ValueError(f"kv_role {self.config.kv_role!r} does not prefill for others")
         hashes = self.block_hashes(token_ids, cache_salt)
         bs = self.store.block_size
-        metas = [BlockMeta(h, hashes[i - 1] if i else None, tuple(token_ids[i * bs:(i + 1) * bs]))
-                 for i, h in enumerate(hashes)]
+        metas = [BlockMeta(h, hashes[i - 1] if i else None, tuple(token_ids[i * bs:(i + 1) * bs]),
+                           g if self.store.grouped else None)
+                 for i, h in enumerate(hashes) for g in range(self.num_groups)]
         targets = ([(remote_host, int(remote_port))] if remote_host and remote_port
                    else list(self.config.consumers))
         job_id = next(self._job_ids)
@@ -115,45 +118,58 @@ class KVTransfer:
         deadline = time.monotonic() + self.config.transfer_timeout_s
         while not self.store.saved_through(ticket) and time.monotonic() < deadline:
             time.sleep(SAVE_POLL_S)
-        if self.sender is None:
-            num_blocks = self._shared_blocks(metas)
+        if self.sender is None:  # leading prompt blocks (group 0's) the shared tiers hold
+            present = self._in_shared_tiers(metas)
+            first = [p for m, p in zip(metas, present, strict=True) if not m.group_idx]
+            num_hashes = first.index(False) if False in first else len(first)
+            num_blocks = sum(present[:num_hashes * self.num_groups])
             sent = num_blocks * self.store.block_bytes
         else:
-            payloads = self.store.load(metas)
+            pushed = self._held(metas)
+            payloads = self.store.load(pushed)
             num_blocks, sent = len(payloads), 0
-            keys = [self.store.key(m.block_hash) for m in metas[:num_blocks]]
+            keys = [self.store.key(m.block_hash, m.group_idx) for m in pushed[:num_blocks]]
             for target in targets:
                 sent += self.sender.push(target, keys, payloads, self.store.block_bytes)
+            last = pushed[num_blocks - 1].block_hash if num_blocks else None
+            hashes = [m.block_hash for m in metas if not m.group_idx]
+            num_hashes = hashes.index(last) + 1 if num_blocks else 0
         self.num_handoffs += 1
         self.bytes_sent += sent
-        return {"block_hashes": [m.block_hash.hex() for m in metas[:num_blocks]],
-                "num_tokens": num_blocks * self.store.block_size, "transfer_bytes": sent,
-                "transfer_seconds": round(time.perf_counter() - start, 6)}
+        return {"block_hashes": [m.block_hash.hex() for m in metas if not m.group_idx][:num_hashes],
+                "num_blocks": num_blocks, "num_tokens": num_hashes * self.store.block_size,
+                "transfer_bytes": sent, "transfer_seconds": round(time.perf_counter() - start, 6)}
 
-    def _shared_blocks(self, metas: list[BlockMeta]) -> int:
-        """Leading blocks of `metas` the shared tiers (all but host RAM) hold."""
-        keys = [self.store.key(m.block_hash) for m in metas]
+    def _held(self, metas: list[BlockMeta]) -> list[BlockMeta]:
+        """The blocks of `metas` this engine's store holds to push: the leading ones with one
+        KV cache group; with several, every one held (a sliding group keeps only the blocks
+        its window reaches, and the consumer's hit rule asks for no others)."""
+        present = self.store.holds([(m.block_hash, m.group_idx) for m in metas])
+        if self.store.grouped:
+            return [m for m, held in zip(metas, present, strict=True) if held]
+        return metas[:present.index(False) if False in present else len(metas)]
+
+    def _in_shared_tiers(self, metas: list[BlockMeta]) -> list[bool]:
+        """Whether the shared tiers (all but host RAM) hold each block of `metas`."""
+        keys = [self.store.key(m.block_hash, m.group_idx) for m in metas]
         present = [False] * len(keys)
         for tier in self.store.tiers:
             if tier.name != "host" and keys:
                 present = [p or f for p, f in zip(present, tier.contains_many(keys), strict=True)]
-        n = 0
-        while n < len(present) and present[n]:
-            n += 1
-        return n
+        return present
 
     # ---- consumer -------------------------------------------------------------------------
-    def held_blocks(self, token_ids: list[int], cache_salt: str | None, num_blocks: int) -> int:
-        """How many of the prompt's first `num_blocks` blocks the push tier holds, leading
-        ones (the store connector: all of them; its tiers are looked up at admission)."""
+    def held_blocks(self, token_ids: list[int], cache_salt: str | None, num_hashes: int,
+                    num_blocks: int) -> int:
+        """How many blocks of the prompt's first `num_hashes` block hashes (every KV cache
+        group's) the push tier holds, up to `num_blocks` (the store connector: `num_blocks`;
+        its tiers are looked up at admission)."""
         if self.receiver is None:
             return num_blocks
-        hashes = self.block_hashes(token_ids, cache_salt)[:num_blocks]
-        present = self.receiver.contains_many([self.store.key(h) for h in hashes])
-        n = 0
-        while n < len(present) and present[n]:
-            n += 1
-        return n
+        hashes = self.block_hashes(token_ids, cache_salt)[:num_hashes]
+        keys = [self.store.key(h, g if self.store.grouped else None)
+                for h in hashes for g in range(self.num_groups)]
+        return min(num_blocks, sum(self.receiver.contains_many(keys)))
 
     def stats(self) -> dict:
         """Handoffs and bytes sent (producer), blocks and bytes received (consumer)."""

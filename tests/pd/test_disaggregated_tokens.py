@@ -22,9 +22,11 @@ from tests.pd.conftest import (
     utility,
 )
 
-# (transport, model fixture, KV cache dtype)
+# (transport, model fixture, KV cache dtype); qwen2_mixed: a full and two sliding layers (two
+# KV cache groups, each group's blocks transferred)
 CASES = [("store", "tiny_llama", "auto"), ("push", "tiny_llama", "int8"),
-         ("push", "tiny_qwen3", "auto"), ("store", "tiny_qwen3", "int8")]
+         ("push", "tiny_qwen3", "auto"), ("store", "tiny_qwen3", "int8"),
+         ("push", "tiny_qwen2_mixed", "auto")]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=["-".join(c) for c in CASES])
@@ -46,7 +48,9 @@ def test_completion_equals_one_instance_and_loads_the_transferred_blocks(pair):
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert params["transport"] == pair.connector
     assert params["num_tokens"] == 9 * BLOCK_SIZE == len(params["block_hashes"]) * BLOCK_SIZE
-    assert params["transfer_bytes"] > 0 and params["transfer_seconds"] >= 0
+    assert params["num_blocks"] >= 9 and params["transfer_seconds"] >= 0
+    block_bytes = utility(pair.a, "kv_transfer.describe")["block_bytes"]
+    assert params["transfer_bytes"] == params["num_blocks"] * block_bytes
     assert first["usage"]["completion_tokens"] == 1
     decoded = post(pair.b, request, params)
     assert cached(decoded) == 9 * BLOCK_SIZE  # the prompt was loaded, not computed
