@@ -5,6 +5,7 @@ params. Never wrong tokens; every block comes back."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -165,3 +166,19 @@ def test_a_producer_that_dies_after_answering_loses_nothing(tiny_llama, tmp_path
         utility(made.b, "check_invariants")
         kv = made.consumer.scheduler.kv_cache_manager
         assert kv.pool.get_num_free_blocks() == kv.num_usable_blocks
+
+
+def test_a_streamed_decode_loads_the_blocks_and_streams_the_same_tokens(pair):
+    """The router streams the decode's tokens to its client: the transfer is waited for
+    before the stream opens."""
+    request = body(prompt_of(11), logprobs=None)
+    params = prefill(pair.a, request)["kv_transfer_params"]
+    with pair.b.stream("POST", "/v1/completions", json={
+            **request, "stream": True, "kv_transfer_params": params,
+            "stream_options": {"include_usage": True}}) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines()
+                  if line.startswith("data: {")]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert cached(chunks[-1]) == 8 * BLOCK_SIZE
+    assert text == one_instance(pair, request)["choices"][0]["text"]
+    assert_blocks_back(pair)
