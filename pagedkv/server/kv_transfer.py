@@ -24,11 +24,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pagedkv.http.errors import APIError
 from pagedkv.http.protocol import KVTransferParams
 from pagedkv.store.transfer import HashablePrompt
+from pagedkv.store.transfer_config import KVTransferConfig, parse_kv_transfer_config
 
 if TYPE_CHECKING:
     from pagedkv.server.serving import OpenAIServing
@@ -39,11 +40,12 @@ POLL_S = 0.002
 HANDOFF_MARGIN_S = 10.0  # past the transport's own timeouts: the handoff job is gone
 
 
-def transfer_config(serving: OpenAIServing) -> Any:
-    """The engine's parsed `kv_transfer_config`, or None."""
-    from pagedkv.store.transfer_config import parse_kv_transfer_config
-
-    return parse_kv_transfer_config(serving.engine.engine.args.kv_transfer_config)
+def transfer_config(serving: OpenAIServing) -> KVTransferConfig | None:
+    """The engine's parsed `kv_transfer_config`, or None (parsed once per server)."""
+    if not hasattr(serving, "_kv_transfer_config"):
+        serving._kv_transfer_config = parse_kv_transfer_config(
+            serving.engine.engine.args.kv_transfer_config)
+    return serving._kv_transfer_config
 
 
 def check_params(params: KVTransferParams | None, num_prompts: int, stream: bool) -> None:
