@@ -6,7 +6,10 @@ store key in hex, `checksums`: xxh3-64 of key + payload as in codec.py, `chunk`,
 `block_bytes`) and one frame holding slice `chunk` of every block's bytes, back to back. A
 block's bytes start with layer 0's K and V (`KVCache.read_blocks`), so slice i of `chunks` is
 a layer group: the consumer gets the first layers' bytes while the producer still sends the
-rest, and the producer's engine steps on meanwhile (the push runs on its own thread).
+rest, and the producer's engine steps on meanwhile (the push runs on its own thread). A push
+is queued only to a connected consumer, at most SEND_QUEUE_MESSAGES messages deep: a consumer
+that is gone makes the push fail after SEND_TIMEOUT_MS (its decode then recomputes), never
+grows the producer's memory.
 
 The consumer keeps a block only when all its slices arrived and its checksum matches its key;
 blocks are kept under the producer's keys, which name the model identity (weights, KV format,
@@ -35,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 POLL_MS = 50  # the receiver thread checks for close this often
 SEND_TIMEOUT_MS = 2000  # a send that cannot be queued within this (peer gone, queue full) fails
+SEND_QUEUE_MESSAGES = 8  # messages queued for a consumer at most: a dead one costs no memory
 
 
 def chunk_bounds(block_bytes: int, chunks: int) -> list[tuple[int, int]]:
@@ -59,6 +63,8 @@ class PushSender:
             sock = self._context.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+            sock.setsockopt(zmq.SNDHWM, SEND_QUEUE_MESSAGES)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a connected consumer
             sock.connect(f"tcp://{address[0]}:{address[1]}")
             self._sockets[address] = sock
         return sock

@@ -139,8 +139,9 @@ def test_a_prefill_cannot_stream_or_carry_several_prompts(pair):
 
 
 def test_a_push_nobody_receives_ends_in_bounded_time(tiny_llama, tmp_path):
-    """The producer pushes to a port no consumer listens on: it still answers, and the
-    consumer, which never receives the blocks, computes the prompt after its timeout."""
+    """The producer pushes to a port no consumer listens on: its push fails in bounded time
+    and it still answers; the consumer, which never receives the blocks, computes the
+    prompt."""
     with pd_pair(tiny_llama, "push", tmp_path, consumer_port=free_port()) as lost:
         request = body(prompt_of(9))
         start = time.monotonic()
