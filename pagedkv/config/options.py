@@ -147,6 +147,11 @@ class StoreOptions:
     kv_offloading_remote_url: str | None = opt(
         None, "Redis URL of the KV store's shared tier, e.g. redis://127.0.0.1:6379",
         nonempty=True)
+    kv_transfer_config: str | dict | None = opt(
+        None, "prefill/decode disaggregation, a JSON object (vLLM's): kv_role (kv_producer, "
+        "kv_consumer, kv_both), kv_connector (PagedKVStoreConnector: through the shared tier; "
+        "PagedKVPushConnector: pushed over ZMQ), kv_ip, kv_port, kv_buffer_size, "
+        "kv_connector_extra_config")
 
 
 @dataclass(kw_only=True)

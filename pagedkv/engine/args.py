@@ -22,6 +22,7 @@ from pagedkv.config.options import (
 )
 from pagedkv.events.config import parse_kv_events_config
 from pagedkv.kv.partial_hits import check_prefix_match_unit
+from pagedkv.store.transfer_config import parse_kv_transfer_config
 from pagedkv.structured.limits import StructuredOutputsLimits
 
 
@@ -91,6 +92,20 @@ class EngineArgs(ParallelOptions, StructuredOptions, RuntimeOptions, StoreOption
         if self.kv_offloading_disk_path is not None and self.kv_offloading_disk_size <= 0:
             raise ValueError("kv_offloading_disk_size must be > 0 with kv_offloading_disk_path, "
                              f"got {self.kv_offloading_disk_size!r}")
+        transfer = parse_kv_transfer_config(self.kv_transfer_config)
+        if transfer is not None and transfer.is_push and self.tensor_parallel_size > 1:
+            raise ValueError("kv_transfer_config: PagedKVPushConnector needs "
+                             f"tensor_parallel_size 1, got {self.tensor_parallel_size} (use "
+                             "PagedKVStoreConnector through a shared tier)")
+        if transfer is not None and self.data_parallel_size > 1:
+            raise ValueError("kv_transfer_config: a prefill/decode role needs "
+                             f"data_parallel_size 1, got {self.data_parallel_size} (run one "
+                             "server per engine core behind `pagedkv router --prefill/--decode`)")
+        if transfer is not None and not transfer.is_push and not (
+                self.kv_offloading_disk_path or self.kv_offloading_remote_url):
+            raise ValueError("kv_transfer_config: PagedKVStoreConnector moves blocks through "
+                             "a shared tier: set kv_offloading_disk_path (a shared disk) or "
+                             "kv_offloading_remote_url (Redis)")
         if self.uses_kv_store and not self.enable_prefix_caching:
             raise ValueError("the KV store (kv_offloading_*) needs enable_prefix_caching=True: "
                              "its keys are the prefix-cache block hashes")
@@ -99,7 +114,7 @@ class EngineArgs(ParallelOptions, StructuredOptions, RuntimeOptions, StoreOption
     def uses_kv_store(self) -> bool:
         """Whether any tier of the KV store is configured."""
         return bool(self.kv_offloading_size > 0 or self.kv_offloading_disk_path
-                    or self.kv_offloading_remote_url)
+                    or self.kv_offloading_remote_url or self.kv_transfer_config)
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -36,12 +36,14 @@ from pagedkv.kv.sizes import GiB
 from pagedkv.sched.scheduler import Scheduler, SchedulerConfig
 from pagedkv.store.config import StoreConfig
 from pagedkv.store.factory import build_scheduler_side
+from pagedkv.store.transfer_config import parse_kv_transfer_config
 
 if TYPE_CHECKING:
     from pagedkv.engine.step_log import StepLog
     from pagedkv.model.executor import Executor
     from pagedkv.model.tokenizer import Tokenizer
     from pagedkv.store.tiered import TieredKVStore
+    from pagedkv.store.transfer import KVTransfer
 
 
 @dataclass
@@ -57,6 +59,7 @@ class CoreParts:
     kv_store: TieredKVStore | None
     event_publisher: ZmqEventPublisher | None
     step_log: StepLog | None
+    kv_transfer: KVTransfer | None = None
 
 
 def build_core(args: EngineArgs, tokenizer: Tokenizer | None = None) -> CoreParts:
@@ -93,10 +96,25 @@ def build_core(args: EngineArgs, tokenizer: Tokenizer | None = None) -> CorePart
             on_failure.callback(publisher.close)
         step_log = open_step_log(args)
         on_failure.pop_all()
+    kv_store = None if store is None else executor.kv_connector.store
     return CoreParts(args=args, tokenizer=tokenizer, executor=executor, kv_setup=setup,
-                     scheduler=scheduler,
-                     kv_store=None if store is None else executor.kv_connector.store,
-                     event_publisher=publisher, step_log=step_log)
+                     scheduler=scheduler, kv_store=kv_store, event_publisher=publisher,
+                     step_log=step_log, kv_transfer=build_kv_transfer(args, store, kv_store,
+                                                                      scheduler))
+
+
+def build_kv_transfer(args: EngineArgs, store: StoreConfig | None,
+                      kv_store: TieredKVStore | None, scheduler: Scheduler) -> KVTransfer | None:
+    """The core's side of prefill/decode disaggregation over rank 0's store (None without
+    `kv_transfer_config`)."""
+    if store is None or store.transfer is None or kv_store is None:
+        return None
+    from pagedkv.store.transfer import KVTransfer
+
+    kv = scheduler.kv_cache_manager
+    return KVTransfer(store.transfer, kv_store, kv.hasher,
+                      f"kv_cache_dtype={args.kv_cache_dtype};dtype={args.dtype}",
+                      num_groups=len(getattr(kv, "window_blocks", None) or [None]))
 
 
 def store_config(args: EngineArgs, enable_events: bool) -> StoreConfig | None:
@@ -112,7 +130,8 @@ def store_config(args: EngineArgs, enable_events: bool) -> StoreConfig | None:
                        disk_path=args.kv_offloading_disk_path or None,
                        disk_bytes=int(args.kv_offloading_disk_size * GiB),
                        remote_url=args.kv_offloading_remote_url or None,
-                       enable_events=enable_events)
+                       enable_events=enable_events,
+                       transfer=parse_kv_transfer_config(args.kv_transfer_config))
 
 
 def check_store_supports(store: StoreConfig | None, setup: KVCacheSetup) -> None:

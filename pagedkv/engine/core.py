@@ -66,9 +66,12 @@ class EngineCore:
         self.generation_tokens_total = 0
         self.iteration_tokens = IterationTokens()  # tokens per step, for vllm:iteration_tokens_total
         self.dashboard = DashboardCalls(self)  # the dashboard's utility calls
+        # prefill/decode disaggregation's utility calls (kv_transfer_config), None without
+        self.kv_transfer = parts.kv_transfer
         # Closed once: by shutdown(), or when the core is garbage-collected.
         self._closers = [weakref.finalize(self, closable.close)
-                         for closable in (self.kv_store, self.event_publisher, self.step_log)
+                         for closable in (self.kv_transfer, self.kv_store, self.event_publisher,
+                                          self.step_log)
                          if closable is not None]
         self.overlap: OverlappedStepper | None = None
         if self.args.async_scheduling:  # (refused with a KV store: EngineArgs.validate)

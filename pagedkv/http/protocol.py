@@ -198,7 +198,37 @@ Prompt = (
 )
 
 
-class CompletionRequest(SamplingFields, VllmRequestFields):
+class KVTransferParams(BaseModel):
+    """vLLM's `kv_transfer_params` of prefill/decode disaggregation, with pagedkv's own keys
+    under the same object (pagedkv/server/kv_transfer.py says what each does). Keys other
+    connectors add are ignored; a declared key of the wrong type is a 400."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_block_ids: list[int] | list[list[int]] | None = None
+    remote_host: str | None = None
+    remote_port: int | None = Field(None, ge=0, le=65535)
+    tp_size: int | None = None
+    transport: str | None = None
+    block_hashes: list[str] | None = None
+    num_tokens: int | None = Field(None, ge=0)
+    num_blocks: int | None = Field(None, ge=0)
+    block_size: int | None = None
+    model_identity: str | None = None
+    kv_format: str | None = None
+    cache_salt: str | None = None
+
+
+class KVTransferField(BaseModel):
+    """The request field of prefill/decode disaggregation (completions and chat)."""
+
+    kv_transfer_params: KVTransferParams | None = None
+
+
+class CompletionRequest(SamplingFields, VllmRequestFields, KVTransferField):
     """POST /v1/completions. `prompt`: a string, a token-id list, or a list of either."""
 
     prompt: Prompt
@@ -274,7 +304,7 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingFields, VllmRequestFields):
+class ChatCompletionRequest(SamplingFields, VllmRequestFields, KVTransferField):
     """POST /v1/chat/completions. `echo`: the answer starts with the last message's content
     when that message is the assistant's (vLLM's meaning)."""
 
@@ -313,11 +343,12 @@ class UsageInfo(BaseModel):
 class VllmResponseFields(BaseModel):
     """The top-level keys vLLM 0.32 puts in every completions and chat answer, with the values
     they have here: the tier that served it (none: one tier), KV and encoder-cache transfer
-    parameters (no disaggregated prefill, no encoder cache) and per-request metrics (vLLM sets
-    them only when its server is asked to)."""
+    parameters (no encoder cache) and per-request metrics (vLLM sets
+    them only when its server is asked to). `kv_transfer_params`: a prefill's handoff to its
+    decode (prefill/decode disaggregation), else None."""
 
     service_tier: None = None
-    kv_transfer_params: None = None
+    kv_transfer_params: dict | None = None
     ec_transfer_params: None = None
     metrics: None = None
 

@@ -28,6 +28,7 @@ from pagedkv.http.request_fields import check_request_fields
 from pagedkv.http.sse import SSEResponse, sse_event
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.server.deltas import Delta, DeltaTracker, LogprobsFormatter
+from pagedkv.server.kv_transfer import check_params, handoff, receive
 from pagedkv.server.response_extras import ResponseExtras
 from pagedkv.server.serving import (
     OpenAIServing,
@@ -68,6 +69,8 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
                                      structured_outputs=structured)
     serving.check_fits([prompt], params)
+    check_params(req.kv_transfer_params, 1, req.stream)
+    await receive(serving, req.kv_transfer_params, prompt, req.cache_salt)
     request_id = random_id("chatcmpl")  # the engine's (unique); the response's may be the client's
     streams = await serving.open_streams(request_id, [prompt], params, arrival=arrival,
                                          priority=req.priority, cache_salt=req.cache_salt)
@@ -81,8 +84,10 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
                        usage_flags(req.stream_options), tools)
         return streaming_response(body, streams)
     final = await collect_unless_disconnected(raw, streams, collect_final(serving, streams))
-    return JSONResponse(_response(serving, extras, final, formatter, tools)
-                        .model_dump(mode="json"))
+    answer = _response(serving, extras, final, formatter, tools)
+    answer.kv_transfer_params = await handoff(serving, req.kv_transfer_params, prompt,
+                                              req.cache_salt)
+    return JSONResponse(answer.model_dump(mode="json"))
 
 
 def _echoed(req: ChatCompletionRequest) -> str:

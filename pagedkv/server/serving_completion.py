@@ -22,6 +22,7 @@ from pagedkv.http.protocol import (
 from pagedkv.http.request_fields import check_request_fields
 from pagedkv.http.sse import SSEResponse, sse_event
 from pagedkv.server.deltas import DeltaTracker, LogprobsFormatter
+from pagedkv.server.kv_transfer import check_params, handoff, receive
 from pagedkv.server.response_extras import ResponseExtras
 from pagedkv.server.serving import (
     OpenAIServing,
@@ -113,6 +114,8 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest,
     if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
         params = replace(params, prompt_logprobs=req.logprobs)
     serving.check_fits(prompts, params)
+    check_params(req.kv_transfer_params, len(prompts), req.stream)
+    await receive(serving, req.kv_transfer_params, prompts[0], req.cache_salt)
     request_id = random_id("cmpl")  # the engine's (unique); the response's may be the client's
     streams = await serving.open_streams(request_id, prompts, params, arrival=arrival,
                                          priority=req.priority, cache_salt=req.cache_salt)
@@ -128,8 +131,10 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest,
                        usage_wanted, echo, vllm_prompt_logprobs)
         return streaming_response(body, streams)
     final = await collect_unless_disconnected(raw, streams, _collect(serving, streams))
-    return JSONResponse(_response(serving, extras, final, params.n, formatter, echo,
-                                  vllm_prompt_logprobs).model_dump(mode="json"))
+    answer = _response(serving, extras, final, params.n, formatter, echo, vllm_prompt_logprobs)
+    answer.kv_transfer_params = await handoff(serving, req.kv_transfer_params, prompts[0],
+                                              req.cache_salt)
+    return JSONResponse(answer.model_dump(mode="json"))
 
 
 async def _collect(serving: OpenAIServing, streams: list) -> dict[int, RequestOutput]:

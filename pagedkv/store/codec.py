@@ -22,7 +22,7 @@ class CorruptBlockError(ValueError):
     """A stored value that does not decode to the expected block."""
 
 
-def _checksum(key: bytes, payload: bytes | memoryview) -> int:
+def block_checksum(key: bytes, payload: bytes | memoryview) -> int:
     """xxh3-64 of key + payload, streamed (no concatenated copy of the payload)."""
     digest = xxhash.xxh3_64(key)
     digest.update(payload)
@@ -31,7 +31,7 @@ def _checksum(key: bytes, payload: bytes | memoryview) -> int:
 
 def encode_block(key: bytes, payload: bytes | memoryview) -> bytes:
     """Header + key + payload, ready to be written in one piece."""
-    checksum = _checksum(key, payload)
+    checksum = block_checksum(key, payload)
     return _HEADER.pack(MAGIC, VERSION, len(key), len(payload), checksum) + key + payload
 
 
@@ -49,6 +49,6 @@ def decode_block(key: bytes, value: bytes | memoryview) -> bytes:
     if stored_key != key:
         raise CorruptBlockError("value was stored under another key")
     payload = bytes(value[HEADER_SIZE + key_len:])
-    if _checksum(stored_key, payload) != checksum:
+    if block_checksum(stored_key, payload) != checksum:
         raise CorruptBlockError("checksum mismatch")
     return payload

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedkv.store.transfer_config import KVTransferConfig
+
 
 @dataclass(frozen=True)
 class StoreConfig:
@@ -14,7 +16,9 @@ class StoreConfig:
     `model_dir` and `weight_files` name the model (its config and every weight file's digest:
     identity.py); `host_bytes` is the host RAM tier's size (0: none), `disk_path` and
     `disk_bytes` the disk tier's (None: none), `remote_url` the Redis tier's (None: none);
-    `enable_events`: rank 0's store reports its blocks as KV events."""
+    `enable_events`: rank 0's store reports its blocks as KV events; `transfer`: the prefill/
+    decode disaggregation role (transfer_config.py: a push consumer's store has a tier of the
+    blocks pushed to it; a push producer's, a host tier of at least `kv_buffer_size` bytes)."""
 
     model_dir: str
     weight_files: tuple[str, ...]
@@ -23,4 +27,5 @@ class StoreConfig:
     disk_bytes: int = 0
     remote_url: str | None = None
     enable_events: bool = False
+    transfer: KVTransferConfig | None = None
 

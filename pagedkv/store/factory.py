@@ -29,10 +29,14 @@ def build_tiers(config: StoreConfig, block_bytes: int, pin_memory: bool = False)
     """The configured tiers, fastest first: host RAM (`pin_memory`: its slot pool is pinned),
     local disk, Redis."""
     tiers: list[KVTier] = []
-    if config.host_bytes > 0:
+    transfer = config.transfer
+    host_bytes = config.host_bytes
+    if transfer is not None and transfer.is_push and transfer.is_producer:
+        host_bytes = max(host_bytes, int(transfer.kv_buffer_size))  # the push's staging
+    if host_bytes > 0:
         from pagedkv.store.host import HostTier
 
-        tiers.append(HostTier(config.host_bytes, block_bytes, pin_memory=pin_memory))
+        tiers.append(HostTier(host_bytes, block_bytes, pin_memory=pin_memory))
     if config.disk_path:
         from pagedkv.store.disk import DiskTier
 
@@ -41,6 +45,11 @@ def build_tiers(config: StoreConfig, block_bytes: int, pin_memory: bool = False)
         from pagedkv.store.redis_tier import RedisTier
 
         tiers.append(RedisTier(config.remote_url))
+    if transfer is not None and transfer.is_push and transfer.is_consumer:
+        from pagedkv.store.transfer_push import PushReceiverTier
+
+        tiers.append(PushReceiverTier(transfer.kv_ip, transfer.kv_port,
+                                      int(transfer.kv_buffer_size), transfer.extra("hold_s")))
     return tiers
 
 

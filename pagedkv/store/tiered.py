@@ -72,6 +72,9 @@ class TieredKVStore:
         for tier in self.tiers:
             tier.record_removals = enable_events
         self.num_dropped_saves = 0
+        self._saves_lock = threading.Lock()
+        self._saves_queued = 0  # saves queued so far (a save ticket), and written (in order)
+        self._saves_done = 0
         self._events: list[wire.KVCacheEvent] = []
         self._events_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending_saves)
@@ -160,10 +163,12 @@ class TieredKVStore:
 
     def _enqueue(self, metas: list[BlockMeta], make_payloads: Callable[[], Sequence[Payload]],
                  tiers: list[KVTier]) -> None:
-        try:
-            self._queue.put_nowait((metas, make_payloads, tiers))
-        except queue.Full:
-            self.num_dropped_saves += 1
+        with self._saves_lock:
+            try:
+                self._queue.put_nowait((metas, make_payloads, tiers))
+                self._saves_queued += 1
+            except queue.Full:
+                self.num_dropped_saves += 1
 
     def _save_loop(self) -> None:
         while True:
@@ -176,6 +181,8 @@ class TieredKVStore:
                 logger.exception("kv store: a save failed")
             finally:
                 self._queue.task_done()
+                with self._saves_lock:
+                    self._saves_done += 1
 
     def _save(self, metas: list[BlockMeta], make_payloads: Callable[[], Sequence[Payload]],
               tiers: list[KVTier]) -> None:
@@ -199,6 +206,17 @@ class TieredKVStore:
         return wire.block_stored([meta.block_hash], meta.parent_hash, list(meta.token_ids),
                                  self.block_size, medium=medium, group_idx=meta.group_idx,
                                  extra_keys=[meta.extra_keys])
+
+    def save_ticket(self) -> int:
+        """A mark of the saves queued so far: `saved_through(ticket)` once they are written."""
+        with self._saves_lock:
+            return self._saves_queued
+
+    def saved_through(self, ticket: int) -> bool:
+        """Whether every save queued before `save_ticket()` returned `ticket` is written (or
+        failed): the one saver thread writes them in order."""
+        with self._saves_lock:
+            return self._saves_done >= ticket
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every queued save is written (tests, shutdown)."""
