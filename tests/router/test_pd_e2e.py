@@ -9,6 +9,7 @@ request falls back (counted as no_params) and must still give the same tokens.
 from __future__ import annotations
 
 import json
+import socket
 import sys
 
 import httpx
@@ -26,8 +27,23 @@ from tests.server.helpers import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300, method="thread")]
 
-# Extra `pagedkv serve` flags per role (none: the servers take no producer/consumer role).
-ROLE_FLAGS: dict[str, list[str]] = {"prefill": [], "decode": []}
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+KV_PORT = _free_port()
+# Extra `pagedkv serve` flags per role: a producer pushing its blocks to the consumer's port.
+ROLE_FLAGS: dict[str, list[str]] = {
+    "prefill": ["--kv-transfer-config", json.dumps({
+        "kv_role": "kv_producer", "kv_connector": "PagedKVPushConnector",
+        "kv_connector_extra_config": {"consumers": [f"127.0.0.1:{KV_PORT}"]}})],
+    "decode": ["--kv-transfer-config", json.dumps({
+        "kv_role": "kv_consumer", "kv_connector": "PagedKVPushConnector",
+        "kv_ip": "127.0.0.1", "kv_port": KV_PORT})],
+}
 PROMPTS = ("the first prompt of the split fleet, several blocks long",
            "another prompt entirely", "the first prompt of the split fleet, then more")
 MAX_TOKENS = 6
@@ -105,7 +121,10 @@ def test_split_requests_decode_one_instances_tokens(fleet, tiny_llama):
     transfers = router_metric(router.url, "pagedkv_router:pd_decode_requests_total",
                               backend=servers["decode"].url, transfer="yes")
     assert transfers == ok
-    if ok == 0:
-        pytest.skip("the servers answered no kv_transfer_params (no producer/consumer "
-                    "roles): tokens checked on the fallback path only")
-    assert no_params == 0
+    # Every request went through a transfer: the producer answered kv_transfer_params.
+    assert (ok, no_params) == (requests, 0)
+    # The consumer loaded the transferred blocks from its KV store (the pushed tier).
+    loaded = [float(line.rsplit(" ", 1)[1]) for line in
+              httpx.get(servers["decode"].url + "/metrics", timeout=10).text.splitlines()
+              if line.startswith("vllm:external_prefix_cache_hits_total")]
+    assert loaded and loaded[0] > 0
