@@ -54,6 +54,12 @@ class EngineStats:
     iteration_token_counts: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
     kv_store_tiers: tuple[dict, ...] = ()  # `TierStats.to_dict()` of each KV store tier
+    # Speculative decoding (vLLM's spec_decode_* counters; pagedkv/spec/stats.py): verified
+    # proposals, their tokens, the tokens accepted, and acceptances by position in a proposal.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -76,4 +82,14 @@ def scheduler_stats(scheduler: Any, **fields: Any) -> EngineStats:
         prefix_cache_hits=scheduler.prefix_cache_hits,
         num_preemptions=scheduler.num_preemptions, num_swaps=scheduler.num_swaps,
         num_pinned_blocks=kv.num_pinned_blocks, num_waiting_for_kv=len(scheduler.loading),
-        **fields)
+        **spec_decode_fields(getattr(scheduler, "spec_stats", None)), **fields)
+
+
+def spec_decode_fields(spec: Any) -> dict[str, Any]:
+    """EngineStats' spec_decode_* fields of a scheduler's SpecDecodeStats (None: none)."""
+    if spec is None:
+        return {}
+    return {"spec_decode_num_drafts": spec.num_drafts,
+            "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
+            "spec_decode_accepted_per_pos": tuple(spec.accepted_per_pos)}
