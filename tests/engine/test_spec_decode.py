@@ -168,3 +168,20 @@ def test_core_process_gives_the_in_process_tokens_and_counts(tiny_llama, make_ll
             list(local.spec_decode_accepted_per_pos)
     finally:
         llm.shutdown()
+
+
+def test_a_stop_string_inside_an_accepted_run_cuts_the_tokens_there(tiny_llama, make_llm):
+    prompt = repeating_prompts(1, seed=6)[0]
+    kw = dict(block_size=4, num_gpu_blocks_override=200, max_model_len=128)
+    plain = make_llm(tiny_llama, **kw)
+    text = generate(plain, [prompt], SamplingParams(temperature=0.0, max_tokens=30,
+                                                     ignore_eos=True))[0].text
+    params = [SamplingParams(temperature=0.0, max_tokens=30, stop=[text[k:k + 2]])
+              for k in range(4, 40, 3)]
+    expected = generate(plain, [prompt] * len(params), params)
+    spec = make_llm(tiny_llama, speculative_config=NGRAM, **kw)
+    got = generate(spec, [prompt] * len(params), params)
+    assert [(g.token_ids, g.text, g.stop_reason) for g in got] == \
+        [(e.token_ids, e.text, e.stop_reason) for e in expected]
+    assert all(e.finish_reason == "stop" for e in expected)
+    assert_some_accepted_some_rejected(spec)
