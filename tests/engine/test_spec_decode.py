@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from pagedkv import LLM, SamplingParams
+from pagedkv import LLM, SamplingParams, StructuredOutputsParams
 from tests.engine.conftest import hf_greedy
 
 pytestmark = pytest.mark.timeout(240)
@@ -185,3 +185,19 @@ def test_a_stop_string_inside_an_accepted_run_cuts_the_tokens_there(tiny_llama, 
         [(e.token_ids, e.text, e.stop_reason) for e in expected]
     assert all(e.finish_reason == "stop" for e in expected)
     assert_some_accepted_some_rejected(spec)
+
+
+def test_structured_requests_decode_unspeculated_beside_speculating_ones(tiny_llama, make_llm):
+    # A constrained request is never proposed for (its bitmask would depend on the drafts):
+    # it decodes one token a step, as without speculation, in the same batch as the others.
+    prompts = repeating_prompts(2, seed=7)
+    regex = SamplingParams(temperature=0.0, max_tokens=12,
+                           structured_outputs=StructuredOutputsParams(regex=r"[a-c]{4}-\d{3}"))
+    free = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    kw = dict(block_size=4, num_gpu_blocks_override=120, max_model_len=128)
+    expected = generate(make_llm(tiny_llama, **kw), prompts, [regex, free])
+    spec = make_llm(tiny_llama, speculative_config=NGRAM, **kw)
+    check_every_step(spec)
+    got = generate(spec, prompts, [regex, free])
+    assert [(g.token_ids, g.text) for g in got] == [(e.token_ids, e.text) for e in expected]
+    assert spec_stats(spec).spec_decode_num_drafts > 0
