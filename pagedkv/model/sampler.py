@@ -31,6 +31,7 @@ from pagedkv.sched.request import child_request_id
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.spec.rejection import accept_greedy, accept_sampled
 from pagedkv.structured.bitmask import apply_grammar_bitmask
+from pagedkv.structured.grammar import StructuredOutputGrammar
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
@@ -211,7 +212,8 @@ class Sampler:
         rows of `logits` (after its last token and after each draft, requests in turn): the
         run each emits (pagedkv/spec/rejection.py), with logprobs per emitted token when asked.
         The target distribution of row j is the sampler's own (penalties counting drafts
-        before j as output, bias, allowed tokens, temperature, min-p, top-k, top-p)."""
+        before j as output, bias, allowed tokens, the grammar's mask after the drafts before
+        j, temperature, min-p, top-k, top-p)."""
         counts = [len(r.spec_token_ids) + 1 for r in requests]
         starts = [sum(counts[:i]) for i in range(len(requests))]
         if all(_plain_greedy(r) for r in requests):
@@ -227,6 +229,7 @@ class Sampler:
                                  [r.output_token_ids + r.spec_token_ids[:j] for r, j in rows])
         logits = apply_logit_bias(logits, [p.logit_bias for p in params])
         logits = keep_allowed_tokens(logits, [allowed_index(p) for p in params])
+        logits = apply_grammar_bitmask(logits, [g for r in requests for g in _row_grammars(r)])
         argmax = logits.argmax(-1).tolist()
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         probs = None
@@ -268,6 +271,20 @@ class Sampler:
             req, i = row_owner[row]
             noise[j].exponential_(generator=self._generator(req, i))
         return (probs / noise).argmax(-1)
+
+
+def _row_grammars(req: ScheduledRequest) -> list[StructuredOutputGrammar | None]:
+    """The grammar state at each verified position of `req`: its own, then forks advanced
+    past each draft (the scheduler proposed only drafts its grammar accepts)."""
+    drafts = req.spec_token_ids
+    if req.grammar is None:
+        return [None] * (len(drafts) + 1)
+    states = [req.grammar]
+    for token_id in drafts:
+        state = states[-1].fork()
+        state.accept_token(token_id)
+        states.append(state)
+    return states
 
 
 def _plain_greedy(req: ScheduledRequest) -> bool:

@@ -12,9 +12,12 @@ back, and only blocks full of accepted tokens are ever cached (their hashes come
 request's tokens, which never hold a rejected draft). A run is cut at the first token that
 ends the request (eos, a stop token, max_tokens, max_model_len).
 
-Requests not speculated (they decode one token a step): structured outputs, bad words, below
-`min_tokens` (their per-position bans would depend on the drafts), and any request while its
-outputs are within one token of `max_tokens` or `max_model_len`.
+A structured-output request's drafts are cut at the first token its grammar refuses (or
+after the one that completes it); the runner masks every verified position with the grammar
+state after the drafts before it, and the grammar advances per accepted token as the run is
+appended. Requests not speculated (they decode one token a step): bad words and requests
+below `min_tokens` (their per-position bans would depend on the drafts), and any request
+while its outputs are within one token of `max_tokens` or `max_model_len`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,19 @@ from pagedkv.spec.stats import SpecDecodeStats
 if TYPE_CHECKING:
     from pagedkv.kv.interface import KVCacheManagerAPI
     from pagedkv.sched.output import ScheduledRequest, SchedulerOutput
+    from pagedkv.structured.grammar import StructuredOutputGrammar
+
+
+def grammar_prefix(grammar: StructuredOutputGrammar, drafts: list[int]) -> list[int]:
+    """The leading drafts `grammar` accepts, up to the one that completes it (on a fork: the
+    request's own state is unchanged)."""
+    state = grammar.fork()
+    for i, token_id in enumerate(drafts):
+        if not state.accept_token(token_id):
+            return drafts[:i]
+        if state.is_terminated():
+            return drafts[:i + 1]
+    return drafts
 
 
 class SpeculationMixin:
@@ -43,11 +59,10 @@ class SpeculationMixin:
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec else None
 
     def _max_drafts(self, request: Request) -> int:
-        """How many draft tokens `request` may verify now: 0 unless it decodes unconstrained,
-        and never past max_tokens or max_model_len (the run adds one token more)."""
+        """How many draft tokens `request` may verify now: 0 with bad words or below
+        min_tokens, and never past max_tokens or max_model_len (the run adds one token more)."""
         params = request.sampling_params
-        if (request.structured_output is not None or request.bad_words_token_ids
-                or request.num_output_tokens < params.min_tokens):
+        if request.bad_words_token_ids or request.num_output_tokens < params.min_tokens:
             return 0
         room = self.config.max_model_len - request.num_tokens - 1
         if params.max_tokens is not None:
@@ -60,8 +75,10 @@ class SpeculationMixin:
         proposer = self.proposer
         for request in requests:
             room = self._max_drafts(request) if request.status == RequestStatus.RUNNING else 0
-            request.spec_token_ids = proposer.propose(request.all_token_ids, room) \
-                if room > 0 else []
+            drafts = proposer.propose(request.all_token_ids, room) if room > 0 else []
+            if drafts and request.structured_output is not None:
+                drafts = grammar_prefix(request.structured_output, drafts)
+            request.spec_token_ids = drafts
 
     def _schedule_speculative(self, request: Request, budget: int,
                               out: SchedulerOutput) -> int:
