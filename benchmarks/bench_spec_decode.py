@@ -5,7 +5,8 @@ its context.
 
 For each batch size (default 1, 8, 32 requests at once, `max_num_seqs` = the batch) both
 engines run the same greedy requests once, in alternating order; printed per batch: output
-tokens/s of each, their ratio (spec / plain), the acceptance rate (accepted / proposed draft
+tokens per wall second of each and their ratio (spec / plain), the same per CPU second of this
+process (all its threads: steadier than wall time when other processes share the cores), the acceptance rate (accepted / proposed draft
 tokens), tokens per target forward (decode tokens a request gains per forward it takes part
 in: 1 without speculation), whether the tokens are identical, and the load average. On a
 shared machine only the ratios within one run mean anything.
@@ -42,18 +43,20 @@ def prompt_of(passage: str) -> str:
             f"word.\n\nPassage:\n")
 
 
-def run(llm, prompts: list[str], params) -> tuple[float, list[list[int]], dict]:  # noqa: ANN001
-    """(output tok/s, tokens, spec counters) of one generate call."""
+def run(llm, prompts: list[str], params) -> tuple[float, float, list[list[int]], dict]:  # noqa: ANN001
+    """(output tokens per wall second, per CPU second, tokens, spec counters) of one
+    generate call."""
     before = llm.llm_engine.get_stats()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     after = llm.llm_engine.get_stats()
     tokens = [o.outputs[0].token_ids for o in outs]
     counts = {k: getattr(after, k) - getattr(before, k) for k in (
         "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
         "spec_decode_num_accepted_tokens")}
-    return sum(len(t) for t in tokens) / elapsed, tokens, counts
+    total = sum(len(t) for t in tokens)
+    return total / elapsed, total / cpu, tokens, counts
 
 
 def main() -> None:
@@ -81,7 +84,7 @@ def main() -> None:
         prompts = [prompt_of(p) for p in passages(batch)]
         order = ("plain", "spec") if i % 2 == 0 else ("spec", "plain")
         result = {name: run(engines[name], prompts, params) for name in order}
-        (plain_tps, plain_tokens, _), (spec_tps, spec_tokens, counts) = \
+        (plain_tps, plain_cpu, plain_tokens, _), (spec_tps, spec_cpu, spec_tokens, counts) = \
             result["plain"], result["spec"]
         generated = sum(len(t) for t in spec_tokens)
         decode = generated - batch  # the first token of each request comes from its prefill
@@ -90,7 +93,8 @@ def main() -> None:
             counts["spec_decode_num_draft_tokens"], 1)
         same = sum(a == b for a, b in zip(plain_tokens, spec_tokens, strict=True))
         print(f"batch {batch:>2}: plain {plain_tps:7.1f} tok/s, spec {spec_tps:7.1f} tok/s, "
-              f"ratio {spec_tps / plain_tps:.2f}x; acceptance {rate:.2f} "
+              f"ratio {spec_tps / plain_tps:.2f}x; per CPU second {plain_cpu:.1f} / "
+              f"{spec_cpu:.1f}, ratio {spec_cpu / plain_cpu:.2f}x; acceptance {rate:.2f} "
               f"({counts['spec_decode_num_accepted_tokens']}/"
               f"{counts['spec_decode_num_draft_tokens']} draft tokens, "
               f"{counts['spec_decode_num_drafts']} drafts); tokens per target forward "
