@@ -18,6 +18,10 @@ reproducible.
 `banned_token_ids` (eos and stop tokens below `min_tokens`) are never sampled, greedy included;
 nor are the tokens a structured-output request's grammar forbids (one bitmask for the batch).
 
+Speculative decoding (`verify`): a request verifying k draft tokens has k + 1 rows, each
+processed as above (penalties counting the drafts before it as output, the grammar's mask after
+them), and emits the run pagedkv/spec/rejection.py accepts, from the request's generator.
+
 Logprobs: log-softmax of the raw model logits, before penalties and temperature (vLLM's default
 "raw_logprobs" mode). Each sample reports the top-N tokens plus the sampled token.
 """

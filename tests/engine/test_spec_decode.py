@@ -140,15 +140,19 @@ def test_same_outputs_with_preemption_chunked_prefill_stops_and_logprobs(
 
 def test_seeded_sampling_is_reproducible_and_uses_speculation(tiny_llama, make_llm):
     prompts = repeating_prompts(3, seed=4)
-    params = SamplingParams(temperature=0.7, top_k=20, seed=5, max_tokens=20, ignore_eos=True)
+    params = SamplingParams(temperature=0.7, top_k=20, seed=5, max_tokens=20, ignore_eos=True,
+                            n=2)
     kw = dict(block_size=4, num_gpu_blocks_override=120, max_model_len=128)
     runs = []
     for _ in range(2):
         llm = make_llm(tiny_llama, speculative_config=NGRAM, **kw)
-        runs.append([o.token_ids for o in generate(llm, prompts, params)])
+        check_every_step(llm)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs.append([[c.token_ids for c in o.outputs] for o in outs])
         assert spec_stats(llm).spec_decode_num_drafts > 0
     assert runs[0] == runs[1]
-    assert all(len(r) == 20 for r in runs[0])
+    assert all(len(t) == 20 for samples in runs[0] for t in samples)
+    assert any(samples[0] != samples[1] for samples in runs[0])  # each sample its own stream
 
 
 def test_core_process_gives_the_in_process_tokens_and_counts(tiny_llama, make_llm):
