@@ -5,24 +5,34 @@ one). No model: a proposal costs a scan of the request's tokens."""
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 from pagedkv.spec.config import SpeculativeConfig
 
+ITEM_BYTES = array("q").itemsize
+
 
 def find_ngram_continuation(tokens: Sequence[int], n: int, k: int) -> list[int]:
     """The up to `k` tokens after the most recent earlier occurrence of the last `n` tokens
-    of `tokens` ([] when there is none). An occurrence overlapping the suffix counts."""
+    of `tokens` ([] when there is none). An occurrence overlapping the suffix counts. The
+    search runs over the tokens' bytes (`bytes.rfind`, in C); a hit not on a token boundary
+    is skipped."""
     size = len(tokens)
     if n <= 0 or size <= n:
         return []
-    suffix = list(tokens[size - n:])
-    last = suffix[-1]
-    # Candidate end positions of an earlier occurrence: where its last token sits.
-    for end in range(size - 2, n - 2, -1):
-        if tokens[end] == last and list(tokens[end - n + 1:end + 1]) == suffix:
-            return list(tokens[end + 1:end + 1 + k])
-    return []
+    data = array("q", tokens).tobytes()
+    width = ITEM_BYTES
+    needle = data[(size - n) * width:]
+    end = (size - 1) * width  # an earlier occurrence ends before the last token
+    while True:
+        at = data.rfind(needle, 0, end)
+        if at < 0:
+            return []
+        if at % width == 0:
+            start = at // width + n
+            return list(tokens[start:start + k])
+        end = at + len(needle) - 1  # the next candidate starts before this one
 
 
 class NgramProposer:

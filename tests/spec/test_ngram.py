@@ -3,6 +3,8 @@ occurrence, longest n first."""
 
 from __future__ import annotations
 
+import random
+
 from pagedkv.spec import SpeculativeConfig, build_proposer
 from pagedkv.spec.ngram import NgramProposer, find_ngram_continuation
 
@@ -33,3 +35,28 @@ def test_proposal_capped_by_k_and_the_room_left():
     assert proposer.propose(tokens, 10) == [3, 4, 5]
     assert proposer.propose(tokens, 1) == [3]
     assert proposer.propose(tokens, 0) == []
+
+
+def reference_continuation(tokens: list[int], n: int, k: int) -> list[int]:
+    """The plain scan: the latest earlier end position whose n tokens equal the suffix."""
+    if n <= 0 or len(tokens) <= n:
+        return []
+    suffix = tokens[-n:]
+    for end in range(len(tokens) - 2, n - 2, -1):
+        if tokens[end - n + 1:end + 1] == suffix:
+            return tokens[end + 1:end + 1 + k]
+    return []
+
+
+def test_byte_search_equals_the_plain_scan():
+    # Small vocabularies repeat a lot; large ids make byte patterns that match off a token
+    # boundary, which must be skipped.
+    rng = random.Random(0)
+    for _ in range(1500):
+        vocab = rng.choice([2, 3, 7, 300, 70000, 2**40])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 30))]
+        for n in (1, 2, 3):
+            assert find_ngram_continuation(tokens, n, 3) == reference_continuation(tokens, n, 3)
+    # The bytes of 2**56 + 1 (little-endian 01 0..0 01) straddle 2**56 and 2**48: no match.
+    assert find_ngram_continuation([2**56, 2**48, 9, 2**56 + 1], 1, 2) == []
+    assert find_ngram_continuation([2**56, 2**48, 2**56 + 1, 9, 2**56 + 1], 1, 2) == [9, 2**56 + 1]
