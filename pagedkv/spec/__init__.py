@@ -2,7 +2,8 @@
 
 A proposer is one file with a class built from the `SpeculativeConfig` and a
 `propose(tokens, max_tokens) -> list[int]` method; `PROPOSERS` maps `speculative_config`'s
-`method` to it (a new method is a new file and one line here). The scheduler asks the proposer
+`method` to it (a new method is a new file, one line here and its keys in config.py's
+`_METHOD_KEYS`). The scheduler asks the proposer
 after each decode step and schedules the proposal with the next token (sched/scheduler.py);
 the runner verifies it (rejection.py).
 """
