@@ -15,7 +15,7 @@ ROOT = Path(pagedkv.__file__).parent
 LAYERS = [
     {"utils", "jsonl", "bench"},  # leaf libraries: they import no other pagedkv package
     {"config"},
-    {"kv", "structured", "kernels"},
+    {"kv", "structured", "kernels", "spec"},
     {"events", "store"},
     {"sched"},
     {"model"},

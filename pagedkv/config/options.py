@@ -130,6 +130,9 @@ class SchedulerOptions:
         0, "most prompt tokens one request computes in a step: a long prompt is prefilled in "
         "chunks of this size, so the other requests' prefills and decodes run beside it "
         "(0: no cap but the step's budget)", ge=0)
+    speculative_config: str | dict | None = opt(
+        None, "speculative decoding, a JSON object: method (ngram), num_speculative_tokens, "
+        "prompt_lookup_min, prompt_lookup_max")
 
 
 @dataclass(kw_only=True)

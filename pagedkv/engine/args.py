@@ -22,6 +22,7 @@ from pagedkv.config.options import (
 )
 from pagedkv.events.config import parse_kv_events_config
 from pagedkv.kv.partial_hits import check_prefix_match_unit
+from pagedkv.spec.config import parse_speculative_config
 from pagedkv.store.transfer_config import parse_kv_transfer_config
 from pagedkv.structured.limits import StructuredOutputsLimits
 
@@ -57,6 +58,9 @@ class EngineArgs(ParallelOptions, StructuredOptions, RuntimeOptions, StoreOption
         check_options(self)
         check_prefix_match_unit(self.prefix_match_unit, self.block_size)
         parse_kv_events_config(self.kv_events_config)
+        if parse_speculative_config(self.speculative_config) and self.async_scheduling:
+            raise ValueError("async_scheduling=True does not support speculative_config yet: "
+                             "use one or the other")
         self._validate_offloading()
         self._validate_parallel()
         self.structured_outputs_limits()

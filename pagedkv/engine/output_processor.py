@@ -177,12 +177,15 @@ class OutputProcessor:
                 group.first_token_time = now
                 group.metrics = None
             group.last_token_time = now
+            # A stop token (eos, stop_token_ids) ends it: its text is left out, as in vLLM.
+            stop_terminated = finish_reason == "stop" and not isinstance(out.stop_reason, str)
+            if len(new_tokens) > 1 and detokenizer.stop:  # a speculative run: cut at the stop
+                new_tokens, stop = _update_until_stop(detokenizer, new_tokens, stop_terminated)
+            else:
+                stop = detokenizer.update(new_tokens, stop_terminated)
             sample.token_ids += new_tokens
             if sample.logprobs is not None and out.new_logprobs:
-                sample.add_logprobs(new_tokens, out.new_logprobs)
-            # A stop token (eos, stop_token_ids) ends it: its text is left out, as in vLLM.
-            stop = detokenizer.update(new_tokens, finish_reason == "stop"
-                                      and not isinstance(out.stop_reason, str))
+                sample.add_logprobs(new_tokens, out.new_logprobs[:len(new_tokens)])
         if finish_reason is None and stop is None:  # the usual step: it runs on
             sample.text = detokenizer.text
             return None
@@ -223,3 +226,15 @@ def _apply_request_news(group: _Group, out: CoreOutput) -> None:
     if out.error is not None:
         group.error = out.error
         group.error_kind = out.error_kind
+
+
+def _update_until_stop(detokenizer: IncrementalDetokenizer, new_tokens: list[int],
+                       stop_terminated: bool) -> tuple[list[int], str | None]:
+    """Feed `new_tokens` (several: a verified speculative run) one at a time; the tokens up to
+    the one that completes a stop string (all of them when none does) and that string."""
+    last = len(new_tokens) - 1
+    for i, token_id in enumerate(new_tokens):
+        stop = detokenizer.update([token_id], stop_terminated and i == last)
+        if stop is not None:
+            return new_tokens[:i + 1], stop
+    return new_tokens, None

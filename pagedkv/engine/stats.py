@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -56,6 +57,12 @@ class EngineStats:
     iteration_token_counts: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
     kv_store_tiers: tuple[dict, ...] = ()  # `TierStats.to_dict()` of each KV store tier
+    # Speculative decoding (vLLM's spec_decode_* counters; pagedkv/spec/stats.py): verified
+    # proposals, their tokens, the tokens accepted, and acceptances by position in a proposal.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -78,7 +85,7 @@ def scheduler_stats(scheduler: Any, **fields: Any) -> EngineStats:
         prefix_cache_hits=scheduler.prefix_cache_hits,
         num_preemptions=scheduler.num_preemptions, num_swaps=scheduler.num_swaps,
         num_pinned_blocks=kv.num_pinned_blocks, num_waiting_for_kv=len(scheduler.loading),
-        **fields)
+        **spec_decode_fields(getattr(scheduler, "spec_stats", None)), **fields)
 
 
 def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
@@ -94,6 +101,8 @@ def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
         elif f.name == "iteration_token_counts":
             total[f.name] = tuple(sum(col) for col in zip(*values, strict=True)) \
                 if all(values) else ()
+        elif f.name == "spec_decode_accepted_per_pos":
+            total[f.name] = tuple(map(sum, itertools.zip_longest(*values, fillvalue=0)))
         elif f.name == "kv_store_tiers":
             total[f.name] = tuple(_sum_tiers(tiers) for tiers in zip(*values, strict=True))
         else:
@@ -106,3 +115,13 @@ def _sum_tiers(tiers: Sequence[dict]) -> dict:
     return {key: (sum(t[key] for t in tiers) if isinstance(value, (int, float))
                   and not isinstance(value, bool) else value)
             for key, value in tiers[0].items()}
+
+
+def spec_decode_fields(spec: Any) -> dict[str, Any]:
+    """EngineStats' spec_decode_* fields of a scheduler's SpecDecodeStats (None: none)."""
+    if spec is None:
+        return {}
+    return {"spec_decode_num_drafts": spec.num_drafts,
+            "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
+            "spec_decode_accepted_per_pos": tuple(spec.accepted_per_pos)}

@@ -22,8 +22,9 @@ vLLM v1's `KVCacheManager.allocate_slots`:
 - new: positions [start, end) this step writes. A block in that range that another request
   shares (ref_cnt > 1) is replaced by a fresh one; the runner copies it when it holds tokens
   already written, i.e. before start + num_tokens_ahead ("ahead": tokens a step still in
-  flight writes under overlapped scheduling, the counterpart of vLLM's lookahead slots).
-  Then fresh blocks up to `required`.
+  flight writes under overlapped scheduling). Then fresh blocks up to `required`; the
+  manager counts the lookahead slots of speculative tokens (`num_lookahead_tokens`) among the
+  new tokens here.
 
 The plan is a tuple (no per-call object beyond it); the decode step whose tokens land in its
 own last block never gets here (manager.allocate_slots' fast path), and any other call with

@@ -190,7 +190,8 @@ class HybridKVCacheManager:
                        num_new_computed_tokens: int = 0, *, delay_cache_blocks: bool = False,
                        apply_watermark: bool = False,
                        num_external_computed_tokens: int = 0,
-                       num_tokens_ahead: int = 0) -> list[KVCacheBlock] | None:
+                       num_tokens_ahead: int = 0,
+                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
         """KVCacheManager.allocate_slots for every group, all or nothing: None (and no group
         changed but for its window's skipped blocks freed) when the pool cannot cover what
         all groups need. Returns group 0's new blocks. `num_external_computed_tokens` (vLLM's
@@ -202,7 +203,8 @@ class HybridKVCacheManager:
         need = 0
         for group, (hits, n_new, n_computed) in zip(self.groups, args, strict=True):
             group.remove_skipped_blocks(request)
-            need += group.num_blocks_to_allocate(request, n_new, hits, n_computed)
+            need += group.num_blocks_to_allocate(request, n_new + num_lookahead_tokens, hits,
+                                                 n_computed)
         available = self.pool.eviction.num_free_blocks
         if apply_watermark:
             available -= self.watermark_blocks
@@ -217,7 +219,8 @@ class HybridKVCacheManager:
             for group, (hits, n_new, n_computed) in zip(self.groups, args, strict=True):
                 new = group.allocate_slots(request, n_new, hits, n_computed,
                                            delay_cache_blocks=delay_cache_blocks,
-                                           num_tokens_ahead=num_tokens_ahead)
+                                           num_tokens_ahead=num_tokens_ahead,
+                                           num_lookahead_tokens=num_lookahead_tokens)
                 if new is None:  # counted above: cannot happen unless the counts disagree
                     raise RuntimeError(f"group {group.group_idx} could not allocate for "
                                        f"{request.request_id!r} after the pool was checked")

@@ -103,9 +103,12 @@ class KVCacheManagerAPI(Protocol):
                        num_new_computed_tokens: int = 0, *, delay_cache_blocks: bool = False,
                        apply_watermark: bool = False,
                        num_external_computed_tokens: int = 0,
-                       num_tokens_ahead: int = 0) -> list[KVCacheBlock] | None:
-        """Make room for positions [c, c + num_new_computed_tokens + num_new_tokens), where
-        c = request.num_computed_tokens. The first `num_tokens_ahead` of them are being written
+                       num_tokens_ahead: int = 0,
+                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
+        """Make room for positions [c, c + num_new_computed_tokens + num_new_tokens +
+        num_lookahead_tokens), where c = request.num_computed_tokens; the lookahead slots
+        (vLLM's) hold speculative tokens being verified: they are never cached by this call,
+        and the scheduler gives back those of the rejected ones (`trim_blocks`). The first `num_tokens_ahead` of them are being written
         by a step still running (overlapped scheduling): a shared block holding them is copied
         whole when replaced (the copy runs after that step).
 
@@ -125,8 +128,8 @@ class KVCacheManagerAPI(Protocol):
 
     def trim_blocks(self, request: KVRequest, num_tokens: int) -> None:
         """Free the request's device blocks past the first cdiv(num_tokens, block_size), tail
-        first (blocks allocated for a store load that did not deliver them: the next
-        allocate_slots gives fresh ones). Nothing for an unknown or swapped request.
+        first (blocks allocated for a store load that did not deliver them, or the lookahead
+        slots of rejected speculative tokens: the next allocate_slots gives fresh ones). Nothing for an unknown or swapped request.
         Mutates: the request's tables, the pool."""
         ...
 

@@ -135,10 +135,12 @@ class KVCacheManager(PrefixCacheMixin, SwapMixin):
                        num_new_computed_tokens: int = 0, *, delay_cache_blocks: bool = False,
                        apply_watermark: bool = False,
                        num_external_computed_tokens: int = 0,
-                       num_tokens_ahead: int = 0) -> list[KVCacheBlock] | None:
-        if num_new_tokens < 0 or num_new_computed_tokens < 0:
+                       num_tokens_ahead: int = 0,
+                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
+        if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(f"negative token count: num_new_tokens={num_new_tokens}, "
-                             f"num_new_computed_tokens={num_new_computed_tokens}")
+                             f"num_new_computed_tokens={num_new_computed_tokens}, "
+                             f"num_lookahead_tokens={num_lookahead_tokens}")
         state = self._reqs.get(request.request_id)
         if state is None:
             state = self._reqs[request.request_id] = RequestBlocks()
@@ -149,8 +151,10 @@ class KVCacheManager(PrefixCacheMixin, SwapMixin):
         start = request.num_computed_tokens + num_new_computed_tokens  # first position written
         end = start + num_new_tokens
         num_old = len(blocks)
+        num_slots = num_new_tokens + num_lookahead_tokens  # positions this call makes room for
         if (num_new_tokens and not num_new_computed_tokens and state.partial_src is None
-                and start // bs == (end - 1) // bs == num_old - 1 and blocks[-1].ref_cnt == 1):
+                and start // bs == (start + num_slots - 1) // bs == num_old - 1
+                and blocks[-1].ref_cnt == 1):
             # The common decode step: its tokens land in the last block, which this request
             # alone holds: nothing to take, copy or release (the plan would be NOTHING), only
             # the window's skipped blocks to free (never the last block: it holds `start`).
@@ -158,7 +162,7 @@ class KVCacheManager(PrefixCacheMixin, SwapMixin):
                 self._remove_skipped_blocks(self.pool, blocks, request.num_computed_tokens)
             new_blocks: list[KVCacheBlock] = []
         else:
-            allocated = self._allocate(request, state, num_new_tokens, new_computed_blocks,
+            allocated = self._allocate(request, state, num_slots, new_computed_blocks,
                                        num_new_computed_tokens, apply_watermark,
                                        num_tokens_ahead)
             if allocated is None:

@@ -3,7 +3,8 @@
 Per step, in order: swap out (device -> host), swap in (host -> device), block copies
 (copy-on-write), then the forward pass over the scheduled tokens (decodes first, batched, then
 prefill chunks), logits only at the last position of each request that samples (and at the
-prompt positions whose logprobs were asked for, see logits_rows.py), and sampling.
+prompt positions whose logprobs were asked for, and at every position of a request verifying
+speculative draft tokens, see logits_rows.py), and sampling (or verification, Sampler.verify).
 
 Attention runs through the backend registered for the device (model/backends/): the runner
 describes the step once (`StepSequences`) and the backend builds the metadata every layer reads.
@@ -401,6 +402,8 @@ class ModelRunner:
             result.prompt_logprobs[req.request_id] = prompt_logprobs(
                 logits[rows.first_row:rows.first_row + rows.count], rows.target_ids,
                 req.sampling_params.prompt_logprobs or 0)
+        if selection.verifiers:
+            self._verify(selection.verify_logits(logits), selection.verifiers, result)
         if not selection.samplers:
             return result
         tokens, logprobs = self.sampler(selection.sample_logits(logits), selection.samplers)
@@ -409,6 +412,16 @@ class ModelRunner:
             if lps is not None:
                 result.logprobs[req.request_id] = lps
         return result
+
+    def _verify(self, logits: torch.Tensor, reqs: list[ScheduledRequest],
+                result: ModelRunnerOutput) -> None:
+        """Verify the draft tokens of `reqs` (their k + 1 logits rows each, in turn): each
+        request's emitted run (and its logprobs) into `result`."""
+        tokens, logprobs = self.sampler.verify(logits, reqs)
+        for req, toks, lps in zip(reqs, tokens, logprobs, strict=True):
+            result.sampled_token_ids[req.request_id] = toks
+            if lps is not None:
+                result.logprobs[req.request_id] = lps
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]
                        ) -> tuple[list[ScheduledRequest], torch.Tensor, torch.Tensor, object]:

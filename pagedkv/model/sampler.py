@@ -18,6 +18,10 @@ reproducible.
 `banned_token_ids` (eos and stop tokens below `min_tokens`) are never sampled, greedy included;
 nor are the tokens a structured-output request's grammar forbids (one bitmask for the batch).
 
+Speculative decoding (`verify`): a request verifying k draft tokens has k + 1 rows, each
+processed as above (penalties counting the drafts before it as output, the grammar's mask after
+them), and emits the run pagedkv/spec/rejection.py accepts, from the request's generator.
+
 Logprobs: log-softmax of the raw model logits, before penalties and temperature (vLLM's default
 "raw_logprobs" mode). Each sample reports the top-N tokens plus the sampled token.
 """
@@ -29,7 +33,9 @@ import torch
 from pagedkv.sched.output import ScheduledRequest
 from pagedkv.sched.request import child_request_id
 from pagedkv.sched.sampling_params import SamplingParams
+from pagedkv.spec.rejection import accept_greedy, accept_sampled
 from pagedkv.structured.bitmask import apply_grammar_bitmask
+from pagedkv.structured.grammar import StructuredOutputGrammar
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
@@ -204,8 +210,51 @@ class Sampler:
             start += c
         return out_tokens, out_logprobs
 
-    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
-                row_owner: list[tuple[ScheduledRequest, int]], rows: list[int]) -> torch.Tensor:
+    def verify(self, logits: torch.Tensor, requests: list[ScheduledRequest]
+               ) -> tuple[list[list[int]], list[list[dict[int, float]] | None]]:
+        """Verify each request's draft tokens (`spec_token_ids`, k of them) against its k + 1
+        rows of `logits` (after its last token and after each draft, requests in turn): the
+        run each emits (pagedkv/spec/rejection.py), with logprobs per emitted token when asked.
+        The target distribution of row j is the sampler's own (penalties counting drafts
+        before j as output, bias, allowed tokens, the grammar's mask after the drafts before
+        j, temperature, min-p, top-k, top-p)."""
+        counts = [len(r.spec_token_ids) + 1 for r in requests]
+        starts = [sum(counts[:i]) for i in range(len(requests))]
+        if all(_plain_greedy(r) for r in requests):
+            argmax = logits.argmax(-1).tolist()
+            return ([accept_greedy(argmax[s:s + c], r.spec_token_ids)
+                     for r, s, c in zip(requests, starts, counts, strict=True)],
+                    [None] * len(requests))
+        rows = [(r, j) for r, c in zip(requests, counts, strict=True) for j in range(c)]
+        params = [r.sampling_params for r, _ in rows]
+        raw_logprobs = logits.log_softmax(-1) if any(p.logprobs is not None for p in params) \
+            else None
+        logits = apply_penalties(logits, params, [r.prompt_token_ids for r, _ in rows],
+                                 [r.output_token_ids + r.spec_token_ids[:j] for r, j in rows])
+        logits = apply_logit_bias(logits, [p.logit_bias for p in params])
+        logits = keep_allowed_tokens(logits, [allowed_index(p) for p in params])
+        logits = apply_grammar_bitmask(logits, [g for r in requests for g in _row_grammars(r)])
+        argmax = logits.argmax(-1).tolist()
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        probs = None
+        if random_rows:
+            probs = torch.zeros_like(logits)
+            idx = torch.tensor(random_rows, device=logits.device)
+            probs[idx] = self._probs(logits[idx], [params[i] for i in random_rows])
+        out_tokens, out_logprobs = [], []
+        for r, s, c in zip(requests, starts, counts, strict=True):
+            if r.sampling_params.greedy:
+                toks = accept_greedy(argmax[s:s + c], r.spec_token_ids)
+            else:
+                toks = accept_sampled(probs[s:s + c], r.spec_token_ids, self._generator(r, 0))
+            out_tokens.append(toks)
+            n = r.sampling_params.logprobs
+            out_logprobs.append(None if n is None else [
+                _top_logprobs(raw_logprobs[s + i], [t], n)[0] for i, t in enumerate(toks)])
+        return out_tokens, out_logprobs
+
+    def _probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Each row's sampling distribution: temperature, then min-p, top-k, top-p."""
         dev = logits.device
         temp = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)
         logits = logits / temp[:, None]
@@ -216,12 +265,30 @@ class Sampler:
             top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
             top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
             logits = apply_top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(-1)
+        return logits.softmax(-1)
+
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
+                row_owner: list[tuple[ScheduledRequest, int]], rows: list[int]) -> torch.Tensor:
+        probs = self._probs(logits, params)
         noise = torch.empty_like(probs)
         for j, row in enumerate(rows):
             req, i = row_owner[row]
             noise[j].exponential_(generator=self._generator(req, i))
         return (probs / noise).argmax(-1)
+
+
+def _row_grammars(req: ScheduledRequest) -> list[StructuredOutputGrammar | None]:
+    """The grammar state at each verified position of `req`: its own, then forks advanced
+    past each draft (the scheduler proposed only drafts its grammar accepts)."""
+    drafts = req.spec_token_ids
+    if req.grammar is None:
+        return [None] * (len(drafts) + 1)
+    states = [req.grammar]
+    for token_id in drafts:
+        state = states[-1].fork()
+        state.accept_token(token_id)
+        states.append(state)
+    return states
 
 
 def _plain_greedy(req: ScheduledRequest) -> bool:

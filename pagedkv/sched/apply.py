@@ -53,6 +53,7 @@ class ApplyMixin:
     requests: dict[str, Request]
     running: list[Request]
     ended_in_schedule: list[Request]
+    proposer: object | None  # speculation.py's; None without speculative decoding
     _unapplied: list[tuple[SchedulerOutput, set[bytes]]]
 
     def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
@@ -73,6 +74,11 @@ class ApplyMixin:
             slots = request.scheduled_slots  # (`_owns`, inlined: once per request per step)
             if slots[0] is not scheduled and slots[1] is not scheduled:
                 continue  # an ended request's, whose id a new request took
+            if scheduled.spec_token_ids:  # verified draft tokens (speculation.py)
+                self.apply_verified(request, scheduled, sampled[request.request_id],
+                                    logprobs_of.get(request.request_id))
+                changed.append(request)
+                continue
             num_new = len(scheduled.token_ids)
             request.num_tokens_ahead -= num_new
             computed = request.num_computed_tokens + num_new
@@ -111,6 +117,8 @@ class ApplyMixin:
             for req in (request, *children):
                 changed.append(req)
                 self._check_stop(req)
+        if self.proposer is not None:
+            self.propose_drafts(changed)
         return changed
 
     def _append_token(self, request: Request, token_id: int,
@@ -156,24 +164,30 @@ class ApplyMixin:
         return children
 
     def _check_stop(self, request: Request) -> None:
+        """Finish `request` if its last token ends it (`_stop_status`)."""
+        stop = self._stop_status(request)
+        if stop is not None:
+            self._finish(request, *stop)
+
+    def _stop_status(self, request: Request) -> tuple[RequestStatus, int | str | None] | None:
+        """(status, reason) the request ends with after its last token, None when it runs on:
+        a grammar error or its end, eos / a stop token past `min_tokens`, `max_tokens`,
+        `max_model_len`. Reads only."""
         params = request.sampling_params
         outputs = request.output_token_ids
         token_id = outputs[-1]
         grammar = request.structured_output
         if grammar is not None and request.error is not None:
-            self._finish(request, RequestStatus.FINISHED_ERROR, request.error)
-            return
+            return RequestStatus.FINISHED_ERROR, request.error
         if grammar is not None and grammar.is_terminated():
-            self._finish(request, RequestStatus.FINISHED_STOPPED,
-                         token_id if token_id in params.stop_token_ids else None)
-            return
+            return (RequestStatus.FINISHED_STOPPED,
+                    token_id if token_id in params.stop_token_ids else None)
         if len(outputs) >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
-                self._finish(request, RequestStatus.FINISHED_STOPPED, None)
-                return
+                return RequestStatus.FINISHED_STOPPED, None
             if token_id in params.stop_token_ids:
-                self._finish(request, RequestStatus.FINISHED_STOPPED, token_id)
-                return
+                return RequestStatus.FINISHED_STOPPED, token_id
         if ((params.max_tokens is not None and len(outputs) >= params.max_tokens)
                 or len(request.all_token_ids) >= self.config.max_model_len):
-            self._finish(request, RequestStatus.FINISHED_LENGTH, None)
+            return RequestStatus.FINISHED_LENGTH, None
+        return None

@@ -52,6 +52,10 @@ class ScheduledRequest:
     # Models mixing attention types (hybrid KV cache groups, kv/coordinator.py): every group's
     # block table, in group order (`block_table` is group 0's); None with one group.
     group_block_tables: list[list[int]] | None = None
+    # Speculative decoding: the draft tokens this step verifies, `token_ids[1:]` (the runner
+    # computes logits at all of `token_ids`' positions and returns the accepted run plus the
+    # target's next token: 1 to len(spec_token_ids) + 1 tokens); [] for a plain step.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:
@@ -92,7 +96,8 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """`sampled_token_ids[request_id]` lists `num_samples` tokens for each sampling request.
+    """`sampled_token_ids[request_id]` lists `num_samples` tokens for each sampling request
+    (a request verifying draft tokens: the tokens it emits, each with its logprobs entry).
 
     `logprobs[request_id][i]` (only when the request asked for logprobs) maps token id ->
     log-probability for sample i: the top-N tokens plus the sampled one.

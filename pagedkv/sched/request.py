@@ -95,6 +95,9 @@ class Request:
         # next is built: overlapped scheduling): tokens, and samples whose tokens are unknown.
         self.num_tokens_ahead = 0
         self.num_placeholders = 0
+        # Speculative decoding: the draft tokens proposed to follow `all_token_ids` (set after
+        # each step that changed them; [] when none), verified when next scheduled.
+        self.spec_token_ids: list[int] = []
         # The two ScheduledRequests the scheduler reuses in turn for this request.
         self.scheduled_slots: list = [None, None]
         # Their block ids, each kept up to date incrementally (kv/block_table.py).

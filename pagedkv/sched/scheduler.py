@@ -44,6 +44,7 @@ from pagedkv.kv.request_blocks import AllocStatus
 from pagedkv.sched.apply import ApplyMixin, banned_token_ids
 from pagedkv.sched.output import ScheduledRequest, SchedulerOutput
 from pagedkv.sched.request import Request, RequestStatus
+from pagedkv.sched.speculation import SpeculationMixin
 from pagedkv.utils import cdiv
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ class SchedulerConfig(SchedulerOptions):
         return self.scheduling_policy
 
 
-class Scheduler(ApplyMixin):
+class Scheduler(ApplyMixin, SpeculationMixin):
     """Owns the request queues and the per-step batch, and allocates and frees every request's
     KV blocks through the KV manager (the engine reads the manager's stats and checks its
     invariants; it never allocates)."""
@@ -117,6 +118,7 @@ class Scheduler(ApplyMixin):
         self._slot = 0  # which of each request's two ScheduledRequests this step fills
         # Most tokens one request computes in a step (vLLM's long_prefill_token_threshold).
         self._prefill_cap = config.long_prefill_token_threshold or sys.maxsize
+        self._init_speculation(config.speculative_config)  # proposer, spec_stats
 
     # ---- queues -------------------------------------------------------------------------
 
@@ -202,6 +204,12 @@ class Scheduler(ApplyMixin):
             if num_new <= 0:
                 index += 1
                 continue
+            if num_new == 1 and request.spec_token_ids and not ahead:
+                taken = self._schedule_speculative(request, budget, out)
+                if taken:
+                    budget -= taken
+                    index += 1
+                    continue
             # The usual case first: it fits (a None changes nothing `_allocate_running`'s own
             # first try would not, so that try may repeat it).
             if allocate(request, ahead + num_new, delay_cache_blocks=True,
@@ -411,9 +419,11 @@ class Scheduler(ApplyMixin):
                 f"{kv.num_usable_blocks - kv.watermark_blocks} (block_size={self.block_size}); "
                 "raise the KV cache size or shorten the prompt")
 
-    def _schedule(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+    def _schedule(self, request: Request, num_new: int, out: SchedulerOutput,
+                  drafts: list[int] | None = None) -> None:
         """Append the request's share of this step to `out` (one of its two reusable
-        ScheduledRequests) and count it as scheduled ahead until `update()` applies it."""
+        ScheduledRequests) and count it as scheduled ahead until `update()` applies it.
+        `drafts`: speculative tokens verified after its one new token (speculation.py)."""
         start = request.num_computed_tokens + request.num_tokens_ahead
         if start < request.num_prompt_tokens:
             self._note_pending_prompt_blocks(request, start, num_new)
@@ -427,6 +437,9 @@ class Scheduler(ApplyMixin):
         token_ids = all_tokens[start:start + num_new]
         if len(token_ids) < num_new:  # tokens the running step samples: filled in later
             token_ids += [PLACEHOLDER_TOKEN_ID] * (num_new - len(token_ids))
+        if drafts:
+            token_ids += drafts
+            num_new += len(drafts)
         prompt_logprob_rows = 0
         if params.prompt_logprobs is not None:
             prompt_logprob_rows = max(min(start + num_new, request.num_prompt_tokens - 1) - start, 0)
@@ -447,6 +460,7 @@ class Scheduler(ApplyMixin):
         scheduled.num_prompt_logprob_rows = prompt_logprob_rows
         scheduled.grammar = request.structured_output if num_samples else None
         scheduled.group_block_tables = kv.get_group_block_ids(request_id)
+        scheduled.spec_token_ids = drafts or []
         out.scheduled.append(scheduled)
         out.total_num_scheduled_tokens += num_new
         request.num_tokens_ahead += num_new

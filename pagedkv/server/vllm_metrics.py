@@ -8,6 +8,8 @@
   store's tiers (host = the CPU tier, disk, Redis = external_unspecified);
 - `external_prefix_cache_queries_total` / `_hits_total`: tokens asked of the KV store (the first
   tier sees every block a load asks for) and found in any tier;
+- `spec_decode_num_drafts_total`, `_num_draft_tokens_total`, `_num_accepted_tokens_total`,
+  `_num_accepted_tokens_per_pos_total{position=0..k-1}` (only with speculative decoding);
 - `num_requests_waiting_by_reason{reason=capacity|deferred}` (deferred: loading KV);
 - `cache_config_info` (a gauge of 1 whose labels are the cache configuration, model and engine);
 - `engine_sleep_state{sleep_state=awake|weights_offloaded|discard_all}` (always awake: no sleep
@@ -22,7 +24,7 @@ Store tiers count blocks; tokens here are blocks x block size.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import (
@@ -90,6 +92,7 @@ def engine_families(prefix: str, labels: list[str], values: list[str], stats: En
                 "store's tiers), in tokens.", queries)
     yield count("external_prefix_cache_hits", "External prefix cache hits (the KV store's "
                 "tiers), in tokens.", external)
+    yield from _spec_decode(count, stats)
     yield count("mm_cache_queries", "Multi-modal cache queries, in terms of number of queried "
                 "items (none here: text only).", 0.0)
     yield count("mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items "
@@ -114,6 +117,21 @@ def engine_families(prefix: str, labels: list[str], values: list[str], stats: En
                              labels=[*cache_info, *labels])  # and model_name, engine (vLLM 0.32)
     info.add_metric([*cache_info.values(), *values], 1.0)
     yield info
+
+
+def _spec_decode(count: Callable[..., Metric], stats: EngineStats) -> Iterator[Metric]:
+    """vLLM's spec_decode_* counters (nothing without speculative decoding)."""
+    if not stats.spec_decode_accepted_per_pos:
+        return
+    yield count("spec_decode_num_drafts", "Number of spec decoding drafts.",
+                stats.spec_decode_num_drafts)
+    yield count("spec_decode_num_draft_tokens", "Number of draft tokens.",
+                stats.spec_decode_num_draft_tokens)
+    yield count("spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                stats.spec_decode_num_accepted_tokens)
+    yield count("spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                {str(i): n for i, n in enumerate(stats.spec_decode_accepted_per_pos)},
+                "position")
 
 
 def _iteration_tokens(prefix: str, labels: list[str], values: list[str], stats: EngineStats,
