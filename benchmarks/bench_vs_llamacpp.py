@@ -45,7 +45,8 @@ from pagedkv.bench.machine import cpu_name
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import free_port, wait_healthy  # noqa: E402
 
-LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+LLAMA_CPP_VERSION = "0.3.36"
+LLAMA_CPP_PYTHON = f"llama-cpp-python=={LLAMA_CPP_VERSION}"
 ANCHORS = Path.home() / ".cache" / "pagedkv-anchors"
 TOOLS = ("llama-bench", "llama-server", "llama-quantize", "llama-perplexity")
 TEXTS = [Path(__file__).resolve().parent.parent / "tests" / "data" / name
@@ -61,8 +62,7 @@ def llama_cpp_bin(build_dir: Path | None) -> Path:
         if not all((bin_dir / t).is_file() for t in TOOLS):
             raise SystemExit(f"{bin_dir} lacks one of {TOOLS}")
         return bin_dir
-    source = ANCHORS / LLAMA_CPP_PYTHON.replace("==", "-").replace("-python", "_python")
-    src = source / "vendor" / "llama.cpp"
+    src = ANCHORS / f"llama_cpp_python-{LLAMA_CPP_VERSION}" / "vendor" / "llama.cpp"
     bin_dir = src / "build" / "bin"
     if all((bin_dir / t).is_file() for t in TOOLS):
         return bin_dir
@@ -71,7 +71,7 @@ def llama_cpp_bin(build_dir: Path | None) -> Path:
         print(f"downloading {LLAMA_CPP_PYTHON}'s source distribution into {ANCHORS}", flush=True)
         subprocess.run([sys.executable, "-m", "pip", "download", LLAMA_CPP_PYTHON, "--no-binary",
                         ":all:", "--no-deps", "-d", str(ANCHORS)], check=True)
-        tarball = next(ANCHORS.glob("llama_cpp_python-*.tar.gz"))
+        tarball = ANCHORS / f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz"
         subprocess.run(["tar", "xzf", str(tarball), "-C", str(ANCHORS)], check=True)
     print(f"building llama.cpp in {src / 'build'} (minutes, once)", flush=True)
     subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), "-DCMAKE_BUILD_TYPE=Release",
@@ -117,10 +117,31 @@ def gguf_weight_bytes(path: Path) -> int:
 
 # ----- llama.cpp measurements -----------------------------------------------------------------
 
+# llama.cpp repacks weights for its AMX / AVX-512 kernels by default. Where that path crashes on a
+# file (llama.cpp 0.3.36's AMX mul_mat segfaults on SmolLM2's Q4_1 on Sapphire Rapids), the tool
+# is run again without repacking, and every figure after that says so.
+NO_REPACK: dict[str, list[str]] = {"llama-bench": ["--repack", "0"],
+                                   "llama-perplexity": ["--no-repack"],
+                                   "llama-server": ["--no-repack"]}
+repack_off = False
+
+
+def run_llama(bin_dir: Path, tool: str, args: list[str]) -> subprocess.CompletedProcess:
+    """Run a llama.cpp tool; retried once without weight repacking when it dies by a signal."""
+    global repack_off
+    cmd = [str(bin_dir / tool), *args, *(NO_REPACK[tool] if repack_off else [])]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode < 0 and not repack_off:
+        print(f"  ({tool} died by signal {-out.returncode}: measuring llama.cpp without weight "
+              f"repacking from here on)", flush=True)
+        repack_off = True
+        return run_llama(bin_dir, tool, args)
+    out.check_returncode()
+    return out
+
 def llama_bench(bin_dir: Path, model: Path, threads: int, reps: int) -> dict[str, float]:
-    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-p", "512", "-n", "128",
-                          "-t", str(threads), "-r", str(reps), "-o", "json"],
-                         check=True, capture_output=True, text=True)
+    out = run_llama(bin_dir, "llama-bench", ["-m", str(model), "-p", "512", "-n", "128",
+                                             "-t", str(threads), "-r", str(reps), "-o", "json"])
     rows = json.loads(out.stdout)
     result = {}
     for row in rows:
@@ -130,9 +151,8 @@ def llama_bench(bin_dir: Path, model: Path, threads: int, reps: int) -> dict[str
 
 
 def llama_perplexity(bin_dir: Path, model: Path, text: Path, ctx: int, threads: int) -> float:
-    out = subprocess.run([str(bin_dir / "llama-perplexity"), "-m", str(model), "-f", str(text),
-                          "-c", str(ctx), "-b", str(ctx), "-t", str(threads)],
-                         capture_output=True, text=True, check=True)
+    out = run_llama(bin_dir, "llama-perplexity", ["-m", str(model), "-f", str(text), "-c",
+                                                  str(ctx), "-b", str(ctx), "-t", str(threads)])
     match = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
     if match is None:
         raise RuntimeError(f"no perplexity in llama-perplexity's output: {out.stderr[-2000:]}")
@@ -220,7 +240,8 @@ def served(kind: str, bin_dir: Path, model: Path, threads: int, concurrencies: l
     port = free_port()
     if kind == "llama.cpp":
         cmd = [str(bin_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port",
-               str(port), "-np", "16", "-c", str(16 * 512), "-t", str(threads), "-a", "m"]
+               str(port), "-np", "16", "-c", str(16 * 512), "-t", str(threads), "-a", "m",
+               *(NO_REPACK["llama-server"] if repack_off else [])]
     else:
         cmd = [sys.executable, "-m", "pagedkv.cli", "serve", str(model), "--port", str(port),
                "--served-model-name", "m", "--max-num-seqs", str(max(concurrencies)),
