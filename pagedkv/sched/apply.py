@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from pagedkv.kv.interface import KVCacheManagerAPI
+from pagedkv.sched.beam import BeamSearch
 from pagedkv.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedkv.sched.request import Request, RequestStatus, child_request_id
 
@@ -54,6 +55,7 @@ class ApplyMixin:
     running: list[Request]
     ended_in_schedule: list[Request]
     _unapplied: list[tuple[SchedulerOutput, set[bytes]]]
+    beams: BeamSearch
 
     def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Apply a step's results. Returns the requests that got tokens or finished (children
@@ -101,6 +103,9 @@ class ApplyMixin:
                 self._check_stop(request)
                 continue
             logprobs = logprobs_of.get(request.request_id)
+            if request.sampling_params.use_beam_search:  # its group picks the token (beam.py)
+                self.beams.on_sample(request, logprobs[0])
+                continue
             if len(tokens) == 1:  # no children to fork
                 self._append_token(request, tokens[0], logprobs[0] if logprobs else None)
                 changed.append(request)
@@ -111,6 +116,8 @@ class ApplyMixin:
             for req in (request, *children):
                 changed.append(req)
                 self._check_stop(req)
+        if self.beams.groups:
+            changed += self.beams.advance()
         return changed
 
     def _append_token(self, request: Request, token_id: int,
