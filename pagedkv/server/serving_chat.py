@@ -39,6 +39,7 @@ from pagedkv.server.serving import (
     run_unless_disconnected,
     streaming_response,
 )
+from pagedkv.server.serving_beam import beam_search_params
 from pagedkv.server.tools import ToolChoice, tool_call_id
 
 
@@ -65,8 +66,9 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     structured = await run_unless_disconnected(
         raw, serving.structured_outputs(req, tools.constraint))
-    params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
-                                     structured_outputs=structured)
+    make_params = beam_search_params if req.use_beam_search else OpenAIServing.sampling_params
+    params = make_params(serving, req, max_tokens=max_tokens, logprobs=logprobs,
+                         structured_outputs=structured)
     serving.check_fits([prompt], params)
     request_id = random_id("chatcmpl")  # the engine's (unique); the response's may be the client's
     streams = await serving.open_streams(request_id, [prompt], params, arrival=arrival,
