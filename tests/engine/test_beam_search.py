@@ -14,6 +14,8 @@ import torch
 
 from pagedkv import LLM, BeamSearchParams, SamplingParams
 from pagedkv.engine.beam_search import BeamSearchOutput, beam_search_output
+from pagedkv.sched.output import SchedulerOutput
+from pagedkv.sched.request import RequestStatus
 from pagedkv.utils import cdiv
 from tests.engine.conftest import assert_pool_empty, make_prompts
 from tests.tiny_models import load_hf_model
@@ -188,6 +190,46 @@ def test_preemption_mid_search_keeps_the_beams(tiny_llama, make_llm, mode):
     assert llm.llm_engine.get_stats().num_preemptions > 0
     for prompt, output in zip(prompts, outputs, strict=True):
         assert_equal_to_transformers(output, tiny_llama, prompt)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_beam_preempted_while_its_group_waits(tiny_llama, make_llm, mode):
+    """A beam preempted after it sampled and before its group picks the next beams (what the
+    scheduler does to a waiting beam when another request needs its blocks): its
+    continuations are forked without device blocks to share (they recompute, or swap back
+    in), and the search still equals transformers'."""
+    extra = dict(swap_space=0.01) if mode == "swap" else {}
+    llm = make_llm(tiny_llama, block_size=4, preemption_mode=mode, **extra)
+    scheduler = llm.llm_engine.scheduler
+    beams, swaps, parents = scheduler.beams, [], []
+    calls = iter(range(1000))
+    on_sample, schedule, fork = beams.on_sample, scheduler.schedule, beams._fork
+
+    def on_sample_then_preempt(request, logprobs):
+        on_sample(request, logprobs)
+        if next(calls) in (4, 5, 8, 9):  # beams of the third and fourth rounds
+            out = SchedulerOutput()
+            scheduler._preempt(request, out)
+            swaps.extend(out.blocks_to_swap_out)  # copied by the next step, before it runs
+
+    def schedule_with_swaps():
+        out = schedule()
+        out.blocks_to_swap_out[:0] = swaps
+        swaps.clear()
+        return out
+
+    def recording_fork(group, parent):
+        parents.append(parent.status)
+        return fork(group, parent)
+
+    beams.on_sample, scheduler.schedule, beams._fork = (
+        on_sample_then_preempt, schedule_with_swaps, recording_fork)
+    prompt = make_prompts(seed=13, vocab=400, num=1, shared_prefix=0, lengths=(15, 15))[0]
+    (output,), _ = run_checked(llm, [prompt], BeamSearchParams(beam_width=WIDTH,
+                                                               max_tokens=MAX_TOKENS))
+    assert_equal_to_transformers(output, tiny_llama, prompt)
+    preempted = RequestStatus.SWAPPED if mode == "swap" else RequestStatus.PREEMPTED
+    assert preempted in parents
 
 
 def test_abort_mid_search_frees_every_beam(tiny_llama, make_llm):
