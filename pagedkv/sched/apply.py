@@ -7,6 +7,8 @@ blocks, kv.fork), and finishes the requests that hit eos / stop tokens / `max_to
 `max_model_len` or whose grammar ended or failed. Stop *strings* need text, so the engine
 finishes those through `Scheduler.finish_requests()`. Also here: the tokens a request's next
 sample must not be (`banned_token_ids`: eos and stop tokens below `min_tokens`, bad words).
+A beam-search request's sample goes to its beam group instead (beam.py), which picks the
+beams' tokens once all of them sampled.
 """
 
 from __future__ import annotations

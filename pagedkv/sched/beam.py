@@ -24,13 +24,27 @@ request's samples 0..width-1, best first (`Request`s built for reporting only).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from pagedkv.kv.interface import KVCacheManagerAPI
 from pagedkv.sched.request import Request, RequestStatus, child_request_id
 from pagedkv.sched.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from pagedkv.sched.scheduler import Scheduler
+
+class BeamHost(Protocol):
+    """What the beam groups use of the Scheduler (scheduler.py): its queues, the KV manager,
+    `config.max_model_len`, and how it ends and queues a request."""
+
+    config: Any
+    kv_cache_manager: KVCacheManagerAPI
+    requests: dict[str, Request]
+    running: list[Request]
+    waiting: list[Request]
+
+    def _finish(self, request: Request, status: RequestStatus,
+                reason: int | str | None = None) -> None: ...
+
+    def _enqueue(self, queue: list[Request], request: Request) -> None: ...
 
 
 @dataclass
@@ -134,7 +148,7 @@ class BeamGroup:
 class BeamSearch:
     """The scheduler's beam groups, by root request id (`scheduler.beams`)."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: BeamHost) -> None:
         self.scheduler = scheduler
         self.groups: dict[str, BeamGroup] = {}
         self._group_of: dict[str, BeamGroup] = {}  # live beam id -> its group
