@@ -193,6 +193,8 @@ class SamplingParams:
                "cannot be combined with use_beam_search")
         _check(self.max_tokens is not None, "max_tokens", self.max_tokens,
                "must be set with use_beam_search")
+        _check(self.prompt_logprobs is None, "prompt_logprobs", self.prompt_logprobs,
+               "cannot be combined with use_beam_search")
 
     @property
     def greedy(self) -> bool:
@@ -218,6 +220,8 @@ class BeamSearchParams:
     def __post_init__(self) -> None:
         _check(is_int(self.beam_width) and self.beam_width >= 1, "beam_width", self.beam_width,
                "must be an integer >= 1")
+        _check(isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0,
+               "temperature", self.temperature, "must be in [0, 100]")
         self.sampling_params()  # checks the rest
 
     def sampling_params(self) -> SamplingParams:

@@ -18,10 +18,13 @@ def beam_search_params(serving: OpenAIServing, req, *, max_tokens: int,  # noqa:
                        structured_outputs: StructuredOutputsParams | None = None
                        ) -> SamplingParams:
     """The SamplingParams of a `use_beam_search` request; APIError (400) for a stream or a
-    field beam search cannot honour (stop strings, min_tokens, a structured output)."""
+    field beam search cannot honour (echo, stop strings, min_tokens, prompt logprobs, a
+    structured output)."""
     if req.stream:
         raise APIError("use_beam_search cannot be combined with stream: the beams are returned "
                        "when the search ends", param="stream")
+    if getattr(req, "echo", False):
+        raise APIError("use_beam_search cannot be combined with echo", param="echo")
     # `n` > 1 with greedy sampling is refused for sampling, not for beams: build it with n=1.
     base = serving.sampling_params(req.model_copy(update={"n": 1, "temperature": 0.0}),
                                    max_tokens=max_tokens, logprobs=logprobs,

@@ -45,7 +45,8 @@ def test_chat_beams(server):
 
 @pytest.mark.parametrize("extra, param", [({"stream": True}, "stream"),
                                           ({"stop": ["x"]}, "stop"),
-                                          ({"min_tokens": 2}, "min_tokens")])
+                                          ({"min_tokens": 2}, "min_tokens"),
+                                          ({"prompt_logprobs": 1}, "prompt_logprobs")])
 def test_what_beam_search_cannot_do_is_400(server, extra, param):
     for path, base in (("/v1/completions", {"prompt": "x"}),
                        ("/v1/chat/completions", {"messages": CHAT})):
@@ -55,3 +56,21 @@ def test_what_beam_search_cannot_do_is_400(server, extra, param):
         error = resp.json()["error"]
         assert error["param"] == param and error["code"] == 400, error
         assert "use_beam_search" in error["message"]
+
+
+def test_echo_with_beam_search_is_400(server):
+    resp = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 3, "n": 2,
+                                            "use_beam_search": True, "echo": True})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "echo", resp.text
+
+
+def test_logprobs_of_the_beams(server):
+    """`logprobs` with beam search: each choice has a logprob and the top alternatives for
+    every token."""
+    resp = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "n": 2,
+                                            "use_beam_search": True, "logprobs": 2})
+    assert resp.status_code == 200, resp.text
+    for choice in resp.json()["choices"]:
+        logprobs = choice["logprobs"]
+        assert len(logprobs["token_logprobs"]) == 4
+        assert all(len(top) >= 2 for top in logprobs["top_logprobs"])
