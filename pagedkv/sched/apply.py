@@ -119,7 +119,7 @@ class ApplyMixin:
                 changed.append(req)
                 self._check_stop(req)
         if self.beams.groups:
-            changed += self.beams.advance()
+            changed += self.beams.advance(stalled=not out.scheduled)
         return changed
 
     def _append_token(self, request: Request, token_id: int,

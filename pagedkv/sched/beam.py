@@ -17,7 +17,8 @@ allocation's copy-on-write copies only the partly filled last block the two then
 different tokens into. A beam no continuation kept is finished at once: the manager frees its
 own blocks and drops its reference to the shared ones. A beam that was preempted meanwhile
 (recompute or swap) keeps no device blocks to share: its forks recompute (the prefix cache
-serves what is cached). When the search ends, the `width` best hypotheses come back as the
+serves what is cached). Should such a beam never fit again (nothing else can run: the step
+was empty), the group goes on with the beams that sampled. When the search ends, the `width` best hypotheses come back as the
 request's samples 0..width-1, best first (`Request`s built for reporting only).
 """
 
@@ -185,16 +186,31 @@ class BeamSearch:
         if group is not None:
             group.pending[request.request_id] = logprobs
 
-    def advance(self) -> list[Request]:
+    def advance(self, stalled: bool = False) -> list[Request]:
         """Step every group whose beams all sampled; the finished groups' samples (Requests
-        for reporting, best first) and any that ended otherwise."""
+        for reporting, best first) and any that ended otherwise. `stalled`: the step ran
+        nothing, so a beam waiting to be readmitted may never fit (recomputed beams no longer
+        share blocks): a group with sampled beams then goes on without the others."""
         reported: list[Request] = []
         for group in list(self.groups.values()):
             if any(beam.is_finished for beam in group.beams):
                 reported += self._end_failed(group)
             elif group.ready():
                 reported += self._step(group)
+            elif stalled and group.pending:
+                self._drop_unsampled(group)
+                reported += self._step(group)
         return reported
+
+    def _drop_unsampled(self, group: BeamGroup) -> None:
+        """Free the group's beams that have not sampled this round (see `advance`)."""
+        kept = [i for i, beam in enumerate(group.beams) if beam.request_id in group.pending]
+        for i, beam in enumerate(group.beams):
+            if i not in kept:
+                self._group_of.pop(beam.request_id, None)
+                self.scheduler._finish(beam, RequestStatus.FINISHED_ABORTED, None)
+        group.beams = [group.beams[i] for i in kept]
+        group.cum_logprobs = [group.cum_logprobs[i] for i in kept]
 
     def _step(self, group: BeamGroup) -> list[Request]:
         length = group.beams[0].num_output_tokens + 1

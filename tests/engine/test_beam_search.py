@@ -232,6 +232,29 @@ def test_beam_preempted_while_its_group_waits(tiny_llama, make_llm, mode):
     assert preempted in parents
 
 
+def test_a_beam_that_never_fits_again_does_not_stall_the_search(tiny_llama, make_llm):
+    """Without prefix caching a recomputed beam shares nothing: in a pool this small it can
+    never be readmitted beside its sampled siblings. The step then runs nothing, and the
+    group goes on with the beams that sampled: every search ends, the pool whole."""
+    llm = make_llm(tiny_llama, block_size=4, num_gpu_blocks_override=10,
+                   enable_prefix_caching=False, max_num_batched_tokens=16)
+    beams, drops = llm.llm_engine.scheduler.beams, []
+    drop = beams._drop_unsampled
+
+    def recording_drop(group):
+        drops.append(group.root.request_id)
+        drop(group)
+
+    beams._drop_unsampled = recording_drop
+    prompts = make_prompts(seed=9, vocab=400, num=4, shared_prefix=0, lengths=(10, 18))
+    outputs, _ = run_checked(llm, prompts, BeamSearchParams(beam_width=WIDTH, max_tokens=8))
+    assert drops
+    for output in outputs:
+        assert len(output.sequences) == WIDTH
+        scores = [s.score for s in output.sequences]
+        assert scores == sorted(scores, reverse=True)
+
+
 def test_abort_mid_search_frees_every_beam(tiny_llama, make_llm):
     llm = make_llm(tiny_llama, block_size=4)
     engine = llm.llm_engine
