@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedkv.engine.outputs import RequestOutput
+from pagedkv.sched.beam import beam_score
 
 
 @dataclass
@@ -43,7 +44,7 @@ def beam_search_output(output: RequestOutput, length_penalty: float) -> BeamSear
         cum = comp.cumulative_logprob or 0.0
         sequences.append(BeamSearchSequence(
             tokens=[*output.prompt_token_ids, *tokens], logprobs=list(comp.logprobs or []),
-            cum_logprob=cum, score=cum / (max(len(tokens), 1) ** length_penalty),
+            cum_logprob=cum, score=beam_score(cum, len(tokens), length_penalty),
             text=comp.text, finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
             num_output_tokens=len(tokens)))
     return BeamSearchOutput(sequences)

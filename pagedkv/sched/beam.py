@@ -24,12 +24,25 @@ request's samples 0..width-1, best first (`Request`s built for reporting only).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from pagedkv.kv.interface import KVCacheManagerAPI
 from pagedkv.sched.request import Request, RequestStatus, child_request_id
 from pagedkv.sched.sampling_params import SamplingParams
+
+
+def beam_score(cum_logprob: float, length: int, length_penalty: float) -> float:
+    """cum_logprob / length ** length_penalty (transformers' and vLLM's score), defined for
+    every penalty: a denominator past the float range gives 0, one that underflows -inf."""
+    try:
+        denominator = float(max(length, 1)) ** length_penalty
+    except OverflowError:
+        return 0.0 * cum_logprob
+    if denominator == 0.0:
+        return -math.inf if cum_logprob < 0 else 0.0
+    return cum_logprob / denominator
 
 
 class BeamHost(Protocol):
@@ -114,7 +127,7 @@ class BeamGroup:
                 or self.root.num_prompt_tokens + length >= self.max_len)
 
     def score(self, cum_logprob: float, length: int) -> float:
-        return cum_logprob / (length ** self.length_penalty)
+        return beam_score(cum_logprob, length, self.length_penalty)
 
     def file_finished(self, top: list[Candidate], length: int) -> None:
         """transformers' `_update_finished_beams`: the continuations among the `width` best
@@ -142,7 +155,7 @@ class BeamGroup:
             return self.improvable
         hypothetical = (self.max_tokens if self.early_stopping == "never"
                         and self.length_penalty > 0 else length)
-        best = best_running / (hypothetical ** self.length_penalty)
+        best = self.score(best_running, hypothetical)
         return best > min(h.score for h in self.finished)
 
 

@@ -296,6 +296,17 @@ def test_bad_beam_search_params_name_the_value(kwargs, name):
         BeamSearchParams(**kwargs)
 
 
+def test_extreme_length_penalties_still_score(tiny_llama, make_llm):
+    """A penalty whose length ** penalty leaves the float range still ranks the beams."""
+    llm = make_llm(tiny_llama, block_size=4)
+    prompt = make_prompts(seed=3, vocab=400, num=1, shared_prefix=0, lengths=(13, 13))[0]
+    for penalty in (1e6, -1e6):
+        output = llm.beam_search([{"prompt_token_ids": prompt}],
+                                 BeamSearchParams(beam_width=2, max_tokens=3,
+                                                  length_penalty=penalty))[0]
+        assert len(output.sequences) == 2
+
+
 def test_what_beam_search_cannot_combine_with():
     with pytest.raises(ValueError, match="stop"):
         SamplingParams(n=2, use_beam_search=True, stop="x")
