@@ -1,7 +1,8 @@
 """Beam search in the scheduler: a request with `use_beam_search` runs as a group of beams, each
 an ordinary Request whose KV blocks the others share by reference count.
 
-The request itself is the first beam. Every step each live beam samples once, greedily, with
+The request itself is the first beam (under an internal id, `<id>#beam0`; forks are
+`<id>#beam<k>`). Every step each live beam samples once, greedily, with
 its top K = (1 + number of eos ids) * width logprobs (the sampler's usual top-N); `update()`
 hands them here (`on_sample`) instead of appending a token. When every live beam has its
 logprobs, `advance()` takes the K best continuations of all beams together (cumulative
@@ -87,7 +88,8 @@ class Candidate:
 class BeamGroup:
     """One beam-search request's state (see the module docstring)."""
 
-    root: Request
+    request_id: str  # the request's own id: its samples are reported under it
+    root: Request  # the first beam (renamed `<id>#beam0`)
     width: int
     eos_token_ids: frozenset[int]
     length_penalty: float
@@ -168,18 +170,31 @@ class BeamSearch:
         self._group_of: dict[str, BeamGroup] = {}  # live beam id -> its group
 
     def add(self, request: Request) -> None:
-        """Start a group whose first beam is `request` (just queued by the scheduler): it
-        samples one token per step with the logprobs the selection needs."""
+        """Start a group whose first beam is `request` (just queued by the scheduler; renamed
+        `<id>#beam0`): it samples one token per step with the logprobs the selection needs."""
         params = request.sampling_params
         eos = frozenset(() if params.ignore_eos else request.eos_token_ids)
-        group = BeamGroup(request, params.n, eos, params.length_penalty, params.early_stopping,
+        request_id = request.request_id
+        self._rename(request, f"{request_id}#beam0")
+        group = BeamGroup(request_id, request, params.n, eos, params.length_penalty, params.early_stopping,
                           params.max_tokens, self.scheduler.config.max_model_len, params,
                           beams=[request], cum_logprobs=[0.0])
         internal = replace(params, n=1)
         internal.logprobs = group.num_candidates  # (may pass SamplingParams' cap of 20)
         request.sampling_params = internal
-        self.groups[request.request_id] = group
+        self.groups[request_id] = group
         self._group_of[request.request_id] = group
+
+    def _rename(self, request: Request, request_id: str) -> None:
+        """Give a just queued request (no blocks yet) an internal id: the request's own id is
+        reported only with the search's result, so a beam's own finish never reaches the
+        frontend as the request's."""
+        scheduler = self.scheduler
+        scheduler.waiting.remove(request)
+        del scheduler.requests[request.request_id]
+        request.request_id = request_id
+        scheduler.requests[request_id] = request
+        scheduler._enqueue(scheduler.waiting, request)
 
     def with_beams(self, request_ids: list[str]) -> list[str]:
         """`request_ids` with the live beams of the groups they name (an abort of a beam-search
@@ -188,7 +203,7 @@ class BeamSearch:
         for request_id in request_ids:
             group = self.groups.pop(request_id, None)
             if group is not None:
-                extra += [b.request_id for b in group.beams if b.request_id != request_id]
+                extra += [b.request_id for b in group.beams]
                 for beam in group.beams:
                     self._group_of.pop(beam.request_id, None)
         return [*request_ids, *extra]
@@ -272,7 +287,7 @@ class BeamSearch:
         scheduler = self.scheduler
         group.num_forks += 1
         child = Request(
-            request_id=f"{group.root.request_id}#beam{group.num_forks}",
+            request_id=f"{group.request_id}#beam{group.num_forks}",
             prompt_token_ids=parent.prompt_token_ids, sampling_params=parent.sampling_params,
             eos_token_ids=parent.eos_token_ids, arrival_time=parent.arrival_time,
             priority=parent.priority, cache_salt=parent.cache_salt, lora_name=parent.lora_name)
@@ -302,11 +317,11 @@ class BeamSearch:
         samples = []
         for index, hyp in enumerate(group.finished):
             sample = Request(
-                request_id=root.request_id if index == 0 else child_request_id(root.request_id,
-                                                                                 index),
+                request_id=(group.request_id if index == 0
+                            else child_request_id(group.request_id, index)),
                 prompt_token_ids=root.prompt_token_ids, sampling_params=group.user_params,
                 eos_token_ids=root.eos_token_ids, arrival_time=root.arrival_time,
-                parent_id=None if index == 0 else root.request_id, sample_index=index)
+                parent_id=None if index == 0 else group.request_id, sample_index=index)
             sample.output_token_ids = hyp.token_ids
             sample.output_logprobs = hyp.logprobs
             sample.status = hyp.finish
@@ -317,22 +332,20 @@ class BeamSearch:
         return samples
 
     def _drop(self, group: BeamGroup) -> None:
-        self.groups.pop(group.root.request_id, None)
+        self.groups.pop(group.request_id, None)
         for beam in group.beams:
             self._group_of.pop(beam.request_id, None)
             if not beam.is_finished:
                 self.scheduler._finish(beam, RequestStatus.FINISHED_ABORTED, None)
 
     def _end_failed(self, group: BeamGroup) -> list[Request]:
-        """A beam ended otherwise (an error, or the cache can never hold it): the search ends
-        with that beam's status; reported as the request's, unless that beam was the root
-        request itself (the scheduler reported it already)."""
+        """A beam ended otherwise (an error, or the cache can never hold it): the search ends,
+        reported as the request's sample 0 with that beam's status and error (the beam itself
+        was reported under its internal id, which the frontend does not know)."""
         ended = next(beam for beam in group.beams if beam.is_finished)
         self._drop(group)
-        if ended.request_id == group.root.request_id:
-            return []
         root = group.root
-        sample = Request(request_id=root.request_id, prompt_token_ids=root.prompt_token_ids,
+        sample = Request(request_id=group.request_id, prompt_token_ids=root.prompt_token_ids,
                          sampling_params=group.user_params, eos_token_ids=root.eos_token_ids,
                          arrival_time=root.arrival_time)
         sample.status = ended.status

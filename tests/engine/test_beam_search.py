@@ -255,6 +255,38 @@ def test_a_beam_that_never_fits_again_does_not_stall_the_search(tiny_llama, make
         assert scores == sorted(scores, reverse=True)
 
 
+def test_a_failing_step_ends_the_search_with_its_error(tiny_llama, make_llm):
+    """A model step that raises mid-search ends the request (finish_reason "error", the
+    fault named) and frees every beam; the engine searches on."""
+    llm = make_llm(tiny_llama, block_size=4)
+    engine = llm.llm_engine
+    real_execute, calls = engine.runner.execute, [0]
+
+    def execute(out):
+        calls[0] += 1
+        if calls[0] == 3:
+            assert {r.request_id.split("#")[0] for r in out.scheduled} == {"a"}
+            raise RuntimeError("injected fault")
+        return real_execute(out)
+
+    engine.runner.execute = execute
+    prompts = make_prompts(seed=11, vocab=400, num=2, shared_prefix=0, lengths=(13, 13))
+    params = BeamSearchParams(beam_width=WIDTH, max_tokens=MAX_TOKENS)
+    engine.add_request("a", {"prompt_token_ids": prompts[0]}, params.sampling_params())
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        engine.check_invariants()
+    failed = finished["a"]
+    assert failed.outputs[0].finish_reason == "error" and "injected fault" in failed.error
+    assert_pool_empty(llm)
+    engine.runner.execute = real_execute
+    (output,), _ = run_checked(llm, prompts[1:], params)
+    assert_equal_to_transformers(output, tiny_llama, prompts[1])
+
+
 def test_abort_mid_search_frees_every_beam(tiny_llama, make_llm):
     llm = make_llm(tiny_llama, block_size=4)
     engine = llm.llm_engine
