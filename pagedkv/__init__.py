@@ -17,6 +17,7 @@ _LAZY = {
     "RequestOutput": "pagedkv.engine.outputs",
     "CompletionOutput": "pagedkv.engine.outputs",
     "SamplingParams": "pagedkv.sched.sampling_params",
+    "BeamSearchParams": "pagedkv.sched.sampling_params",
     "StructuredOutputsParams": "pagedkv.structured.params",
 }
 

@@ -8,10 +8,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.beam_search import BeamSearchOutput, beam_search_output
 from pagedkv.engine.llm_engine import LLMEngine, PromptType
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.kv.pins import PinInfo
-from pagedkv.sched.sampling_params import SamplingParams
+from pagedkv.sched.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -72,6 +73,16 @@ class LLM:
         except BaseException:
             engine.abort_request(ids)
             raise
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: per prompt, `params.beam_width` beams, best first. The
+        beams run in the engine as one request each (pagedkv/sched/beam.py): they share their
+        common KV blocks, so W beams hold far fewer blocks than W separate sequences."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        outputs = self.generate(prompts, params.sampling_params(), use_tqdm=use_tqdm)
+        return [beam_search_output(o, params.length_penalty) for o in outputs]
 
     def pin_prefix(self, prompt: PromptType, cache_salt: str | None = None) -> PinInfo:
         """Pin `prompt`'s full blocks in the device prefix cache (never evicted until

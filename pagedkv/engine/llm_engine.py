@@ -193,6 +193,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         self._check_id_free(request_id, params.n)
+        if params.use_beam_search and self.args.async_scheduling:
+            raise ValueError("use_beam_search cannot run with async_scheduling")
         check_cache_salt(cache_salt)
         check_priority(priority)
         self.inputs.check_token_ids(params)

@@ -13,9 +13,11 @@
   such field.
 - accepted as documented no-ops (they have no meaning here, or are metadata for OpenAI's
   platform or for proxies): `service_tier`, `store`, `metadata`, `modalities`,
-  `reasoning_effort`, `include_reasoning`, `length_penalty` (beam search only),
+  `reasoning_effort`, `include_reasoning`,
   `vllm_xargs`, `no_stop_trim`, `separate_reasoning`, `stream_reasoning`, `session_id`.
-- 400: `use_beam_search: true`, `return_hidden_states: true` (not implemented).
+- beam search: `use_beam_search` with `n` beams (all returned, best first), `length_penalty`,
+  `early_stopping` (true, false or "never"); not with `stream` (400, as vLLM).
+- 400: `return_hidden_states: true` (not implemented).
 
 A field no API of ours defines is dropped before validation and listed in
 `ignored_fields()`; the handler logs one warning naming them (vLLM's rule: proxies add their
@@ -82,6 +84,7 @@ class VllmRequestFields(IgnoresUnknownFields):
     spaces_between_special_tokens: bool = True
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     vllm_xargs: dict[str, XargValue] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     store: bool | None = None
@@ -97,7 +100,7 @@ class VllmRequestFields(IgnoresUnknownFields):
 
 
 def check_request_fields(req: IgnoresUnknownFields, *, strict: bool) -> None:
-    """400 for what cannot be done (beam search, hidden states, stop strings without
+    """400 for what cannot be done (hidden states, stop strings without
     detokenizing) and, when `strict`, for unknown fields; otherwise one warning naming them."""
     if isinstance(req, VllmRequestFields):
         _check_vllm_fields(req)
@@ -112,8 +115,6 @@ def check_request_fields(req: IgnoresUnknownFields, *, strict: bool) -> None:
 
 
 def _check_vllm_fields(req: VllmRequestFields) -> None:
-    if req.use_beam_search:
-        raise APIError("use_beam_search is not supported by this server", param="use_beam_search")
     if req.return_hidden_states:
         raise APIError("return_hidden_states is not supported by this server",
                        param="return_hidden_states")

@@ -7,6 +7,8 @@ blocks, kv.fork), and finishes the requests that hit eos / stop tokens / `max_to
 `max_model_len` or whose grammar ended or failed. Stop *strings* need text, so the engine
 finishes those through `Scheduler.finish_requests()`. Also here: the tokens a request's next
 sample must not be (`banned_token_ids`: eos and stop tokens below `min_tokens`, bad words).
+A beam-search request's sample goes to its beam group instead (beam.py), which picks the
+beams' tokens once all of them sampled.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from pagedkv.kv.interface import KVCacheManagerAPI
+from pagedkv.sched.beam import BeamSearch
 from pagedkv.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedkv.sched.request import Request, RequestStatus, child_request_id
 
@@ -55,6 +58,7 @@ class ApplyMixin:
     ended_in_schedule: list[Request]
     proposer: object | None  # speculation.py's; None without speculative decoding
     _unapplied: list[tuple[SchedulerOutput, set[bytes]]]
+    beams: BeamSearch
 
     def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Apply a step's results. Returns the requests that got tokens or finished (children
@@ -107,6 +111,9 @@ class ApplyMixin:
                 self._check_stop(request)
                 continue
             logprobs = logprobs_of.get(request.request_id)
+            if request.sampling_params.use_beam_search:  # its group picks the token (beam.py)
+                self.beams.on_sample(request, logprobs[0])
+                continue
             if len(tokens) == 1:  # no children to fork
                 self._append_token(request, tokens[0], logprobs[0] if logprobs else None)
                 changed.append(request)
@@ -117,6 +124,8 @@ class ApplyMixin:
             for req in (request, *children):
                 changed.append(req)
                 self._check_stop(req)
+        if self.beams.groups:
+            changed += self.beams.advance(stalled=not out.scheduled)
         if self.proposer is not None:
             self.propose_drafts(changed)
         return changed

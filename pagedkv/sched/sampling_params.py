@@ -75,6 +75,12 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # Keep only the prompt's last N tokens (-1: as many as max_model_len allows).
     truncate_prompt_tokens: int | None = None
+    # Beam search (pagedkv/sched/beam.py): `n` is the beam width and the number of sequences
+    # returned, best first; scored as transformers' `generate(num_beams=n)`: cumulative
+    # logprob / generated length ** length_penalty; `early_stopping` True, False or "never".
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     # Filled in from `stop` so callers can rely on a list.
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -132,6 +138,7 @@ class SamplingParams:
                                                 and 0 <= self.prompt_logprobs <= 20),
                "prompt_logprobs", self.prompt_logprobs, "must be an integer in [0, 20] or None")
         self._check_token_controls()
+        self._check_beam_search()
         _check(self.structured_outputs is None
                or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", self.structured_outputs,
@@ -169,6 +176,59 @@ class SamplingParams:
         _check(truncate is None or (is_int(truncate) and (truncate >= 1 or truncate == -1)),
                "truncate_prompt_tokens", truncate, "must be an integer >= 1, or -1")
 
+    def _check_beam_search(self) -> None:
+        """Beam search's own values, and what it cannot be combined with: the candidates are
+        each beam's most likely tokens, so nothing that reshapes or constrains sampling."""
+        _check(isinstance(self.length_penalty, (int, float))
+               and not isinstance(self.length_penalty, bool), "length_penalty",
+               self.length_penalty, "must be a number")
+        _check(self.early_stopping in (True, False, "never"), "early_stopping",
+               self.early_stopping, 'must be true, false or "never"')
+        if not self.use_beam_search:
+            return
+        _check(self.structured_outputs is None, "structured_outputs", self.structured_outputs,
+               "cannot be combined with use_beam_search")
+        _check(not self.stop_strings, "stop", self.stop, "cannot be combined with use_beam_search")
+        _check(self.min_tokens == 0, "min_tokens", self.min_tokens,
+               "cannot be combined with use_beam_search")
+        _check(self.max_tokens is not None, "max_tokens", self.max_tokens,
+               "must be set with use_beam_search")
+        _check(self.prompt_logprobs is None, "prompt_logprobs", self.prompt_logprobs,
+               "cannot be combined with use_beam_search")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam-search parameters (`LLM.beam_search`): `beam_width` beams, each at most
+    `max_tokens` long, scored by cumulative logprob / length ** `length_penalty`.
+    `temperature` is accepted for vLLM's signature: the candidates are each beam's most likely
+    tokens (raw logprobs), so it does not change the result. `early_stopping` as transformers'
+    (False, True or "never")."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        _check(is_int(self.beam_width) and self.beam_width >= 1, "beam_width", self.beam_width,
+               "must be an integer >= 1")
+        _check(isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0,
+               "temperature", self.temperature, "must be in [0, 100]")
+        self.sampling_params()  # checks the rest
+
+    def sampling_params(self) -> SamplingParams:
+        """The engine request these parameters make: `beam_width` samples, logprobs returned
+        (their cumulative sum is each sequence's score's numerator)."""
+        return SamplingParams(n=self.beam_width, max_tokens=self.max_tokens,
+                              ignore_eos=self.ignore_eos, temperature=0.0, logprobs=0,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              use_beam_search=True, length_penalty=self.length_penalty,
+                              early_stopping=self.early_stopping)

@@ -42,6 +42,7 @@ from pagedkv.config.options import SchedulerOptions
 from pagedkv.kv.interface import KVCacheManagerAPI
 from pagedkv.kv.request_blocks import AllocStatus
 from pagedkv.sched.apply import ApplyMixin, banned_token_ids
+from pagedkv.sched.beam import BeamSearch
 from pagedkv.sched.output import ScheduledRequest, SchedulerOutput
 from pagedkv.sched.request import Request, RequestStatus
 from pagedkv.sched.speculation import SpeculationMixin
@@ -118,6 +119,7 @@ class Scheduler(ApplyMixin, SpeculationMixin):
         self._slot = 0  # which of each request's two ScheduledRequests this step fills
         # Most tokens one request computes in a step (vLLM's long_prefill_token_threshold).
         self._prefill_cap = config.long_prefill_token_threshold or sys.maxsize
+        self.beams = BeamSearch(self)  # the beam-search requests' groups (beam.py)
         self._init_speculation(config.speculative_config)  # proposer, spec_stats
 
     # ---- queues -------------------------------------------------------------------------
@@ -136,6 +138,8 @@ class Scheduler(ApplyMixin, SpeculationMixin):
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
         self._enqueue(self.waiting, request)
+        if request.sampling_params.use_beam_search:
+            self.beams.add(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -150,6 +154,8 @@ class Scheduler(ApplyMixin, SpeculationMixin):
         """
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        if self.beams.groups:
+            request_ids = self.beams.with_beams(list(request_ids))
         ended = []
         for request_id in request_ids:
             request = self.requests.get(request_id)

@@ -16,8 +16,9 @@ A structured-output request's drafts are cut at the first token its grammar refu
 after the one that completes it); the runner masks every verified position with the grammar
 state after the drafts before it, and the grammar advances per accepted token as the run is
 appended. Requests not speculated (they decode one token a step): bad words and requests
-below `min_tokens` (their per-position bans would depend on the drafts), and any request
-while its outputs are within one token of `max_tokens` or `max_model_len`.
+below `min_tokens` (their per-position bans would depend on the drafts), beam-search beams
+(their group picks every token from the step's logprobs), and any request while its outputs
+are within one token of `max_tokens` or `max_model_len`.
 """
 
 from __future__ import annotations
@@ -59,10 +60,11 @@ class SpeculationMixin:
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec else None
 
     def _max_drafts(self, request: Request) -> int:
-        """How many draft tokens `request` may verify now: 0 with bad words or below
-        min_tokens, and never past max_tokens or max_model_len (the run adds one token more)."""
+        """How many draft tokens `request` may verify now: 0 with bad words, below min_tokens or
+        for a beam, and never past max_tokens or max_model_len (the run adds one token more)."""
         params = request.sampling_params
-        if request.bad_words_token_ids or request.num_output_tokens < params.min_tokens:
+        if request.bad_words_token_ids or request.num_output_tokens < params.min_tokens or \
+                params.use_beam_search:
             return 0
         room = self.config.max_model_len - request.num_tokens - 1
         if params.max_tokens is not None:

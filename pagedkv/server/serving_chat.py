@@ -40,6 +40,7 @@ from pagedkv.server.serving import (
     run_unless_disconnected,
     streaming_response,
 )
+from pagedkv.server.serving_beam import beam_search_params
 from pagedkv.server.tools import ToolChoice, tool_call_id
 
 
@@ -66,8 +67,9 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     structured = await run_unless_disconnected(
         raw, serving.structured_outputs(req, tools.constraint))
-    params = serving.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
-                                     structured_outputs=structured)
+    make_params = beam_search_params if req.use_beam_search else OpenAIServing.sampling_params
+    params = make_params(serving, req, max_tokens=max_tokens, logprobs=logprobs,
+                         structured_outputs=structured)
     serving.check_fits([prompt], params)
     check_params(req.kv_transfer_params, 1, req.stream)
     await receive(serving, req.kv_transfer_params, prompt, req.cache_salt)

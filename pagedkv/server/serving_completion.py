@@ -34,6 +34,7 @@ from pagedkv.server.serving import (
     run_unless_disconnected,
     streaming_response,
 )
+from pagedkv.server.serving_beam import beam_search_params
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -109,8 +110,9 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest,
                   for p in prompts]
     # The same for every prompt: the request's max_tokens or the default.
     structured = await run_unless_disconnected(raw, serving.structured_outputs(req))
-    params = serving.sampling_params(req, max_tokens=max_tokens[0], logprobs=req.logprobs,
-                                     structured_outputs=structured)
+    make_params = beam_search_params if req.use_beam_search else OpenAIServing.sampling_params
+    params = make_params(serving, req, max_tokens=max_tokens[0], logprobs=req.logprobs,
+                         structured_outputs=structured)
     if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
         params = replace(params, prompt_logprobs=req.logprobs)
     serving.check_fits(prompts, params)

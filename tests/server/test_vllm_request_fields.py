@@ -44,7 +44,7 @@ def test_no_op_fields_are_accepted_and_change_nothing(server, path, base):
         [c["token_ids"] for c in plain.json()["choices"]]
 
 
-@pytest.mark.parametrize("field, value", [("use_beam_search", True),
+@pytest.mark.parametrize("field, value", [("early_stopping", "sometimes"),
                                           ("return_hidden_states", True),
                                           ("store", "yes"), ("metadata", {"k": 1}),
                                           ("service_tier", "gold"), ("reasoning_effort", "huge"),
