@@ -317,6 +317,22 @@ def test_core_process_returns_the_same_beams(tiny_llama):
         assert all(s.text for s in output.sequences)
 
 
+def test_beams_beside_speculative_decoding(tiny_llama, make_llm):
+    """With speculation on, beams are never speculated (their group picks every token) and a
+    greedy request beside them still is: the beams equal transformers', the pool ends empty."""
+    prompt = make_prompts(seed=3, vocab=400, num=1, shared_prefix=0, lengths=(13, 13))[0]
+    llm = make_llm(tiny_llama, block_size=4, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 2})
+    engine = llm.llm_engine
+    engine.add_request("greedy", {"prompt_token_ids": prompt * 3},
+                       SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    (output,), _ = run_checked(llm, [prompt], BeamSearchParams(beam_width=WIDTH,
+                                                                max_tokens=MAX_TOKENS))
+    assert_equal_to_transformers(output, tiny_llama, prompt)
+    assert engine.get_stats().spec_decode_num_drafts > 0  # the greedy request was speculated
+
+
 @pytest.mark.parametrize("kwargs, name", [
     (dict(beam_width=0, max_tokens=4), "beam_width"),
     (dict(beam_width=2, max_tokens=0), "max_tokens"),
