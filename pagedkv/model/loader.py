@@ -244,10 +244,19 @@ def _gguf_rope_factors(model: str | Path) -> torch.Tensor | None:
 
 
 def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
-               device: torch.device, tp: TensorParallelGroup | None = None) -> CausalLM:
+               device: torch.device, tp: TensorParallelGroup | None = None,
+               quantization: str = "auto") -> CausalLM:
     """Build the model for `config` on `device` in `dtype` and load `model_dir`'s weights (the
     runner then prepares the projection weights for its CPU path: layers.Linear.pack). With
-    `tp`, only this rank's shard is built and read."""
+    `tp`, only this rank's shard is built and read. `quantization` (pagedkv.model.quant.apply):
+    on a CPU without `tp`, "auto" keeps a GGUF file's 4-bit linears packed, "int8" quantizes
+    every linear per channel, "none" keeps every weight in `dtype`; elsewhere it is ignored
+    (the weights are dequantized)."""
+    from pagedkv.model.quant.apply import QUANTIZATION_MODES, quantize_model
+
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, "
+                         f"got {quantization!r}")
     # Before allocating for what config.json says.
     check_checkpoint_matches(model_dir, config.num_layers, config.vocab_size, config.hidden_size)
     with torch.device("meta"):
@@ -265,4 +274,6 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
                 inv_freq = inv_freq / factors
             rotary.inv_freq = inv_freq.to(device)
     load_weights(model, model_dir)
+    if device.type == "cpu" and tp is None:
+        quantize_model(model, model_dir, quantization)
     return model.eval()

@@ -1,0 +1,82 @@
+// 4-bit group-32 weights (pagedkv/model/quant/int4_blocks.py: GGUF Q4_0, Q4_1, Q4_K) expanded
+// to a dense weight for the compute-bound calls (a prefill's hundreds of rows), where oneDNN's
+// matmul on the expanded weight beats any int4 kernel; decode-sized calls run torch's
+// _weight_int4pack_mm_for_cpu on the packed codes instead (int4_linear.py).
+// Registered as a fragment of the pagedkv_cpu library (bindings.cpp holds the rest).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+namespace pagedkv_cpu {
+namespace {
+
+constexpr int64_t kInt4Group = 32;
+
+// Row n of the weight: out[g*32 + j] = (code - 8) * scale + zero for the group's codes, where
+// byte j of a group holds code j (low nibble) and code j + 16 (high nibble).
+template <typename T>
+void int4_expand_row(const uint8_t* nib, const c10::BFloat16* sz, int64_t n_rows, int64_t groups,
+                T* out) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const float scale = static_cast<float>(sz[2 * (g * n_rows)]);
+    const float zero = static_cast<float>(sz[2 * (g * n_rows) + 1]) - 8.0f * scale;
+    const uint8_t* b = nib + g * (kInt4Group / 2);
+    T* o = out + g * kInt4Group;
+    float lo[16], hi[16];
+    for (int j = 0; j < 16; ++j) {
+      lo[j] = static_cast<float>(b[j] & 15) * scale + zero;
+      hi[j] = static_cast<float>(b[j] >> 4) * scale + zero;
+    }
+    for (int j = 0; j < 16; ++j) {
+      o[j] = static_cast<T>(lo[j]);
+      o[16 + j] = static_cast<T>(hi[j]);
+    }
+  }
+}
+
+template <typename T>
+void int4_expand_as(const at::Tensor& nibbles, const at::Tensor& scale_zero, at::Tensor& out) {
+  const int64_t n = nibbles.size(0), half_k = nibbles.size(1), groups = 2 * half_k / kInt4Group;
+  const uint8_t* nib = nibbles.data_ptr<uint8_t>();
+  const c10::BFloat16* sz = scale_zero.data_ptr<c10::BFloat16>();
+  T* dst = out.data_ptr<T>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      int4_expand_row<T>(nib + r * half_k, sz + 2 * r, n, groups, dst + r * 2 * half_k);
+    }
+  });
+}
+
+// nibbles: uint8 [N, K/2]; scale_zero: bfloat16 [K/32, N, 2] (torch's int4pack scales);
+// returns W [N, K] in `dtype` (float32, bfloat16 or float16), each value rounded once.
+at::Tensor int4_expand(const at::Tensor& nibbles, const at::Tensor& scale_zero,
+                       at::ScalarType dtype) {
+  TORCH_CHECK(nibbles.dim() == 2 && nibbles.scalar_type() == at::kByte && nibbles.is_contiguous(),
+              "int4_expand: nibbles must be a contiguous uint8 [N, K/2]");
+  const int64_t n = nibbles.size(0), k = 2 * nibbles.size(1);
+  TORCH_CHECK(k % kInt4Group == 0, "int4_expand: K must be a multiple of 32, got ", k);
+  TORCH_CHECK(scale_zero.scalar_type() == at::kBFloat16 && scale_zero.is_contiguous() &&
+                  scale_zero.dim() == 3 && scale_zero.size(0) == k / kInt4Group &&
+                  scale_zero.size(1) == n && scale_zero.size(2) == 2,
+              "int4_expand: scale_zero must be a contiguous bfloat16 [K/32, N, 2]");
+  at::Tensor out = at::empty({n, k}, nibbles.options().dtype(dtype));
+  switch (dtype) {
+    case at::kFloat: int4_expand_as<float>(nibbles, scale_zero, out); break;
+    case at::kBFloat16: int4_expand_as<c10::BFloat16>(nibbles, scale_zero, out); break;
+    case at::kHalf: int4_expand_as<c10::Half>(nibbles, scale_zero, out); break;
+    default: TORCH_CHECK(false, "int4_expand: dtype must be float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace pagedkv_cpu
+
+TORCH_LIBRARY_FRAGMENT(pagedkv_cpu, m) {
+  m.def("int4_expand(Tensor nibbles, Tensor scale_zero, ScalarType dtype) -> Tensor",
+        &pagedkv_cpu::int4_expand);
+}
