@@ -6,7 +6,9 @@
 - "int8": every linear but the lm_head becomes `Int8Linear` (per-channel int8 of the loaded
   weight; for a GGUF checkpoint, its 4-bit linears stay `Int4Linear` as with "auto").
 - "none": unchanged (every weight in the model dtype).
-CPU only and without tensor parallelism (the caller checks); the lm_head (often tied to the
+CPU only and without tensor parallelism (the caller, loader.load_model, checks): the GGUF
+linears are built before the weights are read (`pack_gguf_linears`: never dequantized), the
+int8 ones after (`quantize_int8`). The lm_head (often tied to the
 embeddings) keeps the model dtype: measured, no packed op beats the dense one on it at batch
 1 by much (bench_quant_linear.py, 49152x576), and it stays exact.
 """
@@ -14,6 +16,7 @@ embeddings) keeps the model dtype: measured, no packed op beats the dense one on
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,51 +42,54 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, str, Linear]]:
     return out
 
 
-def _gguf_int4(model: nn.Module, checkpoint: object, name: str, linear: Linear
-               ) -> Int4Linear | None:
-    """`linear` as an Int4Linear from the GGUF file's blocks, or None where its sources are
-    not all 4-bit or its shape does not fit the int4 kernel."""
-    sources = model.checkpoint_mapping().get(f"{name}.weight") if hasattr(
-        model, "checkpoint_mapping") else None
-    if not sources or linear.out_features % 16 or linear.in_features % GROUP:
+def _gguf_int4(checkpoint: Any, sources: list[str], linear: Linear) -> Int4Linear | None:
+    """`linear` as an Int4Linear from the GGUF blocks of `sources` (concatenated rows), or None
+    where they are not all 4-bit or its shape does not fit the int4 kernel. Its bias (if any)
+    is a parameter still to be loaded."""
+    if linear.out_features % 16 or linear.in_features % GROUP:
         return None
-    gguf = checkpoint.gguf
     from pagedkv.model.gguf.tensors import hf_rows
 
-    parts = []
-    for source in sources:
-        gguf_name = checkpoint.gguf_name(source)
-        ggml_type = gguf.tensors[gguf_name].ggml_type
-        if ggml_type not in INT4_TYPES:
-            return None
-        parts.append(codes_and_scales(hf_rows(gguf, source, gguf_name), ggml_type))
+    gguf = checkpoint.gguf
+    names = [checkpoint.gguf_name(source) for source in sources]
+    types = [gguf.tensors[name].ggml_type for name in names]
+    if not all(t in INT4_TYPES for t in types):
+        return None
+    parts = [codes_and_scales(hf_rows(gguf, source, name), t)
+             for source, name, t in zip(sources, names, types, strict=True)]
     nibbles, scale, zero = (np.concatenate(arrays) for arrays in zip(*parts, strict=True))
-    return Int4Linear(nibbles, scale, zero, linear.bias)
+    bias = None if linear.bias is None else torch.zeros_like(linear.bias)
+    return Int4Linear(nibbles, scale, zero, bias)
 
 
-def quantize_model(model: nn.Module, model_dir: str | Path, mode: str) -> int:
-    """Replace `model`'s linears per `mode` (see the module docstring; mutates `model`).
-    Returns how many were replaced. ValueError naming an unknown mode."""
-    if mode not in QUANTIZATION_MODES:
-        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {mode!r}")
-    if mode == "none":
-        return 0
-    checkpoint = None
+def pack_gguf_linears(model: nn.Module, model_dir: str | Path) -> frozenset[str]:
+    """Before the weights are loaded: replace each linear of `model` whose GGUF tensors are
+    4-bit by an Int4Linear built from the file's blocks (mutates `model`). Returns the
+    checkpoint-mapping names now built (`loader.load_weights(preloaded=...)`: neither read nor
+    dequantized); empty for a checkpoint that is not GGUF."""
     path = gguf_file(model_dir)
-    if path is not None:
-        from pagedkv.model.gguf.file import open_gguf
-        from pagedkv.model.gguf.tensors import GGUFCheckpoint
+    if path is None:
+        return frozenset()
+    from pagedkv.model.gguf.file import open_gguf
+    from pagedkv.model.gguf.tensors import GGUFCheckpoint
 
-        checkpoint = GGUFCheckpoint(open_gguf(path))
-    replaced = 0
+    checkpoint = GGUFCheckpoint(open_gguf(path))
+    mapping = model.checkpoint_mapping()
+    built = set()
+    for parent, attr, name, linear in _linears(model):
+        sources = mapping.get(f"{name}.weight")
+        packed = _gguf_int4(checkpoint, sources, linear) if sources else None
+        if packed is not None:
+            setattr(parent, attr, packed)
+            built.add(f"{name}.weight")
+    return frozenset(built)
+
+
+def quantize_int8(model: nn.Module) -> int:
+    """After the weights are loaded: replace every remaining Linear but the lm_head by an
+    Int8Linear of its weight (mutates `model`). Returns how many."""
+    linears = _linears(model)
     with torch.no_grad():
-        for parent, attr, name, linear in _linears(model):
-            packed: nn.Module | None = None
-            if checkpoint is not None:
-                packed = _gguf_int4(model, checkpoint, name, linear)
-            if packed is None and mode == "int8":
-                packed = Int8Linear(linear.weight, linear.bias)
-            if packed is not None:
-                setattr(parent, attr, packed)
-                replaced += 1
-    return replaced
+        for parent, attr, _, linear in linears:
+            setattr(parent, attr, Int8Linear(linear.weight, linear.bias))
+    return len(linears)
