@@ -278,10 +278,16 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
     """Build the model for `config` on `device` in `dtype` and load `model_dir`'s weights (the
     runner then prepares the projection weights for its CPU path: layers.Linear.pack). With
     `tp`, only this rank's shard is built and read. `quantization` (pagedkv.model.quant.apply):
-    on a CPU without `tp`, "auto" keeps a GGUF file's 4-bit linears packed, "int8" quantizes
-    every linear per channel, "none" keeps every weight in `dtype`; elsewhere it is ignored
-    (the weights are dequantized)."""
-    from pagedkv.model.quant.apply import QUANTIZATION_MODES, pack_gguf_linears, quantize_int8
+    on a CPU without `tp`, "auto" keeps a GGUF file's 4-bit linears packed when `dtype` is
+    16-bit (float32 keeps the exact dequantized weights: the int4 kernel computes on bfloat16
+    activations, and is 10-60x slower on float32 ones), "int8" quantizes every linear per
+    channel, "none" keeps every weight in `dtype`; elsewhere it is ignored (dequantized)."""
+    from pagedkv.model.quant.apply import (
+        PACKED_AUTO_DTYPES,
+        QUANTIZATION_MODES,
+        pack_gguf_linears,
+        quantize_int8,
+    )
 
     if quantization not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, "
@@ -302,7 +308,8 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
                                      f"factors for {inv_freq.numel()} rotary frequencies")
                 inv_freq = inv_freq / factors
             rotary.inv_freq = inv_freq.to(device)
-    quantize = device.type == "cpu" and tp is None and quantization != "none"
+    quantize = device.type == "cpu" and tp is None and (
+        quantization == "int8" or (quantization == "auto" and dtype in PACKED_AUTO_DTYPES))
     preloaded = pack_gguf_linears(model, model_dir) if quantize else frozenset()
     load_weights(model, model_dir, preloaded)
     if quantize and quantization == "int8":

@@ -20,8 +20,8 @@ from tests.model.gguf_files import write_gguf
 
 PROMPT = [5, 17, 99, 230, 41, 8, 77, 300, 12, 64, 3, 150, 9, 250, 33, 71, 200, 18, 44, 6]
 CONTINUATION = [90, 14, 321, 7, 55, 260, 2, 101, 48, 11, 199, 36]
-# Measured on the tiny model (random weights): mean KL about 3e-5 nats (bfloat16) and 1e-5
-# (float32); codes in the wrong order, or a zero off by one step, give about 0.27.
+# Measured on the tiny model (random weights): mean KL about 3e-5 nats (bfloat16); codes in
+# the wrong order, or a zero off by one step, give about 0.27.
 MEAN_KL_BOUND = 1e-3
 
 
@@ -37,7 +37,12 @@ def runner(path, quantization: str, dtype: str) -> ModelRunner:
                        quantization=quantization)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_auto_keeps_float32_exact(q4_gguf):
+    assert not any(isinstance(m, Int4Linear) for m in runner(q4_gguf, "auto", "float32")
+                   .model.modules())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_packed_model_matches_dequantized(q4_gguf, dtype):
     packed, dense = runner(q4_gguf, "auto", dtype), runner(q4_gguf, "none", dtype)
     assert sum(isinstance(m, Int4Linear) for m in packed.model.modules()) == 8  # 2 x 4 per layer

@@ -1,7 +1,8 @@
 """Replacing a loaded model's linear layers by packed ones (the `quantization` option).
 
-- "auto": a GGUF checkpoint's linears stored in a 4-bit type (`int4_blocks.INT4_TYPES`) stay
-  packed (`Int4Linear`, built from the file's block bytes, exact); other types (Q8_0, Q6_K, F16
+- "auto": with a 16-bit model dtype (`PACKED_AUTO_DTYPES`), a GGUF checkpoint's linears stored
+  in a 4-bit type (`int4_blocks.INT4_TYPES`) stay packed (`Int4Linear`, built from the file's
+  block bytes, exact but for bfloat16 scales); other types (Q8_0, Q6_K, F16
   ...) and the embeddings stay dequantized in the model dtype. Any other checkpoint: unchanged.
 - "int8": every linear but the lm_head becomes `Int8Linear` (per-channel int8 of the loaded
   weight; for a GGUF checkpoint, its 4-bit linears stay `Int4Linear` as with "auto").
@@ -29,6 +30,9 @@ from pagedkv.model.quant.int4_linear import Int4Linear
 from pagedkv.model.quant.int8_linear import Int8Linear
 
 QUANTIZATION_MODES = ("auto", "none", "int8")
+# The model dtypes "auto" packs at (float32 stays exact: the int4 kernel rounds activations to
+# bfloat16, and its float32 path is 10-60x slower).
+PACKED_AUTO_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, str, Linear]]:
