@@ -8,7 +8,8 @@ time at batch 1, and a `pp`-token prompt prefilled in one step.
 
 MODEL defaults to the real model (SmolLM2-135M-Instruct Q4_1, pagedkv.testing.real_model).
 Each configuration is one engine (`LLM`, prefix caching off, the fused CPU kernels built first);
-a figure is the best of `--reps` runs (a shared machine interrupts some). Prints tokens/s, each
+a figure is the best of `--reps` runs (a shared machine interrupts some); with `--threads 1`
+times are the process's CPU time (robust to other processes on the core). Prints tokens/s, each
 configuration's ratio to the first, the weight bytes, the CPU and the load average before and
 after.
 
@@ -45,11 +46,11 @@ class Throughput:
     weights_bytes: int
 
 
-def _timed(llm: LLM, tokens: list[int], max_tokens: int) -> float:
+def _timed(llm: LLM, tokens: list[int], max_tokens: int, clock=time.perf_counter) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter()
+    start = clock()
     out = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    elapsed = clock() - start
     assert len(out[0].outputs[0].token_ids) == max_tokens
     return elapsed
 
@@ -62,7 +63,8 @@ def pagedkv_throughput(model: str, *, quantization: str = "auto", dtype: str = "
     Prefill: one `n_prompt`-token prompt computed in one step, to its first token. Decode:
     (`n_gen` - 1) tokens over the time a one-token prompt takes to `n_gen` tokens less its time
     to the first. `threads`: torch's compute threads (None: the cores other processes leave
-    free)."""
+    free); with 1, times are this process's CPU time (time.process_time: the engine runs in
+    this process), which leaves out the time other processes held the core."""
     llm = LLM(model, dtype=dtype, quantization=quantization, enable_prefix_caching=False,
               max_model_len=n_prompt + n_gen + 16, max_num_batched_tokens=max(n_prompt, 256),
               max_num_seqs=1, cpu_kernels="wait", cpu_threads=threads, seed=seed)
@@ -71,10 +73,11 @@ def pagedkv_throughput(model: str, *, quantization: str = "auto", dtype: str = "
         vocab = llm.llm_engine.vocab_size
         prompt = [rng.randrange(100, vocab) for _ in range(n_prompt)]
         start = [rng.randrange(100, vocab)]
+        clock = time.process_time if threads == 1 else time.perf_counter
         _timed(llm, prompt[:64], 4)  # warm-up: first calls, kernel choices
-        prefill = min(_timed(llm, prompt, 1) for _ in range(reps))
-        first = min(_timed(llm, start, 1) for _ in range(reps))
-        full = min(_timed(llm, start, n_gen) for _ in range(reps))
+        prefill = min(_timed(llm, prompt, 1, clock) for _ in range(reps))
+        first = min(_timed(llm, start, 1, clock) for _ in range(reps))
+        full = min(_timed(llm, start, n_gen, clock) for _ in range(reps))
         weights = llm.llm_engine.client.ready.weights_bytes
     finally:
         llm.shutdown()
