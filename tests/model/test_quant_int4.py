@@ -92,8 +92,8 @@ def test_int4_linear_equals_float64_reference(packed, rows, dtype, expand, monke
 def test_bias_and_leading_dims(blocks, packed):
     bias = torch.randn(N)
     with_bias = Int4Linear(*blocks[0], bias=bias)
-    x = torch.randn(2, 3, K).bfloat16()
-    for rows in (x[:, :1], x):  # both paths: 2 rows (int4 kernel), 6 rows too when above
+    x = torch.randn(2, INT4PACK_ROWS, K).bfloat16()
+    for rows in (x[:, :1], x):  # both paths: 2 rows (the int4 kernel), more (expanded)
         got = with_bias(rows).float()
         want = packed[0](rows.reshape(-1, K)).float().reshape(*rows.shape[:2], N) + bias
         assert got.shape == (*rows.shape[:2], N)

@@ -4,7 +4,7 @@ scale + zero per group of 32 along each row (int4_blocks.py).
 Two copies of the codes, both 4 bits a weight, and one of the scales (bfloat16):
 - a decode-sized call (rows <= `INT4PACK_ROWS`) runs torch's `_weight_int4pack_mm_for_cpu` on
   torch's own packed layout (it reads 0.56 bytes a weight; about 1.5-2.9x oneDNN's bfloat16
-  linear at one row on an AVX-512 CPU, slower from a few rows: benchmarks/bench_quant_linear.py);
+  linear at one row on an AVX-512 CPU, slower from 8 rows: benchmarks/bench_quant_linear.py);
 - a larger call expands the codes (Q4_0 order) to a dense weight in the activation dtype
   (`int4_expand`, kernels/csrc/quant_int4.cpp; torch ops before the kernels load) and runs the
   dense matmul (oneDNN's; a prefill of hundreds of rows is compute-bound, where its bfloat16 or AMX
@@ -27,10 +27,12 @@ from pagedkv.model.quant.int4_blocks import GROUP
 
 _EXPAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# Rows up to which the int4 kernel runs: it wins 1.5-2.9x at 1 row and about breaks even with
-# the dense bfloat16 matmul at 8 (which then still has to expand the weight); 5-13x slower at
-# 64-512 rows (benchmarks/bench_quant_linear.py).
-INT4PACK_ROWS = 8
+# Rows up to which the int4 kernel runs. Against the dense bfloat16 matmul it wins 1.5-2.9x at 1
+# row, breaks even at about 8 and is 5-13x slower at 64-512 rows (benchmarks/
+# bench_quant_linear.py); against expanding the weight first and then the dense matmul (what
+# the packed layer's alternative is), it wins up to about 24 rows (0.96 ms against 1.15 ms on
+# SmolLM2's 3072x576 gate_up, one thread) and breaks even at 32.
+INT4PACK_ROWS = 24
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:
