@@ -30,9 +30,9 @@ _EXPAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows up to which the int4 kernel runs. Against the dense bfloat16 matmul it wins 1.5-2.9x at 1
 # row, breaks even at about 8 and is 5-13x slower at 64-512 rows (benchmarks/
 # bench_quant_linear.py); against expanding the weight first and then the dense matmul (what
-# the packed layer's alternative is), it wins up to about 24 rows (0.96 ms against 1.15 ms on
-# SmolLM2's 3072x576 gate_up, one thread) and breaks even at 32.
-INT4PACK_ROWS = 24
+# the packed layer's alternative is), it wins up to about 12 rows and loses from 16 (SmolLM2's
+# 3072x576 gate_up, one thread: 0.51 against 0.69 ms at 12 rows, 0.69 against 0.65 at 16).
+INT4PACK_ROWS = 12
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:
