@@ -26,7 +26,8 @@ def runner_config(args: EngineArgs, spec: KVCacheSpec | None,
     return RunnerConfig(model=args.model, block_size=args.block_size, dtype=args.dtype,
                         device=args.device, seed=args.seed, kv_cache_spec=spec,
                         cpu_kernels=args.cpu_kernels, cpu_threads=rank_cpu_threads(args),
-                        kv_cache_dtype=args.kv_cache_dtype, kv_store=kv_store)
+                        kv_cache_dtype=args.kv_cache_dtype, kv_store=kv_store,
+                        quantization=args.quantization)
 
 
 def rank_cpu_threads(args: EngineArgs) -> int | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -143,26 +143,53 @@ def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return dict(iter_tensors(model_dir))
 
 
-def load_weights(module: torch.nn.Module, model_dir: str | Path) -> None:
+class _LazyState:
+    """`load_state_dict` read on demand: each tensor when it is asked for (a GGUF tensor is
+    dequantized only then), the weight files open meanwhile."""
+
+    def __init__(self, model_dir: str | Path, stack: ExitStack) -> None:
+        self._files: dict[str, Any] = {}
+        for path in weight_files(model_dir):
+            f = stack.enter_context(open_weights(path))
+            self._files.update(dict.fromkeys(f.keys(), f))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._files[name].get_tensor(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._files[name].get_slice(name).get_shape())
+
+
+def load_weights(module: torch.nn.Module, model_dir: str | Path,
+                 preloaded: frozenset[str] = frozenset()) -> None:
     """Copy `model_dir`'s weights into `module` (mutates its parameters in place).
 
     `module.checkpoint_mapping()` maps each parameter name to the checkpoint tensor names it
     is built from (several names are concatenated along dim 0, e.g. q/k/v into qkv). A
     tensor-parallel shard (`checkpoint_shards` not None) reads only its slice of each tensor
-    from the safetensors files. Raises ValueError naming a missing tensor or one whose shape
-    differs from the parameter's.
+    from the safetensors files. `preloaded`: mapped names whose modules were already built from
+    the checkpoint (packed weights, pagedkv.model.quant): neither read nor required as
+    parameters. Raises ValueError naming a missing tensor or one whose shape differs from the
+    parameter's.
     """
     shards_of = getattr(module, "checkpoint_shards", None)
     if shards_of is None or shards_of("embed_tokens.weight") is None:
-        return _load_whole(module, model_dir, load_state_dict(model_dir))
+        with ExitStack() as stack:
+            return _load_whole(module, model_dir, _LazyState(model_dir, stack), preloaded)
     _load_sharded(module, model_dir, shards_of)
 
 
-def _load_whole(module: torch.nn.Module, model_dir: str | Path,
-                state: dict[str, torch.Tensor]) -> None:
+def _load_whole(module: torch.nn.Module, model_dir: str | Path, state: _LazyState,
+                preloaded: frozenset[str]) -> None:
     params = dict(module.named_parameters())
-    mapping = module.checkpoint_mapping()
-    unmapped = sorted(set(params) - set(mapping))
+    mapping = {name: sources for name, sources in module.checkpoint_mapping().items()
+               if name not in preloaded}
+    packed_modules = {name.rpartition(".")[0] for name in preloaded}
+    unmapped = sorted(p for p in set(params) - set(mapping)
+                      if p.rpartition(".")[0] not in packed_modules)
     if unmapped:  # a model definition bug, not a checkpoint problem
         raise RuntimeError(f"parameters with no checkpoint tensor: {unmapped}")
     for param_name, sources in mapping.items():
@@ -172,10 +199,12 @@ def _load_whole(module: torch.nn.Module, model_dir: str | Path,
         param = params[param_name]
         expected = _expected_source_shapes(param.shape, sources, module, param_name)
         for src, shape in zip(sources, expected, strict=True):
-            if tuple(state[src].shape) != shape:
+            got = state.shape(src)
+            if got != shape:
                 raise ValueError(f"wrong shape for tensor {src!r}: expected {shape}, "
-                                 f"got {tuple(state[src].shape)}")
-        value = torch.cat([state[s] for s in sources], dim=0) if len(sources) > 1 else state[sources[0]]
+                                 f"got {got}")
+        value = torch.cat([state[s] for s in sources], dim=0) if len(sources) > 1 \
+            else state[sources[0]]
         with torch.no_grad():
             param.copy_(value.to(param.dtype))
 
@@ -244,10 +273,25 @@ def _gguf_rope_factors(model: str | Path) -> torch.Tensor | None:
 
 
 def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
-               device: torch.device, tp: TensorParallelGroup | None = None) -> CausalLM:
+               device: torch.device, tp: TensorParallelGroup | None = None,
+               quantization: str = "auto") -> CausalLM:
     """Build the model for `config` on `device` in `dtype` and load `model_dir`'s weights (the
     runner then prepares the projection weights for its CPU path: layers.Linear.pack). With
-    `tp`, only this rank's shard is built and read."""
+    `tp`, only this rank's shard is built and read. `quantization` (pagedkv.model.quant.apply):
+    on a CPU without `tp`, "auto" keeps a GGUF file's 4-bit linears packed when `dtype` is
+    16-bit (float32 keeps the exact dequantized weights: the int4 kernel computes on bfloat16
+    activations, and is 10-60x slower on float32 ones), "int8" quantizes every linear per
+    channel, "none" keeps every weight in `dtype`; elsewhere it is ignored (dequantized)."""
+    from pagedkv.model.quant.apply import (
+        PACKED_AUTO_DTYPES,
+        QUANTIZATION_MODES,
+        pack_gguf_linears,
+        quantize_int8,
+    )
+
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, "
+                         f"got {quantization!r}")
     # Before allocating for what config.json says.
     check_checkpoint_matches(model_dir, config.num_layers, config.vocab_size, config.hidden_size)
     with torch.device("meta"):
@@ -264,5 +308,10 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
                                      f"factors for {inv_freq.numel()} rotary frequencies")
                 inv_freq = inv_freq / factors
             rotary.inv_freq = inv_freq.to(device)
-    load_weights(model, model_dir)
+    quantize = device.type == "cpu" and tp is None and (
+        quantization == "int8" or (quantization == "auto" and dtype in PACKED_AUTO_DTYPES))
+    preloaded = pack_gguf_linears(model, model_dir) if quantize else frozenset()
+    load_weights(model, model_dir, preloaded)
+    if quantize and quantization == "int8":
+        quantize_int8(model)
     return model.eval()

@@ -87,7 +87,7 @@ class ModelRunner:
                  cpu_threads: int | None = None,
                  kv_cache_dtype: str = "auto", fp8_scales: str = "per_head",
                  tensor_parallel: TensorParallelGroup | None = None,
-                 kv_store: StoreConfig | None = None) -> None:
+                 kv_store: StoreConfig | None = None, quantization: str = "auto") -> None:
         """`num_blocks` None: no KV cache yet (profile memory, then `allocate_kv_cache`).
         `kv_cache_spec` (the one the engine planned with) shapes the KV tensors; without it the
         spec is built from the same config reader, `block_size`, `dtype` and `kv_cache_dtype`
@@ -133,7 +133,7 @@ class ModelRunner:
         allocated = self._allocated_bytes()
         started = weights_loading(model_dir, tensor_parallel)
         self.model: CausalLM = load_model(model_dir, self.model_config, self.dtype,
-                                          self.device, tensor_parallel)
+                                          self.device, tensor_parallel, quantization)
         self.weights_bytes = self._allocated_bytes() - allocated if self.device.type == "cuda" \
             else sum(p.numel() * p.element_size() for p in self.model.parameters())
         weights_loaded(started, self.weights_bytes, self.dtype, self.device, tensor_parallel)

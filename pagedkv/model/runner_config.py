@@ -28,10 +28,12 @@ class RunnerConfig:
     cpu_threads: int | None = None
     kv_cache_dtype: str = "auto"
     kv_store: StoreConfig | None = None
+    quantization: str = "auto"
 
     def runner_kwargs(self) -> dict[str, Any]:
         """`ModelRunner`'s keyword arguments (no KV cache yet: `num_blocks=None`)."""
         return dict(block_size=self.block_size, num_blocks=None, dtype=self.dtype,
                     device=self.device, seed=self.seed, kv_cache_spec=self.kv_cache_spec,
                     cpu_kernels=self.cpu_kernels, cpu_threads=self.cpu_threads,
-                    kv_cache_dtype=self.kv_cache_dtype, kv_store=self.kv_store)
+                    kv_cache_dtype=self.kv_cache_dtype, kv_store=self.kv_store,
+                    quantization=self.quantization)

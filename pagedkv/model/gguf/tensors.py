@@ -99,18 +99,37 @@ def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
+def _permuted_heads(gguf: GGUFFile, hf_name: str) -> int | None:
+    """The head count whose rows llama.cpp permuted in tensor `hf_name` (None: not permuted)."""
+    if gguf.architecture not in PERMUTED_QK:
+        return None
+    if ".self_attn.q_proj." in hf_name:
+        return int(gguf.arch_value("attention.head_count"))
+    if ".self_attn.k_proj." in hf_name:
+        return int(gguf.arch_value("attention.head_count_kv",
+                                   gguf.arch_value("attention.head_count")))
+    return None
+
+
 def hf_tensor(gguf: GGUFFile, hf_name: str, gguf_name: str) -> torch.Tensor:
     """The Hugging Face checkpoint's tensor `hf_name`, from GGUF tensor `gguf_name`."""
     tensor = dequantize(gguf, gguf_name)
-    arch = gguf.architecture
-    if arch in PERMUTED_QK and ".self_attn.q_proj." in hf_name:
-        tensor = _unpermute(tensor, int(gguf.arch_value("attention.head_count")))
-    elif arch in PERMUTED_QK and ".self_attn.k_proj." in hf_name:
-        heads = gguf.arch_value("attention.head_count_kv", gguf.arch_value("attention.head_count"))
-        tensor = _unpermute(tensor, int(heads))
-    elif arch in GEMMA and hf_name.endswith("norm.weight"):
+    heads = _permuted_heads(gguf, hf_name)
+    if heads is not None:
+        tensor = _unpermute(tensor, heads)
+    elif gguf.architecture in GEMMA and hf_name.endswith("norm.weight"):
         tensor = tensor - 1.0
     return tensor
+
+
+def hf_rows(gguf: GGUFFile, hf_name: str, gguf_name: str) -> np.ndarray:
+    """The Hugging Face matrix `hf_name`'s rows as GGUF tensor `gguf_name` stores them, still
+    quantized: uint8 [rows, bytes per row], in Hugging Face's row order (q/k unpermuted)."""
+    rows = gguf.data(gguf_name)
+    heads = _permuted_heads(gguf, hf_name)
+    if heads is None:
+        return np.ascontiguousarray(rows)
+    return _unpermute(torch.from_numpy(np.array(rows)), heads).numpy()
 
 
 def rope_factors(gguf: GGUFFile) -> torch.Tensor | None:
@@ -153,6 +172,10 @@ class GGUFCheckpoint:
 
     def get_tensor(self, name: str) -> torch.Tensor:
         return hf_tensor(self.gguf, name, self._names[name])
+
+    def gguf_name(self, name: str) -> str:
+        """The GGUF tensor Hugging Face tensor `name` is read from."""
+        return self._names[name]
 
     def get_slice(self, name: str) -> _Slice:
         return _Slice(self, name)

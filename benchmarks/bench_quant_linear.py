@@ -1,0 +1,131 @@
+"""Packed-weight linears on this CPU against the dense bfloat16 one, by shape and rows.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_quant_linear.py [--rows 1,8,64,512]
+        [--shapes smollm2,llama7b] [--threads N] [--budget 0.15]
+
+Paths (each weight [N, K], activations [rows, K]):
+- `bf16`: oneDNN's pre-packed bfloat16 linear (the model's dense path: layers.pack_onednn);
+- `f32`: oneDNN's pre-packed float32 linear;
+- `int8pack`: `aten._weight_int8pack_mm` (int8 per-channel weights, bfloat16 activations);
+- `int4pack`: `aten._weight_int4pack_mm_for_cpu` (int4, group 32, a scale and a zero per group:
+  GGUF Q4_0 / Q4_1 exactly), bfloat16 activations (on float32 activations the same op is
+  10-60x slower than on bfloat16 ones in torch 2.13: left out);
+- `int_mm`: `torch._int_mm` on int8 activations quantized per row at the call (W8A8, the
+  activation quantization counted), per-channel int8 weights.
+A cell's time is the fastest of repeated calls within `--budget` seconds (paths interleaved, so
+a busy moment hits them alike). Prints ms per call, each path's speed ratio to `bf16` (above 1:
+faster) and the weight bytes a call reads. With `--threads 1` (the default) a call's time is
+this thread's CPU time, which leaves out the time other processes held the core; the load average is printed first and last (the
+machine may be shared: ratios within one run only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from pagedkv.model.layers import pack_onednn
+
+SHAPES = {
+    # [N, K] of SmolLM2-135M's linears: qkv, o, gate_up, down, the tied lm_head.
+    "smollm2": [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)],
+    # Llama-7B-like: q (and o), gate (and up), down.
+    "llama7b": [(4096, 4096), (11008, 4096), (4096, 11008)],
+}
+GROUP = 32
+
+
+def _bytes(path: str, n: int, k: int) -> int:
+    """Weight bytes one call reads (scales included)."""
+    return {"bf16": 2 * n * k, "f32": 4 * n * k, "int8pack": n * k + 2 * n,
+            "int_mm": n * k + 4 * n,
+            "int4pack": n * k // 2 + n * k // GROUP * 4}[path]
+
+
+def _paths(n: int, k: int) -> dict[str, tuple[torch.Tensor, Callable[[torch.Tensor], object]]]:
+    """{path: (its activation, the call)} for one random weight [n, k]."""
+    w = torch.randn(n, k) * 0.02
+    xb = torch.randn(1, k).bfloat16()
+    pb, pf = pack_onednn(w.bfloat16()), pack_onednn(w)
+    scale8 = w.abs().amax(1) / 127
+    w8 = torch.round(w / scale8[:, None]).to(torch.int8)
+    q4 = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    p4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 1)
+    sz = torch.rand(k // GROUP, n, 2) * 0.01
+    w8t = w8.t().contiguous()
+
+    def int_mm(x: torch.Tensor) -> torch.Tensor:
+        xs = x.float().abs().amax(1, keepdim=True).clamp_min(1e-8) / 127
+        xq = torch.round(x.float() / xs).to(torch.int8)
+        if xq.shape[0] <= 16:  # _int_mm wants more than 16 rows
+            xq = torch.nn.functional.pad(xq, (0, 0, 0, 17 - xq.shape[0]))
+        return (torch._int_mm(xq, w8t)[: x.shape[0]].float() * xs * scale8).bfloat16()
+
+    lp = torch.ops.mkldnn._linear_pointwise
+    return {
+        "bf16": (xb, lambda x: lp(x, pb, None, "none", [], "")),
+        "f32": (xb.float(), lambda x: lp(x, pf, None, "none", [], "")),
+        "int8pack": (xb, lambda x: torch.ops.aten._weight_int8pack_mm(x, w8, scale8.bfloat16())),
+        "int4pack": (xb, lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, p4, GROUP, sz.bfloat16())),
+        "int_mm": (xb, int_mm),
+    }
+
+
+def measure(n: int, k: int, rows: int, budget: float) -> dict[str, float]:
+    """{path: fastest call in ms} for weight [n, k] at `rows` rows."""
+    paths = _paths(n, k)
+    xs = {name: x.expand(rows, k).contiguous() + 0.01 * torch.randn(rows, k).to(x.dtype)
+          for name, (x, _) in paths.items()}
+    best = dict.fromkeys(paths, float("inf"))
+    for name, (_, fn) in paths.items():
+        fn(xs[name])
+    # One thread computes in this thread: its CPU time leaves out other processes' time.
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    deadline = time.perf_counter() + budget
+    rounds = 0
+    while time.perf_counter() < deadline or rounds < 2:
+        for name, (_, fn) in paths.items():
+            start = clock()
+            fn(xs[name])
+            best[name] = min(best[name], clock() - start)
+        rounds += 1
+    return {name: 1e3 * t for name, t in best.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,8,64,512")
+    parser.add_argument("--shapes", default="smollm2,llama7b")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--budget", type=float, default=0.15, help="seconds per cell")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"load average {os.getloadavg()}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    totals: dict[tuple[str, int], dict[str, float]] = {}
+    for family in args.shapes.split(","):
+        for n, k in SHAPES[family]:
+            for rows in (int(r) for r in args.rows.split(",")):
+                ms = measure(n, k, rows, args.budget)
+                agg = totals.setdefault((family, rows), dict.fromkeys(ms, 0.0))
+                for name, t in ms.items():
+                    agg[name] += t
+                cells = "  ".join(f"{name} {t:7.3f}ms x{ms['bf16'] / t:4.2f} "
+                                  f"{_bytes(name, n, k) / 2**20:6.2f}MiB"
+                                  for name, t in ms.items())
+                print(f"{family:8s} {n:6d}x{k:<6d} rows {rows:4d}: {cells}", flush=True)
+    print("\nsum over each family's shapes (ms; speed ratio to bf16):")
+    for (family, rows), agg in totals.items():
+        print(f"{family:8s} rows {rows:4d}: " + "  ".join(
+            f"{name} {t:8.3f} x{agg['bf16'] / t:4.2f}" for name, t in agg.items()))
+    print(f"load average {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Decode and prefill tokens/s of a GGUF model with its weights kept packed against the same file
+dequantized (bfloat16 and float32), as llama-bench measures them: `tg` tokens generated one at a
+time at batch 1, and a `pp`-token prompt prefilled in one step.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_quant_weights.py [MODEL.gguf]
+        [--pp 512] [--tg 128] [--reps 3] [--threads N]
+        [--configs auto:bfloat16,none:bfloat16,none:float32]
+
+MODEL defaults to the real model (SmolLM2-135M-Instruct Q4_1, pagedkv.testing.real_model).
+Each configuration is one engine (`LLM`, prefix caching off, the fused CPU kernels built first);
+a figure is the best of `--reps` runs (a shared machine interrupts some); with `--threads 1`
+times are the process's CPU time (robust to other processes on the core). Prints tokens/s, each
+configuration's ratio to the first, the weight bytes, the CPU and the load average before and
+after.
+
+From Python (e.g. a comparison with llama.cpp):
+
+    from benchmarks.bench_quant_weights import pagedkv_throughput
+    t = pagedkv_throughput("model.gguf", quantization="auto", dtype="bfloat16",
+                           n_prompt=512, n_gen=128, threads=2)
+    t.prefill_tps, t.decode_tps, t.weights_bytes
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+from dataclasses import dataclass
+
+from pagedkv import LLM, SamplingParams
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """One configuration's figures: prompt tokens/s of a `n_prompt`-token prefill, tokens/s of
+    `n_gen` greedy decode steps at batch 1, and the engine's weight bytes."""
+
+    quantization: str
+    dtype: str
+    n_prompt: int
+    n_gen: int
+    prefill_tps: float
+    decode_tps: float
+    weights_bytes: int
+
+
+def _timed(llm: LLM, tokens: list[int], max_tokens: int, clock=time.perf_counter) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = clock()
+    out = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)
+    elapsed = clock() - start
+    assert len(out[0].outputs[0].token_ids) == max_tokens
+    return elapsed
+
+
+def pagedkv_throughput(model: str, *, quantization: str = "auto", dtype: str = "bfloat16",
+                       n_prompt: int = 512, n_gen: int = 128, threads: int | None = None,
+                       reps: int = 3, seed: int = 0) -> Throughput:
+    """pagedkv's prefill and batch-1 decode tokens/s on `model` (llama-bench's pp`n_prompt` and
+    tg`n_gen`: random prompt tokens, generation ignoring EOS), best of `reps` runs each.
+    Prefill: one `n_prompt`-token prompt computed in one step, to its first token. Decode:
+    (`n_gen` - 1) tokens over the time a one-token prompt takes to `n_gen` tokens less its time
+    to the first. `threads`: torch's compute threads (None: the cores other processes leave
+    free); with 1, times are this process's CPU time (time.process_time: the engine runs in
+    this process), which leaves out the time other processes held the core."""
+    llm = LLM(model, dtype=dtype, quantization=quantization, enable_prefix_caching=False,
+              max_model_len=n_prompt + n_gen + 16, max_num_batched_tokens=max(n_prompt, 256),
+              max_num_seqs=1, cpu_kernels="wait", cpu_threads=threads, seed=seed)
+    try:
+        rng = random.Random(seed)
+        vocab = llm.llm_engine.vocab_size
+        prompt = [rng.randrange(100, vocab) for _ in range(n_prompt)]
+        start = [rng.randrange(100, vocab)]
+        clock = time.process_time if threads == 1 else time.perf_counter
+        _timed(llm, prompt[:64], 4)  # warm-up: first calls, kernel choices
+        prefill = min(_timed(llm, prompt, 1, clock) for _ in range(reps))
+        first = min(_timed(llm, start, 1, clock) for _ in range(reps))
+        full = min(_timed(llm, start, n_gen, clock) for _ in range(reps))
+        weights = llm.llm_engine.client.ready.weights_bytes
+    finally:
+        llm.shutdown()
+    return Throughput(quantization, dtype, n_prompt, n_gen, n_prompt / prefill,
+                      (n_gen - 1) / max(full - first, 1e-9), weights)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", nargs="?", default=None)
+    parser.add_argument("--pp", type=int, default=512)
+    parser.add_argument("--tg", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--configs", default="auto:bfloat16,none:bfloat16,none:float32")
+    args = parser.parse_args()
+    model = args.model
+    if model is None:
+        from pagedkv.testing.real_model import smollm2_gguf_path
+
+        model = str(smollm2_gguf_path())
+    print(f"{model}\n{_cpu_name()}, {os.cpu_count()} CPUs; load average {os.getloadavg()}")
+    results = []
+    for config in args.configs.split(","):
+        quantization, dtype = config.split(":")
+        t = pagedkv_throughput(model, quantization=quantization, dtype=dtype, n_prompt=args.pp,
+                               n_gen=args.tg, threads=args.threads, reps=args.reps)
+        results.append(t)
+        print(f"quantization={quantization:5s} dtype={dtype:9s} weights "
+              f"{t.weights_bytes / 2**20:6.1f} MiB: pp{args.pp} {t.prefill_tps:8.1f} tok/s, "
+              f"tg{args.tg} {t.decode_tps:7.1f} tok/s", flush=True)
+    base = results[0]
+    for t in results[1:]:
+        print(f"{base.quantization}:{base.dtype} over {t.quantization}:{t.dtype}: prefill "
+              f"x{base.prefill_tps / t.prefill_tps:.2f}, decode x{base.decode_tps / t.decode_tps:.2f}")
+    print(f"load average {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

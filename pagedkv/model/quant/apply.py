@@ -1,0 +1,99 @@
+"""Replacing a loaded model's linear layers by packed ones (the `quantization` option).
+
+- "auto": with a 16-bit model dtype (`PACKED_AUTO_DTYPES`), a GGUF checkpoint's linears stored
+  in a 4-bit type (`int4_blocks.INT4_TYPES`) stay packed (`Int4Linear`, built from the file's
+  block bytes, exact but for bfloat16 scales); other types (Q8_0, Q6_K, F16
+  ...) and the embeddings stay dequantized in the model dtype. Any other checkpoint: unchanged.
+- "int8": every linear but the lm_head becomes `Int8Linear` (per-channel int8 of the loaded
+  weight; for a GGUF checkpoint, its 4-bit linears stay `Int4Linear` as with "auto").
+- "none": unchanged (every weight in the model dtype).
+CPU only and without tensor parallelism (the caller, loader.load_model, checks): the GGUF
+linears are built before the weights are read (`pack_gguf_linears`: never dequantized), the
+int8 ones after (`quantize_int8`). The lm_head (often tied to the
+embeddings) keeps the model dtype: measured, no packed op beats the dense one on it at batch
+1 by much (bench_quant_linear.py, 49152x576), and it stays exact.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedkv.model.gguf import gguf_file
+from pagedkv.model.layers import Linear
+from pagedkv.model.quant.int4_blocks import GROUP, INT4_TYPES, codes_and_scales
+from pagedkv.model.quant.int4_linear import Int4Linear
+from pagedkv.model.quant.int8_linear import Int8Linear
+
+QUANTIZATION_MODES = ("auto", "none", "int8")
+# The model dtypes "auto" packs at (float32 stays exact: the int4 kernel rounds activations to
+# bfloat16, and its float32 path is 10-60x slower).
+PACKED_AUTO_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _linears(model: nn.Module) -> list[tuple[nn.Module, str, str, Linear]]:
+    """(parent, attribute, qualified name, module) of every Linear but the lm_head."""
+    out = []
+    for parent_name, parent in model.named_modules():
+        for attr, child in parent.named_children():
+            name = f"{parent_name}.{attr}" if parent_name else attr
+            if isinstance(child, Linear) and name != "lm_head":
+                out.append((parent, attr, name, child))
+    return out
+
+
+def _gguf_int4(checkpoint: Any, sources: list[str], linear: Linear) -> Int4Linear | None:
+    """`linear` as an Int4Linear from the GGUF blocks of `sources` (concatenated rows), or None
+    where they are not all 4-bit or its shape does not fit the int4 kernel. Its bias (if any)
+    is a parameter still to be loaded."""
+    if linear.out_features % 16 or linear.in_features % GROUP:
+        return None
+    from pagedkv.model.gguf.tensors import hf_rows
+
+    gguf = checkpoint.gguf
+    names = [checkpoint.gguf_name(source) for source in sources]
+    types = [gguf.tensors[name].ggml_type for name in names]
+    if not all(t in INT4_TYPES for t in types):
+        return None
+    parts = [codes_and_scales(hf_rows(gguf, source, name), t)
+             for source, name, t in zip(sources, names, types, strict=True)]
+    nibbles, scale, zero = (np.concatenate(arrays) for arrays in zip(*parts, strict=True))
+    bias = None if linear.bias is None else torch.zeros_like(linear.bias)
+    return Int4Linear(nibbles, scale, zero, bias)
+
+
+def pack_gguf_linears(model: nn.Module, model_dir: str | Path) -> frozenset[str]:
+    """Before the weights are loaded: replace each linear of `model` whose GGUF tensors are
+    4-bit by an Int4Linear built from the file's blocks (mutates `model`). Returns the
+    checkpoint-mapping names now built (`loader.load_weights(preloaded=...)`: neither read nor
+    dequantized); empty for a checkpoint that is not GGUF."""
+    path = gguf_file(model_dir)
+    if path is None:
+        return frozenset()
+    from pagedkv.model.gguf.file import open_gguf
+    from pagedkv.model.gguf.tensors import GGUFCheckpoint
+
+    checkpoint = GGUFCheckpoint(open_gguf(path))
+    mapping = model.checkpoint_mapping()
+    built = set()
+    for parent, attr, name, linear in _linears(model):
+        sources = mapping.get(f"{name}.weight")
+        packed = _gguf_int4(checkpoint, sources, linear) if sources else None
+        if packed is not None:
+            setattr(parent, attr, packed)
+            built.add(f"{name}.weight")
+    return frozenset(built)
+
+
+def quantize_int8(model: nn.Module) -> int:
+    """After the weights are loaded: replace every remaining Linear but the lm_head by an
+    Int8Linear of its weight (mutates `model`). Returns how many."""
+    linears = _linears(model)
+    with torch.no_grad():
+        for parent, attr, _, linear in linears:
+            setattr(parent, attr, Int8Linear(linear.weight, linear.bias))
+    return len(linears)

@@ -1,0 +1,138 @@
+"""The packed 4-bit linear (pagedkv/model/quant): GGUF Q4_0 / Q4_1 / Q4_K blocks read as codes,
+scales and zeros (checked against the `gguf` package's own dequantization), and Int4Linear's
+output on both of its paths (torch's int4 kernel at decode sizes, the expanded weight above)
+against a float64 dequantize-then-matmul reference, within the rounding its bfloat16 scales
+and activations allow; the expansion kernel (kernels/csrc/quant_int4.cpp) against torch ops, in
+this machine's build and the AVX2 one."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+from pagedkv.kernels.cpu import ensure_cpu_kernels
+from pagedkv.model.quant import int4_linear
+from pagedkv.model.quant.int4_blocks import INT4_TYPES, codes, codes_and_scales
+from pagedkv.model.quant.int4_linear import INT4PACK_ROWS, Int4Linear
+from pagedkv.testing.isa_child import run_with_isa
+
+TYPES = sorted(INT4_TYPES, key=lambda t: t.name)
+N, K = 48, 512
+# Each weight's bfloat16 scale and zero are within 2^-9 of the file's (relative), and the
+# output is rounded once to bfloat16 (2^-9 of it): twice that covers float32 summation. (A
+# zero off by one step, or codes in the wrong order, is far outside.)
+REL = 2.0 ** -8
+
+
+def random_rows(ggml_type: GGMLQuantizationType, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random blocks of `ggml_type` [n, bytes per row], every fp16 scale and min finite and
+    between 1e-3 and 1e-1 in size (signs mixed: real files have negative mins)."""
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[ggml_type]
+    raw = rng.integers(0, 256, (n * k // block, size), dtype=np.uint8)
+    halves = 2 if ggml_type == GGMLQuantizationType.Q4_0 else 4  # d (and m / dmin) lead
+    fp16 = rng.uniform(1e-3, 1e-1, (raw.shape[0], halves // 2)).astype(np.float16)
+    fp16 *= rng.choice(np.array([-1, 1], dtype=np.float16), fp16.shape)
+    if ggml_type == GGMLQuantizationType.Q4_K:
+        fp16[:, 0] = np.abs(fp16[:, 0])
+    raw[:, :halves] = fp16.view(np.uint8).reshape(raw.shape[0], halves)
+    return raw.reshape(n, -1)
+
+
+def reference_weight(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
+    """The format's own dequantization (the gguf package), float64."""
+    return quants.dequantize(raw, ggml_type).astype(np.float64)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_codes_and_scales_are_the_format(ggml_type):
+    raw = random_rows(ggml_type, N, K)
+    nibbles, scale, zero = codes_and_scales(raw, ggml_type)
+    q = codes(nibbles).astype(np.float64).reshape(N, -1, 32)
+    ours = ((q - 8) * scale[..., None] + zero[..., None]).reshape(N, K)
+    want = reference_weight(raw, ggml_type)
+    np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.fixture(scope="module", params=TYPES, ids=lambda t: t.name)
+def blocks(request):
+    return codes_and_scales(random_rows(request.param, N, K, seed=1), request.param), \
+        reference_weight(random_rows(request.param, N, K, seed=1), request.param)
+
+
+@pytest.fixture(scope="module")
+def packed(blocks):
+    parts, w = blocks
+    return Int4Linear(*parts), w
+
+
+@pytest.mark.parametrize("rows", [1, 3, INT4PACK_ROWS, INT4PACK_ROWS + 1, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("expand", ["kernel", "torch"])
+def test_int4_linear_equals_float64_reference(packed, rows, dtype, expand, monkeypatch):
+    if expand == "kernel":
+        assert ensure_cpu_kernels("wait")
+    else:
+        monkeypatch.setattr(int4_linear, "cpu_kernels_loaded", lambda: False)
+    linear, w = packed
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).bfloat16().to(dtype)
+    got = linear(x)
+    assert got.dtype == dtype and got.shape == (rows, N)
+    xd = x.double().numpy()
+    want = xd @ w.T
+    bound = REL * (np.abs(xd) @ np.abs(w).T + np.abs(want)) + 1e-6
+    err = np.abs(got.double().numpy() - want)
+    assert (err <= bound).all(), f"worst {err.max()} over bound {bound[err.argmax() // N]}"
+
+
+def test_bias_and_leading_dims(blocks, packed):
+    bias = torch.randn(N)
+    with_bias = Int4Linear(*blocks[0], bias=bias)
+    x = torch.randn(2, INT4PACK_ROWS, K).bfloat16()
+    for rows in (x[:, :1], x):  # both paths: 2 rows (the int4 kernel), more (expanded)
+        got = with_bias(rows).float()
+        want = packed[0](rows.reshape(-1, K)).float().reshape(*rows.shape[:2], N) + bias
+        assert got.shape == (*rows.shape[:2], N)
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+
+
+def test_refuses_shapes_the_kernel_cannot_take():
+    with pytest.raises(ValueError, match=r"weight \[40, 64\] needs rows a multiple of 16"):
+        Int4Linear(np.zeros((40, 32), np.uint8), np.ones((40, 2), np.float32),
+                   np.zeros((40, 2), np.float32))
+
+
+def test_expand_kernel_equals_torch_ops(packed):
+    assert ensure_cpu_kernels("wait")
+    linear, _ = packed
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        got = torch.ops.pagedkv_cpu.int4_expand(linear.nibbles, linear.scale_zero, dtype)
+        want = linear.dequantized_reference(dtype)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)
+    assert int4_linear.cpu_kernels_loaded()
+
+
+_AVX2_CHECK = """
+import json, numpy as np, torch
+from pagedkv.kernels.cpu import ensure_cpu_kernels, panel_isa
+assert ensure_cpu_kernels("wait")
+from pagedkv.model.quant.int4_linear import Int4Linear
+rng = np.random.default_rng(2)
+lin = Int4Linear(rng.integers(0, 256, (32, 64), dtype=np.uint8),
+                 rng.uniform(-0.1, 0.1, (32, 4)).astype(np.float32),
+                 rng.uniform(-0.1, 0.1, (32, 4)).astype(np.float32))
+got = torch.ops.pagedkv_cpu.int4_expand(lin.nibbles, lin.scale_zero, torch.float32)
+want = lin.dequantized_reference(torch.float32)
+print(json.dumps([panel_isa(), float((got - want).abs().max()), float(want.abs().max())]))
+"""
+
+
+def test_expand_kernel_in_the_avx2_build():
+    isa, err, scale = run_with_isa(_AVX2_CHECK)
+    assert "avx2" in isa.lower(), isa
+    assert err <= 1e-6 * scale, json.dumps([err, scale])

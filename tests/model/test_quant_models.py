@@ -1,0 +1,107 @@
+"""A GGUF model's 4-bit linears kept packed (quantization "auto") against the same file
+dequantized ("none"): next-token distributions of decode steps (one row: torch's int4 kernel)
+and of a chunked prefill (the expanded weight), as KL and top-1 agreement; the parameter bytes
+the engine reports (weights_bytes: the banner, /kv_cache_info) are the packed ones; "int8"
+quantizes a safetensors model's linears per channel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.model.layers import Linear
+from pagedkv.model.quant.int4_linear import Int4Linear
+from pagedkv.model.quant.int8_linear import Int8Linear
+from pagedkv.model.runner import ModelRunner
+from pagedkv.testing.kv_quant_accuracy import kl_divergence, prompt_logits, teacher_forced_logits
+from tests.model.gguf_files import write_gguf
+
+PROMPT = [5, 17, 99, 230, 41, 8, 77, 300, 12, 64, 3, 150, 9, 250, 33, 71, 200, 18, 44, 6]
+CONTINUATION = [90, 14, 321, 7, 55, 260, 2, 101, 48, 11, 199, 36]
+# Measured on the tiny model (random weights): mean KL about 3e-5 nats (bfloat16); codes in
+# the wrong order, or a zero off by one step, give about 0.27.
+MEAN_KL_BOUND = 1e-3
+
+
+@pytest.fixture(scope="module", params=[GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1],
+                ids=lambda t: t.name)
+def q4_gguf(request, tiny_llama, tmp_path_factory):
+    return write_gguf(tiny_llama, tmp_path_factory.mktemp("q4") / "model.gguf",
+                      quant=request.param)
+
+
+def runner(path, quantization: str, dtype: str) -> ModelRunner:
+    return ModelRunner(str(path), block_size=4, num_blocks=16, device="cpu", dtype=dtype,
+                       quantization=quantization)
+
+
+def test_auto_keeps_float32_exact(q4_gguf):
+    assert not any(isinstance(m, Int4Linear) for m in runner(q4_gguf, "auto", "float32")
+                   .model.modules())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_packed_model_matches_dequantized(q4_gguf, dtype):
+    packed, dense = runner(q4_gguf, "auto", dtype), runner(q4_gguf, "none", dtype)
+    assert sum(isinstance(m, Int4Linear) for m in packed.model.modules()) == 8  # 2 x 4 per layer
+    assert not any(isinstance(m, Int4Linear) for m in dense.model.modules())
+    for name, forward in (("decode", lambda r: teacher_forced_logits(r, PROMPT, CONTINUATION)),
+                          ("prefill", lambda r: prompt_logits(r, PROMPT + CONTINUATION))):
+        with torch.inference_mode():
+            kl = kl_divergence([forward(dense)], [forward(packed)])
+        print(f"{q4_gguf.name} {dtype} {name}: mean KL {kl.mean_kl:.2e} nats, max "
+              f"{kl.max_kl:.2e}, top-1 agreement {kl.top1_agreement:.3f} over {kl.positions}")
+        assert kl.mean_kl < MEAN_KL_BOUND, (name, kl)
+        assert kl.top1_agreement >= 0.9, (name, kl)
+
+
+def _linear_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of the model's Int4Linear tensors, what their weights take in 4-bit groups of 32
+    with two copies of the codes and bfloat16 scale and zero)."""
+    got = expected = 0
+    for m in model.modules():
+        if isinstance(m, Int4Linear):
+            n, k = m.out_features, m.in_features
+            got += sum(p.numel() * p.element_size() for p in m.parameters())
+            expected += n * k // 2 * 2 + (k // 32) * n * 2 * 2
+    return got, expected
+
+
+def test_weights_bytes_count_the_packed_weights(q4_gguf):
+    packed, dense = runner(q4_gguf, "auto", "bfloat16"), runner(q4_gguf, "none", "bfloat16")
+    got, expected = _linear_bytes(packed.model)
+    assert got == expected > 0
+    dense_linear = sum(m.weight.numel() * 2 for name, m in dense.model.named_modules()
+                       if isinstance(m, Linear) and name != "lm_head")
+    assert packed.weights_bytes == dense.weights_bytes - dense_linear + expected
+    llm = LLM(str(q4_gguf), dtype="bfloat16", block_size=4, num_gpu_blocks_override=16,
+              max_model_len=64)
+    try:  # what the engine reports (the banner, /kv_cache_info): the packed bytes
+        assert llm.llm_engine.client.ready.weights_bytes == packed.weights_bytes
+        out = llm.generate([{"prompt_token_ids": PROMPT}],
+                           SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+        llm.llm_engine.check_invariants()
+    finally:
+        llm.shutdown()
+
+
+def test_int8_quantizes_a_safetensors_model(tiny_llama):
+    quantized, dense = runner(tiny_llama, "int8", "float32"), runner(tiny_llama, "none", "float32")
+    linears = [m for m in quantized.model.modules() if isinstance(m, Int8Linear)]
+    assert len(linears) == 8  # 2 layers x (qkv, o, gate_up, down); the lm_head stays
+    assert isinstance(quantized.model.lm_head, Linear)
+    assert quantized.weights_bytes < dense.weights_bytes
+    with torch.inference_mode():
+        kl = kl_divergence([teacher_forced_logits(dense, PROMPT, CONTINUATION)],
+                           [teacher_forced_logits(quantized, PROMPT, CONTINUATION)])
+    print(f"int8 per channel: mean KL {kl.mean_kl:.2e}, top-1 {kl.top1_agreement:.3f}")
+    assert kl.mean_kl < MEAN_KL_BOUND and kl.top1_agreement >= 0.9, kl
+
+
+def test_unknown_quantization_is_named(tiny_llama):
+    with pytest.raises(ValueError, match=r"quantization must be one of .*got 'int3'"):
+        runner(tiny_llama, "int3", "float32")
