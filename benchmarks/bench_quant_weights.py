@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.bench.machine import cpu_name
 
 
 @dataclass(frozen=True)
@@ -85,17 +86,6 @@ def pagedkv_throughput(model: str, *, quantization: str = "auto", dtype: str = "
                       (n_gen - 1) / max(full - first, 1e-9), weights)
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?", default=None)
@@ -110,7 +100,7 @@ def main() -> None:
         from pagedkv.testing.real_model import smollm2_gguf_path
 
         model = str(smollm2_gguf_path())
-    print(f"{model}\n{_cpu_name()}, {os.cpu_count()} CPUs; load average {os.getloadavg()}")
+    print(f"{model}\n{cpu_name()}, {os.cpu_count()} CPUs; load average {os.getloadavg()}")
     results = []
     for config in args.configs.split(","):
         quantization, dtype = config.split(":")

@@ -8,8 +8,8 @@ cmake with `-DGGML_NATIVE=ON` (about 8 minutes on 2 idle cores, once).
 Parts (`--parts`, all by default):
 - `bench`: decode tokens/s at batch 1 over 128 tokens (llama-bench `tg128`) and prefill tokens/s
   of a 512-token prompt (`pp512`), each engine on each quant type; pagedkv in every mode of
-  `--pagedkv-modes` (`auto`: GGUF weights as the engine keeps them by default; `bfloat16`,
-  `float32`: dequantized to that dtype). Also the decode step's bandwidth floor: the weight bytes
+  `--pagedkv-modes` (`packed`: bfloat16 with the GGUF linears kept 4-bit, `--quantization auto`;
+  `bfloat16`, `float32`: every weight dequantized to that dtype). Also the decode step's bandwidth floor: the weight bytes
   (the GGUF file's tensor bytes) over the measured read bandwidth, and each engine's ratio to it.
 - `perplexity`: `llama-perplexity -c CTX` on tests/data's public-domain texts, and pagedkv's
   perplexity computed the same way (chunks of CTX tokens, each scored on its second half).
@@ -19,7 +19,7 @@ Parts (`--parts`, all by default):
 
     PYTHONPATH=$PWD python benchmarks/bench_vs_llamacpp.py [--gguf FILE]
         [--quant-types Q4_1,Q8_0,Q4_0] [--parts bench,perplexity,serve] [--threads N]
-        [--pagedkv-modes auto,bfloat16] [--llama-cpp BUILD_DIR]
+        [--pagedkv-modes packed,bfloat16] [--llama-cpp BUILD_DIR]
 
 Q4_1 is the shipped SmolLM2 file; other types are made from it with `llama-quantize
 --allow-requantize` into the throwaway folder (requantized from Q4_1: the same weights for both
@@ -32,7 +32,6 @@ import argparse
 import json
 import math
 import os
-import random
 import re
 import subprocess
 import sys
@@ -109,6 +108,12 @@ def read_bandwidth_gbs() -> float:
     return data.numel() * 4 / best / 1e9
 
 
+def gguf_vocab_size(path: Path) -> int:
+    from gguf import GGUFReader
+
+    return len(GGUFReader(str(path)).fields["tokenizer.ggml.tokens"].data)
+
+
 def gguf_weight_bytes(path: Path) -> int:
     from gguf import GGUFReader
 
@@ -161,44 +166,31 @@ def llama_perplexity(bin_dir: Path, model: Path, text: Path, ctx: int, threads: 
 
 # ----- pagedkv measurements -------------------------------------------------------------------
 
+# pagedkv's modes: (dtype, quantization). `packed`: the GGUF linears kept 4-bit (Q4_0, Q4_1,
+# Q4_K; other types dequantized); the others dequantize every weight at load.
+MODES = {"packed": ("bfloat16", "auto"), "bfloat16": ("bfloat16", "none"),
+         "float32": ("float32", "none")}
+
+
 def pagedkv_engine(model: Path, mode: str, threads: int):  # noqa: ANN201 - an LLMEngine
     from pagedkv.engine.args import EngineArgs
     from pagedkv.engine.llm_engine import LLMEngine
 
-    kwargs = {"dtype": mode} if mode in ("bfloat16", "float32") else {}
-    if mode in ("bfloat16", "float32") and "quantization" in EngineArgs.__dataclass_fields__:
-        kwargs["quantization"] = "none"
-    args = EngineArgs(model=str(model), max_model_len=1024, max_num_batched_tokens=1024,
-                      enable_prefix_caching=False, kv_cache_memory_bytes=256 << 20,
-                      cpu_threads=threads, **kwargs)
+    dtype, quantization = MODES[mode]
+    args = EngineArgs(model=str(model), dtype=dtype, quantization=quantization,
+                      max_model_len=1024, max_num_batched_tokens=1024, enable_prefix_caching=False,
+                      kv_cache_memory_bytes=256 << 20, cpu_threads=threads, cpu_kernels="wait")
     return LLMEngine.from_engine_args(args)
 
 
-def _run_to_end(engine, request_id: str, tokens: list[int], max_tokens: int) -> list[float]:  # noqa: ANN001
-    """Step `engine` until the request finishes; the perf_counter time of each step's output."""
-    from pagedkv import SamplingParams
+def pagedkv_bench(model: Path, mode: str, threads: int, reps: int) -> dict[str, float]:
+    """pp512 and tg128 as llama-bench measures them (bench_quant_weights.pagedkv_throughput)."""
+    from bench_quant_weights import pagedkv_throughput
 
-    engine.add_request(request_id, {"prompt_token_ids": tokens},
-                       SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    times = []
-    while engine.has_unfinished_requests():
-        if engine.step():
-            times.append(time.perf_counter())
-    return times
-
-
-def pagedkv_bench(engine, vocab: int, reps: int) -> dict[str, float]:  # noqa: ANN001
-    rng = random.Random(0)
-    prompt = lambda n: [rng.randrange(10, vocab) for _ in range(n)]  # noqa: E731
-    _run_to_end(engine, "warm", prompt(512), 8)
-    pp, tg = [], []
-    for rep in range(reps):
-        start = time.perf_counter()
-        _run_to_end(engine, f"pp{rep}", prompt(512), 1)
-        pp.append(512 / (time.perf_counter() - start))
-        times = _run_to_end(engine, f"tg{rep}", prompt(1), 129)
-        tg.append(128 / (times[-1] - times[0]))
-    return {"pp512": sum(pp) / reps, "tg128": sum(tg) / reps}
+    dtype, quantization = MODES[mode]
+    got = pagedkv_throughput(str(model), quantization=quantization, dtype=dtype, n_prompt=512,
+                             n_gen=128, threads=threads, reps=reps)
+    return {"pp512": got.prefill_tps, "tg128": got.decode_tps}
 
 
 def pagedkv_perplexity(engine, tokens: list[int], ctx: int) -> float:  # noqa: ANN001
@@ -245,7 +237,7 @@ def served(kind: str, bin_dir: Path, model: Path, threads: int, concurrencies: l
     else:
         cmd = [sys.executable, "-m", "pagedkv.cli", "serve", str(model), "--port", str(port),
                "--served-model-name", "m", "--max-num-seqs", str(max(concurrencies)),
-               "--log-level", "warning"]
+               "--dtype", "bfloat16", "--quantization", "auto", "--log-level", "warning"]
     with tempfile.NamedTemporaryFile(prefix=f"llamacpp-vs-{kind}-", suffix=".log") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -268,7 +260,8 @@ def main() -> None:
     parser.add_argument("--gguf", type=Path, default=None, help="default: the SmolLM2 file")
     parser.add_argument("--quant-types", default="Q4_1,Q8_0,Q4_0")
     parser.add_argument("--parts", default="bench,perplexity,serve")
-    parser.add_argument("--pagedkv-modes", default="auto,bfloat16")
+    parser.add_argument("--pagedkv-modes", default="packed,bfloat16",
+                        help=f"of {sorted(MODES)}")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--ctx", type=int, default=256, help="perplexity chunk length")
@@ -299,13 +292,9 @@ def main() -> None:
             ref = llama_bench(bin_dir, model, args.threads, args.reps)
             print(f"  llama.cpp        pp512 {ref['pp512']:9.1f} tok/s  tg128 {ref['tg128']:7.1f} "
                   f"tok/s ({ref['tg128'] / floor:.2f} of the floor)")
-        engines = {}
-        vocab = 0
         for mode in modes:
-            engines[mode] = pagedkv_engine(model, mode, args.threads)
-            vocab = engines[mode].model_config.vocab_size
             if "bench" in parts:
-                got = pagedkv_bench(engines[mode], vocab, args.reps)
+                got = pagedkv_bench(model, mode, args.threads, args.reps)
                 print(f"  pagedkv {mode:8} pp512 {got['pp512']:9.1f} tok/s  tg128 "
                       f"{got['tg128']:7.1f} tok/s ({got['tg128'] / floor:.2f} of the floor)  "
                       f"ratio to llama.cpp: pp {got['pp512'] / ref['pp512']:.2f}x, "
@@ -321,13 +310,16 @@ def main() -> None:
                                            args.threads)
             tokens = Tokenizer.from_dir(model).encode(text)
             print(f"  perplexity (ctx {args.ctx}, {len(tokens)} tokens): llama.cpp {ref_ppl:.3f}")
-            for mode, engine in engines.items():
-                ppl = pagedkv_perplexity(engine, tokens, args.ctx)
+            for mode in modes:
+                engine = pagedkv_engine(model, mode, args.threads)
+                try:
+                    ppl = pagedkv_perplexity(engine, tokens, args.ctx)
+                finally:
+                    engine.shutdown()
                 print(f"  perplexity pagedkv {mode:8} {ppl:.3f} ({(ppl / ref_ppl - 1) * 100:+.2f}%)")
-        for engine in engines.values():
-            engine.shutdown()
         if "serve" in parts:
             concurrencies = [int(c) for c in args.concurrency.split(",")]
+            vocab = gguf_vocab_size(model)
             ref_serve = served("llama.cpp", bin_dir, model, args.threads, concurrencies,
                                args.num_prompts, vocab)
             got_serve = served("pagedkv", bin_dir, model, args.threads, concurrencies,
