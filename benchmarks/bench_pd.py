@@ -13,6 +13,8 @@ pushed and the seconds the handoff took.
 own steps (`--step-log`), and `simulate_split` (what `pagedkv simulate --prefill-instances 1
 --decode-instances 1` runs) replays the same requests at the arrivals the client sent them,
 over a link of the transfer rate measured above; prints the error of TTFT and TPOT mean and p99.
+Then the mixed fleet likewise (2 kv-aware instances, fitted on its own servers' steps), and the
+simulator's split/mixed ratios beside the real ones: does it pick the same winner per figure.
 
     python benchmarks/bench_pd.py [--requests 24] [--scale 0.0625] [--max-output 24]
         [--time-scale 0.25] [--vs-sim] [--json OUT]
@@ -172,34 +174,58 @@ def transfer_stats(params: list[dict]) -> dict[str, float]:
             "transferred": sum(1 for p in params if p["num_tokens"] > 0)}
 
 
-def vs_sim(trace, split_run: dict, xfer: dict, vocab: int, blocks: int) -> dict:
-    """simulate_split on the split run's own latency model and arrivals, against the run."""
+def fitted(run: dict):
+    """The latency model fitted on a fleet run's servers' own steps, and their number."""
     from pagedkv.engine.step_log import read_step_log
-    from pagedkv.sim.config import SimConfig
-    from pagedkv.sim.disagg import Split, simulate_split
     from pagedkv.sim.latency import FittedLatency
 
     shapes, times = [], []
-    for log in split_run["step_logs"]:
+    for log in run["step_logs"]:
         s, t = read_step_log(log)
         shapes += s
         times += t
-    latency = FittedLatency.fit(shapes, times)
-    first = min(split_run["sent"])
-    order = sorted(range(len(trace)), key=lambda i: split_run["sent"][i])
-    served = [dataclasses.replace(trace[i], arrival=split_run["sent"][i] - first) for i in order]
+    return FittedLatency.fit(shapes, times), len(times)
+
+
+def as_sent(trace, run: dict) -> list:
+    """The trace at the arrivals the client sent it (seconds from the first), sorted."""
+    first = min(run["sent"])
+    order = sorted(range(len(trace)), key=lambda i: run["sent"][i])
+    return [dataclasses.replace(trace[i], arrival=run["sent"][i] - first) for i in order]
+
+
+def vs_sim(trace, split_run: dict, mixed_run: dict, xfer: dict, vocab: int,
+           blocks: int) -> dict:
+    """simulate_split on the split run's own latency model and arrivals, against the run;
+    and the simulator's split/mixed ratios (each fleet on its own fit) against the real ones."""
+    from pagedkv.sim.config import SimConfig
+    from pagedkv.sim.disagg import Split, simulate_split
+    from pagedkv.sim.simulator import simulate
+
     config = SimConfig(num_blocks=blocks, block_size=SERVE["block_size"],
                        max_model_len=SERVE["max_model_len"], vocab_size=vocab,
                        max_num_batched_tokens=2048, block_bytes=xfer["block_bytes"])
-    result = simulate_split(served, config, latency, Split(1, 1, xfer["gbps"]))
+    latency, steps = fitted(split_run)
+    result = simulate_split(as_sent(trace, split_run), config, latency,
+                            Split(1, 1, xfer["gbps"]))
     sim = latency_stats([{"ttft": r.ttft, "tpot": r.tpot} for r in result.records])
     real = latency_stats(split_run["rows"])
     keys = ("ttft_mean", "ttft_p99", "tpot_mean", "tpot_p99")
     error = {k: (sim[k] - real[k]) / real[k] for k in keys}
-    print(f"vs sim: {len(times)} server steps fitted; simulated 1P+1D over {xfer['gbps']:.2f} "
+    print(f"vs sim: {steps} server steps fitted; simulated 1P+1D over {xfer['gbps']:.2f} "
           "Gb/s: " + ", ".join(f"{k} real {real[k] * 1e3:.1f} ms sim {sim[k] * 1e3:.1f} ms "
                                f"({error[k]:+.1%})" for k in keys), flush=True)
-    return {"sim": sim, "real": real, "error": error}
+    mixed_latency, _ = fitted(mixed_run)
+    mixed = simulate(as_sent(trace, mixed_run), config, mixed_latency, num_instances=2,
+                     policy="kv-aware")
+    sim_mixed = latency_stats([{"ttft": r.ttft, "tpot": r.tpot} for r in mixed.records])
+    real_mixed = latency_stats(mixed_run["rows"])
+    ratios = {k: (sim[k] / sim_mixed[k], real[k] / real_mixed[k]) for k in keys}
+    print("split / mixed, sim vs real: " + ", ".join(
+        f"{k} {s:.2f} vs {r:.2f}" + ("" if (s < 1) == (r < 1) else " (other winner)")
+        for k, (s, r) in ratios.items()), flush=True)
+    return {"sim": sim, "real": real, "error": error, "sim_mixed": sim_mixed,
+            "ratios_sim_real": ratios}
 
 
 def uptime() -> str:
@@ -259,7 +285,7 @@ def main() -> int:
               f" ({xfer['gbps']:.2f} Gb/s); {xfer['transferred']}/{len(trace)} transferred",
               flush=True)
         if args.vs_sim:
-            out["vs_sim"] = vs_sim(trace, split, xfer, vocab, args.blocks)
+            out["vs_sim"] = vs_sim(trace, split, mixed, xfer, vocab, args.blocks)
     print(f"load after: {uptime()}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
