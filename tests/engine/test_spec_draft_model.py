@@ -1,0 +1,124 @@
+"""Speculative decoding with a draft model (`speculative_config` method "draft_model"): greedy
+tokens equal to no speculation (two architectures, a different draft model); the target as its
+own draft accepts every draft; the draft's own KV pool back to fully free once requests finish,
+are preempted or aborted (both pools' invariants checked every step); bad configs refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagedkv import SamplingParams
+from pagedkv.engine.draft_setup import check_draft_vocab
+from pagedkv.spec import parse_speculative_config
+from tests.engine.test_spec_decode import check_every_step, generate, repeating_prompts, spec_stats
+from tests.tiny_models import build_hf_model
+
+pytestmark = pytest.mark.timeout(240)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+KW = dict(block_size=4, num_gpu_blocks_override=120, max_model_len=128)
+
+
+def draft_config(model_dir: Path, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-layer llama of another seed over the same tokenizer (the same vocab)."""
+    return build_hf_model(tmp_path_factory.mktemp("draft"), "llama", seed=11, num_layers=1)
+
+
+def draft_kv(llm):  # noqa: ANN001, ANN201
+    return llm.llm_engine.core.scheduler.proposer.kv
+
+
+def check_draft_every_step(llm) -> None:  # noqa: ANN001
+    """Both pools' invariants after every applied step."""
+    check_every_step(llm)
+    scheduler = llm.llm_engine.core.scheduler
+    update = scheduler.update
+
+    def checked(out, result):  # noqa: ANN001, ANN202
+        changed = update(out, result)
+        draft_kv(llm).check_invariants()
+        return changed
+
+    scheduler.update = checked
+
+
+def assert_draft_pool_free(llm) -> None:  # noqa: ANN001
+    kv = draft_kv(llm)
+    kv.check_invariants()
+    assert kv.num_free_blocks == kv.num_usable_blocks
+    assert not llm.llm_engine.core.scheduler.proposer._seqs
+
+
+@pytest.mark.parametrize("target", ["tiny_llama", "tiny_qwen2"])
+def test_greedy_tokens_equal_no_speculation_with_a_small_draft(target, small_draft, make_llm,
+                                                               request):
+    model = request.getfixturevalue(target)
+    prompts = repeating_prompts(3, seed=4)
+    expected = [o.token_ids for o in generate(make_llm(model, **KW), prompts, GREEDY)]
+    spec = make_llm(model, speculative_config=draft_config(small_draft), **KW)
+    check_draft_every_step(spec)
+    assert [o.token_ids for o in generate(spec, prompts, GREEDY)] == expected
+    stats = spec_stats(spec)
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert_draft_pool_free(spec)
+
+
+def test_target_as_its_own_draft_accepts_every_draft(tiny_llama, make_llm):
+    prompts = repeating_prompts(3, seed=5)
+    expected = [o.token_ids for o in generate(make_llm(tiny_llama, **KW), prompts, GREEDY)]
+    spec = make_llm(tiny_llama, speculative_config=draft_config(tiny_llama, k=4), **KW)
+    check_draft_every_step(spec)
+    assert [o.token_ids for o in generate(spec, prompts, GREEDY)] == expected
+    stats = spec_stats(spec)
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    # Every verifying step emits its drafts and one token more: 16 tokens in fewer steps.
+    assert stats.spec_decode_num_drafts < 3 * (GREEDY.max_tokens - 1)
+    assert_draft_pool_free(spec)
+
+
+def test_preemption_and_abort_free_the_drafts_blocks(tiny_llama, small_draft, make_llm):
+    prompts = [p for p in repeating_prompts(5, seed=6) for _ in range(2)]
+    kw = dict(block_size=4, num_gpu_blocks_override=36, max_model_len=128,
+              max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    expected = [o.token_ids for o in generate(make_llm(tiny_llama, **kw), prompts, params)]
+    spec = make_llm(tiny_llama, speculative_config=draft_config(small_draft), **kw)
+    check_draft_every_step(spec)
+    assert [o.token_ids for o in generate(spec, prompts, params)] == expected
+    assert spec_stats(spec).num_preemptions > 0
+    assert_draft_pool_free(spec)
+    engine = spec.llm_engine
+    for i, prompt in enumerate(prompts[:3]):
+        engine.add_request(f"a{i}", {"prompt_token_ids": prompt}, params)
+    for _ in range(30):
+        engine.step()
+        if draft_kv(spec).num_free_blocks < draft_kv(spec).num_usable_blocks \
+                and spec_stats(spec).spec_decode_num_drafts > 0:
+            break
+    assert draft_kv(spec).num_free_blocks < draft_kv(spec).num_usable_blocks
+    engine.abort_request(["a0", "a1", "a2"])
+    assert_draft_pool_free(spec)
+
+
+def test_bad_draft_configs_are_refused(tiny_llama, make_llm, tmp_path):
+    missing = tmp_path / "no-such-draft"
+    with pytest.raises(ValueError, match="no-such-draft"):
+        make_llm(tiny_llama, speculative_config=draft_config(missing), **KW)
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        parse_speculative_config({"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        parse_speculative_config({"method": "draft_model", "model": "d",
+                                  "num_speculative_tokens": 2, "prompt_lookup_min": 1})
+    with pytest.raises(ValueError, match=r"'small'.*1000.*'big'.*2000"):
+        check_draft_vocab("small", 1000, "big", 2000)
+    check_draft_vocab("a", 5, "b", 5)
+    assert parse_speculative_config(draft_config(missing, k=2)).model == str(missing)
