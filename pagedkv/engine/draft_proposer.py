@@ -17,11 +17,14 @@ one token as usual) and its draft state is dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from pagedkv.kv.interface import KVCacheManagerAPI
-from pagedkv.model.runner import ModelRunner
 from pagedkv.sched.output import ScheduledRequest, SchedulerOutput
 from pagedkv.sched.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedkv.kv.interface import KVCacheManagerAPI
+    from pagedkv.model.runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -60,6 +63,15 @@ class DraftModelProposer:
         self.kv = kv
         self.k = k
         self._seqs: dict[str, DraftSequence] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        """The draft's KV cache blocks (null block included)."""
+        return self.kv.num_usable_blocks + 1
+
+    @property
+    def block_bytes(self) -> int:
+        return self.runner.kv_cache_spec.page_size_bytes
 
     def forget(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)
@@ -123,3 +135,11 @@ class DraftModelProposer:
             for seq, new in step])
         out.total_num_scheduled_tokens = sum(len(new) for _, new in step)
         return self.runner.execute(out).sampled_token_ids
+
+
+def draft_facts(proposer: object) -> dict[str, int]:
+    """What the start-up banner and /kv_cache_info say of a draft model's KV cache (nothing
+    without one)."""
+    if not isinstance(proposer, DraftModelProposer):
+        return {}
+    return {"draft_num_blocks": proposer.num_blocks, "draft_block_bytes": proposer.block_bytes}

@@ -1,15 +1,18 @@
 """Speculative decoding with a draft model (`speculative_config` method "draft_model"): greedy
 tokens equal to no speculation (two architectures, a different draft model); the target as its
 own draft accepts every draft; the draft's own KV pool back to fully free once requests finish,
-are preempted or aborted (both pools' invariants checked every step); bad configs refused."""
+are preempted or aborted (both pools' invariants checked every step); bad configs refused;
+`pagedkv serve --speculative-config` with a draft model."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import httpx
 import pytest
 
-from pagedkv import SamplingParams
+from pagedkv import LLM, SamplingParams
 from pagedkv.engine.draft_setup import check_draft_vocab
 from pagedkv.spec import parse_speculative_config
 from tests.engine.test_spec_decode import check_every_step, generate, repeating_prompts, spec_stats
@@ -122,3 +125,38 @@ def test_bad_draft_configs_are_refused(tiny_llama, make_llm, tmp_path):
         check_draft_vocab("small", 1000, "big", 2000)
     check_draft_vocab("a", 5, "b", 5)
     assert parse_speculative_config(draft_config(missing, k=2)).model == str(missing)
+
+
+def metric(text: str, name: str) -> float:
+    lines = [line for line in text.splitlines() if line.startswith(name)]
+    assert lines, name
+    return float(lines[0].rsplit(" ", 1)[1])
+
+
+def test_served_with_the_target_as_its_own_draft(tiny_llama):
+    from tests.server.helpers import ENGINE_KWARGS, ServerProcess, engine_flags, wait_for_idle_pool
+
+    prompt = "one two three four one two three four one two"
+    offline = LLM(str(tiny_llama), **ENGINE_KWARGS)
+    try:
+        expected = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16,
+                                                           ignore_eos=True),
+                                    use_tqdm=False)[0].outputs[0].text
+    finally:
+        offline.shutdown()
+    proc = ServerProcess(tiny_llama, *engine_flags(**ENGINE_KWARGS), "--speculative-config",
+                         json.dumps(draft_config(tiny_llama))).start()
+    try:
+        answer = httpx.post(proc.url + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0.0,
+            "ignore_eos": True}).json()
+        assert answer["choices"][0]["text"] == expected
+        wait_for_idle_pool(proc.url)
+        info = httpx.get(proc.url + "/kv_cache_info", timeout=10).json()
+        assert info["draft_num_gpu_blocks"] == info["num_gpu_blocks"] > 0
+        text = httpx.get(proc.url + "/metrics", timeout=10).text
+        drafted = metric(text, "vllm:spec_decode_num_draft_tokens_total")
+        assert drafted > 0
+        assert metric(text, "vllm:spec_decode_num_accepted_tokens_total") == drafted
+    finally:
+        assert proc.stop()
