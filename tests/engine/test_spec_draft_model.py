@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagedkv import LLM, SamplingParams
+from pagedkv import LLM, SamplingParams, StructuredOutputsParams
 from pagedkv.engine.draft_setup import check_draft_vocab
 from pagedkv.spec import parse_speculative_config
 from tests.engine.test_spec_decode import check_every_step, generate, repeating_prompts, spec_stats
@@ -85,6 +85,41 @@ def test_target_as_its_own_draft_accepts_every_draft(tiny_llama, make_llm):
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
     # Every verifying step emits its drafts and one token more: 16 tokens in fewer steps.
     assert stats.spec_decode_num_drafts < 3 * (GREEDY.max_tokens - 1)
+    assert_draft_pool_free(spec)
+
+
+def test_seeded_sampling_is_reproducible_with_a_draft(tiny_llama, small_draft, make_llm):
+    prompts = repeating_prompts(2, seed=8)
+    params = SamplingParams(temperature=0.7, top_k=20, seed=5, max_tokens=16, ignore_eos=True,
+                            n=2)
+    runs = []
+    for _ in range(2):
+        llm = make_llm(tiny_llama, speculative_config=draft_config(small_draft), **KW)
+        check_draft_every_step(llm)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs.append([[c.token_ids for c in o.outputs] for o in outs])
+        assert spec_stats(llm).spec_decode_num_draft_tokens > 0
+        assert_draft_pool_free(llm)
+    assert runs[0] == runs[1]
+    assert all(len(t) == 16 for samples in runs[0] for t in samples)
+
+
+def test_structured_outputs_and_stops_with_the_target_as_its_own_draft(tiny_llama, make_llm):
+    prompts = repeating_prompts(3, seed=9)
+    params = [SamplingParams(temperature=0.0, max_tokens=30,
+                             structured_outputs=StructuredOutputsParams(regex=r"(ab-|cd-){6}")),
+              SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)]
+    expected = generate(make_llm(tiny_llama, **KW), prompts, params)
+    spec = make_llm(tiny_llama, speculative_config=draft_config(tiny_llama), **KW)
+    check_draft_every_step(spec)
+    got = generate(spec, prompts, params)
+    assert [(g.token_ids, g.text, g.finish_reason) for g in got] == \
+        [(e.token_ids, e.text, e.finish_reason) for e in expected]
+    assert [[sorted(d) for d in g.logprobs] for g in got[1:2]] == \
+        [[sorted(d) for d in e.logprobs] for e in expected[1:2]]
+    stats = spec_stats(spec)
+    assert 0 < stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
     assert_draft_pool_free(spec)
 
 
