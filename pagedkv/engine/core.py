@@ -20,7 +20,7 @@ from pagedkv.config.errors import EngineFatalError, ErrorKind
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.compose import CoreParts, build_core
 from pagedkv.engine.dashboard_calls import DashboardCalls
-from pagedkv.engine.draft_proposer import draft_facts
+from pagedkv.engine.draft_proposer import draft_facts, shutdown_draft
 from pagedkv.engine.messages import CoreOutput, EngineCoreRequest, EngineReady, params_from_wire
 from pagedkv.engine.overlap import OverlappedStepper
 from pagedkv.engine.runner_facts import runner_facts
@@ -125,6 +125,7 @@ class EngineCore:
             self._structured_backend.close()
         runner, self.runner = self.runner, None
         runner.shutdown()
+        shutdown_draft(self.scheduler.proposer)
 
     # ---- requests -----------------------------------------------------------------------
 

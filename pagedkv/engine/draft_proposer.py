@@ -143,3 +143,9 @@ def draft_facts(proposer: object) -> dict[str, int]:
     if not isinstance(proposer, DraftModelProposer):
         return {}
     return {"draft_num_blocks": proposer.num_blocks, "draft_block_bytes": proposer.block_bytes}
+
+
+def shutdown_draft(proposer: object) -> None:
+    """Free a draft model's weights and KV cache (nothing for any other proposer)."""
+    if isinstance(proposer, DraftModelProposer):
+        proposer.runner.shutdown()

@@ -86,6 +86,9 @@ def test_target_as_its_own_draft_accepts_every_draft(tiny_llama, make_llm):
     # Every verifying step emits its drafts and one token more: 16 tokens in fewer steps.
     assert stats.spec_decode_num_drafts < 3 * (GREEDY.max_tokens - 1)
     assert_draft_pool_free(spec)
+    proposer = spec.llm_engine.core.scheduler.proposer
+    spec.shutdown()  # the draft's weights and KV cache go with the engine's
+    assert proposer.runner.model is None and proposer.runner.kv_cache is None
 
 
 def test_seeded_sampling_is_reproducible_with_a_draft(tiny_llama, small_draft, make_llm):
