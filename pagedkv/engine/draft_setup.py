@@ -1,18 +1,21 @@
 """Building the draft model of `speculative_config` method "draft_model": its ModelRunner and
-its own KV manager, sized from the planner's result (the same number of blocks as the target's
-cache, so every request the target holds has room for its draft KV), and the proposer the
-Scheduler is given (engine/draft_proposer.py)."""
+its own KV manager, with as many blocks as the planner gave the target's cache (the budget
+shared between both, draft_budget.py: every request the target holds has room for its draft
+KV), and the proposer the Scheduler is given (engine/draft_proposer.py)."""
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.draft_proposer import DraftModelProposer
 from pagedkv.engine.executor import rank_cpu_threads
-from pagedkv.engine.kv_setup import KVCacheSetup
 from pagedkv.kv.factory import make_kv_cache_manager
 from pagedkv.spec import parse_speculative_config
+
+if TYPE_CHECKING:
+    from pagedkv.engine.kv_setup import KVCacheSetup
 
 logger = logging.getLogger(__name__)
 

@@ -198,3 +198,17 @@ def test_served_with_the_target_as_its_own_draft(tiny_llama):
         assert metric(text, "vllm:spec_decode_num_accepted_tokens_total") == drafted
     finally:
         assert proc.stop()
+
+
+def test_the_kv_budget_is_shared_with_the_draft(tiny_llama, small_draft, make_llm):
+    budget = 1 << 20
+    plain = make_llm(tiny_llama, block_size=4, kv_cache_memory_bytes=budget, max_model_len=128)
+    spec = make_llm(tiny_llama, block_size=4, kv_cache_memory_bytes=budget, max_model_len=128,
+                    speculative_config=draft_config(small_draft))
+    target_page = plain.llm_engine.core.kv_setup.spec.page_size_bytes
+    proposer = spec.llm_engine.core.scheduler.proposer
+    assert plain.llm_engine.core.kv_setup.num_blocks == budget // target_page
+    assert spec.llm_engine.core.kv_setup.num_blocks == proposer.num_blocks == \
+        budget // (target_page + proposer.block_bytes)
+    # The one-layer draft's blocks are half the two-layer target's.
+    assert proposer.block_bytes * 2 == target_page
