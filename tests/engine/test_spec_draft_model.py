@@ -212,3 +212,38 @@ def test_the_kv_budget_is_shared_with_the_draft(tiny_llama, small_draft, make_ll
         budget // (target_page + proposer.block_bytes)
     # The one-layer draft's blocks are half the two-layer target's.
     assert proposer.block_bytes * 2 == target_page
+
+
+def test_rejected_drafts_are_rolled_back_to_what_a_fresh_draft_proposes(small_draft):
+    from pagedkv.engine.draft_proposer import DraftModelProposer
+    from pagedkv.kv.factory import make_kv_cache_manager
+    from pagedkv.model.runner import ModelRunner
+
+    def proposer() -> DraftModelProposer:
+        runner = ModelRunner(small_draft, block_size=4, num_blocks=64, dtype="float32",
+                             device="cpu", cpu_threads=1)
+        return DraftModelProposer(runner, make_kv_cache_manager(
+            runner.kv_cache_spec, num_blocks=64, enable_caching=False), k=3)
+
+    used, fresh = proposer(), proposer()
+    tokens = repeating_prompts(1, seed=10)[0]
+    tokens = tokens[:len(tokens) // 4 * 4 - 1]  # 3 past a block boundary
+    drafts = used.propose_batch([("r", tokens, 8)])[0]
+    assert len(drafts) == 3
+    kv = used.kv
+    assert len(kv.get_block_ids("r")) == (len(tokens) + 1) // 4 + 1  # tokens and 2 drafts
+    # The target rejects the first draft: the drafts' KV and their block are given back.
+    later = tokens + [(drafts[0] + 1) % 300]
+    assert used.propose_batch([("r", later, 1)])[0] == fresh.propose_batch([("r", later, 1)])[0]
+    assert used._seqs["r"].num_computed_tokens == len(later)
+    assert len(kv.get_block_ids("r")) == len(later) // 4
+    # Then accepts one of two: the same drafts as a draft that never saw the rejected ones.
+    two = used.propose_batch([("r", later, 2)])[0]
+    again = later + [two[0], (two[1] + 1) % 300]
+    assert used.propose_batch([("r", again, 3)])[0] == fresh.propose_batch([("r", again, 3)])[0]
+    assert used._seqs["r"].num_computed_tokens == len(again) + 2
+    kv.check_invariants()
+    used.forget("r")
+    used.forget("unknown")
+    assert kv.num_free_blocks == kv.num_usable_blocks
+    kv.check_invariants()
