@@ -15,6 +15,7 @@ import pytest
 from pagedkv import LLM, SamplingParams, StructuredOutputsParams
 from pagedkv.engine.draft_setup import check_draft_vocab
 from pagedkv.spec import parse_speculative_config
+from pagedkv.testing.random_model import build_random_model_dir
 from tests.engine.test_spec_decode import check_every_step, generate, repeating_prompts, spec_stats
 from tests.tiny_models import build_hf_model
 
@@ -162,6 +163,9 @@ def test_bad_draft_configs_are_refused(tiny_llama, make_llm, tmp_path):
     with pytest.raises(ValueError, match=r"'small'.*1000.*'big'.*2000"):
         check_draft_vocab("small", 1000, "big", 2000)
     check_draft_vocab("a", 5, "b", 5)
+    other_vocab = build_random_model_dir(tmp_path / "other-vocab", num_layers=1, vocab_size=704)
+    with pytest.raises(ValueError, match=r"other-vocab.*vocab_size 704.*640"):
+        make_llm(tiny_llama, speculative_config=draft_config(other_vocab), **KW)
     assert parse_speculative_config(draft_config(missing, k=2)).model == str(missing)
 
 
