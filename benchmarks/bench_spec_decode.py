@@ -1,4 +1,5 @@
-"""Speculative decoding (n-gram prompt lookup, `speculative_config`) against plain decoding on
+"""Speculative decoding (n-gram prompt lookup or a draft model, `speculative_config`) against
+plain decoding on
 the real model (SmolLM2-135M, `python -m pagedkv.testing.real_model`), on a workload where
 prompt lookup pays: each prompt quotes a passage and asks for it back, so the answer quotes
 its context.
@@ -11,7 +12,12 @@ tokens), tokens per target forward (decode tokens a request gains per forward it
 in: 1 without speculation), whether the tokens are identical, and the load average. On a
 shared machine only the ratios within one run mean anything.
 
+With `--method draft_model` a draft model (`--draft DIR`, default: the target itself, whose
+greedy drafts the target always accepts: a check of the machinery, acceptance 1.00) proposes
+the `num_speculative_tokens` of `--spec` instead.
+
     PYTHONPATH=$PWD python benchmarks/bench_spec_decode.py [--batches 1 8 32] [--max-tokens 96]
+        [--method draft_model [--draft DIR]]
 """
 
 from __future__ import annotations
@@ -66,6 +72,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}')
+    parser.add_argument("--method", choices=["ngram", "draft_model"], default="ngram")
+    parser.add_argument("--draft", default=None, help="draft_model: the draft model's directory "
+                        "(default: the target)")
     args = parser.parse_args()
 
     from pagedkv import LLM, SamplingParams
@@ -73,6 +82,10 @@ def main() -> None:
     from pagedkv.testing.real_model import smollm2_gguf_path
 
     model = args.model or str(smollm2_gguf_path())
+    if args.method == "draft_model":
+        args.spec = json.dumps({"method": "draft_model", "model": args.draft or model,
+                                "num_speculative_tokens":
+                                    json.loads(args.spec)["num_speculative_tokens"]})
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     kw = dict(seed=0, block_size=16, kv_cache_memory_bytes=1 << 30, cpu_kernels="wait",
               max_num_seqs=max(args.batches), enable_prefix_caching=False)

@@ -135,8 +135,9 @@ class SchedulerOptions:
         "chunks of this size, so the other requests' prefills and decodes run beside it "
         "(0: no cap but the step's budget)", ge=0)
     speculative_config: str | dict | None = opt(
-        None, "speculative decoding, a JSON object: method (ngram), num_speculative_tokens, "
-        "prompt_lookup_min, prompt_lookup_max")
+        None, "speculative decoding, a JSON object: method (ngram or draft_model), "
+        "num_speculative_tokens; ngram: prompt_lookup_min, prompt_lookup_max; draft_model: "
+        "model (a draft model directory sharing the target's vocab)")
 
 
 @dataclass(kw_only=True)

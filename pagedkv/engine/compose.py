@@ -6,7 +6,9 @@ from `EngineArgs`, each part given what it needs through its constructor, in thi
 2. the executor (executor.py): the model runner, or rank 0 of a tensor-parallel group, every
    rank built from one `RunnerConfig`; each rank then allocates its KV cache and, with a KV
    store configured (`StoreConfig`), builds its store behind the connector's worker side;
-3. the KV cache manager and the scheduler, the store's scheduler side passed to it;
+3. with a draft model (`speculative_config` method "draft_model"), its runner and its own KV
+   manager (draft_setup.py); the KV cache manager and the scheduler, the store's scheduler
+   side and the draft's proposer passed to it;
 4. the KV-event publisher and the step log.
 
 A failed start leaves nothing behind: worker ranks, store threads, weights and the publisher
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.draft_setup import build_draft_proposer
 from pagedkv.engine.executor import build_executor, runner_config
 from pagedkv.engine.kv_setup import (
     GpuMemoryProfile,
@@ -39,6 +42,7 @@ from pagedkv.store.factory import build_scheduler_side
 from pagedkv.store.transfer_config import parse_kv_transfer_config
 
 if TYPE_CHECKING:
+    from pagedkv.engine.draft_proposer import DraftModelProposer
     from pagedkv.engine.step_log import StepLog
     from pagedkv.model.executor import Executor
     from pagedkv.model.tokenizer import Tokenizer
@@ -89,8 +93,11 @@ def build_core(args: EngineArgs, tokenizer: Tokenizer | None = None) -> CorePart
             setup = plan_kv_cache(args, profile_memory(executor, args))
             check_store_supports(store, setup)
         prepare_executor(executor, args, setup)
+        proposer = build_draft_proposer(args, setup, executor.model_config.vocab_size)
+        if proposer is not None:
+            on_failure.callback(proposer.runner.shutdown)
         scheduler = build_scheduler(args, setup, executor, store is not None,
-                                    events_config.enabled)
+                                    events_config.enabled, proposer)
         publisher = make_event_publisher(events_config, args.data_parallel_rank)
         if publisher is not None:
             on_failure.callback(publisher.close)
@@ -183,9 +190,11 @@ def warm_up(executor: Executor, args: EngineArgs, setup: KVCacheSetup) -> None:
 
 
 def build_scheduler(args: EngineArgs, setup: KVCacheSetup, executor: Executor,
-                    uses_store: bool, events_enabled: bool) -> Scheduler:
+                    uses_store: bool, events_enabled: bool,
+                    proposer: DraftModelProposer | None = None) -> Scheduler:
     """The KV cache manager over `setup`'s blocks and the scheduler that allocates through it;
-    with a KV store, the store's scheduler side over rank 0's worker side."""
+    with a KV store, the store's scheduler side over rank 0's worker side; `proposer`: the
+    draft model's (draft_setup.py), None for any other speculation."""
     kv = make_kv_cache_manager(
         setup.spec, num_blocks=setup.num_blocks,
         num_host_blocks=setup.num_host_blocks, enable_caching=args.enable_prefix_caching,
@@ -197,7 +206,7 @@ def build_scheduler(args: EngineArgs, setup: KVCacheSetup, executor: Executor,
     connector = build_scheduler_side(executor.kv_connector, kv) if uses_store else None
     return Scheduler(SchedulerConfig.from_options(
         args, max_num_batched_tokens=setup.max_num_batched_tokens,
-        max_model_len=setup.max_model_len), kv, kv_connector=connector)
+        max_model_len=setup.max_model_len), kv, kv_connector=connector, proposer=proposer)
 
 
 def open_step_log(args: EngineArgs) -> StepLog | None:

@@ -20,6 +20,7 @@ from pagedkv.config.errors import EngineFatalError, ErrorKind
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.compose import CoreParts, build_core
 from pagedkv.engine.dashboard_calls import DashboardCalls
+from pagedkv.engine.draft_proposer import draft_facts, shutdown_draft
 from pagedkv.engine.messages import CoreOutput, EngineCoreRequest, EngineReady, params_from_wire
 from pagedkv.engine.overlap import OverlappedStepper
 from pagedkv.engine.runner_facts import runner_facts
@@ -96,7 +97,7 @@ class EngineCore:
                            block_bytes=self.kv_setup.spec.page_size_bytes,
                            max_blocks_per_request=self.kv_setup.spec.max_blocks_per_seq(
                                self.max_model_len),
-                           **runner_facts(self.runner))
+                           **runner_facts(self.runner), **draft_facts(self.scheduler.proposer))
 
     @property
     def structured_output_backend(self) -> XGrammarBackend:
@@ -124,6 +125,7 @@ class EngineCore:
             self._structured_backend.close()
         runner, self.runner = self.runner, None
         runner.shutdown()
+        shutdown_draft(self.scheduler.proposer)
 
     # ---- requests -----------------------------------------------------------------------
 

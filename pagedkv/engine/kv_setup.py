@@ -7,7 +7,8 @@ at `max_num_batched_tokens` first, as vLLM does) `gpu_kv_cache_bytes`: device me
 `gpu_memory_utilization` minus this engine's weights and peak activation, and never more than
 what is really free beside them; on CUDA without a profile the estimate formula; else on CPU a
 default budget of `DEFAULT_CPU_KV_CACHE_BYTES`, never more blocks than `max_num_seqs` sequences
-of `max_model_len` can use. Host blocks (`swap_space` GiB) exist only with
+of `max_model_len` can use. With a draft model the budget buys as many blocks for the draft's
+cache as for the target's (draft_budget.py); an explicit block count is each cache's. Host blocks (`swap_space` GiB) exist only with
 `preemption_mode="swap"`.
 
 A size the user asked for (`--kv-cache-memory-bytes`, `--num-gpu-blocks-override`, and on CPU
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from pagedkv.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.draft_budget import draft_budget
 from pagedkv.kv.hf_spec import kv_cache_spec_from_hf_config
 from pagedkv.kv.hybrid_spec import HybridKVCacheSpec, sequence_capacity
 from pagedkv.kv.plan import (
@@ -108,14 +110,15 @@ def plan_kv_cache(args: EngineArgs, profile: GpuMemoryProfile | None = None) -> 
                          f"max_position_embeddings ({config_len})")
     max_model_len = args.max_model_len or config_len
     max_num_batched_tokens = resolve_max_num_batched_tokens(args)
-    page = spec.page_size_bytes
+    draft = draft_budget(args)  # a draft model's cache gets as many blocks (draft_budget.py)
+    page = spec.page_size_bytes + draft.page_bytes
 
     if args.num_gpu_blocks_override is not None:
         num_blocks = args.num_gpu_blocks_override
     elif args.kv_cache_memory_bytes is not None:
         num_blocks = args.kv_cache_memory_bytes // page
     elif profile is not None:
-        kv_bytes = gpu_kv_cache_bytes(profile, args.gpu_memory_utilization)
+        kv_bytes = gpu_kv_cache_bytes(profile, args.gpu_memory_utilization) - draft.weights_bytes
         num_blocks = max(kv_bytes, 0) // page
         if num_blocks < 2:
             raise ValueError(
@@ -130,10 +133,11 @@ def plan_kv_cache(args: EngineArgs, profile: GpuMemoryProfile | None = None) -> 
         free, total = torch.cuda.mem_get_info()
         plan = plan_num_blocks(
             spec, memory_bytes=total, utilization=args.gpu_memory_utilization,
-            weights_bytes=(total - free) + estimate_weights_bytes(config, args.dtype),
+            weights_bytes=(total - free) + estimate_weights_bytes(config, args.dtype)
+            + draft.weights_bytes,
             activation_peak_bytes=estimate_activation_peak_bytes(
                 config, max_num_batched_tokens, args.dtype, args.max_num_seqs))
-        num_blocks = plan.num_blocks
+        num_blocks = plan.num_blocks * spec.page_size_bytes // page
     else:
         useful = args.max_num_seqs * spec.max_blocks_per_seq(max_model_len) + 1
         num_blocks = min(DEFAULT_CPU_KV_CACHE_BYTES // page, useful)
@@ -150,9 +154,11 @@ def plan_kv_cache(args: EngineArgs, profile: GpuMemoryProfile | None = None) -> 
         else:
             logger.warning("max_model_len=%d exceeds the KV cache capacity (%d tokens): longer "
                            "requests will fail", max_model_len, capacity)
-    num_host_blocks = int(args.swap_space * GiB) // page if args.preemption_mode == "swap" else 0
+    host_page = spec.page_size_bytes  # swapping is the target's alone
+    num_host_blocks = int(args.swap_space * GiB) // host_page \
+        if args.preemption_mode == "swap" else 0
     if args.num_gpu_blocks_override is not None or args.kv_cache_memory_bytes is not None:
-        check_fits_in_memory(args, num_blocks * page, num_host_blocks * page,
+        check_fits_in_memory(args, num_blocks * page, num_host_blocks * host_page,
                              profile is not None or _device_is_cuda(args.device))
     window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
     if isinstance(spec, HybridKVCacheSpec):  # the largest window of its sliding groups

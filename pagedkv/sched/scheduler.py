@@ -49,6 +49,7 @@ from pagedkv.sched.speculation import SpeculationMixin
 from pagedkv.utils import cdiv
 
 if TYPE_CHECKING:
+    from pagedkv.spec import RequestProposer
     from pagedkv.store.connector import StoreConnectorScheduler
 
 # A token the running step has not sampled yet (overlapped scheduling); never reaches a runner.
@@ -92,9 +93,11 @@ class Scheduler(ApplyMixin, SpeculationMixin):
     invariants; it never allocates)."""
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManagerAPI,
-                 kv_connector: StoreConnectorScheduler | None = None) -> None:
+                 kv_connector: StoreConnectorScheduler | None = None,
+                 proposer: RequestProposer | None = None) -> None:
         """`kv_connector`: the KV store's scheduler side (pagedkv.store.connector, or the
-        simulator's), None without a store."""
+        simulator's), None without a store. `proposer`: speculative decoding's engine-built
+        proposer (a draft model), None to build it from `speculative_config`."""
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
@@ -120,7 +123,7 @@ class Scheduler(ApplyMixin, SpeculationMixin):
         # Most tokens one request computes in a step (vLLM's long_prefill_token_threshold).
         self._prefill_cap = config.long_prefill_token_threshold or sys.maxsize
         self.beams = BeamSearch(self)  # the beam-search requests' groups (beam.py)
-        self._init_speculation(config.speculative_config)  # proposer, spec_stats
+        self._init_speculation(config.speculative_config, proposer)  # proposer, spec_stats
 
     # ---- queues -------------------------------------------------------------------------
 
@@ -174,6 +177,7 @@ class Scheduler(ApplyMixin, SpeculationMixin):
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             self.kv_connector.request_finished(request)  # before its blocks are freed
         self.kv_cache_manager.free(request)
+        self.forget_drafts(request)
         request.status = status
         if status == RequestStatus.FINISHED_ERROR:
             request.error = str(reason)
@@ -291,6 +295,7 @@ class Scheduler(ApplyMixin, SpeculationMixin):
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         kv = self.kv_cache_manager
         self.running.remove(request)
+        self.forget_drafts(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
         if self.config.preemption_mode == "swap" and kv.can_swap_out(request):

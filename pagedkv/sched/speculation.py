@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagedkv.sched.request import Request, RequestStatus
-from pagedkv.spec import Proposer, build_proposer, parse_speculative_config
+from pagedkv.spec import Proposer, RequestProposer, build_proposer, parse_speculative_config
 from pagedkv.spec.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
@@ -51,12 +51,16 @@ class SpeculationMixin:
     """What the Scheduler does for speculative decoding (see the module docstring)."""
 
     kv_cache_manager: KVCacheManagerAPI
-    proposer: Proposer | None
+    proposer: Proposer | RequestProposer | None
     spec_stats: SpecDecodeStats | None
 
-    def _init_speculation(self, speculative_config: str | dict | None) -> None:
+    def _init_speculation(self, speculative_config: str | dict | None,
+                          proposer: RequestProposer | None = None) -> None:
+        """`proposer`: the engine-built one (a draft model), else built from the config."""
         spec = parse_speculative_config(speculative_config)
-        self.proposer = build_proposer(spec) if spec is not None else None
+        if spec is not None and proposer is None:
+            proposer = build_proposer(spec)
+        self.proposer = proposer if spec is not None else None
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec else None
 
     def _max_drafts(self, request: Request) -> int:
@@ -75,12 +79,26 @@ class SpeculationMixin:
         """Propose the draft tokens of the running requests among `requests` (those whose
         tokens just changed); a request ended or not eligible gets none."""
         proposer = self.proposer
-        for request in requests:
-            room = self._max_drafts(request) if request.status == RequestStatus.RUNNING else 0
-            drafts = proposer.propose(request.all_token_ids, room) if room > 0 else []
+        rooms = [self._max_drafts(r) if r.status == RequestStatus.RUNNING else 0
+                 for r in requests]
+        if isinstance(proposer, RequestProposer):
+            asked = [(r, room) for r, room in zip(requests, rooms, strict=True) if room > 0]
+            found = iter(proposer.propose_batch([(r.request_id, r.all_token_ids, room)
+                                                 for r, room in asked]) if asked else [])
+            proposals = [next(found) if room > 0 else [] for room in rooms]
+        else:
+            proposals = [proposer.propose(r.all_token_ids, room) if room > 0 else []
+                         for r, room in zip(requests, rooms, strict=True)]
+        for request, drafts in zip(requests, proposals, strict=True):
             if drafts and request.structured_output is not None:
                 drafts = grammar_prefix(request.structured_output, drafts)
             request.spec_token_ids = drafts
+
+    def forget_drafts(self, request: Request) -> None:
+        """Drop the proposer's state for `request` (a draft model's KV blocks): it ended or
+        was preempted."""
+        if isinstance(self.proposer, RequestProposer):
+            self.proposer.forget(request.request_id)
 
     def _schedule_speculative(self, request: Request, budget: int,
                               out: SchedulerOutput) -> int:

@@ -84,6 +84,10 @@ def banner_lines(engine: Any, *, url: str, served_model_name: str, version: str)
         f"{max_concurrency(ready.num_usable_blocks, ready.max_blocks_per_request):.2f}x",
         cores_line(engine, ready),
     ]
+    if ready.draft_num_blocks:
+        lines.append(f"draft model KV cache: {ready.draft_num_blocks} blocks of "
+                     f"{ready.block_size} tokens, {format_size(ready.draft_block_bytes)} each: "
+                     f"{format_size(ready.draft_num_blocks * ready.draft_block_bytes)}")
     if ready.cpu_kernels:
         lines.append(f"CPU kernels: {ready.cpu_kernels}")
     return lines

@@ -13,24 +13,33 @@ from dataclasses import dataclass
 from typing import Any
 
 # The keys each method takes besides `method` and `num_speculative_tokens`.
-_METHOD_KEYS = {"ngram": {"prompt_lookup_min", "prompt_lookup_max"}}
+_METHOD_KEYS = {"ngram": {"prompt_lookup_min", "prompt_lookup_max"}, "draft_model": {"model"}}
 MAX_SPECULATIVE_TOKENS = 32
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """`num_speculative_tokens` (k) tokens proposed per decode step by `method`; for "ngram",
-    the n-gram lengths looked up, longest first (`prompt_lookup_max` down to `_min`)."""
+    the n-gram lengths looked up, longest first (`prompt_lookup_max` down to `_min`); for
+    "draft_model", the draft model's directory (`model`), which shares the target's vocab."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 1
+    model: str | None = None
 
 
 def _positive_int(key: str, value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"speculative_config.{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _draft_model_dir(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"speculative_config.model must be the draft model's directory, "
+                         f"got {value!r}")
     return value
 
 
@@ -60,6 +69,8 @@ def parse_speculative_config(value: str | dict | SpeculativeConfig | None
     if k > MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"speculative_config.num_speculative_tokens must be <= "
                          f"{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+    if method == "draft_model":
+        return SpeculativeConfig(method, k, model=_draft_model_dir(value.get("model")))
     low = _positive_int("prompt_lookup_min", value.get("prompt_lookup_min", 1))
     high = _positive_int("prompt_lookup_max", value.get("prompt_lookup_max", max(low, 1)))
     if low > high:

@@ -27,7 +27,8 @@ async def kv_cache_info(raw: Request) -> dict[str, Any]:
     the KV cache's format ("auto" resolved) and one block's bytes (read-only); and the CPU
     kernels' choice so far, read from the core (null where none runs or the core is gone).
     `num_gpu_blocks` is one core's pool (what a router caps its prefix record at);
-    `engine_cores` lists every engine core (one, or `data_parallel_size`)."""
+    `engine_cores` lists every engine core (one, or `data_parallel_size`);
+    `draft_num_gpu_blocks` is a draft model's own pool (0 without one)."""
     args, ready = raw.app.state.engine_facts.args, raw.app.state.engine_facts.ready
     return {"model": raw.app.state.serving.model_name, "block_size": args.block_size,
             "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
@@ -35,6 +36,7 @@ async def kv_cache_info(raw: Request) -> dict[str, Any]:
             "num_gpu_blocks": ready.num_gpu_blocks,
             "kv_cache_dtype": ready.kv_cache_dtype,
             "block_bytes": ready.block_bytes,
+            "draft_num_gpu_blocks": ready.draft_num_blocks,
             "data_parallel_size": args.data_parallel_size,
             "engine_cores": [{"data_parallel_rank": rank, "num_gpu_blocks": core.num_gpu_blocks,
                               "pid": pid}
