@@ -60,10 +60,9 @@ def assert_draft_pool_free(llm) -> None:  # noqa: ANN001
     assert not llm.llm_engine.core.scheduler.proposer._seqs
 
 
-@pytest.mark.parametrize("target", ["tiny_llama", "tiny_qwen2"])
-def test_greedy_tokens_equal_no_speculation_with_a_small_draft(target, small_draft, make_llm,
-                                                               request):
-    model = request.getfixturevalue(target)
+def test_greedy_tokens_equal_no_speculation_with_a_small_draft(tiny_model, small_draft, make_llm):
+    """Every architecture as the target, a one-layer llama over the same tokenizer as the draft."""
+    model = tiny_model
     prompts = repeating_prompts(3, seed=4)
     expected = [o.token_ids for o in generate(make_llm(model, **KW), prompts, GREEDY)]
     spec = make_llm(model, speculative_config=draft_config(small_draft), **KW)
