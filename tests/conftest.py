@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from pagedkv.engine.warmup import SKIP_ENV
 from pagedkv.kernels.cpu import ensure_cpu_kernels, kernel_cache_dir
 
 # One kernel cache for the run, its xdist workers, the servers and engines they start and the
@@ -16,6 +17,11 @@ from pagedkv.kernels.cpu import ensure_cpu_kernels, kernel_cache_dir
 # `_weight_digest_cache` points PAGEDKV_CACHE_DIR at a temporary folder. A file lock per build
 # key lets one process build while the others wait for its library.
 os.environ.setdefault("PAGEDKV_KERNEL_CACHE_DIR", str(kernel_cache_dir()))
+# Engines (the tests' own, and those of the servers and processes they start) skip the CPU
+# warm-up (pagedkv/engine/warmup.py): it leaves nothing a test could see, and cost a tenth to
+# a half of every tiny engine's start (several CPU-seconds on the real model).
+# tests/engine/test_warmup.py turns it back on to test it.
+os.environ.setdefault(SKIP_ENV, "1")
 
 if not torch.cuda.is_available():
     # Triton kernels (the CUDA attention backend) run on CPU tensors in Triton's interpreter;
@@ -105,6 +111,34 @@ def real_model_path() -> Path:
     if path is None:
         pytest.skip(f"the real model is not installed ({INSTALL})")
     return path
+
+
+@pytest.fixture(scope="session")
+def server(tiny_llama: Path):
+    """The main `pagedkv serve` process: the tiny Llama with ENGINE_KWARGS
+    (tests/server/helpers.py), no API key. Session-scoped (one per xdist worker), shared by the
+    server tests and the router's end-to-end tests (one of its backends): the modules that share
+    it leave it idle after each test.
+
+    Teardown: /health still answers 200 (the loop checks the block pool's invariants each time
+    the engine falls idle and reports a failure there), nothing runs, no block is held, and
+    SIGTERM stops it with exit code 0.
+    """
+    import httpx
+
+    from tests.server.helpers import ENGINE_KWARGS, ServerProcess, engine_flags, wait_for_idle_pool
+
+    proc = ServerProcess(tiny_llama, *engine_flags(**ENGINE_KWARGS)).start()
+    try:
+        yield proc
+        metrics = wait_for_idle_pool(proc.url)
+        health = httpx.get(proc.url + "/health", timeout=10)
+        assert health.status_code == 200, health.text
+        assert metrics["pagedkv:kv_cache_usage_perc"] == 0.0
+        assert metrics["pagedkv:num_requests_running"] == 0
+    finally:
+        clean = proc.stop()
+    assert clean, "server did not shut down cleanly"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -30,7 +30,7 @@ from pagedkv.engine.kv_setup import (
     resolve_max_num_batched_tokens,
 )
 from pagedkv.engine.model_files import open_model_dir
-from pagedkv.engine.warmup import warmup_steps
+from pagedkv.engine.warmup import warmup_skipped, warmup_steps
 from pagedkv.events.config import parse_kv_events_config
 from pagedkv.events.publisher import ZmqEventPublisher, make_event_publisher
 from pagedkv.kv.factory import make_kv_cache_manager
@@ -167,14 +167,14 @@ def profile_memory(executor: Executor, args: EngineArgs) -> GpuMemoryProfile:
 
 def prepare_executor(executor: Executor, args: EngineArgs, setup: KVCacheSetup) -> None:
     """Allocate every rank's KV cache (and store), capture the decode CUDA graphs unless
-    `enforce_eager`, and on CPU run the warm-up steps."""
+    `enforce_eager`, and on CPU run the warm-up steps (unless $PAGEDKV_SKIP_WARMUP is 1)."""
     from pagedkv.model.cuda_graphs import decode_batch_sizes
     from pagedkv.model.runner import resolve_device
 
     executor.allocate_kv_cache(setup.num_blocks, setup.num_host_blocks)
     if not args.enforce_eager:
         executor.capture_cuda_graphs(decode_batch_sizes(args.max_num_seqs), setup.max_model_len)
-    if resolve_device(args.device).type == "cpu":
+    if resolve_device(args.device).type == "cpu" and not warmup_skipped():
         warm_up(executor, args, setup)
 
 

@@ -12,12 +12,23 @@ manager, so nothing of them is visible afterwards but the time they took.
 
 from __future__ import annotations
 
+import os
+
 from pagedkv.sched.output import ScheduledRequest, SchedulerOutput
 from pagedkv.sched.sampling_params import SamplingParams
 
 # The prefill warm-up's tokens at most: the scale of a chunked-prefill step (vLLM's CPU
 # default budget); larger budgets' first steps still allocate once more.
 WARMUP_TOKENS = 2048
+# PAGEDKV_SKIP_WARMUP=1: engines start without the warm-up (a quicker start, slower first
+# steps). The test suite sets it: the warm-up leaves nothing a test could see, and its own
+# tests (tests/engine/test_warmup.py) run it.
+SKIP_ENV = "PAGEDKV_SKIP_WARMUP"
+
+
+def warmup_skipped() -> bool:
+    """Whether $PAGEDKV_SKIP_WARMUP turns the warm-up off."""
+    return os.environ.get(SKIP_ENV, "") == "1"
 
 
 def warmup_steps(num_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,

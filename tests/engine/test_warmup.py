@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pagedkv import SamplingParams
 from pagedkv.engine import compose
-from pagedkv.engine.warmup import WARMUP_TOKENS, warmup_steps
+from pagedkv.engine.warmup import SKIP_ENV, WARMUP_TOKENS, warmup_steps
 from tests.engine.conftest import make_prompts
 
 
@@ -32,6 +32,10 @@ def test_warmup_leaves_no_trace(tiny_llama, make_llm, monkeypatch):
     ran = []
     real = compose.warm_up
     monkeypatch.setattr(compose, "warm_up", lambda *parts: ran.append(real(*parts)))
+    monkeypatch.setenv(SKIP_ENV, "1")  # as the test suite sets it: skipped
+    make_llm(tiny_llama, block_size=4, num_gpu_blocks_override=128)
+    assert not ran
+    monkeypatch.delenv(SKIP_ENV)
     warm = make_llm(tiny_llama, block_size=4, num_gpu_blocks_override=128)
     assert ran  # it ran (CPU)
     warm_out = [o.outputs[0].token_ids for o in warm.generate(prompts, params, use_tqdm=False)]

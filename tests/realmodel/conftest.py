@@ -16,14 +16,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedkv import LLM
 from pagedkv.testing.hf_reference import gguf_state_dict, transformers_model
-from tests.engine.conftest import make_llm  # noqa: F401 (the LLM factory, as a fixture here)
+from tests.engine.conftest import (
+    assert_pool_empty,
+    make_llm,  # noqa: F401 (the LLM factory, as a fixture here)
+)
 
 # Short prompts, few tokens: the whole real-model set stays within the suite's time budget.
 PROMPTS = ["The capital of France is", "Water boils at a temperature of",
            "The three primary colors are"]
 MAX_TOKENS = 8
 TOP = 3
+# The perplexity test's prompt: the text's first 512 tokens (2.4 KB), seconds of model time.
+PERPLEXITY_TOKENS = 512
 
 
 @pytest.fixture(scope="session")
@@ -37,6 +43,28 @@ def hf_real_model(real_model_path: Path, real_state_dict: dict[str, torch.Tensor
                   ) -> torch.nn.Module:
     """transformers' model (float32, eager attention) holding the file's weights."""
     return transformers_model(real_model_path, real_state_dict)
+
+
+@pytest.fixture(scope="session")
+def shared_real_llm(real_model_path: Path):
+    """One engine on the real model for the tests that need no particular memory setting (an
+    engine on it takes CPU-seconds to load and warm up): room for the perplexity prompt and
+    to spare. Its pool ends empty."""
+    llm = LLM(str(real_model_path), dtype="float32", block_size=4,
+              max_model_len=PERPLEXITY_TOKENS + 16, num_gpu_blocks_override=136, seed=0)
+    yield llm
+    assert_pool_empty(llm)
+    llm.shutdown()
+
+
+@pytest.fixture
+def real_llm(shared_real_llm: LLM):
+    """`shared_real_llm` as a fresh engine would be: an empty, consistent pool and nothing in
+    the prefix cache before the test; the pool empty and consistent again after it."""
+    assert_pool_empty(shared_real_llm)
+    assert shared_real_llm.llm_engine.scheduler.kv_cache_manager.reset_prefix_cache()
+    yield shared_real_llm
+    assert_pool_empty(shared_real_llm)
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> list[int]:

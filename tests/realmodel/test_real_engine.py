@@ -1,12 +1,14 @@
 """The engine on the real model (SmolLM2-135M, GGUF) equals transformers on the same weights:
 greedy tokens and logprobs, under prefix caching, chunked prefill, both preemption modes,
-n > 1 and tensor parallelism (3 ranks: the model's 9 heads do not split in 2). One engine per memory setting, short prompts, few tokens."""
+n > 1 and tensor parallelism (3 ranks: the model's 9 heads do not split in 2). One engine per
+memory setting (the roomy one shared with the other real-model modules), short prompts, few
+tokens."""
 
 from __future__ import annotations
 
 import pytest
 
-from pagedkv import LLM, SamplingParams
+from pagedkv import SamplingParams
 from tests.engine.conftest import assert_pool_empty
 from tests.realmodel.conftest import (
     MAX_TOKENS,
@@ -54,18 +56,8 @@ def test_greedy_and_logprobs_under_pressure(real_model_path, make_llm, hf_real_m
     assert_pool_empty(llm)
 
 
-@pytest.fixture(scope="module")
-def roomy_llm(real_model_path):
-    """One engine with room to spare, shared by the tests below; its pool ends empty."""
-    llm = LLM(str(real_model_path), dtype="float32", block_size=4, max_model_len=128,
-              num_gpu_blocks_override=128, seed=0)
-    yield llm
-    assert_pool_empty(llm)
-    llm.shutdown()
-
-
-def test_n_samples_logprobs_equal_transformers(roomy_llm, hf_real_model, reference):
-    llm = roomy_llm
+def test_n_samples_logprobs_equal_transformers(real_llm, hf_real_model, reference):
+    llm = real_llm
     prompt, _ = reference[1]
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True,
                             logprobs=TOP)
@@ -76,8 +68,8 @@ def test_n_samples_logprobs_equal_transformers(roomy_llm, hf_real_model, referen
         assert_logprobs_match(reference_lp, sample.token_ids, sample.logprobs)
 
 
-def test_chat_answers_in_english(roomy_llm):
-    out = roomy_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+def test_chat_answers_in_english(real_llm):
+    out = real_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"  # <|im_end|> ends the turn

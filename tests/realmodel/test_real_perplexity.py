@@ -13,11 +13,11 @@ import torch
 
 from pagedkv import SamplingParams
 from pagedkv.model.tokenizer import Tokenizer
+from tests.realmodel.conftest import PERPLEXITY_TOKENS as NUM_TOKENS
 
 pytestmark = pytest.mark.real_model
 
 TEXT = Path(__file__).resolve().parent.parent / "data" / "declaration_of_independence.txt"
-NUM_TOKENS = 512  # the text's first 512 tokens (2.4 KB): seconds of model time on a CPU
 
 
 def transformers_token_logprobs(model: torch.nn.Module, tokens: list[int]) -> list[float]:
@@ -32,11 +32,10 @@ def perplexity(logprobs: list[float]) -> float:
     return math.exp(-sum(logprobs) / len(logprobs))
 
 
-def test_real_model_perplexity_equals_transformers(real_model_path, hf_real_model, make_llm):
+def test_real_model_perplexity_equals_transformers(real_model_path, hf_real_model, real_llm):
     tokens = Tokenizer.from_dir(real_model_path).encode(TEXT.read_text())[:NUM_TOKENS]
     assert len(tokens) == NUM_TOKENS
-    llm = make_llm(real_model_path, dtype="float32", max_model_len=NUM_TOKENS + 16)
-    out = llm.generate({"prompt_token_ids": tokens},
+    out = real_llm.generate({"prompt_token_ids": tokens},
                        SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     assert out.prompt_logprobs[0] is None
     got = [entry[token] for entry, token in zip(out.prompt_logprobs[1:], tokens[1:], strict=True)]

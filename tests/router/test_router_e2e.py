@@ -1,6 +1,6 @@
 """Three real `pagedkv serve` processes behind a real `pagedkv router` (kv-aware, own-record
-mode: no KV events). The module shares them; the test that kills a backend runs last and
-restarts it.
+mode: no KV events): two of the module's and the session's main server. The module shares them;
+the test that kills a backend (one of the module's) runs last and restarts it.
 """
 
 from __future__ import annotations
@@ -31,18 +31,21 @@ SYSTEM = {  # per-tenant system prompts, many blocks of 4 tokens, no prefix in c
 
 
 @pytest.fixture(scope="module")
-def backends(tiny_llama):
-    procs = [ServerProcess(tiny_llama, *engine_flags(**ENGINE_KWARGS)) for _ in range(3)]
+def backends(tiny_llama, server):
+    """Three backends alike (ENGINE_KWARGS): two of this module's, then the session's `server`
+    (tests/conftest.py). Only this module's are killed (the first, revived in its place)."""
+    procs = [ServerProcess(tiny_llama, *engine_flags(**ENGINE_KWARGS)) for _ in range(2)]
+    fleet = [*procs, server]
     try:
         for proc in procs:
             proc.start()
-        yield procs
-        for proc in procs:
+        yield fleet
+        for proc in fleet:
             metrics = wait_for_idle_pool(proc.url)
             assert metrics["pagedkv:kv_cache_usage_perc"] == 0.0
             assert httpx.get(proc.url + "/health", timeout=10).status_code == 200
     finally:
-        for proc in procs:
+        for proc in fleet[:len(procs)]:  # the revived one in the killed one's place
             proc.stop()
 
 
