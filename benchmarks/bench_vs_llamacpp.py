@@ -230,6 +230,9 @@ def serve_load(url: str, concurrency: int, num_prompts: int, vocab: int) -> floa
 
 def served(kind: str, bin_dir: Path, model: Path, threads: int, concurrencies: list[int],
            num_prompts: int, vocab: int) -> dict[int, float]:
+    """Output tok/s at each concurrency of a fresh server of `kind` (llama-server is started
+    again without repacking when it dies by a signal while loading)."""
+    global repack_off
     port = free_port()
     if kind == "llama.cpp":
         cmd = [str(bin_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port",
@@ -242,7 +245,15 @@ def served(kind: str, bin_dir: Path, model: Path, threads: int, concurrencies: l
     with tempfile.NamedTemporaryFile(prefix=f"llamacpp-vs-{kind}-", suffix=".log") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
-            wait_healthy(proc, f"http://127.0.0.1:{port}", kind, log.name)
+            try:
+                wait_healthy(proc, f"http://127.0.0.1:{port}", kind, log.name)
+            except RuntimeError:
+                if kind != "llama.cpp" or repack_off or (proc.returncode or 0) >= 0:
+                    raise
+                print(f"  (llama-server died by {signal.Signals(-proc.returncode).name} while "
+                      "loading: serving without weight repacking)", flush=True)
+                repack_off = True
+                return served(kind, bin_dir, model, threads, concurrencies, num_prompts, vocab)
             serve_load(f"http://127.0.0.1:{port}", concurrencies[0], 8, vocab)  # warm-up
             return {c: serve_load(f"http://127.0.0.1:{port}", c, num_prompts, vocab)
                     for c in concurrencies}
