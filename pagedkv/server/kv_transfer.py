@@ -2,7 +2,8 @@
 
 Producer (a request with `do_remote_decode: true`, `max_tokens` 1): once the prefill finished,
 the engine hands the prompt's full blocks to the transport (`KVTransfer.start_handoff`: written
-through to the shared tier, or pushed to the consumer) and the answer carries, as its top-level
+through to the shared tier, or pushed to the consumer; with tensor parallelism, every rank's
+share is written before the answer) and the answer carries, as its top-level
 `kv_transfer_params`, vLLM's keys (`do_remote_prefill: true`, `remote_engine_id`,
 `remote_host`/`remote_port`: this engine's `kv_ip`/`kv_port`, `tp_size`) and pagedkv's:
 `transport` ("store" or "push"), `block_hashes` (hex, the prompt's blocks transferred, leading
@@ -13,7 +14,9 @@ every group's), `model_identity`, `kv_format`, `block_size`,
 Consumer (a request with `do_remote_prefill: true`, the producer's params copied in): the
 params are checked against this engine (model identity, KV format, block size, salt, and the
 block hashes against the prompt's own); on a mismatch the request is served by computing its
-prompt (a warning says why). Otherwise, with the push transport, the request waits (at most
+prompt (a warning says why); so is a `tp_size` other than this engine's (a block holds one
+tensor-parallel rank's KV heads under that rank's keys, so only an engine of the same size reads
+them; both of size N, each consumer rank loads its own rank's blocks). Otherwise, with the push transport, the request waits (at most
 `transfer_timeout_s`) for the pushed blocks to arrive, then runs: the store's lookup loads the
 blocks that arrived intact and the rest is computed. Either way the tokens are the ones a
 single instance gives. Params of the wrong types are a 400 (protocol.py).
@@ -89,6 +92,9 @@ async def handoff(serving: OpenAIServing, params: KVTransferParams | None,
         outcome = await engine.call_utility("kv_transfer.poll_handoff", job)
         if outcome is None:
             await asyncio.sleep(POLL_S)
+    if outcome is not None and engine.engine.args.tensor_parallel_size > 1:
+        # rank 0's saves are in the transport; the other ranks' (their KV heads) follow
+        await engine.call_utility("flush_kv_store_ranks")
     if outcome is None:
         logger.warning("kv transfer: the handoff did not finish in time; the decode recomputes")
         outcome = {"block_hashes": [], "num_tokens": 0, "transfer_bytes": 0,
@@ -103,8 +109,14 @@ async def handoff(serving: OpenAIServing, params: KVTransferParams | None,
 
 
 def mismatch(params: KVTransferParams, desc: dict, own_hashes: list[str],
-             cache_salt: str | None, push: bool) -> str | None:
-    """Why `params` cannot serve this request on this engine (None: they can)."""
+             cache_salt: str | None, push: bool, tp_size: int = 1) -> str | None:
+    """Why `params` cannot serve this request on this engine of `tp_size` ranks (None: they
+    can). A block of a tensor-parallel producer holds one rank's KV heads under that rank's
+    keys: only a consumer of the same size reads them (`tp_size` absent: the identity decides)."""
+    if params.tp_size is not None and params.tp_size != tp_size:
+        return (f"tp_size {params.tp_size!r} is not this engine's {tp_size!r} (a transferred "
+                f"block holds one tensor-parallel rank's KV heads: producer and consumer need "
+                f"the same tensor_parallel_size)")
     checks = (("model identity", params.model_identity, desc["model_identity"]),
               ("KV format", params.kv_format, desc["kv_format"]),
               ("block size", params.block_size, desc["block_size"]),
@@ -136,7 +148,8 @@ async def receive(serving: OpenAIServing, params: KVTransferParams | None,
     desc = await _describe(serving)
     hasher = serving.engine.engine.block_hasher()
     own = [h.hex() for h in hasher(HashablePrompt(list(prompt), cache_salt), [])]
-    why = mismatch(params, desc, own, cache_salt, config.is_push)
+    why = mismatch(params, desc, own, cache_salt, config.is_push,
+                   serving.engine.engine.args.tensor_parallel_size)
     if why is not None:
         logger.warning("kv transfer: kv_transfer_params do not fit this request (%s); its "
                        "prompt is computed here", why)
