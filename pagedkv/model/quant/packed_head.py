@@ -4,7 +4,7 @@ tied, the embeddings') dense weight [vocab, hidden].
 At batch 1 the head is the largest single matmul of a small model (SmolLM2-135M: 49152 x 576,
 about a fifth of a packed decode step), and memory-bound: torch's `_weight_int8pack_mm` on
 per-row int8 codes reads half the bytes (about 2x oneDNN's bfloat16 matmul at 1-2 rows, 1.6x
-at 4, slower from 8; one thread, benchmarks/bench_quant_linear.py --head). Calls of up to
+at 4, slower from 8; one thread, the 49152x576 shape of benchmarks/bench_quant_linear.py). Calls of up to
 `HEAD_INT8_ROWS` rows (decode steps: one row per sequence) run it; larger ones (prompt
 logprobs, many sequences) the dense weight, which the embedding lookup keeps anyway. The int8
 codes round each weight by at most half a step of its row's scale (max |w| / 127).
