@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pagedkv.model.quant.int8_linear import int8_per_row
+
 HEAD_INT8_ROWS = 4
 
 
@@ -28,11 +30,9 @@ class Int8PackedHead(nn.Module):
         super().__init__()
         self.dense = dense_weight
         self.out_features, self.in_features = self.dense.shape
-        w = self.dense.float()
-        scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-        self.codes = nn.Parameter(torch.round(w / scale[:, None]).to(torch.int8),
-                                  requires_grad=False)
-        self.scale = nn.Parameter(scale.bfloat16(), requires_grad=False)
+        codes, scale = int8_per_row(dense_weight)
+        self.codes = nn.Parameter(codes, requires_grad=False)
+        self.scale = nn.Parameter(scale, requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.reshape(-1, self.in_features)
