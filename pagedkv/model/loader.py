@@ -286,6 +286,7 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
         PACKED_AUTO_DTYPES,
         QUANTIZATION_MODES,
         pack_gguf_linears,
+        pack_head,
         quantize_int8,
     )
 
@@ -314,4 +315,6 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
     load_weights(model, model_dir, preloaded)
     if quantize and quantization == "int8":
         quantize_int8(model)
+    if quantize and (preloaded or quantization == "int8"):
+        pack_head(model)
     return model.eval()

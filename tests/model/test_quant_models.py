@@ -14,6 +14,7 @@ from pagedkv import LLM, SamplingParams
 from pagedkv.model.layers import Linear
 from pagedkv.model.quant.int4_linear import Int4Linear
 from pagedkv.model.quant.int8_linear import Int8Linear
+from pagedkv.model.quant.packed_head import Int8PackedHead
 from pagedkv.model.runner import ModelRunner
 from pagedkv.testing.kv_quant_accuracy import kl_divergence, prompt_logits, teacher_forced_logits
 from tests.model.gguf_files import write_gguf
@@ -75,7 +76,10 @@ def test_weights_bytes_count_the_packed_weights(q4_gguf):
     assert got == expected > 0
     dense_linear = sum(m.weight.numel() * 2 for name, m in dense.model.named_modules()
                        if isinstance(m, Linear) and name != "lm_head")
-    assert packed.weights_bytes == dense.weights_bytes - dense_linear + expected
+    head = packed.model.lm_head  # the LM head's int8 copy, beside its dense weight
+    head_copy = head.codes.numel() + 2 * head.scale.numel()
+    assert head_copy == head.out_features * (head.in_features + 2)
+    assert packed.weights_bytes == dense.weights_bytes - dense_linear + expected + head_copy
     llm = LLM(str(q4_gguf), dtype="bfloat16", block_size=4, num_gpu_blocks_override=16,
               max_model_len=64)
     try:  # what the engine reports (the banner, /kv_cache_info): the packed bytes
@@ -92,8 +96,8 @@ def test_weights_bytes_count_the_packed_weights(q4_gguf):
 def test_int8_quantizes_a_safetensors_model(tiny_llama):
     quantized, dense = runner(tiny_llama, "int8", "float32"), runner(tiny_llama, "none", "float32")
     linears = [m for m in quantized.model.modules() if isinstance(m, Int8Linear)]
-    assert len(linears) == 8  # 2 layers x (qkv, o, gate_up, down); the lm_head stays
-    assert isinstance(quantized.model.lm_head, Linear)
+    assert len(linears) == 8  # 2 layers x (qkv, o, gate_up, down)
+    assert isinstance(quantized.model.lm_head, Int8PackedHead)  # dense, and int8 at decode
     assert quantized.weights_bytes < dense.weights_bytes
     with torch.inference_mode():
         kl = kl_divergence([teacher_forced_logits(dense, PROMPT, CONTINUATION)],

@@ -2,7 +2,9 @@
 
 `apply.quantize_model` swaps a loaded model's linear layers for packed ones: GGUF 4-bit types
 (Q4_0, Q4_1, Q4_K) as `int4_linear.Int4Linear` (exact: the file's own codes and scales), and with
-`quantization="int8"` any checkpoint's linears as `int8_linear.Int8Linear` (per-channel int8).
+`quantization="int8"` any checkpoint's linears as `int8_linear.Int8Linear` (per-channel int8);
+either way the LM head gains a per-row int8 copy for decode-sized calls
+(`packed_head.Int8PackedHead`).
 The packed tensors are the modules' parameters, so the model's parameter bytes (the runner's
 `weights_bytes`, which the KV cache planner subtracts) are the packed bytes.
 """

@@ -9,9 +9,9 @@
 - "none": unchanged (every weight in the model dtype).
 CPU only and without tensor parallelism (the caller, loader.load_model, checks): the GGUF
 linears are built before the weights are read (`pack_gguf_linears`: never dequantized), the
-int8 ones after (`quantize_int8`). The lm_head (often tied to the
-embeddings) keeps the model dtype: measured, no packed op beats the dense one on it at batch
-1 by much (bench_quant_linear.py, 49152x576), and it stays exact.
+int8 ones after (`quantize_int8`). Where either packed some linears, the lm_head (often tied
+to the embeddings) keeps its dense weight and gains a per-row int8 copy for decode-sized calls
+(`pack_head`, packed_head.py: about 2x the dense matmul at 1-2 rows).
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from pagedkv.model.layers import Linear
 from pagedkv.model.quant.int4_blocks import GROUP, INT4_TYPES, codes_and_scales
 from pagedkv.model.quant.int4_linear import Int4Linear
 from pagedkv.model.quant.int8_linear import Int8Linear
+from pagedkv.model.quant.packed_head import pack_head
+
+__all__ = ["pack_gguf_linears", "pack_head", "quantize_int8"]
 
 QUANTIZATION_MODES = ("auto", "none", "int8")
 # The model dtypes "auto" packs at (float32 stays exact: the int4 kernel rounds activations to

@@ -18,18 +18,24 @@ from torch.nn import functional as F
 INT8PACK_ROWS = 1
 
 
+def int8_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes int8 [N, K], scales bfloat16 [N]) of `weight` [N, K]: each row's largest
+    magnitude maps to 127, every weight rounded to the nearest code."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.round(w / scale[:, None]).to(torch.int8), scale.bfloat16()
+
+
 class Int8Linear(nn.Module):
     """y = x W^T (+ bias), W [out_features, in_features] as int8 codes times a per-row scale."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Quantize `weight` [N, K] (any float dtype) per output row."""
         super().__init__()
-        w = weight.detach().float()
-        self.out_features, self.in_features = w.shape
-        scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-        self.codes = nn.Parameter(torch.round(w / scale[:, None]).to(torch.int8),
-                                  requires_grad=False)
-        self.scale = nn.Parameter(scale.bfloat16(), requires_grad=False)
+        self.out_features, self.in_features = weight.shape
+        codes, scale = int8_per_row(weight)
+        self.codes = nn.Parameter(codes, requires_grad=False)
+        self.scale = nn.Parameter(scale, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
                                                            requires_grad=False)
 
