@@ -83,6 +83,7 @@ async def send_request(client: Any, model: str, request: SampleRequest,
                "temperature": 0.0, "ignore_eos": True, "stream": True,
                "stream_options": {"include_usage": True}}
     start = last = result.sent = time.perf_counter()
+    chunks = 0
     try:
         async with client.stream("POST", "/v1/completions", json=payload,
                                  headers=_headers(api_key)) as resp:
@@ -102,7 +103,8 @@ async def send_request(client: Any, model: str, request: SampleRequest,
                     else:
                         result.itl.append(now - last)
                     last = now
-                elif chunk.get("usage"):
+                    chunks += 1
+                if chunk.get("usage"):  # its own chunk (vLLM), or on the last one (llama.cpp)
                     usage = chunk["usage"]
                     result.output_tokens = usage.get("completion_tokens", 0)
                     details = usage.get("prompt_tokens_details") or {}
@@ -111,6 +113,8 @@ async def send_request(client: Any, model: str, request: SampleRequest,
         result.error = f"{type(exc).__name__}: {exc}"
         return result
     result.latency = last - start
+    if not result.output_tokens:  # a server that reports no usage: a chunk a token
+        result.output_tokens = chunks
     result.success = result.ttft > 0.0
     if not result.success:
         result.error = "no chunk received"
