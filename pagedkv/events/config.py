@@ -14,8 +14,9 @@ step), `topic` (first frame of each message).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
+
+from pagedkv.config.json_option import json_object
 
 PUBLISHERS = ("zmq", "null")
 
@@ -43,13 +44,7 @@ def parse_kv_events_config(value: str | dict | KVEventsConfig | None) -> KVEvent
         return KVEventsConfig()
     if isinstance(value, KVEventsConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"kv_events_config is not valid JSON: {value!r} ({e})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"kv_events_config must be a JSON object or dict, got {value!r}")
+    value = json_object("kv_events_config", value)
     if "publisher" in value and value["publisher"] is None:  # vLLM's default: zmq when enabled
         value = {k: v for k, v in value.items() if k != "publisher"}
     known = {f.name for f in fields(KVEventsConfig)}

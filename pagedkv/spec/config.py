@@ -8,9 +8,10 @@ Given as a JSON object on the command line (`--speculative-config '{"method": "n
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from pagedkv.config.json_option import json_object
 
 # The keys each method takes besides `method` and `num_speculative_tokens`.
 _METHOD_KEYS = {"ngram": {"prompt_lookup_min", "prompt_lookup_max"}, "draft_model": {"model"}}
@@ -48,13 +49,7 @@ def parse_speculative_config(value: str | dict | SpeculativeConfig | None
     """The config `value` describes (None: no speculation). ValueError naming the bad key."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"speculative_config is not valid JSON: {value!r} ({e})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"speculative_config must be a JSON object or dict, got {value!r}")
+    value = json_object("speculative_config", value)
     method = value.get("method")
     if method not in _METHOD_KEYS:
         raise ValueError(f"speculative_config.method must be one of {sorted(_METHOD_KEYS)}, "

@@ -20,9 +20,10 @@ block's bytes are pushed in, in layer order).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from pagedkv.config.json_option import json_object
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 STORE_CONNECTOR = "PagedKVStoreConnector"
@@ -114,13 +115,7 @@ def parse_kv_transfer_config(value: str | dict | KVTransferConfig | None
     naming the bad key or value."""
     if value is None or isinstance(value, KVTransferConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"kv_transfer_config is not valid JSON: {value!r} ({e})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"kv_transfer_config must be a JSON object, got {value!r}")
+    value = json_object("kv_transfer_config", value)
     known = {f.name for f in fields(KVTransferConfig)}
     unknown = sorted(set(value) - known)
     if unknown:
