@@ -188,6 +188,7 @@ def test_a_big_batch_gives_the_loop_back_between_slices():
     assert router.index.num_blocks(URL, "DISK") > 0 and router.index.num_blocks(URL) == 1000
     # The loop ran other work between slices, many times (applied in one go: at most once, at
     # the end); and no slice held it for most of the batch (a ratio, not a time: the machine
-    # may be loaded).
+    # may be loaded, and one slice's CPU time swings with it; applied in one go, the one hold
+    # is the whole batch).
     assert ticks >= 5, (ticks, stall, total)
-    assert stall < total / 4, (stall, total)
+    assert stall < total / 2, (stall, total)
