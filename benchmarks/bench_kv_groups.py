@@ -12,7 +12,7 @@
 2. chat: a multi-turn chat workload on a small random Llama (`--chat-model llama`, default),
    or part 1's Gemma 3 (`--chat-model gemma3`: KV cache groups, where a sub-block hit needs a
    partial block in every group). `--workload trace` (default): the first 8 conversations of 4 turns in Mooncake's
-   conversation trace (`--trace`, /work/shared/traces; a request continues an earlier one when
+   conversation trace (`--trace`, the shared traces folder; a request continues an earlier one when
    that one's full 512-token blocks lead its block ids), lengths scaled by 1/16: the first
    prompt's tokens follow its block ids (the system prompt's block is shared by all), each turn
    answers the trace's output length (ignore_eos) and the next prompt = prompt + answer + a

@@ -29,7 +29,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pagedkv.commands.simulate import add_parser  # noqa: E402  (after the path)
+from pagedkv.bench.datasets import shared_trace  # noqa: E402  (after the path)
+from pagedkv.commands.simulate import add_parser  # noqa: E402
 from pagedkv.sim.disagg import Split, simulate_split  # noqa: E402
 from pagedkv.sim.latency import make_latency_model  # noqa: E402
 from pagedkv.sim.results import SLO, summarize  # noqa: E402
@@ -37,7 +38,7 @@ from pagedkv.sim.setup import build_sim_config  # noqa: E402
 from pagedkv.sim.simulator import SimResult, simulate  # noqa: E402
 from pagedkv.sim.traces import load_trace  # noqa: E402
 
-TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+TRACE = shared_trace("mooncake_conversation_trace.jsonl")
 TPOT_TARGETS_S = [t / 1000 for t in (10, 15, 20, 25, 30, 40, 50, 60, 80, 100, 150, 200)]
 SHAPES: list[tuple[int, int] | int] = [4, (2, 2), (3, 1), (1, 3)]  # N: N mixed instances
 
