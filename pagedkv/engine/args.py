@@ -97,10 +97,11 @@ class EngineArgs(ParallelOptions, StructuredOptions, RuntimeOptions, StoreOption
             raise ValueError("kv_offloading_disk_size must be > 0 with kv_offloading_disk_path, "
                              f"got {self.kv_offloading_disk_size!r}")
         transfer = parse_kv_transfer_config(self.kv_transfer_config)
-        if transfer is not None and transfer.is_push and self.tensor_parallel_size > 1:
-            raise ValueError("kv_transfer_config: PagedKVPushConnector needs "
-                             f"tensor_parallel_size 1, got {self.tensor_parallel_size} (use "
-                             "PagedKVStoreConnector through a shared tier)")
+        if transfer is not None and transfer.is_push and self.nnodes > 1:
+            raise ValueError("kv_transfer_config: PagedKVPushConnector needs every "
+                             f"tensor-parallel rank on one machine (nnodes 1), got nnodes "
+                             f"{self.nnodes}: rank r pushes and listens on kv_port + r of its "
+                             "engine's kv_ip (use PagedKVStoreConnector through a shared tier)")
         if transfer is not None and self.data_parallel_size > 1:
             raise ValueError("kv_transfer_config: a prefill/decode role needs "
                              f"data_parallel_size 1, got {self.data_parallel_size} (run one "

@@ -17,8 +17,9 @@ are released before the error propagates."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.draft_setup import build_draft_proposer
@@ -106,22 +107,39 @@ def build_core(args: EngineArgs, tokenizer: Tokenizer | None = None) -> CorePart
     kv_store = None if store is None else executor.kv_connector.store
     return CoreParts(args=args, tokenizer=tokenizer, executor=executor, kv_setup=setup,
                      scheduler=scheduler, kv_store=kv_store, event_publisher=publisher,
-                     step_log=step_log, kv_transfer=build_kv_transfer(args, store, kv_store,
+                     step_log=step_log, kv_transfer=build_kv_transfer(args, store, executor,
                                                                       scheduler))
 
 
-def build_kv_transfer(args: EngineArgs, store: StoreConfig | None,
-                      kv_store: TieredKVStore | None, scheduler: Scheduler) -> KVTransfer | None:
-    """The core's side of prefill/decode disaggregation over rank 0's store (None without
+def build_kv_transfer(args: EngineArgs, store: StoreConfig | None, executor: Executor,
+                      scheduler: Scheduler) -> KVTransfer | None:
+    """The core's side of prefill/decode disaggregation over every rank's (None without
     `kv_transfer_config`)."""
-    if store is None or store.transfer is None or kv_store is None:
+    connector = None if store is None else executor.kv_connector
+    if store is None or store.transfer is None or connector is None:
         return None
     from pagedkv.store.transfer import KVTransfer
 
     kv = scheduler.kv_cache_manager
-    return KVTransfer(store.transfer, kv_store, kv.hasher,
+    return KVTransfer(store.transfer, connector.transfer, kv.hasher,
                       f"kv_cache_dtype={args.kv_cache_dtype};dtype={args.dtype}",
+                      rank_calls(executor),
                       num_groups=len(getattr(kv, "window_blocks", None) or [None]))
+
+
+def rank_calls(executor: Executor) -> Callable[..., list[Any]]:
+    """Calls `method` (a dotted path below a rank's runner) on every rank, results in rank
+    order: the executor's collective call, or with one process the runner's own method."""
+    if hasattr(executor, "collective_rpc"):
+        return executor.collective_rpc
+
+    def local(method: str, *args: Any) -> list[Any]:
+        target: Any = executor
+        for part in method.split("."):
+            target = getattr(target, part)
+        return [target(*args)]
+
+    return local
 
 
 def store_config(args: EngineArgs, enable_events: bool) -> StoreConfig | None:

@@ -21,24 +21,14 @@ UTILITY_METHODS = frozenset({
     "dashboard.subscribe", "dashboard.unsubscribe", "dashboard.drain", "dashboard.block_table",
     "dashboard.explain", "dashboard.explain_recent", "cpu_kernel_choice", "get_core_stats",
     "kv_transfer.describe", "kv_transfer.start_handoff", "kv_transfer.poll_handoff",
-    "kv_transfer.held_blocks", "kv_transfer.stats", "flush_kv_store_ranks",
+    "kv_transfer.held_blocks", "kv_transfer.stats",
 })
 # Utility calls answered by a function of the core rather than by one of its methods.
 CORE_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "cpu_kernel_choice": lambda core: kernel_choice(core.runner),
     # Each engine core's stats (a data-parallel client lists every core's; here: this one).
     "get_core_stats": lambda core: [core.get_stats()],
-    "flush_kv_store_ranks": lambda core: _flush_kv_store_ranks(core.runner),
 }
-
-
-def _flush_kv_store_ranks(runner: Any) -> None:
-    """Wait until every tensor-parallel rank's queued KV store saves are written (a prefill
-    producer's handoff: the consumer's ranks each read their own rank's blocks)."""
-    if hasattr(runner, "collective_rpc"):
-        runner.collective_rpc("flush_kv_store")
-    elif hasattr(runner, "flush_kv_store"):
-        runner.flush_kv_store()
 
 
 def run_utility(core: Any, method: str, args: list[Any] | tuple[Any, ...]) -> Any:

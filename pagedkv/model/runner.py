@@ -345,7 +345,7 @@ class ModelRunner:
         to the driver, so another engine in this process can size itself from it; close this
         rank's KV store (its queued saves written first). The runner is unusable afterwards."""
         if self.kv_connector is not None:
-            self.kv_connector.store.close()
+            self.kv_connector.close()
             self.kv_connector = None
         self.cuda_graphs = None
         self.kv_cache = None

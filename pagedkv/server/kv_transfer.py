@@ -2,21 +2,25 @@
 
 Producer (a request with `do_remote_decode: true`, `max_tokens` 1): once the prefill finished,
 the engine hands the prompt's full blocks to the transport (`KVTransfer.start_handoff`: written
-through to the shared tier, or pushed to the consumer; with tensor parallelism, every rank's
-share is written before the answer) and the answer carries, as its top-level
+through to the shared tier, or pushed to the consumer; with tensor parallelism, each rank its
+own KV heads' slice, and the answer waits, while the engine steps on, until every rank's
+saved-through watermark covers the request's blocks) and the answer carries, as its top-level
 `kv_transfer_params`, vLLM's keys (`do_remote_prefill: true`, `remote_engine_id`,
 `remote_host`/`remote_port`: this engine's `kv_ip`/`kv_port`, `tp_size`) and pagedkv's:
 `transport` ("store" or "push"), `block_hashes` (hex, the prompt's blocks transferred, leading
 ones), `num_tokens` (the tokens they hold), `num_blocks` (the blocks sent: with KV cache groups,
 every group's), `model_identity`, `kv_format`, `block_size`,
-`cache_salt`, `transfer_bytes` and `transfer_seconds`.
+`cache_salt`, `transfer_bytes` (every rank's), `transfer_seconds` (the slowest rank's) and
+`durable` (every rank's saves were written before its transfer: false only when a rank's
+saves outlasted `transfer_timeout_s`; the counts above are what was transferred regardless).
 
 Consumer (a request with `do_remote_prefill: true`, the producer's params copied in): the
 params are checked against this engine (model identity, KV format, block size, salt, and the
 block hashes against the prompt's own); on a mismatch the request is served by computing its
 prompt (a warning says why); so is a `tp_size` other than this engine's (a block holds one
 tensor-parallel rank's KV heads under that rank's keys, so only an engine of the same size reads
-them; both of size N, each consumer rank loads its own rank's blocks). Otherwise, with the push transport, the request waits (at most
+them; both of size N, each consumer rank loads its own rank's blocks: with the push transport,
+producer rank r pushes to the consumer's `remote_port + r`, where consumer rank r listens). Otherwise, with the push transport, the request waits (at most
 `transfer_timeout_s`) for the pushed blocks to arrive, then runs: the store's lookup loads the
 blocks that arrived intact and the rest is computed. Either way the tokens are the ones a
 single instance gives. Params of the wrong types are a 400 (protocol.py).
@@ -92,9 +96,6 @@ async def handoff(serving: OpenAIServing, params: KVTransferParams | None,
         outcome = await engine.call_utility("kv_transfer.poll_handoff", job)
         if outcome is None:
             await asyncio.sleep(POLL_S)
-    if outcome is not None and engine.engine.args.tensor_parallel_size > 1:
-        # rank 0's saves are in the transport; the other ranks' (their KV heads) follow
-        await engine.call_utility("flush_kv_store_ranks")
     if outcome is None:
         logger.warning("kv transfer: the handoff did not finish in time; the decode recomputes")
         outcome = {"block_hashes": [], "num_tokens": 0, "transfer_bytes": 0,

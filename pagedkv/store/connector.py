@@ -52,7 +52,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.kv.hashing import event_extra_keys
 from pagedkv.kv.hit_rule import longest_servable_prefix
@@ -288,12 +288,14 @@ def agreed_outcomes(per_rank: list[dict[int, int]]) -> dict[int, int]:
 class StoreConnectorWorker:
     """The model runner's side: runs loads in the background, applies them, starts saves.
     `group`: this runner's tensor-parallel group (loads applied by agreement; only rank 0
-    posts to `finished`), None for one process."""
+    posts to `finished`), None for one process. `transfer`: this rank's side of prefill/decode
+    disaggregation (store/transfer_rank.py), None without it."""
 
     def __init__(self, store: TieredKVStore, finished: FinishedLoads, *, pin_memory: bool,
                  load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
-                 group: RankGroup | None = None) -> None:
+                 group: RankGroup | None = None, transfer: Any = None) -> None:
         self.store = store
+        self.transfer = transfer
         self.finished = finished
         self.pin_memory = pin_memory
         self.load_timeout_s = load_timeout_s
@@ -381,6 +383,12 @@ class StoreConnectorWorker:
             self.num_failed_loads += 1
             logger.exception("kv store: writing loaded blocks failed; they are recomputed")
             return 0
+
+    def close(self) -> None:
+        """Close this rank's transfer side, then its store (queued saves written first)."""
+        if self.transfer is not None:
+            self.transfer.close()
+        self.store.close()
 
     # ---- saves ------------------------------------------------------------------------------
     def save_kv(self, meta: StoreConnectorMetadata | None, kv_cache: BlockRows) -> None:

@@ -25,9 +25,11 @@ if TYPE_CHECKING:
     from pagedkv.store.interfaces import RankGroup
 
 
-def build_tiers(config: StoreConfig, block_bytes: int, pin_memory: bool = False) -> list[KVTier]:
+def build_tiers(config: StoreConfig, block_bytes: int, pin_memory: bool = False,
+                rank: int = 0) -> list[KVTier]:
     """The configured tiers, fastest first: host RAM (`pin_memory`: its slot pool is pinned),
-    local disk, Redis."""
+    local disk, Redis; a push consumer's tier of pushed blocks, which tensor-parallel rank
+    `rank` listens for on `kv_port + rank`."""
     tiers: list[KVTier] = []
     transfer = config.transfer
     host_bytes = config.host_bytes
@@ -48,7 +50,7 @@ def build_tiers(config: StoreConfig, block_bytes: int, pin_memory: bool = False)
     if transfer is not None and transfer.is_push and transfer.is_consumer:
         from pagedkv.store.transfer_push import PushReceiverTier
 
-        tiers.append(PushReceiverTier(transfer.kv_ip, transfer.kv_port,
+        tiers.append(PushReceiverTier(transfer.kv_ip, transfer.kv_port + rank,
                                       int(transfer.kv_buffer_size), transfer.extra("hold_s")))
     return tiers
 
@@ -64,13 +66,14 @@ def shard_tag(group: RankGroup | None) -> str | None:
 
 def build_kv_store(config: StoreConfig, spec: KVCacheSpec, layout: Sequence[str],
                    dtype_tag: str, *, enable_events: bool, pin_memory: bool = False,
-                   shard: str | None = None) -> TieredKVStore:
+                   shard: str | None = None, rank: int = 0) -> TieredKVStore:
     """The store of the KV cache `spec` describes: a block is `spec.page_size_bytes` bytes laid
     out as `layout` (the cache's dimension names). `dtype_tag` says what the bytes mean (the
     cache dtype, the weights' dtype, fp8's scales): part of every key, as is `shard`
     (`shard_tag`: which tensor-parallel rank's heads the blocks hold). So is the layout, KV
     cache groups included: a store written by a grouped layout is never read by an all-full
-    one (a block of one holds other layers than a block of the other), and back."""
+    one (a block of one holds other layers than a block of the other), and back. `rank`: the
+    tensor-parallel rank (its push tier's port)."""
     shape = {k: v for k, v in spec.to_dict().items() if k != "dtype"}  # the dtype: dtype_tag
     key_layout = ",".join(layout) + ":" + json.dumps(shape, sort_keys=True)
     if shard is not None:
@@ -78,20 +81,28 @@ def build_kv_store(config: StoreConfig, spec: KVCacheSpec, layout: Sequence[str]
     identity = model_identity(config.model_dir, [Path(p) for p in config.weight_files], dtype_tag,
                               key_layout, spec.block_size)
     block_bytes = spec.page_size_bytes
-    return TieredKVStore(build_tiers(config, block_bytes, pin_memory), identity, block_bytes,
+    return TieredKVStore(build_tiers(config, block_bytes, pin_memory, rank), identity, block_bytes,
                          spec.block_size, enable_events=enable_events,
                          grouped=isinstance(spec, HybridKVCacheSpec))
 
 
 def build_worker(config: StoreConfig, spec: KVCacheSpec, layout: Sequence[str], dtype_tag: str,
                  *, pin_memory: bool, group: RankGroup | None = None) -> StoreConnectorWorker:
-    """This rank's store (its KV heads, its keys) behind the runner's side of the connector.
-    KV events come from rank 0's store only."""
+    """This rank's store (its KV heads, its keys) behind the runner's side of the connector,
+    with this rank's side of prefill/decode disaggregation when configured. KV events come
+    from rank 0's store only."""
+    rank = 0 if group is None else group.rank
     store = build_kv_store(config, spec, layout, dtype_tag, pin_memory=pin_memory,
                            enable_events=config.enable_events
                            and (group is None or group.is_driver),
-                           shard=shard_tag(group))
-    return StoreConnectorWorker(store, FinishedLoads(), pin_memory=pin_memory, group=group)
+                           shard=shard_tag(group), rank=rank)
+    transfer = None
+    if config.transfer is not None:
+        from pagedkv.store.transfer_rank import RankTransfer
+
+        transfer = RankTransfer(config.transfer, store, rank)
+    return StoreConnectorWorker(store, FinishedLoads(), pin_memory=pin_memory, group=group,
+                                transfer=transfer)
 
 
 def build_scheduler_side(worker: StoreConnectorWorker, kv_cache_manager: KVCacheManager

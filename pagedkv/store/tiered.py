@@ -212,11 +212,16 @@ class TieredKVStore:
         with self._saves_lock:
             return self._saves_queued
 
+    def saves_written(self) -> int:
+        """The saved-through watermark: how many queued saves are written (or failed); the one
+        saver thread writes them in order, so every save of a ticket at most this is done."""
+        with self._saves_lock:
+            return self._saves_done
+
     def saved_through(self, ticket: int) -> bool:
         """Whether every save queued before `save_ticket()` returned `ticket` is written (or
-        failed): the one saver thread writes them in order."""
-        with self._saves_lock:
-            return self._saves_done >= ticket
+        failed)."""
+        return self.saves_written() >= ticket
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every queued save is written (tests, shutdown)."""

@@ -1,19 +1,23 @@
 """KVTransfer: an engine core's side of prefill/decode disaggregation (transfer_config.py says
-what the roles and connectors are), answered as utility calls between the core's steps.
+what the roles and connectors are), answered as utility calls between the core's steps. Each
+tensor-parallel rank moves its own slice of the blocks (transfer_rank.py); this side asks every
+rank through the executor (`ranks`: one call per rank, results in rank order; with one process,
+the runner's own) and combines their answers. No call waits on a tier or the wire: the engine
+steps on while the ranks' transfer threads work.
 
 Producer, once a prefill request (max_tokens 1) finished:
-  `start_handoff(token_ids, cache_salt, ...)` starts, on the transfer thread, a job that waits
-  until the store's saver has written the request's blocks (they were queued by the steps that
-  computed them), then, for the push connector, reads them back from the host staging tier and
-  pushes them to the consumer; for the store connector, counts the leading blocks the shared
-  tiers hold. `poll_handoff(job)` gives the job's outcome once done: the transferred blocks'
-  hashes, tokens, bytes and seconds. The engine steps on meanwhile.
+  `start_handoff(token_ids, cache_salt, ...)` starts a job on every rank (`RankTransfer.start`:
+  each waits until its own saved-through watermark covers the request's blocks, then pushes
+  its slice, or counts what the shared tiers hold). `poll_handoff(job)` gives the outcome once
+  every rank's is in: the leading blocks every rank transferred (hashes, tokens, blocks), the
+  bytes of all ranks and the slowest rank's seconds. The answer is sent only then, so it never
+  precedes a rank's durability.
 Consumer, before a decode request is admitted:
   `describe()` gives what the params are checked against (model identity, KV format, block
-  size); `held_blocks(token_ids, cache_salt, n)` how many of the prompt's first `n` blocks the
-  push tier holds (the server waits, bounded, for all of them before submitting). The store's
-  lookup then loads them like any store hit: exactly the blocks that arrived intact, under this
-  engine's keys; the rest are computed.
+  size); `held_blocks(token_ids, cache_salt, n)` how many of the prompt's first `n` blocks every
+  rank's push tier holds (the server waits, bounded, for all of them before submitting). The
+  store's lookup then loads them like any store hit: exactly the blocks that arrived intact on
+  every rank, under this engine's keys; the rest are computed.
 """
 
 from __future__ import annotations
@@ -21,17 +25,20 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pagedkv.store.tiered import BlockMeta, TieredKVStore
+from pagedkv.store.tiered import BlockMeta
 from pagedkv.store.transfer_config import KVTransferConfig
-from pagedkv.store.transfer_push import PushReceiverTier, PushSender
+from pagedkv.store.transfer_push import PushSender
+from pagedkv.store.transfer_rank import RankTransfer
 
 logger = logging.getLogger(__name__)
 
-SAVE_POLL_S = 0.002
+RANK_POLL_S = 0.005  # a job's ranks are asked at most this often (one collective each time)
+RankCalls = Callable[..., list[Any]]  # (method path below a rank's runner, *args) -> per rank
+RANK_TRANSFER = "kv_connector.transfer"  # where a rank's RankTransfer lives
 
 
 @dataclass
@@ -43,26 +50,42 @@ class HashablePrompt:
     lora_name: str | None = None
 
 
-class KVTransfer:
-    """See the module docstring. `hasher`: the KV cache manager's block hasher; `kv_format`:
-    what the KV bytes mean (the cache dtype tag, also part of the store's identity)."""
+@dataclass
+class _Job:
+    """A handoff started on every rank: its blocks, when its ranks were last asked and each
+    rank's outcome once in (a rank forgets a job once it has answered for it)."""
 
-    def __init__(self, config: KVTransferConfig, store: TieredKVStore, hasher: Any,
-                 kv_format: str, num_groups: int = 1) -> None:
+    metas: list[BlockMeta]
+    outcomes: list[dict | None]
+    asked: float = 0.0
+
+
+class KVTransfer:
+    """See the module docstring. `local`: rank 0's side (its store's identity describes the
+    engine); `ranks`: calls a method of every rank's runner; `hasher`: the KV cache manager's
+    block hasher; `kv_format`: what the KV bytes mean (the cache dtype tag, also part of the
+    store's identity)."""
+
+    def __init__(self, config: KVTransferConfig, local: RankTransfer, hasher: Any,
+                 kv_format: str, ranks: RankCalls, num_groups: int = 1) -> None:
         """`num_groups`: the KV cache groups' count (their blocks are stored per group)."""
         self.config = config
         self.num_groups = num_groups
-        self.store = store
+        self.local = local
+        self.store = local.store
         self.hasher = hasher
         self.kv_format = kv_format
-        self.receiver = next((t for t in store.tiers if isinstance(t, PushReceiverTier)), None)
-        self.sender = PushSender(config.extra("layer_groups")) \
-            if config.is_push and config.is_producer else None
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kv-transfer")
+        self.ranks = ranks
+        self.receiver = local.receiver
         self._job_ids = itertools.count()
-        self._jobs: dict[int, Future] = {}
+        self._jobs: dict[int, _Job] = {}
         self.num_handoffs = 0
         self.bytes_sent = 0
+
+    @property
+    def sender(self) -> PushSender | None:
+        """Rank 0's push sender (None unless a push producer)."""
+        return self.local.sender
 
     # ---- identity -------------------------------------------------------------------------
     def describe(self) -> dict:
@@ -80,7 +103,8 @@ class KVTransfer:
     # ---- producer -------------------------------------------------------------------------
     def start_handoff(self, token_ids: list[int], cache_salt: str | None,
                       remote_host: str | None = None, remote_port: int | None = None) -> int:
-        """Start handing the prompt's computed blocks to the transport; the job's id."""
+        """Start handing the prompt's computed blocks to the transport on every rank; the
+        job's id."""
         if not self.config.is_producer:
             raise ValueError(f"kv_role {self.config.kv_role!r} does not prefill for others")
         hashes = self.block_hashes(token_ids, cache_salt)
@@ -91,89 +115,54 @@ class KVTransfer:
         targets = ([(remote_host, int(remote_port))] if remote_host and remote_port
                    else list(self.config.consumers))
         job_id = next(self._job_ids)
-        self._jobs[job_id] = self._thread.submit(self._handoff, metas, self.store.save_ticket(),
-                                                 targets)
+        tickets = self.ranks(f"{RANK_TRANSFER}.start", job_id, metas, targets)
+        self._jobs[job_id] = _Job(metas, [None] * len(tickets), time.monotonic())
         return job_id
 
     def poll_handoff(self, job_id: int) -> dict | None:
-        """The job's outcome once done (then forgotten), else None. A failed job transferred
-        nothing (its consumer recomputes)."""
-        future = self._jobs.get(job_id)
-        if future is None:
+        """The job's outcome once every rank's is in (then forgotten), else None. The ranks are
+        asked at most every RANK_POLL_S; a rank that failed transferred nothing, and only the
+        blocks every rank transferred count (the consumer recomputes the rest)."""
+        job = self._jobs.get(job_id)
+        if job is None:
             raise ValueError(f"no kv transfer job {job_id!r}")
-        if not future.done():
+        now = time.monotonic()
+        if now - job.asked < RANK_POLL_S:
+            return None
+        job.asked = now
+        answers = self.ranks(f"{RANK_TRANSFER}.poll", job_id)
+        job.outcomes = [mine if mine is not None else answer
+                        for mine, answer in zip(job.outcomes, answers, strict=True)]
+        if any(o is None for o in job.outcomes):
             return None
         del self._jobs[job_id]
-        try:
-            return future.result()
-        except Exception as exc:  # a consumer gone (zmq.Again), a store failure
-            logger.warning("kv transfer: a handoff failed (%r); its decode recomputes the "
-                           "prompt", exc)
-            return {"block_hashes": [], "num_tokens": 0, "transfer_bytes": 0,
-                    "transfer_seconds": 0.0}
+        return self._combine(job.metas, job.outcomes)
 
-    def _handoff(self, metas: list[BlockMeta], ticket: int,
-                 targets: list[tuple[str, int]]) -> dict:
-        """The transfer thread's job (module docstring)."""
-        start = time.perf_counter()
-        deadline = time.monotonic() + self.config.transfer_timeout_s
-        while not self.store.saved_through(ticket) and time.monotonic() < deadline:
-            time.sleep(SAVE_POLL_S)
-        if self.sender is None:  # leading prompt blocks (group 0's) the shared tiers hold
-            present = self._in_shared_tiers(metas)
-            first = [p for m, p in zip(metas, present, strict=True) if not m.group_idx]
-            num_hashes = first.index(False) if False in first else len(first)
-            num_blocks = sum(present[:num_hashes * self.num_groups])
-            sent = num_blocks * self.store.block_bytes
-        else:
-            pushed = self._held(metas)
-            payloads = self.store.load(pushed)
-            num_blocks, sent = len(payloads), 0
-            keys = [self.store.key(m.block_hash, m.group_idx) for m in pushed[:num_blocks]]
-            for target in targets:
-                sent += self.sender.push(target, keys, payloads, self.store.block_bytes)
-            last = pushed[num_blocks - 1].block_hash if num_blocks else None
-            hashes = [m.block_hash for m in metas if not m.group_idx]
-            num_hashes = hashes.index(last) + 1 if num_blocks else 0
+    def _combine(self, metas: list[BlockMeta], outcomes: list[dict]) -> dict:
+        num_hashes = min(o["num_hashes"] for o in outcomes)
+        sent = sum(o["transfer_bytes"] for o in outcomes)
         self.num_handoffs += 1
         self.bytes_sent += sent
-        return {"block_hashes": [m.block_hash.hex() for m in metas if not m.group_idx][:num_hashes],
-                "num_blocks": num_blocks, "num_tokens": num_hashes * self.store.block_size,
-                "transfer_bytes": sent, "transfer_seconds": round(time.perf_counter() - start, 6)}
-
-    def _held(self, metas: list[BlockMeta]) -> list[BlockMeta]:
-        """The blocks of `metas` this engine's store holds to push: the leading ones with one
-        KV cache group; with several, every one held (a sliding group keeps only the blocks
-        its window reaches, and the consumer's hit rule asks for no others)."""
-        present = self.store.holds([(m.block_hash, m.group_idx) for m in metas])
-        if self.store.grouped:
-            return [m for m, held in zip(metas, present, strict=True) if held]
-        return metas[:present.index(False) if False in present else len(metas)]
-
-    def _in_shared_tiers(self, metas: list[BlockMeta]) -> list[bool]:
-        """Whether the shared tiers (all but host RAM) hold each block of `metas`."""
-        keys = [self.store.key(m.block_hash, m.group_idx) for m in metas]
-        present = [False] * len(keys)
-        for tier in self.store.tiers:
-            if tier.name != "host" and keys:
-                present = [p or f for p, f in zip(present, tier.contains_many(keys), strict=True)]
-        return present
+        hashes = [m.block_hash.hex() for m in metas if not m.group_idx]
+        return {"block_hashes": hashes[:num_hashes],
+                "num_blocks": min(o["num_blocks"] for o in outcomes),
+                "num_tokens": num_hashes * self.store.block_size, "transfer_bytes": sent,
+                "transfer_seconds": max(o["transfer_seconds"] for o in outcomes),
+                "durable": all(o["durable"] for o in outcomes)}
 
     # ---- consumer -------------------------------------------------------------------------
     def held_blocks(self, token_ids: list[int], cache_salt: str | None, num_hashes: int,
                     num_blocks: int) -> int:
         """How many blocks of the prompt's first `num_hashes` block hashes (every KV cache
-        group's) the push tier holds, up to `num_blocks` (the store connector: `num_blocks`;
-        its tiers are looked up at admission)."""
+        group's) every rank's push tier holds, up to `num_blocks` (the store connector:
+        `num_blocks`; its tiers are looked up at admission)."""
         if self.receiver is None:
             return num_blocks
         hashes = self.block_hashes(token_ids, cache_salt)[:num_hashes]
-        keys = [self.store.key(h, g if self.store.grouped else None)
-                for h in hashes for g in range(self.num_groups)]
-        return min(num_blocks, sum(self.receiver.contains_many(keys)))
+        return min(num_blocks, *self.ranks(f"{RANK_TRANSFER}.held", hashes, self.num_groups))
 
     def stats(self) -> dict:
-        """Handoffs and bytes sent (producer), blocks and bytes received (consumer)."""
+        """Handoffs and bytes sent (producer), blocks and bytes received by rank 0 (consumer)."""
         out = {"handoffs": self.num_handoffs, "bytes_sent": self.bytes_sent}
         if self.receiver is not None:
             out.update(bytes_received=self.receiver.bytes_received,
@@ -183,6 +172,5 @@ class KVTransfer:
         return out
 
     def close(self) -> None:
-        self._thread.shutdown(wait=True, cancel_futures=True)
-        if self.sender is not None:
-            self.sender.close()
+        """Nothing of its own to close: every rank's transfer closes with its store."""
+        self._jobs.clear()

@@ -170,7 +170,8 @@ def test_engine_args_check_the_connector_against_the_rest(tiny_llama):
     with pytest.raises(ValueError, match="through a shared tier"):
         EngineArgs(model=str(tiny_llama), kv_transfer_config=store)
     push = '{"kv_role": "kv_consumer", "kv_connector": "PagedKVPushConnector"}'
-    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
-        EngineArgs(model=str(tiny_llama), kv_transfer_config=push, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="every tensor-parallel rank on one machine"):
+        EngineArgs(model=str(tiny_llama), kv_transfer_config=push, tensor_parallel_size=2,
+                   nnodes=2, master_port=29500)
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         EngineArgs(model=str(tiny_llama), kv_transfer_config=push, enable_prefix_caching=False)

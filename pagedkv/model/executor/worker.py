@@ -28,9 +28,13 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def run_call(runner: Any, method: str, args: tuple) -> tuple[str, Any]:
-    """("ok", result) of `runner.method(*args)`, or ("error", what it raised)."""
+    """("ok", result) of `runner.method(*args)` (`method` may be a dotted path below the
+    runner: "kv_connector.transfer.poll"), or ("error", what it raised)."""
     try:
-        return "ok", getattr(runner, method)(*args)
+        target = runner
+        for part in method.split("."):
+            target = getattr(target, part)
+        return "ok", target(*args)
     except Exception as exc:  # reported to rank 0, which raises it
         return "error", f"{type(exc).__name__}: {exc}"
 
