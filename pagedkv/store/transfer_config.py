@@ -11,6 +11,9 @@ connectors move the blocks:
   decode request arrives; a producer keeps its computed blocks in a host staging tier of
   `kv_buffer_size` bytes and pushes a request's blocks to the consumer its request names
   (`remote_host`/`remote_port`), else to every address in `kv_connector_extra_config.consumers`.
+  With tensor parallelism every rank does this for its own KV heads: rank r of a consumer
+  listens on `kv_port + r`, and rank r of a producer pushes to the named port + r (all ranks of
+  a push engine on one machine).
 
 Keys of `kv_connector_extra_config`: `consumers` (["host:port", ...]), `transfer_timeout_s`
 (the most a producer waits for its blocks to be in the transport, and a consumer for pushed

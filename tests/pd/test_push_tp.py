@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import socket
 import time
 from collections.abc import Iterator
@@ -35,6 +34,7 @@ from tests.pd.conftest import (
     post,
     utility,
 )
+from tests.pd.save_gate import worker_save_gate
 from tests.pd.test_faults import _CutSocket
 
 PUSH = "PagedKVPushConnector"
@@ -42,26 +42,6 @@ MAX_TOKENS = 5
 PRODUCER_TIMEOUT_S = 3.0  # how long a producer rank waits for its own saves
 BOUND_S = PRODUCER_TIMEOUT_S + TRANSFER_TIMEOUT_S + 5.0
 NUM_BLOCKS = 9
-GATE_ENV = "PAGEDKV_TEST_SAVE_GATE"
-# Loaded by the worker ranks' interpreters (spawned with this directory on PYTHONPATH): while
-# the gate file exists, their host tier's writes wait (at most HOLD_S).
-SITECUSTOMIZE = """
-import os, time
-_gate = os.environ.get("PAGEDKV_TEST_SAVE_GATE")
-if _gate:
-    from pagedkv.store import host as _host
-    _real = _host.HostTier.put_many
-
-    def _held_put_many(self, items, _real=_real, _gate=_gate):
-        deadline = time.monotonic() + 20.0
-        while os.path.exists(_gate) and time.monotonic() < deadline:
-            time.sleep(0.005)
-        return _real(self, items)
-
-    _host.HostTier.put_many = _held_put_many
-"""
-
-
 def prompt_of(seed: int) -> list[int]:
     return [3 + (seed * 29 + i * 11) % 190 for i in range(NUM_BLOCKS * BLOCK_SIZE + 1)]
 
@@ -107,14 +87,11 @@ def gate(tmp_path_factory) -> Path:
 def fleet(tiny_llama, tmp_path_factory, gate) -> Iterator[dict[str, Node]]:
     """`p2`: TP=2 producer (and consumer); `c2`: TP=2 consumer; `c1`: TP=1 producer and
     consumer. The TP=2 engines' worker ranks hold their host-tier writes while `gate` exists."""
-    hooks = tmp_path_factory.mktemp("hooks")
-    (hooks / "sitecustomize.py").write_text(SITECUSTOMIZE)
     specs = {"p2": ("kv_both", 2, PRODUCER_TIMEOUT_S), "c2": ("kv_consumer", 2, TRANSFER_TIMEOUT_S),
              "c1": ("kv_both", 1, TRANSFER_TIMEOUT_S)}
     engines: dict[str, tuple[LLMEngine, int]] = {}
-    with contextlib.ExitStack() as stack, pytest.MonkeyPatch.context() as env:
-        env.setenv(GATE_ENV, str(gate))
-        env.setenv("PYTHONPATH", f"{hooks}:{os.environ.get('PYTHONPATH', '')}")
+    with contextlib.ExitStack() as stack, \
+            worker_save_gate(tmp_path_factory.mktemp("hooks"), gate):
         try:
             for name, (role, tp, timeout_s) in specs.items():
                 port = free_port_pair()
@@ -123,7 +100,6 @@ def fleet(tiny_llama, tmp_path_factory, gate) -> Iterator[dict[str, Node]]:
                 TestClient(create_app(engine, served_model_name="m"))), port)
                 for name, (engine, port) in engines.items()}
         finally:
-            gate.unlink(missing_ok=True)
             for engine, _ in engines.values():
                 engine.shutdown()
 
