@@ -31,7 +31,8 @@ def kernel_choice(runner: Any) -> dict[str, Any] | None:
     """The CPU kernels' choice of `runner` so far, JSON-able (None where no fused CPU kernel
     runs: another device, cpu_kernels "off", or the kernels not loaded yet): the choice mode
     (PAGEDKV_KERNEL_CHOICE), the loaded build's panel ISA, each linear shape class's kernel per
-    rows bucket and each prefill attention class's length from which torch's attention runs."""
+    rows bucket and each prefill attention class's lengths from which torch's attention runs
+    (fresh chunks, chunks after a cached prefix)."""
     device = getattr(runner, "device", None)
     if getattr(device, "type", None) != "cpu" or getattr(runner, "cpu_kernels", "off") == "off":
         return None
@@ -42,5 +43,5 @@ def kernel_choice(runner: Any) -> dict[str, Any] | None:
     if not cpu_kernels_loaded():
         return None
     return {"mode": choice_mode(), "isa": panel_isa(), "linears": linears_in_use(),
-            "prefill_attention": {cls: {"torch_from": start}
+            "prefill_attention": {cls: start.as_json()
                                   for cls, start in prefill_in_use().items()}}
