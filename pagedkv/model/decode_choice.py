@@ -306,3 +306,16 @@ def describe_decode() -> str:
     return "decode attention: " + "; ".join(
         f"{cls.key()}: {describe_table(cls, table, threads)}"
         for cls, table in sorted(_in_use.items(), key=lambda item: item[0].key()))
+
+
+def runner_class(runner: object) -> DecodeClass | None:
+    """The attention class of a model runner's decodes where they run this module's choice:
+    the CPU's fused backend over a cache of the model's dtype, on one rank (None otherwise)."""
+    backend = getattr(runner, "attn_backend", None)
+    config = getattr(runner, "model_config", None)
+    if getattr(backend, "name", "") != "cpu_native" or config is None \
+            or getattr(runner, "tensor_parallel", None) is not None:
+        return None
+    dtype = runner.dtype  # type: ignore[attr-defined]
+    return DecodeClass(dtype, config.num_heads, config.num_kv_heads, config.head_dim,
+                       runner.block_size, dtype)  # type: ignore[attr-defined]
