@@ -15,7 +15,8 @@ machine measures the other processes; so at batch 1 the split's own one-thread c
 (its time over the fused kernel's, for each context bucket) and the split runs where that cost
 is repaid by the threads' balance: the fused kernel's S x KV heads items take
 ceil(items / threads) rounds, the split's `parts` times as many items fewer per thread
-(`split_parts`). All of it is cached in the table file, section "decode_attention".
+(`split_parts`), from SPLIT_FROM keys and by SPLIT_MARGIN. All of it is cached in the table
+file, section "decode_attention".
 
 PAGEDKV_KERNEL_CHOICE: "panel" and "isa" keep the fused kernel, "onednn" takes torch's (where
 the cache is of the model's dtype); neither splits.
@@ -35,9 +36,12 @@ from pagedkv.model.decode_split import split_decode, split_rows
 
 # (first, last, measured at); the last is open-ended.
 BATCHES: tuple[tuple[int, int, int], ...] = ((1, 1, 1), (2, 8, 8), (9, 9, 16))
-CONTEXTS: tuple[tuple[int, int, int], ...] = ((1, 512, 512), (513, 2048, 2048),
-                                              (2049, 2049, 4096))
+CONTEXTS: tuple[tuple[int, int, int], ...] = ((1, 1024, 1024), (1025, 4096, 4096),
+                                              (4097, 4097, 8192))
 SPLITS = (2, 4)
+SPLIT_FROM = CONTEXTS[1][0]  # the shortest context split: below, a parallel region's and the
+# merge's fixed costs, which one-thread timing does not see, were measured to outweigh it
+SPLIT_MARGIN = 1.25  # the split's predicted gain it must show (it pays those costs too)
 MAX_TOKENS = 32768  # batch x context of a measurement at most (the context shortened)
 POOL_TOKENS = 4096  # the measurement cache: each sequence a shuffle of the same blocks
 KERNELS = ("native", "torch")
@@ -189,13 +193,13 @@ def split_parts(costs: tuple[float, ...], kv_heads: int, threads: int) -> int:
     of SPLITS at its measured one-thread cost `costs` against the fused kernel's balance
     (kv_heads items: ceil(kv_heads / threads) rounds of 1 / kv_heads of the work; P runs:
     ceil(P kv_heads / threads) rounds of cost / (P kv_heads)), the best where it is
-    choice.KEEP_MARGIN faster."""
+    SPLIT_MARGIN faster."""
     native = math.ceil(kv_heads / threads) / kv_heads
     best, best_time = 1, native
     for parts, cost in zip(SPLITS, costs, strict=True):
         items = parts * kv_heads
         predicted = cost * math.ceil(items / threads) / items
-        if predicted * choice.KEEP_MARGIN < native and predicted < best_time:
+        if predicted * SPLIT_MARGIN < native and predicted < best_time:
             best, best_time = parts, predicted
     return best
 
@@ -249,7 +253,7 @@ def route_of(table: DecodeTable | str, cls: DecodeClass, batch: int, longest: in
     if kernel != "native" or batch != 1 or table.split_cost is None or threads < 2:
         return kernel
     parts = split_parts(table.split_cost[c], cls.kv_heads, threads)
-    if parts == 1 or longest < 2 * parts * cls.block_size:
+    if parts == 1 or longest < max(SPLIT_FROM, 2 * parts * cls.block_size):
         return kernel
     return f"split{parts}"
 
@@ -265,7 +269,7 @@ def describe_table(cls: DecodeClass, table: DecodeTable | str, threads: int) -> 
                 parts.append(f"{table.kernels[b][c]} at batch {bucket_label(BATCHES, b)}, "
                              f"context {bucket_label(CONTEXTS, c)}")
     if table.split_cost is not None:
-        for c in range(len(CONTEXTS)):
+        for c in range(bucket(CONTEXTS, SPLIT_FROM), len(CONTEXTS)):
             n = split_parts(table.split_cost[c], cls.kv_heads, threads)
             if n > 1 and table.kernels[0][c] == "native":
                 parts.append(f"split{n} at batch 1, context {bucket_label(CONTEXTS, c)} "

@@ -92,7 +92,8 @@ def test_split_runs_cover_the_keys_once_each_starting_at_its_own_block(first, le
 
 
 def test_the_split_pays_only_where_the_threads_are_unbalanced():
-    assert decode_choice.split_parts((1.1, 1.2), kv_heads=3, threads=2) > 1  # 3 items, 2 threads
+    assert decode_choice.split_parts((1.0, 1.05), kv_heads=3, threads=2) == 2  # 3 items, 2 threads
+    assert decode_choice.split_parts((1.1, 1.2), kv_heads=3, threads=2) == 1  # not by the margin
     assert decode_choice.split_parts((1.1, 1.2), kv_heads=1, threads=2) == 2
     assert decode_choice.split_parts((1.1, 1.2), kv_heads=4, threads=2) == 1  # balanced
     assert decode_choice.split_parts((1.1, 1.2), kv_heads=3, threads=1) == 1
@@ -117,6 +118,7 @@ def test_the_measured_table_is_cached_on_disk_and_reused(monkeypatch):
     measure = decode_choice.measure_decode
     monkeypatch.setattr(decode_choice, "BATCHES", ((1, 1, 1), (2, 2, 2)))  # a quick table
     monkeypatch.setattr(decode_choice, "CONTEXTS", ((1, 64, 64), (65, 65, 160)))
+    monkeypatch.setattr(decode_choice, "SPLIT_FROM", 65)
 
     def counted(cls):
         calls.append(cls)
@@ -143,16 +145,17 @@ def test_the_measured_table_is_cached_on_disk_and_reused(monkeypatch):
 def test_the_route_reads_the_bucket_of_the_batch_and_longest_context():
     kernels = [list(row) for row in NATIVE]
     kernels[2][2] = "torch"
-    table = DecodeTable(tuple(map(tuple, kernels)), ((2.0, 2.0), (1.3, 1.0), (1.0, 1.0)))
+    table = DecodeTable(tuple(map(tuple, kernels)), ((0.5, 0.5), (1.3, 1.0), (1.0, 1.0)))
     decode_choice._tables[CLASS.key()] = table
     route = decode_choice.decode_route
     assert route(CLASS, 40, 5000, threads=2) == "torch"
     assert route(CLASS, 40, 1000, threads=2) == "native"
-    assert route(CLASS, 1, 300, threads=2) == "native"  # the split costs too much there
-    assert route(CLASS, 1, 1000, threads=2) == "split4"
+    assert route(CLASS, 1, 300, threads=2) == "native"  # below SPLIT_FROM, however cheap
+    assert route(CLASS, 1, 2000, threads=2) == "split4"
+    assert route(CLASS, 1, decode_choice.SPLIT_FROM - 1, threads=2) == "native"
     assert route(CLASS, 1, 5000, threads=1) == "native"
     assert route(CLASS, 2, 5000, threads=2) == "native"  # split: batch 1 only
-    assert "split4 at batch 1, context 513-2048" in decode_choice.describe_decode()
+    assert "split4 at batch 1, context 1025-4096" in decode_choice.describe_decode()
 
 
 def one_decode_step_error(dtype: torch.dtype, route: str, monkeypatch,
