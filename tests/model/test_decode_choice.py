@@ -192,3 +192,49 @@ def test_a_decode_step_agrees_with_the_torch_backend_on_every_route(dtype, route
     err, taken = one_decode_step_error(dtype, route, monkeypatch, window)
     assert taken == [route]
     assert err <= TOL[dtype]
+
+
+@pytest.mark.parametrize("route", ["native", "split2", "split4"])
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_a_lone_decode_over_a_quantized_cache_agrees_with_the_dequantized_reference(
+        cache_dtype, route, monkeypatch):
+    """The quantized cache's in-place metadata (quantized_native.py) takes the route too: a
+    step of one decode of 60 keys in scattered blocks, against softmax attention over the
+    dequantized cache."""
+    from pagedkv.model.backends.quantized import QuantizedKVBackend
+    from tests.model.test_kv_quant_in_place import (
+        BLOCK,
+        HEAD_DIM,
+        HEADS,
+        KV_HEADS,
+        NUM_BLOCKS,
+        _fill,
+        _reference,
+    )
+
+    gen = torch.Generator().manual_seed(2)
+    table = [int(b) for b in torch.randperm(NUM_BLOCKS, generator=gen)[:15]]
+    seqs = [(1, 60, table)]
+    shape = (KV_HEADS, NUM_BLOCKS, BLOCK, HEAD_DIM)
+    k_cache, v_cache = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
+    k_scales = v_scales = None
+    if cache_dtype == torch.int8:
+        k_scales, v_scales = torch.zeros(shape[:-1]), torch.zeros(shape[:-1])
+    cached = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(59)])
+    for cache, scales in ((k_cache, k_scales), (v_cache, v_scales)):
+        _fill(cache, scales, cached, torch.randn(59, KV_HEADS, HEAD_DIM, generator=gen))
+    step = StepSequences([1], [60], [table], [table[59 // BLOCK] * BLOCK + 59 % BLOCK],
+                         num_decodes=1, block_size=BLOCK)
+    taken = []
+    monkeypatch.setattr("pagedkv.model.backends.quantized_native.decode_route",
+                        lambda *args: taken.append(route) or route)
+    backend = QuantizedKVBackend(CpuNativeBackend(torch.device("cpu")), reads_in_place=True)
+    backend.set_fused(True)
+    meta = backend.build_metadata(step)
+    q = torch.randn(1, HEADS, HEAD_DIM, generator=gen).bfloat16()
+    k, v = (torch.randn(1, KV_HEADS, HEAD_DIM, generator=gen).bfloat16() for _ in range(2))
+    out = meta.attend(q, k, v, k_cache, v_cache, HEAD_DIM ** -0.5, None, k_scales=k_scales,
+                      v_scales=v_scales)
+    ref = _reference(q, k_cache, v_cache, k_scales, v_scales, None, seqs)
+    assert taken == [route]
+    assert float((out.float() - ref).abs().max() / ref.abs().max()) < 1e-2
