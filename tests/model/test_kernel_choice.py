@@ -202,6 +202,9 @@ def test_a_bfloat16_model_on_a_mixed_table_agrees_with_the_reference_path(tiny_l
             return per_bucket
 
     monkeypatch.setattr(choice, "_tables", MixedTable())
+    # decodes on the fused kernel: the tiny head size's measured choice may be torch's, which
+    # would make the two paths one
+    monkeypatch.setattr("pagedkv.model.backends.cpu_native.decode_route", lambda *a: "native")
     prompt, cont = list(range(5, 45)), list(range(60, 72))
     runners = [ModelRunner(tiny_llama, block_size=4, num_blocks=16, device="cpu",
                            dtype="bfloat16", cpu_kernels=mode) for mode in ("wait", "off")]
@@ -225,7 +228,7 @@ def test_the_start_up_facts_name_the_linears_choice(tiny_llama, monkeypatch):
     facts = runner_facts(runner)["cpu_kernels"]
     assert facts.startswith("fused C++ kernels") and "float32" in facts
     assert choice.describe_choice() in facts and " rows" in facts
-    assert "; decode attention: float32 " in facts and " kv float32: native" in facts
+    assert "; decode attention: " in facts and " kv float32: " in facts
     monkeypatch.setenv(choice.ENV, "panel")
     forced = runner_facts(runner)["cpu_kernels"]
     assert f"linears: panel ({choice.ENV}); " in forced

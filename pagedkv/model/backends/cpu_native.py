@@ -117,7 +117,7 @@ class NativeAttentionMetadata(AttentionMetadata):
             lens = self.decode_seq_lens_list or self.decode_seq_lens.tolist()
             cls = DecodeClass(q.dtype, q.shape[1], k_cache.shape[0], q.shape[2],
                               k_cache.shape[2], k_cache.dtype)
-            longest = max(n - int(f) for n, f in zip(lens, first, strict=True))
+            longest = max(n - f for n, f in zip(lens, first.tolist(), strict=True))
             route = decode_route(cls, len(lens), longest, torch.get_num_threads())
             if route.startswith("split") and shared:
                 route = "native"
