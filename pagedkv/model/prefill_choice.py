@@ -1,7 +1,9 @@
 """Which kernel runs a step's prefill attention on the CPU, chosen by measurement: the fused
 tiled kernel (`paged_prefill_attention`, vdpbf16ps / AVX-512 dot products, reading the paged
 cache in place) or torch's own attention on the chunks' K/V (attention.prefill_attention_all:
-scaled_dot_product_attention, whose flash kernel runs on oneDNN/AMX where the CPU has it).
+scaled_dot_product_attention, whose flash kernel multiplies bfloat16 with oneDNN's brgemm,
+on AMX tiles where the CPU has them, for chunks from 64 query tokens, fresh or after a cached
+prefix; tests/model/test_prefill_amx.py checks it).
 
 On an Intel CPU with AMX, torch's was measured faster in bfloat16 from about 64 query tokens
 of a fresh prompt (2x at 256, 3x at 2,048) and from about 32 after a cached prefix of 1,024
