@@ -11,6 +11,17 @@ out) or scattered at random ("rand"). One thread; a call's time is this thread's
 little. Prints ms per call and the K/V bytes read per second. --baseline GIT_REF: the same in
 child processes, GIT_REF's `pagedkv` against this tree's, alternating `--repeat` times, with
 the ratio of the medians (above 1: this tree is faster).
+
+    PYTHONPATH=$PWD python benchmarks/bench_decode_kernel.py --candidates
+        [--dtypes bfloat16] [--classes 9/3,8/4,8/1] [--contexts 512,2048,8192] [--batches 1,8]
+
+--candidates: decode_choice.py's candidates for each class (query / KV heads, head size 64,
+block size 16, a cache of the model's dtype) and batch x context: the fused kernel ("native"),
+torch's attention over gathered blocks ("torch") and, at batch 1, the fused kernel split over
+the context ("split2", "split4"); each timed on one thread (its CPU time) and on two (wall
+clock, the candidates alternating call by call, the fastest of `--reps`), with the route
+decode_choice takes on two threads from its measured table. Prints the CPU's AMX flag and the
+load average: on a shared machine the two-thread figures hold only as ratios within one run.
 """
 
 from __future__ import annotations
@@ -93,6 +104,50 @@ def compare(args: argparse.Namespace) -> None:
                       f"{kv_bytes(dtype, args.batch, args.context) / t / 1e6:.1f} GB/s)")
 
 
+def best_times(calls: dict, reps: int, threads: int) -> dict[str, float]:
+    """{name: fastest call in ms} of `calls` alternating, on `threads` threads (one: the
+    thread's CPU time; more: wall clock)."""
+    clock = time.thread_time if threads == 1 else time.perf_counter
+    torch.set_num_threads(threads)
+    for call in calls.values():
+        call()
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(reps):
+        for name, call in calls.items():
+            start = clock()
+            call()
+            best[name] = min(best[name], clock() - start)
+    return {name: 1e3 * t for name, t in best.items()}
+
+
+def candidates(args: argparse.Namespace) -> None:
+    from pagedkv.bench.machine import cpu_name
+    from pagedkv.kernels.cpu import ensure_cpu_kernels
+    from pagedkv.model import decode_choice
+
+    ensure_cpu_kernels("wait")
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    print(f"CPU: {cpu_name()}; AMX: {'amx_bf16' in flags}; load {os.getloadavg()[0]:.1f}; "
+          f"ms per call, best of {args.reps}: 1 thread (CPU time) | 2 threads (wall)")
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        for spec in args.classes.split(","):
+            heads, kv_heads = map(int, spec.split("/"))
+            cls = decode_choice.DecodeClass(dtype, heads, kv_heads, HEAD_DIM, 16, dtype)
+            decode_choice.decode_table(cls)
+            for batch in map(int, args.batches.split(",")):
+                for context in map(int, args.contexts.split(",")):
+                    calls = decode_choice.decode_candidates(
+                        cls, batch, context, torch.Generator().manual_seed(0),
+                        decode_choice.SPLITS if batch == 1 else ())
+                    one, two = (best_times(calls, args.reps, t) for t in (1, 2))
+                    route = decode_choice.decode_route(cls, batch, context, 2)
+                    cells = "  ".join(f"{k} {one[k]:.3f} | {two[k]:.3f}" for k in calls)
+                    print(f"{dtype_name:8} {spec:>5} batch {batch:>2} context {context:>5}: "
+                          f"{cells}  -> {route} (native / {route} on 2 threads: "
+                          f"{two['native'] / two[route]:.2f}x)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", default="bfloat16,float32")
@@ -102,8 +157,16 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=8192)
     parser.add_argument("--baseline", default=None, metavar="GIT_REF")
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--candidates", action="store_true",
+                        help="decode_choice's candidates, one and two threads")
+    parser.add_argument("--classes", default="9/3,8/4,8/1", help="query/KV heads, --candidates")
+    parser.add_argument("--contexts", default="512,2048,8192")
+    parser.add_argument("--batches", default="1,8")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.candidates:
+        candidates(args)
+        return
     if args.baseline:
         compare(args)
         return

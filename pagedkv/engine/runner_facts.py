@@ -23,24 +23,38 @@ def runner_facts(runner: Any) -> dict[str, Any]:
 
         facts["cpu_kernels"] = kernels_in_use(getattr(runner, "cpu_kernels", "off"))
         if cpu_kernels_loaded() and getattr(runner, "cpu_kernels", "off") != "off":
-            facts["cpu_kernels"] += f"; {describe_choice()}"
+            facts["cpu_kernels"] += f"; {describe_choice()}; {_decode_choice(runner)}"
     return facts
+
+
+def _decode_choice(runner: Any) -> str:
+    """The decode attention's choice in words, made now where the runner's class is known
+    (else at the first decode)."""
+    from pagedkv.model.decode_choice import decode_table, describe_decode, runner_class
+
+    cls = runner_class(runner)
+    if cls is not None:
+        decode_table(cls)
+    return describe_decode()
 
 
 def kernel_choice(runner: Any) -> dict[str, Any] | None:
     """The CPU kernels' choice of `runner` so far, JSON-able (None where no fused CPU kernel
     runs: another device, cpu_kernels "off", or the kernels not loaded yet): the choice mode
     (PAGEDKV_KERNEL_CHOICE), the loaded build's panel ISA, each linear shape class's kernel per
-    rows bucket and each prefill attention class's length from which torch's attention runs."""
+    rows bucket, each prefill attention class's lengths from which torch's attention runs
+    (fresh chunks, chunks after a cached prefix) and each decode attention class's kernels."""
     device = getattr(runner, "device", None)
     if getattr(device, "type", None) != "cpu" or getattr(runner, "cpu_kernels", "off") == "off":
         return None
     from pagedkv.kernels.choice import choice_mode, linears_in_use
     from pagedkv.kernels.cpu import cpu_kernels_loaded, panel_isa
+    from pagedkv.model.decode_choice import decode_in_use
     from pagedkv.model.prefill_choice import prefill_in_use
 
     if not cpu_kernels_loaded():
         return None
     return {"mode": choice_mode(), "isa": panel_isa(), "linears": linears_in_use(),
-            "prefill_attention": {cls: {"torch_from": start}
-                                  for cls, start in prefill_in_use().items()}}
+            "prefill_attention": {cls: start.as_json()
+                                  for cls, start in prefill_in_use().items()},
+            "decode_attention": decode_in_use()}

@@ -1,20 +1,27 @@
 """Which kernel runs a step's prefill attention on the CPU, chosen by measurement: the fused
 tiled kernel (`paged_prefill_attention`, vdpbf16ps / AVX-512 dot products, reading the paged
 cache in place) or torch's own attention on the chunks' K/V (attention.prefill_attention_all:
-scaled_dot_product_attention, whose flash kernel runs on oneDNN/AMX where the CPU has it).
+scaled_dot_product_attention, whose flash kernel multiplies bfloat16 with oneDNN's brgemm,
+on AMX tiles where the CPU has them, for chunks from 64 query tokens, fresh or after a cached
+prefix; tests/model/test_prefill_amx.py checks it).
 
 On an Intel CPU with AMX, torch's was measured faster in bfloat16 from about 64 query tokens
-(2x at 256, 3x at 2,048) and the fused kernel faster below; elsewhere the fused kernel may win
-throughout. So for each attention class (dtype, heads / KV heads, head size, block size) one
-fresh chunk of each of LENGTHS query tokens is timed both ways (kernels/choice.py's one-thread
-CPU-time timing, cached in its table file) and the step's prefill runs torch's from the first
-length at which torch's wins at that length and every longer one, by its longest chunk.
+of a fresh prompt (2x at 256, 3x at 2,048) and from about 32 after a cached prefix of 1,024
+(a prefix-cache hit: torch's gathers the prefix's blocks and runs the same flash kernel with
+a mask, 2x at 128), the fused kernel faster below; elsewhere the fused kernel may win
+throughout. So for each attention class (dtype, heads / KV heads, head size, block size) a
+chunk of each of LENGTHS query tokens is timed both ways, once fresh (from position 0) and once
+after a cached prefix of PREFIX tokens (kernels/choice.py's one-thread CPU-time timing, cached
+in its table file): each kind runs torch's from the first length at which torch's wins at that
+length and every longer one. A step's prefill runs torch's when one of its chunks is at least
+its kind's length (the longest chunk decides, as one call of either kernel takes them all).
 PAGEDKV_KERNEL_CHOICE: "panel" and "isa" keep the fused kernel, "onednn" takes torch's always.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -22,10 +29,23 @@ from pagedkv.kernels import choice
 from pagedkv.model.attention import PrefillChunk, prefill_attention
 
 LENGTHS = (16, 32, 64, 128, 256, 512)
+PREFIX = 1024  # cached tokens before the chunk measured "after a prefix"
 
-_torch_from: dict[str, int | None] = {}  # attention class -> first length for torch's
-# (dtype, heads, KV heads, head size, block size) -> the length in use, measured or forced
-_in_use: dict[tuple[torch.dtype, int, int, int, int], int | None] = {}
+
+class TorchFrom(NamedTuple):
+    """The first chunk length at which a step's prefill runs torch's attention (0: always;
+    None: never), for a fresh chunk (from position 0) and for one after a cached prefix."""
+
+    fresh: int | None
+    after_prefix: int | None
+
+    def as_json(self) -> dict[str, int | None]:
+        return {"torch_from": self.fresh, "torch_from_after_prefix": self.after_prefix}
+
+
+_torch_from: dict[str, TorchFrom] = {}  # attention class -> first lengths for torch's
+# (dtype, heads, KV heads, head size, block size) -> the lengths in use, measured or forced
+_in_use: dict[tuple[torch.dtype, int, int, int, int], TorchFrom] = {}
 
 
 def attention_class(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
@@ -35,23 +55,26 @@ def attention_class(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
 
 
 def prefill_candidates(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-                       block_size: int, n: int, gen: torch.Generator
+                       block_size: int, n: int, gen: torch.Generator, cached: int = 0
                        ) -> dict[str, Callable[[], torch.Tensor]]:
     """{"native": the fused kernel's call, "torch": torch's}, each returning the attention
-    [n, heads, D] of one fresh chunk of `n` random query tokens over itself (its K/V in a paged
-    cache for the fused kernel)."""
-    blocks = -(-n // block_size)
-    q, k, v = (torch.randn(n, h, head_dim, generator=gen).to(dtype)
-               for h in (heads, kv_heads, kv_heads))
+    [n, heads, D] of one chunk of `n` random query tokens after `cached` tokens of a cached
+    prefix (causal; its K/V and the prefix's in a paged cache)."""
+    length = cached + n
+    blocks = -(-length // block_size)
+    q = torch.randn(n, heads, head_dim, generator=gen).to(dtype)
+    k_all, v_all = (torch.randn(length, kv_heads, head_dim, generator=gen).to(dtype)
+                    for _ in range(2))
     k_cache, v_cache = (torch.zeros(kv_heads, blocks * block_size, head_dim, dtype=dtype)
                         for _ in range(2))
-    k_cache[:, :n], v_cache[:, :n] = k.transpose(0, 1), v.transpose(0, 1)
+    k_cache[:, :length], v_cache[:, :length] = k_all.transpose(0, 1), v_all.transpose(0, 1)
     k_cache, v_cache = (c.view(kv_heads, blocks, block_size, head_dim) for c in (k_cache, v_cache))
+    k, v = k_all[cached:], v_all[cached:]
     table = torch.arange(blocks)
-    rows = (torch.tensor([0]), torch.tensor([n]), torch.tensor([n]))
+    rows = (torch.tensor([0]), torch.tensor([n]), torch.tensor([length]))
     out = torch.empty_like(q)
     scale = head_dim ** -0.5
-    chunk = PrefillChunk(0, n, 0, n, table)
+    chunk = PrefillChunk(0, n, cached, length, table)
 
     def native() -> torch.Tensor:
         torch.ops.pagedkv_cpu.paged_prefill_attention(q, k_cache, v_cache, table.view(1, -1),
@@ -65,13 +88,20 @@ def prefill_candidates(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: 
 
 
 def measure_prefill(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-                    block_size: int) -> int | None:
+                    block_size: int) -> TorchFrom:
     """The first of LENGTHS from which torch's attention beats the fused kernel at every
-    longer one (None: never), timed on fresh chunks of random q, k, v."""
+    longer one (None: never), timed on chunks of random q, k, v: fresh ones and ones after a
+    cached prefix of PREFIX tokens."""
+    return TorchFrom(*(_first_torch_length(dtype, heads, kv_heads, head_dim, block_size, cached)
+                       for cached in (0, PREFIX)))
+
+
+def _first_torch_length(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                        block_size: int, cached: int) -> int | None:
     gen = torch.Generator().manual_seed(0)
     with choice.one_thread():
         winners = [choice.pick(choice.time_candidates(prefill_candidates(
-            dtype, heads, kv_heads, head_dim, block_size, n, gen))) for n in LENGTHS]
+            dtype, heads, kv_heads, head_dim, block_size, n, gen, cached))) for n in LENGTHS]
     start = None
     for n, winner in zip(reversed(LENGTHS), reversed(winners), strict=True):
         if winner != "torch":
@@ -81,29 +111,34 @@ def measure_prefill(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
 
 
 def torch_prefill_from(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-                       block_size: int) -> int | None:
-    """The longest-chunk length from which a step's prefill runs torch's attention (0: always;
-    None: never), per PAGEDKV_KERNEL_CHOICE; measured once per class (and cached on disk)."""
+                       block_size: int) -> TorchFrom:
+    """The chunk lengths from which a step's prefill runs torch's attention, fresh and after a
+    cached prefix (0: always; None: never), per PAGEDKV_KERNEL_CHOICE; measured once per class
+    (and cached on disk)."""
     start = _torch_from_by_mode(dtype, heads, kv_heads, head_dim, block_size)
     _in_use[dtype, heads, kv_heads, head_dim, block_size] = start
     return start
 
 
 def _torch_from_by_mode(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-                        block_size: int) -> int | None:
+                        block_size: int) -> TorchFrom:
     mode = choice.choice_mode()
     if mode != "measure":
-        return 0 if mode == "onednn" else None
+        return TorchFrom(0, 0) if mode == "onednn" else TorchFrom(None, None)
     key = attention_class(dtype, heads, kv_heads, head_dim, block_size)
     if key not in _torch_from:
         found = choice.cached_choice(
-            "prefill_attention", key,
-            lambda v: isinstance(v, dict) and (v.get("torch_from") is None
-                                               or isinstance(v.get("torch_from"), int)),
-            lambda: {"torch_from": measure_prefill(dtype, heads, kv_heads, head_dim,
-                                                   block_size)})
-        _torch_from[key] = found["torch_from"]
+            "prefill_attention", key, _valid_entry,
+            lambda: measure_prefill(dtype, heads, kv_heads, head_dim, block_size).as_json())
+        _torch_from[key] = TorchFrom(found["torch_from"], found["torch_from_after_prefix"])
     return _torch_from[key]
+
+
+def _valid_entry(entry: object) -> bool:
+    """Whether a table file's entry holds both lengths (an older file's is measured again)."""
+    fields = ("torch_from", "torch_from_after_prefix")
+    return isinstance(entry, dict) and all(
+        f in entry and (entry[f] is None or isinstance(entry[f], int)) for f in fields)
 
 
 def native_prefill(q: torch.Tensor, k_cache: torch.Tensor,
@@ -113,15 +148,19 @@ def native_prefill(q: torch.Tensor, k_cache: torch.Tensor,
     docstring)."""
     start = torch_prefill_from(q.dtype, q.shape[1], k_cache.shape[0], q.shape[2],
                                k_cache.shape[2])
-    return start is None or max(c.token_end - c.token_start for c in prefills) < start
+    for c in prefills:
+        kind = start.fresh if c.start_pos == 0 else start.after_prefix
+        if kind is not None and c.token_end - c.token_start >= kind:
+            return False
+    return True
 
 
-def prefill_table() -> dict[str, int | None]:
-    """This process's measured classes: {attention class: first length for torch's}."""
+def prefill_table() -> dict[str, TorchFrom]:
+    """This process's measured classes: {attention class: first lengths for torch's}."""
     return dict(_torch_from)
 
 
-def prefill_in_use() -> dict[str, int | None]:
+def prefill_in_use() -> dict[str, TorchFrom]:
     """Every class this process ran a prefill of on the CPU's fused kernels, measured or
-    forced: {attention class: first length for torch's (0: always; None: never)}."""
+    forced: {attention class: first lengths for torch's (0: always; None: never)}."""
     return {attention_class(*key): start for key, start in _in_use.items()}

@@ -202,6 +202,9 @@ def test_a_bfloat16_model_on_a_mixed_table_agrees_with_the_reference_path(tiny_l
             return per_bucket
 
     monkeypatch.setattr(choice, "_tables", MixedTable())
+    # decodes on the fused kernel: the tiny head size's measured choice may be torch's, which
+    # would make the two paths one
+    monkeypatch.setattr("pagedkv.model.backends.cpu_native.decode_route", lambda *a: "native")
     prompt, cont = list(range(5, 45)), list(range(60, 72))
     runners = [ModelRunner(tiny_llama, block_size=4, num_blocks=16, device="cpu",
                            dtype="bfloat16", cpu_kernels=mode) for mode in ("wait", "off")]
@@ -216,16 +219,19 @@ def test_a_bfloat16_model_on_a_mixed_table_agrees_with_the_reference_path(tiny_l
 
 
 def test_the_start_up_facts_name_the_linears_choice(tiny_llama, monkeypatch):
-    """The banner's "CPU kernels" line (runner_facts) says how the linears were chosen: the
-    forced mode, or the measured split per dtype."""
+    """The banner's "CPU kernels" line (runner_facts) says how the linears and the decode
+    attention were chosen: the forced mode, or the measured split per dtype and class."""
     from pagedkv.engine.runner_facts import runner_facts
     from pagedkv.model.runner import ModelRunner
 
     runner = ModelRunner(tiny_llama, block_size=4, num_blocks=8, device="cpu", cpu_kernels="wait")
     facts = runner_facts(runner)["cpu_kernels"]
     assert facts.startswith("fused C++ kernels") and "float32" in facts
-    assert facts.endswith(choice.describe_choice()) and " rows" in facts
+    assert choice.describe_choice() in facts and " rows" in facts
+    assert "; decode attention: " in facts and " kv float32: " in facts
     monkeypatch.setenv(choice.ENV, "panel")
-    assert runner_facts(runner)["cpu_kernels"].endswith(f"linears: panel ({choice.ENV})")
+    forced = runner_facts(runner)["cpu_kernels"]
+    assert f"linears: panel ({choice.ENV}); " in forced
+    assert forced.endswith(f"decode attention: native ({choice.ENV}=panel)")
     off = ModelRunner(tiny_llama, block_size=4, num_blocks=8, device="cpu", cpu_kernels="off")
     assert runner_facts(off)["cpu_kernels"] == "off: the pure-torch path"

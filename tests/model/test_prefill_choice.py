@@ -1,6 +1,7 @@
 """The CPU prefill attention's kernel choice (pagedkv/model/prefill_choice.py): the fused tiled
-kernel or torch's attention, by the step's longest chunk, forced or measured (cached on disk and
-reused); both routes of a mixed step agree with the torch backend."""
+kernel or torch's attention, by the step's chunks' lengths (fresh, or after a cached prefix),
+forced or measured (cached on disk and reused); both routes of a mixed step agree with the torch
+backend."""
 
 from __future__ import annotations
 
@@ -28,10 +29,11 @@ def _fresh_choice(tmp_path, monkeypatch):
     monkeypatch.setattr(prefill_choice, "_torch_from", {})
 
 
-def chunks(*lengths: int) -> list[PrefillChunk]:
+def chunks(*lengths: int, cached: int = 0) -> list[PrefillChunk]:
     out, start = [], 0
     for n in lengths:
-        out.append(PrefillChunk(start, start + n, 0, n, torch.arange(-(-n // 16))))
+        out.append(PrefillChunk(start, start + n, cached, cached + n,
+                                torch.arange(-(-(cached + n) // 16))))
         start += n
     return out
 
@@ -45,19 +47,26 @@ def step_tensors(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize(("forced", "start"), [("panel", None), ("isa", None), ("onednn", 0)])
 def test_a_forced_choice_fixes_the_kernel(forced, start, monkeypatch):
     monkeypatch.setenv(choice.ENV, forced)
-    assert prefill_choice.torch_prefill_from(*CLASS) == start
+    assert prefill_choice.torch_prefill_from(*CLASS) == (start, start)
     q, cache = step_tensors(3)
     assert prefill_choice.native_prefill(q, cache, chunks(3)) is (start is None)
+    assert prefill_choice.native_prefill(q, cache, chunks(3, cached=500)) is (start is None)
     assert prefill_choice.prefill_table() == {}  # nothing measured
 
 
-def test_the_step_takes_torch_from_the_measured_length_by_its_longest_chunk():
-    prefill_choice._torch_from[prefill_choice.attention_class(*CLASS)] = 64
+def test_the_step_takes_torch_from_the_measured_length_of_its_chunks_kind():
+    key = prefill_choice.attention_class(*CLASS)
+    prefill_choice._torch_from[key] = prefill_choice.TorchFrom(64, 32)
     q, cache = step_tensors(80)
     assert prefill_choice.native_prefill(q, cache, chunks(10, 63))
     assert not prefill_choice.native_prefill(q, cache, chunks(10, 64))
-    prefill_choice._torch_from[prefill_choice.attention_class(*CLASS)] = None
+    assert prefill_choice.native_prefill(q, cache, chunks(10, 31, cached=1000))
+    assert not prefill_choice.native_prefill(q, cache, chunks(10, 32, cached=1000))
+    mixed = chunks(40) + [PrefillChunk(40, 72, 16, 48, torch.arange(3))]  # 32 after 16
+    assert not prefill_choice.native_prefill(q, cache, mixed)
+    prefill_choice._torch_from[key] = prefill_choice.TorchFrom(None, None)
     assert prefill_choice.native_prefill(q, cache, chunks(2000))
+    assert prefill_choice.native_prefill(q, cache, chunks(2000, cached=100))
 
 
 def test_the_measured_length_is_cached_on_disk_and_reused(monkeypatch):
@@ -71,22 +80,25 @@ def test_the_measured_length_is_cached_on_disk_and_reused(monkeypatch):
     monkeypatch.setattr(prefill_choice, "measure_prefill", counted)
     start = prefill_choice.torch_prefill_from(*CLASS)
     assert calls == [CLASS]
-    assert start is None or start in prefill_choice.LENGTHS
+    assert all(n is None or n in prefill_choice.LENGTHS for n in start)
     key = prefill_choice.attention_class(*CLASS)
     on_disk = json.loads(choice.table_path().read_text())
-    assert on_disk["prefill_attention"][key] == {"torch_from": start}
+    assert on_disk["prefill_attention"][key] == {"torch_from": start.fresh,
+                                                 "torch_from_after_prefix": start.after_prefix}
     monkeypatch.setattr(prefill_choice, "_torch_from", {})  # a second start: the file
     assert prefill_choice.torch_prefill_from(*CLASS) == start
     assert calls == [CLASS]
     assert prefill_choice.prefill_table() == {key: start}
 
 
+@pytest.mark.parametrize("cached", [0, 37])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_timed_candidates_compute_the_same_attention(dtype):
+def test_the_timed_candidates_compute_the_same_attention(dtype, cached):
     """What the measurement times both ways is one attention (the fused kernel's cache laid
-    out as the torch call's K/V): a wrong layout would time a different problem."""
+    out as the torch call's K/V, fresh or after a cached prefix): a wrong layout would time a
+    different problem."""
     calls = prefill_choice.prefill_candidates(dtype, 6, 2, 64, 16, 40,
-                                              torch.Generator().manual_seed(2))
+                                              torch.Generator().manual_seed(2), cached)
     got_torch, got_native = calls["torch"](), calls["native"]()
     assert got_native.shape == got_torch.shape == (40, 6, 64)
     err = float((got_native.double() - got_torch.double()).abs().max())
@@ -111,3 +123,14 @@ def test_a_mixed_step_agrees_with_the_torch_backend_on_either_route(forced, dtyp
     monkeypatch.setattr(NativeAttentionMetadata, "_prefill", spy)
     assert mixed_step_error(dtype, 64, 2, None) <= TOL[dtype]
     assert bool(fused) is (forced == "panel")
+
+
+def test_an_entry_without_the_after_prefix_length_is_measured_again(monkeypatch):
+    """A table file written before chunks after a cached prefix were measured on their own."""
+    key = prefill_choice.attention_class(*CLASS)
+    choice._write_disk(choice.table_path(), "prefill_attention", key, {"torch_from": 64})
+    monkeypatch.setattr(prefill_choice, "measure_prefill",
+                        lambda *args: prefill_choice.TorchFrom(128, 16))
+    assert prefill_choice.torch_prefill_from(*CLASS) == (128, 16)
+    on_disk = json.loads(choice.table_path().read_text())["prefill_attention"][key]
+    assert on_disk == {"torch_from": 128, "torch_from_after_prefix": 16}

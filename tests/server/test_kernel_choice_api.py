@@ -19,7 +19,7 @@ import torch
 from pagedkv.engine.utility import run_utility
 from pagedkv.kernels import choice
 from pagedkv.kernels.cpu import ensure_cpu_kernels, panel_isa
-from pagedkv.model import prefill_choice
+from pagedkv.model import decode_choice, prefill_choice
 from tests.server.helpers import ENGINE_KWARGS, ServerProcess, engine_flags, serving
 from tests.tiny_models import build_tiny_hf_model
 
@@ -92,8 +92,12 @@ def test_kv_cache_info_names_the_forced_kernel_and_the_prefill_choice(case, mode
     prefill(proc.url)
     after = kernel_info(proc.url)
     assert after["linears"] == before["linears"]
-    assert after["prefill_attention"] == {attention: {"torch_from": 0 if forced == "onednn"
-                                                      else None}}
+    start = 0 if forced == "onednn" else None
+    assert after["prefill_attention"] == {attention: {"torch_from": start,
+                                                      "torch_from_after_prefix": start}}
+    decode = f"{attention} kv float32"  # chosen at start-up, forced here
+    assert after["decode_attention"] == {decode: {"forced": "torch" if forced == "onednn"
+                                                  else "native"}}
 
 
 def core_of(device: str, cpu_kernels: str = "auto") -> SimpleNamespace:
@@ -110,20 +114,23 @@ def test_a_measured_choice_crosses_the_utility_call_as_measured(monkeypatch):
     monkeypatch.setattr(choice, "_in_use", {})
     attention = (torch.bfloat16, 8, 4, 64, 16)
     key = prefill_choice.attention_class(*attention)
-    monkeypatch.setattr(prefill_choice, "_torch_from", {key: 64})
+    monkeypatch.setattr(prefill_choice, "_torch_from", {key: prefill_choice.TorchFrom(64, 32)})
     monkeypatch.setattr(prefill_choice, "_in_use", {})
+    monkeypatch.setattr(decode_choice, "_in_use", {})
 
     def unmeasurable(kernel: str):
         raise AssertionError("measured again")
 
     assert choice.choose_linear(shape, torch.bfloat16, 64, unmeasurable, choice.KERNELS,
                                 "panel") == measured
-    assert prefill_choice.torch_prefill_from(*attention) == 64
+    assert prefill_choice.torch_prefill_from(*attention) == (64, 32)
     info = run_utility(core_of("cpu"), "cpu_kernel_choice", ())
     labels = [choice.bucket_label(b) for b in choice.ROW_BUCKETS]
     assert info == {"mode": "measure", "isa": panel_isa(),
                     "linears": {shape: dict(zip(labels, measured, strict=True))},
-                    "prefill_attention": {key: {"torch_from": 64}}}
+                    "prefill_attention": {key: {"torch_from": 64,
+                                                "torch_from_after_prefix": 32}},
+                    "decode_attention": {}}
     json.dumps(info)  # JSON-able as it is
 
 

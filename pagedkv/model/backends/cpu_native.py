@@ -14,6 +14,11 @@ blocks once). Where the build has no tiled kernel for the dtype and head size
 (`paged_prefill_supports`: an AVX2 build, a head size other than 64 or 128, float16, bfloat16
 without AVX512-BF16) prefill chunks take the pure-torch path of torch_paged.py.
 
+Which kernel runs a step's decodes is measured per attention class (decode_choice.py): the
+fused kernel, torch's attention over gathered blocks (attention.decode_attention), or, for a
+lone decode whose KV heads do not fill the threads, the fused kernel split over its context
+(decode_split.py); a step's prefill chunks likewise (prefill_choice.py).
+
 Until the kernels are loaded (pagedkv.kernels.cpu builds them on first use), or when the
 runner turns `fused` off, this backend is exactly torch_paged's.
 """
@@ -24,7 +29,7 @@ from functools import cache
 
 import torch
 
-from pagedkv.model.attention import AttentionMetadata, prefill_attention_all
+from pagedkv.model.attention import AttentionMetadata, decode_attention, prefill_attention_all
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.backends.torch_paged import TorchPagedBackend
 from pagedkv.model.cascade import (
@@ -33,6 +38,8 @@ from pagedkv.model.cascade import (
     shared_prefix_attention,
     window_hides_nothing,
 )
+from pagedkv.model.decode_choice import DecodeClass, decode_route
+from pagedkv.model.decode_split import split_decode, split_rows
 from pagedkv.model.prefill_choice import native_prefill
 
 
@@ -101,8 +108,42 @@ class NativeAttentionMetadata(AttentionMetadata):
             self._mask_cache[key] = (torch.tensor(first, dtype=torch.long), shared)
         return self._mask_cache[key]
 
+    def _decode_route(self, q: torch.Tensor, k_cache: torch.Tensor, window: int | None) -> str:
+        """decode_choice's kernel for this step's decodes ("native", "torch", "split<P>"),
+        once per step per window (a lone decode over a shared prefix is not split)."""
+        key = ("decode_route", window)
+        if key not in self._mask_cache:
+            first, shared = self._first_positions(window)
+            lens = self.decode_seq_lens_list or self.decode_seq_lens.tolist()
+            cls = DecodeClass(q.dtype, q.shape[1], k_cache.shape[0], q.shape[2],
+                              k_cache.shape[2], k_cache.dtype)
+            longest = max(n - f for n, f in zip(lens, first.tolist(), strict=True))
+            route = decode_route(cls, len(lens), longest, torch.get_num_threads())
+            if route.startswith("split") and shared:
+                route = "native"
+            self._mask_cache[key] = route
+        return self._mask_cache[key]
+
+    def _split_rows(self, window: int | None, parts: int) -> tuple:
+        """decode_split.split_rows of the step's one decode, once per step per window."""
+        key = ("split_rows", window, parts)
+        if key not in self._mask_cache:
+            first, _ = self._first_positions(window)
+            self._mask_cache[key] = split_rows(self.decode_block_tables[0], int(first[0]),
+                                               int(self.decode_seq_lens[0]), self.block_size,
+                                               parts)
+        return self._mask_cache[key]
+
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 scale: float, window: int | None, out: torch.Tensor) -> None:
+        route = self._decode_route(q, k_cache, window)
+        if route == "torch":
+            out.copy_(decode_attention(q, k_cache, v_cache, self, scale, window))
+            return
+        if route.startswith("split"):
+            split_decode(q, k_cache, v_cache, self._split_rows(window, int(route[5:])), scale,
+                         out)
+            return
         first, shared = self._first_positions(window)
         lse = torch.empty(q.shape[:2], dtype=torch.float32) if shared else None
         torch.ops.pagedkv_cpu.paged_decode_attention(

@@ -1,0 +1,240 @@
+"""The CPU decode attention's kernel choice (pagedkv/model/decode_choice.py): the fused kernel,
+torch's over gathered blocks, or the fused kernel split over one sequence's context
+(decode_split.py); every candidate computes the reference's attention, a forced choice is fixed,
+a measured table is cached on disk and reused, and a step routed each way agrees with the
+torch backend."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from pagedkv.kernels import choice
+from pagedkv.kernels.cpu import ensure_cpu_kernels
+from pagedkv.model import decode_choice
+from pagedkv.model.backends.cpu_native import CpuNativeBackend, NativeAttentionMetadata
+from pagedkv.model.backends.step import StepSequences
+from pagedkv.model.backends.torch_paged import TorchPagedBackend
+from pagedkv.model.decode_choice import DecodeClass, DecodeTable
+from pagedkv.model.decode_split import split_rows
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+CLASS = DecodeClass(torch.bfloat16, 6, 3, 64, 16, torch.bfloat16)
+NATIVE = (("native",) * len(decode_choice.CONTEXTS),) * len(decode_choice.BATCHES)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_choice(tmp_path, monkeypatch):
+    """The kernels loaded, an empty kernel cache folder and in-process table per test."""
+    assert ensure_cpu_kernels("wait")
+    monkeypatch.setenv("PAGEDKV_KERNEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(choice.ENV, raising=False)
+    monkeypatch.setattr(decode_choice, "_tables", {})
+    monkeypatch.setattr(decode_choice, "_in_use", {})
+    monkeypatch.setattr(decode_choice, "POOL_TOKENS", 256)  # small caches: quick tests
+
+
+def reference(q, k_cache, v_cache, k_scales, v_scales, tables, lens, scale) -> torch.Tensor:
+    """Each decode's attention over its gathered (dequantized) keys, float64."""
+    out = []
+    kvh, _, bs, d = k_cache.shape
+    g = q.shape[1] // kvh
+    for s in range(q.shape[0]):
+        n = int(lens[s])
+        blocks = tables[s, : -(-n // bs)]
+        k, v = (c[:, blocks].reshape(kvh, -1, d)[:, :n].double() for c in (k_cache, v_cache))
+        if k_scales is not None:
+            k = k * k_scales[:, blocks].reshape(kvh, -1)[:, :n, None]
+            v = v * v_scales[:, blocks].reshape(kvh, -1)[:, :n, None]
+        qs = q[s].double().view(kvh, g, d)
+        w = torch.softmax(qs @ k.transpose(1, 2) * scale, -1)
+        out.append((w @ v).reshape(-1, d))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(("dtype", "kv_dtype"), [(torch.float32, torch.float32),
+                                                 (torch.bfloat16, torch.bfloat16),
+                                                 (torch.bfloat16, torch.int8)])
+@pytest.mark.parametrize(("batch", "context"), [(1, 16), (1, 150), (3, 70)])
+def test_every_timed_candidate_computes_the_reference_attention(dtype, kv_dtype, batch, context):
+    cls = DecodeClass(dtype, 6, 3, 64, 16, kv_dtype)
+    calls = decode_choice.decode_candidates(cls, batch, context, torch.Generator().manual_seed(1),
+                                            decode_choice.SPLITS if batch == 1 else ())
+    x = decode_choice._inputs(cls, batch, context, torch.Generator().manual_seed(1))
+    want = reference(x.q, x.k_cache, x.v_cache, x.k_scales, x.v_scales, x.tables, x.lens,
+                     x.scale)
+    expected = {"native"} | ({"torch"} if kv_dtype == dtype else set()) | \
+        ({f"split{p}" for p in decode_choice.SPLITS} if batch == 1 else set())
+    assert set(calls) == expected
+    for name, call in calls.items():
+        got = call()
+        assert got.shape == (batch, 6, 64), name
+        err = float((got.double() - want).abs().max()) / max(1.0, float(want.abs().max()))
+        assert err <= TOL[dtype], (name, err)
+
+
+@pytest.mark.parametrize(("first", "length", "parts"), [(0, 150, 2), (0, 150, 4), (37, 200, 3),
+                                                        (0, 64, 4)])
+def test_split_runs_cover_the_keys_once_each_starting_at_its_own_block(first, length, parts):
+    bs = 16
+    table = torch.arange(100, 100 + -(-length // bs))
+    tables, firsts, lens = split_rows(table, first, length, bs, parts)
+    covered = []
+    for p in range(parts):
+        for pos in range(int(firsts[p]), int(lens[p])):
+            covered.append(int(tables[p, pos // bs]) * bs + pos % bs)  # the physical slot
+    assert covered == [int(table[pos // bs]) * bs + pos % bs for pos in range(first, length)]
+    assert len({int(t[0]) for t in tables}) == parts  # distinct first blocks: not one tile
+    assert all(lens[p] > firsts[p] for p in range(parts))
+
+
+def test_the_split_pays_only_where_the_threads_are_unbalanced():
+    assert decode_choice.split_parts((1.0, 1.05), kv_heads=3, threads=2) == 2  # 3 items, 2 threads
+    assert decode_choice.split_parts((1.1, 1.2), kv_heads=3, threads=2) == 1  # not by the margin
+    assert decode_choice.split_parts((1.1, 1.2), kv_heads=1, threads=2) == 2
+    assert decode_choice.split_parts((1.1, 1.2), kv_heads=4, threads=2) == 1  # balanced
+    assert decode_choice.split_parts((1.1, 1.2), kv_heads=3, threads=1) == 1
+    assert decode_choice.split_parts((1.6, 1.7), kv_heads=3, threads=2) == 1  # too costly
+
+
+@pytest.mark.parametrize(("forced", "kernel"), [("panel", "native"), ("isa", "native"),
+                                                ("onednn", "torch")])
+def test_a_forced_choice_fixes_the_kernel_and_measures_nothing(forced, kernel, monkeypatch):
+    monkeypatch.setenv(choice.ENV, forced)
+    for batch, longest in ((1, 8000), (1, 10), (40, 3000)):
+        assert decode_choice.decode_route(CLASS, batch, longest, threads=2) == kernel
+    int8 = CLASS._replace(kv_dtype=torch.int8)
+    assert decode_choice.decode_route(int8, 1, 8000, threads=2) == "native"  # no torch path
+    assert not choice.table_path().exists()
+    assert decode_choice.decode_in_use()[CLASS.key()] == {"forced": kernel}
+    assert forced in decode_choice.describe_decode()
+
+
+def test_the_measured_table_is_cached_on_disk_and_reused(monkeypatch):
+    calls = []
+    measure = decode_choice.measure_decode
+    monkeypatch.setattr(decode_choice, "BATCHES", ((1, 1, 1), (2, 2, 2)))  # a quick table
+    monkeypatch.setattr(decode_choice, "CONTEXTS", ((1, 64, 64), (65, 65, 160)))
+    monkeypatch.setattr(decode_choice, "SPLIT_FROM", 65)
+
+    def counted(cls):
+        calls.append(cls)
+        return measure(cls)
+
+    monkeypatch.setattr(decode_choice, "measure_decode", counted)
+    table = decode_choice.decode_table(CLASS)
+    assert calls == [CLASS]
+    assert all(k in decode_choice.KERNELS for row in table.kernels for k in row)
+    assert len(table.split_cost) == 2 and all(c > 0 for row in table.split_cost for c in row)
+    on_disk = json.loads(choice.table_path().read_text())["decode_attention"][CLASS.key()]
+    assert on_disk == table.as_json()
+    monkeypatch.setattr(decode_choice, "_tables", {})  # a second start: the file
+    again = decode_choice.decode_table(CLASS)
+    assert calls == [CLASS]
+    assert again.kernels == table.kernels
+    assert all(math.isclose(a, b, abs_tol=1e-3) for ra, rb in zip(again.split_cost,
+                                                                   table.split_cost, strict=True)
+               for a, b in zip(ra, rb, strict=True))
+    info = decode_choice.decode_in_use()[CLASS.key()]
+    assert set(info["batch_1"].values()) <= {"native", "torch", "split2", "split4"}
+
+
+def test_the_route_reads_the_bucket_of_the_batch_and_longest_context():
+    kernels = [list(row) for row in NATIVE]
+    kernels[2][2] = "torch"
+    table = DecodeTable(tuple(map(tuple, kernels)), ((0.5, 0.5), (1.3, 1.0), (1.0, 1.0)))
+    decode_choice._tables[CLASS.key()] = table
+    route = decode_choice.decode_route
+    assert route(CLASS, 40, 5000, threads=2) == "torch"
+    assert route(CLASS, 40, 1000, threads=2) == "native"
+    assert route(CLASS, 1, 300, threads=2) == "native"  # below SPLIT_FROM, however cheap
+    assert route(CLASS, 1, 2000, threads=2) == "split4"
+    assert route(CLASS, 1, decode_choice.SPLIT_FROM - 1, threads=2) == "native"
+    assert route(CLASS, 1, 5000, threads=1) == "native"
+    assert route(CLASS, 2, 5000, threads=2) == "native"  # split: batch 1 only
+    assert "split4 at batch 1, context 1025-4096" in decode_choice.describe_decode()
+
+
+def one_decode_step_error(dtype: torch.dtype, route: str, monkeypatch,
+                          window: int | None = None) -> tuple[float, list[str]]:
+    """(max |native - torch backend| / max(1, |torch|), routes taken) of a step of one decode
+    of 300 keys over scattered blocks, the native metadata's decode forced to `route`."""
+    bs, kvh, heads, d = 16, 3, 6, 64
+    table = [int(b) for b in torch.randperm(40, generator=torch.Generator().manual_seed(3))[:19]]
+    step = StepSequences([1], [300], [table], [table[299 // bs] * bs + 299 % bs], num_decodes=1,
+                         block_size=bs)
+    torch.manual_seed(5)
+    q = torch.randn(1, heads, d, dtype=dtype)
+    k, v = torch.randn(1, kvh, d, dtype=dtype), torch.randn(1, kvh, d, dtype=dtype)
+    k_cache, v_cache = (torch.randn(kvh, 40, bs, d, dtype=dtype) for _ in range(2))
+    want = TorchPagedBackend(torch.device("cpu")).build_metadata(step).attend(
+        q, k, v, k_cache.clone(), v_cache.clone(), d ** -0.5, window)
+    taken = []
+    monkeypatch.setattr("pagedkv.model.backends.cpu_native.decode_route",
+                        lambda *args: taken.append(route) or route)
+    native = CpuNativeBackend(torch.device("cpu"))
+    native.set_fused(True)
+    meta = native.build_metadata(step)
+    assert isinstance(meta, NativeAttentionMetadata)
+    got = meta.attend(q, k, v, k_cache, v_cache, d ** -0.5, window)
+    return float((got.double() - want.double()).abs().max()) / max(1.0, float(want.abs().max())), \
+        taken
+
+
+@pytest.mark.parametrize("route", ["native", "torch", "split2", "split4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 100])
+def test_a_decode_step_agrees_with_the_torch_backend_on_every_route(dtype, route, window,
+                                                                    monkeypatch):
+    err, taken = one_decode_step_error(dtype, route, monkeypatch, window)
+    assert taken == [route]
+    assert err <= TOL[dtype]
+
+
+@pytest.mark.parametrize("route", ["native", "split2", "split4"])
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_a_lone_decode_over_a_quantized_cache_agrees_with_the_dequantized_reference(
+        cache_dtype, route, monkeypatch):
+    """The quantized cache's in-place metadata (quantized_native.py) takes the route too: a
+    step of one decode of 60 keys in scattered blocks, against softmax attention over the
+    dequantized cache."""
+    from pagedkv.model.backends.quantized import QuantizedKVBackend
+    from tests.model.test_kv_quant_in_place import (
+        BLOCK,
+        HEAD_DIM,
+        HEADS,
+        KV_HEADS,
+        NUM_BLOCKS,
+        _fill,
+        _reference,
+    )
+
+    gen = torch.Generator().manual_seed(2)
+    table = [int(b) for b in torch.randperm(NUM_BLOCKS, generator=gen)[:15]]
+    seqs = [(1, 60, table)]
+    shape = (KV_HEADS, NUM_BLOCKS, BLOCK, HEAD_DIM)
+    k_cache, v_cache = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
+    k_scales = v_scales = None
+    if cache_dtype == torch.int8:
+        k_scales, v_scales = torch.zeros(shape[:-1]), torch.zeros(shape[:-1])
+    cached = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(59)])
+    for cache, scales in ((k_cache, k_scales), (v_cache, v_scales)):
+        _fill(cache, scales, cached, torch.randn(59, KV_HEADS, HEAD_DIM, generator=gen))
+    step = StepSequences([1], [60], [table], [table[59 // BLOCK] * BLOCK + 59 % BLOCK],
+                         num_decodes=1, block_size=BLOCK)
+    taken = []
+    monkeypatch.setattr("pagedkv.model.backends.quantized_native.decode_route",
+                        lambda *args: taken.append(route) or route)
+    backend = QuantizedKVBackend(CpuNativeBackend(torch.device("cpu")), reads_in_place=True)
+    backend.set_fused(True)
+    meta = backend.build_metadata(step)
+    q = torch.randn(1, HEADS, HEAD_DIM, generator=gen).bfloat16()
+    k, v = (torch.randn(1, KV_HEADS, HEAD_DIM, generator=gen).bfloat16() for _ in range(2))
+    out = meta.attend(q, k, v, k_cache, v_cache, HEAD_DIM ** -0.5, None, k_scales=k_scales,
+                      v_scales=v_scales)
+    ref = _reference(q, k_cache, v_cache, k_scales, v_scales, None, seqs)
+    assert taken == [route]
+    assert float((out.float() - ref).abs().max() / ref.abs().max()) < 1e-2
