@@ -254,7 +254,8 @@ def _transfers(prefilled: list[RequestRecord], records: list[RequestRecord],
     return ready, {"transfers": len(seconds), "transfer_bytes": total_bytes,
                    "transfer_seconds_mean": mean,
                    "transfer_seconds_max": max(seconds, default=0.0),
-                   "handoff_seconds_mean": sum(handoffs) / len(handoffs) if handoffs else 0.0}
+                   "handoff_seconds_mean": sum(handoffs) / len(handoffs) if handoffs else 0.0,
+                   "handoff_seconds_max": max(handoffs, default=0.0)}
 
 
 def _place_decode(policy: DecodeRoomPolicy, instances: list[SimInstance],
