@@ -134,7 +134,9 @@ def fleet_run(model_dir: Path, trace, vocab: int, blocks: int, split: bool, tmp:
         for s in servers:
             s.start()
         router.start()
-        asyncio.run(replay(router.url, trace[:1], vocab))  # warm both hops
+        # warm both hops with a prompt that shares no block with the trace's (the simulator,
+        # replaying the trace alone, would not know of its cached blocks)
+        asyncio.run(replay(router.url, [dataclasses.replace(trace[0], block_ids=())], vocab))
         rows, sent = asyncio.run(replay(router.url, trace, vocab))
         params = transfers(urls[0], trace, vocab) if split else []
     finally:

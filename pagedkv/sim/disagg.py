@@ -182,14 +182,19 @@ def simulate_split(trace: Sequence[TraceRequest], config: SimConfig, latency: La
                                split.prefill_instances + j, delays.wake, shared, record_steps)
               for j in range(split.decode_instances)]
     policy_d = DecodeRoomPolicy()
+    admitting: list[list[tuple[RequestRecord, TraceRequest]]] = [[] for _ in decode]
     for at, index in ready:
-        for inst in decode:
+        for inst, waiting in zip(decode, admitting, strict=True):
+            if at + delays.admit > inst.clock:
+                _admit(inst, waiting)
             inst.run_until(at + delays.admit)
-        inst = decode[_place_decode(policy_d, decode, trace[index], config)]
+        j = _place_decode(policy_d, decode, trace[index], config)
+        inst = decode[j]
         inst.store.receive(_block_hashes(inst, prompt_token_ids(trace[index],
                                                                 config.vocab_size, index)))
-        _admit(inst, records[index], trace[index])
-    for inst in decode:
+        admitting[j].append((records[index], trace[index]))
+    for inst, waiting in zip(decode, admitting, strict=True):
+        _admit(inst, waiting)
         inst.run_until(math.inf)
     observed(records, dataclasses.replace(delays, admit=0.0, wake=0.0))
     result = SimResult(config=config, latency_name=prefill.latency_name,
@@ -201,14 +206,20 @@ def simulate_split(trace: Sequence[TraceRequest], config: SimConfig, latency: La
     return result
 
 
-def _admit(inst: SimInstance, record: RequestRecord, treq: TraceRequest) -> None:
-    """The consumer's server admits a request whose KV it holds: the check that the blocks are
-    held runs at the end of the step in progress (the instance's clock, `run_until` having
-    stepped past the arrival), and the request it then submits joins before the step after
-    the next one when the loop went straight on (busy), at once on an idle engine."""
+def _admit(inst: SimInstance, waiting: list[tuple[RequestRecord, TraceRequest]]) -> None:
+    """Submit the requests whose KV `inst`'s server found held: the check ran at the end of
+    the step in progress when each arrived (the instance's clock: `run_until` stepped past the
+    arrival and the instance has not moved since), and the requests it then submits join
+    before the step after the next one when the loop went straight on (busy), at once on an
+    idle engine. Requests that arrived during the same step are submitted together. Empties
+    `waiting`."""
+    if not waiting:
+        return
     if inst.busy:
         inst.step(inst.clock)
-    inst.add(record, treq)
+    for record, treq in waiting:
+        inst.add(record, treq)
+    waiting.clear()
 
 
 def command_time(spans: Sequence[tuple[float, float]], sent: float) -> float:
