@@ -12,7 +12,8 @@ pushed and the seconds the handoff took.
 `--vs-sim` (bench_simulator.py's terms): a latency model is fitted on each split server's own
 steps (`--step-log`): the producer's for the prefill side, the consumer's for the decode side
 (`simulate_split(decode_latency=...)`: one fit over both is ruled by the long prefill steps and
-times decode batches wrong), and `simulate_split` (what `pagedkv simulate --prefill-instances 1
+times decode batches wrong; the decode side's by ordinary least squares, which keeps its steps'
+total, the TPOT), and `simulate_split` (what `pagedkv simulate --prefill-instances 1
 --decode-instances 1` runs) replays the same requests at the arrivals the client sent them,
 over a link of the transfer rate measured above; prints the error of TTFT and TPOT mean and p99.
 Then the mixed fleet likewise (2 kv-aware instances, fitted on its own servers' steps), and the
@@ -178,9 +179,9 @@ def transfer_stats(params: list[dict]) -> dict[str, float]:
             "transferred": sum(1 for p in params if p["num_tokens"] > 0)}
 
 
-def fitted(run: dict, which: slice = slice(None)):
-    """The latency model fitted on a fleet run's servers' own steps (those of `which`), and
-    their number."""
+def fitted(run: dict, which: slice = slice(None), absolute: bool = False):
+    """The latency model fitted on a fleet run's servers' own steps (those of `which`;
+    `absolute`: `FittedLatency.fit`'s), and their number."""
     from pagedkv.engine.step_log import read_step_log
     from pagedkv.sim.latency import FittedLatency
 
@@ -189,7 +190,7 @@ def fitted(run: dict, which: slice = slice(None)):
         s, t = read_step_log(log)
         shapes += s
         times += t
-    return FittedLatency.fit(shapes, times), len(times)
+    return FittedLatency.fit(shapes, times, absolute=absolute), len(times)
 
 
 def as_sent(trace, run: dict) -> list:
@@ -206,12 +207,13 @@ def vs_sim(trace, split_run: dict, mixed_run: dict, xfer: dict, vocab: int,
     from pagedkv.sim.config import SimConfig
     from pagedkv.sim.disagg import Split, simulate_split
     from pagedkv.sim.simulator import simulate
+    from pagedkv.sim.slo_winner import slo_winners
 
     config = SimConfig(num_blocks=blocks, block_size=SERVE["block_size"],
                        max_model_len=SERVE["max_model_len"], vocab_size=vocab,
                        max_num_batched_tokens=2048, block_bytes=xfer["block_bytes"])
     latency, steps = fitted(split_run, slice(0, 1))
-    decode_latency, decode_steps = fitted(split_run, slice(1, 2))
+    decode_latency, decode_steps = fitted(split_run, slice(1, 2), absolute=True)
     steps += decode_steps
     result = simulate_split(as_sent(trace, split_run), config, latency,
                             Split(1, 1, xfer["gbps"]), decode_latency=decode_latency)
@@ -235,7 +237,7 @@ def vs_sim(trace, split_run: dict, mixed_run: dict, xfer: dict, vocab: int,
         for k, (s, r) in ratios.items()), flush=True)
     split_rows = [{"ttft": r.ttft, "tpot": r.tpot} for r in result.records]
     mixed_rows = [{"ttft": r.ttft, "tpot": r.tpot} for r in mixed.records]
-    decisions = slo_decisions(split_run["rows"], mixed_run["rows"], split_rows, mixed_rows)
+    decisions = slo_winners((split_run["rows"], mixed_run["rows"]), (split_rows, mixed_rows))
     agree = sum(d["sim_winner"] == d["real_winner"] for d in decisions)
     print(f"which fleet serves more requests within an SLO, sim vs real: the same in {agree} of "
           f"{len(decisions)} SLOs" + "".join(
@@ -244,35 +246,6 @@ def vs_sim(trace, split_run: dict, mixed_run: dict, xfer: dict, vocab: int,
           flush=True)
     return {"sim": sim, "real": real, "error": error, "sim_mixed": sim_mixed,
             "ratios_sim_real": ratios, "slo_decisions": decisions}
-
-
-def within(rows: list[dict], ttft: float, tpot: float) -> int:
-    """Requests whose TTFT and TPOT are within the SLO (no TPOT: one token, TTFT decides)."""
-    return sum(1 for r in rows if r["ttft"] is not None and r["ttft"] <= ttft
-               and (r["tpot"] is None or r["tpot"] <= tpot))
-
-
-def winner(split: int, mixed: int) -> str:
-    return "split" if split > mixed else "mixed" if mixed > split else "tie"
-
-
-def slo_decisions(real_split: list[dict], real_mixed: list[dict], sim_split: list[dict],
-                  sim_mixed: list[dict]) -> list[dict]:
-    """The DistServe question per SLO: which fleet has more requests within it, real and
-    simulated. The SLOs: TTFT and TPOT targets at the 25th, 50th, 75th and 90th
-    percentiles of each fleet (where the answer can go either way), every pair of them."""
-    targets = {}
-    for name in ("ttft", "tpot"):
-        values = [r[name] for r in real_split + real_mixed if r[name] is not None]
-        targets[name] = sorted({bs.percentile(values, q) for q in (25, 50, 75, 90)})
-    out = []
-    for ttft in targets["ttft"]:
-        for tpot in targets["tpot"]:
-            counts = [within(rows, ttft, tpot)
-                      for rows in (real_split, real_mixed, sim_split, sim_mixed)]
-            out.append({"ttft": ttft, "tpot": tpot, "real": counts[:2], "sim": counts[2:],
-                        "real_winner": winner(*counts[:2]), "sim_winner": winner(*counts[2:])})
-    return out
 
 
 def record(out: Path, trace, split: dict, mixed: dict, xfer: dict, vocab: int,
