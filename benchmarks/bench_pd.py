@@ -207,7 +207,7 @@ def vs_sim(trace, split_run: dict, mixed_run: dict, xfer: dict, vocab: int,
     from pagedkv.sim.config import SimConfig
     from pagedkv.sim.disagg import Split, simulate_split
     from pagedkv.sim.simulator import simulate
-    from pagedkv.sim.slo_winner import slo_winners
+    from pagedkv.sim.slo_winner import flipped, slo_winners
 
     config = SimConfig(num_blocks=blocks, block_size=SERVE["block_size"],
                        max_model_len=SERVE["max_model_len"], vocab_size=vocab,
@@ -239,11 +239,11 @@ def vs_sim(trace, split_run: dict, mixed_run: dict, xfer: dict, vocab: int,
     mixed_rows = [{"ttft": r.ttft, "tpot": r.tpot} for r in mixed.records]
     decisions = slo_winners((split_run["rows"], mixed_run["rows"]), (split_rows, mixed_rows))
     agree = sum(d["sim_winner"] == d["real_winner"] for d in decisions)
-    print(f"which fleet serves more requests within an SLO, sim vs real: the same in {agree} of "
-          f"{len(decisions)} SLOs" + "".join(
-              f"; ttft {d['ttft']:.1f} s tpot {d['tpot'] * 1e3:.0f} ms: {d['sim_winner']} vs "
-              f"{d['real_winner']}" for d in decisions if d["sim_winner"] != d["real_winner"]),
-          flush=True)
+    flips = [d for d in decisions if flipped(d)]
+    print(f"which fleet serves more requests within an SLO (by more than one), sim vs real: "
+          f"the same in {agree} of {len(decisions)} SLOs, the other fleet in {len(flips)}"
+          + "".join(f"; ttft {d['ttft']:.1f} s tpot {d['tpot'] * 1e3:.0f} ms: "
+                    f"{d['sim_winner']} vs {d['real_winner']}" for d in flips), flush=True)
     return {"sim": sim, "real": real, "error": error, "sim_mixed": sim_mixed,
             "ratios_sim_real": ratios, "slo_decisions": decisions}
 

@@ -27,7 +27,7 @@ from pagedkv.sim.disagg import Split, simulate_split
 from pagedkv.sim.latency import FittedLatency
 from pagedkv.sim.results import percentile
 from pagedkv.sim.simulator import simulate
-from pagedkv.sim.slo_winner import slo_winners
+from pagedkv.sim.slo_winner import flipped, slo_winners
 from pagedkv.sim.traces import TraceRequest
 
 RUN = Path(__file__).parent / "data" / "pd_run"
@@ -83,8 +83,8 @@ def runs():
             "mixed": (mixed_real, measured(mixed.records)), "extra": split.extra["split"]}
 
 
-@pytest.mark.parametrize("name, mean_tol, p99_tol", [("ttft", 0.10, 0.10),
-                                                     ("tpot", 0.35, 0.40)])
+@pytest.mark.parametrize("name, mean_tol, p99_tol", [("ttft", 0.05, 0.10),
+                                                     ("tpot", 0.05, 0.20)])
 def test_the_split_times_the_recorded_run(runs, name, mean_tol, p99_tol):
     real, sim = runs["split"]
     assert len(sim) == len(real) and all(r["ttft"] is not None for r in sim)
@@ -101,8 +101,12 @@ def test_the_handoff_waits_for_the_busy_producers_steps(runs):
 
 
 def test_the_simulator_picks_the_real_winner_per_slo(runs):
+    """Never the other fleet than the real run names; the same answer (a winner by more than
+    one request, or a tie) on most of the grid."""
     decisions = slo_winners((runs["split"][0], runs["mixed"][0]),
                             (runs["split"][1], runs["mixed"][1]))
     assert len(decisions) >= 9
-    agree = [d for d in decisions if d["sim_winner"] == d["real_winner"]]
-    assert len(agree) >= len(decisions) - 1, [d for d in decisions if d not in agree]
+    assert not [d for d in decisions if flipped(d)]
+    same = sum(d["sim_winner"] == d["real_winner"] for d in decisions)
+    assert same >= 0.75 * len(decisions)
+    assert {d["real_winner"] for d in decisions} >= {"split", "mixed"}  # the grid spans both
