@@ -270,7 +270,7 @@ def record(out: Path, trace, split: dict, mixed: dict, xfer: dict, vocab: int,
         "num_blocks": blocks, "block_size": SERVE["block_size"],
         "max_model_len": SERVE["max_model_len"], "vocab_size": vocab,
         "max_num_batched_tokens": 2048, "block_bytes": xfer["block_bytes"],
-        "link_gbps": xfer["gbps"], "load": uptime()}, indent=1))
+        "link_gbps": xfer["gbps"]}, indent=1))
 
 
 def uptime() -> str:

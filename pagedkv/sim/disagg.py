@@ -278,8 +278,8 @@ def _place_decode(policy: DecodeRoomPolicy, instances: list[SimInstance],
 
 def split_search(trace: Sequence[TraceRequest], config: SimConfig, latency: LatencyModel,
                  slo: Any, *, link_gbps: float, target: float = 0.99, max_instances: int = 16,
-                 policy: str = "kv-aware",
-                 log: Callable[[str], None] | None = None) -> dict[str, Any]:
+                 policy: str = "kv-aware", log: Callable[[str], None] | None = None,
+                 decode_latency: LatencyModel | None = None) -> dict[str, Any]:
     """The smallest split fleet meeting `slo` for `target` of the requests: for N = 2, 3, ...
     up to `max_instances` in all, every P + D = N is run, and the first N where one meets it
     answers (the one with the most requests meeting it, then the lowest TTFT p99). Returns
@@ -298,7 +298,7 @@ def split_search(trace: Sequence[TraceRequest], config: SimConfig, latency: Late
         met = []
         for p in range(1, total):
             result = simulate_split(trace, config, latency, Split(p, total - p, link_gbps),
-                                    policy=policy)
+                                    policy=policy, decode_latency=decode_latency)
             summary = tried[f"{p}:{total - p}"] = summarize(result, slo)
             summary["split"] = result.extra["split"]
             if log is not None:

@@ -4,6 +4,7 @@ mixed case, the transfer's time from bytes over the link, placement, and conserv
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -162,6 +163,23 @@ def test_the_cli_compares_the_split_with_mixed_instances():
     assert searched.returncode == 0, searched.stderr
     assert "smallest split meeting" in searched.stdout
     assert "fewest mixed instances meeting" in searched.stdout
+
+
+def test_the_cli_gives_the_decode_instances_their_own_latency_model(tmp_path):
+    """Decode instances whose every step takes 50 ms (a fitted model's JSON): the split's
+    TPOT is theirs, not `--latency`'s."""
+    from pagedkv.sim.latency import FittedLatency
+
+    FittedLatency({"intercept": 0.05}).save(tmp_path / "decode.json")
+    out = tmp_path / "out.json"
+    ran = simulate_cli_without_torch("--prefill-instances", "1", "--decode-instances", "1",
+                                     "--decode-latency", str(tmp_path / "decode.json"),
+                                     "--json", str(out))
+    assert ran.returncode == 0, ran.stderr
+    tpot = json.loads(out.read_text())["split"]["latency"]["tpot"]
+    assert tpot["p50"] == pytest.approx(0.05) and tpot["p99"] == pytest.approx(0.05)
+    bad = simulate_cli_without_torch("--decode-latency", str(tmp_path / "decode.json"))
+    assert bad.returncode == 2 and "--decode-latency needs" in bad.stderr
 
 
 def test_split_search_answers_the_smallest_fleet_meeting_the_slo():
