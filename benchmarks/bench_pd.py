@@ -17,10 +17,13 @@ total, the TPOT), and `simulate_split` (what `pagedkv simulate --prefill-instanc
 --decode-instances 1` runs) replays the same requests at the arrivals the client sent them,
 over a link of the transfer rate measured above; prints the error of TTFT and TPOT mean and p99.
 Then the mixed fleet likewise (2 kv-aware instances, fitted on its own servers' steps), and the
-simulator's split/mixed ratios beside the real ones: does it pick the same winner per figure.
+simulator's split/mixed ratios beside the real ones: does it pick the same winner per figure;
+and for a grid of SLOs (TTFT and TPOT targets at the real runs' quartiles and 90th percentile)
+which fleet serves more requests within each, simulated against real (pagedkv/sim/slo_winner.py).
+`--record DIR` writes the run as the fixture of tests/sim/test_split_vs_real.py.
 
     python benchmarks/bench_pd.py [--requests 24] [--scale 0.0625] [--max-output 24]
-        [--time-scale 0.25] [--vs-sim] [--json OUT]
+        [--time-scale 0.25] [--vs-sim] [--json OUT] [--record DIR]
 """
 
 from __future__ import annotations
