@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -78,7 +79,8 @@ class VLLMServer(ServerProcess):
 class PDRouter(RouterProcess):
     def command(self) -> list[str]:
         prefill, decode = self.backends
-        return [*super().command()[:3], "--prefill", prefill, "--decode", decode, "--model",
+        return [sys.executable, "-m", "pagedkv.cli", "router", "--prefill", prefill,
+                "--decode", decode, "--model",
                 str(self.model_dir), "--port", str(self.port), "--log-level", "warning",
                 *self.args]
 
