@@ -9,15 +9,21 @@ run each prompt is prefilled once more straight at the producer (a vLLM-proxy pr
 its blocks pushed to the consumer again), and its answer's `kv_transfer_params` give the bytes
 pushed and the seconds the handoff took.
 
-`--vs-sim` (bench_simulator.py's terms): the latency model is fitted on both split servers'
-own steps (`--step-log`), and `simulate_split` (what `pagedkv simulate --prefill-instances 1
+`--vs-sim` (bench_simulator.py's terms): a latency model is fitted on each split server's own
+steps (`--step-log`): the producer's for the prefill side, the consumer's for the decode side
+(`simulate_split(decode_latency=...)`: one fit over both is ruled by the long prefill steps and
+times decode batches wrong; the decode side's by ordinary least squares, which keeps its steps'
+total, the TPOT), and `simulate_split` (what `pagedkv simulate --prefill-instances 1
 --decode-instances 1` runs) replays the same requests at the arrivals the client sent them,
 over a link of the transfer rate measured above; prints the error of TTFT and TPOT mean and p99.
 Then the mixed fleet likewise (2 kv-aware instances, fitted on its own servers' steps), and the
-simulator's split/mixed ratios beside the real ones: does it pick the same winner per figure.
+simulator's split/mixed ratios beside the real ones: does it pick the same winner per figure;
+and for a grid of SLOs (TTFT and TPOT targets at the real runs' quartiles and 90th percentile)
+which fleet serves more requests within each, simulated against real (pagedkv/sim/slo_winner.py).
+`--record DIR` writes the run as the fixture of tests/sim/test_split_vs_real.py.
 
     python benchmarks/bench_pd.py [--requests 24] [--scale 0.0625] [--max-output 24]
-        [--time-scale 0.25] [--vs-sim] [--json OUT]
+        [--time-scale 0.25] [--vs-sim] [--json OUT] [--record DIR]
 """
 
 from __future__ import annotations
@@ -132,7 +138,9 @@ def fleet_run(model_dir: Path, trace, vocab: int, blocks: int, split: bool, tmp:
         for s in servers:
             s.start()
         router.start()
-        asyncio.run(replay(router.url, trace[:1], vocab))  # warm both hops
+        # warm both hops with a prompt that shares no block with the trace's (the simulator,
+        # replaying the trace alone, would not know of its cached blocks)
+        asyncio.run(replay(router.url, [dataclasses.replace(trace[0], block_ids=())], vocab))
         rows, sent = asyncio.run(replay(router.url, trace, vocab))
         params = transfers(urls[0], trace, vocab) if split else []
     finally:
@@ -174,17 +182,18 @@ def transfer_stats(params: list[dict]) -> dict[str, float]:
             "transferred": sum(1 for p in params if p["num_tokens"] > 0)}
 
 
-def fitted(run: dict):
-    """The latency model fitted on a fleet run's servers' own steps, and their number."""
+def fitted(run: dict, which: slice = slice(None), absolute: bool = False):
+    """The latency model fitted on a fleet run's servers' own steps (those of `which`;
+    `absolute`: `FittedLatency.fit`'s), and their number."""
     from pagedkv.engine.step_log import read_step_log
     from pagedkv.sim.latency import FittedLatency
 
     shapes, times = [], []
-    for log in run["step_logs"]:
+    for log in run["step_logs"][which]:
         s, t = read_step_log(log)
         shapes += s
         times += t
-    return FittedLatency.fit(shapes, times), len(times)
+    return FittedLatency.fit(shapes, times, absolute=absolute), len(times)
 
 
 def as_sent(trace, run: dict) -> list:
@@ -201,20 +210,25 @@ def vs_sim(trace, split_run: dict, mixed_run: dict, xfer: dict, vocab: int,
     from pagedkv.sim.config import SimConfig
     from pagedkv.sim.disagg import Split, simulate_split
     from pagedkv.sim.simulator import simulate
+    from pagedkv.sim.slo_winner import flipped, slo_winners
 
     config = SimConfig(num_blocks=blocks, block_size=SERVE["block_size"],
                        max_model_len=SERVE["max_model_len"], vocab_size=vocab,
                        max_num_batched_tokens=2048, block_bytes=xfer["block_bytes"])
-    latency, steps = fitted(split_run)
+    latency, steps = fitted(split_run, slice(0, 1))
+    decode_latency, decode_steps = fitted(split_run, slice(1, 2), absolute=True)
+    steps += decode_steps
     result = simulate_split(as_sent(trace, split_run), config, latency,
-                            Split(1, 1, xfer["gbps"]))
+                            Split(1, 1, xfer["gbps"]), decode_latency=decode_latency)
     sim = latency_stats([{"ttft": r.ttft, "tpot": r.tpot} for r in result.records])
     real = latency_stats(split_run["rows"])
     keys = ("ttft_mean", "ttft_p99", "tpot_mean", "tpot_p99")
     error = {k: (sim[k] - real[k]) / real[k] for k in keys}
-    print(f"vs sim: {steps} server steps fitted; simulated 1P+1D over {xfer['gbps']:.2f} "
-          "Gb/s: " + ", ".join(f"{k} real {real[k] * 1e3:.1f} ms sim {sim[k] * 1e3:.1f} ms "
-                               f"({error[k]:+.1%})" for k in keys), flush=True)
+    handoff = result.extra["split"]["handoff_seconds_mean"]
+    print(f"vs sim: {steps} server steps fitted (producer's and consumer's apart); simulated "
+          f"handoff {handoff * 1e3:.0f} ms mean; 1P+1D over {xfer['gbps']:.2f} Gb/s: "
+          + ", ".join(f"{k} real {real[k] * 1e3:.1f} ms sim {sim[k] * 1e3:.1f} ms "
+                      f"({error[k]:+.1%})" for k in keys), flush=True)
     mixed_latency, _ = fitted(mixed_run)
     mixed = simulate(as_sent(trace, mixed_run), config, mixed_latency, num_instances=2,
                      policy="kv-aware")
@@ -224,8 +238,42 @@ def vs_sim(trace, split_run: dict, mixed_run: dict, xfer: dict, vocab: int,
     print("split / mixed, sim vs real: " + ", ".join(
         f"{k} {s:.2f} vs {r:.2f}" + ("" if (s < 1) == (r < 1) else " (other winner)")
         for k, (s, r) in ratios.items()), flush=True)
+    split_rows = [{"ttft": r.ttft, "tpot": r.tpot} for r in result.records]
+    mixed_rows = [{"ttft": r.ttft, "tpot": r.tpot} for r in mixed.records]
+    decisions = slo_winners((split_run["rows"], mixed_run["rows"]), (split_rows, mixed_rows))
+    agree = sum(d["sim_winner"] == d["real_winner"] for d in decisions)
+    flips = [d for d in decisions if flipped(d)]
+    print(f"which fleet serves more requests within an SLO (by more than one), sim vs real: "
+          f"the same in {agree} of {len(decisions)} SLOs, the other fleet in {len(flips)}"
+          + "".join(f"; ttft {d['ttft']:.1f} s tpot {d['tpot'] * 1e3:.0f} ms: "
+                    f"{d['sim_winner']} vs {d['real_winner']}" for d in flips), flush=True)
     return {"sim": sim, "real": real, "error": error, "sim_mixed": sim_mixed,
-            "ratios_sim_real": ratios}
+            "ratios_sim_real": ratios, "slo_decisions": decisions}
+
+
+def record(out: Path, trace, split: dict, mixed: dict, xfer: dict, vocab: int,
+           blocks: int) -> None:
+    """The run as a small fixture: the requests as each fleet's client sent them (trace rows
+    with the arrival sent), the client's TTFT and TPOT of each, every server's step log, and
+    the config the simulator needs (tests/sim/test_split_vs_real.py reads it back)."""
+    import shutil
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name, run in (("split", split), ("mixed", mixed)):
+        first = min(run["sent"])
+        rows = [{"arrival": run["sent"][i] - first, "input_length": t.input_length,
+                 "output_length": t.output_length, "block_ids": list(t.block_ids),
+                 "block_tokens": t.block_tokens, "session": t.session,
+                 "ttft": r["ttft"], "tpot": r["tpot"]}
+                for i, (t, r) in enumerate(zip(trace, run["rows"], strict=True))]
+        (out / f"{name}-requests.json").write_text(json.dumps(rows))
+        for i, log in enumerate(run["step_logs"]):
+            shutil.copy(log, out / f"{name}-steps-{i}.jsonl")
+    (out / "config.json").write_text(json.dumps({
+        "num_blocks": blocks, "block_size": SERVE["block_size"],
+        "max_model_len": SERVE["max_model_len"], "vocab_size": vocab,
+        "max_num_batched_tokens": 2048, "block_bytes": xfer["block_bytes"],
+        "link_gbps": xfer["gbps"]}, indent=1))
 
 
 def uptime() -> str:
@@ -257,6 +305,8 @@ def main() -> int:
     parser.add_argument("--blocks", type=int, default=1200)
     parser.add_argument("--vs-sim", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--record", default=None, metavar="DIR",
+                        help="write the run to DIR as the fixture of tests/sim/test_split_vs_real.py")
     args = parser.parse_args()
     from pagedkv.bench.machine import cpu_name
     from pagedkv.testing import build_random_model_dir
@@ -286,6 +336,8 @@ def main() -> int:
               flush=True)
         if args.vs_sim:
             out["vs_sim"] = vs_sim(trace, split, mixed, xfer, vocab, args.blocks)
+        if args.record:
+            record(Path(args.record), trace, split, mixed, xfer, vocab, args.blocks)
     print(f"load after: {uptime()}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))

@@ -158,7 +158,9 @@ def run(args: argparse.Namespace) -> int:
           f"{config.num_blocks - 1} blocks of {config.block_size} tokens; max_model_len "
           f"{config.max_model_len}; latency: {latency.name}", file=sys.stderr)
     if split:
-        return run_split(args, trace, config, latency, slo)
+        decode = None if args.decode_latency is None else make_latency_model(
+            args.decode_latency, model_config, kv_cache_dtype=args.kv_cache_dtype)
+        return run_split(args, trace, config, latency, slo, decode)
     if args.search:
         found = capacity_search(trace, config, latency, slo, setting=args.search,
                                 target=args.target, num_instances=args.instances,

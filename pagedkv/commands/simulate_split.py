@@ -1,7 +1,7 @@
 """`pagedkv simulate`'s prefill/decode split (pagedkv/sim/disagg.py): its flags and runs.
 
     pagedkv simulate TRACE --prefill-instances P --decode-instances D [--kv-link-gbps G]
-        [--compare-mixed] [--slo ttft=2,tpot=0.1]
+        [--decode-latency MODEL] [--compare-mixed] [--slo ttft=2,tpot=0.1]
     pagedkv simulate TRACE --sweep split=1:3,2:2,3:1,4 --slo ...   (P:D splits; N: N mixed)
     pagedkv simulate TRACE --search split --slo ... [--split-max-instances 16]
 
@@ -11,7 +11,9 @@ decode instance's first token, prefill and transfer included) and the transfers'
 prints one row per fleet shape, so an operator can read, for a trace and an SLO, how many of
 each pays and whether splitting beats mixing the same number of instances; `--search split`
 finds the smallest split fleet meeting the SLO (every P + D = N for N = 2, 3, ...) and the
-fewest mixed instances meeting it.
+fewest mixed instances meeting it. `--decode-latency` gives the decode instances their own
+step cost (`--latency`'s forms: a fitted JSON, roofline:HARDWARE): decode instances on other
+hardware than the prefill ones, or a model fitted on a real decode instance's steps.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ def add_split_flags(group: Any) -> None:
     group.add_argument("--kv-link-gbps", type=float, default=DEFAULT_LINK_GBPS, metavar="G",
                        help="each prefill instance's link to the decode instances, in "
                        "gigabits/s (inf: instant); a prompt's KV bytes cross it")
+    group.add_argument("--decode-latency", default=None, metavar="MODEL",
+                       help="the decode instances' step cost, as --latency (default: "
+                       "--latency's)")
     group.add_argument("--compare-mixed", action="store_true",
                        help="with the split: also run P + D mixed instances")
     group.add_argument("--split-max-instances", type=int, default=16, metavar="N",
@@ -56,8 +61,10 @@ def wants_split(args: argparse.Namespace) -> bool:
     if args.split_max_instances < 2:
         raise ValueError(f"--split-max-instances must be >= 2, got {args.split_max_instances}")
     if not (given or sweep or search):
-        if args.compare_mixed:
-            raise ValueError("--compare-mixed needs --prefill-instances and --decode-instances")
+        for flag in ("compare_mixed", "decode_latency"):
+            if getattr(args, flag):
+                raise ValueError(f"--{flag.replace('_', '-')} needs --prefill-instances and "
+                                 "--decode-instances")
         return False
     for flag, value in (("--prefill-instances", args.prefill_instances),
                         ("--decode-instances", args.decode_instances)):
@@ -94,9 +101,14 @@ def parse_split_sweep(text: str) -> list[tuple[int, int] | int]:
     return shapes
 
 
-def run_split(args: argparse.Namespace, trace: Any, config: Any, latency: Any, slo: Any) -> int:
-    """Run what `wants_split` saw asked for and print it."""
+def run_split(args: argparse.Namespace, trace: Any, config: Any, latency: Any, slo: Any,
+              decode_latency: Any = None) -> int:
+    """Run what `wants_split` saw asked for and print it (`decode_latency`: the decode
+    instances' model, default `latency`)."""
     from pagedkv.sim.results import format_table, write_json
+
+    if decode_latency is not None:
+        latency = (latency, decode_latency)
 
     if args.search:
         return _search(args, trace, config, latency, slo)
@@ -139,10 +151,11 @@ def _search(args: argparse.Namespace, trace: Any, config: Any, latency: Any, slo
     def log(message: str) -> None:
         print(message, file=sys.stderr)
 
-    found = split_search(trace, config, latency, slo, link_gbps=args.kv_link_gbps,
+    prefill, decode = latency if isinstance(latency, tuple) else (latency, None)
+    found = split_search(trace, config, prefill, slo, link_gbps=args.kv_link_gbps,
                          target=args.target, max_instances=args.split_max_instances,
-                         policy=args.policy, log=log)
-    mixed = capacity_search(trace, config, latency, slo, setting="instances",
+                         policy=args.policy, log=log, decode_latency=decode)
+    mixed = capacity_search(trace, config, prefill, slo, setting="instances",
                             target=args.target, high=args.split_max_instances,
                             policy=args.policy, log=log)
     meeting = f"meeting {args.slo} for {args.target:.0%} of requests"
@@ -165,14 +178,16 @@ def _search(args: argparse.Namespace, trace: Any, config: Any, latency: Any, slo
 
 def _run_shape(shape: tuple[int, int] | int, args: argparse.Namespace, trace: Any,
                config: Any, latency: Any, slo: Any) -> dict[str, Any]:
-    """One run: a P:D split, or N mixed instances; its summary with `fleet` naming it."""
+    """One run: a P:D split, or N mixed instances; its summary with `fleet` naming it.
+    `latency`: one model, or (prefill's, decode's) for a split (mixed ones take the first)."""
     from pagedkv.sim.disagg import Split, simulate_split
     from pagedkv.sim.results import summarize
     from pagedkv.sim.simulator import simulate
 
+    latency, decode = latency if isinstance(latency, tuple) else (latency, None)
     if isinstance(shape, tuple):
         result = simulate_split(trace, config, latency, Split(*shape, args.kv_link_gbps),
-                                policy=args.policy)
+                                policy=args.policy, decode_latency=decode)
         summary = summarize(result, slo)
         summary["split"] = result.extra["split"]
         summary["fleet"] = f"{shape[0]} prefill + {shape[1]} decode instances"

@@ -15,7 +15,9 @@ real vLLM instances in PD mode work too):
 
 Nothing is lost when the first hop does not deliver: a prefill that fails (an error status, a
 refused or broken connection), takes longer than the bound, or answers without
-`kv_transfer_params` (an instance with no producer role) is abandoned (its connection closed:
+`kv_transfer_params` (an instance with no producer role, or vLLM's ExampleConnector, whose
+consumer finds the KV by the prompt's tokens in its storage path: the decode hop is then the
+client's request unchanged, as vLLM's toy proxy sends it) is abandoned (its connection closed:
 the instance aborts it and frees its blocks) and the client's request goes to a decode instance
 as a normal request, which prefills it itself. Each fallback is logged and counted by reason
 (pd_metrics.py); a prefill instance that timed out is ejected for a while, one that refused
@@ -119,8 +121,10 @@ class PDMode:
                            where, reason)
         elif backend not in self._warned_no_params:  # a steady state: said once per instance
             self._warned_no_params.add(backend or "")
-            logger.warning("prefill%s answered without kv_transfer_params (no producer role?):"
-                           " its requests decode as normal requests", where)
+            logger.warning("prefill%s answered without kv_transfer_params (no producer role, "
+                           "or a connector whose consumer finds the KV by the prompt itself, "
+                           "as vLLM's ExampleConnector): its requests go to decode as the "
+                           "client sent them", where)
 
 
 class PDForwarder(Forwarder):

@@ -2,31 +2,49 @@
 --decode-instances D --kv-link-gbps G`): does splitting beat the same number of mixed
 instances for this trace and SLO (the DistServe question)?
 
-A request goes through the split as the router's PD mode sends it (pagedkv/router/pd.py):
+A request goes through the split as the router's PD mode and the servers' kv_transfer code
+run it (pagedkv/router/pd.py, pagedkv/server/kv_transfer.py, pagedkv/store/transfer.py):
 
 1. prefill: on one of P instances, placed by the routing policy (kv-aware by default: prefix
    hits against load), as a request with one output token (vLLM's PD proxy sends max_tokens
-   1). Its prefill ends at that token;
-2. transfer: the prompt's KV (its blocks, each `block_bytes` of the model's KV format) crosses
-   the prefill instance's link at `link_gbps`; one instance's transfers go one after another
-   (a NIC serializes them), so a burst of long prompts queues on the link;
+   1). A producer keeps every block it computes in a host staging tier of `buffer_bytes`
+   (`kv_buffer_size`), written through by the store's saver as each step computes it: its
+   steps carry those saves (`saved_blocks`), and a later prompt's lookup finds its blocks
+   there as store hits;
+2. handoff: the server asks the engine to start the handoff and then polls it; both are
+   utility calls, which the engine loop runs only between steps. The prefill's last step
+   hands its output over and the loop goes straight on with the next step when it has work,
+   so the start runs at that step's end; the push (the prompt's KV, its blocks of
+   `block_bytes`, over the instance's link at `link_gbps`; one instance's pushes go one after
+   another on its transfer thread, so a burst of long prompts queues on the link) starts
+   there, and the poll that finds it done runs at the end of the step in progress when it
+   is done (at once on an idle engine). The answer leaves then;
 3. decode: on one of D instances, placed by load and KV room (the router's decode-room policy,
-   pagedkv/router/pd_decode.py), from the moment its KV has arrived. The transferred blocks
-   are offered to the decode instance's scheduler as store blocks it loads at once (a
-   per-instance "transfer" tier ahead of any store tier, `TransferConnector`): the request
-   allocates them, waits for the load as the engine waits for a connector's load, and computes
-   only the prompt's last token (what vLLM's consumer does), then decodes every output token.
+   pagedkv/router/pd_decode.py). Its server first asks the engine whether the pushed blocks
+   are held (a utility call: at the end of the step in progress), then submits the request
+   (a command the loop takes before its next step: one more step when busy). The transferred
+   blocks are offered to the decode instance's scheduler as store blocks (a per-instance
+   "transfer" tier ahead of any store tier, `TransferConnector`): the request allocates them,
+   waits for the load as the engine waits for a connector's load, and computes only the
+   prompt's tail past its full blocks (what the consumer does), then decodes every output
+   token; every block it fills is copied out to its store as the real consumer's connector
+   does (`saved_blocks`).
 
-TTFT is therefore prefill queue + prefill + link queue + transfer + decode admission and first
-step. The prefill phase does not depend on the decode phase (a prefill instance frees a
-request's blocks at its end), so it runs first over the whole trace, then the decode phase over
-the arrivals the transfers give. The frontend's `admit` delay is paid on both hops; `output` and
-`finish` on the decode's. Not modelled: the router's own hop, the producer holding the blocks
-until the consumer has read them, transfers competing with store traffic.
+Each side has its own step cost (`decode_latency`, default the prefill side's): the two are
+separate engines, on other hardware if the operator chooses (Splitwise), and a latency model
+fitted on one side's steps (prompt-sized prefill steps with their saves) does not time the
+other's (decode batches). TTFT is therefore prefill queue + prefill + handoff (steps to its
+start and end) + transfer + decode admission and first step. The prefill phase does not depend
+on the decode phase (a prefill instance frees a request's blocks at its end), so it runs first
+over the whole trace, then the decode phase over the arrivals the answers give. The frontend's
+`admit` delay is paid on both hops; `output` and `finish` on the decode's. Not modelled: the
+router's own hop, a handoff that finds some of its blocks gone from the staging tier (its
+consumer computes them), transfers competing with store traffic.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import time
@@ -42,11 +60,13 @@ from pagedkv.sim.instance import SimInstance
 from pagedkv.sim.latency.base import LatencyModel
 from pagedkv.sim.records import RequestRecord
 from pagedkv.sim.simulator import SimResult, _block_hashes, instance_candidate, simulate
-from pagedkv.sim.store import SimStoreConnector, SimTier, TierSpec
+from pagedkv.sim.store import DEFAULT_TIER_SPEEDS, SimStoreConnector, SimTier, TierSpec
 from pagedkv.sim.traces import TraceRequest, prompt_token_ids
+from pagedkv.store.transfer_config import DEFAULT_BUFFER_BYTES
 from pagedkv.utils import cdiv
 
 TRANSFER_TIER = "transfer"
+STAGING_TIER = "staging"  # a producer's host staging tier (PagedKVPushConnector)
 # The transfer tier's read speed: the link's time is paid before the request arrives.
 _INSTANT = TierSpec(TRANSFER_TIER, None, bandwidth=1e30)
 
@@ -54,11 +74,13 @@ _INSTANT = TierSpec(TRANSFER_TIER, None, bandwidth=1e30)
 @dataclass(frozen=True)
 class Split:
     """P prefill and D decode instances joined by links of `link_gbps` gigabits/s (inf: the
-    transfer takes no time)."""
+    transfer takes no time); each producer stages its blocks in `buffer_bytes` of host memory
+    (`kv_buffer_size`)."""
 
     prefill_instances: int
     decode_instances: int
     link_gbps: float
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES
 
     def __post_init__(self) -> None:
         for name in ("prefill_instances", "decode_instances"):
@@ -68,6 +90,9 @@ class Split:
         if not self.link_gbps > 0:
             raise ValueError(f"link_gbps must be > 0 (inf for an instant link), "
                              f"got {self.link_gbps!r}")
+        if isinstance(self.buffer_bytes, bool) or not isinstance(self.buffer_bytes, int) \
+                or self.buffer_bytes < 1:
+            raise ValueError(f"buffer_bytes must be an integer >= 1, got {self.buffer_bytes!r}")
 
 
 def transfer_bytes(prompt_tokens: int, block_size: int, block_bytes: int) -> int:
@@ -83,7 +108,8 @@ def transfer_seconds(num_bytes: int, link_gbps: float) -> float:
 class TransferConnector(SimStoreConnector):
     """A decode instance's store seam with the transferred KV as its first tier: blocks put
     there (`receive`) are loaded at once by the request that needs them; any store tiers of
-    the config follow it, written through as usual (the transfer tier is never written)."""
+    the config follow it, written through as usual. Every block a step fills counts as saved
+    (the consumer's connector copies it out), but the transfer tier is never written."""
 
     def __init__(self, config: SimConfig, kv: Any, clock: Any,
                  shared: dict[str, SimTier]) -> None:
@@ -95,9 +121,6 @@ class TransferConnector(SimStoreConnector):
     def receive(self, hashes: Sequence[bytes]) -> None:
         for h in hashes:
             self.transfer.put(h)
-
-    def _save(self, out: Any, requests: dict) -> int:
-        return super()._save(out, requests) if len(self.tiers) > 1 else 0
 
     def _put(self, block_hash: bytes) -> None:
         for tier in self.tiers[1:]:
@@ -113,15 +136,25 @@ def _decode_instance(config: SimConfig, latency: LatencyModel, index: int, wake:
     return inst
 
 
+def producer_config(config: SimConfig, split: Split) -> SimConfig:
+    """A prefill instance's config: its host staging tier first, then the config's tiers."""
+    bandwidth, latency = DEFAULT_TIER_SPEEDS["host"]
+    staging = TierSpec(STAGING_TIER, max(1, split.buffer_bytes // config.block_bytes),
+                       bandwidth=bandwidth, latency=latency)
+    return dataclasses.replace(config, store_tiers=(staging, *config.store_tiers))
+
+
 def simulate_split(trace: Sequence[TraceRequest], config: SimConfig, latency: LatencyModel,
                    split: Split, *, policy: str = "kv-aware", record_steps: bool = False,
-                   frontend: FrontendDelays | None = None) -> SimResult:
+                   frontend: FrontendDelays | None = None,
+                   decode_latency: LatencyModel | None = None) -> SimResult:
     """Replay `trace` through `split` (see the module docstring). The result's instances are
     the prefill ones (indices 0..P-1) then the decode ones; its records are the client's
     view (first token and the rest from the decode instance, `first_scheduled` from the
-    prefill one); `extra["split"]` holds the transfers' figures. ValueError without prefix
-    caching or with a sliding window (the transferred blocks are found by their hashes) or
-    without `config.block_bytes` (the transfer's size)."""
+    prefill one); `extra["split"]` holds the transfers' figures. `decode_latency`: the decode
+    instances' step cost (default `latency`). ValueError without prefix caching or with a
+    sliding window (the transferred blocks are found by their hashes) or without
+    `config.block_bytes` (the transfer's size)."""
     if not config.enable_prefix_caching or config.sliding_window is not None:
         raise ValueError("the prefill/decode split needs prefix caching and no sliding window "
                          "(the decode instance finds the transferred blocks by their hashes)")
@@ -131,24 +164,37 @@ def simulate_split(trace: Sequence[TraceRequest], config: SimConfig, latency: La
     started = time.perf_counter()
     delays = frontend if frontend is not None else frontend_of(latency)
     before = FrontendDelays(admit=delays.admit, wake=delays.wake)  # the prefill hop's
-    prefill = simulate([dataclasses.replace(t, output_length=1) for t in trace], config,
-                       latency, num_instances=split.prefill_instances, policy=policy,
-                       record_steps=record_steps, frontend=before)
+    spans: list[list[tuple[float, float]]] = []
+
+    def watch(inst: SimInstance) -> None:
+        inst.step_spans = []
+        spans.append(inst.step_spans)
+
+    prefill = simulate([dataclasses.replace(t, output_length=1) for t in trace],
+                       producer_config(config, split), latency,
+                       num_instances=split.prefill_instances, policy=policy,
+                       record_steps=record_steps, frontend=before, on_instance=watch)
     records = [RequestRecord(index=i, arrival=t.arrival, prompt_tokens=t.input_length,
                              output_tokens=t.output_length) for i, t in enumerate(trace)]
-    ready, transfers = _transfers(prefill.records, records, config, split)
+    ready, transfers = _transfers(prefill.records, records, config, split, spans)
     shared: dict[str, SimTier] = {}
-    decode = [_decode_instance(config, latency, split.prefill_instances + j, delays.wake,
-                               shared, record_steps) for j in range(split.decode_instances)]
+    decode = [_decode_instance(config, decode_latency or latency,
+                               split.prefill_instances + j, delays.wake, shared, record_steps)
+              for j in range(split.decode_instances)]
     policy_d = DecodeRoomPolicy()
+    admitting: list[list[tuple[RequestRecord, TraceRequest]]] = [[] for _ in decode]
     for at, index in ready:
-        for inst in decode:
+        for inst, waiting in zip(decode, admitting, strict=True):
+            if at + delays.admit > inst.clock:
+                _admit(inst, waiting)
             inst.run_until(at + delays.admit)
-        inst = decode[_place_decode(policy_d, decode, trace[index], config)]
+        j = _place_decode(policy_d, decode, trace[index], config)
+        inst = decode[j]
         inst.store.receive(_block_hashes(inst, prompt_token_ids(trace[index],
                                                                 config.vocab_size, index)))
-        inst.add(records[index], trace[index])
-    for inst in decode:
+        admitting[j].append((records[index], trace[index]))
+    for inst, waiting in zip(decode, admitting, strict=True):
+        _admit(inst, waiting)
         inst.run_until(math.inf)
     observed(records, dataclasses.replace(delays, admit=0.0, wake=0.0))
     result = SimResult(config=config, latency_name=prefill.latency_name,
@@ -160,11 +206,36 @@ def simulate_split(trace: Sequence[TraceRequest], config: SimConfig, latency: La
     return result
 
 
+def _admit(inst: SimInstance, waiting: list[tuple[RequestRecord, TraceRequest]]) -> None:
+    """Submit the requests whose KV `inst`'s server found held: the check ran at the end of
+    the step in progress when each arrived (the instance's clock: `run_until` stepped past the
+    arrival and the instance has not moved since), and the requests it then submits join
+    before the step after the next one when the loop went straight on (busy), at once on an
+    idle engine. Requests that arrived during the same step are submitted together. Empties
+    `waiting`."""
+    if not waiting:
+        return
+    if inst.busy:
+        inst.step(inst.clock)
+    for record, treq in waiting:
+        inst.add(record, treq)
+    waiting.clear()
+
+
+def command_time(spans: Sequence[tuple[float, float]], sent: float) -> float:
+    """When an engine loop whose steps ran over `spans` (sorted (start, end)) runs a command
+    sent at `sent`: at the end of the step in progress then (one that starts at `sent`
+    counts: the loop went straight on), else at once."""
+    i = bisect.bisect_right(spans, (sent, math.inf)) - 1
+    return spans[i][1] if i >= 0 and spans[i][1] > sent else sent
+
+
 def _transfers(prefilled: list[RequestRecord], records: list[RequestRecord],
-               config: SimConfig, split: Split) -> tuple[list[tuple[float, int]], dict]:
-    """When each prefilled request's KV is on the far side of its instance's link (sorted),
-    and the transfers' totals. Requests whose prefill did not end with a token keep its
-    outcome (rejected, error) in `records`. Mutates `records`."""
+               config: SimConfig, split: Split, spans: list[list[tuple[float, float]]]
+               ) -> tuple[list[tuple[float, int]], dict]:
+    """When each prefilled request's answer leaves its producer, its KV pushed (sorted; the
+    module docstring's step 2), and the transfers' totals. Requests whose prefill did not end
+    with a token keep its outcome (rejected, error) in `records`. Mutates `records`."""
     link_free = [0.0] * split.prefill_instances
     done = sorted((p.first_token, p.index) for p in prefilled if p.first_token is not None)
     for p in prefilled:
@@ -173,21 +244,29 @@ def _transfers(prefilled: list[RequestRecord], records: list[RequestRecord],
             r.status, r.error, r.instance = p.status, p.error, p.instance
     ready = []
     seconds = []
+    handoffs = []
     total_bytes = 0
     for prefilled_at, index in done:
         p = prefilled[index]
+        steps = spans[p.instance]
         records[index].first_scheduled = p.first_scheduled
         num_bytes = transfer_bytes(p.prompt_tokens, config.block_size, config.block_bytes)
-        start = max(prefilled_at, link_free[p.instance])
-        link_free[p.instance] = start + transfer_seconds(num_bytes, split.link_gbps)
-        ready.append((link_free[p.instance], index))
-        seconds.append(link_free[p.instance] - prefilled_at)
+        begun = command_time(steps, prefilled_at)
+        start = max(begun, link_free[p.instance])
+        pushed = link_free[p.instance] = start + transfer_seconds(num_bytes, split.link_gbps)
+        first_poll = command_time(steps, begun)
+        answer = first_poll if first_poll >= pushed else command_time(steps, pushed)
+        ready.append((answer, index))
+        seconds.append(pushed - begun)
+        handoffs.append(answer - prefilled_at)
         total_bytes += num_bytes
     ready.sort()
     mean = sum(seconds) / len(seconds) if seconds else 0.0
     return ready, {"transfers": len(seconds), "transfer_bytes": total_bytes,
                    "transfer_seconds_mean": mean,
-                   "transfer_seconds_max": max(seconds, default=0.0)}
+                   "transfer_seconds_max": max(seconds, default=0.0),
+                   "handoff_seconds_mean": sum(handoffs) / len(handoffs) if handoffs else 0.0,
+                   "handoff_seconds_max": max(handoffs, default=0.0)}
 
 
 def _place_decode(policy: DecodeRoomPolicy, instances: list[SimInstance],
@@ -199,8 +278,8 @@ def _place_decode(policy: DecodeRoomPolicy, instances: list[SimInstance],
 
 def split_search(trace: Sequence[TraceRequest], config: SimConfig, latency: LatencyModel,
                  slo: Any, *, link_gbps: float, target: float = 0.99, max_instances: int = 16,
-                 policy: str = "kv-aware",
-                 log: Callable[[str], None] | None = None) -> dict[str, Any]:
+                 policy: str = "kv-aware", log: Callable[[str], None] | None = None,
+                 decode_latency: LatencyModel | None = None) -> dict[str, Any]:
     """The smallest split fleet meeting `slo` for `target` of the requests: for N = 2, 3, ...
     up to `max_instances` in all, every P + D = N is run, and the first N where one meets it
     answers (the one with the most requests meeting it, then the lowest TTFT p99). Returns
@@ -219,7 +298,7 @@ def split_search(trace: Sequence[TraceRequest], config: SimConfig, latency: Late
         met = []
         for p in range(1, total):
             result = simulate_split(trace, config, latency, Split(p, total - p, link_gbps),
-                                    policy=policy)
+                                    policy=policy, decode_latency=decode_latency)
             summary = tried[f"{p}:{total - p}"] = summarize(result, slo)
             summary["split"] = result.extra["split"]
             if log is not None:

@@ -79,6 +79,10 @@ class SimInstance:
         self.stats = InstanceStats()
         self.steps: list[StepRecord] | None = [] if record_steps else None
         self.sampled_tokens: dict[str, int] = {}  # the token each request "samples"
+        # (start, end) of every step when a caller asks for them (set it to []): when the
+        # engine loop is between steps (a frontend's command runs only there). Jumped quiet
+        # stretches are one span.
+        self.step_spans: list[tuple[float, float]] | None = None
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -184,6 +188,8 @@ class SimInstance:
         stats.record_usage(now, self.kv.usage, sched)
         if self.config.jump:
             jump(self, horizon)
+        if self.step_spans is not None:
+            self.step_spans.append((start, self.clock))
         return True
 
     def _finish_changed(self, changed: list[Request]) -> None:

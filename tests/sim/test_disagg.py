@@ -3,6 +3,8 @@ mixed case, the transfer's time from bytes over the link, placement, and conserv
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 
 import pytest
@@ -79,6 +81,40 @@ def test_one_instances_transfers_queue_on_its_link():
     check_books(apart)
 
 
+def test_the_answer_leaves_a_busy_producer_at_the_step_ends_its_server_waits_for():
+    """Three prompts, one prefill step each on a busy producer: the server starts a handoff
+    and polls it by utility calls, which the engine loop runs only between steps. The first
+    prompt's handoff starts at the end of the second step (the loop went straight on) and
+    its poll is answered at the end of the third; the second's starts at the end of the third
+    and finds the engine idle; the third's runs at once. All three answers leave together,
+    so the idle decode instance admits them together, waits for their loads (no step time)
+    and computes their last prompt tokens in one step."""
+    config = dataclasses.replace(CONFIG, max_num_batched_tokens=40)
+    trace = [TraceRequest(arrival=0.0, input_length=40, output_length=4) for _ in range(3)]
+    result = simulate_split(trace, config, LATENCY, Split(1, 1, math.inf))
+    check_books(result)
+    split = result.extra["split"]
+    assert split["handoff_seconds_max"] == pytest.approx(2 * STEP)  # prefilled at 1, sent at 3
+    assert split["handoff_seconds_mean"] == pytest.approx((2 + 1 + 0) * STEP / 3)
+    assert [r.first_token for r in result.records] == pytest.approx([4 * STEP] * 3)
+    assert all(r.status == "length" and r.num_tokens == 4 for r in result.records)
+
+
+def test_the_producer_pays_for_staging_each_block_and_the_decode_side_has_its_own_cost():
+    """A producer copies every block it computes out to its staging tier (the step's
+    `saved_blocks`); the decode instances step at `decode_latency`'s cost."""
+    prefill = FunctionLatency(lambda s: STEP + 1e-3 * s.saved_blocks)
+    decode = FunctionLatency(lambda s: 3 * STEP)
+    result = simulate_split(spaced([40]), CONFIG, prefill, Split(1, 1, math.inf),
+                            decode_latency=decode)
+    check_books(result)
+    (record,) = result.records
+    assert record.ttft == pytest.approx(STEP + 5e-3 + 3 * STEP)  # 5 blocks staged, 1 decode step
+    assert record.tpot == pytest.approx(3 * STEP)
+    staging = result.instances[0].store.tiers[0]
+    assert staging.spec.name == "staging" and staging.blocks_written == 5
+
+
 def test_every_request_finishes_once_under_load():
     trace = shared_prefix_trace(num=40, gap=0.002)
     too_long = TraceRequest(arrival=trace[-1].arrival, input_length=600, output_length=3)
@@ -127,6 +163,23 @@ def test_the_cli_compares_the_split_with_mixed_instances():
     assert searched.returncode == 0, searched.stderr
     assert "smallest split meeting" in searched.stdout
     assert "fewest mixed instances meeting" in searched.stdout
+
+
+def test_the_cli_gives_the_decode_instances_their_own_latency_model(tmp_path):
+    """Decode instances whose every step takes 50 ms (a fitted model's JSON): the split's
+    TPOT is theirs, not `--latency`'s."""
+    from pagedkv.sim.latency import FittedLatency
+
+    FittedLatency({"intercept": 0.05}).save(tmp_path / "decode.json")
+    out = tmp_path / "out.json"
+    ran = simulate_cli_without_torch("--prefill-instances", "1", "--decode-instances", "1",
+                                     "--decode-latency", str(tmp_path / "decode.json"),
+                                     "--json", str(out))
+    assert ran.returncode == 0, ran.stderr
+    tpot = json.loads(out.read_text())["split"]["latency"]["tpot"]
+    assert tpot["p50"] == pytest.approx(0.05) and tpot["p99"] == pytest.approx(0.05)
+    bad = simulate_cli_without_torch("--decode-latency", str(tmp_path / "decode.json"))
+    assert bad.returncode == 2 and "--decode-latency needs" in bad.stderr
 
 
 def test_split_search_answers_the_smallest_fleet_meeting_the_slo():

@@ -100,6 +100,23 @@ def test_relative_fit_keeps_short_steps_right_on_a_grid():
     assert relative.meta["max_rel_error"] == pytest.approx(worst(relative))
 
 
+def test_absolute_fit_keeps_the_total_of_steps_slowed_at_random():
+    """Decode steps of one size whose wall time is sometimes several times longer (another
+    process took the core): weights 1 / sqrt(time) put the slow ones low and the fit's total
+    comes out short; weighing them alike keeps the total (what TPOT averages)."""
+    shapes = [StepShape(decode_seqs=1 + i % 4, decode_context=400 * (1 + i % 4) + i)
+              for i in range(200)]
+    rng = random.Random(2)
+    times = [(4e-3 + 2e-3 * s.decode_seqs) * (5.0 if rng.random() < 0.2 else 1.0)
+             for s in shapes]
+    short = FittedLatency.fit(shapes, times)
+    kept = FittedLatency.fit(shapes, times, absolute=True)
+    assert short.meta["total_ratio"] < 0.9
+    assert kept.meta["total_ratio"] == pytest.approx(1.0, abs=0.01)
+    with pytest.raises(ValueError, match="relative or absolute"):
+        FittedLatency.fit(shapes, times, relative=True, absolute=True)
+
+
 def test_fit_keeps_coefficients_non_negative():
     shapes = _shapes()
     rng = random.Random(1)

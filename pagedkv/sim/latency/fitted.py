@@ -48,14 +48,21 @@ class FittedLatency:
 
     @classmethod
     def fit(cls, shapes: Sequence[StepShape], times: Sequence[float],
-            meta: dict[str, Any] | None = None, *, relative: bool = False) -> FittedLatency:
+            meta: dict[str, Any] | None = None, *, relative: bool = False,
+            absolute: bool = False) -> FittedLatency:
         """Non-negative weighted least squares of `times` on the shapes' features (features
         that never vary in the samples get 0); the fit's errors go into `meta`. `relative`
         weighs each sample by 1 / time (each step's relative error counts alike: for a grid
-        that holds as many short shapes as long ones), else by 1 / sqrt(time) (for a real
-        run's log, mostly short decode steps). ValueError with fewer samples than features."""
+        that holds as many short shapes as long ones); `absolute` weighs them alike (the fit
+        keeps the steps' total: for a log of steps all about one size, such as a decode
+        instance's, whose times vary with what else runs on the machine, and whose mean is
+        what TPOT is); else 1 / sqrt(time) (for a real run's log of long prefill steps among
+        many short decode steps). ValueError with fewer samples than features, or with both
+        `relative` and `absolute`."""
         import numpy as np
 
+        if relative and absolute:
+            raise ValueError("a fit is either relative or absolute, not both")
         if len(shapes) != len(times) or len(shapes) < len(FEATURE_NAMES):
             raise ValueError(f"need at least {len(FEATURE_NAMES)} (shape, time) samples, got "
                              f"{len(shapes)} shapes and {len(times)} times")
@@ -68,7 +75,7 @@ class FittedLatency:
         # comes out short) and absolute error (the long steps rule and short ones are off by
         # half). On a balanced grid, 1 / time: with 1 / sqrt(time) the few long prefill
         # points pull the intercept down and a small decode step came out 40% short.
-        weight = 1.0 / y if relative else 1.0 / np.sqrt(y)
+        weight = 1.0 / y if relative else np.ones_like(y) if absolute else 1.0 / np.sqrt(y)
         active = [j for j in range(x.shape[1]) if j == 0 or np.ptp(x[:, j]) > 0]
         coef = nonnegative_least_squares(x, y, weight, active)
         predicted = x @ coef
