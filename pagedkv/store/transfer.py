@@ -11,7 +11,9 @@ Producer, once a prefill request (max_tokens 1) finished:
   its slice, or counts what the shared tiers hold). `poll_handoff(job)` gives the outcome once
   every rank's is in: the leading blocks every rank transferred (hashes, tokens, blocks), the
   bytes of all ranks and the slowest rank's seconds. The answer is sent only then, so it never
-  precedes a rank's durability.
+  precedes a rank's durability. `abandon_handoff(job)` forgets a job its server stopped
+  waiting for; a job nobody polled for JOB_TTL_S is forgotten too (a server task cancelled
+  with its client), so abandoned jobs never pile up.
 Consumer, before a decode request is admitted:
   `describe()` gives what the params are checked against (model identity, KV format, block
   size); `held_blocks(token_ids, cache_salt, n)` how many of the prompt's first `n` blocks every
@@ -39,6 +41,7 @@ logger = logging.getLogger(__name__)
 RANK_POLL_S = 0.005  # a job's ranks are asked at most this often (one collective each time)
 RankCalls = Callable[..., list[Any]]  # (method path below a rank's runner, *args) -> per rank
 RANK_TRANSFER = "kv_connector.transfer"  # where a rank's RankTransfer lives
+JOB_TTL_S = 120.0  # a job not polled for this long is forgotten (its server stopped asking)
 
 
 @dataclass
@@ -94,7 +97,8 @@ class KVTransfer:
                 "kv_connector": self.config.kv_connector,
                 "model_identity": self.store.identity.hex(), "kv_format": self.kv_format,
                 "block_size": self.store.block_size, "block_bytes": self.store.block_bytes,
-                "kv_ip": self.config.kv_ip, "kv_port": self.config.kv_port}
+                "kv_ip": self.config.kv_ip, "kv_port": self.config.kv_port,
+                "num_groups": self.num_groups}
 
     def block_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[bytes]:
         """The chained hashes of the prompt's full blocks (as the KV cache manager makes them)."""
@@ -114,6 +118,7 @@ class KVTransfer:
                  for i, h in enumerate(hashes) for g in range(self.num_groups)]
         targets = ([(remote_host, int(remote_port))] if remote_host and remote_port
                    else list(self.config.consumers))
+        self._forget_stale(time.monotonic() - JOB_TTL_S)
         job_id = next(self._job_ids)
         tickets = self.ranks(f"{RANK_TRANSFER}.start", job_id, metas, targets)
         self._jobs[job_id] = _Job(metas, [None] * len(tickets), time.monotonic())
@@ -137,6 +142,24 @@ class KVTransfer:
             return None
         del self._jobs[job_id]
         return self._combine(job.metas, job.outcomes)
+
+    def abandon_handoff(self, job_id: int) -> None:
+        """Forget a job its server stopped waiting for, on every rank (a rank's transfer still
+        ends in bounded time; its outcome is dropped)."""
+        if self._jobs.pop(job_id, None) is not None:
+            self.ranks(f"{RANK_TRANSFER}.forget", job_id)
+
+    def _forget_stale(self, cutoff: float) -> None:
+        """Abandon every job last polled before `cutoff`."""
+        for job_id in [j for j, job in self._jobs.items() if job.asked < cutoff]:
+            logger.warning("kv transfer: handoff job %d was not polled for %.0f s; forgotten",
+                           job_id, JOB_TTL_S)
+            self.abandon_handoff(job_id)
+
+    @property
+    def num_jobs(self) -> int:
+        """Handoff jobs started and not yet answered or abandoned."""
+        return len(self._jobs)
 
     def _combine(self, metas: list[BlockMeta], outcomes: list[dict]) -> dict:
         num_hashes = min(o["num_hashes"] for o in outcomes)
@@ -162,8 +185,10 @@ class KVTransfer:
         return min(num_blocks, *self.ranks(f"{RANK_TRANSFER}.held", hashes, self.num_groups))
 
     def stats(self) -> dict:
-        """Handoffs and bytes sent (producer), blocks and bytes received by rank 0 (consumer)."""
-        out = {"handoffs": self.num_handoffs, "bytes_sent": self.bytes_sent}
+        """Handoffs, bytes sent and handoff jobs pending (producer), blocks and bytes received by
+        rank 0 (consumer)."""
+        out = {"handoffs": self.num_handoffs, "bytes_sent": self.bytes_sent,
+               "jobs_pending": self.num_jobs}
         if self.receiver is not None:
             out.update(bytes_received=self.receiver.bytes_received,
                        blocks_received=self.receiver.blocks_received,

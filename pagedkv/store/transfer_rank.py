@@ -77,6 +77,16 @@ class RankTransfer:
                            "the prompt", self.rank, exc)
             return failed_outcome()
 
+    def forget(self, job_id: int) -> None:
+        """Drop a job nobody will poll (cancelled if it has not started)."""
+        future = self._jobs.pop(job_id, None)
+        if future is not None:
+            future.cancel()
+
+    @property
+    def num_jobs(self) -> int:
+        return len(self._jobs)
+
     def _handoff(self, metas: list[BlockMeta], ticket: int,
                  targets: list[tuple[str, int]]) -> dict:
         """The transfer thread's job (module docstring)."""
