@@ -124,7 +124,8 @@ def build_kv_transfer(args: EngineArgs, store: StoreConfig | None, executor: Exe
     return KVTransfer(store.transfer, connector.transfer, kv.hasher,
                       f"kv_cache_dtype={args.kv_cache_dtype};dtype={args.dtype}",
                       rank_calls(executor),
-                      num_groups=len(getattr(kv, "window_blocks", None) or [None]))
+                      num_groups=len(getattr(kv, "window_blocks", None) or [None]),
+                      device_cached=kv.pins.is_cached)
 
 
 def rank_calls(executor: Executor) -> Callable[..., list[Any]]:

@@ -17,7 +17,9 @@ Producer, once a prefill request (max_tokens 1) finished:
 Consumer, before a decode request is admitted:
   `describe()` gives what the params are checked against (model identity, KV format, block
   size); `held_blocks(token_ids, cache_salt, n)` how many of the prompt's first `n` blocks every
-  rank's push tier holds (the server waits, bounded, for all of them before submitting). The
+  rank's push tier holds (the server waits, bounded, for all of them before submitting; all of
+  them when the device's prefix cache already holds those blocks: params replayed after a
+  first load, nothing more will arrive for them). The
   store's lookup then loads them like any store hit: exactly the blocks that arrived intact on
   every rank, under this engine's keys; the rest are computed.
 """
@@ -70,8 +72,11 @@ class KVTransfer:
     store's identity)."""
 
     def __init__(self, config: KVTransferConfig, local: RankTransfer, hasher: Any,
-                 kv_format: str, ranks: RankCalls, num_groups: int = 1) -> None:
-        """`num_groups`: the KV cache groups' count (their blocks are stored per group)."""
+                 kv_format: str, ranks: RankCalls, num_groups: int = 1,
+                 device_cached: Callable[[list[int], str | None], bool] | None = None) -> None:
+        """`num_groups`: the KV cache groups' count (their blocks are stored per group);
+        `device_cached(token_ids, cache_salt)`: whether the device's prefix cache holds every
+        full block of those tokens."""
         self.config = config
         self.num_groups = num_groups
         self.local = local
@@ -79,6 +84,7 @@ class KVTransfer:
         self.hasher = hasher
         self.kv_format = kv_format
         self.ranks = ranks
+        self.device_cached = device_cached
         self.receiver = local.receiver
         self._job_ids = itertools.count()
         self._jobs: dict[int, _Job] = {}
@@ -180,6 +186,10 @@ class KVTransfer:
         group's) every rank's push tier holds, up to `num_blocks` (the store connector:
         `num_blocks`; its tiers are looked up at admission)."""
         if self.receiver is None:
+            return num_blocks
+        bs = self.store.block_size
+        if num_hashes and self.device_cached is not None \
+                and self.device_cached(list(token_ids[:num_hashes * bs]), cache_salt):
             return num_blocks
         hashes = self.block_hashes(token_ids, cache_salt)[:num_hashes]
         return min(num_blocks, *self.ranks(f"{RANK_TRANSFER}.held", hashes, self.num_groups))
