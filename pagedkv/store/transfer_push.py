@@ -189,6 +189,8 @@ class PushReceiverTier(KVTier):
                 self._take_chunk(json.loads(header), body)
             except zmq.Again:
                 continue
+            except ValueError as exc:  # a header that cannot be true (another block layout)
+                logger.warning("kv transfer: dropped a push message: %s", exc)
             except Exception:  # a malformed message costs its blocks, never the receiver
                 logger.warning("kv transfer: dropped a malformed push message", exc_info=True)
         self._context.destroy(linger=0)

@@ -71,3 +71,23 @@ def test_mismatched_formats_are_refused_and_recomputed(tiny_llama, tmp_path, cap
         assert cached(again) == 0
         assert_same_answer(again, one_instance(pair, req))
         assert_blocks_back(pair)
+
+
+def test_a_hybrid_producer_and_a_full_layers_consumer_never_share_blocks(tiny_qwen2_mixed,
+                                                                         tmp_path, caplog):
+    """Sliding-window groups on the producer, every layer in one block on the consumer
+    (disable_hybrid_kv_cache_manager): another layout, so another identity and block size; the
+    pushed blocks are dropped on arrival and the prompt computed."""
+    with pd_pair(tiny_qwen2_mixed, "push", tmp_path,
+                 consumer_extra={"disable_hybrid_kv_cache_manager": True}) as pair:
+        req = body(PROMPT)
+        params = prefill(pair.a, req)["kv_transfer_params"]
+        assert params["num_tokens"] == 7 * BLOCK_SIZE
+        with caplog.at_level(logging.WARNING):
+            decoded = post(pair.b, req, params)
+        assert "do not fit this request (model identity" in caplog.text
+        assert "dropped a push message: push header block_bytes" in caplog.text
+        assert cached(decoded) == 0
+        assert pair.consumer.core.kv_transfer.receiver.held_bytes == 0
+        assert_same_answer(decoded, one_instance(pair, req))
+        assert_blocks_back(pair)
