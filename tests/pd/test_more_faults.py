@@ -6,14 +6,12 @@ the decode, and a handoff the server gave up on (its job forgotten, not kept for
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
+from fastapi.testclient import TestClient
 
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.server.app import create_app
@@ -21,17 +19,20 @@ from pagedkv.store.redis_server import RedisServer
 from tests.pd.conftest import (
     BLOCK_SIZE,
     TRANSFER_TIMEOUT_S,
+    Pair,
     assert_blocks_back,
     assert_same_answer,
     body,
     cached,
     one_instance,
+    pd_engines,
     pd_pair,
     post,
     prefill,
+    served,
     utility,
 )
-from tests.server.helpers import free_port, scrape
+from tests.server.helpers import scrape
 
 BOUND_S = TRANSFER_TIMEOUT_S + 5.0
 
@@ -160,43 +161,25 @@ def test_handoff_jobs_nobody_polls_are_forgotten(pair, monkeypatch):
     assert_blocks_back(pair)
 
 
-@contextlib.contextmanager
-def served(engine: LLMEngine):
-    """`engine` behind a real HTTP server on a loopback port (a client can disconnect)."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, served_model_name="m"),
-                                           host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
 def test_a_client_that_leaves_during_the_decode_frees_both_sides(tiny_llama, tmp_path):
-    with pd_pair(tiny_llama, "push", tmp_path) as made:
-        made.b.__exit__(None, None, None)  # the consumer is served over HTTP below instead
+    with pd_engines(tiny_llama, "push", tmp_path) as (producer, consumer), \
+            TestClient(create_app(producer, served_model_name="m")) as a:
         request = body(prompt_of(6), max_tokens=200, logprobs=None, stream=True)
-        params = prefill(made.a, {**request, "stream": False})["kv_transfer_params"]
-        with served(made.consumer) as url:
+        params = prefill(a, {**request, "stream": False})["kv_transfer_params"]
+        with served(consumer) as url:
             with httpx.stream("POST", url + "/v1/completions", timeout=30,
                               json={**request, "kv_transfer_params": params}) as resp:
                 lines = resp.iter_lines()
                 assert next(line for line in lines if line.startswith("data: "))
             deadline = time.monotonic() + BOUND_S
-            kv = made.consumer.scheduler.kv_cache_manager
+            kv = consumer.scheduler.kv_cache_manager
             while kv.pool.get_num_free_blocks() < kv.num_usable_blocks:
                 assert time.monotonic() < deadline, "the decode kept its blocks"
                 time.sleep(0.02)
             assert scrape(url)["pagedkv:num_requests_running"] == 0
-        assert made.consumer.core.kv_transfer.receiver.num_blocks == 0  # loaded, not kept
-        made.producer.core.check_invariants()
-        kv = made.producer.scheduler.kv_cache_manager
+        assert consumer.core.kv_transfer.receiver.num_blocks == 0  # loaded, not kept
+        utility(a, "check_invariants")
+        kv = producer.scheduler.kv_cache_manager
         assert kv.pool.get_num_free_blocks() == kv.num_usable_blocks
 
 
@@ -204,21 +187,21 @@ def test_a_consumer_restarted_between_answer_and_load(tiny_llama, tmp_path):
     """Store: the blocks wait in the shared tier for the new consumer. Push: they went to the
     old one; the new one computes the prompt in bounded time."""
     for connector in ("store", "push"):
-        with pd_pair(tiny_llama, connector, tmp_path / connector) as made:
+        with pd_engines(tiny_llama, connector, tmp_path / connector) as (producer, old), \
+                TestClient(create_app(producer, served_model_name="m")) as a:
             request = body(prompt_of(7))
-            params = prefill(made.a, request)["kv_transfer_params"]
-            made.b.__exit__(None, None, None)
-            args = made.consumer.args
-            made.consumer.shutdown()
-            made.consumer = LLMEngine(args)  # the same flags: the same kv_port, the same tier
-            from fastapi.testclient import TestClient
-
-            with TestClient(create_app(made.consumer, served_model_name="m")) as b:
-                made.b = b
-                decoded = timed(made, request, params)
-                assert cached(decoded) == (8 * BLOCK_SIZE if connector == "store" else 0)
-                assert_same_answer(decoded, one_instance(made, request))
-                assert_blocks_back(made)
+            params = prefill(a, request)["kv_transfer_params"]
+            old.shutdown()
+            consumer = LLMEngine(old.args)  # the same flags: the same kv_port, the same tier
+            try:
+                with TestClient(create_app(consumer, served_model_name="m")) as b:
+                    made = Pair(producer, consumer, a, b, connector)
+                    decoded = timed(made, request, params)
+                    assert cached(decoded) == (8 * BLOCK_SIZE if connector == "store" else 0)
+                    assert_same_answer(decoded, one_instance(made, request))
+                    assert_blocks_back(made)
+            finally:
+                consumer.shutdown()
 
 
 def test_a_redis_tier_that_vanishes_mid_transfer(tiny_llama, tmp_path):
