@@ -44,14 +44,12 @@ def test_a_format_or_architecture_loads_and_equals_one_instance(request, tmp_pat
 @pytest.mark.parametrize(("connector", "producer", "consumer"), [
     ("push", {"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "auto"}),
     ("store", {"kv_cache_dtype": "fp8"}, {"kv_cache_dtype": "int8"}),
-    ("push", {"dtype": "float32"}, {"dtype": "bfloat16"})])
+    ("push", {"dtype": "float32"}, {"dtype": "bfloat16"}),
+    ("store", {}, {"quantization": "int8"})])
 def test_mismatched_formats_are_refused_and_recomputed(tiny_llama, tmp_path, caplog, connector,
                                                        producer, consumer):
     kv_dtype = producer.get("kv_cache_dtype", "auto")
-    mismatched = {k: v for k, v in consumer.items() if k != "kv_cache_dtype"}
-    mismatched["kv_cache_dtype"] = consumer.get("kv_cache_dtype", kv_dtype)
-    if "dtype" in producer:
-        mismatched["dtype"] = consumer["dtype"]
+    mismatched = {**consumer, "kv_cache_dtype": consumer.get("kv_cache_dtype", kv_dtype)}
     with pd_pair(tiny_llama, connector, tmp_path, kv_dtype, consumer_extra=mismatched) as pair:
         req = body(PROMPT)
         params = prefill(pair.a, req)["kv_transfer_params"]
