@@ -118,6 +118,7 @@ def build_kv_transfer(args: EngineArgs, store: StoreConfig | None, executor: Exe
     connector = None if store is None else executor.kv_connector
     if store is None or store.transfer is None or connector is None:
         return None
+    from pagedkv.kv.hashing import group_key_suffix
     from pagedkv.store.transfer import KVTransfer
 
     kv = scheduler.kv_cache_manager
@@ -125,7 +126,8 @@ def build_kv_transfer(args: EngineArgs, store: StoreConfig | None, executor: Exe
                       f"kv_cache_dtype={args.kv_cache_dtype};dtype={args.dtype}",
                       rank_calls(executor),
                       num_groups=len(getattr(kv, "window_blocks", None) or [None]),
-                      device_cached=kv.pins.is_cached)
+                      device_holds=lambda block_hash, group: kv.pool.get_cached_block(
+                          block_hash + group_key_suffix(group)) is not None)
 
 
 def rank_calls(executor: Executor) -> Callable[..., list[Any]]:

@@ -17,9 +17,9 @@ Producer, once a prefill request (max_tokens 1) finished:
 Consumer, before a decode request is admitted:
   `describe()` gives what the params are checked against (model identity, KV format, block
   size); `held_blocks(token_ids, cache_salt, n)` how many of the prompt's first `n` blocks every
-  rank's push tier holds (the server waits, bounded, for all of them before submitting; all of
-  them when the device's prefix cache already holds those blocks: params replayed after a
-  first load, nothing more will arrive for them). The
+  rank's push tier holds or the device's prefix cache already has (params replayed after a
+  first load, or a block another request sharing the prefix took from the push tier: nothing
+  more will arrive for those); the server waits, bounded, for all of them before submitting. The
   store's lookup then loads them like any store hit: exactly the blocks that arrived intact on
   every rank, under this engine's keys; the rest are computed.
 """
@@ -73,10 +73,9 @@ class KVTransfer:
 
     def __init__(self, config: KVTransferConfig, local: RankTransfer, hasher: Any,
                  kv_format: str, ranks: RankCalls, num_groups: int = 1,
-                 device_cached: Callable[[list[int], str | None], bool] | None = None) -> None:
+                 device_holds: Callable[[bytes, int], bool] | None = None) -> None:
         """`num_groups`: the KV cache groups' count (their blocks are stored per group);
-        `device_cached(token_ids, cache_salt)`: whether the device's prefix cache holds every
-        full block of those tokens."""
+        `device_holds(block_hash, group)`: whether the device's prefix cache has that block."""
         self.config = config
         self.num_groups = num_groups
         self.local = local
@@ -84,7 +83,7 @@ class KVTransfer:
         self.hasher = hasher
         self.kv_format = kv_format
         self.ranks = ranks
-        self.device_cached = device_cached
+        self.device_holds = device_holds
         self.receiver = local.receiver
         self._job_ids = itertools.count()
         self._jobs: dict[int, _Job] = {}
@@ -183,16 +182,19 @@ class KVTransfer:
     def held_blocks(self, token_ids: list[int], cache_salt: str | None, num_hashes: int,
                     num_blocks: int) -> int:
         """How many blocks of the prompt's first `num_hashes` block hashes (every KV cache
-        group's) every rank's push tier holds, up to `num_blocks` (the store connector:
-        `num_blocks`; its tiers are looked up at admission)."""
+        group's) are here: held by every rank's push tier, or already in the device's prefix
+        cache; up to `num_blocks` (the store connector: `num_blocks`; its tiers are looked up
+        at admission)."""
         if self.receiver is None:
             return num_blocks
-        bs = self.store.block_size
-        if num_hashes and self.device_cached is not None \
-                and self.device_cached(list(token_ids[:num_hashes * bs]), cache_salt):
-            return num_blocks
         hashes = self.block_hashes(token_ids, cache_salt)[:num_hashes]
-        return min(num_blocks, *self.ranks(f"{RANK_TRANSFER}.held", hashes, self.num_groups))
+        pairs = [(h, g) for h in hashes for g in range(self.num_groups)]
+        on_device = [self.device_holds is not None and self.device_holds(h, g) for h, g in pairs]
+        if all(on_device):
+            return num_blocks
+        masks = self.ranks(f"{RANK_TRANSFER}.held_mask", hashes, self.num_groups)
+        here = [dev or all(mask[i] for mask in masks) for i, dev in enumerate(on_device)]
+        return min(num_blocks, sum(here))
 
     def stats(self) -> dict:
         """Handoffs, bytes sent and handoff jobs pending (producer), blocks and bytes received by

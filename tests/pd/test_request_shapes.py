@@ -7,7 +7,9 @@ logprobs and echo."""
 from __future__ import annotations
 
 import json
+import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -152,4 +154,26 @@ def test_prompt_logprobs_and_echo_equal_one_instance(pair):
             for g, w in zip(got_p[1:], want_p[1:], strict=True):
                 assert g.keys() == w.keys()
                 assert all(abs(g[k]["logprob"] - w[k]["logprob"]) < 1e-4 for k in g)
+    assert_blocks_back(pair)
+
+
+def test_concurrent_requests_sharing_a_prefix_equal_one_instance(pair, caplog):
+    """Four requests with a common prefix, prefilled together and decoded together: the
+    producer's handoffs and the consumer's loads interleave (a shared block may be loaded by
+    one and found in the device cache by another), and each answer is one instance's."""
+    shared = prompt_of(9, 4 * BLOCK_SIZE)
+    requests = [body(shared + prompt_of(10 + i, 2 * BLOCK_SIZE + 1 + i)) for i in range(4)]
+    with ThreadPoolExecutor(4) as pool, caplog.at_level(logging.WARNING, "pagedkv.server"):
+        firsts = list(pool.map(lambda r: prefill(pair.a, r), requests))
+        start = time.monotonic()
+        decoded = list(pool.map(lambda rf: post(pair.b, rf[0], rf[1]["kv_transfer_params"]),
+                                zip(requests, firsts, strict=True)))
+    # no decode waited for shared blocks another one had already taken from the push tier
+    assert "pushed blocks arrived" not in caplog.text
+    assert time.monotonic() - start < TRANSFER_TIMEOUT_S + 2.0
+    # the first admitted loads its blocks; one admitted in the same step as it may find the
+    # shared blocks neither in the push tier (taken) nor yet in the device cache, and computes
+    assert max(cached(answer) for answer in decoded) >= 6 * BLOCK_SIZE
+    for request, answer in zip(requests, decoded, strict=True):
+        assert_same_answer(answer, one_instance(pair, request))
     assert_blocks_back(pair)
