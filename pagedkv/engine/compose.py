@@ -118,13 +118,16 @@ def build_kv_transfer(args: EngineArgs, store: StoreConfig | None, executor: Exe
     connector = None if store is None else executor.kv_connector
     if store is None or store.transfer is None or connector is None:
         return None
+    from pagedkv.kv.hashing import group_key_suffix
     from pagedkv.store.transfer import KVTransfer
 
     kv = scheduler.kv_cache_manager
     return KVTransfer(store.transfer, connector.transfer, kv.hasher,
                       f"kv_cache_dtype={args.kv_cache_dtype};dtype={args.dtype}",
                       rank_calls(executor),
-                      num_groups=len(getattr(kv, "window_blocks", None) or [None]))
+                      num_groups=len(getattr(kv, "window_blocks", None) or [None]),
+                      device_holds=lambda block_hash, group: kv.pool.get_cached_block(
+                          block_hash + group_key_suffix(group)) is not None)
 
 
 def rank_calls(executor: Executor) -> Callable[..., list[Any]]:

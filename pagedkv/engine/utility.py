@@ -21,7 +21,7 @@ UTILITY_METHODS = frozenset({
     "dashboard.subscribe", "dashboard.unsubscribe", "dashboard.drain", "dashboard.block_table",
     "dashboard.explain", "dashboard.explain_recent", "cpu_kernel_choice", "get_core_stats",
     "kv_transfer.describe", "kv_transfer.start_handoff", "kv_transfer.poll_handoff",
-    "kv_transfer.held_blocks", "kv_transfer.stats",
+    "kv_transfer.held_blocks", "kv_transfer.stats", "kv_transfer.abandon_handoff",
 })
 # Utility calls answered by a function of the core rather than by one of its methods.
 CORE_FUNCTIONS: dict[str, Callable[..., Any]] = {

@@ -315,6 +315,7 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
     load_weights(model, model_dir, preloaded)
     if quantize and quantization == "int8":
         quantize_int8(model)
+        model.requantized = "int8"  # not the checkpoint's weights: the store's keys say so
     if quantize and (preloaded or quantization == "int8"):
         pack_head(model)
     return model.eval()

@@ -321,8 +321,10 @@ class ModelRunner:
         (its dtype, int8's scale layout, fp8's scales) and the weights' dtype, which computed
         them: an int8 (or fp8, or bfloat16) block of float32 weights is not what bfloat16
         weights would write, so the two never share blocks, as two "auto" caches of those
-        dtypes never do."""
-        return f"{self.kv_cache.dtype_tag()};weights={self.dtype}"
+        dtypes never do; nor does a block of weights requantized to int8 (`quantization`)."""
+        tag = f"{self.kv_cache.dtype_tag()};weights={self.dtype}"
+        requantized = getattr(self.model, "requantized", None)
+        return tag if requantized is None else f"{tag};requantized={requantized}"
 
     def flush_kv_store(self) -> None:
         """Wait until this rank's queued store saves are written (tests, benchmarks)."""

@@ -98,6 +98,7 @@ async def handoff(serving: OpenAIServing, params: KVTransferParams | None,
             await asyncio.sleep(POLL_S)
     if outcome is None:
         logger.warning("kv transfer: the handoff did not finish in time; the decode recomputes")
+        await engine.call_utility("kv_transfer.abandon_handoff", job)
         outcome = {"block_hashes": [], "num_tokens": 0, "transfer_bytes": 0,
                    "transfer_seconds": 0.0}
     return {"do_remote_decode": False, "do_remote_prefill": True,
@@ -131,6 +132,10 @@ def mismatch(params: KVTransferParams, desc: dict, own_hashes: list[str],
         return "block_hashes are not the prompt's"
     if params.num_tokens != len(hashes) * desc["block_size"]:
         return f"num_tokens {params.num_tokens!r} does not match {len(hashes)} blocks"
+    most = len(hashes) * desc.get("num_groups", 1)
+    if params.num_blocks is not None and params.num_blocks > most:
+        return (f"num_blocks {params.num_blocks!r} is more than {len(hashes)} block hashes "
+                f"name (at most {most})")
     return None
 
 

@@ -51,7 +51,8 @@ def build_tiers(config: StoreConfig, block_bytes: int, pin_memory: bool = False,
         from pagedkv.store.transfer_push import PushReceiverTier
 
         tiers.append(PushReceiverTier(transfer.kv_ip, transfer.kv_port + rank,
-                                      int(transfer.kv_buffer_size), transfer.extra("hold_s")))
+                                      int(transfer.kv_buffer_size), transfer.extra("hold_s"),
+                                      block_bytes))
     return tiers
 
 

@@ -11,11 +11,15 @@ Producer, once a prefill request (max_tokens 1) finished:
   its slice, or counts what the shared tiers hold). `poll_handoff(job)` gives the outcome once
   every rank's is in: the leading blocks every rank transferred (hashes, tokens, blocks), the
   bytes of all ranks and the slowest rank's seconds. The answer is sent only then, so it never
-  precedes a rank's durability.
+  precedes a rank's durability. `abandon_handoff(job)` forgets a job its server stopped
+  waiting for; a job nobody polled for JOB_TTL_S is forgotten too (a server task cancelled
+  with its client), so abandoned jobs never pile up.
 Consumer, before a decode request is admitted:
   `describe()` gives what the params are checked against (model identity, KV format, block
   size); `held_blocks(token_ids, cache_salt, n)` how many of the prompt's first `n` blocks every
-  rank's push tier holds (the server waits, bounded, for all of them before submitting). The
+  rank's push tier holds or the device's prefix cache already has (params replayed after a
+  first load, or a block another request sharing the prefix took from the push tier: nothing
+  more will arrive for those); the server waits, bounded, for all of them before submitting. The
   store's lookup then loads them like any store hit: exactly the blocks that arrived intact on
   every rank, under this engine's keys; the rest are computed.
 """
@@ -39,6 +43,7 @@ logger = logging.getLogger(__name__)
 RANK_POLL_S = 0.005  # a job's ranks are asked at most this often (one collective each time)
 RankCalls = Callable[..., list[Any]]  # (method path below a rank's runner, *args) -> per rank
 RANK_TRANSFER = "kv_connector.transfer"  # where a rank's RankTransfer lives
+JOB_TTL_S = 120.0  # a job not polled for this long is forgotten (its server stopped asking)
 
 
 @dataclass
@@ -67,8 +72,10 @@ class KVTransfer:
     store's identity)."""
 
     def __init__(self, config: KVTransferConfig, local: RankTransfer, hasher: Any,
-                 kv_format: str, ranks: RankCalls, num_groups: int = 1) -> None:
-        """`num_groups`: the KV cache groups' count (their blocks are stored per group)."""
+                 kv_format: str, ranks: RankCalls, num_groups: int = 1,
+                 device_holds: Callable[[bytes, int], bool] | None = None) -> None:
+        """`num_groups`: the KV cache groups' count (their blocks are stored per group);
+        `device_holds(block_hash, group)`: whether the device's prefix cache has that block."""
         self.config = config
         self.num_groups = num_groups
         self.local = local
@@ -76,6 +83,7 @@ class KVTransfer:
         self.hasher = hasher
         self.kv_format = kv_format
         self.ranks = ranks
+        self.device_holds = device_holds
         self.receiver = local.receiver
         self._job_ids = itertools.count()
         self._jobs: dict[int, _Job] = {}
@@ -94,7 +102,8 @@ class KVTransfer:
                 "kv_connector": self.config.kv_connector,
                 "model_identity": self.store.identity.hex(), "kv_format": self.kv_format,
                 "block_size": self.store.block_size, "block_bytes": self.store.block_bytes,
-                "kv_ip": self.config.kv_ip, "kv_port": self.config.kv_port}
+                "kv_ip": self.config.kv_ip, "kv_port": self.config.kv_port,
+                "num_groups": self.num_groups}
 
     def block_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[bytes]:
         """The chained hashes of the prompt's full blocks (as the KV cache manager makes them)."""
@@ -114,6 +123,7 @@ class KVTransfer:
                  for i, h in enumerate(hashes) for g in range(self.num_groups)]
         targets = ([(remote_host, int(remote_port))] if remote_host and remote_port
                    else list(self.config.consumers))
+        self._forget_stale(time.monotonic() - JOB_TTL_S)
         job_id = next(self._job_ids)
         tickets = self.ranks(f"{RANK_TRANSFER}.start", job_id, metas, targets)
         self._jobs[job_id] = _Job(metas, [None] * len(tickets), time.monotonic())
@@ -138,6 +148,24 @@ class KVTransfer:
         del self._jobs[job_id]
         return self._combine(job.metas, job.outcomes)
 
+    def abandon_handoff(self, job_id: int) -> None:
+        """Forget a job its server stopped waiting for, on every rank (a rank's transfer still
+        ends in bounded time; its outcome is dropped)."""
+        if self._jobs.pop(job_id, None) is not None:
+            self.ranks(f"{RANK_TRANSFER}.forget", job_id)
+
+    def _forget_stale(self, cutoff: float) -> None:
+        """Abandon every job last polled before `cutoff`."""
+        for job_id in [j for j, job in self._jobs.items() if job.asked < cutoff]:
+            logger.warning("kv transfer: handoff job %d was not polled for %.0f s; forgotten",
+                           job_id, JOB_TTL_S)
+            self.abandon_handoff(job_id)
+
+    @property
+    def num_jobs(self) -> int:
+        """Handoff jobs started and not yet answered or abandoned."""
+        return len(self._jobs)
+
     def _combine(self, metas: list[BlockMeta], outcomes: list[dict]) -> dict:
         num_hashes = min(o["num_hashes"] for o in outcomes)
         sent = sum(o["transfer_bytes"] for o in outcomes)
@@ -154,16 +182,25 @@ class KVTransfer:
     def held_blocks(self, token_ids: list[int], cache_salt: str | None, num_hashes: int,
                     num_blocks: int) -> int:
         """How many blocks of the prompt's first `num_hashes` block hashes (every KV cache
-        group's) every rank's push tier holds, up to `num_blocks` (the store connector:
-        `num_blocks`; its tiers are looked up at admission)."""
+        group's) are here: held by every rank's push tier, or already in the device's prefix
+        cache; up to `num_blocks` (the store connector: `num_blocks`; its tiers are looked up
+        at admission)."""
         if self.receiver is None:
             return num_blocks
         hashes = self.block_hashes(token_ids, cache_salt)[:num_hashes]
-        return min(num_blocks, *self.ranks(f"{RANK_TRANSFER}.held", hashes, self.num_groups))
+        pairs = [(h, g) for h in hashes for g in range(self.num_groups)]
+        on_device = [self.device_holds is not None and self.device_holds(h, g) for h, g in pairs]
+        if all(on_device):
+            return num_blocks
+        masks = self.ranks(f"{RANK_TRANSFER}.held_mask", hashes, self.num_groups)
+        here = [dev or all(mask[i] for mask in masks) for i, dev in enumerate(on_device)]
+        return min(num_blocks, sum(here))
 
     def stats(self) -> dict:
-        """Handoffs and bytes sent (producer), blocks and bytes received by rank 0 (consumer)."""
-        out = {"handoffs": self.num_handoffs, "bytes_sent": self.bytes_sent}
+        """Handoffs, bytes sent and handoff jobs pending (producer), blocks and bytes received by
+        rank 0 (consumer)."""
+        out = {"handoffs": self.num_handoffs, "bytes_sent": self.bytes_sent,
+               "jobs_pending": self.num_jobs}
         if self.receiver is not None:
             out.update(bytes_received=self.receiver.bytes_received,
                        blocks_received=self.receiver.blocks_received,

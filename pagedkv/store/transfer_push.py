@@ -9,14 +9,18 @@ a layer group: the consumer gets the first layers' bytes while the producer stil
 rest, and the producer's engine steps on meanwhile (the push runs on its own thread). A push
 is queued only to a connected consumer, at most SEND_QUEUE_MESSAGES messages deep: a consumer
 that is gone makes the push fail after SEND_TIMEOUT_MS (its decode then recomputes), never
-grows the producer's memory.
+grows the producer's memory, and its socket is closed (at most MAX_SOCKETS are kept, the least
+recently used closed first).
 
 The consumer keeps a block only when all its slices arrived and its checksum matches its key;
 blocks are kept under the producer's keys, which name the model identity (weights, KV format,
 layout, block size) and the chained hash (cache salt included): a consumer of another model or
 format, or a request with another salt, never finds them. Held blocks expire after `hold_s`
-and the oldest go first past `capacity_bytes`; a load takes a block out (it then lives in the
-device cache).
+and the oldest go first past `capacity_bytes`, which also bounds the slices of blocks still
+arriving (the oldest incomplete blocks go first); a load takes a block out (it then lives in
+the device cache). A header that cannot be true (a block size other than this engine's or past
+the capacity, a chunk outside its count, slices that disagree with their block's first) costs
+its message, never memory.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import zmq
 
@@ -39,6 +44,8 @@ logger = logging.getLogger(__name__)
 POLL_MS = 50  # the receiver thread checks for close this often
 SEND_TIMEOUT_MS = 2000  # a send that cannot be queued within this (peer gone, queue full) fails
 SEND_QUEUE_MESSAGES = 8  # messages queued for a consumer at most: a dead one costs no memory
+MAX_SOCKETS = 64  # consumer sockets a sender keeps open (least recently used closed first)
+MAX_CHUNKS = 1024  # slices a block may be sent in
 
 
 def chunk_bounds(block_bytes: int, chunks: int) -> list[tuple[int, int]]:
@@ -55,11 +62,24 @@ class PushSender:
     def __init__(self, layer_groups: int) -> None:
         self.layer_groups = layer_groups
         self._context = zmq.Context()
-        self._sockets: dict[tuple[str, int], zmq.Socket] = {}
+        self._sockets: OrderedDict[tuple[str, int], zmq.Socket] = OrderedDict()
+
+    @property
+    def num_sockets(self) -> int:
+        return len(self._sockets)
+
+    def _drop(self, address: tuple[str, int]) -> None:
+        sock = self._sockets.pop(address, None)
+        if sock is not None:
+            sock.close(linger=0)
 
     def _socket(self, address: tuple[str, int]) -> zmq.Socket:
         sock = self._sockets.get(address)
-        if sock is None:
+        if sock is not None:
+            self._sockets.move_to_end(address)
+        else:
+            while len(self._sockets) >= MAX_SOCKETS:
+                self._drop(next(iter(self._sockets)))
             sock = self._context.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
@@ -80,13 +100,17 @@ class PushSender:
         bounds = chunk_bounds(block_bytes, self.layer_groups)
         sock = self._socket(address)
         sent = 0
-        for i, (lo, hi) in enumerate(bounds):
-            header = json.dumps({"keys": [k.hex() for k in keys], "checksums": checksums,
-                                 "chunk": i, "chunks": len(bounds),
-                                 "block_bytes": block_bytes}).encode()
-            body = b"".join(bytes(b[lo:hi]) for b in buffers)
-            sock.send_multipart([header, body], copy=False)
-            sent += len(body)
+        try:
+            for i, (lo, hi) in enumerate(bounds):
+                header = json.dumps({"keys": [k.hex() for k in keys], "checksums": checksums,
+                                     "chunk": i, "chunks": len(bounds),
+                                     "block_bytes": block_bytes}).encode()
+                body = b"".join(bytes(b[lo:hi]) for b in buffers)
+                sock.send_multipart([header, body], copy=False)
+                sent += len(body)
+        except zmq.Again:
+            self._drop(address)  # a consumer that cannot take them keeps no socket here
+            raise
         return sent
 
     def close(self) -> None:
@@ -99,9 +123,22 @@ class _Partial:
 
     def __init__(self, block_bytes: int, chunks: int, checksum: int) -> None:
         self.data = bytearray(block_bytes)
+        self.chunks = chunks
         self.missing = set(range(chunks))
         self.checksum = checksum
         self.since = time.monotonic()
+
+    def fits(self, block_bytes: int, chunks: int, checksum: int) -> bool:
+        """Whether a slice of this header belongs to this block as its first slice said."""
+        return (len(self.data), self.chunks, self.checksum) == (block_bytes, chunks, checksum)
+
+
+def _int(header: dict, name: str, low: int, high: int) -> int:
+    """header[name], an int in [low, high]; ValueError otherwise."""
+    value = header.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"push header {name}={value!r} is not in [{low}, {high}]")
+    return value
 
 
 class PushReceiverTier(KVTier):
@@ -111,14 +148,18 @@ class PushReceiverTier(KVTier):
     name = "push"
     medium = "CPU"
 
-    def __init__(self, host: str, port: int, capacity_bytes: int, hold_s: float) -> None:
+    def __init__(self, host: str, port: int, capacity_bytes: int, hold_s: float,
+                 block_bytes: int | None = None) -> None:
+        """`block_bytes`: the only block size accepted (None: any up to `capacity_bytes`)."""
         super().__init__()
         self.capacity_bytes = capacity_bytes
         self.hold_s = hold_s
+        self.block_bytes = block_bytes
         self._lock = threading.Lock()
         self._ready: OrderedDict[bytes, tuple[bytes, float]] = OrderedDict()  # key -> (bytes, t)
         self._partial: dict[bytes, _Partial] = {}
         self._used = 0
+        self._partial_bytes = 0
         self.bytes_received = 0
         self.blocks_received = 0
         self.blocks_dropped = 0  # expired, over capacity, or failed their checksum
@@ -148,28 +189,75 @@ class PushReceiverTier(KVTier):
                 self._take_chunk(json.loads(header), body)
             except zmq.Again:
                 continue
+            except ValueError as exc:  # a header that cannot be true (another block layout)
+                logger.warning("kv transfer: dropped a push message: %s", exc)
             except Exception:  # a malformed message costs its blocks, never the receiver
                 logger.warning("kv transfer: dropped a malformed push message", exc_info=True)
         self._context.destroy(linger=0)
 
-    def _take_chunk(self, header: dict, body: bytes) -> None:
-        keys = [bytes.fromhex(k) for k in header["keys"]]
-        block_bytes, chunk, chunks = header["block_bytes"], header["chunk"], header["chunks"]
+    def _read_header(self, header: Any, body: bytes
+                     ) -> tuple[list[bytes], list[int], int, int, int]:
+        """(keys, checksums, block_bytes, chunk, chunks) of a message; ValueError for a header
+        that cannot be true (the message is dropped before anything is allocated)."""
+        if not isinstance(header, dict):
+            raise ValueError("a push header is not an object")
+        if self.block_bytes is not None:
+            block_bytes = _int(header, "block_bytes", self.block_bytes, self.block_bytes)
+        else:
+            block_bytes = _int(header, "block_bytes", 1, self.capacity_bytes)
+        chunks = _int(header, "chunks", 1, min(MAX_CHUNKS, block_bytes))
+        chunk = _int(header, "chunk", 0, chunks - 1)
+        keys, checksums = header.get("keys"), header.get("checksums")
+        if not isinstance(keys, list) or not isinstance(checksums, list) \
+                or len(keys) != len(checksums) or not all(
+                    isinstance(c, int) and not isinstance(c, bool) for c in checksums):
+            raise ValueError("push header keys and checksums do not pair up")
+        keys = [bytes.fromhex(k) for k in keys]
         lo, hi = chunk_bounds(block_bytes, chunks)[chunk]
         if len(body) != (hi - lo) * len(keys):
             raise ValueError(f"a chunk of {len(body)} bytes for {len(keys)} blocks")
+        return keys, checksums, block_bytes, chunk, chunks
+
+    def _take_chunk(self, header: Any, body: bytes) -> None:
+        keys, checksums, block_bytes, chunk, chunks = self._read_header(header, body)
+        lo, hi = chunk_bounds(block_bytes, chunks)[chunk]
         with self._lock:
             self.bytes_received += len(body)
-            for i, (key, checksum) in enumerate(zip(keys, header["checksums"], strict=True)):
-                partial = self._partial.get(key)
-                if partial is None:
-                    partial = self._partial[key] = _Partial(block_bytes, chunks, checksum)
+            for i, (key, checksum) in enumerate(zip(keys, checksums, strict=True)):
+                partial = self._partial_for(key, block_bytes, chunks, checksum)
                 partial.data[lo:hi] = body[i * (hi - lo):(i + 1) * (hi - lo)]
                 partial.missing.discard(chunk)
                 if not partial.missing:
-                    del self._partial[key]
+                    self._forget_partial(key)
                     self._complete(key, partial)
             self._expire()
+
+    def _partial_for(self, key: bytes, block_bytes: int, chunks: int, checksum: int
+                     ) -> _Partial:
+        """The block `key` being assembled (a new one, room made for it within the capacity;
+        one whose first slice disagrees with this header is dropped) (lock held)."""
+        partial = self._partial.get(key)
+        if partial is not None and partial.fits(block_bytes, chunks, checksum):
+            return partial
+        if partial is not None:
+            self._forget_partial(key)
+            self.blocks_dropped += 1
+        self._partial_bytes += block_bytes
+        self._make_room()
+        partial = self._partial[key] = _Partial(block_bytes, chunks, checksum)
+        return partial
+
+    def _forget_partial(self, key: bytes) -> None:
+        self._partial_bytes -= len(self._partial.pop(key).data)
+
+    def _make_room(self) -> None:
+        """Within the capacity again: the oldest incomplete blocks go first, then the oldest
+        whole ones (lock held)."""
+        while self.held_bytes > self.capacity_bytes and self._partial:
+            self._forget_partial(next(iter(self._partial)))
+            self.blocks_dropped += 1
+        while self.held_bytes > self.capacity_bytes and self._ready:
+            self._drop_oldest()
 
     def _complete(self, key: bytes, partial: _Partial) -> None:
         """Keep a block whose every slice arrived, if its checksum holds (lock held)."""
@@ -183,8 +271,7 @@ class PushReceiverTier(KVTier):
         self._ready[key] = (data, time.monotonic())
         self._used += len(data)
         self.blocks_received += 1
-        while self._used > self.capacity_bytes and self._ready:
-            self._drop_oldest()
+        self._make_room()
 
     def _drop_oldest(self) -> None:
         key, (data, _) = self._ready.popitem(last=False)
@@ -199,7 +286,7 @@ class PushReceiverTier(KVTier):
         while self._ready and next(iter(self._ready.values()))[1] < cutoff:
             self._drop_oldest()
         for key in [k for k, p in self._partial.items() if p.since < cutoff]:
-            del self._partial[key]
+            self._forget_partial(key)
             self.blocks_dropped += 1
 
     # ---- the tier interface (engine and loader threads) ------------------------------------
@@ -226,6 +313,11 @@ class PushReceiverTier(KVTier):
     @property
     def used_bytes(self) -> int:
         return self._used
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of whole blocks and of blocks still arriving (at most `capacity_bytes`)."""
+        return self._used + self._partial_bytes
 
     @property
     def num_blocks(self) -> int:

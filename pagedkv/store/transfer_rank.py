@@ -13,7 +13,7 @@ watermark (`TieredKVStore.saves_written`) reaches the ticket, then, for the push
 reads the blocks back from the host staging tier and pushes them to the consumer's rank of the
 same index (`port + rank`); for the store connector, counts the leading blocks the shared tiers
 hold. `poll(job_id)` gives its outcome once done (the rank's watermark included).
-Consumer: `held(hashes, num_groups)` counts the blocks of `hashes` this rank's push tier holds
+Consumer: `held_mask(hashes, num_groups)` says which blocks of `hashes` this rank's push tier holds
 (a consumer of N ranks listens on `kv_port` .. `kv_port + N - 1`).
 """
 
@@ -77,6 +77,16 @@ class RankTransfer:
                            "the prompt", self.rank, exc)
             return failed_outcome()
 
+    def forget(self, job_id: int) -> None:
+        """Drop a job nobody will poll (cancelled if it has not started)."""
+        future = self._jobs.pop(job_id, None)
+        if future is not None:
+            future.cancel()
+
+    @property
+    def num_jobs(self) -> int:
+        return len(self._jobs)
+
     def _handoff(self, metas: list[BlockMeta], ticket: int,
                  targets: list[tuple[str, int]]) -> dict:
         """The transfer thread's job (module docstring)."""
@@ -131,13 +141,14 @@ class RankTransfer:
         return num_hashes, num_blocks, num_blocks * self.store.block_bytes
 
     # ---- consumer -------------------------------------------------------------------------
-    def held(self, hashes: list[bytes], num_groups: int) -> int:
-        """How many blocks of `hashes` (every KV cache group's) this rank's push tier holds."""
+    def held_mask(self, hashes: list[bytes], num_groups: int) -> list[bool]:
+        """Whether this rank's push tier holds each block of `hashes`, every KV cache group's
+        (hash-major)."""
         if self.receiver is None:
-            return len(hashes) * num_groups
+            return [True] * (len(hashes) * num_groups)
         keys = [self.store.key(h, g if self.store.grouped else None)
                 for h in hashes for g in range(num_groups)]
-        return sum(self.receiver.contains_many(keys))
+        return self.receiver.contains_many(keys)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)

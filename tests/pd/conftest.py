@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from fastapi.testclient import TestClient
 
 from pagedkv.engine.args import EngineArgs
@@ -37,20 +40,26 @@ class Pair:
 
 
 def engine_args(model_dir: Path, transfer: dict, **extra: Any) -> EngineArgs:
-    return EngineArgs(model=str(model_dir), dtype="float32", block_size=BLOCK_SIZE,
-                      max_model_len=256, num_gpu_blocks_override=96,
-                      kv_transfer_config=json.dumps(transfer), **extra)
+    settings = {"dtype": "float32", "block_size": BLOCK_SIZE, "max_model_len": 256,
+                "num_gpu_blocks_override": 96, **extra}
+    return EngineArgs(model=str(model_dir), kv_transfer_config=json.dumps(transfer), **settings)
 
 
 @contextlib.contextmanager
-def pd_pair(model_dir: Path, connector: str, tmp: Path, kv_cache_dtype: str = "auto",
-            consumer_port: int | None = None) -> Iterator[Pair]:
-    """A producer and a consumer of `connector` ("store": through a shared disk tier at `tmp`;
-    "push": the producer pushes to the consumer's port, or to `consumer_port` when given)."""
+def pd_engines(model_dir: Path, connector: str, tmp: Path, kv_cache_dtype: str = "auto",
+               consumer_port: int | None = None, consumer_extra: dict | None = None,
+               redis_url: str | None = None) -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    """A producer and a consumer engine of `connector` ("store": through a shared disk tier at
+    `tmp`, or the Redis at `redis_url`; "push": the producer pushes to the consumer's port, or
+    to `consumer_port` when given). `consumer_extra`: the consumer's engine arguments that
+    differ from the producer's."""
     extra: dict[str, Any] = {"kv_cache_dtype": kv_cache_dtype}
     timing = {"transfer_timeout_s": TRANSFER_TIMEOUT_S}
-    if connector == "store":
+    if connector == "store" and redis_url is not None:
+        extra.update(kv_offloading_remote_url=redis_url)
+    elif connector == "store":
         extra.update(kv_offloading_disk_path=str(tmp / "shared"), kv_offloading_disk_size=0.1)
+    if connector == "store":
         name = "PagedKVStoreConnector"
         produce = {"kv_role": "kv_producer", "kv_connector": name,
                    "kv_connector_extra_config": timing}
@@ -66,14 +75,47 @@ def pd_pair(model_dir: Path, connector: str, tmp: Path, kv_cache_dtype: str = "a
         consume = {"kv_role": "kv_consumer", "kv_connector": name, "kv_port": port,
                    "kv_buffer_size": 2**22, "kv_connector_extra_config": timing}
     producer = LLMEngine(engine_args(model_dir, produce, **extra))
-    consumer = LLMEngine(engine_args(model_dir, consume, **extra))
     try:
-        with TestClient(create_app(producer, served_model_name="m")) as a, \
-                TestClient(create_app(consumer, served_model_name="m")) as b:
-            yield Pair(producer, consumer, a, b, connector)
+        consumer = LLMEngine(engine_args(model_dir, consume,
+                                         **{**extra, **(consumer_extra or {})}))
+    except BaseException:
+        producer.shutdown()
+        raise
+    try:
+        yield producer, consumer
     finally:
         producer.shutdown()
         consumer.shutdown()
+
+
+@contextlib.contextmanager
+def pd_pair(model_dir: Path, connector: str, tmp: Path, kv_cache_dtype: str = "auto",
+            **more: Any) -> Iterator[Pair]:
+    """`pd_engines`, each behind its own in-process server app."""
+    with pd_engines(model_dir, connector, tmp, kv_cache_dtype, **more) as (producer, consumer), \
+            TestClient(create_app(producer, served_model_name="m")) as a, \
+            TestClient(create_app(consumer, served_model_name="m")) as b:
+        yield Pair(producer, consumer, a, b, connector)
+
+
+@contextlib.contextmanager
+def served(engine: LLMEngine) -> Iterator[str]:
+    """`engine` behind a real HTTP server on a loopback port (its URL): a client can
+    disconnect, and a router can reach it."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, served_model_name="m"),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 def body(prompt: list[int], max_tokens: int = 6, **more: Any) -> dict:
