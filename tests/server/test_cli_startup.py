@@ -20,6 +20,9 @@ import pytest
 from pagedkv.cli import COMMANDS, build_parser
 from pagedkv.commands.chat_template import load_chat_template
 from pagedkv.commands.engine_flags import model_argument
+from pagedkv.commands.machine_checks import check_machine, gpu_driver_present
+from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.kv_setup import GiB, host_memory_bytes
 from pagedkv.http.access_log import ACCESS_LOGGER, SCRAPE_PATHS, ScrapesAtDebug, request_path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -80,6 +83,36 @@ def test_a_flag_mistake_is_one_line_before_any_heavy_import(argv, message, model
     errors = [line for line in err.splitlines() if "error:" in line]
     assert len(errors) == 1 and errors[0].startswith("pagedkv"), err
     assert elapsed < ANSWER_BOUND_S
+
+
+@pytest.mark.skipif(gpu_driver_present(), reason="this machine has a GPU driver")
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_what_the_machine_cannot_have_is_one_line_before_any_heavy_import(command, model_dir):
+    """A CUDA device with no GPU driver, a KV cache over the machine's memory: at once."""
+    total, _ = host_memory_bytes()
+    prompt = ("--prompt", "x") if command == "generate" else ()
+    for flags, message in ((("--device", "cuda"), "CUDA is not available"),
+                           (("--kv-cache-memory-bytes", str(2 * total)),
+                            f"--kv-cache-memory-bytes asks for a {2 * total / GiB:.1f} GiB")):
+        report, out, err, elapsed = run_cli(command, str(model_dir), *prompt, *flags)
+        assert report["code"] == 2 and report["heavy"] == [], (out, err)
+        assert err.strip().count("\n") == 0 and message in err, err
+        assert elapsed < ANSWER_BOUND_S
+
+
+def test_machine_checks_name_the_flag_and_leave_what_fits():
+    ok = EngineArgs(model="m", device="cpu", kv_cache_memory_bytes=1 << 20)
+    check_machine(ok, paths=())
+    with pytest.raises(ValueError, match="'cuda' \\(--device\\)"):
+        check_machine(EngineArgs(model="m", device="cuda"), paths=())
+    check_machine(EngineArgs(model="m", device="auto"), paths=(__file__,))  # a "driver"
+    too_big = host_memory_bytes()[0] + GiB
+    with pytest.raises(ValueError, match="--kv-cache-memory-bytes"):
+        check_machine(EngineArgs(model="m", device="auto", kv_cache_memory_bytes=too_big),
+                      paths=())
+    # on a GPU the KV cache is the GPU's to hold: checked when the engine starts
+    check_machine(EngineArgs(model="m", device="auto", kv_cache_memory_bytes=too_big),
+                  paths=(__file__,))
 
 
 def test_version_is_the_package_metadata_and_imports_nothing_heavy():
