@@ -19,11 +19,12 @@ import pytest
 
 from pagedkv.cli import COMMANDS, build_parser
 from pagedkv.commands.chat_template import load_chat_template
+from pagedkv.commands.early_checks import check_architecture, check_machine, gpu_driver_present
 from pagedkv.commands.engine_flags import model_argument
-from pagedkv.commands.machine_checks import check_machine, gpu_driver_present
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.kv_setup import GiB, host_memory_bytes
 from pagedkv.http.access_log import ACCESS_LOGGER, SCRAPE_PATHS, ScrapesAtDebug, request_path
+from pagedkv.model.registry_names import MODELS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Generous for a loaded 2-core machine; idle, each of these answers in about 0.5 s. The
@@ -100,6 +101,26 @@ def test_what_the_machine_cannot_have_is_one_line_before_any_heavy_import(comman
         assert report["code"] == 2 and report["heavy"] == [], (out, err)
         assert err.strip().count("\n") == 0 and message in err, err
         assert elapsed < ANSWER_BOUND_S
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_an_architecture_not_run_here_is_one_line_before_any_heavy_import(command, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"],
+                                                      "model_type": "gpt2", "n_layer": 2}))
+    prompt = ("--prompt", "x") if command == "generate" else ()
+    report, out, err, elapsed = run_cli(command, str(tmp_path), *prompt)
+    assert report["code"] == 2 and report["heavy"] == [], (out, err)
+    assert err.strip() == (f"pagedkv {command}: error: architecture 'GPT2LMHeadModel' is not "
+                           f"supported; supported: {', '.join(MODELS)}"), err
+    assert elapsed < ANSWER_BOUND_S
+
+
+def test_a_config_without_architectures_is_left_to_the_loader(tmp_path):
+    check_architecture(str(tmp_path))  # no config.json
+    (tmp_path / "config.json").write_text("{}")
+    check_architecture(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    check_architecture(str(tmp_path))
 
 
 def test_machine_checks_name_the_flag_and_leave_what_fits():

@@ -1,13 +1,16 @@
-"""What the command line can tell about the machine before torch loads: a CUDA device asked for
-where no GPU driver exists, and a KV cache larger than a CPU machine's memory. Each is a
-ValueError naming the flag, answered in well under a second; the engine checks the same
-again (with torch, and against the GPU's memory on CUDA) when it starts."""
+"""What the command line can tell before torch loads: a CUDA device asked for where no GPU
+driver exists, a KV cache larger than a CPU machine's memory, a model directory whose
+config.json names an architecture the registry does not run. Each is a ValueError naming the
+flag or the value, answered in well under a second; the engine checks the same again (with
+torch, against the GPU's memory on CUDA, and a GGUF file's architecture) when it starts."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pagedkv.engine.args import EngineArgs
+from pagedkv.model.registry_names import resolve_architecture
 
 # Device nodes of a GPU driver torch's "cuda" device could use: NVIDIA's, ROCm's, WSL2's.
 GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
@@ -32,3 +35,15 @@ def check_machine(args: EngineArgs, paths: tuple[str, ...] = GPU_DRIVER_PATHS) -
 
         if args.kv_cache_memory_bytes > host_memory_bytes()[0]:  # raises, naming the flag
             check_fits_in_memory(args, args.kv_cache_memory_bytes, 0, cuda=False)
+
+
+def check_architecture(model: str) -> None:
+    """ValueError naming the architecture when `model` is a directory whose config.json names
+    none the registry runs (a GPT-2 checkpoint, say); anything else is the loader's to judge."""
+    config = Path(model) / "config.json"
+    try:
+        architectures = json.loads(config.read_text(encoding="utf-8")).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return
+    if isinstance(architectures, list):
+        resolve_architecture(architectures)
