@@ -47,3 +47,11 @@ def check_architecture(model: str) -> None:
         return
     if isinstance(architectures, list):
         resolve_architecture(architectures)
+
+
+def check_before_loading(args: EngineArgs) -> None:
+    """Every check above for the engine `args` describe (run by serve, generate and profile
+    on the machine that will load the model: the flags alone are checked apart, so that a
+    GPU machine's flags can be checked anywhere)."""
+    check_machine(args)
+    check_architecture(args.model)
