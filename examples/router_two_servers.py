@@ -96,14 +96,20 @@ def main() -> None:
                 print(f"{tenant:8} -> {reply.headers['x-pagedkv-backend']}: "
                       f"{cached} of {usage['prompt_tokens']} prompt tokens cached")
                 time.sleep(0.2)  # let the backend's KV events reach the router
-    finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    finally:  # the router first (it would warn of backends going away), then the backends
+        stop(procs[len(backends):])
+        stop(procs[:len(backends)])
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM each (a graceful drain), then wait; kill what is still there after 30 s."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 if __name__ == "__main__":

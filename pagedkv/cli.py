@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 # Each subcommand and its one-line summary (shown by `pagedkv --help` without importing it;
 # each module's own `help=` says the same, see tests/server/test_cli_startup.py).
@@ -55,10 +56,19 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """A parser whose mistakes are one line, `PROG: error: MESSAGE`, exit code 2, saying where
+    the flags are listed (argparse's default prints the usage first: sixty lines for `serve`).
+    Subcommands' parsers are of the same class (argparse's `add_subparsers` default)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The `pagedkv` parser with subcommand `only`'s full parser (the others as one-line stubs:
     importing every command would import the server and the router)."""
-    parser = argparse.ArgumentParser(prog="pagedkv", description="Paged-KV-cache LLM engine")
+    parser = OneLineErrorParser(prog="pagedkv", description="Paged-KV-cache LLM engine")
     parser.add_argument("--version", action=_VersionAction, help="print pagedkv's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     for name, summary in COMMANDS.items():
@@ -73,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     first = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(first if first in COMMANDS else None)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the subcommand that was given them
+        prog = f"pagedkv {args.command}" if args.command else "pagedkv"
+        OneLineErrorParser(prog=prog).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 2

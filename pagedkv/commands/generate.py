@@ -18,6 +18,7 @@ import sys
 import time
 from typing import Any
 
+from pagedkv.commands.early_checks import check_before_loading
 from pagedkv.commands.engine_flags import (
     HelpFormatter,
     add_engine_flags,
@@ -57,6 +58,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     engine_args = engine_args_from_flags(args, model_argument(args))  # before torch loads
+    check_before_loading(engine_args)
     template = None
     if args.chat_template is not None:
         from pagedkv.commands.chat_template import load_chat_template

@@ -21,6 +21,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
+from pagedkv.commands.early_checks import check_before_loading
 from pagedkv.commands.engine_flags import HelpFormatter, add_engine_flags, engine_args_from_flags
 
 if TYPE_CHECKING:
@@ -83,6 +84,7 @@ def _fit(args: argparse.Namespace) -> FittedLatency:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     engine_args = engine_args_from_flags(args, args.model)
+    check_before_loading(engine_args)
     return profile_model(engine_args, FULL_GRID if args.grid == "full" else QUICK_GRID,
                          repeats=args.repeats, log=lambda m: print(m, file=sys.stderr),
                          clock=args.clock)

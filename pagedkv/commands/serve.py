@@ -36,6 +36,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pagedkv.commands.early_checks import check_before_loading
 from pagedkv.commands.engine_flags import (
     HelpFormatter,
     add_engine_flags,
@@ -143,6 +144,7 @@ def check_flags(args: argparse.Namespace) -> EngineArgs:
 
 def run(args: argparse.Namespace) -> int:
     engine_args = check_flags(args)  # before the heavy imports below
+    check_before_loading(engine_args)  # what this machine and the model's config.json tell
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     if engine_args.node_rank > 0:  # another machine's tensor-parallel ranks: no server here
         from pagedkv.engine.executor import run_node_ranks

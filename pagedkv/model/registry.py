@@ -2,8 +2,8 @@
 
 A new architecture is one model file (a class with the interface below, usually a subclass of
 `LlamaForCausalLM` that overrides `config_overrides` and a layer or two) plus one line in
-`_MODELS`. Entries are (module, class name), imported on first use, so reading a config never
-imports every model.
+`MODELS` (registry_names.py, torch-free). Entries are (module, class name), imported on first
+use, so reading a config never imports every model.
 
 The interface a model class provides (see `CausalLM`): it is built from a `ModelConfig`;
 `config_overrides(hf_config)` is its config adapter, the architecture-specific `ModelConfig`
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedkv.model.config import ModelConfig, read_config_dicts
+from pagedkv.model.registry_names import MODELS, resolve_architecture
 
 if TYPE_CHECKING:
     import torch
@@ -29,15 +30,7 @@ if TYPE_CHECKING:
     from pagedkv.model.parallel.group import TensorParallelGroup
     from pagedkv.model.parallel.sharding import Shard
 
-# architecture (config.json "architectures") -> (module, class)
-_MODELS: dict[str, tuple[str, str]] = {
-    "LlamaForCausalLM": ("pagedkv.model.llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("pagedkv.model.llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("pagedkv.model.qwen2", "Qwen2ForCausalLM"),
-    "Qwen3ForCausalLM": ("pagedkv.model.qwen3", "Qwen3ForCausalLM"),
-    "Gemma2ForCausalLM": ("pagedkv.model.gemma2", "Gemma2ForCausalLM"),
-    "Gemma3ForCausalLM": ("pagedkv.model.gemma3", "Gemma3ForCausalLM"),
-}
+_MODELS = MODELS  # the one table, in registry_names.py (torch-free)
 
 
 class CausalLM(Protocol):
@@ -73,17 +66,6 @@ class CausalLM(Protocol):
 def supported_architectures() -> tuple[str, ...]:
     """Every architecture name the registry knows, in registration order."""
     return tuple(_MODELS)
-
-
-def resolve_architecture(architectures: list[str] | tuple[str, ...]) -> str:
-    """The first of config.json's `architectures` that is registered; ValueError naming them
-    and the supported ones otherwise."""
-    arch = next((a for a in architectures if a in _MODELS), None)
-    if arch is None:
-        named = ", ".join(map(repr, architectures)) if architectures else "(none named)"
-        raise ValueError(f"architecture {named} is not supported; "
-                         f"supported: {', '.join(_MODELS)}")
-    return arch
 
 
 def get_model_class(architecture: str) -> type[CausalLM]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +29,17 @@ class PlotTitle:
     trace: str
     model: str
     hardware: str
-    instances: int = 1
+    instances: int | None = 1  # None: the count varies (a sweep or search over instances)
     policy: str | None = None
 
     def text(self, detail: str = "") -> str:
-        fleet = f"{self.instances} instance{'s' if self.instances != 1 else ''}"
-        if self.instances > 1 and self.policy:
-            fleet += f" ({self.policy})"
-        first = f"{self.trace}: {self.model} on {self.hardware}, {fleet}"
+        first = f"{self.trace}: {self.model} on {self.hardware}"
+        if self.instances is not None:
+            first += f", {self.instances} instance{'s' if self.instances != 1 else ''}"
+            if self.instances > 1 and self.policy:
+                first += f" ({self.policy})"
+        elif self.policy:
+            first += f", {self.policy} routing"
         return f"{first}\n{detail}" if detail else first
 
 
@@ -134,6 +137,8 @@ def sweep_figure(rows: Sequence[dict[str, Any]], setting: str, title: PlotTitle,
     xs = [r["value"] for r in rows] if numeric else list(range(len(rows)))
     with_goodput = slo is not None and all("goodput" in r for r in rows)
     fig, axes = plt.subplots(1, 3 if with_goodput else 2, figsize=(13 if with_goodput else 9, 4))
+    if setting == "instances":  # the title's fixed count is what varies here
+        title = replace(title, instances=None)
     what = f"{len(rows)} run{'s' if len(rows) != 1 else ''} over {setting}"
     if searched:
         what += (f"; fewest meeting the SLO: {answer}" if answer is not None
@@ -162,6 +167,8 @@ def sweep_figure(rows: Sequence[dict[str, Any]], setting: str, title: PlotTitle,
         ax.set_xlabel(setting)
         if not numeric:
             ax.set_xticks(xs, [str(r["value"]) for r in rows])
+        elif all(isinstance(x, int) for x in xs):  # the settings run, never 1.5 instances
+            ax.set_xticks(xs, [str(x) for x in xs])
         if answer is not None and numeric:
             ax.axvline(answer, color="C2", lw=1)
         ax.legend(fontsize="small")

@@ -88,3 +88,20 @@ def test_a_busy_server_shows_its_tiers_and_windowed_rate(browser, tmp_path):  # 
     page.screenshot(path=str(tmp_path / "busy.png"), full_page=True)
     assert page.errors == []
     page.close()
+
+
+def test_a_window_shorter_than_a_second_is_labelled_in_tenths(browser):  # noqa: F811
+    """A chart's time axis over its first moments reads "−0.3 s", not "−0 s"."""
+    log = idle_log(0)
+    log["updates"] = [update(1000.0 + 0.05 * i, prefix_cache_queries=i) for i in range(17)]
+    page = open_page(browser, lambda path: (404, {}))
+    page.wait_for_function("window.dashboard !== undefined")
+    page.evaluate("""() => { window.drawn = []; const fill = CanvasRenderingContext2D.prototype.fillText;
+      CanvasRenderingContext2D.prototype.fillText = function (text, ...rest) {
+        window.drawn.push(String(text)); return fill.call(this, text, ...rest); }; }""")
+    page.evaluate("(log) => window.dashboard.replayLog(log)", log)
+    page.wait_for_function("window.drawn.some(t => t.endsWith(' s'))")
+    spans = {t for t in page.evaluate("() => window.drawn") if t.startswith("−")}
+    assert spans == {"−0.3 s"}, spans
+    assert page.errors == []
+    page.close()

@@ -19,8 +19,12 @@ import pytest
 
 from pagedkv.cli import COMMANDS, build_parser
 from pagedkv.commands.chat_template import load_chat_template
+from pagedkv.commands.early_checks import check_architecture, check_machine, gpu_driver_present
 from pagedkv.commands.engine_flags import model_argument
+from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.kv_setup import GiB, host_memory_bytes
 from pagedkv.http.access_log import ACCESS_LOGGER, SCRAPE_PATHS, ScrapesAtDebug, request_path
+from pagedkv.model.registry_names import MODELS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Generous for a loaded 2-core machine; idle, each of these answers in about 0.5 s. The
@@ -59,7 +63,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (("serve", "--bogus", "M"), "unrecognized arguments: --bogus"),
+    (("serve", "--bogus", "M"), "pagedkv serve: error: unrecognized arguments: --bogus"),
+    (("--bogus",), "pagedkv: error: unrecognized arguments: --bogus"),
+    (("serve", "M", "--device", "cuda:1"), "pagedkv serve: error: argument --device: invalid"),
     (("serve", "--block-size", "-3", "M"), "block_size must be a positive integer, got -3"),
     (("serve", "M", "--port", "70000"), "--port must be in [0, 65535], got 70000"),
     (("serve", "M", "--dtype", "float8"), "argument --dtype: invalid choice"),
@@ -77,9 +83,59 @@ def test_a_flag_mistake_is_one_line_before_any_heavy_import(argv, message, model
     assert report["heavy"] == [], f"imported before the flags were checked: {report['heavy']}"
     assert message in err, err
     assert "Traceback" not in err
-    errors = [line for line in err.splitlines() if "error:" in line]
-    assert len(errors) == 1 and errors[0].startswith("pagedkv"), err
+    lines = err.strip().splitlines()  # no usage dump before it (sixty lines for serve)
+    assert len(lines) == 1 and lines[0].startswith("pagedkv") and "error:" in lines[0], err
     assert elapsed < ANSWER_BOUND_S
+
+
+@pytest.mark.skipif(gpu_driver_present(), reason="this machine has a GPU driver")
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_what_the_machine_cannot_have_is_one_line_before_any_heavy_import(command, model_dir):
+    """A CUDA device with no GPU driver, a KV cache over the machine's memory: at once."""
+    total, _ = host_memory_bytes()
+    prompt = ("--prompt", "x") if command == "generate" else ()
+    for flags, message in ((("--device", "cuda"), "CUDA is not available"),
+                           (("--kv-cache-memory-bytes", str(2 * total)),
+                            f"--kv-cache-memory-bytes asks for a {2 * total / GiB:.1f} GiB")):
+        report, out, err, elapsed = run_cli(command, str(model_dir), *prompt, *flags)
+        assert report["code"] == 2 and report["heavy"] == [], (out, err)
+        assert err.strip().count("\n") == 0 and message in err, err
+        assert elapsed < ANSWER_BOUND_S
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_an_architecture_not_run_here_is_one_line_before_any_heavy_import(command, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"],
+                                                      "model_type": "gpt2", "n_layer": 2}))
+    prompt = ("--prompt", "x") if command == "generate" else ()
+    report, out, err, elapsed = run_cli(command, str(tmp_path), *prompt)
+    assert report["code"] == 2 and report["heavy"] == [], (out, err)
+    assert err.strip() == (f"pagedkv {command}: error: architecture 'GPT2LMHeadModel' is not "
+                           f"supported; supported: {', '.join(MODELS)}"), err
+    assert elapsed < ANSWER_BOUND_S
+
+
+def test_a_config_without_architectures_is_left_to_the_loader(tmp_path):
+    check_architecture(str(tmp_path))  # no config.json
+    (tmp_path / "config.json").write_text("{}")
+    check_architecture(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    check_architecture(str(tmp_path))
+
+
+def test_machine_checks_name_the_flag_and_leave_what_fits():
+    ok = EngineArgs(model="m", device="cpu", kv_cache_memory_bytes=1 << 20)
+    check_machine(ok, paths=())
+    with pytest.raises(ValueError, match="'cuda' \\(--device\\)"):
+        check_machine(EngineArgs(model="m", device="cuda"), paths=())
+    check_machine(EngineArgs(model="m", device="auto"), paths=(__file__,))  # a "driver"
+    too_big = host_memory_bytes()[0] + GiB
+    with pytest.raises(ValueError, match="--kv-cache-memory-bytes"):
+        check_machine(EngineArgs(model="m", device="auto", kv_cache_memory_bytes=too_big),
+                      paths=())
+    # on a GPU the KV cache is the GPU's to hold: checked when the engine starts
+    check_machine(EngineArgs(model="m", device="auto", kv_cache_memory_bytes=too_big),
+                  paths=(__file__,))
 
 
 def test_version_is_the_package_metadata_and_imports_nothing_heavy():

@@ -1,11 +1,14 @@
 """The commonest start-up mistakes end `pagedkv serve` with one line on stderr and exit code 2,
 no traceback (issues 37 and 43), whether the error is found in the engine core process or in
 this one: a max_model_len past the model's positions, a KV cache larger than the machine's
-memory, and a CUDA device on a machine without one."""
+memory, a CUDA device on a machine without one, an unsupported architecture and a
+tensor-parallel size that does not divide the attention heads."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -58,3 +61,20 @@ def test_a_kv_cache_larger_than_the_machine_is_one_line_naming_the_flag(tiny_lla
 def test_device_cuda_without_cuda_is_one_line(tiny_llama):
     line = _one_line(_serve(tiny_llama, "--device", "cuda"))
     assert "--device" in line and "CUDA is not available" in line
+
+
+def test_an_unsupported_architecture_is_one_line_naming_it(tiny_llama, tmp_path):
+    """A GPT-2 directory: its architecture is named, not a layer count found missing."""
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(tiny_llama, gpt2)
+    cfg = json.loads((gpt2 / "config.json").read_text())
+    cfg.pop("num_hidden_layers")
+    cfg.update(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_layer=2)
+    (gpt2 / "config.json").write_text(json.dumps(cfg))
+    line = _one_line(_serve(gpt2))
+    assert "architecture 'GPT2LMHeadModel' is not supported; supported: Llama" in line
+
+
+def test_tensor_parallel_size_not_dividing_the_heads_is_one_line(tiny_llama):
+    line = _one_line(_serve(tiny_llama, "--tensor-parallel-size", "3"))
+    assert "tensor_parallel_size=3 does not divide the model's 4 attention heads" in line

@@ -70,6 +70,18 @@ def test_a_sweeps_figure_plots_each_metric_against_the_setting():
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["recompute", "swap"]
 
 
+def test_a_search_over_instances_names_no_fixed_count_and_ticks_whole_instances():
+    rows = sweep(shared_prefix_trace(num=12), SimConfig(num_blocks=60, block_size=8), LATENCY,
+                 "instances", [1, 2, 4], slo=SLO(ttft=0.2))
+    fig = sweep_figure(rows, "instances", TITLE, SLO(ttft=0.2), answer=2, searched=True)
+    title = fig._suptitle.get_text()
+    assert "2 instances" not in title and "kv-aware routing" in title, title
+    for ax in fig.axes:
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4"]
+    fig = sweep_figure(rows, "num_blocks", TITLE)  # another setting keeps the fleet
+    assert "2 instances (kv-aware)" in fig._suptitle.get_text()
+
+
 @pytest.mark.parametrize("flags", [
     ["--sweep", "num_blocks=100,200"],
     ["--search", "num_blocks", "--slo", "ttft=1"],

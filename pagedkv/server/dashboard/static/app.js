@@ -367,7 +367,7 @@
     ctx.fillStyle = "#4b5565"; ctx.font = "10px system-ui, sans-serif"; ctx.textBaseline = "middle"; ctx.textAlign = "right";
     ctx.fillText(short(max, unit), left - 3, top + 4); ctx.fillText(short(0, unit), left - 3, h - 2);
     ctx.textBaseline = "alphabetic"; ctx.textAlign = "left";
-    ctx.fillText(spanS > 0 ? `−${spanS.toFixed(0)} s` : "time", left, cv.height - 2);
+    ctx.fillText(spanS > 0 ? `−${spanS.toFixed(spanS < 10 ? 1 : 0)} s` : "time", left, cv.height - 2);
     ctx.textAlign = "right"; ctx.fillText(D.live ? "now" : "end", w, cv.height - 2);
   }
   function wholeRunHitRate(e) {
