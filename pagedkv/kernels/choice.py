@@ -155,10 +155,12 @@ def cached_choice(section: str, key: str, valid: Callable[[object], bool],
     cached = _read_disk(path, section).get(key)
     if cached is not None and valid(cached):
         return cached
+    logger.info("timing the CPU kernels for %s %s (once per machine; cached in %s)",
+                section, key, path.parent)
     started = time.perf_counter()
     value = measure()
-    logger.info("kernel choice for %s %s measured in %.0f ms: %s", section, key,
-                1e3 * (time.perf_counter() - started), value)
+    logger.debug("kernel choice for %s %s measured in %.0f ms: %s", section, key,
+                 1e3 * (time.perf_counter() - started), value)
     _write_disk(path, section, key, value)
     return value
 
