@@ -5,8 +5,9 @@ random-weight model of the benchmark shape (bench_offline.py's SHAPE), alternati
 Each server is started once per dtype on a free loopback port and loaded by the same client,
 `pagedkv bench serve` (random 256-token prompts, 128 output tokens, greedy, ignore_eos), at each
 concurrency; the rounds alternate the servers so all see the same machine load. Printed per
-point: output tok/s and mean TPOT of each server (range over the rounds), and the ratios
-(median over rounds) against the first server.
+point: output tok/s, mean TPOT and mean TTFT of each server (range over the rounds), and the
+ratios (median over rounds) against the first server. Both servers get the same step budget
+(max_num_batched_tokens 2048, vLLM's CPU default for its API server).
 
     PYTHONPATH=$PWD python benchmarks/bench_serve.py [--dtypes float32,bfloat16]
         [--concurrency 16,64] [--num-prompts 64] [--rounds 2] [--vs-vllm /tmp/vllm-venv/bin/python]
@@ -46,6 +47,10 @@ from bench_offline import (  # noqa: E402
 
 KV_BYTES = 2 << 30
 BLOCK_SIZE = 32
+# Both servers' step budget, given explicitly (vLLM's CPU default for its API server, pagedkv's
+# default): a scheduling figure compares the same chunked-prefill budget.
+MAX_NUM_BATCHED_TOKENS = 2048
+LOAD_TIMEOUT_S = 900.0  # one load point (a stuck server fails the run instead of hanging it)
 
 
 def free_port() -> int:
@@ -62,11 +67,13 @@ def server_command(kind: str, model_dir: Path, dtype: str, port: int, max_num_se
         return [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                 "--port", str(port), "--host", "127.0.0.1", "--dtype", dtype,
                 "--block-size", str(BLOCK_SIZE), "--max-num-seqs", str(max_num_seqs),
+                "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
                 "--served-model-name", "m"], env
     mode = "process" if kind == "pagedkv" else "inproc"
     return [sys.executable, "-m", "pagedkv.cli", "serve", str(model_dir), "--port", str(port),
             "--dtype", dtype, "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes",
-            str(KV_BYTES), "--max-num-seqs", str(max_num_seqs), "--served-model-name", "m",
+            str(KV_BYTES), "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens",
+            str(MAX_NUM_BATCHED_TOKENS), "--served-model-name", "m",
             "--log-level", "warning", "--engine-core", mode], env
 
 
@@ -115,7 +122,7 @@ def load(url: str, concurrency: int, num_prompts: int, vocab: int, seed: int) ->
          "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
          "--input-len", "256", "--output-len", "128", "--vocab-size", str(vocab),
          "--seed", str(seed), "--json", "--no-progress"],
-        capture_output=True, text=True, check=True)
+        capture_output=True, text=True, check=True, timeout=LOAD_TIMEOUT_S)
     return json.loads(out.stdout[out.stdout.index("{"):])
 
 
@@ -149,7 +156,10 @@ def main() -> None:
                     try:
                         load(server.url, concurrencies[0], 8, vocab, 99)  # warm-up
                         for c in concurrencies:
-                            m = load(server.url, c, args.num_prompts, vocab, round_index)
+                            # Prompts new to the server at every point: a seed reused on one
+                            # server would turn the next point's prefills into prefix hits.
+                            seed = 1000 * round_index + c
+                            m = load(server.url, c, args.num_prompts, vocab, seed)
                             figures.setdefault((kind, c), []).append(m)
                             print(f"  {dtype} c={c} round {round_index} {kind:15} "
                                   f"{m['output_throughput']:8.1f} out tok/s  TPOT "
@@ -164,29 +174,34 @@ def main() -> None:
             _table(dtype, kinds, concurrencies, figures, problems)
 
 
+def _median_ratio(ours: list[dict], theirs: list[dict], metric) -> float:
+    """The median over rounds of ours / theirs of `metric(figures)` (round by round)."""
+    return statistics.median(metric(a) / metric(b) for a, b in zip(ours, theirs, strict=True))
+
+
 def _table(dtype: str, kinds: list[str], concurrencies: list[int],
            figures: dict[tuple[str, int], list[dict]], problems: list[str]) -> None:
     """The summary; no ratio against vLLM where its log showed `problems` (an unfair run)."""
     base = kinds[0]
-    print(f"\n{dtype}: output tok/s and mean TPOT (min-max over rounds); ratios vs the others")
+    metrics = {"tok/s": lambda m: m["output_throughput"], "TPOT": lambda m: m["tpot_ms"]["mean"],
+               "TTFT": lambda m: m["ttft_ms"]["mean"]}
+    print(f"\n{dtype}: output tok/s, mean TPOT and mean TTFT (min-max over rounds); ratios "
+          f"vs the others (median over rounds)")
     for c in concurrencies:
         for kind in kinds:
-            tput = [m["output_throughput"] for m in figures[(kind, c)]]
-            tpot = [m["tpot_ms"]["mean"] for m in figures[(kind, c)]]
-            line = (f"  c={c:<3} {kind:15} {min(tput):7.1f}-{max(tput):7.1f} tok/s  "
-                    f"TPOT {min(tpot):6.1f}-{max(tpot):6.1f} ms")
+            runs = figures[(kind, c)]
+            spans = {name: (min(map(f, runs)), max(map(f, runs))) for name, f in metrics.items()}
+            line = (f"  c={c:<3} {kind:15} {spans['tok/s'][0]:7.1f}-{spans['tok/s'][1]:7.1f} "
+                    f"tok/s  TPOT {spans['TPOT'][0]:6.1f}-{spans['TPOT'][1]:6.1f} ms  "
+                    f"TTFT {spans['TTFT'][0]:7.1f}-{spans['TTFT'][1]:7.1f} ms")
             if kind == "vllm" and problems:
                 line += f"   no ratio: {'; '.join(sorted(set(problems)))}"
             elif kind != base:
-                ours = figures[(base, c)]
-                theirs = figures[(kind, c)]
-                r_tput = statistics.median(a["output_throughput"] / b["output_throughput"]
-                                           for a, b in zip(ours, theirs, strict=True))
-                r_tpot = statistics.median(a["tpot_ms"]["mean"] / b["tpot_ms"]["mean"]
-                                           for a, b in zip(ours, theirs, strict=True))
-                line += f"   {base}/{kind}: {r_tput:.2f}x tok/s, {r_tpot:.2f}x TPOT"
+                ratios = {name: _median_ratio(figures[(base, c)], runs, f)
+                          for name, f in metrics.items()}
+                line += f"   {base}/{kind}: " + ", ".join(
+                    f"{r:.2f}x {name}" for name, r in ratios.items())
             print(line)
-
 
 if __name__ == "__main__":
     main()
