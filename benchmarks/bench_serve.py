@@ -11,6 +11,11 @@ ratios (median over rounds) against the first server. Both servers get the same 
 
     PYTHONPATH=$PWD python benchmarks/bench_serve.py [--dtypes float32,bfloat16]
         [--concurrency 16,64] [--num-prompts 64] [--rounds 2] [--vs-vllm /tmp/vllm-venv/bin/python]
+        [--no-inproc] [--steps]
+
+With --steps every engine step is recorded (pagedkv's `--step-log`, vLLM's
+`--enable-logging-iteration-details`) and both engines' steps are printed class by class
+(anchors_steps.py): how many steps of each kind the same load took, and the median time of one.
 
 With --vs-vllm PYTHON, vLLM runs as `PYTHON -m vllm.entrypoints.openai.api_server` with the same
 block size, KV cache size and max_num_seqs, on the same cores as pagedkv (its OpenMP threads bound
@@ -38,6 +43,7 @@ import httpx
 from pagedkv.bench.machine import cpu_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from anchors_steps import Step, pagedkv_steps, print_step_tables, vllm_steps  # noqa: E402
 from bench_offline import (  # noqa: E402
     SHAPE,
     engine_settings,
@@ -60,21 +66,26 @@ def free_port() -> int:
 
 
 def server_command(kind: str, model_dir: Path, dtype: str, port: int, max_num_seqs: int,
-                   vllm_python: str | None) -> tuple[list[str], dict[str, str]]:
+                   vllm_python: str | None, step_log: str | None = None,
+                   ) -> tuple[list[str], dict[str, str]]:
+    """The server's command line and environment; `step_log`: record its steps (pagedkv's
+    step log at that path; vLLM's iteration details in its log)."""
     env = dict(os.environ)
     if kind == "vllm":
+        steps = ["--enable-logging-iteration-details"] if step_log else []
         env = vllm_env(vllm_python, None, KV_BYTES >> 30)
         return [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                 "--port", str(port), "--host", "127.0.0.1", "--dtype", dtype,
                 "--block-size", str(BLOCK_SIZE), "--max-num-seqs", str(max_num_seqs),
                 "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
-                "--served-model-name", "m"], env
+                "--served-model-name", "m", *steps], env
     mode = "process" if kind == "pagedkv" else "inproc"
     return [sys.executable, "-m", "pagedkv.cli", "serve", str(model_dir), "--port", str(port),
             "--dtype", dtype, "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes",
             str(KV_BYTES), "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens",
             str(MAX_NUM_BATCHED_TOKENS), "--served-model-name", "m",
-            "--log-level", "warning", "--engine-core", mode], env
+            "--log-level", "warning", "--engine-core", mode,
+            *(["--step-log", step_log] if step_log else [])], env
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, kind: str, log_path: str,
@@ -97,13 +108,15 @@ def wait_healthy(proc: subprocess.Popen, url: str, kind: str, log_path: str,
 
 class Server:
     def __init__(self, kind: str, model_dir: Path, dtype: str, max_num_seqs: int,
-                 vllm_python: str | None) -> None:
+                 vllm_python: str | None, record_steps: bool = False) -> None:
         self.kind = kind
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd, env = server_command(kind, model_dir, dtype, self.port, max_num_seqs, vllm_python)
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - open while the server runs
             prefix=f"bench-serve-{kind}-", suffix=".log", delete=False)
+        self.step_log = self.log.name + ".steps.jsonl" if record_steps else None
+        cmd, env = server_command(kind, model_dir, dtype, self.port, max_num_seqs, vllm_python,
+                                  self.step_log)
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.ready_s = wait_healthy(self.proc, self.url, kind, self.log.name)
 
@@ -114,6 +127,14 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+    def steps(self) -> list[Step]:
+        """The steps it recorded (with record_steps), the warm-up's included."""
+        if self.step_log is None:
+            return []
+        if self.kind == "vllm":
+            return vllm_steps(Path(self.log.name).read_text(errors="replace"))
+        return pagedkv_steps(self.step_log)
 
 
 def load(url: str, concurrency: int, num_prompts: int, vocab: int, seed: int) -> dict:
@@ -135,6 +156,9 @@ def main() -> None:
     parser.add_argument("--vs-vllm", default=None, metavar="PYTHON")
     parser.add_argument("--no-inproc", action="store_true",
                         help="leave out the in-process pagedkv server")
+    parser.add_argument("--steps", action="store_true",
+                        help="record every engine step (pagedkv's step log, vLLM's iteration "
+                             "details) and print both engines' steps class by class")
     args = parser.parse_args()
     from pagedkv.testing.random_model import build_random_model_dir, tokenizer_vocab_size
 
@@ -150,9 +174,11 @@ def main() -> None:
             model_dir = build_random_model_dir(Path(tmp) / "m", dtype=dtype, seed=0, **SHAPE)
             vocab = tokenizer_vocab_size(model_dir)
             figures: dict[tuple[str, int], list[dict]] = {}
+            steps: dict[str, list[Step]] = {}
             for round_index in range(args.rounds):
                 for kind in kinds if round_index % 2 == 0 else kinds[::-1]:
-                    server = Server(kind, model_dir, dtype, max(concurrencies), args.vs_vllm)
+                    server = Server(kind, model_dir, dtype, max(concurrencies), args.vs_vllm,
+                                    args.steps)
                     try:
                         load(server.url, concurrencies[0], 8, vocab, 99)  # warm-up
                         for c in concurrencies:
@@ -167,11 +193,14 @@ def main() -> None:
                                   f" ms  (ready in {server.ready_s:.0f} s)", flush=True)
                     finally:
                         server.stop()
+                        steps.setdefault(kind, []).extend(server.steps())
                         if kind == "vllm":
                             problems += vllm_settings_problems(
                                 Path(server.log.name).read_text(errors="replace"),
                                 len(os.sched_getaffinity(0)))
             _table(dtype, kinds, concurrencies, figures, problems)
+            if args.steps:
+                print_step_tables(steps)
 
 
 def _median_ratio(ours: list[dict], theirs: list[dict], metric) -> float:
