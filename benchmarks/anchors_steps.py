@@ -74,6 +74,13 @@ def step_table(steps: list[Step]) -> dict[str, tuple[int, float, float]]:
             for k in order if k in by_kind}
 
 
+def same_shapes(ours: list[Step], theirs: list[Step]) -> int:
+    """Steps, position by position, that computed the same prompt tokens and decodes in both
+    runs of one load: how far the two schedulers built the same steps."""
+    return sum((a.prefill_tokens, a.decode_seqs) == (b.prefill_tokens, b.decode_seqs)
+               for a, b in zip(ours, theirs, strict=False))
+
+
 def print_step_tables(tables: dict[str, list[Step]]) -> None:
     """Each engine's steps class by class: count, median ms, share of the step time."""
     for kind, steps in tables.items():
@@ -84,3 +91,7 @@ def print_step_tables(tables: dict[str, list[Step]]) -> None:
         for name, (count, median, spent) in table.items():
             print(f"    {name:20} {count:5} steps  median {median:7.1f} ms  "
                   f"{100 * spent / total:5.1f}% of the time")
+    if len(tables) == 2:
+        ours, theirs = tables.values()
+        print(f"  the same step, position by position: {same_shapes(ours, theirs)} of "
+              f"{len(ours)} / {len(theirs)} steps (the rest differ by when requests arrived)")

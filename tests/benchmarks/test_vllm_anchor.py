@@ -104,3 +104,5 @@ def test_both_engines_steps_are_read_and_classed(tmp_path):
     assert table["decode b=2-16"][0] == 2 and abs(table["decode b=2-16"][1] - 11.0) < 1e-9
     assert anchors_steps.step_table(theirs)["prompt 2048+ tok"][0] == 1
     assert anchors_steps.pagedkv_steps(tmp_path / "missing.jsonl") == []
+    assert anchors_steps.same_shapes(ours, [anchors_steps.Step(256, 15, 90.0),
+                                            anchors_steps.Step(0, 15, 9.0)]) == 1
