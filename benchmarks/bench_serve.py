@@ -5,11 +5,17 @@ random-weight model of the benchmark shape (bench_offline.py's SHAPE), alternati
 Each server is started once per dtype on a free loopback port and loaded by the same client,
 `pagedkv bench serve` (random 256-token prompts, 128 output tokens, greedy, ignore_eos), at each
 concurrency; the rounds alternate the servers so all see the same machine load. Printed per
-point: output tok/s and mean TPOT of each server (range over the rounds), and the ratios
-(median over rounds) against the first server.
+point: output tok/s, mean TPOT and mean TTFT of each server (range over the rounds), and the
+ratios (median over rounds) against the first server. Both servers get the same step budget
+(max_num_batched_tokens 2048, vLLM's CPU default for its API server).
 
     PYTHONPATH=$PWD python benchmarks/bench_serve.py [--dtypes float32,bfloat16]
         [--concurrency 16,64] [--num-prompts 64] [--rounds 2] [--vs-vllm /tmp/vllm-venv/bin/python]
+        [--no-inproc] [--steps]
+
+With --steps every engine step is recorded (pagedkv's `--step-log`, vLLM's
+`--enable-logging-iteration-details`) and both engines' steps are printed class by class
+(anchors_steps.py): how many steps of each kind the same load took, and the median time of one.
 
 With --vs-vllm PYTHON, vLLM runs as `PYTHON -m vllm.entrypoints.openai.api_server` with the same
 block size, KV cache size and max_num_seqs, on the same cores as pagedkv (its OpenMP threads bound
@@ -37,6 +43,7 @@ import httpx
 from pagedkv.bench.machine import cpu_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from anchors_steps import Step, pagedkv_steps, print_step_tables, vllm_steps  # noqa: E402
 from bench_offline import (  # noqa: E402
     SHAPE,
     engine_settings,
@@ -46,6 +53,10 @@ from bench_offline import (  # noqa: E402
 
 KV_BYTES = 2 << 30
 BLOCK_SIZE = 32
+# Both servers' step budget, given explicitly (vLLM's CPU default for its API server, pagedkv's
+# default): a scheduling figure compares the same chunked-prefill budget.
+MAX_NUM_BATCHED_TOKENS = 2048
+LOAD_TIMEOUT_S = 900.0  # one load point (a stuck server fails the run instead of hanging it)
 
 
 def free_port() -> int:
@@ -55,19 +66,26 @@ def free_port() -> int:
 
 
 def server_command(kind: str, model_dir: Path, dtype: str, port: int, max_num_seqs: int,
-                   vllm_python: str | None) -> tuple[list[str], dict[str, str]]:
+                   vllm_python: str | None, step_log: str | None = None,
+                   ) -> tuple[list[str], dict[str, str]]:
+    """The server's command line and environment; `step_log`: record its steps (pagedkv's
+    step log at that path; vLLM's iteration details in its log)."""
     env = dict(os.environ)
     if kind == "vllm":
+        steps = ["--enable-logging-iteration-details"] if step_log else []
         env = vllm_env(vllm_python, None, KV_BYTES >> 30)
         return [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                 "--port", str(port), "--host", "127.0.0.1", "--dtype", dtype,
                 "--block-size", str(BLOCK_SIZE), "--max-num-seqs", str(max_num_seqs),
-                "--served-model-name", "m"], env
+                "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
+                "--served-model-name", "m", *steps], env
     mode = "process" if kind == "pagedkv" else "inproc"
     return [sys.executable, "-m", "pagedkv.cli", "serve", str(model_dir), "--port", str(port),
             "--dtype", dtype, "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes",
-            str(KV_BYTES), "--max-num-seqs", str(max_num_seqs), "--served-model-name", "m",
-            "--log-level", "warning", "--engine-core", mode], env
+            str(KV_BYTES), "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens",
+            str(MAX_NUM_BATCHED_TOKENS), "--served-model-name", "m",
+            "--log-level", "warning", "--engine-core", mode,
+            *(["--step-log", step_log] if step_log else [])], env
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, kind: str, log_path: str,
@@ -90,13 +108,15 @@ def wait_healthy(proc: subprocess.Popen, url: str, kind: str, log_path: str,
 
 class Server:
     def __init__(self, kind: str, model_dir: Path, dtype: str, max_num_seqs: int,
-                 vllm_python: str | None) -> None:
+                 vllm_python: str | None, record_steps: bool = False) -> None:
         self.kind = kind
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd, env = server_command(kind, model_dir, dtype, self.port, max_num_seqs, vllm_python)
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - open while the server runs
             prefix=f"bench-serve-{kind}-", suffix=".log", delete=False)
+        self.step_log = self.log.name + ".steps.jsonl" if record_steps else None
+        cmd, env = server_command(kind, model_dir, dtype, self.port, max_num_seqs, vllm_python,
+                                  self.step_log)
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.ready_s = wait_healthy(self.proc, self.url, kind, self.log.name)
 
@@ -108,6 +128,14 @@ class Server:
             self.proc.kill()
             self.proc.wait()
 
+    def steps(self) -> list[Step]:
+        """The steps it recorded (with record_steps), the warm-up's included."""
+        if self.step_log is None:
+            return []
+        if self.kind == "vllm":
+            return vllm_steps(Path(self.log.name).read_text(errors="replace"))
+        return pagedkv_steps(self.step_log)
+
 
 def load(url: str, concurrency: int, num_prompts: int, vocab: int, seed: int) -> dict:
     out = subprocess.run(
@@ -115,7 +143,7 @@ def load(url: str, concurrency: int, num_prompts: int, vocab: int, seed: int) ->
          "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
          "--input-len", "256", "--output-len", "128", "--vocab-size", str(vocab),
          "--seed", str(seed), "--json", "--no-progress"],
-        capture_output=True, text=True, check=True)
+        capture_output=True, text=True, check=True, timeout=LOAD_TIMEOUT_S)
     return json.loads(out.stdout[out.stdout.index("{"):])
 
 
@@ -128,6 +156,9 @@ def main() -> None:
     parser.add_argument("--vs-vllm", default=None, metavar="PYTHON")
     parser.add_argument("--no-inproc", action="store_true",
                         help="leave out the in-process pagedkv server")
+    parser.add_argument("--steps", action="store_true",
+                        help="record every engine step (pagedkv's step log, vLLM's iteration "
+                             "details) and print both engines' steps class by class")
     args = parser.parse_args()
     from pagedkv.testing.random_model import build_random_model_dir, tokenizer_vocab_size
 
@@ -143,13 +174,18 @@ def main() -> None:
             model_dir = build_random_model_dir(Path(tmp) / "m", dtype=dtype, seed=0, **SHAPE)
             vocab = tokenizer_vocab_size(model_dir)
             figures: dict[tuple[str, int], list[dict]] = {}
+            steps: dict[str, list[Step]] = {}
             for round_index in range(args.rounds):
                 for kind in kinds if round_index % 2 == 0 else kinds[::-1]:
-                    server = Server(kind, model_dir, dtype, max(concurrencies), args.vs_vllm)
+                    server = Server(kind, model_dir, dtype, max(concurrencies), args.vs_vllm,
+                                    args.steps)
                     try:
                         load(server.url, concurrencies[0], 8, vocab, 99)  # warm-up
                         for c in concurrencies:
-                            m = load(server.url, c, args.num_prompts, vocab, round_index)
+                            # Prompts new to the server at every point: a seed reused on one
+                            # server would turn the next point's prefills into prefix hits.
+                            seed = 1000 * round_index + c
+                            m = load(server.url, c, args.num_prompts, vocab, seed)
                             figures.setdefault((kind, c), []).append(m)
                             print(f"  {dtype} c={c} round {round_index} {kind:15} "
                                   f"{m['output_throughput']:8.1f} out tok/s  TPOT "
@@ -157,36 +193,44 @@ def main() -> None:
                                   f" ms  (ready in {server.ready_s:.0f} s)", flush=True)
                     finally:
                         server.stop()
+                        steps.setdefault(kind, []).extend(server.steps())
                         if kind == "vllm":
                             problems += vllm_settings_problems(
                                 Path(server.log.name).read_text(errors="replace"),
                                 len(os.sched_getaffinity(0)))
             _table(dtype, kinds, concurrencies, figures, problems)
+            if args.steps:
+                print_step_tables(steps)
+
+
+def _median_ratio(ours: list[dict], theirs: list[dict], metric) -> float:
+    """The median over rounds of ours / theirs of `metric(figures)` (round by round)."""
+    return statistics.median(metric(a) / metric(b) for a, b in zip(ours, theirs, strict=True))
 
 
 def _table(dtype: str, kinds: list[str], concurrencies: list[int],
            figures: dict[tuple[str, int], list[dict]], problems: list[str]) -> None:
     """The summary; no ratio against vLLM where its log showed `problems` (an unfair run)."""
     base = kinds[0]
-    print(f"\n{dtype}: output tok/s and mean TPOT (min-max over rounds); ratios vs the others")
+    metrics = {"tok/s": lambda m: m["output_throughput"], "TPOT": lambda m: m["tpot_ms"]["mean"],
+               "TTFT": lambda m: m["ttft_ms"]["mean"]}
+    print(f"\n{dtype}: output tok/s, mean TPOT and mean TTFT (min-max over rounds); ratios "
+          f"vs the others (median over rounds)")
     for c in concurrencies:
         for kind in kinds:
-            tput = [m["output_throughput"] for m in figures[(kind, c)]]
-            tpot = [m["tpot_ms"]["mean"] for m in figures[(kind, c)]]
-            line = (f"  c={c:<3} {kind:15} {min(tput):7.1f}-{max(tput):7.1f} tok/s  "
-                    f"TPOT {min(tpot):6.1f}-{max(tpot):6.1f} ms")
+            runs = figures[(kind, c)]
+            spans = {name: (min(map(f, runs)), max(map(f, runs))) for name, f in metrics.items()}
+            line = (f"  c={c:<3} {kind:15} {spans['tok/s'][0]:7.1f}-{spans['tok/s'][1]:7.1f} "
+                    f"tok/s  TPOT {spans['TPOT'][0]:6.1f}-{spans['TPOT'][1]:6.1f} ms  "
+                    f"TTFT {spans['TTFT'][0]:7.1f}-{spans['TTFT'][1]:7.1f} ms")
             if kind == "vllm" and problems:
                 line += f"   no ratio: {'; '.join(sorted(set(problems)))}"
             elif kind != base:
-                ours = figures[(base, c)]
-                theirs = figures[(kind, c)]
-                r_tput = statistics.median(a["output_throughput"] / b["output_throughput"]
-                                           for a, b in zip(ours, theirs, strict=True))
-                r_tpot = statistics.median(a["tpot_ms"]["mean"] / b["tpot_ms"]["mean"]
-                                           for a, b in zip(ours, theirs, strict=True))
-                line += f"   {base}/{kind}: {r_tput:.2f}x tok/s, {r_tpot:.2f}x TPOT"
+                ratios = {name: _median_ratio(figures[(base, c)], runs, f)
+                          for name, f in metrics.items()}
+                line += f"   {base}/{kind}: " + ", ".join(
+                    f"{r:.2f}x {name}" for name, r in ratios.items())
             print(line)
-
 
 if __name__ == "__main__":
     main()

@@ -120,8 +120,10 @@ class Scheduler(ApplyMixin, SpeculationMixin):
         # computes (more than one only while overlapped scheduling builds the next step).
         self._unapplied: list[tuple[SchedulerOutput, set[bytes]]] = []
         self._slot = 0  # which of each request's two ScheduledRequests this step fills
-        # Most tokens one request computes in a step (vLLM's long_prefill_token_threshold).
+        # Most tokens one request computes in a step (vLLM's long_prefill_token_threshold),
+        # and this step's cap (`_step_prefill_cap`): none for a request alone.
         self._prefill_cap = config.long_prefill_token_threshold or sys.maxsize
+        self._step_cap = self._prefill_cap
         self.beams = BeamSearch(self)  # the beam-search requests' groups (beam.py)
         self._init_speculation(config.speculative_config, proposer)  # proposer, spec_stats
 
@@ -202,10 +204,11 @@ class Scheduler(ApplyMixin, SpeculationMixin):
         self._slot ^= 1
         if self.loading:
             self._finish_loads()
+        self._step_cap = self._step_prefill_cap()
 
         index = 0
         running, allocate = self.running, self.kv_cache_manager.allocate_slots
-        cap = self._prefill_cap
+        cap = self._step_cap
         while index < len(running) and budget > 0:
             request = running[index]
             ahead = request.num_tokens_ahead
@@ -246,6 +249,14 @@ class Scheduler(ApplyMixin, SpeculationMixin):
         self._finished_ids = []
         self._unapplied.append((out, self._pending_hashes))
         return out
+
+    def _step_prefill_cap(self) -> int:
+        """The most tokens one request computes this step: the long-prefill cap keeps a long
+        prompt from starving the other requests of the budget, so a request alone in the
+        scheduler (running, waiting, swapped or loading) takes the whole budget, as in vLLM:
+        a lone long prompt reaches its first token in budget-sized chunks, not capped ones."""
+        others = len(self.running) + len(self.waiting) + len(self.swapped) + len(self.loading)
+        return self._prefill_cap if others > 1 else sys.maxsize
 
     def _allocate_running(self, request: Request, num_new: int,
                           out: SchedulerOutput) -> tuple[bool, bool]:
@@ -322,7 +333,7 @@ class Scheduler(ApplyMixin, SpeculationMixin):
             request.status = RequestStatus.RUNNING
             self._enqueue(self.running, request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget,
-                          self._prefill_cap)
+                          self._step_cap)
             if num_new > 0 and kv.allocate_slots(request, num_new, delay_cache_blocks=True) is not None:
                 self._schedule(request, num_new, out)
                 budget -= num_new
@@ -348,7 +359,7 @@ class Scheduler(ApplyMixin, SpeculationMixin):
                 continue
             if status == AllocStatus.LATER:
                 break
-            num_new = min(request.num_tokens - num_hit_tokens, budget, self._prefill_cap)
+            num_new = min(request.num_tokens - num_hit_tokens, budget, self._step_cap)
             # With store tokens, only their blocks now: the rest is computed once they loaded.
             blocks = kv.allocate_slots(request, num_external or num_new, computed_blocks,
                                        num_hit_tokens, delay_cache_blocks=True,
@@ -360,7 +371,7 @@ class Scheduler(ApplyMixin, SpeculationMixin):
                 # hit rather than wait for blocks nothing may ever free.
                 computed_blocks, num_hit_tokens = kv.drop_partial_hit(computed_blocks,
                                                                       num_hit_tokens)
-                num_new = min(request.num_tokens - num_hit_tokens, budget, self._prefill_cap)
+                num_new = min(request.num_tokens - num_hit_tokens, budget, self._step_cap)
                 blocks = kv.allocate_slots(request, num_new, computed_blocks, num_hit_tokens,
                                            delay_cache_blocks=True, apply_watermark=True)
             if blocks is None:

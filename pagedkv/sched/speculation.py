@@ -104,7 +104,7 @@ class SpeculationMixin:
                               out: SchedulerOutput) -> int:
         """Schedule a decoding `request` with its draft tokens when they fit the budget and
         the cache: the tokens it takes (0: not scheduled, nothing changed)."""
-        drafts = request.spec_token_ids[:min(budget, self._prefill_cap) - 1]
+        drafts = request.spec_token_ids[:min(budget, self._step_cap) - 1]
         if not drafts:
             return 0
         if self.kv_cache_manager.allocate_slots(request, 1, delay_cache_blocks=True,
