@@ -132,8 +132,9 @@ class SchedulerOptions:
                                  "(same tokens)")
     long_prefill_token_threshold: int = opt(
         0, "most prompt tokens one request computes in a step: a long prompt is prefilled in "
-        "chunks of this size, so the other requests' prefills and decodes run beside it "
-        "(0: no cap but the step's budget)", ge=0)
+        "chunks of this size, so the other requests' prefills and decodes run beside it; a "
+        "request alone in the scheduler is not capped, as in vLLM (0: no cap but the step's "
+        "budget)", ge=0)
     speculative_config: str | dict | None = opt(
         None, "speculative decoding, a JSON object: method (ngram or draft_model), "
         "num_speculative_tokens; ngram: prompt_lookup_min, prompt_lookup_max; draft_model: "
