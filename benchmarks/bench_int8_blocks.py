@@ -20,6 +20,7 @@ import argparse
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -56,13 +57,14 @@ def main() -> None:
         packed = pack_onednn(linear.dequantized(torch.bfloat16))
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k).bfloat16()
-            cells = {
-                "int8": fastest_ms(lambda: torch.ops.pagedkv_cpu.int8_block_linear(
-                    x, linear.codes, linear.scales, linear.block), args.budget),
-                "expand": fastest_ms(lambda: linear._expanded_linear(x, None), args.budget),
-                "bf16": fastest_ms(lambda: torch.ops.mkldnn._linear_pointwise(
-                    x, packed, None, "none", [], ""), args.budget),
+            calls = {
+                "int8": partial(torch.ops.pagedkv_cpu.int8_block_linear, x, linear.codes,
+                                linear.scales, linear.block),
+                "expand": partial(linear._expanded_linear, x, None),
+                "bf16": partial(torch.ops.mkldnn._linear_pointwise, x, packed, None, "none",
+                                [], ""),
             }
+            cells = {name: fastest_ms(call, args.budget) for name, call in calls.items()}
             print(f"{n}x{k} rows {rows:3d}: " + "  ".join(
                 f"{name} {ms:.3f} ms ({cells['bf16'] / ms:.2f}x bf16)"
                 for name, ms in cells.items()), flush=True)

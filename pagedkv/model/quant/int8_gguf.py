@@ -59,7 +59,7 @@ def pack_gguf_vocab(model: nn.Module, checkpoint: Any) -> frozenset[str]:
     Returns the parameter names now built (empty: unchanged)."""
     built = set()
     head = getattr(model, "lm_head", None)
-    if isinstance(head, Linear) and "lm_head.weight" in checkpoint.keys():
+    if isinstance(head, Linear) and "lm_head.weight" in checkpoint:
         packed_head = gguf_int8_block_linear(checkpoint, ["lm_head.weight"], head)
         if packed_head is not None and head.bias is None:
             model.lm_head = packed_head
@@ -70,7 +70,7 @@ def pack_gguf_vocab(model: nn.Module, checkpoint: Any) -> frozenset[str]:
 def _pack_embedding(model: nn.Module, checkpoint: Any) -> set[str]:
     embed = getattr(model, "embed_tokens", None)
     if type(embed) is not nn.Embedding or embed.embedding_dim % 32 \
-            or "model.embed_tokens.weight" not in checkpoint.keys():
+            or "model.embed_tokens.weight" not in checkpoint:
         return set()
     packed = _codes_and_scales(checkpoint, ["model.embed_tokens.weight"])
     if packed is None:
