@@ -27,9 +27,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace pagedkv_cpu {
 namespace {
@@ -109,13 +107,6 @@ void dot_rows(const int8_t* w, const float* ws, const QuantizedRows& q, int64_t 
 #elif defined(__AVX2__)
 constexpr const char* kInt8Isa = "avx2";
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 template <int R, int64_t block>
 void dot_rows(const int8_t* w, const float* ws, const QuantizedRows& q, int64_t row0, int64_t k,
               float* out, int64_t out_stride) {
@@ -138,7 +129,7 @@ void dot_rows(const int8_t* w, const float* ws, const QuantizedRows& q, int64_t 
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(xscale, wscale), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r * out_stride] = hsum8(acc[r]);
+  for (int r = 0; r < R; ++r) out[r * out_stride] = hsum8(reinterpret_cast<v8f>(acc[r]));  // simd.h
 }
 #else
 constexpr const char* kInt8Isa = "scalar";

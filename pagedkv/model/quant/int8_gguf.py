@@ -76,6 +76,7 @@ def _pack_embedding(model: nn.Module, checkpoint: Any) -> set[str]:
     if packed is None:
         return set()
     model.embed_tokens = Int8BlockEmbedding(*packed, dtype=embed.weight.dtype)
-    if getattr(model, "lm_head", None) is None:
-        model.lm_head = model.embed_tokens.tied_head()
-    return {"embed_tokens.weight"}
+    if getattr(model, "lm_head", None) is not None:
+        return {"embed_tokens.weight"}
+    model.lm_head = model.embed_tokens.tied_head()  # its mapping now names an lm_head
+    return {"embed_tokens.weight", "lm_head.weight"}
