@@ -10,8 +10,8 @@
 // lane) takes the activation codes offset by 128 and the weight codes as they are (see
 // dot_chunk); AVX2's vpmaddubsw + vpmaddwd takes |w| (up to 128: every int8 code, -128
 // included) as the unsigned operand and x with w's sign as the signed one (x is within
-// [-127, 127], so the negation is exact; pair sums up to 2 * 128 * 127, within int16). Output columns are split
-// over threads; each column's codes are read once for all rows.
+// [-127, 127], so the negation is exact; pair sums up to 2 * 128 * 127, within int16). Output
+// columns are split over threads; each column's codes are read once for all rows.
 // Registered as a fragment of the pagedkv_cpu library (bindings.cpp holds the rest).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
