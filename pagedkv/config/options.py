@@ -98,6 +98,10 @@ class CacheOptions:
         parse=parse_size)
     gpu_memory_utilization: float = opt(0.9, "fraction of GPU memory the engine may use",
                                         gt=0, le=1)
+    cpu_memory_bytes: int | None = opt(
+        None, "on CPU, memory the engine may use for its weights, activations and KV cache "
+        "(bytes or a size like 8GiB); default: 0.5 of the memory available at start", ge=1,
+        parse=parse_size)
     watermark: float = opt(0.01, "fraction of blocks kept free when admitting new requests",
                            ge=0, lt=1)
     eviction_policy: EvictionPolicyName = opt(
