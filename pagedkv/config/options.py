@@ -75,8 +75,9 @@ class ModelOptions:
                      choices=MODEL_DTYPE_CHOICES)
     seed: int = opt(0, "default random seed of the engine")
     quantization: str = opt(
-        "auto", "CPU weights: auto (with a 16-bit dtype, a GGUF file's 4-bit linears stay "
-        "packed and are computed on packed), none (every weight dequantized to dtype), int8 "
+        "auto", "CPU weights: auto (with a 16-bit dtype, a GGUF file's Q4_0/Q4_1/Q4_K, Q8_0 "
+        "and Q6_K linears, embedding table and LM head stay packed and are computed on "
+        "packed), none (every weight dequantized to dtype), int8 "
         "(every linear int8 per output channel)", choices=("auto", "none", "int8"))
     max_model_len: int | None = opt(None, "longest sequence, prompt plus output (default: the "
                                     "model's)", ge=1)
@@ -98,6 +99,10 @@ class CacheOptions:
         parse=parse_size)
     gpu_memory_utilization: float = opt(0.9, "fraction of GPU memory the engine may use",
                                         gt=0, le=1)
+    cpu_memory_bytes: int | None = opt(
+        None, "on CPU, memory the engine may use for its weights, activations and KV cache "
+        "(bytes or a size like 8GiB); default: 0.5 of the memory available at start", ge=1,
+        parse=parse_size)
     watermark: float = opt(0.01, "fraction of blocks kept free when admitting new requests",
                            ge=0, lt=1)
     eviction_policy: EvictionPolicyName = opt(

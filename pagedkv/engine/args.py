@@ -34,8 +34,9 @@ class EngineArgs(ParallelOptions, StructuredOptions, RuntimeOptions, StoreOption
     """Arguments of `LLM(...)`, `LLMEngine` and `pagedkv serve` (vLLM's names and meanings).
 
     KV cache size: `num_gpu_blocks_override` wins; else `kv_cache_memory_bytes`; else on CUDA
-    `gpu_memory_utilization` of the device minus weights and activation peak; else on CPU a
-    default budget (`DEFAULT_CPU_KV_CACHE_BYTES`). `swap_space` is GiB of host memory for swapped
+    `gpu_memory_utilization` of the device minus weights and activation peak; else on CPU
+    `cpu_memory_bytes` (default: half the available memory) minus the loaded weights and the
+    activation peak (engine/kv_setup.py). `swap_space` is GiB of host memory for swapped
     blocks. `max_num_batched_tokens` is the per-step token budget (chunked prefill splits longer
     prompts). `enforce_eager` turns off CUDA graphs for decode steps (CUDA only). `cpu_kernels`
     (CPU only): "auto" builds the fused C++ kernels in the background on first use and switches

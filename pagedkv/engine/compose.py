@@ -93,6 +93,9 @@ def build_core(args: EngineArgs, tokenizer: Tokenizer | None = None) -> CorePart
         if setup is None:
             setup = plan_kv_cache(args, profile_memory(executor, args))
             check_store_supports(store, setup)
+        elif args.num_gpu_blocks_override is None and args.kv_cache_memory_bytes is None:
+            # CPU: the memory budget less the weights as loaded (packed ones as packed)
+            setup = plan_kv_cache(args, weights_bytes=executor.weights_bytes)
         prepare_executor(executor, args, setup)
         proposer = build_draft_proposer(args, setup, executor.model_config.vocab_size)
         if proposer is not None:

@@ -97,6 +97,7 @@ class EngineCore:
                            block_bytes=self.kv_setup.spec.page_size_bytes,
                            max_blocks_per_request=self.kv_setup.spec.max_blocks_per_seq(
                                self.max_model_len),
+                           kv_budget=self.kv_setup.budget,
                            **runner_facts(self.runner), **draft_facts(self.scheduler.proposer))
 
     @property

@@ -5,9 +5,13 @@ vLLM): `num_gpu_blocks_override`; else `kv_cache_memory_bytes // page_size_bytes
 with a measured `GpuMemoryProfile` (the engine loads the weights and runs a profile forward pass
 at `max_num_batched_tokens` first, as vLLM does) `gpu_kv_cache_bytes`: device memory x
 `gpu_memory_utilization` minus this engine's weights and peak activation, and never more than
-what is really free beside them; on CUDA without a profile the estimate formula; else on CPU a
-default budget of `DEFAULT_CPU_KV_CACHE_BYTES`, never more blocks than `max_num_seqs` sequences
-of `max_model_len` can use. With a draft model the budget buys as many blocks for the draft's
+what is really free beside them; on CUDA without a profile the estimate formula; else on CPU
+the memory the engine may use (`cpu_memory_bytes`, by default `CPU_MEMORY_FRACTION` of the memory
+available before the weights were loaded, as vLLM's CPU worker takes a fraction of the memory)
+minus the loaded weights' bytes (packed ones count as packed: smaller weights leave more for
+the cache) and the activation peak estimate, never more blocks than `max_num_seqs` sequences of
+`max_model_len` can use (`cpu_kv_cache_bytes`). `KVCacheSetup.budget` says which rule sized
+it (the start-up banner prints it). With a draft model the budget buys as many blocks for the draft's
 cache as for the target's (draft_budget.py); an explicit block count is each cache's. Host blocks (`swap_space` GiB) exist only with
 `preemption_mode="swap"`.
 
@@ -41,7 +45,10 @@ from pagedkv.model.config_files import load_hf_config
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+# On CPU without an explicit size: the fraction of the memory available at start the engine
+# takes for its weights, activations and KV cache (vLLM's CPU worker: 0.92 of the node's memory
+# less what the process holds; half leaves room for the other processes of a shared host).
+CPU_MEMORY_FRACTION = 0.5
 GiB = 1 << 30
 
 
@@ -58,6 +65,7 @@ class KVCacheSetup:
     max_model_len: int
     max_num_batched_tokens: int
     sliding_window: int | None
+    budget: str = ""  # which rule gave num_blocks, with its figures
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,27 @@ def gpu_kv_cache_bytes(profile: GpuMemoryProfile, utilization: float) -> int:
     return int(min(own, free))
 
 
+def cpu_kv_cache_bytes(args: EngineArgs, weights_bytes: int, activation_peak_bytes: int
+                       ) -> tuple[int, str]:
+    """(bytes for the KV cache on CPU, how they were found): `args.cpu_memory_bytes`, else
+    CPU_MEMORY_FRACTION of the host's available memory (measured now, with `weights_bytes`
+    already loaded, so those are added back), minus the weights and the activation peak.
+    May be < 0."""
+    if args.cpu_memory_bytes is not None:
+        memory, source = args.cpu_memory_bytes, f"--cpu-memory-bytes {_gib(args.cpu_memory_bytes)}"
+    else:
+        available = host_memory_bytes()[1] + weights_bytes
+        memory = int(CPU_MEMORY_FRACTION * available)
+        source = f"{CPU_MEMORY_FRACTION} x {_gib(available)} available"
+    kv = memory - weights_bytes - activation_peak_bytes
+    return kv, (f"{source} - weights {_gib(weights_bytes)} - activations "
+                f"{_gib(activation_peak_bytes)} = {_gib(max(kv, 0))}")
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
 def resolve_max_num_batched_tokens(args: EngineArgs) -> int:
     return args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
 
@@ -95,8 +124,10 @@ def _device_is_cuda(device: str) -> bool:
     return torch.cuda.is_available()
 
 
-def plan_kv_cache(args: EngineArgs, profile: GpuMemoryProfile | None = None) -> KVCacheSetup:
-    """Size the KV cache for `args` (with a measured `profile` on CUDA). Raises ValueError when
+def plan_kv_cache(args: EngineArgs, profile: GpuMemoryProfile | None = None,
+                  weights_bytes: int | None = None) -> KVCacheSetup:
+    """Size the KV cache for `args` (with a measured `profile` on CUDA; on CPU with the loaded
+    weights' `weights_bytes`, before loading the config's estimate). Raises ValueError when
     the settings cannot work."""
     config = load_hf_config(args.model)
     # One rank's KV heads: every byte count below is per rank (each rank holds its heads of
@@ -113,13 +144,19 @@ def plan_kv_cache(args: EngineArgs, profile: GpuMemoryProfile | None = None) -> 
     draft = draft_budget(args)  # a draft model's cache gets as many blocks (draft_budget.py)
     page = spec.page_size_bytes + draft.page_bytes
 
+    budget = ""
     if args.num_gpu_blocks_override is not None:
         num_blocks = args.num_gpu_blocks_override
+        budget = "--num-gpu-blocks-override"
     elif args.kv_cache_memory_bytes is not None:
         num_blocks = args.kv_cache_memory_bytes // page
+        budget = f"--kv-cache-memory-bytes {_gib(args.kv_cache_memory_bytes)}"
     elif profile is not None:
         kv_bytes = gpu_kv_cache_bytes(profile, args.gpu_memory_utilization) - draft.weights_bytes
         num_blocks = max(kv_bytes, 0) // page
+        budget = (f"{args.gpu_memory_utilization} x {_gib(profile.total_bytes)} - weights "
+                  f"{_gib(profile.weights_bytes)} - activation peak "
+                  f"{_gib(profile.activation_peak_bytes)} (measured)")
         if num_blocks < 2:
             raise ValueError(
                 f"not even one KV block fits: {args.gpu_memory_utilization} x "
@@ -138,9 +175,18 @@ def plan_kv_cache(args: EngineArgs, profile: GpuMemoryProfile | None = None) -> 
             activation_peak_bytes=estimate_activation_peak_bytes(
                 config, max_num_batched_tokens, args.dtype, args.max_num_seqs))
         num_blocks = plan.num_blocks * spec.page_size_bytes // page
+        budget = f"{args.gpu_memory_utilization} x {_gib(total)} (estimated weights)"
     else:
+        weights = estimate_weights_bytes(config, args.dtype) if weights_bytes is None \
+            else weights_bytes
+        kv_bytes, budget = cpu_kv_cache_bytes(args, weights + draft.weights_bytes,
+                                              estimate_activation_peak_bytes(
+                                                  config, max_num_batched_tokens, args.dtype,
+                                                  args.max_num_seqs))
         useful = args.max_num_seqs * spec.max_blocks_per_seq(max_model_len) + 1
-        num_blocks = min(DEFAULT_CPU_KV_CACHE_BYTES // page, useful)
+        num_blocks = min(max(kv_bytes, 0) // page, useful)
+        if num_blocks == useful:
+            budget += f", capped at what {args.max_num_seqs} sequences of {max_model_len} use"
     if num_blocks < 2:
         raise ValueError(f"the KV cache has room for {num_blocks} blocks of {page} bytes; "
                          "at least 2 (one is the reserved null block) are needed")
@@ -165,7 +211,7 @@ def plan_kv_cache(args: EngineArgs, profile: GpuMemoryProfile | None = None) -> 
         window = max((g.sliding_window or 0 for g in spec.groups), default=0) or None
     return KVCacheSetup(spec=spec, num_blocks=num_blocks, num_host_blocks=num_host_blocks,
                         max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-                        sliding_window=window)
+                        sliding_window=window, budget=budget)
 
 
 def check_fits_in_memory(args: EngineArgs, device_bytes: int, host_bytes: int,

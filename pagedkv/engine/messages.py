@@ -126,6 +126,7 @@ class EngineReady(msgspec.Struct, array_like=True, tag=True):
     # A draft model's own KV cache (speculative_config method "draft_model"; 0: none).
     draft_num_blocks: int = 0
     draft_block_bytes: int = 0
+    kv_budget: str = ""  # which rule sized the KV cache, with its figures (KVCacheSetup.budget)
 
 
 class CoreDied(msgspec.Struct, array_like=True, tag=True):

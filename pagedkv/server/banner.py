@@ -79,7 +79,8 @@ def banner_lines(engine: Any, *, url: str, served_model_name: str, version: str)
         f"weights: {format_size(ready.weights_bytes)} {ready.model_dtype} on {ready.device}",
         f"KV cache: {blocks} blocks of {ready.block_size} tokens, "
         f"{format_size(ready.block_bytes)} each: {format_size(blocks * ready.block_bytes)} "
-        f"({ready.kv_cache_dtype}){per_core}",
+        f"({ready.kv_cache_dtype}){per_core}"
+        + (f"; budget: {ready.kv_budget}" if ready.kv_budget else ""),
         f"Maximum concurrency for {ready.max_model_len} tokens per request: "
         f"{max_concurrency(ready.num_usable_blocks, ready.max_blocks_per_request):.2f}x",
         cores_line(engine, ready),

@@ -1,7 +1,7 @@
 """The real model (SmolLM2-135M-Instruct, Q4_1) with its linears kept packed against the same
 file dequantized, both bfloat16: along each prompt's greedy continuation (the dequantized
 model's), the packed model's next-token distributions (KL, top-1 agreement) at every decode
-step (one row: torch's int4 kernel, the LM head's int8 copy) and over the whole text prefilled
+step (one row: torch's int4 kernel, the head on the file's Q8_0 embedding codes) and over the whole text prefilled
 (the expanded weight, the dense head)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from pagedkv.model.quant.int4_linear import Int4Linear
-from pagedkv.model.quant.packed_head import Int8PackedHead
+from pagedkv.model.quant.int8_block_linear import Int8BlockEmbedding, Int8BlockLinear
 from pagedkv.model.runner import ModelRunner
 from pagedkv.model.tokenizer import Tokenizer
 from pagedkv.testing.kv_quant_accuracy import kl_divergence, prompt_logits, teacher_forced_logits
@@ -55,8 +55,8 @@ def test_packed_smollm2_matches_dequantized(real_model_path):
           f"positions; {texts}")
     assert kl.mean_kl < MEAN_KL_BOUND, kl
     assert kl.top1_agreement >= TOP1_BOUND, kl
-    head = packed.model.lm_head
-    assert isinstance(head, Int8PackedHead)  # tied: an int8 copy beside the bfloat16 embeddings
-    head_bytes = head.codes.numel() + 2 * head.scale.numel()
-    assert head_bytes == head.out_features * (head.in_features + 2)
-    assert packed.weights_bytes - head_bytes < 0.7 * dense.weights_bytes
+    head, table = packed.model.lm_head, packed.model.embed_tokens
+    # The file's Q8_0 embedding table kept packed; the tied head computes on its very codes.
+    assert isinstance(table, Int8BlockEmbedding) and isinstance(head, Int8BlockLinear)
+    assert head.codes is table.codes and head.block == 32
+    assert packed.weights_bytes < 0.6 * dense.weights_bytes

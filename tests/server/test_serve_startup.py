@@ -108,7 +108,9 @@ def test_the_banner_kv_cache_figures_are_the_engines(server):
     assert blocks == NUM_BLOCKS and card["max_model_len"] == MAX_MODEL_LEN
     assert server.banner("KV cache") == (
         f"{blocks} blocks of {info['block_size']} tokens, {format_size(block_bytes)} each: "
-        f"{format_size(blocks * block_bytes)} ({info['kv_cache_dtype']})")
+        f"{format_size(blocks * block_bytes)} ({info['kv_cache_dtype']}); budget: "
+        f"{info['kv_budget']}")
+    assert info["kv_budget"] == "--num-gpu-blocks-override" and info["weights_bytes"] > 0
     per_request = math.ceil(card["max_model_len"] / info["block_size"])
     concurrency = float(server.banner(
         f"Maximum concurrency for {card['max_model_len']} tokens per request")[:-1])

@@ -2,8 +2,10 @@
 
 - "auto": with a 16-bit model dtype (`PACKED_AUTO_DTYPES`), a GGUF checkpoint's linears stored
   in a 4-bit type (`int4_blocks.INT4_TYPES`) stay packed (`Int4Linear`, built from the file's
-  block bytes, exact but for bfloat16 scales); other types (Q8_0, Q6_K, F16
-  ...) and the embeddings stay dequantized in the model dtype. Any other checkpoint: unchanged.
+  block bytes, exact but for bfloat16 scales); those in Q8_0 / Q6_K, and a Q8_0 / Q6_K token
+  embedding table and LM head, stay packed as int8 codes with per-block scales (int8_gguf.py:
+  exact); other types (F16 ...) stay dequantized in the model dtype. Any other checkpoint:
+  unchanged.
 - "int8": every linear but the lm_head becomes `Int8Linear` (per-channel int8 of the loaded
   weight; for a GGUF checkpoint, its 4-bit linears stay `Int4Linear` as with "auto").
 - "none": unchanged (every weight in the model dtype).
@@ -27,6 +29,7 @@ from pagedkv.model.gguf import gguf_file
 from pagedkv.model.layers import Linear
 from pagedkv.model.quant.int4_blocks import GROUP, INT4_TYPES, codes_and_scales
 from pagedkv.model.quant.int4_linear import Int4Linear
+from pagedkv.model.quant.int8_gguf import gguf_int8_block_linear, pack_gguf_vocab
 from pagedkv.model.quant.int8_linear import Int8Linear
 from pagedkv.model.quant.packed_head import pack_head
 
@@ -85,11 +88,12 @@ def pack_gguf_linears(model: nn.Module, model_dir: str | Path) -> frozenset[str]
     built = set()
     for parent, attr, name, linear in _linears(model):
         sources = mapping.get(f"{name}.weight")
-        packed = _gguf_int4(checkpoint, sources, linear) if sources else None
+        packed = (_gguf_int4(checkpoint, sources, linear)
+                  or gguf_int8_block_linear(checkpoint, sources, linear)) if sources else None
         if packed is not None:
             setattr(parent, attr, packed)
             built.add(f"{name}.weight")
-    return frozenset(built)
+    return frozenset(built) | pack_gguf_vocab(model, checkpoint)
 
 
 def quantize_int8(model: nn.Module) -> int:

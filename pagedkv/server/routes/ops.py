@@ -28,7 +28,9 @@ async def kv_cache_info(raw: Request) -> dict[str, Any]:
     kernels' choice so far, read from the core (null where none runs or the core is gone).
     `num_gpu_blocks` is one core's pool (what a router caps its prefix record at);
     `engine_cores` lists every engine core (one, or `data_parallel_size`);
-    `draft_num_gpu_blocks` is a draft model's own pool (0 without one)."""
+    `draft_num_gpu_blocks` is a draft model's own pool (0 without one); `weights_bytes` the
+    model's weights as loaded (packed ones as packed) and `kv_budget` which rule sized the
+    pool (engine/kv_setup.py)."""
     args, ready = raw.app.state.engine_facts.args, raw.app.state.engine_facts.ready
     return {"model": raw.app.state.serving.model_name, "block_size": args.block_size,
             "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
@@ -37,6 +39,8 @@ async def kv_cache_info(raw: Request) -> dict[str, Any]:
             "kv_cache_dtype": ready.kv_cache_dtype,
             "block_bytes": ready.block_bytes,
             "draft_num_gpu_blocks": ready.draft_num_blocks,
+            "weights_bytes": ready.weights_bytes,
+            "kv_budget": ready.kv_budget,
             "data_parallel_size": args.data_parallel_size,
             "engine_cores": [{"data_parallel_rank": rank, "num_gpu_blocks": core.num_gpu_blocks,
                               "pid": pid}

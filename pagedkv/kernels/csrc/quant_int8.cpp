@@ -1,0 +1,287 @@
+// int8 weights with a float32 scale per block of 16 or 32 along each row (pagedkv/model/quant/
+// int8_blocks.py: GGUF Q8_0 blocks of 32, Q6_K's 6-bit codes with their per-16 scales), computed
+// on the packed codes as llama.cpp's Q8_0 x Q8_0 dot does: each activation row is quantized per
+// block to int8 (scale = the block's largest magnitude / 127, codes rounded to nearest even), the
+// integer dot products are exact (int32), and each block's sum is scaled by the two scales in
+// float32. Decode-sized calls (a few rows) run this; larger ones expand the weight to a dense one
+// (`int8_block_expand`) for oneDNN's matmul (int8_block_linear.py).
+//
+// AVX-512 VNNI's vpdpbusd (unsigned times signed bytes, 64 codes an instruction, 4 codes a
+// lane) takes the activation codes offset by 128 and the weight codes as they are (see
+// dot_chunk); AVX2's vpmaddubsw + vpmaddwd takes |w| (up to 128: every int8 code, -128
+// included) as the unsigned operand and x with w's sign as the signed one (x is within
+// [-127, 127], so the negation is exact; pair sums up to 2 * 128 * 127, within int16). Output
+// columns are split over threads; each column's codes are read once for all rows.
+// Registered as a fragment of the pagedkv_cpu library (bindings.cpp holds the rest).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "simd.h"
+
+namespace pagedkv_cpu {
+namespace {
+
+// Activation rows quantized per block: codes int8 [M, K], and per 4-code lane the block's scale
+// (float32 [M, K / 4]), the layout the dot loops multiply by lane.
+// (The AVX-512 path reads the codes offset by 128, as unsigned bytes.)
+struct QuantizedRows {
+  std::vector<int8_t> codes;
+  std::vector<uint8_t> offset_codes;
+  std::vector<float> lane_scale;
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k, int64_t block) {
+  QuantizedRows q{std::vector<int8_t>(m * k), std::vector<uint8_t>(m * k),
+                  std::vector<float>(m * k / 4)};
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < k / block; ++b) {
+      const float* v = x + r * k + b * block;
+      float amax = 0.f;
+      for (int64_t j = 0; j < block; ++j) amax = std::max(amax, std::fabs(v[j]));
+      const float d = amax / 127.f;
+      const float id = d != 0.f ? 1.f / d : 0.f;
+      int8_t* out = q.codes.data() + r * k + b * block;
+      for (int64_t j = 0; j < block; ++j) out[j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
+      std::fill_n(q.lane_scale.data() + (r * k + b * block) / 4, block / 4, d);
+      for (int64_t j = 0; j < block; ++j)
+        q.offset_codes[r * k + b * block + j] = static_cast<uint8_t>(out[j] + 128);
+    }
+  }
+  return q;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr const char* kInt8Isa = "avx512_vnni";
+
+// One 64-code chunk (its first `left` codes; 32 or 64) of weight row `w` against R rows of `q`.
+// vpdpbusd multiplies unsigned by signed bytes: the activation codes offset by 128 (unsigned,
+// 1..255) times the weight codes (signed, any int8), from an accumulator of -128 * the sum of
+// the weight codes of each lane (computed once for all rows), leaves each lane's exact dot.
+template <int R, int64_t block>
+inline void dot_chunk(const int8_t* w, const float* ws, const QuantizedRows& q, int64_t row0,
+                      int64_t k, int64_t c, int64_t left, __m512* acc) {
+  // Lane l of the chunk (4 codes) is in block l / (block / 4) of it.
+  const __m512i lane_block = _mm512_srli_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      block == 32 ? 3 : 2);
+  const __mmask64 bytes = left == 64 ? ~0ull : (1ull << left) - 1;
+  const __mmask16 lanes = left == 64 ? 0xFFFF : static_cast<__mmask16>((1u << (left / 4)) - 1);
+  const __m512i wv = _mm512_maskz_loadu_epi8(bytes, w + c);
+  const __m512i offset = _mm512_sub_epi32(
+      _mm512_setzero_si512(),
+      _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(128)), wv));
+  const __m512 wscale = _mm512_permutexvar_ps(
+      lane_block, _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (left / block)) - 1),
+                                        ws + c / block));
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = row0 + r;
+    const __m512i xv = _mm512_maskz_loadu_epi8(bytes, q.offset_codes.data() + row * k + c);
+    const __m512i dot = _mm512_dpbusd_epi32(offset, xv, wv);
+    const __m512 xscale = _mm512_maskz_loadu_ps(lanes, q.lane_scale.data() + (row * k + c) / 4);
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(xscale, wscale), acc[r]);
+  }
+}
+
+// Up to R rows against weight row `w` (codes [K], block scales `ws`): out[r] = the row's dot.
+template <int R, int64_t block>
+void dot_rows(const int8_t* w, const float* ws, const QuantizedRows& q, int64_t row0, int64_t k,
+              float* out, int64_t out_stride) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 64 <= k; c += 64) dot_chunk<R, block>(w, ws, q, row0, k, c, 64, acc);
+  if (c < k) dot_chunk<R, block>(w, ws, q, row0, k, c, k - c, acc);  // 32 codes left
+  for (int r = 0; r < R; ++r) out[r * out_stride] = _mm512_reduce_add_ps(acc[r]);
+}
+#elif defined(__AVX2__)
+constexpr const char* kInt8Isa = "avx2";
+
+template <int R, int64_t block>
+void dot_rows(const int8_t* w, const float* ws, const QuantizedRows& q, int64_t row0, int64_t k,
+              float* out, int64_t out_stride) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t c = 0; c < k; c += 32) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c));
+    const __m256i wabs = _mm256_abs_epi8(wv);
+    const __m256 wscale = block == 32
+        ? _mm256_set1_ps(ws[c / 32])
+        : _mm256_setr_m128(_mm_set1_ps(ws[c / 16]), _mm_set1_ps(ws[c / 16 + 1]));
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = row0 + r;
+      const __m256i xv =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.codes.data() + row * k + c));
+      const __m256i xs = _mm256_sign_epi8(xv, wv);  // x * sign(w); w = 0 gives 0 either way
+      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones);
+      const __m256 xscale = _mm256_loadu_ps(q.lane_scale.data() + (row * k + c) / 4);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(xscale, wscale), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * out_stride] = hsum8(reinterpret_cast<v8f>(acc[r]));  // simd.h
+}
+#else
+constexpr const char* kInt8Isa = "scalar";
+
+template <int R, int64_t block>
+void dot_rows(const int8_t* w, const float* ws, const QuantizedRows& q, int64_t row0, int64_t k,
+              float* out, int64_t out_stride) {
+  for (int r = 0; r < R; ++r) {
+    const int8_t* x = q.codes.data() + (row0 + r) * k;
+    float acc = 0.f;
+    for (int64_t b = 0; b < k / block; ++b) {
+      int32_t dot = 0;
+      for (int64_t j = b * block; j < (b + 1) * block; ++j) dot += int32_t(w[j]) * int32_t(x[j]);
+      acc += float(dot) * q.lane_scale[((row0 + r) * k + b * block) / 4] * ws[b];
+    }
+    out[r * out_stride] = acc;
+  }
+}
+#endif
+
+constexpr int kRowTile = 4;
+
+void check_weight(const at::Tensor& codes, const at::Tensor& scales, int64_t block,
+                  const char* op) {
+  TORCH_CHECK(block == 16 || block == 32, op, ": block must be 16 or 32, got ", block);
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(), op,
+              ": codes must be a contiguous int8 [N, K]");
+  TORCH_CHECK(codes.size(1) % 32 == 0, op, ": K must be a multiple of 32, got ", codes.size(1));
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.dim() == 2 && scales.size(0) == codes.size(0) &&
+                  scales.size(1) == codes.size(1) / block,
+              op, ": scales must be a contiguous float32 [N, K / block]");
+}
+
+// y [M, N] (float32) = x's quantized rows `q` times the weight, columns over threads.
+template <int64_t B>
+void dot_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const float* ws, int64_t n,
+                 int64_t k, float* y) {
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t col = begin; col < end; ++col) {
+      const int8_t* wrow = w + col * k;
+      const float* srow = ws + col * (k / B);
+      int64_t r = 0;
+      for (; r + kRowTile <= m; r += kRowTile)
+        dot_rows<kRowTile, B>(wrow, srow, q, r, k, y + r * n + col, n);
+      for (; r < m; ++r) dot_rows<1, B>(wrow, srow, q, r, k, y + r * n + col, n);
+    }
+  });
+}
+
+// x: [M, K] (float32, bfloat16 or float16); codes int8 [N, K]; scales float32 [N, K / block];
+// returns x W^T [M, N] in x's dtype, W = codes times their block's scale.
+at::Tensor int8_block_linear(const at::Tensor& x, const at::Tensor& codes,
+                             const at::Tensor& scales, int64_t block) {
+  check_weight(codes, scales, block, "int8_block_linear");
+  const int64_t n = codes.size(0), k = codes.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "int8_block_linear: x must be [M, ", k, "]");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t m = xf.size(0);
+  const QuantizedRows q = quantize_rows(xf.data_ptr<float>(), m, k, block);
+  at::Tensor out = at::empty({m, n}, xf.options());
+  const int8_t* w = codes.data_ptr<int8_t>();
+  const float* ws = scales.data_ptr<float>();
+  if (block == 32) {
+    dot_columns<32>(q, m, w, ws, n, k, out.data_ptr<float>());
+  } else {
+    dot_columns<16>(q, m, w, ws, n, k, out.data_ptr<float>());
+  }
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+// float32 to bfloat16 bits, round to nearest even (the values are finite), in a form the
+// compiler vectorizes (c10::BFloat16's conversion, with its NaN branch, it does not).
+inline uint16_t bf16_bits_nearest_even(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// One block's values, rounded once to T.
+template <typename T, int64_t block>
+inline void expand_block(const int8_t* c, float s, T* o) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {  // 16 codes a step, vcvtneps2bf16
+    const __m512 scale = _mm512_set1_ps(s);
+    for (int64_t j = 0; j < block; j += 16) {
+      const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j)))), scale);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+    }
+    return;
+  }
+#endif
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    uint16_t* bits = reinterpret_cast<uint16_t*>(o);
+    for (int64_t j = 0; j < block; ++j)
+      bits[j] = bf16_bits_nearest_even(static_cast<float>(c[j]) * s);
+  } else {
+    for (int64_t j = 0; j < block; ++j) o[j] = static_cast<T>(static_cast<float>(c[j]) * s);
+  }
+}
+
+template <typename T, int64_t block>
+void expand_as(const at::Tensor& codes, const at::Tensor& scales, at::Tensor& out) {
+  const int64_t n = codes.size(0), k = codes.size(1);
+  const int8_t* w = codes.data_ptr<int8_t>();
+  const float* ws = scales.data_ptr<float>();
+  T* dst = out.data_ptr<T>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t b = 0; b < k / block; ++b) {
+        const float s = ws[r * (k / block) + b];
+        expand_block<T, block>(w + r * k + b * block, s, dst + r * k + b * block);
+      }
+    }
+  });
+}
+
+template <typename T>
+void expand_as(const at::Tensor& codes, const at::Tensor& scales, int64_t block, at::Tensor& out) {
+  if (block == 32) {
+    expand_as<T, 32>(codes, scales, out);
+  } else {
+    expand_as<T, 16>(codes, scales, out);
+  }
+}
+
+// W [N, K] in `dtype` (float32, bfloat16 or float16): each code times its block's scale in
+// float32, rounded once.
+at::Tensor int8_block_expand(const at::Tensor& codes, const at::Tensor& scales, int64_t block,
+                             at::ScalarType dtype) {
+  check_weight(codes, scales, block, "int8_block_expand");
+  at::Tensor out = at::empty(codes.sizes(), codes.options().dtype(dtype));
+  switch (dtype) {
+    case at::kFloat: expand_as<float>(codes, scales, block, out); break;
+    case at::kBFloat16: expand_as<c10::BFloat16>(codes, scales, block, out); break;
+    case at::kHalf: expand_as<c10::Half>(codes, scales, block, out); break;
+    default: TORCH_CHECK(false, "int8_block_expand: dtype must be float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+std::string int8_block_isa() { return kInt8Isa; }
+
+}  // namespace
+}  // namespace pagedkv_cpu
+
+TORCH_LIBRARY_FRAGMENT(pagedkv_cpu, m) {
+  m.def("int8_block_linear(Tensor x, Tensor codes, Tensor scales, int block) -> Tensor",
+        &pagedkv_cpu::int8_block_linear);
+  m.def("int8_block_expand(Tensor codes, Tensor scales, int block, ScalarType dtype) -> Tensor",
+        &pagedkv_cpu::int8_block_expand);
+  m.def("int8_block_isa() -> str", &pagedkv_cpu::int8_block_isa);
+}

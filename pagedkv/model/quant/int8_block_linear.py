@@ -1,0 +1,128 @@
+"""A linear layer and an embedding on int8 codes with a float32 scale per block of 16 or 32
+along each row (GGUF Q8_0 and Q6_K kept packed: int8_blocks.py), W = code * scale exactly.
+
+The linear's decode-sized calls (rows <= `INT8_BLOCK_ROWS`) run `int8_block_linear`
+(kernels/csrc/quant_int8.cpp: activations quantized per block to int8, as llama.cpp's Q8_0 dot
+does, integer dot products with AVX-512 VNNI or AVX2); larger ones expand the codes to a dense
+weight in the activation dtype (`int8_block_expand`) for the dense matmul (oneDNN's), where a
+prefill's hundreds of rows are compute-bound. Without the fused kernels both run in torch ops on
+the expanded weight. The embedding gathers only the looked-up rows' codes and scales.
+The tensors are parameters (requires_grad False), so the model's parameter bytes count them; a
+tied head and embedding share them (the model's parameters list them once).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pagedkv.kernels.cpu import cpu_kernels_loaded
+
+_EXPAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Rows up to which the integer kernel runs (benchmarks/bench_quant_int8.py): against expanding
+# the weight and oneDNN's bfloat16 matmul it wins at decode sizes and loses on prefills.
+INT8_BLOCK_ROWS = 16
+# A larger call expands this many weight bytes (in the activation dtype) at a time: a buffer
+# the allocator reuses and the cache keeps, where the whole weight at once (the tied head's
+# 49152 x 576: 57 MB in bfloat16) costs fresh pages each call, more than the matmul itself.
+EXPAND_CHUNK_BYTES = 2 << 20
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def expand_reference(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+                     ) -> torch.Tensor:
+    """W [N, K] = codes times their block's scale in float32, rounded once to `dtype` (torch
+    ops: the reference the kernel is tested against, and the path without the kernels)."""
+    n, k = codes.shape
+    block = k // scales.shape[1]
+    w = codes.view(n, -1, block).float() * scales[..., None]
+    return w.reshape(n, k).to(dtype)
+
+
+class Int8BlockLinear(nn.Module):
+    """y = x W^T (+ bias), W [out_features, in_features] as int8 codes times per-block scales."""
+
+    def __init__(self, codes: torch.Tensor | nn.Parameter, scales: torch.Tensor | nn.Parameter,
+                 bias: torch.Tensor | None = None) -> None:
+        """`codes` int8 [N, K], `scales` float32 [N, K / block], block 16 or 32; parameters
+        given are kept as they are (shared with a tied embedding). ValueError for a K that is
+        not a multiple of 32 or a block other than 16 or 32."""
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.block = self.in_features // max(1, scales.shape[1])
+        if self.in_features % 32 or self.block not in (16, 32) \
+                or self.block * scales.shape[1] != self.in_features:
+            raise ValueError(f"Int8BlockLinear: codes [{self.out_features}, "
+                             f"{self.in_features}] with scales {list(scales.shape)} need K a "
+                             f"multiple of 32 and blocks of 16 or 32")
+        self.codes = codes if isinstance(codes, nn.Parameter) else _param(codes.contiguous())
+        self.scales = scales if isinstance(scales, nn.Parameter) else \
+            _param(scales.float().contiguous())
+        self.bias = None if bias is None else _param(bias.detach().clone())
+
+    def pack(self, panels: bool = False) -> bool:
+        """Nothing to prepare (the weight is packed at build); the model's `pack` calls."""
+        return True
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """W [N, K] in `dtype`, each value rounded once from float32."""
+        return self._dequantized_rows(0, self.out_features, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if rows.shape[0] <= INT8_BLOCK_ROWS and cpu_kernels_loaded():
+            y = torch.ops.pagedkv_cpu.int8_block_linear(rows.contiguous(), self.codes,
+                                                        self.scales, self.block)
+            y = y if bias is None else y + bias
+        else:
+            y = self._expanded_linear(rows, bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _expanded_linear(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """rows W^T (+ bias) through the dense matmul, W expanded a chunk of rows at a time."""
+        step = max(16, EXPAND_CHUNK_BYTES // (rows.element_size() * self.in_features))
+        if step >= self.out_features:
+            return F.linear(rows, self.dequantized(rows.dtype), bias)
+        parts = [F.linear(rows, self._dequantized_rows(start, start + step, rows.dtype),
+                          None if bias is None else bias[start:start + step])
+                 for start in range(0, self.out_features, step)]
+        return torch.cat(parts, dim=1)
+
+    def _dequantized_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        codes, scales = self.codes[start:stop], self.scales[start:stop]
+        if cpu_kernels_loaded() and dtype in _EXPAND_DTYPES:
+            return torch.ops.pagedkv_cpu.int8_block_expand(codes, scales, self.block, dtype)
+        return expand_reference(codes, scales, dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int8 blocks of {self.block}")
+
+
+class Int8BlockEmbedding(nn.Module):
+    """Rows of a [vocab, hidden] table kept as int8 codes times per-block scales; a lookup
+    dequantizes only the rows asked for, to `dtype`."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.codes = _param(codes.contiguous())
+        self.scales = _param(scales.float().contiguous())
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = codes.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = expand_reference(self.codes[flat], self.scales[flat], self.dtype)
+        return rows.view(*ids.shape, self.embedding_dim)
+
+    def tied_head(self) -> Int8BlockLinear:
+        """The LM head over the same codes and scales (tied embeddings)."""
+        return Int8BlockLinear(self.codes, self.scales)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 blocks"

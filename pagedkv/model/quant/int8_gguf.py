@@ -1,0 +1,82 @@
+"""A GGUF checkpoint's Q8_0 / Q6_K tensors built as packed modules (int8_block_linear.py), before
+the weights are read: linears (q/k/v and gate/up concatenated, as the model fuses them), an
+untied LM head, and the token embedding table (whose tied head then shares its codes).
+
+A fused linear whose parts mix Q8_0 and Q6_K takes blocks of 16 (each Q8_0 scale twice: exact);
+one with any other type among its parts stays dequantized.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedkv.model.layers import Linear
+from pagedkv.model.quant.int8_block_linear import Int8BlockEmbedding, Int8BlockLinear
+from pagedkv.model.quant.int8_blocks import INT8_BLOCK_TYPES, int8_codes_and_scales
+
+
+def _codes_and_scales(checkpoint: Any, sources: list[str]
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(codes int8 [N, K], scales float32 [N, K / block]) of the rows of `sources`
+    concatenated, or None where one is not an int8-block type."""
+    from pagedkv.model.gguf.tensors import hf_rows
+
+    gguf = checkpoint.gguf
+    names = [checkpoint.gguf_name(source) for source in sources]
+    types = [gguf.tensors[name].ggml_type for name in names]
+    if not all(t in INT8_BLOCK_TYPES for t in types):
+        return None
+    parts = [int8_codes_and_scales(hf_rows(gguf, source, name), t)
+             for source, name, t in zip(sources, names, types, strict=True)]
+    block = min(part[2] for part in parts)
+    codes = np.concatenate([part[0] for part in parts])
+    scales = np.concatenate([np.repeat(part[1], part[2] // block, axis=1) for part in parts])
+    return torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(scales))
+
+
+def gguf_int8_block_linear(checkpoint: Any, sources: list[str], linear: nn.Module
+                           ) -> Int8BlockLinear | None:
+    """`linear` as an Int8BlockLinear from the GGUF blocks of `sources`, or None where they are
+    not all Q8_0 / Q6_K or K is not a multiple of 32. Its bias (if any) is a parameter still
+    to be loaded."""
+    if linear.in_features % 32:
+        return None
+    packed = _codes_and_scales(checkpoint, sources)
+    if packed is None:
+        return None
+    bias = None if getattr(linear, "bias", None) is None else torch.zeros_like(linear.bias)
+    return Int8BlockLinear(*packed, bias)
+
+
+def pack_gguf_vocab(model: nn.Module, checkpoint: Any) -> frozenset[str]:
+    """Where the file stores them as Q8_0 / Q6_K: `model.lm_head` (an untied Linear) as an
+    Int8BlockLinear, and `model.embed_tokens` (a plain nn.Embedding) as an Int8BlockEmbedding,
+    whose codes a tied model (`lm_head` None) then computes its logits on (mutates `model`).
+    Returns the parameter names now built (empty: unchanged)."""
+    built = set()
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, Linear) and "lm_head.weight" in checkpoint:
+        packed_head = gguf_int8_block_linear(checkpoint, ["lm_head.weight"], head)
+        if packed_head is not None and head.bias is None:
+            model.lm_head = packed_head
+            built.add("lm_head.weight")
+    return frozenset(built | _pack_embedding(model, checkpoint))
+
+
+def _pack_embedding(model: nn.Module, checkpoint: Any) -> set[str]:
+    embed = getattr(model, "embed_tokens", None)
+    if type(embed) is not nn.Embedding or embed.embedding_dim % 32 \
+            or "model.embed_tokens.weight" not in checkpoint:
+        return set()
+    packed = _codes_and_scales(checkpoint, ["model.embed_tokens.weight"])
+    if packed is None:
+        return set()
+    model.embed_tokens = Int8BlockEmbedding(*packed, dtype=embed.weight.dtype)
+    if getattr(model, "lm_head", None) is not None:
+        return {"embed_tokens.weight"}
+    model.lm_head = model.embed_tokens.tied_head()  # its mapping now names an lm_head
+    return {"embed_tokens.weight", "lm_head.weight"}

@@ -1,0 +1,207 @@
+"""GGUF Q8_0 / Q6_K weights kept packed (pagedkv/model/quant/int8_*): blocks read as int8 codes
+and per-block scales with no loss (against the `gguf` package's dequantization); the integer
+kernel (kernels/csrc/quant_int8.cpp, this machine's build and the AVX2 one) against float64
+references: exactly the activation-quantized product up to float32 summation, and the
+dequantize-then-matmul product within the bound the activation quantization allows; a model's
+packed linears, head and embedding table against the same file dequantized, and the bytes
+the engine counts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+from pagedkv.kernels.cpu import ensure_cpu_kernels
+from pagedkv.model.quant.int8_block_linear import (
+    INT8_BLOCK_ROWS,
+    Int8BlockEmbedding,
+    Int8BlockLinear,
+    expand_reference,
+)
+from pagedkv.model.quant.int8_blocks import int8_codes_and_scales
+from pagedkv.model.runner import ModelRunner
+from pagedkv.testing.isa_child import run_with_isa
+from pagedkv.testing.kv_quant_accuracy import kl_divergence, teacher_forced_logits
+from tests.model.gguf_files import write_gguf
+
+Q8_0, Q6_K = GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K
+N, K = 48, 544  # K: eight 64-code chunks and a 32-code tail
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels():
+    assert ensure_cpu_kernels("wait")
+
+
+def q8_0_rows(n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random weights quantized by the gguf package's Q8_0 [n, bytes per row]."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    return quants.quantize(w, Q8_0)
+
+
+def q6_k_rows(n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random Q6_K super-blocks [n, bytes per row] (the gguf package has no Q6_K quantizer):
+    random codes and sub-scales, an fp16 d between 1e-3 and 1e-2."""
+    rng = np.random.default_rng(seed)
+    size = GGML_QUANT_SIZES[Q6_K][1]
+    raw = rng.integers(0, 256, (n * k // 256, size), dtype=np.uint8)
+    raw[:, 208:210] = rng.uniform(1e-3, 1e-2, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+ROWS = {Q8_0: q8_0_rows, Q6_K: q6_k_rows}
+
+
+@pytest.mark.parametrize("ggml_type", [Q8_0, Q6_K], ids=lambda t: t.name)
+def test_codes_and_scales_are_the_format_without_loss(ggml_type):
+    raw = ROWS[ggml_type](N, 512)
+    codes, scales, block = int8_codes_and_scales(raw, ggml_type)
+    assert block == (32 if ggml_type == Q8_0 else 16) and codes.dtype == np.int8
+    ours = codes.astype(np.float64).reshape(N, -1, block) * scales[..., None]
+    want = quants.dequantize(raw, ggml_type).astype(np.float64)
+    np.testing.assert_allclose(ours.reshape(N, -1), want, rtol=1e-7, atol=0)
+    if ggml_type == Q6_K:
+        assert codes.min() >= -32 and codes.max() <= 31
+
+
+def quantized_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes float64, scales float64) of x's rows per block, as the kernel rounds them
+    (float32 scale = max |x| / 127, codes to nearest even of x * (1 / scale))."""
+    xb = x.float().reshape(x.shape[0], -1, block)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return torch.round(xb * inv).double(), d.double()
+
+
+def random_linear(block: int, seed: int) -> Int8BlockLinear:
+    """Codes over the whole int8 range (-128 included), scales of mixed sign."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
+    scales = (torch.rand(N, K // block, generator=g) - 0.3) * 1e-2
+    return Int8BlockLinear(codes, scales)
+
+
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("rows", [1, 5, INT8_BLOCK_ROWS, INT8_BLOCK_ROWS + 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_equals_float64_references(block, rows, dtype):
+    linear = random_linear(block, seed=block + rows)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    got = linear(x).double()
+    w = expand_reference(linear.codes, linear.scales, torch.float64)
+    magnitude = x.double().abs() @ w.abs().T
+    out_rounding = (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -20) * (magnitude + 1e-6)
+    if rows <= INT8_BLOCK_ROWS:  # the integer kernel: the quantized activations' product
+        q, d = quantized_activations(x, block)
+        exact = ((q * d).reshape(rows, K)) @ w.T
+        assert ((got - exact).abs() <= out_rounding).all()
+        # |x - q d| <= d / 2 per value: the bound against the unquantized product.
+        slack = (d / 2).expand(-1, -1, block).reshape(rows, K) @ w.abs().T
+    else:  # the expanded weight, rounded to the activations' dtype
+        slack = (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -23) * magnitude
+    want = x.double() @ w.T
+    err = (got - want).abs()
+    assert (err <= slack + out_rounding).all(), float((err / (slack + out_rounding)).max())
+    assert float(err.max()) > 0 or dtype == torch.float32  # the bound is not vacuous
+
+
+def test_expand_kernel_equals_torch_ops_and_bias_and_leading_dims():
+    for block in (16, 32):
+        linear = random_linear(block, seed=7)
+        for dtype in (torch.bfloat16, torch.float32, torch.float16):
+            got = torch.ops.pagedkv_cpu.int8_block_expand(linear.codes, linear.scales, block,
+                                                          dtype)
+            want = expand_reference(linear.codes, linear.scales, dtype)
+            torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -8, atol=0)
+    bias = torch.randn(N)
+    with_bias = Int8BlockLinear(linear.codes, linear.scales, bias)
+    x = torch.randn(2, 3, K)
+    got = with_bias(x)
+    assert got.shape == (2, 3, N)
+    torch.testing.assert_close(got, linear(x.reshape(6, K)).reshape(2, 3, N) + bias)
+
+
+def test_refuses_shapes_the_kernel_cannot_take():
+    with pytest.raises(ValueError, match=r"codes \[4, 40\].*multiple of 32"):
+        Int8BlockLinear(torch.zeros(4, 40, dtype=torch.int8), torch.ones(4, 5))
+
+
+def test_embedding_dequantizes_only_the_rows_asked_for():
+    linear = random_linear(32, seed=3)
+    table = Int8BlockEmbedding(linear.codes, linear.scales, torch.bfloat16)
+    ids = torch.tensor([[3, 0], [47, 3]])
+    got = table(ids)
+    assert got.shape == (2, 2, K) and got.dtype == torch.bfloat16
+    want = expand_reference(linear.codes, linear.scales, torch.bfloat16)[ids]
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0)
+    head = table.tied_head()
+    assert head.codes is table.codes and head.scales is table.scales
+
+
+_AVX2_CHECK = """
+import json, torch
+from pagedkv.kernels.cpu import ensure_cpu_kernels
+assert ensure_cpu_kernels("wait")
+from tests.model.test_quant_int8_blocks import quantized_activations, random_linear
+from pagedkv.model.quant.int8_block_linear import expand_reference
+worst = 0.0
+for block in (16, 32):
+    linear = random_linear(block, seed=block)
+    x = torch.randn(5, linear.in_features, generator=torch.Generator().manual_seed(1))
+    got = torch.ops.pagedkv_cpu.int8_block_linear(x, linear.codes, linear.scales, block).double()
+    q, d = quantized_activations(x, block)
+    w = expand_reference(linear.codes, linear.scales, torch.float64)
+    exact = (q * d).reshape(5, -1) @ w.T
+    worst = max(worst, float(((got - exact).abs() / (x.double().abs() @ w.abs().T)).max()))
+print(json.dumps([torch.ops.pagedkv_cpu.int8_block_isa(), worst]))
+"""
+
+
+def test_the_avx2_build_computes_the_same_product():
+    isa, worst = run_with_isa(_AVX2_CHECK)
+    assert isa == "avx2"
+    assert worst <= 2.0 ** -20  # float32 summation of exact integer dots
+
+
+PROMPT = [5, 17, 99, 230, 41, 8, 77, 300, 12, 64, 3, 150, 9, 250, 33, 71, 200, 18, 44, 6]
+CONTINUATION = [90, 14, 321, 7, 55, 260, 2, 101, 48, 11, 199, 36]
+
+
+def runner(path, quantization: str) -> ModelRunner:
+    return ModelRunner(str(path), block_size=4, num_blocks=16, device="cpu", dtype="bfloat16",
+                       quantization=quantization)
+
+
+def _packed_bytes(model: torch.nn.Module) -> int:
+    """What the packed modules' weights take: a byte a code and a float32 scale a block."""
+    seen, total = set(), 0
+    for m in model.modules():
+        if isinstance(m, (Int8BlockLinear, Int8BlockEmbedding)) and id(m.codes) not in seen:
+            seen.add(id(m.codes))
+            total += m.codes.numel() + 4 * m.scales.numel()
+    return total
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_llama_mqa"])
+def test_q8_0_model_kept_packed_matches_dequantized(model_fixture, request, tmp_path):
+    """Every linear, the embedding table and the head (untied: its own; tied: the table's
+    codes) packed; next-token distributions within the activation quantization's reach of
+    the dequantized model; the model's bytes are the packed ones."""
+    path = write_gguf(request.getfixturevalue(model_fixture), tmp_path / "m.gguf", quant=Q8_0)
+    packed, dense = runner(path, "auto"), runner(path, "none")
+    model = packed.model
+    assert isinstance(model.embed_tokens, Int8BlockEmbedding)
+    assert isinstance(model.lm_head, Int8BlockLinear)
+    assert sum(isinstance(m, Int8BlockLinear) for m in model.modules()) == 9  # 2 x 4 + head
+    tied = model_fixture == "tiny_llama_mqa"
+    assert (model.lm_head.codes is model.embed_tokens.codes) is tied
+    dense_bytes = sum(p.numel() * p.element_size() for name, p in dense.model.named_parameters()
+                      if "norm" not in name)
+    assert packed.weights_bytes == dense.weights_bytes - dense_bytes + _packed_bytes(model)
+    with torch.inference_mode():
+        kl = kl_divergence([teacher_forced_logits(dense, PROMPT, CONTINUATION)],
+                           [teacher_forced_logits(packed, PROMPT, CONTINUATION)])
+    print(f"Q8_0 {model_fixture}: mean KL {kl.mean_kl:.2e}, top-1 {kl.top1_agreement:.3f}")
+    assert kl.mean_kl < 1e-3 and kl.top1_agreement >= 0.9, kl
