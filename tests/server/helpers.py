@@ -4,9 +4,12 @@
 stopped (SIGTERM, then SIGKILL if it hangs) by the fixtures' teardown (conftest.py).
 
 Where the engine core runs: a server started without `--engine-core` takes
-$PAGEDKV_ENGINE_CORE, else serve's default, and `engine_core_process()` tells the tests that
-build their own engine the same, so `PAGEDKV_ENGINE_CORE=process pytest tests/server` (`make
-test-process`) runs every server test with the core in its own process, `=inproc` in-process.
+$PAGEDKV_ENGINE_CORE, and `engine_core_process()` tells the tests that build their own engine
+the same. tests/conftest.py sets it to `inproc` unless it is set already (a core in its own
+process costs 2-3 CPU-seconds more per start), so the tests about the process split (the core's
+pid, its death, its restarts, utility calls across it) pass `--engine-core process` or
+`core_process=True` themselves, and `PAGEDKV_ENGINE_CORE=process pytest tests/server` (`make
+test-process`) runs every other server test with the core in its own process too.
 """
 
 from __future__ import annotations
