@@ -19,7 +19,8 @@ XDIST  := -n 2 --dist loadscope --no-loadscope-reorder
 # own process (test-process) or in a thread of the server (test-inproc): servers and the tests'
 # own engines follow $$PAGEDKV_ENGINE_CORE (tests/server/helpers.py). `make test` runs them
 # in-process (tests/conftest.py), save the tests about the process split, which ask for it.
-SERVER_TESTS ?= tests/server tests/dashboard tests/router tests/sim/test_request_log.py
+SERVER_TESTS ?= tests/server tests/dashboard tests/router tests/sim/test_request_log.py \
+	tests/realmodel/test_real_serve.py
 
 # The quick loop (tests/README.md): the tests of the KV memory system, the scheduler, the
 # simulator, the router (fake backends) and the KV event wire that run no model (so never wait
