@@ -17,15 +17,27 @@ XDIST  := -n 2 --dist loadscope --no-loadscope-reorder
 
 # The tests that start `pagedkv serve` or build the server app, run with the engine core in its
 # own process (test-process) or in a thread of the server (test-inproc): servers and the tests'
-# own engines follow $$PAGEDKV_ENGINE_CORE (tests/server/helpers.py).
-SERVER_TESTS ?= tests/server tests/dashboard tests/router tests/sim/test_request_log.py
+# own engines follow $$PAGEDKV_ENGINE_CORE (tests/server/helpers.py). `make test` runs them
+# in-process (tests/conftest.py), save the tests about the process split, which ask for it.
+SERVER_TESTS ?= tests/server tests/dashboard tests/router tests/sim/test_request_log.py \
+	tests/realmodel/test_real_serve.py
 
 # The quick loop (tests/README.md): the tests of the KV memory system, the scheduler, the
 # simulator, the router (fake backends) and the KV event wire that run no model (so never wait
 # for the C++ kernels) and are not marked slow.
 FAST_TESTS ?= tests/kv tests/sched tests/sim tests/router tests/events tests/deploy
 
-.PHONY: install test test-net test-fast test-process test-inproc lint demo bench clean docs docs-build
+# The code paths of an AMD CPU, run on an Intel one with AVX-512 and AMX (`make test-isa`):
+#   ISA=avx2         Zen 3 (AVX2 only): pagedkv's kernels built without AVX-512 (a build of
+#                    their own in the kernel cache), oneDNN and torch's own kernels at AVX2;
+#   ISA=avx512_bf16  Zen 4 (AVX-512 with bfloat16, no AMX): oneDNN without AMX.
+ISA       ?= avx2
+ISA_TESTS ?= tests --ignore=tests/net
+ISA_ENV_avx2        := PAGEDKV_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+ISA_ENV_avx512_bf16 := ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16
+
+.PHONY: install test test-net test-fast test-process test-inproc test-isa lint demo bench clean \
+	docs docs-build
 
 install: $(STAMP)
 
@@ -55,6 +67,10 @@ test-fast: $(STAMP)
 
 test-process test-inproc: $(STAMP)
 	PAGEDKV_ENGINE_CORE=$(@:test-%=%) $(PY) -m pytest -q $(XDIST) $(SERVER_TESTS) $(PYTEST_ARGS)
+
+test-isa: $(STAMP)
+	$(if $(ISA_ENV_$(ISA)),,$(error ISA must be avx2 or avx512_bf16, not '$(ISA)'))
+	$(ISA_ENV_$(ISA)) $(PY) -m pytest -q $(XDIST) $(ISA_TESTS) $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) -m pagedkv.demo $(if $(MODEL),--model $(MODEL),) $(if $(DASHBOARD),--keep-serving,)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from pagedkv.commands.serve import ENGINE_CORE_ENV
 from pagedkv.engine.warmup import SKIP_ENV
 from pagedkv.kernels.cpu import ensure_cpu_kernels, kernel_cache_dir
 
@@ -22,6 +23,12 @@ os.environ.setdefault("PAGEDKV_KERNEL_CACHE_DIR", str(kernel_cache_dir()))
 # a half of every tiny engine's start (several CPU-seconds on the real model).
 # tests/engine/test_warmup.py turns it back on to test it.
 os.environ.setdefault(SKIP_ENV, "1")
+# `pagedkv serve` (every server the tests start) and the server tests' own engines run the
+# engine core in-process (tests/server/helpers.py): a core in its own process costs some 2-3
+# CPU-seconds more per start. The tests about the process split (the core's pid, its death,
+# utility calls across it) ask for it by name (`--engine-core process`, `core_process=True`);
+# `make test-process` runs every server test with it.
+os.environ.setdefault(ENGINE_CORE_ENV, "inproc")
 
 if not torch.cuda.is_available():
     # Triton kernels (the CUDA attention backend) run on CPU tensors in Triton's interpreter;

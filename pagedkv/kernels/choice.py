@@ -94,6 +94,10 @@ def rows_route(per_bucket: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(route)
 
 
+# What holds oneDNN and torch's own CPU kernels below the CPU's widest instructions.
+ISA_CAPS_ENV = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+
+
 def _machine_parts() -> dict[str, str]:
     """What a measured table is valid for (see the module docstring)."""
     from pagedkv.kernels.cpu import _cpu_flags, build_key
@@ -103,9 +107,15 @@ def _machine_parts() -> dict[str, str]:
     except OSError:
         lines = []
     models = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return {"cpu": models[0] if models else platform.machine(), "flags": _cpu_flags(),
-            "torch": torch.__version__, "kernels": build_key(),
-            "timing": "one thread, its CPU time"}
+    parts = {"cpu": models[0] if models else platform.machine(), "flags": _cpu_flags(),
+             "torch": torch.__version__, "kernels": build_key(),
+             "timing": "one thread, its CPU time"}
+    # oneDNN's and torch's own kernels held below the CPU's widest instructions (an AMD CPU's
+    # paths run on an Intel one, `make test-isa`) time otherwise: a table of their own.
+    for name in ISA_CAPS_ENV:
+        if os.environ.get(name):
+            parts[name] = os.environ[name]
+    return parts
 
 
 def table_path() -> Path:

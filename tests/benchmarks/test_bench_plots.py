@@ -24,11 +24,12 @@ def test_bench_eviction_plot_is_a_png(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_bench_dashboard_runs_both_ways_and_prints_the_ratio(tmp_path):
+def test_bench_dashboard_runs_both_ways_and_prints_the_ratio(tmp_path, tiny_llama):
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the dev extra)")
     out = tmp_path / "dashboard.png"
+    model = ["--model", str(tiny_llama)]  # the session's tiny model, not a random one to build
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_dashboard.py"),
-                           "--runs", "1", "--prompts", "8", "--max-tokens", "4",
+                           "--runs", "1", "--prompts", "8", "--max-tokens", "4", *model,
                            "--plot", str(out)], capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr
     assert "throughput with a dashboard connected / without: median" in proc.stdout
@@ -36,7 +37,7 @@ def test_bench_dashboard_runs_both_ways_and_prints_the_ratio(tmp_path):
     # The feed as utility calls across the engine core process.
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_dashboard.py"),
                            "--runs", "1", "--prompts", "8", "--max-tokens", "4", "--engine-only",
-                           "--engine-core", "process"], capture_output=True, text=True,
+                           "--engine-core", "process", *model], capture_output=True, text=True,
                           timeout=280)
     assert proc.returncode == 0, proc.stderr
     assert "engine core: process" in proc.stdout and "feed share of the engine thread" in \

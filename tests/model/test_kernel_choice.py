@@ -122,6 +122,23 @@ def test_a_table_of_one_kernel_keeps_one_prepared_copy():
     assert layer._panels is not None and layer._packed is None and layer._panel_rows is None
 
 
+def test_onednn_or_torch_held_below_the_cpu_get_a_table_of_their_own(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA and ATEN_CPU_CAPABILITY (`make test-isa`: an AMD CPU's paths on an
+    Intel one) change what a measurement finds: each setting has a table file of its own, so
+    neither run reads (or overwrites) the other's; unset, the table is the usual one."""
+    for name in choice.ISA_CAPS_ENV:
+        monkeypatch.delenv(name, raising=False)
+    usual = choice.table_path()
+    paths = {usual}
+    for name, value in (("ONEDNN_MAX_CPU_ISA", "AVX2"), ("ATEN_CPU_CAPABILITY", "avx2")):
+        monkeypatch.setenv(name, value)
+        paths.add(choice.table_path())
+    assert len(paths) == 3
+    for name in choice.ISA_CAPS_ENV:
+        monkeypatch.delenv(name)
+    assert choice.table_path() == usual
+
+
 def test_the_measured_table_is_cached_on_disk_and_reused(monkeypatch, tmp_path):
     calls = []
     measure = choice.measure_linear

@@ -13,6 +13,7 @@ from pagedkv.model.quant.int8_block_linear import Int8BlockEmbedding, Int8BlockL
 from pagedkv.model.runner import ModelRunner
 from pagedkv.model.tokenizer import Tokenizer
 from pagedkv.testing.kv_quant_accuracy import kl_divergence, prompt_logits, teacher_forced_logits
+from tests.model.driver import greedy_generate
 
 PROMPTS = ["The capital of France is", "Water boils at a temperature of",
            "The three primary colors are"]
@@ -28,22 +29,15 @@ def _runner(path, quantization: str) -> ModelRunner:
                        quantization=quantization, cpu_threads=1)
 
 
-def _greedy(runner: ModelRunner, prompt: list[int]) -> list[int]:
-    out: list[int] = []
-    for _ in range(NEW_TOKENS):
-        out.append(int(teacher_forced_logits(runner, prompt, out)[-1].argmax()))
-    return out
-
-
 @torch.inference_mode()
 def test_packed_smollm2_matches_dequantized(real_model_path):
     dense, packed = _runner(real_model_path, "none"), _runner(real_model_path, "auto")
     assert sum(isinstance(m, Int4Linear) for m in packed.model.modules()) == 30 * 4
     tokenizer = Tokenizer.from_dir(real_model_path)
+    prompts = [tokenizer.encode(text) for text in PROMPTS]
+    continuations = greedy_generate(dense, prompts, NEW_TOKENS)  # all three, one step a token
     refs, got, texts = [], [], []
-    for text in PROMPTS:
-        prompt = tokenizer.encode(text)
-        continuation = _greedy(dense, prompt)
+    for text, prompt, continuation in zip(PROMPTS, prompts, continuations, strict=True):
         texts.append(text + tokenizer.decode(continuation))
         refs += [teacher_forced_logits(dense, prompt, continuation),
                  prompt_logits(dense, prompt + continuation)]

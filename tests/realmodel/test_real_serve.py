@@ -1,5 +1,6 @@
-"""`pagedkv serve <the .gguf file>` (the engine core in its own process) answers the openai
-client with transformers' greedy tokens and logprobs on the real model."""
+"""`pagedkv serve <the .gguf file>` answers the openai client with transformers' greedy tokens
+and logprobs on the real model (the engine core where $PAGEDKV_ENGINE_CORE says,
+tests/server/helpers.py: `make test-process` serves it with the core in its own process)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def test_served_gguf_chat_equals_transformers(real_model_path, hf_real_model):
     want = hf_greedy(hf_real_model, prompt, MAX_TOKENS)
     flags = engine_flags(dtype="float32", block_size=4, max_model_len=128,
                          num_gpu_blocks_override=64)
-    with serving(ServerProcess(real_model_path, "--engine-core", "process", *flags,
+    with serving(ServerProcess(real_model_path, *flags,
                                model_name=None)) as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
         (model,) = [m.id for m in client.models.list().data]

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.timeout(300)
 def dp_server(tiny_llama):
     proc = ServerProcess(tiny_llama, *engine_flags(
         dtype="float32", block_size=4, max_model_len=256, num_gpu_blocks_override=256, seed=0,
-        data_parallel_size=2, cpu_kernels="off"), "--log-level", "info").start()
+        data_parallel_size=2, cpu_kernels="off"), "--engine-core", "process",
+        "--log-level", "info").start()
     yield proc
     proc.stop()
 

@@ -1,7 +1,6 @@
 """`pagedkv serve --kv-cache-dtype F` for each kind of quantized format (int8 with
 per-token-head scales, fp8 with calibrated per-head scales), driven by the official `openai`
-client, with the engine core in its own process (serve's default) unless
-$PAGEDKV_ENGINE_CORE says otherwise: greedy tokens and their logprobs equal the offline `LLM`'s
+client, with the engine core where $PAGEDKV_ENGINE_CORE says (tests/server/helpers.py): greedy tokens and their logprobs equal the offline `LLM`'s
 with the same format (the quantization is deterministic, so a server is no less exact than
 the engine it wraps), through completions, chat, streaming, n > 1 (copy-on-write forks),
 prompt logprobs, stop strings and structured output; /kv_cache_info, /metrics and the

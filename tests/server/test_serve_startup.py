@@ -27,7 +27,7 @@ from safetensors import safe_open
 
 from pagedkv.kv.sizes import format_size
 from pagedkv.model.tokenizer import Tokenizer
-from tests.server.helpers import REPO_ROOT, STARTUP_TIMEOUT_S, descendants, engine_core_process
+from tests.server.helpers import REPO_ROOT, STARTUP_TIMEOUT_S, descendants
 
 BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS = 4, 256, 301  # 300 usable blocks, 64 per request
 TEMPLATE = ("{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}"
@@ -45,7 +45,8 @@ class StartedServer:
         cmd = [sys.executable, "-m", "pagedkv.cli", "serve", "--model", str(model_dir),
                "--port", "0", "--log-level", "info", "--dtype", "float32",
                "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
-               "--num-gpu-blocks-override", str(NUM_BLOCKS), "--chat-template", TEMPLATE]
+               "--num-gpu-blocks-override", str(NUM_BLOCKS), "--chat-template", TEMPLATE,
+               "--engine-core", "process"]  # the banner names the core process's pid
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log,
@@ -125,12 +126,8 @@ def test_the_banner_weights_are_the_checkpoints(server):
 
 
 def test_the_banner_names_the_engine_core_and_the_kernels(server):
-    core = server.banner("engine core")
-    if engine_core_process():
-        cores = descendants(server.proc.pid, "pagedkv.engine.core_proc")
-        assert core == f"pid {cores[0]}" and len(cores) == 1
-    else:
-        assert core == "in-process"
+    cores = descendants(server.proc.pid, "pagedkv.engine.core_proc")
+    assert server.banner("engine core") == f"pid {cores[0]}" and len(cores) == 1
     kernels = server.banner("CPU kernels")
     assert re.fullmatch(r"fused C\+\+ kernels \((avx512_bf16|avx512|avx2) panels\)"
                         r"(; .*linears: .+)?|the "
