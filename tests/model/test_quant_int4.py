@@ -1,13 +1,15 @@
 """The packed 4-bit linear (pagedkv/model/quant): GGUF Q4_0 / Q4_1 / Q4_K blocks read as codes,
 scales and zeros (checked against the `gguf` package's own dequantization), and Int4Linear's
-output on both of its paths (torch's int4 kernel at decode sizes, the expanded weight above)
-against a float64 dequantize-then-matmul reference, within the rounding its bfloat16 scales
-and activations allow; the expansion kernel (kernels/csrc/quant_int4.cpp) against torch ops, in
-this machine's build and the AVX2 one."""
+output on both of its paths (the int8-activation kernel at decode sizes, the expanded weight
+above) against a float64 dequantize-then-matmul reference, within the rounding its bfloat16
+scales, bfloat16 output and int8 activation steps allow; the kernels (kernels/csrc/
+quant_int4.cpp: expansion, int4 and int8 products) against the same references, in this
+machine's build and the AVX2 one."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from pagedkv.kernels.cpu import ensure_cpu_kernels
 from pagedkv.model.quant import int4_linear
 from pagedkv.model.quant.int4_blocks import INT4_TYPES, codes, codes_and_scales
-from pagedkv.model.quant.int4_linear import INT4PACK_ROWS, Int4Linear
+from pagedkv.model.quant.int4_linear import GEMV_ROWS, Int4Linear
 from pagedkv.testing.isa_child import run_with_isa
 
 TYPES = sorted(INT4_TYPES, key=lambda t: t.name)
@@ -70,7 +72,17 @@ def packed(blocks):
     return Int4Linear(*parts), w
 
 
-@pytest.mark.parametrize("rows", [1, 3, INT4PACK_ROWS, INT4PACK_ROWS + 1, 64])
+def int8_step_bound(x: np.ndarray, linear: Int4Linear) -> np.ndarray:
+    """[rows, N]: how far the int8 activation steps (max |x| / 127 per group of 32, half of it
+    at most per value) move the codes' term, sum over groups of |scale| * sum(code) * step / 2."""
+    rows, groups = x.shape[0], linear.in_features // 32
+    step = np.abs(x).reshape(rows, groups, 32).max(axis=2) / 127
+    code_sums = codes(linear.nibbles.numpy()).reshape(linear.out_features, groups, 32).sum(axis=2)
+    scale = np.abs(linear.scale_zero[..., 0].double().numpy())
+    return (step / 2) @ (scale * code_sums).T
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, GEMV_ROWS, GEMV_ROWS + 1, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("expand", ["kernel", "torch"])
 def test_int4_linear_equals_float64_reference(packed, rows, dtype, expand, monkeypatch):
@@ -85,6 +97,8 @@ def test_int4_linear_equals_float64_reference(packed, rows, dtype, expand, monke
     xd = x.double().numpy()
     want = xd @ w.T
     bound = REL * (np.abs(xd) @ np.abs(w).T + np.abs(want)) + 1e-6
+    if expand == "kernel" and rows <= GEMV_ROWS:
+        bound += int8_step_bound(xd, linear)
     err = np.abs(got.double().numpy() - want)
     assert (err <= bound).all(), f"worst {err.max()} over bound {bound[err.argmax() // N]}"
 
@@ -92,8 +106,8 @@ def test_int4_linear_equals_float64_reference(packed, rows, dtype, expand, monke
 def test_bias_and_leading_dims(blocks, packed):
     bias = torch.randn(N)
     with_bias = Int4Linear(*blocks[0], bias=bias)
-    x = torch.randn(2, INT4PACK_ROWS, K).bfloat16()
-    for rows in (x[:, :1], x):  # both paths: 2 rows (the int4 kernel), more (expanded)
+    x = torch.randn(2, GEMV_ROWS, K).bfloat16()
+    for rows in (x[:, :1], x):  # both paths: 2 rows (the int4 product), more (expanded)
         got = with_bias(rows).float()
         want = packed[0](rows.reshape(-1, K)).float().reshape(*rows.shape[:2], N) + bias
         assert got.shape == (*rows.shape[:2], N)
@@ -101,8 +115,8 @@ def test_bias_and_leading_dims(blocks, packed):
 
 
 def test_refuses_shapes_the_kernel_cannot_take():
-    with pytest.raises(ValueError, match=r"weight \[40, 64\] needs rows a multiple of 16"):
-        Int4Linear(np.zeros((40, 32), np.uint8), np.ones((40, 2), np.float32),
+    with pytest.raises(ValueError, match=r"weight \[40, 48\] needs columns a multiple of 32"):
+        Int4Linear(np.zeros((40, 24), np.uint8), np.ones((40, 2), np.float32),
                    np.zeros((40, 2), np.float32))
 
 
@@ -117,22 +131,74 @@ def test_expand_kernel_equals_torch_ops(packed):
     assert int4_linear.cpu_kernels_loaded()
 
 
+def products_against_references(n: int, k: int, rows: int, seed: int) -> dict:
+    """The fused int4 and int8 products (kernels/csrc/quant_int4.cpp) of random weights [n, k]
+    on float32 activations [rows, k] with one outlier feature, against float64 references:
+    per path, the largest error over its bound (a pass is <= 1). Also run by the AVX2 child."""
+    gen = torch.Generator().manual_seed(seed)
+    lin = Int4Linear(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen).numpy(),
+                     (torch.rand(n, k // 32, generator=gen) * 0.2 - 0.1).numpy(),
+                     (torch.rand(n, k // 32, generator=gen) * 0.2 - 0.1).numpy())
+    x = torch.randn(rows, k, generator=gen)
+    x[:, 1] *= 30
+    bias = torch.randn(n, generator=gen)
+    xd, w4 = x.double().numpy(), lin.dequantized_reference(torch.float64).numpy()
+    want4 = xd @ w4.T + bias.double().numpy()
+    got4 = torch.ops.pagedkv_cpu.int4_gemv(x, lin.nibbles, lin.scale_zero, bias).double().numpy()
+    bound4 = int8_step_bound(xd, lin) + 1e-5 * (np.abs(xd) @ np.abs(w4).T + 1)
+    w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    s8 = (torch.rand(n, generator=gen) + 0.01).bfloat16()
+    wd = w8.double() * s8.double()[:, None]
+    want8 = x.double() @ wd.T
+    got8 = torch.ops.pagedkv_cpu.int8_gemv(x, w8, s8, None).double()
+    bound8 = x.double().abs().amax(dim=1, keepdim=True) / 65534 * wd.abs().sum(dim=1) \
+        + 1e-5 * (x.double().abs() @ wd.abs().T + 1)
+    return {"int4": float((np.abs(got4 - want4) / bound4).max()),
+            "int8": float(((got8 - want8).abs() / bound8).max())}
+
+
+# (N, K, rows): N not a multiple of 4 (the last rows one at a time), K of 3, 17 and 18 groups
+# (a partial last chunk of 4 / 2 groups), rows across the runs of 4.
+PRODUCT_CASES = [(20, 96, 1), (33, 544, 5), (16, 576, 12)]
+
+
+@pytest.mark.parametrize(("n", "k", "rows"), PRODUCT_CASES)
+def test_products_equal_float64_references(n, k, rows):
+    assert ensure_cpu_kernels("wait")
+    ratios = products_against_references(n, k, rows, seed=n)
+    assert max(ratios.values()) <= 1, ratios
+
+
+def test_product_kernels_check_their_inputs():
+    assert ensure_cpu_kernels("wait")
+    nib, sz = torch.zeros(16, 16, dtype=torch.uint8), torch.zeros(16, 1, 2).bfloat16()
+    with pytest.raises(RuntimeError, match="x must be a contiguous"):
+        torch.ops.pagedkv_cpu.int4_gemv(torch.zeros(1, 64), nib, sz, None)
+    with pytest.raises(RuntimeError, match="scale_zero must be"):
+        torch.ops.pagedkv_cpu.int4_gemv(torch.zeros(1, 32), nib, sz.float(), None)
+
+
 _AVX2_CHECK = """
 import json, numpy as np, torch
 from pagedkv.kernels.cpu import ensure_cpu_kernels, panel_isa
 assert ensure_cpu_kernels("wait")
 from pagedkv.model.quant.int4_linear import Int4Linear
+from test_quant_int4 import PRODUCT_CASES, products_against_references
 rng = np.random.default_rng(2)
 lin = Int4Linear(rng.integers(0, 256, (32, 64), dtype=np.uint8),
                  rng.uniform(-0.1, 0.1, (32, 4)).astype(np.float32),
                  rng.uniform(-0.1, 0.1, (32, 4)).astype(np.float32))
 got = torch.ops.pagedkv_cpu.int4_expand(lin.nibbles, lin.scale_zero, torch.float32)
 want = lin.dequantized_reference(torch.float32)
-print(json.dumps([panel_isa(), float((got - want).abs().max()), float(want.abs().max())]))
+ratios = [products_against_references(*case, seed=case[0]) for case in PRODUCT_CASES]
+print(json.dumps([panel_isa(), torch.ops.pagedkv_cpu.int_gemv_isa(),
+                  float((got - want).abs().max()), float(want.abs().max()), ratios]))
 """
 
 
-def test_expand_kernel_in_the_avx2_build():
-    isa, err, scale = run_with_isa(_AVX2_CHECK)
-    assert "avx2" in isa.lower(), isa
+def test_kernels_in_the_avx2_build():
+    isa, gemv_isa, err, scale, ratios = run_with_isa(_AVX2_CHECK,
+                                                     extra_path=(str(Path(__file__).parent),))
+    assert "avx2" in isa.lower() and gemv_isa == "avx2", (isa, gemv_isa)
     assert err <= 1e-6 * scale, json.dumps([err, scale])
+    assert all(max(r.values()) <= 1 for r in ratios), ratios

@@ -46,14 +46,13 @@ class Int4Linear(nn.Module):
     def __init__(self, nibbles: np.ndarray, scale: np.ndarray, zero: np.ndarray,
                  bias: torch.Tensor | None = None) -> None:
         """`nibbles` uint8 [N, K/2] (Q4_0 order), `scale` and `zero` float32 [N, K/32]
-        (int4_blocks.codes_and_scales). ValueError when N is not a multiple of 16 or K of 32
-        (what the int4 kernel takes)."""
+        (int4_blocks.codes_and_scales). ValueError when K is not a multiple of 32."""
         super().__init__()
         n, half_k = nibbles.shape
         self.out_features, self.in_features = n, 2 * half_k
-        if n % 16 or self.in_features % GROUP:
-            raise ValueError(f"Int4Linear: weight [{n}, {self.in_features}] needs rows a "
-                             f"multiple of 16 and columns a multiple of {GROUP}")
+        if self.in_features % GROUP:
+            raise ValueError(f"Int4Linear: weight [{n}, {self.in_features}] needs columns a "
+                             f"multiple of {GROUP}")
         self.nibbles = _param(torch.from_numpy(np.ascontiguousarray(nibbles)))
         sz = np.stack((scale, zero), axis=-1)  # [N, K/32, 2]
         self.scale_zero = _param(torch.from_numpy(np.ascontiguousarray(sz)).bfloat16())
