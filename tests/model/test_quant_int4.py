@@ -1,8 +1,8 @@
 """The packed 4-bit linear (pagedkv/model/quant): GGUF Q4_0 / Q4_1 / Q4_K blocks read as codes,
 scales and zeros (checked against the `gguf` package's own dequantization), and Int4Linear's
-output on both of its paths (the int8-activation kernel at decode sizes, the expanded weight
+output on both of its paths (the int16-activation product at decode sizes, the expanded weight
 above) against a float64 dequantize-then-matmul reference, within the rounding its bfloat16
-scales, bfloat16 output and int8 activation steps allow; the kernels (kernels/csrc/
+scales, bfloat16 output and int16 activation steps allow; the kernels (kernels/csrc/
 quant_int4.cpp: expansion, int4 and int8 products) against the same references, in this
 machine's build and the AVX2 one."""
 
@@ -72,11 +72,11 @@ def packed(blocks):
     return Int4Linear(*parts), w
 
 
-def int8_step_bound(x: np.ndarray, linear: Int4Linear) -> np.ndarray:
-    """[rows, N]: how far the int8 activation steps (max |x| / 127 per group of 32, half of it
-    at most per value) move the codes' term, sum over groups of |scale| * sum(code) * step / 2."""
+def activation_step_bound(x: np.ndarray, linear: Int4Linear) -> np.ndarray:
+    """[rows, N]: how far the int16 activation steps (max |x| / 32767 per group of 32, half of
+    it at most per value) move the codes' term: over groups, |scale| * sum(code) * step / 2."""
     rows, groups = x.shape[0], linear.in_features // 32
-    step = np.abs(x).reshape(rows, groups, 32).max(axis=2) / 127
+    step = np.abs(x).reshape(rows, groups, 32).max(axis=2) / 32767
     code_sums = codes(linear.nibbles.numpy()).reshape(linear.out_features, groups, 32).sum(axis=2)
     scale = np.abs(linear.scale_zero[..., 0].double().numpy())
     return (step / 2) @ (scale * code_sums).T
@@ -98,7 +98,7 @@ def test_int4_linear_equals_float64_reference(packed, rows, dtype, expand, monke
     want = xd @ w.T
     bound = REL * (np.abs(xd) @ np.abs(w).T + np.abs(want)) + 1e-6
     if expand == "kernel" and rows <= GEMV_ROWS:
-        bound += int8_step_bound(xd, linear)
+        bound += activation_step_bound(xd, linear)
     err = np.abs(got.double().numpy() - want)
     assert (err <= bound).all(), f"worst {err.max()} over bound {bound[err.argmax() // N]}"
 
@@ -145,7 +145,7 @@ def products_against_references(n: int, k: int, rows: int, seed: int) -> dict:
     xd, w4 = x.double().numpy(), lin.dequantized_reference(torch.float64).numpy()
     want4 = xd @ w4.T + bias.double().numpy()
     got4 = torch.ops.pagedkv_cpu.int4_gemv(x, lin.nibbles, lin.scale_zero, bias).double().numpy()
-    bound4 = int8_step_bound(xd, lin) + 1e-5 * (np.abs(xd) @ np.abs(w4).T + 1)
+    bound4 = activation_step_bound(xd, lin) + 1e-5 * (np.abs(xd) @ np.abs(w4).T + 1)
     w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
     s8 = (torch.rand(n, generator=gen) + 0.01).bfloat16()
     wd = w8.double() * s8.double()[:, None]

@@ -1,10 +1,11 @@
 // Packed 4-bit group-32 weights (pagedkv/model/quant/int4_blocks.py: GGUF Q4_0, Q4_1, Q4_K):
-// - `int4_gemv`, decode-sized calls (a few rows): integer dot products on the packed codes, as
-//   llama.cpp computes them. Each activation row is quantized once per call to int8 per group of
-//   32 (q = round(x / d), d = max|x| / 127; the group's exact float sum kept beside), then
-//   per weight row and group: scale * d * sum(code * q) + (zero - 8 * scale) * sum(x), the
-//   integer sum with AVX-512 VNNI (vpdpbusd, 4 groups a register) or AVX2 (vpmaddubsw), float32
-//   across groups. Only the code term sees the activation rounding (at most d / 2 a value).
+// - `int4_gemv`, decode-sized calls (a few rows): integer dot products on the packed codes.
+//   Each activation row is quantized once per call to int16 per group of 32 (q = round(x / d),
+//   d = max|x| / 32767; the group's exact float sum kept beside), then per weight row and group:
+//   scale * d * sum(code * q) + (zero - 8 * scale) * sum(x), the integer sum with AVX-512 VNNI
+//   (vpdpwssd, 4 groups a register) or AVX2 (vpmaddwd), float32 across groups. The int16 step
+//   is finer than a bfloat16 rounding of x (int8 activations, llama.cpp's, flip close greedy
+//   choices); the product stays bound by the weights' bytes.
 // - `int4_expand`, compute-bound calls (a prefill's hundreds of rows): the dense weight, for
 //   oneDNN's matmul, which beats any int4 kernel there.
 // - `int8_gemv`: int8 codes with one scale per weight row (the LM head's copy, model/quant/
@@ -154,11 +155,11 @@ constexpr int64_t kGemvBlock = 16;  // weight rows a task takes at a time
 constexpr int kGemvRows = 4;        // activation rows one pass over a weight block computes
 constexpr int kGemvCols = 4;        // weight rows one call computes together (independent sums)
 
-// Activation rows quantized per group of 32: q[m][g * 32 + j] (int8), d[m][g] (the step),
+// Activation rows quantized per group of 32: q[m][g * 32 + j] (int16), d[m][g] (the step),
 // sum[m][g] (the group's float sum of x).
 struct GroupRows {
   int64_t rows = 0, groups = 0;
-  std::vector<int8_t> q;
+  std::vector<int16_t> q;
   std::vector<float> d, sum;
 };
 
@@ -179,10 +180,10 @@ GroupRows quantize_groups(const T* x, int64_t rows, int64_t k) {
         amax = std::max(amax, std::fabs(v[j]));
         total += v[j];
       }
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t* q = a.q.data() + m * k + g * kInt4Group;
-      for (int j = 0; j < kInt4Group; ++j) q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
-      a.d[m * a.groups + g] = amax / 127.f;
+      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+      int16_t* q = a.q.data() + m * k + g * kInt4Group;
+      for (int j = 0; j < kInt4Group; ++j) q[j] = static_cast<int16_t>(std::nearbyint(v[j] * inv));
+      a.d[m * a.groups + g] = amax / 32767.f;
       a.sum[m * a.groups + g] = total;
     }
   }
@@ -212,13 +213,14 @@ void for_each_output(int64_t n, int64_t m, RowFn row_fn) {
 }
 
 #if defined(PAGEDKV_INT_VNNI)
-// The int4 product's activations re-laid for vpdpbusd on 4 groups a register: per chunk of 4
-// groups, 64 bytes of the groups' values 0-15 (16 each) then 64 of their values 16-31 (what
-// the low and the high nibbles of 64 code bytes pair with); per chunk and lane (4 a group) the
-// step and a quarter of the group's sum. Groups past the last are zeros.
+// The int4 product's activations re-laid for vpdpwssd: per chunk of 4 groups (what 64 code
+// bytes hold), four registers of 32 int16: values 0-15 of groups 0 and 1, of groups 2 and 3
+// (what the low nibbles pair with), then values 16-31 of the same (the high nibbles); per
+// chunk and lane the step (8 lanes a group: groups 0, 1 and 2, 3 as the integer sums lie) and
+// a quarter of the group's sum (4 lanes a group, in order). Groups past the last are zeros.
 struct Int4Act {
   int64_t chunks = 0;
-  std::vector<int8_t> q;
+  std::vector<int16_t> q;
   std::vector<float> d, quarter_sum;
 };
 
@@ -226,18 +228,18 @@ Int4Act int4_act(const GroupRows& a) {
   Int4Act p;
   p.chunks = (a.groups + 3) / 4;
   p.q.assign(a.rows * p.chunks * 128, 0);
-  p.d.assign(a.rows * p.chunks * 16, 0.f);
+  p.d.assign(a.rows * p.chunks * 32, 0.f);
   p.quarter_sum.assign(a.rows * p.chunks * 16, 0.f);
   for (int64_t m = 0; m < a.rows; ++m) {
     for (int64_t g = 0; g < a.groups; ++g) {
       const int64_t c = m * p.chunks + g / 4, slot = g % 4;
-      const int8_t* q = a.q.data() + (m * a.groups + g) * kInt4Group;
-      std::memcpy(p.q.data() + c * 128 + slot * 16, q, 16);
-      std::memcpy(p.q.data() + c * 128 + 64 + slot * 16, q + 16, 16);
-      for (int l = 0; l < 4; ++l) {
-        p.d[c * 16 + slot * 4 + l] = a.d[m * a.groups + g];
+      const int16_t* q = a.q.data() + (m * a.groups + g) * kInt4Group;
+      std::memcpy(p.q.data() + c * 128 + slot * 16, q, 16 * sizeof(int16_t));
+      std::memcpy(p.q.data() + c * 128 + 64 + slot * 16, q + 16, 16 * sizeof(int16_t));
+      const float d = a.d[m * a.groups + g];
+      for (int l = 0; l < 8; ++l) p.d[c * 32 + (slot / 2) * 16 + (slot % 2) * 8 + l] = d;
+      for (int l = 0; l < 4; ++l)
         p.quarter_sum[c * 16 + slot * 4 + l] = 0.25f * a.sum[m * a.groups + g];
-      }
     }
   }
   return p;
@@ -249,8 +251,10 @@ template <int MR, int NR>
 inline void int4_rows(const uint8_t* nib, const uint16_t* sz, int64_t groups, const Int4Act& a,
                       int64_t m0, float* y) {
   const __m512i low4 = _mm512_set1_epi8(15);
-  const __m512i idx_s = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
-  const __m512i idx_z = _mm512_add_epi32(idx_s, _mm512_set1_epi32(1));
+  const __m512i idx_01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+  const __m512i idx_23 = _mm512_add_epi32(idx_01, _mm512_set1_epi32(4));
+  const __m512i idx_z = _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7);
+  const __m512i idx_s = _mm512_sub_epi32(idx_z, _mm512_set1_epi32(1));
   const int64_t row_bytes = groups * (kInt4Group / 2), row_sz = 2 * groups;
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
@@ -261,20 +265,32 @@ inline void int4_rows(const uint8_t* nib, const uint16_t* sz, int64_t groups, co
     const __mmask8 smask = static_cast<__mmask8>(rem == 4 ? 0xFF : (1u << (2 * rem)) - 1);
     for (int j = 0; j < NR; ++j) {
       const __m512i w = _mm512_maskz_loadu_epi8(wmask, nib + j * row_bytes + 64 * c);
-      const __m128i szb = _mm_maskz_loadu_epi16(smask, sz + j * row_sz + 8 * c);
       const __m512i lo = _mm512_and_si512(w, low4);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+      const __m512i lo01 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo));
+      const __m512i lo23 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1));
+      const __m512i hi01 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi));
+      const __m512i hi23 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1));
+      const __m128i szb = _mm_maskz_loadu_epi16(smask, sz + j * row_sz + 8 * c);
       const __m512 f = _mm512_castsi512_ps(
           _mm512_zextsi256_si512(_mm256_slli_epi32(_mm256_cvtepu16_epi32(szb), 16)));
-      const __m512 s = _mm512_permutexvar_ps(idx_s, f);
-      const __m512 z = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, _mm512_permutexvar_ps(idx_z, f));
+      const __m512 s01 = _mm512_permutexvar_ps(idx_01, f);
+      const __m512 s23 = _mm512_permutexvar_ps(idx_23, f);
+      const __m512 z = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), _mm512_permutexvar_ps(idx_s, f),
+                                        _mm512_permutexvar_ps(idx_z, f));
       for (int i = 0; i < MR; ++i) {
         const int64_t at = (m0 + i) * a.chunks + c;
-        const int8_t* q = a.q.data() + at * 128;
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
-        dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(q + 64));
-        const __m512 sd = _mm512_mul_ps(s, _mm512_loadu_ps(a.d.data() + at * 16));
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sd, acc[i][j]);
+        const int16_t* q = a.q.data() + at * 128;
+        __m512i d01 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo01, _mm512_loadu_si512(q));
+        d01 = _mm512_dpwssd_epi32(d01, hi01, _mm512_loadu_si512(q + 64));
+        __m512i d23 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo23,
+                                          _mm512_loadu_si512(q + 32));
+        d23 = _mm512_dpwssd_epi32(d23, hi23, _mm512_loadu_si512(q + 96));
+        const float* d = a.d.data() + at * 32;
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d01),
+                                    _mm512_mul_ps(s01, _mm512_loadu_ps(d)), acc[i][j]);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d23),
+                                    _mm512_mul_ps(s23, _mm512_loadu_ps(d + 16)), acc[i][j]);
         acc[i][j] = _mm512_fmadd_ps(z, _mm512_loadu_ps(a.quarter_sum.data() + at * 16),
                                     acc[i][j]);
       }
@@ -287,16 +303,16 @@ inline void int4_rows(const uint8_t* nib, const uint16_t* sz, int64_t groups, co
 using Int4Act = GroupRows;
 inline const GroupRows& int4_act(const GroupRows& a) { return a; }
 
-// One group's sum(code * q): AVX2's vpmaddubsw (codes 0-15 times int8: no int16 overflow).
-inline int32_t int4_group_dot(const uint8_t* nib, const int8_t* q) {
+// One group's sum(code * q): AVX2's vpmaddwd on the codes widened to int16.
+inline int32_t int4_group_dot(const uint8_t* nib, const int16_t* q) {
 #if defined(__AVX2__)
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nib));
   const __m128i low4 = _mm_set1_epi8(15);
-  const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low4),
-                                         _mm_and_si128(v, low4));
-  const __m256i pairs = _mm256_maddubs_epi16(
-      codes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-  const __m256i quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+  const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(v, low4));
+  const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low4));
+  const __m256i quads = _mm256_add_epi32(
+      _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
+      _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16))));
   const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(quads),
                                   _mm256_extracti128_si256(quads, 1));
   const __m128i h2 = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));

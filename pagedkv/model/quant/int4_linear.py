@@ -3,18 +3,19 @@ scale + zero per group of 32 along each row (int4_blocks.py).
 
 The codes (4 bits a weight) and each group's scale and zero (bfloat16), one copy:
 - a decode-sized call (rows <= `GEMV_ROWS`) with the fused CPU kernels loaded runs their
-  `int4_gemv` (kernels/csrc/quant_int4.cpp): the activations quantized to int8 per group of 32
-  once per call, integer dot products on the packed codes (AVX-512 VNNI, or AVX2), as llama.cpp
-  computes its Q4 x Q8 products; it reads 0.625 bytes a weight (benchmarks/
+  `int4_gemv` (kernels/csrc/quant_int4.cpp): the activations quantized to int16 per group of
+  32 once per call, integer dot products on the packed codes (AVX-512 VNNI, or AVX2), as
+  llama.cpp computes its Q4 x Q8 products but with 16-bit activations (8-bit ones flip close
+  greedy choices); it reads 0.625 bytes a weight (benchmarks/
   bench_quant_linear.py: `int4gemv` against torch's int4 kernel and oneDNN's bfloat16 linear);
 - a larger call, or any call before the kernels load, expands the codes to a dense weight in the
   activation dtype (`int4_expand`; torch ops without the kernels) and runs the dense matmul
   (oneDNN's; a prefill of hundreds of rows is compute-bound, where its bfloat16 or AMX
   kernels win by 5-10x over an int4 kernel).
 Both compute on the same weights (the bfloat16 scales and zeros). The decode-sized path rounds
-the activations to int8 steps of their group's max / 127 for the codes' term (the zeros' term
-takes the exact sums), so a step's tokens can differ from the expanded path's where two logits
-are that close.
+the activations to int16 steps of their group's max / 32767 for the codes' term (the zeros'
+term takes the exact sums): finer than the bfloat16 rounding a 16-bit model's activations
+already have.
 The tensors are parameters (requires_grad False), so the model's parameter bytes count them.
 """
 
