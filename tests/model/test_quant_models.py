@@ -1,5 +1,5 @@
 """A GGUF model's 4-bit linears kept packed (quantization "auto") against the same file
-dequantized ("none"): next-token distributions of decode steps (one row: the int4 product)
+dequantized ("none"): next-token distributions of decode steps (one row: torch's int4 kernel)
 and of a chunked prefill (the expanded weight), as KL and top-1 agreement; the parameter bytes
 the engine reports (weights_bytes: the banner, /kv_cache_info) are the packed ones; "int8"
 quantizes a safetensors model's linears per channel."""
@@ -60,13 +60,13 @@ def test_packed_model_matches_dequantized(q4_gguf, dtype):
 
 def _linear_bytes(model: torch.nn.Module) -> tuple[int, int]:
     """(bytes of the model's Int4Linear tensors, what their weights take in 4-bit groups of 32
-    with one copy of the codes and a bfloat16 scale and zero)."""
+    with two copies of the codes and bfloat16 scale and zero)."""
     got = expected = 0
     for m in model.modules():
         if isinstance(m, Int4Linear):
             n, k = m.out_features, m.in_features
             got += sum(p.numel() * p.element_size() for p in m.parameters())
-            expected += n * k // 2 + (k // 32) * n * 2 * 2
+            expected += n * k // 2 * 2 + (k // 32) * n * 2 * 2
     return got, expected
 
 

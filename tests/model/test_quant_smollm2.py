@@ -1,7 +1,7 @@
 """The real model (SmolLM2-135M-Instruct, Q4_1) with its linears kept packed against the same
 file dequantized, both bfloat16: along each prompt's greedy continuation (the dequantized
 model's), the packed model's next-token distributions (KL, top-1 agreement) at every decode
-step (one row: the int4 product, the LM head's int8 copy) and over the whole text prefilled
+step (one row: torch's int4 kernel, the LM head's int8 copy) and over the whole text prefilled
 (the expanded weight, the dense head)."""
 
 from __future__ import annotations

@@ -1,13 +1,16 @@
 // Packed 4-bit group-32 weights (pagedkv/model/quant/int4_blocks.py: GGUF Q4_0, Q4_1, Q4_K):
-// - `int4_gemv`, decode-sized calls (a few rows): integer dot products on the packed codes.
+// - `int4_expand`, what the packed linear runs beyond decode sizes (a prefill's hundreds of
+//   rows): the dense weight, for oneDNN's matmul, which beats any int4 kernel there. Its
+//   decode-sized calls run torch's _weight_int4pack_mm_for_cpu (model/quant/int4_linear.py).
+// - `int4_gemv`: integer dot products on the packed codes (scales and zeros laid [N, K/32, 2],
+//   a row's together), measured against torch's int4 kernel by benchmarks/
+//   bench_quant_linear.py (`int4gemv`): on par with weights in the L2 cache, 1.3-1.4x slower
+//   read from the L3 cache (SmolLM2's 30 layers, one thread), so the linear keeps torch's.
 //   Each activation row is quantized once per call to int16 per group of 32 (q = round(x / d),
 //   d = max|x| / 32767; the group's exact float sum kept beside), then per weight row and group:
 //   scale * d * sum(code * q) + (zero - 8 * scale) * sum(x), the integer sum with AVX-512 VNNI
-//   (vpdpwssd, 4 groups a register) or AVX2 (vpmaddwd), float32 across groups. The int16 step
-//   is finer than a bfloat16 rounding of x (int8 activations, llama.cpp's, flip close greedy
-//   choices); the product stays bound by the weights' bytes.
-// - `int4_expand`, compute-bound calls (a prefill's hundreds of rows): the dense weight, for
-//   oneDNN's matmul, which beats any int4 kernel there.
+//   (vpdpwssd, 4 groups a register) or AVX2 (vpmaddwd), float32 across groups. (int8
+//   activations, llama.cpp's, flip close greedy choices of the tiny test models.)
 // - `int8_gemv`: int8 codes with one scale per weight row (the LM head's copy, model/quant/
 //   packed_head.py) against activations quantized to int16 per row (vpdpwssd, or AVX2's
 //   vpmaddwd): the head's logits see less than a bfloat16 rounding of the activations.
@@ -73,13 +76,13 @@ inline void store_group<c10::BFloat16>(const float* lo, const float* hi, c10::BF
 #if defined(__AVX512BF16__)
 // bfloat16 rows with AVX512-BF16: 16 codes a register, one fused multiply-add, vcvtneps2bf16
 // (round to nearest even, as the scalar path).
-inline void int4_expand_row_bf16(const uint8_t* nib, const c10::BFloat16* sz, int64_t groups,
-                                 c10::BFloat16* out) {
+inline void int4_expand_row_bf16(const uint8_t* nib, const c10::BFloat16* sz, int64_t n_rows,
+                                 int64_t groups, c10::BFloat16* out) {
   const __m512i low4 = _mm512_set1_epi32(15);
   for (int64_t g = 0; g < groups; ++g) {
-    const float scale = static_cast<float>(sz[2 * g]);
+    const float scale = static_cast<float>(sz[2 * (g * n_rows)]);
     const __m512 s = _mm512_set1_ps(scale);
-    const __m512 z = _mm512_set1_ps(static_cast<float>(sz[2 * g + 1]) - 8.0f * scale);
+    const __m512 z = _mm512_set1_ps(static_cast<float>(sz[2 * (g * n_rows) + 1]) - 8.0f * scale);
     const __m512i v = _mm512_cvtepu8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(nib + g * (kInt4Group / 2))));
     const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low4)), s, z);
@@ -92,10 +95,11 @@ inline void int4_expand_row_bf16(const uint8_t* nib, const c10::BFloat16* sz, in
 #endif
 
 template <typename T>
-void int4_expand_row(const uint8_t* nib, const c10::BFloat16* sz, int64_t groups, T* out) {
+void int4_expand_row(const uint8_t* nib, const c10::BFloat16* sz, int64_t n_rows, int64_t groups,
+                     T* out) {
   for (int64_t g = 0; g < groups; ++g) {
-    const float scale = static_cast<float>(sz[2 * g]);
-    const float zero = static_cast<float>(sz[2 * g + 1]) - 8.0f * scale;
+    const float scale = static_cast<float>(sz[2 * (g * n_rows)]);
+    const float zero = static_cast<float>(sz[2 * (g * n_rows) + 1]) - 8.0f * scale;
     const uint8_t* b = nib + g * (kInt4Group / 2);
     T* o = out + g * kInt4Group;
     float lo[16], hi[16];
@@ -117,16 +121,16 @@ void int4_expand_as(const at::Tensor& nibbles, const at::Tensor& scale_zero, at:
     for (int64_t r = begin; r < end; ++r) {
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        int4_expand_row_bf16(nib + r * half_k, sz + 2 * r * groups, groups, dst + r * 2 * half_k);
+        int4_expand_row_bf16(nib + r * half_k, sz + 2 * r, n, groups, dst + r * 2 * half_k);
         continue;
       }
 #endif
-      int4_expand_row<T>(nib + r * half_k, sz + 2 * r * groups, groups, dst + r * 2 * half_k);
+      int4_expand_row<T>(nib + r * half_k, sz + 2 * r, n, groups, dst + r * 2 * half_k);
     }
   });
 }
 
-// nibbles: uint8 [N, K/2]; scale_zero: bfloat16 [N, K/32, 2] (each group's scale and zero);
+// nibbles: uint8 [N, K/2]; scale_zero: bfloat16 [K/32, N, 2] (torch's int4pack scales);
 // returns W [N, K] in `dtype` (float32, bfloat16 or float16), each value rounded once.
 at::Tensor int4_expand(const at::Tensor& nibbles, const at::Tensor& scale_zero,
                        at::ScalarType dtype) {
@@ -135,9 +139,9 @@ at::Tensor int4_expand(const at::Tensor& nibbles, const at::Tensor& scale_zero,
   const int64_t n = nibbles.size(0), k = 2 * nibbles.size(1);
   TORCH_CHECK(k % kInt4Group == 0, "int4_expand: K must be a multiple of 32, got ", k);
   TORCH_CHECK(scale_zero.scalar_type() == at::kBFloat16 && scale_zero.is_contiguous() &&
-                  scale_zero.dim() == 3 && scale_zero.size(0) == n &&
-                  scale_zero.size(1) == k / kInt4Group && scale_zero.size(2) == 2,
-              "int4_expand: scale_zero must be a contiguous bfloat16 [N, K/32, 2]");
+                  scale_zero.dim() == 3 && scale_zero.size(0) == k / kInt4Group &&
+                  scale_zero.size(1) == n && scale_zero.size(2) == 2,
+              "int4_expand: scale_zero must be a contiguous bfloat16 [K/32, N, 2]");
   at::Tensor out = at::empty({n, k}, nibbles.options().dtype(dtype));
   switch (dtype) {
     case at::kFloat: int4_expand_as<float>(nibbles, scale_zero, out); break;

@@ -51,9 +51,9 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, str, Linear]]:
 
 def _gguf_int4(checkpoint: Any, sources: list[str], linear: Linear) -> Int4Linear | None:
     """`linear` as an Int4Linear from the GGUF blocks of `sources` (concatenated rows), or None
-    where they are not all 4-bit or its rows are not whole groups. Its bias (if any) is a
-    parameter still to be loaded."""
-    if linear.in_features % GROUP:
+    where they are not all 4-bit or its shape does not fit the int4 kernel. Its bias (if any)
+    is a parameter still to be loaded."""
+    if linear.out_features % 16 or linear.in_features % GROUP:
         return None
     from pagedkv.model.gguf.tensors import hf_rows
 
