@@ -97,14 +97,33 @@ def decode_step_bytes(model: str, quantization: str, weights_bytes: int, kv_byte
                       context: int) -> int:
     """Bytes one batch-1 decode step reads: the weights less the embedding table where the
     quantized model's LM head is a packed copy of it (a step reads one row of the table and
-    the whole copy), plus the KV cache of `context` tokens."""
+    the whole copy) and less the packed linears' second copy of the codes (the one prefill
+    expands; a decode step reads torch's int4 layout), plus the KV cache of `context`
+    tokens."""
     if quantization != "none":
         from pagedkv.model.loader import load_hf_config
 
         config = load_hf_config(model)
         if config.get("tie_word_embeddings", True):
             weights_bytes -= 2 * config["vocab_size"] * config["hidden_size"]
+        weights_bytes -= _packed_int4_weights(model) // 2
     return weights_bytes + kv_bytes_per_token * context
+
+
+def _packed_int4_weights(model: str) -> int:
+    """How many weights of `model` (a GGUF file; 0 for another checkpoint) the packed linears
+    hold: its 4-bit tensors but the embeddings."""
+    from pagedkv.model.gguf import gguf_file
+
+    path = gguf_file(model)
+    if path is None:
+        return 0
+    from gguf import GGUFReader
+
+    from pagedkv.model.quant.int4_blocks import INT4_TYPES
+
+    return sum(int(t.n_elements) for t in GGUFReader(path).tensors
+               if t.tensor_type in INT4_TYPES and t.name != "token_embd.weight")
 
 
 def read_bandwidth(threads: int | None, gib: float = 1.0, reps: int = 3) -> float:
