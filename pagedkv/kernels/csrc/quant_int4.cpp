@@ -4,8 +4,8 @@
 //   decode-sized calls run torch's _weight_int4pack_mm_for_cpu (model/quant/int4_linear.py).
 // - `int4_gemv`: integer dot products on the packed codes (scales and zeros laid [N, K/32, 2],
 //   a row's together), measured against torch's int4 kernel by benchmarks/
-//   bench_quant_linear.py (`int4gemv`): on par with weights in the L2 cache, about 1.4x slower
-//   read from the L3 cache (SmolLM2's 30 layers, one thread), so the linear keeps torch's.
+//   bench_quant_linear.py (`int4gemv`): on par at one row, slower from four rows and on a
+//   busy machine (model/quant/int4_linear.py), so the linear keeps torch's.
 //   Each activation row is quantized once per call to int16 per group of 32 (q = round(x / d),
 //   d = max|x| / 32767; the group's exact float sum kept beside), then per weight row and group:
 //   scale * d * sum(code * q) + (zero - 8 * scale) * sum(x), the integer sum with AVX-512 VNNI
