@@ -1,7 +1,7 @@
 """Packed-weight linears on this CPU against the dense bfloat16 one, by shape and rows.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_quant_linear.py [--rows 1,8,64,512]
-        [--shapes smollm2,llama7b] [--threads N] [--budget 0.15]
+        [--shapes smollm2,llama7b] [--threads N] [--budget 0.15] [--cold]
 
 Paths (each weight [N, K], activations [rows, K]):
 - `bf16`: oneDNN's pre-packed bfloat16 linear (the model's dense path: layers.pack_onednn);
@@ -11,7 +11,14 @@ Paths (each weight [N, K], activations [rows, K]):
   GGUF Q4_0 / Q4_1 exactly), bfloat16 activations (on float32 activations the same op is
   10-60x slower than on bfloat16 ones in torch 2.13: left out);
 - `int_mm`: `torch._int_mm` on int8 activations quantized per row at the call (W8A8, the
-  activation quantization counted), per-channel int8 weights.
+  activation quantization counted), per-channel int8 weights;
+- `int4gemv`: pagedkv's `int4_gemv` (kernels/csrc/quant_int4.cpp; the packed linear's decode
+  path: the same int4 weights, activations quantized to int16 per group at the call, counted);
+- `int8gemv`: pagedkv's `int8_gemv` (the LM head's copy: int8 per-row weights, int16
+  activations per row).
+`--cold` cycles each path's calls over copies of the weights, 2^24 weights in all (32 MiB in
+bfloat16): a decode step reads each weight once, from the L3 cache or memory, not from the L2
+cache a repeated call leaves it in.
 A cell's time is the fastest of repeated calls within `--budget` seconds (paths interleaved, so
 a busy moment hits them alike). Prints ms per call, each path's speed ratio to `bf16` (above 1:
 faster) and the weight bytes a call reads. With `--threads 1` (the default) a call's time is
@@ -28,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 
+from pagedkv.kernels.cpu import ensure_cpu_kernels
 from pagedkv.model.layers import pack_onednn
 
 SHAPES = {
@@ -42,7 +50,8 @@ GROUP = 32
 def _bytes(path: str, n: int, k: int) -> int:
     """Weight bytes one call reads (scales included)."""
     return {"bf16": 2 * n * k, "f32": 4 * n * k, "int8pack": n * k + 2 * n,
-            "int_mm": n * k + 4 * n,
+            "int_mm": n * k + 4 * n, "int8gemv": n * k + 2 * n,
+            "int4gemv": n * k // 2 + n * k // GROUP * 4,
             "int4pack": n * k // 2 + n * k // GROUP * 4}[path]
 
 
@@ -57,6 +66,9 @@ def _paths(n: int, k: int) -> dict[str, tuple[torch.Tensor, Callable[[torch.Tens
     p4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 1)
     sz = torch.rand(k // GROUP, n, 2) * 0.01
     w8t = w8.t().contiguous()
+    nib = (q4[:, 0::2] | (q4[:, 1::2] << 4)).to(torch.uint8)  # any order: the same bytes
+    sz_rows = sz.transpose(0, 1).contiguous().bfloat16()
+    ops = torch.ops.pagedkv_cpu
 
     def int_mm(x: torch.Tensor) -> torch.Tensor:
         xs = x.float().abs().amax(1, keepdim=True).clamp_min(1e-8) / 127
@@ -73,12 +85,29 @@ def _paths(n: int, k: int) -> dict[str, tuple[torch.Tensor, Callable[[torch.Tens
         "int4pack": (xb, lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, p4, GROUP, sz.bfloat16())),
         "int_mm": (xb, int_mm),
+        "int4gemv": (xb, lambda x: ops.int4_gemv(x, nib, sz_rows, None)),
+        "int8gemv": (xb, lambda x: ops.int8_gemv(x, w8, scale8.bfloat16(), None)),
     }
 
 
-def measure(n: int, k: int, rows: int, budget: float) -> dict[str, float]:
-    """{path: fastest call in ms} for weight [n, k] at `rows` rows."""
-    paths = _paths(n, k)
+def _cold_paths(n: int, k: int, copies: int) -> dict[str, tuple[torch.Tensor, Callable]]:
+    """Each path's call cycling over `copies` weights [n, k] of its own (cold caches)."""
+    sets = [_paths(n, k) for _ in range(copies)]
+    turn = [0]
+
+    def cycle(name: str) -> Callable:
+        def call(x: torch.Tensor) -> object:
+            turn[0] += 1
+            return sets[turn[0] % copies][name][1](x)
+        return call
+
+    return {name: (x, cycle(name)) for name, (x, _) in sets[0].items()}
+
+
+def measure(n: int, k: int, rows: int, budget: float, cold: bool = False) -> dict[str, float]:
+    """{path: fastest call in ms} for weight [n, k] at `rows` rows (`cold`: over copies of the
+    weights, 2^24 weights in all, one copy a call in turn)."""
+    paths = _cold_paths(n, k, max(2, 2**24 // (n * k))) if cold else _paths(n, k)
     xs = {name: x.expand(rows, k).contiguous() + 0.01 * torch.randn(rows, k).to(x.dtype)
           for name, (x, _) in paths.items()}
     best = dict.fromkeys(paths, float("inf"))
@@ -103,7 +132,9 @@ def main() -> None:
     parser.add_argument("--shapes", default="smollm2,llama7b")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--budget", type=float, default=0.15, help="seconds per cell")
+    parser.add_argument("--cold", action="store_true", help="weights read from memory")
     args = parser.parse_args()
+    ensure_cpu_kernels("wait")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"load average {os.getloadavg()}; torch {torch.__version__}, "
@@ -112,7 +143,7 @@ def main() -> None:
     for family in args.shapes.split(","):
         for n, k in SHAPES[family]:
             for rows in (int(r) for r in args.rows.split(",")):
-                ms = measure(n, k, rows, args.budget)
+                ms = measure(n, k, rows, args.budget, args.cold)
                 agg = totals.setdefault((family, rows), dict.fromkeys(ms, 0.0))
                 for name, t in ms.items():
                     agg[name] += t

@@ -11,7 +11,10 @@ Each configuration is one engine (`LLM`, prefix caching off, the fused CPU kerne
 a figure is the best of `--reps` runs (a shared machine interrupts some); with `--threads 1`
 times are the process's CPU time (robust to other processes on the core). Prints tokens/s, each
 configuration's ratio to the first, the weight bytes, the CPU and the load average before and
-after.
+after, and each configuration's decode bandwidth floor: the bytes a decode step reads (its
+weights, less the embedding table where a packed head stands in for it, plus the KV cache at
+the mean context) over the measured read bandwidth (`read_bandwidth`: a sum over 1 GiB), and
+the measured step time's ratio to it.
 
 From Python (e.g. a comparison with llama.cpp):
 
@@ -45,6 +48,7 @@ class Throughput:
     prefill_tps: float
     decode_tps: float
     weights_bytes: int
+    step_bytes: int = 0  # what a decode step reads: weights (see decode_step_bytes) and KV
 
 
 def _timed(llm: LLM, tokens: list[int], max_tokens: int, clock=time.perf_counter) -> float:
@@ -79,11 +83,64 @@ def pagedkv_throughput(model: str, *, quantization: str = "auto", dtype: str = "
         prefill = min(_timed(llm, prompt, 1, clock) for _ in range(reps))
         first = min(_timed(llm, start, 1, clock) for _ in range(reps))
         full = min(_timed(llm, start, n_gen, clock) for _ in range(reps))
-        weights = llm.llm_engine.client.ready.weights_bytes
+        ready = llm.llm_engine.client.ready
+        weights = ready.weights_bytes
+        step = decode_step_bytes(model, quantization, weights,
+                                 ready.block_bytes // ready.block_size, 1 + n_gen // 2)
     finally:
         llm.shutdown()
     return Throughput(quantization, dtype, n_prompt, n_gen, n_prompt / prefill,
-                      (n_gen - 1) / max(full - first, 1e-9), weights)
+                      (n_gen - 1) / max(full - first, 1e-9), weights, step)
+
+
+def decode_step_bytes(model: str, quantization: str, weights_bytes: int, kv_bytes_per_token: int,
+                      context: int) -> int:
+    """Bytes one batch-1 decode step reads: the weights less the embedding table where the
+    quantized model's LM head is a packed copy of it (a step reads one row of the table and
+    the whole copy) and less the packed linears' second copy of the codes (the one prefill
+    expands; a decode step reads torch's int4 layout), plus the KV cache of `context`
+    tokens."""
+    if quantization != "none":
+        from pagedkv.model.loader import load_hf_config
+
+        config = load_hf_config(model)
+        if config.get("tie_word_embeddings", True):
+            weights_bytes -= 2 * config["vocab_size"] * config["hidden_size"]
+        weights_bytes -= _packed_int4_weights(model) // 2
+    return weights_bytes + kv_bytes_per_token * context
+
+
+def _packed_int4_weights(model: str) -> int:
+    """How many weights of `model` (a GGUF file; 0 for another checkpoint) the packed linears
+    hold: its 4-bit tensors but the embeddings."""
+    from pagedkv.model.gguf import gguf_file
+
+    path = gguf_file(model)
+    if path is None:
+        return 0
+    from gguf import GGUFReader
+
+    from pagedkv.model.quant.int4_blocks import INT4_TYPES
+
+    return sum(int(t.n_elements) for t in GGUFReader(path).tensors
+               if t.tensor_type in INT4_TYPES and t.name != "token_embd.weight")
+
+
+def read_bandwidth(threads: int | None, gib: float = 1.0, reps: int = 3) -> float:
+    """Bytes/s of a float32 sum over `gib` GiB with `threads` torch threads, best of `reps`
+    (with one thread, over this thread's CPU time, as `pagedkv_throughput` times decode)."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    x = torch.ones(int(gib * 2**28))
+    clock = time.thread_time if threads == 1 else time.perf_counter  # as the decode timing
+    best = float("inf")
+    for _ in range(reps):
+        start = clock()
+        x.sum()
+        best = min(best, clock() - start)
+    return x.numel() * 4 / best
 
 
 def main() -> None:
@@ -101,6 +158,8 @@ def main() -> None:
 
         model = str(smollm2_gguf_path())
     print(f"{model}\n{cpu_name()}, {os.cpu_count()} CPUs; load average {os.getloadavg()}")
+    bandwidth = read_bandwidth(args.threads)
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads or 'default'} threads)")
     results = []
     for config in args.configs.split(","):
         quantization, dtype = config.split(":")
@@ -109,7 +168,9 @@ def main() -> None:
         results.append(t)
         print(f"quantization={quantization:5s} dtype={dtype:9s} weights "
               f"{t.weights_bytes / 2**20:6.1f} MiB: pp{args.pp} {t.prefill_tps:8.1f} tok/s, "
-              f"tg{args.tg} {t.decode_tps:7.1f} tok/s", flush=True)
+              f"tg{args.tg} {t.decode_tps:7.1f} tok/s; decode floor "
+              f"{t.step_bytes / bandwidth * 1e3:.2f} ms/step ({t.step_bytes / 2**20:.1f} MiB), "
+              f"measured x{bandwidth / t.step_bytes / t.decode_tps:.2f} of it", flush=True)
     base = results[0]
     for t in results[1:]:
         print(f"{base.quantization}:{base.dtype} over {t.quantization}:{t.dtype}: prefill "

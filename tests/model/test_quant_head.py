@@ -1,6 +1,7 @@
-"""The LM head's int8 copy (pagedkv/model/quant/packed_head.py): decode-sized calls against a
-float64 product of the int8 weight (within the bfloat16 rounding of activations and output) and
-of the dense weight (within half an int8 step per weight); larger calls exactly the dense
+"""The LM head's int8 copy (pagedkv/model/quant/packed_head.py): decode-sized calls, on the fused
+kernel (int16 activations) and on torch's (before the kernels load), against a float64 product
+of the int8 weight (within the bfloat16 rounding of activations and output and the int16 step)
+and of the dense weight (within half an int8 step per weight); larger calls exactly the dense
 matmul; `pack_head` on a tied and an untied head."""
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+from pagedkv.kernels.cpu import ensure_cpu_kernels
+from pagedkv.model.quant import packed_head
 from pagedkv.model.quant.packed_head import HEAD_INT8_ROWS, Int8PackedHead, pack_head
 
 VOCAB, HIDDEN = 320, 128
@@ -24,15 +27,24 @@ def weight() -> torch.Tensor:
 
 @pytest.mark.parametrize("rows", [1, 2, HEAD_INT8_ROWS])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_int8_rows_equal_float64_reference(weight, rows, dtype):
+@pytest.mark.parametrize("kernel", ["fused", "torch"])
+def test_int8_rows_equal_float64_reference(weight, rows, dtype, kernel, monkeypatch):
+    if kernel == "fused":
+        assert ensure_cpu_kernels("wait")
+    else:
+        monkeypatch.setattr(packed_head, "cpu_kernels_loaded", lambda: False)
     head = Int8PackedHead(weight)
     h = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    h[:, 3] *= 40  # an outlier feature, as real hidden states have
     y = head(h)
     assert y.dtype == dtype and y.shape == (rows, VOCAB)
-    h64 = h.bfloat16().double()  # the kernel's activations are bfloat16
+    h64 = h.bfloat16().double()  # activations rounded to bfloat16 (torch's) or int16 (fused)
     wq = head.codes.double() * head.scale.double()[:, None]
     magnitude = h64.abs() @ wq.abs().T
-    assert ((y.double() - h64 @ wq.T).abs() <= BF16_REL * magnitude + 1e-6).all()
+    # The fused kernel's int16 step: max |h| / 32767 a row, half of it at most per value.
+    int16 = h.double().abs().amax(dim=1, keepdim=True) / 65534 * wq.abs().sum(dim=1)
+    err = (y.double() - h.double() @ wq.T).abs()
+    assert (err <= BF16_REL * magnitude + int16 + 1e-6).all(), err.max()
     # Against the dense weight: code * scale is within half a step of the weight, and the
     # scale's bfloat16 rounding moves it by at most 127 * 2^-9 steps more.
     half_step = head.scale.double()[:, None] * (1 + BF16_REL) * (0.5 + 127 * 2.0 ** -9)

@@ -2,12 +2,14 @@
 scales and zeros (checked against the `gguf` package's own dequantization), and Int4Linear's
 output on both of its paths (torch's int4 kernel at decode sizes, the expanded weight above)
 against a float64 dequantize-then-matmul reference, within the rounding its bfloat16 scales
-and activations allow; the expansion kernel (kernels/csrc/quant_int4.cpp) against torch ops, in
-this machine's build and the AVX2 one."""
+and activations allow; the kernels (kernels/csrc/quant_int4.cpp: the expansion, the int4 and
+int8 products on int16 activations) against float64 references, in this machine's build and
+the AVX2 one."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -117,22 +119,80 @@ def test_expand_kernel_equals_torch_ops(packed):
     assert int4_linear.cpu_kernels_loaded()
 
 
+def products_against_references(n: int, k: int, rows: int, seed: int) -> dict:
+    """The fused int4 and int8 products (kernels/csrc/quant_int4.cpp) of random weights [n, k]
+    on float32 activations [rows, k] with one outlier feature, against float64 references:
+    per path, the largest error over its bound (a pass is <= 1): the activations' int16 steps
+    (max |x| / 32767 per group of 32 for int4, per row for int8; half of one at most per value)
+    times the weights' magnitudes, plus float32 summation. Also run by the AVX2 child."""
+    gen = torch.Generator().manual_seed(seed)
+    nib = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    sz = (torch.rand(n, k // 32, 2, generator=gen) * 0.2 - 0.1).bfloat16()  # [N, K/32, 2]
+    x = torch.randn(rows, k, generator=gen)
+    x[:, 1] *= 30
+    bias = torch.randn(n, generator=gen)
+    blocks = nib.view(n, -1, 16)
+    q4 = torch.cat((blocks & 15, blocks >> 4), dim=2).double()  # [N, K/32, 32]
+    scale, zero = sz.double()[..., :1], sz.double()[..., 1:]
+    w4 = ((q4 - 8) * scale + zero).reshape(n, k)
+    x64 = x.double()
+    want4 = x64 @ w4.T + bias.double()
+    got4 = torch.ops.pagedkv_cpu.int4_gemv(x, nib, sz, bias).double()
+    step = x64.abs().reshape(rows, -1, 32).amax(dim=2) / 32767  # [rows, K/32]
+    bound4 = (step / 2) @ (scale[..., 0].abs() * q4.sum(dim=2)).T \
+        + 1e-5 * (x64.abs() @ w4.abs().T + 1)
+    w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    s8 = (torch.rand(n, generator=gen) + 0.01).bfloat16()
+    wd = w8.double() * s8.double()[:, None]
+    got8 = torch.ops.pagedkv_cpu.int8_gemv(x, w8, s8, None).double()
+    bound8 = x64.abs().amax(dim=1, keepdim=True) / 65534 * wd.abs().sum(dim=1) \
+        + 1e-5 * (x64.abs() @ wd.abs().T + 1)
+    return {"int4": float(((got4 - want4).abs() / bound4).max()),
+            "int8": float(((got8 - x64 @ wd.T).abs() / bound8).max())}
+
+
+# (N, K, rows): N not a multiple of 4 (the last rows one at a time), K of 3, 17 and 18 groups
+# (a partial last chunk of 4 / 2 groups), rows across the runs of 4.
+PRODUCT_CASES = [(20, 96, 1), (33, 544, 5), (16, 576, 12)]
+
+
+@pytest.mark.parametrize(("n", "k", "rows"), PRODUCT_CASES)
+def test_products_equal_float64_references(n, k, rows):
+    assert ensure_cpu_kernels("wait")
+    ratios = products_against_references(n, k, rows, seed=n)
+    assert max(ratios.values()) <= 1, ratios
+
+
+def test_product_kernels_check_their_inputs():
+    assert ensure_cpu_kernels("wait")
+    nib, sz = torch.zeros(16, 16, dtype=torch.uint8), torch.zeros(16, 1, 2).bfloat16()
+    with pytest.raises(RuntimeError, match="x must be a contiguous"):
+        torch.ops.pagedkv_cpu.int4_gemv(torch.zeros(1, 64), nib, sz, None)
+    with pytest.raises(RuntimeError, match="scale_zero must be"):
+        torch.ops.pagedkv_cpu.int4_gemv(torch.zeros(1, 32), nib, sz.float(), None)
+
+
 _AVX2_CHECK = """
 import json, numpy as np, torch
 from pagedkv.kernels.cpu import ensure_cpu_kernels, panel_isa
 assert ensure_cpu_kernels("wait")
 from pagedkv.model.quant.int4_linear import Int4Linear
+from test_quant_int4 import PRODUCT_CASES, products_against_references
 rng = np.random.default_rng(2)
 lin = Int4Linear(rng.integers(0, 256, (32, 64), dtype=np.uint8),
                  rng.uniform(-0.1, 0.1, (32, 4)).astype(np.float32),
                  rng.uniform(-0.1, 0.1, (32, 4)).astype(np.float32))
 got = torch.ops.pagedkv_cpu.int4_expand(lin.nibbles, lin.scale_zero, torch.float32)
 want = lin.dequantized_reference(torch.float32)
-print(json.dumps([panel_isa(), float((got - want).abs().max()), float(want.abs().max())]))
+ratios = [products_against_references(*case, seed=case[0]) for case in PRODUCT_CASES]
+print(json.dumps([panel_isa(), torch.ops.pagedkv_cpu.int_gemv_isa(),
+                  float((got - want).abs().max()), float(want.abs().max()), ratios]))
 """
 
 
-def test_expand_kernel_in_the_avx2_build():
-    isa, err, scale = run_with_isa(_AVX2_CHECK)
-    assert "avx2" in isa.lower(), isa
+def test_kernels_in_the_avx2_build():
+    isa, gemv_isa, err, scale, ratios = run_with_isa(_AVX2_CHECK,
+                                                     extra_path=(str(Path(__file__).parent),))
+    assert "avx2" in isa.lower() and gemv_isa == "avx2", (isa, gemv_isa)
     assert err <= 1e-6 * scale, json.dumps([err, scale])
+    assert all(max(r.values()) <= 1 for r in ratios), ratios

@@ -4,7 +4,11 @@ scale + zero per group of 32 along each row (int4_blocks.py).
 Two copies of the codes, both 4 bits a weight, and one of the scales (bfloat16):
 - a decode-sized call (rows <= `INT4PACK_ROWS`) runs torch's `_weight_int4pack_mm_for_cpu` on
   torch's own packed layout (it reads 0.56 bytes a weight; about 1.5-2.9x oneDNN's bfloat16
-  linear at one row on an AVX-512 CPU, slower from 8 rows: benchmarks/bench_quant_linear.py);
+  linear at one row on an AVX-512 CPU, slower from 8 rows: benchmarks/bench_quant_linear.py;
+  the fused kernels' own int4 product, `int4_gemv`, measured on par with it at one row and
+  slower from four (`--cold`: SmolLM2's shapes, one thread, 3.12 against 3.71 ms summed at one
+  row, 5.33 against 4.69 at four; about 1.4x slower at one row on a busy machine), so it stays
+  out of this path);
 - a larger call expands the codes (Q4_0 order) to a dense weight in the activation dtype
   (`int4_expand`, kernels/csrc/quant_int4.cpp; torch ops before the kernels load) and runs the
   dense matmul (oneDNN's; a prefill of hundreds of rows is compute-bound, where its bfloat16 or AMX

@@ -2,12 +2,13 @@
 tied, the embeddings') dense weight [vocab, hidden].
 
 At batch 1 the head is the largest single matmul of a small model (SmolLM2-135M: 49152 x 576,
-about a fifth of a packed decode step), and memory-bound: torch's `_weight_int8pack_mm` on
-per-row int8 codes reads half the bytes (about 2x oneDNN's bfloat16 matmul at 1-2 rows, 1.6x
-at 4, slower from 8; one thread, the 49152x576 shape of benchmarks/bench_quant_linear.py). Calls of up to
-`HEAD_INT8_ROWS` rows (decode steps: one row per sequence) run it; larger ones (prompt
-logprobs, many sequences) the dense weight, which the embedding lookup keeps anyway. The int8
-codes round each weight by at most half a step of its row's scale (max |w| / 127).
+about a fifth of a packed decode step), and memory-bound: per-row int8 codes read half the
+bytes. Calls of up to `HEAD_INT8_ROWS` rows (decode steps: one row per sequence) run the fused
+CPU kernels' `int8_gemv` (kernels/csrc/quant_int4.cpp: activations quantized to int8 per group
+of 32, VNNI or AVX2 integer dot products; about 1.5x torch's `_weight_int8pack_mm`, which runs
+before the kernels load); larger ones (prompt logprobs, many sequences) the dense weight, which
+the embedding lookup keeps anyway. The int8 codes round each weight by at most half a step of
+its row's scale (max |w| / 127).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pagedkv.kernels.cpu import cpu_kernels_loaded
 from pagedkv.model.quant.int8_linear import int8_per_row
 
 HEAD_INT8_ROWS = 4
@@ -36,7 +38,10 @@ class Int8PackedHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.reshape(-1, self.in_features)
-        if rows.shape[0] <= HEAD_INT8_ROWS:
+        if rows.shape[0] <= HEAD_INT8_ROWS and cpu_kernels_loaded() \
+                and self.in_features % 32 == 0:
+            y = torch.ops.pagedkv_cpu.int8_gemv(rows.contiguous(), self.codes, self.scale, None)
+        elif rows.shape[0] <= HEAD_INT8_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16).contiguous(),
                                                    self.codes, self.scale).to(hidden.dtype)
         else:
