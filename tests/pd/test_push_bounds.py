@@ -15,20 +15,11 @@ import zmq
 from pagedkv.store import transfer_push
 from pagedkv.store.codec import block_checksum
 from pagedkv.store.transfer_push import PushReceiverTier, PushSender
+from tests.pd.push_wait import WAIT_S, wait_for
 from tests.server.helpers import free_port
 
 BLOCK_BYTES = 1000
 CAPACITY = 4 * BLOCK_BYTES
-WAIT_S = 5.0
-
-
-def wait_for(predicate, timeout_s: float = WAIT_S) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return False
 
 
 @pytest.fixture

@@ -12,19 +12,10 @@ import torch
 from pagedkv.engine.args import EngineArgs
 from pagedkv.store.transfer_config import parse_kv_transfer_config
 from pagedkv.store.transfer_push import PushReceiverTier, PushSender, chunk_bounds
+from tests.pd.push_wait import wait_for
 from tests.server.helpers import free_port
 
 BLOCK_BYTES = 1000  # not a multiple of the chunk count: the last slice is longer
-WAIT_S = 5.0
-
-
-def wait_for(predicate, timeout_s: float = WAIT_S) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return False
 
 
 @pytest.fixture
