@@ -27,6 +27,7 @@ from torch import nn
 
 from pagedkv.model.gguf import gguf_file
 from pagedkv.model.layers import Linear
+from pagedkv.model.quant.gguf_parts import gguf_parts
 from pagedkv.model.quant.int4_blocks import GROUP, INT4_TYPES, codes_and_scales
 from pagedkv.model.quant.int4_linear import Int4Linear
 from pagedkv.model.quant.int8_gguf import gguf_int8_block_linear, pack_gguf_vocab
@@ -58,15 +59,9 @@ def _gguf_int4(checkpoint: Any, sources: list[str], linear: Linear) -> Int4Linea
     is a parameter still to be loaded."""
     if linear.out_features % 16 or linear.in_features % GROUP:
         return None
-    from pagedkv.model.gguf.tensors import hf_rows
-
-    gguf = checkpoint.gguf
-    names = [checkpoint.gguf_name(source) for source in sources]
-    types = [gguf.tensors[name].ggml_type for name in names]
-    if not all(t in INT4_TYPES for t in types):
+    parts = gguf_parts(checkpoint, sources, INT4_TYPES, codes_and_scales)
+    if parts is None:
         return None
-    parts = [codes_and_scales(hf_rows(gguf, source, name), t)
-             for source, name, t in zip(sources, names, types, strict=True)]
     nibbles, scale, zero = (np.concatenate(arrays) for arrays in zip(*parts, strict=True))
     bias = None if linear.bias is None else torch.zeros_like(linear.bias)
     return Int4Linear(nibbles, scale, zero, bias)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagedkv.model.layers import Linear
+from pagedkv.model.quant.gguf_parts import gguf_parts
 from pagedkv.model.quant.int8_block_linear import Int8BlockEmbedding, Int8BlockLinear
 from pagedkv.model.quant.int8_blocks import INT8_BLOCK_TYPES, int8_codes_and_scales
 
@@ -23,15 +24,9 @@ def _codes_and_scales(checkpoint: Any, sources: list[str]
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(codes int8 [N, K], scales float32 [N, K / block]) of the rows of `sources`
     concatenated, or None where one is not an int8-block type."""
-    from pagedkv.model.gguf.tensors import hf_rows
-
-    gguf = checkpoint.gguf
-    names = [checkpoint.gguf_name(source) for source in sources]
-    types = [gguf.tensors[name].ggml_type for name in names]
-    if not all(t in INT8_BLOCK_TYPES for t in types):
+    parts = gguf_parts(checkpoint, sources, INT8_BLOCK_TYPES, int8_codes_and_scales)
+    if parts is None:
         return None
-    parts = [int8_codes_and_scales(hf_rows(gguf, source, name), t)
-             for source, name, t in zip(sources, names, types, strict=True)]
     block = min(part[2] for part in parts)
     codes = np.concatenate([part[0] for part in parts])
     scales = np.concatenate([np.repeat(part[1], part[2] // block, axis=1) for part in parts])

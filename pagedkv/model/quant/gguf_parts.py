@@ -1,0 +1,24 @@
+"""The packed blocks of the GGUF tensors behind a (possibly fused) linear, read one way for every
+packed format."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import Any, TypeVar
+
+Part = TypeVar("Part")
+
+
+def gguf_parts(checkpoint: Any, sources: list[str], types_taken: Collection[int],
+               read: Callable[[Any, int], Part]) -> list[Part] | None:
+    """`read(rows, ggml_type)` of each of `sources`' GGUF tensors (its rows in the checkpoint's
+    order), or None where one of them is not of `types_taken`. Reads nothing then."""
+    from pagedkv.model.gguf.tensors import hf_rows
+
+    gguf = checkpoint.gguf
+    names = [checkpoint.gguf_name(source) for source in sources]
+    types = [gguf.tensors[name].ggml_type for name in names]
+    if not all(t in types_taken for t in types):
+        return None
+    return [read(hf_rows(gguf, source, name), t)
+            for source, name, t in zip(sources, names, types, strict=True)]
