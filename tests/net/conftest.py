@@ -19,10 +19,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 120.0
 PORT = 8000  # every host has its own addresses: one port number fits all
 
-# The engine flags of every server here (small cache, no C++ kernel build to wait for).
+# The engine flags of every server here (small cache, no C++ kernel build to wait for). The
+# engine core runs in its own process, as deployed (the rest of the suite runs it in-process
+# for speed): these tests are about the layout across hosts.
 ENGINE_FLAGS = ["--dtype", "float32", "--block-size", "4", "--max-model-len", "512",
                 "--num-gpu-blocks-override", "256", "--seed", "0", "--cpu-kernels", "off",
-                "--served-model-name", "tiny", "--log-level", "warning"]
+                "--served-model-name", "tiny", "--log-level", "warning",
+                "--engine-core", "process"]
 
 
 def make_cluster(n_hosts: int) -> NetnsCluster:
