@@ -220,8 +220,8 @@ def test_cascade_attention_over_shared_prefix_blocks(tiny_llama, make_llm, monke
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_int8_core_process_preempts_under_a_tiny_budget_and_matches_an_unpreempted_run(
         tiny_llama, make_llm, mode):
-    """The engine core in its own process (serve's default) with an int8 cache of 40 blocks:
-    six requests preempt each other (swapped out with their scales, or recomputed), and every
+    """The engine core in its own process (serve's default) with an int8 cache of 30 blocks
+    (the five requests after the first need 84; the longest alone fits): they preempt each other (swapped out with their scales, or recomputed), and every
     request's tokens equal an in-process int8 engine's that had room for all of them; every
     block comes back."""
     from pagedkv import LLM
@@ -231,7 +231,7 @@ def test_int8_core_process_preempts_under_a_tiny_budget_and_matches_an_unpreempt
     want = [list(o.outputs[0].token_ids) for o in _generate(roomy, prompts)]
     assert roomy.llm_engine.get_stats().num_preemptions == 0
     tight = LLM(str(tiny_llama), core_process=True, seed=0, block_size=4, kv_cache_dtype="int8",
-                num_gpu_blocks_override=40, preemption_mode=mode, swap_space=0.01, cpu_threads=1)
+                num_gpu_blocks_override=30, preemption_mode=mode, swap_space=0.01, cpu_threads=1)
     try:
         got = [list(o.outputs[0].token_ids) for o in _generate(tight, prompts)]
         stats = tight.llm_engine.get_stats()
