@@ -13,6 +13,11 @@ every group's), `model_identity`, `kv_format`, `block_size`,
 `cache_salt`, `transfer_bytes` (every rank's), `transfer_seconds` (the slowest rank's) and
 `durable` (every rank's saves were written before its transfer: false only when a rank's
 saves outlasted `transfer_timeout_s`; the counts above are what was transferred regardless).
+The answer waits at most `transfer_timeout_s` + HANDOFF_MARGIN_S for the handoff (each rank's
+job ends within `transfer_timeout_s` of its start, a push begun at that deadline within a grace
+of it: store/transfer_rank.py): a router's prefill timeout above the prefill's own time plus
+that never gives up on a handoff that completes. Past it the answer names no block (the decode
+recomputes the prompt) and the job is abandoned.
 
 Consumer (a request with `do_remote_prefill: true`, the producer's params copied in): the
 params are checked against this engine (model identity, KV format, block size, salt, and the
@@ -44,7 +49,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pagedkv.server")
 
 POLL_S = 0.002
-HANDOFF_MARGIN_S = 10.0  # past the transport's own timeouts: the handoff job is gone
+HANDOFF_MARGIN_S = 2.0  # past transfer_timeout_s: a rank's push grace, the core's polls
 
 
 def transfer_config(serving: OpenAIServing) -> KVTransferConfig | None:
@@ -90,7 +95,7 @@ async def handoff(serving: OpenAIServing, params: KVTransferParams | None,
     desc = await _describe(serving)
     job = await engine.call_utility("kv_transfer.start_handoff", list(prompt), cache_salt,
                                     params.remote_host, params.remote_port)
-    deadline = time.monotonic() + 2 * config.transfer_timeout_s + HANDOFF_MARGIN_S
+    deadline = time.monotonic() + config.transfer_timeout_s + HANDOFF_MARGIN_S
     outcome = None
     while outcome is None and time.monotonic() < deadline:
         outcome = await engine.call_utility("kv_transfer.poll_handoff", job)

@@ -16,9 +16,10 @@ connectors move the blocks:
   a push engine on one machine).
 
 Keys of `kv_connector_extra_config`: `consumers` (["host:port", ...]), `transfer_timeout_s`
-(the most a producer waits for its blocks to be in the transport, and a consumer for pushed
-blocks to arrive; then the rest is recomputed), `hold_s`, `layer_groups` (how many chunks a
-block's bytes are pushed in, in layer order).
+(the most a producer's handoff takes, its saves and its push together, so its answer comes
+within this and a small margin of the prefill's end; and the most a consumer waits for pushed
+blocks to arrive; what did not make it is recomputed), `hold_s`, `layer_groups` (how many
+chunks a block's bytes are pushed in, in layer order).
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ block's bytes start with layer 0's K and V (`KVCache.read_blocks`), so slice i o
 a layer group: the consumer gets the first layers' bytes while the producer still sends the
 rest, and the producer's engine steps on meanwhile (the push runs on its own thread). A push
 is queued only to a connected consumer, at most SEND_QUEUE_MESSAGES messages deep: a consumer
-that is gone makes the push fail after SEND_TIMEOUT_MS (its decode then recomputes), never
-grows the producer's memory, and its socket is closed (at most MAX_SOCKETS are kept, the least
-recently used closed first).
+that is gone makes the push fail after SEND_TIMEOUT_MS, or at the push's deadline if sooner
+(its decode then recomputes), never grows the producer's memory, and its socket is closed (at
+most MAX_SOCKETS are kept, the least recently used closed first).
 
 The consumer keeps a block only when all its slices arrived and its checksum matches its key;
 blocks are kept under the producer's keys, which name the model identity (weights, KV format,
@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 POLL_MS = 50  # the receiver thread checks for close this often
 SEND_TIMEOUT_MS = 2000  # a send that cannot be queued within this (peer gone, queue full) fails
+SEND_RETRY_S = 0.002  # a send the socket cannot take yet is tried again this often
 SEND_QUEUE_MESSAGES = 8  # messages queued for a consumer at most: a dead one costs no memory
 MAX_SOCKETS = 64  # consumer sockets a sender keeps open (least recently used closed first)
 MAX_CHUNKS = 1024  # slices a block may be sent in
@@ -53,6 +54,19 @@ def chunk_bounds(block_bytes: int, chunks: int) -> list[tuple[int, int]]:
     chunks = max(1, min(chunks, block_bytes))
     edges = [block_bytes * i // chunks for i in range(chunks + 1)]
     return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+def _send(sock: zmq.Socket, frames: list[bytes], deadline: float) -> None:
+    """Queue one message on `sock`, retrying until `deadline` (`time.monotonic()`; a send
+    past it is tried once); zmq.Again when the socket could not take it by then."""
+    while True:
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            return
+        except zmq.Again:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(SEND_RETRY_S)
 
 
 class PushSender:
@@ -82,7 +96,6 @@ class PushSender:
                 self._drop(next(iter(self._sockets)))
             sock = self._context.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
             sock.setsockopt(zmq.SNDHWM, SEND_QUEUE_MESSAGES)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a connected consumer
             sock.connect(f"tcp://{address[0]}:{address[1]}")
@@ -90,9 +103,12 @@ class PushSender:
         return sock
 
     def push(self, address: tuple[str, int], keys: Sequence[bytes],
-             payloads: Sequence[Payload], block_bytes: int) -> int:
+             payloads: Sequence[Payload], block_bytes: int,
+             deadline: float | None = None) -> int:
         """Queue `payloads` (one block each, stored under `keys`) for `address`, chunked by
-        layer group; the bytes sent. Raises zmq.Again when the consumer cannot take them."""
+        layer group; the bytes sent. Raises zmq.Again when the consumer cannot take them
+        within SEND_TIMEOUT_MS a chunk, or by `deadline` (`time.monotonic()`) when given
+        (then a chunk due past it is tried once)."""
         if not keys:
             return 0
         buffers = [payload_buffer(p) for p in payloads]
@@ -106,7 +122,8 @@ class PushSender:
                                      "chunk": i, "chunks": len(bounds),
                                      "block_bytes": block_bytes}).encode()
                 body = b"".join(bytes(b[lo:hi]) for b in buffers)
-                sock.send_multipart([header, body], copy=False)
+                by = time.monotonic() + SEND_TIMEOUT_MS / 1000
+                _send(sock, [header, body], by if deadline is None else min(by, deadline))
                 sent += len(body)
         except zmq.Again:
             self._drop(address)  # a consumer that cannot take them keeps no socket here

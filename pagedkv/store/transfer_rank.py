@@ -12,7 +12,10 @@ and starts, on the rank's transfer thread, a job that waits until the rank's sav
 watermark (`TieredKVStore.saves_written`) reaches the ticket, then, for the push connector,
 reads the blocks back from the host staging tier and pushes them to the consumer's rank of the
 same index (`port + rank`); for the store connector, counts the leading blocks the shared tiers
-hold. `poll(job_id)` gives its outcome once done (the rank's watermark included).
+hold. The job is bounded from `start`: its save wait and its push end within
+`transfer_timeout_s` (a push that starts at that deadline still gets PUSH_GRACE_S to queue its
+blocks; one not queued by then fails: its decode recomputes), however long it queued behind
+other jobs. `poll(job_id)` gives its outcome once done (the rank's watermark included).
 Consumer: `held_mask(hashes, num_groups)` says which blocks of `hashes` this rank's push tier holds
 (a consumer of N ranks listens on `kv_port` .. `kv_port + N - 1`).
 """
@@ -30,6 +33,7 @@ from pagedkv.store.transfer_push import PushReceiverTier, PushSender
 logger = logging.getLogger(__name__)
 
 SAVE_POLL_S = 0.002
+PUSH_GRACE_S = 0.5  # a push starting at its job's deadline still gets this long to be queued
 
 
 def failed_outcome() -> dict:
@@ -57,8 +61,10 @@ class RankTransfer:
         """Start handing this rank's slice of `metas` to the transport (pushed to each target's
         port + this rank); this rank's save ticket."""
         ticket = self.store.save_ticket()
+        deadline = time.monotonic() + self.config.transfer_timeout_s
         targets = [(host, int(port) + self.rank) for host, port in targets]
-        self._jobs[job_id] = self._thread.submit(self._handoff, metas, ticket, targets)
+        self._jobs[job_id] = self._thread.submit(self._handoff, metas, ticket, targets,
+                                                 deadline)
         return ticket
 
     def poll(self, job_id: int) -> dict | None:
@@ -87,31 +93,32 @@ class RankTransfer:
     def num_jobs(self) -> int:
         return len(self._jobs)
 
-    def _handoff(self, metas: list[BlockMeta], ticket: int,
-                 targets: list[tuple[str, int]]) -> dict:
-        """The transfer thread's job (module docstring)."""
+    def _handoff(self, metas: list[BlockMeta], ticket: int, targets: list[tuple[str, int]],
+                 deadline: float) -> dict:
+        """The transfer thread's job, to end by `deadline` (module docstring)."""
         start = time.perf_counter()
-        deadline = time.monotonic() + self.config.transfer_timeout_s
         while self.store.saves_written() < ticket and time.monotonic() < deadline:
             time.sleep(SAVE_POLL_S)
         watermark = self.store.saves_written()
         if self.sender is None:
             num_hashes, num_blocks, sent = self._in_shared_tiers(metas)
         else:
-            num_hashes, num_blocks, sent = self._push(metas, targets)
+            push_by = max(deadline, time.monotonic() + PUSH_GRACE_S)
+            num_hashes, num_blocks, sent = self._push(metas, targets, push_by)
         return {"num_hashes": num_hashes, "num_blocks": num_blocks, "transfer_bytes": sent,
                 "transfer_seconds": round(time.perf_counter() - start, 6),
                 "durable": watermark >= ticket, "ticket": ticket, "watermark": watermark}
 
-    def _push(self, metas: list[BlockMeta], targets: list[tuple[str, int]]
+    def _push(self, metas: list[BlockMeta], targets: list[tuple[str, int]], deadline: float
               ) -> tuple[int, int, int]:
-        """Push the blocks this rank's staging holds: (leading hashes, blocks, bytes sent)."""
+        """Push the blocks this rank's staging holds, queued by `deadline` (else zmq.Again):
+        (leading hashes, blocks, bytes sent)."""
         pushed = self._held(metas)
         payloads = self.store.load(pushed)
         num_blocks, sent = len(payloads), 0
         keys = [self.store.key(m.block_hash, m.group_idx) for m in pushed[:num_blocks]]
         for target in targets:
-            sent += self.sender.push(target, keys, payloads, self.store.block_bytes)
+            sent += self.sender.push(target, keys, payloads, self.store.block_bytes, deadline)
         if not num_blocks:
             return 0, 0, sent
         hashes = [m.block_hash for m in metas if not m.group_idx]

@@ -79,6 +79,31 @@ class HostProcess:
         self.log.unlink(missing_ok=True)
 
 
+def router_sees_up(router_url: str, backend_urls: Sequence[str]) -> bool:
+    """Whether the router at `router_url` counts every one of `backend_urls` up (its
+    `pagedkv_router:backend_up` gauge)."""
+    try:
+        text = httpx.get(router_url + "/metrics", timeout=2.0).text
+    except httpx.HTTPError:
+        return False
+    up = {line.split('backend="', 1)[1].split('"', 1)[0] for line in text.splitlines()
+          if line.startswith("pagedkv_router:backend_up{") and line.endswith(" 1.0")}
+    return set(backend_urls) <= up
+
+
+def wait_routable(cluster: NetnsCluster, host: Host, router_url: str,
+                  backend_urls: Sequence[str], timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Wait (from `host`) until the router counts every backend up. The router answers /health
+    once one backend is (in PD mode, one decode instance): a request sent before its next
+    health round saw the others would be routed without them."""
+    deadline = time.monotonic() + timeout_s
+    while not cluster.call(host, router_sees_up, router_url, list(backend_urls), timeout=10):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{router_url} did not see {list(backend_urls)} up within "
+                               f"{timeout_s} s")
+        time.sleep(0.2)
+
+
 def serve_cmd(model: Path, host: Host, *flags: str) -> list[str]:
     return [sys.executable, "-m", "pagedkv.cli", "serve", str(model), "--host", host.addr,
             "--port", str(PORT), *ENGINE_FLAGS, *flags]

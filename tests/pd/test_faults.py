@@ -80,8 +80,8 @@ def test_blocks_that_arrived_are_loaded_and_the_rest_computed(pair, monkeypatch)
     """The push stops after 3 whole blocks: exactly those are loaded."""
     sender = pair.producer.core.kv_transfer.sender
     real_push = sender.push
-    monkeypatch.setattr(sender, "push", lambda address, keys, payloads, block_bytes:
-                        real_push(address, keys[:3], payloads[:3], block_bytes))
+    monkeypatch.setattr(sender, "push", lambda address, keys, payloads, *rest:
+                        real_push(address, keys[:3], payloads[:3], *rest))
     request = body(prompt_of(2))
     params = prefill(pair.a, request)["kv_transfer_params"]
     decoded = timed_decode(pair, request, params)

@@ -128,7 +128,7 @@ def test_a_handoff_the_server_gave_up_on_is_forgotten(pair, monkeypatch):
         return real_push(*args, **kwargs)
 
     monkeypatch.setattr(sender, "push", slow_push)
-    monkeypatch.setattr(server_side, "HANDOFF_MARGIN_S", 0.3 - 2 * TRANSFER_TIMEOUT_S)
+    monkeypatch.setattr(server_side, "HANDOFF_MARGIN_S", 0.3 - TRANSFER_TIMEOUT_S)
     request = body(prompt_of(5))
     params = prefill(pair.a, request)["kv_transfer_params"]
     assert params["num_tokens"] == 0 and params["block_hashes"] == []

@@ -186,8 +186,8 @@ def test_only_blocks_every_rank_holds_are_loaded(fleet, monkeypatch):
     """Rank 0 pushes three whole blocks, rank 1 all nine: exactly three are loaded."""
     sender = fleet["p2"].engine.core.kv_transfer.sender
     real_push = sender.push
-    monkeypatch.setattr(sender, "push", lambda address, keys, payloads, block_bytes:
-                        real_push(address, keys[:3], payloads[:3], block_bytes))
+    monkeypatch.setattr(sender, "push", lambda address, keys, payloads, *rest:
+                        real_push(address, keys[:3], payloads[:3], *rest))
     p2, c2 = fleet["p2"], fleet["c2"]
     request = body(prompt_of(5), MAX_TOKENS)
     decoded = post(c2.client, request, _prefill(p2, c2, request))
