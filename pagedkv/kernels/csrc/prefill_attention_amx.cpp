@@ -119,30 +119,56 @@ void scores(Scratch& w, const uint32_t* kh, int64_t n, int64_t ks, int64_t d) {
   }
 }
 
+// exp(x) for finite x <= 0 (larger ones lose nothing either, to float32's range): 2^(x log2 e)
+// as 2^frac by a degree-5 polynomial (relative error about 2e-7), scaled by 2^floor with
+// vscalefps, which underflows to 0 without a clamp.
+inline __m512 exp_amx(__m512 x) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.8775767e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.9893397e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5826318e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4015361e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9315308e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999994e-1f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 floats to bfloat16, round to nearest even.
+inline void store_bf16x16(c10::BFloat16* p, __m512 v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  store_q(p, (vqf)v);
+#endif
+}
+
 // Row r of S (its first `len` keys visible): P = bf16(exp(scale * (S - max))) over them,
 // zeros up to `width`; returns the sum of the unrounded exponentials.
 float softmax_row(const float* s, c10::BFloat16* p, int64_t len, int64_t width, float scale) {
-  vqf mv = splat_q(-std::numeric_limits<float>::infinity());
+  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t j = 0;
-  for (; j + QW <= len; j += QW) { const vqf x = row_vec(s + j); mv = mv > x ? mv : x; }
-  float m = -std::numeric_limits<float>::infinity();
-  for (int i = 0; i < QW; i++) m = std::max(m, mv[i]);
+  for (; j + 16 <= len; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
+  float m = _mm512_reduce_max_ps(mv);
   for (; j < len; j++) m = std::max(m, s[j]);
-  const float ms = m * scale;
-  vqf sum = {};
-  for (j = 0; j + QW <= len; j += QW) {
-    const vqf e = exp_q(row_vec(s + j) * scale - ms);
-    sum += e;
-    store_q(p + j, e);
+  const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(m * scale);
+  __m512 sum = _mm512_setzero_ps();
+  for (j = 0; j + 16 <= len; j += 16) {
+    const __m512 e = exp_amx(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vs, vm));
+    sum = _mm512_add_ps(sum, e);
+    store_bf16x16(p + j, e);
   }
-  float total = hsum_q(sum);
-  for (; j < len; j++) {
-    const float e = fast_exp(s[j] * scale - ms);
-    total += e;
-    p[j] = from_f<c10::BFloat16>(e);
+  if (j < len) {  // the tail, masked: exp of the visible keys, zeros after them
+    const __mmask16 keep = static_cast<__mmask16>((1u << (len - j)) - 1u);
+    const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(keep, s + j), vs, vm);
+    const __m512 e = _mm512_maskz_mov_ps(keep, exp_amx(x));
+    sum = _mm512_add_ps(sum, e);
+    store_bf16x16(p + j, e);
+    j += 16;
   }
-  for (; j < width; j++) p[j] = c10::BFloat16(0, c10::BFloat16::from_bits());
-  return total;
+  for (; j < width; j += 16) store_bf16x16(p + j, _mm512_setzero_ps());
+  return _mm512_reduce_add_ps(sum);
 }
 
 // O[16][64 dims from d0] = P V over the first n keys (n a multiple of 32), into scratch.o.

@@ -14,6 +14,9 @@ blocks once). Where the build has no tiled kernel for the dtype and head size
 (`paged_prefill_supports`: an AVX2 build, a head size other than 64 or 128, float16, bfloat16
 without AVX512-BF16) prefill chunks take the pure-torch path of torch_paged.py.
 
+A step of fresh prompts only (bfloat16, a CPU with AMX tiles) runs `amx_prefill_attention` on
+the step's own K/V instead (prefill_choice.py).
+
 Which kernel runs a step's decodes is measured per attention class (decode_choice.py): the
 fused kernel, torch's attention over gathered blocks (attention.decode_attention), or, for a
 lone decode whose KV heads do not fill the threads, the fused kernel split over its context
@@ -40,7 +43,7 @@ from pagedkv.model.cascade import (
 )
 from pagedkv.model.decode_choice import DecodeClass, decode_route
 from pagedkv.model.decode_split import split_decode, split_rows
-from pagedkv.model.prefill_choice import native_prefill
+from pagedkv.model.prefill_choice import amx_fresh_prefill, native_prefill
 
 
 @cache
@@ -63,7 +66,10 @@ class NativeAttentionMetadata(AttentionMetadata):
             self._decode(q[:nd], k_cache, v_cache, scale, window, out[:nd])
         if not self.prefills:
             return out
-        if tiled_prefill(q.shape[2], q.dtype) and k_cache.dtype == q.dtype \
+        if amx_fresh_prefill(q, k, v, k_cache, self.prefills, window):
+            starts, ends, _ = self._prefill_rows()
+            torch.ops.pagedkv_cpu.amx_prefill_attention(q, k, v, starts, ends, scale, out)
+        elif tiled_prefill(q.shape[2], q.dtype) and k_cache.dtype == q.dtype \
                 and native_prefill(q, k_cache, self.prefills):  # else torch's: measured faster
             self._prefill(q, k_cache, v_cache, scale, window, out)
         else:

@@ -1,0 +1,119 @@
+"""The AMX prefill attention kernel (kernels/csrc/prefill_attention_amx.cpp) against float64,
+and the backend's routing of fresh prompts to it. Skips where the CPU or build has no AMX
+(printing the CPU flag and what the build says); the AVX2 build must say it has none."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from pagedkv.kernels.cpu import ensure_cpu_kernels
+from pagedkv.model.attention import AttentionMetadata, PrefillChunk
+from pagedkv.model.backends.cpu_native import NativeAttentionMetadata
+from pagedkv.model.prefill_choice import amx_fresh_prefill
+from pagedkv.testing.isa_child import run_with_isa
+
+
+def cpu_has_amx() -> bool:
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def amx() -> None:
+    assert ensure_cpu_kernels("wait")
+    built = bool(torch.ops.pagedkv_cpu.amx_prefill_supported(64, torch.bfloat16))
+    print(f"CPU flag amx_bf16: {cpu_has_amx()}; AMX prefill kernel in this build: {built}")
+    if not built:
+        pytest.skip("no AMX prefill kernel on this CPU / build")
+
+
+def exact_attention(q, k, v, lens) -> torch.Tensor:
+    """float64 causal attention of each fresh prompt of `lens` (rows in order)."""
+    out, start = [], 0
+    for n in lens:
+        part = (t[start:start + n].double().transpose(0, 1)[None] for t in (q, k, v))
+        out.append(F.scaled_dot_product_attention(*part, is_causal=True,
+                                                  enable_gqa=True)[0].transpose(0, 1))
+        start += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 4, 64), (4, 1, 128), (2, 2, 64)])
+def test_amx_kernel_is_as_close_to_float64_as_torchs_bfloat16(amx, heads, kv_heads, d):
+    """Chunks of 1 to 130 tokens (partial 16-row tiles, 32- and 64-key tails), strided views
+    of one qkv tensor; the error against float64 within twice that of torch's own bfloat16
+    attention plus one bfloat16 rounding; rows outside the chunks untouched."""
+    torch.manual_seed(0)
+    lens = [1, 15, 16, 17, 64, 100, 130]
+    t = sum(lens)
+    qkv = (torch.randn(t, heads + 2 * kv_heads, d) * 2).bfloat16()
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    bounds = torch.tensor([0, *lens]).cumsum(0)
+    out = torch.full((t + 3, heads, d), 7.0, dtype=torch.bfloat16)
+    torch.ops.pagedkv_cpu.amx_prefill_attention(q, k, v, bounds[:-1], bounds[1:], d ** -0.5, out)
+    exact = exact_attention(q, k, v, lens)
+    got_err = float((out[:t].double() - exact).abs().max())
+    ref = torch.cat([F.scaled_dot_product_attention(
+        *(x[s:e].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True,
+        enable_gqa=True)[0].transpose(0, 1)
+        for s, e in zip(bounds[:-1], bounds[1:], strict=True)])
+    ref_err = float((ref.double() - exact).abs().max())
+    assert got_err <= 2 * ref_err + 2 ** -8 * float(exact.abs().max()), (got_err, ref_err)
+    assert bool((out[t:] == 7.0).all())
+
+
+def test_amx_kernel_refuses_a_chunk_outside_the_rows(amx):
+    q = torch.zeros(10, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="outside the rows"):
+        torch.ops.pagedkv_cpu.amx_prefill_attention(q, q, q, torch.tensor([0]),
+                                                    torch.tensor([11]), 0.1, q.clone())
+
+
+def step_fields(chunks: list[PrefillChunk], bs: int) -> dict:
+    slots = [int(c.block_table[p // bs]) * bs + p % bs for c in chunks
+             for p in range(c.start_pos, c.seq_len)]
+    return dict(slot_mapping=torch.tensor(slots), num_decodes=0,
+                decode_seq_lens=torch.zeros(0, dtype=torch.long),
+                decode_block_tables=torch.zeros(0, 1, dtype=torch.long), prefills=chunks,
+                block_size=bs, decode_seq_lens_list=[])
+
+
+def test_backend_runs_fresh_prompts_on_amx_and_matches_the_torch_path(amx, monkeypatch):
+    """A step of three fresh prompts takes the AMX kernel (default choice mode) and returns
+    what the torch path does; a step with a chunk after a cached prefix does not take it, nor
+    does a forced choice mode."""
+    monkeypatch.delenv("PAGEDKV_KERNEL_CHOICE", raising=False)
+    bs, kvh, heads, d = 16, 2, 4, 64
+    chunks = [PrefillChunk(0, 40, 0, 40, torch.tensor([1, 2, 3])),
+              PrefillChunk(40, 57, 0, 17, torch.tensor([4, 5])),
+              PrefillChunk(57, 157, 0, 100, torch.tensor([6, 7, 8, 9, 10, 11, 12]))]
+    torch.manual_seed(1)
+    qkv = torch.randn(157, heads + 2 * kvh, d).bfloat16()
+    q, k, v = qkv.split([heads, kvh, kvh], dim=1)
+    caches = tuple(torch.zeros(kvh, 16, bs, d, dtype=torch.bfloat16) for _ in range(2))
+    ref_caches = tuple(c.clone() for c in caches)
+    assert amx_fresh_prefill(q, k, v, caches[0], chunks, None)
+    assert not amx_fresh_prefill(q, k, v, caches[0], chunks, 50)  # a window hiding keys
+    want = AttentionMetadata(**step_fields(chunks, bs)).attend(q, k, v, *ref_caches, 0.125, None)
+    got = NativeAttentionMetadata(**step_fields(chunks, bs)).attend(q, k, v, *caches, 0.125, None)
+    assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
+    scale = max(1.0, float(want.float().abs().max()))
+    assert float((got.float() - want.float()).abs().max()) <= 1e-2 * scale
+    after_prefix = [PrefillChunk(0, 20, 16, 36, torch.tensor([1, 2, 3]))]
+    assert not amx_fresh_prefill(q[:20], k[:20], v[:20], caches[0], after_prefix, None)
+    monkeypatch.setenv("PAGEDKV_KERNEL_CHOICE", "isa")
+    assert not amx_fresh_prefill(q, k, v, caches[0], chunks, None)
+
+
+@pytest.mark.slow
+def test_the_avx2_build_has_no_amx_kernel():
+    got = run_with_isa("import json, torch; from pagedkv.kernels.cpu import ensure_cpu_kernels, "
+                       "panel_isa; ensure_cpu_kernels('wait'); print(json.dumps([panel_isa(), "
+                       "torch.ops.pagedkv_cpu.amx_prefill_supported(64, torch.bfloat16)]))")
+    assert got == ["avx2", False]
