@@ -61,22 +61,45 @@ void pack_chunk(const c10::BFloat16* kp, const c10::BFloat16* vp, int64_t sk, in
                 int64_t len, int64_t kv_heads, int64_t d, Packed& p) {
   p.keys_k = (len + AMX_KEYS - 1) / AMX_KEYS * AMX_KEYS;
   p.keys_v = (len + 31) / 32 * 32;
-  const int64_t dp = d / 2;  // dim pairs per key
-  p.k.assign(kv_heads * p.keys_k * dp, 0u);
-  p.v.assign(kv_heads * p.keys_v * dp, 0u);
+  const int64_t dp = d / 2, dsteps = d / 32;  // dim pairs per key; 32-dim steps
+  p.k.resize(kv_heads * p.keys_k * dp);
+  p.v.resize(kv_heads * p.keys_v * dp);
+  // K: each 16-key x 16-dim-pair block transposed, a gather per tile row (keys past the
+  // chunk read as zeros).
+  const __m512i key_offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8,
+                                                                  7, 6, 5, 4, 3, 2, 1, 0),
+                                                 _mm512_set1_epi32(static_cast<int>(sk / 2)));
   for (int64_t h = 0; h < kv_heads; h++) {
     uint32_t* kh = p.k.data() + h * p.keys_k * dp;
+    for (int64_t kb = 0; kb < p.keys_k / 16; kb++) {
+      const int64_t left = std::min<int64_t>(16, std::max<int64_t>(0, len - kb * 16));
+      const __mmask16 keys = static_cast<__mmask16>((1u << left) - 1u);
+      const uint32_t* base = reinterpret_cast<const uint32_t*>(kp + kb * 16 * sk + h * d);
+      for (int64_t j = 0; j < dp; j++)  // block (kb, j / 16), row j % 16
+        _mm512_storeu_si512(kh + ((kb * dsteps + j / 16) * 16 + j % 16) * 16,
+                            left ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), keys,
+                                                               key_offsets, base + j, 4)
+                                 : _mm512_setzero_si512());
+    }
+  }
+  // V: each pair of keys' rows interleaved 16 dims at a time (a tile row of B for P V).
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  for (int64_t h = 0; h < kv_heads; h++) {
     uint32_t* vh = p.v.data() + h * p.keys_v * dp;
-    for (int64_t t = 0; t < len; t++) {
-      const uint32_t* krow = reinterpret_cast<const uint32_t*>(kp + t * sk + h * d);
-      const uint16_t* vrow = reinterpret_cast<const uint16_t*>(vp + t * sv + h * d);
-      const int64_t kb = t / 16, kn = t % 16;
-      for (int64_t j = 0; j < dp; j++)  // block (kb, j / 16), row j % 16, column kn
-        kh[((kb * (dp / 16) + j / 16) * 16 + j % 16) * 16 + kn] = krow[j];
-      const int64_t vb = t / 32, vr = (t % 32) / 2, ve = t % 2;
-      uint16_t* vblock = reinterpret_cast<uint16_t*>(vh + vb * 16 * d);
-      for (int64_t j = 0; j < d; j++)  // block (vb, j / 16), row vr, column j % 16, half ve
-        vblock[(((j / 16) * 16 + vr) * 16 + j % 16) * 2 + ve] = vrow[j];
+    for (int64_t t = 0; t < p.keys_v; t += 2) {
+      const int64_t vb = t / 32, vr = (t % 32) / 2;
+      for (int64_t j = 0; j < d; j += 16) {  // block (vb, j / 16), row vr
+        const __m256i a = t < len ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                        vp + t * sv + h * d + j)) : _mm256_setzero_si256();
+        const __m256i b = t + 1 < len ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                            vp + (t + 1) * sv + h * d + j))
+                                      : _mm256_setzero_si256();
+        const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+        _mm512_storeu_si512(vh + vb * 16 * d + ((j / 16) * 16 + vr) * 16,
+                            _mm512_permutexvar_epi16(pairs, ab));
+      }
     }
   }
 }
