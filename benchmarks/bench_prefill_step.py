@@ -44,6 +44,7 @@ OP_CLASSES = {
     "aten::embedding": "embedding",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA flash)",
     "pagedkv_cpu::paged_prefill_attention": "attention (fused kernel)",
+    "pagedkv_cpu::amx_prefill_attention": "attention (AMX kernel)",
 }
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 

@@ -19,9 +19,10 @@ PAGEDKV_KERNEL_CHOICE: "panel" and "isa" keep the fused kernel, "onednn" takes t
 
 Fresh prompts in bfloat16 on a CPU with AMX tiles have a third kernel, `amx_prefill_attention`
 (kernels/csrc/prefill_attention_amx.cpp: both products on AMX tiles, reading the step's K/V):
-with the default choice mode a step whose prefill chunks are all fresh prompts (from position
-0, no window hiding any of their keys) runs it, since it beat both others at every length
-measured on an Intel Xeon with AMX (16 to 1,536 tokens; 1.4-1.7x torch's from 256 tokens).
+with the default choice mode a step's fresh prompts (from position
+0, no window hiding any of their keys) runs it for them (the step's other chunks as above),
+since it beat both others at every length measured on an Intel Xeon with AMX (16 to 1,536
+tokens; 1.4-1.7x torch's from 256 tokens).
 `amx_fresh` in a class's entry says it is in use.
 """
 
@@ -153,20 +154,24 @@ def amx_available(head_dim: int, dtype: torch.dtype) -> bool:
     return bool(torch.ops.pagedkv_cpu.amx_prefill_supported(head_dim, dtype))
 
 
-def amx_fresh_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      prefills: Sequence[PrefillChunk], window: int | None) -> bool:
-    """Whether this step's prefill chunks run the AMX kernel on q, k, v [T, heads, D]: all of
-    them fresh prompts (from position 0, no window hiding any of their keys), heads contiguous,
-    a cache of q's dtype, and the class's choice says so (see the module docstring)."""
+def amx_prefill_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   k_cache: torch.Tensor) -> bool:
+    """Whether this step's fresh prompts (`fresh_prompt`) run the AMX kernel on q, k, v
+    [T, heads, D]: heads contiguous, a cache of q's dtype, and the class's choice says so (see
+    the module docstring)."""
     d = q.shape[2]
-    if k_cache.dtype != q.dtype or not prefills or any(
+    if k_cache.dtype != q.dtype or any(
             t.dtype != q.dtype or t.stride(2) != 1 or t.stride(1) != d for t in (q, k, v)):
         return False
-    for c in prefills:
-        if c.start_pos != 0 or (window is not None and window < c.token_end - c.token_start):
-            return False
     return torch_prefill_from(q.dtype, q.shape[1], k_cache.shape[0], q.shape[2],
                               k_cache.shape[2]).amx_fresh
+
+
+def fresh_prompt(chunk: PrefillChunk, window: int | None) -> bool:
+    """Whether `chunk` is a whole fresh prompt for the AMX kernel: from position 0, no window
+    hiding any of its keys."""
+    return chunk.start_pos == 0 and (window is None
+                                     or window >= chunk.token_end - chunk.token_start)
 
 
 def _valid_entry(entry: object) -> bool:

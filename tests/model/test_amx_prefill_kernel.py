@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from pagedkv.kernels.cpu import ensure_cpu_kernels
 from pagedkv.model.attention import AttentionMetadata, PrefillChunk
 from pagedkv.model.backends.cpu_native import NativeAttentionMetadata
-from pagedkv.model.prefill_choice import amx_fresh_prefill
+from pagedkv.model.prefill_choice import amx_prefill_ok, fresh_prompt
 from pagedkv.testing.isa_child import run_with_isa
 
 
@@ -85,30 +85,35 @@ def step_fields(chunks: list[PrefillChunk], bs: int) -> dict:
 
 
 def test_backend_runs_fresh_prompts_on_amx_and_matches_the_torch_path(amx, monkeypatch):
-    """A step of three fresh prompts takes the AMX kernel (default choice mode) and returns
-    what the torch path does; a step with a chunk after a cached prefix does not take it, nor
-    does a forced choice mode."""
+    """A step of three fresh prompts and one chunk after a cached prefix: the fresh ones take
+    the AMX kernel (default choice mode), the other one the fused kernel or torch's, and the
+    step returns what the torch path does; a forced choice mode keeps AMX out."""
     monkeypatch.delenv("PAGEDKV_KERNEL_CHOICE", raising=False)
     bs, kvh, heads, d = 16, 2, 4, 64
     chunks = [PrefillChunk(0, 40, 0, 40, torch.tensor([1, 2, 3])),
               PrefillChunk(40, 57, 0, 17, torch.tensor([4, 5])),
-              PrefillChunk(57, 157, 0, 100, torch.tensor([6, 7, 8, 9, 10, 11, 12]))]
+              PrefillChunk(57, 77, 30, 50, torch.tensor([13, 14, 15, 0])),
+              PrefillChunk(77, 177, 0, 100, torch.tensor([6, 7, 8, 9, 10, 11, 12]))]
     torch.manual_seed(1)
-    qkv = torch.randn(157, heads + 2 * kvh, d).bfloat16()
+    qkv = torch.randn(177, heads + 2 * kvh, d).bfloat16()
     q, k, v = qkv.split([heads, kvh, kvh], dim=1)
-    caches = tuple(torch.zeros(kvh, 16, bs, d, dtype=torch.bfloat16) for _ in range(2))
+    caches = tuple(torch.randn(kvh, 16, bs, d).bfloat16() for _ in range(2))
     ref_caches = tuple(c.clone() for c in caches)
-    assert amx_fresh_prefill(q, k, v, caches[0], chunks, None)
-    assert not amx_fresh_prefill(q, k, v, caches[0], chunks, 50)  # a window hiding keys
+    assert amx_prefill_ok(q, k, v, caches[0])
+    assert [fresh_prompt(c, None) for c in chunks] == [True, True, False, True]
+    assert not fresh_prompt(chunks[0], 30)  # a window hiding keys
+    calls = []
+    amx_op = torch.ops.pagedkv_cpu.amx_prefill_attention
+    monkeypatch.setattr(torch.ops.pagedkv_cpu, "amx_prefill_attention",
+                        lambda *a: (calls.append(a[3].tolist()), amx_op(*a)))
     want = AttentionMetadata(**step_fields(chunks, bs)).attend(q, k, v, *ref_caches, 0.125, None)
     got = NativeAttentionMetadata(**step_fields(chunks, bs)).attend(q, k, v, *caches, 0.125, None)
+    assert calls == [[0, 40, 77]]  # the fresh prompts' first rows, one call
     assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
     scale = max(1.0, float(want.float().abs().max()))
     assert float((got.float() - want.float()).abs().max()) <= 1e-2 * scale
-    after_prefix = [PrefillChunk(0, 20, 16, 36, torch.tensor([1, 2, 3]))]
-    assert not amx_fresh_prefill(q[:20], k[:20], v[:20], caches[0], after_prefix, None)
     monkeypatch.setenv("PAGEDKV_KERNEL_CHOICE", "isa")
-    assert not amx_fresh_prefill(q, k, v, caches[0], chunks, None)
+    assert not amx_prefill_ok(q, k, v, caches[0])
 
 
 @pytest.mark.slow
