@@ -49,9 +49,12 @@ class TorchFrom(NamedTuple):
     after_prefix: int | None
     amx_fresh: bool = False  # steps of fresh prompts only run the AMX kernel
 
+    def lengths_json(self) -> dict[str, int | None]:
+        """The measured lengths (the table file's entry)."""
+        return {"torch_from": self.fresh, "torch_from_after_prefix": self.after_prefix}
+
     def as_json(self) -> dict[str, int | None | bool]:
-        return {"torch_from": self.fresh, "torch_from_after_prefix": self.after_prefix,
-                "amx_fresh": self.amx_fresh}
+        return {**self.lengths_json(), "amx_fresh": self.amx_fresh}
 
 
 _torch_from: dict[str, TorchFrom] = {}  # attention class -> first lengths for torch's
@@ -140,7 +143,7 @@ def _torch_from_by_mode(dtype: torch.dtype, heads: int, kv_heads: int, head_dim:
     if key not in _torch_from:
         found = choice.cached_choice(
             "prefill_attention", key, _valid_entry,
-            lambda: measure_prefill(dtype, heads, kv_heads, head_dim, block_size).as_json())
+            lambda: measure_prefill(dtype, heads, kv_heads, head_dim, block_size).lengths_json())
         _torch_from[key] = TorchFrom(found["torch_from"], found["torch_from_after_prefix"],
                                      amx_available(head_dim, dtype))
     return _torch_from[key]
@@ -160,7 +163,7 @@ def amx_prefill_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     [T, heads, D]: heads contiguous, a cache of q's dtype, and the class's choice says so (see
     the module docstring)."""
     d = q.shape[2]
-    if k_cache.dtype != q.dtype or any(
+    if not amx_available(d, q.dtype) or k_cache.dtype != q.dtype or any(
             t.dtype != q.dtype or t.stride(2) != 1 or t.stride(1) != d for t in (q, k, v)):
         return False
     return torch_prefill_from(q.dtype, q.shape[1], k_cache.shape[0], q.shape[2],
