@@ -16,10 +16,19 @@ in its table file): each kind runs torch's from the first length at which torch'
 length and every longer one. A step's prefill runs torch's when one of its chunks is at least
 its kind's length (the longest chunk decides, as one call of either kernel takes them all).
 PAGEDKV_KERNEL_CHOICE: "panel" and "isa" keep the fused kernel, "onednn" takes torch's always.
+
+Fresh prompts in bfloat16 on a CPU with AMX tiles have a third kernel, `amx_prefill_attention`
+(kernels/csrc/prefill_attention_amx.cpp: both products on AMX tiles, reading the step's K/V):
+with the default choice mode a step's fresh prompts (from position
+0, no window hiding any of their keys) runs it for them (the step's other chunks as above),
+since it beat both others at every length measured on an Intel Xeon with AMX (16 to 1,536
+tokens; 1.4-1.7x torch's from 256 tokens).
+`amx_fresh` in a class's entry says it is in use.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -38,9 +47,14 @@ class TorchFrom(NamedTuple):
 
     fresh: int | None
     after_prefix: int | None
+    amx_fresh: bool = False  # steps of fresh prompts only run the AMX kernel
 
-    def as_json(self) -> dict[str, int | None]:
+    def lengths_json(self) -> dict[str, int | None]:
+        """The measured lengths (the table file's entry)."""
         return {"torch_from": self.fresh, "torch_from_after_prefix": self.after_prefix}
+
+    def as_json(self) -> dict[str, int | None | bool]:
+        return {**self.lengths_json(), "amx_fresh": self.amx_fresh}
 
 
 _torch_from: dict[str, TorchFrom] = {}  # attention class -> first lengths for torch's
@@ -129,9 +143,38 @@ def _torch_from_by_mode(dtype: torch.dtype, heads: int, kv_heads: int, head_dim:
     if key not in _torch_from:
         found = choice.cached_choice(
             "prefill_attention", key, _valid_entry,
-            lambda: measure_prefill(dtype, heads, kv_heads, head_dim, block_size).as_json())
-        _torch_from[key] = TorchFrom(found["torch_from"], found["torch_from_after_prefix"])
+            lambda: measure_prefill(dtype, heads, kv_heads, head_dim, block_size).lengths_json())
+        _torch_from[key] = TorchFrom(found["torch_from"], found["torch_from_after_prefix"],
+                                     amx_available(head_dim, dtype))
     return _torch_from[key]
+
+
+@functools.cache
+def amx_available(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the loaded build runs `amx_prefill_attention` for this head size and dtype on
+    this CPU (AMX tiles compiled in and granted by the OS; bfloat16; head size a multiple of
+    64)."""
+    return bool(torch.ops.pagedkv_cpu.amx_prefill_supported(head_dim, dtype))
+
+
+def amx_prefill_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   k_cache: torch.Tensor) -> bool:
+    """Whether this step's fresh prompts (`fresh_prompt`) run the AMX kernel on q, k, v
+    [T, heads, D]: heads contiguous, a cache of q's dtype, and the class's choice says so (see
+    the module docstring)."""
+    d = q.shape[2]
+    if not amx_available(d, q.dtype) or k_cache.dtype != q.dtype or any(
+            t.dtype != q.dtype or t.stride(2) != 1 or t.stride(1) != d for t in (q, k, v)):
+        return False
+    return torch_prefill_from(q.dtype, q.shape[1], k_cache.shape[0], q.shape[2],
+                              k_cache.shape[2]).amx_fresh
+
+
+def fresh_prompt(chunk: PrefillChunk, window: int | None) -> bool:
+    """Whether `chunk` is a whole fresh prompt for the AMX kernel: from position 0, no window
+    hiding any of its keys."""
+    return chunk.start_pos == 0 and (window is None
+                                     or window >= chunk.token_end - chunk.token_start)
 
 
 def _valid_entry(entry: object) -> bool:

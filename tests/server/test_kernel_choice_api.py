@@ -94,7 +94,8 @@ def test_kv_cache_info_names_the_forced_kernel_and_the_prefill_choice(case, mode
     assert after["linears"] == before["linears"]
     start = 0 if forced == "onednn" else None
     assert after["prefill_attention"] == {attention: {"torch_from": start,
-                                                      "torch_from_after_prefix": start}}
+                                                      "torch_from_after_prefix": start,
+                                                      "amx_fresh": False}}
     decode = f"{attention} kv float32"  # chosen at start-up, forced here
     assert after["decode_attention"] == {decode: {"forced": "torch" if forced == "onednn"
                                                   else "native"}}
@@ -123,13 +124,14 @@ def test_a_measured_choice_crosses_the_utility_call_as_measured(monkeypatch):
 
     assert choice.choose_linear(shape, torch.bfloat16, 64, unmeasurable, choice.KERNELS,
                                 "panel") == measured
-    assert prefill_choice.torch_prefill_from(*attention) == (64, 32)
+    assert prefill_choice.torch_prefill_from(*attention)[:2] == (64, 32)
     info = run_utility(core_of("cpu"), "cpu_kernel_choice", ())
     labels = [choice.bucket_label(b) for b in choice.ROW_BUCKETS]
     assert info == {"mode": "measure", "isa": panel_isa(),
                     "linears": {shape: dict(zip(labels, measured, strict=True))},
                     "prefill_attention": {key: {"torch_from": 64,
-                                                "torch_from_after_prefix": 32}},
+                                                "torch_from_after_prefix": 32,
+                                                "amx_fresh": False}},
                     "decode_attention": {}}
     json.dumps(info)  # JSON-able as it is
 

@@ -31,4 +31,7 @@ TORCH_LIBRARY(pagedkv_cpu, m) {
         "bool causal=True, Tensor(b!)? lse=None, Tensor? k_scales=None, "
         "Tensor? v_scales=None) -> ()",
         &paged_prefill_attention);
+  m.def("amx_prefill_supported(int head_dim, ScalarType dtype) -> bool", &amx_prefill_supported);
+  m.def("amx_prefill_attention(Tensor q, Tensor k, Tensor v, Tensor starts, Tensor ends, "
+        "float scale, Tensor(a!) out) -> ()", &amx_prefill_attention);
 }

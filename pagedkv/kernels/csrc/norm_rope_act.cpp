@@ -1,10 +1,13 @@
 // A layer's elementwise ops: RMSNorm (rms_norm; add_rms_norm_ with the residual add first),
 // SiLU-and-mul and rotate-half RoPE in place, each rounding where layers.py's reference rounds.
+// Whole registers (vec_rows.h: 16 lanes with AVX-512, 8 with AVX2) and a scalar tail that
+// rounds the same way.
 #include <ATen/ops/empty.h>
 
 #include "common.h"
 #include "ops.h"
 #include "simd.h"
+#include "vec_rows.h"
 
 namespace pagedkv_cpu {
 namespace {
@@ -14,14 +17,61 @@ void check_rows(const at::Tensor& x, const char* name) {
               ": expected a CPU [rows, n] tensor with a contiguous last dim");
 }
 
+// The sum of squares of x[0, n) in float32.
+template <typename T> float sum_squares(const T* x, int64_t n) {
+  vqf a = {}, b = {};
+  int64_t j = 0;
+  for (; j + 2 * QW <= n; j += 2 * QW) {
+    const vqf u = load_q(x + j), v = load_q(x + j + QW);
+    a = fma_q(u, u, a);
+    b = fma_q(v, v, b);
+  }
+  for (; j + QW <= n; j += QW) { const vqf u = load_q(x + j); a = fma_q(u, u, a); }
+  float ss = hsum_q(a + b);
+  for (; j < n; j++) { const float v = to_f(x[j]); ss += v * v; }
+  return ss;
+}
+
 // RMSNorm of one row: out = T(x * rsqrt(mean(x^2) + eps)) * w, rounded as layers.RMSNorm.
 template <typename T>
 void rms_row(const T* x, const T* w, T* out, int64_t n, float eps) {
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t j = 0; j < n; j++) { float v = to_f(x[j]); ss += v * v; }
-  const float scale = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int64_t j = 0; j < n; j++) out[j] = from_f<T>(rnd<T>(to_f(x[j]) * scale) * to_f(w[j]));
+  const float scale = 1.f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
+  int64_t j = 0;
+  for (; j + QW <= n; j += QW)
+    store_q(out + j, rnd_q<T>(load_q(x + j) * scale) * load_q(w + j));
+  for (; j < n; j++) out[j] = from_f<T>(rnd<T>(to_f(x[j]) * scale) * to_f(w[j]));
+}
+
+// r += x, rounded to T (the residual add).
+template <typename T> void add_row(T* r, const T* x, int64_t n) {
+  int64_t j = 0;
+  for (; j + QW <= n; j += QW) store_q(r + j, load_q(r + j) + load_q(x + j));
+  for (; j < n; j++) r[j] = from_f<T>(to_f(r[j]) + to_f(x[j]));
+}
+
+// silu(g) * u over n values: silu rounded to T, then the product rounded to T.
+template <typename T> void silu_mul_row(const T* g, const T* u, T* out, int64_t n) {
+  int64_t j = 0;
+  for (; j + QW <= n; j += QW) {
+    const vqf x = load_q(g + j);
+    store_q(out + j, rnd_q<T>(x * recip_q(1.f + exp_q(-x))) * load_q(u + j));
+  }
+  for (; j < n; j++) {
+    const float x = to_f(g[j]);
+    out[j] = from_f<T>(rnd<T>(x / (1.f + fast_exp(-x))) * to_f(u[j]));
+  }
+}
+
+// RoPE in place on one head v[0, 2 * half) (half a multiple of QW) with its position's cos /
+// signed-sin rows c, s: each half's three roundings as rope_'s scalar loop.
+template <typename T> void rope_head(T* v, const T* c, const T* s, int64_t half) {
+  for (int64_t j = 0; j < half; j += QW) {
+    const vqf x1 = load_q(v + j), x2 = load_q(v + half + j);
+    const vqf o1 = rnd_q<T>(x1 * load_q(c + j)) + rnd_q<T>(x2 * load_q(s + j));
+    const vqf o2 = rnd_q<T>(x2 * load_q(c + half + j)) + rnd_q<T>(x1 * load_q(s + half + j));
+    store_q(v + j, o1);
+    store_q(v + half + j, o2);
+  }
 }
 
 }  // namespace
@@ -63,7 +113,7 @@ at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Te
       for (int64_t i = b; i < e; i++) {
         scalar_t* r = rp + i * sr;
         const scalar_t* xi = xp + i * sx;
-        for (int64_t j = 0; j < n; j++) r[j] = from_f<scalar_t>(to_f(r[j]) + to_f(xi[j]));
+        add_row(r, xi, n);
         rms_row(r, wp, op + i * n, n, (float)eps);
       }
     });
@@ -81,15 +131,7 @@ at::Tensor silu_and_mul(const at::Tensor& gu) {
     const scalar_t* g = gu.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; i++) {
-        const scalar_t* gi = g + i * s;
-        scalar_t* oi = o + i * n;
-#pragma omp simd
-        for (int64_t j = 0; j < n; j++) {
-          const float x = to_f(gi[j]);
-          oi[j] = from_f<scalar_t>(rnd<scalar_t>(x / (1.f + fast_exp(-x))) * to_f(gi[n + j]));
-        }
-      }
+      for (int64_t i = b; i < e; i++) silu_mul_row(g + i * s, g + i * s + n, o + i * n, n);
     });
   });
   return out;
@@ -115,6 +157,14 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
     scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* cp = cos.data_ptr<scalar_t>();
     const scalar_t* sp = sin.data_ptr<scalar_t>();
+    if (half % QW == 0) {
+      at::parallel_for(0, t, 8, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; i++)
+          for (int64_t h = 0; h < heads; h++)
+            rope_head(xp + i * sx + h * d, cp + pp[i] * d, sp + pp[i] * d, half);
+      });
+      return;
+    }
     at::parallel_for(0, t, 8, [&](int64_t b, int64_t e) {
       std::vector<float> cf(d), sf(d), xf(d);
       for (int64_t i = b; i < e; i++) {

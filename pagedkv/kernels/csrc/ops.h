@@ -50,6 +50,12 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                              const c10::optional<at::Tensor>& k_scales,
                              const c10::optional<at::Tensor>& v_scales);
 
+// prefill_attention_amx.cpp: causal attention of fresh prompts on AMX tiles (bfloat16).
+bool amx_prefill_supported(int64_t head_dim, at::ScalarType dtype);
+void amx_prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& starts, const at::Tensor& ends, double scale,
+                           at::Tensor& out);
+
 // panel_linear.cpp: weights packed into panels once, y = x @ W^T (+ bias) from them.
 at::Tensor pack_panels(const at::Tensor& w);
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,

@@ -14,6 +14,9 @@ blocks once). Where the build has no tiled kernel for the dtype and head size
 (`paged_prefill_supports`: an AVX2 build, a head size other than 64 or 128, float16, bfloat16
 without AVX512-BF16) prefill chunks take the pure-torch path of torch_paged.py.
 
+A step's fresh prompts (bfloat16, a CPU with AMX tiles) run `amx_prefill_attention` on the
+step's own K/V instead (prefill_choice.py), its other chunks as above.
+
 Which kernel runs a step's decodes is measured per attention class (decode_choice.py): the
 fused kernel, torch's attention over gathered blocks (attention.decode_attention), or, for a
 lone decode whose KV heads do not fill the threads, the fused kernel split over its context
@@ -25,6 +28,7 @@ runner turns `fused` off, this backend is exactly torch_paged's.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import cache
 
 import torch
@@ -40,7 +44,7 @@ from pagedkv.model.cascade import (
 )
 from pagedkv.model.decode_choice import DecodeClass, decode_route
 from pagedkv.model.decode_split import split_decode, split_rows
-from pagedkv.model.prefill_choice import native_prefill
+from pagedkv.model.prefill_choice import amx_prefill_ok, fresh_prompt, native_prefill
 
 
 @cache
@@ -63,12 +67,40 @@ class NativeAttentionMetadata(AttentionMetadata):
             self._decode(q[:nd], k_cache, v_cache, scale, window, out[:nd])
         if not self.prefills:
             return out
+        rest: NativeAttentionMetadata | None = self
+        if amx_prefill_ok(q, k, v, k_cache):
+            fresh, rest = self._amx_split(window)
+            if fresh is not None:
+                torch.ops.pagedkv_cpu.amx_prefill_attention(q, k, v, *fresh, scale, out)
+        if rest is not None:
+            rest._prefill_chunks(q, k, v, k_cache, v_cache, scale, window, out)
+        return out
+
+    def _prefill_chunks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                        window: int | None, out: torch.Tensor) -> None:
+        """This metadata's prefill chunks by the fused kernel or torch's attention."""
         if tiled_prefill(q.shape[2], q.dtype) and k_cache.dtype == q.dtype \
                 and native_prefill(q, k_cache, self.prefills):  # else torch's: measured faster
             self._prefill(q, k_cache, v_cache, scale, window, out)
         else:
             prefill_attention_all(q, k, v, k_cache, v_cache, self, scale, window, out)
-        return out
+
+    def _amx_split(self, window: int | None) -> tuple[tuple[torch.Tensor, torch.Tensor] | None,
+                                                      NativeAttentionMetadata | None]:
+        """((first rows, end rows) of the step's fresh prompts, or None; this metadata with the
+        other prefill chunks only, or None), once per step per window."""
+        key = ("amx_split", window)
+        if key not in self._mask_cache:
+            fresh = [c for c in self.prefills if fresh_prompt(c, window)]
+            others = [c for c in self.prefills if not fresh_prompt(c, window)]
+            rows = (torch.tensor([c.token_start for c in fresh], dtype=torch.long),
+                    torch.tensor([c.token_end for c in fresh], dtype=torch.long)) \
+                if fresh else None
+            rest = self if not fresh else dataclasses.replace(
+                self, prefills=others, _mask_cache={}) if others else None
+            self._mask_cache[key] = (rows, rest)
+        return self._mask_cache[key]
 
     def _prefill_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(first row [C], end row [C], sequence length [C]) of each prefill chunk; once per
