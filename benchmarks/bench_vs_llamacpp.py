@@ -9,13 +9,15 @@ Parts (`--parts`, all by default):
 - `bench`: decode tokens/s at batch 1 over 128 tokens (llama-bench `tg128`) and prefill tokens/s
   of a 512-token prompt (`pp512`), each engine on each quant type; pagedkv in every mode of
   `--pagedkv-modes` (`packed`: bfloat16 with the GGUF linears kept 4-bit, `--quantization auto`;
-  `bfloat16`, `float32`: every weight dequantized to that dtype). Also the decode step's bandwidth floor: the weight bytes
-  (the GGUF file's tensor bytes) over the measured read bandwidth, and each engine's ratio to it.
+  `bfloat16`, `float32`: every weight dequantized to that dtype). Also the decode step's
+  bandwidth floor: the weight bytes (the GGUF file's tensor bytes) over the measured read
+  bandwidth, and each engine's ratio to it.
 - `perplexity`: `llama-perplexity -c CTX` on tests/data's public-domain texts, and pagedkv's
   perplexity on the same chunks scored the same way: llama.cpp's own tokens (read back from
   its `--kl-divergence-base` file), chunks of CTX tokens, each scored on its second half less
   the half's first token, as llama-perplexity does. Beside them the exact perplexity of the
-  file's weights (pagedkv `float32`: every weight dequantized, float32 throughout), each
+  file's weights (pagedkv `float32`: every weight dequantized as `gguf.quants.dequantize` does,
+  float32 throughout; on SmolLM2 Q4_0 within 0.01% of transformers' Llama in float64), each
   engine's distance from it, and where llama.cpp runs repacked weights (its default for Q4_0
   on x86) also llama.cpp `--no-repack`. The ratio to llama.cpp comes with its standard error
   over the scored tokens.
@@ -24,12 +26,14 @@ Parts (`--parts`, all by default):
   greedy, ignore_eos).
 
     PYTHONPATH=$PWD python benchmarks/bench_vs_llamacpp.py [--gguf FILE]
-        [--quant-types Q4_1,Q8_0,Q4_0] [--parts bench,perplexity,serve] [--threads N]
+        [--quant-types Q4_1,Q8_0,Q4_0,Q6_K] [--parts bench,perplexity,serve] [--threads N]
         [--pagedkv-modes packed,bfloat16] [--llama-cpp BUILD_DIR]
 
 Q4_1 is the shipped SmolLM2 file; other types are made from it with `llama-quantize
 --allow-requantize` into the throwaway folder (requantized from Q4_1: the same weights for both
-engines, not the quality of a quant made from the original float weights).
+engines, not the quality of a quant made from the original float weights). SmolLM2's rows of
+576 weights do not split into K-quants' super-blocks of 256, so its "Q6_K" file holds Q6_K only
+in the MLP's down projections and Q8_0 elsewhere (llama-quantize's fallback).
 """
 
 from __future__ import annotations
@@ -373,7 +377,7 @@ def served(kind: str, bin_dir: Path, model: Path, threads: int, concurrencies: l
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, default=None, help="default: the SmolLM2 file")
-    parser.add_argument("--quant-types", default="Q4_1,Q8_0,Q4_0")
+    parser.add_argument("--quant-types", default="Q4_1,Q8_0,Q4_0,Q6_K")
     parser.add_argument("--parts", default="bench,perplexity,serve")
     parser.add_argument("--pagedkv-modes", default="packed,bfloat16",
                         help=f"of {sorted(MODES)}")
