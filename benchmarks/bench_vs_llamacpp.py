@@ -271,25 +271,26 @@ def perplexity(logprobs: np.ndarray) -> float:
 
 
 def compare_line(name: str, logprobs: np.ndarray, exact: np.ndarray,
-                 anchor: np.ndarray | None = None) -> str:
-    """`name`'s perplexity, its distance from the exact one and (with `anchor`) its ratio to
-    llama.cpp's with the standard error of that ratio over the scored tokens (paired)."""
+                 anchors: dict[str, np.ndarray] | None = None) -> str:
+    """`name`'s perplexity, its distance from the exact one and its ratio to each of `anchors`
+    (llama.cpp's runs) with the standard error of that ratio over the scored tokens (paired)."""
     ppl = perplexity(logprobs)
     line = (f"    {name:27} {ppl:8.3f}  {(ppl / perplexity(exact) - 1) * 100:+6.2f}% vs exact, "
             f"mean |dlogp| {np.abs(logprobs - exact).mean():.4f}")
-    if anchor is not None:
+    for anchor_name, anchor in (anchors or {}).items():
         diff = anchor - logprobs
         stderr = diff.std(ddof=1) / math.sqrt(diff.size) * 100
-        line += (f"; to llama.cpp {ppl / perplexity(anchor):.4f} "
-                 f"({(ppl / perplexity(anchor) - 1) * 100:+.2f}% +- {stderr:.2f}%)")
+        ratio = ppl / perplexity(anchor)
+        line += f"; to {anchor_name} {ratio:.4f} ({(ratio - 1) * 100:+.2f}% +- {stderr:.2f}%)"
     return line
 
 
-def perplexity_part(bin_dir: Path, model: Path, quant_type: str, modes: list[str], ctx: int,
-                    threads: int) -> tuple[float, float]:
+def perplexity_part(bin_dir: Path, model: Path, modes: list[str], ctx: int,
+                    threads: int) -> tuple[float, float, float, float | None]:
     """Both engines on the same chunks scored the same way, with the exact perplexity of the
     file's weights (pagedkv float32: every weight dequantized, float32 throughout) beside them.
-    Returns (llama.cpp's perplexity, pagedkv's in the first of `modes`)."""
+    Returns the perplexities: exact, llama.cpp's, pagedkv's in the first of `modes`, llama.cpp
+    `--no-repack`'s (None where llama.cpp did not repack)."""
     from pagedkv.model.tokenizer import Tokenizer
 
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as joined:
@@ -316,9 +317,13 @@ def perplexity_part(bin_dir: Path, model: Path, quant_type: str, modes: list[str
     print(compare_line("llama.cpp" + (" (repacked)" if ref.repacked else ""), ref.logprobs, exact))
     if plain is not None:
         print(compare_line("llama.cpp --no-repack", plain.logprobs, exact))
+    anchors = {"llama.cpp": ref.logprobs}
+    if plain is not None:
+        anchors["--no-repack"] = plain.logprobs
     for mode in modes:
-        print(compare_line(f"pagedkv {mode}", got[mode], exact, ref.logprobs))
-    return ref.ppl, perplexity(got[modes[0]])
+        print(compare_line(f"pagedkv {mode}", got[mode], exact, anchors))
+    return (perplexity(exact), ref.ppl, perplexity(got[modes[0]]),
+            None if plain is None else plain.ppl)
 
 
 # ----- serving --------------------------------------------------------------------------------
@@ -401,7 +406,7 @@ def main() -> None:
     bandwidth = read_bandwidth_gbs()
     print(f"read bandwidth: {bandwidth:.1f} GB/s")
     modes = args.pagedkv_modes.split(",")
-    ppl_rows: list[tuple[str, float, float]] = []
+    ppl_rows: list[tuple[str, float, float, float, float | None]] = []
     for quant_type in args.quant_types.split(","):
         model = quantized_file(bin_dir, args.gguf, quant_type)
         weight_bytes = gguf_weight_bytes(model)
@@ -420,8 +425,8 @@ def main() -> None:
                       f"ratio to llama.cpp: pp {got['pp512'] / ref['pp512']:.2f}x, "
                       f"tg {got['tg128'] / ref['tg128']:.2f}x")
         if "perplexity" in parts:
-            ppl_rows.append((quant_type, *perplexity_part(bin_dir, model, quant_type, modes,
-                                                          args.ctx, args.threads)))
+            ppl_rows.append((quant_type, *perplexity_part(bin_dir, model, modes, args.ctx,
+                                                          args.threads)))
         if "serve" in parts:
             concurrencies = [int(c) for c in args.concurrency.split(",")]
             vocab = gguf_vocab_size(model)
@@ -434,9 +439,12 @@ def main() -> None:
                       f"{got_serve[c]:8.1f} ({got_serve[c] / ref_serve[c]:.2f}x)")
     if ppl_rows:
         print(f"\nperplexity, pagedkv {modes[0]} against llama.cpp (ctx {args.ctx}):")
-        print("| type | llama.cpp | pagedkv | ratio |\n| --- | --- | --- | --- |")
-        for quant_type, ref_ppl, ppl in ppl_rows:
-            print(f"| {quant_type} | {ref_ppl:.3f} | {ppl:.3f} | {ppl / ref_ppl:.4f} |")
+        print("| type | exact | llama.cpp | pagedkv | ratio | llama.cpp --no-repack | ratio |\n"
+              "| --- | --- | --- | --- | --- | --- | --- |")
+        for quant_type, exact, ref_ppl, ppl, plain in ppl_rows:
+            no_repack = "| |" if plain is None else f"| {plain:.3f} | {ppl / plain:.4f} |"
+            print(f"| {quant_type} | {exact:.3f} | {ref_ppl:.3f} | {ppl:.3f} | "
+                  f"{ppl / ref_ppl:.4f} {no_repack}")
 
 
 if __name__ == "__main__":
