@@ -442,7 +442,7 @@ def main() -> None:
         print("| type | exact | llama.cpp | pagedkv | ratio | llama.cpp --no-repack | ratio |\n"
               "| --- | --- | --- | --- | --- | --- | --- |")
         for quant_type, exact, ref_ppl, ppl, plain in ppl_rows:
-            no_repack = "| |" if plain is None else f"| {plain:.3f} | {ppl / plain:.4f} |"
+            no_repack = "| | |" if plain is None else f"| {plain:.3f} | {ppl / plain:.4f} |"
             print(f"| {quant_type} | {exact:.3f} | {ref_ppl:.3f} | {ppl:.3f} | "
                   f"{ppl / ref_ppl:.4f} {no_repack}")
 
