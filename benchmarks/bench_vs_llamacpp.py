@@ -9,21 +9,31 @@ Parts (`--parts`, all by default):
 - `bench`: decode tokens/s at batch 1 over 128 tokens (llama-bench `tg128`) and prefill tokens/s
   of a 512-token prompt (`pp512`), each engine on each quant type; pagedkv in every mode of
   `--pagedkv-modes` (`packed`: bfloat16 with the GGUF linears kept 4-bit, `--quantization auto`;
-  `bfloat16`, `float32`: every weight dequantized to that dtype). Also the decode step's bandwidth floor: the weight bytes
-  (the GGUF file's tensor bytes) over the measured read bandwidth, and each engine's ratio to it.
+  `bfloat16`, `float32`: every weight dequantized to that dtype). Also the decode step's
+  bandwidth floor: the weight bytes (the GGUF file's tensor bytes) over the measured read
+  bandwidth, and each engine's ratio to it.
 - `perplexity`: `llama-perplexity -c CTX` on tests/data's public-domain texts, and pagedkv's
-  perplexity computed the same way (chunks of CTX tokens, each scored on its second half).
+  perplexity on the same chunks scored the same way: llama.cpp's own tokens (read back from
+  its `--kl-divergence-base` file), chunks of CTX tokens, each scored on its second half less
+  the half's first token, as llama-perplexity does. Beside them the exact perplexity of the
+  file's weights (pagedkv `float32`: every weight dequantized as `gguf.quants.dequantize` does,
+  float32 throughout; on SmolLM2 Q4_0 within 0.01% of transformers' Llama in float64), each
+  engine's distance from it, and where llama.cpp runs repacked weights (its default for Q4_0
+  on x86) also llama.cpp `--no-repack`. The ratio to llama.cpp comes with its standard error
+  over the scored tokens.
 - `serve`: output tokens/s at concurrency 16 and 64 of `llama-server -np 16` and `pagedkv serve`,
   loaded by the same client (`pagedkv bench serve`: random 256-token prompts, 128 output tokens,
   greedy, ignore_eos).
 
     PYTHONPATH=$PWD python benchmarks/bench_vs_llamacpp.py [--gguf FILE]
-        [--quant-types Q4_1,Q8_0,Q4_0] [--parts bench,perplexity,serve] [--threads N]
+        [--quant-types Q4_1,Q8_0,Q4_0,Q6_K] [--parts bench,perplexity,serve] [--threads N]
         [--pagedkv-modes packed,bfloat16] [--llama-cpp BUILD_DIR]
 
 Q4_1 is the shipped SmolLM2 file; other types are made from it with `llama-quantize
 --allow-requantize` into the throwaway folder (requantized from Q4_1: the same weights for both
-engines, not the quality of a quant made from the original float weights).
+engines, not the quality of a quant made from the original float weights). SmolLM2's rows of
+576 weights do not split into K-quants' super-blocks of 256, so its "Q6_K" file holds Q6_K only
+in the MLP's down projections and Q8_0 elsewhere (llama-quantize's fallback).
 """
 
 from __future__ import annotations
@@ -38,7 +48,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from pagedkv.bench.machine import cpu_name
 
@@ -156,13 +169,55 @@ def llama_bench(bin_dir: Path, model: Path, threads: int, reps: int) -> dict[str
     return result
 
 
-def llama_perplexity(bin_dir: Path, model: Path, text: Path, ctx: int, threads: int) -> float:
-    out = run_llama(bin_dir, "llama-perplexity", ["-m", str(model), "-f", str(text), "-c",
-                                                  str(ctx), "-b", str(ctx), "-t", str(threads)])
-    match = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
-    if match is None:
-        raise RuntimeError(f"no perplexity in llama-perplexity's output: {out.stderr[-2000:]}")
-    return float(match.group(1))
+@dataclass
+class LlamaPerplexity:
+    """llama-perplexity's run: its figure, the chunks it scored and each scored token's log-prob."""
+
+    ppl: float
+    tokens: np.ndarray  # int [chunks, ctx]: llama.cpp's own tokens of the text
+    logprobs: np.ndarray  # float [chunks, ctx - 1 - ctx // 2]: log p of tokens ctx//2 + 1 ..
+    repacked: bool  # llama.cpp ran repacked weights (`CPU_REPACK`: its default where it has one)
+
+
+def scored_logprobs(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [chunks, ctx], log p of each scored token [chunks, ctx - 1 - ctx // 2]) from the
+    file `llama-perplexity --kl-divergence-base` writes (tools/perplexity/perplexity.cpp):
+    b"_logits_", int32 ctx, vocab, chunks, the tokens, then per scored position the log-probs of
+    the whole vocabulary as two float32 (scale, minimum) and uint16 steps above the minimum."""
+    with open(path, "rb") as f:
+        if f.read(8) != b"_logits_":
+            raise ValueError(f"{path} is not a llama-perplexity logits file")
+        ctx, vocab, chunks = np.frombuffer(f.read(12), np.int32)
+        tokens = np.frombuffer(f.read(4 * ctx * chunks), np.int32).reshape(chunks, ctx)
+    first = ctx // 2
+    stride = 2 * ((vocab + 1) // 2) + 4
+    rows = np.memmap(path, np.uint16, "r", 20 + tokens.nbytes).reshape(chunks, ctx - 1 - first,
+                                                                        stride)
+    header = np.ascontiguousarray(rows[..., :4]).view(np.float32)  # [chunks, rows, 2]
+    steps = np.take_along_axis(rows[..., 4:], tokens[:, first + 1:, None], 2)[..., 0]
+    return tokens, header[..., 1] + header[..., 0] * steps.astype(np.float32)
+
+
+def llama_perplexity(bin_dir: Path, model: Path, text: Path, ctx: int, threads: int,
+                     no_repack: bool = False) -> LlamaPerplexity:
+    """`llama-perplexity -c ctx` on `text`, with the tokens and log-probs it scored."""
+    with tempfile.TemporaryDirectory(prefix="llama-ppl-") as tmp:
+        logits = Path(tmp) / "logits.bin"
+        out = run_llama(bin_dir, "llama-perplexity", [
+            "-m", str(model), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "-t", str(threads),
+            "--kl-divergence-base", str(logits), "-lv", "4",  # -lv 4: the buffers' log lines
+            *(NO_REPACK["llama-perplexity"] if no_repack else [])])
+        log = out.stdout + out.stderr
+        match = re.search(r"Final estimate: PPL = ([0-9.]+)", log)
+        if match is None:
+            raise RuntimeError(f"no perplexity in llama-perplexity's output: {log[-2000:]}")
+        tokens, logprobs = scored_logprobs(logits)
+    ppl = float(match.group(1))
+    if abs(math.exp(-logprobs.mean()) / ppl - 1) > 1e-3:
+        raise RuntimeError(f"llama-perplexity's log-probs give {math.exp(-logprobs.mean()):.4f}, "
+                           f"its log {ppl:.4f}: the logits file is misread")
+    repacked = re.search(r"CPU_REPACK model buffer size = +[1-9]", log) is not None
+    return LlamaPerplexity(ppl, tokens, logprobs, repacked)
 
 
 # ----- pagedkv measurements -------------------------------------------------------------------
@@ -194,24 +249,81 @@ def pagedkv_bench(model: Path, mode: str, threads: int, reps: int) -> dict[str, 
     return {"pp512": got.prefill_tps, "tg128": got.decode_tps}
 
 
-def pagedkv_perplexity(engine, tokens: list[int], ctx: int) -> float:  # noqa: ANN001
-    """llama-perplexity's method: chunks of `ctx` tokens, each scored on its second half."""
+def pagedkv_logprobs(engine, tokens: np.ndarray) -> np.ndarray:  # noqa: ANN001
+    """llama-perplexity's scoring: log p of tokens ctx//2 + 1 .. ctx - 1 of each chunk (a row of
+    `tokens`, [chunks, ctx]), each chunk a fresh request."""
     from pagedkv import SamplingParams
 
-    total, count = 0.0, 0
-    for chunk_index in range(len(tokens) // ctx):
-        chunk = tokens[chunk_index * ctx:(chunk_index + 1) * ctx]
-        engine.add_request(f"ppl{chunk_index}", {"prompt_token_ids": chunk},
+    ctx = tokens.shape[1]
+    for index, chunk in enumerate(tokens.tolist()):
+        engine.add_request(f"ppl{index}", {"prompt_token_ids": chunk},
                            SamplingParams(max_tokens=1, prompt_logprobs=0))
-        out = None
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    out = o
-        for position in range(ctx // 2, ctx):
-            total -= out.prompt_logprobs[position][chunk[position]]
-            count += 1
-    return math.exp(total / count)
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    return np.array([[outs[f"ppl{index}"].prompt_logprobs[p][chunk[p]]
+                      for p in range(ctx // 2 + 1, ctx)]
+                     for index, chunk in enumerate(tokens.tolist())])
+
+
+def perplexity(logprobs: np.ndarray) -> float:
+    return math.exp(-float(logprobs.mean()))
+
+
+def compare_line(name: str, logprobs: np.ndarray, exact: np.ndarray,
+                 anchors: dict[str, np.ndarray] | None = None) -> str:
+    """`name`'s perplexity, its distance from the exact one and its ratio to each of `anchors`
+    (llama.cpp's runs) with the standard error of that ratio over the scored tokens (paired)."""
+    ppl = perplexity(logprobs)
+    line = (f"    {name:27} {ppl:8.3f}  {(ppl / perplexity(exact) - 1) * 100:+6.2f}% vs exact, "
+            f"mean |dlogp| {np.abs(logprobs - exact).mean():.4f}")
+    for anchor_name, anchor in (anchors or {}).items():
+        diff = anchor - logprobs
+        stderr = diff.std(ddof=1) / math.sqrt(diff.size) * 100
+        ratio = ppl / perplexity(anchor)
+        line += f"; to {anchor_name} {ratio:.4f} ({(ratio - 1) * 100:+.2f}% +- {stderr:.2f}%)"
+    return line
+
+
+def perplexity_part(bin_dir: Path, model: Path, modes: list[str], ctx: int,
+                    threads: int) -> tuple[float, float, float, float | None]:
+    """Both engines on the same chunks scored the same way, with the exact perplexity of the
+    file's weights (pagedkv float32: every weight dequantized, float32 throughout) beside them.
+    Returns the perplexities: exact, llama.cpp's, pagedkv's in the first of `modes`, llama.cpp
+    `--no-repack`'s (None where llama.cpp did not repack)."""
+    from pagedkv.model.tokenizer import Tokenizer
+
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as joined:
+        text = "\n\n".join(p.read_text() for p in TEXTS)
+        joined.write(text)
+        joined.flush()
+        ref = llama_perplexity(bin_dir, model, Path(joined.name), ctx, threads)
+        plain = (llama_perplexity(bin_dir, model, Path(joined.name), ctx, threads, no_repack=True)
+                 if ref.repacked else None)
+    ours = Tokenizer.from_dir(model).encode(text)[:ref.tokens.size]
+    same = ours == ref.tokens.reshape(-1).tolist()
+    got = {}
+    for mode in dict.fromkeys([*modes, "float32"]):
+        engine = pagedkv_engine(model, mode, threads)
+        try:
+            got[mode] = pagedkv_logprobs(engine, ref.tokens)
+        finally:
+            engine.shutdown()
+    exact = got["float32"]
+    print(f"  perplexity: ctx {ctx}, {ref.tokens.shape[0]} chunks, {ref.logprobs.size} tokens "
+          f"scored (llama-perplexity's tokens and scoring, both engines; pagedkv's tokenizer "
+          f"gives {'the same' if same else 'OTHER'} tokens)")
+    print(f"    {'exact (float32 weights)':27} {perplexity(exact):8.3f}")
+    print(compare_line("llama.cpp" + (" (repacked)" if ref.repacked else ""), ref.logprobs, exact))
+    if plain is not None:
+        print(compare_line("llama.cpp --no-repack", plain.logprobs, exact))
+    anchors = {"llama.cpp": ref.logprobs}
+    if plain is not None:
+        anchors["--no-repack"] = plain.logprobs
+    for mode in modes:
+        print(compare_line(f"pagedkv {mode}", got[mode], exact, anchors))
+    return (perplexity(exact), ref.ppl, perplexity(got[modes[0]]),
+            None if plain is None else plain.ppl)
 
 
 # ----- serving --------------------------------------------------------------------------------
@@ -270,7 +382,7 @@ def served(kind: str, bin_dir: Path, model: Path, threads: int, concurrencies: l
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, default=None, help="default: the SmolLM2 file")
-    parser.add_argument("--quant-types", default="Q4_1,Q8_0,Q4_0")
+    parser.add_argument("--quant-types", default="Q4_1,Q8_0,Q4_0,Q6_K")
     parser.add_argument("--parts", default="bench,perplexity,serve")
     parser.add_argument("--pagedkv-modes", default="packed,bfloat16",
                         help=f"of {sorted(MODES)}")
@@ -294,6 +406,7 @@ def main() -> None:
     bandwidth = read_bandwidth_gbs()
     print(f"read bandwidth: {bandwidth:.1f} GB/s")
     modes = args.pagedkv_modes.split(",")
+    ppl_rows: list[tuple[str, float, float, float, float | None]] = []
     for quant_type in args.quant_types.split(","):
         model = quantized_file(bin_dir, args.gguf, quant_type)
         weight_bytes = gguf_weight_bytes(model)
@@ -312,23 +425,8 @@ def main() -> None:
                       f"ratio to llama.cpp: pp {got['pp512'] / ref['pp512']:.2f}x, "
                       f"tg {got['tg128'] / ref['tg128']:.2f}x")
         if "perplexity" in parts:
-            from pagedkv.model.tokenizer import Tokenizer
-
-            with tempfile.NamedTemporaryFile("w", suffix=".txt") as joined:
-                text = "\n\n".join(p.read_text() for p in TEXTS)
-                joined.write(text)
-                joined.flush()
-                ref_ppl = llama_perplexity(bin_dir, model, Path(joined.name), args.ctx,
-                                           args.threads)
-            tokens = Tokenizer.from_dir(model).encode(text)
-            print(f"  perplexity (ctx {args.ctx}, {len(tokens)} tokens): llama.cpp {ref_ppl:.3f}")
-            for mode in modes:
-                engine = pagedkv_engine(model, mode, args.threads)
-                try:
-                    ppl = pagedkv_perplexity(engine, tokens, args.ctx)
-                finally:
-                    engine.shutdown()
-                print(f"  perplexity pagedkv {mode:8} {ppl:.3f} ({(ppl / ref_ppl - 1) * 100:+.2f}%)")
+            ppl_rows.append((quant_type, *perplexity_part(bin_dir, model, modes, args.ctx,
+                                                          args.threads)))
         if "serve" in parts:
             concurrencies = [int(c) for c in args.concurrency.split(",")]
             vocab = gguf_vocab_size(model)
@@ -339,6 +437,14 @@ def main() -> None:
             for c in concurrencies:
                 print(f"  served c={c:3}: llama.cpp {ref_serve[c]:8.1f} out tok/s, pagedkv "
                       f"{got_serve[c]:8.1f} ({got_serve[c] / ref_serve[c]:.2f}x)")
+    if ppl_rows:
+        print(f"\nperplexity, pagedkv {modes[0]} against llama.cpp (ctx {args.ctx}):")
+        print("| type | exact | llama.cpp | pagedkv | ratio | llama.cpp --no-repack | ratio |\n"
+              "| --- | --- | --- | --- | --- | --- | --- |")
+        for quant_type, exact, ref_ppl, ppl, plain in ppl_rows:
+            no_repack = "| | |" if plain is None else f"| {plain:.3f} | {ppl / plain:.4f} |"
+            print(f"| {quant_type} | {exact:.3f} | {ref_ppl:.3f} | {ppl:.3f} | "
+                  f"{ppl / ref_ppl:.4f} {no_repack}")
 
 
 if __name__ == "__main__":
