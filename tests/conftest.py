@@ -30,6 +30,25 @@ os.environ.setdefault(SKIP_ENV, "1")
 # `make test-process` runs every server test with it.
 os.environ.setdefault(ENGINE_CORE_ENV, "inproc")
 
+
+
+def _share_the_cores_between_workers() -> None:
+    """Under xdist each worker (and every server or engine it starts, through the environment)
+    runs at most its share of the cores in torch threads: `make test`'s two workers on two
+    cores, one thread each. Two threads a worker spun four threads on two cores, each tiny op
+    then waiting on a thread that had lost its core (the tiny models' steps took several
+    times as long; the engines' CpuThreadGovernor honours OMP_NUM_THREADS too). A serial run,
+    or OMP_NUM_THREADS set already, keeps its threads."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 1 or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+_share_the_cores_between_workers()
+
 if not torch.cuda.is_available():
     # Triton kernels (the CUDA attention backend) run on CPU tensors in Triton's interpreter;
     # read when a kernel is defined, so set before any test imports one.
