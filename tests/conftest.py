@@ -30,15 +30,23 @@ os.environ.setdefault(SKIP_ENV, "1")
 # `make test-process` runs every server test with it.
 os.environ.setdefault(ENGINE_CORE_ENV, "inproc")
 
+if not torch.cuda.is_available():
+    # Triton kernels (the CUDA attention backend) run on CPU tensors in Triton's interpreter;
+    # read when a kernel is defined, so set before any test imports one.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+from tests.tiny_models import TINY_SPECS, build_tiny_hf_model
 
 
 def _share_the_cores_between_workers() -> None:
     """Under xdist each worker (and every server or engine it starts, through the environment)
     runs at most its share of the cores in torch threads: `make test`'s two workers on two
     cores, one thread each. Two threads a worker spun four threads on two cores, each tiny op
-    then waiting on a thread that had lost its core (the tiny models' steps took several
-    times as long; the engines' CpuThreadGovernor honours OMP_NUM_THREADS too). A serial run,
-    or OMP_NUM_THREADS set already, keeps its threads."""
+    then waiting on a thread that had lost its core (tests/model took twice the CPU time).
+    The engines' CpuThreadGovernor takes OMP_NUM_THREADS as its ceiling. A serial run, or
+    OMP_NUM_THREADS set already, keeps its threads."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers < 1 or "OMP_NUM_THREADS" in os.environ:
         return
@@ -48,15 +56,6 @@ def _share_the_cores_between_workers() -> None:
 
 
 _share_the_cores_between_workers()
-
-if not torch.cuda.is_available():
-    # Triton kernels (the CUDA attention backend) run on CPU tensors in Triton's interpreter;
-    # read when a kernel is defined, so set before any test imports one.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest
-
-from tests.tiny_models import TINY_SPECS, build_tiny_hf_model
 
 
 def _tiny(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
