@@ -12,7 +12,8 @@ MODEL  ?=
 PYTEST_ARGS ?=
 # Two workers, each taking whole modules (their fixtures start servers and engines once) in the
 # order tests/conftest.py gives them: the long ones first (xdist's own reorder, most tests
-# first, would leave a one-test module of half a minute for the end).
+# first, would leave a one-test module of half a minute for the end). Each worker, and what it
+# starts, runs its share of the cores in torch threads (OMP_NUM_THREADS, tests/conftest.py).
 XDIST  := -n 2 --dist loadscope --no-loadscope-reorder
 
 # The tests that start `pagedkv serve` or build the server app, run with the engine core in its

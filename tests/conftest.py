@@ -40,6 +40,24 @@ import pytest
 from tests.tiny_models import TINY_SPECS, build_tiny_hf_model
 
 
+def _share_the_cores_between_workers() -> None:
+    """Under xdist each worker (and every server or engine it starts, through the environment)
+    runs at most its share of the cores in torch threads: `make test`'s two workers on two
+    cores, one thread each. Two threads a worker spun four threads on two cores, each tiny op
+    then waiting on a thread that had lost its core (tests/model took twice the CPU time).
+    The engines' CpuThreadGovernor takes OMP_NUM_THREADS as its ceiling. A serial run, or
+    OMP_NUM_THREADS set already, keeps its threads."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 1 or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+_share_the_cores_between_workers()
+
+
 def _tiny(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
     """The model directory, once the fused kernels its engines run are built: a server or engine
     a module-scoped fixture starts on it finds them in the cache too."""

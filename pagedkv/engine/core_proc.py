@@ -51,6 +51,7 @@ from pagedkv.engine.messages import (
 )
 from pagedkv.engine.step_clock import StepClock
 from pagedkv.engine.utility import run_utility
+from pagedkv.utils import freeze_gc_heap
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ def run_engine_core(args: EngineArgs, in_addr: str, out_addr: str,
         outputs.close(linger=5000)
         ctx.term()
         return
+    freeze_gc_heap()  # the runner's shutdown then collects only what the steps allocated
     outputs.send(codec.encode(core.ready()))
     sender = _OutputThread(outputs)
     clock = StepClock(clock_path) if clock_path else None

@@ -10,7 +10,8 @@ them on a quiet machine, fewer as others take cores, never fewer than one.
 
 Where /proc is unreadable (not Linux) it leaves the thread count alone. The thread count is
 torch's, hence the process's: engines in one process share it (each governor sets the same
-count from the same readings).
+count from the same readings). `OMP_NUM_THREADS`, when set, is the most it uses, as torch's
+own default honours it (e.g. several engines or test workers sharing the cores).
 """
 
 from __future__ import annotations
@@ -41,6 +42,15 @@ def allowed_cpus() -> list[int]:
         return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return list(range(os.cpu_count() or 1))
+
+
+def omp_thread_limit() -> int | None:
+    """`OMP_NUM_THREADS` as a positive int, or None when unset or not one."""
+    try:
+        limit = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return None
+    return limit if limit >= 1 else None
 
 
 def busy_ticks(cpus: list[int]) -> int | None:
@@ -88,7 +98,8 @@ def threads_for(num_cpus: int, others_cores: float, max_threads: int) -> int:
 class CpuThreadGovernor:
     """Sets torch's thread count to the allowed cores that other processes leave free.
 
-    `max_threads`: the most threads to use (default: every CPU this process may run on).
+    `max_threads`: the most threads to use (default: every CPU this process may run on, at
+    most `OMP_NUM_THREADS` when that is set).
     `adjust()` is cheap (a clock read) except about once per INTERVAL_S, when it reads /proc;
     call it between steps. Mutates torch's thread count only when the choice changes.
     `read_ticks(cpus) -> (busy, own)` and `clock` are the seams tests drive (default: /proc
@@ -99,7 +110,8 @@ class CpuThreadGovernor:
                  clock: Callable[[], float] | None = None,
                  cpus: list[int] | None = None, ticks_per_s: int | None = None) -> None:
         self.cpus = cpus if cpus is not None else allowed_cpus()
-        self.max_threads = max(1, min(max_threads or len(self.cpus), len(self.cpus)))
+        max_threads = max_threads or omp_thread_limit() or len(self.cpus)
+        self.max_threads = max(1, min(max_threads, len(self.cpus)))
         if ticks_per_s is None:
             ticks_per_s = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self.ticks_per_s = ticks_per_s

@@ -11,6 +11,13 @@ from pagedkv.model import cpu_threads
 from pagedkv.model.cpu_threads import CpuThreadGovernor
 
 
+@pytest.fixture(autouse=True)
+def _no_omp_limit(monkeypatch):
+    """The governor's ceiling is every allowed CPU here (tests/conftest.py sets OMP_NUM_THREADS
+    under xdist); test_omp_num_threads_caps_the_threads sets it itself."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+
 @pytest.fixture
 def fake_machine(monkeypatch):
     """A 4-CPU machine whose busy ticks, our own ticks and clock the test drives (100 ticks/s)."""
@@ -46,6 +53,20 @@ def test_threads_follow_the_cores_others_leave(fake_machine, monkeypatch):
     assert gov.adjust() == 1
     advance(fake_machine, 1.0, own_cores=1, other_cores=0.2)  # quiet again: a little noise is free
     assert gov.adjust() == 4
+
+
+def test_omp_num_threads_caps_the_threads(fake_machine, monkeypatch):
+    """OMP_NUM_THREADS=2 on 4 CPUs: 2 threads when quiet; an explicit max_threads wins."""
+    monkeypatch.setattr(cpu_threads.os, "sysconf", lambda name: 100)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    gov = CpuThreadGovernor()
+    assert gov.threads == 2 and torch.get_num_threads() == 2
+    gov.adjust()
+    advance(fake_machine, 1.0, own_cores=2, other_cores=0)
+    assert gov.adjust() == 2
+    assert CpuThreadGovernor(max_threads=3).threads == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "none")
+    assert CpuThreadGovernor().threads == 4
 
 
 def test_an_idle_gap_does_not_count_what_others_did_meanwhile(fake_machine, monkeypatch):

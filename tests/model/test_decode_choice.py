@@ -155,7 +155,12 @@ def test_the_route_reads_the_bucket_of_the_batch_and_longest_context():
     assert route(CLASS, 1, decode_choice.SPLIT_FROM - 1, threads=2) == "native"
     assert route(CLASS, 1, 5000, threads=1) == "native"
     assert route(CLASS, 2, 5000, threads=2) == "native"  # split: batch 1 only
-    assert "split4 at batch 1, context 1025-4096" in decode_choice.describe_decode()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the banner reads torch's count (one under `make test`'s xdist)
+    try:
+        assert "split4 at batch 1, context 1025-4096" in decode_choice.describe_decode()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def one_decode_step_error(dtype: torch.dtype, route: str, monkeypatch,
