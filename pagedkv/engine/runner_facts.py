@@ -23,8 +23,18 @@ def runner_facts(runner: Any) -> dict[str, Any]:
 
         facts["cpu_kernels"] = kernels_in_use(getattr(runner, "cpu_kernels", "off"))
         if cpu_kernels_loaded() and getattr(runner, "cpu_kernels", "off") != "off":
-            facts["cpu_kernels"] += f"; {describe_choice()}; {_decode_choice(runner)}"
+            facts["cpu_kernels"] += (f"; {describe_choice()}; {_decode_choice(runner)}"
+                                     f"{_amx_prefill(runner)}")
     return facts
+
+
+def _amx_prefill(runner: Any) -> str:
+    """"; fresh prompts' attention: ..." where the runner's fresh prompts run the AMX kernel."""
+    from pagedkv.model.decode_choice import runner_class
+    from pagedkv.model.prefill_choice import describe_amx
+
+    cls = runner_class(runner)
+    return "" if cls is None else describe_amx(cls.dtype, cls.head_dim)
 
 
 def _decode_choice(runner: Any) -> str:

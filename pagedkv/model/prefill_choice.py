@@ -157,6 +157,14 @@ def amx_available(head_dim: int, dtype: torch.dtype) -> bool:
     return bool(torch.ops.pagedkv_cpu.amx_prefill_supported(head_dim, dtype))
 
 
+def describe_amx(dtype: torch.dtype, head_dim: int) -> str:
+    """The start-up banner's words for the AMX kernel where a model of `dtype` and `head_dim`
+    runs its fresh prompts on it (the default choice mode, a build and CPU with AMX), else ""."""
+    if choice.choice_mode() != "measure" or not amx_available(head_dim, dtype):
+        return ""
+    return "; fresh prompts' attention: amx_prefill_attention (AMX tiles)"
+
+
 def amx_prefill_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    k_cache: torch.Tensor) -> bool:
     """Whether this step's fresh prompts (`fresh_prompt`) run the AMX kernel on q, k, v

@@ -145,6 +145,11 @@ def test_a_bfloat16_model_with_fresh_prompts_on_amx_agrees_with_the_reference_pa
                            dtype="bfloat16", cpu_kernels=mode) for mode in ("wait", "off")]
     got, want = (teacher_forced_logits(r, prompt, cont, chunk_size=48) for r in runners)
     assert calls and all(ends == [48] for ends in calls)  # the fresh chunk, every layer
+    from pagedkv.engine.runner_facts import runner_facts
+    banner = runner_facts(runners[0])["cpu_kernels"]
+    assert banner.endswith("; fresh prompts' attention: amx_prefill_attention (AMX tiles)")
+    monkeypatch.setenv("PAGEDKV_KERNEL_CHOICE", "panel")
+    assert "amx" not in runner_facts(runners[0])["cpu_kernels"]
     cmp = compare_logits(want, got)
     assert cmp.greedy_agreement == 1.0, cmp
     assert cmp.max_abs_error <= 0.05 * cmp.logit_range, cmp
