@@ -577,7 +577,10 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     default: act = quantize_rows16(x.data_ptr<c10::Half>(), x.size(0), k); break;
   }
   const int8_t* w = codes.data_ptr<int8_t>();
+  const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / k) * k;
   return gemv_out(x, n, bias, [&](int64_t r, int nr, int64_t m0, int mr, float* y) {
+    if (m0 == 0)
+      for (int64_t c = 0; c < nr * k; c += 64) __builtin_prefetch(w + r * k + ahead + c);
     dispatch_rows(mr, nr, [&](auto mr_c, auto nr_c) {
       int8_rows<decltype(mr_c)::value, decltype(nr_c)::value>(w + r * k, act, m0, y);
     });
