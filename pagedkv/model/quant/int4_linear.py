@@ -6,9 +6,10 @@ groups' scales, then their offsets: float16 where that holds them exactly, Q4_0 
 values, else float32), read front to back by both paths (kernels/csrc/quant_int4.cpp):
 - a decode-sized call (rows <= `GEMV_ROWS`) runs `int4_gemv`: as llama.cpp's Q4 x Q8 dot, each
   activation row quantized once to int8 per group of 32, integer dot products on the codes
-  (AVX-512 VNNI, AVX2), each group's sum scaled in float32; about 1.4x torch's
-  `_weight_int4pack_mm_for_cpu` on SmolLM2's shapes at one row (benchmarks/
-  bench_quant_linear.py);
+  (AVX-512 VNNI, AVX2), each group's sum scaled in float32; about 2x torch's
+  `_weight_int4pack_mm_for_cpu` summed over SmolLM2's shapes with the weights out of cache, at
+  one row and at four (benchmarks/bench_quant_linear.py --cold, one thread: 1.8 against 3.8 ms
+  at one row);
 - a larger call expands the codes to a dense weight in the activation dtype (`int4_expand`) and
   runs the dense matmul (oneDNN's; a prefill of hundreds of rows is compute-bound, where its
   bfloat16 or AMX kernels win by 5-10x over any int4 kernel).
