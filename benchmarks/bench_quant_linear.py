@@ -13,7 +13,8 @@ Paths (each weight [N, K], activations [rows, K]):
 - `int_mm`: `torch._int_mm` on int8 activations quantized per row at the call (W8A8, the
   activation quantization counted), per-channel int8 weights;
 - `int4gemv`: pagedkv's `int4_gemv` (kernels/csrc/quant_int4.cpp; the packed linear's decode
-  path: the same int4 weights, activations quantized to int16 per group at the call, counted);
+  path: the same int4 weights with float16 scales and offsets, activations quantized to int8
+  per group of 32 at the call, counted);
 - `int8gemv`: pagedkv's `int8_gemv` (the LM head's copy: int8 per-row weights, int16
   activations per row).
 `--cold` cycles each path's calls over copies of the weights, 2^24 weights in all (32 MiB in
@@ -67,7 +68,7 @@ def _paths(n: int, k: int) -> dict[str, tuple[torch.Tensor, Callable[[torch.Tens
     sz = torch.rand(k // GROUP, n, 2) * 0.01
     w8t = w8.t().contiguous()
     nib = (q4[:, 0::2] | (q4[:, 1::2] << 4)).to(torch.uint8)  # any order: the same bytes
-    sz_rows = sz.transpose(0, 1).contiguous().bfloat16()
+    scales = sz.permute(1, 2, 0).reshape(n, -1).half().contiguous()  # [N, 2 * K/32]
     ops = torch.ops.pagedkv_cpu
 
     def int_mm(x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +86,7 @@ def _paths(n: int, k: int) -> dict[str, tuple[torch.Tensor, Callable[[torch.Tens
         "int4pack": (xb, lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, p4, GROUP, sz.bfloat16())),
         "int_mm": (xb, int_mm),
-        "int4gemv": (xb, lambda x: ops.int4_gemv(x, nib, sz_rows, None)),
+        "int4gemv": (xb, lambda x: ops.int4_gemv(x, nib, scales, None)),
         "int8gemv": (xb, lambda x: ops.int8_gemv(x, w8, scale8.bfloat16(), None)),
     }
 

@@ -95,35 +95,33 @@ def pagedkv_throughput(model: str, *, quantization: str = "auto", dtype: str = "
 
 def decode_step_bytes(model: str, quantization: str, weights_bytes: int, kv_bytes_per_token: int,
                       context: int) -> int:
-    """Bytes one batch-1 decode step reads: the weights less the embedding table where the
-    quantized model's LM head is a packed copy of it (a step reads one row of the table and
-    the whole copy) and less the packed linears' second copy of the codes (the one prefill
-    expands; a decode step reads torch's int4 layout), plus the KV cache of `context`
-    tokens."""
-    if quantization != "none":
+    """Bytes one batch-1 decode step reads: the weights less the dense embedding table where
+    the quantized model's LM head is a packed copy of it (a step reads one row of the table and
+    the whole copy; a table the file keeps packed is the head's own codes, read once), plus the
+    KV cache of `context` tokens."""
+    if quantization != "none" and not _packed_embeddings(model):
         from pagedkv.model.loader import load_hf_config
 
         config = load_hf_config(model)
         if config.get("tie_word_embeddings", True):
             weights_bytes -= 2 * config["vocab_size"] * config["hidden_size"]
-        weights_bytes -= _packed_int4_weights(model) // 2
     return weights_bytes + kv_bytes_per_token * context
 
 
-def _packed_int4_weights(model: str) -> int:
-    """How many weights of `model` (a GGUF file; 0 for another checkpoint) the packed linears
-    hold: its 4-bit tensors but the embeddings."""
+def _packed_embeddings(model: str) -> bool:
+    """Whether `model` is a GGUF file whose token embedding table stays packed (int8 codes,
+    shared with a tied LM head: int8_gguf.py)."""
     from pagedkv.model.gguf import gguf_file
 
     path = gguf_file(model)
     if path is None:
-        return 0
+        return False
     from gguf import GGUFReader
 
-    from pagedkv.model.quant.int4_blocks import INT4_TYPES
+    from pagedkv.model.quant.int8_blocks import INT8_BLOCK_TYPES
 
-    return sum(int(t.n_elements) for t in GGUFReader(path).tensors
-               if t.tensor_type in INT4_TYPES and t.name != "token_embd.weight")
+    return any(t.name == "token_embd.weight" and t.tensor_type in INT8_BLOCK_TYPES
+               for t in GGUFReader(path).tensors)
 
 
 def read_bandwidth(threads: int | None, gib: float = 1.0, reps: int = 3) -> float:

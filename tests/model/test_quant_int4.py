@@ -1,9 +1,10 @@
 """The packed 4-bit linear (pagedkv/model/quant): GGUF Q4_0 / Q4_1 / Q4_K blocks read as codes,
-scales and zeros (checked against the `gguf` package's own dequantization), and Int4Linear's
-output on both of its paths (torch's int4 kernel at decode sizes, the expanded weight above)
-against a float64 dequantize-then-matmul reference, within the rounding its bfloat16 scales
-and activations allow; the kernels (kernels/csrc/quant_int4.cpp: the expansion, the int4 and
-int8 products on int16 activations) against float64 references, in this machine's build and
+scales and offsets (checked against the `gguf` package's own dequantization), and Int4Linear's
+output on each of its paths (the int4 product on int8 activations at decode sizes, torch's int4
+op before the kernels load, the expanded weight above) against a float64
+dequantize-then-matmul reference, within the rounding its activations allow; the kernels
+(kernels/csrc/quant_int4.cpp: the expansion, the int4 product on int8 activations per group of
+32, the int8 product on int16 ones) against float64 references, in this machine's build and
 the AVX2 one."""
 
 from __future__ import annotations
@@ -19,14 +20,16 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from pagedkv.kernels.cpu import ensure_cpu_kernels
 from pagedkv.model.quant import int4_linear
 from pagedkv.model.quant.int4_blocks import INT4_TYPES, codes, codes_and_scales
-from pagedkv.model.quant.int4_linear import INT4PACK_ROWS, Int4Linear
+from pagedkv.model.quant.int4_linear import GEMV_ROWS, Int4Linear
 from pagedkv.testing.isa_child import run_with_isa
 
 TYPES = sorted(INT4_TYPES, key=lambda t: t.name)
 N, K = 48, 512
-# Each weight's bfloat16 scale and zero are within 2^-9 of the file's (relative), and the
-# output is rounded once to bfloat16 (2^-9 of it): twice that covers float32 summation. (A
-# zero off by one step, or codes in the wrong order, is far outside.)
+# The output is rounded once to bfloat16 (2^-9 of it), and torch's int4 op (before the kernels
+# load) rounds the scales and zeros to bfloat16 (2^-9 of each weight's terms): twice that covers
+# float32 summation. The int4 product adds its int8 activations' rounding (half a step, max |x|
+# / 127 per group of 32, per value). (An offset off by one step, or codes in the wrong order,
+# is far outside.)
 REL = 2.0 ** -8
 
 
@@ -53,9 +56,9 @@ def reference_weight(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> np.nda
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_codes_and_scales_are_the_format(ggml_type):
     raw = random_rows(ggml_type, N, K)
-    nibbles, scale, zero = codes_and_scales(raw, ggml_type)
+    nibbles, scale, offset = codes_and_scales(raw, ggml_type)
     q = codes(nibbles).astype(np.float64).reshape(N, -1, 32)
-    ours = ((q - 8) * scale[..., None] + zero[..., None]).reshape(N, K)
+    ours = (q * scale[..., None] + offset[..., None]).reshape(N, K)
     want = reference_weight(raw, ggml_type)
     np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
@@ -72,11 +75,11 @@ def packed(blocks):
     return Int4Linear(*parts), w
 
 
-@pytest.mark.parametrize("rows", [1, 3, INT4PACK_ROWS, INT4PACK_ROWS + 1, 64])
+@pytest.mark.parametrize("rows", [1, 3, GEMV_ROWS, GEMV_ROWS + 1, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("expand", ["kernel", "torch"])
-def test_int4_linear_equals_float64_reference(packed, rows, dtype, expand, monkeypatch):
-    if expand == "kernel":
+@pytest.mark.parametrize("kernels", ["fused", "torch"])
+def test_int4_linear_equals_float64_reference(packed, rows, dtype, kernels, monkeypatch):
+    if kernels == "fused":
         assert ensure_cpu_kernels("wait")
     else:
         monkeypatch.setattr(int4_linear, "cpu_kernels_loaded", lambda: False)
@@ -87,6 +90,9 @@ def test_int4_linear_equals_float64_reference(packed, rows, dtype, expand, monke
     xd = x.double().numpy()
     want = xd @ w.T
     bound = REL * (np.abs(xd) @ np.abs(w).T + np.abs(want)) + 1e-6
+    if kernels == "fused" and rows <= GEMV_ROWS:
+        step = np.abs(xd).reshape(rows, -1, 32).max(axis=2) / 127  # [rows, K/32]
+        bound += (step / 2) @ np.abs(w).reshape(N, -1, 32).sum(axis=2).T
     err = np.abs(got.double().numpy() - want)
     assert (err <= bound).all(), f"worst {err.max()} over bound {bound[err.argmax() // N]}"
 
@@ -94,12 +100,18 @@ def test_int4_linear_equals_float64_reference(packed, rows, dtype, expand, monke
 def test_bias_and_leading_dims(blocks, packed):
     bias = torch.randn(N)
     with_bias = Int4Linear(*blocks[0], bias=bias)
-    x = torch.randn(2, INT4PACK_ROWS, K).bfloat16()
+    x = torch.randn(2, GEMV_ROWS, K).bfloat16()
     for rows in (x[:, :1], x):  # both paths: 2 rows (the int4 kernel), more (expanded)
         got = with_bias(rows).float()
         want = packed[0](rows.reshape(-1, K)).float().reshape(*rows.shape[:2], N) + bias
         assert got.shape == (*rows.shape[:2], N)
         torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+
+
+def test_scales_kept_exactly(blocks, packed):
+    (_, scale, offset), _ = blocks
+    stored = packed[0].scales.float().numpy()
+    np.testing.assert_array_equal(stored, np.concatenate((scale, offset), axis=1))
 
 
 def test_refuses_shapes_the_kernel_cannot_take():
@@ -112,7 +124,7 @@ def test_expand_kernel_equals_torch_ops(packed):
     assert ensure_cpu_kernels("wait")
     linear, _ = packed
     for dtype in (torch.bfloat16, torch.float32, torch.float16):
-        got = torch.ops.pagedkv_cpu.int4_expand(linear.nibbles, linear.scale_zero, dtype)
+        got = torch.ops.pagedkv_cpu.int4_expand(linear.codes, linear.scales, dtype)
         want = linear.dequantized_reference(dtype)
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)
@@ -122,33 +134,36 @@ def test_expand_kernel_equals_torch_ops(packed):
 def products_against_references(n: int, k: int, rows: int, seed: int) -> dict:
     """The fused int4 and int8 products (kernels/csrc/quant_int4.cpp) of random weights [n, k]
     on float32 activations [rows, k] with one outlier feature, against float64 references:
-    per path, the largest error over its bound (a pass is <= 1): the activations' int16 steps
-    (max |x| / 32767 per group of 32 for int4, per row for int8; half of one at most per value)
-    times the weights' magnitudes, plus float32 summation. Also run by the AVX2 child."""
+    per path, the largest error over its bound (a pass is <= 1): the activations' steps (max |x|
+    / 127 per group of 32 for int4, max |x| / 32767 per row for int8; half of one at most per
+    value) times the weights' magnitudes, plus float32 summation. The int4 product with float16
+    and float32 scales. Also run by the AVX2 child."""
     gen = torch.Generator().manual_seed(seed)
     nib = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
-    sz = (torch.rand(n, k // 32, 2, generator=gen) * 0.2 - 0.1).bfloat16()  # [N, K/32, 2]
     x = torch.randn(rows, k, generator=gen)
     x[:, 1] *= 30
     bias = torch.randn(n, generator=gen)
     blocks = nib.view(n, -1, 16)
     q4 = torch.cat((blocks & 15, blocks >> 4), dim=2).double()  # [N, K/32, 32]
-    scale, zero = sz.double()[..., :1], sz.double()[..., 1:]
-    w4 = ((q4 - 8) * scale + zero).reshape(n, k)
     x64 = x.double()
-    want4 = x64 @ w4.T + bias.double()
-    got4 = torch.ops.pagedkv_cpu.int4_gemv(x, nib, sz, bias).double()
-    step = x64.abs().reshape(rows, -1, 32).amax(dim=2) / 32767  # [rows, K/32]
-    bound4 = (step / 2) @ (scale[..., 0].abs() * q4.sum(dim=2)).T \
-        + 1e-5 * (x64.abs() @ w4.abs().T + 1)
+    step = x64.abs().reshape(rows, -1, 32).amax(dim=2) / 127  # [rows, K/32]
+    ratios = {}
+    for dtype in (torch.float16, torch.float32):
+        scales = (torch.rand(n, k // 16, generator=gen) * 0.2 - 0.1).to(dtype)  # [N, 2 * K/32]
+        scale, offset = scales.double().view(n, 2, -1, 1).unbind(dim=1)
+        w4 = (q4 * scale + offset).reshape(n, k)
+        got4 = torch.ops.pagedkv_cpu.int4_gemv(x, nib, scales, bias).double()
+        bound4 = (step / 2) @ (scale[..., 0].abs() * q4.sum(dim=2)).T \
+            + 1e-5 * (x64.abs() @ w4.abs().T + 1)
+        ratios[f"int4_{dtype}"] = float(((got4 - x64 @ w4.T - bias).abs() / bound4).max())
     w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
     s8 = (torch.rand(n, generator=gen) + 0.01).bfloat16()
     wd = w8.double() * s8.double()[:, None]
     got8 = torch.ops.pagedkv_cpu.int8_gemv(x, w8, s8, None).double()
     bound8 = x64.abs().amax(dim=1, keepdim=True) / 65534 * wd.abs().sum(dim=1) \
         + 1e-5 * (x64.abs() @ wd.abs().T + 1)
-    return {"int4": float(((got4 - want4).abs() / bound4).max()),
-            "int8": float(((got8 - x64 @ wd.T).abs() / bound8).max())}
+    ratios["int8"] = float(((got8 - x64 @ wd.T).abs() / bound8).max())
+    return ratios
 
 
 # (N, K, rows): N not a multiple of 4 (the last rows one at a time), K of 3, 17 and 18 groups
@@ -165,11 +180,11 @@ def test_products_equal_float64_references(n, k, rows):
 
 def test_product_kernels_check_their_inputs():
     assert ensure_cpu_kernels("wait")
-    nib, sz = torch.zeros(16, 16, dtype=torch.uint8), torch.zeros(16, 1, 2).bfloat16()
+    nib, sc = torch.zeros(16, 16, dtype=torch.uint8), torch.zeros(16, 2, dtype=torch.float16)
     with pytest.raises(RuntimeError, match="x must be a contiguous"):
-        torch.ops.pagedkv_cpu.int4_gemv(torch.zeros(1, 64), nib, sz, None)
-    with pytest.raises(RuntimeError, match="scale_zero must be"):
-        torch.ops.pagedkv_cpu.int4_gemv(torch.zeros(1, 32), nib, sz.float(), None)
+        torch.ops.pagedkv_cpu.int4_gemv(torch.zeros(1, 64), nib, sc, None)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        torch.ops.pagedkv_cpu.int4_gemv(torch.zeros(1, 32), nib, sc.bfloat16(), None)
 
 
 _AVX2_CHECK = """
@@ -182,7 +197,7 @@ rng = np.random.default_rng(2)
 lin = Int4Linear(rng.integers(0, 256, (32, 64), dtype=np.uint8),
                  rng.uniform(-0.1, 0.1, (32, 4)).astype(np.float32),
                  rng.uniform(-0.1, 0.1, (32, 4)).astype(np.float32))
-got = torch.ops.pagedkv_cpu.int4_expand(lin.nibbles, lin.scale_zero, torch.float32)
+got = torch.ops.pagedkv_cpu.int4_expand(lin.codes, lin.scales, torch.float32)
 want = lin.dequantized_reference(torch.float32)
 ratios = [products_against_references(*case, seed=case[0]) for case in PRODUCT_CASES]
 print(json.dumps([panel_isa(), torch.ops.pagedkv_cpu.int_gemv_isa(),

@@ -1,16 +1,17 @@
-// Packed 4-bit group-32 weights (pagedkv/model/quant/int4_blocks.py: GGUF Q4_0, Q4_1, Q4_K):
+// Packed 4-bit group-32 weights (pagedkv/model/quant/int4_blocks.py: GGUF Q4_0, Q4_1, Q4_K) as
+// two tensors: the codes, uint8 [N, K/2] (byte j of a group holds code j in its low nibble and
+// code j + 16 in its high one, the files' own order), and per row the groups' scales then their
+// offsets, [N, 2 * K/32] in float16 (Q4_0, Q4_1: the file's own values, exact) or float32
+// (Q4_K's products of two scales): weight = code * scale + offset.
+// - `int4_gemv`, what the packed linear runs at decode sizes: as llama.cpp's Q4_1 x Q8_1 dot,
+//   each activation row is quantized once per call to int8 per group of 32 (step = max|x| /
+//   127, round to nearest even; the group's float sum kept beside for the offsets), then per
+//   weight row: sum over groups of scale * step * sum(code * q) + offset * sum(x). The integer
+//   sums with AVX-512 VNNI (vpdpbusd: the codes as the unsigned operand, 4 groups a register),
+//   or AVX2 (vpmaddubsw + vpmaddwd, 2 groups a register), float32 across groups. Each weight
+//   row's codes and scales are read once, front to back, for up to 4 activation rows.
 // - `int4_expand`, what the packed linear runs beyond decode sizes (a prefill's hundreds of
-//   rows): the dense weight, for oneDNN's matmul, which beats any int4 kernel there. Its
-//   decode-sized calls run torch's _weight_int4pack_mm_for_cpu (model/quant/int4_linear.py).
-// - `int4_gemv`: integer dot products on the packed codes (scales and zeros laid [N, K/32, 2],
-//   a row's together), measured against torch's int4 kernel by benchmarks/
-//   bench_quant_linear.py (`int4gemv`): on par at one row, slower from four rows and on a
-//   busy machine (model/quant/int4_linear.py), so the linear keeps torch's.
-//   Each activation row is quantized once per call to int16 per group of 32 (q = round(x / d),
-//   d = max|x| / 32767; the group's exact float sum kept beside), then per weight row and group:
-//   scale * d * sum(code * q) + (zero - 8 * scale) * sum(x), the integer sum with AVX-512 VNNI
-//   (vpdpwssd, 4 groups a register) or AVX2 (vpmaddwd), float32 across groups. (int8
-//   activations, llama.cpp's, flip close greedy choices of the tiny test models.)
+//   rows): the dense weight, for oneDNN's matmul, which beats any int4 kernel there.
 // - `int8_gemv`: int8 codes with one scale per weight row (the LM head's copy, model/quant/
 //   packed_head.py) against activations quantized to int16 per row (vpdpwssd, or AVX2's
 //   vpmaddwd): the head's logits see less than a bfloat16 rounding of the activations.
@@ -45,6 +46,22 @@ namespace {
 
 constexpr int64_t kInt4Group = 32;
 
+// Scale or offset i of a row as float32 (S: float or c10::Half).
+template <typename S>
+inline float scale_f(const S* s, int64_t i) {
+  if constexpr (std::is_same_v<S, c10::Half>) {
+#if defined(__F16C__)
+    uint16_t bits;
+    std::memcpy(&bits, s + i, sizeof(bits));
+    return _cvtsh_ss(bits);
+#else
+    return static_cast<float>(s[i]);
+#endif
+  } else {
+    return s[i];
+  }
+}
+
 // A group's 32 values, rounded once to T.
 template <typename T>
 inline void store_group(const float* lo, const float* hi, T* o) {
@@ -71,18 +88,17 @@ inline void store_group<c10::BFloat16>(const float* lo, const float* hi, c10::BF
   }
 }
 
-// Row n of the weight: out[g*32 + j] = (code - 8) * scale + zero for the group's codes, where
-// byte j of a group holds code j (low nibble) and code j + 16 (high nibble).
+// Row n of the weight: out[g*32 + j] = code * scale + offset for the group's codes.
 #if defined(__AVX512BF16__)
 // bfloat16 rows with AVX512-BF16: 16 codes a register, one fused multiply-add, vcvtneps2bf16
 // (round to nearest even, as the scalar path).
-inline void int4_expand_row_bf16(const uint8_t* nib, const c10::BFloat16* sz, int64_t n_rows,
-                                 int64_t groups, c10::BFloat16* out) {
+template <typename S>
+inline void int4_expand_row_bf16(const uint8_t* nib, const S* sc, int64_t groups,
+                                 c10::BFloat16* out) {
   const __m512i low4 = _mm512_set1_epi32(15);
   for (int64_t g = 0; g < groups; ++g) {
-    const float scale = static_cast<float>(sz[2 * (g * n_rows)]);
-    const __m512 s = _mm512_set1_ps(scale);
-    const __m512 z = _mm512_set1_ps(static_cast<float>(sz[2 * (g * n_rows) + 1]) - 8.0f * scale);
+    const __m512 s = _mm512_set1_ps(scale_f(sc, g));
+    const __m512 z = _mm512_set1_ps(scale_f(sc, groups + g));
     const __m512i v = _mm512_cvtepu8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(nib + g * (kInt4Group / 2))));
     const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low4)), s, z);
@@ -94,59 +110,65 @@ inline void int4_expand_row_bf16(const uint8_t* nib, const c10::BFloat16* sz, in
 }
 #endif
 
-template <typename T>
-void int4_expand_row(const uint8_t* nib, const c10::BFloat16* sz, int64_t n_rows, int64_t groups,
-                     T* out) {
+template <typename T, typename S>
+void int4_expand_row(const uint8_t* nib, const S* sc, int64_t groups, T* out) {
   for (int64_t g = 0; g < groups; ++g) {
-    const float scale = static_cast<float>(sz[2 * (g * n_rows)]);
-    const float zero = static_cast<float>(sz[2 * (g * n_rows) + 1]) - 8.0f * scale;
+    const float scale = scale_f(sc, g), offset = scale_f(sc, groups + g);
     const uint8_t* b = nib + g * (kInt4Group / 2);
-    T* o = out + g * kInt4Group;
     float lo[16], hi[16];
     for (int j = 0; j < 16; ++j) {
-      lo[j] = static_cast<float>(b[j] & 15) * scale + zero;
-      hi[j] = static_cast<float>(b[j] >> 4) * scale + zero;
+      lo[j] = static_cast<float>(b[j] & 15) * scale + offset;
+      hi[j] = static_cast<float>(b[j] >> 4) * scale + offset;
     }
-    store_group(lo, hi, o);
+    store_group(lo, hi, out + g * kInt4Group);
   }
 }
 
-template <typename T>
-void int4_expand_as(const at::Tensor& nibbles, const at::Tensor& scale_zero, at::Tensor& out) {
-  const int64_t n = nibbles.size(0), half_k = nibbles.size(1), groups = 2 * half_k / kInt4Group;
-  const uint8_t* nib = nibbles.data_ptr<uint8_t>();
-  const c10::BFloat16* sz = scale_zero.data_ptr<c10::BFloat16>();
+template <typename T, typename S>
+void int4_expand_as(const at::Tensor& codes, const at::Tensor& scales, at::Tensor& out) {
+  const int64_t n = codes.size(0), half_k = codes.size(1), groups = 2 * half_k / kInt4Group;
+  const uint8_t* nib = codes.data_ptr<uint8_t>();
+  const S* sc = reinterpret_cast<const S*>(scales.data_ptr());
   T* dst = out.data_ptr<T>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        int4_expand_row_bf16(nib + r * half_k, sz + 2 * r, n, groups, dst + r * 2 * half_k);
+        int4_expand_row_bf16(nib + r * half_k, sc + 2 * groups * r, groups, dst + r * 2 * half_k);
         continue;
       }
 #endif
-      int4_expand_row<T>(nib + r * half_k, sz + 2 * r, n, groups, dst + r * 2 * half_k);
+      int4_expand_row<T>(nib + r * half_k, sc + 2 * groups * r, groups, dst + r * 2 * half_k);
     }
   });
 }
 
-// nibbles: uint8 [N, K/2]; scale_zero: bfloat16 [K/32, N, 2] (torch's int4pack scales);
-// returns W [N, K] in `dtype` (float32, bfloat16 or float16), each value rounded once.
-at::Tensor int4_expand(const at::Tensor& nibbles, const at::Tensor& scale_zero,
-                       at::ScalarType dtype) {
-  TORCH_CHECK(nibbles.dim() == 2 && nibbles.scalar_type() == at::kByte && nibbles.is_contiguous(),
-              "int4_expand: nibbles must be a contiguous uint8 [N, K/2]");
-  const int64_t n = nibbles.size(0), k = 2 * nibbles.size(1);
-  TORCH_CHECK(k % kInt4Group == 0, "int4_expand: K must be a multiple of 32, got ", k);
-  TORCH_CHECK(scale_zero.scalar_type() == at::kBFloat16 && scale_zero.is_contiguous() &&
-                  scale_zero.dim() == 3 && scale_zero.size(0) == k / kInt4Group &&
-                  scale_zero.size(1) == n && scale_zero.size(2) == 2,
-              "int4_expand: scale_zero must be a contiguous bfloat16 [K/32, N, 2]");
-  at::Tensor out = at::empty({n, k}, nibbles.options().dtype(dtype));
+void check_int4_weight(const at::Tensor& codes, const at::Tensor& scales, const char* op) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(), op,
+              ": codes must be a contiguous uint8 [N, K/2]");
+  const int64_t n = codes.size(0), k = 2 * codes.size(1);
+  TORCH_CHECK(k % kInt4Group == 0, op, ": K must be a multiple of 32, got ", k);
+  TORCH_CHECK((scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) &&
+                  scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == n &&
+                  scales.size(1) == 2 * (k / kInt4Group),
+              op, ": scales must be a contiguous float16 or float32 [N, 2 * K/32]");
+}
+
+// codes: uint8 [N, K/2]; scales: float16 or float32 [N, 2 * K/32] (a row's scales, then its
+// offsets); returns W [N, K] in `dtype` (float32, bfloat16 or float16), each value rounded once.
+at::Tensor int4_expand(const at::Tensor& codes, const at::Tensor& scales, at::ScalarType dtype) {
+  check_int4_weight(codes, scales, "int4_expand");
+  at::Tensor out = at::empty({codes.size(0), 2 * codes.size(1)}, codes.options().dtype(dtype));
+  const bool half = scales.scalar_type() == at::kHalf;
+  auto run = [&](auto t) {
+    using T = decltype(t);
+    if (half) int4_expand_as<T, c10::Half>(codes, scales, out);
+    else int4_expand_as<T, float>(codes, scales, out);
+  };
   switch (dtype) {
-    case at::kFloat: int4_expand_as<float>(nibbles, scale_zero, out); break;
-    case at::kBFloat16: int4_expand_as<c10::BFloat16>(nibbles, scale_zero, out); break;
-    case at::kHalf: int4_expand_as<c10::Half>(nibbles, scale_zero, out); break;
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
     default: TORCH_CHECK(false, "int4_expand: dtype must be float32, bfloat16 or float16");
   }
   return out;
@@ -158,41 +180,6 @@ at::Tensor int4_expand(const at::Tensor& nibbles, const at::Tensor& scale_zero,
 constexpr int64_t kGemvBlock = 16;  // weight rows a task takes at a time
 constexpr int kGemvRows = 4;        // activation rows one pass over a weight block computes
 constexpr int kGemvCols = 4;        // weight rows one call computes together (independent sums)
-
-// Activation rows quantized per group of 32: q[m][g * 32 + j] (int16), d[m][g] (the step),
-// sum[m][g] (the group's float sum of x).
-struct GroupRows {
-  int64_t rows = 0, groups = 0;
-  std::vector<int16_t> q;
-  std::vector<float> d, sum;
-};
-
-template <typename T>
-GroupRows quantize_groups(const T* x, int64_t rows, int64_t k) {
-  GroupRows a;
-  a.rows = rows;
-  a.groups = k / kInt4Group;
-  a.q.resize(rows * k);
-  a.d.resize(rows * a.groups);
-  a.sum.resize(rows * a.groups);
-  for (int64_t m = 0; m < rows; ++m) {
-    for (int64_t g = 0; g < a.groups; ++g) {
-      const T* src = x + m * k + g * kInt4Group;
-      float v[kInt4Group], amax = 0.f, total = 0.f;
-      for (int j = 0; j < kInt4Group; ++j) {
-        v[j] = static_cast<float>(src[j]);
-        amax = std::max(amax, std::fabs(v[j]));
-        total += v[j];
-      }
-      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-      int16_t* q = a.q.data() + m * k + g * kInt4Group;
-      for (int j = 0; j < kInt4Group; ++j) q[j] = static_cast<int16_t>(std::nearbyint(v[j] * inv));
-      a.d[m * a.groups + g] = amax / 32767.f;
-      a.sum[m * a.groups + g] = total;
-    }
-  }
-  return a;
-}
 
 // Runs row_fn(r, nr, m0, mr, y) for every run of nr (kGemvCols, or 1 at the end) weight rows
 // from r and of mr (up to kGemvRows) activation rows from m0 (y[i * nr + j]: activation row
@@ -216,137 +203,195 @@ void for_each_output(int64_t n, int64_t m, RowFn row_fn) {
   });
 }
 
-#if defined(PAGEDKV_INT_VNNI)
-// The int4 product's activations re-laid for vpdpwssd: per chunk of 4 groups (what 64 code
-// bytes hold), four registers of 32 int16: values 0-15 of groups 0 and 1, of groups 2 and 3
-// (what the low nibbles pair with), then values 16-31 of the same (the high nibbles); per
-// chunk and lane the step (8 lanes a group: groups 0, 1 and 2, 3 as the integer sums lie) and
-// a quarter of the group's sum (4 lanes a group, in order). Groups past the last are zeros.
-struct Int4Act {
-  int64_t chunks = 0;
-  std::vector<int16_t> q;
-  std::vector<float> d, quarter_sum;
+// Activation rows quantized per group of 32 to int8 (q = round(x / step), step = max|x| / 127),
+// laid per chunk of 4 groups (what 64 code bytes hold) as the products read them: values 0-15
+// of groups 0..3 (what the low nibbles pair with), then values 16-31 of the same (the high
+// nibbles); per group the step and the group's float sum. Groups past the last are zeros.
+struct Q8Act {
+  int64_t chunks = 0, groups = 0;
+  std::vector<int8_t> q;      // [M, chunks, 128]
+  std::vector<float> d, sum;  // [M, chunks * 4]
+  int64_t padded() const { return chunks * 4; }
 };
 
-Int4Act int4_act(const GroupRows& a) {
-  Int4Act p;
-  p.chunks = (a.groups + 3) / 4;
-  p.q.assign(a.rows * p.chunks * 128, 0);
-  p.d.assign(a.rows * p.chunks * 32, 0.f);
-  p.quarter_sum.assign(a.rows * p.chunks * 16, 0.f);
-  for (int64_t m = 0; m < a.rows; ++m) {
+template <typename T>
+Q8Act quantize_q8(const T* x, int64_t rows, int64_t k) {
+  Q8Act a;
+  a.groups = k / kInt4Group;
+  a.chunks = (a.groups + 3) / 4;
+  a.q.assign(rows * a.chunks * 128, 0);
+  a.d.assign(rows * a.padded(), 0.f);
+  a.sum.assign(rows * a.padded(), 0.f);
+  for (int64_t m = 0; m < rows; ++m) {
     for (int64_t g = 0; g < a.groups; ++g) {
-      const int64_t c = m * p.chunks + g / 4, slot = g % 4;
-      const int16_t* q = a.q.data() + (m * a.groups + g) * kInt4Group;
-      std::memcpy(p.q.data() + c * 128 + slot * 16, q, 16 * sizeof(int16_t));
-      std::memcpy(p.q.data() + c * 128 + 64 + slot * 16, q + 16, 16 * sizeof(int16_t));
-      const float d = a.d[m * a.groups + g];
-      for (int l = 0; l < 8; ++l) p.d[c * 32 + (slot / 2) * 16 + (slot % 2) * 8 + l] = d;
-      for (int l = 0; l < 4; ++l)
-        p.quarter_sum[c * 16 + slot * 4 + l] = 0.25f * a.sum[m * a.groups + g];
+      const T* src = x + m * k + g * kInt4Group;
+      float v[kInt4Group], amax = 0.f, total = 0.f;
+      for (int j = 0; j < kInt4Group; ++j) {
+        v[j] = static_cast<float>(src[j]);
+        amax = std::max(amax, std::fabs(v[j]));
+        total += v[j];
+      }
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* q = a.q.data() + (m * a.chunks + g / 4) * 128 + (g % 4) * 16;
+      for (int j = 0; j < 16; ++j) {
+        q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+        q[64 + j] = static_cast<int8_t>(std::nearbyint(v[16 + j] * inv));
+      }
+      a.d[m * a.padded() + g] = amax / 127.f;
+      a.sum[m * a.padded() + g] = total;
     }
   }
-  return p;
+  return a;
 }
 
-// Weight rows r .. r + NR - 1 (nib, sz at row r) against activation rows m0 .. m0 + MR - 1:
-// y[i * NR + j]. NR rows at once keep NR * MR independent sums in flight.
-template <int MR, int NR>
-inline void int4_rows(const uint8_t* nib, const uint16_t* sz, int64_t groups, const Int4Act& a,
-                      int64_t m0, float* y) {
+// How far ahead of the rows being computed the products prefetch the codes (and scales): a
+// decode step streams every weight once, from memory or a shared L3, and one core's
+// outstanding misses bound its read bandwidth; about 1.4x on SmolLM2's linears at one row.
+constexpr int64_t kPrefetchBytes = 4096;
+
+#if defined(PAGEDKV_INT_VNNI)
+// 4 (16) of a row's scales or offsets as float32, lanes past `mask` zero.
+template <typename S>
+inline __m128 scales4(const S* s, __mmask8 mask) {
+  if constexpr (std::is_same_v<S, c10::Half>) return _mm_cvtph_ps(_mm_maskz_loadu_epi16(mask, s));
+  else return _mm_maskz_loadu_ps(mask, s);
+}
+
+template <typename S>
+inline __m512 scales16(const S* s, __mmask16 mask) {
+  if constexpr (std::is_same_v<S, c10::Half>)
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, s));
+  else return _mm512_maskz_loadu_ps(mask, s);
+}
+
+// Weight rows r .. r + NR - 1 (codes, scales at row r) against activation rows m0 .. m0 + MR - 1:
+// y[i * NR + j]. Per chunk of 4 groups and pair of rows: two vpdpbusd (low nibbles, high
+// nibbles; the codes 0..15 as the unsigned bytes) leave 16 int32 lanes, 4 per group, scaled per
+// lane by the group's weight scale times its activation step.
+template <int MR, int NR, typename S>
+inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const Q8Act& a,
+                    int64_t m0, float* y) {
   const __m512i low4 = _mm512_set1_epi8(15);
-  const __m512i idx_01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-  const __m512i idx_23 = _mm512_add_epi32(idx_01, _mm512_set1_epi32(4));
-  const __m512i idx_z = _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7);
-  const __m512i idx_s = _mm512_sub_epi32(idx_z, _mm512_set1_epi32(1));
-  const int64_t row_bytes = groups * (kInt4Group / 2), row_sz = 2 * groups;
+  const __m512i lane_group = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const int64_t row_bytes = groups * (kInt4Group / 2), row_s = 2 * groups, padded = a.padded();
+  const int64_t ahead_rows = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
+  const int64_t ahead = ahead_rows * row_bytes, ahead_s = ahead_rows * row_s * sizeof(S);
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t c = 0; c < a.chunks; ++c) {
     const int64_t rem = std::min<int64_t>(4, groups - 4 * c);
     const __mmask64 wmask = rem == 4 ? ~0ULL : (1ULL << (16 * rem)) - 1;
-    const __mmask8 smask = static_cast<__mmask8>(rem == 4 ? 0xFF : (1u << (2 * rem)) - 1);
+    const __mmask8 smask = static_cast<__mmask8>((1u << rem) - 1);
+    __m128 step[MR];
+    for (int i = 0; i < MR; ++i) step[i] = _mm_loadu_ps(a.d.data() + (m0 + i) * padded + 4 * c);
     for (int j = 0; j < NR; ++j) {
-      const __m512i w = _mm512_maskz_loadu_epi8(wmask, nib + j * row_bytes + 64 * c);
+      __builtin_prefetch(codes + j * row_bytes + ahead + 64 * c);
+      if (c == 0) __builtin_prefetch(reinterpret_cast<const char*>(scales + j * row_s) + ahead_s);
+      const __m512i w = _mm512_maskz_loadu_epi8(wmask, codes + j * row_bytes + 64 * c);
       const __m512i lo = _mm512_and_si512(w, low4);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
-      const __m512i lo01 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo));
-      const __m512i lo23 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1));
-      const __m512i hi01 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi));
-      const __m512i hi23 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1));
-      const __m128i szb = _mm_maskz_loadu_epi16(smask, sz + j * row_sz + 8 * c);
-      const __m512 f = _mm512_castsi512_ps(
-          _mm512_zextsi256_si512(_mm256_slli_epi32(_mm256_cvtepu16_epi32(szb), 16)));
-      const __m512 s01 = _mm512_permutexvar_ps(idx_01, f);
-      const __m512 s23 = _mm512_permutexvar_ps(idx_23, f);
-      const __m512 z = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), _mm512_permutexvar_ps(idx_s, f),
-                                        _mm512_permutexvar_ps(idx_z, f));
+      const __m128 ws = scales4(scales + j * row_s + 4 * c, smask);
       for (int i = 0; i < MR; ++i) {
-        const int64_t at = (m0 + i) * a.chunks + c;
-        const int16_t* q = a.q.data() + at * 128;
-        __m512i d01 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo01, _mm512_loadu_si512(q));
-        d01 = _mm512_dpwssd_epi32(d01, hi01, _mm512_loadu_si512(q + 64));
-        __m512i d23 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo23,
-                                          _mm512_loadu_si512(q + 32));
-        d23 = _mm512_dpwssd_epi32(d23, hi23, _mm512_loadu_si512(q + 96));
-        const float* d = a.d.data() + at * 32;
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d01),
-                                    _mm512_mul_ps(s01, _mm512_loadu_ps(d)), acc[i][j]);
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d23),
-                                    _mm512_mul_ps(s23, _mm512_loadu_ps(d + 16)), acc[i][j]);
-        acc[i][j] = _mm512_fmadd_ps(z, _mm512_loadu_ps(a.quarter_sum.data() + at * 16),
-                                    acc[i][j]);
+        const int8_t* q = a.q.data() + ((m0 + i) * a.chunks + c) * 128;
+        const __m512i dot = _mm512_dpbusd_epi32(
+            _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q)), hi,
+            _mm512_loadu_si512(q + 64));
+        const __m512 s = _mm512_permutexvar_ps(
+            lane_group, _mm512_castps128_ps512(_mm_mul_ps(ws, step[i])));
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[i][j]);
       }
+    }
+  }
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {  // the offsets times the groups' sums
+    const __mmask16 mask = groups - g0 >= 16 ? 0xFFFF
+                                             : static_cast<__mmask16>((1u << (groups - g0)) - 1);
+    for (int j = 0; j < NR; ++j) {
+      const __m512 off = scales16(scales + j * row_s + groups + g0, mask);
+      for (int i = 0; i < MR; ++i)
+        acc[i][j] = _mm512_fmadd_ps(
+            off, _mm512_maskz_loadu_ps(mask, a.sum.data() + (m0 + i) * padded + g0), acc[i][j]);
     }
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) y[i * NR + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
-#else
-using Int4Act = GroupRows;
-inline const GroupRows& int4_act(const GroupRows& a) { return a; }
-
-// One group's sum(code * q): AVX2's vpmaddwd on the codes widened to int16.
-inline int32_t int4_group_dot(const uint8_t* nib, const int16_t* q) {
-#if defined(__AVX2__)
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nib));
-  const __m128i low4 = _mm_set1_epi8(15);
-  const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(v, low4));
-  const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low4));
-  const __m256i quads = _mm256_add_epi32(
-      _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
-      _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16))));
-  const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(quads),
-                                  _mm256_extracti128_si256(quads, 1));
-  const __m128i h2 = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
-  return _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 1)));
-#else
-  int32_t total = 0;
-  for (int j = 0; j < 16; ++j) total += (nib[j] & 15) * q[j] + (nib[j] >> 4) * q[16 + j];
-  return total;
-#endif
+#elif defined(__AVX2__)
+inline float q4_hsum8(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
 }
 
-template <int MR, int NR>
-inline void int4_rows(const uint8_t* nib, const uint16_t* sz, int64_t groups, const GroupRows& a,
-                      int64_t m0, float* y) {
-  for (int j = 0; j < NR; ++j) {
-    const uint8_t* nib_j = nib + j * groups * (kInt4Group / 2);
-    const uint16_t* sz_j = sz + j * 2 * groups;
-    float acc[MR] = {};
-    for (int64_t g = 0; g < groups; ++g) {
-      const float s = c10::BFloat16(sz_j[2 * g], c10::BFloat16::from_bits());
-      const float z0 = c10::BFloat16(sz_j[2 * g + 1], c10::BFloat16::from_bits());
-      const float z = z0 - 8.f * s;
+// As the VNNI kernel, 2 groups a register: vpmaddubsw (codes 0..15 unsigned times the int8
+// activations: pair sums within 2 * 15 * 127), low and high nibbles' sums added in int16, then
+// vpmaddwd by ones: 8 int32 lanes, 4 per group.
+template <int MR, int NR, typename S>
+inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const Q8Act& a,
+                    int64_t m0, float* y) {
+  const __m256i low4 = _mm256_set1_epi8(15);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t row_bytes = groups * (kInt4Group / 2), row_s = 2 * groups, padded = a.padded();
+  const int64_t ahead_rows = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
+  const int64_t ahead = ahead_rows * row_bytes, ahead_s = ahead_rows * row_s * sizeof(S);
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; g += 2) {
+    const bool pair = g + 1 < groups;
+    const int64_t at = (g / 4) * 128 + 32 * ((g % 4) / 2);
+    for (int j = 0; j < NR; ++j) {
+      const uint8_t* wp = codes + j * row_bytes + (kInt4Group / 2) * g;
+      if (g % 4 == 0) __builtin_prefetch(wp + ahead);
+      if (g == 0) __builtin_prefetch(reinterpret_cast<const char*>(scales + j * row_s) + ahead_s);
+      const __m256i w = pair
+          ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp))
+          : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
+      const __m256i lo = _mm256_and_si256(w, low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+      const float s0 = scale_f(scales + j * row_s, g);
+      const float s1 = pair ? scale_f(scales + j * row_s, g + 1) : 0.f;
       for (int i = 0; i < MR; ++i) {
-        const int64_t at = (m0 + i) * groups + g;
-        const int32_t dot = int4_group_dot(nib_j + g * (kInt4Group / 2),
-                                           a.q.data() + at * kInt4Group);
-        acc[i] += static_cast<float>(dot) * (s * a.d[at]) + z * a.sum[at];
+        const int8_t* q = a.q.data() + (m0 + i) * a.chunks * 128 + at;
+        const __m256i pairs = _mm256_add_epi16(
+            _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
+            _mm256_maddubs_epi16(hi,
+                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64))));
+        const float* d = a.d.data() + (m0 + i) * padded + g;
+        const __m256 s = _mm256_setr_m128(_mm_set1_ps(s0 * d[0]), _mm_set1_ps(s1 * d[1]));
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), s,
+                                    acc[i][j]);
       }
     }
-    for (int i = 0; i < MR; ++i) y[i * NR + j] = acc[i];
+  }
+  for (int i = 0; i < MR; ++i) {
+    const float* sum = a.sum.data() + (m0 + i) * padded;
+    for (int j = 0; j < NR; ++j) {
+      float off = 0.f;
+      for (int64_t g = 0; g < groups; ++g) off += scale_f(scales + j * row_s, groups + g) * sum[g];
+      y[i * NR + j] = q4_hsum8(acc[i][j]) + off;
+    }
+  }
+}
+#else
+template <int MR, int NR, typename S>
+inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const Q8Act& a,
+                    int64_t m0, float* y) {
+  const int64_t row_bytes = groups * (kInt4Group / 2), row_s = 2 * groups, padded = a.padded();
+  for (int j = 0; j < NR; ++j) {
+    for (int i = 0; i < MR; ++i) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* b = codes + j * row_bytes + g * (kInt4Group / 2);
+        const int8_t* q = a.q.data() + ((m0 + i) * a.chunks + g / 4) * 128 + (g % 4) * 16;
+        int32_t dot = 0;
+        for (int t = 0; t < 16; ++t) dot += (b[t] & 15) * q[t] + (b[t] >> 4) * q[64 + t];
+        const int64_t at = (m0 + i) * padded + g;
+        acc += scale_f(scales + j * row_s, g) * a.d[at] * static_cast<float>(dot) +
+               scale_f(scales + j * row_s, groups + g) * a.sum[at];
+      }
+      y[i * NR + j] = acc;
+    }
   }
 }
 #endif
@@ -453,15 +498,6 @@ inline void dispatch_rows(int mr, int nr, Kernel kernel) {
   }
 }
 
-GroupRows quantize_input(const at::Tensor& x, int64_t k) {
-  switch (x.scalar_type()) {
-    case at::kFloat: return quantize_groups(x.data_ptr<float>(), x.size(0), k);
-    case at::kBFloat16: return quantize_groups(x.data_ptr<c10::BFloat16>(), x.size(0), k);
-    case at::kHalf: return quantize_groups(x.data_ptr<c10::Half>(), x.size(0), k);
-    default: TORCH_CHECK(false, "int gemv: x must be float32, bfloat16 or float16");
-  }
-}
-
 // out[m0 + i][r + j] = y[i * nr + j] (+ bias[r + j]) in out's dtype.
 template <typename T>
 inline void store_out(T* out, int64_t n, int64_t r, int nr, int64_t m0, int mr, const float* y,
@@ -496,28 +532,31 @@ void check_gemv_input(const at::Tensor& x, int64_t k, const char* op) {
   TORCH_CHECK(k % kInt4Group == 0, op, ": K must be a multiple of 32, got ", k);
 }
 
-// x [M, K] (float32, bfloat16 or float16); nibbles uint8 [N, K/2]; scale_zero bfloat16
-// [N, K/32, 2]; bias [N] or None. Returns x W^T (+ bias) [M, N] in x's dtype.
-at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scale_zero,
+// x [M, K] (float32, bfloat16 or float16); codes uint8 [N, K/2]; scales float16 or float32
+// [N, 2 * K/32]; bias [N] or None. Returns x W^T (+ bias) [M, N] in x's dtype.
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(nibbles.dim() == 2 && nibbles.scalar_type() == at::kByte && nibbles.is_contiguous(),
-              "int4_gemv: nibbles must be a contiguous uint8 [N, K/2]");
-  const int64_t n = nibbles.size(0), k = 2 * nibbles.size(1), groups = k / kInt4Group;
+  check_int4_weight(codes, scales, "int4_gemv");
+  const int64_t n = codes.size(0), k = 2 * codes.size(1), groups = k / kInt4Group;
   check_gemv_input(x, k, "int4_gemv");
-  TORCH_CHECK(scale_zero.scalar_type() == at::kBFloat16 && scale_zero.is_contiguous() &&
-                  scale_zero.dim() == 3 && scale_zero.size(0) == n &&
-                  scale_zero.size(1) == groups && scale_zero.size(2) == 2,
-              "int4_gemv: scale_zero must be a contiguous bfloat16 [N, K/32, 2]");
-  const GroupRows rows = quantize_input(x, k);
-  const auto& act = int4_act(rows);
-  const uint8_t* nib = nibbles.data_ptr<uint8_t>();
-  const uint16_t* sz = reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<c10::BFloat16>());
-  return gemv_out(x, n, bias, [&](int64_t r, int nr, int64_t m0, int mr, float* y) {
-    dispatch_rows(mr, nr, [&](auto mr_c, auto nr_c) {
-      int4_rows<decltype(mr_c)::value, decltype(nr_c)::value>(
-          nib + r * (k / 2), sz + 2 * r * groups, groups, act, m0, y);
+  Q8Act act;
+  switch (x.scalar_type()) {
+    case at::kFloat: act = quantize_q8(x.data_ptr<float>(), x.size(0), k); break;
+    case at::kBFloat16: act = quantize_q8(x.data_ptr<c10::BFloat16>(), x.size(0), k); break;
+    default: act = quantize_q8(x.data_ptr<c10::Half>(), x.size(0), k); break;
+  }
+  const uint8_t* nib = codes.data_ptr<uint8_t>();
+  auto run = [&](auto scale_type) {
+    using S = decltype(scale_type);
+    const S* sc = reinterpret_cast<const S*>(scales.data_ptr());
+    return gemv_out(x, n, bias, [&](int64_t r, int nr, int64_t m0, int mr, float* y) {
+      dispatch_rows(mr, nr, [&](auto mr_c, auto nr_c) {
+        q4_rows<decltype(mr_c)::value, decltype(nr_c)::value, S>(
+            nib + r * (k / 2), sc + 2 * groups * r, groups, act, m0, y);
+      });
     });
-  });
+  };
+  return scales.scalar_type() == at::kHalf ? run(c10::Half{}) : run(float{});
 }
 
 // x [M, K]; codes int8 [N, K] with one bfloat16 scale a row, scale [N]; bias [N] or None.
@@ -538,7 +577,10 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     default: act = quantize_rows16(x.data_ptr<c10::Half>(), x.size(0), k); break;
   }
   const int8_t* w = codes.data_ptr<int8_t>();
+  const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / k) * k;
   return gemv_out(x, n, bias, [&](int64_t r, int nr, int64_t m0, int mr, float* y) {
+    if (m0 == 0)
+      for (int64_t c = 0; c < nr * k; c += 64) __builtin_prefetch(w + r * k + ahead + c);
     dispatch_rows(mr, nr, [&](auto mr_c, auto nr_c) {
       int8_rows<decltype(mr_c)::value, decltype(nr_c)::value>(w + r * k, act, m0, y);
     });
@@ -562,9 +604,9 @@ std::string int_gemv_isa() {
 }  // namespace pagedkv_cpu
 
 TORCH_LIBRARY_FRAGMENT(pagedkv_cpu, m) {
-  m.def("int4_expand(Tensor nibbles, Tensor scale_zero, ScalarType dtype) -> Tensor",
+  m.def("int4_expand(Tensor codes, Tensor scales, ScalarType dtype) -> Tensor",
         &pagedkv_cpu::int4_expand);
-  m.def("int4_gemv(Tensor x, Tensor nibbles, Tensor scale_zero, Tensor? bias) -> Tensor",
+  m.def("int4_gemv(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor",
         &pagedkv_cpu::int4_gemv);
   m.def("int8_gemv(Tensor x, Tensor codes, Tensor scale, Tensor? bias) -> Tensor",
         &pagedkv_cpu::int8_gemv);

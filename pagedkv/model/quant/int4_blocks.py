@@ -1,12 +1,11 @@
 """GGUF's 4-bit block formats read as one shape: a 4-bit code per weight and, per group of 32
-weights along a row, a scale and a zero, with weight = (code - 8) * scale + zero.
+weights along a row, a scale and an offset, with weight = code * scale + offset.
 
-That is the layout torch's `_weight_int4pack_mm_for_cpu` computes on (group size 32), and every
-4-bit GGUF type fits it exactly (llama.cpp's ggml-common.h block layouts):
-- Q4_0: blocks of 32 = fp16 d, 16 bytes of codes; w = d * (q - 8);
-- Q4_1: blocks of 32 = fp16 d, fp16 m, 16 bytes; w = d * q + m;
+Every 4-bit GGUF type fits it exactly (llama.cpp's ggml-common.h block layouts):
+- Q4_0: blocks of 32 = fp16 d, 16 bytes of codes; w = d * q - 8 * d (both float16 exactly);
+- Q4_1: blocks of 32 = fp16 d, fp16 m, 16 bytes; w = d * q + m (the file's float16 values);
 - Q4_K: super-blocks of 256 = fp16 d, fp16 dmin, 12 bytes of 6-bit (scale, min) pairs for eight
-  sub-blocks of 32, 128 bytes; w = d * sc * q - dmin * mn.
+  sub-blocks of 32, 128 bytes; w = (d * sc) * q - dmin * mn (each product exact in float32).
 In Q4_0 / Q4_1 byte j of a block holds code j (low nibble) and code j + 16 (high nibble); in
 Q4_K byte j of a 64-weight chunk holds codes j and j + 32. `codes_and_scales` returns the codes
 re-laid as `nibbles` in the Q4_0 order for every type (uint8 [N, K / 2]).
@@ -31,9 +30,9 @@ def _q4_01(raw: np.ndarray, with_min: bool) -> tuple[np.ndarray, np.ndarray, np.
     block = 20 if with_min else 18
     blocks = raw.reshape(n, row_bytes // block, block)
     d = _fp16(blocks[..., 0:2])
-    zero = _fp16(blocks[..., 2:4]) + 8 * d if with_min else np.zeros_like(d)
+    offset = _fp16(blocks[..., 2:4]) if with_min else -8 * d
     nibbles = blocks[..., block - 16:]
-    return nibbles.reshape(n, -1), d, zero
+    return nibbles.reshape(n, -1), d, offset
 
 
 def _q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -42,16 +41,16 @@ def _q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     d, dmin = _fp16(blocks[:, 0:2]), _fp16(blocks[:, 2:4])
     sc, mn = quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
     scale = d[:, None] * sc.astype(np.float32)  # [blocks, 8]
-    zero = 8 * scale - dmin[:, None] * mn.astype(np.float32)
+    offset = -dmin[:, None] * mn.astype(np.float32)
     qs = blocks[:, 16:].reshape(-1, 4, 32)  # 4 chunks of 64 codes: j | j + 32
     codes = np.stack((qs & 15, qs >> 4), axis=2).reshape(-1, 8, 32)  # [blocks, sub-block, 32]
     nibbles = codes[..., :16] | (codes[..., 16:] << 4)
-    return nibbles.reshape(n, -1), scale.reshape(n, -1), zero.reshape(n, -1)
+    return nibbles.reshape(n, -1), scale.reshape(n, -1), offset.reshape(n, -1)
 
 
 def codes_and_scales(raw: np.ndarray, ggml_type: GGMLQuantizationType
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(nibbles uint8 [N, K/2] in Q4_0 order, scale float32 [N, K/32], zero float32 [N, K/32])
+    """(nibbles uint8 [N, K/2] in Q4_0 order, scale float32 [N, K/32], offset float32 [N, K/32])
     of a 4-bit GGUF tensor's rows `raw` (uint8 [N, bytes per row]). ValueError for another
     type."""
     if ggml_type == GGMLQuantizationType.Q4_0:
