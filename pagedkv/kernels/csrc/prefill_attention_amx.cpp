@@ -142,22 +142,6 @@ void scores(Scratch& w, const uint32_t* kh, int64_t n, int64_t ks, int64_t d) {
   }
 }
 
-// exp(x) for finite x <= 0 (larger ones lose nothing either, to float32's range): 2^(x log2 e)
-// as 2^frac by a degree-5 polynomial (relative error about 2e-7), scaled by 2^floor with
-// vscalefps, which underflows to 0 without a clamp.
-inline __m512 exp_amx(__m512 x) {
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.8775767e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.9893397e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5826318e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4015361e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9315308e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999994e-1f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // 16 floats to bfloat16, round to nearest even.
 inline void store_bf16x16(c10::BFloat16* p, __m512 v) {
 #if defined(__AVX512BF16__)
@@ -178,14 +162,14 @@ float softmax_row(const float* s, c10::BFloat16* p, int64_t len, int64_t width, 
   const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(m * scale);
   __m512 sum = _mm512_setzero_ps();
   for (j = 0; j + 16 <= len; j += 16) {
-    const __m512 e = exp_amx(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vs, vm));
+    const __m512 e = exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vs, vm));
     sum = _mm512_add_ps(sum, e);
     store_bf16x16(p + j, e);
   }
   if (j < len) {  // the tail, masked: exp of the visible keys, zeros after them
     const __mmask16 keep = static_cast<__mmask16>((1u << (len - j)) - 1u);
     const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(keep, s + j), vs, vm);
-    const __m512 e = _mm512_maskz_mov_ps(keep, exp_amx(x));
+    const __m512 e = _mm512_maskz_mov_ps(keep, exp16(x));
     sum = _mm512_add_ps(sum, e);
     store_bf16x16(p + j, e);
     j += 16;
