@@ -540,11 +540,9 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const int64_t n = codes.size(0), k = 2 * codes.size(1), groups = k / kInt4Group;
   check_gemv_input(x, k, "int4_gemv");
   Q8Act act;
-  switch (x.scalar_type()) {
-    case at::kFloat: act = quantize_q8(x.data_ptr<float>(), x.size(0), k); break;
-    case at::kBFloat16: act = quantize_q8(x.data_ptr<c10::BFloat16>(), x.size(0), k); break;
-    default: act = quantize_q8(x.data_ptr<c10::Half>(), x.size(0), k); break;
-  }
+  dispatch(x.scalar_type(), "int4_gemv", [&](auto tag) {
+    act = quantize_q8(x.data_ptr<typename decltype(tag)::type>(), x.size(0), k);
+  });
   const uint8_t* nib = codes.data_ptr<uint8_t>();
   auto run = [&](auto scale_type) {
     using S = decltype(scale_type);
@@ -571,11 +569,9 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const at::Tensor s = scale.to(at::kFloat).contiguous();
   const float* sp = s.data_ptr<float>();
   Int16Act act;
-  switch (x.scalar_type()) {
-    case at::kFloat: act = quantize_rows16(x.data_ptr<float>(), x.size(0), k); break;
-    case at::kBFloat16: act = quantize_rows16(x.data_ptr<c10::BFloat16>(), x.size(0), k); break;
-    default: act = quantize_rows16(x.data_ptr<c10::Half>(), x.size(0), k); break;
-  }
+  dispatch(x.scalar_type(), "int8_gemv", [&](auto tag) {
+    act = quantize_rows16(x.data_ptr<typename decltype(tag)::type>(), x.size(0), k);
+  });
   const int8_t* w = codes.data_ptr<int8_t>();
   const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / k) * k;
   return gemv_out(x, n, bias, [&](int64_t r, int nr, int64_t m0, int mr, float* y) {
