@@ -75,11 +75,11 @@ def quantized_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, to
     return torch.round(xb * inv).double(), d.double()
 
 
-def random_linear(block: int, seed: int) -> Int8BlockLinear:
-    """Codes over the whole int8 range (-128 included), scales of mixed sign."""
+def random_linear(block: int, seed: int, n: int = N) -> Int8BlockLinear:
+    """Codes over the whole int8 range (-128 included), scales of mixed sign; `n` outputs."""
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
-    scales = (torch.rand(N, K // block, generator=g) - 0.3) * 1e-2
+    codes = torch.randint(-128, 128, (n, K), dtype=torch.int8, generator=g)
+    scales = (torch.rand(n, K // block, generator=g) - 0.3) * 1e-2
     return Int8BlockLinear(codes, scales)
 
 
@@ -122,6 +122,20 @@ def test_expand_kernel_equals_torch_ops_and_bias_and_leading_dims():
     assert got.shape == (2, 3, N)
     torch.testing.assert_close(got, linear(x.reshape(6, K)).reshape(2, 3, N) + bias)
 
+
+
+@pytest.mark.parametrize("n", [1, 45])
+def test_column_counts_off_the_kernels_tile_are_exact(n):
+    """The kernel computes 4 output columns together: counts that leave single columns (45: a
+    task's 16 columns and a tail of 13; 1) give the same exact integer products."""
+    linear = random_linear(32, seed=n, n=n)
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(n))
+    got = linear(x).double()
+    w = expand_reference(linear.codes, linear.scales, torch.float64)
+    q, d = quantized_activations(x, 32)
+    exact = (q * d).reshape(5, K) @ w.T
+    assert got.shape == (5, n)
+    assert ((got - exact).abs() <= 2.0 ** -20 * (x.double().abs() @ w.abs().T + 1e-6)).all()
 
 def test_refuses_shapes_the_kernel_cannot_take():
     with pytest.raises(ValueError, match=r"codes \[4, 40\].*multiple of 32"):

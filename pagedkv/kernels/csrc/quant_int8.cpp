@@ -7,11 +7,13 @@
 // (`int8_block_expand`) for oneDNN's matmul (int8_block_linear.py).
 //
 // AVX-512 VNNI's vpdpbusd (unsigned times signed bytes, 64 codes an instruction, 4 codes a
-// lane) takes the activation codes offset by 128 and the weight codes as they are (see
-// dot_chunk); AVX2's vpmaddubsw + vpmaddwd takes |w| (up to 128: every int8 code, -128
-// included) as the unsigned operand and x with w's sign as the signed one (x is within
-// [-127, 127], so the negation is exact; pair sums up to 2 * 128 * 127, within int16). Output
-// columns are split over threads; each column's codes are read once for all rows.
+// lane) takes the weight codes offset by 128 (an xor of the sign bit: unsigned, 0..255) and the
+// activation codes as they are, from an accumulator of -128 * each lane's activation sum
+// (computed once per call, not per weight row; see dot_chunk); AVX2's vpmaddubsw + vpmaddwd
+// takes |w| (up to 128: every int8 code, -128 included) as the unsigned operand and x with w's
+// sign as the signed one (x is within [-127, 127], so the negation is exact; pair sums up to
+// 2 * 128 * 127, within int16). Output columns are split over threads, 4 computed together
+// (independent sums in flight); each column's codes are read once for all rows.
 // Registered as a fragment of the pagedkv_cpu library (bindings.cpp holds the rest).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -33,16 +35,16 @@ namespace pagedkv_cpu {
 namespace {
 
 // Activation rows quantized per block: codes int8 [M, K], and per 4-code lane the block's scale
-// (float32 [M, K / 4]), the layout the dot loops multiply by lane.
-// (The AVX-512 path reads the codes offset by 128, as unsigned bytes.)
+// (float32 [M, K / 4]), the layout the dot loops multiply by lane, and -128 times the lane's
+// code sum (int32 [M, K / 4]: the AVX-512 path's correction for its offset weight codes).
 struct QuantizedRows {
   std::vector<int8_t> codes;
-  std::vector<uint8_t> offset_codes;
+  std::vector<int32_t> lane_offset;
   std::vector<float> lane_scale;
 };
 
 QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k, int64_t block) {
-  QuantizedRows q{std::vector<int8_t>(m * k), std::vector<uint8_t>(m * k),
+  QuantizedRows q{std::vector<int8_t>(m * k), std::vector<int32_t>(m * k / 4),
                   std::vector<float>(m * k / 4)};
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < k / block; ++b) {
@@ -54,8 +56,9 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k, int64_t block)
       int8_t* out = q.codes.data() + r * k + b * block;
       for (int64_t j = 0; j < block; ++j) out[j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
       std::fill_n(q.lane_scale.data() + (r * k + b * block) / 4, block / 4, d);
-      for (int64_t j = 0; j < block; ++j)
-        q.offset_codes[r * k + b * block + j] = static_cast<uint8_t>(out[j] + 128);
+      for (int64_t j = 0; j < block; j += 4)
+        q.lane_offset[(r * k + b * block + j) / 4] =
+            -128 * (int32_t(out[j]) + out[j + 1] + out[j + 2] + out[j + 3]);
     }
   }
   return q;
@@ -77,11 +80,12 @@ inline void prefetch_ahead(const int8_t* w, const float* ws, int64_t k, int64_t 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr const char* kInt8Isa = "avx512_vnni";
 
-// One 64-code chunk (its first `left` codes; 32 or 64) of weight row `w` against R rows of `q`.
-// vpdpbusd multiplies unsigned by signed bytes: the activation codes offset by 128 (unsigned,
-// 1..255) times the weight codes (signed, any int8), from an accumulator of -128 * the sum of
-// the weight codes of each lane (computed once for all rows), leaves each lane's exact dot.
-template <int R, int64_t block>
+// One 64-code chunk (its first `left` codes; 32 or 64) of NC weight rows from `w` (K codes
+// apart; block scales from `ws`) against R rows of `q`, into acc[r * NC + j].
+// vpdpbusd multiplies unsigned by signed bytes: the weight codes offset by 128 (w xor 0x80:
+// unsigned, 0..255) times the activation codes (signed, -127..127), from an accumulator of -128
+// times each lane's activation code sum, leaves each lane's exact dot sum(w * x).
+template <int R, int NC, int64_t block>
 inline void dot_chunk(const int8_t* w, const float* ws, const QuantizedRows& q, int64_t row0,
                       int64_t k, int64_t c, int64_t left, __m512* acc) {
   // Lane l of the chunk (4 codes) is in block l / (block / 4) of it.
@@ -90,32 +94,42 @@ inline void dot_chunk(const int8_t* w, const float* ws, const QuantizedRows& q, 
       block == 32 ? 3 : 2);
   const __mmask64 bytes = left == 64 ? ~0ull : (1ull << left) - 1;
   const __mmask16 lanes = left == 64 ? 0xFFFF : static_cast<__mmask16>((1u << (left / 4)) - 1);
-  const __m512i wv = _mm512_maskz_loadu_epi8(bytes, w + c);
-  const __m512i offset = _mm512_sub_epi32(
-      _mm512_setzero_si512(),
-      _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(128)), wv));
-  const __m512 wscale = _mm512_permutexvar_ps(
-      lane_block, _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (left / block)) - 1),
-                                        ws + c / block));
+  const __mmask16 blocks = static_cast<__mmask16>((1u << (left / block)) - 1);
+  __m512i wu[NC];
+  __m512 wscale[NC];
+  for (int j = 0; j < NC; ++j) {
+    wu[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, w + j * k + c),
+                             _mm512_set1_epi8(static_cast<char>(0x80)));
+    wscale[j] = _mm512_permutexvar_ps(
+        lane_block, _mm512_maskz_loadu_ps(blocks, ws + j * (k / block) + c / block));
+  }
   for (int r = 0; r < R; ++r) {
     const int64_t row = row0 + r;
-    const __m512i xv = _mm512_maskz_loadu_epi8(bytes, q.offset_codes.data() + row * k + c);
-    const __m512i dot = _mm512_dpbusd_epi32(offset, xv, wv);
+    const __m512i xv = _mm512_maskz_loadu_epi8(bytes, q.codes.data() + row * k + c);
+    const __m512i offset =
+        _mm512_maskz_loadu_epi32(lanes, q.lane_offset.data() + (row * k + c) / 4);
     const __m512 xscale = _mm512_maskz_loadu_ps(lanes, q.lane_scale.data() + (row * k + c) / 4);
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(xscale, wscale), acc[r]);
+    for (int j = 0; j < NC; ++j) {
+      const __m512i dot = _mm512_dpbusd_epi32(offset, wu[j], xv);
+      acc[r * NC + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(xscale, wscale[j]),
+                                        acc[r * NC + j]);
+    }
   }
 }
 
-// Up to R rows against weight row `w` (codes [K], block scales `ws`): out[r] = the row's dot.
-template <int R, int64_t block>
-void dot_rows(const int8_t* w, const float* ws, const QuantizedRows& q, int64_t row0, int64_t k,
+// Up to R rows against NC weight rows from `w` (codes [NC, K], block scales `ws`):
+// out[r * out_stride + j] = row r's dot with weight row j. Several weight rows at once keep
+// independent sums in flight: one alone is bound by its chain of float adds.
+template <int R, int NC, int64_t block>
+void dot_tile(const int8_t* w, const float* ws, const QuantizedRows& q, int64_t row0, int64_t k,
               float* out, int64_t out_stride) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[R * NC];
+  for (int i = 0; i < R * NC; ++i) acc[i] = _mm512_setzero_ps();
   int64_t c = 0;
-  for (; c + 64 <= k; c += 64) dot_chunk<R, block>(w, ws, q, row0, k, c, 64, acc);
-  if (c < k) dot_chunk<R, block>(w, ws, q, row0, k, c, k - c, acc);  // 32 codes left
-  for (int r = 0; r < R; ++r) out[r * out_stride] = _mm512_reduce_add_ps(acc[r]);
+  for (; c + 64 <= k; c += 64) dot_chunk<R, NC, block>(w, ws, q, row0, k, c, 64, acc);
+  if (c < k) dot_chunk<R, NC, block>(w, ws, q, row0, k, c, k - c, acc);  // 32 codes left
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NC; ++j) out[r * out_stride + j] = _mm512_reduce_add_ps(acc[r * NC + j]);
 }
 #elif defined(__AVX2__)
 constexpr const char* kInt8Isa = "avx2";
@@ -163,7 +177,18 @@ void dot_rows(const int8_t* w, const float* ws, const QuantizedRows& q, int64_t 
 }
 #endif
 
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+// NC weight rows one at a time (dot_rows above).
+template <int R, int NC, int64_t block>
+void dot_tile(const int8_t* w, const float* ws, const QuantizedRows& q, int64_t row0, int64_t k,
+              float* out, int64_t out_stride) {
+  for (int j = 0; j < NC; ++j)
+    dot_rows<R, block>(w + j * k, ws + j * (k / block), q, row0, k, out + j, out_stride);
+}
+#endif
+
 constexpr int kRowTile = 4;
+constexpr int kColTile = 4;  // weight rows computed together
 
 void check_weight(const at::Tensor& codes, const at::Tensor& scales, int64_t block,
                   const char* op) {
@@ -182,14 +207,24 @@ template <int64_t B>
 void dot_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const float* ws, int64_t n,
                  int64_t k, float* y) {
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t col = begin; col < end; ++col) {
+    for (int64_t col = begin; col < end;) {
       const int8_t* wrow = w + col * k;
       const float* srow = ws + col * (k / B);
+      if (col + kColTile <= end) {
+        for (int j = 0; j < kColTile; ++j) prefetch_ahead(wrow + j * k, srow + j * (k / B), k, B);
+        int64_t r = 0;
+        for (; r + kRowTile <= m; r += kRowTile)
+          dot_tile<kRowTile, kColTile, B>(wrow, srow, q, r, k, y + r * n + col, n);
+        for (; r < m; ++r) dot_tile<1, kColTile, B>(wrow, srow, q, r, k, y + r * n + col, n);
+        col += kColTile;
+        continue;
+      }
       prefetch_ahead(wrow, srow, k, B);
       int64_t r = 0;
       for (; r + kRowTile <= m; r += kRowTile)
-        dot_rows<kRowTile, B>(wrow, srow, q, r, k, y + r * n + col, n);
-      for (; r < m; ++r) dot_rows<1, B>(wrow, srow, q, r, k, y + r * n + col, n);
+        dot_tile<kRowTile, 1, B>(wrow, srow, q, r, k, y + r * n + col, n);
+      for (; r < m; ++r) dot_tile<1, 1, B>(wrow, srow, q, r, k, y + r * n + col, n);
+      ++col;
     }
   });
 }
