@@ -92,14 +92,17 @@ class NativeAttentionMetadata(AttentionMetadata):
         other prefill chunks only, or None), once per step per window."""
         key = ("amx_split", window)
         if key not in self._mask_cache:
-            fresh = [c for c in self.prefills if fresh_prompt(c, window)]
-            others = [c for c in self.prefills if not fresh_prompt(c, window)]
-            rows = (torch.tensor([c.token_start for c in fresh], dtype=torch.long),
-                    torch.tensor([c.token_end for c in fresh], dtype=torch.long)) \
-                if fresh else None
-            rest = self if not fresh else dataclasses.replace(
-                self, prefills=others, _mask_cache={}) if others else None
-            self._mask_cache[key] = (rows, rest)
+            fresh, others = [], []
+            for c in self.prefills:
+                (fresh if fresh_prompt(c, window) else others).append(c)
+            if not fresh:
+                self._mask_cache[key] = (None, self)
+            else:
+                rows = (torch.tensor([c.token_start for c in fresh], dtype=torch.long),
+                        torch.tensor([c.token_end for c in fresh], dtype=torch.long))
+                rest = dataclasses.replace(self, prefills=others, _mask_cache={}) \
+                    if others else None
+                self._mask_cache[key] = (rows, rest)
         return self._mask_cache[key]
 
     def _prefill_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -107,8 +107,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] <= GEMV_ROWS and cpu_kernels_loaded():
-            if self._torch_int4 is not None:
-                self._torch_int4 = None
+            self._torch_int4 = None  # the kernels are in: the torch op's copy is not needed
             y = torch.ops.pagedkv_cpu.int4_gemv(rows.contiguous(), self.codes, self.scales,
                                                 self.bias)
             return y.view(*x.shape[:-1], self.out_features)
