@@ -96,7 +96,8 @@ class PartTimes:
 def wrap_parts(llm, parts: PartTimes) -> None:
     """Time the decode step's parts by class (mutates the engine's runner, its model and the
     kernel op namespace): linears by name, decode attention, KV write, RoPE, norms,
-    SiLU-and-mul, embedding, the sampler; the runner's and the engine's step as a whole."""
+    SiLU-and-mul, embedding, the sampler, the step's inputs, metadata and logits rows; the
+    runner's and the engine's step as a whole."""
     from pagedkv.model.layers import Linear
 
     engine = llm.llm_engine
@@ -115,6 +116,12 @@ def wrap_parts(llm, parts: PartTimes) -> None:
                       ("write_kv_", "KV write")):
         setattr(kernels, op, parts.wrap(label, getattr(kernels, op)))
     model.embed_tokens.forward = parts.wrap("embedding", model.embed_tokens.forward)
+    runner.describe_step = parts.wrap("step inputs (describe_step)", runner.describe_step)
+    runner.build_metadata = parts.wrap("attention metadata", runner.build_metadata)
+    import pagedkv.model.runner as runner_module
+
+    runner_module.select_logits_rows = parts.wrap("logits rows",
+                                                  runner_module.select_logits_rows)
     sampler = runner.sampler
 
     class TimedSampler:
