@@ -62,8 +62,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = ops.rope(self.q_norm(q), rope), ops.rope(self.k_norm(k), rope)
         else:  # one RoPE call for q and k together (views of one [T, heads + kv_heads, D] tensor)
-            q, k = ops.rope(qkv[:, : self.num_heads + self.num_kv_heads], rope).split(
-                [self.num_heads, self.num_kv_heads], dim=1)
+            qk = qkv[:, : self.num_heads + self.num_kv_heads]
+            rotated = ops.rope(qk, rope)
+            if rotated is not qk:  # a new tensor (else q and k, views of qk, rotated in place)
+                q, k = rotated.split([self.num_heads, self.num_kv_heads], dim=1)
         if self.kv_scales is None:
             out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, self.window)
         else:  # fp8: per-tensor scales folded in; int8: the per-token scale caches passed on

@@ -40,6 +40,28 @@ inline void dot_rows(const float* q, const float* k, int64_t n, int64_t d, float
 // exp(p - max), the running max m and sum l take the block in; returns the factor the head's
 // earlier output accumulator must be scaled by (0 on the first block, m = -inf). Mutates p, m, l.
 inline float softmax_block(float* p, int64_t n, float& m, float& l) {
+#if PAGEDKV_QW == 16
+  // The same steps 16 lanes at a time (exp16: fast_exp's polynomial), the tail masked.
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 vmax = neg_inf;
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 k = n - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1);
+    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(neg_inf, k, p + t));
+  }
+  const float mx = std::max(m, _mm512_reduce_max_ps(vmax));
+  const float corr = m == -std::numeric_limits<float>::infinity() ? 0.f : fast_exp(m - mx);
+  const __m512 vmx = _mm512_set1_ps(mx);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 k = n - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, p + t), vmx));
+    _mm512_mask_storeu_ps(p + t, k, e);
+    vsum = _mm512_mask_add_ps(vsum, k, vsum, e);
+  }
+  l = l * corr + _mm512_reduce_add_ps(vsum);
+  m = mx;
+  return corr;
+#else
   float mx = m;
 #pragma omp simd reduction(max : mx)
   for (int64_t t = 0; t < n; t++) mx = std::max(mx, p[t]);
@@ -50,6 +72,7 @@ inline float softmax_block(float* p, int64_t n, float& m, float& l) {
   l = l * corr + sum;
   m = mx;
   return corr;
+#endif
 }
 
 // A decode call's shapes and raw pointers (decode_impl, decode_fixed): q [S, H, D] (rows
@@ -166,6 +189,21 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 // with AVX-512 VNNI, vpmaddwd with AVX-512BW or AVX2, a plain loop elsewhere), summed exactly
 // in int32 (|sum| <= 32767 * 127 * 256 < 2^31 for D <= 256), then times the q and key scales.
 
+// The next block's rows, asked for into the cache a row at a time as the rows of the block in
+// hand are used (k_row while its keys are scored, v_row while its values are weighed), so
+// that memory works while the core computes: prefetching a whole block at once filled the
+// core's miss buffers and stalled it until the block came in. Empty (k, v null): nothing.
+struct Prefetch {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t row_bytes = 0;
+  void k_row(int64_t t) const { if (k) row(k, t); }
+  void v_row(int64_t t) const { if (v) row(v, t); }
+  void row(const char* base, int64_t t) const {
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(base + t * row_bytes + b);
+  }
+};
+
 // p[h * ps + t] = scale x the G sums dot(t, r) leaves in r[h] (QW-lane partial sums of row t
 // for head h), for the n rows of one block: QW rows at a time through one transposing
 // reduction (row_sums) per head. Writes p.
@@ -190,9 +228,10 @@ inline void rows_scores(int64_t n, float* p, int64_t ps, float scale, Dot dot) {
 // registers: C vectors at qv + h * C); each row is loaded and widened once for all G heads.
 template <typename Fmt, int D, int G>
 inline void block_scores(const vqf* qv, const typename Fmt::storage* kb, int64_t n, float* p,
-                         int64_t ps) {
+                         int64_t ps, const Prefetch& pf) {
   constexpr int C = D / QW;
   rows_scores<G>(n, p, ps, 1.f, [&](int64_t t, vqf* a) {
+    pf.k_row(t);
     const typename Fmt::storage* kt = kb + t * D;
     vqf k[C];
     for (int c = 0; c < C; c++) k[c] = fmt_vec<Fmt>(kt + c * QW);
@@ -212,11 +251,12 @@ inline void block_scores(const vqf* qv, const typename Fmt::storage* kb, int64_t
 // only (see panel_linear16), and in one rounding where the scale is not a power of two.
 template <int D, int G>
 inline void block_scores_bf16(const c10::BFloat16* qb, const c10::BFloat16* kb, int64_t n,
-                              float* p, int64_t ps, float scale) {
+                              float* p, int64_t ps, float scale, const Prefetch& pf) {
   constexpr int C2 = D / 32;
   __m512bh q[G * C2];
   for (int i = 0; i < G * C2; i++) q[i] = (__m512bh)_mm512_loadu_si512(qb + i * 32);
   rows_scores<G>(n, p, ps, scale, [&](int64_t t, vqf* a) {
+    pf.k_row(t);
     const c10::BFloat16* kt = kb + t * D;
     __m512bh k[C2];
     for (int c = 0; c < C2; c++) k[c] = (__m512bh)_mm512_loadu_si512(kt + c * 32);
@@ -369,7 +409,7 @@ template <int D> struct RowHeads {
 // chain waits out each FMA's latency). Mutates acc.
 template <typename VFmt, int D, int H>
 inline void weigh_values(vqf* acc, const float* corr, const float* w, int64_t ws,
-                         const typename VFmt::storage* vb, int64_t n) {
+                         const typename VFmt::storage* vb, int64_t n, const Prefetch& pf) {
   constexpr int C = D / QW, U = H == 1 ? 2 : 1;
   vqf a[U][H][C];
   for (int h = 0; h < H; h++)
@@ -378,6 +418,7 @@ inline void weigh_values(vqf* acc, const float* corr, const float* w, int64_t ws
       if constexpr (U == 2) a[1][h][c] = vqf{};
     }
   auto row = [&](int u, int64_t t) {
+    pf.v_row(t);
     const typename VFmt::storage* vt = vb + t * D;
     for (int c = 0; c < C; c++) {
       const vqf v = fmt_vec<VFmt>(vt + c * QW);
@@ -397,14 +438,14 @@ inline void weigh_values(vqf* acc, const float* corr, const float* w, int64_t ws
 // softmax scale, already in st.qf but not in st.qb. Writes p.
 template <typename KFmt, int D, int G>
 inline void head_scores(const RowHeads<D>& st, int64_t i, const typename KFmt::storage* kb,
-                        int64_t n, float* p, int64_t ps, float scale) {
+                        int64_t n, float* p, int64_t ps, float scale, const Prefetch& pf) {
   if constexpr (bf16_dot<KFmt>) {
 #if PAGEDKV_BF16_DOT
-    block_scores_bf16<D, G>(st.qb.data() + i * D, kb, n, p, ps, scale);
+    block_scores_bf16<D, G>(st.qb.data() + i * D, kb, n, p, ps, scale, pf);
 #endif
   } else {
     (void)scale;
-    block_scores<KFmt, D, G>(st.qf.data() + i * (D / QW), kb, n, p, ps);
+    block_scores<KFmt, D, G>(st.qf.data() + i * (D / QW), kb, n, p, ps, pf);
   }
 }
 
@@ -413,22 +454,27 @@ inline void head_scores(const RowHeads<D>& st, int64_t i, const typename KFmt::s
 // int8 scales (null otherwise); p: g rows of ps >= n scores, corr: g factors, dots: g rows of
 // DOTS values (scratch); scale: the softmax scale (head_scores). Key rows are scored for a pair of
 // heads at once (head_scores), value rows weighed for up to 16 / C heads at once
-// (weigh_values). Mutates the heads' m, l and accumulators.
+// (weigh_values). `pf`: the next block's first n rows, prefetched as these are used (an int8
+// cache's keys at once). Mutates the heads' m, l and accumulators.
 template <typename KFmt, typename VFmt, bool int8, int D>
 inline void attend_row(RowHeads<D>& st, int64_t i0, int64_t g, const typename KFmt::storage* kb,
                        const typename VFmt::storage* vb, const float* ks, const float* vs,
-                       int64_t n, int64_t ps, float* p, float* corr, int32_t* dots, float scale) {
+                       int64_t n, int64_t ps, float* p, float* corr, int32_t* dots, float scale,
+                       const Prefetch& pf = {}) {
   constexpr int C = D / QW;
   constexpr int HB = C >= 16 ? 1 : C >= 8 ? 2 : 4;
   if constexpr (int8) {  // int8 keys: a pair of heads' dot products per key widened
     const vqs16* q16 = st.q16.data() + i0 * C / 2;
+    for (int64_t t = 0; t < n; t++) pf.k_row(t);
     int64_t h = 0;
     for (; h + 2 <= g; h += 2) block_dots_int8<D, 2>(q16 + h * C / 2, kb, n, dots + h * DOTS);
     if (h < g) block_dots_int8<D, 1>(q16 + h * C / 2, kb, n, dots + h * DOTS);
   } else {
     int64_t h = 0;
-    for (; h + 2 <= g; h += 2) head_scores<KFmt, D, 2>(st, i0 + h, kb, n, p + h * ps, ps, scale);
-    if (h < g) head_scores<KFmt, D, 1>(st, i0 + h, kb, n, p + h * ps, ps, scale);
+    for (; h + 2 <= g; h += 2)
+      head_scores<KFmt, D, 2>(st, i0 + h, kb, n, p + h * ps, ps, scale, h == 0 ? pf : Prefetch{});
+    if (h < g)
+      head_scores<KFmt, D, 1>(st, i0 + h, kb, n, p + h * ps, ps, scale, h == 0 ? pf : Prefetch{});
   }
   for (int64_t h = 0; h < g; h++) {
     const int64_t i = i0 + h;
@@ -447,11 +493,12 @@ inline void attend_row(RowHeads<D>& st, int64_t i0, int64_t g, const typename KF
   }
   for (int64_t h = 0; h < g; h += HB) {
     vqf* acc = st.acc.data() + (i0 + h) * C;
+    const Prefetch& vpf = h == 0 ? pf : Prefetch{};
     switch (std::min<int64_t>(HB, g - h)) {
-      case 1: weigh_values<VFmt, D, 1>(acc, corr + h, p + h * ps, ps, vb, n); break;
-      case 2: weigh_values<VFmt, D, 2>(acc, corr + h, p + h * ps, ps, vb, n); break;
-      case 3: weigh_values<VFmt, D, 3>(acc, corr + h, p + h * ps, ps, vb, n); break;
-      default: weigh_values<VFmt, D, 4>(acc, corr + h, p + h * ps, ps, vb, n); break;
+      case 1: weigh_values<VFmt, D, 1>(acc, corr + h, p + h * ps, ps, vb, n, vpf); break;
+      case 2: weigh_values<VFmt, D, 2>(acc, corr + h, p + h * ps, ps, vb, n, vpf); break;
+      case 3: weigh_values<VFmt, D, 3>(acc, corr + h, p + h * ps, ps, vb, n, vpf); break;
+      default: weigh_values<VFmt, D, 4>(acc, corr + h, p + h * ps, ps, vb, n, vpf); break;
     }
   }
 }
@@ -528,14 +575,22 @@ void attend_blocks(const TileInputs<scalar_t, Fmt>& in, RowHeads<D>& st, TileScr
       if (lead < 0) lead = blk, lead_row = r;
       readers += blk == lead;
     }
-    if (pos + n < len) {  // the next block: its own place in memory, no stream to follow
-      const int64_t next = (kh * nb + btp[lead_row * width + b + 1]) * bs;
-      prefetch_rows(a.kc + next * D, a.vc + next * D, std::min(bs, len - pos - n) * D * sizeof(storage));
-      if constexpr (int8) prefetch_rows(in.ksp + next, in.vsp + next, bs * sizeof(float));
-    } else if (after.rows > 0) {  // the next item's first block, likewise
-      prefetch_rows(a.kc + after.row * D, a.vc + after.row * D, after.rows * D * sizeof(storage));
-      if constexpr (int8) prefetch_rows(in.ksp + after.row, in.vsp + after.row, after.rows * sizeof(float));
+    // The next block (its own place in memory: no stream for the hardware to follow), or on
+    // the last one the next item's first: its rows prefetched as this block's are used (pf),
+    // the rest of them after.
+    NextBlock ahead = after;
+    if (pos + n < len)
+      ahead = {(kh * nb + btp[lead_row * width + b + 1]) * bs, std::min(bs, len - pos - n)};
+    else if (after.rows == 0)
+      ahead = {};
+    Prefetch pf;
+    if (ahead.rows > 0) {
+      pf = {reinterpret_cast<const char*>(a.kc + ahead.row * D),
+            reinterpret_cast<const char*>(a.vc + ahead.row * D),
+            static_cast<int64_t>(D * sizeof(storage))};
+      if constexpr (int8) prefetch_rows(in.ksp + ahead.row, in.vsp + ahead.row, ahead.rows * sizeof(float));
     }
+    int64_t fetched = 0;  // rows of `ahead` asked for so far
     const bool widen = !in_place_only && readers > 1;
     if (widen) {
       const int64_t lead0 = (kh * nb + lead) * bs + off;
@@ -549,13 +604,19 @@ void attend_blocks(const TileInputs<scalar_t, Fmt>& in, RowHeads<D>& st, TileScr
       const int64_t row0 = (kh * nb + blk) * bs + off + lo;  // the row's first slot here
       const float* ks = int8 ? in.ksp + row0 : nullptr;
       const float* vs = int8 ? in.vsp + row0 : nullptr;
+      const Prefetch& here = fetched == 0 ? pf : Prefetch{};
       if (widen && blk == lead)
         attend_row<KScratchFmt, SameFmt<float>, int8, D>(
             st, (r - r0) * g, g, sc.k.data() + lo * D, sc.v.data() + lo * D, ks, vs, hi - lo,
-            SPAN, p, corr, dots, in.scale);
+            SPAN, p, corr, dots, in.scale, here);
       else
         attend_row<Fmt, Fmt, int8, D>(st, (r - r0) * g, g, a.kc + row0 * D, a.vc + row0 * D,
-                                      ks, vs, hi - lo, SPAN, p, corr, dots, in.scale);
+                                      ks, vs, hi - lo, SPAN, p, corr, dots, in.scale, here);
+      if (fetched == 0) fetched = std::min(hi - lo, ahead.rows);
+    }
+    for (int64_t t = fetched; t < ahead.rows; t++) {
+      pf.k_row(t);
+      pf.v_row(t);
     }
     pos += n;
   }

@@ -63,10 +63,12 @@ class NativeAttentionMetadata(AttentionMetadata):
         torch.ops.pagedkv_cpu.write_kv_(k, v, k_cache, v_cache, self.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = self.num_decodes
+        if not self.prefills:  # decodes only (no slicing: a measurable cost per layer)
+            if nd:
+                self._decode(q, k_cache, v_cache, scale, window, out)
+            return out
         if nd:
             self._decode(q[:nd], k_cache, v_cache, scale, window, out[:nd])
-        if not self.prefills:
-            return out
         rest: NativeAttentionMetadata | None = self
         if amx_prefill_ok(q, k, v, k_cache):
             fresh, rest = self._amx_split(window)
