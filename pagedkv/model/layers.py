@@ -163,7 +163,9 @@ class Linear(nn.Linear):
       into vdpbf16ps where the build has AVX512-BF16; 8 lanes with AVX2, 16 with AVX-512); and
       oneDNN's pre-packed linear, for the dtypes oneDNN takes natively (float32; bfloat16 with
       AVX512-BF16 or AMX, whose tiles make it the faster one from about 8 rows on an Intel
-      CPU with AMX, while the panels win at decode sizes and, on AMD Zen 4/5, throughout).
+      CPU with AMX, while the panels win at decode sizes and, on AMD Zen 4/5, throughout);
+      and oneDNN's matmul on the weight transposed once to [in, out] (torch.mm), which beats
+      the pre-packed linear for a prefill's wide products on AMX (gate_up at 1,536 rows).
       The call picks by its rows (`choice.rows_route`: one tuple lookup); a weight keeps only
       the copies its buckets use. Results differ from F.linear's only in float32 summation
       order (and one rounding to a 16-bit activation dtype at the end).
