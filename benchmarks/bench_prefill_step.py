@@ -172,6 +172,7 @@ def compare(args: argparse.Namespace) -> None:
            "--prompts", str(args.prompts),
            "--rounds", str(args.rounds), "--threads", str(args.threads), "--json"]
     runs: dict[str, dict[str, list[float]]] = {"base": {}, "this": {}}
+    print("load average at the start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), flush=True)
     with baseline_tree(here, args.baseline) as base:
         for _ in range(args.repeat):
             for name, tree in (("base", base), ("this", here)):
@@ -182,6 +183,7 @@ def compare(args: argparse.Namespace) -> None:
                     runs[name].setdefault(key, []).append(got[key])
                 print(f"{name}: wall {got['median_ms']:.1f} ms, CPU {got['cpu_ms']:.1f} ms",
                       flush=True)
+    print("load average at the end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     for key, label in (("median_ms", "wall"), ("cpu_ms", "CPU")):
         this, was = runs["this"][key], runs["base"][key]
         ratio = statistics.median(t / b for t, b in zip(this, was, strict=True))

@@ -5,7 +5,11 @@ shares).
 The fastest kernel for a linear depends on the CPU, the dtype, the weight's shape and the rows
 of the input: on an Intel CPU with AMX, oneDNN's bfloat16 linear (through torch) beats the
 `panel_linear` kernels from about 8 rows and by 10x at 2,048, while the panels win at 1-4 rows;
-on AMD Zen 4/5 (no AMX) the panels win throughout. So no rule keyed on the instruction set is
+on AMD Zen 4/5 (no AMX) the panels win throughout. oneDNN comes two ways: its inner product on
+the weight pre-packed in its blocked layout ("onednn", `_linear_pointwise`), and its matmul on
+the weight transposed once to [in, out] ("matmul", torch.mm), which on an AMX CPU is about
+1.4x the inner product for a prefill's wide gate_up product (1,536 x 512 x 2,816) and slower
+for a few hundred rows. So no rule keyed on the instruction set is
 right everywhere: each shape class (dtype, N x K, bias) is timed once per rows bucket
 (ROW_BUCKETS, each at its representative row count), the candidates alternating call by call
 and each keeping its fastest call, and the fastest wins; the kernel in place ("panel", listed
@@ -49,11 +53,11 @@ logger = logging.getLogger(__name__)
 
 ENV = "PAGEDKV_KERNEL_CHOICE"
 CHOICE_MODES = ("measure", "panel", "onednn", "isa")
-KERNELS = ("panel", "onednn")
+KERNELS = ("panel", "onednn", "matmul")
 # (first, last) rows of each bucket; the last one is open-ended (its last is the row count it
 # is measured at). A linear's rows are a step's tokens: decode batches, then prefill chunks.
 ROW_BUCKETS: tuple[tuple[int, int], ...] = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 64),
-                                            (65, 256), (257, 512))
+                                            (65, 256), (257, 512), (513, 1024))
 ROUTE_LAST = ROW_BUCKETS[-1][0]  # rows_route(...)[min(rows, ROUTE_LAST)]: the bucket's kernel
 KEEP_MARGIN = 1.08  # another kernel takes a bucket from "panel" when this much faster
 BUDGET_S = 0.004  # timing per bucket, past the minimum calls

@@ -163,7 +163,9 @@ class Linear(nn.Linear):
       into vdpbf16ps where the build has AVX512-BF16; 8 lanes with AVX2, 16 with AVX-512); and
       oneDNN's pre-packed linear, for the dtypes oneDNN takes natively (float32; bfloat16 with
       AVX512-BF16 or AMX, whose tiles make it the faster one from about 8 rows on an Intel
-      CPU with AMX, while the panels win at decode sizes and, on AMD Zen 4/5, throughout).
+      CPU with AMX, while the panels win at decode sizes and, on AMD Zen 4/5, throughout);
+      and oneDNN's matmul on the weight transposed once to [in, out] (torch.mm), which beats
+      the pre-packed linear for a prefill's wide products on AMX (gate_up at 1,536 rows).
       The call picks by its rows (`choice.rows_route`: one tuple lookup); a weight keeps only
       the copies its buckets use. Results differ from F.linear's only in float32 summation
       order (and one rounding to a 16-bit activation dtype at the end).
@@ -180,11 +182,15 @@ class Linear(nn.Linear):
     _panels: torch.Tensor | None = None
     # With both copies: whether panels run, by min(rows, choice.ROUTE_LAST); else None.
     _panel_rows: tuple[bool, ...] | None = None
+    # The weight as [in, out] for oneDNN's matmul, and whether it runs, by min(rows, ROUTE_LAST).
+    _matmul: torch.Tensor | None = None
+    _matmul_rows: tuple[bool, ...] | None = None
 
     def pack(self, panels: bool = False) -> bool:
         """Prepare the current weight as above (mutates self; `panels` needs the fused CPU
         kernels loaded); returns whether forward now uses a prepared copy."""
         self._packed, self._widened, self._panels, self._panel_rows = None, None, None, None
+        self._matmul, self._matmul_rows = None, None
         w = self.weight.detach()
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return False
@@ -210,10 +216,13 @@ class Linear(nn.Linear):
                 made["panel"] = p = torch.ops.pagedkv_cpu.pack_panels(w)
                 return lambda x: torch.ops.pagedkv_cpu.panel_linear(x, p, self.out_features,
                                                                      self.bias)
+            if kernel == "matmul":
+                made["matmul"] = wt = w.t().contiguous()
+                return lambda x: self._mm(x, wt)
             made["onednn"] = p = pack_onednn(w)
             return lambda x: torch.ops.mkldnn._linear_pointwise(x, p, self.bias, "none", [], "")
 
-        available = ("panel", "onednn") if onednn_takes(w) and onednn_linear_ops() \
+        available = ("panel", "onednn", "matmul") if onednn_takes(w) and onednn_linear_ops() \
             else ("panel",)
         shape = choice.shape_class(w.dtype, self.out_features, self.in_features,
                                    self.bias is not None)
@@ -229,9 +238,21 @@ class Linear(nn.Linear):
                 self._packed = pack_onednn(w)
         if self._panels is not None and self._packed is not None:
             self._panel_rows = tuple(k == "panel" for k in choice.rows_route(per_bucket))
+        if "matmul" in per_bucket:
+            self._matmul = made.get("matmul")
+            if self._matmul is None:
+                self._matmul = w.t().contiguous()
+            self._matmul_rows = tuple(k == "matmul" for k in choice.rows_route(per_bucket))
+
+    def _mm(self, x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+        """x @ wt (+ bias): oneDNN's matmul for the weight transposed to [in, out]."""
+        return torch.mm(x, wt) if self.bias is None else torch.addmm(self.bias, x, wt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.device.type == "cpu":
+            if self._matmul_rows is not None and self._matmul_rows[
+                    min(x.shape[0], choice.ROUTE_LAST)]:
+                return self._mm(x, self._matmul)
             if self._panels is not None and (self._panel_rows is None or self._panel_rows[
                     min(x.shape[0], choice.ROUTE_LAST)]):
                 if x.shape[1] != self.in_features:  # (paired panels cannot tell K from K + 1)

@@ -66,7 +66,7 @@ def test_rows_route_covers_every_row_count_by_its_bucket():
         for rows in (first, min(last, choice.ROUTE_LAST)):
             assert route[rows] == f"k{i}"
     assert route[0] == "k0"
-    assert choice.describe_kernels(("panel",) * 2 + ("onednn",) * 5) == \
+    assert choice.describe_kernels(("panel",) * 2 + ("onednn",) * (len(choice.ROW_BUCKETS) - 2)) == \
         "panel at 1-4 rows, onednn at 5+ rows"
 
 
@@ -104,7 +104,8 @@ def test_a_mixed_table_routes_each_rows_bucket_to_its_kernel(dtype):
     layer = make_layer(dtype)
     if not onednn_takes(layer.weight):
         pytest.skip("oneDNN has no native bfloat16 on this CPU")
-    per_bucket = ("panel", "onednn", "panel", "onednn", "onednn", "panel", "onednn")
+    per_bucket = (("panel", "onednn", "panel", "onednn", "onednn", "panel", "onednn")
+                  + ("onednn",) * (len(choice.ROW_BUCKETS) - 7))
     choice._tables[choice.shape_class(dtype, 40, 72, True)] = per_bucket
     assert layer.pack(panels=True) and layer._panels is not None and layer._packed is not None
     mark_onednn(layer)
@@ -112,6 +113,22 @@ def test_a_mixed_table_routes_each_rows_bucket_to_its_kernel(dtype):
         assert routed_to(layer, first) == kernel, (first, kernel)
         assert routed_to(layer, last) == kernel, (last, kernel)
     assert routed_to(layer, 600) == per_bucket[-1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_matmul_bucket_routes_to_the_transposed_weight(dtype):
+    """A table whose last bucket is oneDNN's matmul: from 513 rows on the call runs on the
+    [in, out] copy (made 2 W here, so the route shows in the values), below on the others."""
+    layer = make_layer(dtype)
+    if not onednn_takes(layer.weight):
+        pytest.skip("oneDNN has no native bfloat16 on this CPU")
+    per_bucket = ("panel",) * (len(choice.ROW_BUCKETS) - 2) + ("onednn", "matmul")
+    choice._tables[choice.shape_class(dtype, 40, 72, True)] = per_bucket
+    assert layer.pack(panels=True) and layer._matmul is not None
+    assert layer._matmul.shape == (72, 40)
+    layer._matmul = 2 * layer.weight.detach().t().contiguous()
+    assert [routed_to(layer, rows) == "onednn" for rows in (1, 300, 512, 513, 900)] == \
+        [False, False, False, True, True]
 
 
 def test_a_table_of_one_kernel_keeps_one_prepared_copy():
@@ -182,14 +199,15 @@ def test_measuring_restores_the_thread_count():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("table", ["panel", "onednn", "mixed", "measure"])
+@pytest.mark.parametrize("table", ["panel", "onednn", "matmul", "mixed", "measure"])
 def test_every_route_is_within_the_rounding_bound_of_float64(dtype, table):
     """Every rows bucket of every dtype, each route: within panel_linear_check's bound (float32
     accumulation plus one rounding to the dtype) of float64 F.linear of the same inputs."""
     layer = make_layer(dtype, 71, 100)
     shape = choice.shape_class(dtype, 100, 71, True)
     if table == "mixed":
-        choice._tables[shape] = ("panel", "onednn") * 3 + ("onednn",)
+        choice._tables[shape] = ("panel", "onednn") * 3 + ("onednn",) * (len(choice.ROW_BUCKETS)
+                                                                         - 6)
     elif table != "measure":
         choice._tables[shape] = (table,) * len(choice.ROW_BUCKETS)
     assert layer.pack(panels=True)
@@ -209,7 +227,7 @@ def test_a_bfloat16_model_on_a_mixed_table_agrees_with_the_reference_path(tiny_l
     from pagedkv.model.runner import ModelRunner
     from pagedkv.testing.kv_quant_accuracy import compare_logits, teacher_forced_logits
 
-    per_bucket = ("panel",) * 3 + ("onednn",) * 4
+    per_bucket = ("panel",) * 3 + ("onednn",) * (len(choice.ROW_BUCKETS) - 3)
 
     class MixedTable(dict):  # every shape class: per_bucket
         def get(self, shape, default=None):

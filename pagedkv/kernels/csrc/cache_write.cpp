@@ -29,16 +29,20 @@ void write_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at
     scalar_t* kc = k_cache.data_ptr<scalar_t>();
     scalar_t* vc = v_cache.data_ptr<scalar_t>();
     const int64_t sk0 = k.stride(0), sk1 = k.stride(1), sv0 = v.stride(0), sv1 = v.stride(1);
+    const size_t row_bytes = static_cast<size_t>(d) * sizeof(scalar_t);
+    // One head of one tensor at a time: the writes stream through that head's cache blocks
+    // (a prompt's slots run along its blocks), the reads along the strided rows.
+    auto copy_rows = [&](scalar_t* cache, const scalar_t* x, int64_t s0, int64_t s1, int64_t h,
+                         int64_t b, int64_t e) {
+      scalar_t* head = cache + h * slots * d;
+      const scalar_t* src = x + h * s1;
+      for (int64_t i = b; i < e; i++)
+        if (sp[i] >= 0) std::memcpy(head + sp[i] * d, src + i * s0, row_bytes);
+    };
     at::parallel_for(0, t, 64, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; i++) {
-        if (sp[i] < 0) continue;
-        for (int64_t h = 0; h < kvh; h++) {
-          scalar_t* kd = kc + (h * slots + sp[i]) * d;
-          scalar_t* vd = vc + (h * slots + sp[i]) * d;
-          const scalar_t* ks = kp + i * sk0 + h * sk1;
-          const scalar_t* vs = vp + i * sv0 + h * sv1;
-          for (int64_t j = 0; j < d; j++) { kd[j] = ks[j]; vd[j] = vs[j]; }
-        }
+      for (int64_t h = 0; h < kvh; h++) {
+        copy_rows(kc, kp, sk0, sk1, h, b, e);
+        copy_rows(vc, vp, sv0, sv1, h, b, e);
       }
     });
   });

@@ -74,6 +74,39 @@ template <typename T> void rope_head(T* v, const T* c, const T* s, int64_t half)
   }
 }
 
+// RoPE in place on `heads` heads of one token (v, heads d = 2 * NV * QW values apart) with the
+// token's cos / signed-sin rows c, s held in registers across its heads (loaded once, not once
+// a head): each half's three roundings as rope_head.
+template <int NV, typename T>
+void rope_token(T* v, int64_t heads, const T* c, const T* s) {
+  constexpr int64_t half = NV * QW;
+  vqf c1[NV], c2[NV], s1[NV], s2[NV];
+  for (int k = 0; k < NV; k++) {
+    c1[k] = load_q(c + k * QW);
+    c2[k] = load_q(c + half + k * QW);
+    s1[k] = load_q(s + k * QW);
+    s2[k] = load_q(s + half + k * QW);
+  }
+  for (int64_t h = 0; h < heads; h++, v += 2 * half) {
+    for (int k = 0; k < NV; k++) {
+      const vqf x1 = load_q(v + k * QW), x2 = load_q(v + half + k * QW);
+      store_q(v + k * QW, rnd_q<T>(x1 * c1[k]) + rnd_q<T>(x2 * s1[k]));
+      store_q(v + half + k * QW, rnd_q<T>(x2 * c2[k]) + rnd_q<T>(x1 * s2[k]));
+    }
+  }
+}
+
+// rope_token's function for half = nv * QW (nv 1, 2, 4 or 8), else nullptr.
+template <typename T> auto rope_token_for(int64_t nv) -> void (*)(T*, int64_t, const T*, const T*) {
+  switch (nv) {
+    case 1: return rope_token<1, T>;
+    case 2: return rope_token<2, T>;
+    case 4: return rope_token<4, T>;
+    case 8: return rope_token<8, T>;
+    default: return nullptr;
+  }
+}
+
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -157,6 +190,14 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
     scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* cp = cos.data_ptr<scalar_t>();
     const scalar_t* sp = sin.data_ptr<scalar_t>();
+    const auto token_fn = half % QW == 0 ? rope_token_for<scalar_t>(half / QW) : nullptr;
+    if (token_fn != nullptr) {
+      at::parallel_for(0, t, 32, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; i++)
+          token_fn(xp + i * sx, heads, cp + pp[i] * d, sp + pp[i] * d);
+      });
+      return;
+    }
     if (half % QW == 0) {
       at::parallel_for(0, t, 8, [&](int64_t b, int64_t e) {
         for (int64_t i = b; i < e; i++)

@@ -90,10 +90,19 @@ inline vqf halves_to_float(vqu16 h) {
 
 // QW values of a cache row as float32 (the formats' `widen`, one register at a time).
 inline vqf row_vec(const float* p) { vqf v; std::memcpy(&v, p, sizeof(v)); return v; }
+// bfloat16 bits -> float32 (GCC splits the generic 16-lane widening into four 256-bit
+// instructions under its 256-bit preference; the intrinsic is one vpmovzxwd).
+inline vqf bf16_widen(vqu16 h) {
+#if PAGEDKV_QW == 16
+  return (vqf)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16);
+#else
+  return (vqf)(__builtin_convertvector(h, vqu32) << 16);
+#endif
+}
 inline vqf row_vec(const c10::BFloat16* p) {
   vqu16 h;
   std::memcpy(&h, p, sizeof(h));
-  return (vqf)(__builtin_convertvector(h, vqu32) << 16);
+  return bf16_widen(h);
 }
 inline vqf row_vec(const c10::Half* p) { vqu16 h; std::memcpy(&h, p, sizeof(h)); return halves_to_float(h); }
 

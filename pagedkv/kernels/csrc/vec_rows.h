@@ -33,9 +33,18 @@ inline vqu16 half_bits(vqf v) {
 #endif
 }
 
+#if PAGEDKV_QW == 16 && defined(__AVX512BF16__)
+// One vcvtneps2bf16: round to nearest even, NaN a quiet NaN, as bf16_bits, except that a
+// denormal float32 input rounds to zero (the instruction's DAZ: below 2^-126, far under any
+// activation's last place).
+inline vqu16 bf16_halves(vqf v) { return (vqu16)(__m256i)_mm512_cvtneps_pbh((__m512)v); }
+#else
+inline vqu16 bf16_halves(vqf v) { return __builtin_convertvector(bf16_bits(v), vqu16); }
+#endif
+
 inline void store_q(float* p, vqf v) { std::memcpy(p, &v, sizeof(v)); }
 inline void store_q(c10::BFloat16* p, vqf v) {
-  const vqu16 h = __builtin_convertvector(bf16_bits(v), vqu16);
+  const vqu16 h = bf16_halves(v);
   std::memcpy(p, &h, sizeof(h));
 }
 inline void store_q(c10::Half* p, vqf v) {
@@ -45,7 +54,8 @@ inline void store_q(c10::Half* p, vqf v) {
 
 // v rounded to T's precision and back (the vector rnd<T>).
 template <typename T> inline vqf rnd_q(vqf v) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) return (vqf)(bf16_bits(v) << 16);
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    return bf16_widen(bf16_halves(v));
   else if constexpr (std::is_same_v<T, c10::Half>) return halves_to_float(half_bits(v));
   else return v;
 }
