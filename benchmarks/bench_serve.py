@@ -17,6 +17,11 @@ With --steps every engine step is recorded (pagedkv's `--step-log`, vLLM's
 `--enable-logging-iteration-details`) and both engines' steps are printed class by class
 (anchors_steps.py): how many steps of each kind the same load took, and the median time of one.
 
+Every run also prints, per server, the time outside the model step (serve_host_time.py): the
+share of the load's wall its steps filled and the host milliseconds per step around them (with
+--steps), and the CPU time per output token of its frontend process (HTTP, SSE, detokenization)
+and of its engine core process.
+
 With --vs-vllm PYTHON, vLLM runs as `PYTHON -m vllm.entrypoints.openai.api_server` with the same
 block size, KV cache size and max_num_seqs, on the same cores as pagedkv (its OpenMP threads bound
 to every CPU of this process, none reserved) with tcmalloc and its libiomp5 preloaded where
@@ -50,6 +55,7 @@ from bench_offline import (  # noqa: E402
     vllm_env,
     vllm_settings_problems,
 )
+from serve_host_time import HostTime  # noqa: E402
 
 KV_BYTES = 2 << 30
 BLOCK_SIZE = 32
@@ -175,17 +181,22 @@ def main() -> None:
             vocab = tokenizer_vocab_size(model_dir)
             figures: dict[tuple[str, int], list[dict]] = {}
             steps: dict[str, list[Step]] = {}
+            host = {kind: HostTime() for kind in kinds}
             for round_index in range(args.rounds):
                 for kind in kinds if round_index % 2 == 0 else kinds[::-1]:
                     server = Server(kind, model_dir, dtype, max(concurrencies), args.vs_vllm,
                                     args.steps)
                     try:
-                        load(server.url, concurrencies[0], 8, vocab, 99)  # warm-up
+                        host[kind].start(server.proc.pid)
+                        host[kind].add(server.proc.pid,
+                                       load(server.url, concurrencies[0], 8, vocab, 99))  # warm-up
                         for c in concurrencies:
                             # Prompts new to the server at every point: a seed reused on one
                             # server would turn the next point's prefills into prefix hits.
                             seed = 1000 * round_index + c
+                            host[kind].start(server.proc.pid)
                             m = load(server.url, c, args.num_prompts, vocab, seed)
+                            host[kind].add(server.proc.pid, m)
                             figures.setdefault((kind, c), []).append(m)
                             print(f"  {dtype} c={c} round {round_index} {kind:15} "
                                   f"{m['output_throughput']:8.1f} out tok/s  TPOT "
@@ -201,6 +212,9 @@ def main() -> None:
             _table(dtype, kinds, concurrencies, figures, problems)
             if args.steps:
                 print_step_tables(steps)
+            print("  outside the step (serve_host_time.py), all load points and rounds:")
+            for kind in kinds:
+                print(f"    {kind:15} " + host[kind].line([s.ms for s in steps.get(kind, [])]))
 
 
 def _median_ratio(ours: list[dict], theirs: list[dict], metric) -> float:

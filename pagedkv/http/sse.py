@@ -7,6 +7,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+from pydantic.main import IncEx
+from pydantic_core import PydanticSerializationError
 from starlette.types import Receive, Scope, Send
 
 from pagedkv.http.errors import APIError, error_body
@@ -17,6 +20,20 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def sse_event(payload: dict[str, Any]) -> str:
     """One `data: {...}` event (compact JSON, no NaN or infinity)."""
     return f"data: {json.dumps(payload, separators=(',', ':'), allow_nan=False)}\n\n"
+
+
+def sse_model_event(model: BaseModel, exclude: IncEx | None = None) -> str:
+    """`sse_event(model.model_dump(mode="json", exclude=exclude))`, byte for byte, with the JSON
+    written by pydantic's serializer in one pass (about a third of the dict-then-`json.dumps`
+    time for a streamed chunk). Only for a model that holds no float: pydantic writes a float's
+    digits, and a NaN, otherwise than `json.dumps`."""
+    try:
+        text: str | None = model.model_dump_json(ensure_ascii=True, exclude=exclude)
+    except PydanticSerializationError:  # a lone surrogate, which json.dumps escapes
+        text = None
+    if text is None or "\x7f" in text:  # DEL, which json.dumps escapes and pydantic does not
+        return sse_event(model.model_dump(mode="json", exclude=exclude))
+    return f"data: {text}\n\n"
 
 
 def sse_done() -> str:

@@ -25,7 +25,7 @@ from pagedkv.http.protocol import (
     usage_flags,
 )
 from pagedkv.http.request_fields import check_request_fields
-from pagedkv.http.sse import SSEResponse, sse_event
+from pagedkv.http.sse import SSEResponse, sse_event, sse_model_event
 from pagedkv.sched.sampling_params import SamplingParams
 from pagedkv.server.deltas import Delta, DeltaTracker, LogprobsFormatter
 from pagedkv.server.kv_transfer import check_params, handoff, receive
@@ -140,6 +140,14 @@ def _chunk(serving: OpenAIServing, extras: ResponseExtras, choice: ChatStreamCho
                                 system_fingerprint=extras.fingerprint, usage=usage,
                                 prompt_token_ids=extras.prompt_ids() if role else None,
                                 prompt_text=extras.prompt_text if role else None)
+    delta = choice.delta
+    if choice.logprobs is None and delta.tool_calls is None:  # no float, nothing nested
+        unset = {name for name in ("role", "content", "tool_calls")
+                 if getattr(delta, name) is None}  # OpenAI leaves unset delta fields out
+        exclude: dict[str, Any] = {"choices": {"__all__": {"delta": unset}}}
+        if usage is None:
+            exclude["usage"] = True
+        return sse_model_event(chunk, exclude)
     payload = chunk.model_dump(mode="json", exclude={"usage"} if usage is None else None)
     for item in payload["choices"]:  # OpenAI leaves unset delta fields out
         item["delta"] = _without_none(item["delta"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -20,7 +21,7 @@ from pagedkv.http.protocol import (
     usage_flags,
 )
 from pagedkv.http.request_fields import check_request_fields
-from pagedkv.http.sse import SSEResponse, sse_event
+from pagedkv.http.sse import SSEResponse, sse_event, sse_model_event
 from pagedkv.server.deltas import DeltaTracker, LogprobsFormatter
 from pagedkv.server.kv_transfer import check_params, handoff, receive
 from pagedkv.server.response_extras import ResponseExtras
@@ -223,14 +224,26 @@ async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list,
                     prompt_logprobs=prompt_logprobs, prompt_token_ids=prompt_ids,
                     token_ids=extras.token_ids(comp.token_ids_view[delta.token_start:delta.token_end]))],
                 usage=usage.info() if continuous else None)
-            yield sse_event(_chunk_json(chunk))
+            yield _chunk_event(chunk)
     if include_usage:
         chunk = CompletionResponse(id=extras.id, model=serving.model_name, choices=[],
                                    system_fingerprint=extras.fingerprint, usage=usage.info())
-        yield sse_event(_chunk_json(chunk))
+        yield _chunk_event(chunk)
 
 
 _RESPONSE_ONLY = {"service_tier", "kv_transfer_params", "ec_transfer_params", "metrics"}
+
+
+def _chunk_event(chunk: CompletionResponse) -> str:
+    """A stream chunk's SSE event, `_chunk_json`'s JSON; a chunk without logprobs (no float in
+    it, nor `prompt_logprobs`) is written by pydantic in one pass (`sse_model_event`)."""
+    if any(c.logprobs is not None or c.prompt_logprobs is not None for c in chunk.choices):
+        return sse_event(_chunk_json(chunk))
+    exclude: dict[str, Any] = dict.fromkeys(_RESPONSE_ONLY, True)
+    exclude["choices"] = {"__all__": {"routed_experts", "prompt_logprobs"}}
+    if chunk.usage is None:
+        exclude["usage"] = True
+    return sse_model_event(chunk, exclude)
 
 
 def _chunk_json(chunk: CompletionResponse) -> dict:
