@@ -39,6 +39,7 @@ ExecutorBackend = Literal["mp", "ray"]
 # pagedkv.kernels.modes.CPU_KERNEL_MODES is read from this; the eviction policies' names are
 # those of pagedkv.kv.eviction.EVICTION_POLICIES (tests/config/test_options.py holds them equal).
 CpuKernelMode = Literal["auto", "wait", "off"]
+CpuMalloc = Literal["auto", "glibc"]
 EvictionPolicyName = Literal["lru", "lfu", "arc"]
 
 
@@ -179,6 +180,10 @@ class RuntimeOptions:
         "once built; wait: build before starting; off: pure torch")
     cpu_threads: int | None = opt(None, "CPU: compute threads (default: the cores other "
                                   "processes leave free, re-read every second)", ge=1)
+    cpu_malloc: CpuMalloc = opt(
+        "auto", "CPU: the engine core process's malloc; auto: tcmalloc preloaded where "
+        "installed (libtcmalloc-minimal4), else glibc's; glibc: glibc's. A user's LD_PRELOAD "
+        "wins; an engine in the caller's own process keeps the caller's malloc")
     step_log: str | None = opt(None, "append one JSON line per engine step (shape, seconds) to "
                                "this file, for `pagedkv profile --fit-from`")
 

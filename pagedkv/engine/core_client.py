@@ -90,6 +90,16 @@ def apply_abort(core: EngineCore, message: Abort) -> None:
     core.finish_requests(message.request_ids, status, message.stop_reason)
 
 
+def core_env(args: EngineArgs) -> dict[str, str]:
+    """The engine core process's environment: this one's, with tcmalloc preloaded for a CPU
+    engine where installed (`cpu_malloc` "auto"; pagedkv.model.cpu_memory)."""
+    from pagedkv.model.cpu_memory import find_tcmalloc, with_tcmalloc
+
+    if args.cpu_malloc != "auto" or args.device == "cuda":
+        return dict(os.environ)
+    return with_tcmalloc(os.environ, find_tcmalloc())
+
+
 def start_core_client(args: EngineArgs, tokenizer: Any, *, core_process: bool) -> CoreClient:
     """A started core for `args` (checked and resolved already): in a child process, or in
     this one sharing the frontend's `tokenizer`; returns once it is ready."""
@@ -215,7 +225,7 @@ class MPCoreClient:
                    msgspec.json.encode(args).decode(), str(logging.getLogger().getEffectiveLevel()),
                    os.path.join(self._dir, "clock")]
         # stdin: a pipe never written to, whose end of file tells the core this process is gone
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE)
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, env=core_env(args))
         try:
             self.ready = self._wait_ready()
         except BaseException:

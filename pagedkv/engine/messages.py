@@ -123,6 +123,7 @@ class EngineReady(msgspec.Struct, array_like=True, tag=True):
     weights_bytes: int = 0
     device: str = ""
     cpu_kernels: str = ""
+    malloc: str = ""  # the core process's malloc on CPU: "tcmalloc" or "glibc" ("" off CPU)
     # A draft model's own KV cache (speculative_config method "draft_model"; 0: none).
     draft_num_blocks: int = 0
     draft_block_bytes: int = 0

@@ -16,10 +16,13 @@ def runner_facts(runner: Any) -> dict[str, Any]:
         "model_dtype": str(getattr(runner, "dtype", "")).removeprefix("torch."),
         "weights_bytes": int(getattr(runner, "weights_bytes", 0) or 0),
         "device": "" if device is None else str(device),
-        "cpu_kernels": ""}
+        "cpu_kernels": "", "malloc": ""}
     if getattr(device, "type", None) == "cpu":
         from pagedkv.kernels.choice import describe_choice
         from pagedkv.kernels.cpu import cpu_kernels_loaded, kernels_in_use
+        from pagedkv.model.cpu_memory import malloc_in_use
+
+        facts["malloc"] = malloc_in_use()
 
         facts["cpu_kernels"] = kernels_in_use(getattr(runner, "cpu_kernels", "off"))
         if cpu_kernels_loaded() and getattr(runner, "cpu_kernels", "off") != "off":

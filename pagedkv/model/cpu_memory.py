@@ -12,6 +12,12 @@ page-faults all those pages in again, zero-filled: on the offline benchmark abou
 it changes nothing where the C library is not glibc, or where the user set any MALLOC_*
 environment variable (their settings win). The price: the process keeps its peak activation
 memory instead of returning it between steps.
+
+tcmalloc does better still (a 1,536-token bfloat16 prefill step: about 10% less CPU time and a
+fifth of the page faults), but a process cannot change its malloc once started: `with_tcmalloc`
+gives the environment that starts a child (the engine core process) with tcmalloc preloaded,
+where it is installed (Debian: libtcmalloc-minimal4), as vLLM's CPU docs ask of its users.
+`malloc_in_use` says which one a process runs.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Mapping
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +37,10 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20  # glibc's maximum on 64-bit (HEAP_MAX_SIZE / 2)
 TRIM_THRESHOLD = 1 << 30
 TOP_PAD = 64 << 20
+
+TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
+                "/usr/lib", "/usr/local/lib")
 
 
 def keep_freed_memory() -> bool:
@@ -48,3 +60,33 @@ def keep_freed_memory() -> bool:
     if not ok:
         logger.debug("mallopt refused the CPU engine's malloc settings")
     return ok
+
+
+def find_tcmalloc(dirs: tuple[str, ...] = LIBRARY_DIRS) -> str | None:
+    """The path of an installed tcmalloc (the minimal build first), or None."""
+    for name in TCMALLOC_NAMES:
+        for folder in dirs:
+            path = Path(folder) / name
+            if path.is_file():
+                return str(path)
+    return None
+
+
+def with_tcmalloc(env: Mapping[str, str], library: str | None) -> dict[str, str]:
+    """A copy of `env` that preloads `library` (tcmalloc) in a child process; unchanged when
+    there is none, or the user set LD_PRELOAD or any MALLOC_* variable (their choice wins)."""
+    out = dict(env)
+    if library is None or out.get("LD_PRELOAD") or any(k.startswith("MALLOC_") for k in out):
+        return out
+    out["LD_PRELOAD"] = library
+    return out
+
+
+def malloc_in_use() -> str:
+    """'tcmalloc' when this process has tcmalloc mapped (preloaded), else 'glibc' (or the C
+    library's own)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "glibc"
+    return "tcmalloc" if "libtcmalloc" in maps else "glibc"

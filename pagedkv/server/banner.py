@@ -53,9 +53,10 @@ def cores_line(engine: Any, ready: Any) -> str:
     """The engine core line: in-process, its pid, or every data-parallel core's pid (and,
     on CPU, each rank's compute threads)."""
     cores = getattr(getattr(engine, "client", None), "cores", None)
+    malloc = f", malloc: {ready.malloc}" if getattr(ready, "malloc", "") else ""
     if not cores:
         pid = core_pid(engine)
-        return f"engine core: {'in-process' if pid is None else f'pid {pid}'}"
+        return f"engine core: {'in-process' if pid is None else f'pid {pid}'}{malloc}"
     pids = ", ".join(str(core.process.pid) for core in cores)
     line = f"data parallel: {len(cores)} engine cores (pids {pids})"
     threads = engine.args.cpu_threads

@@ -26,6 +26,7 @@ import pytest
 from safetensors import safe_open
 
 from pagedkv.kv.sizes import format_size
+from pagedkv.model.cpu_memory import find_tcmalloc
 from pagedkv.model.tokenizer import Tokenizer
 from tests.server.helpers import REPO_ROOT, STARTUP_TIMEOUT_S, descendants
 
@@ -126,8 +127,16 @@ def test_the_banner_weights_are_the_checkpoints(server):
 
 
 def test_the_banner_names_the_engine_core_and_the_kernels(server):
+    """The core's pid and its malloc: tcmalloc preloaded where installed (cpu_malloc auto),
+    read back from the core process's own memory map."""
     cores = descendants(server.proc.pid, "pagedkv.engine.core_proc")
-    assert server.banner("engine core") == f"pid {cores[0]}" and len(cores) == 1
+    maps = Path(f"/proc/{cores[0]}/maps").read_text()
+    malloc = "tcmalloc" if "libtcmalloc" in maps else "glibc"
+    preload = os.environ.get("LD_PRELOAD")
+    expected = "libtcmalloc" in preload if preload else find_tcmalloc() is not None
+    assert malloc == ("tcmalloc" if expected else "glibc")
+    assert server.banner("engine core") == f"pid {cores[0]}, malloc: {malloc}"
+    assert len(cores) == 1
     kernels = server.banner("CPU kernels")
     assert re.fullmatch(r"fused C\+\+ kernels \((avx512_bf16|avx512|avx2) panels\)"
                         r"(; .*linears: .+)?|the "
