@@ -267,10 +267,19 @@ def vllm_env(python: str, threads: int | None, kv_gib: int = VS_KV_GIB) -> dict:
                 VLLM_CPU_NUM_OF_RESERVED_CPU="0")
 
 
+def pagedkv_env() -> dict:
+    """pagedkv's worker environment: tcmalloc preloaded where installed, as `pagedkv serve`
+    gives its engine core process (cpu_malloc auto) and vLLM gets here."""
+    from pagedkv.model.cpu_memory import find_tcmalloc, with_tcmalloc
+
+    return with_tcmalloc(os.environ, find_tcmalloc())
+
+
 def engine_settings(env: dict, threads: int | None) -> str:
     """pagedkv's and vLLM's thread and core settings, one line each (what the ratio is of)."""
     cpus = sorted(os.sched_getaffinity(0))
-    ours = f"pagedkv: {threads or len(cpus)} threads over CPUs {cpus}, none reserved"
+    ours = (f"pagedkv: {threads or len(cpus)} threads over CPUs {cpus}, none reserved, "
+            f"LD_PRELOAD={pagedkv_env().get('LD_PRELOAD') or 'nothing'}")
     preload = [Path(p).name for p in env.get("LD_PRELOAD", "").split(":") if p]
     theirs = (f"vLLM: VLLM_CPU_OMP_THREADS_BIND={env.get('VLLM_CPU_OMP_THREADS_BIND')}, "
               f"VLLM_CPU_NUM_OF_RESERVED_CPU={env.get('VLLM_CPU_NUM_OF_RESERVED_CPU')}, "
@@ -327,7 +336,7 @@ def vs_vllm(args: argparse.Namespace, base: Path) -> dict:
             else:
                 name, _, value = args.vs_env.partition("=")
                 theirs = Side(other, ours, dict(os.environ, **{name: value}))
-            sides = [Side("pagedkv", ours, dict(os.environ)), theirs]
+            sides = [Side("pagedkv", ours, pagedkv_env()), theirs]
             cpus = args.threads or len(os.sched_getaffinity(0))
             try:
                 for workload_name in ("mixed", "shared_prefix"):
