@@ -73,15 +73,13 @@ class Int8BlockLinear(nn.Module):
         return self._dequantized_rows(0, self.out_features, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels_loaded():  # one op: its row count picks the product or the expansion
+            return torch.ops.pagedkv_cpu.int8_block_forward(x, self.codes, self.scales,
+                                                            self.block, self.bias,
+                                                            INT8_BLOCK_ROWS)
         rows = x.reshape(-1, self.in_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if rows.shape[0] <= INT8_BLOCK_ROWS and cpu_kernels_loaded():
-            y = torch.ops.pagedkv_cpu.int8_block_linear(rows.contiguous(), self.codes,
-                                                        self.scales, self.block)
-            y = y if bias is None else y + bias
-        else:
-            y = self._expanded_linear(rows, bias)
-        return y.view(*x.shape[:-1], self.out_features)
+        return self._expanded_linear(rows, bias).view(*x.shape[:-1], self.out_features)
 
     def _expanded_linear(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """rows W^T (+ bias) through the dense matmul, W expanded a chunk of rows at a time."""
