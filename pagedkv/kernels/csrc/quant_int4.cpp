@@ -568,6 +568,40 @@ void check_gemv_input(const at::Tensor& x, int64_t k, const char* op) {
   TORCH_CHECK(k % kInt4Group == 0, op, ": K must be a multiple of 32, got ", k);
 }
 
+}  // namespace
+}  // namespace pagedkv_cpu
+
+#include "quant_int4_amx.h"
+
+namespace pagedkv_cpu {
+namespace {
+
+// int4_gemv on AMX tiles (quant_int4_amx.h) where this build and CPU have them, the rows are
+// enough and N is a multiple of 16: its output, else an undefined tensor.
+at::Tensor int4_gemv_tiles(const at::Tensor& x, const Q8Act& act, const at::Tensor& codes,
+                           const at::Tensor& scales, const c10::optional<at::Tensor>& bias) {
+#if defined(PAGEDKV_INT4_AMX)
+  const int64_t n = codes.size(0), m = x.numel() / x.size(-1);
+  if (m < kAmxMinRows || n % 16 || !int4_amx_permitted()) return at::Tensor();
+  at::Tensor out = at::empty(quant_rows::out_sizes(x, n), x.options());
+  const float* bp = quant_rows::float_bias(bias, n);
+  const Int4AmxAct tiles = amx_activations(act, m);
+  const uint8_t* nib = codes.data_ptr<uint8_t>();
+  dispatch(x.scalar_type(), "int4_gemv", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (scales.scalar_type() == at::kHalf)
+      int4_amx_product(tiles, m, nib, reinterpret_cast<const c10::Half*>(scales.data_ptr()), n,
+                       act.groups, bp, out.data_ptr<T>());
+    else
+      int4_amx_product(tiles, m, nib, scales.data_ptr<float>(), n, act.groups, bp,
+                       out.data_ptr<T>());
+  });
+  return out;
+#else
+  return at::Tensor();
+#endif
+}
+
 // x [..., K] (float32, bfloat16 or float16, contiguous); codes uint8 [N, K/2]; scales float16 or
 // float32 [N, 2 * K/32]; bias [N] or None. Returns x W^T (+ bias) [..., N] in x's dtype.
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -579,6 +613,8 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   dispatch(x.scalar_type(), "int4_gemv", [&](auto tag) {
     act = quantize_q8(x.data_ptr<typename decltype(tag)::type>(), x.numel() / k, k);
   });
+  if (at::Tensor tiled = int4_gemv_tiles(x, act, codes, scales, bias); tiled.defined())
+    return tiled;
   const uint8_t* nib = codes.data_ptr<uint8_t>();
   auto run = [&](auto scale_type) {
     using S = decltype(scale_type);
@@ -593,14 +629,24 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return scales.scalar_type() == at::kHalf ? run(c10::Half{}) : run(float{});
 }
 
+// Rows up to which the packed linear runs int4_gemv where it runs on AMX tiles (0 without).
+int64_t int4_tile_rows() {
+#if defined(PAGEDKV_INT4_AMX)
+  return int4_amx_permitted() ? kAmxMaxRows : 0;
+#else
+  return 0;
+#endif
+}
+
 // The packed linear's forward: x [..., K] W^T (+ bias) [..., N] in x's dtype, by int4_gemv up to
-// `gemv_rows` rows, else on the weight expanded (int4_expand, a chunk of rows at a time) by the
-// dense matmul.
+// `gemv_rows` rows (or int4_tile_rows(), where larger), else on the weight expanded
+// (int4_expand, a chunk of rows at a time) by the dense matmul.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias, int64_t gemv_rows) {
   const at::Tensor xc = x.contiguous();
   const int64_t k = 2 * codes.size(1);
-  if (xc.numel() <= gemv_rows * k) return int4_gemv(xc, codes, scales, bias);
+  if (xc.numel() <= std::max(gemv_rows, int4_tile_rows()) * k)
+    return int4_gemv(xc, codes, scales, bias);
   check_int4_weight(codes, scales, "int4_linear");
   check_gemv_input(xc, k, "int4_linear");
   const at::Tensor rows = xc.view({-1, k});
@@ -664,4 +710,5 @@ TORCH_LIBRARY_FRAGMENT(pagedkv_cpu, m) {
   m.def("int8_gemv(Tensor x, Tensor codes, Tensor scale, Tensor? bias) -> Tensor",
         &pagedkv_cpu::int8_gemv);
   m.def("int_gemv_isa() -> str", &pagedkv_cpu::int_gemv_isa);
+  m.def("int4_tile_rows() -> int", &pagedkv_cpu::int4_tile_rows);
 }
