@@ -12,11 +12,8 @@
 // costs 2-4x this (benchmarks/bench_quant_linear.py --rows 16,32,64).
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(PAGEDKV_INT_VNNI) && \
-    defined(__linux__)
+#if defined(PAGEDKV_QUANT_AMX) && defined(PAGEDKV_INT_VNNI)
 #define PAGEDKV_INT4_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
 
 namespace pagedkv_cpu {
 namespace {
@@ -28,25 +25,7 @@ namespace {
 constexpr int64_t kAmxMinRows = 10;
 constexpr int64_t kAmxMaxRows = 64;
 
-// Linux's permission for the AMX tile state, asked once per process (ARCH_REQ_XCOMP_PERM,
-// XTILEDATA).
-bool int4_amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
-// Palette 1: tiles 0-1 the int32 sums (16 x 64 bytes), 4-5 the codes (16 x 32), 6-7 the
-// activations (8 x 64).
-struct alignas(64) Int4TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  Int4TileConfig() {
-    for (int t : {0, 1}) { colsb[t] = 64; rows[t] = 16; }
-    for (int t : {4, 5}) { colsb[t] = 32; rows[t] = 16; }
-    for (int t : {6, 7}) { colsb[t] = 64; rows[t] = 8; }
-  }
-};
+inline bool int4_amx_permitted() { return quant_rows::amx_permitted(); }
 
 // The activations of Q8Act `a` (m rows) as tile B: [tile of 16 rows][group][8][16][4] int8
 // (codes 4c .. 4c + 3 of the group at dword c), rows past m zero; and per tile and group the
@@ -125,7 +104,7 @@ void int4_amx_product(const Int4AmxAct& act, int64_t m, const uint8_t* codes, co
     float* offset = quant_rows::scratch<float, 7>(groups * 16);
     alignas(64) int32_t sums[2][256];
     alignas(64) float y[256];
-    const Int4TileConfig config;
+    const quant_rows::IntTileConfig config(32);
     _tile_loadconfig(&config);
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n0 = blk * 16;

@@ -277,6 +277,123 @@ void dot_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const float
   });
 }
 
+#if defined(PAGEDKV_QUANT_AMX)
+#define PAGEDKV_INT8_AMX 1
+// The product at 10-64 activation rows on AMX-INT8 tiles (as quant_int4_amx.h: the same int8
+// activations per block, each (weight row, activation row, block) dot exact in int32, scaled
+// by the two scales in float32): per block of 16 weight rows, per tile of 16 activation rows
+// and block of scales, one tdpbssd of the weight codes (tile A, loaded straight from the
+// codes, K apart) against the activations laid 4 codes a dword (tile B, built once per call).
+constexpr int64_t kInt8AmxMinRows = 10;
+constexpr int64_t kInt8AmxMaxRows = 64;
+
+struct Int8AmxAct {
+  const int8_t* b;  // [tile][block][B / 4][16 rows][4]
+  const float* d;   // [tile][block][16 rows]: the activation steps
+  int64_t tiles;
+};
+
+template <int64_t B>
+Int8AmxAct int8_amx_activations(const QuantizedRows& q, int64_t m, int64_t k) {
+  const int64_t tiles = (m + 15) / 16, blocks = k / B;
+  int8_t* b = quant_rows::scratch<int8_t, 4>(tiles * blocks * B * 16);
+  float* d = quant_rows::scratch<float, 8>(tiles * blocks * 16);
+  std::memset(b, 0, tiles * blocks * B * 16);
+  std::memset(d, 0, tiles * blocks * 16 * sizeof(float));
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t t = r / 16, i = r % 16;
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int8_t* src = q.codes + r * k + blk * B;
+      int8_t* tile = b + (t * blocks + blk) * B * 16;
+      for (int64_t c = 0; c < B / 4; ++c) std::memcpy(tile + c * 64 + i * 4, src + 4 * c, 4);
+      d[(t * blocks + blk) * 16 + i] = q.lane_scale[(r * k + blk * B) / 4];
+    }
+  }
+  return Int8AmxAct{b, d, tiles};
+}
+
+// acc[i] (lanes: the tile's activation rows) += one block's int32 sums [16][16] times weight
+// row i's scale (ws[i * stride]) times the activation steps d.
+inline void int8_amx_scale(const int32_t* sums, const float* ws, int64_t stride, const float* d,
+                           __m512* acc) {
+  const __m512 dv = _mm512_loadu_ps(d);
+  for (int i = 0; i < 16; ++i)
+    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(sums + 16 * i)),
+                             _mm512_mul_ps(dv, _mm512_set1_ps(ws[i * stride])), acc[i]);
+}
+
+// out [m, n] (T) = the activations times the weight (codes w, block scales ws); n % 16 == 0.
+template <int64_t B, typename T>
+void int8_amx_product(const Int8AmxAct& act, int64_t m, const int8_t* w, const float* ws,
+                      int64_t n, int64_t k, T* out) {
+  const int64_t blocks = k / B;
+  quant_rows::run_blocks(n / 16, n * k * act.tiles, [&](int64_t b0, int64_t b1) {
+    alignas(64) int32_t sums[2][256];
+    alignas(64) float y[256];
+    const quant_rows::IntTileConfig config(B);
+    _tile_loadconfig(&config);
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      const int64_t n0 = nb * 16;
+      const int8_t* wb = w + n0 * k;
+      const float* sb = ws + n0 * blocks;
+      for (int64_t t = 0; t < act.tiles; ++t) {
+        __m512 acc[16];
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+        const int8_t* bt = act.b + t * blocks * B * 16;
+        const float* dt = act.d + t * blocks * 16;
+        for (int64_t j = 0; j < blocks; j += 2) {
+          const bool pair = j + 1 < blocks;
+          _tile_zero(0);
+          _tile_loadd(4, wb + j * B, k);
+          _tile_loadd(6, bt + j * B * 16, 64);
+          _tile_dpbssd(0, 4, 6);
+          if (pair) {
+            _tile_zero(1);
+            _tile_loadd(5, wb + (j + 1) * B, k);
+            _tile_loadd(7, bt + (j + 1) * B * 16, 64);
+            _tile_dpbssd(1, 5, 7);
+          }
+          _tile_stored(0, sums[0], 64);
+          if (pair) _tile_stored(1, sums[1], 64);
+          int8_amx_scale(sums[0], sb + j, blocks, dt + j * 16, acc);
+          if (pair) int8_amx_scale(sums[1], sb + j + 1, blocks, dt + (j + 1) * 16, acc);
+        }
+        for (int i = 0; i < 16; ++i) _mm512_storeu_ps(y + 16 * i, acc[i]);
+        const int64_t rows = std::min<int64_t>(16, m - 16 * t);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int i = 0; i < 16; ++i) out[(16 * t + r) * n + n0 + i] = static_cast<T>(y[16 * i + r]);
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+// Rows up to which the packed linear runs int8_block_linear where it runs on AMX tiles (0
+// without).
+int64_t int8_block_tile_rows() {
+#if defined(PAGEDKV_INT8_AMX)
+  return quant_rows::amx_permitted() ? kInt8AmxMaxRows : 0;
+#else
+  return 0;
+#endif
+}
+
+// out [m, n] (T) = x's rows, quantized per block of B, times the weight: on AMX tiles where
+// they run (rows from kInt8AmxMinRows, n a multiple of 16), else the vector product.
+template <int64_t B, typename T>
+void block_product(const T* x, int64_t m, int64_t k, const int8_t* w, const float* ws, int64_t n,
+                   T* out) {
+  const QuantizedRows q = quantize_rows<T, B>(x, m, k);
+#if defined(PAGEDKV_INT8_AMX)
+  if (m >= kInt8AmxMinRows && n % 16 == 0 && quant_rows::amx_permitted()) {
+    int8_amx_product<B>(int8_amx_activations<B>(q, m, k), m, w, ws, n, k, out);
+    return;
+  }
+#endif
+  dot_columns<B>(q, m, w, ws, n, k, out);
+}
+
 // x: [..., K] (float32, bfloat16 or float16); codes int8 [N, K]; scales float32 [N, K / block];
 // returns x W^T [..., N] in x's dtype, W = codes times their block's scale.
 at::Tensor int8_block_linear(const at::Tensor& x, const at::Tensor& codes,
@@ -294,9 +411,9 @@ at::Tensor int8_block_linear(const at::Tensor& x, const at::Tensor& codes,
     const T* xp = xc.data_ptr<T>();
     T* o = out.data_ptr<T>();
     if (block == 32) {
-      dot_columns<32>(quantize_rows<T, 32>(xp, m, k), m, w, ws, n, k, o);
+      block_product<32>(xp, m, k, w, ws, n, o);
     } else {
-      dot_columns<16>(quantize_rows<T, 16>(xp, m, k), m, w, ws, n, k, o);
+      block_product<16>(xp, m, k, w, ws, n, o);
     }
   });
   return out;
@@ -375,13 +492,13 @@ at::Tensor int8_block_expand(const at::Tensor& codes, const at::Tensor& scales, 
 }
 
 // The packed linear's forward: x [..., K] W^T (+ bias) [..., N] in x's dtype, by
-// int8_block_linear up to `gemv_rows` rows, else on the weight expanded (int8_block_expand, a
-// chunk of rows at a time) by the dense matmul.
+// int8_block_linear up to `gemv_rows` rows (or int8_block_tile_rows(), where larger), else on
+// the weight expanded (int8_block_expand, a chunk of rows at a time) by the dense matmul.
 at::Tensor int8_block_forward(const at::Tensor& x, const at::Tensor& codes,
                               const at::Tensor& scales, int64_t block,
                               const c10::optional<at::Tensor>& bias, int64_t gemv_rows) {
   const int64_t n = codes.size(0), k = codes.size(1);
-  if (x.numel() <= gemv_rows * k) {
+  if (x.numel() <= std::max(gemv_rows, int8_block_tile_rows()) * k) {
     at::Tensor y = int8_block_linear(x, codes, scales, block);
     if (bias.has_value() && bias->defined()) y.add_(*bias);
     return y;
@@ -409,5 +526,6 @@ TORCH_LIBRARY_FRAGMENT(pagedkv_cpu, m) {
         &pagedkv_cpu::int8_block_expand);
   m.def("int8_block_forward(Tensor x, Tensor codes, Tensor scales, int block, Tensor? bias, "
         "int gemv_rows) -> Tensor", &pagedkv_cpu::int8_block_forward);
+  m.def("int8_block_tile_rows() -> int", &pagedkv_cpu::int8_block_tile_rows);
   m.def("int8_block_isa() -> str", &pagedkv_cpu::int8_block_isa);
 }

@@ -25,6 +25,13 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && \
+    defined(__AVX512BW__) && defined(__linux__)
+#define PAGEDKV_QUANT_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace pagedkv_cpu {
 namespace quant_rows {
 
@@ -113,6 +120,29 @@ at::Tensor expanded_linear(const at::Tensor& x, int64_t n, const c10::optional<a
   }
   return at::cat(parts, -1);
 }
+
+#if defined(PAGEDKV_QUANT_AMX)
+// Linux's permission for the AMX tile state, asked once per process (ARCH_REQ_XCOMP_PERM,
+// XTILEDATA).
+inline bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+// Palette 1 for an int8 product `kbytes` (16 or 32: one block of scales) deep: tiles 0-1 int32
+// sums (16 x 16), 4-5 the weight codes (16 rows x kbytes), 6-7 the activations laid 4 codes a
+// dword (kbytes / 4 x 16 rows x 4).
+struct alignas(64) IntTileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  explicit IntTileConfig(int kbytes) {
+    for (int t : {0, 1}) { colsb[t] = 64; rows[t] = 16; }
+    for (int t : {4, 5}) { colsb[t] = static_cast<uint16_t>(kbytes); rows[t] = 16; }
+    for (int t : {6, 7}) { colsb[t] = 64; rows[t] = static_cast<uint8_t>(kbytes / 4); }
+  }
+};
+#endif
 
 // The output shape of x [..., K] times W^T, W [N, K]: [..., N].
 inline std::vector<int64_t> out_sizes(const at::Tensor& x, int64_t n) {

@@ -1,7 +1,8 @@
 """A linear layer and an embedding on int8 codes with a float32 scale per block of 16 or 32
 along each row (GGUF Q8_0 and Q6_K kept packed: int8_blocks.py), W = code * scale exactly.
 
-The linear's decode-sized calls (rows <= `INT8_BLOCK_ROWS`) run `int8_block_linear`
+The linear's decode-sized calls (rows <= `INT8_BLOCK_ROWS`, or 64 on AMX-INT8 tiles:
+`product_rows`) run `int8_block_linear`
 (kernels/csrc/quant_int8.cpp: activations quantized per block to int8, as llama.cpp's Q8_0 dot
 does, integer dot products with AVX-512 VNNI or AVX2); larger ones expand the codes to a dense
 weight in the activation dtype (`int8_block_expand`) for the dense matmul (oneDNN's), where a
@@ -27,6 +28,13 @@ INT8_BLOCK_ROWS = 16
 # the allocator reuses and the cache keeps, where the whole weight at once (the tied head's
 # 49152 x 576: 57 MB in bfloat16) costs fresh pages each call, more than the matmul itself.
 EXPAND_CHUNK_BYTES = 2 << 20
+
+
+def product_rows() -> int:
+    """Rows up to which Int8BlockLinear runs the integer product with the fused kernels loaded:
+    `INT8_BLOCK_ROWS`, or 64 where it runs on AMX-INT8 tiles (1.1-1.6x the expanded weight's
+    matmul at 16-64 rows: benchmarks/bench_quant_linear.py --paths q8gemv,q8expand)."""
+    return max(INT8_BLOCK_ROWS, int(torch.ops.pagedkv_cpu.int8_block_tile_rows()))
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:
