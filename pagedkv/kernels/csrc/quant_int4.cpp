@@ -639,13 +639,13 @@ int64_t int4_tile_rows() {
 }
 
 // The packed linear's forward: x [..., K] W^T (+ bias) [..., N] in x's dtype, by int4_gemv up to
-// `gemv_rows` rows (or int4_tile_rows(), where larger), else on the weight expanded
-// (int4_expand, a chunk of rows at a time) by the dense matmul.
+// `gemv_rows` rows (Int4Linear's product_rows: int4_tile_rows() where tiles run), else on the
+// weight expanded (int4_expand, a chunk of rows at a time) by the dense matmul.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias, int64_t gemv_rows) {
   const at::Tensor xc = x.contiguous();
   const int64_t k = 2 * codes.size(1);
-  if (xc.numel() <= std::max(gemv_rows, int4_tile_rows()) * k)
+  if (xc.numel() <= gemv_rows * k)
     return int4_gemv(xc, codes, scales, bias);
   check_int4_weight(codes, scales, "int4_linear");
   check_gemv_input(xc, k, "int4_linear");

@@ -361,7 +361,8 @@ void int8_amx_product(const Int8AmxAct& act, int64_t m, const int8_t* w, const f
         for (int i = 0; i < 16; ++i) _mm512_storeu_ps(y + 16 * i, acc[i]);
         const int64_t rows = std::min<int64_t>(16, m - 16 * t);
         for (int64_t r = 0; r < rows; ++r)
-          for (int i = 0; i < 16; ++i) out[(16 * t + r) * n + n0 + i] = static_cast<T>(y[16 * i + r]);
+          for (int i = 0; i < 16; ++i)
+            out[(16 * t + r) * n + n0 + i] = static_cast<T>(y[16 * i + r]);
       }
     }
     _tile_release();
@@ -492,13 +493,14 @@ at::Tensor int8_block_expand(const at::Tensor& codes, const at::Tensor& scales, 
 }
 
 // The packed linear's forward: x [..., K] W^T (+ bias) [..., N] in x's dtype, by
-// int8_block_linear up to `gemv_rows` rows (or int8_block_tile_rows(), where larger), else on
-// the weight expanded (int8_block_expand, a chunk of rows at a time) by the dense matmul.
+// int8_block_linear up to `gemv_rows` rows (Int8BlockLinear's product_rows:
+// int8_block_tile_rows() where tiles run), else on the weight expanded (int8_block_expand, a
+// chunk of rows at a time) by the dense matmul.
 at::Tensor int8_block_forward(const at::Tensor& x, const at::Tensor& codes,
                               const at::Tensor& scales, int64_t block,
                               const c10::optional<at::Tensor>& bias, int64_t gemv_rows) {
   const int64_t n = codes.size(0), k = codes.size(1);
-  if (x.numel() <= std::max(gemv_rows, int8_block_tile_rows()) * k) {
+  if (x.numel() <= gemv_rows * k) {
     at::Tensor y = int8_block_linear(x, codes, scales, block);
     if (bias.has_value() && bias->defined()) y.add_(*bias);
     return y;

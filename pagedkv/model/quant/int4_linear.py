@@ -22,6 +22,7 @@ The tensors are parameters (requires_grad False), so the model's parameter bytes
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import numpy as np
@@ -40,6 +41,7 @@ _EXPAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GEMV_ROWS = 12
 
 
+@functools.cache
 def product_rows() -> int:
     """Rows up to which Int4Linear runs the int4 product with the fused kernels loaded."""
     return max(GEMV_ROWS, int(torch.ops.pagedkv_cpu.int4_tile_rows()))
@@ -123,7 +125,7 @@ class Int4Linear(nn.Module):
             if _torch_int4_copies:
                 _torch_int4_copies.clear()  # the kernels are in: the torch op's copies go
             return torch.ops.pagedkv_cpu.int4_linear(x, self.codes, self.scales, self.bias,
-                                                     GEMV_ROWS)
+                                                     product_rows())
         return self._forward_without_kernels(x)
 
     def _forward_without_kernels(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,8 @@ tied head and embedding share them (the model's parameters list them once).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -30,6 +32,7 @@ INT8_BLOCK_ROWS = 16
 EXPAND_CHUNK_BYTES = 2 << 20
 
 
+@functools.cache
 def product_rows() -> int:
     """Rows up to which Int8BlockLinear runs the integer product with the fused kernels loaded:
     `INT8_BLOCK_ROWS`, or 64 where it runs on AMX-INT8 tiles (1.1-1.6x the expanded weight's
@@ -84,7 +87,7 @@ class Int8BlockLinear(nn.Module):
         if cpu_kernels_loaded():  # one op: its row count picks the product or the expansion
             return torch.ops.pagedkv_cpu.int8_block_forward(x, self.codes, self.scales,
                                                             self.block, self.bias,
-                                                            INT8_BLOCK_ROWS)
+                                                            product_rows())
         rows = x.reshape(-1, self.in_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return self._expanded_linear(rows, bias).view(*x.shape[:-1], self.out_features)
