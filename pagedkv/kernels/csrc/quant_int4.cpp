@@ -10,6 +10,12 @@
 //   sums with AVX-512 VNNI (vpdpbusd: the codes as the unsigned operand, 4 groups a register),
 //   or AVX2 (vpmaddubsw + vpmaddwd, 2 groups a register), float32 across groups. Each weight
 //   row's codes and scales are read once, front to back, for up to 4 activation rows.
+//   From 10 activation rows, where the build and CPU have AMX-INT8, the same product runs on
+//   tiles (quant_int4_amx.h). The activations are quantized straight from x's dtype into this
+//   thread's scratch, and the output written in x's dtype (quant_rows.h): a small call costs
+//   little beyond reading its weights.
+// - `int4_linear`, the packed linear's forward in one op: int4_gemv up to a row count the
+//   caller gives (Int4Linear.product_rows), else the dense matmul on int4_expand's weight.
 // - `int4_expand`, what the packed linear runs beyond decode sizes (a prefill's hundreds of
 //   rows): the dense weight, for oneDNN's matmul, which beats any int4 kernel there.
 // - `int8_gemv`: int8 codes with one scale per weight row (the LM head's copy, model/quant/
