@@ -16,7 +16,13 @@ Paths (each weight [N, K], activations [rows, K]):
   path: the same int4 weights with float16 scales and offsets, activations quantized to int8
   per group of 32 at the call, counted);
 - `int8gemv`: pagedkv's `int8_gemv` (the LM head's copy: int8 per-row weights, int16
-  activations per row).
+  activations per row);
+- `int4expand`: the packed linear's path beyond decode sizes (`int4_linear` with no rows on the
+  product: the weight expanded to bfloat16 a chunk at a time, then oneDNN's matmul);
+- `q8gemv`, `q8expand`: the GGUF Q8_0 linear's two paths (`int8_block_forward`: the product on
+  int8 activations per block of 32, or the expanded weight).
+Where `int4gemv` and `int4expand` (and `q8gemv`, `q8expand`) cross is where Int4Linear's
+`GEMV_ROWS` (Int8BlockLinear's `INT8_BLOCK_ROWS`) belongs: `--rows 1,4,8,16,24,32,48,64`.
 `--cold` cycles each path's calls over copies of the weights, 2^24 weights in all (32 MiB in
 bfloat16): a decode step reads each weight once, from the L3 cache or memory, not from the L2
 cache a repeated call leaves it in.
@@ -53,6 +59,8 @@ def _bytes(path: str, n: int, k: int) -> int:
     return {"bf16": 2 * n * k, "f32": 4 * n * k, "int8pack": n * k + 2 * n,
             "int_mm": n * k + 4 * n, "int8gemv": n * k + 2 * n,
             "int4gemv": n * k // 2 + n * k // GROUP * 4,
+            "int4expand": n * k // 2 + n * k // GROUP * 4,
+            "q8gemv": n * k + n * k // GROUP * 4, "q8expand": n * k + n * k // GROUP * 4,
             "int4pack": n * k // 2 + n * k // GROUP * 4}[path]
 
 
@@ -67,6 +75,7 @@ def _paths(n: int, k: int) -> dict[str, tuple[torch.Tensor, Callable[[torch.Tens
     p4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 1)
     sz = torch.rand(k // GROUP, n, 2) * 0.01
     w8t = w8.t().contiguous()
+    q8s = torch.rand(n, k // GROUP) * 0.01  # Q8_0: a float32 scale per block of 32
     nib = (q4[:, 0::2] | (q4[:, 1::2] << 4)).to(torch.uint8)  # any order: the same bytes
     scales = sz.permute(1, 2, 0).reshape(n, -1).half().contiguous()  # [N, 2 * K/32]
     ops = torch.ops.pagedkv_cpu
@@ -88,6 +97,9 @@ def _paths(n: int, k: int) -> dict[str, tuple[torch.Tensor, Callable[[torch.Tens
         "int_mm": (xb, int_mm),
         "int4gemv": (xb, lambda x: ops.int4_gemv(x, nib, scales, None)),
         "int8gemv": (xb, lambda x: ops.int8_gemv(x, w8, scale8.bfloat16(), None)),
+        "int4expand": (xb, lambda x: ops.int4_linear(x, nib, scales, None, 0)),
+        "q8gemv": (xb, lambda x: ops.int8_block_forward(x, w8, q8s, 32, None, 1 << 30)),
+        "q8expand": (xb, lambda x: ops.int8_block_forward(x, w8, q8s, 32, None, 0)),
     }
 
 
@@ -105,10 +117,13 @@ def _cold_paths(n: int, k: int, copies: int) -> dict[str, tuple[torch.Tensor, Ca
     return {name: (x, cycle(name)) for name, (x, _) in sets[0].items()}
 
 
-def measure(n: int, k: int, rows: int, budget: float, cold: bool = False) -> dict[str, float]:
+def measure(n: int, k: int, rows: int, budget: float, cold: bool = False,
+            only: set[str] | None = None) -> dict[str, float]:
     """{path: fastest call in ms} for weight [n, k] at `rows` rows (`cold`: over copies of the
-    weights, 2^24 weights in all, one copy a call in turn)."""
+    weights, 2^24 weights in all, one copy a call in turn; `only`: those paths and bf16)."""
     paths = _cold_paths(n, k, max(2, 2**24 // (n * k))) if cold else _paths(n, k)
+    if only:
+        paths = {name: p for name, p in paths.items() if name in only or name == "bf16"}
     xs = {name: x.expand(rows, k).contiguous() + 0.01 * torch.randn(rows, k).to(x.dtype)
           for name, (x, _) in paths.items()}
     best = dict.fromkeys(paths, float("inf"))
@@ -134,6 +149,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--budget", type=float, default=0.15, help="seconds per cell")
     parser.add_argument("--cold", action="store_true", help="weights read from memory")
+    parser.add_argument("--paths", default=None, help="comma-separated subset (bf16 always)")
     args = parser.parse_args()
     ensure_cpu_kernels("wait")
     if args.threads:
@@ -144,7 +160,8 @@ def main() -> None:
     for family in args.shapes.split(","):
         for n, k in SHAPES[family]:
             for rows in (int(r) for r in args.rows.split(",")):
-                ms = measure(n, k, rows, args.budget, args.cold)
+                ms = measure(n, k, rows, args.budget, args.cold,
+                             set(args.paths.split(",")) if args.paths else None)
                 agg = totals.setdefault((family, rows), dict.fromkeys(ms, 0.0))
                 for name, t in ms.items():
                     agg[name] += t

@@ -5,6 +5,7 @@ time at batch 1, and a `pp`-token prompt prefilled in one step.
     PYTHONPATH=. .venv/bin/python benchmarks/bench_quant_weights.py [MODEL.gguf]
         [--pp 512] [--tg 128] [--reps 3] [--threads N]
         [--configs auto:bfloat16,none:bfloat16,none:float32]
+        [--against BASELINE_TREE --rounds 3]
 
 MODEL defaults to the real model (SmolLM2-135M-Instruct Q4_1, pagedkv.testing.real_model).
 Each configuration is one engine (`LLM`, prefix caching off, the fused CPU kernels built first);
@@ -15,6 +16,11 @@ after, and each configuration's decode bandwidth floor: the bytes a decode step 
 weights, less the embedding table where a packed head stands in for it, plus the KV cache at
 the mean context) over the measured read bandwidth (`read_bandwidth`: a sum over 1 GiB), and
 the measured step time's ratio to it.
+
+With `--against` (another checkout of pagedkv, e.g. `git archive BASE | tar -x -C /tmp/base`)
+each configuration runs in child processes, this tree's and the baseline's alternating for
+`--rounds` rounds (a shared machine's load hits both alike), and prints per round both decode
+and prefill rates, their ratio (this tree over the baseline) and the load average.
 
 From Python (e.g. a comparison with llama.cpp):
 
@@ -141,6 +147,47 @@ def read_bandwidth(threads: int | None, gib: float = 1.0, reps: int = 3) -> floa
     return x.numel() * 4 / best
 
 
+_CHILD = """
+import json, sys
+from bench_quant_weights import pagedkv_throughput
+t = pagedkv_throughput(*sys.argv[1:2], quantization=sys.argv[2], dtype=sys.argv[3],
+                       n_prompt=int(sys.argv[4]), n_gen=int(sys.argv[5]),
+                       threads=int(sys.argv[6]) or None, reps=int(sys.argv[7]))
+print(json.dumps([t.prefill_tps, t.decode_tps]))
+"""
+
+
+def _child_run(tree: str, model: str, config: str, args: argparse.Namespace) -> list[float]:
+    """[prefill, decode] tokens/s of `config` with the pagedkv of checkout `tree`."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(tree).resolve()
+    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{root / 'benchmarks'}")
+    quantization, dtype = config.split(":")
+    out = subprocess.run([sys.executable, "-c", _CHILD, model, quantization, dtype,
+                          str(args.pp), str(args.tg), str(args.threads or 0), str(args.reps)],
+                         env=env, check=True, capture_output=True, text=True, cwd=root)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def compare_trees(model: str, args: argparse.Namespace) -> None:
+    """Each configuration in child processes, this tree and `args.against` alternating."""
+    from pathlib import Path
+
+    here = str(Path(__file__).resolve().parents[1])
+    for config in args.configs.split(","):
+        for round_ in range(args.rounds):
+            new = _child_run(here, model, config, args)
+            base = _child_run(args.against, model, config, args)
+            print(f"{config} round {round_}: tg{args.tg} {new[1]:7.1f} vs baseline "
+                  f"{base[1]:7.1f} tok/s (x{new[1] / base[1]:.3f}); pp{args.pp} "
+                  f"{new[0]:8.1f} vs {base[0]:8.1f} (x{new[0] / base[0]:.3f}); load average "
+                  f"{os.getloadavg()[0]:.2f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?", default=None)
@@ -149,6 +196,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--configs", default="auto:bfloat16,none:bfloat16,none:float32")
+    parser.add_argument("--against", default=None, metavar="BASELINE_TREE")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     model = args.model
     if model is None:
@@ -156,6 +205,9 @@ def main() -> None:
 
         model = str(smollm2_gguf_path())
     print(f"{model}\n{cpu_name()}, {os.cpu_count()} CPUs; load average {os.getloadavg()}")
+    if args.against:
+        compare_trees(model, args)
+        return
     bandwidth = read_bandwidth(args.threads)
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads or 'default'} threads)")
     results = []

@@ -20,7 +20,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from pagedkv.kernels.cpu import ensure_cpu_kernels
 from pagedkv.model.quant import int4_linear
 from pagedkv.model.quant.int4_blocks import INT4_TYPES, codes, codes_and_scales
-from pagedkv.model.quant.int4_linear import GEMV_ROWS, Int4Linear
+from pagedkv.model.quant.int4_linear import GEMV_ROWS, Int4Linear, product_rows
 from pagedkv.testing.isa_child import run_with_isa
 
 TYPES = sorted(INT4_TYPES, key=lambda t: t.name)
@@ -75,7 +75,7 @@ def packed(blocks):
     return Int4Linear(*parts), w
 
 
-@pytest.mark.parametrize("rows", [1, 3, GEMV_ROWS, GEMV_ROWS + 1, 64])
+@pytest.mark.parametrize("rows", [1, 3, GEMV_ROWS, GEMV_ROWS + 1, 40, 64, 65])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kernels", ["fused", "torch"])
 def test_int4_linear_equals_float64_reference(packed, rows, dtype, kernels, monkeypatch):
@@ -90,7 +90,7 @@ def test_int4_linear_equals_float64_reference(packed, rows, dtype, kernels, monk
     xd = x.double().numpy()
     want = xd @ w.T
     bound = REL * (np.abs(xd) @ np.abs(w).T + np.abs(want)) + 1e-6
-    if kernels == "fused" and rows <= GEMV_ROWS:
+    if kernels == "fused" and rows <= product_rows():
         step = np.abs(xd).reshape(rows, -1, 32).max(axis=2) / 127  # [rows, K/32]
         bound += (step / 2) @ np.abs(w).reshape(N, -1, 32).sum(axis=2).T
     err = np.abs(got.double().numpy() - want)
@@ -167,8 +167,9 @@ def products_against_references(n: int, k: int, rows: int, seed: int) -> dict:
 
 
 # (N, K, rows): N not a multiple of 4 (the last rows one at a time), K of 3, 17 and 18 groups
-# (a partial last chunk of 4 / 2 groups), rows across the runs of 4.
-PRODUCT_CASES = [(20, 96, 1), (33, 544, 5), (16, 576, 12)]
+# (a partial last chunk of 4 / 2 groups), rows across the runs of 4; from 10 rows with N a
+# multiple of 16, AMX tiles where they run (a partial tile of rows, an odd group count).
+PRODUCT_CASES = [(20, 96, 1), (33, 544, 5), (16, 576, 12), (48, 544, 37)]
 
 
 @pytest.mark.parametrize(("n", "k", "rows"), PRODUCT_CASES)

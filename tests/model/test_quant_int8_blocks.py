@@ -19,6 +19,7 @@ from pagedkv.model.quant.int8_block_linear import (
     Int8BlockEmbedding,
     Int8BlockLinear,
     expand_reference,
+    product_rows,
 )
 from pagedkv.model.quant.int8_blocks import int8_codes_and_scales
 from pagedkv.model.runner import ModelRunner
@@ -84,7 +85,7 @@ def random_linear(block: int, seed: int, n: int = N) -> Int8BlockLinear:
 
 
 @pytest.mark.parametrize("block", [16, 32])
-@pytest.mark.parametrize("rows", [1, 5, INT8_BLOCK_ROWS, INT8_BLOCK_ROWS + 3])
+@pytest.mark.parametrize("rows", [1, 5, INT8_BLOCK_ROWS, INT8_BLOCK_ROWS + 3, 64, 65])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_linear_equals_float64_references(block, rows, dtype):
     linear = random_linear(block, seed=block + rows)
@@ -93,7 +94,7 @@ def test_linear_equals_float64_references(block, rows, dtype):
     w = expand_reference(linear.codes, linear.scales, torch.float64)
     magnitude = x.double().abs() @ w.abs().T
     out_rounding = (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -20) * (magnitude + 1e-6)
-    if rows <= INT8_BLOCK_ROWS:  # the integer kernel: the quantized activations' product
+    if rows <= product_rows():  # the integer kernel (AMX tiles from 10 rows where they run)
         q, d = quantized_activations(x, block)
         exact = ((q * d).reshape(rows, K)) @ w.T
         assert ((got - exact).abs() <= out_rounding).all()

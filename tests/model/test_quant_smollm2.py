@@ -3,7 +3,8 @@ file dequantized, both bfloat16: along each prompt's greedy continuation (the de
 model's), the packed model's next-token distributions (KL, top-1 agreement) at every decode
 step (one row: the int4 product on int8 activations, the head on the file's Q8_0 embedding
 codes) and over the whole text prefilled
-(the expanded weight, the dense head)."""
+(the dense head; the linears on the expanded weight, or where AMX-INT8 tiles run, texts of up
+to 64 tokens, the int4 product too)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ PROMPTS = ["The capital of France is", "Water boils at a temperature of",
            "The three primary colors are"]
 NEW_TOKENS = 8
 # Measured: mean KL about 1e-2 nats, top-1 0.97 (activations quantized to int8 per group of 32
-# at decode, as llama.cpp's Q4 x Q8 dot, against the dequantized bfloat16 model); a broken
-# packed kernel gives tenths of a nat and more.
-MEAN_KL_BOUND = 0.02
+# at decode, as llama.cpp's Q4 x Q8 dot, against the dequantized bfloat16 model), 2.2e-2 and
+# 0.94 where the short prefills run the product too (AMX tiles); a broken packed kernel gives
+# tenths of a nat and more.
+MEAN_KL_BOUND = 0.03
 TOP1_BOUND = 0.9
 
 

@@ -10,6 +10,12 @@
 //   sums with AVX-512 VNNI (vpdpbusd: the codes as the unsigned operand, 4 groups a register),
 //   or AVX2 (vpmaddubsw + vpmaddwd, 2 groups a register), float32 across groups. Each weight
 //   row's codes and scales are read once, front to back, for up to 4 activation rows.
+//   From 10 activation rows, where the build and CPU have AMX-INT8, the same product runs on
+//   tiles (quant_int4_amx.h). The activations are quantized straight from x's dtype into this
+//   thread's scratch, and the output written in x's dtype (quant_rows.h): a small call costs
+//   little beyond reading its weights.
+// - `int4_linear`, the packed linear's forward in one op: int4_gemv up to a row count the
+//   caller gives (Int4Linear.product_rows), else the dense matmul on int4_expand's weight.
 // - `int4_expand`, what the packed linear runs beyond decode sizes (a prefill's hundreds of
 //   rows): the dense weight, for oneDNN's matmul, which beats any int4 kernel there.
 // - `int8_gemv`: int8 codes with one scale per weight row (the LM head's copy, model/quant/
@@ -36,6 +42,8 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+
+#include "quant_rows.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PAGEDKV_INT_VNNI 1
@@ -183,11 +191,13 @@ constexpr int kGemvCols = 4;        // weight rows one call computes together (i
 
 // Runs row_fn(r, nr, m0, mr, y) for every run of nr (kGemvCols, or 1 at the end) weight rows
 // from r and of mr (up to kGemvRows) activation rows from m0 (y[i * nr + j]: activation row
-// m0 + i, weight row r + j), weight rows split over threads in blocks of kGemvBlock.
+// m0 + i, weight row r + j), weight rows split over threads in blocks of kGemvBlock (on the
+// calling thread below quant_rows::kInlineBytes of `row_bytes` weight rows per activation pass).
 template <typename RowFn>
-void for_each_output(int64_t n, int64_t m, RowFn row_fn) {
+void for_each_output(int64_t n, int64_t m, int64_t row_bytes, RowFn row_fn) {
   const int64_t blocks = (n + kGemvBlock - 1) / kGemvBlock;
-  at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
+  const int64_t passes = (m + kGemvRows - 1) / kGemvRows;
+  quant_rows::run_blocks(blocks, n * row_bytes * passes, [&](int64_t b, int64_t e) {
     float y[kGemvRows * kGemvCols];
     for (int64_t blk = b; blk < e; ++blk) {
       const int64_t r_end = std::min(n, (blk + 1) * kGemvBlock);
@@ -209,38 +219,68 @@ void for_each_output(int64_t n, int64_t m, RowFn row_fn) {
 // nibbles); per group the step and the group's float sum. Groups past the last are zeros.
 struct Q8Act {
   int64_t chunks = 0, groups = 0;
-  std::vector<int8_t> q;      // [M, chunks, 128]
-  std::vector<float> d, sum;  // [M, chunks * 4]
+  const int8_t* q = nullptr;                    // [M, chunks, 128]
+  const float* d = nullptr;                     // [M, chunks * 4]
+  const float* sum = nullptr;                   // [M, chunks * 4]
   int64_t padded() const { return chunks * 4; }
 };
 
+// One group of 32 values from src: codes to lo[0..15] (values 0-15) and hi[0..15] (16-31);
+// returns the step, its float sum to *total.
+template <typename T>
+inline float quantize_group(const T* src, int8_t* lo, int8_t* hi, float* total) {
+#if defined(PAGEDKV_QUANT_ROWS_512)
+  const __m512 v0 = quant_rows::load16(src), v1 = quant_rows::load16(src + 16);
+  const float amax = _mm512_reduce_max_ps(
+      _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  *total = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), quant_rows::quantize16(v0, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), quant_rows::quantize16(v1, inv));
+#else
+  float v[kInt4Group], amax = 0.f, sum = 0.f;
+  for (int j = 0; j < kInt4Group; ++j) {
+    v[j] = static_cast<float>(src[j]);
+    amax = std::max(amax, std::fabs(v[j]));
+    sum += v[j];
+  }
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int j = 0; j < 16; ++j) {
+    lo[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+    hi[j] = static_cast<int8_t>(std::nearbyint(v[16 + j] * inv));
+  }
+  *total = sum;
+#endif
+  return amax / 127.f;
+}
+
+// x's rows quantized into this thread's scratch (valid until its next call).
 template <typename T>
 Q8Act quantize_q8(const T* x, int64_t rows, int64_t k) {
   Q8Act a;
   a.groups = k / kInt4Group;
   a.chunks = (a.groups + 3) / 4;
-  a.q.assign(rows * a.chunks * 128, 0);
-  a.d.assign(rows * a.padded(), 0.f);
-  a.sum.assign(rows * a.padded(), 0.f);
+  int8_t* q = quant_rows::scratch<int8_t, 1>(rows * a.chunks * 128);
+  float* d = quant_rows::scratch<float, 1>(rows * a.padded());
+  float* sum = quant_rows::scratch<float, 2>(rows * a.padded());
   for (int64_t m = 0; m < rows; ++m) {
+    float* dm = d + m * a.padded();
+    float* sm = sum + m * a.padded();
     for (int64_t g = 0; g < a.groups; ++g) {
-      const T* src = x + m * k + g * kInt4Group;
-      float v[kInt4Group], amax = 0.f, total = 0.f;
-      for (int j = 0; j < kInt4Group; ++j) {
-        v[j] = static_cast<float>(src[j]);
-        amax = std::max(amax, std::fabs(v[j]));
-        total += v[j];
-      }
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t* q = a.q.data() + (m * a.chunks + g / 4) * 128 + (g % 4) * 16;
-      for (int j = 0; j < 16; ++j) {
-        q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
-        q[64 + j] = static_cast<int8_t>(std::nearbyint(v[16 + j] * inv));
-      }
-      a.d[m * a.padded() + g] = amax / 127.f;
-      a.sum[m * a.padded() + g] = total;
+      int8_t* qg = q + (m * a.chunks + g / 4) * 128 + (g % 4) * 16;
+      dm[g] = quantize_group(x + m * k + g * kInt4Group, qg, qg + 64, sm + g);
+    }
+    for (int64_t g = a.groups; g < a.padded(); ++g) {  // past the last group: zeros
+      int8_t* qg = q + (m * a.chunks + g / 4) * 128 + (g % 4) * 16;
+      std::memset(qg, 0, 16);
+      std::memset(qg + 64, 0, 16);
+      dm[g] = 0.f;
+      sm[g] = 0.f;
     }
   }
+  a.q = q;
+  a.d = d;
+  a.sum = sum;
   return a;
 }
 
@@ -284,7 +324,7 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
     const __mmask64 wmask = rem == 4 ? ~0ULL : (1ULL << (16 * rem)) - 1;
     const __mmask8 smask = static_cast<__mmask8>((1u << rem) - 1);
     __m128 step[MR];
-    for (int i = 0; i < MR; ++i) step[i] = _mm_loadu_ps(a.d.data() + (m0 + i) * padded + 4 * c);
+    for (int i = 0; i < MR; ++i) step[i] = _mm_loadu_ps(a.d + (m0 + i) * padded + 4 * c);
     for (int j = 0; j < NR; ++j) {
       __builtin_prefetch(codes + j * row_bytes + ahead + 64 * c);
       if (c == 0) __builtin_prefetch(reinterpret_cast<const char*>(scales + j * row_s) + ahead_s);
@@ -293,7 +333,7 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
       const __m128 ws = scales4(scales + j * row_s + 4 * c, smask);
       for (int i = 0; i < MR; ++i) {
-        const int8_t* q = a.q.data() + ((m0 + i) * a.chunks + c) * 128;
+        const int8_t* q = a.q + ((m0 + i) * a.chunks + c) * 128;
         const __m512i dot = _mm512_dpbusd_epi32(
             _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q)), hi,
             _mm512_loadu_si512(q + 64));
@@ -310,7 +350,7 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
       const __m512 off = scales16(scales + j * row_s + groups + g0, mask);
       for (int i = 0; i < MR; ++i)
         acc[i][j] = _mm512_fmadd_ps(
-            off, _mm512_maskz_loadu_ps(mask, a.sum.data() + (m0 + i) * padded + g0), acc[i][j]);
+            off, _mm512_maskz_loadu_ps(mask, a.sum + (m0 + i) * padded + g0), acc[i][j]);
     }
   }
   for (int i = 0; i < MR; ++i)
@@ -352,12 +392,12 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
       const float s0 = scale_f(scales + j * row_s, g);
       const float s1 = pair ? scale_f(scales + j * row_s, g + 1) : 0.f;
       for (int i = 0; i < MR; ++i) {
-        const int8_t* q = a.q.data() + (m0 + i) * a.chunks * 128 + at;
+        const int8_t* q = a.q + (m0 + i) * a.chunks * 128 + at;
         const __m256i pairs = _mm256_add_epi16(
             _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
             _mm256_maddubs_epi16(hi,
                                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64))));
-        const float* d = a.d.data() + (m0 + i) * padded + g;
+        const float* d = a.d + (m0 + i) * padded + g;
         const __m256 s = _mm256_setr_m128(_mm_set1_ps(s0 * d[0]), _mm_set1_ps(s1 * d[1]));
         acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), s,
                                     acc[i][j]);
@@ -365,7 +405,7 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
     }
   }
   for (int i = 0; i < MR; ++i) {
-    const float* sum = a.sum.data() + (m0 + i) * padded;
+    const float* sum = a.sum + (m0 + i) * padded;
     for (int j = 0; j < NR; ++j) {
       float off = 0.f;
       for (int64_t g = 0; g < groups; ++g) off += scale_f(scales + j * row_s, groups + g) * sum[g];
@@ -383,7 +423,7 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
       float acc = 0.f;
       for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* b = codes + j * row_bytes + g * (kInt4Group / 2);
-        const int8_t* q = a.q.data() + ((m0 + i) * a.chunks + g / 4) * 128 + (g % 4) * 16;
+        const int8_t* q = a.q + ((m0 + i) * a.chunks + g / 4) * 128 + (g % 4) * 16;
         int32_t dot = 0;
         for (int t = 0; t < 16; ++t) dot += (b[t] & 15) * q[t] + (b[t] >> 4) * q[64 + t];
         const int64_t at = (m0 + i) * padded + g;
@@ -507,16 +547,18 @@ inline void store_out(T* out, int64_t n, int64_t r, int nr, int64_t m0, int mr, 
       out[(m0 + i) * n + r + j] = static_cast<T>(y[i * nr + j] + (bias ? bias[r + j] : 0.f));
 }
 
+// row_y's products into a new [..., N] output of x's dtype (x [..., K], contiguous), plus the
+// bias, each weight row's codes `row_bytes` long.
 template <typename RowY>
-at::Tensor gemv_out(const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>& bias,
-                    RowY row_y) {
-  const int64_t m = x.size(0);
-  at::Tensor out = at::empty({m, n}, x.options());
-  at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int_gemv", [&] {
-    scalar_t* o = out.data_ptr<scalar_t>();
-    for_each_output(n, m, [&](int64_t r, int nr, int64_t m0, int mr, float* y) {
+at::Tensor gemv_out(const at::Tensor& x, int64_t n, int64_t row_bytes,
+                    const c10::optional<at::Tensor>& bias, RowY row_y) {
+  const int64_t m = x.numel() / x.size(-1);
+  at::Tensor out = at::empty(quant_rows::out_sizes(x, n), x.options());
+  const float* bp = quant_rows::float_bias(bias, n);
+  dispatch(x.scalar_type(), "int_gemv", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* o = out.data_ptr<T>();
+    for_each_output(n, m, row_bytes, [&](int64_t r, int nr, int64_t m0, int mr, float* y) {
       row_y(r, nr, m0, mr, y);
       store_out(o, n, r, nr, m0, mr, y, bp);
     });
@@ -525,15 +567,49 @@ at::Tensor gemv_out(const at::Tensor& x, int64_t n, const c10::optional<at::Tens
 }
 
 void check_gemv_input(const at::Tensor& x, int64_t k, const char* op) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == k, op,
-              ": x must be a contiguous [M, ", k, "]");
+  TORCH_CHECK(x.dim() >= 1 && x.is_contiguous() && x.size(-1) == k, op,
+              ": x must be a contiguous [..., ", k, "]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
                   x.scalar_type() == at::kHalf, op, ": x must be float32, bfloat16 or float16");
   TORCH_CHECK(k % kInt4Group == 0, op, ": K must be a multiple of 32, got ", k);
 }
 
-// x [M, K] (float32, bfloat16 or float16); codes uint8 [N, K/2]; scales float16 or float32
-// [N, 2 * K/32]; bias [N] or None. Returns x W^T (+ bias) [M, N] in x's dtype.
+}  // namespace
+}  // namespace pagedkv_cpu
+
+#include "quant_int4_amx.h"
+
+namespace pagedkv_cpu {
+namespace {
+
+// int4_gemv on AMX tiles (quant_int4_amx.h) where this build and CPU have them, the rows are
+// enough and N is a multiple of 16: its output, else an undefined tensor.
+at::Tensor int4_gemv_tiles(const at::Tensor& x, const Q8Act& act, const at::Tensor& codes,
+                           const at::Tensor& scales, const c10::optional<at::Tensor>& bias) {
+#if defined(PAGEDKV_INT4_AMX)
+  const int64_t n = codes.size(0), m = x.numel() / x.size(-1);
+  if (m < kAmxMinRows || n % 16 || !int4_amx_permitted()) return at::Tensor();
+  at::Tensor out = at::empty(quant_rows::out_sizes(x, n), x.options());
+  const float* bp = quant_rows::float_bias(bias, n);
+  const Int4AmxAct tiles = amx_activations(act, m);
+  const uint8_t* nib = codes.data_ptr<uint8_t>();
+  dispatch(x.scalar_type(), "int4_gemv", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (scales.scalar_type() == at::kHalf)
+      int4_amx_product(tiles, m, nib, reinterpret_cast<const c10::Half*>(scales.data_ptr()), n,
+                       act.groups, bp, out.data_ptr<T>());
+    else
+      int4_amx_product(tiles, m, nib, scales.data_ptr<float>(), n, act.groups, bp,
+                       out.data_ptr<T>());
+  });
+  return out;
+#else
+  return at::Tensor();
+#endif
+}
+
+// x [..., K] (float32, bfloat16 or float16, contiguous); codes uint8 [N, K/2]; scales float16 or
+// float32 [N, 2 * K/32]; bias [N] or None. Returns x W^T (+ bias) [..., N] in x's dtype.
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias) {
   check_int4_weight(codes, scales, "int4_gemv");
@@ -541,13 +617,15 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   check_gemv_input(x, k, "int4_gemv");
   Q8Act act;
   dispatch(x.scalar_type(), "int4_gemv", [&](auto tag) {
-    act = quantize_q8(x.data_ptr<typename decltype(tag)::type>(), x.size(0), k);
+    act = quantize_q8(x.data_ptr<typename decltype(tag)::type>(), x.numel() / k, k);
   });
+  if (at::Tensor tiled = int4_gemv_tiles(x, act, codes, scales, bias); tiled.defined())
+    return tiled;
   const uint8_t* nib = codes.data_ptr<uint8_t>();
   auto run = [&](auto scale_type) {
     using S = decltype(scale_type);
     const S* sc = reinterpret_cast<const S*>(scales.data_ptr());
-    return gemv_out(x, n, bias, [&](int64_t r, int nr, int64_t m0, int mr, float* y) {
+    return gemv_out(x, n, k / 2, bias, [&](int64_t r, int nr, int64_t m0, int mr, float* y) {
       dispatch_rows(mr, nr, [&](auto mr_c, auto nr_c) {
         q4_rows<decltype(mr_c)::value, decltype(nr_c)::value, S>(
             nib + r * (k / 2), sc + 2 * groups * r, groups, act, m0, y);
@@ -555,6 +633,35 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     });
   };
   return scales.scalar_type() == at::kHalf ? run(c10::Half{}) : run(float{});
+}
+
+// Rows up to which the packed linear runs int4_gemv where it runs on AMX tiles (0 without).
+int64_t int4_tile_rows() {
+#if defined(PAGEDKV_INT4_AMX)
+  return int4_amx_permitted() ? kAmxMaxRows : 0;
+#else
+  return 0;
+#endif
+}
+
+// The packed linear's forward: x [..., K] W^T (+ bias) [..., N] in x's dtype, by int4_gemv up to
+// `gemv_rows` rows (Int4Linear's product_rows: int4_tile_rows() where tiles run), else on the
+// weight expanded (int4_expand, a chunk of rows at a time) by the dense matmul.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& bias, int64_t gemv_rows) {
+  const at::Tensor xc = x.contiguous();
+  const int64_t k = 2 * codes.size(1);
+  if (xc.numel() <= gemv_rows * k)
+    return int4_gemv(xc, codes, scales, bias);
+  check_int4_weight(codes, scales, "int4_linear");
+  check_gemv_input(xc, k, "int4_linear");
+  const at::Tensor rows = xc.view({-1, k});
+  const at::Tensor y = quant_rows::expanded_linear(rows, codes.size(0), bias,
+                                                   [&](int64_t start, int64_t stop) {
+    return int4_expand(codes.slice(0, start, stop), scales.slice(0, start, stop),
+                       xc.scalar_type());
+  });
+  return y.view(quant_rows::out_sizes(xc, codes.size(0)));
 }
 
 // x [M, K]; codes int8 [N, K] with one bfloat16 scale a row, scale [N]; bias [N] or None.
@@ -570,11 +677,11 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const float* sp = s.data_ptr<float>();
   Int16Act act;
   dispatch(x.scalar_type(), "int8_gemv", [&](auto tag) {
-    act = quantize_rows16(x.data_ptr<typename decltype(tag)::type>(), x.size(0), k);
+    act = quantize_rows16(x.data_ptr<typename decltype(tag)::type>(), x.numel() / k, k);
   });
   const int8_t* w = codes.data_ptr<int8_t>();
   const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / k) * k;
-  return gemv_out(x, n, bias, [&](int64_t r, int nr, int64_t m0, int mr, float* y) {
+  return gemv_out(x, n, k, bias, [&](int64_t r, int nr, int64_t m0, int mr, float* y) {
     if (m0 == 0)
       for (int64_t c = 0; c < nr * k; c += 64) __builtin_prefetch(w + r * k + ahead + c);
     dispatch_rows(mr, nr, [&](auto mr_c, auto nr_c) {
@@ -604,7 +711,10 @@ TORCH_LIBRARY_FRAGMENT(pagedkv_cpu, m) {
         &pagedkv_cpu::int4_expand);
   m.def("int4_gemv(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor",
         &pagedkv_cpu::int4_gemv);
+  m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias, int gemv_rows) -> Tensor",
+        &pagedkv_cpu::int4_linear);
   m.def("int8_gemv(Tensor x, Tensor codes, Tensor scale, Tensor? bias) -> Tensor",
         &pagedkv_cpu::int8_gemv);
   m.def("int_gemv_isa() -> str", &pagedkv_cpu::int_gemv_isa);
+  m.def("int4_tile_rows() -> int", &pagedkv_cpu::int4_tile_rows);
 }

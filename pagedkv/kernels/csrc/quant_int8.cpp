@@ -29,6 +29,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "quant_rows.h"
 #include "simd.h"
 
 namespace pagedkv_cpu {
@@ -36,32 +37,56 @@ namespace {
 
 // Activation rows quantized per block: codes int8 [M, K], and per 4-code lane the block's scale
 // (float32 [M, K / 4]), the layout the dot loops multiply by lane, and -128 times the lane's
-// code sum (int32 [M, K / 4]: the AVX-512 path's correction for its offset weight codes).
+// code sum (int32 [M, K / 4]: the AVX-512 path's correction for its offset weight codes), in
+// this thread's scratch (valid until its next call).
 struct QuantizedRows {
-  std::vector<int8_t> codes;
-  std::vector<int32_t> lane_offset;
-  std::vector<float> lane_scale;
+  const int8_t* codes;
+  const int32_t* lane_offset;
+  const float* lane_scale;
 };
 
-QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k, int64_t block) {
-  QuantizedRows q{std::vector<int8_t>(m * k), std::vector<int32_t>(m * k / 4),
-                  std::vector<float>(m * k / 4)};
+// One block of x (values from v) into out: returns the step (max |x| / 127).
+template <typename T, int64_t block>
+inline float quantize_block(const T* v, int8_t* out) {
+#if defined(PAGEDKV_QUANT_ROWS_512)
+  __m512 x[block / 16];
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t h = 0; h < block / 16; ++h) {
+    x[h] = quant_rows::load16(v + 16 * h);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(x[h]));
+  }
+  const float d = _mm512_reduce_max_ps(amax) / 127.f;
+  const __m512 id = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
+  for (int64_t h = 0; h < block / 16; ++h)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * h), quant_rows::quantize16(x[h], id));
+  return d;
+#else
+  float amax = 0.f;
+  for (int64_t j = 0; j < block; ++j) amax = std::max(amax, std::fabs(static_cast<float>(v[j])));
+  const float d = amax / 127.f;
+  const float id = d != 0.f ? 1.f / d : 0.f;
+  for (int64_t j = 0; j < block; ++j)
+    out[j] = static_cast<int8_t>(std::nearbyint(static_cast<float>(v[j]) * id));
+  return d;
+#endif
+}
+
+template <typename T, int64_t block>
+QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k) {
+  int8_t* codes = quant_rows::scratch<int8_t, 2>(m * k);
+  int32_t* lane_offset = quant_rows::scratch<int32_t, 0>(m * k / 4);
+  float* lane_scale = quant_rows::scratch<float, 3>(m * k / 4);
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < k / block; ++b) {
-      const float* v = x + r * k + b * block;
-      float amax = 0.f;
-      for (int64_t j = 0; j < block; ++j) amax = std::max(amax, std::fabs(v[j]));
-      const float d = amax / 127.f;
-      const float id = d != 0.f ? 1.f / d : 0.f;
-      int8_t* out = q.codes.data() + r * k + b * block;
-      for (int64_t j = 0; j < block; ++j) out[j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
-      std::fill_n(q.lane_scale.data() + (r * k + b * block) / 4, block / 4, d);
+      const int64_t at = r * k + b * block;
+      int8_t* out = codes + at;
+      const float d = quantize_block<T, block>(x + at, out);
+      std::fill_n(lane_scale + at / 4, block / 4, d);
       for (int64_t j = 0; j < block; j += 4)
-        q.lane_offset[(r * k + b * block + j) / 4] =
-            -128 * (int32_t(out[j]) + out[j + 1] + out[j + 2] + out[j + 3]);
+        lane_offset[(at + j) / 4] = -128 * (int32_t(out[j]) + out[j + 1] + out[j + 2] + out[j + 3]);
     }
   }
-  return q;
+  return QuantizedRows{codes, lane_offset, lane_scale};
 }
 
 // How far ahead of the weight row being computed the products prefetch its codes and scales:
@@ -105,10 +130,10 @@ inline void dot_chunk(const int8_t* w, const float* ws, const QuantizedRows& q, 
   }
   for (int r = 0; r < R; ++r) {
     const int64_t row = row0 + r;
-    const __m512i xv = _mm512_maskz_loadu_epi8(bytes, q.codes.data() + row * k + c);
+    const __m512i xv = _mm512_maskz_loadu_epi8(bytes, q.codes + row * k + c);
     const __m512i offset =
-        _mm512_maskz_loadu_epi32(lanes, q.lane_offset.data() + (row * k + c) / 4);
-    const __m512 xscale = _mm512_maskz_loadu_ps(lanes, q.lane_scale.data() + (row * k + c) / 4);
+        _mm512_maskz_loadu_epi32(lanes, q.lane_offset + (row * k + c) / 4);
+    const __m512 xscale = _mm512_maskz_loadu_ps(lanes, q.lane_scale + (row * k + c) / 4);
     for (int j = 0; j < NC; ++j) {
       const __m512i dot = _mm512_dpbusd_epi32(offset, wu[j], xv);
       acc[r * NC + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(xscale, wscale[j]),
@@ -149,10 +174,10 @@ void dot_rows(const int8_t* w, const float* ws, const QuantizedRows& q, int64_t 
     for (int r = 0; r < R; ++r) {
       const int64_t row = row0 + r;
       const __m256i xv =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.codes.data() + row * k + c));
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.codes + row * k + c));
       const __m256i xs = _mm256_sign_epi8(xv, wv);  // x * sign(w); w = 0 gives 0 either way
       const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones);
-      const __m256 xscale = _mm256_loadu_ps(q.lane_scale.data() + (row * k + c) / 4);
+      const __m256 xscale = _mm256_loadu_ps(q.lane_scale + (row * k + c) / 4);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(xscale, wscale), acc[r]);
     }
   }
@@ -165,7 +190,7 @@ template <int R, int64_t block>
 void dot_rows(const int8_t* w, const float* ws, const QuantizedRows& q, int64_t row0, int64_t k,
               float* out, int64_t out_stride) {
   for (int r = 0; r < R; ++r) {
-    const int8_t* x = q.codes.data() + (row0 + r) * k;
+    const int8_t* x = q.codes + (row0 + r) * k;
     float acc = 0.f;
     for (int64_t b = 0; b < k / block; ++b) {
       int32_t dot = 0;
@@ -202,52 +227,197 @@ void check_weight(const at::Tensor& codes, const at::Tensor& scales, int64_t blo
               op, ": scales must be a contiguous float32 [N, K / block]");
 }
 
-// y [M, N] (float32) = x's quantized rows `q` times the weight, columns over threads.
-template <int64_t B>
+// A tile's products y [r, j] (stride NC) into out [M, N] of T.
+template <typename T>
+inline void store_tile(const float* y, int rows, int nc, T* out, int64_t n, int64_t row0,
+                       int64_t col) {
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < nc; ++j) out[(row0 + r) * n + col + j] = static_cast<T>(y[r * nc + j]);
+}
+
+// out [M, N] (T) = x's quantized rows `q` times the weight, columns over threads (on the calling
+// thread below quant_rows::kInlineBytes of weights).
+template <int64_t B, typename T>
 void dot_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const float* ws, int64_t n,
-                 int64_t k, float* y) {
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t col = begin; col < end;) {
+                 int64_t k, T* out) {
+  const int64_t passes = (m + kRowTile - 1) / kRowTile;
+  const int64_t tasks = (n + 15) / 16;
+  quant_rows::run_blocks(tasks, n * k * passes, [&](int64_t t_begin, int64_t t_end) {
+    const int64_t end = std::min(n, t_end * 16);
+    float y[kRowTile * kColTile];
+    for (int64_t col = t_begin * 16; col < end;) {
       const int8_t* wrow = w + col * k;
       const float* srow = ws + col * (k / B);
       if (col + kColTile <= end) {
         for (int j = 0; j < kColTile; ++j) prefetch_ahead(wrow + j * k, srow + j * (k / B), k, B);
         int64_t r = 0;
-        for (; r + kRowTile <= m; r += kRowTile)
-          dot_tile<kRowTile, kColTile, B>(wrow, srow, q, r, k, y + r * n + col, n);
-        for (; r < m; ++r) dot_tile<1, kColTile, B>(wrow, srow, q, r, k, y + r * n + col, n);
+        for (; r + kRowTile <= m; r += kRowTile) {
+          dot_tile<kRowTile, kColTile, B>(wrow, srow, q, r, k, y, kColTile);
+          store_tile(y, kRowTile, kColTile, out, n, r, col);
+        }
+        for (; r < m; ++r) {
+          dot_tile<1, kColTile, B>(wrow, srow, q, r, k, y, kColTile);
+          store_tile(y, 1, kColTile, out, n, r, col);
+        }
         col += kColTile;
         continue;
       }
       prefetch_ahead(wrow, srow, k, B);
       int64_t r = 0;
-      for (; r + kRowTile <= m; r += kRowTile)
-        dot_tile<kRowTile, 1, B>(wrow, srow, q, r, k, y + r * n + col, n);
-      for (; r < m; ++r) dot_tile<1, 1, B>(wrow, srow, q, r, k, y + r * n + col, n);
+      for (; r + kRowTile <= m; r += kRowTile) {
+        dot_tile<kRowTile, 1, B>(wrow, srow, q, r, k, y, 1);
+        store_tile(y, kRowTile, 1, out, n, r, col);
+      }
+      for (; r < m; ++r) {
+        dot_tile<1, 1, B>(wrow, srow, q, r, k, y, 1);
+        store_tile(y, 1, 1, out, n, r, col);
+      }
       ++col;
     }
   });
 }
 
-// x: [M, K] (float32, bfloat16 or float16); codes int8 [N, K]; scales float32 [N, K / block];
-// returns x W^T [M, N] in x's dtype, W = codes times their block's scale.
+#if defined(PAGEDKV_QUANT_AMX)
+#define PAGEDKV_INT8_AMX 1
+// The product at 10-64 activation rows on AMX-INT8 tiles (as quant_int4_amx.h: the same int8
+// activations per block, each (weight row, activation row, block) dot exact in int32, scaled
+// by the two scales in float32): per block of 16 weight rows, per tile of 16 activation rows
+// and block of scales, one tdpbssd of the weight codes (tile A, loaded straight from the
+// codes, K apart) against the activations laid 4 codes a dword (tile B, built once per call).
+constexpr int64_t kInt8AmxMinRows = 10;
+constexpr int64_t kInt8AmxMaxRows = 64;
+
+struct Int8AmxAct {
+  const int8_t* b;  // [tile][block][B / 4][16 rows][4]
+  const float* d;   // [tile][block][16 rows]: the activation steps
+  int64_t tiles;
+};
+
+template <int64_t B>
+Int8AmxAct int8_amx_activations(const QuantizedRows& q, int64_t m, int64_t k) {
+  const int64_t tiles = (m + 15) / 16, blocks = k / B;
+  int8_t* b = quant_rows::scratch<int8_t, 4>(tiles * blocks * B * 16);
+  float* d = quant_rows::scratch<float, 8>(tiles * blocks * 16);
+  std::memset(b, 0, tiles * blocks * B * 16);
+  std::memset(d, 0, tiles * blocks * 16 * sizeof(float));
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t t = r / 16, i = r % 16;
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int8_t* src = q.codes + r * k + blk * B;
+      int8_t* tile = b + (t * blocks + blk) * B * 16;
+      for (int64_t c = 0; c < B / 4; ++c) std::memcpy(tile + c * 64 + i * 4, src + 4 * c, 4);
+      d[(t * blocks + blk) * 16 + i] = q.lane_scale[(r * k + blk * B) / 4];
+    }
+  }
+  return Int8AmxAct{b, d, tiles};
+}
+
+// acc[i] (lanes: the tile's activation rows) += one block's int32 sums [16][16] times weight
+// row i's scale (ws[i * stride]) times the activation steps d.
+inline void int8_amx_scale(const int32_t* sums, const float* ws, int64_t stride, const float* d,
+                           __m512* acc) {
+  const __m512 dv = _mm512_loadu_ps(d);
+  for (int i = 0; i < 16; ++i)
+    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(sums + 16 * i)),
+                             _mm512_mul_ps(dv, _mm512_set1_ps(ws[i * stride])), acc[i]);
+}
+
+// out [m, n] (T) = the activations times the weight (codes w, block scales ws); n % 16 == 0.
+template <int64_t B, typename T>
+void int8_amx_product(const Int8AmxAct& act, int64_t m, const int8_t* w, const float* ws,
+                      int64_t n, int64_t k, T* out) {
+  const int64_t blocks = k / B;
+  quant_rows::run_blocks(n / 16, n * k * act.tiles, [&](int64_t b0, int64_t b1) {
+    alignas(64) int32_t sums[2][256];
+    alignas(64) float y[256];
+    const quant_rows::IntTileConfig config(B);
+    _tile_loadconfig(&config);
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      const int64_t n0 = nb * 16;
+      const int8_t* wb = w + n0 * k;
+      const float* sb = ws + n0 * blocks;
+      for (int64_t t = 0; t < act.tiles; ++t) {
+        __m512 acc[16];
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+        const int8_t* bt = act.b + t * blocks * B * 16;
+        const float* dt = act.d + t * blocks * 16;
+        for (int64_t j = 0; j < blocks; j += 2) {
+          const bool pair = j + 1 < blocks;
+          _tile_zero(0);
+          _tile_loadd(4, wb + j * B, k);
+          _tile_loadd(6, bt + j * B * 16, 64);
+          _tile_dpbssd(0, 4, 6);
+          if (pair) {
+            _tile_zero(1);
+            _tile_loadd(5, wb + (j + 1) * B, k);
+            _tile_loadd(7, bt + (j + 1) * B * 16, 64);
+            _tile_dpbssd(1, 5, 7);
+          }
+          _tile_stored(0, sums[0], 64);
+          if (pair) _tile_stored(1, sums[1], 64);
+          int8_amx_scale(sums[0], sb + j, blocks, dt + j * 16, acc);
+          if (pair) int8_amx_scale(sums[1], sb + j + 1, blocks, dt + (j + 1) * 16, acc);
+        }
+        for (int i = 0; i < 16; ++i) _mm512_storeu_ps(y + 16 * i, acc[i]);
+        const int64_t rows = std::min<int64_t>(16, m - 16 * t);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int i = 0; i < 16; ++i)
+            out[(16 * t + r) * n + n0 + i] = static_cast<T>(y[16 * i + r]);
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+// Rows up to which the packed linear runs int8_block_linear where it runs on AMX tiles (0
+// without).
+int64_t int8_block_tile_rows() {
+#if defined(PAGEDKV_INT8_AMX)
+  return quant_rows::amx_permitted() ? kInt8AmxMaxRows : 0;
+#else
+  return 0;
+#endif
+}
+
+// out [m, n] (T) = x's rows, quantized per block of B, times the weight: on AMX tiles where
+// they run (rows from kInt8AmxMinRows, n a multiple of 16), else the vector product.
+template <int64_t B, typename T>
+void block_product(const T* x, int64_t m, int64_t k, const int8_t* w, const float* ws, int64_t n,
+                   T* out) {
+  const QuantizedRows q = quantize_rows<T, B>(x, m, k);
+#if defined(PAGEDKV_INT8_AMX)
+  if (m >= kInt8AmxMinRows && n % 16 == 0 && quant_rows::amx_permitted()) {
+    int8_amx_product<B>(int8_amx_activations<B>(q, m, k), m, w, ws, n, k, out);
+    return;
+  }
+#endif
+  dot_columns<B>(q, m, w, ws, n, k, out);
+}
+
+// x: [..., K] (float32, bfloat16 or float16); codes int8 [N, K]; scales float32 [N, K / block];
+// returns x W^T [..., N] in x's dtype, W = codes times their block's scale.
 at::Tensor int8_block_linear(const at::Tensor& x, const at::Tensor& codes,
                              const at::Tensor& scales, int64_t block) {
   check_weight(codes, scales, block, "int8_block_linear");
   const int64_t n = codes.size(0), k = codes.size(1);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "int8_block_linear: x must be [M, ", k, "]");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const int64_t m = xf.size(0);
-  const QuantizedRows q = quantize_rows(xf.data_ptr<float>(), m, k, block);
-  at::Tensor out = at::empty({m, n}, xf.options());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "int8_block_linear: x must be [..., ", k, "]");
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = xc.numel() / k;
+  at::Tensor out = at::empty(quant_rows::out_sizes(xc, n), xc.options());
   const int8_t* w = codes.data_ptr<int8_t>();
   const float* ws = scales.data_ptr<float>();
-  if (block == 32) {
-    dot_columns<32>(q, m, w, ws, n, k, out.data_ptr<float>());
-  } else {
-    dot_columns<16>(q, m, w, ws, n, k, out.data_ptr<float>());
-  }
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  dispatch(xc.scalar_type(), "int8_block_linear", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* xp = xc.data_ptr<T>();
+    T* o = out.data_ptr<T>();
+    if (block == 32) {
+      block_product<32>(xp, m, k, w, ws, n, o);
+    } else {
+      block_product<16>(xp, m, k, w, ws, n, o);
+    }
+  });
+  return out;
 }
 
 // float32 to bfloat16 bits, round to nearest even (the values are finite), in a form the
@@ -322,6 +492,30 @@ at::Tensor int8_block_expand(const at::Tensor& codes, const at::Tensor& scales, 
   return out;
 }
 
+// The packed linear's forward: x [..., K] W^T (+ bias) [..., N] in x's dtype, by
+// int8_block_linear up to `gemv_rows` rows (Int8BlockLinear's product_rows:
+// int8_block_tile_rows() where tiles run), else on the weight expanded (int8_block_expand, a
+// chunk of rows at a time) by the dense matmul.
+at::Tensor int8_block_forward(const at::Tensor& x, const at::Tensor& codes,
+                              const at::Tensor& scales, int64_t block,
+                              const c10::optional<at::Tensor>& bias, int64_t gemv_rows) {
+  const int64_t n = codes.size(0), k = codes.size(1);
+  if (x.numel() <= gemv_rows * k) {
+    at::Tensor y = int8_block_linear(x, codes, scales, block);
+    if (bias.has_value() && bias->defined()) y.add_(*bias);
+    return y;
+  }
+  check_weight(codes, scales, block, "int8_block_forward");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "int8_block_forward: x must be [..., ", k, "]");
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor y = quant_rows::expanded_linear(xc.view({-1, k}), n, bias,
+                                                   [&](int64_t start, int64_t stop) {
+    return int8_block_expand(codes.slice(0, start, stop), scales.slice(0, start, stop), block,
+                             xc.scalar_type());
+  });
+  return y.view(quant_rows::out_sizes(xc, n));
+}
+
 std::string int8_block_isa() { return kInt8Isa; }
 
 }  // namespace
@@ -332,5 +526,8 @@ TORCH_LIBRARY_FRAGMENT(pagedkv_cpu, m) {
         &pagedkv_cpu::int8_block_linear);
   m.def("int8_block_expand(Tensor codes, Tensor scales, int block, ScalarType dtype) -> Tensor",
         &pagedkv_cpu::int8_block_expand);
+  m.def("int8_block_forward(Tensor x, Tensor codes, Tensor scales, int block, Tensor? bias, "
+        "int gemv_rows) -> Tensor", &pagedkv_cpu::int8_block_forward);
+  m.def("int8_block_tile_rows() -> int", &pagedkv_cpu::int8_block_tile_rows);
   m.def("int8_block_isa() -> str", &pagedkv_cpu::int8_block_isa);
 }

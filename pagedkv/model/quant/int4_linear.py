@@ -4,12 +4,13 @@ offset per group of 32 along each row (int4_blocks.py).
 One copy of the codes (uint8 [N, K/2], the file's nibble order) and of the scales (per row the
 groups' scales, then their offsets: float16 where that holds them exactly, Q4_0 and Q4_1's own
 values, else float32), read front to back by both paths (kernels/csrc/quant_int4.cpp):
-- a decode-sized call (rows <= `GEMV_ROWS`) runs `int4_gemv`: as llama.cpp's Q4 x Q8 dot, each
+- a decode-sized call (rows <= `GEMV_ROWS`, or 64 where AMX-INT8 tiles run: `product_rows`)
+  runs `int4_gemv`: as llama.cpp's Q4 x Q8 dot, each
   activation row quantized once to int8 per group of 32, integer dot products on the codes
   (AVX-512 VNNI, AVX2), each group's sum scaled in float32; about 2x torch's
   `_weight_int4pack_mm_for_cpu` summed over SmolLM2's shapes with the weights out of cache, at
   one row and at four (benchmarks/bench_quant_linear.py --cold, one thread: 1.8 against 3.8 ms
-  at one row);
+  at one row; at 10-64 rows on AMX tiles, 1.2-1.9x the expansion below);
 - a larger call expands the codes to a dense weight in the activation dtype (`int4_expand`) and
   runs the dense matmul (oneDNN's; a prefill of hundreds of rows is compute-bound, where its
   bfloat16 or AMX kernels win by 5-10x over any int4 kernel).
@@ -20,6 +21,9 @@ The tensors are parameters (requires_grad False), so the model's parameter bytes
 """
 
 from __future__ import annotations
+
+import functools
+import weakref
 
 import numpy as np
 import torch
@@ -32,8 +36,20 @@ from pagedkv.model.quant.int4_blocks import GROUP
 _EXPAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Rows up to which `int4_gemv` runs: against expanding the weight first and then the dense
-# matmul it wins at decode sizes and loses on prefills (benchmarks/bench_quant_linear.py).
+# matmul it wins at decode sizes and loses on prefills (benchmarks/bench_quant_linear.py); where
+# it runs on AMX tiles, up to `int4_tile_rows()` (64: `product_rows`).
 GEMV_ROWS = 12
+
+
+@functools.cache
+def product_rows() -> int:
+    """Rows up to which Int4Linear runs the int4 product with the fused kernels loaded."""
+    return max(GEMV_ROWS, int(torch.ops.pagedkv_cpu.int4_tile_rows()))
+
+
+# Each Int4Linear's copy of its weight in torch's int4 layout, made for decode-sized calls
+# before the fused kernels load and dropped once they are in.
+_torch_int4_copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:
@@ -65,7 +81,6 @@ class Int4Linear(nn.Module):
         self.codes = _param(torch.from_numpy(np.ascontiguousarray(nibbles)))
         self.scales = _param(scales_table(scale, offset))
         self.bias = None if bias is None else _param(bias.detach().clone())
-        self._torch_int4: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def pack(self, panels: bool = False) -> bool:
         """Nothing to prepare (the weight is packed at build); the model's `pack` calls."""
@@ -93,24 +108,28 @@ class Int4Linear(nn.Module):
 
     def _torch_int4_mm(self, rows: torch.Tensor) -> torch.Tensor:
         """rows W^T by torch's int4 op (bfloat16 scales and activations), on its own copy of
-        the weight, made at the first call."""
-        if self._torch_int4 is None:
+        the weight, made at the first call (kept aside until the kernels load)."""
+        copy = _torch_int4_copies.get(self)
+        if copy is None:
             codes, scale, offset = self._codes_and_scales()
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 codes.reshape(self.out_features, -1).to(torch.int32), 1)
             scale_zero = torch.cat((scale, offset + 8 * scale), dim=2).transpose(0, 1)
-            self._torch_int4 = packed, scale_zero.contiguous().bfloat16()
-        packed, scale_zero = self._torch_int4
+            copy = _torch_int4_copies[self] = packed, scale_zero.contiguous().bfloat16()
+        packed, scale_zero = copy
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             rows.to(torch.bfloat16).contiguous(), packed, GROUP, scale_zero).to(rows.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels_loaded():  # one op: its row count picks the product or the expansion
+            if _torch_int4_copies:
+                _torch_int4_copies.clear()  # the kernels are in: the torch op's copies go
+            return torch.ops.pagedkv_cpu.int4_linear(x, self.codes, self.scales, self.bias,
+                                                     product_rows())
+        return self._forward_without_kernels(x)
+
+    def _forward_without_kernels(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= GEMV_ROWS and cpu_kernels_loaded():
-            self._torch_int4 = None  # the kernels are in: the torch op's copy is not needed
-            y = torch.ops.pagedkv_cpu.int4_gemv(rows.contiguous(), self.codes, self.scales,
-                                                self.bias)
-            return y.view(*x.shape[:-1], self.out_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if rows.shape[0] <= GEMV_ROWS:
             y = self._torch_int4_mm(rows)

@@ -1,7 +1,8 @@
 """A linear layer and an embedding on int8 codes with a float32 scale per block of 16 or 32
 along each row (GGUF Q8_0 and Q6_K kept packed: int8_blocks.py), W = code * scale exactly.
 
-The linear's decode-sized calls (rows <= `INT8_BLOCK_ROWS`) run `int8_block_linear`
+The linear's decode-sized calls (rows <= `INT8_BLOCK_ROWS`, or 64 on AMX-INT8 tiles:
+`product_rows`) run `int8_block_linear`
 (kernels/csrc/quant_int8.cpp: activations quantized per block to int8, as llama.cpp's Q8_0 dot
 does, integer dot products with AVX-512 VNNI or AVX2); larger ones expand the codes to a dense
 weight in the activation dtype (`int8_block_expand`) for the dense matmul (oneDNN's), where a
@@ -12,6 +13,8 @@ tied head and embedding share them (the model's parameters list them once).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -27,6 +30,14 @@ INT8_BLOCK_ROWS = 16
 # the allocator reuses and the cache keeps, where the whole weight at once (the tied head's
 # 49152 x 576: 57 MB in bfloat16) costs fresh pages each call, more than the matmul itself.
 EXPAND_CHUNK_BYTES = 2 << 20
+
+
+@functools.cache
+def product_rows() -> int:
+    """Rows up to which Int8BlockLinear runs the integer product with the fused kernels loaded:
+    `INT8_BLOCK_ROWS`, or 64 where it runs on AMX-INT8 tiles (1.1-1.6x the expanded weight's
+    matmul at 16-64 rows: benchmarks/bench_quant_linear.py --paths q8gemv,q8expand)."""
+    return max(INT8_BLOCK_ROWS, int(torch.ops.pagedkv_cpu.int8_block_tile_rows()))
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:
@@ -73,15 +84,13 @@ class Int8BlockLinear(nn.Module):
         return self._dequantized_rows(0, self.out_features, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels_loaded():  # one op: its row count picks the product or the expansion
+            return torch.ops.pagedkv_cpu.int8_block_forward(x, self.codes, self.scales,
+                                                            self.block, self.bias,
+                                                            product_rows())
         rows = x.reshape(-1, self.in_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if rows.shape[0] <= INT8_BLOCK_ROWS and cpu_kernels_loaded():
-            y = torch.ops.pagedkv_cpu.int8_block_linear(rows.contiguous(), self.codes,
-                                                        self.scales, self.block)
-            y = y if bias is None else y + bias
-        else:
-            y = self._expanded_linear(rows, bias)
-        return y.view(*x.shape[:-1], self.out_features)
+        return self._expanded_linear(rows, bias).view(*x.shape[:-1], self.out_features)
 
     def _expanded_linear(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """rows W^T (+ bias) through the dense matmul, W expanded a chunk of rows at a time."""

@@ -1,0 +1,155 @@
+// What the packed linears' decode products (quant_int4.cpp, quant_int8.cpp) share around their
+// integer dot products, so that a small call costs little beyond reading its weights:
+// - `load16`: 16 activations of any float type as float32 (no float32 copy of the input);
+// - `quantize16`: 16 floats times 1 / step rounded to int8 (nearest even, as std::nearbyint);
+// - `scratch`: a thread's reusable buffer (no allocation per call once it has grown);
+// - `float_bias`: a bias as float32 without a tensor of its own;
+// - `run_blocks`: a parallel loop that stays on the calling thread below `kInlineBytes` of
+//   weights (a fork/join costs more than it saves there);
+// - `expanded_linear`: the path beyond decode sizes, the weight expanded a chunk of rows at a
+//   time into the activation dtype for the dense matmul (oneDNN's), a chunk small enough that
+//   the allocator reuses its pages and the cache keeps it.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && \
+    defined(__AVX512BW__) && defined(__linux__)
+#define PAGEDKV_QUANT_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace pagedkv_cpu {
+namespace quant_rows {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define PAGEDKV_QUANT_ROWS_512 1
+template <typename T>
+inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else {
+    return _mm512_loadu_ps(p);
+  }
+}
+
+// round(v * inv) as int8 (the default rounding mode: nearest even); |v * inv| <= 127.
+inline __m128i quantize16(__m512 v, __m512 inv) {
+  return _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv)));
+}
+#endif
+
+// A buffer of at least `count` elements, this thread's own, kept between calls (tag: which).
+template <typename E, int Tag>
+inline E* scratch(size_t count) {
+  thread_local std::vector<E> buffer;
+  if (buffer.size() < count) buffer.resize(count);
+  return buffer.data();
+}
+
+// The bias as float32 (nullptr without one): its own data when float32, else a converted copy in
+// this thread's scratch.
+inline const float* float_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(),
+              "bias must be a contiguous [", n, "]");
+  if (bias->scalar_type() == at::kFloat) return bias->data_ptr<float>();
+  float* out = scratch<float, 0>(n);
+  if (bias->scalar_type() == at::kBFloat16) {
+    const c10::BFloat16* b = bias->data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(b[i]);
+  } else if (bias->scalar_type() == at::kHalf) {
+    const c10::Half* b = bias->data_ptr<c10::Half>();
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(b[i]);
+  } else {
+    TORCH_CHECK(false, "bias must be float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+// Weight bytes (times the activation rows' passes over them) below which a product runs on the
+// calling thread: a fork/join of the thread pool costs a few microseconds, what one core
+// streams 40-60 KB of codes in (benchmarks/bench_quant_linear.py --small).
+constexpr int64_t kInlineBytes = 48 << 10;
+
+// fn(begin, end) over [0, count), split over threads unless `work_bytes` is below kInlineBytes.
+template <typename Fn>
+inline void run_blocks(int64_t count, int64_t work_bytes, const Fn& fn) {
+  if (work_bytes < kInlineBytes || at::get_num_threads() == 1 || at::in_parallel_region()) {
+    fn(int64_t{0}, count);
+    return;
+  }
+  at::parallel_for(0, count, 1, fn);
+}
+
+// Bytes of expanded weight (in the activation dtype) a larger call expands at a time.
+constexpr int64_t kExpandChunkBytes = 2 << 20;
+
+// x [M, K] W^T (+ bias) with expand(start, stop) giving W's rows [start, stop) in x's dtype.
+template <typename Expand>
+at::Tensor expanded_linear(const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>& bias,
+                           const Expand& expand) {
+  const int64_t k = x.size(-1);
+  const at::Tensor b = bias.has_value() && bias->defined() ? bias->to(x.scalar_type())
+                                                            : at::Tensor();
+  const int64_t step = std::max<int64_t>(16, kExpandChunkBytes / (x.element_size() * k));
+  if (step >= n) return at::linear(x, expand(0, n), b.defined() ? c10::optional<at::Tensor>(b)
+                                                                : c10::nullopt);
+  std::vector<at::Tensor> parts;
+  for (int64_t start = 0; start < n; start += step) {
+    const int64_t stop = std::min(n, start + step);
+    parts.push_back(at::linear(x, expand(start, stop),
+                               b.defined() ? c10::optional<at::Tensor>(b.slice(0, start, stop))
+                                           : c10::nullopt));
+  }
+  return at::cat(parts, -1);
+}
+
+#if defined(PAGEDKV_QUANT_AMX)
+// Linux's permission for the AMX tile state, asked once per process (ARCH_REQ_XCOMP_PERM,
+// XTILEDATA).
+inline bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+// Palette 1 for an int8 product `kbytes` (16 or 32: one block of scales) deep: tiles 0-1 int32
+// sums (16 x 16), 4-5 the weight codes (16 rows x kbytes), 6-7 the activations laid 4 codes a
+// dword (kbytes / 4 x 16 rows x 4).
+struct alignas(64) IntTileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  explicit IntTileConfig(int kbytes) {
+    for (int t : {0, 1}) { colsb[t] = 64; rows[t] = 16; }
+    for (int t : {4, 5}) { colsb[t] = static_cast<uint16_t>(kbytes); rows[t] = 16; }
+    for (int t : {6, 7}) { colsb[t] = 64; rows[t] = static_cast<uint8_t>(kbytes / 4); }
+  }
+};
+#endif
+
+// The output shape of x [..., K] times W^T, W [N, K]: [..., N].
+inline std::vector<int64_t> out_sizes(const at::Tensor& x, int64_t n) {
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() = n;
+  return sizes;
+}
+
+}  // namespace quant_rows
+}  // namespace pagedkv_cpu
