@@ -76,3 +76,39 @@ def test_prefix_kernel_rejects_bad_input(amx):
     odd = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         torch.ops.pagedkv_cpu.amx_prefix_attention(q, odd, odd, torch.tensor([0]), 0.1, out, lse)
+
+
+def test_decodes_sharing_a_prefix_run_it_and_agree_with_the_fused_kernel(amx, tmp_path,
+                                                                           monkeypatch):
+    """A random bfloat16 Llama (head size 64, block 16), four prompts sharing 96 cached tokens:
+    their decodes' prefix part runs on the AMX kernel (every layer), and the greedy tokens are
+    those of the fused kernel's cascade (the AMX kernel turned off)."""
+    from pagedkv import LLM, SamplingParams
+    from pagedkv.model.backends import cpu_native
+    from pagedkv.testing.random_model import build_random_model_dir
+
+    monkeypatch.delenv("PAGEDKV_KERNEL_CHOICE", raising=False)
+    model = build_random_model_dir(tmp_path / "m", dtype="bfloat16", seed=0, hidden_size=128,
+                                   intermediate_size=256, num_heads=2, num_kv_heads=1)
+    calls = []
+    amx_op = torch.ops.pagedkv_cpu.amx_prefix_attention
+    monkeypatch.setattr(torch.ops.pagedkv_cpu, "amx_prefix_attention",
+                        lambda *a: (calls.append(a[0].shape[0]), amx_op(*a)))
+    prefix = list(range(5, 101))
+    prompts = [{"prompt_token_ids": prefix + [200 + i, 300 + i]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tokens = []
+    for amx_on in (True, False):
+        if not amx_on:
+            monkeypatch.setattr(cpu_native, "amx_prefix_ok", lambda *a: False)
+        llm = LLM(model=str(model), dtype="bfloat16", seed=0, block_size=16, cpu_threads=1,
+                  kv_cache_memory_bytes=1 << 24, cpu_kernels="wait", enable_prefix_caching=True)
+        llm.generate(prompts[:1], params, use_tqdm=False)  # the prefix cached
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        tokens.append([o.outputs[0].token_ids for o in outs])
+        llm.shutdown()
+        if amx_on:
+            assert calls.count(4) >= 2 * 5  # the four decodes' prefix, every layer and step
+            calls.clear()
+    assert not calls
+    assert tokens[0] == tokens[1]
