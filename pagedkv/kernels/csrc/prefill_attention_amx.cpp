@@ -352,7 +352,8 @@ void amx_prefix_attention(const at::Tensor& q, const at::Tensor& k_cache,
                 "amx_prefix_attention: expected contiguous bfloat16 caches "
                 "[kv_heads, blocks, block_size, D]");
   TORCH_CHECK(bs % 16 == 0, "amx_prefix_attention: block size ", bs, " not a multiple of 16");
-  TORCH_CHECK(heads % kv_heads == 0, "amx_prefix_attention: heads must be a multiple of the KV heads");
+  TORCH_CHECK(heads % kv_heads == 0,
+              "amx_prefix_attention: heads must be a multiple of the KV heads");
   TORCH_CHECK(out.size(0) == n && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
                   lse.dim() == 2 && lse.size(0) == n && lse.size(1) == heads,
               "amx_prefix_attention: out [n, heads, D] and lse [n, heads] float32 expected");
@@ -389,9 +390,12 @@ void amx_prefix_attention(const at::Tensor& q, const at::Tensor& k_cache,
     for (int64_t i; (i = next.fetch_add(1)) < n_items;) {
       const int64_t kvh = i / tiles, r0 = (i % tiles) * AMX_ROWS;
       const int64_t rows = std::min(AMX_ROWS, rows_per_head - r0);
-      // tile row r: query r0 + r of the KV head, i.e. request (r0 + r) / g, head kvh * g + (r0 + r) % g
-      auto q_row = [&](int64_t r) { return (r0 + r) / g * q.stride(0) + (kvh * g + (r0 + r) % g) * d; };
-      auto o_row = [&](int64_t r) { return (r0 + r) / g * out.stride(0) + (kvh * g + (r0 + r) % g) * d; };
+      // Tile row r is the KV head's query row r0 + r: request (r0 + r) / g, its query head
+      // kvh * g + (r0 + r) % g.
+      auto req = [&](int64_t r) { return (r0 + r) / g; };
+      auto head = [&](int64_t r) { return kvh * g + (r0 + r) % g; };
+      auto q_row = [&](int64_t r) { return req(r) * q.stride(0) + head(r) * d; };
+      auto o_row = [&](int64_t r) { return req(r) * out.stride(0) + head(r) * d; };
       for (int64_t r = 0; r < AMX_ROWS; r++) {
         c10::BFloat16* dst = w.q.data() + r * d;
         if (r < rows)
@@ -407,17 +411,15 @@ void amx_prefix_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                          n_v, sc, &m)
                            : (std::fill_n(w.p.data() + r * width, n_v,
                                           c10::BFloat16(0, c10::BFloat16::from_bits())), 1.f);
-        if (r < rows) {
-          const int64_t req = (r0 + r) / g, head = kvh * g + (r0 + r) % g;
-          lp[req * heads + head] = m * sc + std::log(sums[r]);
-        }
+        if (r < rows) lp[req(r) * heads + head(r)] = m * sc + std::log(sums[r]);
       }
       for (int64_t d0 = 0; d0 < d; d0 += 64) {
         values(w, packed[kvh].v.data(), n_v, width, d, d0);
         for (int64_t r = 0; r < rows; r++) {
           c10::BFloat16* dst = op + o_row(r) + d0;
           const float inv = 1.f / sums[r];
-          for (int64_t j = 0; j < 64; j += QW) store_q(dst + j, row_vec(w.o.data() + r * 64 + j) * inv);
+          for (int64_t j = 0; j < 64; j += QW)
+            store_q(dst + j, row_vec(w.o.data() + r * 64 + j) * inv);
         }
       }
     }
