@@ -95,7 +95,8 @@ def test_kv_cache_info_names_the_forced_kernel_and_the_prefill_choice(case, mode
     start = 0 if forced == "onednn" else None
     assert after["prefill_attention"] == {attention: {"torch_from": start,
                                                       "torch_from_after_prefix": start,
-                                                      "amx_fresh": False}}
+                                                      "amx_fresh": False,
+                                                      "amx_prefix": False}}
     decode = f"{attention} kv float32"  # chosen at start-up, forced here
     assert after["decode_attention"] == {decode: {"forced": "torch" if forced == "onednn"
                                                   else "native"}}
@@ -131,7 +132,8 @@ def test_a_measured_choice_crosses_the_utility_call_as_measured(monkeypatch):
                     "linears": {shape: dict(zip(labels, measured, strict=True))},
                     "prefill_attention": {key: {"torch_from": 64,
                                                 "torch_from_after_prefix": 32,
-                                                "amx_fresh": False}},
+                                                "amx_fresh": False,
+                                                "amx_prefix": False}},
                     "decode_attention": {}}
     json.dumps(info)  # JSON-able as it is
 

@@ -34,4 +34,6 @@ TORCH_LIBRARY(pagedkv_cpu, m) {
   m.def("amx_prefill_supported(int head_dim, ScalarType dtype) -> bool", &amx_prefill_supported);
   m.def("amx_prefill_attention(Tensor q, Tensor k, Tensor v, Tensor starts, Tensor ends, "
         "float scale, Tensor(a!) out) -> ()", &amx_prefill_attention);
+  m.def("amx_prefix_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_ids, "
+        "float scale, Tensor(a!) out, Tensor(b!) lse) -> ()", &amx_prefix_attention);
 }

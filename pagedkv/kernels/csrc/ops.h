@@ -55,6 +55,9 @@ bool amx_prefill_supported(int64_t head_dim, at::ScalarType dtype);
 void amx_prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& starts, const at::Tensor& ends, double scale,
                            at::Tensor& out);
+void amx_prefix_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& block_ids, double scale,
+                          at::Tensor& out, at::Tensor& lse);
 
 // panel_linear.cpp: weights packed into panels once, y = x @ W^T (+ bias) from them.
 at::Tensor pack_panels(const at::Tensor& w);

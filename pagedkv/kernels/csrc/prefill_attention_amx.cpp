@@ -57,8 +57,21 @@ struct Packed {
   int64_t keys_k = 0, keys_v = 0;  // padded key counts (multiples of 64 and 32)
 };
 
+// K and V of `len` keys of every KV head, key t of head h at k_row(h, t) / v_row(h, t), the 16
+// keys of each aligned group of 16 `group_stride` elements apart in K (the gather's stride).
+template <typename KRow, typename VRow>
+void pack_keys(KRow k_row, VRow v_row, int64_t group_stride, int64_t len, int64_t kv_heads,
+               int64_t d, Packed& p);
+
 void pack_chunk(const c10::BFloat16* kp, const c10::BFloat16* vp, int64_t sk, int64_t sv,
                 int64_t len, int64_t kv_heads, int64_t d, Packed& p) {
+  pack_keys([&](int64_t h, int64_t t) { return kp + t * sk + h * d; },
+            [&](int64_t h, int64_t t) { return vp + t * sv + h * d; }, sk, len, kv_heads, d, p);
+}
+
+template <typename KRow, typename VRow>
+void pack_keys(KRow k_row, VRow v_row, int64_t group_stride, int64_t len, int64_t kv_heads,
+               int64_t d, Packed& p) {
   p.keys_k = (len + AMX_KEYS - 1) / AMX_KEYS * AMX_KEYS;
   p.keys_v = (len + 31) / 32 * 32;
   const int64_t dp = d / 2, dsteps = d / 32;  // dim pairs per key; 32-dim steps
@@ -68,13 +81,15 @@ void pack_chunk(const c10::BFloat16* kp, const c10::BFloat16* vp, int64_t sk, in
   // chunk read as zeros).
   const __m512i key_offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8,
                                                                   7, 6, 5, 4, 3, 2, 1, 0),
-                                                 _mm512_set1_epi32(static_cast<int>(sk / 2)));
+                                                 _mm512_set1_epi32(
+                                                     static_cast<int>(group_stride / 2)));
   for (int64_t h = 0; h < kv_heads; h++) {
     uint32_t* kh = p.k.data() + h * p.keys_k * dp;
     for (int64_t kb = 0; kb < p.keys_k / 16; kb++) {
       const int64_t left = std::min<int64_t>(16, std::max<int64_t>(0, len - kb * 16));
       const __mmask16 keys = static_cast<__mmask16>((1u << left) - 1u);
-      const uint32_t* base = reinterpret_cast<const uint32_t*>(kp + kb * 16 * sk + h * d);
+      const uint32_t* base = left ? reinterpret_cast<const uint32_t*>(k_row(h, kb * 16))
+                                  : nullptr;
       for (int64_t j = 0; j < dp; j++)  // block (kb, j / 16), row j % 16
         _mm512_storeu_si512(kh + ((kb * dsteps + j / 16) * 16 + j % 16) * 16,
                             left ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), keys,
@@ -92,9 +107,9 @@ void pack_chunk(const c10::BFloat16* kp, const c10::BFloat16* vp, int64_t sk, in
       const int64_t vb = t / 32, vr = (t % 32) / 2;
       for (int64_t j = 0; j < d; j += 16) {  // block (vb, j / 16), row vr
         const __m256i a = t < len ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                        vp + t * sv + h * d + j)) : _mm256_setzero_si256();
+                                        v_row(h, t) + j)) : _mm256_setzero_si256();
         const __m256i b = t + 1 < len ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                            vp + (t + 1) * sv + h * d + j))
+                                            v_row(h, t + 1) + j))
                                       : _mm256_setzero_si256();
         const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
         _mm512_storeu_si512(vh + vb * 16 * d + ((j / 16) * 16 + vr) * 16,
@@ -153,12 +168,15 @@ inline void store_bf16x16(c10::BFloat16* p, __m512 v) {
 
 // Row r of S (its first `len` keys visible): P = bf16(exp(scale * (S - max))) over them,
 // zeros up to `width`; returns the sum of the unrounded exponentials.
-float softmax_row(const float* s, c10::BFloat16* p, int64_t len, int64_t width, float scale) {
+// `row_max`, where given, receives the row's largest score (unscaled).
+float softmax_row(const float* s, c10::BFloat16* p, int64_t len, int64_t width, float scale,
+                  float* row_max = nullptr) {
   __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t j = 0;
   for (; j + 16 <= len; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
   float m = _mm512_reduce_max_ps(mv);
   for (; j < len; j++) m = std::max(m, s[j]);
+  if (row_max) *row_max = m;
   const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(m * scale);
   __m512 sum = _mm512_setzero_ps();
   for (j = 0; j + 16 <= len; j += 16) {
@@ -307,6 +325,109 @@ void amx_prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 #else
   (void)q; (void)k; (void)v; (void)starts; (void)ends; (void)scale; (void)out;
   (void)heads; (void)kv_heads;
+#endif
+}
+
+// Attention of n queries q [n, heads, D] over a shared prefix of whole cache blocks (every query
+// sees every key: cascade attention's prefix part), bfloat16 on AMX tiles: the prefix's
+// `block_ids` [nb] of k_cache, v_cache [kv_heads, num_blocks, block_size, D] (block_size a
+// multiple of 16) are re-laid once per KV head and shared by all n x (heads / kv_heads) query
+// rows of it, 16 rows a work item. Writes out [n, heads, D] and lse [n, heads] (float32, the
+// natural log of each row's sum of exp(scale * score)).
+void amx_prefix_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& block_ids, double scale,
+                          at::Tensor& out, at::Tensor& lse) {
+  const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k_cache.size(0);
+  TORCH_CHECK(amx_prefill_supported(d, q.scalar_type()),
+              "amx_prefix_attention: no AMX path for this build, dtype or head size ", d);
+#ifdef PAGEDKV_AMX
+  for (const at::Tensor* t : {&q, static_cast<const at::Tensor*>(&out)})
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->stride(2) == 1 &&
+                    t->stride(1) == d && t->size(1) == heads && t->size(2) == d,
+                "amx_prefix_attention: expected bfloat16 [n, heads, D] with contiguous heads");
+  const int64_t bs = k_cache.size(2);
+  for (const at::Tensor* c : {&k_cache, &v_cache})
+    TORCH_CHECK(c->scalar_type() == at::kBFloat16 && c->dim() == 4 && c->is_contiguous() &&
+                    c->size(0) == kv_heads && c->size(2) == bs && c->size(3) == d,
+                "amx_prefix_attention: expected contiguous bfloat16 caches "
+                "[kv_heads, blocks, block_size, D]");
+  TORCH_CHECK(bs % 16 == 0, "amx_prefix_attention: block size ", bs, " not a multiple of 16");
+  TORCH_CHECK(heads % kv_heads == 0,
+              "amx_prefix_attention: heads must be a multiple of the KV heads");
+  TORCH_CHECK(out.size(0) == n && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
+                  lse.dim() == 2 && lse.size(0) == n && lse.size(1) == heads,
+              "amx_prefix_attention: out [n, heads, D] and lse [n, heads] float32 expected");
+  auto ids = block_ids.to(at::kLong).contiguous();
+  const int64_t nb = ids.numel(), blocks = k_cache.size(1), len = nb * bs, g = heads / kv_heads;
+  const int64_t* bp = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < nb; i++)
+    TORCH_CHECK(0 <= bp[i] && bp[i] < blocks, "amx_prefix_attention: block id ", bp[i],
+                " outside the cache");
+  if (n == 0 || len == 0) return;
+  const auto* qp = q.data_ptr<c10::BFloat16>();
+  const auto* kc = k_cache.data_ptr<c10::BFloat16>();
+  const auto* vc = v_cache.data_ptr<c10::BFloat16>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  float* lp = lse.data_ptr<float>();
+  auto row = [&](const c10::BFloat16* c, int64_t h, int64_t t) {
+    return c + ((h * blocks + bp[t / bs]) * bs + t % bs) * d;
+  };
+  std::vector<Packed> packed(kv_heads);
+  at::parallel_for(0, kv_heads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t h = b; h < e; h++)
+      pack_keys([&](int64_t, int64_t t) { return row(kc, h, t); },
+                [&](int64_t, int64_t t) { return row(vc, h, t); }, d, len, 1, d, packed[h]);
+  });
+  const int64_t rows_per_head = n * g, tiles = (rows_per_head + AMX_ROWS - 1) / AMX_ROWS;
+  const int64_t width = (len + AMX_KEYS - 1) / AMX_KEYS * AMX_KEYS, n_v = (len + 31) / 32 * 32;
+  const float sc = static_cast<float>(scale);
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = kv_heads * tiles;
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    TileConfig cfg;
+    _tile_loadconfig(&cfg);
+    Scratch w(width, d);
+    for (int64_t i; (i = next.fetch_add(1)) < n_items;) {
+      const int64_t kvh = i / tiles, r0 = (i % tiles) * AMX_ROWS;
+      const int64_t rows = std::min(AMX_ROWS, rows_per_head - r0);
+      // Tile row r is the KV head's query row r0 + r: request (r0 + r) / g, its query head
+      // kvh * g + (r0 + r) % g.
+      auto req = [&](int64_t r) { return (r0 + r) / g; };
+      auto head = [&](int64_t r) { return kvh * g + (r0 + r) % g; };
+      auto q_row = [&](int64_t r) { return req(r) * q.stride(0) + head(r) * d; };
+      auto o_row = [&](int64_t r) { return req(r) * out.stride(0) + head(r) * d; };
+      for (int64_t r = 0; r < AMX_ROWS; r++) {
+        c10::BFloat16* dst = w.q.data() + r * d;
+        if (r < rows)
+          std::memcpy(dst, qp + q_row(r), d * 2);
+        else
+          std::memset(dst, 0, d * 2);
+      }
+      scores(w, packed[kvh].k.data(), width, width, d);
+      float sums[AMX_ROWS];
+      for (int64_t r = 0; r < AMX_ROWS; r++) {
+        float m = 0.f;
+        sums[r] = r < rows ? softmax_row(w.s.data() + r * width, w.p.data() + r * width, len,
+                                         n_v, sc, &m)
+                           : (std::fill_n(w.p.data() + r * width, n_v,
+                                          c10::BFloat16(0, c10::BFloat16::from_bits())), 1.f);
+        if (r < rows) lp[req(r) * heads + head(r)] = m * sc + std::log(sums[r]);
+      }
+      for (int64_t d0 = 0; d0 < d; d0 += 64) {
+        values(w, packed[kvh].v.data(), n_v, width, d, d0);
+        for (int64_t r = 0; r < rows; r++) {
+          c10::BFloat16* dst = op + o_row(r) + d0;
+          const float inv = 1.f / sums[r];
+          for (int64_t j = 0; j < 64; j += QW)
+            store_q(dst + j, row_vec(w.o.data() + r * 64 + j) * inv);
+        }
+      }
+    }
+    _tile_release();
+  });
+#else
+  (void)q; (void)k_cache; (void)v_cache; (void)block_ids; (void)scale; (void)out; (void)lse;
+  (void)n; (void)heads; (void)kv_heads;
 #endif
 }
 

@@ -16,6 +16,7 @@ without AVX512-BF16) prefill chunks take the pure-torch path of torch_paged.py.
 
 A step's fresh prompts (bfloat16, a CPU with AMX tiles) run `amx_prefill_attention` on the
 step's own K/V instead (prefill_choice.py), its other chunks as above.
+Decodes' shared prefixes there run `amx_prefix_attention` (prefill_choice.py).
 
 Which kernel runs a step's decodes is measured per attention class (decode_choice.py): the
 fused kernel, torch's attention over gathered blocks (attention.decode_attention), or, for a
@@ -44,7 +45,12 @@ from pagedkv.model.cascade import (
 )
 from pagedkv.model.decode_choice import DecodeClass, decode_route
 from pagedkv.model.decode_split import split_decode, split_rows
-from pagedkv.model.prefill_choice import amx_prefill_ok, fresh_prompt, native_prefill
+from pagedkv.model.prefill_choice import (
+    amx_prefill_ok,
+    amx_prefix_ok,
+    fresh_prompt,
+    native_prefill,
+)
 
 
 @cache
@@ -187,9 +193,12 @@ class NativeAttentionMetadata(AttentionMetadata):
             q, k_cache, v_cache, self.decode_block_tables, first, self.decode_seq_lens, scale,
             out, lse)
         tiled = tiled_prefill(q.shape[2], q.dtype) and k_cache.dtype == q.dtype
+        amx = bool(shared) and amx_prefix_ok(q, k_cache)
         for group in shared:
             rows = group.index()
-            if tiled:
+            if amx:
+                o_p, lse_p = amx_prefix(q[rows], k_cache, v_cache, group, scale)
+            elif tiled:
                 o_p, lse_p = prefix_attention(q, k_cache, v_cache, self.prefix_runs(group), scale)
                 o_p, lse_p = o_p[rows], lse_p[rows]
             else:
@@ -202,6 +211,17 @@ class NativeAttentionMetadata(AttentionMetadata):
         if key not in self._mask_cache:
             self._mask_cache[key] = prefix_runs(group, self.block_size)
         return self._mask_cache[key]
+
+
+def amx_prefix(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               group: SharedPrefix, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [n, heads, D], lse [n, heads] float32) of the group's decodes q [n, heads, D] over
+    its shared prefix, on AMX tiles (`amx_prefix_attention`)."""
+    out = torch.empty(q.shape, dtype=q.dtype)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32)
+    torch.ops.pagedkv_cpu.amx_prefix_attention(q, k_cache, v_cache, group.block_ids, scale, out,
+                                               lse)
+    return out, lse
 
 
 PrefixRuns = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]

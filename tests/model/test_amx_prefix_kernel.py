@@ -1,0 +1,114 @@
+"""The AMX shared-prefix attention kernel (`amx_prefix_attention`: cascade attention's prefix
+part, every query over a prefix of whole cache blocks) against float64: output and log-sum-exp.
+Skips where the CPU or build has no AMX (printing the CPU flag and what the build says)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.kernels.cpu import ensure_cpu_kernels
+from tests.model.test_amx_prefill_kernel import cpu_has_amx
+
+
+@pytest.fixture(scope="module")
+def amx() -> None:
+    assert ensure_cpu_kernels("wait")
+    built = bool(torch.ops.pagedkv_cpu.amx_prefill_supported(64, torch.bfloat16))
+    print(f"CPU flag amx_bf16: {cpu_has_amx()}; AMX prefix kernel in this build: {built}")
+    if not built:
+        pytest.skip("no AMX prefix kernel on this CPU / build")
+
+
+def exact_prefix(q, k_cache, v_cache, block_ids, scale):
+    """float64 (out [n, heads, D], lse [n, heads]) of q over the blocks `block_ids`."""
+    kvh, _, _, d = k_cache.shape
+    g = q.shape[1] // kvh
+    k = k_cache[:, block_ids].reshape(kvh, -1, d).double().repeat_interleave(g, 0)
+    v = v_cache[:, block_ids].reshape(kvh, -1, d).double().repeat_interleave(g, 0)
+    s = torch.einsum("nhd,hkd->nhk", q.double(), k) * scale
+    lse = torch.logsumexp(s, -1)
+    return torch.einsum("nhk,hkd->nhd", torch.softmax(s, -1), v), lse
+
+
+def torch_bf16_prefix(q, k_cache, v_cache, block_ids, scale):
+    """The same in torch's bfloat16 matmuls (the error budget's yardstick)."""
+    kvh, _, _, d = k_cache.shape
+    g = q.shape[1] // kvh
+    k = k_cache[:, block_ids].reshape(kvh, -1, d).repeat_interleave(g, 0)
+    v = v_cache[:, block_ids].reshape(kvh, -1, d).repeat_interleave(g, 0)
+    p = torch.softmax(torch.einsum("nhd,hkd->nhk", q, k).float() * scale, -1)
+    return torch.einsum("nhk,hkd->nhd", p.bfloat16(), v)
+
+
+@pytest.mark.parametrize("n,heads,kv_heads,d,block,nb",
+                         [(32, 8, 4, 64, 32, 5), (3, 4, 1, 128, 16, 3), (9, 2, 2, 64, 16, 1)])
+def test_prefix_kernel_matches_float64(amx, n, heads, kv_heads, d, block, nb):
+    """Scattered block ids, query rows strided (a view), partial 16-row tiles, key counts not a
+    multiple of 64; error within twice torch's bfloat16 one plus a rounding; lse within 1e-3;
+    rows outside the view untouched."""
+    torch.manual_seed(0)
+    caches = [(torch.randn(kv_heads, 12, block, d) * 2).bfloat16() for _ in range(2)]
+    block_ids = torch.randperm(12)[:nb]
+    qs = (torch.randn(n, heads + 1, d) * 2).bfloat16()
+    q = qs[:, :heads]
+    out = torch.full((n + 2, heads, d), 7.0, dtype=torch.bfloat16)
+    lse = torch.empty(n, heads)
+    scale = d ** -0.5
+    torch.ops.pagedkv_cpu.amx_prefix_attention(q, *caches, block_ids, scale, out[:n], lse)
+    exact, exact_lse = exact_prefix(q, *caches, block_ids, scale)
+    ours = (out[:n].double() - exact).abs().max().item()
+    theirs = (torch_bf16_prefix(q, *caches, block_ids, scale).double() - exact).abs().max().item()
+    print(f"max error: AMX {ours:.4g}, torch bf16 {theirs:.4g}")
+    assert ours <= 2 * theirs + 2 ** -8 * exact.abs().max().item()
+    assert torch.allclose(lse.double(), exact_lse, atol=1e-3, rtol=1e-4)
+    assert bool((out[n:] == 7.0).all())
+
+
+def test_prefix_kernel_rejects_bad_input(amx):
+    """A block id outside the cache and a block size not a multiple of 16 are errors."""
+    q = torch.zeros(2, 2, 64, dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(2, 2)
+    cache = torch.zeros(1, 4, 16, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.pagedkv_cpu.amx_prefix_attention(q, cache, cache, torch.tensor([4]), 0.1,
+                                                   out, lse)
+    odd = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.pagedkv_cpu.amx_prefix_attention(q, odd, odd, torch.tensor([0]), 0.1, out, lse)
+
+
+def test_decodes_sharing_a_prefix_run_it_and_agree_with_the_fused_kernel(amx, tmp_path,
+                                                                           monkeypatch):
+    """A random bfloat16 Llama (head size 64, block 16), four prompts sharing 96 cached tokens:
+    their decodes' prefix part runs on the AMX kernel (every layer), and the greedy tokens are
+    those of the fused kernel's cascade (the AMX kernel turned off)."""
+    from pagedkv import LLM, SamplingParams
+    from pagedkv.model.backends import cpu_native
+    from pagedkv.testing.random_model import build_random_model_dir
+
+    monkeypatch.delenv("PAGEDKV_KERNEL_CHOICE", raising=False)
+    model = build_random_model_dir(tmp_path / "m", dtype="bfloat16", seed=0, hidden_size=128,
+                                   intermediate_size=256, num_heads=2, num_kv_heads=1)
+    calls = []
+    amx_op = torch.ops.pagedkv_cpu.amx_prefix_attention
+    monkeypatch.setattr(torch.ops.pagedkv_cpu, "amx_prefix_attention",
+                        lambda *a: (calls.append(a[0].shape[0]), amx_op(*a)))
+    prefix = list(range(5, 101))
+    prompts = [{"prompt_token_ids": prefix + [200 + i, 300 + i]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tokens = []
+    for amx_on in (True, False):
+        if not amx_on:
+            monkeypatch.setattr(cpu_native, "amx_prefix_ok", lambda *a: False)
+        llm = LLM(model=str(model), dtype="bfloat16", seed=0, block_size=16, cpu_threads=1,
+                  kv_cache_memory_bytes=1 << 24, cpu_kernels="wait", enable_prefix_caching=True)
+        llm.generate(prompts[:1], params, use_tqdm=False)  # the prefix cached
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        tokens.append([o.outputs[0].token_ids for o in outs])
+        llm.shutdown()
+        if amx_on:
+            assert calls.count(4) >= 2 * 5  # the four decodes' prefix, every layer and step
+            calls.clear()
+    assert not calls
+    assert tokens[0] == tokens[1]
