@@ -20,8 +20,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
 #define PAGEDKV_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 #endif
 
 namespace pagedkv_cpu {
@@ -30,13 +29,6 @@ namespace {
 #ifdef PAGEDKV_AMX
 constexpr int64_t AMX_ROWS = 16;   // query tokens per item (a tile's rows)
 constexpr int64_t AMX_KEYS = 64;   // keys per score step (four 16-key tiles)
-
-// Ask Linux for the AMX tile state once per process (ARCH_REQ_XCOMP_PERM, XTILEDATA);
-// torch's oneDNN asks too, but not before its first AMX kernel.
-bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
 
 // Palette 1, eight tiles of 16 rows x 64 bytes: 0-3 accumulators, 4 A, 6 B.
 struct alignas(64) TileConfig {

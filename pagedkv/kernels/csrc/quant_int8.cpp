@@ -374,7 +374,7 @@ void int8_amx_product(const Int8AmxAct& act, int64_t m, const int8_t* w, const f
 // without).
 int64_t int8_block_tile_rows() {
 #if defined(PAGEDKV_INT8_AMX)
-  return quant_rows::amx_permitted() ? kInt8AmxMaxRows : 0;
+  return amx_permitted() ? kInt8AmxMaxRows : 0;
 #else
   return 0;
 #endif
@@ -387,7 +387,7 @@ void block_product(const T* x, int64_t m, int64_t k, const int8_t* w, const floa
                    T* out) {
   const QuantizedRows q = quantize_rows<T, B>(x, m, k);
 #if defined(PAGEDKV_INT8_AMX)
-  if (m >= kInt8AmxMinRows && n % 16 == 0 && quant_rows::amx_permitted()) {
+  if (m >= kInt8AmxMinRows && n % 16 == 0 && amx_permitted()) {
     int8_amx_product<B>(int8_amx_activations<B>(q, m, k), m, w, ws, n, k, out);
     return;
   }

@@ -28,8 +28,7 @@
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && \
     defined(__AVX512BW__) && defined(__linux__)
 #define PAGEDKV_QUANT_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 #endif
 
 namespace pagedkv_cpu {
@@ -122,13 +121,6 @@ at::Tensor expanded_linear(const at::Tensor& x, int64_t n, const c10::optional<a
 }
 
 #if defined(PAGEDKV_QUANT_AMX)
-// Linux's permission for the AMX tile state, asked once per process (ARCH_REQ_XCOMP_PERM,
-// XTILEDATA).
-inline bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
 // Palette 1 for an int8 product `kbytes` (16 or 32: one block of scales) deep: tiles 0-1 int32
 // sums (16 x 16), 4-5 the weight codes (16 rows x kbytes), 6-7 the activations laid 4 codes a
 // dword (kbytes / 4 x 16 rows x 4).
