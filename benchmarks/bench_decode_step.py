@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -190,31 +188,22 @@ def report(result: dict, args: argparse.Namespace) -> None:
 
 
 def compare(args: argparse.Namespace) -> None:
-    from pagedkv.bench.baseline import baseline_tree
+    from pagedkv.bench.baseline import alternate_with_baseline, median_ratio
 
     here = str(Path(__file__).resolve().parents[1])
     cmd = [sys.executable, __file__, "--dtype", args.dtype, "--batch", str(args.batch),
            "--prompt", str(args.prompt), "--steps", str(args.steps),
            "--threads", str(args.threads), "--json"]
-    runs: dict[str, dict[str, list[float]]] = {"base": {}, "this": {}}
     keys = (("step_ms", "engine step"), ("median_ms", "runner"), ("cpu_ms", "runner CPU"))
-    with baseline_tree(here, args.baseline) as base:
-        for _ in range(args.repeat):
-            for name, tree in (("base", base), ("this", here)):
-                out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": tree},
-                                     capture_output=True, text=True, check=True).stdout
-                got = json.loads(out.splitlines()[-1])
-                for key, _ in keys:
-                    runs[name].setdefault(key, []).append(got[key])
-                print(f"{name}: step {got['step_ms']:.2f} ms, runner {got['median_ms']:.2f} ms",
-                      flush=True)
+    runs = alternate_with_baseline(
+        here, args.baseline, cmd, [key for key, _ in keys], args.repeat,
+        lambda name, got: f"{name}: step {got['step_ms']:.2f} ms, runner {got['median_ms']:.2f} ms")
     for key, label in keys:
         this, was = runs["this"][key], runs["base"][key]
-        ratio = statistics.median(t / b for t, b in zip(this, was, strict=True))
         print(f"{args.dtype} batch {args.batch}, {label} ms: {args.baseline} "
               f"{', '.join(f'{x:.2f}' for x in was)}; this tree "
-              f"{', '.join(f'{x:.2f}' for x in this)}; median ratio {ratio:.3f}")
-
+              f"{', '.join(f'{x:.2f}' for x in this)}; median ratio "
+              f"{median_ratio(runs, key):.3f}")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

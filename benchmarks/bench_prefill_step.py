@@ -22,7 +22,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -165,32 +164,23 @@ def report(result: dict) -> None:
 
 
 def compare(args: argparse.Namespace) -> None:
-    from pagedkv.bench.baseline import baseline_tree
+    from pagedkv.bench.baseline import alternate_with_baseline, median_ratio
 
     here = str(Path(__file__).resolve().parents[1])
     cmd = [sys.executable, __file__, "--dtype", args.dtype, "--tokens", str(args.tokens),
            "--prompts", str(args.prompts),
            "--rounds", str(args.rounds), "--threads", str(args.threads), "--json"]
-    runs: dict[str, dict[str, list[float]]] = {"base": {}, "this": {}}
     print("load average at the start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), flush=True)
-    with baseline_tree(here, args.baseline) as base:
-        for _ in range(args.repeat):
-            for name, tree in (("base", base), ("this", here)):
-                out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": tree},
-                                     capture_output=True, text=True, check=True).stdout
-                got = json.loads(out.splitlines()[-1])
-                for key in ("median_ms", "cpu_ms"):
-                    runs[name].setdefault(key, []).append(got[key])
-                print(f"{name}: wall {got['median_ms']:.1f} ms, CPU {got['cpu_ms']:.1f} ms",
-                      flush=True)
+    runs = alternate_with_baseline(
+        here, args.baseline, cmd, ("median_ms", "cpu_ms"), args.repeat,
+        lambda name, got: f"{name}: wall {got['median_ms']:.1f} ms, CPU {got['cpu_ms']:.1f} ms")
     print("load average at the end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     for key, label in (("median_ms", "wall"), ("cpu_ms", "CPU")):
         this, was = runs["this"][key], runs["base"][key]
-        ratio = statistics.median(t / b for t, b in zip(this, was, strict=True))
         print(f"{args.dtype} {args.tokens} tokens in {args.prompts} prompt(s), {label} ms: "
               f"{args.baseline} {', '.join(f'{x:.1f}' for x in was)}; this tree "
-              f"{', '.join(f'{x:.1f}' for x in this)}; median ratio {ratio:.3f}")
-
+              f"{', '.join(f'{x:.1f}' for x in this)}; median ratio "
+              f"{median_ratio(runs, key):.3f}")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
