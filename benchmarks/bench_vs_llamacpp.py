@@ -341,6 +341,14 @@ def perplexity_part(bin_dir: Path, model: Path, modes: list[str], ctx: int,
 SLOT_CTX = 512
 
 
+@dataclass(frozen=True)
+class Threads:
+    """Each server's compute threads."""
+
+    pagedkv: int
+    llama_cpp: int
+
+
 def llama_server_command(bin_dir: Path, model: Path, port: int, threads: int,
                          slots: int) -> list[str]:
     """llama-server at its best for `slots` concurrent requests: one slot each, continuous
@@ -360,15 +368,25 @@ def pagedkv_server_command(model: Path, port: int, threads: int, max_num_seqs: i
             "--log-level", "warning", *(["--step-log", step_log] if step_log else [])]
 
 
-def served_point(kind: str, bin_dir: Path, model: Path, threads: int, concurrency: int,
+def warm_up(url: str, vocab: int, seed: int) -> None:
+    """4 requests of 256 prompt tokens and 8 outputs, prompts of their own (a server's first
+    requests carry its one-time costs)."""
+    subprocess.run(
+        [sys.executable, "-m", "pagedkv.cli", "bench", "serve", "--url", url, "--model", "m",
+         "--num-prompts", "4", "--max-concurrency", "4", "--input-len", "256", "--output-len",
+         "8", "--vocab-size", str(vocab), "--seed", str(seed), "--no-progress"],
+        capture_output=True, check=True, timeout=600)
+
+
+def served_point(kind: str, bin_dir: Path, model: Path, threads: Threads, concurrency: int,
                  num_prompts: int, vocab: int, seed: int, step_log: str | None) -> dict:
     """`pagedkv bench serve`'s figures of one load point on a fresh server of `kind`, after a
-    warm-up of 8 requests. llama-server gets one slot per concurrent request and is started
+    warm-up. llama-server gets one slot per concurrent request and is started
     again without weight repacking when it dies by a signal while loading."""
     port = free_port()
-    cmd = (llama_server_command(bin_dir, model, port, threads, concurrency)
+    cmd = (llama_server_command(bin_dir, model, port, threads.llama_cpp, concurrency)
            if kind == "llama.cpp" else
-           pagedkv_server_command(model, port, threads, concurrency, step_log))
+           pagedkv_server_command(model, port, threads.pagedkv, concurrency, step_log))
     with tempfile.NamedTemporaryFile(prefix=f"llamacpp-vs-{kind}-", suffix=".log") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -384,7 +402,7 @@ def served_point(kind: str, bin_dir: Path, model: Path, threads: int, concurrenc
                 return served_point(kind, bin_dir, model, threads, concurrency, num_prompts,
                                     vocab, seed, step_log)
             url = f"http://127.0.0.1:{port}"
-            load(url, concurrency, 8, vocab, seed + 1)  # warm-up, prompts of its own
+            warm_up(url, vocab, seed + 1)
             return load(url, concurrency, num_prompts, vocab, seed)
         finally:
             proc.terminate()
@@ -395,7 +413,7 @@ def served_point(kind: str, bin_dir: Path, model: Path, threads: int, concurrenc
                 proc.wait()
 
 
-def serve_part(bin_dir: Path, model: Path, label: str, threads: int, concurrencies: list[int],
+def serve_part(bin_dir: Path, model: Path, label: str, threads: Threads, concurrencies: list[int],
                num_prompts: int, rounds: int, record_steps: bool) -> None:
     """Both servers at each concurrency, a fresh server per point, rounds alternating which goes
     first; each point's prompts new to both (a seed per round and concurrency, the same for
@@ -439,6 +457,8 @@ def main() -> None:
                         help="serve: rounds over every point, alternating the servers' order")
     parser.add_argument("--steps", action="store_true",
                         help="serve: record pagedkv's engine steps and print them by class")
+    parser.add_argument("--llama-threads", type=int, default=None,
+                        help="serve: llama-server's threads (default: --threads)")
     parser.add_argument("--llama-cpp", type=Path, default=None, metavar="BUILD_DIR",
                         help="llama.cpp's build for llama-bench, llama-perplexity and "
                              "llama-quantize (default: built in a throwaway folder)")
@@ -458,7 +478,8 @@ def main() -> None:
     server_dir = bin_dir
     if "serve" in parts:
         server_dir = llama_cpp_bin(args.llama_server or args.llama_cpp, ("llama-server",))
-        print(f"serving: llama-server ({server_dir}) -t {args.threads} -tb {args.threads} "
+        llama_threads = args.llama_threads or args.threads
+        print(f"serving: llama-server ({server_dir}) -t {llama_threads} -tb {llama_threads} "
               f"-np CONCURRENCY -cb -c CONCURRENCY*{SLOT_CTX} (weights repacked unless it "
               f"crashes); pagedkv serve --cpu-threads {args.threads} --quantization auto "
               f"--max-num-seqs CONCURRENCY; both on CPUs {sorted(os.sched_getaffinity(0))}")
@@ -487,7 +508,8 @@ def main() -> None:
             ppl_rows.append((quant_type, *perplexity_part(bin_dir, model, modes, args.ctx,
                                                           args.threads)))
         if "serve" in parts:
-            serve_part(server_dir, model, quant_type, args.threads,
+            serve_part(server_dir, model, quant_type,
+                       Threads(args.threads, args.llama_threads or args.threads),
                        [int(c) for c in args.concurrency.split(",")], args.num_prompts,
                        args.rounds, args.steps)
     if ppl_rows:
