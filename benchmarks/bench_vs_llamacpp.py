@@ -359,12 +359,13 @@ def llama_server_command(bin_dir: Path, model: Path, port: int, threads: int,
             *(NO_REPACK["llama-server"] if "llama-server" in repack_off else [])]
 
 
-def pagedkv_server_command(model: Path, port: int, threads: int, max_num_seqs: int,
+def pagedkv_server_command(model: Path, mode: str, port: int, threads: int, max_num_seqs: int,
                            step_log: str | None) -> list[str]:
-    """`pagedkv serve` on the packed GGUF with `threads` compute threads."""
+    """`pagedkv serve` on the GGUF in `mode` (of MODES) with `threads` compute threads."""
+    dtype, quantization = MODES[mode]
     return [sys.executable, "-m", "pagedkv.cli", "serve", str(model), "--port", str(port),
             "--served-model-name", "m", "--max-num-seqs", str(max_num_seqs),
-            "--dtype", "bfloat16", "--quantization", "auto", "--cpu-threads", str(threads),
+            "--dtype", dtype, "--quantization", quantization, "--cpu-threads", str(threads),
             "--log-level", "warning", *(["--step-log", step_log] if step_log else [])]
 
 
@@ -386,7 +387,8 @@ def served_point(kind: str, bin_dir: Path, model: Path, threads: Threads, concur
     port = free_port()
     cmd = (llama_server_command(bin_dir, model, port, threads.llama_cpp, concurrency)
            if kind == "llama.cpp" else
-           pagedkv_server_command(model, port, threads.pagedkv, concurrency, step_log))
+           pagedkv_server_command(model, kind.removeprefix("pagedkv "), port, threads.pagedkv,
+                                  concurrency, step_log))
     with tempfile.NamedTemporaryFile(prefix=f"llamacpp-vs-{kind}-", suffix=".log") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -413,30 +415,33 @@ def served_point(kind: str, bin_dir: Path, model: Path, threads: Threads, concur
                 proc.wait()
 
 
-def serve_part(bin_dir: Path, model: Path, label: str, threads: Threads, concurrencies: list[int],
-               num_prompts: int, rounds: int, record_steps: bool) -> None:
+def serve_part(bin_dir: Path, model: Path, label: str, modes: list[str], threads: Threads,
+               concurrencies: list[int], num_prompts: int, rounds: int,
+               record_steps: bool) -> None:
     """Both servers at each concurrency, a fresh server per point, rounds alternating which goes
     first; each point's prompts new to both (a seed per round and concurrency, the same for
-    both). Prints each point, the summary with pagedkv's ratios and, with `record_steps`,
-    pagedkv's steps class by class."""
+    both). pagedkv in each of `modes`. Prints each point, the summary with the first mode's
+    ratios and, with `record_steps`, pagedkv's steps class by class."""
     vocab = gguf_vocab_size(model)
-    kinds = ["pagedkv", "llama.cpp"]
+    kinds = [f"pagedkv {mode}" for mode in modes] + ["llama.cpp"]
     figures: dict[tuple[str, int], list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="llamacpp-vs-steps-") as tmp:
-        step_log = str(Path(tmp) / "steps.jsonl") if record_steps else None
+        step_logs = {kind: str(Path(tmp) / f"{kind}.jsonl") if record_steps else None
+                     for kind in kinds}
         for round_index in range(rounds):
             for c in concurrencies:
                 for kind in kinds if round_index % 2 == 0 else kinds[::-1]:
                     m = served_point(kind, bin_dir, model, threads, c, num_prompts, vocab,
-                                     1000 * (round_index + 1) + c, step_log)
+                                     1000 * (round_index + 1) + c, step_logs[kind])
                     figures.setdefault((kind, c), []).append(m)
-                    print(f"  {label} c={c} round {round_index} {kind:9} "
+                    print(f"  {label} c={c} round {round_index} {kind:16} "
                           f"{m['output_throughput']:8.1f} out tok/s  TPOT "
                           f"{m['tpot_ms']['mean']:6.1f} ms  TTFT {m['ttft_ms']['mean']:7.1f} ms  "
                           f"(load {os.getloadavg()[0]:.1f})", flush=True)
         print_table(label, kinds, concurrencies, figures, [])
         if record_steps:
-            print_step_tables({"pagedkv": pagedkv_steps(step_log)})
+            print_step_tables({kind: pagedkv_steps(path) for kind, path in step_logs.items()
+                               if path is not None})
 
 
 # ----- main -----------------------------------------------------------------------------------
@@ -481,8 +486,9 @@ def main() -> None:
         llama_threads = args.llama_threads or args.threads
         print(f"serving: llama-server ({server_dir}) -t {llama_threads} -tb {llama_threads} "
               f"-np CONCURRENCY -cb -c CONCURRENCY*{SLOT_CTX} (weights repacked unless it "
-              f"crashes); pagedkv serve --cpu-threads {args.threads} --quantization auto "
-              f"--max-num-seqs CONCURRENCY; both on CPUs {sorted(os.sched_getaffinity(0))}")
+              f"crashes); pagedkv serve --cpu-threads {args.threads} --max-num-seqs "
+              f"CONCURRENCY in each of --pagedkv-modes (packed: --quantization auto); both on "
+              f"CPUs {sorted(os.sched_getaffinity(0))}")
     bandwidth = read_bandwidth_gbs()
     print(f"read bandwidth: {bandwidth:.1f} GB/s")
     modes = args.pagedkv_modes.split(",")
@@ -508,7 +514,7 @@ def main() -> None:
             ppl_rows.append((quant_type, *perplexity_part(bin_dir, model, modes, args.ctx,
                                                           args.threads)))
         if "serve" in parts:
-            serve_part(server_dir, model, quant_type,
+            serve_part(server_dir, model, quant_type, modes,
                        Threads(args.threads, args.llama_threads or args.threads),
                        [int(c) for c in args.concurrency.split(",")], args.num_prompts,
                        args.rounds, args.steps)
