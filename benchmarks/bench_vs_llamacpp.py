@@ -426,8 +426,8 @@ def serve_part(bin_dir: Path, model: Path, label: str, modes: list[str], threads
     kinds = [f"pagedkv {mode}" for mode in modes] + ["llama.cpp"]
     figures: dict[tuple[str, int], list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="llamacpp-vs-steps-") as tmp:
-        step_logs = {kind: str(Path(tmp) / f"{kind}.jsonl") if record_steps else None
-                     for kind in kinds}
+        step_logs = {kind: str(Path(tmp) / f"{kind}.jsonl")
+                     if record_steps and kind != "llama.cpp" else None for kind in kinds}
         for round_index in range(rounds):
             for c in concurrencies:
                 for kind in kinds if round_index % 2 == 0 else kinds[::-1]:
