@@ -21,13 +21,19 @@ Parts (`--parts`, all by default):
   engine's distance from it, and where llama.cpp runs repacked weights (its default for Q4_0
   on x86) also llama.cpp `--no-repack`. The ratio to llama.cpp comes with its standard error
   over the scored tokens.
-- `serve`: output tokens/s at concurrency 16 and 64 of `llama-server -np 16` and `pagedkv serve`,
-  loaded by the same client (`pagedkv bench serve`: random 256-token prompts, 128 output tokens,
-  greedy, ignore_eos).
+- `serve`: output tokens/s, mean TPOT and mean TTFT at each concurrency (16 and 64) of
+  `llama-server` (one slot per concurrent request, `-np 16` at 16, continuous batching, the
+  same threads for prompts and decode) and `pagedkv serve` (the packed GGUF), loaded by the same
+  client (`pagedkv bench serve`: random 256-token prompts, 128 output tokens, greedy,
+  ignore_eos), a fresh server per point, `--rounds` alternating which server goes first, each
+  point's prompts new to both; the ratios are medians over the rounds. With `--steps`, pagedkv's
+  engine steps (its step log) class by class. `--llama-server BUILD_DIR` names a build with
+  llama-server where `--llama-cpp`'s has none.
 
     PYTHONPATH=$PWD python benchmarks/bench_vs_llamacpp.py [--gguf FILE]
         [--quant-types Q4_1,Q8_0,Q4_0,Q6_K] [--parts bench,perplexity,serve] [--threads N]
-        [--pagedkv-modes packed,bfloat16] [--llama-cpp BUILD_DIR]
+        [--pagedkv-modes packed,bfloat16] [--llama-cpp BUILD_DIR] [--llama-server BUILD_DIR]
+        [--concurrency 16,64] [--num-prompts 64] [--rounds 2] [--steps]
 
 Q4_1 is the shipped SmolLM2 file; other types are made from it with `llama-quantize
 --allow-requantize` into the throwaway folder (requantized from Q4_1: the same weights for both
@@ -56,7 +62,9 @@ import numpy as np
 from pagedkv.bench.machine import cpu_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import free_port, wait_healthy  # noqa: E402
+from anchors_steps import pagedkv_steps, print_step_tables  # noqa: E402
+from bench_serve import _table as print_table  # noqa: E402
+from bench_serve import free_port, load, wait_healthy  # noqa: E402
 
 LLAMA_CPP_VERSION = "0.3.36"
 LLAMA_CPP_PYTHON = f"llama-cpp-python=={LLAMA_CPP_VERSION}"
@@ -68,12 +76,14 @@ TEXTS = [Path(__file__).resolve().parent.parent / "tests" / "data" / name
 
 # ----- llama.cpp: find or build ---------------------------------------------------------------
 
-def llama_cpp_bin(build_dir: Path | None) -> Path:
-    """The folder holding llama.cpp's tools, built into ANCHORS when not found."""
+def llama_cpp_bin(build_dir: Path | None, tools: tuple[str, ...] = TOOLS) -> Path:
+    """The folder holding llama.cpp's `tools`: `build_dir`/bin, else the throwaway build in
+    ANCHORS (built there when not found)."""
     if build_dir is not None:
         bin_dir = build_dir / "bin"
-        if not (bin_dir / "llama-bench").is_file():
-            raise SystemExit(f"{bin_dir} has no llama-bench")
+        missing = [t for t in tools if not (bin_dir / t).is_file()]
+        if missing:
+            raise SystemExit(f"{bin_dir} has no {', '.join(missing)}")
         return bin_dir
     src = ANCHORS / f"llama_cpp_python-{LLAMA_CPP_VERSION}" / "vendor" / "llama.cpp"
     bin_dir = src / "build" / "bin"
@@ -138,22 +148,21 @@ def gguf_weight_bytes(path: Path) -> int:
 
 # llama.cpp repacks weights for its AMX / AVX-512 kernels by default. Where that path crashes on a
 # file (llama.cpp 0.3.36's AMX mul_mat segfaults on SmolLM2's Q4_1 on Sapphire Rapids), the tool
-# is run again without repacking, and every figure after that says so.
+# is run again without repacking, and so is every later run of that tool (it says so).
 NO_REPACK: dict[str, list[str]] = {"llama-bench": ["--repack", "0"],
                                    "llama-perplexity": ["--no-repack"],
                                    "llama-server": ["--no-repack"]}
-repack_off = False
+repack_off: set[str] = set()  # the tools run without repacking
 
 
 def run_llama(bin_dir: Path, tool: str, args: list[str]) -> subprocess.CompletedProcess:
     """Run a llama.cpp tool; retried once without weight repacking when it dies by a signal."""
-    global repack_off
-    cmd = [str(bin_dir / tool), *args, *(NO_REPACK[tool] if repack_off else [])]
+    cmd = [str(bin_dir / tool), *args, *(NO_REPACK[tool] if tool in repack_off else [])]
     out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode < 0 and not repack_off:
-        print(f"  ({tool} died by {signal.Signals(-out.returncode).name}: measuring llama.cpp "
-              f"without weight repacking from here on)", flush=True)
-        repack_off = True
+    if out.returncode < 0 and tool not in repack_off:
+        print(f"  ({tool} died by {signal.Signals(-out.returncode).name}: running it without "
+              f"weight repacking from here on)", flush=True)
+        repack_off.add(tool)
         return run_llama(bin_dir, tool, args)
     out.check_returncode()
     return out
@@ -328,53 +337,111 @@ def perplexity_part(bin_dir: Path, model: Path, modes: list[str], ctx: int,
 
 # ----- serving --------------------------------------------------------------------------------
 
-def serve_load(url: str, concurrency: int, num_prompts: int, vocab: int) -> float:
-    out = subprocess.run(
+# Tokens of context a llama-server slot needs: a 256-token prompt and 128 outputs, rounded up.
+SLOT_CTX = 512
+
+
+@dataclass(frozen=True)
+class Threads:
+    """Each server's compute threads."""
+
+    pagedkv: int
+    llama_cpp: int
+
+
+def llama_server_command(bin_dir: Path, model: Path, port: int, threads: int,
+                         slots: int) -> list[str]:
+    """llama-server at its best for `slots` concurrent requests: one slot each, continuous
+    batching, `threads` for decode and for prompts alike, a context that holds every slot."""
+    return [str(bin_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1",
+            "--port", str(port), "-np", str(slots), "-cb", "-c", str(slots * SLOT_CTX),
+            "-t", str(threads), "-tb", str(threads), "-a", "m",
+            *(NO_REPACK["llama-server"] if "llama-server" in repack_off else [])]
+
+
+def pagedkv_server_command(model: Path, mode: str, port: int, threads: int, max_num_seqs: int,
+                           step_log: str | None) -> list[str]:
+    """`pagedkv serve` on the GGUF in `mode` (of MODES) with `threads` compute threads."""
+    dtype, quantization = MODES[mode]
+    return [sys.executable, "-m", "pagedkv.cli", "serve", str(model), "--port", str(port),
+            "--served-model-name", "m", "--max-num-seqs", str(max_num_seqs),
+            "--dtype", dtype, "--quantization", quantization, "--cpu-threads", str(threads),
+            "--log-level", "warning", *(["--step-log", step_log] if step_log else [])]
+
+
+def warm_up(url: str, vocab: int, seed: int) -> None:
+    """4 requests of 256 prompt tokens and 8 outputs, prompts of their own (a server's first
+    requests carry its one-time costs)."""
+    subprocess.run(
         [sys.executable, "-m", "pagedkv.cli", "bench", "serve", "--url", url, "--model", "m",
-         "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
-         "--input-len", "256", "--output-len", "128", "--vocab-size", str(vocab), "--seed", "0",
-         "--json", "--no-progress"], capture_output=True, text=True, check=True)
-    metrics = json.loads(out.stdout[out.stdout.index("{"):])
-    if metrics.get("completed", num_prompts) < num_prompts:
-        raise RuntimeError(f"{url}: {metrics.get('completed')} of {num_prompts} requests completed")
-    return float(metrics["output_throughput"])
+         "--num-prompts", "4", "--max-concurrency", "4", "--input-len", "256", "--output-len",
+         "8", "--vocab-size", str(vocab), "--seed", str(seed), "--no-progress"],
+        capture_output=True, check=True, timeout=600)
 
 
-def served(kind: str, bin_dir: Path, model: Path, threads: int, concurrencies: list[int],
-           num_prompts: int, vocab: int) -> dict[int, float]:
-    """Output tok/s at each concurrency of a fresh server of `kind` (llama-server is started
-    again without repacking when it dies by a signal while loading)."""
-    global repack_off
+def served_point(kind: str, bin_dir: Path, model: Path, threads: Threads, concurrency: int,
+                 num_prompts: int, vocab: int, seed: int, step_log: str | None) -> dict:
+    """`pagedkv bench serve`'s figures of one load point on a fresh server of `kind`, after a
+    warm-up. llama-server gets one slot per concurrent request and is started
+    again without weight repacking when it dies by a signal while loading."""
     port = free_port()
-    if kind == "llama.cpp":
-        cmd = [str(bin_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port",
-               str(port), "-np", "16", "-c", str(16 * 512), "-t", str(threads), "-a", "m",
-               *(NO_REPACK["llama-server"] if repack_off else [])]
-    else:
-        cmd = [sys.executable, "-m", "pagedkv.cli", "serve", str(model), "--port", str(port),
-               "--served-model-name", "m", "--max-num-seqs", str(max(concurrencies)),
-               "--dtype", "bfloat16", "--quantization", "auto", "--log-level", "warning"]
+    cmd = (llama_server_command(bin_dir, model, port, threads.llama_cpp, concurrency)
+           if kind == "llama.cpp" else
+           pagedkv_server_command(model, kind.removeprefix("pagedkv "), port, threads.pagedkv,
+                                  concurrency, step_log))
     with tempfile.NamedTemporaryFile(prefix=f"llamacpp-vs-{kind}-", suffix=".log") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
             try:
                 wait_healthy(proc, f"http://127.0.0.1:{port}", kind, log.name)
             except RuntimeError:
-                if kind != "llama.cpp" or repack_off or (proc.returncode or 0) >= 0:
+                if (kind != "llama.cpp" or "llama-server" in repack_off
+                        or (proc.returncode or 0) >= 0):
                     raise
                 print(f"  (llama-server died by {signal.Signals(-proc.returncode).name} while "
                       "loading: serving without weight repacking)", flush=True)
-                repack_off = True
-                return served(kind, bin_dir, model, threads, concurrencies, num_prompts, vocab)
-            serve_load(f"http://127.0.0.1:{port}", concurrencies[0], 8, vocab)  # warm-up
-            return {c: serve_load(f"http://127.0.0.1:{port}", c, num_prompts, vocab)
-                    for c in concurrencies}
+                repack_off.add("llama-server")
+                return served_point(kind, bin_dir, model, threads, concurrency, num_prompts,
+                                    vocab, seed, step_log)
+            url = f"http://127.0.0.1:{port}"
+            warm_up(url, vocab, seed + 1)
+            return load(url, concurrency, num_prompts, vocab, seed)
         finally:
             proc.terminate()
             try:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
+
+
+def serve_part(bin_dir: Path, model: Path, label: str, modes: list[str], threads: Threads,
+               concurrencies: list[int], num_prompts: int, rounds: int,
+               record_steps: bool) -> None:
+    """Both servers at each concurrency, a fresh server per point, rounds alternating which goes
+    first; each point's prompts new to both (a seed per round and concurrency, the same for
+    both). pagedkv in each of `modes`. Prints each point, the summary with the first mode's
+    ratios and, with `record_steps`, pagedkv's steps class by class."""
+    vocab = gguf_vocab_size(model)
+    kinds = [f"pagedkv {mode}" for mode in modes] + ["llama.cpp"]
+    figures: dict[tuple[str, int], list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="llamacpp-vs-steps-") as tmp:
+        step_logs = {kind: str(Path(tmp) / f"{kind}.jsonl")
+                     if record_steps and kind != "llama.cpp" else None for kind in kinds}
+        for round_index in range(rounds):
+            for c in concurrencies:
+                for kind in kinds if round_index % 2 == 0 else kinds[::-1]:
+                    m = served_point(kind, bin_dir, model, threads, c, num_prompts, vocab,
+                                     1000 * (round_index + 1) + c, step_logs[kind])
+                    figures.setdefault((kind, c), []).append(m)
+                    print(f"  {label} c={c} round {round_index} {kind:16} "
+                          f"{m['output_throughput']:8.1f} out tok/s  TPOT "
+                          f"{m['tpot_ms']['mean']:6.1f} ms  TTFT {m['ttft_ms']['mean']:7.1f} ms  "
+                          f"(load {os.getloadavg()[0]:.1f})", flush=True)
+        print_table(label, kinds, concurrencies, figures, [])
+        if record_steps:
+            print_step_tables({kind: pagedkv_steps(path) for kind, path in step_logs.items()
+                               if path is not None})
 
 
 # ----- main -----------------------------------------------------------------------------------
@@ -391,7 +458,17 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=256, help="perplexity chunk length")
     parser.add_argument("--concurrency", default="16,64")
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--llama-cpp", type=Path, default=None, metavar="BUILD_DIR")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="serve: rounds over every point, alternating the servers' order")
+    parser.add_argument("--steps", action="store_true",
+                        help="serve: record pagedkv's engine steps and print them by class")
+    parser.add_argument("--llama-threads", type=int, default=None,
+                        help="serve: llama-server's threads (default: --threads)")
+    parser.add_argument("--llama-cpp", type=Path, default=None, metavar="BUILD_DIR",
+                        help="llama.cpp's build for llama-bench, llama-perplexity and "
+                             "llama-quantize (default: built in a throwaway folder)")
+    parser.add_argument("--llama-server", type=Path, default=None, metavar="BUILD_DIR",
+                        help="the build holding llama-server (default: --llama-cpp's)")
     args = parser.parse_args()
     if args.gguf is None:
         from pagedkv.testing.real_model import INSTALL, smollm2_gguf_path
@@ -400,9 +477,18 @@ def main() -> None:
         if args.gguf is None:
             raise SystemExit(f"the real model is not installed: {INSTALL}")
     parts = set(args.parts.split(","))
-    bin_dir = llama_cpp_bin(args.llama_cpp)
+    bin_dir = llama_cpp_bin(args.llama_cpp, tuple(t for t in TOOLS if t != "llama-server"))
     print(f"CPU: {cpu_name()}; threads: {args.threads}; load: {os.getloadavg()[0]:.1f}; "
           f"llama.cpp: {bin_dir}")
+    server_dir = bin_dir
+    if "serve" in parts:
+        server_dir = llama_cpp_bin(args.llama_server or args.llama_cpp, ("llama-server",))
+        llama_threads = args.llama_threads or args.threads
+        print(f"serving: llama-server ({server_dir}) -t {llama_threads} -tb {llama_threads} "
+              f"-np CONCURRENCY -cb -c CONCURRENCY*{SLOT_CTX} (weights repacked unless it "
+              f"crashes); pagedkv serve --cpu-threads {args.threads} --max-num-seqs "
+              f"CONCURRENCY in each of --pagedkv-modes (packed: --quantization auto); both on "
+              f"CPUs {sorted(os.sched_getaffinity(0))}")
     bandwidth = read_bandwidth_gbs()
     print(f"read bandwidth: {bandwidth:.1f} GB/s")
     modes = args.pagedkv_modes.split(",")
@@ -428,15 +514,10 @@ def main() -> None:
             ppl_rows.append((quant_type, *perplexity_part(bin_dir, model, modes, args.ctx,
                                                           args.threads)))
         if "serve" in parts:
-            concurrencies = [int(c) for c in args.concurrency.split(",")]
-            vocab = gguf_vocab_size(model)
-            ref_serve = served("llama.cpp", bin_dir, model, args.threads, concurrencies,
-                               args.num_prompts, vocab)
-            got_serve = served("pagedkv", bin_dir, model, args.threads, concurrencies,
-                               args.num_prompts, vocab)
-            for c in concurrencies:
-                print(f"  served c={c:3}: llama.cpp {ref_serve[c]:8.1f} out tok/s, pagedkv "
-                      f"{got_serve[c]:8.1f} ({got_serve[c] / ref_serve[c]:.2f}x)")
+            serve_part(server_dir, model, quant_type, modes,
+                       Threads(args.threads, args.llama_threads or args.threads),
+                       [int(c) for c in args.concurrency.split(",")], args.num_prompts,
+                       args.rounds, args.steps)
     if ppl_rows:
         print(f"\nperplexity, pagedkv {modes[0]} against llama.cpp (ctx {args.ctx}):")
         print("| type | exact | llama.cpp | pagedkv | ratio | llama.cpp --no-repack | ratio |\n"
