@@ -85,6 +85,9 @@ def run_engine_core(args: EngineArgs, in_addr: str, out_addr: str,
     inputs.connect(in_addr)
     outputs.connect(out_addr)
     codec = Codec()
+    from pagedkv.model.cpu_threads import count_as_own
+
+    count_as_own(os.getppid())  # the frontend's CPU is this server's, not another process's
     try:
         from pagedkv.engine.core import EngineCore
 

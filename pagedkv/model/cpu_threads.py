@@ -8,6 +8,12 @@ much CPU time the other processes took on this process's allowed CPUs (/proc/sta
 minus this process's own time from /proc/self/stat) and runs on the cores they leave: all of
 them on a quiet machine, fewer as others take cores, never fewer than one.
 
+The engine's own frontend is not "another process": an engine core in its own process counts
+its frontend's CPU (`count_as_own(os.getppid())`: HTTP, SSE, detokenization) as its own. That
+work comes in bursts (64 streams' first tokens at once) and takes a fraction of a core; read as
+a taken core, it halved the threads for a second at a time exactly when a burst of prompts
+arrived (a 2,048-token prefill step 83 -> 165 ms), where keeping every thread loses little.
+
 Where /proc is unreadable (not Linux) it leaves the thread count alone. The thread count is
 torch's, hence the process's: engines in one process share it (each governor sets the same
 count from the same readings). `OMP_NUM_THREADS`, when set, is the most it uses, as torch's
@@ -69,14 +75,33 @@ def busy_ticks(cpus: list[int]) -> int | None:
     return total
 
 
-def _own_ticks() -> int | None:
-    """This process's user + system clock ticks (all its threads), or None without /proc."""
+# Processes whose CPU time counts as this process's own (the engine core's frontend).
+_PARTNER_PIDS: set[int] = set()
+
+
+def count_as_own(pid: int) -> None:
+    """Count process `pid`'s CPU time as this process's own in every governor's readings (an
+    engine core's frontend: see the module docstring). Mutates a process-wide set."""
+    _PARTNER_PIDS.add(pid)
+
+
+def _process_ticks(stat_path: str) -> int | None:
+    """User + system clock ticks (all threads) from a /proc/PID/stat file, or None."""
     try:
-        with open("/proc/self/stat") as f:
+        with open(stat_path) as f:
             fields = f.read().rsplit(")", 1)[1].split()
         return int(fields[11]) + int(fields[12])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _own_ticks() -> int | None:
+    """This process's user + system clock ticks (all its threads) and those of the processes
+    `count_as_own` named (while they exist), or None without /proc."""
+    own = _process_ticks("/proc/self/stat")
+    if own is None:
+        return None
+    return own + sum(_process_ticks(f"/proc/{pid}/stat") or 0 for pid in _PARTNER_PIDS)
 
 
 def read_proc_ticks(cpus: list[int]) -> tuple[int | None, int | None]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -120,6 +122,31 @@ def test_real_proc_readings_count_this_process():
         pass
     assert cpu_threads._own_ticks() > own
     assert cpu_threads.busy_ticks(cpus) >= busy + (cpu_threads._own_ticks() - own) // 2
+
+
+def test_a_partner_process_counts_as_own(monkeypatch):
+    """An engine core counts its frontend's CPU (count_as_own) as its own, not as another
+    process's: a busy partner's ticks show in the own reading."""
+    if cpu_threads._own_ticks() is None:
+        pytest.skip("no /proc here")
+    partner = subprocess.Popen([sys.executable, "-c",
+                                "import time\nend = time.monotonic() + 5\n"
+                                "while time.monotonic() < end: pass"])
+    try:
+        monkeypatch.setattr(cpu_threads, "_PARTNER_PIDS", set())
+        start_partner = cpu_threads._process_ticks(f"/proc/{partner.pid}/stat") or 0
+        alone = cpu_threads._own_ticks()
+        cpu_threads.count_as_own(partner.pid)
+        with_partner = cpu_threads._own_ticks()
+        assert with_partner >= alone + start_partner
+        time.sleep(0.5)
+        grown = cpu_threads._own_ticks() - with_partner
+        partner_ticks = cpu_threads._process_ticks(f"/proc/{partner.pid}/stat") - start_partner
+        assert partner_ticks > 0 and grown >= partner_ticks // 2
+    finally:
+        partner.kill()
+        partner.wait()
+    assert cpu_threads._own_ticks() is not None  # a partner that is gone counts nothing
 
 
 class _Machine:
