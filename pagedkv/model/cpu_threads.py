@@ -30,9 +30,12 @@ from collections.abc import Callable
 import torch
 
 # How often the reading is refreshed (seconds) and the margin (in cores) before a core that
-# others use only part of the time counts as taken.
+# others use only part of the time counts as taken: half a core, the break-even (with its core
+# shared with a process taking a fraction f of it, a thread's share of the work takes 1 / (1 - f)
+# as long, so two threads beat one while f < 1/2). At 0.35, a served burst of 64 streams (the
+# load generator on the same machine) halved the threads: 2,048-token steps 90 -> 180 ms.
 INTERVAL_S = 1.0
-SLACK_CORES = 0.35
+SLACK_CORES = 0.5
 # A reading whose window spans an idle gap this long (no steps, so no adjust calls) tells what
 # other processes did while this engine was idle, not what they do now: e.g. a benchmark's
 # other engine, done before this one starts. Such a window is dropped; every core is used again
