@@ -23,7 +23,6 @@ is faster).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -36,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_offline import SHAPE  # noqa: E402
-from bench_prefill_step import make_llm, timed_execute  # noqa: E402
+from bench_prefill_step import add_step_bench_args, make_llm, step_bench_main, timed_execute  # noqa: E402
 
 
 def fill(llm, batch: int, prompt: int, max_tokens: int, vocab: int) -> None:
@@ -207,26 +206,13 @@ def compare(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="bfloat16")
+    add_step_bench_args(parser)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-steps", type=int, default=10)
-    parser.add_argument("--baseline", default=None, metavar="GIT_REF")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     args = parser.parse_args()
-    if args.baseline:
-        compare(args)
-        return
-    result = run(args)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        report(result, args)
-
+    step_bench_main(args, run, compare, lambda result: report(result, args))
 
 if __name__ == "__main__":
     main()

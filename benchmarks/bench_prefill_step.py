@@ -182,20 +182,18 @@ def compare(args: argparse.Namespace) -> None:
               f"{', '.join(f'{x:.1f}' for x in this)}; median ratio "
               f"{median_ratio(runs, key):.3f}")
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_step_bench_args(parser: argparse.ArgumentParser) -> None:
+    """The options every step benchmark shares (this one's and bench_decode_step.py's)."""
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--tokens", type=int, default=1536)
-    parser.add_argument("--prompts", type=int, default=1,
-                        help="split --tokens over this many fresh prompts of one step")
-    parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--profile-rounds", type=int, default=5)
     parser.add_argument("--baseline", default=None, metavar="GIT_REF")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
-    args = parser.parse_args()
+
+
+def step_bench_main(args: argparse.Namespace, run, compare, report) -> None:
+    """--baseline: `compare(args)`; else `run(args)`, printed as JSON or by `report`."""
     if args.baseline:
         compare(args)
         return
@@ -205,6 +203,16 @@ def main() -> None:
     else:
         report(result)
 
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_step_bench_args(parser)
+    parser.add_argument("--tokens", type=int, default=1536)
+    parser.add_argument("--prompts", type=int, default=1,
+                        help="split --tokens over this many fresh prompts of one step")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--profile-rounds", type=int, default=5)
+    step_bench_main(parser.parse_args(), run, compare, report)
 
 if __name__ == "__main__":
     main()
