@@ -127,8 +127,8 @@ def _logprobs_run(llm, prompt: list[int]) -> tuple[list[int], list[dict[int, flo
 def test_a_restarted_engine_reads_its_quantized_blocks_back_with_identical_logits(
         tiny_llama, tmp_path, fmt):
     """The disk tier outlives the engine: a restarted engine of the same format and weights
-    dtype loads every full block and its logprobs equal the first run's exactly (the bytes,
-    and int8's scales, come back as written). The same cache format over weights of another
+    dtype loads every full block and its logprobs equal the first run's within float32
+    summation order (the bytes, and int8's scales, come back as written). The same cache format over weights of another
     dtype computes other K/V: its blocks are others (the weights dtype is in the key)."""
     prompt = with_suffix(make_prefixes(seed=11, num=1)[0], seed=5)
     full = (len(prompt) - 1) // 4 * 4
@@ -138,7 +138,12 @@ def test_a_restarted_engine_reads_its_quantized_blocks_back_with_identical_logit
         runs.append(_logprobs_run(llm, prompt))
         llm.shutdown()
     assert [r[2] for r in runs] == [0, full]
-    assert runs[1][:2] == runs[0][:2]  # tokens and logprobs, exactly
+    assert runs[1][0] == runs[0][0]  # the same tokens, and the same logprobs up to the order
+    # of float32 sums (the restarted run attends its tail after a loaded prefix, the first run
+    # the whole prompt fresh: other kernels); a wrong block or scale moves them by far more
+    for loaded, fresh in zip(runs[1][1], runs[0][1], strict=True):
+        assert loaded.keys() == fresh.keys()
+        assert all(abs(loaded[t] - fresh[t]) < 1e-5 for t in fresh), (loaded, fresh)
     other = store_llm(tiny_llama, "disk", tmp_path, kv_cache_dtype=fmt, dtype="bfloat16")
     assert _logprobs_run(other, prompt)[2] == 0
     assert other.llm_engine.kv_store.snapshot_stats()[0].hits == 0
