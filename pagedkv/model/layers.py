@@ -209,17 +209,22 @@ class Linear(nn.Linear):
 
     def _pack_chosen(self, w: torch.Tensor) -> None:
         """Prepare the copies of the kernels `choice.choose_linear` picks for w's rows buckets."""
-        made: dict[str, torch.Tensor] = {}
+        builders = {"panel": lambda: torch.ops.pagedkv_cpu.pack_panels(w),
+                    "onednn": lambda: pack_onednn(w), "matmul": lambda: w.t().contiguous()}
+        made: dict[str, Any] = {}
+
+        def copy(kernel: str) -> Any:
+            if kernel not in made:
+                made[kernel] = builders[kernel]()
+            return made[kernel]
 
         def make(kernel: str) -> Any:
+            p = copy(kernel)
             if kernel == "panel":
-                made["panel"] = p = torch.ops.pagedkv_cpu.pack_panels(w)
                 return lambda x: torch.ops.pagedkv_cpu.panel_linear(x, p, self.out_features,
                                                                      self.bias)
             if kernel == "matmul":
-                made["matmul"] = wt = w.t().contiguous()
-                return lambda x: self._mm(x, wt)
-            made["onednn"] = p = pack_onednn(w)
+                return lambda x: self._mm(x, p)
             return lambda x: torch.ops.mkldnn._linear_pointwise(x, p, self.bias, "none", [], "")
 
         available = ("panel", "onednn", "matmul") if onednn_takes(w) and onednn_linear_ops() \
@@ -228,21 +233,14 @@ class Linear(nn.Linear):
                                    self.bias is not None)
         per_bucket = choice.choose_linear(shape, w.dtype, self.in_features, make, available,
                                           isa_rule(w))
-        if "panel" in per_bucket:
-            self._panels = made.get("panel")
-            if self._panels is None:
-                self._panels = torch.ops.pagedkv_cpu.pack_panels(w)
-        if "onednn" in per_bucket:
-            self._packed = made.get("onednn")
-            if self._packed is None:
-                self._packed = pack_onednn(w)
+        route = choice.rows_route(per_bucket)
+        self._panels = copy("panel") if "panel" in per_bucket else None
+        self._packed = copy("onednn") if "onednn" in per_bucket else None
         if self._panels is not None and self._packed is not None:
-            self._panel_rows = tuple(k == "panel" for k in choice.rows_route(per_bucket))
+            self._panel_rows = tuple(k == "panel" for k in route)
         if "matmul" in per_bucket:
-            self._matmul = made.get("matmul")
-            if self._matmul is None:
-                self._matmul = w.t().contiguous()
-            self._matmul_rows = tuple(k == "matmul" for k in choice.rows_route(per_bucket))
+            self._matmul = copy("matmul")
+            self._matmul_rows = tuple(k == "matmul" for k in route)
 
     def _mm(self, x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
         """x @ wt (+ bias): oneDNN's matmul for the weight transposed to [in, out]."""

@@ -588,7 +588,7 @@ at::Tensor int4_gemv_tiles(const at::Tensor& x, const Q8Act& act, const at::Tens
                            const at::Tensor& scales, const c10::optional<at::Tensor>& bias) {
 #if defined(PAGEDKV_INT4_AMX)
   const int64_t n = codes.size(0), m = x.numel() / x.size(-1);
-  if (m < kAmxMinRows || n % 16 || !int4_amx_permitted()) return at::Tensor();
+  if (m < kAmxMinRows || n % 16 || !amx_permitted()) return at::Tensor();
   at::Tensor out = at::empty(quant_rows::out_sizes(x, n), x.options());
   const float* bp = quant_rows::float_bias(bias, n);
   const Int4AmxAct tiles = amx_activations(act, m);
@@ -638,7 +638,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // Rows up to which the packed linear runs int4_gemv where it runs on AMX tiles (0 without).
 int64_t int4_tile_rows() {
 #if defined(PAGEDKV_INT4_AMX)
-  return int4_amx_permitted() ? kAmxMaxRows : 0;
+  return amx_permitted() ? kAmxMaxRows : 0;
 #else
   return 0;
 #endif

@@ -25,8 +25,6 @@ namespace {
 constexpr int64_t kAmxMinRows = 10;
 constexpr int64_t kAmxMaxRows = 64;
 
-inline bool int4_amx_permitted() { return amx_permitted(); }
-
 // The activations of Q8Act `a` (m rows) as tile B: [tile of 16 rows][group][8][16][4] int8
 // (codes 4c .. 4c + 3 of the group at dword c), rows past m zero; and per tile and group the
 // 16 rows' steps and sums ([tile][group][16] float32).
