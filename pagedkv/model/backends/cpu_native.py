@@ -16,7 +16,9 @@ without AVX512-BF16) prefill chunks take the pure-torch path of torch_paged.py.
 
 A step's fresh prompts (bfloat16, a CPU with AMX tiles) run `amx_prefill_attention` on the
 step's own K/V instead (prefill_choice.py), its other chunks as above.
-Decodes' shared prefixes there run `amx_prefix_attention` (prefill_choice.py).
+Decodes' shared prefixes there run `amx_prefix_attention` (prefill_choice.py), merged into the
+own blocks' part in the kernel (`amx_prefix_attention_merge_`) when the group's rows are
+consecutive.
 
 Which kernel runs a step's decodes is measured per attention class (decode_choice.py): the
 fused kernel, torch's attention over gathered blocks (attention.decode_attention), or, for a
@@ -196,6 +198,10 @@ class NativeAttentionMetadata(AttentionMetadata):
         amx = bool(shared) and amx_prefix_ok(q, k_cache)
         for group in shared:
             rows = group.index()
+            if amx and isinstance(rows, slice):  # views: merged in place, in the kernel
+                torch.ops.pagedkv_cpu.amx_prefix_attention_merge_(
+                    q[rows], k_cache, v_cache, group.block_ids, scale, out[rows], lse[rows])
+                continue
             if amx:
                 o_p, lse_p = amx_prefix(q[rows], k_cache, v_cache, group, scale)
             elif tiled:
