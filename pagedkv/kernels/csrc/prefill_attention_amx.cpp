@@ -61,6 +61,34 @@ void pack_chunk(const c10::BFloat16* kp, const c10::BFloat16* vp, int64_t sk, in
             [&](int64_t h, int64_t t) { return vp + t * sv + h * d; }, sk, len, kv_heads, d, p);
 }
 
+// r[i][j] := r[j][i] for sixteen rows of sixteen 32-bit lanes: pairs of rows interleaved by 32
+// then 64 bits (each 128-bit lane then holds four rows of one column), then the 128-bit lanes
+// transposed as a 4 x 4 matrix.
+inline void transpose16x16(__m512i r[16]) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; i++) {
+    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // b[4m + e], 128-bit lane L: column 4L + e of rows 4m .. 4m + 3.
+  for (int m = 0; m < 4; m++) {
+    b[4 * m] = _mm512_unpacklo_epi64(a[4 * m], a[4 * m + 2]);
+    b[4 * m + 1] = _mm512_unpackhi_epi64(a[4 * m], a[4 * m + 2]);
+    b[4 * m + 2] = _mm512_unpacklo_epi64(a[4 * m + 1], a[4 * m + 3]);
+    b[4 * m + 3] = _mm512_unpackhi_epi64(a[4 * m + 1], a[4 * m + 3]);
+  }
+  for (int e = 0; e < 4; e++) {  // column 4L + e: lane L of b[e], b[4 + e], b[8 + e], b[12 + e]
+    const __m512i c0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0x44);
+    const __m512i c1 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0xEE);
+    const __m512i c2 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0x44);
+    const __m512i c3 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0xEE);
+    r[e] = _mm512_shuffle_i32x4(c0, c2, 0x88);
+    r[4 + e] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
+    r[8 + e] = _mm512_shuffle_i32x4(c1, c3, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
+  }
+}
+
 template <typename KRow, typename VRow>
 void pack_keys(KRow k_row, VRow v_row, int64_t group_stride, int64_t len, int64_t kv_heads,
                int64_t d, Packed& p) {
@@ -69,24 +97,24 @@ void pack_keys(KRow k_row, VRow v_row, int64_t group_stride, int64_t len, int64_
   const int64_t dp = d / 2, dsteps = d / 32;  // dim pairs per key; 32-dim steps
   p.k.resize(kv_heads * p.keys_k * dp);
   p.v.resize(kv_heads * p.keys_v * dp);
-  // K: each 16-key x 16-dim-pair block transposed, a gather per tile row (keys past the
-  // chunk read as zeros).
-  const __m512i key_offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8,
-                                                                  7, 6, 5, 4, 3, 2, 1, 0),
-                                                 _mm512_set1_epi32(
-                                                     static_cast<int>(group_stride / 2)));
+  // K: each 16-key x 16-dim-pair block transposed in registers (keys past the chunk read as
+  // zeros).
+  const int64_t row_stride = group_stride / 2;  // uint32 units
   for (int64_t h = 0; h < kv_heads; h++) {
     uint32_t* kh = p.k.data() + h * p.keys_k * dp;
     for (int64_t kb = 0; kb < p.keys_k / 16; kb++) {
       const int64_t left = std::min<int64_t>(16, std::max<int64_t>(0, len - kb * 16));
-      const __mmask16 keys = static_cast<__mmask16>((1u << left) - 1u);
       const uint32_t* base = left ? reinterpret_cast<const uint32_t*>(k_row(h, kb * 16))
                                   : nullptr;
-      for (int64_t j = 0; j < dp; j++)  // block (kb, j / 16), row j % 16
-        _mm512_storeu_si512(kh + ((kb * dsteps + j / 16) * 16 + j % 16) * 16,
-                            left ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), keys,
-                                                               key_offsets, base + j, 4)
-                                 : _mm512_setzero_si512());
+      for (int64_t s = 0; s < dsteps; s++) {
+        __m512i r[16];
+        for (int64_t t = 0; t < 16; t++)
+          r[t] = t < left ? _mm512_loadu_si512(base + t * row_stride + s * 16)
+                          : _mm512_setzero_si512();
+        transpose16x16(r);
+        uint32_t* dst = kh + (kb * dsteps + s) * 256;
+        for (int64_t j = 0; j < 16; j++) _mm512_storeu_si512(dst + j * 16, r[j]);
+      }
     }
   }
   // V: each pair of keys' rows interleaved 16 dims at a time (a tile row of B for P V).

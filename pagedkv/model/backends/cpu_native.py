@@ -90,7 +90,7 @@ class NativeAttentionMetadata(AttentionMetadata):
             fresh, rest = self._amx_split(window)
             if fresh is not None:
                 torch.ops.pagedkv_cpu.amx_prefill_attention(q, k, v, *fresh, scale, out)
-        if rest is not None and amx_prefix_ok(q, k_cache):
+        if rest is not None and self._amx_prefix(q, k_cache):
             cascades, rest = rest._amx_cascade_split(window)
             for cascade in cascades:
                 cascade.attend(q, k_cache, v_cache, scale, out)
@@ -227,7 +227,7 @@ class NativeAttentionMetadata(AttentionMetadata):
             q, k_cache, v_cache, self.decode_block_tables, first, self.decode_seq_lens, scale,
             out, lse)
         tiled = tiled_prefill(q.shape[2], q.dtype) and k_cache.dtype == q.dtype
-        amx = bool(shared) and amx_prefix_ok(q, k_cache)
+        amx = bool(shared) and self._amx_prefix(q, k_cache)
         for group in shared:
             rows = group.index()
             if amx and isinstance(rows, slice):  # views: merged in place, in the kernel
@@ -242,6 +242,12 @@ class NativeAttentionMetadata(AttentionMetadata):
             else:
                 o_p, lse_p = shared_prefix_attention(q[rows], k_cache, v_cache, group, scale)
             out[rows] = merge_states(out[rows], lse[rows], o_p, lse_p)
+
+    def _amx_prefix(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """prefill_choice.amx_prefix_ok for this step's shared prefixes, once per step."""
+        if "amx_prefix" not in self._mask_cache:
+            self._mask_cache["amx_prefix"] = amx_prefix_ok(q, k_cache)
+        return self._mask_cache["amx_prefix"]
 
     def prefix_runs(self, group: SharedPrefix) -> PrefixRuns:
         """`prefix_runs` of `group`, once per step."""
