@@ -14,8 +14,10 @@ and split into phases by wrapping the functions that do the work, exclusive wall
 - `linear`: every projection (layers.Linear: panel_linear or oneDNN);
 - `elementwise`: RMSNorm, residual add, SiLU-and-mul, RoPE (model/ops.py LayerOps);
 - `attn.write_kv`, `attn.decode` (the fused decode kernel or the torch decode path),
-  `attn.cascade_prefix` (a shared prefix attended once: cascade.shared_prefix_attention),
-  `attn.merge` (merge_states), `attn.prefill_own` (a cascade chunk's own keys),
+  `attn.cascade_prefix` (a shared prefix attended once: cascade.shared_prefix_attention; the
+  whole cascade of prefill chunks on AMX tiles, cpu_native.PrefillCascade, own keys and merge
+  included), `attn.merge` (merge_states; none where the AMX kernel merges in place: a decode's
+  in `attn.decode`), `attn.prefill_own` (a cascade chunk's own keys),
   `attn.prefill` (prefill chunks without a shared prefix; every prefill chunk where the tiled
   kernel `paged_prefill_attention` takes them), `attn.other` (the rest of
   `attend`: metadata, indexing, the cascade's glue);
@@ -118,6 +120,7 @@ def install(timer: PhaseTimer) -> None:
     timer.wrap(cpu_native.NativeAttentionMetadata, "_prefill", "attn.prefill")
     timer.wrap(cpu_native.NativeAttentionMetadata, "_shared_prefix", "attn.cascade_prefix")
     timer.wrap(cpu_native, "prefix_attention", "attn.cascade_prefix")  # its name since s33
+    timer.wrap(getattr(cpu_native, "PrefillCascade", None), "attend", "attn.cascade_prefix")
     for module in (attention, cascade, cpu_native):
         timer.wrap(module, "shared_prefix_attention", "attn.cascade_prefix")
         timer.wrap(module, "merge_states", "attn.merge")

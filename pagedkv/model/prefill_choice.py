@@ -31,6 +31,10 @@ head. With the default choice mode, bfloat16, a CPU with AMX tiles and a block s
 multiple of 16, a step's decodes run their shared prefix part on it (`amx_prefix` in a class's
 entry): 32 decodes over a shared 1,024-token prefix (the random Llama's 8/4x64 heads, block 32)
 took 0.33 ms a layer on it against 0.80 ms on the fused kernel, one thread of an Intel Xeon.
+So do a step's prefill chunks that share a cached prefix (cpu_native.PrefillCascade, whatever
+the lengths above say): 31 chunks of 32 tokens after a shared 1,024-token prefix took 10 ms a
+layer (own keys on the fused decode kernel, the prefix on AMX tiles, merged in the kernel)
+against 15-18 ms for torch's cascade (flash attention for the prefix, merge_states), one thread.
 """
 
 from __future__ import annotations

@@ -36,4 +36,7 @@ TORCH_LIBRARY(pagedkv_cpu, m) {
         "float scale, Tensor(a!) out) -> ()", &amx_prefill_attention);
   m.def("amx_prefix_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_ids, "
         "float scale, Tensor(a!) out, Tensor(b!) lse) -> ()", &amx_prefix_attention);
+  m.def("amx_prefix_attention_merge_(Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_ids, float scale, Tensor(a!) out, Tensor(b!) lse) -> ()",
+        &amx_prefix_attention_merge_);
 }

@@ -65,5 +65,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
                         const std::optional<at::Tensor>& bias);
 std::string panel_isa();
 
+// prefill_attention_amx.cpp: amx_prefix_attention merged in place into the other keys' part.
+void amx_prefix_attention_merge_(const at::Tensor& q, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const at::Tensor& block_ids,
+                                 double scale, at::Tensor& out, at::Tensor& lse);
+
 }  // namespace pagedkv_cpu
 #pragma GCC visibility pop

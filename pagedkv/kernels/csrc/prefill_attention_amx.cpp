@@ -61,6 +61,34 @@ void pack_chunk(const c10::BFloat16* kp, const c10::BFloat16* vp, int64_t sk, in
             [&](int64_t h, int64_t t) { return vp + t * sv + h * d; }, sk, len, kv_heads, d, p);
 }
 
+// r[i][j] := r[j][i] for sixteen rows of sixteen 32-bit lanes: pairs of rows interleaved by 32
+// then 64 bits (each 128-bit lane then holds four rows of one column), then the 128-bit lanes
+// transposed as a 4 x 4 matrix.
+inline void transpose16x16(__m512i r[16]) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; i++) {
+    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // b[4m + e], 128-bit lane L: column 4L + e of rows 4m .. 4m + 3.
+  for (int m = 0; m < 4; m++) {
+    b[4 * m] = _mm512_unpacklo_epi64(a[4 * m], a[4 * m + 2]);
+    b[4 * m + 1] = _mm512_unpackhi_epi64(a[4 * m], a[4 * m + 2]);
+    b[4 * m + 2] = _mm512_unpacklo_epi64(a[4 * m + 1], a[4 * m + 3]);
+    b[4 * m + 3] = _mm512_unpackhi_epi64(a[4 * m + 1], a[4 * m + 3]);
+  }
+  for (int e = 0; e < 4; e++) {  // column 4L + e: lane L of b[e], b[4 + e], b[8 + e], b[12 + e]
+    const __m512i c0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0x44);
+    const __m512i c1 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0xEE);
+    const __m512i c2 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0x44);
+    const __m512i c3 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0xEE);
+    r[e] = _mm512_shuffle_i32x4(c0, c2, 0x88);
+    r[4 + e] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
+    r[8 + e] = _mm512_shuffle_i32x4(c1, c3, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
+  }
+}
+
 template <typename KRow, typename VRow>
 void pack_keys(KRow k_row, VRow v_row, int64_t group_stride, int64_t len, int64_t kv_heads,
                int64_t d, Packed& p) {
@@ -69,24 +97,24 @@ void pack_keys(KRow k_row, VRow v_row, int64_t group_stride, int64_t len, int64_
   const int64_t dp = d / 2, dsteps = d / 32;  // dim pairs per key; 32-dim steps
   p.k.resize(kv_heads * p.keys_k * dp);
   p.v.resize(kv_heads * p.keys_v * dp);
-  // K: each 16-key x 16-dim-pair block transposed, a gather per tile row (keys past the
-  // chunk read as zeros).
-  const __m512i key_offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8,
-                                                                  7, 6, 5, 4, 3, 2, 1, 0),
-                                                 _mm512_set1_epi32(
-                                                     static_cast<int>(group_stride / 2)));
+  // K: each 16-key x 16-dim-pair block transposed in registers (keys past the chunk read as
+  // zeros).
+  const int64_t row_stride = group_stride / 2;  // uint32 units
   for (int64_t h = 0; h < kv_heads; h++) {
     uint32_t* kh = p.k.data() + h * p.keys_k * dp;
     for (int64_t kb = 0; kb < p.keys_k / 16; kb++) {
       const int64_t left = std::min<int64_t>(16, std::max<int64_t>(0, len - kb * 16));
-      const __mmask16 keys = static_cast<__mmask16>((1u << left) - 1u);
       const uint32_t* base = left ? reinterpret_cast<const uint32_t*>(k_row(h, kb * 16))
                                   : nullptr;
-      for (int64_t j = 0; j < dp; j++)  // block (kb, j / 16), row j % 16
-        _mm512_storeu_si512(kh + ((kb * dsteps + j / 16) * 16 + j % 16) * 16,
-                            left ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), keys,
-                                                               key_offsets, base + j, 4)
-                                 : _mm512_setzero_si512());
+      for (int64_t s = 0; s < dsteps; s++) {
+        __m512i r[16];
+        for (int64_t t = 0; t < 16; t++)
+          r[t] = t < left ? _mm512_loadu_si512(base + t * row_stride + s * 16)
+                          : _mm512_setzero_si512();
+        transpose16x16(r);
+        uint32_t* dst = kh + (kb * dsteps + s) * 256;
+        for (int64_t j = 0; j < 16; j++) _mm512_storeu_si512(dst + j * 16, r[j]);
+      }
     }
   }
   // V: each pair of keys' rows interleaved 16 dims at a time (a tile row of B for P V).
@@ -119,9 +147,25 @@ struct Scratch {
   std::vector<c10::BFloat16> q;
   Scratch(int64_t keys, int64_t d) : s(AMX_ROWS * keys), p(AMX_ROWS * keys), o(AMX_ROWS * 64),
                                      q(AMX_ROWS * d) {}
+  Scratch() = default;
 };
 
-// S[16][n] = Q K^T for the first n keys (n a multiple of 64; Q in scratch.q, [16][d]).
+// This thread's Scratch for rows of `keys` keys and head size d: kept between calls and grown
+// when too small (no allocation, zeroing or page faults per call).
+Scratch& thread_scratch(int64_t keys, int64_t d) {
+  static thread_local Scratch w;
+  if (static_cast<int64_t>(w.s.size()) < AMX_ROWS * keys) {
+    w.s.resize(AMX_ROWS * keys);
+    w.p.resize(AMX_ROWS * keys);
+  }
+  if (static_cast<int64_t>(w.q.size()) < AMX_ROWS * d) w.q.resize(AMX_ROWS * d);
+  if (w.o.empty()) w.o.resize(AMX_ROWS * 64);
+  return w;
+}
+
+// S[16][n] = Q K^T for the first n keys (n a multiple of 64; Q in scratch.q, [16][d]). The
+// four B tiles of a step rotate over three registers (5, 6, 7), so that a tile's load need not
+// wait for the product before it to have read its register.
 void scores(Scratch& w, const uint32_t* kh, int64_t n, int64_t ks, int64_t d) {
   const int64_t dsteps = d / 32;
   for (int64_t k0 = 0; k0 < n; k0 += AMX_KEYS) {
@@ -132,14 +176,14 @@ void scores(Scratch& w, const uint32_t* kh, int64_t n, int64_t ks, int64_t d) {
     for (int64_t s = 0; s < dsteps; s++) {
       _tile_loadd(4, w.q.data() + s * 32, d * 2);
       const uint32_t* b = kh + ((k0 / 16) * dsteps + s) * 256;
-      _tile_loadd(6, b, 64);
-      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, b, 64);
       _tile_loadd(6, b + dsteps * 256, 64);
+      _tile_loadd(7, b + 2 * dsteps * 256, 64);
+      _tile_dpbf16ps(0, 4, 5);
       _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(6, b + 2 * dsteps * 256, 64);
-      _tile_dpbf16ps(2, 4, 6);
-      _tile_loadd(6, b + 3 * dsteps * 256, 64);
-      _tile_dpbf16ps(3, 4, 6);
+      _tile_loadd(5, b + 3 * dsteps * 256, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_dpbf16ps(3, 4, 5);
     }
     float* out = w.s.data() + k0;
     _tile_stored(0, out, ks * 4);
@@ -188,7 +232,8 @@ float softmax_row(const float* s, c10::BFloat16* p, int64_t len, int64_t width, 
   return _mm512_reduce_add_ps(sum);
 }
 
-// O[16][64 dims from d0] = P V over the first n keys (n a multiple of 32), into scratch.o.
+// O[16][64 dims from d0] = P V over the first n keys (n a multiple of 32), into scratch.o (B
+// tiles rotating over three registers, as in `scores`).
 void values(Scratch& w, const uint32_t* vh, int64_t n, int64_t ks, int64_t d, int64_t d0) {
   const int64_t dblocks = d / 16;
   _tile_zero(0);
@@ -198,14 +243,14 @@ void values(Scratch& w, const uint32_t* vh, int64_t n, int64_t ks, int64_t d, in
   for (int64_t k0 = 0; k0 < n; k0 += 32) {
     _tile_loadd(4, w.p.data() + k0, ks * 2);
     const uint32_t* b = vh + ((k0 / 32) * dblocks + d0 / 16) * 256;
-    _tile_loadd(6, b, 64);
-    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(5, b, 64);
     _tile_loadd(6, b + 256, 64);
+    _tile_loadd(7, b + 512, 64);
+    _tile_dpbf16ps(0, 4, 5);
     _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(6, b + 512, 64);
-    _tile_dpbf16ps(2, 4, 6);
-    _tile_loadd(6, b + 768, 64);
-    _tile_dpbf16ps(3, 4, 6);
+    _tile_loadd(5, b + 768, 64);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_dpbf16ps(3, 4, 5);
   }
   _tile_stored(0, w.o.data(), 256);
   _tile_stored(1, w.o.data() + 16, 256);
@@ -320,51 +365,52 @@ void amx_prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 #endif
 }
 
-// Attention of n queries q [n, heads, D] over a shared prefix of whole cache blocks (every query
-// sees every key: cascade attention's prefix part), bfloat16 on AMX tiles: the prefix's
-// `block_ids` [nb] of k_cache, v_cache [kv_heads, num_blocks, block_size, D] (block_size a
-// multiple of 16) are re-laid once per KV head and shared by all n x (heads / kv_heads) query
-// rows of it, 16 rows a work item. Writes out [n, heads, D] and lse [n, heads] (float32, the
-// natural log of each row's sum of exp(scale * score)).
-void amx_prefix_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                          const at::Tensor& v_cache, const at::Tensor& block_ids, double scale,
-                          at::Tensor& out, at::Tensor& lse) {
+namespace {
+
+// amx_prefix_attention, and with `merge` amx_prefix_attention_merge_: out and lse hold the
+// queries' attention over their other keys on entry and the attention over both on exit.
+void prefix_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_ids, double scale, at::Tensor& out, at::Tensor& lse,
+                      bool merge, const char* name) {
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k_cache.size(0);
-  TORCH_CHECK(amx_prefill_supported(d, q.scalar_type()),
-              "amx_prefix_attention: no AMX path for this build, dtype or head size ", d);
+  TORCH_CHECK(amx_prefill_supported(d, q.scalar_type()), name,
+              ": no AMX path for this build, dtype or head size ", d);
 #ifdef PAGEDKV_AMX
   for (const at::Tensor* t : {&q, static_cast<const at::Tensor*>(&out)})
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->stride(2) == 1 &&
                     t->stride(1) == d && t->size(1) == heads && t->size(2) == d,
-                "amx_prefix_attention: expected bfloat16 [n, heads, D] with contiguous heads");
+                name, ": expected bfloat16 [n, heads, D] with contiguous heads");
   const int64_t bs = k_cache.size(2);
   for (const at::Tensor* c : {&k_cache, &v_cache})
     TORCH_CHECK(c->scalar_type() == at::kBFloat16 && c->dim() == 4 && c->is_contiguous() &&
                     c->size(0) == kv_heads && c->size(2) == bs && c->size(3) == d,
-                "amx_prefix_attention: expected contiguous bfloat16 caches "
-                "[kv_heads, blocks, block_size, D]");
-  TORCH_CHECK(bs % 16 == 0, "amx_prefix_attention: block size ", bs, " not a multiple of 16");
-  TORCH_CHECK(heads % kv_heads == 0,
-              "amx_prefix_attention: heads must be a multiple of the KV heads");
-  TORCH_CHECK(out.size(0) == n && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
-                  lse.dim() == 2 && lse.size(0) == n && lse.size(1) == heads,
-              "amx_prefix_attention: out [n, heads, D] and lse [n, heads] float32 expected");
+                name, ": expected contiguous bfloat16 caches [kv_heads, blocks, block_size, D]");
+  TORCH_CHECK(bs % 16 == 0, name, ": block size ", bs, " not a multiple of 16");
+  TORCH_CHECK(heads % kv_heads == 0, name, ": heads must be a multiple of the KV heads");
+  TORCH_CHECK(out.size(0) == n && lse.scalar_type() == at::kFloat && lse.dim() == 2 &&
+                  lse.size(0) == n && lse.size(1) == heads && lse.stride(1) == 1,
+              name, ": out [n, heads, D] and lse [n, heads] float32 (heads contiguous) expected");
   auto ids = block_ids.to(at::kLong).contiguous();
   const int64_t nb = ids.numel(), blocks = k_cache.size(1), len = nb * bs, g = heads / kv_heads;
   const int64_t* bp = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < nb; i++)
-    TORCH_CHECK(0 <= bp[i] && bp[i] < blocks, "amx_prefix_attention: block id ", bp[i],
-                " outside the cache");
+    TORCH_CHECK(0 <= bp[i] && bp[i] < blocks, name, ": block id ", bp[i], " outside the cache");
   if (n == 0 || len == 0) return;
   const auto* qp = q.data_ptr<c10::BFloat16>();
   const auto* kc = k_cache.data_ptr<c10::BFloat16>();
   const auto* vc = v_cache.data_ptr<c10::BFloat16>();
   auto* op = out.data_ptr<c10::BFloat16>();
   float* lp = lse.data_ptr<float>();
+  const int64_t ls = lse.stride(0);
   auto row = [&](const c10::BFloat16* c, int64_t h, int64_t t) {
     return c + ((h * blocks + bp[t / bs]) * bs + t % bs) * d;
   };
-  std::vector<Packed> packed(kv_heads);
+  // The caller's thread keeps the re-laid K/V between calls (grown, never shrunk: every element
+  // is rewritten by pack_keys), so a call allocates and zeroes nothing.
+  // (A reference: the workers below must use this thread's, not their own.)
+  static thread_local std::vector<Packed> kept;
+  if (static_cast<int64_t>(kept.size()) < kv_heads) kept.resize(kv_heads);
+  std::vector<Packed>& packed = kept;
   at::parallel_for(0, kv_heads, 1, [&](int64_t b, int64_t e) {
     for (int64_t h = b; h < e; h++)
       pack_keys([&](int64_t, int64_t t) { return row(kc, h, t); },
@@ -378,7 +424,7 @@ void amx_prefix_attention(const at::Tensor& q, const at::Tensor& k_cache,
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     TileConfig cfg;
     _tile_loadconfig(&cfg);
-    Scratch w(width, d);
+    Scratch& w = thread_scratch(width, d);
     for (int64_t i; (i = next.fetch_add(1)) < n_items;) {
       const int64_t kvh = i / tiles, r0 = (i % tiles) * AMX_ROWS;
       const int64_t rows = std::min(AMX_ROWS, rows_per_head - r0);
@@ -396,22 +442,39 @@ void amx_prefix_attention(const at::Tensor& q, const at::Tensor& k_cache,
           std::memset(dst, 0, d * 2);
       }
       scores(w, packed[kvh].k.data(), width, width, d);
-      float sums[AMX_ROWS];
+      // Row r's output is acc * own_w[r] + (merge: the output on entry) * other_w[r].
+      float own_w[AMX_ROWS], other_w[AMX_ROWS];
       for (int64_t r = 0; r < AMX_ROWS; r++) {
         float m = 0.f;
-        sums[r] = r < rows ? softmax_row(w.s.data() + r * width, w.p.data() + r * width, len,
-                                         n_v, sc, &m)
-                           : (std::fill_n(w.p.data() + r * width, n_v,
-                                          c10::BFloat16(0, c10::BFloat16::from_bits())), 1.f);
-        if (r < rows) lp[req(r) * heads + head(r)] = m * sc + std::log(sums[r]);
+        const float sum = r < rows ? softmax_row(w.s.data() + r * width, w.p.data() + r * width,
+                                                 len, n_v, sc, &m)
+                                   : (std::fill_n(w.p.data() + r * width, n_v,
+                                                  c10::BFloat16(0, c10::BFloat16::from_bits())),
+                                      1.f);
+        if (r >= rows) continue;
+        float* l = lp + req(r) * ls + head(r);
+        const float mine = m * sc + std::log(sum);
+        if (!merge) {
+          *l = mine;
+          own_w[r] = 1.f / sum, other_w[r] = 0.f;
+          continue;
+        }
+        // FlashInfer's merge_state: weights of the two parts by their log-sum-exps.
+        const float top = std::max(mine, *l);
+        const float a = std::exp(mine - top), b = std::exp(*l - top);  // exp(-inf) = 0
+        own_w[r] = a / ((a + b) * sum), other_w[r] = b / (a + b);
+        *l = top + std::log(a + b);
       }
       for (int64_t d0 = 0; d0 < d; d0 += 64) {
         values(w, packed[kvh].v.data(), n_v, width, d, d0);
         for (int64_t r = 0; r < rows; r++) {
           c10::BFloat16* dst = op + o_row(r) + d0;
-          const float inv = 1.f / sums[r];
-          for (int64_t j = 0; j < 64; j += QW)
-            store_q(dst + j, row_vec(w.o.data() + r * 64 + j) * inv);
+          const float* acc = w.o.data() + r * 64;
+          if (merge)
+            for (int64_t j = 0; j < 64; j += QW)
+              store_q(dst + j, row_vec(acc + j) * own_w[r] + load_q(dst + j) * other_w[r]);
+          else
+            for (int64_t j = 0; j < 64; j += QW) store_q(dst + j, row_vec(acc + j) * own_w[r]);
         }
       }
     }
@@ -419,8 +482,35 @@ void amx_prefix_attention(const at::Tensor& q, const at::Tensor& k_cache,
   });
 #else
   (void)q; (void)k_cache; (void)v_cache; (void)block_ids; (void)scale; (void)out; (void)lse;
-  (void)n; (void)heads; (void)kv_heads;
+  (void)n; (void)heads; (void)kv_heads; (void)merge;
 #endif
+}
+
+}  // namespace
+
+// Attention of n queries q [n, heads, D] over a shared prefix of whole cache blocks (every query
+// sees every key: cascade attention's prefix part), bfloat16 on AMX tiles: the prefix's
+// `block_ids` [nb] of k_cache, v_cache [kv_heads, num_blocks, block_size, D] (block_size a
+// multiple of 16) are re-laid once per KV head and shared by all n x (heads / kv_heads) query
+// rows of it, 16 rows a work item. Writes out [n, heads, D] and lse [n, heads] (float32, the
+// natural log of each row's sum of exp(scale * score)).
+void amx_prefix_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& block_ids, double scale,
+                          at::Tensor& out, at::Tensor& lse) {
+  prefix_attention(q, k_cache, v_cache, block_ids, scale, out, lse, false,
+                   "amx_prefix_attention");
+}
+
+// amx_prefix_attention merged in place into the queries' attention over their other keys
+// (cascade attention's own part): out [n, heads, D] and lse [n, heads] (float32; rows may be
+// strided, heads contiguous) hold that part on entry (lse -inf: no other keys) and the
+// attention over the prefix and those keys together on exit, merged exactly by log-sum-exp
+// (FlashInfer's merge_state) before the one rounding to bfloat16.
+void amx_prefix_attention_merge_(const at::Tensor& q, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const at::Tensor& block_ids,
+                                 double scale, at::Tensor& out, at::Tensor& lse) {
+  prefix_attention(q, k_cache, v_cache, block_ids, scale, out, lse, true,
+                   "amx_prefix_attention_merge_");
 }
 
 }  // namespace pagedkv_cpu

@@ -16,7 +16,11 @@ without AVX512-BF16) prefill chunks take the pure-torch path of torch_paged.py.
 
 A step's fresh prompts (bfloat16, a CPU with AMX tiles) run `amx_prefill_attention` on the
 step's own K/V instead (prefill_choice.py), its other chunks as above.
-Decodes' shared prefixes there run `amx_prefix_attention` (prefill_choice.py).
+Decodes' shared prefixes there run `amx_prefix_attention` (prefill_choice.py), merged into the
+own blocks' part in the kernel (`amx_prefix_attention_merge_`) when the group's rows are
+consecutive; so do prefill chunks that share a cached prefix and follow one another in the batch
+(`PrefillCascade`: each token over its own keys by the fused decode kernel, a row per token,
+then all of them over the prefix on AMX tiles, merged in place).
 
 Which kernel runs a step's decodes is measured per attention class (decode_choice.py): the
 fused kernel, torch's attention over gathered blocks (attention.decode_attention), or, for a
@@ -31,10 +35,16 @@ from __future__ import annotations
 
 import dataclasses
 from functools import cache
+from itertools import pairwise
 
 import torch
 
-from pagedkv.model.attention import AttentionMetadata, decode_attention, prefill_attention_all
+from pagedkv.model.attention import (
+    AttentionMetadata,
+    PrefillChunk,
+    decode_attention,
+    prefill_attention_all,
+)
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.backends.torch_paged import TorchPagedBackend
 from pagedkv.model.cascade import (
@@ -80,9 +90,33 @@ class NativeAttentionMetadata(AttentionMetadata):
             fresh, rest = self._amx_split(window)
             if fresh is not None:
                 torch.ops.pagedkv_cpu.amx_prefill_attention(q, k, v, *fresh, scale, out)
+        if rest is not None and self._amx_prefix(q, k_cache):
+            cascades, rest = rest._amx_cascade_split(window)
+            for cascade in cascades:
+                cascade.attend(q, k_cache, v_cache, scale, out)
         if rest is not None:
             rest._prefill_chunks(q, k, v, k_cache, v_cache, scale, window, out)
         return out
+
+    def _amx_cascade_split(self, window: int | None
+                           ) -> tuple[list[PrefillCascade], NativeAttentionMetadata | None]:
+        """(the prefill chunks that share a cached prefix and lie one after another in the
+        batch, each group a `PrefillCascade`; this metadata with the other chunks only, or
+        None), once per step per window (a window hiding any of a chunk's keys: none)."""
+        key = ("amx_cascades", window)
+        if key not in self._mask_cache:
+            cascades, grouped = [], set()
+            if window is None or window >= max(c.seq_len for c in self.prefills):
+                for group in self.prefill_shared_prefixes():
+                    chunks = [self.prefills[r] for r in group.rows]
+                    if all(a.token_end == b.token_start for a, b in pairwise(chunks)):
+                        cascades.append(PrefillCascade.of(chunks, group, self.block_size))
+                        grouped.update(group.rows)
+            others = [c for r, c in enumerate(self.prefills) if r not in grouped]
+            rest = self if not grouped else (
+                dataclasses.replace(self, prefills=others, _mask_cache={}) if others else None)
+            self._mask_cache[key] = (cascades, rest)
+        return self._mask_cache[key]
 
     def _prefill_chunks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
@@ -193,9 +227,13 @@ class NativeAttentionMetadata(AttentionMetadata):
             q, k_cache, v_cache, self.decode_block_tables, first, self.decode_seq_lens, scale,
             out, lse)
         tiled = tiled_prefill(q.shape[2], q.dtype) and k_cache.dtype == q.dtype
-        amx = bool(shared) and amx_prefix_ok(q, k_cache)
+        amx = bool(shared) and self._amx_prefix(q, k_cache)
         for group in shared:
             rows = group.index()
+            if amx and isinstance(rows, slice):  # views: merged in place, in the kernel
+                torch.ops.pagedkv_cpu.amx_prefix_attention_merge_(
+                    q[rows], k_cache, v_cache, group.block_ids, scale, out[rows], lse[rows])
+                continue
             if amx:
                 o_p, lse_p = amx_prefix(q[rows], k_cache, v_cache, group, scale)
             elif tiled:
@@ -205,12 +243,60 @@ class NativeAttentionMetadata(AttentionMetadata):
                 o_p, lse_p = shared_prefix_attention(q[rows], k_cache, v_cache, group, scale)
             out[rows] = merge_states(out[rows], lse[rows], o_p, lse_p)
 
+    def _amx_prefix(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """prefill_choice.amx_prefix_ok for this step's shared prefixes, once per step."""
+        if "amx_prefix" not in self._mask_cache:
+            self._mask_cache["amx_prefix"] = amx_prefix_ok(q, k_cache)
+        return self._mask_cache["amx_prefix"]
+
     def prefix_runs(self, group: SharedPrefix) -> PrefixRuns:
         """`prefix_runs` of `group`, once per step."""
         key = ("prefix_runs", tuple(group.rows))
         if key not in self._mask_cache:
             self._mask_cache[key] = prefix_runs(group, self.block_size)
         return self._mask_cache[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillCascade:
+    """Prefill chunks sharing a cached prefix, rows [start, end) of the batch (chunk after
+    chunk), attended as a cascade on the fused kernels: each token over its own keys after the
+    prefix by `paged_decode_attention` (a row per token: `tables`, `first` and `lens` [rows],
+    causal by its length), then all of them over the prefix's blocks `block_ids` on AMX tiles,
+    merged into that in place (`amx_prefix_attention_merge_`)."""
+
+    start: int
+    end: int
+    tables: torch.Tensor
+    first: torch.Tensor
+    lens: torch.Tensor
+    block_ids: torch.Tensor
+
+    @classmethod
+    def of(cls, chunks: list[PrefillChunk], group: SharedPrefix,
+           block_size: int) -> PrefillCascade:
+        """The cascade of `chunks` (consecutive in the batch), `group` their shared prefix."""
+        width = max(len(c.block_table) for c in chunks)
+        tables = torch.zeros(len(chunks), width, dtype=torch.long)
+        for r, c in enumerate(chunks):
+            tables[r, : len(c.block_table)] = c.block_table
+        counts = torch.tensor([c.token_end - c.token_start for c in chunks])
+        lens = torch.cat([torch.arange(c.start_pos + 1, c.seq_len + 1) for c in chunks])
+        first = torch.full_like(lens, group.num_blocks * block_size)
+        return cls(chunks[0].token_start, chunks[-1].token_end,
+                   tables.repeat_interleave(counts, dim=0), first, lens, group.block_ids)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               scale: float, out: torch.Tensor) -> None:
+        """Writes rows [start, end) of `out` [T, heads, D] (contiguous); the chunks' K/V are
+        in the cache."""
+        rows = slice(self.start, self.end)
+        o, qs = out[rows], q[rows]
+        lse = torch.empty((self.end - self.start, q.shape[1]), dtype=torch.float32)
+        torch.ops.pagedkv_cpu.paged_decode_attention(qs, k_cache, v_cache, self.tables,
+                                                     self.first, self.lens, scale, o, lse)
+        torch.ops.pagedkv_cpu.amx_prefix_attention_merge_(qs, k_cache, v_cache, self.block_ids,
+                                                          scale, o, lse)
 
 
 def amx_prefix(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
