@@ -205,7 +205,7 @@ async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list,
     output, as vLLM sends it, so clients measure a true time to first token), content or tool
     call deltas, the finish, usage, [DONE]. `usage_wanted`: (a final usage chunk, the usage so
     far on every chunk).
-    Wrapped by `sse_stream`, which closes the streams (aborting unfinished requests)."""
+    Sent by `OpenAIStreamResponse`, which closes the streams (aborting unfinished requests)."""
     tracker = DeltaTracker(params.n, params.stop_strings, params.include_stop_str_in_output)
     usage = Usage()
     role_sent = False

@@ -184,7 +184,7 @@ async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list,
     """SSE chunks: one per choice per engine step that added tokens, then usage and [DONE];
     with `echo`, a choice's first chunk starts with the prompt. `usage_wanted`: (a final usage
     chunk, the usage so far on every chunk). Chunks carry vLLM's stream keys (`_chunk_json`).
-    Wrapped by `sse_stream`, which closes the streams (aborting unfinished requests)."""
+    Sent by `OpenAIStreamResponse`, which closes the streams (aborting unfinished requests)."""
     n = params.n
     tracker = DeltaTracker(num_prompts * n, params.stop_strings, params.include_stop_str_in_output)
     usage = Usage()
