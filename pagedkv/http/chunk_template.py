@@ -1,69 +1,59 @@
 """A streamed answer's usual chunk written from a template: the same bytes as the chunk model's
 SSE event, in a fraction of the time.
 
-Most chunks of a stream differ from one another only in a few values (the text, the choice
-index, the `created` second). A `ChunkTemplate` renders the chunk once, through the same
-function every chunk would go through, with a unique placeholder in each varying place; each
-chunk then joins the fixed parts with the values (a string as `json.dumps` writes it, an int
-as `str`), which is what that function writes for them. When a placeholder cannot be found
-exactly once in the rendering (a response id or model name that happens to contain it), there
-is no template and the caller renders every chunk itself.
+Most chunks of a stream differ from one another only in three values: the `created` second, the
+choice's index and its text. A `ChunkTemplate` renders the chunk once, through the same function
+every chunk would go through, with a unique placeholder in each of those places; each chunk then
+puts the values into the fixed text around them, written as that function writes them (an int
+as `str`, the text as `json.dumps` writes a string). When a placeholder is not found exactly
+once in the rendering (a response id or model name that happens to contain it), there is no
+template and the caller renders every chunk itself.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from json.encoder import encode_basestring_ascii  # what json.dumps writes a str with
 
-# Values no real chunk holds (an int past any second or index; text with a code point JSON
-# escapes), each found in the rendering by its JSON.
+# Values no real chunk holds (ints past any second or index; text with a code point JSON
+# escapes), each looked for in the rendering as it is written there.
 INT_PLACEHOLDER = 8_355_201_467_901_113
 TEXT_PLACEHOLDER = "\u2063pagedkv-chunk-text\u2063"
 
 
 class ChunkTemplate:
-    """`event(*values)`: `render(placeholders)` with the values in the placeholders' places.
+    """`event(created, index, text)`: `render(created, index, text)`'s chunk, made without
+    calling `render` (see the module docstring)."""
 
-    `holes` names each varying value's kind in order ("int" or "str"); `render` gets one
-    placeholder per hole (distinct ints for "int" holes, distinct strings for "str" holes) and
-    returns the chunk's SSE event."""
+    __slots__ = ("_format",)
 
-    __slots__ = ("_parts", "_order")
-
-    def __init__(self, parts: list[str], order: list[int]) -> None:
-        self._parts = parts  # the fixed text around the holes: len(order) + 1 pieces
-        self._order = order  # which hole comes next in the rendering
+    def __init__(self, format_string: str) -> None:
+        self._format = format_string  # the rendering, holes as {0} {1} {2}, braces doubled
 
     @classmethod
-    def make(cls, render: Callable[[list[Any]], str], holes: list[str]) -> ChunkTemplate | None:
+    def make(cls, render: Callable[[int, int, str], str]) -> ChunkTemplate | None:
         """The template of `render`'s chunks (None when a placeholder is not found exactly
         once in the rendering)."""
-        placeholders: list[Any] = [
-            INT_PLACEHOLDER + i if kind == "int" else f"{TEXT_PLACEHOLDER}{i}"
-            for i, kind in enumerate(holes)]
-        rendered = render(placeholders)
-        found = []
-        for i, value in enumerate(placeholders):
-            needle = str(value) if holes[i] == "int" else json.dumps(value)
+        created, index = INT_PLACEHOLDER, INT_PLACEHOLDER + 1
+        rendered = render(created, index, TEXT_PLACEHOLDER)
+        holes = []
+        for field, needle in enumerate((str(created), str(index), json.dumps(TEXT_PLACEHOLDER))):
             if rendered.count(needle) != 1:
                 return None
-            found.append((rendered.index(needle), len(needle), i))
-        found.sort()
-        parts, order, start = [], [], 0
-        for position, length, i in found:
-            parts.append(rendered[start:position])
-            order.append(i)
+            holes.append((rendered.index(needle), len(needle), field))
+        pieces, start = [], 0
+        for position, length, field in sorted(holes):
+            pieces.append(_escaped(rendered[start:position]) + "{" + str(field) + "}")
             start = position + length
-        parts.append(rendered[start:])
-        return cls(parts, order)
+        pieces.append(_escaped(rendered[start:]))
+        return cls("".join(pieces))
 
-    def event(self, *values: int | str) -> str:
-        """The chunk with `values` (one per hole, in the holes' order given to `make`)."""
-        parts = self._parts
-        pieces = [parts[0]]
-        for k, i in enumerate(self._order):
-            value = values[i]
-            pieces.append(json.dumps(value) if type(value) is str else str(int(value)))
-            pieces.append(parts[k + 1])
-        return "".join(pieces)
+    def event(self, created: int, index: int, text: str) -> str:
+        """The chunk with these values."""
+        return self._format.format(created, index, encode_basestring_ascii(text))
+
+
+def _escaped(fixed: str) -> str:
+    """`fixed` as literal text of a format string."""
+    return fixed.replace("{", "{{").replace("}", "}}")

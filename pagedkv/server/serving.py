@@ -288,7 +288,9 @@ class OpenAIServing:
 
     def _observe_tokens(self, timing: _Timing, output: RequestOutput) -> None:
         """First-token time and inter-token gaps (of the longest sequence) as outputs come."""
-        count = max((c.num_tokens for c in output.outputs), default=0)
+        outputs = output.outputs
+        count = (outputs[0].num_tokens if len(outputs) == 1
+                 else max((c.num_tokens for c in outputs), default=0))
         if count <= timing.num_tokens:
             return
         now = time.monotonic()

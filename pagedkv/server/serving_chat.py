@@ -160,12 +160,11 @@ def _chunk(serving: OpenAIServing, extras: ResponseExtras, choice: ChatStreamCho
 def _plain_template(serving: OpenAIServing, extras: ResponseExtras) -> ChunkTemplate | None:
     """The template of a chunk that carries one choice's content delta and nothing else:
     holes for `created`, the choice's index and the content."""
-    def render(values: list) -> str:
-        created, index, content = values
+    def render(created: int, index: int, content: str) -> str:
         return _chunk(serving, extras, ChatStreamChoice(index=index,
                                                         delta=ChatDelta(content=content)),
                       created=created)
-    return ChunkTemplate.make(render, ["int", "int", "str"])
+    return ChunkTemplate.make(render)
 
 
 def _without_none(value: Any) -> Any:

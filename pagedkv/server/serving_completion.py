@@ -243,12 +243,11 @@ async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list,
 def _plain_template(serving: OpenAIServing, extras: ResponseExtras) -> ChunkTemplate | None:
     """The template of a chunk that carries one choice's text and nothing else: holes for
     `created`, the choice's index and its text."""
-    def render(values: list) -> str:
-        created, index, text = values
+    def render(created: int, index: int, text: str) -> str:
         return _chunk_event(CompletionResponse(
             id=extras.id, model=serving.model_name, system_fingerprint=extras.fingerprint,
             created=created, choices=[CompletionChoice(index=index, text=text)]))
-    return ChunkTemplate.make(render, ["int", "int", "str"])
+    return ChunkTemplate.make(render)
 
 
 _RESPONSE_ONLY = {"service_tier", "kv_transfer_params", "ec_transfer_params", "metrics"}

@@ -47,9 +47,9 @@ def test_template_chunks_equal_the_models_events(module, reference):
 
 
 def test_holes_in_any_order_and_a_placeholder_found_twice_gives_no_template():
-    template = ChunkTemplate.make(lambda v: f"a{v[1]}b{json.dumps(v[0])}c", ["str", "int"])
-    assert template.event("x\u00e9", 5) == 'a5b"x\\u00e9"c'
+    template = ChunkTemplate.make(lambda c, i, t: f"{{a{i}b{json.dumps(t)}c{c}}}")
+    assert template.event(7, 5, "x\u00e9{}") == '{a5b"x\\u00e9{}"c7}'
     clashing = ResponseExtras(f"cmpl-{INT_PLACEHOLDER}", None, None, True)
     assert serving_completion._plain_template(SERVING, clashing) is None
-    assert ChunkTemplate.make(lambda v: f"{v[0]} {v[0]}", ["int"]) is None
-    assert ChunkTemplate.make(lambda v: f"{v[0]}", ["str"]) is None  # not written as JSON
+    assert ChunkTemplate.make(lambda c, i, t: f"{c} {c} {i} {json.dumps(t)}") is None
+    assert ChunkTemplate.make(lambda c, i, t: f"{c} {i} {t}") is None  # text not as JSON
