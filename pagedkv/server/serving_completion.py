@@ -218,8 +218,9 @@ async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list,
                 if vllm_prompt_logprobs:
                     prompt_logprobs = formatter.vllm_prompt_logprobs(output.prompt_logprobs,
                                                                    output.prompt_token_ids)
-            logprobs = _join(logprobs, formatter.completion(comp, delta.token_start,
-                                                            delta.token_end, choice))
+            if comp.logprobs_view is not None:
+                logprobs = _join(logprobs, formatter.completion(comp, delta.token_start,
+                                                                delta.token_end, choice))
             if (plain is not None and logprobs is None and prompt_logprobs is None
                     and prompt_ids is None and delta.finish_reason is None
                     and delta.stop_reason is None):
