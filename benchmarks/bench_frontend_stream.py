@@ -176,8 +176,9 @@ def _dechunk(raw: bytes) -> bytes:
     return bytes(body)
 
 
-def check_stream(raw: bytes, output_len: int) -> None:
-    """Every token arrived: the chunks' texts add up to `output_len` tokens, usage says so."""
+def check_stream(raw: bytes, output_len: int) -> int:
+    """Every token arrived (usage says `output_len`, one finish, [DONE] last); the number of
+    chunks that carried tokens."""
     events = [e for e in _dechunk(raw).decode().split("\n\n") if e]
     assert events[-1] == "data: [DONE]", events[-3:]
     chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
@@ -185,18 +186,19 @@ def check_stream(raw: bytes, output_len: int) -> None:
     assert usage["completion_tokens"] == output_len, usage
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finishes[-1] == "length" and finishes.count("length") == 1, finishes[-3:]
+    return len(finishes)
 
 
-async def load(port: int, requests: int, input_len: int, output_len: int, seed: int) -> None:
-    """`requests` streamed completions at once; each one's stream checked."""
+async def load(port: int, requests: int, input_len: int, output_len: int, seed: int) -> int:
+    """`requests` streamed completions at once; each one's stream checked. The number of
+    chunks that carried tokens (fewer than the tokens when a reader fell behind a step)."""
     bodies = [json.dumps({"model": "m", "prompt": [(seed + i * 7 + j) % 500 + 10
                                                    for j in range(input_len)],
                           "max_tokens": output_len, "ignore_eos": True, "stream": True,
                           "stream_options": {"include_usage": True}}).encode()
               for i in range(requests)]
     answers = await asyncio.gather(*(_http(port, "POST", "/v1/completions", b) for b in bodies))
-    for raw in answers:
-        check_stream(raw, output_len)
+    return sum(check_stream(raw, output_len) for raw in answers)
 
 
 def cpu_now(port: int) -> tuple[float, float]:
@@ -225,12 +227,13 @@ def start_server(tree: str, model_dir: str, step_s: float) -> tuple[subprocess.P
             time.sleep(0.5)
 
 
-def measure(port: int, args: argparse.Namespace, seed: int) -> float:
-    """One load; the frontend's CPU milliseconds per output token."""
+def measure(port: int, args: argparse.Namespace, seed: int) -> tuple[float, float]:
+    """One load: the frontend's CPU milliseconds per output token, and chunks per token."""
     cpu0, own0 = cpu_now(port)
-    asyncio.run(load(port, args.requests, args.input_len, args.output_len, seed))
+    chunks = asyncio.run(load(port, args.requests, args.input_len, args.output_len, seed))
     cpu1, own1 = cpu_now(port)
-    return 1000 * ((cpu1 - cpu0) - (own1 - own0)) / (args.requests * args.output_len)
+    tokens = args.requests * args.output_len
+    return 1000 * ((cpu1 - cpu0) - (own1 - own0)) / tokens, chunks / tokens
 
 
 def main() -> None:
@@ -262,9 +265,10 @@ def main() -> None:
                 measure(port, argparse.Namespace(**{**vars(args), "requests": 8}), 7)
             for r in range(args.rounds):
                 for name in (list(servers) if r % 2 == 0 else list(servers)[::-1]):
-                    figures[name].append(measure(servers[name][1], args, 100 + r))
-                    print(f"  round {r} {name}: frontend {figures[name][-1]:.4f} ms CPU per "
-                          f"output token", flush=True)
+                    per_token, chunks = measure(servers[name][1], args, 100 + r)
+                    figures[name].append(per_token)
+                    print(f"  round {r} {name}: frontend {per_token:.4f} ms CPU per output "
+                          f"token, {chunks:.2f} chunks per token", flush=True)
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
