@@ -367,12 +367,16 @@ class AsyncEngine:
             self._fail_all(EngineStepError(f"engine step failed: {type(exc).__name__}: {exc}"))
             self._check_invariants()
             return
-        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        self._hand_over(outputs)
+
+    def _hand_over(self, outputs: list[RequestOutput]) -> None:
+        """Give each output to its stream: the whole step's in one call on each event loop."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for output in outputs:
             stream = self._deliver(output)
             if stream is not None:
-                deliveries.setdefault(stream.loop, []).append((stream, output))
-        for loop, batch in deliveries.items():
+                batches.setdefault(stream.loop, []).append((stream, output))
+        for loop, batch in batches.items():
             _call_in_loop(loop, put_all, batch)
 
     def _drain_commands(self) -> bool:
