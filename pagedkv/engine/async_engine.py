@@ -4,9 +4,9 @@ The engine is not thread-safe, so nothing but the loop thread ever touches it. H
 (on the asyncio event loop) talk to it through a thread-safe queue of commands (`commands.py`)
 that the loop drains before every step: add a request, abort one, start a utility call of the
 engine core (stats, pins, the dashboard's feed). Each request's outputs go back to its own
-`RequestStream` (`request_stream.py`) through
-`loop.call_soon_threadsafe`, as the engine's cumulative `RequestOutput`s; turning them into
-deltas is the caller's business.
+`RequestStream` (`request_stream.py`), as the engine's cumulative `RequestOutput`s: a step's
+outputs go over in one `loop.call_soon_threadsafe` per event loop (one wake-up per step, not
+one per request); turning them into deltas is the caller's business.
 
 The loop sleeps on an event while the engine has nothing to do (no busy spinning), checks the
 block pool's invariants each time the engine falls idle, and stops cleanly on `shutdown()`
@@ -69,6 +69,7 @@ from pagedkv.engine.request_stream import (
     EngineOverloadedError,
     EngineStepError,
     RequestStream,
+    put_all,
 )
 from pagedkv.engine.stats import EngineStats
 from pagedkv.kv.pins import PinInfo
@@ -366,8 +367,17 @@ class AsyncEngine:
             self._fail_all(EngineStepError(f"engine step failed: {type(exc).__name__}: {exc}"))
             self._check_invariants()
             return
+        self._hand_over(outputs)
+
+    def _hand_over(self, outputs: list[RequestOutput]) -> None:
+        """Give each output to its stream: the whole step's in one call on each event loop."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for output in outputs:
-            self._deliver(output)
+            stream = self._deliver(output)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream, output))
+        for loop, batch in batches.items():
+            _call_in_loop(loop, put_all, batch)
 
     def _drain_commands(self) -> bool:
         """Apply the queued commands in order; False once asked to stop."""
@@ -467,20 +477,19 @@ class AsyncEngine:
         if stream is None:  # finished already, or never added
             return
         self.engine.abort_request(request_id)
-        _call_in_loop(stream.loop, stream.queue.put_nowait, ABORTED)
+        _call_in_loop(stream.loop, stream.put, ABORTED)
 
-    def _deliver(self, output: RequestOutput) -> None:
+    def _deliver(self, output: RequestOutput) -> RequestStream | None:
+        """The stream `output` goes to (None: a pin's request, or one no longer streamed)."""
         if output.request_id in self._pins_waiting:
             if output.finished:  # its blocks were just freed, still cached: pin them now
                 ids, cache_salt, fut = self._pins_waiting.pop(output.request_id)
                 self._start(fut, "pin_prefix", ids, cache_salt)
-            return
+            return None
         stream = self._streams.get(output.request_id)
-        if stream is None:
-            return
-        if output.finished:
+        if stream is not None and output.finished:
             del self._streams[output.request_id]
-        _call_in_loop(stream.loop, stream.queue.put_nowait, output)
+        return stream
 
     def _check_invariants(self) -> None:
         try:
@@ -499,7 +508,7 @@ class AsyncEngine:
             self.engine.abort_request(request_id)
         self._pins_waiting.clear()
         for request_id, stream in self._streams.items():
-            _call_in_loop(stream.loop, stream.queue.put_nowait, exc)
+            _call_in_loop(stream.loop, stream.put, exc)
             try:
                 self.engine.abort_request(request_id)
             except Exception:  # the engine is broken already; nothing more to do

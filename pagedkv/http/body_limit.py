@@ -1,6 +1,7 @@
 """BodySizeLimitMiddleware: a request body over `max_bytes` is a 413 with an OpenAI-style body.
 
-A `Content-Length` over the limit is refused before any byte of the body is read; a chunked
+A `Content-Length` over the limit is refused before any byte of the body is read (a request
+within it goes on untouched: the server never hands on more body than it declares); a chunked
 body (no length) is counted as it arrives and refused as soon as it passes the limit, so a
 huge upload never sits in memory whole. A plain ASGI middleware (no buffering): streaming
 answers pass through untouched.
@@ -40,6 +41,9 @@ class BodySizeLimitMiddleware:
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             shown = f"{int(length)} bytes" if length.isdigit() else f"Content-Length {length!r}"
             await error_response(_too_large(self.max_bytes, shown))(scope, receive, send)
+            return
+        if length is not None:  # (uvicorn never passes on more body than Content-Length says)
+            await self.app(scope, receive, send)
             return
         received = 0
         started = False

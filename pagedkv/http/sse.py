@@ -41,20 +41,6 @@ def sse_done() -> str:
     return "data: [DONE]\n\n"
 
 
-async def sse_stream(events: AsyncIterator[str], on_exit: Callable[[], None]) -> AsyncIterator[str]:
-    """Frame one streaming answer: `events`, an APIError raised by them as an error event, then
-    `data: [DONE]`. `on_exit` (idempotent) runs however the stream ends, a gone client included."""
-    try:
-        async for event in events:
-            yield event
-    except APIError as exc:
-        yield sse_event(error_body(exc.message, exc.type, exc.param, exc.code))
-    finally:
-        on_exit()
-        await events.aclose()
-    yield sse_done()
-
-
 class SSEResponse(StreamingResponse):
     """A text/event-stream response that calls `on_close` however it ends: finished, client
     gone, or cancelled before the body generator even started (whose own finally blocks would
@@ -69,3 +55,29 @@ class SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.on_close()
+
+
+class OpenAIStreamResponse(SSEResponse):
+    """An OpenAI streaming answer: `events` (each a whole `data: ...` event), an APIError raised
+    by them as an error event, then `data: [DONE]`, sent as the last body. `on_close`
+    (idempotent) runs as soon as the events end, and however the response ends.
+
+    The framing is done here, in the loop that sends, rather than by another generator around
+    `events`: each event costs one pass through one generator, then one `send`."""
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        events = self.body_iterator
+        try:
+            async for event in events:
+                await send({"type": "http.response.body", "body": event.encode(),
+                            "more_body": True})
+        except APIError as exc:
+            error = sse_event(error_body(exc.message, exc.type, exc.param, exc.code))
+            await send({"type": "http.response.body", "body": error.encode(), "more_body": True})
+        finally:
+            self.on_close()
+            await events.aclose()
+        await send({"type": "http.response.body", "body": sse_done().encode(),
+                    "more_body": False})

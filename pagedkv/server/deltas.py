@@ -25,7 +25,7 @@ from pagedkv.http.protocol import (
 from pagedkv.server.token_text import MAX_CONTEXT, corrected_token_text
 
 
-@dataclass
+@dataclass(slots=True)
 class Delta:
     """New text and the range of new tokens of one choice since the last delta."""
 

@@ -36,6 +36,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pagedkv.engine.stats import EngineStats, sum_stats
+from pagedkv.server.batched_histogram import BatchedHistogram
 from pagedkv.server.vllm_metrics import counter_family, engine_families
 from pagedkv.store.metrics import kv_store_metrics
 
@@ -195,8 +196,9 @@ class ServerMetrics:
             "request (vLLM's older name).", TPOT_BUCKETS).children, *self._histogram(
             "request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds "
             "per request.", TPOT_BUCKETS).children])
-        self.itl = self._histogram("inter_token_latency_seconds",
-                                   "Time between consecutive output tokens.", TPOT_BUCKETS)
+        self.itl = BatchedHistogram(self._histogram(
+            "inter_token_latency_seconds", "Time between consecutive output tokens.",
+            TPOT_BUCKETS).children)
         self.e2e = self._histogram("e2e_request_latency_seconds", "End-to-end request latency.",
                                    E2E_BUCKETS)
         self.queue = self._histogram("request_queue_time_seconds",
@@ -298,10 +300,10 @@ class ServerMetrics:
     def observe_inter_token(self, gap: float, num_tokens: int = 1) -> None:
         """`num_tokens` tokens arrived `gap` seconds after the previous ones: one observation
         of gap / num_tokens per token."""
-        for _ in range(num_tokens):
-            self.itl.observe(gap / num_tokens)
+        self.itl.observe(gap / num_tokens, num_tokens)
 
     def render(self, names: Iterable[str] | None = None) -> bytes:
         """The exposition of every family, or of the samples called `names` only."""
+        self.itl.flush()
         registry = self.registry if names is None else self.registry.restricted_registry(names)
         return generate_latest(registry)

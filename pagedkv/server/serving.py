@@ -31,7 +31,7 @@ from pagedkv.engine.async_engine import (
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.http.errors import APIError, model_not_found
 from pagedkv.http.protocol import PromptTokensDetails, SamplingFields, UsageInfo
-from pagedkv.http.sse import SSEResponse, sse_stream
+from pagedkv.http.sse import OpenAIStreamResponse, SSEResponse
 from pagedkv.sched.sampling_params import GREEDY_TEMPERATURE_BELOW, SamplingParams
 from pagedkv.sched.validation import PromptTooLongError
 from pagedkv.server.metrics import RequestPhases, ServerMetrics
@@ -273,7 +273,7 @@ class OpenAIServing:
         timings = [_Timing(s.arrival, s.submitted, params=getattr(s, "params", None))
                    for s in streams]
         try:
-            async for index, output in _merge(streams):
+            async for index, output in _tagged(streams):
                 timing = timings[index]
                 self._observe_tokens(timing, output)
                 if output.finished:
@@ -288,7 +288,9 @@ class OpenAIServing:
 
     def _observe_tokens(self, timing: _Timing, output: RequestOutput) -> None:
         """First-token time and inter-token gaps (of the longest sequence) as outputs come."""
-        count = max((c.num_tokens for c in output.outputs), default=0)
+        outputs = output.outputs
+        count = (outputs[0].num_tokens if len(outputs) == 1
+                 else max((c.num_tokens for c in outputs), default=0))
         if count <= timing.num_tokens:
             return
         now = time.monotonic()
@@ -368,8 +370,7 @@ def streaming_response(events: AsyncIterator[str],
                        streams: Sequence[RequestStream]) -> SSEResponse:
     """The SSE answer of a streaming request: `events` framed (error event, `[DONE]`), and
     `streams` closed however it ends (finished, client gone, cancelled before it started)."""
-    return SSEResponse(sse_stream(events, on_exit=lambda: close_all(streams)),
-                       on_close=lambda: close_all(streams))
+    return OpenAIStreamResponse(events, on_close=lambda: close_all(streams))
 
 
 async def collect_unless_disconnected(request: Request, streams: Sequence[RequestStream],
@@ -382,12 +383,28 @@ async def collect_unless_disconnected(request: Request, streams: Sequence[Reques
         close_all(streams)
 
 
+class _Tagged:
+    """One stream's outputs tagged with index 0 (`_merge`'s items, without a generator)."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, stream: RequestStream) -> None:
+        self.stream = stream
+
+    def __aiter__(self) -> _Tagged:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        return 0, await self.stream.__anext__()
+
+
+def _tagged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The streams' outputs tagged with their stream's index, in arrival order."""
+    return _Tagged(streams[0]) if len(streams) == 1 else _merge(streams)
+
+
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several streams' outputs in arrival order, tagged with the stream's index."""
-    if len(streams) == 1:
-        async for output in streams[0]:
-            yield 0, output
-        return
     merged: asyncio.Queue = asyncio.Queue()
     done = object()
 

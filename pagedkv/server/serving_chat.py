@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.http.chunk_template import ChunkTemplate
 from pagedkv.http.errors import APIError, error_body
 from pagedkv.http.prompt_render import render_and_tokenize_chat
 from pagedkv.http.protocol import (
@@ -132,14 +133,16 @@ def _response(serving: OpenAIServing, extras: ResponseExtras, final: RequestOutp
 
 
 def _chunk(serving: OpenAIServing, extras: ResponseExtras, choice: ChatStreamChoice,
-           role: bool = False, usage: UsageInfo | None = None) -> str:
+           role: bool = False, usage: UsageInfo | None = None, created: int | None = None
+           ) -> str:
     """One SSE chunk; a choice's `role` chunk (the first of each choice) carries the prompt's
     ids and text (when asked for), as vLLM's do; `usage`: the usage so far (continuous usage
-    stats), left out when None."""
+    stats), left out when None; `created`: default now."""
     chunk = ChatCompletionChunk(id=extras.id, model=serving.model_name, choices=[choice],
                                 system_fingerprint=extras.fingerprint, usage=usage,
                                 prompt_token_ids=extras.prompt_ids() if role else None,
-                                prompt_text=extras.prompt_text if role else None)
+                                prompt_text=extras.prompt_text if role else None,
+                                **({} if created is None else {"created": created}))
     delta = choice.delta
     if choice.logprobs is None and delta.tool_calls is None:  # no float, nothing nested
         unset = {name for name in ("role", "content", "tool_calls")
@@ -152,6 +155,16 @@ def _chunk(serving: OpenAIServing, extras: ResponseExtras, choice: ChatStreamCho
     for item in payload["choices"]:  # OpenAI leaves unset delta fields out
         item["delta"] = _without_none(item["delta"])
     return sse_event(payload)
+
+
+def _plain_template(serving: OpenAIServing, extras: ResponseExtras) -> ChunkTemplate | None:
+    """The template of a chunk that carries one choice's content delta and nothing else:
+    holes for `created`, the choice's index and the content."""
+    def render(created: int, index: int, content: str) -> str:
+        return _chunk(serving, extras, ChatStreamChoice(index=index,
+                                                        delta=ChatDelta(content=content)),
+                      created=created)
+    return ChunkTemplate.make(render)
 
 
 def _without_none(value: Any) -> Any:
@@ -191,12 +204,15 @@ async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list,
     output, as vLLM sends it, so clients measure a true time to first token), content or tool
     call deltas, the finish, usage, [DONE]. `usage_wanted`: (a final usage chunk, the usage so
     far on every chunk).
-    Wrapped by `sse_stream`, which closes the streams (aborting unfinished requests)."""
+    Sent by `OpenAIStreamResponse`, which closes the streams (aborting unfinished requests)."""
     tracker = DeltaTracker(params.n, params.stop_strings, params.include_stop_str_in_output)
     usage = Usage()
     role_sent = False
     tool_started: set[int] = set()
     include_usage, continuous = usage_wanted
+    # The usual chunk (a content delta only) from a template; None: every chunk through pydantic.
+    plain = None if continuous or extras.prompt_token_ids is not None else _plain_template(
+        serving, extras)
     async for _, output in serving.iterate(streams):
         usage.record(0, output)
         so_far = usage.info() if continuous else None
@@ -229,9 +245,14 @@ async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list,
             finish = delta.finish_reason
             if finish is not None and tools.buffers_stream:
                 finish = "tool_calls" if chat_delta.tool_calls and finish == "stop" else finish
+            logprobs = formatter.chat(comp, start, delta.token_end)
+            if (plain is not None and logprobs is None and finish is None
+                    and delta.stop_reason is None and chat_delta.tool_calls is None
+                    and chat_delta.role is None and chat_delta.content is not None):
+                yield plain.event(int(time.time()), comp.index, chat_delta.content)
+                continue
             yield _chunk(serving, extras, ChatStreamChoice(
-                index=comp.index, delta=chat_delta,
-                logprobs=formatter.chat(comp, start, delta.token_end),
+                index=comp.index, delta=chat_delta, logprobs=logprobs,
                 finish_reason=finish, stop_reason=delta.stop_reason,
                 token_ids=extras.token_ids(comp.token_ids_view[delta.token_start:delta.token_end])),
                 usage=so_far)

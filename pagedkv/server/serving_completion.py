@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from pagedkv.engine.outputs import RequestOutput
+from pagedkv.http.chunk_template import ChunkTemplate
 from pagedkv.http.errors import APIError, error_body
 from pagedkv.http.prompt_render import tokenize_prompts
 from pagedkv.http.protocol import (
@@ -183,12 +184,15 @@ async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list,
     """SSE chunks: one per choice per engine step that added tokens, then usage and [DONE];
     with `echo`, a choice's first chunk starts with the prompt. `usage_wanted`: (a final usage
     chunk, the usage so far on every chunk). Chunks carry vLLM's stream keys (`_chunk_json`).
-    Wrapped by `sse_stream`, which closes the streams (aborting unfinished requests)."""
+    Sent by `OpenAIStreamResponse`, which closes the streams (aborting unfinished requests)."""
     n = params.n
     tracker = DeltaTracker(num_prompts * n, params.stop_strings, params.include_stop_str_in_output)
     usage = Usage()
     started: set[int] = set()
     include_usage, continuous = usage_wanted
+    # The usual chunk (text only) from a template; None: every chunk through pydantic.
+    plain = None if continuous or extras.prompt_token_ids is not None else _plain_template(
+        serving, extras)
     async for index, output in serving.iterate(streams):
         if echo is not None:
             output = echo.output(output)
@@ -214,8 +218,14 @@ async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list,
                 if vllm_prompt_logprobs:
                     prompt_logprobs = formatter.vllm_prompt_logprobs(output.prompt_logprobs,
                                                                    output.prompt_token_ids)
-            logprobs = _join(logprobs, formatter.completion(comp, delta.token_start,
-                                                            delta.token_end, choice))
+            if comp.logprobs_view is not None:
+                logprobs = _join(logprobs, formatter.completion(comp, delta.token_start,
+                                                                delta.token_end, choice))
+            if (plain is not None and logprobs is None and prompt_logprobs is None
+                    and prompt_ids is None and delta.finish_reason is None
+                    and delta.stop_reason is None):
+                yield plain.event(int(time.time()), choice, text)
+                continue
             chunk = CompletionResponse(
                 id=extras.id, model=serving.model_name, system_fingerprint=extras.fingerprint,
                 choices=[CompletionChoice(
@@ -229,6 +239,16 @@ async def _stream(serving: OpenAIServing, extras: ResponseExtras, streams: list,
         chunk = CompletionResponse(id=extras.id, model=serving.model_name, choices=[],
                                    system_fingerprint=extras.fingerprint, usage=usage.info())
         yield _chunk_event(chunk)
+
+
+def _plain_template(serving: OpenAIServing, extras: ResponseExtras) -> ChunkTemplate | None:
+    """The template of a chunk that carries one choice's text and nothing else: holes for
+    `created`, the choice's index and its text."""
+    def render(created: int, index: int, text: str) -> str:
+        return _chunk_event(CompletionResponse(
+            id=extras.id, model=serving.model_name, system_fingerprint=extras.fingerprint,
+            created=created, choices=[CompletionChoice(index=index, text=text)]))
+    return ChunkTemplate.make(render)
 
 
 _RESPONSE_ONLY = {"service_tier", "kv_transfer_params", "ec_transfer_params", "metrics"}

@@ -111,7 +111,7 @@ def _event(kind: str, sequence: int, **payload: Any) -> str:
 
 async def _stream(serving: OpenAIServing, req: ResponsesRequest, response_id: str,
                   message_id: str, streams: list, params) -> AsyncIterator[str]:
-    """The Responses API's streaming events (module docstring). Wrapped by `sse_stream`."""
+    """The Responses API's streaming events (module docstring). Sent by `OpenAIStreamResponse`."""
     seq = iter(range(1 << 62))
     start = _response(serving, req, response_id, message_id, None).model_dump(mode="json")
     yield _event("response.created", next(seq), response=start)
