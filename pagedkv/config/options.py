@@ -41,6 +41,7 @@ ExecutorBackend = Literal["mp", "ray"]
 CpuKernelMode = Literal["auto", "wait", "off"]
 CpuMalloc = Literal["auto", "glibc"]
 EvictionPolicyName = Literal["lru", "lfu", "arc"]
+PrefillBatching = Literal["fill", "spread"]
 
 
 def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,  # noqa: A002
@@ -141,6 +142,19 @@ class SchedulerOptions:
         "chunks of this size, so the other requests' prefills and decodes run beside it; a "
         "request alone in the scheduler is not capped, as in vLLM (0: no cap but the step's "
         "budget)", ge=0)
+    prefill_batching: PrefillBatching = opt(
+        "spread", "how many waiting prompt tokens one step starts: 'fill' admits prompts into "
+        "the whole step budget, the last one chunked (vLLM's); 'spread' starts about "
+        "sqrt(queued prompt tokens x the step's overhead tokens) of them, whole prompts first, "
+        "so the first prompts of a queue reach their first token in smaller steps and later "
+        "arrivals join the running decodes (lower mean TTFT, slightly higher TPOT); a queue "
+        "large against that overhead still fills the budget")
+    prefill_step_overhead_tokens: int = opt(
+        64, "with prefill_batching 'spread': a step's fixed cost, in prompt tokens of compute",
+        ge=1)
+    prefill_decode_overhead_tokens: int = opt(
+        8, "with prefill_batching 'spread': what one decode sequence in the step costs, in "
+        "prompt tokens of compute", ge=0)
     speculative_config: str | dict | None = opt(
         None, "speculative decoding, a JSON object: method (ngram or draft_model), "
         "num_speculative_tokens; ngram: prompt_lookup_min, prompt_lookup_max; draft_model: "
