@@ -150,10 +150,10 @@ class SchedulerOptions:
         "arrivals join the running decodes (lower mean TTFT, slightly higher TPOT); a queue "
         "large against that overhead still fills the budget")
     prefill_step_overhead_tokens: int = opt(
-        64, "with prefill_batching 'spread': a step's fixed cost, in prompt tokens of compute",
+        256, "with prefill_batching 'spread': a step's fixed cost, in prompt tokens of compute",
         ge=1)
     prefill_decode_overhead_tokens: int = opt(
-        8, "with prefill_batching 'spread': what one decode sequence in the step costs, in "
+        16, "with prefill_batching 'spread': what one decode sequence in the step costs, in "
         "prompt tokens of compute", ge=0)
     speculative_config: str | dict | None = opt(
         None, "speculative decoding, a JSON object: method (ngram or draft_model), "

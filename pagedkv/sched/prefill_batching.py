@@ -12,8 +12,9 @@ starts whole prompts until it holds that many new tokens (at least one prompt): 
 prompts beside running decodes is spread over several smaller steps, and the requests it
 releases later arrive spread out too, each prefilled beside the others' decodes; a queue large
 against the overhead still fills the budget. A prompt that the rest of the budget would cut
-but one step's budget holds whole waits for the next step rather than be chunked: its first
-token would wait for that step anyway, and this step ends sooner for the prompts it finishes.
+waits for the next step rather than be chunked when that step holds it and the whole queue
+behind it: its first token would wait for that step anyway, and this step ends sooner for the
+prompts it finishes.
 What a request samples never depends on the rule; only when its prompt runs.
 """
 
@@ -23,6 +24,7 @@ import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 from pagedkv.sched.request import Request
 
@@ -32,8 +34,8 @@ class PrefillBatching:
     """The rule and its cost estimates (`SchedulerOptions`' prefill_batching options)."""
 
     mode: str = "spread"
-    step_overhead_tokens: int = 64
-    decode_overhead_tokens: int = 8
+    step_overhead_tokens: int = 256
+    decode_overhead_tokens: int = 16
 
     @property
     def spreads(self) -> bool:
@@ -55,9 +57,19 @@ class PrefillBatching:
                 return budget
         return math.isqrt(queued * overhead)
 
-    def holds_back(self, num_left: int, num_new: int, step_limit: int, step_empty: bool) -> bool:
-        """Whether a prompt with `num_left` tokens to compute, of which this step would take
-        only `num_new`, waits for the next step instead: under "spread", when one step's
-        `step_limit` (the budget, or the long-prefill cap) holds it whole and the step already
-        runs something (an empty step takes whatever it can)."""
-        return (self.spreads and not step_empty and num_new < num_left <= step_limit)
+    def holds_back(self, waiting: Sequence[Request], num_left: int, num_new: int,
+                   step_limit: int) -> bool:
+        """Whether the queue's head (`waiting[0]`, `num_left` tokens to compute past its prefix
+        hit), of which this step would take only `num_new`, waits for the next step instead:
+        under "spread", when one step's `step_limit` (the budget, or the long-prefill cap)
+        holds it and everything queued behind it (the next step is not full either way, so its
+        first token comes no later, and this step ends sooner; a longer queue fills every step,
+        and the chunk is then work the next step would lack room for)."""
+        if not (self.spreads and num_new < num_left <= step_limit):
+            return False
+        queued = num_left
+        for request in islice(waiting, 1, None):
+            queued += request.num_tokens - request.num_computed_tokens
+            if queued > step_limit:
+                return False
+        return True

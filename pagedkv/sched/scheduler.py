@@ -368,7 +368,7 @@ class Scheduler(ApplyMixin, SpeculationMixin):
                 break
             num_new = min(request.num_tokens - num_hit_tokens, budget, self._step_cap)
             if not num_external and self.batching.holds_back(
-                    request.num_tokens - num_hit_tokens, num_new, step_limit, not out.scheduled):
+                    self.waiting, request.num_tokens - num_hit_tokens, num_new, step_limit):
                 break
             # With store tokens, only their blocks now: the rest is computed once they loaded.
             blocks = kv.allocate_slots(request, num_external or num_new, computed_blocks,

@@ -26,8 +26,8 @@ class SimConfig:
     scheduling_policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
     prefill_batching: str = "spread"
-    prefill_step_overhead_tokens: int = 64
-    prefill_decode_overhead_tokens: int = 8
+    prefill_step_overhead_tokens: int = 256
+    prefill_decode_overhead_tokens: int = 16
     watermark: float = 0.01
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"

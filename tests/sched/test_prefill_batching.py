@@ -82,14 +82,23 @@ def test_spread_starts_sqrt_of_queue_times_overhead_whole_prompts_a_step():
     assert sum(steps[0].values()) + sum(steps[1].values()) < 64 + 64  # smaller steps
 
 
-def test_a_queue_long_against_the_overhead_fills_the_budget_with_whole_prompts():
-    # queue 24 x 12 = 288 tokens x overhead 64 >= 64 x 64: the whole budget; the third prompt
-    # would be cut to 16 tokens, so it waits for the next step whole
+def test_a_queue_long_against_the_overhead_fills_the_budget_as_fill_does():
+    # queue 24 x 12 = 288 tokens x overhead 64 >= 64 x 64: the whole budget, the third prompt
+    # chunked (the queue behind it fills the next steps anyway)
     steps = _run("spread", [24] * 12, step_overhead=64)
-    assert steps[0] == {"r0": 24, "r1": 24}
-    assert steps[1] == {"r0": 1, "r1": 1, "r2": 24, "r3": 24}
     fill = _run("fill", [24] * 12, step_overhead=64)
-    assert fill[0] == {"r0": 24, "r1": 24, "r2": 16}
+    assert steps[0] == fill[0] == {"r0": 24, "r1": 24, "r2": 16}
+    assert steps[1] == fill[1] == {"r0": 1, "r1": 1, "r2": 8, "r3": 24, "r4": 24, "r5": 6}
+
+
+def test_the_queues_tail_waits_whole_for_the_next_step_rather_than_be_chunked():
+    # the third prompt would be cut to 16 tokens; the next step holds it whole, so it waits
+    steps = _run("spread", [24] * 3, step_overhead=1000)
+    assert steps[:3] == [{"r0": 24, "r1": 24}, {"r0": 1, "r1": 1, "r2": 24},
+                         {"r0": 1, "r1": 1, "r2": 1}]
+    fill = _run("fill", [24] * 3, step_overhead=1000)
+    assert fill[:3] == [{"r0": 24, "r1": 24, "r2": 16}, {"r0": 1, "r1": 1, "r2": 8},
+                        {"r0": 1, "r1": 1, "r2": 1}]
 
 
 def test_prompts_longer_than_a_step_are_still_chunked():
