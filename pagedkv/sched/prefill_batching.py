@@ -44,8 +44,9 @@ class PrefillBatching:
     def target_tokens(self, waiting: Sequence[Request], num_scheduled: int, budget: int) -> int:
         """The new prompt tokens this step should start: `sys.maxsize` under "fill" (the budget
         decides), else sqrt(queued prompt tokens x the step's overhead) with `num_scheduled`
-        requests already in the step (its decodes and running chunks). The queue is summed only
-        until the target reaches `budget`."""
+        requests already in the step (its decodes and running chunks); at least 1, so the
+        queue's head always starts when it fits. The queue is summed only until the target
+        reaches `budget`."""
         if not self.spreads:
             return sys.maxsize
         overhead = self.step_overhead_tokens + num_scheduled * self.decode_overhead_tokens
@@ -55,7 +56,7 @@ class PrefillBatching:
             queued += request.num_tokens - request.num_computed_tokens
             if queued >= enough:
                 return budget
-        return math.isqrt(queued * overhead)
+        return max(math.isqrt(queued * overhead), 1)  # at least one prompt
 
     def holds_back(self, waiting: Sequence[Request], num_left: int, num_new: int,
                    step_limit: int) -> bool:
