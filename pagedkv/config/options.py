@@ -145,10 +145,11 @@ class SchedulerOptions:
     prefill_batching: PrefillBatching = opt(
         "spread", "how many waiting prompt tokens one step starts: 'fill' admits prompts into "
         "the whole step budget, the last one chunked (vLLM's); 'spread' starts about "
-        "sqrt(queued prompt tokens x the step's overhead tokens) of them, whole prompts first, "
-        "so the first prompts of a queue reach their first token in smaller steps and later "
-        "arrivals join the running decodes (lower mean TTFT, slightly higher TPOT); a queue "
-        "large against that overhead still fills the budget")
+        "sqrt(queued prompt tokens x the step's overhead tokens), so a small wave of prompts "
+        "reaches its first tokens in several smaller steps and the requests it releases come "
+        "back staggered (lower mean TTFT, slightly higher TPOT, same throughput); a queue "
+        "large against the overhead still fills the budget, and the queue's last prompt is "
+        "not chunked when the next step holds it whole")
     prefill_step_overhead_tokens: int = opt(
         256, "with prefill_batching 'spread': a step's fixed cost, in prompt tokens of compute",
         ge=1)
