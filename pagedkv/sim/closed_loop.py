@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagedkv.sim.config import SimConfig
 from pagedkv.sim.instance import SimInstance
@@ -75,7 +75,8 @@ def simulate_closed_loop(config: SimConfig, latency: LatencyModel, *, concurrenc
             instance.run_until(pending[0][0])  # idle until the next arrival
         while pending and pending[0][0] <= instance.clock:
             instance.add(heapq.heappop(pending)[2], request)
-        instance.step()
+        if not instance.step():  # nothing can run until an arrival (or ever: ended as errors)
+            instance.run_until(pending[0][0] if pending else math.inf)
         done = instance.finished[seen:]
         seen = len(instance.finished)
         if done:
@@ -84,16 +85,15 @@ def simulate_closed_loop(config: SimConfig, latency: LatencyModel, *, concurrenc
 
 
 def _stepped(config: SimConfig) -> SimConfig:
-    from dataclasses import replace
-
     return config if not config.jump else replace(config, jump=False)
 
 
 def _result(records: list[RequestRecord], instance: SimInstance,
             delays: ClientDelays) -> ClosedLoopResult:
-    ttfts = [r.ttft + delays.output for r in records]
+    ttfts = [r.ttft + delays.output for r in records if r.ttft is not None]
     tpots = [r.tpot for r in records if r.tpot is not None]
-    end = max(r.finish for r in records) + delays.output
+    end = max(r.finish or 0.0 for r in records) + delays.output
     tokens = sum(r.num_tokens for r in records)
-    return ClosedLoopResult(statistics.fmean(ttfts), statistics.fmean(tpots) if tpots else
-                            math.nan, tokens / end, instance.stats.num_steps, tuple(records))
+    return ClosedLoopResult(statistics.fmean(ttfts) if ttfts else math.nan,
+                            statistics.fmean(tpots) if tpots else math.nan, tokens / end,
+                            instance.stats.num_steps, tuple(records))

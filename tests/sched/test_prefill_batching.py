@@ -170,3 +170,16 @@ def _most_in_flight(records) -> int:
         now += delta
         most = max(most, now)
     return most
+
+
+def test_a_closed_loop_of_prompts_that_never_fit_ends():
+    """Every prompt refused (the cache is smaller than one prompt): each refusal releases its
+    client, the load ends with every request rejected, and no TTFT is reported."""
+    latency = FittedLatency({"intercept": 0.001})
+    result = simulate_closed_loop(SimConfig(num_blocks=8, block_size=16), latency,
+                                  concurrency=2, num_prompts=5, input_len=256, output_len=4)
+    assert [r.status for r in result.records] == ["rejected"] * 5
+    assert result.mean_ttft != result.mean_ttft  # nan
+    with pytest.raises(ValueError, match="concurrency"):
+        simulate_closed_loop(SimConfig(num_blocks=8), latency, concurrency=0, num_prompts=1,
+                             input_len=4, output_len=1)
