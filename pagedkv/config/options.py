@@ -143,7 +143,7 @@ class SchedulerOptions:
         "request alone in the scheduler is not capped, as in vLLM (0: no cap but the step's "
         "budget)", ge=0)
     prefill_batching: PrefillBatching = opt(
-        "spread", "how many waiting prompt tokens one step starts: 'fill' admits prompts into "
+        "fill", "how many waiting prompt tokens one step starts: 'fill' admits prompts into "
         "the whole step budget, the last one chunked (vLLM's); 'spread' starts about "
         "sqrt(queued prompt tokens x the step's overhead tokens), so a small wave of prompts "
         "reaches its first tokens in several smaller steps and the requests it releases come "

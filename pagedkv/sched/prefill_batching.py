@@ -33,7 +33,7 @@ from pagedkv.sched.request import Request
 class PrefillBatching:
     """The rule and its cost estimates (`SchedulerOptions`' prefill_batching options)."""
 
-    mode: str = "spread"
+    mode: str = "fill"
     step_overhead_tokens: int = 256
     decode_overhead_tokens: int = 16
 

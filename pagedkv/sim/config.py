@@ -25,7 +25,7 @@ class SimConfig:
     num_host_blocks: int = 0
     scheduling_policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
-    prefill_batching: str = "spread"
+    prefill_batching: str = "fill"
     prefill_step_overhead_tokens: int = 256
     prefill_decode_overhead_tokens: int = 16
     watermark: float = 0.01
