@@ -1,6 +1,6 @@
 """How many waiting prompt tokens a step starts (`prefill_batching`).
 
-"fill" is vLLM's rule: waiting prompts are admitted while the step's token budget lasts, the
+"fill" (the default) is vLLM's rule: waiting prompts are admitted while the step's token budget lasts, the
 last one chunked to use it all.
 
 "spread" sizes the step's new prefill work for the queue's mean time to first token. With a
@@ -16,6 +16,10 @@ waits for the next step rather than be chunked when that step holds it and the w
 behind it: its first token would wait for that step anyway, and this step ends sooner for the
 prompts it finishes.
 What a request samples never depends on the rule; only when its prompt runs.
+
+The trade: in a closed loop at one throughput, mean end-to-end latency (TTFT + (outputs - 1)
+x TPOT) is fixed, so the prefill time "spread" takes out of the waves' TTFT comes back as the
+staggered requests' TPOT (benchmarks/sim_closed_loop.py measures both on a run's step costs).
 """
 
 from __future__ import annotations
