@@ -11,7 +11,11 @@ ratios (median over rounds) against the first server. Both servers get the same 
 
     PYTHONPATH=$PWD python benchmarks/bench_serve.py [--dtypes float32,bfloat16]
         [--concurrency 16,64] [--num-prompts 64] [--rounds 2] [--vs-vllm /tmp/vllm-venv/bin/python]
-        [--no-inproc] [--steps]
+        [--no-inproc] [--steps] [--variant NAME="PAGEDKV FLAGS" ...]
+
+Each `--variant NAME="FLAGS"` adds one more pagedkv server, `pagedkv:NAME`, started with those
+extra `pagedkv serve` flags (e.g. `--variant fill="--prefill-batching fill"`), so two settings
+of one option are measured against each other and against vLLM in the same alternating run.
 
 With --steps every engine step is recorded (pagedkv's `--step-log`, vLLM's
 `--enable-logging-iteration-details`) and both engines' steps are printed class by class
@@ -35,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -73,9 +78,10 @@ def free_port() -> int:
 
 def server_command(kind: str, model_dir: Path, dtype: str, port: int, max_num_seqs: int,
                    vllm_python: str | None, step_log: str | None = None,
-                   ) -> tuple[list[str], dict[str, str]]:
+                   extra_flags: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
     """The server's command line and environment; `step_log`: record its steps (pagedkv's
-    step log at that path; vLLM's iteration details in its log)."""
+    step log at that path, and its request log beside it; vLLM's iteration details in its
+    log); `extra_flags`: more `pagedkv serve` flags (a variant's)."""
     env = dict(os.environ)
     if kind == "vllm":
         steps = ["--enable-logging-iteration-details"] if step_log else []
@@ -85,13 +91,14 @@ def server_command(kind: str, model_dir: Path, dtype: str, port: int, max_num_se
                 "--block-size", str(BLOCK_SIZE), "--max-num-seqs", str(max_num_seqs),
                 "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
                 "--served-model-name", "m", *steps], env
-    mode = "process" if kind == "pagedkv" else "inproc"
+    mode = "inproc" if kind == "pagedkv-inproc" else "process"
     return [sys.executable, "-m", "pagedkv.cli", "serve", str(model_dir), "--port", str(port),
             "--dtype", dtype, "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes",
             str(KV_BYTES), "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens",
             str(MAX_NUM_BATCHED_TOKENS), "--served-model-name", "m",
-            "--log-level", "warning", "--engine-core", mode,
-            *(["--step-log", step_log] if step_log else [])], env
+            "--log-level", "warning", "--engine-core", mode, *extra_flags,
+            *(["--step-log", step_log, "--request-log", step_log + ".requests.jsonl"]
+              if step_log else [])], env
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, kind: str, log_path: str,
@@ -114,15 +121,16 @@ def wait_healthy(proc: subprocess.Popen, url: str, kind: str, log_path: str,
 
 class Server:
     def __init__(self, kind: str, model_dir: Path, dtype: str, max_num_seqs: int,
-                 vllm_python: str | None, record_steps: bool = False) -> None:
+                 vllm_python: str | None, record_steps: bool = False,
+                 extra_flags: tuple[str, ...] = ()) -> None:
         self.kind = kind
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - open while the server runs
-            prefix=f"bench-serve-{kind}-", suffix=".log", delete=False)
+            prefix=f"bench-serve-{kind.replace(':', '-')}-", suffix=".log", delete=False)
         self.step_log = self.log.name + ".steps.jsonl" if record_steps else None
         cmd, env = server_command(kind, model_dir, dtype, self.port, max_num_seqs, vllm_python,
-                                  self.step_log)
+                                  self.step_log, extra_flags)
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.ready_s = wait_healthy(self.proc, self.url, kind, self.log.name)
 
@@ -165,10 +173,14 @@ def main() -> None:
     parser.add_argument("--steps", action="store_true",
                         help="record every engine step (pagedkv's step log, vLLM's iteration "
                              "details) and print both engines' steps class by class")
+    parser.add_argument("--variant", action="append", default=[], metavar='NAME="FLAGS"',
+                        help="one more pagedkv server, pagedkv:NAME, with these extra serve "
+                             "flags (repeatable)")
     args = parser.parse_args()
+    variants = _variants(args.variant)
     from pagedkv.testing.random_model import build_random_model_dir, tokenizer_vocab_size
 
-    kinds = ["pagedkv"] + ([] if args.no_inproc else ["pagedkv-inproc"]) + \
+    kinds = ["pagedkv"] + ([] if args.no_inproc else ["pagedkv-inproc"]) + list(variants) + \
         (["vllm"] if args.vs_vllm else [])
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     print(f"CPU: {cpu_name()}; servers: {kinds}")
@@ -185,7 +197,7 @@ def main() -> None:
             for round_index in range(args.rounds):
                 for kind in kinds if round_index % 2 == 0 else kinds[::-1]:
                     server = Server(kind, model_dir, dtype, max(concurrencies), args.vs_vllm,
-                                    args.steps)
+                                    args.steps, variants.get(kind, ()))
                     try:
                         host[kind].start(server.proc.pid)
                         host[kind].add(server.proc.pid,
@@ -198,7 +210,7 @@ def main() -> None:
                             m = load(server.url, c, args.num_prompts, vocab, seed)
                             host[kind].add(server.proc.pid, m)
                             figures.setdefault((kind, c), []).append(m)
-                            print(f"  {dtype} c={c} round {round_index} {kind:15} "
+                            print(f"  {dtype} c={c} round {round_index} {kind:18} "
                                   f"{m['output_throughput']:8.1f} out tok/s  TPOT "
                                   f"{m['tpot_ms']['mean']:6.1f} ms  TTFT {m['ttft_ms']['mean']:7.1f}"
                                   f" ms  (ready in {server.ready_s:.0f} s)", flush=True)
@@ -215,6 +227,17 @@ def main() -> None:
             print("  outside the step (serve_host_time.py), all load points and rounds:")
             for kind in kinds:
                 print(f"    {kind:15} " + host[kind].line([s.ms for s in steps.get(kind, [])]))
+
+
+def _variants(specs: list[str]) -> dict[str, tuple[str, ...]]:
+    """{"pagedkv:NAME": its extra flags} from `NAME=FLAGS` specs; a bad spec exits (one line)."""
+    out = {}
+    for spec in specs:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name.strip():
+            raise SystemExit(f"bench_serve.py: --variant wants NAME=FLAGS, got {spec!r}")
+        out[f"pagedkv:{name.strip()}"] = tuple(shlex.split(flags))
+    return out
 
 
 def _median_ratio(ours: list[dict], theirs: list[dict], metric) -> float:
@@ -234,16 +257,18 @@ def _table(dtype: str, kinds: list[str], concurrencies: list[int],
         for kind in kinds:
             runs = figures[(kind, c)]
             spans = {name: (min(map(f, runs)), max(map(f, runs))) for name, f in metrics.items()}
-            line = (f"  c={c:<3} {kind:15} {spans['tok/s'][0]:7.1f}-{spans['tok/s'][1]:7.1f} "
+            line = (f"  c={c:<3} {kind:18} {spans['tok/s'][0]:7.1f}-{spans['tok/s'][1]:7.1f} "
                     f"tok/s  TPOT {spans['TPOT'][0]:6.1f}-{spans['TPOT'][1]:6.1f} ms  "
                     f"TTFT {spans['TTFT'][0]:7.1f}-{spans['TTFT'][1]:7.1f} ms")
             if kind == "vllm" and problems:
                 line += f"   no ratio: {'; '.join(sorted(set(problems)))}"
             elif kind != base:
-                ratios = {name: _median_ratio(figures[(base, c)], runs, f)
-                          for name, f in metrics.items()}
-                line += f"   {base}/{kind}: " + ", ".join(
-                    f"{r:.2f}x {name}" for name, r in ratios.items())
+                # vLLM against each pagedkv server; a variant against the first server
+                for ours in [k for k in kinds if k != "vllm"] if kind == "vllm" else [base]:
+                    ratios = {name: _median_ratio(figures[(ours, c)], runs, f)
+                              for name, f in metrics.items()}
+                    line += f"   {ours}/{kind}: " + ", ".join(
+                        f"{r:.2f}x {name}" for name, r in ratios.items())
             print(line)
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ SIMULATED_OPTIONS = (
     "gpu_memory_utilization", "block_size", "kv_cache_dtype", "num_gpu_blocks_override",
     "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "preemption_mode", "swap_space", "scheduling_policy", "long_prefill_token_threshold",
+    "prefill_batching", "prefill_step_overhead_tokens", "prefill_decode_overhead_tokens",
     "watermark", "enable_prefix_caching",
     "prefix_caching_hash_algo", "eviction_policy", "kv_offloading_size",
     "kv_offloading_disk_path", "kv_offloading_disk_size", "kv_offloading_remote_url")

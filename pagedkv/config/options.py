@@ -41,6 +41,7 @@ ExecutorBackend = Literal["mp", "ray"]
 CpuKernelMode = Literal["auto", "wait", "off"]
 CpuMalloc = Literal["auto", "glibc"]
 EvictionPolicyName = Literal["lru", "lfu", "arc"]
+PrefillBatching = Literal["fill", "spread"]
 
 
 def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,  # noqa: A002
@@ -141,6 +142,20 @@ class SchedulerOptions:
         "chunks of this size, so the other requests' prefills and decodes run beside it; a "
         "request alone in the scheduler is not capped, as in vLLM (0: no cap but the step's "
         "budget)", ge=0)
+    prefill_batching: PrefillBatching = opt(
+        "fill", "how many waiting prompt tokens one step starts: 'fill' admits prompts into "
+        "the whole step budget, the last one chunked (vLLM's); 'spread' starts about "
+        "sqrt(queued prompt tokens x the step's overhead tokens), so a small wave of prompts "
+        "reaches its first tokens in several smaller steps and the requests it releases come "
+        "back staggered (lower mean TTFT, slightly higher TPOT, same throughput); a queue "
+        "large against the overhead still fills the budget, and the queue's last prompt is "
+        "not chunked when the next step holds it whole")
+    prefill_step_overhead_tokens: int = opt(
+        256, "with prefill_batching 'spread': a step's fixed cost, in prompt tokens of compute",
+        ge=1)
+    prefill_decode_overhead_tokens: int = opt(
+        16, "with prefill_batching 'spread': what one decode sequence in the step costs, in "
+        "prompt tokens of compute", ge=0)
     speculative_config: str | dict | None = opt(
         None, "speculative decoding, a JSON object: method (ngram or draft_model), "
         "num_speculative_tokens; ngram: prompt_lookup_min, prompt_lookup_max; draft_model: "

@@ -44,6 +44,7 @@ from pagedkv.kv.request_blocks import AllocStatus
 from pagedkv.sched.apply import ApplyMixin, banned_token_ids
 from pagedkv.sched.beam import BeamSearch
 from pagedkv.sched.output import ScheduledRequest, SchedulerOutput
+from pagedkv.sched.prefill_batching import PrefillBatching
 from pagedkv.sched.request import Request, RequestStatus
 from pagedkv.sched.speculation import SpeculationMixin
 from pagedkv.utils import cdiv
@@ -124,6 +125,9 @@ class Scheduler(ApplyMixin, SpeculationMixin):
         # and this step's cap (`_step_prefill_cap`): none for a request alone.
         self._prefill_cap = config.long_prefill_token_threshold or sys.maxsize
         self._step_cap = self._prefill_cap
+        self.batching = PrefillBatching(config.prefill_batching,
+                                        config.prefill_step_overhead_tokens,
+                                        config.prefill_decode_overhead_tokens)
         self.beams = BeamSearch(self)  # the beam-search requests' groups (beam.py)
         self._init_speculation(config.speculative_config, proposer)  # proposer, spec_stats
 
@@ -341,7 +345,10 @@ class Scheduler(ApplyMixin, SpeculationMixin):
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         kv = self.kv_cache_manager
-        while (self.waiting and budget > 0
+        # New prompt tokens to start this step (prefill_batching.py), and those started.
+        target, started = self.batching.target_tokens(self.waiting, len(out.scheduled), budget), 0
+        step_limit = min(self.config.max_num_batched_tokens, self._step_cap)
+        while (self.waiting and budget > 0 and started < target
                and len(self.running) + len(self.loading) < self.config.max_num_seqs):
             request = self.waiting[0]
             computed_blocks, num_hit_tokens = self._prefix_hits(request)
@@ -360,6 +367,9 @@ class Scheduler(ApplyMixin, SpeculationMixin):
             if status == AllocStatus.LATER:
                 break
             num_new = min(request.num_tokens - num_hit_tokens, budget, self._step_cap)
+            if not num_external and self.batching.holds_back(
+                    self.waiting, request.num_tokens - num_hit_tokens, num_new, step_limit):
+                break
             # With store tokens, only their blocks now: the rest is computed once they loaded.
             blocks = kv.allocate_slots(request, num_external or num_new, computed_blocks,
                                        num_hit_tokens, delay_cache_blocks=True,
@@ -386,6 +396,7 @@ class Scheduler(ApplyMixin, SpeculationMixin):
             self._start_running(request, num_hit_tokens)
             self._schedule(request, num_new, out)
             budget -= num_new
+            started += num_new
 
     def _start_running(self, request: Request, num_hit_tokens: int) -> None:
         """An admitted request joins the running queue (first admission: its cache stats)."""

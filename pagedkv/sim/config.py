@@ -25,6 +25,9 @@ class SimConfig:
     num_host_blocks: int = 0
     scheduling_policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
+    prefill_batching: str = "fill"
+    prefill_step_overhead_tokens: int = 256
+    prefill_decode_overhead_tokens: int = 16
     watermark: float = 0.01
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
@@ -60,4 +63,7 @@ class SimConfig:
                                max_model_len=self.max_model_len,
                                preemption_mode=self.preemption_mode,
                                scheduling_policy=self.scheduling_policy,
-                               long_prefill_token_threshold=self.long_prefill_token_threshold)
+                               long_prefill_token_threshold=self.long_prefill_token_threshold,
+                               prefill_batching=self.prefill_batching,
+                               prefill_step_overhead_tokens=self.prefill_step_overhead_tokens,
+                               prefill_decode_overhead_tokens=self.prefill_decode_overhead_tokens)

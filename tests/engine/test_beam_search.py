@@ -235,9 +235,11 @@ def test_beam_preempted_while_its_group_waits(tiny_llama, make_llm, mode):
 def test_a_beam_that_never_fits_again_does_not_stall_the_search(tiny_llama, make_llm):
     """Without prefix caching a recomputed beam shares nothing: in a pool this small it can
     never be readmitted beside its sampled siblings. The step then runs nothing, and the
-    group goes on with the beams that sampled: every search ends, the pool whole."""
+    group goes on with the beams that sampled: every search ends, the pool whole. (Budget-
+    filling admission, `prefill_batching="fill"`, is what crowds the pool here.)"""
     llm = make_llm(tiny_llama, block_size=4, num_gpu_blocks_override=10,
-                   enable_prefix_caching=False, max_num_batched_tokens=16)
+                   enable_prefix_caching=False, max_num_batched_tokens=16,
+                   prefill_batching="fill")
     beams, drops = llm.llm_engine.scheduler.beams, []
     drop = beams._drop_unsampled
 

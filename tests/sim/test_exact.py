@@ -65,12 +65,16 @@ def run_engine(engine: LLMEngine, trace) -> tuple[list[StepRecord], dict[str, fl
     return steps, finish
 
 
-@pytest.mark.parametrize("mode, cap", [("recompute", 0), ("swap", 0), ("recompute", 6)])
-def test_simulator_makes_the_engines_decisions(tiny_llama, mode, cap):
-    """`cap`: long_prefill_token_threshold (0: none)."""
+@pytest.mark.parametrize("mode, cap, batching", [
+    ("recompute", 0, "fill"), ("swap", 0, "fill"), ("recompute", 6, "fill"),
+    ("recompute", 0, "spread")])
+def test_simulator_makes_the_engines_decisions(tiny_llama, mode, cap, batching):
+    """`cap`: long_prefill_token_threshold (0: none); `batching`: prefill_batching (the
+    workload preempts under 'fill')."""
     args = EngineArgs(model=str(tiny_llama), device="cpu", block_size=4,
                       num_gpu_blocks_override=36, max_num_batched_tokens=24, max_num_seqs=5,
                       max_model_len=256, preemption_mode=mode, long_prefill_token_threshold=cap,
+                      prefill_batching=batching,
                       swap_space=0.00002 if mode == "swap" else 4.0, cpu_kernels="off")
     engine = LLMEngine(args)
     trace = shared_prefix_trace(num=14, block_tokens=8)
@@ -79,11 +83,12 @@ def test_simulator_makes_the_engines_decisions(tiny_llama, mode, cap):
     config = SimConfig(num_blocks=setup.num_blocks, block_size=4, max_num_seqs=5,
                        max_num_batched_tokens=24, max_model_len=engine.max_model_len,
                        preemption_mode=mode, num_host_blocks=setup.num_host_blocks,
-                       long_prefill_token_threshold=cap, vocab_size=engine.vocab_size,
+                       long_prefill_token_threshold=cap, prefill_batching=batching,
+                       vocab_size=engine.vocab_size,
                        jump=False)
     result = simulate(trace, config, FunctionLatency(step_time), record_steps=True)
     sim_steps = result.instances[0].steps
-    assert engine_steps[-1].num_preemptions > 0  # the workload does preempt
+    assert engine_steps[-1].num_preemptions > 0 or batching != "fill"  # the workload preempts
     if mode == "swap":
         assert engine_steps[-1].num_swaps > 0
     assert len(sim_steps) == len(engine_steps)

@@ -67,7 +67,9 @@ def runs():
     config = SimConfig(num_blocks=meta["num_blocks"], block_size=meta["block_size"],
                        max_model_len=meta["max_model_len"], vocab_size=meta["vocab_size"],
                        max_num_batched_tokens=meta["max_num_batched_tokens"],
-                       block_bytes=meta["block_bytes"])
+                       block_bytes=meta["block_bytes"],
+                       # recorded before prefill_batching existed: its servers filled the budget
+                       prefill_batching=meta.get("prefill_batching", "fill"))
     split_trace, split_real = requests("split")
     split = simulate_split(split_trace, config, fit("split-steps-0.jsonl"),
                            Split(1, 1, meta["link_gbps"]),
