@@ -124,7 +124,8 @@ class Int4Linear(nn.Module):
         if cpu_kernels_loaded():  # one op: its row count picks the product or the expansion
             if _torch_int4_copies:
                 _torch_int4_copies.clear()  # the kernels are in: the torch op's copies go
-            return torch.ops.pagedkv_cpu.int4_linear(x, self.codes, self.scales, self.bias,
+            p = self._parameters  # (not nn.Module's __getattr__: a microsecond a parameter)
+            return torch.ops.pagedkv_cpu.int4_linear(x, p["codes"], p["scales"], p.get("bias"),
                                                      product_rows())
         return self._forward_without_kernels(x)
 
