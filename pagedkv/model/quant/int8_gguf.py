@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pagedkv.model.layers import Linear
-from pagedkv.model.quant.gguf_parts import gguf_parts
+from pagedkv.model.quant.gguf_parts import gguf_parts, narrowest_scales
 from pagedkv.model.quant.int8_block_linear import Int8BlockEmbedding, Int8BlockLinear
 from pagedkv.model.quant.int8_blocks import INT8_BLOCK_TYPES, int8_codes_and_scales
 
@@ -32,14 +32,8 @@ def _codes_and_scales(checkpoint: Any, sources: list[str]
     block = min(part[2] for part in parts)
     codes = np.concatenate([part[0] for part in parts])
     scales = np.concatenate([np.repeat(part[1], part[2] // block, axis=1) for part in parts])
-    return torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(_narrowest(scales)))
-
-
-def _narrowest(scales: np.ndarray) -> np.ndarray:
-    """`scales` (float32) as float16 where each value round-trips through it exactly."""
-    half = scales.astype(np.float16)
-    exact = bool(np.all(np.isfinite(half)) and np.array_equal(half.astype(np.float32), scales))
-    return half if exact else scales
+    return torch.from_numpy(codes), torch.from_numpy(
+        np.ascontiguousarray(narrowest_scales(scales)))
 
 
 def gguf_int8_block_linear(checkpoint: Any, sources: list[str], linear: nn.Module
