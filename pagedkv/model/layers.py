@@ -276,4 +276,5 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        # .forward: no nn.Module hook machinery per call (a measurable cost at decode sizes).
+        return self.down_proj.forward(ops.silu_and_mul(self.gate_up_proj.forward(x)))

@@ -57,7 +57,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: RopeInputs, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, ops: LayerOps) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        # .forward on the projections, as on the layers: no hook machinery per call at decode.
+        qkv = self.qkv_proj.forward(x).view(t, self.num_heads + 2 * self.num_kv_heads,
+                                            self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
             q, k = ops.rope(self.q_norm(q), rope), ops.rope(self.k_norm(k), rope)
@@ -71,7 +73,7 @@ class Attention(nn.Module):
         else:  # fp8: per-tensor scales folded in; int8: the per-token scale caches passed on
             out = self.kv_scales.attend(meta, q, k, v, kv_cache[0], kv_cache[1], self.scale,
                                         self.window)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return self.o_proj.forward(out.reshape(t, self.q_size))
 
 
 class DecoderLayer(nn.Module):

@@ -76,19 +76,24 @@ def quantized_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, to
     return torch.round(xb * inv).double(), d.double()
 
 
-def random_linear(block: int, seed: int, n: int = N) -> Int8BlockLinear:
-    """Codes over the whole int8 range (-128 included), scales of mixed sign; `n` outputs."""
+def random_linear(block: int, seed: int, n: int = N,
+                  scale_dtype: torch.dtype = torch.float32) -> Int8BlockLinear:
+    """Codes over the whole int8 range (-128 included), scales of mixed sign (stored in
+    `scale_dtype`: float32, or float16 as Q8_0's); `n` outputs."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(-128, 128, (n, K), dtype=torch.int8, generator=g)
     scales = (torch.rand(n, K // block, generator=g) - 0.3) * 1e-2
-    return Int8BlockLinear(codes, scales)
+    linear = Int8BlockLinear(codes, scales.to(scale_dtype))
+    assert linear.scales.dtype == scale_dtype
+    return linear
 
 
 @pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("rows", [1, 5, INT8_BLOCK_ROWS, INT8_BLOCK_ROWS + 3, 64, 65])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_linear_equals_float64_references(block, rows, dtype):
-    linear = random_linear(block, seed=block + rows)
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
+def test_linear_equals_float64_references(block, rows, dtype, scale_dtype):
+    linear = random_linear(block, seed=block + rows, scale_dtype=scale_dtype)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(dtype)
     got = linear(x).double()
     w = expand_reference(linear.codes, linear.scales, torch.float64)
@@ -109,8 +114,8 @@ def test_linear_equals_float64_references(block, rows, dtype):
 
 
 def test_expand_kernel_equals_torch_ops_and_bias_and_leading_dims():
-    for block in (16, 32):
-        linear = random_linear(block, seed=7)
+    for block, scale_dtype in ((16, torch.float32), (32, torch.float32), (32, torch.float16)):
+        linear = random_linear(block, seed=7, scale_dtype=scale_dtype)
         for dtype in (torch.bfloat16, torch.float32, torch.float16):
             got = torch.ops.pagedkv_cpu.int8_block_expand(linear.codes, linear.scales, block,
                                                           dtype)
@@ -162,8 +167,8 @@ assert ensure_cpu_kernels("wait")
 from tests.model.test_quant_int8_blocks import quantized_activations, random_linear
 from pagedkv.model.quant.int8_block_linear import expand_reference
 worst = 0.0
-for block in (16, 32):
-    linear = random_linear(block, seed=block)
+for block, scale_dtype in ((16, torch.float32), (32, torch.float32), (32, torch.float16)):
+    linear = random_linear(block, seed=block, scale_dtype=scale_dtype)
     x = torch.randn(5, linear.in_features, generator=torch.Generator().manual_seed(1))
     got = torch.ops.pagedkv_cpu.int8_block_linear(x, linear.codes, linear.scales, block).double()
     q, d = quantized_activations(x, block)
@@ -190,12 +195,13 @@ def runner(path, quantization: str) -> ModelRunner:
 
 
 def _packed_bytes(model: torch.nn.Module) -> int:
-    """What the packed modules' weights take: a byte a code and a float32 scale a block."""
+    """What the packed modules' weights take: a byte a code and a scale a block (float16 for
+    Q8_0's, float32 for Q6_K's)."""
     seen, total = set(), 0
     for m in model.modules():
         if isinstance(m, (Int8BlockLinear, Int8BlockEmbedding)) and id(m.codes) not in seen:
             seen.add(id(m.codes))
-            total += m.codes.numel() + 4 * m.scales.numel()
+            total += m.codes.numel() + m.scales.element_size() * m.scales.numel()
     return total
 
 
@@ -212,6 +218,9 @@ def test_q8_0_model_kept_packed_matches_dequantized(model_fixture, request, tmp_
     assert sum(isinstance(m, Int8BlockLinear) for m in model.modules()) == 9  # 2 x 4 + head
     tied = model_fixture == "tiny_llama_mqa"
     assert (model.lm_head.codes is model.embed_tokens.codes) is tied
+    packed_scales = {m.scales.dtype for m in model.modules()
+                     if isinstance(m, (Int8BlockLinear, Int8BlockEmbedding))}
+    assert packed_scales == {torch.float16}  # Q8_0's own fp16 scales, kept as they are
     dense_bytes = sum(p.numel() * p.element_size() for name, p in dense.model.named_parameters()
                       if "norm" not in name)
     assert packed.weights_bytes == dense.weights_bytes - dense_bytes + _packed_bytes(model)

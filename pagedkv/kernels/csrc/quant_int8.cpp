@@ -1,4 +1,4 @@
-// int8 weights with a float32 scale per block of 16 or 32 along each row (pagedkv/model/quant/
+// int8 weights with a float32 or float16 scale per block of 16 or 32 along each row (pagedkv/model/
 // int8_blocks.py: GGUF Q8_0 blocks of 32, Q6_K's 6-bit codes with their per-16 scales), computed
 // on the packed codes as llama.cpp's Q8_0 x Q8_0 dot does: each activation row is quantized per
 // block to int8 (scale = the block's largest magnitude / 127, codes rounded to nearest even), the
@@ -44,6 +44,11 @@ struct QuantizedRows {
   const int32_t* lane_offset;
   const float* lane_scale;
 };
+
+// A weight block's scale, stored as float32 or as float16 (Q8_0's own values: half the bytes a
+// decode step reads for them), as float32.
+inline float scale_value(const float* p) { return *p; }
+inline float scale_value(const c10::Half* p) { return static_cast<float>(*p); }
 
 // One block of x (values from v) into out: returns the step (max |x| / 127).
 template <typename T, int64_t block>
@@ -91,11 +96,13 @@ QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k) {
 
 // How far ahead of the weight row being computed the products prefetch its codes and scales:
 // a decode step streams every weight once (the tied LM head: 28 MiB of codes), and one core's
-// outstanding misses bound its read bandwidth; about 2x on SmolLM2's head at one row.
-constexpr int64_t kInt8PrefetchBytes = 4096;
+// outstanding misses bound its read bandwidth; about 2x on SmolLM2's head at one row, and 2 KiB
+// ahead 5-10% less one-thread CPU time over a SmolLM2-shaped decode's linears than 4 KiB or 8.
+constexpr int64_t kInt8PrefetchBytes = 2048;
 
 // Codes and scales of the weight row kInt8PrefetchBytes ahead of `w` (from its chunk c on).
-inline void prefetch_ahead(const int8_t* w, const float* ws, int64_t k, int64_t block) {
+template <typename S>
+inline void prefetch_ahead(const int8_t* w, const S* ws, int64_t k, int64_t block) {
   const int64_t rows = std::max<int64_t>(1, kInt8PrefetchBytes / k);
   __builtin_prefetch(ws + rows * (k / block));
   for (int64_t c = 0; c < k; c += 64)
@@ -110,8 +117,13 @@ constexpr const char* kInt8Isa = "avx512_vnni";
 // vpdpbusd multiplies unsigned by signed bytes: the weight codes offset by 128 (w xor 0x80:
 // unsigned, 0..255) times the activation codes (signed, -127..127), from an accumulator of -128
 // times each lane's activation code sum, leaves each lane's exact dot sum(w * x).
-template <int R, int NC, int64_t block>
-inline void dot_chunk(const int8_t* w, const float* ws, const QuantizedRows& q, int64_t row0,
+inline __m512 load_scales(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load_scales(const c10::Half* p, __mmask16 m) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
+
+template <int R, int NC, int64_t block, typename S>
+inline void dot_chunk(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0,
                       int64_t k, int64_t c, int64_t left, __m512* acc) {
   // Lane l of the chunk (4 codes) is in block l / (block / 4) of it.
   const __m512i lane_block = _mm512_srli_epi32(
@@ -126,7 +138,7 @@ inline void dot_chunk(const int8_t* w, const float* ws, const QuantizedRows& q, 
     wu[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, w + j * k + c),
                              _mm512_set1_epi8(static_cast<char>(0x80)));
     wscale[j] = _mm512_permutexvar_ps(
-        lane_block, _mm512_maskz_loadu_ps(blocks, ws + j * (k / block) + c / block));
+        lane_block, load_scales(ws + j * (k / block) + c / block, blocks));
   }
   for (int r = 0; r < R; ++r) {
     const int64_t row = row0 + r;
@@ -145,22 +157,22 @@ inline void dot_chunk(const int8_t* w, const float* ws, const QuantizedRows& q, 
 // Up to R rows against NC weight rows from `w` (codes [NC, K], block scales `ws`):
 // out[r * out_stride + j] = row r's dot with weight row j. Several weight rows at once keep
 // independent sums in flight: one alone is bound by its chain of float adds.
-template <int R, int NC, int64_t block>
-void dot_tile(const int8_t* w, const float* ws, const QuantizedRows& q, int64_t row0, int64_t k,
+template <int R, int NC, int64_t block, typename S>
+void dot_tile(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0, int64_t k,
               float* out, int64_t out_stride) {
   __m512 acc[R * NC];
   for (int i = 0; i < R * NC; ++i) acc[i] = _mm512_setzero_ps();
   int64_t c = 0;
-  for (; c + 64 <= k; c += 64) dot_chunk<R, NC, block>(w, ws, q, row0, k, c, 64, acc);
-  if (c < k) dot_chunk<R, NC, block>(w, ws, q, row0, k, c, k - c, acc);  // 32 codes left
+  for (; c + 64 <= k; c += 64) dot_chunk<R, NC, block, S>(w, ws, q, row0, k, c, 64, acc);
+  if (c < k) dot_chunk<R, NC, block, S>(w, ws, q, row0, k, c, k - c, acc);  // 32 codes left
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NC; ++j) out[r * out_stride + j] = _mm512_reduce_add_ps(acc[r * NC + j]);
 }
 #elif defined(__AVX2__)
 constexpr const char* kInt8Isa = "avx2";
 
-template <int R, int64_t block>
-void dot_rows(const int8_t* w, const float* ws, const QuantizedRows& q, int64_t row0, int64_t k,
+template <int R, int64_t block, typename S>
+void dot_rows(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0, int64_t k,
               float* out, int64_t out_stride) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -169,8 +181,9 @@ void dot_rows(const int8_t* w, const float* ws, const QuantizedRows& q, int64_t 
     const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c));
     const __m256i wabs = _mm256_abs_epi8(wv);
     const __m256 wscale = block == 32
-        ? _mm256_set1_ps(ws[c / 32])
-        : _mm256_setr_m128(_mm_set1_ps(ws[c / 16]), _mm_set1_ps(ws[c / 16 + 1]));
+        ? _mm256_set1_ps(scale_value(ws + c / 32))
+        : _mm256_setr_m128(_mm_set1_ps(scale_value(ws + c / 16)),
+                           _mm_set1_ps(scale_value(ws + c / 16 + 1)));
     for (int r = 0; r < R; ++r) {
       const int64_t row = row0 + r;
       const __m256i xv =
@@ -186,8 +199,8 @@ void dot_rows(const int8_t* w, const float* ws, const QuantizedRows& q, int64_t 
 #else
 constexpr const char* kInt8Isa = "scalar";
 
-template <int R, int64_t block>
-void dot_rows(const int8_t* w, const float* ws, const QuantizedRows& q, int64_t row0, int64_t k,
+template <int R, int64_t block, typename S>
+void dot_rows(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0, int64_t k,
               float* out, int64_t out_stride) {
   for (int r = 0; r < R; ++r) {
     const int8_t* x = q.codes + (row0 + r) * k;
@@ -195,7 +208,7 @@ void dot_rows(const int8_t* w, const float* ws, const QuantizedRows& q, int64_t 
     for (int64_t b = 0; b < k / block; ++b) {
       int32_t dot = 0;
       for (int64_t j = b * block; j < (b + 1) * block; ++j) dot += int32_t(w[j]) * int32_t(x[j]);
-      acc += float(dot) * q.lane_scale[((row0 + r) * k + b * block) / 4] * ws[b];
+      acc += float(dot) * q.lane_scale[((row0 + r) * k + b * block) / 4] * scale_value(ws + b);
     }
     out[r * out_stride] = acc;
   }
@@ -204,11 +217,11 @@ void dot_rows(const int8_t* w, const float* ws, const QuantizedRows& q, int64_t 
 
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
 // NC weight rows one at a time (dot_rows above).
-template <int R, int NC, int64_t block>
-void dot_tile(const int8_t* w, const float* ws, const QuantizedRows& q, int64_t row0, int64_t k,
+template <int R, int NC, int64_t block, typename S>
+void dot_tile(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0, int64_t k,
               float* out, int64_t out_stride) {
   for (int j = 0; j < NC; ++j)
-    dot_rows<R, block>(w + j * k, ws + j * (k / block), q, row0, k, out + j, out_stride);
+    dot_rows<R, block, S>(w + j * k, ws + j * (k / block), q, row0, k, out + j, out_stride);
 }
 #endif
 
@@ -221,10 +234,11 @@ void check_weight(const at::Tensor& codes, const at::Tensor& scales, int64_t blo
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(), op,
               ": codes must be a contiguous int8 [N, K]");
   TORCH_CHECK(codes.size(1) % 32 == 0, op, ": K must be a multiple of 32, got ", codes.size(1));
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) &&
+                  scales.is_contiguous() &&
                   scales.dim() == 2 && scales.size(0) == codes.size(0) &&
                   scales.size(1) == codes.size(1) / block,
-              op, ": scales must be a contiguous float32 [N, K / block]");
+              op, ": scales must be a contiguous float32 or float16 [N, K / block]");
 }
 
 // A tile's products y [r, j] (stride NC) into out [M, N] of T.
@@ -237,8 +251,8 @@ inline void store_tile(const float* y, int rows, int nc, T* out, int64_t n, int6
 
 // out [M, N] (T) = x's quantized rows `q` times the weight, columns over threads (on the calling
 // thread below quant_rows::kInlineBytes of weights).
-template <int64_t B, typename T>
-void dot_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const float* ws, int64_t n,
+template <int64_t B, typename T, typename S>
+void dot_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const S* ws, int64_t n,
                  int64_t k, T* out) {
   const int64_t passes = (m + kRowTile - 1) / kRowTile;
   const int64_t tasks = (n + 15) / 16;
@@ -247,16 +261,16 @@ void dot_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const float
     float y[kRowTile * kColTile];
     for (int64_t col = t_begin * 16; col < end;) {
       const int8_t* wrow = w + col * k;
-      const float* srow = ws + col * (k / B);
+      const S* srow = ws + col * (k / B);
       if (col + kColTile <= end) {
         for (int j = 0; j < kColTile; ++j) prefetch_ahead(wrow + j * k, srow + j * (k / B), k, B);
         int64_t r = 0;
         for (; r + kRowTile <= m; r += kRowTile) {
-          dot_tile<kRowTile, kColTile, B>(wrow, srow, q, r, k, y, kColTile);
+          dot_tile<kRowTile, kColTile, B, S>(wrow, srow, q, r, k, y, kColTile);
           store_tile(y, kRowTile, kColTile, out, n, r, col);
         }
         for (; r < m; ++r) {
-          dot_tile<1, kColTile, B>(wrow, srow, q, r, k, y, kColTile);
+          dot_tile<1, kColTile, B, S>(wrow, srow, q, r, k, y, kColTile);
           store_tile(y, 1, kColTile, out, n, r, col);
         }
         col += kColTile;
@@ -265,11 +279,11 @@ void dot_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const float
       prefetch_ahead(wrow, srow, k, B);
       int64_t r = 0;
       for (; r + kRowTile <= m; r += kRowTile) {
-        dot_tile<kRowTile, 1, B>(wrow, srow, q, r, k, y, 1);
+        dot_tile<kRowTile, 1, B, S>(wrow, srow, q, r, k, y, 1);
         store_tile(y, kRowTile, 1, out, n, r, col);
       }
       for (; r < m; ++r) {
-        dot_tile<1, 1, B>(wrow, srow, q, r, k, y, 1);
+        dot_tile<1, 1, B, S>(wrow, srow, q, r, k, y, 1);
         store_tile(y, 1, 1, out, n, r, col);
       }
       ++col;
@@ -314,17 +328,18 @@ Int8AmxAct int8_amx_activations(const QuantizedRows& q, int64_t m, int64_t k) {
 
 // acc[i] (lanes: the tile's activation rows) += one block's int32 sums [16][16] times weight
 // row i's scale (ws[i * stride]) times the activation steps d.
-inline void int8_amx_scale(const int32_t* sums, const float* ws, int64_t stride, const float* d,
+template <typename S>
+inline void int8_amx_scale(const int32_t* sums, const S* ws, int64_t stride, const float* d,
                            __m512* acc) {
   const __m512 dv = _mm512_loadu_ps(d);
   for (int i = 0; i < 16; ++i)
     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(sums + 16 * i)),
-                             _mm512_mul_ps(dv, _mm512_set1_ps(ws[i * stride])), acc[i]);
+                             _mm512_mul_ps(dv, _mm512_set1_ps(scale_value(ws + i * stride))), acc[i]);
 }
 
 // out [m, n] (T) = the activations times the weight (codes w, block scales ws); n % 16 == 0.
-template <int64_t B, typename T>
-void int8_amx_product(const Int8AmxAct& act, int64_t m, const int8_t* w, const float* ws,
+template <int64_t B, typename T, typename S>
+void int8_amx_product(const Int8AmxAct& act, int64_t m, const int8_t* w, const S* ws,
                       int64_t n, int64_t k, T* out) {
   const int64_t blocks = k / B;
   quant_rows::run_blocks(n / 16, n * k * act.tiles, [&](int64_t b0, int64_t b1) {
@@ -335,7 +350,7 @@ void int8_amx_product(const Int8AmxAct& act, int64_t m, const int8_t* w, const f
     for (int64_t nb = b0; nb < b1; ++nb) {
       const int64_t n0 = nb * 16;
       const int8_t* wb = w + n0 * k;
-      const float* sb = ws + n0 * blocks;
+      const S* sb = ws + n0 * blocks;
       for (int64_t t = 0; t < act.tiles; ++t) {
         __m512 acc[16];
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
@@ -382,8 +397,8 @@ int64_t int8_block_tile_rows() {
 
 // out [m, n] (T) = x's rows, quantized per block of B, times the weight: on AMX tiles where
 // they run (rows from kInt8AmxMinRows, n a multiple of 16), else the vector product.
-template <int64_t B, typename T>
-void block_product(const T* x, int64_t m, int64_t k, const int8_t* w, const float* ws, int64_t n,
+template <int64_t B, typename T, typename S>
+void block_product(const T* x, int64_t m, int64_t k, const int8_t* w, const S* ws, int64_t n,
                    T* out) {
   const QuantizedRows q = quantize_rows<T, B>(x, m, k);
 #if defined(PAGEDKV_INT8_AMX)
@@ -395,7 +410,18 @@ void block_product(const T* x, int64_t m, int64_t k, const int8_t* w, const floa
   dot_columns<B>(q, m, w, ws, n, k, out);
 }
 
-// x: [..., K] (float32, bfloat16 or float16); codes int8 [N, K]; scales float32 [N, K / block];
+// fn(scales' data) as float32 or float16 (check_weight allows only these).
+template <typename Fn>
+inline void with_scales(const at::Tensor& scales, const Fn& fn) {
+  if (scales.scalar_type() == at::kHalf) {
+    fn(scales.data_ptr<c10::Half>());
+  } else {
+    fn(scales.data_ptr<float>());
+  }
+}
+
+// x: [..., K] (float32, bfloat16 or float16); codes int8 [N, K]; scales float32 or float16
+// [N, K / block];
 // returns x W^T [..., N] in x's dtype, W = codes times their block's scale.
 at::Tensor int8_block_linear(const at::Tensor& x, const at::Tensor& codes,
                              const at::Tensor& scales, int64_t block) {
@@ -406,16 +432,17 @@ at::Tensor int8_block_linear(const at::Tensor& x, const at::Tensor& codes,
   const int64_t m = xc.numel() / k;
   at::Tensor out = at::empty(quant_rows::out_sizes(xc, n), xc.options());
   const int8_t* w = codes.data_ptr<int8_t>();
-  const float* ws = scales.data_ptr<float>();
   dispatch(xc.scalar_type(), "int8_block_linear", [&](auto tag) {
     using T = typename decltype(tag)::type;
     const T* xp = xc.data_ptr<T>();
     T* o = out.data_ptr<T>();
-    if (block == 32) {
-      block_product<32>(xp, m, k, w, ws, n, o);
-    } else {
-      block_product<16>(xp, m, k, w, ws, n, o);
-    }
+    with_scales(scales, [&](const auto* ws) {
+      if (block == 32) {
+        block_product<32>(xp, m, k, w, ws, n, o);
+      } else {
+        block_product<16>(xp, m, k, w, ws, n, o);
+      }
+    });
   });
   return out;
 }
@@ -456,15 +483,16 @@ template <typename T, int64_t block>
 void expand_as(const at::Tensor& codes, const at::Tensor& scales, at::Tensor& out) {
   const int64_t n = codes.size(0), k = codes.size(1);
   const int8_t* w = codes.data_ptr<int8_t>();
-  const float* ws = scales.data_ptr<float>();
   T* dst = out.data_ptr<T>();
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t b = 0; b < k / block; ++b) {
-        const float s = ws[r * (k / block) + b];
-        expand_block<T, block>(w + r * k + b * block, s, dst + r * k + b * block);
+  with_scales(scales, [&](const auto* ws) {
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t b = 0; b < k / block; ++b) {
+          const float s = scale_value(ws + r * (k / block) + b);
+          expand_block<T, block>(w + r * k + b * block, s, dst + r * k + b * block);
+        }
       }
-    }
+    });
   });
 }
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
+import numpy as np
+
 Part = TypeVar("Part")
 
 
@@ -22,3 +24,12 @@ def gguf_parts(checkpoint: Any, sources: list[str], types_taken: Collection[int]
         return None
     return [read(hf_rows(gguf, source, name), t)
             for source, name, t in zip(sources, names, types, strict=True)]
+
+
+def narrowest_scales(scales: np.ndarray) -> np.ndarray:
+    """`scales` as float16 where every value round-trips through it exactly (the file's own
+    fp16 scales: half the bytes a decode step reads for them), else as float32."""
+    wide = scales.astype(np.float32)
+    half = wide.astype(np.float16)
+    exact = bool(np.all(np.isfinite(half)) and np.array_equal(half.astype(np.float32), wide))
+    return half if exact else wide

@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pagedkv.kernels.cpu import cpu_kernels_loaded
+from pagedkv.model.quant.gguf_parts import narrowest_scales
 from pagedkv.model.quant.int4_blocks import GROUP
 
 _EXPAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -59,10 +60,8 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 def scales_table(scale: np.ndarray, offset: np.ndarray) -> torch.Tensor:
     """[N, 2 * K/32]: each row's scales then its offsets, float16 where every value round-trips
     through it exactly, else float32."""
-    table = np.concatenate((scale, offset), axis=1).astype(np.float32)
-    half = table.astype(np.float16)
-    exact = bool(np.all(np.isfinite(half)) and np.array_equal(half.astype(np.float32), table))
-    return torch.from_numpy(np.ascontiguousarray(half if exact else table))
+    table = narrowest_scales(np.concatenate((scale, offset), axis=1))
+    return torch.from_numpy(np.ascontiguousarray(table))
 
 
 class Int4Linear(nn.Module):
@@ -124,7 +123,8 @@ class Int4Linear(nn.Module):
         if cpu_kernels_loaded():  # one op: its row count picks the product or the expansion
             if _torch_int4_copies:
                 _torch_int4_copies.clear()  # the kernels are in: the torch op's copies go
-            return torch.ops.pagedkv_cpu.int4_linear(x, self.codes, self.scales, self.bias,
+            p = self._parameters  # (not nn.Module's __getattr__: a microsecond a parameter)
+            return torch.ops.pagedkv_cpu.int4_linear(x, p["codes"], p["scales"], p.get("bias"),
                                                      product_rows())
         return self._forward_without_kernels(x)
 

@@ -44,13 +44,19 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
+def _scales(scales: torch.Tensor) -> torch.Tensor:
+    """Block scales as the kernels take them: float16 kept, anything else as float32."""
+    kept = scales if scales.dtype == torch.float16 else scales.float()
+    return kept.contiguous()
+
+
 def expand_reference(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
                      ) -> torch.Tensor:
     """W [N, K] = codes times their block's scale in float32, rounded once to `dtype` (torch
     ops: the reference the kernel is tested against, and the path without the kernels)."""
     n, k = codes.shape
     block = k // scales.shape[1]
-    w = codes.view(n, -1, block).float() * scales[..., None]
+    w = codes.view(n, -1, block).float() * scales.float()[..., None]
     return w.reshape(n, k).to(dtype)
 
 
@@ -59,9 +65,10 @@ class Int8BlockLinear(nn.Module):
 
     def __init__(self, codes: torch.Tensor | nn.Parameter, scales: torch.Tensor | nn.Parameter,
                  bias: torch.Tensor | None = None) -> None:
-        """`codes` int8 [N, K], `scales` float32 [N, K / block], block 16 or 32; parameters
-        given are kept as they are (shared with a tied embedding). ValueError for a K that is
-        not a multiple of 32 or a block other than 16 or 32."""
+        """`codes` int8 [N, K], `scales` [N, K / block] (float16 kept as such: half the bytes
+        of float32, for scales it holds exactly, as Q8_0's own; any other dtype as float32),
+        block 16 or 32; parameters given are kept as they are (shared with a tied embedding).
+        ValueError for a K that is not a multiple of 32 or a block other than 16 or 32."""
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.block = self.in_features // max(1, scales.shape[1])
@@ -71,8 +78,7 @@ class Int8BlockLinear(nn.Module):
                              f"{self.in_features}] with scales {list(scales.shape)} need K a "
                              f"multiple of 32 and blocks of 16 or 32")
         self.codes = codes if isinstance(codes, nn.Parameter) else _param(codes.contiguous())
-        self.scales = scales if isinstance(scales, nn.Parameter) else \
-            _param(scales.float().contiguous())
+        self.scales = scales if isinstance(scales, nn.Parameter) else _param(_scales(scales))
         self.bias = None if bias is None else _param(bias.detach().clone())
 
     def pack(self, panels: bool = False) -> bool:
@@ -85,8 +91,9 @@ class Int8BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_kernels_loaded():  # one op: its row count picks the product or the expansion
-            return torch.ops.pagedkv_cpu.int8_block_forward(x, self.codes, self.scales,
-                                                            self.block, self.bias,
+            p = self._parameters  # (not nn.Module's __getattr__: a microsecond a parameter)
+            return torch.ops.pagedkv_cpu.int8_block_forward(x, p["codes"], p["scales"],
+                                                            self.block, p.get("bias"),
                                                             product_rows())
         rows = x.reshape(-1, self.in_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -120,7 +127,7 @@ class Int8BlockEmbedding(nn.Module):
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
         super().__init__()
         self.codes = _param(codes.contiguous())
-        self.scales = _param(scales.float().contiguous())
+        self.scales = _param(_scales(scales))
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = codes.shape
 

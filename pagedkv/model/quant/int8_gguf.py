@@ -15,22 +15,25 @@ import torch
 from torch import nn
 
 from pagedkv.model.layers import Linear
-from pagedkv.model.quant.gguf_parts import gguf_parts
+from pagedkv.model.quant.gguf_parts import gguf_parts, narrowest_scales
 from pagedkv.model.quant.int8_block_linear import Int8BlockEmbedding, Int8BlockLinear
 from pagedkv.model.quant.int8_blocks import INT8_BLOCK_TYPES, int8_codes_and_scales
 
 
 def _codes_and_scales(checkpoint: Any, sources: list[str]
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(codes int8 [N, K], scales float32 [N, K / block]) of the rows of `sources`
-    concatenated, or None where one is not an int8-block type."""
+    """(codes int8 [N, K], scales [N, K / block]) of the rows of `sources` concatenated, or
+    None where one is not an int8-block type. The scales are float16 where every one is
+    exactly a float16 (Q8_0's own values: half the bytes a decode step reads for them), else
+    float32 (Q6_K's products of two scales)."""
     parts = gguf_parts(checkpoint, sources, INT8_BLOCK_TYPES, int8_codes_and_scales)
     if parts is None:
         return None
     block = min(part[2] for part in parts)
     codes = np.concatenate([part[0] for part in parts])
     scales = np.concatenate([np.repeat(part[1], part[2] // block, axis=1) for part in parts])
-    return torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(scales))
+    return torch.from_numpy(codes), torch.from_numpy(
+        np.ascontiguousarray(narrowest_scales(scales)))
 
 
 def gguf_int8_block_linear(checkpoint: Any, sources: list[str], linear: nn.Module
