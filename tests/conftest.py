@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
 from pagedkv.commands.serve import ENGINE_CORE_ENV
 from pagedkv.engine.warmup import SKIP_ENV
-from pagedkv.kernels.cpu import ensure_cpu_kernels, kernel_cache_dir
+from pagedkv.kernels.cpu import ensure_cpu_kernels, kernel_cache_dir, library_path
 
 # One kernel cache for the run, its xdist workers, the servers and engines they start and the
 # AVX2 builds of the ISA checks: the user's (a second run builds nothing), named here before
@@ -211,19 +213,61 @@ def pytest_configure(config: pytest.Config) -> None:
                             "the pure-Python tests)")
 
 
+def _isa_child_in(items: list[pytest.Item]) -> bool:
+    """Whether a module of `items` sends kernel checks to the AVX2 child
+    (pagedkv/testing/isa_child.py)."""
+    modules = {getattr(item, "module", None) for item in items}
+    return any(hasattr(module, "run_with_isa") for module in modules)
+
+
+def _avx2_build_cached() -> bool:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PAGEDKV_CPU_ISA", "avx2")
+        return library_path().exists()
+
+
+_prebuilds: list[subprocess.Popen] = []
+
+
+def start_kernel_builds(items: list[pytest.Item]) -> None:
+    """Start the kernel builds the selected tests will wait for, at once and side by side: the
+    native one in a background thread (ensure_cpu_kernels("auto")) and, where a module checks
+    the AVX2 build in its child, that one in a process of its own (first xdist worker only). A
+    cold cache then costs one build's wall, not two builds' one after the other while a
+    worker sat waiting on each. Nothing starts for pure-Python tests or with the builds cached;
+    `cpu_kernels` waits for (or repeats, failing loudly) the native build as before."""
+    if not any(item.get_closest_marker("runs_model") for item in items):
+        return
+    isa = os.environ.get("PAGEDKV_CPU_ISA", "native")
+    first_worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"
+    if first_worker and isa != "avx2" and _isa_child_in(items) and not _avx2_build_cached():
+        env = {**os.environ, "PAGEDKV_CPU_ISA": "avx2", "PYTHONPATH": os.pathsep.join(sys.path)}
+        code = "from pagedkv.kernels.cpu import ensure_cpu_kernels; ensure_cpu_kernels('wait')"
+        _prebuilds.append(subprocess.Popen([sys.executable, "-c", code], env=env,
+                                           stdout=subprocess.DEVNULL,
+                                           stderr=subprocess.DEVNULL))
+    ensure_cpu_kernels("auto")
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Move what collection left alive (every test module, torch, transformers: some 400,000
+    """Start the kernel builds the selected tests need (`start_kernel_builds`), then move what
+    collection left alive (every test module, torch, transformers: some 400,000
     objects) to the garbage collector's permanent generation. Each engine's shutdown runs a
     full collection (ModelRunner.shutdown), as do the interpreter's own now and then; over that
     heap each took about a quarter of a CPU-second, over the objects the tests create since,
     a few milliseconds. Objects the tests create are collected as before."""
+    if not session.config.option.collectonly:
+        start_kernel_builds(session.items)
     gc.collect()
     gc.freeze()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """Hand the frozen objects back, so the interpreter's exit finalizes them as usual."""
+    """Hand the frozen objects back, so the interpreter's exit finalizes them as usual; wait
+    for a kernel build `start_kernel_builds` started (it leaves no process behind)."""
     gc.unfreeze()
+    while _prebuilds:
+        _prebuilds.pop().wait()
 
 
 def module_rank(items: list[pytest.Item]) -> int:

@@ -182,3 +182,38 @@ def test_pure_python_tests_build_no_kernels(tmp_path, test_file):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout
     assert not (tmp_path / "cache").exists()  # no build was even tried
+
+
+class _Item:
+    """What start_kernel_builds reads of a collected test: its runs_model marker, its module."""
+
+    def __init__(self, runs_model: bool, module: object) -> None:
+        self.module, self._runs_model = module, runs_model
+
+    def get_closest_marker(self, name: str) -> object:
+        return object() if name == "runs_model" and self._runs_model else None
+
+
+@pytest.mark.parametrize("worker, models, isa_module, avx2_builds", [
+    ("gw0", True, True, 1),  # the first worker starts the AVX2 build beside the native one
+    ("gw1", True, True, 0),  # the other only the native one (it waits on its lock)
+    ("gw0", True, False, 0),  # no module checks the AVX2 build
+    ("gw0", False, True, None),  # pure-Python tests: nothing starts
+])
+def test_the_builds_the_selected_tests_need_start_when_collection_ends(
+        monkeypatch, tmp_path, worker, models, isa_module, avx2_builds):
+    import tests.conftest as conftest
+
+    started, native = [], []
+    monkeypatch.setattr(conftest.subprocess, "Popen", lambda cmd, env, **_: started.append(env))
+    monkeypatch.setattr(conftest, "ensure_cpu_kernels", native.append)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+    monkeypatch.setenv("PAGEDKV_KERNEL_CACHE_DIR", str(tmp_path))  # nothing cached there
+    monkeypatch.delenv("PAGEDKV_CPU_ISA", raising=False)
+    module = type(sys)("isa_checks")
+    if isa_module:
+        module.run_with_isa = object()
+    monkeypatch.setattr(conftest, "_prebuilds", [])  # the session's own, left as it is
+    conftest.start_kernel_builds([_Item(False, type(sys)("pure")), _Item(models, module)])
+    assert native == ([] if avx2_builds is None else ["auto"])
+    assert [env["PAGEDKV_CPU_ISA"] for env in started] == ["avx2"] * (avx2_builds or 0)
