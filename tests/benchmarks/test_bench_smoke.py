@@ -99,8 +99,11 @@ def test_bench_kv_quant_kl_table_orders_the_formats():
 def test_bench_kv_kl_models_reads_every_format_in_place_on_head_size_80():
     """The other-architectures table on one model (Llama, GQA 4, head size 80; one layer),
     short: every format's row in order of KL, and the fused kernels' decode logits equal to the
-    pure-torch path's within float32 noise (measured 6e-07 of the logit spread; a kernel
-    misreading a head size is off by ~0.1-1). Exit 0 also says every registered architecture
+    pure-torch path's within rounding (a kernel misreading a head size is off by ~0.1-1 of the
+    logit spread). Usually 6e-07; but the fused run's linears are the measured kernel, whose
+    float32 summation order can differ from torch's, and a cache format rounds the K/V it is
+    given: a last-bit difference that crosses a rounding boundary moves one element by a whole
+    step of the format (1/8 for fp8 e4m3), seen as 2.5e-4 of the spread; hence 1e-3. Exit 0 also says every registered architecture
     has a model in the bench (Gemma 2's rows: run by hand, README)."""
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kv_kl_models.py"),
                            "--models", "llama_hd80", "--num-layers", "1", "--contexts", "32",
@@ -111,7 +114,7 @@ def test_bench_kv_kl_models_reads_every_format_in_place_on_head_size_80():
     assert set(rows) == {"bfloat16", "fp8_e4m3/per_layer", "fp8_e4m3", "fp8_e5m2", "int8"}
     kl = {name: r["mean_kl"] for name, r in rows.items()}
     assert 0 < kl["bfloat16"] < kl["int8"] < kl["fp8_e4m3"] < kl["fp8_e5m2"]
-    assert all(0 <= r["kernel_gap"] < 1e-4 for r in rows.values()), rows
+    assert all(0 <= r["kernel_gap"] < 1e-3 for r in rows.values()), rows
 
 
 def test_bench_host_overhead_runs_against_a_baseline_commit():
