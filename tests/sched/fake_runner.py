@@ -83,3 +83,23 @@ class FakeRunner:
                 tokens.append(next_token(seen, self.vocab_size, salt=salt, window=self.window))
             result.sampled_token_ids[req.request_id] = tokens
         return result
+
+
+def run_to_end(sched, runner: FakeRunner, late: dict | None = None, max_steps: int = 100,
+               ) -> tuple[list[dict[str, int]], dict]:
+    """Steps `sched` with `runner` until nothing is left (at most `max_steps`), checking the
+    scheduler's invariants after every step: each step's {request id: tokens computed} and the
+    finished requests by id. `late`: {step index: a request added before that step}."""
+    steps, finished = [], {}
+    for index in range(max_steps):
+        if late and index in late:
+            sched.add_request(late[index])
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        steps.append({s.request_id: len(s.token_ids) for s in out.scheduled})
+        for request in sched.update(out, runner.execute(out)):
+            if request.is_finished:
+                finished[request.request_id] = request
+        sched.check_invariants()
+    return steps, finished

@@ -12,7 +12,7 @@ from pagedkv.engine.args import EngineArgs
 from pagedkv.kv.manager import KVCacheManager
 from pagedkv.sched import Request, SamplingParams
 from pagedkv.sched.scheduler import Scheduler, SchedulerConfig
-from tests.sched.fake_runner import FakeRunner, reference_continuation
+from tests.sched.fake_runner import FakeRunner, reference_continuation, run_to_end
 
 VOCAB = 1000
 BLOCKS, BLOCK_SIZE = 256, 4
@@ -37,18 +37,7 @@ def _run(threshold: int, late: dict[int, Request] | None = None,
     runner = FakeRunner(BLOCKS, 0, BLOCK_SIZE, VOCAB, None)
     for request in requests or (_request("long", 200, 0.0), _request("short", 5, 1.0)):
         sched.add_request(request)
-    steps, finished = [], {}
-    for index in range(100):
-        if late and index in late:
-            sched.add_request(late[index])
-        if not sched.has_unfinished_requests():
-            break
-        out = sched.schedule()
-        steps.append({s.request_id: len(s.token_ids) for s in out.scheduled})
-        for request in sched.update(out, runner.execute(out)):
-            if request.is_finished:
-                finished[request.request_id] = request
-        sched.check_invariants()
+    steps, finished = run_to_end(sched, runner, late)
     assert kv.num_free_blocks == kv.num_usable_blocks
     return steps, finished
 

@@ -16,7 +16,7 @@ from pagedkv.sched.scheduler import Scheduler, SchedulerConfig
 from pagedkv.sim.closed_loop import ClientDelays, simulate_closed_loop
 from pagedkv.sim.config import SimConfig
 from pagedkv.sim.latency.fitted import FittedLatency
-from tests.sched.fake_runner import FakeRunner, reference_continuation
+from tests.sched.fake_runner import FakeRunner, reference_continuation, run_to_end
 
 VOCAB = 1000
 BLOCKS, BLOCK_SIZE = 256, 4
@@ -44,14 +44,7 @@ def _run(batching: str, prompt_lens: list[int], budget: int = 64, step_overhead:
     runner = FakeRunner(BLOCKS, 0, BLOCK_SIZE, VOCAB, None)
     for index, length in enumerate(prompt_lens):
         sched.add_request(_request(f"r{index}", length, arrival=index / 1000))
-    steps, finished = [], {}
-    while sched.has_unfinished_requests() and len(steps) < 100:
-        out = sched.schedule()
-        steps.append({s.request_id: len(s.token_ids) for s in out.scheduled})
-        for request in sched.update(out, runner.execute(out)):
-            if request.is_finished:
-                finished[request.request_id] = request
-        sched.check_invariants()
+    steps, finished = run_to_end(sched, runner)
     assert kv.num_free_blocks == kv.num_usable_blocks
     assert sorted(finished) == sorted(f"r{i}" for i in range(len(prompt_lens)))
     for request in finished.values():
