@@ -5,6 +5,8 @@ A stream's outputs are cumulative, so one that waits unread is replaced by the n
 that falls a step behind gets the latest output (every token in it) once, not each step's in
 turn. Nothing is lost, and the reader's work per step stays one output however far behind it
 was. An end (an abort, an error) is never merged away: it comes after the outputs before it.
+The first output is never merged into: its read is the request's first token (TTFT), and the
+tokens after it are timed as they come (the inter-token latency histogram counts each once).
 """
 
 from __future__ import annotations
@@ -49,16 +51,23 @@ class RequestStream:
         self.finished = False
         self.aborted = False  # ended by an abort, without a finished output
         self._items: deque = deque()  # RequestOutput, an exception, or ABORTED
+        self._first: RequestOutput | None = None  # the first output put (kept apart)
         self._waiter: asyncio.Future | None = None
         self._on_close = on_close
         self._closed = False
 
     def put(self, item: RequestOutput | BaseException | object) -> None:
         """Hand the reader `item` (event loop thread only): an output replaces an unread one
-        before it (outputs are cumulative); an exception or ABORTED ends the stream."""
+        before it (outputs are cumulative), except the first; an exception or ABORTED ends the
+        stream."""
         items = self._items
-        if items and type(item) is RequestOutput and type(items[-1]) is RequestOutput:
-            items[-1] = item
+        if type(item) is RequestOutput:
+            if items and type(items[-1]) is RequestOutput and items[-1] is not self._first:
+                items[-1] = item
+            else:
+                items.append(item)
+                if self._first is None:
+                    self._first = item
         else:
             items.append(item)
         waiter = self._waiter

@@ -36,12 +36,12 @@ def test_unread_outputs_merge_and_ends_are_kept():
     async def main() -> None:
         stream = RequestStream("r", lambda s: None)
         put_all([(stream, _output(1)), (stream, _output(2)), (stream, _output(3, True))])
-        assert await _read(stream) == [3]  # the latest output: every token, once
+        assert await _read(stream) == [1, 3]  # the first apart, then the latest: every token once
 
         stream = RequestStream("r", lambda s: None)
         for item in (_output(1), _output(2), RuntimeError("boom"), _output(9)):
             stream.put(item)
-        assert await _read(stream) == [2, "boom"]  # the error after the output before it
+        assert await _read(stream) == [1, 2, "boom"]  # the error after the output before it
 
         stream = RequestStream("r", lambda s: None)
         stream.put(_output(4))
