@@ -57,16 +57,17 @@ def test_pushed_blocks_arrive_whole_and_are_taken_once(link):
 
 class _Lossy:
     """Sends through `sock`, changing or dropping messages: `edit(i, frames)` gives the frames
-    to send for message i, or None to drop it."""
+    to send for message i, or None to drop it (i counts messages, not the sender's retries of
+    one that the socket could not take yet)."""
 
     def __init__(self, sock, edit) -> None:
         self.sock, self.edit, self.count = sock, edit, 0
 
     def send_multipart(self, frames, **kwargs) -> None:
-        frames = self.edit(self.count, frames)
-        self.count += 1
-        if frames is not None:
-            self.sock.send_multipart(frames, **kwargs)
+        edited = self.edit(self.count, frames)
+        if edited is not None:  # zmq.Again (not connected yet): the sender retries this message
+            self.sock.send_multipart(edited, **kwargs)
+        self.count += 1  # counted once sent (or dropped), not per attempt
 
 
 def push_through(sender, address, edit, keys, rows) -> None:
