@@ -45,14 +45,19 @@ def measure(dtype_name: str, batch: int, context: int, reps: int,
             num_blocks: int) -> dict[str, float]:
     """{layout: best ms per call} for this process's build."""
     from pagedkv.kernels.cpu import ensure_cpu_kernels
+    from pagedkv.model.kv_cache import zeros_in_huge_pages
 
     ensure_cpu_kernels("wait")
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     dtype = getattr(torch, dtype_name)
     shape = (KV_HEADS, num_blocks, BLOCK, HEAD_DIM)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    # In 2 MiB pages where Linux gives them, as the engine's cache (model/kv_cache.py): with
+    # 4 KiB pages every scattered block read would also miss the TLB.
+    k_cache = zeros_in_huge_pages(shape, dtype, torch.device("cpu"))
+    v_cache = zeros_in_huge_pages(shape, dtype, torch.device("cpu"))
+    k_cache.copy_(torch.randn(shape, generator=gen))
+    v_cache.copy_(torch.randn(shape, generator=gen))
     per_seq = -(-context // BLOCK)
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(dtype)
     out = torch.empty_like(q)
