@@ -143,6 +143,30 @@ def test_column_counts_off_the_kernels_tile_are_exact(n):
     assert got.shape == (5, n)
     assert ((got - exact).abs() <= 2.0 ** -20 * (x.double().abs() @ w.abs().T + 1e-6)).all()
 
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_weights_past_the_prefetch_distance_are_exact(block, rows):
+    """Weights longer than the decode product's far prefetch reaches (16 KiB of codes ahead, on
+    AMD's cores; 2 KiB on others): 200 rows of 544 codes (106 KiB), float16 scales as Q8_0's,
+    on one thread and on two (a thread's prefetch runs into the other's rows), give the exact
+    integer products, to the last rows (where the prefetch stops at the weight's end)."""
+    linear = random_linear(block, seed=rows, n=200, scale_dtype=torch.float16)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(block))
+    w = expand_reference(linear.codes, linear.scales, torch.float64)
+    q, d = quantized_activations(x, block)
+    exact = (q * d).reshape(rows, K) @ w.T
+    bound = 2.0 ** -20 * (x.double().abs() @ w.abs().T + 1e-6)  # float32 sums of exact dots
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            got = torch.ops.pagedkv_cpu.int8_block_linear(x, linear.codes, linear.scales,
+                                                          block).double()
+            assert ((got - exact).abs() <= bound).all()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_refuses_shapes_the_kernel_cannot_take():
     with pytest.raises(ValueError, match=r"codes \[4, 40\].*multiple of 32"):
         Int8BlockLinear(torch.zeros(4, 40, dtype=torch.int8), torch.ones(4, 5))

@@ -37,12 +37,14 @@ namespace {
 
 // Activation rows quantized per block: codes int8 [M, K], and per 4-code lane the block's scale
 // (float32 [M, K / 4]), the layout the dot loops multiply by lane, and -128 times the lane's
-// code sum (int32 [M, K / 4]: the AVX-512 path's correction for its offset weight codes), in
-// this thread's scratch (valid until its next call).
+// code sum (int32 [M, K / 4]: the AVX-512 path's correction for its offset weight codes), and
+// the blocks' scales once each (float32 [M, K / block]), in this thread's scratch (valid until
+// its next call).
 struct QuantizedRows {
   const int8_t* codes;
   const int32_t* lane_offset;
   const float* lane_scale;
+  const float* block_scale;
 };
 
 // A weight block's scale, stored as float32 or as float16 (Q8_0's own values: half the bytes a
@@ -81,23 +83,27 @@ QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k) {
   int8_t* codes = quant_rows::scratch<int8_t, 2>(m * k);
   int32_t* lane_offset = quant_rows::scratch<int32_t, 0>(m * k / 4);
   float* lane_scale = quant_rows::scratch<float, 3>(m * k / 4);
+  float* block_scale = quant_rows::scratch<float, 9>(m * k / block);
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < k / block; ++b) {
       const int64_t at = r * k + b * block;
       int8_t* out = codes + at;
       const float d = quantize_block<T, block>(x + at, out);
+      block_scale[at / block] = d;
       std::fill_n(lane_scale + at / 4, block / 4, d);
       for (int64_t j = 0; j < block; j += 4)
         lane_offset[(at + j) / 4] = -128 * (int32_t(out[j]) + out[j + 1] + out[j + 2] + out[j + 3]);
     }
   }
-  return QuantizedRows{codes, lane_offset, lane_scale};
+  return QuantizedRows{codes, lane_offset, lane_scale, block_scale};
 }
 
-// How far ahead of the weight row being computed the products prefetch its codes and scales:
-// a decode step streams every weight once (the tied LM head: 28 MiB of codes), and one core's
-// outstanding misses bound its read bandwidth; about 2x on SmolLM2's head at one row, and 2 KiB
-// ahead 5-10% less one-thread CPU time over a SmolLM2-shaped decode's linears than 4 KiB or 8.
+// How far ahead of the weight row being computed the products prefetch its codes and scales
+// (into L1, once per tile of rows; where quant_rows::far_l2_prefetch holds, dot_chunk's far
+// prefetch into L2 instead): a decode step streams every weight once (the tied LM head: 28 MiB
+// of codes), and one core's outstanding misses bound its read bandwidth; about 2x on SmolLM2's
+// head at one row, and 2 KiB ahead 5-10% less one-thread CPU time over a SmolLM2-shaped
+// decode's linears than 4 KiB or 8 (on an Intel AMX Xeon).
 constexpr int64_t kInt8PrefetchBytes = 2048;
 
 // Codes and scales of the weight row kInt8PrefetchBytes ahead of `w` (from its chunk c on).
@@ -111,6 +117,7 @@ inline void prefetch_ahead(const int8_t* w, const S* ws, int64_t k, int64_t bloc
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr const char* kInt8Isa = "avx512_vnni";
+constexpr bool kInt8FarPrefetch = true;  // dot_chunk's far prefetch (AMD's cores)
 
 // One 64-code chunk (its first `left` codes; 32 or 64) of NC weight rows from `w` (K codes
 // apart; block scales from `ws`) against R rows of `q`, into acc[r * NC + j].
@@ -122,9 +129,26 @@ inline __m512 load_scales(const c10::Half* p, __mmask16 m) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
 }
 
-template <int R, int NC, int64_t block, typename S>
+// A chunk's 2 (block 32) or 4 (block 16) block scales in the low lanes, the rest zero.
+inline __m128 chunk_scales(const float* p, __mmask8 m) { return _mm_maskz_loadu_ps(m, p); }
+inline __m128 chunk_scales(const c10::Half* p, __mmask8 m) {
+  return _mm_cvtph_ps(_mm_maskz_loadu_epi16(m, p));
+}
+
+// Far: AMD's tuning (quant_rows::far_l2_prefetch). Each chunk first asks for the codes
+// kFarPrefetchBytes ahead of each of its rows' (where `ahead` says they are within the weight),
+// and the two scales (weight block, activation block) are multiplied in 128 bits before one
+// permute spreads them over the lanes: 512-bit operations, which Zen 4 runs as two halves, go
+// from 7 to 5 a chunk and weight row. Without it, the scales are spread first and multiplied
+// in 512 bits, as measured best on Intel's cores.
+template <int R, int NC, int64_t block, typename S, bool Far>
 inline void dot_chunk(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0,
-                      int64_t k, int64_t c, int64_t left, __m512* acc) {
+                      int64_t k, int64_t c, int64_t left, __m512* acc, bool ahead) {
+  if constexpr (Far) {
+    if (ahead)
+      for (int j = 0; j < NC; ++j)
+        quant_rows::prefetch_l2(w + j * k + c + quant_rows::kFarPrefetchBytes);
+  }
   // Lane l of the chunk (4 codes) is in block l / (block / 4) of it.
   const __m512i lane_block = _mm512_srli_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -133,13 +157,32 @@ inline void dot_chunk(const int8_t* w, const S* ws, const QuantizedRows& q, int6
   const __mmask16 lanes = left == 64 ? 0xFFFF : static_cast<__mmask16>((1u << (left / 4)) - 1);
   const __mmask16 blocks = static_cast<__mmask16>((1u << (left / block)) - 1);
   __m512i wu[NC];
-  __m512 wscale[NC];
-  for (int j = 0; j < NC; ++j) {
+  for (int j = 0; j < NC; ++j)
     wu[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, w + j * k + c),
                              _mm512_set1_epi8(static_cast<char>(0x80)));
+  if constexpr (Far) {
+    const __mmask8 blocks8 = static_cast<__mmask8>(blocks);
+    __m128 wsc[NC];
+    for (int j = 0; j < NC; ++j) wsc[j] = chunk_scales(ws + j * (k / block) + c / block, blocks8);
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = row0 + r;
+      const __m512i xv = _mm512_maskz_loadu_epi8(bytes, q.codes + row * k + c);
+      const __m512i offset =
+          _mm512_maskz_loadu_epi32(lanes, q.lane_offset + (row * k + c) / 4);
+      const __m128 xscale = _mm_maskz_loadu_ps(blocks8, q.block_scale + (row * k + c) / block);
+      for (int j = 0; j < NC; ++j) {
+        const __m512i dot = _mm512_dpbusd_epi32(offset, wu[j], xv);
+        const __m512 s = _mm512_permutexvar_ps(
+            lane_block, _mm512_castps128_ps512(_mm_mul_ps(xscale, wsc[j])));
+        acc[r * NC + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r * NC + j]);
+      }
+    }
+    return;
+  }
+  __m512 wscale[NC];
+  for (int j = 0; j < NC; ++j)
     wscale[j] = _mm512_permutexvar_ps(
         lane_block, load_scales(ws + j * (k / block) + c / block, blocks));
-  }
   for (int r = 0; r < R; ++r) {
     const int64_t row = row0 + r;
     const __m512i xv = _mm512_maskz_loadu_epi8(bytes, q.codes + row * k + c);
@@ -157,19 +200,28 @@ inline void dot_chunk(const int8_t* w, const S* ws, const QuantizedRows& q, int6
 // Up to R rows against NC weight rows from `w` (codes [NC, K], block scales `ws`):
 // out[r * out_stride + j] = row r's dot with weight row j. Several weight rows at once keep
 // independent sums in flight: one alone is bound by its chain of float adds.
-template <int R, int NC, int64_t block, typename S>
+template <int R, int NC, int64_t block, typename S, bool Far>
 void dot_tile(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0, int64_t k,
-              float* out, int64_t out_stride) {
+              float* out, int64_t out_stride, const int8_t* w_end) {
   __m512 acc[R * NC];
   for (int i = 0; i < R * NC; ++i) acc[i] = _mm512_setzero_ps();
+  // Whether the far prefetch stays within the weight for every chunk of these rows (past it
+  // near the weight's end, none: those last rows are already on their way).
+  const bool ahead = Far && w + NC * k + quant_rows::kFarPrefetchBytes <= w_end;
+  if (ahead)
+    for (int j = 0; j < NC; ++j)
+      quant_rows::prefetch_l2(ws + j * (k / block) + quant_rows::kFarPrefetchBytes / block);
   int64_t c = 0;
-  for (; c + 64 <= k; c += 64) dot_chunk<R, NC, block, S>(w, ws, q, row0, k, c, 64, acc);
-  if (c < k) dot_chunk<R, NC, block, S>(w, ws, q, row0, k, c, k - c, acc);  // 32 codes left
+  for (; c + 64 <= k; c += 64)
+    dot_chunk<R, NC, block, S, Far>(w, ws, q, row0, k, c, 64, acc, ahead);
+  if (c < k)  // 32 codes left
+    dot_chunk<R, NC, block, S, Far>(w, ws, q, row0, k, c, k - c, acc, ahead);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NC; ++j) out[r * out_stride + j] = _mm512_reduce_add_ps(acc[r * NC + j]);
 }
 #elif defined(__AVX2__)
 constexpr const char* kInt8Isa = "avx2";
+constexpr bool kInt8FarPrefetch = false;
 
 template <int R, int64_t block, typename S>
 void dot_rows(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0, int64_t k,
@@ -198,6 +250,7 @@ void dot_rows(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0
 }
 #else
 constexpr const char* kInt8Isa = "scalar";
+constexpr bool kInt8FarPrefetch = false;
 
 template <int R, int64_t block, typename S>
 void dot_rows(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0, int64_t k,
@@ -216,10 +269,10 @@ void dot_rows(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0
 #endif
 
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-// NC weight rows one at a time (dot_rows above).
-template <int R, int NC, int64_t block, typename S>
+// NC weight rows one at a time (dot_rows above; the tile's near prefetch only).
+template <int R, int NC, int64_t block, typename S, bool Far>
 void dot_tile(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0, int64_t k,
-              float* out, int64_t out_stride) {
+              float* out, int64_t out_stride, const int8_t*) {
   for (int j = 0; j < NC; ++j)
     dot_rows<R, block, S>(w + j * k, ws + j * (k / block), q, row0, k, out + j, out_stride);
 }
@@ -251,11 +304,12 @@ inline void store_tile(const float* y, int rows, int nc, T* out, int64_t n, int6
 
 // out [M, N] (T) = x's quantized rows `q` times the weight, columns over threads (on the calling
 // thread below quant_rows::kInlineBytes of weights).
-template <int64_t B, typename T, typename S>
+template <int64_t B, bool Far, typename T, typename S>
 void dot_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const S* ws, int64_t n,
                  int64_t k, T* out) {
   const int64_t passes = (m + kRowTile - 1) / kRowTile;
   const int64_t tasks = (n + 15) / 16;
+  const int8_t* w_end = w + n * k;
   quant_rows::run_blocks(tasks, n * k * passes, [&](int64_t t_begin, int64_t t_end) {
     const int64_t end = std::min(n, t_end * 16);
     float y[kRowTile * kColTile];
@@ -263,27 +317,29 @@ void dot_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const S* ws
       const int8_t* wrow = w + col * k;
       const S* srow = ws + col * (k / B);
       if (col + kColTile <= end) {
-        for (int j = 0; j < kColTile; ++j) prefetch_ahead(wrow + j * k, srow + j * (k / B), k, B);
+        if constexpr (!Far)
+          for (int j = 0; j < kColTile; ++j)
+            prefetch_ahead(wrow + j * k, srow + j * (k / B), k, B);
         int64_t r = 0;
         for (; r + kRowTile <= m; r += kRowTile) {
-          dot_tile<kRowTile, kColTile, B, S>(wrow, srow, q, r, k, y, kColTile);
+          dot_tile<kRowTile, kColTile, B, S, Far>(wrow, srow, q, r, k, y, kColTile, w_end);
           store_tile(y, kRowTile, kColTile, out, n, r, col);
         }
         for (; r < m; ++r) {
-          dot_tile<1, kColTile, B, S>(wrow, srow, q, r, k, y, kColTile);
+          dot_tile<1, kColTile, B, S, Far>(wrow, srow, q, r, k, y, kColTile, w_end);
           store_tile(y, 1, kColTile, out, n, r, col);
         }
         col += kColTile;
         continue;
       }
-      prefetch_ahead(wrow, srow, k, B);
+      if constexpr (!Far) prefetch_ahead(wrow, srow, k, B);
       int64_t r = 0;
       for (; r + kRowTile <= m; r += kRowTile) {
-        dot_tile<kRowTile, 1, B, S>(wrow, srow, q, r, k, y, 1);
+        dot_tile<kRowTile, 1, B, S, Far>(wrow, srow, q, r, k, y, 1, w_end);
         store_tile(y, kRowTile, 1, out, n, r, col);
       }
       for (; r < m; ++r) {
-        dot_tile<1, 1, B, S>(wrow, srow, q, r, k, y, 1);
+        dot_tile<1, 1, B, S, Far>(wrow, srow, q, r, k, y, 1, w_end);
         store_tile(y, 1, 1, out, n, r, col);
       }
       ++col;
@@ -407,7 +463,11 @@ void block_product(const T* x, int64_t m, int64_t k, const int8_t* w, const S* w
     return;
   }
 #endif
-  dot_columns<B>(q, m, w, ws, n, k, out);
+  if (kInt8FarPrefetch && quant_rows::far_l2_prefetch()) {
+    dot_columns<B, true>(q, m, w, ws, n, k, out);
+  } else {
+    dot_columns<B, false>(q, m, w, ws, n, k, out);
+  }
 }
 
 // fn(scales' data) as float32 or float16 (check_weight allows only these).
