@@ -48,6 +48,21 @@ template <> inline c10::BFloat16 from_f(float f) {
 // Round a float32 value to T's precision and back (identity for float).
 template <typename T> inline float rnd(float x) { return to_f<T>(from_f<T>(x)); }
 
+// Whether streaming reads prefetch into the L2 cache rather than L1 (the packed linears'
+// decode products far ahead, the decode attention's next block row by row): on AMD's cores
+// (Zen 4) L1 prefetches hold the L1 miss buffers the loads in hand need too, and left SmolLM2's
+// Q8_0 decode at half one core's read bandwidth and scattered KV blocks read at 8-9 GB/s a core
+// (19-21 with L2 prefetches); on Intel's the near prefetch into L1 was measured best. CPUID's
+// vendor, read once.
+inline bool far_l2_prefetch() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd;
+#else
+  return false;
+#endif
+}
+
 template <typename T> struct Tag { using type = T; };
 
 // Calls f(Tag<T>{}) for the scalar type T of `dtype` (float, bfloat16, half).

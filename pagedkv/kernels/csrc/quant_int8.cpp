@@ -99,7 +99,7 @@ QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k) {
 }
 
 // How far ahead of the weight row being computed the products prefetch its codes and scales
-// (into L1, once per tile of rows; where quant_rows::far_l2_prefetch holds, dot_chunk's far
+// (into L1, once per tile of rows; where far_l2_prefetch holds, dot_chunk's far
 // prefetch into L2 instead): a decode step streams every weight once (the tied LM head: 28 MiB
 // of codes), and one core's outstanding misses bound its read bandwidth; about 2x on SmolLM2's
 // head at one row, and 2 KiB ahead 5-10% less one-thread CPU time over a SmolLM2-shaped
@@ -135,7 +135,7 @@ inline __m128 chunk_scales(const c10::Half* p, __mmask8 m) {
   return _mm_cvtph_ps(_mm_maskz_loadu_epi16(m, p));
 }
 
-// Far: AMD's tuning (quant_rows::far_l2_prefetch). Each chunk first asks for the codes
+// Far: AMD's tuning (far_l2_prefetch). Each chunk first asks for the codes
 // kFarPrefetchBytes ahead of each of its rows' (where `ahead` says they are within the weight),
 // and the two scales (weight block, activation block) are multiplied in 128 bits before one
 // permute spreads them over the lanes: 512-bit operations, which Zen 4 runs as two halves, go
@@ -463,7 +463,7 @@ void block_product(const T* x, int64_t m, int64_t k, const int8_t* w, const S* w
     return;
   }
 #endif
-  if (kInt8FarPrefetch && quant_rows::far_l2_prefetch()) {
+  if (kInt8FarPrefetch && far_l2_prefetch()) {
     dot_columns<B, true>(q, m, w, ws, n, k, out);
   } else {
     dot_columns<B, false>(q, m, w, ws, n, k, out);

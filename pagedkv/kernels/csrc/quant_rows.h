@@ -21,6 +21,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "common.h"  // far_l2_prefetch
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -80,20 +82,6 @@ inline const float* float_bias(const c10::optional<at::Tensor>& bias, int64_t n)
     TORCH_CHECK(false, "bias must be float32, bfloat16 or float16");
   }
   return out;
-}
-
-// Whether the decode products stream their weights with prefetches far ahead into the L2 cache
-// (`prefetch_l2`) rather than near ahead into L1: on AMD's cores (Zen 4: a weight row's codes
-// prefetched 2 KiB ahead into L1 left SmolLM2's Q8_0 decode at half the read bandwidth of one
-// core; 16 KiB ahead into L2 about 2x faster), not on Intel's, where the near prefetch into L1
-// was measured best. CPUID's vendor, read once.
-inline bool far_l2_prefetch() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  static const bool amd = __builtin_cpu_is("amd");
-  return amd;
-#else
-  return false;
-#endif
 }
 
 // Bytes ahead of the codes being read that the far prefetch asks for (into L2: prefetcht1).
