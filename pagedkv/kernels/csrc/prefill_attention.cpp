@@ -393,7 +393,9 @@ void pf_item(const PrefillArgs<T, Fmt>& a, const PrefillItem& it, PrefillScratch
                              corr + p, w.ot.data() + p * 16, ld);
       }
   }
-  // out = O^T / l, transposed back 16 rows x 16 head dims at a time (rows with l = 0: zero).
+  // out = O^T / l, transposed back 16 rows x 16 head dims at a time (rows with l = 0: zero;
+  // bfloat16 rounded to nearest even by vcvtneps2bf16, which reads float32 subnormals as zero:
+  // far below any output's last place).
   for (int64_t p = 0; p < panels; p++) {
     const __m512 l = _mm512_loadu_ps(w.l.data() + p * 16);
     const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_GT_OQ),
@@ -460,16 +462,21 @@ void prefill_run(const PrefillArgs<T, Fmt>& a, const std::vector<PrefillItem>& i
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(items.size());
   const int64_t ld = (tile * a.g + 15) / 16 * 16;
-  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t b, int64_t e) {
+  const int64_t threads = std::min<int64_t>(n, at::get_num_threads());
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
     PrefillScratch<T, D> w(ld, !std::is_same_v<typename Fmt::storage, T>);
     // Each thread claims its next item one ahead and fetches that item's query rows into L2
     // while it attends this one (they come from the QKV projection, out of L2 by now: their
-    // loads were an eighth of a 256-token prompt's attention on Zen 4).
+    // loads were an eighth of a 256-token prompt's attention on Zen 4); not in the last
+    // `threads` items, so that a claimed item never waits while another thread has none.
     for (int64_t i = next++; i < n;) {
-      const int64_t j = next++;
-      if (j < n) pf_prefetch_queries<T, Fmt, D>(a, items[j]);
+      int64_t j = n;
+      if (next.load(std::memory_order_relaxed) + threads < n) {
+        j = next++;
+        if (j < n) pf_prefetch_queries<T, Fmt, D>(a, items[j]);
+      }
       pf_item<T, Fmt, D>(a, items[i], w);
-      i = j;
+      i = j < n ? j : next++;
     }
     (void)b;
     (void)e;
