@@ -246,11 +246,15 @@ void panel_tile16(const xt* x, int64_t ldx, const wt* wp, int64_t pstride, int64
 #pragma GCC unroll 4
     for (int q = 0; q < P; q++) acc[r][q] = _mm512_setzero_ps();
   for (int64_t s = 0; s < steps; s++) tile_step<R, P>(acc, x, ldx, wp, pstride, s);
+  // Unrolled whole, so acc is only ever indexed by constants and stays in registers (a loop
+  // with a run-time bound kept a copy of acc on the stack: zeroed, stored and reloaded per
+  // tile, 3% of a 2,048-row product on Zen 4).
+#pragma GCC unroll 4
   for (int q = 0; q < P; q++) {
-    const int64_t cols = std::min<int64_t>(PANEL, nc - q * PANEL);
-    if (cols <= 0) break;
+    const int64_t cols = std::clamp<int64_t>(nc - q * PANEL, 0, PANEL);
     const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + q * PANEL) : _mm512_setzero_ps();
+#pragma GCC unroll 16
     for (int r = 0; r < R; r++) store16(y + r * ldy + q * PANEL, _mm512_add_ps(acc[r][q], b), mask);
   }
 }

@@ -315,8 +315,8 @@ void pf_item(const PrefillArgs<T, Fmt>& a, const PrefillItem& it, PrefillScratch
   const int64_t qlen = a.ends[it.chunk] - a.starts[it.chunk];
   const int64_t pos0 = a.lens[it.chunk] - qlen + it.tok0;
   const int64_t* table = a.tables + it.chunk * a.width;
-  // Q^T: floats [D][ld], or bfloat16 head-dim pairs [D / 2][ld]; padding rows zero, unseeing.
-  std::fill(w.qt.begin(), w.qt.begin() + D * ld, 0.f);
+  // Row r of the tile is query head kh * g + r % g of token tok0 + r / g.
+  auto row_of = [&](int64_t r) { return (a.starts[it.chunk] + it.tok0 + r / g) * a.heads + it.kh * g + r % g; };
   std::fill(w.ot.begin(), w.ot.begin() + D * ld, 0.f);
   for (int64_t r = 0; r < ld; r++) {
     const bool real = r < rows;
@@ -325,15 +325,26 @@ void pf_item(const PrefillArgs<T, Fmt>& a, const PrefillItem& it, PrefillScratch
     w.first[r] = real && a.window > 0 ? static_cast<int32_t>(std::max<int64_t>(0, pos - a.window + 1)) : 0;
     w.m[r] = -std::numeric_limits<float>::infinity();
     w.l[r] = 0.f;
-    if (!real) continue;
-    const T* qr = a.q + (a.starts[it.chunk] + it.tok0 + r / g) * a.sq + (it.kh * g + r % g) * D;
-    if constexpr (pf_pairs<T>) {
-      int32_t* qt = reinterpret_cast<int32_t*>(w.qt.data());
-      for (int j = 0; j < D / 2; j++) std::memcpy(qt + j * ld + r, qr + 2 * j, sizeof(int32_t));
-    } else {
-      for (int d = 0; d < D; d++) w.qt[d * ld + r] = qr[d];
-    }
   }
+  // Q^T: floats [D][ld], or bfloat16 head-dim pairs [D / 2][ld] (32 bits a lane either way),
+  // 16 rows x 16 lanes at a time through registers; padding rows zero, unseeing.
+  constexpr int64_t q_blocks = D * static_cast<int64_t>(sizeof(T)) / 64;  // 64 bytes of a row
+  for (int64_t p = 0; p < panels; p++)
+    for (int64_t b = 0; b < q_blocks; b++) {
+      __m512i x[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; i++) {
+        const int64_t r = p * 16 + i;
+        x[i] = r < rows ? _mm512_loadu_si512(reinterpret_cast<const char*>(
+                              a.q + (a.starts[it.chunk] + it.tok0 + r / g) * a.sq +
+                              (it.kh * g + r % g) * D) + 64 * b)
+                        : _mm512_setzero_si512();
+      }
+      transpose16(x);
+      int32_t* qt = reinterpret_cast<int32_t*>(w.qt.data());
+#pragma GCC unroll 16
+      for (int l = 0; l < 16; l++) _mm512_storeu_si512(qt + (b * 16 + l) * ld + p * 16, x[l]);
+    }
   static constexpr auto one = pf_scores_table<T, D, 1>(std::make_integer_sequence<int, PF_RK>{});
   static constexpr auto two = pf_scores_table<T, D, 2>(std::make_integer_sequence<int, PF_RK>{});
   const int64_t k_end = a.causal ? pos0 + it.ntok : a.lens[it.chunk], k_begin = k_end - it.keys;
@@ -382,13 +393,47 @@ void pf_item(const PrefillArgs<T, Fmt>& a, const PrefillItem& it, PrefillScratch
                              corr + p, w.ot.data() + p * 16, ld);
       }
   }
-  for (int64_t r = 0; r < rows; r++) {
-    const float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f;
-    const int64_t at = (a.starts[it.chunk] + it.tok0 + r / g) * a.heads + it.kh * g + r % g;
-    T* o = a.out + at * D;
-    for (int d = 0; d < D; d++) o[d] = from_f<T>(w.ot[d * ld + r] * inv);
-    if (a.lse)
-      a.lse[at] = w.l[r] > 0.f ? w.m[r] + std::log(w.l[r]) : -std::numeric_limits<float>::infinity();
+  // out = O^T / l, transposed back 16 rows x 16 head dims at a time (rows with l = 0: zero;
+  // bfloat16 rounded to nearest even by vcvtneps2bf16, which reads float32 subnormals as zero:
+  // far below any output's last place).
+  for (int64_t p = 0; p < panels; p++) {
+    const __m512 l = _mm512_loadu_ps(w.l.data() + p * 16);
+    const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                           _mm512_set1_ps(1.f), l);
+    for (int64_t b = 0; b < D / 16; b++) {
+      __m512i x[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; i++)
+        x[i] = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(w.ot.data() + (b * 16 + i) * ld + p * 16), inv));
+      transpose16(x);
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; i++) {
+        if (p * 16 + i >= rows) break;
+        T* o = a.out + row_of(p * 16 + i) * D + b * 16;
+        if constexpr (pf_pairs<T>) {
+#if defined(__AVX512BF16__)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(x[i])));
+#endif
+        } else {
+          _mm512_storeu_ps(o, _mm512_castsi512_ps(x[i]));
+        }
+      }
+    }
+  }
+  if (a.lse)
+    for (int64_t r = 0; r < rows; r++)
+      a.lse[row_of(r)] = w.l[r] > 0.f ? w.m[r] + std::log(w.l[r]) : -std::numeric_limits<float>::infinity();
+}
+
+// Prefetches item `it`'s query rows into L2.
+template <typename T, typename Fmt, int D>
+void pf_prefetch_queries(const PrefillArgs<T, Fmt>& a, const PrefillItem& it) {
+  for (int64_t t = 0; t < it.ntok; t++) {
+    const char* q = reinterpret_cast<const char*>(a.q + (a.starts[it.chunk] + it.tok0 + t) * a.sq +
+                                                  it.kh * a.g * D);
+    for (int64_t b = 0; b < a.g * D * static_cast<int64_t>(sizeof(T)); b += 64)
+      _mm_prefetch(q + b, _MM_HINT_T1);
   }
 }
 
@@ -417,9 +462,22 @@ void prefill_run(const PrefillArgs<T, Fmt>& a, const std::vector<PrefillItem>& i
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(items.size());
   const int64_t ld = (tile * a.g + 15) / 16 * 16;
-  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t b, int64_t e) {
+  const int64_t threads = std::min<int64_t>(n, at::get_num_threads());
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
     PrefillScratch<T, D> w(ld, !std::is_same_v<typename Fmt::storage, T>);
-    for (int64_t i = next++; i < n; i = next++) pf_item<T, Fmt, D>(a, items[i], w);
+    // Each thread claims its next item one ahead and fetches that item's query rows into L2
+    // while it attends this one (they come from the QKV projection, out of L2 by now: their
+    // loads were an eighth of a 256-token prompt's attention on Zen 4); not in the last
+    // `threads` items, so that a claimed item never waits while another thread has none.
+    for (int64_t i = next++; i < n;) {
+      int64_t j = n;
+      if (next.load(std::memory_order_relaxed) + threads < n) {
+        j = next++;
+        if (j < n) pf_prefetch_queries<T, Fmt, D>(a, items[j]);
+      }
+      pf_item<T, Fmt, D>(a, items[i], w);
+      i = j < n ? j : next++;
+    }
     (void)b;
     (void)e;
   });

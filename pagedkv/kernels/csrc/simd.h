@@ -148,6 +148,39 @@ template <typename V> inline V row_sums(V* r) {
 #endif
 }
 
+#if PAGEDKV_QW == 16
+// Transposes 16 rows of 16 32-bit lanes in place: afterwards x[i] lane j is what x[j] lane i
+// was (unpack within 128-bit quarters, then two quarter shuffles: 64 shuffles in all).
+inline void transpose16(__m512i (&x)[16]) {
+  __m512i t[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; i++)
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+      x[4 * i + 2 * h] = _mm512_unpacklo_epi64(t[4 * i + h], t[4 * i + 2 + h]);
+      x[4 * i + 2 * h + 1] = _mm512_unpackhi_epi64(t[4 * i + h], t[4 * i + 2 + h]);
+    }
+  // x[4i + k] now holds, in quarter q, lane 4q + k of rows 4i .. 4i + 3.
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; i++)
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+      t[8 * i + k] = _mm512_shuffle_i32x4(x[8 * i + k], x[8 * i + 4 + k], 0x88);
+      t[8 * i + 4 + k] = _mm512_shuffle_i32x4(x[8 * i + k], x[8 * i + 4 + k], 0xDD);
+    }
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; k++) {
+    x[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
+    x[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xDD);
+  }
+}
+#endif
+
 // a * b + c as one fused multiply-add (QW lanes).
 inline vqf fma_q(vqf a, vqf b, vqf c) {
 #if PAGEDKV_QW == 16
