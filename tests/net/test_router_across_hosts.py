@@ -229,8 +229,15 @@ def test_a_server_link_cut_mid_stream_ends_the_stream_with_an_error(fleet):
 
     idle = fleet.call(in_flight)
     try:
-        result = fleet.call(stream_until_cut, url(fleet.router), prompt, pull_the_cable, 30.0,
-                            timeout=40)
+        for attempt in range(3):
+            result = fleet.call(stream_until_cut, url(fleet.router), prompt, pull_the_cable, 30.0,
+                                timeout=40)
+            if cut or result["end"] != "done":
+                break
+            # The whole stream ended before the first chunk's scrape saw it in flight (a fast
+            # engine, a slow scrape): nothing was cut, so nothing was tested; a new prompt.
+            print(f"attempt {attempt}: the stream ended before the cut: {result}")
+            prompt = make_prompts(seed=16 + attempt, vocab=400, num=1, lengths=(8, 8))[0]
         assert len(cut) == 1
         assert result["end"] is not None and result["end"] != "done", result
         assert result["end"].startswith("error"), result  # the router's SSE error event
