@@ -193,7 +193,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 // hand are used (k_row while its keys are scored, v_row while its values are weighed), so
 // that memory works while the core computes: prefetching a whole block at once filled the
 // core's miss buffers and stalled it until the block came in. Into L2 on AMD's cores, L1 on
-// others (far_l2_prefetch, common.h: on a Zen 4 the L1 prefetches left scattered blocks read at
+// others (prefetch_lines, common.h: on a Zen 4 the L1 prefetches left scattered blocks read at
 // 8-9 GB/s a core, the L2 ones at 19-21; bench_decode_kernel.py). Empty (k, v null): nothing.
 struct Prefetch {
   const char* k = nullptr;
@@ -202,11 +202,7 @@ struct Prefetch {
   void k_row(int64_t t) const { if (k) row(k, t); }
   void v_row(int64_t t) const { if (v) row(v, t); }
   void row(const char* base, int64_t t) const {
-    const char* p = base + t * row_bytes;
-    if (far_l2_prefetch())
-      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + b, 0, 1);
-    else
-      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + b);
+    prefetch_lines(base + t * row_bytes, row_bytes);
   }
 };
 
@@ -330,15 +326,8 @@ template <int D> inline float quantize_q16(const float* q, int16_t* q16) {
 // Asks for `bytes` bytes at a and at b to be brought into the cache (a block is far from the
 // last one: the hardware prefetcher, following streams, would not fetch it ahead).
 inline void prefetch_rows(const void* a, const void* b, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) {
-    if (far_l2_prefetch()) {  // into L2, as Prefetch
-      __builtin_prefetch(static_cast<const char*>(a) + i, 0, 1);
-      __builtin_prefetch(static_cast<const char*>(b) + i, 0, 1);
-    } else {
-      __builtin_prefetch(static_cast<const char*>(a) + i);
-      __builtin_prefetch(static_cast<const char*>(b) + i);
-    }
-  }
+  prefetch_lines(a, bytes);
+  prefetch_lines(b, bytes);
 }
 
 // ---- Query tiles: rows that read the same blocks share each block's loads ------------------

@@ -147,7 +147,7 @@ inline void dot_chunk(const int8_t* w, const S* ws, const QuantizedRows& q, int6
   if constexpr (Far) {
     if (ahead)
       for (int j = 0; j < NC; ++j)
-        quant_rows::prefetch_l2(w + j * k + c + quant_rows::kFarPrefetchBytes);
+        prefetch_l2(w + j * k + c + quant_rows::kFarPrefetchBytes);
   }
   // Lane l of the chunk (4 codes) is in block l / (block / 4) of it.
   const __m512i lane_block = _mm512_srli_epi32(
@@ -210,7 +210,7 @@ void dot_tile(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0
   const bool ahead = Far && w + NC * k + quant_rows::kFarPrefetchBytes <= w_end;
   if (ahead)
     for (int j = 0; j < NC; ++j)
-      quant_rows::prefetch_l2(ws + j * (k / block) + quant_rows::kFarPrefetchBytes / block);
+      prefetch_l2(ws + j * (k / block) + quant_rows::kFarPrefetchBytes / block);
   int64_t c = 0;
   for (; c + 64 <= k; c += 64)
     dot_chunk<R, NC, block, S, Far>(w, ws, q, row0, k, c, 64, acc, ahead);

@@ -87,7 +87,6 @@ inline const float* float_bias(const c10::optional<at::Tensor>& bias, int64_t n)
 // Bytes ahead of the codes being read that the far prefetch asks for (into L2: prefetcht1).
 constexpr int64_t kFarPrefetchBytes = 16 << 10;
 
-inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
 // Weight bytes (times the activation rows' passes over them) below which a product runs on the
 // calling thread: a fork/join of the thread pool costs a few microseconds, what one core
