@@ -17,6 +17,7 @@ from torch.nn import functional as F
 
 from pagedkv.kernels import choice
 from pagedkv.kernels.cpu import PANELS_BEAT_ONEDNN_BF16, panel_isa
+from pagedkv.model.decode_stack import LinearCall
 from pagedkv.model.ops import LayerOps, RopeInputs, rms_norm_reference
 
 
@@ -245,6 +246,22 @@ class Linear(nn.Linear):
     def _mm(self, x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
         """x @ wt (+ bias): oneDNN's matmul for the weight transposed to [in, out]."""
         return torch.mm(x, wt) if self.bias is None else torch.addmm(self.bias, x, wt)
+
+    def decode_call(self, rows: int) -> LinearCall | None:
+        """The one op `forward` runs for a contiguous CPU x of `rows` rows (decode_stack.py),
+        or None where that is not a single op taking x first."""
+        bucket = min(rows, choice.ROUTE_LAST)
+        if self._matmul_rows is not None and self._matmul_rows[bucket]:  # as _mm
+            if self.bias is None:
+                return LinearCall("aten::mm", (self._matmul,))
+            return LinearCall("aten::addmm", (self.bias, self._matmul), x_index=1)
+        if self._panels is not None and (self._panel_rows is None or self._panel_rows[bucket]):
+            return LinearCall("pagedkv_cpu::panel_linear", (self._panels, self.bias),
+                              (self.out_features,))
+        if self._packed is not None:
+            return LinearCall("mkldnn::_linear_pointwise", (self._packed, self.bias), (),
+                              ("none", ""))
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.device.type == "cpu":

@@ -21,6 +21,7 @@ from torch import nn
 
 from pagedkv.model.attention import AttentionMetadata
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.decode_stack import DecodeStack, stack_supported
 from pagedkv.model.kv_int8 import PerTokenScales
 from pagedkv.model.kv_quant import KVScales
 from pagedkv.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
@@ -143,12 +144,17 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, vocab, bias=False)
         self.ops = LayerOps()  # which elementwise kernels run (the runner sets cpu_fused)
+        self.decode_stack: DecodeStack | None = None  # set by pack_linear_weights(panels=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
         """Final hidden states [T, hidden]; writes every layer's new K/V into `kv_caches`.
         `meta`: the step's metadata, or each layer's (KV cache groups)."""
+        if self.decode_stack is not None and self.ops.cpu_fused:  # decodes: one C++ call
+            hidden = self.decode_stack.run(input_ids, positions, kv_caches, meta)
+            if hidden is not None:
+                return hidden
         x = self.embed_tokens(input_ids)
         rope = self.rotary.inputs(positions, x.dtype)
         residual = None
@@ -163,8 +169,11 @@ class LlamaForCausalLM(nn.Module):
     def pack_linear_weights(self, panels: bool = False) -> int:
         """Pre-pack every layer's projection weights for the CPU where that is faster (see
         layers.Linear; call after loading weights; `panels` once the fused CPU kernels are
-        loaded). Returns how many were packed."""
-        return sum(m.pack(panels) for m in self.modules() if isinstance(m, Linear))
+        loaded; which also gives the model its DecodeStack where it `stack_supported`).
+        Returns how many were packed."""
+        packed = sum(m.pack(panels) for m in self.modules() if isinstance(m, Linear))
+        self.decode_stack = DecodeStack(self) if panels and stack_supported(self) else None
+        return packed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [N, vocab] for hidden states [N, hidden]. Tensor parallel: every rank

@@ -188,12 +188,27 @@ class NativeAttentionMetadata(AttentionMetadata):
     def _decode_route(self, q: torch.Tensor, k_cache: torch.Tensor, window: int | None) -> str:
         """decode_choice's kernel for this step's decodes ("native", "torch", "split<P>"),
         once per step per window (a lone decode over a shared prefix is not split)."""
+        return self._route(q.dtype, q.shape[1], q.shape[2], k_cache, window)
+
+    def fused_decode_first(self, dtype: torch.dtype, heads: int, head_dim: int,
+                           k_cache: torch.Tensor, window: int | None) -> torch.Tensor | None:
+        """The first key position of each decode [num_decodes] where this step's decodes (of
+        queries in `dtype`, `heads` x `head_dim`) run the fused kernel alone, as
+        `paged_decode_attention` takes it: route "native" and no shared prefix attended
+        apart (what model/decode_stack.py runs); else None."""
+        first, shared = self._first_positions(window)
+        if shared or self._route(dtype, heads, head_dim, k_cache, window) != "native":
+            return None
+        return first
+
+    def _route(self, dtype: torch.dtype, heads: int, head_dim: int, k_cache: torch.Tensor,
+               window: int | None) -> str:
         key = ("decode_route", window)
         if key not in self._mask_cache:
             first, shared = self._first_positions(window)
             lens = self.decode_seq_lens_list or self.decode_seq_lens.tolist()
-            cls = DecodeClass(q.dtype, q.shape[1], k_cache.shape[0], q.shape[2],
-                              k_cache.shape[2], k_cache.dtype)
+            cls = DecodeClass(dtype, heads, k_cache.shape[0], head_dim, k_cache.shape[2],
+                              k_cache.dtype)
             longest = max(n - f for n, f in zip(lens, first.tolist(), strict=True))
             route = decode_route(cls, len(lens), longest, torch.get_num_threads())
             if route.startswith("split") and shared:

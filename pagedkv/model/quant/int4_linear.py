@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pagedkv.kernels.cpu import cpu_kernels_loaded
+from pagedkv.model.decode_stack import LinearCall
 from pagedkv.model.quant.gguf_parts import narrowest_scales
 from pagedkv.model.quant.int4_blocks import GROUP
 
@@ -118,6 +119,11 @@ class Int4Linear(nn.Module):
         packed, scale_zero = copy
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             rows.to(torch.bfloat16).contiguous(), packed, GROUP, scale_zero).to(rows.dtype)
+
+    def decode_call(self, rows: int) -> LinearCall | None:
+        """The one op `forward` runs with the fused kernels loaded (decode_stack.py)."""
+        return LinearCall("pagedkv_cpu::int4_linear", (self.codes, self.scales, self.bias),
+                          (product_rows(),))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_kernels_loaded():  # one op: its row count picks the product or the expansion

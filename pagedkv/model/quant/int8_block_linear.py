@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pagedkv.kernels.cpu import cpu_kernels_loaded
+from pagedkv.model.decode_stack import LinearCall
 
 _EXPAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows up to which the integer kernel runs (benchmarks/bench_quant_int8.py): against expanding
@@ -88,6 +89,11 @@ class Int8BlockLinear(nn.Module):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """W [N, K] in `dtype`, each value rounded once from float32."""
         return self._dequantized_rows(0, self.out_features, dtype)
+
+    def decode_call(self, rows: int) -> LinearCall | None:
+        """The one op `forward` runs with the fused kernels loaded (decode_stack.py)."""
+        return LinearCall("pagedkv_cpu::int8_block_forward", (self.codes, self.scales, self.bias),
+                          (self.block, product_rows()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_kernels_loaded():  # one op: its row count picks the product or the expansion
