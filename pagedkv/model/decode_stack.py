@@ -52,12 +52,14 @@ def _attention_layers(model: nn.Module) -> list:
 def stack_supported(model: nn.Module) -> bool:
     """Whether `model`'s structure allows a DecodeStack (the per-step conditions are checked
     by `DecodeStack.run`): the Llama layer structure, one process, no q/k norm."""
+    from pagedkv.model.layers import GatedMLP
     from pagedkv.model.llama import Attention, DecoderLayer
 
     if getattr(model, "tp", None) is not None or len(model.layers) == 0:
         return False
     for layer in model.layers:
-        if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention:
+        if (type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention
+                or type(layer.mlp) is not GatedMLP):
             return False
         if layer.self_attn.q_norm is not None or layer.tp is not None:
             return False
