@@ -278,6 +278,174 @@ void dot_tile(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#define PAGEDKV_INT8_PANEL 1
+// The product from a few activation rows on (kInt8PanelMinRows), a panel of 16 weight rows
+// (output columns) at a time: the panel's codes are laid out once per call, 4 codes (a dword)
+// of 8 weight rows a 256-bit vector (an 8 x 8 dword transpose per 32 codes, offset by 128 as
+// above), its block scales as float32 8 weight rows a vector; then each activation row's 4
+// codes at a time, broadcast, meet the 16 weight rows' in two vpdpbusd, a whole block's dot
+// summed in each int32 lane (from -128 times the activation block's code sum) before one
+// convert and one multiply-add by the two scales. Per activation row and weight row this costs
+// a block's 8 vpdpbusd (4 at 16-code blocks) and 3 operations, where the decode tile above
+// spends 4 beside each (its lanes run along K: each 64-code chunk spans two blocks' scales);
+// the layout's cost is shared by all the rows. 256-bit vectors: Zen 4 runs 512-bit ones as two
+// halves, so they gain nothing there, and 8 lanes waste fewer at 4-8 rows.
+constexpr int64_t kInt8PanelMinRows = 4;
+constexpr int kPanelCols = 16;    // weight rows a panel: two vectors of 8
+constexpr int kPanelRowTile = 4;  // activation rows computed together (16 int32 + 8 float sums)
+
+// r [i] (8 dwords each: row i) becomes the transpose: r [q] = dword q of rows 0..7.
+inline void transpose8x8(__m256i r[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 0-3, 4-7
+    u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h + 0], t[4 * h + 2]);
+    u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h + 0], t[4 * h + 2]);
+    u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+    u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    r[q] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x20);
+    r[q + 4] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x31);
+  }
+}
+
+// Up to 8 block scales from p (count of them) as float32, the rest zero.
+inline __m256 panel_scales(const float* p, __mmask8 m) { return _mm256_maskz_loadu_ps(m, p); }
+inline __m256 panel_scales(const c10::Half* p, __mmask8 m) {
+  return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(m, p));
+}
+
+// Lays out weight rows w [nc, K] (nc <= 16; scales ws [nc, K / B]) into pw (K / 4 x 2
+// vectors: dword d of rows 0-7, of rows 8-15; codes offset by 128) and ps (K / B x 16 floats),
+// rows past nc as zero codes and scales. `next`: the following panel's codes (nullptr at the
+// weight's end), asked for into L2 meanwhile. Writes pw and ps.
+template <int64_t B, typename S>
+void lay_out_panel(const int8_t* w, const S* ws, int64_t nc, int64_t k, __m256i* pw, float* ps,
+                   const int8_t* next, int64_t next_rows) {
+  const int64_t kb = k / B;
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t c = 0; c < k; c += 32) {
+    if (next != nullptr && c % 64 == 0)
+      for (int64_t j = 0; j < next_rows; ++j) prefetch_l2(next + j * k + c);
+    for (int g = 0; g < 2; ++g) {
+      __m256i r[8];
+      for (int i = 0; i < 8; ++i) {
+        const int64_t row = 8 * g + i;
+        r[i] = row < nc ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + row * k + c))
+                        : _mm256_setzero_si256();
+      }
+      transpose8x8(r);
+      for (int q = 0; q < 8; ++q)
+        _mm256_storeu_si256(pw + (c / 4 + q) * 2 + g, _mm256_xor_si256(r[q], bias));
+    }
+  }
+  for (int64_t b = 0; b < kb; b += 8) {
+    const __mmask8 m = static_cast<__mmask8>((1u << std::min<int64_t>(8, kb - b)) - 1);
+    for (int g = 0; g < 2; ++g) {
+      __m256i r[8];
+      for (int i = 0; i < 8; ++i) {
+        const int64_t row = 8 * g + i;
+        r[i] = row < nc ? _mm256_castps_si256(panel_scales(ws + row * kb + b, m))
+                        : _mm256_setzero_si256();
+      }
+      transpose8x8(r);
+      for (int q = 0; q < 8 && b + q < kb; ++q)
+        _mm256_storeu_ps(ps + (b + q) * kPanelCols + 8 * g, _mm256_castsi256_ps(r[q]));
+    }
+  }
+}
+
+// Activation rows row0 .. row0 + R - 1 against a laid-out panel (pw, ps): y [r * 16 + j] =
+// row r's product with the panel's weight row j. `offset` [M, K / B]: -128 times each
+// activation block's code sum.
+template <int R, int64_t B>
+inline void panel_tile(const __m256i* pw, const float* ps, const QuantizedRows& q,
+                       const int32_t* offset, int64_t row0, int64_t k, float* y) {
+  constexpr int64_t D = B / 4;  // dwords a block
+  const int64_t kb = k / B;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const int32_t* x[R];
+  for (int r = 0; r < R; ++r) x[r] = reinterpret_cast<const int32_t*>(q.codes + (row0 + r) * k);
+  for (int64_t b = 0; b < kb; ++b) {
+    __m256i dot[R][2];
+    for (int r = 0; r < R; ++r)
+      dot[r][0] = dot[r][1] = _mm256_set1_epi32(offset[(row0 + r) * kb + b]);
+    const __m256i* wb = pw + b * D * 2;
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256i w0 = _mm256_loadu_si256(wb + 2 * d);
+      const __m256i w1 = _mm256_loadu_si256(wb + 2 * d + 1);
+      for (int r = 0; r < R; ++r) {
+        int32_t xd;
+        std::memcpy(&xd, x[r] + b * D + d, sizeof(xd));
+        const __m256i xv = _mm256_set1_epi32(xd);
+        dot[r][0] = _mm256_dpbusd_epi32(dot[r][0], w0, xv);
+        dot[r][1] = _mm256_dpbusd_epi32(dot[r][1], w1, xv);
+      }
+    }
+    const __m256 s0 = _mm256_loadu_ps(ps + b * kPanelCols);
+    const __m256 s1 = _mm256_loadu_ps(ps + b * kPanelCols + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xs = _mm256_set1_ps(q.block_scale[(row0 + r) * kb + b]);
+      acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][0]), _mm256_mul_ps(s0, xs), acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][1]), _mm256_mul_ps(s1, xs), acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y + r * kPanelCols, acc[r][0]);
+    _mm256_storeu_ps(y + r * kPanelCols + 8, acc[r][1]);
+  }
+}
+
+// out [m, n] (T) = x's quantized rows `q` times the weight, a panel of 16 weight rows at a time
+// (panels over threads, on the calling thread below quant_rows::kInlineBytes of weights).
+template <int64_t B, typename T, typename S>
+void panel_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const S* ws, int64_t n,
+                   int64_t k, T* out) {
+  const int64_t kb = k / B;
+  int32_t* offset = quant_rows::scratch<int32_t, 1>(m * kb);
+  for (int64_t i = 0; i < m * kb; ++i) {
+    int32_t s = 0;
+    for (int64_t l = 0; l < B / 4; ++l) s += q.lane_offset[i * (B / 4) + l];
+    offset[i] = s;
+  }
+  const int64_t panels = (n + kPanelCols - 1) / kPanelCols;
+  const int64_t passes = (m + kPanelRowTile - 1) / kPanelRowTile;
+  quant_rows::run_blocks(panels, n * k * passes, [&](int64_t p_begin, int64_t p_end) {
+    __m256i* pw = reinterpret_cast<__m256i*>(
+        quant_rows::scratch<int8_t, 5>(k / 4 * 2 * sizeof(__m256i)));
+    float* ps = quant_rows::scratch<float, 10>(kb * kPanelCols);
+    alignas(32) float y[kPanelRowTile * kPanelCols];
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      const int64_t col = p * kPanelCols;
+      const int64_t nc = std::min<int64_t>(kPanelCols, n - col);
+      const int64_t next_col = col + kPanelCols;
+      lay_out_panel<B>(w + col * k, ws + col * kb, nc, k, pw, ps,
+                       next_col < n ? w + next_col * k : nullptr,
+                       std::min<int64_t>(kPanelCols, n - next_col));
+      for (int64_t r = 0; r < m;) {
+        const int64_t rows = std::min<int64_t>(kPanelRowTile, m - r);
+        switch (rows) {
+          case 4: panel_tile<4, B>(pw, ps, q, offset, r, k, y); break;
+          case 3: panel_tile<3, B>(pw, ps, q, offset, r, k, y); break;
+          case 2: panel_tile<2, B>(pw, ps, q, offset, r, k, y); break;
+          default: panel_tile<1, B>(pw, ps, q, offset, r, k, y); break;
+        }
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t j = 0; j < nc; ++j)
+            out[(r + i) * n + col + j] = static_cast<T>(y[i * kPanelCols + j]);
+        r += rows;
+      }
+    }
+  });
+}
+#endif
+
 constexpr int kRowTile = 4;
 constexpr int kColTile = 4;  // weight rows computed together
 
@@ -460,6 +628,12 @@ void block_product(const T* x, int64_t m, int64_t k, const int8_t* w, const S* w
 #if defined(PAGEDKV_INT8_AMX)
   if (m >= kInt8AmxMinRows && n % 16 == 0 && amx_permitted()) {
     int8_amx_product<B>(int8_amx_activations<B>(q, m, k), m, w, ws, n, k, out);
+    return;
+  }
+#endif
+#if defined(PAGEDKV_INT8_PANEL)
+  if (m >= kInt8PanelMinRows) {
+    panel_columns<B>(q, m, w, ws, n, k, out);
     return;
   }
 #endif
