@@ -291,9 +291,12 @@ void dot_tile(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0
 // spends 4 beside each (its lanes run along K: each 64-code chunk spans two blocks' scales);
 // the layout's cost is shared by all the rows. 256-bit vectors: Zen 4 runs 512-bit ones as two
 // halves, so they gain nothing there, and 8 lanes waste fewer at 4-8 rows.
-constexpr int64_t kInt8PanelMinRows = 4;
+constexpr int64_t kInt8PanelMinRows = 3;
 constexpr int kPanelCols = 16;    // weight rows a panel: two vectors of 8
-constexpr int kPanelRowTile = 4;  // activation rows computed together (16 int32 + 8 float sums)
+constexpr int kPanelRowTile = 4;
+constexpr int64_t kPanelPrefetchBytes = 32 << 10;
+// Codes along K laid out at a time: 256 (8 KiB of layout for 16 weight rows).
+constexpr int64_t kPanelChunk = 256;  // activation rows computed together (16 int32 + 8 float sums)
 
 // r [i] (8 dwords each: row i) becomes the transpose: r [q] = dword q of rows 0..7.
 inline void transpose8x8(__m256i r[8]) {
@@ -320,62 +323,69 @@ inline __m256 panel_scales(const c10::Half* p, __mmask8 m) {
   return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(m, p));
 }
 
-// Lays out weight rows w [nc, K] (nc <= 16; scales ws [nc, K / B]) into pw (K / 4 x 2
-// vectors: dword d of rows 0-7, of rows 8-15; codes offset by 128) and ps (K / B x 16 floats),
-// rows past nc as zero codes and scales. `next`: the following panel's codes (nullptr at the
-// weight's end), asked for into L2 meanwhile. Writes pw and ps.
+// Lays out codes [c0, c0 + len) of weight rows w [nc, K] (nc <= 16; scales ws [nc, K / B])
+// into pw (len / 4 x 2 vectors: dword d of rows 0-7, of rows 8-15; codes offset by 128) and ps
+// (len / B x 16 floats), rows past nc as zero codes and scales. `next`: the same codes of a
+// panel further on (nullptr past the weight's end; next_rows of its rows), asked for into L2
+// meanwhile. Writes pw and ps.
 template <int64_t B, typename S>
-void lay_out_panel(const int8_t* w, const S* ws, int64_t nc, int64_t k, __m256i* pw, float* ps,
-                   const int8_t* next, int64_t next_rows) {
+void lay_out_panel(const int8_t* w, const S* ws, int64_t nc, int64_t k, int64_t c0, int64_t len,
+                   __m256i* pw, float* ps, const int8_t* next, int64_t next_rows) {
   const int64_t kb = k / B;
   const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
-  for (int64_t c = 0; c < k; c += 32) {
+  for (int64_t c = 0; c < len; c += 32) {
     if (next != nullptr && c % 64 == 0)
-      for (int64_t j = 0; j < next_rows; ++j) prefetch_l2(next + j * k + c);
+      for (int64_t j = 0; j < next_rows; ++j) prefetch_l2(next + j * k + c0 + c);
     for (int g = 0; g < 2; ++g) {
       __m256i r[8];
       for (int i = 0; i < 8; ++i) {
         const int64_t row = 8 * g + i;
-        r[i] = row < nc ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + row * k + c))
-                        : _mm256_setzero_si256();
+        r[i] = row < nc
+            ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + row * k + c0 + c))
+            : _mm256_setzero_si256();
       }
       transpose8x8(r);
       for (int q = 0; q < 8; ++q)
         _mm256_storeu_si256(pw + (c / 4 + q) * 2 + g, _mm256_xor_si256(r[q], bias));
     }
   }
-  for (int64_t b = 0; b < kb; b += 8) {
-    const __mmask8 m = static_cast<__mmask8>((1u << std::min<int64_t>(8, kb - b)) - 1);
+  const int64_t blocks = len / B;
+  for (int64_t b = 0; b < blocks; b += 8) {
+    const __mmask8 m = static_cast<__mmask8>((1u << std::min<int64_t>(8, blocks - b)) - 1);
     for (int g = 0; g < 2; ++g) {
       __m256i r[8];
       for (int i = 0; i < 8; ++i) {
         const int64_t row = 8 * g + i;
-        r[i] = row < nc ? _mm256_castps_si256(panel_scales(ws + row * kb + b, m))
+        r[i] = row < nc ? _mm256_castps_si256(panel_scales(ws + row * kb + c0 / B + b, m))
                         : _mm256_setzero_si256();
       }
       transpose8x8(r);
-      for (int q = 0; q < 8 && b + q < kb; ++q)
+      for (int q = 0; q < 8 && b + q < blocks; ++q)
         _mm256_storeu_ps(ps + (b + q) * kPanelCols + 8 * g, _mm256_castsi256_ps(r[q]));
     }
   }
 }
 
-// Activation rows row0 .. row0 + R - 1 against a laid-out panel (pw, ps): y [r * 16 + j] =
-// row r's product with the panel's weight row j. `offset` [M, K / B]: -128 times each
-// activation block's code sum.
+// Activation rows row0 .. row0 + R - 1, codes [c0, c0 + len), against a laid-out panel (pw,
+// ps): y [r * 16 + j] (plus its value unless `first`) += row r's product with the panel's
+// weight row j. `offset` [M, K / B]: -128 times each activation block's code sum. Writes y.
 template <int R, int64_t B>
 inline void panel_tile(const __m256i* pw, const float* ps, const QuantizedRows& q,
-                       const int32_t* offset, int64_t row0, int64_t k, float* y) {
+                       const int32_t* offset, int64_t row0, int64_t k, int64_t c0, int64_t len,
+                       float* y, bool first) {
   constexpr int64_t D = B / 4;  // dwords a block
-  const int64_t kb = k / B;
+  const int64_t kb = k / B, b0 = c0 / B;
   __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < 2; ++g)
+      acc[r][g] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * kPanelCols + 8 * g);
   const int32_t* x[R];
-  for (int r = 0; r < R; ++r) x[r] = reinterpret_cast<const int32_t*>(q.codes + (row0 + r) * k);
-  for (int64_t b = 0; b < kb; ++b) {
+  for (int r = 0; r < R; ++r)
+    x[r] = reinterpret_cast<const int32_t*>(q.codes + (row0 + r) * k + c0);
+  for (int64_t b = 0; b < len / B; ++b) {
     __m256i dot[R][2];
     for (int r = 0; r < R; ++r)
-      dot[r][0] = dot[r][1] = _mm256_set1_epi32(offset[(row0 + r) * kb + b]);
+      dot[r][0] = dot[r][1] = _mm256_set1_epi32(offset[(row0 + r) * kb + b0 + b]);
     const __m256i* wb = pw + b * D * 2;
     for (int64_t d = 0; d < D; ++d) {
       const __m256i w0 = _mm256_loadu_si256(wb + 2 * d);
@@ -391,7 +401,7 @@ inline void panel_tile(const __m256i* pw, const float* ps, const QuantizedRows& 
     const __m256 s0 = _mm256_loadu_ps(ps + b * kPanelCols);
     const __m256 s1 = _mm256_loadu_ps(ps + b * kPanelCols + 8);
     for (int r = 0; r < R; ++r) {
-      const __m256 xs = _mm256_set1_ps(q.block_scale[(row0 + r) * kb + b]);
+      const __m256 xs = _mm256_set1_ps(q.block_scale[(row0 + r) * kb + b0 + b]);
       acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][0]), _mm256_mul_ps(s0, xs), acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][1]), _mm256_mul_ps(s1, xs), acc[r][1]);
     }
@@ -403,7 +413,9 @@ inline void panel_tile(const __m256i* pw, const float* ps, const QuantizedRows& 
 }
 
 // out [m, n] (T) = x's quantized rows `q` times the weight, a panel of 16 weight rows at a time
-// (panels over threads, on the calling thread below quant_rows::kInlineBytes of weights).
+// (panels over threads, on the calling thread below quant_rows::kInlineBytes of weights), each
+// kPanelChunk codes along K laid out and met by all the rows before the next (the layout stays
+// in L1 at any K).
 template <int64_t B, typename T, typename S>
 void panel_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const S* ws, int64_t n,
                    int64_t k, T* out) {
@@ -416,31 +428,37 @@ void panel_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const S* 
   }
   const int64_t panels = (n + kPanelCols - 1) / kPanelCols;
   const int64_t passes = (m + kPanelRowTile - 1) / kPanelRowTile;
+  // The panel whose codes are asked for while this one is laid out: about kPanelPrefetchBytes
+  // ahead.
+  const int64_t ahead = std::max<int64_t>(1, kPanelPrefetchBytes / (kPanelCols * k));
   quant_rows::run_blocks(panels, n * k * passes, [&](int64_t p_begin, int64_t p_end) {
+    const int64_t chunk = std::min(k, kPanelChunk);
     __m256i* pw = reinterpret_cast<__m256i*>(
-        quant_rows::scratch<int8_t, 5>(k / 4 * 2 * sizeof(__m256i)));
-    float* ps = quant_rows::scratch<float, 10>(kb * kPanelCols);
-    alignas(32) float y[kPanelRowTile * kPanelCols];
+        quant_rows::scratch<int8_t, 5>(chunk / 4 * 2 * sizeof(__m256i)));
+    float* ps = quant_rows::scratch<float, 10>(chunk / B * kPanelCols);
+    float* y = quant_rows::scratch<float, 11>(m * kPanelCols);
     for (int64_t p = p_begin; p < p_end; ++p) {
       const int64_t col = p * kPanelCols;
       const int64_t nc = std::min<int64_t>(kPanelCols, n - col);
-      const int64_t next_col = col + kPanelCols;
-      lay_out_panel<B>(w + col * k, ws + col * kb, nc, k, pw, ps,
-                       next_col < n ? w + next_col * k : nullptr,
-                       std::min<int64_t>(kPanelCols, n - next_col));
-      for (int64_t r = 0; r < m;) {
-        const int64_t rows = std::min<int64_t>(kPanelRowTile, m - r);
-        switch (rows) {
-          case 4: panel_tile<4, B>(pw, ps, q, offset, r, k, y); break;
-          case 3: panel_tile<3, B>(pw, ps, q, offset, r, k, y); break;
-          case 2: panel_tile<2, B>(pw, ps, q, offset, r, k, y); break;
-          default: panel_tile<1, B>(pw, ps, q, offset, r, k, y); break;
+      const int64_t next_col = col + ahead * kPanelCols;
+      for (int64_t c0 = 0; c0 < k; c0 += chunk) {
+        const int64_t len = std::min(chunk, k - c0);
+        lay_out_panel<B>(w + col * k, ws + col * kb, nc, k, c0, len, pw, ps,
+                         next_col < n ? w + next_col * k : nullptr,
+                         std::min<int64_t>(kPanelCols, n - next_col));
+        for (int64_t r = 0; r < m; r += kPanelRowTile) {
+          float* yr = y + r * kPanelCols;
+          switch (std::min<int64_t>(kPanelRowTile, m - r)) {
+            case 4: panel_tile<4, B>(pw, ps, q, offset, r, k, c0, len, yr, c0 == 0); break;
+            case 3: panel_tile<3, B>(pw, ps, q, offset, r, k, c0, len, yr, c0 == 0); break;
+            case 2: panel_tile<2, B>(pw, ps, q, offset, r, k, c0, len, yr, c0 == 0); break;
+            default: panel_tile<1, B>(pw, ps, q, offset, r, k, c0, len, yr, c0 == 0); break;
+          }
         }
-        for (int64_t i = 0; i < rows; ++i)
-          for (int64_t j = 0; j < nc; ++j)
-            out[(r + i) * n + col + j] = static_cast<T>(y[i * kPanelCols + j]);
-        r += rows;
       }
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t j = 0; j < nc; ++j)
+          out[r * n + col + j] = static_cast<T>(y[r * kPanelCols + j]);
     }
   });
 }
