@@ -292,6 +292,7 @@ void dot_tile(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0
 // the layout's cost is shared by all the rows. 256-bit vectors: Zen 4 runs 512-bit ones as two
 // halves, so they gain nothing there, and 8 lanes waste fewer at 4-8 rows.
 constexpr int64_t kInt8PanelMinRows = 3;
+constexpr int64_t kInt8PanelMaxRows = 64;  // int8_block_tile_rows
 constexpr int kPanelCols = 16;    // weight rows a panel: two vectors of 8
 constexpr int kPanelRowTile = 4;
 constexpr int64_t kPanelPrefetchBytes = 32 << 10;
@@ -627,11 +628,17 @@ void int8_amx_product(const Int8AmxAct& act, int64_t m, const int8_t* w, const S
 }
 #endif
 
-// Rows up to which the packed linear runs int8_block_linear where it runs on AMX tiles (0
-// without).
+// Rows up to which the packed linear runs int8_block_linear where it runs on AMX tiles or the
+// panel product (0 without: INT8_BLOCK_ROWS then). The panel product at 64 rows took 0.6-0.65x
+// the one-thread CPU time of the weight expanded to bfloat16 and oneDNN's matmul over
+// SmolLM2-135M's shapes on AMD Zen 4 (benchmarks/bench_quant_linear.py --paths q8gemv,q8expand);
+// AVX2's product stays at INT8_BLOCK_ROWS.
 int64_t int8_block_tile_rows() {
 #if defined(PAGEDKV_INT8_AMX)
-  return amx_permitted() ? kInt8AmxMaxRows : 0;
+  if (amx_permitted()) return kInt8AmxMaxRows;
+#endif
+#if defined(PAGEDKV_INT8_PANEL)
+  return kInt8PanelMaxRows;
 #else
   return 0;
 #endif
