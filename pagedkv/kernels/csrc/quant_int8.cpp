@@ -295,7 +295,7 @@ constexpr int64_t kInt8PanelMinRows = 3;
 constexpr int64_t kInt8PanelMaxRows = 64;  // int8_block_tile_rows
 constexpr int kPanelCols = 16;    // weight rows a panel: two vectors of 8
 constexpr int kPanelRowTile = 4;
-constexpr int64_t kPanelPrefetchBytes = 32 << 10;
+constexpr int64_t kPanelPrefetchBytes = 8 << 10;
 // Codes along K laid out at a time: 256 (8 KiB of layout for 16 weight rows).
 constexpr int64_t kPanelChunk = 256;  // activation rows computed together (16 int32 + 8 float sums)
 
@@ -329,9 +329,10 @@ inline __m256 panel_scales(const c10::Half* p, __mmask8 m) {
 // (len / B x 16 floats), rows past nc as zero codes and scales. `next`: the same codes of a
 // panel further on (nullptr past the weight's end; next_rows of its rows), asked for into L2
 // meanwhile. Writes pw and ps.
-template <int64_t B, typename S>
+template <int64_t B, bool Full, typename S>
 void lay_out_panel(const int8_t* w, const S* ws, int64_t nc, int64_t k, int64_t c0, int64_t len,
                    __m256i* pw, float* ps, const int8_t* next, int64_t next_rows) {
+  if constexpr (Full) nc = kPanelCols;  // (a constant: no test per row)
   const int64_t kb = k / B;
   const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int64_t c = 0; c < len; c += 32) {
@@ -444,9 +445,15 @@ void panel_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const S* 
       const int64_t next_col = col + ahead * kPanelCols;
       for (int64_t c0 = 0; c0 < k; c0 += chunk) {
         const int64_t len = std::min(chunk, k - c0);
-        lay_out_panel<B>(w + col * k, ws + col * kb, nc, k, c0, len, pw, ps,
-                         next_col < n ? w + next_col * k : nullptr,
-                         std::min<int64_t>(kPanelCols, n - next_col));
+        const int8_t* next = next_col < n ? w + next_col * k : nullptr;
+        const int64_t next_rows = std::min<int64_t>(kPanelCols, n - next_col);
+        if (nc == kPanelCols) {
+          lay_out_panel<B, true>(w + col * k, ws + col * kb, nc, k, c0, len, pw, ps, next,
+                                 next_rows);
+        } else {
+          lay_out_panel<B, false>(w + col * k, ws + col * kb, nc, k, c0, len, pw, ps, next,
+                                  next_rows);
+        }
         for (int64_t r = 0; r < m; r += kPanelRowTile) {
           float* yr = y + r * kPanelCols;
           switch (std::min<int64_t>(kPanelRowTile, m - r)) {
