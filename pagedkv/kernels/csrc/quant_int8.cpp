@@ -13,7 +13,9 @@
 // takes |w| (up to 128: every int8 code, -128 included) as the unsigned operand and x with w's
 // sign as the signed one (x is within [-127, 127], so the negation is exact; pair sums up to
 // 2 * 128 * 127, within int16). Output columns are split over threads, 4 computed together
-// (independent sums in flight); each column's codes are read once for all rows.
+// (independent sums in flight); each column's codes are read once for all rows. From 3 rows,
+// AVX-512 VNNI runs the panel product instead (panel_columns: the weight rows' codes laid out
+// per call so that a block's whole dot sums in an int32 lane).
 // Registered as a fragment of the pagedkv_cpu library (bindings.cpp holds the rest).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -286,18 +288,22 @@ void dot_tile(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0
 // above), its block scales as float32 8 weight rows a vector; then each activation row's 4
 // codes at a time, broadcast, meet the 16 weight rows' in two vpdpbusd, a whole block's dot
 // summed in each int32 lane (from -128 times the activation block's code sum) before one
-// convert and one multiply-add by the two scales. Per activation row and weight row this costs
-// a block's 8 vpdpbusd (4 at 16-code blocks) and 3 operations, where the decode tile above
-// spends 4 beside each (its lanes run along K: each 64-code chunk spans two blocks' scales);
-// the layout's cost is shared by all the rows. 256-bit vectors: Zen 4 runs 512-bit ones as two
-// halves, so they gain nothing there, and 8 lanes waste fewer at 4-8 rows.
+// convert and one multiply-add by the two scales. Per activation row and 8 weight rows a block
+// costs 8 vpdpbusd (4 at 16-code blocks) and 3 float operations, where the decode tile above
+// spends 4 beside each vpdpbusd (its lanes run along K: each 64-code chunk spans two blocks'
+// scales); the layout's cost (about the products' own at 4 rows) is shared by all the rows.
+// From 3 rows: at 2 it measured no faster than the decode tile (AMD Zen 4). 256-bit vectors:
+// Zen 4 runs 512-bit ones as two halves, so they would gain little there.
 constexpr int64_t kInt8PanelMinRows = 3;
 constexpr int64_t kInt8PanelMaxRows = 64;  // int8_block_tile_rows
 constexpr int kPanelCols = 16;    // weight rows a panel: two vectors of 8
-constexpr int kPanelRowTile = 4;
+constexpr int kPanelRowTile = 4;  // activation rows computed together (16 int32 + 8 float sums)
+// How far ahead of the panel being laid out its codes are asked for into L2 (rounded to whole
+// panels, at least the next): 8 KiB measured a little ahead of 32 and 64 on SmolLM2's head at
+// 4-16 rows (AMD Zen 4, weights from memory), within the noise of a shared machine.
 constexpr int64_t kPanelPrefetchBytes = 8 << 10;
 // Codes along K laid out at a time: 256 (8 KiB of layout for 16 weight rows).
-constexpr int64_t kPanelChunk = 256;  // activation rows computed together (16 int32 + 8 float sums)
+constexpr int64_t kPanelChunk = 256;
 
 // r [i] (8 dwords each: row i) becomes the transpose: r [q] = dword q of rows 0..7.
 inline void transpose8x8(__m256i r[8]) {
