@@ -145,13 +145,13 @@ def test_column_counts_off_the_kernels_tile_are_exact(n):
 
 @pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("k", [96, 800])
-@pytest.mark.parametrize("rows", [2, 3, 4, 7, 9, 64])
+@pytest.mark.parametrize("rows", [3, 4, 6, 7, 9, 64])
 def test_row_and_column_tiles_off_the_panel_are_exact(block, k, rows):
-    """From 3 rows the AVX-512 VNNI kernel lays out 16 weight rows at a time, 256 codes along K
+    """From 4 rows the AVX-512 VNNI kernel lays out 16 weight rows at a time, 256 codes along K
     at a time, and computes 4 activation rows together: K = 3 blocks of 32 (less than one
     stretch) and 800 (three stretches and a tail of 32, an odd count of 32-code blocks), 20
     outputs (a panel and 4 rows of the next), row counts off the tile of 4 and across the
-    2 / 3 rows where the products change, on one thread and two, give the exact integer
+    3 / 4 rows where the products change, on one thread and two, give the exact integer
     products; float16 scales as Q8_0's."""
     g = torch.Generator().manual_seed(rows * k + block)
     n = 20

@@ -13,7 +13,7 @@
 // takes |w| (up to 128: every int8 code, -128 included) as the unsigned operand and x with w's
 // sign as the signed one (x is within [-127, 127], so the negation is exact; pair sums up to
 // 2 * 128 * 127, within int16). Output columns are split over threads, 4 computed together
-// (independent sums in flight); each column's codes are read once for all rows. From 3 rows,
+// (independent sums in flight); each column's codes are read once for all rows. From 4 rows,
 // AVX-512 VNNI runs the panel product instead (panel_columns: the weight rows' codes laid out
 // per call so that a block's whole dot sums in an int32 lane).
 // Registered as a fragment of the pagedkv_cpu library (bindings.cpp holds the rest).
@@ -292,9 +292,10 @@ void dot_tile(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0
 // costs 8 vpdpbusd (4 at 16-code blocks) and 3 float operations, where the decode tile above
 // spends 4 beside each vpdpbusd (its lanes run along K: each 64-code chunk spans two blocks'
 // scales); the layout's cost (about the products' own at 4 rows) is shared by all the rows.
-// From 3 rows: at 2 it measured no faster than the decode tile (AMD Zen 4). 256-bit vectors:
+// From 4 rows: at 2-3 it measured no faster than the decode tile (AMD Zen 4; at 3, on the
+// head's weights from memory, 0.85-0.95x its speed). 256-bit vectors:
 // Zen 4 runs 512-bit ones as two halves, so they would gain little there.
-constexpr int64_t kInt8PanelMinRows = 3;
+constexpr int64_t kInt8PanelMinRows = 4;
 constexpr int64_t kInt8PanelMaxRows = 64;  // int8_block_tile_rows
 constexpr int kPanelCols = 16;    // weight rows a panel: two vectors of 8
 constexpr int kPanelRowTile = 4;  // activation rows computed together (16 int32 + 8 float sums)
