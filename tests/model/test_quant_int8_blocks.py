@@ -144,6 +144,36 @@ def test_column_counts_off_the_kernels_tile_are_exact(n):
     assert ((got - exact).abs() <= 2.0 ** -20 * (x.double().abs() @ w.abs().T + 1e-6)).all()
 
 @pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("k", [96, 800])
+@pytest.mark.parametrize("rows", [3, 4, 6, 7, 9, 64])
+def test_row_and_column_tiles_off_the_panel_are_exact(block, k, rows):
+    """From 4 rows the AVX-512 VNNI kernel lays out 16 weight rows at a time, 256 codes along K
+    at a time, and computes 4 activation rows together: K = 3 blocks of 32 (less than one
+    stretch) and 800 (three stretches and a tail of 32, an odd count of 32-code blocks), 20
+    outputs (a panel and 4 rows of the next), row counts off the tile of 4 and across the
+    3 / 4 rows where the products change, on one thread and two, give the exact integer
+    products; float16 scales as Q8_0's."""
+    g = torch.Generator().manual_seed(rows * k + block)
+    n = 20
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    scales = ((torch.rand(n, k // block, generator=g) - 0.3) * 1e-2).half()
+    x = torch.randn(rows, k, generator=g)
+    w = expand_reference(codes, scales, torch.float64)
+    q, d = quantized_activations(x, block)
+    exact = (q * d).reshape(rows, k) @ w.T
+    bound = 2.0 ** -20 * (x.double().abs() @ w.abs().T + 1e-6)  # float32 sums of exact dots
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            got = torch.ops.pagedkv_cpu.int8_block_linear(x, codes, scales, block).double()
+            assert got.shape == (rows, n)
+            assert ((got - exact).abs() <= bound).all()
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_weights_past_the_prefetch_distance_are_exact(block, rows):
     """Weights longer than the decode product's far prefetch reaches (16 KiB of codes ahead, on

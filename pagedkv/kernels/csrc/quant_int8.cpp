@@ -13,7 +13,9 @@
 // takes |w| (up to 128: every int8 code, -128 included) as the unsigned operand and x with w's
 // sign as the signed one (x is within [-127, 127], so the negation is exact; pair sums up to
 // 2 * 128 * 127, within int16). Output columns are split over threads, 4 computed together
-// (independent sums in flight); each column's codes are read once for all rows.
+// (independent sums in flight); each column's codes are read once for all rows. From 4 rows,
+// AVX-512 VNNI runs the panel product instead (panel_columns: the weight rows' codes laid out
+// per call so that a block's whole dot sums in an int32 lane).
 // Registered as a fragment of the pagedkv_cpu library (bindings.cpp holds the rest).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -278,6 +280,205 @@ void dot_tile(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#define PAGEDKV_INT8_PANEL 1
+// The product from a few activation rows on (kInt8PanelMinRows), a panel of 16 weight rows
+// (output columns) at a time: the panel's codes are laid out once per call, 4 codes (a dword)
+// of 8 weight rows a 256-bit vector (an 8 x 8 dword transpose per 32 codes, offset by 128 as
+// above), its block scales as float32 8 weight rows a vector; then each activation row's 4
+// codes at a time, broadcast, meet the 16 weight rows' in two vpdpbusd, a whole block's dot
+// summed in each int32 lane (from -128 times the activation block's code sum) before one
+// convert and one multiply-add by the two scales. Per activation row and 8 weight rows a block
+// costs 8 vpdpbusd (4 at 16-code blocks) and 3 float operations, where the decode tile above
+// spends 4 beside each vpdpbusd (its lanes run along K: each 64-code chunk spans two blocks'
+// scales); the layout's cost (about the products' own at 4 rows) is shared by all the rows.
+// From 4 rows: at 2-3 it measured no faster than the decode tile (AMD Zen 4; at 3, on the
+// head's weights from memory, 0.85-0.95x its speed). 256-bit vectors:
+// Zen 4 runs 512-bit ones as two halves, so they would gain little there.
+constexpr int64_t kInt8PanelMinRows = 4;
+constexpr int64_t kInt8PanelMaxRows = 64;  // int8_block_tile_rows
+constexpr int kPanelCols = 16;    // weight rows a panel: two vectors of 8
+constexpr int kPanelRowTile = 4;  // activation rows computed together (16 int32 + 8 float sums)
+// How far ahead of the panel being laid out its codes are asked for into L2 (rounded to whole
+// panels, at least the next): 8 KiB measured a little ahead of 32 and 64 on SmolLM2's head at
+// 4-16 rows (AMD Zen 4, weights from memory), within the noise of a shared machine.
+constexpr int64_t kPanelPrefetchBytes = 8 << 10;
+// Codes along K laid out at a time: 256 (8 KiB of layout for 16 weight rows).
+constexpr int64_t kPanelChunk = 256;
+
+// r [i] (8 dwords each: row i) becomes the transpose: r [q] = dword q of rows 0..7.
+inline void transpose8x8(__m256i r[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 0-3, 4-7
+    u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h + 0], t[4 * h + 2]);
+    u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h + 0], t[4 * h + 2]);
+    u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+    u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    r[q] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x20);
+    r[q + 4] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x31);
+  }
+}
+
+// Up to 8 block scales from p (count of them) as float32, the rest zero.
+inline __m256 panel_scales(const float* p, __mmask8 m) { return _mm256_maskz_loadu_ps(m, p); }
+inline __m256 panel_scales(const c10::Half* p, __mmask8 m) {
+  return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(m, p));
+}
+
+// Lays out codes [c0, c0 + len) of weight rows w [nc, K] (nc <= 16; scales ws [nc, K / B])
+// into pw (len / 4 x 2 vectors: dword d of rows 0-7, of rows 8-15; codes offset by 128) and ps
+// (len / B x 16 floats), rows past nc as zero codes and scales. `next`: the same codes of a
+// panel further on (nullptr past the weight's end; next_rows of its rows), asked for into L2
+// meanwhile. Writes pw and ps.
+template <int64_t B, bool Full, typename S>
+void lay_out_panel(const int8_t* w, const S* ws, int64_t nc, int64_t k, int64_t c0, int64_t len,
+                   __m256i* pw, float* ps, const int8_t* next, int64_t next_rows) {
+  if constexpr (Full) nc = kPanelCols;  // (a constant: no test per row)
+  const int64_t kb = k / B;
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t c = 0; c < len; c += 32) {
+    if (next != nullptr && c % 64 == 0)
+      for (int64_t j = 0; j < next_rows; ++j) prefetch_l2(next + j * k + c0 + c);
+    for (int g = 0; g < 2; ++g) {
+      __m256i r[8];
+      for (int i = 0; i < 8; ++i) {
+        const int64_t row = 8 * g + i;
+        r[i] = row < nc
+            ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + row * k + c0 + c))
+            : _mm256_setzero_si256();
+      }
+      transpose8x8(r);
+      for (int q = 0; q < 8; ++q)
+        _mm256_storeu_si256(pw + (c / 4 + q) * 2 + g, _mm256_xor_si256(r[q], bias));
+    }
+  }
+  const int64_t blocks = len / B;
+  for (int64_t b = 0; b < blocks; b += 8) {
+    const __mmask8 m = static_cast<__mmask8>((1u << std::min<int64_t>(8, blocks - b)) - 1);
+    for (int g = 0; g < 2; ++g) {
+      __m256i r[8];
+      for (int i = 0; i < 8; ++i) {
+        const int64_t row = 8 * g + i;
+        r[i] = row < nc ? _mm256_castps_si256(panel_scales(ws + row * kb + c0 / B + b, m))
+                        : _mm256_setzero_si256();
+      }
+      transpose8x8(r);
+      for (int q = 0; q < 8 && b + q < blocks; ++q)
+        _mm256_storeu_ps(ps + (b + q) * kPanelCols + 8 * g, _mm256_castsi256_ps(r[q]));
+    }
+  }
+}
+
+// Activation rows row0 .. row0 + R - 1, codes [c0, c0 + len), against a laid-out panel (pw,
+// ps): y [r * 16 + j] (plus its value unless `first`) += row r's product with the panel's
+// weight row j. `offset` [M, K / B]: -128 times each activation block's code sum. Writes y.
+template <int R, int64_t B>
+inline void panel_tile(const __m256i* pw, const float* ps, const QuantizedRows& q,
+                       const int32_t* offset, int64_t row0, int64_t k, int64_t c0, int64_t len,
+                       float* y, bool first) {
+  constexpr int64_t D = B / 4;  // dwords a block
+  const int64_t kb = k / B, b0 = c0 / B;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < 2; ++g)
+      acc[r][g] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * kPanelCols + 8 * g);
+  const int32_t* x[R];
+  for (int r = 0; r < R; ++r)
+    x[r] = reinterpret_cast<const int32_t*>(q.codes + (row0 + r) * k + c0);
+  for (int64_t b = 0; b < len / B; ++b) {
+    __m256i dot[R][2];
+    for (int r = 0; r < R; ++r)
+      dot[r][0] = dot[r][1] = _mm256_set1_epi32(offset[(row0 + r) * kb + b0 + b]);
+    const __m256i* wb = pw + b * D * 2;
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256i w0 = _mm256_loadu_si256(wb + 2 * d);
+      const __m256i w1 = _mm256_loadu_si256(wb + 2 * d + 1);
+      for (int r = 0; r < R; ++r) {
+        int32_t xd;
+        std::memcpy(&xd, x[r] + b * D + d, sizeof(xd));
+        const __m256i xv = _mm256_set1_epi32(xd);
+        dot[r][0] = _mm256_dpbusd_epi32(dot[r][0], w0, xv);
+        dot[r][1] = _mm256_dpbusd_epi32(dot[r][1], w1, xv);
+      }
+    }
+    const __m256 s0 = _mm256_loadu_ps(ps + b * kPanelCols);
+    const __m256 s1 = _mm256_loadu_ps(ps + b * kPanelCols + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xs = _mm256_set1_ps(q.block_scale[(row0 + r) * kb + b0 + b]);
+      acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][0]), _mm256_mul_ps(s0, xs), acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][1]), _mm256_mul_ps(s1, xs), acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y + r * kPanelCols, acc[r][0]);
+    _mm256_storeu_ps(y + r * kPanelCols + 8, acc[r][1]);
+  }
+}
+
+// out [m, n] (T) = x's quantized rows `q` times the weight, a panel of 16 weight rows at a time
+// (panels over threads, on the calling thread below quant_rows::kInlineBytes of weights), each
+// kPanelChunk codes along K laid out and met by all the rows before the next (the layout stays
+// in L1 at any K).
+template <int64_t B, typename T, typename S>
+void panel_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const S* ws, int64_t n,
+                   int64_t k, T* out) {
+  const int64_t kb = k / B;
+  int32_t* offset = quant_rows::scratch<int32_t, 1>(m * kb);
+  for (int64_t i = 0; i < m * kb; ++i) {
+    int32_t s = 0;
+    for (int64_t l = 0; l < B / 4; ++l) s += q.lane_offset[i * (B / 4) + l];
+    offset[i] = s;
+  }
+  const int64_t panels = (n + kPanelCols - 1) / kPanelCols;
+  const int64_t passes = (m + kPanelRowTile - 1) / kPanelRowTile;
+  // The panel whose codes are asked for while this one is laid out: about kPanelPrefetchBytes
+  // ahead.
+  const int64_t ahead = std::max<int64_t>(1, kPanelPrefetchBytes / (kPanelCols * k));
+  quant_rows::run_blocks(panels, n * k * passes, [&](int64_t p_begin, int64_t p_end) {
+    const int64_t chunk = std::min(k, kPanelChunk);
+    __m256i* pw = reinterpret_cast<__m256i*>(
+        quant_rows::scratch<int8_t, 5>(chunk / 4 * 2 * sizeof(__m256i)));
+    float* ps = quant_rows::scratch<float, 10>(chunk / B * kPanelCols);
+    float* y = quant_rows::scratch<float, 11>(m * kPanelCols);
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      const int64_t col = p * kPanelCols;
+      const int64_t nc = std::min<int64_t>(kPanelCols, n - col);
+      const int64_t next_col = col + ahead * kPanelCols;
+      for (int64_t c0 = 0; c0 < k; c0 += chunk) {
+        const int64_t len = std::min(chunk, k - c0);
+        const int8_t* next = next_col < n ? w + next_col * k : nullptr;
+        const int64_t next_rows = std::min<int64_t>(kPanelCols, n - next_col);
+        if (nc == kPanelCols) {
+          lay_out_panel<B, true>(w + col * k, ws + col * kb, nc, k, c0, len, pw, ps, next,
+                                 next_rows);
+        } else {
+          lay_out_panel<B, false>(w + col * k, ws + col * kb, nc, k, c0, len, pw, ps, next,
+                                  next_rows);
+        }
+        for (int64_t r = 0; r < m; r += kPanelRowTile) {
+          float* yr = y + r * kPanelCols;
+          switch (std::min<int64_t>(kPanelRowTile, m - r)) {
+            case 4: panel_tile<4, B>(pw, ps, q, offset, r, k, c0, len, yr, c0 == 0); break;
+            case 3: panel_tile<3, B>(pw, ps, q, offset, r, k, c0, len, yr, c0 == 0); break;
+            case 2: panel_tile<2, B>(pw, ps, q, offset, r, k, c0, len, yr, c0 == 0); break;
+            default: panel_tile<1, B>(pw, ps, q, offset, r, k, c0, len, yr, c0 == 0); break;
+          }
+        }
+      }
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t j = 0; j < nc; ++j)
+          out[r * n + col + j] = static_cast<T>(y[r * kPanelCols + j]);
+    }
+  });
+}
+#endif
+
 constexpr int kRowTile = 4;
 constexpr int kColTile = 4;  // weight rows computed together
 
@@ -441,11 +642,17 @@ void int8_amx_product(const Int8AmxAct& act, int64_t m, const int8_t* w, const S
 }
 #endif
 
-// Rows up to which the packed linear runs int8_block_linear where it runs on AMX tiles (0
-// without).
+// Rows up to which the packed linear runs int8_block_linear where it runs on AMX tiles or the
+// panel product (0 without: INT8_BLOCK_ROWS then). The panel product at 64 rows took 0.6-0.65x
+// the one-thread CPU time of the weight expanded to bfloat16 and oneDNN's matmul over
+// SmolLM2-135M's shapes on AMD Zen 4 (benchmarks/bench_quant_linear.py --paths q8gemv,q8expand);
+// AVX2's product stays at INT8_BLOCK_ROWS.
 int64_t int8_block_tile_rows() {
 #if defined(PAGEDKV_INT8_AMX)
-  return amx_permitted() ? kInt8AmxMaxRows : 0;
+  if (amx_permitted()) return kInt8AmxMaxRows;
+#endif
+#if defined(PAGEDKV_INT8_PANEL)
+  return kInt8PanelMaxRows;
 #else
   return 0;
 #endif
@@ -460,6 +667,12 @@ void block_product(const T* x, int64_t m, int64_t k, const int8_t* w, const S* w
 #if defined(PAGEDKV_INT8_AMX)
   if (m >= kInt8AmxMinRows && n % 16 == 0 && amx_permitted()) {
     int8_amx_product<B>(int8_amx_activations<B>(q, m, k), m, w, ws, n, k, out);
+    return;
+  }
+#endif
+#if defined(PAGEDKV_INT8_PANEL)
+  if (m >= kInt8PanelMinRows) {
+    panel_columns<B>(q, m, w, ws, n, k, out);
     return;
   }
 #endif
