@@ -1,10 +1,11 @@
 """A linear layer and an embedding on int8 codes with a float32 scale per block of 16 or 32
 along each row (GGUF Q8_0 and Q6_K kept packed: int8_blocks.py), W = code * scale exactly.
 
-The linear's decode-sized calls (rows <= `INT8_BLOCK_ROWS`, or 64 on AMX-INT8 tiles:
-`product_rows`) run `int8_block_linear`
+The linear's decode-sized calls (rows <= `INT8_BLOCK_ROWS`, or 64 with AVX-512 VNNI or AMX-INT8
+tiles: `product_rows`) run `int8_block_linear`
 (kernels/csrc/quant_int8.cpp: activations quantized per block to int8, as llama.cpp's Q8_0 dot
-does, integer dot products with AVX-512 VNNI or AVX2); larger ones expand the codes to a dense
+does, integer dot products with AVX-512 VNNI or AVX2; from 4 rows on AVX-512 VNNI a panel
+product, from 10 on AMX tiles); larger ones expand the codes to a dense
 weight in the activation dtype (`int8_block_expand`) for the dense matmul (oneDNN's), where a
 prefill's hundreds of rows are compute-bound. Without the fused kernels both run in torch ops on
 the expanded weight. The embedding gathers only the looked-up rows' codes and scales.
@@ -24,8 +25,9 @@ from pagedkv.kernels.cpu import cpu_kernels_loaded
 from pagedkv.model.decode_stack import LinearCall
 
 _EXPAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Rows up to which the integer kernel runs (benchmarks/bench_quant_int8.py): against expanding
-# the weight and oneDNN's bfloat16 matmul it wins at decode sizes and loses on prefills.
+# Rows up to which the integer kernel runs where neither AVX-512 VNNI's panel product nor AMX
+# tiles do (benchmarks/bench_quant_linear.py --paths q8gemv,q8expand): against expanding the
+# weight and oneDNN's bfloat16 matmul it wins at decode sizes and loses on prefills.
 INT8_BLOCK_ROWS = 16
 # A larger call expands this many weight bytes (in the activation dtype) at a time: a buffer
 # the allocator reuses and the cache keeps, where the whole weight at once (the tied head's
@@ -36,8 +38,9 @@ EXPAND_CHUNK_BYTES = 2 << 20
 @functools.cache
 def product_rows() -> int:
     """Rows up to which Int8BlockLinear runs the integer product with the fused kernels loaded:
-    `INT8_BLOCK_ROWS`, or 64 where it runs on AMX-INT8 tiles (1.1-1.6x the expanded weight's
-    matmul at 16-64 rows: benchmarks/bench_quant_linear.py --paths q8gemv,q8expand)."""
+    `INT8_BLOCK_ROWS`, or 64 where it runs AVX-512 VNNI's panel product or AMX-INT8 tiles
+    (`int8_block_tile_rows`; at 16-64 rows 1.5-2.5x the expanded weight's matmul on a Zen 4,
+    1.1-1.6x on AMX: benchmarks/bench_quant_linear.py --paths q8gemv,q8expand)."""
     return max(INT8_BLOCK_ROWS, int(torch.ops.pagedkv_cpu.int8_block_tile_rows()))
 
 
