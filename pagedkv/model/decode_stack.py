@@ -67,16 +67,16 @@ def stack_supported(model: nn.Module) -> bool:
 
 
 class DecodeStack:
-    """The C++ decode stacks of one model, by row count (see the module docstring)."""
+    """The C++ decode stacks of one model, by row count (see the module docstring). The model
+    owns it and passes itself to each call (no reference back: no cycle for the collector)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        """`model`: a LlamaForCausalLM (or subclass) that `stack_supported`."""
-        self.model = model
+    def __init__(self) -> None:
         self._stacks: dict[int, torch.ScriptObject | None] = {}
 
-    def _build(self, rows: int) -> torch.ScriptObject | None:
-        """The C++ stack for `rows` rows, or None where a linear gives no single op."""
-        model = self.model
+    @staticmethod
+    def _build(model: nn.Module, rows: int) -> torch.ScriptObject | None:
+        """The C++ stack of `model`'s layers for `rows` rows, or None where a linear gives no
+        single op."""
         attn = model.layers[0].self_attn
         stack = torch.classes.pagedkv_cpu.DecodeStack(
             attn.num_heads, attn.num_kv_heads, attn.head_dim, model.norm.eps, attn.scale,
@@ -94,25 +94,25 @@ class DecodeStack:
                                  list(call.ints), list(call.strs))
         return stack
 
-    def stack_for(self, rows: int) -> torch.ScriptObject | None:
-        """The stack for `rows` rows (built on first use; None: this row count cannot)."""
+    def stack_for(self, model: nn.Module, rows: int) -> torch.ScriptObject | None:
+        """`model`'s stack for `rows` rows (built on first use; None: this row count cannot)."""
         if rows not in self._stacks:
-            self._stacks[rows] = self._build(rows)
+            self._stacks[rows] = self._build(model, rows)
         return self._stacks[rows]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+    def run(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
             kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
             meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor | None:
-        """The final hidden states [T, hidden] of a step of T decodes (writes each layer's new
-        K/V into `kv_caches`, as the model's forward), or None, having done nothing, where this
-        step needs the Python forward (see the module docstring)."""
+        """The final hidden states [T, hidden] of `model` (the one owning this stack) for a
+        step of T decodes (writes each layer's new K/V into `kv_caches`, as the model's
+        forward), or None, having done nothing, where this step needs the Python forward (see
+        the module docstring)."""
         from pagedkv.model.backends.cpu_native import NativeAttentionMetadata
 
         rows = input_ids.shape[0]
         if (type(meta) is not NativeAttentionMetadata or meta.prefills or rows == 0
                 or meta.num_decodes != rows or input_ids.device.type != "cpu"):
             return None
-        model = self.model
         dtype = model.norm.weight.dtype
         attns = _attention_layers(model)
         firsts = []
@@ -124,7 +124,7 @@ class DecodeStack:
             if first is None:
                 return None
             firsts.append(first)
-        stack = self.stack_for(rows)
+        stack = self.stack_for(model, rows)
         if stack is None:
             return None
         x = model.embed_tokens(input_ids)

@@ -152,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states [T, hidden]; writes every layer's new K/V into `kv_caches`.
         `meta`: the step's metadata, or each layer's (KV cache groups)."""
         if self.decode_stack is not None and self.ops.cpu_fused:  # decodes: one C++ call
-            hidden = self.decode_stack.run(input_ids, positions, kv_caches, meta)
+            hidden = self.decode_stack.run(self, input_ids, positions, kv_caches, meta)
             if hidden is not None:
                 return hidden
         x = self.embed_tokens(input_ids)
@@ -172,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
         loaded; which also gives the model its DecodeStack where it `stack_supported`).
         Returns how many were packed."""
         packed = sum(m.pack(panels) for m in self.modules() if isinstance(m, Linear))
-        self.decode_stack = DecodeStack(self) if panels and stack_supported(self) else None
+        self.decode_stack = DecodeStack() if panels and stack_supported(self) else None
         return packed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
