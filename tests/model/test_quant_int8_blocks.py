@@ -157,20 +157,7 @@ def test_row_and_column_tiles_off_the_panel_are_exact(block, k, rows):
     n = 20
     codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
     scales = ((torch.rand(n, k // block, generator=g) - 0.3) * 1e-2).half()
-    x = torch.randn(rows, k, generator=g)
-    w = expand_reference(codes, scales, torch.float64)
-    q, d = quantized_activations(x, block)
-    exact = (q * d).reshape(rows, k) @ w.T
-    bound = 2.0 ** -20 * (x.double().abs() @ w.abs().T + 1e-6)  # float32 sums of exact dots
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            got = torch.ops.pagedkv_cpu.int8_block_linear(x, codes, scales, block).double()
-            assert got.shape == (rows, n)
-            assert ((got - exact).abs() <= bound).all()
-    finally:
-        torch.set_num_threads(threads)
+    assert_exact_on_one_and_two_threads(torch.randn(rows, k, generator=g), codes, scales, block)
 
 
 @pytest.mark.parametrize("block", [16, 32])
@@ -182,16 +169,23 @@ def test_weights_past_the_prefetch_distance_are_exact(block, rows):
     integer products, to the last rows (where the prefetch stops at the weight's end)."""
     linear = random_linear(block, seed=rows, n=200, scale_dtype=torch.float16)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(block))
-    w = expand_reference(linear.codes, linear.scales, torch.float64)
+    assert_exact_on_one_and_two_threads(x, linear.codes, linear.scales, block)
+
+
+def assert_exact_on_one_and_two_threads(x: torch.Tensor, codes: torch.Tensor,
+                                        scales: torch.Tensor, block: int) -> None:
+    """int8_block_linear(x) equals the exact integer products of x's quantized rows with the
+    codes (float32 sums of exact dots: within 2^-20 of |x| |w|), on one thread and on two."""
+    w = expand_reference(codes, scales, torch.float64)
     q, d = quantized_activations(x, block)
-    exact = (q * d).reshape(rows, K) @ w.T
-    bound = 2.0 ** -20 * (x.double().abs() @ w.abs().T + 1e-6)  # float32 sums of exact dots
+    exact = (q * d).reshape(x.shape) @ w.T
+    bound = 2.0 ** -20 * (x.double().abs() @ w.abs().T + 1e-6)
     threads = torch.get_num_threads()
     try:
         for count in (1, 2):
             torch.set_num_threads(count)
-            got = torch.ops.pagedkv_cpu.int8_block_linear(x, linear.codes, linear.scales,
-                                                          block).double()
+            got = torch.ops.pagedkv_cpu.int8_block_linear(x, codes, scales, block).double()
+            assert got.shape == exact.shape
             assert ((got - exact).abs() <= bound).all()
     finally:
         torch.set_num_threads(threads)
