@@ -11,7 +11,8 @@ values, else float32), read front to back by both paths (kernels/csrc/quant_int4
   `_weight_int4pack_mm_for_cpu` summed over SmolLM2's shapes with the weights out of cache, at
   one row and at four (benchmarks/bench_quant_linear.py --cold, one thread: 1.8 against 3.8 ms
   at one row); from 4 rows AVX-512 VNNI lays out 16 weight rows' codes at a time for all the
-  rows (the panel product), and at 10-64 rows AMX tiles run it (1.2-1.9x the expansion below);
+  rows (the panel product: at 16-64 rows 1.4-2x the expansion below, and faster than the dense
+  bfloat16 linear, on AMD Zen 4), and at 10-64 rows AMX tiles run it (1.2-1.9x the expansion);
 - a larger call expands the codes to a dense weight in the activation dtype (`int4_expand`) and
   runs the dense matmul (oneDNN's; a prefill of hundreds of rows is compute-bound, where its
   bfloat16 or AMX kernels win by 5-10x over any int4 kernel).
