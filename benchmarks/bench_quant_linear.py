@@ -14,7 +14,7 @@ Paths (each weight [N, K], activations [rows, K]):
   activation quantization counted), per-channel int8 weights;
 - `int4gemv`: pagedkv's `int4_gemv` (kernels/csrc/quant_int4.cpp; the packed linear's decode
   path: the same int4 weights with float16 scales and offsets, activations quantized to int8
-  per group of 32 at the call, counted);
+  per group of 32 at the call, counted; from 4 rows on AVX-512 VNNI the panel product);
 - `int8gemv`: pagedkv's `int8_gemv` (the LM head's copy: int8 per-row weights, int16
   activations per row);
 - `int4expand`: the packed linear's path beyond decode sizes (`int4_linear` with no rows on the
@@ -22,7 +22,8 @@ Paths (each weight [N, K], activations [rows, K]):
 - `q8gemv`, `q8expand`: the GGUF Q8_0 linear's two paths (`int8_block_forward`: the product on
   int8 activations per block of 32, or the expanded weight).
 Where `int4gemv` and `int4expand` (and `q8gemv`, `q8expand`) cross is where Int4Linear's
-`GEMV_ROWS` (Int8BlockLinear's `INT8_BLOCK_ROWS`) belongs: `--rows 1,4,8,16,24,32,48,64`.
+`product_rows` (`int4_tile_rows()` where the panel product or AMX tiles run, else `GEMV_ROWS`;
+Int8BlockLinear's likewise) belongs: `--rows 1,4,8,16,24,32,48,64`.
 `--cold` cycles each path's calls over copies of the weights, 2^24 weights in all (32 MiB in
 bfloat16): a decode step reads each weight once, from the L3 cache or memory, not from the L2
 cache a repeated call leaves it in.

@@ -179,6 +179,86 @@ def test_products_equal_float64_references(n, k, rows):
     assert max(ratios.values()) <= 1, ratios
 
 
+def quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, steps) float64 [rows, K/32, 32], [rows, K/32, 1] of x's rows per group of 32, as
+    the kernels round them (float32 step = max |x| / 127, codes to nearest even of
+    x * (127 / max |x|))."""
+    xg = x.float().reshape(x.shape[0], -1, 32)
+    amax = xg.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return torch.round(xg * inv).double(), (amax / 127).double()
+
+
+def exact_products_ratio(n: int, k: int, rows: int, style: str, scale_dtype: torch.dtype,
+                         seed: int) -> float:
+    """int4_gemv on random codes [n, k] with a bias, scales in `scale_dtype` (mixed signs) and
+    offsets as Q4_0's (-8 times the scale) or Q4_1's (their own, mixed signs), on float32
+    activations [rows, k], against the exact product of the activations as the kernels quantize
+    them: the largest error over its bound (a pass is <= 1). The integer dots are exact, so
+    what remains is float32's: each group's term is rounded at most 4 times (the two scales'
+    product, the multiply-adds of the dot and of the offset, the group's float32 sum of x,
+    31 additions: below 2^-19 of its magnitudes) and added to a sum of up to 25 groups here,
+    2^-17 of the terms' magnitudes covers both (a group's term off, or an offset missed, is
+    ~2^-5 of them). Also run by the AVX2 child."""
+    g = torch.Generator().manual_seed(seed)
+    nib = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    scale = ((torch.rand(n, k // 32, generator=g) - 0.3) * 1e-2).to(scale_dtype)
+    if style == "q4_0":
+        offset = -8 * scale  # exact in float16 too
+    else:
+        offset = ((torch.rand(n, k // 32, generator=g) - 0.5) * 0.1).to(scale_dtype)
+    scales = torch.cat((scale, offset), dim=1).contiguous()
+    x = torch.randn(rows, k, generator=g)
+    x[:, 3] *= 20  # an outlier feature: one group's step far above the others'
+    bias = torch.randn(n, generator=g)
+    blocks = nib.view(n, -1, 16)
+    q4 = torch.cat((blocks & 15, blocks >> 4), dim=2).double()  # [N, K/32, 32]
+    cs = q4 * scale.double()[..., None]  # [N, K/32, 32]
+    off = offset.double()  # [N, K/32]
+    xq, step = quantized_activations(x)
+    xg = x.double().reshape(rows, -1, 32)
+    exact = torch.einsum("rgc,ngc->rn", xq * step, cs) + xg.sum(-1) @ off.T + bias.double()
+    magnitude = torch.einsum("rgc,ngc->rn", (xq * step).abs(), cs.abs()) \
+        + xg.abs().sum(-1) @ off.abs().T
+    bound = 2.0 ** -17 * magnitude + 1e-30
+    got = torch.ops.pagedkv_cpu.int4_gemv(x, nib, scales, bias).double()
+    assert got.shape == (rows, n)
+    return float(((got - exact).abs() / bound).max())
+
+
+@pytest.mark.parametrize("style", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32], ids=["f16", "f32"])
+@pytest.mark.parametrize("k", [96, 800])
+@pytest.mark.parametrize("rows", [3, 4, 5, 7, 9, 64])
+def test_row_and_column_tiles_off_the_panel_are_exact(style, scale_dtype, k, rows):
+    """From 4 rows the AVX-512 VNNI kernel lays out 16 weight rows at a time, 8 groups (256
+    codes) along K at a time, and computes 4 activation rows together: K = 3 groups (less than
+    one stretch, an odd count: a lone group in the last pair) and 800 (three stretches and a
+    tail of one group), 20 outputs (a panel and 4 rows of the next), row counts off the tile of
+    4 and across the 3 / 4 rows where the products change, float16 (Q4_0, Q4_1) and float32
+    (Q4_K) scales, Q4_0's offsets and Q4_1's, on one thread and two, give the exact products
+    of the activations as quantized (the float32 sums' rounding aside)."""
+    assert ensure_cpu_kernels("wait")
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            ratio = exact_products_ratio(20, k, rows, style, scale_dtype, seed=rows * k)
+            assert ratio <= 1, (count, ratio)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_product_rows_cover_the_panel_product():
+    """Where the integer product is AVX-512 VNNI's, the packed linear runs it up to 64 rows
+    (the panel product, or AMX tiles); elsewhere up to GEMV_ROWS."""
+    assert ensure_cpu_kernels("wait")
+    if torch.ops.pagedkv_cpu.int_gemv_isa() == "avx512_vnni":
+        assert product_rows() == 64
+    else:
+        assert product_rows() >= GEMV_ROWS
+
+
 def test_product_kernels_check_their_inputs():
     assert ensure_cpu_kernels("wait")
     nib, sc = torch.zeros(16, 16, dtype=torch.uint8), torch.zeros(16, 2, dtype=torch.float16)
@@ -193,7 +273,7 @@ import json, numpy as np, torch
 from pagedkv.kernels.cpu import ensure_cpu_kernels, panel_isa
 assert ensure_cpu_kernels("wait")
 from pagedkv.model.quant.int4_linear import Int4Linear
-from test_quant_int4 import PRODUCT_CASES, products_against_references
+from test_quant_int4 import PRODUCT_CASES, exact_products_ratio, products_against_references
 rng = np.random.default_rng(2)
 lin = Int4Linear(rng.integers(0, 256, (32, 64), dtype=np.uint8),
                  rng.uniform(-0.1, 0.1, (32, 4)).astype(np.float32),
@@ -201,6 +281,9 @@ lin = Int4Linear(rng.integers(0, 256, (32, 64), dtype=np.uint8),
 got = torch.ops.pagedkv_cpu.int4_expand(lin.codes, lin.scales, torch.float32)
 want = lin.dequantized_reference(torch.float32)
 ratios = [products_against_references(*case, seed=case[0]) for case in PRODUCT_CASES]
+ratios.append({f"exact_{style}_{dtype}_{rows}": exact_products_ratio(20, 800, rows, style, dtype, 7)
+               for style in ("q4_0", "q4_1") for dtype in (torch.float16, torch.float32)
+               for rows in (5, 64)})
 print(json.dumps([panel_isa(), torch.ops.pagedkv_cpu.int_gemv_isa(),
                   float((got - want).abs().max()), float(want.abs().max()), ratios]))
 """

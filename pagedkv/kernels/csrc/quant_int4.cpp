@@ -10,19 +10,23 @@
 //   sums with AVX-512 VNNI (vpdpbusd: the codes as the unsigned operand, 4 groups a register),
 //   or AVX2 (vpmaddubsw + vpmaddwd, 2 groups a register), float32 across groups. Each weight
 //   row's codes and scales are read once, front to back, for up to 4 activation rows.
-//   From 10 activation rows, where the build and CPU have AMX-INT8, the same product runs on
+//   From 4 activation rows, AVX-512 VNNI runs the panel product instead (q4_panel_columns: 16
+//   weight rows' codes unpacked and laid out per call so that a group's whole dot sums in an
+//   int32 lane), and from 10, where the build and CPU have AMX-INT8, the same product runs on
 //   tiles (quant_int4_amx.h). The activations are quantized straight from x's dtype into this
 //   thread's scratch, and the output written in x's dtype (quant_rows.h): a small call costs
 //   little beyond reading its weights.
 // - `int4_linear`, the packed linear's forward in one op: int4_gemv up to a row count the
-//   caller gives (Int4Linear.product_rows), else the dense matmul on int4_expand's weight.
+//   caller gives (Int4Linear.product_rows: int4_tile_rows() where the panel product or AMX
+//   tiles run), else the dense matmul on int4_expand's weight.
 // - `int4_expand`, what the packed linear runs beyond decode sizes (a prefill's hundreds of
 //   rows): the dense weight, for oneDNN's matmul, which beats any int4 kernel there.
 // - `int8_gemv`: int8 codes with one scale per weight row (the LM head's copy, model/quant/
 //   packed_head.py) against activations quantized to int16 per row (vpdpwssd, or AVX2's
 //   vpmaddwd): the head's logits see less than a bfloat16 rounding of the activations.
 // Output rows are split over threads in blocks of 16, and each block's weights are read once
-// for every 4 activation rows (the later reads hit the L1/L2 cache).
+// for every 4 activation rows (the later reads hit the L1/L2 cache; the panel product reads
+// them once per call).
 // Registered as a fragment of the pagedkv_cpu library (bindings.cpp holds the rest).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -447,6 +451,239 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
 }
 #endif
 
+#if defined(PAGEDKV_INT_VNNI) && defined(__F16C__)
+#define PAGEDKV_INT4_PANEL 1
+// The product from a few activation rows on (kInt4PanelMinRows), a panel of 16 weight rows
+// (output columns) at a time, as quant_int8.cpp's panel product: the panel's codes are laid out
+// once per call, 4 codes (a dword) of 8 weight rows a 256-bit vector (an 8 x 8 dword transpose
+// of the packed codes, then unpacked from their nibbles to bytes 0..15: vpdpbusd's unsigned
+// operand as they are), its groups' scales and offsets as float32 8 weight rows a vector; then
+// each activation row's 4 codes at a time, broadcast, meet the 16 weight rows' in two
+// vpdpbusd, a whole group's dot summed in each int32 lane before one convert and one
+// multiply-add by the two scales, and one multiply-add of the offsets by the group's
+// activation sum. Per activation row and 8 weight rows a group costs 8 vpdpbusd and 4 float
+// operations, where q4_rows spends 2 vpdpbusd per 4 groups of one weight row beside a permute
+// and 3 float operations (its lanes run along K), and re-reads and re-unpacks the codes for
+// every 4 activation rows; the layout's cost is shared by all the rows. 256-bit vectors: Zen 4
+// runs 512-bit ones as two halves. Below 4 rows q4_rows (the batch-1 decode's product) stays.
+// Over SmolLM2-135M's shapes, one thread, weights from memory (AMD Zen 4;
+// benchmarks/bench_quant_linear.py --cold): 1.2x q4_rows' speed at 4 rows, 1.6x at 8, 2.0x at
+// 16, 2.2x at 32, 2.3x at 64, and faster than the dense bfloat16 linear at each.
+constexpr int64_t kInt4PanelMinRows = 4;
+constexpr int64_t kInt4PanelMaxRows = 64;  // int4_tile_rows
+constexpr int kQ4PanelCols = 16;           // weight rows a panel: two vectors of 8
+constexpr int kQ4PanelRowTile = 4;         // activation rows computed together
+// Groups along K laid out at a time: 8 (256 codes; 4 KiB of codes laid out for 16 weight rows,
+// in L1 at any K).
+constexpr int64_t kQ4PanelGroups = 8;
+// How far ahead of the panel being laid out its codes (and scales) are asked for into L2
+// (rounded to whole panels, at least the next), as quant_int8.cpp's panel product (16 KiB
+// measured within the noise of 8 over SmolLM2's shapes at 4-64 rows, AMD Zen 4).
+constexpr int64_t kQ4PanelPrefetchBytes = 8 << 10;
+
+// r [i] (8 dwords each: row i) becomes the transpose: r [q] = dword q of rows 0..7.
+inline void q4_transpose8x8(__m256i r[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 0-3, 4-7
+    u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h + 0], t[4 * h + 2]);
+    u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h + 0], t[4 * h + 2]);
+    u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+    u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    r[q] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x20);
+    r[q + 4] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x31);
+  }
+}
+
+// Up to 8 of a row's scales or offsets from p (mask: which) as float32, the rest zero.
+template <typename S>
+inline __m256 q4_panel_scales(const S* p, __mmask8 mask) {
+  if constexpr (std::is_same_v<S, c10::Half>)
+    return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(mask, p));
+  else return _mm256_maskz_loadu_ps(mask, p);
+}
+
+// Lays out groups [g0, g0 + ng) (ng <= kQ4PanelGroups) of the weight rows at `codes` (nc <= 16
+// of them, `groups` groups each; scales and offsets from `scales`, 2 * groups a row) into pw
+// ([ng][8 dwords][2]: dword d of the group's codes in their order, values 4d .. 4d + 3, of
+// rows 0-7 and of rows 8-15, as bytes 0..15), ps and po ([ng][16]: the rows' scales, offsets),
+// rows past nc as zero codes, scales and offsets. `next`: the codes of a panel further on
+// (nullptr past the weight's end; next_rows of its rows), whose same groups are asked for into
+// L2 meanwhile. Writes pw, ps and po.
+template <bool Full, typename S>
+void lay_out_q4_panel(const uint8_t* codes, const S* scales, int64_t nc, int64_t groups,
+                      int64_t g0, int64_t ng, __m256i* pw, float* ps, float* po,
+                      const uint8_t* next, int64_t next_rows) {
+  if constexpr (Full) nc = kQ4PanelCols;  // (a constant: no test per row)
+  const int64_t row_bytes = groups * (kInt4Group / 2), row_s = 2 * groups;
+  if (next != nullptr)
+    for (int64_t j = 0; j < next_rows; ++j)
+      for (int64_t b = 0; b < ng * (kInt4Group / 2); b += 64)
+        prefetch_l2(next + j * row_bytes + g0 * (kInt4Group / 2) + b);
+  const __m256i low4 = _mm256_set1_epi8(15);
+  for (int64_t p = 0; p < ng; p += 2) {  // two groups (32 code bytes) of each row at a time
+    const bool pair = p + 1 < ng;
+    for (int h = 0; h < 2; ++h) {
+      // Row i's packed dwords: 0-3 group p's, 4-7 group p + 1's (each 4 codes in the low
+      // nibbles, the 4 codes 16 on in the high ones); transposed first, unpacked after.
+      __m256i r[8];
+      for (int i = 0; i < 8; ++i) {
+        const int64_t row = 8 * h + i;
+        r[i] = _mm256_setzero_si256();
+        if (row < nc) {
+          const uint8_t* src = codes + row * row_bytes + (g0 + p) * (kInt4Group / 2);
+          r[i] = pair
+              ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
+              : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+        }
+      }
+      q4_transpose8x8(r);
+      for (int q = 0; q < 8; ++q) {
+        if (q >= 4 && !pair) break;
+        const int64_t at = (p + q / 4) * 8 + q % 4;  // group p + q / 4, its dword q % 4
+        _mm256_storeu_si256(pw + at * 2 + h, _mm256_and_si256(r[q], low4));
+        _mm256_storeu_si256(pw + (at + 4) * 2 + h,
+                            _mm256_and_si256(_mm256_srli_epi16(r[q], 4), low4));
+      }
+    }
+  }
+  const __mmask8 mask = static_cast<__mmask8>((1u << ng) - 1);
+  for (int h = 0; h < 2; ++h) {
+    __m256i s[8], o[8];
+    for (int i = 0; i < 8; ++i) {
+      const int64_t row = 8 * h + i;
+      s[i] = o[i] = _mm256_setzero_si256();
+      if (row < nc) {
+        s[i] = _mm256_castps_si256(q4_panel_scales(scales + row * row_s + g0, mask));
+        o[i] = _mm256_castps_si256(q4_panel_scales(scales + row * row_s + groups + g0, mask));
+      }
+    }
+    q4_transpose8x8(s);
+    q4_transpose8x8(o);
+    for (int q = 0; q < 8; ++q) {
+      if (q >= ng) break;
+      _mm256_storeu_ps(ps + q * kQ4PanelCols + 8 * h, _mm256_castsi256_ps(s[q]));
+      _mm256_storeu_ps(po + q * kQ4PanelCols + 8 * h, _mm256_castsi256_ps(o[q]));
+    }
+  }
+}
+
+// Activation rows row0 .. row0 + R - 1, groups [g0, g0 + ng), against a laid-out panel (pw,
+// ps, po): y [r * 16 + j] (plus its value unless `first`) += row r's product with the panel's
+// weight row j. Writes y.
+template <int R>
+inline void q4_panel_tile(const __m256i* pw, const float* ps, const float* po, const Q8Act& a,
+                          int64_t row0, int64_t g0, int64_t ng, float* y, bool first) {
+  const int64_t padded = a.padded();
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h)
+      acc[r][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * kQ4PanelCols + 8 * h);
+  for (int64_t gl = 0; gl < ng; ++gl) {
+    const int64_t g = g0 + gl;
+    // Row r's codes of group g: values 0-15 at x[r], 16-31 at x[r] + 64 (Q8Act's layout).
+    const int8_t* x[R];
+    for (int r = 0; r < R; ++r) x[r] = a.q + ((row0 + r) * a.chunks + g / 4) * 128 + (g % 4) * 16;
+    __m256i dot[R][2];
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    const __m256i* wg = pw + gl * 16;
+#pragma GCC unroll 8
+    for (int d = 0; d < 8; ++d) {
+      const __m256i w0 = _mm256_loadu_si256(wg + 2 * d);
+      const __m256i w1 = _mm256_loadu_si256(wg + 2 * d + 1);
+      for (int r = 0; r < R; ++r) {
+        int32_t xd;
+        std::memcpy(&xd, x[r] + (d < 4 ? 4 * d : 48 + 4 * d), sizeof(xd));
+        const __m256i xv = _mm256_set1_epi32(xd);
+        dot[r][0] = _mm256_dpbusd_epi32(dot[r][0], w0, xv);
+        dot[r][1] = _mm256_dpbusd_epi32(dot[r][1], w1, xv);
+      }
+    }
+    const __m256 s0 = _mm256_loadu_ps(ps + gl * kQ4PanelCols);
+    const __m256 s1 = _mm256_loadu_ps(ps + gl * kQ4PanelCols + 8);
+    const __m256 o0 = _mm256_loadu_ps(po + gl * kQ4PanelCols);
+    const __m256 o1 = _mm256_loadu_ps(po + gl * kQ4PanelCols + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 step = _mm256_set1_ps(a.d[(row0 + r) * padded + g]);
+      const __m256 sum = _mm256_set1_ps(a.sum[(row0 + r) * padded + g]);
+      acc[r][0] =
+          _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][0]), _mm256_mul_ps(s0, step), acc[r][0]);
+      acc[r][1] =
+          _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][1]), _mm256_mul_ps(s1, step), acc[r][1]);
+      acc[r][0] = _mm256_fmadd_ps(o0, sum, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(o1, sum, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y + r * kQ4PanelCols, acc[r][0]);
+    _mm256_storeu_ps(y + r * kQ4PanelCols + 8, acc[r][1]);
+  }
+}
+
+// out [m, n] (T) = the quantized activations `a` times the weight (codes, scales; `a.groups`
+// groups a row) + bias, a panel of 16 weight rows at a time (panels over threads, on the
+// calling thread below quant_rows::kInlineBytes of weights), each kQ4PanelGroups groups along
+// K laid out and met by all the rows before the next. Writes out.
+template <typename T, typename S>
+void q4_panel_columns(const Q8Act& a, int64_t m, const uint8_t* codes, const S* scales,
+                      int64_t n, const float* bias, T* out) {
+  const int64_t groups = a.groups, row_bytes = groups * (kInt4Group / 2), row_s = 2 * groups;
+  const int64_t panels = (n + kQ4PanelCols - 1) / kQ4PanelCols;
+  const int64_t passes = (m + kQ4PanelRowTile - 1) / kQ4PanelRowTile;
+  // The panel whose codes are asked for while this one is laid out: about
+  // kQ4PanelPrefetchBytes ahead.
+  const int64_t ahead = std::max<int64_t>(1, kQ4PanelPrefetchBytes / (kQ4PanelCols * row_bytes));
+  quant_rows::run_blocks(panels, n * row_bytes * passes, [&](int64_t p_begin, int64_t p_end) {
+    const int64_t chunk = std::min(groups, kQ4PanelGroups);
+    __m256i* pw = reinterpret_cast<__m256i*>(
+        quant_rows::scratch<int8_t, 6>(chunk * 16 * sizeof(__m256i)));
+    float* ps = quant_rows::scratch<float, 12>(2 * chunk * kQ4PanelCols);
+    float* po = ps + chunk * kQ4PanelCols;
+    float* y = quant_rows::scratch<float, 13>(m * kQ4PanelCols);
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      const int64_t col = p * kQ4PanelCols;
+      const int64_t nc = std::min<int64_t>(kQ4PanelCols, n - col);
+      const int64_t next_col = col + ahead * kQ4PanelCols;
+      const uint8_t* next = next_col < n ? codes + next_col * row_bytes : nullptr;
+      const int64_t next_rows = std::min<int64_t>(kQ4PanelCols, n - next_col);
+      if (next != nullptr) {  // the next panel's scales and offsets
+        const char* ns = reinterpret_cast<const char*>(scales + next_col * row_s);
+        for (int64_t b = 0; b < next_rows * row_s * int64_t(sizeof(S)); b += 64)
+          prefetch_l2(ns + b);
+      }
+      for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
+        const int64_t ng = std::min(chunk, groups - g0);
+        const uint8_t* wp = codes + col * row_bytes;
+        const S* sp = scales + col * row_s;
+        if (nc == kQ4PanelCols) {
+          lay_out_q4_panel<true>(wp, sp, nc, groups, g0, ng, pw, ps, po, next, next_rows);
+        } else {
+          lay_out_q4_panel<false>(wp, sp, nc, groups, g0, ng, pw, ps, po, next, next_rows);
+        }
+        for (int64_t r = 0; r < m; r += kQ4PanelRowTile) {
+          float* yr = y + r * kQ4PanelCols;
+          switch (std::min<int64_t>(kQ4PanelRowTile, m - r)) {
+            case 4: q4_panel_tile<4>(pw, ps, po, a, r, g0, ng, yr, g0 == 0); break;
+            case 3: q4_panel_tile<3>(pw, ps, po, a, r, g0, ng, yr, g0 == 0); break;
+            case 2: q4_panel_tile<2>(pw, ps, po, a, r, g0, ng, yr, g0 == 0); break;
+            default: q4_panel_tile<1>(pw, ps, po, a, r, g0, ng, yr, g0 == 0); break;
+          }
+        }
+      }
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t j = 0; j < nc; ++j)
+          out[r * n + col + j] =
+              static_cast<T>(y[r * kQ4PanelCols + j] + (bias ? bias[col + j] : 0.f));
+    }
+  });
+}
+#endif
+
 // The int8 product's activations: int16 per row (q = round(x / d), d = max|x| / 32767), so the
 // activation rounding stays below a bfloat16 rounding of x (an LM head's logits are compared
 // to the last digit by a greedy sampler).
@@ -633,6 +870,22 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   if (at::Tensor tiled = int4_gemv_tiles(x, act, codes, scales, bias); tiled.defined())
     return tiled;
   const uint8_t* nib = codes.data_ptr<uint8_t>();
+#if defined(PAGEDKV_INT4_PANEL)
+  if (x.numel() / k >= kInt4PanelMinRows) {
+    at::Tensor out = at::empty(quant_rows::out_sizes(x, n), x.options());
+    const float* bp = quant_rows::float_bias(bias, n);
+    const int64_t m = x.numel() / k;
+    dispatch(x.scalar_type(), "int4_gemv", [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      if (scales.scalar_type() == at::kHalf)
+        q4_panel_columns(act, m, nib, reinterpret_cast<const c10::Half*>(scales.data_ptr()), n,
+                         bp, out.data_ptr<T>());
+      else
+        q4_panel_columns(act, m, nib, scales.data_ptr<float>(), n, bp, out.data_ptr<T>());
+    });
+    return out;
+  }
+#endif
   auto run = [&](auto scale_type, auto far) {
     using S = decltype(scale_type);
     const S* sc = reinterpret_cast<const S*>(scales.data_ptr());
@@ -650,10 +903,17 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return scales.scalar_type() == at::kHalf ? with_far(c10::Half{}) : with_far(float{});
 }
 
-// Rows up to which the packed linear runs int4_gemv where it runs on AMX tiles (0 without).
+// Rows up to which the packed linear runs int4_gemv where it runs on AMX tiles or the panel
+// product (0 without: Int4Linear's GEMV_ROWS then). The panel product took 0.5-0.7x the
+// one-thread CPU time of the weight expanded to bfloat16 and oneDNN's matmul at 16-64 rows over
+// SmolLM2-135M's shapes on AMD Zen 4 (benchmarks/bench_quant_linear.py --paths
+// int4gemv,int4expand --cold); AVX2's product stays at GEMV_ROWS.
 int64_t int4_tile_rows() {
 #if defined(PAGEDKV_INT4_AMX)
-  return amx_permitted() ? kAmxMaxRows : 0;
+  if (amx_permitted()) return kAmxMaxRows;
+#endif
+#if defined(PAGEDKV_INT4_PANEL)
+  return kInt4PanelMaxRows;
 #else
   return 0;
 #endif
