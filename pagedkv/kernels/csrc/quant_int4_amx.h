@@ -7,9 +7,10 @@
 // unsigned 0..15), per tile of 16 activation rows and group one tdpbusd against the activations
 // laid as tile B ([8 dwords of 4 codes][16 rows][4]: built once per call) leaves a 16 x 16 int32
 // tile, whose rows are scaled by the weight row's scale times the activation steps and summed
-// in float32 (plus the offset times the group's activation sum). The vector product re-unpacks
-// the codes for every 4 activation rows and scales every 4-code lane apart: at 16-64 rows it
-// costs 2-4x this (benchmarks/bench_quant_linear.py --rows 16,32,64).
+// in float32 (plus the offset times the group's activation sum). Against the 4-code-lane vector
+// product it was 2-4x faster at 16-64 rows (benchmarks/bench_quant_linear.py --rows 16,32,64,
+// on an Intel AMX Xeon); the VNNI panel product (quant_int4.cpp) that now runs from 4 rows
+// where there are no tiles has not been measured against it.
 #pragma once
 
 #if defined(PAGEDKV_QUANT_AMX) && defined(PAGEDKV_INT_VNNI)
