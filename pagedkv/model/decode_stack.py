@@ -49,28 +49,13 @@ def _attention_layers(model: nn.Module) -> list:
     return [layer.self_attn for layer in model.layers]
 
 
-def stack_supported(model: nn.Module) -> bool:
-    """Whether `model`'s structure allows a DecodeStack (the per-step conditions are checked
-    by `DecodeStack.run`): the Llama layer structure, one process, no q/k norm."""
-    from pagedkv.model.layers import GatedMLP
-    from pagedkv.model.llama import Attention, DecoderLayer
-
-    if getattr(model, "tp", None) is not None or len(model.layers) == 0:
-        return False
-    for layer in model.layers:
-        if (type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention
-                or type(layer.mlp) is not GatedMLP):
-            return False
-        if layer.self_attn.q_norm is not None or layer.tp is not None:
-            return False
-    return True
-
-
 class DecodeStack:
     """The C++ decode stacks of one model, by row count (see the module docstring). The model
     owns it and passes itself to each call (no reference back: no cycle for the collector)."""
 
     def __init__(self) -> None:
+        """An empty stack cache; the model (a Llama-layer model whole on one process, without
+        q/k norm: LlamaForCausalLM.pack_linear_weights decides) owns it."""
         self._stacks: dict[int, torch.ScriptObject | None] = {}
 
     @staticmethod

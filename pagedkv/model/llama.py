@@ -21,7 +21,7 @@ from torch import nn
 
 from pagedkv.model.attention import AttentionMetadata
 from pagedkv.model.config import ModelConfig
-from pagedkv.model.decode_stack import DecodeStack, stack_supported
+from pagedkv.model.decode_stack import DecodeStack
 from pagedkv.model.kv_int8 import PerTokenScales
 from pagedkv.model.kv_quant import KVScales
 from pagedkv.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
@@ -169,11 +169,21 @@ class LlamaForCausalLM(nn.Module):
     def pack_linear_weights(self, panels: bool = False) -> int:
         """Pre-pack every layer's projection weights for the CPU where that is faster (see
         layers.Linear; call after loading weights; `panels` once the fused CPU kernels are
-        loaded; which also gives the model its DecodeStack where it `stack_supported`).
+        loaded; which also gives the model its DecodeStack where `_stack_fits`).
         Returns how many were packed."""
         packed = sum(m.pack(panels) for m in self.modules() if isinstance(m, Linear))
-        self.decode_stack = DecodeStack() if panels and stack_supported(self) else None
+        self.decode_stack = DecodeStack() if panels and self._stack_fits() else None
         return packed
+
+    def _stack_fits(self) -> bool:
+        """Whether this model's structure allows a DecodeStack (decode_stack.py; the per-step
+        conditions are checked there): these classes' layers as they are, whole on one
+        process, without q/k norm."""
+        if self.tp is not None or len(self.layers) == 0:
+            return False
+        return all(type(layer) is DecoderLayer and type(layer.self_attn) is Attention
+                   and type(layer.mlp) is GatedMLP and layer.self_attn.q_norm is None
+                   and layer.tp is None for layer in self.layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [N, vocab] for hidden states [N, hidden]. Tensor parallel: every rank

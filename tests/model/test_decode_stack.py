@@ -19,7 +19,7 @@ from pagedkv import LLM, SamplingParams
 from pagedkv.kernels import choice
 from pagedkv.kernels.cpu import ensure_cpu_kernels
 from pagedkv.model import decode_stack
-from pagedkv.model.decode_stack import DecodeStack, stack_supported
+from pagedkv.model.decode_stack import DecodeStack
 from tests.model.gguf_files import write_gguf
 
 PROMPTS = [[5, 17, 99, 230, 41, 8, 77, 300, 12], [64, 3, 150, 9, 250, 33], [71, 200, 18, 44, 6, 90,
@@ -100,7 +100,7 @@ def test_stack_is_not_built_for_qk_norm(tiny_qwen3):
     runner = ModelRunner(str(tiny_qwen3), block_size=4, num_blocks=16, device="cpu",
                          dtype="float32", cpu_kernels="wait")
     runner.model.pack_linear_weights(panels=True)
-    assert not stack_supported(runner.model) and runner.model.decode_stack is None
+    assert not runner.model._stack_fits() and runner.model.decode_stack is None
 
 
 def test_int8_cache_steps_take_the_python_forward(tiny_llama, monkeypatch):
