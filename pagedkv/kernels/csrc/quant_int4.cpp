@@ -481,25 +481,6 @@ constexpr int64_t kQ4PanelGroups = 8;
 // measured within the noise of 8 over SmolLM2's shapes at 4-64 rows, AMD Zen 4).
 constexpr int64_t kQ4PanelPrefetchBytes = 8 << 10;
 
-// r [i] (8 dwords each: row i) becomes the transpose: r [q] = dword q of rows 0..7.
-inline void q4_transpose8x8(__m256i r[8]) {
-  __m256i t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int h = 0; h < 2; ++h) {  // rows 0-3, 4-7
-    u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h + 0], t[4 * h + 2]);
-    u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h + 0], t[4 * h + 2]);
-    u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
-    u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
-  }
-  for (int q = 0; q < 4; ++q) {
-    r[q] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x20);
-    r[q + 4] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x31);
-  }
-}
-
 // Up to 8 of a row's scales or offsets from p (mask: which) as float32, the rest zero.
 template <typename S>
 inline __m256 q4_panel_scales(const S* p, __mmask8 mask) {
@@ -542,7 +523,7 @@ void lay_out_q4_panel(const uint8_t* codes, const S* scales, int64_t nc, int64_t
               : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
         }
       }
-      q4_transpose8x8(r);
+      quant_rows::transpose8x8(r);
       for (int q = 0; q < 8; ++q) {
         if (q >= 4 && !pair) break;
         const int64_t at = (p + q / 4) * 8 + q % 4;  // group p + q / 4, its dword q % 4
@@ -563,8 +544,8 @@ void lay_out_q4_panel(const uint8_t* codes, const S* scales, int64_t nc, int64_t
         o[i] = _mm256_castps_si256(q4_panel_scales(scales + row * row_s + groups + g0, mask));
       }
     }
-    q4_transpose8x8(s);
-    q4_transpose8x8(o);
+    quant_rows::transpose8x8(s);
+    quant_rows::transpose8x8(o);
     for (int q = 0; q < 8; ++q) {
       if (q >= ng) break;
       _mm256_storeu_ps(ps + q * kQ4PanelCols + 8 * h, _mm256_castsi256_ps(s[q]));

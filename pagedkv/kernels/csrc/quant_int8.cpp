@@ -306,25 +306,6 @@ constexpr int64_t kPanelPrefetchBytes = 8 << 10;
 // Codes along K laid out at a time: 256 (8 KiB of layout for 16 weight rows).
 constexpr int64_t kPanelChunk = 256;
 
-// r [i] (8 dwords each: row i) becomes the transpose: r [q] = dword q of rows 0..7.
-inline void transpose8x8(__m256i r[8]) {
-  __m256i t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int h = 0; h < 2; ++h) {  // rows 0-3, 4-7
-    u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h + 0], t[4 * h + 2]);
-    u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h + 0], t[4 * h + 2]);
-    u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
-    u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
-  }
-  for (int q = 0; q < 4; ++q) {
-    r[q] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x20);
-    r[q + 4] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x31);
-  }
-}
-
 // Up to 8 block scales from p (count of them) as float32, the rest zero.
 inline __m256 panel_scales(const float* p, __mmask8 m) { return _mm256_maskz_loadu_ps(m, p); }
 inline __m256 panel_scales(const c10::Half* p, __mmask8 m) {
@@ -353,7 +334,7 @@ void lay_out_panel(const int8_t* w, const S* ws, int64_t nc, int64_t k, int64_t 
             ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + row * k + c0 + c))
             : _mm256_setzero_si256();
       }
-      transpose8x8(r);
+      quant_rows::transpose8x8(r);
       for (int q = 0; q < 8; ++q)
         _mm256_storeu_si256(pw + (c / 4 + q) * 2 + g, _mm256_xor_si256(r[q], bias));
     }
@@ -368,7 +349,7 @@ void lay_out_panel(const int8_t* w, const S* ws, int64_t nc, int64_t k, int64_t 
         r[i] = row < nc ? _mm256_castps_si256(panel_scales(ws + row * kb + c0 / B + b, m))
                         : _mm256_setzero_si256();
       }
-      transpose8x8(r);
+      quant_rows::transpose8x8(r);
       for (int q = 0; q < 8 && b + q < blocks; ++q)
         _mm256_storeu_ps(ps + (b + q) * kPanelCols + 8 * g, _mm256_castsi256_ps(r[q]));
     }

@@ -149,5 +149,27 @@ inline std::vector<int64_t> out_sizes(const at::Tensor& x, int64_t n) {
   return sizes;
 }
 
+#if defined(__AVX2__)
+// The panel products' layout (quant_int8.cpp, quant_int4.cpp): r [i] (8 dwords each: row i)
+// becomes the transpose, r [q] = dword q of rows 0..7.
+inline void transpose8x8(__m256i r[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 0-3, 4-7
+    u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h + 0], t[4 * h + 2]);
+    u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h + 0], t[4 * h + 2]);
+    u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+    u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    r[q] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x20);
+    r[q + 4] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x31);
+  }
+}
+#endif
+
 }  // namespace quant_rows
 }  // namespace pagedkv_cpu
