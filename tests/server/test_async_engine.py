@@ -60,9 +60,9 @@ def test_stream_abort_and_finish(engine):
             short.close()
             assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 4
             counts = [len(o.outputs[0].token_ids) for o in outputs]
-            # Cumulative; a core process that ran ahead sends several steps' tokens in one.
-            assert counts == sorted(set(counts)) and counts[-1] == 4
-            assert engine_core_process() or counts == [1, 2, 3, 4]
+            # Cumulative; a core that ran ahead of this reader (a core process, or steps
+            # faster than the event loop's turn) sends several steps' tokens in one.
+            assert counts == sorted(set(counts)) and counts[0] >= 1 and counts[-1] == 4
 
             long = await async_engine.add_request("long", [1, 20, 30], LONG)
             first = await long.__anext__()
