@@ -67,10 +67,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def _generate(llm, prompts, params=GREEDY):
+    """`params`: one for all prompts or one per prompt."""
+    per_prompt = list(params) if isinstance(params, list) else [params] * len(prompts)
     # The first prompt alone, so its prefix blocks are cached before the others arrive.
-    batches = [prompts[:1], prompts[1:]]
-    return [o for batch in batches
-            for o in llm.generate([{"prompt_token_ids": p} for p in batch], params,
+    batches = [(prompts[:1], per_prompt[:1]), (prompts[1:], per_prompt[1:])]
+    return [o for batch, batch_params in batches
+            for o in llm.generate([{"prompt_token_ids": p} for p in batch], batch_params,
                                   use_tqdm=False)]
 
 
@@ -221,19 +223,22 @@ def test_cascade_attention_over_shared_prefix_blocks(tiny_llama, make_llm, monke
 def test_int8_core_process_preempts_under_a_tiny_budget_and_matches_an_unpreempted_run(
         tiny_llama, make_llm, mode):
     """The engine core in its own process (serve's default) with an int8 cache of 30 blocks
-    (the five requests after the first need 84; the longest alone fits): they preempt each other (swapped out with their scales, or recomputed), and every
-    request's tokens equal an in-process int8 engine's that had room for all of them; every
-    block comes back."""
+    where every request grows to 27 (108 tokens): any two that run at once preempt one of
+    them (swapped out with its scales, or recomputed), however the requests' arrival
+    interleaves with the core's steps. Every request's tokens equal an in-process int8
+    engine's that had room for all of them; every block comes back."""
     from pagedkv import LLM
 
     prompts = make_prompts(seed=5, vocab=400)
+    params = [SamplingParams(temperature=0.0, max_tokens=108 - len(p), ignore_eos=True)
+              for p in prompts]
     roomy = make_llm(tiny_llama, block_size=4, kv_cache_dtype="int8", cpu_threads=1)
-    want = [list(o.outputs[0].token_ids) for o in _generate(roomy, prompts)]
+    want = [list(o.outputs[0].token_ids) for o in _generate(roomy, prompts, params)]
     assert roomy.llm_engine.get_stats().num_preemptions == 0
     tight = LLM(str(tiny_llama), core_process=True, seed=0, block_size=4, kv_cache_dtype="int8",
                 num_gpu_blocks_override=30, preemption_mode=mode, swap_space=0.01, cpu_threads=1)
     try:
-        got = [list(o.outputs[0].token_ids) for o in _generate(tight, prompts)]
+        got = [list(o.outputs[0].token_ids) for o in _generate(tight, prompts, params)]
         stats = tight.llm_engine.get_stats()
         tight.llm_engine.check_invariants()
     finally:
