@@ -23,7 +23,8 @@ Paths (each weight [N, K], activations [rows, K]):
   int8 activations per block of 32, or the expanded weight).
 Where `int4gemv` and `int4expand` (and `q8gemv`, `q8expand`) cross is where Int4Linear's
 `product_rows` (`int4_tile_rows()` where the panel product or AMX tiles run, else `GEMV_ROWS`;
-Int8BlockLinear's likewise) belongs: `--rows 1,4,8,16,24,32,48,64`.
+Int8BlockLinear's likewise) belongs: `--rows 1,4,8,16,24,32,48,64` (and `--rows 256,512,2048`
+for prefills: the panel product runs every call where it is compiled).
 `--cold` cycles each path's calls over copies of the weights, 2^24 weights in all (32 MiB in
 bfloat16): a decode step reads each weight once, from the L3 cache or memory, not from the L2
 cache a repeated call leaves it in.

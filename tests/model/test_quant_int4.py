@@ -75,7 +75,7 @@ def packed(blocks):
     return Int4Linear(*parts), w
 
 
-@pytest.mark.parametrize("rows", [1, 3, GEMV_ROWS, GEMV_ROWS + 1, 40, 64, 65])
+@pytest.mark.parametrize("rows", [1, 3, GEMV_ROWS, GEMV_ROWS + 1, 40, 64, 65, 600])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kernels", ["fused", "torch"])
 def test_int4_linear_equals_float64_reference(packed, rows, dtype, kernels, monkeypatch):
@@ -153,7 +153,9 @@ def products_against_references(n: int, k: int, rows: int, seed: int) -> dict:
         scale, offset = scales.double().view(n, 2, -1, 1).unbind(dim=1)
         w4 = (q4 * scale + offset).reshape(n, k)
         got4 = torch.ops.pagedkv_cpu.int4_gemv(x, nib, scales, bias).double()
-        bound4 = (step / 2) @ (scale[..., 0].abs() * q4.sum(dim=2)).T \
+        # Each activation off by half a step at most, times each weight (codes and offsets
+        # meet the same quantized activations).
+        bound4 = (step / 2) @ w4.abs().reshape(n, -1, 32).sum(dim=2).T \
             + 1e-5 * (x64.abs() @ w4.abs().T + 1)
         ratios[f"int4_{dtype}"] = float(((got4 - x64 @ w4.T - bias).abs() / bound4).max())
     w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
@@ -194,10 +196,11 @@ def exact_products_ratio(n: int, k: int, rows: int, style: str, scale_dtype: tor
     """int4_gemv on random codes [n, k] with a bias, scales in `scale_dtype` (mixed signs) and
     offsets as Q4_0's (-8 times the scale) or Q4_1's (their own, mixed signs), on float32
     activations [rows, k], against the exact product of the activations as the kernels quantize
-    them: the largest error over its bound (a pass is <= 1). The integer dots are exact, so
-    what remains is float32's: each group's term is rounded at most 4 times (the two scales'
-    product, the multiply-adds of the dot and of the offset, the group's float32 sum of x,
-    31 additions: below 2^-19 of its magnitudes) and added to a sum of up to 25 groups here,
+    them (codes and offsets alike: the offset meets the quantized values' sum, step times the
+    codes' integer sum): the largest error over its bound (a pass is <= 1). The integer dots
+    are exact, so what remains is float32's: each group's term is rounded at most 4 times (the
+    two scales' product, the multiply-adds of the dot and of the offset, the sum's product with
+    the step: below 2^-19 of its magnitudes) and added to a sum of up to 72 groups here,
     2^-17 of the terms' magnitudes covers both (a group's term off, or an offset missed, is
     ~2^-5 of them). Also run by the AVX2 child."""
     g = torch.Generator().manual_seed(seed)
@@ -216,14 +219,25 @@ def exact_products_ratio(n: int, k: int, rows: int, style: str, scale_dtype: tor
     cs = q4 * scale.double()[..., None]  # [N, K/32, 32]
     off = offset.double()  # [N, K/32]
     xq, step = quantized_activations(x)
-    xg = x.double().reshape(rows, -1, 32)
-    exact = torch.einsum("rgc,ngc->rn", xq * step, cs) + xg.sum(-1) @ off.T + bias.double()
+    sums = (xq.sum(-1, keepdim=True) * step)[..., 0]  # [rows, K/32]
+    exact = torch.einsum("rgc,ngc->rn", xq * step, cs) + sums @ off.T + bias.double()
     magnitude = torch.einsum("rgc,ngc->rn", (xq * step).abs(), cs.abs()) \
-        + xg.abs().sum(-1) @ off.abs().T
+        + (xq.abs() * step).sum(-1) @ off.abs().T
     bound = 2.0 ** -17 * magnitude + 1e-30
     got = torch.ops.pagedkv_cpu.int4_gemv(x, nib, scales, bias).double()
     assert got.shape == (rows, n)
     return float(((got - exact).abs() / bound).max())
+
+
+@pytest.mark.parametrize(("k", "rows"), [(800, 300), (2304, 250)])
+def test_rows_across_blocks_are_exact(k, rows):
+    """The panel product meets each weight panel with a block of activation rows at a time (64
+    to 256, fewer the longer K: 256 at K = 800, 112 at 2,304): rows across two blocks and into
+    a third give the exact products of the activations as quantized."""
+    assert ensure_cpu_kernels("wait")
+    for style in ("q4_0", "q4_1"):
+        ratio = exact_products_ratio(20, k, rows, style, torch.float16, seed=rows)
+        assert ratio <= 1, (style, ratio)
 
 
 @pytest.mark.parametrize("style", ["q4_0", "q4_1"])
@@ -250,13 +264,16 @@ def test_row_and_column_tiles_off_the_panel_are_exact(style, scale_dtype, k, row
 
 
 def test_product_rows_cover_the_panel_product():
-    """Where the integer product is AVX-512 VNNI's, the packed linear runs it up to 64 rows
-    (the panel product, or AMX tiles); elsewhere up to GEMV_ROWS."""
+    """Where the integer product is AVX-512 VNNI's, the packed linear runs it at every row count
+    (the panel product, a block of rows at a time), or up to 64 rows where AMX tiles run (the
+    expanded weight on oneDNN's AMX matmul beyond); elsewhere up to GEMV_ROWS."""
     assert ensure_cpu_kernels("wait")
-    if torch.ops.pagedkv_cpu.int_gemv_isa() == "avx512_vnni":
-        assert product_rows() == 64
+    if torch.ops.pagedkv_cpu.int_gemv_isa() != "avx512_vnni":
+        assert product_rows() == GEMV_ROWS
+    elif "amx_int8" in Path("/proc/cpuinfo").read_text():  # 64 where the tiles are permitted
+        assert product_rows() in (64, 1 << 40)
     else:
-        assert product_rows() >= GEMV_ROWS
+        assert product_rows() == 1 << 40
 
 
 def test_product_kernels_check_their_inputs():

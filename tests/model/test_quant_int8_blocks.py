@@ -89,7 +89,7 @@ def random_linear(block: int, seed: int, n: int = N,
 
 
 @pytest.mark.parametrize("block", [16, 32])
-@pytest.mark.parametrize("rows", [1, 5, INT8_BLOCK_ROWS, INT8_BLOCK_ROWS + 3, 64, 65])
+@pytest.mark.parametrize("rows", [1, 5, INT8_BLOCK_ROWS, INT8_BLOCK_ROWS + 3, 64, 65, 600])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
 def test_linear_equals_float64_references(block, rows, dtype, scale_dtype):

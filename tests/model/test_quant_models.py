@@ -1,8 +1,8 @@
 """A GGUF model's 4-bit linears kept packed (quantization "auto") against the same file
 dequantized ("none"): next-token distributions of decode steps and of a chunked prefill, as KL
-and top-1 agreement (up to `Int4Linear.product_rows()` rows a call computes on activations
-quantized to int8 per group of 32, as llama.cpp's Q4 x Q8 dot; beyond, on the expanded
-weight); the parameter bytes
+and top-1 agreement (up to `Int4Linear.product_rows()` rows a call, every call with AVX-512
+VNNI, computes on activations quantized to int8 per group of 32, as llama.cpp's Q4 x Q8 dot;
+beyond, on the expanded weight); the parameter bytes
 the engine reports (weights_bytes: the banner, /kv_cache_info) are the packed ones; "int8"
 quantizes a safetensors model's linears per channel."""
 
@@ -23,9 +23,9 @@ from tests.model.gguf_files import write_gguf
 
 PROMPT = [5, 17, 99, 230, 41, 8, 77, 300, 12, 64, 3, 150, 9, 250, 33, 71, 200, 18, 44, 6]
 CONTINUATION = [90, 14, 321, 7, 55, 260, 2, 101, 48, 11, 199, 36]
-# Measured on the tiny model (random weights): mean KL about 3e-5 to 5e-4 nats (bfloat16;
-# the higher with the prompt's chunk on int8 activations too); codes in the wrong order, or a
-# zero off by one step, give about 0.27.
+# Measured on the tiny model (random weights): mean KL about 4e-5 to 1e-4 nats (bfloat16 and
+# float16, decode and prefill, all on int8 activations where AVX-512 VNNI runs); codes in the
+# wrong order, or a zero off by one step, give about 0.27.
 MEAN_KL_BOUND = 1e-3
 # Top-1 agreement over the 13 positions: the int8 activations move the tiny model's logits by
 # up to about 0.1, and its random weights leave most positions' top two closer than that, so two

@@ -2,9 +2,8 @@
 file dequantized, both bfloat16: along each prompt's greedy continuation (the dequantized
 model's), the packed model's next-token distributions (KL, top-1 agreement) at every decode
 step (one row: the int4 product on int8 activations, the head on the file's Q8_0 embedding
-codes) and over the whole text prefilled
-(the dense head; the linears on the expanded weight, or where AMX-INT8 tiles run, texts of up
-to 64 tokens, the int4 product too)."""
+codes) and over the whole text prefilled (the dense head; the linears on the int4 product
+where AVX-512 VNNI's panel product or AMX-INT8 tiles run, else on the expanded weight)."""
 
 from __future__ import annotations
 
@@ -20,11 +19,12 @@ from tests.model.driver import greedy_generate
 PROMPTS = ["The capital of France is", "Water boils at a temperature of",
            "The three primary colors are"]
 NEW_TOKENS = 8
-# Measured: mean KL about 1e-2 nats, top-1 0.97 (activations quantized to int8 per group of 32
-# at decode, as llama.cpp's Q4 x Q8 dot, against the dequantized bfloat16 model), 2.2e-2 and
-# 0.94 where the short prefills run the product too (AMX tiles); a broken packed kernel gives
-# tenths of a nat and more.
-MEAN_KL_BOUND = 0.03
+# Measured: mean KL about 5e-3 nats, top-1 0.97 (activations quantized to int8 per group of 32
+# at decode and, where AVX-512 VNNI's panel product or AMX tiles run, in the prefills too, as
+# llama.cpp's Q4 x Q8 dot, against the dequantized bfloat16 model); an offset term that meets
+# the activations' float sums rather than their quantized ones measured 2.2e-2, and a broken
+# packed kernel gives tenths of a nat and more.
+MEAN_KL_BOUND = 0.01
 TOP1_BOUND = 0.9
 
 

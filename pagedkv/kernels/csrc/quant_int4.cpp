@@ -5,8 +5,9 @@
 // (Q4_K's products of two scales): weight = code * scale + offset.
 // - `int4_gemv`, what the packed linear runs at decode sizes: as llama.cpp's Q4_1 x Q8_1 dot,
 //   each activation row is quantized once per call to int8 per group of 32 (step = max|x| /
-//   127, round to nearest even; the group's float sum kept beside for the offsets), then per
-//   weight row: sum over groups of scale * step * sum(code * q) + offset * sum(x). The integer
+//   127, round to nearest even; step * sum(q) kept beside for the offsets), then per weight
+//   row: sum over groups of scale * step * sum(code * q) + offset * step * sum(q): the weight's
+//   exact product with the quantized activations, up to float32 rounding. The integer
 //   sums with AVX-512 VNNI (vpdpbusd: the codes as the unsigned operand, 4 groups a register),
 //   or AVX2 (vpmaddubsw + vpmaddwd, 2 groups a register), float32 across groups. Each weight
 //   row's codes and scales are read once, front to back, for up to 4 activation rows.
@@ -19,8 +20,8 @@
 // - `int4_linear`, the packed linear's forward in one op: int4_gemv up to a row count the
 //   caller gives (Int4Linear.product_rows: int4_tile_rows() where the panel product or AMX
 //   tiles run), else the dense matmul on int4_expand's weight.
-// - `int4_expand`, what the packed linear runs beyond decode sizes (a prefill's hundreds of
-//   rows): the dense weight, for oneDNN's matmul, which beats any int4 kernel there.
+// - `int4_expand`, what the packed linear runs beyond that row count (a prefill's hundreds of
+//   rows with AVX2 alone, or past 64 on AMX): the dense weight, for oneDNN's matmul.
 // - `int8_gemv`: int8 codes with one scale per weight row (the LM head's copy, model/quant/
 //   packed_head.py) against activations quantized to int16 per row (vpdpwssd, or AVX2's
 //   vpmaddwd): the head's logits see less than a bfloat16 rounding of the activations.
@@ -220,7 +221,12 @@ void for_each_output(int64_t n, int64_t m, int64_t row_bytes, RowFn row_fn) {
 // Activation rows quantized per group of 32 to int8 (q = round(x / step), step = max|x| / 127),
 // laid per chunk of 4 groups (what 64 code bytes hold) as the products read them: values 0-15
 // of groups 0..3 (what the low nibbles pair with), then values 16-31 of the same (the high
-// nibbles); per group the step and the group's float sum. Groups past the last are zeros.
+// nibbles); per group the step and the sum of its quantized values (step times the codes'
+// integer sum: the offset term then meets the same activations as the codes do, so a call
+// computes the weight's exact product with the quantized rows, as llama.cpp's Q8_1 sums do;
+// with x's own float sum instead the codes' rounding errors meet the uncentered codes 0..15
+// alone, about 2-3x the error on SmolLM2's Q4_0 linears and 20x its mean KL). Groups past the
+// last are zeros.
 struct Q8Act {
   int64_t chunks = 0, groups = 0;
   const int8_t* q = nullptr;                    // [M, chunks, 128]
@@ -230,32 +236,36 @@ struct Q8Act {
 };
 
 // One group of 32 values from src: codes to lo[0..15] (values 0-15) and hi[0..15] (16-31);
-// returns the step, its float sum to *total.
+// returns the step, the quantized values' sum (step times the codes' sum) to *total.
 template <typename T>
 inline float quantize_group(const T* src, int8_t* lo, int8_t* hi, float* total) {
 #if defined(PAGEDKV_QUANT_ROWS_512)
   const __m512 v0 = quant_rows::load16(src), v1 = quant_rows::load16(src + 16);
   const float amax = _mm512_reduce_max_ps(
       _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-  *total = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
   const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), quant_rows::quantize16(v0, inv));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), quant_rows::quantize16(v1, inv));
+  const __m128i q0 = quant_rows::quantize16(v0, inv), q1 = quant_rows::quantize16(v1, inv);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), q0);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), q1);
+  const int32_t codes_sum = _mm512_reduce_add_epi32(
+      _mm512_add_epi32(_mm512_cvtepi8_epi32(q0), _mm512_cvtepi8_epi32(q1)));
 #else
-  float v[kInt4Group], amax = 0.f, sum = 0.f;
+  float v[kInt4Group], amax = 0.f;
   for (int j = 0; j < kInt4Group; ++j) {
     v[j] = static_cast<float>(src[j]);
     amax = std::max(amax, std::fabs(v[j]));
-    sum += v[j];
   }
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t codes_sum = 0;
   for (int j = 0; j < 16; ++j) {
     lo[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
     hi[j] = static_cast<int8_t>(std::nearbyint(v[16 + j] * inv));
+    codes_sum += lo[j] + hi[j];
   }
-  *total = sum;
 #endif
-  return amax / 127.f;
+  const float step = amax / 127.f;
+  *total = static_cast<float>(codes_sum) * step;
+  return step;
 }
 
 // x's rows quantized into this thread's scratch (valid until its next call).
@@ -470,7 +480,6 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
 // benchmarks/bench_quant_linear.py --cold): 1.2x q4_rows' speed at 4 rows, 1.6x at 8, 2.0x at
 // 16, 2.2x at 32, 2.3x at 64, and faster than the dense bfloat16 linear at each.
 constexpr int64_t kInt4PanelMinRows = 4;
-constexpr int64_t kInt4PanelMaxRows = 64;  // int4_tile_rows
 constexpr int kQ4PanelCols = 16;           // weight rows a panel: two vectors of 8
 constexpr int kQ4PanelRowTile = 4;         // activation rows computed together
 // Groups along K laid out at a time: 8 (256 codes; 4 KiB of codes laid out for 16 weight rows,
@@ -606,13 +615,14 @@ inline void q4_panel_tile(const __m256i* pw, const float* ps, const float* po, c
   }
 }
 
-// out [m, n] (T) = the quantized activations `a` times the weight (codes, scales; `a.groups`
-// groups a row) + bias, a panel of 16 weight rows at a time (panels over threads, on the
-// calling thread below quant_rows::kInlineBytes of weights), each kQ4PanelGroups groups along
-// K laid out and met by all the rows before the next. Writes out.
+// Rows [row0, row0 + m) of out [.., n] (T) = those rows of the quantized activations `a` times
+// the weight (codes, scales; `a.groups` groups a row) + bias, a panel of 16 weight rows at a
+// time (panels over threads, on the calling thread below quant_rows::kInlineBytes of weights),
+// each kQ4PanelGroups groups along K laid out and met by all the m rows before the next (a
+// larger call passes its rows a block at a time: quant_rows::for_row_blocks). Writes out.
 template <typename T, typename S>
-void q4_panel_columns(const Q8Act& a, int64_t m, const uint8_t* codes, const S* scales,
-                      int64_t n, const float* bias, T* out) {
+void q4_panel_columns(const Q8Act& a, int64_t row0, int64_t m, const uint8_t* codes,
+                      const S* scales, int64_t n, const float* bias, T* out) {
   const int64_t groups = a.groups, row_bytes = groups * (kInt4Group / 2), row_s = 2 * groups;
   const int64_t panels = (n + kQ4PanelCols - 1) / kQ4PanelCols;
   const int64_t passes = (m + kQ4PanelRowTile - 1) / kQ4PanelRowTile;
@@ -648,17 +658,18 @@ void q4_panel_columns(const Q8Act& a, int64_t m, const uint8_t* codes, const S* 
         }
         for (int64_t r = 0; r < m; r += kQ4PanelRowTile) {
           float* yr = y + r * kQ4PanelCols;
+          const int64_t at = row0 + r;
           switch (std::min<int64_t>(kQ4PanelRowTile, m - r)) {
-            case 4: q4_panel_tile<4>(pw, ps, po, a, r, g0, ng, yr, g0 == 0); break;
-            case 3: q4_panel_tile<3>(pw, ps, po, a, r, g0, ng, yr, g0 == 0); break;
-            case 2: q4_panel_tile<2>(pw, ps, po, a, r, g0, ng, yr, g0 == 0); break;
-            default: q4_panel_tile<1>(pw, ps, po, a, r, g0, ng, yr, g0 == 0); break;
+            case 4: q4_panel_tile<4>(pw, ps, po, a, at, g0, ng, yr, g0 == 0); break;
+            case 3: q4_panel_tile<3>(pw, ps, po, a, at, g0, ng, yr, g0 == 0); break;
+            case 2: q4_panel_tile<2>(pw, ps, po, a, at, g0, ng, yr, g0 == 0); break;
+            default: q4_panel_tile<1>(pw, ps, po, a, at, g0, ng, yr, g0 == 0); break;
           }
         }
       }
       for (int64_t r = 0; r < m; ++r)
         for (int64_t j = 0; j < nc; ++j)
-          out[r * n + col + j] =
+          out[(row0 + r) * n + col + j] =
               static_cast<T>(y[r * kQ4PanelCols + j] + (bias ? bias[col + j] : 0.f));
     }
   });
@@ -858,11 +869,15 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     const int64_t m = x.numel() / k;
     dispatch(x.scalar_type(), "int4_gemv", [&](auto tag) {
       using T = typename decltype(tag)::type;
-      if (scales.scalar_type() == at::kHalf)
-        q4_panel_columns(act, m, nib, reinterpret_cast<const c10::Half*>(scales.data_ptr()), n,
-                         bp, out.data_ptr<T>());
-      else
-        q4_panel_columns(act, m, nib, scales.data_ptr<float>(), n, bp, out.data_ptr<T>());
+      quant_rows::for_row_blocks(m, k, [&](int64_t r0, int64_t rows) {
+        if (scales.scalar_type() == at::kHalf)
+          q4_panel_columns(act, r0, rows, nib,
+                           reinterpret_cast<const c10::Half*>(scales.data_ptr()), n, bp,
+                           out.data_ptr<T>());
+        else
+          q4_panel_columns(act, r0, rows, nib, scales.data_ptr<float>(), n, bp,
+                           out.data_ptr<T>());
+      });
     });
     return out;
   }
@@ -884,17 +899,18 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return scales.scalar_type() == at::kHalf ? with_far(c10::Half{}) : with_far(float{});
 }
 
-// Rows up to which the packed linear runs int4_gemv where it runs on AMX tiles or the panel
-// product (0 without: Int4Linear's GEMV_ROWS then). The panel product took 0.5-0.7x the
+// Rows up to which the packed linear runs int4_gemv where it runs on AMX tiles (64: beyond,
+// the expanded weight on oneDNN's AMX matmul) or the panel product (every call: kEveryRow);
+// 0 without either (Int4Linear's GEMV_ROWS then). The panel product took 0.5-0.7x the
 // one-thread CPU time of the weight expanded to bfloat16 and oneDNN's matmul at 16-64 rows over
-// SmolLM2-135M's shapes on AMD Zen 4 (benchmarks/bench_quant_linear.py --paths
-// int4gemv,int4expand --cold); AVX2's product stays at GEMV_ROWS.
+// SmolLM2-135M's shapes on AMD Zen 4, 0.8x at 512 and 2,048 rows (benchmarks/bench_quant_linear.py
+// --paths int4gemv,int4expand); AVX2's product stays at GEMV_ROWS.
 int64_t int4_tile_rows() {
 #if defined(PAGEDKV_INT4_AMX)
   if (amx_permitted()) return kAmxMaxRows;
 #endif
 #if defined(PAGEDKV_INT4_PANEL)
-  return kInt4PanelMaxRows;
+  return quant_rows::kEveryRow;
 #else
   return 0;
 #endif

@@ -296,7 +296,6 @@ void dot_tile(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0
 // head's weights from memory, 0.85-0.95x its speed). 256-bit vectors:
 // Zen 4 runs 512-bit ones as two halves, so they would gain little there.
 constexpr int64_t kInt8PanelMinRows = 4;
-constexpr int64_t kInt8PanelMaxRows = 64;  // int8_block_tile_rows
 constexpr int kPanelCols = 16;    // weight rows a panel: two vectors of 8
 constexpr int kPanelRowTile = 4;  // activation rows computed together (16 int32 + 8 float sums)
 // How far ahead of the panel being laid out its codes are asked for into L2 (rounded to whole
@@ -623,17 +622,18 @@ void int8_amx_product(const Int8AmxAct& act, int64_t m, const int8_t* w, const S
 }
 #endif
 
-// Rows up to which the packed linear runs int8_block_linear where it runs on AMX tiles or the
-// panel product (0 without: INT8_BLOCK_ROWS then). The panel product at 64 rows took 0.6-0.65x
-// the one-thread CPU time of the weight expanded to bfloat16 and oneDNN's matmul over
-// SmolLM2-135M's shapes on AMD Zen 4 (benchmarks/bench_quant_linear.py --paths q8gemv,q8expand);
-// AVX2's product stays at INT8_BLOCK_ROWS.
+// Rows up to which the packed linear runs int8_block_linear where it runs on AMX tiles (64) or
+// the panel product (every call: kEveryRow); 0 without either (INT8_BLOCK_ROWS then). The panel
+// product at 64 rows took 0.6-0.65x the one-thread CPU time of the weight expanded to bfloat16
+// and oneDNN's matmul over SmolLM2-135M's shapes on AMD Zen 4, 0.8x at 512 and 2,048 rows
+// (benchmarks/bench_quant_linear.py --paths q8gemv,q8expand); AVX2's product stays at
+// INT8_BLOCK_ROWS.
 int64_t int8_block_tile_rows() {
 #if defined(PAGEDKV_INT8_AMX)
   if (amx_permitted()) return kInt8AmxMaxRows;
 #endif
 #if defined(PAGEDKV_INT8_PANEL)
-  return kInt8PanelMaxRows;
+  return quant_rows::kEveryRow;
 #else
   return 0;
 #endif
@@ -653,7 +653,11 @@ void block_product(const T* x, int64_t m, int64_t k, const int8_t* w, const S* w
 #endif
 #if defined(PAGEDKV_INT8_PANEL)
   if (m >= kInt8PanelMinRows) {
-    panel_columns<B>(q, m, w, ws, n, k, out);
+    quant_rows::for_row_blocks(m, k, [&](int64_t r0, int64_t rows) {
+      const QuantizedRows block{q.codes + r0 * k, q.lane_offset + r0 * k / 4,
+                                q.lane_scale + r0 * k / 4, q.block_scale + r0 * (k / B)};
+      panel_columns<B>(block, rows, w, ws, n, k, out + r0 * n);
+    });
     return;
   }
 #endif

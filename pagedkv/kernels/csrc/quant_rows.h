@@ -6,6 +6,8 @@
 // - `float_bias`: a bias as float32 without a tensor of its own;
 // - `run_blocks`: a parallel loop that stays on the calling thread below `kInlineBytes` of
 //   weights (a fork/join costs more than it saves there);
+// - `for_row_blocks`: a large call's activation rows in blocks that stay in L2 while the panel
+//   products pass every weight panel over them;
 // - `expanded_linear`: the path beyond decode sizes, the weight expanded a chunk of rows at a
 //   time into the activation dtype for the dense matmul (oneDNN's), a chunk small enough that
 //   the allocator reuses its pages and the cache keeps it.
@@ -102,6 +104,29 @@ inline void run_blocks(int64_t count, int64_t work_bytes, const Fn& fn) {
   }
   at::parallel_for(0, count, 1, fn);
 }
+
+// Activation rows the panel products (quant_int4.cpp, quant_int8.cpp) meet each laid-out weight
+// panel with before the next panel: a block's int8 codes stay within about kPanelRowBlockBytes
+// (in L2 while every panel passes over them), 64 to 256 rows. One 2,048-row call at a time
+// took about 1.2x the CPU time of 256-row blocks over SmolLM2-135M's shapes (AMD Zen 4, one
+// thread; benchmarks/bench_quant_linear.py --rows 256,2048); the laid-out panels cost a block
+// of 64 rows or more little.
+constexpr int64_t kPanelRowBlockBytes = 256 << 10;
+
+inline int64_t panel_row_block(int64_t k) {
+  return std::clamp<int64_t>(kPanelRowBlockBytes / k / 4 * 4, 64, 256);
+}
+
+// fn(first row, rows) over [0, m) in blocks of panel_row_block(k) rows.
+template <typename Fn>
+inline void for_row_blocks(int64_t m, int64_t k, const Fn& fn) {
+  const int64_t block = panel_row_block(k);
+  for (int64_t r0 = 0; r0 < m; r0 += block) fn(r0, std::min(block, m - r0));
+}
+
+// What int4_tile_rows / int8_block_tile_rows return where the panel product runs every call:
+// a row count no call reaches.
+constexpr int64_t kEveryRow = int64_t{1} << 40;
 
 // Bytes of expanded weight (in the activation dtype) a larger call expands at a time.
 constexpr int64_t kExpandChunkBytes = 2 << 20;

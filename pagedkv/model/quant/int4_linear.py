@@ -4,18 +4,19 @@ offset per group of 32 along each row (int4_blocks.py).
 One copy of the codes (uint8 [N, K/2], the file's nibble order) and of the scales (per row the
 groups' scales, then their offsets: float16 where that holds them exactly, Q4_0 and Q4_1's own
 values, else float32), read front to back by both paths (kernels/csrc/quant_int4.cpp):
-- a decode-sized call (rows <= `GEMV_ROWS`, or 64 where AVX-512 VNNI's panel product or
-  AMX-INT8 tiles run: `product_rows`) runs `int4_gemv`: as llama.cpp's Q4 x Q8 dot, each
+- a call up to `product_rows` rows (`GEMV_ROWS` with AVX2, 64 where AMX-INT8 tiles run,
+  every call with AVX-512 VNNI's panel product) runs `int4_gemv`: as llama.cpp's Q4 x Q8 dot, each
   activation row quantized once to int8 per group of 32, integer dot products on the codes
   (AVX-512 VNNI, AVX2), each group's sum scaled in float32; about 2x torch's
   `_weight_int4pack_mm_for_cpu` summed over SmolLM2's shapes with the weights out of cache, at
   one row and at four (benchmarks/bench_quant_linear.py --cold, one thread: 1.8 against 3.8 ms
   at one row); from 4 rows AVX-512 VNNI lays out 16 weight rows' codes at a time for all the
-  rows (the panel product: at 16-64 rows 1.4-2x the expansion below, and faster than the dense
-  bfloat16 linear, on AMD Zen 4), and at 10-64 rows AMX tiles run it (1.2-1.9x the expansion);
-- a larger call expands the codes to a dense weight in the activation dtype (`int4_expand`) and
-  runs the dense matmul (oneDNN's; a prefill of hundreds of rows is compute-bound, where its
-  bfloat16 or AMX kernels win by 5-10x over any int4 kernel).
+  rows (the panel product, a block of up to 256 rows at a time: at 16-64 rows 1.4-2x the
+  expansion below, 1.2x at 512-2,048, and faster than the dense bfloat16 linear at each, on
+  AMD Zen 4), and at 10-64 rows AMX tiles run it (1.2-1.9x the expansion);
+- a larger call (with AVX2 alone, or past 64 rows on AMX) expands the codes to a dense weight
+  in the activation dtype (`int4_expand`) and runs the dense matmul (oneDNN's: its bfloat16
+  AMX kernels win on a prefill's hundreds of rows).
 Until the fused kernels load (a background build) decode-sized calls run torch's int4 op on a
 copy of the weights in its own layout, made at the first such call and dropped once the kernels
 are in; larger ones expand the weight in torch ops.
@@ -39,10 +40,10 @@ from pagedkv.model.quant.int4_blocks import GROUP
 
 _EXPAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# Rows up to which `int4_gemv` runs: against expanding the weight first and then the dense
-# matmul it wins at decode sizes and loses on prefills (benchmarks/bench_quant_linear.py); where
-# it runs as AVX-512 VNNI's panel product or on AMX tiles, up to `int4_tile_rows()` (64:
-# `product_rows`).
+# Rows up to which `int4_gemv` runs with AVX2 alone: against expanding the weight first and then
+# the dense matmul it wins at decode sizes and loses on prefills (benchmarks/bench_quant_linear.py);
+# where it runs as AVX-512 VNNI's panel product or on AMX tiles, up to `int4_tile_rows()`
+# (`product_rows`).
 GEMV_ROWS = 12
 
 

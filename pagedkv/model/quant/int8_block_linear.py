@@ -1,14 +1,14 @@
 """A linear layer and an embedding on int8 codes with a float32 scale per block of 16 or 32
 along each row (GGUF Q8_0 and Q6_K kept packed: int8_blocks.py), W = code * scale exactly.
 
-The linear's decode-sized calls (rows <= `INT8_BLOCK_ROWS`, or 64 with AVX-512 VNNI or AMX-INT8
-tiles: `product_rows`) run `int8_block_linear`
+The linear's calls up to `product_rows` rows (`INT8_BLOCK_ROWS` with AVX2, 64 where AMX-INT8
+tiles run, every call with AVX-512 VNNI's panel product) run `int8_block_linear`
 (kernels/csrc/quant_int8.cpp: activations quantized per block to int8, as llama.cpp's Q8_0 dot
 does, integer dot products with AVX-512 VNNI or AVX2; from 4 rows on AVX-512 VNNI a panel
-product, from 10 on AMX tiles); larger ones expand the codes to a dense
-weight in the activation dtype (`int8_block_expand`) for the dense matmul (oneDNN's), where a
-prefill's hundreds of rows are compute-bound. Without the fused kernels both run in torch ops on
-the expanded weight. The embedding gathers only the looked-up rows' codes and scales.
+product, a block of up to 256 rows at a time, from 10 on AMX tiles); larger ones expand the
+codes to a dense weight in the activation dtype (`int8_block_expand`) for the dense matmul
+(oneDNN's: on AMX, or with AVX2 alone, faster on a prefill's hundreds of rows). Without the
+fused kernels both run in torch ops on the expanded weight. The embedding gathers only the looked-up rows' codes and scales.
 The tensors are parameters (requires_grad False), so the model's parameter bytes count them; a
 tied head and embedding share them (the model's parameters list them once).
 """
@@ -38,9 +38,10 @@ EXPAND_CHUNK_BYTES = 2 << 20
 @functools.cache
 def product_rows() -> int:
     """Rows up to which Int8BlockLinear runs the integer product with the fused kernels loaded:
-    `INT8_BLOCK_ROWS`, or 64 where it runs AVX-512 VNNI's panel product or AMX-INT8 tiles
-    (`int8_block_tile_rows`; at 16-64 rows 1.5-2.5x the expanded weight's matmul on a Zen 4,
-    1.1-1.6x on AMX: benchmarks/bench_quant_linear.py --paths q8gemv,q8expand)."""
+    `INT8_BLOCK_ROWS`, 64 where AMX-INT8 tiles run, every call where AVX-512 VNNI's panel
+    product does (`int8_block_tile_rows`; at 16-64 rows 1.5-2.5x the expanded weight's matmul
+    on a Zen 4, 1.25x at 512-2,048; 1.1-1.6x at 16-64 on AMX:
+    benchmarks/bench_quant_linear.py --paths q8gemv,q8expand)."""
     return max(INT8_BLOCK_ROWS, int(torch.ops.pagedkv_cpu.int8_block_tile_rows()))
 
 
