@@ -73,7 +73,8 @@ class ModelOptions:
     download_dir: str | None = opt(None, "with a Hugging Face model id: the cache directory to "
                                    "look in and download to (default: HF_HUB_CACHE, else "
                                    "HF_HOME/hub)")
-    dtype: str = opt("auto", "weights and KV cache dtype ('auto': the config's torch_dtype)",
+    dtype: str = opt("auto", "weights and KV cache dtype ('auto': the config's torch_dtype; "
+                     "a GGUF file's float type, bfloat16 when it is quantized)",
                      choices=MODEL_DTYPE_CHOICES)
     seed: int = opt(0, "default random seed of the engine")
     quantization: str = opt(

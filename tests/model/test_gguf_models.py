@@ -130,3 +130,24 @@ def test_unsupported_architecture_before_any_size_check(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match=r"^architecture 'GPT2LMHeadModel' is not supported; "
                                          "supported: LlamaForCausalLM"):
         LLM(str(d))
+
+
+@pytest.mark.parametrize(("quant", "want"), [(None, "float32"),
+                                             (GGMLQuantizationType.F16, "float16"),
+                                             (GGMLQuantizationType.BF16, "bfloat16"),
+                                             (GGMLQuantizationType.Q4_0, "bfloat16"),
+                                             (GGMLQuantizationType.Q8_0, "bfloat16")])
+def test_auto_dtype_of_a_gguf_file(tiny_llama, tmp_path, quant, want):
+    """`--dtype auto` takes a float file's own dtype (F32, F16, BF16, as a config's torch_dtype)
+    and bfloat16 for a quantized one, whose linears then stay packed (float32 would dequantize
+    them all); an explicit dtype still wins."""
+    from pagedkv.model.quant.int4_linear import Int4Linear
+    from pagedkv.model.runner import ModelRunner
+
+    path = write_gguf(tiny_llama, tmp_path / "model.gguf", quant=quant)
+    runner = ModelRunner(str(path), block_size=4, num_blocks=8, device="cpu")
+    assert runner.dtype == getattr(torch, want)
+    packed = sum(isinstance(m, Int4Linear) for m in runner.model.modules())
+    assert packed == (8 if quant == GGMLQuantizationType.Q4_0 else 0)
+    explicit = ModelRunner(str(path), block_size=4, num_blocks=8, device="cpu", dtype="float32")
+    assert explicit.dtype == torch.float32

@@ -28,6 +28,9 @@ _SIZES = {"block_count": "num_hidden_layers", "embedding_length": "hidden_size",
           "attention.key_length": "head_dim", "attention.sliding_window": "sliding_window",
           "attn_logit_softcapping": "attn_logit_softcapping",
           "final_logit_softcapping": "final_logit_softcapping"}
+# A float file's matrices' own dtype, widest first: what "auto" takes for it (GGUF has no
+# config.json torch_dtype); see `gguf_dtype`.
+_FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 # Gemma's 27B models scale queries by hidden_size / heads, the others by head_dim (llama.cpp:
 # LLM_TYPE_27B in llama-model.cpp); their layer counts tell them apart.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -54,6 +57,7 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
             cfg[hf_key] = value
     tokens = gguf.metadata.get("tokenizer.ggml.tokens")
     cfg["vocab_size"] = gguf.arch_value("vocab_size") or (len(tokens) if tokens else None)
+    cfg["torch_dtype"] = gguf_dtype(gguf)
     cfg["tie_word_embeddings"] = "output.weight" not in gguf.tensors
     cfg["attention_bias"] = "blk.0.attn_q.bias" in gguf.tensors
     scaling = gguf.arch_value("rope.scaling.type")
@@ -67,6 +71,17 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     if arch in _GEMMA_27B_LAYERS:
         _gemma(cfg, arch)
     return cfg
+
+
+def gguf_dtype(gguf: GGUFFile) -> str:
+    """The dtype `--dtype auto` takes for `gguf`: bfloat16 where any matrix is quantized (its
+    Q4 / Q8_0 / Q6_K linears then stay packed and compute packed, which needs a 16-bit dtype;
+    vLLM's "auto" is 16-bit for such files too), else the widest of its matrices' float types
+    (F32, BF16, F16), as a safetensors config's torch_dtype."""
+    kinds = {t.type_name for t in gguf.tensors.values() if len(t.shape) >= 2}
+    if not kinds <= set(_FLOAT_DTYPES):
+        return "bfloat16"
+    return next((dtype for kind, dtype in _FLOAT_DTYPES.items() if kind in kinds), "float32")
 
 
 def _gemma(cfg: dict[str, Any], arch: str) -> None:
