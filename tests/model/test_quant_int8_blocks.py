@@ -1,4 +1,4 @@
-"""GGUF Q8_0 / Q6_K weights kept packed (pagedkv/model/quant/int8_*): blocks read as int8 codes
+"""GGUF Q8_0 / Q6_K / Q5_0 weights kept packed (pagedkv/model/quant/int8_*): blocks read as int8 codes
 and per-block scales with no loss (against the `gguf` package's dequantization); the integer
 kernel (kernels/csrc/quant_int8.cpp, this machine's build and the AVX2 one) against float64
 references: exactly the activation-quantized product up to float32 summation, and the
@@ -27,7 +27,7 @@ from pagedkv.testing.isa_child import run_with_isa
 from pagedkv.testing.kv_quant_accuracy import kl_divergence, teacher_forced_logits
 from tests.model.gguf_files import write_gguf
 
-Q8_0, Q6_K = GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K
+Q8_0, Q6_K, Q5_0 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q5_0
 N, K = 48, 544  # K: eight 64-code chunks and a 32-code tail
 
 
@@ -52,19 +52,27 @@ def q6_k_rows(n: int, k: int, seed: int = 0) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
-ROWS = {Q8_0: q8_0_rows, Q6_K: q6_k_rows}
+def q5_0_rows(n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random weights quantized by the gguf package's Q5_0 [n, bytes per row]."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    return quants.quantize(w, Q5_0)
 
 
-@pytest.mark.parametrize("ggml_type", [Q8_0, Q6_K], ids=lambda t: t.name)
+ROWS = {Q8_0: q8_0_rows, Q6_K: q6_k_rows, Q5_0: q5_0_rows}
+CODE_RANGE = {Q8_0: (-127, 127), Q6_K: (-32, 31), Q5_0: (-16, 15)}
+
+
+@pytest.mark.parametrize("ggml_type", [Q8_0, Q6_K, Q5_0], ids=lambda t: t.name)
 def test_codes_and_scales_are_the_format_without_loss(ggml_type):
     raw = ROWS[ggml_type](N, 512)
     codes, scales, block = int8_codes_and_scales(raw, ggml_type)
-    assert block == (32 if ggml_type == Q8_0 else 16) and codes.dtype == np.int8
+    assert block == (16 if ggml_type == Q6_K else 32) and codes.dtype == np.int8
     ours = codes.astype(np.float64).reshape(N, -1, block) * scales[..., None]
     want = quants.dequantize(raw, ggml_type).astype(np.float64)
     np.testing.assert_allclose(ours.reshape(N, -1), want, rtol=1e-7, atol=0)
-    if ggml_type == Q6_K:
-        assert codes.min() >= -32 and codes.max() <= 31
+    low, high = CODE_RANGE[ggml_type]
+    assert low <= codes.min() and codes.max() <= high
+    assert codes.min() < low // 2 and codes.max() > high // 2  # the range is used
 
 
 def quantized_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,12 +261,14 @@ def _packed_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+@pytest.mark.parametrize("quant", [Q8_0, Q5_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_llama_mqa"])
-def test_q8_0_model_kept_packed_matches_dequantized(model_fixture, request, tmp_path):
+def test_q8_0_model_kept_packed_matches_dequantized(model_fixture, quant, request, tmp_path):
     """Every linear, the embedding table and the head (untied: its own; tied: the table's
-    codes) packed; next-token distributions within the activation quantization's reach of
-    the dequantized model; the model's bytes are the packed ones."""
-    path = write_gguf(request.getfixturevalue(model_fixture), tmp_path / "m.gguf", quant=Q8_0)
+    codes) packed, Q8_0 or Q5_0 (its 5-bit codes as int8); next-token distributions within
+    the activation quantization's reach of the dequantized model; the model's bytes are the
+    packed ones."""
+    path = write_gguf(request.getfixturevalue(model_fixture), tmp_path / "m.gguf", quant=quant)
     packed, dense = runner(path, "auto"), runner(path, "none")
     model = packed.model
     assert isinstance(model.embed_tokens, Int8BlockEmbedding)
@@ -275,5 +285,6 @@ def test_q8_0_model_kept_packed_matches_dequantized(model_fixture, request, tmp_
     with torch.inference_mode():
         kl = kl_divergence([teacher_forced_logits(dense, PROMPT, CONTINUATION)],
                            [teacher_forced_logits(packed, PROMPT, CONTINUATION)])
-    print(f"Q8_0 {model_fixture}: mean KL {kl.mean_kl:.2e}, top-1 {kl.top1_agreement:.3f}")
+    print(f"{quant.name} {model_fixture}: mean KL {kl.mean_kl:.2e}, "
+          f"top-1 {kl.top1_agreement:.3f}")
     assert kl.mean_kl < 1e-3 and kl.top1_agreement >= 0.9, kl

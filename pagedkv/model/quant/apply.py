@@ -2,7 +2,7 @@
 
 - "auto": with a 16-bit model dtype (`PACKED_AUTO_DTYPES`), a GGUF checkpoint's linears stored
   in a 4-bit type (`int4_blocks.INT4_TYPES`) stay packed (`Int4Linear`, built from the file's
-  block bytes, exact); those in Q8_0 / Q6_K, and a Q8_0 / Q6_K token
+  block bytes, exact); those in Q8_0 / Q6_K / Q5_0, and such a token
   embedding table and LM head, stay packed as int8 codes with per-block scales (int8_gguf.py:
   exact); other types (F16 ...) stay dequantized in the model dtype. Any other checkpoint:
   unchanged.

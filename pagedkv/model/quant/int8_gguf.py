@@ -1,9 +1,9 @@
-"""A GGUF checkpoint's Q8_0 / Q6_K tensors built as packed modules (int8_block_linear.py), before
-the weights are read: linears (q/k/v and gate/up concatenated, as the model fuses them), an
-untied LM head, and the token embedding table (whose tied head then shares its codes).
+"""A GGUF checkpoint's Q8_0 / Q6_K / Q5_0 tensors built as packed modules (int8_block_linear.py),
+before the weights are read: linears (q/k/v and gate/up concatenated, as the model fuses them),
+an untied LM head, and the token embedding table (whose tied head then shares its codes).
 
-A fused linear whose parts mix Q8_0 and Q6_K takes blocks of 16 (each Q8_0 scale twice: exact);
-one with any other type among its parts stays dequantized.
+A fused linear whose parts mix Q6_K with Q8_0 or Q5_0 takes blocks of 16 (each 32-block scale
+twice: exact); one with any other type among its parts stays dequantized.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _codes_and_scales(checkpoint: Any, sources: list[str]
 def gguf_int8_block_linear(checkpoint: Any, sources: list[str], linear: nn.Module
                            ) -> Int8BlockLinear | None:
     """`linear` as an Int8BlockLinear from the GGUF blocks of `sources`, or None where they are
-    not all Q8_0 / Q6_K or K is not a multiple of 32. Its bias (if any) is a parameter still
+    not all Q8_0 / Q6_K / Q5_0 or K is not a multiple of 32. Its bias (if any) is a parameter still
     to be loaded."""
     if linear.in_features % 32:
         return None
@@ -51,7 +51,7 @@ def gguf_int8_block_linear(checkpoint: Any, sources: list[str], linear: nn.Modul
 
 
 def pack_gguf_vocab(model: nn.Module, checkpoint: Any) -> frozenset[str]:
-    """Where the file stores them as Q8_0 / Q6_K: `model.lm_head` (an untied Linear) as an
+    """Where the file stores them as Q8_0 / Q6_K / Q5_0: `model.lm_head` (an untied Linear) as an
     Int8BlockLinear, and `model.embed_tokens` (a plain nn.Embedding) as an Int8BlockEmbedding,
     whose codes a tied model (`lm_head` None) then computes its logits on (mutates `model`).
     Returns the parameter names now built (empty: unchanged)."""
