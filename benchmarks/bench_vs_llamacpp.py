@@ -186,13 +186,17 @@ class LlamaPerplexity:
     tokens: np.ndarray  # int [chunks, ctx]: llama.cpp's own tokens of the text
     logprobs: np.ndarray  # float [chunks, ctx - 1 - ctx // 2]: log p of tokens ctx//2 + 1 ..
     repacked: bool  # llama.cpp ran repacked weights (`CPU_REPACK`: its default where it has one)
+    floored: np.ndarray  # bool, as logprobs: the file holds only its floor for that token
 
 
-def scored_logprobs(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens [chunks, ctx], log p of each scored token [chunks, ctx - 1 - ctx // 2]) from the
-    file `llama-perplexity --kl-divergence-base` writes (tools/perplexity/perplexity.cpp):
-    b"_logits_", int32 ctx, vocab, chunks, the tokens, then per scored position the log-probs of
-    the whole vocabulary as two float32 (scale, minimum) and uint16 steps above the minimum."""
+def scored_logprobs(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens [chunks, ctx], log p of each scored token [chunks, ctx - 1 - ctx // 2], whether
+    that token sits at its position's floor) from the file `llama-perplexity
+    --kl-divergence-base` writes (tools/perplexity/perplexity.cpp): b"_logits_", int32 ctx,
+    vocab, chunks, the tokens, then per scored position the log-probs of the whole vocabulary as
+    two float32 (scale, minimum) and uint16 steps above the minimum; the minimum is the
+    position's top log-prob less 16, and a token below it is stored as step 0 (its log-prob is
+    then unknown, at most the minimum)."""
     with open(path, "rb") as f:
         if f.read(8) != b"_logits_":
             raise ValueError(f"{path} is not a llama-perplexity logits file")
@@ -204,7 +208,7 @@ def scored_logprobs(path: Path) -> tuple[np.ndarray, np.ndarray]:
                                                                         stride)
     header = np.ascontiguousarray(rows[..., :4]).view(np.float32)  # [chunks, rows, 2]
     steps = np.take_along_axis(rows[..., 4:], tokens[:, first + 1:, None], 2)[..., 0]
-    return tokens, header[..., 1] + header[..., 0] * steps.astype(np.float32)
+    return tokens, header[..., 1] + header[..., 0] * steps.astype(np.float32), steps == 0
 
 
 def llama_perplexity(bin_dir: Path, model: Path, text: Path, ctx: int, threads: int,
@@ -220,13 +224,15 @@ def llama_perplexity(bin_dir: Path, model: Path, text: Path, ctx: int, threads: 
         match = re.search(r"Final estimate: PPL = ([0-9.]+)", log)
         if match is None:
             raise RuntimeError(f"no perplexity in llama-perplexity's output: {log[-2000:]}")
-        tokens, logprobs = scored_logprobs(logits)
+        tokens, logprobs, floored = scored_logprobs(logits)
     ppl = float(match.group(1))
-    if abs(math.exp(-logprobs.mean()) / ppl - 1) > 1e-3:
+    # Floored tokens read higher than they are: with any, the file's perplexity may only be lower.
+    from_file = math.exp(-logprobs.mean()) / ppl - 1
+    if from_file > 1e-3 or (from_file < -1e-3 and not floored.any()):
         raise RuntimeError(f"llama-perplexity's log-probs give {math.exp(-logprobs.mean()):.4f}, "
                            f"its log {ppl:.4f}: the logits file is misread")
     repacked = re.search(r"CPU_REPACK model buffer size = +[1-9]", log) is not None
-    return LlamaPerplexity(ppl, tokens, logprobs, repacked)
+    return LlamaPerplexity(ppl, tokens, logprobs, repacked, floored)
 
 
 # ----- pagedkv measurements -------------------------------------------------------------------
@@ -318,20 +324,26 @@ def perplexity_part(bin_dir: Path, model: Path, modes: list[str], ctx: int,
             got[mode] = pagedkv_logprobs(engine, ref.tokens)
         finally:
             engine.shutdown()
-    exact = got["float32"]
-    print(f"  perplexity: ctx {ctx}, {ref.tokens.shape[0]} chunks, {ref.logprobs.size} tokens "
+    # The lines compare every engine on the tokens each llama.cpp file holds exactly.
+    keep = ~ref.floored if plain is None else ~(ref.floored | plain.floored)
+    exact = got["float32"][keep]
+    left_out = f"; {int((~keep).sum())} below llama.cpp's stored floor left out" \
+        if not keep.all() else ""
+    print(f"  perplexity: ctx {ctx}, {ref.tokens.shape[0]} chunks, {int(keep.sum())} tokens "
           f"scored (llama-perplexity's tokens and scoring, both engines; pagedkv's tokenizer "
-          f"gives {'the same' if same else 'OTHER'} tokens)")
+          f"gives {'the same' if same else 'OTHER'} tokens{left_out})")
     print(f"    {'exact (float32 weights)':27} {perplexity(exact):8.3f}")
-    print(compare_line("llama.cpp" + (" (repacked)" if ref.repacked else ""), ref.logprobs, exact))
+    print(compare_line("llama.cpp" + (" (repacked)" if ref.repacked else ""),
+                       ref.logprobs[keep], exact))
     if plain is not None:
-        print(compare_line("llama.cpp --no-repack", plain.logprobs, exact))
-    anchors = {"llama.cpp": ref.logprobs}
+        print(compare_line("llama.cpp --no-repack", plain.logprobs[keep], exact))
+    anchors = {"llama.cpp": ref.logprobs[keep]}
     if plain is not None:
-        anchors["--no-repack"] = plain.logprobs
+        anchors["--no-repack"] = plain.logprobs[keep]
     for mode in modes:
-        print(compare_line(f"pagedkv {mode}", got[mode], exact, anchors))
-    return (perplexity(exact), ref.ppl, perplexity(got[modes[0]]),
+        print(compare_line(f"pagedkv {mode}", got[mode][keep], exact, anchors))
+    # The table: each engine's own perplexity over every scored token (llama.cpp's from its log).
+    return (perplexity(got["float32"]), ref.ppl, perplexity(got[modes[0]]),
             None if plain is None else plain.ppl)
 
 
