@@ -8,6 +8,8 @@ the engine counts."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -42,14 +44,25 @@ def q8_0_rows(n: int, k: int, seed: int = 0) -> np.ndarray:
     return quants.quantize(w, Q8_0)
 
 
-def q6_k_rows(n: int, k: int, seed: int = 0) -> np.ndarray:
-    """Random Q6_K super-blocks [n, bytes per row] (the gguf package has no Q6_K quantizer):
-    random codes and sub-scales, an fp16 d between 1e-3 and 1e-2."""
+# Where each super-block type keeps its fp16 d.
+D_BYTES = {Q6_K: 208, GGMLQuantizationType.Q3_K: 108, GGMLQuantizationType.IQ4_XS: 0,
+           GGMLQuantizationType.IQ4_NL: 0}
+
+
+def random_blocks(ggml_type: GGMLQuantizationType, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random blocks of `ggml_type` [n, bytes per row] (types the gguf package cannot
+    quantize to): random codes and sub-scales, an fp16 d between 1e-3 and 1e-2."""
     rng = np.random.default_rng(seed)
-    size = GGML_QUANT_SIZES[Q6_K][1]
-    raw = rng.integers(0, 256, (n * k // 256, size), dtype=np.uint8)
-    raw[:, 208:210] = rng.uniform(1e-3, 1e-2, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+    per_block, size = GGML_QUANT_SIZES[ggml_type]
+    raw = rng.integers(0, 256, (n * k // per_block, size), dtype=np.uint8)
+    at = D_BYTES[ggml_type]
+    raw[:, at:at + 2] = rng.uniform(1e-3, 1e-2, (raw.shape[0], 1)).astype(np.float16) \
+        .view(np.uint8)
     return raw.reshape(n, -1)
+
+
+def q6_k_rows(n: int, k: int, seed: int = 0) -> np.ndarray:
+    return random_blocks(Q6_K, n, k, seed)
 
 
 def q5_0_rows(n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -58,21 +71,26 @@ def q5_0_rows(n: int, k: int, seed: int = 0) -> np.ndarray:
     return quants.quantize(w, Q5_0)
 
 
-ROWS = {Q8_0: q8_0_rows, Q6_K: q6_k_rows, Q5_0: q5_0_rows}
-CODE_RANGE = {Q8_0: (-127, 127), Q6_K: (-32, 31), Q5_0: (-16, 15)}
+Q3_K, IQ4_NL, IQ4_XS = (GGMLQuantizationType.Q3_K, GGMLQuantizationType.IQ4_NL,
+                        GGMLQuantizationType.IQ4_XS)
+ROWS = {Q8_0: q8_0_rows, Q6_K: q6_k_rows, Q5_0: q5_0_rows,
+        **{t: functools.partial(random_blocks, t) for t in (Q3_K, IQ4_NL, IQ4_XS)}}
+CODE_RANGE = {Q8_0: (-127, 127), Q6_K: (-32, 31), Q5_0: (-16, 15), Q3_K: (-4, 3),
+              IQ4_NL: (-127, 113), IQ4_XS: (-127, 113)}
 
 
-@pytest.mark.parametrize("ggml_type", [Q8_0, Q6_K, Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", list(ROWS), ids=lambda t: t.name)
 def test_codes_and_scales_are_the_format_without_loss(ggml_type):
     raw = ROWS[ggml_type](N, 512)
     codes, scales, block = int8_codes_and_scales(raw, ggml_type)
-    assert block == (16 if ggml_type == Q6_K else 32) and codes.dtype == np.int8
+    assert block == (16 if ggml_type in (Q6_K, Q3_K) else 32) and codes.dtype == np.int8
     ours = codes.astype(np.float64).reshape(N, -1, block) * scales[..., None]
     want = quants.dequantize(raw, ggml_type).astype(np.float64)
     np.testing.assert_allclose(ours.reshape(N, -1), want, rtol=1e-7, atol=0)
     low, high = CODE_RANGE[ggml_type]
     assert low <= codes.min() and codes.max() <= high
-    assert codes.min() < low // 2 and codes.max() > high // 2  # the range is used
+    assert codes.min() <= low // 2 and codes.max() >= high // 2  # the range is used
+    assert np.unique(np.sign(scales)).size > 1 or ggml_type in (Q8_0, Q5_0, IQ4_NL)
 
 
 def quantized_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:

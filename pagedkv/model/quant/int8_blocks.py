@@ -1,28 +1,47 @@
-"""GGUF's 8-bit, 6-bit and symmetric 5-bit block formats read as one shape: an int8 code per
-weight and a float32 scale per block of 16 or 32 along a row, weight = code * scale (exactly the
-file's values).
+"""GGUF's symmetric block formats read as one shape: an int8 code per weight and a float32 scale
+per block of 16 or 32 along a row, weight = code * scale (exactly the file's values).
 
 llama.cpp's ggml-common.h block layouts:
 - Q8_0: blocks of 32 = fp16 d, 32 int8 codes; w = d * q (block 32, scale d);
-- Q5_0: blocks of 32 = fp16 d, 32 high bits, 16 bytes of low nibbles; w = d * (q - 16) with q
-  5 bits (block 32, scale d, codes -16..15: the byte a code takes costs 1.0625 bytes a weight
-  against the file's 0.6875, half of bfloat16's; llama.cpp falls back to Q5_0 in Q4_K mixes
-  for rows that are not a multiple of 256, as SmolLM2's 576);
 - Q6_K: super-blocks of 256 = 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8
   sub-scales, fp16 d; w = d * sc[i // 16] * (q - 32) with q 6 bits (block 16, scale d * sc:
-  an fp16 times an int8 is exact in float32, and q - 32 is within [-32, 31]).
-Q6_K's and Q5_0's codes are recovered from the `gguf` package's own dequantization (w / scale,
-rounded: exact, as |code| <= 32 and w is the scale times the code rounded once in float32).
+  an fp16 times an int8 is exact in float32, and q - 32 is within [-32, 31]);
+- Q5_0: blocks of 32 = fp16 d, 32 high bits, 16 bytes of low nibbles; w = d * (q - 16) with q
+  5 bits (block 32, codes -16..15; llama.cpp falls back to Q5_0 in Q4_K mixes for rows that
+  are not a multiple of 256, as SmolLM2's 576);
+- Q3_K: super-blocks of 256 = 32 bytes of high bits, 64 of low 2-bit pairs, 12 bytes of
+  6-bit sub-scales, fp16 d; w = d * (sc - 32) * q with q in -4..3 (block 16);
+- IQ4_NL: blocks of 32 = fp16 d, 16 bytes of 4-bit indices into a table of 16 int8 values;
+  w = d * table[q] (block 32, codes the table's values, -127..113);
+- IQ4_XS: super-blocks of 256 = fp16 d, 6-bit sub-scales (2 + 4 bytes), 128 bytes of 4-bit
+  indices into the same table; w = d * (sc - 32) * table[q] (block 32).
+A code takes a byte: 1.0625-1.125 bytes a weight in memory against the 0.44-0.82 of the file's
+formats below 8 bits, about half of bfloat16's 2.
+Each block's scale is read by dequantizing (the `gguf` package's own code) a copy of the block
+whose codes are all set to 1; the codes are then the dequantized weights over their block's
+scale, rounded: exact, as each weight is the scale times a code of at most 127 rounded once in
+float32 (the scale an fp16 times a small integer).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
+_T = GGMLQuantizationType
 # ggml type -> block size of its scales.
-INT8_BLOCK_TYPES = {GGMLQuantizationType.Q8_0: 32, GGMLQuantizationType.Q6_K: 16,
-                    GGMLQuantizationType.Q5_0: 32}
+INT8_BLOCK_TYPES = {_T.Q8_0: 32, _T.Q6_K: 16, _T.Q5_0: 32, _T.Q3_K: 16, _T.IQ4_NL: 32,
+                    _T.IQ4_XS: 32}
+# ggml type -> (first byte, end, byte value) of each stretch of a block's code bytes, the value
+# making every code there 1 (Q6_K: low nibble 1, high pair 2 -> 33 - 32; Q5_0: low nibble 1,
+# high bit 1 -> 17 - 16; Q3_K: low pair 1, high bit set (no -4); IQ4: index 8 -> table value 1).
+_UNIT_CODES = {
+    _T.Q6_K: ((0, 128, 0x11), (128, 192, 0xAA)),
+    _T.Q5_0: ((2, 6, 0xFF), (6, 22, 0x11)),
+    _T.Q3_K: ((0, 32, 0xFF), (32, 96, 0x55)),
+    _T.IQ4_NL: ((2, 18, 0x88),),
+    _T.IQ4_XS: ((8, 136, 0x88),),
+}
 
 
 def _fp16(raw: np.ndarray) -> np.ndarray:
@@ -36,41 +55,29 @@ def _q8_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes.reshape(n, -1), _fp16(blocks[..., 0:2])
 
 
-def _codes_of(raw: np.ndarray, ggml_type: GGMLQuantizationType, scale: np.ndarray
-              ) -> np.ndarray:
-    """int8 codes [N, K] of `raw` given its scales [N, K / block]: the gguf package's
-    dequantized weights over their block's scale, rounded (0 where the scale is 0)."""
-    n = raw.shape[0]
-    w = quants.dequantize(np.ascontiguousarray(raw), ggml_type)
-    w = w.reshape(n, scale.shape[1], -1).astype(np.float32)
+def _unit_scaled(raw: np.ndarray, ggml_type: GGMLQuantizationType
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(codes int8 [N, K], scales float32 [N, K / block]) of rows `raw` of a type in
+    _UNIT_CODES: the scales from a copy of the blocks with every code 1, the codes from the
+    weights over them (0 where the scale is 0)."""
+    n, block = raw.shape[0], INT8_BLOCK_TYPES[ggml_type]
+    unit = np.array(raw).reshape(-1, GGML_QUANT_SIZES[ggml_type][1])
+    for start, stop, value in _UNIT_CODES[ggml_type]:
+        unit[:, start:stop] = value
+    scale = quants.dequantize(unit.reshape(n, -1), ggml_type).reshape(n, -1, block)[..., 0]
+    w = quants.dequantize(np.ascontiguousarray(raw), ggml_type).reshape(n, -1, block)
     safe = np.where(scale == 0, 1, scale)[..., None]
-    return np.where(scale[..., None] == 0, 0, np.rint(w / safe)).astype(np.int8).reshape(n, -1)
-
-
-def _q6_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    n = raw.shape[0]
-    blocks = raw.reshape(-1, 210)
-    d = _fp16(blocks[:, 208:210])
-    sub = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
-    scale = (d[:, None] * sub).reshape(n, -1)  # [N, K / 16]
-    return _codes_of(raw, GGMLQuantizationType.Q6_K, scale), scale
-
-
-def _q5_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    n = raw.shape[0]
-    scale = _fp16(raw.reshape(n, -1, 22)[..., 0:2])  # [N, K / 32]
-    return _codes_of(raw, GGMLQuantizationType.Q5_0, scale), scale
+    codes = np.where(scale[..., None] == 0, 0, np.rint(w / safe)).astype(np.int8)
+    return codes.reshape(n, -1), scale.astype(np.float32)
 
 
 def int8_codes_and_scales(raw: np.ndarray, ggml_type: GGMLQuantizationType
                           ) -> tuple[np.ndarray, np.ndarray, int]:
-    """(codes int8 [N, K], scales float32 [N, K / block], block) of a Q8_0, Q6_K or Q5_0
-    tensor's rows `raw` (uint8 [N, bytes per row]). ValueError for another type."""
-    if ggml_type == GGMLQuantizationType.Q8_0:
+    """(codes int8 [N, K], scales float32 [N, K / block], block) of the rows `raw` (uint8 [N,
+    bytes per row]) of a tensor in one of INT8_BLOCK_TYPES. ValueError for another type."""
+    if ggml_type == _T.Q8_0:
         return (*_q8_0(raw), 32)
-    if ggml_type == GGMLQuantizationType.Q6_K:
-        return (*_q6_k(raw), 16)
-    if ggml_type == GGMLQuantizationType.Q5_0:
-        return (*_q5_0(raw), 32)
+    if ggml_type in _UNIT_CODES:
+        return (*_unit_scaled(raw, ggml_type), INT8_BLOCK_TYPES[ggml_type])
     raise ValueError(f"ggml type {ggml_type.name} is not an int8-block type; these are: "
                      f"{', '.join(sorted(t.name for t in INT8_BLOCK_TYPES))}")
