@@ -255,13 +255,14 @@ def pagedkv_engine(model: Path, mode: str, threads: int):  # noqa: ANN201 - an L
 
 
 def pagedkv_bench(model: Path, mode: str, threads: int, reps: int) -> dict[str, float]:
-    """pp512 and tg128 as llama-bench measures them (bench_quant_weights.pagedkv_throughput)."""
+    """pp512 and tg128 as llama-bench measures them, and the bytes a decode step reads
+    (bench_quant_weights.pagedkv_throughput)."""
     from bench_quant_weights import pagedkv_throughput
 
     dtype, quantization = MODES[mode]
     got = pagedkv_throughput(str(model), quantization=quantization, dtype=dtype, n_prompt=512,
                              n_gen=128, threads=threads, reps=reps)
-    return {"pp512": got.prefill_tps, "tg128": got.decode_tps}
+    return {"pp512": got.prefill_tps, "tg128": got.decode_tps, "step_bytes": got.step_bytes}
 
 
 def pagedkv_logprobs(engine, tokens: np.ndarray) -> np.ndarray:  # noqa: ANN001
@@ -521,7 +522,9 @@ def main() -> None:
                 print(f"  pagedkv {mode:8} pp512 {got['pp512']:9.1f} tok/s  tg128 "
                       f"{got['tg128']:7.1f} tok/s ({got['tg128'] / floor:.2f} of the floor)  "
                       f"ratio to llama.cpp: pp {got['pp512'] / ref['pp512']:.2f}x, "
-                      f"tg {got['tg128'] / ref['tg128']:.2f}x")
+                      f"tg {got['tg128'] / ref['tg128']:.2f}x; a step reads "
+                      f"{got['step_bytes'] / 2**20:.1f} MiB, "
+                      f"{got['step_bytes'] / weight_bytes:.2f}x the file's weights")
         if "perplexity" in parts:
             ppl_rows.append((quant_type, *perplexity_part(bin_dir, model, modes, args.ctx,
                                                           args.threads)))
