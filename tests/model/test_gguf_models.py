@@ -151,3 +151,21 @@ def test_auto_dtype_of_a_gguf_file(tiny_llama, tmp_path, quant, want):
     assert packed == (8 if quant == GGMLQuantizationType.Q4_0 else 0)
     explicit = ModelRunner(str(path), block_size=4, num_blocks=8, device="cpu", dtype="float32")
     assert explicit.dtype == torch.float32
+
+
+def test_quantized_linears_left_dequantized_are_named(tiny_llama, tmp_path, caplog):
+    """A quantized type no packed kernel takes (Q5_1) is dequantized to the model dtype, and
+    the load says so once, with the types (a packed file says nothing)."""
+    from pagedkv.model.runner import ModelRunner
+
+    for quant, warned in ((GGMLQuantizationType.Q5_1, True), (GGMLQuantizationType.Q4_0, False)):
+        caplog.clear()
+        path = write_gguf(tiny_llama, tmp_path / f"{quant.name}.gguf", quant=quant)
+        with caplog.at_level("WARNING", logger="pagedkv.model.loader"):
+            ModelRunner(str(path), block_size=4, num_blocks=8, device="cpu")
+        lines = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
+        if warned:
+            assert len(lines) == 1 and "8 of the GGUF file's quantized linears" in lines[0] \
+                and "Q5_1" in lines[0], lines
+        else:
+            assert lines == []

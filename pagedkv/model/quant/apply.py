@@ -18,6 +18,7 @@ to the embeddings) keeps its dense weight and gains a per-row int8 copy for deco
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ from pagedkv.model.quant.packed_head import pack_head
 __all__ = ["pack_gguf_linears", "pack_head", "quantize_int8"]
 
 QUANTIZATION_MODES = ("auto", "none", "int8")
+_FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
+logger = logging.getLogger("pagedkv.model.loader")
 # The model dtypes "auto" packs at (float32 stays exact: the int4 kernel rounds activations to
 # bfloat16, and its float32 path is 10-60x slower).
 PACKED_AUTO_DTYPES = (torch.bfloat16, torch.float16)
@@ -80,7 +83,7 @@ def pack_gguf_linears(model: nn.Module, model_dir: str | Path) -> frozenset[str]
 
     checkpoint = GGUFCheckpoint(open_gguf(path))
     mapping = model.checkpoint_mapping()
-    built = set()
+    built, unpacked = set(), {}
     for parent, attr, name, linear in _linears(model):
         sources = mapping.get(f"{name}.weight")
         packed = (_gguf_int4(checkpoint, sources, linear)
@@ -88,6 +91,15 @@ def pack_gguf_linears(model: nn.Module, model_dir: str | Path) -> frozenset[str]
         if packed is not None:
             setattr(parent, attr, packed)
             built.add(f"{name}.weight")
+        elif sources:
+            types = {checkpoint.gguf.tensors[checkpoint.gguf_name(s)].type_name for s in sources}
+            if not types <= _FLOAT_TYPES:
+                unpacked[name] = "+".join(sorted(types))
+    if unpacked:
+        kinds = sorted(set(unpacked.values()))
+        logger.warning("%d of the GGUF file's quantized linears are dequantized to the model "
+                       "dtype (no packed kernel for their parts' types together: %s), e.g. %s",
+                       len(unpacked), ", ".join(kinds), next(iter(unpacked)))
     return frozenset(built) | pack_gguf_vocab(model, checkpoint)
 
 
