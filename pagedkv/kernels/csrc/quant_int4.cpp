@@ -2,7 +2,8 @@
 // two tensors: the codes, uint8 [N, K/2] (byte j of a group holds code j in its low nibble and
 // code j + 16 in its high one, the files' own order), and per row the groups' scales then their
 // offsets, [N, 2 * K/32] in float16 (Q4_0, Q4_1: the file's own values, exact) or float32
-// (Q4_K's products of two scales): weight = code * scale + offset.
+// (their products, for Q4_K), or Q4_K's two levels as the file has them (uint8 [N, 2.5 * K/32]:
+// TwoLevel below): weight = code * scale + offset.
 // - `int4_gemv`, what the packed linear runs at decode sizes: as llama.cpp's Q4_1 x Q8_1 dot,
 //   each activation row is quantized once per call to int8 per group of 32 (step = max|x| /
 //   127, round to nearest even; step * sum(q) kept beside for the offsets), then per weight
