@@ -76,7 +76,12 @@ def write_gguf(model_dir: Path, out: Path, *, quant: GGMLQuantizationType | None
             w = _permute(w, kv_heads)
         elif gemma and name.endswith("norm.weight"):
             w = w + 1.0
-        if quant is not None and w.ndim == 2:
+        if quant == GGMLQuantizationType.Q4_K and w.ndim == 2 and w.shape[1] % 256 == 0:
+            writer.add_tensor(name, quantize_q4_k(w), raw_dtype=quant)
+        elif quant == GGMLQuantizationType.Q4_K and w.ndim == 2:  # rows off 256: as llama.cpp
+            writer.add_tensor(name, quants.quantize(w, GGMLQuantizationType.Q8_0),
+                              raw_dtype=GGMLQuantizationType.Q8_0)
+        elif quant is not None and w.ndim == 2:
             writer.add_tensor(name, quants.quantize(w, quant), raw_dtype=quant)
         else:
             writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
@@ -87,6 +92,33 @@ def write_gguf(model_dir: Path, out: Path, *, quant: GGMLQuantizationType | None
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """Rows `w` [n, k] (k a multiple of 256) as Q4_K super-blocks [n, k / 256 * 144] (the gguf
+    package has no Q4_K quantizer): per 32 weights a 6-bit scale and min times the
+    super-block's fp16 d and dmin, codes 0..15 (a plain rounding, not llama.cpp's search)."""
+    n, k = w.shape
+    sub = w.reshape(-1, 8, 32).astype(np.float64)  # [super-blocks, 8, 32]
+    low = np.minimum(sub.min(axis=2), 0.0)
+    scale = (sub.max(axis=2) - low) / 15
+    d = np.maximum(scale.max(axis=1), 1e-8) / 63
+    dmin = np.maximum(-low.min(axis=1), 1e-8) / 63
+    d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
+    sc = np.clip(np.rint(scale / d16.astype(np.float64)[:, None]), 1, 63).astype(np.uint8)
+    mn = np.clip(np.rint(-low / dmin16.astype(np.float64)[:, None]), 0, 63).astype(np.uint8)
+    step = d16.astype(np.float64)[:, None] * sc
+    offset = dmin16.astype(np.float64)[:, None] * mn
+    q = np.clip(np.rint((sub + offset[..., None]) / step[..., None]), 0, 15).astype(np.uint8)
+    packed = np.empty((sub.shape[0], 12), np.uint8)
+    packed[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    chunks = q.reshape(-1, 4, 2, 32)  # 4 chunks of 64 codes: byte j holds j and j + 32
+    qs = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(-1, 128)
+    blocks = np.concatenate((d16.view(np.uint8).reshape(-1, 2),
+                             dmin16.view(np.uint8).reshape(-1, 2), packed, qs), axis=1)
+    return blocks.reshape(n, -1)
 
 
 def _write_tokenizer(writer: GGUFWriter, model_dir: Path, cfg: dict) -> None:

@@ -301,14 +301,64 @@ ratios = [products_against_references(*case, seed=case[0]) for case in PRODUCT_C
 ratios.append({f"exact_{style}_{dtype}_{rows}": exact_products_ratio(20, 800, rows, style, dtype, 7)
                for style in ("q4_0", "q4_1") for dtype in (torch.float16, torch.float32)
                for rows in (5, 64)})
+from gguf import GGMLQuantizationType
+from pagedkv.model.quant.int4_blocks import codes_and_scales, q4_k_two_level
+from test_quant_int4 import random_rows
+raw = random_rows(GGMLQuantizationType.Q4_K, 32, 512, seed=4)
+wide = Int4Linear(*codes_and_scales(raw, GGMLQuantizationType.Q4_K))
+two = Int4Linear.from_two_level(*q4_k_two_level(raw))
+x, ops = torch.randn(5, 512), torch.ops.pagedkv_cpu
+two_err = max([float((ops.int4_gemv(x[:r], two.codes, two.scales, None)
+                      - ops.int4_gemv(x[:r], wide.codes, wide.scales, None)).abs().max())
+               for r in (1, 5)]
+              + [float((ops.int4_expand(two.codes, two.scales, torch.float32)
+                        - ops.int4_expand(wide.codes, wide.scales, torch.float32)).abs().max())])
 print(json.dumps([panel_isa(), torch.ops.pagedkv_cpu.int_gemv_isa(),
-                  float((got - want).abs().max()), float(want.abs().max()), ratios]))
+                  float((got - want).abs().max()), float(want.abs().max()), ratios, two_err]))
 """
 
 
 def test_kernels_in_the_avx2_build():
-    isa, gemv_isa, err, scale, ratios = run_with_isa(_AVX2_CHECK,
-                                                     extra_path=(str(Path(__file__).parent),))
+    isa, gemv_isa, err, scale, ratios, two_level_err = run_with_isa(
+        _AVX2_CHECK, extra_path=(str(Path(__file__).parent),))
     assert "avx2" in isa.lower() and gemv_isa == "avx2", (isa, gemv_isa)
     assert err <= 1e-6 * scale, json.dumps([err, scale])
     assert all(max(r.values()) <= 1 for r in ratios), ratios
+    assert two_level_err == 0  # Q4_K's two levels, materialized: the float32 table's products
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 40, 300])
+@pytest.mark.parametrize("kernels", ["fused", "torch"])
+def test_q4_k_two_level_scales_compute_as_the_float32_table(rows, kernels, monkeypatch):
+    """Q4_K's scales kept as the file has them (fp16 d and -dmin per 256, 6-bit sub-scales and
+    mins per 32) give the very products of the float32 table they expand to, on every path
+    (1 row, the rows past the panel's 4, the row blocks, the expanded weight, torch's op
+    without the kernels), in a third of its bytes; the table's layout is checked as it is
+    read back."""
+    from pagedkv.model.quant.int4_blocks import q4_k_two_level, two_level_scales
+
+    if kernels == "fused":
+        assert ensure_cpu_kernels("wait")
+    else:
+        monkeypatch.setattr(int4_linear, "cpu_kernels_loaded", lambda: False)
+    n, k = 48, 768  # 3 super-blocks a row
+    raw = random_rows(GGMLQuantizationType.Q4_K, n, k, seed=rows)
+    nibbles, scale, offset = codes_and_scales(raw, GGMLQuantizationType.Q4_K)
+    two_nibbles, table = q4_k_two_level(raw)
+    np.testing.assert_array_equal(two_nibbles, nibbles)
+    back = two_level_scales(table)
+    np.testing.assert_array_equal(back[0], scale)
+    np.testing.assert_array_equal(back[1], offset)
+    wide = Int4Linear(nibbles, scale, offset)
+    two = Int4Linear.from_two_level(nibbles, table)
+    assert wide.scales.dtype == torch.float32 and two.scales.dtype == torch.uint8
+    assert two.scales.numel() * 3 < wide.scales.numel() * 4
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    torch.testing.assert_close(two(x), wide(x), rtol=0, atol=0)
+    if kernels == "fused":
+        ops = torch.ops.pagedkv_cpu
+        torch.testing.assert_close(ops.int4_linear(x, two.codes, two.scales, None, 0),
+                                   ops.int4_linear(x, wide.codes, wide.scales, None, 0),
+                                   rtol=0, atol=0)
+        with pytest.raises(RuntimeError, match="two-level uint8 scales"):
+            ops.int4_gemv(x, two.codes, two.scales[:, 1:].contiguous(), None)

@@ -2,7 +2,8 @@
 // two tensors: the codes, uint8 [N, K/2] (byte j of a group holds code j in its low nibble and
 // code j + 16 in its high one, the files' own order), and per row the groups' scales then their
 // offsets, [N, 2 * K/32] in float16 (Q4_0, Q4_1: the file's own values, exact) or float32
-// (Q4_K's products of two scales): weight = code * scale + offset.
+// (their products, for Q4_K), or Q4_K's two levels as the file has them (uint8 [N, 2.5 * K/32]:
+// TwoLevel below): weight = code * scale + offset.
 // - `int4_gemv`, what the packed linear runs at decode sizes: as llama.cpp's Q4_1 x Q8_1 dot,
 //   each activation row is quantized once per call to int8 per group of 32 (step = max|x| /
 //   127, round to nearest even; step * sum(q) kept beside for the offsets), then per weight
@@ -75,6 +76,47 @@ inline float scale_f(const S* s, int64_t i) {
   }
 }
 
+// Q4_K's scales kept as the file has them (its two levels), a uint8 row of `two_level_bytes`:
+// the groups' 6-bit sub-scales [G], their 6-bit mins [G], then per 8 groups (a super-block of
+// 256) d and -dmin as float16 [G / 8] each; scale = d * sub-scale, offset = -dmin * min, each
+// product exact in float32 (the float32 table's very values). 0.078 bytes a weight against
+// the float32 table's 0.25 (the codes take 0.5; the file 0.5625 in all). The products
+// materialize a tile's rows into float32 scratch before they read them (`TwoLevel::rows`).
+inline int64_t two_level_bytes(int64_t groups) { return 2 * groups + groups / 2; }
+
+struct TwoLevel {
+  const uint8_t* table = nullptr;  // nullptr: the scales are a float16 / float32 table
+  int64_t groups = 0;
+
+  // Rows [r0, r0 + nr)'s scales then offsets, float32 [nr][2 * groups], into buf. Writes buf.
+  const float* rows(int64_t r0, int64_t nr, float* buf) const {
+    const int64_t bytes = two_level_bytes(groups);
+    for (int64_t r = 0; r < nr; ++r) {
+      const uint8_t* t = table + (r0 + r) * bytes;
+      float* o = buf + r * 2 * groups;
+      for (int64_t b = 0; b < groups / 8; ++b) {
+        uint16_t bits[2];
+        std::memcpy(&bits[0], t + 2 * groups + 2 * b, 2);
+        std::memcpy(&bits[1], t + 2 * groups + groups / 4 + 2 * b, 2);
+        const float d = static_cast<float>(c10::Half(bits[0], c10::Half::from_bits()));
+        const float neg_dmin = static_cast<float>(c10::Half(bits[1], c10::Half::from_bits()));
+        for (int64_t g = 8 * b; g < 8 * b + 8; ++g) {
+          o[g] = d * static_cast<float>(t[g]);
+          o[groups + g] = neg_dmin * static_cast<float>(t[groups + g]);
+        }
+      }
+    }
+    return buf;
+  }
+};
+
+// TwoLevel::rows, vectorized where AVX-512 VNNI is compiled (defined with the vector helpers).
+inline const float* two_level_rows(const TwoLevel& two, int64_t r0, int64_t nr, float* buf);
+
+// What the VNNI decode product (q4_rows) takes as its scale type to read a TwoLevel table
+// itself, a group's scale a multiply (the pointer is the table's row, as bytes).
+struct TwoLevelRow {};
+
 // A group's 32 values, rounded once to T.
 template <typename T>
 inline void store_group(const float* lo, const float* hi, T* o) {
@@ -138,20 +180,24 @@ void int4_expand_row(const uint8_t* nib, const S* sc, int64_t groups, T* out) {
 }
 
 template <typename T, typename S>
-void int4_expand_as(const at::Tensor& codes, const at::Tensor& scales, at::Tensor& out) {
+void int4_expand_as(const at::Tensor& codes, const at::Tensor& scales, const TwoLevel& two,
+                    at::Tensor& out) {
   const int64_t n = codes.size(0), half_k = codes.size(1), groups = 2 * half_k / kInt4Group;
   const uint8_t* nib = codes.data_ptr<uint8_t>();
-  const S* sc = reinterpret_cast<const S*>(scales.data_ptr());
+  const S* table = reinterpret_cast<const S*>(scales.data_ptr());
   T* dst = out.data_ptr<T>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    float* buf = two.table ? quant_rows::scratch<float, 14>(2 * groups) : nullptr;
     for (int64_t r = begin; r < end; ++r) {
+      const S* sc = two.table ? reinterpret_cast<const S*>(two_level_rows(two, r, 1, buf))
+                              : table + 2 * groups * r;
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        int4_expand_row_bf16(nib + r * half_k, sc + 2 * groups * r, groups, dst + r * 2 * half_k);
+        int4_expand_row_bf16(nib + r * half_k, sc, groups, dst + r * 2 * half_k);
         continue;
       }
 #endif
-      int4_expand_row<T>(nib + r * half_k, sc + 2 * groups * r, groups, dst + r * 2 * half_k);
+      int4_expand_row<T>(nib + r * half_k, sc, groups, dst + r * 2 * half_k);
     }
   });
 }
@@ -159,12 +205,25 @@ void int4_expand_as(const at::Tensor& codes, const at::Tensor& scales, at::Tenso
 void check_int4_weight(const at::Tensor& codes, const at::Tensor& scales, const char* op) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(), op,
               ": codes must be a contiguous uint8 [N, K/2]");
-  const int64_t n = codes.size(0), k = 2 * codes.size(1);
+  const int64_t n = codes.size(0), k = 2 * codes.size(1), groups = k / kInt4Group;
   TORCH_CHECK(k % kInt4Group == 0, op, ": K must be a multiple of 32, got ", k);
+  TORCH_CHECK(scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == n, op,
+              ": scales must be a contiguous [N, ...] table");
+  if (scales.scalar_type() == at::kByte) {
+    TORCH_CHECK(groups % 8 == 0 && scales.size(1) == two_level_bytes(groups), op,
+                ": two-level uint8 scales need K a multiple of 256 and [N, 2.5 * K/32]");
+    return;
+  }
   TORCH_CHECK((scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) &&
-                  scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == n &&
-                  scales.size(1) == 2 * (k / kInt4Group),
-              op, ": scales must be a contiguous float16 or float32 [N, 2 * K/32]");
+                  scales.size(1) == 2 * groups,
+              op, ": scales must be a contiguous float16 or float32 [N, 2 * K/32] or Q4_K's "
+              "two levels (uint8)");
+}
+
+// The two-level source of `scales` (table nullptr for a float16 / float32 table).
+TwoLevel two_level_of(const at::Tensor& scales, int64_t groups) {
+  if (scales.scalar_type() != at::kByte) return TwoLevel{};
+  return TwoLevel{scales.data_ptr<uint8_t>(), groups};
 }
 
 // codes: uint8 [N, K/2]; scales: float16 or float32 [N, 2 * K/32] (a row's scales, then its
@@ -173,10 +232,11 @@ at::Tensor int4_expand(const at::Tensor& codes, const at::Tensor& scales, at::Sc
   check_int4_weight(codes, scales, "int4_expand");
   at::Tensor out = at::empty({codes.size(0), 2 * codes.size(1)}, codes.options().dtype(dtype));
   const bool half = scales.scalar_type() == at::kHalf;
+  const TwoLevel two = two_level_of(scales, 2 * codes.size(1) / kInt4Group);
   auto run = [&](auto t) {
     using T = decltype(t);
-    if (half) int4_expand_as<T, c10::Half>(codes, scales, out);
-    else int4_expand_as<T, float>(codes, scales, out);
+    if (half) int4_expand_as<T, c10::Half>(codes, scales, two, out);
+    else int4_expand_as<T, float>(codes, scales, two, out);
   };
   switch (dtype) {
     case at::kFloat: run(float{}); break;
@@ -321,6 +381,58 @@ inline __m512 scales16(const S* s, __mmask16 mask) {
   else return _mm512_maskz_loadu_ps(mask, s);
 }
 
+// A TwoLevel row `t` (groups G): groups 4c .. 4c + 3's scales (one super-block's: G is a
+// multiple of 8), and groups g0 .. g0 + 15's offsets (lanes past `mask` zero).
+inline __m128 two_level_scales4(const uint8_t* t, int64_t groups, int64_t c) {
+  int32_t sub;
+  std::memcpy(&sub, t + 4 * c, sizeof(sub));
+  uint16_t d;
+  std::memcpy(&d, t + 2 * groups + 2 * (c / 2), sizeof(d));
+  return _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(sub))),
+                    _mm_set1_ps(_cvtsh_ss(d)));
+}
+
+inline __m512 two_level_offsets16(const uint8_t* t, int64_t groups, int64_t g0, __mmask16 mask) {
+  const __m512 mins = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+      _mm_maskz_loadu_epi8(mask, t + groups + g0)));
+  const __mmask8 halves = static_cast<__mmask8>(mask == 0xFFFF ? 3 : 1);
+  const __m512 neg_dmin = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_maskz_loadu_epi16(
+      halves, t + 2 * groups + groups / 4 + 2 * (g0 / 8))));
+  const __m512i half_of = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  return _mm512_mul_ps(mins, _mm512_permutexvar_ps(half_of, neg_dmin));
+}
+
+// As two_level_offsets16, the scales: groups g0 .. g0 + 15's (lanes past `mask` zero).
+inline __m512 two_level_scales16(const uint8_t* t, int64_t groups, int64_t g0, __mmask16 mask) {
+  const __m512 subs = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, t + g0)));
+  const __mmask8 halves = static_cast<__mmask8>(mask == 0xFFFF ? 3 : 1);
+  const __m512 d = _mm512_castps128_ps512(
+      _mm_cvtph_ps(_mm_maskz_loadu_epi16(halves, t + 2 * groups + 2 * (g0 / 8))));
+  const __m512i half_of = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  return _mm512_mul_ps(subs, _mm512_permutexvar_ps(half_of, d));
+}
+#endif
+
+// TwoLevel::rows, 16 groups a vector where AVX-512 VNNI is compiled (the same products).
+inline const float* two_level_rows(const TwoLevel& two, int64_t r0, int64_t nr, float* buf) {
+#if defined(PAGEDKV_INT_VNNI)
+  const int64_t groups = two.groups, bytes = two_level_bytes(groups);
+  for (int64_t r = 0; r < nr; ++r) {
+    const uint8_t* t = two.table + (r0 + r) * bytes;
+    float* o = buf + r * 2 * groups;
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+      const __mmask16 mask = groups - g0 >= 16 ? 0xFFFF : 0x00FF;  // groups: a multiple of 8
+      _mm512_mask_storeu_ps(o + g0, mask, two_level_scales16(t, groups, g0, mask));
+      _mm512_mask_storeu_ps(o + groups + g0, mask, two_level_offsets16(t, groups, g0, mask));
+    }
+  }
+  return buf;
+#else
+  return two.rows(r0, nr, buf);
+#endif
+}
+#if defined(PAGEDKV_INT_VNNI)
+
 // Weight rows r .. r + NR - 1 (codes, scales at row r) against activation rows m0 .. m0 + MR - 1:
 // y[i * NR + j]. Per chunk of 4 groups and pair of rows: two vpdpbusd (low nibbles, high
 // nibbles; the codes 0..15 as the unsigned bytes) leave 16 int32 lanes, 4 per group, scaled per
@@ -330,9 +442,15 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
                     int64_t m0, float* y) {
   const __m512i low4 = _mm512_set1_epi8(15);
   const __m512i lane_group = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  const int64_t row_bytes = groups * (kInt4Group / 2), row_s = 2 * groups, padded = a.padded();
+  constexpr bool kTwo = std::is_same_v<S, TwoLevelRow>;
+  const int64_t row_bytes = groups * (kInt4Group / 2), padded = a.padded();
+  // A weight row's scales: row_s of S, or a TwoLevel row's bytes.
+  const int64_t row_s = kTwo ? two_level_bytes(groups) : 2 * groups;
   const int64_t ahead_rows = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
-  const int64_t ahead = ahead_rows * row_bytes, ahead_s = ahead_rows * row_s * sizeof(S);
+  const int64_t ahead = ahead_rows * row_bytes;
+  const int64_t ahead_s = ahead_rows * row_s * (kTwo ? 1 : int64_t(sizeof(S)));
+  const char* scale_bytes = reinterpret_cast<const char*>(scales);
+  const int64_t scale_row_bytes = kTwo ? row_s : row_s * int64_t(sizeof(S));
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -343,20 +461,23 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
     __m128 step[MR];
     for (int i = 0; i < MR; ++i) step[i] = _mm_loadu_ps(a.d + (m0 + i) * padded + 4 * c);
     for (int j = 0; j < NR; ++j) {
+      const char* row_scales = scale_bytes + j * scale_row_bytes;
       if constexpr (Far) {
         prefetch_l2(codes + j * row_bytes + 64 * c + quant_rows::kFarPrefetchBytes);
         if (c == 0)
-          prefetch_l2(reinterpret_cast<const char*>(scales + j * row_s) +
-                      quant_rows::kFarPrefetchBytes / 16 * 2 * sizeof(S));
+          prefetch_l2(row_scales + quant_rows::kFarPrefetchBytes / row_bytes * scale_row_bytes);
       } else {
         __builtin_prefetch(codes + j * row_bytes + ahead + 64 * c);
-        if (c == 0)
-          __builtin_prefetch(reinterpret_cast<const char*>(scales + j * row_s) + ahead_s);
+        if (c == 0) __builtin_prefetch(row_scales + ahead_s);
       }
       const __m512i w = _mm512_maskz_loadu_epi8(wmask, codes + j * row_bytes + 64 * c);
       const __m512i lo = _mm512_and_si512(w, low4);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
-      const __m128 ws = scales4(scales + j * row_s + 4 * c, smask);
+      __m128 ws;
+      if constexpr (kTwo)
+        ws = two_level_scales4(reinterpret_cast<const uint8_t*>(row_scales), groups, c);
+      else
+        ws = scales4(reinterpret_cast<const S*>(row_scales) + 4 * c, smask);
       for (int i = 0; i < MR; ++i) {
         const int8_t* q = a.q + ((m0 + i) * a.chunks + c) * 128;
         const __m512i dot = _mm512_dpbusd_epi32(
@@ -372,7 +493,13 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
     const __mmask16 mask = groups - g0 >= 16 ? 0xFFFF
                                              : static_cast<__mmask16>((1u << (groups - g0)) - 1);
     for (int j = 0; j < NR; ++j) {
-      const __m512 off = scales16(scales + j * row_s + groups + g0, mask);
+      const char* row_scales = scale_bytes + j * scale_row_bytes;
+      __m512 off;
+      if constexpr (kTwo)
+        off = two_level_offsets16(reinterpret_cast<const uint8_t*>(row_scales), groups, g0,
+                                  mask);
+      else
+        off = scales16(reinterpret_cast<const S*>(row_scales) + groups + g0, mask);
       for (int i = 0; i < MR; ++i)
         acc[i][j] = _mm512_fmadd_ps(
             off, _mm512_maskz_loadu_ps(mask, a.sum + (m0 + i) * padded + g0), acc[i][j]);
@@ -622,7 +749,8 @@ inline void q4_panel_tile(const __m256i* pw, const float* ps, const float* po, c
 // larger call passes its rows a block at a time: quant_rows::for_row_blocks). Writes out.
 template <typename T, typename S>
 void q4_panel_columns(const Q8Act& a, int64_t row0, int64_t m, const uint8_t* codes,
-                      const S* scales, int64_t n, const float* bias, T* out) {
+                      const S* scales, const TwoLevel& two, int64_t n, const float* bias,
+                      T* out) {
   const int64_t groups = a.groups, row_bytes = groups * (kInt4Group / 2), row_s = 2 * groups;
   const int64_t panels = (n + kQ4PanelCols - 1) / kQ4PanelCols;
   const int64_t passes = (m + kQ4PanelRowTile - 1) / kQ4PanelRowTile;
@@ -643,14 +771,20 @@ void q4_panel_columns(const Q8Act& a, int64_t row0, int64_t m, const uint8_t* co
       const uint8_t* next = next_col < n ? codes + next_col * row_bytes : nullptr;
       const int64_t next_rows = std::min<int64_t>(kQ4PanelCols, n - next_col);
       if (next != nullptr) {  // the next panel's scales and offsets
-        const char* ns = reinterpret_cast<const char*>(scales + next_col * row_s);
-        for (int64_t b = 0; b < next_rows * row_s * int64_t(sizeof(S)); b += 64)
-          prefetch_l2(ns + b);
+        const int64_t bytes = two.table ? two_level_bytes(groups) : row_s * int64_t(sizeof(S));
+        const char* ns = two.table
+            ? reinterpret_cast<const char*>(two.table + next_col * bytes)
+            : reinterpret_cast<const char*>(scales + next_col * row_s);
+        for (int64_t b = 0; b < next_rows * bytes; b += 64) prefetch_l2(ns + b);
       }
+      const S* panel_scales = two.table
+          ? reinterpret_cast<const S*>(two_level_rows(
+                two, col, nc, quant_rows::scratch<float, 15>(kQ4PanelCols * row_s)))
+          : scales + col * row_s;
       for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
         const int64_t ng = std::min(chunk, groups - g0);
         const uint8_t* wp = codes + col * row_bytes;
-        const S* sp = scales + col * row_s;
+        const S* sp = panel_scales;
         if (nc == kQ4PanelCols) {
           lay_out_q4_panel<true>(wp, sp, nc, groups, g0, ng, pw, ps, po, next, next_rows);
         } else {
@@ -833,14 +967,15 @@ at::Tensor int4_gemv_tiles(const at::Tensor& x, const Q8Act& act, const at::Tens
   const float* bp = quant_rows::float_bias(bias, n);
   const Int4AmxAct tiles = amx_activations(act, m);
   const uint8_t* nib = codes.data_ptr<uint8_t>();
+  const TwoLevel two = two_level_of(scales, act.groups);
   dispatch(x.scalar_type(), "int4_gemv", [&](auto tag) {
     using T = typename decltype(tag)::type;
     if (scales.scalar_type() == at::kHalf)
-      int4_amx_product(tiles, m, nib, reinterpret_cast<const c10::Half*>(scales.data_ptr()), n,
-                       act.groups, bp, out.data_ptr<T>());
+      int4_amx_product(tiles, m, nib, reinterpret_cast<const c10::Half*>(scales.data_ptr()), two,
+                       n, act.groups, bp, out.data_ptr<T>());
     else
-      int4_amx_product(tiles, m, nib, scales.data_ptr<float>(), n, act.groups, bp,
-                       out.data_ptr<T>());
+      int4_amx_product(tiles, m, nib, reinterpret_cast<const float*>(scales.data_ptr()), two, n,
+                       act.groups, bp, out.data_ptr<T>());
   });
   return out;
 #else
@@ -855,6 +990,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   check_int4_weight(codes, scales, "int4_gemv");
   const int64_t n = codes.size(0), k = 2 * codes.size(1), groups = k / kInt4Group;
   check_gemv_input(x, k, "int4_gemv");
+  const TwoLevel two = two_level_of(scales, groups);
   Q8Act act;
   dispatch(x.scalar_type(), "int4_gemv", [&](auto tag) {
     act = quantize_q8(x.data_ptr<typename decltype(tag)::type>(), x.numel() / k, k);
@@ -872,11 +1008,11 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
       quant_rows::for_row_blocks(m, k, [&](int64_t r0, int64_t rows) {
         if (scales.scalar_type() == at::kHalf)
           q4_panel_columns(act, r0, rows, nib,
-                           reinterpret_cast<const c10::Half*>(scales.data_ptr()), n, bp,
+                           reinterpret_cast<const c10::Half*>(scales.data_ptr()), two, n, bp,
                            out.data_ptr<T>());
         else
-          q4_panel_columns(act, r0, rows, nib, scales.data_ptr<float>(), n, bp,
-                           out.data_ptr<T>());
+          q4_panel_columns(act, r0, rows, nib, reinterpret_cast<const float*>(scales.data_ptr()),
+                           two, n, bp, out.data_ptr<T>());
       });
     });
     return out;
@@ -886,9 +1022,16 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     using S = decltype(scale_type);
     const S* sc = reinterpret_cast<const S*>(scales.data_ptr());
     return gemv_out(x, n, k / 2, bias, [&](int64_t r, int nr, int64_t m0, int mr, float* y) {
+      const S* rows_sc;
+      if constexpr (std::is_same_v<S, TwoLevelRow>)  // read in place
+        rows_sc = reinterpret_cast<const S*>(two.table + r * two_level_bytes(groups));
+      else  // a float16 / float32 table, or the two levels materialized (AVX2, scalar)
+        rows_sc = two.table ? reinterpret_cast<const S*>(two_level_rows(
+                                  two, r, nr, quant_rows::scratch<float, 15>(nr * 2 * groups)))
+                            : sc + 2 * groups * r;
       dispatch_rows(mr, nr, [&](auto mr_c, auto nr_c) {
         q4_rows<decltype(mr_c)::value, decltype(nr_c)::value, S, decltype(far)::value>(
-            nib + r * (k / 2), sc + 2 * groups * r, groups, act, m0, y);
+            nib + r * (k / 2), rows_sc, groups, act, m0, y);
       });
     });
   };
@@ -896,6 +1039,9 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     if (far_l2_prefetch()) return run(scale_type, std::true_type{});
     return run(scale_type, std::false_type{});
   };
+#if defined(PAGEDKV_INT_VNNI)
+  if (two.table) return with_far(TwoLevelRow{});  // the VNNI product reads the two levels
+#endif
   return scales.scalar_type() == at::kHalf ? with_far(c10::Half{}) : with_far(float{});
 }
 

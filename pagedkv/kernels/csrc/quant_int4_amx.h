@@ -95,7 +95,7 @@ inline void amx_scale_group(const int32_t* sums, const float* scale, const float
 // out [m, n] (T) = the activations times weight rows (codes, scales) + bias; n a multiple of 16.
 template <typename S, typename T>
 void int4_amx_product(const Int4AmxAct& act, int64_t m, const uint8_t* codes, const S* scales,
-                      int64_t n, int64_t groups, const float* bias, T* out) {
+                      const TwoLevel& two, int64_t n, int64_t groups, const float* bias, T* out) {
   const int64_t blocks = n / 16, row_bytes = groups * 16;
   quant_rows::run_blocks(blocks, n * row_bytes * act.tiles, [&](int64_t b0, int64_t b1) {
     uint8_t* a = quant_rows::scratch<uint8_t, 0>(groups * 512);
@@ -107,8 +107,11 @@ void int4_amx_product(const Int4AmxAct& act, int64_t m, const uint8_t* codes, co
     _tile_loadconfig(&config);
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n0 = blk * 16;
-      amx_unpack_block(codes + n0 * row_bytes, scales + n0 * 2 * groups, groups, a, scale,
-                       offset);
+      const S* block_scales = two.table
+          ? reinterpret_cast<const S*>(
+                two_level_rows(two, n0, 16, quant_rows::scratch<float, 15>(16 * 2 * groups)))
+          : scales + n0 * 2 * groups;
+      amx_unpack_block(codes + n0 * row_bytes, block_scales, groups, a, scale, offset);
       for (int64_t t = 0; t < act.tiles; ++t) {
         __m512 acc[16];
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();

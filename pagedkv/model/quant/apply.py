@@ -24,12 +24,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from pagedkv.model.gguf import gguf_file
 from pagedkv.model.layers import Linear
 from pagedkv.model.quant.gguf_parts import gguf_parts
-from pagedkv.model.quant.int4_blocks import GROUP, INT4_TYPES, codes_and_scales
+from pagedkv.model.quant.int4_blocks import GROUP, INT4_TYPES, codes_and_scales, q4_k_two_level
 from pagedkv.model.quant.int4_linear import Int4Linear
 from pagedkv.model.quant.int8_gguf import gguf_int8_block_linear, pack_gguf_vocab
 from pagedkv.model.quant.int8_linear import Int8Linear
@@ -62,11 +63,17 @@ def _gguf_int4(checkpoint: Any, sources: list[str], linear: Linear) -> Int4Linea
     is a parameter still to be loaded."""
     if linear.out_features % 16 or linear.in_features % GROUP:
         return None
+    bias = None if linear.bias is None else torch.zeros_like(linear.bias)
+    if linear.in_features % 256 == 0:  # every part Q4_K: its scales kept in two levels
+        two_level = gguf_parts(checkpoint, sources, (GGMLQuantizationType.Q4_K,),
+                               lambda rows, _: q4_k_two_level(rows))
+        if two_level is not None:
+            nibbles, table = (np.concatenate(arrays) for arrays in zip(*two_level, strict=True))
+            return Int4Linear.from_two_level(nibbles, table, bias)
     parts = gguf_parts(checkpoint, sources, INT4_TYPES, codes_and_scales)
     if parts is None:
         return None
     nibbles, scale, zero = (np.concatenate(arrays) for arrays in zip(*parts, strict=True))
-    bias = None if linear.bias is None else torch.zeros_like(linear.bias)
     return Int4Linear(nibbles, scale, zero, bias)
 
 

@@ -48,6 +48,32 @@ def _q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return nibbles.reshape(n, -1), scale.reshape(n, -1), offset.reshape(n, -1)
 
 
+def q4_k_two_level(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(nibbles uint8 [N, K/2] in Q4_0 order, table uint8 [N, 2.5 * K/32]) of Q4_K rows `raw`:
+    per row the groups' 6-bit sub-scales, their 6-bit mins, then per super-block of 256 the
+    fp16 d and the fp16 -dmin (their bytes), the layout kernels/csrc/quant_int4.cpp's
+    TwoLevel reads: scale = d * sub-scale, offset = -dmin * min (`two_level_scales`)."""
+    n = raw.shape[0]
+    blocks = raw.reshape(-1, 144)
+    sc, mn = quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+    d = np.ascontiguousarray(blocks[:, 0:2]).view(np.float16)
+    neg_dmin = -np.ascontiguousarray(blocks[:, 2:4]).view(np.float16)
+    table = np.concatenate((sc.astype(np.uint8).reshape(n, -1),
+                            mn.astype(np.uint8).reshape(n, -1), d.reshape(n, -1).view(np.uint8),
+                            neg_dmin.reshape(n, -1).view(np.uint8)), axis=1)
+    return _q4_k(raw)[0], np.ascontiguousarray(table)
+
+
+def two_level_scales(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, offset) float32 [N, G] of a `q4_k_two_level` table [N, 2.5 * G]."""
+    groups = table.shape[1] * 2 // 5
+    sub = table[:, :groups].astype(np.float32)
+    mins = table[:, groups:2 * groups].astype(np.float32)
+    halves = np.ascontiguousarray(table[:, 2 * groups:]).view(np.float16).astype(np.float32)
+    d, neg_dmin = halves[:, :groups // 8], halves[:, groups // 8:]
+    return np.repeat(d, 8, axis=1) * sub, np.repeat(neg_dmin, 8, axis=1) * mins
+
+
 def codes_and_scales(raw: np.ndarray, ggml_type: GGMLQuantizationType
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(nibbles uint8 [N, K/2] in Q4_0 order, scale float32 [N, K/32], offset float32 [N, K/32])

@@ -3,7 +3,8 @@ offset per group of 32 along each row (int4_blocks.py).
 
 One copy of the codes (uint8 [N, K/2], the file's nibble order) and of the scales (per row the
 groups' scales, then their offsets: float16 where that holds them exactly, Q4_0 and Q4_1's own
-values, else float32), read front to back by both paths (kernels/csrc/quant_int4.cpp):
+values, else float32; Q4_K's as the file has them, two levels in a uint8 table:
+int4_blocks.q4_k_two_level), read front to back by both paths (kernels/csrc/quant_int4.cpp):
 - a call up to `product_rows` rows (`GEMV_ROWS` with AVX2, 64 where AMX-INT8 tiles run,
   every call with AVX-512 VNNI's panel product) runs `int4_gemv`: as llama.cpp's Q4 x Q8 dot, each
   activation row quantized once to int8 per group of 32, integer dot products on the codes
@@ -36,7 +37,7 @@ from torch.nn import functional as F
 from pagedkv.kernels.cpu import cpu_kernels_loaded
 from pagedkv.model.decode_stack import LinearCall
 from pagedkv.model.quant.gguf_parts import narrowest_scales
-from pagedkv.model.quant.int4_blocks import GROUP
+from pagedkv.model.quant.int4_blocks import GROUP, two_level_scales
 
 _EXPAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -86,6 +87,16 @@ class Int4Linear(nn.Module):
         self.scales = _param(scales_table(scale, offset))
         self.bias = None if bias is None else _param(bias.detach().clone())
 
+    @classmethod
+    def from_two_level(cls, nibbles: np.ndarray, table: np.ndarray,
+                       bias: torch.Tensor | None = None) -> Int4Linear:
+        """Q4_K's linear with its scales kept in two levels (`int4_blocks.q4_k_two_level`):
+        the same products, 0.078 bytes of scales a weight where the float32 table takes 0.25."""
+        scale, offset = two_level_scales(table)
+        linear = cls(nibbles, scale, offset, bias)
+        linear.scales = _param(torch.from_numpy(np.ascontiguousarray(table)))
+        return linear
+
     def pack(self, panels: bool = False) -> bool:
         """Nothing to prepare (the weight is packed at build); the model's `pack` calls."""
         return True
@@ -101,6 +112,9 @@ class Int4Linear(nn.Module):
         """codes [N, K/32, 32] (0..15), scale and offset float32 [N, K/32, 1], in torch ops."""
         blocks = self.codes.view(self.out_features, -1, 16)
         codes = torch.cat((blocks & 15, blocks >> 4), dim=2)
+        if self.scales.dtype == torch.uint8:  # Q4_K's two levels
+            scale, offset = (torch.from_numpy(t) for t in two_level_scales(self.scales.numpy()))
+            return codes, scale[..., None], offset[..., None]
         scales = self.scales.float().view(self.out_features, 2, -1)
         return codes, scales[:, 0, :, None], scales[:, 1, :, None]
 
