@@ -59,8 +59,9 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, str, Linear]]:
 
 def _gguf_int4(checkpoint: Any, sources: list[str], linear: Linear) -> Int4Linear | None:
     """`linear` as an Int4Linear from the GGUF blocks of `sources` (concatenated rows), or None
-    where they are not all 4-bit or its shape does not fit the int4 kernel. Its bias (if any)
-    is a parameter still to be loaded."""
+    where they are not all 4-bit or its shape does not fit the int4 kernel; where they are all
+    Q4_K, with the file's two levels of scales (`Int4Linear.from_two_level`). Its bias (if
+    any) is a parameter still to be loaded."""
     if linear.out_features % 16 or linear.in_features % GROUP:
         return None
     bias = None if linear.bias is None else torch.zeros_like(linear.bias)
