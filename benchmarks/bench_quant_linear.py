@@ -20,7 +20,11 @@ Paths (each weight [N, K], activations [rows, K]):
 - `int4expand`: the packed linear's path beyond decode sizes (`int4_linear` with no rows on the
   product: the weight expanded to bfloat16 a chunk at a time, then oneDNN's matmul);
 - `q8gemv`, `q8expand`: the GGUF Q8_0 linear's two paths (`int8_block_forward`: the product on
-  int8 activations per block of 32, or the expanded weight).
+  int8 activations per block of 32, or the expanded weight);
+- `q4k`, `q4k2` (where K is a multiple of 256): a Q4_K weight (random blocks) as Int4Linear with
+  its scales as a float32 table of their products, or as the file's two levels (fp16 d and
+  -dmin per 256, 6-bit sub-scales and mins per 32: `Int4Linear.from_two_level`), the same
+  products.
 Where `int4gemv` and `int4expand` (and `q8gemv`, `q8expand`) cross is where Int4Linear's
 `product_rows` (`int4_tile_rows()` where the panel product or AMX tiles run, else `GEMV_ROWS`;
 Int8BlockLinear's likewise) belongs: `--rows 1,4,8,16,24,32,48,64` (and `--rows 256,512,2048`
@@ -52,6 +56,8 @@ SHAPES = {
     "smollm2": [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)],
     # Llama-7B-like: q (and o), gate (and up), down.
     "llama7b": [(4096, 4096), (11008, 4096), (4096, 11008)],
+    # Llama 3.2 1B-like, fused as pagedkv runs it: qkv, o, gate_up, down.
+    "llama1b": [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)],
 }
 GROUP = 32
 
@@ -63,7 +69,8 @@ def _bytes(path: str, n: int, k: int) -> int:
             "int4gemv": n * k // 2 + n * k // GROUP * 4,
             "int4expand": n * k // 2 + n * k // GROUP * 4,
             "q8gemv": n * k + n * k // GROUP * 4, "q8expand": n * k + n * k // GROUP * 4,
-            "int4pack": n * k // 2 + n * k // GROUP * 4}[path]
+            "int4pack": n * k // 2 + n * k // GROUP * 4, "q4k": n * k // 2 + n * k // GROUP * 8,
+            "q4k2": n * k // 2 + n * k // GROUP * 5 // 2}[path]
 
 
 def _paths(n: int, k: int) -> dict[str, tuple[torch.Tensor, Callable[[torch.Tensor], object]]]:
@@ -90,7 +97,8 @@ def _paths(n: int, k: int) -> dict[str, tuple[torch.Tensor, Callable[[torch.Tens
         return (torch._int_mm(xq, w8t)[: x.shape[0]].float() * xs * scale8).bfloat16()
 
     lp = torch.ops.mkldnn._linear_pointwise
-    return {
+    q4k = _q4_k_linears(n, k) if k % 256 == 0 else {}
+    return {**{name: (xb, linear) for name, linear in q4k.items()},
         "bf16": (xb, lambda x: lp(x, pb, None, "none", [], "")),
         "f32": (xb.float(), lambda x: lp(x, pf, None, "none", [], "")),
         "int8pack": (xb, lambda x: torch.ops.aten._weight_int8pack_mm(x, w8, scale8.bfloat16())),
@@ -103,6 +111,23 @@ def _paths(n: int, k: int) -> dict[str, tuple[torch.Tensor, Callable[[torch.Tens
         "q8gemv": (xb, lambda x: ops.int8_block_forward(x, w8, q8s, 32, None, 1 << 30)),
         "q8expand": (xb, lambda x: ops.int8_block_forward(x, w8, q8s, 32, None, 0)),
     }
+
+
+def _q4_k_linears(n: int, k: int) -> dict[str, torch.nn.Module]:
+    """{"q4k": the float32-table Int4Linear, "q4k2": the two-level one} of random Q4_K blocks
+    [n, k] (fp16 d and dmin between 1e-3 and 1e-2)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+
+    from pagedkv.model.quant.int4_blocks import codes_and_scales, q4_k_two_level
+    from pagedkv.model.quant.int4_linear import Int4Linear
+
+    rng = np.random.default_rng(n + k)
+    raw = rng.integers(0, 256, (n * k // 256, 144), dtype=np.uint8)
+    raw[:, 0:4] = rng.uniform(1e-3, 1e-2, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(n, -1)
+    return {"q4k": Int4Linear(*codes_and_scales(raw, GGMLQuantizationType.Q4_K)),
+            "q4k2": Int4Linear.from_two_level(*q4_k_two_level(raw))}
 
 
 def _cold_paths(n: int, k: int, copies: int) -> dict[str, tuple[torch.Tensor, Callable]]:
