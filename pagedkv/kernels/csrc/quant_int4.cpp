@@ -81,36 +81,17 @@ inline float scale_f(const S* s, int64_t i) {
 // 256) d and -dmin as float16 [G / 8] each; scale = d * sub-scale, offset = -dmin * min, each
 // product exact in float32 (the float32 table's very values). 0.078 bytes a weight against
 // the float32 table's 0.25 (the codes take 0.5; the file 0.5625 in all). The products
-// materialize a tile's rows into float32 scratch before they read them (`TwoLevel::rows`).
+// materialize a tile's rows into float32 scratch before they read them (`two_level_rows`);
+// the VNNI decode product reads the table itself.
 inline int64_t two_level_bytes(int64_t groups) { return 2 * groups + groups / 2; }
 
 struct TwoLevel {
   const uint8_t* table = nullptr;  // nullptr: the scales are a float16 / float32 table
   int64_t groups = 0;
-
-  // Rows [r0, r0 + nr)'s scales then offsets, float32 [nr][2 * groups], into buf. Writes buf.
-  const float* rows(int64_t r0, int64_t nr, float* buf) const {
-    const int64_t bytes = two_level_bytes(groups);
-    for (int64_t r = 0; r < nr; ++r) {
-      const uint8_t* t = table + (r0 + r) * bytes;
-      float* o = buf + r * 2 * groups;
-      for (int64_t b = 0; b < groups / 8; ++b) {
-        uint16_t bits[2];
-        std::memcpy(&bits[0], t + 2 * groups + 2 * b, 2);
-        std::memcpy(&bits[1], t + 2 * groups + groups / 4 + 2 * b, 2);
-        const float d = static_cast<float>(c10::Half(bits[0], c10::Half::from_bits()));
-        const float neg_dmin = static_cast<float>(c10::Half(bits[1], c10::Half::from_bits()));
-        for (int64_t g = 8 * b; g < 8 * b + 8; ++g) {
-          o[g] = d * static_cast<float>(t[g]);
-          o[groups + g] = neg_dmin * static_cast<float>(t[groups + g]);
-        }
-      }
-    }
-    return buf;
-  }
 };
 
-// TwoLevel::rows, vectorized where AVX-512 VNNI is compiled (defined with the vector helpers).
+// Rows [r0, r0 + nr)'s scales then offsets, float32 [nr][2 * groups], into buf (defined with
+// the vector helpers below). Writes buf.
 inline const float* two_level_rows(const TwoLevel& two, int64_t r0, int64_t nr, float* buf);
 
 // What the VNNI decode product (q4_rows) takes as its scale type to read a TwoLevel table
@@ -413,23 +394,30 @@ inline __m512 two_level_scales16(const uint8_t* t, int64_t groups, int64_t g0, _
 }
 #endif
 
-// TwoLevel::rows, 16 groups a vector where AVX-512 VNNI is compiled (the same products).
+// 16 groups a vector where AVX-512 VNNI is compiled (the same products).
 inline const float* two_level_rows(const TwoLevel& two, int64_t r0, int64_t nr, float* buf) {
-#if defined(PAGEDKV_INT_VNNI)
   const int64_t groups = two.groups, bytes = two_level_bytes(groups);
   for (int64_t r = 0; r < nr; ++r) {
     const uint8_t* t = two.table + (r0 + r) * bytes;
     float* o = buf + r * 2 * groups;
+#if defined(PAGEDKV_INT_VNNI)
     for (int64_t g0 = 0; g0 < groups; g0 += 16) {
       const __mmask16 mask = groups - g0 >= 16 ? 0xFFFF : 0x00FF;  // groups: a multiple of 8
       _mm512_mask_storeu_ps(o + g0, mask, two_level_scales16(t, groups, g0, mask));
       _mm512_mask_storeu_ps(o + groups + g0, mask, two_level_offsets16(t, groups, g0, mask));
     }
+#else
+    for (int64_t g = 0; g < groups; ++g) {
+      uint16_t bits[2];
+      std::memcpy(&bits[0], t + 2 * groups + 2 * (g / 8), 2);
+      std::memcpy(&bits[1], t + 2 * groups + groups / 4 + 2 * (g / 8), 2);
+      o[g] = static_cast<float>(c10::Half(bits[0], c10::Half::from_bits())) * t[g];
+      o[groups + g] = static_cast<float>(c10::Half(bits[1], c10::Half::from_bits())) *
+                      t[groups + g];
+    }
+#endif
   }
   return buf;
-#else
-  return two.rows(r0, nr, buf);
-#endif
 }
 #if defined(PAGEDKV_INT_VNNI)
 
@@ -444,13 +432,12 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
   const __m512i lane_group = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   constexpr bool kTwo = std::is_same_v<S, TwoLevelRow>;
   const int64_t row_bytes = groups * (kInt4Group / 2), padded = a.padded();
-  // A weight row's scales: row_s of S, or a TwoLevel row's bytes.
-  const int64_t row_s = kTwo ? two_level_bytes(groups) : 2 * groups;
-  const int64_t ahead_rows = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
-  const int64_t ahead = ahead_rows * row_bytes;
-  const int64_t ahead_s = ahead_rows * row_s * (kTwo ? 1 : int64_t(sizeof(S)));
+  // A weight row's scales, in bytes: 2 * groups of S, or a TwoLevel row.
   const char* scale_bytes = reinterpret_cast<const char*>(scales);
-  const int64_t scale_row_bytes = kTwo ? row_s : row_s * int64_t(sizeof(S));
+  const int64_t scale_row_bytes =
+      kTwo ? two_level_bytes(groups) : 2 * groups * int64_t(sizeof(S));
+  const int64_t ahead_rows = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
+  const int64_t ahead = ahead_rows * row_bytes, ahead_s = ahead_rows * scale_row_bytes;
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -608,7 +595,7 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
 // 16, 2.2x at 32, 2.3x at 64, and faster than the dense bfloat16 linear at each.
 constexpr int64_t kInt4PanelMinRows = 4;
 constexpr int kQ4PanelCols = 16;           // weight rows a panel: two vectors of 8
-constexpr int kQ4PanelRowTile = 4;         // activation rows computed together
+constexpr int kQ4PanelRowTile = 4;  // activation rows computed together (for_row_tiles: 4)
 // Groups along K laid out at a time: 8 (256 codes; 4 KiB of codes laid out for 16 weight rows,
 // in L1 at any K).
 constexpr int64_t kQ4PanelGroups = 8;
@@ -784,22 +771,17 @@ void q4_panel_columns(const Q8Act& a, int64_t row0, int64_t m, const uint8_t* co
       for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
         const int64_t ng = std::min(chunk, groups - g0);
         const uint8_t* wp = codes + col * row_bytes;
-        const S* sp = panel_scales;
         if (nc == kQ4PanelCols) {
-          lay_out_q4_panel<true>(wp, sp, nc, groups, g0, ng, pw, ps, po, next, next_rows);
+          lay_out_q4_panel<true>(wp, panel_scales, nc, groups, g0, ng, pw, ps, po, next,
+                                 next_rows);
         } else {
-          lay_out_q4_panel<false>(wp, sp, nc, groups, g0, ng, pw, ps, po, next, next_rows);
+          lay_out_q4_panel<false>(wp, panel_scales, nc, groups, g0, ng, pw, ps, po, next,
+                                  next_rows);
         }
-        for (int64_t r = 0; r < m; r += kQ4PanelRowTile) {
-          float* yr = y + r * kQ4PanelCols;
-          const int64_t at = row0 + r;
-          switch (std::min<int64_t>(kQ4PanelRowTile, m - r)) {
-            case 4: q4_panel_tile<4>(pw, ps, po, a, at, g0, ng, yr, g0 == 0); break;
-            case 3: q4_panel_tile<3>(pw, ps, po, a, at, g0, ng, yr, g0 == 0); break;
-            case 2: q4_panel_tile<2>(pw, ps, po, a, at, g0, ng, yr, g0 == 0); break;
-            default: q4_panel_tile<1>(pw, ps, po, a, at, g0, ng, yr, g0 == 0); break;
-          }
-        }
+        quant_rows::for_row_tiles(m, [&](int64_t r, auto tile) {
+          q4_panel_tile<decltype(tile)::value>(pw, ps, po, a, row0 + r, g0, ng,
+                                               y + r * kQ4PanelCols, g0 == 0);
+        });
       }
       for (int64_t r = 0; r < m; ++r)
         for (int64_t j = 0; j < nc; ++j)

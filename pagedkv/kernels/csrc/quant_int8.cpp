@@ -297,7 +297,7 @@ void dot_tile(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0
 // Zen 4 runs 512-bit ones as two halves, so they would gain little there.
 constexpr int64_t kInt8PanelMinRows = 4;
 constexpr int kPanelCols = 16;    // weight rows a panel: two vectors of 8
-constexpr int kPanelRowTile = 4;  // activation rows computed together (16 int32 + 8 float sums)
+constexpr int kPanelRowTile = 4;  // activation rows computed together (for_row_tiles: 4)
 // How far ahead of the panel being laid out its codes are asked for into L2 (rounded to whole
 // panels, at least the next): 8 KiB measured a little ahead of 32 and 64 on SmolLM2's head at
 // 4-16 rows (AMD Zen 4, weights from memory), within the noise of a shared machine.
@@ -441,15 +441,10 @@ void panel_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const S* 
           lay_out_panel<B, false>(w + col * k, ws + col * kb, nc, k, c0, len, pw, ps, next,
                                   next_rows);
         }
-        for (int64_t r = 0; r < m; r += kPanelRowTile) {
-          float* yr = y + r * kPanelCols;
-          switch (std::min<int64_t>(kPanelRowTile, m - r)) {
-            case 4: panel_tile<4, B>(pw, ps, q, offset, r, k, c0, len, yr, c0 == 0); break;
-            case 3: panel_tile<3, B>(pw, ps, q, offset, r, k, c0, len, yr, c0 == 0); break;
-            case 2: panel_tile<2, B>(pw, ps, q, offset, r, k, c0, len, yr, c0 == 0); break;
-            default: panel_tile<1, B>(pw, ps, q, offset, r, k, c0, len, yr, c0 == 0); break;
-          }
-        }
+        quant_rows::for_row_tiles(m, [&](int64_t r, auto tile) {
+          panel_tile<decltype(tile)::value, B>(pw, ps, q, offset, r, k, c0, len,
+                                               y + r * kPanelCols, c0 == 0);
+        });
       }
       for (int64_t r = 0; r < m; ++r)
         for (int64_t j = 0; j < nc; ++j)

@@ -124,6 +124,21 @@ inline void for_row_blocks(int64_t m, int64_t k, const Fn& fn) {
   for (int64_t r0 = 0; r0 < m; r0 += block) fn(r0, std::min(block, m - r0));
 }
 
+// fn(row, tile) for row = 0, 4, 8, ... below m, `tile` a std::integral_constant<int, R> of the
+// R rows from `row` the panel products compute together (4, or the 1-3 left at the end; their
+// kPanelRowTile / kQ4PanelRowTile).
+template <typename Fn>
+inline void for_row_tiles(int64_t m, const Fn& fn) {
+  for (int64_t r = 0; r < m; r += 4) {
+    switch (std::min<int64_t>(4, m - r)) {
+      case 4: fn(r, std::integral_constant<int, 4>{}); break;
+      case 3: fn(r, std::integral_constant<int, 3>{}); break;
+      case 2: fn(r, std::integral_constant<int, 2>{}); break;
+      default: fn(r, std::integral_constant<int, 1>{}); break;
+    }
+  }
+}
+
 // What int4_tile_rows / int8_block_tile_rows return where the panel product runs every call:
 // a row count no call reaches.
 constexpr int64_t kEveryRow = int64_t{1} << 40;
