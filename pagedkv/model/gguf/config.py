@@ -28,9 +28,9 @@ _SIZES = {"block_count": "num_hidden_layers", "embedding_length": "hidden_size",
           "attention.key_length": "head_dim", "attention.sliding_window": "sliding_window",
           "attn_logit_softcapping": "attn_logit_softcapping",
           "final_logit_softcapping": "final_logit_softcapping"}
-# A float file's matrices' own dtype, widest first: what "auto" takes for it (GGUF has no
-# config.json torch_dtype); see `gguf_dtype`.
-_FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+# The unquantized ggml types and their dtypes, widest first: what "auto" takes for a float file
+# (GGUF has no config.json torch_dtype; see `gguf_dtype`).
+FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 # Gemma's 27B models scale queries by hidden_size / heads, the others by head_dim (llama.cpp:
 # LLM_TYPE_27B in llama-model.cpp); their layer counts tell them apart.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -79,9 +79,9 @@ def gguf_dtype(gguf: GGUFFile) -> str:
     vLLM's "auto" is 16-bit for such files too), else the widest of its matrices' float types
     (F32, BF16, F16), as a safetensors config's torch_dtype."""
     kinds = {t.type_name for t in gguf.tensors.values() if len(t.shape) >= 2}
-    if not kinds <= set(_FLOAT_DTYPES):
+    if not kinds <= FLOAT_DTYPES.keys():
         return "bfloat16"
-    return next((dtype for kind, dtype in _FLOAT_DTYPES.items() if kind in kinds), "float32")
+    return next((dtype for kind, dtype in FLOAT_DTYPES.items() if kind in kinds), "float32")
 
 
 def _gemma(cfg: dict[str, Any], arch: str) -> None:

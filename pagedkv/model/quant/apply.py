@@ -28,6 +28,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from pagedkv.model.gguf import gguf_file
+from pagedkv.model.gguf.config import FLOAT_DTYPES
 from pagedkv.model.layers import Linear
 from pagedkv.model.quant.gguf_parts import gguf_parts
 from pagedkv.model.quant.int4_blocks import GROUP, INT4_TYPES, codes_and_scales, q4_k_two_level
@@ -39,7 +40,6 @@ from pagedkv.model.quant.packed_head import pack_head
 __all__ = ["pack_gguf_linears", "pack_head", "quantize_int8"]
 
 QUANTIZATION_MODES = ("auto", "none", "int8")
-_FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 logger = logging.getLogger("pagedkv.model.loader")
 # The model dtypes "auto" packs at (float32 stays exact: the int4 kernel rounds activations to
 # bfloat16, and its float32 path is 10-60x slower).
@@ -101,7 +101,7 @@ def pack_gguf_linears(model: nn.Module, model_dir: str | Path) -> frozenset[str]
             built.add(f"{name}.weight")
         elif sources:
             types = {checkpoint.gguf.tensors[checkpoint.gguf_name(s)].type_name for s in sources}
-            if not types <= _FLOAT_TYPES:
+            if not types <= FLOAT_DTYPES.keys():
                 unpacked[name] = "+".join(sorted(types))
     if unpacked:
         kinds = sorted(set(unpacked.values()))

@@ -42,10 +42,14 @@ def _q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     sc, mn = quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
     scale = d[:, None] * sc.astype(np.float32)  # [blocks, 8]
     offset = -dmin[:, None] * mn.astype(np.float32)
+    return _q4_k_nibbles(blocks, n), scale.reshape(n, -1), offset.reshape(n, -1)
+
+
+def _q4_k_nibbles(blocks: np.ndarray, n: int) -> np.ndarray:
+    """The codes of Q4_K super-blocks [blocks, 144] as nibbles [n, K/2] in Q4_0 order."""
     qs = blocks[:, 16:].reshape(-1, 4, 32)  # 4 chunks of 64 codes: j | j + 32
     codes = np.stack((qs & 15, qs >> 4), axis=2).reshape(-1, 8, 32)  # [blocks, sub-block, 32]
-    nibbles = codes[..., :16] | (codes[..., 16:] << 4)
-    return nibbles.reshape(n, -1), scale.reshape(n, -1), offset.reshape(n, -1)
+    return (codes[..., :16] | (codes[..., 16:] << 4)).reshape(n, -1)
 
 
 def q4_k_two_level(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -61,7 +65,7 @@ def q4_k_two_level(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     table = np.concatenate((sc.astype(np.uint8).reshape(n, -1),
                             mn.astype(np.uint8).reshape(n, -1), d.reshape(n, -1).view(np.uint8),
                             neg_dmin.reshape(n, -1).view(np.uint8)), axis=1)
-    return _q4_k(raw)[0], np.ascontiguousarray(table)
+    return _q4_k_nibbles(blocks, n), np.ascontiguousarray(table)
 
 
 def two_level_scales(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -73,10 +73,11 @@ def scales_table(scale: np.ndarray, offset: np.ndarray) -> torch.Tensor:
 class Int4Linear(nn.Module):
     """y = x W^T (+ bias) with W [out_features, in_features] in 4-bit groups of 32."""
 
-    def __init__(self, nibbles: np.ndarray, scale: np.ndarray, offset: np.ndarray,
-                 bias: torch.Tensor | None = None) -> None:
+    def __init__(self, nibbles: np.ndarray, scale: np.ndarray | None, offset: np.ndarray | None,
+                 bias: torch.Tensor | None = None, *, table: np.ndarray | None = None) -> None:
         """`nibbles` uint8 [N, K/2] (Q4_0 order), `scale` and `offset` float32 [N, K/32]
-        (int4_blocks.codes_and_scales). ValueError when N is not a multiple of 16 or K of 32."""
+        (int4_blocks.codes_and_scales), or in their place `table`, Q4_K's two levels
+        (`from_two_level`). ValueError when N is not a multiple of 16 or K of 32."""
         super().__init__()
         n, half_k = nibbles.shape
         self.out_features, self.in_features = n, 2 * half_k
@@ -84,7 +85,8 @@ class Int4Linear(nn.Module):
             raise ValueError(f"Int4Linear: weight [{n}, {self.in_features}] needs rows a "
                              f"multiple of 16 and columns a multiple of {GROUP}")
         self.codes = _param(torch.from_numpy(np.ascontiguousarray(nibbles)))
-        self.scales = _param(scales_table(scale, offset))
+        self.scales = _param(scales_table(scale, offset) if table is None
+                             else torch.from_numpy(np.ascontiguousarray(table)))
         self.bias = None if bias is None else _param(bias.detach().clone())
 
     @classmethod
@@ -92,10 +94,7 @@ class Int4Linear(nn.Module):
                        bias: torch.Tensor | None = None) -> Int4Linear:
         """Q4_K's linear with its scales kept in two levels (`int4_blocks.q4_k_two_level`):
         the same products, 0.078 bytes of scales a weight where the float32 table takes 0.25."""
-        scale, offset = two_level_scales(table)
-        linear = cls(nibbles, scale, offset, bias)
-        linear.scales = _param(torch.from_numpy(np.ascontiguousarray(table)))
-        return linear
+        return cls(nibbles, None, None, bias, table=table)
 
     def pack(self, panels: bool = False) -> bool:
         """Nothing to prepare (the weight is packed at build); the model's `pack` calls."""

@@ -1,5 +1,6 @@
 """A linear layer and an embedding on int8 codes with a float32 scale per block of 16 or 32
-along each row (GGUF Q8_0 and Q6_K kept packed: int8_blocks.py), W = code * scale exactly.
+along each row (GGUF Q8_0, Q6_K and the other symmetric formats kept packed: int8_blocks.py),
+W = code * scale exactly.
 
 The linear's calls up to `product_rows` rows (`INT8_BLOCK_ROWS` with AVX2, 64 where AMX-INT8
 tiles run, every call with AVX-512 VNNI's panel product) run `int8_block_linear`
@@ -8,7 +9,8 @@ does, integer dot products with AVX-512 VNNI or AVX2; from 4 rows on AVX-512 VNN
 product, a block of up to 256 rows at a time, from 10 on AMX tiles); larger ones expand the
 codes to a dense weight in the activation dtype (`int8_block_expand`) for the dense matmul
 (oneDNN's: on AMX, or with AVX2 alone, faster on a prefill's hundreds of rows). Without the
-fused kernels both run in torch ops on the expanded weight. The embedding gathers only the looked-up rows' codes and scales.
+fused kernels both run in torch ops on the expanded weight. The embedding gathers only the
+looked-up rows' codes and scales.
 The tensors are parameters (requires_grad False), so the model's parameter bytes count them; a
 tied head and embedding share them (the model's parameters list them once).
 """
