@@ -24,7 +24,9 @@ Paths (each weight [N, K], activations [rows, K]):
 - `q4k`, `q4k2` (where K is a multiple of 256): a Q4_K weight (random blocks) as Int4Linear with
   its scales as a float32 table of their products, or as the file's two levels (fp16 d and
   -dmin per 256, 6-bit sub-scales and mins per 32: `Int4Linear.from_two_level`), the same
-  products.
+  products; `q6k`, `q6k2` likewise a Q6_K weight as Int8BlockLinear with a float32 scale per
+  16 or the file's two levels (fp16 d per 256, int8 sub-scales per 16:
+  `int8_blocks.q6_k_two_level`).
 Where `int4gemv` and `int4expand` (and `q8gemv`, `q8expand`) cross is where Int4Linear's
 `product_rows` (`int4_tile_rows()` where the panel product or AMX tiles run, else `GEMV_ROWS`;
 Int8BlockLinear's likewise) belongs: `--rows 1,4,8,16,24,32,48,64` (and `--rows 256,512,2048`
@@ -70,7 +72,8 @@ def _bytes(path: str, n: int, k: int) -> int:
             "int4expand": n * k // 2 + n * k // GROUP * 4,
             "q8gemv": n * k + n * k // GROUP * 4, "q8expand": n * k + n * k // GROUP * 4,
             "int4pack": n * k // 2 + n * k // GROUP * 4, "q4k": n * k // 2 + n * k // GROUP * 8,
-            "q4k2": n * k // 2 + n * k // GROUP * 5 // 2}[path]
+            "q4k2": n * k // 2 + n * k // GROUP * 5 // 2, "q6k": n * k + n * k // 16 * 4,
+            "q6k2": n * k + n * k // 16 + n * k // 128}[path]
 
 
 def _paths(n: int, k: int) -> dict[str, tuple[torch.Tensor, Callable[[torch.Tensor], object]]]:
@@ -97,7 +100,7 @@ def _paths(n: int, k: int) -> dict[str, tuple[torch.Tensor, Callable[[torch.Tens
         return (torch._int_mm(xq, w8t)[: x.shape[0]].float() * xs * scale8).bfloat16()
 
     lp = torch.ops.mkldnn._linear_pointwise
-    q4k = _q4_k_linears(n, k) if k % 256 == 0 else {}
+    q4k = _k_quant_linears(n, k) if k % 256 == 0 else {}
     return {**{name: (xb, linear) for name, linear in q4k.items()},
         "bf16": (xb, lambda x: lp(x, pb, None, "none", [], "")),
         "f32": (xb.float(), lambda x: lp(x, pf, None, "none", [], "")),
@@ -113,21 +116,30 @@ def _paths(n: int, k: int) -> dict[str, tuple[torch.Tensor, Callable[[torch.Tens
     }
 
 
-def _q4_k_linears(n: int, k: int) -> dict[str, torch.nn.Module]:
+def _k_quant_linears(n: int, k: int) -> dict[str, torch.nn.Module]:
     """{"q4k": the float32-table Int4Linear, "q4k2": the two-level one} of random Q4_K blocks
-    [n, k] (fp16 d and dmin between 1e-3 and 1e-2)."""
+    [n, k] (fp16 d and dmin between 1e-3 and 1e-2), and "q6k", "q6k2" of Q6_K blocks alike."""
     import numpy as np
     from gguf import GGMLQuantizationType
 
     from pagedkv.model.quant.int4_blocks import codes_and_scales, q4_k_two_level
     from pagedkv.model.quant.int4_linear import Int4Linear
+    from pagedkv.model.quant.int8_block_linear import Int8BlockLinear
+    from pagedkv.model.quant.int8_blocks import int8_codes_and_scales, q6_k_two_level
 
     rng = np.random.default_rng(n + k)
     raw = rng.integers(0, 256, (n * k // 256, 144), dtype=np.uint8)
     raw[:, 0:4] = rng.uniform(1e-3, 1e-2, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)
     raw = raw.reshape(n, -1)
+    raw6 = rng.integers(0, 256, (n * k // 256, 210), dtype=np.uint8)
+    raw6[:, 208:210] = rng.uniform(1e-3, 1e-2, (raw6.shape[0], 1)).astype(np.float16) \
+        .view(np.uint8)
+    raw6 = raw6.reshape(n, -1)
+    codes6, scales6, _ = int8_codes_and_scales(raw6, GGMLQuantizationType.Q6_K)
     return {"q4k": Int4Linear(*codes_and_scales(raw, GGMLQuantizationType.Q4_K)),
-            "q4k2": Int4Linear.from_two_level(*q4_k_two_level(raw))}
+            "q4k2": Int4Linear.from_two_level(*q4_k_two_level(raw)),
+            "q6k": Int8BlockLinear(torch.from_numpy(codes6), torch.from_numpy(scales6)),
+            "q6k2": Int8BlockLinear(*(torch.from_numpy(a) for a in q6_k_two_level(raw6)))}
 
 
 def _cold_paths(n: int, k: int, copies: int) -> dict[str, tuple[torch.Tensor, Callable]]:

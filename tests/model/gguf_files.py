@@ -76,9 +76,11 @@ def write_gguf(model_dir: Path, out: Path, *, quant: GGMLQuantizationType | None
             w = _permute(w, kv_heads)
         elif gemma and name.endswith("norm.weight"):
             w = w + 1.0
-        if quant == GGMLQuantizationType.Q4_K and w.ndim == 2 and w.shape[1] % 256 == 0:
-            writer.add_tensor(name, quantize_q4_k(w), raw_dtype=quant)
-        elif quant == GGMLQuantizationType.Q4_K and w.ndim == 2:  # rows off 256: as llama.cpp
+        k_quant = {GGMLQuantizationType.Q4_K: quantize_q4_k, GGMLQuantizationType.Q6_K:
+                   quantize_q6_k}.get(quant)
+        if k_quant is not None and w.ndim == 2 and w.shape[1] % 256 == 0:
+            writer.add_tensor(name, k_quant(w), raw_dtype=quant)
+        elif k_quant is not None and w.ndim == 2:  # rows off 256: as llama.cpp
             writer.add_tensor(name, quants.quantize(w, GGMLQuantizationType.Q8_0),
                               raw_dtype=GGMLQuantizationType.Q8_0)
         elif quant is not None and w.ndim == 2:
@@ -118,6 +120,27 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     qs = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(-1, 128)
     blocks = np.concatenate((d16.view(np.uint8).reshape(-1, 2),
                              dmin16.view(np.uint8).reshape(-1, 2), packed, qs), axis=1)
+    return blocks.reshape(n, -1)
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """Rows `w` [n, k] (k a multiple of 256) as Q6_K super-blocks [n, k / 256 * 210] (the gguf
+    package has no Q6_K quantizer): per 16 weights an int8 scale times the super-block's fp16
+    d, codes -32..31 stored plus 32 as 4 low bits (ql) and 2 high (qh), ggml's layout (a plain
+    rounding, not llama.cpp's search)."""
+    n, k = w.shape
+    sub = w.reshape(-1, 16, 16).astype(np.float64)  # [super-blocks, 16 blocks, 16]
+    scale = np.abs(sub).max(axis=2) / 31
+    d16 = (np.maximum(scale.max(axis=1), 1e-8) / 127).astype(np.float16)
+    sc = np.clip(np.rint(scale / d16.astype(np.float64)[:, None]), 1, 127).astype(np.int8)
+    step = d16.astype(np.float64)[:, None] * sc
+    q = (np.clip(np.rint(sub / step[..., None]), -32, 31) + 32).astype(np.uint8)
+    q = q.reshape(-1, 2, 4, 32)  # two halves of 128: four runs of 32 (l, l + 32, + 64, + 96)
+    ql = np.concatenate((q[:, :, 0] & 15 | (q[:, :, 2] & 15) << 4,
+                         q[:, :, 1] & 15 | (q[:, :, 3] & 15) << 4), axis=2)  # [sb, 2, 64]
+    qh = q[:, :, 0] >> 4 | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4 | (q[:, :, 3] >> 4) << 6
+    blocks = np.concatenate((ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8),
+                             d16.view(np.uint8).reshape(-1, 2)), axis=1)
     return blocks.reshape(n, -1)
 
 

@@ -23,7 +23,11 @@ from pagedkv.model.quant.int8_block_linear import (
     expand_reference,
     product_rows,
 )
-from pagedkv.model.quant.int8_blocks import int8_codes_and_scales
+from pagedkv.model.quant.int8_blocks import (
+    int8_codes_and_scales,
+    q6_k_two_level,
+    two_level_block_scales,
+)
 from pagedkv.model.runner import ModelRunner
 from pagedkv.testing.isa_child import run_with_isa
 from pagedkv.testing.kv_quant_accuracy import kl_divergence, teacher_forced_logits
@@ -91,6 +95,55 @@ def test_codes_and_scales_are_the_format_without_loss(ggml_type):
     assert low <= codes.min() and codes.max() <= high
     assert codes.min() <= low // 2 and codes.max() >= high // 2  # the range is used
     assert np.unique(np.sign(scales)).size > 1 or ggml_type in (Q8_0, Q5_0, IQ4_NL)
+
+
+def test_q6_k_two_levels_are_the_float32_scales():
+    """Q6_K's scales kept as the file has them (int8 sub-scales per 16, fp16 d per 256: K/16 +
+    K/128 bytes a row) are the float32 scales' very values, with the same codes."""
+    raw = q6_k_rows(N, 768, seed=5)
+    codes, table = q6_k_two_level(raw)
+    want_codes, want_scales, _ = int8_codes_and_scales(raw, Q6_K)
+    assert table.dtype == np.uint8 and table.shape == (N, 768 // 16 + 768 // 128)
+    np.testing.assert_array_equal(codes, want_codes)
+    np.testing.assert_array_equal(two_level_block_scales(table), want_scales)
+
+
+def two_level_pair(n: int, k: int, seed: int) -> tuple[Int8BlockLinear, Int8BlockLinear]:
+    """(the two-level Int8BlockLinear, the float32-table one) of the same random Q6_K rows."""
+    raw = q6_k_rows(n, k, seed=seed)
+    codes, table = q6_k_two_level(raw)
+    _, scales, _ = int8_codes_and_scales(raw, Q6_K)
+    two = Int8BlockLinear(torch.from_numpy(codes), torch.from_numpy(table))
+    assert two.scales.dtype == torch.uint8 and two.block == 16
+    return two, Int8BlockLinear(torch.from_numpy(codes), torch.from_numpy(scales))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 12, 40, 300])
+def test_two_level_products_equal_the_float32_tables(rows):
+    """Every path on Q6_K's two levels (the decode tiles at 1-3 rows, the panel product or AMX
+    tiles from 4, the row blocks at 300; 40 outputs: 2 tasks of 16 and a tail of 8), on one
+    thread and two, in bfloat16 and float32, gives the float32 table's very outputs (the same
+    scales, materialized a tile at a time); so do the expansion and the embedding rows."""
+    two, wide = two_level_pair(40, 768, seed=rows)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for dtype in (torch.bfloat16, torch.float32):
+                x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(count)) \
+                    .to(dtype)
+                assert torch.equal(two(x), wide(x)), (count, dtype)
+                expanded = [torch.ops.pagedkv_cpu.int8_block_forward(
+                    x, m.codes, m.scales, 16, None, 0) for m in (two, wide)]
+                assert torch.equal(*expanded)
+    finally:
+        torch.set_num_threads(threads)
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        assert torch.equal(two.dequantized(dtype), wide.dequantized(dtype))
+        assert torch.equal(two.dequantized(dtype), expand_reference(two.codes, two.scales, dtype))
+    ids = torch.tensor([[39, 0], [7, 39]])
+    table = Int8BlockEmbedding(two.codes, two.scales, torch.bfloat16)
+    assert torch.equal(table(ids), wide.dequantized(torch.bfloat16)[ids])
 
 
 def quantized_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,6 +273,10 @@ def assert_exact_on_one_and_two_threads(x: torch.Tensor, codes: torch.Tensor,
 def test_refuses_shapes_the_kernel_cannot_take():
     with pytest.raises(ValueError, match=r"codes \[4, 40\].*multiple of 32"):
         Int8BlockLinear(torch.zeros(4, 40, dtype=torch.int8), torch.ones(4, 5))
+    with pytest.raises(ValueError, match=r"codes \[4, 512\] with scales \[4, 32\].*uint8"):
+        Int8BlockLinear(torch.zeros(4, 512, dtype=torch.int8), torch.zeros(4, 32, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"codes \[4, 288\].*two levels"):
+        Int8BlockLinear(torch.zeros(4, 288, dtype=torch.int8), torch.zeros(4, 20, dtype=torch.uint8))
 
 
 def test_embedding_dequantizes_only_the_rows_asked_for():
@@ -249,14 +306,19 @@ for block, scale_dtype in ((16, torch.float32), (32, torch.float32), (32, torch.
     w = expand_reference(linear.codes, linear.scales, torch.float64)
     exact = (q * d).reshape(5, -1) @ w.T
     worst = max(worst, float(((got - exact).abs() / (x.double().abs() @ w.abs().T)).max()))
-print(json.dumps([torch.ops.pagedkv_cpu.int8_block_isa(), worst]))
+from tests.model.test_quant_int8_blocks import two_level_pair
+two, wide = two_level_pair(40, 768, seed=2)
+x = torch.randn(5, 768, generator=torch.Generator().manual_seed(2))
+same = torch.equal(two(x), wide(x))
+print(json.dumps([torch.ops.pagedkv_cpu.int8_block_isa(), worst, same]))
 """
 
 
 def test_the_avx2_build_computes_the_same_product():
-    isa, worst = run_with_isa(_AVX2_CHECK)
+    isa, worst, two_levels_same = run_with_isa(_AVX2_CHECK)
     assert isa == "avx2"
     assert worst <= 2.0 ** -20  # float32 summation of exact integer dots
+    assert two_levels_same  # Q6_K's two levels: the float32 table's products
 
 
 PROMPT = [5, 17, 99, 230, 41, 8, 77, 300, 12, 64, 3, 150, 9, 250, 33, 71, 200, 18, 44, 6]

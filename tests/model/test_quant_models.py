@@ -119,6 +119,16 @@ def test_unknown_quantization_is_named(tiny_llama):
         runner(tiny_llama, "int3", "float32")
 
 
+def _rebuild_decode_stacks(runner: ModelRunner) -> None:
+    """Drops the model's C++ decode stacks (built with the tensors its linears had; the next
+    decode step builds them anew from the modules): the decode steps then read the swapped
+    weights, not the stacks' references to the old ones."""
+    from pagedkv.model.decode_stack import DecodeStack
+
+    assert runner.model.decode_stack is not None  # the decode steps ran the stack
+    runner.model.decode_stack = DecodeStack()
+
+
 def test_q4_k_model_keeps_the_files_two_level_scales(tmp_path):
     """A Q4_K file (rows of 256: every linear Q4_K; a tiny model's 64-wide rows cannot be)
     packs its linears with the scales as the file has them (uint8 tables: 2.5 bytes per 32
@@ -147,10 +157,61 @@ def test_q4_k_model_keeps_the_files_two_level_scales(tmp_path):
         for m in linears:  # the same weights on the float32 table
             m.scales = torch.nn.Parameter(scales_table(*two_level_scales(m.scales.numpy())),
                                           requires_grad=False)
+        _rebuild_decode_stacks(packed)
         wide = {name: forward(packed) for name, forward in forwards.items()}
     for name in forwards:
         for a, b in zip(got[name], wide[name], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         kl = kl_divergence([want[name]], [got[name]])
         print(f"Q4_K {name}: mean KL {kl.mean_kl:.2e} nats, top-1 {kl.top1_agreement:.3f}")
+        assert kl.mean_kl < 5e-3, (name, kl)
+
+
+def test_q6_k_model_keeps_the_files_two_level_scales(tmp_path):
+    """A Q6_K file (rows of 256) packs every linear, the embedding table and the head as int8
+    codes with the scales as the file has them (uint8 tables: int8 sub-scales per 16 and an fp16
+    d per 256, 1.07 bytes a weight with the codes where float32 scales took 1.25): the logits
+    equal those of the same codes on float32 scales exactly, the engine counts the tables'
+    bytes, and the logits stay within the activation quantization's reach of the file
+    dequantized."""
+    from gguf import GGMLQuantizationType
+
+    from pagedkv.model.quant.int8_block_linear import Int8BlockEmbedding, Int8BlockLinear
+    from pagedkv.model.quant.int8_blocks import two_level_block_scales
+    from tests.tiny_models import build_hf_model
+
+    model_dir = build_hf_model(tmp_path / "hf", "llama", hidden_size=256, intermediate_size=512,
+                               num_heads=4, num_kv_heads=2, head_dim=64)
+    path = write_gguf(model_dir, tmp_path / "q6k.gguf", quant=GGMLQuantizationType.Q6_K)
+    packed, dense = runner(path, "auto", "bfloat16"), runner(path, "none", "bfloat16")
+    modules = [m for m in packed.model.modules()
+               if isinstance(m, (Int8BlockLinear, Int8BlockEmbedding))]
+    assert isinstance(packed.model.embed_tokens, Int8BlockEmbedding)
+    assert isinstance(packed.model.lm_head, Int8BlockLinear)
+    assert len(modules) == 10  # 2 layers x 4 linears, the head, the table
+    assert all(m.scales.dtype == torch.uint8 for m in modules)
+    table_bytes = {id(m.codes): m.codes.numel() * 17 // 16 + m.codes.numel() // 128
+                   for m in modules}
+    assert all(m.scales.numel() == m.codes.numel() // 16 + m.codes.numel() // 128
+               for m in modules)
+    norms = sum(p.numel() * p.element_size() for name, p in packed.model.named_parameters()
+                if "norm" in name)
+    assert packed.weights_bytes == norms + sum(table_bytes.values())
+    forwards = {"decode": lambda r: teacher_forced_logits(r, PROMPT, CONTINUATION),
+                "prefill": lambda r: prompt_logits(r, PROMPT + CONTINUATION)}
+    with torch.inference_mode():
+        got = {name: forward(packed) for name, forward in forwards.items()}
+        want = {name: forward(dense) for name, forward in forwards.items()}
+        for m in modules:  # the same codes on float32 scales
+            m.scales = torch.nn.Parameter(
+                torch.from_numpy(two_level_block_scales(m.scales.numpy())), requires_grad=False)
+        if packed.model.lm_head.codes is packed.model.embed_tokens.codes:
+            packed.model.lm_head.scales = packed.model.embed_tokens.scales
+        _rebuild_decode_stacks(packed)
+        wide = {name: forward(packed) for name, forward in forwards.items()}
+    for name in forwards:
+        for a, b in zip(got[name], wide[name], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        kl = kl_divergence([want[name]], [got[name]])
+        print(f"Q6_K {name}: mean KL {kl.mean_kl:.2e} nats, top-1 {kl.top1_agreement:.3f}")
         assert kl.mean_kl < 5e-3, (name, kl)

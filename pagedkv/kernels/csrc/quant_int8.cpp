@@ -54,6 +54,51 @@ struct QuantizedRows {
 inline float scale_value(const float* p) { return *p; }
 inline float scale_value(const c10::Half* p) { return static_cast<float>(*p); }
 
+// Where a weight's block scales come from, a tile of weight rows at a time (`rows(r0, nr)`:
+// rows r0 .. r0 + nr - 1's scales, K / B of them a row, as `type`):
+// - TableScales: a float32 or float16 table [N, K / B], read in place;
+// - TwoLevelScales: Q6_K's two levels as the file has them (int8_blocks.q6_k_two_level), a
+//   uint8 row of K / 16 int8 sub-scales then K / 256 float16 d's; scale = d * sub-scale,
+//   exact in float32 (the float32 table's very values), materialized a tile's rows at a time
+//   into this thread's scratch (valid until its next `rows`). 1.07 bytes a weight with the
+//   codes where the float32 table takes 1.25 (the file: 0.82).
+template <typename S>
+struct TableScales {
+  using type = S;
+  const S* ws;
+  int64_t kb;  // scales a row
+  const S* rows(int64_t r0, int64_t) const { return ws + r0 * kb; }
+};
+
+struct TwoLevelScales {
+  using type = float;
+  const uint8_t* table;
+  int64_t kb;  // blocks of 16 a row (a multiple of 16)
+  int64_t row_bytes() const { return kb + kb / 8; }
+  const float* rows(int64_t r0, int64_t nr) const {
+    float* out = quant_rows::scratch<float, 16>(nr * kb);
+    for (int64_t r = 0; r < nr; ++r) {
+      const uint8_t* t = table + (r0 + r) * row_bytes();
+      const uint8_t* d = t + kb;
+      for (int64_t s = 0; s < kb / 16; ++s) {
+        uint16_t bits;
+        std::memcpy(&bits, d + 2 * s, sizeof(bits));
+        const float dv = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+        const int8_t* sub = reinterpret_cast<const int8_t*>(t + 16 * s);
+        float* o = out + r * kb + 16 * s;
+#if defined(__AVX512F__)
+        _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub)))),
+                                          _mm512_set1_ps(dv)));
+#else
+        for (int i = 0; i < 16; ++i) o[i] = dv * static_cast<float>(sub[i]);
+#endif
+      }
+    }
+    return out;
+  }
+};
+
 // One block of x (values from v) into out: returns the step (max |x| / 127).
 template <typename T, int64_t block>
 inline float quantize_block(const T* v, int8_t* out) {
@@ -405,8 +450,8 @@ inline void panel_tile(const __m256i* pw, const float* ps, const QuantizedRows& 
 // (panels over threads, on the calling thread below quant_rows::kInlineBytes of weights), each
 // kPanelChunk codes along K laid out and met by all the rows before the next (the layout stays
 // in L1 at any K).
-template <int64_t B, typename T, typename S>
-void panel_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const S* ws, int64_t n,
+template <int64_t B, typename T, typename Src>
+void panel_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const Src& src, int64_t n,
                    int64_t k, T* out) {
   const int64_t kb = k / B;
   int32_t* offset = quant_rows::scratch<int32_t, 1>(m * kb);
@@ -430,15 +475,16 @@ void panel_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const S* 
       const int64_t col = p * kPanelCols;
       const int64_t nc = std::min<int64_t>(kPanelCols, n - col);
       const int64_t next_col = col + ahead * kPanelCols;
+      const auto* tile_scales = src.rows(col, nc);
       for (int64_t c0 = 0; c0 < k; c0 += chunk) {
         const int64_t len = std::min(chunk, k - c0);
         const int8_t* next = next_col < n ? w + next_col * k : nullptr;
         const int64_t next_rows = std::min<int64_t>(kPanelCols, n - next_col);
         if (nc == kPanelCols) {
-          lay_out_panel<B, true>(w + col * k, ws + col * kb, nc, k, c0, len, pw, ps, next,
+          lay_out_panel<B, true>(w + col * k, tile_scales, nc, k, c0, len, pw, ps, next,
                                  next_rows);
         } else {
-          lay_out_panel<B, false>(w + col * k, ws + col * kb, nc, k, c0, len, pw, ps, next,
+          lay_out_panel<B, false>(w + col * k, tile_scales, nc, k, c0, len, pw, ps, next,
                                   next_rows);
         }
         quant_rows::for_row_tiles(m, [&](int64_t r, auto tile) {
@@ -463,11 +509,18 @@ void check_weight(const at::Tensor& codes, const at::Tensor& scales, int64_t blo
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(), op,
               ": codes must be a contiguous int8 [N, K]");
   TORCH_CHECK(codes.size(1) % 32 == 0, op, ": K must be a multiple of 32, got ", codes.size(1));
+  TORCH_CHECK(scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == codes.size(0), op,
+              ": scales must be contiguous [N, ...]");
+  if (scales.scalar_type() == at::kByte) {  // Q6_K's two levels (TwoLevelScales)
+    TORCH_CHECK(block == 16 && codes.size(1) % 256 == 0 &&
+                    scales.size(1) == codes.size(1) / 16 + codes.size(1) / 128,
+                op, ": two-level scales (uint8) need blocks of 16, K a multiple of 256 and ",
+                "K / 16 + K / 128 bytes a row");
+    return;
+  }
   TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) &&
-                  scales.is_contiguous() &&
-                  scales.dim() == 2 && scales.size(0) == codes.size(0) &&
                   scales.size(1) == codes.size(1) / block,
-              op, ": scales must be a contiguous float32 or float16 [N, K / block]");
+              op, ": scales must be float32 or float16 [N, K / block] or uint8 two levels");
 }
 
 // A tile's products y [r, j] (stride NC) into out [M, N] of T.
@@ -478,20 +531,24 @@ inline void store_tile(const float* y, int rows, int nc, T* out, int64_t n, int6
     for (int j = 0; j < nc; ++j) out[(row0 + r) * n + col + j] = static_cast<T>(y[r * nc + j]);
 }
 
-// out [M, N] (T) = x's quantized rows `q` times the weight, columns over threads (on the calling
-// thread below quant_rows::kInlineBytes of weights).
-template <int64_t B, bool Far, typename T, typename S>
-void dot_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const S* ws, int64_t n,
+// out [M, N] (T) = x's quantized rows `q` times the weight (block scales from `src`, 16 weight
+// rows at a time), columns over threads (on the calling thread below quant_rows::kInlineBytes
+// of weights).
+template <int64_t B, bool Far, typename T, typename Src>
+void dot_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const Src& src, int64_t n,
                  int64_t k, T* out) {
+  using S = typename Src::type;
   const int64_t passes = (m + kRowTile - 1) / kRowTile;
   const int64_t tasks = (n + 15) / 16;
   const int8_t* w_end = w + n * k;
   quant_rows::run_blocks(tasks, n * k * passes, [&](int64_t t_begin, int64_t t_end) {
     const int64_t end = std::min(n, t_end * 16);
     float y[kRowTile * kColTile];
+    const S* tile_scales = nullptr;  // weight rows col & ~15 .. + 15's
     for (int64_t col = t_begin * 16; col < end;) {
+      if (col % 16 == 0) tile_scales = src.rows(col, std::min<int64_t>(16, end - col));
       const int8_t* wrow = w + col * k;
-      const S* srow = ws + col * (k / B);
+      const S* srow = tile_scales + (col % 16) * (k / B);
       if (col + kColTile <= end) {
         if constexpr (!Far)
           for (int j = 0; j < kColTile; ++j)
@@ -569,9 +626,10 @@ inline void int8_amx_scale(const int32_t* sums, const S* ws, int64_t stride, con
                              _mm512_mul_ps(dv, _mm512_set1_ps(scale_value(ws + i * stride))), acc[i]);
 }
 
-// out [m, n] (T) = the activations times the weight (codes w, block scales ws); n % 16 == 0.
-template <int64_t B, typename T, typename S>
-void int8_amx_product(const Int8AmxAct& act, int64_t m, const int8_t* w, const S* ws,
+// out [m, n] (T) = the activations times the weight (codes w, block scales from src);
+// n % 16 == 0.
+template <int64_t B, typename T, typename Src>
+void int8_amx_product(const Int8AmxAct& act, int64_t m, const int8_t* w, const Src& src,
                       int64_t n, int64_t k, T* out) {
   const int64_t blocks = k / B;
   quant_rows::run_blocks(n / 16, n * k * act.tiles, [&](int64_t b0, int64_t b1) {
@@ -582,7 +640,7 @@ void int8_amx_product(const Int8AmxAct& act, int64_t m, const int8_t* w, const S
     for (int64_t nb = b0; nb < b1; ++nb) {
       const int64_t n0 = nb * 16;
       const int8_t* wb = w + n0 * k;
-      const S* sb = ws + n0 * blocks;
+      const auto* sb = src.rows(n0, 16);
       for (int64_t t = 0; t < act.tiles; ++t) {
         __m512 acc[16];
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
@@ -636,8 +694,8 @@ int64_t int8_block_tile_rows() {
 
 // out [m, n] (T) = x's rows, quantized per block of B, times the weight: on AMX tiles where
 // they run (rows from kInt8AmxMinRows, n a multiple of 16), else the vector product.
-template <int64_t B, typename T, typename S>
-void block_product(const T* x, int64_t m, int64_t k, const int8_t* w, const S* ws, int64_t n,
+template <int64_t B, typename T, typename Src>
+void block_product(const T* x, int64_t m, int64_t k, const int8_t* w, const Src& ws, int64_t n,
                    T* out) {
   const QuantizedRows q = quantize_rows<T, B>(x, m, k);
 #if defined(PAGEDKV_INT8_AMX)
@@ -663,13 +721,16 @@ void block_product(const T* x, int64_t m, int64_t k, const int8_t* w, const S* w
   }
 }
 
-// fn(scales' data) as float32 or float16 (check_weight allows only these).
+// fn(the scales' source): a float16 or float32 table, or Q6_K's two levels (uint8; check_weight
+// allows only these) of a weight with K columns.
 template <typename Fn>
-inline void with_scales(const at::Tensor& scales, const Fn& fn) {
-  if (scales.scalar_type() == at::kHalf) {
-    fn(scales.data_ptr<c10::Half>());
+inline void with_scales(const at::Tensor& scales, int64_t k, const Fn& fn) {
+  if (scales.scalar_type() == at::kByte) {
+    fn(TwoLevelScales{scales.data_ptr<uint8_t>(), k / 16});
+  } else if (scales.scalar_type() == at::kHalf) {
+    fn(TableScales<c10::Half>{scales.data_ptr<c10::Half>(), scales.size(1)});
   } else {
-    fn(scales.data_ptr<float>());
+    fn(TableScales<float>{scales.data_ptr<float>(), scales.size(1)});
   }
 }
 
@@ -689,7 +750,7 @@ at::Tensor int8_block_linear(const at::Tensor& x, const at::Tensor& codes,
     using T = typename decltype(tag)::type;
     const T* xp = xc.data_ptr<T>();
     T* o = out.data_ptr<T>();
-    with_scales(scales, [&](const auto* ws) {
+    with_scales(scales, k, [&](const auto& ws) {
       if (block == 32) {
         block_product<32>(xp, m, k, w, ws, n, o);
       } else {
@@ -737,11 +798,12 @@ void expand_as(const at::Tensor& codes, const at::Tensor& scales, at::Tensor& ou
   const int64_t n = codes.size(0), k = codes.size(1);
   const int8_t* w = codes.data_ptr<int8_t>();
   T* dst = out.data_ptr<T>();
-  with_scales(scales, [&](const auto* ws) {
+  with_scales(scales, k, [&](const auto& src) {
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
+        const auto* ws = src.rows(r, 1);
         for (int64_t b = 0; b < k / block; ++b) {
-          const float s = scale_value(ws + r * (k / block) + b);
+          const float s = scale_value(ws + b);
           expand_block<T, block>(w + r * k + b * block, s, dst + r * k + b * block);
         }
       }

@@ -1,6 +1,7 @@
-"""A linear layer and an embedding on int8 codes with a float32 scale per block of 16 or 32
-along each row (GGUF Q8_0, Q6_K and the other symmetric formats kept packed: int8_blocks.py),
-W = code * scale exactly.
+"""A linear layer and an embedding on int8 codes with a scale per block of 16 or 32 along each
+row (GGUF Q8_0, Q6_K and the other symmetric formats kept packed: int8_blocks.py), W = code *
+scale exactly. The scales: float16 where that holds them exactly (Q8_0's own), Q6_K's two
+levels (a uint8 table: int8_blocks.q6_k_two_level), else float32.
 
 The linear's calls up to `product_rows` rows (`INT8_BLOCK_ROWS` with AVX2, 64 where AMX-INT8
 tiles run, every call with AVX-512 VNNI's panel product) run `int8_block_linear`
@@ -25,6 +26,7 @@ from torch.nn import functional as F
 
 from pagedkv.kernels.cpu import cpu_kernels_loaded
 from pagedkv.model.decode_stack import LinearCall
+from pagedkv.model.quant.int8_blocks import two_level_block_scales
 
 _EXPAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows up to which the integer kernel runs where neither AVX-512 VNNI's panel product nor AMX
@@ -52,9 +54,22 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 
 
 def _scales(scales: torch.Tensor) -> torch.Tensor:
-    """Block scales as the kernels take them: float16 kept, anything else as float32."""
-    kept = scales if scales.dtype == torch.float16 else scales.float()
+    """Block scales as the kernels take them: float16 and a uint8 two-level table kept,
+    anything else as float32."""
+    kept = scales if scales.dtype in (torch.float16, torch.uint8) else scales.float()
     return kept.contiguous()
+
+
+def block_of(k: int, scales: torch.Tensor) -> int:
+    """The block size of scales [N, ...] for K columns (16 for a two-level table)."""
+    return 16 if scales.dtype == torch.uint8 else k // max(1, scales.shape[1])
+
+
+def float_scales(scales: torch.Tensor) -> torch.Tensor:
+    """The block scales as float32 [N, K / block] (a two-level table's products)."""
+    if scales.dtype == torch.uint8:
+        return torch.from_numpy(two_level_block_scales(scales.numpy()))
+    return scales.float()
 
 
 def expand_reference(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
@@ -62,8 +77,7 @@ def expand_reference(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
     """W [N, K] = codes times their block's scale in float32, rounded once to `dtype` (torch
     ops: the reference the kernel is tested against, and the path without the kernels)."""
     n, k = codes.shape
-    block = k // scales.shape[1]
-    w = codes.view(n, -1, block).float() * scales.float()[..., None]
+    w = codes.view(n, -1, block_of(k, scales)).float() * float_scales(scales)[..., None]
     return w.reshape(n, k).to(dtype)
 
 
@@ -74,16 +88,21 @@ class Int8BlockLinear(nn.Module):
                  bias: torch.Tensor | None = None) -> None:
         """`codes` int8 [N, K], `scales` [N, K / block] (float16 kept as such: half the bytes
         of float32, for scales it holds exactly, as Q8_0's own; any other dtype as float32),
-        block 16 or 32; parameters given are kept as they are (shared with a tied embedding).
-        ValueError for a K that is not a multiple of 32 or a block other than 16 or 32."""
+        block 16 or 32, or Q6_K's two levels (uint8 [N, K/16 + K/128], K a multiple of 256:
+        int8_blocks.q6_k_two_level); parameters given are kept as they are (shared with a tied
+        embedding). ValueError for a K that is not a multiple of 32 or a block other than 16
+        or 32."""
         super().__init__()
         self.out_features, self.in_features = codes.shape
-        self.block = self.in_features // max(1, scales.shape[1])
-        if self.in_features % 32 or self.block not in (16, 32) \
-                or self.block * scales.shape[1] != self.in_features:
+        self.block = block_of(self.in_features, scales)
+        k = self.in_features
+        width = k // 16 + k // 128 if scales.dtype == torch.uint8 else k // max(1, self.block)
+        if k % 32 or self.block not in (16, 32) or scales.shape[1] != width \
+                or (scales.dtype == torch.uint8 and k % 256):
             raise ValueError(f"Int8BlockLinear: codes [{self.out_features}, "
-                             f"{self.in_features}] with scales {list(scales.shape)} need K a "
-                             f"multiple of 32 and blocks of 16 or 32")
+                             f"{self.in_features}] with scales {list(scales.shape)} "
+                             f"({scales.dtype}) need K a multiple of 32 and blocks of 16 or "
+                             f"32 (two levels: K a multiple of 256, K/16 + K/128 bytes)")
         self.codes = codes if isinstance(codes, nn.Parameter) else _param(codes.contiguous())
         self.scales = scales if isinstance(scales, nn.Parameter) else _param(_scales(scales))
         self.bias = None if bias is None else _param(bias.detach().clone())

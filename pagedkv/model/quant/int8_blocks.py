@@ -5,7 +5,8 @@ llama.cpp's ggml-common.h block layouts:
 - Q8_0: blocks of 32 = fp16 d, 32 int8 codes; w = d * q (block 32, scale d);
 - Q6_K: super-blocks of 256 = 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8
   sub-scales, fp16 d; w = d * sc[i // 16] * (q - 32) with q 6 bits (block 16, scale d * sc:
-  an fp16 times an int8 is exact in float32, and q - 32 is within [-32, 31]);
+  an fp16 times an int8 is exact in float32, and q - 32 is within [-32, 31]; or the two
+  levels as the file has them: `q6_k_two_level`);
 - Q5_0: blocks of 32 = fp16 d, 32 high bits, 16 bytes of low nibbles; w = d * (q - 16) with q
   5 bits (block 32, codes -16..15; llama.cpp falls back to Q5_0 in Q4_K mixes for rows that
   are not a multiple of 256, as SmolLM2's 576);
@@ -69,6 +70,27 @@ def _unit_scaled(raw: np.ndarray, ggml_type: GGMLQuantizationType
     safe = np.where(scale == 0, 1, scale)[..., None]
     codes = np.where(scale[..., None] == 0, 0, np.rint(w / safe)).astype(np.int8)
     return codes.reshape(n, -1), scale.astype(np.float32)
+
+
+def q6_k_two_level(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(codes int8 [N, K], table uint8 [N, K/16 + K/128]) of Q6_K rows `raw`: per row the
+    blocks' int8 sub-scales, then per super-block of 256 its float16 d (their bytes), the
+    layout kernels/csrc/quant_int8.cpp's TwoLevelScales reads: scale = d * sub-scale
+    (`two_level_block_scales`), the float32 scales' very values in 1.07 bytes a weight with
+    the codes, where they take 1.25."""
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, GGML_QUANT_SIZES[_T.Q6_K][1])
+    table = np.concatenate((blocks[..., 192:208].reshape(n, -1), blocks[..., 208:210]
+                            .reshape(n, -1)), axis=1)
+    return _unit_scaled(raw, _T.Q6_K)[0], np.ascontiguousarray(table)
+
+
+def two_level_block_scales(table: np.ndarray) -> np.ndarray:
+    """The float32 scales [N, K/16] of a `q6_k_two_level` table [N, K/16 + K/128]."""
+    blocks = table.shape[1] * 8 // 9
+    sub = np.ascontiguousarray(table[:, :blocks]).view(np.int8).astype(np.float32)
+    d = np.ascontiguousarray(table[:, blocks:]).view(np.float16).astype(np.float32)
+    return np.repeat(d, 16, axis=1) * sub
 
 
 def int8_codes_and_scales(raw: np.ndarray, ggml_type: GGMLQuantizationType

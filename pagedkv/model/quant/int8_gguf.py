@@ -2,8 +2,9 @@
 before the weights are read: linears (q/k/v and gate/up concatenated, as the model fuses them),
 an untied LM head, and the token embedding table (whose tied head then shares its codes).
 
-A fused linear whose parts mix Q6_K with Q8_0 or Q5_0 takes blocks of 16 (each 32-block scale
-twice: exact); one with any other type among its parts stays dequantized.
+Where every part is Q6_K, the scales stay in the file's two levels (int8_blocks.q6_k_two_level);
+a fused linear whose parts mix Q6_K with Q8_0 or Q5_0 takes float32 scales in blocks of 16
+(each 32-block scale twice: exact); one with any other type among its parts stays dequantized.
 """
 
 from __future__ import annotations
@@ -12,12 +13,17 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from pagedkv.model.layers import Linear
 from pagedkv.model.quant.gguf_parts import gguf_parts, narrowest_scales
 from pagedkv.model.quant.int8_block_linear import Int8BlockEmbedding, Int8BlockLinear
-from pagedkv.model.quant.int8_blocks import INT8_BLOCK_TYPES, int8_codes_and_scales
+from pagedkv.model.quant.int8_blocks import (
+    INT8_BLOCK_TYPES,
+    int8_codes_and_scales,
+    q6_k_two_level,
+)
 
 
 def _codes_and_scales(checkpoint: Any, sources: list[str]
@@ -25,7 +31,13 @@ def _codes_and_scales(checkpoint: Any, sources: list[str]
     """(codes int8 [N, K], scales [N, K / block]) of the rows of `sources` concatenated, or
     None where one is not an int8-block type. The scales are float16 where every one is
     exactly a float16 (Q8_0's own values: half the bytes a decode step reads for them), else
-    float32 (Q6_K's products of two scales)."""
+    float32 (a mix of Q6_K's products of two scales and others), or where every part is Q6_K
+    the file's two levels (uint8)."""
+    two_level = gguf_parts(checkpoint, sources, (GGMLQuantizationType.Q6_K,),
+                           lambda rows, _: q6_k_two_level(rows))
+    if two_level is not None:
+        codes, table = (np.concatenate(arrays) for arrays in zip(*two_level, strict=True))
+        return torch.from_numpy(codes), torch.from_numpy(table)
     parts = gguf_parts(checkpoint, sources, INT8_BLOCK_TYPES, int8_codes_and_scales)
     if parts is None:
         return None
