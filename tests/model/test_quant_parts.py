@@ -116,6 +116,24 @@ def test_parts_with_a_bias_load_it(qwen2_three_runs, caplog):
     _assert_close_to_dequantized(packed, qwen2_three_runs)
 
 
+def test_a_part_without_a_packed_kernel_leaves_the_linear_dequantized(tmp_path, caplog):
+    """A part of neither family (Q5_1) keeps the whole fused linear dense, and the load
+    names the mix; the other linears stay packed."""
+    from pagedkv.model.layers import Linear
+
+    model_dir = build_hf_model(tmp_path / "hf", "llama", **SHAPE)
+    path = write_gguf(model_dir, tmp_path / "m.gguf", quant=Q4_K,
+                      types={"attn_v": GGMLQuantizationType.Q5_1})
+    with caplog.at_level(logging.WARNING, logger="pagedkv.model.loader"):
+        packed = runner(path, "auto", "bfloat16")
+    lines = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
+    assert len(lines) == 1 and "2 of the GGUF file's quantized linears" in lines[0] \
+        and "Q4_K+Q5_1" in lines[0], lines
+    for layer in packed.model.layers:
+        assert type(layer.self_attn.qkv_proj) is Linear
+        assert type(layer.self_attn.o_proj) is Int4Linear
+
+
 @pytest.mark.parametrize("fixture", ["llama_q4_k_m", "qwen2_three_runs"])
 def test_decode_stack_runs_the_parts(fixture, request, monkeypatch):
     """The stack is taken at every decode step (assert_same counts them) and gives the Python
