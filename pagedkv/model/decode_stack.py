@@ -6,11 +6,13 @@ as much as the kernels: on SmolLM2-135M at one row, about 3 ms of a 7 ms step. `
 hands the whole stack to `torch.classes.pagedkv_cpu.DecodeStack`, which runs the same kernels
 in the same order from C++, so the results are the Python forward's own.
 
-Each linear module says which single op its forward runs for a row count (`decode_call(rows)`
+Each linear module says which op its forward runs for a row count (`decode_call(rows)`
 returning a `LinearCall`: the op's name and its arguments after x), so a new weight format
-plugs in by giving that method; a module without it, or that runs more than one op at those
-rows, keeps the model on the Python forward. The C++ stacks are built per row count on first
-use and dropped when the weights are packed again.
+plugs in by giving that method; a fused linear whose parts are packed in different formats
+(quant/parts_linear.py) gives `LinearParts`, one call per part, their outputs concatenated
+along the last dim and its bias added once. A module without the method, or returning None,
+keeps the model on the Python forward. The C++ stacks are built per row count on first use and
+dropped when the weights are packed again.
 
 Taken only where the Python forward would run exactly these kernels: the fused CPU kernels in
 use, a Llama-family model (Llama, Mistral, Qwen2) whole on one process (no tensor parallelism),
@@ -45,6 +47,32 @@ class LinearCall(NamedTuple):
     x_index: int = 0
 
 
+class LinearParts(NamedTuple):
+    """A linear as several ops on the same x: y = the concatenation of `calls`' outputs along
+    the last dim, plus `bias` [N] (if any) added once after, in place."""
+
+    calls: tuple[LinearCall, ...]
+    bias: torch.Tensor | None = None
+
+
+def _add_linear(stack: torch.ScriptObject, linear: nn.Module, rows: int) -> bool:
+    """`linear`'s ops for `rows` rows as the stack's next linear (mutates `stack`); False, having
+    added nothing, where the module gives none."""
+    call = getattr(linear, "decode_call", lambda rows: None)(rows)
+    if call is None:
+        return False
+    calls, bias = ((call,), None) if isinstance(call, LinearCall) else call
+    if not calls or any(c is None for c in calls):
+        return False
+    for i, c in enumerate(calls):
+        name, _, overload = c.op.partition(".")
+        add = stack.add_linear_part if i else stack.add_linear
+        add(name, overload, c.x_index, list(c.tensors), list(c.ints), list(c.strs))
+    if bias is not None:
+        stack.set_linear_bias(bias)
+    return True
+
+
 def _attention_layers(model: nn.Module) -> list:
     return [layer.self_attn for layer in model.layers]
 
@@ -61,7 +89,7 @@ class DecodeStack:
     @staticmethod
     def _build(model: nn.Module, rows: int) -> torch.ScriptObject | None:
         """The C++ stack of `model`'s layers for `rows` rows, or None where a linear gives no
-        single op."""
+        ops."""
         attn = model.layers[0].self_attn
         stack = torch.classes.pagedkv_cpu.DecodeStack(
             attn.num_heads, attn.num_kv_heads, attn.head_dim, model.norm.eps, attn.scale,
@@ -71,12 +99,8 @@ class DecodeStack:
                             layer.post_attention_layernorm.weight.detach())
             for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                            layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                call = getattr(linear, "decode_call", lambda rows: None)(rows)
-                if call is None:
+                if not _add_linear(stack, linear, rows):
                     return None
-                name, _, overload = call.op.partition(".")
-                stack.add_linear(name, overload, call.x_index, list(call.tensors),
-                                 list(call.ints), list(call.strs))
         return stack
 
     def stack_for(self, model: nn.Module, rows: int) -> torch.ScriptObject | None:

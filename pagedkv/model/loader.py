@@ -189,7 +189,7 @@ def _load_whole(module: torch.nn.Module, model_dir: str | Path, state: _LazyStat
                if name not in preloaded}
     packed_modules = {name.rpartition(".")[0] for name in preloaded}
     unmapped = sorted(p for p in set(params) - set(mapping)
-                      if p.rpartition(".")[0] not in packed_modules)
+                      if not _in_packed_module(p, packed_modules))
     if unmapped:  # a model definition bug, not a checkpoint problem
         raise RuntimeError(f"parameters with no checkpoint tensor: {unmapped}")
     for param_name, sources in mapping.items():
@@ -207,6 +207,17 @@ def _load_whole(module: torch.nn.Module, model_dir: str | Path, state: _LazyStat
             else state[sources[0]]
         with torch.no_grad():
             param.copy_(value.to(param.dtype))
+
+
+def _in_packed_module(param_name: str, packed_modules: set[str]) -> bool:
+    """Whether parameter `param_name` belongs to one of `packed_modules` or to a submodule of
+    one (a PartsLinear's parts)."""
+    module = param_name.rpartition(".")[0]
+    while module:
+        if module in packed_modules:
+            return True
+        module = module.rpartition(".")[0]
+    return False
 
 
 def _load_sharded(module: torch.nn.Module, model_dir: str | Path, shards_of: Any) -> None:

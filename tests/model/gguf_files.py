@@ -41,9 +41,12 @@ def gguf_name(hf: str, gemma: bool) -> str | None:
 
 
 def write_gguf(model_dir: Path, out: Path, *, quant: GGMLQuantizationType | None = None,
-               arch: str | None = None, rope_freqs: np.ndarray | None = None) -> Path:
+               arch: str | None = None, rope_freqs: np.ndarray | None = None,
+               types: dict[str, GGMLQuantizationType] | None = None) -> Path:
     """`model_dir` (a tiny float32 model) as GGUF file `out`; 2-D weights in `quant` when given
-    (F32 otherwise); `arch` overrides the architecture name (to test refusals)."""
+    (F32 otherwise), those of a kind in `types` (GGUF's name: "attn_v") in its type there, as a
+    llama.cpp mix (Q4_K_M: attn_v in Q6_K); `arch` overrides the architecture name (to test
+    refusals)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     gguf_arch = arch or GGUF_ARCH[cfg["model_type"]]
     gemma = gguf_arch in ("gemma2", "gemma3")
@@ -76,15 +79,16 @@ def write_gguf(model_dir: Path, out: Path, *, quant: GGMLQuantizationType | None
             w = _permute(w, kv_heads)
         elif gemma and name.endswith("norm.weight"):
             w = w + 1.0
+        kind = (types or {}).get(name.split(".")[-2], quant)
         k_quant = {GGMLQuantizationType.Q4_K: quantize_q4_k, GGMLQuantizationType.Q6_K:
-                   quantize_q6_k}.get(quant)
+                   quantize_q6_k}.get(kind)
         if k_quant is not None and w.ndim == 2 and w.shape[1] % 256 == 0:
-            writer.add_tensor(name, k_quant(w), raw_dtype=quant)
+            writer.add_tensor(name, k_quant(w), raw_dtype=kind)
         elif k_quant is not None and w.ndim == 2:  # rows off 256: as llama.cpp
             writer.add_tensor(name, quants.quantize(w, GGMLQuantizationType.Q8_0),
                               raw_dtype=GGMLQuantizationType.Q8_0)
-        elif quant is not None and w.ndim == 2:
-            writer.add_tensor(name, quants.quantize(w, quant), raw_dtype=quant)
+        elif kind is not None and w.ndim == 2:
+            writer.add_tensor(name, quants.quantize(w, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
     if rope_freqs is not None:

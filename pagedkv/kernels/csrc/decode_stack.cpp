@@ -6,8 +6,11 @@
 // called from C++: the elementwise ops and the attention directly (ops.h), each linear through
 // the dispatcher with the arguments its module gave at build (`add_linear`: whatever op the
 // module's own forward would run for the stack's row count, so any packed or dense format
-// plugs in without a line here). Same ops, same order, same results as the Python forward.
+// plugs in without a line here; a linear whose parts are packed in different formats gives one
+// op per part, `add_linear_part`, their outputs concatenated). Same ops, same order, same
+// results as the Python forward.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/record_function.h>
 #include <torch/custom_class.h>
@@ -22,9 +25,9 @@
 namespace pagedkv_cpu {
 namespace {
 
-// One linear: y = op(..., x, ...), x its argument `x_index`, the op's other arguments filled
-// at build from the pools the module gave, in its schema's order.
-struct StackLinear {
+// One op of a linear: y = op(..., x, ...), x its argument `x_index`, the op's other arguments
+// filled at build from the pools the module gave, in its schema's order.
+struct StackOp {
   c10::OperatorHandle op;
   std::vector<c10::IValue> args;
   size_t x_index = 0;
@@ -37,6 +40,24 @@ struct StackLinear {
     stack.insert(stack.end(), args.begin() + x_index, args.end());
     op.callBoxed(stack);
     return stack[0].toTensor();
+  }
+};
+
+// One linear: one op (the common case, its output returned as it is), or several on the same x
+// (a fused projection whose parts are packed in different formats) whose outputs are
+// concatenated along the last dim, then `bias` (if any) added once, as the module's forward.
+struct StackLinear {
+  std::vector<StackOp> ops;
+  c10::optional<at::Tensor> bias;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    if (ops.size() == 1 && !bias.has_value()) return ops[0](x);
+    std::vector<at::Tensor> outs;
+    outs.reserve(ops.size());
+    for (const auto& op : ops) outs.push_back(op(x));
+    at::Tensor y = outs.size() == 1 ? outs[0] : at::cat(outs, -1);
+    if (bias.has_value()) y.add_(*bias);
+    return y;
   }
 };
 
@@ -106,19 +127,27 @@ class DecodeStack : public torch::CustomClassHolder {
                   std::vector<std::string> strs) {
     TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() < 4,
                 "DecodeStack.add_linear: add_layer first; a layer has 4 linears");
-    StackLinear linear{c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(),
-                                                                      overload.c_str()), {}};
-    const auto& arguments = linear.op.schema().arguments();
-    TORCH_CHECK(x_index >= 0 && x_index < static_cast<int64_t>(arguments.size()),
-                "DecodeStack.add_linear: ", name, " has no argument ", x_index);
-    linear.x_index = static_cast<size_t>(x_index);
-    size_t ti = 0, ii = 0, si = 0;
-    for (size_t a = 0; a < arguments.size(); ++a)
-      if (a != linear.x_index)
-        linear.args.push_back(schema_argument(arguments[a], name, tensors, ti, ints, ii, strs, si));
-    TORCH_CHECK(ti == tensors.size() && ii == ints.size() && si == strs.size(),
-                "DecodeStack.add_linear: ", name, " was given more arguments than it takes");
+    StackLinear linear;
+    linear.ops.push_back(make_op("add_linear", name, overload, x_index, tensors, ints, strs));
     layers_.back().linears.push_back(std::move(linear));
+  }
+
+  // Another op of the last linear, on the same x (arguments as add_linear's): its output
+  // follows the earlier ops' along the last dim.
+  void add_linear_part(const std::string& name, const std::string& overload, int64_t x_index,
+                       std::vector<c10::optional<at::Tensor>> tensors, std::vector<int64_t> ints,
+                       std::vector<std::string> strs) {
+    TORCH_CHECK(!layers_.empty() && !layers_.back().linears.empty(),
+                "DecodeStack.add_linear_part: add_linear first");
+    layers_.back().linears.back().ops.push_back(
+        make_op("add_linear_part", name, overload, x_index, tensors, ints, strs));
+  }
+
+  // The last linear's bias [N], added once to its ops' concatenated outputs.
+  void set_linear_bias(at::Tensor bias) {
+    TORCH_CHECK(!layers_.empty() && !layers_.back().linears.empty(),
+                "DecodeStack.set_linear_bias: add_linear first");
+    layers_.back().linears.back().bias = std::move(bias);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -176,6 +205,27 @@ class DecodeStack : public torch::CustomClassHolder {
   double eps_, scale_;
   at::Tensor final_norm_;
   std::vector<StackLayer> layers_;
+
+  // The op `name` with its arguments but x filled from the pools (`method`: the caller, for
+  // the errors).
+  static StackOp make_op(const char* method, const std::string& name,
+                         const std::string& overload, int64_t x_index,
+                         const std::vector<c10::optional<at::Tensor>>& tensors,
+                         const std::vector<int64_t>& ints, const std::vector<std::string>& strs) {
+    StackOp op{c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str()),
+               {}};
+    const auto& arguments = op.op.schema().arguments();
+    TORCH_CHECK(x_index >= 0 && x_index < static_cast<int64_t>(arguments.size()),
+                "DecodeStack.", method, ": ", name, " has no argument ", x_index);
+    op.x_index = static_cast<size_t>(x_index);
+    size_t ti = 0, ii = 0, si = 0;
+    for (size_t a = 0; a < arguments.size(); ++a)
+      if (a != op.x_index)
+        op.args.push_back(schema_argument(arguments[a], name, tensors, ti, ints, ii, strs, si));
+    TORCH_CHECK(ti == tensors.size() && ii == ints.size() && si == strs.size(),
+                "DecodeStack.", method, ": ", name, " was given more arguments than it takes");
+    return op;
+  }
 };
 
 }  // namespace pagedkv_cpu
@@ -186,6 +236,8 @@ TORCH_LIBRARY_FRAGMENT(pagedkv_cpu, m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("add_linear", &DecodeStack::add_linear)
+      .def("add_linear_part", &DecodeStack::add_linear_part)
+      .def("set_linear_bias", &DecodeStack::set_linear_bias)
       .def("num_layers", &DecodeStack::num_layers)
       .def("run", &DecodeStack::run);
 }

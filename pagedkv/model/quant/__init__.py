@@ -1,7 +1,9 @@
 """Weights kept quantized on the CPU, computed on packed (the `quantization` option).
 
 `apply.quantize_model` swaps a loaded model's linear layers for packed ones: GGUF 4-bit types
-(Q4_0, Q4_1, Q4_K) as `int4_linear.Int4Linear` (exact: the file's own codes and scales), and with
+(Q4_0, Q4_1, Q4_K) as `int4_linear.Int4Linear` (exact: the file's own codes and scales), the
+int8-block ones (Q8_0, Q6_K, ...) as `int8_block_linear.Int8BlockLinear`, a fused linear whose
+parts mix the two as `parts_linear.PartsLinear` (one of each per run of parts), and with
 `quantization="int8"` any checkpoint's linears as `int8_linear.Int8Linear` (per-channel int8);
 either way the LM head gains a per-row int8 copy for decode-sized calls
 (`packed_head.Int8PackedHead`).

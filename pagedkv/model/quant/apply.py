@@ -2,10 +2,11 @@
 
 - "auto": with a 16-bit model dtype (`PACKED_AUTO_DTYPES`), a GGUF checkpoint's linears stored
   in a 4-bit type (`int4_blocks.INT4_TYPES`) stay packed (`Int4Linear`, built from the file's
-  block bytes, exact); those in Q8_0 / Q6_K / Q5_0, and such a token
-  embedding table and LM head, stay packed as int8 codes with per-block scales (int8_gguf.py:
-  exact); other types (F16 ...) stay dequantized in the model dtype. Any other checkpoint:
-  unchanged.
+  block bytes, exact); those in Q8_0 / Q6_K / Q5_0 (int8_blocks.INT8_BLOCK_TYPES), and such a
+  token embedding table and LM head, stay packed as int8 codes with per-block scales
+  (int8_gguf.py: exact); a fused linear whose parts mix the two (Q4_K_M's Q4_K q/k and Q6_K v)
+  stays packed as one linear of each per run of parts (`PartsLinear`, parts_linear.py); other
+  types (F16 ...) stay dequantized in the model dtype. Any other checkpoint: unchanged.
 - "int8": every linear but the lm_head becomes `Int8Linear` (per-channel int8 of the loaded
   weight; for a GGUF checkpoint, its 4-bit linears stay `Int4Linear` as with "auto").
 - "none": unchanged (every weight in the model dtype).
@@ -20,22 +21,18 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
-from gguf import GGMLQuantizationType
 from torch import nn
 
 from pagedkv.model.gguf import gguf_file
 from pagedkv.model.gguf.config import FLOAT_DTYPES
 from pagedkv.model.layers import Linear
-from pagedkv.model.quant.gguf_parts import gguf_parts
-from pagedkv.model.quant.int4_blocks import GROUP, INT4_TYPES, codes_and_scales, q4_k_two_level
-from pagedkv.model.quant.int4_linear import Int4Linear
+from pagedkv.model.quant.int4_gguf import gguf_int4_linear
 from pagedkv.model.quant.int8_gguf import gguf_int8_block_linear, pack_gguf_vocab
 from pagedkv.model.quant.int8_linear import Int8Linear
 from pagedkv.model.quant.packed_head import pack_head
+from pagedkv.model.quant.parts_linear import gguf_parts_linear
 
 __all__ = ["pack_gguf_linears", "pack_head", "quantize_int8"]
 
@@ -44,6 +41,9 @@ logger = logging.getLogger("pagedkv.model.loader")
 # The model dtypes "auto" packs at (float32 stays exact: the int4 kernel rounds activations to
 # bfloat16, and its float32 path is 10-60x slower).
 PACKED_AUTO_DTYPES = (torch.bfloat16, torch.float16)
+# The packed builders tried in turn on a linear's GGUF tensors: all 4-bit, all int8 blocks, then
+# runs of each (a fused linear's parts: parts_linear.py).
+_GGUF_BUILDERS = (gguf_int4_linear, gguf_int8_block_linear, gguf_parts_linear)
 
 
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, str, Linear]]:
@@ -57,32 +57,14 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, str, Linear]]:
     return out
 
 
-def _gguf_int4(checkpoint: Any, sources: list[str], linear: Linear) -> Int4Linear | None:
-    """`linear` as an Int4Linear from the GGUF blocks of `sources` (concatenated rows), or None
-    where they are not all 4-bit or its shape does not fit the int4 kernel; where they are all
-    Q4_K, with the file's two levels of scales (`Int4Linear.from_two_level`). Its bias (if
-    any) is a parameter still to be loaded."""
-    if linear.out_features % 16 or linear.in_features % GROUP:
-        return None
-    bias = None if linear.bias is None else torch.zeros_like(linear.bias)
-    if linear.in_features % 256 == 0:  # every part Q4_K: its scales kept in two levels
-        two_level = gguf_parts(checkpoint, sources, (GGMLQuantizationType.Q4_K,),
-                               lambda rows, _: q4_k_two_level(rows))
-        if two_level is not None:
-            nibbles, table = (np.concatenate(arrays) for arrays in zip(*two_level, strict=True))
-            return Int4Linear.from_two_level(nibbles, table, bias)
-    parts = gguf_parts(checkpoint, sources, INT4_TYPES, codes_and_scales)
-    if parts is None:
-        return None
-    nibbles, scale, zero = (np.concatenate(arrays) for arrays in zip(*parts, strict=True))
-    return Int4Linear(nibbles, scale, zero, bias)
-
-
 def pack_gguf_linears(model: nn.Module, model_dir: str | Path) -> frozenset[str]:
     """Before the weights are loaded: replace each linear of `model` whose GGUF tensors are
-    4-bit by an Int4Linear built from the file's blocks (mutates `model`). Returns the
-    checkpoint-mapping names now built (`loader.load_weights(preloaded=...)`: neither read nor
-    dequantized); empty for a checkpoint that is not GGUF."""
+    packable by a packed module built from the file's blocks (`_GGUF_BUILDERS`: Int4Linear,
+    Int8BlockLinear, or a PartsLinear of both), and such a token embedding table and LM head
+    (int8_gguf.pack_gguf_vocab) (mutates `model`); logs a warning naming the quantized ones
+    left to be dequantized. Returns the checkpoint-mapping names now built
+    (`loader.load_weights(preloaded=...)`: neither read nor dequantized); empty for a
+    checkpoint that is not GGUF."""
     path = gguf_file(model_dir)
     if path is None:
         return frozenset()
@@ -94,8 +76,11 @@ def pack_gguf_linears(model: nn.Module, model_dir: str | Path) -> frozenset[str]
     built, unpacked = set(), {}
     for parent, attr, name, linear in _linears(model):
         sources = mapping.get(f"{name}.weight")
-        packed = (_gguf_int4(checkpoint, sources, linear)
-                  or gguf_int8_block_linear(checkpoint, sources, linear)) if sources else None
+        packed = None
+        for build in _GGUF_BUILDERS if sources else ():
+            packed = build(checkpoint, sources, linear.in_features, linear.bias)
+            if packed is not None:
+                break
         if packed is not None:
             setattr(parent, attr, packed)
             built.add(f"{name}.weight")
@@ -106,7 +91,8 @@ def pack_gguf_linears(model: nn.Module, model_dir: str | Path) -> frozenset[str]
     if unpacked:
         kinds = sorted(set(unpacked.values()))
         logger.warning("%d of the GGUF file's quantized linears are dequantized to the model "
-                       "dtype (no packed kernel for their parts' types together: %s), e.g. %s",
+                       "dtype (a part's type without a packed kernel, or a shape off its "
+                       "kernel's: %s), e.g. %s",
                        len(unpacked), ", ".join(kinds), next(iter(unpacked)))
     return frozenset(built) | pack_gguf_vocab(model, checkpoint)
 

@@ -4,7 +4,8 @@ an untied LM head, and the token embedding table (whose tied head then shares it
 
 Where every part is Q6_K, the scales stay in the file's two levels (int8_blocks.q6_k_two_level);
 a fused linear whose parts mix Q6_K with Q8_0 or Q5_0 takes float32 scales in blocks of 16
-(each 32-block scale twice: exact); one with any other type among its parts stays dequantized.
+(each 32-block scale twice: exact); one with 4-bit parts too is built as a linear per run
+(parts_linear.py).
 """
 
 from __future__ import annotations
@@ -48,18 +49,19 @@ def _codes_and_scales(checkpoint: Any, sources: list[str]
         np.ascontiguousarray(narrowest_scales(scales)))
 
 
-def gguf_int8_block_linear(checkpoint: Any, sources: list[str], linear: nn.Module
-                           ) -> Int8BlockLinear | None:
-    """`linear` as an Int8BlockLinear from the GGUF blocks of `sources`, or None where they are
-    not all Q8_0 / Q6_K / Q5_0 or K is not a multiple of 32. Its bias (if any) is a parameter still
-    to be loaded."""
-    if linear.in_features % 32:
+def gguf_int8_block_linear(checkpoint: Any, sources: list[str], in_features: int,
+                           bias: torch.Tensor | None = None) -> Int8BlockLinear | None:
+    """The linear on `in_features` whose weight is the GGUF blocks of `sources` (their rows
+    concatenated) as an Int8BlockLinear, or None where they are not all int8-block types
+    (`int8_blocks.INT8_BLOCK_TYPES`) or K is not a multiple of 32. `bias`: the layer's bias
+    parameter (or None), whose shape the new module's takes, zero until the weights are
+    loaded."""
+    if in_features % 32:
         return None
     packed = _codes_and_scales(checkpoint, sources)
     if packed is None:
         return None
-    bias = None if getattr(linear, "bias", None) is None else torch.zeros_like(linear.bias)
-    return Int8BlockLinear(*packed, bias)
+    return Int8BlockLinear(*packed, None if bias is None else torch.zeros_like(bias))
 
 
 def pack_gguf_vocab(model: nn.Module, checkpoint: Any) -> frozenset[str]:
@@ -70,7 +72,8 @@ def pack_gguf_vocab(model: nn.Module, checkpoint: Any) -> frozenset[str]:
     built = set()
     head = getattr(model, "lm_head", None)
     if isinstance(head, Linear) and "lm_head.weight" in checkpoint:
-        packed_head = gguf_int8_block_linear(checkpoint, ["lm_head.weight"], head)
+        packed_head = gguf_int8_block_linear(checkpoint, ["lm_head.weight"], head.in_features,
+                                             head.bias)
         if packed_head is not None and head.bias is None:
             model.lm_head = packed_head
             built.add("lm_head.weight")
