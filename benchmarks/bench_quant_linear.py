@@ -24,9 +24,10 @@ Paths (each weight [N, K], activations [rows, K]):
 - `q4k`, `q4k2` (where K is a multiple of 256): a Q4_K weight (random blocks) as Int4Linear with
   its scales as a float32 table of their products, or as the file's two levels (fp16 d and
   -dmin per 256, 6-bit sub-scales and mins per 32: `Int4Linear.from_two_level`), the same
-  products; `q6k`, `q6k2` likewise a Q6_K weight as Int8BlockLinear with a float32 scale per
-  16 or the file's two levels (fp16 d per 256, int8 sub-scales per 16:
-  `int8_blocks.q6_k_two_level`).
+  products; `q6k`, `q6k2`, `q6k6` likewise a Q6_K weight as Int8BlockLinear with a float32
+  scale per 16, or the file's two levels (fp16 d per 256, int8 sub-scales per 16:
+  `int8_blocks.q6_k_two_level`), or those with the codes in 6 bits (`six_bit_pack`: the
+  model's layout, the file's bytes).
 Where `int4gemv` and `int4expand` (and `q8gemv`, `q8expand`) cross is where Int4Linear's
 `product_rows` (`int4_tile_rows()` where the panel product or AMX tiles run, else `GEMV_ROWS`;
 Int8BlockLinear's likewise) belongs: `--rows 1,4,8,16,24,32,48,64` (and `--rows 256,512,2048`
@@ -73,7 +74,8 @@ def _bytes(path: str, n: int, k: int) -> int:
             "q8gemv": n * k + n * k // GROUP * 4, "q8expand": n * k + n * k // GROUP * 4,
             "int4pack": n * k // 2 + n * k // GROUP * 4, "q4k": n * k // 2 + n * k // GROUP * 8,
             "q4k2": n * k // 2 + n * k // GROUP * 5 // 2, "q6k": n * k + n * k // 16 * 4,
-            "q6k2": n * k + n * k // 16 + n * k // 128}[path]
+            "q6k2": n * k + n * k // 16 + n * k // 128,
+            "q6k6": n * k * 3 // 4 + n * k // 16 + n * k // 128}[path]
 
 
 def _paths(n: int, k: int) -> dict[str, tuple[torch.Tensor, Callable[[torch.Tensor], object]]]:
@@ -125,7 +127,11 @@ def _k_quant_linears(n: int, k: int) -> dict[str, torch.nn.Module]:
     from pagedkv.model.quant.int4_blocks import codes_and_scales, q4_k_two_level
     from pagedkv.model.quant.int4_linear import Int4Linear
     from pagedkv.model.quant.int8_block_linear import Int8BlockLinear
-    from pagedkv.model.quant.int8_blocks import int8_codes_and_scales, q6_k_two_level
+    from pagedkv.model.quant.int8_blocks import (
+        int8_codes_and_scales,
+        q6_k_two_level,
+        six_bit_pack,
+    )
 
     rng = np.random.default_rng(n + k)
     raw = rng.integers(0, 256, (n * k // 256, 144), dtype=np.uint8)
@@ -136,10 +142,12 @@ def _k_quant_linears(n: int, k: int) -> dict[str, torch.nn.Module]:
         .view(np.uint8)
     raw6 = raw6.reshape(n, -1)
     codes6, scales6, _ = int8_codes_and_scales(raw6, GGMLQuantizationType.Q6_K)
+    table6 = torch.from_numpy(q6_k_two_level(raw6)[1])
     return {"q4k": Int4Linear(*codes_and_scales(raw, GGMLQuantizationType.Q4_K)),
             "q4k2": Int4Linear.from_two_level(*q4_k_two_level(raw)),
             "q6k": Int8BlockLinear(torch.from_numpy(codes6), torch.from_numpy(scales6)),
-            "q6k2": Int8BlockLinear(*(torch.from_numpy(a) for a in q6_k_two_level(raw6)))}
+            "q6k2": Int8BlockLinear(torch.from_numpy(codes6), table6),
+            "q6k6": Int8BlockLinear(torch.from_numpy(six_bit_pack(codes6)), table6)}
 
 
 def _cold_paths(n: int, k: int, copies: int) -> dict[str, tuple[torch.Tensor, Callable]]:

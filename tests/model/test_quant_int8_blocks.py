@@ -26,6 +26,8 @@ from pagedkv.model.quant.int8_block_linear import (
 from pagedkv.model.quant.int8_blocks import (
     int8_codes_and_scales,
     q6_k_two_level,
+    six_bit_pack,
+    six_bit_unpack,
     two_level_block_scales,
 )
 from pagedkv.model.runner import ModelRunner
@@ -108,23 +110,39 @@ def test_q6_k_two_levels_are_the_float32_scales():
     np.testing.assert_array_equal(two_level_block_scales(table), want_scales)
 
 
-def two_level_pair(n: int, k: int, seed: int) -> tuple[Int8BlockLinear, Int8BlockLinear]:
-    """(the two-level Int8BlockLinear, the float32-table one) of the same random Q6_K rows."""
+def test_six_bit_codes_round_trip():
+    """Every 6-bit code in every position of a chunk packs and unpacks to itself, in 0.75 bytes
+    a code."""
+    codes = np.random.default_rng(0).integers(-32, 32, (5, 256)).astype(np.int8)
+    codes[0] = np.arange(256) % 64 - 32
+    packed = six_bit_pack(codes)
+    assert packed.dtype == np.uint8 and packed.shape == (5, 192)
+    np.testing.assert_array_equal(six_bit_unpack(packed), codes)
+
+
+def two_level_linears(n: int, k: int, seed: int) -> dict[str, Int8BlockLinear]:
+    """The same random Q6_K rows as Int8BlockLinears: "six" (6-bit codes, two-level scales:
+    the model's), "two" (int8 codes, two levels), "wide" (int8 codes, float32 scales)."""
     raw = q6_k_rows(n, k, seed=seed)
     codes, table = q6_k_two_level(raw)
     _, scales, _ = int8_codes_and_scales(raw, Q6_K)
-    two = Int8BlockLinear(torch.from_numpy(codes), torch.from_numpy(table))
-    assert two.scales.dtype == torch.uint8 and two.block == 16
-    return two, Int8BlockLinear(torch.from_numpy(codes), torch.from_numpy(scales))
+    linears = {"six": Int8BlockLinear(torch.from_numpy(six_bit_pack(codes)),
+                                      torch.from_numpy(table)),
+               "two": Int8BlockLinear(torch.from_numpy(codes), torch.from_numpy(table)),
+               "wide": Int8BlockLinear(torch.from_numpy(codes), torch.from_numpy(scales))}
+    assert linears["six"].in_features == k and linears["six"].block == 16
+    return linears
 
 
-@pytest.mark.parametrize("rows", [1, 3, 5, 12, 40, 300])
-def test_two_level_products_equal_the_float32_tables(rows):
-    """Every path on Q6_K's two levels (the decode tiles at 1-3 rows, the panel product or AMX
-    tiles from 4, the row blocks at 300; 40 outputs: 2 tasks of 16 and a tail of 8), on one
-    thread and two, in bfloat16 and float32, gives the float32 table's very outputs (the same
-    scales, materialized a tile at a time); so do the expansion and the embedding rows."""
-    two, wide = two_level_pair(40, 768, seed=rows)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 12, 40, 300])
+def test_two_level_and_six_bit_products_equal_the_float32_tables(rows):
+    """Every path on Q6_K's two levels, with int8 codes or 6-bit ones (the decode tiles at 1-3
+    rows reading the 6 bits in place, the panel product from 4 unpacking them as it lays the
+    panel out, AMX tiles from 10, row blocks at 300; 40 outputs: 2 tasks of 16 and a tail of
+    8), on one thread and two, in bfloat16 and float32, gives the float32 table's very outputs
+    (the same codes and scales); so do the expansion and the embedding rows."""
+    linears = two_level_linears(40, 768, seed=rows)
+    wide = linears.pop("wide")
     threads = torch.get_num_threads()
     try:
         for count in (1, 2):
@@ -132,18 +150,22 @@ def test_two_level_products_equal_the_float32_tables(rows):
             for dtype in (torch.bfloat16, torch.float32):
                 x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(count)) \
                     .to(dtype)
-                assert torch.equal(two(x), wide(x)), (count, dtype)
-                expanded = [torch.ops.pagedkv_cpu.int8_block_forward(
-                    x, m.codes, m.scales, 16, None, 0) for m in (two, wide)]
-                assert torch.equal(*expanded)
+                want = wide(x)
+                want_expanded = torch.ops.pagedkv_cpu.int8_block_forward(
+                    x, wide.codes, wide.scales, 16, None, 0)
+                for name, m in linears.items():
+                    assert torch.equal(m(x), want), (name, count, dtype)
+                    assert torch.equal(torch.ops.pagedkv_cpu.int8_block_forward(
+                        x, m.codes, m.scales, 16, None, 0), want_expanded), name
     finally:
         torch.set_num_threads(threads)
-    for dtype in (torch.bfloat16, torch.float32, torch.float16):
-        assert torch.equal(two.dequantized(dtype), wide.dequantized(dtype))
-        assert torch.equal(two.dequantized(dtype), expand_reference(two.codes, two.scales, dtype))
     ids = torch.tensor([[39, 0], [7, 39]])
-    table = Int8BlockEmbedding(two.codes, two.scales, torch.bfloat16)
-    assert torch.equal(table(ids), wide.dequantized(torch.bfloat16)[ids])
+    for m in linears.values():
+        for dtype in (torch.bfloat16, torch.float32, torch.float16):
+            assert torch.equal(m.dequantized(dtype), wide.dequantized(dtype))
+            assert torch.equal(m.dequantized(dtype), expand_reference(m.codes, m.scales, dtype))
+        table = Int8BlockEmbedding(m.codes, m.scales, torch.bfloat16)
+        assert torch.equal(table(ids), wide.dequantized(torch.bfloat16)[ids])
 
 
 def quantized_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,6 +299,8 @@ def test_refuses_shapes_the_kernel_cannot_take():
         Int8BlockLinear(torch.zeros(4, 512, dtype=torch.int8), torch.zeros(4, 32, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"codes \[4, 288\].*two levels"):
         Int8BlockLinear(torch.zeros(4, 288, dtype=torch.int8), torch.zeros(4, 20, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"codes \[4, 256\].*6-bit codes with two levels"):
+        Int8BlockLinear(torch.zeros(4, 192, dtype=torch.uint8), torch.ones(4, 16))
 
 
 def test_embedding_dequantizes_only_the_rows_asked_for():
@@ -306,10 +330,13 @@ for block, scale_dtype in ((16, torch.float32), (32, torch.float32), (32, torch.
     w = expand_reference(linear.codes, linear.scales, torch.float64)
     exact = (q * d).reshape(5, -1) @ w.T
     worst = max(worst, float(((got - exact).abs() / (x.double().abs() @ w.abs().T)).max()))
-from tests.model.test_quant_int8_blocks import two_level_pair
-two, wide = two_level_pair(40, 768, seed=2)
-x = torch.randn(5, 768, generator=torch.Generator().manual_seed(2))
-same = torch.equal(two(x), wide(x))
+from tests.model.test_quant_int8_blocks import two_level_linears
+linears = two_level_linears(40, 768, seed=2)
+same = True
+for rows in (5, 20):
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(2))
+    same &= torch.equal(linears["six"](x), linears["wide"](x))
+    same &= torch.equal(linears["two"](x), linears["wide"](x))
 print(json.dumps([torch.ops.pagedkv_cpu.int8_block_isa(), worst, same]))
 """
 
@@ -318,7 +345,7 @@ def test_the_avx2_build_computes_the_same_product():
     isa, worst, two_levels_same = run_with_isa(_AVX2_CHECK)
     assert isa == "avx2"
     assert worst <= 2.0 ** -20  # float32 summation of exact integer dots
-    assert two_levels_same  # Q6_K's two levels: the float32 table's products
+    assert two_levels_same  # Q6_K's two levels, 6-bit codes too: the float32 table's products
 
 
 PROMPT = [5, 17, 99, 230, 41, 8, 77, 300, 12, 64, 3, 150, 9, 250, 33, 71, 200, 18, 44, 6]

@@ -167,17 +167,17 @@ def test_q4_k_model_keeps_the_files_two_level_scales(tmp_path):
         assert kl.mean_kl < 5e-3, (name, kl)
 
 
-def test_q6_k_model_keeps_the_files_two_level_scales(tmp_path):
-    """A Q6_K file (rows of 256) packs every linear, the embedding table and the head as int8
+def test_q6_k_model_keeps_the_files_bytes(tmp_path):
+    """A Q6_K file (rows of 256) packs every linear, the embedding table and the head as 6-bit
     codes with the scales as the file has them (uint8 tables: int8 sub-scales per 16 and an fp16
-    d per 256, 1.07 bytes a weight with the codes where float32 scales took 1.25): the logits
-    equal those of the same codes on float32 scales exactly, the engine counts the tables'
-    bytes, and the logits stay within the activation quantization's reach of the file
-    dequantized."""
+    d per 256): 0.82 bytes a weight, the file's 210 per 256, where int8 codes and float32
+    scales took 1.25. The logits equal those of the same codes as int8 on float32 scales
+    exactly, the engine counts the file's bytes, and the logits stay within the activation
+    quantization's reach of the file dequantized."""
     from gguf import GGMLQuantizationType
 
     from pagedkv.model.quant.int8_block_linear import Int8BlockEmbedding, Int8BlockLinear
-    from pagedkv.model.quant.int8_blocks import two_level_block_scales
+    from pagedkv.model.quant.int8_blocks import six_bit_unpack, two_level_block_scales
     from tests.tiny_models import build_hf_model
 
     model_dir = build_hf_model(tmp_path / "hf", "llama", hidden_size=256, intermediate_size=512,
@@ -189,23 +189,23 @@ def test_q6_k_model_keeps_the_files_two_level_scales(tmp_path):
     assert isinstance(packed.model.embed_tokens, Int8BlockEmbedding)
     assert isinstance(packed.model.lm_head, Int8BlockLinear)
     assert len(modules) == 10  # 2 layers x 4 linears, the head, the table
-    assert all(m.scales.dtype == torch.uint8 for m in modules)
-    table_bytes = {id(m.codes): m.codes.numel() * 17 // 16 + m.codes.numel() // 128
-                   for m in modules}
-    assert all(m.scales.numel() == m.codes.numel() // 16 + m.codes.numel() // 128
-               for m in modules)
+    assert all(m.scales.dtype == m.codes.dtype == torch.uint8 for m in modules)
+    weights = {id(m.codes): m.codes.shape[0] * m.codes.shape[1] * 4 // 3 for m in modules}
     norms = sum(p.numel() * p.element_size() for name, p in packed.model.named_parameters()
                 if "norm" in name)
-    assert packed.weights_bytes == norms + sum(table_bytes.values())
+    assert packed.weights_bytes == norms + sum(n * 210 // 256 for n in weights.values())
     forwards = {"decode": lambda r: teacher_forced_logits(r, PROMPT, CONTINUATION),
                 "prefill": lambda r: prompt_logits(r, PROMPT + CONTINUATION)}
     with torch.inference_mode():
         got = {name: forward(packed) for name, forward in forwards.items()}
         want = {name: forward(dense) for name, forward in forwards.items()}
-        for m in modules:  # the same codes on float32 scales
+        for m in modules:  # the same codes as int8 on float32 scales
+            m.codes = torch.nn.Parameter(torch.from_numpy(six_bit_unpack(m.codes.numpy())),
+                                         requires_grad=False)
             m.scales = torch.nn.Parameter(
                 torch.from_numpy(two_level_block_scales(m.scales.numpy())), requires_grad=False)
-        if packed.model.lm_head.codes is packed.model.embed_tokens.codes:
+        if packed.model.lm_head.scales.dtype == torch.uint8:  # tied: the table's, swapped
+            packed.model.lm_head.codes = packed.model.embed_tokens.codes
             packed.model.lm_head.scales = packed.model.embed_tokens.scales
         _rebuild_decode_stacks(packed)
         wide = {name: forward(packed) for name, forward in forwards.items()}

@@ -99,6 +99,76 @@ struct TwoLevelScales {
   }
 };
 
+// Q6_K's 6-bit codes kept as compact as the file's (int8_blocks.six_bit_pack): per 64 codes of
+// a row, 32 bytes of low nibbles (byte i: code i | code i + 32 << 4) then 16 bytes of high
+// pairs (byte i: codes i, i + 16, i + 32, i + 48, two bits each), each code stored plus 32
+// (0..63): 0.75 bytes a weight where an int8 code takes 1.
+constexpr int64_t kSixBitChunkBytes = 48;
+
+#if defined(__AVX512BW__)
+// One 64-code chunk's codes plus 32 (0..63), in order, from its 48 bytes at p.
+inline __m512i six_bit_chunk(const uint8_t* p) {
+  const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i m4 = _mm256_set1_epi8(15);
+  const __m512i nibbles = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_and_si256(low, m4)),
+      _mm256_and_si256(_mm256_srli_epi16(low, 4), m4), 1);
+  // 128-bit lane L (codes 16L .. 16L + 15) takes bits 2L, 2L + 1 of the 16 high-pair bytes.
+  const __m512i pairs = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32)));
+  const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 0x20002, 0x20002, 0x20002, 0x20002,
+                                          0x40004, 0x40004, 0x40004, 0x40004,
+                                          0x60006, 0x60006, 0x60006, 0x60006);
+  const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(pairs, shift), _mm512_set1_epi8(3));
+  return _mm512_or_si512(nibbles, _mm512_slli_epi16(high, 4));
+}
+#endif
+
+// One 64-code chunk's codes (-32..31) from its 48 bytes at p into out.
+inline void six_bit_unpack(const uint8_t* p, int8_t* out) {
+#if defined(__AVX512BW__)
+  _mm512_storeu_si512(out, _mm512_sub_epi8(six_bit_chunk(p), _mm512_set1_epi8(32)));
+#else
+  for (int i = 0; i < 32; ++i) {
+    out[i] = static_cast<int8_t>(p[i] & 15);
+    out[i + 32] = static_cast<int8_t>(p[i] >> 4);
+  }
+  for (int i = 0; i < 16; ++i)
+    for (int l = 0; l < 4; ++l) out[i + 16 * l] += static_cast<int8_t>(((p[32 + i] >> (2 * l)) & 3) << 4);
+  for (int i = 0; i < 64; ++i) out[i] = static_cast<int8_t>(out[i] - 32);
+#endif
+}
+
+// Where a weight's int8 codes come from, a tile of weight rows at a time (`rows(r0, nr)`: the
+// rows' codes int8 [nr][K]): PlainCodes, int8 [N, K] read in place; SixBitCodes, Q6_K's 6-bit
+// codes, unpacked into this thread's scratch (valid until its next `rows`), except by the
+// AVX-512 VNNI decode product, which reads them itself (dot_chunk). `bytes(r)`: row r's start.
+struct PlainCodes {
+  static constexpr bool kSix = false;
+  const int8_t* w;
+  int64_t k;
+  int64_t row_bytes() const { return k; }
+  const int8_t* bytes(int64_t r) const { return w + r * k; }
+  const int8_t* rows(int64_t r0, int64_t) const { return w + r0 * k; }
+};
+
+struct SixBitCodes {
+  static constexpr bool kSix = true;
+  const uint8_t* packed;
+  int64_t k;  // a multiple of 64
+  int64_t row_bytes() const { return k / 64 * kSixBitChunkBytes; }
+  const int8_t* bytes(int64_t r) const {
+    return reinterpret_cast<const int8_t*>(packed + r * row_bytes());
+  }
+  const int8_t* rows(int64_t r0, int64_t nr) const {
+    int8_t* out = quant_rows::scratch<int8_t, 17>(nr * k);
+    for (int64_t r = 0; r < nr; ++r)
+      for (int64_t c = 0; c < k / 64; ++c)
+        six_bit_unpack(packed + (r0 + r) * row_bytes() + c * kSixBitChunkBytes,
+                       out + r * k + 64 * c);
+    return out;
+  }
+};
+
 // One block of x (values from v) into out: returns the step (max |x| / 127).
 template <typename T, int64_t block>
 inline float quantize_block(const T* v, int8_t* out) {
@@ -153,18 +223,20 @@ QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k) {
 // decode's linears than 4 KiB or 8 (on an Intel AMX Xeon).
 constexpr int64_t kInt8PrefetchBytes = 2048;
 
-// Codes and scales of the weight row kInt8PrefetchBytes ahead of `w` (from its chunk c on).
+// Codes and scales of the weight row kInt8PrefetchBytes ahead of `w` (rows `row_bytes` of
+// codes and `kb` scales apart).
 template <typename S>
-inline void prefetch_ahead(const int8_t* w, const S* ws, int64_t k, int64_t block) {
-  const int64_t rows = std::max<int64_t>(1, kInt8PrefetchBytes / k);
-  __builtin_prefetch(ws + rows * (k / block));
-  for (int64_t c = 0; c < k; c += 64)
-    __builtin_prefetch(w + rows * k + c);
+inline void prefetch_ahead(const int8_t* w, const S* ws, int64_t row_bytes, int64_t kb) {
+  const int64_t rows = std::max<int64_t>(1, kInt8PrefetchBytes / row_bytes);
+  __builtin_prefetch(ws + rows * kb);
+  for (int64_t c = 0; c < row_bytes; c += 64)
+    __builtin_prefetch(w + rows * row_bytes + c);
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr const char* kInt8Isa = "avx512_vnni";
 constexpr bool kInt8FarPrefetch = true;  // dot_chunk's far prefetch (AMD's cores)
+constexpr bool kSixBitInPlace = true;    // the decode product reads SixBitCodes itself
 
 // One 64-code chunk (its first `left` codes; 32 or 64) of NC weight rows from `w` (K codes
 // apart; block scales from `ws`) against R rows of `q`, into acc[r * NC + j].
@@ -174,6 +246,14 @@ constexpr bool kInt8FarPrefetch = true;  // dot_chunk's far prefetch (AMD's core
 inline __m512 load_scales(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load_scales(const c10::Half* p, __mmask16 m) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
+
+// The accumulators' start: -128 times each lane's activation code sum (the codes offset by 128),
+// or -32 times it (Six: the 6-bit codes stored plus 32).
+template <bool Six>
+inline __m512i lane_offsets(__mmask16 lanes, const int32_t* p) {
+  const __m512i offset = _mm512_maskz_loadu_epi32(lanes, p);
+  return Six ? _mm512_srai_epi32(offset, 2) : offset;
 }
 
 // A chunk's 2 (block 32) or 4 (block 16) block scales in the low lanes, the rest zero.
@@ -188,13 +268,17 @@ inline __m128 chunk_scales(const c10::Half* p, __mmask8 m) {
 // permute spreads them over the lanes: 512-bit operations, which Zen 4 runs as two halves, go
 // from 7 to 5 a chunk and weight row. Without it, the scales are spread first and multiplied
 // in 512 bits, as measured best on Intel's cores.
-template <int R, int NC, int64_t block, typename S, bool Far>
+// Six: the rows are SixBitCodes' (row_bytes apart): the codes plus 32 as read (0..63) are
+// vpdpbusd's unsigned operand as they are, from -32 times each lane's activation code sum.
+template <int R, int NC, int64_t block, typename S, bool Far, bool Six>
 inline void dot_chunk(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0,
                       int64_t k, int64_t c, int64_t left, __m512* acc, bool ahead) {
+  const int64_t row_bytes = Six ? k / 64 * kSixBitChunkBytes : k;
+  const int64_t at = Six ? c / 64 * kSixBitChunkBytes : c;  // the chunk's first byte in a row
   if constexpr (Far) {
     if (ahead)
       for (int j = 0; j < NC; ++j)
-        prefetch_l2(w + j * k + c + quant_rows::kFarPrefetchBytes);
+        prefetch_l2(w + j * row_bytes + at + quant_rows::kFarPrefetchBytes);
   }
   // Lane l of the chunk (4 codes) is in block l / (block / 4) of it.
   const __m512i lane_block = _mm512_srli_epi32(
@@ -205,8 +289,9 @@ inline void dot_chunk(const int8_t* w, const S* ws, const QuantizedRows& q, int6
   const __mmask16 blocks = static_cast<__mmask16>((1u << (left / block)) - 1);
   __m512i wu[NC];
   for (int j = 0; j < NC; ++j)
-    wu[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, w + j * k + c),
-                             _mm512_set1_epi8(static_cast<char>(0x80)));
+    wu[j] = Six ? six_bit_chunk(reinterpret_cast<const uint8_t*>(w + j * row_bytes + at))
+                : _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, w + j * k + c),
+                                   _mm512_set1_epi8(static_cast<char>(0x80)));
   if constexpr (Far) {
     const __mmask8 blocks8 = static_cast<__mmask8>(blocks);
     __m128 wsc[NC];
@@ -214,8 +299,7 @@ inline void dot_chunk(const int8_t* w, const S* ws, const QuantizedRows& q, int6
     for (int r = 0; r < R; ++r) {
       const int64_t row = row0 + r;
       const __m512i xv = _mm512_maskz_loadu_epi8(bytes, q.codes + row * k + c);
-      const __m512i offset =
-          _mm512_maskz_loadu_epi32(lanes, q.lane_offset + (row * k + c) / 4);
+      const __m512i offset = lane_offsets<Six>(lanes, q.lane_offset + (row * k + c) / 4);
       const __m128 xscale = _mm_maskz_loadu_ps(blocks8, q.block_scale + (row * k + c) / block);
       for (int j = 0; j < NC; ++j) {
         const __m512i dot = _mm512_dpbusd_epi32(offset, wu[j], xv);
@@ -233,8 +317,7 @@ inline void dot_chunk(const int8_t* w, const S* ws, const QuantizedRows& q, int6
   for (int r = 0; r < R; ++r) {
     const int64_t row = row0 + r;
     const __m512i xv = _mm512_maskz_loadu_epi8(bytes, q.codes + row * k + c);
-    const __m512i offset =
-        _mm512_maskz_loadu_epi32(lanes, q.lane_offset + (row * k + c) / 4);
+    const __m512i offset = lane_offsets<Six>(lanes, q.lane_offset + (row * k + c) / 4);
     const __m512 xscale = _mm512_maskz_loadu_ps(lanes, q.lane_scale + (row * k + c) / 4);
     for (int j = 0; j < NC; ++j) {
       const __m512i dot = _mm512_dpbusd_epi32(offset, wu[j], xv);
@@ -247,28 +330,30 @@ inline void dot_chunk(const int8_t* w, const S* ws, const QuantizedRows& q, int6
 // Up to R rows against NC weight rows from `w` (codes [NC, K], block scales `ws`):
 // out[r * out_stride + j] = row r's dot with weight row j. Several weight rows at once keep
 // independent sums in flight: one alone is bound by its chain of float adds.
-template <int R, int NC, int64_t block, typename S, bool Far>
+template <int R, int NC, int64_t block, typename S, bool Far, bool Six>
 void dot_tile(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0, int64_t k,
               float* out, int64_t out_stride, const int8_t* w_end) {
   __m512 acc[R * NC];
   for (int i = 0; i < R * NC; ++i) acc[i] = _mm512_setzero_ps();
   // Whether the far prefetch stays within the weight for every chunk of these rows (past it
   // near the weight's end, none: those last rows are already on their way).
-  const bool ahead = Far && w + NC * k + quant_rows::kFarPrefetchBytes <= w_end;
+  const int64_t row_bytes = Six ? k / 64 * kSixBitChunkBytes : k;
+  const bool ahead = Far && w + NC * row_bytes + quant_rows::kFarPrefetchBytes <= w_end;
   if (ahead)
     for (int j = 0; j < NC; ++j)
       prefetch_l2(ws + j * (k / block) + quant_rows::kFarPrefetchBytes / block);
   int64_t c = 0;
   for (; c + 64 <= k; c += 64)
-    dot_chunk<R, NC, block, S, Far>(w, ws, q, row0, k, c, 64, acc, ahead);
-  if (c < k)  // 32 codes left
-    dot_chunk<R, NC, block, S, Far>(w, ws, q, row0, k, c, k - c, acc, ahead);
+    dot_chunk<R, NC, block, S, Far, Six>(w, ws, q, row0, k, c, 64, acc, ahead);
+  if (c < k)  // 32 codes left (never Six: K is a multiple of 256 there)
+    dot_chunk<R, NC, block, S, Far, false>(w, ws, q, row0, k, c, k - c, acc, ahead);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NC; ++j) out[r * out_stride + j] = _mm512_reduce_add_ps(acc[r * NC + j]);
 }
 #elif defined(__AVX2__)
 constexpr const char* kInt8Isa = "avx2";
 constexpr bool kInt8FarPrefetch = false;
+constexpr bool kSixBitInPlace = false;
 
 template <int R, int64_t block, typename S>
 void dot_rows(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0, int64_t k,
@@ -298,6 +383,7 @@ void dot_rows(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0
 #else
 constexpr const char* kInt8Isa = "scalar";
 constexpr bool kInt8FarPrefetch = false;
+constexpr bool kSixBitInPlace = false;
 
 template <int R, int64_t block, typename S>
 void dot_rows(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0, int64_t k,
@@ -317,9 +403,10 @@ void dot_rows(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0
 
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
 // NC weight rows one at a time (dot_rows above; the tile's near prefetch only).
-template <int R, int NC, int64_t block, typename S, bool Far>
+template <int R, int NC, int64_t block, typename S, bool Far, bool Six>
 void dot_tile(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0, int64_t k,
               float* out, int64_t out_stride, const int8_t*) {
+  static_assert(!Six, "6-bit codes are unpacked first without AVX-512 VNNI");
   for (int j = 0; j < NC; ++j)
     dot_rows<R, block, S>(w + j * k, ws + j * (k / block), q, row0, k, out + j, out_stride);
 }
@@ -361,22 +448,46 @@ inline __m256 panel_scales(const c10::Half* p, __mmask8 m) {
 // (len / B x 16 floats), rows past nc as zero codes and scales. `next`: the same codes of a
 // panel further on (nullptr past the weight's end; next_rows of its rows), asked for into L2
 // meanwhile. Writes pw and ps.
-template <int64_t B, bool Full, typename S>
+// Codes [at, at + 32) of a 6-bit row (SixBitCodes; at a multiple of 32), as int8 (-32..31).
+inline __m256i six_bit_half(const uint8_t* row, int64_t at) {
+  const uint8_t* p = row + at / 64 * kSixBitChunkBytes;
+  const bool upper = at % 64 != 0;  // codes 32..63 of the chunk: the high nibbles
+  const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i nibbles = _mm256_and_si256(upper ? _mm256_srli_epi16(low, 4) : low,
+                                           _mm256_set1_epi8(15));
+  const __m256i pairs =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32)));
+  const __m256i shift = upper ? _mm256_setr_epi32(0x40004, 0x40004, 0x40004, 0x40004, 0x60006,
+                                                  0x60006, 0x60006, 0x60006)
+                              : _mm256_setr_epi32(0, 0, 0, 0, 0x20002, 0x20002, 0x20002,
+                                                  0x20002);
+  const __m256i high = _mm256_and_si256(_mm256_srlv_epi16(pairs, shift), _mm256_set1_epi8(3));
+  return _mm256_sub_epi8(_mm256_or_si256(nibbles, _mm256_slli_epi16(high, 4)),
+                         _mm256_set1_epi8(32));
+}
+
+// Six: w holds the rows as SixBitCodes (unpacked 32 codes at a time here), `next` too.
+template <int64_t B, bool Full, bool Six, typename S>
 void lay_out_panel(const int8_t* w, const S* ws, int64_t nc, int64_t k, int64_t c0, int64_t len,
                    __m256i* pw, float* ps, const int8_t* next, int64_t next_rows) {
   if constexpr (Full) nc = kPanelCols;  // (a constant: no test per row)
   const int64_t kb = k / B;
+  const int64_t row_bytes = Six ? k / 64 * kSixBitChunkBytes : k;
   const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int64_t c = 0; c < len; c += 32) {
     if (next != nullptr && c % 64 == 0)
-      for (int64_t j = 0; j < next_rows; ++j) prefetch_l2(next + j * k + c0 + c);
+      for (int64_t j = 0; j < next_rows; ++j)
+        prefetch_l2(next + j * row_bytes + (Six ? (c0 + c) / 64 * kSixBitChunkBytes : c0 + c));
     for (int g = 0; g < 2; ++g) {
       __m256i r[8];
       for (int i = 0; i < 8; ++i) {
         const int64_t row = 8 * g + i;
-        r[i] = row < nc
-            ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + row * k + c0 + c))
-            : _mm256_setzero_si256();
+        if (row >= nc)
+          r[i] = _mm256_setzero_si256();
+        else if constexpr (Six)
+          r[i] = six_bit_half(reinterpret_cast<const uint8_t*>(w + row * row_bytes), c0 + c);
+        else
+          r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + row * k + c0 + c));
       }
       quant_rows::transpose8x8(r);
       for (int q = 0; q < 8; ++q)
@@ -450,9 +561,9 @@ inline void panel_tile(const __m256i* pw, const float* ps, const QuantizedRows& 
 // (panels over threads, on the calling thread below quant_rows::kInlineBytes of weights), each
 // kPanelChunk codes along K laid out and met by all the rows before the next (the layout stays
 // in L1 at any K).
-template <int64_t B, typename T, typename Src>
-void panel_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const Src& src, int64_t n,
-                   int64_t k, T* out) {
+template <int64_t B, typename T, typename Codes, typename Src>
+void panel_columns(const QuantizedRows& q, int64_t m, const Codes& codes, const Src& src,
+                   int64_t n, int64_t k, T* out) {
   const int64_t kb = k / B;
   int32_t* offset = quant_rows::scratch<int32_t, 1>(m * kb);
   for (int64_t i = 0; i < m * kb; ++i) {
@@ -476,16 +587,17 @@ void panel_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const Src
       const int64_t nc = std::min<int64_t>(kPanelCols, n - col);
       const int64_t next_col = col + ahead * kPanelCols;
       const auto* tile_scales = src.rows(col, nc);
+      const int64_t next_rows = std::min<int64_t>(kPanelCols, n - next_col);
+      // The next panel's codes, asked for while this one is laid out.
+      const int8_t* next = next_col < n ? codes.bytes(next_col) : nullptr;
       for (int64_t c0 = 0; c0 < k; c0 += chunk) {
         const int64_t len = std::min(chunk, k - c0);
-        const int8_t* next = next_col < n ? w + next_col * k : nullptr;
-        const int64_t next_rows = std::min<int64_t>(kPanelCols, n - next_col);
         if (nc == kPanelCols) {
-          lay_out_panel<B, true>(w + col * k, tile_scales, nc, k, c0, len, pw, ps, next,
-                                 next_rows);
+          lay_out_panel<B, true, Codes::kSix>(codes.bytes(col), tile_scales, nc, k, c0, len, pw,
+                                              ps, next, next_rows);
         } else {
-          lay_out_panel<B, false>(w + col * k, tile_scales, nc, k, c0, len, pw, ps, next,
-                                  next_rows);
+          lay_out_panel<B, false, Codes::kSix>(codes.bytes(col), tile_scales, nc, k, c0, len,
+                                               pw, ps, next, next_rows);
         }
         quant_rows::for_row_tiles(m, [&](int64_t r, auto tile) {
           panel_tile<decltype(tile)::value, B>(pw, ps, q, offset, r, k, c0, len,
@@ -503,23 +615,34 @@ void panel_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const Src
 constexpr int kRowTile = 4;
 constexpr int kColTile = 4;  // weight rows computed together
 
+// K of a weight's codes: int8 [N, K], or 6-bit (uint8 [N, K / 64 * 48]: SixBitCodes).
+int64_t weight_k(const at::Tensor& codes) {
+  return codes.scalar_type() == at::kByte ? codes.size(1) / kSixBitChunkBytes * 64
+                                          : codes.size(1);
+}
+
 void check_weight(const at::Tensor& codes, const at::Tensor& scales, int64_t block,
                   const char* op) {
   TORCH_CHECK(block == 16 || block == 32, op, ": block must be 16 or 32, got ", block);
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(), op,
-              ": codes must be a contiguous int8 [N, K]");
-  TORCH_CHECK(codes.size(1) % 32 == 0, op, ": K must be a multiple of 32, got ", codes.size(1));
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() &&
+                  (codes.scalar_type() == at::kChar || codes.scalar_type() == at::kByte), op,
+              ": codes must be a contiguous int8 [N, K] or uint8 6-bit [N, K / 64 * 48]");
+  const int64_t k = weight_k(codes);
+  TORCH_CHECK(k % 32 == 0, op, ": K must be a multiple of 32, got ", k);
   TORCH_CHECK(scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == codes.size(0), op,
               ": scales must be contiguous [N, ...]");
   if (scales.scalar_type() == at::kByte) {  // Q6_K's two levels (TwoLevelScales)
-    TORCH_CHECK(block == 16 && codes.size(1) % 256 == 0 &&
-                    scales.size(1) == codes.size(1) / 16 + codes.size(1) / 128,
+    TORCH_CHECK(block == 16 && k % 256 == 0 && scales.size(1) == k / 16 + k / 128 &&
+                    (codes.scalar_type() == at::kChar ||
+                     codes.size(1) % kSixBitChunkBytes == 0),
                 op, ": two-level scales (uint8) need blocks of 16, K a multiple of 256 and ",
                 "K / 16 + K / 128 bytes a row");
     return;
   }
+  TORCH_CHECK(codes.scalar_type() == at::kChar, op,
+              ": 6-bit codes (uint8) go with two-level scales (uint8)");
   TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) &&
-                  scales.size(1) == codes.size(1) / block,
+                  scales.size(1) == k / block,
               op, ": scales must be float32 or float16 [N, K / block] or uint8 two levels");
 }
 
@@ -534,45 +657,57 @@ inline void store_tile(const float* y, int rows, int nc, T* out, int64_t n, int6
 // out [M, N] (T) = x's quantized rows `q` times the weight (block scales from `src`, 16 weight
 // rows at a time), columns over threads (on the calling thread below quant_rows::kInlineBytes
 // of weights).
-template <int64_t B, bool Far, typename T, typename Src>
-void dot_columns(const QuantizedRows& q, int64_t m, const int8_t* w, const Src& src, int64_t n,
-                 int64_t k, T* out) {
+// out [M, N] (T) = x's quantized rows `q` times the weight (codes from `codes`, block scales
+// from `src`, 16 weight rows at a time), columns over threads (on the calling thread below
+// quant_rows::kInlineBytes of weights).
+template <int64_t B, bool Far, typename T, typename Codes, typename Src>
+void dot_columns(const QuantizedRows& q, int64_t m, const Codes& codes, const Src& src,
+                 int64_t n, int64_t k, T* out) {
   using S = typename Src::type;
+  // Read in place (6-bit codes too where kSixBitInPlace), or unpacked a tile at a time.
+  constexpr bool kSix = Codes::kSix && kSixBitInPlace;
+  constexpr bool kUnpacked = Codes::kSix && !kSixBitInPlace;
+  const int64_t row_bytes = kUnpacked ? k : codes.row_bytes();
   const int64_t passes = (m + kRowTile - 1) / kRowTile;
   const int64_t tasks = (n + 15) / 16;
-  const int8_t* w_end = w + n * k;
+  const int8_t* w_end = codes.bytes(n);
   quant_rows::run_blocks(tasks, n * k * passes, [&](int64_t t_begin, int64_t t_end) {
     const int64_t end = std::min(n, t_end * 16);
     float y[kRowTile * kColTile];
-    const S* tile_scales = nullptr;  // weight rows col & ~15 .. + 15's
+    const S* tile_scales = nullptr;       // weight rows col & ~15 .. + 15's
+    const int8_t* tile_codes = nullptr;   // their codes, where unpacked
     for (int64_t col = t_begin * 16; col < end;) {
-      if (col % 16 == 0) tile_scales = src.rows(col, std::min<int64_t>(16, end - col));
-      const int8_t* wrow = w + col * k;
+      if (col % 16 == 0) {
+        const int64_t rows = std::min<int64_t>(16, end - col);
+        tile_scales = src.rows(col, rows);
+        if constexpr (kUnpacked) tile_codes = codes.rows(col, rows);
+      }
+      const int8_t* wrow = kUnpacked ? tile_codes + (col % 16) * k : codes.bytes(col);
       const S* srow = tile_scales + (col % 16) * (k / B);
       if (col + kColTile <= end) {
         if constexpr (!Far)
           for (int j = 0; j < kColTile; ++j)
-            prefetch_ahead(wrow + j * k, srow + j * (k / B), k, B);
+            prefetch_ahead(wrow + j * row_bytes, srow + j * (k / B), row_bytes, k / B);
         int64_t r = 0;
         for (; r + kRowTile <= m; r += kRowTile) {
-          dot_tile<kRowTile, kColTile, B, S, Far>(wrow, srow, q, r, k, y, kColTile, w_end);
+          dot_tile<kRowTile, kColTile, B, S, Far, kSix>(wrow, srow, q, r, k, y, kColTile, w_end);
           store_tile(y, kRowTile, kColTile, out, n, r, col);
         }
         for (; r < m; ++r) {
-          dot_tile<1, kColTile, B, S, Far>(wrow, srow, q, r, k, y, kColTile, w_end);
+          dot_tile<1, kColTile, B, S, Far, kSix>(wrow, srow, q, r, k, y, kColTile, w_end);
           store_tile(y, 1, kColTile, out, n, r, col);
         }
         col += kColTile;
         continue;
       }
-      if constexpr (!Far) prefetch_ahead(wrow, srow, k, B);
+      if constexpr (!Far) prefetch_ahead(wrow, srow, row_bytes, k / B);
       int64_t r = 0;
       for (; r + kRowTile <= m; r += kRowTile) {
-        dot_tile<kRowTile, 1, B, S, Far>(wrow, srow, q, r, k, y, 1, w_end);
+        dot_tile<kRowTile, 1, B, S, Far, kSix>(wrow, srow, q, r, k, y, 1, w_end);
         store_tile(y, kRowTile, 1, out, n, r, col);
       }
       for (; r < m; ++r) {
-        dot_tile<1, 1, B, S, Far>(wrow, srow, q, r, k, y, 1, w_end);
+        dot_tile<1, 1, B, S, Far, kSix>(wrow, srow, q, r, k, y, 1, w_end);
         store_tile(y, 1, 1, out, n, r, col);
       }
       ++col;
@@ -628,8 +763,8 @@ inline void int8_amx_scale(const int32_t* sums, const S* ws, int64_t stride, con
 
 // out [m, n] (T) = the activations times the weight (codes w, block scales from src);
 // n % 16 == 0.
-template <int64_t B, typename T, typename Src>
-void int8_amx_product(const Int8AmxAct& act, int64_t m, const int8_t* w, const Src& src,
+template <int64_t B, typename T, typename Codes, typename Src>
+void int8_amx_product(const Int8AmxAct& act, int64_t m, const Codes& codes, const Src& src,
                       int64_t n, int64_t k, T* out) {
   const int64_t blocks = k / B;
   quant_rows::run_blocks(n / 16, n * k * act.tiles, [&](int64_t b0, int64_t b1) {
@@ -639,7 +774,7 @@ void int8_amx_product(const Int8AmxAct& act, int64_t m, const int8_t* w, const S
     _tile_loadconfig(&config);
     for (int64_t nb = b0; nb < b1; ++nb) {
       const int64_t n0 = nb * 16;
-      const int8_t* wb = w + n0 * k;
+      const int8_t* wb = codes.rows(n0, 16);
       const auto* sb = src.rows(n0, 16);
       for (int64_t t = 0; t < act.tiles; ++t) {
         __m512 acc[16];
@@ -694,8 +829,8 @@ int64_t int8_block_tile_rows() {
 
 // out [m, n] (T) = x's rows, quantized per block of B, times the weight: on AMX tiles where
 // they run (rows from kInt8AmxMinRows, n a multiple of 16), else the vector product.
-template <int64_t B, typename T, typename Src>
-void block_product(const T* x, int64_t m, int64_t k, const int8_t* w, const Src& ws, int64_t n,
+template <int64_t B, typename T, typename Codes, typename Src>
+void block_product(const T* x, int64_t m, int64_t k, const Codes& w, const Src& ws, int64_t n,
                    T* out) {
   const QuantizedRows q = quantize_rows<T, B>(x, m, k);
 #if defined(PAGEDKV_INT8_AMX)
@@ -721,17 +856,32 @@ void block_product(const T* x, int64_t m, int64_t k, const int8_t* w, const Src&
   }
 }
 
-// fn(the scales' source): a float16 or float32 table, or Q6_K's two levels (uint8; check_weight
-// allows only these) of a weight with K columns.
+// fn(block, the codes' source, the scales' source) for a checked weight (check_weight): int8
+// codes with a float16 or float32 table or Q6_K's two levels, or Q6_K's 6-bit codes with its
+// two levels; block a compile-time 16 or 32 (16 alone with two levels).
 template <typename Fn>
-inline void with_scales(const at::Tensor& scales, int64_t k, const Fn& fn) {
+inline void with_weight(const at::Tensor& codes, const at::Tensor& scales, int64_t block,
+                        const Fn& fn) {
+  const int64_t k = weight_k(codes);
+  using B16 = std::integral_constant<int64_t, 16>;
+  using B32 = std::integral_constant<int64_t, 32>;
   if (scales.scalar_type() == at::kByte) {
-    fn(TwoLevelScales{scales.data_ptr<uint8_t>(), k / 16});
-  } else if (scales.scalar_type() == at::kHalf) {
-    fn(TableScales<c10::Half>{scales.data_ptr<c10::Half>(), scales.size(1)});
-  } else {
-    fn(TableScales<float>{scales.data_ptr<float>(), scales.size(1)});
+    const TwoLevelScales two{scales.data_ptr<uint8_t>(), k / 16};
+    if (codes.scalar_type() == at::kByte)
+      fn(B16{}, SixBitCodes{codes.data_ptr<uint8_t>(), k}, two);
+    else
+      fn(B16{}, PlainCodes{codes.data_ptr<int8_t>(), k}, two);
+    return;
   }
+  const PlainCodes plain{codes.data_ptr<int8_t>(), k};
+  auto with_block = [&](const auto& src) {
+    if (block == 32) fn(B32{}, plain, src);
+    else fn(B16{}, plain, src);
+  };
+  if (scales.scalar_type() == at::kHalf)
+    with_block(TableScales<c10::Half>{scales.data_ptr<c10::Half>(), scales.size(1)});
+  else
+    with_block(TableScales<float>{scales.data_ptr<float>(), scales.size(1)});
 }
 
 // x: [..., K] (float32, bfloat16 or float16); codes int8 [N, K]; scales float32 or float16
@@ -740,22 +890,17 @@ inline void with_scales(const at::Tensor& scales, int64_t k, const Fn& fn) {
 at::Tensor int8_block_linear(const at::Tensor& x, const at::Tensor& codes,
                              const at::Tensor& scales, int64_t block) {
   check_weight(codes, scales, block, "int8_block_linear");
-  const int64_t n = codes.size(0), k = codes.size(1);
+  const int64_t n = codes.size(0), k = weight_k(codes);
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "int8_block_linear: x must be [..., ", k, "]");
   const at::Tensor xc = x.contiguous();
   const int64_t m = xc.numel() / k;
   at::Tensor out = at::empty(quant_rows::out_sizes(xc, n), xc.options());
-  const int8_t* w = codes.data_ptr<int8_t>();
   dispatch(xc.scalar_type(), "int8_block_linear", [&](auto tag) {
     using T = typename decltype(tag)::type;
     const T* xp = xc.data_ptr<T>();
     T* o = out.data_ptr<T>();
-    with_scales(scales, k, [&](const auto& ws) {
-      if (block == 32) {
-        block_product<32>(xp, m, k, w, ws, n, o);
-      } else {
-        block_product<16>(xp, m, k, w, ws, n, o);
-      }
+    with_weight(codes, scales, block, [&](auto b, const auto& w, const auto& ws) {
+      block_product<decltype(b)::value>(xp, m, k, w, ws, n, o);
     });
   });
   return out;
@@ -793,31 +938,21 @@ inline void expand_block(const int8_t* c, float s, T* o) {
   }
 }
 
-template <typename T, int64_t block>
-void expand_as(const at::Tensor& codes, const at::Tensor& scales, at::Tensor& out) {
-  const int64_t n = codes.size(0), k = codes.size(1);
-  const int8_t* w = codes.data_ptr<int8_t>();
+template <typename T>
+void expand_as(const at::Tensor& codes, const at::Tensor& scales, int64_t block, at::Tensor& out) {
+  const int64_t n = codes.size(0), k = weight_k(codes);
   T* dst = out.data_ptr<T>();
-  with_scales(scales, k, [&](const auto& src) {
+  with_weight(codes, scales, block, [&](auto b, const auto& w, const auto& src) {
+    constexpr int64_t B = decltype(b)::value;
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const auto* ws = src.rows(r, 1);
-        for (int64_t b = 0; b < k / block; ++b) {
-          const float s = scale_value(ws + b);
-          expand_block<T, block>(w + r * k + b * block, s, dst + r * k + b * block);
-        }
+        const int8_t* c = w.rows(r, 1);
+        for (int64_t j = 0; j < k / B; ++j)
+          expand_block<T, B>(c + j * B, scale_value(ws + j), dst + r * k + j * B);
       }
     });
   });
-}
-
-template <typename T>
-void expand_as(const at::Tensor& codes, const at::Tensor& scales, int64_t block, at::Tensor& out) {
-  if (block == 32) {
-    expand_as<T, 32>(codes, scales, out);
-  } else {
-    expand_as<T, 16>(codes, scales, out);
-  }
 }
 
 // W [N, K] in `dtype` (float32, bfloat16 or float16): each code times its block's scale in
@@ -825,7 +960,7 @@ void expand_as(const at::Tensor& codes, const at::Tensor& scales, int64_t block,
 at::Tensor int8_block_expand(const at::Tensor& codes, const at::Tensor& scales, int64_t block,
                              at::ScalarType dtype) {
   check_weight(codes, scales, block, "int8_block_expand");
-  at::Tensor out = at::empty(codes.sizes(), codes.options().dtype(dtype));
+  at::Tensor out = at::empty({codes.size(0), weight_k(codes)}, codes.options().dtype(dtype));
   switch (dtype) {
     case at::kFloat: expand_as<float>(codes, scales, block, out); break;
     case at::kBFloat16: expand_as<c10::BFloat16>(codes, scales, block, out); break;
@@ -842,7 +977,7 @@ at::Tensor int8_block_expand(const at::Tensor& codes, const at::Tensor& scales, 
 at::Tensor int8_block_forward(const at::Tensor& x, const at::Tensor& codes,
                               const at::Tensor& scales, int64_t block,
                               const c10::optional<at::Tensor>& bias, int64_t gemv_rows) {
-  const int64_t n = codes.size(0), k = codes.size(1);
+  const int64_t n = codes.size(0), k = weight_k(codes);
   if (x.numel() <= gemv_rows * k) {
     at::Tensor y = int8_block_linear(x, codes, scales, block);
     if (bias.has_value() && bias->defined()) y.add_(*bias);

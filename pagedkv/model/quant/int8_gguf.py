@@ -2,7 +2,8 @@
 before the weights are read: linears (q/k/v and gate/up concatenated, as the model fuses them),
 an untied LM head, and the token embedding table (whose tied head then shares its codes).
 
-Where every part is Q6_K, the scales stay in the file's two levels (int8_blocks.q6_k_two_level);
+Where every part is Q6_K, the codes stay 6 bits and the scales in the file's two levels
+(int8_blocks.q6_k_two_level, six_bit_pack: the file's 0.82 bytes a weight);
 a fused linear whose parts mix Q6_K with Q8_0 or Q5_0 takes float32 scales in blocks of 16
 (each 32-block scale twice: exact); one with 4-bit parts too is built as a linear per run
 (parts_linear.py).
@@ -24,6 +25,7 @@ from pagedkv.model.quant.int8_blocks import (
     INT8_BLOCK_TYPES,
     int8_codes_and_scales,
     q6_k_two_level,
+    six_bit_pack,
 )
 
 
@@ -36,9 +38,9 @@ def _codes_and_scales(checkpoint: Any, sources: list[str]
     the file's two levels (uint8)."""
     two_level = gguf_parts(checkpoint, sources, (GGMLQuantizationType.Q6_K,),
                            lambda rows, _: q6_k_two_level(rows))
-    if two_level is not None:
+    if two_level is not None:  # 6-bit codes with the two levels: the file's 0.82 bytes a weight
         codes, table = (np.concatenate(arrays) for arrays in zip(*two_level, strict=True))
-        return torch.from_numpy(codes), torch.from_numpy(table)
+        return torch.from_numpy(six_bit_pack(codes)), torch.from_numpy(table)
     parts = gguf_parts(checkpoint, sources, INT8_BLOCK_TYPES, int8_codes_and_scales)
     if parts is None:
         return None
