@@ -26,7 +26,7 @@ Paths (each weight [N, K], activations [rows, K]):
   -dmin per 256, 6-bit sub-scales and mins per 32: `Int4Linear.from_two_level`), the same
   products; `q6k`, `q6k2`, `q6k6` likewise a Q6_K weight as Int8BlockLinear with a float32
   scale per 16, or the file's two levels (fp16 d per 256, int8 sub-scales per 16:
-  `int8_blocks.q6_k_two_level`), or those with the codes in 6 bits (`six_bit_pack`: the
+  `int8_blocks.q6_k_two_level`), or those with the codes in 6 bits (`packed_codes`: the
   model's layout, the file's bytes).
 Where `int4gemv` and `int4expand` (and `q8gemv`, `q8expand`) cross is where Int4Linear's
 `product_rows` (`int4_tile_rows()` where the panel product or AMX tiles run, else `GEMV_ROWS`;
@@ -129,8 +129,8 @@ def _k_quant_linears(n: int, k: int) -> dict[str, torch.nn.Module]:
     from pagedkv.model.quant.int8_block_linear import Int8BlockLinear
     from pagedkv.model.quant.int8_blocks import (
         int8_codes_and_scales,
+        packed_codes,
         q6_k_two_level,
-        six_bit_pack,
     )
 
     rng = np.random.default_rng(n + k)
@@ -147,7 +147,7 @@ def _k_quant_linears(n: int, k: int) -> dict[str, torch.nn.Module]:
             "q4k2": Int4Linear.from_two_level(*q4_k_two_level(raw)),
             "q6k": Int8BlockLinear(torch.from_numpy(codes6), torch.from_numpy(scales6)),
             "q6k2": Int8BlockLinear(torch.from_numpy(codes6), table6),
-            "q6k6": Int8BlockLinear(torch.from_numpy(six_bit_pack(codes6)), table6)}
+            "q6k6": Int8BlockLinear(torch.from_numpy(packed_codes(codes6, 6)), table6)}
 
 
 def _cold_paths(n: int, k: int, copies: int) -> dict[str, tuple[torch.Tensor, Callable]]:

@@ -25,10 +25,10 @@ from pagedkv.model.quant.int8_block_linear import (
 )
 from pagedkv.model.quant.int8_blocks import (
     int8_codes_and_scales,
+    packed_codes,
     q6_k_two_level,
-    six_bit_pack,
-    six_bit_unpack,
     two_level_block_scales,
+    unpacked_codes,
 )
 from pagedkv.model.runner import ModelRunner
 from pagedkv.testing.isa_child import run_with_isa
@@ -110,14 +110,18 @@ def test_q6_k_two_levels_are_the_float32_scales():
     np.testing.assert_array_equal(two_level_block_scales(table), want_scales)
 
 
-def test_six_bit_codes_round_trip():
-    """Every 6-bit code in every position of a chunk packs and unpacks to itself, in 0.75 bytes
-    a code."""
-    codes = np.random.default_rng(0).integers(-32, 32, (5, 256)).astype(np.int8)
-    codes[0] = np.arange(256) % 64 - 32
-    packed = six_bit_pack(codes)
-    assert packed.dtype == np.uint8 and packed.shape == (5, 192)
-    np.testing.assert_array_equal(six_bit_unpack(packed), codes)
+@pytest.mark.parametrize("bits", [5, 6])
+def test_packed_codes_round_trip(bits):
+    """Every 5- or 6-bit code in every position of a chunk packs and unpacks to itself, in 0.625
+    or 0.75 bytes a code; codes out of range are refused."""
+    half = 1 << (bits - 1)
+    codes = np.random.default_rng(0).integers(-half, half, (5, 256)).astype(np.int8)
+    codes[0] = np.arange(256) % (2 * half) - half
+    packed = packed_codes(codes, bits)
+    assert packed.dtype == np.uint8 and packed.shape == (5, 256 // 64 * 8 * bits)
+    np.testing.assert_array_equal(unpacked_codes(packed, bits), codes)
+    with pytest.raises(ValueError, match=rf"{bits}-bit codes .*within \[{-half}, {half - 1}\]"):
+        packed_codes(codes * 2, bits)
 
 
 def two_level_linears(n: int, k: int, seed: int) -> dict[str, Int8BlockLinear]:
@@ -126,7 +130,7 @@ def two_level_linears(n: int, k: int, seed: int) -> dict[str, Int8BlockLinear]:
     raw = q6_k_rows(n, k, seed=seed)
     codes, table = q6_k_two_level(raw)
     _, scales, _ = int8_codes_and_scales(raw, Q6_K)
-    linears = {"six": Int8BlockLinear(torch.from_numpy(six_bit_pack(codes)),
+    linears = {"six": Int8BlockLinear(torch.from_numpy(packed_codes(codes, 6)),
                                       torch.from_numpy(table)),
                "two": Int8BlockLinear(torch.from_numpy(codes), torch.from_numpy(table)),
                "wide": Int8BlockLinear(torch.from_numpy(codes), torch.from_numpy(scales))}
@@ -166,6 +170,42 @@ def test_two_level_and_six_bit_products_equal_the_float32_tables(rows):
             assert torch.equal(m.dequantized(dtype), expand_reference(m.codes, m.scales, dtype))
         table = Int8BlockEmbedding(m.codes, m.scales, torch.bfloat16)
         assert torch.equal(table(ids), wide.dequantized(torch.bfloat16)[ids])
+
+
+def five_bit_pair(n: int, k: int, seed: int) -> tuple[Int8BlockLinear, Int8BlockLinear]:
+    """(the 5-bit Int8BlockLinear, the int8 one) of the same Q5_0 rows, the file's float16
+    scales."""
+    codes, scales, _ = int8_codes_and_scales(q5_0_rows(n, k, seed), Q5_0)
+    half = torch.from_numpy(scales.astype(np.float16))
+    five = Int8BlockLinear(torch.from_numpy(packed_codes(codes, 5)), half)
+    assert five.in_features == k and five.block == 32 and five.codes.shape[1] == k * 5 // 8
+    return five, Int8BlockLinear(torch.from_numpy(codes), half)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 12, 300])
+def test_five_bit_products_equal_the_int8_codes(rows):
+    """Q5_0's codes in 5 bits (K = 576: nine chunks of 64, as SmolLM2's rows; 40 outputs), on
+    one thread and two, in bfloat16 and float32, give the int8 codes' very outputs on every
+    path (decode tiles, panel, row blocks, the expansion, the embedding rows)."""
+    five, plain = five_bit_pair(40, 576, seed=rows)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for dtype in (torch.bfloat16, torch.float32):
+                x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(count)) \
+                    .to(dtype)
+                assert torch.equal(five(x), plain(x)), (count, dtype)
+                expanded = [torch.ops.pagedkv_cpu.int8_block_forward(
+                    x, m.codes, m.scales, 32, None, 0) for m in (five, plain)]
+                assert torch.equal(*expanded)
+    finally:
+        torch.set_num_threads(threads)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(five.dequantized(dtype), plain.dequantized(dtype))
+    ids = torch.tensor([[39, 0], [7, 39]])
+    table = Int8BlockEmbedding(five.codes, five.scales, torch.bfloat16)
+    assert torch.equal(table(ids), plain.dequantized(torch.bfloat16)[ids])
 
 
 def quantized_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,12 +335,12 @@ def assert_exact_on_one_and_two_threads(x: torch.Tensor, codes: torch.Tensor,
 def test_refuses_shapes_the_kernel_cannot_take():
     with pytest.raises(ValueError, match=r"codes \[4, 40\].*multiple of 32"):
         Int8BlockLinear(torch.zeros(4, 40, dtype=torch.int8), torch.ones(4, 5))
-    with pytest.raises(ValueError, match=r"codes \[4, 512\] with scales \[4, 32\].*uint8"):
+    with pytest.raises(ValueError, match=r"codes \[4, 512\] \(8 bits\) with scales \[4, 32\].*uint8"):
         Int8BlockLinear(torch.zeros(4, 512, dtype=torch.int8), torch.zeros(4, 32, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"codes \[4, 288\].*two levels"):
         Int8BlockLinear(torch.zeros(4, 288, dtype=torch.int8), torch.zeros(4, 20, dtype=torch.uint8))
-    with pytest.raises(ValueError, match=r"codes \[4, 256\].*6-bit codes with two levels"):
-        Int8BlockLinear(torch.zeros(4, 192, dtype=torch.uint8), torch.ones(4, 16))
+    with pytest.raises(ValueError, match=r"codes \[4, 256\] \(5 bits\).*5 bits in blocks of 32"):
+        Int8BlockLinear(torch.zeros(4, 160, dtype=torch.uint8), torch.ones(4, 16))
 
 
 def test_embedding_dequantizes_only_the_rows_asked_for():
@@ -337,6 +377,11 @@ for rows in (5, 20):
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(2))
     same &= torch.equal(linears["six"](x), linears["wide"](x))
     same &= torch.equal(linears["two"](x), linears["wide"](x))
+from tests.model.test_quant_int8_blocks import five_bit_pair
+five, plain = five_bit_pair(40, 576, seed=3)
+for rows in (1, 20):
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(3))
+    same &= torch.equal(five(x), plain(x))
 print(json.dumps([torch.ops.pagedkv_cpu.int8_block_isa(), worst, same]))
 """
 
@@ -345,7 +390,7 @@ def test_the_avx2_build_computes_the_same_product():
     isa, worst, two_levels_same = run_with_isa(_AVX2_CHECK)
     assert isa == "avx2"
     assert worst <= 2.0 ** -20  # float32 summation of exact integer dots
-    assert two_levels_same  # Q6_K's two levels, 6-bit codes too: the float32 table's products
+    assert two_levels_same  # Q6_K's two levels, 6- and 5-bit codes: the same products
 
 
 PROMPT = [5, 17, 99, 230, 41, 8, 77, 300, 12, 64, 3, 150, 9, 250, 33, 71, 200, 18, 44, 6]

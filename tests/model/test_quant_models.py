@@ -177,7 +177,7 @@ def test_q6_k_model_keeps_the_files_bytes(tmp_path):
     from gguf import GGMLQuantizationType
 
     from pagedkv.model.quant.int8_block_linear import Int8BlockEmbedding, Int8BlockLinear
-    from pagedkv.model.quant.int8_blocks import six_bit_unpack, two_level_block_scales
+    from pagedkv.model.quant.int8_blocks import two_level_block_scales, unpacked_codes
     from tests.tiny_models import build_hf_model
 
     model_dir = build_hf_model(tmp_path / "hf", "llama", hidden_size=256, intermediate_size=512,
@@ -200,7 +200,7 @@ def test_q6_k_model_keeps_the_files_bytes(tmp_path):
         got = {name: forward(packed) for name, forward in forwards.items()}
         want = {name: forward(dense) for name, forward in forwards.items()}
         for m in modules:  # the same codes as int8 on float32 scales
-            m.codes = torch.nn.Parameter(torch.from_numpy(six_bit_unpack(m.codes.numpy())),
+            m.codes = torch.nn.Parameter(torch.from_numpy(unpacked_codes(m.codes.numpy(), 6)),
                                          requires_grad=False)
             m.scales = torch.nn.Parameter(
                 torch.from_numpy(two_level_block_scales(m.scales.numpy())), requires_grad=False)

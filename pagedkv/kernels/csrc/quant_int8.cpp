@@ -99,73 +99,91 @@ struct TwoLevelScales {
   }
 };
 
-// Q6_K's 6-bit codes kept as compact as the file's (int8_blocks.six_bit_pack): per 64 codes of
-// a row, 32 bytes of low nibbles (byte i: code i | code i + 32 << 4) then 16 bytes of high
-// pairs (byte i: codes i, i + 16, i + 32, i + 48, two bits each), each code stored plus 32
-// (0..63): 0.75 bytes a weight where an int8 code takes 1.
-constexpr int64_t kSixBitChunkBytes = 48;
+// Codes below 8 bits kept as compact as the file's (int8_blocks.packed_codes): per 64 codes of
+// a row, 32 bytes of low nibbles (byte i: code i | code i + 32 << 4), then the high bits:
+// Q6_K's 6-bit codes 16 bytes of pairs (byte i: codes i, i + 16, i + 32, i + 48, two bits
+// each), Q5_0's 5-bit codes 8 bytes (bit j: code j's), each code stored plus kBias (0 ..
+// 2^Bits - 1): 0.75 and 0.625 bytes a weight where an int8 code takes 1. Bits 8: int8 codes.
+template <int Bits>
+struct PackedBits {
+  static_assert(Bits == 5 || Bits == 6 || Bits == 8, "codes of 5, 6 or 8 bits");
+  static constexpr int64_t kChunkBytes = Bits == 6 ? 48 : Bits == 5 ? 40 : 64;
+  static constexpr int kBias = 1 << (Bits - 1);
+  // vpdpbusd's start for the stored codes: -kBias times each lane's activation code sum, the
+  // quantized rows' -128 times it shifted right.
+  static constexpr int kOffsetShift = 8 - Bits;
+  static int64_t row_bytes(int64_t k) { return k / 64 * kChunkBytes; }
+};
 
 #if defined(__AVX512BW__)
-// One 64-code chunk's codes plus 32 (0..63), in order, from its 48 bytes at p.
-inline __m512i six_bit_chunk(const uint8_t* p) {
+// One 64-code chunk's stored codes (plus kBias, unsigned), in order, from its bytes at p.
+template <int Bits>
+inline __m512i packed_chunk(const uint8_t* p) {
   const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   const __m256i m4 = _mm256_set1_epi8(15);
   const __m512i nibbles = _mm512_inserti64x4(
       _mm512_castsi256_si512(_mm256_and_si256(low, m4)),
       _mm256_and_si256(_mm256_srli_epi16(low, 4), m4), 1);
-  // 128-bit lane L (codes 16L .. 16L + 15) takes bits 2L, 2L + 1 of the 16 high-pair bytes.
-  const __m512i pairs = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32)));
-  const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 0x20002, 0x20002, 0x20002, 0x20002,
-                                          0x40004, 0x40004, 0x40004, 0x40004,
-                                          0x60006, 0x60006, 0x60006, 0x60006);
-  const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(pairs, shift), _mm512_set1_epi8(3));
-  return _mm512_or_si512(nibbles, _mm512_slli_epi16(high, 4));
+  if constexpr (Bits == 5) {
+    uint64_t bits;
+    std::memcpy(&bits, p + 32, sizeof(bits));
+    return _mm512_or_si512(nibbles, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(16)));
+  } else {
+    // 128-bit lane L (codes 16L .. 16L + 15) takes bits 2L, 2L + 1 of the 16 pair bytes.
+    const __m512i pairs =
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32)));
+    const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 0x20002, 0x20002, 0x20002, 0x20002,
+                                            0x40004, 0x40004, 0x40004, 0x40004,
+                                            0x60006, 0x60006, 0x60006, 0x60006);
+    const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(pairs, shift), _mm512_set1_epi8(3));
+    return _mm512_or_si512(nibbles, _mm512_slli_epi16(high, 4));
+  }
 }
 #endif
 
-// One 64-code chunk's codes (-32..31) from its 48 bytes at p into out.
-inline void six_bit_unpack(const uint8_t* p, int8_t* out) {
+// One 64-code chunk's codes (signed) from its bytes at p into out.
+template <int Bits>
+inline void packed_unpack(const uint8_t* p, int8_t* out) {
+  constexpr int kBias = PackedBits<Bits>::kBias;
 #if defined(__AVX512BW__)
-  _mm512_storeu_si512(out, _mm512_sub_epi8(six_bit_chunk(p), _mm512_set1_epi8(32)));
+  _mm512_storeu_si512(out, _mm512_sub_epi8(packed_chunk<Bits>(p), _mm512_set1_epi8(kBias)));
 #else
   for (int i = 0; i < 32; ++i) {
     out[i] = static_cast<int8_t>(p[i] & 15);
     out[i + 32] = static_cast<int8_t>(p[i] >> 4);
   }
-  for (int i = 0; i < 16; ++i)
-    for (int l = 0; l < 4; ++l) out[i + 16 * l] += static_cast<int8_t>(((p[32 + i] >> (2 * l)) & 3) << 4);
-  for (int i = 0; i < 64; ++i) out[i] = static_cast<int8_t>(out[i] - 32);
+  for (int i = 0; i < 64; ++i) {
+    const int high = Bits == 5 ? (p[32 + i / 8] >> (i % 8)) & 1
+                               : (p[32 + i % 16] >> (2 * (i / 16))) & 3;
+    out[i] = static_cast<int8_t>(out[i] + (high << 4) - kBias);
+  }
 #endif
 }
 
 // Where a weight's int8 codes come from, a tile of weight rows at a time (`rows(r0, nr)`: the
-// rows' codes int8 [nr][K]): PlainCodes, int8 [N, K] read in place; SixBitCodes, Q6_K's 6-bit
-// codes, unpacked into this thread's scratch (valid until its next `rows`), except by the
-// AVX-512 VNNI decode product, which reads them itself (dot_chunk). `bytes(r)`: row r's start.
-struct PlainCodes {
-  static constexpr bool kSix = false;
+// rows' codes int8 [nr][K]): Codes<8>, int8 [N, K] read in place; Codes<6> and Codes<5>, packed
+// (PackedBits), unpacked into this thread's scratch (valid until its next `rows`), except by
+// the AVX-512 VNNI decode product and the panel layout, which read them themselves.
+// `bytes(r)`: row r's start.
+template <int Bits>
+struct Codes {
+  static constexpr int kBits = Bits;
   const int8_t* w;
-  int64_t k;
-  int64_t row_bytes() const { return k; }
-  const int8_t* bytes(int64_t r) const { return w + r * k; }
-  const int8_t* rows(int64_t r0, int64_t) const { return w + r0 * k; }
-};
-
-struct SixBitCodes {
-  static constexpr bool kSix = true;
-  const uint8_t* packed;
-  int64_t k;  // a multiple of 64
-  int64_t row_bytes() const { return k / 64 * kSixBitChunkBytes; }
-  const int8_t* bytes(int64_t r) const {
-    return reinterpret_cast<const int8_t*>(packed + r * row_bytes());
-  }
+  int64_t k;  // a multiple of 64 below 8 bits
+  int64_t row_bytes() const { return Bits == 8 ? k : PackedBits<Bits>::row_bytes(k); }
+  const int8_t* bytes(int64_t r) const { return w + r * row_bytes(); }
   const int8_t* rows(int64_t r0, int64_t nr) const {
-    int8_t* out = quant_rows::scratch<int8_t, 17>(nr * k);
-    for (int64_t r = 0; r < nr; ++r)
-      for (int64_t c = 0; c < k / 64; ++c)
-        six_bit_unpack(packed + (r0 + r) * row_bytes() + c * kSixBitChunkBytes,
-                       out + r * k + 64 * c);
-    return out;
+    if constexpr (Bits == 8) {
+      return w + r0 * k;
+    } else {
+      int8_t* out = quant_rows::scratch<int8_t, 17>(nr * k);
+      const uint8_t* packed = reinterpret_cast<const uint8_t*>(w);
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t c = 0; c < k / 64; ++c)
+          packed_unpack<Bits>(packed + (r0 + r) * row_bytes() + c * PackedBits<Bits>::kChunkBytes,
+                              out + r * k + 64 * c);
+      return out;
+    }
   }
 };
 
@@ -236,7 +254,7 @@ inline void prefetch_ahead(const int8_t* w, const S* ws, int64_t row_bytes, int6
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr const char* kInt8Isa = "avx512_vnni";
 constexpr bool kInt8FarPrefetch = true;  // dot_chunk's far prefetch (AMD's cores)
-constexpr bool kSixBitInPlace = true;    // the decode product reads SixBitCodes itself
+constexpr bool kPackedInPlace = true;    // the decode product reads packed codes itself
 
 // One 64-code chunk (its first `left` codes; 32 or 64) of NC weight rows from `w` (K codes
 // apart; block scales from `ws`) against R rows of `q`, into acc[r * NC + j].
@@ -249,11 +267,11 @@ inline __m512 load_scales(const c10::Half* p, __mmask16 m) {
 }
 
 // The accumulators' start: -128 times each lane's activation code sum (the codes offset by 128),
-// or -32 times it (Six: the 6-bit codes stored plus 32).
-template <bool Six>
+// or -kBias times it (codes below 8 bits, stored plus kBias: PackedBits).
+template <int Bits>
 inline __m512i lane_offsets(__mmask16 lanes, const int32_t* p) {
   const __m512i offset = _mm512_maskz_loadu_epi32(lanes, p);
-  return Six ? _mm512_srai_epi32(offset, 2) : offset;
+  return Bits == 8 ? offset : _mm512_srai_epi32(offset, PackedBits<Bits>::kOffsetShift);
 }
 
 // A chunk's 2 (block 32) or 4 (block 16) block scales in the low lanes, the rest zero.
@@ -268,13 +286,16 @@ inline __m128 chunk_scales(const c10::Half* p, __mmask8 m) {
 // permute spreads them over the lanes: 512-bit operations, which Zen 4 runs as two halves, go
 // from 7 to 5 a chunk and weight row. Without it, the scales are spread first and multiplied
 // in 512 bits, as measured best on Intel's cores.
-// Six: the rows are SixBitCodes' (row_bytes apart): the codes plus 32 as read (0..63) are
-// vpdpbusd's unsigned operand as they are, from -32 times each lane's activation code sum.
-template <int R, int NC, int64_t block, typename S, bool Far, bool Six>
+// Bits below 8: the rows are packed codes (PackedBits, row_bytes apart): the codes plus kBias
+// as read are vpdpbusd's unsigned operand as they are, from -kBias times each lane's activation
+// code sum.
+template <int R, int NC, int64_t block, typename S, bool Far, int Bits>
 inline void dot_chunk(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0,
                       int64_t k, int64_t c, int64_t left, __m512* acc, bool ahead) {
-  const int64_t row_bytes = Six ? k / 64 * kSixBitChunkBytes : k;
-  const int64_t at = Six ? c / 64 * kSixBitChunkBytes : c;  // the chunk's first byte in a row
+  constexpr bool kPacked = Bits != 8;
+  const int64_t row_bytes = kPacked ? PackedBits<Bits>::row_bytes(k) : k;
+  // The chunk's first byte in a row (c: a multiple of 64).
+  const int64_t at = kPacked ? c / 64 * PackedBits<Bits>::kChunkBytes : c;
   if constexpr (Far) {
     if (ahead)
       for (int j = 0; j < NC; ++j)
@@ -289,9 +310,10 @@ inline void dot_chunk(const int8_t* w, const S* ws, const QuantizedRows& q, int6
   const __mmask16 blocks = static_cast<__mmask16>((1u << (left / block)) - 1);
   __m512i wu[NC];
   for (int j = 0; j < NC; ++j)
-    wu[j] = Six ? six_bit_chunk(reinterpret_cast<const uint8_t*>(w + j * row_bytes + at))
-                : _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, w + j * k + c),
-                                   _mm512_set1_epi8(static_cast<char>(0x80)));
+    wu[j] = kPacked
+        ? packed_chunk<Bits>(reinterpret_cast<const uint8_t*>(w + j * row_bytes + at))
+        : _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, w + j * k + c),
+                           _mm512_set1_epi8(static_cast<char>(0x80)));
   if constexpr (Far) {
     const __mmask8 blocks8 = static_cast<__mmask8>(blocks);
     __m128 wsc[NC];
@@ -299,7 +321,7 @@ inline void dot_chunk(const int8_t* w, const S* ws, const QuantizedRows& q, int6
     for (int r = 0; r < R; ++r) {
       const int64_t row = row0 + r;
       const __m512i xv = _mm512_maskz_loadu_epi8(bytes, q.codes + row * k + c);
-      const __m512i offset = lane_offsets<Six>(lanes, q.lane_offset + (row * k + c) / 4);
+      const __m512i offset = lane_offsets<Bits>(lanes, q.lane_offset + (row * k + c) / 4);
       const __m128 xscale = _mm_maskz_loadu_ps(blocks8, q.block_scale + (row * k + c) / block);
       for (int j = 0; j < NC; ++j) {
         const __m512i dot = _mm512_dpbusd_epi32(offset, wu[j], xv);
@@ -317,7 +339,7 @@ inline void dot_chunk(const int8_t* w, const S* ws, const QuantizedRows& q, int6
   for (int r = 0; r < R; ++r) {
     const int64_t row = row0 + r;
     const __m512i xv = _mm512_maskz_loadu_epi8(bytes, q.codes + row * k + c);
-    const __m512i offset = lane_offsets<Six>(lanes, q.lane_offset + (row * k + c) / 4);
+    const __m512i offset = lane_offsets<Bits>(lanes, q.lane_offset + (row * k + c) / 4);
     const __m512 xscale = _mm512_maskz_loadu_ps(lanes, q.lane_scale + (row * k + c) / 4);
     for (int j = 0; j < NC; ++j) {
       const __m512i dot = _mm512_dpbusd_epi32(offset, wu[j], xv);
@@ -330,30 +352,30 @@ inline void dot_chunk(const int8_t* w, const S* ws, const QuantizedRows& q, int6
 // Up to R rows against NC weight rows from `w` (codes [NC, K], block scales `ws`):
 // out[r * out_stride + j] = row r's dot with weight row j. Several weight rows at once keep
 // independent sums in flight: one alone is bound by its chain of float adds.
-template <int R, int NC, int64_t block, typename S, bool Far, bool Six>
+template <int R, int NC, int64_t block, typename S, bool Far, int Bits>
 void dot_tile(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0, int64_t k,
               float* out, int64_t out_stride, const int8_t* w_end) {
   __m512 acc[R * NC];
   for (int i = 0; i < R * NC; ++i) acc[i] = _mm512_setzero_ps();
   // Whether the far prefetch stays within the weight for every chunk of these rows (past it
   // near the weight's end, none: those last rows are already on their way).
-  const int64_t row_bytes = Six ? k / 64 * kSixBitChunkBytes : k;
+  const int64_t row_bytes = Bits == 8 ? k : PackedBits<Bits>::row_bytes(k);
   const bool ahead = Far && w + NC * row_bytes + quant_rows::kFarPrefetchBytes <= w_end;
   if (ahead)
     for (int j = 0; j < NC; ++j)
       prefetch_l2(ws + j * (k / block) + quant_rows::kFarPrefetchBytes / block);
   int64_t c = 0;
   for (; c + 64 <= k; c += 64)
-    dot_chunk<R, NC, block, S, Far, Six>(w, ws, q, row0, k, c, 64, acc, ahead);
-  if (c < k)  // 32 codes left (never Six: K is a multiple of 256 there)
-    dot_chunk<R, NC, block, S, Far, false>(w, ws, q, row0, k, c, k - c, acc, ahead);
+    dot_chunk<R, NC, block, S, Far, Bits>(w, ws, q, row0, k, c, 64, acc, ahead);
+  if (c < k)  // 32 codes left (int8 codes alone: packed ones have K a multiple of 64)
+    dot_chunk<R, NC, block, S, Far, 8>(w, ws, q, row0, k, c, k - c, acc, ahead);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NC; ++j) out[r * out_stride + j] = _mm512_reduce_add_ps(acc[r * NC + j]);
 }
 #elif defined(__AVX2__)
 constexpr const char* kInt8Isa = "avx2";
 constexpr bool kInt8FarPrefetch = false;
-constexpr bool kSixBitInPlace = false;
+constexpr bool kPackedInPlace = false;
 
 template <int R, int64_t block, typename S>
 void dot_rows(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0, int64_t k,
@@ -383,7 +405,7 @@ void dot_rows(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0
 #else
 constexpr const char* kInt8Isa = "scalar";
 constexpr bool kInt8FarPrefetch = false;
-constexpr bool kSixBitInPlace = false;
+constexpr bool kPackedInPlace = false;
 
 template <int R, int64_t block, typename S>
 void dot_rows(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0, int64_t k,
@@ -403,10 +425,10 @@ void dot_rows(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0
 
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
 // NC weight rows one at a time (dot_rows above; the tile's near prefetch only).
-template <int R, int NC, int64_t block, typename S, bool Far, bool Six>
+template <int R, int NC, int64_t block, typename S, bool Far, int Bits>
 void dot_tile(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0, int64_t k,
               float* out, int64_t out_stride, const int8_t*) {
-  static_assert(!Six, "6-bit codes are unpacked first without AVX-512 VNNI");
+  static_assert(Bits == 8, "packed codes are unpacked first without AVX-512 VNNI");
   for (int j = 0; j < NC; ++j)
     dot_rows<R, block, S>(w + j * k, ws + j * (k / block), q, row0, k, out + j, out_stride);
 }
@@ -448,44 +470,56 @@ inline __m256 panel_scales(const c10::Half* p, __mmask8 m) {
 // (len / B x 16 floats), rows past nc as zero codes and scales. `next`: the same codes of a
 // panel further on (nullptr past the weight's end; next_rows of its rows), asked for into L2
 // meanwhile. Writes pw and ps.
-// Codes [at, at + 32) of a 6-bit row (SixBitCodes; at a multiple of 32), as int8 (-32..31).
-inline __m256i six_bit_half(const uint8_t* row, int64_t at) {
-  const uint8_t* p = row + at / 64 * kSixBitChunkBytes;
+// Codes [at, at + 32) of a packed row (PackedBits; at a multiple of 32), as int8 (signed).
+template <int Bits>
+inline __m256i packed_half(const uint8_t* row, int64_t at) {
+  const uint8_t* p = row + at / 64 * PackedBits<Bits>::kChunkBytes;
   const bool upper = at % 64 != 0;  // codes 32..63 of the chunk: the high nibbles
   const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   const __m256i nibbles = _mm256_and_si256(upper ? _mm256_srli_epi16(low, 4) : low,
                                            _mm256_set1_epi8(15));
-  const __m256i pairs =
-      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32)));
-  const __m256i shift = upper ? _mm256_setr_epi32(0x40004, 0x40004, 0x40004, 0x40004, 0x60006,
-                                                  0x60006, 0x60006, 0x60006)
-                              : _mm256_setr_epi32(0, 0, 0, 0, 0x20002, 0x20002, 0x20002,
-                                                  0x20002);
-  const __m256i high = _mm256_and_si256(_mm256_srlv_epi16(pairs, shift), _mm256_set1_epi8(3));
-  return _mm256_sub_epi8(_mm256_or_si256(nibbles, _mm256_slli_epi16(high, 4)),
-                         _mm256_set1_epi8(32));
+  __m256i high;
+  if constexpr (Bits == 5) {
+    uint32_t bits;
+    std::memcpy(&bits, p + 32 + (upper ? 4 : 0), sizeof(bits));
+    high = _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(16));
+  } else {
+    const __m256i pairs =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32)));
+    const __m256i shift = upper ? _mm256_setr_epi32(0x40004, 0x40004, 0x40004, 0x40004,
+                                                    0x60006, 0x60006, 0x60006, 0x60006)
+                                : _mm256_setr_epi32(0, 0, 0, 0, 0x20002, 0x20002, 0x20002,
+                                                    0x20002);
+    high = _mm256_slli_epi16(
+        _mm256_and_si256(_mm256_srlv_epi16(pairs, shift), _mm256_set1_epi8(3)), 4);
+  }
+  return _mm256_sub_epi8(_mm256_or_si256(nibbles, high),
+                         _mm256_set1_epi8(PackedBits<Bits>::kBias));
 }
 
-// Six: w holds the rows as SixBitCodes (unpacked 32 codes at a time here), `next` too.
-template <int64_t B, bool Full, bool Six, typename S>
+// Bits below 8: w holds the rows as packed codes (PackedBits, unpacked 32 codes at a time
+// here), `next` too.
+template <int64_t B, bool Full, int Bits, typename S>
 void lay_out_panel(const int8_t* w, const S* ws, int64_t nc, int64_t k, int64_t c0, int64_t len,
                    __m256i* pw, float* ps, const int8_t* next, int64_t next_rows) {
   if constexpr (Full) nc = kPanelCols;  // (a constant: no test per row)
   const int64_t kb = k / B;
-  const int64_t row_bytes = Six ? k / 64 * kSixBitChunkBytes : k;
+  constexpr bool kPacked = Bits != 8;
+  const int64_t row_bytes = kPacked ? PackedBits<Bits>::row_bytes(k) : k;
   const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int64_t c = 0; c < len; c += 32) {
     if (next != nullptr && c % 64 == 0)
       for (int64_t j = 0; j < next_rows; ++j)
-        prefetch_l2(next + j * row_bytes + (Six ? (c0 + c) / 64 * kSixBitChunkBytes : c0 + c));
+        prefetch_l2(next + j * row_bytes +
+                    (kPacked ? (c0 + c) / 64 * PackedBits<Bits>::kChunkBytes : c0 + c));
     for (int g = 0; g < 2; ++g) {
       __m256i r[8];
       for (int i = 0; i < 8; ++i) {
         const int64_t row = 8 * g + i;
         if (row >= nc)
           r[i] = _mm256_setzero_si256();
-        else if constexpr (Six)
-          r[i] = six_bit_half(reinterpret_cast<const uint8_t*>(w + row * row_bytes), c0 + c);
+        else if constexpr (kPacked)
+          r[i] = packed_half<Bits>(reinterpret_cast<const uint8_t*>(w + row * row_bytes), c0 + c);
         else
           r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + row * k + c0 + c));
       }
@@ -561,8 +595,8 @@ inline void panel_tile(const __m256i* pw, const float* ps, const QuantizedRows& 
 // (panels over threads, on the calling thread below quant_rows::kInlineBytes of weights), each
 // kPanelChunk codes along K laid out and met by all the rows before the next (the layout stays
 // in L1 at any K).
-template <int64_t B, typename T, typename Codes, typename Src>
-void panel_columns(const QuantizedRows& q, int64_t m, const Codes& codes, const Src& src,
+template <int64_t B, typename T, typename CodeSrc, typename Src>
+void panel_columns(const QuantizedRows& q, int64_t m, const CodeSrc& codes, const Src& src,
                    int64_t n, int64_t k, T* out) {
   const int64_t kb = k / B;
   int32_t* offset = quant_rows::scratch<int32_t, 1>(m * kb);
@@ -593,10 +627,10 @@ void panel_columns(const QuantizedRows& q, int64_t m, const Codes& codes, const 
       for (int64_t c0 = 0; c0 < k; c0 += chunk) {
         const int64_t len = std::min(chunk, k - c0);
         if (nc == kPanelCols) {
-          lay_out_panel<B, true, Codes::kSix>(codes.bytes(col), tile_scales, nc, k, c0, len, pw,
+          lay_out_panel<B, true, CodeSrc::kBits>(codes.bytes(col), tile_scales, nc, k, c0, len, pw,
                                               ps, next, next_rows);
         } else {
-          lay_out_panel<B, false, Codes::kSix>(codes.bytes(col), tile_scales, nc, k, c0, len,
+          lay_out_panel<B, false, CodeSrc::kBits>(codes.bytes(col), tile_scales, nc, k, c0, len,
                                                pw, ps, next, next_rows);
         }
         quant_rows::for_row_tiles(m, [&](int64_t r, auto tile) {
@@ -615,10 +649,20 @@ void panel_columns(const QuantizedRows& q, int64_t m, const Codes& codes, const 
 constexpr int kRowTile = 4;
 constexpr int kColTile = 4;  // weight rows computed together
 
-// K of a weight's codes: int8 [N, K], or 6-bit (uint8 [N, K / 64 * 48]: SixBitCodes).
-int64_t weight_k(const at::Tensor& codes) {
-  return codes.scalar_type() == at::kByte ? codes.size(1) / kSixBitChunkBytes * 64
-                                          : codes.size(1);
+// The bits of a weight's codes: 8 (int8), or packed (uint8): 6 with two-level scales (Q6_K), 5
+// with a float16 or float32 table (Q5_0).
+int code_bits(const at::Tensor& codes, const at::Tensor& scales) {
+  if (codes.scalar_type() != at::kByte) return 8;
+  return scales.scalar_type() == at::kByte ? 6 : 5;
+}
+
+// K of a weight's codes: int8 [N, K], or packed (uint8 [N, K / 64 * chunk bytes]: PackedBits).
+int64_t weight_k(const at::Tensor& codes, const at::Tensor& scales) {
+  switch (code_bits(codes, scales)) {
+    case 6: return codes.size(1) / PackedBits<6>::kChunkBytes * 64;
+    case 5: return codes.size(1) / PackedBits<5>::kChunkBytes * 64;
+    default: return codes.size(1);
+  }
 }
 
 void check_weight(const at::Tensor& codes, const at::Tensor& scales, int64_t block,
@@ -626,21 +670,22 @@ void check_weight(const at::Tensor& codes, const at::Tensor& scales, int64_t blo
   TORCH_CHECK(block == 16 || block == 32, op, ": block must be 16 or 32, got ", block);
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() &&
                   (codes.scalar_type() == at::kChar || codes.scalar_type() == at::kByte), op,
-              ": codes must be a contiguous int8 [N, K] or uint8 6-bit [N, K / 64 * 48]");
-  const int64_t k = weight_k(codes);
-  TORCH_CHECK(k % 32 == 0, op, ": K must be a multiple of 32, got ", k);
+              ": codes must be a contiguous int8 [N, K] or packed uint8 [N, K / 64 * 48 or 40]");
   TORCH_CHECK(scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == codes.size(0), op,
               ": scales must be contiguous [N, ...]");
+  const int bits = code_bits(codes, scales);
+  const int64_t k = weight_k(codes, scales);
+  TORCH_CHECK(k % 32 == 0, op, ": K must be a multiple of 32, got ", k);
+  TORCH_CHECK(bits == 8 || (codes.size(1) % (bits == 6 ? PackedBits<6>::kChunkBytes
+                                                         : PackedBits<5>::kChunkBytes) == 0),
+              op, ": packed codes must be whole chunks of 64");
   if (scales.scalar_type() == at::kByte) {  // Q6_K's two levels (TwoLevelScales)
-    TORCH_CHECK(block == 16 && k % 256 == 0 && scales.size(1) == k / 16 + k / 128 &&
-                    (codes.scalar_type() == at::kChar ||
-                     codes.size(1) % kSixBitChunkBytes == 0),
-                op, ": two-level scales (uint8) need blocks of 16, K a multiple of 256 and ",
+    TORCH_CHECK(block == 16 && k % 256 == 0 && scales.size(1) == k / 16 + k / 128, op,
+                ": two-level scales (uint8) need blocks of 16, K a multiple of 256 and ",
                 "K / 16 + K / 128 bytes a row");
     return;
   }
-  TORCH_CHECK(codes.scalar_type() == at::kChar, op,
-              ": 6-bit codes (uint8) go with two-level scales (uint8)");
+  TORCH_CHECK(bits == 8 || block == 32, op, ": 5-bit codes take blocks of 32");
   TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) &&
                   scales.size(1) == k / block,
               op, ": scales must be float32 or float16 [N, K / block] or uint8 two levels");
@@ -660,13 +705,13 @@ inline void store_tile(const float* y, int rows, int nc, T* out, int64_t n, int6
 // out [M, N] (T) = x's quantized rows `q` times the weight (codes from `codes`, block scales
 // from `src`, 16 weight rows at a time), columns over threads (on the calling thread below
 // quant_rows::kInlineBytes of weights).
-template <int64_t B, bool Far, typename T, typename Codes, typename Src>
-void dot_columns(const QuantizedRows& q, int64_t m, const Codes& codes, const Src& src,
+template <int64_t B, bool Far, typename T, typename CodeSrc, typename Src>
+void dot_columns(const QuantizedRows& q, int64_t m, const CodeSrc& codes, const Src& src,
                  int64_t n, int64_t k, T* out) {
   using S = typename Src::type;
-  // Read in place (6-bit codes too where kSixBitInPlace), or unpacked a tile at a time.
-  constexpr bool kSix = Codes::kSix && kSixBitInPlace;
-  constexpr bool kUnpacked = Codes::kSix && !kSixBitInPlace;
+  // Read in place (packed codes too where kPackedInPlace), or unpacked a tile at a time.
+  constexpr bool kUnpacked = CodeSrc::kBits != 8 && !kPackedInPlace;
+  constexpr int kBits = kUnpacked ? 8 : CodeSrc::kBits;
   const int64_t row_bytes = kUnpacked ? k : codes.row_bytes();
   const int64_t passes = (m + kRowTile - 1) / kRowTile;
   const int64_t tasks = (n + 15) / 16;
@@ -690,11 +735,11 @@ void dot_columns(const QuantizedRows& q, int64_t m, const Codes& codes, const Sr
             prefetch_ahead(wrow + j * row_bytes, srow + j * (k / B), row_bytes, k / B);
         int64_t r = 0;
         for (; r + kRowTile <= m; r += kRowTile) {
-          dot_tile<kRowTile, kColTile, B, S, Far, kSix>(wrow, srow, q, r, k, y, kColTile, w_end);
+          dot_tile<kRowTile, kColTile, B, S, Far, kBits>(wrow, srow, q, r, k, y, kColTile, w_end);
           store_tile(y, kRowTile, kColTile, out, n, r, col);
         }
         for (; r < m; ++r) {
-          dot_tile<1, kColTile, B, S, Far, kSix>(wrow, srow, q, r, k, y, kColTile, w_end);
+          dot_tile<1, kColTile, B, S, Far, kBits>(wrow, srow, q, r, k, y, kColTile, w_end);
           store_tile(y, 1, kColTile, out, n, r, col);
         }
         col += kColTile;
@@ -703,11 +748,11 @@ void dot_columns(const QuantizedRows& q, int64_t m, const Codes& codes, const Sr
       if constexpr (!Far) prefetch_ahead(wrow, srow, row_bytes, k / B);
       int64_t r = 0;
       for (; r + kRowTile <= m; r += kRowTile) {
-        dot_tile<kRowTile, 1, B, S, Far, kSix>(wrow, srow, q, r, k, y, 1, w_end);
+        dot_tile<kRowTile, 1, B, S, Far, kBits>(wrow, srow, q, r, k, y, 1, w_end);
         store_tile(y, kRowTile, 1, out, n, r, col);
       }
       for (; r < m; ++r) {
-        dot_tile<1, 1, B, S, Far, kSix>(wrow, srow, q, r, k, y, 1, w_end);
+        dot_tile<1, 1, B, S, Far, kBits>(wrow, srow, q, r, k, y, 1, w_end);
         store_tile(y, 1, 1, out, n, r, col);
       }
       ++col;
@@ -763,8 +808,8 @@ inline void int8_amx_scale(const int32_t* sums, const S* ws, int64_t stride, con
 
 // out [m, n] (T) = the activations times the weight (codes w, block scales from src);
 // n % 16 == 0.
-template <int64_t B, typename T, typename Codes, typename Src>
-void int8_amx_product(const Int8AmxAct& act, int64_t m, const Codes& codes, const Src& src,
+template <int64_t B, typename T, typename CodeSrc, typename Src>
+void int8_amx_product(const Int8AmxAct& act, int64_t m, const CodeSrc& codes, const Src& src,
                       int64_t n, int64_t k, T* out) {
   const int64_t blocks = k / B;
   quant_rows::run_blocks(n / 16, n * k * act.tiles, [&](int64_t b0, int64_t b1) {
@@ -829,8 +874,8 @@ int64_t int8_block_tile_rows() {
 
 // out [m, n] (T) = x's rows, quantized per block of B, times the weight: on AMX tiles where
 // they run (rows from kInt8AmxMinRows, n a multiple of 16), else the vector product.
-template <int64_t B, typename T, typename Codes, typename Src>
-void block_product(const T* x, int64_t m, int64_t k, const Codes& w, const Src& ws, int64_t n,
+template <int64_t B, typename T, typename CodeSrc, typename Src>
+void block_product(const T* x, int64_t m, int64_t k, const CodeSrc& w, const Src& ws, int64_t n,
                    T* out) {
   const QuantizedRows q = quantize_rows<T, B>(x, m, k);
 #if defined(PAGEDKV_INT8_AMX)
@@ -862,26 +907,27 @@ void block_product(const T* x, int64_t m, int64_t k, const Codes& w, const Src& 
 template <typename Fn>
 inline void with_weight(const at::Tensor& codes, const at::Tensor& scales, int64_t block,
                         const Fn& fn) {
-  const int64_t k = weight_k(codes);
+  const int64_t k = weight_k(codes, scales);
   using B16 = std::integral_constant<int64_t, 16>;
   using B32 = std::integral_constant<int64_t, 32>;
+  const int8_t* w = reinterpret_cast<const int8_t*>(codes.data_ptr());
   if (scales.scalar_type() == at::kByte) {
     const TwoLevelScales two{scales.data_ptr<uint8_t>(), k / 16};
     if (codes.scalar_type() == at::kByte)
-      fn(B16{}, SixBitCodes{codes.data_ptr<uint8_t>(), k}, two);
+      fn(B16{}, Codes<6>{w, k}, two);
     else
-      fn(B16{}, PlainCodes{codes.data_ptr<int8_t>(), k}, two);
+      fn(B16{}, Codes<8>{w, k}, two);
     return;
   }
-  const PlainCodes plain{codes.data_ptr<int8_t>(), k};
-  auto with_block = [&](const auto& src) {
-    if (block == 32) fn(B32{}, plain, src);
-    else fn(B16{}, plain, src);
+  auto with_table = [&](const auto& src) {
+    if (codes.scalar_type() == at::kByte) fn(B32{}, Codes<5>{w, k}, src);  // Q5_0's
+    else if (block == 32) fn(B32{}, Codes<8>{w, k}, src);
+    else fn(B16{}, Codes<8>{w, k}, src);
   };
   if (scales.scalar_type() == at::kHalf)
-    with_block(TableScales<c10::Half>{scales.data_ptr<c10::Half>(), scales.size(1)});
+    with_table(TableScales<c10::Half>{scales.data_ptr<c10::Half>(), scales.size(1)});
   else
-    with_block(TableScales<float>{scales.data_ptr<float>(), scales.size(1)});
+    with_table(TableScales<float>{scales.data_ptr<float>(), scales.size(1)});
 }
 
 // x: [..., K] (float32, bfloat16 or float16); codes int8 [N, K]; scales float32 or float16
@@ -890,7 +936,7 @@ inline void with_weight(const at::Tensor& codes, const at::Tensor& scales, int64
 at::Tensor int8_block_linear(const at::Tensor& x, const at::Tensor& codes,
                              const at::Tensor& scales, int64_t block) {
   check_weight(codes, scales, block, "int8_block_linear");
-  const int64_t n = codes.size(0), k = weight_k(codes);
+  const int64_t n = codes.size(0), k = weight_k(codes, scales);
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "int8_block_linear: x must be [..., ", k, "]");
   const at::Tensor xc = x.contiguous();
   const int64_t m = xc.numel() / k;
@@ -940,7 +986,7 @@ inline void expand_block(const int8_t* c, float s, T* o) {
 
 template <typename T>
 void expand_as(const at::Tensor& codes, const at::Tensor& scales, int64_t block, at::Tensor& out) {
-  const int64_t n = codes.size(0), k = weight_k(codes);
+  const int64_t n = codes.size(0), k = weight_k(codes, scales);
   T* dst = out.data_ptr<T>();
   with_weight(codes, scales, block, [&](auto b, const auto& w, const auto& src) {
     constexpr int64_t B = decltype(b)::value;
@@ -960,7 +1006,7 @@ void expand_as(const at::Tensor& codes, const at::Tensor& scales, int64_t block,
 at::Tensor int8_block_expand(const at::Tensor& codes, const at::Tensor& scales, int64_t block,
                              at::ScalarType dtype) {
   check_weight(codes, scales, block, "int8_block_expand");
-  at::Tensor out = at::empty({codes.size(0), weight_k(codes)}, codes.options().dtype(dtype));
+  at::Tensor out = at::empty({codes.size(0), weight_k(codes, scales)}, codes.options().dtype(dtype));
   switch (dtype) {
     case at::kFloat: expand_as<float>(codes, scales, block, out); break;
     case at::kBFloat16: expand_as<c10::BFloat16>(codes, scales, block, out); break;
@@ -977,7 +1023,7 @@ at::Tensor int8_block_expand(const at::Tensor& codes, const at::Tensor& scales, 
 at::Tensor int8_block_forward(const at::Tensor& x, const at::Tensor& codes,
                               const at::Tensor& scales, int64_t block,
                               const c10::optional<at::Tensor>& bias, int64_t gemv_rows) {
-  const int64_t n = codes.size(0), k = weight_k(codes);
+  const int64_t n = codes.size(0), k = weight_k(codes, scales);
   if (x.numel() <= gemv_rows * k) {
     at::Tensor y = int8_block_linear(x, codes, scales, block);
     if (bias.has_value() && bias->defined()) y.add_(*bias);

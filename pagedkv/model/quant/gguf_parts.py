@@ -19,11 +19,17 @@ def gguf_parts(checkpoint: Any, sources: list[str], types_taken: Collection[int]
 
     gguf = checkpoint.gguf
     names = [checkpoint.gguf_name(source) for source in sources]
-    types = [gguf.tensors[name].ggml_type for name in names]
+    types = gguf_types(checkpoint, sources)
     if not all(t in types_taken for t in types):
         return None
     return [read(hf_rows(gguf, source, name), t)
             for source, name, t in zip(sources, names, types, strict=True)]
+
+
+def gguf_types(checkpoint: Any, sources: list[str]) -> list[int]:
+    """The ggml types of `sources`' GGUF tensors."""
+    return [checkpoint.gguf.tensors[checkpoint.gguf_name(source)].ggml_type
+            for source in sources]
 
 
 def narrowest_scales(scales: np.ndarray) -> np.ndarray:

@@ -2,7 +2,7 @@
 row (GGUF Q8_0, Q6_K and the other symmetric formats kept packed: int8_blocks.py), W = code *
 scale exactly. The scales: float16 where that holds them exactly (Q8_0's own), Q6_K's two
 levels (a uint8 table: int8_blocks.q6_k_two_level), else float32; Q6_K's codes in 6 bits
-(uint8 [N, K/64 * 48]: int8_blocks.six_bit_pack), others a byte each.
+and Q5_0's in 5 (uint8 [N, K/64 * 48 or 40]: int8_blocks.packed_codes), others a byte each.
 
 The linear's calls up to `product_rows` rows (`INT8_BLOCK_ROWS` with AVX2, 64 where AMX-INT8
 tiles run, every call with AVX-512 VNNI's panel product) run `int8_block_linear`
@@ -27,7 +27,7 @@ from torch.nn import functional as F
 
 from pagedkv.kernels.cpu import cpu_kernels_loaded
 from pagedkv.model.decode_stack import LinearCall
-from pagedkv.model.quant.int8_blocks import six_bit_unpack, two_level_block_scales
+from pagedkv.model.quant.int8_blocks import two_level_block_scales, unpacked_codes
 
 _EXPAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows up to which the integer kernel runs where neither AVX-512 VNNI's panel product nor AMX
@@ -66,6 +66,19 @@ def block_of(k: int, scales: torch.Tensor) -> int:
     return 16 if scales.dtype == torch.uint8 else k // max(1, scales.shape[1])
 
 
+def code_bits(codes: torch.Tensor, scales: torch.Tensor) -> int:
+    """8 for int8 codes; packed (uint8) ones: 6 with two-level scales (Q6_K's), else 5."""
+    if codes.dtype != torch.uint8:
+        return 8
+    return 6 if scales.dtype == torch.uint8 else 5
+
+
+def columns(codes: torch.Tensor, scales: torch.Tensor) -> int:
+    """K of codes [N, K] int8 or [N, K/64 * 48 or 40] packed."""
+    bits = code_bits(codes, scales)
+    return codes.shape[1] if bits == 8 else codes.shape[1] // (8 * bits) * 64
+
+
 def float_scales(scales: torch.Tensor) -> torch.Tensor:
     """The block scales as float32 [N, K / block] (a two-level table's products)."""
     if scales.dtype == torch.uint8:
@@ -73,23 +86,17 @@ def float_scales(scales: torch.Tensor) -> torch.Tensor:
     return scales.float()
 
 
-def int8_codes(codes: torch.Tensor) -> torch.Tensor:
-    """The codes int8 [N, K] (6-bit ones unpacked)."""
-    if codes.dtype == torch.uint8:
-        return torch.from_numpy(six_bit_unpack(codes.numpy()))
-    return codes
-
-
-def columns(codes: torch.Tensor) -> int:
-    """K of codes [N, K] int8 or [N, K/64 * 48] 6-bit."""
-    return codes.shape[1] * 4 // 3 if codes.dtype == torch.uint8 else codes.shape[1]
+def int8_codes(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The codes int8 [N, K] (packed ones unpacked)."""
+    bits = code_bits(codes, scales)
+    return codes if bits == 8 else torch.from_numpy(unpacked_codes(codes.numpy(), bits))
 
 
 def expand_reference(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
                      ) -> torch.Tensor:
     """W [N, K] = codes times their block's scale in float32, rounded once to `dtype` (torch
     ops: the reference the kernel is tested against, and the path without the kernels)."""
-    codes = int8_codes(codes)
+    codes = int8_codes(codes, scales)
     n, k = codes.shape
     w = codes.view(n, -1, block_of(k, scales)).float() * float_scales(scales)[..., None]
     return w.reshape(n, k).to(dtype)
@@ -100,27 +107,28 @@ class Int8BlockLinear(nn.Module):
 
     def __init__(self, codes: torch.Tensor | nn.Parameter, scales: torch.Tensor | nn.Parameter,
                  bias: torch.Tensor | None = None) -> None:
-        """`codes` int8 [N, K] or 6-bit (uint8 [N, K/64 * 48], with two-level scales:
-        int8_blocks.six_bit_pack), `scales` [N, K / block] (float16 kept as such: half the
-        bytes of float32, for scales it holds exactly, as Q8_0's own; any other dtype as
-        float32), block 16 or 32, or Q6_K's two levels (uint8 [N, K/16 + K/128], K a multiple
-        of 256: int8_blocks.q6_k_two_level); parameters given are kept as they are (shared with
-        a tied embedding). ValueError for a K that is not a multiple of 32 or a block other
-        than 16 or 32, or 6-bit codes without two-level scales."""
+        """`codes` int8 [N, K] or packed (uint8 [N, K/64 * 48 or 40]: int8_blocks.packed_codes:
+        6 bits with two-level scales, else 5 bits with blocks of 32), `scales` [N, K / block]
+        (float16 kept as such: half the bytes of float32, for scales it holds exactly, as
+        Q8_0's own; any other dtype as float32), block 16 or 32, or Q6_K's two levels (uint8
+        [N, K/16 + K/128], K a multiple of 256: int8_blocks.q6_k_two_level); parameters given
+        are kept as they are (shared with a tied embedding). ValueError for a K that is not a
+        multiple of 32 or a block other than 16 or 32, or packed codes of another shape."""
         super().__init__()
-        self.out_features, self.in_features = codes.shape[0], columns(codes)
+        bits = code_bits(codes, scales)
+        self.out_features, self.in_features = codes.shape[0], columns(codes, scales)
         self.block = block_of(self.in_features, scales)
         k = self.in_features
         width = k // 16 + k // 128 if scales.dtype == torch.uint8 else k // max(1, self.block)
-        six_bit = codes.dtype == torch.uint8
         if k % 32 or self.block not in (16, 32) or scales.shape[1] != width \
                 or (scales.dtype == torch.uint8 and k % 256) \
-                or (six_bit and (scales.dtype != torch.uint8 or codes.shape[1] % 48)):
+                or (bits != 8 and codes.shape[1] % (8 * bits)) or (bits == 5 and self.block != 32):
             raise ValueError(f"Int8BlockLinear: codes [{self.out_features}, "
-                             f"{self.in_features}] with scales {list(scales.shape)} "
-                             f"({scales.dtype}) need K a multiple of 32 and blocks of 16 or "
-                             f"32 (two levels: K a multiple of 256, K/16 + K/128 bytes; "
-                             f"6-bit codes with two levels only)")
+                             f"{self.in_features}] ({bits} bits) with scales "
+                             f"{list(scales.shape)} ({scales.dtype}) need K a multiple of 32 "
+                             f"and blocks of 16 or 32 (two levels: K a multiple of 256, K/16 + "
+                             f"K/128 bytes; packed codes: whole chunks of 64, 5 bits in blocks "
+                             f"of 32)")
         self.codes = codes if isinstance(codes, nn.Parameter) else _param(codes.contiguous())
         self.scales = scales if isinstance(scales, nn.Parameter) else _param(_scales(scales))
         self.bias = None if bias is None else _param(bias.detach().clone())
@@ -178,7 +186,7 @@ class Int8BlockEmbedding(nn.Module):
         self.codes = _param(codes.contiguous())
         self.scales = _param(_scales(scales))
         self.dtype = dtype
-        self.num_embeddings, self.embedding_dim = codes.shape[0], columns(codes)
+        self.num_embeddings, self.embedding_dim = codes.shape[0], columns(codes, scales)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)

@@ -77,7 +77,7 @@ def q6_k_two_level(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     blocks' int8 sub-scales, then per super-block of 256 its float16 d (their bytes), the
     layout kernels/csrc/quant_int8.cpp's TwoLevelScales reads: scale = d * sub-scale
     (`two_level_block_scales`), the float32 scales' very values in 0.07 bytes a weight, where
-    they take 0.25. With the codes in 6 bits (`six_bit_pack`), 0.82 bytes a weight: the
+    they take 0.25. With the codes in 6 bits (`packed_codes`), 0.82 bytes a weight: the
     file's."""
     n = raw.shape[0]
     blocks = raw.reshape(n, -1, GGML_QUANT_SIZES[_T.Q6_K][1])
@@ -86,27 +86,41 @@ def q6_k_two_level(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _unit_scaled(raw, _T.Q6_K)[0], np.ascontiguousarray(table)
 
 
-def six_bit_pack(codes: np.ndarray) -> np.ndarray:
-    """Codes int8 [N, K] within -32..31 (K a multiple of 64) as 6 bits each, uint8 [N, K/64 *
-    48], the layout kernels/csrc/quant_int8.cpp's SixBitCodes reads: per 64 codes, 32 bytes of
-    low nibbles (byte i: code i | code i + 32 << 4), then 16 bytes of high pairs (byte i: codes
-    i, i + 16, i + 32, i + 48 at bits 0-1, 2-3, 4-5, 6-7), each code plus 32 (0..63)."""
-    n = codes.shape[0]
-    u = (codes.astype(np.int16) + 32).astype(np.uint8).reshape(n, -1, 64)
+def packed_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Codes int8 [N, K] within -2^(bits-1) .. 2^(bits-1) - 1 (bits 6 or 5; K a multiple of 64)
+    in `bits` bits each, uint8 [N, K/64 * (48 or 40)], the layout kernels/csrc/quant_int8.cpp's
+    PackedBits reads: per 64 codes, 32 bytes of low nibbles (byte i: code i | code i + 32 <<
+    4), then the high bits: 6 bits, 16 bytes of pairs (byte i: codes i, i + 16, i + 32, i + 48
+    at bits 0-1, 2-3, 4-5, 6-7); 5 bits, 8 bytes (bit j of them: code j's); each code stored
+    plus 2^(bits-1). ValueError for other bits, K or codes out of range."""
+    n, k = codes.shape
+    bias = 1 << (bits - 1)
+    if bits not in (5, 6) or k % 64 or codes.min(initial=0) < -bias or \
+            codes.max(initial=0) >= bias:
+        raise ValueError(f"packed_codes: {bits}-bit codes of [{n}, {k}] need bits 5 or 6, K a "
+                         f"multiple of 64 and codes within [{-bias}, {bias - 1}]")
+    u = (codes.astype(np.int16) + bias).astype(np.uint8).reshape(n, -1, 64)
     low = (u[..., :32] & 15) | ((u[..., 32:] & 15) << 4)
     high = u >> 4
-    pairs = high[..., :16] | (high[..., 16:32] << 2) | (high[..., 32:48] << 4) | (high[..., 48:] << 6)
-    return np.ascontiguousarray(np.concatenate((low, pairs), axis=2).reshape(n, -1))
+    if bits == 6:
+        tail = high[..., :16] | (high[..., 16:32] << 2) | (high[..., 32:48] << 4) | \
+            (high[..., 48:] << 6)
+    else:
+        tail = np.packbits(high, axis=2, bitorder="little")
+    return np.ascontiguousarray(np.concatenate((low, tail), axis=2).reshape(n, -1))
 
 
-def six_bit_unpack(packed: np.ndarray) -> np.ndarray:
-    """The codes int8 [N, K] of `six_bit_pack`'s bytes [N, K/64 * 48]."""
+def unpacked_codes(packed: np.ndarray, bits: int) -> np.ndarray:
+    """The codes int8 [N, K] of `packed_codes(codes, bits)`."""
     n = packed.shape[0]
-    chunks = packed.reshape(n, -1, 48)
-    low, pairs = chunks[..., :32], chunks[..., 32:]
-    high = np.concatenate([(pairs >> (2 * i)) & 3 for i in range(4)], axis=2)
+    chunks = packed.reshape(n, -1, 48 if bits == 6 else 40)
+    low, tail = chunks[..., :32], chunks[..., 32:]
+    if bits == 6:
+        high = np.concatenate([(tail >> (2 * i)) & 3 for i in range(4)], axis=2)
+    else:
+        high = np.unpackbits(tail, axis=2, bitorder="little")
     u = np.concatenate((low & 15, low >> 4), axis=2) | (high << 4)
-    return (u.astype(np.int16) - 32).astype(np.int8).reshape(n, -1)
+    return (u.astype(np.int16) - (1 << (bits - 1))).astype(np.int8).reshape(n, -1)
 
 
 def two_level_block_scales(table: np.ndarray) -> np.ndarray:

@@ -3,7 +3,8 @@ before the weights are read: linears (q/k/v and gate/up concatenated, as the mod
 an untied LM head, and the token embedding table (whose tied head then shares its codes).
 
 Where every part is Q6_K, the codes stay 6 bits and the scales in the file's two levels
-(int8_blocks.q6_k_two_level, six_bit_pack: the file's 0.82 bytes a weight);
+(int8_blocks.q6_k_two_level, packed_codes: the file's 0.82 bytes a weight); where every part is
+Q5_0 (and K a multiple of 64), the codes stay 5 bits with the file's float16 scales (0.69);
 a fused linear whose parts mix Q6_K with Q8_0 or Q5_0 takes float32 scales in blocks of 16
 (each 32-block scale twice: exact); one with 4-bit parts too is built as a linear per run
 (parts_linear.py).
@@ -19,13 +20,13 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from pagedkv.model.layers import Linear
-from pagedkv.model.quant.gguf_parts import gguf_parts, narrowest_scales
+from pagedkv.model.quant.gguf_parts import gguf_parts, gguf_types, narrowest_scales
 from pagedkv.model.quant.int8_block_linear import Int8BlockEmbedding, Int8BlockLinear
 from pagedkv.model.quant.int8_blocks import (
     INT8_BLOCK_TYPES,
     int8_codes_and_scales,
+    packed_codes,
     q6_k_two_level,
-    six_bit_pack,
 )
 
 
@@ -40,10 +41,16 @@ def _codes_and_scales(checkpoint: Any, sources: list[str]
                            lambda rows, _: q6_k_two_level(rows))
     if two_level is not None:  # 6-bit codes with the two levels: the file's 0.82 bytes a weight
         codes, table = (np.concatenate(arrays) for arrays in zip(*two_level, strict=True))
-        return torch.from_numpy(six_bit_pack(codes)), torch.from_numpy(table)
+        return torch.from_numpy(packed_codes(codes, 6)), torch.from_numpy(table)
     parts = gguf_parts(checkpoint, sources, INT8_BLOCK_TYPES, int8_codes_and_scales)
     if parts is None:
         return None
+    five_bit = all(t == GGMLQuantizationType.Q5_0 for t in gguf_types(checkpoint, sources))
+    if five_bit and parts[0][0].shape[1] % 64 == 0:  # Q5_0's codes in 5 bits, as the file's
+        codes = np.concatenate([part[0] for part in parts])
+        scales = np.concatenate([part[1] for part in parts])
+        return torch.from_numpy(packed_codes(codes, 5)), torch.from_numpy(
+            np.ascontiguousarray(narrowest_scales(scales)))
     block = min(part[2] for part in parts)
     codes = np.concatenate([part[0] for part in parts])
     scales = np.concatenate([np.repeat(part[1], part[2] // block, axis=1) for part in parts])
