@@ -141,12 +141,45 @@ inline __m512i packed_chunk(const uint8_t* p) {
 }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512BW__)
+// Codes 32h .. 32h + 31 of a 64-code chunk at p, stored (plus kBias), with AVX2 alone.
+template <int Bits>
+inline __m256i packed_half_avx2(const uint8_t* p, int h) {
+  const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i nibbles =
+      _mm256_and_si256(h ? _mm256_srli_epi16(low, 4) : low, _mm256_set1_epi8(15));
+  if constexpr (Bits == 5) {  // bit j of the 32 -> byte j: 16 where set
+    uint32_t bits;
+    std::memcpy(&bits, p + 32 + 4 * h, sizeof(bits));
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(static_cast<int>(bits)),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                         3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_or_si256(nibbles, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+  } else {  // codes 16L .. 16L + 15 (L = 2h, 2h + 1) take bits 2L, 2L + 1 of the pair bytes
+    const __m256i pairs =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32)));
+    const __m256i shifted = h ? _mm256_blend_epi32(_mm256_srli_epi16(pairs, 4),
+                                                   _mm256_srli_epi16(pairs, 6), 0xF0)
+                              : _mm256_blend_epi32(pairs, _mm256_srli_epi16(pairs, 2), 0xF0);
+    const __m256i high = _mm256_and_si256(shifted, _mm256_set1_epi8(3));
+    return _mm256_or_si256(nibbles, _mm256_slli_epi16(high, 4));
+  }
+}
+#endif
+
 // One 64-code chunk's codes (signed) from its bytes at p into out.
 template <int Bits>
 inline void packed_unpack(const uint8_t* p, int8_t* out) {
   constexpr int kBias = PackedBits<Bits>::kBias;
 #if defined(__AVX512BW__)
   _mm512_storeu_si512(out, _mm512_sub_epi8(packed_chunk<Bits>(p), _mm512_set1_epi8(kBias)));
+#elif defined(__AVX2__)
+  for (int h = 0; h < 2; ++h)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * h),
+                        _mm256_sub_epi8(packed_half_avx2<Bits>(p, h), _mm256_set1_epi8(kBias)));
 #else
   for (int i = 0; i < 32; ++i) {
     out[i] = static_cast<int8_t>(p[i] & 15);
