@@ -16,6 +16,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from pagedkv.kernels.cpu import ensure_cpu_kernels
+from pagedkv.model.quant.gguf_parts import narrowest_scales
 from pagedkv.model.quant.int8_block_linear import (
     INT8_BLOCK_ROWS,
     Int8BlockEmbedding,
@@ -24,6 +25,7 @@ from pagedkv.model.quant.int8_block_linear import (
     product_rows,
 )
 from pagedkv.model.quant.int8_blocks import (
+    IQ4_VALUES,
     int8_codes_and_scales,
     packed_codes,
     q6_k_two_level,
@@ -110,18 +112,21 @@ def test_q6_k_two_levels_are_the_float32_scales():
     np.testing.assert_array_equal(two_level_block_scales(table), want_scales)
 
 
-@pytest.mark.parametrize("bits", [5, 6])
+@pytest.mark.parametrize("bits", [4, 5, 6])
 def test_packed_codes_round_trip(bits):
-    """Every 5- or 6-bit code in every position of a chunk packs and unpacks to itself, in 0.625
-    or 0.75 bytes a code; codes out of range are refused."""
+    """Every 5- or 6-bit code, and every IQ4 value as a 4-bit index, in every position of a
+    chunk packs and unpacks to itself, in 0.5, 0.625 or 0.75 bytes a code; other codes are
+    refused."""
     half = 1 << (bits - 1)
-    codes = np.random.default_rng(0).integers(-half, half, (5, 256)).astype(np.int8)
-    codes[0] = np.arange(256) % (2 * half) - half
+    rng = np.random.default_rng(0)
+    values = np.arange(-half, half) if bits > 4 else IQ4_VALUES.astype(np.int64)
+    codes = values[rng.integers(0, len(values), (5, 256))].astype(np.int8)
+    codes[0] = values[np.arange(256) % len(values)]
     packed = packed_codes(codes, bits)
     assert packed.dtype == np.uint8 and packed.shape == (5, 256 // 64 * 8 * bits)
     np.testing.assert_array_equal(unpacked_codes(packed, bits), codes)
-    with pytest.raises(ValueError, match=rf"{bits}-bit codes .*within \[{-half}, {half - 1}\]"):
-        packed_codes(codes * 2, bits)
+    with pytest.raises(ValueError, match=rf"{bits}-bit codes .*(within|IQ4's values)"):
+        packed_codes((codes.astype(np.int16) * 2).clip(-128, 127).astype(np.int8), bits)
 
 
 def two_level_linears(n: int, k: int, seed: int) -> dict[str, Int8BlockLinear]:
@@ -172,28 +177,38 @@ def test_two_level_and_six_bit_products_equal_the_float32_tables(rows):
         assert torch.equal(table(ids), wide.dequantized(torch.bfloat16)[ids])
 
 
-def five_bit_pair(n: int, k: int, seed: int) -> tuple[Int8BlockLinear, Int8BlockLinear]:
-    """(the 5-bit Int8BlockLinear, the int8 one) of the same Q5_0 rows, the file's float16
-    scales."""
-    codes, scales, _ = int8_codes_and_scales(q5_0_rows(n, k, seed), Q5_0)
-    half = torch.from_numpy(scales.astype(np.float16))
-    five = Int8BlockLinear(torch.from_numpy(packed_codes(codes, 5)), half)
-    assert five.in_features == k and five.block == 32 and five.codes.shape[1] == k * 5 // 8
-    return five, Int8BlockLinear(torch.from_numpy(codes), half)
+PACKED_BITS = {Q5_0: 5, IQ4_NL: 4, IQ4_XS: 4}
 
 
+def packed_pair(ggml_type: GGMLQuantizationType, n: int, k: int, seed: int
+                ) -> tuple[Int8BlockLinear, Int8BlockLinear]:
+    """(the Int8BlockLinear on packed codes, the one on int8 codes) of the same rows of
+    `ggml_type` (Q5_0: 5 bits; IQ4_NL, IQ4_XS: 4-bit indices), the same scales (float16 where
+    exact, as the loader keeps them)."""
+    codes, scales, _ = int8_codes_and_scales(ROWS[ggml_type](n, k, seed), ggml_type)
+    table = torch.from_numpy(np.ascontiguousarray(narrowest_scales(scales)))
+    bits = PACKED_BITS[ggml_type]
+    packed = Int8BlockLinear(torch.from_numpy(packed_codes(codes, bits)), table)
+    assert packed.in_features == k and packed.block == 32
+    assert packed.codes.shape[1] == k * bits // 8
+    return packed, Int8BlockLinear(torch.from_numpy(codes), table)
+
+
+@pytest.mark.parametrize("ggml_type,k", [(Q5_0, 576), (IQ4_NL, 576), (IQ4_XS, 768)],
+                         ids=["Q5_0", "IQ4_NL", "IQ4_XS"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 12, 300])
-def test_five_bit_products_equal_the_int8_codes(rows):
-    """Q5_0's codes in 5 bits (K = 576: nine chunks of 64, as SmolLM2's rows; 40 outputs), on
-    one thread and two, in bfloat16 and float32, give the int8 codes' very outputs on every
-    path (decode tiles, panel, row blocks, the expansion, the embedding rows)."""
-    five, plain = five_bit_pair(40, 576, seed=rows)
+def test_packed_products_equal_the_int8_codes(ggml_type, k, rows):
+    """Q5_0's codes in 5 bits and IQ4's as 4-bit indices (K = 576: nine chunks of 64, as
+    SmolLM2's rows; 768 for IQ4_XS's super-blocks; 40 outputs), on one thread and two, in
+    bfloat16 and float32, give the int8 codes' very outputs on every path (decode tiles,
+    panel, row blocks, the expansion, the embedding rows)."""
+    five, plain = packed_pair(ggml_type, 40, k, seed=rows)
     threads = torch.get_num_threads()
     try:
         for count in (1, 2):
             torch.set_num_threads(count)
             for dtype in (torch.bfloat16, torch.float32):
-                x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(count)) \
+                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(count)) \
                     .to(dtype)
                 assert torch.equal(five(x), plain(x)), (count, dtype)
                 expanded = [torch.ops.pagedkv_cpu.int8_block_forward(
@@ -377,11 +392,12 @@ for rows in (5, 20):
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(2))
     same &= torch.equal(linears["six"](x), linears["wide"](x))
     same &= torch.equal(linears["two"](x), linears["wide"](x))
-from tests.model.test_quant_int8_blocks import five_bit_pair
-five, plain = five_bit_pair(40, 576, seed=3)
-for rows in (1, 20):
-    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(3))
-    same &= torch.equal(five(x), plain(x))
+from tests.model.test_quant_int8_blocks import IQ4_NL, Q5_0, packed_pair
+for ggml_type in (Q5_0, IQ4_NL):
+    packed, plain = packed_pair(ggml_type, 40, 576, seed=3)
+    for rows in (1, 20):
+        x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(3))
+        same &= torch.equal(packed(x), plain(x))
 print(json.dumps([torch.ops.pagedkv_cpu.int8_block_isa(), worst, same]))
 """
 

@@ -103,17 +103,23 @@ struct TwoLevelScales {
 // a row, 32 bytes of low nibbles (byte i: code i | code i + 32 << 4), then the high bits:
 // Q6_K's 6-bit codes 16 bytes of pairs (byte i: codes i, i + 16, i + 32, i + 48, two bits
 // each), Q5_0's 5-bit codes 8 bytes (bit j: code j's), each code stored plus kBias (0 ..
-// 2^Bits - 1): 0.75 and 0.625 bytes a weight where an int8 code takes 1. Bits 8: int8 codes.
+// 2^Bits - 1): 0.75 and 0.625 bytes a weight where an int8 code takes 1. Bits 4: IQ4_NL's and
+// IQ4_XS's codes, the nibbles indices into kIq4Values (0.5 bytes a weight); kBias 128 (the
+// values' offset to vpdpbusd's unsigned operand). Bits 8: int8 codes.
 template <int Bits>
 struct PackedBits {
-  static_assert(Bits == 5 || Bits == 6 || Bits == 8, "codes of 5, 6 or 8 bits");
-  static constexpr int64_t kChunkBytes = Bits == 6 ? 48 : Bits == 5 ? 40 : 64;
-  static constexpr int kBias = 1 << (Bits - 1);
+  static_assert(Bits == 4 || Bits == 5 || Bits == 6 || Bits == 8, "codes of 4, 5, 6 or 8 bits");
+  static constexpr int64_t kChunkBytes = Bits == 6 ? 48 : Bits == 5 ? 40 : Bits == 4 ? 32 : 64;
+  static constexpr int kBias = Bits == 4 ? 128 : 1 << (Bits - 1);
   // vpdpbusd's start for the stored codes: -kBias times each lane's activation code sum, the
   // quantized rows' -128 times it shifted right.
-  static constexpr int kOffsetShift = 8 - Bits;
+  static constexpr int kOffsetShift = Bits == 4 ? 0 : 8 - Bits;
   static int64_t row_bytes(int64_t k) { return k / 64 * kChunkBytes; }
 };
+
+// IQ4_NL's table (llama.cpp's kvalues_iq4nl; IQ4_XS's too): a 4-bit code's value.
+constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                   1,    13,   25,  38,  53,  69,  89,  113};
 
 #if defined(__AVX512BW__)
 // One 64-code chunk's stored codes (plus kBias, unsigned), in order, from its bytes at p.
@@ -124,7 +130,12 @@ inline __m512i packed_chunk(const uint8_t* p) {
   const __m512i nibbles = _mm512_inserti64x4(
       _mm512_castsi256_si512(_mm256_and_si256(low, m4)),
       _mm256_and_si256(_mm256_srli_epi16(low, 4), m4), 1);
-  if constexpr (Bits == 5) {
+  if constexpr (Bits == 4) {  // the table's values plus 128, each 128-bit lane a copy
+    const __m512i table = _mm512_xor_si512(
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values))),
+        _mm512_set1_epi8(static_cast<char>(0x80)));
+    return _mm512_shuffle_epi8(table, nibbles);
+  } else if constexpr (Bits == 5) {
     uint64_t bits;
     std::memcpy(&bits, p + 32, sizeof(bits));
     return _mm512_or_si512(nibbles, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(16)));
@@ -148,7 +159,12 @@ inline __m256i packed_half_avx2(const uint8_t* p, int h) {
   const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   const __m256i nibbles =
       _mm256_and_si256(h ? _mm256_srli_epi16(low, 4) : low, _mm256_set1_epi8(15));
-  if constexpr (Bits == 5) {  // bit j of the 32 -> byte j: 16 where set
+  if constexpr (Bits == 4) {
+    const __m256i table = _mm256_xor_si256(
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values))),
+        _mm256_set1_epi8(static_cast<char>(0x80)));
+    return _mm256_shuffle_epi8(table, nibbles);
+  } else if constexpr (Bits == 5) {  // bit j of the 32 -> byte j: 16 where set
     uint32_t bits;
     std::memcpy(&bits, p + 32 + 4 * h, sizeof(bits));
     const __m256i spread = _mm256_shuffle_epi8(
@@ -181,6 +197,13 @@ inline void packed_unpack(const uint8_t* p, int8_t* out) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * h),
                         _mm256_sub_epi8(packed_half_avx2<Bits>(p, h), _mm256_set1_epi8(kBias)));
 #else
+  if constexpr (Bits == 4) {
+    for (int i = 0; i < 32; ++i) {
+      out[i] = kIq4Values[p[i] & 15];
+      out[i + 32] = kIq4Values[p[i] >> 4];
+    }
+    return;
+  }
   for (int i = 0; i < 32; ++i) {
     out[i] = static_cast<int8_t>(p[i] & 15);
     out[i + 32] = static_cast<int8_t>(p[i] >> 4);
@@ -511,6 +534,10 @@ inline __m256i packed_half(const uint8_t* row, int64_t at) {
   const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   const __m256i nibbles = _mm256_and_si256(upper ? _mm256_srli_epi16(low, 4) : low,
                                            _mm256_set1_epi8(15));
+  if constexpr (Bits == 4)
+    return _mm256_shuffle_epi8(
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values))),
+        nibbles);
   __m256i high;
   if constexpr (Bits == 5) {
     uint32_t bits;
@@ -682,11 +709,12 @@ void panel_columns(const QuantizedRows& q, int64_t m, const CodeSrc& codes, cons
 constexpr int kRowTile = 4;
 constexpr int kColTile = 4;  // weight rows computed together
 
-// The bits of a weight's codes: 8 (int8), or packed (uint8): 6 with two-level scales (Q6_K), 5
-// with a float16 or float32 table (Q5_0).
+// The bits of a weight's codes: 8 (int8), or packed (uint8): 6 with two-level scales (Q6_K);
+// with a float16 or float32 table (blocks of 32), 5 (Q5_0: 20 bytes a block) or 4 (IQ4: 16).
 int code_bits(const at::Tensor& codes, const at::Tensor& scales) {
   if (codes.scalar_type() != at::kByte) return 8;
-  return scales.scalar_type() == at::kByte ? 6 : 5;
+  if (scales.scalar_type() == at::kByte) return 6;
+  return scales.size(1) > 0 && codes.size(1) == 16 * scales.size(1) ? 4 : 5;
 }
 
 // K of a weight's codes: int8 [N, K], or packed (uint8 [N, K / 64 * chunk bytes]: PackedBits).
@@ -694,6 +722,7 @@ int64_t weight_k(const at::Tensor& codes, const at::Tensor& scales) {
   switch (code_bits(codes, scales)) {
     case 6: return codes.size(1) / PackedBits<6>::kChunkBytes * 64;
     case 5: return codes.size(1) / PackedBits<5>::kChunkBytes * 64;
+    case 4: return codes.size(1) * 2;
     default: return codes.size(1);
   }
 }
@@ -709,16 +738,15 @@ void check_weight(const at::Tensor& codes, const at::Tensor& scales, int64_t blo
   const int bits = code_bits(codes, scales);
   const int64_t k = weight_k(codes, scales);
   TORCH_CHECK(k % 32 == 0, op, ": K must be a multiple of 32, got ", k);
-  TORCH_CHECK(bits == 8 || (codes.size(1) % (bits == 6 ? PackedBits<6>::kChunkBytes
-                                                         : PackedBits<5>::kChunkBytes) == 0),
-              op, ": packed codes must be whole chunks of 64");
+  TORCH_CHECK(bits == 8 || codes.size(1) % (8 * bits) == 0, op,
+              ": packed codes must be whole chunks of 64");
   if (scales.scalar_type() == at::kByte) {  // Q6_K's two levels (TwoLevelScales)
     TORCH_CHECK(block == 16 && k % 256 == 0 && scales.size(1) == k / 16 + k / 128, op,
                 ": two-level scales (uint8) need blocks of 16, K a multiple of 256 and ",
                 "K / 16 + K / 128 bytes a row");
     return;
   }
-  TORCH_CHECK(bits == 8 || block == 32, op, ": 5-bit codes take blocks of 32");
+  TORCH_CHECK(bits == 8 || block == 32, op, ": 4- and 5-bit codes take blocks of 32");
   TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) &&
                   scales.size(1) == k / block,
               op, ": scales must be float32 or float16 [N, K / block] or uint8 two levels");
@@ -953,7 +981,9 @@ inline void with_weight(const at::Tensor& codes, const at::Tensor& scales, int64
     return;
   }
   auto with_table = [&](const auto& src) {
-    if (codes.scalar_type() == at::kByte) fn(B32{}, Codes<5>{w, k}, src);  // Q5_0's
+    if (codes.scalar_type() == at::kByte && code_bits(codes, scales) == 4)
+      fn(B32{}, Codes<4>{w, k}, src);  // IQ4's
+    else if (codes.scalar_type() == at::kByte) fn(B32{}, Codes<5>{w, k}, src);  // Q5_0's
     else if (block == 32) fn(B32{}, Codes<8>{w, k}, src);
     else fn(B16{}, Codes<8>{w, k}, src);
   };

@@ -2,7 +2,8 @@
 row (GGUF Q8_0, Q6_K and the other symmetric formats kept packed: int8_blocks.py), W = code *
 scale exactly. The scales: float16 where that holds them exactly (Q8_0's own), Q6_K's two
 levels (a uint8 table: int8_blocks.q6_k_two_level), else float32; Q6_K's codes in 6 bits
-and Q5_0's in 5 (uint8 [N, K/64 * 48 or 40]: int8_blocks.packed_codes), others a byte each.
+Q5_0's in 5 and IQ4's as 4-bit indices (uint8 [N, K/64 * 48, 40 or 32]:
+int8_blocks.packed_codes), others a byte each.
 
 The linear's calls up to `product_rows` rows (`INT8_BLOCK_ROWS` with AVX2, 64 where AMX-INT8
 tiles run, every call with AVX-512 VNNI's panel product) run `int8_block_linear`
@@ -67,10 +68,13 @@ def block_of(k: int, scales: torch.Tensor) -> int:
 
 
 def code_bits(codes: torch.Tensor, scales: torch.Tensor) -> int:
-    """8 for int8 codes; packed (uint8) ones: 6 with two-level scales (Q6_K's), else 5."""
+    """8 for int8 codes; packed (uint8) ones: 6 with two-level scales (Q6_K's), else (blocks of
+    32) 4 where a block takes 16 bytes (IQ4's), 5 where 20 (Q5_0's)."""
     if codes.dtype != torch.uint8:
         return 8
-    return 6 if scales.dtype == torch.uint8 else 5
+    if scales.dtype == torch.uint8:
+        return 6
+    return 4 if codes.shape[1] == 16 * scales.shape[1] else 5
 
 
 def columns(codes: torch.Tensor, scales: torch.Tensor) -> int:
@@ -107,8 +111,9 @@ class Int8BlockLinear(nn.Module):
 
     def __init__(self, codes: torch.Tensor | nn.Parameter, scales: torch.Tensor | nn.Parameter,
                  bias: torch.Tensor | None = None) -> None:
-        """`codes` int8 [N, K] or packed (uint8 [N, K/64 * 48 or 40]: int8_blocks.packed_codes:
-        6 bits with two-level scales, else 5 bits with blocks of 32), `scales` [N, K / block]
+        """`codes` int8 [N, K] or packed (uint8 [N, K/64 * 48, 40 or 32]:
+        int8_blocks.packed_codes: 6 bits with two-level scales, else 5 or 4 with blocks of
+        32), `scales` [N, K / block]
         (float16 kept as such: half the bytes of float32, for scales it holds exactly, as
         Q8_0's own; any other dtype as float32), block 16 or 32, or Q6_K's two levels (uint8
         [N, K/16 + K/128], K a multiple of 256: int8_blocks.q6_k_two_level); parameters given
@@ -122,13 +127,14 @@ class Int8BlockLinear(nn.Module):
         width = k // 16 + k // 128 if scales.dtype == torch.uint8 else k // max(1, self.block)
         if k % 32 or self.block not in (16, 32) or scales.shape[1] != width \
                 or (scales.dtype == torch.uint8 and k % 256) \
-                or (bits != 8 and codes.shape[1] % (8 * bits)) or (bits == 5 and self.block != 32):
+                or (bits != 8 and codes.shape[1] % (8 * bits)) \
+                or (bits in (4, 5) and self.block != 32):
             raise ValueError(f"Int8BlockLinear: codes [{self.out_features}, "
                              f"{self.in_features}] ({bits} bits) with scales "
                              f"{list(scales.shape)} ({scales.dtype}) need K a multiple of 32 "
                              f"and blocks of 16 or 32 (two levels: K a multiple of 256, K/16 + "
-                             f"K/128 bytes; packed codes: whole chunks of 64, 5 bits in blocks "
-                             f"of 32)")
+                             f"K/128 bytes; packed codes: whole chunks of 64, 4 or 5 bits in "
+                             f"blocks of 32)")
         self.codes = codes if isinstance(codes, nn.Parameter) else _param(codes.contiguous())
         self.scales = scales if isinstance(scales, nn.Parameter) else _param(_scales(scales))
         self.bias = None if bias is None else _param(bias.detach().clone())

@@ -60,7 +60,7 @@ def _unit_scaled(raw: np.ndarray, ggml_type: GGMLQuantizationType
                  ) -> tuple[np.ndarray, np.ndarray]:
     """(codes int8 [N, K], scales float32 [N, K / block]) of rows `raw` of a type in
     _UNIT_CODES: the scales from a copy of the blocks with every code 1, the codes from the
-    weights over them (0 where the scale is 0)."""
+    weights over them (1 where the scale is 0: a code of every format, IQ4's table included)."""
     n, block = raw.shape[0], INT8_BLOCK_TYPES[ggml_type]
     unit = np.array(raw).reshape(-1, GGML_QUANT_SIZES[ggml_type][1])
     for start, stop, value in _UNIT_CODES[ggml_type]:
@@ -68,7 +68,7 @@ def _unit_scaled(raw: np.ndarray, ggml_type: GGMLQuantizationType
     scale = quants.dequantize(unit.reshape(n, -1), ggml_type).reshape(n, -1, block)[..., 0]
     w = quants.dequantize(np.ascontiguousarray(raw), ggml_type).reshape(n, -1, block)
     safe = np.where(scale == 0, 1, scale)[..., None]
-    codes = np.where(scale[..., None] == 0, 0, np.rint(w / safe)).astype(np.int8)
+    codes = np.where(scale[..., None] == 0, 1, np.rint(w / safe)).astype(np.int8)
     return codes.reshape(n, -1), scale.astype(np.float32)
 
 
@@ -86,19 +86,33 @@ def q6_k_two_level(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _unit_scaled(raw, _T.Q6_K)[0], np.ascontiguousarray(table)
 
 
+# IQ4_NL's and IQ4_XS's table of values (llama.cpp's kvalues_iq4nl): a 4-bit code's value.
+IQ4_VALUES = np.array(quants.IQ4_NL.kvalues, dtype=np.int8)
+
+
 def packed_codes(codes: np.ndarray, bits: int) -> np.ndarray:
-    """Codes int8 [N, K] within -2^(bits-1) .. 2^(bits-1) - 1 (bits 6 or 5; K a multiple of 64)
-    in `bits` bits each, uint8 [N, K/64 * (48 or 40)], the layout kernels/csrc/quant_int8.cpp's
-    PackedBits reads: per 64 codes, 32 bytes of low nibbles (byte i: code i | code i + 32 <<
-    4), then the high bits: 6 bits, 16 bytes of pairs (byte i: codes i, i + 16, i + 32, i + 48
-    at bits 0-1, 2-3, 4-5, 6-7); 5 bits, 8 bytes (bit j of them: code j's); each code stored
-    plus 2^(bits-1). ValueError for other bits, K or codes out of range."""
+    """Codes int8 [N, K] (K a multiple of 64) in `bits` bits each, uint8 [N, K/64 * (32, 40 or
+    48)], the layout kernels/csrc/quant_int8.cpp's PackedBits reads: per 64 codes, 32 bytes of
+    low nibbles (byte i: code i | code i + 32 << 4), then the high bits: 6 bits (codes within
+    -32..31), 16 bytes of pairs (byte i: codes i, i + 16, i + 32, i + 48 at bits 0-1, 2-3, 4-5,
+    6-7); 5 bits (-16..15), 8 bytes (bit j of them: code j's); each code stored plus 2^(bits-1);
+    4 bits, the codes IQ4_VALUES' values, stored as their indices. ValueError for other bits, K
+    or codes."""
     n, k = codes.shape
     bias = 1 << (bits - 1)
-    if bits not in (5, 6) or k % 64 or codes.min(initial=0) < -bias or \
-            codes.max(initial=0) >= bias:
-        raise ValueError(f"packed_codes: {bits}-bit codes of [{n}, {k}] need bits 5 or 6, K a "
-                         f"multiple of 64 and codes within [{-bias}, {bias - 1}]")
+    if bits == 4:
+        index = np.searchsorted(IQ4_VALUES, codes).clip(0, 15)
+        fits = k % 64 == 0 and bool(np.all(IQ4_VALUES[index] == codes))
+    else:
+        fits = bits in (5, 6) and k % 64 == 0 and codes.min(initial=0) >= -bias and \
+            codes.max(initial=0) < bias
+    if not fits:
+        within = "IQ4's values" if bits == 4 else f"within [{-bias}, {bias - 1}]"
+        raise ValueError(f"packed_codes: {bits}-bit codes of [{n}, {k}] need bits 4, 5 or 6, "
+                         f"K a multiple of 64 and codes {within}")
+    if bits == 4:
+        u = index.astype(np.uint8).reshape(n, -1, 64)
+        return np.ascontiguousarray((u[..., :32] | (u[..., 32:] << 4)).reshape(n, -1))
     u = (codes.astype(np.int16) + bias).astype(np.uint8).reshape(n, -1, 64)
     low = (u[..., :32] & 15) | ((u[..., 32:] & 15) << 4)
     high = u >> 4
@@ -113,8 +127,10 @@ def packed_codes(codes: np.ndarray, bits: int) -> np.ndarray:
 def unpacked_codes(packed: np.ndarray, bits: int) -> np.ndarray:
     """The codes int8 [N, K] of `packed_codes(codes, bits)`."""
     n = packed.shape[0]
-    chunks = packed.reshape(n, -1, 48 if bits == 6 else 40)
+    chunks = packed.reshape(n, -1, 8 * bits)
     low, tail = chunks[..., :32], chunks[..., 32:]
+    if bits == 4:
+        return IQ4_VALUES[np.concatenate((low & 15, low >> 4), axis=2)].reshape(n, -1)
     if bits == 6:
         high = np.concatenate([(tail >> (2 * i)) & 3 for i in range(4)], axis=2)
     else:

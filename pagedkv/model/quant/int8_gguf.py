@@ -4,7 +4,8 @@ an untied LM head, and the token embedding table (whose tied head then shares it
 
 Where every part is Q6_K, the codes stay 6 bits and the scales in the file's two levels
 (int8_blocks.q6_k_two_level, packed_codes: the file's 0.82 bytes a weight); where every part is
-Q5_0 (and K a multiple of 64), the codes stay 5 bits with the file's float16 scales (0.69);
+Q5_0 (and K a multiple of 64), the codes stay 5 bits with the file's float16 scales (0.69),
+where every part is IQ4_NL or IQ4_XS, 4-bit indices into their table (0.56-0.63);
 a fused linear whose parts mix Q6_K with Q8_0 or Q5_0 takes float32 scales in blocks of 16
 (each 32-block scale twice: exact); one with 4-bit parts too is built as a linear per run
 (parts_linear.py).
@@ -45,17 +46,28 @@ def _codes_and_scales(checkpoint: Any, sources: list[str]
     parts = gguf_parts(checkpoint, sources, INT8_BLOCK_TYPES, int8_codes_and_scales)
     if parts is None:
         return None
-    five_bit = all(t == GGMLQuantizationType.Q5_0 for t in gguf_types(checkpoint, sources))
-    if five_bit and parts[0][0].shape[1] % 64 == 0:  # Q5_0's codes in 5 bits, as the file's
+    bits = _packed_bits(gguf_types(checkpoint, sources))
+    if bits and parts[0][0].shape[1] % 64 == 0:  # Q5_0's codes in 5 bits, IQ4's in 4
         codes = np.concatenate([part[0] for part in parts])
         scales = np.concatenate([part[1] for part in parts])
-        return torch.from_numpy(packed_codes(codes, 5)), torch.from_numpy(
+        return torch.from_numpy(packed_codes(codes, bits)), torch.from_numpy(
             np.ascontiguousarray(narrowest_scales(scales)))
     block = min(part[2] for part in parts)
     codes = np.concatenate([part[0] for part in parts])
     scales = np.concatenate([np.repeat(part[1], part[2] // block, axis=1) for part in parts])
     return torch.from_numpy(codes), torch.from_numpy(
         np.ascontiguousarray(narrowest_scales(scales)))
+
+
+def _packed_bits(types: list[int]) -> int:
+    """The bits packed_codes keeps these parts' codes in (blocks of 32): 5 where all are Q5_0, 4
+    where all are IQ4_NL or IQ4_XS (one table), else 0 (int8 codes)."""
+    kinds = set(types)
+    if kinds == {GGMLQuantizationType.Q5_0}:
+        return 5
+    if kinds <= {GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS}:
+        return 4
+    return 0
 
 
 def gguf_int8_block_linear(checkpoint: Any, sources: list[str], in_features: int,
