@@ -8,6 +8,8 @@ quantizes a safetensors model's linears per channel."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -129,6 +131,27 @@ def _rebuild_decode_stacks(runner: ModelRunner) -> None:
     runner.model.decode_stack = DecodeStack()
 
 
+def _assert_widened_logits_equal(packed: ModelRunner, dense: ModelRunner,
+                                 widen: Callable[[], None], label: str) -> None:
+    """`packed`'s decode and prefill logits equal, exactly, its own after `widen()` swaps its
+    compact weights for the same values in the wide layout (mutates `packed`), and stay within
+    the activation quantization's reach of `dense` (the file dequantized)."""
+    forwards = {"decode": lambda r: teacher_forced_logits(r, PROMPT, CONTINUATION),
+                "prefill": lambda r: prompt_logits(r, PROMPT + CONTINUATION)}
+    with torch.inference_mode():
+        got = {name: forward(packed) for name, forward in forwards.items()}
+        want = {name: forward(dense) for name, forward in forwards.items()}
+        widen()
+        _rebuild_decode_stacks(packed)
+        wide = {name: forward(packed) for name, forward in forwards.items()}
+    for name in forwards:
+        for a, b in zip(got[name], wide[name], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        kl = kl_divergence([want[name]], [got[name]])
+        print(f"{label} {name}: mean KL {kl.mean_kl:.2e} nats, top-1 {kl.top1_agreement:.3f}")
+        assert kl.mean_kl < 5e-3, (name, kl)
+
+
 def test_q4_k_model_keeps_the_files_two_level_scales(tmp_path):
     """A Q4_K file (rows of 256: every linear Q4_K; a tiny model's 64-wide rows cannot be)
     packs its linears with the scales as the file has them (uint8 tables: 2.5 bytes per 32
@@ -149,22 +172,13 @@ def test_q4_k_model_keeps_the_files_two_level_scales(tmp_path):
     linears = [m for m in packed.model.modules() if isinstance(m, Int4Linear)]
     assert len(linears) == 8 and all(m.scales.dtype == torch.uint8 for m in linears)
     assert all(m.scales.shape[1] * 32 == m.in_features * 5 // 2 for m in linears)
-    forwards = {"decode": lambda r: teacher_forced_logits(r, PROMPT, CONTINUATION),
-                "prefill": lambda r: prompt_logits(r, PROMPT + CONTINUATION)}
-    with torch.inference_mode():
-        got = {name: forward(packed) for name, forward in forwards.items()}
-        want = {name: forward(dense) for name, forward in forwards.items()}
-        for m in linears:  # the same weights on the float32 table
+
+    def widen() -> None:  # the same weights on the float32 table
+        for m in linears:
             m.scales = torch.nn.Parameter(scales_table(*two_level_scales(m.scales.numpy())),
                                           requires_grad=False)
-        _rebuild_decode_stacks(packed)
-        wide = {name: forward(packed) for name, forward in forwards.items()}
-    for name in forwards:
-        for a, b in zip(got[name], wide[name], strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
-        kl = kl_divergence([want[name]], [got[name]])
-        print(f"Q4_K {name}: mean KL {kl.mean_kl:.2e} nats, top-1 {kl.top1_agreement:.3f}")
-        assert kl.mean_kl < 5e-3, (name, kl)
+
+    _assert_widened_logits_equal(packed, dense, widen, "Q4_K")
 
 
 def test_q6_k_model_keeps_the_files_bytes(tmp_path):
@@ -194,12 +208,9 @@ def test_q6_k_model_keeps_the_files_bytes(tmp_path):
     norms = sum(p.numel() * p.element_size() for name, p in packed.model.named_parameters()
                 if "norm" in name)
     assert packed.weights_bytes == norms + sum(n * 210 // 256 for n in weights.values())
-    forwards = {"decode": lambda r: teacher_forced_logits(r, PROMPT, CONTINUATION),
-                "prefill": lambda r: prompt_logits(r, PROMPT + CONTINUATION)}
-    with torch.inference_mode():
-        got = {name: forward(packed) for name, forward in forwards.items()}
-        want = {name: forward(dense) for name, forward in forwards.items()}
-        for m in modules:  # the same codes as int8 on float32 scales
+
+    def widen() -> None:  # the same codes as int8 on float32 scales
+        for m in modules:
             m.codes = torch.nn.Parameter(torch.from_numpy(unpacked_codes(m.codes.numpy(), 6)),
                                          requires_grad=False)
             m.scales = torch.nn.Parameter(
@@ -207,11 +218,5 @@ def test_q6_k_model_keeps_the_files_bytes(tmp_path):
         if packed.model.lm_head.scales.dtype == torch.uint8:  # tied: the table's, swapped
             packed.model.lm_head.codes = packed.model.embed_tokens.codes
             packed.model.lm_head.scales = packed.model.embed_tokens.scales
-        _rebuild_decode_stacks(packed)
-        wide = {name: forward(packed) for name, forward in forwards.items()}
-    for name in forwards:
-        for a, b in zip(got[name], wide[name], strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
-        kl = kl_divergence([want[name]], [got[name]])
-        print(f"Q6_K {name}: mean KL {kl.mean_kl:.2e} nats, top-1 {kl.top1_agreement:.3f}")
-        assert kl.mean_kl < 5e-3, (name, kl)
+
+    _assert_widened_logits_equal(packed, dense, widen, "Q6_K")
