@@ -109,9 +109,17 @@ def test_bias_and_leading_dims(blocks, packed):
 
 
 def test_scales_kept_exactly(blocks, packed):
+    """The file's scales and offsets, as float16 (Q4_0's offsets, -8 times its scales, implied:
+    its scales alone, 2 bytes per 32 weights as in the file)."""
     (_, scale, offset), _ = blocks
     stored = packed[0].scales.float().numpy()
-    np.testing.assert_array_equal(stored, np.concatenate((scale, offset), axis=1))
+    q4_0 = bool(np.array_equal(offset, -8 * scale))
+    assert (stored.shape == scale.shape) == q4_0  # the scales alone: Q4_0's, and only those
+    if q4_0:
+        assert packed[0].scales.dtype == torch.float16
+        np.testing.assert_array_equal(stored, scale)
+    else:
+        np.testing.assert_array_equal(stored, np.concatenate((scale, offset), axis=1))
 
 
 def test_refuses_shapes_the_kernel_cannot_take():
@@ -313,18 +321,57 @@ two_err = max([float((ops.int4_gemv(x[:r], two.codes, two.scales, None)
                for r in (1, 5)]
               + [float((ops.int4_expand(two.codes, two.scales, torch.float32)
                         - ops.int4_expand(wide.codes, wide.scales, torch.float32)).abs().max())])
+from test_quant_int4 import q4_0_scale_only_error
 print(json.dumps([panel_isa(), torch.ops.pagedkv_cpu.int_gemv_isa(),
-                  float((got - want).abs().max()), float(want.abs().max()), ratios, two_err]))
+                  float((got - want).abs().max()), float(want.abs().max()), ratios, two_err,
+                  q4_0_scale_only_error((1, 5, 20))]))
 """
 
 
 def test_kernels_in_the_avx2_build():
-    isa, gemv_isa, err, scale, ratios, two_level_err = run_with_isa(
+    isa, gemv_isa, err, scale, ratios, two_level_err, scale_only_err = run_with_isa(
         _AVX2_CHECK, extra_path=(str(Path(__file__).parent),))
     assert "avx2" in isa.lower() and gemv_isa == "avx2", (isa, gemv_isa)
     assert err <= 1e-6 * scale, json.dumps([err, scale])
     assert all(max(r.values()) <= 1 for r in ratios), ratios
     assert two_level_err == 0  # Q4_K's two levels, materialized: the float32 table's products
+    assert scale_only_err <= 2.0 ** -20  # Q4_0's scales alone: the full table's, summed alike
+
+
+def q4_0_scale_only_error(rows: tuple[int, ...], k: int = 800) -> float:
+    """The largest difference between int4_gemv / int4_expand on Q4_0's float16 scales alone
+    (offsets implied) and on the table with the offsets (-8 x scale) stored, 40 outputs, over
+    the products' magnitudes (|x| |W|; the expansion: |W|): the same terms, so float32
+    summation order at most (a build may vectorize one layout's offset sum and not the
+    other's)."""
+    g = torch.Generator().manual_seed(k)
+    codes = torch.randint(0, 256, (40, k // 2), dtype=torch.uint8, generator=g)
+    scale = ((torch.rand(40, k // 32, generator=g) - 0.3) * 0.1).half()
+    full = torch.cat((scale, -8 * scale), dim=1).contiguous()
+    ops = torch.ops.pagedkv_cpu
+    w = ops.int4_expand(codes, full, torch.float32)
+    errs = [float(((ops.int4_gemv(x, codes, scale, None) - ops.int4_gemv(x, codes, full, None))
+                   .abs() / (x.abs() @ w.abs().T)).max())
+            for x in (torch.randn(r, k, generator=g) for r in rows)]
+    errs.append(float(((ops.int4_expand(codes, scale, torch.float32) - w).abs()
+                       / (w.abs().max())).max()))
+    return max(errs)
+
+
+def test_q4_0_scales_alone_compute_as_the_full_table():
+    """Q4_0's float16 scales alone, its offsets implied (-8 x scale; 2 bytes per 32 weights, the
+    file's): every path (the decode product reading them in place at 1-3 rows, the panel
+    product from 4, AMX tiles where they run, the row blocks at 300, the expansion) gives the
+    table with the offsets stored's products up to float32 summation order, on one thread and
+    two (a scale or offset misread is off by whole terms: 1e-2 and more)."""
+    assert ensure_cpu_kernels("wait")
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert q4_0_scale_only_error((1, 2, 3, 4, 12, 40, 300)) <= 2.0 ** -20
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5, 40, 300])

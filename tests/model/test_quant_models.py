@@ -68,21 +68,25 @@ def test_packed_model_matches_dequantized(q4_gguf, dtype):
         assert kl.top1_agreement >= TOP1_BOUND, (name, kl)
 
 
-def _linear_bytes(model: torch.nn.Module) -> tuple[int, int]:
+def _linear_bytes(model: torch.nn.Module, tables: int) -> tuple[int, int]:
     """(bytes of the model's Int4Linear tensors, what their weights take in 4-bit groups of 32
-    with one copy of the codes and a float16 scale and offset per group: the Q4_0 file's own)."""
+    with one copy of the codes and `tables` float16 values per group: 1 for Q4_0, its scale,
+    as in the file; 2 for Q4_1, its scale and offset)."""
     got = expected = 0
     for m in model.modules():
         if isinstance(m, Int4Linear):
             n, k = m.out_features, m.in_features
             got += sum(p.numel() * p.element_size() for p in m.parameters())
-            expected += n * k // 2 + (k // 32) * n * 2 * 2
+            expected += n * k // 2 + (k // 32) * n * tables * 2
     return got, expected
 
 
 def test_weights_bytes_count_the_packed_weights(q4_gguf):
     packed, dense = runner(q4_gguf, "auto", "bfloat16"), runner(q4_gguf, "none", "bfloat16")
-    got, expected = _linear_bytes(packed.model)
+    from gguf import GGUFReader
+
+    q4_0 = GGUFReader(q4_gguf).tensors[0].tensor_type == GGMLQuantizationType.Q4_0
+    got, expected = _linear_bytes(packed.model, 1 if q4_0 else 2)
     assert got == expected > 0
     dense_linear = sum(m.weight.numel() * 2 for name, m in dense.model.named_modules()
                        if isinstance(m, Linear) and name != "lm_head")

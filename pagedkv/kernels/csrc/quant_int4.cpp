@@ -85,9 +85,16 @@ inline float scale_f(const S* s, int64_t i) {
 // the VNNI decode product reads the table itself.
 inline int64_t two_level_bytes(int64_t groups) { return 2 * groups + groups / 2; }
 
+//
+// Q4_0's scales alone (`scale_only`): a float16 row of G scales, each group's offset -8 times
+// its scale (implied by the format, not stored): 0.0625 bytes a weight where a table with the
+// offsets takes 0.125 (Q4_0 in memory 0.5625, the file's). Read and materialized as the two
+// levels are.
 struct TwoLevel {
   const uint8_t* table = nullptr;  // nullptr: the scales are a float16 / float32 table
   int64_t groups = 0;
+  bool scale_only = false;  // Q4_0's float16 scales alone
+  int64_t row_bytes() const { return scale_only ? 2 * groups : two_level_bytes(groups); }
 };
 
 // Rows [r0, r0 + nr)'s scales then offsets, float32 [nr][2 * groups], into buf (defined with
@@ -95,8 +102,10 @@ struct TwoLevel {
 inline const float* two_level_rows(const TwoLevel& two, int64_t r0, int64_t nr, float* buf);
 
 // What the VNNI decode product (q4_rows) takes as its scale type to read a TwoLevel table
-// itself, a group's scale a multiply (the pointer is the table's row, as bytes).
+// itself, a group's scale a multiply (the pointer is the table's row, as bytes); ScaleOnlyRow
+// likewise for Q4_0's scales alone.
 struct TwoLevelRow {};
+struct ScaleOnlyRow {};
 
 // A group's 32 values, rounded once to T.
 template <typename T>
@@ -195,6 +204,7 @@ void check_int4_weight(const at::Tensor& codes, const at::Tensor& scales, const 
                 ": two-level uint8 scales need K a multiple of 256 and [N, 2.5 * K/32]");
     return;
   }
+  if (scales.scalar_type() == at::kHalf && scales.size(1) == groups) return;  // Q4_0's scales
   TORCH_CHECK((scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) &&
                   scales.size(1) == 2 * groups,
               op, ": scales must be a contiguous float16 or float32 [N, 2 * K/32] or Q4_K's "
@@ -203,6 +213,8 @@ void check_int4_weight(const at::Tensor& codes, const at::Tensor& scales, const 
 
 // The two-level source of `scales` (table nullptr for a float16 / float32 table).
 TwoLevel two_level_of(const at::Tensor& scales, int64_t groups) {
+  if (scales.scalar_type() == at::kHalf && scales.size(1) == groups)
+    return TwoLevel{reinterpret_cast<const uint8_t*>(scales.data_ptr()), groups, true};
   if (scales.scalar_type() != at::kByte) return TwoLevel{};
   return TwoLevel{scales.data_ptr<uint8_t>(), groups};
 }
@@ -212,8 +224,8 @@ TwoLevel two_level_of(const at::Tensor& scales, int64_t groups) {
 at::Tensor int4_expand(const at::Tensor& codes, const at::Tensor& scales, at::ScalarType dtype) {
   check_int4_weight(codes, scales, "int4_expand");
   at::Tensor out = at::empty({codes.size(0), 2 * codes.size(1)}, codes.options().dtype(dtype));
-  const bool half = scales.scalar_type() == at::kHalf;
   const TwoLevel two = two_level_of(scales, 2 * codes.size(1) / kInt4Group);
+  const bool half = scales.scalar_type() == at::kHalf && !two.table;  // (else materialized)
   auto run = [&](auto t) {
     using T = decltype(t);
     if (half) int4_expand_as<T, c10::Half>(codes, scales, two, out);
@@ -396,10 +408,18 @@ inline __m512 two_level_scales16(const uint8_t* t, int64_t groups, int64_t g0, _
 
 // 16 groups a vector where AVX-512 VNNI is compiled (the same products).
 inline const float* two_level_rows(const TwoLevel& two, int64_t r0, int64_t nr, float* buf) {
-  const int64_t groups = two.groups, bytes = two_level_bytes(groups);
+  const int64_t groups = two.groups, bytes = two.row_bytes();
   for (int64_t r = 0; r < nr; ++r) {
     const uint8_t* t = two.table + (r0 + r) * bytes;
     float* o = buf + r * 2 * groups;
+    if (two.scale_only) {  // offset = -8 x scale
+      const c10::Half* d = reinterpret_cast<const c10::Half*>(t);
+      for (int64_t g = 0; g < groups; ++g) {
+        o[g] = scale_f(d, g);
+        o[groups + g] = -8.f * o[g];
+      }
+      continue;
+    }
 #if defined(PAGEDKV_INT_VNNI)
     for (int64_t g0 = 0; g0 < groups; g0 += 16) {
       const __mmask16 mask = groups - g0 >= 16 ? 0xFFFF : 0x00FF;  // groups: a multiple of 8
@@ -431,11 +451,12 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
   const __m512i low4 = _mm512_set1_epi8(15);
   const __m512i lane_group = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   constexpr bool kTwo = std::is_same_v<S, TwoLevelRow>;
+  constexpr bool kOnly = std::is_same_v<S, ScaleOnlyRow>;  // Q4_0's scales alone
   const int64_t row_bytes = groups * (kInt4Group / 2), padded = a.padded();
-  // A weight row's scales, in bytes: 2 * groups of S, or a TwoLevel row.
+  // A weight row's scales, in bytes: 2 * groups of S, a TwoLevel row, or G float16 scales.
   const char* scale_bytes = reinterpret_cast<const char*>(scales);
-  const int64_t scale_row_bytes =
-      kTwo ? two_level_bytes(groups) : 2 * groups * int64_t(sizeof(S));
+  const int64_t scale_row_bytes = kTwo ? two_level_bytes(groups)
+                                  : kOnly ? 2 * groups : 2 * groups * int64_t(sizeof(S));
   const int64_t ahead_rows = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
   const int64_t ahead = ahead_rows * row_bytes, ahead_s = ahead_rows * scale_row_bytes;
   __m512 acc[MR][NR];
@@ -463,6 +484,8 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
       __m128 ws;
       if constexpr (kTwo)
         ws = two_level_scales4(reinterpret_cast<const uint8_t*>(row_scales), groups, c);
+      else if constexpr (kOnly)
+        ws = scales4(reinterpret_cast<const c10::Half*>(row_scales) + 4 * c, smask);
       else
         ws = scales4(reinterpret_cast<const S*>(row_scales) + 4 * c, smask);
       for (int i = 0; i < MR; ++i) {
@@ -485,6 +508,9 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
       if constexpr (kTwo)
         off = two_level_offsets16(reinterpret_cast<const uint8_t*>(row_scales), groups, g0,
                                   mask);
+      else if constexpr (kOnly)
+        off = _mm512_mul_ps(_mm512_set1_ps(-8.f),
+                            scales16(reinterpret_cast<const c10::Half*>(row_scales) + g0, mask));
       else
         off = scales16(reinterpret_cast<const S*>(row_scales) + groups + g0, mask);
       for (int i = 0; i < MR; ++i)
@@ -758,7 +784,7 @@ void q4_panel_columns(const Q8Act& a, int64_t row0, int64_t m, const uint8_t* co
       const uint8_t* next = next_col < n ? codes + next_col * row_bytes : nullptr;
       const int64_t next_rows = std::min<int64_t>(kQ4PanelCols, n - next_col);
       if (next != nullptr) {  // the next panel's scales and offsets
-        const int64_t bytes = two.table ? two_level_bytes(groups) : row_s * int64_t(sizeof(S));
+        const int64_t bytes = two.table ? two.row_bytes() : row_s * int64_t(sizeof(S));
         const char* ns = two.table
             ? reinterpret_cast<const char*>(two.table + next_col * bytes)
             : reinterpret_cast<const char*>(scales + next_col * row_s);
@@ -952,7 +978,7 @@ at::Tensor int4_gemv_tiles(const at::Tensor& x, const Q8Act& act, const at::Tens
   const TwoLevel two = two_level_of(scales, act.groups);
   dispatch(x.scalar_type(), "int4_gemv", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    if (scales.scalar_type() == at::kHalf)
+    if (scales.scalar_type() == at::kHalf && !two.table)
       int4_amx_product(tiles, m, nib, reinterpret_cast<const c10::Half*>(scales.data_ptr()), two,
                        n, act.groups, bp, out.data_ptr<T>());
     else
@@ -988,7 +1014,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     dispatch(x.scalar_type(), "int4_gemv", [&](auto tag) {
       using T = typename decltype(tag)::type;
       quant_rows::for_row_blocks(m, k, [&](int64_t r0, int64_t rows) {
-        if (scales.scalar_type() == at::kHalf)
+        if (scales.scalar_type() == at::kHalf && !two.table)
           q4_panel_columns(act, r0, rows, nib,
                            reinterpret_cast<const c10::Half*>(scales.data_ptr()), two, n, bp,
                            out.data_ptr<T>());
@@ -1005,8 +1031,8 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     const S* sc = reinterpret_cast<const S*>(scales.data_ptr());
     return gemv_out(x, n, k / 2, bias, [&](int64_t r, int nr, int64_t m0, int mr, float* y) {
       const S* rows_sc;
-      if constexpr (std::is_same_v<S, TwoLevelRow>)  // read in place
-        rows_sc = reinterpret_cast<const S*>(two.table + r * two_level_bytes(groups));
+      if constexpr (std::is_same_v<S, TwoLevelRow> || std::is_same_v<S, ScaleOnlyRow>)
+        rows_sc = reinterpret_cast<const S*>(two.table + r * two.row_bytes());  // in place
       else  // a float16 / float32 table, or the two levels materialized (AVX2, scalar)
         rows_sc = two.table ? reinterpret_cast<const S*>(two_level_rows(
                                   two, r, nr, quant_rows::scratch<float, 15>(nr * 2 * groups)))
@@ -1022,9 +1048,11 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     return run(scale_type, std::false_type{});
   };
 #if defined(PAGEDKV_INT_VNNI)
+  if (two.table && two.scale_only) return with_far(ScaleOnlyRow{});  // read in place
   if (two.table) return with_far(TwoLevelRow{});  // the VNNI product reads the two levels
 #endif
-  return scales.scalar_type() == at::kHalf ? with_far(c10::Half{}) : with_far(float{});
+  return scales.scalar_type() == at::kHalf && !two.table ? with_far(c10::Half{})
+                                                         : with_far(float{});
 }
 
 // Rows up to which the packed linear runs int4_gemv where it runs on AMX tiles (64: beyond,

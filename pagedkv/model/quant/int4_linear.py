@@ -2,9 +2,10 @@
 offset per group of 32 along each row (int4_blocks.py).
 
 One copy of the codes (uint8 [N, K/2], the file's nibble order) and of the scales (per row the
-groups' scales, then their offsets: float16 where that holds them exactly, Q4_0 and Q4_1's own
-values, else float32; Q4_K's as the file has them, two levels in a uint8 table:
-int4_blocks.q4_k_two_level), read front to back by both paths (kernels/csrc/quant_int4.cpp):
+groups' scales, then their offsets: float16 where that holds them exactly, Q4_1's own values,
+else float32; Q4_0's float16 scales alone, its offsets -8 times them implied; Q4_K's as the
+file has them, two levels in a uint8 table: int4_blocks.q4_k_two_level), read front to back by
+both paths (kernels/csrc/quant_int4.cpp):
 - a call up to `product_rows` rows (`GEMV_ROWS` with AVX2, 64 where AMX-INT8 tiles run,
   every call with AVX-512 VNNI's panel product) runs `int4_gemv`: as llama.cpp's Q4 x Q8 dot, each
   activation row quantized once to int8 per group of 32, integer dot products on the codes
@@ -65,8 +66,11 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 
 def scales_table(scale: np.ndarray, offset: np.ndarray) -> torch.Tensor:
     """[N, 2 * K/32]: each row's scales then its offsets, float16 where every value round-trips
-    through it exactly, else float32."""
+    through it exactly, else float32; where every offset is -8 times its scale (Q4_0's) and the
+    scales are float16, the scales alone [N, K/32] (the kernels imply the offsets)."""
     table = narrowest_scales(np.concatenate((scale, offset), axis=1))
+    if table.dtype == np.float16 and np.array_equal(offset, -8 * scale):
+        table = table[:, :scale.shape[1]]
     return torch.from_numpy(np.ascontiguousarray(table))
 
 
@@ -114,6 +118,9 @@ class Int4Linear(nn.Module):
         if self.scales.dtype == torch.uint8:  # Q4_K's two levels
             scale, offset = (torch.from_numpy(t) for t in two_level_scales(self.scales.numpy()))
             return codes, scale[..., None], offset[..., None]
+        if self.scales.shape[1] * GROUP == self.in_features:  # Q4_0's scales alone
+            scale = self.scales.float()[..., None]
+            return codes, scale, -8 * scale
         scales = self.scales.float().view(self.out_features, 2, -1)
         return codes, scales[:, 0, :, None], scales[:, 1, :, None]
 
