@@ -327,7 +327,8 @@ inline __m512 load_scales(const c10::Half* p, __mmask16 m) {
 template <int Bits>
 inline __m512i lane_offsets(__mmask16 lanes, const int32_t* p) {
   const __m512i offset = _mm512_maskz_loadu_epi32(lanes, p);
-  return Bits == 8 ? offset : _mm512_srai_epi32(offset, PackedBits<Bits>::kOffsetShift);
+  if constexpr (PackedBits<Bits>::kOffsetShift == 0) return offset;  // int8 codes, IQ4's
+  else return _mm512_srai_epi32(offset, PackedBits<Bits>::kOffsetShift);
 }
 
 // A chunk's 2 (block 32) or 4 (block 16) block scales in the low lanes, the rest zero.

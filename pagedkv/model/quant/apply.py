@@ -23,11 +23,13 @@ import logging
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from pagedkv.model.gguf import gguf_file
 from pagedkv.model.gguf.config import FLOAT_DTYPES
 from pagedkv.model.layers import Linear
+from pagedkv.model.quant.gguf_parts import gguf_types
 from pagedkv.model.quant.int4_gguf import gguf_int4_linear
 from pagedkv.model.quant.int8_gguf import gguf_int8_block_linear, pack_gguf_vocab
 from pagedkv.model.quant.int8_linear import Int8Linear
@@ -85,7 +87,7 @@ def pack_gguf_linears(model: nn.Module, model_dir: str | Path) -> frozenset[str]
             setattr(parent, attr, packed)
             built.add(f"{name}.weight")
         elif sources:
-            types = {checkpoint.gguf.tensors[checkpoint.gguf_name(s)].type_name for s in sources}
+            types = {GGMLQuantizationType(t).name for t in gguf_types(checkpoint, sources)}
             if not types <= FLOAT_DTYPES.keys():
                 unpacked[name] = "+".join(sorted(types))
     if unpacked:

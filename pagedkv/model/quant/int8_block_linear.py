@@ -1,7 +1,7 @@
 """A linear layer and an embedding on int8 codes with a scale per block of 16 or 32 along each
 row (GGUF Q8_0, Q6_K and the other symmetric formats kept packed: int8_blocks.py), W = code *
 scale exactly. The scales: float16 where that holds them exactly (Q8_0's own), Q6_K's two
-levels (a uint8 table: int8_blocks.q6_k_two_level), else float32; Q6_K's codes in 6 bits
+levels (a uint8 table: int8_blocks.q6_k_two_level), else float32; Q6_K's codes in 6 bits,
 Q5_0's in 5 and IQ4's as 4-bit indices (uint8 [N, K/64 * 48, 40 or 32]:
 int8_blocks.packed_codes), others a byte each.
 

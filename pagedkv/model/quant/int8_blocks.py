@@ -16,8 +16,9 @@ llama.cpp's ggml-common.h block layouts:
   w = d * table[q] (block 32, codes the table's values, -127..113);
 - IQ4_XS: super-blocks of 256 = fp16 d, 6-bit sub-scales (2 + 4 bytes), 128 bytes of 4-bit
   indices into the same table; w = d * (sc - 32) * table[q] (block 32).
-A code takes a byte: 1.0625-1.125 bytes a weight in memory against the 0.44-0.82 of the file's
-formats below 8 bits, about half of bfloat16's 2.
+A code takes a byte here; Q6_K's, Q5_0's and IQ4's are then kept in the file's 6, 5 and 4 bits
+(`packed_codes`: 0.82, 0.69 and 0.56-0.63 bytes a weight with their scales), Q3_K's and Q8_0's
+in a byte (1.0625 bytes a weight).
 Each block's scale is read by dequantizing (the `gguf` package's own code) a copy of the block
 whose codes are all set to 1; the codes are then the dequantized weights over their block's
 scale, rounded: exact, as each weight is the scale times a code of at most 127 rounded once in

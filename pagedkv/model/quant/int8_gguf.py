@@ -33,11 +33,12 @@ from pagedkv.model.quant.int8_blocks import (
 
 def _codes_and_scales(checkpoint: Any, sources: list[str]
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(codes int8 [N, K], scales [N, K / block]) of the rows of `sources` concatenated, or
-    None where one is not an int8-block type. The scales are float16 where every one is
-    exactly a float16 (Q8_0's own values: half the bytes a decode step reads for them), else
-    float32 (a mix of Q6_K's products of two scales and others), or where every part is Q6_K
-    the file's two levels (uint8)."""
+    """(codes [N, K], scales [N, K / block]) of the rows of `sources` concatenated, or None
+    where one is not an int8-block type. The codes are int8, or kept in the file's bits where
+    every part's are below 8 (`_packed_bits`, packed_codes: uint8). The scales are float16
+    where every one is exactly a float16 (Q8_0's own values: half the bytes a decode step reads
+    for them), else float32 (a mix of Q6_K's products of two scales and others), or where
+    every part is Q6_K the file's two levels (uint8)."""
     two_level = gguf_parts(checkpoint, sources, (GGMLQuantizationType.Q6_K,),
                            lambda rows, _: q6_k_two_level(rows))
     if two_level is not None:  # 6-bit codes with the two levels: the file's 0.82 bytes a weight
@@ -46,15 +47,12 @@ def _codes_and_scales(checkpoint: Any, sources: list[str]
     parts = gguf_parts(checkpoint, sources, INT8_BLOCK_TYPES, int8_codes_and_scales)
     if parts is None:
         return None
-    bits = _packed_bits(gguf_types(checkpoint, sources))
-    if bits and parts[0][0].shape[1] % 64 == 0:  # Q5_0's codes in 5 bits, IQ4's in 4
-        codes = np.concatenate([part[0] for part in parts])
-        scales = np.concatenate([part[1] for part in parts])
-        return torch.from_numpy(packed_codes(codes, bits)), torch.from_numpy(
-            np.ascontiguousarray(narrowest_scales(scales)))
     block = min(part[2] for part in parts)
     codes = np.concatenate([part[0] for part in parts])
     scales = np.concatenate([np.repeat(part[1], part[2] // block, axis=1) for part in parts])
+    bits = _packed_bits(gguf_types(checkpoint, sources))
+    if bits and codes.shape[1] % 64 == 0:  # Q5_0's codes in 5 bits, IQ4's in 4
+        codes = packed_codes(codes, bits)
     return torch.from_numpy(codes), torch.from_numpy(
         np.ascontiguousarray(narrowest_scales(scales)))
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pagedkv.model.decode_stack import LinearParts
+from pagedkv.model.quant.gguf_parts import gguf_types
 from pagedkv.model.quant.int4_blocks import INT4_TYPES
 from pagedkv.model.quant.int4_gguf import gguf_int4_linear
 from pagedkv.model.quant.int8_blocks import INT8_BLOCK_TYPES
@@ -77,8 +78,7 @@ def gguf_parts_linear(checkpoint: Any, sources: list[str], in_features: int,
     layer's bias parameter (or None), whose shape the new module's takes, zero until the
     weights are loaded."""
     runs: list[tuple[Any, list[str]]] = []
-    for source in sources:
-        ggml_type = checkpoint.gguf.tensors[checkpoint.gguf_name(source)].ggml_type
+    for source, ggml_type in zip(sources, gguf_types(checkpoint, sources), strict=True):
         build = next((b for types, b in _FAMILIES if ggml_type in types), None)
         if build is None:
             return None
