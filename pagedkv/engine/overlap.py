@@ -39,12 +39,16 @@ class SteppedCore(Protocol):
 
 
 def _worker_init(device: str) -> Callable[[], None]:
-    def init() -> None:
-        if device.startswith("cuda"):  # the current CUDA device is per thread
-            import torch
+    """The forward thread's initializer: on CUDA, make `device` its current device (the current
+    device is per thread); a bare "cuda" is the device current where the stepper is built."""
+    if not device.startswith("cuda"):
+        return lambda: None
+    import torch
 
-            torch.cuda.set_device(device)
-    return init
+    target = torch.device(device)
+    if target.index is None:  # torch.cuda.set_device refuses a device without an index
+        target = torch.device("cuda", torch.cuda.current_device())
+    return lambda: torch.cuda.set_device(target)
 
 
 class OverlappedStepper:

@@ -292,7 +292,8 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
     on a CPU without `tp`, "auto" keeps a GGUF file's 4-bit linears packed when `dtype` is
     16-bit (float32 keeps the exact dequantized weights: the int4 kernel computes on bfloat16
     activations, and is 10-60x slower on float32 ones), "int8" quantizes every linear per
-    channel, "none" keeps every weight in `dtype`; elsewhere it is ignored (dequantized)."""
+    channel, "none" keeps every weight in `dtype`; elsewhere "auto" dequantizes and "int8" is a
+    ValueError (its kernels are the CPU's, one process's)."""
     from pagedkv.model.quant.apply import (
         PACKED_AUTO_DTYPES,
         QUANTIZATION_MODES,
@@ -304,6 +305,10 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
     if quantization not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, "
                          f"got {quantization!r}")
+    if quantization == "int8" and (device.type != "cpu" or tp is not None):
+        where = f"device {device.type!r}" if device.type != "cpu" else "tensor parallelism"
+        raise ValueError(f"quantization='int8' runs on a CPU without tensor parallelism, not "
+                         f"with {where}: use quantization='auto' or 'none'")
     # Before allocating for what config.json says.
     check_checkpoint_matches(model_dir, config.num_layers, config.vocab_size, config.hidden_size)
     with torch.device("meta"):

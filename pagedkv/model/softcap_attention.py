@@ -1,9 +1,10 @@
 """Paged attention with tanh soft-capping of the scores (Gemma 2's `attn_logit_softcapping`).
 
 scores = cap * tanh(q.k * scale / cap), then softmax, as transformers' eager Gemma 2 computes.
-The attention backends do not cap, so Gemma 2 layers with a cap run this plain torch path over
-the metadata of any backend (they all carry `slot_mapping`, the decode tables and lengths and
-the prefill chunks; the runner does not wrap the backend for a quantized cache, see
+The CUDA backend's Triton kernel caps inside its online softmax (its metadata `caps_scores`);
+the CPU backends do not, so there Gemma 2 layers with a cap run this plain torch path over the
+backend's metadata (`slot_mapping`, the decode tables and lengths and the prefill chunks; the
+runner does not wrap the backend for a quantized cache, see
 `Gemma2ForCausalLM.attention_reads_kv_cache`): write the step's K/V into the cache, then per
 sequence gather the keys it sees (its window's) and attend. Correct first; one sequence at a
 time.
@@ -104,6 +105,10 @@ class SoftcappedMetadata:
                v_cache: torch.Tensor, scale: float, window: int | None,
                k_scales: torch.Tensor | None = None,
                v_scales: torch.Tensor | None = None) -> torch.Tensor:
-        """`softcap_paged_attention` over `inner` (mutates the caches as it says)."""
+        """`inner`'s own soft-capped attention where it has one (`caps_scores`: the Triton
+        kernel), else `softcap_paged_attention` over `inner` (mutates the caches as it says)."""
+        if getattr(self.inner, "caps_scores", False):
+            return self.inner.attend(q, k, v, k_cache, v_cache, scale, window, k_scales,
+                                     v_scales, softcap=self.softcap)
         return softcap_paged_attention(q, k, v, k_cache, v_cache, self.inner, scale,
                                        self.softcap, window, k_scales, v_scales)

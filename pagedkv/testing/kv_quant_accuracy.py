@@ -78,7 +78,9 @@ class LogitComparison:
 
 
 def compare_logits(reference: torch.Tensor, logits: torch.Tensor) -> LogitComparison:
-    """Max |logits - reference|, the reference's spread and the argmax agreement."""
+    """Max |logits - reference|, the reference's spread and the argmax agreement (`logits`
+    moved to the reference's device first: a GPU run against a CPU reference)."""
+    logits = logits.to(reference.device)
     same = (reference.argmax(-1) == logits.argmax(-1)).float()
     return LogitComparison(
         max_abs_error=float((logits - reference).abs().max()),

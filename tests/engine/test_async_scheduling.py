@@ -166,3 +166,20 @@ def test_a_failed_overlapped_step_ends_its_requests_and_the_engine_goes_on(tiny_
     assert not core.scheduler._unapplied
     out = llm.generate({"prompt_token_ids": [5, 6, 7, 8, 9]}, greedy, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(tiny_llama, [5, 6, 7, 8, 9], 6)
+
+
+@pytest.mark.parametrize("device, current, want", [("cuda", 3, 3), ("cuda:1", 3, 1)])
+def test_the_forward_thread_gets_an_indexed_cuda_device(monkeypatch, device, current, want):
+    """torch.cuda.set_device refuses a bare "cuda": the forward thread's initializer names the
+    index, the current device's where the stepper is built unless the engine's names one."""
+    import torch
+
+    from pagedkv.engine.overlap import _worker_init
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    _worker_init(device)()
+    assert calls == [torch.device("cuda", want)]
+    _worker_init("cpu")()
+    assert len(calls) == 1

@@ -27,6 +27,7 @@ def q8_gguf(tiny_llama, tmp_path_factory):
 
 def engine_facts(path, quantization: str, **kwargs):
     llm = LLM(str(path), dtype="bfloat16", block_size=4, max_model_len=64, max_num_seqs=512,
+              device="cpu",
               max_num_batched_tokens=BATCHED, quantization=quantization, **kwargs)
     try:
         llm.llm_engine.check_invariants()

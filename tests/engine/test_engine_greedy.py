@@ -58,7 +58,8 @@ def test_greedy_matches_transformers_other_architectures(request, make_llm, mode
     # Mistral's (and qwen2_mixed's layers 1-2) window is 8 tokens: these prompts are far longer.
     prompts = make_prompts(seed=2, vocab=400, num=4, lengths=(10, 30))
     llm = make_llm(model_dir, block_size=4, max_num_batched_tokens=16, cpu_kernels=cpu_kernels)
-    assert llm.llm_engine.runner.model.ops.cpu_fused is (cpu_kernels == "auto")
+    on_cpu = llm.llm_engine.runner.device.type == "cpu"  # a GPU runs its own kernels
+    assert llm.llm_engine.runner.model.ops.cpu_fused is (cpu_kernels == "auto" and on_cpu)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.outputs[0].token_ids == hf_greedy(model_dir, prompt, MAX_TOKENS), model
@@ -85,7 +86,7 @@ def test_switch_to_the_kernels_between_steps_repacks_the_linears(tiny_llama, mak
 
     monkeypatch.setenv("PAGEDKV_KERNEL_CHOICE", "isa")
 
-    llm = make_llm(tiny_llama, block_size=4)
+    llm = make_llm(tiny_llama, block_size=4, device="cpu")
     runner = llm.llm_engine.runner
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
     assert linears and all(m._panels is not None for m in linears)  # loaded at start: panels

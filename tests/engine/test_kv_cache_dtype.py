@@ -211,7 +211,7 @@ def test_cascade_attention_over_shared_prefix_blocks(tiny_llama, make_llm, monke
     runs = []
     for caching, kernels in ((True, "off"), (False, "off"), (True, "auto")):
         llm = make_llm(tiny_llama, block_size=4, kv_cache_dtype=cache_dtype,
-                       enable_prefix_caching=caching, cpu_kernels=kernels)
+                       enable_prefix_caching=caching, cpu_kernels=kernels, device="cpu")
         runs.append([list(o.outputs[0].token_ids) for o in _generate(llm, prompts)])
         if caching and kernels == "off":
             assert calls, "no cascade attention over the shared prefix"

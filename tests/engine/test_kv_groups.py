@@ -197,7 +197,12 @@ def test_softcapped_quantized_cache_prefix_hit_and_copy_on_write(make_llm, tiny_
         assert out.num_cached_tokens == (40 if caching else 0)
     warm, cold = outs[True].outputs[0], outs[False].outputs[0]
     assert warm.token_ids == cold.token_ids
-    assert warm.logprobs == cold.logprobs  # exactly: every top-3 logprob of every step
+    if llm.llm_engine.runner.device.type == "cpu":
+        assert warm.logprobs == cold.logprobs  # exactly: every top-3 logprob of every step
+    else:  # the GPU kernel tiles a cached prefix otherwise than a prompt: float32 sum order
+        for w, c in zip(warm.logprobs, cold.logprobs, strict=True):
+            assert w.keys() == c.keys()
+            assert all(abs(w[t] - c[t]) < 1e-5 for t in w)
     cache = llm.llm_engine.runner.kv_cache
     copies, copy = [], cache.copy
     cache.copy = lambda mapping: (copies.extend(mapping), copy(mapping))

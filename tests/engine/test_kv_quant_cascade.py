@@ -29,7 +29,7 @@ def _run(make_llm, model_dir, cache_dtype, dtype, prompts, monkeypatch, cascade,
     path over a dequantized copy, which cascades in torch)."""
     with cascade_spy(monkeypatch, cascade) as calls:
         llm = make_llm(model_dir, dtype=dtype, block_size=16, kv_cache_dtype=cache_dtype,
-                       enable_prefix_caching=True, cpu_kernels=kernels)
+                       enable_prefix_caching=True, cpu_kernels=kernels, device="cpu")
         outs = [o for batch in (prompts[:1], prompts[1:])
                 for o in llm.generate([{"prompt_token_ids": p} for p in batch], PARAMS,
                                       use_tqdm=False)]

@@ -62,7 +62,7 @@ def _greedy_tokens(llm, prompts):
 def test_tp2_greedy_matches_tp1_and_transformers(request, make_llm, model):
     model_dir = request.getfixturevalue(model)
     prompts = make_prompts(seed=5, vocab=400, num=6, lengths=(10, 40))
-    kwargs = dict(block_size=4, cpu_kernels="off", **CASES[model])
+    kwargs = dict(block_size=4, cpu_kernels="off", device="cpu", **CASES[model])
     tp1 = make_llm(model_dir, **kwargs)
     _, one = _greedy_tokens(tp1, prompts)
     tp2 = make_llm(model_dir, tensor_parallel_size=2, **kwargs)
@@ -93,7 +93,7 @@ def test_tp2_int8_cache_matches_tp1_int8(make_llm, tiny_gemma2):
     ranks hold what one process holds and give the same greedy tokens, prefix hits included."""
     model_dir = tiny_gemma2
     prompts = make_prompts(seed=6, vocab=400, num=4, lengths=(10, 30))
-    kwargs = dict(block_size=4, cpu_kernels="off", kv_cache_dtype="int8")
+    kwargs = dict(block_size=4, cpu_kernels="off", kv_cache_dtype="int8", device="cpu")
     _, one = _greedy_tokens(make_llm(model_dir, **kwargs), prompts)
     tp2 = make_llm(model_dir, tensor_parallel_size=2, **kwargs)
     _, two = _greedy_tokens(tp2, prompts)
@@ -161,7 +161,7 @@ def test_killed_worker_rank_fails_the_engine_fast(tiny_llama):
     from pagedkv import LLM
 
     llm = LLM(model=str(tiny_llama), tensor_parallel_size=2, distributed_timeout_s=5.0,
-              block_size=4, cpu_kernels="off", kv_cache_memory_bytes=1 << 20)
+              block_size=4, cpu_kernels="off", kv_cache_memory_bytes=1 << 20, device="cpu")
     prompt = make_prompts(seed=6, vocab=400, num=1)[0]
     try:
         ok = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
@@ -181,7 +181,7 @@ def test_hung_worker_rank_fails_the_engine_within_the_timeout(tiny_llama):
     from pagedkv import LLM
 
     llm = LLM(model=str(tiny_llama), tensor_parallel_size=2, distributed_timeout_s=2.0,
-              block_size=4, cpu_kernels="off", kv_cache_memory_bytes=1 << 20)
+              block_size=4, cpu_kernels="off", kv_cache_memory_bytes=1 << 20, device="cpu")
     worker = llm.llm_engine.runner.workers[0]
     try:
         os.kill(worker.pid, signal.SIGSTOP)  # alive, never answers
@@ -207,12 +207,13 @@ def test_two_machines_on_loopback(tiny_llama, make_llm):
     port = _free_port()
     flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
              "--master-port", str(port), "--cpu-kernels", "off", "--block-size", "4",
-             "--distributed-timeout-s", "60"]
+             "--distributed-timeout-s", "60", "--device", "cpu"]
     node1 = subprocess.Popen([sys.executable, "-m", "pagedkv.cli", "serve", str(tiny_llama),
                               "--node-rank", "1", *flags])
     try:
         llm = make_llm(tiny_llama, tensor_parallel_size=2, nnodes=2, master_port=port,
-                       block_size=4, cpu_kernels="off", distributed_timeout_s=60.0)
+                       block_size=4, cpu_kernels="off", distributed_timeout_s=60.0,
+                       device="cpu")
         prompt = make_prompts(seed=8, vocab=400, num=1)[0]
         out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == hf_greedy(tiny_llama, prompt, MAX_TOKENS)

@@ -33,13 +33,13 @@ def test_warmup_leaves_no_trace(tiny_llama, make_llm, monkeypatch):
     real = compose.warm_up
     monkeypatch.setattr(compose, "warm_up", lambda *parts: ran.append(real(*parts)))
     monkeypatch.setenv(SKIP_ENV, "1")  # as the test suite sets it: skipped
-    make_llm(tiny_llama, block_size=4, num_gpu_blocks_override=128)
+    make_llm(tiny_llama, block_size=4, num_gpu_blocks_override=128, device="cpu")
     assert not ran
     monkeypatch.delenv(SKIP_ENV)
-    warm = make_llm(tiny_llama, block_size=4, num_gpu_blocks_override=128)
+    warm = make_llm(tiny_llama, block_size=4, num_gpu_blocks_override=128, device="cpu")
     assert ran  # it ran (CPU)
     warm_out = [o.outputs[0].token_ids for o in warm.generate(prompts, params, use_tqdm=False)]
     monkeypatch.setattr(compose, "warm_up", lambda *parts: None)
-    cold = make_llm(tiny_llama, block_size=4, num_gpu_blocks_override=128)
+    cold = make_llm(tiny_llama, block_size=4, num_gpu_blocks_override=128, device="cpu")
     cold_out = [o.outputs[0].token_ids for o in cold.generate(prompts, params, use_tqdm=False)]
     assert warm_out == cold_out

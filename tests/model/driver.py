@@ -12,6 +12,10 @@ from pagedkv.model.runner import ModelRunner
 from pagedkv.sched.output import ScheduledRequest, SchedulerOutput
 from pagedkv.sched.sampling_params import SamplingParams
 
+# Where the tests run the CUDA backend's Triton kernels: the GPU where there is one, else CPU
+# tensors under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU).
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 
 class BlockAllocator:
     def __init__(self, block_size: int, num_blocks: int) -> None:

@@ -104,7 +104,8 @@ def test_decodes_sharing_a_prefix_run_it_and_agree_with_the_fused_kernel(amx, tm
         if not amx_on:
             monkeypatch.setattr(cpu_native, "amx_prefix_ok", lambda *a: False)
         llm = LLM(model=str(model), dtype="bfloat16", seed=0, block_size=16, cpu_threads=1,
-                  kv_cache_memory_bytes=1 << 24, cpu_kernels="wait", enable_prefix_caching=True)
+                  kv_cache_memory_bytes=1 << 24, cpu_kernels="wait", enable_prefix_caching=True,
+                  device="cpu")
         llm.generate(prompts[:1], params, use_tqdm=False)  # the prefix cached
         outs = llm.generate(prompts, params, use_tqdm=False)
         tokens.append([o.outputs[0].token_ids for o in outs])

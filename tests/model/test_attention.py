@@ -11,11 +11,14 @@ from pagedkv.model import attention
 from pagedkv.model.attention import AttentionMetadata, PrefillChunk, paged_attention
 
 
-def dense_reference(q, k, v, start_pos, window, scale):
-    """q [n, H, D] at positions start_pos.., k/v [L, KVH, D] for positions 0..L-1."""
+def dense_reference(q, k, v, start_pos, window, scale, softcap=None):
+    """q [n, H, D] at positions start_pos.., k/v [L, KVH, D] for positions 0..L-1; scores
+    soft-capped (softcap * tanh(s / softcap)) when `softcap` is given."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1).double(), v.repeat_interleave(group, 1).double()
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     pos = torch.arange(start_pos, start_pos + q.shape[0])[:, None]
     j = torch.arange(k.shape[0])[None, :]
     mask = j <= pos

@@ -236,7 +236,7 @@ def test_a_failed_build_falls_back_to_the_torch_path(tmp_path, tiny_llama):
 import torch
 from pagedkv import LLM, SamplingParams
 from pagedkv.kernels import cpu
-llm = LLM(model={str(tiny_llama)!r}, cpu_kernels="auto")
+llm = LLM(model={str(tiny_llama)!r}, cpu_kernels="auto", device="cpu")
 cpu._state["thread"].join()
 assert not cpu.cpu_kernels_loaded() and cpu._state["error"] is not None
 out = llm.generate([{{"prompt_token_ids": [5, 6, 7]}}], SamplingParams(max_tokens=3, temperature=0))

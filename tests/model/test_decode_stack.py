@@ -55,7 +55,7 @@ def generate(model: str, dtype: str, stack: bool, monkeypatch: pytest.MonkeyPatc
         return hidden
 
     monkeypatch.setattr(DecodeStack, "run", counted)
-    llm = LLM(model=model, dtype=dtype, seed=0, block_size=4, cpu_kernels="wait",
+    llm = LLM(model=model, dtype=dtype, seed=0, block_size=4, cpu_kernels="wait", device="cpu",
               kv_cache_memory_bytes=8 << 20, enable_prefix_caching=False, **engine)
     try:
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)

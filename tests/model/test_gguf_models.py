@@ -75,8 +75,8 @@ def test_rope_freqs_divide_the_inverse_frequencies(tiny_llama, tmp_path):
     plain = LLM(str(write_gguf(tiny_llama, tmp_path / "a.gguf")), **ENGINE)
     scaled = LLM(str(write_gguf(tiny_llama, tmp_path / "b.gguf", rope_freqs=factors)), **ENGINE)
     try:
-        base = plain.llm_engine.runner.model.rotary.inv_freq
-        got = scaled.llm_engine.runner.model.rotary.inv_freq
+        base = plain.llm_engine.runner.model.rotary.inv_freq.cpu()
+        got = scaled.llm_engine.runner.model.rotary.inv_freq.cpu()
         assert torch.allclose(got, base / torch.tensor(factors, dtype=torch.float32))
     finally:
         plain.shutdown()

@@ -28,6 +28,7 @@ from pagedkv.testing.quantized_decode_check import (
     INT8_FLOAT32_TOLERANCE,
     check_quantized_decode,
 )
+from tests.model.driver import TRITON_DEVICE
 
 # Max |logit error| against the float32 cache on the tiny llama, teacher-forced (70 + 30 tokens,
 # seed 0; logits spread over ~5): measured 0.0304 on both CPU paths (fp8 e4m3: 0.099); the
@@ -208,7 +209,7 @@ def test_triton_backend_reads_the_int8_cache_in_place(tiny_llama):
     cont = [rng.randrange(4, 200) for _ in range(4)]
     ref = teacher_forced_logits(ModelRunner(tiny_llama, block_size=4, num_blocks=16,
                                             device="cpu"), prompt, cont, chunk_size=8)
-    runner = ModelRunner(tiny_llama, block_size=4, num_blocks=16, device="cpu",
+    runner = ModelRunner(tiny_llama, block_size=4, num_blocks=16, device=TRITON_DEVICE,
                          attention_backend="cuda", kv_cache_dtype="int8")
     from pagedkv.model.backends.triton_paged import TritonPagedBackend
     assert isinstance(runner.attn_backend, TritonPagedBackend)  # not wrapped: read in place
@@ -235,10 +236,12 @@ def test_the_triton_store_writes_what_torch_writes_bit_for_bit(dtype):
     mapped = slots >= 0
     want = [torch.full((2, n, 2, 72), 7, dtype=torch.int8) for _ in range(2)]
     want += [torch.full((2, n, 2), -1.0) for _ in range(2)]
-    got = [t.clone() for t in want]
+    got = [t.clone().to(TRITON_DEVICE) for t in want]
     quantize_into_per_token(want[0], want[2], slots[mapped], k[mapped])
     quantize_into_per_token(want[1], want[3], slots[mapped], v[mapped])
-    store_kv_int8(k, v, got[0], got[1], got[2], got[3], slots)
+    store_kv_int8(k.to(TRITON_DEVICE), v.to(TRITON_DEVICE), got[0], got[1], got[2], got[3],
+                  slots.to(TRITON_DEVICE))
+    got = [t.cpu() for t in got]
     for name, w, g in zip(("keys", "values", "key scales", "value scales"), want, got,
                           strict=True):
         assert torch.equal(g, w), name

@@ -22,6 +22,7 @@ from pagedkv.model.kv_quant import (
 )
 from pagedkv.model.runner import ModelRunner
 from pagedkv.testing.kv_quant_accuracy import compare_logits, teacher_forced_logits
+from tests.model.driver import TRITON_DEVICE
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # Relative rounding error of a normal value: half an ulp, 2**-(mantissa bits + 1).
@@ -142,7 +143,7 @@ def test_triton_backend_reads_the_fp8_cache_too(tiny_llama):
     prompt, cont = prompt[:20], cont[:4]
     ref = teacher_forced_logits(ModelRunner(tiny_llama, block_size=4, num_blocks=16,
                                             device="cpu"), prompt, cont, chunk_size=8)
-    runner = ModelRunner(tiny_llama, block_size=4, num_blocks=16, device="cpu",
+    runner = ModelRunner(tiny_llama, block_size=4, num_blocks=16, device=TRITON_DEVICE,
                          attention_backend="cuda", kv_cache_dtype="fp8")
     from pagedkv.model.backends.triton_paged import TritonPagedBackend
     assert isinstance(runner.attn_backend, TritonPagedBackend)  # not wrapped: read in place

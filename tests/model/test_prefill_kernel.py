@@ -260,7 +260,7 @@ def test_greedy_tokens_through_the_tiled_kernel_equal_transformers(tmp_path, chu
     from tests.tiny_models import build_tiny_hf_model, load_hf_model
 
     model = build_tiny_hf_model(tmp_path / "m", "qwen2_hd64")
-    runner = ModelRunner(model, block_size=16, num_blocks=64, cpu_kernels="wait")
+    runner = ModelRunner(model, block_size=16, num_blocks=64, cpu_kernels="wait", device="cpu")
     assert runner.attn_backend.fused
     ours = greedy_generate(runner, PROMPTS, 8, chunk_size=chunk_size)
     assert ours == hf_greedy(load_hf_model(model), PROMPTS, 8)

@@ -95,7 +95,7 @@ def test_weights_bytes_count_the_packed_weights(q4_gguf):
     assert head_copy == head.out_features * (head.in_features + 2)
     assert packed.weights_bytes == dense.weights_bytes - dense_linear + expected + head_copy
     llm = LLM(str(q4_gguf), dtype="bfloat16", block_size=4, num_gpu_blocks_override=16,
-              max_model_len=64)
+              max_model_len=64, device="cpu")
     try:  # what the engine reports (the banner, /kv_cache_info): the packed bytes
         assert llm.llm_engine.client.ready.weights_bytes == packed.weights_bytes
         out = llm.generate([{"prompt_token_ids": PROMPT}],

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from tests.model.driver import TRITON_DEVICE
 from tests.model.test_attention import dense_reference
 
 triton = pytest.importorskip("triton")
@@ -24,7 +25,7 @@ from pagedkv.model.backends.triton_paged import (  # noqa: E402
 from pagedkv.model.kv_int8 import quantize_into_per_token, round_trip_per_token  # noqa: E402
 from pagedkv.model.kv_quant import KVScales, dequantize, quantize, quantize_into  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEVICE = TRITON_DEVICE
 
 
 def make_step(seed, block_size, num_heads, num_kv_heads, head_dim, seqs, dtype):
@@ -87,6 +88,33 @@ def test_triton_paged_attention_matches_dense_reference(case):
         assert not got.isnan().any()
         err = (got - ref).norm() / ref.norm()
         assert err < 2e-3, (case, cached, new, float(err))  # tf32 dots on GPU: ~3e-4
+        tok += new
+
+
+@pytest.mark.parametrize("case", [0, 2])
+def test_triton_kernel_soft_caps_the_scores(case):
+    """Gemma 2's soft-capped attention through the seam its layers call (SoftcappedMetadata over
+    the Triton metadata, which caps inside the kernel): the dense reference with the cap, far
+    from the one without (a cap of 1.5 bends scores of this spread)."""
+    from pagedkv.model.softcap_attention import SoftcappedMetadata
+
+    block_size, heads, kvh, d, seqs, window = CASES[case]
+    seqs = sorted(seqs, key=lambda s: s[1] != 1)
+    q, k, v, (k_cache, v_cache), step, full = make_step(case, block_size, heads, kvh, d, seqs,
+                                                        torch.float32)
+    q = q * 4  # scores of a few units: the cap matters
+    meta = SoftcappedMetadata(TritonPagedBackend(DEVICE).build_metadata(step), 1.5)
+    scale = d ** -0.5
+    out = meta.attend(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), k_cache.to(DEVICE),
+                      v_cache.to(DEVICE), scale, window).double().cpu()
+    tok = 0
+    for (cached, new), (kf, vf) in zip(seqs, full, strict=True):
+        ref = dense_reference(q[tok:tok + new], kf, vf, cached, window, scale, softcap=1.5)
+        uncapped = dense_reference(q[tok:tok + new], kf, vf, cached, window, scale)
+        got = out[tok:tok + new]
+        assert (got - ref).norm() / ref.norm() < 2e-3, (case, cached, new)
+        if cached + new > 1:  # one key: softmax is 1 whatever the score
+            assert (uncapped - ref).norm() / ref.norm() > 2e-2, (case, cached, new)
         tok += new
 
 

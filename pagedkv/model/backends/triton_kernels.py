@@ -71,15 +71,17 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit(do_not_specialize=["num_seqs", "window", "stride_bt"])
 def paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        query_start_loc_ptr, scale, num_seqs, window,
+        query_start_loc_ptr, scale, num_seqs, window, softcap,
         stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_cache_h, stride_bt,
         k_scale_ptr, v_scale_ptr, stride_scale_h,
         NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-        TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SCALES: tl.constexpr):
+        TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SCALES: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr):
     """HAS_SCALES (int8 caches, kv_int8.py): k_scale_ptr / v_scale_ptr are the per-slot scales
     [num_kv_heads, num_blocks * block_size] (float32); a key's scale multiplies its scores and a
-    value's its softmax weights (the int8 values themselves are exact in q's dtype)."""
+    value's its softmax weights (the int8 values themselves are exact in q's dtype).
+    HAS_SOFTCAP (Gemma 2): each score s becomes softcap * tanh(s / softcap) before masking."""
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
@@ -125,6 +127,8 @@ def paged_attention_kernel(
             scale_off = kv_head.to(tl.int64) * stride_scale_h + slot
             s = s * tl.load(k_scale_ptr + scale_off, mask=n_ok, other=0.0)[None, :]
             v_weight = tl.load(v_scale_ptr + scale_off, mask=n_ok, other=0.0)
+        if HAS_SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to +-1, no libdevice
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
         visible = (n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
                    & (offs_n[None, :] > q_pos[:, None] - window))
         s = tl.where(visible, s, float("-inf"))

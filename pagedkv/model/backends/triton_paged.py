@@ -63,14 +63,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                     window: int | None, out: torch.Tensor | None = None,
                     k_scales: torch.Tensor | None = None,
-                    v_scales: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scales: torch.Tensor | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Attention output [T, heads, head_dim] of q [T, heads, head_dim] (last dim contiguous).
 
     Sequence i owns tokens query_start_loc[i] .. query_start_loc[i + 1] - 1 [S + 1], the last of
     its seq_lens[i] [S] positions, whose K/V (these tokens' included) are in the cache blocks
     block_tables[i] [S, width] (int32). `max_query_len` only picks the tile shape. Written into
     `out` when given. int8 caches: their per-slot scales k_scales / v_scales [kv_heads,
-    num_blocks, block_size] (float32)."""
+    num_blocks, block_size] (float32). `softcap` (Gemma 2): scores s become
+    softcap * tanh(s / softcap)."""
     t, heads, d = q.shape
     kvh, _, block_size, _ = k_cache.shape
     group = heads // kvh
@@ -84,7 +86,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = (t // block_q + num_seqs, kvh)
     paged_attention_kernel[grid](
         out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, num_seqs,
-        NO_WINDOW if window is None else window,
+        NO_WINDOW if window is None else window, 1.0 if softcap is None else softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
         block_tables.stride(0),
         k_cache if k_scales is None else k_scales, v_cache if v_scales is None else v_scales,
@@ -94,7 +96,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         TILE_N=TILE_N,
         # float32 caches: exact float32 products (as torch's float32 matmuls), not tf32.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        HAS_SCALES=k_scales is not None)
+        HAS_SCALES=k_scales is not None, HAS_SOFTCAP=softcap is not None)
     return out
 
 
@@ -110,17 +112,21 @@ class TritonAttentionMetadata:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     max_query_len: int
+    # The kernel soft-caps scores itself (softcap_attention.SoftcappedMetadata asks for it).
+    caps_scores = True
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, scale: float, window: int | None,
                k_scales: torch.Tensor | None = None,
-               v_scales: torch.Tensor | None = None) -> torch.Tensor:
+               v_scales: torch.Tensor | None = None,
+               softcap: float | None = None) -> torch.Tensor:
         """Store k, v into the caches (mutated; int8: and their scales into k_scales /
-        v_scales), then attend q through the block tables."""
+        v_scales), then attend q through the block tables, scores soft-capped at `softcap`
+        when given."""
         store_kv(k, v, k_cache, v_cache, self.slot_mapping, k_scales, v_scales)
         return paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens,
                                self.query_start_loc, self.max_query_len, scale, window,
-                               k_scales=k_scales, v_scales=v_scales)
+                               k_scales=k_scales, v_scales=v_scales, softcap=softcap)
 
 
 def reads_fp8_cache(device: torch.device) -> bool:
