@@ -8,24 +8,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from pagedkv import LLM, SamplingParams
 from pagedkv.model.loader import load_model
 from pagedkv.model.registry import model_config_from_dir
 from tests.model.gguf_files import write_gguf
-
-PROMPTS = [[5, 17, 99, 230, 41, 8, 77, 300, 12, 64, 3, 150], [9, 250, 33, 71]]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-ENGINE = dict(dtype="float32", block_size=4, num_gpu_blocks_override=64, max_model_len=128)
-
-
-def greedy(model: str, **engine) -> list[list[int]]:
-    llm = LLM(model, **ENGINE, **engine)
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-        llm.llm_engine.check_invariants()
-        return [o.outputs[0].token_ids for o in outs]
-    finally:
-        llm.shutdown()
+from tests.model.test_gguf_models import greedy
 
 
 @pytest.mark.cuda

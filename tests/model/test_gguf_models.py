@@ -25,8 +25,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 ENGINE = dict(dtype="float32", block_size=4, num_gpu_blocks_override=64, max_model_len=128)
 
 
-def greedy(model: str) -> list[list[int]]:
-    llm = LLM(model, **ENGINE)
+def greedy(model: str, **engine) -> list[list[int]]:
+    """The greedy tokens of PROMPTS through an engine on `model` (ENGINE's options, `engine`'s
+    too), its pool checked."""
+    llm = LLM(model, **ENGINE, **engine)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
         llm.llm_engine.check_invariants()
