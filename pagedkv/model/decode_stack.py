@@ -62,8 +62,6 @@ def _add_linear(stack: torch.ScriptObject, linear: nn.Module, rows: int) -> bool
     if call is None:
         return False
     calls, bias = ((call,), None) if isinstance(call, LinearCall) else call
-    if not calls or any(c is None for c in calls):
-        return False
     for i, c in enumerate(calls):
         name, _, overload = c.op.partition(".")
         add = stack.add_linear_part if i else stack.add_linear

@@ -459,7 +459,8 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
                                   : kOnly ? 2 * groups : 2 * groups * int64_t(sizeof(S));
   const int64_t ahead_rows = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
   const int64_t ahead = ahead_rows * row_bytes, ahead_s = ahead_rows * scale_row_bytes;
-  const int64_t far = quant_rows::far_ahead_bytes(row_bytes, kGemvCols);
+  const int64_t far =
+      quant_rows::whole_tiles_ahead(quant_rows::kFarPrefetchBytes, row_bytes, kGemvCols);
   const char* far_scales = scale_bytes + far / row_bytes * scale_row_bytes;
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
@@ -541,11 +542,9 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t row_bytes = groups * (kInt4Group / 2), row_s = 2 * groups, padded = a.padded();
   const int64_t ahead_rows = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
-  const int64_t ahead = ahead_rows * row_bytes, ahead_s = ahead_rows * row_s * sizeof(S);
-  // Whole tiles of kGemvCols rows ahead (as the VNNI product's far prefetch): a row's request
-  // then lands on a row of a later tile, never on one being read.
-  const int64_t tile_ahead = (ahead + kGemvCols * row_bytes - 1) / (kGemvCols * row_bytes) *
-                             (kGemvCols * row_bytes);
+  const int64_t ahead_s = ahead_rows * row_s * sizeof(S);
+  const int64_t ahead = quant_rows::whole_tiles_ahead(ahead_rows * row_bytes, row_bytes,
+                                                      kGemvCols);
   __m256 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
@@ -554,7 +553,7 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
     const int64_t at = (g / 4) * 128 + 32 * ((g % 4) / 2);
     for (int j = 0; j < NR; ++j) {
       const uint8_t* wp = codes + j * row_bytes + (kInt4Group / 2) * g;
-      if (g % 4 == 0) __builtin_prefetch(wp + tile_ahead);
+      if (g % 4 == 0) __builtin_prefetch(wp + ahead);
       if (g == 0) __builtin_prefetch(reinterpret_cast<const char*>(scales + j * row_s) + ahead_s);
       const __m256i w = pair
           ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp))

@@ -354,7 +354,7 @@ inline __m128 chunk_scales(const c10::Half* p, __mmask8 m) {
 }
 
 // Far: AMD's tuning (far_l2_prefetch). Each chunk first asks for the codes
-// kFarPrefetchBytes ahead of each of its rows' (where `ahead` says they are within the weight),
+// `far` bytes ahead of each of its rows' (none where `far` is 0: past the weight's end),
 // and the two scales (weight block, activation block) are multiplied in 128 bits before one
 // permute spreads them over the lanes: 512-bit operations, which Zen 4 runs as two halves, go
 // from 7 to 5 a chunk and weight row. Without it, the scales are spread first and multiplied
@@ -364,16 +364,14 @@ inline __m128 chunk_scales(const c10::Half* p, __mmask8 m) {
 // code sum.
 template <int R, int NC, int64_t block, typename S, bool Far, int Bits>
 inline void dot_chunk(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0,
-                      int64_t k, int64_t c, int64_t left, __m512* acc, bool ahead) {
+                      int64_t k, int64_t c, int64_t left, __m512* acc, int64_t far) {
   constexpr bool kPacked = Bits != 8;
   const int64_t row_bytes = kPacked ? PackedBits<Bits>::row_bytes(k) : k;
   // The chunk's first byte in a row (c: a multiple of 64).
   const int64_t at = kPacked ? c / 64 * PackedBits<Bits>::kChunkBytes : c;
   if constexpr (Far) {
-    if (ahead) {
-      const int64_t far = quant_rows::far_ahead_bytes(row_bytes, kFarTileRows);
+    if (far)
       for (int j = 0; j < NC; ++j) prefetch_l2(w + j * row_bytes + at + far);
-    }
   }
   // Lane l of the chunk (4 codes) is in block l / (block / 4) of it.
   const __m512i lane_block = _mm512_srli_epi32(
@@ -431,18 +429,20 @@ void dot_tile(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0
               float* out, int64_t out_stride, const int8_t* w_end) {
   __m512 acc[R * NC];
   for (int i = 0; i < R * NC; ++i) acc[i] = _mm512_setzero_ps();
-  // Whether the far prefetch stays within the weight for every chunk of these rows (past it
-  // near the weight's end, none: those last rows are already on their way).
+  // The far prefetch's distance, 0 where it would pass the weight's end for some chunk of
+  // these rows (those last rows are already on their way); their scales: dot_columns asks for a
+  // tile's whole, a tile ahead.
   const int64_t row_bytes = Bits == 8 ? k : PackedBits<Bits>::row_bytes(k);
-  const int64_t far = quant_rows::far_ahead_bytes(row_bytes, kFarTileRows);
-  const bool ahead = Far && w + NC * row_bytes + far <= w_end;
-  if (ahead)
-    for (int j = 0; j < NC; ++j) prefetch_l2(ws + (j + far / row_bytes) * (k / block));
+  int64_t far = 0;
+  if constexpr (Far) {
+    far = quant_rows::whole_tiles_ahead(quant_rows::kFarPrefetchBytes, row_bytes, kFarTileRows);
+    if (w + NC * row_bytes + far > w_end) far = 0;
+  }
   int64_t c = 0;
   for (; c + 64 <= k; c += 64)
-    dot_chunk<R, NC, block, S, Far, Bits>(w, ws, q, row0, k, c, 64, acc, ahead);
+    dot_chunk<R, NC, block, S, Far, Bits>(w, ws, q, row0, k, c, 64, acc, far);
   if (c < k)  // 32 codes left (int8 codes alone: packed ones have K a multiple of 64)
-    dot_chunk<R, NC, block, S, Far, 8>(w, ws, q, row0, k, c, k - c, acc, ahead);
+    dot_chunk<R, NC, block, S, Far, 8>(w, ws, q, row0, k, c, k - c, acc, far);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NC; ++j) out[r * out_stride + j] = _mm512_reduce_add_ps(acc[r * NC + j]);
 }

@@ -89,14 +89,14 @@ inline const float* float_bias(const c10::optional<at::Tensor>& bias, int64_t n)
 // Bytes ahead of the codes being read that the far prefetch asks for (into L2: prefetcht1).
 constexpr int64_t kFarPrefetchBytes = 16 << 10;
 
-// The far prefetch's distance for a product reading `tile` weight rows of `row_bytes` side by
-// side: kFarPrefetchBytes rounded up to whole tiles, so that each row's request lands on the
-// same place of a row of a later tile. A distance of a fraction of a tile lands on rows already
-// being read and never on some of the next tile's: at K = 8,192 (int8 codes: 16 KiB = 2 rows
-// of a tile of 4) a decode product streamed 1.2-1.4x slower per byte than at K = 2,048.
-inline int64_t far_ahead_bytes(int64_t row_bytes, int64_t tile) {
+// A prefetch distance of `bytes` for a product reading `tile` weight rows of `row_bytes` side
+// by side, rounded up to whole tiles, so that each row's request lands on the same place of a
+// row of a later tile. A distance of a fraction of a tile lands on rows already being read and
+// never on some of the next tile's: at K = 8,192 (int8 codes: kFarPrefetchBytes = 2 rows of a
+// tile of 4) a decode product streamed 1.2-1.4x slower per byte than at K = 2,048.
+inline int64_t whole_tiles_ahead(int64_t bytes, int64_t row_bytes, int64_t tile) {
   const int64_t tile_bytes = row_bytes * tile;
-  return (kFarPrefetchBytes + tile_bytes - 1) / tile_bytes * tile_bytes;
+  return (bytes + tile_bytes - 1) / tile_bytes * tile_bytes;
 }
 
 
