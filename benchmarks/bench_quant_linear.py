@@ -27,7 +27,8 @@ Paths (each weight [N, K], activations [rows, K]):
   products; `q6k`, `q6k2`, `q6k6` likewise a Q6_K weight as Int8BlockLinear with a float32
   scale per 16, or the file's two levels (fp16 d per 256, int8 sub-scales per 16:
   `int8_blocks.q6_k_two_level`), or those with the codes in 6 bits (`packed_codes`: the
-  model's layout, the file's bytes).
+  model's layout, the file's bytes); `q5k2` a Q5_K weight as the two-level Int4Linear with
+  5-bit codes (the nibbles, then a fifth bit a code: `int4_blocks.pack_group_codes`).
 Where `int4gemv` and `int4expand` (and `q8gemv`, `q8expand`) cross is where Int4Linear's
 `product_rows` (`int4_tile_rows()` where the panel product or AMX tiles run, else `GEMV_ROWS`;
 Int8BlockLinear's likewise) belongs: `--rows 1,4,8,16,24,32,48,64` (and `--rows 256,512,2048`
@@ -73,7 +74,8 @@ def _bytes(path: str, n: int, k: int) -> int:
             "int4expand": n * k // 2 + n * k // GROUP * 4,
             "q8gemv": n * k + n * k // GROUP * 4, "q8expand": n * k + n * k // GROUP * 4,
             "int4pack": n * k // 2 + n * k // GROUP * 4, "q4k": n * k // 2 + n * k // GROUP * 8,
-            "q4k2": n * k // 2 + n * k // GROUP * 5 // 2, "q6k": n * k + n * k // 16 * 4,
+            "q4k2": n * k // 2 + n * k // GROUP * 5 // 2,
+            "q5k2": n * k * 5 // 8 + n * k // GROUP * 5 // 2, "q6k": n * k + n * k // 16 * 4,
             "q6k2": n * k + n * k // 16 + n * k // 128,
             "q6k6": n * k * 3 // 4 + n * k // 16 + n * k // 128}[path]
 
@@ -120,11 +122,12 @@ def _paths(n: int, k: int) -> dict[str, tuple[torch.Tensor, Callable[[torch.Tens
 
 def _k_quant_linears(n: int, k: int) -> dict[str, torch.nn.Module]:
     """{"q4k": the float32-table Int4Linear, "q4k2": the two-level one} of random Q4_K blocks
-    [n, k] (fp16 d and dmin between 1e-3 and 1e-2), and "q6k", "q6k2" of Q6_K blocks alike."""
+    [n, k] (fp16 d and dmin between 1e-3 and 1e-2), "q5k2" of Q5_K blocks alike, and "q6k",
+    "q6k2", "q6k6" of Q6_K blocks."""
     import numpy as np
     from gguf import GGMLQuantizationType
 
-    from pagedkv.model.quant.int4_blocks import codes_and_scales, q4_k_two_level
+    from pagedkv.model.quant.int4_blocks import codes_and_scales, k_quant_two_level
     from pagedkv.model.quant.int4_linear import Int4Linear
     from pagedkv.model.quant.int8_block_linear import Int8BlockLinear
     from pagedkv.model.quant.int8_blocks import (
@@ -137,6 +140,9 @@ def _k_quant_linears(n: int, k: int) -> dict[str, torch.nn.Module]:
     raw = rng.integers(0, 256, (n * k // 256, 144), dtype=np.uint8)
     raw[:, 0:4] = rng.uniform(1e-3, 1e-2, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)
     raw = raw.reshape(n, -1)
+    raw5 = rng.integers(0, 256, (n * k // 256, 176), dtype=np.uint8)
+    raw5[:, 0:4] = rng.uniform(1e-3, 1e-2, (raw5.shape[0], 2)).astype(np.float16).view(np.uint8)
+    raw5 = raw5.reshape(n, -1)
     raw6 = rng.integers(0, 256, (n * k // 256, 210), dtype=np.uint8)
     raw6[:, 208:210] = rng.uniform(1e-3, 1e-2, (raw6.shape[0], 1)).astype(np.float16) \
         .view(np.uint8)
@@ -144,7 +150,9 @@ def _k_quant_linears(n: int, k: int) -> dict[str, torch.nn.Module]:
     codes6, scales6, _ = int8_codes_and_scales(raw6, GGMLQuantizationType.Q6_K)
     table6 = torch.from_numpy(q6_k_two_level(raw6)[1])
     return {"q4k": Int4Linear(*codes_and_scales(raw, GGMLQuantizationType.Q4_K)),
-            "q4k2": Int4Linear.from_two_level(*q4_k_two_level(raw)),
+            "q4k2": Int4Linear.from_two_level(*k_quant_two_level(raw, GGMLQuantizationType.Q4_K)),
+            "q5k2": Int4Linear.from_two_level(*k_quant_two_level(raw5,
+                                                                 GGMLQuantizationType.Q5_K)),
             "q6k": Int8BlockLinear(torch.from_numpy(codes6), torch.from_numpy(scales6)),
             "q6k2": Int8BlockLinear(torch.from_numpy(codes6), table6),
             "q6k6": Int8BlockLinear(torch.from_numpy(packed_codes(codes6, 6)), table6)}

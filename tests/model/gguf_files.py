@@ -80,8 +80,8 @@ def write_gguf(model_dir: Path, out: Path, *, quant: GGMLQuantizationType | None
         elif gemma and name.endswith("norm.weight"):
             w = w + 1.0
         kind = (types or {}).get(name.split(".")[-2], quant)
-        k_quant = {GGMLQuantizationType.Q4_K: quantize_q4_k, GGMLQuantizationType.Q6_K:
-                   quantize_q6_k}.get(kind)
+        k_quant = {GGMLQuantizationType.Q4_K: quantize_q4_k, GGMLQuantizationType.Q5_K:
+                   quantize_q5_k, GGMLQuantizationType.Q6_K: quantize_q6_k}.get(kind)
         if k_quant is not None and w.ndim == 2 and w.shape[1] % 256 == 0:
             writer.add_tensor(name, k_quant(w), raw_dtype=kind)
         elif k_quant is not None and w.ndim == 2:  # rows off 256: as llama.cpp
@@ -100,14 +100,17 @@ def write_gguf(model_dir: Path, out: Path, *, quant: GGMLQuantizationType | None
     return out
 
 
-def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+def quantize_q4_k(w: np.ndarray, bits: int = 4) -> np.ndarray:
     """Rows `w` [n, k] (k a multiple of 256) as Q4_K super-blocks [n, k / 256 * 144] (the gguf
     package has no Q4_K quantizer): per 32 weights a 6-bit scale and min times the
-    super-block's fp16 d and dmin, codes 0..15 (a plain rounding, not llama.cpp's search)."""
+    super-block's fp16 d and dmin, codes 0..15 (a plain rounding, not llama.cpp's search);
+    `bits` 5: as Q5_K super-blocks [n, k / 256 * 176], codes 0..31, their fifth bits in qh
+    (byte l's bit c: code l of sub-block c) before the nibbles."""
     n, k = w.shape
+    top = (1 << bits) - 1
     sub = w.reshape(-1, 8, 32).astype(np.float64)  # [super-blocks, 8, 32]
     low = np.minimum(sub.min(axis=2), 0.0)
-    scale = (sub.max(axis=2) - low) / 15
+    scale = (sub.max(axis=2) - low) / top
     d = np.maximum(scale.max(axis=1), 1e-8) / 63
     dmin = np.maximum(-low.min(axis=1), 1e-8) / 63
     d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
@@ -115,16 +118,25 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     mn = np.clip(np.rint(-low / dmin16.astype(np.float64)[:, None]), 0, 63).astype(np.uint8)
     step = d16.astype(np.float64)[:, None] * sc
     offset = dmin16.astype(np.float64)[:, None] * mn
-    q = np.clip(np.rint((sub + offset[..., None]) / step[..., None]), 0, 15).astype(np.uint8)
+    q = np.clip(np.rint((sub + offset[..., None]) / step[..., None]), 0, top).astype(np.uint8)
     packed = np.empty((sub.shape[0], 12), np.uint8)
     packed[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
     packed[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
     packed[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
-    chunks = q.reshape(-1, 4, 2, 32)  # 4 chunks of 64 codes: byte j holds j and j + 32
+    chunks = q.reshape(-1, 4, 2, 32) & 15  # 4 chunks of 64 codes: byte j holds j and j + 32
     qs = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(-1, 128)
+    qh = np.zeros((q.shape[0], 0), np.uint8)
+    if bits == 5:
+        fifth = (q >> 4).astype(np.uint8)  # [super-blocks, 8 sub-blocks, 32]
+        qh = np.bitwise_or.reduce(fifth << np.arange(8, dtype=np.uint8)[None, :, None], axis=1)
     blocks = np.concatenate((d16.view(np.uint8).reshape(-1, 2),
-                             dmin16.view(np.uint8).reshape(-1, 2), packed, qs), axis=1)
+                             dmin16.view(np.uint8).reshape(-1, 2), packed, qh, qs), axis=1)
     return blocks.reshape(n, -1)
+
+
+def quantize_q5_k(w: np.ndarray) -> np.ndarray:
+    """`quantize_q4_k` in 5 bits: Q5_K super-blocks."""
+    return quantize_q4_k(w, bits=5)
 
 
 def quantize_q6_k(w: np.ndarray) -> np.ndarray:

@@ -155,19 +155,22 @@ def test_auto_dtype_of_a_gguf_file(tiny_llama, tmp_path, quant, want):
     assert explicit.dtype == torch.float32
 
 
-def test_quantized_linears_left_dequantized_are_named(tiny_llama, tmp_path, caplog):
-    """A quantized type no packed kernel takes (Q5_1) is dequantized to the model dtype, and
-    the load says so once, with the types (a packed file says nothing)."""
+def test_quantized_linears_left_dequantized_are_named(tmp_path, caplog):
+    """A quantized type no packed kernel takes (TQ2_0, ternary: rows of 256) is dequantized to
+    the model dtype, and the load says so once, with the types (a packed file says nothing)."""
     from pagedkv.model.runner import ModelRunner
+    from tests.tiny_models import build_hf_model
 
-    for quant, warned in ((GGMLQuantizationType.Q5_1, True), (GGMLQuantizationType.Q4_0, False)):
+    model_dir = build_hf_model(tmp_path / "hf", "llama", hidden_size=256, intermediate_size=512,
+                               num_heads=4, num_kv_heads=2, head_dim=64)
+    for quant, warned in ((GGMLQuantizationType.TQ2_0, True), (GGMLQuantizationType.Q4_0, False)):
         caplog.clear()
-        path = write_gguf(tiny_llama, tmp_path / f"{quant.name}.gguf", quant=quant)
+        path = write_gguf(model_dir, tmp_path / f"{quant.name}.gguf", quant=quant)
         with caplog.at_level("WARNING", logger="pagedkv.model.loader"):
             ModelRunner(str(path), block_size=4, num_blocks=8, device="cpu")
         lines = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
         if warned:
             assert len(lines) == 1 and "8 of the GGUF file's quantized linears" in lines[0] \
-                and "Q5_1" in lines[0], lines
+                and "TQ2_0" in lines[0], lines
         else:
             assert lines == []

@@ -1,5 +1,5 @@
-"""The packed 4-bit linear (pagedkv/model/quant): GGUF Q4_0 / Q4_1 / Q4_K blocks read as codes,
-scales and offsets (checked against the `gguf` package's own dequantization), and Int4Linear's
+"""The packed 4- and 5-bit linear (pagedkv/model/quant): GGUF Q4_0 / Q4_1 / Q4_K / Q5_1 / Q5_K
+blocks read as codes, scales and offsets (checked against the `gguf` package's own dequantization), and Int4Linear's
 output on each of its paths (the int4 product on int8 activations at decode sizes, torch's int4
 op before the kernels load, the expanded weight above) against a float64
 dequantize-then-matmul reference, within the rounding its activations allow; the kernels
@@ -19,7 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from pagedkv.kernels.cpu import ensure_cpu_kernels
 from pagedkv.model.quant import int4_linear
-from pagedkv.model.quant.int4_blocks import INT4_TYPES, codes, codes_and_scales
+from pagedkv.model.quant.int4_blocks import INT4_TYPES, codes, codes_and_scales, pack_group_codes
 from pagedkv.model.quant.int4_linear import GEMV_ROWS, Int4Linear, product_rows
 from pagedkv.testing.isa_child import run_with_isa
 
@@ -42,7 +42,7 @@ def random_rows(ggml_type: GGMLQuantizationType, n: int, k: int, seed: int = 0) 
     halves = 2 if ggml_type == GGMLQuantizationType.Q4_0 else 4  # d (and m / dmin) lead
     fp16 = rng.uniform(1e-3, 1e-1, (raw.shape[0], halves // 2)).astype(np.float16)
     fp16 *= rng.choice(np.array([-1, 1], dtype=np.float16), fp16.shape)
-    if ggml_type == GGMLQuantizationType.Q4_K:
+    if ggml_type in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
         fp16[:, 0] = np.abs(fp16[:, 0])
     raw[:, :halves] = fp16.view(np.uint8).reshape(raw.shape[0], halves)
     return raw.reshape(n, -1)
@@ -56,8 +56,8 @@ def reference_weight(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> np.nda
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_codes_and_scales_are_the_format(ggml_type):
     raw = random_rows(ggml_type, N, K)
-    nibbles, scale, offset = codes_and_scales(raw, ggml_type)
-    q = codes(nibbles).astype(np.float64).reshape(N, -1, 32)
+    packed, scale, offset = codes_and_scales(raw, ggml_type)
+    q = codes(packed, K // 32).astype(np.float64).reshape(N, -1, 32)
     ours = (q * scale[..., None] + offset[..., None]).reshape(N, K)
     want = reference_weight(raw, ggml_type)
     np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
@@ -202,7 +202,8 @@ def quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def exact_products_ratio(n: int, k: int, rows: int, style: str, scale_dtype: torch.dtype,
                          seed: int) -> float:
     """int4_gemv on random codes [n, k] with a bias, scales in `scale_dtype` (mixed signs) and
-    offsets as Q4_0's (-8 times the scale) or Q4_1's (their own, mixed signs), on float32
+    offsets as Q4_0's (-8 times the scale) or Q4_1's (their own, mixed signs), or 5-bit codes
+    with their own offsets as Q5_1's (style "q5_1": the fifth bits after the nibbles), on float32
     activations [rows, k], against the exact product of the activations as the kernels quantize
     them (codes and offsets alike: the offset meets the quantized values' sum, step times the
     codes' integer sum): the largest error over its bound (a pass is <= 1). The integer dots
@@ -212,7 +213,9 @@ def exact_products_ratio(n: int, k: int, rows: int, style: str, scale_dtype: tor
     2^-17 of the terms' magnitudes covers both (a group's term off, or an offset missed, is
     ~2^-5 of them). Also run by the AVX2 child."""
     g = torch.Generator().manual_seed(seed)
-    nib = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    bits = 5 if style == "q5_1" else 4
+    q = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=g)
+    nib = torch.from_numpy(pack_group_codes(q.numpy(), bits))
     scale = ((torch.rand(n, k // 32, generator=g) - 0.3) * 1e-2).to(scale_dtype)
     if style == "q4_0":
         offset = -8 * scale  # exact in float16 too
@@ -222,9 +225,7 @@ def exact_products_ratio(n: int, k: int, rows: int, style: str, scale_dtype: tor
     x = torch.randn(rows, k, generator=g)
     x[:, 3] *= 20  # an outlier feature: one group's step far above the others'
     bias = torch.randn(n, generator=g)
-    blocks = nib.view(n, -1, 16)
-    q4 = torch.cat((blocks & 15, blocks >> 4), dim=2).double()  # [N, K/32, 32]
-    cs = q4 * scale.double()[..., None]  # [N, K/32, 32]
+    cs = q.double().view(n, -1, 32) * scale.double()[..., None]  # [N, K/32, 32]
     off = offset.double()  # [N, K/32]
     xq, step = quantized_activations(x)
     sums = (xq.sum(-1, keepdim=True) * step)[..., 0]  # [rows, K/32]
@@ -243,12 +244,12 @@ def test_rows_across_blocks_are_exact(k, rows):
     to 256, fewer the longer K: 256 at K = 800, 112 at 2,304): rows across two blocks and into
     a third give the exact products of the activations as quantized."""
     assert ensure_cpu_kernels("wait")
-    for style in ("q4_0", "q4_1"):
+    for style in ("q4_0", "q4_1", "q5_1"):
         ratio = exact_products_ratio(20, k, rows, style, torch.float16, seed=rows)
         assert ratio <= 1, (style, ratio)
 
 
-@pytest.mark.parametrize("style", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("style", ["q4_0", "q4_1", "q5_1"])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32], ids=["f16", "f32"])
 @pytest.mark.parametrize("k", [96, 800])
 @pytest.mark.parametrize("rows", [3, 4, 5, 7, 9, 64])
@@ -258,7 +259,8 @@ def test_row_and_column_tiles_off_the_panel_are_exact(style, scale_dtype, k, row
     one stretch, an odd count: a lone group in the last pair) and 800 (three stretches and a
     tail of one group), 20 outputs (a panel and 4 rows of the next), row counts off the tile of
     4 and across the 3 / 4 rows where the products change, float16 (Q4_0, Q4_1) and float32
-    (Q4_K) scales, Q4_0's offsets and Q4_1's, on one thread and two, give the exact products
+    (Q4_K) scales, Q4_0's offsets and Q4_1's, 5-bit codes (their fifth bits added to the
+    nibbles on each path), on one thread and two, give the exact products
     of the activations as quantized (the float32 sums' rounding aside)."""
     assert ensure_cpu_kernels("wait")
     threads = torch.get_num_threads()
@@ -307,20 +309,21 @@ got = torch.ops.pagedkv_cpu.int4_expand(lin.codes, lin.scales, torch.float32)
 want = lin.dequantized_reference(torch.float32)
 ratios = [products_against_references(*case, seed=case[0]) for case in PRODUCT_CASES]
 ratios.append({f"exact_{style}_{dtype}_{rows}": exact_products_ratio(20, 800, rows, style, dtype, 7)
-               for style in ("q4_0", "q4_1") for dtype in (torch.float16, torch.float32)
+               for style in ("q4_0", "q4_1", "q5_1") for dtype in (torch.float16, torch.float32)
                for rows in (5, 64)})
 from gguf import GGMLQuantizationType
-from pagedkv.model.quant.int4_blocks import codes_and_scales, q4_k_two_level
+from pagedkv.model.quant.int4_blocks import codes_and_scales, k_quant_two_level
 from test_quant_int4 import random_rows
-raw = random_rows(GGMLQuantizationType.Q4_K, 32, 512, seed=4)
-wide = Int4Linear(*codes_and_scales(raw, GGMLQuantizationType.Q4_K))
-two = Int4Linear.from_two_level(*q4_k_two_level(raw))
-x, ops = torch.randn(5, 512), torch.ops.pagedkv_cpu
-two_err = max([float((ops.int4_gemv(x[:r], two.codes, two.scales, None)
-                      - ops.int4_gemv(x[:r], wide.codes, wide.scales, None)).abs().max())
-               for r in (1, 5)]
-              + [float((ops.int4_expand(two.codes, two.scales, torch.float32)
-                        - ops.int4_expand(wide.codes, wide.scales, torch.float32)).abs().max())])
+x, ops, two_err = torch.randn(5, 512), torch.ops.pagedkv_cpu, 0.0
+for kind in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
+    raw = random_rows(kind, 32, 512, seed=4)
+    wide = Int4Linear(*codes_and_scales(raw, kind))
+    two = Int4Linear.from_two_level(*k_quant_two_level(raw, kind))
+    two_err = max([two_err] + [float((ops.int4_gemv(x[:r], two.codes, two.scales, None)
+                          - ops.int4_gemv(x[:r], wide.codes, wide.scales, None)).abs().max())
+                   for r in (1, 5)]
+                  + [float((ops.int4_expand(two.codes, two.scales, torch.float32)
+                            - ops.int4_expand(wide.codes, wide.scales, torch.float32)).abs().max())])
 from test_quant_int4 import q4_0_scale_only_error
 print(json.dumps([panel_isa(), torch.ops.pagedkv_cpu.int_gemv_isa(),
                   float((got - want).abs().max()), float(want.abs().max()), ratios, two_err,
@@ -374,24 +377,27 @@ def test_q4_0_scales_alone_compute_as_the_full_table():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("kind", [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K],
+                         ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 3, 5, 40, 300])
 @pytest.mark.parametrize("kernels", ["fused", "torch"])
-def test_q4_k_two_level_scales_compute_as_the_float32_table(rows, kernels, monkeypatch):
-    """Q4_K's scales kept as the file has them (fp16 d and -dmin per 256, 6-bit sub-scales and
-    mins per 32) give the very products of the float32 table they expand to, on every path
-    (1 row, the rows past the panel's 4, the row blocks, the expanded weight, torch's op
-    without the kernels), in a third of its bytes; the table's layout is checked as it is
+def test_k_quant_two_level_scales_compute_as_the_float32_table(kind, rows, kernels,
+                                                               monkeypatch):
+    """Q4_K's and Q5_K's scales kept as the file has them (fp16 d and -dmin per 256, 6-bit
+    sub-scales and mins per 32) give the very products of the float32 table they expand to, on
+    every path (1 row, the rows past the panel's 4, the row blocks, the expanded weight, torch's
+    op without the kernels), in a third of its bytes; the table's layout is checked as it is
     read back."""
-    from pagedkv.model.quant.int4_blocks import q4_k_two_level, two_level_scales
+    from pagedkv.model.quant.int4_blocks import k_quant_two_level, two_level_scales
 
     if kernels == "fused":
         assert ensure_cpu_kernels("wait")
     else:
         monkeypatch.setattr(int4_linear, "cpu_kernels_loaded", lambda: False)
     n, k = 48, 768  # 3 super-blocks a row
-    raw = random_rows(GGMLQuantizationType.Q4_K, n, k, seed=rows)
-    nibbles, scale, offset = codes_and_scales(raw, GGMLQuantizationType.Q4_K)
-    two_nibbles, table = q4_k_two_level(raw)
+    raw = random_rows(kind, n, k, seed=rows)
+    nibbles, scale, offset = codes_and_scales(raw, kind)
+    two_nibbles, table = k_quant_two_level(raw, kind)
     np.testing.assert_array_equal(two_nibbles, nibbles)
     back = two_level_scales(table)
     np.testing.assert_array_equal(back[0], scale)

@@ -36,8 +36,8 @@ MEAN_KL_BOUND = 1e-3
 TOP1_BOUND = 0.8
 
 
-@pytest.fixture(scope="module", params=[GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1],
-                ids=lambda t: t.name)
+@pytest.fixture(scope="module", params=[GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+                                        GGMLQuantizationType.Q5_1], ids=lambda t: t.name)
 def q4_gguf(request, tiny_llama, tmp_path_factory):
     return write_gguf(tiny_llama, tmp_path_factory.mktemp("q4") / "model.gguf",
                       quant=request.param)
@@ -69,15 +69,15 @@ def test_packed_model_matches_dequantized(q4_gguf, dtype):
 
 
 def _linear_bytes(model: torch.nn.Module, tables: int) -> tuple[int, int]:
-    """(bytes of the model's Int4Linear tensors, what their weights take in 4-bit groups of 32
-    with one copy of the codes and `tables` float16 values per group: 1 for Q4_0, its scale,
-    as in the file; 2 for Q4_1, its scale and offset)."""
+    """(bytes of the model's Int4Linear tensors, what their weights take in 4- or 5-bit groups
+    of 32 with one copy of the codes and `tables` float16 values per group: 1 for Q4_0, its
+    scale, as in the file; 2 for Q4_1 and Q5_1, its scale and offset)."""
     got = expected = 0
     for m in model.modules():
         if isinstance(m, Int4Linear):
             n, k = m.out_features, m.in_features
             got += sum(p.numel() * p.element_size() for p in m.parameters())
-            expected += n * k // 2 + (k // 32) * n * tables * 2
+            expected += n * k * m.bits // 8 + (k // 32) * n * tables * 2
     return got, expected
 
 

@@ -26,6 +26,7 @@ from tests.model.test_decode_stack import assert_same
 from tests.tiny_models import build_hf_model
 
 Q4_K, Q6_K, Q8_0 = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0
+Q5_K, Q5_1 = GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q5_1
 PROMPT = [5, 17, 99, 230, 41, 8, 77, 300, 12, 64, 3, 150, 9, 250, 33, 71, 200, 18, 44, 6]
 CONTINUATION = [90, 14, 321, 7, 55, 260, 2, 101, 48, 11, 199, 36]
 # Against the file dequantized to float32: the packed kernels compute on activations quantized
@@ -45,6 +46,14 @@ def llama_q4_k_m(tmp_path_factory) -> object:
     tmp = tmp_path_factory.mktemp("q4km")
     model_dir = build_hf_model(tmp / "hf", "llama", **SHAPE)
     return write_gguf(model_dir, tmp / "q4km.gguf", quant=Q4_K, types={"attn_v": Q6_K})
+
+
+@pytest.fixture(scope="module")
+def llama_q5_k_m(tmp_path_factory) -> object:
+    """A Llama GGUF with every linear Q5_K but attn_v in Q6_K (Q5_K_M's layers with Q6_K v)."""
+    tmp = tmp_path_factory.mktemp("q5km")
+    model_dir = build_hf_model(tmp / "hf", "llama", **SHAPE)
+    return write_gguf(model_dir, tmp / "q5km.gguf", quant=Q5_K, types={"attn_v": Q6_K})
 
 
 @pytest.fixture(scope="module")
@@ -80,24 +89,44 @@ def _assert_close_to_dequantized(packed: ModelRunner, path) -> None:
             assert kl.mean_kl < MEAN_KL_BOUND and kl.top1_agreement >= 0.8, (name, kl)
 
 
-def test_q4_k_m_qkv_stays_packed(llama_q4_k_m, caplog):
+@pytest.mark.parametrize(("fixture", "bits"), [("llama_q4_k_m", 4), ("llama_q5_k_m", 5)])
+def test_k_m_qkv_stays_packed(fixture, bits, request, caplog):
+    """Q4_K_M's and Q5_K_M's layers: q/k as one 4- or 5-bit linear with the file's two levels of
+    scales, v (Q6_K) an int8-block one; every other linear packed alone."""
+    path = request.getfixturevalue(fixture)
     with caplog.at_level(logging.WARNING, logger="pagedkv.model.loader"):
-        packed = runner(llama_q4_k_m, "auto", "bfloat16")
+        packed = runner(path, "auto", "bfloat16")
     assert "dequantized to the model dtype" not in caplog.text
     for layer in packed.model.layers:
         qkv = layer.self_attn.qkv_proj
         assert type(qkv) is PartsLinear and qkv.bias is None
         assert _kinds(qkv) == [(Int4Linear, 256 + 128), (Int8BlockLinear, 128)]
-        assert qkv.parts[0].scales.dtype == torch.uint8  # Q4_K's two levels, as alone
+        assert qkv.parts[0].scales.dtype == torch.uint8  # the K-quant's two levels, as alone
+        assert qkv.parts[0].bits == bits
         assert qkv.parts[1].scales.dtype == torch.uint8  # and Q6_K's
-        assert all(type(m) is Int4Linear for m in (layer.self_attn.o_proj,
-                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj))
+        others = (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        assert all(type(m) is Int4Linear and m.bits == bits for m in others)
     # The model's bytes count the parts (the runner sums the model's parameters).
     part_params = {id(p) for layer in packed.model.layers
                    for p in layer.self_attn.qkv_proj.parts.parameters()}
     assert len(part_params) == 2 * 4  # codes and scales of 2 parts x 2 layers
     assert part_params <= {id(p) for p in packed.model.parameters()}
-    _assert_close_to_dequantized(packed, llama_q4_k_m)
+    _assert_close_to_dequantized(packed, path)
+
+
+def test_4_and_5_bit_parts_make_one_linear(tmp_path, caplog):
+    """q/k in Q4_K beside v in Q5_1 (both with offsets): one 5-bit Int4Linear, the Q4_K parts'
+    fifth bits zero (the same values), its logits as the file's dequantized."""
+    model_dir = build_hf_model(tmp_path / "hf", "llama", **SHAPE)
+    path = write_gguf(model_dir, tmp_path / "m.gguf", quant=Q4_K, types={"attn_v": Q5_1})
+    with caplog.at_level(logging.WARNING, logger="pagedkv.model.loader"):
+        packed = runner(path, "auto", "bfloat16")
+    assert "dequantized to the model dtype" not in caplog.text
+    for layer in packed.model.layers:
+        qkv = layer.self_attn.qkv_proj
+        assert type(qkv) is Int4Linear and qkv.bits == 5 and qkv.out_features == 512
+        assert layer.self_attn.o_proj.bits == 4
+    _assert_close_to_dequantized(packed, path)
 
 
 def test_parts_with_a_bias_load_it(qwen2_three_runs, caplog):
@@ -118,24 +147,24 @@ def test_parts_with_a_bias_load_it(qwen2_three_runs, caplog):
 
 
 def test_a_part_without_a_packed_kernel_leaves_the_linear_dequantized(tmp_path, caplog):
-    """A part of neither family (Q5_1) keeps the whole fused linear dense, and the load
-    names the mix; the other linears stay packed."""
+    """A part of neither family (TQ2_0, ternary) keeps the whole fused linear dense, and the
+    load names the mix; the other linears stay packed."""
     from pagedkv.model.layers import Linear
 
     model_dir = build_hf_model(tmp_path / "hf", "llama", **SHAPE)
     path = write_gguf(model_dir, tmp_path / "m.gguf", quant=Q4_K,
-                      types={"attn_v": GGMLQuantizationType.Q5_1})
+                      types={"attn_v": GGMLQuantizationType.TQ2_0})
     with caplog.at_level(logging.WARNING, logger="pagedkv.model.loader"):
         packed = runner(path, "auto", "bfloat16")
     lines = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
     assert len(lines) == 1 and "2 of the GGUF file's quantized linears" in lines[0] \
-        and "Q4_K+Q5_1" in lines[0], lines
+        and "Q4_K+TQ2_0" in lines[0], lines
     for layer in packed.model.layers:
         assert type(layer.self_attn.qkv_proj) is Linear
         assert type(layer.self_attn.o_proj) is Int4Linear
 
 
-@pytest.mark.parametrize("fixture", ["llama_q4_k_m", "qwen2_three_runs"])
+@pytest.mark.parametrize("fixture", ["llama_q4_k_m", "llama_q5_k_m", "qwen2_three_runs"])
 def test_decode_stack_runs_the_parts(fixture, request, monkeypatch):
     """The stack is taken at every decode step (assert_same counts them) and gives the Python
     forward's tokens and log-probabilities (same kernels, same order: 1e-5 nats); the engine's

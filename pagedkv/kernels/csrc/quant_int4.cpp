@@ -1,9 +1,14 @@
-// Packed 4-bit group-32 weights (pagedkv/model/quant/int4_blocks.py: GGUF Q4_0, Q4_1, Q4_K) as
-// two tensors: the codes, uint8 [N, K/2] (byte j of a group holds code j in its low nibble and
-// code j + 16 in its high one, the files' own order), and per row the groups' scales then their
-// offsets, [N, 2 * K/32] in float16 (Q4_0, Q4_1: the file's own values, exact) or float32
-// (their products, for Q4_K), or Q4_K's two levels as the file has them (uint8 [N, 2.5 * K/32]:
-// TwoLevel below): weight = code * scale + offset.
+// Packed 4- and 5-bit group-32 weights (pagedkv/model/quant/int4_blocks.py: GGUF Q4_0, Q4_1,
+// Q4_K, Q5_1, Q5_K) as two tensors: the codes, uint8 [N, K/2] (byte j of a group holds code j
+// in its low nibble and code j + 16 in its high one, the files' own order), with 5-bit codes a
+// row's nibbles followed by its high bits (K/8 bytes: group g's code j has bit j of the row's
+// uint32 g, Q5_1's own qh; uint8 [N, K/2 + K/8], Int4Shape), and per row the groups' scales then
+// their offsets, [N, 2 * K/32] in float16 (Q4_0, Q4_1, Q5_1: the file's own values, exact) or
+// float32 (their products, for the K-quants), or Q4_K's and Q5_K's two levels as the file has
+// them (uint8 [N, 2.5 * K/32]: TwoLevel below): weight = code * scale + offset. A 5-bit code
+// (0..31) is as much an unsigned operand of the integer dot products as a 4-bit one: each path
+// adds 16 where its high bit is set once the nibbles are unpacked (AMX tiles excepted: 5-bit
+// weights run the VNNI panel product there).
 // - `int4_gemv`, what the packed linear runs at decode sizes: as llama.cpp's Q4_1 x Q8_1 dot,
 //   each activation row is quantized once per call to int8 per group of 32 (step = max|x| /
 //   127, round to nearest even; step * sum(q) kept beside for the offsets), then per weight
@@ -59,6 +64,23 @@ namespace pagedkv_cpu {
 namespace {
 
 constexpr int64_t kInt4Group = 32;
+
+// A packed weight's shape (check_int4_weight): groups of 32 a row and the codes' bits, 4 (a row
+// of K/2 bytes of nibbles) or 5 (the nibbles, then K/8 bytes of high bits).
+struct Int4Shape {
+  int64_t groups = 0;
+  int bits = 4;
+  int64_t k() const { return groups * kInt4Group; }
+  int64_t row_bytes() const { return code_row_bytes(bits, groups); }
+  static int64_t code_row_bytes(int bits, int64_t groups) { return groups * (bits == 5 ? 20 : 16); }
+};
+
+// Group g's high bits (bit j: code j's) of a 5-bit weight row at `row` of `groups` groups.
+inline uint32_t high_bits(const uint8_t* row, int64_t groups, int64_t g) {
+  uint32_t bits;
+  std::memcpy(&bits, row + 16 * groups + 4 * g, sizeof(bits));
+  return bits;
+}
 
 // Scale or offset i of a row as float32 (S: float or c10::Half).
 template <typename S>
@@ -138,16 +160,23 @@ inline void store_group<c10::BFloat16>(const float* lo, const float* hi, c10::BF
 // bfloat16 rows with AVX512-BF16: 16 codes a register, one fused multiply-add, vcvtneps2bf16
 // (round to nearest even, as the scalar path).
 template <typename S>
-inline void int4_expand_row_bf16(const uint8_t* nib, const S* sc, int64_t groups,
+inline void int4_expand_row_bf16(const uint8_t* nib, const S* sc, int64_t groups, bool five,
                                  c10::BFloat16* out) {
-  const __m512i low4 = _mm512_set1_epi32(15);
+  const __m512i low4 = _mm512_set1_epi32(15), sixteen = _mm512_set1_epi32(16);
   for (int64_t g = 0; g < groups; ++g) {
     const __m512 s = _mm512_set1_ps(scale_f(sc, g));
     const __m512 z = _mm512_set1_ps(scale_f(sc, groups + g));
     const __m512i v = _mm512_cvtepu8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(nib + g * (kInt4Group / 2))));
-    const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low4)), s, z);
-    const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s, z);
+    __m512i lo_codes = _mm512_and_si512(v, low4), hi_codes = _mm512_srli_epi32(v, 4);
+    if (five) {
+      const uint32_t bits = high_bits(nib, groups, g);
+      lo_codes = _mm512_mask_add_epi32(lo_codes, static_cast<__mmask16>(bits), lo_codes, sixteen);
+      hi_codes = _mm512_mask_add_epi32(hi_codes, static_cast<__mmask16>(bits >> 16), hi_codes,
+                                       sixteen);
+    }
+    const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo_codes), s, z);
+    const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_codes), s, z);
     __m256i* o = reinterpret_cast<__m256i*>(out + g * kInt4Group);
     _mm256_storeu_si256(o, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(lo)));
     _mm256_storeu_si256(o + 1, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(hi)));
@@ -156,14 +185,17 @@ inline void int4_expand_row_bf16(const uint8_t* nib, const S* sc, int64_t groups
 #endif
 
 template <typename T, typename S>
-void int4_expand_row(const uint8_t* nib, const S* sc, int64_t groups, T* out) {
+void int4_expand_row(const uint8_t* nib, const S* sc, int64_t groups, bool five, T* out) {
   for (int64_t g = 0; g < groups; ++g) {
     const float scale = scale_f(sc, g), offset = scale_f(sc, groups + g);
     const uint8_t* b = nib + g * (kInt4Group / 2);
+    const uint32_t bits = five ? high_bits(nib, groups, g) : 0;
     float lo[16], hi[16];
     for (int j = 0; j < 16; ++j) {
-      lo[j] = static_cast<float>(b[j] & 15) * scale + offset;
-      hi[j] = static_cast<float>(b[j] >> 4) * scale + offset;
+      const int lo_code = (b[j] & 15) | ((bits >> j) & 1) << 4;
+      const int hi_code = (b[j] >> 4) | ((bits >> (16 + j)) & 1) << 4;
+      lo[j] = static_cast<float>(lo_code) * scale + offset;
+      hi[j] = static_cast<float>(hi_code) * scale + offset;
     }
     store_group(lo, hi, out + g * kInt4Group);
   }
@@ -171,8 +203,10 @@ void int4_expand_row(const uint8_t* nib, const S* sc, int64_t groups, T* out) {
 
 template <typename T, typename S>
 void int4_expand_as(const at::Tensor& codes, const at::Tensor& scales, const TwoLevel& two,
-                    at::Tensor& out) {
-  const int64_t n = codes.size(0), half_k = codes.size(1), groups = 2 * half_k / kInt4Group;
+                    const Int4Shape& shape, at::Tensor& out) {
+  const int64_t n = codes.size(0), groups = shape.groups, k = shape.k();
+  const int64_t row_bytes = shape.row_bytes();
+  const bool five = shape.bits == 5;
   const uint8_t* nib = codes.data_ptr<uint8_t>();
   const S* table = reinterpret_cast<const S*>(scales.data_ptr());
   T* dst = out.data_ptr<T>();
@@ -183,32 +217,47 @@ void int4_expand_as(const at::Tensor& codes, const at::Tensor& scales, const Two
                               : table + 2 * groups * r;
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        int4_expand_row_bf16(nib + r * half_k, sc, groups, dst + r * 2 * half_k);
+        int4_expand_row_bf16(nib + r * row_bytes, sc, groups, five, dst + r * k);
         continue;
       }
 #endif
-      int4_expand_row<T>(nib + r * half_k, sc, groups, dst + r * 2 * half_k);
+      int4_expand_row<T>(nib + r * row_bytes, sc, groups, five, dst + r * k);
     }
   });
 }
 
-void check_int4_weight(const at::Tensor& codes, const at::Tensor& scales, const char* op) {
+// The shape of a packed weight whose tensors have been checked to be 2-D: its groups from the
+// scales' width (2.5 bytes a group in two levels, one float16 where Q4_0's scales stand alone,
+// else a scale and an offset), its bits from the codes' (20 bytes a group: 5).
+Int4Shape int4_shape(const at::Tensor& codes, const at::Tensor& scales) {
+  const int64_t width = scales.size(1);
+  int64_t groups = width / 2;
+  if (scales.scalar_type() == at::kByte) groups = width * 2 / 5;
+  else if (scales.scalar_type() == at::kHalf && 16 * width == codes.size(1)) groups = width;
+  return Int4Shape{groups, codes.size(1) == Int4Shape::code_row_bytes(5, groups) ? 5 : 4};
+}
+
+Int4Shape check_int4_weight(const at::Tensor& codes, const at::Tensor& scales, const char* op) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(), op,
-              ": codes must be a contiguous uint8 [N, K/2]");
-  const int64_t n = codes.size(0), k = 2 * codes.size(1), groups = k / kInt4Group;
-  TORCH_CHECK(k % kInt4Group == 0, op, ": K must be a multiple of 32, got ", k);
+              ": codes must be a contiguous uint8 [N, K/2] (4-bit) or [N, K/2 + K/8] (5-bit)");
+  const int64_t n = codes.size(0);
   TORCH_CHECK(scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == n, op,
               ": scales must be a contiguous [N, ...] table");
-  if (scales.scalar_type() == at::kByte) {
+  const Int4Shape shape = int4_shape(codes, scales);
+  const int64_t groups = shape.groups;
+  if (scales.scalar_type() == at::kByte)
     TORCH_CHECK(groups % 8 == 0 && scales.size(1) == two_level_bytes(groups), op,
                 ": two-level uint8 scales need K a multiple of 256 and [N, 2.5 * K/32]");
-    return;
-  }
-  if (scales.scalar_type() == at::kHalf && scales.size(1) == groups) return;  // Q4_0's scales
+  TORCH_CHECK(groups > 0 && codes.size(1) == shape.row_bytes(), op, ": codes of ",
+              codes.size(1), " bytes a row fit no K of these scales (K/2 bytes a row for 4-bit ",
+              "codes, K/2 + K/8 for 5-bit, K a multiple of 32)");
+  if (scales.scalar_type() == at::kByte) return shape;
+  if (scales.scalar_type() == at::kHalf && scales.size(1) == groups) return shape;  // Q4_0's
   TORCH_CHECK((scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) &&
                   scales.size(1) == 2 * groups,
-              op, ": scales must be a contiguous float16 or float32 [N, 2 * K/32] or Q4_K's "
-              "two levels (uint8)");
+              op, ": scales must be a contiguous float16 or float32 [N, 2 * K/32] or the "
+              "K-quants' two levels (uint8)");
+  return shape;
 }
 
 // The two-level source of `scales` (table nullptr for a float16 / float32 table).
@@ -219,17 +268,17 @@ TwoLevel two_level_of(const at::Tensor& scales, int64_t groups) {
   return TwoLevel{scales.data_ptr<uint8_t>(), groups};
 }
 
-// codes: uint8 [N, K/2]; scales: float16 or float32 [N, 2 * K/32] (a row's scales, then its
-// offsets); returns W [N, K] in `dtype` (float32, bfloat16 or float16), each value rounded once.
+// codes: uint8 [N, K/2] or [N, K/2 + K/8] (Int4Shape); scales: float16 or float32 [N, 2 * K/32]
+// (a row's scales, then its offsets), or TwoLevel's; returns W [N, K] in `dtype` (float32, bfloat16 or float16), each value rounded once.
 at::Tensor int4_expand(const at::Tensor& codes, const at::Tensor& scales, at::ScalarType dtype) {
-  check_int4_weight(codes, scales, "int4_expand");
-  at::Tensor out = at::empty({codes.size(0), 2 * codes.size(1)}, codes.options().dtype(dtype));
-  const TwoLevel two = two_level_of(scales, 2 * codes.size(1) / kInt4Group);
+  const Int4Shape shape = check_int4_weight(codes, scales, "int4_expand");
+  at::Tensor out = at::empty({codes.size(0), shape.k()}, codes.options().dtype(dtype));
+  const TwoLevel two = two_level_of(scales, shape.groups);
   const bool half = scales.scalar_type() == at::kHalf && !two.table;  // (else materialized)
   auto run = [&](auto t) {
     using T = decltype(t);
-    if (half) int4_expand_as<T, c10::Half>(codes, scales, two, out);
-    else int4_expand_as<T, float>(codes, scales, two, out);
+    if (half) int4_expand_as<T, c10::Half>(codes, scales, two, shape, out);
+    else int4_expand_as<T, float>(codes, scales, two, shape, out);
   };
   switch (dtype) {
     case at::kFloat: run(float{}); break;
@@ -443,16 +492,22 @@ inline const float* two_level_rows(const TwoLevel& two, int64_t r0, int64_t nr, 
 
 // Weight rows r .. r + NR - 1 (codes, scales at row r) against activation rows m0 .. m0 + MR - 1:
 // y[i * NR + j]. Per chunk of 4 groups and pair of rows: two vpdpbusd (low nibbles, high
-// nibbles; the codes 0..15 as the unsigned bytes) leave 16 int32 lanes, 4 per group, scaled per
-// lane by the group's weight scale times its activation step.
-template <int MR, int NR, typename S, bool Far>
+// nibbles; the codes 0..15, or 0..31 with their high bits added, as the unsigned bytes) leave
+// 16 int32 lanes, 4 per group, scaled per lane by the group's weight scale times its activation
+// step.
+template <int MR, int NR, typename S, bool Far, int Bits>
 inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const Q8Act& a,
                     int64_t m0, float* y) {
   const __m512i low4 = _mm512_set1_epi8(15);
   const __m512i lane_group = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  // A chunk's 4 groups' high bits: codes 0-15 of each (the low nibbles') in the low 8 bytes,
+  // codes 16-31 in the high 8, as the nibbles' bytes lie.
+  const __m128i split_halves =
+      _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
   constexpr bool kTwo = std::is_same_v<S, TwoLevelRow>;
   constexpr bool kOnly = std::is_same_v<S, ScaleOnlyRow>;  // Q4_0's scales alone
-  const int64_t row_bytes = groups * (kInt4Group / 2), padded = a.padded();
+  const int64_t row_bytes = Int4Shape::code_row_bytes(Bits, groups), padded = a.padded();
+  const int64_t high_at = 16 * groups;  // a 5-bit row's high bits
   // A weight row's scales, in bytes: 2 * groups of S, a TwoLevel row, or G float16 scales.
   const char* scale_bytes = reinterpret_cast<const char*>(scales);
   const int64_t scale_row_bytes = kTwo ? two_level_bytes(groups)
@@ -478,13 +533,25 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
         // The scales of the row that far ahead, whole (10 lines of Q4_K's at K = 8,192: one
         // alone left the rest to demand misses, 1.2x slower per byte than at K = 2,048).
         if (c * 64 < scale_row_bytes) prefetch_l2(far_scales + j * scale_row_bytes + c * 64);
+        if (Bits == 5 && c % 4 == 0) prefetch_l2(codes + j * row_bytes + high_at + 16 * c + far);
       } else {
         __builtin_prefetch(codes + j * row_bytes + ahead + 64 * c);
         if (c == 0) __builtin_prefetch(row_scales + ahead_s);
+        if (Bits == 5 && c % 4 == 0)
+          __builtin_prefetch(codes + j * row_bytes + high_at + 16 * c + ahead);
       }
       const __m512i w = _mm512_maskz_loadu_epi8(wmask, codes + j * row_bytes + 64 * c);
-      const __m512i lo = _mm512_and_si512(w, low4);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+      __m512i lo = _mm512_and_si512(w, low4);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+      if constexpr (Bits == 5) {
+        const __m128i halves = _mm_shuffle_epi8(
+            _mm_maskz_loadu_epi32(smask, codes + j * row_bytes + high_at + 16 * c), split_halves);
+        const __m512i sixteen = _mm512_set1_epi8(16);
+        lo = _mm512_mask_add_epi8(lo, static_cast<__mmask64>(_mm_cvtsi128_si64(halves)), lo,
+                                  sixteen);
+        hi = _mm512_mask_add_epi8(hi, static_cast<__mmask64>(_mm_extract_epi64(halves, 1)), hi,
+                                  sixteen);
+      }
       __m128 ws;
       if constexpr (kTwo)
         ws = two_level_scales4(reinterpret_cast<const uint8_t*>(row_scales), groups, c);
@@ -532,15 +599,16 @@ inline float q4_hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
 }
 
-// As the VNNI kernel, 2 groups a register: vpmaddubsw (codes 0..15 unsigned times the int8
-// activations: pair sums within 2 * 15 * 127), low and high nibbles' sums added in int16, then
-// vpmaddwd by ones: 8 int32 lanes, 4 per group.
-template <int MR, int NR, typename S, bool Far>
+// As the VNNI kernel, 2 groups a register: vpmaddubsw (codes 0..15, or 0..31, unsigned times
+// the int8 activations: pair sums within 2 * 31 * 127), low and high nibbles' sums added in
+// int16 (within 4 * 31 * 127), then vpmaddwd by ones: 8 int32 lanes, 4 per group.
+template <int MR, int NR, typename S, bool Far, int Bits>
 inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const Q8Act& a,
                     int64_t m0, float* y) {
   const __m256i low4 = _mm256_set1_epi8(15);
   const __m256i ones = _mm256_set1_epi16(1);
-  const int64_t row_bytes = groups * (kInt4Group / 2), row_s = 2 * groups, padded = a.padded();
+  const int64_t row_bytes = Int4Shape::code_row_bytes(Bits, groups), row_s = 2 * groups;
+  const int64_t padded = a.padded();
   const int64_t ahead_rows = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
   const int64_t ahead_s = ahead_rows * row_s * sizeof(S);
   const int64_t ahead = quant_rows::whole_tiles_ahead(ahead_rows * row_bytes, row_bytes,
@@ -554,12 +622,20 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
     for (int j = 0; j < NR; ++j) {
       const uint8_t* wp = codes + j * row_bytes + (kInt4Group / 2) * g;
       if (g % 4 == 0) __builtin_prefetch(wp + ahead);
+      if (Bits == 5 && g % 16 == 0)
+        __builtin_prefetch(codes + j * row_bytes + 16 * groups + 4 * g + ahead);
       if (g == 0) __builtin_prefetch(reinterpret_cast<const char*>(scales + j * row_s) + ahead_s);
       const __m256i w = pair
           ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp))
           : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
-      const __m256i lo = _mm256_and_si256(w, low4);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+      __m256i lo = _mm256_and_si256(w, low4);
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+      if constexpr (Bits == 5) {  // group g's codes 0-15 then g + 1's, likewise 16-31
+        const uint8_t* row = codes + j * row_bytes;
+        const uint32_t b0 = high_bits(row, groups, g), b1 = pair ? high_bits(row, groups, g + 1) : 0;
+        lo = _mm256_or_si256(lo, quant_rows::bits_to_bytes((b0 & 0xFFFFu) | (b1 << 16), 16));
+        hi = _mm256_or_si256(hi, quant_rows::bits_to_bytes((b0 >> 16) | (b1 & 0xFFFF0000u), 16));
+      }
       const float s0 = scale_f(scales + j * row_s, g);
       const float s1 = pair ? scale_f(scales + j * row_s, g + 1) : 0.f;
       for (int i = 0; i < MR; ++i) {
@@ -585,18 +661,22 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
   }
 }
 #else
-template <int MR, int NR, typename S, bool Far>
+template <int MR, int NR, typename S, bool Far, int Bits>
 inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const Q8Act& a,
                     int64_t m0, float* y) {
-  const int64_t row_bytes = groups * (kInt4Group / 2), row_s = 2 * groups, padded = a.padded();
+  const int64_t row_bytes = Int4Shape::code_row_bytes(Bits, groups), row_s = 2 * groups;
+  const int64_t padded = a.padded();
   for (int j = 0; j < NR; ++j) {
     for (int i = 0; i < MR; ++i) {
       float acc = 0.f;
       for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* b = codes + j * row_bytes + g * (kInt4Group / 2);
+        const uint32_t bits = Bits == 5 ? high_bits(codes + j * row_bytes, groups, g) : 0;
         const int8_t* q = a.q + ((m0 + i) * a.chunks + g / 4) * 128 + (g % 4) * 16;
         int32_t dot = 0;
-        for (int t = 0; t < 16; ++t) dot += (b[t] & 15) * q[t] + (b[t] >> 4) * q[64 + t];
+        for (int t = 0; t < 16; ++t)
+          dot += ((b[t] & 15) | ((bits >> t) & 1) << 4) * q[t] +
+                 ((b[t] >> 4) | ((bits >> (16 + t)) & 1) << 4) * q[64 + t];
         const int64_t at = (m0 + i) * padded + g;
         acc += scale_f(scales + j * row_s, g) * a.d[at] * static_cast<float>(dot) +
                scale_f(scales + j * row_s, groups + g) * a.sum[at];
@@ -650,17 +730,20 @@ inline __m256 q4_panel_scales(const S* p, __mmask8 mask) {
 // rows 0-7 and of rows 8-15, as bytes 0..15), ps and po ([ng][16]: the rows' scales, offsets),
 // rows past nc as zero codes, scales and offsets. `next`: the codes of a panel further on
 // (nullptr past the weight's end; next_rows of its rows), whose same groups are asked for into
-// L2 meanwhile. Writes pw, ps and po.
-template <bool Full, typename S>
+// L2 meanwhile. 5-bit codes (Bits): their high bits added once unpacked, 16 where set, as
+// bytes 0..31. Writes pw, ps and po.
+template <bool Full, int Bits, typename S>
 void lay_out_q4_panel(const uint8_t* codes, const S* scales, int64_t nc, int64_t groups,
                       int64_t g0, int64_t ng, __m256i* pw, float* ps, float* po,
                       const uint8_t* next, int64_t next_rows) {
   if constexpr (Full) nc = kQ4PanelCols;  // (a constant: no test per row)
-  const int64_t row_bytes = groups * (kInt4Group / 2), row_s = 2 * groups;
+  const int64_t row_bytes = Int4Shape::code_row_bytes(Bits, groups), row_s = 2 * groups;
   if (next != nullptr)
-    for (int64_t j = 0; j < next_rows; ++j)
+    for (int64_t j = 0; j < next_rows; ++j) {
       for (int64_t b = 0; b < ng * (kInt4Group / 2); b += 64)
         prefetch_l2(next + j * row_bytes + g0 * (kInt4Group / 2) + b);
+      if constexpr (Bits == 5) prefetch_l2(next + j * row_bytes + 16 * groups + 4 * g0);
+    }
   const __m256i low4 = _mm256_set1_epi8(15);
   for (int64_t p = 0; p < ng; p += 2) {  // two groups (32 code bytes) of each row at a time
     const bool pair = p + 1 < ng;
@@ -687,6 +770,25 @@ void lay_out_q4_panel(const uint8_t* codes, const S* scales, int64_t nc, int64_t
                             _mm256_and_si256(_mm256_srli_epi16(r[q], 4), low4));
       }
     }
+  }
+  if constexpr (Bits == 5) {
+    // Each row's high bits of a group as bytes (16 where set) in code order, dword d = codes
+    // 4d .. 4d + 3 (the laid-out dword d's), transposed as the codes were and added.
+    for (int64_t p = 0; p < ng; ++p)
+      for (int h = 0; h < 2; ++h) {
+        __m256i e[8];
+        for (int i = 0; i < 8; ++i) {
+          const int64_t row = 8 * h + i;
+          e[i] = row < nc ? _mm256_maskz_mov_epi8(high_bits(codes + row * row_bytes, groups, g0 + p),
+                                                  _mm256_set1_epi8(16))
+                          : _mm256_setzero_si256();
+        }
+        quant_rows::transpose8x8(e);
+        for (int d = 0; d < 8; ++d) {
+          __m256i* at = pw + (p * 8 + d) * 2 + h;
+          _mm256_storeu_si256(at, _mm256_or_si256(_mm256_loadu_si256(at), e[d]));
+        }
+      }
   }
   const __mmask8 mask = static_cast<__mmask8>((1u << ng) - 1);
   for (int h = 0; h < 2; ++h) {
@@ -766,11 +868,12 @@ inline void q4_panel_tile(const __m256i* pw, const float* ps, const float* po, c
 // time (panels over threads, on the calling thread below quant_rows::kInlineBytes of weights),
 // each kQ4PanelGroups groups along K laid out and met by all the m rows before the next (a
 // larger call passes its rows a block at a time: quant_rows::for_row_blocks). Writes out.
-template <typename T, typename S>
+template <int Bits, typename T, typename S>
 void q4_panel_columns(const Q8Act& a, int64_t row0, int64_t m, const uint8_t* codes,
                       const S* scales, const TwoLevel& two, int64_t n, const float* bias,
                       T* out) {
-  const int64_t groups = a.groups, row_bytes = groups * (kInt4Group / 2), row_s = 2 * groups;
+  const int64_t groups = a.groups, row_bytes = Int4Shape::code_row_bytes(Bits, groups);
+  const int64_t row_s = 2 * groups;
   const int64_t panels = (n + kQ4PanelCols - 1) / kQ4PanelCols;
   const int64_t passes = (m + kQ4PanelRowTile - 1) / kQ4PanelRowTile;
   // The panel whose codes are asked for while this one is laid out: about
@@ -804,11 +907,11 @@ void q4_panel_columns(const Q8Act& a, int64_t row0, int64_t m, const uint8_t* co
         const int64_t ng = std::min(chunk, groups - g0);
         const uint8_t* wp = codes + col * row_bytes;
         if (nc == kQ4PanelCols) {
-          lay_out_q4_panel<true>(wp, panel_scales, nc, groups, g0, ng, pw, ps, po, next,
-                                 next_rows);
+          lay_out_q4_panel<true, Bits>(wp, panel_scales, nc, groups, g0, ng, pw, ps, po, next,
+                                       next_rows);
         } else {
-          lay_out_q4_panel<false>(wp, panel_scales, nc, groups, g0, ng, pw, ps, po, next,
-                                  next_rows);
+          lay_out_q4_panel<false, Bits>(wp, panel_scales, nc, groups, g0, ng, pw, ps, po, next,
+                                        next_rows);
         }
         quant_rows::for_row_tiles(m, [&](int64_t r, auto tile) {
           q4_panel_tile<decltype(tile)::value>(pw, ps, po, a, row0 + r, g0, ng,
@@ -997,20 +1100,20 @@ at::Tensor int4_gemv_tiles(const at::Tensor& x, const Q8Act& act, const at::Tens
 #endif
 }
 
-// x [..., K] (float32, bfloat16 or float16, contiguous); codes uint8 [N, K/2]; scales float16 or
-// float32 [N, 2 * K/32]; bias [N] or None. Returns x W^T (+ bias) [..., N] in x's dtype.
-at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                     const c10::optional<at::Tensor>& bias) {
-  check_int4_weight(codes, scales, "int4_gemv");
-  const int64_t n = codes.size(0), k = 2 * codes.size(1), groups = k / kInt4Group;
+template <int Bits>
+at::Tensor int4_gemv_bits(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          const c10::optional<at::Tensor>& bias, const Int4Shape& shape) {
+  const int64_t n = codes.size(0), k = shape.k(), groups = shape.groups;
   check_gemv_input(x, k, "int4_gemv");
   const TwoLevel two = two_level_of(scales, groups);
   Q8Act act;
   dispatch(x.scalar_type(), "int4_gemv", [&](auto tag) {
     act = quantize_q8(x.data_ptr<typename decltype(tag)::type>(), x.numel() / k, k);
   });
-  if (at::Tensor tiled = int4_gemv_tiles(x, act, codes, scales, bias); tiled.defined())
-    return tiled;
+  if constexpr (Bits == 4) {  // (5-bit codes: the VNNI panel product; the tiles take nibbles)
+    if (at::Tensor tiled = int4_gemv_tiles(x, act, codes, scales, bias); tiled.defined())
+      return tiled;
+  }
   const uint8_t* nib = codes.data_ptr<uint8_t>();
 #if defined(PAGEDKV_INT4_PANEL)
   if (x.numel() / k >= kInt4PanelMinRows) {
@@ -1021,12 +1124,13 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
       using T = typename decltype(tag)::type;
       quant_rows::for_row_blocks(m, k, [&](int64_t r0, int64_t rows) {
         if (scales.scalar_type() == at::kHalf && !two.table)
-          q4_panel_columns(act, r0, rows, nib,
-                           reinterpret_cast<const c10::Half*>(scales.data_ptr()), two, n, bp,
-                           out.data_ptr<T>());
+          q4_panel_columns<Bits>(act, r0, rows, nib,
+                                 reinterpret_cast<const c10::Half*>(scales.data_ptr()), two, n,
+                                 bp, out.data_ptr<T>());
         else
-          q4_panel_columns(act, r0, rows, nib, reinterpret_cast<const float*>(scales.data_ptr()),
-                           two, n, bp, out.data_ptr<T>());
+          q4_panel_columns<Bits>(act, r0, rows, nib,
+                                 reinterpret_cast<const float*>(scales.data_ptr()), two, n, bp,
+                                 out.data_ptr<T>());
       });
     });
     return out;
@@ -1035,7 +1139,8 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   auto run = [&](auto scale_type, auto far) {
     using S = decltype(scale_type);
     const S* sc = reinterpret_cast<const S*>(scales.data_ptr());
-    return gemv_out(x, n, k / 2, bias, [&](int64_t r, int nr, int64_t m0, int mr, float* y) {
+    return gemv_out(x, n, shape.row_bytes(), bias,
+                    [&](int64_t r, int nr, int64_t m0, int mr, float* y) {
       const S* rows_sc;
       if constexpr (std::is_same_v<S, TwoLevelRow> || std::is_same_v<S, ScaleOnlyRow>)
         rows_sc = reinterpret_cast<const S*>(two.table + r * two.row_bytes());  // in place
@@ -1044,8 +1149,8 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                                   two, r, nr, quant_rows::scratch<float, 15>(nr * 2 * groups)))
                             : sc + 2 * groups * r;
       dispatch_rows(mr, nr, [&](auto mr_c, auto nr_c) {
-        q4_rows<decltype(mr_c)::value, decltype(nr_c)::value, S, decltype(far)::value>(
-            nib + r * (k / 2), rows_sc, groups, act, m0, y);
+        q4_rows<decltype(mr_c)::value, decltype(nr_c)::value, S, decltype(far)::value, Bits>(
+            nib + r * shape.row_bytes(), rows_sc, groups, act, m0, y);
       });
     });
   };
@@ -1059,6 +1164,16 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 #endif
   return scales.scalar_type() == at::kHalf && !two.table ? with_far(c10::Half{})
                                                          : with_far(float{});
+}
+
+// x [..., K] (float32, bfloat16 or float16, contiguous); codes uint8 [N, K/2] or
+// [N, K/2 + K/8] (Int4Shape); scales float16 or float32 [N, 2 * K/32] or TwoLevel's; bias [N]
+// or None. Returns x W^T (+ bias) [..., N] in x's dtype.
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     const c10::optional<at::Tensor>& bias) {
+  const Int4Shape shape = check_int4_weight(codes, scales, "int4_gemv");
+  if (shape.bits == 5) return int4_gemv_bits<5>(x, codes, scales, bias, shape);
+  return int4_gemv_bits<4>(x, codes, scales, bias, shape);
 }
 
 // Rows up to which the packed linear runs int4_gemv where it runs on AMX tiles (64: beyond,
@@ -1084,10 +1199,9 @@ int64_t int4_tile_rows() {
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias, int64_t gemv_rows) {
   const at::Tensor xc = x.contiguous();
-  const int64_t k = 2 * codes.size(1);
+  const int64_t k = check_int4_weight(codes, scales, "int4_linear").k();
   if (xc.numel() <= gemv_rows * k)
     return int4_gemv(xc, codes, scales, bias);
-  check_int4_weight(codes, scales, "int4_linear");
   check_gemv_input(xc, k, "int4_linear");
   const at::Tensor rows = xc.view({-1, k});
   const at::Tensor y = quant_rows::expanded_linear(rows, codes.size(0), bias,

@@ -180,13 +180,7 @@ inline __m256i packed_half_avx2(const uint8_t* p, int h) {
   } else if constexpr (Bits == 5) {  // bit j of the 32 -> byte j: 16 where set
     uint32_t bits;
     std::memcpy(&bits, p + 32 + 4 * h, sizeof(bits));
-    const __m256i spread = _mm256_shuffle_epi8(
-        _mm256_set1_epi32(static_cast<int>(bits)),
-        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
-                         3, 3, 3, 3, 3, 3, 3, 3));
-    const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-    return _mm256_or_si256(nibbles, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    return _mm256_or_si256(nibbles, quant_rows::bits_to_bytes(bits, 16));
   } else {  // codes 16L .. 16L + 15 (L = 2h, 2h + 1) take bits 2L, 2L + 1 of the pair bytes
     const __m256i pairs =
         _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32)));

@@ -58,6 +58,20 @@ inline __m128i quantize16(__m512 v, __m512 inv) {
 }
 #endif
 
+#if defined(__AVX2__)
+// 32 bytes: byte j is `value` where bit j of `bits` is set, else 0 (a code's high bit, packed
+// a bit a code, as the byte it adds; AVX2 has no byte masks).
+inline __m256i bits_to_bytes(uint32_t bits, char value) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                       3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
+                          _mm256_set1_epi8(value));
+}
+#endif
+
 // A buffer of at least `count` elements, this thread's own, kept between calls (tag: which).
 template <typename E, int Tag>
 inline E* scratch(size_t count) {

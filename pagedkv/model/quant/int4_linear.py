@@ -1,11 +1,13 @@
-"""A linear layer on 4-bit weights kept packed (GGUF Q4_0, Q4_1, Q4_K): weight = code * scale +
-offset per group of 32 along each row (int4_blocks.py).
+"""A linear layer on 4- or 5-bit weights kept packed (GGUF Q4_0, Q4_1, Q4_K, Q5_1, Q5_K):
+weight = code * scale + offset per group of 32 along each row (int4_blocks.py).
 
-One copy of the codes (uint8 [N, K/2], the file's nibble order) and of the scales (per row the
-groups' scales, then their offsets: float16 where that holds them exactly, Q4_1's own values,
-else float32; Q4_0's float16 scales alone, its offsets -8 times them implied; Q4_K's as the
-file has them, two levels in a uint8 table: int4_blocks.q4_k_two_level), read front to back by
-both paths (kernels/csrc/quant_int4.cpp):
+One copy of the codes (uint8 [N, K/2], the file's nibble order, and for 5-bit codes their fifth
+bits after them, [N, K/2 + K/8]: int4_blocks.pack_group_codes) and of the scales (per row the
+groups' scales, then their offsets: float16 where that holds them exactly, Q4_1's and Q5_1's
+own values, else float32; Q4_0's float16 scales alone, its offsets -8 times them implied; the
+K-quants' as the file has them, two levels in a uint8 table: int4_blocks.k_quant_two_level),
+read front to back by both paths (kernels/csrc/quant_int4.cpp; 5-bit codes run the VNNI panel
+product where 4-bit ones run AMX tiles):
 - a call up to `product_rows` rows (`GEMV_ROWS` with AVX2, 64 where AMX-INT8 tiles run,
   every call with AVX-512 VNNI's panel product) runs `int4_gemv`: as llama.cpp's Q4 x Q8 dot, each
   activation row quantized once to int8 per group of 32, integer dot products on the codes
@@ -21,7 +23,8 @@ both paths (kernels/csrc/quant_int4.cpp):
   AMX kernels win on a prefill's hundreds of rows).
 Until the fused kernels load (a background build) decode-sized calls run torch's int4 op on a
 copy of the weights in its own layout, made at the first such call and dropped once the kernels
-are in; larger ones expand the weight in torch ops.
+are in (5-bit codes, which it cannot hold, expand instead); larger ones expand the weight in
+torch ops.
 The tensors are parameters (requires_grad False), so the model's parameter bytes count them.
 """
 
@@ -38,7 +41,7 @@ from torch.nn import functional as F
 from pagedkv.kernels.cpu import cpu_kernels_loaded
 from pagedkv.model.decode_stack import LinearCall
 from pagedkv.model.quant.gguf_parts import narrowest_scales
-from pagedkv.model.quant.int4_blocks import GROUP, two_level_scales
+from pagedkv.model.quant.int4_blocks import GROUP, code_bits, two_level_scales
 
 _EXPAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -75,30 +78,35 @@ def scales_table(scale: np.ndarray, offset: np.ndarray) -> torch.Tensor:
 
 
 class Int4Linear(nn.Module):
-    """y = x W^T (+ bias) with W [out_features, in_features] in 4-bit groups of 32."""
+    """y = x W^T (+ bias) with W [out_features, in_features] in 4- or 5-bit groups of 32."""
 
-    def __init__(self, nibbles: np.ndarray, scale: np.ndarray | None, offset: np.ndarray | None,
+    def __init__(self, codes: np.ndarray, scale: np.ndarray | None, offset: np.ndarray | None,
                  bias: torch.Tensor | None = None, *, table: np.ndarray | None = None) -> None:
-        """`nibbles` uint8 [N, K/2] (Q4_0 order), `scale` and `offset` float32 [N, K/32]
-        (int4_blocks.codes_and_scales), or in their place `table`, Q4_K's two levels
-        (`from_two_level`). ValueError when N is not a multiple of 16 or K of 32."""
+        """`codes` uint8 [N, K/2] (4-bit, Q4_0 order) or [N, K/2 + K/8] (5-bit:
+        int4_blocks.pack_group_codes), `scale` and `offset` float32 [N, K/32]
+        (int4_blocks.codes_and_scales), or in their place `table`, the K-quants' two levels
+        (`from_two_level`). ValueError when N is not a multiple of 16 or the codes' width
+        fits neither bit count."""
         super().__init__()
-        n, half_k = nibbles.shape
-        self.out_features, self.in_features = n, 2 * half_k
-        if n % 16 or self.in_features % GROUP:
+        n = codes.shape[0]
+        groups = table.shape[1] * 2 // 5 if table is not None else scale.shape[1]
+        self.bits = code_bits(codes, groups)
+        self.out_features, self.in_features = n, GROUP * groups
+        if n % 16:
             raise ValueError(f"Int4Linear: weight [{n}, {self.in_features}] needs rows a "
-                             f"multiple of 16 and columns a multiple of {GROUP}")
-        self.codes = _param(torch.from_numpy(np.ascontiguousarray(nibbles)))
+                             f"multiple of 16")
+        self.codes = _param(torch.from_numpy(np.ascontiguousarray(codes)))
         self.scales = _param(scales_table(scale, offset) if table is None
                              else torch.from_numpy(np.ascontiguousarray(table)))
         self.bias = None if bias is None else _param(bias.detach().clone())
 
     @classmethod
-    def from_two_level(cls, nibbles: np.ndarray, table: np.ndarray,
+    def from_two_level(cls, codes: np.ndarray, table: np.ndarray,
                        bias: torch.Tensor | None = None) -> Int4Linear:
-        """Q4_K's linear with its scales kept in two levels (`int4_blocks.q4_k_two_level`):
-        the same products, 0.078 bytes of scales a weight where the float32 table takes 0.25."""
-        return cls(nibbles, None, None, bias, table=table)
+        """A Q4_K or Q5_K linear with its scales kept in two levels
+        (`int4_blocks.k_quant_two_level`): the same products, 0.078 bytes of scales a weight
+        where the float32 table takes 0.25."""
+        return cls(codes, None, None, bias, table=table)
 
     def pack(self, panels: bool = False) -> bool:
         """Nothing to prepare (the weight is packed at build); the model's `pack` calls."""
@@ -112,9 +120,15 @@ class Int4Linear(nn.Module):
         return self.dequantized_reference(dtype)
 
     def _codes_and_scales(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """codes [N, K/32, 32] (0..15), scale and offset float32 [N, K/32, 1], in torch ops."""
-        blocks = self.codes.view(self.out_features, -1, 16)
+        """codes [N, K/32, 32] (0..15, or 0..31), scale and offset float32 [N, K/32, 1], in
+        torch ops."""
+        groups = self.in_features // GROUP
+        blocks = self.codes[:, :16 * groups].reshape(self.out_features, groups, 16)
         codes = torch.cat((blocks & 15, blocks >> 4), dim=2)
+        if self.bits == 5:  # each group's fifth bits, a little-endian uint32: bit j code j's
+            fifth = self.codes[:, 16 * groups:].reshape(self.out_features, groups, 4, 1)
+            bits = (fifth >> torch.arange(8, dtype=torch.uint8)) & 1
+            codes = codes | (bits.reshape(self.out_features, groups, 32) << 4)
         if self.scales.dtype == torch.uint8:  # Q4_K's two levels
             scale, offset = (torch.from_numpy(t) for t in two_level_scales(self.scales.numpy()))
             return codes, scale[..., None], offset[..., None]
@@ -161,7 +175,7 @@ class Int4Linear(nn.Module):
     def _forward_without_kernels(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if rows.shape[0] <= GEMV_ROWS:
+        if rows.shape[0] <= GEMV_ROWS and self.bits == 4:
             y = self._torch_int4_mm(rows)
             y = y if bias is None else y + bias
         else:
@@ -169,4 +183,5 @@ class Int4Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group 32"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int{self.bits} group 32")
