@@ -78,8 +78,9 @@ class ModelOptions:
                      choices=MODEL_DTYPE_CHOICES)
     seed: int = opt(0, "default random seed of the engine")
     quantization: str = opt(
-        "auto", "CPU weights: auto (with a 16-bit dtype, a GGUF file's Q4_0/Q4_1/Q4_K, Q8_0, "
-        "Q6_K, Q5_0, Q3_K, IQ4_NL and IQ4_XS linears, embedding table and LM head stay packed "
+        "auto", "CPU weights: auto (with a 16-bit dtype, a GGUF file's Q4_0/Q4_1/Q4_K, "
+        "Q5_0/Q5_1/Q5_K, Q8_0, Q6_K, Q3_K, IQ4_NL and IQ4_XS linears, embedding table and LM "
+        "head stay packed "
         "and are computed on packed; on a GPU they are dequantized), none (every weight "
         "dequantized to dtype), int8 (every linear int8 per output channel; CPU only)",
         choices=("auto", "none", "int8"))

@@ -80,8 +80,9 @@ def write_gguf(model_dir: Path, out: Path, *, quant: GGMLQuantizationType | None
         elif gemma and name.endswith("norm.weight"):
             w = w + 1.0
         kind = (types or {}).get(name.split(".")[-2], quant)
-        k_quant = {GGMLQuantizationType.Q4_K: quantize_q4_k, GGMLQuantizationType.Q5_K:
-                   quantize_q5_k, GGMLQuantizationType.Q6_K: quantize_q6_k}.get(kind)
+        k_quant = {GGMLQuantizationType.Q3_K: quantize_q3_k, GGMLQuantizationType.Q4_K:
+                   quantize_q4_k, GGMLQuantizationType.Q5_K: quantize_q5_k,
+                   GGMLQuantizationType.Q6_K: quantize_q6_k}.get(kind)
         if k_quant is not None and w.ndim == 2 and w.shape[1] % 256 == 0:
             writer.add_tensor(name, k_quant(w), raw_dtype=kind)
         elif k_quant is not None and w.ndim == 2:  # rows off 256: as llama.cpp
@@ -137,6 +138,33 @@ def quantize_q4_k(w: np.ndarray, bits: int = 4) -> np.ndarray:
 def quantize_q5_k(w: np.ndarray) -> np.ndarray:
     """`quantize_q4_k` in 5 bits: Q5_K super-blocks."""
     return quantize_q4_k(w, bits=5)
+
+
+def quantize_q3_k(w: np.ndarray) -> np.ndarray:
+    """Rows `w` [n, k] (k a multiple of 256) as Q3_K super-blocks [n, k / 256 * 110] (the gguf
+    package has no Q3_K quantizer): per 16 weights a 6-bit scale (stored plus 32) times the
+    super-block's fp16 d, codes -4..3 stored plus 4 as a low pair (qs: byte l of each 32
+    holds the pairs of codes l, l + 32, l + 64, l + 96 of its half) and a high bit (hmask: byte
+    l's bit j, code 32 j + l), ggml's layout (a plain rounding, not llama.cpp's search)."""
+    n, k = w.shape
+    sub = w.reshape(-1, 16, 16).astype(np.float64)  # [super-blocks, 16 blocks, 16]
+    scale = np.abs(sub).max(axis=2) / 4
+    d16 = (np.maximum(scale.max(axis=1), 1e-8) / 31).astype(np.float16)
+    sc = np.clip(np.rint(scale / d16.astype(np.float64)[:, None]), 1, 31).astype(np.uint8) + 32
+    step = d16.astype(np.float64)[:, None] * (sc.astype(np.float64) - 32)
+    u = (np.clip(np.rint(sub / step[..., None]), -4, 3) + 4).astype(np.uint8).reshape(-1, 256)
+    halves = (u & 3).reshape(-1, 2, 4, 32)  # [sb, half of 128, shift j, l]
+    qs = np.bitwise_or.reduce(halves << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None],
+                              axis=2).reshape(-1, 64)
+    high = (u >> 2).reshape(-1, 8, 32)  # [sb, 32-code run j, l]
+    hmask = np.bitwise_or.reduce(high << np.arange(8, dtype=np.uint8)[None, :, None], axis=1)
+    low4 = sc & 15
+    top = sc >> 4  # two bits each
+    packed = np.empty((sc.shape[0], 12), np.uint8)
+    packed[:, 0:8] = low4[:, :8] | (low4[:, 8:] << 4)
+    packed[:, 8:12] = top[:, 0:4] | (top[:, 4:8] << 2) | (top[:, 8:12] << 4) | (top[:, 12:] << 6)
+    blocks = np.concatenate((hmask, qs, packed, d16.view(np.uint8).reshape(-1, 2)), axis=1)
+    return blocks.reshape(n, -1)
 
 
 def quantize_q6_k(w: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""GGUF Q8_0 / Q6_K / Q5_0 weights kept packed (pagedkv/model/quant/int8_*): blocks read as int8 codes
+"""GGUF Q8_0 / Q6_K / Q5_0 / Q3_K / IQ4 weights kept packed (pagedkv/model/quant/int8_*): blocks read as int8 codes
 and per-block scales with no loss (against the `gguf` package's dequantization); the integer
 kernel (kernels/csrc/quant_int8.cpp, this machine's build and the AVX2 one) against float64
 references: exactly the activation-quantized product up to float32 summation, and the
@@ -28,6 +28,7 @@ from pagedkv.model.quant.int8_blocks import (
     IQ4_VALUES,
     int8_codes_and_scales,
     packed_codes,
+    q3_k_two_level,
     q6_k_two_level,
     two_level_block_scales,
     unpacked_codes,
@@ -101,25 +102,26 @@ def test_codes_and_scales_are_the_format_without_loss(ggml_type):
     assert np.unique(np.sign(scales)).size > 1 or ggml_type in (Q8_0, Q5_0, IQ4_NL)
 
 
-def test_q6_k_two_levels_are_the_float32_scales():
-    """Q6_K's scales kept as the file has them (int8 sub-scales per 16, fp16 d per 256: K/16 +
-    K/128 bytes a row) are the float32 scales' very values, with the same codes."""
-    raw = q6_k_rows(N, 768, seed=5)
-    codes, table = q6_k_two_level(raw)
-    want_codes, want_scales, _ = int8_codes_and_scales(raw, Q6_K)
+@pytest.mark.parametrize("kind", [Q6_K, GGMLQuantizationType.Q3_K], ids=lambda t: t.name)
+def test_two_levels_are_the_float32_scales(kind):
+    """Q6_K's and Q3_K's scales kept as the file has them (int8 sub-scales per 16, fp16 d per
+    256: K/16 + K/128 bytes a row) are the float32 scales' very values, with the same codes."""
+    raw = ROWS[kind](N, 768, seed=5)
+    codes, table = TWO_LEVEL[kind][0](raw)
+    want_codes, want_scales, _ = int8_codes_and_scales(raw, kind)
     assert table.dtype == np.uint8 and table.shape == (N, 768 // 16 + 768 // 128)
     np.testing.assert_array_equal(codes, want_codes)
     np.testing.assert_array_equal(two_level_block_scales(table), want_scales)
 
 
-@pytest.mark.parametrize("bits", [4, 5, 6])
+@pytest.mark.parametrize("bits", [3, 4, 5, 6])
 def test_packed_codes_round_trip(bits):
-    """Every 5- or 6-bit code, and every IQ4 value as a 4-bit index, in every position of a
-    chunk packs and unpacks to itself, in 0.5, 0.625 or 0.75 bytes a code; other codes are
-    refused."""
+    """Every 3-, 5- or 6-bit code, and every IQ4 value as a 4-bit index, in every position of a
+    chunk packs and unpacks to itself, in 0.375, 0.5, 0.625 or 0.75 bytes a code; other codes
+    are refused."""
     half = 1 << (bits - 1)
     rng = np.random.default_rng(0)
-    values = np.arange(-half, half) if bits > 4 else IQ4_VALUES.astype(np.int64)
+    values = np.arange(-half, half) if bits != 4 else IQ4_VALUES.astype(np.int64)
     codes = values[rng.integers(0, len(values), (5, 256))].astype(np.int8)
     codes[0] = values[np.arange(256) % len(values)]
     packed = packed_codes(codes, bits)
@@ -129,13 +131,20 @@ def test_packed_codes_round_trip(bits):
         packed_codes((codes.astype(np.int16) * 2).clip(-128, 127).astype(np.int8), bits)
 
 
-def two_level_linears(n: int, k: int, seed: int) -> dict[str, Int8BlockLinear]:
-    """The same random Q6_K rows as Int8BlockLinears: "six" (6-bit codes, two-level scales:
-    the model's), "two" (int8 codes, two levels), "wide" (int8 codes, float32 scales)."""
-    raw = q6_k_rows(n, k, seed=seed)
-    codes, table = q6_k_two_level(raw)
-    _, scales, _ = int8_codes_and_scales(raw, Q6_K)
-    linears = {"six": Int8BlockLinear(torch.from_numpy(packed_codes(codes, 6)),
+# The two-level types: their reader and the bits the loader keeps their codes in.
+TWO_LEVEL = {Q6_K: (q6_k_two_level, 6), GGMLQuantizationType.Q3_K: (q3_k_two_level, 3)}
+
+
+def two_level_linears(n: int, k: int, seed: int, kind: GGMLQuantizationType = Q6_K
+                      ) -> dict[str, Int8BlockLinear]:
+    """The same random Q6_K (or Q3_K) rows as Int8BlockLinears: "six" (6-bit codes, or 3-bit
+    ones, two-level scales: the model's), "two" (int8 codes, two levels), "wide" (int8 codes,
+    float32 scales)."""
+    raw = ROWS[kind](n, k, seed)
+    read, bits = TWO_LEVEL[kind]
+    codes, table = read(raw)
+    _, scales, _ = int8_codes_and_scales(raw, kind)
+    linears = {"six": Int8BlockLinear(torch.from_numpy(packed_codes(codes, bits)),
                                       torch.from_numpy(table)),
                "two": Int8BlockLinear(torch.from_numpy(codes), torch.from_numpy(table)),
                "wide": Int8BlockLinear(torch.from_numpy(codes), torch.from_numpy(scales))}
@@ -143,14 +152,16 @@ def two_level_linears(n: int, k: int, seed: int) -> dict[str, Int8BlockLinear]:
     return linears
 
 
+@pytest.mark.parametrize("kind", [Q6_K, GGMLQuantizationType.Q3_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 12, 40, 300])
-def test_two_level_and_six_bit_products_equal_the_float32_tables(rows):
-    """Every path on Q6_K's two levels, with int8 codes or 6-bit ones (the decode tiles at 1-3
-    rows reading the 6 bits in place, the panel product from 4 unpacking them as it lays the
-    panel out, AMX tiles from 10, row blocks at 300; 40 outputs: 2 tasks of 16 and a tail of
-    8), on one thread and two, in bfloat16 and float32, gives the float32 table's very outputs
-    (the same codes and scales); so do the expansion and the embedding rows."""
-    linears = two_level_linears(40, 768, seed=rows)
+def test_two_level_and_packed_products_equal_the_float32_tables(rows, kind):
+    """Every path on Q6_K's (Q3_K's) two levels, with int8 codes or 6-bit (3-bit) ones (the
+    decode tiles at 1-3 rows reading the packed bits in place, the panel product from 4
+    unpacking them as it lays the panel out, AMX tiles from 10, row blocks at 300; 40 outputs:
+    2 tasks of 16 and a tail of 8), on one thread and two, in bfloat16 and float32, gives the
+    float32 table's very outputs (the same codes and scales); so do the expansion and the
+    embedding rows."""
+    linears = two_level_linears(40, 768, seed=rows, kind=kind)
     wide = linears.pop("wide")
     threads = torch.get_num_threads()
     try:
@@ -385,13 +396,14 @@ for block, scale_dtype in ((16, torch.float32), (32, torch.float32), (32, torch.
     w = expand_reference(linear.codes, linear.scales, torch.float64)
     exact = (q * d).reshape(5, -1) @ w.T
     worst = max(worst, float(((got - exact).abs() / (x.double().abs() @ w.abs().T)).max()))
-from tests.model.test_quant_int8_blocks import two_level_linears
-linears = two_level_linears(40, 768, seed=2)
+from tests.model.test_quant_int8_blocks import TWO_LEVEL, two_level_linears
 same = True
-for rows in (5, 20):
-    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(2))
-    same &= torch.equal(linears["six"](x), linears["wide"](x))
-    same &= torch.equal(linears["two"](x), linears["wide"](x))
+for kind in TWO_LEVEL:
+    linears = two_level_linears(40, 768, seed=2, kind=kind)
+    for rows in (5, 20):
+        x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(2))
+        same &= torch.equal(linears["six"](x), linears["wide"](x))
+        same &= torch.equal(linears["two"](x), linears["wide"](x))
 from tests.model.test_quant_int8_blocks import IQ4_NL, Q5_0, packed_pair
 for ggml_type in (Q5_0, IQ4_NL):
     packed, plain = packed_pair(ggml_type, 40, 576, seed=3)
@@ -406,7 +418,7 @@ def test_the_avx2_build_computes_the_same_product():
     isa, worst, two_levels_same = run_with_isa(_AVX2_CHECK)
     assert isa == "avx2"
     assert worst <= 2.0 ** -20  # float32 summation of exact integer dots
-    assert two_levels_same  # Q6_K's two levels, 6- and 5-bit codes: the same products
+    assert two_levels_same  # Q6_K's and Q3_K's two levels, 6-, 5- and 3-bit codes: the same
 
 
 PROMPT = [5, 17, 99, 230, 41, 8, 77, 300, 12, 64, 3, 150, 9, 250, 33, 71, 200, 18, 44, 6]

@@ -27,6 +27,7 @@ from tests.tiny_models import build_hf_model
 
 Q4_K, Q6_K, Q8_0 = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0
 Q5_K, Q5_1 = GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q5_1
+Q3_K = GGMLQuantizationType.Q3_K
 PROMPT = [5, 17, 99, 230, 41, 8, 77, 300, 12, 64, 3, 150, 9, 250, 33, 71, 200, 18, 44, 6]
 CONTINUATION = [90, 14, 321, 7, 55, 260, 2, 101, 48, 11, 199, 36]
 # Against the file dequantized to float32: the packed kernels compute on activations quantized
@@ -144,6 +145,27 @@ def test_parts_with_a_bias_load_it(qwen2_three_runs, caplog):
         assert torch.equal(qkv.bias, dense_layer.self_attn.qkv_proj.bias)
         assert qkv.bias.abs().sum() > 0
     _assert_close_to_dequantized(packed, qwen2_three_runs)
+
+
+def test_q3_k_m_keeps_three_bit_codes(tmp_path, caplog):
+    """A Q3_K_M-style mix (Q3_K, attn_v Q5_K, ffn_down Q4_K): the Q3_K linears keep 3-bit codes
+    (3K/8 bytes a row) with the file's two levels of scales, q/k beside the Q5_K v as parts;
+    logits as the file's dequantized."""
+    model_dir = build_hf_model(tmp_path / "hf", "llama", **SHAPE)
+    path = write_gguf(model_dir, tmp_path / "q3km.gguf", quant=Q3_K,
+                      types={"attn_v": Q5_K, "ffn_down": GGMLQuantizationType.Q4_K})
+    with caplog.at_level(logging.WARNING, logger="pagedkv.model.loader"):
+        packed = runner(path, "auto", "bfloat16")
+    assert "dequantized to the model dtype" not in caplog.text
+    for layer in packed.model.layers:
+        qkv = layer.self_attn.qkv_proj
+        assert _kinds(qkv) == [(Int8BlockLinear, 256 + 128), (Int4Linear, 128)]
+        assert qkv.parts[1].bits == 5
+        for m in (qkv.parts[0], layer.self_attn.o_proj, layer.mlp.gate_up_proj):
+            assert type(m) is Int8BlockLinear and m.scales.dtype == torch.uint8
+            assert m.codes.shape[1] == m.in_features * 3 // 8
+        assert layer.mlp.down_proj.bits == 4
+    _assert_close_to_dequantized(packed, path)
 
 
 def test_a_part_without_a_packed_kernel_leaves_the_linear_dequantized(tmp_path, caplog):

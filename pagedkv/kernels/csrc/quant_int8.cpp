@@ -118,11 +118,14 @@ struct TwoLevelScales {
 // each), Q5_0's 5-bit codes 8 bytes (bit j: code j's), each code stored plus kBias (0 ..
 // 2^Bits - 1): 0.75 and 0.625 bytes a weight where an int8 code takes 1. Bits 4: IQ4_NL's and
 // IQ4_XS's codes, the nibbles indices into kIq4Values (0.5 bytes a weight); kBias 128 (the
-// values' offset to vpdpbusd's unsigned operand). Bits 8: int8 codes.
+// values' offset to vpdpbusd's unsigned operand). Bits 3: Q3_K's codes, no nibbles: 16 bytes
+// of their low pairs (laid as Q6_K's high pairs), then 8 bytes of their third bits (as Q5_0's
+// fifth), 0.375 bytes a weight. Bits 8: int8 codes.
 template <int Bits>
 struct PackedBits {
-  static_assert(Bits == 4 || Bits == 5 || Bits == 6 || Bits == 8, "codes of 4, 5, 6 or 8 bits");
-  static constexpr int64_t kChunkBytes = Bits == 6 ? 48 : Bits == 5 ? 40 : Bits == 4 ? 32 : 64;
+  static_assert(Bits == 3 || Bits == 4 || Bits == 5 || Bits == 6 || Bits == 8,
+                "codes of 3, 4, 5, 6 or 8 bits");
+  static constexpr int64_t kChunkBytes = 8 * Bits;
   static constexpr int kBias = Bits == 4 ? 128 : 1 << (Bits - 1);
   // vpdpbusd's start for the stored codes: -kBias times each lane's activation code sum, the
   // quantized rows' -128 times it shifted right.
@@ -135,9 +138,24 @@ constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                    1,    13,   25,  38,  53,  69,  89,  113};
 
 #if defined(__AVX512BW__)
+// Codes 16L .. 16L + 15 of a chunk (128-bit lane L) from bits 2L, 2L + 1 of the 16 pair bytes
+// at p, as bytes 0..3.
+inline __m512i pair_codes(const uint8_t* p) {
+  const __m512i pairs = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 0x20002, 0x20002, 0x20002, 0x20002,
+                                          0x40004, 0x40004, 0x40004, 0x40004,
+                                          0x60006, 0x60006, 0x60006, 0x60006);
+  return _mm512_and_si512(_mm512_srlv_epi16(pairs, shift), _mm512_set1_epi8(3));
+}
+
 // One 64-code chunk's stored codes (plus kBias, unsigned), in order, from its bytes at p.
 template <int Bits>
 inline __m512i packed_chunk(const uint8_t* p) {
+  if constexpr (Bits == 3) {  // the low pairs, the third bits
+    uint64_t bits;
+    std::memcpy(&bits, p + 16, sizeof(bits));
+    return _mm512_or_si512(pair_codes(p), _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(4)));
+  }
   const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   const __m256i m4 = _mm256_set1_epi8(15);
   const __m512i nibbles = _mm512_inserti64x4(
@@ -153,22 +171,31 @@ inline __m512i packed_chunk(const uint8_t* p) {
     std::memcpy(&bits, p + 32, sizeof(bits));
     return _mm512_or_si512(nibbles, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(16)));
   } else {
-    // 128-bit lane L (codes 16L .. 16L + 15) takes bits 2L, 2L + 1 of the 16 pair bytes.
-    const __m512i pairs =
-        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32)));
-    const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 0x20002, 0x20002, 0x20002, 0x20002,
-                                            0x40004, 0x40004, 0x40004, 0x40004,
-                                            0x60006, 0x60006, 0x60006, 0x60006);
-    const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(pairs, shift), _mm512_set1_epi8(3));
-    return _mm512_or_si512(nibbles, _mm512_slli_epi16(high, 4));
+    return _mm512_or_si512(nibbles, _mm512_slli_epi16(pair_codes(p + 32), 4));
   }
 }
 #endif
 
 #if defined(__AVX2__) && !defined(__AVX512BW__)
+// Codes 32h .. 32h + 31 of a chunk (codes 16L .. 16L + 15, L = 2h, 2h + 1, take bits 2L, 2L + 1)
+// from the 16 pair bytes at p, as bytes 0..3.
+inline __m256i pair_codes_avx2(const uint8_t* p, int h) {
+  const __m256i pairs =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i shifted = h ? _mm256_blend_epi32(_mm256_srli_epi16(pairs, 4),
+                                                 _mm256_srli_epi16(pairs, 6), 0xF0)
+                            : _mm256_blend_epi32(pairs, _mm256_srli_epi16(pairs, 2), 0xF0);
+  return _mm256_and_si256(shifted, _mm256_set1_epi8(3));
+}
+
 // Codes 32h .. 32h + 31 of a 64-code chunk at p, stored (plus kBias), with AVX2 alone.
 template <int Bits>
 inline __m256i packed_half_avx2(const uint8_t* p, int h) {
+  if constexpr (Bits == 3) {
+    uint32_t bits;
+    std::memcpy(&bits, p + 16 + 4 * h, sizeof(bits));
+    return _mm256_or_si256(pair_codes_avx2(p, h), quant_rows::bits_to_bytes(bits, 4));
+  }
   const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   const __m256i nibbles =
       _mm256_and_si256(h ? _mm256_srli_epi16(low, 4) : low, _mm256_set1_epi8(15));
@@ -181,14 +208,8 @@ inline __m256i packed_half_avx2(const uint8_t* p, int h) {
     uint32_t bits;
     std::memcpy(&bits, p + 32 + 4 * h, sizeof(bits));
     return _mm256_or_si256(nibbles, quant_rows::bits_to_bytes(bits, 16));
-  } else {  // codes 16L .. 16L + 15 (L = 2h, 2h + 1) take bits 2L, 2L + 1 of the pair bytes
-    const __m256i pairs =
-        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32)));
-    const __m256i shifted = h ? _mm256_blend_epi32(_mm256_srli_epi16(pairs, 4),
-                                                   _mm256_srli_epi16(pairs, 6), 0xF0)
-                              : _mm256_blend_epi32(pairs, _mm256_srli_epi16(pairs, 2), 0xF0);
-    const __m256i high = _mm256_and_si256(shifted, _mm256_set1_epi8(3));
-    return _mm256_or_si256(nibbles, _mm256_slli_epi16(high, 4));
+  } else {
+    return _mm256_or_si256(nibbles, _mm256_slli_epi16(pair_codes_avx2(p + 32, h), 4));
   }
 }
 #endif
@@ -211,6 +232,12 @@ inline void packed_unpack(const uint8_t* p, int8_t* out) {
     }
     return;
   }
+  if constexpr (Bits == 3) {
+    for (int i = 0; i < 64; ++i)
+      out[i] = static_cast<int8_t>((((p[i % 16] >> (2 * (i / 16))) & 3) |
+                                    ((p[16 + i / 8] >> (i % 8)) & 1) << 2) - kBias);
+    return;
+  }
   for (int i = 0; i < 32; ++i) {
     out[i] = static_cast<int8_t>(p[i] & 15);
     out[i + 32] = static_cast<int8_t>(p[i] >> 4);
@@ -224,7 +251,7 @@ inline void packed_unpack(const uint8_t* p, int8_t* out) {
 }
 
 // Where a weight's int8 codes come from, a tile of weight rows at a time (`rows(r0, nr)`: the
-// rows' codes int8 [nr][K]): Codes<8>, int8 [N, K] read in place; Codes<6> and Codes<5>, packed
+// rows' codes int8 [nr][K]): Codes<8>, int8 [N, K] read in place; Codes<6>, <5>, <4>, <3>, packed
 // (PackedBits), unpacked into this thread's scratch (valid until its next `rows`), except by
 // the AVX-512 VNNI decode product and the panel layout, which read them themselves.
 // `bytes(r)`: row r's start.
@@ -543,6 +570,20 @@ template <int Bits>
 inline __m256i packed_half(const uint8_t* row, int64_t at) {
   const uint8_t* p = row + at / 64 * PackedBits<Bits>::kChunkBytes;
   const bool upper = at % 64 != 0;  // codes 32..63 of the chunk: the high nibbles
+  const __m256i pair_shift = upper ? _mm256_setr_epi32(0x40004, 0x40004, 0x40004, 0x40004,
+                                                       0x60006, 0x60006, 0x60006, 0x60006)
+                                   : _mm256_setr_epi32(0, 0, 0, 0, 0x20002, 0x20002, 0x20002,
+                                                       0x20002);
+  if constexpr (Bits == 3) {  // the low pairs (as Q6_K's high ones), the third bits
+    const __m256i pairs =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    uint32_t bits;
+    std::memcpy(&bits, p + 16 + (upper ? 4 : 0), sizeof(bits));
+    const __m256i codes = _mm256_or_si256(
+        _mm256_and_si256(_mm256_srlv_epi16(pairs, pair_shift), _mm256_set1_epi8(3)),
+        _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(4)));
+    return _mm256_sub_epi8(codes, _mm256_set1_epi8(PackedBits<Bits>::kBias));
+  }
   const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   const __m256i nibbles = _mm256_and_si256(upper ? _mm256_srli_epi16(low, 4) : low,
                                            _mm256_set1_epi8(15));
@@ -558,12 +599,8 @@ inline __m256i packed_half(const uint8_t* row, int64_t at) {
   } else {
     const __m256i pairs =
         _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32)));
-    const __m256i shift = upper ? _mm256_setr_epi32(0x40004, 0x40004, 0x40004, 0x40004,
-                                                    0x60006, 0x60006, 0x60006, 0x60006)
-                                : _mm256_setr_epi32(0, 0, 0, 0, 0x20002, 0x20002, 0x20002,
-                                                    0x20002);
     high = _mm256_slli_epi16(
-        _mm256_and_si256(_mm256_srlv_epi16(pairs, shift), _mm256_set1_epi8(3)), 4);
+        _mm256_and_si256(_mm256_srlv_epi16(pairs, pair_shift), _mm256_set1_epi8(3)), 4);
   }
   return _mm256_sub_epi8(_mm256_or_si256(nibbles, high),
                          _mm256_set1_epi8(PackedBits<Bits>::kBias));
@@ -722,11 +759,13 @@ constexpr int kRowTile = 4;
 constexpr int kColTile = 4;  // weight rows computed together
 static_assert(kColTile == kFarTileRows, "the far prefetch's tile is dot_columns' tile");
 
-// The bits of a weight's codes: 8 (int8), or packed (uint8): 6 with two-level scales (Q6_K);
-// with a float16 or float32 table (blocks of 32), 5 (Q5_0: 20 bytes a block) or 4 (IQ4: 16).
+// The bits of a weight's codes: 8 (int8), or packed (uint8): with two-level scales (K/16 + K/128
+// bytes a row) 6 (Q6_K) or 3 (Q3_K: 3K/8 bytes a row); with a float16 or float32 table
+// (blocks of 32), 5 (Q5_0: 20 bytes a block) or 4 (IQ4: 16).
 int code_bits(const at::Tensor& codes, const at::Tensor& scales) {
   if (codes.scalar_type() != at::kByte) return 8;
-  if (scales.scalar_type() == at::kByte) return 6;
+  if (scales.scalar_type() == at::kByte)
+    return codes.size(1) == PackedBits<3>::row_bytes(scales.size(1) / 9 * 128) ? 3 : 6;
   return scales.size(1) > 0 && codes.size(1) == 16 * scales.size(1) ? 4 : 5;
 }
 
@@ -734,6 +773,7 @@ int code_bits(const at::Tensor& codes, const at::Tensor& scales) {
 int64_t weight_k(const at::Tensor& codes, const at::Tensor& scales) {
   switch (code_bits(codes, scales)) {
     case 6: return codes.size(1) / PackedBits<6>::kChunkBytes * 64;
+    case 3: return codes.size(1) / PackedBits<3>::kChunkBytes * 64;
     case 5: return codes.size(1) / PackedBits<5>::kChunkBytes * 64;
     case 4: return codes.size(1) * 2;
     default: return codes.size(1);
@@ -745,7 +785,7 @@ void check_weight(const at::Tensor& codes, const at::Tensor& scales, int64_t blo
   TORCH_CHECK(block == 16 || block == 32, op, ": block must be 16 or 32, got ", block);
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() &&
                   (codes.scalar_type() == at::kChar || codes.scalar_type() == at::kByte), op,
-              ": codes must be a contiguous int8 [N, K] or packed uint8 [N, K / 64 * 48 or 40]");
+              ": codes must be a contiguous int8 [N, K] or packed uint8 [N, K / 64 * 8 bits]");
   TORCH_CHECK(scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == codes.size(0), op,
               ": scales must be contiguous [N, ...]");
   const int bits = code_bits(codes, scales);
@@ -981,8 +1021,8 @@ void block_product(const T* x, int64_t m, int64_t k, const CodeSrc& w, const Src
 }
 
 // fn(block, the codes' source, the scales' source) for a checked weight (check_weight): int8
-// codes with a float16 or float32 table or Q6_K's two levels, or Q6_K's 6-bit codes with its
-// two levels; block a compile-time 16 or 32 (16 alone with two levels).
+// codes with a float16 or float32 table or Q6_K's two levels, or Q6_K's 6-bit codes (Q3_K's
+// 3-bit ones) with its two levels; block a compile-time 16 or 32 (16 alone with two levels).
 template <typename Fn>
 inline void with_weight(const at::Tensor& codes, const at::Tensor& scales, int64_t block,
                         const Fn& fn) {
@@ -992,10 +1032,12 @@ inline void with_weight(const at::Tensor& codes, const at::Tensor& scales, int64
   const int8_t* w = reinterpret_cast<const int8_t*>(codes.data_ptr());
   if (scales.scalar_type() == at::kByte) {
     const TwoLevelScales two{scales.data_ptr<uint8_t>(), k / 16};
-    if (codes.scalar_type() == at::kByte)
-      fn(B16{}, Codes<6>{w, k}, two);
-    else
+    if (codes.scalar_type() != at::kByte)
       fn(B16{}, Codes<8>{w, k}, two);
+    else if (code_bits(codes, scales) == 3)
+      fn(B16{}, Codes<3>{w, k}, two);  // Q3_K's
+    else
+      fn(B16{}, Codes<6>{w, k}, two);
     return;
   }
   auto with_table = [&](const auto& src) {

@@ -1,8 +1,8 @@
 """A linear layer and an embedding on int8 codes with a scale per block of 16 or 32 along each
 row (GGUF Q8_0, Q6_K and the other symmetric formats kept packed: int8_blocks.py), W = code *
-scale exactly. The scales: float16 where that holds them exactly (Q8_0's own), Q6_K's two
-levels (a uint8 table: int8_blocks.q6_k_two_level), else float32; Q6_K's codes in 6 bits,
-Q5_0's in 5 and IQ4's as 4-bit indices (uint8 [N, K/64 * 48, 40 or 32]:
+scale exactly. The scales: float16 where that holds them exactly (Q8_0's own), Q6_K's and
+Q3_K's two levels (a uint8 table: int8_blocks.q6_k_two_level), else float32; Q6_K's codes in 6
+bits, Q5_0's in 5, IQ4's as 4-bit indices and Q3_K's in 3 (uint8 [N, K/64 * 8 * bits]:
 int8_blocks.packed_codes), others a byte each.
 
 The linear's calls up to `product_rows` rows (`INT8_BLOCK_ROWS` with AVX2, 64 where AMX-INT8
@@ -68,17 +68,18 @@ def block_of(k: int, scales: torch.Tensor) -> int:
 
 
 def code_bits(codes: torch.Tensor, scales: torch.Tensor) -> int:
-    """8 for int8 codes; packed (uint8) ones: 6 with two-level scales (Q6_K's), else (blocks of
-    32) 4 where a block takes 16 bytes (IQ4's), 5 where 20 (Q5_0's)."""
+    """8 for int8 codes; packed (uint8) ones: with two-level scales 3 where a row takes 3K/8
+    bytes (Q3_K's), else 6 (Q6_K's); else (blocks of 32) 4 where a block takes 16 bytes
+    (IQ4's), 5 where 20 (Q5_0's)."""
     if codes.dtype != torch.uint8:
         return 8
-    if scales.dtype == torch.uint8:
-        return 6
+    if scales.dtype == torch.uint8:  # K/16 + K/128 bytes a row
+        return 3 if codes.shape[1] == scales.shape[1] // 9 * 128 * 3 // 8 else 6
     return 4 if codes.shape[1] == 16 * scales.shape[1] else 5
 
 
 def columns(codes: torch.Tensor, scales: torch.Tensor) -> int:
-    """K of codes [N, K] int8 or [N, K/64 * 48 or 40] packed."""
+    """K of codes [N, K] int8 or [N, K/64 * 8 * bits] packed."""
     bits = code_bits(codes, scales)
     return codes.shape[1] if bits == 8 else codes.shape[1] // (8 * bits) * 64
 
@@ -111,9 +112,9 @@ class Int8BlockLinear(nn.Module):
 
     def __init__(self, codes: torch.Tensor | nn.Parameter, scales: torch.Tensor | nn.Parameter,
                  bias: torch.Tensor | None = None) -> None:
-        """`codes` int8 [N, K] or packed (uint8 [N, K/64 * 48, 40 or 32]:
-        int8_blocks.packed_codes: 6 bits with two-level scales, else 5 or 4 with blocks of
-        32), `scales` [N, K / block]
+        """`codes` int8 [N, K] or packed (uint8 [N, K/64 * 8 * bits]:
+        int8_blocks.packed_codes: 6 or 3 bits with two-level scales, else 5 or 4 with blocks
+        of 32), `scales` [N, K / block]
         (float16 kept as such: half the bytes of float32, for scales it holds exactly, as
         Q8_0's own; any other dtype as float32), block 16 or 32, or Q6_K's two levels (uint8
         [N, K/16 + K/128], K a multiple of 256: int8_blocks.q6_k_two_level); parameters given

@@ -16,9 +16,9 @@ llama.cpp's ggml-common.h block layouts:
   w = d * table[q] (block 32, codes the table's values, -127..113);
 - IQ4_XS: super-blocks of 256 = fp16 d, 6-bit sub-scales (2 + 4 bytes), 128 bytes of 4-bit
   indices into the same table; w = d * (sc - 32) * table[q] (block 32).
-A code takes a byte here; Q6_K's, Q5_0's and IQ4's are then kept in the file's 6, 5 and 4 bits
-(`packed_codes`: 0.82, 0.69 and 0.56-0.63 bytes a weight with their scales), Q3_K's and Q8_0's
-in a byte (1.0625 bytes a weight).
+A code takes a byte here; Q6_K's, Q5_0's, IQ4's and Q3_K's are then kept in the file's 6, 5, 4
+and 3 bits (`packed_codes`: 0.82, 0.69, 0.56-0.63 and 0.45 bytes a weight with their scales,
+Q6_K's and Q3_K's in two levels: `q6_k_two_level`, `q3_k_two_level`), Q8_0's in a byte.
 Each block's scale is read by dequantizing (the `gguf` package's own code) a copy of the block
 whose codes are all set to 1; the codes are then the dequantized weights over their block's
 scale, rounded: exact, as each weight is the scale times a code of at most 127 rounded once in
@@ -87,41 +87,68 @@ def q6_k_two_level(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _unit_scaled(raw, _T.Q6_K)[0], np.ascontiguousarray(table)
 
 
+def q3_k_two_level(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(codes int8 [N, K] within -4..3, table uint8 [N, K/16 + K/128]) of Q3_K rows `raw`, the
+    layout of `q6_k_two_level`: per row the blocks' int8 sub-scales (the file's 6-bit ones
+    minus 32, each block's scale over its super-block's d: exact), then each super-block's
+    float16 d. With the codes in 3 bits (`packed_codes`), 0.45 bytes a weight (the file's
+    0.43)."""
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, GGML_QUANT_SIZES[_T.Q3_K][1])
+    d16 = np.ascontiguousarray(blocks[..., 108:110]).view(np.float16)  # [n, super-blocks, 1]
+    codes, scale = _unit_scaled(raw, _T.Q3_K)
+    d = d16.astype(np.float32).repeat(16, axis=2).reshape(n, -1)  # per block of 16
+    sub = np.rint(np.divide(scale, d, out=np.zeros_like(scale), where=d != 0)).astype(np.int8)
+    table = np.concatenate((sub.view(np.uint8), d16.reshape(n, -1).view(np.uint8)), axis=1)
+    return codes, np.ascontiguousarray(table)
+
+
 # IQ4_NL's and IQ4_XS's table of values (llama.cpp's kvalues_iq4nl): a 4-bit code's value.
 IQ4_VALUES = np.array(quants.IQ4_NL.kvalues, dtype=np.int8)
 
 
+def _pairs(u: np.ndarray) -> np.ndarray:
+    """Two bits of each of 64 codes [..., 64] (0..3) as 16 bytes: byte i codes i, i + 16, i + 32,
+    i + 48 at bits 0-1, 2-3, 4-5, 6-7."""
+    return u[..., :16] | (u[..., 16:32] << 2) | (u[..., 32:48] << 4) | (u[..., 48:] << 6)
+
+
+def _unpairs(pairs: np.ndarray) -> np.ndarray:
+    """The 64 two-bit codes of `_pairs`' 16 bytes [..., 16]."""
+    return np.concatenate([(pairs >> (2 * i)) & 3 for i in range(4)], axis=-1)
+
+
 def packed_codes(codes: np.ndarray, bits: int) -> np.ndarray:
-    """Codes int8 [N, K] (K a multiple of 64) in `bits` bits each, uint8 [N, K/64 * (32, 40 or
-    48)], the layout kernels/csrc/quant_int8.cpp's PackedBits reads: per 64 codes, 32 bytes of
-    low nibbles (byte i: code i | code i + 32 << 4), then the high bits: 6 bits (codes within
-    -32..31), 16 bytes of pairs (byte i: codes i, i + 16, i + 32, i + 48 at bits 0-1, 2-3, 4-5,
-    6-7); 5 bits (-16..15), 8 bytes (bit j of them: code j's); each code stored plus 2^(bits-1);
-    4 bits, the codes IQ4_VALUES' values, stored as their indices. ValueError for other bits, K
-    or codes."""
+    """Codes int8 [N, K] (K a multiple of 64) in `bits` bits each, uint8 [N, K/64 * 8 * bits],
+    the layout kernels/csrc/quant_int8.cpp's PackedBits reads: per 64 codes, 32 bytes of low
+    nibbles (byte i: code i | code i + 32 << 4), then the high bits: 6 bits (codes within
+    -32..31), 16 bytes of pairs (`_pairs`); 5 bits (-16..15), 8 bytes (bit j of them: code
+    j's); 3 bits (-4..3), no nibbles: 16 bytes of the low pairs, then 8 bytes of the third
+    bits; each code stored plus 2^(bits-1); 4 bits, the codes IQ4_VALUES' values, stored as
+    their indices. ValueError for other bits, K or codes."""
     n, k = codes.shape
     bias = 1 << (bits - 1)
     if bits == 4:
         index = np.searchsorted(IQ4_VALUES, codes).clip(0, 15)
         fits = k % 64 == 0 and bool(np.all(IQ4_VALUES[index] == codes))
     else:
-        fits = bits in (5, 6) and k % 64 == 0 and codes.min(initial=0) >= -bias and \
+        fits = bits in (3, 5, 6) and k % 64 == 0 and codes.min(initial=0) >= -bias and \
             codes.max(initial=0) < bias
     if not fits:
         within = "IQ4's values" if bits == 4 else f"within [{-bias}, {bias - 1}]"
-        raise ValueError(f"packed_codes: {bits}-bit codes of [{n}, {k}] need bits 4, 5 or 6, "
-                         f"K a multiple of 64 and codes {within}")
+        raise ValueError(f"packed_codes: {bits}-bit codes of [{n}, {k}] need bits 3, 4, 5 or "
+                         f"6, K a multiple of 64 and codes {within}")
     if bits == 4:
         u = index.astype(np.uint8).reshape(n, -1, 64)
         return np.ascontiguousarray((u[..., :32] | (u[..., 32:] << 4)).reshape(n, -1))
     u = (codes.astype(np.int16) + bias).astype(np.uint8).reshape(n, -1, 64)
+    if bits == 3:
+        third = np.packbits(u >> 2, axis=2, bitorder="little")
+        return np.ascontiguousarray(np.concatenate((_pairs(u & 3), third), axis=2)
+                                    .reshape(n, -1))
     low = (u[..., :32] & 15) | ((u[..., 32:] & 15) << 4)
     high = u >> 4
-    if bits == 6:
-        tail = high[..., :16] | (high[..., 16:32] << 2) | (high[..., 32:48] << 4) | \
-            (high[..., 48:] << 6)
-    else:
-        tail = np.packbits(high, axis=2, bitorder="little")
+    tail = _pairs(high) if bits == 6 else np.packbits(high, axis=2, bitorder="little")
     return np.ascontiguousarray(np.concatenate((low, tail), axis=2).reshape(n, -1))
 
 
@@ -129,13 +156,14 @@ def unpacked_codes(packed: np.ndarray, bits: int) -> np.ndarray:
     """The codes int8 [N, K] of `packed_codes(codes, bits)`."""
     n = packed.shape[0]
     chunks = packed.reshape(n, -1, 8 * bits)
+    if bits == 3:
+        u = _unpairs(chunks[..., :16]) | \
+            (np.unpackbits(chunks[..., 16:], axis=2, bitorder="little") << 2)
+        return (u.astype(np.int16) - 4).astype(np.int8).reshape(n, -1)
     low, tail = chunks[..., :32], chunks[..., 32:]
     if bits == 4:
         return IQ4_VALUES[np.concatenate((low & 15, low >> 4), axis=2)].reshape(n, -1)
-    if bits == 6:
-        high = np.concatenate([(tail >> (2 * i)) & 3 for i in range(4)], axis=2)
-    else:
-        high = np.unpackbits(tail, axis=2, bitorder="little")
+    high = _unpairs(tail) if bits == 6 else np.unpackbits(tail, axis=2, bitorder="little")
     u = np.concatenate((low & 15, low >> 4), axis=2) | (high << 4)
     return (u.astype(np.int16) - (1 << (bits - 1))).astype(np.int8).reshape(n, -1)
 

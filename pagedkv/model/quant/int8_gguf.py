@@ -1,9 +1,10 @@
-"""A GGUF checkpoint's Q8_0 / Q6_K / Q5_0 tensors built as packed modules (int8_block_linear.py),
+"""A GGUF checkpoint's Q8_0 / Q6_K / Q5_0 / Q3_K / IQ4 tensors built as packed modules (int8_block_linear.py),
 before the weights are read: linears (q/k/v and gate/up concatenated, as the model fuses them),
 an untied LM head, and the token embedding table (whose tied head then shares its codes).
 
 Where every part is Q6_K, the codes stay 6 bits and the scales in the file's two levels
-(int8_blocks.q6_k_two_level, packed_codes: the file's 0.82 bytes a weight); where every part is
+(int8_blocks.q6_k_two_level, packed_codes: the file's 0.82 bytes a weight), where every part
+is Q3_K 3 bits with its two levels (q3_k_two_level: 0.45, the file's 0.43); where every part is
 Q5_0 (and K a multiple of 64), the codes stay 5 bits with the file's float16 scales (0.69),
 where every part is IQ4_NL or IQ4_XS, 4-bit indices into their table (0.56-0.63);
 a fused linear whose parts mix Q6_K with Q8_0 or Q5_0 takes float32 scales in blocks of 16
@@ -27,6 +28,7 @@ from pagedkv.model.quant.int8_blocks import (
     INT8_BLOCK_TYPES,
     int8_codes_and_scales,
     packed_codes,
+    q3_k_two_level,
     q6_k_two_level,
 )
 
@@ -39,11 +41,11 @@ def _codes_and_scales(checkpoint: Any, sources: list[str]
     where every one is exactly a float16 (Q8_0's own values: half the bytes a decode step reads
     for them), else float32 (a mix of Q6_K's products of two scales and others), or where
     every part is Q6_K the file's two levels (uint8)."""
-    two_level = gguf_parts(checkpoint, sources, (GGMLQuantizationType.Q6_K,),
-                           lambda rows, _: q6_k_two_level(rows))
-    if two_level is not None:  # 6-bit codes with the two levels: the file's 0.82 bytes a weight
-        codes, table = (np.concatenate(arrays) for arrays in zip(*two_level, strict=True))
-        return torch.from_numpy(packed_codes(codes, 6)), torch.from_numpy(table)
+    for kind, (read, bits) in _TWO_LEVEL.items():  # the codes in the file's bits, two levels
+        two_level = gguf_parts(checkpoint, sources, (kind,), lambda rows, _, read=read: read(rows))
+        if two_level is not None:
+            codes, table = (np.concatenate(arrays) for arrays in zip(*two_level, strict=True))
+            return torch.from_numpy(packed_codes(codes, bits)), torch.from_numpy(table)
     parts = gguf_parts(checkpoint, sources, INT8_BLOCK_TYPES, int8_codes_and_scales)
     if parts is None:
         return None
@@ -55,6 +57,11 @@ def _codes_and_scales(checkpoint: Any, sources: list[str]
         codes = packed_codes(codes, bits)
     return torch.from_numpy(codes), torch.from_numpy(
         np.ascontiguousarray(narrowest_scales(scales)))
+
+
+# The types whose scales stay in the file's two levels: their reader and their codes' bits.
+_TWO_LEVEL = {GGMLQuantizationType.Q6_K: (q6_k_two_level, 6),
+              GGMLQuantizationType.Q3_K: (q3_k_two_level, 3)}
 
 
 def _packed_bits(types: list[int]) -> int:
