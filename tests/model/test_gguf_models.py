@@ -150,7 +150,7 @@ def test_auto_dtype_of_a_gguf_file(tiny_llama, tmp_path, quant, want):
     runner = ModelRunner(str(path), block_size=4, num_blocks=8, device="cpu")
     assert runner.dtype == getattr(torch, want)
     packed = sum(isinstance(m, Int4Linear) for m in runner.model.modules())
-    assert packed == (8 if quant == GGMLQuantizationType.Q4_0 else 0)
+    assert packed == (9 if quant == GGMLQuantizationType.Q4_0 else 0)  # 2 x 4 linears, the head
     explicit = ModelRunner(str(path), block_size=4, num_blocks=8, device="cpu", dtype="float32")
     assert explicit.dtype == torch.float32
 

@@ -56,7 +56,8 @@ def test_auto_keeps_float32_exact(q4_gguf):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_packed_model_matches_dequantized(q4_gguf, dtype):
     packed, dense = runner(q4_gguf, "auto", dtype), runner(q4_gguf, "none", dtype)
-    assert sum(isinstance(m, Int4Linear) for m in packed.model.modules()) == 8  # 2 x 4 per layer
+    assert sum(isinstance(m, Int4Linear) for m in packed.model.layers.modules()) == 8  # 2 x 4
+    assert isinstance(packed.model.lm_head, Int4Linear)  # the untied head, in the file's type
     assert not any(isinstance(m, Int4Linear) for m in dense.model.modules())
     for name, forward in (("decode", lambda r: teacher_forced_logits(r, PROMPT, CONTINUATION)),
                           ("prefill", lambda r: prompt_logits(r, PROMPT + CONTINUATION))):
@@ -86,14 +87,19 @@ def test_weights_bytes_count_the_packed_weights(q4_gguf):
     from gguf import GGUFReader
 
     q4_0 = GGUFReader(q4_gguf).tensors[0].tensor_type == GGMLQuantizationType.Q4_0
-    got, expected = _linear_bytes(packed.model, 1 if q4_0 else 2)
+    tables = 1 if q4_0 else 2
+    got, expected = _linear_bytes(packed.model, tables)  # the layers' linears and the head
     assert got == expected > 0
-    dense_linear = sum(m.weight.numel() * 2 for name, m in dense.model.named_modules()
-                       if isinstance(m, Linear) and name != "lm_head")
-    head = packed.model.lm_head  # the LM head's int8 copy, beside its dense weight
-    head_copy = head.codes.numel() + 2 * head.scale.numel()
-    assert head_copy == head.out_features * (head.in_features + 2)
-    assert packed.weights_bytes == dense.weights_bytes - dense_linear + expected + head_copy
+    dense_linear = sum(m.weight.numel() * 2 for m in dense.model.modules()
+                       if isinstance(m, Linear))
+    embed = packed.model.embed_tokens  # the table in the file's type too
+    vocab, dim = embed.num_embeddings, embed.embedding_dim
+    bits = 5 if embed.codes.shape[1] * 8 == dim * 5 else 4
+    embed_bytes = embed.codes.numel() + embed.scales.numel() * 2
+    assert embed_bytes == vocab * dim * bits // 8 + vocab * dim // 32 * tables * 2
+    dense_embed = dense.model.embed_tokens.weight.numel() * 2
+    assert packed.weights_bytes == \
+        dense.weights_bytes - dense_linear - dense_embed + expected + embed_bytes
     llm = LLM(str(q4_gguf), dtype="bfloat16", block_size=4, num_gpu_blocks_override=16,
               max_model_len=64, device="cpu")
     try:  # what the engine reports (the banner, /kv_cache_info): the packed bytes
@@ -174,7 +180,8 @@ def test_q4_k_model_keeps_the_files_two_level_scales(tmp_path):
     path = write_gguf(model_dir, tmp_path / "q4k.gguf", quant=GGMLQuantizationType.Q4_K)
     packed, dense = runner(path, "auto", "bfloat16"), runner(path, "none", "bfloat16")
     linears = [m for m in packed.model.modules() if isinstance(m, Int4Linear)]
-    assert len(linears) == 8 and all(m.scales.dtype == torch.uint8 for m in linears)
+    assert len(linears) == 9  # 2 layers x 4 and the (untied) head
+    assert all(m.scales.dtype == torch.uint8 for m in linears)
     assert all(m.scales.shape[1] * 32 == m.in_features * 5 // 2 for m in linears)
 
     def widen() -> None:  # the same weights on the float32 table
@@ -224,3 +231,35 @@ def test_q6_k_model_keeps_the_files_bytes(tmp_path):
             packed.model.lm_head.scales = packed.model.embed_tokens.scales
 
     _assert_widened_logits_equal(packed, dense, widen, "Q6_K")
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_int4_embedding_table_and_head_stay_packed(tmp_path, tied):
+    """A Q4_K file's token embedding table (llama.cpp keeps an untied model's in the base type)
+    stays packed as an Int4Embedding, in the file's bytes (codes and two-level scales: 0.578
+    bytes a weight where bfloat16 took 2), whose lookups are the dequantized table's rows; an
+    untied Q4_K head is an Int4Linear, a tied model's an Int4Linear over the table's very
+    parameters; the logits stay within the activation quantization's reach of the file
+    dequantized."""
+    from pagedkv.model.quant.int4_linear import Int4Embedding
+    from tests.tiny_models import build_hf_model
+
+    model_dir = build_hf_model(tmp_path / "hf", "llama", hidden_size=256, intermediate_size=512,
+                               num_heads=4, num_kv_heads=2, head_dim=64,
+                               tie_word_embeddings=tied)
+    path = write_gguf(model_dir, tmp_path / "q4k.gguf", quant=GGMLQuantizationType.Q4_K)
+    packed, dense = runner(path, "auto", "bfloat16"), runner(path, "none", "bfloat16")
+    embed, head = packed.model.embed_tokens, packed.model.lm_head
+    assert isinstance(embed, Int4Embedding) and isinstance(head, Int4Linear)
+    assert (head.codes is embed.codes and head.scales is embed.scales) == tied
+    vocab, dim = embed.num_embeddings, embed.embedding_dim
+    assert embed.codes.numel() + embed.scales.numel() == vocab * dim // 2 + vocab * dim // 32 * 5 // 2
+    ids = torch.tensor([[0, 5, 99], [7, 7, vocab - 1]])
+    got, want = embed(ids), dense.model.embed_tokens(ids)
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == (2, 3, dim)
+    torch.testing.assert_close(got, want, rtol=2 ** -8, atol=0)
+    with torch.inference_mode():
+        for forward in (lambda r: teacher_forced_logits(r, PROMPT, CONTINUATION),
+                        lambda r: prompt_logits(r, PROMPT + CONTINUATION)):
+            kl = kl_divergence([forward(dense)], [forward(packed)])
+            assert kl.mean_kl < 5e-3 and kl.top1_agreement >= 0.8, kl

@@ -1,10 +1,11 @@
 """Replacing a loaded model's linear layers by packed ones (the `quantization` option).
 
 - "auto": with a 16-bit model dtype (`PACKED_AUTO_DTYPES`), a GGUF checkpoint's linears stored
-  in a 4-bit type (`int4_blocks.INT4_TYPES`) stay packed (`Int4Linear`, built from the file's
-  block bytes, exact); those in Q8_0 / Q6_K / Q5_0 (int8_blocks.INT8_BLOCK_TYPES), and such a
-  token embedding table and LM head, stay packed as int8 codes with per-block scales
-  (int8_gguf.py: exact); a fused linear whose parts mix the two (Q4_K_M's Q4_K q/k and Q6_K v)
+  in a 4- or 5-bit type with offsets (`int4_blocks.INT4_TYPES`) stay packed (`Int4Linear`,
+  built from the file's block bytes, exact); those in Q8_0 / Q6_K / Q5_0 / Q3_K / IQ4
+  (int8_blocks.INT8_BLOCK_TYPES) stay packed as int8-block codes with per-block scales
+  (int8_gguf.py: exact); a token embedding table and LM head in either family stay packed
+  too (vocab.py); a fused linear whose parts mix the two (Q4_K_M's Q4_K q/k and Q6_K v)
   stays packed as one linear of each per run of parts (`PartsLinear`, parts_linear.py); other
   types (F16 ...) stay dequantized in the model dtype. Any other checkpoint: unchanged.
 - "int8": every linear but the lm_head becomes `Int8Linear` (per-channel int8 of the loaded
@@ -31,10 +32,11 @@ from pagedkv.model.gguf.config import FLOAT_DTYPES
 from pagedkv.model.layers import Linear
 from pagedkv.model.quant.gguf_parts import gguf_types
 from pagedkv.model.quant.int4_gguf import gguf_int4_linear
-from pagedkv.model.quant.int8_gguf import gguf_int8_block_linear, pack_gguf_vocab
+from pagedkv.model.quant.int8_gguf import gguf_int8_block_linear
 from pagedkv.model.quant.int8_linear import Int8Linear
 from pagedkv.model.quant.packed_head import pack_head
 from pagedkv.model.quant.parts_linear import gguf_parts_linear
+from pagedkv.model.quant.vocab import pack_gguf_vocab
 
 __all__ = ["pack_gguf_linears", "pack_head", "quantize_int8"]
 
@@ -63,7 +65,7 @@ def pack_gguf_linears(model: nn.Module, model_dir: str | Path) -> frozenset[str]
     """Before the weights are loaded: replace each linear of `model` whose GGUF tensors are
     packable by a packed module built from the file's blocks (`_GGUF_BUILDERS`: Int4Linear,
     Int8BlockLinear, or a PartsLinear of both), and such a token embedding table and LM head
-    (int8_gguf.pack_gguf_vocab) (mutates `model`); logs a warning naming the quantized ones
+    (vocab.pack_gguf_vocab) (mutates `model`); logs a warning naming the quantized ones
     left to be dequantized. Returns the checkpoint-mapping names now built
     (`loader.load_weights(preloaded=...)`: neither read nor dequantized); empty for a
     checkpoint that is not GGUF."""

@@ -143,9 +143,10 @@ def codes_and_scales(raw: np.ndarray, ggml_type: GGMLQuantizationType
 
 
 def code_bits(packed: np.ndarray | int, groups: int) -> int:
-    """4 or 5: the bits of codes packed as `pack_group_codes` does, `packed` [N, width] (or the
-    width), `groups` groups of 32 a row. ValueError for a width neither gives."""
-    width = packed if isinstance(packed, int) else packed.shape[1]
+    """4 or 5: the bits of codes packed as `pack_group_codes` does, `packed` [N, width] (an
+    array or tensor, or the width), `groups` groups of 32 a row. ValueError for a width neither
+    gives."""
+    width = packed if isinstance(packed, int) else int(packed.shape[1])
     if width == 16 * groups:
         return 4
     if width == 20 * groups:

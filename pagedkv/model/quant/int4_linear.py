@@ -77,27 +77,80 @@ def scales_table(scale: np.ndarray, offset: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(table))
 
 
+def table_groups(code_bytes: int, scales: torch.Tensor) -> int:
+    """Groups of 32 a row of a weight whose codes take `code_bytes` a row and whose scales are
+    `scales` [N, ...]: 2.5 bytes a group in two levels (uint8), one float16 where Q4_0's scales
+    stand alone (a sixteenth of the 4-bit codes' width), else a scale and an offset."""
+    width = scales.shape[1]
+    if scales.dtype == torch.uint8:
+        return width * 2 // 5
+    return width if scales.dtype == torch.float16 and 16 * width == code_bytes else width // 2
+
+
+def unpacked(codes: torch.Tensor, scales: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """codes [N, G, 32] (0..15, or 0..31), scale and offset float32 [N, G, 1] of a packed
+    weight's rows (Int4Linear's `codes` and `scales`, or rows of them), in torch ops."""
+    n = codes.shape[0]
+    groups = table_groups(codes.shape[1], scales)
+    blocks = codes[:, :16 * groups].reshape(n, groups, 16)
+    values = torch.cat((blocks & 15, blocks >> 4), dim=2)
+    if code_bits(codes.shape[1], groups) == 5:  # a group's fifth bits: a little-endian uint32
+        fifth = codes[:, 16 * groups:].reshape(n, groups, 4, 1)
+        bits = (fifth >> torch.arange(8, dtype=torch.uint8)) & 1
+        values = values | (bits.reshape(n, groups, 32) << 4)
+    if scales.dtype == torch.uint8:  # the K-quants' two levels
+        scale, offset = (torch.from_numpy(t) for t in two_level_scales(scales.numpy()))
+        return values, scale[..., None], offset[..., None]
+    if scales.shape[1] == groups:  # Q4_0's scales alone
+        scale = scales.float()[..., None]
+        return values, scale, -8 * scale
+    both = scales.float().view(n, 2, -1)
+    return values, both[:, 0, :, None], both[:, 1, :, None]
+
+
+def expand_reference(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+                     ) -> torch.Tensor:
+    """W [N, K] of a packed weight's rows in `dtype` (each value rounded once from float32), in
+    torch ops: the reference the kernel is tested against."""
+    values, scale, offset = unpacked(codes, scales)
+    return torch.addcmul(offset, values.float(), scale).reshape(codes.shape[0], -1).to(dtype)
+
+
+def expand_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`expand_reference` by the fused kernels' `int4_expand` when they are loaded."""
+    if cpu_kernels_loaded() and dtype in _EXPAND_DTYPES:
+        return torch.ops.pagedkv_cpu.int4_expand(codes, scales, dtype)
+    return expand_reference(codes, scales, dtype)
+
+
 class Int4Linear(nn.Module):
     """y = x W^T (+ bias) with W [out_features, in_features] in 4- or 5-bit groups of 32."""
 
-    def __init__(self, codes: np.ndarray, scale: np.ndarray | None, offset: np.ndarray | None,
-                 bias: torch.Tensor | None = None, *, table: np.ndarray | None = None) -> None:
+    def __init__(self, codes: np.ndarray | nn.Parameter, scale: np.ndarray | None,
+                 offset: np.ndarray | None, bias: torch.Tensor | None = None, *,
+                 table: np.ndarray | nn.Parameter | None = None) -> None:
         """`codes` uint8 [N, K/2] (4-bit, Q4_0 order) or [N, K/2 + K/8] (5-bit:
         int4_blocks.pack_group_codes), `scale` and `offset` float32 [N, K/32]
         (int4_blocks.codes_and_scales), or in their place `table`, the K-quants' two levels
-        (`from_two_level`). ValueError when N is not a multiple of 16 or the codes' width
-        fits neither bit count."""
+        (`from_two_level`) or any table the kernels read; parameters given are kept as they
+        are (shared with a tied embedding). ValueError when N is not a multiple of 16 or the
+        codes' width fits neither bit count."""
         super().__init__()
+        if table is None:
+            table = scales_table(scale, offset)
+        elif not isinstance(table, torch.Tensor):
+            table = torch.from_numpy(np.ascontiguousarray(table))
         n = codes.shape[0]
-        groups = table.shape[1] * 2 // 5 if table is not None else scale.shape[1]
-        self.bits = code_bits(codes, groups)
+        groups = table_groups(codes.shape[1], table)
+        self.bits = code_bits(codes.shape[1], groups)
         self.out_features, self.in_features = n, GROUP * groups
         if n % 16:
             raise ValueError(f"Int4Linear: weight [{n}, {self.in_features}] needs rows a "
                              f"multiple of 16")
-        self.codes = _param(torch.from_numpy(np.ascontiguousarray(codes)))
-        self.scales = _param(scales_table(scale, offset) if table is None
-                             else torch.from_numpy(np.ascontiguousarray(table)))
+        self.codes = codes if isinstance(codes, nn.Parameter) \
+            else _param(torch.from_numpy(np.ascontiguousarray(codes)))
+        self.scales = table if isinstance(table, nn.Parameter) else _param(table)
         self.bias = None if bias is None else _param(bias.detach().clone())
 
     @classmethod
@@ -115,41 +168,18 @@ class Int4Linear(nn.Module):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """W [N, K] in `dtype` (each value rounded once from float32): the fused CPU kernels'
         `int4_expand` when they are loaded (kernels/csrc/quant_int4.cpp), else torch ops."""
-        if cpu_kernels_loaded() and dtype in _EXPAND_DTYPES:
-            return torch.ops.pagedkv_cpu.int4_expand(self.codes, self.scales, dtype)
-        return self.dequantized_reference(dtype)
-
-    def _codes_and_scales(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """codes [N, K/32, 32] (0..15, or 0..31), scale and offset float32 [N, K/32, 1], in
-        torch ops."""
-        groups = self.in_features // GROUP
-        blocks = self.codes[:, :16 * groups].reshape(self.out_features, groups, 16)
-        codes = torch.cat((blocks & 15, blocks >> 4), dim=2)
-        if self.bits == 5:  # each group's fifth bits, a little-endian uint32: bit j code j's
-            fifth = self.codes[:, 16 * groups:].reshape(self.out_features, groups, 4, 1)
-            bits = (fifth >> torch.arange(8, dtype=torch.uint8)) & 1
-            codes = codes | (bits.reshape(self.out_features, groups, 32) << 4)
-        if self.scales.dtype == torch.uint8:  # Q4_K's two levels
-            scale, offset = (torch.from_numpy(t) for t in two_level_scales(self.scales.numpy()))
-            return codes, scale[..., None], offset[..., None]
-        if self.scales.shape[1] * GROUP == self.in_features:  # Q4_0's scales alone
-            scale = self.scales.float()[..., None]
-            return codes, scale, -8 * scale
-        scales = self.scales.float().view(self.out_features, 2, -1)
-        return codes, scales[:, 0, :, None], scales[:, 1, :, None]
+        return expand_rows(self.codes, self.scales, dtype)
 
     def dequantized_reference(self, dtype: torch.dtype) -> torch.Tensor:
         """`dequantized` in torch ops (the reference the kernel is tested against)."""
-        codes, scale, offset = self._codes_and_scales()
-        return torch.addcmul(offset, codes.float(), scale).reshape(self.out_features, -1) \
-            .to(dtype)
+        return expand_reference(self.codes, self.scales, dtype)
 
     def _torch_int4_mm(self, rows: torch.Tensor) -> torch.Tensor:
         """rows W^T by torch's int4 op (bfloat16 scales and activations), on its own copy of
         the weight, made at the first call (kept aside until the kernels load)."""
         copy = _torch_int4_copies.get(self)
         if copy is None:
-            codes, scale, offset = self._codes_and_scales()
+            codes, scale, offset = unpacked(self.codes, self.scales)
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 codes.reshape(self.out_features, -1).to(torch.int32), 1)
             scale_zero = torch.cat((scale, offset + 8 * scale), dim=2).transpose(0, 1)
@@ -185,3 +215,29 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"int{self.bits} group 32")
+
+
+class Int4Embedding(nn.Module):
+    """Rows of a [vocab, hidden] table kept as an Int4Linear's packed codes and scales (a GGUF
+    file's Q4_K / Q4_0 / Q5_K ... token embeddings: a quarter of the bfloat16 table's bytes); a
+    lookup dequantizes only the rows asked for, to `dtype`."""
+
+    def __init__(self, codes: nn.Parameter, scales: nn.Parameter, dtype: torch.dtype) -> None:
+        """`codes`, `scales`: an Int4Linear's (kept as they are: the same parameters)."""
+        super().__init__()
+        self.codes, self.scales = codes, scales
+        self.dtype = dtype
+        self.num_embeddings = codes.shape[0]
+        self.embedding_dim = GROUP * table_groups(codes.shape[1], scales)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = expand_rows(self.codes[flat], self.scales[flat], self.dtype)
+        return rows.view(*ids.shape, self.embedding_dim)
+
+    def tied_head(self) -> Int4Linear:
+        """The LM head over the same codes and scales (tied embeddings)."""
+        return Int4Linear(self.codes, None, None, table=self.scales)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int4 groups of 32"

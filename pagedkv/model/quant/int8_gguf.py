@@ -1,6 +1,6 @@
-"""A GGUF checkpoint's Q8_0 / Q6_K / Q5_0 / Q3_K / IQ4 tensors built as packed modules (int8_block_linear.py),
-before the weights are read: linears (q/k/v and gate/up concatenated, as the model fuses them),
-an untied LM head, and the token embedding table (whose tied head then shares its codes).
+"""A GGUF checkpoint's Q8_0 / Q6_K / Q5_0 / Q3_K / IQ4 tensors built as packed modules
+(int8_block_linear.py) before the weights are read: linears (q/k/v and gate/up concatenated,
+as the model fuses them; vocab.py builds the LM head and the embedding table from them).
 
 Where every part is Q6_K, the codes stay 6 bits and the scales in the file's two levels
 (int8_blocks.q6_k_two_level, packed_codes: the file's 0.82 bytes a weight), where every part
@@ -19,11 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from torch import nn
 
-from pagedkv.model.layers import Linear
 from pagedkv.model.quant.gguf_parts import gguf_parts, gguf_types, narrowest_scales
-from pagedkv.model.quant.int8_block_linear import Int8BlockEmbedding, Int8BlockLinear
+from pagedkv.model.quant.int8_block_linear import Int8BlockLinear
 from pagedkv.model.quant.int8_blocks import (
     INT8_BLOCK_TYPES,
     int8_codes_and_scales,
@@ -89,33 +87,3 @@ def gguf_int8_block_linear(checkpoint: Any, sources: list[str], in_features: int
         return None
     return Int8BlockLinear(*packed, None if bias is None else torch.zeros_like(bias))
 
-
-def pack_gguf_vocab(model: nn.Module, checkpoint: Any) -> frozenset[str]:
-    """Where the file stores them as Q8_0 / Q6_K / Q5_0: `model.lm_head` (an untied Linear) as an
-    Int8BlockLinear, and `model.embed_tokens` (a plain nn.Embedding) as an Int8BlockEmbedding,
-    whose codes a tied model (`lm_head` None) then computes its logits on (mutates `model`).
-    Returns the parameter names now built (empty: unchanged)."""
-    built = set()
-    head = getattr(model, "lm_head", None)
-    if isinstance(head, Linear) and "lm_head.weight" in checkpoint:
-        packed_head = gguf_int8_block_linear(checkpoint, ["lm_head.weight"], head.in_features,
-                                             head.bias)
-        if packed_head is not None and head.bias is None:
-            model.lm_head = packed_head
-            built.add("lm_head.weight")
-    return frozenset(built | _pack_embedding(model, checkpoint))
-
-
-def _pack_embedding(model: nn.Module, checkpoint: Any) -> set[str]:
-    embed = getattr(model, "embed_tokens", None)
-    if type(embed) is not nn.Embedding or embed.embedding_dim % 32 \
-            or "model.embed_tokens.weight" not in checkpoint:
-        return set()
-    packed = _codes_and_scales(checkpoint, ["model.embed_tokens.weight"])
-    if packed is None:
-        return set()
-    model.embed_tokens = Int8BlockEmbedding(*packed, dtype=embed.weight.dtype)
-    if getattr(model, "lm_head", None) is not None:
-        return {"embed_tokens.weight"}
-    model.lm_head = model.embed_tokens.tied_head()  # its mapping now names an lm_head
-    return {"embed_tokens.weight", "lm_head.weight"}
