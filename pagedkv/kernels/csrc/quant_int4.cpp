@@ -599,66 +599,144 @@ inline float q4_hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
 }
 
+// Up to 8 floats (n of them; the rest zero) from p as a vector.
+inline __m256 load_floats8(const float* p, int64_t n) {
+  if (n >= 8) return _mm256_loadu_ps(p);
+  alignas(32) float buf[8] = {};
+  std::memcpy(buf, p, n * sizeof(float));
+  return _mm256_load_ps(buf);
+}
+
+// Up to 8 float16 values (n of them; the rest zero) from p as float32.
+inline __m256 load_halves8(const c10::Half* p, int64_t n) {
+#if defined(__F16C__)
+  if (n >= 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#endif
+  alignas(16) uint16_t buf[8] = {};
+  std::memcpy(buf, p, std::min<int64_t>(n, 8) * sizeof(uint16_t));
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
+#else
+  alignas(32) float out[8];
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<float>(c10::Half(buf[i], c10::Half::from_bits()));
+  return _mm256_load_ps(out);
+#endif
+}
+
+// Groups g0 .. g0 + 7's scales and offsets (groups past `groups` zero) of a weight row whose
+// scales start at `row` (bytes) in the layout S names: a float32 or float16 table (the G
+// scales, then the G offsets), a TwoLevel row read in place (8 groups: one super-block), or
+// Q4_0's float16 scales alone (offset -8 x scale).
+template <typename S>
+inline void scales8(const char* row, int64_t groups, int64_t g0, __m256* scale, __m256* offset) {
+  const int64_t n = groups - g0;
+  if constexpr (std::is_same_v<S, TwoLevelRow>) {
+    const uint8_t* t = reinterpret_cast<const uint8_t*>(row);
+    uint16_t bits[2];
+    std::memcpy(&bits[0], t + 2 * groups + 2 * (g0 / 8), 2);
+    std::memcpy(&bits[1], t + 2 * groups + groups / 4 + 2 * (g0 / 8), 2);
+    const auto byte8 = [](const uint8_t* p) {
+      int64_t v;
+      std::memcpy(&v, p, sizeof(v));
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v)));
+    };
+    const auto half = [](uint16_t h) {
+      return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+    };
+    *scale = _mm256_mul_ps(byte8(t + g0), _mm256_set1_ps(half(bits[0])));
+    *offset = _mm256_mul_ps(byte8(t + groups + g0), _mm256_set1_ps(half(bits[1])));
+  } else if constexpr (std::is_same_v<S, ScaleOnlyRow>) {
+    *scale = load_halves8(reinterpret_cast<const c10::Half*>(row) + g0, n);
+    *offset = _mm256_mul_ps(*scale, _mm256_set1_ps(-8.f));
+  } else if constexpr (std::is_same_v<S, c10::Half>) {
+    const c10::Half* p = reinterpret_cast<const c10::Half*>(row);
+    *scale = load_halves8(p + g0, n);
+    *offset = load_halves8(p + groups + g0, n);
+  } else {
+    const float* p = reinterpret_cast<const float*>(row);
+    *scale = load_floats8(p + g0, n);
+    *offset = load_floats8(p + groups + g0, n);
+  }
+}
+
 // As the VNNI kernel, 2 groups a register: vpmaddubsw (codes 0..15, or 0..31, unsigned times
 // the int8 activations: pair sums within 2 * 31 * 127), low and high nibbles' sums added in
-// int16 (within 4 * 31 * 127), then vpmaddwd by ones: 8 int32 lanes, 4 per group.
+// int16 (within 4 * 31 * 127), then vpmaddwd by ones: 8 int32 lanes, 4 per group. Scales and
+// offsets are read 8 groups at a time (`scales8`: the two levels in place, not materialized),
+// each group's scale times its activation step spread over its lanes by one permute, and the
+// offsets meet the groups' activation sums in 8-wide multiply-adds.
 template <int MR, int NR, typename S, bool Far, int Bits>
 inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const Q8Act& a,
                     int64_t m0, float* y) {
+  constexpr bool kTwo = std::is_same_v<S, TwoLevelRow>;
+  constexpr bool kOnly = std::is_same_v<S, ScaleOnlyRow>;  // Q4_0's scales alone
   const __m256i low4 = _mm256_set1_epi8(15);
   const __m256i ones = _mm256_set1_epi16(1);
-  const int64_t row_bytes = Int4Shape::code_row_bytes(Bits, groups), row_s = 2 * groups;
-  const int64_t padded = a.padded();
+  const int64_t row_bytes = Int4Shape::code_row_bytes(Bits, groups), padded = a.padded();
+  const char* scale_bytes = reinterpret_cast<const char*>(scales);
+  const int64_t scale_row_bytes = kTwo ? two_level_bytes(groups)
+                                  : kOnly ? 2 * groups : 2 * groups * int64_t(sizeof(S));
   const int64_t ahead_rows = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
-  const int64_t ahead_s = ahead_rows * row_s * sizeof(S);
+  const int64_t ahead_s = ahead_rows * scale_row_bytes;
   const int64_t ahead = quant_rows::whole_tiles_ahead(ahead_rows * row_bytes, row_bytes,
                                                       kGemvCols);
-  __m256 acc[MR][NR];
+  __m256 acc[MR][NR], off[MR][NR];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; g += 2) {
-    const bool pair = g + 1 < groups;
-    const int64_t at = (g / 4) * 128 + 32 * ((g % 4) / 2);
+    for (int j = 0; j < NR; ++j) acc[i][j] = off[i][j] = _mm256_setzero_ps();
+  for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+    const int64_t n8 = std::min<int64_t>(8, groups - g0);
+    __m256 step[MR], sums[MR];  // the 8 groups' activation steps and sums
+    for (int i = 0; i < MR; ++i) {
+      step[i] = load_floats8(a.d + (m0 + i) * padded + g0, n8);
+      sums[i] = load_floats8(a.sum + (m0 + i) * padded + g0, n8);
+    }
     for (int j = 0; j < NR; ++j) {
-      const uint8_t* wp = codes + j * row_bytes + (kInt4Group / 2) * g;
-      if (g % 4 == 0) __builtin_prefetch(wp + ahead);
-      if (Bits == 5 && g % 16 == 0)
-        __builtin_prefetch(codes + j * row_bytes + 16 * groups + 4 * g + ahead);
-      if (g == 0) __builtin_prefetch(reinterpret_cast<const char*>(scales + j * row_s) + ahead_s);
-      const __m256i w = pair
-          ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp))
-          : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
-      __m256i lo = _mm256_and_si256(w, low4);
-      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
-      if constexpr (Bits == 5) {  // group g's codes 0-15 then g + 1's, likewise 16-31
-        const uint8_t* row = codes + j * row_bytes;
-        const uint32_t b0 = high_bits(row, groups, g), b1 = pair ? high_bits(row, groups, g + 1) : 0;
-        lo = _mm256_or_si256(lo, quant_rows::bits_to_bytes((b0 & 0xFFFFu) | (b1 << 16), 16));
-        hi = _mm256_or_si256(hi, quant_rows::bits_to_bytes((b0 >> 16) | (b1 & 0xFFFF0000u), 16));
-      }
-      const float s0 = scale_f(scales + j * row_s, g);
-      const float s1 = pair ? scale_f(scales + j * row_s, g + 1) : 0.f;
+      const char* row_scales = scale_bytes + j * scale_row_bytes;
+      if (g0 == 0) __builtin_prefetch(row_scales + ahead_s);
+      __m256 ws, wo;
+      scales8<S>(row_scales, groups, g0, &ws, &wo);
+      __m256 ss[MR];  // each group's weight scale times its activation step
       for (int i = 0; i < MR; ++i) {
-        const int8_t* q = a.q + (m0 + i) * a.chunks * 128 + at;
-        const __m256i pairs = _mm256_add_epi16(
-            _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
-            _mm256_maddubs_epi16(hi,
-                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64))));
-        const float* d = a.d + (m0 + i) * padded + g;
-        const __m256 s = _mm256_setr_m128(_mm_set1_ps(s0 * d[0]), _mm_set1_ps(s1 * d[1]));
-        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), s,
-                                    acc[i][j]);
+        ss[i] = _mm256_mul_ps(ws, step[i]);
+        off[i][j] = _mm256_fmadd_ps(wo, sums[i], off[i][j]);
+      }
+      for (int64_t g = g0; g < g0 + n8; g += 2) {
+        const bool pair = g + 1 < groups;
+        const int64_t at = (g / 4) * 128 + 32 * ((g % 4) / 2);
+        const uint8_t* wp = codes + j * row_bytes + (kInt4Group / 2) * g;
+        if (g % 4 == 0) __builtin_prefetch(wp + ahead);
+        if (Bits == 5 && g % 16 == 0)
+          __builtin_prefetch(codes + j * row_bytes + 16 * groups + 4 * g + ahead);
+        const __m256i w = pair
+            ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp))
+            : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
+        __m256i lo = _mm256_and_si256(w, low4);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+        if constexpr (Bits == 5) {  // group g's codes 0-15 then g + 1's, likewise 16-31
+          const uint8_t* row = codes + j * row_bytes;
+          const uint32_t b0 = high_bits(row, groups, g);
+          const uint32_t b1 = pair ? high_bits(row, groups, g + 1) : 0;
+          lo = _mm256_or_si256(lo, quant_rows::bits_to_bytes((b0 & 0xFFFFu) | (b1 << 16), 16));
+          hi = _mm256_or_si256(hi,
+                               quant_rows::bits_to_bytes((b0 >> 16) | (b1 & 0xFFFF0000u), 16));
+        }
+        // Lanes 0-3: group g's (the 8-group vector's element g - g0), 4-7: g + 1's.
+        const int e = static_cast<int>(g - g0);
+        const __m256i spread = _mm256_setr_epi32(e, e, e, e, e + 1, e + 1, e + 1, e + 1);
+        for (int i = 0; i < MR; ++i) {
+          const int8_t* q = a.q + (m0 + i) * a.chunks * 128 + at;
+          const __m256i pairs = _mm256_add_epi16(
+              _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
+              _mm256_maddubs_epi16(
+                  hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64))));
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)),
+                                      _mm256_permutevar8x32_ps(ss[i], spread), acc[i][j]);
+        }
       }
     }
   }
-  for (int i = 0; i < MR; ++i) {
-    const float* sum = a.sum + (m0 + i) * padded;
-    for (int j = 0; j < NR; ++j) {
-      float off = 0.f;
-      for (int64_t g = 0; g < groups; ++g) off += scale_f(scales + j * row_s, groups + g) * sum[g];
-      y[i * NR + j] = q4_hsum8(acc[i][j]) + off;
-    }
-  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * NR + j] = q4_hsum8(_mm256_add_ps(acc[i][j], off[i][j]));
 }
 #else
 template <int MR, int NR, typename S, bool Far, int Bits>
@@ -1158,9 +1236,9 @@ at::Tensor int4_gemv_bits(const at::Tensor& x, const at::Tensor& codes, const at
     if (far_l2_prefetch()) return run(scale_type, std::true_type{});
     return run(scale_type, std::false_type{});
   };
-#if defined(PAGEDKV_INT_VNNI)
+#if defined(PAGEDKV_INT_VNNI) || defined(__AVX2__)
   if (two.table && two.scale_only) return with_far(ScaleOnlyRow{});  // read in place
-  if (two.table) return with_far(TwoLevelRow{});  // the VNNI product reads the two levels
+  if (two.table) return with_far(TwoLevelRow{});  // the VNNI and AVX2 products read them
 #endif
   return scales.scalar_type() == at::kHalf && !two.table ? with_far(c10::Half{})
                                                          : with_far(float{});

@@ -103,6 +103,14 @@ struct TwoLevelScales {
         _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub)))),
                                           _mm512_set1_ps(dv)));
+#elif defined(__AVX2__)
+        for (int h = 0; h < 2; ++h) {
+          int64_t eight;
+          std::memcpy(&eight, sub + 8 * h, sizeof(eight));
+          _mm256_storeu_ps(o + 8 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                        _mm_cvtsi64_si128(eight))),
+                                                    _mm256_set1_ps(dv)));
+        }
 #else
         for (int i = 0; i < 16; ++i) o[i] = dv * static_cast<float>(sub[i]);
 #endif
@@ -470,16 +478,25 @@ void dot_tile(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0
 #elif defined(__AVX2__)
 constexpr const char* kInt8Isa = "avx2";
 constexpr bool kInt8FarPrefetch = false;
-constexpr bool kPackedInPlace = false;
+constexpr bool kPackedInPlace = true;  // dot_rows unpacks 32 codes at a time in registers
 
-template <int R, int64_t block, typename S>
+// One weight row (codes from w: int8, or packed in Bits bits: PackedBits) against R rows.
+template <int R, int64_t block, typename S, int Bits>
 void dot_rows(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0, int64_t k,
               float* out, int64_t out_stride) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t c = 0; c < k; c += 32) {
-    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c));
+    __m256i wv;
+    if constexpr (Bits == 8) {
+      wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c));
+    } else {
+      const uint8_t* chunk = reinterpret_cast<const uint8_t*>(w) +
+                             c / 64 * PackedBits<Bits>::kChunkBytes;
+      wv = _mm256_sub_epi8(packed_half_avx2<Bits>(chunk, static_cast<int>(c % 64 / 32)),
+                           _mm256_set1_epi8(static_cast<char>(PackedBits<Bits>::kBias)));
+    }
     const __m256i wabs = _mm256_abs_epi8(wv);
     const __m256 wscale = block == 32
         ? _mm256_set1_ps(scale_value(ws + c / 32))
@@ -502,7 +519,7 @@ constexpr const char* kInt8Isa = "scalar";
 constexpr bool kInt8FarPrefetch = false;
 constexpr bool kPackedInPlace = false;
 
-template <int R, int64_t block, typename S>
+template <int R, int64_t block, typename S, int Bits>
 void dot_rows(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0, int64_t k,
               float* out, int64_t out_stride) {
   for (int r = 0; r < R; ++r) {
@@ -523,9 +540,11 @@ void dot_rows(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0
 template <int R, int NC, int64_t block, typename S, bool Far, int Bits>
 void dot_tile(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0, int64_t k,
               float* out, int64_t out_stride, const int8_t*) {
-  static_assert(Bits == 8, "packed codes are unpacked first without AVX-512 VNNI");
+  static_assert(Bits == 8 || kPackedInPlace, "packed codes are unpacked first in this build");
+  const int64_t row_bytes = Bits == 8 ? k : PackedBits<Bits>::row_bytes(k);
   for (int j = 0; j < NC; ++j)
-    dot_rows<R, block, S>(w + j * k, ws + j * (k / block), q, row0, k, out + j, out_stride);
+    dot_rows<R, block, S, Bits>(w + j * row_bytes, ws + j * (k / block), q, row0, k, out + j,
+                                out_stride);
 }
 #endif
 
@@ -840,9 +859,9 @@ void dot_columns(const QuantizedRows& q, int64_t m, const CodeSrc& codes, const 
         const int64_t rows = std::min<int64_t>(16, end - col);
         // The next tile's scales, whole: the codes' far prefetch asks for one line of a row's
         // scales, and at K = 8,192 a row has 9 (Q6_K's two levels) to 32 (a float32 table):
-        // 2048 x 8192 read 1.2x slower per byte than 8192 x 2048 without this (Zen 4).
-        if constexpr (Far)
-          if (col + 16 < end) src.prefetch(col + 16, 16, end);
+        // 2048 x 8192 read 1.2x slower per byte than 8192 x 2048 without this (Zen 4). Without
+        // the far prefetch too: the near one reads a two-level table's materialized copy.
+        if (col + 16 < end) src.prefetch(col + 16, 16, end);
         tile_scales = src.rows(col, rows);
         if constexpr (kUnpacked) tile_codes = codes.rows(col, rows);
       }
