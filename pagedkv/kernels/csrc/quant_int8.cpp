@@ -477,17 +477,20 @@ void dot_tile(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0
 }
 #elif defined(__AVX2__)
 constexpr const char* kInt8Isa = "avx2";
-constexpr bool kInt8FarPrefetch = false;
+constexpr bool kInt8FarPrefetch = true;  // dot_rows' far prefetch (AMD's cores: Zen 3)
 constexpr bool kPackedInPlace = true;  // dot_rows unpacks 32 codes at a time in registers
 
-// One weight row (codes from w: int8, or packed in Bits bits: PackedBits) against R rows.
+// One weight row (codes from w: int8, or packed in Bits bits: PackedBits) against R rows;
+// each 64 codes first ask for the row's bytes `far` ahead into L2 (none where far is 0).
 template <int R, int64_t block, typename S, int Bits>
 void dot_rows(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0, int64_t k,
-              float* out, int64_t out_stride) {
+              float* out, int64_t out_stride, int64_t far) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t c = 0; c < k; c += 32) {
+    if (far && c % 64 == 0)
+      prefetch_l2(w + (Bits == 8 ? c : c / 64 * PackedBits<Bits>::kChunkBytes) + far);
     __m256i wv;
     if constexpr (Bits == 8) {
       wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c));
@@ -521,7 +524,7 @@ constexpr bool kPackedInPlace = false;
 
 template <int R, int64_t block, typename S, int Bits>
 void dot_rows(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0, int64_t k,
-              float* out, int64_t out_stride) {
+              float* out, int64_t out_stride, int64_t) {
   for (int r = 0; r < R; ++r) {
     const int8_t* x = q.codes + (row0 + r) * k;
     float acc = 0.f;
@@ -536,15 +539,21 @@ void dot_rows(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0
 #endif
 
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-// NC weight rows one at a time (dot_rows above; the tile's near prefetch only).
+// NC weight rows one at a time (dot_rows above), with the far prefetch where Far (as the VNNI
+// tile's: whole tiles ahead, none where it would pass the weight's end).
 template <int R, int NC, int64_t block, typename S, bool Far, int Bits>
 void dot_tile(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0, int64_t k,
-              float* out, int64_t out_stride, const int8_t*) {
+              float* out, int64_t out_stride, const int8_t* w_end) {
   static_assert(Bits == 8 || kPackedInPlace, "packed codes are unpacked first in this build");
   const int64_t row_bytes = Bits == 8 ? k : PackedBits<Bits>::row_bytes(k);
+  int64_t far = 0;
+  if constexpr (Far) {
+    far = quant_rows::whole_tiles_ahead(quant_rows::kFarPrefetchBytes, row_bytes, kFarTileRows);
+    if (w + NC * row_bytes + far > w_end) far = 0;
+  }
   for (int j = 0; j < NC; ++j)
     dot_rows<R, block, S, Bits>(w + j * row_bytes, ws + j * (k / block), q, row0, k, out + j,
-                                out_stride);
+                                out_stride, far);
 }
 #endif
 
