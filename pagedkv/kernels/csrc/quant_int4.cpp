@@ -129,6 +129,15 @@ inline const float* two_level_rows(const TwoLevel& two, int64_t r0, int64_t nr, 
 struct TwoLevelRow {};
 struct ScaleOnlyRow {};
 
+// A weight row's scales in bytes, read as S: a TwoLevel row, Q4_0's G float16 scales, or a
+// table of 2 * G values of S.
+template <typename S>
+inline int64_t scale_row_bytes(int64_t groups) {
+  if constexpr (std::is_same_v<S, TwoLevelRow>) return two_level_bytes(groups);
+  else if constexpr (std::is_same_v<S, ScaleOnlyRow>) return 2 * groups;
+  else return 2 * groups * int64_t(sizeof(S));
+}
+
 // A group's 32 values, rounded once to T.
 template <typename T>
 inline void store_group(const float* lo, const float* hi, T* o) {
@@ -508,10 +517,8 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
   constexpr bool kOnly = std::is_same_v<S, ScaleOnlyRow>;  // Q4_0's scales alone
   const int64_t row_bytes = Int4Shape::code_row_bytes(Bits, groups), padded = a.padded();
   const int64_t high_at = 16 * groups;  // a 5-bit row's high bits
-  // A weight row's scales, in bytes: 2 * groups of S, a TwoLevel row, or G float16 scales.
   const char* scale_bytes = reinterpret_cast<const char*>(scales);
-  const int64_t scale_row_bytes = kTwo ? two_level_bytes(groups)
-                                  : kOnly ? 2 * groups : 2 * groups * int64_t(sizeof(S));
+  const int64_t scale_row_bytes = pagedkv_cpu::scale_row_bytes<S>(groups);
   const int64_t ahead_rows = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
   const int64_t ahead = ahead_rows * row_bytes, ahead_s = ahead_rows * scale_row_bytes;
   const int64_t far =
@@ -668,14 +675,11 @@ inline void scales8(const char* row, int64_t groups, int64_t g0, __m256* scale, 
 template <int MR, int NR, typename S, bool Far, int Bits>
 inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const Q8Act& a,
                     int64_t m0, float* y) {
-  constexpr bool kTwo = std::is_same_v<S, TwoLevelRow>;
-  constexpr bool kOnly = std::is_same_v<S, ScaleOnlyRow>;  // Q4_0's scales alone
   const __m256i low4 = _mm256_set1_epi8(15);
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t row_bytes = Int4Shape::code_row_bytes(Bits, groups), padded = a.padded();
   const char* scale_bytes = reinterpret_cast<const char*>(scales);
-  const int64_t scale_row_bytes = kTwo ? two_level_bytes(groups)
-                                  : kOnly ? 2 * groups : 2 * groups * int64_t(sizeof(S));
+  const int64_t scale_row_bytes = pagedkv_cpu::scale_row_bytes<S>(groups);
   // Into L1, kPrefetchBytes ahead, on every CPU (the far L2 prefetch the VNNI product takes
   // on AMD's cores made this one slower there: SmolLM2 Q4_1 decode 149 -> 98 tok/s with the
   // AVX2 build on a Zen 4, where the int8-block product's gained, 125 -> 157 on Q8_0).

@@ -594,22 +594,27 @@ inline __m256 panel_scales(const c10::Half* p, __mmask8 m) {
 // panel further on (nullptr past the weight's end; next_rows of its rows), asked for into L2
 // meanwhile. Writes pw and ps.
 // Codes [at, at + 32) of a packed row (PackedBits; at a multiple of 32), as int8 (signed).
+// Codes 32 .. 63 (`upper`) or 0 .. 31 of a chunk from its 16 pair bytes at p (as
+// pair_codes_avx2), as bytes 0..3.
+inline __m256i panel_pair_codes(const uint8_t* p, bool upper) {
+  const __m256i pairs =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i shift = upper ? _mm256_setr_epi32(0x40004, 0x40004, 0x40004, 0x40004,
+                                                  0x60006, 0x60006, 0x60006, 0x60006)
+                              : _mm256_setr_epi32(0, 0, 0, 0, 0x20002, 0x20002, 0x20002,
+                                                  0x20002);
+  return _mm256_and_si256(_mm256_srlv_epi16(pairs, shift), _mm256_set1_epi8(3));
+}
+
 template <int Bits>
 inline __m256i packed_half(const uint8_t* row, int64_t at) {
   const uint8_t* p = row + at / 64 * PackedBits<Bits>::kChunkBytes;
   const bool upper = at % 64 != 0;  // codes 32..63 of the chunk: the high nibbles
-  const __m256i pair_shift = upper ? _mm256_setr_epi32(0x40004, 0x40004, 0x40004, 0x40004,
-                                                       0x60006, 0x60006, 0x60006, 0x60006)
-                                   : _mm256_setr_epi32(0, 0, 0, 0, 0x20002, 0x20002, 0x20002,
-                                                       0x20002);
   if constexpr (Bits == 3) {  // the low pairs (as Q6_K's high ones), the third bits
-    const __m256i pairs =
-        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     uint32_t bits;
     std::memcpy(&bits, p + 16 + (upper ? 4 : 0), sizeof(bits));
-    const __m256i codes = _mm256_or_si256(
-        _mm256_and_si256(_mm256_srlv_epi16(pairs, pair_shift), _mm256_set1_epi8(3)),
-        _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(4)));
+    const __m256i codes = _mm256_or_si256(panel_pair_codes(p, upper),
+                                          _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(4)));
     return _mm256_sub_epi8(codes, _mm256_set1_epi8(PackedBits<Bits>::kBias));
   }
   const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -625,10 +630,7 @@ inline __m256i packed_half(const uint8_t* row, int64_t at) {
     std::memcpy(&bits, p + 32 + (upper ? 4 : 0), sizeof(bits));
     high = _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(16));
   } else {
-    const __m256i pairs =
-        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32)));
-    high = _mm256_slli_epi16(
-        _mm256_and_si256(_mm256_srlv_epi16(pairs, pair_shift), _mm256_set1_epi8(3)), 4);
+    high = _mm256_slli_epi16(panel_pair_codes(p + 32, upper), 4);
   }
   return _mm256_sub_epi8(_mm256_or_si256(nibbles, high),
                          _mm256_set1_epi8(PackedBits<Bits>::kBias));
