@@ -341,9 +341,10 @@ void for_each_output(int64_t n, int64_t m, int64_t row_bytes, RowFn row_fn) {
 struct Q8Act {
   int64_t chunks = 0, groups = 0;
   const int8_t* q = nullptr;                    // [M, chunks, 128]
-  const float* d = nullptr;                     // [M, chunks * 4]
-  const float* sum = nullptr;                   // [M, chunks * 4]
-  int64_t padded() const { return chunks * 4; }
+  const float* d = nullptr;                     // [M, padded()]
+  const float* sum = nullptr;                   // [M, padded()]
+  // d's and sum's row length: the groups rounded up to 16 (the products read 8 or 16 at a time).
+  int64_t padded() const { return (groups + 15) / 16 * 16; }
 };
 
 // One group of 32 values from src: codes to lo[0..15] (values 0-15) and hi[0..15] (16-31);
@@ -395,13 +396,12 @@ Q8Act quantize_q8(const T* x, int64_t rows, int64_t k) {
       int8_t* qg = q + (m * a.chunks + g / 4) * 128 + (g % 4) * 16;
       dm[g] = quantize_group(x + m * k + g * kInt4Group, qg, qg + 64, sm + g);
     }
-    for (int64_t g = a.groups; g < a.padded(); ++g) {  // past the last group: zeros
+    for (int64_t g = a.groups; g < a.chunks * 4; ++g) {  // the last chunk's past the groups
       int8_t* qg = q + (m * a.chunks + g / 4) * 128 + (g % 4) * 16;
       std::memset(qg, 0, 16);
       std::memset(qg + 64, 0, 16);
-      dm[g] = 0.f;
-      sm[g] = 0.f;
     }
+    for (int64_t g = a.groups; g < a.padded(); ++g) dm[g] = sm[g] = 0.f;  // past the last: zeros
   }
   a.q = q;
   a.d = d;
@@ -506,7 +506,7 @@ inline const float* two_level_rows(const TwoLevel& two, int64_t r0, int64_t nr, 
 // step.
 template <int MR, int NR, typename S, bool Far, int Bits>
 inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const Q8Act& a,
-                    int64_t m0, float* y) {
+                    int64_t m0, float* y, const uint8_t* codes_end) {
   const __m512i low4 = _mm512_set1_epi8(15);
   const __m512i lane_group = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   // A chunk's 4 groups' high bits: codes 0-15 of each (the low nibbles') in the low 8 bytes,
@@ -536,7 +536,8 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
     for (int j = 0; j < NR; ++j) {
       const char* row_scales = scale_bytes + j * scale_row_bytes;
       if constexpr (Far) {
-        prefetch_l2(codes + j * row_bytes + 64 * c + far);
+        if (codes + j * row_bytes + 64 * c + far < codes_end)  // (never past the weight)
+          prefetch_l2(codes + j * row_bytes + 64 * c + far);
         // The scales of the row that far ahead, whole (10 lines of Q4_K's at K = 8,192: one
         // alone left the rest to demand misses, 1.2x slower per byte than at K = 2,048).
         if (c * 64 < scale_row_bytes) prefetch_l2(far_scales + j * scale_row_bytes + c * 64);
@@ -666,89 +667,144 @@ inline void scales8(const char* row, int64_t groups, int64_t g0, __m256* scale, 
   }
 }
 
+// A block's 8 groups' int32 dots from its 4 pairs' vpmaddwd results (pair p: group 2p's 4
+// partial sums in lanes 0-3, 2p + 1's in 4-7), summed by three vphaddd: groups 0, 2, 4, 6 in
+// the low half, 1, 3, 5, 7 in the high one.
+inline __m256i hadd_groups8(const __m256i* pairs) {
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(pairs[0], pairs[1]),
+                           _mm256_hadd_epi32(pairs[2], pairs[3]));
+}
+
+// A 5-bit pair of groups' fifth bits as the bytes they add to the nibbles (16 where set):
+// `bits` holds group g's uint32 then g + 1's (code j's bit j); *lo gets codes 0-15 of g then of
+// g + 1 (what the low nibbles' bytes hold), *hi codes 16-31 of each.
+inline void fifth_bit_bytes(int64_t bits, __m256i* lo, __m256i* hi) {
+  const __m256i both = _mm256_set1_epi64x(bits);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i sixteen = _mm256_set1_epi8(16);
+  const auto spread = [&](__m256i from) {
+    return _mm256_and_si256(
+        _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(both, from), bit), bit), sixteen);
+  };
+  *lo = spread(_mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5));
+  *hi = spread(_mm256_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+                                6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7));
+}
+
 // As the VNNI kernel, 2 groups a register: vpmaddubsw (codes 0..15, or 0..31, unsigned times
 // the int8 activations: pair sums within 2 * 31 * 127), low and high nibbles' sums added in
-// int16 (within 4 * 31 * 127), then vpmaddwd by ones: 8 int32 lanes, 4 per group. Scales and
-// offsets are read 8 groups at a time (`scales8`: the two levels in place, not materialized),
-// each group's scale times its activation step spread over its lanes by one permute, and the
-// offsets meet the groups' activation sums in 8-wide multiply-adds.
+// int16 (within 4 * 31 * 127), then vpmaddwd by ones: 8 int32 lanes, 4 per group. Per block of
+// 8 groups and weight row, the 4 pairs' lanes are summed to one int32 a group (hadd_groups8),
+// converted once and scaled by the groups' scales times their activation steps (both read 8
+// at a time in the sums' order), and the offsets meet the groups' activation sums: one
+// multiply-add per block into the row's accumulator, which stays in a register. (Scaling each
+// pair's lanes as they came, by a permute of the 8 scales and a multiply-add, chained every
+// pair through the accumulator: about 9 cycles a pair on a Zen 4, the AVX2 product's bound.)
 template <int MR, int NR, typename S, bool Far, int Bits>
 inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const Q8Act& a,
-                    int64_t m0, float* y) {
+                    int64_t m0, float* y, const uint8_t* codes_end) {
   const __m256i low4 = _mm256_set1_epi8(15);
   const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i hadd_order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // hadd_groups8's
   const int64_t row_bytes = Int4Shape::code_row_bytes(Bits, groups), padded = a.padded();
   const char* scale_bytes = reinterpret_cast<const char*>(scales);
   const int64_t scale_row_bytes = pagedkv_cpu::scale_row_bytes<S>(groups);
-  // Into L1, kPrefetchBytes ahead, on every CPU (the far L2 prefetch the VNNI product takes
-  // on AMD's cores made this one slower there: SmolLM2 Q4_1 decode 149 -> 98 tok/s with the
-  // AVX2 build on a Zen 4, where the int8-block product's gained, 125 -> 157 on Q8_0).
+  // As the VNNI product: where far_l2_prefetch holds (AMD's cores) into L2, far ahead and
+  // never past the weight's last code (a small linear's overshoot cost SmolLM2's decode 8%),
+  // else into L1, kPrefetchBytes ahead. (A 1B-shaped layer's 4- and 5-bit linears at one row,
+  // two threads, weights from memory: 1.3-1.5x faster with the far prefetch on a Zen 4.)
   const int64_t ahead_rows = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
   const int64_t ahead = quant_rows::whole_tiles_ahead(ahead_rows * row_bytes, row_bytes,
                                                       kGemvCols);
   const int64_t ahead_s = ahead_rows * scale_row_bytes;
+  const int64_t far =
+      quant_rows::whole_tiles_ahead(quant_rows::kFarPrefetchBytes, row_bytes, kGemvCols);
+  const int64_t far_s = far / row_bytes * scale_row_bytes;
   const auto prefetch = [](const void* p) { __builtin_prefetch(p); };
-  __m256 acc[MR][NR], off[MR][NR];
+  __m256 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = off[i][j] = _mm256_setzero_ps();
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t g0 = 0; g0 < groups; g0 += 8) {
     const int64_t n8 = std::min<int64_t>(8, groups - g0);
-    __m256 step[MR], sums[MR];  // the 8 groups' activation steps and sums
-    for (int i = 0; i < MR; ++i) {
-      step[i] = load_floats8(a.d + (m0 + i) * padded + g0, n8);
-      sums[i] = load_floats8(a.sum + (m0 + i) * padded + g0, n8);
+    __m256 step[MR], sums[MR];  // the 8 groups' activation steps (in hadd order) and sums
+    for (int i = 0; i < MR; ++i) {  // (Q8Act pads both to a multiple of 16 groups with zeros)
+      step[i] = _mm256_permutevar8x32_ps(_mm256_loadu_ps(a.d + (m0 + i) * padded + g0),
+                                         hadd_order);
+      sums[i] = _mm256_loadu_ps(a.sum + (m0 + i) * padded + g0);
     }
+#pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) {
       const char* row_scales = scale_bytes + j * scale_row_bytes;
-      if (g0 == 0) prefetch(row_scales + ahead_s);
+      const uint8_t* row = codes + j * row_bytes;
+      if constexpr (Far) {
+        if (g0 * 4 < scale_row_bytes) prefetch_l2(row_scales + far_s + g0 * 4);
+      } else if (g0 == 0) {
+        prefetch(row_scales + ahead_s);
+      }
       __m256 ws, wo;
       scales8<S>(row_scales, groups, g0, &ws, &wo);
-      __m256 ss[MR];  // each group's weight scale times its activation step
-      for (int i = 0; i < MR; ++i) {
-        ss[i] = _mm256_mul_ps(ws, step[i]);
-        off[i][j] = _mm256_fmadd_ps(wo, sums[i], off[i][j]);
-      }
-      for (int64_t g = g0; g < g0 + n8; g += 2) {
-        const bool pair = g + 1 < groups;
-        const int64_t at = (g / 4) * 128 + 32 * ((g % 4) / 2);
-        const uint8_t* wp = codes + j * row_bytes + (kInt4Group / 2) * g;
-        if (g % 4 == 0) prefetch(wp + ahead);
-        if (Bits == 5 && g % 16 == 0) prefetch(codes + j * row_bytes + 16 * groups + 4 * g + ahead);
+      __m256i dots[MR][4];
+      // A pair of groups from g (one where `pair` is false: g is the last group).
+      const auto pair_dots = [&](int p, bool pair) {
+        const int64_t g = g0 + 2 * p;
+        const uint8_t* wp = row + (kInt4Group / 2) * g;
+        if constexpr (Far) {
+          if (p % 2 == 0 && wp + far < codes_end) prefetch_l2(wp + far);
+          if (Bits == 5 && g % 16 == 0) prefetch_l2(row + 16 * groups + 4 * g + far);
+        } else {
+          if (p % 2 == 0) prefetch(wp + ahead);
+          if (Bits == 5 && g % 16 == 0) prefetch(row + 16 * groups + 4 * g + ahead);
+        }
         const __m256i w = pair
             ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp))
             : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
         __m256i lo = _mm256_and_si256(w, low4);
         __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
         if constexpr (Bits == 5) {  // group g's codes 0-15 then g + 1's, likewise 16-31
-          const uint8_t* row = codes + j * row_bytes;
-          const uint32_t b0 = high_bits(row, groups, g);
-          const uint32_t b1 = pair ? high_bits(row, groups, g + 1) : 0;
-          lo = _mm256_or_si256(lo, quant_rows::bits_to_bytes((b0 & 0xFFFFu) | (b1 << 16), 16));
-          hi = _mm256_or_si256(hi,
-                               quant_rows::bits_to_bytes((b0 >> 16) | (b1 & 0xFFFF0000u), 16));
+          int64_t bits = high_bits(row, groups, g);  // g's uint32, then g + 1's
+          if (pair) std::memcpy(&bits, row + 16 * groups + 4 * g, sizeof(bits));
+          __m256i add_lo, add_hi;
+          fifth_bit_bytes(bits, &add_lo, &add_hi);
+          lo = _mm256_or_si256(lo, add_lo);
+          hi = _mm256_or_si256(hi, add_hi);
         }
-        // Lanes 0-3: group g's (the 8-group vector's element g - g0), 4-7: g + 1's.
-        const int e = static_cast<int>(g - g0);
-        const __m256i spread = _mm256_setr_epi32(e, e, e, e, e + 1, e + 1, e + 1, e + 1);
+        const int64_t at = (g / 4) * 128 + 32 * ((g % 4) / 2);
         for (int i = 0; i < MR; ++i) {
           const int8_t* q = a.q + (m0 + i) * a.chunks * 128 + at;
-          const __m256i pairs = _mm256_add_epi16(
+          const __m256i sum16 = _mm256_add_epi16(
               _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
               _mm256_maddubs_epi16(
                   hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64))));
-          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)),
-                                      _mm256_permutevar8x32_ps(ss[i], spread), acc[i][j]);
+          dots[i][p] = _mm256_madd_epi16(sum16, ones);
+        }
+      };
+      if (n8 == 8) {  // a whole block (every one where the groups are a multiple of 8)
+        for (int p = 0; p < 4; ++p) pair_dots(p, true);
+      } else {
+        for (int p = 0; p < 4; ++p) {
+          if (2 * p < n8) {
+            pair_dots(p, 2 * p + 1 < n8);
+          } else {  // past the last group
+            for (int i = 0; i < MR; ++i) dots[i][p] = _mm256_setzero_si256();
+          }
         }
       }
+      ws = _mm256_permutevar8x32_ps(ws, hadd_order);
+      for (int i = 0; i < MR; ++i)
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hadd_groups8(dots[i])),
+                                    _mm256_mul_ps(ws, step[i]),
+                                    _mm256_fmadd_ps(wo, sums[i], acc[i][j]));
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) y[i * NR + j] = q4_hsum8(_mm256_add_ps(acc[i][j], off[i][j]));
+    for (int j = 0; j < NR; ++j) y[i * NR + j] = q4_hsum8(acc[i][j]);
 }
 #else
 template <int MR, int NR, typename S, bool Far, int Bits>
 inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const Q8Act& a,
-                    int64_t m0, float* y) {
+                    int64_t m0, float* y, const uint8_t* codes_end) {
+  (void)codes_end;  // (no prefetch)
   const int64_t row_bytes = Int4Shape::code_row_bytes(Bits, groups), row_s = 2 * groups;
   const int64_t padded = a.padded();
   for (int j = 0; j < NR; ++j) {
@@ -1235,7 +1291,7 @@ at::Tensor int4_gemv_bits(const at::Tensor& x, const at::Tensor& codes, const at
                             : sc + 2 * groups * r;
       dispatch_rows(mr, nr, [&](auto mr_c, auto nr_c) {
         q4_rows<decltype(mr_c)::value, decltype(nr_c)::value, S, decltype(far)::value, Bits>(
-            nib + r * shape.row_bytes(), rows_sc, groups, act, m0, y);
+            nib + r * shape.row_bytes(), rows_sc, groups, act, m0, y, nib + n * shape.row_bytes());
       });
     });
   };
