@@ -541,7 +541,8 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
         // The scales of the row that far ahead, whole (10 lines of Q4_K's at K = 8,192: one
         // alone left the rest to demand misses, 1.2x slower per byte than at K = 2,048).
         if (c * 64 < scale_row_bytes) prefetch_l2(far_scales + j * scale_row_bytes + c * 64);
-        if (Bits == 5 && c % 4 == 0) prefetch_l2(codes + j * row_bytes + high_at + 16 * c + far);
+        const uint8_t* high = codes + j * row_bytes + high_at + 16 * c + far;
+        if (Bits == 5 && c % 4 == 0 && high < codes_end) prefetch_l2(high);
       } else {
         __builtin_prefetch(codes + j * row_bytes + ahead + 64 * c);
         if (c == 0) __builtin_prefetch(row_scales + ahead_s);
@@ -738,7 +739,8 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
       const char* row_scales = scale_bytes + j * scale_row_bytes;
       const uint8_t* row = codes + j * row_bytes;
       if constexpr (Far) {
-        if (g0 * 4 < scale_row_bytes) prefetch_l2(row_scales + far_s + g0 * 4);
+        // The far row's scales, a line a block (8 bytes a group: a float32 table's two)
+        if (g0 * 8 < scale_row_bytes) prefetch_l2(row_scales + far_s + g0 * 8);
       } else if (g0 == 0) {
         prefetch(row_scales + ahead_s);
       }
@@ -751,7 +753,8 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
         const uint8_t* wp = row + (kInt4Group / 2) * g;
         if constexpr (Far) {
           if (p % 2 == 0 && wp + far < codes_end) prefetch_l2(wp + far);
-          if (Bits == 5 && g % 16 == 0) prefetch_l2(row + 16 * groups + 4 * g + far);
+          const uint8_t* high = row + 16 * groups + 4 * g + far;
+          if (Bits == 5 && g % 16 == 0 && high < codes_end) prefetch_l2(high);
         } else {
           if (p % 2 == 0) prefetch(wp + ahead);
           if (Bits == 5 && g % 16 == 0) prefetch(row + 16 * groups + 4 * g + ahead);
