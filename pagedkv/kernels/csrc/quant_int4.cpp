@@ -417,6 +417,19 @@ Q8Act quantize_q8(const T* x, int64_t rows, int64_t k) {
 // one row, one thread, took 6.1 ms of CPU time against 6.7 with the L1 prefetches (Zen 4).
 constexpr int64_t kPrefetchBytes = 4096;
 
+// How far ahead of the rows being computed a decode product prefetches, in weight rows of
+// `row_bytes` codes: `near` rows (kPrefetchBytes, at least one) into L1, `far` rows
+// (quant_rows::kFarPrefetchBytes in whole runs of kGemvCols rows) into L2 where
+// far_l2_prefetch holds. Worked out once an op, not once a run of kGemvCols rows (three
+// divisions a run, where a run of SmolLM2's K = 576 has 18 chunks of work).
+struct RowsAhead {
+  int64_t near, far;
+  explicit RowsAhead(int64_t row_bytes)
+      : near(std::max<int64_t>(1, kPrefetchBytes / row_bytes)),
+        far(quant_rows::whole_tiles_ahead(quant_rows::kFarPrefetchBytes, row_bytes, kGemvCols) /
+            row_bytes) {}
+};
+
 #if defined(PAGEDKV_INT_VNNI)
 // 4 (16) of a row's scales or offsets as float32, lanes past `mask` zero.
 template <typename S>
@@ -499,14 +512,54 @@ inline const float* two_level_rows(const TwoLevel& two, int64_t r0, int64_t nr, 
 }
 #if defined(PAGEDKV_INT_VNNI)
 
+// Four rows' accumulators summed across their lanes, row j's sum in lane j (two rounds of
+// unpack-and-add within 128-bit lanes, then the four 128-bit lanes added).
+inline __m128 sum_rows4(const __m512* r) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(r[0], r[1]), _mm512_unpackhi_ps(r[0], r[1]));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(r[2], r[3]), _mm512_unpackhi_ps(r[2], r[3]));
+  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+  const __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+  const __m256 h = _mm256_add_ps(
+      _mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// Four chunks' dots (chunk c: groups 4c .. 4c + 3, one a 128-bit lane, 4 int32 partial sums
+// each) summed to one int32 a group by two rounds of unpack-and-add: lane 4k + c holds group
+// 4c + k (q4_rows' block_order reads 16 groups' scales and steps in that order).
+inline __m512i sum_groups16(const __m512i* d) {
+  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]),
+                                      _mm512_unpackhi_epi32(d[0], d[1]));
+  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]),
+                                      _mm512_unpackhi_epi32(d[2], d[3]));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+}
+
+// A weight row's 16 groups' scales from g0 (all within the row) in the layout S names.
+template <typename S>
+inline __m512 block_scales16(const char* row_scales, int64_t groups, int64_t g0) {
+  if constexpr (std::is_same_v<S, TwoLevelRow>)
+    return two_level_scales16(reinterpret_cast<const uint8_t*>(row_scales), groups, g0, 0xFFFF);
+  else if constexpr (std::is_same_v<S, ScaleOnlyRow>)
+    return scales16(reinterpret_cast<const c10::Half*>(row_scales) + g0, 0xFFFF);
+  else
+    return scales16(reinterpret_cast<const S*>(row_scales) + g0, 0xFFFF);
+}
+
 // Weight rows r .. r + NR - 1 (codes, scales at row r) against activation rows m0 .. m0 + MR - 1:
 // y[i * NR + j]. Per chunk of 4 groups and pair of rows: two vpdpbusd (low nibbles, high
 // nibbles; the codes 0..15, or 0..31 with their high bits added, as the unsigned bytes) leave
-// 16 int32 lanes, 4 per group, scaled per lane by the group's weight scale times its activation
-// step.
+// 16 int32 lanes, 4 per group. A whole block of 4 chunks (16 groups) sums its chunks' lanes to
+// one int32 a group (sum_groups16) and scales them by the groups' weight scales times their
+// activation steps with one multiply-add; a last part block scales each chunk's lanes by
+// themselves. (Scaling every chunk's lanes, a convert, a permute and a multiply-add a chunk and
+// row, left the product compute-bound at about 3 ns a chunk and row on a Zen 4, in cache; a
+// 1B-shaped layer's linears at one row, two threads, weights from memory, are 3-20% faster
+// against bfloat16's in the same run now, 5-bit codes the most.)
 template <int MR, int NR, typename S, bool Far, int Bits>
 inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const Q8Act& a,
-                    int64_t m0, float* y, const uint8_t* codes_end) {
+                    int64_t m0, float* y, const uint8_t* codes_end, const RowsAhead& rows_ahead) {
   const __m512i low4 = _mm512_set1_epi8(15);
   const __m512i lane_group = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   // A chunk's 4 groups' high bits: codes 0-15 of each (the low nibbles') in the low 8 bytes,
@@ -519,48 +572,79 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
   const int64_t high_at = 16 * groups;  // a 5-bit row's high bits
   const char* scale_bytes = reinterpret_cast<const char*>(scales);
   const int64_t scale_row_bytes = pagedkv_cpu::scale_row_bytes<S>(groups);
-  const int64_t ahead_rows = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
-  const int64_t ahead = ahead_rows * row_bytes, ahead_s = ahead_rows * scale_row_bytes;
-  const int64_t far =
-      quant_rows::whole_tiles_ahead(quant_rows::kFarPrefetchBytes, row_bytes, kGemvCols);
-  const char* far_scales = scale_bytes + far / row_bytes * scale_row_bytes;
+  const int64_t ahead = rows_ahead.near * row_bytes, ahead_s = rows_ahead.near * scale_row_bytes;
+  const int64_t far = rows_ahead.far * row_bytes;
+  const char* far_scales = scale_bytes + rows_ahead.far * scale_row_bytes;
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < a.chunks; ++c) {
-    const int64_t rem = std::min<int64_t>(4, groups - 4 * c);
+  // Row j's chunk c: its prefetches issued, its codes' low and high nibbles (4-bit values, or
+  // 5-bit with their high bits added), bytes past the row's `rem` groups zero.
+  const auto chunk_codes = [&](int j, int64_t c, int64_t rem, __m512i* lo, __m512i* hi) {
     const __mmask64 wmask = rem == 4 ? ~0ULL : (1ULL << (16 * rem)) - 1;
+    const __mmask8 smask = static_cast<__mmask8>((1u << rem) - 1);
+    if constexpr (Far) {
+      if (codes + j * row_bytes + 64 * c + far < codes_end)  // (never past the weight)
+        prefetch_l2(codes + j * row_bytes + 64 * c + far);
+      // The scales of the row that far ahead, whole (10 lines of Q4_K's at K = 8,192: one
+      // alone left the rest to demand misses, 1.2x slower per byte than at K = 2,048).
+      if (c * 64 < scale_row_bytes) prefetch_l2(far_scales + j * scale_row_bytes + c * 64);
+      const uint8_t* high = codes + j * row_bytes + high_at + 16 * c + far;
+      if (Bits == 5 && c % 4 == 0 && high < codes_end) prefetch_l2(high);
+    } else {
+      __builtin_prefetch(codes + j * row_bytes + ahead + 64 * c);
+      if (c == 0) __builtin_prefetch(scale_bytes + j * scale_row_bytes + ahead_s);
+      if (Bits == 5 && c % 4 == 0)
+        __builtin_prefetch(codes + j * row_bytes + high_at + 16 * c + ahead);
+    }
+    const __m512i w = _mm512_maskz_loadu_epi8(wmask, codes + j * row_bytes + 64 * c);
+    *lo = _mm512_and_si512(w, low4);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+    if constexpr (Bits == 5) {
+      const __m128i halves = _mm_shuffle_epi8(
+          _mm_maskz_loadu_epi32(smask, codes + j * row_bytes + high_at + 16 * c), split_halves);
+      const __m512i sixteen = _mm512_set1_epi8(16);
+      *lo = _mm512_mask_add_epi8(*lo, static_cast<__mmask64>(_mm_cvtsi128_si64(halves)), *lo,
+                                 sixteen);
+      *hi = _mm512_mask_add_epi8(*hi, static_cast<__mmask64>(_mm_extract_epi64(halves, 1)),
+                                 *hi, sixteen);
+    }
+  };
+  const __m512i block_order =
+      _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);  // sum_groups16's
+  int64_t c = 0;
+  for (; 4 * c + 16 <= groups; c += 4) {  // whole blocks of 16 groups
+    __m512 step[MR];
+    for (int i = 0; i < MR; ++i)
+      step[i] = _mm512_permutexvar_ps(block_order,
+                                      _mm512_loadu_ps(a.d + (m0 + i) * padded + 4 * c));
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      __m512i lo[4], hi[4];
+      for (int k = 0; k < 4; ++k) chunk_codes(j, c + k, 4, &lo[k], &hi[k]);
+      const __m512 ws = _mm512_permutexvar_ps(
+          block_order, block_scales16<S>(scale_bytes + j * scale_row_bytes, groups, 4 * c));
+      for (int i = 0; i < MR; ++i) {
+        const int8_t* q = a.q + ((m0 + i) * a.chunks + c) * 128;
+        __m512i dot[4];
+        for (int k = 0; k < 4; ++k)
+          dot[k] = _mm512_dpbusd_epi32(
+              _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[k], _mm512_loadu_si512(q + 128 * k)),
+              hi[k], _mm512_loadu_si512(q + 128 * k + 64));
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_groups16(dot)),
+                                    _mm512_mul_ps(ws, step[i]), acc[i][j]);
+      }
+    }
+  }
+  for (; c < a.chunks; ++c) {  // the last part block, a chunk at a time
+    const int64_t rem = std::min<int64_t>(4, groups - 4 * c);
     const __mmask8 smask = static_cast<__mmask8>((1u << rem) - 1);
     __m128 step[MR];
     for (int i = 0; i < MR; ++i) step[i] = _mm_loadu_ps(a.d + (m0 + i) * padded + 4 * c);
     for (int j = 0; j < NR; ++j) {
       const char* row_scales = scale_bytes + j * scale_row_bytes;
-      if constexpr (Far) {
-        if (codes + j * row_bytes + 64 * c + far < codes_end)  // (never past the weight)
-          prefetch_l2(codes + j * row_bytes + 64 * c + far);
-        // The scales of the row that far ahead, whole (10 lines of Q4_K's at K = 8,192: one
-        // alone left the rest to demand misses, 1.2x slower per byte than at K = 2,048).
-        if (c * 64 < scale_row_bytes) prefetch_l2(far_scales + j * scale_row_bytes + c * 64);
-        const uint8_t* high = codes + j * row_bytes + high_at + 16 * c + far;
-        if (Bits == 5 && c % 4 == 0 && high < codes_end) prefetch_l2(high);
-      } else {
-        __builtin_prefetch(codes + j * row_bytes + ahead + 64 * c);
-        if (c == 0) __builtin_prefetch(row_scales + ahead_s);
-        if (Bits == 5 && c % 4 == 0)
-          __builtin_prefetch(codes + j * row_bytes + high_at + 16 * c + ahead);
-      }
-      const __m512i w = _mm512_maskz_loadu_epi8(wmask, codes + j * row_bytes + 64 * c);
-      __m512i lo = _mm512_and_si512(w, low4);
-      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
-      if constexpr (Bits == 5) {
-        const __m128i halves = _mm_shuffle_epi8(
-            _mm_maskz_loadu_epi32(smask, codes + j * row_bytes + high_at + 16 * c), split_halves);
-        const __m512i sixteen = _mm512_set1_epi8(16);
-        lo = _mm512_mask_add_epi8(lo, static_cast<__mmask64>(_mm_cvtsi128_si64(halves)), lo,
-                                  sixteen);
-        hi = _mm512_mask_add_epi8(hi, static_cast<__mmask64>(_mm_extract_epi64(halves, 1)), hi,
-                                  sixteen);
-      }
+      __m512i lo, hi;
+      chunk_codes(j, c, rem, &lo, &hi);
       __m128 ws;
       if constexpr (kTwo)
         ws = two_level_scales4(reinterpret_cast<const uint8_t*>(row_scales), groups, c);
@@ -598,8 +682,13 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
             off, _mm512_maskz_loadu_ps(mask, a.sum + (m0 + i) * padded + g0), acc[i][j]);
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) y[i * NR + j] = _mm512_reduce_add_ps(acc[i][j]);
+  for (int i = 0; i < MR; ++i) {
+    if constexpr (NR == 4) {
+      _mm_storeu_ps(y + i * NR, sum_rows4(acc[i]));
+    } else {
+      for (int j = 0; j < NR; ++j) y[i * NR + j] = _mm512_reduce_add_ps(acc[i][j]);
+    }
+  }
 }
 #elif defined(__AVX2__)
 inline float q4_hsum8(__m256 v) {
@@ -704,7 +793,7 @@ inline void fifth_bit_bytes(int64_t bits, __m256i* lo, __m256i* hi) {
 // pair through the accumulator: about 9 cycles a pair on a Zen 4, the AVX2 product's bound.)
 template <int MR, int NR, typename S, bool Far, int Bits>
 inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const Q8Act& a,
-                    int64_t m0, float* y, const uint8_t* codes_end) {
+                    int64_t m0, float* y, const uint8_t* codes_end, const RowsAhead& rows_ahead) {
   const __m256i low4 = _mm256_set1_epi8(15);
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i hadd_order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // hadd_groups8's
@@ -715,13 +804,10 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
   // never past the weight's last code (a small linear's overshoot cost SmolLM2's decode 8%),
   // else into L1, kPrefetchBytes ahead. (A 1B-shaped layer's 4- and 5-bit linears at one row,
   // two threads, weights from memory: 1.3-1.5x faster with the far prefetch on a Zen 4.)
-  const int64_t ahead_rows = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
-  const int64_t ahead = quant_rows::whole_tiles_ahead(ahead_rows * row_bytes, row_bytes,
-                                                      kGemvCols);
-  const int64_t ahead_s = ahead_rows * scale_row_bytes;
-  const int64_t far =
-      quant_rows::whole_tiles_ahead(quant_rows::kFarPrefetchBytes, row_bytes, kGemvCols);
-  const int64_t far_s = far / row_bytes * scale_row_bytes;
+  const int64_t ahead =  // (in whole runs of kGemvCols rows)
+      (rows_ahead.near + kGemvCols - 1) / kGemvCols * kGemvCols * row_bytes;
+  const int64_t ahead_s = rows_ahead.near * scale_row_bytes;
+  const int64_t far = rows_ahead.far * row_bytes, far_s = rows_ahead.far * scale_row_bytes;
   const auto prefetch = [](const void* p) { __builtin_prefetch(p); };
   __m256 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
@@ -806,8 +892,8 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
 #else
 template <int MR, int NR, typename S, bool Far, int Bits>
 inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const Q8Act& a,
-                    int64_t m0, float* y, const uint8_t* codes_end) {
-  (void)codes_end;  // (no prefetch)
+                    int64_t m0, float* y, const uint8_t* codes_end, const RowsAhead& rows_ahead) {
+  (void)codes_end, (void)rows_ahead;  // (no prefetch)
   const int64_t row_bytes = Int4Shape::code_row_bytes(Bits, groups), row_s = 2 * groups;
   const int64_t padded = a.padded();
   for (int j = 0; j < NR; ++j) {
@@ -1283,6 +1369,7 @@ at::Tensor int4_gemv_bits(const at::Tensor& x, const at::Tensor& codes, const at
   auto run = [&](auto scale_type, auto far) {
     using S = decltype(scale_type);
     const S* sc = reinterpret_cast<const S*>(scales.data_ptr());
+    const RowsAhead ahead(shape.row_bytes());
     return gemv_out(x, n, shape.row_bytes(), bias,
                     [&](int64_t r, int nr, int64_t m0, int mr, float* y) {
       const S* rows_sc;
@@ -1294,7 +1381,8 @@ at::Tensor int4_gemv_bits(const at::Tensor& x, const at::Tensor& codes, const at
                             : sc + 2 * groups * r;
       dispatch_rows(mr, nr, [&](auto mr_c, auto nr_c) {
         q4_rows<decltype(mr_c)::value, decltype(nr_c)::value, S, decltype(far)::value, Bits>(
-            nib + r * shape.row_bytes(), rows_sc, groups, act, m0, y, nib + n * shape.row_bytes());
+            nib + r * shape.row_bytes(), rows_sc, groups, act, m0, y, nib + n * shape.row_bytes(),
+            ahead);
       });
     });
   };
