@@ -41,12 +41,14 @@ namespace {
 // (float32 [M, K / 4]), the layout the dot loops multiply by lane, and -128 times the lane's
 // code sum (int32 [M, K / 4]: the AVX-512 path's correction for its offset weight codes), and
 // the blocks' scales once each (float32 [M, K / block]), in this thread's scratch (valid until
-// its next call).
+// its next call); in AVX2 builds also -128 times the code sum of each 16 codes, 8 a whole 128
+// codes in the order the AVX2 product sums its dots (int32 [M, K / 16]: span_offsets).
 struct QuantizedRows {
   const int8_t* codes;
   const int32_t* lane_offset;
   const float* lane_scale;
   const float* block_scale;
+  const int32_t* span_offset = nullptr;
 };
 
 // A weight block's scale, stored as float32 or as float16 (Q8_0's own values: half the bytes a
@@ -311,6 +313,23 @@ inline float quantize_block(const T* v, int8_t* out) {
 #endif
 }
 
+#if defined(__AVX2__) && !defined(__AVX512BW__)
+// span[r * K / 16 + 8 s + i] for each whole 128 codes s of row r: -128 times the code sum of
+// codes 32i .. 32i + 15 of the span (i < 4), of codes 32(i - 4) + 16 .. 32(i - 4) + 31 (i >= 4):
+// hadd_blocks8's order, from the lanes' -128 times their 4 codes' sums.
+inline void span_offsets(const int32_t* lane_offset, int64_t m, int64_t k, int32_t* span) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t s = 0; s + 128 <= k; s += 128) {
+      const int32_t* lane = lane_offset + (r * k + s) / 4;  // 32 lanes of 4 codes
+      int32_t* out = span + (r * k + s) / 16;
+      for (int i = 0; i < 4; ++i) {
+        out[i] = lane[8 * i] + lane[8 * i + 1] + lane[8 * i + 2] + lane[8 * i + 3];
+        out[4 + i] = lane[8 * i + 4] + lane[8 * i + 5] + lane[8 * i + 6] + lane[8 * i + 7];
+      }
+    }
+}
+#endif
+
 template <typename T, int64_t block>
 QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k) {
   int8_t* codes = quant_rows::scratch<int8_t, 2>(m * k);
@@ -328,7 +347,13 @@ QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k) {
         lane_offset[(at + j) / 4] = -128 * (int32_t(out[j]) + out[j + 1] + out[j + 2] + out[j + 3]);
     }
   }
-  return QuantizedRows{codes, lane_offset, lane_scale, block_scale};
+  QuantizedRows q{codes, lane_offset, lane_scale, block_scale};
+#if defined(__AVX2__) && !defined(__AVX512BW__)
+  int32_t* span = quant_rows::scratch<int32_t, 2>(m * k / 16);
+  span_offsets(lane_offset, m, k, span);
+  q.span_offset = span;
+#endif
+  return q;
 }
 
 // How far ahead of the weight row being computed the products prefetch its codes and scales
@@ -539,14 +564,25 @@ void dot_rows(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0
   const auto prefetch = [&](int64_t c) {
     if (far) prefetch_l2(w + (Bits == 8 ? c : c / 64 * PackedBits<Bits>::kChunkBytes) + far);
   };
+  // Packed codes of 6, 5 or 3 bits meet x as stored (plus kBias: 0 .. 63 at most, vpmaddubsw's
+  // unsigned operand with its pair sums within int16), and each 16 codes' sum then takes
+  // -kBias times x's codes' sum (span_offset), exact in int32 as the int8 codes' |w| and
+  // x * sign(w) are: the same sums, 3 fewer operations a 32 codes.
+  constexpr bool kStored = Bits == 6 || Bits == 5 || Bits == 3;
   int64_t c = 0;
   for (; c + 128 <= k; c += 128) {
     prefetch(c);
     prefetch(c + 64);
     __m256i wv[4], wabs[4];
     for (int u = 0; u < 4; ++u) {
-      wv[u] = codes32_avx2<Bits>(w, c + 32 * u);
-      wabs[u] = _mm256_abs_epi8(wv[u]);
+      if constexpr (kStored) {
+        wv[u] = packed_half_avx2<Bits>(reinterpret_cast<const uint8_t*>(w) +
+                                           (c / 64 + u / 2) * PackedBits<Bits>::kChunkBytes,
+                                       u % 2);
+      } else {
+        wv[u] = codes32_avx2<Bits>(w, c + 32 * u);
+        wabs[u] = _mm256_abs_epi8(wv[u]);
+      }
     }
     const __m256 wscale = block_scales8<block>(ws + c / block);
     for (int r = 0; r < R; ++r) {
@@ -555,13 +591,20 @@ void dot_rows(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0
       for (int u = 0; u < 4; ++u) {
         const __m256i xv = _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(q.codes + row * k + c + 32 * u));
-        // x * sign(w); w = 0 gives 0 either way
-        dot[u] = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[u], _mm256_sign_epi8(xv, wv[u])),
-                                   ones);
+        if constexpr (kStored)
+          dot[u] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[u], xv), ones);
+        else  // x * sign(w); w = 0 gives 0 either way
+          dot[u] = _mm256_madd_epi16(
+              _mm256_maddubs_epi16(wabs[u], _mm256_sign_epi8(xv, wv[u])), ones);
       }
+      __m256i sums = hadd_blocks8(dot);
+      if constexpr (kStored)
+        sums = _mm256_add_epi32(
+            sums, _mm256_srai_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                        q.span_offset + (row * k + c) / 16)),
+                                    PackedBits<Bits>::kOffsetShift));
       const __m256 xscale = block_scales8<block>(q.block_scale + (row * k + c) / block);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hadd_blocks8(dot)),
-                               _mm256_mul_ps(xscale, wscale), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(xscale, wscale), acc[r]);
     }
   }
   for (; c < k; c += 32) {
