@@ -198,6 +198,18 @@ inline __m256i pair_codes_avx2(const uint8_t* p, int h) {
   return _mm256_and_si256(shifted, _mm256_set1_epi8(3));
 }
 
+// As pair_codes_avx2, the two bits already at bits 4-5 (times 16: Q6_K's high pairs), one
+// operation fewer (two at h = 1): the 16-bit shifts' spill into the next byte falls outside
+// 0x30.
+inline __m256i high_pairs_avx2(const uint8_t* p, int h) {
+  const __m256i pairs =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i shifted = h ? _mm256_blend_epi32(pairs, _mm256_srli_epi16(pairs, 2), 0xF0)
+                            : _mm256_blend_epi32(_mm256_slli_epi16(pairs, 4),
+                                                 _mm256_slli_epi16(pairs, 2), 0xF0);
+  return _mm256_and_si256(shifted, _mm256_set1_epi8(0x30));
+}
+
 // Codes 32h .. 32h + 31 of a 64-code chunk at p, stored (plus kBias), with AVX2 alone.
 template <int Bits>
 inline __m256i packed_half_avx2(const uint8_t* p, int h) {
@@ -219,7 +231,7 @@ inline __m256i packed_half_avx2(const uint8_t* p, int h) {
     std::memcpy(&bits, p + 32 + 4 * h, sizeof(bits));
     return _mm256_or_si256(nibbles, quant_rows::bits_to_bytes(bits, 16));
   } else {
-    return _mm256_or_si256(nibbles, _mm256_slli_epi16(pair_codes_avx2(p + 32, h), 4));
+    return _mm256_or_si256(nibbles, high_pairs_avx2(p + 32, h));
   }
 }
 #endif
