@@ -16,12 +16,13 @@ the ratio of the medians (above 1: this tree is faster).
         [--dtypes bfloat16] [--classes 9/3,8/4,8/1] [--contexts 512,2048,8192] [--batches 1,8]
 
 --candidates: decode_choice.py's candidates for each class (query / KV heads, head size 64,
-block size 16, a cache of the model's dtype) and batch x context: the fused kernel ("native"),
-torch's attention over gathered blocks ("torch") and, at batch 1, the fused kernel split over
-the context ("split2", "split4"); each timed on one thread (its CPU time) and on two (wall
-clock, the candidates alternating call by call, the fastest of `--reps`), with the route
-decode_choice takes on two threads from its measured table. Prints the CPU's AMX flag and the
-load average: on a shared machine the two-thread figures hold only as ratios within one run.
+block size 16, a cache of the model's dtype) and batch x context: the fused kernel ("native",
+which on two threads cuts a call of fewer sequences x KV heads than four into parts of the
+context) and torch's attention over gathered blocks ("torch"); each timed on one thread (its
+CPU time) and on two (wall clock, the candidates alternating call by call, the fastest of
+`--reps`), with the route decode_choice takes from its measured table and the native kernel's
+speed-up from one thread to two. Prints the CPU's AMX flag and the load average: on a shared
+machine the two-thread figures hold only as ratios within one run.
 """
 
 from __future__ import annotations
@@ -143,14 +144,13 @@ def candidates(args: argparse.Namespace) -> None:
             for batch in map(int, args.batches.split(",")):
                 for context in map(int, args.contexts.split(",")):
                     calls = decode_choice.decode_candidates(
-                        cls, batch, context, torch.Generator().manual_seed(0),
-                        decode_choice.SPLITS if batch == 1 else ())
+                        cls, batch, context, torch.Generator().manual_seed(0))
                     one, two = (best_times(calls, args.reps, t) for t in (1, 2))
-                    route = decode_choice.decode_route(cls, batch, context, 2)
+                    route = decode_choice.decode_route(cls, batch, context)
                     cells = "  ".join(f"{k} {one[k]:.3f} | {two[k]:.3f}" for k in calls)
                     print(f"{dtype_name:8} {spec:>5} batch {batch:>2} context {context:>5}: "
-                          f"{cells}  -> {route} (native / {route} on 2 threads: "
-                          f"{two['native'] / two[route]:.2f}x)", flush=True)
+                          f"{cells}  -> {route} (native, 1 thread / 2: "
+                          f"{one['native'] / two['native']:.2f}x)", flush=True)
 
 
 def main() -> None:

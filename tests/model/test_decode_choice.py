@@ -1,13 +1,12 @@
-"""The CPU decode attention's kernel choice (pagedkv/model/decode_choice.py): the fused kernel,
-torch's over gathered blocks, or the fused kernel split over one sequence's context
-(decode_split.py); every candidate computes the reference's attention, a forced choice is fixed,
-a measured table is cached on disk and reused, and a step routed each way agrees with the
-torch backend."""
+"""The CPU decode attention's kernel choice (pagedkv/model/decode_choice.py): the fused kernel
+or torch's over gathered blocks; every candidate computes the reference's attention (the fused
+kernel also where it cuts a lone decode's context into parts over the threads), a forced choice
+is fixed, a measured table is cached on disk and reused, and a step routed each way agrees with
+the torch backend."""
 
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -19,7 +18,6 @@ from pagedkv.model.backends.cpu_native import CpuNativeBackend, NativeAttentionM
 from pagedkv.model.backends.step import StepSequences
 from pagedkv.model.backends.torch_paged import TorchPagedBackend
 from pagedkv.model.decode_choice import DecodeClass, DecodeTable
-from pagedkv.model.decode_split import split_rows
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 CLASS = DecodeClass(torch.bfloat16, 6, 3, 64, 16, torch.bfloat16)
@@ -61,14 +59,11 @@ def reference(q, k_cache, v_cache, k_scales, v_scales, tables, lens, scale) -> t
 @pytest.mark.parametrize(("batch", "context"), [(1, 16), (1, 150), (3, 70)])
 def test_every_timed_candidate_computes_the_reference_attention(dtype, kv_dtype, batch, context):
     cls = DecodeClass(dtype, 6, 3, 64, 16, kv_dtype)
-    calls = decode_choice.decode_candidates(cls, batch, context, torch.Generator().manual_seed(1),
-                                            decode_choice.SPLITS if batch == 1 else ())
+    calls = decode_choice.decode_candidates(cls, batch, context, torch.Generator().manual_seed(1))
     x = decode_choice._inputs(cls, batch, context, torch.Generator().manual_seed(1))
     want = reference(x.q, x.k_cache, x.v_cache, x.k_scales, x.v_scales, x.tables, x.lens,
                      x.scale)
-    expected = {"native"} | ({"torch"} if kv_dtype == dtype else set()) | \
-        ({f"split{p}" for p in decode_choice.SPLITS} if batch == 1 else set())
-    assert set(calls) == expected
+    assert set(calls) == {"native"} | ({"torch"} if kv_dtype == dtype else set())
     for name, call in calls.items():
         got = call()
         assert got.shape == (batch, 6, 64), name
@@ -76,28 +71,56 @@ def test_every_timed_candidate_computes_the_reference_attention(dtype, kv_dtype,
         assert err <= TOL[dtype], (name, err)
 
 
-@pytest.mark.parametrize(("first", "length", "parts"), [(0, 150, 2), (0, 150, 4), (37, 200, 3),
-                                                        (0, 64, 4)])
-def test_split_runs_cover_the_keys_once_each_starting_at_its_own_block(first, length, parts):
-    bs = 16
-    table = torch.arange(100, 100 + -(-length // bs))
-    tables, firsts, lens = split_rows(table, first, length, bs, parts)
-    covered = []
-    for p in range(parts):
-        for pos in range(int(firsts[p]), int(lens[p])):
-            covered.append(int(tables[p, pos // bs]) * bs + pos % bs)  # the physical slot
-    assert covered == [int(table[pos // bs]) * bs + pos % bs for pos in range(first, length)]
-    assert len({int(t[0]) for t in tables}) == parts  # distinct first blocks: not one tile
-    assert all(lens[p] > firsts[p] for p in range(parts))
+@pytest.mark.parametrize(("dtype", "kv_dtype", "head_dim"), [
+    (torch.float32, torch.float32, 64), (torch.bfloat16, torch.bfloat16, 128),
+    (torch.bfloat16, torch.int8, 64), (torch.bfloat16, torch.float8_e4m3fn, 64),
+    (torch.float32, torch.float32, 96)])  # 96: the kernel for any head size
+@pytest.mark.parametrize(("batch", "context"), [(1, 255), (1, 600), (1, 2000), (3, 1100)])
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_the_fused_kernel_cut_over_the_threads_computes_the_reference(dtype, kv_dtype, head_dim,
+                                                                      batch, context, threads):
+    """A call of fewer sequences x KV heads than twice the threads cuts each context into
+    parts of whole blocks (at least 256 keys each) merged by their log-sum-exp: 3 KV heads
+    on 2, 3 and 8 threads at 255 keys (never cut) to 2,000; three decodes, one with a window
+    (first position 300) and one of 40 keys (a part of it empty); the log-sum-exp it returns
+    included."""
+    cls = DecodeClass(dtype, 6, 3, head_dim, 16, kv_dtype)
+    x = decode_choice._inputs(cls, batch, context, torch.Generator().manual_seed(4))
+    first = torch.tensor([0, 300, 0][:batch])
+    lens = torch.tensor([context, context - 17, 40][:batch])
+    want, want_lse = [], []
+    for s in range(batch):  # the window: keys first[s] .. lens[s] - 1
+        sub = reference_with_lse(x, s, int(first[s]), int(lens[s]))
+        want.append(sub[0])
+        want_lse.append(sub[1])
+    out = torch.empty_like(x.q)
+    lse = torch.empty(batch, 6)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.ops.pagedkv_cpu.paged_decode_attention_q(
+            x.q, x.k_cache, x.v_cache, x.k_scales, x.v_scales, x.tables, first, lens, x.scale,
+            out, lse)
+    finally:
+        torch.set_num_threads(before)
+    want_out = torch.stack(want)
+    err = float((out.double() - want_out).abs().max()) / max(1.0, float(want_out.abs().max()))
+    assert err <= TOL[dtype], err
+    assert torch.allclose(lse.double(), torch.stack(want_lse), atol=1e-3, rtol=1e-4)
 
 
-def test_the_split_pays_only_where_the_threads_are_unbalanced():
-    assert decode_choice.split_parts((1.0, 1.05), kv_heads=3, threads=2) == 2  # 3 items, 2 threads
-    assert decode_choice.split_parts((1.1, 1.2), kv_heads=3, threads=2) == 1  # not by the margin
-    assert decode_choice.split_parts((1.1, 1.2), kv_heads=1, threads=2) == 2
-    assert decode_choice.split_parts((1.1, 1.2), kv_heads=4, threads=2) == 1  # balanced
-    assert decode_choice.split_parts((1.1, 1.2), kv_heads=3, threads=1) == 1
-    assert decode_choice.split_parts((1.6, 1.7), kv_heads=3, threads=2) == 1  # too costly
+def reference_with_lse(x, s: int, first: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode s of `decode_choice._inputs` over keys first .. length - 1 (float64): its
+    attention [heads, D] and log-sum-exp of the scaled scores [heads]."""
+    kvh, _, bs, d = x.k_cache.shape
+    g = x.q.shape[1] // kvh
+    blocks = x.tables[s, : -(-length // bs)]
+    k, v = (c[:, blocks].reshape(kvh, -1, d)[:, first:length].double() for c in (x.k_cache, x.v_cache))
+    if x.k_scales is not None:
+        k = k * x.k_scales[:, blocks].reshape(kvh, -1)[:, first:length, None]
+        v = v * x.v_scales[:, blocks].reshape(kvh, -1)[:, first:length, None]
+    scores = x.q[s].double().view(kvh, g, d) @ k.transpose(1, 2) * x.scale
+    return (torch.softmax(scores, -1) @ v).reshape(-1, d), torch.logsumexp(scores, -1).reshape(-1)
 
 
 @pytest.mark.parametrize(("forced", "kernel"), [("panel", "native"), ("isa", "native"),
@@ -105,9 +128,9 @@ def test_the_split_pays_only_where_the_threads_are_unbalanced():
 def test_a_forced_choice_fixes_the_kernel_and_measures_nothing(forced, kernel, monkeypatch):
     monkeypatch.setenv(choice.ENV, forced)
     for batch, longest in ((1, 8000), (1, 10), (40, 3000)):
-        assert decode_choice.decode_route(CLASS, batch, longest, threads=2) == kernel
+        assert decode_choice.decode_route(CLASS, batch, longest) == kernel
     int8 = CLASS._replace(kv_dtype=torch.int8)
-    assert decode_choice.decode_route(int8, 1, 8000, threads=2) == "native"  # no torch path
+    assert decode_choice.decode_route(int8, 1, 8000) == "native"  # no torch path
     assert not choice.table_path().exists()
     assert decode_choice.decode_in_use()[CLASS.key()] == {"forced": kernel}
     assert forced in decode_choice.describe_decode()
@@ -118,7 +141,6 @@ def test_the_measured_table_is_cached_on_disk_and_reused(monkeypatch):
     measure = decode_choice.measure_decode
     monkeypatch.setattr(decode_choice, "BATCHES", ((1, 1, 1), (2, 2, 2)))  # a quick table
     monkeypatch.setattr(decode_choice, "CONTEXTS", ((1, 64, 64), (65, 65, 160)))
-    monkeypatch.setattr(decode_choice, "SPLIT_FROM", 65)
 
     def counted(cls):
         calls.append(cls)
@@ -128,39 +150,27 @@ def test_the_measured_table_is_cached_on_disk_and_reused(monkeypatch):
     table = decode_choice.decode_table(CLASS)
     assert calls == [CLASS]
     assert all(k in decode_choice.KERNELS for row in table.kernels for k in row)
-    assert len(table.split_cost) == 2 and all(c > 0 for row in table.split_cost for c in row)
     on_disk = json.loads(choice.table_path().read_text())["decode_attention"][CLASS.key()]
     assert on_disk == table.as_json()
     monkeypatch.setattr(decode_choice, "_tables", {})  # a second start: the file
     again = decode_choice.decode_table(CLASS)
     assert calls == [CLASS]
     assert again.kernels == table.kernels
-    assert all(math.isclose(a, b, abs_tol=1e-3) for ra, rb in zip(again.split_cost,
-                                                                   table.split_cost, strict=True)
-               for a, b in zip(ra, rb, strict=True))
     info = decode_choice.decode_in_use()[CLASS.key()]
-    assert set(info["batch_1"].values()) <= {"native", "torch", "split2", "split4"}
+    assert info == {"kernels": {"1": {"1-64": table.kernels[0][0], "65+": table.kernels[0][1]},
+                                "2+": {"1-64": table.kernels[1][0], "65+": table.kernels[1][1]}}}
 
 
 def test_the_route_reads_the_bucket_of_the_batch_and_longest_context():
     kernels = [list(row) for row in NATIVE]
     kernels[2][2] = "torch"
-    table = DecodeTable(tuple(map(tuple, kernels)), ((0.5, 0.5), (1.3, 1.0), (1.0, 1.0)))
-    decode_choice._tables[CLASS.key()] = table
+    decode_choice._tables[CLASS.key()] = DecodeTable(tuple(map(tuple, kernels)))
     route = decode_choice.decode_route
-    assert route(CLASS, 40, 5000, threads=2) == "torch"
-    assert route(CLASS, 40, 1000, threads=2) == "native"
-    assert route(CLASS, 1, 300, threads=2) == "native"  # below SPLIT_FROM, however cheap
-    assert route(CLASS, 1, 2000, threads=2) == "split4"
-    assert route(CLASS, 1, decode_choice.SPLIT_FROM - 1, threads=2) == "native"
-    assert route(CLASS, 1, 5000, threads=1) == "native"
-    assert route(CLASS, 2, 5000, threads=2) == "native"  # split: batch 1 only
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # the banner reads torch's count (one under `make test`'s xdist)
-    try:
-        assert "split4 at batch 1, context 1025-4096" in decode_choice.describe_decode()
-    finally:
-        torch.set_num_threads(threads)
+    assert route(CLASS, 40, 5000) == "torch"
+    assert route(CLASS, 40, 1000) == "native"
+    assert route(CLASS, 1, 5000) == "native"
+    assert route(CLASS, 2, 5000) == "native"
+    assert decode_choice.describe_decode().endswith("native; torch at batch 9+, context 4097+")
 
 
 def one_decode_step_error(dtype: torch.dtype, route: str, monkeypatch,
@@ -189,7 +199,7 @@ def one_decode_step_error(dtype: torch.dtype, route: str, monkeypatch,
         taken
 
 
-@pytest.mark.parametrize("route", ["native", "torch", "split2", "split4"])
+@pytest.mark.parametrize("route", ["native", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 100])
 def test_a_decode_step_agrees_with_the_torch_backend_on_every_route(dtype, route, window,
@@ -199,13 +209,11 @@ def test_a_decode_step_agrees_with_the_torch_backend_on_every_route(dtype, route
     assert err <= TOL[dtype]
 
 
-@pytest.mark.parametrize("route", ["native", "split2", "split4"])
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
 def test_a_lone_decode_over_a_quantized_cache_agrees_with_the_dequantized_reference(
-        cache_dtype, route, monkeypatch):
-    """The quantized cache's in-place metadata (quantized_native.py) takes the route too: a
-    step of one decode of 60 keys in scattered blocks, against softmax attention over the
-    dequantized cache."""
+        cache_dtype):
+    """The quantized cache's in-place metadata (quantized_native.py): a step of one decode of
+    60 keys in scattered blocks, against softmax attention over the dequantized cache."""
     from pagedkv.model.backends.quantized import QuantizedKVBackend
     from tests.model.test_kv_quant_in_place import (
         BLOCK,
@@ -230,9 +238,6 @@ def test_a_lone_decode_over_a_quantized_cache_agrees_with_the_dequantized_refere
         _fill(cache, scales, cached, torch.randn(59, KV_HEADS, HEAD_DIM, generator=gen))
     step = StepSequences([1], [60], [table], [table[59 // BLOCK] * BLOCK + 59 % BLOCK],
                          num_decodes=1, block_size=BLOCK)
-    taken = []
-    monkeypatch.setattr("pagedkv.model.backends.quantized_native.decode_route",
-                        lambda *args: taken.append(route) or route)
     backend = QuantizedKVBackend(CpuNativeBackend(torch.device("cpu")), reads_in_place=True)
     backend.set_fused(True)
     meta = backend.build_metadata(step)
@@ -241,5 +246,4 @@ def test_a_lone_decode_over_a_quantized_cache_agrees_with_the_dequantized_refere
     out = meta.attend(q, k, v, k_cache, v_cache, HEAD_DIM ** -0.5, None, k_scales=k_scales,
                       v_scales=v_scales)
     ref = _reference(q, k_cache, v_cache, k_scales, v_scales, None, seqs)
-    assert taken == [route]
     assert float((out.float() - ref).abs().max() / ref.abs().max()) < 1e-2

@@ -1,6 +1,8 @@
 // Paged decode attention: one query row per sequence (or per token of a chunk laid out as
 // rows) over its keys in the paged cache, read in place in any of kv_formats.h's formats.
 // decode_impl takes any head size; decode_fixed, head sizes 64 and 128 with the rows in tiles.
+#include <numeric>
+
 #include "common.h"
 #include "kv_formats.h"
 #include "ops.h"
@@ -103,6 +105,69 @@ inline void finish_heads(const float* acc, const float* m, const float* l, int64
   }
 }
 
+// Key positions a part of a split range holds at least (below, a range is not split).
+constexpr int64_t kMinPartRows = 256;
+
+// Parts each key range of a call is cut into: 1 unless the call's items (sequences or tiles,
+// times KV heads) are fewer than twice the threads, as a lone decode's are (SmolLM2's 3 KV
+// heads on 2 threads: one thread read two heads' keys while the other waited; on 16 threads
+// 13 waited); then enough parts that the items divide evenly over the threads, each at least
+// kMinPartRows of the longest range. Each part keeps its own online softmax, merge_parts
+// combines them by their maxima (split-K, "flash decoding"); one part is the unsplit kernel.
+struct KeyParts {
+  int64_t parts = 1;
+
+  KeyParts(int64_t items, int64_t longest, int64_t threads) {
+    if (threads > 1 && items > 0 && items < 2 * threads)
+      parts = std::max<int64_t>(
+          1, std::min(threads / std::gcd(items, threads), longest / kMinPartRows));
+  }
+
+  // Part `part` of the key range [first, len): whole blocks of `bs` from first, the last part
+  // the rest (empty where the range is short).
+  std::pair<int64_t, int64_t> range(int64_t first, int64_t len, int64_t part, int64_t bs) const {
+    const int64_t per = ((len - first + parts - 1) / parts + bs - 1) / bs * bs;
+    const int64_t lo = std::min(len, first + part * per);
+    return {lo, part + 1 == parts ? len : std::min(len, lo + per)};
+  }
+
+  // A part's state, g heads of d values (acc [g, d], then m [g], then l [g], float32), stored
+  // at `state` for merge_parts. Writes state.
+  static void store(float* state, const float* acc, const float* m, const float* l, int64_t g,
+                    int64_t d) {
+    std::memcpy(state, acc, g * d * sizeof(float));
+    std::memcpy(state + g * d, m, g * sizeof(float));
+    std::memcpy(state + g * d + g, l, g * sizeof(float));
+  }
+};
+
+// One row's g query heads of one KV head from `parts` states stored side by side
+// (KeyParts::store; m = -inf where a part saw no key): the online softmax's states merged by
+// their maxima, then finished (finish_heads). Writes out and lse.
+template <typename scalar_t>
+void merge_parts(const float* partial, int64_t parts, int64_t g, int64_t d, float unit,
+                 scalar_t* out, float* lse) {
+  constexpr float none = -std::numeric_limits<float>::infinity();
+  const int64_t stride = g * (d + 2);
+  std::vector<float> acc(g * d, 0.f), m(g), l(g, 0.f);
+  for (int64_t h = 0; h < g; h++) {
+    float top = none;
+    for (int64_t p = 0; p < parts; p++) top = std::max(top, partial[p * stride + g * d + h]);
+    m[h] = top;
+    for (int64_t p = 0; p < parts && top != none; p++) {
+      const float* part = partial + p * stride;
+      if (part[g * d + h] == none) continue;
+      const float w = std::exp(part[g * d + h] - top);
+      l[h] += part[g * d + g + h] * w;
+      for (int64_t j = 0; j < d; j++) acc[h * d + j] += part[h * d + j] * w;
+    }
+  }
+  finish_heads(acc.data(), m.data(), l.data(), g, d, unit, out, lse);
+}
+
+// The threads a call's items are shared over (1 within another parallel region).
+inline int64_t call_threads() { return at::in_parallel_region() ? 1 : at::get_num_threads(); }
+
 // One query token per sequence attending to keys first_pos[s] .. seq_lens[s] - 1 of its
 // paged K/V (block_tables [S, W] hold the physical block of each logical block). q [S, H, D]
 // (strided rows), caches [KVH, NB, BS, D] in q's dtype, int8 or fp8; k_scales / v_scales
@@ -121,11 +186,18 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const int64_t g = a.g, sq = a.sq;
   const scalar_t* qp = a.qp;
   const storage *kc = a.kc, *vc = a.vc;
-  at::parallel_for(0, s_n * kvh, 1, [&](int64_t begin, int64_t end) {
+  int64_t longest = 0;
+  for (int64_t s = 0; s < s_n; s++) longest = std::max(longest, slp[s] - fpp[s]);
+  const KeyParts split(s_n * kvh, longest, call_threads());
+  const int64_t parts = split.parts;
+  // The parts' states (parts > 1): sequence s, KV head kh, part p at ((s * kvh + kh) * parts
+  // + p) * g * (d + 2) floats (merge_parts' layout).
+  std::vector<float> partial(parts > 1 ? s_n * kvh * parts * g * (d + 2) : 0);
+  at::parallel_for(0, s_n * kvh * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(g * d), acc(g * d), kf(bs * d), vf(bs * d), p(g * bs), m(g), l(g);
     for (int64_t item = begin; item < end; item++) {
-      const int64_t s = item / kvh, kh = item % kvh;
-      const int64_t first = fpp[s], len = slp[s];
+      const int64_t s = item / (kvh * parts), kh = item / parts % kvh, part = item % parts;
+      const auto [first, len] = split.range(fpp[s], slp[s], part, bs);
       for (int64_t h = 0; h < g; h++) {
         const scalar_t* qs = qp + s * sq + (kh * g + h) * d;
         for (int64_t j = 0; j < d; j++) qf[h * d + j] = to_f(qs[j]) * sc;
@@ -171,10 +243,19 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         }
         pos += n;
       }
-      finish_heads(acc.data(), m.data(), l.data(), g, d, 1.f, a.op + (s * heads + kh * g) * d,
-                   lsep ? lsep + s * heads + kh * g : nullptr);
+      if (parts > 1)
+        KeyParts::store(partial.data() + ((s * kvh + kh) * parts + part) * g * (d + 2),
+                        acc.data(), m.data(), l.data(), g, d);
+      else
+        finish_heads(acc.data(), m.data(), l.data(), g, d, 1.f, a.op + (s * heads + kh * g) * d,
+                     lsep ? lsep + s * heads + kh * g : nullptr);
     }
   });
+  if (parts == 1) return;
+  for (int64_t s = 0; s < s_n; s++)
+    for (int64_t kh = 0; kh < kvh; kh++)
+      merge_parts(partial.data() + (s * kvh + kh) * parts * g * (d + 2), parts, g, d, 1.f,
+                  a.op + (s * heads + kh * g) * d, lsep ? lsep + s * heads + kh * g : nullptr);
 }
 
 // ---- Decode attention for head sizes 64 and 128 (issue 25) -------------------------------
@@ -398,8 +479,15 @@ template <int D> struct RowHeads {
   std::vector<vqs16> q16;
   std::vector<c10::BFloat16> qb;
   std::vector<float> qscale, m, l;
-  RowHeads(int64_t n, bool with_qb)
-      : qf(n * C), acc(n * C), q16(n * C / 2), qb(with_qb ? n * D : 0), qscale(n), m(n), l(n) {}
+  // Room for n row-heads (grown, never shrunk; the contents are each item's to set).
+  void fit(int64_t n, bool with_qb) {
+    if (static_cast<int64_t>(m.size()) >= n &&
+        (!with_qb || static_cast<int64_t>(qb.size()) >= n * D))
+      return;
+    qf.resize(n * C), acc.resize(n * C), q16.resize(n * C / 2), qscale.resize(n), m.resize(n),
+        l.resize(n);
+    if (with_qb) qb.resize(n * D);
+  }
 };
 
 // acc[h] = acc[h] * corr[h] + sum_t w[h][t] * v[t] for H query heads (acc: C vectors each;
@@ -622,9 +710,32 @@ void attend_blocks(const TileInputs<scalar_t, Fmt>& in, RowHeads<D>& st, TileScr
   }
 }
 
+// A thread's scratch for decode_fixed's items, kept between calls (a call's few items would
+// otherwise allocate and zero about 100 KB a thread each time: a third of a lone 100-token
+// decode's attention): grown to g query heads a KV head, never cleared (each item sets what it
+// reads).
+template <typename Fmt, int D> struct ItemScratch {
+  RowHeads<D> st;
+  TileScratch<Fmt, D> tile;
+  std::vector<float> p, corr;
+  std::vector<int32_t> dots;
+
+  static ItemScratch& mine(int64_t g, bool with_qb) {
+    static thread_local ItemScratch s;
+    s.st.fit(TILE_ROWS * g, with_qb);
+    if (static_cast<int64_t>(s.corr.size()) < g) {
+      s.p.resize(g * SPAN);
+      s.corr.resize(g);
+      s.dots.resize(g * DOTS);
+    }
+    return s;
+  }
+};
+
 // decode_impl for a compile-time head size D (a multiple of 2 * QW); same arguments, except
 // that rows are taken in tiles (above): a tile on one block table (a prefill chunk) through
-// attend_spans, others (decodes) through attend_blocks.
+// attend_spans, others (decodes) through attend_blocks; a call of few tiles cuts their key
+// ranges into parts (KeyParts) merged at the end.
 template <typename scalar_t, typename Fmt, int D>
 void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const float* ksp, const float* vsp, const int64_t* btp, int64_t width,
@@ -639,26 +750,53 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   const scalar_t* qp = a.qp;
   const std::vector<int64_t> tiles = row_tiles(btp, a.s_n, width);
   const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1;
+  // Each tile's key range: [first, len) over its rows.
+  std::vector<int64_t> firsts(std::max<int64_t>(num_tiles, 0)), lens(firsts.size());
+  int64_t longest = 0;
+  for (int64_t t = 0; t < num_tiles; t++) {
+    int64_t first = std::numeric_limits<int64_t>::max(), len = 0;
+    for (int64_t r = tiles[t]; r < tiles[t + 1]; r++) {
+      first = std::min(first, fpp[r]);
+      len = std::max(len, slp[r]);
+    }
+    firsts[t] = first, lens[t] = len;
+    longest = std::max(longest, len - first);
+  }
+  const KeyParts split(num_tiles * kvh, longest, call_threads());
+  const int64_t parts = split.parts;
+  auto part_range = [&](int64_t t, int64_t part) {
+    return split.range(firsts[t], lens[t], part, a.bs);
+  };
+  // Item it's tile, KV head and part: a tile's parts side by side, tiles in zigzag order.
+  struct Item { int64_t tile, kh, part; };
+  auto item_of = [&](int64_t it) {
+    const int64_t rest = it / parts;
+    return Item{zigzag(rest / kvh, num_tiles), rest % kvh, it % parts};
+  };
   // The first block item `it` reads (its tile's first row's), for prefetching.
   auto first_block = [&](int64_t it) {
-    const int64_t r = tiles[zigzag(it / kvh, num_tiles)], kh = it % kvh, pos = fpp[r];
-    if (pos >= slp[r]) return NextBlock{};
-    const int64_t row = (kh * a.nb + btp[r * width + pos / a.bs]) * a.bs + pos % a.bs;
-    return NextBlock{row, std::min(a.bs - pos % a.bs, slp[r] - pos)};
+    const Item w = item_of(it);
+    const int64_t r = tiles[w.tile];
+    const auto [lo, hi] = part_range(w.tile, w.part);
+    const int64_t pos = std::max(fpp[r], lo);
+    if (pos >= std::min(slp[r], hi)) return NextBlock{};
+    const int64_t row = (w.kh * a.nb + btp[r * width + pos / a.bs]) * a.bs + pos % a.bs;
+    return NextBlock{row, std::min(a.bs - pos % a.bs, std::min(slp[r], hi) - pos)};
   };
-  at::parallel_for(0, std::max<int64_t>(num_tiles, 0) * kvh, 1, [&](int64_t begin, int64_t end) {
-    RowHeads<D> st(TILE_ROWS * g, bf16_dot<Fmt>);
-    TileScratch<Fmt, D> scratch;
-    std::vector<float> p(g * SPAN), corr(g);
-    std::vector<int32_t> dots(g * DOTS);
+  // The parts' states (parts > 1): row r, KV head kh, part p at ((r * kvh + kh) * parts + p)
+  // * g * (D + 2) floats (merge_parts' layout).
+  std::vector<float> partial(parts > 1 ? a.s_n * kvh * parts * g * (D + 2) : 0);
+  const int64_t items = std::max<int64_t>(num_tiles, 0) * kvh * parts;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    auto& scratch = ItemScratch<Fmt, D>::mine(g, bf16_dot<Fmt>);
+    RowHeads<D>& st = scratch.st;
     for (int64_t item = begin; item < end; item++) {
-      const int64_t tile = zigzag(item / kvh, num_tiles), kh = item % kvh;
+      const auto [tile, kh, part] = item_of(item);
       const int64_t r0 = tiles[tile], nr = tiles[tile + 1] - r0;
-      int64_t first = std::numeric_limits<int64_t>::max(), len = 0;
+      const auto [lo, hi] = part_range(tile, part);
+      const int64_t first = std::max(firsts[tile], lo), len = std::min(lens[tile], hi);
       bool one_table = true;
       for (int64_t r = r0; r < r0 + nr; r++) {
-        first = std::min(first, fpp[r]);
-        len = std::max(len, slp[r]);
         one_table = one_table && (r == r0 || std::memcmp(btp + r * width, btp + r0 * width,
                                                          width * sizeof(int64_t)) == 0);
         for (int64_t h = 0; h < g; h++) {
@@ -674,19 +812,38 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         }
       }
       std::fill(st.acc.begin(), st.acc.begin() + nr * g * C, vqf{});
-      if (nr > 1 && one_table && !in_place_only)
-        attend_spans<scalar_t, Fmt, D>(in, st, scratch, kh, r0, nr, first, len, p.data(),
-                                       corr.data(), dots.data());
-      else
-        attend_blocks<scalar_t, Fmt, D>(in, st, scratch, kh, r0, nr, first, len, p.data(),
-                                        corr.data(), dots.data(),
+      if (first >= len) {
+        // nothing to read (an empty part, or rows past their range)
+      } else if (nr > 1 && one_table && !in_place_only) {
+        attend_spans<scalar_t, Fmt, D>(in, st, scratch.tile, kh, r0, nr, first, len,
+                                       scratch.p.data(), scratch.corr.data(),
+                                       scratch.dots.data());
+      } else {
+        attend_blocks<scalar_t, Fmt, D>(in, st, scratch.tile, kh, r0, nr, first, len,
+                                        scratch.p.data(), scratch.corr.data(),
+                                        scratch.dots.data(),
                                         item + 1 < end ? first_block(item + 1) : NextBlock{});
-      for (int64_t r = r0; r < r0 + nr; r++)
-        finish_heads(reinterpret_cast<const float*>(st.acc.data() + (r - r0) * g * C),
-                     st.m.data() + (r - r0) * g, st.l.data() + (r - r0) * g, g, D, fmt_unit<Fmt>,
-                     a.op + (r * heads + kh * g) * D, lsep ? lsep + r * heads + kh * g : nullptr);
+      }
+      for (int64_t r = r0; r < r0 + nr; r++) {
+        const float* acc = reinterpret_cast<const float*>(st.acc.data() + (r - r0) * g * C);
+        const float* m = st.m.data() + (r - r0) * g;
+        const float* l = st.l.data() + (r - r0) * g;
+        if (parts == 1) {
+          finish_heads(acc, m, l, g, D, fmt_unit<Fmt>, a.op + (r * heads + kh * g) * D,
+                       lsep ? lsep + r * heads + kh * g : nullptr);
+          continue;
+        }
+        KeyParts::store(partial.data() + ((r * kvh + kh) * parts + part) * g * (D + 2), acc, m,
+                        l, g, D);
+      }
     }
   });
+  if (parts == 1) return;
+  for (int64_t r = 0; r < a.s_n; r++)
+    for (int64_t kh = 0; kh < kvh; kh++)
+      merge_parts(partial.data() + (r * kvh + kh) * parts * g * (D + 2), parts, g, D,
+                  fmt_unit<Fmt>, a.op + (r * heads + kh * g) * D,
+                               lsep ? lsep + r * heads + kh * g : nullptr);
 }
 
 }  // namespace

@@ -23,9 +23,9 @@ consecutive; so do prefill chunks that share a cached prefix and follow one anot
 then all of them over the prefix on AMX tiles, merged in place).
 
 Which kernel runs a step's decodes is measured per attention class (decode_choice.py): the
-fused kernel, torch's attention over gathered blocks (attention.decode_attention), or, for a
-lone decode whose KV heads do not fill the threads, the fused kernel split over its context
-(decode_split.py); a step's prefill chunks likewise (prefill_choice.py).
+fused kernel (which cuts a lone decode's context into parts where its KV heads do not fill
+the threads) or torch's attention over gathered blocks (attention.decode_attention); a step's
+prefill chunks likewise (prefill_choice.py).
 
 Until the kernels are loaded (pagedkv.kernels.cpu builds them on first use), or when the
 runner turns `fused` off, this backend is exactly torch_paged's.
@@ -54,7 +54,6 @@ from pagedkv.model.cascade import (
     window_hides_nothing,
 )
 from pagedkv.model.decode_choice import DecodeClass, decode_route
-from pagedkv.model.decode_split import split_decode, split_rows
 from pagedkv.model.prefill_choice import (
     amx_prefill_ok,
     amx_prefix_ok,
@@ -186,8 +185,8 @@ class NativeAttentionMetadata(AttentionMetadata):
         return self._mask_cache[key]
 
     def _decode_route(self, q: torch.Tensor, k_cache: torch.Tensor, window: int | None) -> str:
-        """decode_choice's kernel for this step's decodes ("native", "torch", "split<P>"),
-        once per step per window (a lone decode over a shared prefix is not split)."""
+        """decode_choice's kernel for this step's decodes ("native" or "torch"), once per
+        step per window."""
         return self._route(q.dtype, q.shape[1], q.shape[2], k_cache, window)
 
     def fused_decode_first(self, dtype: torch.dtype, heads: int, head_dim: int,
@@ -210,20 +209,7 @@ class NativeAttentionMetadata(AttentionMetadata):
             cls = DecodeClass(dtype, heads, k_cache.shape[0], head_dim, k_cache.shape[2],
                               k_cache.dtype)
             longest = max(n - f for n, f in zip(lens, first.tolist(), strict=True))
-            route = decode_route(cls, len(lens), longest, torch.get_num_threads())
-            if route.startswith("split") and shared:
-                route = "native"
-            self._mask_cache[key] = route
-        return self._mask_cache[key]
-
-    def _split_rows(self, window: int | None, parts: int) -> tuple:
-        """decode_split.split_rows of the step's one decode, once per step per window."""
-        key = ("split_rows", window, parts)
-        if key not in self._mask_cache:
-            first, _ = self._first_positions(window)
-            self._mask_cache[key] = split_rows(self.decode_block_tables[0], int(first[0]),
-                                               int(self.decode_seq_lens[0]), self.block_size,
-                                               parts)
+            self._mask_cache[key] = decode_route(cls, len(lens), longest)
         return self._mask_cache[key]
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -231,10 +217,6 @@ class NativeAttentionMetadata(AttentionMetadata):
         route = self._decode_route(q, k_cache, window)
         if route == "torch":
             out.copy_(decode_attention(q, k_cache, v_cache, self, scale, window))
-            return
-        if route.startswith("split"):
-            split_decode(q, k_cache, v_cache, self._split_rows(window, int(route[5:])), scale,
-                         out)
             return
         first, shared = self._first_positions(window)
         lse = torch.empty(q.shape[:2], dtype=torch.float32) if shared else None

@@ -20,9 +20,7 @@ over a shared cached prefix take cascade attention as the model-dtype cache's do
 cpu_native.py; where the build has the tiled kernel): the decode kernel attends each to its
 blocks after the prefix and returns their log-sum-exp, the tiled kernel (not causal) attends all
 the group's queries to the prefix's quantized blocks at once, and the two are merged (without
-the tiled kernel, the decode kernel's tiles share the prefix blocks' loads instead). A lone
-decode may be split over its context where decode_choice.py measured that it pays (the KV
-format is part of its class). A step
+the tiled kernel, the decode kernel's tiles share the prefix blocks' loads instead). A step
 with a token that is not stored (slot < 0) reads only its decodes in place and sends its
 prefill chunks through QuantizedKVMetadata (a compact dequantized copy of their blocks).
 """
@@ -46,8 +44,6 @@ from pagedkv.model.cascade import (
     merge_states,
     window_hides_nothing,
 )
-from pagedkv.model.decode_choice import DecodeClass, decode_route
-from pagedkv.model.decode_split import SplitRows, split_decode, split_rows
 
 
 @dataclass
@@ -126,24 +122,6 @@ class InPlaceMetadata:
             self._cache[key] = (tables, first, lens)
         return self._cache[key]
 
-    def split_rows(self, q: torch.Tensor, k_cache: torch.Tensor,
-                   window: int | None) -> SplitRows | None:
-        """decode_split.split_rows of a lone decode (the step's one row) where decode_choice
-        splits it, else None; once per step per window."""
-        key = ("split", window)
-        if key not in self._cache:
-            rows = None
-            if self.num_decodes == 1 and self.num_rows == 1:
-                tables, first, lens = self.rows(False, window)
-                f, n = int(first[0]), int(lens[0])
-                cls = DecodeClass(q.dtype, q.shape[1], k_cache.shape[0], q.shape[2],
-                                  k_cache.shape[2], k_cache.dtype)
-                route = decode_route(cls, 1, n - f, torch.get_num_threads())
-                if route.startswith("split"):
-                    rows = split_rows(tables[0], f, n, self.block_size, int(route[5:]))
-            self._cache[key] = rows
-        return self._cache[key]
-
     def prefix_runs(self, group: SharedPrefix) -> PrefixRuns:
         """cpu_native.prefix_runs of `group`, once per step."""
         key = ("prefix_runs", tuple(group.rows))
@@ -175,10 +153,7 @@ class InPlaceMetadata:
         tables, first, lens = self.rows(not tiled, window, shared)
         n = lens.shape[0]
         lse = torch.empty(n, q.shape[1], dtype=torch.float32) if shared else None
-        split = self.split_rows(q, k_cache, window) if n == 1 and not shared else None
-        if split is not None:
-            split_decode(q[:1], k_cache, v_cache, split, scale, out[:1], k_scales, v_scales)
-        elif n:
+        if n:
             ops.paged_decode_attention_q(q if n == t else q[:n], k_cache, v_cache, k_scales,
                                          v_scales, tables, first, lens, scale,
                                          out if n == t else out[:n], lse)
