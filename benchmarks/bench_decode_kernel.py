@@ -1,14 +1,18 @@
 """The fused CPU decode attention kernel alone (`paged_decode_attention`), at the serving shape.
 
     PYTHONPATH=$PWD python benchmarks/bench_decode_kernel.py [--dtypes bfloat16,float32]
-        [--batch 64] [--context 320] [--reps 30] [--baseline GIT_REF --repeat 2]
+        [--batch 64] [--context 320] [--heads 8/4] [--threads 1] [--reps 30]
+        [--baseline GIT_REF --repeat 2]
 
 One layer's decode step of bench_core_profile.py's workload: `--batch` sequences of
-`--context` tokens, 8 query heads over 4 KV heads of 64, block size 32, in a cache of `--num-blocks`
-(8,192) blocks; the blocks of each sequence either consecutive ("contig", as a fresh pool hands them
-out) or scattered at random ("rand"). One thread; a call's time is this thread's CPU time
-(time.thread_time), the fastest of `--reps`, so other processes on a shared machine count
-little. Prints ms per call and the K/V bytes read per second. --baseline GIT_REF: the same in
+`--context` tokens, 8 query heads over 4 KV heads of 64 (`--heads`: query / KV heads), block
+size 32, in a cache of `--num-blocks` (8,192) blocks; the blocks of each sequence either
+consecutive ("contig", as a fresh pool hands them out) or scattered at random ("rand"). One
+thread by default; a call's time is this thread's CPU time (time.thread_time), the fastest of
+`--reps`, so other processes on a shared machine count little. `--threads N` (N > 1): wall
+clock on N threads instead (how a call of few sequences shares its context out over them;
+on a shared machine a ratio within one run). Prints ms per call and the K/V bytes read per
+second. --baseline GIT_REF: the same in
 child processes, GIT_REF's `pagedkv` against this tree's, alternating `--repeat` times, with
 the ratio of the medians (above 1: this tree is faster).
 
@@ -42,17 +46,18 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 32
 LAYOUTS = ("contig", "rand")
 
 
-def measure(dtype_name: str, batch: int, context: int, reps: int,
-            num_blocks: int) -> dict[str, float]:
-    """{layout: best ms per call} for this process's build."""
+def measure(dtype_name: str, batch: int, context: int, reps: int, num_blocks: int,
+            heads: int = HEADS, kv_heads: int = KV_HEADS, threads: int = 1) -> dict[str, float]:
+    """{layout: best ms per call} for this process's build (`threads` > 1: wall clock)."""
     from pagedkv.kernels.cpu import ensure_cpu_kernels
     from pagedkv.model.kv_cache import zeros_in_huge_pages
 
     ensure_cpu_kernels("wait")
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
+    clock = time.thread_time if threads == 1 else time.perf_counter
     gen = torch.Generator().manual_seed(0)
     dtype = getattr(torch, dtype_name)
-    shape = (KV_HEADS, num_blocks, BLOCK, HEAD_DIM)
+    shape = (kv_heads, num_blocks, BLOCK, HEAD_DIM)
     # In 2 MiB pages where Linux gives them, as the engine's cache (model/kv_cache.py): with
     # 4 KiB pages every scattered block read would also miss the TLB.
     k_cache = zeros_in_huge_pages(shape, dtype, torch.device("cpu"))
@@ -60,7 +65,7 @@ def measure(dtype_name: str, batch: int, context: int, reps: int,
     k_cache.copy_(torch.randn(shape, generator=gen))
     v_cache.copy_(torch.randn(shape, generator=gen))
     per_seq = -(-context // BLOCK)
-    q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    q = torch.randn(batch, heads, HEAD_DIM, generator=gen).to(dtype)
     out = torch.empty_like(q)
     first, lens = torch.zeros(batch, dtype=torch.long), torch.full((batch,), context)
     best = {}
@@ -70,22 +75,30 @@ def measure(dtype_name: str, batch: int, context: int, reps: int,
         tables = (ids + 1).view(batch, per_seq)
         times = []
         for _ in range(reps + 1):
-            start = time.thread_time()
+            start = clock()
             torch.ops.pagedkv_cpu.paged_decode_attention(q, k_cache, v_cache, tables, first, lens,
                                                          HEAD_DIM ** -0.5, out, None)
-            times.append(time.thread_time() - start)
+            times.append(clock() - start)
         best[layout] = 1e3 * min(times[1:])
     return best
 
 
-def kv_bytes(dtype_name: str, batch: int, context: int) -> int:
-    return 2 * batch * KV_HEADS * context * HEAD_DIM * getattr(torch, dtype_name).itemsize
+def kv_bytes(dtype_name: str, batch: int, context: int, kv_heads: int = KV_HEADS) -> int:
+    return 2 * batch * kv_heads * context * HEAD_DIM * getattr(torch, dtype_name).itemsize
+
+
+def head_counts(spec: str) -> tuple[int, int]:
+    """(query heads, KV heads) of "Q/KV"."""
+    heads, kv_heads = map(int, spec.split("/"))
+    if heads % kv_heads:
+        raise ValueError(f"--heads {spec}: the query heads must be a multiple of the KV heads")
+    return heads, kv_heads
 
 
 def child(tree: str, args: argparse.Namespace, dtype: str) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--dtypes", dtype, "--batch", str(args.batch),
            "--context", str(args.context), "--reps", str(args.reps), "--num-blocks",
-           str(args.num_blocks), "--json"]
+           str(args.num_blocks), "--heads", args.heads, "--threads", str(args.threads), "--json"]
     out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": tree}, capture_output=True,
                          text=True, check=True).stdout
     return json.loads(out.splitlines()[-1])[dtype]
@@ -96,8 +109,11 @@ def compare(args: argparse.Namespace) -> None:
     from pagedkv.bench.machine import cpu_name
 
     here = str(Path(__file__).resolve().parents[1])
-    print(f"{cpu_name()}: paged_decode_attention, {args.batch} x {args.context} tokens, ms per "
-          f"call (CPU time, 1 thread), {args.baseline} vs this tree, {args.repeat} alternating runs")
+    clock = "CPU time, 1 thread" if args.threads == 1 else f"wall clock, {args.threads} threads"
+    print(f"{cpu_name()}: paged_decode_attention, {args.batch} x {args.context} tokens, heads "
+          f"{args.heads}, ms per call ({clock}), {args.baseline} vs this tree, {args.repeat} "
+          f"alternating runs")
+    kv_heads = head_counts(args.heads)[1]
     with baseline_tree(here, args.baseline) as base:
         for dtype in args.dtypes.split(","):
             runs: dict[str, list[dict[str, float]]] = {"base": [], "this": []}
@@ -106,8 +122,8 @@ def compare(args: argparse.Namespace) -> None:
                 runs["this"].append(child(here, args, dtype))
             for layout in LAYOUTS:
                 b, t = (statistics.median(r[layout] for r in runs[side]) for side in ("base", "this"))
-                print(f"  {dtype:8} {layout:6} {b:6.2f} -> {t:6.2f} ms  ({b / t:.2f}x; "
-                      f"{kv_bytes(dtype, args.batch, args.context) / t / 1e6:.1f} GB/s)")
+                print(f"  {dtype:8} {layout:6} {b:7.3f} -> {t:7.3f} ms  ({b / t:.2f}x; "
+                      f"{kv_bytes(dtype, args.batch, args.context, kv_heads) / t / 1e6:.1f} GB/s)")
 
 
 def best_times(calls: dict, reps: int, threads: int) -> dict[str, float]:
@@ -158,6 +174,9 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=320)
+    parser.add_argument("--heads", default=f"{HEADS}/{KV_HEADS}", help="query / KV heads")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="above 1: wall clock on this many threads")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--num-blocks", type=int, default=8192)
     parser.add_argument("--baseline", default=None, metavar="GIT_REF")
@@ -178,7 +197,9 @@ def main() -> None:
     if args.num_blocks <= args.batch * -(-args.context // BLOCK):
         raise ValueError(f"--num-blocks {args.num_blocks} cannot hold {args.batch} sequences of "
                          f"{args.context} tokens")
-    results = {d: measure(d, args.batch, args.context, args.reps, args.num_blocks)
+    heads, kv_heads = head_counts(args.heads)
+    results = {d: measure(d, args.batch, args.context, args.reps, args.num_blocks, heads,
+                          kv_heads, args.threads)
                for d in args.dtypes.split(",")}
     if args.json:
         print(json.dumps(results))
@@ -186,7 +207,7 @@ def main() -> None:
     for dtype, best in results.items():
         for layout, ms in best.items():
             print(f"{dtype:8} {layout:6} {ms:6.2f} ms  "
-                  f"{kv_bytes(dtype, args.batch, args.context) / ms / 1e6:.1f} GB/s")
+                  f"{kv_bytes(dtype, args.batch, args.context, kv_heads) / ms / 1e6:.1f} GB/s")
 
 
 if __name__ == "__main__":
