@@ -1,10 +1,12 @@
 """The engine's decode step on CPU at a serving batch: its time, and where it goes by op class.
 
     PYTHONPATH=$PWD python benchmarks/bench_decode_step.py [--dtype bfloat16] [--batch 16]
-        [--prompt 256] [--steps 40] [--threads 2] [--profile] [--baseline GIT_REF --repeat 3]
+        [--prompt 256] [--steps 40] [--threads 2] [--model PATH] [--profile]
+        [--baseline GIT_REF --repeat 3]
 
-bench_offline.py's random Llama (SHAPE: hidden 512, 8 layers, 8 heads over 4 KV heads), built
-through the engine (`LLM`, block size 32, the fused kernels loaded: `cpu_kernels="wait"`), a
+bench_offline.py's random Llama (SHAPE: hidden 512, 8 layers, 8 heads over 4 KV heads), or
+`--model` (a model folder or GGUF file, its weights as the engine loads them by default: a
+GGUF file's packed), built through the engine (`LLM`, block size 32, the fused kernels loaded: `cpu_kernels="wait"`), a
 fixed thread count. `--batch` requests of `--prompt` to `--prompt` + 63 tokens (greedy, EOS
 ignored) are prefilled, then `--steps` decode steps are timed: the engine's whole step
 (`LLMEngine.step`: scheduling, the runner, the outputs) and the runner's share of it
@@ -150,15 +152,16 @@ def profile(llm, steps: int, threads: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from pagedkv.testing.random_model import build_random_model_dir, tokenizer_vocab_size
+    from pagedkv.testing.random_model import build_random_model_dir
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_random_model_dir(Path(tmp) / "m", dtype=args.dtype, seed=0, **SHAPE)
-        llm = make_llm(model_dir, args.dtype, args.threads)
+        model = args.model or build_random_model_dir(Path(tmp) / "m", dtype=args.dtype, seed=0,
+                                                     **SHAPE)
+        llm = make_llm(model, args.dtype, args.threads)
         runner = llm.llm_engine.runner
         total = 4 + args.steps + (args.profile_steps if args.profile else 0)
-        fill(llm, args.batch, args.prompt, total + 2, tokenizer_vocab_size(model_dir))
+        fill(llm, args.batch, args.prompt, total + 2, llm.llm_engine.model_config.vocab_size)
         times, cpu = timed_execute(runner)
         time_steps(llm, 4)
         times.clear()
@@ -192,7 +195,7 @@ def compare(args: argparse.Namespace) -> None:
     here = str(Path(__file__).resolve().parents[1])
     cmd = [sys.executable, __file__, "--dtype", args.dtype, "--batch", str(args.batch),
            "--prompt", str(args.prompt), "--steps", str(args.steps),
-           "--threads", str(args.threads), "--json"]
+           "--threads", str(args.threads), "--json"] + (["--model", args.model] if args.model else [])
     keys = (("step_ms", "engine step"), ("median_ms", "runner"), ("cpu_ms", "runner CPU"))
     runs = alternate_with_baseline(
         here, args.baseline, cmd, [key for key, _ in keys], args.repeat,
@@ -211,6 +214,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--profile-steps", type=int, default=10)
+    parser.add_argument("--model", default=None, help="a model folder or GGUF file (default: "
+                        "the random Llama)")
     args = parser.parse_args()
     step_bench_main(args, run, compare, lambda result: report(result, args))
 
