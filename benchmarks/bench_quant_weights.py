@@ -68,22 +68,23 @@ def _timed(llm: LLM, tokens: list[int], max_tokens: int, clock=time.perf_counter
 
 def pagedkv_throughput(model: str, *, quantization: str = "auto", dtype: str = "bfloat16",
                        n_prompt: int = 512, n_gen: int = 128, threads: int | None = None,
-                       reps: int = 3, seed: int = 0) -> Throughput:
+                       reps: int = 3, seed: int = 0, depth: int = 0) -> Throughput:
     """pagedkv's prefill and batch-1 decode tokens/s on `model` (llama-bench's pp`n_prompt` and
     tg`n_gen`: random prompt tokens, generation ignoring EOS), best of `reps` runs each.
     Prefill: one `n_prompt`-token prompt computed in one step, to its first token. Decode:
-    (`n_gen` - 1) tokens over the time a one-token prompt takes to `n_gen` tokens less its time
-    to the first. `threads`: torch's compute threads (None: the cores other processes leave
+    (`n_gen` - 1) tokens over the time a one-token prompt (`depth` > 0: a `depth`-token one,
+    llama-bench's `-d`) takes to `n_gen` tokens less its time to the first. `threads`: torch's compute threads (None: the cores other processes leave
     free); with 1, times are this process's CPU time (time.process_time: the engine runs in
     this process), which leaves out the time other processes held the core."""
     llm = LLM(model, dtype=dtype, quantization=quantization, enable_prefix_caching=False,
-              max_model_len=n_prompt + n_gen + 16, max_num_batched_tokens=max(n_prompt, 256),
+              max_model_len=max(n_prompt, depth) + n_gen + 16,
+              max_num_batched_tokens=max(n_prompt, depth, 256),
               max_num_seqs=1, cpu_kernels="wait", cpu_threads=threads, seed=seed)
     try:
         rng = random.Random(seed)
         vocab = llm.llm_engine.vocab_size
         prompt = [rng.randrange(100, vocab) for _ in range(n_prompt)]
-        start = [rng.randrange(100, vocab)]
+        start = [rng.randrange(100, vocab) for _ in range(max(depth, 1))]
         clock = time.process_time if threads == 1 else time.perf_counter
         _timed(llm, prompt[:64], 4)  # warm-up: first calls, kernel choices
         prefill = min(_timed(llm, prompt, 1, clock) for _ in range(reps))
@@ -92,7 +93,8 @@ def pagedkv_throughput(model: str, *, quantization: str = "auto", dtype: str = "
         ready = llm.llm_engine.client.ready
         weights = ready.weights_bytes
         step = decode_step_bytes(model, quantization, weights,
-                                 ready.block_bytes // ready.block_size, 1 + n_gen // 2)
+                                 ready.block_bytes // ready.block_size,
+                                 len(start) + n_gen // 2)
     finally:
         llm.shutdown()
     return Throughput(quantization, dtype, n_prompt, n_gen, n_prompt / prefill,

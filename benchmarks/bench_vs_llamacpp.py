@@ -33,7 +33,10 @@ Parts (`--parts`, all by default):
     PYTHONPATH=$PWD python benchmarks/bench_vs_llamacpp.py [--gguf FILE]
         [--quant-types Q4_1,Q8_0,Q4_0,Q6_K] [--parts bench,perplexity,serve] [--threads N]
         [--pagedkv-modes packed,bfloat16] [--llama-cpp BUILD_DIR] [--llama-server BUILD_DIR]
-        [--concurrency 16,64] [--num-prompts 64] [--rounds 2] [--steps]
+        [--concurrency 16,64] [--num-prompts 64] [--rounds 2] [--steps] [--depth D]
+
+`--depth D`: the bench part's decode after D tokens of context instead (llama-bench `-p 0 -n
+128 -d D`; pagedkv a D-token prompt's next 127 tokens), a chat's long context.
 
 Q4_1 is the shipped SmolLM2 file; other types are made from it with `llama-quantize
 --allow-requantize` into the throwaway folder (requantized from Q4_1: the same weights for both
@@ -167,9 +170,13 @@ def run_llama(bin_dir: Path, tool: str, args: list[str]) -> subprocess.Completed
     out.check_returncode()
     return out
 
-def llama_bench(bin_dir: Path, model: Path, threads: int, reps: int) -> dict[str, float]:
-    out = run_llama(bin_dir, "llama-bench", ["-m", str(model), "-p", "512", "-n", "128",
-                                             "-t", str(threads), "-r", str(reps), "-o", "json"])
+def llama_bench(bin_dir: Path, model: Path, threads: int, reps: int,
+                depth: int = 0) -> dict[str, float]:
+    """llama-bench's pp512 and tg128 tokens/s (`depth` > 0: tg128 alone, after that many
+    tokens of context, `-d`)."""
+    tests = ["-p", "512", "-n", "128"] if depth == 0 else ["-p", "0", "-n", "128", "-d", str(depth)]
+    out = run_llama(bin_dir, "llama-bench", ["-m", str(model), *tests, "-t", str(threads),
+                                             "-r", str(reps), "-o", "json"])
     rows = json.loads(out.stdout)
     result = {}
     for row in rows:
@@ -254,15 +261,29 @@ def pagedkv_engine(model: Path, mode: str, threads: int):  # noqa: ANN201 - an L
     return LLMEngine.from_engine_args(args)
 
 
-def pagedkv_bench(model: Path, mode: str, threads: int, reps: int) -> dict[str, float]:
-    """pp512 and tg128 as llama-bench measures them, and the bytes a decode step reads
-    (bench_quant_weights.pagedkv_throughput)."""
+def pagedkv_bench(model: Path, mode: str, threads: int, reps: int,
+                  depth: int = 0) -> dict[str, float]:
+    """pp512 and tg128 as llama-bench measures them (tg128 after `depth` tokens of context),
+    and the bytes a decode step reads (bench_quant_weights.pagedkv_throughput)."""
     from bench_quant_weights import pagedkv_throughput
 
     dtype, quantization = MODES[mode]
     got = pagedkv_throughput(str(model), quantization=quantization, dtype=dtype, n_prompt=512,
-                             n_gen=128, threads=threads, reps=reps)
+                             n_gen=128, threads=threads, reps=reps, depth=depth)
     return {"pp512": got.prefill_tps, "tg128": got.decode_tps, "step_bytes": got.step_bytes}
+
+
+def depth_part(bin_dir: Path, model: Path, modes: list[str], threads: int, reps: int,
+               depth: int) -> None:
+    """tg128 after `depth` tokens of context, llama.cpp (`llama-bench -d`) and pagedkv in each
+    mode, and pagedkv's ratio to llama.cpp."""
+    ref = llama_bench(bin_dir, model, threads, reps, depth)["tg128"]
+    print(f"  llama.cpp        tg128 at depth {depth} {ref:7.1f} tok/s")
+    for mode in modes:
+        got = pagedkv_bench(model, mode, threads, reps, depth)
+        print(f"  pagedkv {mode:8} tg128 at depth {depth} {got['tg128']:7.1f} tok/s  ratio to "
+              f"llama.cpp {got['tg128'] / ref:.2f}x; a step reads "
+              f"{got['step_bytes'] / 2**20:.1f} MiB")
 
 
 def pagedkv_logprobs(engine, tokens: np.ndarray) -> np.ndarray:  # noqa: ANN001
@@ -468,6 +489,9 @@ def main() -> None:
                         help=f"of {sorted(MODES)}")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--depth", type=int, default=0,
+                        help="bench: tg128 alone, after this many tokens of context "
+                             "(llama-bench -d)")
     parser.add_argument("--ctx", type=int, default=256, help="perplexity chunk length")
     parser.add_argument("--concurrency", default="16,64")
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -512,12 +536,14 @@ def main() -> None:
         floor = bandwidth * 1e9 / weight_bytes
         print(f"\n== {quant_type}: {model.name}, {weight_bytes / 2**20:.1f} MiB of weights; "
               f"decode floor {floor:.0f} tok/s at batch 1 (weights over read bandwidth)")
-        if "bench" in parts:
+        if "bench" in parts and args.depth:
+            depth_part(bin_dir, model, modes, args.threads, args.reps, args.depth)
+        elif "bench" in parts:
             ref = llama_bench(bin_dir, model, args.threads, args.reps)
             print(f"  llama.cpp        pp512 {ref['pp512']:9.1f} tok/s  tg128 {ref['tg128']:7.1f} "
                   f"tok/s ({ref['tg128'] / floor:.2f} of the floor)")
         for mode in modes:
-            if "bench" in parts:
+            if "bench" in parts and not args.depth:
                 got = pagedkv_bench(model, mode, args.threads, args.reps)
                 print(f"  pagedkv {mode:8} pp512 {got['pp512']:9.1f} tok/s  tg128 "
                       f"{got['tg128']:7.1f} tok/s ({got['tg128'] / floor:.2f} of the floor)  "
