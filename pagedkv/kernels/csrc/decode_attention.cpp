@@ -711,8 +711,8 @@ void attend_blocks(const TileInputs<scalar_t, Fmt>& in, RowHeads<D>& st, TileScr
 }
 
 // A thread's scratch for decode_fixed's items, kept between calls (a call's few items would
-// otherwise allocate and zero about 100 KB a thread each time: a third of a lone 100-token
-// decode's attention): grown to g query heads a KV head, never cleared (each item sets what it
+// otherwise allocate and zero about 100 KB a thread each time: about a quarter of a lone
+// 100-token decode's attention): grown to g query heads a KV head, never cleared (each item sets what it
 // reads).
 template <typename Fmt, int D> struct ItemScratch {
   RowHeads<D> st;
@@ -843,7 +843,7 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     for (int64_t kh = 0; kh < kvh; kh++)
       merge_parts(partial.data() + (r * kvh + kh) * parts * g * (D + 2), parts, g, D,
                   fmt_unit<Fmt>, a.op + (r * heads + kh * g) * D,
-                               lsep ? lsep + r * heads + kh * g : nullptr);
+                  lsep ? lsep + r * heads + kh * g : nullptr);
 }
 
 }  // namespace
