@@ -106,7 +106,7 @@ inline void finish_heads(const float* acc, const float* m, const float* l, int64
 }
 
 // Key positions a part of a split range holds at least (below, a range is not split).
-constexpr int64_t kMinPartRows = 256;
+constexpr int64_t kMinPartRows = 128;
 
 // Parts each key range of a call is cut into: 1 unless the call's items (sequences or tiles,
 // times KV heads) are fewer than twice the threads, as a lone decode's are (SmolLM2's 3 KV
