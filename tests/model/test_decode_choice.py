@@ -75,13 +75,13 @@ def test_every_timed_candidate_computes_the_reference_attention(dtype, kv_dtype,
     (torch.float32, torch.float32, 64), (torch.bfloat16, torch.bfloat16, 128),
     (torch.bfloat16, torch.int8, 64), (torch.bfloat16, torch.float8_e4m3fn, 64),
     (torch.float32, torch.float32, 96)])  # 96: the kernel for any head size
-@pytest.mark.parametrize(("batch", "context"), [(1, 255), (1, 600), (1, 2000), (3, 1100)])
+@pytest.mark.parametrize(("batch", "context"), [(1, 100), (1, 200), (1, 2000), (3, 1100)])
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
 def test_the_fused_kernel_cut_over_the_threads_computes_the_reference(dtype, kv_dtype, head_dim,
                                                                       batch, context, threads):
     """A call of fewer sequences x KV heads than twice the threads cuts each context into
-    parts of whole blocks (at least 256 keys each) merged by their log-sum-exp: 3 KV heads
-    on 2, 3 and 8 threads at 255 keys (never cut) to 2,000; three decodes, one with a window
+    parts of whole blocks (at least 64 keys each) merged by their log-sum-exp: 3 KV heads
+    on 2, 3 and 8 threads at 100 keys (never cut) to 2,000; three decodes, one with a window
     (first position 300) and one of 40 keys (a part of it empty); the log-sum-exp it returns
     included."""
     cls = DecodeClass(dtype, 6, 3, head_dim, 16, kv_dtype)
