@@ -225,11 +225,15 @@ def test_int8_core_process_preempts_under_a_tiny_budget_and_matches_an_unpreempt
     """The engine core in its own process (serve's default) with an int8 cache of 30 blocks
     where every request grows to 27 (108 tokens): any two that run at once preempt one of
     them (swapped out with its scales, or recomputed), however the requests' arrival
-    interleaves with the core's steps. Every request's tokens equal an in-process int8
-    engine's that had room for all of them; every block comes back."""
+    interleaves with the core's steps. The prompts take at most 4 blocks, so a request that
+    arrives while another runs is admitted until that one has nearly all its blocks (prompts of
+    up to 25 blocks were held back once the first had grown past 5, and a core that started a
+    request before the frontend sent the next could then run them one after another).
+    Every request's tokens equal an in-process int8 engine's that had room for all of them;
+    every block comes back."""
     from pagedkv import LLM
 
-    prompts = make_prompts(seed=5, vocab=400)
+    prompts = make_prompts(seed=5, vocab=400, shared_prefix=4, lengths=(3, 9))
     params = [SamplingParams(temperature=0.0, max_tokens=108 - len(p), ignore_eos=True)
               for p in prompts]
     roomy = make_llm(tiny_llama, block_size=4, kv_cache_dtype="int8", cpu_threads=1)
