@@ -273,6 +273,23 @@ def pagedkv_bench(model: Path, mode: str, threads: int, reps: int,
     return {"pp512": got.prefill_tps, "tg128": got.decode_tps, "step_bytes": got.step_bytes}
 
 
+def bench_part(bin_dir: Path, model: Path, modes: list[str], threads: int, reps: int,
+               floor: float, weight_bytes: int) -> None:
+    """pp512 and tg128 of llama.cpp and of pagedkv in each mode, each against the decode floor
+    (`floor` tok/s) and pagedkv's against llama.cpp's."""
+    ref = llama_bench(bin_dir, model, threads, reps)
+    print(f"  llama.cpp        pp512 {ref['pp512']:9.1f} tok/s  tg128 {ref['tg128']:7.1f} "
+          f"tok/s ({ref['tg128'] / floor:.2f} of the floor)")
+    for mode in modes:
+        got = pagedkv_bench(model, mode, threads, reps)
+        print(f"  pagedkv {mode:8} pp512 {got['pp512']:9.1f} tok/s  tg128 "
+              f"{got['tg128']:7.1f} tok/s ({got['tg128'] / floor:.2f} of the floor)  "
+              f"ratio to llama.cpp: pp {got['pp512'] / ref['pp512']:.2f}x, "
+              f"tg {got['tg128'] / ref['tg128']:.2f}x; a step reads "
+              f"{got['step_bytes'] / 2**20:.1f} MiB, "
+              f"{got['step_bytes'] / weight_bytes:.2f}x the file's weights")
+
+
 def depth_part(bin_dir: Path, model: Path, modes: list[str], threads: int, reps: int,
                depth: int) -> None:
     """tg128 after `depth` tokens of context, llama.cpp (`llama-bench -d`) and pagedkv in each
@@ -539,18 +556,7 @@ def main() -> None:
         if "bench" in parts and args.depth:
             depth_part(bin_dir, model, modes, args.threads, args.reps, args.depth)
         elif "bench" in parts:
-            ref = llama_bench(bin_dir, model, args.threads, args.reps)
-            print(f"  llama.cpp        pp512 {ref['pp512']:9.1f} tok/s  tg128 {ref['tg128']:7.1f} "
-                  f"tok/s ({ref['tg128'] / floor:.2f} of the floor)")
-        for mode in modes:
-            if "bench" in parts and not args.depth:
-                got = pagedkv_bench(model, mode, args.threads, args.reps)
-                print(f"  pagedkv {mode:8} pp512 {got['pp512']:9.1f} tok/s  tg128 "
-                      f"{got['tg128']:7.1f} tok/s ({got['tg128'] / floor:.2f} of the floor)  "
-                      f"ratio to llama.cpp: pp {got['pp512'] / ref['pp512']:.2f}x, "
-                      f"tg {got['tg128'] / ref['tg128']:.2f}x; a step reads "
-                      f"{got['step_bytes'] / 2**20:.1f} MiB, "
-                      f"{got['step_bytes'] / weight_bytes:.2f}x the file's weights")
+            bench_part(bin_dir, model, modes, args.threads, args.reps, floor, weight_bytes)
         if "perplexity" in parts:
             ppl_rows.append((quant_type, *perplexity_part(bin_dir, model, modes, args.ctx,
                                                           args.threads)))

@@ -114,15 +114,22 @@ constexpr int64_t kMinPartRows = 64;
 // times KV heads) are fewer than twice the threads, as a lone decode's are (SmolLM2's 3 KV
 // heads on 2 threads: one thread read two heads' keys while the other waited; on 16 threads
 // 13 waited); then enough parts that the items divide evenly over the threads, each at least
-// kMinPartRows of the longest range. Each part keeps its own online softmax, merge_parts
-// combines them by their maxima (split-K, "flash decoding"); one part is the unsplit kernel.
-struct KeyParts {
+// kMinPartRows of the longest range. Each part keeps its own online softmax and hands its
+// state to `put`; `finish` merges a row's parts by their maxima once all are in (split-K,
+// "flash decoding"). With one part `put` finishes the heads at once: the unsplit kernel.
+class KeyParts {
+ public:
   int64_t parts = 1;
 
-  KeyParts(int64_t items, int64_t longest, int64_t threads) {
+  // A call of `rows` query rows over `kvh` KV heads of g query heads of d values each, its
+  // longest key range `longest` keys, on `threads` threads; `unit`: finish_heads'.
+  KeyParts(int64_t items, int64_t longest, int64_t threads, int64_t rows, int64_t kvh, int64_t g,
+           int64_t d, float unit)
+      : kvh_(kvh), g_(g), d_(d), unit_(unit) {
     if (threads > 1 && items > 0 && items < 2 * threads)
       parts = std::max<int64_t>(
           1, std::min(threads / std::gcd(items, threads), longest / kMinPartRows));
+    if (parts > 1) states_.resize(rows * kvh * parts * state_floats());
   }
 
   // Part `part` of the key range [first, len): whole blocks of `bs` from first, the last part
@@ -133,39 +140,62 @@ struct KeyParts {
     return {lo, part + 1 == parts ? len : std::min(len, lo + per)};
   }
 
-  // A part's state, g heads of d values (acc [g, d], then m [g], then l [g], float32), stored
-  // at `state` for merge_parts. Writes state.
-  static void store(float* state, const float* acc, const float* m, const float* l, int64_t g,
-                    int64_t d) {
-    std::memcpy(state, acc, g * d * sizeof(float));
-    std::memcpy(state + g * d, m, g * sizeof(float));
-    std::memcpy(state + g * d + g, l, g * sizeof(float));
+  // Row r's g heads of KV head kh over part `part` of its keys: their accumulators acc [g, d],
+  // maxima m and sums l (the online softmax's state). One part: finished into out / lse (the
+  // call's [rows, heads, d] and [rows, heads]); more: kept for `finish`. Writes one or the
+  // other (threads write distinct items).
+  template <typename scalar_t>
+  void put(int64_t r, int64_t kh, int64_t part, const float* acc, const float* m, const float* l,
+           scalar_t* out, float* lse) {
+    if (parts == 1) {
+      const int64_t at = r * kvh_ * g_ + kh * g_;
+      finish_heads(acc, m, l, g_, d_, unit_, out + at * d_, lse ? lse + at : nullptr);
+      return;
+    }
+    float* state = states_.data() + ((r * kvh_ + kh) * parts + part) * state_floats();
+    std::memcpy(state, acc, g_ * d_ * sizeof(float));
+    std::memcpy(state + g_ * d_, m, g_ * sizeof(float));
+    std::memcpy(state + g_ * d_ + g_, l, g_ * sizeof(float));
   }
-};
 
-// One row's g query heads of one KV head from `parts` states stored side by side
-// (KeyParts::store; m = -inf where a part saw no key): the online softmax's states merged by
-// their maxima, then finished (finish_heads). Writes out and lse.
-template <typename scalar_t>
-void merge_parts(const float* partial, int64_t parts, int64_t g, int64_t d, float unit,
-                 scalar_t* out, float* lse) {
-  constexpr float none = -std::numeric_limits<float>::infinity();
-  const int64_t stride = g * (d + 2);
-  std::vector<float> acc(g * d, 0.f), m(g), l(g, 0.f);
-  for (int64_t h = 0; h < g; h++) {
-    float top = none;
-    for (int64_t p = 0; p < parts; p++) top = std::max(top, partial[p * stride + g * d + h]);
-    m[h] = top;
-    for (int64_t p = 0; p < parts && top != none; p++) {
-      const float* part = partial + p * stride;
-      if (part[g * d + h] == none) continue;
-      const float w = std::exp(part[g * d + h] - top);
-      l[h] += part[g * d + g + h] * w;
-      for (int64_t j = 0; j < d; j++) acc[h * d + j] += part[h * d + j] * w;
+  // Every row's heads from their parts' states (nothing with one part): the states merged by
+  // their maxima (m = -inf where a part saw no key), then finished. Writes out and lse.
+  template <typename scalar_t>
+  void finish(scalar_t* out, float* lse) const {
+    if (parts == 1) return;
+    constexpr float none = -std::numeric_limits<float>::infinity();
+    const int64_t g = g_, d = d_, stride = state_floats();
+    std::vector<float> acc(g * d), m(g), l(g);
+    for (int64_t item = 0; item < static_cast<int64_t>(states_.size()) / (parts * stride);
+         item++) {
+      const float* states = states_.data() + item * parts * stride;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t h = 0; h < g; h++) {
+        float top = none;
+        for (int64_t p = 0; p < parts; p++) top = std::max(top, states[p * stride + g * d + h]);
+        m[h] = top;
+        for (int64_t p = 0; p < parts && top != none; p++) {
+          const float* part = states + p * stride;
+          if (part[g * d + h] == none) continue;
+          const float w = std::exp(part[g * d + h] - top);
+          l[h] += part[g * d + g + h] * w;
+          for (int64_t j = 0; j < d; j++) acc[h * d + j] += part[h * d + j] * w;
+        }
+      }
+      // item = r * kvh + kh: its heads start at (r * kvh + kh) * g of the call's heads
+      finish_heads(acc.data(), m.data(), l.data(), g, d, unit_, out + item * g * d,
+                   lse ? lse + item * g : nullptr);
     }
   }
-  finish_heads(acc.data(), m.data(), l.data(), g, d, unit, out, lse);
-}
+
+ private:
+  int64_t kvh_, g_, d_;
+  float unit_;
+  std::vector<float> states_;  // ((r * kvh + kh) * parts + part) * state_floats()
+
+  int64_t state_floats() const { return g_ * (d_ + 2); }
+};
 
 // The threads a call's items are shared over (1 within another parallel region).
 inline int64_t call_threads() { return at::in_parallel_region() ? 1 : at::get_num_threads(); }
@@ -184,17 +214,14 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
                  const int64_t* fpp, const int64_t* slp, float sc, at::Tensor& out, float* lsep) {
   using storage = typename Fmt::storage;
   const DecodeViews<scalar_t, storage> a(q, k_cache, v_cache, out);
-  const int64_t s_n = a.s_n, heads = a.heads, d = q.size(2), kvh = a.kvh, nb = a.nb, bs = a.bs;
+  const int64_t s_n = a.s_n, d = q.size(2), kvh = a.kvh, nb = a.nb, bs = a.bs;
   const int64_t g = a.g, sq = a.sq;
   const scalar_t* qp = a.qp;
   const storage *kc = a.kc, *vc = a.vc;
   int64_t longest = 0;
   for (int64_t s = 0; s < s_n; s++) longest = std::max(longest, slp[s] - fpp[s]);
-  const KeyParts split(s_n * kvh, longest, call_threads());
+  KeyParts split(s_n * kvh, longest, call_threads(), s_n, kvh, g, d, 1.f);
   const int64_t parts = split.parts;
-  // The parts' states (parts > 1): sequence s, KV head kh, part p at ((s * kvh + kh) * parts
-  // + p) * g * (d + 2) floats (merge_parts' layout).
-  std::vector<float> partial(parts > 1 ? s_n * kvh * parts * g * (d + 2) : 0);
   at::parallel_for(0, s_n * kvh * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(g * d), acc(g * d), kf(bs * d), vf(bs * d), p(g * bs), m(g), l(g);
     for (int64_t item = begin; item < end; item++) {
@@ -245,19 +272,10 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         }
         pos += n;
       }
-      if (parts > 1)
-        KeyParts::store(partial.data() + ((s * kvh + kh) * parts + part) * g * (d + 2),
-                        acc.data(), m.data(), l.data(), g, d);
-      else
-        finish_heads(acc.data(), m.data(), l.data(), g, d, 1.f, a.op + (s * heads + kh * g) * d,
-                     lsep ? lsep + s * heads + kh * g : nullptr);
+      split.put(s, kh, part, acc.data(), m.data(), l.data(), a.op, lsep);
     }
   });
-  if (parts == 1) return;
-  for (int64_t s = 0; s < s_n; s++)
-    for (int64_t kh = 0; kh < kvh; kh++)
-      merge_parts(partial.data() + (s * kvh + kh) * parts * g * (d + 2), parts, g, d, 1.f,
-                  a.op + (s * heads + kh * g) * d, lsep ? lsep + s * heads + kh * g : nullptr);
+  split.finish(a.op, lsep);
 }
 
 // ---- Decode attention for head sizes 64 and 128 (issue 25) -------------------------------
@@ -748,7 +766,7 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   constexpr bool in_place_only = std::is_same_v<storage, float>;  // nothing to widen
   const DecodeViews<scalar_t, storage> a(q, k_cache, v_cache, out);
   const TileInputs<scalar_t, Fmt> in{a, ksp, vsp, btp, fpp, slp, width, sc};
-  const int64_t heads = a.heads, kvh = a.kvh, g = a.g, sq = a.sq;
+  const int64_t kvh = a.kvh, g = a.g, sq = a.sq;
   const scalar_t* qp = a.qp;
   const std::vector<int64_t> tiles = row_tiles(btp, a.s_n, width);
   const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1;
@@ -764,7 +782,7 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     firsts[t] = first, lens[t] = len;
     longest = std::max(longest, len - first);
   }
-  const KeyParts split(num_tiles * kvh, longest, call_threads());
+  KeyParts split(num_tiles * kvh, longest, call_threads(), a.s_n, kvh, g, D, fmt_unit<Fmt>);
   const int64_t parts = split.parts;
   auto part_range = [&](int64_t t, int64_t part) {
     return split.range(firsts[t], lens[t], part, a.bs);
@@ -785,9 +803,6 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     const int64_t row = (w.kh * a.nb + btp[r * width + pos / a.bs]) * a.bs + pos % a.bs;
     return NextBlock{row, std::min(a.bs - pos % a.bs, std::min(slp[r], hi) - pos)};
   };
-  // The parts' states (parts > 1): row r, KV head kh, part p at ((r * kvh + kh) * parts + p)
-  // * g * (D + 2) floats (merge_parts' layout).
-  std::vector<float> partial(parts > 1 ? a.s_n * kvh * parts * g * (D + 2) : 0);
   const int64_t items = std::max<int64_t>(num_tiles, 0) * kvh * parts;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     auto& scratch = ItemScratch<Fmt, D>::mine(g, bf16_dot<Fmt>);
@@ -826,26 +841,12 @@ void decode_fixed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                                         scratch.dots.data(),
                                         item + 1 < end ? first_block(item + 1) : NextBlock{});
       }
-      for (int64_t r = r0; r < r0 + nr; r++) {
-        const float* acc = reinterpret_cast<const float*>(st.acc.data() + (r - r0) * g * C);
-        const float* m = st.m.data() + (r - r0) * g;
-        const float* l = st.l.data() + (r - r0) * g;
-        if (parts == 1) {
-          finish_heads(acc, m, l, g, D, fmt_unit<Fmt>, a.op + (r * heads + kh * g) * D,
-                       lsep ? lsep + r * heads + kh * g : nullptr);
-          continue;
-        }
-        KeyParts::store(partial.data() + ((r * kvh + kh) * parts + part) * g * (D + 2), acc, m,
-                        l, g, D);
-      }
+      for (int64_t r = r0; r < r0 + nr; r++)
+        split.put(r, kh, part, reinterpret_cast<const float*>(st.acc.data() + (r - r0) * g * C),
+                  st.m.data() + (r - r0) * g, st.l.data() + (r - r0) * g, a.op, lsep);
     }
   });
-  if (parts == 1) return;
-  for (int64_t r = 0; r < a.s_n; r++)
-    for (int64_t kh = 0; kh < kvh; kh++)
-      merge_parts(partial.data() + (r * kvh + kh) * parts * g * (D + 2), parts, g, D,
-                  fmt_unit<Fmt>, a.op + (r * heads + kh * g) * D,
-                  lsep ? lsep + r * heads + kh * g : nullptr);
+  split.finish(a.op, lsep);
 }
 
 }  // namespace

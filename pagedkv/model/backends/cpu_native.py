@@ -204,7 +204,7 @@ class NativeAttentionMetadata(AttentionMetadata):
                window: int | None) -> str:
         key = ("decode_route", window)
         if key not in self._mask_cache:
-            first, shared = self._first_positions(window)
+            first, _ = self._first_positions(window)
             lens = self.decode_seq_lens_list or self.decode_seq_lens.tolist()
             cls = DecodeClass(dtype, heads, k_cache.shape[0], head_dim, k_cache.shape[2],
                               k_cache.dtype)
