@@ -26,9 +26,13 @@ pytestmark = pytest.mark.timeout(240)
 ORPHAN_EXIT_S = 6.0
 
 
-def _stream(url: str, body: dict, into: list) -> None:
+def _stream(url: str, body: dict, into: list, opened: threading.Semaphore | None = None) -> None:
+    """POST a streamed completion and append its SSE data lines to `into`; release `opened`
+    once the response's headers came (the server has handed the request to its core)."""
     with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
                       timeout=120) as resp:
+        if opened is not None:
+            opened.release()
         into.append([line.removeprefix("data: ") for line in resp.iter_lines()
                      if line.startswith("data: ")])
 
@@ -58,13 +62,23 @@ def test_group_sigterm_drains_every_stream_and_exits_zero(tiny_llama):
     proc.new_session = True  # its own process group, to signal it as a service manager does
     proc.start()
     streams: list = []
-    # long enough that the four streams overlap however slowly their threads start
+    # long enough that the four streams still run when the test signals the group
     body = {"prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True, "temperature": 0.0}
     try:
-        threads = [threading.Thread(target=_stream, args=(proc.url, body, streams))
+        # The core holds still while the four requests reach it, so none can finish before
+        # the last arrives however unevenly the client threads run.
+        core, = descendants(proc.proc.pid, "pagedkv.engine.core_proc")
+        os.kill(core, signal.SIGSTOP)
+        opened = threading.Semaphore(0)
+        threads = [threading.Thread(target=_stream, args=(proc.url, body, streams, opened))
                    for _ in range(4)]
         for t in threads:
             t.start()
+        try:
+            for _ in threads:
+                assert opened.acquire(timeout=60), "a stream was never opened"
+        finally:
+            os.kill(core, signal.SIGCONT)
         deadline = time.monotonic() + 60
         while scrape(proc.url)["pagedkv:num_requests_running"] < 4:
             assert time.monotonic() < deadline, "the four streams never ran together"
