@@ -15,6 +15,8 @@ Paths (each weight [N, K], activations [rows, K]):
 - `int4gemv`: pagedkv's `int4_gemv` (kernels/csrc/quant_int4.cpp; the packed linear's decode
   path: the same int4 weights with float16 scales and offsets, activations quantized to int8
   per group of 32 at the call, counted; from 4 rows on AVX-512 VNNI the panel product);
+- `q40`: `int4_gemv` on Q4_0's layout, its float16 scales alone (offsets -8 x scale, implied:
+  the model's layout for Q4_0 files);
 - `int8gemv`: pagedkv's `int8_gemv` (the LM head's copy: int8 per-row weights, int16
   activations per row);
 - `int4expand`: the packed linear's path beyond decode sizes (`int4_linear` with no rows on the
@@ -70,7 +72,7 @@ def _bytes(path: str, n: int, k: int) -> int:
     """Weight bytes one call reads (scales included)."""
     return {"bf16": 2 * n * k, "f32": 4 * n * k, "int8pack": n * k + 2 * n,
             "int_mm": n * k + 4 * n, "int8gemv": n * k + 2 * n,
-            "int4gemv": n * k // 2 + n * k // GROUP * 4,
+            "int4gemv": n * k // 2 + n * k // GROUP * 4, "q40": n * k // 2 + n * k // GROUP * 2,
             "int4expand": n * k // 2 + n * k // GROUP * 4,
             "q8gemv": n * k + n * k // GROUP * 4, "q8expand": n * k + n * k // GROUP * 4,
             "int4pack": n * k // 2 + n * k // GROUP * 4, "q4k": n * k // 2 + n * k // GROUP * 8,
@@ -94,6 +96,7 @@ def _paths(n: int, k: int) -> dict[str, tuple[torch.Tensor, Callable[[torch.Tens
     q8s = torch.rand(n, k // GROUP) * 0.01  # Q8_0: a float32 scale per block of 32
     nib = (q4[:, 0::2] | (q4[:, 1::2] << 4)).to(torch.uint8)  # any order: the same bytes
     scales = sz.permute(1, 2, 0).reshape(n, -1).half().contiguous()  # [N, 2 * K/32]
+    scale_only = scales[:, : k // GROUP].contiguous()  # Q4_0's: offsets implied (-8 x scale)
     ops = torch.ops.pagedkv_cpu
 
     def int_mm(x: torch.Tensor) -> torch.Tensor:
@@ -113,6 +116,7 @@ def _paths(n: int, k: int) -> dict[str, tuple[torch.Tensor, Callable[[torch.Tens
             x, p4, GROUP, sz.bfloat16())),
         "int_mm": (xb, int_mm),
         "int4gemv": (xb, lambda x: ops.int4_gemv(x, nib, scales, None)),
+        "q40": (xb, lambda x: ops.int4_gemv(x, nib, scale_only, None)),
         "int8gemv": (xb, lambda x: ops.int8_gemv(x, w8, scale8.bfloat16(), None)),
         "int4expand": (xb, lambda x: ops.int4_linear(x, nib, scales, None, 0)),
         "q8gemv": (xb, lambda x: ops.int8_block_forward(x, w8, q8s, 32, None, 1 << 30)),
