@@ -34,9 +34,13 @@ Parts (`--parts`, all by default):
         [--quant-types Q4_1,Q8_0,Q4_0,Q6_K] [--parts bench,perplexity,serve] [--threads N]
         [--pagedkv-modes packed,bfloat16] [--llama-cpp BUILD_DIR] [--llama-server BUILD_DIR]
         [--concurrency 16,64] [--num-prompts 64] [--rounds 2] [--steps] [--depth D]
+        [--bench-rounds N]
 
 `--depth D`: the bench part's decode after D tokens of context instead (llama-bench `-p 0 -n
 128 -d D`; pagedkv a D-token prompt's next 127 tokens), a chat's long context.
+`--bench-rounds N`: the bench part N times, alternating which engine goes first, then each
+mode's median ratios and their range: on a shared machine one round's ratio moves with the
+load (llama.cpp's own tg128 has moved by a quarter between runs minutes apart).
 
 Q4_1 is the shipped SmolLM2 file; other types are made from it with `llama-quantize
 --allow-requantize` into the throwaway folder (requantized from Q4_1: the same weights for both
@@ -273,34 +277,53 @@ def pagedkv_bench(model: Path, mode: str, threads: int, reps: int,
     return {"pp512": got.prefill_tps, "tg128": got.decode_tps, "step_bytes": got.step_bytes}
 
 
+def bench_round(bin_dir: Path, model: Path, modes: list[str], threads: int, reps: int,
+                depth: int, pagedkv_first: bool) -> tuple[dict, dict[str, dict]]:
+    """One round of llama-bench and pagedkv's same measures in each mode (pagedkv_bench), in
+    that order or the other: (llama.cpp's, {mode: pagedkv's})."""
+    got: dict[str, dict] = {}
+    ref: dict = {}
+    for who in ([*modes, "llama.cpp"] if pagedkv_first else ["llama.cpp", *modes]):
+        if who == "llama.cpp":
+            ref = llama_bench(bin_dir, model, threads, reps, depth)
+        else:
+            got[who] = pagedkv_bench(model, who, threads, reps, depth)
+    return ref, got
+
+
 def bench_part(bin_dir: Path, model: Path, modes: list[str], threads: int, reps: int,
-               floor: float, weight_bytes: int) -> None:
-    """pp512 and tg128 of llama.cpp and of pagedkv in each mode, each against the decode floor
-    (`floor` tok/s) and pagedkv's against llama.cpp's."""
-    ref = llama_bench(bin_dir, model, threads, reps)
-    print(f"  llama.cpp        pp512 {ref['pp512']:9.1f} tok/s  tg128 {ref['tg128']:7.1f} "
-          f"tok/s ({ref['tg128'] / floor:.2f} of the floor)")
-    for mode in modes:
-        got = pagedkv_bench(model, mode, threads, reps)
-        print(f"  pagedkv {mode:8} pp512 {got['pp512']:9.1f} tok/s  tg128 "
-              f"{got['tg128']:7.1f} tok/s ({got['tg128'] / floor:.2f} of the floor)  "
-              f"ratio to llama.cpp: pp {got['pp512'] / ref['pp512']:.2f}x, "
-              f"tg {got['tg128'] / ref['tg128']:.2f}x; a step reads "
-              f"{got['step_bytes'] / 2**20:.1f} MiB, "
-              f"{got['step_bytes'] / weight_bytes:.2f}x the file's weights")
+               floor: float, weight_bytes: int, depth: int = 0, rounds: int = 1) -> None:
+    """tg128 (after `depth` tokens of context) and, at depth 0, pp512 of llama.cpp and of
+    pagedkv in each mode, pagedkv's against llama.cpp's, and at depth 0 each against the
+    decode floor (`floor` tok/s). `rounds` > 1: that many rounds, alternating which engine
+    goes first, then each mode's median ratios with their range (one round's ratio moves with
+    the machine's load and llama.cpp's own spread)."""
+    keys = ["tg128"] if depth else ["pp512", "tg128"]
+    at = f" at depth {depth}" if depth else ""
+    ratios: dict[str, dict[str, list[float]]] = {m: {k: [] for k in keys} for m in modes}
 
+    def of_floor(tps: dict) -> str:  # (the weights-only floor: at a depth the K/V add to it)
+        return "" if depth else f" ({tps['tg128'] / floor:.2f} of the floor)"
 
-def depth_part(bin_dir: Path, model: Path, modes: list[str], threads: int, reps: int,
-               depth: int) -> None:
-    """tg128 after `depth` tokens of context, llama.cpp (`llama-bench -d`) and pagedkv in each
-    mode, and pagedkv's ratio to llama.cpp."""
-    ref = llama_bench(bin_dir, model, threads, reps, depth)["tg128"]
-    print(f"  llama.cpp        tg128 at depth {depth} {ref:7.1f} tok/s")
-    for mode in modes:
-        got = pagedkv_bench(model, mode, threads, reps, depth)
-        print(f"  pagedkv {mode:8} tg128 at depth {depth} {got['tg128']:7.1f} tok/s  ratio to "
-              f"llama.cpp {got['tg128'] / ref:.2f}x; a step reads "
-              f"{got['step_bytes'] / 2**20:.1f} MiB")
+    for r in range(rounds):
+        ref, got = bench_round(bin_dir, model, modes, threads, reps, depth, r % 2 == 1)
+        label = f"round {r} " if rounds > 1 else ""
+        print(f"  {label}llama.cpp        " + "  ".join(f"{k}{at} {ref[k]:8.1f} tok/s"
+                                                     for k in keys) + of_floor(ref))
+        for mode in modes:
+            for k in keys:
+                ratios[mode][k].append(got[mode][k] / ref[k])
+            print(f"  {label}pagedkv {mode:8} " + "  ".join(f"{k}{at} {got[mode][k]:8.1f} tok/s"
+                                                          for k in keys)
+                  + of_floor(got[mode]) + "  ratio to llama.cpp: "
+                  + ", ".join(f"{k} {got[mode][k] / ref[k]:.2f}x" for k in keys)
+                  + f"; a step reads {got[mode]['step_bytes'] / 2**20:.1f} MiB, "
+                  f"{got[mode]['step_bytes'] / weight_bytes:.2f}x the file's weights")
+    if rounds > 1:
+        for mode in modes:
+            print(f"  pagedkv {mode} against llama.cpp, median over {rounds} rounds (range): "
+                  + ", ".join(f"{k}{at} {np.median(v):.2f}x ({min(v):.2f}-{max(v):.2f})"
+                              for k, v in ratios[mode].items()))
 
 
 def pagedkv_logprobs(engine, tokens: np.ndarray) -> np.ndarray:  # noqa: ANN001
@@ -509,6 +532,9 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=0,
                         help="bench: tg128 alone, after this many tokens of context "
                              "(llama-bench -d)")
+    parser.add_argument("--bench-rounds", type=int, default=1,
+                        help="bench: rounds alternating which engine goes first, then each "
+                             "mode's median ratios")
     parser.add_argument("--ctx", type=int, default=256, help="perplexity chunk length")
     parser.add_argument("--concurrency", default="16,64")
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -553,10 +579,9 @@ def main() -> None:
         floor = bandwidth * 1e9 / weight_bytes
         print(f"\n== {quant_type}: {model.name}, {weight_bytes / 2**20:.1f} MiB of weights; "
               f"decode floor {floor:.0f} tok/s at batch 1 (weights over read bandwidth)")
-        if "bench" in parts and args.depth:
-            depth_part(bin_dir, model, modes, args.threads, args.reps, args.depth)
-        elif "bench" in parts:
-            bench_part(bin_dir, model, modes, args.threads, args.reps, floor, weight_bytes)
+        if "bench" in parts:
+            bench_part(bin_dir, model, modes, args.threads, args.reps, floor, weight_bytes,
+                       args.depth, args.bench_rounds)
         if "perplexity" in parts:
             ppl_rows.append((quant_type, *perplexity_part(bin_dir, model, modes, args.ctx,
                                                           args.threads)))
