@@ -1,5 +1,6 @@
 """benchmarks/bench_vs_llamacpp.py's llama.cpp side without llama.cpp: the server's command line
-and the fallback to unpacked weights, on stand-in tools (shell scripts)."""
+and the fallback to unpacked weights, on stand-in tools (shell scripts); the bench part's
+rounds on stand-in measures."""
 
 from __future__ import annotations
 
@@ -60,3 +61,27 @@ def test_a_build_without_the_tools_asked_for_names_them(tmp_path):
     assert bench.llama_cpp_bin(tmp_path, ("llama-bench",)) == tmp_path / "bin"
     with pytest.raises(SystemExit, match="has no llama-server, llama-perplexity"):
         bench.llama_cpp_bin(tmp_path, ("llama-bench", "llama-server", "llama-perplexity"))
+
+
+def test_bench_rounds_alternate_the_engines_and_take_the_median(monkeypatch, capsys):
+    """`--bench-rounds`: llama.cpp first in even rounds, last in odd ones; each mode's ratios
+    per round, then their median and range (stand-in measures: tg128 ratios 1.0, 2.0, 4.0)."""
+    calls: list[str] = []
+    tg = iter([100.0, 200.0, 400.0])
+
+    def llama_bench(bin_dir, model, threads, reps, depth=0):
+        calls.append("llama.cpp")
+        return {"pp512": 1000.0, "tg128": 100.0}
+
+    def pagedkv_bench(model, mode, threads, reps, depth=0):
+        calls.append(mode)
+        return {"pp512": 3000.0, "tg128": next(tg), "step_bytes": 2**20}
+
+    monkeypatch.setattr(bench, "llama_bench", llama_bench)
+    monkeypatch.setattr(bench, "pagedkv_bench", pagedkv_bench)
+    bench.bench_part(Path("bin"), Path("m.gguf"), ["packed"], threads=2, reps=1, floor=400.0,
+                     weight_bytes=2**20, rounds=3)
+    assert calls == ["llama.cpp", "packed", "packed", "llama.cpp", "llama.cpp", "packed"]
+    out = capsys.readouterr().out
+    assert "round 1 pagedkv packed" in out and "tg128 2.00x" in out
+    assert "median over 3 rounds (range): pp512 3.00x (3.00-3.00), tg128 2.00x (1.00-4.00)" in out
