@@ -550,6 +550,8 @@ def main() -> None:
     parser.add_argument("--llama-server", type=Path, default=None, metavar="BUILD_DIR",
                         help="the build holding llama-server (default: --llama-cpp's)")
     args = parser.parse_args()
+    if args.bench_rounds < 1:
+        parser.error(f"--bench-rounds must be at least 1, got {args.bench_rounds}")
     if args.gguf is None:
         from pagedkv.testing.real_model import INSTALL, smollm2_gguf_path
 
