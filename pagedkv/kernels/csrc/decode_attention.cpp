@@ -732,8 +732,8 @@ void attend_blocks(const TileInputs<scalar_t, Fmt>& in, RowHeads<D>& st, TileScr
 
 // A thread's scratch for decode_fixed's items, kept between calls (a call's few items would
 // otherwise allocate and zero about 100 KB a thread each time: about a quarter of a lone
-// 100-token decode's attention): grown to g query heads a KV head, never cleared (each item sets what it
-// reads).
+// 100-token decode's attention): grown to g query heads a KV head, never cleared (each item
+// sets what it reads).
 template <typename Fmt, int D> struct ItemScratch {
   RowHeads<D> st;
   TileScratch<Fmt, D> tile;
