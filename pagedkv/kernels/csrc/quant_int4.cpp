@@ -921,23 +921,27 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
 #define PAGEDKV_INT4_PANEL 1
 // The product from a few activation rows on (kInt4PanelMinRows), a panel of 16 weight rows
 // (output columns) at a time, as quant_int8.cpp's panel product: the panel's codes are laid out
-// once per call, 4 codes (a dword) of 8 weight rows a 256-bit vector (an 8 x 8 dword transpose
-// of the packed codes, then unpacked from their nibbles to bytes 0..15: vpdpbusd's unsigned
-// operand as they are), its groups' scales and offsets as float32 8 weight rows a vector; then
-// each activation row's 4 codes at a time, broadcast, meet the 16 weight rows' in two
-// vpdpbusd, a whole group's dot summed in each int32 lane before one convert and one
-// multiply-add by the two scales, and one multiply-add of the offsets by the group's
-// activation sum. Per activation row and 8 weight rows a group costs 8 vpdpbusd and 4 float
-// operations, where q4_rows spends 2 vpdpbusd per 4 groups of one weight row beside a permute
-// and 3 float operations (its lanes run along K), and re-reads and re-unpacks the codes for
-// every 4 activation rows; the layout's cost is shared by all the rows. 256-bit vectors: Zen 4
-// runs 512-bit ones as two halves. Below 4 rows q4_rows (the batch-1 decode's product) stays.
+// once per call, 4 codes (a dword) of 8 weight rows a 256-bit half (an 8 x 8 dword transpose of
+// the packed codes, then unpacked from their nibbles to bytes 0..15: vpdpbusd's unsigned
+// operand as they are), the two halves one 512-bit vector of the 16 rows, its groups' scales
+// and offsets as float32 16 weight rows a vector; then each activation row's 4 codes at a
+// time, broadcast, meet the 16 weight rows' in one vpdpbusd, a whole group's dot summed in each
+// int32 lane before one convert and one multiply-add by the two scales, and one multiply-add of
+// the offsets by the group's activation sum, 8 activation rows at a time (8 independent sums:
+// the instruction's latency hidden). Per activation row and 16 weight rows a group costs 8
+// vpdpbusd and 4 float operations, where q4_rows spends 2 vpdpbusd per 4 groups of one weight
+// row beside a permute and 3 float operations (its lanes run along K), and re-reads and
+// re-unpacks the codes for every 4 activation rows; the layout's cost is shared by all the rows.
+// Below 4 rows q4_rows (the batch-1 decode's product) stays.
 // Over SmolLM2-135M's shapes, one thread, weights from memory (AMD Zen 4;
 // benchmarks/bench_quant_linear.py --cold): 1.2x q4_rows' speed at 4 rows, 1.6x at 8, 2.0x at
-// 16, 2.2x at 32, 2.3x at 64, and faster than the dense bfloat16 linear at each.
+// 16, 2.2x at 32, 2.3x at 64, and faster than the dense bfloat16 linear at each. 512-bit
+// vectors and 8-row tiles against 256-bit ones and 4-row tiles (Zen 4 runs a 512-bit vpdpbusd
+// as two halves; Zen 5 whole): on AMD Zen 5 over the 1B-shaped layer's linears, one thread,
+// 1.40x at 16 rows and 1.46x at 256 (bench_quant_linear.py --shapes llama1b --paths q40).
 constexpr int64_t kInt4PanelMinRows = 4;
-constexpr int kQ4PanelCols = 16;           // weight rows a panel: two vectors of 8
-constexpr int kQ4PanelRowTile = 4;  // activation rows computed together (for_row_tiles: 4)
+constexpr int kQ4PanelCols = 16;    // weight rows a panel: one 512-bit vector of int32 lanes
+constexpr int kQ4PanelRowTile = 8;  // activation rows computed together
 // Groups along K laid out at a time: 8 (256 codes; 4 KiB of codes laid out for 16 weight rows,
 // in L1 at any K).
 constexpr int64_t kQ4PanelGroups = 8;
@@ -1044,53 +1048,43 @@ void lay_out_q4_panel(const uint8_t* codes, const S* scales, int64_t nc, int64_t
 // Activation rows row0 .. row0 + R - 1, groups [g0, g0 + ng), against a laid-out panel (pw,
 // ps, po): y [r * 16 + j] (plus its value unless `first`) += row r's product with the panel's
 // weight row j. Writes y.
+// Activation rows row0 .. row0 + R - 1, groups [g0, g0 + ng), against a laid-out panel (pw,
+// ps, po): y [r * 16 + j] (plus its value unless `first`) += row r's product with the panel's
+// weight row j. Writes y.
 template <int R>
 inline void q4_panel_tile(const __m256i* pw, const float* ps, const float* po, const Q8Act& a,
                           int64_t row0, int64_t g0, int64_t ng, float* y, bool first) {
   const int64_t padded = a.padded();
-  __m256 acc[R][2];
+  __m512 acc[R];
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h)
-      acc[r][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * kQ4PanelCols + 8 * h);
+    acc[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * kQ4PanelCols);
   for (int64_t gl = 0; gl < ng; ++gl) {
     const int64_t g = g0 + gl;
     // Row r's codes of group g: values 0-15 at x[r], 16-31 at x[r] + 64 (Q8Act's layout).
     const int8_t* x[R];
     for (int r = 0; r < R; ++r) x[r] = a.q + ((row0 + r) * a.chunks + g / 4) * 128 + (g % 4) * 16;
-    __m256i dot[R][2];
-    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     const __m256i* wg = pw + gl * 16;
 #pragma GCC unroll 8
     for (int d = 0; d < 8; ++d) {
-      const __m256i w0 = _mm256_loadu_si256(wg + 2 * d);
-      const __m256i w1 = _mm256_loadu_si256(wg + 2 * d + 1);
+      const __m512i w = _mm512_loadu_si512(wg + 2 * d);
       for (int r = 0; r < R; ++r) {
         int32_t xd;
         std::memcpy(&xd, x[r] + (d < 4 ? 4 * d : 48 + 4 * d), sizeof(xd));
-        const __m256i xv = _mm256_set1_epi32(xd);
-        dot[r][0] = _mm256_dpbusd_epi32(dot[r][0], w0, xv);
-        dot[r][1] = _mm256_dpbusd_epi32(dot[r][1], w1, xv);
+        dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(xd));
       }
     }
-    const __m256 s0 = _mm256_loadu_ps(ps + gl * kQ4PanelCols);
-    const __m256 s1 = _mm256_loadu_ps(ps + gl * kQ4PanelCols + 8);
-    const __m256 o0 = _mm256_loadu_ps(po + gl * kQ4PanelCols);
-    const __m256 o1 = _mm256_loadu_ps(po + gl * kQ4PanelCols + 8);
+    const __m512 s = _mm512_loadu_ps(ps + gl * kQ4PanelCols);
+    const __m512 o = _mm512_loadu_ps(po + gl * kQ4PanelCols);
     for (int r = 0; r < R; ++r) {
-      const __m256 step = _mm256_set1_ps(a.d[(row0 + r) * padded + g]);
-      const __m256 sum = _mm256_set1_ps(a.sum[(row0 + r) * padded + g]);
-      acc[r][0] =
-          _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][0]), _mm256_mul_ps(s0, step), acc[r][0]);
-      acc[r][1] =
-          _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][1]), _mm256_mul_ps(s1, step), acc[r][1]);
-      acc[r][0] = _mm256_fmadd_ps(o0, sum, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(o1, sum, acc[r][1]);
+      const __m512 step = _mm512_set1_ps(a.d[(row0 + r) * padded + g]);
+      const __m512 sum = _mm512_set1_ps(a.sum[(row0 + r) * padded + g]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(s, step), acc[r]);
+      acc[r] = _mm512_fmadd_ps(o, sum, acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(y + r * kQ4PanelCols, acc[r][0]);
-    _mm256_storeu_ps(y + r * kQ4PanelCols + 8, acc[r][1]);
-  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * kQ4PanelCols, acc[r]);
 }
 
 // Rows [row0, row0 + m) of out [.., n] (T) = those rows of the quantized activations `a` times
@@ -1143,7 +1137,7 @@ void q4_panel_columns(const Q8Act& a, int64_t row0, int64_t m, const uint8_t* co
           lay_out_q4_panel<false, Bits>(wp, panel_scales, nc, groups, g0, ng, pw, ps, po, next,
                                         next_rows);
         }
-        quant_rows::for_row_tiles(m, [&](int64_t r, auto tile) {
+        quant_rows::for_row_tiles<kQ4PanelRowTile>(m, [&](int64_t r, auto tile) {
           q4_panel_tile<decltype(tile)::value>(pw, ps, po, a, row0 + r, g0, ng,
                                                y + r * kQ4PanelCols, g0 == 0);
         });

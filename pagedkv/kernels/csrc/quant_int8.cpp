@@ -683,20 +683,22 @@ void dot_tile(const int8_t* w, const S* ws, const QuantizedRows& q, int64_t row0
 #define PAGEDKV_INT8_PANEL 1
 // The product from a few activation rows on (kInt8PanelMinRows), a panel of 16 weight rows
 // (output columns) at a time: the panel's codes are laid out once per call, 4 codes (a dword)
-// of 8 weight rows a 256-bit vector (an 8 x 8 dword transpose per 32 codes, offset by 128 as
-// above), its block scales as float32 8 weight rows a vector; then each activation row's 4
-// codes at a time, broadcast, meet the 16 weight rows' in two vpdpbusd, a whole block's dot
-// summed in each int32 lane (from -128 times the activation block's code sum) before one
-// convert and one multiply-add by the two scales. Per activation row and 8 weight rows a block
-// costs 8 vpdpbusd (4 at 16-code blocks) and 3 float operations, where the decode tile above
-// spends 4 beside each vpdpbusd (its lanes run along K: each 64-code chunk spans two blocks'
-// scales); the layout's cost (about the products' own at 4 rows) is shared by all the rows.
-// From 4 rows: at 2-3 it measured no faster than the decode tile (AMD Zen 4; at 3, on the
-// head's weights from memory, 0.85-0.95x its speed). 256-bit vectors:
-// Zen 4 runs 512-bit ones as two halves, so they would gain little there.
+// of 8 weight rows a 256-bit half (an 8 x 8 dword transpose per 32 codes, offset by 128 as
+// above), the two halves one 512-bit vector of the 16 rows, its block scales as float32 16
+// weight rows a vector; then each activation row's 4 codes at a time, broadcast, meet the 16
+// weight rows' in one vpdpbusd, a whole block's dot summed in each int32 lane (from -128 times
+// the activation block's code sum) before one convert and one multiply-add by the two scales,
+// 8 activation rows at a time. Per activation row and 16 weight rows a block costs 8 vpdpbusd
+// (4 at 16-code blocks) and 3 float operations, where the decode tile above spends 4 beside
+// each vpdpbusd (its lanes run along K: each 64-code chunk spans two blocks' scales); the
+// layout's cost (about the products' own at 4 rows) is shared by all the rows. From 4 rows: at
+// 2-3 it measured no faster than the decode tile (AMD Zen 4; at 3, on the head's weights from
+// memory, 0.85-0.95x its speed). 512-bit vectors and 8-row tiles against 256-bit ones and
+// 4-row tiles: on AMD Zen 5 over the 1B-shaped layer's linears, one thread, Q8_0 1.25x at 16
+// rows and 1.48x at 256, Q6_K 1.37x and 1.52x (bench_quant_linear.py --paths q8gemv,q6k6).
 constexpr int64_t kInt8PanelMinRows = 4;
-constexpr int kPanelCols = 16;    // weight rows a panel: two vectors of 8
-constexpr int kPanelRowTile = 4;  // activation rows computed together (for_row_tiles: 4)
+constexpr int kPanelCols = 16;    // weight rows a panel: one 512-bit vector of int32 lanes
+constexpr int kPanelRowTile = 8;  // activation rows computed together
 // How far ahead of the panel being laid out its codes are asked for into L2 (rounded to whole
 // panels, at least the next): 8 KiB measured a little ahead of 32 and 64 on SmolLM2's head at
 // 4-16 rows (AMD Zen 4, weights from memory), within the noise of a shared machine.
@@ -815,41 +817,31 @@ inline void panel_tile(const __m256i* pw, const float* ps, const QuantizedRows& 
                        float* y, bool first) {
   constexpr int64_t D = B / 4;  // dwords a block
   const int64_t kb = k / B, b0 = c0 / B;
-  __m256 acc[R][2];
+  __m512 acc[R];
   for (int r = 0; r < R; ++r)
-    for (int g = 0; g < 2; ++g)
-      acc[r][g] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * kPanelCols + 8 * g);
+    acc[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * kPanelCols);
   const int32_t* x[R];
   for (int r = 0; r < R; ++r)
     x[r] = reinterpret_cast<const int32_t*>(q.codes + (row0 + r) * k + c0);
   for (int64_t b = 0; b < len / B; ++b) {
-    __m256i dot[R][2];
-    for (int r = 0; r < R; ++r)
-      dot[r][0] = dot[r][1] = _mm256_set1_epi32(offset[(row0 + r) * kb + b0 + b]);
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_set1_epi32(offset[(row0 + r) * kb + b0 + b]);
     const __m256i* wb = pw + b * D * 2;
     for (int64_t d = 0; d < D; ++d) {
-      const __m256i w0 = _mm256_loadu_si256(wb + 2 * d);
-      const __m256i w1 = _mm256_loadu_si256(wb + 2 * d + 1);
+      const __m512i w = _mm512_loadu_si512(wb + 2 * d);
       for (int r = 0; r < R; ++r) {
         int32_t xd;
         std::memcpy(&xd, x[r] + b * D + d, sizeof(xd));
-        const __m256i xv = _mm256_set1_epi32(xd);
-        dot[r][0] = _mm256_dpbusd_epi32(dot[r][0], w0, xv);
-        dot[r][1] = _mm256_dpbusd_epi32(dot[r][1], w1, xv);
+        dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(xd));
       }
     }
-    const __m256 s0 = _mm256_loadu_ps(ps + b * kPanelCols);
-    const __m256 s1 = _mm256_loadu_ps(ps + b * kPanelCols + 8);
+    const __m512 s = _mm512_loadu_ps(ps + b * kPanelCols);
     for (int r = 0; r < R; ++r) {
-      const __m256 xs = _mm256_set1_ps(q.block_scale[(row0 + r) * kb + b0 + b]);
-      acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][0]), _mm256_mul_ps(s0, xs), acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][1]), _mm256_mul_ps(s1, xs), acc[r][1]);
+      const __m512 xs = _mm512_set1_ps(q.block_scale[(row0 + r) * kb + b0 + b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(s, xs), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(y + r * kPanelCols, acc[r][0]);
-    _mm256_storeu_ps(y + r * kPanelCols + 8, acc[r][1]);
-  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * kPanelCols, acc[r]);
 }
 
 // out [m, n] (T) = x's quantized rows `q` times the weight, a panel of 16 weight rows at a time
@@ -894,7 +886,7 @@ void panel_columns(const QuantizedRows& q, int64_t m, const CodeSrc& codes, cons
           lay_out_panel<B, false, CodeSrc::kBits>(codes.bytes(col), tile_scales, nc, k, c0, len,
                                                pw, ps, next, next_rows);
         }
-        quant_rows::for_row_tiles(m, [&](int64_t r, auto tile) {
+        quant_rows::for_row_tiles<kPanelRowTile>(m, [&](int64_t r, auto tile) {
           panel_tile<decltype(tile)::value, B>(pw, ps, q, offset, r, k, c0, len,
                                                y + r * kPanelCols, c0 == 0);
         });

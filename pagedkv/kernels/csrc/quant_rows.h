@@ -148,19 +148,21 @@ inline void for_row_blocks(int64_t m, int64_t k, const Fn& fn) {
   for (int64_t r0 = 0; r0 < m; r0 += block) fn(r0, std::min(block, m - r0));
 }
 
-// fn(row, tile) for row = 0, 4, 8, ... below m, `tile` a std::integral_constant<int, R> of the
-// R rows from `row` the panel products compute together (4, or the 1-3 left at the end; their
-// kPanelRowTile / kQ4PanelRowTile).
-template <typename Fn>
-inline void for_row_tiles(int64_t m, const Fn& fn) {
-  for (int64_t r = 0; r < m; r += 4) {
-    switch (std::min<int64_t>(4, m - r)) {
-      case 4: fn(r, std::integral_constant<int, 4>{}); break;
-      case 3: fn(r, std::integral_constant<int, 3>{}); break;
-      case 2: fn(r, std::integral_constant<int, 2>{}); break;
-      default: fn(r, std::integral_constant<int, 1>{}); break;
-    }
+// fn(row, tile) for row = 0, Max, 2 Max, ... below m, `tile` a std::integral_constant<int, R>
+// of the R rows from `row` the panel products compute together (Max, or the rest at the end;
+// their kPanelRowTile / kQ4PanelRowTile).
+template <int Max, int R = Max, typename Fn>
+inline void row_tile(int64_t r, int64_t left, const Fn& fn) {
+  if constexpr (R == 1) {
+    fn(r, std::integral_constant<int, 1>{});
+  } else {
+    if (left >= R) fn(r, std::integral_constant<int, R>{});
+    else row_tile<Max, R - 1>(r, left, fn);
   }
+}
+template <int Max = 4, typename Fn>
+inline void for_row_tiles(int64_t m, const Fn& fn) {
+  for (int64_t r = 0; r < m; r += Max) row_tile<Max>(r, m - r, fn);
 }
 
 // What int4_tile_rows / int8_block_tile_rows return where the panel product runs every call:
