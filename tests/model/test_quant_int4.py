@@ -90,7 +90,7 @@ def test_int4_linear_equals_float64_reference(packed, rows, dtype, kernels, monk
     xd = x.double().numpy()
     want = xd @ w.T
     bound = REL * (np.abs(xd) @ np.abs(w).T + np.abs(want)) + 1e-6
-    if kernels == "fused" and rows <= product_rows():
+    if kernels == "fused" and rows <= linear.product_rows_for(dtype):
         step = np.abs(xd).reshape(rows, -1, 32).max(axis=2) / 127  # [rows, K/32]
         bound += (step / 2) @ np.abs(w).reshape(N, -1, 32).sum(axis=2).T
     err = np.abs(got.double().numpy() - want)

@@ -22,7 +22,6 @@ from pagedkv.model.quant.int8_block_linear import (
     Int8BlockEmbedding,
     Int8BlockLinear,
     expand_reference,
-    product_rows,
 )
 from pagedkv.model.quant.int8_blocks import (
     IQ4_VALUES,
@@ -266,7 +265,7 @@ def test_linear_equals_float64_references(block, rows, dtype, scale_dtype):
     w = expand_reference(linear.codes, linear.scales, torch.float64)
     magnitude = x.double().abs() @ w.abs().T
     out_rounding = (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -20) * (magnitude + 1e-6)
-    if rows <= product_rows():  # the integer kernel (AMX tiles from 10 rows where they run)
+    if rows <= linear.product_rows_for(dtype):  # the integer kernel (AMX tiles from 10 rows)
         q, d = quantized_activations(x, block)
         exact = ((q * d).reshape(rows, K)) @ w.T
         assert ((got - exact).abs() <= out_rounding).all()

@@ -8,8 +8,9 @@ own values, else float32; Q4_0's float16 scales alone, its offsets -8 times them
 K-quants' as the file has them, two levels in a uint8 table: int4_blocks.k_quant_two_level),
 read front to back by both paths (kernels/csrc/quant_int4.cpp; 5-bit codes run the VNNI panel
 product where 4-bit ones run AMX tiles):
-- a call up to `product_rows` rows (`GEMV_ROWS` with AVX2, 64 where AMX-INT8 tiles run,
-  every call with AVX-512 VNNI's panel product) runs `int4_gemv`: as llama.cpp's Q4 x Q8 dot, each
+- a call up to its product rows (measured per shape class and rows bucket: product_route.py;
+  where the choice is forced, `product_rows()`: `GEMV_ROWS` with AVX2, 64 where AMX-INT8 tiles
+  run, every call with AVX-512 VNNI's panel product) runs `int4_gemv`: as llama.cpp's Q4 x Q8 dot, each
   activation row quantized once to int8 per group of 32, integer dot products on the codes
   (AVX-512 VNNI, AVX2), each group's sum scaled in float32; about 2x torch's
   `_weight_int4pack_mm_for_cpu` summed over SmolLM2's shapes with the weights out of cache, at
@@ -18,7 +19,8 @@ product where 4-bit ones run AMX tiles):
   rows (the panel product, a block of up to 256 rows at a time: at 16-64 rows 1.4-2x the
   expansion below, 1.2x at 512-2,048, and faster than the dense bfloat16 linear at each, on
   AMD Zen 4), and at 10-64 rows AMX tiles run it (1.2-1.9x the expansion);
-- a larger call (with AVX2 alone, or past 64 rows on AMX) expands the codes to a dense weight
+- a larger call (with AVX2 alone, past 64 rows on AMX, or where the measurement says so: a
+  prefill on AMD Zen 5, whose bfloat16 matmul runs at full width) expands the codes to a dense weight
   in the activation dtype (`int4_expand`) and runs the dense matmul (oneDNN's: its bfloat16
   AMX kernels win on a prefill's hundreds of rows).
 Until the fused kernels load (a background build) decode-sized calls run torch's int4 op on a
@@ -42,6 +44,7 @@ from pagedkv.kernels.cpu import cpu_kernels_loaded
 from pagedkv.model.decode_stack import LinearCall
 from pagedkv.model.quant.gguf_parts import narrowest_scales
 from pagedkv.model.quant.int4_blocks import GROUP, code_bits, two_level_scales
+from pagedkv.model.quant.product_route import ProductRoute
 
 _EXPAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -54,7 +57,8 @@ GEMV_ROWS = 12
 
 @functools.cache
 def product_rows() -> int:
-    """Rows up to which Int4Linear runs the int4 product with the fused kernels loaded."""
+    """Rows up to which Int4Linear runs the int4 product with the fused kernels loaded, by the
+    instruction-set rule (a forced kernel choice; else measured: Int4Linear.product_rows_for)."""
     return max(GEMV_ROWS, int(torch.ops.pagedkv_cpu.int4_tile_rows()))
 
 
@@ -152,6 +156,20 @@ class Int4Linear(nn.Module):
             else _param(torch.from_numpy(np.ascontiguousarray(codes)))
         self.scales = table if isinstance(table, nn.Parameter) else _param(table)
         self.bias = None if bias is None else _param(bias.detach().clone())
+        self.route = ProductRoute(self._format(), n, self.in_features, bias is not None,
+                                  product_rows)
+
+    def _format(self) -> str:
+        """The packed format as the kernel choice's shape class names it: the code bits and
+        the scales' layout ("int4-q4_0", "int4-float16", "int5-two-level")."""
+        s = self.scales
+        if s.dtype == torch.uint8:
+            layout = "two-level"
+        elif s.dtype == torch.float16 and s.shape[1] * GROUP == self.in_features:
+            layout = "q4_0"
+        else:
+            layout = str(s.dtype).removeprefix("torch.")
+        return f"int{self.bits}-{layout}"
 
     @classmethod
     def from_two_level(cls, codes: np.ndarray, table: np.ndarray,
@@ -162,7 +180,9 @@ class Int4Linear(nn.Module):
         return cls(codes, None, None, bias, table=table)
 
     def pack(self, panels: bool = False) -> bool:
-        """Nothing to prepare (the weight is packed at build); the model's `pack` calls."""
+        """Nothing to prepare (the weight is packed at build) but the product rows, chosen
+        again at the next call (mutates self.route)."""
+        self.route.reset()
         return True
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -191,7 +211,7 @@ class Int4Linear(nn.Module):
     def decode_call(self, rows: int) -> LinearCall | None:
         """The one op `forward` runs with the fused kernels loaded (decode_stack.py)."""
         return LinearCall("pagedkv_cpu::int4_linear", (self.codes, self.scales, self.bias),
-                          (product_rows(),))
+                          (self.route.last(),))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_kernels_loaded():  # one op: its row count picks the product or the expansion
@@ -199,8 +219,18 @@ class Int4Linear(nn.Module):
                 _torch_int4_copies.clear()  # the kernels are in: the torch op's copies go
             p = self._parameters  # (not nn.Module's __getattr__: a microsecond a parameter)
             return torch.ops.pagedkv_cpu.int4_linear(x, p["codes"], p["scales"], p.get("bias"),
-                                                     product_rows())
+                                                     self.product_rows_for(x.dtype))
         return self._forward_without_kernels(x)
+
+    def product_rows_for(self, dtype: torch.dtype) -> int:
+        """Rows up to which a call on `dtype` activations runs the integer product (beyond:
+        the expanded weight), measured at the first such call (product_route.py)."""
+        return self.route.rows(dtype, self._call)
+
+    def _call(self, x: torch.Tensor, product_rows: int) -> torch.Tensor:
+        """The fused op with the product up to `product_rows` rows (the route's candidates)."""
+        return torch.ops.pagedkv_cpu.int4_linear(x, self.codes, self.scales, self.bias,
+                                                 product_rows)
 
     def _forward_without_kernels(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)

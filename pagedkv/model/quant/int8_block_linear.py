@@ -5,8 +5,9 @@ Q3_K's two levels (a uint8 table: int8_blocks.q6_k_two_level), else float32; Q6_
 bits, Q5_0's in 5, IQ4's as 4-bit indices and Q3_K's in 3 (uint8 [N, K/64 * 8 * bits]:
 int8_blocks.packed_codes), others a byte each.
 
-The linear's calls up to `product_rows` rows (`INT8_BLOCK_ROWS` with AVX2, 64 where AMX-INT8
-tiles run, every call with AVX-512 VNNI's panel product) run `int8_block_linear`
+The linear's calls up to its product rows (measured per shape class and rows bucket:
+product_route.py; where the choice is forced, `product_rows()`: `INT8_BLOCK_ROWS` with AVX2, 64
+where AMX-INT8 tiles run, every call with AVX-512 VNNI's panel product) run `int8_block_linear`
 (kernels/csrc/quant_int8.cpp: activations quantized per block to int8, as llama.cpp's Q8_0 dot
 does, integer dot products with AVX-512 VNNI or AVX2; from 4 rows on AVX-512 VNNI a panel
 product, a block of up to 256 rows at a time, from 10 on AMX tiles); larger ones expand the
@@ -29,6 +30,7 @@ from torch.nn import functional as F
 from pagedkv.kernels.cpu import cpu_kernels_loaded
 from pagedkv.model.decode_stack import LinearCall
 from pagedkv.model.quant.int8_blocks import two_level_block_scales, unpacked_codes
+from pagedkv.model.quant.product_route import ProductRoute
 
 _EXPAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows up to which the integer kernel runs where neither AVX-512 VNNI's panel product nor AMX
@@ -139,9 +141,14 @@ class Int8BlockLinear(nn.Module):
         self.codes = codes if isinstance(codes, nn.Parameter) else _param(codes.contiguous())
         self.scales = scales if isinstance(scales, nn.Parameter) else _param(_scales(scales))
         self.bias = None if bias is None else _param(bias.detach().clone())
+        two_level = "-two-level" if self.scales.dtype == torch.uint8 else ""
+        self.route = ProductRoute(f"int{bits}-b{self.block}{two_level}", self.out_features,
+                                  self.in_features, bias is not None, product_rows)
 
     def pack(self, panels: bool = False) -> bool:
-        """Nothing to prepare (the weight is packed at build); the model's `pack` calls."""
+        """Nothing to prepare (the weight is packed at build) but the product rows, chosen
+        again at the next call (mutates self.route)."""
+        self.route.reset()
         return True
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -151,17 +158,27 @@ class Int8BlockLinear(nn.Module):
     def decode_call(self, rows: int) -> LinearCall | None:
         """The one op `forward` runs with the fused kernels loaded (decode_stack.py)."""
         return LinearCall("pagedkv_cpu::int8_block_forward", (self.codes, self.scales, self.bias),
-                          (self.block, product_rows()))
+                          (self.block, self.route.last()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_kernels_loaded():  # one op: its row count picks the product or the expansion
             p = self._parameters  # (not nn.Module's __getattr__: a microsecond a parameter)
             return torch.ops.pagedkv_cpu.int8_block_forward(x, p["codes"], p["scales"],
                                                             self.block, p.get("bias"),
-                                                            product_rows())
+                                                            self.product_rows_for(x.dtype))
         rows = x.reshape(-1, self.in_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return self._expanded_linear(rows, bias).view(*x.shape[:-1], self.out_features)
+
+    def product_rows_for(self, dtype: torch.dtype) -> int:
+        """Rows up to which a call on `dtype` activations runs the integer product (beyond:
+        the expanded weight), measured at the first such call (product_route.py)."""
+        return self.route.rows(dtype, self._call)
+
+    def _call(self, x: torch.Tensor, product_rows: int) -> torch.Tensor:
+        """The fused op with the product up to `product_rows` rows (the route's candidates)."""
+        return torch.ops.pagedkv_cpu.int8_block_forward(x, self.codes, self.scales, self.block,
+                                                        self.bias, product_rows)
 
     def _expanded_linear(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """rows W^T (+ bias) through the dense matmul, W expanded a chunk of rows at a time."""
