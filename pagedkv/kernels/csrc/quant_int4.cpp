@@ -485,10 +485,20 @@ inline const float* two_level_rows(const TwoLevel& two, int64_t r0, int64_t nr, 
     float* o = buf + r * 2 * groups;
     if (two.scale_only) {  // offset = -8 x scale
       const c10::Half* d = reinterpret_cast<const c10::Half*>(t);
+#if defined(PAGEDKV_INT_VNNI)
+      for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+        const __mmask16 mask = static_cast<__mmask16>(
+            groups - g0 >= 16 ? 0xFFFF : (1u << (groups - g0)) - 1);
+        const __m512 sc = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d + g0));
+        _mm512_mask_storeu_ps(o + g0, mask, sc);
+        _mm512_mask_storeu_ps(o + groups + g0, mask, _mm512_mul_ps(sc, _mm512_set1_ps(-8.f)));
+      }
+#else
       for (int64_t g = 0; g < groups; ++g) {
         o[g] = scale_f(d, g);
         o[groups + g] = -8.f * o[g];
       }
+#endif
       continue;
     }
 #if defined(PAGEDKV_INT_VNNI)
@@ -978,31 +988,28 @@ void lay_out_q4_panel(const uint8_t* codes, const S* scales, int64_t nc, int64_t
         prefetch_l2(next + j * row_bytes + g0 * (kInt4Group / 2) + b);
       if constexpr (Bits == 5) prefetch_l2(next + j * row_bytes + 16 * groups + 4 * g0);
     }
-  const __m256i low4 = _mm256_set1_epi8(15);
+  const __m512i low4 = _mm512_set1_epi8(15);
+  // A row's 32 code bytes of groups p, p + 1 (16 of group p alone at the end), zeros past nc.
+  auto row_codes = [&](int64_t row, int64_t p, bool pair) {
+    if (row >= nc) return _mm256_setzero_si256();
+    const uint8_t* src = codes + row * row_bytes + (g0 + p) * (kInt4Group / 2);
+    return pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
+                : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  };
   for (int64_t p = 0; p < ng; p += 2) {  // two groups (32 code bytes) of each row at a time
     const bool pair = p + 1 < ng;
-    for (int h = 0; h < 2; ++h) {
-      // Row i's packed dwords: 0-3 group p's, 4-7 group p + 1's (each 4 codes in the low
-      // nibbles, the 4 codes 16 on in the high ones); transposed first, unpacked after.
-      __m256i r[8];
-      for (int i = 0; i < 8; ++i) {
-        const int64_t row = 8 * h + i;
-        r[i] = _mm256_setzero_si256();
-        if (row < nc) {
-          const uint8_t* src = codes + row * row_bytes + (g0 + p) * (kInt4Group / 2);
-          r[i] = pair
-              ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
-              : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-        }
-      }
-      quant_rows::transpose8x8(r);
-      for (int q = 0; q < 8; ++q) {
-        if (q >= 4 && !pair) break;
-        const int64_t at = (p + q / 4) * 8 + q % 4;  // group p + q / 4, its dword q % 4
-        _mm256_storeu_si256(pw + at * 2 + h, _mm256_and_si256(r[q], low4));
-        _mm256_storeu_si256(pw + (at + 4) * 2 + h,
-                            _mm256_and_si256(_mm256_srli_epi16(r[q], 4), low4));
-      }
+    // Rows i and 8 + i's packed dwords: 0-3 group p's, 4-7 group p + 1's (each 4 codes in the
+    // low nibbles, the 4 codes 16 on in the high ones); transposed first, unpacked after.
+    __m512i r[8];
+    for (int i = 0; i < 8; ++i)
+      r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(row_codes(i, p, pair)),
+                                row_codes(8 + i, p, pair), 1);
+    quant_rows::transpose8x8x2(r);
+    for (int q = 0; q < 8; ++q) {
+      if (q >= 4 && !pair) break;
+      const int64_t at = (p + q / 4) * 8 + q % 4;  // group p + q / 4, its dword q % 4
+      _mm512_storeu_si512(pw + at * 2, _mm512_and_si512(r[q], low4));
+      _mm512_storeu_si512(pw + (at + 4) * 2, _mm512_and_si512(_mm512_srli_epi16(r[q], 4), low4));
     }
   }
   if constexpr (Bits == 5) {
@@ -1024,24 +1031,24 @@ void lay_out_q4_panel(const uint8_t* codes, const S* scales, int64_t nc, int64_t
         }
       }
   }
+  // Each row's 8 scales (offsets) of the chunk, rows i and 8 + i a vector, transposed as the
+  // codes were: group q's 16 rows' values in one vector.
   const __mmask8 mask = static_cast<__mmask8>((1u << ng) - 1);
-  for (int h = 0; h < 2; ++h) {
-    __m256i s[8], o[8];
-    for (int i = 0; i < 8; ++i) {
-      const int64_t row = 8 * h + i;
-      s[i] = o[i] = _mm256_setzero_si256();
-      if (row < nc) {
-        s[i] = _mm256_castps_si256(q4_panel_scales(scales + row * row_s + g0, mask));
-        o[i] = _mm256_castps_si256(q4_panel_scales(scales + row * row_s + groups + g0, mask));
-      }
-    }
-    quant_rows::transpose8x8(s);
-    quant_rows::transpose8x8(o);
-    for (int q = 0; q < 8; ++q) {
-      if (q >= ng) break;
-      _mm256_storeu_ps(ps + q * kQ4PanelCols + 8 * h, _mm256_castsi256_ps(s[q]));
-      _mm256_storeu_ps(po + q * kQ4PanelCols + 8 * h, _mm256_castsi256_ps(o[q]));
-    }
+  auto row_values = [&](int64_t row, int64_t from) {
+    if (row >= nc) return _mm256_setzero_si256();
+    return _mm256_castps_si256(q4_panel_scales(scales + row * row_s + from + g0, mask));
+  };
+  __m512i sv[8], ov[8];
+  for (int i = 0; i < 8; ++i) {
+    sv[i] = _mm512_inserti64x4(_mm512_castsi256_si512(row_values(i, 0)), row_values(8 + i, 0), 1);
+    ov[i] = _mm512_inserti64x4(_mm512_castsi256_si512(row_values(i, groups)),
+                               row_values(8 + i, groups), 1);
+  }
+  quant_rows::transpose8x8x2(sv);
+  quant_rows::transpose8x8x2(ov);
+  for (int q = 0; q < ng; ++q) {
+    _mm512_storeu_si512(ps + q * kQ4PanelCols, sv[q]);
+    _mm512_storeu_si512(po + q * kQ4PanelCols, ov[q]);
   }
 }
 
