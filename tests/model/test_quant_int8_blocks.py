@@ -15,6 +15,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
+from pagedkv.kernels import choice
 from pagedkv.kernels.cpu import ensure_cpu_kernels
 from pagedkv.model.quant.gguf_parts import narrowest_scales
 from pagedkv.model.quant.int8_block_linear import (
@@ -153,13 +154,15 @@ def two_level_linears(n: int, k: int, seed: int, kind: GGMLQuantizationType = Q6
 
 @pytest.mark.parametrize("kind", [Q6_K, GGMLQuantizationType.Q3_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 12, 40, 300])
-def test_two_level_and_packed_products_equal_the_float32_tables(rows, kind):
+def test_two_level_and_packed_products_equal_the_float32_tables(rows, kind, monkeypatch):
     """Every path on Q6_K's (Q3_K's) two levels, with int8 codes or 6-bit (3-bit) ones (the
     decode tiles at 1-3 rows reading the packed bits in place, the panel product from 4
     unpacking them as it lays the panel out, AMX tiles from 10, row blocks at 300; 40 outputs:
     2 tasks of 16 and a tail of 8), on one thread and two, in bfloat16 and float32, gives the
     float32 table's very outputs (the same codes and scales); so do the expansion and the
-    embedding rows."""
+    embedding rows. (The rows' route forced: each layout is a shape class of its own, whose
+    measured product rows may differ.)"""
+    monkeypatch.setenv(choice.ENV, "isa")
     linears = two_level_linears(40, 768, seed=rows, kind=kind)
     wide = linears.pop("wide")
     threads = torch.get_num_threads()
@@ -207,11 +210,12 @@ def packed_pair(ggml_type: GGMLQuantizationType, n: int, k: int, seed: int
 @pytest.mark.parametrize("ggml_type,k", [(Q5_0, 576), (IQ4_NL, 576), (IQ4_XS, 768)],
                          ids=["Q5_0", "IQ4_NL", "IQ4_XS"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 12, 300])
-def test_packed_products_equal_the_int8_codes(ggml_type, k, rows):
+def test_packed_products_equal_the_int8_codes(ggml_type, k, rows, monkeypatch):
     """Q5_0's codes in 5 bits and IQ4's as 4-bit indices (K = 576: nine chunks of 64, as
     SmolLM2's rows; 768 for IQ4_XS's super-blocks; 40 outputs), on one thread and two, in
     bfloat16 and float32, give the int8 codes' very outputs on every path (decode tiles,
-    panel, row blocks, the expansion, the embedding rows)."""
+    panel, row blocks, the expansion, the embedding rows; the rows' route forced, as above)."""
+    monkeypatch.setenv(choice.ENV, "isa")
     five, plain = packed_pair(ggml_type, 40, k, seed=rows)
     threads = torch.get_num_threads()
     try:
@@ -381,7 +385,7 @@ def test_embedding_dequantizes_only_the_rows_asked_for():
 
 
 _AVX2_CHECK = """
-import json, torch
+import json, os, torch
 from pagedkv.kernels.cpu import ensure_cpu_kernels
 assert ensure_cpu_kernels("wait")
 from tests.model.test_quant_int8_blocks import quantized_activations, random_linear
@@ -396,6 +400,7 @@ for block, scale_dtype in ((16, torch.float32), (32, torch.float32), (32, torch.
     exact = (q * d).reshape(5, -1) @ w.T
     worst = max(worst, float(((got - exact).abs() / (x.double().abs() @ w.abs().T)).max()))
 from tests.model.test_quant_int8_blocks import TWO_LEVEL, two_level_linears
+os.environ["PAGEDKV_KERNEL_CHOICE"] = "isa"  # each layout's rows routed alike (until the end)
 same = True
 for kind in TWO_LEVEL:
     linears = two_level_linears(40, 768, seed=2, kind=kind)
@@ -409,6 +414,7 @@ for ggml_type in (Q5_0, IQ4_NL):
     for rows in (1, 20):
         x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(3))
         same &= torch.equal(packed(x), plain(x))
+del os.environ["PAGEDKV_KERNEL_CHOICE"]
 print(json.dumps([torch.ops.pagedkv_cpu.int8_block_isa(), worst, same]))
 """
 
