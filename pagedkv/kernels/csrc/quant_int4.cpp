@@ -948,7 +948,7 @@ inline void q4_rows(const uint8_t* codes, const S* scales, int64_t groups, const
 // 16, 2.2x at 32, 2.3x at 64, and faster than the dense bfloat16 linear at each. 512-bit
 // vectors and 8-row tiles against 256-bit ones and 4-row tiles (Zen 4 runs a 512-bit vpdpbusd
 // as two halves; Zen 5 whole): on AMD Zen 5 over the 1B-shaped layer's linears, one thread,
-// 1.40x at 16 rows and 1.46x at 256 (bench_quant_linear.py --shapes llama1b --paths q40).
+// 1.35x at 16 rows and 1.46x at 256 (bench_quant_linear.py --shapes llama1b --paths q40).
 constexpr int64_t kInt4PanelMinRows = 4;
 constexpr int kQ4PanelCols = 16;    // weight rows a panel: one 512-bit vector of int32 lanes
 constexpr int kQ4PanelRowTile = 8;  // activation rows computed together

@@ -5,9 +5,10 @@ Both paths are one op (`int4_linear`, `int8_block_forward`) that takes the row c
 which it runs the product. The right count depends on the CPU, not on its instruction set
 alone: on AMD Zen 4 the AVX-512 VNNI panel product beat the expanded weight's bfloat16 matmul
 at every row count measured, while on Zen 5, whose 512-bit units run oneDNN's bfloat16 matmul
-at full width, the expansion wins SmolLM2's prefills (1.17-1.19x at 256 and 1,024 rows over
-its shapes, one thread: benchmarks/bench_quant_linear.py --paths q40,int4expand) and loses its
-decodes; on Intel with AMX the tiles' product wins up to about 64 rows. So each packed shape
+at full width, the expansion won SmolLM2's prefills (1.17-1.19x at 256 and 1,024 rows over
+its shapes, one thread: benchmarks/bench_quant_linear.py --paths q40,int4expand) while the
+panel product ran 256-bit vectors, and still takes the tied Q8_0 head past 64 rows; on Intel
+with AMX the tiles' product wins up to about 64 rows. So each packed shape
 class (its format, the activation dtype, N x K, bias) is timed once per rows bucket by
 kernels/choice.py, the candidates "product" and "expand", the product kept unless the
 expansion is clearly faster; the table is cached on disk with the dense linears' and listed
