@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from pagedkv.kernels import choice
-from pagedkv.kernels.cpu import ensure_cpu_kernels
 from pagedkv.model import decode_choice
 from pagedkv.model.backends.cpu_native import CpuNativeBackend, NativeAttentionMetadata
 from pagedkv.model.backends.step import StepSequences
@@ -25,11 +24,8 @@ NATIVE = (("native",) * len(decode_choice.CONTEXTS),) * len(decode_choice.BATCHE
 
 
 @pytest.fixture(autouse=True)
-def _fresh_choice(tmp_path, monkeypatch):
-    """The kernels loaded, an empty kernel cache folder and in-process table per test."""
-    assert ensure_cpu_kernels("wait")
-    monkeypatch.setenv("PAGEDKV_KERNEL_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(choice.ENV, raising=False)
+def _fresh_choice(fresh_kernel_choice, monkeypatch):
+    """An empty in-process decode table per test (beside fresh_kernel_choice's)."""
     monkeypatch.setattr(decode_choice, "_tables", {})
     monkeypatch.setattr(decode_choice, "_in_use", {})
     monkeypatch.setattr(decode_choice, "POOL_TOKENS", 256)  # small caches: quick tests

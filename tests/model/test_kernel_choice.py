@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from pagedkv.kernels import choice
-from pagedkv.kernels.cpu import ensure_cpu_kernels
 from pagedkv.model.layers import Linear, onednn_takes
 from pagedkv.testing.panel_linear_check import worst_ratio
 
@@ -19,13 +18,7 @@ from pagedkv.testing.panel_linear_check import worst_ratio
 BUCKET_ROWS = sorted({r for first, last in choice.ROW_BUCKETS for r in (first, last)} | {600})
 
 
-@pytest.fixture(autouse=True)
-def _fresh_choice(tmp_path, monkeypatch):
-    """The kernels loaded, an empty kernel cache folder and in-process table per test."""
-    assert ensure_cpu_kernels("wait")
-    monkeypatch.setenv("PAGEDKV_KERNEL_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(choice.ENV, raising=False)
-    monkeypatch.setattr(choice, "_tables", {})
+pytestmark = pytest.mark.usefixtures("fresh_kernel_choice")
 
 
 def make_layer(dtype: torch.dtype, in_features: int = 72, out_features: int = 40,

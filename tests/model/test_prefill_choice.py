@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from pagedkv.kernels import choice
-from pagedkv.kernels.cpu import ensure_cpu_kernels
 from pagedkv.model import prefill_choice
 from pagedkv.model.attention import PrefillChunk
 from pagedkv.model.backends.cpu_native import NativeAttentionMetadata
@@ -21,11 +20,8 @@ CLASS = (torch.bfloat16, 8, 4, 64, 16)  # dtype, heads, KV heads, head size, blo
 
 
 @pytest.fixture(autouse=True)
-def _fresh_choice(tmp_path, monkeypatch):
-    """The kernels loaded, an empty kernel cache folder and in-process table per test."""
-    assert ensure_cpu_kernels("wait")
-    monkeypatch.setenv("PAGEDKV_KERNEL_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(choice.ENV, raising=False)
+def _fresh_choice(fresh_kernel_choice, monkeypatch):
+    """An empty in-process prefill table per test (beside fresh_kernel_choice's)."""
     monkeypatch.setattr(prefill_choice, "_torch_from", {})
 
 

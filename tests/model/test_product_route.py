@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from pagedkv.kernels import choice
-from pagedkv.kernels.cpu import ensure_cpu_kernels
 from pagedkv.model.quant import int4_linear, int8_block_linear
 from pagedkv.model.quant.int4_linear import Int4Linear
 from pagedkv.model.quant.int8_block_linear import Int8BlockLinear
@@ -22,14 +21,7 @@ BUCKETS = len(choice.ROW_BUCKETS)
 EXPAND_FROM_65 = ("product",) * 5 + ("expand",) * 3
 
 
-@pytest.fixture(autouse=True)
-def _fresh_choice(tmp_path, monkeypatch):
-    """The kernels loaded, an empty kernel cache folder and in-process table per test."""
-    assert ensure_cpu_kernels("wait")
-    monkeypatch.setenv("PAGEDKV_KERNEL_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(choice.ENV, raising=False)
-    monkeypatch.setattr(choice, "_tables", {})
-    monkeypatch.setattr(choice, "_in_use", {})
+pytestmark = pytest.mark.usefixtures("fresh_kernel_choice")
 
 
 def q4_0_linear(seed: int = 0) -> Int4Linear:
