@@ -1015,21 +1015,21 @@ void lay_out_q4_panel(const uint8_t* codes, const S* scales, int64_t nc, int64_t
   if constexpr (Bits == 5) {
     // Each row's high bits of a group as bytes (16 where set) in code order, dword d = codes
     // 4d .. 4d + 3 (the laid-out dword d's), transposed as the codes were and added.
-    for (int64_t p = 0; p < ng; ++p)
-      for (int h = 0; h < 2; ++h) {
-        __m256i e[8];
-        for (int i = 0; i < 8; ++i) {
-          const int64_t row = 8 * h + i;
-          e[i] = row < nc ? _mm256_maskz_mov_epi8(high_bits(codes + row * row_bytes, groups, g0 + p),
-                                                  _mm256_set1_epi8(16))
-                          : _mm256_setzero_si256();
-        }
-        quant_rows::transpose8x8(e);
-        for (int d = 0; d < 8; ++d) {
-          __m256i* at = pw + (p * 8 + d) * 2 + h;
-          _mm256_storeu_si256(at, _mm256_or_si256(_mm256_loadu_si256(at), e[d]));
-        }
+    // Rows i and 8 + i a vector (their 32 bits a mask each), as the codes.
+    auto row_bits = [&](int64_t row, int64_t g) -> uint64_t {
+      return row < nc ? high_bits(codes + row * row_bytes, groups, g) : 0;
+    };
+    for (int64_t p = 0; p < ng; ++p) {
+      __m512i e[8];
+      for (int i = 0; i < 8; ++i)
+        e[i] = _mm512_maskz_mov_epi8(row_bits(i, g0 + p) | row_bits(8 + i, g0 + p) << 32,
+                                     _mm512_set1_epi8(16));
+      quant_rows::transpose8x8x2(e);
+      for (int d = 0; d < 8; ++d) {
+        __m256i* at = pw + (p * 8 + d) * 2;
+        _mm512_storeu_si512(at, _mm512_or_si512(_mm512_loadu_si512(at), e[d]));
       }
+    }
   }
   // Each row's 8 scales (offsets) of the chunk, rows i and 8 + i a vector, transposed as the
   // codes were: group q's 16 rows' values in one vector.
