@@ -10,19 +10,18 @@ read front to back by both paths (kernels/csrc/quant_int4.cpp; 5-bit codes run t
 product where 4-bit ones run AMX tiles):
 - a call up to its product rows (measured per shape class and rows bucket: product_route.py;
   where the choice is forced, `product_rows()`: `GEMV_ROWS` with AVX2, 64 where AMX-INT8 tiles
-  run, every call with AVX-512 VNNI's panel product) runs `int4_gemv`: as llama.cpp's Q4 x Q8 dot, each
-  activation row quantized once to int8 per group of 32, integer dot products on the codes
-  (AVX-512 VNNI, AVX2), each group's sum scaled in float32; about 2x torch's
+  run, every call with AVX-512 VNNI's panel product) runs `int4_gemv`: as llama.cpp's Q4 x Q8
+  dot, each activation row quantized once to int8 per group of 32, integer dot products on the
+  codes (AVX-512 VNNI, AVX2), each group's sum scaled in float32; about 2x torch's
   `_weight_int4pack_mm_for_cpu` summed over SmolLM2's shapes with the weights out of cache, at
   one row and at four (benchmarks/bench_quant_linear.py --cold, one thread: 1.8 against 3.8 ms
   at one row); from 4 rows AVX-512 VNNI lays out 16 weight rows' codes at a time for all the
   rows (the panel product, a block of up to 256 rows at a time: at 16-64 rows 1.4-2x the
   expansion below, 1.2x at 512-2,048, and faster than the dense bfloat16 linear at each, on
   AMD Zen 4), and at 10-64 rows AMX tiles run it (1.2-1.9x the expansion);
-- a larger call (with AVX2 alone, past 64 rows on AMX, or where the measurement says so: a
-  prefill on AMD Zen 5, whose bfloat16 matmul runs at full width) expands the codes to a dense weight
-  in the activation dtype (`int4_expand`) and runs the dense matmul (oneDNN's: its bfloat16
-  AMX kernels win on a prefill's hundreds of rows).
+- a larger call (with AVX2 alone, past 64 rows on AMX, or wherever the measurement finds it
+  faster) expands the codes to a dense weight in the activation dtype (`int4_expand`) and runs
+  the dense matmul (oneDNN's: its bfloat16 AMX kernels win on a prefill's hundreds of rows).
 Until the fused kernels load (a background build) decode-sized calls run torch's int4 op on a
 copy of the weights in its own layout, made at the first such call and dropped once the kernels
 are in (5-bit codes, which it cannot hold, expand instead); larger ones expand the weight in
