@@ -769,41 +769,42 @@ void lay_out_panel(const int8_t* w, const S* ws, int64_t nc, int64_t k, int64_t 
   const int64_t kb = k / B;
   constexpr bool kPacked = Bits != 8;
   const int64_t row_bytes = kPacked ? PackedBits<Bits>::row_bytes(k) : k;
-  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
-  // Row `row`'s 32 codes from c0 + c, as int8 (zeros past nc).
-  auto row_codes = [&](int64_t row, int64_t c) {
-    if (row >= nc) return _mm256_setzero_si256();
-    if constexpr (kPacked)
-      return packed_half<Bits>(reinterpret_cast<const uint8_t*>(w + row * row_bytes), c0 + c);
-    else
-      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + row * k + c0 + c));
-  };
-  // Rows i and 8 + i a vector, transposed (quant_rows::transpose8x8x2): dword q of the 16 rows.
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int64_t c = 0; c < len; c += 32) {
     if (next != nullptr && c % 64 == 0)
       for (int64_t j = 0; j < next_rows; ++j)
         prefetch_l2(next + j * row_bytes +
                     (kPacked ? (c0 + c) / 64 * PackedBits<Bits>::kChunkBytes : c0 + c));
-    __m512i r[8];
-    for (int i = 0; i < 8; ++i)
-      r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(row_codes(i, c)), row_codes(8 + i, c), 1);
-    quant_rows::transpose8x8x2(r);
-    for (int q = 0; q < 8; ++q)
-      _mm512_storeu_si512(pw + (c / 4 + q) * 2, _mm512_xor_si512(r[q], bias));
+    for (int g = 0; g < 2; ++g) {
+      __m256i r[8];
+      for (int i = 0; i < 8; ++i) {
+        const int64_t row = 8 * g + i;
+        if (row >= nc)
+          r[i] = _mm256_setzero_si256();
+        else if constexpr (kPacked)
+          r[i] = packed_half<Bits>(reinterpret_cast<const uint8_t*>(w + row * row_bytes), c0 + c);
+        else
+          r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + row * k + c0 + c));
+      }
+      quant_rows::transpose8x8(r);
+      for (int q = 0; q < 8; ++q)
+        _mm256_storeu_si256(pw + (c / 4 + q) * 2 + g, _mm256_xor_si256(r[q], bias));
+    }
   }
   const int64_t blocks = len / B;
   for (int64_t b = 0; b < blocks; b += 8) {
     const __mmask8 m = static_cast<__mmask8>((1u << std::min<int64_t>(8, blocks - b)) - 1);
-    auto row_scales = [&](int64_t row) {
-      return row < nc ? _mm256_castps_si256(panel_scales(ws + row * kb + c0 / B + b, m))
-                      : _mm256_setzero_si256();
-    };
-    __m512i r[8];
-    for (int i = 0; i < 8; ++i)
-      r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(row_scales(i)), row_scales(8 + i), 1);
-    quant_rows::transpose8x8x2(r);
-    for (int q = 0; q < 8 && b + q < blocks; ++q)
-      _mm512_storeu_si512(ps + (b + q) * kPanelCols, r[q]);
+    for (int g = 0; g < 2; ++g) {
+      __m256i r[8];
+      for (int i = 0; i < 8; ++i) {
+        const int64_t row = 8 * g + i;
+        r[i] = row < nc ? _mm256_castps_si256(panel_scales(ws + row * kb + c0 / B + b, m))
+                        : _mm256_setzero_si256();
+      }
+      quant_rows::transpose8x8(r);
+      for (int q = 0; q < 8 && b + q < blocks; ++q)
+        _mm256_storeu_ps(ps + (b + q) * kPanelCols + 8 * g, _mm256_castsi256_ps(r[q]));
+    }
   }
 }
 

@@ -215,8 +215,31 @@ inline std::vector<int64_t> out_sizes(const at::Tensor& x, int64_t n) {
   return sizes;
 }
 
+#if defined(__AVX2__)
+// The int8 blocks' panel layout (quant_int8.cpp): r [i] (8 dwords each: row i) becomes the
+// transpose, r [q] = dword q of rows 0..7. (On transpose8x8x2 below, 16 rows a pass, its decode
+// step at 16 rows ran 1.07x slower on AMD Zen 5: SmolLM2 Q8_0, bench_decode_step.py.)
+inline void transpose8x8(__m256i r[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 0-3, 4-7
+    u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h + 0], t[4 * h + 2]);
+    u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h + 0], t[4 * h + 2]);
+    u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+    u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    r[q] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x20);
+    r[q + 4] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x31);
+  }
+}
+#endif
+
 #if defined(__AVX512F__)
-// The panel products' layout (quant_int8.cpp, quant_int4.cpp): an 8 x 8 dword transpose on both
+// The 4-bit panel layout (quant_int4.cpp): an 8 x 8 dword transpose on both
 // 256-bit halves at once, r [i] = (row i, row 8 + i) becoming r [q] = (dword q of rows 0..7, of
 // rows 8..15): the 16 rows' dword q in one vector (half the shuffles of two 256-bit ones).
 inline void transpose8x8x2(__m512i r[8]) {
