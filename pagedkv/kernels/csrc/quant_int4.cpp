@@ -1055,9 +1055,6 @@ void lay_out_q4_panel(const uint8_t* codes, const S* scales, int64_t nc, int64_t
 // Activation rows row0 .. row0 + R - 1, groups [g0, g0 + ng), against a laid-out panel (pw,
 // ps, po): y [r * 16 + j] (plus its value unless `first`) += row r's product with the panel's
 // weight row j. Writes y.
-// Activation rows row0 .. row0 + R - 1, groups [g0, g0 + ng), against a laid-out panel (pw,
-// ps, po): y [r * 16 + j] (plus its value unless `first`) += row r's product with the panel's
-// weight row j. Writes y.
 template <int R>
 inline void q4_panel_tile(const __m256i* pw, const float* ps, const float* po, const Q8Act& a,
                           int64_t row0, int64_t g0, int64_t ng, float* y, bool first) {

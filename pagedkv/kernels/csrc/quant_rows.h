@@ -160,7 +160,7 @@ inline void row_tile(int64_t r, int64_t left, const Fn& fn) {
     else row_tile<Max, R - 1>(r, left, fn);
   }
 }
-template <int Max = 4, typename Fn>
+template <int Max, typename Fn>
 inline void for_row_tiles(int64_t m, const Fn& fn) {
   for (int64_t r = 0; r < m; r += Max) row_tile<Max>(r, m - r, fn);
 }
@@ -239,9 +239,9 @@ inline void transpose8x8(__m256i r[8]) {
 #endif
 
 #if defined(__AVX512F__)
-// The 4-bit panel layout (quant_int4.cpp): an 8 x 8 dword transpose on both
-// 256-bit halves at once, r [i] = (row i, row 8 + i) becoming r [q] = (dword q of rows 0..7, of
-// rows 8..15): the 16 rows' dword q in one vector (half the shuffles of two 256-bit ones).
+// The 4-bit panel layout (quant_int4.cpp): an 8 x 8 dword transpose on both 256-bit halves at
+// once, r [i] = (row i, row 8 + i) becoming r [q] = (dword q of rows 0..7, of rows 8..15): the
+// 16 rows' dword q in one vector (half the shuffles of two 256-bit ones).
 inline void transpose8x8x2(__m512i r[8]) {
   __m512i t[8], u[8];
   for (int i = 0; i < 4; ++i) {
