@@ -1,9 +1,9 @@
 """How many waiting prompt tokens a step starts (`prefill_batching`).
 
-"fill" (the default) is vLLM's rule: waiting prompts are admitted while the step's token budget lasts, the
+"fill" is vLLM's rule: waiting prompts are admitted while the step's token budget lasts, the
 last one chunked to use it all.
 
-"spread" sizes the step's new prefill work for the queue's mean time to first token. With a
+"spread" (the default) sizes the step's new prefill work for the queue's mean time to first token. With a
 step costing `overhead + tokens` (in prompt tokens of compute: the step's fixed cost and its
 decodes, `prefill_step_overhead_tokens + decodes x prefill_decode_overhead_tokens`), a queue of
 `Q` prompt tokens started `t` tokens a step reaches its first tokens, on average, after about
@@ -37,9 +37,9 @@ from pagedkv.sched.request import Request
 class PrefillBatching:
     """The rule and its cost estimates (`SchedulerOptions`' prefill_batching options)."""
 
-    mode: str = "fill"
-    step_overhead_tokens: int = 256
-    decode_overhead_tokens: int = 16
+    mode: str
+    step_overhead_tokens: int
+    decode_overhead_tokens: int
 
     @property
     def spreads(self) -> bool:

@@ -25,9 +25,9 @@ class SimConfig:
     num_host_blocks: int = 0
     scheduling_policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
-    prefill_batching: str = "fill"
-    prefill_step_overhead_tokens: int = 256
-    prefill_decode_overhead_tokens: int = 16
+    prefill_batching: str = SchedulerOptions.prefill_batching  # (the engine's defaults)
+    prefill_step_overhead_tokens: int = SchedulerOptions.prefill_step_overhead_tokens
+    prefill_decode_overhead_tokens: int = SchedulerOptions.prefill_decode_overhead_tokens
     watermark: float = 0.01
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"

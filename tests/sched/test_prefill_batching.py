@@ -127,7 +127,7 @@ def test_the_options_reach_the_scheduler_from_the_flags_and_are_checked():
                                           max_num_batched_tokens=64, max_model_len=128)
     assert (config.prefill_batching, config.prefill_step_overhead_tokens,
             config.prefill_decode_overhead_tokens) == ("fill", 100, 3)
-    assert EngineArgs(model="m").prefill_batching == "fill"
+    assert EngineArgs(model="m").prefill_batching == "spread"  # the default
     with pytest.raises(ValueError, match="prefill_batching"):
         EngineArgs(model="m", prefill_batching="greedy")
     with pytest.raises(ValueError, match="prefill_step_overhead_tokens"):
