@@ -1052,21 +1052,56 @@ void lay_out_q4_panel(const uint8_t* codes, const S* scales, int64_t nc, int64_t
   }
 }
 
-// Activation rows row0 .. row0 + R - 1, groups [g0, g0 + ng), against a laid-out panel (pw,
+// A call's quantized activation rows in the order the panel tiles read them: for each tile of
+// kQ4PanelRowTile rows and each group, the rows' 32 codes one after another (then their steps
+// and sums likewise), so a tile reads one run of memory from one pointer. Rows past the
+// call's last are zeros.
+struct Q4TileAct {
+  const int8_t* q = nullptr;    // [tiles][groups][kQ4PanelRowTile][32]
+  const float* d = nullptr;     // [tiles][groups][kQ4PanelRowTile]
+  const float* sum = nullptr;   // [tiles][groups][kQ4PanelRowTile]
+  int64_t groups = 0;
+};
+
+// Rows [row0, row0 + m) of `a` as Q4TileAct, into this thread's scratch (valid until its next
+// call; read by the panel threads meanwhile).
+inline Q4TileAct tile_activations(const Q8Act& a, int64_t row0, int64_t m) {
+  constexpr int64_t T = kQ4PanelRowTile;
+  const int64_t groups = a.groups, tiles = (m + T - 1) / T, padded = a.padded();
+  int8_t* q = quant_rows::scratch<int8_t, 7>(tiles * groups * T * 32);
+  float* d = quant_rows::scratch<float, 17>(2 * tiles * groups * T);
+  float* sum = d + tiles * groups * T;
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t r = 0; r < T; ++r) {
+        const int64_t row = row0 + t * T + r, at = (t * groups + g) * T + r;
+        if (t * T + r >= m) {
+          std::memset(q + at * 32, 0, 32);
+          d[at] = sum[at] = 0.f;
+          continue;
+        }
+        const int8_t* src = a.q + (row * a.chunks + g / 4) * 128 + (g % 4) * 16;
+        std::memcpy(q + at * 32, src, 16);
+        std::memcpy(q + at * 32 + 16, src + 64, 16);
+        d[at] = a.d[row * padded + g];
+        sum[at] = a.sum[row * padded + g];
+      }
+  return {q, d, sum, groups};
+}
+
+// Tile `tile`'s first R activation rows, groups [g0, g0 + ng), against a laid-out panel (pw,
 // ps, po): y [r * 16 + j] (plus its value unless `first`) += row r's product with the panel's
 // weight row j. Writes y.
 template <int R>
-inline void q4_panel_tile(const __m256i* pw, const float* ps, const float* po, const Q8Act& a,
-                          int64_t row0, int64_t g0, int64_t ng, float* y, bool first) {
-  const int64_t padded = a.padded();
+inline void q4_panel_tile(const __m256i* pw, const float* ps, const float* po,
+                          const Q4TileAct& a, int64_t tile, int64_t g0, int64_t ng, float* y,
+                          bool first) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r)
     acc[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * kQ4PanelCols);
   for (int64_t gl = 0; gl < ng; ++gl) {
-    const int64_t g = g0 + gl;
-    // Row r's codes of group g: values 0-15 at x[r], 16-31 at x[r] + 64 (Q8Act's layout).
-    const int8_t* x[R];
-    for (int r = 0; r < R; ++r) x[r] = a.q + ((row0 + r) * a.chunks + g / 4) * 128 + (g % 4) * 16;
+    const int64_t at = (tile * a.groups + g0 + gl) * kQ4PanelRowTile;  // row 0's, group g0 + gl
+    const int8_t* x = a.q + at * 32;  // row r's codes at x + 32 r, in order
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     const __m256i* wg = pw + gl * 16;
@@ -1075,15 +1110,15 @@ inline void q4_panel_tile(const __m256i* pw, const float* ps, const float* po, c
       const __m512i w = _mm512_loadu_si512(wg + 2 * d);
       for (int r = 0; r < R; ++r) {
         int32_t xd;
-        std::memcpy(&xd, x[r] + (d < 4 ? 4 * d : 48 + 4 * d), sizeof(xd));
+        std::memcpy(&xd, x + 32 * r + 4 * d, sizeof(xd));
         dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(xd));
       }
     }
     const __m512 s = _mm512_loadu_ps(ps + gl * kQ4PanelCols);
     const __m512 o = _mm512_loadu_ps(po + gl * kQ4PanelCols);
     for (int r = 0; r < R; ++r) {
-      const __m512 step = _mm512_set1_ps(a.d[(row0 + r) * padded + g]);
-      const __m512 sum = _mm512_set1_ps(a.sum[(row0 + r) * padded + g]);
+      const __m512 step = _mm512_set1_ps(a.d[at + r]);
+      const __m512 sum = _mm512_set1_ps(a.sum[at + r]);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(s, step), acc[r]);
       acc[r] = _mm512_fmadd_ps(o, sum, acc[r]);
     }
@@ -1107,6 +1142,7 @@ void q4_panel_columns(const Q8Act& a, int64_t row0, int64_t m, const uint8_t* co
   // The panel whose codes are asked for while this one is laid out: about
   // kQ4PanelPrefetchBytes ahead.
   const int64_t ahead = std::max<int64_t>(1, kQ4PanelPrefetchBytes / (kQ4PanelCols * row_bytes));
+  const Q4TileAct tiled = tile_activations(a, row0, m);
   quant_rows::run_blocks(panels, n * row_bytes * passes, [&](int64_t p_begin, int64_t p_end) {
     const int64_t chunk = std::min(groups, kQ4PanelGroups);
     __m256i* pw = reinterpret_cast<__m256i*>(
@@ -1142,7 +1178,7 @@ void q4_panel_columns(const Q8Act& a, int64_t row0, int64_t m, const uint8_t* co
                                         next_rows);
         }
         quant_rows::for_row_tiles<kQ4PanelRowTile>(m, [&](int64_t r, auto tile) {
-          q4_panel_tile<decltype(tile)::value>(pw, ps, po, a, row0 + r, g0, ng,
+          q4_panel_tile<decltype(tile)::value>(pw, ps, po, tiled, r / kQ4PanelRowTile, g0, ng,
                                                y + r * kQ4PanelCols, g0 == 0);
         });
       }

@@ -808,36 +808,72 @@ void lay_out_panel(const int8_t* w, const S* ws, int64_t nc, int64_t k, int64_t 
   }
 }
 
-// Activation rows row0 .. row0 + R - 1, codes [c0, c0 + len), against a laid-out panel (pw,
+// A call's quantized activation rows in the order the panel tiles read them: for each tile of
+// kPanelRowTile rows and each block of B codes, the rows' codes one after another (then their
+// block scales, and -128 times their code sums), so a tile reads one run of memory from one
+// pointer. Rows past the call's last are zeros.
+struct TileRows {
+  const int8_t* codes = nullptr;     // [tiles][K / B][kPanelRowTile][B]
+  const float* scale = nullptr;      // [tiles][K / B][kPanelRowTile]
+  const int32_t* offset = nullptr;   // [tiles][K / B][kPanelRowTile]
+  int64_t blocks = 0;                // K / B
+};
+
+// The m rows of `q` (K codes each, blocks of B) as TileRows, into this thread's scratch (valid
+// until its next call; read by the panel threads meanwhile).
+template <int64_t B>
+TileRows tile_rows(const QuantizedRows& q, int64_t m, int64_t k) {
+  constexpr int64_t T = kPanelRowTile;
+  const int64_t kb = k / B, tiles = (m + T - 1) / T;
+  int8_t* codes = quant_rows::scratch<int8_t, 8>(tiles * kb * T * B);
+  float* scale = quant_rows::scratch<float, 18>(tiles * kb * T);
+  int32_t* offset = quant_rows::scratch<int32_t, 4>(tiles * kb * T);
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t b = 0; b < kb; ++b)
+      for (int64_t r = 0; r < T; ++r) {
+        const int64_t row = t * T + r, at = (t * kb + b) * T + r;
+        if (row >= m) {
+          std::memset(codes + at * B, 0, B);
+          scale[at] = 0.f;
+          offset[at] = 0;
+          continue;
+        }
+        std::memcpy(codes + at * B, q.codes + row * k + b * B, B);
+        scale[at] = q.block_scale[row * kb + b];
+        int32_t sum = 0;
+        for (int64_t l = 0; l < B / 4; ++l) sum += q.lane_offset[(row * kb + b) * (B / 4) + l];
+        offset[at] = sum;
+      }
+  return {codes, scale, offset, kb};
+}
+
+// Tile `tile`'s first R activation rows, codes [c0, c0 + len), against a laid-out panel (pw,
 // ps): y [r * 16 + j] (plus its value unless `first`) += row r's product with the panel's
-// weight row j. `offset` [M, K / B]: -128 times each activation block's code sum. Writes y.
+// weight row j. Writes y.
 template <int R, int64_t B>
-inline void panel_tile(const __m256i* pw, const float* ps, const QuantizedRows& q,
-                       const int32_t* offset, int64_t row0, int64_t k, int64_t c0, int64_t len,
-                       float* y, bool first) {
+inline void panel_tile(const __m256i* pw, const float* ps, const TileRows& a, int64_t tile,
+                       int64_t c0, int64_t len, float* y, bool first) {
   constexpr int64_t D = B / 4;  // dwords a block
-  const int64_t kb = k / B, b0 = c0 / B;
   __m512 acc[R];
   for (int r = 0; r < R; ++r)
     acc[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * kPanelCols);
-  const int32_t* x[R];
-  for (int r = 0; r < R; ++r)
-    x[r] = reinterpret_cast<const int32_t*>(q.codes + (row0 + r) * k + c0);
   for (int64_t b = 0; b < len / B; ++b) {
+    const int64_t at = (tile * a.blocks + c0 / B + b) * kPanelRowTile;  // row 0's, this block
+    const int8_t* x = a.codes + at * B;  // row r's codes at x + B r
     __m512i dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm512_set1_epi32(offset[(row0 + r) * kb + b0 + b]);
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_set1_epi32(a.offset[at + r]);
     const __m256i* wb = pw + b * D * 2;
     for (int64_t d = 0; d < D; ++d) {
       const __m512i w = _mm512_loadu_si512(wb + 2 * d);
       for (int r = 0; r < R; ++r) {
         int32_t xd;
-        std::memcpy(&xd, x[r] + b * D + d, sizeof(xd));
+        std::memcpy(&xd, x + B * r + 4 * d, sizeof(xd));
         dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(xd));
       }
     }
     const __m512 s = _mm512_loadu_ps(ps + b * kPanelCols);
     for (int r = 0; r < R; ++r) {
-      const __m512 xs = _mm512_set1_ps(q.block_scale[(row0 + r) * kb + b0 + b]);
+      const __m512 xs = _mm512_set1_ps(a.scale[at + r]);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(s, xs), acc[r]);
     }
   }
@@ -851,13 +887,7 @@ inline void panel_tile(const __m256i* pw, const float* ps, const QuantizedRows& 
 template <int64_t B, typename T, typename CodeSrc, typename Src>
 void panel_columns(const QuantizedRows& q, int64_t m, const CodeSrc& codes, const Src& src,
                    int64_t n, int64_t k, T* out) {
-  const int64_t kb = k / B;
-  int32_t* offset = quant_rows::scratch<int32_t, 1>(m * kb);
-  for (int64_t i = 0; i < m * kb; ++i) {
-    int32_t s = 0;
-    for (int64_t l = 0; l < B / 4; ++l) s += q.lane_offset[i * (B / 4) + l];
-    offset[i] = s;
-  }
+  const TileRows tiled = tile_rows<B>(q, m, k);
   const int64_t panels = (n + kPanelCols - 1) / kPanelCols;
   const int64_t passes = (m + kPanelRowTile - 1) / kPanelRowTile;
   // The panel whose codes are asked for while this one is laid out: about kPanelPrefetchBytes
@@ -887,7 +917,7 @@ void panel_columns(const QuantizedRows& q, int64_t m, const CodeSrc& codes, cons
                                                pw, ps, next, next_rows);
         }
         quant_rows::for_row_tiles<kPanelRowTile>(m, [&](int64_t r, auto tile) {
-          panel_tile<decltype(tile)::value, B>(pw, ps, q, offset, r, k, c0, len,
+          panel_tile<decltype(tile)::value, B>(pw, ps, tiled, r / kPanelRowTile, c0, len,
                                                y + r * kPanelCols, c0 == 0);
         });
       }
