@@ -149,10 +149,10 @@ class SchedulerOptions:
         "spread", "how many waiting prompt tokens one step starts: 'spread' starts about "
         "sqrt(queued prompt tokens x the step's overhead tokens), so a small wave of prompts "
         "reaches its first tokens in several smaller steps and the requests it releases come "
-        "back staggered (lower mean TTFT at the same throughput and TPOT); a queue large "
-        "against the overhead still fills the budget, and the queue's last prompt is not "
-        "chunked when the next step holds it whole; 'fill' admits prompts into the whole "
-        "step budget, the last one chunked (vLLM's rule)")
+        "back staggered (lower mean TTFT at about the same throughput, TPOT the same or a "
+        "little higher); a queue large against the overhead still fills the budget, and the "
+        "queue's last prompt is not chunked when the next step holds it whole; 'fill' admits "
+        "prompts into the whole step budget, the last one chunked (vLLM's rule)")
     prefill_step_overhead_tokens: int = opt(
         256, "with prefill_batching 'spread': a step's fixed cost, in prompt tokens of compute",
         ge=1)
