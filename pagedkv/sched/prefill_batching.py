@@ -63,18 +63,20 @@ class PrefillBatching:
         return max(math.isqrt(queued * overhead), 1)  # at least one prompt
 
     def holds_back(self, waiting: Sequence[Request], num_left: int, num_new: int,
-                   step_limit: int) -> bool:
+                   next_room: int) -> bool:
         """Whether the queue's head (`waiting[0]`, `num_left` tokens to compute past its prefix
         hit), of which this step would take only `num_new`, waits for the next step instead:
-        under "spread", when one step's `step_limit` (the budget, or the long-prefill cap)
-        holds it and everything queued behind it (the next step is not full either way, so its
-        first token comes no later, and this step ends sooner; a longer queue fills every step,
-        and the chunk is then work the next step would lack room for)."""
-        if not (self.spreads and num_new < num_left <= step_limit):
+        under "spread", when the next step's room for prompt tokens (`next_room`: its budget
+        less the running requests' tokens, or the long-prefill cap) holds it and everything
+        queued behind it (the next step is not full either way, so its first token comes no
+        later, and this step ends sooner; a longer queue fills every step, and the chunk is
+        then work the next step would lack room for). A head that only this step's running
+        requests keep from fitting is never held: they take the next step's budget too."""
+        if not (self.spreads and num_new < num_left <= next_room):
             return False
         queued = num_left
         for request in islice(waiting, 1, None):
             queued += request.num_tokens - request.num_computed_tokens
-            if queued > step_limit:
+            if queued > next_room:
                 return False
         return True

@@ -347,7 +347,6 @@ class Scheduler(ApplyMixin, SpeculationMixin):
         kv = self.kv_cache_manager
         # New prompt tokens to start this step (prefill_batching.py), and those started.
         target, started = self.batching.target_tokens(self.waiting, len(out.scheduled), budget), 0
-        step_limit = min(self.config.max_num_batched_tokens, self._step_cap)
         while (self.waiting and budget > 0 and started < target
                and len(self.running) + len(self.loading) < self.config.max_num_seqs):
             request = self.waiting[0]
@@ -367,8 +366,12 @@ class Scheduler(ApplyMixin, SpeculationMixin):
             if status == AllocStatus.LATER:
                 break
             num_new = min(request.num_tokens - num_hit_tokens, budget, self._step_cap)
+            # The prompt tokens the next step can hold: its budget less a token for each
+            # running request (each computes at least one then), or the long-prefill cap.
+            next_room = min(self.config.max_num_batched_tokens - len(self.running),
+                            self._step_cap)
             if not num_external and self.batching.holds_back(
-                    self.waiting, request.num_tokens - num_hit_tokens, num_new, step_limit):
+                    self.waiting, request.num_tokens - num_hit_tokens, num_new, next_room):
                 break
             # With store tokens, only their blocks now: the rest is computed once they loaded.
             blocks = kv.allocate_slots(request, num_external or num_new, computed_blocks,

@@ -176,3 +176,24 @@ def test_a_closed_loop_of_prompts_that_never_fit_ends():
     with pytest.raises(ValueError, match="concurrency"):
         simulate_closed_loop(SimConfig(num_blocks=8), latency, concurrency=0, num_prompts=1,
                              input_len=4, output_len=1)
+
+
+def test_a_prompt_the_running_decodes_keep_from_fitting_whole_is_chunked_not_held():
+    """A prompt that fits one step's budget but not beside the running decodes (which will run
+    next step too) starts at once, chunked as under fill: holding it for a step that never
+    comes would keep it waiting until every running request finished."""
+    kv = KVCacheManager(num_blocks=BLOCKS, block_size=BLOCK_SIZE)
+    config = SchedulerConfig(max_num_batched_tokens=64, max_model_len=512,
+                             prefill_batching="spread", prefill_step_overhead_tokens=8,
+                             prefill_decode_overhead_tokens=1)
+    sched = Scheduler(config, kv)
+    runner = FakeRunner(BLOCKS, 0, BLOCK_SIZE, VOCAB, None)
+    long_decode = Request(request_id="d", prompt_token_ids=[5] * 8, arrival_time=0.0,
+                          sampling_params=SamplingParams(max_tokens=40, ignore_eos=True))
+    sched.add_request(long_decode)
+    steps, finished = run_to_end(sched, runner, late={2: _request("p", 64, arrival=1.0)})
+    assert steps[2] == {"d": 1, "p": 63} and steps[3] == {"d": 1, "p": 1}
+    assert sorted(finished) == ["d", "p"]
+    assert kv.num_free_blocks == kv.num_usable_blocks
+    assert finished["p"].output_token_ids == reference_continuation(
+        finished["p"].prompt_token_ids, MAX_TOKENS, VOCAB)
