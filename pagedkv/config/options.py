@@ -41,7 +41,7 @@ ExecutorBackend = Literal["mp", "ray"]
 CpuKernelMode = Literal["auto", "wait", "off"]
 CpuMalloc = Literal["auto", "glibc"]
 EvictionPolicyName = Literal["lru", "lfu", "arc"]
-PrefillBatching = Literal["fill", "spread"]
+PrefillBatching = Literal["auto", "fill", "spread"]
 
 
 def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,  # noqa: A002
@@ -146,7 +146,8 @@ class SchedulerOptions:
         "request alone in the scheduler is not capped, as in vLLM (0: no cap but the step's "
         "budget)", ge=0)
     prefill_batching: PrefillBatching = opt(
-        "spread", "how many waiting prompt tokens one step starts: 'spread' starts about "
+        "auto", "how many waiting prompt tokens one step starts: 'auto' is 'spread' on CPU "
+        "and 'fill' on a GPU (spread's step costs are a CPU step's); 'spread' starts about "
         "sqrt(queued prompt tokens x the step's overhead tokens), so a small wave of prompts "
         "reaches its first tokens in several smaller steps and the requests it releases come "
         "back staggered (lower mean TTFT at about the same throughput, TPOT the same or a "

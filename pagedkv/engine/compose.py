@@ -27,6 +27,7 @@ from pagedkv.engine.executor import build_executor, runner_config
 from pagedkv.engine.kv_setup import (
     GpuMemoryProfile,
     KVCacheSetup,
+    device_is_cuda,
     plan_kv_cache,
     resolve_max_num_batched_tokens,
 )
@@ -230,7 +231,8 @@ def build_scheduler(args: EngineArgs, setup: KVCacheSetup, executor: Executor,
     connector = build_scheduler_side(executor.kv_connector, kv) if uses_store else None
     return Scheduler(SchedulerConfig.from_options(
         args, max_num_batched_tokens=setup.max_num_batched_tokens,
-        max_model_len=setup.max_model_len), kv, kv_connector=connector, proposer=proposer)
+        max_model_len=setup.max_model_len, on_cuda=device_is_cuda(args.device)), kv,
+        kv_connector=connector, proposer=proposer)
 
 
 def open_step_log(args: EngineArgs) -> StepLog | None:

@@ -116,7 +116,8 @@ def resolve_max_num_batched_tokens(args: EngineArgs) -> int:
     return args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 
-def _device_is_cuda(device: str) -> bool:
+def device_is_cuda(device: str) -> bool:
+    """Whether the engine runs on CUDA (`device` "cuda", or "auto" with a GPU present)."""
     if device == "cpu":
         return False
     import torch
@@ -164,7 +165,7 @@ def plan_kv_cache(args: EngineArgs, profile: GpuMemoryProfile | None = None,
                 f"GiB - activation peak {profile.activation_peak_bytes / GiB:.2f} GiB "
                 f"({profile.free_bytes / GiB:.2f} GiB free); lower max_num_batched_tokens or "
                 "raise gpu_memory_utilization")
-    elif _device_is_cuda(args.device):
+    elif device_is_cuda(args.device):
         import torch
 
         free, total = torch.cuda.mem_get_info()
@@ -205,7 +206,7 @@ def plan_kv_cache(args: EngineArgs, profile: GpuMemoryProfile | None = None,
         if args.preemption_mode == "swap" else 0
     if args.num_gpu_blocks_override is not None or args.kv_cache_memory_bytes is not None:
         check_fits_in_memory(args, num_blocks * page, num_host_blocks * host_page,
-                             profile is not None or _device_is_cuda(args.device))
+                             profile is not None or device_is_cuda(args.device))
     window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
     if isinstance(spec, HybridKVCacheSpec):  # the largest window of its sliding groups
         window = max((g.sliding_window or 0 for g in spec.groups), default=0) or None

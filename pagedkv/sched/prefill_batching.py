@@ -3,7 +3,7 @@
 "fill" is vLLM's rule: waiting prompts are admitted while the step's token budget lasts, the
 last one chunked to use it all.
 
-"spread" (the default) sizes the step's new prefill work for the queue's mean time to first token. With a
+"spread" (the default on CPU: "auto", `resolve_mode`) sizes the step's new prefill work for the queue's mean time to first token. With a
 step costing `overhead + tokens` (in prompt tokens of compute: the step's fixed cost and its
 decodes, `prefill_step_overhead_tokens + decodes x prefill_decode_overhead_tokens`), a queue of
 `Q` prompt tokens started `t` tokens a step reaches its first tokens, on average, after about
@@ -33,9 +33,19 @@ from itertools import islice
 from pagedkv.sched.request import Request
 
 
+def resolve_mode(mode: str, on_cuda: bool) -> str:
+    """The rule `mode` names: "auto" is "spread" on CPU and "fill" on a GPU, where a step's
+    fixed cost is large against its prompt tokens' (spread's estimates,
+    `prefill_step_overhead_tokens`, are a CPU step's; its gains measured on CPUs alone)."""
+    if mode != "auto":
+        return mode
+    return "fill" if on_cuda else "spread"
+
+
 @dataclass(frozen=True)
 class PrefillBatching:
-    """The rule and its cost estimates (`SchedulerOptions`' prefill_batching options)."""
+    """The rule ("fill" or "spread", resolved) and its cost estimates (`SchedulerOptions`'
+    prefill_batching options)."""
 
     mode: str
     step_overhead_tokens: int

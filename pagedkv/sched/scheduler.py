@@ -44,7 +44,7 @@ from pagedkv.kv.request_blocks import AllocStatus
 from pagedkv.sched.apply import ApplyMixin, banned_token_ids
 from pagedkv.sched.beam import BeamSearch
 from pagedkv.sched.output import ScheduledRequest, SchedulerOutput
-from pagedkv.sched.prefill_batching import PrefillBatching
+from pagedkv.sched.prefill_batching import PrefillBatching, resolve_mode
 from pagedkv.sched.request import Request, RequestStatus
 from pagedkv.sched.speculation import SpeculationMixin
 from pagedkv.utils import cdiv
@@ -76,11 +76,14 @@ class SchedulerConfig(SchedulerOptions):
 
     @classmethod
     def from_options(cls, options: SchedulerOptions, *, max_num_batched_tokens: int,
-                     max_model_len: int) -> SchedulerConfig:
-        """The scheduler's config from (checked) options and the two resolved budgets."""
+                     max_model_len: int, on_cuda: bool = False) -> SchedulerConfig:
+        """The scheduler's config from (checked) options, the two resolved budgets and the
+        device (`on_cuda`: which rule prefill_batching "auto" is)."""
         declared = {f.name: getattr(options, f.name) for f in fields(SchedulerOptions)}
         return cls(**declared | {"max_num_batched_tokens": max_num_batched_tokens,
-                                 "max_model_len": max_model_len})
+                                 "max_model_len": max_model_len,
+                                 "prefill_batching": resolve_mode(options.prefill_batching,
+                                                                  on_cuda)})
 
     @property
     def policy(self) -> str:
@@ -125,7 +128,9 @@ class Scheduler(ApplyMixin, SpeculationMixin):
         # and this step's cap (`_step_prefill_cap`): none for a request alone.
         self._prefill_cap = config.long_prefill_token_threshold or sys.maxsize
         self._step_cap = self._prefill_cap
-        self.batching = PrefillBatching(config.prefill_batching,
+        # (A config built without `from_options`, the simulator's and the tests': "auto" as
+        # on CPU.)
+        self.batching = PrefillBatching(resolve_mode(config.prefill_batching, False),
                                         config.prefill_step_overhead_tokens,
                                         config.prefill_decode_overhead_tokens)
         self.beams = BeamSearch(self)  # the beam-search requests' groups (beam.py)

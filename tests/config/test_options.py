@@ -115,9 +115,11 @@ def test_scheduler_config_is_the_scheduler_options_with_budgets_resolved():
     args = EngineArgs(model="m", max_num_seqs=7, preemption_mode="swap",
                       scheduling_policy="priority")
     config = SchedulerConfig.from_options(args, max_num_batched_tokens=64, max_model_len=512)
+    resolved = ("max_num_batched_tokens", "prefill_batching")
     for spec in option_specs(SchedulerOptions):
-        if spec.name != "max_num_batched_tokens":
+        if spec.name not in resolved:
             assert getattr(config, spec.name) == getattr(args, spec.name), spec.name
     assert (config.max_num_batched_tokens, config.max_model_len) == (64, 512)
+    assert (args.prefill_batching, config.prefill_batching) == ("auto", "spread")  # on CPU
     assert config.policy == "priority"  # vLLM's name
     assert isinstance(config, SchedulerOptions)

@@ -127,7 +127,7 @@ def test_the_options_reach_the_scheduler_from_the_flags_and_are_checked():
                                           max_num_batched_tokens=64, max_model_len=128)
     assert (config.prefill_batching, config.prefill_step_overhead_tokens,
             config.prefill_decode_overhead_tokens) == ("fill", 100, 3)
-    assert EngineArgs(model="m").prefill_batching == "spread"  # the default
+    assert EngineArgs(model="m").prefill_batching == "auto"  # the default
     with pytest.raises(ValueError, match="prefill_batching"):
         EngineArgs(model="m", prefill_batching="greedy")
     with pytest.raises(ValueError, match="prefill_step_overhead_tokens"):
@@ -197,3 +197,20 @@ def test_a_prompt_the_running_decodes_keep_from_fitting_whole_is_chunked_not_hel
     assert kv.num_free_blocks == kv.num_usable_blocks
     assert finished["p"].output_token_ids == reference_continuation(
         finished["p"].prompt_token_ids, MAX_TOKENS, VOCAB)
+
+
+def test_auto_is_spread_on_cpu_and_fill_on_a_gpu():
+    """The default "auto" resolves by device when the engine builds its scheduler (spread's
+    step costs are a CPU step's); a named rule is kept on either device."""
+    def rule(mode: str | None, on_cuda: bool) -> str:
+        args = EngineArgs(model="m") if mode is None else EngineArgs(model="m",
+                                                                   prefill_batching=mode)
+        return SchedulerConfig.from_options(args, max_num_batched_tokens=64, max_model_len=128,
+                                            on_cuda=on_cuda).prefill_batching
+
+    assert (rule(None, False), rule(None, True)) == ("spread", "fill")
+    assert (rule("fill", False), rule("spread", True)) == ("fill", "spread")
+    # a config built directly (the simulator's): "auto" as on CPU
+    kv = KVCacheManager(num_blocks=BLOCKS, block_size=BLOCK_SIZE)
+    assert Scheduler(SchedulerConfig(), kv).batching.spreads
+    assert SimConfig(num_blocks=64).scheduler_config().prefill_batching == "auto"
