@@ -3,18 +3,18 @@
 "fill" is vLLM's rule: waiting prompts are admitted while the step's token budget lasts, the
 last one chunked to use it all.
 
-"spread" (the default on CPU: "auto", `resolve_mode`) sizes the step's new prefill work for the queue's mean time to first token. With a
-step costing `overhead + tokens` (in prompt tokens of compute: the step's fixed cost and its
-decodes, `prefill_step_overhead_tokens + decodes x prefill_decode_overhead_tokens`), a queue of
-`Q` prompt tokens started `t` tokens a step reaches its first tokens, on average, after about
-`(Q / t + 1) / 2` steps of `overhead + t`; that is least at `t = sqrt(Q x overhead)`. So a step
-starts whole prompts until it holds that many new tokens (at least one prompt): a wave of a few
-prompts beside running decodes is spread over several smaller steps, and the requests it
-releases later arrive spread out too, each prefilled beside the others' decodes; a queue large
-against the overhead still fills the budget. A prompt that the rest of the budget would cut
-waits for the next step rather than be chunked when that step holds it and the whole queue
-behind it: its first token would wait for that step anyway, and this step ends sooner for the
-prompts it finishes.
+"spread" (the default on CPU: "auto", `resolve_mode`) sizes the step's new prefill work for
+the queue's mean time to first token. With a step costing `overhead + tokens` (in prompt
+tokens of compute: the step's fixed cost and its decodes, `prefill_step_overhead_tokens +
+decodes x prefill_decode_overhead_tokens`), a queue of `Q` prompt tokens started `t` tokens a
+step reaches its first tokens, on average, after about `(Q / t + 1) / 2` steps of
+`overhead + t`; that is least at `t = sqrt(Q x overhead)`. So a step starts whole prompts until
+it holds that many new tokens (at least one prompt): a wave of a few prompts beside running
+decodes is spread over several smaller steps, and the requests it releases later arrive spread
+out too, each prefilled beside the others' decodes; a queue large against the overhead still
+fills the budget. A prompt that the rest of the budget would cut waits for the next step rather
+than be chunked when that step holds it and the whole queue behind it: its first token would
+wait for that step anyway, and this step ends sooner for the prompts it finishes.
 What a request samples never depends on the rule; only when its prompt runs.
 
 The trade: in a closed loop at one throughput, mean end-to-end latency (TTFT + (outputs - 1)
