@@ -5,9 +5,10 @@
 
 bench_offline.py's random Llama (hidden 512, 8 layers), block size 32, the fused kernels loaded
 (`cpu_kernels="wait"`), a fixed thread count. Each round is one `generate` of one fresh
-`--tokens`-token prompt, or `--prompts` prompts sharing them (prefix cache reset, one output
-token each), so the prompts are one step; the
-runner's step time is taken around `ModelRunner.execute`. Prints the median step time.
+`--tokens`-token prompt, or of `--prompts` fresh prompts that split the `--tokens` between them
+(`--tokens 2048 --prompts 8`: 8 prompts of 256; prefix cache reset, one output token each), so
+the prompts are one step; the runner's step time is taken around `ModelRunner.execute`. Prints
+the median step time.
 
 --profile: one more round per layer part under torch.profiler, each op's self time summed by
 class (linears by name, attention, norms, RoPE, SiLU-and-mul, KV write, the rest).
