@@ -37,7 +37,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_offline import SHAPE  # noqa: E402
-from bench_prefill_step import add_step_bench_args, make_llm, step_bench_main, timed_execute  # noqa: E402
+from bench_prefill_step import (  # noqa: E402
+    add_step_bench_args,
+    linear_modules,
+    make_llm,
+    step_bench_main,
+    timed_execute,
+)
 
 
 def fill(llm, batch: int, prompt: int, max_tokens: int, vocab: int) -> None:
@@ -97,14 +103,11 @@ def wrap_parts(llm, parts: PartTimes) -> None:
     kernel op namespace): linears by name, decode attention, KV write, RoPE, norms,
     SiLU-and-mul, embedding, the sampler, the step's inputs, metadata and logits rows; the
     runner's and the engine's step as a whole."""
-    from pagedkv.model.layers import Linear
-
     engine = llm.llm_engine
     runner = engine.runner
     model = runner.model
-    for name, mod in model.named_modules():
-        if isinstance(mod, Linear):
-            mod.forward = parts.wrap("linear " + name.rsplit(".", 1)[-1], mod.forward)
+    for label, mod in linear_modules(model):
+        mod.forward = parts.wrap(label, mod.forward)
     ops = model.ops
     for method, label in (("rope", "RoPE"), ("rms_norm", "norms (+residual)"),
                           ("add_rms_norm", "norms (+residual)"),
@@ -214,8 +217,6 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--profile-steps", type=int, default=10)
-    parser.add_argument("--model", default=None, help="a model folder or GGUF file (default: "
-                        "the random Llama)")
     args = parser.parse_args()
     step_bench_main(args, run, compare, lambda result: report(result, args))
 

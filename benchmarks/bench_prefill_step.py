@@ -1,9 +1,10 @@
 """One fresh prompt's prefill step on CPU: its time, and where it goes by op class.
 
     PYTHONPATH=$PWD python benchmarks/bench_prefill_step.py [--dtype bfloat16] [--tokens 1536]
-        [--rounds 20] [--threads 2] [--profile] [--baseline GIT_REF --repeat 3]
+        [--rounds 20] [--threads 2] [--model PATH] [--profile] [--baseline GIT_REF --repeat 3]
 
-bench_offline.py's random Llama (hidden 512, 8 layers), block size 32, the fused kernels loaded
+bench_offline.py's random Llama (hidden 512, 8 layers), or `--model` (a model folder or GGUF
+file, its weights as the engine loads them by default), block size 32, the fused kernels loaded
 (`cpu_kernels="wait"`), a fixed thread count. Each round is one `generate` of one fresh
 `--tokens`-token prompt, or of `--prompts` fresh prompts that split the `--tokens` between them
 (`--tokens 2048 --prompts 8`: 8 prompts of 256; prefix cache reset, one output token each), so
@@ -85,20 +86,23 @@ def one_step(llm, prompts: list[list[int]]) -> None:
                  SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
 
 
-def scope_linears(model) -> None:
-    """Wrap each Linear's forward in a record_function named after it (mutates the model)."""
-    from pagedkv.model.layers import Linear
-
+def linear_modules(model):
+    """(label, module) of each of the model's linears, named as LINEARS: dense (`Linear`) or
+    packed (a GGUF file's Int4Linear, Int8BlockLinear, PartsLinear...), whose classes differ."""
     for name, mod in model.named_modules():
-        if isinstance(mod, Linear):
-            label = "linear " + name.rsplit(".", 1)[-1]
-            inner = mod.forward
+        short = name.rsplit(".", 1)[-1]
+        if short in LINEARS:
+            yield "linear " + short, mod
 
-            def forward(x, _inner=inner, _label=label):
-                with torch.profiler.record_function(_label):
-                    return _inner(x)
 
-            mod.forward = forward
+def scope_linears(model) -> None:
+    """Wrap each linear's forward in a record_function named after it (mutates the model)."""
+    for label, mod in linear_modules(model):
+        def forward(x, _inner=mod.forward, _label=label):
+            with torch.profiler.record_function(_label):
+                return _inner(x)
+
+        mod.forward = forward
 
 
 def classify(events) -> dict[str, float]:
@@ -120,14 +124,15 @@ def classify(events) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from pagedkv.testing.random_model import build_random_model_dir, tokenizer_vocab_size
+    from pagedkv.testing.random_model import build_random_model_dir
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_random_model_dir(Path(tmp) / "m", dtype=args.dtype, seed=0, **SHAPE)
-        llm = make_llm(model_dir, args.dtype, args.threads)
+        model = args.model or build_random_model_dir(Path(tmp) / "m", dtype=args.dtype, seed=0,
+                                                     **SHAPE)
+        llm = make_llm(model, args.dtype, args.threads)
         rng = random.Random(0)
-        vocab = tokenizer_vocab_size(model_dir)
+        vocab = llm.llm_engine.model_config.vocab_size
         each = args.tokens // args.prompts
         prompts = [[rng.randrange(4, vocab) for _ in range(each)] for _ in range(args.prompts)]
         runner = llm.llm_engine.runner
@@ -170,7 +175,8 @@ def compare(args: argparse.Namespace) -> None:
     here = str(Path(__file__).resolve().parents[1])
     cmd = [sys.executable, __file__, "--dtype", args.dtype, "--tokens", str(args.tokens),
            "--prompts", str(args.prompts),
-           "--rounds", str(args.rounds), "--threads", str(args.threads), "--json"]
+           "--rounds", str(args.rounds), "--threads", str(args.threads), "--json"] + (
+               ["--model", args.model] if args.model else [])
     print("load average at the start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), flush=True)
     runs = alternate_with_baseline(
         here, args.baseline, cmd, ("median_ms", "cpu_ms"), args.repeat,
@@ -191,6 +197,8 @@ def add_step_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", default=None, metavar="GIT_REF")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    parser.add_argument("--model", default=None, help="a model folder or GGUF file (default: "
+                        "the random Llama)")
 
 
 def step_bench_main(args: argparse.Namespace, run, compare, report) -> None:
