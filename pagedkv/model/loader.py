@@ -108,10 +108,26 @@ def check_checkpoint_matches(model_dir: str | Path, num_layers: object, vocab_si
                          f"{hidden_size!r} but {_EMBED} in {model_dir} has shape {list(embed)}")
 
 
+def check_not_prequantized(config: dict[str, Any], model: str | Path) -> None:
+    """ValueError naming the method when `config` (a config.json dict) declares a pre-quantized
+    checkpoint (`quantization_config`: AWQ, GPTQ, FP8, bitsandbytes, ...): its weights are
+    packed tensors (`qweight`, `scales`, ...) in place of the float ones this loader reads."""
+    quant = config.get("quantization_config")
+    if not quant:
+        return
+    method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else quant
+    raise ValueError(
+        f"{model} is a pre-quantized checkpoint (config.json's quantization_config, quant_method "
+        f"{method!r}), which pagedkv does not load: give the model's float16, bfloat16 or "
+        f"float32 checkpoint (--quantization int8 packs its linears at load) or a GGUF file of "
+        f"it (its 4- to 8-bit linears stay packed)")
+
+
 def check_architecture_supported(model: str | Path) -> None:
     """ValueError when `model`'s architecture (config.json's `architectures`, a GGUF file's
-    `general.architecture`) is not one the registry runs, or a GGUF tensor's quantization type
-    cannot be dequantized: said before any size is compared or allocated."""
+    `general.architecture`) is not one the registry runs, when its config.json declares a
+    pre-quantized checkpoint, or when a GGUF tensor's quantization type cannot be dequantized:
+    said before any size is compared or allocated."""
     gguf = gguf_file(model)
     if gguf is not None:
         from pagedkv.model.gguf.config import check_architecture
@@ -123,7 +139,9 @@ def check_architecture_supported(model: str | Path) -> None:
         return
     path = Path(model) / "config.json"
     if path.is_file():
-        resolve_architecture(read_json(path).get("architectures") or [])
+        config = read_json(path)
+        resolve_architecture(config.get("architectures") or [])
+        check_not_prequantized(config, model)
 
 
 def check_model_dir(model_dir: str | Path) -> None:

@@ -1,6 +1,7 @@
-"""A broken model directory ends `pagedkv generate` / `serve` with exit code 2 and one line
-naming the file at fault: never a traceback, and never an allocation for what config.json
-claims before the checkpoint has been checked against it."""
+"""A broken model directory, or a pre-quantized one pagedkv does not load, ends `pagedkv
+generate` / `serve` with exit code 2 and one line naming the file or the method at fault: never
+a traceback, and never an allocation for what config.json claims before the checkpoint has been
+checked against it."""
 
 from __future__ import annotations
 
@@ -52,6 +53,13 @@ CASES = {
                                         "num_hidden_layers=3"),
     "vocab_size disagrees with the weights": (_edit_json("config.json", vocab_size=10**9),
                                               "vocab_size=1000000000"),
+    # Pre-quantized checkpoints: their method named, not a `.weight` tensor found missing.
+    "an AWQ checkpoint": (_edit_json("config.json", quantization_config={
+        "quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}),
+        "pre-quantized checkpoint (config.json's quantization_config, quant_method 'awq')"),
+    "a GPTQ checkpoint": (_edit_json("config.json", quantization_config={
+        "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}),
+        "quant_method 'gptq'"),
 }
 
 
