@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_offline import SHAPE  # noqa: E402
 from bench_prefill_step import (  # noqa: E402
     add_step_bench_args,
+    child_step_bench_args,
     linear_modules,
     make_llm,
     step_bench_main,
@@ -196,9 +197,8 @@ def compare(args: argparse.Namespace) -> None:
     from pagedkv.bench.baseline import alternate_with_baseline, median_ratio
 
     here = str(Path(__file__).resolve().parents[1])
-    cmd = [sys.executable, __file__, "--dtype", args.dtype, "--batch", str(args.batch),
-           "--prompt", str(args.prompt), "--steps", str(args.steps),
-           "--threads", str(args.threads), "--json"] + (["--model", args.model] if args.model else [])
+    cmd = [sys.executable, __file__, "--batch", str(args.batch), "--prompt", str(args.prompt),
+           "--steps", str(args.steps), *child_step_bench_args(args)]
     keys = (("step_ms", "engine step"), ("median_ms", "runner"), ("cpu_ms", "runner CPU"))
     runs = alternate_with_baseline(
         here, args.baseline, cmd, [key for key, _ in keys], args.repeat,

@@ -173,10 +173,8 @@ def compare(args: argparse.Namespace) -> None:
     from pagedkv.bench.baseline import alternate_with_baseline, median_ratio
 
     here = str(Path(__file__).resolve().parents[1])
-    cmd = [sys.executable, __file__, "--dtype", args.dtype, "--tokens", str(args.tokens),
-           "--prompts", str(args.prompts),
-           "--rounds", str(args.rounds), "--threads", str(args.threads), "--json"] + (
-               ["--model", args.model] if args.model else [])
+    cmd = [sys.executable, __file__, "--tokens", str(args.tokens), "--prompts", str(args.prompts),
+           "--rounds", str(args.rounds), *child_step_bench_args(args)]
     print("load average at the start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), flush=True)
     runs = alternate_with_baseline(
         here, args.baseline, cmd, ("median_ms", "cpu_ms"), args.repeat,
@@ -199,6 +197,12 @@ def add_step_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     parser.add_argument("--model", default=None, help="a model folder or GGUF file (default: "
                         "the random Llama)")
+
+
+def child_step_bench_args(args: argparse.Namespace) -> list[str]:
+    """add_step_bench_args' options a `--baseline` child run repeats (with `--json`)."""
+    return ["--dtype", args.dtype, "--threads", str(args.threads), "--json",
+            *(["--model", args.model] if args.model else [])]
 
 
 def step_bench_main(args: argparse.Namespace, run, compare, report) -> None:
