@@ -8,8 +8,10 @@ file, its weights as the engine loads them by default), block size 32, the fused
 (`cpu_kernels="wait"`), a fixed thread count. Each round is one `generate` of one fresh
 `--tokens`-token prompt, or of `--prompts` fresh prompts that split the `--tokens` between them
 (`--tokens 2048 --prompts 8`: 8 prompts of 256; prefix cache reset, one output token each), so
-the prompts are one step; the runner's step time is taken around `ModelRunner.execute`. Prints
-the median step time.
+the prompts are one step: the engine admits them with `prefill_batching="fill"` and a step
+budget of at least `--tokens` (the CPU default, 'spread', would start 2,048 queued tokens in
+three steps), and a round that takes more than one step stops the run. The runner's step time
+is taken around `ModelRunner.execute`. Prints the median step time.
 
 --profile: one more round per layer part under torch.profiler, each op's self time summed by
 class (linears by name, attention, norms, RoPE, SiLU-and-mul, KV write, the rest).
@@ -50,11 +52,13 @@ OP_CLASSES = {
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 
 
-def make_llm(model_dir: Path, dtype: str, threads: int):
+def make_llm(model_dir: Path, dtype: str, threads: int, step_tokens: int = 2048):
+    """The benchmark engine; a step admits whole prompts up to `step_tokens` (fill)."""
     from pagedkv import LLM
 
     return LLM(model=str(model_dir), dtype=dtype, seed=0, block_size=32, cpu_threads=threads,
-               kv_cache_memory_bytes=1 << 30, cpu_kernels="wait")
+               kv_cache_memory_bytes=1 << 30, cpu_kernels="wait", prefill_batching="fill",
+               max_num_batched_tokens=max(step_tokens, 2048))
 
 
 def timed_execute(runner) -> tuple[list[float], list[float]]:
@@ -77,13 +81,18 @@ def timed_execute(runner) -> tuple[list[float], list[float]]:
     return times, cpu
 
 
-def one_step(llm, prompts: list[list[int]]) -> None:
-    """One generate of `prompts` (fresh: prefix cache reset), one output token each."""
+def one_step(llm, prompts: list[list[int]], times: list[float]) -> None:
+    """One generate of `prompts` (fresh: prefix cache reset), one output token each; raises
+    RuntimeError unless it took exactly one step (one more entry in `times`)."""
     from pagedkv import SamplingParams
 
     llm.llm_engine.scheduler.kv_cache_manager.reset_prefix_cache()
+    before = len(times)
     llm.generate([{"prompt_token_ids": p} for p in prompts],
                  SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    if len(times) != before + 1:
+        raise RuntimeError(f"the {sum(map(len, prompts))} prompt tokens took "
+                           f"{len(times) - before} steps, not one")
 
 
 def linear_modules(model):
@@ -130,7 +139,7 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or build_random_model_dir(Path(tmp) / "m", dtype=args.dtype, seed=0,
                                                      **SHAPE)
-        llm = make_llm(model, args.dtype, args.threads)
+        llm = make_llm(model, args.dtype, args.threads, args.tokens)
         rng = random.Random(0)
         vocab = llm.llm_engine.model_config.vocab_size
         each = args.tokens // args.prompts
@@ -138,18 +147,18 @@ def run(args: argparse.Namespace) -> dict:
         runner = llm.llm_engine.runner
         times, cpu = timed_execute(runner)
         for _ in range(2):
-            one_step(llm, prompts)
+            one_step(llm, prompts, times)
         times.clear()
         cpu.clear()
         for _ in range(args.rounds):
-            one_step(llm, prompts)
+            one_step(llm, prompts, times)
         result = {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
                   "cpu_ms": 1e3 * statistics.median(cpu)}
         if args.profile:
             scope_linears(runner.model)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 for _ in range(args.profile_rounds):
-                    one_step(llm, prompts)
+                    one_step(llm, prompts, times)
             result["classes"] = {k: v / args.profile_rounds
                                  for k, v in classify(prof.events()).items()}
             result["profiled_ms"] = 1e3 * statistics.median(times[-args.profile_rounds:])
