@@ -31,6 +31,9 @@ from pagedkv.config.defaults import DEFAULT_MAX_NUM_SEQS
 from pagedkv.config.dtypes import KV_CACHE_DTYPE_CHOICES, MODEL_DTYPE_CHOICES
 from pagedkv.config.sizes import parse_size
 
+# The `quantization` option's values (pagedkv.model.quant.apply reads each).
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "gptq", "awq")
+
 PreemptionMode = Literal["recompute", "swap"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 PrefixCachingHashAlgo = Literal["sha256", "xxhash"]
@@ -80,10 +83,11 @@ class ModelOptions:
     quantization: str = opt(
         "auto", "CPU weights: auto (with a 16-bit dtype, a GGUF file's Q4_0/Q4_1/Q4_K, "
         "Q5_0/Q5_1/Q5_K, Q8_0, Q6_K, Q3_K, IQ4_NL and IQ4_XS linears, embedding table and LM "
-        "head stay packed "
-        "and are computed on packed; on a GPU they are dequantized), none (every weight "
-        "dequantized to dtype), int8 (every linear int8 per output channel; CPU only)",
-        choices=("auto", "none", "int8"))
+        "head, and a GPTQ or AWQ checkpoint's 4-bit linears, stay packed "
+        "and are computed on packed; on a GPU they are dequantized), gptq / awq (auto, for a "
+        "checkpoint of that method), none (every weight "
+        "dequantized to dtype), int8 (every other linear int8 per output channel; CPU only)",
+        choices=QUANTIZATION_CHOICES)
     max_model_len: int | None = opt(None, "longest sequence, prompt plus output (default: the "
                                     "model's)", ge=1)
 

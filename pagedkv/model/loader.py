@@ -26,6 +26,11 @@ from pagedkv.model.gguf import gguf_file
 from pagedkv.model.json_files import read_json
 from pagedkv.model.layers import RotaryEmbedding, rope_inv_freq
 from pagedkv.model.parallel.group import TensorParallelGroup
+from pagedkv.model.quant.prequantized import (
+    DequantizedState,
+    PrequantizedFormat,
+    prequantized_format,
+)
 from pagedkv.model.registry import CausalLM, get_model_class, resolve_architecture
 
 
@@ -108,25 +113,20 @@ def check_checkpoint_matches(model_dir: str | Path, num_layers: object, vocab_si
                          f"{hidden_size!r} but {_EMBED} in {model_dir} has shape {list(embed)}")
 
 
-def check_not_prequantized(config: dict[str, Any], model: str | Path) -> None:
-    """ValueError naming the method when `config` (a config.json dict) declares a pre-quantized
-    checkpoint (`quantization_config`: AWQ, GPTQ, FP8, bitsandbytes, ...): its weights are
-    packed tensors (`qweight`, `scales`, ...) in place of the float ones this loader reads."""
-    quant = config.get("quantization_config")
-    if not quant:
-        return
-    method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else quant
-    raise ValueError(
-        f"{model} is a pre-quantized checkpoint (config.json's quantization_config, quant_method "
-        f"{method!r}), which pagedkv does not load: give the model's float16, bfloat16 or "
-        f"float32 checkpoint (--quantization int8 packs its linears at load) or a GGUF file of "
-        f"it (its 4- to 8-bit linears stay packed)")
+def prequantized(model: str | Path) -> PrequantizedFormat | None:
+    """How `model`'s config.json says its linears are stored pre-quantized (GPTQ, AWQ:
+    pagedkv.model.quant.prequantized), or None (a float checkpoint, a GGUF file). ValueError
+    naming a method or layout pagedkv does not read."""
+    path = Path(model) / "config.json"
+    if gguf_file(model) is not None or not path.is_file():
+        return None
+    return prequantized_format(read_json(path), model)
 
 
 def check_architecture_supported(model: str | Path) -> None:
     """ValueError when `model`'s architecture (config.json's `architectures`, a GGUF file's
     `general.architecture`) is not one the registry runs, when its config.json declares a
-    pre-quantized checkpoint, or when a GGUF tensor's quantization type cannot be dequantized:
+    pre-quantized checkpoint in a format pagedkv does not read, or when a GGUF tensor's quantization type cannot be dequantized:
     said before any size is compared or allocated."""
     gguf = gguf_file(model)
     if gguf is not None:
@@ -141,7 +141,7 @@ def check_architecture_supported(model: str | Path) -> None:
     if path.is_file():
         config = read_json(path)
         resolve_architecture(config.get("architectures") or [])
-        check_not_prequantized(config, model)
+        prequantized_format(config, model)
 
 
 def check_model_dir(model_dir: str | Path) -> None:
@@ -161,15 +161,19 @@ def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return dict(iter_tensors(model_dir))
 
 
-class _LazyState:
+class LazyState:
     """`load_state_dict` read on demand: each tensor when it is asked for (a GGUF tensor is
-    dequantized only then), the weight files open meanwhile."""
+    dequantized only then), the weight files open meanwhile; the stored tensors as they are
+    (a GPTQ / AWQ checkpoint's packed ones too: `checkpoint_state` shows them dequantized)."""
 
     def __init__(self, model_dir: str | Path, stack: ExitStack) -> None:
         self._files: dict[str, Any] = {}
         for path in weight_files(model_dir):
             f = stack.enter_context(open_weights(path))
             self._files.update(dict.fromkeys(f.keys(), f))
+
+    def keys(self) -> list[str]:
+        return list(self._files)
 
     def __contains__(self, name: str) -> bool:
         return name in self._files
@@ -179,6 +183,20 @@ class _LazyState:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._files[name].get_slice(name).get_shape())
+
+
+def checkpoint_state(model_dir: str | Path, stack: ExitStack) -> LazyState | DequantizedState:
+    """`model_dir`'s tensors read on demand (files open until `stack` closes), a GPTQ / AWQ
+    checkpoint's quantized linears shown as float32 `X.weight`s dequantized when read."""
+    state = LazyState(model_dir, stack)
+    fmt = prequantized(model_dir)
+    if fmt is None:
+        return state
+    dequantized = DequantizedState(state, fmt)
+    if not dequantized.quantized:
+        raise ValueError(f"{model_dir}: config.json declares a {fmt.method.upper()} checkpoint, "
+                         f"but its weights hold no quantized linear (no '*.qweight' tensor)")
+    return dequantized
 
 
 def load_weights(module: torch.nn.Module, model_dir: str | Path,
@@ -196,11 +214,11 @@ def load_weights(module: torch.nn.Module, model_dir: str | Path,
     shards_of = getattr(module, "checkpoint_shards", None)
     if shards_of is None or shards_of("embed_tokens.weight") is None:
         with ExitStack() as stack:
-            return _load_whole(module, model_dir, _LazyState(model_dir, stack), preloaded)
+            return _load_whole(module, model_dir, checkpoint_state(model_dir, stack), preloaded)
     _load_sharded(module, model_dir, shards_of)
 
 
-def _load_whole(module: torch.nn.Module, model_dir: str | Path, state: _LazyState,
+def _load_whole(module: torch.nn.Module, model_dir: str | Path, state: LazyState | DequantizedState,
                 preloaded: frozenset[str]) -> None:
     params = dict(module.named_parameters())
     mapping = {name: sources for name, sources in module.checkpoint_mapping().items()
@@ -307,26 +325,31 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
     """Build the model for `config` on `device` in `dtype` and load `model_dir`'s weights (the
     runner then prepares the projection weights for its CPU path: layers.Linear.pack). With
     `tp`, only this rank's shard is built and read. `quantization` (pagedkv.model.quant.apply):
-    on a CPU without `tp`, "auto" keeps a GGUF file's 4-bit linears packed when `dtype` is
-    16-bit (float32 keeps the exact dequantized weights: the int4 kernel computes on bfloat16
-    activations, and is 10-60x slower on float32 ones), "int8" quantizes every linear per
-    channel, "none" keeps every weight in `dtype`; elsewhere "auto" dequantizes and "int8" is a
-    ValueError (its kernels are the CPU's, one process's)."""
+    on a CPU without `tp`, "auto" keeps a GGUF file's 4-bit linears, and a GPTQ or AWQ
+    checkpoint's 4-bit ones, packed when `dtype` is 16-bit (float32 keeps the exact
+    dequantized weights: the int4 kernel computes on bfloat16 activations, and is 10-60x slower
+    on float32 ones), "gptq" and "awq" are "auto" for a checkpoint of that method (a
+    ValueError for any other), "int8" quantizes every other linear per channel, "none" keeps
+    every weight in `dtype`; elsewhere "auto" dequantizes and "int8" is a ValueError (its
+    kernels are the CPU's, one process's)."""
     from pagedkv.model.quant.apply import (
         PACKED_AUTO_DTYPES,
-        QUANTIZATION_MODES,
+        check_quantization,
         pack_gguf_linears,
         pack_head,
+        pack_prequantized_linears,
         quantize_int8,
     )
 
-    if quantization not in QUANTIZATION_MODES:
-        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, "
-                         f"got {quantization!r}")
+    fmt = prequantized(model_dir)
+    check_quantization(quantization, fmt, model_dir)
     if quantization == "int8" and (device.type != "cpu" or tp is not None):
         where = f"device {device.type!r}" if device.type != "cpu" else "tensor parallelism"
         raise ValueError(f"quantization='int8' runs on a CPU without tensor parallelism, not "
                          f"with {where}: use quantization='auto' or 'none'")
+    if fmt is not None and tp is not None:
+        raise ValueError(f"{model_dir} is a {fmt.method.upper()} checkpoint, which pagedkv "
+                         f"does not split for tensor parallelism: use tensor_parallel_size=1")
     # Before allocating for what config.json says.
     check_checkpoint_matches(model_dir, config.num_layers, config.vocab_size, config.hidden_size)
     with torch.device("meta"):
@@ -344,8 +367,11 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
                 inv_freq = inv_freq / factors
             rotary.inv_freq = inv_freq.to(device)
     quantize = device.type == "cpu" and tp is None and (
-        quantization == "int8" or (quantization == "auto" and dtype in PACKED_AUTO_DTYPES))
-    preloaded = pack_gguf_linears(model, model_dir) if quantize else frozenset()
+        quantization == "int8" or (quantization != "none" and dtype in PACKED_AUTO_DTYPES))
+    preloaded = frozenset()
+    if quantize:
+        preloaded = pack_gguf_linears(model, model_dir) if fmt is None \
+            else pack_prequantized_linears(model, model_dir, fmt)
     load_weights(model, model_dir, preloaded)
     if quantize and quantization == "int8":
         quantize_int8(model)

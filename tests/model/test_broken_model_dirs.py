@@ -1,4 +1,4 @@
-"""A broken model directory, or a pre-quantized one pagedkv does not load, ends `pagedkv
+"""A broken model directory, or a pre-quantized one in a format pagedkv does not read, ends `pagedkv
 generate` / `serve` with exit code 2 and one line naming the file or the method at fault: never
 a traceback, and never an allocation for what config.json claims before the checkpoint has been
 checked against it."""
@@ -53,13 +53,22 @@ CASES = {
                                         "num_hidden_layers=3"),
     "vocab_size disagrees with the weights": (_edit_json("config.json", vocab_size=10**9),
                                               "vocab_size=1000000000"),
-    # Pre-quantized checkpoints: their method named, not a `.weight` tensor found missing.
-    "an AWQ checkpoint": (_edit_json("config.json", quantization_config={
-        "quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}),
-        "pre-quantized checkpoint (config.json's quantization_config, quant_method 'awq')"),
-    "a GPTQ checkpoint": (_edit_json("config.json", quantization_config={
+    # Pre-quantized checkpoints: a method or layout pagedkv does not read named, not a
+    # `.weight` tensor found missing; one declared but without a quantized tensor.
+    "an FP8 checkpoint": (_edit_json("config.json", quantization_config={
+        "quant_method": "fp8", "activation_scheme": "dynamic"}),
+        "pre-quantized checkpoint (config.json's quantization_config, quant_method 'fp8'), "
+        "which pagedkv does not load (it reads GPTQ and AWQ checkpoints)"),
+    "a 3-bit GPTQ checkpoint": (_edit_json("config.json", quantization_config={
+        "quant_method": "gptq", "bits": 3, "group_size": 128}),
+        "the GPTQ checkpoint's quantization_config has bits 3, which pagedkv does not read "
+        "(2, 4, 8)"),
+    "AWQ's GEMV layout": (_edit_json("config.json", quantization_config={
+        "quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}),
+        "has version 'gemv', which pagedkv does not read ('gemm')"),
+    "a GPTQ config over float weights": (_edit_json("config.json", quantization_config={
         "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}),
-        "quant_method 'gptq'"),
+        "config.json declares a GPTQ checkpoint, but its weights hold no quantized linear"),
 }
 
 

@@ -8,8 +8,13 @@
   too (vocab.py); a fused linear whose parts mix the two (Q4_K_M's Q4_K q/k and Q6_K v)
   stays packed as one linear of each per run of parts (`PartsLinear`, parts_linear.py); other
   types (F16 ...) stay dequantized in the model dtype. Any other checkpoint: unchanged.
+  A GPTQ or AWQ checkpoint's 4-bit linears (prequantized.py) stay packed as `Int4Linear`
+  likewise (exact), where their groups are runs of consecutive input features; the others
+  (GPTQ's 2- and 8-bit codes, `desc_act` groups) are dequantized to the model dtype.
+- "gptq", "awq": "auto" for a checkpoint of that method, a ValueError for any other (vLLM's
+  `--quantization` names the checkpoint's method too).
 - "int8": every linear but the lm_head becomes `Int8Linear` (per-channel int8 of the loaded
-  weight; for a GGUF checkpoint, its 4-bit linears stay `Int4Linear` as with "auto").
+  weight; a GGUF, GPTQ or AWQ checkpoint's 4-bit linears stay `Int4Linear` as with "auto").
 - "none": unchanged (every weight in the model dtype).
 CPU only and without tensor parallelism (the caller, loader.load_model, checks): the GGUF
 linears are built before the weights are read (`pack_gguf_linears`: never dequantized), the
@@ -27,6 +32,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from pagedkv.config.options import QUANTIZATION_CHOICES
 from pagedkv.model.gguf import gguf_file
 from pagedkv.model.gguf.config import FLOAT_DTYPES
 from pagedkv.model.layers import Linear
@@ -36,11 +42,12 @@ from pagedkv.model.quant.int8_gguf import gguf_int8_block_linear
 from pagedkv.model.quant.int8_linear import Int8Linear
 from pagedkv.model.quant.packed_head import pack_head
 from pagedkv.model.quant.parts_linear import gguf_parts_linear
+from pagedkv.model.quant.prequantized import PrequantizedFormat, prequantized_int4_linear
 from pagedkv.model.quant.vocab import pack_gguf_vocab
 
-__all__ = ["pack_gguf_linears", "pack_head", "quantize_int8"]
+__all__ = ["check_quantization", "pack_gguf_linears", "pack_head", "pack_prequantized_linears",
+           "quantize_int8"]
 
-QUANTIZATION_MODES = ("auto", "none", "int8")
 logger = logging.getLogger("pagedkv.model.loader")
 # The model dtypes "auto" packs at (float32 stays exact: the int4 kernel rounds activations to
 # bfloat16, and its float32 path is 10-60x slower).
@@ -99,6 +106,55 @@ def pack_gguf_linears(model: nn.Module, model_dir: str | Path) -> frozenset[str]
                        "kernel's: %s), e.g. %s",
                        len(unpacked), ", ".join(kinds), next(iter(unpacked)))
     return frozenset(built) | pack_gguf_vocab(model, checkpoint)
+
+
+def check_quantization(quantization: str, fmt: PrequantizedFormat | None,
+                       model_dir: str | Path) -> None:
+    """ValueError unless `quantization` is one of the modes, and "gptq" / "awq" name the
+    method of `model_dir`'s checkpoint (`fmt`: how its config says it is stored)."""
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, "
+                         f"got {quantization!r}")
+    method = None if fmt is None else fmt.method
+    if quantization in ("gptq", "awq") and method != quantization:
+        stored = "a checkpoint of float weights" if method is None else \
+            f"a {method.upper()} checkpoint"
+        raise ValueError(f"quantization={quantization!r} asks for a {quantization.upper()} "
+                         f"checkpoint, but {model_dir} is {stored}: use quantization='auto'")
+
+
+def pack_prequantized_linears(model: nn.Module, model_dir: str | Path,
+                              fmt: PrequantizedFormat) -> frozenset[str]:
+    """Before the weights are loaded: replace each linear of `model` whose GPTQ / AWQ tensors
+    pack (prequantized.prequantized_int4_linear) by an Int4Linear on its stored codes (mutates
+    `model`); logs a warning naming the quantized ones left to be dequantized. Returns the
+    checkpoint-mapping names now built (`loader.load_weights(preloaded=...)`)."""
+    from contextlib import ExitStack
+
+    from pagedkv.model.loader import LazyState
+
+    mapping = model.checkpoint_mapping()
+    built, unpacked = set(), []
+    with ExitStack() as stack:
+        state = LazyState(model_dir, stack)
+        for parent, attr, name, linear in _linears(model):
+            sources = mapping.get(f"{name}.weight") or []
+            stored = [s.removesuffix(".weight") + ".qweight" in state for s in sources]
+            if not any(stored):
+                continue
+            packed = prequantized_int4_linear(fmt, state.__getitem__, state.__contains__,
+                                              sources, linear.in_features, linear.bias)
+            if packed is None:
+                unpacked.append(name)
+                continue
+            setattr(parent, attr, packed)
+            built.add(f"{name}.weight")
+    if unpacked:
+        logger.warning("%d of the %s checkpoint's quantized linears are dequantized to the "
+                       "model dtype (%s; packed: 4-bit codes in groups of consecutive input "
+                       "features a multiple of 32 long, rows a multiple of 16), e.g. %s",
+                       len(unpacked), fmt.method.upper(), fmt.describe(), unpacked[0])
+    return frozenset(built)
 
 
 def quantize_int8(model: nn.Module) -> int:
