@@ -8,8 +8,10 @@ same weights (the bytes a step reads), in alternating rounds.
 A random-weight Llama of `--shape` (synthetic_gguf.SHAPES' widths: Qwen2.5 0.5B's or Llama
 3.2 1B's; a 49,152-token vocabulary, untied), quantized by the test writer
 (pagedkv.testing.prequantized_model) into a symmetric GPTQ checkpoint (zero points 8: packed as
-GGUF's Q4_0, scales alone) and an AWQ one (zero points per group: float32 scales and offsets),
-groups of `--group-size`, plus the bfloat16 checkpoint of the weights the GPTQ codes stand for.
+GGUF's Q4_0, scales alone), the same with GPTQ's act order (`desc_act`: pagedkv gathers the
+activations' columns into group order before each product) and an AWQ one (zero points per
+group: float32 scales and offsets), groups of `--group-size`, plus the bfloat16 checkpoint of
+the weights the GPTQ codes stand for.
 Each engine runs in its own process (prequantized_worker.py): decode tokens a second at batch
 1 and output tokens a second of a batch (32 prompts of 256 tokens, 128 out), and the greedy
 tokens (the same weights: printed as agreement). vLLM gets every core of this process and its
@@ -35,12 +37,13 @@ from bench_offline import engine_settings, pagedkv_env, settle, vllm_env  # noqa
 from synthetic_gguf import SHAPES  # noqa: E402
 
 VOCAB = 49152
+QUANTIZED = ("gptq", "gptq-act", "awq")  # the checkpoints both engines run
 WORKER = Path(__file__).resolve().parent / "prequantized_worker.py"
 
 
 def build_checkpoints(base: Path, shape: str, layers: int | None, group_size: int
                       ) -> dict[str, Path]:
-    """{"gptq": dir, "awq": dir, "bfloat16": dir} under `base`."""
+    """{"gptq": dir, "gptq-act": dir, "awq": dir, "bfloat16": dir} under `base`."""
     from pagedkv.testing.prequantized_model import write_prequantized, write_reference
     from pagedkv.testing.random_model import build_random_model_dir
 
@@ -56,6 +59,9 @@ def build_checkpoints(base: Path, shape: str, layers: int | None, group_size: in
     out["bfloat16"] = write_reference(source, base / "bfloat16",
                                       {k: v.bfloat16() for k, v in reference.items()})
     del reference
+    write_prequantized(source, base / "gptq-act", "gptq", group_size=group_size, sym=True,
+                       desc_act=True)
+    out["gptq-act"] = base / "gptq-act"
     write_prequantized(source, base / "awq", "awq", group_size=group_size)
     out["awq"] = base / "awq"
     return out
@@ -99,8 +105,8 @@ def main() -> None:
           f"{args.threads} threads")
     if args.vs_vllm:
         print(engine_settings(vllm_env(args.vs_vllm, args.threads), args.threads))
-    runs = [("pagedkv", "gptq"), ("pagedkv", "awq"), ("pagedkv", "bfloat16")]
-    runs += [("vllm", "gptq"), ("vllm", "awq")] if args.vs_vllm else []
+    runs = [("pagedkv", c) for c in (*QUANTIZED, "bfloat16")]
+    runs += [("vllm", c) for c in QUANTIZED] if args.vs_vllm else []
     results: dict[tuple[str, str], list[dict]] = {run: [] for run in runs}
     with tempfile.TemporaryDirectory() as tmp:
         dirs = build_checkpoints(Path(tmp), args.shape, args.layers, args.group_size)
@@ -114,7 +120,7 @@ def main() -> None:
     med = {run: {k: statistics.median(g[k] for g in got) for k in ("decode_tok_s", "batch_tok_s")}
            for run, got in results.items()}
     print("medians over rounds (ratios of medians):")
-    for ckpt in ("gptq", "awq"):
+    for ckpt in QUANTIZED:
         ours = med["pagedkv", ckpt]
         line = (f"  {ckpt}: pagedkv decode {ours['decode_tok_s']:.1f} tok/s "
                 f"({ours['decode_tok_s'] / med['pagedkv', 'bfloat16']['decode_tok_s']:.2f}x its "

@@ -369,9 +369,11 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
     quantize = device.type == "cpu" and tp is None and (
         quantization == "int8" or (quantization != "none" and dtype in PACKED_AUTO_DTYPES))
     preloaded = frozenset()
-    if quantize:
-        preloaded = pack_gguf_linears(model, model_dir) if fmt is None \
-            else pack_prequantized_linears(model, model_dir, fmt)
+    if quantize and fmt is None:
+        preloaded = pack_gguf_linears(model, model_dir)
+    elif quantize:
+        with ExitStack() as stack:
+            preloaded = pack_prequantized_linears(model, LazyState(model_dir, stack), fmt)
     load_weights(model, model_dir, preloaded)
     if quantize and quantization == "int8":
         quantize_int8(model)

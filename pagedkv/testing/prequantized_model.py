@@ -6,7 +6,9 @@ Each linear of the decoder layers (q, k, v, o, gate, up, down) is quantized per 
 zero point, codes clamped), its codes packed into int32 words bit by bit the way the writers'
 own loops do (GPTQ: along the input features; AWQ: along the output features in the order 0, 2,
 4, 6, 1, 3, 5, 7), zero points likewise (GPTQ v1: stored minus one). With `desc_act`, GPTQ's
-act-order: the input features join groups in a random order, given per feature by g_idx.
+act-order: the input features join groups in a random order, given per feature by g_idx, one
+order per input (q/k/v share theirs, as gate/up do: GPTQ orders the features by the inputs'
+statistics), or one per linear with `shared_order=False`.
 The reference weight is scale * (code - zero), computed here in float64 from the unpacked
 values, not from the packed words.
 """
@@ -23,6 +25,9 @@ from safetensors.torch import load_file, save_file
 
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+# Linears quantized on the same input (one act order between them).
+SHARED_INPUT = {"q_proj": "attention input", "k_proj": "attention input",
+                "v_proj": "attention input", "gate_proj": "MLP input", "up_proj": "MLP input"}
 
 
 def _quantize(w: np.ndarray, members: list[np.ndarray], bits: int, min_zero: int, sym: bool
@@ -75,8 +80,8 @@ def _pack_columns(values: np.ndarray, bits: int, order: tuple[int, ...] | None =
 
 
 def write_prequantized(model_dir: Path, out: Path, method: str, *, group_size: int = 32,
-                       bits: int = 4, desc_act: bool = False, sym: bool = False,
-                       checkpoint_format: str = "gptq", seed: int = 0) -> dict[str, torch.Tensor]:
+                       bits: int = 4, desc_act: bool = False, shared_order: bool = True,
+                       sym: bool = False, checkpoint_format: str = "gptq", seed: int = 0) -> dict[str, torch.Tensor]:
     """`model_dir` as a `method` ("gptq" or "awq") checkpoint in folder `out` (GPTQ options:
     `bits`, `desc_act`, `sym`, `checkpoint_format` "gptq" or "gptq_v2"); returns the
     float32 weight [N, K] each quantized linear's stored tensors stand for, by its
@@ -84,6 +89,7 @@ def write_prequantized(model_dir: Path, out: Path, method: str, *, group_size: i
     shutil.copytree(model_dir, out)
     tensors = load_file(out / "model.safetensors")
     rng = np.random.default_rng(seed)
+    orders: dict[tuple[str, str], np.ndarray] = {}
     reference, stored = {}, {}
     for name, tensor in tensors.items():
         prefix = name.removesuffix(".weight")
@@ -93,7 +99,9 @@ def write_prequantized(model_dir: Path, out: Path, method: str, *, group_size: i
         w = tensor.float().numpy()
         k = w.shape[1]
         size = k if group_size == -1 else group_size
-        order = rng.permutation(k) if desc_act else np.arange(k)
+        role = SHARED_INPUT.get(prefix.rsplit(".", 1)[-1], prefix) if shared_order else prefix
+        order = np.arange(k) if not desc_act else orders.setdefault(
+            (prefix.rsplit(".", 2)[0], role), rng.permutation(k))
         members = [np.sort(order[i:i + size]) for i in range(0, k, size)]
         # (a v1 file stores zero points minus one: it cannot hold 0)
         v1 = method == "gptq" and checkpoint_format == "gptq"

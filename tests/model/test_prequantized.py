@@ -13,6 +13,7 @@ import torch
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.model.quant.int4_linear import Int4Linear
+from pagedkv.model.quant.prequantized import PermutedInt4Linear
 from pagedkv.model.runner import ModelRunner
 from pagedkv.testing.kv_quant_accuracy import kl_divergence, prompt_logits, teacher_forced_logits
 from pagedkv.testing.prequantized_model import write_prequantized, write_reference
@@ -154,16 +155,42 @@ def test_other_bit_widths_are_dequantized_exactly(tiny_llama, tmp_path_factory, 
         assert torch.equal(modules[name].weight, weight.bfloat16()), name
 
 
-def test_act_order_groups_are_dequantized_exactly(tiny_llama, tmp_path_factory, caplog):
-    """GPTQ's desc_act: groups of input features in a permuted order (g_idx), which the int4
-    kernel's runs of 32 cannot hold: dequantized, equal to the reference."""
+def test_act_order_packs_with_its_features_sorted(tiny_llama, tmp_path_factory):
+    """GPTQ's desc_act: the input features dealt to the groups in a permuted order (g_idx),
+    one order per input as GPTQ makes them. Each linear packs with its features sorted by
+    group (PermutedInt4Linear: the activations gathered into that order), its weight the
+    reference; the model's next-token distributions as the float checkpoint's."""
     path, reference = _write(tiny_llama, tmp_path_factory, "gptq", 32, desc_act=True)
+    float_dir = write_reference(tiny_llama, tmp_path_factory.mktemp("ref") / "m", reference)
+    packed, dense = runner(path, "bfloat16"), runner(float_dir, "bfloat16")
+    modules = dict(packed.model.named_modules())
+    for name, weight in _fused_reference(packed.model, reference).items():
+        assert isinstance(modules[name], PermutedInt4Linear), name
+        assert torch.equal(modules[name].dequantized_reference(torch.float32), weight), name
+        assert torch.equal(modules[name].dequantized(torch.float32), weight), name
+    for name, forward in (("decode", lambda r: teacher_forced_logits(r, PROMPT, CONTINUATION)),
+                          ("prefill", lambda r: prompt_logits(r, PROMPT + CONTINUATION))):
+        with torch.inference_mode():
+            kl = kl_divergence([forward(dense)], [forward(packed)])
+        assert kl.mean_kl < MEAN_KL_BOUND, (name, kl)
+        assert kl.top1_agreement >= TOP1_BOUND, (name, kl)
+    assert _greedy(path, dtype="float32") == _greedy(float_dir, dtype="float32")
+
+
+def test_fused_parts_in_different_orders_are_dequantized(tiny_llama, tmp_path_factory, caplog):
+    """q/k/v (gate/up) each in its own act order: one gather cannot serve the fused linear,
+    which is dequantized exactly (a warning says how many); o and down still pack."""
+    path, reference = _write(tiny_llama, tmp_path_factory, "gptq", 32, desc_act=True,
+                             shared_order=False)
     with caplog.at_level(logging.WARNING, logger="pagedkv.model.loader"):
         model = runner(path, "float16").model
-    assert "8 of the GPTQ checkpoint's quantized linears are dequantized" in caplog.text
+    assert "4 of the GPTQ checkpoint's quantized linears are dequantized" in caplog.text
     modules = dict(model.named_modules())
     for name, weight in _fused_reference(model, reference).items():
-        assert torch.equal(modules[name].weight, weight.half()), name
+        fused = name.endswith(("qkv_proj", "gate_up_proj"))
+        assert isinstance(modules[name], PermutedInt4Linear) != fused, name
+        got = modules[name].weight if fused else modules[name].dequantized(torch.float32)
+        assert torch.equal(got, weight.half() if fused else weight), name
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from gguf import GGMLQuantizationType
@@ -123,36 +124,30 @@ def check_quantization(quantization: str, fmt: PrequantizedFormat | None,
                          f"checkpoint, but {model_dir} is {stored}: use quantization='auto'")
 
 
-def pack_prequantized_linears(model: nn.Module, model_dir: str | Path,
+def pack_prequantized_linears(model: nn.Module, state: Any,
                               fmt: PrequantizedFormat) -> frozenset[str]:
     """Before the weights are loaded: replace each linear of `model` whose GPTQ / AWQ tensors
-    pack (prequantized.prequantized_int4_linear) by an Int4Linear on its stored codes (mutates
+    (`state`: the checkpoint's stored tensors by name, `in` and `[name]`) pack
+    (prequantized.prequantized_int4_linear) by an Int4Linear on its stored codes (mutates
     `model`); logs a warning naming the quantized ones left to be dequantized. Returns the
     checkpoint-mapping names now built (`loader.load_weights(preloaded=...)`)."""
-    from contextlib import ExitStack
-
-    from pagedkv.model.loader import LazyState
-
     mapping = model.checkpoint_mapping()
     built, unpacked = set(), []
-    with ExitStack() as stack:
-        state = LazyState(model_dir, stack)
-        for parent, attr, name, linear in _linears(model):
-            sources = mapping.get(f"{name}.weight") or []
-            stored = [s.removesuffix(".weight") + ".qweight" in state for s in sources]
-            if not any(stored):
-                continue
-            packed = prequantized_int4_linear(fmt, state.__getitem__, state.__contains__,
-                                              sources, linear.in_features, linear.bias)
-            if packed is None:
-                unpacked.append(name)
-                continue
-            setattr(parent, attr, packed)
-            built.add(f"{name}.weight")
+    for parent, attr, name, linear in _linears(model):
+        sources = mapping.get(f"{name}.weight") or []
+        if not any(s.removesuffix(".weight") + ".qweight" in state for s in sources):
+            continue
+        packed = prequantized_int4_linear(fmt, state.__getitem__, state.__contains__, sources,
+                                          linear.in_features, linear.bias)
+        if packed is None:
+            unpacked.append(name)
+            continue
+        setattr(parent, attr, packed)
+        built.add(f"{name}.weight")
     if unpacked:
         logger.warning("%d of the %s checkpoint's quantized linears are dequantized to the "
-                       "model dtype (%s; packed: 4-bit codes in groups of consecutive input "
-                       "features a multiple of 32 long, rows a multiple of 16), e.g. %s",
+                       "model dtype (%s; packed: 4-bit codes, groups of whole runs of 32 input "
+                       "features, fused parts in one act order, rows a multiple of 16), e.g. %s",
                        len(unpacked), fmt.method.upper(), fmt.describe(), unpacked[0])
     return frozenset(built)
 

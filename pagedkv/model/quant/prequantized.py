@@ -23,9 +23,12 @@ to the loader with each `X.weight` dequantized exactly to float32 (every bit wid
 group layout; a GPU, float32, quantization "none"), and `prequantized_int4_linear` builds a
 4-bit linear as an `Int4Linear` on its codes, never dequantized: a group of 32 takes the
 scale s of its GPTQ / AWQ group and the offset -zero * s (both exact in float32), so the
-packed weight equals the dequantized one. A 4-bit linear packs when its groups are runs of
-consecutive input features a multiple of 32 long (GPTQ's `desc_act` checkpoints permute them
-through g_idx: those stay dequantized, with a warning) and its shape fits the int4 kernel.
+packed weight equals the dequantized one. A 4-bit linear packs when each group is a whole
+number of runs of 32 input features and its shape fits the int4 kernel; GPTQ's `desc_act`
+checkpoints, whose g_idx deals the input features to the groups in a permuted order, pack with
+the features sorted by group (`PermutedInt4Linear`: the activations' columns gathered into that
+order first), where the fused parts share one order (q/k/v and gate/up quantized on the same
+inputs do); the others stay dequantized, with a warning.
 """
 
 from __future__ import annotations
@@ -165,23 +168,59 @@ def dequantize_linear(fmt: PrequantizedFormat, stored: StoredLinear, name: str) 
 
 
 def int4_groups(fmt: PrequantizedFormat, stored: StoredLinear, name: str
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None:
     """Linear `name` as Int4Linear's parts, codes uint8 [N, K] and per group of 32 a scale and
     an offset float32 [N, K / 32] (weight = code * scale + offset: scale * (code - zero)
-    exactly), or None where its groups are not runs of 32 consecutive input features (a
-    `desc_act` g_idx, a group size off a multiple of 32) or its codes are not 4-bit."""
+    exactly), and the order of its input features they are in: None where it is the stored
+    one; else (GPTQ's `desc_act`, a g_idx whose groups are not runs of consecutive features)
+    the features sorted by group, the codes' columns in that order. None where a group is
+    not a whole number of runs of 32 (a group size off a multiple of 32) or the codes are not
+    4-bit."""
     if fmt.bits != 4:
         return None
     codes, zeros, scales, group_of = unpack_linear(fmt, stored, name)
     k = codes.shape[1]
     if k % GROUP:
         return None
+    order = None
+    if not (group_of.reshape(-1, GROUP) == group_of.reshape(-1, GROUP)[:, :1]).all():
+        order = np.argsort(group_of, kind="stable")
+        codes, group_of = np.ascontiguousarray(codes[:, order]), group_of[order]
     of32 = group_of.reshape(-1, GROUP)
     if not (of32 == of32[:, :1]).all():
         return None
     group = of32[:, 0]
     scale = np.ascontiguousarray(scales.T[:, group])
-    return codes, scale, -zeros.T[:, group].astype(np.float32) * scale
+    return codes, scale, -zeros.T[:, group].astype(np.float32) * scale, order
+
+
+class PermutedInt4Linear(Int4Linear):
+    """An Int4Linear whose codes' columns are the input features in `order` (a GPTQ act-order
+    linear, its groups made runs of 32): y = x[..., order] W'^T. Its forward gathers x's
+    columns first; a decode step runs it from Python (no `decode_call`)."""
+
+    def __init__(self, codes: np.ndarray, scale: np.ndarray, offset: np.ndarray,
+                 bias: torch.Tensor | None, order: np.ndarray) -> None:
+        super().__init__(codes, scale, offset, bias)
+        self.register_buffer("order", torch.from_numpy(order.astype(np.int64)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.index_select(-1, self.order))
+
+    def decode_call(self, rows: int) -> None:
+        return None
+
+    def _in_stored_order(self, w: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(w)
+        out[:, self.order] = w
+        return out
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """W [N, K] in `dtype`, its columns the input features in their own order."""
+        return self._in_stored_order(super().dequantized(dtype))
+
+    def dequantized_reference(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._in_stored_order(super().dequantized_reference(dtype))
 
 
 def stored_linear(get: Callable[[str], torch.Tensor], has: Callable[[str], bool],
@@ -207,11 +246,17 @@ def prequantized_int4_linear(fmt: PrequantizedFormat, get: Callable[[str], torch
     parts = [int4_groups(fmt, stored_linear(get, has, p), p) for p in prefixes]
     if any(part is None for part in parts):
         return None
-    codes, scale, offset = (np.concatenate(x) for x in zip(*parts, strict=True))
+    codes, scale, offset = (np.concatenate([p[i] for p in parts]) for i in range(3))
+    orders = [part[3] for part in parts]
     if codes.shape[0] % 16 or codes.shape[1] != in_features:
         return None
     bias = None if bias is None else torch.zeros_like(bias)
-    return Int4Linear(pack_group_codes(codes, 4), scale, offset, bias)
+    packed = pack_group_codes(codes, 4)
+    if all(order is None for order in orders):
+        return Int4Linear(packed, scale, offset, bias)
+    if any(order is None or not np.array_equal(order, orders[0]) for order in orders):
+        return None  # fused parts in different act orders (one gather cannot serve them)
+    return PermutedInt4Linear(packed, scale, offset, bias, orders[0])
 
 
 class DequantizedState:
