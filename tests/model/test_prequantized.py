@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.model.quant.int4_linear import Int4Linear
@@ -159,15 +161,27 @@ def test_act_order_packs_with_its_features_sorted(tiny_llama, tmp_path_factory):
     """GPTQ's desc_act: the input features dealt to the groups in a permuted order (g_idx),
     one order per input as GPTQ makes them. Each linear packs with its features sorted by
     group (PermutedInt4Linear: the activations gathered into that order), its weight the
-    reference; the model's next-token distributions as the float checkpoint's."""
+    reference, but down_proj, whose order is folded into gate_up's rows (a plain
+    Int4Linear); the model's next-token distributions as the float checkpoint's."""
     path, reference = _write(tiny_llama, tmp_path_factory, "gptq", 32, desc_act=True)
     float_dir = write_reference(tiny_llama, tmp_path_factory.mktemp("ref") / "m", reference)
     packed, dense = runner(path, "bfloat16"), runner(float_dir, "bfloat16")
     modules = dict(packed.model.named_modules())
+    stored = load_file(path / "model.safetensors")
     for name, weight in _fused_reference(packed.model, reference).items():
-        assert isinstance(modules[name], PermutedInt4Linear), name
-        assert torch.equal(modules[name].dequantized_reference(torch.float32), weight), name
-        assert torch.equal(modules[name].dequantized(torch.float32), weight), name
+        linear = modules[name]
+        mlp = name.rsplit(".", 1)[0]
+        if name.endswith(("gate_up_proj", "down_proj")):  # down's order, from its g_idx
+            g_idx = stored[f"{mlp.replace('layers', 'model.layers', 1)}.down_proj.g_idx"]
+            order = torch.from_numpy(np.argsort(g_idx.numpy(), kind="stable"))
+        if name.endswith("gate_up_proj"):  # gate's and up's rows in down's input order
+            weight = weight[torch.cat((order, order.numel() + order))]
+        elif name.endswith("down_proj"):  # a plain Int4Linear, its columns in that order
+            weight = weight[:, order]
+        folded = name.endswith("down_proj")
+        assert isinstance(linear, PermutedInt4Linear) != folded, name
+        assert torch.equal(linear.dequantized_reference(torch.float32), weight), name
+        assert torch.equal(linear.dequantized(torch.float32), weight), name
     for name, forward in (("decode", lambda r: teacher_forced_logits(r, PROMPT, CONTINUATION)),
                           ("prefill", lambda r: prompt_logits(r, PROMPT + CONTINUATION))):
         with torch.inference_mode():

@@ -43,7 +43,11 @@ from pagedkv.model.quant.int8_gguf import gguf_int8_block_linear
 from pagedkv.model.quant.int8_linear import Int8Linear
 from pagedkv.model.quant.packed_head import pack_head
 from pagedkv.model.quant.parts_linear import gguf_parts_linear
-from pagedkv.model.quant.prequantized import PrequantizedFormat, prequantized_int4_linear
+from pagedkv.model.quant.prequantized import (
+    PrequantizedFormat,
+    fold_act_orders,
+    prequantized_int4_linear,
+)
 from pagedkv.model.quant.vocab import pack_gguf_vocab
 
 __all__ = ["check_quantization", "pack_gguf_linears", "pack_head", "pack_prequantized_linears",
@@ -128,8 +132,8 @@ def pack_prequantized_linears(model: nn.Module, state: Any,
                               fmt: PrequantizedFormat) -> frozenset[str]:
     """Before the weights are loaded: replace each linear of `model` whose GPTQ / AWQ tensors
     (`state`: the checkpoint's stored tensors by name, `in` and `[name]`) pack
-    (prequantized.prequantized_int4_linear) by an Int4Linear on its stored codes (mutates
-    `model`); logs a warning naming the quantized ones left to be dequantized. Returns the
+    (prequantized.prequantized_int4_linear) by an Int4Linear on its stored codes, a GPTQ act
+    order folded where it can be (prequantized.fold_act_orders) (mutates `model`); logs a warning naming the quantized ones left to be dequantized. Returns the
     checkpoint-mapping names now built (`loader.load_weights(preloaded=...)`)."""
     mapping = model.checkpoint_mapping()
     built, unpacked = set(), []
@@ -144,6 +148,7 @@ def pack_prequantized_linears(model: nn.Module, state: Any,
             continue
         setattr(parent, attr, packed)
         built.add(f"{name}.weight")
+    fold_act_orders(model)
     if unpacked:
         logger.warning("%d of the %s checkpoint's quantized linears are dequantized to the "
                        "model dtype (%s; packed: 4-bit codes, groups of whole runs of 32 input "
