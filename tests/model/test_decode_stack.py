@@ -93,6 +93,18 @@ def test_stack_runs_packed_gguf_weights(quant, tiny_llama, tmp_path, monkeypatch
     assert_same(str(path), "bfloat16", monkeypatch, quantization="auto")
 
 
+@pytest.mark.parametrize(("method", "desc_act"), [("awq", False), ("gptq", True)],
+                         ids=["awq", "gptq-act-order"])
+def test_stack_runs_gptq_and_awq_weights(method, desc_act, tiny_llama, tmp_path, monkeypatch):
+    """GPTQ / AWQ linears: Int4Linear, and with GPTQ's act order PermutedInt4Linear, whose
+    gather and product are one op the stack calls as the Python forward does."""
+    from pagedkv.testing.prequantized_model import write_prequantized
+
+    monkeypatch.setattr("pagedkv.model.backends.cpu_native.decode_route", lambda *a: "native")
+    write_prequantized(tiny_llama, tmp_path / "m", method, group_size=32, desc_act=desc_act)
+    assert_same(str(tmp_path / "m"), "bfloat16", monkeypatch, quantization="auto")
+
+
 def test_stack_is_not_built_for_qk_norm(tiny_qwen3):
     from pagedkv.model.runner import ModelRunner
 

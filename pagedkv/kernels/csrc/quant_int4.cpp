@@ -1478,6 +1478,15 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   return y.view(quant_rows::out_sizes(xc, codes.size(0)));
 }
 
+// int4_linear on x's columns taken in `order` (int64 [K]): a GPTQ act-order linear whose codes
+// hold the input features sorted by group (model/quant/prequantized.py: PermutedInt4Linear),
+// one op for the decode stack.
+at::Tensor int4_linear_gathered(const at::Tensor& x, const at::Tensor& order,
+                                const at::Tensor& codes, const at::Tensor& scales,
+                                const c10::optional<at::Tensor>& bias, int64_t gemv_rows) {
+  return int4_linear(x.index({at::indexing::Ellipsis, order}), codes, scales, bias, gemv_rows);
+}
+
 // x [M, K]; codes int8 [N, K] with one bfloat16 scale a row, scale [N]; bias [N] or None.
 // Returns x W^T (+ bias) [M, N] in x's dtype, W = codes * scale.
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
@@ -1527,6 +1536,9 @@ TORCH_LIBRARY_FRAGMENT(pagedkv_cpu, m) {
         &pagedkv_cpu::int4_gemv);
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias, int gemv_rows) -> Tensor",
         &pagedkv_cpu::int4_linear);
+  m.def("int4_linear_gathered(Tensor x, Tensor order, Tensor codes, Tensor scales, Tensor? bias, "
+        "int gemv_rows) -> Tensor",
+        &pagedkv_cpu::int4_linear_gathered);
   m.def("int8_gemv(Tensor x, Tensor codes, Tensor scale, Tensor? bias) -> Tensor",
         &pagedkv_cpu::int8_gemv);
   m.def("int_gemv_isa() -> str", &pagedkv_cpu::int_gemv_isa);

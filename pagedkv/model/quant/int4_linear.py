@@ -216,10 +216,13 @@ class Int4Linear(nn.Module):
         if cpu_kernels_loaded():  # one op: its row count picks the product or the expansion
             if _torch_int4_copies:
                 _torch_int4_copies.clear()  # the kernels are in: the torch op's copies go
-            p = self._parameters  # (not nn.Module's __getattr__: a microsecond a parameter)
-            return torch.ops.pagedkv_cpu.int4_linear(x, p["codes"], p["scales"], p.get("bias"),
-                                                     self.product_rows_for(x.dtype))
+            return self._kernel_forward(x)
         return self._forward_without_kernels(x)
+
+    def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self._parameters  # (not nn.Module's __getattr__: a microsecond a parameter)
+        return torch.ops.pagedkv_cpu.int4_linear(x, p["codes"], p["scales"], p.get("bias"),
+                                                 self.product_rows_for(x.dtype))
 
     def product_rows_for(self, dtype: torch.dtype) -> int:
         """Rows up to which a call on `dtype` activations runs the integer product (beyond:

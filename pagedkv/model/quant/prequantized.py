@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedkv.model.decode_stack import LinearCall
 from pagedkv.model.quant.int4_blocks import GROUP, pack_group_codes
 from pagedkv.model.quant.int4_linear import Int4Linear
 
@@ -197,20 +198,29 @@ def int4_groups(fmt: PrequantizedFormat, stored: StoredLinear, name: str
 
 class PermutedInt4Linear(Int4Linear):
     """An Int4Linear whose codes' columns are the input features in `order` (a GPTQ act-order
-    linear, its groups made runs of 32): y = x[..., order] W'^T. Its forward gathers x's
-    columns first; a decode step runs it from Python (no `decode_call`)."""
+    linear, its groups made runs of 32): y = x[..., order] W'^T, the gather and the product
+    one op with the fused kernels loaded (`int4_linear_gathered`, which the decode stack runs
+    too)."""
 
     def __init__(self, codes: np.ndarray, scale: np.ndarray, offset: np.ndarray,
                  bias: torch.Tensor | None, order: np.ndarray) -> None:
         super().__init__(codes, scale, offset, bias)
         self.register_buffer("order", torch.from_numpy(order.astype(np.int64)), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (indexing: about 2x index_select's speed along the last dim at a prefill's rows)
-        return super().forward(x[..., self.order])
+    def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._call(x, self.product_rows_for(x.dtype))
 
-    def decode_call(self, rows: int) -> None:
-        return None
+    def _forward_without_kernels(self, x: torch.Tensor) -> torch.Tensor:
+        return super()._forward_without_kernels(x[..., self.order])
+
+    def _call(self, x: torch.Tensor, product_rows: int) -> torch.Tensor:
+        return torch.ops.pagedkv_cpu.int4_linear_gathered(x, self.order, self.codes,
+                                                          self.scales, self.bias, product_rows)
+
+    def decode_call(self, rows: int) -> LinearCall:
+        return LinearCall("pagedkv_cpu::int4_linear_gathered",
+                          (self.order, self.codes, self.scales, self.bias),
+                          (self.route.last(),))
 
     def _in_stored_order(self, w: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(w)
