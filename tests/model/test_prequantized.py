@@ -17,9 +17,8 @@ from pagedkv import LLM, SamplingParams
 from pagedkv.model.quant.int4_linear import Int4Linear
 from pagedkv.model.quant.prequantized import PermutedInt4Linear
 from pagedkv.model.runner import ModelRunner
-from pagedkv.testing.kv_quant_accuracy import kl_divergence, prompt_logits, teacher_forced_logits
 from pagedkv.testing.prequantized_model import write_prequantized, write_reference
-from tests.model.test_quant_models import CONTINUATION, MEAN_KL_BOUND, PROMPT, TOP1_BOUND
+from tests.model.test_quant_models import CONTINUATION, PROMPT, assert_next_tokens_close
 
 # (method, group size, bits, checkpoint format): GPTQ v1 and v2, AWQ, and group sizes of one
 # Int4Linear group (32), several (64), the whole row (-1) and the common 128 (past the tiny
@@ -106,14 +105,7 @@ def test_packed_model_matches_the_float_checkpoint(tiny_llama, tmp_path_factory,
     float_dir = write_reference(tiny_llama, tmp_path_factory.mktemp("ref") / "m", reference)
     packed, dense = runner(path, dtype), runner(float_dir, dtype)
     assert sum(isinstance(m, Int4Linear) for m in packed.model.modules()) == 8
-    for name, forward in (("decode", lambda r: teacher_forced_logits(r, PROMPT, CONTINUATION)),
-                          ("prefill", lambda r: prompt_logits(r, PROMPT + CONTINUATION))):
-        with torch.inference_mode():
-            kl = kl_divergence([forward(dense)], [forward(packed)])
-        print(f"{method} g{group_size} {dtype} {name}: mean KL {kl.mean_kl:.2e} nats, "
-              f"top-1 agreement {kl.top1_agreement:.3f} over {kl.positions}")
-        assert kl.mean_kl < MEAN_KL_BOUND, (name, kl)
-        assert kl.top1_agreement >= TOP1_BOUND, (name, kl)
+    assert_next_tokens_close(dense, packed, f"{method} g{group_size} {dtype}")
 
 
 def _greedy(path, **kw) -> list[list[int]]:
@@ -182,12 +174,7 @@ def test_act_order_packs_with_its_features_sorted(tiny_llama, tmp_path_factory):
         assert isinstance(linear, PermutedInt4Linear) != folded, name
         assert torch.equal(linear.dequantized_reference(torch.float32), weight), name
         assert torch.equal(linear.dequantized(torch.float32), weight), name
-    for name, forward in (("decode", lambda r: teacher_forced_logits(r, PROMPT, CONTINUATION)),
-                          ("prefill", lambda r: prompt_logits(r, PROMPT + CONTINUATION))):
-        with torch.inference_mode():
-            kl = kl_divergence([forward(dense)], [forward(packed)])
-        assert kl.mean_kl < MEAN_KL_BOUND, (name, kl)
-        assert kl.top1_agreement >= TOP1_BOUND, (name, kl)
+    assert_next_tokens_close(dense, packed, "gptq act order")
     assert _greedy(path, dtype="float32") == _greedy(float_dir, dtype="float32")
 
 

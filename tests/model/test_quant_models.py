@@ -59,12 +59,18 @@ def test_packed_model_matches_dequantized(q4_gguf, dtype):
     assert sum(isinstance(m, Int4Linear) for m in packed.model.layers.modules()) == 8  # 2 x 4
     assert isinstance(packed.model.lm_head, Int4Linear)  # the untied head, in the file's type
     assert not any(isinstance(m, Int4Linear) for m in dense.model.modules())
+    assert_next_tokens_close(dense, packed, f"{q4_gguf.name} {dtype}")
+
+
+def assert_next_tokens_close(dense: ModelRunner, packed: ModelRunner, label: str) -> None:
+    """`packed`'s next-token distributions against `dense`'s, over decode steps of CONTINUATION
+    after PROMPT and over one prefill of both: mean KL and top-1 agreement within the bounds."""
     for name, forward in (("decode", lambda r: teacher_forced_logits(r, PROMPT, CONTINUATION)),
                           ("prefill", lambda r: prompt_logits(r, PROMPT + CONTINUATION))):
         with torch.inference_mode():
             kl = kl_divergence([forward(dense)], [forward(packed)])
-        print(f"{q4_gguf.name} {dtype} {name}: mean KL {kl.mean_kl:.2e} nats, max "
-              f"{kl.max_kl:.2e}, top-1 agreement {kl.top1_agreement:.3f} over {kl.positions}")
+        print(f"{label} {name}: mean KL {kl.mean_kl:.2e} nats, max {kl.max_kl:.2e}, top-1 "
+              f"agreement {kl.top1_agreement:.3f} over {kl.positions}")
         assert kl.mean_kl < MEAN_KL_BOUND, (name, kl)
         assert kl.top1_agreement >= TOP1_BOUND, (name, kl)
 
