@@ -194,7 +194,7 @@ def checkpoint_state(model_dir: str | Path, stack: ExitStack) -> LazyState | Deq
         return state
     dequantized = DequantizedState(state, fmt)
     if not dequantized.quantized:
-        raise ValueError(f"{model_dir}: config.json declares a {fmt.method.upper()} checkpoint, "
+        raise ValueError(f"{model_dir}: config.json declares {fmt.named()} checkpoint, "
                          f"but its weights hold no quantized linear (no '*.qweight' tensor)")
     return dequantized
 
@@ -348,7 +348,7 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
         raise ValueError(f"quantization='int8' runs on a CPU without tensor parallelism, not "
                          f"with {where}: use quantization='auto' or 'none'")
     if fmt is not None and tp is not None:
-        raise ValueError(f"{model_dir} is a {fmt.method.upper()} checkpoint, which pagedkv "
+        raise ValueError(f"{model_dir} is {fmt.named()} checkpoint, which pagedkv "
                          f"does not split for tensor parallelism: use tensor_parallel_size=1")
     # Before allocating for what config.json says.
     check_checkpoint_matches(model_dir, config.num_layers, config.vocab_size, config.hidden_size)

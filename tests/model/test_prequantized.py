@@ -130,7 +130,7 @@ def test_dequantized_checkpoint_generates_as_the_float_one(tiny_llama, tmp_path_
     assert _greedy(path, dtype="float32", quantization="none") == want
     assert _greedy(path, dtype="float32", quantization="awq") == want
     with pytest.raises(ValueError, match="quantization='gptq' asks for a GPTQ checkpoint, but "
-                       ".* is a AWQ checkpoint"):
+                       ".* is an AWQ checkpoint"):
         runner(path, "bfloat16", "gptq")
     with pytest.raises(ValueError, match="is a checkpoint of float weights"):
         runner(tiny_llama, "bfloat16", "awq")

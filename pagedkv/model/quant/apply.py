@@ -46,6 +46,7 @@ from pagedkv.model.quant.parts_linear import gguf_parts_linear
 from pagedkv.model.quant.prequantized import (
     PrequantizedFormat,
     fold_act_orders,
+    method_named,
     prequantized_int4_linear,
 )
 from pagedkv.model.quant.vocab import pack_gguf_vocab
@@ -123,8 +124,8 @@ def check_quantization(quantization: str, fmt: PrequantizedFormat | None,
     method = None if fmt is None else fmt.method
     if quantization in ("gptq", "awq") and method != quantization:
         stored = "a checkpoint of float weights" if method is None else \
-            f"a {method.upper()} checkpoint"
-        raise ValueError(f"quantization={quantization!r} asks for a {quantization.upper()} "
+            f"{method_named(method)} checkpoint"
+        raise ValueError(f"quantization={quantization!r} asks for {method_named(quantization)} "
                          f"checkpoint, but {model_dir} is {stored}: use quantization='auto'")
 
 

@@ -52,6 +52,11 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _WEIGHT = ".weight"
 
 
+def method_named(method: str) -> str:
+    """A method's name with its article, for messages: "a GPTQ", "an AWQ"."""
+    return f"{'an' if method == 'awq' else 'a'} {method.upper()}"
+
+
 @dataclass(frozen=True)
 class PrequantizedFormat:
     """What a checkpoint's quantization_config says about how its linears are stored."""
@@ -60,6 +65,10 @@ class PrequantizedFormat:
     bits: int
     group_size: int        # input features a group; -1: one group a row
     zero_minus_one: bool   # GPTQ v1: each zero point stored minus one
+
+    def named(self) -> str:
+        """The method with its article: "a GPTQ", "an AWQ"."""
+        return method_named(self.method)
 
     def describe(self) -> str:
         group = "one group a row" if self.group_size == -1 else f"groups of {self.group_size}"
