@@ -81,9 +81,11 @@ def _pack_columns(values: np.ndarray, bits: int, order: tuple[int, ...] | None =
 
 def write_prequantized(model_dir: Path, out: Path, method: str, *, group_size: int = 32,
                        bits: int = 4, desc_act: bool = False, shared_order: bool = True,
-                       sym: bool = False, checkpoint_format: str = "gptq", seed: int = 0) -> dict[str, torch.Tensor]:
+                       sym: bool = False, checkpoint_format: str = "gptq", lm_head: bool = False,
+                       seed: int = 0) -> dict[str, torch.Tensor]:
     """`model_dir` as a `method` ("gptq" or "awq") checkpoint in folder `out` (GPTQ options:
-    `bits`, `desc_act`, `sym`, `checkpoint_format` "gptq" or "gptq_v2"); returns the
+    `bits`, `desc_act`, `sym`, `checkpoint_format` "gptq" or "gptq_v2"; `lm_head`: quantize the
+    LM head too, as GPTQModel's `lm_head=True` does); returns the
     float32 weight [N, K] each quantized linear's stored tensors stand for, by its
     `X.weight` name."""
     shutil.copytree(model_dir, out)
@@ -93,7 +95,8 @@ def write_prequantized(model_dir: Path, out: Path, method: str, *, group_size: i
     reference, stored = {}, {}
     for name, tensor in tensors.items():
         prefix = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and prefix.rsplit(".", 1)[-1] in QUANTIZED):
+        kinds = QUANTIZED + (("lm_head",) if lm_head else ())
+        if not (name.endswith(".weight") and prefix.rsplit(".", 1)[-1] in kinds):
             stored[name] = tensor
             continue
         w = tensor.float().numpy()
@@ -126,7 +129,8 @@ def write_prequantized(model_dir: Path, out: Path, method: str, *, group_size: i
     config = json.loads((out / "config.json").read_text())
     quant = {"quant_method": method, "bits": bits, "group_size": group_size}
     quant |= {"version": "gemm", "zero_point": True} if method == "awq" else \
-        {"desc_act": desc_act, "sym": sym, "checkpoint_format": checkpoint_format}
+        {"desc_act": desc_act, "sym": sym, "checkpoint_format": checkpoint_format,
+         "lm_head": lm_head}
     config["quantization_config"] = quant
     (out / "config.json").write_text(json.dumps(config))
     return reference

@@ -204,3 +204,17 @@ def test_symmetric_gptq_packs_as_q4_0(tiny_llama, tmp_path_factory, fmt):
     modules = dict(model.named_modules())
     for name, weight in _fused_reference(model, reference).items():
         assert torch.equal(modules[name].dequantized(torch.float32), weight), name
+
+
+def test_a_quantized_lm_head_is_dequantized(tiny_llama, tmp_path_factory):
+    """GPTQModel's lm_head=True: the head stored as qweight/qzeros/scales is read dequantized
+    (exactly), then gains the packed linears' int8 copy for decode-sized calls."""
+    from pagedkv.model.quant.packed_head import Int8PackedHead
+
+    path, reference = _write(tiny_llama, tmp_path_factory, "gptq", 32, lm_head=True)
+    assert "lm_head.weight" in reference
+    model = runner(path, "bfloat16").model
+    assert isinstance(model.lm_head, Int8PackedHead)
+    assert torch.equal(model.lm_head.dense, reference["lm_head.weight"].bfloat16())
+    float_dir = write_reference(tiny_llama, tmp_path_factory.mktemp("ref") / "m", reference)
+    assert _greedy(path, dtype="float32") == _greedy(float_dir, dtype="float32")
