@@ -113,14 +113,28 @@ def check_checkpoint_matches(model_dir: str | Path, num_layers: object, vocab_si
                          f"{hidden_size!r} but {_EMBED} in {model_dir} has shape {list(embed)}")
 
 
+# Older GPTQ and AWQ folders give their settings in a file of their own instead of
+# config.json's quantization_config (AutoGPTQ's quantize_config.json, AutoAWQ's
+# quant_config.json), as vLLM reads them: file name -> the method it implies.
+QUANT_CONFIG_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+
+
 def prequantized(model: str | Path) -> PrequantizedFormat | None:
-    """How `model`'s config.json says its linears are stored pre-quantized (GPTQ, AWQ:
-    pagedkv.model.quant.prequantized), or None (a float checkpoint, a GGUF file). ValueError
-    naming a method or layout pagedkv does not read."""
+    """How `model` says its linears are stored pre-quantized (GPTQ, AWQ:
+    pagedkv.model.quant.prequantized): config.json's `quantization_config`, else an older
+    folder's own file (QUANT_CONFIG_FILES); None for a float checkpoint or a GGUF file.
+    ValueError naming a method or layout pagedkv does not read."""
     path = Path(model) / "config.json"
     if gguf_file(model) is not None or not path.is_file():
         return None
-    return prequantized_format(read_json(path), model)
+    config = read_json(path)
+    if not config.get("quantization_config"):
+        for name, method in QUANT_CONFIG_FILES.items():
+            if (Path(model) / name).is_file():
+                settings = read_json(Path(model) / name)
+                config = {"quantization_config": {"quant_method": method, **settings}}
+                break
+    return prequantized_format(config, model)
 
 
 def check_architecture_supported(model: str | Path) -> None:
@@ -141,7 +155,7 @@ def check_architecture_supported(model: str | Path) -> None:
     if path.is_file():
         config = read_json(path)
         resolve_architecture(config.get("architectures") or [])
-        prequantized_format(config, model)
+        prequantized(model)
 
 
 def check_model_dir(model_dir: str | Path) -> None:

@@ -82,10 +82,12 @@ def _pack_columns(values: np.ndarray, bits: int, order: tuple[int, ...] | None =
 def write_prequantized(model_dir: Path, out: Path, method: str, *, group_size: int = 32,
                        bits: int = 4, desc_act: bool = False, shared_order: bool = True,
                        sym: bool = False, checkpoint_format: str = "gptq", lm_head: bool = False,
-                       seed: int = 0) -> dict[str, torch.Tensor]:
+                       own_file: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
     """`model_dir` as a `method` ("gptq" or "awq") checkpoint in folder `out` (GPTQ options:
     `bits`, `desc_act`, `sym`, `checkpoint_format` "gptq" or "gptq_v2"; `lm_head`: quantize the
-    LM head too, as GPTQModel's `lm_head=True` does); returns the
+    LM head too, as GPTQModel's `lm_head=True` does; `own_file`: the settings in the file older
+    writers put them in, AutoGPTQ's quantize_config.json or AutoAWQ's quant_config.json with
+    its own key names, config.json without a quantization_config); returns the
     float32 weight [N, K] each quantized linear's stored tensors stand for, by its
     `X.weight` name."""
     shutil.copytree(model_dir, out)
@@ -131,7 +133,16 @@ def write_prequantized(model_dir: Path, out: Path, method: str, *, group_size: i
     quant |= {"version": "gemm", "zero_point": True} if method == "awq" else \
         {"desc_act": desc_act, "sym": sym, "checkpoint_format": checkpoint_format,
          "lm_head": lm_head}
-    config["quantization_config"] = quant
+    if own_file and method == "awq":
+        settings = {"zero_point": True, "q_group_size": group_size, "w_bit": bits,
+                    "version": "GEMM"}
+        (out / "quant_config.json").write_text(json.dumps(settings))
+    elif own_file:
+        settings = {k: v for k, v in quant.items() if k not in ("quant_method",
+                                                                "checkpoint_format")}
+        (out / "quantize_config.json").write_text(json.dumps(settings))
+    else:
+        config["quantization_config"] = quant
     (out / "config.json").write_text(json.dumps(config))
     return reference
 

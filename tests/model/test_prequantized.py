@@ -218,3 +218,16 @@ def test_a_quantized_lm_head_is_dequantized(tiny_llama, tmp_path_factory):
     assert torch.equal(model.lm_head.dense, reference["lm_head.weight"].bfloat16())
     float_dir = write_reference(tiny_llama, tmp_path_factory.mktemp("ref") / "m", reference)
     assert _greedy(path, dtype="float32") == _greedy(float_dir, dtype="float32")
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_settings_in_an_older_writers_own_file(tiny_llama, tmp_path_factory, method):
+    """AutoGPTQ's quantize_config.json and AutoAWQ's quant_config.json (its w_bit, q_group_size,
+    "GEMM"), config.json without a quantization_config: read as vLLM reads them."""
+    path, reference = _write(tiny_llama, tmp_path_factory, method, 32, own_file=True)
+    assert "quantization_config" not in (path / "config.json").read_text()
+    model = runner(path, "bfloat16").model
+    modules = dict(model.named_modules())
+    for name, weight in _fused_reference(model, reference).items():
+        assert isinstance(modules[name], Int4Linear), name
+        assert torch.equal(modules[name].dequantized(torch.float32), weight), name
