@@ -115,8 +115,10 @@ def check_checkpoint_matches(model_dir: str | Path, num_layers: object, vocab_si
 
 # Older GPTQ and AWQ folders give their settings in a file of their own instead of
 # config.json's quantization_config (AutoGPTQ's quantize_config.json, AutoAWQ's
-# quant_config.json), as vLLM reads them: file name -> the method it implies.
+# quant_config.json; vLLM's GPTQ reads the first, its AWQ either): file name -> the method it
+# implies when its keys do not say (a `quant_method`, or AutoAWQ's own key names).
 QUANT_CONFIG_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+AWQ_KEYS = frozenset({"w_bit", "q_group_size", "zero_point", "version"})
 
 
 def prequantized(model: str | Path) -> PrequantizedFormat | None:
@@ -132,6 +134,8 @@ def prequantized(model: str | Path) -> PrequantizedFormat | None:
         for name, method in QUANT_CONFIG_FILES.items():
             if (Path(model) / name).is_file():
                 settings = read_json(Path(model) / name)
+                if AWQ_KEYS & settings.keys():
+                    method = "awq"
                 config = {"quantization_config": {"quant_method": method, **settings}}
                 break
     return prequantized_format(config, model)

@@ -231,3 +231,13 @@ def test_settings_in_an_older_writers_own_file(tiny_llama, tmp_path_factory, met
     for name, weight in _fused_reference(model, reference).items():
         assert isinstance(modules[name], Int4Linear), name
         assert torch.equal(modules[name].dequantized(torch.float32), weight), name
+
+
+def test_awq_settings_in_quantize_config_json(tiny_llama, tmp_path_factory):
+    """AutoAWQ's key names in a quantize_config.json (vLLM's AWQ reads that name too): AWQ."""
+    path, reference = _write(tiny_llama, tmp_path_factory, "awq", 32, own_file=True)
+    (path / "quant_config.json").rename(path / "quantize_config.json")
+    model = runner(path, "bfloat16", "awq").model
+    modules = dict(model.named_modules())
+    for name, weight in _fused_reference(model, reference).items():
+        assert torch.equal(modules[name].dequantized(torch.float32), weight), name
