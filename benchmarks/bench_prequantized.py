@@ -81,9 +81,11 @@ def run_worker(engine: str, python: str, model: Path, args: argparse.Namespace) 
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-def agreement(a: list[list[int]], b: list[list[int]]) -> str:
-    """How far two runs' greedy tokens agree: the mean common prefix of the sequences (random
-    weights leave near-ties that round differently, after which a sequence goes its own way)."""
+def agreement(results: dict, run_a: tuple[str, str], run_b: tuple[str, str]) -> str:
+    """How far two runs' first-round greedy batch tokens agree: the mean common prefix of the
+    sequences (random weights leave near-ties that round differently, after which a sequence
+    goes its own way)."""
+    a, b = (results[run][0]["batch_tokens"] for run in (run_a, run_b))
     def common(x: list[int], y: list[int]) -> int:
         return next((i for i, (p, q) in enumerate(zip(x, y, strict=False))
                      if p != q), min(len(x), len(y)))
@@ -133,12 +135,12 @@ def main() -> None:
                      f"{theirs['batch_tok_s']:.1f}: pagedkv / vLLM decode "
                      f"{ours['decode_tok_s'] / theirs['decode_tok_s']:.2f}x, batch "
                      f"{ours['batch_tok_s'] / theirs['batch_tok_s']:.2f}x; greedy tokens the same "
-                     f"{agreement(results['pagedkv', ckpt][0]['batch_tokens'], results['vllm', ckpt][0]['batch_tokens'])}")
+                     f"{agreement(results, ('pagedkv', ckpt), ('vllm', ckpt))}")
         print(line)
     bf16 = med["pagedkv", "bfloat16"]
     print(f"  bfloat16 (the GPTQ weights): pagedkv decode {bf16['decode_tok_s']:.1f} tok/s, "
           f"batch {bf16['batch_tok_s']:.1f} tok/s; GPTQ greedy tokens the same "
-          f"{agreement(results['pagedkv', 'gptq'][0]['batch_tokens'], results['pagedkv', 'bfloat16'][0]['batch_tokens'])}")
+          f"{agreement(results, ('pagedkv', 'gptq'), ('pagedkv', 'bfloat16'))}")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from pagedkv.model.parallel.group import TensorParallelGroup
 from pagedkv.model.quant.prequantized import (
     DequantizedState,
     PrequantizedFormat,
+    method_named,
     prequantized_format,
 )
 from pagedkv.model.registry import CausalLM, get_model_class, resolve_architecture
@@ -143,9 +144,9 @@ def prequantized(model: str | Path) -> PrequantizedFormat | None:
 
 def check_architecture_supported(model: str | Path) -> None:
     """ValueError when `model`'s architecture (config.json's `architectures`, a GGUF file's
-    `general.architecture`) is not one the registry runs, when its config.json declares a
-    pre-quantized checkpoint in a format pagedkv does not read, or when a GGUF tensor's quantization type cannot be dequantized:
-    said before any size is compared or allocated."""
+    `general.architecture`) is not one the registry runs, when it declares a pre-quantized
+    checkpoint in a format pagedkv does not read (`prequantized`), or when a GGUF tensor's
+    quantization type cannot be dequantized: said before any size is compared or allocated."""
     gguf = gguf_file(model)
     if gguf is not None:
         from pagedkv.model.gguf.config import check_architecture
@@ -157,8 +158,7 @@ def check_architecture_supported(model: str | Path) -> None:
         return
     path = Path(model) / "config.json"
     if path.is_file():
-        config = read_json(path)
-        resolve_architecture(config.get("architectures") or [])
+        resolve_architecture(read_json(path).get("architectures") or [])
         prequantized(model)
 
 
@@ -212,7 +212,7 @@ def checkpoint_state(model_dir: str | Path, stack: ExitStack) -> LazyState | Deq
         return state
     dequantized = DequantizedState(state, fmt)
     if not dequantized.quantized:
-        raise ValueError(f"{model_dir}: config.json declares {fmt.named()} checkpoint, "
+        raise ValueError(f"{model_dir}: config.json declares {method_named(fmt.method)} checkpoint, "
                          f"but its weights hold no quantized linear (no '*.qweight' tensor)")
     return dequantized
 
@@ -236,8 +236,8 @@ def load_weights(module: torch.nn.Module, model_dir: str | Path,
     _load_sharded(module, model_dir, shards_of)
 
 
-def _load_whole(module: torch.nn.Module, model_dir: str | Path, state: LazyState | DequantizedState,
-                preloaded: frozenset[str]) -> None:
+def _load_whole(module: torch.nn.Module, model_dir: str | Path,
+                state: LazyState | DequantizedState, preloaded: frozenset[str]) -> None:
     params = dict(module.named_parameters())
     mapping = {name: sources for name, sources in module.checkpoint_mapping().items()
                if name not in preloaded}
@@ -366,7 +366,7 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
         raise ValueError(f"quantization='int8' runs on a CPU without tensor parallelism, not "
                          f"with {where}: use quantization='auto' or 'none'")
     if fmt is not None and tp is not None:
-        raise ValueError(f"{model_dir} is {fmt.named()} checkpoint, which pagedkv "
+        raise ValueError(f"{model_dir} is {method_named(fmt.method)} checkpoint, which pagedkv "
                          f"does not split for tensor parallelism: use tensor_parallel_size=1")
     # Before allocating for what config.json says.
     check_checkpoint_matches(model_dir, config.num_layers, config.vocab_size, config.hidden_size)

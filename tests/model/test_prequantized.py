@@ -94,7 +94,8 @@ def _check_packed(model_dir, tmp_path_factory, method, group_size, fmt):
     for name, bias in packed_bias.items():  # loaded from the checkpoint, as the dense model's
         dense_bias = dense_modules[name].bias
         assert (bias is None) == (dense_bias is None), name
-        assert bias is None or (torch.equal(bias, dense_bias.to(bias.dtype)) and bias.abs().sum() > 0)
+        assert bias is None or (torch.equal(bias, dense_bias.to(bias.dtype))
+                                and bias.abs().sum() > 0)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

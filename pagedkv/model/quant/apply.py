@@ -134,16 +134,16 @@ def pack_prequantized_linears(model: nn.Module, state: Any,
     """Before the weights are loaded: replace each linear of `model` whose GPTQ / AWQ tensors
     (`state`: the checkpoint's stored tensors by name, `in` and `[name]`) pack
     (prequantized.prequantized_int4_linear) by an Int4Linear on its stored codes, a GPTQ act
-    order folded where it can be (prequantized.fold_act_orders) (mutates `model`); logs a warning naming the quantized ones left to be dequantized. Returns the
-    checkpoint-mapping names now built (`loader.load_weights(preloaded=...)`)."""
+    order folded where it can be (prequantized.fold_act_orders) (mutates `model`); logs a
+    warning naming the quantized ones left to be dequantized. Returns the checkpoint-mapping
+    names now built (`loader.load_weights(preloaded=...)`)."""
     mapping = model.checkpoint_mapping()
     built, unpacked = set(), []
     for parent, attr, name, linear in _linears(model):
         sources = mapping.get(f"{name}.weight") or []
         if not any(s.removesuffix(".weight") + ".qweight" in state for s in sources):
             continue
-        packed = prequantized_int4_linear(fmt, state.__getitem__, state.__contains__, sources,
-                                          linear.in_features, linear.bias)
+        packed = prequantized_int4_linear(fmt, state, sources, linear.in_features, linear.bias)
         if packed is None:
             unpacked.append(name)
             continue

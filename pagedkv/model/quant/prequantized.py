@@ -34,7 +34,6 @@ its gate_up's output rows instead (`fold_act_orders`: no gather of the MLP's wid
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,10 +64,6 @@ class PrequantizedFormat:
     bits: int
     group_size: int        # input features a group; -1: one group a row
     zero_minus_one: bool   # GPTQ v1: each zero point stored minus one
-
-    def named(self) -> str:
-        """The method with its article: "a GPTQ", "an AWQ"."""
-        return method_named(self.method)
 
     def describe(self) -> str:
         group = "one group a row" if self.group_size == -1 else f"groups of {self.group_size}"
@@ -244,13 +239,12 @@ class PermutedInt4Linear(Int4Linear):
         return self._in_stored_order(super().dequantized_reference(dtype))
 
 
-def fold_act_orders(model: torch.nn.Module) -> int:
+def fold_act_orders(model: torch.nn.Module) -> None:
     """Before the weights are read: where a gated MLP's down_proj is a PermutedInt4Linear and its
-    gate_up_proj packed (an Int4Linear, without a bias): reorder gate_up's output rows (gate's and up's alike) into down's input order,
-    so the elementwise product between them comes out in that order, and make down a plain
+    gate_up_proj packed (an Int4Linear, without a bias): reorder gate_up's output rows (gate's
+    and up's alike) into down's input order, so the elementwise product between them comes out in that order, and make down a plain
     Int4Linear on the same codes (mutates `model`; the same function, exactly, with no gather
-    of the MLP's widest activations). Returns how many MLPs it folded."""
-    folded = 0
+    of the MLP's widest activations)."""
     for mlp in model.modules():
         down, gate_up = getattr(mlp, "down_proj", None), getattr(mlp, "gate_up_proj", None)
         if not (isinstance(down, PermutedInt4Linear) and isinstance(gate_up, Int4Linear)) \
@@ -262,31 +256,29 @@ def fold_act_orders(model: torch.nn.Module) -> int:
             for param in (gate_up.codes, gate_up.scales):
                 param.copy_(param[rows])
         mlp.down_proj = Int4Linear(down.codes, None, None, down.bias, table=down.scales)
-        folded += 1
-    return folded
 
 
-def stored_linear(get: Callable[[str], torch.Tensor], has: Callable[[str], bool],
-                  prefix: str) -> StoredLinear:
-    """The stored tensors of the quantized linear `prefix` (e.g. `model.layers.0.mlp.up_proj`)."""
+def stored_linear(state: Any, prefix: str) -> StoredLinear:
+    """The stored tensors of the quantized linear `prefix` (e.g. `model.layers.0.mlp.up_proj`)
+    in `state` (a checkpoint's tensors by name: `in` and `[name]`)."""
     g_idx = f"{prefix}.g_idx"
-    return StoredLinear(get(f"{prefix}.qweight"), get(f"{prefix}.qzeros"),
-                        get(f"{prefix}.scales"), get(g_idx) if has(g_idx) else None)
+    return StoredLinear(state[f"{prefix}.qweight"], state[f"{prefix}.qzeros"],
+                        state[f"{prefix}.scales"],
+                        state[g_idx] if g_idx in state else None)  # noqa: SIM401 (no .get)
 
 
-def prequantized_int4_linear(fmt: PrequantizedFormat, get: Callable[[str], torch.Tensor],
-                             has: Callable[[str], bool], sources: list[str], in_features: int,
-                             bias: torch.Tensor | None) -> Int4Linear | None:
-    """The linear on `in_features` whose weight is `sources` (`X.weight` names, their rows
+def prequantized_int4_linear(fmt: PrequantizedFormat, state: Any, sources: list[str],
+                             in_features: int, bias: torch.Tensor | None) -> Int4Linear | None:
+    """The linear on `in_features` whose weight is `sources` (`X.weight` names in `state`, their rows
     concatenated: q/k/v, gate/up) as one Int4Linear on their stored codes, or None where a
     source is stored unquantized, does not pack (`int4_groups`) or the rows are not a multiple
     of 16. `bias`: the layer's bias parameter (or None), whose shape the new module's takes,
     zero until the weights are loaded."""
     prefixes = [s.removesuffix(_WEIGHT) for s in sources]
-    if not all(s.endswith(_WEIGHT) and has(f"{p}.qweight") for s, p in zip(sources, prefixes,
-                                                                           strict=True)):
+    if not all(s.endswith(_WEIGHT) and f"{p}.qweight" in state
+               for s, p in zip(sources, prefixes, strict=True)):
         return None
-    parts = [int4_groups(fmt, stored_linear(get, has, p), p) for p in prefixes]
+    parts = [int4_groups(fmt, stored_linear(state, p), p) for p in prefixes]
     if any(part is None for part in parts):
         return None
     codes, scale, offset = (np.concatenate([p[i] for p in parts]) for i in range(3))
@@ -324,7 +316,7 @@ class DequantizedState:
         prefix = self._prefix(name)
         if prefix is None:
             return self._state[name]
-        stored = stored_linear(self._state.__getitem__, self._state.__contains__, prefix)
+        stored = stored_linear(self._state, prefix)
         return dequantize_linear(self._fmt, stored, prefix)
 
     def shape(self, name: str) -> tuple[int, ...]:
